@@ -1,0 +1,98 @@
+"""The communicator contract and byte counting.
+
+A communicator moves the transfers of one round: it starts all sends and receives of the round
+asynchronously and returns a handle whose ``wait()`` completes them. It never knows about
+attention. Every byte it moves is reported to the active :func:`comm_counter` blocks.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol, Sequence
+
+from torch import Tensor
+
+__all__ = ["Work", "Communicator", "CommCount", "comm_counter", "record_bytes"]
+
+
+class Work(Protocol):
+    def wait(self) -> None: ...
+
+
+class _Done:
+    def wait(self) -> None:
+        return None
+
+
+DONE: Work = _Done()
+
+
+class Communicator(ABC):
+    """Point-to-point transport over the ranks of one CP group (``rank`` is this rank's index)."""
+
+    rank: int
+    world_size: int
+
+    @abstractmethod
+    def _start(self, sends: Sequence[tuple[int, Tensor]], recvs: Sequence[tuple[int, Tensor]]) -> Work:
+        """Start the round; tensors are contiguous; peers are group ranks other than ``rank``."""
+
+    def start(self, sends: Sequence[tuple[int, Tensor]], recvs: Sequence[tuple[int, Tensor]]) -> Work:
+        """Post every send and receive of a round (in list order per peer) and return a handle."""
+        for peer, t in (*sends, *recvs):
+            if peer == self.rank or not 0 <= peer < self.world_size:
+                raise ValueError(f"rank {self.rank} cannot transfer with peer {peer} (group of {self.world_size})")
+            if not t.is_contiguous():
+                raise ValueError("transfers need contiguous tensors")
+        if not sends and not recvs:
+            return DONE
+        record_bytes(sum(t.numel() * t.element_size() for _, t in sends),
+                     sum(t.numel() * t.element_size() for _, t in recvs), len(sends))
+        return self._start(sends, recvs)
+
+
+@dataclass
+class CommCount:
+    """Bytes this rank's plugin communication sent and received inside a :func:`comm_counter`."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    messages_sent: int = 0
+    by_phase: dict = field(default_factory=dict)
+
+
+_local = threading.local()  # one stack per thread: in-process virtual ranks run one per thread
+
+
+def _stack() -> list[CommCount]:
+    if not hasattr(_local, "stack"):
+        _local.stack = []
+    return _local.stack
+
+
+def record_bytes(sent: int, received: int, messages: int = 0) -> None:
+    for c in _stack():
+        c.bytes_sent += sent
+        c.bytes_received += received
+        c.messages_sent += messages
+
+
+@contextmanager
+def comm_counter() -> Iterator[CommCount]:
+    """Count the bytes the plugin sends and receives on this rank inside the block, forward and
+    backward (run ``loss.backward()`` inside the block to include it)::
+
+        with megatron_mesh.comm_counter() as c:
+            out = megatron_mesh.mesh_attention(q, k, v, tile=(2, 2))
+            out.sum().backward()
+        print(c.bytes_sent, c.bytes_received)
+    """
+    c = CommCount()
+    _stack().append(c)
+    try:
+        yield c
+    finally:
+        _stack().remove(c)

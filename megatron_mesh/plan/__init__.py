@@ -1,0 +1,26 @@
+"""The plan layer: pure Python (never imports torch).
+
+Sequence layouts, Mesh tile maps, TASP ring decompositions, per-rank op lists, schedules, the
+validator and the byte/time accounting. The torch executor and the simulator read the same
+:class:`Plan`.
+"""
+
+from .accounting import (AttentionShape, RankBytes, buffer_bytes, link_bytes, mesh_bytes_formula,
+                         plan_bytes, round_link_bytes, tasp_bytes_formula)
+from .ir import (AddGrad, Attend, AttendBackward, Free, Key, MergeOut, Plan, Post, RankPlan, Segment,
+                 Transfer, Wait, format_op)
+from .layout import BlockMask, ZigzagLayout, block_mask, slot_segments, split_evenly
+from .mesh import BACKWARD_CHUNKS, TileMap, best_tile, build_mesh_plan, build_ring_plan, parse_tile, tile_shapes
+from .schedule import SCHEDULES
+from .validate import PlanError, check_cover, check_dataflow, check_matching, dry_run, validate_plan
+
+__all__ = [
+    "AttentionShape", "RankBytes", "buffer_bytes", "link_bytes", "round_link_bytes", "mesh_bytes_formula",
+    "plan_bytes", "tasp_bytes_formula",
+    "AddGrad", "Attend", "AttendBackward", "Free", "Key", "MergeOut", "Plan", "Post", "RankPlan", "Segment",
+    "Transfer", "Wait", "format_op",
+    "BlockMask", "ZigzagLayout", "block_mask", "slot_segments", "split_evenly",
+    "BACKWARD_CHUNKS", "TileMap", "best_tile", "build_mesh_plan", "build_ring_plan", "parse_tile", "tile_shapes",
+    "SCHEDULES",
+    "PlanError", "check_cover", "check_dataflow", "check_matching", "dry_run", "validate_plan",
+]

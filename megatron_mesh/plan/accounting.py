@@ -1,0 +1,167 @@
+"""Problem shape, buffer byte sizes, measured-from-plan byte accounting and closed-form formulas.
+
+Units: bytes per rank per attention call (one layer), batch and heads included. The executor
+sends exactly the tensors listed in :mod:`.ir` for each buffer kind, so the plan's bytes are the
+bytes ``comm_counter()`` measures.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from .ir import Key, Plan, Post
+
+__all__ = [
+    "AttentionShape",
+    "buffer_bytes",
+    "RankBytes",
+    "plan_bytes",
+    "link_bytes",
+    "round_link_bytes",
+    "mesh_bytes_formula",
+    "tasp_bytes_formula",
+]
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """Per-rank problem shape: ``seq_local`` tokens (both zigzag halves) of ``batch`` sequences,
+    ``heads`` query heads and ``kv_heads`` key/value heads of ``head_dim``, ``itemsize`` bytes per
+    element of q, k, v (2 for bf16/fp16, 4 for fp32)."""
+
+    seq_local: int
+    batch: int = 1
+    heads: int = 1
+    kv_heads: int = 1
+    head_dim: int = 1
+    itemsize: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("seq_local", "batch", "heads", "kv_heads", "head_dim", "itemsize"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.heads % self.kv_heads:
+            raise ValueError(
+                f"heads ({self.heads}) must be divisible by kv_heads ({self.kv_heads}) "
+                "(grouped-query attention shares each KV head among heads/kv_heads query heads)"
+            )
+
+
+def buffer_bytes(kind: str, tokens: int, shape: AttentionShape) -> int:
+    """Bytes of one buffer of ``kind`` holding ``tokens`` tokens (see the kind table in .ir)."""
+    rows = shape.batch * shape.heads * tokens  # query-side rows
+    kv_rows = shape.batch * shape.kv_heads * tokens
+    d, e = shape.head_dim, shape.itemsize
+    acc = max(FP32, e)  # accumulators are fp32 (fp64 for fp64 inputs)
+    if kind == "q":
+        return rows * d * e
+    if kind == "kv":
+        return 2 * kv_rows * d * e
+    if kind == "o":
+        return rows * (d + 1) * acc  # partial out + lse
+    if kind == "do":
+        return rows * d * e + 2 * rows * acc  # dout + lse + delta
+    if kind == "dq":
+        return rows * d * acc
+    if kind == "dkv":
+        return 2 * kv_rows * d * acc
+    raise ValueError(f"unknown buffer kind {kind!r}; known: q, kv, o, do, dq, dkv")
+
+
+@dataclass(frozen=True)
+class RankBytes:
+    """Bytes one rank sends and receives, per direction (forward / backward)."""
+
+    forward_sent: int
+    forward_received: int
+    backward_sent: int
+    backward_received: int
+
+    @property
+    def sent(self) -> int:
+        return self.forward_sent + self.backward_sent
+
+    @property
+    def received(self) -> int:
+        return self.forward_received + self.backward_received
+
+
+def _posts(plan: Plan, rank: int, direction: str):
+    return (op for op in plan.round_ops(rank, direction) if isinstance(op, Post))
+
+
+def _key_bytes(plan: Plan, key: Key, shape: AttentionShape) -> int:
+    return buffer_bytes(key.kind, plan.tokens(key), shape)
+
+
+def plan_bytes(plan: Plan, shape: AttentionShape) -> list[RankBytes]:
+    """Bytes each rank sends/receives when executing ``plan`` (forward and backward)."""
+    out = []
+    for r in range(plan.world_size):
+        vals = []
+        for direction in ("forward", "backward"):
+            sent = recv = 0
+            for post in _posts(plan, r, direction):
+                sent += sum(_key_bytes(plan, t.key, shape) for t in post.sends)
+                recv += sum(_key_bytes(plan, t.key, shape) for t in post.recvs)
+            vals += [sent, recv]
+        out.append(RankBytes(*vals))
+    return out
+
+
+def link_bytes(plan: Plan, shape: AttentionShape, direction: str = "forward") -> dict[tuple[int, int], int]:
+    """Bytes carried by each directed link (src, dst) over the whole call in ``direction``."""
+    links: dict[tuple[int, int], int] = defaultdict(int)
+    for r in range(plan.world_size):
+        for post in _posts(plan, r, direction):
+            for t in post.sends:
+                links[(r, t.peer)] += _key_bytes(plan, t.key, shape)
+    return dict(links)
+
+
+def round_link_bytes(plan: Plan, shape: AttentionShape, direction: str = "forward") -> dict[int, dict[tuple[int, int], int]]:
+    """Per round: bytes on each directed link. The per-step link load that TASP spreads out."""
+    per_round: dict[int, dict[tuple[int, int], int]] = defaultdict(lambda: defaultdict(int))
+    for r in range(plan.world_size):
+        for post in _posts(plan, r, direction):
+            for t in post.sends:
+                per_round[post.round][(r, t.peer)] += _key_bytes(plan, t.key, shape)
+    return {r: dict(v) for r, v in per_round.items()}
+
+
+def mesh_bytes_formula(world_size: int, tile: tuple[int, int], shape: AttentionShape,
+                       backward_chunks: str = "refetch") -> RankBytes:
+    """Closed-form bytes per rank of Mesh-Attention with tile (a, b); ring attention is (1, P).
+
+    Forward:  (a-1)(Q + O) + (b-1) KV            (pull Q and KV chunks, return partial outputs)
+    Backward, refetch: (a-1)(Q + dO + dQ) + (b-1)(KV + dKV)
+    Backward, keep:    (a-1)(dO + dQ) + (b-1) dKV   (Q and KV chunks kept from the forward)
+
+    with Q, KV, O, dO, dQ, dKV the byte sizes of one whole-chunk buffer of that kind. Every rank
+    sends exactly what it receives, so sent == received.
+    """
+    a, b = tile
+    if a * b != world_size:
+        raise ValueError(f"tile {a}x{b} does not multiply to CP size {world_size}")
+    size = {k: buffer_bytes(k, shape.seq_local, shape) for k in ("q", "kv", "o", "do", "dq", "dkv")}
+    fwd = (a - 1) * (size["q"] + size["o"]) + (b - 1) * size["kv"]
+    if backward_chunks == "refetch":
+        bwd = (a - 1) * (size["q"] + size["do"] + size["dq"]) + (b - 1) * (size["kv"] + size["dkv"])
+    elif backward_chunks == "keep":
+        bwd = (a - 1) * (size["do"] + size["dq"]) + (b - 1) * size["dkv"]
+    else:
+        raise ValueError(f"backward_chunks must be 'refetch' or 'keep', got {backward_chunks!r}")
+    return RankBytes(fwd, fwd, bwd, bwd)
+
+
+def tasp_bytes_formula(world_size: int, shape: AttentionShape) -> RankBytes:
+    """Closed-form bytes per rank of TASP: the same as ring attention, (P-1) KV chunks forward and
+    (P-1)(KV + dKV) backward -- TASP spreads them over more links, it does not reduce them."""
+    size_kv = buffer_bytes("kv", shape.seq_local, shape)
+    size_dkv = buffer_bytes("dkv", shape.seq_local, shape)
+    fwd = (world_size - 1) * size_kv
+    bwd = (world_size - 1) * (size_kv + size_dkv)
+    return RankBytes(fwd, fwd, bwd, bwd)

@@ -1,0 +1,275 @@
+"""Mesh-Attention plans: the a x b tile map and its per-rank op lists. Ring attention is tile (1, P).
+
+Tile map
+--------
+With P = a * b ranks, rank g sits at (r, c) = (g // a, g % a) of a b x a grid. It computes the
+a x b blocks (Q chunk i, KV chunk j) with
+
+* i in its **Q group**  {r*a + c' : c' < a}  -- the a ranks of its grid row (a ring of size a);
+* j in its **KV group** {r'*a + c : r' < b}  -- the b ranks of its grid column (a ring of size b).
+
+Every block is computed exactly once (i = r*a + c' and j = r'*a + c identify (r, c)), and the only
+block whose chunks are both local is the rank's own diagonal block (g, g). A rank pulls the other
+a-1 Q chunks around its Q ring and the other b-1 KV chunks around its KV ring; partial outputs of
+the remote Q chunks travel back around the Q ring, and in the backward dQ (Q ring) and dK/dV (KV
+ring) do the same. Per-rank traffic is ~ (a-1) Q + (b-1) KV chunks instead of ring attention's
+(P-1) KV chunks, i.e. ~S/sqrt(P) instead of ~S at the best tile.
+
+Worked example (P = 4, tile 2x2; entry = the rank computing block (Q chunk, KV chunk))::
+
+              KV0 KV1 KV2 KV3          Q groups (rings):  {0, 1}  {2, 3}
+        Q0     0   1   0   1           KV groups (rings): {0, 2}  {1, 3}
+        Q1     0   1   0   1
+        Q2     2   3   2   3           rank 1 computes Q{0,1} x KV{1,3}: it pulls Q0 from rank 0
+        Q3     2   3   2   3           and KV3 from rank 3, and returns its partial output of Q0.
+
+Ring attention (tile 1xP) gives every rank its whole row; tile Px1 gives every rank a column.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .accounting import AttentionShape, buffer_bytes, mesh_bytes_formula
+from .ir import (AddGrad, Attend, AttendBackward, Key, MergeOut, Op, Plan, Post, RankPlan, Segment,
+                 Transfer, Wait)
+from .layout import block_mask
+from .passes import insert_frees
+from .schedule import SCHEDULES, build_template, pull_rounds
+
+__all__ = ["TileMap", "tile_shapes", "parse_tile", "best_tile", "build_mesh_plan", "build_ring_plan",
+           "BACKWARD_CHUNKS"]
+
+# "refetch": the backward pulls Q and KV chunks again (memory of ring attention; more bytes).
+# "keep":    the forward keeps the pulled chunks for the backward (fewer bytes; a-1 Q and b-1 KV
+#            chunks more memory per layer until its backward runs).
+BACKWARD_CHUNKS = ("refetch", "keep")
+
+
+@dataclass(frozen=True)
+class TileMap:
+    """Which blocks each rank computes for tile (a, b) (see the module docstring)."""
+
+    a: int
+    b: int
+
+    def __post_init__(self) -> None:
+        if self.a < 1 or self.b < 1:
+            raise ValueError(f"tile sides must be >= 1, got {self.a}x{self.b}")
+
+    @property
+    def world_size(self) -> int:
+        return self.a * self.b
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        return rank // self.a, rank % self.a
+
+    def q_group(self, rank: int) -> tuple[int, ...]:
+        """The Q ring of ``rank``: its grid row, in ring order."""
+        r, _ = self.coords(rank)
+        return tuple(r * self.a + c for c in range(self.a))
+
+    def kv_group(self, rank: int) -> tuple[int, ...]:
+        """The KV ring of ``rank``: its grid column, in ring order."""
+        _, c = self.coords(rank)
+        return tuple(r * self.a + c for r in range(self.b))
+
+    def blocks(self, rank: int) -> list[tuple[int, int]]:
+        """(Q chunk, KV chunk) of every block ``rank`` computes."""
+        return [(i, j) for i in self.q_group(rank) for j in self.kv_group(rank)]
+
+    def owner(self, q_chunk: int, kv_chunk: int) -> int:
+        """The rank that computes block (q_chunk, kv_chunk)."""
+        return (q_chunk // self.a) * self.a + kv_chunk % self.a
+
+
+def tile_shapes(world_size: int) -> list[tuple[int, int]]:
+    """Every tile (a, b) with a * b == world_size, by increasing a (a=1 is ring attention)."""
+    return [(a, world_size // a) for a in range(1, world_size + 1) if world_size % a == 0]
+
+
+def parse_tile(tile, world_size: int) -> tuple[int, int] | str:
+    """Normalise a tile given as (a, b), [a, b], "AxB" or "auto"; checks a * b == world_size."""
+    if isinstance(tile, str):
+        if tile == "auto":
+            return "auto"
+        parts = tile.lower().split("x")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+            raise ValueError(f"tile shape {tile!r} must be 'AxB' (e.g. '4x2') or 'auto'")
+        tile = (int(parts[0]), int(parts[1]))
+    try:
+        a, b = (int(x) for x in tile)
+    except (TypeError, ValueError):
+        raise ValueError(f"tile must be (a, b), 'AxB' or 'auto', got {tile!r}") from None
+    if a < 1 or b < 1 or a * b != world_size:
+        raise ValueError(
+            f"tile {a}x{b} does not fit CP size {world_size}: a * b must equal the CP size; "
+            f"allowed tiles: {', '.join(f'{x}x{y}' for x, y in tile_shapes(world_size))}"
+        )
+    return a, b
+
+
+def best_tile(world_size: int, shape: AttentionShape, backward_chunks: str = "refetch") -> tuple[int, int]:
+    """The tile with the fewest bytes per rank (forward + backward, closed form); ties -> the
+    flatter tile (smaller a, closer to ring attention, fewer accumulator returns)."""
+    return min(tile_shapes(world_size),
+               key=lambda t: (mesh_bytes_formula(world_size, t, shape, backward_chunks).sent, t[0]))
+
+
+def build_ring_plan(world_size: int, shape: AttentionShape, causal: bool = True) -> Plan:
+    """Ring attention (zigzag, Megatron's layout): the mesh plan of tile (1, P)."""
+    return build_mesh_plan(world_size, (1, world_size), shape, causal=causal)
+
+
+def build_mesh_plan(world_size: int, tile, shape: AttentionShape, causal: bool = True,
+                    schedule: str = "greedy", backward_chunks: str = "refetch") -> Plan:
+    """The Mesh-Attention plan of every rank (see the module docstring and .schedule)."""
+    tile = parse_tile(tile, world_size)
+    if tile == "auto":
+        tile = best_tile(world_size, shape, backward_chunks)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if backward_chunks not in BACKWARD_CHUNKS:
+        raise ValueError(f"backward_chunks must be one of {BACKWARD_CHUNKS}, got {backward_chunks!r}")
+    if shape.seq_local % 2:
+        raise ValueError(f"local sequence length {shape.seq_local} must be even (two zigzag halves)")
+    return _build_mesh_plan(world_size, tile, shape, causal, schedule, backward_chunks)
+
+
+@lru_cache(maxsize=256)
+def _build_mesh_plan(world_size: int, tile: tuple[int, int], shape: AttentionShape, causal: bool,
+                     schedule: str, backward_chunks: str) -> Plan:
+    a, b = tile
+    tiles = TileMap(a, b)
+    T = shape.seq_local
+
+    def cost(*kinds: str) -> int:
+        return sum(buffer_bytes(k, T, shape) for k in kinds)
+
+    keep = backward_chunks == "keep"
+    fwd = build_template(a, b, pull_rounds(a, b, schedule, cost("q"), cost("kv")), ("q",))
+    if keep:  # Q and KV chunks are all held already; only dout/lse/delta of remote rows move
+        bwd = build_template(a, b, pull_rounds(a, b, schedule, cost("do"), 1, q_have=1, kv_have=b),
+                             ("q", "kv"), q_have=1, kv_have=b)
+    else:
+        bwd = build_template(a, b, pull_rounds(a, b, schedule, cost("q", "do"), cost("kv")), ("q", "kv"))
+    lowering = _MeshLowering(world_size, tiles, T, causal, fwd, bwd, keep)
+    rings = {"q": tuple(tiles.q_group(r * a) for r in range(b)),
+             "kv": tuple(tiles.kv_group(c) for c in range(a))}
+    return Plan(mode="mesh", world_size=world_size, seq_local=T, causal=causal,
+                build_rank=lowering.rank_plan, build_rounds=lowering.round_ops, tile=tile,
+                schedule=schedule, rings=rings, notes=(f"backward_chunks={backward_chunks}",))
+
+
+class _MeshLowering:
+    """Turns the shared offset-space templates into each rank's ops (chunk ids, peers, masks)."""
+
+    def __init__(self, world_size: int, tiles: TileMap, T: int, causal: bool, fwd: list, bwd: list,
+                 keep: bool):
+        self.tiles, self.T, self.causal, self.keep = tiles, T, causal, keep
+        self.templates = {"forward": fwd, "backward": bwd}
+        # what the matching and deadlock checks read: O(a + b) entries instead of O(a * b)
+        self.round_templates = {d: [op for op in t if op[0] in ("post", "wait")] for d, t in self.templates.items()}
+        self.pull_kinds = {"forward": {"q": ("q",), "kv": ("kv",)},
+                           "backward": {"q": ("do",), "kv": ()} if keep else {"q": ("q", "do"), "kv": ("kv",)}}
+        self.acc_kind = {"forward": {"q": "o"}, "backward": {"q": "dq", "kv": "dkv"}}
+        # interned keys: a P=256 plan has 65,536 blocks per direction
+        self.key = {kind: [Key(kind, c) for c in range(world_size)] for kind in ("q", "kv", "o", "do", "dq", "dkv")}
+        self.incoming = {kind: [Key(kind, c, incoming=True) for c in range(world_size)] for kind in ("o", "dq", "dkv")}
+
+    def rank_plan(self, g: int) -> RankPlan:
+        key = self.key
+        whole = (Segment(0, self.T),)
+        output, grad_q, grad_kv = key["o"][g], key["dq"][g], key["dkv"][g]
+        saved: tuple[Key, ...] = ()
+        if self.keep:
+            saved = tuple(key["q"][c] for c in self.tiles.q_group(g) if c != g) + \
+                    tuple(key["kv"][c] for c in self.tiles.kv_group(g) if c != g)
+        forward = insert_frees(self.lower(g, "forward"), keep={output, key["q"][g], key["kv"][g], *saved})
+        backward = insert_frees(self.lower(g, "backward"), keep={grad_q, grad_kv})
+        return RankPlan(
+            rank=g, seq_local=self.T, forward=forward, backward=backward,
+            forward_inputs={key["q"][g]: whole, key["kv"][g]: whole},
+            backward_inputs={key["q"][g]: whole, key["kv"][g]: whole, key["do"][g]: whole},
+            output=output, grad_q=grad_q, grad_kv=grad_kv, saved=saved,
+        )
+
+    def round_ops(self, g: int, direction: str) -> tuple[Op, ...]:
+        return tuple(self.lower(g, direction, blocks=False))
+
+    def lower(self, g: int, direction: str, blocks: bool = True) -> list[Op]:
+        rings = _Rings(g, self.tiles)
+        backward = direction == "backward"
+        pull_kinds, acc_kind, key = self.pull_kinds[direction], self.acc_kind[direction], self.key
+        ops: list[Op] = []
+        pending: list[tuple[int, int]] = []
+
+        def flush() -> None:
+            # consecutive blocks of the same Q chunk and the same (non-causal) mask share one call
+            groups: list[list] = []
+            for u, v in pending:
+                i, j = rings.chunk("q", u), rings.chunk("kv", v)
+                mask = block_mask(i, j, self.causal)
+                if groups and groups[-1][0] == i and groups[-1][1] == mask and not mask.causal:
+                    groups[-1][2].append(j)
+                else:
+                    groups.append([i, mask, [j]])
+            for i, mask, js in groups:
+                kv = tuple(key["kv"][j] for j in js)
+                if backward:
+                    ops.append(AttendBackward(key["q"][i], key["do"][i], kv, mask.q_half, mask.kv_half,
+                                              mask.causal, key["dq"][i], tuple(key["dkv"][j] for j in js)))
+                else:
+                    ops.append(Attend(key["q"][i], kv, mask.q_half, mask.kv_half, mask.causal, key["o"][i]))
+            pending.clear()
+
+        for top in (self.templates if blocks else self.round_templates)[direction]:
+            if top[0] == "block":
+                if blocks:
+                    pending.append((top[1], top[2]))
+                continue
+            flush()
+            if top[0] == "post":
+                sends, recvs = [], []
+                for what, ring, k in top[2]:
+                    if what == "pull":  # forward the chunk at offset k-1, receive the one at offset k
+                        for kind in pull_kinds[ring]:
+                            sends.append(Transfer(rings.next(ring), key[kind][rings.chunk(ring, k - 1)]))
+                            recvs.append(Transfer(rings.prev(ring), key[kind][rings.chunk(ring, k)]))
+                    else:  # my accumulator of offset k leaves; the one for offset k+1 arrives
+                        kind = acc_kind[ring]
+                        size = len(rings.members[ring])
+                        sends.append(Transfer(rings.next(ring), key[kind][rings.chunk(ring, k)]))
+                        recvs.append(Transfer(rings.prev(ring), self.incoming[kind][rings.chunk(ring, (k + 1) % size)]))
+                ops.append(Post(top[1], tuple(sends), tuple(recvs)))
+            elif top[0] == "wait":
+                ops.append(Wait(top[1]))
+            elif top[0] == "merge" and blocks:
+                _, ring, k = top
+                kind = acc_kind[ring]
+                chunk = rings.chunk(ring, k)
+                src, dst = self.incoming[kind][chunk], key[kind][chunk]
+                ops.append(AddGrad(src, dst) if backward else MergeOut(src, dst))
+        flush()
+        return ops
+
+
+class _Rings:
+    """One rank's view of its two rings: offset -> chunk, and its ring neighbours."""
+
+    def __init__(self, rank: int, tiles: TileMap):
+        self.members = {"q": tiles.q_group(rank), "kv": tiles.kv_group(rank)}
+        self.pos = {ring: m.index(rank) for ring, m in self.members.items()}
+
+    def chunk(self, ring: str, offset: int) -> int:
+        m = self.members[ring]
+        return m[(self.pos[ring] - offset) % len(m)]
+
+    def next(self, ring: str) -> int:
+        m = self.members[ring]
+        return m[(self.pos[ring] + 1) % len(m)]
+
+    def prev(self, ring: str) -> int:
+        m = self.members[ring]
+        return m[(self.pos[ring] - 1) % len(m)]

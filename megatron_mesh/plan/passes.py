@@ -1,0 +1,54 @@
+"""Lowering passes shared by every plan builder."""
+
+from __future__ import annotations
+
+from .ir import AddGrad, Attend, AttendBackward, Free, Key, MergeOut, Op, Post, Wait
+
+__all__ = ["reads_writes", "insert_frees"]
+
+
+def reads_writes(op: Op) -> tuple[tuple[Key, ...], tuple[Key, ...]]:
+    """Buffers an op reads and buffers it writes (a Post's sends count as reads, its receives as
+    writes that land at the matching Wait)."""
+    if isinstance(op, Attend):
+        return (op.q, *op.kv, op.out), (op.out,)
+    if isinstance(op, AttendBackward):
+        return (op.q, op.do, *op.kv), (op.dq, *op.dkv)
+    if isinstance(op, MergeOut):
+        return (op.src, op.dst), (op.dst,)
+    if isinstance(op, AddGrad):
+        return (op.src, op.dst), (op.dst,)
+    if isinstance(op, Post):
+        return tuple(t.key for t in op.sends), tuple(t.key for t in op.recvs)
+    return (), ()
+
+
+def insert_frees(ops: list[Op], keep: set[Key]) -> tuple[Op, ...]:
+    """Add a :class:`Free` after the last use of every buffer not in ``keep``.
+
+    A buffer that is sent is in use until the Wait of its round (the transport reads it until
+    then), so its Free goes after that Wait.
+    """
+    last: dict[Key, int] = {}
+    round_wait: dict[int, int] = {i_op.round: i for i, i_op in enumerate(ops) if isinstance(i_op, Wait)}
+    for i, op in enumerate(ops):
+        reads, writes = reads_writes(op)
+        for k in writes:
+            last[k] = i
+        if isinstance(op, Post):
+            for k in reads:
+                last[k] = round_wait.get(op.round, i)
+            for k in writes:  # a received buffer exists from its Wait on
+                last[k] = max(last.get(k, i), round_wait.get(op.round, i))
+        else:
+            for k in reads:
+                last[k] = max(last.get(k, i), i)
+    frees_after: dict[int, list[Key]] = {}
+    for k, i in last.items():
+        if k not in keep:
+            frees_after.setdefault(i, []).append(k)
+    out: list[Op] = []
+    for i, op in enumerate(ops):
+        out.append(op)
+        out.extend(Free(k) for k in sorted(frees_after.get(i, ())))
+    return tuple(out)
