@@ -111,16 +111,18 @@ def mesh_variants(rank: int, world: int) -> list[dict]:
 
     records = []
     tiles = [t for t in tile_shapes(world) if 1 < t[0] < world] or tile_shapes(world)
-    for tile, schedule, backward_chunks, kernel in itertools.product(
-            tiles, ("greedy", "lockstep"), ("refetch", "keep"), ("auto", "math")):
+    for tile, schedule, backward_chunks, kernel, contiguous in itertools.product(
+            tiles, ("greedy", "lockstep"), ("refetch", "keep"), ("auto", "math"), ("q", "kv")):
         p = Problem(world, 4, 2, True, torch.float32, seed=1)
         fn = lambda q, k, v: mm.mesh_attention(q, k, v, tile=tile, schedule=schedule,  # noqa: E731
-                                               backward_chunks=backward_chunks, kernel=kernel, softmax_scale=0.3)
+                                               backward_chunks=backward_chunks, kernel=kernel, softmax_scale=0.3,
+                                               contiguous=contiguous)
         ref = _scaled_reference(p, 0.3)
         ratios, abs_err, _, first = run_local(rank, p, fn, ref)
         _, _, _, second = run_local(rank, p, fn, ref)
         identical = all(torch.equal(a, b) for a, b in zip(first, second))
-        records.append(dict(case=f"P={world} tile={tile} {schedule} {backward_chunks} kernel={kernel}",
+        records.append(dict(case=f"P={world} tile={tile} {schedule} {backward_chunks} kernel={kernel} "
+                                 f"contiguous={contiguous}",
                             ratios=ratios, abs_err=abs_err, identical=identical))
     return records
 

@@ -10,7 +10,7 @@ from .accounting import (AttentionShape, RankBytes, buffer_bytes, link_bytes, me
 from .ir import (AddGrad, Attend, AttendBackward, Free, Key, MergeOut, Plan, Post, RankPlan, Segment,
                  Transfer, Wait, format_op)
 from .layout import BlockMask, ZigzagLayout, block_mask, slot_segments, split_evenly
-from .mesh import BACKWARD_CHUNKS, TileMap, best_tile, build_mesh_plan, build_ring_plan, parse_tile, tile_shapes
+from .mesh import BACKWARD_CHUNKS, CONTIGUOUS, TileMap, best_tile, build_mesh_plan, build_ring_plan, parse_tile, tile_shapes
 from .schedule import SCHEDULES
 from .validate import PlanError, check_cover, check_dataflow, check_matching, dry_run, validate_plan
 
@@ -20,7 +20,7 @@ __all__ = [
     "AddGrad", "Attend", "AttendBackward", "Free", "Key", "MergeOut", "Plan", "Post", "RankPlan", "Segment",
     "Transfer", "Wait", "format_op",
     "BlockMask", "ZigzagLayout", "block_mask", "slot_segments", "split_evenly",
-    "BACKWARD_CHUNKS", "TileMap", "best_tile", "build_mesh_plan", "build_ring_plan", "parse_tile", "tile_shapes",
+    "BACKWARD_CHUNKS", "CONTIGUOUS", "TileMap", "best_tile", "build_mesh_plan", "build_ring_plan", "parse_tile", "tile_shapes",
     "SCHEDULES",
     "PlanError", "check_cover", "check_dataflow", "check_matching", "dry_run", "validate_plan",
 ]

@@ -39,49 +39,68 @@ from .passes import insert_frees
 from .schedule import SCHEDULES, build_template, pull_rounds
 
 __all__ = ["TileMap", "tile_shapes", "parse_tile", "best_tile", "build_mesh_plan", "build_ring_plan",
-           "BACKWARD_CHUNKS"]
+           "BACKWARD_CHUNKS", "CONTIGUOUS"]
 
 # "refetch": the backward pulls Q and KV chunks again (memory of ring attention; more bytes).
 # "keep":    the forward keeps the pulled chunks for the backward (fewer bytes; a-1 Q and b-1 KV
 #            chunks more memory per layer until its backward runs).
 BACKWARD_CHUNKS = ("refetch", "keep")
+# Which Mesh group holds consecutive CP ranks (see TileMap).
+CONTIGUOUS = ("q", "kv")
 
 
 @dataclass(frozen=True)
 class TileMap:
-    """Which blocks each rank computes for tile (a, b) (see the module docstring)."""
+    """Which blocks each rank computes for tile (a, b) (see the module docstring).
+
+    ``contiguous`` says which group is made of consecutive CP ranks -- and therefore shares a node
+    when the CP group spans nodes: "q" (default; rank g = r*a + c as in the module docstring) or
+    "kv" (rank g = c*b + r: the KV rings are the consecutive ranks). The planner puts the ring
+    with more bytes per hop on the faster links.
+    """
 
     a: int
     b: int
+    contiguous: str = "q"
 
     def __post_init__(self) -> None:
         if self.a < 1 or self.b < 1:
             raise ValueError(f"tile sides must be >= 1, got {self.a}x{self.b}")
+        if self.contiguous not in CONTIGUOUS:
+            raise ValueError(f"contiguous must be one of {CONTIGUOUS}, got {self.contiguous!r}")
 
     @property
     def world_size(self) -> int:
         return self.a * self.b
 
     def coords(self, rank: int) -> tuple[int, int]:
-        return rank // self.a, rank % self.a
+        """(r, c): the rank's KV-ring position r < b and Q-ring position c < a."""
+        if self.contiguous == "q":
+            return rank // self.a, rank % self.a
+        return rank % self.b, rank // self.b
+
+    def rank_at(self, r: int, c: int) -> int:
+        return r * self.a + c if self.contiguous == "q" else c * self.b + r
 
     def q_group(self, rank: int) -> tuple[int, ...]:
-        """The Q ring of ``rank``: its grid row, in ring order."""
+        """The Q ring of ``rank``: the ranks sharing its Q chunks, in ring order."""
         r, _ = self.coords(rank)
-        return tuple(r * self.a + c for c in range(self.a))
+        return tuple(self.rank_at(r, c) for c in range(self.a))
 
     def kv_group(self, rank: int) -> tuple[int, ...]:
-        """The KV ring of ``rank``: its grid column, in ring order."""
+        """The KV ring of ``rank``: the ranks sharing its KV chunks, in ring order."""
         _, c = self.coords(rank)
-        return tuple(r * self.a + c for r in range(self.b))
+        return tuple(self.rank_at(r, c) for r in range(self.b))
 
     def blocks(self, rank: int) -> list[tuple[int, int]]:
         """(Q chunk, KV chunk) of every block ``rank`` computes."""
         return [(i, j) for i in self.q_group(rank) for j in self.kv_group(rank)]
 
     def owner(self, q_chunk: int, kv_chunk: int) -> int:
-        """The rank that computes block (q_chunk, kv_chunk)."""
-        return (q_chunk // self.a) * self.a + kv_chunk % self.a
+        """The rank that computes block (q_chunk, kv_chunk): Q ring of q_chunk x KV ring of kv_chunk."""
+        r, _ = self.coords(q_chunk)
+        _, c = self.coords(kv_chunk)
+        return self.rank_at(r, c)
 
 
 def tile_shapes(world_size: int) -> list[tuple[int, int]]:
@@ -123,8 +142,12 @@ def build_ring_plan(world_size: int, shape: AttentionShape, causal: bool = True)
 
 
 def build_mesh_plan(world_size: int, tile, shape: AttentionShape, causal: bool = True,
-                    schedule: str = "greedy", backward_chunks: str = "refetch") -> Plan:
-    """The Mesh-Attention plan of every rank (see the module docstring and .schedule)."""
+                    schedule: str = "greedy", backward_chunks: str = "refetch", contiguous: str = "q") -> Plan:
+    """The Mesh-Attention plan of every rank (see the module docstring and .schedule).
+
+    ``tile``: (a, b) with a * b == world_size, "AxB" or "auto" (fewest bytes, :func:`best_tile`).
+    ``contiguous``: which group is made of consecutive ranks ("q" or "kv", see :class:`TileMap`).
+    """
     tile = parse_tile(tile, world_size)
     if tile == "auto":
         tile = best_tile(world_size, shape, backward_chunks)
@@ -132,16 +155,18 @@ def build_mesh_plan(world_size: int, tile, shape: AttentionShape, causal: bool =
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if backward_chunks not in BACKWARD_CHUNKS:
         raise ValueError(f"backward_chunks must be one of {BACKWARD_CHUNKS}, got {backward_chunks!r}")
+    if contiguous not in CONTIGUOUS:
+        raise ValueError(f"contiguous must be one of {CONTIGUOUS}, got {contiguous!r}")
     if shape.seq_local % 2:
         raise ValueError(f"local sequence length {shape.seq_local} must be even (two zigzag halves)")
-    return _build_mesh_plan(world_size, tile, shape, causal, schedule, backward_chunks)
+    return _build_mesh_plan(world_size, tile, shape, causal, schedule, backward_chunks, contiguous)
 
 
 @lru_cache(maxsize=256)
 def _build_mesh_plan(world_size: int, tile: tuple[int, int], shape: AttentionShape, causal: bool,
-                     schedule: str, backward_chunks: str) -> Plan:
+                     schedule: str, backward_chunks: str, contiguous: str) -> Plan:
     a, b = tile
-    tiles = TileMap(a, b)
+    tiles = TileMap(a, b, contiguous)
     T = shape.seq_local
 
     def cost(*kinds: str) -> int:
@@ -155,11 +180,12 @@ def _build_mesh_plan(world_size: int, tile: tuple[int, int], shape: AttentionSha
     else:
         bwd = build_template(a, b, pull_rounds(a, b, schedule, cost("q", "do"), cost("kv")), ("q", "kv"))
     lowering = _MeshLowering(world_size, tiles, T, causal, fwd, bwd, keep)
-    rings = {"q": tuple(tiles.q_group(r * a) for r in range(b)),
-             "kv": tuple(tiles.kv_group(c) for c in range(a))}
+    rings = {"q": tuple(tiles.q_group(tiles.rank_at(r, 0)) for r in range(b)),
+             "kv": tuple(tiles.kv_group(tiles.rank_at(0, c)) for c in range(a))}
     return Plan(mode="mesh", world_size=world_size, seq_local=T, causal=causal,
                 build_rank=lowering.rank_plan, build_rounds=lowering.round_ops, tile=tile,
-                schedule=schedule, rings=rings, notes=(f"backward_chunks={backward_chunks}",))
+                schedule=schedule, rings=rings,
+                notes=(f"backward_chunks={backward_chunks}", f"contiguous={contiguous}"))
 
 
 class _MeshLowering:

@@ -126,8 +126,8 @@ def plan_attention(q: Tensor, k: Tensor, v: Tensor, build: Callable[[int, Attent
 
 def mesh_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, tile="auto",
                    causal: bool = True, softmax_scale: float | None = None, schedule: str = "greedy",
-                   backward_chunks: str = "refetch", kernel: "str | BlockKernel" = "auto",
-                   comm: Communicator | None = None) -> Tensor:
+                   backward_chunks: str = "refetch", contiguous: str = "q",
+                   kernel: "str | BlockKernel" = "auto", comm: Communicator | None = None) -> Tensor:
     """Mesh-Attention over the CP group ``group`` (None: the default process group).
 
     Args:
@@ -140,13 +140,16 @@ def mesh_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, tile="auto",
         schedule: "greedy" (pull order by unlocked compute per byte) or "lockstep".
         backward_chunks: "refetch" (re-communicate Q/KV chunks in the backward, ring attention's
             memory) or "keep" (keep the forward's chunks: fewer bytes, more activation memory).
+        contiguous: which group is made of consecutive CP ranks, i.e. shares a node when the CP
+            group spans nodes: "q" (Q rings) or "kv" (KV rings).
         kernel: block kernel backend ("auto", "torch", "math", "torch-flash", ...) or an instance.
 
     Returns the attention output, shaped and typed like q. Differentiable w.r.t. q, k, v.
     """
     def build(world: int, shape: AttentionShape) -> Plan:
         t = parse_tile(tile, world)
-        return build_mesh_plan(world, t, shape, causal=causal, schedule=schedule, backward_chunks=backward_chunks)
+        return build_mesh_plan(world, t, shape, causal=causal, schedule=schedule, backward_chunks=backward_chunks,
+                               contiguous=contiguous)
     return plan_attention(q, k, v, build, group=group, softmax_scale=softmax_scale, kernel=kernel, comm=comm)
 
 
