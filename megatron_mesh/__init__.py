@@ -5,12 +5,37 @@ Public API (layout: Megatron's [s_local, batch, heads, head_dim], zigzag CP chun
     from megatron_mesh import mesh_attention, ring_attention, comm_counter
     out = mesh_attention(q, k, v, group=cp_group, tile=(2, 2), causal=True)
 
-The plan layer (:mod:`megatron_mesh.plan`) is pure Python; the Megatron adapter
-(:mod:`megatron_mesh.megatron`) is the only module that imports Megatron.
+The plan layer (:mod:`megatron_mesh.plan`) is pure Python and importable without torch, so the
+top-level names below are resolved lazily; the Megatron adapter (:mod:`megatron_mesh.megatron`)
+is the only module that imports Megatron.
 """
 
-from .comm.base import CommCount, comm_counter
-from .runtime.api import mesh_attention, ring_attention, zigzag_shard, zigzag_unshard
+from __future__ import annotations
 
-__all__ = ["mesh_attention", "ring_attention", "comm_counter", "CommCount", "zigzag_shard", "zigzag_unshard"]
+import importlib
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "mesh_attention": "megatron_mesh.runtime.api",
+    "ring_attention": "megatron_mesh.runtime.api",
+    "zigzag_shard": "megatron_mesh.runtime.api",
+    "zigzag_unshard": "megatron_mesh.runtime.api",
+    "comm_counter": "megatron_mesh.comm.base",
+    "CommCount": "megatron_mesh.comm.base",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'megatron_mesh' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

@@ -5,7 +5,7 @@ validator and the byte/time accounting. The torch executor and the simulator rea
 :class:`Plan`.
 """
 
-from .accounting import (AttentionShape, RankBytes, buffer_bytes, link_bytes, mesh_bytes_formula,
+from .accounting import (AttentionShape, RankBytes, block_pairs, buffer_bytes, rank_work, link_bytes, mesh_bytes_formula,
                          plan_bytes, round_link_bytes, tasp_bytes_formula)
 from .ir import (AddGrad, Attend, AttendBackward, Free, Key, MergeOut, Plan, Post, RankPlan, Segment,
                  Transfer, Wait, format_op)
@@ -16,7 +16,7 @@ from .validate import PlanError, check_cover, check_dataflow, check_matching, dr
 
 __all__ = [
     "AttentionShape", "RankBytes", "buffer_bytes", "link_bytes", "round_link_bytes", "mesh_bytes_formula",
-    "plan_bytes", "tasp_bytes_formula",
+    "plan_bytes", "tasp_bytes_formula", "block_pairs", "rank_work",
     "AddGrad", "Attend", "AttendBackward", "Free", "Key", "MergeOut", "Plan", "Post", "RankPlan", "Segment",
     "Transfer", "Wait", "format_op",
     "BlockMask", "ZigzagLayout", "block_mask", "slot_segments", "split_evenly",

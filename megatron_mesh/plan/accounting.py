@@ -21,6 +21,8 @@ __all__ = [
     "round_link_bytes",
     "mesh_bytes_formula",
     "tasp_bytes_formula",
+    "block_pairs",
+    "rank_work",
 ]
 
 FP32 = 4
@@ -93,20 +95,31 @@ def _posts(plan: Plan, rank: int, direction: str):
     return (op for op in plan.round_ops(rank, direction) if isinstance(op, Post))
 
 
-def _key_bytes(plan: Plan, key: Key, shape: AttentionShape) -> int:
-    return buffer_bytes(key.kind, plan.tokens(key), shape)
+class _SizeCache:
+    """Bytes of a buffer by (kind, slot): the same for every chunk."""
+
+    def __init__(self, plan: Plan, shape: AttentionShape):
+        self.plan, self.shape, self.sizes = plan, shape, {}
+
+    def __call__(self, key: Key) -> int:
+        ck = (key.kind, key.slot)
+        n = self.sizes.get(ck)
+        if n is None:
+            n = self.sizes[ck] = buffer_bytes(key.kind, self.plan.tokens(key), self.shape)
+        return n
 
 
 def plan_bytes(plan: Plan, shape: AttentionShape) -> list[RankBytes]:
     """Bytes each rank sends/receives when executing ``plan`` (forward and backward)."""
+    size = _SizeCache(plan, shape)
     out = []
     for r in range(plan.world_size):
         vals = []
         for direction in ("forward", "backward"):
             sent = recv = 0
             for post in _posts(plan, r, direction):
-                sent += sum(_key_bytes(plan, t.key, shape) for t in post.sends)
-                recv += sum(_key_bytes(plan, t.key, shape) for t in post.recvs)
+                sent += sum(size(t.key) for t in post.sends)
+                recv += sum(size(t.key) for t in post.recvs)
             vals += [sent, recv]
         out.append(RankBytes(*vals))
     return out
@@ -114,21 +127,23 @@ def plan_bytes(plan: Plan, shape: AttentionShape) -> list[RankBytes]:
 
 def link_bytes(plan: Plan, shape: AttentionShape, direction: str = "forward") -> dict[tuple[int, int], int]:
     """Bytes carried by each directed link (src, dst) over the whole call in ``direction``."""
+    size = _SizeCache(plan, shape)
     links: dict[tuple[int, int], int] = defaultdict(int)
     for r in range(plan.world_size):
         for post in _posts(plan, r, direction):
             for t in post.sends:
-                links[(r, t.peer)] += _key_bytes(plan, t.key, shape)
+                links[(r, t.peer)] += size(t.key)
     return dict(links)
 
 
 def round_link_bytes(plan: Plan, shape: AttentionShape, direction: str = "forward") -> dict[int, dict[tuple[int, int], int]]:
     """Per round: bytes on each directed link. The per-step link load that TASP spreads out."""
+    size = _SizeCache(plan, shape)
     per_round: dict[int, dict[tuple[int, int], int]] = defaultdict(lambda: defaultdict(int))
     for r in range(plan.world_size):
         for post in _posts(plan, r, direction):
             for t in post.sends:
-                per_round[post.round][(r, t.peer)] += _key_bytes(plan, t.key, shape)
+                per_round[post.round][(r, t.peer)] += size(t.key)
     return {r: dict(v) for r, v in per_round.items()}
 
 
@@ -165,3 +180,21 @@ def tasp_bytes_formula(world_size: int, shape: AttentionShape) -> RankBytes:
     fwd = (world_size - 1) * size_kv
     bwd = (world_size - 1) * (size_kv + size_dkv)
     return RankBytes(fwd, fwd, bwd, bwd)
+
+
+def block_pairs(plan: Plan, op) -> int:
+    """(query, key) token pairs a block computes: the work measure of one Attend/AttendBackward.
+
+    A causal (diagonal) block of n tokens computes n(n+1)/2 pairs, a full block rows x columns.
+    """
+    rows = plan.tokens(op.q) // (1 if op.q_half == "all" else 2)
+    cols = sum(plan.tokens(k) // (1 if op.kv_half == "all" else 2) for k in op.kv)
+    if op.causal:
+        return rows * (rows + 1) // 2
+    return rows * cols
+
+
+def rank_work(plan: Plan, direction: str = "forward") -> list[int]:
+    """Token pairs each rank computes in ``direction``. With Megatron's zigzag layout every rank
+    gets the same work for every Mesh tile (one diagonal block plus P-1 half blocks)."""
+    return [sum(block_pairs(plan, op) for op in plan.rank(r).blocks(direction)) for r in range(plan.world_size)]

@@ -148,13 +148,13 @@ def build_mesh_plan(world_size: int, tile, shape: AttentionShape, causal: bool =
     ``tile``: (a, b) with a * b == world_size, "AxB" or "auto" (fewest bytes, :func:`best_tile`).
     ``contiguous``: which group is made of consecutive ranks ("q" or "kv", see :class:`TileMap`).
     """
-    tile = parse_tile(tile, world_size)
-    if tile == "auto":
-        tile = best_tile(world_size, shape, backward_chunks)
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if backward_chunks not in BACKWARD_CHUNKS:
         raise ValueError(f"backward_chunks must be one of {BACKWARD_CHUNKS}, got {backward_chunks!r}")
+    tile = parse_tile(tile, world_size)
+    if tile == "auto":
+        tile = best_tile(world_size, shape, backward_chunks)
     if contiguous not in CONTIGUOUS:
         raise ValueError(f"contiguous must be one of {CONTIGUOUS}, got {contiguous!r}")
     if shape.seq_local % 2:
@@ -259,15 +259,15 @@ class _MeshLowering:
             if top[0] == "post":
                 sends, recvs = [], []
                 for what, ring, k in top[2]:
+                    chunks, nxt, prv = rings.by_offset[ring], rings.next[ring], rings.prev[ring]
                     if what == "pull":  # forward the chunk at offset k-1, receive the one at offset k
                         for kind in pull_kinds[ring]:
-                            sends.append(Transfer(rings.next(ring), key[kind][rings.chunk(ring, k - 1)]))
-                            recvs.append(Transfer(rings.prev(ring), key[kind][rings.chunk(ring, k)]))
+                            sends.append(Transfer(nxt, key[kind][chunks[k - 1]]))
+                            recvs.append(Transfer(prv, key[kind][chunks[k]]))
                     else:  # my accumulator of offset k leaves; the one for offset k+1 arrives
                         kind = acc_kind[ring]
-                        size = len(rings.members[ring])
-                        sends.append(Transfer(rings.next(ring), key[kind][rings.chunk(ring, k)]))
-                        recvs.append(Transfer(rings.prev(ring), self.incoming[kind][rings.chunk(ring, (k + 1) % size)]))
+                        sends.append(Transfer(nxt, key[kind][chunks[k]]))
+                        recvs.append(Transfer(prv, self.incoming[kind][chunks[(k + 1) % len(chunks)]]))
                 ops.append(Post(top[1], tuple(sends), tuple(recvs)))
             elif top[0] == "wait":
                 ops.append(Wait(top[1]))
@@ -282,20 +282,18 @@ class _MeshLowering:
 
 
 class _Rings:
-    """One rank's view of its two rings: offset -> chunk, and its ring neighbours."""
+    """One rank's view of its two rings: offset -> chunk, and its ring neighbours (precomputed:
+    lowering a P=256 plan looks these up ~10^5 times)."""
 
     def __init__(self, rank: int, tiles: TileMap):
         self.members = {"q": tiles.q_group(rank), "kv": tiles.kv_group(rank)}
-        self.pos = {ring: m.index(rank) for ring, m in self.members.items()}
+        self.size, self.by_offset, self.next, self.prev = {}, {}, {}, {}
+        for ring, m in self.members.items():
+            n, pos = len(m), m.index(rank)
+            self.size[ring] = n
+            self.by_offset[ring] = [m[(pos - o) % n] for o in range(n)]
+            self.next[ring] = m[(pos + 1) % n]
+            self.prev[ring] = m[(pos - 1) % n]
 
     def chunk(self, ring: str, offset: int) -> int:
-        m = self.members[ring]
-        return m[(self.pos[ring] - offset) % len(m)]
-
-    def next(self, ring: str) -> int:
-        m = self.members[ring]
-        return m[(self.pos[ring] + 1) % len(m)]
-
-    def prev(self, ring: str) -> int:
-        m = self.members[ring]
-        return m[(self.pos[ring] - 1) % len(m)]
+        return self.by_offset[ring][offset % self.size[ring]]

@@ -62,10 +62,10 @@ def check_dataflow(plan: Plan, rp: RankPlan, direction: str) -> None:
     last_round = 0
 
     def need(key: Key, op) -> None:
-        if key not in present:
-            raise PlanError(f"{where}: {op} reads {key}, which does not exist there")
         if key in in_flight_recv:
             raise PlanError(f"{where}: {op} reads {key} while its receive (round {in_flight_recv[key]}) is in flight")
+        if key not in present:
+            raise PlanError(f"{where}: {op} reads {key}, which does not exist there")
 
     def write(key: Key, op, create: bool) -> None:
         if key in in_flight_send:

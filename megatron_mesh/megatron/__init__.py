@@ -1,0 +1,33 @@
+"""Megatron-Core integration: the only part of megatron_mesh that imports Megatron.
+
+* :mod:`.core_attention` -- the core-attention module (``cp_comm_type`` mesh / tasp / ring, or
+  Transformer Engine's modes handed over to ``TEDotProductAttention``);
+* :mod:`.spec` -- layer specs for ``--spec megatron_mesh.megatron.spec gpt_layer_spec`` and GPTModel;
+* :mod:`.args` -- the plugin's CLI flags and the TransformerConfig subclass that carries them;
+* :mod:`.groups` -- Mesh Q/KV ring and TASP node process groups built from Megatron's CP groups;
+* :mod:`.pretrain_gpt` -- the pretraining entry script (``megatron.training.pretrain``);
+* :mod:`.yaml_args` -- Megatron functional-test style YAML -> command-line flags;
+* :mod:`.cpu_compat` -- workarounds for running Megatron on a CPU (loaded by CPU runs only).
+
+Importing this package does not import Megatron.
+"""
+
+from __future__ import annotations
+
+import typing
+
+__all__ = ["PLUGIN_MODES", "TE_MODES", "CP_MODES", "ensure_typing_override"]
+
+# cp_comm_type values run by this plugin, and those handed over to Transformer Engine.
+PLUGIN_MODES = ("mesh", "tasp", "ring")
+TE_MODES = ("p2p", "a2a", "all_gather", "a2a+p2p")
+CP_MODES = PLUGIN_MODES + TE_MODES
+
+
+def ensure_typing_override() -> None:
+    """megatron.training (0.19) does ``from typing import override``, new in Python 3.12; the
+    wheel itself runs on 3.11, so give 3.11 the typing_extensions version before importing it."""
+    if not hasattr(typing, "override"):
+        import typing_extensions
+
+        typing.override = typing_extensions.override  # type: ignore[attr-defined]

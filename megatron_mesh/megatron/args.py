@@ -1,0 +1,208 @@
+"""The plugin's command-line flags, their validation, and the config that carries them.
+
+Flags are added through Megatron's own ``extra_args_provider`` hook and copied onto the
+transformer config by ``core_transformer_config_from_args(args, config_class=MeshTransformerConfig)``
+(it copies every config field that exists on ``args``). Modules read them with
+:func:`plugin_settings`, which falls back to the defaults, so a plain ``TransformerConfig`` works.
+
+Example (CP 4, 4 layers: Mesh tile 2x2 for the first two, TASP for the last two)::
+
+    --context-parallel-size 4 --cp-comm-type mesh mesh tasp tasp --mesh-tile-shape 2x2
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from ..kernels import KERNEL_BACKENDS
+from ..plan import BACKWARD_CHUNKS, CONTIGUOUS, SCHEDULES, AttentionShape, best_tile, parse_tile
+from . import CP_MODES, PLUGIN_MODES, TE_MODES
+
+__all__ = ["MeshTransformerConfig", "PluginSettings", "add_args", "validate_args", "plugin_settings",
+           "layer_modes", "resolve_tile", "have_transformer_engine", "TASP_TRANSPORTS"]
+
+TASP_TRANSPORTS = ("p2p", "alltoall")
+
+
+@dataclass
+class MeshTransformerConfig(TransformerConfig):
+    """TransformerConfig plus the plugin's settings (one field per flag of :func:`add_args`)."""
+
+    mesh_tile_shape: str = "auto"
+    """Mesh tile 'AxB' (A query chunks x B key/value chunks per rank, A*B = CP size) or 'auto'."""
+    mesh_schedule: str = "greedy"
+    """Order of the Mesh pulls: 'greedy' (compute unlocked per byte) or 'lockstep'."""
+    mesh_backward_chunks: str = "refetch"
+    """'refetch' Q/KV chunks in the backward (less memory) or 'keep' them from the forward."""
+    mesh_contiguous: str = "q"
+    """Which Mesh ring is made of consecutive CP ranks (shares a node): 'q' or 'kv'."""
+    tasp_gpus_per_node: Optional[int] = None
+    """GPUs per node for TASP's node-aware rings; None: torchrun's LOCAL_WORLD_SIZE."""
+    tasp_transport: str = "p2p"
+    """TASP transfers as point-to-point sends ('p2p') or all-to-all collectives ('alltoall')."""
+    cp_kernel_backend: str = "auto"
+    """Block attention kernel of the plugin modes (see megatron_mesh.kernels.KERNEL_BACKENDS)."""
+
+
+_FIELDS = ("mesh_tile_shape", "mesh_schedule", "mesh_backward_chunks", "mesh_contiguous",
+           "tasp_gpus_per_node", "tasp_transport", "cp_kernel_backend")
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    tile: str = "auto"
+    schedule: str = "greedy"
+    backward_chunks: str = "refetch"
+    contiguous: str = "q"
+    tasp_gpus_per_node: Optional[int] = None
+    tasp_transport: str = "p2p"
+    kernel: str = "auto"
+
+
+def plugin_settings(config) -> PluginSettings:
+    """The plugin settings carried by ``config`` (defaults for fields a plain config lacks)."""
+    d = MeshTransformerConfig.__dataclass_fields__
+    get = lambda name: getattr(config, name, d[name].default)  # noqa: E731
+    return PluginSettings(tile=str(get("mesh_tile_shape")), schedule=get("mesh_schedule"),
+                          backward_chunks=get("mesh_backward_chunks"), contiguous=get("mesh_contiguous"),
+                          tasp_gpus_per_node=get("tasp_gpus_per_node"), tasp_transport=get("tasp_transport"),
+                          kernel=get("cp_kernel_backend"))
+
+
+def add_args(parser):
+    """``extra_args_provider`` for ``megatron.training.arguments.parse_and_validate_args``."""
+    g = parser.add_argument_group("megatron_mesh", "context-parallel attention modes mesh, tasp, ring "
+                                  "(--cp-comm-type mesh|tasp|ring, one value or one per layer)")
+    g.add_argument("--mesh-tile-shape", default="auto",
+                   help="Mesh tile AxB: each CP rank computes A query chunks x B key/value chunks "
+                        "(A*B = CP size; 1xCP is ring attention), or 'auto' for the fewest bytes per rank")
+    g.add_argument("--mesh-schedule", default="greedy", choices=SCHEDULES,
+                   help="order of the Mesh pulls")
+    g.add_argument("--mesh-backward-chunks", default="refetch", choices=BACKWARD_CHUNKS,
+                   help="re-communicate Q/KV chunks in the backward (refetch) or keep them (more memory)")
+    g.add_argument("--mesh-contiguous", default="q", choices=CONTIGUOUS,
+                   help="which Mesh ring is made of consecutive CP ranks, i.e. stays inside a node")
+    g.add_argument("--tasp-gpus-per-node", type=int, default=None,
+                   help="GPUs per node for TASP's node-aware rings (default: torchrun's LOCAL_WORLD_SIZE)")
+    g.add_argument("--tasp-transport", default="p2p", choices=TASP_TRANSPORTS,
+                   help="TASP transfers as point-to-point sends or all-to-all collectives")
+    g.add_argument("--cp-kernel-backend", default="auto", choices=KERNEL_BACKENDS,
+                   help="block attention kernel of the plugin modes")
+    return parser
+
+
+def have_transformer_engine() -> tuple[bool, str]:
+    """(installed and usable, why not). TE raises RuntimeError/OSError, not only ImportError,
+    when its CUDA libraries are missing, so anything it raises means 'not usable'."""
+    try:
+        import transformer_engine  # noqa: F401
+        from megatron.core.extensions.transformer_engine import HAVE_TE
+    except Exception as e:  # noqa: BLE001
+        return False, f"{type(e).__name__}: {e}"
+    return bool(HAVE_TE), "" if HAVE_TE else "megatron.core reports HAVE_TE=False"
+
+
+def layer_modes(cp_comm_type) -> list:
+    """cp_comm_type as a list (a single mode -> one entry); None -> []."""
+    if cp_comm_type is None:
+        return []
+    return [cp_comm_type] if isinstance(cp_comm_type, str) else list(cp_comm_type)
+
+
+def check_modes(modes, num_layers: int, cp_size: int, have_te: bool, te_reason: str = "") -> None:
+    """ValueError unless every mode is known, the list fits the layers, and TE modes have TE."""
+    for m in modes:
+        if m not in CP_MODES:
+            hint = " (Transformer Engine spells it 'all_gather')" if m == "allgather" else ""
+            raise ValueError(f"--cp-comm-type {m!r} is not a context-parallel mode{hint}; allowed: plugin modes "
+                             f"{', '.join(PLUGIN_MODES)}; Transformer Engine modes {', '.join(TE_MODES)}")
+    if len(modes) not in (0, 1, num_layers):
+        raise ValueError(f"--cp-comm-type has {len(modes)} values; give one mode, or one per layer "
+                         f"({num_layers} layers)")
+    te_used = sorted({m for m in modes if m in TE_MODES})
+    if cp_size > 1 and te_used and not have_te:
+        raise ValueError(f"--cp-comm-type {te_used[0]} is a Transformer Engine mode, but Transformer Engine is "
+                         f"not usable here ({te_reason or 'not installed'}); use one of "
+                         f"{', '.join(PLUGIN_MODES)}")
+
+
+def validate_args(args, have_te: bool | None = None) -> None:
+    """Check the plugin flags (and the Megatron flags they depend on); ValueError names the value
+    and what is allowed. ``have_te``: None detects Transformer Engine."""
+    te_reason = ""
+    if have_te is None:
+        have_te, te_reason = have_transformer_engine()
+    cp = args.context_parallel_size
+    modes = layer_modes(args.cp_comm_type)
+    check_modes(modes, args.num_layers, cp, have_te, te_reason)
+    tile = args.mesh_tile_shape
+    try:
+        parse_tile(tile, cp if cp > 1 and "mesh" in modes else _tile_area(tile))
+    except ValueError as e:
+        raise ValueError(f"--mesh-tile-shape {tile!r}: {e}") from None
+    for name, allowed in (("mesh_schedule", SCHEDULES), ("mesh_backward_chunks", BACKWARD_CHUNKS),
+                          ("mesh_contiguous", CONTIGUOUS), ("tasp_transport", TASP_TRANSPORTS),
+                          ("cp_kernel_backend", KERNEL_BACKENDS)):
+        if getattr(args, name) not in allowed:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)!r}: allowed {', '.join(allowed)}")
+    if args.tasp_gpus_per_node is not None and args.tasp_gpus_per_node < 1:
+        raise ValueError(f"--tasp-gpus-per-node must be >= 1, got {args.tasp_gpus_per_node}")
+    if cp > 1 and set(modes) & set(PLUGIN_MODES):
+        if args.attention_dropout:
+            raise ValueError(f"--attention-dropout {args.attention_dropout}: the {'/'.join(PLUGIN_MODES)} modes "
+                             "support only 0 (pass --attention-dropout 0)")
+        if getattr(args, "window_size", None) is not None:
+            raise ValueError(f"--window-size {args.window_size}: sliding-window attention is not supported by "
+                             "the plugin modes")
+
+
+def _tile_area(tile) -> int:
+    """a*b of an 'AxB' string (syntax check only; the CP size is checked where a mesh layer runs)."""
+    if isinstance(tile, str) and tile != "auto":
+        parts = tile.lower().split("x")
+        if len(parts) == 2 and all(p.strip().isdigit() for p in parts):
+            return int(parts[0]) * int(parts[1])
+    return 1
+
+
+def copy_settings(args, config) -> None:
+    """Put the plugin flags on ``config`` when its class has no fields for them (Megatron forces
+    MLATransformerConfig for --multi-latent-attention, dropping a config_class)."""
+    for name in _FIELDS:
+        if not hasattr(config, name):
+            setattr(config, name, getattr(args, name))
+
+
+def shape_from_config(config) -> AttentionShape:
+    """Per-rank attention shape implied by ``config`` (sequence length 2: byte counts are linear in
+    it, so the best tile does not depend on it)."""
+    tp = config.tensor_model_parallel_size
+    heads = max(1, config.num_attention_heads // tp)
+    groups = config.num_query_groups or config.num_attention_heads
+    kv_heads = max(1, groups // tp)
+    itemsize = 4 if str(config.params_dtype) == "torch.float32" else 2
+    return AttentionShape(seq_local=2, batch=1, heads=heads, kv_heads=kv_heads,
+                          head_dim=config.kv_channels, itemsize=itemsize)
+
+
+def resolve_tile(cp_size: int, config) -> tuple[int, int]:
+    """The Mesh tile of ``config`` for a CP group of ``cp_size``: the flag's 'AxB', or for 'auto'
+    the closed-form optimum. The ONE place that chooses a tile (a topology-aware chooser plugs in
+    here)."""
+    s = plugin_settings(config)
+    tile = parse_tile(s.tile, cp_size)
+    if tile == "auto":
+        tile = best_tile(cp_size, shape_from_config(config), s.backward_chunks)
+    return tile
+
+
+def gpus_per_node(settings: PluginSettings) -> Optional[int]:
+    """GPUs per node for TASP: the flag, else torchrun's LOCAL_WORLD_SIZE, else None (one node)."""
+    if settings.tasp_gpus_per_node is not None:
+        return settings.tasp_gpus_per_node
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(local) if local else None

@@ -1,0 +1,196 @@
+"""Pretrain a GPT with Megatron's own training loop and the plugin's context-parallel modes.
+
+Run with torchrun (``scripts/pretrain_gpt.sh`` does this from a YAML config)::
+
+    torchrun --nproc-per-node 4 -m megatron_mesh.megatron.pretrain_gpt <Megatron flags> \\
+        --context-parallel-size 4 --cp-comm-type mesh --mesh-tile-shape 2x2
+
+It is ``megatron.training.pretrain`` with this module's batch, loss and dataset providers (mock
+data or Megatron's indexed GPT datasets), the plugin's flags (:mod:`.args`) parsed through
+Megatron's ``extra_args_provider`` and carried on :class:`~.args.MeshTransformerConfig`, and the
+layer spec :func:`~.spec.gpt_layer_spec` unless ``--spec`` names another. Without CUDA it loads
+:mod:`.cpu_compat` first (gloo backend, CPU tensors).
+"""
+
+from __future__ import annotations
+
+import sys
+from functools import partial
+
+import torch
+
+from . import ensure_typing_override
+
+DEFAULT_SPEC = ["megatron_mesh.megatron.spec", "gpt_layer_spec"]
+ARGS_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
+
+
+def _prepare_runtime() -> None:
+    ensure_typing_override()
+    if not torch.cuda.is_available():
+        from . import cpu_compat
+
+        cpu_compat.install_training_patches()
+    # The megatron-core wheel ships the prebuilt dataset helpers but not their Makefile, so the
+    # `make` that initialize._compile_dependencies runs fails (on GPUs too). Use the prebuilt ones.
+    from megatron.core.datasets import utils as dataset_utils
+
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return  # a source checkout: let Megatron compile them
+    dataset_utils.compile_helpers = lambda: None
+
+
+def parse_args(argv=None):
+    """Megatron's arguments plus the plugin's; the plugin checks run first, so a bad plugin flag
+    fails before Megatron's own validation or any initialisation."""
+    from megatron.training import arguments
+
+    from .args import add_args, validate_args
+
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    raw = arguments.parse_args(add_args)
+    validate_args(raw)
+    _check_data_args(raw)
+    return arguments.parse_and_validate_args(extra_args_provider=add_args, args_defaults=ARGS_DEFAULTS)
+
+
+def _check_data_args(args) -> None:
+    for flag in ("sft", "hybrid_context_parallel", "dataloader_inter_document_masking", "reset_attention_mask"):
+        if getattr(args, flag, False):
+            raise ValueError(f"--{flag.replace('_', '-')} is not supported by this entry script (packed or "
+                             "document-masked sequences); the plugin modes attend over whole sequences")
+
+
+# -- batches and loss ---------------------------------------------------------------------------------
+_BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+
+
+def get_batch(data_iterator, vp_stage=None):
+    """This rank's micro-batch: TP rank 0 reads it, broadcasts it over the TP group, and every
+    rank keeps its zigzag CP chunk (chunks r and 2*CP-1-r of each sequence)."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
+    from megatron.training import get_args
+    from megatron.training.utils import is_first_or_last_pipeline_stage
+
+    if not is_first_or_last_pipeline_stage(vp_stage):
+        return (None,) * len(_BATCH_KEYS)
+    args = get_args()
+    tp_rank = mpu.get_tensor_model_parallel_rank()
+    batch = {}
+    if tp_rank == 0:
+        batch = {k: v.cuda(non_blocking=True) if torch.is_tensor(v) and torch.cuda.is_available() else v
+                 for k, v in next(data_iterator).items()}
+    last = mpu.is_pipeline_last_stage()
+    batch = get_batch_on_this_tp_rank(
+        batch, has_cu_seqlens=False, is_hybrid_cp=False,
+        create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
+        broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
+        broadcast_group=mpu.get_tensor_model_parallel_group(), cp_size=args.context_parallel_size, tp_rank=tp_rank,
+        micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
+        mtp_on_this_rank=bool(getattr(args, "mtp_num_layers", None)) and last,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        is_pipeline_first_stage=mpu.is_pipeline_first_stage(), is_pipeline_last_stage=last)
+    batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=mpu.get_context_parallel_group())
+    return tuple(batch.get(k) for k in _BATCH_KEYS)
+
+
+def loss_func(loss_mask, output_tensor):
+    """(summed masked loss, token count, report): Megatron divides by the tokens of every
+    data-parallel x context-parallel rank, so each CP rank contributes its own chunk's sum."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+    from megatron.training import get_args
+
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    if get_args().check_for_nan_in_loss_and_grad:
+        machine = get_rerun_state_machine()
+        for reject, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+            machine.validate_result(result=loss, rejection_func=reject, message=f"found {what} in local forward loss",
+                                    tolerance=0.0, fatal=True)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1), num_tokens.view(1)])}
+
+
+def forward_step(data_iterator, model):
+    from megatron.core.utils import get_attr_wrapped_model
+    from megatron.training import get_timers
+
+    timers = get_timers()
+    timers("batch-generator", log_level=2).start()
+    vp_stage = get_attr_wrapped_model(model, "vp_stage")
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, vp_stage)
+    timers("batch-generator").stop()
+    output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+    return output, partial(loss_func, loss_mask)
+
+
+# -- datasets ---------------------------------------------------------------------------------------------
+def _is_dataset_built_on_rank(vp_stage=None) -> bool:
+    from megatron.core import parallel_state as mpu
+    from megatron.training.utils import is_first_or_last_pipeline_stage
+
+    return is_first_or_last_pipeline_stage(vp_stage) and mpu.get_tensor_model_parallel_rank() == 0
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
+    """Mock data (``--mock-data``) or Megatron's indexed GPT datasets (``--data-path`` etc.)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.training import get_args, get_tokenizer, print_rank_0
+    from megatron.training.utils import get_blend_and_blend_per_split
+
+    args = get_args()
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    config = GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length, blend=blend, blend_per_split=blend_per_split,
+        split=args.split, num_dataset_builder_threads=args.num_dataset_builder_threads,
+        path_to_cache=args.data_cache_path, mmap_bin_files=args.mmap_bin_files, tokenizer=get_tokenizer(),
+        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss, create_attention_mask=args.create_attention_mask_in_dataloader,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus)
+    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    print_rank_0(f"> building {dataset_type.__name__} train, validation and test datasets ...")
+    return BlendedMegatronDatasetBuilder(dataset_type, train_val_test_num_samples,
+                                        partial(_is_dataset_built_on_rank, vp_stage=vp_stage), config).build()
+
+
+train_valid_test_datasets_provider.is_distributed = True  # every rank builds (on its TP rank 0)
+
+
+# -- main -------------------------------------------------------------------------------------------------
+def build_config(args):
+    """The GPTModelConfig: plugin settings on a MeshTransformerConfig, our spec by default."""
+    from megatron.training.argument_utils import core_transformer_config_from_args, gpt_config_from_args
+
+    from .args import MeshTransformerConfig, copy_settings
+
+    if args.spec is None:
+        args.spec = list(DEFAULT_SPEC)
+    config = core_transformer_config_from_args(args, config_class=MeshTransformerConfig)
+    copy_settings(args, config)
+    return gpt_config_from_args(args, config=config)
+
+
+def main(argv=None) -> None:
+    _prepare_runtime()
+    try:
+        args = parse_args(argv)
+    except ValueError as e:
+        print(f"megatron_mesh: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+
+    model_config = build_config(args)
+    pretrain(pretrain_cfg_container_from_args(args, model_config), train_valid_test_datasets_provider,
+             ModelType.encoder_or_decoder, forward_step)
+
+
+if __name__ == "__main__":
+    main()

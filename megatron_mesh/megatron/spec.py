@@ -1,0 +1,110 @@
+"""GPT layer specs whose core attention is :class:`~.core_attention.CPCoreAttention`.
+
+Every function takes ``(model_config, vp_stage=None)`` -- a ``GPTModelConfig`` (what
+``--spec`` functions receive) or a plain ``TransformerConfig`` -- so it works both as::
+
+    --spec megatron_mesh.megatron.spec gpt_layer_spec          # Megatron-LM command line
+
+and from Python::
+
+    model = GPTModel(config=config, transformer_layer_spec=gpt_local_layer_spec(config), ...)
+
+Only ``core_attention`` changes; every other submodule is Megatron's own spec. The functions also
+create the plugin's process groups (collective: every rank builds its model at the same point).
+
+* :func:`gpt_layer_spec` -- Megatron's default choice (Transformer Engine spec when
+  ``transformer_impl == "transformer_engine"``, local otherwise; MoE block specs too);
+* :func:`gpt_te_layer_spec` / :func:`gpt_local_layer_spec` -- force one of them;
+* :func:`patch_spec` -- replace ``core_attention`` in an existing layer spec or block spec, in place.
+"""
+
+from __future__ import annotations
+
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from . import ensure_typing_override
+from .args import have_transformer_engine
+from .core_attention import CPCoreAttention
+from .groups import initialize_groups
+
+__all__ = ["gpt_layer_spec", "gpt_te_layer_spec", "gpt_local_layer_spec", "patch_spec"]
+
+
+def _transformer_config(model_config):
+    return getattr(model_config, "transformer", model_config)
+
+
+def _require_te(what: str) -> None:
+    usable, why = have_transformer_engine()
+    if not usable:
+        raise ValueError(f"{what} needs Transformer Engine, which is not usable here ({why}); use "
+                         "--transformer-impl local (or megatron_mesh.megatron.spec.gpt_local_layer_spec)")
+
+
+def gpt_layer_spec(model_config, vp_stage=None):
+    """Megatron's default GPT layer (or MoE block) spec for ``model_config``, with the plugin's
+    core attention."""
+    t = _transformer_config(model_config)
+    use_te = t.transformer_impl == "transformer_engine"
+    if use_te:
+        _require_te("transformer_impl 'transformer_engine'")
+    initialize_groups(t)
+    if t is not model_config:  # a GPTModelConfig: let Megatron-LM pick exactly as it would
+        ensure_typing_override()
+        from megatron.training.models.gpt import default_layer_spec
+
+        return patch_spec(default_layer_spec(model_config, vp_stage))
+    return patch_spec(_core_spec(t, use_te, vp_stage))
+
+
+def gpt_te_layer_spec(model_config, vp_stage=None):
+    """Transformer Engine GPT layer spec with the plugin's core attention."""
+    _require_te("the Transformer Engine layer spec")
+    t = _transformer_config(model_config)
+    initialize_groups(t)
+    return patch_spec(_core_spec(t, True, vp_stage))
+
+
+def gpt_local_layer_spec(model_config, vp_stage=None):
+    """Megatron-Core-only (no Transformer Engine) GPT layer spec with the plugin's core attention."""
+    t = _transformer_config(model_config)
+    initialize_groups(t)
+    return patch_spec(_core_spec(t, False, vp_stage))
+
+
+def _core_spec(t, use_te: bool, vp_stage):
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if t.num_moe_experts:
+        return specs.get_gpt_decoder_block_spec(t, use_transformer_engine=use_te, normalization=t.normalization,
+                                                qk_l2_norm=t.qk_l2_norm, vp_stage=vp_stage)
+    common = dict(num_experts=None, moe_grouped_gemm=False, qk_layernorm=t.qk_layernorm,
+                  multi_latent_attention=t.multi_latent_attention, qk_l2_norm=t.qk_l2_norm)
+    if use_te:
+        return specs.get_gpt_layer_with_transformer_engine_spec(**common)
+    return specs.get_gpt_layer_local_spec(normalization=t.normalization, **common)
+
+
+def patch_spec(spec, core_attention=CPCoreAttention):
+    """Set ``core_attention`` of every self-attention in ``spec`` -- a TransformerLayer spec, a
+    TransformerBlockSubmodules (``layer_specs``) or a block ModuleSpec -- in place; returns ``spec``.
+    Raises ValueError when it finds no core-attention slot."""
+    patched = _patch(spec, core_attention, seen=set())
+    if not patched:
+        raise ValueError(f"no self_attention.submodules.core_attention found in {type(spec).__name__} spec")
+    return spec
+
+
+def _patch(spec, core_attention, seen: set) -> int:
+    if id(spec) in seen:
+        return 1
+    seen.add(id(spec))
+    subs = spec.submodules if isinstance(spec, ModuleSpec) else spec
+    if hasattr(subs, "layer_specs"):  # a block: patch each layer
+        return sum(_patch(layer, core_attention, seen) for layer in subs.layer_specs)
+    attention = getattr(subs, "self_attention", None)
+    attention_subs = getattr(attention, "submodules", None)
+    if attention_subs is None or not hasattr(attention_subs, "core_attention"):
+        return 0
+    attention_subs.core_attention = core_attention
+    return 1

@@ -1,0 +1,195 @@
+"""``python -m megatron_mesh.plan`` / ``megatron-mesh-plan``: compare the CP modes of one problem.
+
+Per mode (ring, mesh per tile, mesh-auto, tasp, ulysses, usp): bytes each rank sends in the
+forward + backward of one attention layer, split intra/inter-node, communication steps, peak
+extra buffer memory, and the predicted forward + backward time of the simulator
+(:mod:`megatron_mesh.plan.simulate`). Example (the paper's scale)::
+
+    megatron-mesh-plan --cp 256 --heads 32 --kv-heads 8 --head-dim 128 --seq-len 1048576 --gpus-per-node 8
+
+``--json`` prints ``{"modes": [{"mode", "tile", "bytes_per_rank", "inter_node_bytes_per_rank",
+"steps", "time_s", ...}], "skipped": [...], ...}``; ``--plot FILE.png`` draws bytes and time
+against the CP size (8..1024 by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from .accounting import AttentionShape
+from .planner import MODES, ModeResult, evaluate
+from .topology import Topology
+
+ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
+PLOT_MODES = ("ring", "mesh-auto", "tasp", "usp", "ulysses")
+
+
+def _parser() -> argparse.ArgumentParser:
+    d = Topology()
+    p = argparse.ArgumentParser(
+        prog="megatron-mesh-plan", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("problem (one attention layer)")
+    g.add_argument("--cp", type=int, default=8, help="context-parallel size P")
+    g.add_argument("--heads", type=int, default=32, help="query heads H")
+    g.add_argument("--kv-heads", type=int, default=None, help="key/value heads G (default: H, i.e. MHA)")
+    g.add_argument("--head-dim", type=int, default=128, help="head dimension D")
+    g.add_argument("--seq-len", type=int, default=131072, help="global sequence length S (divisible by 2P)")
+    g.add_argument("--batch", type=int, default=1, help="micro-batch size")
+    g.add_argument("--dtype", choices=sorted(ITEMSIZE), default="bf16", help="activation dtype of q, k, v")
+    g.add_argument("--no-causal", dest="causal", action="store_false", help="full (non-causal) attention")
+    g.add_argument("--backward-chunks", choices=("refetch", "keep"), default="refetch",
+                   help="Mesh: re-communicate Q/KV chunks in the backward, or keep them from the forward")
+    g.add_argument("--schedule", choices=("greedy", "lockstep"), default="greedy", help="Mesh intra-tile schedule")
+    g.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    t = p.add_argument_group("machine (defaults: H100 SXM5, NVLink 4, one 400 Gb/s NIC per GPU)")
+    t.add_argument("--nodes", type=int, default=None, help="nodes U (default: ceil(P / gpus-per-node))")
+    t.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node, help="CP ranks per node M")
+    t.add_argument("--intra-bandwidth", type=float, default=d.intra_bandwidth / 1e9, help="GB/s per GPU per direction")
+    t.add_argument("--inter-bandwidth", type=float, default=d.inter_bandwidth / 1e9, help="GB/s per GPU per direction")
+    t.add_argument("--intra-latency", type=float, default=d.intra_latency * 1e6, help="us per round")
+    t.add_argument("--inter-latency", type=float, default=d.inter_latency * 1e6, help="us per round")
+    t.add_argument("--tflops", type=float, default=d.attention_flops / 1e12, help="attention TFLOP/s per GPU")
+    t.add_argument("--kernel-latency", type=float, default=d.kernel_latency * 1e6, help="us per attention kernel")
+    t.add_argument("--hbm", type=float, default=d.memory_bandwidth / 1e12, help="HBM TB/s (merges)")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    o.add_argument("--plot", metavar="FILE.png", help="also draw bytes and time versus CP size")
+    o.add_argument("--plot-cp", default="8,16,32,64,128,256,512,1024", help="CP sizes of the plot")
+    return p
+
+
+def _topology(args, world_size: int) -> Topology:
+    links = dict(intra_bandwidth=args.intra_bandwidth * 1e9, inter_bandwidth=args.inter_bandwidth * 1e9,
+                 intra_latency=args.intra_latency * 1e-6, inter_latency=args.inter_latency * 1e-6,
+                 attention_flops=args.tflops * 1e12, kernel_latency=args.kernel_latency * 1e-6,
+                 memory_bandwidth=args.hbm * 1e12)
+    if args.nodes is None:
+        return Topology.for_cp(world_size, args.gpus_per_node, **links)
+    return Topology(nodes=args.nodes, gpus_per_node=args.gpus_per_node, **links)
+
+
+def _shape(args, world_size: int) -> AttentionShape:
+    if world_size < 1:
+        raise ValueError(f"--cp must be >= 1, got {world_size}")
+    if args.seq_len % (2 * world_size):
+        raise ValueError(f"--seq-len {args.seq_len} must be divisible by 2 * CP size = {2 * world_size} "
+                         "(Megatron's zigzag layout cuts the sequence into 2P halves)")
+    kv = args.kv_heads if args.kv_heads is not None else args.heads
+    return AttentionShape(seq_local=args.seq_len // world_size, batch=args.batch, heads=args.heads, kv_heads=kv,
+                          head_dim=args.head_dim, itemsize=ITEMSIZE[args.dtype])
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise ValueError(f"--modes {text!r}: unknown {bad}; allowed: {', '.join(MODES)}")
+    return modes
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _table(rows: list[ModeResult], skipped: list[dict]) -> str:
+    ring = next((r for r in rows if r.mode == "ring"), None)
+    head = ["mode", "tile", "order", "bytes/rank", "vs ring", "intra", "inter mean", "inter max", "steps",
+            "peak buf", "fwd ms", "bwd ms", "time ms", "exposed ms", "speedup"]
+    lines = [head]
+    for r in rows:
+        tile = f"{r.tile[0]}x{r.tile[1]}" if r.tile else r.detail.replace("all-to-all degree ", "a2a ")
+        vs = f"{100 * (r.bytes_per_rank / ring.bytes_per_rank - 1):+.1f}%" if ring and ring.bytes_per_rank else "-"
+        speed = f"{ring.time_s / r.time_s:.2f}x" if ring else "-"
+        lines.append([r.mode + ("*" if r.by_formula else ""), tile, r.contiguous or "-", _size(r.bytes_per_rank), vs,
+                      _size(r.intra_node_bytes_per_rank), _size(r.inter_node_bytes_per_rank),
+                      _size(r.max_inter_node_bytes), str(r.steps), _size(r.peak_buffer_bytes),
+                      f"{r.forward_s * 1e3:.2f}", f"{r.backward_s * 1e3:.2f}", f"{r.time_s * 1e3:.2f}",
+                      f"{r.exposed_comm_s * 1e3:.2f}", speed])
+    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
+    out = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+           for row in lines]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    if any(r.by_formula for r in rows):
+        out.append("* by formula (no plan): Ulysses all-to-alls priced analytically; USP's ring part is simulated")
+    out += [f"not available: {s['mode']}: {s['reason']}" for s in skipped]
+    return "\n".join(out)
+
+
+def _header(args, world_size: int, shape: AttentionShape, topo: Topology) -> str:
+    return (f"CP {world_size} on {topo.nodes_used(world_size)} node(s) x {topo.gpus_per_node} GPUs; sequence "
+            f"{args.seq_len:,} tokens ({shape.seq_local:,} per rank), batch {shape.batch}, heads {shape.heads}/"
+            f"{shape.kv_heads}, head dim {shape.head_dim}, {args.dtype}, {'causal' if args.causal else 'full'}\n"
+            f"machine: {topo.describe()}\n"
+            "bytes: sent per rank, forward + backward, one attention layer; time: simulated forward + backward\n")
+
+
+def _plot(args, modes: tuple[str, ...], path: str) -> None:
+    import matplotlib  # lazy: only --plot needs it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [int(x) for x in args.plot_cp.split(",") if x.strip()]
+    series: dict[str, list[tuple[int, ModeResult]]] = {}
+    for P in sizes:
+        rows, _ = evaluate(P, _shape(args, P), _topology(argparse.Namespace(**{**vars(args), "nodes": None}), P),
+                           causal=args.causal, modes=[m for m in PLOT_MODES if m in modes],
+                           backward_chunks=args.backward_chunks, schedule=args.schedule)
+        for r in rows:
+            series.setdefault(r.mode, []).append((P, r))
+    fig, (ax_b, ax_t) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for mode, pts in series.items():
+        xs = [p for p, _ in pts]
+        ax_b.plot(xs, [r.bytes_per_rank / 2**30 for _, r in pts], marker="o", label=mode)
+        ax_t.plot(xs, [r.time_s * 1e3 for _, r in pts], marker="o", label=mode)
+    kv = args.kv_heads if args.kv_heads is not None else args.heads
+    for ax, label in ((ax_b, "GiB sent per rank (fwd + bwd)"), (ax_t, "predicted attention time, ms (fwd + bwd)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(f"CP size ({args.gpus_per_node} GPUs per node)")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    ax_b.legend()
+    fig.suptitle(f"S = {args.seq_len:,} tokens, heads {args.heads}/{kv}, head dim {args.head_dim}, {args.dtype}, "
+                 f"{'causal' if args.causal else 'full'} (megatron-mesh-plan)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        modes = _modes(args.modes)
+        shape = _shape(args, args.cp)
+        topo = _topology(args, args.cp)
+        start = time.perf_counter()
+        rows, skipped = evaluate(args.cp, shape, topo, causal=args.causal, modes=modes,
+                                 backward_chunks=args.backward_chunks, schedule=args.schedule)
+        elapsed = time.perf_counter() - start
+        if args.plot:
+            _plot(args, modes, args.plot)
+    except ValueError as e:
+        print(f"megatron-mesh-plan: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"modes": [r.to_json() for r in rows], "skipped": skipped,
+                          "problem": {"cp": args.cp, "seq_len": args.seq_len, **vars(shape), "causal": args.causal},
+                          "topology": {k: v for k, v in vars(topo).items() if k != "node_of"},
+                          "planner_seconds": elapsed}, indent=1))
+    else:
+        print(_header(args, args.cp, shape, topo))
+        print(_table(rows, skipped))
+        print(f"\n(planned and simulated in {elapsed:.2f} s)" + (f"; plot written to {args.plot}" if args.plot else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

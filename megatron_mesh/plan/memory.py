@@ -1,0 +1,125 @@
+"""Extra buffer memory of a plan on one rank: what the executor allocates beyond the user's
+tensors, walked through the op list.
+
+Rules (the executor's, see :mod:`megatron_mesh.runtime.executor`):
+
+* a receive allocates its buffer at the ``Post`` (the transport writes into it in flight);
+* an accumulator (partial output ``o``, ``dq``, ``dkv``) is allocated at its first write;
+* an input cut from more than one token segment (a TASP slot: front + back sub-chunk) is a copy
+  and counts from the start; single-segment inputs are views of the user's tensors and do not;
+* ``Free`` releases a buffer.
+
+The final output (out + lse) and the gradient accumulators of the rank's own chunk are listed
+separately (``outputs``), not in the peaks: every mode needs them. Buffers the forward keeps for
+the backward (``backward_chunks="keep"``) are in the forward peak, listed as ``saved``, and live
+at the start of the backward.
+
+Worked example (ring attention, P = 2, forward): round 1 allocates the incoming KV chunk (2
+tensors of T tokens x Hkv heads), the accumulator of the own output is an output, so the forward
+peak is one KV chunk; the backward receives KV and then the incoming dK/dV (fp32), and holds the
+dK/dV partial of the remote chunk while it travels: peak KV + 2 dKV.
+
+The executor's pool keeps freed buffers for reuse, so what it holds is the per-kind high-water
+mark (``held``), which is at least the live peak.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from .accounting import AttentionShape, buffer_bytes
+from .ir import AddGrad, Attend, AttendBackward, Free, MergeOut, Plan, Post
+
+__all__ = ["BufferMemory", "buffer_memory"]
+
+
+@dataclass(frozen=True)
+class BufferMemory:
+    """Bytes on one rank (see the module docstring)."""
+
+    forward_peak: int
+    backward_peak: int
+    saved: int
+    outputs: int
+    held: int  # what the executor's buffer pool holds at most (per-kind high-water marks)
+
+    @property
+    def peak(self) -> int:
+        return max(self.forward_peak, self.backward_peak)
+
+
+class _Walk:
+    def __init__(self, plan: Plan, shape: AttentionShape, exclude):
+        self.plan, self.shape, self.exclude = plan, shape, set(exclude)
+        self.live: dict = {}
+        self.total = self.peak = 0
+        self.count: Counter = Counter()
+        self.high: Counter = Counter()
+        self.size_of: dict = {}
+
+    def bytes(self, key) -> int:
+        return buffer_bytes(key.kind, self.plan.tokens(key), self.shape)
+
+    def add(self, key, pooled: bool = True) -> None:
+        if key in self.live or key in self.exclude:
+            return
+        n = self.bytes(key)
+        self.total += n
+        self.peak = max(self.peak, self.total)
+        kind = (key.kind, self.plan.tokens(key)) if pooled else None
+        self.live[key] = (n, kind)
+        if kind is not None:
+            self.size_of[kind] = n
+            self.count[kind] += 1
+            self.high[kind] = max(self.high[kind], self.count[kind])
+
+    def free(self, key) -> None:
+        entry = self.live.pop(key, None)
+        if entry is not None:
+            n, kind = entry
+            self.total -= n
+            if kind is not None:
+                self.count[kind] -= 1
+
+    def run(self, ops) -> None:
+        for op in ops:
+            if isinstance(op, Post):
+                for t in op.recvs:
+                    self.add(t.key)
+            elif isinstance(op, Attend):
+                self.add(op.out)
+            elif isinstance(op, AttendBackward):
+                self.add(op.dq)
+                for k in op.dkv:
+                    self.add(k)
+            elif isinstance(op, (MergeOut, AddGrad)):
+                self.add(op.dst)
+            elif isinstance(op, Free):
+                self.free(op.key)
+
+    def held(self) -> int:
+        return sum(self.size_of[k] * n for k, n in self.high.items())
+
+
+def buffer_memory(plan: Plan, shape: AttentionShape, rank: int = 0) -> BufferMemory:
+    """Peak extra buffer bytes of ``rank`` in the forward and the backward of ``plan``."""
+    rp = plan.rank(rank)
+    outputs = (rp.output, rp.grad_q, rp.grad_kv)
+    out_bytes = sum(buffer_bytes(k.kind, plan.tokens(k), shape) for k in outputs)
+
+    fwd = _Walk(plan, shape, outputs)
+    for key, segs in rp.forward_inputs.items():
+        if len(segs) > 1:
+            fwd.add(key)
+    fwd.run(rp.forward)
+    saved = sum(buffer_bytes(k.kind, plan.tokens(k), shape) for k in rp.saved)
+
+    bwd = _Walk(plan, shape, outputs)
+    for key in rp.saved:
+        bwd.add(key, pooled=False)  # the forward's buffers, handed over (not pooled by the backward)
+    for key, segs in rp.backward_inputs.items():
+        if len(segs) > 1:
+            bwd.add(key)
+    bwd.run(rp.backward)
+    return BufferMemory(fwd.peak, bwd.peak, saved, out_bytes, max(fwd.held(), bwd.held() + saved))

@@ -1,0 +1,455 @@
+"""Discrete-event simulation of a :class:`~megatron_mesh.plan.ir.Plan` on a :class:`Topology`:
+predicted forward and backward time of one attention call, and how much communication is exposed.
+
+It walks the *same op lists the executor runs* and prices each op:
+
+* **Compute stream** (one per rank, in op order). ``Attend``: 4 * batch * heads * head_dim FLOPs
+  per (query, key) pair the block computes (:func:`~.accounting.block_pairs`: a causal diagonal
+  block of n tokens computes n(n+1)/2 pairs, about half), at ``attention_flops``, plus
+  ``kernel_latency`` per call, plus the fp32 merge into the accumulator at ``memory_bandwidth``.
+  ``AttendBackward``: 2.5x the forward FLOPs (FlashAttention's backward does 5 matmuls to the
+  forward's 2) plus the dQ/dKV accumulation. ``MergeOut``/``AddGrad``: read two buffers, write
+  one, at ``memory_bandwidth``. ``Free`` costs nothing.
+* **Communication stream** (one per rank; NCCL runs a rank's rounds in posting order). ``Post(t)``
+  starts round t once the compute issued before it has finished (the NCCL stream waits on the
+  compute stream at the call, as PyTorch's ProcessGroupNCCL does) and the rank's previous round
+  has completed. The round takes ``latency + max(egress, ingress) / bandwidth`` per link class
+  ("intra"/"inter", :class:`Topology`), the slower class deciding: transfers of a round that
+  leave (enter) a GPU on the same class share its egress (ingress) bandwidth, e.g. TASP's seven
+  NVLink sends of one step, or one NIC per GPU. ``Wait(t)`` stalls the compute stream until
+  round t has completed. Exposed communication = time - compute.
+
+Approximations (say them with every number):
+
+1. **Lockstep peers.** Every rank posts round t when the simulated ranks do, and round t lasts
+   as long as on the *slowest* rank of the whole group (its link classes and loads). A ring is as
+   fast as its slowest hop, so this is the steady state of ring-shaped plans; it is pessimistic
+   for ranks whose own hops are fast when the slow hop's delay would take several rounds to
+   reach them.
+2. **SPMD.** Compute is taken from rank 0 (``ranks=`` simulates more): every Mesh tile and TASP
+   step gives every rank the same work in Megatron's zigzag layout, and every rank posts its
+   rounds in the same order.
+3. **Traffic by ring.** Rank 0's transfers are matched to the rings of ``plan.rings``; every rank
+   is assumed to move the same bytes to its own neighbours on the same rings, which gives each
+   rank's link classes in O(P) instead of building P op lists (rank P-1's real rounds are checked
+   against the prediction; ``exact=True`` reads every rank's rounds instead).
+4. Not modelled: contention between communication and compute for SMs or HBM, NCCL protocol
+   and chunking effects, network congestion beyond one NIC per GPU, CPU launch overhead.
+
+Worked example (ring attention, P = 2 ranks, one node, causal; every block costs c; round 1
+moves one KV chunk in time m)::
+
+    compute  |-- block (0,0) c --|.......wait.......|-- block (0,1) c --|
+    comm     |-------- round 1 (KV chunk 1 -> 0) m --------|
+    time = max(c, m) + c: the transfer hides behind the local diagonal block when m <= c.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from .accounting import AttentionShape, block_pairs, buffer_bytes
+from .ir import AddGrad, Attend, AttendBackward, MergeOut, Op, Plan, Post, Wait
+from .topology import LINK_CLASSES, Topology
+
+__all__ = ["Event", "PhaseResult", "SimResult", "simulate", "RoundTraffic", "round_traffic", "BACKWARD_FLOPS"]
+
+BACKWARD_FLOPS = 2.5  # backward FLOPs / forward FLOPs of one block (5 matmuls vs 2)
+_DIRECTIONS = ("forward", "backward")
+
+
+class Event(NamedTuple):
+    """One interval on a rank's timeline (seconds from the start of the direction)."""
+
+    rank: int
+    stream: str  # "compute" or "comm"
+    start: float
+    end: float
+    what: str
+
+
+@dataclass(frozen=True)
+class PhaseResult:
+    """One direction (forward or backward) of one attention call."""
+
+    time: float  # wall time, slowest simulated rank
+    compute: float  # busy time of that rank's compute stream
+    rounds: int  # communication rounds (Posts) per rank
+    bytes_sent: int  # per rank (rank 0; every rank sends the same in SPMD plans)
+    intra_bytes: float  # sent over intra-node links, mean over ranks
+    inter_bytes: float  # sent over inter-node links, mean over ranks
+    max_inter_bytes: int  # the rank that sends the most across nodes
+    timeline: tuple[Event, ...] = ()
+
+    @property
+    def exposed_comm(self) -> float:
+        return max(0.0, self.time - self.compute)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    forward: PhaseResult
+    backward: PhaseResult
+    exact: bool = False
+
+    @property
+    def time(self) -> float:
+        return self.forward.time + self.backward.time
+
+    @property
+    def compute(self) -> float:
+        return self.forward.compute + self.backward.compute
+
+    @property
+    def exposed_comm(self) -> float:
+        return self.forward.exposed_comm + self.backward.exposed_comm
+
+    @property
+    def rounds(self) -> int:
+        return self.forward.rounds + self.backward.rounds
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.forward.bytes_sent + self.backward.bytes_sent
+
+    @property
+    def inter_bytes(self) -> float:
+        return self.forward.inter_bytes + self.backward.inter_bytes
+
+    @property
+    def intra_bytes(self) -> float:
+        return self.forward.intra_bytes + self.backward.intra_bytes
+
+    @property
+    def max_inter_bytes(self) -> int:
+        return self.forward.max_inter_bytes + self.backward.max_inter_bytes
+
+
+# -- traffic: per-round durations and per-rank link bytes ------------------------------------------
+@dataclass(frozen=True)
+class RoundTraffic:
+    """What the communication of one direction costs, over all ranks.
+
+    ``duration[t]``: round t's duration on the slowest rank; ``sent[r]`` / ``inter[r]``: bytes
+    rank r sends in total / across nodes (``None`` when only summarised); ``mean_*``/``max_*``
+    summarise over all ranks.
+    """
+
+    duration: dict[int, float]
+    bytes_sent: int
+    mean_intra: float
+    mean_inter: float
+    max_inter: int
+    sent: tuple[int, ...] | None = None
+    received: tuple[int, ...] | None = None
+    inter: tuple[int, ...] | None = None
+
+
+def _round_time(loads: dict[tuple[str, bool], int], topo: Topology) -> float:
+    """Duration of one rank's round from its bytes per (link class, is_send)."""
+    t = 0.0
+    for link in LINK_CLASSES:
+        out, inc = loads.get((link, True), 0), loads.get((link, False), 0)
+        if out or inc:
+            t = max(t, topo.latency(link) + max(out, inc) / topo.bandwidth(link))
+    return t
+
+
+def _posts(ops) -> list[Post]:
+    return [op for op in ops if isinstance(op, Post)]
+
+
+def _nbytes(plan: Plan, key, shape: AttentionShape, cache: dict) -> int:
+    ck = (key.kind, key.slot)
+    n = cache.get(ck)
+    if n is None:
+        n = cache[ck] = buffer_bytes(key.kind, plan.tokens(key), shape)
+    return n
+
+
+def round_traffic(plan: Plan, shape: AttentionShape, topo: Topology, direction: str,
+                  exact: bool = False) -> RoundTraffic:
+    """Per-round durations and link bytes of ``direction`` (see :class:`RoundTraffic`).
+
+    ``exact``: read every rank's rounds (O(P x rounds) op objects); otherwise derive them from
+    rank 0's rounds and ``plan.rings`` (approximation 3 of the module docstring), falling back to
+    the exact reading when rank 0's transfers do not follow the plan's rings.
+    """
+    topo.check(plan.world_size)
+    if not exact:
+        fast = _RingTraffic.build(plan, shape, topo, direction)
+        if fast is not None:
+            return fast
+    return _exact_traffic(plan, shape, topo, direction)
+
+
+def _exact_traffic(plan: Plan, shape: AttentionShape, topo: Topology, direction: str) -> RoundTraffic:
+    cache: dict = {}
+    duration: dict[int, float] = {}
+    sent, received, inter, intra = [], [], [], []
+    for r in range(plan.world_size):
+        s = rcv = x = i = 0
+        for post in _posts(plan.round_ops(r, direction)):
+            loads: Counter = Counter()
+            for t in post.sends:
+                n = _nbytes(plan, t.key, shape, cache)
+                link = topo.link(r, t.peer)
+                loads[(link, True)] += n
+                s += n
+                if link == "inter":
+                    x += n
+                else:
+                    i += n
+            for t in post.recvs:
+                n = _nbytes(plan, t.key, shape, cache)
+                loads[(topo.link(t.peer, r), False)] += n
+                rcv += n
+            duration[post.round] = max(duration.get(post.round, 0.0), _round_time(loads, topo))
+        sent.append(s)
+        received.append(rcv)
+        inter.append(x)
+        intra.append(i)
+    P = plan.world_size
+    return RoundTraffic(duration, sent[0], sum(intra) / P, sum(inter) / P, max(inter), tuple(sent),
+                        tuple(received), tuple(inter))
+
+
+class _RingTraffic:
+    """Approximation 3: every rank's round t moves rank 0's bytes to its own ring neighbours.
+
+    A transfer of rank 0 is labelled by the ring it travels on: (family, ring index, send/recv).
+    On rank r the same label means: the successor (send) or predecessor (receive) of r on that
+    ring if r is on it, else on the ring of the same family that holds r (Mesh: r's own Q or KV
+    ring). Ranks with the same link class for every label are interchangeable, so each round is
+    priced once per class pattern.
+    """
+
+    def __init__(self, plan: Plan):
+        self.plan, P = plan, plan.world_size
+        self.arc: dict[tuple[int, int], tuple[str, int] | None] = {}  # None: on two rings
+        self.next: dict[tuple[str, int], dict[int, int]] = {}
+        self.prev: dict[tuple[str, int], dict[int, int]] = {}
+        self.holder: dict[str, list[int]] = {}  # family -> rank -> the one ring holding it (-1: none/several)
+        for fam, rs in plan.rings.items():
+            holder = self.holder[fam] = [-1] * P
+            seen = [0] * P
+            for k, ring in enumerate(rs):
+                n = len(ring)
+                nxt = self.next[(fam, k)] = {u: ring[(i + 1) % n] for i, u in enumerate(ring)}
+                self.prev[(fam, k)] = {u: ring[(i - 1) % n] for i, u in enumerate(ring)}
+                for u in ring:
+                    seen[u] += 1
+                    holder[u] = k if seen[u] == 1 else -1
+                    if n > 1:
+                        a = (u, nxt[u])
+                        self.arc[a] = None if a in self.arc else (fam, k)
+
+    def peers(self, fam: str, k: int, is_send: bool) -> list[int] | None:
+        """Every rank's peer for label (fam, k, is_send), or None if some rank has no such ring."""
+        table = self.next if is_send else self.prev
+        own, holder = table[(fam, k)], self.holder[fam]
+        out = []
+        for r in range(self.plan.world_size):
+            p = own.get(r)
+            if p is None:
+                h = holder[r]
+                if h < 0:
+                    return None
+                p = table[(fam, h)][r]
+            out.append(p)
+        return out
+
+    @classmethod
+    def build(cls, plan: Plan, shape: AttentionShape, topo: Topology, direction: str) -> RoundTraffic | None:
+        P = plan.world_size
+        if P == 1:
+            return RoundTraffic({}, 0, 0.0, 0.0, 0, (0,), (0,), (0,))
+        self = cls(plan)
+        cache: dict = {}
+        labels: dict[tuple[str, int, bool], int] = {}
+        rounds: list[tuple[int, list[tuple[int, int]]]] = []  # round -> [(label index, bytes)]
+        for post in _posts(plan.round_ops(0, direction)):
+            items = []
+            for is_send, transfers in ((True, post.sends), (False, post.recvs)):
+                for t in transfers:
+                    ring = self.arc.get((0, t.peer) if is_send else (t.peer, 0))
+                    if ring is None:
+                        return None
+                    li = labels.setdefault((*ring, is_send), len(labels))
+                    items.append((li, _nbytes(plan, t.key, shape, cache)))
+            rounds.append((post.round, items))
+        label_list = list(labels)
+        peers = [self.peers(*label) for label in label_list]  # label -> rank -> peer
+        if any(p is None for p in peers):
+            return None
+        if not cls._matches(plan, direction, P - 1, rounds, label_list, [p[P - 1] for p in peers], shape, cache):
+            return None
+        node = [topo.node(r) for r in range(P)]
+        links = [["intra" if node[r] == node[p] else "inter" for r, p in enumerate(row)] for row in peers]
+        return cls._summarise(rounds, label_list, links, topo, P)
+
+    @staticmethod
+    def _matches(plan, direction, r, rounds, label_list, peers_r, shape, cache) -> bool:
+        """Rank r's real rounds are the predicted ones (same peers, same bytes, same order)."""
+        real = _posts(plan.round_ops(r, direction))
+        if [p.round for p in real] != [t for t, _ in rounds]:
+            return False
+        for post, (_, items) in zip(real, rounds):
+            got = sorted([(True, t.peer, _nbytes(plan, t.key, shape, cache)) for t in post.sends]
+                         + [(False, t.peer, _nbytes(plan, t.key, shape, cache)) for t in post.recvs])
+            if got != sorted((label_list[li][2], peers_r[li], n) for li, n in items):
+                return False
+        return True
+
+    @staticmethod
+    def _summarise(rounds, label_list, links, topo: Topology, P: int) -> RoundTraffic:
+        patterns = Counter(zip(*links))  # rank -> its link class per label; equal rows price alike
+        duration: dict[int, float] = {}
+        priced: dict[tuple, float] = {}  # most rounds repeat the same transfers (a ring step)
+        sent_by_label: Counter = Counter()
+        for t, items in rounds:
+            sig = tuple(items)
+            worst = priced.get(sig)
+            if worst is None:
+                worst = 0.0
+                for pattern in patterns:
+                    loads: Counter = Counter()
+                    for li, n in items:
+                        loads[(pattern[li], label_list[li][2])] += n
+                    worst = max(worst, _round_time(loads, topo))
+                priced[sig] = worst
+            duration[t] = worst
+            for li, n in items:
+                if label_list[li][2]:
+                    sent_by_label[li] += n
+        total = sum(sent_by_label.values())
+        inter_of = {pattern: sum(n for li, n in sent_by_label.items() if pattern[li] == "inter") for pattern in patterns}
+        mean_inter = sum(inter_of[p] * c for p, c in patterns.items()) / P
+        return RoundTraffic(duration, total, total - mean_inter, mean_inter, max(inter_of.values()))
+
+
+# -- compute costs ------------------------------------------------------------------------------------
+def _compute_cost(plan: Plan, op: Op, shape: AttentionShape, topo: Topology) -> float:
+    """Seconds the compute stream spends on ``op`` (0 for comm and Free ops)."""
+    if isinstance(op, (Attend, AttendBackward)):
+        pairs = block_pairs(plan, op)
+        flops = 4.0 * shape.batch * shape.heads * shape.head_dim * pairs
+        rows = plan.tokens(op.q) // (1 if op.q_half == "all" else 2)
+        acc = 4  # fp32 accumulators: read + write the accumulator, read the block result
+        if isinstance(op, Attend):
+            moved = 3 * shape.batch * shape.heads * rows * (shape.head_dim + 1) * acc
+        else:
+            flops *= BACKWARD_FLOPS
+            cols = sum(plan.tokens(k) // (1 if op.kv_half == "all" else 2) for k in op.kv)
+            moved = 3 * shape.batch * shape.head_dim * acc * (shape.heads * rows + 2 * shape.kv_heads * cols)
+        return flops / topo.attention_flops + topo.kernel_latency + moved / topo.memory_bandwidth
+    if isinstance(op, (MergeOut, AddGrad)):
+        n = buffer_bytes(op.src.kind, plan.tokens(op.src), shape)
+        return 3 * n / topo.memory_bandwidth
+    return 0.0
+
+
+def _cost_signature(op: Op) -> tuple:
+    """What an op's cost depends on (buffer sizes and masks, not which chunks): ops of a plan
+    repeat a handful of signatures."""
+    if isinstance(op, (Attend, AttendBackward)):
+        return (type(op), op.q.slot, op.q_half, op.kv_half, op.causal, tuple(k.slot for k in op.kv))
+    if isinstance(op, (MergeOut, AddGrad)):
+        return (type(op), op.src.kind, op.src.slot)
+    return (type(op),)
+
+
+# -- the lockstep timeline -------------------------------------------------------------------------
+@dataclass
+class _Rank:
+    rank: int
+    ops: tuple
+    pc: int = 0
+    clock: float = 0.0  # compute stream
+    busy: float = 0.0
+    events: list = field(default_factory=list)
+
+
+def _run_lockstep(plan: Plan, shape: AttentionShape, topo: Topology, direction: str, ranks: list[int],
+                  duration: dict[int, float], timeline: bool) -> tuple[float, float, int, list[Event]]:
+    """Step the simulated ranks together; round t starts when every one of them has posted it
+    and the previous round has completed (approximation 1). Returns (time, compute of the
+    slowest rank, rounds, events)."""
+    states = [_Rank(r, plan.rank(r).ops(direction)) for r in ranks]
+    posted: dict[int, list[float]] = {}
+    order: list[int] = []  # rounds in posting order
+    done: dict[int, float] = {}
+    comm_free, resolved = 0.0, 0
+    costs: dict = {}
+    while True:
+        moved = False
+        for st in states:
+            while st.pc < len(st.ops):
+                op = st.ops[st.pc]
+                if isinstance(op, Wait):
+                    if op.round not in done:
+                        break
+                    if timeline and done[op.round] > st.clock:
+                        st.events.append(Event(st.rank, "compute", st.clock, done[op.round], f"wait {op.round}"))
+                    st.clock = max(st.clock, done[op.round])
+                elif isinstance(op, Post):
+                    if op.round not in posted:
+                        posted[op.round] = []
+                        order.append(op.round)
+                    posted[op.round].append(st.clock)
+                else:
+                    sig = _cost_signature(op)
+                    c = costs.get(sig)
+                    if c is None:
+                        c = costs[sig] = _compute_cost(plan, op, shape, topo)
+                    if c:
+                        if timeline:
+                            st.events.append(Event(st.rank, "compute", st.clock, st.clock + c, type(op).__name__))
+                        st.clock += c
+                        st.busy += c
+                st.pc += 1
+                moved = True
+        while resolved < len(order) and len(posted[order[resolved]]) == len(states):
+            t = order[resolved]
+            start = max(max(posted[t]), comm_free)
+            done[t] = comm_free = start + duration.get(t, 0.0)
+            if timeline:
+                for st in states:
+                    st.events.append(Event(st.rank, "comm", start, done[t], f"round {t}"))
+            resolved += 1
+            moved = True
+        if all(st.pc == len(st.ops) for st in states):
+            break
+        if not moved:
+            stuck = {st.rank: str(st.ops[st.pc]) for st in states if st.pc < len(st.ops)}
+            raise ValueError(f"{direction}: simulated ranks block forever (not lockstep-compatible): {stuck}")
+    slowest = max(states, key=lambda s: s.clock)
+    time = max(slowest.clock, comm_free)
+    events = sorted((e for st in states for e in st.events), key=lambda e: (e.rank, e.start)) if timeline else []
+    return time, slowest.busy, len(order), events
+
+
+def simulate(plan: Plan, shape: AttentionShape, topology: Topology | None = None, *, exact: bool = False,
+             timeline: bool = False, ranks: list[int] | None = None) -> SimResult:
+    """Predicted time of ``plan`` (forward, backward) on ``topology`` (default: H100 nodes of 8).
+
+    ``ranks``: the ranks whose compute is simulated (default rank 0, approximation 2);
+    ``exact``: derive round durations from every rank's rounds; ``timeline``: keep the events.
+    """
+    topo = topology if topology is not None else Topology.for_cp(plan.world_size)
+    if shape.seq_local != plan.seq_local:
+        raise ValueError(f"shape.seq_local {shape.seq_local} != the plan's {plan.seq_local}")
+    sim_ranks = sorted(set(ranks if ranks is not None else (0,)))
+    if not sim_ranks or not all(0 <= r < plan.world_size for r in sim_ranks):
+        raise ValueError(f"ranks {ranks} must be a non-empty subset of 0..{plan.world_size - 1}")
+    for r in sim_ranks:  # build the simulated ranks first: their rounds are then read off their ops
+        plan.rank(r)
+    phases = []
+    for direction in _DIRECTIONS:
+        traffic = round_traffic(plan, shape, topo, direction, exact=exact)
+        time, busy, rounds, events = _run_lockstep(plan, shape, topo, direction, sim_ranks, traffic.duration, timeline)
+        phases.append(PhaseResult(time, busy, rounds, traffic.bytes_sent, traffic.mean_intra, traffic.mean_inter,
+                                  traffic.max_inter, tuple(events)))
+    return SimResult(*phases, exact=exact)

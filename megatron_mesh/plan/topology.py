@@ -1,0 +1,131 @@
+"""The machine a plan runs on, as the simulator sees it: nodes of GPUs, two link classes, and
+how fast a GPU computes attention.
+
+Rank -> node map: the CP group's ranks are **consecutive within a node** (Megatron orders CP
+ranks so; with tensor parallelism inside the node, pass ``gpus_per_node`` = the number of *CP
+ranks* per node, or an explicit ``node_of``). Rank r sits on node ``r // gpus_per_node``.
+
+Link classes: ``"intra"`` (two ranks on one node: NVLink through NVSwitch) and ``"inter"``
+(different nodes: one NIC per GPU, through the InfiniBand fabric). Each GPU has its own egress
+and ingress budget per class: transfers of one round that leave a GPU on the same class share
+its bandwidth; the two classes run side by side.
+
+Worked example (2 nodes x 4 GPUs)::
+
+    rank:  0 1 2 3 | 4 5 6 7          link(3, 4) == "inter"   link(1, 2) == "intra"
+    node:  0 0 0 0 | 1 1 1 1
+
+Defaults (one H100 SXM5 GPU of a DGX/HGX H100 node; all assumptions, override them with
+measured values):
+
+* ``intra_bandwidth`` 450e9 B/s per direction: NVLink 4 gives an H100 SXM5 900 GB/s of total
+  (bidirectional) NVLink bandwidth (NVIDIA H100 datasheet); through NVSwitch one GPU can send
+  all of it to any peer. Achieved NCCL bandwidth is lower; nccl-tests all_reduce busbw on
+  8x H100 SXM5 reaches about 460-480 GB/s against this 450 GB/s per direction.
+* ``inter_bandwidth`` 50e9 B/s per direction: one 400 Gb/s NDR InfiniBand port (ConnectX-7) per
+  GPU, as in DGX H100 (8 compute-fabric ports per 8 GPUs). Line rate; no congestion modelled.
+* ``intra_latency`` 5 us, ``inter_latency`` 10 us: the fixed cost of one point-to-point round
+  (kernel launch, handshake, first byte). Order-of-magnitude assumptions, not measurements;
+  ``nccl-tests``' ``sendrecv_perf`` at small sizes measures them on a real machine.
+* ``attention_flops`` 400e12 FLOP/s: sustained attention throughput (forward; the backward is
+  modelled as 2.5x the forward FLOPs at the same rate). FlashAttention-3 measures 430-620
+  TFLOP/s forward at head dim 128 on H100 SXM5 and the Triton FlashAttention-2 330-480
+  (pytorch/benchmark PR #2391, bf16, 512-16K tokens); 400 is a round, slightly conservative
+  value. Small blocks run below it -- see ``kernel_latency``.
+* ``kernel_latency`` 5 us: fixed cost per attention kernel call (launch and tail effects).
+* ``memory_bandwidth`` 3.35e12 B/s: H100 SXM5 HBM3 (datasheet); prices the element-wise
+  merges of partial outputs and gradient accumulators.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+__all__ = ["Topology", "LINK_CLASSES"]
+
+LINK_CLASSES = ("intra", "inter")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """``nodes`` x ``gpus_per_node`` GPUs, CP ranks consecutive within a node (see module doc).
+
+    ``node_of``, when given, is the node of each CP rank (overrides the consecutive map; use it
+    for CP groups whose ranks are strided across nodes).
+    """
+
+    nodes: int = 1
+    gpus_per_node: int = 8
+    intra_bandwidth: float = 450e9
+    inter_bandwidth: float = 50e9
+    intra_latency: float = 5e-6
+    inter_latency: float = 10e-6
+    attention_flops: float = 400e12
+    kernel_latency: float = 5e-6
+    memory_bandwidth: float = 3.35e12
+    node_of: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "gpus_per_node"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        for name in ("intra_bandwidth", "inter_bandwidth", "attention_flops", "memory_bandwidth"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("intra_latency", "inter_latency", "kernel_latency"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.node_of is not None:
+            object.__setattr__(self, "node_of", tuple(int(n) for n in self.node_of))
+
+    @classmethod
+    def for_cp(cls, world_size: int, gpus_per_node: int = 8, **links) -> "Topology":
+        """The smallest machine of ``gpus_per_node``-GPU nodes that holds a CP group of
+        ``world_size`` consecutive ranks (e.g. 256 ranks -> 32 nodes x 8)."""
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        return cls(nodes=-(-world_size // gpus_per_node), gpus_per_node=gpus_per_node, **links)
+
+    @property
+    def capacity(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def with_(self, **changes) -> "Topology":
+        """A copy with some fields changed (``dataclasses.replace``)."""
+        return replace(self, **changes)
+
+    def check(self, world_size: int) -> None:
+        """Raise ValueError unless a CP group of ``world_size`` ranks fits this machine."""
+        if self.node_of is not None:
+            if len(self.node_of) < world_size:
+                raise ValueError(f"node_of names the nodes of {len(self.node_of)} ranks, the CP group has {world_size}")
+            return
+        if world_size > self.capacity:
+            raise ValueError(f"a CP group of {world_size} ranks does not fit {self.nodes} nodes x "
+                             f"{self.gpus_per_node} GPUs ({self.capacity} GPUs); allowed: CP size <= {self.capacity}")
+
+    def node(self, rank: int) -> int:
+        """The node of CP rank ``rank``."""
+        if self.node_of is not None:
+            return self.node_of[rank]
+        return rank // self.gpus_per_node
+
+    def nodes_used(self, world_size: int) -> int:
+        return len({self.node(r) for r in range(world_size)})
+
+    def link(self, src: int, dst: int) -> str:
+        """Link class of a transfer from rank ``src`` to rank ``dst``: "intra" or "inter"."""
+        return "intra" if self.node(src) == self.node(dst) else "inter"
+
+    def bandwidth(self, link: str) -> float:
+        return self.intra_bandwidth if link == "intra" else self.inter_bandwidth
+
+    def latency(self, link: str) -> float:
+        return self.intra_latency if link == "intra" else self.inter_latency
+
+    def describe(self) -> str:
+        return (f"{self.nodes} node(s) x {self.gpus_per_node} GPUs; intra {self.intra_bandwidth / 1e9:g} GB/s "
+                f"{self.intra_latency * 1e6:g} us, inter {self.inter_bandwidth / 1e9:g} GB/s "
+                f"{self.inter_latency * 1e6:g} us per GPU per direction; attention "
+                f"{self.attention_flops / 1e12:g} TFLOP/s, {self.kernel_latency * 1e6:g} us per kernel, "
+                f"HBM {self.memory_bandwidth / 1e12:g} TB/s")

@@ -1,0 +1,125 @@
+"""Megatron test cases run inside spawned gloo process groups (see megatron_mesh.launch.spawn).
+
+:func:`gpt_equivalence` builds a tiny Megatron-Core GPTModel twice with identical weights: with
+context parallelism (the plugin's core attention, each rank holding Megatron's zigzag chunk of
+every sequence) and without (CP size 1, Megatron's own local DotProductAttention, the full
+sequence on every rank). Summed over the CP group, the per-token losses must equal the
+reference's, and the parameter gradients all-reduced over the CP group (what Megatron's DDP does
+over data x context parallel ranks) must equal the reference gradients.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import torch
+import torch.distributed as dist
+
+VOCAB, SEQ, BATCH = 128, 32, 2
+
+
+def _setup_megatron():
+    from megatron_mesh.megatron import cpu_compat
+
+    cpu_compat.install_model_patches()
+
+
+def _config(tp: int, cp: int, heads: tuple[int, int], cp_comm_type, **plugin):
+    from megatron_mesh.megatron.args import MeshTransformerConfig
+
+    return MeshTransformerConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=heads[0], num_query_groups=heads[1], ffn_hidden_size=128,
+        tensor_model_parallel_size=tp, context_parallel_size=cp, cp_comm_type=cp_comm_type if cp > 1 else None,
+        use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        attention_dropout=0.0, hidden_dropout=0.0, **plugin)
+
+
+def _build(config, spec, pgc, position):
+    from megatron.core.models.gpt import GPTModel
+
+    torch.manual_seed(1234)  # identical weights in both models and on every CP rank
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                    position_embedding_type=position, pg_collection=pgc)
+
+
+def _batch(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return dict(tokens=tokens, labels=torch.roll(tokens, -1, 1),
+                position_ids=torch.arange(SEQ).expand(BATCH, SEQ).contiguous(), attention_mask=None)
+
+
+def _run(model, batch):
+    losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])  # [b, s_local]
+    loss = losses.sum()
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def _reference(tp: int, heads, position, single_pgc):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    model = _build(_config(tp, 1, heads, None), get_gpt_layer_local_spec(), single_pgc, position)
+    return _run(model, _batch(7))
+
+
+def _compare(rank, case, loss, grads, ref_loss, ref_grads, cp_group):
+    loss = loss.clone()
+    dist.all_reduce(loss, group=cp_group)
+    worst = 0.0
+    for name, g in grads.items():
+        g = g.clone()
+        dist.all_reduce(g, group=cp_group)
+        want = ref_grads[name]
+        worst = max(worst, ((g - want).abs().max() / want.abs().max().clamp_min(1e-12)).item())
+    missing = sorted(set(ref_grads) ^ set(grads))
+    return dict(case=case, loss=loss.item(), ref_loss=ref_loss.item(), grad_rel_err=worst, missing=missing)
+
+
+def _cases(cp: int):
+    """(label, cp_comm_type, plugin settings) of every CP mode to check at CP size ``cp``."""
+    tiles = [f"{a}x{cp // a}" for a in range(1, cp + 1) if cp % a == 0]
+    out = [(f"mesh {t}", "mesh", dict(mesh_tile_shape=t)) for t in tiles]
+    out += [("mesh auto", "mesh", {}), ("tasp", "tasp", {}), ("ring", "ring", {}),
+            ("per-layer mesh tasp", ["mesh", "tasp"], dict(mesh_tile_shape=f"{cp // 2}x2" if cp % 2 == 0 else "auto"))]
+    return out
+
+
+def gpt_equivalence(rank: int, world: int, layouts) -> list[dict]:
+    """For each (tp, cp, positions, heads) in ``layouts``: every mode of :func:`_cases` vs CP=1."""
+    _setup_megatron()
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from megatron_mesh.megatron import groups
+    from megatron_mesh.megatron.spec import gpt_local_layer_spec
+
+    singles = [dist.new_group([r]) for r in range(world)]  # collective: every rank makes every group
+    records = []
+    for tp, cp, positions, head_sets in layouts:
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+        tensor_parallel.model_parallel_cuda_manual_seed(123)
+        pgc = ProcessGroupCollection.use_mpu_process_groups()
+        single_pgc = copy.copy(pgc)
+        single_pgc.cp = singles[rank]
+        cp_group = ps.get_context_parallel_group()
+        local = get_batch_on_this_cp_rank(_batch(7), is_hybrid_cp=False, cp_group=cp_group)
+        for position, heads in itertools.product(positions, head_sets):
+            ref_loss, ref_grads = _reference(tp, heads, position, single_pgc)
+            for label, mode, plugin in _cases(cp):
+                config = _config(tp, cp, heads, mode, **plugin)
+                model = _build(config, gpt_local_layer_spec(config), pgc, position)
+                kinds = sorted({type(l.self_attention.core_attention).__name__ for l in model.decoder.layers})
+                loss, grads = _run(model, local)
+                rec = _compare(rank, f"TP={tp} CP={cp} {position} heads={heads} {label}", loss, grads,
+                               ref_loss, ref_grads, cp_group)
+                rec["attention_modules"] = kinds
+                rec["modes"] = [l.self_attention.core_attention.mode for l in model.decoder.layers]
+                records.append(rec)
+        groups.destroy_groups()
+        ps.destroy_model_parallel()
+    return records
