@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """How much does cutting attention into a plan's tile of blocks cost, on one device?
 
-For each local sequence length and each plan (ring 1xP, Mesh tiles), causal, it times:
+For each local sequence length and each plan (ring 1xP, Mesh tiles, TASP), causal, it times:
 
 (a) **fused**: one attention call of the block kernel over the whole problem -- causal attention of
     the full sequence S = P x s_local -- divided by P: the time one rank would need if its share
@@ -18,7 +18,8 @@ Both modes do the same useful FLOPs (the plan covers the causal matrix exactly o
 = TFLOP/s(b) / TFLOP/s(a); the goal is >= 0.90. Peak memory per mode is
 ``torch.cuda.max_memory_allocated`` above what was allocated before the mode (inputs excluded),
 for all P virtual ranks together and per rank (/P); on the CPU it is not measured. Max errors
-compare the tiled outputs and gradients with the fused ones.
+compare the tiled outputs and gradients with the fused ones. The JSON's ``meta.calibration``
+holds the fused kernel's measured FLOP/s for the planner (``Topology(attention_flops=...)``).
 
     python scripts/bench_kernels.py                       # CUDA if available, else small CPU shapes
     python scripts/bench_kernels.py --seq-local 2048 8192 --world 8 --tiles 1x8 2x4 --json out.json
@@ -194,11 +195,9 @@ def run(args) -> tuple[list[Row], dict]:
             rows.append(Row(s_local, "fused", direction, 1e3 * t / P, flops / (t / P) / 1e12, 1.0, 1e3 * t / P, 1.0,
                             peak, peak / P if peak is not None else None, None))
         for tile in args.tiles:
-            a, b = parse_tile(tile, P)
-            plan = build_mesh_plan(P, (a, b), shape, causal=True)
+            plan, mode = build_plan(tile, P, shape)
             tiled = bench_tiled(dev, plan, kernel, shards, scale, args.iters, args.warmup)
             errors = max_errors(fused[0][2][0], fused[1][2], tiled)
-            mode = f"ring 1x{P}" if a == 1 else f"mesh {a}x{b}"
             for i, direction in enumerate(("forward", "backward")):
                 t_all, copy_s, peak = tiled[direction]
                 t, tc, tf = t_all / P, (t_all - copy_s) / P, fused[i][0] / P
@@ -209,8 +208,26 @@ def run(args) -> tuple[list[Row], dict]:
         del q, k, v, dout, shards
     meta = dict(device=describe(dev.device), kernel=kernel.name, dtype=args.dtype, world=P, heads=args.heads,
                 kv_heads=args.kv_heads, head_dim=args.head_dim, batch=args.batch, iters=args.iters,
-                torch=torch.__version__, threads=torch.get_num_threads())
+                torch=torch.__version__, threads=torch.get_num_threads(), calibration=calibration(rows))
     return rows, meta
+
+
+def calibration(rows: list[Row]) -> dict:
+    """Measured fused-kernel throughput at the longest local sequence, in the units of the
+    planner's ``Topology.attention_flops`` (FLOP/s; the planner prices the backward as 2.5x the
+    forward FLOPs at that rate, ``attention_flops_backward`` is the rate the backward achieved)."""
+    longest = max(r.seq_local for r in rows)
+    rate = {r.direction: r.tflops * 1e12 for r in rows if r.mode == "fused" and r.seq_local == longest}
+    return dict(seq_local=longest, attention_flops=rate["forward"], attention_flops_backward=rate["backward"])
+
+
+def build_plan(tile: str, world: int, shape: AttentionShape):
+    """The causal plan named by ``tile`` ("AxB", or "tasp") and its row label."""
+    if tile == "tasp":
+        from megatron_mesh.plan.tasp import build_tasp_plan  # added by the TASP change
+        return build_tasp_plan(world, shape, causal=True), f"tasp P={world}"
+    a, b = parse_tile(tile, world)
+    return build_mesh_plan(world, (a, b), shape, causal=True), (f"ring 1x{world}" if a == 1 else f"mesh {a}x{b}")
 
 
 def describe(device: torch.device) -> str:
@@ -236,11 +253,12 @@ def markdown(rows: list[Row], meta: dict) -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seq-local", type=int, nargs="+", help="local sequence lengths (tokens per rank)")
     p.add_argument("--world", type=int, help="CP size P of the plans")
-    p.add_argument("--tiles", nargs="+", help='tiles "AxB" with A*B == P (1xP is ring attention)')
+    p.add_argument("--tiles", nargs="+", help='plans: tiles "AxB" with A*B == P (1xP is ring attention), or "tasp"')
     for name in ("heads", "kv-heads", "head-dim", "batch", "iters", "warmup"):
         p.add_argument(f"--{name}", type=int)
     p.add_argument("--dtype", choices=sorted(DTYPES))
@@ -259,6 +277,12 @@ def parse_args(argv=None):
         if s < 2 or s % 2:
             raise SystemExit(f"--seq-local values must be even and >= 2 (two zigzag halves), got {s}")
     for tile in args.tiles:
+        if tile == "tasp":
+            try:
+                import megatron_mesh.plan.tasp  # noqa: F401
+            except ImportError:
+                raise SystemExit("--tiles tasp: megatron_mesh.plan.tasp is not available in this tree") from None
+            continue
         try:
             parse_tile(tile, args.world)
         except ValueError as e:

@@ -113,6 +113,16 @@ def test_tasp_matches_dense_reference(world):
         assert_plan_bytes(records, build(world, AttentionShape(p.seq_local, p.batch, h, g, p.head_dim, 4)), p)
 
 
+@pytest.mark.skipif(build_tasp_plan is None, reason="megatron_mesh.plan.tasp is not in this tree yet")
+def test_tasp_two_nodes_matches_dense_reference():
+    """The hierarchical decomposition: 8 ranks as 2 nodes of 4."""
+    p = cases.Problem(8, 4, 2, True, torch.float32)
+    build = lambda w, shape: build_tasp_plan(w, shape, causal=True, gpus_per_node=4)  # noqa: E731
+    records = run_case(p, build)
+    assert_close(records, "TASP P=8 as 2 nodes x 4")
+    assert_plan_bytes(records, build(8, AttentionShape(p.seq_local, p.batch, p.heads, p.kv_heads, p.head_dim, 4)), p)
+
+
 # -- identical to gloo and to the public autograd path -----------------------------------------------
 GLOO_CASES = [((1, 4), True, "GQA", torch.float32), ((4, 1), False, "MHA", torch.float32),
               ((1, 4), True, "MQA", torch.bfloat16), ((2, 2), True, "GQA", torch.float32),
@@ -285,6 +295,26 @@ def test_plan_whose_peer_never_posts_fails_within_the_timeout():
     with pytest.raises(InProcessError, match="virtual rank 1"):
         run_case(p, broken)
     assert time.monotonic() - t0 < 10
+
+
+def test_timed_mailbox_counts_every_copied_byte():
+    p = cases.Problem(4, 4, 2, True, torch.float32)
+    Q, K, V, dO = cases.make_inputs(p)
+    box = Mailbox(4, timed=True)
+    build = mesh_builder((2, 2), True)
+
+    def fn(rank, comm):
+        q, k, v, do = (mm.zigzag_shard(x, rank, 4).float() for x in (Q, K, V, dO))
+        forward_backward(q, k, v, do, build, comm=comm)
+
+    run_inprocess(fn, 4, mailbox=box)
+    shape = AttentionShape(p.seq_local, p.batch, p.heads, p.kv_heads, p.head_dim, 4)
+    assert box.copied_bytes == sum(r.received for r in plan_bytes(build(4, shape), shape))
+    assert box.copy_seconds() > 0
+    with pytest.raises(ValueError, match="must be a fresh Mailbox of 4 ranks, got an already used one"):
+        run_inprocess(fn, 4, mailbox=box)
+    with pytest.raises(ValueError, match="only by a Mailbox"):
+        Mailbox(2).copy_seconds()
 
 
 def test_bad_arguments_raise_value_error():

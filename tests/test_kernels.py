@@ -328,6 +328,8 @@ def test_bench_kernels_runs_on_tiny_shapes(tmp_path, capsys, monkeypatch):
     assert "kernel backend: torch-cpu" in printed and "| 16 | mesh 3x1 | bwd |" in printed
     assert json.loads(out_json.read_text()) == json.loads(json.dumps(result))
     assert result["meta"]["kernel"] == "torch-cpu"
+    cal = result["meta"]["calibration"]
+    assert cal["seq_local"] == 16 and cal["attention_flops"] > 0 and cal["attention_flops_backward"] > 0
     rows = result["rows"]
     assert [(r["seq_local"], r["mode"], r["direction"]) for r in rows] == [
         (s, m, d) for s in (8, 16) for m in ("fused", "ring 1x3", "mesh 3x1") for d in ("forward", "backward")]

@@ -14,12 +14,14 @@ the mailbox never deadlocks where a real transport would not. Sender and receive
 the tensors between their post and their wait -- the contract of every transport. A
 shape/dtype mismatch between matched tensors is a plan bug and fails the whole run.
 
-Worked example (P = 2, ring attention, forward round 1)::
+Worked example (P = 2, ring attention, forward round 1; rank 0 happens to post first)::
 
-    rank 0: post 1: send kv0->1 | recv kv1<-1      channel 0->1: [kv0]     (rank 0 posts first:
-    rank 1: post 1: send kv1->0 | recv kv0<-0      kv1 -> rank 0's buffer   messages wait)
-                                                   kv0 -> rank 1's buffer   (rank 1 posts: both copied)
-    rank 0: wait 1 (returns at once)   rank 1: wait 1 (returns at once)
+    rank 0: post 1: send kv0->1 | recv kv1<-1   channel 0->1 keeps send #0 (kv0),
+                                                channel 1->0 keeps receive #0 (rank 0's kv1 buffer)
+    rank 1: post 1: send kv1->0 | recv kv0<-0   its send #0 on 1->0 meets rank 0's receive #0:
+                                                kv1 is copied; its receive #0 on 0->1 meets
+                                                rank 0's send #0: kv0 is copied
+    rank 0: wait 1, rank 1: wait 1              both return at once: the transfers are done
 
 Streams (CUDA). Each side records an event on its current stream when it posts; the copy runs on
 the second poster's stream after waiting for both events, and records a "copied" event that both
@@ -271,14 +273,17 @@ def run_inprocess(fn: Callable[..., Any], world_size: int, *args: Any, timeout: 
     for a message), so wall time is the sum of all ranks' work -- what a one-device benchmark
     wants. ``device`` (a CUDA device) is made current in every thread; ``streams=True`` gives
     each virtual rank its own CUDA stream. ``mailbox``: a fresh :class:`Mailbox` of
-    ``world_size`` ranks to use (e.g. a timed one), default a new one. Raises :class:`InProcessError` if a rank raises, the
-    ranks deadlock, or the run is still going after ``timeout`` seconds.
+    ``world_size`` ranks to use (e.g. a timed one); default a new one. Raises
+    :class:`InProcessError` if a rank raises, the ranks deadlock, or the run is still going after
+    ``timeout`` seconds.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if not timeout > 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
     dev = torch.device(device) if device is not None else None
+    if dev is not None and dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())  # threads start on device 0: name it
     if streams and (dev is None or dev.type != "cuda"):
         raise ValueError(f"streams=True needs a CUDA device, got device={device!r}")
     if mailbox is None:
@@ -317,7 +322,14 @@ def run_inprocess(fn: Callable[..., Any], world_size: int, *args: Any, timeout: 
         t.start()
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
-    name = getattr(fn, "__name__", repr(fn))
+    _raise_failures(getattr(fn, "__name__", repr(fn)), world_size, timeout, threads, mailbox, errors, tracebacks)
+    return results
+
+
+def _raise_failures(name: str, world_size: int, timeout: float, threads: list[threading.Thread], mailbox: Mailbox,
+                    errors: dict[int, BaseException], tracebacks: dict[int, str]) -> None:
+    """Raise :class:`InProcessError` for a timeout, a rank's own failure, a deadlock, or
+    transfers left unmatched, in that order."""
     running = [r for r, t in enumerate(threads) if t.is_alive()]
     if running:
         waits = mailbox.waiting()
@@ -335,7 +347,6 @@ def run_inprocess(fn: Callable[..., Any], world_size: int, *args: Any, timeout: 
     left = mailbox.unmatched()
     if left:
         raise InProcessError(f"{name}: every rank finished but transfers were never matched: {'; '.join(left)}")
-    return results
 
 
 def _own(errors: dict[int, BaseException]) -> dict[int, BaseException]:

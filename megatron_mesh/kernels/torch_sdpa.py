@@ -35,7 +35,8 @@ def stand_in_output(dout: Tensor, delta: Tensor) -> Tensor:
 class TorchAttentionKernel:
     """torch's fused attention as a :class:`~megatron_mesh.kernels.base.BlockKernel`.
 
-    ``op``: "auto" (CPU op on CPU, flash on CUDA), or one of "flash", "efficient", "cudnn" on CUDA.
+    ``op``: "auto" (CPU op on CPU; on CUDA flash for bf16/fp16 and the efficient kernel for fp32),
+    or one of "flash", "efficient", "cudnn" on CUDA.
     """
 
     def __init__(self, device_type: str = "cpu", op: str = "auto"):
@@ -46,19 +47,28 @@ class TorchAttentionKernel:
         if device_type == "cuda" and op not in ("auto", *CUDA_OPS):
             raise ValueError(f"CUDA op must be one of {('auto',) + CUDA_OPS}, got {op!r}")
         self.device_type = device_type
+        self.auto = device_type == "cuda" and op == "auto"
         self.op = "cpu" if device_type == "cpu" else ("flash" if op == "auto" else op)
         self.name = f"torch-{self.op}"
+
+    def _op(self, q: Tensor) -> str:
+        """The op for these inputs: "auto" takes flash for 16-bit inputs and the efficient kernel
+        otherwise (flash has no fp32/fp64 kernel). ``name`` says which one ran last."""
+        op = "efficient" if self.auto and q.dtype not in (torch.float16, torch.bfloat16) else self.op
+        self.name = f"torch-{op}"
+        return op
 
     # -- forward -------------------------------------------------------------------------------
     def forward(self, q, k, v, *, causal, scale):
         if self.op == "cpu":
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        op = self._op(q)
         k, v = self._expand_kv(q, k, v)
         sq = q.shape[2]
-        if self.op == "flash":
+        if op == "flash":
             res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
             return res[0], res[1].float()
-        if self.op == "efficient":
+        if op == "efficient":
             res = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
             return res[0], res[1][..., :sq].float()  # lse is padded along the rows
         res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
@@ -72,14 +82,16 @@ class TorchAttentionKernel:
             lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+        op = self._op(q)
+        lse, delta = lse.contiguous(), delta.contiguous()  # the executor passes row slices
         groups = q.shape[1] // k.shape[1]
         ke, ve = self._expand_kv(q, k, v)
         sq, sk = q.shape[2], ke.shape[2]
-        if self.op == "flash":
+        if op == "flash":
             empty = torch.empty(0, dtype=torch.int64, device=q.device)
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
                 dout, q, ke, ve, out, lse, empty, empty, sq, sk, 0.0, causal, empty, empty, scale=scale)
-        elif self.op == "efficient":
+        elif op == "efficient":
             lse_p = lse
             pad = (-sq) % 32
             if pad:
@@ -95,8 +107,8 @@ class TorchAttentionKernel:
                 empty, empty, sq, sk, 0.0, causal, scale=scale)
         if groups > 1:  # fold the gradients of the repeated KV heads back onto the shared heads
             b, h, _, d = dk.shape
-            dk = dk.view(b, h // groups, groups, sk, d).sum(2)
-            dv = dv.view(b, h // groups, groups, sk, d).sum(2)
+            dk = dk.view(b, h // groups, groups, sk, d).sum(2, dtype=torch.float32)
+            dv = dv.view(b, h // groups, groups, sk, d).sum(2, dtype=torch.float32)
         return dq, dk, dv
 
     @staticmethod

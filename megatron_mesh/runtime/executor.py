@@ -55,8 +55,10 @@ class _Buffers:
         self.live: dict[Key, tuple[Tensor, ...]] = {}
         self.owned: set[Key] = set()  # pool-allocated (user inputs are never recycled)
         self.pool: dict[tuple[str, int], list[tuple[Tensor, ...]]] = {}
+        self.allocations = 0  # buffers created (not recycled): constant per call in steady state
 
     def _new(self, kind: str, tokens: int) -> tuple[Tensor, ...]:
+        self.allocations += 1
         b, h, hkv, d = self.dims
         f32, dt, dev = self.acc_dtype, self.dtype, self.device
         e = torch.empty

@@ -18,7 +18,7 @@ def merge_partial_(out: Tensor, lse: Tensor, blk_out: Tensor, blk_lse: Tensor) -
     -inf, which would give NaN).
     """
     new_lse = torch.logaddexp(lse, blk_lse)
-    ref = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
-    out.mul_(torch.exp(lse - ref).unsqueeze(-1))
-    out.add_(blk_out.to(out.dtype) * torch.exp(blk_lse.to(out.dtype) - ref).unsqueeze(-1))
+    ref = new_lse.masked_fill(new_lse.isneginf(), 0.0)
+    out.mul_((lse - ref).exp_().unsqueeze(-1))
+    out.addcmul_(blk_out, (blk_lse.to(out.dtype) - ref).exp_().unsqueeze(-1))
     lse.copy_(new_lse)
