@@ -65,6 +65,34 @@ def dense_reference(p: Problem):
     return Q, K, V, dO, out.detach(), Qr.grad, Kr.grad, Vr.grad
 
 
+# Every CP size 1..8 in one 8-process spawn: each phase splits the 8 ranks into disjoint groups that
+# run concurrently (process start-up, not compute, dominates small distributed tests on 2 cores).
+PHASES = ((8,), (7, 1), (6, 2), (5, 3), (4, 4))
+
+
+def in_subgroups(rank: int, world: int, case_fn, phases=PHASES, **kwargs) -> dict[int, list]:
+    """Run ``case_fn(group_rank, group_size, group=..., **kwargs)`` for every group size of every
+    phase, on process subgroups (group ranks differ from global ranks, as in Megatron's CP groups).
+    Returns {group size: records of this rank} for the groups this rank was in."""
+    import torch.distributed as dist
+
+    out: dict[int, list] = {}
+    for sizes in phases:
+        assert sum(sizes) <= world, (sizes, world)
+        start, mine = 0, None
+        for size in sizes:  # new_group is collective: every rank creates every group, in order
+            ranks = list(range(start, start + size))
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine = (size, group, ranks.index(rank))
+            start += size
+        if mine is not None:
+            size, group, group_rank = mine
+            out.setdefault(size, []).extend(case_fn(group_rank, size, group=group, **kwargs))
+        dist.barrier()
+    return out
+
+
 def run_local(rank: int, p: Problem, attention, ref=None):
     """Run ``attention(q, k, v)`` on this rank's chunk, forward and backward; return
     (max errors vs the reference as allclose ratios, raw max abs errors, bytes, outputs)."""
@@ -86,7 +114,7 @@ def run_local(rank: int, p: Problem, attention, ref=None):
     return ratios, abs_err, (c.bytes_sent, c.bytes_received), (out.detach(), q.grad, k.grad, v.grad)
 
 
-def mesh_grid(rank: int, world: int, dtypes=(torch.float32, torch.bfloat16)) -> list[dict]:
+def mesh_grid(rank: int, world: int, group=None, dtypes=(torch.float32, torch.bfloat16)) -> list[dict]:
     """Every tile of P x causal/full x MHA/GQA/MQA x dtypes, forward and backward."""
     from megatron_mesh.plan import AttentionShape, build_mesh_plan, mesh_bytes_formula, plan_bytes, tile_shapes
 
@@ -95,7 +123,7 @@ def mesh_grid(rank: int, world: int, dtypes=(torch.float32, torch.bfloat16)) -> 
         h, g = HEADS[heads]
         p = Problem(world, h, g, causal, dtype)
         ratios, abs_err, (sent, recv), _ = run_local(
-            rank, p, lambda q, k, v: mm.mesh_attention(q, k, v, tile=tile, causal=causal))
+            rank, p, lambda q, k, v: mm.mesh_attention(q, k, v, group=group, tile=tile, causal=causal))
         shape = AttentionShape(p.seq_local, p.batch, h, g, p.head_dim, torch.tensor([], dtype=dtype).element_size())
         planned = plan_bytes(build_mesh_plan(world, tile, shape, causal=causal), shape)[rank]
         formula = mesh_bytes_formula(world, tile, shape)
@@ -105,7 +133,7 @@ def mesh_grid(rank: int, world: int, dtypes=(torch.float32, torch.bfloat16)) -> 
     return records
 
 
-def mesh_variants(rank: int, world: int) -> list[dict]:
+def mesh_variants(rank: int, world: int, group=None) -> list[dict]:
     """Schedules, backward modes, kernels, softmax scale, and run-to-run determinism."""
     from megatron_mesh.plan import tile_shapes
 
@@ -114,7 +142,7 @@ def mesh_variants(rank: int, world: int) -> list[dict]:
     for tile, schedule, backward_chunks, kernel, contiguous in itertools.product(
             tiles, ("greedy", "lockstep"), ("refetch", "keep"), ("auto", "math"), ("q", "kv")):
         p = Problem(world, 4, 2, True, torch.float32, seed=1)
-        fn = lambda q, k, v: mm.mesh_attention(q, k, v, tile=tile, schedule=schedule,  # noqa: E731
+        fn = lambda q, k, v: mm.mesh_attention(q, k, v, group=group, tile=tile, schedule=schedule,  # noqa: E731
                                                backward_chunks=backward_chunks, kernel=kernel, softmax_scale=0.3,
                                                contiguous=contiguous)
         ref = _scaled_reference(p, 0.3)
@@ -125,6 +153,12 @@ def mesh_variants(rank: int, world: int) -> list[dict]:
                                  f"contiguous={contiguous}",
                             ratios=ratios, abs_err=abs_err, identical=identical))
     return records
+
+
+def all_mesh_cases(rank: int, world: int) -> dict:
+    """The whole Mesh/ring grid for CP sizes 1..8 and the variants at 4 and 6, in one spawn."""
+    return {"grid": in_subgroups(rank, world, mesh_grid),
+            "variants": in_subgroups(rank, world, mesh_variants, phases=((4,), (6,)))}
 
 
 def _scaled_reference(p: Problem, scale: float):

@@ -133,7 +133,7 @@ def test_every_mesh_plan_validates(P):
                     validate_plan(plan)
 
 
-@pytest.mark.parametrize("P", list(range(17, 65)) + [96, 128, 243, 256])
+@pytest.mark.parametrize("P", list(range(17, 65)) + [96, 128, 256])
 def test_rounds_match_and_never_deadlock_up_to_256(P):
     """Transfers match and the dry run finishes for every tile (blocks are not built here)."""
     for tile in tile_shapes(P):
@@ -219,12 +219,10 @@ def test_validator_catches_reading_before_arrival():
 
 
 # -- bytes ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("P", list(range(1, 65)) + [128, 256])
+@pytest.mark.parametrize("P", list(range(1, 65)) + [128])
 def test_plan_bytes_equal_closed_form(P):
     shape = AttentionShape(seq_local=6, batch=2, heads=8, kv_heads=2, head_dim=4, itemsize=2)
     for tile in tile_shapes(P):
-        if P > 64 and 1 in tile:
-            continue  # O(P^2) rounds; the P <= 64 cases cover ring-shaped tiles
         for backward_chunks in ("refetch", "keep"):
             got = plan_bytes(build_mesh_plan(P, tile, shape, backward_chunks=backward_chunks), shape)
             want = mesh_bytes_formula(P, tile, shape, backward_chunks)

@@ -10,12 +10,12 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Protocol, Sequence
 
 from torch import Tensor
 
-__all__ = ["Work", "Communicator", "CommCount", "comm_counter", "record_bytes"]
+__all__ = ["Work", "Communicator", "CommCount", "comm_counter", "record_bytes", "total_bytes"]
 
 
 class Work(Protocol):
@@ -61,10 +61,11 @@ class CommCount:
     bytes_sent: int = 0
     bytes_received: int = 0
     messages_sent: int = 0
-    by_phase: dict = field(default_factory=dict)
 
 
 _local = threading.local()  # one stack per thread: in-process virtual ranks run one per thread
+_totals = CommCount()  # everything this process sent/received since start (for per-step logging)
+_totals_lock = threading.Lock()
 
 
 def _stack() -> list[CommCount]:
@@ -74,10 +75,21 @@ def _stack() -> list[CommCount]:
 
 
 def record_bytes(sent: int, received: int, messages: int = 0) -> None:
+    with _totals_lock:
+        _totals.bytes_sent += sent
+        _totals.bytes_received += received
+        _totals.messages_sent += messages
     for c in _stack():
         c.bytes_sent += sent
         c.bytes_received += received
         c.messages_sent += messages
+
+
+def total_bytes() -> tuple[int, int]:
+    """(sent, received) bytes of all plugin communication of this process so far (all threads);
+    the training scripts log its growth per iteration."""
+    with _totals_lock:
+        return _totals.bytes_sent, _totals.bytes_received
 
 
 @contextmanager

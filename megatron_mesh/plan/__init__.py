@@ -11,7 +11,11 @@ from .ir import (AddGrad, Attend, AttendBackward, Free, Key, MergeOut, Plan, Pos
                  Transfer, Wait, format_op)
 from .layout import BlockMask, ZigzagLayout, block_mask, slot_segments, split_evenly
 from .mesh import BACKWARD_CHUNKS, CONTIGUOUS, TileMap, best_tile, build_mesh_plan, build_ring_plan, parse_tile, tile_shapes
+from .autotile import choose_tile
+from .memory import BufferMemory, buffer_memory
 from .schedule import SCHEDULES
+from .simulate import SimResult, simulate
+from .topology import Topology
 from .validate import PlanError, check_cover, check_dataflow, check_matching, dry_run, validate_plan
 
 __all__ = [
@@ -21,6 +25,6 @@ __all__ = [
     "Transfer", "Wait", "format_op",
     "BlockMask", "ZigzagLayout", "block_mask", "slot_segments", "split_evenly",
     "BACKWARD_CHUNKS", "CONTIGUOUS", "TileMap", "best_tile", "build_mesh_plan", "build_ring_plan", "parse_tile", "tile_shapes",
-    "SCHEDULES",
+    "SCHEDULES", "choose_tile", "BufferMemory", "buffer_memory", "SimResult", "simulate", "Topology",
     "PlanError", "check_cover", "check_dataflow", "check_matching", "dry_run", "validate_plan",
 ]

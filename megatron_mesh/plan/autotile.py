@@ -12,9 +12,10 @@ dK, dV (fp32) of ``kv_heads`` heads. With grouped-query attention (heads > kv_he
 carries more per hop, so it is the one worth keeping on NVLink (``contiguous="q"``), and tiles
 get taller (smaller a) because Q chunks cost more than KV chunks.
 
-Example: 64 ranks as 8 nodes x 8, MHA 32 heads, head dim 128, 1M tokens -- the simulator
-prefers a tile near 8 x 8 over ring attention (1 x 64), whose every ring step waits on an
-inter-node hop.
+Example: 64 ranks as 8 nodes x 8 H100s, GQA 32/8 heads of dim 128, 1M tokens (16K per rank):
+``choose_tile`` returns ``((8, 8), "q")`` -- each Q ring is one node, so Q, O, dO and dQ move
+over NVLink and only the KV rings (K, V, dK, dV of 8 heads) cross nodes; ``best_tile`` (bytes
+only) says (4, 16).
 """
 
 from __future__ import annotations

@@ -173,12 +173,7 @@ def _build_mesh_plan(world_size: int, tile: tuple[int, int], shape: AttentionSha
         return sum(buffer_bytes(k, T, shape) for k in kinds)
 
     keep = backward_chunks == "keep"
-    fwd = build_template(a, b, pull_rounds(a, b, schedule, cost("q"), cost("kv")), ("q",))
-    if keep:  # Q and KV chunks are all held already; only dout/lse/delta of remote rows move
-        bwd = build_template(a, b, pull_rounds(a, b, schedule, cost("do"), 1, q_have=1, kv_have=b),
-                             ("q", "kv"), q_have=1, kv_have=b)
-    else:
-        bwd = build_template(a, b, pull_rounds(a, b, schedule, cost("q", "do"), cost("kv")), ("q", "kv"))
+    fwd, bwd = _templates(a, b, schedule, keep, cost("q"), cost("kv"), cost("q", "do"), cost("do"))
     lowering = _MeshLowering(world_size, tiles, T, causal, fwd, bwd, keep)
     rings = {"q": tuple(tiles.q_group(tiles.rank_at(r, 0)) for r in range(b)),
              "kv": tuple(tiles.kv_group(tiles.rank_at(0, c)) for c in range(a))}
@@ -186,6 +181,19 @@ def _build_mesh_plan(world_size: int, tile: tuple[int, int], shape: AttentionSha
                 build_rank=lowering.rank_plan, build_rounds=lowering.round_ops, tile=tile,
                 schedule=schedule, rings=rings,
                 notes=(f"backward_chunks={backward_chunks}", f"contiguous={contiguous}"))
+
+
+@lru_cache(maxsize=256)
+def _templates(a: int, b: int, schedule: str, keep: bool, q_cost: int, kv_cost: int, q_do_cost: int,
+               do_cost: int) -> tuple[list, list]:
+    """Forward and backward offset-space templates (shared by both placements of a tile)."""
+    fwd = build_template(a, b, pull_rounds(a, b, schedule, q_cost, kv_cost), ("q",))
+    if keep:  # Q and KV chunks are all held already; only dout/lse/delta of remote rows move
+        bwd = build_template(a, b, pull_rounds(a, b, schedule, do_cost, 1, q_have=1, kv_have=b),
+                             ("q", "kv"), q_have=1, kv_have=b)
+    else:
+        bwd = build_template(a, b, pull_rounds(a, b, schedule, q_do_cost, kv_cost), ("q", "kv"))
+    return fwd, bwd
 
 
 class _MeshLowering:

@@ -246,13 +246,17 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: boo
     rows: list[ModeResult] = []
     skipped: list[dict] = []
     mesh = None
-    if {"ring", "mesh", "mesh-auto"} & set(modes):
+    if {"mesh", "mesh-auto"} & set(modes):
         mesh = mesh_candidates(world_size, shape, topo, causal, backward_chunks, schedule)
     for mode in modes:
         try:
             if mode == "ring":
-                ring = next(c for c in mesh if c.tile == (1, world_size))
-                rows.append(_renamed(ring, "ring"))
+                if mesh is not None:
+                    rows.append(_renamed(next(c for c in mesh if c.tile == (1, world_size)), "ring"))
+                else:
+                    plan = build_mesh_plan(world_size, (1, world_size), shape, causal=causal, schedule=schedule,
+                                           backward_chunks=backward_chunks)
+                    rows.append(evaluate_plan("ring", plan, shape, topo, contiguous="q"))
             elif mode == "mesh":
                 rows.extend(c for c in mesh if c.tile != (1, world_size))
             elif mode == "mesh-auto":

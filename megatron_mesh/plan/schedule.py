@@ -98,8 +98,9 @@ def build_template(a: int, b: int, rounds: list[list[tuple[str, str, int]]], acc
     """
     acc_rings = tuple(acc_rings)
     size = {"q": a, "kv": b}
-    have = {"q": set(range(q_have)), "kv": set(range(kv_have))}
-    done: set[tuple[int, int]] = set()
+    have = {"q": list(range(q_have)), "kv": list(range(kv_have))}
+    # blocks unlocked but not computed yet; a new Q (KV) offset unlocks one block per KV (Q) offset held
+    ready: list[tuple[int, int]] = [(u, v) for u in have["q"] for v in have["kv"]]
     left = {"q": [b] * a, "kv": [a] * b}  # blocks still to compute per Q offset (row) / KV offset (column)
     next_acc = {ring: 1 for ring in acc_rings}  # next offset whose accumulator leaves, per ring
     acc_round = {}  # (ring, k) -> round that sent offset k (and brought offset k+1)
@@ -130,22 +131,23 @@ def build_template(a: int, b: int, rounds: list[list[tuple[str, str, int]]], acc
             next_acc[ring] = k
 
     def compute_ready() -> None:
-        ready = [(u, v) for u in have["q"] for v in have["kv"] if (u, v) not in done]
         # remote rows first, in ring order (their accumulators leave first); local row last
         ready.sort(key=lambda uv: (uv[0] == 0, uv[0], uv[1] == 0, uv[1]))
         for u, v in ready:
             ops.append(("block", u, v))
-            done.add((u, v))
             left["q"][u] -= 1
             left["kv"][v] -= 1
             send_accumulators()
+        ready.clear()
 
     for items in rounds:
         t = post(items)
         compute_ready()
         wait_through(t)
         for _, ring, k in items:
-            have[ring].add(k)
+            other = "kv" if ring == "q" else "q"
+            ready.extend((k, o) if ring == "q" else (o, k) for o in have[other])
+            have[ring].append(k)
     compute_ready()
     send_accumulators()
     for ring in acc_rings:

@@ -26,9 +26,12 @@ Approximations (say them with every number):
    fast as its slowest hop, so this is the steady state of ring-shaped plans; it is pessimistic
    for ranks whose own hops are fast when the slow hop's delay would take several rounds to
    reach them.
-2. **SPMD.** Compute is taken from rank 0 (``ranks=`` simulates more): every Mesh tile and TASP
-   step gives every rank the same work in Megatron's zigzag layout, and every rank posts its
-   rounds in the same order.
+2. **SPMD.** Compute is simulated on ranks 0 and P-1 (``ranks=`` picks others): in Megatron's
+   zigzag layout every rank gets the same FLOPs, but not the same merge traffic -- a block
+   below the diagonal merges all query rows, one above only the back half, and rank 0 has only
+   blocks above, rank P-1 only below -- nor always the same number of kernel calls. These two
+   extremes bound the others closely (a test compares with simulating every rank). All ranks
+   post their rounds in the same order.
 3. **Traffic by ring.** Rank 0's transfers are matched to the rings of ``plan.rings``; every rank
    is assumed to move the same bytes to its own neighbours on the same rings, which gives each
    rank's link classes in O(P) instead of building P op lists (rank P-1's real rounds are checked
@@ -36,12 +39,13 @@ Approximations (say them with every number):
 4. Not modelled: contention between communication and compute for SMs or HBM, NCCL protocol
    and chunking effects, network congestion beyond one NIC per GPU, CPU launch overhead.
 
-Worked example (ring attention, P = 2 ranks, one node, causal; every block costs c; round 1
-moves one KV chunk in time m)::
+Worked example (ring attention, P = 2 ranks, one node, causal, forward of rank 0: the diagonal
+block costs c1 (n(n+1)/2 pairs), the block with the remote chunk c2 (n/2 x n pairs); round 1
+moves one KV chunk in m = latency + bytes / bandwidth)::
 
-    compute  |-- block (0,0) c --|.......wait.......|-- block (0,1) c --|
+    compute  |-- block (0,0) c1 --|.......wait.......|-- block (0,1) c2 --|
     comm     |-------- round 1 (KV chunk 1 -> 0) m --------|
-    time = max(c, m) + c: the transfer hides behind the local diagonal block when m <= c.
+    time = max(c1, m) + c2: the transfer hides behind the local diagonal block when m <= c1.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from .accounting import AttentionShape, block_pairs, buffer_bytes
-from .ir import AddGrad, Attend, AttendBackward, MergeOut, Op, Plan, Post, Wait
+from .ir import AddGrad, Attend, AttendBackward, Free, MergeOut, Op, Plan, Post, Wait
 from .topology import LINK_CLASSES, Topology
 
 __all__ = ["Event", "PhaseResult", "SimResult", "simulate", "RoundTraffic", "round_traffic", "BACKWARD_FLOPS"]
@@ -354,11 +358,14 @@ def _compute_cost(plan: Plan, op: Op, shape: AttentionShape, topo: Topology) -> 
 def _cost_signature(op: Op) -> tuple:
     """What an op's cost depends on (buffer sizes and masks, not which chunks): ops of a plan
     repeat a handful of signatures."""
-    if isinstance(op, (Attend, AttendBackward)):
-        return (type(op), op.q.slot, op.q_half, op.kv_half, op.causal, tuple(k.slot for k in op.kv))
-    if isinstance(op, (MergeOut, AddGrad)):
-        return (type(op), op.src.kind, op.src.slot)
-    return (type(op),)
+    kind = type(op)
+    if kind is Attend or kind is AttendBackward:
+        kv = op.kv
+        return (kind, op.q.slot, op.q_half, op.kv_half, op.causal,
+                kv[0].slot if len(kv) == 1 else tuple(k.slot for k in kv))
+    if kind is MergeOut or kind is AddGrad:
+        return (kind, op.src.kind, op.src.slot)
+    return (kind,)
 
 
 # -- the lockstep timeline -------------------------------------------------------------------------
@@ -386,29 +393,30 @@ def _run_lockstep(plan: Plan, shape: AttentionShape, topo: Topology, direction: 
     while True:
         moved = False
         for st in states:
-            while st.pc < len(st.ops):
-                op = st.ops[st.pc]
-                if isinstance(op, Wait):
+            ops, n = st.ops, len(st.ops)
+            while st.pc < n:
+                op = ops[st.pc]
+                kind = type(op)
+                if kind is Wait:
                     if op.round not in done:
                         break
                     if timeline and done[op.round] > st.clock:
                         st.events.append(Event(st.rank, "compute", st.clock, done[op.round], f"wait {op.round}"))
                     st.clock = max(st.clock, done[op.round])
-                elif isinstance(op, Post):
+                elif kind is Post:
                     if op.round not in posted:
                         posted[op.round] = []
                         order.append(op.round)
                     posted[op.round].append(st.clock)
-                else:
+                elif kind is not Free:
                     sig = _cost_signature(op)
                     c = costs.get(sig)
                     if c is None:
                         c = costs[sig] = _compute_cost(plan, op, shape, topo)
-                    if c:
-                        if timeline:
-                            st.events.append(Event(st.rank, "compute", st.clock, st.clock + c, type(op).__name__))
-                        st.clock += c
-                        st.busy += c
+                    if timeline:
+                        st.events.append(Event(st.rank, "compute", st.clock, st.clock + c, kind.__name__))
+                    st.clock += c
+                    st.busy += c
                 st.pc += 1
                 moved = True
         while resolved < len(order) and len(posted[order[resolved]]) == len(states):
@@ -435,13 +443,13 @@ def simulate(plan: Plan, shape: AttentionShape, topology: Topology | None = None
              timeline: bool = False, ranks: list[int] | None = None) -> SimResult:
     """Predicted time of ``plan`` (forward, backward) on ``topology`` (default: H100 nodes of 8).
 
-    ``ranks``: the ranks whose compute is simulated (default rank 0, approximation 2);
+    ``ranks``: the ranks whose compute is simulated (default 0 and P-1, approximation 2);
     ``exact``: derive round durations from every rank's rounds; ``timeline``: keep the events.
     """
     topo = topology if topology is not None else Topology.for_cp(plan.world_size)
     if shape.seq_local != plan.seq_local:
         raise ValueError(f"shape.seq_local {shape.seq_local} != the plan's {plan.seq_local}")
-    sim_ranks = sorted(set(ranks if ranks is not None else (0,)))
+    sim_ranks = sorted(set(ranks if ranks is not None else (0, plan.world_size - 1)))
     if not sim_ranks or not all(0 <= r < plan.world_size for r in sim_ranks):
         raise ValueError(f"ranks {ranks} must be a non-empty subset of 0..{plan.world_size - 1}")
     for r in sim_ranks:  # build the simulated ranks first: their rounds are then read off their ops

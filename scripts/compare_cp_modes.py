@@ -1,0 +1,128 @@
+#!/usr/bin/env python
+"""Run the same pretraining job under several context-parallel modes and write a side-by-side
+report (Markdown table, CSV, PNG plots) of loss, time per iteration, attention bytes per rank
+per step and peak memory.
+
+Each mode is one real Megatron ``pretrain()`` run through ``scripts/pretrain_gpt.sh``:
+
+* ``baseline``  -- CP = 1 on one process (the reference loss curve),
+* ``ring``, ``tasp``, ``mesh:auto``, ``mesh:AxB`` -- the plugin's modes at CP = --cp,
+* ``p2p``, ``a2a``, ``all_gather``, ``a2a+p2p`` -- Transformer Engine's modes (GPU + TE only).
+
+    python scripts/compare_cp_modes.py --config configs/gpt_tiny_cpu_compare.yaml --cp 4 --iters 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megatron_mesh.report import RunResult, parse_megatron_log, read_metrics, write_report  # noqa: E402
+
+PLUGIN_MODES = ("ring", "tasp", "mesh")
+TE_MODES = ("p2p", "a2a", "all_gather", "a2a+p2p")
+
+
+def _have_te() -> bool:
+    probe = "import transformer_engine.pytorch"  # TE raises RuntimeError without CUDA: any failure means no
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
+
+
+def default_modes(cp: int) -> list[str]:
+    modes = ["baseline", "ring", "mesh:auto"]
+    square = max(a for a in range(1, cp + 1) if cp % a == 0 and a * a <= cp)
+    if square > 1:
+        modes.append(f"mesh:{square}x{cp // square}")
+    modes.append("tasp")
+    if _have_te():
+        modes += list(TE_MODES)
+    return modes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_mode(mode: str, args, out_dir: str) -> RunResult:
+    name, _, tile = mode.partition(":")
+    if name != "baseline" and name not in PLUGIN_MODES + TE_MODES:
+        raise SystemExit(f"unknown mode {mode!r}; allowed: baseline, ring, tasp, mesh[:auto|:AxB], {', '.join(TE_MODES)}")
+    cp = 1 if name == "baseline" else args.cp
+    safe = mode.replace(":", "_").replace("+", "_")
+    metrics = os.path.join(out_dir, "metrics", safe)
+    env = dict(os.environ, CP=str(cp), NPROC=str(cp), MEGATRON_MESH_METRICS=metrics, MASTER_PORT=str(_free_port()),
+               PYTHON=sys.executable)
+    flags = ["--train-iters", str(args.iters)]
+    if name != "baseline":
+        env["CP_COMM_TYPE"] = name
+    if name == "mesh":
+        flags += ["--mesh-tile-shape", tile or "auto"]
+    if name == "a2a+p2p":
+        flags += ["--hierarchical-context-parallel-sizes", "2", str(cp // 2)]
+    cmd = [os.path.join(ROOT, "scripts", "pretrain_gpt.sh"), args.config, *flags, *args.megatron_args]
+    log_path = os.path.join(out_dir, f"{safe}.log")
+    print(f"[{mode}] CP={cp}: {' '.join(cmd[1:])}", flush=True)
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        for line in proc.stdout:
+            log.write(line)
+            losses, _ = parse_megatron_log(line)
+            for it, loss in losses.items():
+                print(f"[{mode}]   iteration {it}/{args.iters}  lm loss {loss:.6f}", flush=True)
+        proc.wait()
+    with open(log_path) as f:
+        text = f.read()
+    losses, times = parse_megatron_log(text)
+    bytes_per_step, peak, kind = read_metrics(metrics)
+    res = RunResult(mode=mode, cp=cp, tile=_tile_from_log(text) if name == "mesh" else "", losses=losses,
+                    times_ms=times, bytes_per_step=bytes_per_step, peak_memory=peak, memory_kind=kind)
+    if proc.returncode != 0 or len(losses) < args.iters:
+        tail = " / ".join(text.strip().splitlines()[-3:])
+        res.ok, res.error = False, f"exit code {proc.returncode}; log {log_path}: {tail[-300:]}"
+    print(f"[{mode}] {'done' if res.ok else 'FAILED'} in {time.monotonic() - start:.0f} s", flush=True)
+    return res
+
+
+def _tile_from_log(text: str) -> str:
+    for line in text.splitlines():
+        if "megatron_mesh:" in line and "tile" in line:
+            for word in line.replace(",", " ").split():
+                if "x" in word and all(p.isdigit() for p in word.split("x")):
+                    return word
+    return ""
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=os.path.join(ROOT, "configs", "gpt_tiny_cpu_compare.yaml"))
+    ap.add_argument("--cp", type=int, default=4, help="context-parallel size of the compared modes (default 4)")
+    ap.add_argument("--modes", nargs="+", help="default: baseline ring mesh:auto mesh:<square> tasp (+ TE modes with TE)")
+    ap.add_argument("--iters", type=int, default=6, help="training iterations per run (default 6)")
+    ap.add_argument("--out", default=None, help="report directory (default reports/cp_modes_<time>)")
+    ap.add_argument("megatron_args", nargs=argparse.REMAINDER, help="extra Megatron flags after --")
+    args = ap.parse_args(argv)
+    if args.megatron_args and args.megatron_args[0] == "--":
+        args.megatron_args = args.megatron_args[1:]
+    modes = args.modes or default_modes(args.cp)
+    out_dir = args.out or os.path.join(ROOT, "reports", time.strftime("cp_modes_%Y%m%d_%H%M%S"))
+    os.makedirs(out_dir, exist_ok=True)
+    print(f"comparing {len(modes)} modes at CP={args.cp} ({args.iters} iterations each); report -> {out_dir}", flush=True)
+    runs = [run_mode(m, args, out_dir) for m in modes]
+    title = f"CP modes side by side: {os.path.basename(args.config)}, CP={args.cp}, {args.iters} iterations"
+    print("\n" + write_report(runs, out_dir, title, baseline="baseline" if "baseline" in modes else None))
+    print(f"report: {os.path.join(out_dir, 'report.md')} (+ report.csv, *.png)")
+    return 0 if all(r.ok for r in runs) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
