@@ -14,18 +14,21 @@
 #                 mesh | tasp | ring (megatron_mesh), p2p | a2a | all_gather | a2a+p2p (Transformer Engine)
 #   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   torchrun's multi-node settings
 #   BACKEND       nccl | gloo (default: nccl when nvidia-smi lists a GPU, else gloo)
-#   PYTHON        the interpreter (default: python)
+#   PYTHON        the interpreter (default: the active virtual environment's, else the repo's .venv,
+#                 else python)
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(dirname "$HERE")
 if [[ $# -lt 1 ]]; then
-    sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 fi
 CONFIG=$1
 shift
-PYTHON=${PYTHON:-python}
+if [[ -z ${PYTHON:-} ]]; then
+    if [[ -z ${VIRTUAL_ENV:-} && -x $ROOT/.venv/bin/python ]]; then PYTHON=$ROOT/.venv/bin/python; else PYTHON=python; fi
+fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 TMP=$(mktemp -d)

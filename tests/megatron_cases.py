@@ -65,7 +65,7 @@ def _reference(tp: int, heads, position, single_pgc):
     return _run(model, _batch(7))
 
 
-def _compare(rank, case, loss, grads, ref_loss, ref_grads, cp_group):
+def _compare(case, loss, grads, ref_loss, ref_grads, cp_group):
     loss = loss.clone()
     dist.all_reduce(loss, group=cp_group)
     worst = 0.0
@@ -82,8 +82,14 @@ def _cases(cp: int):
     """(label, cp_comm_type, plugin settings) of every CP mode to check at CP size ``cp``."""
     tiles = [f"{a}x{cp // a}" for a in range(1, cp + 1) if cp % a == 0]
     out = [(f"mesh {t}", "mesh", dict(mesh_tile_shape=t)) for t in tiles]
+    if cp == 4:  # the other Mesh settings, and TASP over two emulated nodes of two CP ranks
+        out.append(("mesh 2x2 kv-contiguous lockstep keep", "mesh",
+                    dict(mesh_tile_shape="2x2", mesh_contiguous="kv", mesh_schedule="lockstep",
+                         mesh_backward_chunks="keep", cp_kernel_backend="math")))
+        out.append(("tasp 2 nodes", "tasp", dict(tasp_gpus_per_node=2)))
+        out.append(("tasp alltoall", "tasp", dict(tasp_transport="alltoall")))
     out += [("mesh auto", "mesh", {}), ("tasp", "tasp", {}), ("ring", "ring", {}),
-            ("per-layer mesh tasp", ["mesh", "tasp"], dict(mesh_tile_shape=f"{cp // 2}x2" if cp % 2 == 0 else "auto"))]
+            ("per-layer mesh tasp", ["mesh", "tasp"], {})]
     return out
 
 
@@ -115,11 +121,36 @@ def gpt_equivalence(rank: int, world: int, layouts) -> list[dict]:
                 model = _build(config, gpt_local_layer_spec(config), pgc, position)
                 kinds = sorted({type(l.self_attention.core_attention).__name__ for l in model.decoder.layers})
                 loss, grads = _run(model, local)
-                rec = _compare(rank, f"TP={tp} CP={cp} {position} heads={heads} {label}", loss, grads,
+                rec = _compare(f"TP={tp} CP={cp} {position} heads={heads} {label}", loss, grads,
                                ref_loss, ref_grads, cp_group)
-                rec["attention_modules"] = kinds
+                rec.update(label=label, tp=tp, cp=cp, attention_modules=kinds)
                 rec["modes"] = [l.self_attention.core_attention.mode for l in model.decoder.layers]
                 records.append(rec)
+        if cp == 4:
+            records.append(_routing(rank, cp_group, _config(tp, cp, (4, 2), "mesh", mesh_tile_shape="2x2")))
         groups.destroy_groups()
         ps.destroy_model_parallel()
     return records
+
+
+def _routing(rank, cp_group, config) -> dict:
+    """Mesh through the Q/KV ring sub-groups vs everything over the CP group: same output and
+    gradients bit for bit, and the same bytes counted."""
+    import megatron_mesh as mm
+    from megatron_mesh.megatron import groups
+
+    routed = groups.mesh_communicator(config, cp_group, (2, 2))
+    flat = groups.cp_communicator(cp_group)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(8, 2, h, 16, generator=g) for h in (4, 2, 2))
+    results = []
+    for comm in (routed, flat):
+        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+        with mm.comm_counter() as c:
+            out = mm.mesh_attention(qq, kk, vv, tile=(2, 2), comm=comm)
+            out.sum().backward()
+        results.append(((out.detach(), qq.grad, kk.grad, vv.grad), (c.bytes_sent, c.bytes_received)))
+    (a, bytes_a), (b, bytes_b) = results
+    return dict(case="routing", label="routing", tp=1, cp=4, routes=sorted(routed.routes), flat_routes=flat.routes,
+                identical=all(torch.equal(x, y) for x, y in zip(a, b)), bytes=(bytes_a, bytes_b),
+                route_ranks={p: sorted(dist.get_process_group_ranks(grp)) for p, grp in routed.routes.items()})

@@ -6,8 +6,10 @@
 * :mod:`.args` -- the plugin's CLI flags and the TransformerConfig subclass that carries them;
 * :mod:`.groups` -- Mesh Q/KV ring and TASP node process groups built from Megatron's CP groups;
 * :mod:`.pretrain_gpt` -- the pretraining entry script (``megatron.training.pretrain``);
-* :mod:`.yaml_args` -- Megatron functional-test style YAML -> command-line flags;
 * :mod:`.cpu_compat` -- workarounds for running Megatron on a CPU (loaded by CPU runs only).
+
+``scripts/pretrain_gpt.sh CONFIG.yaml`` drives the entry script from a Megatron functional-test
+style YAML (translated by ``scripts/yaml_to_args.py``); see docs/megatron.md.
 
 Importing this package does not import Megatron.
 """

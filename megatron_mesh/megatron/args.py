@@ -20,12 +20,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..kernels import KERNEL_BACKENDS
 from ..plan import BACKWARD_CHUNKS, CONTIGUOUS, SCHEDULES, AttentionShape, best_tile, parse_tile
+from ..runtime.tasp_api import TRANSPORTS as TASP_TRANSPORTS
 from . import CP_MODES, PLUGIN_MODES, TE_MODES
 
 __all__ = ["MeshTransformerConfig", "PluginSettings", "add_args", "validate_args", "plugin_settings",
            "layer_modes", "resolve_tile", "have_transformer_engine", "TASP_TRANSPORTS"]
-
-TASP_TRANSPORTS = ("p2p", "alltoall")
 
 
 @dataclass

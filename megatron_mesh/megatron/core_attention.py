@@ -24,9 +24,11 @@ Example (CP 4, 2 layers): ``--cp-comm-type mesh tasp`` gives layer 1 Mesh-Attent
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Optional
 
+import torch.distributed as dist
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
@@ -36,6 +38,8 @@ from . import PLUGIN_MODES, TE_MODES
 from .args import have_transformer_engine, plugin_settings, resolve_tile
 
 __all__ = ["CPCoreAttention", "PluginCoreAttention"]
+
+logger = logging.getLogger(__name__)
 
 # Causal, or no mask at all; causal_bottom_right equals causal for self-attention (sq == sk).
 _CAUSAL = {AttnMaskType.causal: True, AttnMaskType.causal_bottom_right: True, AttnMaskType.no_mask: False}
@@ -110,6 +114,24 @@ class PluginCoreAttention(MegatronModule):
         if self.mode not in PLUGIN_MODES:
             raise ValueError(f"{where}: PluginCoreAttention runs {', '.join(PLUGIN_MODES)}, not {cp_comm_type!r}")
         self.comm, self.tile = self._communicator(config)
+        self.ranks_per_node = None  # TASP: CP ranks per node (None: one node)
+        if self.mode == "tasp" and self.cp_size > 1:
+            from .groups import cp_ranks_per_node
+
+            self.ranks_per_node = cp_ranks_per_node(config, self.cp_group)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            logger.info("megatron_mesh: layer %d runs %s", layer_number, self.describe())
+
+    def describe(self) -> str:
+        """One line naming the mode and its settings (logged once per layer on rank 0)."""
+        s = self.settings
+        if self.cp_size == 1:
+            return f"single-rank attention (CP 1, kernel {s.kernel})"
+        detail = {"mesh": f"tile {self.tile[0]}x{self.tile[1]}, schedule {s.schedule}, backward "
+                          f"{s.backward_chunks}, contiguous {s.contiguous}" if self.tile else "",
+                  "tasp": f"transport {s.tasp_transport}, CP ranks per node {self.ranks_per_node or self.cp_size}",
+                  "ring": "zigzag ring"}[self.mode]
+        return f"{self.mode} (CP {self.cp_size}, {detail}, kernel {s.kernel})"
 
     def _communicator(self, config):
         from . import groups
@@ -119,6 +141,8 @@ class PluginCoreAttention(MegatronModule):
         if self.mode == "mesh":
             tile = resolve_tile(self.cp_size, config)
             return groups.mesh_communicator(config, self.cp_group, tile), tile
+        if self.settings.tasp_transport == "alltoall":
+            return None, None  # tasp_attention builds its all-to-all communicator over the CP group
         return groups.tasp_communicator(config, self.cp_group), None
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
@@ -151,9 +175,8 @@ class PluginCoreAttention(MegatronModule):
                                   contiguous=s.contiguous, **common)
         if self.mode == "tasp":
             from ..runtime.tasp_api import tasp_attention
-            from .groups import cp_ranks_per_node
 
-            return tasp_attention(q, k, v, group=self.cp_group, gpus_per_node=cp_ranks_per_node(self.config, self.cp_group),
+            return tasp_attention(q, k, v, group=self.cp_group, gpus_per_node=self.ranks_per_node,
                                   transport=s.tasp_transport, **common)
         return ring_attention(q, k, v, **common)
 

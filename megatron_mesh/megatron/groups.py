@@ -43,7 +43,7 @@ def _ranks(group) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
 
 
-def _cp_group(config, cp_group=None):
+def _cp_group(cp_group=None):
     if cp_group is not None:
         return cp_group
     from megatron.core import parallel_state
@@ -98,7 +98,11 @@ def _rings(request, size: int, cp_ranks: tuple[int, ...]) -> list[tuple[int, ...
 def initialize_groups(config, cp_group=None) -> None:
     """Create, once and on every rank, the sub-groups ``config``'s plugin layers need (collective:
     call it on all ranks, e.g. from the spec function; later calls are free)."""
-    cp_group = _cp_group(config, cp_group)
+    if cp_group is None and config.context_parallel_size == 1:
+        return
+    if not {"mesh", "tasp"} & set(layer_modes(config.cp_comm_type)):
+        return  # ring needs no sub-groups
+    cp_group = _cp_group(cp_group)
     size = dist.get_world_size(cp_group)
     if size == 1:
         return
@@ -129,8 +133,8 @@ def initialize_groups(config, cp_group=None) -> None:
 def _warm_up(groups: Iterable[dist.ProcessGroup]) -> None:
     # NCCL creates a communicator at its first operation, which all members must join; a Mesh
     # round need not involve every member of a ring, so run one all-reduce per group up front.
-    # Every rank warms its groups in creation order, and each rank's first group is disjoint
-    # from other ranks' first groups, so this cannot deadlock.
+    # Every rank warms its groups in the same global (creation) order, so the earliest group not
+    # yet warmed always has all its members waiting on it: no deadlock.
     for group in groups:
         if dist.get_backend(group) == "nccl":
             dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())), group=group)

@@ -14,6 +14,7 @@ layer spec :func:`~.spec.gpt_layer_spec` unless ``--spec`` names another. Withou
 
 from __future__ import annotations
 
+import os
 import sys
 from functools import partial
 
@@ -53,8 +54,19 @@ def parse_args(argv=None):
         sys.argv = [sys.argv[0], *argv]
     raw = arguments.parse_args(add_args)
     validate_args(raw)
+    _check_impl(raw)
     _check_data_args(raw)
     return arguments.parse_and_validate_args(extra_args_provider=add_args, args_defaults=ARGS_DEFAULTS)
+
+
+def _check_impl(args) -> None:
+    from .args import have_transformer_engine
+
+    if args.transformer_impl == "transformer_engine" and args.spec in (None, DEFAULT_SPEC):
+        usable, why = have_transformer_engine()
+        if not usable:
+            raise ValueError(f"--transformer-impl transformer_engine (Megatron's default) needs Transformer Engine, "
+                             f"which is not usable here ({why}); pass --transformer-impl local")
 
 
 def _check_data_args(args) -> None:
@@ -121,6 +133,12 @@ def forward_step(data_iterator, model):
     from megatron.training import get_timers
 
     timers = get_timers()
+    if os.environ.get("MEGATRON_MESH_METRICS"):  # per-iteration bytes / memory for scripts/compare_cp_modes.py
+        from megatron.training import get_args
+
+        from .metrics import record_iteration
+
+        record_iteration(get_args().curr_iteration)
     timers("batch-generator", log_level=2).start()
     vp_stage = get_attr_wrapped_model(model, "vp_stage")
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, vp_stage)

@@ -1,0 +1,369 @@
+"""The plugin's Megatron flags, config, layer specs and core-attention contract, in one process:
+flag validation (bad tile shapes, unknown modes, Transformer Engine modes without Transformer
+Engine), the YAML -> flags translation, spec patching, unsupported features raising errors, and
+CP size 1 behaving as plain attention."""
+
+import copy
+import importlib.util
+import math
+import os
+import sys
+import types
+
+import pytest
+
+pytest.importorskip("megatron.core", reason="needs megatron-core (scripts/setup_env.sh installs it)")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megatron_mesh.megatron import ensure_typing_override  # noqa: E402
+
+pytestmark = pytest.mark.megatron
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def megatron_args():
+    """parse(argv) -> Megatron's argparse Namespace with the plugin's flags (no Megatron validation)."""
+    ensure_typing_override()
+    from megatron.training import arguments
+
+    from megatron_mesh.megatron.args import add_args
+
+    def parse(argv):
+        saved = sys.argv
+        sys.argv = ["pretrain_gpt", "--num-layers", "2", *argv]
+        try:
+            return arguments.parse_args(add_args)
+        finally:
+            sys.argv = saved
+    return parse
+
+
+def _validate(args, have_te=False):
+    from megatron_mesh.megatron.args import validate_args
+
+    validate_args(args, have_te=have_te)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--mesh-tile-shape", "2x2"],
+    ["--context-parallel-size", "4", "--cp-comm-type", "mesh", "tasp", "--mesh-tile-shape", "1x4",
+     "--attention-dropout", "0"],
+    ["--context-parallel-size", "6", "--cp-comm-type", "ring", "--attention-dropout", "0"],
+    ["--context-parallel-size", "1"],  # Megatron's default cp_comm_type p2p is fine without CP
+    ["--context-parallel-size", "4", "--cp-comm-type", "ring", "--mesh-tile-shape", "3x5",  # no mesh layer:
+     "--attention-dropout", "0"],                                                            # syntax only
+])
+def test_valid_flags(megatron_args, argv):
+    args = megatron_args(argv + (["--attention-dropout", "0"] if "--attention-dropout" not in argv else []))
+    _validate(args)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--mesh-tile-shape", "3x2"],
+     "tile 3x2 does not fit CP size 4: a * b must equal the CP size; allowed tiles: 1x4, 2x2, 4x1"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--mesh-tile-shape", "2by2"],
+     "--mesh-tile-shape '2by2': tile shape '2by2' must be 'AxB'"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--mesh-tile-shape", "0x4"], "allowed tiles"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "zigzag"],
+     "--cp-comm-type 'zigzag' is not a context-parallel mode; allowed: plugin modes mesh, tasp, ring; "
+     "Transformer Engine modes p2p, a2a, all_gather, a2a+p2p"),
+    (["--context-parallel-size", "1", "--cp-comm-type", "allgather"], "Transformer Engine spells it 'all_gather'"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "p2p"],
+     "--cp-comm-type p2p is a Transformer Engine mode, but Transformer Engine is not usable here"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "a2a"], "a2a is a Transformer Engine mode"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "tasp", "ring"],
+     "--cp-comm-type has 3 values; give one mode, or one per layer (2 layers)"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "tasp", "--attention-dropout", "0.1"],
+     "--attention-dropout 0.1: the mesh/tasp/ring modes support only 0"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "ring", "--attention-dropout", "0",
+      "--tasp-gpus-per-node", "0"], "--tasp-gpus-per-node must be >= 1"),
+])
+def test_invalid_flags_name_the_value(megatron_args, argv, message):
+    args = megatron_args(argv)
+    with pytest.raises(ValueError) as e:
+        _validate(args)
+    assert message in str(e.value)
+
+
+def test_te_modes_detected_as_unusable_without_te(megatron_args):
+    from megatron_mesh.megatron.args import have_transformer_engine, validate_args
+
+    usable, why = have_transformer_engine()
+    if usable:
+        pytest.skip("Transformer Engine is installed here")
+    assert why
+    args = megatron_args(["--context-parallel-size", "2", "--cp-comm-type", "all_gather"])
+    with pytest.raises(ValueError, match="all_gather is a Transformer Engine mode"):
+        validate_args(args)  # detection, not a forced have_te
+
+
+@pytest.mark.parametrize("argv", [["--mesh-schedule", "fastest"], ["--mesh-backward-chunks", "never"],
+                                  ["--mesh-contiguous", "rows"], ["--tasp-transport", "rdma"],
+                                  ["--cp-kernel-backend", "cudnn9"]])
+def test_unknown_choices_are_argparse_errors(megatron_args, argv, capsys):
+    with pytest.raises(SystemExit):
+        megatron_args(argv)
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_flags_ride_on_the_transformer_config(megatron_args):
+    from megatron.core.transformer import TransformerConfig
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    from megatron_mesh.megatron.args import MeshTransformerConfig, PluginSettings, plugin_settings
+
+    args = megatron_args(["--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+                          "--max-position-embeddings", "64", "--micro-batch-size", "1",
+                          "--mesh-tile-shape", "2x2", "--mesh-schedule", "lockstep", "--mesh-contiguous", "kv",
+                          "--tasp-gpus-per-node", "8", "--tasp-transport", "alltoall", "--cp-kernel-backend", "math"])
+    from megatron.training.arguments import validate_args
+
+    validate_args(args, {})
+    config = core_transformer_config_from_args(args, config_class=MeshTransformerConfig)
+    assert plugin_settings(config) == PluginSettings(tile="2x2", schedule="lockstep", backward_chunks="refetch",
+                                                     contiguous="kv", tasp_gpus_per_node=8,
+                                                     tasp_transport="alltoall", kernel="math")
+    plain = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4)
+    assert plugin_settings(plain) == PluginSettings()  # a plain config gets the defaults
+
+
+def test_auto_tile_is_the_closed_form_optimum():
+    from megatron_mesh.megatron.args import MeshTransformerConfig, resolve_tile, shape_from_config
+    from megatron_mesh.plan import best_tile
+
+    for heads, groups in ((32, 8), (32, 32), (32, 1)):
+        config = MeshTransformerConfig(num_layers=2, hidden_size=4096, num_attention_heads=heads,
+                                       num_query_groups=groups, context_parallel_size=16)
+        shape = shape_from_config(config)
+        assert (shape.heads, shape.kv_heads, shape.head_dim) == (heads, groups, 128)
+        assert resolve_tile(16, config) == best_tile(16, shape)
+    config.mesh_tile_shape = "8x2"
+    assert resolve_tile(16, config) == (8, 2)
+
+
+# -- layer specs ------------------------------------------------------------------------------------------
+def _config(**kw):
+    from megatron_mesh.megatron.args import MeshTransformerConfig
+
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, attention_dropout=0.0, hidden_dropout=0.0,
+                use_cpu_initialization=True, transformer_impl="local")
+    return MeshTransformerConfig(**{**base, **kw})
+
+
+def test_local_spec_replaces_only_core_attention():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_mesh.megatron.core_attention import CPCoreAttention
+    from megatron_mesh.megatron.spec import gpt_layer_spec, gpt_local_layer_spec
+
+    stock = get_gpt_layer_local_spec()
+    stock_attention = stock.submodules.self_attention.submodules.core_attention
+    stock.submodules.self_attention.submodules.core_attention = CPCoreAttention
+    for spec in (gpt_local_layer_spec(_config()), gpt_layer_spec(_config())):
+        assert spec.submodules.self_attention.submodules.core_attention is CPCoreAttention
+        assert repr(spec) == repr(stock)  # everything else is Megatron's own spec
+    assert stock_attention is not CPCoreAttention
+
+
+def test_moe_block_spec_patches_every_layer():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from megatron_mesh.megatron.core_attention import CPCoreAttention
+    from megatron_mesh.megatron.spec import patch_spec
+
+    config = _config(num_moe_experts=2, moe_router_topk=2, num_layers=3)
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, pp_rank=0)
+    assert patch_spec(block) is block and len(block.layer_specs) == 3
+    assert all(s.submodules.self_attention.submodules.core_attention is CPCoreAttention for s in block.layer_specs)
+
+
+def test_patch_spec_rejects_specs_without_attention():
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megatron_mesh.megatron.spec import patch_spec
+
+    with pytest.raises(ValueError, match="no self_attention.submodules.core_attention"):
+        patch_spec(ModuleSpec(module=torch.nn.Identity))
+
+
+def test_te_spec_without_te_is_a_clear_error():
+    from megatron_mesh.megatron.args import have_transformer_engine
+    from megatron_mesh.megatron.spec import gpt_layer_spec, gpt_te_layer_spec
+
+    if have_transformer_engine()[0]:
+        pytest.skip("Transformer Engine is installed here")
+    with pytest.raises(ValueError, match="needs Transformer Engine.*--transformer-impl local"):
+        gpt_te_layer_spec(_config())
+    with pytest.raises(ValueError, match="transformer_impl 'transformer_engine' needs Transformer Engine"):
+        gpt_layer_spec(_config(transformer_impl="transformer_engine"))
+
+
+def test_spec_function_resolves_like_megatron_spec_flag():
+    from megatron.core.transformer.spec_utils import import_module
+
+    from megatron_mesh.megatron import spec
+    from megatron_mesh.megatron.pretrain_gpt import DEFAULT_SPEC
+
+    assert import_module(tuple(DEFAULT_SPEC)) is spec.gpt_layer_spec
+
+
+# -- the core-attention contract ----------------------------------------------------------------------------
+def _build(config, cp_comm_type, **kw):
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_mesh.megatron.core_attention import CPCoreAttention
+
+    args = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
+                cp_comm_type=cp_comm_type, softmax_scale=None, pg_collection=None)
+    return CPCoreAttention(**{**args, **kw})
+
+
+@pytest.mark.parametrize("mode", ["p2p", "a2a", "all_gather", "a2a+p2p", None])
+def test_te_modes_without_te_raise_naming_the_mode(mode):
+    from megatron_mesh.megatron.args import have_transformer_engine
+
+    if have_transformer_engine()[0]:
+        pytest.skip("Transformer Engine is installed here")
+    with pytest.raises(ValueError) as e:
+        _build(_config(context_parallel_size=4), mode)
+    assert f"layer 1: cp_comm_type '{mode or 'p2p'}' is a Transformer Engine mode, but Transformer Engine is " \
+           "not usable here" in str(e.value)
+
+
+def test_unknown_mode_raises():
+    with pytest.raises(ValueError, match="cp_comm_type 'hamilton' is not a context-parallel mode"):
+        _build(_config(context_parallel_size=4), "hamilton")
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(config=dict(attention_dropout=0.1)), "attention dropout 0.1 is not supported (allowed: 0"),
+    (dict(config=dict(window_size=(128, 0))), "sliding-window attention (window_size=(128, 0))"),
+    (dict(config=dict(softmax_type="learnable")), "softmax_type 'learnable' is not supported"),
+    (dict(build=dict(k_channels=192, v_channels=128)), "key head dim 192 != value head dim 128 (MLA)"),
+    (dict(build=dict(attention_type="cross")), "attention_type 'cross' is not supported (allowed: 'self')"),
+    (dict(build=dict(attn_mask_type="padding")), "attention mask type 'padding' is not supported"),
+])
+def test_unsupported_features_raise(change, message):
+    from megatron.core.transformer.enums import AttnMaskType
+
+    build = dict(change.get("build", {}))
+    if build.get("attn_mask_type") == "padding":
+        build["attn_mask_type"] = AttnMaskType.padding
+    config = _config(context_parallel_size=4, **change.get("config", {}))
+    with pytest.raises(ValueError) as e:
+        _build(config, "mesh", **build)
+    assert message in str(e.value) and "layer 1" in str(e.value)
+
+
+@pytest.fixture()
+def one_rank(tmp_path):
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield types.SimpleNamespace(cp=dist.group.WORLD)
+    from megatron_mesh.megatron import groups
+
+    groups.destroy_groups()
+    dist.destroy_process_group()
+
+
+def test_cp1_is_plain_attention_and_forward_checks(one_rank):
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_mesh.kernels import reference_attention
+    from megatron_mesh.megatron.core_attention import PluginCoreAttention
+
+    module = _build(_config(context_parallel_size=1), None, pg_collection=one_rank, softmax_scale=0.2)
+    assert isinstance(module, PluginCoreAttention) and module.cp_size == 1
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(12, 2, 4, 16, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(12, 2, 2, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    for mask_type, causal in ((AttnMaskType.causal, True), (AttnMaskType.no_mask, False)):
+        out = module(q, k, v, None, attn_mask_type=mask_type)
+        want = reference_attention(q, k, v, causal=causal, softmax_scale=0.2)
+        assert out.shape == (12, 2, 64)
+        torch.testing.assert_close(out, want.reshape(12, 2, 64), rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="attention_bias is not supported"):
+        module(q, k, v, None, attn_mask_type=AttnMaskType.causal, attention_bias=torch.zeros(1))
+    with pytest.raises(ValueError, match=r"packed sequences \(packed_seq_params, qkv_format='thd'\)"):
+        module(q, k, v, None, attn_mask_type=AttnMaskType.causal, packed_seq_params=PackedSeqParams(qkv_format="thd"))
+    with pytest.raises(ValueError, match="attention mask type 'arbitrary' is not supported"):
+        module(q, k, v, None, attn_mask_type=AttnMaskType.arbitrary)
+    assert math.isclose(_build(_config(context_parallel_size=1, kv_channels=16), None,
+                               pg_collection=one_rank).softmax_scale, 16 ** -0.5)
+
+
+# -- YAML -> flags --------------------------------------------------------------------------------------
+def _yaml_to_args():
+    spec = importlib.util.spec_from_file_location("yaml_to_args", os.path.join(ROOT, "scripts", "yaml_to_args.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_yaml_translation(tmp_path):
+    y = _yaml_to_args()
+    path = tmp_path / "c.yaml"
+    path.write_text("ENV_VARS:\n  CUDA_DEVICE_MAX_CONNECTIONS: 1\n  RUN_DIR: /runs\nMODEL_ARGS:\n"
+                    "  --num-layers: 2\n  --use-cpu-initialization: true\n  --bf16: false\n  --lr: 1.0e-3\n"
+                    "  --cp-comm-type: mesh tasp\n  --save: ${RUN_DIR}/ckpt\n  --data-path: [0.5, /a b, 0.5, /c]\n"
+                    "TEST_TYPE: regular\n")
+    doc = y.load(str(path))
+    env = y.environment(doc, base={"RUN_DIR": "/mine"})
+    assert env == {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "RUN_DIR": "/mine"}  # the environment wins
+    assert y.model_args(doc, env) == ["--num-layers", "2", "--use-cpu-initialization", "--lr", "0.001",
+                                      "--cp-comm-type", "mesh", "tasp", "--save", "/mine/ckpt",
+                                      "--data-path", "0.5", "/a b", "0.5", "/c"]
+    with pytest.raises(ValueError, match=r"--save: \$\{RUN_DIR\} is not set"):
+        y.model_args(doc, {})
+
+
+def test_tiny_cpu_config_parses(megatron_args):
+    args = _config_args(megatron_args, "gpt_tiny_cpu.yaml")
+    assert args.spec == ["megatron_mesh.megatron.spec", "gpt_layer_spec"]
+    assert args.transformer_impl == "local" and args.cp_comm_type == ["mesh"]
+    _validate(args)
+
+
+@pytest.mark.parametrize("name", sorted(f for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith(".yaml")))
+def test_configs_parse_with_every_mode(megatron_args, name):
+    """Every flag of every config is one Megatron (or the plugin) knows, and the config is valid
+    under each mode (GPU configs assume Transformer Engine for TE's modes)."""
+    parsed = _config_args(megatron_args, name)
+    layers = parsed.num_layers
+    for modes in (["mesh"], ["tasp"], ["ring"], ["p2p"], (["mesh", "tasp", "ring"] * layers)[:layers]):
+        args = copy.deepcopy(parsed)
+        args.cp_comm_type = modes
+        _validate(args, have_te=True)
+
+
+def _config_args(megatron_args, name, *extra):
+    y = _yaml_to_args()
+    doc = y.load(os.path.join(ROOT, "configs", name))
+    argv = y.model_args(doc, {**os.environ, **y.environment(doc)})
+    return megatron_args([*argv, *extra])
+
+
+def test_te_modes_hand_over_to_te_dotproductattention(monkeypatch):
+    """With Transformer Engine usable, TE's modes build TEDotProductAttention with the layer's
+    arguments and mode (a stand-in records the call: TE itself needs CUDA)."""
+    from megatron.core.extensions import transformer_engine as te_ext
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_mesh.megatron import core_attention
+
+    class Recorder:
+        def __init__(self, **kwargs):
+            self.kwargs = kwargs
+
+    monkeypatch.setattr(core_attention, "have_transformer_engine", lambda: (True, ""))
+    monkeypatch.setattr(te_ext, "TEDotProductAttention", Recorder)
+    config = _config(context_parallel_size=4)
+    for mode in ("p2p", "a2a", "all_gather", "a2a+p2p"):
+        built = _build(config, mode, k_channels=16, v_channels=16)
+        assert isinstance(built, Recorder)
+        assert built.kwargs == dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                    attention_type="self", softmax_scale=None, pg_collection=None,
+                                    cp_comm_type=mode, k_channels=16, v_channels=16)
