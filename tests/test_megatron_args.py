@@ -130,18 +130,26 @@ def test_flags_ride_on_the_transformer_config(megatron_args):
     assert plugin_settings(plain) == PluginSettings()  # a plain config gets the defaults
 
 
-def test_auto_tile_is_the_closed_form_optimum():
+def test_auto_tile_is_the_planners_choice(monkeypatch):
     from megatron_mesh.megatron.args import MeshTransformerConfig, resolve_tile, shape_from_config
-    from megatron_mesh.plan import best_tile
+    from megatron_mesh.plan import AttentionShape, Topology, choose_tile
 
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     for heads, groups in ((32, 8), (32, 32), (32, 1)):
-        config = MeshTransformerConfig(num_layers=2, hidden_size=4096, num_attention_heads=heads,
-                                       num_query_groups=groups, context_parallel_size=16)
-        shape = shape_from_config(config)
-        assert (shape.heads, shape.kv_heads, shape.head_dim) == (heads, groups, 128)
-        assert resolve_tile(16, config) == best_tile(16, shape)
+        for per_node in (None, 8):
+            config = MeshTransformerConfig(num_layers=2, hidden_size=4096, num_attention_heads=heads,
+                                           num_query_groups=groups, context_parallel_size=16,
+                                           tasp_gpus_per_node=per_node, cp_seq_length=16 * 4096)
+            s = shape_from_config(config)
+            assert (s.heads, s.kv_heads, s.head_dim) == (heads, groups, 128)
+            shape = AttentionShape(4096, 1, heads, groups, 128, s.itemsize)
+            topo = Topology(nodes=16 // (per_node or 16), gpus_per_node=per_node or 16)
+            assert resolve_tile(16, config) == choose_tile(16, shape, topo)
     config.mesh_tile_shape = "8x2"
-    assert resolve_tile(16, config) == (8, 2)
+    tile, contiguous = resolve_tile(16, config)
+    assert tile == (8, 2) and contiguous in ("q", "kv")
+    config.mesh_contiguous = "kv"
+    assert resolve_tile(16, config) == ((8, 2), "kv")
 
 
 # -- layer specs ------------------------------------------------------------------------------------------

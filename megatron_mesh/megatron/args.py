@@ -19,7 +19,9 @@ from typing import Optional
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..kernels import KERNEL_BACKENDS
-from ..plan import BACKWARD_CHUNKS, CONTIGUOUS, SCHEDULES, AttentionShape, best_tile, parse_tile
+from ..plan import BACKWARD_CHUNKS, CONTIGUOUS, SCHEDULES, AttentionShape, Topology, parse_tile
+from ..plan.autotile import rank_tiles
+from ..plan.planner import pick_best
 from ..runtime.tasp_api import TRANSPORTS as TASP_TRANSPORTS
 from . import CP_MODES, PLUGIN_MODES, TE_MODES
 
@@ -37,14 +39,16 @@ class MeshTransformerConfig(TransformerConfig):
     """Order of the Mesh pulls: 'greedy' (compute unlocked per byte) or 'lockstep'."""
     mesh_backward_chunks: str = "refetch"
     """'refetch' Q/KV chunks in the backward (less memory) or 'keep' them from the forward."""
-    mesh_contiguous: str = "q"
-    """Which Mesh ring is made of consecutive CP ranks (shares a node): 'q' or 'kv'."""
+    mesh_contiguous: str = "auto"
+    """Which Mesh ring is made of consecutive CP ranks (shares a node): 'q', 'kv' or 'auto'."""
     tasp_gpus_per_node: Optional[int] = None
     """GPUs per node for TASP's node-aware rings; None: torchrun's LOCAL_WORLD_SIZE."""
     tasp_transport: str = "p2p"
     """TASP transfers as point-to-point sends ('p2p') or all-to-all collectives ('alltoall')."""
     cp_kernel_backend: str = "auto"
     """Block attention kernel of the plugin modes (see megatron_mesh.kernels.KERNEL_BACKENDS)."""
+    cp_seq_length: Optional[int] = None
+    """Global sequence length (from --seq-length), for the time model behind the 'auto' choices."""
 
 
 _FIELDS = ("mesh_tile_shape", "mesh_schedule", "mesh_backward_chunks", "mesh_contiguous",
@@ -56,7 +60,7 @@ class PluginSettings:
     tile: str = "auto"
     schedule: str = "greedy"
     backward_chunks: str = "refetch"
-    contiguous: str = "q"
+    contiguous: str = "auto"
     tasp_gpus_per_node: Optional[int] = None
     tasp_transport: str = "p2p"
     kernel: str = "auto"
@@ -78,13 +82,15 @@ def add_args(parser):
                                   "(--cp-comm-type mesh|tasp|ring, one value or one per layer)")
     g.add_argument("--mesh-tile-shape", default="auto",
                    help="Mesh tile AxB: each CP rank computes A query chunks x B key/value chunks "
-                        "(A*B = CP size; 1xCP is ring attention), or 'auto' for the fewest bytes per rank")
+                        "(A*B = CP size; 1xCP is ring attention), or 'auto': the tile the planner predicts "
+                        "fastest (python -m megatron_mesh.plan shows why)")
     g.add_argument("--mesh-schedule", default="greedy", choices=SCHEDULES,
                    help="order of the Mesh pulls")
     g.add_argument("--mesh-backward-chunks", default="refetch", choices=BACKWARD_CHUNKS,
                    help="re-communicate Q/KV chunks in the backward (refetch) or keep them (more memory)")
-    g.add_argument("--mesh-contiguous", default="q", choices=CONTIGUOUS,
-                   help="which Mesh ring is made of consecutive CP ranks, i.e. stays inside a node")
+    g.add_argument("--mesh-contiguous", default="auto", choices=CONTIGUOUS + ("auto",),
+                   help="which Mesh ring is made of consecutive CP ranks, i.e. stays inside a node "
+                        "('auto': the planner's faster one)")
     g.add_argument("--tasp-gpus-per-node", type=int, default=None,
                    help="GPUs per node for TASP's node-aware rings (default: torchrun's LOCAL_WORLD_SIZE)")
     g.add_argument("--tasp-transport", default="p2p", choices=TASP_TRANSPORTS,
@@ -144,7 +150,7 @@ def validate_args(args, have_te: bool | None = None) -> None:
     except ValueError as e:
         raise ValueError(f"--mesh-tile-shape {tile!r}: {e}") from None
     for name, allowed in (("mesh_schedule", SCHEDULES), ("mesh_backward_chunks", BACKWARD_CHUNKS),
-                          ("mesh_contiguous", CONTIGUOUS), ("tasp_transport", TASP_TRANSPORTS),
+                          ("mesh_contiguous", CONTIGUOUS + ("auto",)), ("tasp_transport", TASP_TRANSPORTS),
                           ("cp_kernel_backend", KERNEL_BACKENDS)):
         if getattr(args, name) not in allowed:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)!r}: allowed {', '.join(allowed)}")
@@ -188,15 +194,45 @@ def shape_from_config(config) -> AttentionShape:
                           head_dim=config.kv_channels, itemsize=itemsize)
 
 
-def resolve_tile(cp_size: int, config) -> tuple[int, int]:
-    """The Mesh tile of ``config`` for a CP group of ``cp_size``: the flag's 'AxB', or for 'auto'
-    the closed-form optimum. The ONE place that chooses a tile (a topology-aware chooser plugs in
-    here)."""
+# Time-model defaults when the flags do not say: a sequence length per rank for configs built
+# outside the entry script (bytes scale linearly with it; the fastest tile depends on it mildly).
+_DEFAULT_SEQ_LOCAL = 8192
+
+
+def resolve_tile(cp_size: int, config) -> tuple[tuple[int, int], str]:
+    """The Mesh tile and rank order ("q"/"kv") of ``config`` for a CP group of ``cp_size``.
+
+    The ONE place that chooses them. An 'AxB' tile and a 'q'/'kv' order are taken as given; for
+    'auto' the planner's simulator (as :func:`megatron_mesh.plan.autotile.choose_tile`) predicts every
+    candidate on the machine -- CP ranks per node from --tasp-gpus-per-node or torchrun's
+    LOCAL_WORLD_SIZE divided by the TP size, H100 NVLink / 400 Gb/s InfiniBand defaults -- and the
+    fastest allowed one wins. Deterministic: every rank computes the same answer.
+    """
     s = plugin_settings(config)
     tile = parse_tile(s.tile, cp_size)
-    if tile == "auto":
-        tile = best_tile(cp_size, shape_from_config(config), s.backward_chunks)
-    return tile
+    if tile != "auto" and s.contiguous != "auto":
+        return tile, s.contiguous
+    shape = shape_from_config(config)
+    seq_length = getattr(config, "cp_seq_length", None)
+    seq_local = seq_length // cp_size if seq_length else _DEFAULT_SEQ_LOCAL
+    shape = AttentionShape(seq_local=max(2, seq_local - seq_local % 2), batch=1, heads=shape.heads,
+                           kv_heads=shape.kv_heads, head_dim=shape.head_dim, itemsize=shape.itemsize)
+    allowed = [c for c in rank_tiles(cp_size, shape, _topology(cp_size, config, s), backward_chunks=s.backward_chunks,
+                                     schedule=s.schedule)
+               if (tile == "auto" or c.tile == tile) and s.contiguous in ("auto", c.contiguous)]
+    best = pick_best(allowed)  # the same tie-breaks as plan.autotile.choose_tile
+    return best.tile, best.contiguous
+
+
+def _topology(cp_size: int, config, settings: "PluginSettings") -> Topology:
+    """The CP group as nodes x CP ranks per node (consecutive CP ranks share a node: Megatron's
+    tp-cp-... rank order puts TP ranks innermost, so a node holds GPUs / TP consecutive CP ranks)."""
+    gpus = gpus_per_node(settings)
+    tp = getattr(config, "tensor_model_parallel_size", 1) or 1
+    per_node = max(1, min(cp_size, gpus // tp)) if gpus else cp_size
+    if cp_size % per_node:
+        per_node = cp_size  # uneven split: model the group as one node
+    return Topology(nodes=cp_size // per_node, gpus_per_node=per_node)
 
 
 def gpus_per_node(settings: PluginSettings) -> Optional[int]:

@@ -113,7 +113,8 @@ class PluginCoreAttention(MegatronModule):
         self.mode = cp_comm_type if self.cp_size > 1 else "ring"  # CP 1: one block, no transfers
         if self.mode not in PLUGIN_MODES:
             raise ValueError(f"{where}: PluginCoreAttention runs {', '.join(PLUGIN_MODES)}, not {cp_comm_type!r}")
-        self.comm, self.tile = self._communicator(config)
+        self.tile, self.contiguous = None, None  # Mesh: resolved by args.resolve_tile
+        self.comm = self._communicator(config)
         self.ranks_per_node = None  # TASP: CP ranks per node (None: one node)
         if self.mode == "tasp" and self.cp_size > 1:
             from .groups import cp_ranks_per_node
@@ -128,7 +129,7 @@ class PluginCoreAttention(MegatronModule):
         if self.cp_size == 1:
             return f"single-rank attention (CP 1, kernel {s.kernel})"
         detail = {"mesh": f"tile {self.tile[0]}x{self.tile[1]}, schedule {s.schedule}, backward "
-                          f"{s.backward_chunks}, contiguous {s.contiguous}" if self.tile else "",
+                          f"{s.backward_chunks}, contiguous {self.contiguous}" if self.tile else "",
                   "tasp": f"transport {s.tasp_transport}, CP ranks per node {self.ranks_per_node or self.cp_size}",
                   "ring": "zigzag ring"}[self.mode]
         return f"{self.mode} (CP {self.cp_size}, {detail}, kernel {s.kernel})"
@@ -137,13 +138,13 @@ class PluginCoreAttention(MegatronModule):
         from . import groups
 
         if self.cp_size == 1 or self.mode == "ring":
-            return groups.cp_communicator(self.cp_group), None
+            return groups.cp_communicator(self.cp_group)
         if self.mode == "mesh":
-            tile = resolve_tile(self.cp_size, config)
-            return groups.mesh_communicator(config, self.cp_group, tile), tile
+            self.tile, self.contiguous = resolve_tile(self.cp_size, config)
+            return groups.mesh_communicator(config, self.cp_group, self.tile, self.contiguous)
         if self.settings.tasp_transport == "alltoall":
-            return None, None  # tasp_attention builds its all-to-all communicator over the CP group
-        return groups.tasp_communicator(config, self.cp_group), None
+            return None  # tasp_attention builds its all-to-all communicator over the CP group
+        return groups.tasp_communicator(config, self.cp_group)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                 attn_mask_type: Optional[AttnMaskType] = None, attention_bias: Optional[Tensor] = None,
@@ -172,7 +173,7 @@ class PluginCoreAttention(MegatronModule):
         common = dict(causal=causal, softmax_scale=self.softmax_scale, kernel=s.kernel, comm=self.comm)
         if self.mode == "mesh":
             return mesh_attention(q, k, v, tile=self.tile, schedule=s.schedule, backward_chunks=s.backward_chunks,
-                                  contiguous=s.contiguous, **common)
+                                  contiguous=self.contiguous, **common)
         if self.mode == "tasp":
             from ..runtime.tasp_api import tasp_attention
 

@@ -78,7 +78,7 @@ def _requests(config, cp_size: int) -> list[tuple]:
     s = plugin_settings(config)
     out = []
     if "mesh" in modes:
-        out.append(("mesh", resolve_tile(cp_size, config), s.contiguous))
+        out.append(("mesh", *resolve_tile(cp_size, config)))
     if "tasp" in modes:
         out.append(("tasp", gpus_per_node(s)))
     return out
@@ -162,9 +162,8 @@ def cp_communicator(cp_group) -> TorchDistCommunicator:
     return _communicator(cp_group, {})
 
 
-def mesh_communicator(config, cp_group, tile: tuple[int, int]) -> TorchDistCommunicator:
+def mesh_communicator(config, cp_group, tile: tuple[int, int], contiguous: str) -> TorchDistCommunicator:
     """P2P over the CP group with Q-ring and KV-ring peers routed through their ring groups."""
-    contiguous = plugin_settings(config).contiguous
     return _communicator(cp_group, _routes(config, cp_group, ("mesh", tuple(tile), contiguous)))
 
 

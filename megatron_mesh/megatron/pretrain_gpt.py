@@ -191,6 +191,7 @@ def build_config(args):
         args.spec = list(DEFAULT_SPEC)
     config = core_transformer_config_from_args(args, config_class=MeshTransformerConfig)
     copy_settings(args, config)
+    config.cp_seq_length = args.seq_length  # for the time model behind --mesh-tile-shape auto
     return gpt_config_from_args(args, config=config)
 
 
