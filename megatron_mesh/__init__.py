@@ -2,8 +2,9 @@
 
 Public API (layout: Megatron's [s_local, batch, heads, head_dim], zigzag CP chunks)::
 
-    from megatron_mesh import mesh_attention, ring_attention, comm_counter
+    from megatron_mesh import mesh_attention, ring_attention, tasp_attention, comm_counter
     out = mesh_attention(q, k, v, group=cp_group, tile=(2, 2), causal=True)
+    out = tasp_attention(q, k, v, group=cp_group, gpus_per_node=8)
 
 The plan layer (:mod:`megatron_mesh.plan`) is pure Python and importable without torch, so the
 top-level names below are resolved lazily; the Megatron adapter (:mod:`megatron_mesh.megatron`)
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "mesh_attention": "megatron_mesh.runtime.api",
     "ring_attention": "megatron_mesh.runtime.api",
+    "tasp_attention": "megatron_mesh.runtime.tasp_api",
     "zigzag_shard": "megatron_mesh.runtime.api",
     "zigzag_unshard": "megatron_mesh.runtime.api",
     "comm_counter": "megatron_mesh.comm.base",

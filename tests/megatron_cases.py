@@ -139,7 +139,10 @@ def _routing(rank, cp_group, config) -> dict:
     import megatron_mesh as mm
     from megatron_mesh.megatron import groups
 
-    routed = groups.mesh_communicator(config, cp_group, (2, 2))
+    from megatron_mesh.megatron.args import resolve_tile
+
+    tile, contiguous = resolve_tile(4, config)  # the ring groups were built for this placement
+    routed = groups.mesh_communicator(config, cp_group, tile, contiguous)
     flat = groups.cp_communicator(cp_group)
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(8, 2, h, 16, generator=g) for h in (4, 2, 2))
@@ -147,7 +150,7 @@ def _routing(rank, cp_group, config) -> dict:
     for comm in (routed, flat):
         qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
         with mm.comm_counter() as c:
-            out = mm.mesh_attention(qq, kk, vv, tile=(2, 2), comm=comm)
+            out = mm.mesh_attention(qq, kk, vv, tile=tile, contiguous=contiguous, comm=comm)
             out.sum().backward()
         results.append(((out.detach(), qq.grad, kk.grad, vv.grad), (c.bytes_sent, c.bytes_received)))
     (a, bytes_a), (b, bytes_b) = results

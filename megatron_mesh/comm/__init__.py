@@ -1,9 +1,10 @@
 """Transports for plan rounds: torch.distributed P2P, and an in-process mailbox (all ranks of a
 plan in one process, for tests and single-device benchmarks)."""
 
+from .alltoall import AllToAllCommunicator
 from .base import CommCount, Communicator, Work, comm_counter, record_bytes
 from .inprocess import InProcessCommunicator, InProcessError, Mailbox, forward_backward, run_inprocess
 from .torch_dist import TorchDistCommunicator
 
-__all__ = ["CommCount", "Communicator", "Work", "comm_counter", "record_bytes", "TorchDistCommunicator",
+__all__ = ["AllToAllCommunicator", "CommCount", "Communicator", "Work", "comm_counter", "record_bytes", "TorchDistCommunicator",
            "InProcessCommunicator", "InProcessError", "Mailbox", "forward_backward", "run_inprocess"]

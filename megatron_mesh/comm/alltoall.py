@@ -1,0 +1,83 @@
+"""Communicator that moves a whole round with one ``all_to_all_single`` (TASP's collective form).
+
+A round of TASP sends one slot to each of up to P - 1 peers and receives one from each: a
+personalised all-to-all. This transport packs every tensor of the round into one byte buffer
+ordered by peer, runs one asynchronous ``all_to_all_single`` with per-peer split sizes, and on
+``wait()`` copies the received bytes into the receive tensors. It moves (and ``comm_counter()``
+counts) exactly the payload bytes of the P2P transport; the price is one pack and one unpack copy
+per round.
+
+A collective needs every rank of the group to call it for every round, so this transport only
+serves plans in which all ranks post the same rounds (TASP plans do: each rank is on every ring).
+A rank with nothing to move in a round still joins the collective with empty buffers.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .base import Communicator, Work
+
+__all__ = ["AllToAllCommunicator"]
+
+
+def _as_bytes(t: Tensor) -> Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+class _Unpack:
+    """Completes the collective, then scatters the received bytes into the receive tensors."""
+
+    def __init__(self, work, send: Tensor, recv: Tensor, targets: list[tuple[Tensor, int, int]]):
+        # holding ``send`` keeps its memory from being reused while the collective may still read it
+        self.work, self.send, self.recv, self.targets = work, send, recv, targets
+
+    def wait(self) -> None:
+        self.work.wait()
+        for t, start, n in self.targets:
+            _as_bytes(t).copy_(self.recv[start:start + n])
+        self.send = self.recv = None
+
+
+class AllToAllCommunicator(Communicator):
+    """One ``all_to_all_single`` per round over ``group`` (None: the default group)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None, device: torch.device | None = None):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        if device is None:  # where the empty buffers of a rank with nothing to move live
+            nccl = dist.get_backend(group) == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self.device = device
+
+    def start(self, sends: Sequence[tuple[int, Tensor]], recvs: Sequence[tuple[int, Tensor]]) -> Work:
+        if not sends and not recvs:  # still a collective: every rank joins every round
+            return self._start(sends, recvs)
+        return super().start(sends, recvs)
+
+    def _start(self, sends: Sequence[tuple[int, Tensor]], recvs: Sequence[tuple[int, Tensor]]) -> Work:
+        W = self.world_size
+        device = (sends or recvs)[0][1].device if (sends or recvs) else self.device
+        by_peer: list[list[Tensor]] = [[] for _ in range(W)]
+        for p, t in sends:  # per peer in list order: the receiver unpacks in its own list order
+            by_peer[p].append(_as_bytes(t))
+        in_splits = [sum(x.numel() for x in ts) for ts in by_peer]
+        flat = [x for ts in by_peer for x in ts]
+        send = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8, device=device)
+        out_splits = [0] * W
+        for p, t in recvs:
+            out_splits[p] += t.numel() * t.element_size()
+        offsets = [sum(out_splits[:p]) for p in range(W)]
+        targets = []
+        for p, t in recvs:
+            n = t.numel() * t.element_size()
+            targets.append((t, offsets[p], n))
+            offsets[p] += n
+        recv = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
+        work = dist.all_to_all_single(recv, send, out_splits, in_splits, group=self.group, async_op=True)
+        return _Unpack(work, send, recv, targets)
