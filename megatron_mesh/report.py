@@ -85,7 +85,8 @@ def _fmt_bytes(n: float | None) -> str:
     return str(n)
 
 
-def write_report(runs: list[RunResult], out_dir: str, title: str, baseline: str | None = None) -> str:
+def write_report(runs: list[RunResult], out_dir: str, title: str, baseline: str | None = None,
+                 notes: tuple[str, ...] = ()) -> str:
     """Write report.md, report.csv and PNG plots into ``out_dir``; returns the Markdown text."""
     os.makedirs(out_dir, exist_ok=True)
     base = next((r for r in runs if r.mode == baseline), None)
@@ -119,13 +120,12 @@ def write_report(runs: list[RunResult], out_dir: str, title: str, baseline: str 
     lines.append("| mode | CP | tile | max loss deviation from baseline | time / iteration (ms) | attention bytes sent per rank per step | vs ring | peak memory |")
     lines.append("|---|---|---|---|---|---|---|---|")
     for row, r in zip(rows, runs):
-        dev = row["max_loss_deviation"]
-        lines.append(
-            f"| {r.mode}{'' if r.ok else ' (failed)'} | {r.cp} | {r.tile or '-'} | "
-            f"{'baseline' if r is base else ('-' if dev is None else f'{dev:.2e}')} | "
-            f"{'-' if row['time_per_iteration_ms'] is None else f'{row['time_per_iteration_ms']:.1f}'} | "
-            f"{_fmt_bytes(r.bytes_per_step)} | {'-' if row['bytes_vs_ring'] is None else f'{row['bytes_vs_ring']:.2f}'} | "
-            f"{_fmt_bytes(r.peak_memory)} |")
+        dev, mt, vs = row["max_loss_deviation"], row["time_per_iteration_ms"], row["bytes_vs_ring"]
+        dev_s = "baseline" if r is base else ("-" if dev is None else f"{dev:.2e}")
+        mt_s = "-" if mt is None else f"{mt:.1f}"
+        vs_s = "-" if vs is None else f"{vs:.2f}"
+        lines.append(f"| {r.mode}{'' if r.ok else ' (failed)'} | {r.cp} | {r.tile or '-'} | {dev_s} | {mt_s} | "
+                     f"{_fmt_bytes(r.bytes_per_step)} | {vs_s} | {_fmt_bytes(r.peak_memory)} |")
     lines += ["", "Loss per iteration:", "", "| mode | " + " | ".join(str(i) for i in iters) + " |",
               "|---|" + "---|" * len(iters)]
     for r in runs:
@@ -133,7 +133,7 @@ def write_report(runs: list[RunResult], out_dir: str, title: str, baseline: str 
     kinds = {r.memory_kind for r in runs if r.memory_kind}
     lines += ["", f"Peak memory is the {', '.join(sorted(kinds)) or 'peak memory'} of the largest rank; time per "
               "iteration excludes the first iteration; bytes are the plugin's attention traffic (all layers, forward "
-              "and backward) measured by comm_counter.", ""]
+              "and backward) measured by comm_counter.", *notes, ""]
     failed = [r for r in runs if not r.ok]
     for r in failed:
         lines.append(f"**{r.mode} failed**: {r.error}")

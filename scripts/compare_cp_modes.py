@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -102,6 +103,15 @@ def _tile_from_log(text: str) -> str:
     return ""
 
 
+def _machine_note() -> str:
+    gpus = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.strip().splitlines() \
+        if shutil.which("nvidia-smi") else []
+    if gpus:
+        return f"Machine: {len(gpus)} GPU(s) ({gpus[0].split('(')[0].strip()}), NCCL."
+    return (f"Machine: CPU only ({os.cpu_count()} cores), gloo; the CP runs put several processes on each core, so "
+            "their times say nothing about GPU speed -- compare losses and bytes here, times on GPUs.")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=os.path.join(ROOT, "configs", "gpt_tiny_cpu_compare.yaml"))
@@ -119,7 +129,9 @@ def main(argv=None) -> int:
     print(f"comparing {len(modes)} modes at CP={args.cp} ({args.iters} iterations each); report -> {out_dir}", flush=True)
     runs = [run_mode(m, args, out_dir) for m in modes]
     title = f"CP modes side by side: {os.path.basename(args.config)}, CP={args.cp}, {args.iters} iterations"
-    print("\n" + write_report(runs, out_dir, title, baseline="baseline" if "baseline" in modes else None))
+    notes = (_machine_note(),)
+    print("\n" + write_report(runs, out_dir, title, baseline="baseline" if "baseline" in modes else None,
+                              notes=notes))
     print(f"report: {os.path.join(out_dir, 'report.md')} (+ report.csv, *.png)")
     return 0 if all(r.ok for r in runs) else 1
 

@@ -116,7 +116,8 @@ def run_local(rank: int, p: Problem, attention, ref=None):
 
 def mesh_grid(rank: int, world: int, group=None, dtypes=(torch.float32, torch.bfloat16)) -> list[dict]:
     """Every tile of P x causal/full x MHA/GQA/MQA x dtypes, forward and backward."""
-    from megatron_mesh.plan import AttentionShape, build_mesh_plan, mesh_bytes_formula, plan_bytes, tile_shapes
+    from megatron_mesh.plan import (AttentionShape, best_tile, build_mesh_plan, mesh_bytes_formula, plan_bytes,
+                                    tile_shapes)
 
     records = []
     for tile, causal, heads, dtype in itertools.product(tile_shapes(world), (True, False), HEADS, dtypes):
@@ -128,7 +129,7 @@ def mesh_grid(rank: int, world: int, group=None, dtypes=(torch.float32, torch.bf
         planned = plan_bytes(build_mesh_plan(world, tile, shape, causal=causal), shape)[rank]
         formula = mesh_bytes_formula(world, tile, shape)
         records.append(dict(case=f"P={world} tile={tile[0]}x{tile[1]} causal={causal} {heads} {dtype}",
-                            ratios=ratios, abs_err=abs_err, dtype=str(dtype), sent=sent, received=recv,
+                            tile=tile, heads=heads, causal=causal, best=tuple(best_tile(world, shape)), ratios=ratios, abs_err=abs_err, dtype=str(dtype), sent=sent, received=recv,
                             planned=(planned.sent, planned.received), formula=(formula.sent, formula.received)))
     return records
 

@@ -60,3 +60,17 @@ def test_max_errors_summary(results, record_property):
                 worst[rec["dtype"]] = max(worst.get(rec["dtype"], 0.0), max(rec["abs_err"].values()))
     record_property("max_abs_err", worst)
     assert worst["torch.float32"] < 1e-4 and worst["torch.bfloat16"] < 0.1, worst
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_best_tile_moves_fewer_bytes_than_ring(results, world, record_property):
+    """Measured (comm_counter) bytes of the closed-form best tile vs ring attention (tile 1xP)."""
+    ratios = {}
+    for rec in results["grid"][world][0]:  # group rank 0; every rank moves the same bytes
+        if rec["tile"] == rec["best"]:
+            ring = next(r for r in results["grid"][world][0] if r["tile"] == (1, world) and
+                        (r["heads"], r["causal"], r["dtype"]) == (rec["heads"], rec["causal"], rec["dtype"]))
+            ratios[f"{rec['heads']} {rec['dtype']} best {rec['tile'][0]}x{rec['tile'][1]}"] = rec["sent"] / ring["sent"]
+    record_property("best_tile_over_ring_bytes", ratios)
+    assert ratios and all(r <= 1.0 for r in ratios.values()), ratios
+    assert any(r < 0.8 for k, r in ratios.items() if k.startswith("MHA")), ratios  # MHA gains most

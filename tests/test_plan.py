@@ -219,7 +219,7 @@ def test_validator_catches_reading_before_arrival():
 
 
 # -- bytes ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("P", list(range(1, 65)) + [128])
+@pytest.mark.parametrize("P", list(range(1, 65)) + [128, 256])
 def test_plan_bytes_equal_closed_form(P):
     shape = AttentionShape(seq_local=6, batch=2, heads=8, kv_heads=2, head_dim=4, itemsize=2)
     for tile in tile_shapes(P):

@@ -1,7 +1,8 @@
 """The planner's bytes are the bytes the runtime moves: for every plan-based CP mode (ring, every
-Mesh tile with both rank orders and both backward modes, TASP) on real gloo process groups of
-P = 6 and 8 ranks (tiles 2x3, 3x2, 2x4, 4x2), ``comm_counter()`` around forward + backward equals, on every rank, the bytes
-the simulator reads from the plan -- and the planner's ``bytes_per_rank``.
+Mesh tile with both rank orders and both backward modes, TASP on one node and over emulated
+nodes) on real gloo process groups of every P = 2..8 (one spawn of 8 processes, split into
+subgroups), ``comm_counter()`` around forward + backward equals, on every rank, the bytes the
+simulator reads from the plan -- and the planner's ``bytes_per_rank``.
 
 (Ulysses and USP are priced by formula and have no runtime here, so they are not measured.)
 """
@@ -15,6 +16,8 @@ import itertools
 import pytest
 
 from megatron_mesh.launch import spawn
+
+import cases as dist_cases
 from megatron_mesh.plan import AttentionShape, build_mesh_plan, tile_shapes
 from megatron_mesh.plan.planner import evaluate_plan
 from megatron_mesh.plan.simulate import round_traffic
@@ -56,7 +59,17 @@ def cases(world: int) -> list[tuple[str, object]]:
     return out
 
 
-def measure(rank: int, world: int, names: list[str]) -> dict[str, tuple[int, int]]:
+def measure_all(rank: int, world: int) -> dict:
+    """Every CP size 2..8 on subgroups of one 8-process group."""
+    phases = ((8,), (7,), (6, 2), (5, 3), (4,))
+    return dist_cases.in_subgroups(rank, world, _measure_group, phases=phases)
+
+
+def _measure_group(rank: int, world: int, group=None) -> list:
+    return [(rank, measure(rank, world, [n for n, _ in cases(world)], group))]
+
+
+def measure(rank: int, world: int, names: list[str], group=None) -> dict[str, tuple[int, int]]:
     """Bytes sent/received by this rank around forward + backward of each case."""
     import torch
 
@@ -80,16 +93,27 @@ def measure(rank: int, world: int, names: list[str]) -> dict[str, tuple[int, int
                 causal, gpn = builders[name].args
                 kwargs = {"causal": causal} if gpn is None else {"causal": causal, "gpus_per_node": gpn}
                 public = set(kwargs) <= set(inspect.signature(tasp_attention).parameters)
-            o = tasp_attention(q, k, v, **kwargs) if public else plan_attention(q, k, v, builders[name])
+            o = (tasp_attention(q, k, v, group=group, **kwargs) if public
+                 else plan_attention(q, k, v, builders[name], group=group))
             o.float().sum().backward()
         out[name] = (c.bytes_sent, c.bytes_received)
     return out
 
 
-@pytest.mark.parametrize("world", [6, 8])
-def test_planned_bytes_equal_measured_bytes(world):
+@pytest.fixture(scope="module")
+def measured_all():
+    by_size: dict[int, dict[int, dict]] = {}
+    for per_rank in spawn(measure_all, 8, timeout=600):
+        for size, records in per_rank.items():
+            for group_rank, values in records:
+                by_size.setdefault(size, {})[group_rank] = values
+    return by_size
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5, 6, 7, 8])
+def test_planned_bytes_equal_measured_bytes(measured_all, world):
     todo = cases(world)
-    measured = spawn(measure, world, [n for n, _ in todo], timeout=300)
+    measured = [measured_all[world][r] for r in range(world)]
     topo = Topology.for_cp(world, gpus_per_node=2)  # several "nodes": exercises the intra/inter split
     failures = []
     for name, build in todo:

@@ -104,7 +104,7 @@ def _table(rows: list[ModeResult], skipped: list[dict]) -> str:
             "peak buf", "fwd ms", "bwd ms", "time ms", "exposed ms", "speedup"]
     lines = [head]
     for r in rows:
-        tile = f"{r.tile[0]}x{r.tile[1]}" if r.tile else r.detail.replace("all-to-all degree ", "a2a ")
+        tile = f"{r.tile[0]}x{r.tile[1]}" if r.tile else r.detail.replace("all-to-all degree ", "a2a ").split(":")[0]
         vs = f"{100 * (r.bytes_per_rank / ring.bytes_per_rank - 1):+.1f}%" if ring and ring.bytes_per_rank else "-"
         speed = f"{ring.time_s / r.time_s:.2f}x" if ring else "-"
         lines.append([r.mode + ("*" if r.by_formula else ""), tile, r.contiguous or "-", _size(r.bytes_per_rank), vs,
@@ -116,6 +116,7 @@ def _table(rows: list[ModeResult], skipped: list[dict]) -> str:
     out = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
            for row in lines]
     out.insert(1, "  ".join("-" * w for w in widths))
+    out += [f"{r.mode}: {r.detail}" for r in rows if not r.tile and ":" in r.detail]
     if any(r.by_formula for r in rows):
         out.append("* by formula (no plan): Ulysses all-to-alls priced analytically; USP's ring part is simulated")
     out += [f"not available: {s['mode']}: {s['reason']}" for s in skipped]
