@@ -177,6 +177,36 @@ def test_serial_mode_gives_the_same_results():
         assert all(torch.equal(x, y) for x, y in zip(ra["outputs"], rb["outputs"]))
 
 
+def test_comm_counter_counts_a_backward_run_on_another_thread():
+    """On CUDA, autograd runs backward on its own device thread; comm_counter() of the thread
+    that ran the forward must still see the backward's bytes (here: backward on a new thread)."""
+    p = cases.Problem(4, 4, 2, True, torch.float32)
+    build = mesh_builder((2, 2), True)
+
+    def rank_fn(rank, comm):
+        q, k, v, do = (mm.zigzag_shard(x, rank, p.world).to(p.dtype) for x in cases.make_inputs(p))
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+        with mm.comm_counter() as c:
+            out = mm.mesh_attention(q, k, v, tile=(2, 2), causal=True, comm=comm)
+            errors = []
+            worker = threading.Thread(target=lambda: _run_catching(errors, out.backward, do))
+            worker.start()
+            worker.join()
+        assert not errors, errors
+        return dict(bytes=(c.bytes_sent, c.bytes_received))
+
+    records = run_inprocess(rank_fn, p.world, timeout=120)
+    assert_plan_bytes(records, build(p.world, AttentionShape(p.seq_local, p.batch, p.heads, p.kv_heads,
+                                                              p.head_dim, 4)), p)
+
+
+def _run_catching(errors: list, fn, *args):
+    try:
+        fn(*args)
+    except BaseException as e:  # noqa: BLE001 - reported by the caller
+        errors.append(e)
+
+
 # -- the mailbox ---------------------------------------------------------------------------------------
 def test_messages_match_in_posting_order_per_channel():
     """Two sends in one round and one in the next, received in the same order; a receive posted

@@ -92,6 +92,25 @@ def total_bytes() -> tuple[int, int]:
         return _totals.bytes_sent, _totals.bytes_received
 
 
+def active_counters() -> list[CommCount]:
+    """This thread's open :func:`comm_counter` blocks: the list object itself, so counters opened
+    or closed later stay in step (hand it to :func:`counting_into`)."""
+    return _stack()
+
+
+@contextmanager
+def counting_into(counters: list[CommCount]) -> Iterator[None]:
+    """Credit this thread's transfers inside the block to ``counters`` (another thread's
+    :func:`active_counters`). Autograd runs the backward of CUDA tensors on its own device thread,
+    yet those bytes belong to the ``comm_counter()`` of the thread that ran the forward."""
+    previous = _stack()
+    _local.stack = counters
+    try:
+        yield
+    finally:
+        _local.stack = previous
+
+
 @contextmanager
 def comm_counter() -> Iterator[CommCount]:
     """Count the bytes the plugin sends and receives on this rank inside the block, forward and

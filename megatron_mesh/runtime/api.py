@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..comm.base import Communicator
+from ..comm.base import Communicator, active_counters, counting_into
 from ..comm.torch_dist import TorchDistCommunicator
 from ..kernels import BlockKernel, get_kernel
 from ..plan.accounting import AttentionShape
@@ -92,6 +92,7 @@ class _PlanAttention(torch.autograd.Function):
         res = call.executor.forward(qb, kb, vb)
         out = res.out.to(q.dtype)
         ctx.call = call
+        ctx.counters = active_counters()  # backward may run on autograd's device thread
         ctx.saved_keys = list(res.saved)
         saved = [t for key in ctx.saved_keys for t in res.saved[key]]
         ctx.saved_counts = [len(res.saved[key]) for key in ctx.saved_keys]
@@ -106,7 +107,8 @@ class _PlanAttention(torch.autograd.Function):
             saved[key] = tuple(flat[i:i + n])
             i += n
         dout_b = dout.permute(1, 2, 0, 3).contiguous()
-        dq, dk, dv = ctx.call.executor.backward(qb, kb, vb, out, lse, dout_b, saved)
+        with counting_into(ctx.counters):
+            dq, dk, dv = ctx.call.executor.backward(qb, kb, vb, out, lse, dout_b, saved)
         to_sbhd = lambda g, like: g.to(like.dtype).permute(2, 0, 1, 3)  # noqa: E731
         return to_sbhd(dq, qb), to_sbhd(dk, kb), to_sbhd(dv, vb), None
 
