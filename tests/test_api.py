@@ -60,6 +60,8 @@ def test_bad_tensors_raise_naming_the_value():
         mm.mesh_attention(q[0], k, v)
     with pytest.raises(ValueError, match="floating point"):
         mm.mesh_attention(q.long(), k.long(), v.long())
+    with pytest.raises(ValueError, match=r"same device, got cpu, meta, cpu"):
+        mm.mesh_attention(q, k.to("meta"), v)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 8])

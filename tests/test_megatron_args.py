@@ -80,6 +80,12 @@ def test_valid_flags(megatron_args, argv):
      "--attention-dropout 0.1: the mesh/tasp/ring modes support only 0"),
     (["--context-parallel-size", "4", "--cp-comm-type", "ring", "--attention-dropout", "0",
       "--tasp-gpus-per-node", "0"], "--tasp-gpus-per-node must be >= 1"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "tasp", "--attention-dropout", "0",
+      "--tasp-gpus-per-node", "3"], "--tasp-gpus-per-node 3 with --context-parallel-size 4 and "
+     "--tensor-model-parallel-size 1: CP group [0, 1, 2, 3] spans nodes unevenly"),
+    (["--context-parallel-size", "6", "--cp-comm-type", "tasp", "--attention-dropout", "0",
+      "--tasp-gpus-per-node", "3"], "--tasp-gpus-per-node 3 with --context-parallel-size 6 and "
+     "--tensor-model-parallel-size 1: the complete directed graph on 3 ranks has no decomposition"),
 ])
 def test_invalid_flags_name_the_value(megatron_args, argv, message):
     args = megatron_args(argv)

@@ -1,9 +1,10 @@
 """TASP plans (pure Python): validity (dataflow, matching, dry run, exact cover), bytes equal to
-the closed form (ring attention's), and the per-step link load against ring attention."""
+the closed form (ring attention's), causal work balanced per step, and the per-step link load
+against ring attention."""
 
 import pytest
 
-from megatron_mesh.plan import (AttentionShape, Post, buffer_bytes, build_ring_plan, link_bytes, plan_bytes,
+from megatron_mesh.plan import (Attend, AttendBackward, AttentionShape, Post, block_pairs, buffer_bytes, build_ring_plan, link_bytes, plan_bytes,
                                 tasp_bytes_formula, validate_plan)
 from megatron_mesh.plan import tasp as tasp_module
 from megatron_mesh.plan.tasp import build_tasp_plan, link_load, tasp_rings
@@ -30,6 +31,22 @@ def _every_rank_posts_every_round(plan):
                    for op in plan.round_ops(r, direction) if isinstance(op, Post))
 
 
+def _work_is_balanced_per_step(plan):
+    """Causal (zigzag + per-ring sub-chunks): in every step, between two rounds, all ranks compute
+    the same number of (query, key) token pairs, forward and backward."""
+    for direction in ("forward", "backward"):
+        per_rank = []
+        for r in range(plan.world_size):
+            steps = [0]
+            for op in plan.rank(r).ops(direction):
+                if isinstance(op, Post):
+                    steps.append(0)
+                elif isinstance(op, (Attend, AttendBackward)):
+                    steps[-1] += block_pairs(plan, op)
+            per_rank.append(steps)
+        assert all(steps == per_rank[0] for steps in per_rank), (direction, per_rank)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("P", list(range(1, 17)))
 def test_single_node_plans_validate(P, causal):
@@ -39,6 +56,7 @@ def test_single_node_plans_validate(P, causal):
     validate_plan(plan)
     _check_bytes(plan, shape)
     _every_rank_posts_every_round(plan)
+    _work_is_balanced_per_step(plan)
     assert plan.mode == "tasp" and plan.causal == causal
     rings = plan.rings["kv"]
     assert len(rings) == {1: 0, 4: 2, 6: 4}.get(P, P - 1)
@@ -60,6 +78,7 @@ def test_multi_node_plans_validate(m, u, causal):
     validate_plan(plan)
     _check_bytes(plan, shape)
     _every_rank_posts_every_round(plan)
+    _work_is_balanced_per_step(plan)
     assert len(plan.rings["kv"]) == m
     # one inter-node transfer per rank per round, forward (KV) -- the property the rings give
     for r in range(P):

@@ -22,6 +22,7 @@ from ..kernels import KERNEL_BACKENDS
 from ..plan import BACKWARD_CHUNKS, CONTIGUOUS, SCHEDULES, AttentionShape, Topology, parse_tile
 from ..plan.autotile import rank_tiles
 from ..plan.planner import pick_best
+from ..plan.tasp import tasp_rings
 from ..runtime.tasp_api import TRANSPORTS as TASP_TRANSPORTS
 from . import CP_MODES, PLUGIN_MODES, TE_MODES
 
@@ -156,6 +157,8 @@ def validate_args(args, have_te: bool | None = None) -> None:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)!r}: allowed {', '.join(allowed)}")
     if args.tasp_gpus_per_node is not None and args.tasp_gpus_per_node < 1:
         raise ValueError(f"--tasp-gpus-per-node must be >= 1, got {args.tasp_gpus_per_node}")
+    if cp > 1 and "tasp" in modes and args.tasp_gpus_per_node is not None:
+        _check_tasp_nodes(cp, args.tensor_model_parallel_size, args.tasp_gpus_per_node)
     if cp > 1 and set(modes) & set(PLUGIN_MODES):
         if args.attention_dropout:
             raise ValueError(f"--attention-dropout {args.attention_dropout}: the {'/'.join(PLUGIN_MODES)} modes "
@@ -163,6 +166,42 @@ def validate_args(args, have_te: bool | None = None) -> None:
         if getattr(args, "window_size", None) is not None:
             raise ValueError(f"--window-size {args.window_size}: sliding-window attention is not supported by "
                              "the plugin modes")
+
+
+def _check_tasp_nodes(cp: int, tp: int, gpus: int) -> None:
+    """Fail at start-up rather than at the first TASP layer: the nodes must hold equal blocks of
+    the CP group whose chained rings exist. Uses Megatron's default rank order (TP innermost, then
+    CP: CP group 0 is ranks 0, tp, 2*tp, ...); other orders are checked when the groups are built."""
+    try:
+        per_node = ranks_per_node(tuple(i * tp for i in range(cp)), gpus)
+        if per_node is not None and per_node < cp:
+            tasp_rings(cp, per_node)  # raises where chained Hamiltonian paths do not exist
+    except ValueError as e:
+        raise ValueError(f"--tasp-gpus-per-node {gpus} with --context-parallel-size {cp} and "
+                         f"--tensor-model-parallel-size {tp}: {e}") from None
+
+
+def node_blocks(cp_ranks: tuple[int, ...], gpus: Optional[int]) -> list[tuple[int, ...]]:
+    """The CP ranks (indices into ``cp_ranks``, global ranks) that share a node, node by node."""
+    if not gpus:
+        return [tuple(range(len(cp_ranks)))]
+    nodes: dict[int, list[int]] = {}
+    for i, g in enumerate(cp_ranks):
+        nodes.setdefault(g // gpus, []).append(i)
+    return [tuple(v) for _, v in sorted(nodes.items())]
+
+
+def ranks_per_node(cp_ranks: tuple[int, ...], gpus: Optional[int]) -> Optional[int]:
+    """CP ranks per node for TASP (None: the whole CP group shares one node). Nodes must hold
+    equal, consecutive blocks of CP ranks -- Megatron's rank order gives that."""
+    blocks = node_blocks(cp_ranks, gpus)
+    if len(blocks) == 1:
+        return None
+    n = len(blocks[0])
+    if any(block != tuple(range(i * n, (i + 1) * n)) for i, block in enumerate(blocks)):
+        raise ValueError(f"CP group {list(cp_ranks)} spans nodes unevenly ({blocks} by CP rank); TASP needs the "
+                         "same number of consecutive CP ranks on every node (check --tasp-gpus-per-node)")
+    return n
 
 
 def _tile_area(tile) -> int:

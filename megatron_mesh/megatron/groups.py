@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ..comm.torch_dist import TorchDistCommunicator
 from ..plan import TileMap
-from .args import gpus_per_node, layer_modes, plugin_settings, resolve_tile
+from .args import gpus_per_node, layer_modes, node_blocks, plugin_settings, ranks_per_node, resolve_tile
 
 __all__ = ["initialize_groups", "destroy_groups", "mesh_communicator", "tasp_communicator",
            "cp_communicator", "node_blocks"]
@@ -59,16 +59,6 @@ def _all_cp_groups(cp_group) -> list[tuple[int, ...]]:
         dist.all_gather_object(gathered, mine)
         _CP_GROUPS[mine] = sorted(set(gathered))
     return _CP_GROUPS[mine]
-
-
-def node_blocks(cp_ranks: tuple[int, ...], gpus: Optional[int]) -> list[tuple[int, ...]]:
-    """The CP ranks (indices into ``cp_ranks``) that share a node, node by node."""
-    if not gpus:
-        return [tuple(range(len(cp_ranks)))]
-    nodes: dict[int, list[int]] = {}
-    for i, g in enumerate(cp_ranks):
-        nodes.setdefault(g // gpus, []).append(i)
-    return [tuple(v) for _, v in sorted(nodes.items())]
 
 
 def _requests(config, cp_size: int) -> list[tuple]:
@@ -173,17 +163,8 @@ def tasp_communicator(config, cp_group) -> TorchDistCommunicator:
 
 
 def cp_ranks_per_node(config, cp_group) -> Optional[int]:
-    """CP ranks per node for TASP (None: the whole CP group shares one node). Nodes must hold
-    equal, consecutive blocks of CP ranks -- Megatron's rank order gives that."""
-    cp_ranks = _ranks(cp_group)
-    blocks = node_blocks(cp_ranks, gpus_per_node(plugin_settings(config)))
-    if len(blocks) == 1:
-        return None
-    n = len(blocks[0])
-    if any(block != tuple(range(i * n, (i + 1) * n)) for i, block in enumerate(blocks)):
-        raise ValueError(f"CP group {list(cp_ranks)} spans nodes unevenly ({blocks} by CP rank); TASP needs the "
-                         "same number of consecutive CP ranks on every node (check --tasp-gpus-per-node)")
-    return n
+    """CP ranks per node for TASP (None: the whole CP group shares one node)."""
+    return ranks_per_node(_ranks(cp_group), gpus_per_node(plugin_settings(config)))
 
 
 def destroy_groups() -> None:
