@@ -17,9 +17,11 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -73,21 +75,37 @@ def run_mode(mode: str, args, out_dir: str) -> RunResult:
     log_path = os.path.join(out_dir, f"{safe}.log")
     print(f"[{mode}] CP={cp}: {' '.join(cmd[1:])}", flush=True)
     start = time.monotonic()
+    timed_out = threading.Event()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-        for line in proc.stdout:
-            log.write(line)
-            losses, _ = parse_megatron_log(line)
-            for it, loss in losses.items():
-                print(f"[{mode}]   iteration {it}/{args.iters}  lm loss {loss:.6f}", flush=True)
-        proc.wait()
+        # own session, so that a timeout or Ctrl-C stops torchrun and every rank, not only the shell
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                                start_new_session=True)
+        stop = lambda: os.killpg(proc.pid, signal.SIGKILL)  # noqa: E731
+        timer = threading.Timer(args.run_timeout, lambda: (timed_out.set(), stop())) if args.run_timeout else None
+        if timer:
+            timer.start()
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                losses, _ = parse_megatron_log(line)
+                for it, loss in losses.items():
+                    print(f"[{mode}]   iteration {it}/{args.iters}  lm loss {loss:.6f}", flush=True)
+            proc.wait()
+        except BaseException:
+            stop()
+            raise
+        finally:
+            if timer:
+                timer.cancel()
     with open(log_path) as f:
         text = f.read()
     losses, times = parse_megatron_log(text)
     bytes_per_step, peak, kind = read_metrics(metrics)
     res = RunResult(mode=mode, cp=cp, tile=_tile_from_log(text) if name == "mesh" else "", losses=losses,
                     times_ms=times, bytes_per_step=bytes_per_step, peak_memory=peak, memory_kind=kind)
-    if proc.returncode != 0 or len(losses) < args.iters:
+    if timed_out.is_set():
+        res.ok, res.error = False, f"stopped after --run-timeout {args.run_timeout:g} s; log {log_path}"
+    elif proc.returncode != 0 or len(losses) < args.iters:
         tail = " / ".join(text.strip().splitlines()[-3:])
         res.ok, res.error = False, f"exit code {proc.returncode}; log {log_path}: {tail[-300:]}"
     print(f"[{mode}] {'done' if res.ok else 'FAILED'} in {time.monotonic() - start:.0f} s", flush=True)
@@ -118,6 +136,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cp", type=int, default=4, help="context-parallel size of the compared modes (default 4)")
     ap.add_argument("--modes", nargs="+", help="default: baseline ring mesh:auto mesh:<square> tasp (+ TE modes with TE)")
     ap.add_argument("--iters", type=int, default=6, help="training iterations per run (default 6)")
+    ap.add_argument("--run-timeout", type=float, default=None,
+                    help="stop a run (and report it failed) after this many seconds (default: no limit)")
     ap.add_argument("--out", default=None, help="report directory (default reports/cp_modes_<time>)")
     ap.add_argument("megatron_args", nargs=argparse.REMAINDER, help="extra Megatron flags after --")
     args = ap.parse_args(argv)

@@ -9,37 +9,27 @@ runs them all once and the tests assert on its logs.
 
 import os
 import re
-import socket
-import subprocess
 import sys
 
 import pytest
+from scripts_util import ROOT, free_port, run_script
 
 pytest.importorskip("megatron.core", reason="needs megatron-core (scripts/setup_env.sh installs it)")
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "pretrain_gpt.sh")
 CONFIG = os.path.join(ROOT, "configs", "gpt_tiny_cpu.yaml")
 ITERS = 3
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run(nproc: int, cp: int, modes: str, *flags: str, timeout: float = 300) -> tuple[int, str]:
+def run(nproc: int, cp: int, modes: str, *flags: str, timeout: float = 150) -> tuple[int, str]:
     """Run the shell script; return (exit status, combined output)."""
-    env = dict(os.environ, NPROC=str(nproc), CP=str(cp), CP_COMM_TYPE=modes, MASTER_PORT=str(_free_port()),
+    env = dict(os.environ, NPROC=str(nproc), CP=str(cp), CP_COMM_TYPE=modes, MASTER_PORT=str(free_port()),
                PYTHON=sys.executable, OMP_NUM_THREADS="1")
     env.pop("BACKEND", None)
-    p = subprocess.run(["bash", SCRIPT, CONFIG, "--train-iters", str(ITERS), *flags], cwd=ROOT, env=env,
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
-    return p.returncode, p.stdout
+    return run_script(["bash", SCRIPT, CONFIG, "--train-iters", str(ITERS), *flags], env, timeout)
 
 
 def losses(output: str) -> dict[int, float]:

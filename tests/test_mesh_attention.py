@@ -14,7 +14,7 @@ import cases
 
 @pytest.fixture(scope="module")
 def results():
-    per_rank = spawn(cases.all_mesh_cases, 8, timeout=900)
+    per_rank = spawn(cases.all_mesh_cases, 8, timeout=600)  # < pytest's 900 s: spawn kills the ranks
     merged = {"grid": {}, "variants": {}}
     for rank_result in per_rank:
         for kind in merged:

@@ -8,7 +8,9 @@ extra buffer memory, and the predicted forward + backward time of the simulator
     megatron-mesh-plan --cp 256 --heads 32 --kv-heads 8 --head-dim 128 --seq-len 1048576 --gpus-per-node 8
 
 ``--json`` prints ``{"modes": [{"mode", "tile", "bytes_per_rank", "inter_node_bytes_per_rank",
-"steps", "time_s", ...}], "skipped": [...], ...}``; ``--plot FILE.png`` draws bytes and time
+"steps", "time_s", ...}], "skipped": [...], ...}`` (bytes are whole bytes sent in one layer's
+forward + backward; ``*_per_rank`` split values are means over the ranks, ``max_inter_node_bytes``
+is the busiest rank's); ``--plot FILE.png`` draws bytes and time
 against the CP size (8..1024 by default).
 """
 

@@ -43,8 +43,8 @@ class ModeResult:
     mode: str
     tile: tuple[int, int] | None
     bytes_per_rank: int
-    intra_node_bytes_per_rank: float
-    inter_node_bytes_per_rank: float  # mean over ranks
+    intra_node_bytes_per_rank: float  # mean over ranks
+    inter_node_bytes_per_rank: float  # mean over ranks (ring: only the ranks at node boundaries send)
     max_inter_node_bytes: float  # the rank with the most inter-node bytes
     steps: int  # communication rounds (all-to-alls for Ulysses) per rank, forward + backward
     peak_buffer_bytes: int
@@ -65,6 +65,8 @@ class ModeResult:
         d = asdict(self)
         d["tile"] = list(self.tile) if self.tile is not None else None
         d["exposed_comm_s"] = self.exposed_comm_s
+        for k in ("intra_node_bytes_per_rank", "inter_node_bytes_per_rank", "max_inter_node_bytes"):
+            d[k] = round(d[k])  # whole bytes (the per-rank means can be fractional)
         d.update(d.pop("extra"))
         return d
 

@@ -136,7 +136,10 @@ def mesh_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, tile="auto",
         q: [s_local, batch, heads, head_dim], this rank's zigzag chunk (Megatron's CP layout).
         k, v: [s_local, batch, kv_heads, head_dim]; heads % kv_heads == 0 (GQA / MQA).
         tile: (a, b) with a * b == CP size -- a query chunks by b key/value chunks per rank; "AxB"
-            strings and "auto" (fewest bytes per rank) are accepted. (1, P) is ring attention.
+            strings and "auto" (fewest bytes per rank, closed form) are accepted. (1, P) is ring
+            attention. Megatron's ``--mesh-tile-shape auto`` instead takes the tile the planner
+            predicts fastest on the node layout; from Python that is
+            ``tile, contiguous = megatron_mesh.plan.choose_tile(P, shape, topology)``.
         causal: causal (True) or full (False) attention over the global sequence.
         softmax_scale: defaults to 1 / sqrt(head_dim).
         schedule: "greedy" (pull order by unlocked compute per byte) or "lockstep".
