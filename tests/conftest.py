@@ -18,3 +18,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--exhaustive", action="store_true",
+                     help="also run the tests marked 'exhaustive' (plan checks for every P up to 256, ~30 min)")
+
+
+def pytest_runtest_setup(item):
+    if "exhaustive" in item.keywords and not item.config.getoption("--exhaustive"):
+        pytest.skip("exhaustive sweep: run with --exhaustive")

@@ -1,7 +1,8 @@
 """Megatron's real pretrain() loop through scripts/pretrain_gpt.sh on configs/gpt_tiny_cpu.yaml
 (gloo, CPU): three iterations at CP 1 and at CP 4 under each plugin mode log the same losses; a
 checkpoint written under CP 4 / mesh resumes under CP 2 with the per-layer list "mesh tasp" and
-logs the same next-iteration loss; a bad flag stops the script with a clear error.
+logs the same next-iteration loss; pipeline parallelism 2 x CP 2 logs the losses of PP 2 x CP 1;
+a bad flag stops the script with a clear error.
 
 The runs are the expensive part (each process imports Megatron), so one module-scoped fixture
 runs them all once and the tests assert on its logs.
@@ -16,7 +17,8 @@ from scripts_util import ROOT, free_port, run_script
 
 pytest.importorskip("megatron.core", reason="needs megatron-core (scripts/setup_env.sh installs it)")
 
-pytestmark = [pytest.mark.megatron, pytest.mark.slow]
+# the fixture's runs (up to 150 s each) count against the first test's timeout
+pytestmark = [pytest.mark.megatron, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 SCRIPT = os.path.join(ROOT, "scripts", "pretrain_gpt.sh")
 CONFIG = os.path.join(ROOT, "configs", "gpt_tiny_cpu.yaml")
@@ -49,6 +51,9 @@ def runs(tmp_path_factory):
         "tasp": (4, 4, "tasp"),
         "ring": (4, 4, "ring"),
         "resume": (2, 2, "mesh tasp", "--load", ckpt, "--ckpt-step", "2"),
+        # pipeline stages initialise their layers from their own seeds: compare PP 2 with PP 2
+        "pp2_cp1": (2, 1, "ring", "--pipeline-model-parallel-size", "2"),
+        "pp2_cp2": (4, 2, "mesh tasp", "--pipeline-model-parallel-size", "2"),
     }
     out = {}
     for name, (nproc, cp, modes, *flags) in plan.items():
@@ -79,6 +84,16 @@ def test_cp4_losses_equal_cp1(runs, mode, detail):
     for it in want:
         assert got[it] == pytest.approx(want[it], rel=2e-6), (mode, it, got[it], want[it])
     assert f"megatron_mesh: layer 1 runs {detail}" in text and f"megatron_mesh: layer 2 runs {detail}" in text
+
+
+def test_pipeline_parallel_with_cp_losses_equal_cp1(runs):
+    """PP 2 x CP 2 (one plugin layer per stage, "mesh tasp") logs the losses of PP 2 x CP 1."""
+    text = _ok(runs, "pp2_cp2")
+    want, got = losses(_ok(runs, "pp2_cp1")), losses(text)
+    assert sorted(got) == sorted(want) == list(range(1, ITERS + 1)), (got, want)
+    for it in want:
+        assert got[it] == pytest.approx(want[it], rel=2e-6), (it, got[it], want[it])
+    assert "megatron_mesh: layer 1 runs mesh (CP 2" in text and "megatron_mesh: layer 2 runs tasp (CP 2" in text
 
 
 def test_checkpoint_resumes_under_other_mode_and_cp(runs):

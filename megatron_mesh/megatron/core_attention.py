@@ -120,7 +120,7 @@ class PluginCoreAttention(MegatronModule):
             from .groups import cp_ranks_per_node
 
             self.ranks_per_node = cp_ranks_per_node(config, self.cp_group)
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        if _logs_for_its_stage(self.cp_group):
             logger.info("megatron_mesh: layer %d runs %s", layer_number, self.describe())
 
     def describe(self) -> str:
@@ -207,3 +207,17 @@ def _check_config(config, where: str, layer_number: int, attention_type: str, at
     softmax_type = getattr(config, "softmax_type", "vanilla")
     if softmax_type != "vanilla":
         raise ValueError(f"{where}: softmax_type {softmax_type!r} is not supported (allowed: 'vanilla')")
+
+
+def _logs_for_its_stage(cp_group) -> bool:
+    """One rank per pipeline stage describes its layers (CP, TP and DP rank 0), so that every
+    layer's line appears once, whichever stage holds it."""
+    if not dist.is_initialized():
+        return True
+    try:
+        from megatron.core import parallel_state as ps
+
+        return (dist.get_rank(cp_group) == 0 and ps.get_tensor_model_parallel_rank() == 0
+                and ps.get_data_parallel_rank() == 0)
+    except Exception:  # noqa: BLE001 -- parallel_state not initialised (groups passed in): global rank 0 logs
+        return dist.get_rank() == 0

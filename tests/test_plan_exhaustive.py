@@ -1,0 +1,30 @@
+"""Every tile a x b = P for EVERY P up to 256 (tests/test_plan.py checks all P up to 64 and
+samples above): exact cover, matching transfers, a deadlock-free dry run, perfectly balanced
+causal work and bytes equal to the closed form (both backward modes). Pure Python; about half an
+hour on one core, so it runs only on request::
+
+    scripts/test.sh tests/test_plan_exhaustive.py --exhaustive
+"""
+
+import pytest
+
+from megatron_mesh.plan import AttentionShape, build_mesh_plan, mesh_bytes_formula, plan_bytes, rank_work, tile_shapes
+from megatron_mesh.plan.validate import validate_plan
+
+pytestmark = pytest.mark.exhaustive
+
+SHAPE = AttentionShape(seq_local=4, batch=1, heads=4, kv_heads=2, head_dim=8, itemsize=2)
+
+
+@pytest.mark.parametrize("P", range(1, 257))
+def test_every_tile_of_every_P_up_to_256(P):
+    for tile in tile_shapes(P):
+        plan = build_mesh_plan(P, tile, SHAPE)
+        validate_plan(plan, dataflow=False)  # cover + matching + dry run
+        for direction in ("forward", "backward"):
+            work = rank_work(plan, direction)
+            assert max(work) == min(work), (P, tile, direction)
+        for backward_chunks in ("refetch", "keep"):
+            got = plan_bytes(build_mesh_plan(P, tile, SHAPE, backward_chunks=backward_chunks), SHAPE)
+            want = mesh_bytes_formula(P, tile, SHAPE, backward_chunks)
+            assert all(g == want for g in got), (P, tile, backward_chunks, got[0], want)
