@@ -106,7 +106,9 @@ def write_report(runs: list[RunResult], out_dir: str, title: str, baseline: str 
     rows = []
     for r in runs:
         dev, mt = deviation(r), mean_time(r)
-        vs_ring = (r.bytes_per_step / ring.bytes_per_step) if ring and ring.bytes_per_step and r.bytes_per_step is not None else None
+        # CP = 1 moves nothing: no ratio to show for it
+        vs_ring = (r.bytes_per_step / ring.bytes_per_step) if (ring and ring.bytes_per_step and r.cp > 1
+                                                               and r.bytes_per_step is not None) else None
         rows.append(dict(mode=r.mode, cp=r.cp, tile=r.tile, status="ok" if r.ok else f"FAILED: {r.error}",
                          max_loss_deviation=dev, time_per_iteration_ms=mt, attention_bytes_per_rank_per_step=r.bytes_per_step,
                          bytes_vs_ring=vs_ring, peak_memory_bytes=r.peak_memory,

@@ -52,6 +52,7 @@ def test_write_report(tmp_path):
     with open(tmp_path / "report.csv") as f:
         rows = list(csv.DictReader(f))
     assert [r["mode"] for r in rows] == ["baseline", "ring", "mesh:2x2", "tasp"]
-    assert float(rows[2]["bytes_vs_ring"]) == 0.75
+    assert float(rows[2]["bytes_vs_ring"]) == 0.75 and rows[0]["bytes_vs_ring"] == ""  # CP 1: no ratio
+    assert "| baseline | 1 | - | baseline | 325.9 | 0 B | - |" in text
     for png in ("loss.png", "time.png", "bytes.png", "memory.png"):
         assert os.path.getsize(tmp_path / png) > 1000
