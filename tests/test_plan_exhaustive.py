@@ -1,7 +1,9 @@
 """Every tile a x b = P for EVERY P up to 256 (tests/test_plan.py checks all P up to 64 and
 samples above): exact cover, matching transfers, a deadlock-free dry run, perfectly balanced
-causal work and bytes equal to the closed form (both backward modes). Pure Python; about half an
-hour on one core, so it runs only on request::
+causal work and bytes equal to the closed form (both backward modes). Pure Python, but the cost
+grows as P^2 per tile: P <= 123 takes about half an hour on one core, all of it several hours,
+so it runs only on request (pass node ids such as
+``tests/test_plan_exhaustive.py::test_every_tile_of_every_P_up_to_256[200]`` to pick sizes)::
 
     scripts/test.sh tests/test_plan_exhaustive.py --exhaustive
 """
