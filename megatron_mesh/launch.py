@@ -16,7 +16,34 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-__all__ = ["spawn", "SpawnError"]
+__all__ = ["spawn", "SpawnError", "kill_process_tree"]
+
+
+def kill_process_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it. Killing a process group is not enough for
+    torchrun: it starts each worker in a session of its own, and workers orphaned by a killed
+    torchrun hang on its rendezvous store forever."""
+    import signal
+
+    try:
+        import psutil  # the megatron extra installs it
+    except Exception:  # noqa: BLE001 -- without psutil: the process only (its workers may survive)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]  # listed before any dies and is reparented
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
 
 
 class SpawnError(RuntimeError):

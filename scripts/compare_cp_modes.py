@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from megatron_mesh.launch import kill_process_tree  # noqa: E402
 from megatron_mesh.report import RunResult, parse_megatron_log, read_metrics, write_report  # noqa: E402
 
 PLUGIN_MODES = ("ring", "tasp", "mesh")
@@ -77,10 +77,8 @@ def run_mode(mode: str, args, out_dir: str) -> RunResult:
     start = time.monotonic()
     timed_out = threading.Event()
     with open(log_path, "w") as log:
-        # own session, so that a timeout or Ctrl-C stops torchrun and every rank, not only the shell
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                                start_new_session=True)
-        stop = lambda: os.killpg(proc.pid, signal.SIGKILL)  # noqa: E731
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        stop = lambda: kill_process_tree(proc.pid)  # noqa: E731 -- torchrun and every rank, on timeout or Ctrl-C
         timer = threading.Timer(args.run_timeout, lambda: (timed_out.set(), stop())) if args.run_timeout else None
         if timer:
             timer.start()

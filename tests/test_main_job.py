@@ -6,6 +6,7 @@ import csv
 import os
 import sys
 
+import psutil
 import pytest
 from scripts_util import ROOT, free_port, run_script
 
@@ -37,3 +38,24 @@ def test_compare_cp_modes_writes_the_report(tmp_path):
     assert float(mesh["attention_bytes_per_rank_per_step"]) == 2 * 2 * per_call
     report = (out / "report.md").read_text()
     assert "| mesh:2x1 | 2 | 2x1 |" in report and "![loss.png](loss.png)" in report
+
+
+def test_a_run_past_its_timeout_is_stopped_and_reported(tmp_path):
+    out = tmp_path / "report"
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()))
+    rc, text = run_script([sys.executable, "scripts/compare_cp_modes.py", "--config", "configs/gpt_tiny_cpu.yaml",
+                           "--cp", "2", "--iters", "2", "--modes", "baseline", "--run-timeout", "3",
+                           "--out", str(out)], env, timeout=120)
+    assert rc == 1, text[-3000:]
+    assert "[baseline] FAILED" in text
+    rows = list(csv.DictReader(open(out / "report.csv")))
+    assert rows[0]["status"].startswith("FAILED: stopped after --run-timeout 3 s"), rows
+    # torchrun puts its workers in sessions of their own: none of them may outlive the run
+    left = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if proc.info["cmdline"] and str(out) in proc.environ().get("MEGATRON_MESH_METRICS", ""):
+                left.append((proc.info["pid"], " ".join(proc.info["cmdline"])[:120]))
+        except psutil.Error:
+            pass
+    assert not left, left
