@@ -11,11 +11,20 @@ so it runs only on request (pass node ids such as
 import pytest
 
 from megatron_mesh.plan import AttentionShape, build_mesh_plan, mesh_bytes_formula, plan_bytes, rank_work, tile_shapes
+from megatron_mesh.plan import mesh as mesh_module
 from megatron_mesh.plan.validate import validate_plan
 
 pytestmark = pytest.mark.exhaustive
 
 SHAPE = AttentionShape(seq_local=4, batch=1, heads=4, kv_heads=2, head_dim=8, itemsize=2)
+
+
+@pytest.fixture(autouse=True)
+def _forget_plans():
+    """A validated plan keeps every rank's op lists (hundreds of MB near P = 256): drop the
+    builder's cache after each P, or the sweep runs out of memory."""
+    yield
+    mesh_module._build_mesh_plan.cache_clear()
 
 
 @pytest.mark.parametrize("P", range(1, 257))
