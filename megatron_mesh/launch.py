@@ -16,7 +16,16 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-__all__ = ["spawn", "SpawnError", "kill_process_tree"]
+__all__ = ["spawn", "SpawnError", "kill_process_tree", "free_port"]
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (for torchrun's MASTER_PORT)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def kill_process_tree(pid: int) -> None:

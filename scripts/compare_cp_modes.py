@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -26,7 +25,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_mesh.launch import kill_process_tree  # noqa: E402
+from megatron_mesh.launch import free_port, kill_process_tree  # noqa: E402
 from megatron_mesh.report import RunResult, parse_megatron_log, read_metrics, write_report  # noqa: E402
 
 PLUGIN_MODES = ("ring", "tasp", "mesh")
@@ -49,12 +48,6 @@ def default_modes(cp: int) -> list[str]:
     return modes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_mode(mode: str, args, out_dir: str) -> RunResult:
     name, _, tile = mode.partition(":")
     if name != "baseline" and name not in PLUGIN_MODES + TE_MODES:
@@ -62,7 +55,7 @@ def run_mode(mode: str, args, out_dir: str) -> RunResult:
     cp = 1 if name == "baseline" else args.cp
     safe = mode.replace(":", "_").replace("+", "_")
     metrics = os.path.join(out_dir, "metrics", safe)
-    env = dict(os.environ, CP=str(cp), NPROC=str(cp), MEGATRON_MESH_METRICS=metrics, MASTER_PORT=str(_free_port()),
+    env = dict(os.environ, CP=str(cp), NPROC=str(cp), MEGATRON_MESH_METRICS=metrics, MASTER_PORT=str(free_port()),
                PYTHON=sys.executable)
     flags = ["--train-iters", str(args.iters)]
     if name != "baseline":

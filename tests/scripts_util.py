@@ -4,20 +4,13 @@ started, not only the shell, and fails the test."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 
 import pytest
 
-from megatron_mesh.launch import kill_process_tree
+from megatron_mesh.launch import free_port, kill_process_tree  # noqa: F401 -- free_port for the tests
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_script(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int, str]:
