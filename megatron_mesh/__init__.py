@@ -2,9 +2,11 @@
 
 Public API (layout: Megatron's [s_local, batch, heads, head_dim], zigzag CP chunks)::
 
-    from megatron_mesh import mesh_attention, ring_attention, tasp_attention, comm_counter
+    from megatron_mesh import mesh_attention, ring_attention, tasp_attention, hybrid_attention, comm_counter
     out = mesh_attention(q, k, v, group=cp_group, tile=(2, 2), causal=True)
     out = tasp_attention(q, k, v, group=cp_group, gpus_per_node=8)
+    out = hybrid_attention(q, k, v, group=cp_group, ulysses_size=8, inner="mesh")
+    out = mesh_attention(q, k, v, group=cp_group, cu_seqlens=docs, window=(4096, 0))   # packed docs, window
 
 The plan layer (:mod:`megatron_mesh.plan`) is pure Python and importable without torch, so the
 top-level names below are resolved lazily; the Megatron adapter (:mod:`megatron_mesh.megatron`)
@@ -18,11 +20,18 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "attention": "megatron_mesh.runtime.api",
     "mesh_attention": "megatron_mesh.runtime.api",
     "ring_attention": "megatron_mesh.runtime.api",
-    "tasp_attention": "megatron_mesh.runtime.tasp_api",
+    "tasp_attention": "megatron_mesh.runtime.api",
+    "hybrid_attention": "megatron_mesh.runtime.api",
     "zigzag_shard": "megatron_mesh.runtime.api",
     "zigzag_unshard": "megatron_mesh.runtime.api",
+    "thd_shard": "megatron_mesh.runtime.api",
+    "thd_unshard": "megatron_mesh.runtime.api",
+    "PlanMismatchError": "megatron_mesh.runtime.api",
+    "ThdLayout": "megatron_mesh.plan.layout",
+    "Mask": "megatron_mesh.plan.mask",
     "comm_counter": "megatron_mesh.comm.base",
     "CommCount": "megatron_mesh.comm.base",
 }

@@ -1,4 +1,4 @@
-"""Every tile a x b = P for EVERY P up to 256 (tests/test_plan.py checks all P up to 64 and
+"""Every tile a x b = P for EVERY P up to 256 (tests/test_plan_mesh.py checks every P up to 16 fully, matching up to 64 and
 samples above): exact cover, matching transfers, a deadlock-free dry run, perfectly balanced
 causal work and bytes equal to the closed form (both backward modes). Pure Python, but the cost
 grows as P^2 per tile: P <= 123 takes about half an hour on one core, all of it several hours,

@@ -3,8 +3,8 @@ plan in one process, for tests and single-device benchmarks)."""
 
 from .alltoall import AllToAllCommunicator
 from .base import CommCount, Communicator, Work, comm_counter, record_bytes
-from .inprocess import InProcessCommunicator, InProcessError, Mailbox, forward_backward, run_inprocess
+from .inprocess import InProcessCommunicator, InProcessError, Mailbox, run_inprocess
 from .torch_dist import TorchDistCommunicator
 
 __all__ = ["AllToAllCommunicator", "CommCount", "Communicator", "Work", "comm_counter", "record_bytes", "TorchDistCommunicator",
-           "InProcessCommunicator", "InProcessError", "Mailbox", "forward_backward", "run_inprocess"]
+           "InProcessCommunicator", "InProcessError", "Mailbox", "run_inprocess"]

@@ -50,10 +50,17 @@ class AllToAllCommunicator(Communicator):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        if self.rank < 0:
+            raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the process group "
+                             f"{dist.get_process_group_ranks(group)} it was asked to attend over")
         if device is None:  # where the empty buffers of a rank with nothing to move live
             nccl = dist.get_backend(group) == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self.device = device
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        return self.group if self.group is not None else dist.distributed_c10d._get_default_group()
 
     def start(self, sends: Sequence[tuple[int, Tensor]], recvs: Sequence[tuple[int, Tensor]]) -> Work:
         if not sends and not recvs:  # still a collective: every rank joins every round

@@ -32,9 +32,10 @@ on the device.
 Driving forward and backward. Torch's autograd engine runs the CUDA part of every ``backward()``
 on one worker thread per device, so P threads calling ``loss.backward()`` through the public
 autograd functions would queue their plan backwards on that one thread, and the first one to wait
-for a peer's message would block the peer forever. :func:`forward_backward` therefore calls
+for a peer's message would block the peer forever. ``megatron_mesh.runtime.api.forward_backward``
+therefore calls
 :class:`~megatron_mesh.runtime.executor.Executor` ``forward`` / ``backward`` directly on each
-virtual rank -- the same calls, layout changes and casts as ``runtime.api._PlanAttention`` --
+virtual rank -- the same calls, layout views and casts as the autograd function --
 so CPU and CUDA runs are driven identically (on CPU the autograd engine runs backward on the
 calling thread, so the public functions also work there; the tests check that both agree
 bitwise).
@@ -48,7 +49,6 @@ stuck in compute) fails after ``timeout`` seconds.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 import traceback
@@ -60,7 +60,7 @@ from torch import Tensor
 
 from .base import Communicator, Work
 
-__all__ = ["Mailbox", "InProcessCommunicator", "InProcessError", "run_inprocess", "forward_backward"]
+__all__ = ["Mailbox", "InProcessCommunicator", "InProcessError", "run_inprocess"]
 
 _POLL_S = 0.25  # how often a waiting rank re-checks for an abort it may not have been notified of
 
@@ -375,33 +375,3 @@ class _device_context:
             self.ctx.pop().__exit__(*exc)
             torch.cuda.current_stream(self.device).wait_stream(s)  # results are used on the default stream
         return False
-
-
-def forward_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, build, *, comm: Communicator,
-                     softmax_scale: float | None = None, kernel="auto") -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Forward and backward of the plan ``build(P, shape)`` (a builder as for
-    :func:`~megatron_mesh.runtime.api.plan_attention`, or a :class:`~megatron_mesh.plan.Plan`)
-    on this rank, without autograd (see the module doc).
-
-    Layout as the public functions: q/dout [s_local, batch, heads, head_dim], k/v [s_local,
-    batch, kv_heads, head_dim]. Returns (out, dq, dk, dv), each in q's dtype and layout, bitwise
-    what ``plan_attention`` and ``.backward(dout)`` give.
-    """
-    # imported here: the runtime imports the comm package
-    from ..kernels import get_kernel
-    from ..plan.ir import Plan
-    from ..runtime.api import attention_shape
-    from ..runtime.executor import Executor
-
-    shape = attention_shape(q, k, v)
-    if dout.shape != q.shape:
-        raise ValueError(f"dout must be shaped like q {tuple(q.shape)}, got {tuple(dout.shape)}")
-    plan = build if isinstance(build, Plan) else build(comm.world_size, shape)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(shape.head_dim)
-    executor = Executor(plan, comm, get_kernel(kernel, q.device), scale)
-    qb, kb, vb = (x.permute(1, 2, 0, 3).contiguous() for x in (q, k, v))  # sbhd -> bhsd, as _PlanAttention
-    res = executor.forward(qb, kb, vb)
-    out = res.out.to(q.dtype)
-    dq, dk, dv = executor.backward(qb, kb, vb, out, res.lse, dout.permute(1, 2, 0, 3).contiguous(), res.saved)
-    to_sbhd = lambda g: g.to(q.dtype).permute(2, 0, 1, 3)  # noqa: E731
-    return out.permute(2, 0, 1, 3), to_sbhd(dq), to_sbhd(dk), to_sbhd(dv)

@@ -53,6 +53,10 @@ class TorchDistCommunicator(Communicator):
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.global_ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world_size))
+        if self.rank < 0:
+            raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the process group "
+                             f"{self.global_ranks} it was asked to attend over; call attention on the ranks of "
+                             "that group only (each rank passes its own CP group)")
         self.routes = dict(routes or {})
         me = self.global_ranks[self.rank]
         for peer, sub in self.routes.items():
@@ -67,6 +71,11 @@ class TorchDistCommunicator(Communicator):
         self._order = {id(group): 0}
         for sub in self.routes.values():
             self._order.setdefault(id(sub), len(self._order))
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The live process group (the default group when ``group`` is None)."""
+        return self.group if self.group is not None else dist.distributed_c10d._get_default_group()
 
     def _start(self, sends: Sequence[tuple[int, Tensor]], recvs: Sequence[tuple[int, Tensor]]) -> Work:
         batches: dict[int, tuple[dist.ProcessGroup | None, list[dist.P2POp]]] = {}

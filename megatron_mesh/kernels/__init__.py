@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from .base import BlockKernel
-from .reference import MathKernel, reference_attention
+from .base import CAUSAL, FULL, BlockKernel, BlockMask
+from .reference import MathKernel, dense_mask, reference_attention
 from .torch_sdpa import CUDA_OPS, TorchAttentionKernel
 
-__all__ = ["BlockKernel", "MathKernel", "TorchAttentionKernel", "reference_attention", "get_kernel",
-           "KERNEL_BACKENDS"]
+__all__ = ["BlockKernel", "BlockMask", "FULL", "CAUSAL", "MathKernel", "TorchAttentionKernel", "reference_attention",
+           "dense_mask", "get_kernel", "KERNEL_BACKENDS"]
 
 KERNEL_BACKENDS = ("auto", "torch", "math") + tuple(f"torch-{op}" for op in CUDA_OPS)
 

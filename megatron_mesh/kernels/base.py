@@ -2,17 +2,71 @@
 
 Every kernel (torch's CPU/CUDA attention ops, the pure-math reference, later flash-attn or
 Transformer Engine) implements :class:`BlockKernel`, so the executor never knows which one runs.
-Kernel quirks (layouts, padding of lse, GQA support, what a backward op needs) stay inside the
-kernel's module.
+Kernel quirks (layouts, padding of lse, GQA support, what a backward op needs, how a mask is
+passed) stay inside the kernel's module.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+import torch
 from torch import Tensor
 
-__all__ = ["BlockKernel"]
+__all__ = ["BlockKernel", "BlockMask", "FULL", "CAUSAL"]
+
+
+@dataclass(eq=False)
+class BlockMask:
+    """The mask of one block: ``kind`` "full" (every pair), "causal" (top-left: key j <= query i
+    in the block's own order; the plan uses it only on identical query and key tokens) or
+    "masked" (``allowed`` [Sq, Sk] bool says which pairs attend; built by the runtime from the
+    tokens' global positions and the plan's mask).
+
+    A masked block may have rows with no allowed key in it: their ``lse`` is -inf and their
+    ``out`` 0, whatever the kernel does underneath."""
+
+    kind: str
+    allowed: Tensor | None = None
+    _bias: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("full", "causal", "masked"):
+            raise ValueError(f"block mask kind must be 'full', 'causal' or 'masked', got {self.kind!r}")
+        if (self.kind == "masked") != (self.allowed is not None):
+            raise ValueError("a 'masked' block mask needs its allowed matrix (and only it)")
+
+    @property
+    def causal(self) -> bool:
+        return self.kind == "causal"
+
+    def bias(self, dtype: torch.dtype, pad_to: int = 1) -> Tensor:
+        """The additive mask (0 where allowed, -inf elsewhere) in ``dtype``, columns padded to a
+        multiple of ``pad_to`` (kernels that need aligned strides), cached per dtype."""
+        key = (dtype, pad_to)
+        b = self._bias.get(key)
+        if b is None:
+            sq, sk = self.allowed.shape
+            cols = -(-sk // pad_to) * pad_to
+            full = torch.full((sq, cols), float("-inf"), dtype=dtype, device=self.allowed.device)
+            full[:, :sk].masked_fill_(self.allowed, 0.0)
+            b = self._bias[key] = full[:, :sk]
+        return b
+
+    def empty_rows(self) -> Tensor | None:
+        """Rows with no allowed key (None when there are none)."""
+        if self.allowed is None:
+            return None
+        e = self._bias.get("empty")
+        if e is None:
+            rows = ~self.allowed.any(dim=-1)
+            e = self._bias["empty"] = rows if bool(rows.any()) else False
+        return None if e is False else e
+
+
+FULL = BlockMask("full")
+CAUSAL = BlockMask("causal")
 
 
 @runtime_checkable
@@ -21,20 +75,20 @@ class BlockKernel(Protocol):
 
     Layout: ``q`` [B, H, Sq, D]; ``k``, ``v`` [B, Hkv, Sk, D] with H % Hkv == 0 (grouped-query
     attention: query head h uses KV head h // (H / Hkv)). Inputs may be strided views (slices of
-    a chunk along the sequence). ``causal`` is the top-left-aligned causal mask over the block's
-    own token order (the plan only uses it when Sq == Sk and the tokens coincide).
+    a chunk along the sequence, or of a [S, B, H, D] tensor), with the head_dim axis contiguous.
     """
 
     name: str
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, mask: BlockMask, scale: float) -> tuple[Tensor, Tensor]:
         """Returns ``out`` [B, H, Sq, D] (any float dtype) and ``lse`` [B, H, Sq] (fp32, or fp64
-        for fp64 inputs), the log-sum-exp of the scaled scores of each row over this block's keys."""
+        for fp64 inputs), the log-sum-exp of the scaled scores of each row over this block's
+        allowed keys (-inf for a row with none)."""
 
     def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, *,
-                 causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                 mask: BlockMask, scale: float) -> tuple[Tensor, Tensor, Tensor]:
         """Gradients of this block's contribution, given the *global* row statistics: ``lse`` and
         ``delta`` = rowsum(dout * out) [B, H, Sq] (fp32 or fp64) of the full attention rows. With
-        P = exp(s - lse) and dS = P * (dout v^T - delta):
+        P = exp(s - lse) on allowed pairs (0 elsewhere) and dS = P * (dout v^T - delta):
         dq = scale dS k, dk = scale dS^T q, dv = P^T dout. Returns (dq, dk, dv) shaped like
         (q, k, v), any float dtype (the executor accumulates in fp32)."""

@@ -8,18 +8,32 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["MathKernel", "reference_attention"]
+__all__ = ["MathKernel", "reference_attention", "dense_mask"]
 
 
-def _scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
+def _scores(q: Tensor, k: Tensor, allowed: Tensor | None, scale: float) -> Tensor:
+    """Scaled scores with disallowed pairs at -inf (``allowed`` [Sq, Sk] bool, None: all)."""
     groups = q.shape[1] // k.shape[1]
     kk = k.repeat_interleave(groups, dim=1) if groups > 1 else k
     s = torch.matmul(q, kk.transpose(-1, -2)) * scale
-    if causal:
-        sq, sk = s.shape[-2:]
-        mask = torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril()
-        s = s.masked_fill(~mask, float("-inf"))
+    if allowed is not None:
+        s = s.masked_fill(~allowed, float("-inf"))
     return s
+
+
+def _allowed(mask, sq: int, sk: int, device) -> Tensor | None:
+    if mask.kind == "full":
+        return None
+    if mask.kind == "causal":
+        return torch.ones(sq, sk, dtype=torch.bool, device=device).tril()
+    return mask.allowed
+
+
+def _softmax(s: Tensor) -> tuple[Tensor, Tensor]:
+    """(p, lse) of scores with rows possibly all -inf (then p = 0 and lse = -inf, not NaN)."""
+    lse = torch.logsumexp(s, dim=-1)
+    safe = lse.masked_fill(lse.isneginf(), 0.0)
+    return torch.exp(s - safe.unsqueeze(-1)), lse
 
 
 class MathKernel:
@@ -36,21 +50,21 @@ class MathKernel:
             return self.compute_dtype
         return torch.float64 if x.dtype == torch.float64 else torch.float32
 
-    def forward(self, q, k, v, *, causal, scale):
+    def forward(self, q, k, v, *, mask, scale):
         dt = self._dtype(q)
-        s = _scores(q.to(dt), k.to(dt), causal, scale)
-        lse = torch.logsumexp(s, dim=-1)
-        p = torch.exp(s - lse.unsqueeze(-1))
+        s = _scores(q.to(dt), k.to(dt), _allowed(mask, q.shape[2], k.shape[2], q.device), scale)
+        p, lse = _softmax(s)
         groups = q.shape[1] // k.shape[1]
         vv = v.to(dt).repeat_interleave(groups, dim=1) if groups > 1 else v.to(dt)
         return torch.matmul(p, vv), lse
 
-    def backward(self, dout, q, k, v, lse, delta, *, causal, scale):
+    def backward(self, dout, q, k, v, lse, delta, *, mask, scale):
         dt = self._dtype(q)
         groups = q.shape[1] // k.shape[1]
         q_, k_, v_, do = q.to(dt), k.to(dt), v.to(dt), dout.to(dt)
-        s = _scores(q_, k_, causal, scale)
-        p = torch.exp(s - lse.to(dt).unsqueeze(-1))
+        s = _scores(q_, k_, _allowed(mask, q.shape[2], k.shape[2], q.device), scale)
+        lse = lse.to(dt)
+        p = torch.exp(s - lse.masked_fill(lse.isneginf(), 0.0).unsqueeze(-1))
         vv = v_.repeat_interleave(groups, dim=1) if groups > 1 else v_
         kk = k_.repeat_interleave(groups, dim=1) if groups > 1 else k_
         ds = p * (torch.matmul(do, vv.transpose(-1, -2)) - delta.to(dt).unsqueeze(-1))
@@ -64,16 +78,39 @@ class MathKernel:
         return dq, dk, dv
 
 
+def dense_mask(mask, seq_len: int, device=None) -> Tensor:
+    """[S, S] bool: which (query, key) pairs of the global sequence ``mask`` (a
+    :class:`megatron_mesh.plan.Mask`) allows -- the reference every distributed test compares
+    against, built straight from the rule, not from the plan's blocks."""
+    pos = torch.arange(seq_len, device=device)
+    i, j = pos.unsqueeze(1), pos.unsqueeze(0)
+    lo, hi = mask.band()
+    allowed = (i - j >= lo) & (i - j <= hi) if hi != float("inf") else (i - j >= lo)
+    if mask.documents is not None:
+        doc = torch.full((seq_len,), -1, dtype=torch.long, device=device)
+        for n, (a, b) in enumerate(mask.documents):
+            doc[a:b] = n
+        allowed &= (doc.unsqueeze(1) == doc.unsqueeze(0)) & (doc.unsqueeze(1) >= 0)
+    return allowed
+
+
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
-                        softmax_scale: float | None = None) -> Tensor:
+                        softmax_scale: float | None = None, mask=None) -> Tensor:
     """Dense attention over the full sequence in Megatron's layout [S, B, H, D] (k, v: [S, B, Hkv,
     D]), differentiable, computed in q's dtype with plain matmuls (use fp64 inputs for a
-    reference)."""
+    reference). ``mask`` (a :class:`megatron_mesh.plan.Mask`) overrides ``causal``; a query with
+    no allowed key (padding) gets output 0."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     qb, kb, vb = (x.permute(1, 2, 0, 3) for x in (q, k, v))
     groups = qb.shape[1] // kb.shape[1]
     if groups > 1:
         kb, vb = kb.repeat_interleave(groups, dim=1), vb.repeat_interleave(groups, dim=1)
-    s = _scores(qb, kb, causal, scale)
-    out = torch.matmul(torch.softmax(s, dim=-1), vb)
+    S = q.shape[0]
+    if mask is None:
+        allowed = torch.ones(S, S, dtype=torch.bool, device=q.device).tril() if causal else None
+    else:
+        allowed = dense_mask(mask, S, q.device)
+    s = _scores(qb, kb, allowed, scale)
+    p, _ = _softmax(s)
+    out = torch.matmul(p, vb)
     return out.permute(2, 0, 1, 3)

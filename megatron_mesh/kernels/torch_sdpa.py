@@ -5,12 +5,17 @@
 * CUDA: ``aten._scaled_dot_product_flash_attention`` (default), ``..._efficient_attention`` or
   ``..._cudnn_attention``, chosen by :func:`cuda_ops_available` / the ``op`` argument.
 
+Masks: "full" and "causal" blocks use the ops' own ``is_causal``; a "masked" block passes the
+additive mask (0 / -inf in the inputs' dtype) -- the CPU op's ``attn_mask``, or the efficient
+kernel's ``attn_bias`` on CUDA (flash and cuDNN take no arbitrary mask). Rows with no allowed key
+come back with lse 0 from the ops; the kernel sets them to -inf (their output is already 0).
+
 The fused backward ops take the row's *output* ``out`` only to form delta = rowsum(dout * out). A
 rank that computes blocks of a remote query chunk has that row's dout and delta (sent with it),
 not its output -- sending the output would cost as many bytes again as dout. So the backward
-passes a stand-in output ``out' = dout * delta / |dout|^2`` (per row), for which
-rowsum(dout * out') == delta exactly in real arithmetic; |out'| <= |out| by Cauchy-Schwarz, so it
-cannot overflow. The ops' gradients are then those of the block given the global statistics.
+passes a stand-in output ``out'`` with rowsum(dout * out') == delta (see
+:func:`stand_in_output`): the ops' gradients are then those of the block given the global
+statistics.
 """
 
 from __future__ import annotations
@@ -24,12 +29,20 @@ CUDA_OPS = ("flash", "efficient", "cudnn")
 
 
 def stand_in_output(dout: Tensor, delta: Tensor) -> Tensor:
-    """A tensor ``o`` shaped like ``dout`` with rowsum(dout * o) == delta (see the module doc)."""
+    """A tensor ``o`` shaped like ``dout`` with rowsum(dout * o) == delta (see the module doc).
+
+    ``o = u * delta / (s * |u|^2)`` with s = max|dout| per row and u = dout / s: the same as
+    ``dout * delta / |dout|^2`` in real arithmetic, but |u|^2 lies in [1, head_dim], so neither
+    a tiny dout (x 1e-30: |dout|^2 underflows) nor a huge one (x 1e19: it overflows) loses it.
+    With |out| bounded, |o| <= |out| (Cauchy-Schwarz), so it does not overflow either."""
     wide = torch.float64 if dout.dtype == torch.float64 else torch.float32
     d = dout.to(wide)
-    norm2 = (d * d).sum(-1)
-    coef = torch.where(norm2 > 0, delta.to(wide) / norm2.clamp_min(torch.finfo(wide).tiny), torch.zeros_like(norm2))
-    return (d * coef.unsqueeze(-1)).to(dout.dtype)
+    s = d.abs().amax(-1, keepdim=True)
+    u = d / torch.where(s > 0, s, torch.ones_like(s))
+    norm2 = (u * u).sum(-1)
+    coef = torch.where(norm2 > 0, delta.to(wide) / (s.squeeze(-1) * norm2).clamp_min(torch.finfo(wide).tiny),
+                       torch.zeros_like(norm2))
+    return (u * coef.unsqueeze(-1)).to(dout.dtype)
 
 
 class TorchAttentionKernel:
@@ -59,30 +72,47 @@ class TorchAttentionKernel:
         return op
 
     # -- forward -------------------------------------------------------------------------------
-    def forward(self, q, k, v, *, causal, scale):
+    def forward(self, q, k, v, *, mask, scale):
+        out, lse = self._forward(q, k, v, mask, scale)
+        empty = mask.empty_rows()
+        if empty is not None:  # the ops report lse 0 for a row with no allowed key
+            lse = lse.masked_fill(empty, float("-inf"))
+        return out, lse
+
+    def _forward(self, q, k, v, mask, scale):
+        causal = mask.causal
         if self.op == "cpu":
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-        op = self._op(q)
+            bias = mask.bias(q.dtype) if mask.kind == "masked" else None
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias,
+                                                                              scale=scale)
+        op = "efficient" if mask.kind == "masked" else self._op(q)
+        if mask.kind == "masked":
+            self.name = "torch-efficient"
         k, v = self._expand_kv(q, k, v)
         sq = q.shape[2]
         if op == "flash":
             res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
             return res[0], res[1].float()
         if op == "efficient":
-            res = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+            bias = self._bias(q, mask)
+            res = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, causal, scale=scale)
             return res[0], res[1][..., :sq].float()  # lse is padded along the rows
         res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
         return res[0], res[1].reshape(q.shape[0], q.shape[1], sq).float()
 
     # -- backward ------------------------------------------------------------------------------
-    def backward(self, dout, q, k, v, lse, delta, *, causal, scale):
+    def backward(self, dout, q, k, v, lse, delta, *, mask, scale):
+        causal = mask.causal
         out = stand_in_output(dout, delta)
+        # a row no key of the whole attention reaches (THD padding) has lse -inf: its gradients are 0
+        lse = lse.masked_fill(lse.isneginf(), 0.0)
         if self.op == "cpu":
             # the CPU op wants lse in fp32 (fp64 for fp64 inputs)
             lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+            bias = mask.bias(q.dtype) if mask.kind == "masked" else None
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dout, q, k, v, out, lse, 0.0, causal, scale=scale)
-        op = self._op(q)
+                dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
+        op = "efficient" if mask.kind == "masked" else self._op(q)
         lse, delta = lse.contiguous(), delta.contiguous()  # the executor passes row slices
         groups = q.shape[1] // k.shape[1]
         ke, ve = self._expand_kv(q, k, v)
@@ -97,9 +127,10 @@ class TorchAttentionKernel:
             if pad:
                 lse_p = torch.nn.functional.pad(lse, (0, pad))
             seed = torch.zeros((), dtype=torch.int64, device=q.device)
+            bias = self._bias(q, mask)
             dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-                dout, q, ke, ve, torch.empty(0, device=q.device, dtype=q.dtype), out, lse_p, seed, seed, 0.0,
-                [True, True, True, False], causal, scale=scale)
+                dout, q, ke, ve, bias if bias is not None else torch.empty(0, device=q.device, dtype=q.dtype), out,
+                lse_p, seed, seed, 0.0, [True, True, True, False], causal, scale=scale)
         else:
             empty = torch.empty(0, dtype=torch.int64, device=q.device)
             dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
@@ -110,6 +141,16 @@ class TorchAttentionKernel:
             dk = dk.view(b, h // groups, groups, sk, d).sum(2, dtype=torch.float32)
             dv = dv.view(b, h // groups, groups, sk, d).sum(2, dtype=torch.float32)
         return dq, dk, dv
+
+    @staticmethod
+    def _bias(q: Tensor, mask) -> Tensor | None:
+        """The efficient kernel's attn_bias for a masked block: [B, H, Sq, Sk] (a broadcast view),
+        its rows aligned to 16 elements as the kernel requires."""
+        if mask.kind != "masked":
+            return None
+        b, h, sq, _ = q.shape
+        bias = mask.bias(q.dtype, pad_to=16)
+        return bias.expand(b, h, sq, bias.shape[-1])
 
     @staticmethod
     def _expand_kv(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:

@@ -10,11 +10,12 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .ir import Key, Plan, Post
+from .ir import KINDS, Key, Plan, Post, sel_len
 
 __all__ = [
     "AttentionShape",
     "buffer_bytes",
+    "key_bytes",
     "RankBytes",
     "plan_bytes",
     "link_bytes",
@@ -22,6 +23,7 @@ __all__ = [
     "mesh_bytes_formula",
     "tasp_bytes_formula",
     "block_pairs",
+    "block_area",
     "rank_work",
 ]
 
@@ -43,8 +45,9 @@ class AttentionShape:
 
     def __post_init__(self) -> None:
         for name in ("seq_local", "batch", "heads", "kv_heads", "head_dim", "itemsize"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
         if self.heads % self.kv_heads:
             raise ValueError(
                 f"heads ({self.heads}) must be divisible by kv_heads ({self.kv_heads}) "
@@ -52,25 +55,27 @@ class AttentionShape:
             )
 
 
-def buffer_bytes(kind: str, tokens: int, shape: AttentionShape) -> int:
-    """Bytes of one buffer of ``kind`` holding ``tokens`` tokens (see the kind table in .ir)."""
-    rows = shape.batch * shape.heads * tokens  # query-side rows
-    kv_rows = shape.batch * shape.kv_heads * tokens
-    d, e = shape.head_dim, shape.itemsize
-    acc = max(FP32, e)  # accumulators are fp32 (fp64 for fp64 inputs)
-    if kind == "q":
-        return rows * d * e
-    if kind == "kv":
-        return 2 * kv_rows * d * e
-    if kind == "o":
-        return rows * (d + 1) * acc  # partial out + lse
-    if kind == "do":
-        return rows * d * e + 2 * rows * acc  # dout + lse + delta
-    if kind == "dq":
-        return rows * d * acc
-    if kind == "dkv":
-        return 2 * kv_rows * d * acc
-    raise ValueError(f"unknown buffer kind {kind!r}; known: q, kv, o, do, dq, dkv")
+def buffer_bytes(kind: str, tokens: int, shape: AttentionShape, heads: int | None = None,
+                 kv_heads: int | None = None) -> int:
+    """Bytes of one buffer of ``kind`` holding ``tokens`` tokens (the kind table :data:`.ir.KINDS`);
+    ``heads`` / ``kv_heads`` override the shape's (a head slice of a Ulysses all-to-all)."""
+    spec = KINDS.get(kind)
+    if spec is None:
+        raise ValueError(f"unknown buffer kind {kind!r}; known: {', '.join(KINDS)}")
+    h = shape.heads if heads is None else heads
+    g = shape.kv_heads if kv_heads is None else kv_heads
+    acc = max(FP32, shape.itemsize)  # accumulators are fp32 (fp64 for fp64 inputs)
+    total = 0
+    for side, has_dim, dtype in spec.tensors:
+        n = shape.batch * (h if side == "q" else g) * tokens * (shape.head_dim if has_dim else 1)
+        total += n * (shape.itemsize if dtype == "input" else acc)
+    return total
+
+
+def key_bytes(plan: Plan, key: Key, shape: AttentionShape) -> int:
+    """Bytes of buffer ``key`` of ``plan`` (its tokens, its head slice)."""
+    h, g = plan.head_counts(key, shape.heads, shape.kv_heads)
+    return buffer_bytes(key.kind, plan.tokens(key), shape, h, g)
 
 
 @dataclass(frozen=True)
@@ -96,16 +101,17 @@ def _posts(plan: Plan, rank: int, direction: str):
 
 
 class _SizeCache:
-    """Bytes of a buffer by (kind, slot): the same for every chunk."""
+    """Bytes of a buffer by (kind, slot, span, heads, chunk when slots differ per chunk)."""
 
     def __init__(self, plan: Plan, shape: AttentionShape):
         self.plan, self.shape, self.sizes = plan, shape, {}
+        self.per_chunk = not callable(plan.slots) and bool(plan.slots)
 
     def __call__(self, key: Key) -> int:
-        ck = (key.kind, key.slot)
+        ck = (key.kind, key.slot, key.span, key.heads, key.chunk if self.per_chunk and key.slot >= 0 else 0)
         n = self.sizes.get(ck)
         if n is None:
-            n = self.sizes[ck] = buffer_bytes(key.kind, self.plan.tokens(key), self.shape)
+            n = self.sizes[ck] = key_bytes(self.plan, key, self.shape)
         return n
 
 
@@ -183,18 +189,31 @@ def tasp_bytes_formula(world_size: int, shape: AttentionShape) -> RankBytes:
 
 
 def block_pairs(plan: Plan, op) -> int:
-    """(query, key) token pairs a block computes: the work measure of one Attend/AttendBackward.
+    """Allowed (query, key) token pairs a block computes: the work measure of one Attend /
+    AttendBackward (a causal block of n tokens has n(n+1)/2, a masked block what its mask allows)."""
+    from .mask import classify_block
 
-    A causal (diagonal) block of n tokens computes n(n+1)/2 pairs, a full block rows x columns.
-    """
-    rows = plan.tokens(op.q) // (1 if op.q_half == "all" else 2)
-    cols = sum(plan.tokens(k) // (1 if op.kv_half == "all" else 2) for k in op.kv)
-    if op.causal:
+    if op.mask == "full":
+        return block_area(plan, op)
+    if op.mask == "causal":
+        n = sel_len(op.rows, plan.tokens(op.q))
+        return n * (n + 1) // 2
+    c = classify_block(plan.mask, plan.positions(op.q, op.rows),
+                       tuple(plan.positions(k, op.col(i)) for i, k in enumerate(op.kv)))
+    return 0 if c is None else c.pairs
+
+
+def block_area(plan: Plan, op) -> int:
+    """(query, key) pairs the kernel call computes: rows x columns, or n(n+1)/2 for a causal
+    block (a masked block is computed densely and masked: rows x columns)."""
+    rows = sel_len(op.rows, plan.tokens(op.q))
+    if op.mask == "causal":
         return rows * (rows + 1) // 2
-    return rows * cols
+    return rows * sum(sel_len(op.col(i), plan.tokens(k)) for i, k in enumerate(op.kv))
 
 
 def rank_work(plan: Plan, direction: str = "forward") -> list[int]:
-    """Token pairs each rank computes in ``direction``. With Megatron's zigzag layout every rank
-    gets the same work for every Mesh tile (one diagonal block plus P-1 half blocks)."""
+    """Allowed token pairs each rank computes in ``direction`` (summed over head slices, so a
+    Ulysses plan counts each slice once). With Megatron's zigzag layout and no mask beyond
+    causal, every rank gets the same work for every Mesh tile."""
     return [sum(block_pairs(plan, op) for op in plan.rank(r).blocks(direction)) for r in range(plan.world_size)]

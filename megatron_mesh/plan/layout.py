@@ -1,8 +1,9 @@
-"""Megatron's context-parallel sequence layout ("zigzag"), and the causal rule it implies.
+"""Sequence layouts: which global token positions each CP rank holds -- Megatron's zigzag, and
+Transformer Engine's THD layout (each packed sequence padded and zigzag-split on its own).
 
-Megatron-Core (``get_batch_on_this_cp_rank``) cuts every sequence of S tokens into 2P equal
-*halves* and gives CP rank r the halves r and 2P-1-r, concatenated: rank r's *chunk*. RoPE
-positions are sliced the same way. The attention plugins must therefore accept this layout as is.
+**Zigzag** (Megatron-Core ``get_batch_on_this_cp_rank``): every sequence of S tokens is cut into
+2P equal *halves*; CP rank r holds halves r and 2P-1-r, concatenated: rank r's *chunk*. RoPE
+positions are sliced the same way, so the attention plugins accept this layout as is.
 
 Worked example (P = 4, S = 16, halves of 2 tokens)::
 
@@ -13,60 +14,42 @@ Worked example (P = 4, S = 16, halves of 2 tokens)::
     rank 2 holds h2 + h5 = tokens [4, 5, 10, 11]
     rank 3 holds h3 + h4 = tokens [6, 7,  8,  9]
 
-Why it balances causal work: for query chunk i and key/value chunk j,
+Why it balances causal work: for query chunk i and key/value chunk j, a block (i, j != i) has
+exactly half its pairs allowed -- j < i: all queries x the front half of chunk j; j > i: the back
+half of the queries x all of chunk j -- and (i, i) is an ordinary causal block; so every rank
+does the same work whatever blocks it is given. :func:`~.mask.classify_block` derives those
+halves from the positions (no separate rule).
 
-* i == j: an ordinary causal block (the two halves are in increasing position order);
-* j <  i: every query token sees the *front* half of chunk j (h_j < h_i) and none of its back
-  half (h_{2P-1-j} > h_{2P-1-i}) -> "all queries x front KV half", exactly half a block;
-* j >  i: only the *back* query half sees anything, and it sees all of chunk j -> "back query
-  half x all KV", again exactly half a block.
+**Span-u chunks.** The union of the chunks of ranks m*u .. m*u+u-1, front halves in rank order
+then back halves in reverse, is exactly chunk m of the zigzag over P/u ranks (its halves are u
+times longer). A Ulysses all-to-all over u consecutive ranks therefore hands every rank a
+zigzag chunk of the smaller CP group, and the inner plan's causal balance holds unchanged.
 
-So every block costs half a full block and every rank does the same work whatever blocks it is
-given. :func:`block_mask` is that rule; every plan builder uses it.
+**THD** (Transformer Engine's CP layout for packed sequences, ``thd_get_partitioned_indices``):
+sequence k occupies [cu_padded[k], cu_padded[k+1]) of the packed tensor, padded to a multiple
+of 2P; it is zigzag-split on its own, and rank r's local tokens are, sequence after sequence,
+its two halves of each. The padding tokens belong to no document (see :class:`~.mask.Mask`).
+
+Both layouts answer :meth:`runs`: (local offset, global start, length) of the runs of
+consecutive positions that make up a (span) chunk, in local order.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from .ir import Segment
 
-__all__ = ["ZigzagLayout", "BlockMask", "block_mask", "split_evenly", "slot_segments"]
-
-
-class BlockMask(NamedTuple):
-    """Which query rows and key/value columns of a (chunk i, chunk j) block are computed.
-
-    ``q_half``/``kv_half`` are "all", "front" or "back"; ``causal`` means the diagonal block.
-    """
-
-    q_half: str
-    kv_half: str
-    causal: bool
-
-
-FULL = BlockMask("all", "all", False)
-DIAGONAL = BlockMask("all", "all", True)
-BELOW = BlockMask("all", "front", False)  # j < i: all queries x front half of KV chunk j
-ABOVE = BlockMask("back", "all", False)  # j > i: back half of the queries x all of KV chunk j
-
-
-def block_mask(q_chunk: int, kv_chunk: int, causal: bool) -> BlockMask:
-    """The part of block (q_chunk, kv_chunk) that has unmasked entries, in the zigzag layout."""
-    if not causal:
-        return FULL
-    if q_chunk == kv_chunk:
-        return DIAGONAL
-    return BELOW if kv_chunk < q_chunk else ABOVE
+__all__ = ["ZigzagLayout", "ThdLayout", "SpanLayout", "split_evenly", "slot_segments", "head_slice",
+           "check_ulysses_heads"]
 
 
 @dataclass(frozen=True)
 class ZigzagLayout:
     """Megatron's zigzag CP layout of a sequence of ``seq_len`` tokens over ``world_size`` ranks.
 
-    The one owner of this permutation: :meth:`positions` gives rank r's tokens, and the torch
-    helpers ``megatron_mesh.zigzag_shard`` / ``zigzag_unshard`` apply it to tensors.
+    The one owner of this permutation: :meth:`positions` / :meth:`runs` give rank r's tokens, and
+    the torch helpers ``megatron_mesh.zigzag_shard`` / ``zigzag_unshard`` apply it to tensors.
     """
 
     world_size: int
@@ -95,10 +78,18 @@ class ZigzagLayout:
             raise ValueError(f"rank {rank} out of range for CP size {self.world_size}")
         return rank, 2 * self.world_size - 1 - rank
 
+    def runs(self, chunk: int, span: int = 1) -> tuple[tuple[int, int, int], ...]:
+        """(local offset, global start, length) of chunk ``chunk`` of the zigzag over P/span ranks."""
+        P = self.world_size // span
+        if span < 1 or self.world_size % span or not 0 <= chunk < P:
+            raise ValueError(f"chunk {chunk} of span {span} does not exist over CP size {self.world_size}")
+        h = self.seq_len // (2 * P)
+        return ((0, chunk * h, h), (h, (2 * P - 1 - chunk) * h, h))
+
     def positions(self, rank: int) -> list[int]:
         """Global token positions held by ``rank``, in local order."""
-        h = self.half_len
-        return [p for half in self.halves(rank) for p in range(half * h, (half + 1) * h)]
+        self.halves(rank)
+        return [p for _, start, n in self.runs(rank) for p in range(start, start + n)]
 
     def inverse(self) -> list[tuple[int, int]]:
         """For each global position, (rank, local index): the unshard permutation."""
@@ -107,6 +98,109 @@ class ZigzagLayout:
             for i, p in enumerate(self.positions(r)):
                 out[p] = (r, i)
         return out
+
+
+@dataclass(frozen=True)
+class ThdLayout:
+    """Transformer Engine's THD CP layout (see the module docstring).
+
+    ``cu_seqlens_padded``: 0 = c0 < c1 < ... < cn, every length c(k+1) - ck divisible by 2P
+    (Megatron's ``cu_seqlens_q_padded``); ``seq_lens``: the real (unpadded) length of each
+    sequence, <= its padded length (default: no padding). :meth:`documents` are the real tokens.
+
+    Example (P = 2, two sequences of 8 and 4 tokens, the second with 3 real tokens): rank 0 holds
+    positions [0, 1, 6, 7, 8, 11], rank 1 [2, 3, 4, 5, 9, 10]; documents (0, 8), (8, 11).
+    """
+
+    world_size: int
+    cu_seqlens_padded: tuple[int, ...]
+    seq_lens: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        P, cu = self.world_size, tuple(int(c) for c in self.cu_seqlens_padded)
+        object.__setattr__(self, "cu_seqlens_padded", cu)
+        if P < 1:
+            raise ValueError(f"world_size must be >= 1, got {P}")
+        if len(cu) < 2 or cu[0] != 0 or any(b <= a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens_padded must be strictly increasing from 0, got {self.cu_seqlens_padded!r}")
+        bad = [b - a for a, b in zip(cu, cu[1:]) if (b - a) % (2 * P)]
+        if bad:
+            raise ValueError(f"THD layout: every padded sequence length must be divisible by 2 * CP size = {2 * P} "
+                             f"(Transformer Engine pads each sequence so); got lengths {bad} in cu_seqlens_padded {cu}")
+        lens = self.seq_lens
+        if lens is None:
+            lens = tuple(b - a for a, b in zip(cu, cu[1:]))
+        lens = tuple(int(x) for x in lens)
+        if len(lens) != len(cu) - 1 or any(not 0 <= n <= b - a for n, a, b in zip(lens, cu, cu[1:])):
+            raise ValueError(f"seq_lens {self.seq_lens!r} must give one length per sequence, each between 0 and its "
+                             f"padded length {[b - a for a, b in zip(cu, cu[1:])]}")
+        object.__setattr__(self, "seq_lens", lens)
+
+    @property
+    def seq_len(self) -> int:
+        return self.cu_seqlens_padded[-1]
+
+    @property
+    def seq_local(self) -> int:
+        return self.seq_len // self.world_size
+
+    def documents(self) -> tuple[tuple[int, int], ...]:
+        """The real tokens of each sequence (padding excluded), as global (start, stop)."""
+        return tuple((a, a + n) for a, n in zip(self.cu_seqlens_padded, self.seq_lens) if n > 0)
+
+    def runs(self, chunk: int, span: int = 1) -> tuple[tuple[int, int, int], ...]:
+        P = self.world_size // span
+        if span < 1 or self.world_size % span or not 0 <= chunk < P:
+            raise ValueError(f"chunk {chunk} of span {span} does not exist over CP size {self.world_size}")
+        out, local = [], 0
+        for a, b in zip(self.cu_seqlens_padded, self.cu_seqlens_padded[1:]):
+            h = (b - a) // (2 * P)
+            out.append((local, a + chunk * h, h))
+            out.append((local + h, a + (2 * P - 1 - chunk) * h, h))
+            local += 2 * h
+        return tuple(out)
+
+    def positions(self, rank: int) -> list[int]:
+        return [p for _, start, n in self.runs(rank) for p in range(start, start + n)]
+
+    def inverse(self) -> list[tuple[int, int]]:
+        out: list[tuple[int, int]] = [(-1, -1)] * self.seq_len
+        for r in range(self.world_size):
+            for i, p in enumerate(self.positions(r)):
+                out[p] = (r, i)
+        return out
+
+
+@dataclass(frozen=True)
+class SpanLayout:
+    """A layout seen by the inner plan of a Ulysses group: its P/span chunks are the span-``span``
+    chunks of ``base`` (see the module docstring), so an inner plan built over it computes on the
+    same global positions."""
+
+    base: object
+    span: int
+
+    def __post_init__(self) -> None:
+        if self.span < 1 or self.base.world_size % self.span:
+            raise ValueError(f"span {self.span} must divide the CP size {self.base.world_size}")
+
+    @property
+    def world_size(self) -> int:
+        return self.base.world_size // self.span
+
+    @property
+    def seq_len(self) -> int:
+        return self.base.seq_len
+
+    @property
+    def seq_local(self) -> int:
+        return self.base.seq_local * self.span
+
+    def runs(self, chunk: int, span: int = 1) -> tuple[tuple[int, int, int], ...]:
+        return self.base.runs(chunk, self.span * span)
+
+    def documents(self):
+        return self.base.documents()
 
 
 def split_evenly(n: int, parts: int) -> list[int]:
@@ -119,7 +213,8 @@ def split_evenly(n: int, parts: int) -> list[int]:
 
 def slot_segments(seq_local: int, num_slots: int) -> list[tuple[Segment, Segment]]:
     """TASP slots of a zigzag chunk: slot s is sub-chunk s of the front half followed by
-    sub-chunk s of the back half, so each slot keeps the two-halves shape the causal rule needs.
+    sub-chunk s of the back half, so each slot keeps the two-halves shape that balances causal
+    work.
 
     Example: seq_local = 12 (halves of 6), 3 slots -> [(0,2)+(6,8)], [(2,4)+(8,10)], [(4,6)+(10,12)].
     """
@@ -133,3 +228,31 @@ def slot_segments(seq_local: int, num_slots: int) -> list[tuple[Segment, Segment
         )
     b = split_evenly(half, num_slots)
     return [(Segment(b[s], b[s + 1]), Segment(half + b[s], half + b[s + 1])) for s in range(num_slots)]
+
+
+def check_ulysses_heads(ulysses: int, heads: int, kv_heads: int) -> None:
+    """ValueError unless a Ulysses all-to-all of degree ``ulysses`` can scatter these heads:
+    query heads divisible by it, key/value heads divisible by it or dividing it (then each KV
+    head is replicated to ulysses / kv_heads ranks, as DeepSpeed-Ulysses does)."""
+    if ulysses < 1:
+        raise ValueError(f"ulysses size must be >= 1, got {ulysses}")
+    if heads % ulysses:
+        raise ValueError(f"query heads ({heads}) must be divisible by the ulysses size ({ulysses}): the all-to-all "
+                         "gives every rank of the group heads / ulysses query heads")
+    if kv_heads % ulysses and ulysses % kv_heads:
+        raise ValueError(f"kv heads ({kv_heads}) must be divisible by the ulysses size ({ulysses}) or divide it "
+                         "(then each KV head is replicated to ulysses / kv_heads ranks)")
+
+
+def head_slice(side: str, u: int, ulysses: int, heads: int, kv_heads: int) -> tuple[int, int]:
+    """Heads [start, stop) of head slice ``u`` of ``ulysses`` for query heads (``side`` "q") or
+    key/value heads ("kv"). With fewer KV heads than slices, slice u gets KV head
+    u * kv_heads // ulysses: the one its query heads use (GQA), replicated."""
+    if side == "q":
+        n = heads // ulysses
+        return u * n, (u + 1) * n
+    if kv_heads >= ulysses:
+        n = kv_heads // ulysses
+        return u * n, (u + 1) * n
+    k = u * kv_heads // ulysses
+    return k, k + 1

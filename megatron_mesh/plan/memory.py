@@ -28,8 +28,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from .accounting import AttentionShape, buffer_bytes
-from .ir import AddGrad, Attend, AttendBackward, Free, MergeOut, Plan, Post
+from .accounting import AttentionShape, key_bytes
+from .ir import AddGrad, Attend, AttendBackward, Copy, Free, MergeOut, Plan, Post, Wait
 
 __all__ = ["BufferMemory", "buffer_memory"]
 
@@ -59,7 +59,7 @@ class _Walk:
         self.size_of: dict = {}
 
     def bytes(self, key) -> int:
-        return buffer_bytes(key.kind, self.plan.tokens(key), self.shape)
+        return key_bytes(self.plan, key, self.shape)
 
     def add(self, key, pooled: bool = True) -> None:
         if key in self.live or key in self.exclude:
@@ -67,7 +67,8 @@ class _Walk:
         n = self.bytes(key)
         self.total += n
         self.peak = max(self.peak, self.total)
-        kind = (key.kind, self.plan.tokens(key)) if pooled else None
+        kind = (key.kind, self.plan.tokens(key), self.plan.head_counts(key, self.shape.heads, self.shape.kv_heads)) \
+            if pooled else None
         self.live[key] = (n, kind)
         if kind is not None:
             self.size_of[kind] = n
@@ -84,42 +85,43 @@ class _Walk:
 
     def run(self, ops) -> None:
         for op in ops:
-            if isinstance(op, Post):
-                for t in op.recvs:
-                    self.add(t.key)
-            elif isinstance(op, Attend):
-                self.add(op.out)
-            elif isinstance(op, AttendBackward):
-                self.add(op.dq)
-                for k in op.dkv:
-                    self.add(k)
-            elif isinstance(op, (MergeOut, AddGrad)):
-                self.add(op.dst)
-            elif isinstance(op, Free):
-                self.free(op.key)
+            _WALK[type(op)](self, op)
 
     def held(self) -> int:
         return sum(self.size_of[k] * n for k, n in self.high.items())
+
+
+# what each op type allocates or releases (a test checks every op type has an entry)
+_WALK = {
+    Post: lambda w, op: [w.add(t.key) for t in op.recvs],
+    Wait: lambda w, op: None,
+    Attend: lambda w, op: w.add(op.out),
+    AttendBackward: lambda w, op: [w.add(k) for k in (op.dq, *op.dkv)],
+    MergeOut: lambda w, op: w.add(op.dst),
+    AddGrad: lambda w, op: w.add(op.dst),
+    Copy: lambda w, op: w.add(op.dst),
+    Free: lambda w, op: w.free(op.key),
+}
 
 
 def buffer_memory(plan: Plan, shape: AttentionShape, rank: int = 0) -> BufferMemory:
     """Peak extra buffer bytes of ``rank`` in the forward and the backward of ``plan``."""
     rp = plan.rank(rank)
     outputs = (rp.output, rp.grad_q, rp.grad_kv)
-    out_bytes = sum(buffer_bytes(k.kind, plan.tokens(k), shape) for k in outputs)
+    out_bytes = sum(key_bytes(plan, k, shape) for k in outputs)
 
     fwd = _Walk(plan, shape, outputs)
     for key, segs in rp.forward_inputs.items():
-        if len(segs) > 1:
+        if len(segs) > 1 or key.heads >= 0:  # cut by copying (a view otherwise)
             fwd.add(key)
     fwd.run(rp.forward)
-    saved = sum(buffer_bytes(k.kind, plan.tokens(k), shape) for k in rp.saved)
+    saved = sum(key_bytes(plan, k, shape) for k in rp.saved)
 
     bwd = _Walk(plan, shape, outputs)
     for key in rp.saved:
         bwd.add(key, pooled=False)  # the forward's buffers, handed over (not pooled by the backward)
     for key, segs in rp.backward_inputs.items():
-        if len(segs) > 1:
+        if len(segs) > 1 or key.heads >= 0:
             bwd.add(key)
     bwd.run(rp.backward)
     return BufferMemory(fwd.peak, bwd.peak, saved, out_bytes, max(fwd.held(), bwd.held() + saved))

@@ -34,12 +34,13 @@ from functools import lru_cache
 from .accounting import AttentionShape, buffer_bytes, mesh_bytes_formula
 from .ir import (AddGrad, Attend, AttendBackward, Key, MergeOut, Op, Plan, Post, RankPlan, Segment,
                  Transfer, Wait)
-from .layout import block_mask
+from .layout import SpanLayout, ZigzagLayout
+from .mask import Mask, classify_block
 from .passes import insert_frees
 from .schedule import SCHEDULES, build_template, pull_rounds
 
 __all__ = ["TileMap", "tile_shapes", "parse_tile", "best_tile", "build_mesh_plan", "build_ring_plan",
-           "BACKWARD_CHUNKS", "CONTIGUOUS"]
+           "BACKWARD_CHUNKS", "CONTIGUOUS", "block_ops"]
 
 # "refetch": the backward pulls Q and KV chunks again (memory of ring attention; more bytes).
 # "keep":    the forward keeps the pulled chunks for the backward (fewer bytes; a-1 Q and b-1 KV
@@ -118,9 +119,11 @@ def parse_tile(tile, world_size: int) -> tuple[int, int] | str:
             raise ValueError(f"tile shape {tile!r} must be 'AxB' (e.g. '4x2') or 'auto'")
         tile = (int(parts[0]), int(parts[1]))
     try:
-        a, b = (int(x) for x in tile)
+        a, b = tile
     except (TypeError, ValueError):
         raise ValueError(f"tile must be (a, b), 'AxB' or 'auto', got {tile!r}") from None
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (a, b)):
+        raise ValueError(f"tile sides must be integers, got {tile!r}")
     if a < 1 or b < 1 or a * b != world_size:
         raise ValueError(
             f"tile {a}x{b} does not fit CP size {world_size}: a * b must equal the CP size; "
@@ -136,17 +139,22 @@ def best_tile(world_size: int, shape: AttentionShape, backward_chunks: str = "re
                key=lambda t: (mesh_bytes_formula(world_size, t, shape, backward_chunks).sent, t[0]))
 
 
-def build_ring_plan(world_size: int, shape: AttentionShape, causal: bool = True) -> Plan:
+def build_ring_plan(world_size: int, shape: AttentionShape, causal: bool = True, mask: Mask | None = None,
+                    layout=None) -> Plan:
     """Ring attention (zigzag, Megatron's layout): the mesh plan of tile (1, P)."""
-    return build_mesh_plan(world_size, (1, world_size), shape, causal=causal)
+    return build_mesh_plan(world_size, (1, world_size), shape, causal=causal, mask=mask, layout=layout)
 
 
 def build_mesh_plan(world_size: int, tile, shape: AttentionShape, causal: bool = True,
-                    schedule: str = "greedy", backward_chunks: str = "refetch", contiguous: str = "q") -> Plan:
+                    schedule: str = "greedy", backward_chunks: str = "refetch", contiguous: str = "q",
+                    mask: Mask | None = None, layout=None) -> Plan:
     """The Mesh-Attention plan of every rank (see the module docstring and .schedule).
 
     ``tile``: (a, b) with a * b == world_size, "AxB" or "auto" (fewest bytes, :func:`best_tile`).
     ``contiguous``: which group is made of consecutive ranks ("q" or "kv", see :class:`TileMap`).
+    ``mask`` (default: causal or full by ``causal``) and ``layout`` (default: Megatron's zigzag):
+    with documents, a window or another layout the plan computes only the blocks the mask allows
+    and moves only the tokens they need (:mod:`.sparse`).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -159,28 +167,70 @@ def build_mesh_plan(world_size: int, tile, shape: AttentionShape, causal: bool =
         raise ValueError(f"contiguous must be one of {CONTIGUOUS}, got {contiguous!r}")
     if shape.seq_local % 2:
         raise ValueError(f"local sequence length {shape.seq_local} must be even (two zigzag halves)")
-    return _build_mesh_plan(world_size, tile, shape, causal, schedule, backward_chunks, contiguous)
+    mask, layout = _mask_and_layout(world_size, shape, causal, mask, layout)
+    if mask.is_dense and isinstance(layout, ZigzagLayout):
+        return _build_mesh_plan(world_size, tile, shape, mask, schedule, backward_chunks, contiguous)
+    from .sparse import build_sparse_plan
+
+    return build_sparse_plan("mesh", world_size, shape, mask, layout, tile=tile, contiguous=contiguous,
+                             backward_chunks=backward_chunks, schedule=schedule)
+
+
+def _mask_and_layout(world_size: int, shape: AttentionShape, causal, mask, layout):
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be True or False, got {causal!r}")
+    mask = Mask(causal) if mask is None else mask
+    if not isinstance(mask, Mask):
+        raise ValueError(f"mask must be a megatron_mesh.plan.Mask, got {type(mask).__name__}")
+    if layout is None or (isinstance(layout, SpanLayout) and type(layout.base) is ZigzagLayout):
+        layout = ZigzagLayout(world_size, world_size * shape.seq_local)  # a zigzag seen in span-u chunks is a zigzag
+    if layout.world_size != world_size or layout.seq_local != shape.seq_local:
+        raise ValueError(f"layout over {layout.world_size} ranks x {layout.seq_local} tokens does not match the "
+                         f"CP size {world_size} and local sequence length {shape.seq_local}")
+    return mask.normalized(layout.seq_len), layout
 
 
 @lru_cache(maxsize=256)
-def _build_mesh_plan(world_size: int, tile: tuple[int, int], shape: AttentionShape, causal: bool,
+def _build_mesh_plan(world_size: int, tile: tuple[int, int], shape: AttentionShape, mask: Mask,
                      schedule: str, backward_chunks: str, contiguous: str) -> Plan:
     a, b = tile
     tiles = TileMap(a, b, contiguous)
     T = shape.seq_local
+    layout = ZigzagLayout(world_size, world_size * T)
 
     def cost(*kinds: str) -> int:
         return sum(buffer_bytes(k, T, shape) for k in kinds)
 
     keep = backward_chunks == "keep"
     fwd, bwd = _templates(a, b, schedule, keep, cost("q"), cost("kv"), cost("q", "do"), cost("do"))
-    lowering = _MeshLowering(world_size, tiles, T, causal, fwd, bwd, keep)
+    lowering = _MeshLowering(world_size, tiles, T, mask, layout, fwd, bwd, keep)
     rings = {"q": tuple(tiles.q_group(tiles.rank_at(r, 0)) for r in range(b)),
              "kv": tuple(tiles.kv_group(tiles.rank_at(0, c)) for c in range(a))}
-    return Plan(mode="mesh", world_size=world_size, seq_local=T, causal=causal,
+    return Plan(mode="mesh", world_size=world_size, seq_local=T, mask=mask, layout=layout,
                 build_rank=lowering.rank_plan, build_rounds=lowering.round_ops, tile=tile,
-                schedule=schedule, rings=rings,
-                notes=(f"backward_chunks={backward_chunks}", f"contiguous={contiguous}"))
+                schedule=schedule, rings=rings, options={"backward_chunks": backward_chunks, "contiguous": contiguous})
+
+
+def block_ops(q: Key, blocks, backward: bool) -> list[Op]:
+    """Attend (or AttendBackward) ops for blocks of one query buffer ``q``: ``blocks`` is a list of
+    (kv key, kernel mask, rows, cols) (None rows/cols: the whole buffer); consecutive full blocks
+    with the same rows share one kernel call (their columns concatenated)."""
+    groups: list[list] = []
+    for kv, kind, rows, col in blocks:
+        if groups and kind == "full" and groups[-1][0] == "full" and groups[-1][1] == rows:
+            groups[-1][2].append(kv)
+            groups[-1][3].append(col)
+        else:
+            groups.append([kind, rows, [kv], [col]])
+    ops: list[Op] = []
+    for kind, rows, kvs, cols in groups:
+        cols_t = None if all(x is None for x in cols) else tuple(cols)
+        if backward:
+            ops.append(AttendBackward(q, q._replace(kind="do"), tuple(kvs), q._replace(kind="dq"),
+                                      tuple(k._replace(kind="dkv") for k in kvs), rows, cols_t, kind))
+        else:
+            ops.append(Attend(q, tuple(kvs), q._replace(kind="o"), rows, cols_t, kind))
+    return ops
 
 
 @lru_cache(maxsize=256)
@@ -199,9 +249,9 @@ def _templates(a: int, b: int, schedule: str, keep: bool, q_cost: int, kv_cost: 
 class _MeshLowering:
     """Turns the shared offset-space templates into each rank's ops (chunk ids, peers, masks)."""
 
-    def __init__(self, world_size: int, tiles: TileMap, T: int, causal: bool, fwd: list, bwd: list,
+    def __init__(self, world_size: int, tiles: TileMap, T: int, mask: Mask, layout, fwd: list, bwd: list,
                  keep: bool):
-        self.tiles, self.T, self.causal, self.keep = tiles, T, causal, keep
+        self.tiles, self.T, self.mask, self.layout, self.keep = tiles, T, mask, layout, keep
         self.templates = {"forward": fwd, "backward": bwd}
         # what the matching and deadlock checks read: O(a + b) entries instead of O(a * b)
         self.round_templates = {d: [op for op in t if op[0] in ("post", "wait")] for d, t in self.templates.items()}
@@ -211,6 +261,20 @@ class _MeshLowering:
         # interned keys: a P=256 plan has 65,536 blocks per direction
         self.key = {kind: [Key(kind, c) for c in range(world_size)] for kind in ("q", "kv", "o", "do", "dq", "dkv")}
         self.incoming = {kind: [Key(kind, c, incoming=True) for c in range(world_size)] for kind in ("o", "dq", "dkv")}
+        self.blocks: dict = {}
+
+    def block(self, i: int, j: int):
+        """(kernel mask, rows, cols) of block (Q chunk i, KV chunk j) under the mask; None when
+        it allows nothing. None rows / cols: the whole chunk."""
+        c = self.blocks.get((i, j), 0)
+        if c == 0:
+            runs = lambda g: tuple((start, n) for _, start, n in self.layout.runs(g))  # noqa: E731
+            c = classify_block(self.mask, runs(i), (runs(j),))
+            if c is not None:
+                whole = (Segment(0, self.T),)
+                c = (c.kind, None if c.rows == whole else c.rows, None if c.cols[0] == whole else c.cols[0])
+            self.blocks[(i, j)] = c
+        return c
 
     def rank_plan(self, g: int) -> RankPlan:
         key = self.key
@@ -240,22 +304,19 @@ class _MeshLowering:
         pending: list[tuple[int, int]] = []
 
         def flush() -> None:
-            # consecutive blocks of the same Q chunk and the same (non-causal) mask share one call
-            groups: list[list] = []
+            # consecutive blocks of the same Q chunk share one call where their masks allow
+            run: list = []
             for u, v in pending:
                 i, j = rings.chunk("q", u), rings.chunk("kv", v)
-                mask = block_mask(i, j, self.causal)
-                if groups and groups[-1][0] == i and groups[-1][1] == mask and not mask.causal:
-                    groups[-1][2].append(j)
-                else:
-                    groups.append([i, mask, [j]])
-            for i, mask, js in groups:
-                kv = tuple(key["kv"][j] for j in js)
-                if backward:
-                    ops.append(AttendBackward(key["q"][i], key["do"][i], kv, mask.q_half, mask.kv_half,
-                                              mask.causal, key["dq"][i], tuple(key["dkv"][j] for j in js)))
-                else:
-                    ops.append(Attend(key["q"][i], kv, mask.q_half, mask.kv_half, mask.causal, key["o"][i]))
+                c = self.block(i, j)
+                if c is None:
+                    continue
+                if run and run[0][0] != i:
+                    ops.extend(block_ops(key["q"][run[0][0]], [(key["kv"][jj], *cc) for _, jj, cc in run], backward))
+                    run = []
+                run.append((i, j, c))
+            if run:
+                ops.extend(block_ops(key["q"][run[0][0]], [(key["kv"][jj], *cc) for _, jj, cc in run], backward))
             pending.clear()
 
         for top in (self.templates if blocks else self.round_templates)[direction]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .ir import AddGrad, Attend, AttendBackward, Free, Key, MergeOut, Op, Post, Wait
+from .ir import Free, Key, Op, Post, Wait
 
 __all__ = ["reads_writes", "insert_frees"]
 
@@ -10,17 +10,7 @@ __all__ = ["reads_writes", "insert_frees"]
 def reads_writes(op: Op) -> tuple[tuple[Key, ...], tuple[Key, ...]]:
     """Buffers an op reads and buffers it writes (a Post's sends count as reads, its receives as
     writes that land at the matching Wait)."""
-    if isinstance(op, Attend):
-        return (op.q, *op.kv, op.out), (op.out,)
-    if isinstance(op, AttendBackward):
-        return (op.q, op.do, *op.kv), (op.dq, *op.dkv)
-    if isinstance(op, MergeOut):
-        return (op.src, op.dst), (op.dst,)
-    if isinstance(op, AddGrad):
-        return (op.src, op.dst), (op.dst,)
-    if isinstance(op, Post):
-        return tuple(t.key for t in op.sends), tuple(t.key for t in op.recvs)
-    return (), ()
+    return op.reads(), op.writes()
 
 
 def insert_frees(ops: list[Op], keep: set[Key]) -> tuple[Op, ...]:
@@ -30,12 +20,12 @@ def insert_frees(ops: list[Op], keep: set[Key]) -> tuple[Op, ...]:
     then), so its Free goes after that Wait.
     """
     last: dict[Key, int] = {}
-    round_wait: dict[int, int] = {i_op.round: i for i, i_op in enumerate(ops) if isinstance(i_op, Wait)}
+    round_wait: dict[int, int] = {op.round: i for i, op in enumerate(ops) if type(op) is Wait}
     for i, op in enumerate(ops):
-        reads, writes = reads_writes(op)
+        reads, writes = op.reads(), op.writes()
         for k in writes:
             last[k] = i
-        if isinstance(op, Post):
+        if type(op) is Post:
             for k in reads:
                 last[k] = round_wait.get(op.round, i)
             for k in writes:  # a received buffer exists from its Wait on

@@ -1,15 +1,16 @@
 """Discrete-event simulation of a :class:`~megatron_mesh.plan.ir.Plan` on a :class:`Topology`:
 predicted forward and backward time of one attention call, and how much communication is exposed.
 
-It walks the *same op lists the executor runs* and prices each op:
+It walks the *same op lists the executor runs* and prices each op (:data:`_COSTS`):
 
 * **Compute stream** (one per rank, in op order). ``Attend``: 4 * batch * heads * head_dim FLOPs
-  per (query, key) pair the block computes (:func:`~.accounting.block_pairs`: a causal diagonal
-  block of n tokens computes n(n+1)/2 pairs, about half), at ``attention_flops``, plus
-  ``kernel_latency`` per call, plus the fp32 merge into the accumulator at ``memory_bandwidth``.
-  ``AttendBackward``: 2.5x the forward FLOPs (FlashAttention's backward does 5 matmuls to the
-  forward's 2) plus the dQ/dKV accumulation. ``MergeOut``/``AddGrad``: read two buffers, write
-  one, at ``memory_bandwidth``. ``Free`` costs nothing.
+  per (query, key) pair the kernel call computes (:func:`~.accounting.block_area`: a causal
+  block of n tokens computes n(n+1)/2 pairs, about half; a masked block is computed densely and
+  masked), at ``attention_flops``, plus ``kernel_latency`` per call, plus the fp32 merge into
+  the accumulator at ``memory_bandwidth``. ``AttendBackward``: 2.5x the forward FLOPs
+  (FlashAttention's backward does 5 matmuls to the forward's 2) plus the dQ/dKV accumulation.
+  ``MergeOut``/``AddGrad``/``Copy``: read two buffers, write one, at ``memory_bandwidth``.
+  ``Free`` costs nothing.
 * **Communication stream** (one per rank; NCCL runs a rank's rounds in posting order). ``Post(t)``
   starts round t once the compute issued before it has finished (the NCCL stream waits on the
   compute stream at the call, as PyTorch's ProcessGroupNCCL does) and the rank's previous round
@@ -54,8 +55,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from .accounting import AttentionShape, block_pairs, buffer_bytes
-from .ir import AddGrad, Attend, AttendBackward, Free, MergeOut, Op, Plan, Post, Wait
+from .accounting import AttentionShape, block_area, key_bytes
+from .ir import AddGrad, Attend, AttendBackward, Copy, Free, MergeOut, Op, Plan, Post, Wait, sel_len
 from .topology import LINK_CLASSES, Topology
 
 __all__ = ["Event", "PhaseResult", "SimResult", "simulate", "RoundTraffic", "round_traffic", "BACKWARD_FLOPS"]
@@ -166,10 +167,11 @@ def _posts(ops) -> list[Post]:
 
 
 def _nbytes(plan: Plan, key, shape: AttentionShape, cache: dict) -> int:
-    ck = (key.kind, key.slot)
+    per_chunk = key.slot >= 0 and not callable(plan.slots)  # slots that differ per chunk (mask-aware plans)
+    ck = (key.kind, key.slot, key.span, key.heads, key.chunk if per_chunk else 0)
     n = cache.get(ck)
     if n is None:
-        n = cache[ck] = buffer_bytes(key.kind, plan.tokens(key), shape)
+        n = cache[ck] = key_bytes(plan, key, shape)
     return n
 
 
@@ -335,36 +337,54 @@ class _RingTraffic:
 
 
 # -- compute costs ------------------------------------------------------------------------------------
+def _block_cost(plan: Plan, op, shape: AttentionShape, topo: Topology) -> float:
+    """A kernel call: its (query, key) pairs at ``attention_flops`` (a masked block is computed
+    densely), plus the launch latency and the fp32 accumulator traffic."""
+    pairs = block_area(plan, op)
+    h, g = plan.head_counts(op.q, shape.heads, shape.kv_heads)
+    flops = 4.0 * shape.batch * h * shape.head_dim * pairs
+    rows = sel_len(op.rows, plan.tokens(op.q))
+    acc = 4  # fp32 accumulators: read + write the accumulator, read the block result
+    if type(op) is Attend:
+        moved = 3 * shape.batch * h * rows * (shape.head_dim + 1) * acc
+    else:
+        flops *= BACKWARD_FLOPS
+        cols = sum(sel_len(op.col(i), plan.tokens(k)) for i, k in enumerate(op.kv))
+        moved = 3 * shape.batch * shape.head_dim * acc * (h * rows + 2 * g * cols)
+    return flops / topo.attention_flops + topo.kernel_latency + moved / topo.memory_bandwidth
+
+
+def _combine_cost(plan: Plan, op, shape: AttentionShape, topo: Topology) -> float:
+    """A merge, gradient add or copy: read two buffers' worth and write one, at HBM bandwidth."""
+    return 3 * key_bytes(plan, op.src, shape) / topo.memory_bandwidth
+
+
+# seconds the compute stream spends on each op type (communication ops are timed by their rounds)
+_COSTS = {Attend: _block_cost, AttendBackward: _block_cost, MergeOut: _combine_cost, AddGrad: _combine_cost,
+          Copy: _combine_cost}
+_NO_COMPUTE = (Post, Wait, Free)
+
+
 def _compute_cost(plan: Plan, op: Op, shape: AttentionShape, topo: Topology) -> float:
     """Seconds the compute stream spends on ``op`` (0 for comm and Free ops)."""
-    if isinstance(op, (Attend, AttendBackward)):
-        pairs = block_pairs(plan, op)
-        flops = 4.0 * shape.batch * shape.heads * shape.head_dim * pairs
-        rows = plan.tokens(op.q) // (1 if op.q_half == "all" else 2)
-        acc = 4  # fp32 accumulators: read + write the accumulator, read the block result
-        if isinstance(op, Attend):
-            moved = 3 * shape.batch * shape.heads * rows * (shape.head_dim + 1) * acc
-        else:
-            flops *= BACKWARD_FLOPS
-            cols = sum(plan.tokens(k) // (1 if op.kv_half == "all" else 2) for k in op.kv)
-            moved = 3 * shape.batch * shape.head_dim * acc * (shape.heads * rows + 2 * shape.kv_heads * cols)
-        return flops / topo.attention_flops + topo.kernel_latency + moved / topo.memory_bandwidth
-    if isinstance(op, (MergeOut, AddGrad)):
-        n = buffer_bytes(op.src.kind, plan.tokens(op.src), shape)
-        return 3 * n / topo.memory_bandwidth
-    return 0.0
+    fn = _COSTS.get(type(op))
+    return 0.0 if fn is None else fn(plan, op, shape, topo)
 
 
-def _cost_signature(op: Op) -> tuple:
-    """What an op's cost depends on (buffer sizes and masks, not which chunks): ops of a plan
-    repeat a handful of signatures."""
+def _cost_signature(plan: Plan, op: Op) -> tuple:
+    """What an op's cost depends on (buffer sizes and masks, not which chunks, unless slots differ
+    per chunk): ops of a dense plan repeat a handful of signatures."""
     kind = type(op)
+    per_chunk = not callable(plan.slots) and bool(plan.slots)
     if kind is Attend or kind is AttendBackward:
+        if per_chunk or op.mask == "masked":
+            return (kind, op)
         kv = op.kv
-        return (kind, op.q.slot, op.q_half, op.kv_half, op.causal,
+        return (kind, op.q.slot, op.q.span, op.q.heads, op.rows, op.cols, op.mask,
                 kv[0].slot if len(kv) == 1 else tuple(k.slot for k in kv))
-    if kind is MergeOut or kind is AddGrad:
-        return (kind, op.src.kind, op.src.slot)
+    if kind in _COSTS:
+        src = op.src
+        return (kind, src.kind, src.slot, src.span, src.heads, src.chunk if per_chunk else 0)
     return (kind,)
 
 
@@ -409,7 +429,7 @@ def _run_lockstep(plan: Plan, shape: AttentionShape, topo: Topology, direction: 
                         order.append(op.round)
                     posted[op.round].append(st.clock)
                 elif kind is not Free:
-                    sig = _cost_signature(op)
+                    sig = _cost_signature(plan, op)
                     c = costs.get(sig)
                     if c is None:
                         c = costs[sig] = _compute_cost(plan, op, shape, topo)

@@ -15,10 +15,11 @@ Rings:
 
 Slots and the causal mask. Rank g holds Megatron's zigzag chunk g (two halves). Slot s of a chunk
 is sub-chunk s of the front half followed by sub-chunk s of the back half
-(:func:`.layout.slot_segments`), so a slot keeps the two-halves shape and the zigzag rule
-:func:`.layout.block_mask` applies to it unchanged: a slot from a lower rank o < g is attended by
-all of q with its front half; one from a higher rank by the back half of q with all of it. Every
-slot block is half a full slot block, so every rank does the same work in every step.
+(:func:`.layout.slot_segments`), so a slot keeps the two-halves shape and the zigzag balance
+holds for it unchanged (:func:`.mask.classify_block` on the slot's positions): a slot from a
+lower rank o < g is attended by all of q with its front half; one from a higher rank by the back
+half of q with all of it. Every slot block is half a full slot block, so every rank does the
+same work in every step.
 
 Steps (P steps; k rings; origin of the slot on ring s at step t = the rank t hops behind on ring s)::
 
@@ -36,14 +37,14 @@ Each chunk (halves of 2 tokens) is cut into 2 slots: slot 0 = tokens [0, 2], slo
 the chunk. Rank 1's forward::
 
     post 1: send kv1.0->2 kv1.1->0 | recv kv0.0<-0 kv2.1<-2
-    attend q1[all] x kv1[all] causal -> o1      # step 0: the diagonal block
+    attend q1 x kv1 causal -> o1            # step 0: the diagonal block
     wait 1
     post 2: send kv0.0->2 kv2.1->0 | recv kv2.0<-0 kv0.1<-2
-    attend q1[all] x kv0.0[front] full -> o1    # step 1: slot 0 of chunk 0 (a lower rank)
-    attend q1[back] x kv2.1[all] full -> o1     #         slot 1 of chunk 2 (a higher rank)
+    attend q1 x kv0.0[0:1] full -> o1       # step 1: slot 0 of chunk 0 (a lower rank): its front half
+    attend q1[2:4] x kv2.1 full -> o1       #         slot 1 of chunk 2 (a higher rank): back half of q
     wait 2
-    attend q1[all] x kv0.1[front] full -> o1    # step 2
-    attend q1[back] x kv2.0[all] full -> o1
+    attend q1 x kv0.1[0:1] full -> o1       # step 2
+    attend q1[2:4] x kv2.0 full -> o1
 
 Per step, rank 1 sends half a chunk to rank 2 and half to rank 0 (ring attention: a whole chunk
 to rank 2).
@@ -57,8 +58,9 @@ from functools import lru_cache
 from .accounting import AttentionShape, round_link_bytes
 from .hamiltonian import (NO_DECOMPOSITION, chained_rings, hamiltonian_decomposition,
                           max_disjoint_hamiltonian_cycles)
-from .ir import AddGrad, Attend, AttendBackward, Key, Op, Plan, Post, RankPlan, Segment, Transfer, Wait
-from .layout import block_mask, slot_segments
+from .ir import AddGrad, Attend, AttendBackward, Key, Op, Plan, Post, RankPlan, Segment, Transfer, Wait, map_runs
+from .layout import ZigzagLayout, slot_segments
+from .mask import Mask, classify_block
 from .passes import insert_frees
 
 __all__ = ["tasp_rings", "build_tasp_plan", "LinkLoad", "link_load"]
@@ -90,32 +92,42 @@ def tasp_rings(world_size: int, gpus_per_node: int | None = None) -> tuple[list[
 
 
 def build_tasp_plan(world_size: int, shape: AttentionShape, causal: bool = True,
-                    gpus_per_node: int | None = None) -> Plan:
+                    gpus_per_node: int | None = None, mask: Mask | None = None, layout=None) -> Plan:
     """The TASP plan of every rank (see the module docstring).
 
     ``gpus_per_node``: None for one flat decomposition over the CP group; otherwise the number of
     consecutive CP ranks per node (a divisor of the CP size), which chains intra-node Hamiltonian
     paths over the nodes so that each rank has one inter-node send and receive per step.
+    ``mask`` / ``layout``: as for :func:`~.mesh.build_mesh_plan`; with documents or a window the
+    plan sends every rank only the key/value tokens its blocks need, all at once over every link
+    (:mod:`.sparse`).
     """
+    from .mesh import _mask_and_layout
+
     rings, notes = tasp_rings(world_size, gpus_per_node)
     if shape.seq_local % 2:
         raise ValueError(f"local sequence length {shape.seq_local} must be even (two zigzag halves)")
+    mask, layout = _mask_and_layout(world_size, shape, causal, mask, layout)
+    if not (mask.is_dense and isinstance(layout, ZigzagLayout)):
+        from .sparse import build_sparse_plan
+
+        return build_sparse_plan("tasp", world_size, shape, mask, layout, gpus_per_node=gpus_per_node)
     if shape.seq_local // 2 < len(rings):
         raise ValueError(
             f"TASP over CP size {world_size} splits each KV chunk into {len(rings)} slots (one per ring), "
             f"so each zigzag half needs at least {len(rings)} tokens: local sequence length "
             f"{shape.seq_local} is too short (need >= {2 * len(rings)})")
-    return _build(world_size, tuple(tuple(r) for r in rings), notes, shape.seq_local, bool(causal))
+    return _build(world_size, tuple(tuple(r) for r in rings), notes, shape.seq_local, mask)
 
 
 @lru_cache(maxsize=256)
-def _build(P: int, rings: tuple[tuple[int, ...], ...], notes: tuple[str, ...], T: int, causal: bool) -> Plan:
+def _build(P: int, rings: tuple[tuple[int, ...], ...], notes: tuple[str, ...], T: int, mask: Mask) -> Plan:
     segments = [_merge(s) for s in slot_segments(T, len(rings))] if rings else []
-    lowering = _TaspLowering(P, rings, T, causal, segments)
-    slot_tokens = {s: sum(seg.stop - seg.start for seg in segs) for s, segs in enumerate(segments)}
-    return Plan(mode="tasp", world_size=P, seq_local=T, causal=causal, build_rank=lowering.rank_plan,
-                build_rounds=lowering.round_ops, slot_tokens=slot_tokens, schedule="tasp",
-                rings={"kv": rings}, notes=notes)
+    layout = ZigzagLayout(P, P * T)
+    lowering = _TaspLowering(P, rings, T, mask, layout, segments)
+    return Plan(mode="tasp", world_size=P, seq_local=T, mask=mask, layout=layout, build_rank=lowering.rank_plan,
+                build_rounds=lowering.round_ops, slots=lambda key: segments[key.slot], schedule="tasp",
+                rings={"kv": rings}, notes=notes, options={"gpus_per_node": None})
 
 
 def _merge(segs) -> tuple[Segment, ...]:
@@ -132,9 +144,24 @@ def _merge(segs) -> tuple[Segment, ...]:
 class _TaspLowering:
     """Per-rank op lists; every rank runs the same step loop with its own ring neighbours."""
 
-    def __init__(self, P: int, rings, T: int, causal: bool, segments):
-        self.P, self.rings, self.T, self.causal, self.segments = P, rings, T, causal, segments
+    def __init__(self, P: int, rings, T: int, mask: Mask, layout, segments):
+        self.P, self.rings, self.T, self.mask, self.layout, self.segments = P, rings, T, mask, layout, segments
         self.pos = [{r: i for i, r in enumerate(ring)} for ring in rings]
+        self.classes: dict = {}
+
+    def _block(self, g: int, o: int, s: int):
+        """(kernel mask, rows, cols) of q chunk g x slot s of kv chunk o (None rows/cols: all)."""
+        ck = (g, o, s)
+        c = self.classes.get(ck, 0)
+        if c == 0:
+            runs = lambda chunk: tuple((a, n) for _, a, n in self.layout.runs(chunk))  # noqa: E731
+            c = classify_block(self.mask, runs(g), (map_runs(self.layout.runs(o), self.segments[s]),))
+            if c is not None:
+                slot_len = sum(x.stop - x.start for x in self.segments[s])
+                c = (c.kind, None if c.rows == (Segment(0, self.T),) else c.rows,
+                     None if c.cols[0] == (Segment(0, slot_len),) else c.cols[0])
+            self.classes[ck] = c
+        return c
 
     def _origin(self, s: int, g: int, t: int) -> int:
         """The chunk whose slot s rank g holds at step t: its owner is t hops behind on ring s."""
@@ -181,18 +208,18 @@ class _TaspLowering:
 
     def _blocks(self, g: int, t: int, backward: bool) -> list[Op]:
         """Step t >= 1: one call per mask over the slots held (slot order within a call)."""
+        from .mesh import block_ops
+
         groups: dict = {}
         for s in range(len(self.rings)):
             o = self._origin(s, g, t)
-            groups.setdefault(block_mask(g, o, self.causal), []).append(Key("kv", o, s))
+            c = self._block(g, o, s)
+            if c is not None:
+                groups.setdefault((c[0], c[1]), []).append((Key("kv", o, s), *c))
         ops: list[Op] = []
-        # slots from lower ranks (front kv halves) first, then those from higher ranks (back q half)
-        for mask, kv in sorted(groups.items(), key=lambda item: item[0].q_half == "back"):
-            if backward:
-                ops.append(AttendBackward(Key("q", g), Key("do", g), tuple(kv), mask.q_half, mask.kv_half, False,
-                                          Key("dq", g), tuple(Key("dkv", k.chunk, k.slot) for k in kv)))
-            else:
-                ops.append(Attend(Key("q", g), tuple(kv), mask.q_half, mask.kv_half, False, Key("o", g)))
+        # slots from lower ranks (all query rows) first, then those from higher ranks (the back half)
+        for _, items in sorted(groups.items(), key=lambda item: item[0][1] is not None):
+            ops.extend(block_ops(Key("q", g), items, backward))
         return ops
 
     def lower(self, g: int, direction: str, blocks: bool = True) -> list[Op]:
@@ -210,10 +237,10 @@ class _TaspLowering:
 
         r = post(*self._kv_transfers(g, 1)) if P > 1 else None
         if blocks:
-            diag = block_mask(g, g, self.causal)
+            kind = "causal" if self.mask.causal else "full"
             q, kv = Key("q", g), (Key("kv", g),)
-            ops.append(AttendBackward(q, Key("do", g), kv, "all", "all", diag.causal, Key("dq", g), (Key("dkv", g),))
-                       if backward else Attend(q, kv, "all", "all", diag.causal, Key("o", g)))
+            ops.append(AttendBackward(q, Key("do", g), kv, Key("dq", g), (Key("dkv", g),), mask=kind)
+                       if backward else Attend(q, kv, Key("o", g), mask=kind))
         if r is not None:
             ops.append(Wait(r))
         for t in range(1, P):

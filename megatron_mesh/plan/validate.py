@@ -4,27 +4,28 @@ Checks (each raises :class:`PlanError` naming the rank, op and buffer):
 
 1. **Dataflow, per rank** -- every buffer is read only once it exists (a local input, a received
    buffer after its round's Wait, or an accumulator created by a compute); nothing writes a
-   buffer while a send of it is in flight or reads one while its receive is; every posted round
-   is waited; the plan ends with its output / gradient buffers present.
+   buffer while a send of it is in flight or reads one while its receive is; selections stay
+   inside their buffers; every posted round is waited.
 2. **Matching** -- in every round, the sends from rank r to rank p and the receives on p from r
    are the same buffers in the same order (transports match P2P messages by order).
 3. **Dry run** -- all ranks are stepped together; a Wait completes only when every peer of that
    round has posted it and the rank's earlier rounds completed (NCCL runs a rank's rounds in
    order). If no rank can move before all have finished, the plan deadlocks.
-4. **Exact cover** -- over all ranks, every (query token, key token) pair the mask allows is
-   computed exactly once, forward and backward, with the causal mask used only on diagonal
-   blocks whose query and key tokens coincide. Checked at the granularity of token *atoms* (the
-   coarsest cut of the sequence that every buffer segment respects).
+4. **Exact cover** -- over all ranks and every head slice, every (query token, key token) pair
+   the plan's mask allows is computed exactly once, forward and backward, and no masked pair is
+   computed: for each query token, the key intervals its blocks compute are disjoint and their
+   union is exactly the one interval of keys the mask allows it (:meth:`~.mask.Mask.keys`).
+
+The per-rank check dispatches on the op type through :data:`_DATAFLOW` (one entry per op type of
+:data:`~.ir.OP_TYPES`; a test checks none is missing).
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from collections import Counter, defaultdict
+from collections import defaultdict
 
-from .ir import (AddGrad, Attend, AttendBackward, Free, Key, MergeOut, Plan, Post, RankPlan, Segment,
-                 Wait)
-from .layout import ZigzagLayout
+from .ir import (KINDS, AddGrad, Attend, AttendBackward, Copy, Free, Key, MergeOut, Plan, Post, RankPlan,
+                 Wait, sel_len, sel_text)
 
 __all__ = ["PlanError", "validate_plan", "check_dataflow", "check_matching", "dry_run", "check_cover"]
 
@@ -47,102 +48,181 @@ def validate_plan(plan: Plan, cover: bool = True, dataflow: bool = True) -> None
             check_cover(plan, direction)
 
 
+class _RankState:
+    """One rank's buffers while its op list is walked."""
+
+    def __init__(self, plan: Plan, rp: RankPlan, direction: str):
+        self.plan, self.rp, self.where = plan, rp, f"rank {rp.rank} {direction}"
+        self.present = set(rp.forward_inputs) if direction == "forward" else set(rp.backward_inputs) | set(rp.saved)
+        self.in_flight_send: dict[Key, int] = {}
+        self.in_flight_recv: dict[Key, int] = {}
+        self.open_rounds: dict[int, Post] = {}
+        self.last_round = 0
+
+    def fail(self, msg: str) -> None:
+        raise PlanError(f"{self.where}: {msg}")
+
+    def need(self, key: Key, op) -> None:
+        if key in self.in_flight_recv:
+            self.fail(f"{op} reads {key} while its receive (round {self.in_flight_recv[key]}) is in flight")
+        if key not in self.present:
+            self.fail(f"{op} reads {key}, which does not exist there")
+
+    def write(self, key: Key, op, create: bool) -> None:
+        if key in self.in_flight_send:
+            self.fail(f"{op} writes {key} while round {self.in_flight_send[key]} is sending it")
+        if key in self.in_flight_recv:
+            self.fail(f"{op} writes {key} while its receive is in flight")
+        if not create and key not in self.present:
+            self.fail(f"{op} writes {key}, which does not exist there")
+        self.present.add(key)
+
+    def inside(self, key: Key, sel, op, what: str) -> None:
+        if sel is None:
+            return
+        n, pos = self.plan.tokens(key), 0
+        for s in sel:
+            if not (pos <= s.start < s.stop <= n):
+                self.fail(f"{op}: {what} selection {sel_text(sel)} is not increasing ranges inside {key} ({n} tokens)")
+            pos = s.stop
+
+    # -- one handler per op type ------------------------------------------------------------------
+    def post(self, op: Post) -> None:
+        if op.round <= self.last_round:
+            self.fail(f"round {op.round} posted after round {self.last_round}")
+        self.last_round = op.round
+        for t in op.sends + op.recvs:
+            if t.peer == self.rp.rank or not 0 <= t.peer < self.plan.world_size:
+                self.fail(f"round {op.round} has peer {t.peer} (self or out of range)")
+        for t in op.sends:
+            self.need(t.key, op)
+            if t.key.incoming:
+                self.fail(f"round {op.round} sends {t.key}: an incoming buffer is merged, not forwarded")
+            self.in_flight_send[t.key] = op.round
+        for t in op.recvs:
+            if t.key in self.present or t.key in self.in_flight_recv:
+                self.fail(f"round {op.round} receives into {t.key}, which already exists")
+            self.in_flight_recv[t.key] = op.round
+        self.open_rounds[op.round] = op
+
+    def wait(self, op: Wait) -> None:
+        if op.round not in self.open_rounds:
+            self.fail(f"waits for round {op.round}, which is not open")
+        post = self.open_rounds.pop(op.round)
+        for t in post.sends:
+            self.in_flight_send.pop(t.key, None)
+        for t in post.recvs:
+            self.in_flight_recv.pop(t.key)
+            self.present.add(t.key)
+
+    def _block(self, op, q_side: tuple[Key, ...], outs: tuple[Key, ...]) -> None:
+        for k in (*q_side, *op.kv):
+            self.need(k, op)
+        if op.mask not in ("full", "causal", "masked"):
+            self.fail(f"{op} has unknown mask {op.mask!r}")
+        self.inside(op.q, op.rows, op, "row")
+        if op.cols is not None and len(op.cols) != len(op.kv):
+            self.fail(f"{op} gives {len(op.cols)} column selections for {len(op.kv)} key/value buffers")
+        for i, k in enumerate(op.kv):
+            self.inside(k, op.col(i), op, "column")
+        for k in outs:
+            if k.incoming:
+                self.fail(f"{op} writes into the incoming buffer {k}")
+            self.write(k, op, create=True)
+
+    def attend(self, op: Attend) -> None:
+        if op.out.kind != "o" or op.out.base._replace(kind="q") != op.q:
+            self.fail(f"{op} writes the output of another buffer ({op.out} for {op.q})")
+        self._block(op, (op.q,), (op.out,))
+
+    def attend_backward(self, op: AttendBackward) -> None:
+        if op.do._replace(kind="q") != op.q or op.dq._replace(kind="q") != op.q:
+            self.fail(f"{op}: do / dq must name the rows of {op.q}")
+        if len(op.dkv) != len(op.kv) or any(d._replace(kind="kv") != k for d, k in zip(op.dkv, op.kv)):
+            self.fail(f"{op} dK/dV targets do not match its KV buffers")
+        self._block(op, (op.q, op.do), (op.dq, *op.dkv))
+
+    def merge(self, op: MergeOut) -> None:
+        self._combine(op, op.src, op.dst, op.into, None, ("o",))
+
+    def add(self, op: AddGrad) -> None:
+        self._combine(op, op.src, op.dst, op.into, op.heads, ("dq", "dkv"))
+
+    def copy(self, op: Copy) -> None:
+        self.need(op.src, op)
+        if op.src.kind != op.dst.kind:
+            self.fail(f"{op} copies between kinds {op.src.kind} and {op.dst.kind}")
+        self.inside(op.src, op.rows, op, "source row")
+        self.inside(op.dst, op.into, op, "destination row")
+        if sel_len(op.rows, self.plan.tokens(op.src)) != sel_len(op.into, self.plan.tokens(op.dst)):
+            self.fail(f"{op} moves {sel_len(op.rows, self.plan.tokens(op.src))} tokens into "
+                      f"{sel_len(op.into, self.plan.tokens(op.dst))}")
+        self.same_tokens(op, op.src, op.rows, op.dst, op.into)
+        self.same_heads(op, op.src, op.dst, op.heads)
+        self.write(op.dst, op, create=True)
+
+    def _combine(self, op, src: Key, dst: Key, into, heads, kinds) -> None:
+        self.need(src, op)
+        if src.kind not in kinds or dst.kind != src.kind:
+            self.fail(f"{op} combines a {src.kind} buffer into a {dst.kind} buffer (allowed: {', '.join(kinds)})")
+        self.inside(dst, into, op, "destination row")
+        if sel_len(into, self.plan.tokens(dst)) != self.plan.tokens(src):
+            self.fail(f"{op} adds {self.plan.tokens(src)} tokens into {sel_len(into, self.plan.tokens(dst))}")
+        self.same_tokens(op, src, None, dst, into)
+        self.same_heads(op, src, dst, heads)
+        self.write(dst, op, create=True)
+
+    def same_tokens(self, op, src: Key, rows, dst: Key, into) -> None:
+        """Data moves between buffers only onto the same global positions."""
+        a, b = self.plan.positions(src, rows), self.plan.positions(dst, into)
+        if a != b:
+            self.fail(f"{op} moves positions {list(a)} (start, length) onto positions {list(b)}")
+
+    def same_heads(self, op, src: Key, dst: Key, heads) -> None:
+        """A head slice lands on its own heads (checked when the plan records its head counts)."""
+        if heads is None:
+            if src.heads != dst.heads and dst.heads >= 0:
+                self.fail(f"{op} moves head slice {src.heads} into head slice {dst.heads}")
+            if src.heads != dst.heads and dst.heads < 0:
+                self.fail(f"{op} moves head slice {src.heads} into all heads without a head range")
+            return
+        if dst.heads >= 0 or src.heads < 0:
+            self.fail(f"{op}: a head range places one head slice into a buffer of all heads")
+        counts = self.plan.options.get("heads")
+        if counts is not None:
+            from .layout import head_slice
+
+            side = "kv" if src.kind in ("kv", "dkv") else "q"
+            want = head_slice(side, src.heads, self.plan.heads_split, *counts)
+            if tuple(heads) != want:
+                self.fail(f"{op}: head slice {src.heads} of {side} heads is heads {want}, not {tuple(heads)}")
+
+    def free(self, op: Free) -> None:
+        self.need(op.key, op)
+        if op.key in self.in_flight_send:
+            self.fail(f"frees {op.key} while round {self.in_flight_send[op.key]} sends it")
+        self.present.discard(op.key)
+
+
+_DATAFLOW = {Post: _RankState.post, Wait: _RankState.wait, Attend: _RankState.attend,
+             AttendBackward: _RankState.attend_backward, MergeOut: _RankState.merge, AddGrad: _RankState.add,
+             Copy: _RankState.copy, Free: _RankState.free}
+
+
 def check_dataflow(plan: Plan, rp: RankPlan, direction: str) -> None:
-    where = f"rank {rp.rank} {direction}"
-    if direction == "forward":
-        present = set(rp.forward_inputs)
-    else:
-        present = set(rp.backward_inputs) | set(rp.saved)
+    st = _RankState(plan, rp, direction)
     for key, segs in (rp.forward_inputs | rp.backward_inputs).items():
+        if key.kind not in KINDS:
+            st.fail(f"input {key} has unknown kind")
         if sum(s.stop - s.start for s in segs) != plan.tokens(key):
-            raise PlanError(f"{where}: input {key} segments {segs} do not hold {plan.tokens(key)} tokens")
-    in_flight_send: dict[Key, int] = {}
-    in_flight_recv: dict[Key, int] = {}
-    open_rounds: dict[int, Post] = {}
-    last_round = 0
-
-    def need(key: Key, op) -> None:
-        if key in in_flight_recv:
-            raise PlanError(f"{where}: {op} reads {key} while its receive (round {in_flight_recv[key]}) is in flight")
-        if key not in present:
-            raise PlanError(f"{where}: {op} reads {key}, which does not exist there")
-
-    def write(key: Key, op, create: bool) -> None:
-        if key in in_flight_send:
-            raise PlanError(f"{where}: {op} writes {key} while round {in_flight_send[key]} is sending it")
-        if key in in_flight_recv:
-            raise PlanError(f"{where}: {op} writes {key} while its receive is in flight")
-        if not create and key not in present:
-            raise PlanError(f"{where}: {op} writes {key}, which does not exist there")
-        present.add(key)
-
-    def halves_ok(key: Key, half: str, op) -> None:
-        if half not in ("all", "front", "back"):
-            raise PlanError(f"{where}: {op} uses unknown half {half!r}")
-        if half != "all" and plan.tokens(key) % 2:
-            raise PlanError(f"{where}: {op} takes the {half} half of {key}, whose length is odd")
-
+            st.fail(f"input {key} segments {segs} do not hold {plan.tokens(key)} tokens")
     for op in rp.ops(direction):
-        if isinstance(op, Post):
-            if op.round <= last_round:
-                raise PlanError(f"{where}: round {op.round} posted after round {last_round}")
-            last_round = op.round
-            for t in op.sends + op.recvs:
-                if t.peer == rp.rank or not 0 <= t.peer < plan.world_size:
-                    raise PlanError(f"{where}: round {op.round} has peer {t.peer} (self or out of range)")
-            for t in op.sends:
-                need(t.key, op)
-                in_flight_send[t.key] = op.round
-            for t in op.recvs:
-                if t.key in present or t.key in in_flight_recv:
-                    raise PlanError(f"{where}: round {op.round} receives into {t.key}, which already exists")
-                in_flight_recv[t.key] = op.round
-            open_rounds[op.round] = op
-        elif isinstance(op, Wait):
-            if op.round not in open_rounds:
-                raise PlanError(f"{where}: waits for round {op.round}, which is not open")
-            post = open_rounds.pop(op.round)
-            for t in post.sends:
-                in_flight_send.pop(t.key, None)
-            for t in post.recvs:
-                in_flight_recv.pop(t.key)
-                present.add(t.key)
-        elif isinstance(op, Attend):
-            need(op.q, op)
-            halves_ok(op.q, op.q_half, op)
-            for k in op.kv:
-                need(k, op)
-                halves_ok(k, op.kv_half, op)
-            if op.out.chunk != op.q.chunk or op.out.kind != "o":
-                raise PlanError(f"{where}: {op} writes the output of another chunk")
-            write(op.out, op, create=True)
-        elif isinstance(op, AttendBackward):
-            for k in (op.q, op.do, *op.kv):
-                need(k, op)
-            halves_ok(op.q, op.q_half, op)
-            for k in op.kv:
-                halves_ok(k, op.kv_half, op)
-            if len(op.dkv) != len(op.kv) or any(d.chunk != k.chunk or d.slot != k.slot for d, k in zip(op.dkv, op.kv)):
-                raise PlanError(f"{where}: {op} dK/dV targets do not match its KV buffers")
-            for k in (op.dq, *op.dkv):
-                write(k, op, create=True)
-        elif isinstance(op, (MergeOut, AddGrad)):
-            need(op.src, op)
-            need(op.dst, op)
-            write(op.dst, op, create=False)
-        elif isinstance(op, Free):
-            need(op.key, op)
-            if op.key in in_flight_send:
-                raise PlanError(f"{where}: frees {op.key} while round {in_flight_send[op.key]} sends it")
-            present.discard(op.key)
-        else:
-            raise PlanError(f"{where}: unknown op {op!r}")
-    if open_rounds:
-        raise PlanError(f"{where}: rounds {sorted(open_rounds)} are never waited")
-    final = [rp.output] if direction == "forward" else [rp.grad_q, rp.grad_kv]
-    for key in final:
-        if key not in present:
-            raise PlanError(f"{where}: ends without its result buffer {key}")
+        handler = _DATAFLOW.get(type(op))
+        if handler is None:
+            st.fail(f"unknown op {op!r}")
+        handler(st, op)
+    if st.open_rounds:
+        st.fail(f"rounds {sorted(st.open_rounds)} are never waited")
 
 
 def check_matching(plan: Plan, direction: str) -> None:
@@ -150,16 +230,16 @@ def check_matching(plan: Plan, direction: str) -> None:
     recvs: dict[tuple[int, int, int], list[Key]] = defaultdict(list)
     for r in range(plan.world_size):
         for post in plan.round_ops(r, direction):
-            if not isinstance(post, Post):
+            if type(post) is not Post:
                 continue
             for t in post.sends:
-                sends[(post.round, r, t.peer)].append(t.key[:3])
+                sends[(post.round, r, t.peer)].append(t.key.base)
             for t in post.recvs:
-                recvs[(post.round, t.peer, r)].append(t.key[:3])
+                recvs[(post.round, t.peer, r)].append(t.key.base)
     for link in sends.keys() | recvs.keys():
         if sends.get(link, []) != recvs.get(link, []):
             rnd, src, dst = link
-            names = [[str(Key(*k)) for k in d.get(link, [])] for d in (sends, recvs)]
+            names = [[str(k) for k in d.get(link, [])] for d in (sends, recvs)]
             raise PlanError(f"{direction} round {rnd}: rank {src} sends {names[0]} to rank {dst}, "
                             f"which receives {names[1]} from it")
 
@@ -185,12 +265,12 @@ def dry_run(plan: Plan, direction: str) -> int:
         ops = programs[r]
         while pc[r] < len(ops):
             op = ops[pc[r]]
-            if isinstance(op, Post):
+            if type(op) is Post:
                 posted[r].add(op.round)
                 order[r].append(op)
                 work.extend(waiting_on[r])
                 waiting_on[r].clear()
-            elif isinstance(op, Wait):
+            elif type(op) is Wait:
                 # rounds complete in posting order, each once all its peers have posted it
                 while done_upto[r] < len(order[r]):
                     post = order[r][done_upto[r]]
@@ -211,93 +291,64 @@ def dry_run(plan: Plan, direction: str) -> int:
     return steps
 
 
-def _key_segments(plan: Plan, rp: RankPlan, key: Key) -> tuple[Segment, ...]:
-    """Local token segments (of chunk ``key.chunk``) that buffer ``key`` holds. Slot layouts are
-    the same on every rank, so the owner's input table tells us."""
-    owner = plan.rank(key.chunk)
-    base = key._replace(incoming=False)
-    for table in (owner.forward_inputs, owner.backward_inputs):
-        for k, segs in table.items():
-            if k.chunk == key.chunk and k.slot == key.slot:
-                return segs
-    if key.slot < 0:
-        return (Segment(0, plan.seq_local),)
-    raise PlanError(f"rank {rp.rank}: no layout known for buffer {base}")
+# -- exact cover -----------------------------------------------------------------------------------------
+def _expand(runs) -> list[int]:
+    return [p for a, n in runs for p in range(a, a + n)]
 
 
-def _half(segs: tuple[Segment, ...], half: str) -> list[Segment]:
-    """The front/back half of the tokens of a buffer made of ``segs`` (concatenated)."""
-    if half == "all":
-        return list(segs)
-    n = sum(s.stop - s.start for s in segs)
-    lo, hi = (0, n // 2) if half == "front" else (n // 2, n)
-    out, pos = [], 0
-    for s in segs:
-        a, b = max(lo, pos), min(hi, pos + s.stop - s.start)
-        if a < b:
-            out.append(Segment(s.start + a - pos, s.start + b - pos))
-        pos += s.stop - s.start
-    return out
+def _intervals(positions: list[int]) -> list[tuple[int, int]]:
+    """Sorted positions as maximal [a, b) intervals."""
+    out: list[list[int]] = []
+    for p in sorted(positions):
+        if out and out[-1][1] == p:
+            out[-1][1] = p + 1
+        else:
+            out.append([p, p + 1])
+    return [(a, b) for a, b in out]
 
 
 def check_cover(plan: Plan, direction: str) -> None:
-    P, T = plan.world_size, plan.seq_local
-    layout = ZigzagLayout(P, P * T)
-    h = layout.half_len
-    blocks = []  # (q global intervals, kv global intervals, causal)
-    boundaries: set[int] = {0, P * T}
-
-    def to_global(chunk: int, segs: list[Segment]) -> list[tuple[int, int]]:
-        out = []
-        for s in segs:
-            # split at the half boundary of the chunk (local h) and map each piece
-            for a, b in ((s.start, min(s.stop, h)), (max(s.start, h), s.stop)):
-                if a < b:
-                    half = layout.halves(chunk)[0 if a < h else 1]
-                    off = half * h - (0 if a < h else h)
-                    out.append((a + off, b + off))
-        return out
-
+    """Check 4 of the module docstring (every query token of the global sequence, every head slice)."""
+    seq_len = plan.layout.seq_len
+    slices = range(plan.heads_split) if plan.heads_split > 1 else (-1,)
+    got: dict[tuple[int, int], list] = defaultdict(list)  # (slice, query) -> (a, b, rank, op) key intervals
     for rp in plan.ranks:
         for op in rp.blocks(direction):
-            q = to_global(op.q.chunk, _half(_key_segments(plan, rp, op.q), op.q_half))
-            kv = [iv for k in op.kv for iv in to_global(k.chunk, _half(_key_segments(plan, rp, k), op.kv_half))]
-            if op.causal and q != kv:
-                raise PlanError(f"rank {rp.rank} {direction}: causal block {op} on different query and key tokens")
-            if op.causal and any(x[0] >= y[0] for x, y in zip(q, q[1:])):
-                raise PlanError(f"rank {rp.rank} {direction}: causal block {op} is not in position order")
-            blocks.append((q, kv, op.causal))
-            for a, b in q + kv:
-                boundaries.update((a, b))
-    cuts = sorted(boundaries)
-
-    def atoms(ivs: list[tuple[int, int]]) -> list[int]:
-        return [i for a, b in ivs for i in range(bisect_left(cuts, a), bisect_left(cuts, b))]
-
-    full: Counter = Counter()
-    diag: Counter = Counter()
-    for q, kv, causal in blocks:
-        qa, ka = atoms(q), atoms(kv)
-        if causal:
-            for i, x in enumerate(qa):
-                diag[x] += 1
-                for y in qa[:i]:
-                    full[(x, y)] += 1
-        else:
-            for x in qa:
-                for y in ka:
-                    full[(x, y)] += 1
-    n = len(cuts) - 1
-    for x in range(n):
-        for y in range(n):
-            want_full = (x > y) if plan.causal else True
-            got = full.get((x, y), 0)
-            if got != (1 if want_full else 0):
-                raise PlanError(
-                    f"{direction}: query tokens [{cuts[x]}, {cuts[x + 1]}) x key tokens [{cuts[y]}, {cuts[y + 1]}) "
-                    f"computed {got} times as a full block (expected {1 if want_full else 0})"
-                )
-        want_diag = 1 if plan.causal else 0
-        if diag.get(x, 0) != want_diag:
-            raise PlanError(f"{direction}: diagonal tokens [{cuts[x]}, {cuts[x + 1]}) computed causally "
-                            f"{diag.get(x, 0)} times (expected {want_diag})")
+            qpos = _expand(plan.positions(op.q, op.rows))
+            kvpos = [p for i, k in enumerate(op.kv) for p in _expand(plan.positions(k, op.col(i)))]
+            heads = [op.q.heads] if op.q.heads >= 0 else list(slices)
+            if any(k.heads != op.q.heads for k in op.kv):
+                raise PlanError(f"rank {rp.rank} {direction}: {op} mixes head slices")
+            if op.mask == "causal":
+                if qpos != kvpos or any(a >= b for a, b in zip(qpos, qpos[1:])):
+                    raise PlanError(f"rank {rp.rank} {direction}: causal block {op} is not on the same, increasing "
+                                    "query and key tokens")
+                per_row = [_intervals(kvpos[:r + 1]) for r in range(len(qpos))]
+            elif op.mask == "full":
+                ivs = _intervals(kvpos)
+                per_row = [ivs] * len(qpos)
+            else:
+                per_row = []
+                for x in qpos:
+                    keys = plan.mask.keys(x, seq_len)
+                    per_row.append([] if keys is None else _intervals([p for p in kvpos if keys[0] <= p < keys[1]]))
+            for h in heads:
+                for x, ivs in zip(qpos, per_row):
+                    got[(h, x)].extend((a, b, rp.rank, op) for a, b in ivs)
+    for h in slices:
+        for x in range(seq_len):
+            keys = plan.mask.keys(x, seq_len)
+            ivs = sorted(got.get((h, x), ()), key=lambda t: (t[0], t[1]))
+            where = f"{direction}: query token {x}" + (f" (head slice {h})" if h >= 0 else "")
+            pos = keys[0] if keys else None
+            for a, b, rank, op in ivs:
+                if keys is None or a < keys[0] or b > keys[1]:
+                    raise PlanError(f"{where}: rank {rank} computes keys [{a}, {b}) in {op}, but the mask allows "
+                                    f"{'none' if keys is None else f'[{keys[0]}, {keys[1]})'}")
+                if a < pos:
+                    raise PlanError(f"{where}: keys [{a}, {min(b, pos)}) computed 2 times (again by rank {rank} in {op})")
+                if a > pos:
+                    raise PlanError(f"{where}: keys [{pos}, {a}) computed 0 times (expected 1)")
+                pos = b
+            if keys is not None and pos != keys[1]:
+                raise PlanError(f"{where}: keys [{pos}, {keys[1]}) computed 0 times (expected 1)")

@@ -1,24 +1,32 @@
 """The executor: walks one rank's plan with an injected communicator and block kernel.
 
 There is no rank logic here: which buffers exist, what is computed with which mask, what goes
-to whom and in which round all come from the :class:`~megatron_mesh.plan.RankPlan`. Partial
-outputs and gradients accumulate in fp32 buffers that belong to the executor (kernel outputs are
-only ever read, never kept as accumulators), in the order the plan fixes, so results are
-bitwise reproducible.
+to whom and in which round all come from the :class:`~megatron_mesh.plan.RankPlan`. The op
+types dispatch through one table (:data:`Executor.HANDLERS`). Partial outputs and gradients
+accumulate in fp32 buffers that belong to the executor (kernel outputs are only ever read,
+never kept as accumulators), in the order the plan fixes, so results are bitwise reproducible.
 
-Tensors are [B, H, T, D] (heads before tokens) inside the executor.
+Tensors are [B, H, T, D] (heads before tokens) inside the executor, as *views*: the public API
+hands it ``x.permute(1, 2, 0, 3)`` of Megatron's [T, B, H, D] tensors, and the final output and
+gradients are allocated token-major, so neither side copies to change layouts (the kernels take
+strided inputs). A buffer is copied only where it must be contiguous: when it is sent, or cut
+from several token ranges or one head slice.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Callable, ContextManager
 
 import torch
 from torch import Tensor
 
 from ..comm.base import Communicator, Work
 from ..kernels.base import BlockKernel
-from ..plan.ir import AddGrad, Attend, AttendBackward, Free, Key, MergeOut, Plan, Post, RankPlan, Segment, Wait
+from ..plan.ir import KINDS, AddGrad, Attend, AttendBackward, Copy, Free, Key, MergeOut, Plan, Post, RankPlan, Wait
+from ..plan.layout import head_slice
+from .masks import block_mask
 from .merge import merge_partial_
 
 __all__ = ["Executor", "ForwardResult", "accumulator_dtype"]
@@ -26,9 +34,9 @@ __all__ = ["Executor", "ForwardResult", "accumulator_dtype"]
 
 @dataclass
 class ForwardResult:
-    out: Tensor  # [B, H, T, D] accumulator dtype (fp32; fp64 for fp64 inputs)
+    out: Tensor  # [B, H, T, D] accumulator dtype (fp32; fp64 for fp64 inputs), token-major storage
     lse: Tensor  # [B, H, T] accumulator dtype
-    saved: dict[Key, tuple[Tensor, ...]]  # forward buffers the backward reads (backward_chunks="keep")
+    saved: dict[Key, tuple[Tensor, ...]]  # forward buffers the backward reads
 
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -36,51 +44,68 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _rows(n: int, half: str) -> slice:
-    if half == "all":
-        return slice(0, n)
-    return slice(0, n // 2) if half == "front" else slice(n // 2, n)
+def _segments(sel, n: int):
+    return ((0, n),) if sel is None else sel
+
+
+def _take(t: Tensor, sel, dim: int = 2) -> Tensor:
+    """Tokens ``sel`` of ``t`` along ``dim``: a view for one range, a copy for several."""
+    if sel is None:
+        return t
+    if len(sel) == 1:
+        a, b = sel[0]
+        return t.narrow(dim, a, b - a)
+    return torch.cat([t.narrow(dim, a, b - a) for a, b in sel], dim=dim)
+
+
+def _parts(sel, total: int):
+    """(start in the buffer, offset in the selection, length) of each range of ``sel``."""
+    pos = 0
+    for a, b in _segments(sel, total):
+        yield a, pos, b - a
+        pos += b - a
 
 
 class _Buffers:
     """Named buffers of one rank plus a pool that recycles freed ones (steady state: no new
     allocations from one step to the next)."""
 
-    def __init__(self, plan: Plan, batch: int, heads: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(self, plan: Plan, heads: int, kv_heads: int, batch: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, token_major: set[Key]):
         self.plan = plan
-        self.dims = (batch, heads, kv_heads, head_dim)
+        self.heads, self.kv_heads, self.batch, self.head_dim = heads, kv_heads, batch, head_dim
         self.dtype, self.device = dtype, device
         self.acc_dtype = accumulator_dtype(dtype)
+        self.token_major = token_major
         self.live: dict[Key, tuple[Tensor, ...]] = {}
         self.owned: set[Key] = set()  # pool-allocated (user inputs are never recycled)
-        self.pool: dict[tuple[str, int], list[tuple[Tensor, ...]]] = {}
+        self.pool: dict[tuple, list[tuple[Tensor, ...]]] = {}
         self.allocations = 0  # buffers created (not recycled): constant per call in steady state
 
-    def _new(self, kind: str, tokens: int) -> tuple[Tensor, ...]:
+    def _shape(self, key: Key) -> tuple:
+        return (key.kind, self.plan.tokens(key), self.plan.head_counts(key, self.heads, self.kv_heads))
+
+    def _new(self, key: Key) -> tuple[Tensor, ...]:
         self.allocations += 1
-        b, h, hkv, d = self.dims
-        f32, dt, dev = self.acc_dtype, self.dtype, self.device
-        e = torch.empty
-        if kind == "q":
-            return (e(b, h, tokens, d, dtype=dt, device=dev),)
-        if kind == "kv":
-            return (e(b, hkv, tokens, d, dtype=dt, device=dev), e(b, hkv, tokens, d, dtype=dt, device=dev))
-        if kind == "o":
-            return (e(b, h, tokens, d, dtype=f32, device=dev), e(b, h, tokens, dtype=f32, device=dev))
-        if kind == "do":
-            return (e(b, h, tokens, d, dtype=dt, device=dev), e(b, h, tokens, dtype=f32, device=dev),
-                    e(b, h, tokens, dtype=f32, device=dev))
-        if kind == "dq":
-            return (e(b, h, tokens, d, dtype=f32, device=dev),)
-        if kind == "dkv":
-            return (e(b, hkv, tokens, d, dtype=f32, device=dev), e(b, hkv, tokens, d, dtype=f32, device=dev))
-        raise ValueError(f"unknown buffer kind {kind!r}")
+        kind, tokens, (h, g) = self._shape(key)
+        out = []
+        for side, has_dim, dtype in KINDS[kind].tensors:
+            heads = h if side == "q" else g
+            dt = self.dtype if dtype == "input" else self.acc_dtype
+            if has_dim and key in self.token_major:  # the caller's [T, B, H, D] layout, seen as [B, H, T, D]
+                t = torch.empty(tokens, self.batch, heads, self.head_dim, dtype=dt, device=self.device)
+                out.append(t.permute(1, 2, 0, 3))
+            elif has_dim:
+                out.append(torch.empty(self.batch, heads, tokens, self.head_dim, dtype=dt, device=self.device))
+            else:
+                out.append(torch.empty(self.batch, heads, tokens, dtype=dt, device=self.device))
+        return tuple(out)
 
     def alloc(self, key: Key) -> tuple[Tensor, ...]:
-        tokens = self.plan.tokens(key)
-        free = self.pool.get((key.kind, tokens))
-        return free.pop() if free else self._new(key.kind, tokens)
+        if key in self.token_major:
+            return self._new(key)
+        free = self.pool.get(self._shape(key))
+        return free.pop() if free else self._new(key)
 
     def put(self, key: Key, tensors: tuple[Tensor, ...], owned: bool) -> None:
         self.live[key] = tensors
@@ -91,156 +116,187 @@ class _Buffers:
         return self.live[key]
 
     def accumulator(self, key: Key) -> tuple[Tensor, ...]:
-        """The accumulator ``key``, created (out = 0, lse = -inf / grads = 0) on first use."""
+        """The buffer ``key``, created on first use (out = 0, lse = -inf; gradients and copies 0)."""
         acc = self.live.get(key)
         if acc is None:
             acc = self.alloc(key)
-            acc[0].zero_()
-            if key.kind == "o":
-                acc[1].fill_(float("-inf"))
-            else:
-                for t in acc[1:]:
-                    t.zero_()
-            self.put(key, acc, owned=True)
+            for i, t in enumerate(acc):
+                t.fill_(float("-inf") if key.kind == "o" and i == 1 else 0.0)
+            self.put(key, acc, owned=key not in self.token_major)
         return acc
 
     def free(self, key: Key) -> None:
         tensors = self.live.pop(key)
         if key in self.owned:
             self.owned.discard(key)
-            self.pool.setdefault((key.kind, self.plan.tokens(key)), []).append(tensors)
-
-
-def _cut(tensors: tuple[Tensor, ...], segments: tuple[Segment, ...], dim: int = 2) -> tuple[tuple[Tensor, ...], bool]:
-    """The local buffer made of ``segments`` of each tensor (a view when it is one segment)."""
-    if len(segments) == 1:
-        s = segments[0]
-        return tuple(t.narrow(dim, s.start, s.stop - s.start) for t in tensors), False
-    return tuple(torch.cat([t.narrow(dim, s.start, s.stop - s.start) for s in segments], dim=dim).contiguous()
-                 for t in tensors), True
+            self.pool.setdefault(self._shape(key), []).append(tensors)
 
 
 class Executor:
-    """Runs ``plan.rank(rank)`` with ``comm`` and ``kernel``."""
+    """Runs ``plan.rank(comm.rank)`` with ``comm`` and ``kernel``.
 
-    def __init__(self, plan: Plan, comm: Communicator, kernel: BlockKernel, scale: float):
+    ``timer``, when given, is called as ``timer("compute")`` / ``timer("wait")`` and must return
+    a context manager wrapped around each kernel call / each wait for a round (e.g. Megatron's
+    timers)."""
+
+    def __init__(self, plan: Plan, comm: Communicator, kernel: BlockKernel, scale: float,
+                 timer: Callable[[str], ContextManager] | None = None):
         if comm.world_size != plan.world_size:
             raise ValueError(f"communicator spans {comm.world_size} ranks but the plan {plan.world_size}")
         self.plan = plan
         self.rank_plan: RankPlan = plan.rank(comm.rank)
         self.comm, self.kernel, self.scale = comm, kernel, scale
+        self.timer = timer or (lambda what: contextlib.nullcontext())
 
     # -- public ----------------------------------------------------------------------------------
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> ForwardResult:
-        """q [B, H, T, D], k/v [B, Hkv, T, D], contiguous. Returns fp32 out and lse."""
+        """q [B, H, T, D], k/v [B, Hkv, T, D] (views of any strides, head_dim contiguous).
+        Returns the fp32 out (token-major storage) and lse."""
         rp = self.rank_plan
-        bufs = self._buffers(q, k)
-        for key, segs in rp.forward_inputs.items():
-            src = (q,) if key.kind == "q" else (k, v)
-            tensors, copied = _cut(src, segs)
-            bufs.put(key, tensors, owned=copied)
+        bufs = self._buffers(q, k, {rp.output})
+        self._inputs(bufs, rp.forward_inputs, {"q": (q,), "kv": (k, v)})
         self._run(rp.forward, bufs)
-        out, lse = bufs.get(rp.output)
+        out, lse = bufs.accumulator(rp.output)
         saved = {key: bufs.get(key) for key in rp.saved}
         return ForwardResult(out, lse, saved)
 
     def backward(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
                  saved: dict[Key, tuple[Tensor, ...]]) -> tuple[Tensor, Tensor, Tensor]:
-        """Gradients (fp32) of q, k, v given the forward's final ``out`` (q's dtype or fp32) and
-        fp32 ``lse`` and the incoming ``dout`` [B, H, T, D]."""
+        """Gradients (fp32, token-major storage) of q, k, v given the forward's final ``out`` (q's
+        dtype or fp32) and fp32 ``lse`` and the incoming ``dout`` [B, H, T, D]."""
         rp = self.rank_plan
-        bufs = self._buffers(q, k)
+        bufs = self._buffers(q, k, {rp.grad_q, rp.grad_kv})
         acc = accumulator_dtype(q.dtype)
         delta = (dout.to(acc) * out.to(acc)).sum(-1)  # rowsum(dout * out): the backward's row statistic
-        for key, segs in rp.backward_inputs.items():
-            src = {"q": (q,), "kv": (k, v), "do": (dout, lse, delta)}[key.kind]
-            tensors, copied = _cut(src, segs)
-            bufs.put(key, tensors, owned=copied)
+        self._inputs(bufs, rp.backward_inputs, {"q": (q,), "kv": (k, v), "do": (dout, lse, delta)})
         for key, tensors in saved.items():
             bufs.put(key, tensors, owned=False)
         self._run(rp.backward, bufs)
-        dq = bufs.get(rp.grad_q)[0]
-        dk, dv = bufs.get(rp.grad_kv)
+        (dq,) = bufs.accumulator(rp.grad_q)
+        dk, dv = bufs.accumulator(rp.grad_kv)
         return dq, dk, dv
 
-    # -- the loop ----------------------------------------------------------------------------------
-    def _buffers(self, q: Tensor, k: Tensor) -> _Buffers:
+    # -- setup -------------------------------------------------------------------------------------
+    def _buffers(self, q: Tensor, k: Tensor, token_major: set[Key]) -> _Buffers:
         b, h, _, d = q.shape
-        return _Buffers(self.plan, b, h, k.shape[1], d, q.dtype, q.device)
+        return _Buffers(self.plan, h, k.shape[1], b, d, q.dtype, q.device, token_major)
 
+    def _inputs(self, bufs: _Buffers, table: dict, sources: dict) -> None:
+        """Cut the rank plan's input buffers from the local tensors: one token range of all heads
+        is a view; several ranges or one head slice are copied (once per distinct cut)."""
+        cuts: dict = {}
+        for key, segs in table.items():
+            src = sources[key.kind]
+            heads = None
+            if key.heads >= 0:
+                side = "kv" if key.kind == "kv" else "q"
+                heads = head_slice(side, key.heads, self.plan.heads_split, bufs.heads, bufs.kv_heads)
+            ck = (key.kind, tuple(segs), heads)
+            tensors = cuts.get(ck)
+            if tensors is None:
+                parts = []
+                for t in src:
+                    if heads is not None:
+                        t = t.narrow(1, heads[0], heads[1] - heads[0])
+                    parts.append(_take(t, segs))
+                copied = heads is not None or len(segs) > 1
+                tensors = cuts[ck] = tuple(p.contiguous() if copied else p for p in parts)
+            bufs.put(key, tensors, owned=False)
+
+    # -- the loop ----------------------------------------------------------------------------------
     def _run(self, ops, bufs: _Buffers) -> None:
-        pending: dict[int, tuple[Work, list[tuple[Key, tuple[Tensor, ...]]]]] = {}
+        pending: dict[int, tuple[Work, list, list]] = {}
+        handlers = self.HANDLERS
         for op in ops:
-            if isinstance(op, Attend):
-                self._attend(op, bufs)
-            elif isinstance(op, AttendBackward):
-                self._attend_backward(op, bufs)
-            elif isinstance(op, Post):
-                sends = [(t.peer, x) for t in op.sends for x in bufs.get(t.key)]
-                arriving = [(t.key, bufs.alloc(t.key)) for t in op.recvs]
-                recvs = [(t.peer, x) for t, (_, ts) in zip(op.recvs, arriving) for x in ts]
-                pending[op.round] = (self.comm.start(sends, recvs), arriving)
-            elif isinstance(op, Wait):
-                work, arriving = pending.pop(op.round)
-                work.wait()
-                for key, tensors in arriving:
-                    bufs.put(key, tensors, owned=True)
-            elif isinstance(op, MergeOut):
-                src, dst = bufs.get(op.src), bufs.get(op.dst)
-                merge_partial_(dst[0], dst[1], src[0], src[1])
-            elif isinstance(op, AddGrad):
-                self._add_grad(op, bufs)
-            elif isinstance(op, Free):
-                bufs.free(op.key)
-            else:
+            handler = handlers.get(type(op))
+            if handler is None:
                 raise TypeError(f"unknown plan op {op!r}")
+            handler(self, op, bufs, pending)
         if pending:
             raise RuntimeError(f"plan left rounds {sorted(pending)} unwaited")
 
-    def _kv(self, keys: tuple[Key, ...], half: str, bufs: _Buffers) -> tuple[Tensor, Tensor, list[int]]:
+    def _post(self, op: Post, bufs: _Buffers, pending) -> None:
+        # a transport reads a send until its round completes: keep the (contiguous) tensors alive
+        sends = [(t.peer, x if x.is_contiguous() else x.contiguous()) for t in op.sends for x in bufs.get(t.key)]
+        arriving = [(t.key, bufs.alloc(t.key)) for t in op.recvs]
+        recvs = [(t.peer, x) for t, (_, ts) in zip(op.recvs, arriving) for x in ts]
+        pending[op.round] = (self.comm.start(sends, recvs), arriving, sends)
+
+    def _wait(self, op: Wait, bufs: _Buffers, pending) -> None:
+        work, arriving, _ = pending.pop(op.round)
+        with self.timer("wait"):
+            work.wait()
+        for key, tensors in arriving:
+            bufs.put(key, tensors, owned=True)
+
+    def _kv(self, op, bufs: _Buffers) -> tuple[Tensor, Tensor, list[int]]:
         parts = []
-        for key in keys:
+        for i, key in enumerate(op.kv):
             k, v = bufs.get(key)
-            rows = _rows(k.shape[2], half)
-            parts.append((k[:, :, rows], v[:, :, rows]))
+            sel = op.col(i)
+            parts.append((_take(k, sel), _take(v, sel)))
         if len(parts) == 1:
             return parts[0][0], parts[0][1], [parts[0][0].shape[2]]
         return (torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts], dim=2),
                 [p[0].shape[2] for p in parts])
 
-    def _attend(self, op: Attend, bufs: _Buffers) -> None:
+    def _attend(self, op: Attend, bufs: _Buffers, pending) -> None:
         (q,) = bufs.get(op.q)
-        rows = _rows(q.shape[2], op.q_half)
-        k, v, _ = self._kv(op.kv, op.kv_half, bufs)
-        blk_out, blk_lse = self.kernel.forward(q[:, :, rows], k, v, causal=op.causal, scale=self.scale)
-        out, lse = bufs.accumulator(op.out)
-        merge_partial_(out[:, :, rows], lse[:, :, rows], blk_out, blk_lse)
+        k, v, _ = self._kv(op, bufs)
+        mask = block_mask(self.plan, op, q.device)
+        with self.timer("compute"):
+            blk_out, blk_lse = self.kernel.forward(_take(q, op.rows), k, v, mask=mask, scale=self.scale)
+            out, lse = bufs.accumulator(op.out)
+            for a, pos, n in _parts(op.rows, out.shape[2]):
+                merge_partial_(out.narrow(2, a, n), lse.narrow(2, a, n), blk_out.narrow(2, pos, n),
+                               blk_lse.narrow(2, pos, n))
 
-    def _attend_backward(self, op: AttendBackward, bufs: _Buffers) -> None:
+    def _attend_backward(self, op: AttendBackward, bufs: _Buffers, pending) -> None:
         (q,) = bufs.get(op.q)
         dout, lse, delta = bufs.get(op.do)
-        rows = _rows(q.shape[2], op.q_half)
-        k, v, lengths = self._kv(op.kv, op.kv_half, bufs)
-        dq, dk, dv = self.kernel.backward(dout[:, :, rows], q[:, :, rows], k, v, lse[:, :, rows],
-                                          delta[:, :, rows], causal=op.causal, scale=self.scale)
-        bufs.accumulator(op.dq)[0][:, :, rows].add_(dq)
-        start = 0
-        for key, n in zip(op.dkv, lengths):
-            acc_k, acc_v = bufs.accumulator(key)
-            kv_rows = _rows(acc_k.shape[2], op.kv_half)
-            acc_k[:, :, kv_rows].add_(dk[:, :, start:start + n])
-            acc_v[:, :, kv_rows].add_(dv[:, :, start:start + n])
-            start += n
+        k, v, lengths = self._kv(op, bufs)
+        mask = block_mask(self.plan, op, q.device)
+        with self.timer("compute"):
+            dq, dk, dv = self.kernel.backward(_take(dout, op.rows), _take(q, op.rows), k, v, _take(lse, op.rows),
+                                              _take(delta, op.rows), mask=mask, scale=self.scale)
+            (acc_q,) = bufs.accumulator(op.dq)
+            for a, pos, n in _parts(op.rows, acc_q.shape[2]):
+                acc_q.narrow(2, a, n).add_(dq.narrow(2, pos, n))
+            start = 0
+            for i, (key, n_cols) in enumerate(zip(op.dkv, lengths)):
+                acc_k, acc_v = bufs.accumulator(key)
+                for a, pos, n in _parts(op.col(i), acc_k.shape[2]):
+                    acc_k.narrow(2, a, n).add_(dk.narrow(2, start + pos, n))
+                    acc_v.narrow(2, a, n).add_(dv.narrow(2, start + pos, n))
+                start += n_cols
 
-    def _add_grad(self, op: AddGrad, bufs: _Buffers) -> None:
-        src, dst = bufs.get(op.src), bufs.get(op.dst)
-        if op.into is None:
-            for d, s in zip(dst, src):
-                d.add_(s)
-            return
-        start = 0
-        for seg in op.into:
-            n = seg.stop - seg.start
-            for d, s in zip(dst, src):
-                d[:, :, seg.start:seg.stop].add_(s[:, :, start:start + n])
-            start += n
+    def _merge(self, op: MergeOut, bufs: _Buffers, pending) -> None:
+        src_out, src_lse = bufs.get(op.src)
+        out, lse = bufs.accumulator(op.dst)
+        for a, pos, n in _parts(op.into, out.shape[2]):
+            merge_partial_(out.narrow(2, a, n), lse.narrow(2, a, n), src_out.narrow(2, pos, n),
+                           src_lse.narrow(2, pos, n))
+
+    def _add(self, op: AddGrad, bufs: _Buffers, pending) -> None:
+        src, dst = bufs.get(op.src), bufs.accumulator(op.dst)
+        for d, s in zip(dst, src):
+            if op.heads is not None:
+                d = d.narrow(1, op.heads[0], op.heads[1] - op.heads[0])
+            for a, pos, n in _parts(op.into, d.shape[2]):
+                d.narrow(2, a, n).add_(s.narrow(2, pos, n))
+
+    def _copy(self, op: Copy, bufs: _Buffers, pending) -> None:
+        src, dst = bufs.get(op.src), bufs.accumulator(op.dst)
+        for d, s in zip(dst, src):
+            if op.heads is not None:
+                d = d.narrow(1, op.heads[0], op.heads[1] - op.heads[0])
+            s = _take(s, op.rows)
+            for a, pos, n in _parts(op.into, d.shape[2]):
+                d.narrow(2, a, n).copy_(s.narrow(2, pos, n))
+
+    def _free(self, op: Free, bufs: _Buffers, pending) -> None:
+        bufs.free(op.key)
+
+    HANDLERS = {Post: _post, Wait: _wait, Attend: _attend, AttendBackward: _attend_backward, MergeOut: _merge,
+                AddGrad: _add, Copy: _copy, Free: _free}
+

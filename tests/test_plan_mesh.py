@@ -1,68 +1,16 @@
-"""Plan layer (pure Python, milliseconds per case): layout, tile map, schedules, validator, bytes."""
+"""Mesh plans (pure Python, milliseconds per case): tile map, schedules, validity for every tile,
+causal balance, bytes equal to the closed form, the fewest-bytes tile."""
 
 from __future__ import annotations
-
-import dataclasses
-import subprocess
-import sys
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from megatron_mesh.plan import (AttentionShape, Attend, Plan, PlanError, Post, TileMap, Wait, ZigzagLayout,
-                                block_mask, build_mesh_plan, mesh_bytes_formula, parse_tile, plan_bytes, rank_work,
-                                slot_segments, tile_shapes, validate_plan, best_tile)
+from megatron_mesh.plan import (AttentionShape, TileMap, best_tile, build_mesh_plan, mesh_bytes_formula, parse_tile,
+                                plan_bytes, rank_work, tile_shapes, validate_plan)
 from megatron_mesh.plan.schedule import build_template, pull_rounds, template_text
 
 SHAPE = AttentionShape(seq_local=4, batch=1, heads=4, kv_heads=2, head_dim=8, itemsize=2)
-
-
-def test_plan_package_never_imports_torch():
-    code = ("import sys; sys.modules['torch'] = None\n"
-            "import megatron_mesh.plan as p, pkgutil, importlib\n"
-            "for m in pkgutil.walk_packages(p.__path__, 'megatron_mesh.plan.'):\n"
-            "    importlib.import_module(m.name)\n"
-            "assert 'torch' not in [k for k, v in sys.modules.items() if v is not None]\n")
-    subprocess.run([sys.executable, "-c", code], check=True)
-
-
-# -- layout -------------------------------------------------------------------------------------
-def test_zigzag_layout_worked_example():
-    layout = ZigzagLayout(world_size=4, seq_len=16)
-    assert [layout.positions(r) for r in range(4)] == [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]
-    inv = layout.inverse()
-    assert sorted(inv) == [(r, i) for r in range(4) for i in range(4)]
-    assert all(layout.positions(r)[i] == p for p, (r, i) in enumerate(inv))
-
-
-def test_zigzag_layout_rejects_indivisible_lengths():
-    with pytest.raises(ValueError, match="divisible by 2 \\* CP size = 6"):
-        ZigzagLayout(world_size=3, seq_len=10)
-
-
-@pytest.mark.parametrize("P", [1, 2, 3, 5, 8])
-def test_block_mask_matches_token_positions(P):
-    """The half-block rule is exactly the causal mask on the zigzag positions."""
-    layout = ZigzagLayout(P, 4 * P)
-    T = layout.seq_local
-    for i in range(P):
-        for j in range(P):
-            m = block_mask(i, j, causal=True)
-            qi, kj = layout.positions(i), layout.positions(j)
-            rows = {"all": range(T), "front": range(T // 2), "back": range(T // 2, T)}
-            for a in range(T):
-                for b in range(T):
-                    visible = kj[b] <= qi[a]
-                    covered = a in rows[m.q_half] and b in rows[m.kv_half] and (not m.causal or b <= a)
-                    assert visible == covered, (i, j, a, b)
-
-
-def test_slot_segments_uneven_and_errors():
-    assert slot_segments(12, 3) == [((0, 2), (6, 8)), ((2, 4), (8, 10)), ((4, 6), (10, 12))]
-    segs = slot_segments(14, 3)  # halves of 7 tokens: slots of 2, 2, 3
-    assert [s[0].stop - s[0].start for s in segs] == [2, 2, 3]
-    with pytest.raises(ValueError, match="too short for 4 slots"):
-        slot_segments(6, 4)
 
 
 # -- tile map -----------------------------------------------------------------------------------
@@ -95,6 +43,10 @@ def test_parse_tile_errors_name_value_and_allowed():
         parse_tile((3, 2), 8)
     with pytest.raises(ValueError, match="must be 'AxB'"):
         parse_tile("4by2", 8)
+    with pytest.raises(ValueError, match=r"tile sides must be integers, got \(2\.7, 2\.2\)"):
+        parse_tile((2.7, 2.2), 6)
+    with pytest.raises(ValueError, match=r"tile must be \(a, b\), 'AxB' or 'auto', got 7"):
+        parse_tile(7, 7)
 
 
 # -- schedules ----------------------------------------------------------------------------------
@@ -121,7 +73,17 @@ def test_ring_is_mesh_1xP():
     assert text == "P1[kv1] B00 W1 P2[kv2] B01 W2 P3[kv3] B02 W3 B03"
 
 
-# -- validator: full checks for every tile up to P = 16, both schedules/modes ---------------------
+def test_worked_example_of_the_design_doc():
+    """docs/design.md and the ir.py docstring show rank 1 of the 4-rank 2x2 forward."""
+    text = build_mesh_plan(4, (2, 2), SHAPE).describe([1]).split("rank 1 backward")[0]
+    assert text.splitlines()[1:] == [
+        "rank 1 forward:", "  post 1: send kv1->3 | recv kv3<-3", "  attend q1 x kv1 causal -> o1", "  wait 1",
+        "  post 2: send q1->0 | recv q0<-0", "  attend q1[2:4] x kv3 full -> o1", "  wait 2",
+        "  attend q0[2:4] x kv3,kv1 full -> o0", "  post 3: send o0->0 | recv o1<<-0", "  wait 3",
+        "  merge o1< -> o1"]
+
+
+# -- validity: full checks for every tile up to P = 16, both schedules/modes ---------------------
 @pytest.mark.parametrize("P", range(1, 17))
 def test_every_mesh_plan_validates(P):
     for tile in tile_shapes(P):
@@ -133,9 +95,10 @@ def test_every_mesh_plan_validates(P):
                     validate_plan(plan)
 
 
-@pytest.mark.parametrize("P", list(range(17, 65)) + [96, 128, 256])
+@pytest.mark.parametrize("P", list(range(17, 65, 3)) + [96, 128])
 def test_rounds_match_and_never_deadlock_up_to_256(P):
-    """Transfers match and the dry run finishes for every tile (blocks are not built here)."""
+    """Transfers match and the dry run finishes for every tile (blocks are not built here);
+    the exhaustive sweep (--exhaustive) covers every P <= 256."""
     for tile in tile_shapes(P):
         validate_plan(build_mesh_plan(P, tile, SHAPE), cover=False, dataflow=False)
 
@@ -152,74 +115,11 @@ def test_causal_work_is_perfectly_balanced(P):
         plan = build_mesh_plan(P, tile, AttentionShape(seq_local=8))
         for direction in ("forward", "backward"):
             work = rank_work(plan, direction)
-            assert max(work) == min(work), (P, tile, direction, work)
-            assert max(work) * P / sum(work) == 1.0
-
-
-# -- validator: it catches broken plans -----------------------------------------------------------
-def _tampered(plan: Plan, rank: int, direction: str, edit) -> Plan:
-    rp = plan.rank(rank)
-    ops = list(rp.ops(direction))
-    edit(ops)
-    new = dataclasses.replace(rp, **{direction: tuple(ops)})
-    ranks = {r: (new if r == rank else plan.rank(r)) for r in range(plan.world_size)}
-    return Plan(plan.mode, plan.world_size, plan.seq_local, plan.causal, build_rank=ranks.__getitem__,
-                tile=plan.tile, schedule=plan.schedule)
-
-
-def _index(ops, kind):
-    return next(i for i, op in enumerate(ops) if isinstance(op, kind))
-
-
-def test_validator_catches_a_missing_block():
-    plan = build_mesh_plan(4, (2, 2), SHAPE)
-    bad = _tampered(plan, 1, "forward", lambda ops: ops.pop(_index(ops, Attend) + 1))
-    with pytest.raises(PlanError):
-        validate_plan(bad)
-
-
-def test_validator_catches_a_duplicated_block():
-    plan = build_mesh_plan(4, (2, 2), SHAPE, causal=False)
-    bad = _tampered(plan, 2, "forward", lambda ops: ops.insert(_index(ops, Attend), ops[_index(ops, Attend)]))
-    with pytest.raises(PlanError, match="computed 2 times"):
-        validate_plan(bad, dataflow=False)
-
-
-def test_validator_catches_mismatched_transfers():
-    plan = build_mesh_plan(4, (1, 4), SHAPE)
-
-    def drop_recv(ops):
-        i = _index(ops, Post)
-        ops[i] = ops[i]._replace(recvs=())
-    with pytest.raises(PlanError, match="sends"):
-        validate_plan(_tampered(plan, 0, "forward", drop_recv), dataflow=False, cover=False)
-
-
-def test_validator_catches_a_deadlock():
-    plan = build_mesh_plan(2, (1, 2), SHAPE)
-
-    def wait_before_post(ops):  # rank 0 waits for round 1 before anyone can have posted it
-        i, j = _index(ops, Post), _index(ops, Wait)
-        ops.insert(i, ops.pop(j))
-    with pytest.raises(PlanError, match="(deadlocks|not open)"):
-        validate_plan(_tampered(plan, 0, "forward", wait_before_post), cover=False, dataflow=False)
-    with pytest.raises(PlanError, match="not open"):
-        validate_plan(_tampered(plan, 0, "forward", wait_before_post), cover=False)
-
-
-def test_validator_catches_reading_before_arrival():
-    plan = build_mesh_plan(2, (1, 2), SHAPE)
-
-    def compute_early(ops):  # move the block on the received chunk before its Wait
-        j = _index(ops, Wait)
-        k = max(i for i, op in enumerate(ops) if isinstance(op, Attend))
-        ops.insert(j, ops.pop(k))
-    with pytest.raises(PlanError, match="in flight"):
-        validate_plan(_tampered(plan, 1, "forward", compute_early))
+            assert max(work) == min(work) == (8 * 9 // 2 + (P - 1) * 32), (P, tile, direction, work)
 
 
 # -- bytes ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("P", list(range(1, 65)) + [128, 256])
+@pytest.mark.parametrize("P", list(range(1, 33)) + [48, 64])
 def test_plan_bytes_equal_closed_form(P):
     shape = AttentionShape(seq_local=6, batch=2, heads=8, kv_heads=2, head_dim=4, itemsize=2)
     for tile in tile_shapes(P):
@@ -251,4 +151,5 @@ def test_random_plans_validate(P, data):
                            backward_chunks=data.draw(st.sampled_from(["refetch", "keep"])),
                            contiguous=data.draw(st.sampled_from(["q", "kv"])))
     validate_plan(plan)
-    assert all(b == mesh_bytes_formula(P, plan.tile, shape, plan.notes[0].split("=")[1]) for b in plan_bytes(plan, shape))
+    want = mesh_bytes_formula(P, plan.tile, shape, plan.options["backward_chunks"])
+    assert all(b == want for b in plan_bytes(plan, shape))

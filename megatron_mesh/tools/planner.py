@@ -1,10 +1,15 @@
-"""The planner: every CP mode of one problem on one machine, side by side.
+"""The planner: every CP mode of one problem on one machine, side by side (pure Python).
 
-For the plan-based modes (``ring``, ``mesh`` with each tile, ``mesh-auto``, ``tasp``) the numbers
-come from the plans the runtime executes: bytes from their rounds, time from
+For the plan-based modes -- every mode of the registry (:data:`megatron_mesh.plan.modes.MODES`):
+``ring``, ``mesh`` with each tile, ``tasp``, and the hybrids ``a2a+ring`` / ``a2a+mesh`` /
+``a2a+tasp`` for every all-to-all degree U that divides the heads and the node size -- the
+numbers come from the plans the runtime executes: bytes from their rounds, time from
 :func:`~megatron_mesh.plan.simulate.simulate`, buffer memory from
-:func:`~megatron_mesh.plan.memory.buffer_memory`. ``ulysses`` and ``usp`` (Ulysses all-to-all
-inside a node x ring across nodes) have no plan here; they are priced by formula:
+:func:`~megatron_mesh.plan.memory.buffer_memory`. ``mesh-auto`` is the fastest Mesh tile,
+``a2a+mesh-auto`` the fastest hybrid with an inner Mesh, ``auto`` the fastest plan of all.
+``ulysses`` and ``usp`` (Transformer Engine's ``a2a+p2p``) are also priced by formula, as their
+papers and Transformer Engine describe them, next to our plan of the same algorithm
+(``a2a+ring``):
 
 * Ulysses of degree u moves (u-1)/u of the local q, k, v and out in the forward, of dout and
   dq, dk, dv in the backward, in the activation dtype, as four all-to-alls that do not overlap
@@ -13,6 +18,8 @@ inside a node x ring across nodes) have no plan here; they are priced by formula
 * USP (u x r = P): the Ulysses all-to-all over u consecutive ranks, then zigzag ring attention
   over r ranks on u-times longer chunks of heads/u heads -- simulated with the ring plan.
 
+With a mask (``mask=``, e.g. documents or a window) the plan-based modes are built mask-aware
+(:mod:`megatron_mesh.plan.sparse`), and each row also gives the per-rank work max / mean.
 Numbers are per rank and per attention call (one layer), forward + backward.
 """
 
@@ -20,20 +27,26 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from .accounting import AttentionShape
-from .ir import Plan
-from .memory import buffer_memory
-from .mesh import build_mesh_plan, tile_shapes
-from .simulate import BACKWARD_FLOPS, SimResult, simulate
-from .topology import Topology
+from ..plan.accounting import AttentionShape, rank_work
+from ..plan.autotile import TIME_TOLERANCE, Candidate, evaluate_plan, pick_best
+from ..plan.mask import Mask
+from ..plan.mesh import build_mesh_plan
+from ..plan.modes import MODES as REGISTRY, Placement
+from ..plan.simulate import BACKWARD_FLOPS
+from ..plan.topology import Topology
 
-__all__ = ["MODES", "ModeResult", "evaluate_plan", "mesh_candidates", "pick_best", "evaluate",
-           "ulysses_result", "usp_result", "tasp_result", "TIME_TOLERANCE"]
+__all__ = ["MODES", "ModeResult", "evaluate", "plan_modes", "ulysses_result", "usp_result", "TIME_TOLERANCE"]
 
-MODES = ("ring", "mesh", "mesh-auto", "tasp", "ulysses", "usp")
-# predicted times closer than this count as equal: the model is not more accurate than that, and
-# the tie goes to fewer inter-node bytes, then fewer bytes (other traffic shares the network)
-TIME_TOLERANCE = 0.01
+# rows: every registered plan-based mode, the fastest Mesh / hybrid Mesh / plan of all, the formulas
+DERIVED = ("mesh-auto", "a2a+mesh-auto", "auto")
+FORMULAS = ("ulysses", "usp")
+
+
+def plan_modes() -> tuple[str, ...]:
+    return tuple(REGISTRY)
+
+
+MODES = plan_modes() + DERIVED + FORMULAS
 
 
 @dataclass(frozen=True)
@@ -55,6 +68,7 @@ class ModeResult:
     contiguous: str | None = None
     detail: str = ""
     by_formula: bool = False
+    ulysses: int = 1
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -71,54 +85,27 @@ class ModeResult:
         return d
 
 
-def evaluate_plan(mode: str, plan: Plan, shape: AttentionShape, topo: Topology, detail: str = "",
-                  contiguous: str | None = None) -> ModeResult:
-    """Simulate ``plan`` and read its memory: one row of the planner."""
-    sim: SimResult = simulate(plan, shape, topo)
-    mem = buffer_memory(plan, shape)
-    return ModeResult(mode, plan.tile if mode != "tasp" else None, sim.bytes_sent, sim.intra_bytes, sim.inter_bytes,
-                      sim.max_inter_bytes, sim.rounds, mem.peak, sim.time, sim.forward.time, sim.backward.time,
-                      sim.compute, contiguous, detail, extra={"saved_bytes": mem.saved, "held_buffer_bytes": mem.held})
+def _row(mode: str, c: Candidate, placement: Placement, detail: str = "", extra: dict | None = None) -> ModeResult:
+    return ModeResult(mode, c.tile, c.bytes_per_rank, c.intra_node_bytes_per_rank, c.inter_node_bytes_per_rank,
+                      c.max_inter_node_bytes, c.steps, c.peak_buffer_bytes, c.time_s, c.forward_s, c.backward_s,
+                      c.compute_s, c.contiguous, detail, ulysses=placement.ulysses,
+                      extra={"saved_bytes": c.saved_bytes, "held_buffer_bytes": c.held_buffer_bytes, **(extra or {})})
 
 
-def _spans_nodes(world_size: int, topo: Topology) -> bool:
-    return topo.nodes_used(world_size) > 1
-
-
-def mesh_candidates(world_size: int, shape: AttentionShape, topo: Topology, causal: bool = True,
-                    backward_chunks: str = "refetch", schedule: str = "greedy") -> list[ModeResult]:
-    """Every Mesh tile (1xP is ring attention), with both rank orders ("q"/"kv" consecutive) when
-    the CP group spans nodes and the tile has two real rings."""
-    out = []
-    for a, b in tile_shapes(world_size):
-        orders = ("q", "kv") if _spans_nodes(world_size, topo) and a > 1 and b > 1 else ("q",)
-        for c in orders:
-            plan = build_mesh_plan(world_size, (a, b), shape, causal=causal, schedule=schedule,
-                                   backward_chunks=backward_chunks, contiguous=c)
-            out.append(evaluate_plan("mesh", plan, shape, topo, contiguous=c))
-    return out
-
-
-def pick_best(candidates: list[ModeResult]) -> ModeResult:
-    """The fastest candidate; within :data:`TIME_TOLERANCE` of it, fewest inter-node bytes, then
-    fewest bytes, then least buffer memory, then the flatter tile."""
-    if not candidates:
-        raise ValueError("no candidates to choose from")
-    fastest = min(c.time_s for c in candidates)
-    close = [c for c in candidates if c.time_s <= fastest * (1 + TIME_TOLERANCE)]
-    return min(close, key=lambda c: (c.inter_node_bytes_per_rank, c.bytes_per_rank, c.peak_buffer_bytes,
-                                     c.tile or (0, 0), c.contiguous or ""))
-
-
-def tasp_result(world_size: int, shape: AttentionShape, topo: Topology, causal: bool = True) -> ModeResult:
-    """TASP's plan (Hamiltonian rings; the hierarchical decomposition when the CP group spans
-    nodes). Raises ValueError when TASP cannot run this problem, ImportError when it is absent."""
-    from .tasp import build_tasp_plan  # the TASP plan builder lives in its own module
-
-    gpn = topo.gpus_per_node if _spans_nodes(world_size, topo) else None
-    plan = build_tasp_plan(world_size, shape, causal=causal, gpus_per_node=gpn)
-    detail = "; ".join(plan.notes)
-    return evaluate_plan("tasp", plan, shape, topo, detail=detail)
+def _evaluate_placement(name: str, p: Placement, shape: AttentionShape, topo: Topology, mask: Mask | None,
+                        layout) -> ModeResult:
+    plan = p.build(shape, mask, layout)
+    c = evaluate_plan(plan, shape, topo, contiguous=p.contiguous if p.tile and p.tile[0] > 1 else
+                      (p.contiguous if p.inner is not None and p.inner.tile and p.inner.tile[0] > 1 else None))
+    extra = {}
+    if mask is not None and not mask.is_dense or layout is not None:
+        for direction in ("forward", "backward"):
+            w = rank_work(plan, direction)
+            extra[f"{direction}_work_max_over_mean"] = max(w) * len(w) / max(1, sum(w))
+    detail = "; ".join(plan.notes) if name in ("tasp", "a2a+tasp") or (mask is not None and not mask.is_dense) else ""
+    if p.ulysses > 1:
+        detail = f"all-to-all {p.ulysses} x {p.inner.describe()}" + (f"; {detail}" if detail else "")
+    return _row(name, c, p, detail, extra)
 
 
 # -- Ulysses / USP by formula ----------------------------------------------------------------------
@@ -199,7 +186,7 @@ def ulysses_result(world_size: int, shape: AttentionShape, topo: Topology, causa
     peak = 2 * a2a.local + shape.batch * shape.seq_local * shape.heads * shape.head_dim * shape.itemsize
     return ModeResult("ulysses", None, round(a2a.bytes_sent), a2a.intra, a2a.inter, a2a.max_inter, 4, peak,
                       fwd + bwd, fwd, bwd, fwd_compute + bwd_compute, detail=f"all-to-all degree {u}",
-                      by_formula=True, extra={"ulysses_degree": u})
+                      by_formula=True, ulysses=u, extra={"ulysses_degree": u})
 
 
 def _usp_degree(world_size: int, shape: AttentionShape, topo: Topology) -> int | None:
@@ -214,8 +201,6 @@ def _usp_degree(world_size: int, shape: AttentionShape, topo: Topology) -> int |
 def usp_result(world_size: int, shape: AttentionShape, topo: Topology, causal: bool = True) -> ModeResult:
     """USP / Transformer Engine ``a2a+p2p``: Ulysses over u consecutive ranks (inside a node) x
     zigzag ring over the r = P/u ranks holding the same heads (simulated with the ring plan)."""
-    from .mesh import build_ring_plan
-
     u = _usp_degree(world_size, shape, topo)
     if u is None:
         raise ValueError(f"USP needs an all-to-all degree 1 < u < {world_size}, u <= {topo.gpus_per_node} GPUs per "
@@ -224,55 +209,88 @@ def usp_result(world_size: int, shape: AttentionShape, topo: Topology, causal: b
     kv_heads = _ulysses_kv_heads(u, shape)
     sub = AttentionShape(seq_local=shape.seq_local * u, batch=shape.batch, heads=shape.heads // u,
                          kv_heads=max(1, kv_heads // u), head_dim=shape.head_dim, itemsize=shape.itemsize)
-    ring_topo = topo.with_(node_of=tuple(topo.node(j * u) for j in range(r)))
-    ring = evaluate_plan("ring", build_ring_plan(r, sub, causal=causal), sub, ring_topo)
+    ring_topo = replace(topo, node_of=tuple(topo.node(j * u) for j in range(r)))
+    ring = evaluate_plan(build_mesh_plan(r, (1, r), sub, causal=causal), sub, ring_topo)
     a2a = _AllToAlls.price(world_size, u, shape, kv_heads, topo)
     fwd, bwd = a2a.time["forward"] + ring.forward_s, a2a.time["backward"] + ring.backward_s
     return ModeResult("usp", None, round(a2a.bytes_sent) + ring.bytes_per_rank,
                       a2a.intra + ring.intra_node_bytes_per_rank, a2a.inter + ring.inter_node_bytes_per_rank,
                       a2a.max_inter + ring.max_inter_node_bytes, 4 + ring.steps,
                       2 * a2a.local + ring.peak_buffer_bytes, fwd + bwd, fwd, bwd, ring.compute_s,
-                      detail=f"all-to-all degree {u} x ring {r}", by_formula=True,
+                      detail=f"all-to-all degree {u} x ring {r}", by_formula=True, ulysses=u,
                       extra={"ulysses_degree": u, "ring_degree": r})
 
 
 # -- everything -----------------------------------------------------------------------------------------
-def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: bool = True,
-             modes=MODES, backward_chunks: str = "refetch", schedule: str = "greedy"
+def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: bool = True, modes=None,
+             backward_chunks: str = "refetch", schedule: str = "greedy", mask: Mask | None = None, layout=None
              ) -> tuple[list[ModeResult], list[dict]]:
-    """Rows for ``modes`` (see :data:`MODES`) and the modes that cannot run, with the reason."""
-    unknown = [m for m in modes if m not in MODES]
+    """Rows for ``modes`` (see :data:`MODES`) and the modes that cannot run, with the reason.
+
+    ``mask`` (default: causal or full by ``causal``) and ``layout`` build the plan-based modes
+    mask-aware; the formula rows (ulysses, usp) assume dense attention and are left out then."""
+    allowed = plan_modes() + DERIVED + FORMULAS
+    modes = allowed if modes is None else modes
+    unknown = [m for m in modes if m not in allowed]
     if unknown:
-        raise ValueError(f"unknown modes {unknown}; allowed: {', '.join(MODES)}")
+        raise ValueError(f"unknown modes {unknown}; allowed: {', '.join(allowed)}")
     topo.check(world_size)
+    if mask is not None and mask.causal != causal:
+        causal = mask.causal
+    masked = (mask is not None and not mask.normalized(world_size * shape.seq_local).is_dense) or layout is not None
     rows: list[ModeResult] = []
     skipped: list[dict] = []
-    mesh = None
-    if {"mesh", "mesh-auto"} & set(modes):
-        mesh = mesh_candidates(world_size, shape, topo, causal, backward_chunks, schedule)
-    for mode in modes:
+    wanted = set(modes)
+    if "mesh-auto" in wanted or "auto" in wanted:
+        wanted |= {"ring", "mesh"}
+    if "a2a+mesh-auto" in wanted or "auto" in wanted:
+        wanted |= {"a2a+mesh"}
+    if "auto" in wanted:
+        wanted |= set(plan_modes())
+    evaluated: dict[str, list[ModeResult]] = {}
+    for name in plan_modes():
+        if name not in wanted:
+            continue
         try:
-            if mode == "ring":
-                if mesh is not None:
-                    rows.append(_renamed(next(c for c in mesh if c.tile == (1, world_size)), "ring"))
-                else:
-                    plan = build_mesh_plan(world_size, (1, world_size), shape, causal=causal, schedule=schedule,
-                                           backward_chunks=backward_chunks)
-                    rows.append(evaluate_plan("ring", plan, shape, topo, contiguous="q"))
-            elif mode == "mesh":
-                rows.extend(c for c in mesh if c.tile != (1, world_size))
-            elif mode == "mesh-auto":
-                rows.append(_renamed(pick_best(mesh), "mesh-auto"))
-            elif mode == "tasp":
-                rows.append(tasp_result(world_size, shape, topo, causal))
-            elif mode == "ulysses":
-                rows.append(ulysses_result(world_size, shape, topo, causal))
-            elif mode == "usp":
-                rows.append(usp_result(world_size, shape, topo, causal))
-        except (ValueError, ImportError) as e:
-            skipped.append({"mode": mode, "reason": str(e)})
+            candidates = REGISTRY[name].candidates(world_size, shape, topo)
+            if not candidates:
+                raise ValueError(f"no {name} placement fits CP {world_size} on nodes of {topo.gpus_per_node} with "
+                                 f"heads {shape.heads}/{shape.kv_heads}")
+            found = []
+            for p in candidates:
+                p = replace(p, backward_chunks=backward_chunks, schedule=schedule)
+                if p.inner is not None:
+                    p = replace(p, inner=replace(p.inner, backward_chunks=backward_chunks, schedule=schedule))
+                try:
+                    found.append(_evaluate_placement(name, p, shape, topo, mask if mask is not None else
+                                                     Mask(causal), layout))
+                except ValueError as e:
+                    skipped.append({"mode": f"{name} ({p.describe()})", "reason": str(e)})
+            evaluated[name] = found
+        except ValueError as e:
+            skipped.append({"mode": name, "reason": str(e)})
+    for mode in modes:
+        if mode in REGISTRY:
+            rows.extend(evaluated.get(mode, []))
+        elif mode == "mesh-auto":
+            pool = evaluated.get("ring", []) + evaluated.get("mesh", [])
+            if pool:
+                rows.append(replace(pick_best(pool), mode="mesh-auto"))
+        elif mode == "a2a+mesh-auto":
+            pool = evaluated.get("a2a+mesh", [])
+            if pool:
+                rows.append(replace(pick_best(pool), mode="a2a+mesh-auto"))
+        elif mode == "auto":
+            pool = [r for name in plan_modes() for r in evaluated.get(name, [])]
+            if pool:
+                best = pick_best(pool)
+                rows.append(replace(best, mode="auto", detail=f"{best.mode}" + (f": {best.detail}" if best.detail
+                                                                                 else "")))
+        elif masked:
+            skipped.append({"mode": mode, "reason": "priced by formula for dense attention only"})
+        else:
+            try:
+                rows.append((ulysses_result if mode == "ulysses" else usp_result)(world_size, shape, topo, causal))
+            except ValueError as e:
+                skipped.append({"mode": mode, "reason": str(e)})
     return rows, skipped
-
-
-def _renamed(row: ModeResult, mode: str) -> ModeResult:
-    return replace(row, mode=mode)

@@ -1,11 +1,16 @@
-"""``python -m megatron_mesh.plan`` / ``megatron-mesh-plan``: compare the CP modes of one problem.
+"""``megatron-mesh-plan`` (``python -m megatron_mesh.tools.plan_cli``): compare the CP modes of one problem.
 
-Per mode (ring, mesh per tile, mesh-auto, tasp, ulysses, usp): bytes each rank sends in the
+Per mode (ring, mesh per tile, mesh-auto, tasp, the Ulysses hybrids a2a+ring / a2a+mesh /
+a2a+tasp for every all-to-all degree, auto, and Ulysses / USP by formula): bytes each rank sends in the
 forward + backward of one attention layer, split intra/inter-node, communication steps, peak
 extra buffer memory, and the predicted forward + backward time of the simulator
 (:mod:`megatron_mesh.plan.simulate`). Example (the paper's scale)::
 
     megatron-mesh-plan --cp 256 --heads 32 --kv-heads 8 --head-dim 128 --seq-len 1048576 --gpus-per-node 8
+
+Masks: ``--window L[,R]`` (a sliding window) and ``--docs SPEC`` (packed documents: ``fixed:N``
+or ``lognormal:MEAN,SIGMA`` document lengths drawn with ``--seed``) plan every mode mask-aware
+and add the per-rank work max / mean.
 
 ``--json`` prints ``{"modes": [{"mode", "tile", "bytes_per_rank", "inter_node_bytes_per_rank",
 "steps", "time_s", ...}], "skipped": [...], ...}`` (bytes are whole bytes sent in one layer's
@@ -21,12 +26,18 @@ import json
 import sys
 import time
 
-from .accounting import AttentionShape
-from .planner import MODES, ModeResult, evaluate
-from .topology import Topology
+import math
+import random
+
+from ..plan.accounting import AttentionShape
+from ..plan.mask import Mask
+from ..plan.topology import Topology
+from .planner import DERIVED, FORMULAS, ModeResult, evaluate, plan_modes
 
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
-PLOT_MODES = ("ring", "mesh-auto", "tasp", "usp", "ulysses")
+PLOT_MODES = ("ring", "mesh-auto", "tasp", "a2a+mesh-auto", "usp", "ulysses")
+DEFAULT_MODES = ("ring", "mesh", "mesh-auto", "tasp", "a2a+ring", "a2a+mesh-auto", "a2a+tasp", "ulysses", "usp",
+                 "auto")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,7 +57,15 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--backward-chunks", choices=("refetch", "keep"), default="refetch",
                    help="Mesh: re-communicate Q/KV chunks in the backward, or keep them from the forward")
     g.add_argument("--schedule", choices=("greedy", "lockstep"), default="greedy", help="Mesh intra-tile schedule")
-    g.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    g.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma-separated subset of "
+                   f"{','.join(plan_modes() + DERIVED + FORMULAS)} "
+                   "(a2a+mesh lists every all-to-all degree x inner tile)")
+    g.add_argument("--window", default=None, metavar="L[,R]",
+                   help="sliding window: a query attends keys at most L before (and R after, non-causal) it")
+    g.add_argument("--docs", default=None, metavar="SPEC",
+                   help="packed documents: fixed:N (every document N tokens) or lognormal:MEAN,SIGMA (lengths "
+                        "drawn with mean MEAN tokens)")
+    g.add_argument("--seed", type=int, default=0, help="random seed of --docs lognormal")
     t = p.add_argument_group("machine (defaults: H100 SXM5, NVLink 4, one 400 Gb/s NIC per GPU)")
     t.add_argument("--nodes", type=int, default=None, help="nodes U (default: ceil(P / gpus-per-node))")
     t.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node, help="CP ranks per node M")
@@ -65,13 +84,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _topology(args, world_size: int) -> Topology:
+    gpn = args.gpus_per_node
+    if gpn < 1:
+        raise ValueError(f"--gpus-per-node must be >= 1, got {gpn}")
+    if world_size > gpn and world_size % gpn:
+        raise ValueError(f"--gpus-per-node {gpn} does not divide --cp {world_size}: a CP group that spans nodes holds "
+                         f"the same number of consecutive ranks on every node (allowed: a divisor of {world_size}, "
+                         f"or >= {world_size} for one node)")
     links = dict(intra_bandwidth=args.intra_bandwidth * 1e9, inter_bandwidth=args.inter_bandwidth * 1e9,
                  intra_latency=args.intra_latency * 1e-6, inter_latency=args.inter_latency * 1e-6,
                  attention_flops=args.tflops * 1e12, kernel_latency=args.kernel_latency * 1e-6,
                  memory_bandwidth=args.hbm * 1e12)
     if args.nodes is None:
-        return Topology.for_cp(world_size, args.gpus_per_node, **links)
-    return Topology(nodes=args.nodes, gpus_per_node=args.gpus_per_node, **links)
+        return Topology.for_cp(world_size, gpn, **links)
+    return Topology(nodes=args.nodes, gpus_per_node=gpn, **links)
 
 
 def _shape(args, world_size: int) -> AttentionShape:
@@ -85,11 +111,58 @@ def _shape(args, world_size: int) -> AttentionShape:
                           head_dim=args.head_dim, itemsize=ITEMSIZE[args.dtype])
 
 
+def _mask(args) -> Mask | None:
+    """The mask of --window / --docs (None: plain causal or full attention)."""
+    window = None
+    if args.window is not None:
+        try:
+            parts = [int(x) for x in args.window.split(",")]
+        except ValueError:
+            raise ValueError(f"--window {args.window!r} must be L or L,R (integers >= 0)") from None
+        if len(parts) not in (1, 2) or min(parts) < 0:
+            raise ValueError(f"--window {args.window!r} must be L or L,R (integers >= 0)")
+        window = (parts[0], parts[1] if len(parts) == 2 else (0 if args.causal else None))
+    docs = None if args.docs is None else document_bounds(args.docs, args.seq_len, args.seed)
+    if window is None and docs is None:
+        return None
+    mask = Mask(args.causal, window) if docs is None else Mask.from_cu_seqlens(docs, args.seq_len, args.causal, window)
+    return mask.normalized(args.seq_len)
+
+
+def document_bounds(spec: str, seq_len: int, seed: int = 0) -> list[int]:
+    """cu_seqlens of documents packed into ``seq_len`` tokens: ``fixed:N`` or
+    ``lognormal:MEAN,SIGMA`` (lengths drawn from a log-normal with that mean, at least 1; the
+    last document is cut at ``seq_len``)."""
+    kind, _, val = spec.partition(":")
+    try:
+        if kind == "fixed":
+            n = int(val)
+            if n < 1:
+                raise ValueError
+            draw = lambda: n  # noqa: E731
+        elif kind == "lognormal":
+            mean, sigma = (float(x) for x in val.split(","))
+            if mean < 1 or sigma < 0:
+                raise ValueError
+            rng = random.Random(seed)
+            mu = math.log(mean) - sigma * sigma / 2  # so that the mean length is `mean`
+            draw = lambda: max(1, round(rng.lognormvariate(mu, sigma)))  # noqa: E731
+        else:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"--docs {spec!r} must be fixed:N (N >= 1) or lognormal:MEAN,SIGMA (MEAN >= 1, SIGMA >= 0)")
+    cu = [0]
+    while cu[-1] < seq_len:
+        cu.append(min(seq_len, cu[-1] + draw()))
+    return cu
+
+
 def _modes(text: str) -> tuple[str, ...]:
     modes = tuple(m.strip() for m in text.split(",") if m.strip())
-    bad = [m for m in modes if m not in MODES]
+    allowed = plan_modes() + DERIVED + FORMULAS
+    bad = [m for m in modes if m not in allowed]
     if bad or not modes:
-        raise ValueError(f"--modes {text!r}: unknown {bad}; allowed: {', '.join(MODES)}")
+        raise ValueError(f"--modes {text!r}: unknown {bad}; allowed: {', '.join(allowed)}")
     return modes
 
 
@@ -102,33 +175,42 @@ def _size(n: float) -> str:
 
 def _table(rows: list[ModeResult], skipped: list[dict]) -> str:
     ring = next((r for r in rows if r.mode == "ring"), None)
-    head = ["mode", "tile", "order", "bytes/rank", "vs ring", "intra", "inter mean", "inter max", "steps",
-            "peak buf", "fwd ms", "bwd ms", "time ms", "exposed ms", "speedup"]
+    work = any("forward_work_max_over_mean" in r.extra for r in rows)
+    head = ["mode", "a2a", "tile", "order", "bytes/rank", "vs ring", "intra", "inter mean", "inter max", "steps",
+            "peak buf", "fwd ms", "bwd ms", "time ms", "exposed ms", "speedup"] + (["work max/mean"] if work else [])
     lines = [head]
     for r in rows:
-        tile = f"{r.tile[0]}x{r.tile[1]}" if r.tile else r.detail.replace("all-to-all degree ", "a2a ").split(":")[0]
+        tile = f"{r.tile[0]}x{r.tile[1]}" if r.tile else "-"
         vs = f"{100 * (r.bytes_per_rank / ring.bytes_per_rank - 1):+.1f}%" if ring and ring.bytes_per_rank else "-"
         speed = f"{ring.time_s / r.time_s:.2f}x" if ring else "-"
-        lines.append([r.mode + ("*" if r.by_formula else ""), tile, r.contiguous or "-", _size(r.bytes_per_rank), vs,
-                      _size(r.intra_node_bytes_per_rank), _size(r.inter_node_bytes_per_rank),
-                      _size(r.max_inter_node_bytes), str(r.steps), _size(r.peak_buffer_bytes),
-                      f"{r.forward_s * 1e3:.2f}", f"{r.backward_s * 1e3:.2f}", f"{r.time_s * 1e3:.2f}",
-                      f"{r.exposed_comm_s * 1e3:.2f}", speed])
+        row = [r.mode + ("*" if r.by_formula else ""), str(r.ulysses) if r.ulysses > 1 else "-", tile,
+               r.contiguous or "-", _size(r.bytes_per_rank), vs, _size(r.intra_node_bytes_per_rank),
+               _size(r.inter_node_bytes_per_rank), _size(r.max_inter_node_bytes), str(r.steps),
+               _size(r.peak_buffer_bytes), f"{r.forward_s * 1e3:.2f}", f"{r.backward_s * 1e3:.2f}",
+               f"{r.time_s * 1e3:.2f}", f"{r.exposed_comm_s * 1e3:.2f}", speed]
+        if work:
+            w = r.extra.get("forward_work_max_over_mean")
+            row.append("-" if w is None else f"{w:.2f}")
+        lines.append(row)
     widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
-    out = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+    out = ["  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
            for row in lines]
     out.insert(1, "  ".join("-" * w for w in widths))
-    out += [f"{r.mode}: {r.detail}" for r in rows if not r.tile and ":" in r.detail]
+    out += [f"{r.mode}: {r.detail}" for r in rows if r.mode in ("tasp", "auto", "usp", "ulysses") and r.detail]
     if any(r.by_formula for r in rows):
         out.append("* by formula (no plan): Ulysses all-to-alls priced analytically; USP's ring part is simulated")
     out += [f"not available: {s['mode']}: {s['reason']}" for s in skipped]
     return "\n".join(out)
 
 
-def _header(args, world_size: int, shape: AttentionShape, topo: Topology) -> str:
+def _header(args, world_size: int, shape: AttentionShape, topo: Topology, mask: Mask | None = None) -> str:
+    what = mask.text() if mask is not None else ("causal" if args.causal else "full")
+    if mask is not None and mask.documents is not None:
+        lens = [b - a for a, b in mask.documents]
+        what = what.split(",docs=")[0] + f", {len(lens)} documents of mean {sum(lens) / len(lens):,.0f} tokens"
     return (f"CP {world_size} on {topo.nodes_used(world_size)} node(s) x {topo.gpus_per_node} GPUs; sequence "
             f"{args.seq_len:,} tokens ({shape.seq_local:,} per rank), batch {shape.batch}, heads {shape.heads}/"
-            f"{shape.kv_heads}, head dim {shape.head_dim}, {args.dtype}, {'causal' if args.causal else 'full'}\n"
+            f"{shape.kv_heads}, head dim {shape.head_dim}, {args.dtype}, {what}\n"
             f"machine: {topo.describe()}\n"
             "bytes: sent per rank, forward + backward, one attention layer; time: simulated forward + backward\n")
 
@@ -173,9 +255,10 @@ def main(argv: list[str] | None = None) -> int:
         modes = _modes(args.modes)
         shape = _shape(args, args.cp)
         topo = _topology(args, args.cp)
+        mask = _mask(args)
         start = time.perf_counter()
         rows, skipped = evaluate(args.cp, shape, topo, causal=args.causal, modes=modes,
-                                 backward_chunks=args.backward_chunks, schedule=args.schedule)
+                                 backward_chunks=args.backward_chunks, schedule=args.schedule, mask=mask)
         elapsed = time.perf_counter() - start
         if args.plot:
             _plot(args, modes, args.plot)
@@ -184,11 +267,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.json:
         print(json.dumps({"modes": [r.to_json() for r in rows], "skipped": skipped,
-                          "problem": {"cp": args.cp, "seq_len": args.seq_len, **vars(shape), "causal": args.causal},
+                          "problem": {"cp": args.cp, "seq_len": args.seq_len, **vars(shape), "causal": args.causal,
+                                      "mask": mask.text() if mask is not None else None},
                           "topology": {k: v for k, v in vars(topo).items() if k != "node_of"},
                           "planner_seconds": elapsed}, indent=1))
     else:
-        print(_header(args, args.cp, shape, topo))
+        print(_header(args, args.cp, shape, topo, mask))
         print(_table(rows, skipped))
         print(f"\n(planned and simulated in {elapsed:.2f} s)" + (f"; plot written to {args.plot}" if args.plot else ""))
     return 0

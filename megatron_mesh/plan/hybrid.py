@@ -1,0 +1,186 @@
+"""Ulysses x (Mesh | TASP | ring): a hierarchical CP plan over P = U * M ranks.
+
+U consecutive CP ranks (inside a node) form an all-to-all group. Its all-to-all turns each
+rank's [S/P tokens, H heads] into [U*S/P tokens, H/U heads]: rank u of the group gets head slice
+u of every group member's chunk. The U chunks of a group, front halves in rank order and back
+halves in reverse, are exactly chunk m of the zigzag over M = P/U ranks (:mod:`.layout`), so the
+*inner plan* -- Mesh of any tile a x b = M, TASP or ring -- runs unchanged across the M groups,
+one independent inner CP group per head slice (CP ranks m*U + u for m < M), with its causal
+balance intact. The output goes back through the reverse all-to-all; the backward mirrors it.
+GQA: with fewer KV heads than U, each KV head is replicated to U / kv_heads ranks (what
+DeepSpeed-Ulysses does; the bytes count the copies) and their dK/dV partials are summed at home.
+
+Everything is plan ops: the all-to-all is one :class:`~.ir.Post` per direction and way (a rank
+sends one head slice to each of its U - 1 group peers), the token reorder is :class:`~.ir.Copy`
+ops, the inner plan's ops are relabelled (keys get the span-U chunk and head slice u, peers become
+CP ranks, rounds shift by one). So the executor runs it, ``comm_counter()`` counts it, the
+validator checks it (exact cover per head slice) and the simulator times it.
+
+Worked example (P = 4, U = 2, inner ring over M = 2, 4 heads): CP rank 1 is (group 0, slice 1)::
+
+    post 1: send q1/h0->0 kv1/h0->0 | recv q0/h1<-0 kv0/h1<-0     # the all-to-all
+    wait 1
+    copy q0/h1 -> q0*2/h1[0:2,6:8]          # rank 0's halves: the inner chunk's outer pieces
+    copy q1/h1 -> q0*2/h1[2:6]              # rank 1's halves: its inner pieces
+    ... (the same for kv)
+    post 2: send kv0*2/h1->3 | recv kv1*2/h1<-3                  # the inner ring over ranks 1, 3
+    attend q0*2/h1 x kv0*2/h1 causal -> o0*2/h1
+    ...
+    copy o0*2/h1[0:2,6:8] -> o0/h1          # rank 0's rows of my head slice go back to it
+    post 4: send o0/h1->0 | recv o1/h0<-0
+    wait 4
+    copy o1/h0 -> o1{h0:2}                  # the head slices of my own chunk, assembled
+    copy o1/h1 -> o1{h2:4}
+
+Inputs are cut per head slice (``q1/h0`` = heads 0-1 of rank 1's q). The forward keeps the
+inner Q and K/V (the all-to-all'd tokens) for the backward, as Ulysses does; the inner plan
+keeps or re-fetches its own chunks as it would alone.
+"""
+
+from __future__ import annotations
+
+from .accounting import AttentionShape
+from .ir import AddGrad, Copy, Free, Key, Op, Plan, Post, RankPlan, Segment, Transfer, Wait
+from .layout import SpanLayout, check_ulysses_heads, head_slice
+from .passes import insert_frees
+
+__all__ = ["build_hybrid_plan", "inner_shape"]
+
+
+def inner_shape(shape: AttentionShape, ulysses: int) -> AttentionShape:
+    """The per-rank shape the inner plan sees: U times the tokens, one head slice."""
+    check_ulysses_heads(ulysses, shape.heads, shape.kv_heads)
+    kv = shape.kv_heads // ulysses if shape.kv_heads >= ulysses else 1
+    return AttentionShape(seq_local=shape.seq_local * ulysses, batch=shape.batch, heads=shape.heads // ulysses,
+                          kv_heads=kv, head_dim=shape.head_dim, itemsize=shape.itemsize)
+
+
+def build_hybrid_plan(world_size: int, ulysses: int, inner_build, shape: AttentionShape, mask, layout,
+                      inner_name: str) -> Plan:
+    """The hybrid plan: ``inner_build(M, inner_shape, mask, inner_layout) -> Plan`` makes the inner
+    plan over M = world_size / ulysses ranks."""
+    U, P = ulysses, world_size
+    if not isinstance(U, int) or isinstance(U, bool) or U < 1 or P % U:
+        raise ValueError(f"ulysses size {U!r} must be a positive divisor of the CP size {P}")
+    sub = inner_shape(shape, U)
+    inner_layout = SpanLayout(layout, U)
+    inner = inner_build(P // U, sub, mask, inner_layout)
+    lowering = _HybridLowering(P, U, shape, inner)
+    tile = inner.tile
+    notes = (f"all-to-all over {U} consecutive ranks ({shape.heads // U} query / {sub.kv_heads} key-value heads per "
+             f"rank{'' if shape.kv_heads >= U else f', each KV head replicated to {U // shape.kv_heads} ranks'}), "
+             f"then {inner_name} over {P // U} ranks", *inner.notes)
+    rings = {f"a2a": tuple(tuple(range(m * U, (m + 1) * U)) for m in range(P // U))}
+    for fam, rs in inner.rings.items():
+        rings[fam] = tuple(tuple(r * U + u for r in ring) for u in range(U) for ring in rs)
+    return Plan(mode=f"a2a+{inner_name}", world_size=P, seq_local=shape.seq_local, mask=inner.mask, layout=layout,
+                build_rank=lowering.rank_plan, build_rounds=lowering.round_ops, slots=lowering.segments,
+                heads_split=U, tile=tile, schedule=inner.schedule, rings=rings,
+                options={**inner.options, "ulysses": U, "inner": inner_name, "heads": (shape.heads, shape.kv_heads)},
+                notes=notes)
+
+
+class _HybridLowering:
+    def __init__(self, P: int, U: int, shape: AttentionShape, inner: Plan):
+        self.P, self.U, self.shape, self.inner = P, U, shape, inner
+        self.T = shape.seq_local
+        h = self.T // 2
+        # where CP rank m*U + p's two halves sit in inner chunk m
+        self.pieces = [(Segment(p * h, (p + 1) * h), Segment(U * h + (U - 1 - p) * h, U * h + (U - p) * h))
+                       for p in range(U)]
+        self.last_round = {d: max((op.round for m in range(inner.world_size) for op in inner.round_ops(m, d)
+                                   if type(op) is Post), default=0) for d in ("forward", "backward")}
+
+    def segments(self, key: Key):
+        if key.span == self.U:
+            return self.inner.segments(key._replace(heads=-1, span=1))
+        raise KeyError(f"hybrid plan has no slot {key}")
+
+    def relabel(self, key: Key, u: int) -> Key:
+        return key._replace(heads=u, span=self.U)
+
+    def inner_ops(self, m: int, u: int, direction: str, blocks: bool) -> list[Op]:
+        src = self.inner.rank(m).ops(direction) if blocks else self.inner.round_ops(m, direction)
+        U, out = self.U, []
+        for op in src:
+            t = type(op)
+            if t is Free:  # the combined list gets its own Frees
+                continue
+            if t is Post:
+                out.append(Post(op.round + 1,
+                                tuple(Transfer(x.peer * U + u, self.relabel(x.key, u)) for x in op.sends),
+                                tuple(Transfer(x.peer * U + u, self.relabel(x.key, u)) for x in op.recvs)))
+            elif t is Wait:
+                out.append(Wait(op.round + 1))
+            else:
+                fields = {}
+                for name, v in zip(op._fields, op):
+                    if isinstance(v, Key):
+                        fields[name] = self.relabel(v, u)
+                    elif isinstance(v, tuple) and v and isinstance(v[0], Key):
+                        fields[name] = tuple(self.relabel(k, u) for k in v)
+                out.append(op._replace(**fields))
+        return out
+
+    def heads(self, side: str, p: int) -> tuple[int, int]:
+        return head_slice(side, p, self.U, self.shape.heads, self.shape.kv_heads)
+
+    def lower(self, g: int, direction: str, blocks: bool = True) -> list[Op]:
+        U, backward = self.U, direction == "backward"
+        m, u = divmod(g, U)
+        group = [m * U + p for p in range(U)]
+        peers = [x for x in group if x != g]
+        in_kinds = ("do",) if backward else ("q", "kv")
+        ops: list[Op] = []
+        if peers:  # the all-to-all: my chunk's head slice p to rank p, their chunks' slice u to me
+            ops.append(Post(1, tuple(Transfer(x, Key(k, g, heads=x - m * U)) for x in peers for k in in_kinds),
+                            tuple(Transfer(x, Key(k, x, heads=u)) for x in peers for k in in_kinds)))
+            ops.append(Wait(1))
+        if blocks:
+            for k in in_kinds:
+                for p, x in enumerate(group):
+                    ops.append(Copy(Key(k, x, heads=u), Key(k, m, heads=u, span=U), into=self.pieces[p]))
+            # the inner plan's own input cuts (slots of its chunk) come from the assembled buffers
+            rp = self.inner.rank(m)
+            for key, segs in (rp.backward_inputs if backward else rp.forward_inputs).items():
+                if key.slot >= 0:
+                    ops.append(Copy(self.relabel(key._replace(slot=-1), u), self.relabel(key, u), rows=segs))
+        ops.extend(self.inner_ops(m, u, direction, blocks))
+        out_kinds = ("dq", "dkv") if backward else ("o",)
+        if blocks:
+            for k in out_kinds:
+                for p, x in enumerate(group):
+                    ops.append(Copy(Key(k, m, heads=u, span=U), Key(k, x, heads=u), rows=self.pieces[p]))
+        last = self.last_round[direction] + 2
+        if peers:
+            ops.append(Post(last, tuple(Transfer(x, Key(k, x, heads=u)) for x in peers for k in out_kinds),
+                            tuple(Transfer(x, Key(k, g, heads=x - m * U)) for x in peers for k in out_kinds)))
+            ops.append(Wait(last))
+        if blocks:  # assemble my chunk's head slices (dK/dV of a replicated KV head: summed)
+            for k in out_kinds:
+                side = "kv" if k == "dkv" else "q"
+                for p in range(U):
+                    src = Key(k, g, heads=p)
+                    if backward:
+                        ops.append(AddGrad(src, Key(k, g), heads=self.heads(side, p)))
+                    else:
+                        ops.append(Copy(src, Key(k, g), heads=self.heads(side, p)))
+        return ops
+
+    def round_ops(self, g: int, direction: str) -> tuple[Op, ...]:
+        return tuple(op for op in self.lower(g, direction, blocks=False) if type(op) in (Post, Wait))
+
+    def rank_plan(self, g: int) -> RankPlan:
+        U = self.U
+        m, u = divmod(g, U)
+        whole = (Segment(0, self.T),)
+        inner = self.inner.rank(m)
+        kept = {Key("q", m, heads=u, span=U), Key("kv", m, heads=u, span=U)}
+        saved = tuple(sorted(kept | {self.relabel(k, u) for k in inner.saved}))
+        output, grad_q, grad_kv = Key("o", g), Key("dq", g), Key("dkv", g)
+        forward = insert_frees(self.lower(g, "forward"), keep={output, *saved})
+        backward = insert_frees(self.lower(g, "backward"), keep={grad_q, grad_kv})
+        fwd_in = {Key(k, g, heads=p): whole for k in ("q", "kv") for p in range(U)}
+        bwd_in = {Key("do", g, heads=p): whole for p in range(U)}
+        return RankPlan(rank=g, seq_local=self.T, forward=forward, backward=backward, forward_inputs=fwd_in,
+                        backward_inputs=bwd_in, output=output, grad_q=grad_q, grad_kv=grad_kv, saved=saved)

@@ -1,0 +1,365 @@
+"""The attention mask, defined once: documents, causality and a sliding window over the global
+sequence -- and the classification of a block (some query tokens x some key tokens) under it.
+
+A token of the global (unsharded) sequence has a position and belongs to at most one
+*document*. Query token i may attend key token j iff both are in the same document, j <= i when
+``causal``, and i - j <= left and j - i <= right for a window (left, right) (flash-attn /
+Megatron convention; None = unlimited). Dense causal attention is the special case "one
+document, no window". Tokens in no document (the padding of Transformer Engine's THD layout)
+attend nothing and are attended by nothing: their output is 0.
+
+Because a document is an interval and the window bounds i - j on both sides, the keys a query
+may attend form one interval :meth:`Mask.keys` -- which is what makes blocks cheap to classify:
+cut the query and key tokens of a block into runs of consecutive positions inside one document;
+a pair of runs (q positions [qa, qa+n), k positions [ka, ka+m), same document) allows exactly
+the pairs with i - j in the band [lo, hi] (lo = 0 if causal else -right, hi = left), so it is
+*empty*, *full* or *banded*, decided from its corners (:func:`pair_kind`).
+
+Worked example (S = 16, documents [0, 6) and [6, 16), causal, window (3, None)); rank 1 of the
+zigzag over P = 4 holds positions [2, 3, 12, 13]::
+
+    query 13 may attend keys [10, 13]  (document [6, 16), window 3)
+    query  3 may attend keys [0, 3]
+    block q = rank 1's tokens x k = rank 0's [0, 1, 14, 15]:
+        (q 2..3, k 0..1)   same document, i - j in [1, 3] within [0, 3]: full
+        (q 12..13, k 0..1) other document: empty
+        (q .., k 14..15)   keys after every query: empty
+    -> rows [0:2] x cols [0:2] of the block, full: the plan computes only that.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import NamedTuple
+
+from .ir import Segment
+
+__all__ = ["Mask", "BlockClass", "classify_block", "pair_kind", "band_pairs", "CAUSAL", "FULL"]
+
+INF = float("inf")
+
+
+@dataclass(frozen=True)
+class Mask:
+    """See the module docstring. ``documents``: sorted, disjoint (start, stop) intervals of global
+    positions (None: the whole sequence is one document); ``window``: (left, right), each an int
+    >= 0 or None (unlimited)."""
+
+    causal: bool = True
+    window: tuple = (None, None)
+    documents: tuple | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.causal, bool):
+            raise ValueError(f"causal must be True or False, got {self.causal!r}")
+        w = self.window
+        if w is None:
+            object.__setattr__(self, "window", (None, None))
+            w = self.window
+        if not isinstance(w, tuple) or len(w) != 2:
+            raise ValueError(f"window must be (left, right) with ints >= 0 or None, got {w!r}")
+        for side, v in zip(("left", "right"), w):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ValueError(f"window {side} must be an int >= 0 or None (unlimited), got {v!r}")
+        if self.causal and w[1] not in (None, 0):
+            raise ValueError(f"window right {w[1]} > 0 with causal attention: a causal query never sees a later "
+                             "key, so right must be 0 or None")
+        if self.causal and w[1] is None:
+            object.__setattr__(self, "window", (w[0], 0))
+        if self.documents is not None:
+            docs = tuple((int(a), int(b)) for a, b in self.documents)
+            prev = None
+            for a, b in docs:
+                if not a < b or (prev is not None and a < prev):
+                    raise ValueError(f"documents must be sorted, non-empty, disjoint (start, stop) intervals, "
+                                     f"got {self.documents!r}")
+                prev = b
+            object.__setattr__(self, "documents", docs)
+
+    # -- construction ----------------------------------------------------------------------------
+    @classmethod
+    def from_cu_seqlens(cls, cu_seqlens, seq_len: int, causal: bool = True, window=None) -> "Mask":
+        """Documents of a packed sequence of ``seq_len`` tokens from their boundaries
+        (``cu_seqlens``: 0 = c0 < c1 < ... < cn = seq_len; Megatron's global zigzag layout)."""
+        cu = [int(c) for c in cu_seqlens]
+        if len(cu) < 2 or cu[0] != 0 or cu[-1] != seq_len or any(b <= a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens must be strictly increasing from 0 to the global sequence length "
+                             f"{seq_len}, got {cu_seqlens!r}")
+        return cls(causal, window, tuple(zip(cu, cu[1:]))).normalized(seq_len)
+
+    def normalized(self, seq_len: int) -> "Mask":
+        """The same mask in its simplest form over a sequence of ``seq_len`` tokens: one document
+        covering everything is no document; a window that cannot bite is no window."""
+        docs = self.documents
+        if docs is not None and docs == ((0, seq_len),):
+            docs = None
+        left, right = self.window
+        longest = seq_len if docs is None else max((b - a for a, b in docs), default=0)
+        if left is not None and left >= longest - 1:
+            left = None
+        if right is not None and not self.causal and right >= longest - 1:
+            right = None
+        if self.causal:
+            right = 0
+        m = Mask(self.causal, (left, right), docs)
+        return m
+
+    @property
+    def is_dense(self) -> bool:
+        """Plain causal or full attention (no documents, no window): the zigzag rule applies."""
+        return self.documents is None and self.window[0] is None and (self.causal or self.window[1] is None)
+
+    # -- the rule ----------------------------------------------------------------------------------
+    def band(self) -> tuple[float, float]:
+        """Allowed range of i - j inside one document: [lo, hi]."""
+        left, right = self.window
+        lo = 0 if self.causal else (-right if right is not None else -INF)
+        hi = left if left is not None else INF
+        return lo, hi
+
+    def document(self, pos: int) -> tuple[int, int] | None:
+        """The (start, stop) of the document holding ``pos`` (None: padding)."""
+        if self.documents is None:
+            return (0, INF)  # type: ignore[return-value]
+        i = bisect_right(self.documents, (pos, INF)) - 1
+        if i >= 0 and self.documents[i][0] <= pos < self.documents[i][1]:
+            return self.documents[i]
+        return None
+
+    def keys(self, i: int, seq_len: int) -> tuple[int, int] | None:
+        """The keys query ``i`` may attend: [lo, hi) (None: none)."""
+        doc = self.document(i)
+        if doc is None:
+            return None
+        lo_d, hi_d = self.band()
+        lo = max(doc[0], 0, i - hi_d)
+        hi = min(doc[1], seq_len, i - lo_d + 1)
+        return (int(lo), int(hi)) if lo < hi else None
+
+    def allows(self, i: int, j: int) -> bool:
+        doc = self.document(i)
+        if doc is None or not doc[0] <= j < doc[1]:
+            return False
+        lo, hi = self.band()
+        return lo <= i - j <= hi
+
+    # -- text --------------------------------------------------------------------------------------
+    def text(self) -> str:
+        """Compact text, e.g. ``causal``, ``full``, ``causal,window=128:0,docs=0:6:16``."""
+        parts = ["causal" if self.causal else "full"]
+        if self.window != (None, 0 if self.causal else None):
+            l, r = self.window
+            parts.append(f"window={'-' if l is None else l}:{'-' if r is None else r}")
+        if self.documents is not None:
+            parts.append("docs=" + ";".join(f"{a}:{b}" for a, b in self.documents))
+        return ",".join(parts)
+
+    @classmethod
+    def from_text(cls, text: str) -> "Mask":
+        parts = text.split(",")
+        if parts[0] not in ("causal", "full"):
+            raise ValueError(f"mask text {text!r} must start with 'causal' or 'full'")
+        causal, window, docs = parts[0] == "causal", None, None
+        for p in parts[1:]:
+            name, _, val = p.partition("=")
+            if name == "window":
+                l, r = val.split(":")
+                window = (None if l == "-" else int(l), None if r == "-" else int(r))
+            elif name == "docs":
+                docs = tuple(tuple(int(x) for x in d.split(":")) for d in val.split(";"))
+            else:
+                raise ValueError(f"unknown mask field {name!r} in {text!r}")
+        return cls(causal, window, docs)
+
+
+CAUSAL = Mask(True)
+FULL = Mask(False)
+
+
+# -- pairs of runs --------------------------------------------------------------------------------
+def pair_kind(qa: int, n: int, ka: int, m: int, lo: float, hi: float) -> str:
+    """'empty', 'full' or 'band': queries [qa, qa+n) x keys [ka, ka+m) of one document under the
+    band lo <= i - j <= hi."""
+    dmin, dmax = qa - (ka + m - 1), qa + n - 1 - ka
+    if dmax < lo or dmin > hi or lo > hi:
+        return "empty"
+    if dmin >= lo and dmax <= hi:
+        return "full"
+    return "band"
+
+
+def band_pairs(qa: int, n: int, ka: int, m: int, lo: float, hi: float) -> int:
+    """How many (i, j) with i in [qa, qa+n), j in [ka, ka+m) have lo <= i - j <= hi.
+
+    Closed form: query x sees keys [A(x), B(x)] with A = max(ka, x - hi), B = min(ka + m - 1,
+    x - lo); the count B - A + 1 (clamped at 0) is linear with slope -1, 0 or 1 between the
+    points where A or B switch sides, so each piece is an arithmetic series."""
+    if n <= 0 or m <= 0:
+        return 0
+    big = 4 * (n + m + abs(qa - ka)) + 4  # a band edge beyond this never binds
+    lo_i = -big if lo == -INF else max(-big, min(big, int(lo)))
+    hi_i = big if hi == INF else max(-big, min(big, int(hi)))
+
+    def f(x: int) -> int:
+        return min(ka + m - 1, x - lo_i) - max(ka, x - hi_i) + 1
+
+    cuts = sorted({qa, qa + n} | {c for c in (ka + hi_i, ka + m - 1 + lo_i) if qa < c < qa + n})
+    total = 0
+    for x0, x1 in zip(cuts, cuts[1:]):
+        f0, last = f(x0), x1 - 1
+        slope = f(last) - f0 if last > x0 else 0
+        slope = (slope > 0) - (slope < 0)
+        if slope == 0:
+            total += (x1 - x0) * max(0, f0)
+            continue
+        if slope > 0:  # positive from x0 + max(0, 1 - f0) on
+            a = x0 + max(0, 1 - f0)
+            b = last
+        else:  # positive up to x0 + f0 - 1
+            a = x0
+            b = min(last, x0 + f0 - 1)
+        if a <= b:
+            total += (f(a) + f(b)) * (b - a + 1) // 2
+    return total
+
+
+# -- blocks ----------------------------------------------------------------------------------------
+class BlockClass(NamedTuple):
+    """What a plan computes of a block: ``rows`` (selection of the query buffer) x ``cols`` (one
+    selection per key/value buffer), all empty-free, with kernel mask ``kind`` ("full",
+    "causal" or "masked"); ``pairs`` = allowed (query, key) pairs (the work)."""
+
+    kind: str
+    rows: tuple
+    cols: tuple
+    pairs: int
+
+
+def _split(runs, mask: Mask) -> list[tuple[int, int, int, object]]:
+    """(local offset, global start, length, document) sub-runs of position runs cut at document
+    boundaries; ``runs`` are (start, length) in buffer order."""
+    out = []
+    local = 0
+    docs = mask.documents
+    for start, length in runs:
+        pos, end = start, start + length
+        while pos < end:
+            if docs is None:
+                out.append((local, pos, end - pos, 0))
+                local += end - pos
+                break
+            i = bisect_right(docs, (pos, INF)) - 1
+            if i >= 0 and docs[i][0] <= pos < docs[i][1]:
+                stop = min(end, docs[i][1])
+                doc = i
+            else:  # padding up to the next document
+                nxt = docs[i + 1][0] if i + 1 < len(docs) else end
+                stop, doc = min(end, nxt), None
+            out.append((local, pos, stop - pos, doc))
+            local += stop - pos
+            pos = stop
+    return out
+
+
+def _union(intervals: list[tuple[int, int]]) -> tuple[Segment, ...]:
+    out: list[Segment] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1].stop:
+            if b > out[-1].stop:
+                out[-1] = Segment(out[-1].start, b)
+        else:
+            out.append(Segment(a, b))
+    return tuple(out)
+
+
+@lru_cache(maxsize=65536)
+def classify_block(mask: Mask, q_runs: tuple, kv_runs: tuple) -> BlockClass | None:
+    """The part of block (query tokens ``q_runs`` x key tokens ``kv_runs[i]`` of the i-th key/value
+    buffer) that has allowed pairs, and the kernel mask for it; None when it has none.
+
+    Runs are (global start, length) in buffer order. Rows and columns with no allowed pair are
+    trimmed away (a window needs only the halo of a neighbouring chunk). The result is "full"
+    when every remaining pair is allowed, "causal" when the remaining query and key tokens are
+    the same positions in increasing order inside one document and the band does not cut within
+    them (top-left causal on the block), else "masked" (the kernel masks by position)."""
+    lo, hi = mask.band()
+    qs = _split(q_runs, mask)
+    kvs = [_split(r, mask) for r in kv_runs]
+    rows: list[tuple[int, int]] = []
+    cols: list[list[tuple[int, int]]] = [[] for _ in kvs]
+    pairs = 0
+    kinds = set()
+    for ql, qa, n, qd in qs:
+        if qd is None:
+            continue
+        for b, ks in enumerate(kvs):
+            for kl, ka, m, kd in ks:
+                if kd != qd:
+                    continue
+                kind = pair_kind(qa, n, ka, m, lo, hi)
+                if kind == "empty":
+                    continue
+                kinds.add(kind)
+                if kind == "full":
+                    rows.append((ql, ql + n))
+                    cols[b].append((kl, kl + m))
+                    pairs += n * m
+                else:
+                    # rows with a key in range: i in [ka + lo, ka + m - 1 + hi]; keys: j in [qa - hi, qa + n - 1 - lo]
+                    r0 = max(qa, ka + lo) if lo != -INF else qa
+                    r1 = min(qa + n, ka + m + hi) if hi != INF else qa + n
+                    c0 = max(ka, qa - hi) if hi != INF else ka
+                    c1 = min(ka + m, qa + n - lo) if lo != -INF else ka + m
+                    rows.append((ql + int(r0) - qa, ql + int(r1) - qa))
+                    cols[b].append((kl + int(c0) - ka, kl + int(c1) - ka))
+                    pairs += band_pairs(qa, n, ka, m, lo, hi)
+    if pairs == 0:
+        return None
+    row_sel = _union(rows)
+    col_sels = tuple(_union(c) for c in cols)
+    kind = _kernel_kind(mask, kinds, qs, kvs, row_sel, col_sels, pairs)
+    return BlockClass(kind, row_sel, col_sels, pairs)
+
+
+def _positions(subruns, sel: tuple[Segment, ...]) -> list[tuple[int, int, object]]:
+    """(global start, length, doc) runs of the selected local tokens of a split buffer."""
+    out = []
+    for s in sel:
+        for local, start, length, doc in subruns:
+            a, b = max(s.start, local), min(s.stop, local + length)
+            if a < b:
+                out.append((start + a - local, b - a, doc))
+    return out
+
+
+def _kernel_kind(mask: Mask, kinds: set, qs, kvs, rows, cols, pairs: int) -> str:
+    nrows = sum(s.stop - s.start for s in rows)
+    ncols = sum(s.stop - s.start for sel in cols for s in sel)
+    if kinds == {"full"} and pairs == nrows * ncols:
+        return "full"
+    # causal: the kept query and key tokens are the same positions, increasing, in one document,
+    # and every i >= j among them is allowed (the band's upper edge does not cut inside)
+    used = [b for b, sel in enumerate(cols) if sel]
+    if mask.causal and len(used) == 1 and nrows == ncols:
+        qp = _positions(qs, rows)
+        kp = _positions(kvs[used[0]], cols[used[0]])
+        flat_q = [(s, l) for s, l, _ in qp]
+        if _merge_runs(flat_q) == _merge_runs([(s, l) for s, l, _ in kp]) and len({d for *_, d in qp}) == 1:
+            increasing = all(a[0] + a[1] <= b[0] for a, b in zip(flat_q, flat_q[1:]))
+            span = flat_q[-1][0] + flat_q[-1][1] - 1 - flat_q[0][0]
+            _, hi = mask.band()
+            if increasing and hi >= span and pairs == nrows * (nrows + 1) // 2:
+                return "causal"
+    return "masked"
+
+
+def _merge_runs(runs):
+    out = []
+    for s, l in runs:
+        if out and out[-1][0] + out[-1][1] == s:
+            out[-1] = (out[-1][0], out[-1][1] + l)
+        else:
+            out.append((s, l))
+    return out

@@ -1,0 +1,316 @@
+"""Mask-aware plans: every mode under documents, sliding windows or the THD layout.
+
+A dense plan (ring, Mesh, TASP over causal or full attention) forwards whole chunks around rings,
+because every rank needs (part of) every chunk on its rings. A mask breaks that: with a window
+shorter than a chunk, a rank needs only the halo of its two zigzag neighbours; with short
+documents, only the chunks that share one of its documents. This module builds those plans
+from the mask itself, for every mode:
+
+1. **Blocks.** Every (query chunk i, key/value chunk j) is classified under the mask
+   (:func:`~.mask.classify_block`): empty blocks are dropped, the others trimmed to the rows and
+   columns that have allowed pairs.
+2. **Assignment** (which rank computes each block) -- the mode's identity: ring and TASP give
+   block (i, j) to the query owner i (ship K/V, keep Q home); Mesh gives it to its tile owner, or
+   -- when the mask leaves the tile nothing to gain -- to the query owner too: of the two
+   assignments it takes the one whose busiest rank moves fewer bytes (so a windowed Mesh plan
+   degenerates to the halo exchange, instead of shipping Q chunks and partial outputs to other
+   ranks for blocks next to the diagonal).
+3. **Transfers.** Each rank receives exactly the tokens its blocks read, straight from their
+   owner, once: a *slot* of chunk x for needer y holds the rows (or columns) of chunk x that y's
+   blocks use. No chunk reaches a rank none of whose blocks needs it; partial outputs and
+   gradients go back only for those tokens, in one final round, and are merged into the owner's
+   rows (``into`` = the slot's segments). Rounds: ring and Mesh pull by *shift* -- in round d,
+   rank x receives from x - d and sends to x + d, so every round is a permutation and blocks start
+   as soon as their pieces arrive; TASP pulls everything in one round over all links at once.
+
+Slot names: ``q{x}.{y}`` are the rows of chunk x rank y needs (also ``do``, ``o``, ``dq`` of those
+rows), ``kv{x}.{P+y}`` the columns (also ``dkv``).
+
+Worked example (P = 4, zigzag, causal, window (2, 0), S = 16: halves of 2 tokens; rank 1 holds
+positions [2, 3, 12, 13]): its rows [2, 3] need keys [0, 1] of rank 0's front half, its rows
+[12, 13] need keys [10, 11] of rank 2's back half. Ring attention's plan for rank 1 therefore::
+
+    post 1: send kv1.5->2 | recv kv0.5<-0          # shift 1: rank 0's columns [0:2]; rank 2 needs ours
+    attend q1 x kv1 masked -> o1                   # the local block (a window cuts it)
+    post 3: send kv1.7->0 | recv kv2.7<-2          # shift 3 (= -1): rank 2's columns [2:4]
+    wait 1
+    attend q1[0:2] x kv0.5 masked -> o1
+    wait 3
+    attend q1[2:4] x kv2.7 masked -> o1
+
+moving 2 of the 12 tokens ring attention would move.
+"""
+
+from __future__ import annotations
+
+from .accounting import AttentionShape, buffer_bytes
+from .ir import (AddGrad, Attend, AttendBackward, Key, MergeOut, Op, Plan, Post, RankPlan, Segment, Transfer,
+                 Wait, relative_selection)
+from .mask import Mask, classify_block
+from .passes import insert_frees
+
+__all__ = ["build_sparse_plan", "block_table"]
+
+
+def block_table(P: int, mask: Mask, layout) -> dict[tuple[int, int], object]:
+    """{(i, j): BlockClass} of every block with allowed pairs."""
+    runs = [tuple((a, n) for _, a, n in layout.runs(g)) for g in range(P)]
+    out = {}
+    for i in range(P):
+        for j in range(P):
+            c = classify_block(mask, runs[i], (runs[j],))
+            if c is not None:
+                out[(i, j)] = c
+    return out
+
+
+def _union(sels) -> tuple[Segment, ...]:
+    segs = sorted(s for sel in sels for s in sel)
+    out: list[Segment] = []
+    for a, b in segs:
+        if out and a <= out[-1].stop:
+            if b > out[-1].stop:
+                out[-1] = Segment(out[-1].start, b)
+        else:
+            out.append(Segment(a, b))
+    return tuple(out)
+
+
+class _Needs:
+    """For one assignment: which rows / columns of which chunk each rank reads from others."""
+
+    def __init__(self, P: int, table: dict, owner):
+        self.P = P
+        self.blocks: list[list[tuple[int, int]]] = [[] for _ in range(P)]  # rank -> its blocks
+        rows: dict[tuple[int, int], list] = {}  # (needer, chunk) -> row selections
+        cols: dict[tuple[int, int], list] = {}
+        for (i, j), c in table.items():
+            x = owner(i, j)
+            self.blocks[x].append((i, j))
+            if i != x:
+                rows.setdefault((x, i), []).append(c.rows)
+            if j != x:
+                cols.setdefault((x, j), []).append(c.cols[0])
+        self.rows = {k: _union(v) for k, v in rows.items()}
+        self.cols = {k: _union(v) for k, v in cols.items()}
+
+    def bytes_per_rank(self, shape: AttentionShape, keep: bool) -> list[int]:
+        """Sent + received bytes of each rank, forward and backward."""
+        per_row = {k: buffer_bytes(k, 1, shape) for k in ("q", "kv", "o", "do", "dq", "dkv")}
+        # forward: pull q / kv, return o; backward: pull (q,) do / (kv), return dq / dkv
+        row_kinds = ("q", "o", "do", "dq") + (() if keep else ("q",))
+        col_kinds = ("kv", "dkv") + (() if keep else ("kv",))
+        traffic = [0] * self.P
+        for table, kinds in ((self.rows, row_kinds), (self.cols, col_kinds)):
+            for (x, c), sel in table.items():
+                n = sum(s.stop - s.start for s in sel)
+                b = n * sum(per_row[k] for k in kinds)
+                traffic[x] += b
+                traffic[c] += b
+        return traffic
+
+
+def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layout, *, tile=None,
+                      contiguous: str = "q", backward_chunks: str = "refetch", schedule: str = "greedy",
+                      gpus_per_node: int | None = None) -> Plan:
+    """The mask-aware plan of ``mode`` ("ring", "mesh" with ``tile``, or "tasp") -- see the module
+    docstring."""
+    T = shape.seq_local
+    table = block_table(P, mask, layout)
+    keep = backward_chunks == "keep"
+    notes: list[str] = []
+    options = {"backward_chunks": backward_chunks, "transfers": "direct"}
+    if mode == "mesh" and tile is not None and tile != (1, P):
+        from .mesh import TileMap
+
+        tiles = TileMap(tile[0], tile[1], contiguous)
+        by_tile = _Needs(P, table, tiles.owner)
+        by_row = _Needs(P, table, lambda i, j: i)
+        if max(by_row.bytes_per_rank(shape, keep)) < max(by_tile.bytes_per_rank(shape, keep)):
+            needs, assignment = by_row, "query owner"
+            notes.append(f"the mask leaves tile {tile[0]}x{tile[1]} nothing to gain: every block is computed by its "
+                         f"query chunk's owner (fewer bytes on the busiest rank than the tile map)")
+        else:
+            needs, assignment = by_tile, "tile"
+        options["contiguous"] = contiguous
+    else:
+        needs, assignment = _Needs(P, table, lambda i, j: i), "query owner"
+    options["assignment"] = assignment
+    burst = mode == "tasp"
+    if burst:
+        options["gpus_per_node"] = gpus_per_node
+    slots: dict = {}
+    for (x, c), sel in needs.rows.items():
+        slots[(1, c, x)] = sel
+    for (x, c), sel in needs.cols.items():
+        slots[(1, c, P + x)] = sel
+    lowering = _SparseLowering(P, T, needs, table, slots, keep, burst)
+    notes.append(f"mask {mask.text()}: {len(table)} of {P * P} chunk blocks have allowed pairs; each rank receives "
+                 f"only the tokens its blocks read, from their owner ({'one round' if burst else 'one round per shift'})")
+    return Plan(mode=mode, world_size=P, seq_local=T, mask=mask, layout=layout, build_rank=lowering.rank_plan,
+                build_rounds=lowering.round_ops, slots=slots, tile=tile if mode == "mesh" else None,
+                schedule="burst" if burst else "shift", options=options, notes=tuple(notes))
+
+
+class _SparseLowering:
+    def __init__(self, P: int, T: int, needs: _Needs, table: dict, slots: dict, keep: bool, burst: bool):
+        self.P, self.T, self.needs, self.table, self.slots, self.keep, self.burst = P, T, needs, table, slots, keep, burst
+        # who needs my rows / columns: chunk -> [needer]
+        self.row_needers: dict[int, list[int]] = {}
+        self.col_needers: dict[int, list[int]] = {}
+        for x, c in needs.rows:
+            self.row_needers.setdefault(c, []).append(x)
+        for x, c in needs.cols:
+            self.col_needers.setdefault(c, []).append(x)
+        for v in (*self.row_needers.values(), *self.col_needers.values()):
+            v.sort()
+
+    # -- keys: my own chunk's buffers are whole; a remote piece is the slot made for me -------------
+    def qkey(self, kind: str, chunk: int, x: int, incoming: bool = False) -> Key:
+        return Key(kind, chunk) if chunk == x and not incoming else Key(kind, chunk, x, incoming)
+
+    def kvkey(self, kind: str, chunk: int, x: int, incoming: bool = False) -> Key:
+        return Key(kind, chunk) if chunk == x and not incoming else Key(kind, chunk, self.P + x, incoming)
+
+    def _shift(self, x: int, peer: int, sending: bool) -> int:
+        """Round of a pull between x and ``peer``: the shift d with peer = x + d (x sends) or
+        x - d (x receives); one round for everything in burst mode."""
+        return 1 if self.burst else ((peer - x) % self.P if sending else (x - peer) % self.P)
+
+    def _pulls(self, x: int, direction: str) -> dict[int, tuple[list, list]]:
+        """Round -> (sends, recvs) of the pulls of ``direction``."""
+        backward = direction == "backward"
+        row_kinds = (("do",) if self.keep else ("q", "do")) if backward else ("q",)
+        col_kinds = (() if self.keep else ("kv",)) if backward else ("kv",)
+        rounds: dict[int, tuple[list, list]] = {}
+        for y in self.row_needers.get(x, ()):  # my rows others need
+            for kind in row_kinds:
+                rounds.setdefault(self._shift(x, y, True), ([], []))[0].append(Transfer(y, Key(kind, x, y)))
+        for y in self.col_needers.get(x, ()):
+            for kind in col_kinds:
+                rounds.setdefault(self._shift(x, y, True), ([], []))[0].append(Transfer(y, Key(kind, x, self.P + y)))
+        for (needer, c) in self.needs.rows:
+            if needer == x:
+                for kind in row_kinds:
+                    rounds.setdefault(self._shift(x, c, False), ([], []))[1].append(Transfer(c, Key(kind, c, x)))
+        for (needer, c) in self.needs.cols:
+            if needer == x:
+                for kind in col_kinds:
+                    rounds.setdefault(self._shift(x, c, False), ([], []))[1].append(Transfer(c, Key(kind, c, self.P + x)))
+        return rounds
+
+    def _returns(self, x: int, direction: str) -> tuple[list, list, list]:
+        """The final round: my partials of others' tokens go home; theirs of mine arrive (and are
+        merged / added at the listed segments)."""
+        backward = direction == "backward"
+        sends, recvs, merges = [], [], []
+        for (needer, c) in sorted(self.needs.rows):
+            if needer == x:
+                for kind in (("dq",) if backward else ("o",)):
+                    sends.append(Transfer(c, Key(kind, c, x)))
+        if backward:
+            for (needer, c) in sorted(self.needs.cols):
+                if needer == x:
+                    sends.append(Transfer(c, Key("dkv", c, self.P + x)))
+        for y in self.row_needers.get(x, ()):
+            kind = "dq" if backward else "o"
+            k = Key(kind, x, y, incoming=True)
+            recvs.append(Transfer(y, k))
+            merges.append((AddGrad if backward else MergeOut)(k, Key(kind, x), self.slots[(1, x, y)]))
+        if backward:
+            for y in self.col_needers.get(x, ()):
+                k = Key("dkv", x, self.P + y, incoming=True)
+                recvs.append(Transfer(y, k))
+                merges.append(AddGrad(k, Key("dkv", x), self.slots[(1, x, self.P + y)]))
+        return sends, recvs, merges
+
+    def _block(self, x: int, i: int, j: int, backward: bool) -> Op:
+        c = self.table[(i, j)]
+        q = self.qkey("q", i, x)
+        kv = self.kvkey("kv", j, x)
+        rows = self._local(c.rows, i, x, (1, i, x))
+        col = self._local(c.cols[0], j, x, (1, j, self.P + x))
+        cols = None if col is None else (col,)
+        if backward:
+            return AttendBackward(q, self.qkey("do", i, x), (kv,), self.qkey("dq", i, x),
+                                  (self.kvkey("dkv", j, x),), rows, cols, c.kind)
+        return Attend(q, (kv,), self.qkey("o", i, x), rows, cols, c.kind)
+
+    def _local(self, sel, chunk: int, x: int, slot) -> tuple | None:
+        """A chunk-local selection in the coordinates of the buffer x holds (None: all of it)."""
+        if chunk == x:
+            return None if sel == (Segment(0, self.T),) else sel
+        within = self.slots[slot]
+        local = relative_selection(sel, within)
+        return None if local == (Segment(0, sum(s.stop - s.start for s in within)),) else local
+
+    def lower(self, x: int, direction: str, blocks: bool = True) -> list[Op]:
+        backward = direction == "backward"
+        pulls = self._pulls(x, direction)
+        order = sorted(pulls)
+        mine = sorted(self.needs.blocks[x], key=lambda b: (b != (x, x), b))
+        # a block is ready once the rounds bringing its remote pieces have completed (rows always
+        # travel: q and/or do; columns not in a backward that kept them from the forward)
+        def ready_round(b: tuple[int, int]) -> int:
+            i, j = b
+            r = self._shift(x, i, False) if i != x else 0
+            if j != x and not (self.keep and backward):
+                r = max(r, self._shift(x, j, False))
+            return r
+        by_round: dict[int, list] = {}
+        for b in mine:
+            by_round.setdefault(ready_round(b), []).append(b)
+        ops: list[Op] = []
+
+        def compute(bs) -> None:
+            if blocks:
+                ops.extend(self._block(x, i, j, backward) for i, j in bs)
+
+        if order:
+            ops.append(Post(order[0], tuple(pulls[order[0]][0]), tuple(pulls[order[0]][1])))
+        compute(by_round.pop(0, []))
+        for n, t in enumerate(order):
+            if n + 1 < len(order):  # prefetch: the next round flies while this one's blocks compute
+                nxt = order[n + 1]
+                ops.append(Post(nxt, tuple(pulls[nxt][0]), tuple(pulls[nxt][1])))
+            ops.append(Wait(t))
+            compute(by_round.pop(t, []))
+        for t in sorted(by_round):  # blocks whose pieces came in rounds with nothing else for this rank
+            compute(by_round[t])
+        sends, recvs, merges = self._returns(x, direction)
+        if sends or recvs:
+            final = self.P if not self.burst else 2
+            ops.append(Post(final, tuple(sends), tuple(recvs)))
+            ops.append(Wait(final))
+            if blocks:
+                ops.extend(merges)
+        return ops
+
+    def round_ops(self, x: int, direction: str) -> tuple[Op, ...]:
+        return tuple(self.lower(x, direction, blocks=False))
+
+    def rank_plan(self, x: int) -> RankPlan:
+        P = self.P
+        whole = (Segment(0, self.T),)
+        q, kv, do = Key("q", x), Key("kv", x), Key("do", x)
+        fwd_in = {q: whole, kv: whole}
+        bwd_in = {q: whole, kv: whole, do: whole}
+        for y in self.row_needers.get(x, ()):
+            fwd_in[Key("q", x, y)] = self.slots[(1, x, y)]
+            bwd_in[Key("do", x, y)] = self.slots[(1, x, y)]
+            if not self.keep:
+                bwd_in[Key("q", x, y)] = self.slots[(1, x, y)]
+        for y in self.col_needers.get(x, ()):
+            fwd_in[Key("kv", x, P + y)] = self.slots[(1, x, P + y)]
+            if not self.keep:
+                bwd_in[Key("kv", x, P + y)] = self.slots[(1, x, P + y)]
+        saved: tuple[Key, ...] = ()
+        if self.keep:
+            saved = tuple(Key("q", c, x) for (n, c) in sorted(self.needs.rows) if n == x) + \
+                    tuple(Key("kv", c, P + x) for (n, c) in sorted(self.needs.cols) if n == x)
+        output, grad_q, grad_kv = Key("o", x), Key("dq", x), Key("dkv", x)
+        forward = insert_frees(self.lower(x, "forward"), keep={output, q, kv, *saved})
+        backward = insert_frees(self.lower(x, "backward"), keep={grad_q, grad_kv})
+        return RankPlan(rank=x, seq_local=self.T, forward=forward, backward=backward, forward_inputs=fwd_in,
+                        backward_inputs=bwd_in, output=output, grad_q=grad_q, grad_kv=grad_kv, saved=saved)
+

@@ -1,0 +1,100 @@
+"""Ulysses x (Mesh | TASP | ring) plans (pure Python): valid for every (U, M) and inner tile,
+with exact cover per head slice; the all-to-all moves what Ulysses moves (KV replication counted);
+bad head counts name the sizes."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_mesh.plan import (AttentionShape, Mask, Post, buffer_bytes, inner_shape, key_bytes, plan_bytes, resolve,
+                                tile_shapes, validate_plan)
+
+UM = [(2, 2), (2, 3), (3, 2), (2, 4), (4, 2)]
+
+
+def _shape(U: int, heads: int, kv_heads: int, T: int = 12) -> AttentionShape:
+    return AttentionShape(seq_local=T, batch=1, heads=heads, kv_heads=kv_heads, head_dim=8, itemsize=2)
+
+
+def _heads(U: int):
+    """(heads, kv_heads): MHA, GQA, MQA and GQA with fewer KV heads than U."""
+    h = 2 * U
+    return [(h, h), (h, U), (h, 1)] + ([(h, 2)] if U > 2 and U % 2 == 0 else [])
+
+
+@pytest.mark.parametrize("U, M", UM)
+def test_hybrid_plans_validate_for_every_inner_mode_and_tile(U, M):
+    P = U * M
+    for heads, kv in _heads(U):
+        shape = _shape(U, heads, kv)
+        for causal in (True, False):
+            mask = Mask(causal)
+            for t in tile_shapes(M):
+                validate_plan(resolve("a2a+mesh", P, shape, ulysses_size=U, tile=t, contiguous="q").build(shape, mask))
+            validate_plan(resolve("a2a+ring", P, shape, ulysses_size=U).build(shape, mask))
+            validate_plan(resolve("a2a+tasp", P, shape, ulysses_size=U).build(shape, mask))
+
+
+@pytest.mark.parametrize("U, M", [(2, 2), (2, 4), (4, 2)])
+def test_hybrid_plans_take_masks(U, M):
+    P, T = U * M, 12
+    shape = _shape(U, 2 * U, U)
+    for mask in (Mask(True, (3, 0)), Mask.from_cu_seqlens([0, 5, 30, P * T], P * T)):
+        for mode, kw in (("a2a+mesh", {"tile": "auto"}), ("a2a+ring", {}), ("a2a+tasp", {})):
+            validate_plan(resolve(mode, P, shape, ulysses_size=U, **kw).build(shape, mask))
+
+
+@pytest.mark.parametrize("U, heads, kv", [(2, 4, 4), (4, 8, 2), (4, 8, 1), (2, 4, 1)])
+def test_all_to_all_bytes_are_ulysses_bytes(U, heads, kv):
+    """Forward: q and k/v of U - 1 head slices out, partial outputs (fp32 + lse) of U - 1 slices
+    back; backward: dout (+ lse, delta) out, dq and dk/dv (fp32) back. A replicated KV head is sent
+    to each rank that needs it."""
+    P = 2 * U
+    shape = _shape(U, heads, kv)
+    plan = resolve("a2a+ring", P, shape, ulysses_size=U).build(shape)
+    sub = inner_shape(shape, U)
+    T = shape.seq_local
+    slice_bytes = lambda kind: buffer_bytes(kind, T, shape, sub.heads, sub.kv_heads)  # noqa: E731
+    fwd_a2a = (U - 1) * (slice_bytes("q") + slice_bytes("kv") + slice_bytes("o"))
+    bwd_a2a = (U - 1) * (slice_bytes("do") + slice_bytes("dq") + slice_bytes("dkv"))
+    ring = resolve("ring", 2, sub).build(sub)
+    inner = plan_bytes(ring, sub)[0]
+    for b in plan_bytes(plan, shape):
+        assert b.forward_sent == fwd_a2a + inner.forward_sent
+        assert b.backward_sent == bwd_a2a + inner.backward_sent
+    if kv < U:  # each rank gets one replicated KV head
+        first = next(op for op in plan.rank(0).forward if isinstance(op, Post))
+        kv_sends = [t for t in first.sends if t.key.kind == "kv"]
+        assert len(kv_sends) == U - 1 and all(key_bytes(plan, t.key, shape) == slice_bytes("kv") for t in kv_sends)
+
+
+@pytest.mark.parametrize("U, heads, kv, match", [
+    (3, 4, 4, r"query heads \(4\) must be divisible by the ulysses size \(3\)"),
+    (4, 8, 3, r"kv heads \(3\) must be divisible by the ulysses size \(4\) or divide it"),
+])
+def test_bad_head_counts_name_the_sizes(U, heads, kv, match):
+    shape = AttentionShape(seq_local=4, heads=heads, kv_heads=kv if heads % kv == 0 else 1, head_dim=8)
+    if heads % kv:
+        shape = AttentionShape(seq_local=4, heads=12, kv_heads=3, head_dim=8)
+    with pytest.raises(ValueError, match=match):
+        resolve("a2a+mesh", 2 * U, shape, ulysses_size=U)
+
+
+def test_ulysses_size_must_divide_the_cp_size_and_fit_a_node():
+    shape = AttentionShape(seq_local=4, heads=4, kv_heads=4, head_dim=8)
+    with pytest.raises(ValueError, match=r"ulysses_size 4 must be a positive divisor of the CP size 6"):
+        resolve("a2a+ring", 6, shape, ulysses_size=4)
+    with pytest.raises(ValueError, match=r"ulysses_size 4 must divide the CP ranks per node 2"):
+        resolve("a2a+ring", 8, shape, ulysses_size=4, ranks_per_node=2)
+    with pytest.raises(ValueError, match=r"needs ulysses_size"):
+        resolve("a2a+mesh", 8, shape)
+
+
+def test_hybrid_work_is_balanced_per_head_slice():
+    from megatron_mesh.plan import rank_work
+
+    shape = _shape(2, 4, 2)
+    plan = resolve("a2a+mesh", 8, shape, ulysses_size=2, tile=(2, 2), contiguous="q").build(shape)
+    for direction in ("forward", "backward"):
+        work = rank_work(plan, direction)
+        assert max(work) == min(work), work

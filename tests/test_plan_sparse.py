@@ -1,0 +1,123 @@
+"""Mask-aware plans (pure Python): valid for every mode under documents, windows and the THD
+layout; empty blocks skipped in compute and in communication; a window of half a chunk degrades
+every mode to a halo exchange."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_mesh.plan import (Attend, AttendBackward, AttentionShape, Mask, ThdLayout, plan_bytes, rank_work,
+                                resolve, tile_shapes, validate_plan)
+from megatron_mesh.plan.ir import MergeOut, AddGrad
+
+SHAPE = dict(batch=1, heads=4, kv_heads=2, head_dim=8, itemsize=2)
+
+
+def placements(P: int, shape: AttentionShape):
+    yield resolve("ring", P, shape)
+    for t in tile_shapes(P):
+        yield resolve("mesh", P, shape, tile=t, contiguous="q")
+    yield resolve("tasp", P, shape)
+
+
+def masks(S: int, T: int):
+    """Documents shorter than a half-chunk, crossing chunk and rank boundaries, one document,
+    many one-token documents; windows of one token, less than a half-chunk, several chunks."""
+    h = T // 2
+    yield Mask.from_cu_seqlens([0, h // 2 or 1, S], S)
+    yield Mask.from_cu_seqlens(sorted({0, S} | {c for c in (3, h + 1, 3 * h + 2, S - 1) if 0 < c < S}), S)
+    yield Mask.from_cu_seqlens(list(range(0, S + 1)), S)  # every token its own document
+    yield Mask(True, (1, 0))
+    yield Mask(True, (max(1, h // 2), 0))
+    yield Mask(True, (3 * T, 0))
+    yield Mask(False, (2, 3))
+    yield Mask.from_cu_seqlens([0, S // 3 or 1, S], S, causal=False, window=(h, 1))
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_masked_plans_validate_for_every_mode(P):
+    T = 2 * max(P - 1, 2)  # TASP's rings fit
+    shape = AttentionShape(seq_local=T, **SHAPE)
+    for mask in masks(P * T, T):
+        for placement in placements(P, shape):
+            plan = placement.build(shape, mask)
+            validate_plan(plan)
+
+
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_thd_layout_plans_validate(P):
+    # three packed sequences padded to multiples of 2P, the last one mostly padding
+    lens = (2 * P * 2, 2 * P, 2 * P * 3)
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    layout = ThdLayout(P, tuple(cu), (lens[0] - 1, lens[1], 2))
+    shape = AttentionShape(seq_local=layout.seq_local, **SHAPE)
+    for placement in placements(P, shape):
+        for window in (None, (2, 0)):
+            mask = Mask(True, window, layout.documents())
+            plan = placement.build(shape, mask, layout)
+            validate_plan(plan)
+
+
+def _received_is_read(plan):
+    """Every buffer a rank receives is read by one of its blocks (or merged into its own)."""
+    for rp in plan.ranks:
+        for direction in ("forward", "backward"):
+            ops = rp.ops(direction)
+            used = set()
+            for op in ops:
+                if isinstance(op, (Attend, AttendBackward)):
+                    used |= {op.q, *op.kv} | ({op.do} if isinstance(op, AttendBackward) else set())
+                elif isinstance(op, (MergeOut, AddGrad)):
+                    used.add(op.src)
+            received = {t.key for op in ops if hasattr(op, "recvs") for t in op.recvs}
+            assert received <= used, (rp.rank, direction, received - used)
+
+
+@pytest.mark.parametrize("P", [2, 4, 8])
+def test_a_rank_needing_nothing_of_others_sends_and_receives_nothing(P):
+    T = 2 * max(P - 1, 2)
+    shape = AttentionShape(seq_local=T, **SHAPE)
+    h = T // 2
+    # documents = the zigzag halves: every block off a rank's own chunk is empty
+    docs = Mask.from_cu_seqlens(list(range(0, 2 * P * h + 1, h)), P * T)
+    for mask in (docs, Mask(True, (0, 0)), Mask(False, (0, 0))):
+        for placement in placements(P, shape):
+            plan = placement.build(shape, mask)
+            assert all((b.sent, b.received) == (0, 0) for b in plan_bytes(plan, shape)), (placement, mask)
+            _received_is_read(plan)
+
+
+def test_a_half_chunk_window_at_P8_moves_a_fifth_of_ring_or_less():
+    """Window of one half-chunk (S / 2P tokens) at P = 8: every mode is a halo exchange; ring
+    attention unmasked moves (P - 1) chunks forward, the halo ~1/(P - 1) of that."""
+    P, T = 8, 16
+    shape = AttentionShape(seq_local=T, **SHAPE)
+    ring = max(b.sent for b in plan_bytes(resolve("ring", P, shape).build(shape), shape))
+    window = Mask(True, (T // 2, 0))
+    for placement in placements(P, shape):
+        plan = placement.build(shape, window)
+        sent = max(b.sent for b in plan_bytes(plan, shape))
+        assert sent <= 0.2 * ring, (placement.describe(), sent / ring)
+        _received_is_read(plan)
+        validate_plan(plan, dataflow=False)
+
+
+def test_mesh_keeps_its_tile_when_the_mask_is_dense_enough():
+    P, T = 8, 16
+    shape = AttentionShape(seq_local=T, batch=1, heads=8, kv_heads=8, head_dim=8)
+    long_docs = Mask.from_cu_seqlens([0, P * T // 2 + 3, P * T], P * T)
+    plan = resolve("mesh", P, shape, tile=(2, 4), contiguous="q").build(shape, long_docs)
+    assert plan.options["assignment"] == "tile"
+    window = resolve("mesh", P, shape, tile=(2, 4), contiguous="q").build(shape, Mask(True, (2, 0)))
+    assert window.options["assignment"] == "query owner" and "nothing to gain" in window.notes[0]
+
+
+def test_work_balance_is_reported_for_packed_documents():
+    P, T = 4, 16
+    shape = AttentionShape(seq_local=T, **SHAPE)
+    mask = Mask.from_cu_seqlens([0, 5, 30, 33, 64], P * T)
+    plan = resolve("ring", P, shape).build(shape, mask)
+    fwd, bwd = rank_work(plan, "forward"), rank_work(plan, "backward")
+    assert fwd == bwd and sum(fwd) == sum(1 for i in range(P * T) for j in range(P * T) if mask.allows(i, j))
