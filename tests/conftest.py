@@ -27,3 +27,14 @@ def pytest_collection_modifyitems(config, items):
 def pytest_addoption(parser):
     parser.addoption("--exhaustive", action="store_true",
                      help="also run the tests marked 'exhaustive' (plan checks for every P up to 256, hours)")
+
+
+@pytest.fixture(scope="session")
+def dist_results():
+    """One spawn of 8 gloo ranks for the masked, hybrid and hostile-API cases (tests/mask_cases.py):
+    start-up, not compute, dominates small distributed tests on 2 cores."""
+    from megatron_mesh.launch import spawn
+
+    import mask_cases
+
+    return spawn(mask_cases.all_cases, 8, timeout=600)

@@ -1,10 +1,19 @@
-"""Public API on one process (no process group: CP size 1): errors, layout helpers, CP=1 exactness."""
+"""Public API on one process (no process group: CP size 1): exactness, layout helpers, and every
+bad argument raising an error that names the value and what is allowed."""
 
 import pytest
 import torch
 
 import megatron_mesh as mm
 from megatron_mesh.kernels import reference_attention
+from megatron_mesh.plan import Mask, ThdLayout
+
+MODES = [
+    lambda q, k, v, **kw: mm.mesh_attention(q, k, v, **kw),
+    lambda q, k, v, **kw: mm.ring_attention(q, k, v, **kw),
+    lambda q, k, v, **kw: mm.tasp_attention(q, k, v, **kw),
+    lambda q, k, v, **kw: mm.hybrid_attention(q, k, v, ulysses_size=1, **kw),
+]
 
 
 def qkv(s=8, b=2, h=4, g=2, d=8, dtype=torch.float32):
@@ -13,35 +22,88 @@ def qkv(s=8, b=2, h=4, g=2, d=8, dtype=torch.float32):
             torch.randn(s, b, g, d, generator=gen, dtype=dtype))
 
 
-@pytest.mark.parametrize("fn", [mm.mesh_attention, mm.ring_attention])
-@pytest.mark.parametrize("causal", [True, False])
-def test_cp1_equals_dense_attention(fn, causal):
-    q, k, v = (x.double().requires_grad_() for x in qkv())
-    out = fn(q, k, v, causal=causal)
-    ref = reference_attention(q, k, v, causal=causal)
-    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
+def _grads(out, ref, inputs):
     g = torch.randn_like(out)
-    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+    return torch.autograd.grad(out, inputs, g), torch.autograd.grad(ref, inputs, g)
+
+
+@pytest.mark.parametrize("fn", MODES)
+@pytest.mark.parametrize("mask", [dict(causal=True), dict(causal=False), dict(window=(2, 0)),
+                                  dict(cu_seqlens=[0, 3, 8]), dict(causal=False, window=(1, 2), cu_seqlens=[0, 5, 8])])
+def test_cp1_equals_dense_attention(fn, mask):
+    q, k, v = (x.double().requires_grad_() for x in qkv())
+    out = fn(q, k, v, **mask)
+    m = Mask.from_cu_seqlens(mask.get("cu_seqlens", [0, 8]), 8, mask.get("causal", True), mask.get("window"))
+    ref = reference_attention(q, k, v, mask=m)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
+    for a, b in zip(*_grads(out, ref, (q, k, v))):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
 
 
-def test_output_has_q_shape_and_dtype():
+@pytest.mark.parametrize("scale", [1e-30, 1e-20, 1e19])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_are_right_for_tiny_and_huge_dout(scale, dtype):
+    """The kernels' backward rebuilds delta from a stand-in output; a dout scaled by 1e-30 or
+    1e19 once under/overflowed |dout|^2 and gave relative errors above 1."""
+    q, k, v = (x.to(dtype).requires_grad_() for x in qkv())
+    out = mm.mesh_attention(q, k, v)
+    g = torch.randn_like(out, dtype=torch.float64)
+    got = torch.autograd.grad(out, (q, k, v), (g * scale).to(dtype))
+    ref_in = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    want = torch.autograd.grad(reference_attention(*ref_in), ref_in, g * scale)
+    for a, b in zip(got, want):
+        rel = ((a.double() - b).norm() / b.norm()).item()
+        assert rel < (1e-5 if dtype == torch.float32 else 2e-2), (scale, dtype, rel)
+
+
+def test_output_has_q_shape_dtype_and_a_contiguous_layout():
     q, k, v = (x.bfloat16() for x in qkv())
     out = mm.mesh_attention(q, k, v)
     assert out.shape == q.shape and out.dtype == torch.bfloat16
+    assert out.is_contiguous()  # Megatron reshapes it to [s, b, h * d]: no copy
 
 
 @pytest.mark.parametrize("bad, match", [
     (dict(tile=(2, 2)), r"tile 2x2 does not fit CP size 1.*allowed tiles: 1x1"),
     (dict(tile="2by2"), "must be 'AxB'"),
-    (dict(schedule="fastest"), "schedule must be one of"),
-    (dict(backward_chunks="cache"), "backward_chunks must be one of"),
-    (dict(contiguous="rows"), "contiguous must be one of"),
+    (dict(tile=(2.7, 2.2)), r"tile sides must be integers, got \(2\.7, 2\.2\)"),
+    (dict(schedule="fastest"), r"schedule must be one of greedy, lockstep, got 'fastest'"),
+    (dict(backward_chunks="cache"), r"backward_chunks must be one of refetch, keep, got 'cache'"),
+    (dict(contiguous="rows"), r"contiguous must be one of q, kv, auto, got 'rows'"),
     (dict(kernel="flash3"), "unknown kernel backend 'flash3'"),
+    (dict(causal="False"), r"causal must be True or False, got 'False'"),
+    (dict(softmax_scale="0.1"), r"softmax_scale must be a finite number > 0 \(or None for 1/sqrt\(head_dim\)\), got '0\.1'"),
+    (dict(softmax_scale=-1.0), r"softmax_scale must be a finite number > 0.*got -1\.0"),
+    (dict(softmax_scale=True), r"softmax_scale must be a finite number > 0.*got True"),
+    (dict(window=(4, 2)), r"window right 2 > 0 with causal attention"),
+    (dict(window=(-1, 0)), r"window left must be an int >= 0 or None \(unlimited\), got -1"),
+    (dict(window=3), r"window must be \(left, right\) with ints >= 0 or None, got 3"),
+    (dict(cu_seqlens=[0, 5, 4, 8]), r"cu_seqlens must be strictly increasing from 0 to the global sequence length 8"),
+    (dict(cu_seqlens=[0, 5]), r"to the global sequence length 8, got \[0, 5\]"),
+    (dict(cu_seqlens=[0, 2.5, 8]), r"cu_seqlens must hold integers, got \[0, 2\.5, 8\]"),
+    (dict(cu_seqlens=torch.tensor([0.0, 8.0])), r"cu_seqlens must be a 1-D integer tensor or sequence"),
+    (dict(layout="thd"), r"layout must be None \(Megatron's zigzag\) or a megatron_mesh.ThdLayout, got str"),
+    (dict(layout=ThdLayout(1, (0, 4, 10))), r"THD layout over 1 ranks x 10 tokens per rank does not match"),
 ])
 def test_bad_options_raise_naming_the_value(bad, match):
     with pytest.raises(ValueError, match=match):
         mm.mesh_attention(*qkv(), **bad)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: mm.tasp_attention(*qkv(), transport="mpi"), r"transport must be one of p2p, alltoall, got 'mpi'"),
+    (lambda: mm.tasp_attention(*qkv(), gpus_per_node=0), r"gpus_per_node must be None or a positive integer, got 0"),
+    (lambda: mm.hybrid_attention(*qkv(), ulysses_size=2), r"ulysses_size 2 must be a positive divisor of the CP size 1"),
+    (lambda: mm.hybrid_attention(*qkv(), ulysses_size=1, inner="a2a"), r"inner must be 'mesh', 'tasp' or 'ring', got 'a2a'"),
+    (lambda: mm.hybrid_attention(*qkv(), ulysses_size=1, inner="ring", tile=(1, 1)), r"tile \(1, 1\) applies to inner='mesh' only"),
+    (lambda: mm.attention(*qkv(), mode="ulysses"), r"unknown CP mode 'ulysses'; allowed: ring, mesh, tasp, a2a\+mesh"),
+    (lambda: mm.attention(*qkv(), mode="ring", tile=(1, 1)), r"CP mode 'ring' takes no setting tile"),
+    (lambda: mm.mesh_attention(*qkv(), cu_seqlens=[0, 8], layout=ThdLayout(1, (0, 8))),
+     r"cu_seqlens and a THD layout both give documents"),
+])
+def test_bad_mode_options_raise_naming_the_value(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
 
 
 def test_bad_tensors_raise_naming_the_value():
@@ -50,6 +112,8 @@ def test_bad_tensors_raise_naming_the_value():
         mm.mesh_attention(*qkv(s=7))
     with pytest.raises(ValueError, match=r"query heads \(4\) must be divisible by kv heads \(3\)"):
         mm.mesh_attention(*qkv(h=4, g=3))
+    with pytest.raises(ValueError, match=r"k must have batch, heads and head_dim >= 1, got shape \(8, 2, 0, 8\)"):
+        mm.mesh_attention(q, k[:, :, :0], v[:, :, :0])
     with pytest.raises(ValueError, match="same dtype"):
         mm.mesh_attention(q, k.double(), v)
     with pytest.raises(ValueError, match="same shape"):
@@ -64,12 +128,43 @@ def test_bad_tensors_raise_naming_the_value():
         mm.mesh_attention(q, k.to("meta"), v)
 
 
+def test_double_backward_says_it_is_unsupported():
+    q, k, v = (x.requires_grad_() for x in qkv())
+    out = mm.mesh_attention(q, k, v)
+    (dq,) = torch.autograd.grad(out.sum(), (q,), create_graph=False)
+    assert dq.shape == q.shape
+    out = mm.mesh_attention(q, k, v)
+    with pytest.raises(RuntimeError, match=r"one backward: double backward \(create_graph=True\) is not supported"):
+        torch.autograd.grad(out.sum(), (q,), create_graph=True)
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 8])
 def test_zigzag_shard_unshard_roundtrip(world):
     x = torch.arange(4 * world * 3).view(4 * world, 3)
     chunks = [mm.zigzag_shard(x, r, world) for r in range(world)]
     assert torch.equal(mm.zigzag_unshard(chunks), x)
     assert chunks[0][:2, 0].tolist() == [0, 3] and chunks[0][2:, 0].tolist() == [3 * (4 * world - 2), 3 * (4 * world - 1)]
+
+
+def test_thd_shard_is_transformer_engines_partition():
+    """TE's thd_get_partitioned_indices, written from its documented layout: sequence k (padded to
+    a multiple of 2 * CP) is cut into 2 * CP chunks; rank r takes chunks r and 2 * CP - 1 - r of
+    every sequence, in sequence order."""
+    P, cu = 2, (0, 8, 12, 24)
+    layout = ThdLayout(P, cu)
+    x = torch.arange(24)
+    want = []
+    for r in range(P):
+        idx = []
+        for a, b in zip(cu, cu[1:]):
+            n = (b - a) // (2 * P)
+            idx += list(range(a + r * n, a + (r + 1) * n)) + list(range(a + (2 * P - 1 - r) * n, a + (2 * P - r) * n))
+        want.append(idx)
+    chunks = [mm.thd_shard(x, r, layout) for r in range(P)]
+    assert [c.tolist() for c in chunks] == want
+    assert torch.equal(mm.thd_unshard(chunks, layout), x)
+    with pytest.raises(ValueError, match=r"tensor has 23 tokens along dim 0, the THD layout 24"):
+        mm.thd_shard(x[:23], 0, layout)
 
 
 def test_comm_counter_is_zero_without_peers():

@@ -1,0 +1,221 @@
+"""Masked and hybrid distributed cases, run inside spawned gloo process groups (see
+megatron_mesh.launch): every rank runs the public API on its shard, forward and backward, and
+returns a :class:`Record`; pytest asserts on the records.
+
+The reference is dense fp64 attention over the global sequence with the same mask, built from
+the mask's rule (:func:`megatron_mesh.kernels.dense_mask`), never from a plan.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+import megatron_mesh as mm
+from megatron_mesh.kernels import reference_attention
+from megatron_mesh.plan import AttentionShape, Mask, ThdLayout, plan_bytes, resolve, tile_shapes
+from megatron_mesh.runtime.api import prepare
+
+# Transformer Engine's context-parallel test tolerances (bf16: MHA vs GQA/MQA)
+TOL = {torch.float32: (2e-5, 2e-5), torch.float64: (1e-10, 1e-10)}
+
+
+def tolerance(dtype: torch.dtype, heads: int, kv_heads: int) -> tuple[float, float]:
+    if dtype == torch.bfloat16:
+        return (2.5e-2, 2.5e-2) if heads == kv_heads else (3.5e-2, 3.5e-2)
+    return TOL[dtype]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One call: ``mode`` with ``settings`` over ``world`` ranks; the mask from ``causal``,
+    ``window``, ``cu_seqlens`` (zigzag) or ``thd`` = (cu_seqlens_padded, seq_lens)."""
+
+    world: int
+    mode: str
+    settings: tuple = ()
+    heads: int = 4
+    kv_heads: int = 2
+    dtype: torch.dtype = torch.float32
+    causal: bool = True
+    window: tuple | None = None
+    cu_seqlens: tuple | None = None
+    thd: tuple | None = None
+    seq_local: int = 8
+    batch: int = 1
+    head_dim: int = 16
+
+    def label(self) -> str:
+        st = " ".join(f"{k}={v}" for k, v in self.settings)
+        mask = "causal" if self.causal else "full"
+        if self.window:
+            mask += f" window={self.window}"
+        if self.cu_seqlens:
+            mask += f" docs={list(self.cu_seqlens)}"
+        if self.thd:
+            mask += f" thd={list(self.thd[0])}/{list(self.thd[1])}"
+        return (f"P={self.world} {self.mode} {st} heads={self.heads}/{self.kv_heads} {str(self.dtype)[6:]} "
+                f"{mask}").replace("  ", " ")
+
+
+@dataclass
+class Record:
+    case: str
+    ratios: dict = field(default_factory=dict)  # error / (atol + rtol * |want|): <= 1 is within tolerance
+    abs_err: dict = field(default_factory=dict)
+    sent: int = 0
+    received: int = 0
+    planned: tuple = (0, 0)
+    dtype: str = ""
+
+
+def _layout(c: Case):
+    return None if c.thd is None else ThdLayout(c.world, c.thd[0], c.thd[1])
+
+
+def _mask(c: Case, seq_len: int) -> Mask:
+    layout = _layout(c)
+    if layout is not None:
+        return Mask(c.causal, c.window, layout.documents()).normalized(seq_len)
+    if c.cu_seqlens is not None:
+        return Mask.from_cu_seqlens(c.cu_seqlens, seq_len, c.causal, c.window)
+    return Mask(c.causal, c.window).normalized(seq_len)
+
+
+def run(rank: int, c: Case, group) -> Record:
+    layout = _layout(c)
+    S = c.world * c.seq_local if layout is None else layout.seq_len
+    g = torch.Generator().manual_seed(S * 31 + c.heads)
+    f64 = torch.float64
+    Q = torch.randn(S, c.batch, c.heads, c.head_dim, generator=g, dtype=f64)
+    K = torch.randn(S, c.batch, c.kv_heads, c.head_dim, generator=g, dtype=f64)
+    V = torch.randn(S, c.batch, c.kv_heads, c.head_dim, generator=g, dtype=f64)
+    dO = torch.randn(S, c.batch, c.heads, c.head_dim, generator=g, dtype=f64)
+    Qr, Kr, Vr = (x.clone().requires_grad_() for x in (Q, K, V))
+    ref = reference_attention(Qr, Kr, Vr, mask=_mask(c, S))
+    ref.backward(dO)
+    shard = (lambda x: mm.zigzag_shard(x, rank, c.world)) if layout is None else (lambda x: mm.thd_shard(x, rank, layout))
+    q, k, v = (shard(x).to(c.dtype).requires_grad_() for x in (Q, K, V))
+    kw = dict(causal=c.causal, window=c.window, cu_seqlens=list(c.cu_seqlens) if c.cu_seqlens else None,
+              layout=layout, **dict(c.settings))
+    with mm.comm_counter() as counter:
+        out = mm.attention(q, k, v, mode=c.mode, group=group, **kw)
+        out.backward(shard(dO).to(c.dtype))
+    plan = prepare(q.detach(), k.detach(), v.detach(), mode=c.mode, group=group, **kw).plan
+    shape = AttentionShape(q.shape[0], c.batch, c.heads, c.kv_heads, c.head_dim, q.element_size())
+    planned = plan_bytes(plan, shape)[rank]
+    atol, rtol = tolerance(c.dtype, c.heads, c.kv_heads)
+    rec = Record(c.label(), sent=counter.bytes_sent, received=counter.bytes_received,
+                 planned=(planned.sent, planned.received), dtype=str(c.dtype))
+    for name, got, want in (("out", out, ref.detach()), ("dq", q.grad, Qr.grad), ("dk", k.grad, Kr.grad),
+                            ("dv", v.grad, Vr.grad)):
+        want = shard(want)
+        if got.shape != want.shape or got.dtype != c.dtype:
+            raise AssertionError(f"{c.label()}: {name} is {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)}")
+        err = (got.double() - want).abs()
+        rec.abs_err[name] = err.max().item()
+        rec.ratios[name] = (err / (atol + rtol * want.abs())).max().item()
+    return rec
+
+
+# -- the grids -------------------------------------------------------------------------------------------
+COMBOS = [(4, 4, torch.float32), (4, 2, torch.bfloat16), (4, 1, torch.float32), (4, 2, torch.float32),
+          (4, 4, torch.bfloat16), (4, 1, torch.bfloat16)]  # MHA / GQA / MQA x fp32 / bf16
+
+
+def zigzag_masks(world: int, T: int) -> list[dict]:
+    """Documents shorter than a half-chunk, crossing chunk and rank boundaries, many one-token
+    documents; windows of one token, less than a half-chunk, several chunks; causal and full."""
+    S, h = world * T, T // 2
+    short = tuple(range(0, S, max(1, h // 2 + 1))) + (S,)
+    cross = tuple(sorted({0, S} | {x for x in (3, h + 1, 3 * h + 2, S - 1) if 0 < x < S}))
+    return [dict(cu_seqlens=short), dict(cu_seqlens=cross), dict(cu_seqlens=tuple(range(S + 1))),
+            dict(window=(1, 0)), dict(window=(max(1, h // 2), 0)), dict(window=(3 * T, 0)),
+            dict(causal=False, window=(2, 3)), dict(causal=False, cu_seqlens=cross),
+            dict(cu_seqlens=cross, window=(2, 0))]
+
+
+def _placements(world: int):
+    yield "ring", ()
+    for t in tile_shapes(world):
+        if t != (1, world):
+            yield "mesh", (("tile", t), ("contiguous", "q"))
+    yield "tasp", ()
+    if world >= 4 and world % 2 == 0:
+        yield "tasp", (("gpus_per_node", 2),)
+
+
+def masked_grid(rank: int, world: int, group=None) -> list[Record]:
+    """Every mode (ring, each Mesh tile, TASP, TASP over emulated 2-GPU nodes) x three of the
+    masks (rotating, so every mask meets every mode family across the CP sizes) x a rotating
+    head layout and dtype; plus the THD layout at P <= 4."""
+    T = 2 * max(world - 1, 3)
+    masks = zigzag_masks(world, T)
+    out, n = [], world
+    for mode, settings in _placements(world):
+        for _ in range(3):
+            heads, kv, dtype = COMBOS[n % len(COMBOS)]
+            out.append(run(rank, Case(world, mode, settings, heads, kv, dtype, seq_local=T, **masks[n % len(masks)]),
+                           group))
+            n += 1
+    if world <= 4:
+        lens = (2 * world * 2, 2 * world, 2 * world * 3)
+        cu = tuple(itertools.accumulate(lens, initial=0))
+        thd = (cu, (lens[0] - 1, lens[1], 2))
+        for i, (mode, settings) in enumerate((("ring", ()), ("mesh", (("tile", "auto"),)), ("tasp", ()))):
+            heads, kv, dtype = COMBOS[i]
+            window = (2, 0) if i == 1 else None
+            out.append(run(rank, Case(world, mode, settings, heads, kv, dtype, window=window, thd=thd,
+                                      seq_local=sum(lens) // world), group))
+    return out
+
+
+def halo_cases(rank: int, world: int, group=None) -> list[Record]:
+    """P = 8, a window of one half-chunk: every mode; and documents = the zigzag halves (nothing
+    crosses a rank)."""
+    T = 16
+    h = T // 2
+    out = []
+    for mode, settings in _placements(world):
+        out.append(run(rank, Case(world, mode, settings, 4, 4, torch.bfloat16, window=(h, 0), seq_local=T), group))
+        halves = tuple(range(0, world * T + 1, h))
+        out.append(run(rank, Case(world, mode, settings, 4, 2, torch.float32, cu_seqlens=halves, seq_local=T), group))
+    return out
+
+
+def hybrid_grid(rank: int, world: int, group=None) -> list[Record]:
+    """Every (U, M) with U * M = world from {(2,2), (2,3), (3,2), (2,4), (4,2)}: inner Mesh of every
+    tile, inner TASP and ring, x three rotating (heads, dtype, causal) combinations covering MHA,
+    GQA, KV heads fewer than U, MQA, causal and full, fp32 and bf16."""
+    out, n = [], 0
+    for U in (2, 3, 4):
+        if world % U or (U, world // U) not in ((2, 2), (2, 3), (3, 2), (2, 4), (4, 2)):
+            continue
+        M = world // U
+        heads_options = [(2 * U, 2 * U), (2 * U, U), (2 * U, 1)] + ([(2 * U, 2)] if U == 4 else [])
+        inners = [("a2a+mesh", (("tile", t), ("contiguous", "q"))) for t in tile_shapes(M)]
+        inners += [("a2a+ring", ()), ("a2a+tasp", ())]
+        for mode, settings in inners:
+            for _ in range(3):
+                heads, kv = heads_options[n % len(heads_options)]
+                dtype = (torch.float32, torch.bfloat16)[(n // 2) % 2]
+                causal = n % 3 != 2
+                out.append(run(rank, Case(world, mode, (("ulysses_size", U),) + settings, heads, kv, dtype,
+                                          causal=causal, seq_local=8), group))
+                n += 1
+    return out
+
+
+def all_cases(rank: int, world: int) -> dict:
+    """Everything in one 8-rank spawn; the hostile API cases (api_cases) last, because they
+    destroy and re-create the default process group."""
+    import api_cases
+    from cases import in_subgroups
+
+    out = {"masked": in_subgroups(rank, world, masked_grid),
+           "halo": in_subgroups(rank, world, halo_cases, phases=((8,),)),
+           "hybrid": in_subgroups(rank, world, hybrid_grid, phases=((8,), (6, 2), (4, 4)))}
+    out["hostile"] = api_cases.hostile(rank, world)
+    return out
