@@ -38,3 +38,15 @@ def dist_results():
     import mask_cases
 
     return spawn(mask_cases.all_cases, 8, timeout=600)
+
+
+@pytest.fixture(scope="session")
+def gloo(request):
+    """{part: {CP size: [results of group rank 0, 1, ...]}} for every distributed part (cases.PARTS)
+    that a collected test's module names in its GLOO_PARTS, all from ONE spawn of 8 gloo processes
+    (cases.run_gloo): only the parts the selected tests need run."""
+    import cases
+
+    parts = {p for item in request.session.items if "gloo" in item.fixturenames
+             for p in getattr(item.module, "GLOO_PARTS", ())}
+    return cases.run_gloo(parts)

@@ -1,20 +1,24 @@
-"""TASP distributed test cases, run inside spawned gloo process groups (see megatron_mesh.launch).
+"""TASP distributed test cases: parts of the one gloo spawn (see ``cases.run_gloo``).
 
-Each function runs on every rank and returns result records that the pytest side asserts on. The
-inputs, the dense fp64 reference and the tolerances are those of ``cases`` (Mesh-Attention's).
+Inputs, the dense fp64 reference and the tolerances are those of ``cases``. Each case also
+counts the ``all_to_all_single`` calls it made: one per round the plan posts (forward +
+backward) with the all-to-all transport, none with P2P -- so each transport provably ran.
 """
 
 from __future__ import annotations
 
 import itertools
+from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 
-from megatron_mesh.comm.alltoall import AllToAllCommunicator
-from megatron_mesh.runtime import tasp_api
-from megatron_mesh.runtime.tasp_api import tasp_attention
+import megatron_mesh as mm
+from megatron_mesh.plan import Post, build_tasp_plan, tasp_bytes_formula
 
-from cases import HEADS, Problem, _scaled_reference, run_local
+from cases import HEADS, Problem, Result, dense_reference, measure
+
+NODE_SHAPES = {4: (2,), 6: (2,), 8: (4,)}  # world -> emulated gpus_per_node values
 
 
 def seq_local_for(world: int) -> int:
@@ -23,52 +27,62 @@ def seq_local_for(world: int) -> int:
     return max(8, 2 * (world - 1) + 2)
 
 
-def _record(rank: int, p: Problem, label: str, fn, ref=None, gpus_per_node=None) -> dict:
-    from megatron_mesh.plan import AttentionShape, plan_bytes, tasp_bytes_formula
-    from megatron_mesh.plan.tasp import build_tasp_plan
+@contextmanager
+def counting_all_to_all():
+    """Count ``torch.distributed.all_to_all_single`` calls in the block (the all-to-all transport
+    looks it up on the module at every round)."""
+    import torch.distributed as dist
 
-    ratios, abs_err, (sent, recv), _ = run_local(rank, p, fn, ref)
-    itemsize = torch.tensor([], dtype=p.dtype).element_size()
-    shape = AttentionShape(p.seq_local, p.batch, p.heads, p.kv_heads, p.head_dim, itemsize)
-    plan = build_tasp_plan(p.world, shape, causal=p.causal, gpus_per_node=gpus_per_node)
-    planned = plan_bytes(plan, shape)[rank]
-    formula = tasp_bytes_formula(p.world, shape)
-    return dict(case=label, ratios=ratios, abs_err=abs_err, sent=sent, received=recv,
-                planned=(planned.sent, planned.received), formula=(formula.sent, formula.received))
+    calls = [0]
+    original = dist.all_to_all_single
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    dist.all_to_all_single = counted
+    try:
+        yield calls
+    finally:
+        dist.all_to_all_single = original
 
 
-def tasp_grid(rank: int, world: int, node_shapes: tuple[int, ...] = ()) -> list[dict]:
+def _case(rank: int, p: Problem, label: str, group, transport: str = "p2p", gpus_per_node=None, ref=None,
+          **kwargs) -> Result:
+    plan = build_tasp_plan(p.world, p.shape, causal=p.causal, gpus_per_node=gpus_per_node)
+    rounds = sum(isinstance(op, Post) for d in ("forward", "backward") for op in plan.rank(rank).ops(d))
+    with counting_all_to_all() as calls:
+        res = measure(rank, p, label,
+                      lambda q, k, v: mm.tasp_attention(q, k, v, group=group, causal=p.causal, transport=transport,
+                                                        gpus_per_node=gpus_per_node, **kwargs),
+                      ref, plan=plan, formula=tasp_bytes_formula(p.world, p.shape))
+    return replace(res, collectives=(calls[0], rounds if transport == "alltoall" else 0))
+
+
+def tasp_grid(rank: int, world: int, group=None) -> list[Result]:
     """causal/full x MHA/GQA x fp32/bf16, each transport on half of them (balanced so that each
     sees both masks, both dtypes and both head layouts); then the same grid on emulated nodes of
-    each size in ``node_shapes`` (gpus_per_node)."""
-    records = []
-    for gpus_per_node in (None, *node_shapes):
+    each size in ``NODE_SHAPES[world]`` (gpus_per_node)."""
+    results = []
+    for gpus_per_node in (None, *NODE_SHAPES.get(world, ())):
         for causal, heads, dtype in itertools.product((True, False), ("MHA", "GQA"), (torch.float32, torch.bfloat16)):
-            h, g = HEADS[heads]
             transport = "alltoall" if causal ^ (dtype == torch.bfloat16) ^ (heads == "GQA") else "p2p"
-            p = Problem(world, h, g, causal, dtype, seq_local=seq_local_for(world))
-            fn = lambda q, k, v: tasp_attention(q, k, v, causal=causal, transport=transport,  # noqa: E731
-                                                gpus_per_node=gpus_per_node)
-            label = f"P={world} nodes_of={gpus_per_node} causal={causal} {heads} {dtype} {transport}"
-            rec = _record(rank, p, label, fn, gpus_per_node=gpus_per_node)
-            rec["alltoall_comm"] = any(isinstance(c, AllToAllCommunicator) for c in tasp_api._A2A.values())
-            records.append(rec)
-    return records
+            p = Problem(world, *HEADS[heads], causal, dtype, seq_local=seq_local_for(world))
+            results.append(_case(rank, p, f"P={world} nodes_of={gpus_per_node} causal={causal} {heads} {dtype} "
+                                          f"{transport}", group, transport, gpus_per_node))
+    return results
 
 
-def tasp_variants(rank: int, world: int) -> list[dict]:
-    """MQA, the math kernel with a custom softmax scale, and a longer sequence (several tokens per
-    slot) on both transports."""
-    records = []
-    p = Problem(world, *HEADS["MQA"], True, torch.float32, seq_local=seq_local_for(world))
-    records.append(_record(rank, p, f"P={world} MQA causal fp32",
-                           lambda q, k, v: tasp_attention(q, k, v)))
-    p = Problem(world, 4, 2, True, torch.float32, seq_local=seq_local_for(world), seed=1)
-    records.append(_record(rank, p, f"P={world} math kernel scale=0.3",
-                           lambda q, k, v: tasp_attention(q, k, v, kernel="math", softmax_scale=0.3),
-                           ref=_scaled_reference(p, 0.3)))
+def tasp_variants(rank: int, world: int, group=None) -> list[Result]:
+    """MQA, the math kernel with a custom softmax scale, and a longer fp64 sequence (several tokens
+    per slot) on both transports."""
+    T = seq_local_for(world)
+    results = [_case(rank, Problem(world, *HEADS["MQA"], True, torch.float32, seq_local=T), f"P={world} MQA causal fp32",
+                     group)]
+    p = Problem(world, 4, 2, True, torch.float32, seq_local=T, seed=1)
+    results.append(_case(rank, p, f"P={world} math kernel scale=0.3", group, ref=dense_reference(p, 0.3),
+                         kernel="math", softmax_scale=0.3))
     for transport in ("p2p", "alltoall"):
         p = Problem(world, 4, 2, True, torch.float64, seq_local=4 * world + 2, seed=2)
-        records.append(_record(rank, p, f"P={world} fp64 long {transport}",
-                               lambda q, k, v: tasp_attention(q, k, v, transport=transport)))
-    return records
+        results.append(_case(rank, p, f"P={world} fp64 long {transport}", group, transport))
+    return results

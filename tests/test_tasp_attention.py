@@ -1,62 +1,66 @@
 """TASP attention: forward and all gradients against a dense fp64 reference on CPU/gloo for
 P = 2..8 (P = 8 also as two emulated nodes of 4, P = 4 and 6 also as nodes of 2), causal and
-full, MHA/GQA (and MQA), fp32 and bf16, both transports; bytes measured by comm_counter() equal
-the plan's bytes and the closed-form formula (ring attention's bytes)."""
+full, MHA/GQA (and MQA), fp32 and bf16 (fp64 for a long sequence), both transports; bytes
+measured by comm_counter() equal the plan's bytes and the closed-form formula (ring attention's
+bytes); the all-to-all transport makes one all_to_all_single per round, P2P none.
+
+Parts "tasp" and "tasp_variants" of the one 8-process spawn (cases.run_gloo)."""
 
 import pytest
 import torch
 
-from megatron_mesh.launch import spawn
-from megatron_mesh.runtime.tasp_api import tasp_attention
+import megatron_mesh as mm
 
 import cases
-import tasp_cases
+from tasp_cases import NODE_SHAPES
 
-NODE_SHAPES = {4: (2,), 6: (2,), 8: (4,)}  # world -> emulated gpus_per_node values
+GLOO_PARTS = ("tasp", "tasp_variants")
 
 
-def _check(records):
-    assert records and all(records), "no cases ran"
-    failures = [f"rank {r}: {rec['case']}: {name} error {rec['abs_err'][name]:.2e} ({ratio:.2f}x tolerance)"
-                for r, recs in enumerate(records) for rec in recs for name, ratio in rec["ratios"].items()
-                if not ratio <= 1.0]
-    assert not failures, "\n".join(failures[:20])
-    for r, recs in enumerate(records):
-        for rec in recs:
-            assert (rec["sent"], rec["received"]) == rec["planned"] == rec["formula"], (r, rec["case"], rec)
+def _check(per_rank):
+    cases.assert_accurate(per_rank)
+    cases.assert_bytes_as_expected(per_rank)
+    wrong = [f"rank {r}: {rec.case}: {rec.collectives[0]} all_to_all_single calls, expected {rec.collectives[1]}"
+             for r, recs in enumerate(per_rank) for rec in recs if rec.collectives[0] != rec.collectives[1]]
+    assert not wrong, "\n".join(wrong)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 5, 6, 7, 8])
-def test_tasp_matches_dense_reference(world):
-    records = spawn(tasp_cases.tasp_grid, world, NODE_SHAPES.get(world, ()), timeout=300)
-    _check(records)
-    expected = 8 * (1 + len(NODE_SHAPES.get(world, ())))
-    assert all(len(recs) == expected for recs in records)
-    # the all-to-all transport really ran (its communicator exists once an alltoall case has run)
-    assert all(rec["alltoall_comm"] for recs in records for rec in recs if rec["case"].endswith("alltoall"))
+def test_tasp_matches_dense_reference(gloo, world):
+    per_rank = gloo["tasp"][world]
+    assert len(per_rank) == world
+    _check(per_rank)
+    assert len(per_rank[0]) == 8 * (1 + len(NODE_SHAPES.get(world, ())))
+    # both transports ran, and the all-to-all one really made collectives: one per round, P - 1 forward
+    by_transport = {t: [rec for rec in per_rank[0] if rec.case.endswith(t)] for t in ("p2p", "alltoall")}
+    assert all(len(recs) == len(per_rank[0]) // 2 for recs in by_transport.values())
+    assert all(rec.collectives[1] >= world - 1 for rec in by_transport["alltoall"])
 
 
 @pytest.mark.parametrize("world", [3, 4])
-def test_tasp_variants(world):
-    _check(spawn(tasp_cases.tasp_variants, world, timeout=300))
+def test_tasp_variants(gloo, world):
+    per_rank = gloo["tasp_variants"][world]
+    _check(per_rank)
+    assert [rec.problem.dtype for rec in per_rank[0]] == [torch.float32] * 2 + [torch.float64] * 2
 
 
 def test_tasp_single_rank_without_process_group():
     p = cases.Problem(1, 4, 2, True, torch.float32)
+    ref = cases.dense_reference(p)
     for transport in ("p2p", "alltoall"):
-        ratios, _, (sent, recv), _ = cases.run_local(0, p, lambda q, k, v: tasp_attention(q, k, v, transport=transport))
-        assert all(r <= 1.0 for r in ratios.values()), ratios
-        assert (sent, recv) == (0, 0)
+        res = cases.measure(0, p, transport, lambda q, k, v: mm.tasp_attention(q, k, v, transport=transport), ref)
+        cases.assert_accurate([[res]])
+        assert (res.sent, res.received) == (0, 0)
 
 
 def test_tasp_rejects_bad_arguments():
     q = torch.randn(8, 1, 4, 16)
     k = v = torch.randn(8, 1, 2, 16)
-    with pytest.raises(ValueError, match="transport"):
-        tasp_attention(q, k, v, transport="nccl")
-    with pytest.raises(ValueError, match="gpus_per_node"):
-        tasp_attention(q, k, v, gpus_per_node=0)
-    with pytest.raises(ValueError, match="divisible"):  # GQA rule shared with mesh_attention
-        tasp_attention(q, torch.randn(8, 1, 3, 16), torch.randn(8, 1, 3, 16))
-    with pytest.raises(ValueError, match="even"):
-        tasp_attention(q[:7], k[:7], v[:7])
+    with pytest.raises(ValueError, match="transport must be one of p2p, alltoall, got 'nccl'"):
+        mm.tasp_attention(q, k, v, transport="nccl")
+    with pytest.raises(ValueError, match="gpus_per_node must be None or a positive integer, got 0"):
+        mm.tasp_attention(q, k, v, gpus_per_node=0)
+    with pytest.raises(ValueError, match=r"query heads \(4\) must be divisible by kv heads \(3\)"):
+        mm.tasp_attention(q, torch.randn(8, 1, 3, 16), torch.randn(8, 1, 3, 16))
+    with pytest.raises(ValueError, match=r"s_local \(7\) must be even"):
+        mm.tasp_attention(q[:7], k[:7], v[:7])

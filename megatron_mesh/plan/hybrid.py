@@ -77,7 +77,7 @@ def build_hybrid_plan(world_size: int, ulysses: int, inner_build, shape: Attenti
                 build_rank=lowering.rank_plan, build_rounds=lowering.round_ops, slots=lowering.segments,
                 heads_split=U, tile=tile, schedule=inner.schedule, rings=rings,
                 options={**inner.options, "ulysses": U, "inner": inner_name, "heads": (shape.heads, shape.kv_heads)},
-                notes=notes)
+                notes=notes, inner=inner)
 
 
 class _HybridLowering:
@@ -88,8 +88,14 @@ class _HybridLowering:
         # where CP rank m*U + p's two halves sit in inner chunk m
         self.pieces = [(Segment(p * h, (p + 1) * h), Segment(U * h + (U - 1 - p) * h, U * h + (U - p) * h))
                        for p in range(U)]
-        self.last_round = {d: max((op.round for m in range(inner.world_size) for op in inner.round_ops(m, d)
-                                   if type(op) is Post), default=0) for d in ("forward", "backward")}
+        # the inner plan's last round (the same on every rank of a dense plan; a mask-aware plan
+        # states its own bound): the return all-to-all comes after it
+        bound = inner.options.get("max_round")
+        self.last_round = {d: bound if bound is not None else
+                           max((op.round for op in inner.round_ops(0, d) if type(op) is Post), default=0)
+                           for d in ("forward", "backward")}
+        self._keys: list[dict] = [{} for _ in range(U)]  # inner key -> its head-slice-u key (a P=256 plan
+        self._transfers: list[dict] = [{} for _ in range(U)]  # relabels ~10^6 of them)
 
     def segments(self, key: Key):
         if key.span == self.U:
@@ -97,7 +103,18 @@ class _HybridLowering:
         raise KeyError(f"hybrid plan has no slot {key}")
 
     def relabel(self, key: Key, u: int) -> Key:
-        return key._replace(heads=u, span=self.U)
+        cache = self._keys[u]
+        k = cache.get(key)
+        if k is None:
+            k = cache[key] = Key(key.kind, key.chunk, key.slot, key.incoming, u, self.U)
+        return k
+
+    def _transfer(self, t: Transfer, u: int) -> Transfer:
+        cache = self._transfers[u]
+        x = cache.get(t)
+        if x is None:
+            x = cache[t] = Transfer(t.peer * self.U + u, self.relabel(t.key, u))
+        return x
 
     def inner_ops(self, m: int, u: int, direction: str, blocks: bool) -> list[Op]:
         src = self.inner.rank(m).ops(direction) if blocks else self.inner.round_ops(m, direction)
@@ -107,9 +124,8 @@ class _HybridLowering:
             if t is Free:  # the combined list gets its own Frees
                 continue
             if t is Post:
-                out.append(Post(op.round + 1,
-                                tuple(Transfer(x.peer * U + u, self.relabel(x.key, u)) for x in op.sends),
-                                tuple(Transfer(x.peer * U + u, self.relabel(x.key, u)) for x in op.recvs)))
+                out.append(Post(op.round + 1, tuple(self._transfer(x, u) for x in op.sends),
+                                tuple(self._transfer(x, u) for x in op.recvs)))
             elif t is Wait:
                 out.append(Wait(op.round + 1))
             else:

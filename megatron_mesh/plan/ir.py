@@ -584,7 +584,9 @@ class Plan:
     global sequence attend; ``layout`` maps each rank's tokens to global positions (default:
     Megatron's zigzag over ``world_size`` ranks). ``slots`` maps (span, chunk, slot) to the token
     segments of that slot buffer within its chunk (:meth:`segments`). ``heads_split`` is the
-    number of head slices keys may name (a Ulysses degree; 1 otherwise). ``rings`` names the
+    number of head slices keys may name (a Ulysses degree; 1 otherwise); ``inner`` is a hybrid's
+    inner plan (over world_size / heads_split ranks), whose traffic the simulator prices instead of
+    reading every rank of the composed plan. ``rings`` names the
     rings the plan moves data on (the simulator's fast path and reports); ``options`` holds the
     builder's settings as typed facts (e.g. ``backward_chunks``); ``notes`` human-readable facts.
 
@@ -607,6 +609,7 @@ class Plan:
     options: dict = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     build_rounds: Callable[[int, str], tuple[Op, ...]] | None = field(default=None, repr=False)
+    inner: "Plan | None" = field(default=None, repr=False)  # a hybrid's inner plan (the simulator prices it)
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

@@ -52,7 +52,7 @@ moves one KV chunk in m = latency + bytes / bandwidth)::
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from .accounting import AttentionShape, block_area, key_bytes
@@ -185,10 +185,47 @@ def round_traffic(plan: Plan, shape: AttentionShape, topo: Topology, direction: 
     """
     topo.check(plan.world_size)
     if not exact:
+        if plan.inner is not None:
+            return _composed_traffic(plan, shape, topo, direction)
         fast = _RingTraffic.build(plan, shape, topo, direction)
         if fast is not None:
             return fast
     return _exact_traffic(plan, shape, topo, direction)
+
+
+def _composed_traffic(plan: Plan, shape: AttentionShape, topo: Topology, direction: str) -> RoundTraffic:
+    """A Ulysses hybrid: its all-to-all rounds (every rank sends one head slice to each of its
+    group peers: symmetric, priced from rank 0 and rank P-1) plus the inner plan's traffic,
+    priced on the inner group of head slice 0 (CP ranks m * U; every slice's group sits on the same
+    nodes) with its rounds shifted by the first all-to-all round."""
+    from .hybrid import inner_shape
+
+    U = plan.options["ulysses"]
+    inner = plan.inner
+    sub = inner_shape(shape, U)
+    inner_topo = replace(topo, node_of=tuple(topo.node(m * U) for m in range(inner.world_size)))
+    t = round_traffic(inner, sub, inner_topo, direction)
+    cache: dict = {}
+    duration = {r + 1: d for r, d in t.duration.items()}
+    a2a_sent = a2a_inter = max_inter = 0
+    for r in (0, plan.world_size - 1):
+        sent = inter = 0
+        for op in plan.round_ops(r, direction):
+            if type(op) is not Post or not any(x.key.span == 1 for x in op.sends + op.recvs):
+                continue
+            loads: Counter = Counter()
+            for x in op.sends:
+                n = _nbytes(plan, x.key, shape, cache)
+                link = topo.link(r, x.peer)
+                loads[(link, True)] += n
+                sent += n
+                inter += n if link == "inter" else 0
+            for x in op.recvs:
+                loads[(topo.link(x.peer, r), False)] += _nbytes(plan, x.key, shape, cache)
+            duration[op.round] = max(duration.get(op.round, 0.0), _round_time(loads, topo))
+        a2a_sent, a2a_inter, max_inter = sent, max(a2a_inter, inter), max(max_inter, inter)
+    return RoundTraffic(duration, t.bytes_sent + a2a_sent, t.mean_intra + a2a_sent - a2a_inter,
+                        t.mean_inter + a2a_inter, t.max_inter + max_inter)
 
 
 def _exact_traffic(plan: Plan, shape: AttentionShape, topo: Topology, direction: str) -> RoundTraffic:

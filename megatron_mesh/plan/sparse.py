@@ -137,6 +137,7 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
         needs, assignment = _Needs(P, table, lambda i, j: i), "query owner"
     options["assignment"] = assignment
     burst = mode == "tasp"
+    options["max_round"] = 2 if burst else P  # the final return round (ranks post subsets of 1..max)
     if burst:
         options["gpus_per_node"] = gpus_per_node
     slots: dict = {}
