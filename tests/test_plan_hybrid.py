@@ -46,8 +46,9 @@ def test_hybrid_plans_take_masks(U, M):
 
 @pytest.mark.parametrize("U, heads, kv", [(2, 4, 4), (4, 8, 2), (4, 8, 1), (2, 4, 1)])
 def test_all_to_all_bytes_are_ulysses_bytes(U, heads, kv):
-    """Forward: q and k/v of U - 1 head slices out, partial outputs (fp32 + lse) of U - 1 slices
-    back; backward: dout (+ lse, delta) out, dq and dk/dv (fp32) back. A replicated KV head is sent
+    """What Ulysses moves, in the input dtype: forward q and k/v of U - 1 head slices out, the
+    finished outputs back; backward dout out, dq and dk/dv back -- except dK/dV of a KV head
+    replicated to several ranks, a partial sum that travels in fp32. A replicated KV head is sent
     to each rank that needs it."""
     P = 2 * U
     shape = _shape(U, heads, kv)
@@ -55,8 +56,9 @@ def test_all_to_all_bytes_are_ulysses_bytes(U, heads, kv):
     sub = inner_shape(shape, U)
     T = shape.seq_local
     slice_bytes = lambda kind: buffer_bytes(kind, T, shape, sub.heads, sub.kv_heads)  # noqa: E731
-    fwd_a2a = (U - 1) * (slice_bytes("q") + slice_bytes("kv") + slice_bytes("o"))
-    bwd_a2a = (U - 1) * (slice_bytes("do") + slice_bytes("dq") + slice_bytes("dkv"))
+    fwd_a2a = (U - 1) * (slice_bytes("q") + slice_bytes("kv") + slice_bytes("y"))
+    bwd_a2a = (U - 1) * (slice_bytes("dy") + slice_bytes("gq") + slice_bytes("dkv" if kv < U else "gkv"))
+    assert slice_bytes("y") == slice_bytes("q") and slice_bytes("gkv") == slice_bytes("kv")
     ring = resolve("ring", 2, sub).build(sub)
     inner = plan_bytes(ring, sub)[0]
     for b in plan_bytes(plan, shape):

@@ -26,21 +26,24 @@ Worked example (P = 4, U = 2, inner ring over M = 2, 4 heads): CP rank 1 is (gro
     post 2: send kv0*2/h1->3 | recv kv1*2/h1<-3                  # the inner ring over ranks 1, 3
     attend q0*2/h1 x kv0*2/h1 causal -> o0*2/h1
     ...
-    copy o0*2/h1[0:2,6:8] -> o0/h1          # rank 0's rows of my head slice go back to it
-    post 4: send o0/h1->0 | recv o1/h0<-0
+    copy o0*2/h1[0:2,6:8] -> y0/h1          # rank 0's rows of my head slice, finished (input dtype)
+    post 4: send y0/h1->0 | recv y1/h0<-0
     wait 4
-    copy o1/h0 -> o1{h0:2}                  # the head slices of my own chunk, assembled
-    copy o1/h1 -> o1{h2:4}
+    copy y1/h0 -> y1{h0:2}                  # the head slices of my own chunk, assembled
+    copy y1/h1 -> y1{h2:4}
 
 Inputs are cut per head slice (``q1/h0`` = heads 0-1 of rank 1's q). The forward keeps the
-inner Q and K/V (the all-to-all'd tokens) for the backward, as Ulysses does; the inner plan
-keeps or re-fetches its own chunks as it would alone.
+inner Q, K/V and output (the all-to-all'd tokens) for the backward, as Ulysses does, so the
+backward all-to-all moves dout alone and the lse / delta of each row are computed where the
+output is (:class:`~.ir.RowStats`); the inner plan keeps or re-fetches its own chunks as it would
+alone. What travels home is finished (``y``, ``gq``, ``gkv``: the input dtype, Ulysses' bytes),
+except dK/dV of a KV head replicated to several ranks, a partial sum (fp32).
 """
 
 from __future__ import annotations
 
 from .accounting import AttentionShape
-from .ir import AddGrad, Copy, Free, Key, Op, Plan, Post, RankPlan, Segment, Transfer, Wait
+from .ir import AddGrad, Copy, Free, Key, Op, Plan, Post, RankPlan, RowStats, Segment, Transfer, Wait
 from .layout import SpanLayout, check_ulysses_heads, head_slice
 from .passes import insert_frees
 
@@ -84,6 +87,7 @@ class _HybridLowering:
     def __init__(self, P: int, U: int, shape: AttentionShape, inner: Plan):
         self.P, self.U, self.shape, self.inner = P, U, shape, inner
         self.T = shape.seq_local
+        self.grad_kv = "dkv" if shape.kv_heads < U else "gkv"  # replicated KV heads: partial sums (fp32)
         h = self.T // 2
         # where CP rank m*U + p's two halves sit in inner chunk m
         self.pieces = [(Segment(p * h, (p + 1) * h), Segment(U * h + (U - 1 - p) * h, U * h + (U - p) * h))
@@ -146,7 +150,7 @@ class _HybridLowering:
         m, u = divmod(g, U)
         group = [m * U + p for p in range(U)]
         peers = [x for x in group if x != g]
-        in_kinds = ("do",) if backward else ("q", "kv")
+        in_kinds = ("dy",) if backward else ("q", "kv")
         ops: list[Op] = []
         if peers:  # the all-to-all: my chunk's head slice p to rank p, their chunks' slice u to me
             ops.append(Post(1, tuple(Transfer(x, Key(k, g, heads=x - m * U)) for x in peers for k in in_kinds),
@@ -156,28 +160,33 @@ class _HybridLowering:
             for k in in_kinds:
                 for p, x in enumerate(group):
                     ops.append(Copy(Key(k, x, heads=u), Key(k, m, heads=u, span=U), into=self.pieces[p]))
+            if backward:  # the row statistics come from the output this rank kept, not over the wire
+                ops.append(RowStats(Key("dy", m, heads=u, span=U), Key("o", m, heads=u, span=U),
+                                    Key("do", m, heads=u, span=U)))
             # the inner plan's own input cuts (slots of its chunk) come from the assembled buffers
             rp = self.inner.rank(m)
             for key, segs in (rp.backward_inputs if backward else rp.forward_inputs).items():
                 if key.slot >= 0:
                     ops.append(Copy(self.relabel(key._replace(slot=-1), u), self.relabel(key, u), rows=segs))
         ops.extend(self.inner_ops(m, u, direction, blocks))
-        out_kinds = ("dq", "dkv") if backward else ("o",)
+        # finished results go home in the input dtype, as Ulysses sends them; dK/dV of a KV head
+        # replicated to several ranks is still a partial sum there: it travels in fp32
+        outs = (("dq", "gq"), ("dkv", self.grad_kv)) if backward else (("o", "y"),)
         if blocks:
-            for k in out_kinds:
+            for acc, k in outs:
                 for p, x in enumerate(group):
-                    ops.append(Copy(Key(k, m, heads=u, span=U), Key(k, x, heads=u), rows=self.pieces[p]))
+                    ops.append(Copy(Key(acc, m, heads=u, span=U), Key(k, x, heads=u), rows=self.pieces[p]))
         last = self.last_round[direction] + 2
         if peers:
-            ops.append(Post(last, tuple(Transfer(x, Key(k, x, heads=u)) for x in peers for k in out_kinds),
-                            tuple(Transfer(x, Key(k, g, heads=x - m * U)) for x in peers for k in out_kinds)))
+            ops.append(Post(last, tuple(Transfer(x, Key(k, x, heads=u)) for x in peers for _, k in outs),
+                            tuple(Transfer(x, Key(k, g, heads=x - m * U)) for x in peers for _, k in outs)))
             ops.append(Wait(last))
         if blocks:  # assemble my chunk's head slices (dK/dV of a replicated KV head: summed)
-            for k in out_kinds:
-                side = "kv" if k == "dkv" else "q"
+            for _, k in outs:
+                side = "kv" if k in ("dkv", "gkv") else "q"
                 for p in range(U):
                     src = Key(k, g, heads=p)
-                    if backward:
+                    if k == "dkv":
                         ops.append(AddGrad(src, Key(k, g), heads=self.heads(side, p)))
                     else:
                         ops.append(Copy(src, Key(k, g), heads=self.heads(side, p)))
@@ -191,12 +200,12 @@ class _HybridLowering:
         m, u = divmod(g, U)
         whole = (Segment(0, self.T),)
         inner = self.inner.rank(m)
-        kept = {Key("q", m, heads=u, span=U), Key("kv", m, heads=u, span=U)}
+        kept = {Key(k, m, heads=u, span=U) for k in ("q", "kv", "o")}  # the inner tokens and output
         saved = tuple(sorted(kept | {self.relabel(k, u) for k in inner.saved}))
-        output, grad_q, grad_kv = Key("o", g), Key("dq", g), Key("dkv", g)
+        output, grad_q, grad_kv = Key("y", g), Key("gq", g), Key(self.grad_kv, g)
         forward = insert_frees(self.lower(g, "forward"), keep={output, *saved})
         backward = insert_frees(self.lower(g, "backward"), keep={grad_q, grad_kv})
         fwd_in = {Key(k, g, heads=p): whole for k in ("q", "kv") for p in range(U)}
-        bwd_in = {Key("do", g, heads=p): whole for p in range(U)}
+        bwd_in = {Key("dy", g, heads=p): whole for p in range(U)}
         return RankPlan(rank=g, seq_local=self.T, forward=forward, backward=backward, forward_inputs=fwd_in,
                         backward_inputs=bwd_in, output=output, grad_q=grad_q, grad_kv=grad_kv, saved=saved)

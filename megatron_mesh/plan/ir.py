@@ -39,6 +39,10 @@ kind        tensors                                     dtype
 ``do``      (dout, lse, delta) [B,H,T,D], [B,H,T] x2    input, acc, acc
 ``dq``      (dq,)           [B, H, T, D]                acc (gradient partial)
 ``dkv``     (dk, dv)        [B, Hkv, T, D] each         acc (gradient partial)
+``y``       (out,)          [B, H, T, D]                input (a finished output)
+``dy``      (dout,)         [B, H, T, D]                input
+``gq``      (dq,)           [B, H, T, D]                input (a finished gradient)
+``gkv``     (dk, dv)        [B, Hkv, T, D] each         input (finished gradients)
 ==========  ==========================================  =========================
 
 "acc" is fp32 (fp64 when the inputs are fp64): partial results are never accumulated in bf16.
@@ -71,8 +75,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, NamedTuple, Union
 
 __all__ = [
-    "KINDS", "Kind", "Segment", "Sel", "Key", "Transfer", "Post", "Wait", "Attend", "AttendBackward",
-    "MergeOut", "AddGrad", "Copy", "Free", "Op", "OP_TYPES", "MASK_KINDS", "RankPlan", "Plan",
+    "KINDS", "CASTS", "Kind", "Segment", "Sel", "Key", "Transfer", "Post", "Wait", "Attend", "AttendBackward",
+    "MergeOut", "AddGrad", "Copy", "RowStats", "Free", "Op", "OP_TYPES", "MASK_KINDS", "RankPlan", "Plan",
     "format_op", "parse_op", "map_runs", "sel_len", "sel_text", "parse_sel", "sub_selection", "relative_selection",
 ]
 
@@ -96,7 +100,14 @@ KINDS: dict[str, Kind] = {
     "do": Kind((("q", True, "input"), ("q", False, "acc"), ("q", False, "acc"))),
     "dq": Kind((("q", True, "acc"),)),
     "dkv": Kind((("kv", True, "acc"), ("kv", True, "acc"))),
+    # finished results in the input dtype, as a Ulysses all-to-all moves them home
+    "y": Kind((("q", True, "input"),)),
+    "dy": Kind((("q", True, "input"),)),
+    "gq": Kind((("q", True, "input"),)),
+    "gkv": Kind((("kv", True, "input"), ("kv", True, "input"))),
 }
+# Copy may change the kind only to finish an accumulator: (from, to); it takes the leading tensors
+CASTS = {("o", "y"), ("dq", "gq"), ("dkv", "gkv")}
 
 MASK_KINDS = ("full", "causal", "masked")
 
@@ -449,7 +460,8 @@ class AddGrad(NamedTuple):
 
 class Copy(NamedTuple):
     """``dst``[into rows, heads] <- ``src``[rows]: move tokens between buffers of one kind (the
-    token reorder and head assembly around a Ulysses all-to-all). Creates ``dst`` if absent."""
+    token reorder and head assembly around a Ulysses all-to-all), or finish an accumulator into
+    the input dtype (:data:`CASTS`, e.g. ``o`` -> ``y``). Creates ``dst`` if absent."""
 
     src: Key
     dst: Key
@@ -476,6 +488,33 @@ class Copy(NamedTuple):
         return cls(src, dst, rows, into, heads)
 
 
+class RowStats(NamedTuple):
+    """``dst`` (a ``do`` buffer) <- the incoming gradient ``dout`` (a ``dy`` buffer) with the row
+    statistics of the partial output ``out`` (an ``o`` buffer of the same tokens): its lse and
+    delta = rowsum(dout * out). Lets a rank that holds a row's output compute them, instead of
+    receiving them (a Ulysses all-to-all then moves dout alone)."""
+
+    dout: Key
+    out: Key
+    dst: Key
+
+    def reads(self) -> tuple[Key, ...]:
+        return (self.dout, self.out)
+
+    def writes(self) -> tuple[Key, ...]:
+        return (self.dst,)
+
+    def __str__(self) -> str:
+        return f"rowstats {self.dout} {self.out} -> {self.dst}"
+
+    @classmethod
+    def parse(cls, text: str) -> "RowStats":
+        m = re.match(r"^rowstats (\S+) (\S+) -> (\S+)$", text)
+        if m is None:
+            raise ValueError(f"not a rowstats: {text!r}")
+        return cls(Key.parse(m.group(1)), Key.parse(m.group(2)), Key.parse(m.group(3)))
+
+
 class Free(NamedTuple):
     """``key`` is not read again: the executor may reuse its memory."""
 
@@ -498,11 +537,11 @@ class Free(NamedTuple):
         return cls(Key.parse(m.group(1)))
 
 
-Op = Union[Post, Wait, Attend, AttendBackward, MergeOut, AddGrad, Copy, Free]
+Op = Union[Post, Wait, Attend, AttendBackward, MergeOut, AddGrad, Copy, RowStats, Free]
 # every op type, by the first word of its text form; consumers keep one handler per entry (a test
 # checks that the executor, the validator, the simulator and the memory walk handle all of them)
 OP_TYPES: dict[str, type] = {"post": Post, "wait": Wait, "attend": Attend, "attend_bwd": AttendBackward,
-                             "merge": MergeOut, "add": AddGrad, "copy": Copy, "free": Free}
+                             "merge": MergeOut, "add": AddGrad, "copy": Copy, "rowstats": RowStats, "free": Free}
 
 
 def format_op(op: Op) -> str:

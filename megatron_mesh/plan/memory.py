@@ -29,7 +29,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from .accounting import AttentionShape, key_bytes
-from .ir import AddGrad, Attend, AttendBackward, Copy, Free, MergeOut, Plan, Post, Wait
+from .ir import AddGrad, Attend, AttendBackward, Copy, Free, MergeOut, Plan, Post, RowStats, Wait
 
 __all__ = ["BufferMemory", "buffer_memory"]
 
@@ -100,6 +100,7 @@ _WALK = {
     MergeOut: lambda w, op: w.add(op.dst),
     AddGrad: lambda w, op: w.add(op.dst),
     Copy: lambda w, op: w.add(op.dst),
+    RowStats: lambda w, op: w.add(op.dst),
     Free: lambda w, op: w.free(op.key),
 }
 

@@ -9,7 +9,8 @@ It walks the *same op lists the executor runs* and prices each op (:data:`_COSTS
   masked), at ``attention_flops``, plus ``kernel_latency`` per call, plus the fp32 merge into
   the accumulator at ``memory_bandwidth``. ``AttendBackward``: 2.5x the forward FLOPs
   (FlashAttention's backward does 5 matmuls to the forward's 2) plus the dQ/dKV accumulation.
-  ``MergeOut``/``AddGrad``/``Copy``: read two buffers, write one, at ``memory_bandwidth``.
+  ``MergeOut``/``AddGrad``/``RowStats``: read two buffers, write one, at ``memory_bandwidth``;
+  ``Copy``: read and write the rows it moves.
   ``Free`` costs nothing.
 * **Communication stream** (one per rank; NCCL runs a rank's rounds in posting order). ``Post(t)``
   starts round t once the compute issued before it has finished (the NCCL stream waits on the
@@ -56,7 +57,7 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from .accounting import AttentionShape, block_area, key_bytes
-from .ir import AddGrad, Attend, AttendBackward, Copy, Free, MergeOut, Op, Plan, Post, Wait, sel_len
+from .ir import AddGrad, Attend, AttendBackward, Copy, Free, MergeOut, Op, Plan, Post, RowStats, Wait, sel_len
 from .topology import LINK_CLASSES, Topology
 
 __all__ = ["Event", "PhaseResult", "SimResult", "simulate", "RoundTraffic", "round_traffic", "BACKWARD_FLOPS"]
@@ -392,13 +393,18 @@ def _block_cost(plan: Plan, op, shape: AttentionShape, topo: Topology) -> float:
 
 
 def _combine_cost(plan: Plan, op, shape: AttentionShape, topo: Topology) -> float:
-    """A merge, gradient add or copy: read two buffers' worth and write one, at HBM bandwidth."""
-    return 3 * key_bytes(plan, op.src, shape) / topo.memory_bandwidth
+    """A merge, gradient add or row statistics: read two buffers' worth and write one, at HBM
+    bandwidth; a copy reads one and writes one (of the rows it moves)."""
+    if type(op) is Copy:
+        return 2 * key_bytes(plan, op.dst, shape) * sel_len(op.rows, plan.tokens(op.src)) / \
+            plan.tokens(op.dst) / topo.memory_bandwidth
+    src = op.dout if type(op) is RowStats else op.src
+    return 3 * key_bytes(plan, src, shape) / topo.memory_bandwidth
 
 
 # seconds the compute stream spends on each op type (communication ops are timed by their rounds)
 _COSTS = {Attend: _block_cost, AttendBackward: _block_cost, MergeOut: _combine_cost, AddGrad: _combine_cost,
-          Copy: _combine_cost}
+          Copy: _combine_cost, RowStats: _combine_cost}
 _NO_COMPUTE = (Post, Wait, Free)
 
 
@@ -419,8 +425,10 @@ def _cost_signature(plan: Plan, op: Op) -> tuple:
         kv = op.kv
         return (kind, op.q.slot, op.q.span, op.q.heads, op.rows, op.cols, op.mask,
                 kv[0].slot if len(kv) == 1 else tuple(k.slot for k in kv))
+    if kind is Copy:
+        return (kind, op.src.kind, op.dst.kind, op.src.span, op.dst.span, op.rows, op.into, op.heads)
     if kind in _COSTS:
-        src = op.src
+        src = op.dout if kind is RowStats else op.src
         return (kind, src.kind, src.slot, src.span, src.heads, src.chunk if per_chunk else 0)
     return (kind,)
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .ir import (KINDS, AddGrad, Attend, AttendBackward, Copy, Free, Key, MergeOut, Plan, Post, RankPlan,
-                 Wait, sel_len, sel_text)
+from .ir import (CASTS, KINDS, AddGrad, Attend, AttendBackward, Copy, Free, Key, MergeOut, Plan, Post, RankPlan,
+                 RowStats, Wait, sel_len, sel_text)
 
 __all__ = ["PlanError", "validate_plan", "check_dataflow", "check_matching", "dry_run", "check_cover"]
 
@@ -150,8 +150,9 @@ class _RankState:
 
     def copy(self, op: Copy) -> None:
         self.need(op.src, op)
-        if op.src.kind != op.dst.kind:
-            self.fail(f"{op} copies between kinds {op.src.kind} and {op.dst.kind}")
+        if op.src.kind != op.dst.kind and (op.src.kind, op.dst.kind) not in CASTS:
+            self.fail(f"{op} copies a {op.src.kind} buffer into a {op.dst.kind} buffer (allowed: the same kind, or "
+                      f"finishing {', '.join(f'{a} -> {b}' for a, b in sorted(CASTS))})")
         self.inside(op.src, op.rows, op, "source row")
         self.inside(op.dst, op.into, op, "destination row")
         if sel_len(op.rows, self.plan.tokens(op.src)) != sel_len(op.into, self.plan.tokens(op.dst)):
@@ -192,10 +193,21 @@ class _RankState:
         if counts is not None:
             from .layout import head_slice
 
-            side = "kv" if src.kind in ("kv", "dkv") else "q"
+            side = "kv" if src.kind in ("kv", "dkv", "gkv") else "q"
             want = head_slice(side, src.heads, self.plan.heads_split, *counts)
             if tuple(heads) != want:
                 self.fail(f"{op}: head slice {src.heads} of {side} heads is heads {want}, not {tuple(heads)}")
+
+    def rowstats(self, op: RowStats) -> None:
+        self.need(op.dout, op)
+        self.need(op.out, op)
+        if (op.dout.kind, op.out.kind, op.dst.kind) != ("dy", "o", "do"):
+            self.fail(f"{op} must read a dy and an o buffer and write a do buffer")
+        self.same_tokens(op, op.dout, None, op.out, None)
+        self.same_tokens(op, op.dout, None, op.dst, None)
+        if not op.dout.heads == op.out.heads == op.dst.heads:
+            self.fail(f"{op} mixes head slices")
+        self.write(op.dst, op, create=True)
 
     def free(self, op: Free) -> None:
         self.need(op.key, op)
@@ -206,7 +218,7 @@ class _RankState:
 
 _DATAFLOW = {Post: _RankState.post, Wait: _RankState.wait, Attend: _RankState.attend,
              AttendBackward: _RankState.attend_backward, MergeOut: _RankState.merge, AddGrad: _RankState.add,
-             Copy: _RankState.copy, Free: _RankState.free}
+             Copy: _RankState.copy, RowStats: _RankState.rowstats, Free: _RankState.free}
 
 
 def check_dataflow(plan: Plan, rp: RankPlan, direction: str) -> None:

@@ -203,7 +203,9 @@ class _PlanAttention(torch.autograd.Function):
         ctx.saved_keys = list(res.saved)
         ctx.saved_counts = [len(res.saved[key]) for key in ctx.saved_keys]
         saved = [t for key in ctx.saved_keys for t in res.saved[key]]
-        ctx.save_for_backward(q, k, v, out, res.lse, *saved)
+        lse = res.lse if res.lse is not None else out.new_empty(0)  # a Ulysses plan keeps lse remotely
+        ctx.has_lse = res.lse is not None
+        ctx.save_for_backward(q, k, v, out, lse, *saved)
         return out.permute(2, 0, 1, 3)
 
     @staticmethod
@@ -218,7 +220,8 @@ class _PlanAttention(torch.autograd.Function):
             i += n
         with counting_into(ctx.counters):
             dq, dk, dv = ctx.call.executor.backward(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3),
-                                                    v.permute(1, 2, 0, 3), out, lse, dout.permute(1, 2, 0, 3), saved)
+                                                    v.permute(1, 2, 0, 3), out, lse if ctx.has_lse else None,
+                                                    dout.permute(1, 2, 0, 3), saved)
         return tuple(g.to(x.dtype).permute(2, 0, 1, 3) for g, x in ((dq, q), (dk, k), (dv, v))) + (None,)
 
 

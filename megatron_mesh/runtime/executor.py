@@ -24,7 +24,8 @@ from torch import Tensor
 
 from ..comm.base import Communicator, Work
 from ..kernels.base import BlockKernel
-from ..plan.ir import KINDS, AddGrad, Attend, AttendBackward, Copy, Free, Key, MergeOut, Plan, Post, RankPlan, Wait
+from ..plan.ir import (KINDS, AddGrad, Attend, AttendBackward, Copy, Free, Key, MergeOut, Plan, Post, RankPlan,
+                       RowStats, Wait)
 from ..plan.layout import head_slice
 from .masks import block_mask
 from .merge import merge_partial_
@@ -156,19 +157,24 @@ class Executor:
         bufs = self._buffers(q, k, {rp.output})
         self._inputs(bufs, rp.forward_inputs, {"q": (q,), "kv": (k, v)})
         self._run(rp.forward, bufs)
-        out, lse = bufs.accumulator(rp.output)
+        final = bufs.accumulator(rp.output)
+        out, lse = final if len(final) == 2 else (final[0], None)  # a finished output ("y") has no lse
         saved = {key: bufs.get(key) for key in rp.saved}
         return ForwardResult(out, lse, saved)
 
-    def backward(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
+    def backward(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor | None, dout: Tensor,
                  saved: dict[Key, tuple[Tensor, ...]]) -> tuple[Tensor, Tensor, Tensor]:
-        """Gradients (fp32, token-major storage) of q, k, v given the forward's final ``out`` (q's
-        dtype or fp32) and fp32 ``lse`` and the incoming ``dout`` [B, H, T, D]."""
+        """Gradients (fp32 or the input dtype, token-major storage) of q, k, v given the
+        forward's final ``out`` (q's dtype or fp32) and ``lse`` and the incoming ``dout``
+        [B, H, T, D]."""
         rp = self.rank_plan
         bufs = self._buffers(q, k, {rp.grad_q, rp.grad_kv})
-        acc = accumulator_dtype(q.dtype)
-        delta = (dout.to(acc) * out.to(acc)).sum(-1)  # rowsum(dout * out): the backward's row statistic
-        self._inputs(bufs, rp.backward_inputs, {"q": (q,), "kv": (k, v), "do": (dout, lse, delta)})
+        sources = {"q": (q,), "kv": (k, v), "dy": (dout,)}
+        if any(key.kind == "do" for key in rp.backward_inputs):
+            acc = accumulator_dtype(q.dtype)
+            delta = (dout.to(acc) * out.to(acc)).sum(-1)  # rowsum(dout * out): the backward's row statistic
+            sources["do"] = (dout, lse, delta)
+        self._inputs(bufs, rp.backward_inputs, sources)
         for key, tensors in saved.items():
             bufs.put(key, tensors, owned=False)
         self._run(rp.backward, bufs)
@@ -189,7 +195,7 @@ class Executor:
             src = sources[key.kind]
             heads = None
             if key.heads >= 0:
-                side = "kv" if key.kind == "kv" else "q"
+                side = "kv" if KINDS[key.kind].tensors[0][0] == "kv" else "q"
                 heads = head_slice(side, key.heads, self.plan.heads_split, bufs.heads, bufs.kv_heads)
             ck = (key.kind, tuple(segs), heads)
             tensors = cuts.get(ck)
@@ -287,16 +293,24 @@ class Executor:
 
     def _copy(self, op: Copy, bufs: _Buffers, pending) -> None:
         src, dst = bufs.get(op.src), bufs.accumulator(op.dst)
-        for d, s in zip(dst, src):
+        for d, s in zip(dst, src):  # a cast to a finished kind keeps the leading tensors (out, not lse)
             if op.heads is not None:
                 d = d.narrow(1, op.heads[0], op.heads[1] - op.heads[0])
             s = _take(s, op.rows)
             for a, pos, n in _parts(op.into, d.shape[2]):
                 d.narrow(2, a, n).copy_(s.narrow(2, pos, n))
 
+    def _rowstats(self, op: RowStats, bufs: _Buffers, pending) -> None:
+        (dout,) = bufs.get(op.dout)
+        out, lse = bufs.get(op.out)
+        d_out, d_lse, d_delta = bufs.accumulator(op.dst)
+        d_out.copy_(dout)
+        d_lse.copy_(lse)
+        torch.sum(dout.to(out.dtype) * out, dim=-1, out=d_delta)
+
     def _free(self, op: Free, bufs: _Buffers, pending) -> None:
         bufs.free(op.key)
 
     HANDLERS = {Post: _post, Wait: _wait, Attend: _attend, AttendBackward: _attend_backward, MergeOut: _merge,
-                AddGrad: _add, Copy: _copy, Free: _free}
+                AddGrad: _add, Copy: _copy, RowStats: _rowstats, Free: _free}
 
