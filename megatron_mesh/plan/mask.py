@@ -156,6 +156,14 @@ class Mask:
             parts.append("docs=" + ";".join(f"{a}:{b}" for a, b in self.documents))
         return ",".join(parts)
 
+    def summary(self) -> str:
+        """Short human text: the text form, with documents counted instead of listed."""
+        if self.documents is None or len(self.documents) <= 4:
+            return self.text()
+        lens = [b - a for a, b in self.documents]
+        head = Mask(self.causal, self.window).text()
+        return f"{head},{len(lens)} documents of {min(lens)}-{max(lens)} (mean {sum(lens) / len(lens):.0f}) tokens"
+
     @classmethod
     def from_text(cls, text: str) -> "Mask":
         parts = text.split(",")

@@ -83,7 +83,7 @@ class PhaseResult:
     time: float  # wall time, slowest simulated rank
     compute: float  # busy time of that rank's compute stream
     rounds: int  # communication rounds (Posts) per rank
-    bytes_sent: int  # per rank (rank 0; every rank sends the same in SPMD plans)
+    bytes_sent: int  # per rank: the busiest rank (every rank sends the same in SPMD plans)
     intra_bytes: float  # sent over intra-node links, mean over ranks
     inter_bytes: float  # sent over inter-node links, mean over ranks
     max_inter_bytes: int  # the rank that sends the most across nodes
@@ -256,7 +256,7 @@ def _exact_traffic(plan: Plan, shape: AttentionShape, topo: Topology, direction:
         inter.append(x)
         intra.append(i)
     P = plan.world_size
-    return RoundTraffic(duration, sent[0], sum(intra) / P, sum(inter) / P, max(inter), tuple(sent),
+    return RoundTraffic(duration, max(sent), sum(intra) / P, sum(inter) / P, max(inter), tuple(sent),
                         tuple(received), tuple(inter))
 
 
@@ -446,14 +446,20 @@ class _Rank:
 
 def _run_lockstep(plan: Plan, shape: AttentionShape, topo: Topology, direction: str, ranks: list[int],
                   duration: dict[int, float], timeline: bool) -> tuple[float, float, int, list[Event]]:
-    """Step the simulated ranks together; round t starts when every one of them has posted it
-    and the previous round has completed (approximation 1). Returns (time, compute of the
-    slowest rank, rounds, events)."""
+    """Step the simulated ranks together; round t starts once every simulated rank that posts it
+    has posted it and each of them has finished its previous rounds (a rank's rounds run in
+    posting order; approximation 1). Returns (time, compute of the slowest rank, rounds of the
+    busiest rank, events)."""
     states = [_Rank(r, plan.rank(r).ops(direction)) for r in ranks]
-    posted: dict[int, list[float]] = {}
-    order: list[int] = []  # rounds in posting order
+    posters: dict[int, int] = {}  # round -> how many simulated ranks post it
+    for st in states:
+        for op in st.ops:
+            if type(op) is Post:
+                posters[op.round] = posters.get(op.round, 0) + 1
+    posted: dict[int, list[tuple[float, _Rank]]] = {}
+    ready: list[int] = []  # rounds every poster has posted, not yet resolved
     done: dict[int, float] = {}
-    comm_free, resolved = 0.0, 0
+    comm_free = {st.rank: 0.0 for st in states}
     costs: dict = {}
     while True:
         moved = False
@@ -469,10 +475,10 @@ def _run_lockstep(plan: Plan, shape: AttentionShape, topo: Topology, direction: 
                         st.events.append(Event(st.rank, "compute", st.clock, done[op.round], f"wait {op.round}"))
                     st.clock = max(st.clock, done[op.round])
                 elif kind is Post:
-                    if op.round not in posted:
-                        posted[op.round] = []
-                        order.append(op.round)
-                    posted[op.round].append(st.clock)
+                    entries = posted.setdefault(op.round, [])
+                    entries.append((st.clock, st))
+                    if len(entries) == posters[op.round]:
+                        ready.append(op.round)
                 elif kind is not Free:
                     sig = _cost_signature(plan, op)
                     c = costs.get(sig)
@@ -484,37 +490,49 @@ def _run_lockstep(plan: Plan, shape: AttentionShape, topo: Topology, direction: 
                     st.busy += c
                 st.pc += 1
                 moved = True
-        while resolved < len(order) and len(posted[order[resolved]]) == len(states):
-            t = order[resolved]
-            start = max(max(posted[t]), comm_free)
-            done[t] = comm_free = start + duration.get(t, 0.0)
-            if timeline:
-                for st in states:
+        for t in ready:
+            entries = posted[t]
+            start = max(max(c for c, _ in entries), max(comm_free[st.rank] for _, st in entries))
+            done[t] = start + duration.get(t, 0.0)
+            for _, st in entries:
+                comm_free[st.rank] = done[t]
+                if timeline:
                     st.events.append(Event(st.rank, "comm", start, done[t], f"round {t}"))
-            resolved += 1
             moved = True
+        ready.clear()
         if all(st.pc == len(st.ops) for st in states):
             break
         if not moved:
             stuck = {st.rank: str(st.ops[st.pc]) for st in states if st.pc < len(st.ops)}
-            raise ValueError(f"{direction}: simulated ranks block forever (not lockstep-compatible): {stuck}")
+            raise ValueError(f"{direction}: simulated ranks block forever: {stuck}")
     slowest = max(states, key=lambda s: s.clock)
-    time = max(slowest.clock, comm_free)
+    time = max(slowest.clock, max(comm_free.values()))
+    rounds = max(sum(1 for op in st.ops if type(op) is Post) for st in states)
     events = sorted((e for st in states for e in st.events), key=lambda e: (e.rank, e.start)) if timeline else []
-    return time, slowest.busy, len(order), events
+    return time, slowest.busy, rounds, events
+
+
+def _default_ranks(plan: Plan) -> list[int]:
+    """Ranks 0 and P-1 for plans where every rank posts the same rounds (approximation 2); every
+    rank for mask-aware plans, whose ranks differ in work and rounds."""
+    inner = plan.inner if plan.inner is not None else plan
+    if inner.options.get("transfers") == "direct":
+        return list(range(plan.world_size))
+    return [0, plan.world_size - 1]
 
 
 def simulate(plan: Plan, shape: AttentionShape, topology: Topology | None = None, *, exact: bool = False,
              timeline: bool = False, ranks: list[int] | None = None) -> SimResult:
     """Predicted time of ``plan`` (forward, backward) on ``topology`` (default: H100 nodes of 8).
 
-    ``ranks``: the ranks whose compute is simulated (default 0 and P-1, approximation 2);
+    ``ranks``: the ranks whose compute is simulated (default 0 and P-1, approximation 2; every
+    rank for a mask-aware plan);
     ``exact``: derive round durations from every rank's rounds; ``timeline``: keep the events.
     """
     topo = topology if topology is not None else Topology.for_cp(plan.world_size)
     if shape.seq_local != plan.seq_local:
         raise ValueError(f"shape.seq_local {shape.seq_local} != the plan's {plan.seq_local}")
-    sim_ranks = sorted(set(ranks if ranks is not None else (0, plan.world_size - 1)))
+    sim_ranks = sorted(set(ranks if ranks is not None else _default_ranks(plan)))
     if not sim_ranks or not all(0 <= r < plan.world_size for r in sim_ranks):
         raise ValueError(f"ranks {ranks} must be a non-empty subset of 0..{plan.world_size - 1}")
     for r in sim_ranks:  # build the simulated ranks first: their rounds are then read off their ops

@@ -43,6 +43,8 @@ moving 2 of the 12 tokens ring attention would move.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from .accounting import AttentionShape, buffer_bytes
 from .ir import (AddGrad, Attend, AttendBackward, Key, MergeOut, Op, Plan, Post, RankPlan, Segment, Transfer,
                  Wait, relative_selection)
@@ -52,8 +54,10 @@ from .passes import insert_frees
 __all__ = ["build_sparse_plan", "block_table"]
 
 
+@lru_cache(maxsize=16)
 def block_table(P: int, mask: Mask, layout) -> dict[tuple[int, int], object]:
-    """{(i, j): BlockClass} of every block with allowed pairs."""
+    """{(i, j): BlockClass} of every block with allowed pairs (shared by every mode's plan of
+    this mask: the planner builds dozens)."""
     runs = [tuple((a, n) for _, a, n in layout.runs(g)) for g in range(P)]
     out = {}
     for i in range(P):
@@ -146,7 +150,7 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
     for (x, c), sel in needs.cols.items():
         slots[(1, c, P + x)] = sel
     lowering = _SparseLowering(P, T, needs, table, slots, keep, burst)
-    notes.append(f"mask {mask.text()}: {len(table)} of {P * P} chunk blocks have allowed pairs; each rank receives "
+    notes.append(f"mask {mask.summary()}: {len(table)} of {P * P} chunk blocks have allowed pairs; each rank receives "
                  f"only the tokens its blocks read, from their owner ({'one round' if burst else 'one round per shift'})")
     return Plan(mode=mode, world_size=P, seq_local=T, mask=mask, layout=layout, build_rank=lowering.rank_plan,
                 build_rounds=lowering.round_ops, slots=slots, tile=tile if mode == "mesh" else None,

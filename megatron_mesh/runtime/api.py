@@ -159,7 +159,7 @@ def plan_fingerprint(plan: Plan, extra: str = "") -> str:
 
 def _describe(plan: Plan, extra: str) -> str:
     tile = f" tile {plan.tile[0]}x{plan.tile[1]}" if plan.tile else ""
-    return f"[{plan.mode}{tile}, {plan.world_size} ranks x {plan.seq_local} tokens, {plan.mask.text()}{extra}]"
+    return f"[{plan.mode}{tile}, {plan.world_size} ranks x {plan.seq_local} tokens, {plan.mask.summary()}{extra}]"
 
 
 def check_agreement(comm: Communicator, plan: Plan, extra: str = "") -> None:
