@@ -1,0 +1,74 @@
+#!/usr/bin/env python
+"""The planner's tables for docs/performance.md: every mode against USP (Ulysses x ring,
+Transformer Engine's a2a+p2p) at 256 GPUs = 32 nodes x 8, for the nine configurations (MHA 32/32,
+GQA 32/8 and 64/8; 256K, 512K, 1M tokens), and the same on a machine with another speed ratio.
+
+    python scripts/planner_tables.py                      # the default H100 machine (Topology())
+    python scripts/planner_tables.py --tflops 800         # twice the attention throughput
+    python scripts/planner_tables.py --inter-bandwidth 25 # half the network
+
+Columns: ring attention, the fastest Mesh tile, USP by formula (its ring part simulated from the
+ring plan; no reorder copies counted) and simulated from its plan (``a2a+ring``), the fastest
+Ulysses x Mesh hybrid, ``auto`` (the fastest plan of every mode), auto's speedup over USP, and the
+*compute floor*: the attention FLOPs of one rank at the machine's throughput (forward + 2.5x
+backward) -- no CP mode can be faster, so USP's time over the floor bounds any mode's speedup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_mesh.plan import AttentionShape, Topology  # noqa: E402
+from megatron_mesh.plan.simulate import BACKWARD_FLOPS  # noqa: E402
+from megatron_mesh.tools.planner import evaluate  # noqa: E402
+
+CONFIGS = [(h, g, s) for h, g in ((32, 32), (32, 8), (64, 8)) for s in (262144, 524288, 1048576)]
+
+
+def floor_s(shape: AttentionShape, seq_len: int, P: int, topo: Topology) -> float:
+    """Causal attention FLOPs per rank (balanced) at the machine's throughput, fwd + bwd."""
+    pairs = seq_len * (seq_len + 1) / 2 / P
+    return 4.0 * shape.batch * shape.heads * shape.head_dim * pairs * (1 + BACKWARD_FLOPS) / topo.attention_flops
+
+
+def main(argv=None) -> int:
+    d = Topology()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cp", type=int, default=256)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--tflops", type=float, default=d.attention_flops / 1e12)
+    p.add_argument("--inter-bandwidth", type=float, default=d.inter_bandwidth / 1e9, help="GB/s per GPU")
+    a = p.parse_args(argv)
+    topo = Topology.for_cp(a.cp, a.gpus_per_node, attention_flops=a.tflops * 1e12,
+                           inter_bandwidth=a.inter_bandwidth * 1e9)
+    print(f"| heads q/kv | S | ring ms | mesh-auto ms | USP ms (formula) | a2a+ring ms (USP plan) | best a2a+mesh "
+          f"(U, tile) ms | auto ms | auto vs USP | floor ms | USP / floor |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    speedups, start = [], time.perf_counter()
+    for h, g, S in CONFIGS:
+        shape = AttentionShape(seq_local=S // a.cp, heads=h, kv_heads=g, head_dim=128)
+        rows, _ = evaluate(a.cp, shape, topo, modes=("ring", "mesh-auto", "a2a+ring", "a2a+mesh-auto", "usp", "auto"))
+        by = {}
+        for r in rows:
+            by.setdefault(r.mode, []).append(r)
+        usp = by["usp"][0]
+        a2a_ring = min(by["a2a+ring"], key=lambda r: abs(r.ulysses - usp.ulysses))  # the USP degree
+        hyb, auto = by["a2a+mesh-auto"][0], by["auto"][0]
+        fl = floor_s(shape, S, a.cp, topo)
+        speedups.append(usp.time_s / auto.time_s)
+        ms = lambda r: f"{r.time_s * 1e3:.1f}"  # noqa: E731
+        print(f"| {h}/{g} | {S // 1024}K | {ms(by['ring'][0])} | {ms(by['mesh-auto'][0])} | {ms(usp)} | "
+              f"{ms(a2a_ring)} | {ms(hyb)} (U={hyb.ulysses}, {hyb.tile[0]}x{hyb.tile[1]}) | {ms(auto)} | "
+              f"**{speedups[-1]:.2f}x** | {fl * 1e3:.1f} | {usp.time_s / fl:.2f} |", flush=True)
+    print(f"\nauto vs USP: min {min(speedups):.3f}x, mean {sum(speedups) / len(speedups):.3f}x "
+          f"({time.perf_counter() - start:.0f} s; machine: {topo.describe()})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
