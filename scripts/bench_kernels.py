@@ -40,8 +40,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from megatron_mesh.comm.inprocess import Mailbox, run_inprocess  # noqa: E402
-from megatron_mesh.kernels import get_kernel  # noqa: E402
-from megatron_mesh.plan import AttentionShape, build_mesh_plan, parse_tile  # noqa: E402
+from megatron_mesh.kernels import CAUSAL, get_kernel  # noqa: E402
+from megatron_mesh.plan import AttentionShape, build_mesh_plan, build_tasp_plan, parse_tile  # noqa: E402
 from megatron_mesh.runtime.api import zigzag_shard, zigzag_unshard  # noqa: E402
 from megatron_mesh.runtime.executor import Executor  # noqa: E402
 
@@ -107,14 +107,14 @@ def timed(dev: Device, fn, iters: int) -> float:
 def bench_fused(dev, kernel, q, k, v, dout, scale, iters, warmup):
     """(a): one kernel call over the whole sequence; returns seconds, peaks, outputs."""
     for _ in range(warmup):
-        out, lse = kernel.forward(q, k, v, causal=True, scale=scale)
-        kernel.backward(dout, q, k, v, lse, (dout.float() * out.float()).sum(-1), causal=True, scale=scale)
+        out, lse = kernel.forward(q, k, v, mask=CAUSAL, scale=scale)
+        kernel.backward(dout, q, k, v, lse, (dout.float() * out.float()).sum(-1), mask=CAUSAL, scale=scale)
     base = dev.start_memory()
     res = {}
 
     def fwd():
         for _ in range(iters):
-            res["fwd"] = kernel.forward(q, k, v, causal=True, scale=scale)
+            res["fwd"] = kernel.forward(q, k, v, mask=CAUSAL, scale=scale)
 
     t_fwd = timed(dev, fwd, iters)
     peak_fwd = dev.peak_mib(base)
@@ -124,7 +124,7 @@ def bench_fused(dev, kernel, q, k, v, dout, scale, iters, warmup):
 
     def bwd():
         for _ in range(iters):
-            res["bwd"] = kernel.backward(dout, q, k, v, lse, delta, causal=True, scale=scale)
+            res["bwd"] = kernel.backward(dout, q, k, v, lse, delta, mask=CAUSAL, scale=scale)
 
     t_bwd = timed(dev, bwd, iters)
     return (t_fwd, peak_fwd, out), (t_bwd, dev.peak_mib(base), res["bwd"])
@@ -224,7 +224,6 @@ def calibration(rows: list[Row]) -> dict:
 def build_plan(tile: str, world: int, shape: AttentionShape):
     """The causal plan named by ``tile`` ("AxB", or "tasp") and its row label."""
     if tile == "tasp":
-        from megatron_mesh.plan.tasp import build_tasp_plan  # added by the TASP change
         return build_tasp_plan(world, shape, causal=True), f"tasp P={world}"
     a, b = parse_tile(tile, world)
     return build_mesh_plan(world, (a, b), shape, causal=True), (f"ring 1x{world}" if a == 1 else f"mesh {a}x{b}")
@@ -278,10 +277,6 @@ def parse_args(argv=None):
             raise SystemExit(f"--seq-local values must be even and >= 2 (two zigzag halves), got {s}")
     for tile in args.tiles:
         if tile == "tasp":
-            try:
-                import megatron_mesh.plan.tasp  # noqa: F401
-            except ImportError:
-                raise SystemExit("--tiles tasp: megatron_mesh.plan.tasp is not available in this tree") from None
             continue
         try:
             parse_tile(tile, args.world)

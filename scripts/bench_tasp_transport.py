@@ -21,9 +21,7 @@ def _bench(rank: int, world: int, seq_local: int, iters: int) -> dict:
     import megatron_mesh as mm
     from megatron_mesh.comm.alltoall import AllToAllCommunicator
     from megatron_mesh.comm.torch_dist import TorchDistCommunicator
-    from megatron_mesh.plan import AttentionShape, Post, Wait
-    from megatron_mesh.plan.tasp import build_tasp_plan
-    from megatron_mesh.runtime.tasp_api import tasp_attention
+    from megatron_mesh.plan import AttentionShape, Post, Wait, build_tasp_plan
 
     torch.manual_seed(rank)
     B, H, Hkv, D = 1, 8, 2, 64
@@ -58,27 +56,32 @@ def _bench(rank: int, world: int, seq_local: int, iters: int) -> dict:
             torch.distributed.barrier()
             t = time.perf_counter()
             with mm.comm_counter() as c:
-                tasp_attention(q, k, v, transport=name).sum().backward()
+                mm.tasp_attention(q, k, v, transport=name).sum().backward()
             times[f"attention/{name}"].append(time.perf_counter() - t)
             out[f"bytes/{name}"] = c.bytes_sent
     out.update({key: statistics.median(ts[1:]) for key, ts in times.items()})
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[int, dict]:
+    """Print one line per CP size; return {CP size: {"rounds/p2p": seconds, ..., "bytes": per rank}}."""
     from megatron_mesh.launch import spawn
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--seq-local", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=5)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
+    out = {}
     for world in a.world:
         res = spawn(_bench, world, a.seq_local, a.iters, timeout=600)
-        assert len({r["bytes/p2p"] for r in res} | {r["bytes/alltoall"] for r in res}) == 1, "bytes differ"
+        if len({r["bytes/p2p"] for r in res} | {r["bytes/alltoall"] for r in res}) != 1:
+            raise SystemExit(f"P={world}: the transports moved different bytes: {res}")
         slowest = {key: max(r[key] for r in res) for key in res[0] if not key.startswith("bytes")}
         print(f"P={world} seq_local={a.seq_local}: " + "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in slowest.items())
               + f"  bytes/rank {res[0]['bytes/p2p']}")
+        out[world] = dict(slowest, bytes=res[0]["bytes/p2p"])
+    return out
 
 
 if __name__ == "__main__":

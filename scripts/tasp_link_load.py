@@ -12,18 +12,17 @@ busiest rank sends per step and over how many links.
 from __future__ import annotations
 
 import argparse
-
 from collections import defaultdict
 
-from megatron_mesh.plan import AttentionShape, build_ring_plan, link_bytes
-from megatron_mesh.plan.tasp import build_tasp_plan, link_load
+from megatron_mesh.plan import AttentionShape, build_ring_plan, build_tasp_plan, link_bytes, link_load
 
 
 def _mib(b: int) -> str:
     return f"{b / 2**20:8.3f} MiB"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
+    """Print the tables; return them as {"single": [row, ...], "nodes": [row, ...]} with bytes per row."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, default=8)
     ap.add_argument("--gpus-per-node", type=int, default=4, help="emulated node size for the multi-node rows")
@@ -33,18 +32,21 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--itemsize", type=int, default=2)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     shape = AttentionShape(a.seq_local, a.batch, a.heads, a.kv_heads, a.head_dim, a.itemsize)
     P, m = a.world, a.gpus_per_node
     print(f"P={P}, seq_local={a.seq_local}, batch={a.batch}, heads={a.heads}, kv_heads={a.kv_heads}, "
           f"head_dim={a.head_dim}, itemsize={a.itemsize}")
     steps = P - 1
+    out: dict[str, list[dict]] = {"single": [], "nodes": []}
     plans = {"ring": build_ring_plan(P, shape), "tasp (one node)": build_tasp_plan(P, shape)}
     print(f"\nsingle node: bytes on the busiest link, per step and per round ({steps} steps)")
     for name, plan in plans.items():
         for direction in ("forward", "backward"):
             per_step = max(link_bytes(plan, shape, direction).values()) // steps
             load = link_load(plan, shape, direction)
+            out["single"].append(dict(plan=name, direction=direction, per_step=per_step, per_round=load.max_link,
+                                      rounds=load.rounds))
             print(f"  {name:<22} {direction:<8} {_mib(per_step)} /step  {_mib(load.max_link)} /round "
                   f"({load.rounds} rounds)")
     if m and P % m == 0 and P // m >= 2:
@@ -57,8 +59,12 @@ def main() -> None:
                     if src // m != dst // m:
                         sent[src] += b
                 load = link_load(plan, shape, direction, gpus_per_node=m)
-                print(f"  {name:<22} {direction:<8} {_mib(max(sent.values()) // steps)} /step  "
-                      f"over {load.inter_node_links} link(s)")
+                per_step = max(sent.values()) // steps
+                out["nodes"].append(dict(plan=name, direction=direction, per_step=per_step,
+                                         links=load.inter_node_links))
+                print(f"  {name:<22} {direction:<8} {_mib(per_step)} /step  over {load.inter_node_links} link(s)")
+    return out
+
 
 if __name__ == "__main__":
     main()

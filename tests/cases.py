@@ -235,6 +235,9 @@ PARTS = {
     "bytes": ("bytes_cases:measure_group", (2, 3, 4, 5, 6, 7, 8)),
     "gloo_outputs": ("cases:gloo_outputs", (4,)),
 }
+# run after the phases on the whole default group (they make their own subgroups, and their hostile
+# API cases destroy and re-create the default group): name -> "module:function(rank, world)"
+WHOLE_GROUP_PARTS = {"mask_cases": "mask_cases:all_cases"}
 
 
 def in_subgroups(rank: int, world: int, case_fn, phases=PHASES, **kwargs) -> dict[int, list]:
@@ -260,7 +263,7 @@ def in_subgroups(rank: int, world: int, case_fn, phases=PHASES, **kwargs) -> dic
 
 
 def _part(name: str):
-    module, fn = PARTS[name][0].split(":")
+    module, fn = (PARTS[name][0] if name in PARTS else WHOLE_GROUP_PARTS[name]).split(":")
     return getattr(importlib.import_module(module), fn)
 
 
@@ -268,7 +271,7 @@ def assign(sizes: tuple[int, ...], parts) -> list[list[str]]:
     """The parts each group of a phase runs (see :data:`PARTS`)."""
     out: list[list[str]] = [[] for _ in sizes]
     turn: dict[int, int] = {}
-    for name in parts:
+    for name in (n for n in parts if n in PARTS):
         for size in sorted(set(sizes)):
             if size not in PARTS[name][1]:
                 continue
@@ -298,26 +301,34 @@ def run_parts(rank: int, world: int, parts: tuple[str, ...]) -> dict:
         for name in jobs[i]:
             out.setdefault(name, {})[size] = (group_rank, _part(name)(group_rank, size, group))
         dist.barrier()
+    for name in WHOLE_GROUP_PARTS:
+        if name in parts:
+            out[name] = _part(name)(rank, world)
     return out
 
 
-def run_gloo(parts, timeout: float = 600) -> dict:
-    """{part: {CP size: [results of group rank 0, 1, ...]}} of ``parts``, from one spawn of 8 gloo
-    processes (killed after ``timeout`` s, below pytest's own limit)."""
+def run_gloo(parts, timeout: float = 840) -> dict:
+    """{part: {CP size: [results of group rank 0, 1, ...]}} of ``parts`` (a whole-group part: [its
+    result on rank 0, 1, ...]), from one spawn of 8 gloo processes (killed after ``timeout`` s,
+    below pytest's own limit of 900 s)."""
     from megatron_mesh.launch import spawn
 
-    parts = tuple(name for name in PARTS if name in set(parts))
-    merged: dict = {name: {} for name in parts}
+    unknown = set(parts) - set(PARTS) - set(WHOLE_GROUP_PARTS)
+    assert not unknown, f"unknown gloo parts {sorted(unknown)}"
+    parts = tuple(name for name in (*PARTS, *WHOLE_GROUP_PARTS) if name in set(parts))
+    merged: dict = {name: {} for name in parts if name in PARTS}
     if not parts:
         return merged
-    for per_rank in spawn(run_parts, 8, parts, timeout=timeout):
-        for name, by_size in per_rank.items():
+    per_rank = spawn(run_parts, 8, parts, timeout=timeout)
+    whole = {name: [r[name] for r in per_rank] for name in WHOLE_GROUP_PARTS if name in parts}
+    for ranks in per_rank:
+        for name, by_size in ((n, v) for n, v in ranks.items() if n in PARTS):
             for size, (group_rank, results) in by_size.items():
                 ranks = merged[name].setdefault(size, {})
                 assert group_rank not in ranks, f"{name}: two groups of {size} ran it"
                 ranks[group_rank] = results
-    return {name: {size: [ranks[r] for r in sorted(ranks)] for size, ranks in by_size.items()}
-            for name, by_size in merged.items()}
+    return {**{name: {size: [ranks[r] for r in sorted(ranks)] for size, ranks in by_size.items()}
+               for name, by_size in merged.items()}, **whole}
 
 
 # -- Mesh-Attention and ring attention ------------------------------------------------------------------

@@ -30,23 +30,25 @@ def pytest_addoption(parser):
 
 
 @pytest.fixture(scope="session")
-def dist_results():
-    """One spawn of 8 gloo ranks for the masked, hybrid and hostile-API cases (tests/mask_cases.py):
-    start-up, not compute, dominates small distributed tests on 2 cores."""
-    from megatron_mesh.launch import spawn
-
-    import mask_cases
-
-    return spawn(mask_cases.all_cases, 8, timeout=600)
+def dist_results(gloo):
+    """Per rank, the results of mask_cases.all_cases (masked, hybrid and hostile-API cases): the
+    last part of the one shared spawn of 8 gloo ranks (see ``gloo``)."""
+    return gloo["mask_cases"]
 
 
 @pytest.fixture(scope="session")
 def gloo(request):
-    """{part: {CP size: [results of group rank 0, 1, ...]}} for every distributed part (cases.PARTS)
-    that a collected test's module names in its GLOO_PARTS, all from ONE spawn of 8 gloo processes
-    (cases.run_gloo): only the parts the selected tests need run."""
+    """Everything distributed the selected tests need, from ONE spawn of 8 gloo processes
+    (cases.run_gloo): process start-up, not compute, dominates small distributed tests on 2 cores.
+    {part: {CP size: [results of group rank 0, 1, ...]}} for the parts (cases.PARTS) that a
+    selected test's module names in its GLOO_PARTS, and "mask_cases" (per rank) when a selected
+    test uses ``dist_results``; parts no selected test needs do not run."""
     import cases
 
-    parts = {p for item in request.session.items if "gloo" in item.fixturenames
-             for p in getattr(item.module, "GLOO_PARTS", ())}
+    parts = set()
+    for item in request.session.items:
+        if "gloo" in item.fixturenames:
+            parts.update(getattr(item.module, "GLOO_PARTS", ()))
+        if "dist_results" in item.fixturenames:
+            parts.add("mask_cases")
     return cases.run_gloo(parts)

@@ -2,7 +2,6 @@
 
 import csv
 import json
-import os
 
 from megatron_mesh.report import RunResult, parse_megatron_log, read_metrics, write_report
 
@@ -12,6 +11,13 @@ LOG = """\
 some other line
  [2026-11-22 06:13:05.7] iteration        3/       3 | consumed samples:            6 | elapsed time per iteration (ms): 320.6 | learning rate: 1.000000E-04 | global batch size:     2 | lm loss: 4.649817E+00 | loss scale: 1.0 | number of skipped iterations:   0 | number of nan iterations:   0 |
 """
+
+
+def png_size(path) -> tuple[int, int]:
+    """(width, height) in pixels from a PNG's IHDR chunk (no image library needed)."""
+    head = open(path, "rb").read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR", head
+    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
 
 
 def test_parse_megatron_log():
@@ -54,5 +60,7 @@ def test_write_report(tmp_path):
     assert [r["mode"] for r in rows] == ["baseline", "ring", "mesh:2x2", "tasp"]
     assert float(rows[2]["bytes_vs_ring"]) == 0.75 and rows[0]["bytes_vs_ring"] == ""  # CP 1: no ratio
     assert "| baseline | 1 | - | baseline | 325.9 | 0 B | - |" in text
-    for png in ("loss.png", "time.png", "bytes.png", "memory.png"):
-        assert os.path.getsize(tmp_path / png) > 1000
+    # loss: figsize (6, 4), the others (6, 3.5), at 110 dpi
+    assert png_size(tmp_path / "loss.png") == (660, 440)
+    for png in ("time.png", "bytes.png", "memory.png"):
+        assert png_size(tmp_path / png) == (660, 385), png

@@ -4,10 +4,10 @@ against ring attention."""
 
 import pytest
 
-from megatron_mesh.plan import (Attend, AttendBackward, AttentionShape, Post, block_pairs, buffer_bytes, build_ring_plan, link_bytes, plan_bytes,
-                                tasp_bytes_formula, validate_plan)
+from megatron_mesh.plan import (Attend, AttendBackward, AttentionShape, Key, Post, Segment, block_pairs, buffer_bytes,
+                                build_ring_plan, build_tasp_plan, link_bytes, link_load, plan_bytes,
+                                tasp_bytes_formula, tasp_rings, validate_plan)
 from megatron_mesh.plan import tasp as tasp_module
-from megatron_mesh.plan.tasp import build_tasp_plan, link_load, tasp_rings
 
 
 def _shape(T, itemsize=2):
@@ -60,8 +60,13 @@ def test_single_node_plans_validate(P, causal):
     assert plan.mode == "tasp" and plan.causal == causal
     rings = plan.rings["kv"]
     assert len(rings) == {1: 0, 4: 2, 6: 4}.get(P, P - 1)
-    assert len(plan.slot_tokens) == len(rings)
-    assert sum(plan.slot_tokens.values()) == (T if rings else 0)
+    # slot s of a chunk: sub-chunk s of each zigzag half; together the slots cover the chunk once
+    slots = [plan.segments(Key("kv", 0, s)) for s in range(len(rings))]
+    covered = sorted(t for segs in slots for a, b in segs for t in range(a, b))
+    assert covered == (list(range(T)) if rings else [])
+    assert all(len(segs) <= 2 for segs in slots)
+    assert max(map(plan.tokens, (Key("kv", 0, s) for s in range(len(rings)))), default=0) - \
+        min(map(plan.tokens, (Key("kv", 0, s) for s in range(len(rings)))), default=0) <= 2  # even split
     if P in (4, 6):
         assert any("no Hamiltonian decomposition" in n for n in plan.notes)
     # forward: P - 1 rounds; backward: + the first dK/dV hop is a step late, + the hop home
@@ -140,3 +145,10 @@ def test_errors_name_the_values():
         build_tasp_plan(2, _shape(5))
     with pytest.raises(ValueError, match="world_size"):
         tasp_rings(0)
+
+
+def test_plan_options_record_the_node_size():
+    """``Plan.options`` holds the builder's settings as facts: the node size the rings were built for."""
+    shape = _shape(16)
+    assert build_tasp_plan(8, shape).options["gpus_per_node"] is None
+    assert build_tasp_plan(8, shape, gpus_per_node=4).options["gpus_per_node"] == 4

@@ -1,0 +1,273 @@
+"""The in-process transport (all P ranks of a plan as threads of one process) against the dense
+fp64 reference: every Mesh tile of P = 1..8, schedules and kernels, TASP (one node and two), every
+registered mode under masks (documents, windows, THD) through the public API; bytes equal to the
+plan's; results bitwise equal to the gloo transport and to the public autograd path; and the
+same on CUDA (``-m gpu``), where masked blocks and hybrids run the CUDA kernels."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import pytest
+import torch
+
+import megatron_mesh as mm
+from megatron_mesh.comm.inprocess import run_inprocess
+from megatron_mesh.plan import MODES, build_mesh_plan, build_tasp_plan, plan_bytes, resolve, tile_shapes
+from megatron_mesh.runtime.api import forward_backward
+
+import cases
+
+GLOO_PARTS = ("gloo_outputs",)
+
+
+def run_case(p: cases.Problem, plan, *, device="cpu", kernel="auto", softmax_scale=None, serial=False,
+             streams=False, ref=None, label="") -> list[cases.Result]:
+    """Forward + backward of ``plan`` on P virtual ranks (executor calls, no autograd); per rank a
+    Result with its errors, bytes (and the plan's) and outputs (on the CPU)."""
+    ref = ref if ref is not None else cases.dense_reference(p, softmax_scale)
+    planned = plan_bytes(plan, p.shape)
+    Q, K, V, dO = ref.inputs
+
+    def rank_fn(rank, comm):
+        q, k, v, do = (p.shard(x, rank).to(device=device, dtype=p.dtype) for x in (Q, K, V, dO))
+        with mm.comm_counter() as c:
+            got = forward_backward(q, k, v, do, plan, comm=comm, kernel=kernel, softmax_scale=softmax_scale)
+        got = tuple(g.cpu() for g in got)
+        errors, ratios = cases.compare(p, got, ref, rank)
+        return cases.Result(label, p, errors, ratios, c.bytes_sent, c.bytes_received,
+                            (("plan", (planned[rank].sent, planned[rank].received)),), outputs=got)
+
+    return run_inprocess(rank_fn, p.world, timeout=120, serial=serial, device=device, streams=streams)
+
+
+def check(results: list[cases.Result]) -> None:
+    per_rank = [[r] for r in results]
+    cases.assert_accurate(per_rank)
+    cases.assert_bytes_as_expected(per_rank)
+
+
+# -- dense reference -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_mesh_matches_dense_reference(world):
+    """Every tile of P (ring 1xP included), causal/full, MHA/GQA in fp32; MQA and bf16 on the ring
+    and on the most square tile. Bytes moved equal the plan's bytes."""
+    tiles = tile_shapes(world)
+    square = min(tiles, key=lambda t: abs(t[0] - t[1]))
+    grid = [(t, c, h, torch.float32) for t, c, h in itertools.product(tiles, (True, False), ("MHA", "GQA"))]
+    grid += [(t, True, h, torch.bfloat16) for t in sorted({(1, world), square}) for h in ("GQA", "MQA")]
+    for tile, causal, heads, dtype in grid:
+        p = cases.Problem(world, *cases.HEADS[heads], causal, dtype)
+        check(run_case(p, build_mesh_plan(world, tile, p.shape, causal=causal),
+                       label=f"P={world} tile={tile} causal={causal} {heads} {dtype}"))
+
+
+def test_mesh_variants_on_odd_tile():
+    """Schedules, backward modes, rank orders, kernels and softmax scale on a 2x3 tile."""
+    p = cases.Problem(6, 4, 2, True, torch.float32, seed=1)
+    ref = cases.dense_reference(p, 0.3)
+    for schedule, backward_chunks, contiguous, kernel in itertools.product(
+            ("greedy", "lockstep"), ("refetch", "keep"), ("q", "kv"), ("auto", "math")):
+        plan = build_mesh_plan(6, (2, 3), p.shape, schedule=schedule, backward_chunks=backward_chunks,
+                               contiguous=contiguous)
+        check(run_case(p, plan, kernel=kernel, softmax_scale=0.3, ref=ref,
+                       label=f"{schedule} {backward_chunks} contiguous={contiguous} kernel={kernel}"))
+
+
+@pytest.mark.parametrize("world", [3, 4, 5, 6])
+def test_tasp_matches_dense_reference(world):
+    for causal, heads, dtype in [(True, "GQA", torch.float32), (False, "MHA", torch.float32),
+                                 (True, "MQA", torch.bfloat16)]:
+        p = cases.Problem(world, *cases.HEADS[heads], causal, dtype, seq_local=max(8, 2 * world))
+        check(run_case(p, build_tasp_plan(world, p.shape, causal=causal),
+                       label=f"TASP P={world} causal={causal} {heads} {dtype}"))
+
+
+def test_tasp_two_nodes_matches_dense_reference():
+    """The chained rings: 8 ranks as 2 nodes of 4."""
+    p = cases.Problem(8, 4, 2, True, torch.float32)
+    check(run_case(p, build_tasp_plan(8, p.shape, causal=True, gpus_per_node=4), label="TASP P=8 as 2 nodes x 4"))
+
+
+def _mode_settings(mode: str, world: int) -> dict:
+    """Settings that make every registered mode run something non-trivial at P = 4 or 6."""
+    return {"mesh": dict(tile=(2, world // 2), contiguous="q"), "a2a+mesh": dict(ulysses_size=2, tile=(world // 2, 1)),
+            "a2a+ring": dict(ulysses_size=2), "a2a+tasp": dict(ulysses_size=2)}.get(mode, {})
+
+
+def _masked_problems(world: int) -> list[cases.Problem]:
+    T = 12  # TASP's rings fit (each zigzag half holds a token per ring)
+    S = world * T
+    lens = (2 * world * 2, 2 * world, 2 * world * 3)
+    cu = tuple(itertools.accumulate(lens, initial=0))
+    return [cases.Problem(world, 4, 2, True, torch.float32, seq_local=T, cu_seqlens=(0, 5, S // 2 + 3, S),
+                          window=(4, 0)),
+            cases.Problem(world, 4, 1, False, torch.float32, seq_local=T, window=(2, 3), seed=1),
+            cases.Problem(world, 4, 2, True, torch.float32, thd=(cu, (lens[0] - 1, lens[1], 2)), seed=2)]
+
+
+@pytest.mark.parametrize("world", [4, 6])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_mode_under_masks_through_the_public_api(world, mode):
+    """Every registered mode (Ulysses hybrids included) with documents + a window, a two-sided
+    window without causality, and the THD layout with padding (rows that attend nothing), through
+    ``megatron_mesh.attention`` on the in-process transport: outputs, gradients and bytes."""
+    settings = _mode_settings(mode, world)
+    for p in _masked_problems(world):
+        ref = cases.dense_reference(p)
+        plan = resolve(mode, world, p.shape, **settings).build(p.shape, p.mask, p.layout)
+        planned = [(b.sent, b.received) for b in plan_bytes(plan, p.shape)]
+
+        def rank_fn(rank, comm):
+            return cases.measure(rank, p, f"{mode} {settings} {p.mask.text()}",
+                                 lambda q, k, v: mm.attention(q, k, v, mode=mode, comm=comm, **p.mask_args(),
+                                                              **settings), ref)
+
+        out = run_inprocess(rank_fn, world, timeout=120)
+        cases.assert_accurate([[res] for res in out])
+        assert [(res.sent, res.received) for res in out] == planned, p.mask.text()
+        assert any(sent for sent, _ in planned), planned  # something travelled
+
+
+# -- identical to gloo and to the public autograd path ------------------------------------------------------
+def test_bitwise_equal_to_gloo_and_autograd(gloo):
+    """Same inputs, same plan: the in-process transport gives bitwise the outputs and gradients of
+    the gloo transport (public autograd API in spawned processes, part "gloo_outputs"), and
+    forward_backward gives bitwise what the public autograd API gives on the same virtual ranks."""
+    world = 4
+    gloo_runs = gloo["gloo_outputs"][world]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the spawned ranks run with one thread: same kernels, same sums
+    try:
+        for i, (tile, causal, heads, dtype) in enumerate(cases.GLOO_CASES):
+            p = cases.Problem(world, *cases.HEADS[heads], causal, dtype)
+            ref = cases.dense_reference(p)
+            mine = run_case(p, build_mesh_plan(world, tile, p.shape, causal=causal), ref=ref)
+            autograd = run_inprocess(lambda rank, comm: cases.measure(
+                rank, p, "", lambda q, k, v: mm.mesh_attention(q, k, v, tile=tile, causal=causal, comm=comm), ref,
+                keep_outputs=True).outputs, world, timeout=120)
+            for r in range(world):
+                assert gloo_runs[r][i].tile == tile and len(gloo_runs[r][i].outputs) == 4
+                for name, a, b, c in zip(cases.NAMES, mine[r].outputs, gloo_runs[r][i].outputs, autograd[r]):
+                    assert torch.equal(a, b), f"{tile} {heads} {dtype} rank {r} {name}: in-process != gloo"
+                    assert torch.equal(a, c), f"{tile} {heads} {dtype} rank {r} {name}: driver != autograd"
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_serial_mode_gives_the_same_results():
+    p = cases.Problem(5, 4, 1, True, torch.float32)
+    ref = cases.dense_reference(p)
+    plan = build_mesh_plan(5, (1, 5), p.shape)
+    a = run_case(p, plan, ref=ref)
+    b = run_case(p, plan, ref=ref, serial=True)
+    check(a)
+    for ra, rb in zip(a, b):
+        assert all(torch.equal(x, y) for x, y in zip(ra.outputs, rb.outputs))
+
+
+def test_comm_counter_counts_a_backward_run_on_another_thread():
+    """On CUDA, autograd runs backward on its own device thread; comm_counter() of the thread
+    that ran the forward must still see the backward's bytes (here: backward on a new thread)."""
+    p = cases.Problem(4, 4, 2, True, torch.float32)
+    Q, K, V, dO = cases.make_inputs(p)
+    planned = plan_bytes(build_mesh_plan(4, (2, 2), p.shape), p.shape)
+
+    def rank_fn(rank, comm):
+        q, k, v = (p.shard(x, rank).float().requires_grad_() for x in (Q, K, V))
+        with mm.comm_counter() as c:
+            out = mm.mesh_attention(q, k, v, tile=(2, 2), causal=True, comm=comm)
+            forward_only = (c.bytes_sent, c.bytes_received)
+            errors = []
+            worker = threading.Thread(target=_run_catching, args=(errors, out.backward, p.shard(dO, rank).float()))
+            worker.start()
+            worker.join()
+        assert not errors, errors
+        return forward_only, (c.bytes_sent, c.bytes_received)
+
+    got = run_inprocess(rank_fn, p.world, timeout=120)
+    assert [total for _, total in got] == [(b.sent, b.received) for b in planned]
+    assert all(fwd[0] < total[0] for fwd, total in got)  # the backward's bytes were added
+
+
+def _run_catching(errors: list, fn, *args):
+    try:
+        fn(*args)
+    except BaseException as e:  # noqa: BLE001 - reported by the caller
+        errors.append(e)
+
+
+# -- CUDA tier ------------------------------------------------------------------------------------------------
+GPU_DTYPES = [(torch.bfloat16, "auto"), (torch.float16, "auto"), (torch.float32, "torch-efficient")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 3, 4, 6])
+@pytest.mark.parametrize("dtype,kernel", GPU_DTYPES, ids=["bf16", "fp16", "fp32-efficient"])
+def test_cuda_mesh_matches_dense_reference(world, dtype, kernel):
+    """Every tile, causal/full, MHA/GQA on one GPU with CUDA kernels (head_dim 64, 64-token halves)."""
+    for tile, causal, heads in itertools.product(tile_shapes(world), (True, False), ("MHA", "GQA")):
+        p = cases.Problem(world, *cases.HEADS[heads], causal, dtype, seq_local=128, head_dim=64)
+        check(run_case(p, build_mesh_plan(world, tile, p.shape, causal=causal), device="cuda", kernel=kernel,
+                       label=f"CUDA P={world} tile={tile} causal={causal} {heads} {dtype} {kernel}"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["torch-flash", "torch-efficient", "torch-cudnn"])
+def test_cuda_each_op_on_streams_and_deterministic(kernel):
+    """Each CUDA op through a 2x2 mesh, virtual ranks on their own streams (the mailbox's events
+    order the copies), twice with bitwise equal results."""
+    p = cases.Problem(4, 4, 2, True, torch.bfloat16, seq_local=256, head_dim=128)
+    ref = cases.dense_reference(p)
+    plan = build_mesh_plan(4, (2, 2), p.shape)
+    first = run_case(p, plan, device="cuda", kernel=kernel, streams=True, ref=ref, label=f"{kernel} streams")
+    second = run_case(p, plan, device="cuda", kernel=kernel, streams=True, ref=ref)
+    check(first)
+    for a, b in zip(first, second):
+        assert all(torch.equal(x, y) for x, y in zip(a.outputs, b.outputs)), kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [4, 5])
+def test_cuda_tasp_matches_dense_reference(world):
+    p = cases.Problem(world, 4, 2, True, torch.bfloat16, seq_local=128, head_dim=64)
+    check(run_case(p, build_tasp_plan(world, p.shape, causal=True), device="cuda", label=f"CUDA TASP P={world}"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", list(MODES))
+def test_cuda_every_mode_under_masks(mode):
+    """Masked blocks (the efficient kernel's attn_bias) and the Ulysses hybrids' copies on CUDA,
+    P = 4, bf16, head_dim 64."""
+    world = 4
+    settings = _mode_settings(mode, world)
+    T = 128
+    S = world * T
+    for p in (cases.Problem(world, 4, 2, True, torch.bfloat16, seq_local=T, head_dim=64,
+                            cu_seqlens=(0, 37, S // 2 + 5, S), window=(50, 0)),
+              cases.Problem(world, 4, 1, False, torch.bfloat16, seq_local=T, head_dim=64, window=(20, 9))):
+        plan = resolve(mode, world, p.shape, **settings).build(p.shape, p.mask)
+        check(run_case(p, plan, device="cuda", label=f"CUDA {mode} {p.mask.text()}"))
+
+
+@pytest.mark.gpu
+def test_cuda_step_loop_has_no_host_sync():
+    """torch's sync debug mode raises on any operation that synchronises the host with the GPU
+    (``.item()``, device-to-host copies, ...): the executor's step loop and the kernels have none."""
+    p = cases.Problem(4, 4, 2, True, torch.bfloat16, seq_local=128, head_dim=64)
+    Q, K, V, dO = (x.to("cuda", torch.bfloat16) for x in cases.make_inputs(p))
+    plan = build_mesh_plan(4, (2, 2), p.shape)
+    plan.ranks  # noqa: B018 -- build every rank plan before the check (pure Python)
+
+    def fn(rank, comm):
+        q, k, v, do = (p.shard(x, rank) for x in (Q, K, V, dO))
+        return forward_backward(q, k, v, do, plan, comm=comm)[0].shape
+
+    torch.cuda.set_sync_debug_mode("error")  # process-wide: covers every virtual rank's thread
+    try:
+        shapes = run_inprocess(fn, 4, device="cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert shapes == [torch.Size([128, 2, 4, 64])] * 4
+

@@ -1,0 +1,108 @@
+"""The benchmark and comparison scripts end to end on tiny CPU shapes: scripts/bench_kernels.py
+(tiled plans vs the fused kernel), scripts/tasp_link_load.py (link load of ring vs TASP) and
+scripts/compare_attention.py (4 gloo processes). (scripts/bench_tasp_transport.py is a timing
+script of the same transports that test_tasp_attention.py checks; its spawn is left out to save
+the start-up time.)"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+@pytest.fixture
+def script(monkeypatch):
+    """Import scripts/<name>.py as module ``name``, with scripts/ on sys.path: dataclasses and
+    spawned processes (which inherit sys.path) look the module up by name."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+
+    def load(name: str):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+        module = importlib.import_module(name)
+        monkeypatch.setitem(sys.modules, name, module)  # dropped again after the test
+        return module
+    return load
+
+
+def test_bench_kernels_runs_on_tiny_shapes(tmp_path, capsys, script):
+    """Odd P, ring, column and TASP plans: it names the kernel backend, prints the table, writes
+    JSON, its rates are consistent with its times, and its tiled runs reproduce the fused results."""
+    bench = script("bench_kernels")
+    out_json = tmp_path / "bench.json"
+    P, heads, head_dim = 3, 2, 8
+    result = bench.main(["--device", "cpu", "--seq-local", "8", "16", "--world", str(P), "--tiles", "1x3", "3x1",
+                         "tasp", "--heads", str(heads), "--kv-heads", "1", "--head-dim", str(head_dim), "--iters",
+                         "1", "--warmup", "0", "--dtype", "fp32", "--json", str(out_json)])
+    printed = capsys.readouterr().out
+    assert "kernel backend: torch-cpu" in printed and "| 16 | mesh 3x1 | bwd |" in printed
+    assert json.loads(out_json.read_text()) == json.loads(json.dumps(result))
+    assert result["meta"]["kernel"] == "torch-cpu" and result["meta"]["world"] == P
+    rows = result["rows"]
+    modes = ("fused", "ring 1x3", "mesh 3x1", f"tasp P={P}")
+    assert [(r["seq_local"], r["mode"], r["direction"]) for r in rows] == [
+        (s, m, d) for s in (8, 16) for m in modes for d in ("forward", "backward")]
+    fused = {(r["seq_local"], r["direction"]): r for r in rows if r["mode"] == "fused"}
+    for r in rows:
+        S = P * r["seq_local"]
+        flops = 4 * heads * S * S * head_dim / 2 * (1 if r["direction"] == "forward" else 2.5) / P
+        assert r["tflops"] == pytest.approx(flops / (r["ms_per_rank"] / 1e3) / 1e12, rel=1e-9), r
+        f = fused[(r["seq_local"], r["direction"])]
+        assert r["efficiency"] == pytest.approx(f["ms_per_rank"] / r["ms_per_rank"], rel=1e-9), r
+        assert r["compute_ms_per_rank"] <= r["ms_per_rank"] * (1 + 1e-9), r  # copies only ever add time
+        assert r["peak_mib_per_rank"] is None  # not measured on the CPU
+        if r["mode"] == "fused":
+            assert r["max_abs_err"] is None and r["efficiency"] == 1.0
+        else:
+            names = ("out",) if r["direction"] == "forward" else ("dq", "dk", "dv")
+            assert tuple(r["max_abs_err"]) == names and max(r["max_abs_err"].values()) < 1e-5, r
+    cal = result["meta"]["calibration"]
+    assert cal["seq_local"] == 16
+    assert cal["attention_flops"] == pytest.approx(fused[(16, "forward")]["tflops"] * 1e12)
+    assert cal["attention_flops_backward"] == pytest.approx(fused[(16, "backward")]["tflops"] * 1e12)
+    with pytest.raises(SystemExit, match="tile 2x2 does not fit CP size 3"):
+        bench.main(["--device", "cpu", "--world", "3", "--tiles", "2x2"])
+    with pytest.raises(SystemExit, match="--seq-local values must be even and >= 2"):
+        bench.main(["--device", "cpu", "--world", "3", "--seq-local", "7"])
+
+
+def test_tasp_link_load_matches_the_ring_arithmetic(script, capsys):
+    """P = 8 with slots of equal size: the busiest TASP link carries 1/(P - 1) of ring attention's
+    per step on one node, and the chained rings over 2 nodes of 4 send 1/4 of a chunk across nodes
+    per rank per step over one link, where the flat decomposition uses 4."""
+    tables = script("tasp_link_load").main(["--world", "8", "--gpus-per-node", "4", "--seq-local", "1792"])
+    assert "2 nodes of 4" in capsys.readouterr().out
+    kv = 1792 * 8 * 128 * 2 * 2  # K and V of one chunk: tokens x kv heads x head_dim x bf16 x 2
+    single = {(r["plan"], r["direction"]): r for r in tables["single"]}
+    assert single[("ring", "forward")]["per_step"] == single[("ring", "forward")]["per_round"] == kv
+    assert single[("tasp (one node)", "forward")]["per_step"] == kv // 7
+    assert single[("ring", "forward")]["rounds"] == single[("tasp (one node)", "forward")]["rounds"] == 7
+    nodes = {(r["plan"], r["direction"]): r for r in tables["nodes"]}
+    assert nodes[("ring", "forward")]["per_step"] == kv and nodes[("ring", "forward")]["links"] == 1
+    assert nodes[("tasp (2 nodes of 4)", "forward")]["per_step"] == kv // 4
+    assert nodes[("tasp (2 nodes of 4)", "forward")]["links"] == 1
+    assert nodes[("tasp (one node)", "forward")]["links"] == 4
+
+
+def test_compare_attention_measures_what_the_plans_predict(script, capsys):
+    """Every kind of mode on 4 gloo processes: errors at fp32 rounding, bytes equal to the plan of
+    the same placement (the script exits otherwise), Mesh and the hybrids below ring attention."""
+    compare = script("compare_attention")
+    rows = compare.main(["--world", "4", "--seq-len", "32", "--heads", "4", "--kv-heads", "2", "--head-dim", "8",
+                         "--modes", "ring", "mesh:auto", "mesh:2x2", "tasp", "a2a+mesh:2:2x1", "a2a+tasp:2"])
+    assert "mesh:2x2" in capsys.readouterr().out
+    by_mode = {r["mode"]: r for r in rows}
+    assert list(by_mode) == ["ring", "mesh:auto", "mesh:2x2", "tasp", "a2a+mesh:2:2x1", "a2a+tasp:2"]
+    assert all(r["err"] < 1e-5 and r["sent"] == r["planned"] > 0 for r in rows), rows
+    assert by_mode["tasp"]["sent"] == by_mode["ring"]["sent"]  # TASP moves ring attention's bytes
+    assert by_mode["mesh:2x2"]["sent"] < by_mode["ring"]["sent"] and by_mode["mesh:2x2"]["tile"] == (2, 2)
+    with pytest.raises(SystemExit, match=r"--modes mesh:3x2: tile 3x2 does not fit CP size 4"):
+        compare.main(["--world", "4", "--modes", "mesh:3x2"])
+    with pytest.raises(SystemExit, match="unknown mode 'ulysses'"):
+        compare.main(["--world", "4", "--modes", "ulysses"])
+
