@@ -94,7 +94,7 @@ def check_forward(kernel, dtype, mask: BlockMask, heads, device="cpu", sq=24, sk
     return out, lse
 
 
-def blocks(t: int, kind: str, seed: int = 0):
+def blocks(t: int, kind: str, seed: int = 0, device="cpu"):
     """A split of the (q rows x kv rows) square into (rows, cols, block mask), as the plan cuts it:
     causal: the zigzag pattern (front x front diagonal, back x front full, back x back diagonal);
     full: three uneven KV blocks against two query halves; masked: the same uneven cut with a
@@ -111,8 +111,8 @@ def blocks(t: int, kind: str, seed: int = 0):
             out.append((rows, slice(a, b), FULL))
             continue
         empty = {x - rows.start for x in (1, t - 1, 2 + i, h + 3 + i) if rows.start <= x < rows.stop}
-        out.append((rows, slice(a, b), BlockMask("masked", random_allowed(rows.stop - rows.start, b - a, seed + i,
-                                                                          sorted(empty)))))
+        allowed = random_allowed(rows.stop - rows.start, b - a, seed + i, sorted(empty), device)
+        out.append((rows, slice(a, b), BlockMask("masked", allowed)))
     return out
 
 
@@ -120,7 +120,7 @@ def full_allowed(t: int, parts) -> torch.Tensor:
     allowed = torch.zeros(t, t, dtype=torch.bool)
     for rows, cols, mask in parts:
         allowed[rows, cols] = True if mask.kind == "full" else allowed_of(mask, rows.stop - rows.start,
-                                                                          cols.stop - cols.start)
+                                                                          cols.stop - cols.start).cpu()
     return allowed
 
 
@@ -131,7 +131,7 @@ def check_backward_from_global_stats(kernel, dtype, kind: str, heads, device="cp
     h, g = HEADS[heads]
     q, k, v, dout = inputs(h, g, t, t, dtype, device, d, seed=1)
     scale = 1 / math.sqrt(d)
-    parts = blocks(t, kind)
+    parts = blocks(t, kind, device=device)
     whole = BlockMask("masked", full_allowed(t, parts).to(device))
     q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
     out, lse = dense(q64, k64, v64, whole, scale)

@@ -4,7 +4,7 @@ against ring attention."""
 
 import pytest
 
-from megatron_mesh.plan import (Attend, AttendBackward, AttentionShape, Key, Post, Segment, block_pairs, buffer_bytes,
+from megatron_mesh.plan import (Attend, AttendBackward, AttentionShape, Key, Post, block_pairs, buffer_bytes,
                                 build_ring_plan, build_tasp_plan, link_bytes, link_load, plan_bytes,
                                 tasp_bytes_formula, tasp_rings, validate_plan)
 from megatron_mesh.plan import tasp as tasp_module
