@@ -40,8 +40,9 @@ def stand_in_output(dout: Tensor, delta: Tensor) -> Tensor:
     s = d.abs().amax(-1, keepdim=True)
     u = d / torch.where(s > 0, s, torch.ones_like(s))
     norm2 = (u * u).sum(-1)
-    coef = torch.where(norm2 > 0, delta.to(wide) / (s.squeeze(-1) * norm2).clamp_min(torch.finfo(wide).tiny),
-                       torch.zeros_like(norm2))
+    # divide by s first: s * norm2 overflows once max|dout| is near the dtype's maximum / head_dim
+    scaled = delta.to(wide) / torch.where(s.squeeze(-1) > 0, s.squeeze(-1), torch.ones_like(norm2))
+    coef = torch.where(norm2 > 0, scaled / norm2.clamp_min(torch.finfo(wide).tiny), torch.zeros_like(norm2))
     return (u * coef.unsqueeze(-1)).to(dout.dtype)
 
 

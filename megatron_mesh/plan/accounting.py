@@ -105,7 +105,7 @@ class _SizeCache:
 
     def __init__(self, plan: Plan, shape: AttentionShape):
         self.plan, self.shape, self.sizes = plan, shape, {}
-        self.per_chunk = not callable(plan.slots) and bool(plan.slots)
+        self.per_chunk = plan.slots_vary
 
     def __call__(self, key: Key) -> int:
         ck = (key.kind, key.slot, key.span, key.heads, key.chunk if self.per_chunk and key.slot >= 0 else 0)

@@ -50,6 +50,26 @@ from .passes import insert_frees
 __all__ = ["build_hybrid_plan", "inner_shape"]
 
 
+def _pieces(layout, rank: int, U: int) -> tuple[Segment, ...]:
+    """Token ranges of span-U chunk rank // U that rank ``rank``'s tokens occupy, in its local
+    order (every run of the rank lies inside one run of the span chunk)."""
+    outer = layout.runs(rank // U, U)
+    out: list[Segment] = []
+    for _, start, n in layout.runs(rank):
+        for local, s0, sn in outer:
+            if s0 <= start < s0 + sn:
+                if start + n > s0 + sn:
+                    raise ValueError(f"rank {rank}'s tokens {start}..{start + n} straddle two runs of its Ulysses "
+                                     "group's chunk: the layout is not a zigzag of span chunks")
+                a = local + start - s0
+                if out and out[-1].stop == a:
+                    out[-1] = Segment(out[-1].start, a + n)
+                else:
+                    out.append(Segment(a, a + n))
+                break
+    return tuple(out)
+
+
 def inner_shape(shape: AttentionShape, ulysses: int) -> AttentionShape:
     """The per-rank shape the inner plan sees: U times the tokens, one head slice."""
     check_ulysses_heads(ulysses, shape.heads, shape.kv_heads)
@@ -68,7 +88,7 @@ def build_hybrid_plan(world_size: int, ulysses: int, inner_build, shape: Attenti
     sub = inner_shape(shape, U)
     inner_layout = SpanLayout(layout, U)
     inner = inner_build(P // U, sub, mask, inner_layout)
-    lowering = _HybridLowering(P, U, shape, inner)
+    lowering = _HybridLowering(P, U, shape, inner, layout)
     tile = inner.tile
     notes = (f"all-to-all over {U} consecutive ranks ({shape.heads // U} query / {sub.kv_heads} key-value heads per "
              f"rank{'' if shape.kv_heads >= U else f', each KV head replicated to {U // shape.kv_heads} ranks'}), "
@@ -84,14 +104,13 @@ def build_hybrid_plan(world_size: int, ulysses: int, inner_build, shape: Attenti
 
 
 class _HybridLowering:
-    def __init__(self, P: int, U: int, shape: AttentionShape, inner: Plan):
+    def __init__(self, P: int, U: int, shape: AttentionShape, inner: Plan, layout):
         self.P, self.U, self.shape, self.inner = P, U, shape, inner
         self.T = shape.seq_local
         self.grad_kv = "dkv" if shape.kv_heads < U else "gkv"  # replicated KV heads: partial sums (fp32)
-        h = self.T // 2
-        # where CP rank m*U + p's two halves sit in inner chunk m
-        self.pieces = [(Segment(p * h, (p + 1) * h), Segment(U * h + (U - 1 - p) * h, U * h + (U - p) * h))
-                       for p in range(U)]
+        # where rank m*U + p's tokens sit in span chunk m (its runs, in local order): for the zigzag
+        # its two halves, for the THD layout its two halves of every sequence
+        self.pieces = [_pieces(layout, m * U + p, U) for m in range(P // U) for p in range(U)]
         # the inner plan's last round (the same on every rank of a dense plan; a mask-aware plan
         # states its own bound): the return all-to-all comes after it
         bound = inner.options.get("max_round")
@@ -159,7 +178,7 @@ class _HybridLowering:
         if blocks:
             for k in in_kinds:
                 for p, x in enumerate(group):
-                    ops.append(Copy(Key(k, x, heads=u), Key(k, m, heads=u, span=U), into=self.pieces[p]))
+                    ops.append(Copy(Key(k, x, heads=u), Key(k, m, heads=u, span=U), into=self.pieces[x]))
             if backward:  # the row statistics come from the output this rank kept, not over the wire
                 ops.append(RowStats(Key("dy", m, heads=u, span=U), Key("o", m, heads=u, span=U),
                                     Key("do", m, heads=u, span=U)))
@@ -175,7 +194,7 @@ class _HybridLowering:
         if blocks:
             for acc, k in outs:
                 for p, x in enumerate(group):
-                    ops.append(Copy(Key(acc, m, heads=u, span=U), Key(k, x, heads=u), rows=self.pieces[p]))
+                    ops.append(Copy(Key(acc, m, heads=u, span=U), Key(k, x, heads=u), rows=self.pieces[x]))
         last = self.last_round[direction] + 2
         if peers:
             ops.append(Post(last, tuple(Transfer(x, Key(k, x, heads=u)) for x in peers for _, k in outs),

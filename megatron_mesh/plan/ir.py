@@ -697,6 +697,14 @@ class Plan:
             raise KeyError(f"plan has no slot {key.base}")
         return segs
 
+    @property
+    def slots_vary(self) -> bool:
+        """Whether a slot's tokens depend on its chunk (mask-aware plans), so sizes cannot be
+        cached by (kind, slot) alone."""
+        if self.inner is not None:
+            return self.inner.slots_vary
+        return bool(self.slots) and not callable(self.slots)
+
     def tokens(self, key: Key) -> int:
         """Token count of buffer ``key``."""
         if key.slot < 0:

@@ -88,6 +88,7 @@ class PhaseResult:
     inter_bytes: float  # sent over inter-node links, mean over ranks
     max_inter_bytes: int  # the rank that sends the most across nodes
     timeline: tuple[Event, ...] = ()
+    sent_per_rank: tuple[int, ...] | None = None  # when every rank's rounds were read
 
     @property
     def exposed_comm(self) -> float:
@@ -118,6 +119,10 @@ class SimResult:
 
     @property
     def bytes_sent(self) -> int:
+        """Forward + backward bytes of the busiest rank (ranks differ in a mask-aware plan)."""
+        f, b = self.forward.sent_per_rank, self.backward.sent_per_rank
+        if f is not None and b is not None:
+            return max(x + y for x, y in zip(f, b))
         return self.forward.bytes_sent + self.backward.bytes_sent
 
     @property
@@ -168,7 +173,7 @@ def _posts(ops) -> list[Post]:
 
 
 def _nbytes(plan: Plan, key, shape: AttentionShape, cache: dict) -> int:
-    per_chunk = key.slot >= 0 and not callable(plan.slots)  # slots that differ per chunk (mask-aware plans)
+    per_chunk = key.slot >= 0 and plan.slots_vary  # slots that differ per chunk (mask-aware plans)
     ck = (key.kind, key.slot, key.span, key.heads, key.chunk if per_chunk else 0)
     n = cache.get(ck)
     if n is None:
@@ -418,7 +423,7 @@ def _cost_signature(plan: Plan, op: Op) -> tuple:
     """What an op's cost depends on (buffer sizes and masks, not which chunks, unless slots differ
     per chunk): ops of a dense plan repeat a handful of signatures."""
     kind = type(op)
-    per_chunk = not callable(plan.slots) and bool(plan.slots)
+    per_chunk = plan.slots_vary
     if kind is Attend or kind is AttendBackward:
         if per_chunk or op.mask == "masked":
             return (kind, op)
@@ -542,5 +547,5 @@ def simulate(plan: Plan, shape: AttentionShape, topology: Topology | None = None
         traffic = round_traffic(plan, shape, topo, direction, exact=exact)
         time, busy, rounds, events = _run_lockstep(plan, shape, topo, direction, sim_ranks, traffic.duration, timeline)
         phases.append(PhaseResult(time, busy, rounds, traffic.bytes_sent, traffic.mean_intra, traffic.mean_inter,
-                                  traffic.max_inter, tuple(events)))
+                                  traffic.max_inter, tuple(events), traffic.sent))
     return SimResult(*phases, exact=exact)

@@ -117,17 +117,18 @@ def build_tasp_plan(world_size: int, shape: AttentionShape, causal: bool = True,
             f"TASP over CP size {world_size} splits each KV chunk into {len(rings)} slots (one per ring), "
             f"so each zigzag half needs at least {len(rings)} tokens: local sequence length "
             f"{shape.seq_local} is too short (need >= {2 * len(rings)})")
-    return _build(world_size, tuple(tuple(r) for r in rings), notes, shape.seq_local, mask)
+    return _build(world_size, tuple(tuple(r) for r in rings), notes, shape.seq_local, mask, gpus_per_node)
 
 
 @lru_cache(maxsize=256)
-def _build(P: int, rings: tuple[tuple[int, ...], ...], notes: tuple[str, ...], T: int, mask: Mask) -> Plan:
+def _build(P: int, rings: tuple[tuple[int, ...], ...], notes: tuple[str, ...], T: int, mask: Mask,
+           gpus_per_node: int | None) -> Plan:
     segments = [_merge(s) for s in slot_segments(T, len(rings))] if rings else []
     layout = ZigzagLayout(P, P * T)
     lowering = _TaspLowering(P, rings, T, mask, layout, segments)
     return Plan(mode="tasp", world_size=P, seq_local=T, mask=mask, layout=layout, build_rank=lowering.rank_plan,
                 build_rounds=lowering.round_ops, slots=lambda key: segments[key.slot], schedule="tasp",
-                rings={"kv": rings}, notes=notes, options={"gpus_per_node": None})
+                rings={"kv": rings}, notes=notes, options={"gpus_per_node": gpus_per_node})
 
 
 def _merge(segs) -> tuple[Segment, ...]:

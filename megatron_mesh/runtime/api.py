@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import numbers
 import weakref
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from ..plan.ir import Plan
 from ..plan.layout import ThdLayout, ZigzagLayout
 from ..plan.mask import Mask
 from ..plan.modes import HYBRID_PREFIX, TRANSPORTS, Placement, resolve
+from ..plan.validate import validate_plan
 from .executor import Executor
 
 __all__ = ["attention", "mesh_attention", "ring_attention", "tasp_attention", "hybrid_attention", "plan_attention",
@@ -227,7 +229,10 @@ class _PlanAttention(torch.autograd.Function):
 
 @lru_cache(maxsize=128)
 def _plan(placement: Placement, shape: AttentionShape, mask: Mask, layout) -> Plan:
-    return placement.build(shape, mask, layout)
+    plan = placement.build(shape, mask, layout)
+    if os.environ.get("MEGATRON_MESH_VALIDATE") == "1":  # debugging: prove every new plan before running it
+        validate_plan(plan)
+    return plan
 
 
 @dataclass
