@@ -87,6 +87,7 @@ def training_command(entry: str, args: Sequence[str], environ: Mapping[str, str]
     from . import yaml_args
 
     env = dict(os.environ if environ is None else environ)
+    env.pop("MEGATRON_MESH_LAUNCHER_PID", None)  # main() sets its own; a subprocess' parent is torchrun itself
     args = list(args)
     target = [*ENTRY[entry]]
     if entry == "script":

@@ -48,8 +48,8 @@ def default_modes(cp: int) -> list[str]:
     return modes
 
 
-def command(mode: str, args, metrics: str) -> tuple[list[str], dict[str, str]]:
-    """The torchrun command and environment of one mode's run."""
+def command(mode: str, args, metrics: str) -> tuple[list[str], dict[str, str], list[str]]:
+    """The torchrun command, environment and the flags added to the config's for one mode's run."""
     name, _, tile = mode.partition(":")
     if name != "baseline" and name not in PLUGIN_MODES + TE_MODES:
         raise SystemExit(f"unknown mode {mode!r}; allowed: baseline, ring, tasp, mesh[:auto|:AxB], {', '.join(TE_MODES)}")
@@ -63,17 +63,19 @@ def command(mode: str, args, metrics: str) -> tuple[list[str], dict[str, str]]:
         flags += ["--mesh-tile-shape", tile]
     if name == "a2a+p2p":
         flags += ["--hierarchical-context-parallel-sizes", "2", str(cp // 2)]
-    torchrun_args, env = training_command("pretrain", [args.config, *flags, *args.megatron_args], environ)
-    return [sys.executable, "-m", "torch.distributed.run", *torchrun_args], env
+    flags += args.megatron_args
+    torchrun_args, env = training_command("pretrain", [args.config, *flags], environ)
+    return [sys.executable, "-m", "torch.distributed.run", *torchrun_args], env, flags
 
 
 def run_mode(mode: str, args, out_dir: str) -> RunResult:
     safe = mode.replace(":", "_").replace("+", "_")
     metrics = os.path.join(out_dir, "metrics", safe)
-    cmd, env = command(mode, args, metrics)
+    cmd, env, flags = command(mode, args, metrics)
     cp = int(env["CP"])
     log_path = os.path.join(out_dir, f"{safe}.log")
-    print(f"[{mode}] CP={cp}: torchrun ... {' '.join(cmd[cmd.index('-m', 3) + 2:])}", flush=True)
+    print(f"[{mode}] CP={cp} CP_COMM_TYPE={env.get('CP_COMM_TYPE', '(config)')}: scripts/pretrain_gpt.sh "
+          f"{args.config} {' '.join(flags)}", flush=True)
     start = time.monotonic()
     timed_out = threading.Event()
     progress = _Progress(mode, metrics, args.iters)
