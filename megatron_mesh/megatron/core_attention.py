@@ -79,7 +79,7 @@ def _megatron_attention(config, common: dict, kwargs: dict):
         return _te_attention(None, common, kwargs)
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    return DotProductAttention(**common, **{k: v for k, v in kwargs.items() if k == "attention_dropout"})
+    return DotProductAttention(**common, **kwargs)  # as Megatron's local spec would build it, arguments and all
 
 
 def _te_attention(mode: Optional[str], common: dict, kwargs: dict):
