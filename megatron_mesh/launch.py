@@ -1,22 +1,46 @@
-"""Run a function on N local processes joined in a gloo process group, with a hard timeout.
+"""Process launching: torchrun commands for the training entry points, killing a launcher's whole
+process tree, and an in-process test harness.
 
-The tests, the side-by-side demo and the benchmarks use this instead of torchrun: one spawn per
-world size runs many cases (process start-up costs seconds), a FileStore rendezvous needs no
-ports, and a hang becomes an error after ``timeout`` seconds instead of stalling CI.
+* :func:`training_command` / ``python -m megatron_mesh.launch`` -- the torchrun (``torch.distributed.run``)
+  command and environment for the plugin's entry script (``pretrain``, from a Megatron
+  functional-test style YAML) or any Megatron script (``script``, through
+  ``megatron_mesh.megatron.run_script``). ``scripts/pretrain_gpt.sh`` and
+  ``scripts/run_megatron_script.sh`` are thin wrappers around the command line::
+
+      python -m megatron_mesh.launch pretrain configs/gpt_tiny_cpu.yaml --train-iters 3
+      python -m megatron_mesh.launch script /path/to/Megatron-LM/pretrain_gpt.py [CONFIG.yaml] [flags]
+
+  Environment: NPROC (processes on this node; default CP, else 1), CP (--context-parallel-size),
+  CP_COMM_TYPE (--cp-comm-type: one mode or a space-separated list, one per layer), NNODES,
+  NODE_RANK, MASTER_ADDR, MASTER_PORT (torchrun's), BACKEND (nccl | gloo; default nccl when CUDA is
+  available, else gloo). Flags come in this order, later ones winning: the config's MODEL_ARGS <
+  ``--distributed-backend`` < CP / CP_COMM_TYPE < the flags on the command line.
+* :func:`kill_process_tree` -- SIGKILL a process and everything below it.
+* :func:`spawn` -- run a function on N local processes joined in a gloo process group, with a
+  hard timeout. The tests, the side-by-side demo and the benchmarks use it instead of torchrun: one
+  spawn per world size runs many cases (process start-up costs seconds), a FileStore rendezvous
+  needs no ports, and a hang becomes an error after ``timeout`` seconds instead of stalling CI.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import signal
+import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
+import psutil
 import torch.multiprocessing as mp
 
-__all__ = ["spawn", "SpawnError", "kill_process_tree", "free_port"]
+__all__ = ["spawn", "SpawnError", "kill_process_tree", "free_port", "training_command", "main"]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout (for PYTHONPATH)
+ENTRY = {"pretrain": ["-m", "megatron_mesh.megatron.pretrain_gpt"],
+         "script": ["-m", "megatron_mesh.megatron.run_script"]}
 
 
 def free_port() -> int:
@@ -32,16 +56,6 @@ def kill_process_tree(pid: int) -> None:
     """SIGKILL ``pid`` and every process below it. Killing a process group is not enough for
     torchrun: it starts each worker in a session of its own, and workers orphaned by a killed
     torchrun hang on its rendezvous store forever."""
-    import signal
-
-    try:
-        import psutil  # the megatron extra installs it
-    except Exception:  # noqa: BLE001 -- without psutil: the process only (its workers may survive)
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        return
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]  # listed before any dies and is reparented
@@ -49,10 +63,87 @@ def kill_process_tree(pid: int) -> None:
         return
     for proc in procs:
         try:
-            proc.kill()
+            proc.send_signal(signal.SIGKILL)
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(procs, timeout=10)
+
+
+def _have_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def training_command(entry: str, args: Sequence[str], environ: Mapping[str, str] | None = None
+                     ) -> tuple[list[str], dict[str, str]]:
+    """(torchrun arguments, environment) of one training run.
+
+    ``entry``: "pretrain" (``args`` = CONFIG.yaml, then flags) or "script" (``args`` = SCRIPT.py,
+    optionally CONFIG.yaml, then flags). The arguments go to ``torch.distributed.run``'s ``main``
+    (or after ``python -m torch.distributed.run``); the environment is ``environ`` (default
+    os.environ) plus the config's ENV_VARS and what the workers need. See the module docstring for
+    the variables read."""
+    from . import yaml_args
+
+    env = dict(os.environ if environ is None else environ)
+    env.pop("MEGATRON_MESH_LAUNCHER_PID", None)  # main() sets its own; a subprocess' parent is torchrun itself
+    args = list(args)
+    target = [*ENTRY[entry]]
+    if entry == "script":
+        if not args or not args[0].endswith(".py"):
+            raise ValueError("script: the first argument must be the Megatron script (SCRIPT.py)")
+        target.append(args.pop(0))
+    config_args: list[str] = []
+    if entry == "pretrain" or (args and args[0].endswith((".yaml", ".yml"))):
+        if not args:
+            raise ValueError("pretrain: the first argument must be a YAML config (CONFIG.yaml)")
+        doc = yaml_args.load(args.pop(0))
+        env_vars = yaml_args.environment(doc, env)
+        env.update(env_vars)
+        config_args = yaml_args.model_args(doc, env)
+    backend = env.get("BACKEND") or ("nccl" if _have_cuda() else "gloo")
+    run_args = []
+    # the plugin's entry always names the backend; another script gets only what it lacks (gloo)
+    if entry == "pretrain" or backend != "nccl":
+        run_args += ["--distributed-backend", backend]
+    if env.get("CP"):
+        run_args += ["--context-parallel-size", env["CP"]]
+    if env.get("CP_COMM_TYPE"):
+        run_args += ["--cp-comm-type", *env["CP_COMM_TYPE"].split()]
+    env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron requires it with TP/CP > 1
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    nproc = env.get("NPROC") or env.get("CP") or "1"
+    torchrun = ["--nproc-per-node", nproc, "--nnodes", env.get("NNODES", "1"), "--node-rank", env.get("NODE_RANK", "0"),
+                "--master-addr", env.get("MASTER_ADDR", "127.0.0.1"), "--master-port", env.get("MASTER_PORT", "29500")]
+    return [*torchrun, *target, *config_args, *run_args, *args], env
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m megatron_mesh.launch {pretrain CONFIG.yaml | script SCRIPT.py [CONFIG.yaml]} [flags]``:
+    run torchrun in this process (its workers die with it, see megatron_mesh.megatron.bootstrap)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in ENTRY:
+        print(__doc__.split("* :func:`kill_process_tree`")[0], file=sys.stderr)
+        return 2
+    try:
+        torchrun_args, env = training_command(argv[0], argv[1:])
+    except (OSError, ValueError) as e:
+        print(f"megatron_mesh.launch: error: {e}", file=sys.stderr)
+        return 2
+    env["MEGATRON_MESH_LAUNCHER_PID"] = str(os.getpid())  # the workers' parent: see bootstrap.die_with_parent
+    os.environ.clear()
+    os.environ.update(env)
+    print(f"megatron_mesh.launch: {env.get('NPROC') or env.get('CP') or '1'} process(es) per node x "
+          f"{env.get('NNODES', '1')} node(s): torchrun {' '.join(torchrun_args)}", file=sys.stderr, flush=True)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    try:
+        torchrun_main(torchrun_args)
+    except ChildFailedError:
+        return 1  # torchrun has printed which rank failed and how
+    return 0
 
 
 class SpawnError(RuntimeError):
@@ -123,3 +214,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
         if errors:
             raise SpawnError("\n".join(errors))
         return results
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

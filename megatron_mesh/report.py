@@ -1,9 +1,10 @@
-"""The side-by-side report of CP modes: parse each run's Megatron log and per-rank metrics, and
-write a Markdown table, a CSV and PNG plots.
+"""The side-by-side report of CP modes: read each run's per-rank metrics (JSON lines written by
+``--cp-metrics-dir``, see ``megatron_mesh.megatron.metrics``) and write a Markdown table, a CSV and
+PNG plots.
 
-A run is one mode (e.g. ``mesh:2x2``) of the same pretraining job. Megatron's log line for an
-iteration gives the loss and the time per iteration; ``megatron_mesh.megatron.metrics`` gives
-the attention bytes each rank sent and its peak memory (see there).
+A run is one mode (e.g. ``mesh:2x2``) of the same pretraining job. Its metrics give the loss and
+time of every iteration, the attention bytes each rank sent, its peak memory and the mode and
+tile of every layer -- no scraping of Megatron's human-readable log.
 """
 
 from __future__ import annotations
@@ -11,14 +12,9 @@ from __future__ import annotations
 import csv
 import json
 import os
-import re
 from dataclasses import dataclass, field
 
-__all__ = ["RunResult", "parse_megatron_log", "read_metrics", "write_report"]
-
-_ITER = re.compile(r"iteration\s+(\d+)/\s*(\d+)\s*\|")
-_TIME = re.compile(r"elapsed time per iteration \(ms\):\s*([0-9.]+)")
-_LOSS = re.compile(r"lm loss:\s*([0-9.Ee+-]+)")
+__all__ = ["RunResult", "Metrics", "read_metrics", "write_report", "format_bytes"]
 
 
 @dataclass
@@ -37,45 +33,59 @@ class RunResult:
     error: str = ""
 
 
-def parse_megatron_log(text: str) -> tuple[dict[int, float], dict[int, float]]:
-    """(losses, times in ms) by iteration from Megatron's iteration log lines."""
-    losses, times = {}, {}
-    for line in text.splitlines():
-        m = _ITER.search(line)
-        if not m:
-            continue
-        it = int(m.group(1))
-        if (t := _TIME.search(line)):
-            times[it] = float(t.group(1))
-        if (lo := _LOSS.search(line)):
-            losses[it] = float(lo.group(1))
-    return losses, times
+@dataclass
+class Metrics:
+    """What a run's ``rank*.jsonl`` files say, reduced over ranks."""
+
+    losses: dict[int, float] = field(default_factory=dict)  # iteration -> Megatron's reduced "lm loss"
+    times_ms: dict[int, float] = field(default_factory=dict)  # iteration -> slowest rank's train_step
+    bytes_per_step: float | None = None  # attention bytes sent: max over ranks of the mean over iterations
+    peak_memory: int | None = None  # max over ranks
+    memory_kind: str = ""
+    layers: dict[int, dict] = field(default_factory=dict)  # layer number -> {"mode", "cp", "tile", ...}
+
+    @property
+    def tile(self) -> str:
+        """The Mesh tile(s) of the run's layers ('2x2'; 'a, b' when layers differ; '' without Mesh)."""
+        return ", ".join(sorted({r["tile"] for r in self.layers.values() if r.get("tile")}))
 
 
-def read_metrics(metrics_dir: str) -> tuple[float | None, int | None, str]:
-    """(attention bytes sent per rank per iteration -- max over ranks of the mean over iterations,
-    peak memory -- max over ranks, what memory was measured) from ``rank*.jsonl`` files."""
+def read_metrics(metrics_dir: str, loss_key: str = "lm loss") -> Metrics:
+    """Read and reduce the ``rank*.jsonl`` files of ``metrics_dir`` (empty Metrics if none)."""
+    m = Metrics()
     if not os.path.isdir(metrics_dir):
-        return None, None, ""
-    per_rank, peaks, kind = [], [], ""
+        return m
+    per_rank_bytes, peaks = [], []
     for name in sorted(os.listdir(metrics_dir)):
         if not name.endswith(".jsonl"):
             continue
         with open(os.path.join(metrics_dir, name)) as f:
             recs = [json.loads(line) for line in f if line.strip()]
-        if len(recs) < 2:
-            continue
-        # records at the start of each iteration and one at exit: differences are per-iteration bytes
-        steps = [b["bytes_sent"] - a["bytes_sent"] for a, b in zip(recs, recs[1:])]
-        per_rank.append(sum(steps) / len(steps))
-        peaks.append(max(r["peak_memory"] for r in recs))
-        kind = recs[-1]["memory_kind"]
-    if not per_rank:
-        return None, None, ""
-    return max(per_rank), max(peaks), kind
+        its = [r for r in recs if r.get("kind") == "iteration"]
+        for r in recs:
+            if r.get("kind") == "layer":
+                m.layers.setdefault(r["layer"], r)
+        for r in its:
+            if loss_key in r["losses"]:
+                m.losses.setdefault(r["iteration"], r["losses"][loss_key])
+            if r.get("time_ms") is not None:
+                m.times_ms[r["iteration"]] = max(m.times_ms.get(r["iteration"], 0.0), r["time_ms"])
+        if its:
+            per_rank_bytes.append(sum(r["bytes_sent"] for r in its) / len(its))
+            peaks.append(max(r["peak_memory"] for r in its))
+            m.memory_kind = its[-1]["memory_kind"]
+    if per_rank_bytes:
+        m.bytes_per_step, m.peak_memory = max(per_rank_bytes), max(peaks)
+    return m
 
 
-def _fmt_bytes(n: float | None) -> str:
+def _mean_time(r: RunResult) -> float | None:
+    """Mean time per iteration, the first (warm-up) iteration left out when there are others."""
+    ts = [t for i, t in sorted(r.times_ms.items()) if i > min(r.times_ms)] or list(r.times_ms.values())
+    return sum(ts) / len(ts) if ts else None
+
+
+def format_bytes(n: float | None) -> str:
     if n is None:
         return "-"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -99,13 +109,9 @@ def write_report(runs: list[RunResult], out_dir: str, title: str, baseline: str 
         common = [i for i in r.losses if i in base.losses]
         return max((abs(r.losses[i] - base.losses[i]) for i in common), default=None)
 
-    def mean_time(r: RunResult) -> float | None:
-        ts = [t for i, t in sorted(r.times_ms.items()) if i > min(r.times_ms)] or list(r.times_ms.values())
-        return sum(ts) / len(ts) if ts else None
-
     rows = []
     for r in runs:
-        dev, mt = deviation(r), mean_time(r)
+        dev, mt = deviation(r), _mean_time(r)
         # CP = 1 moves nothing: no ratio to show for it
         vs_ring = (r.bytes_per_step / ring.bytes_per_step) if (ring and ring.bytes_per_step and r.cp > 1
                                                                and r.bytes_per_step is not None) else None
@@ -127,14 +133,14 @@ def write_report(runs: list[RunResult], out_dir: str, title: str, baseline: str 
         mt_s = "-" if mt is None else f"{mt:.1f}"
         vs_s = "-" if vs is None else f"{vs:.2f}"
         lines.append(f"| {r.mode}{'' if r.ok else ' (failed)'} | {r.cp} | {r.tile or '-'} | {dev_s} | {mt_s} | "
-                     f"{_fmt_bytes(r.bytes_per_step)} | {vs_s} | {_fmt_bytes(r.peak_memory)} |")
+                     f"{format_bytes(r.bytes_per_step)} | {vs_s} | {format_bytes(r.peak_memory)} |")
     lines += ["", "Loss per iteration:", "", "| mode | " + " | ".join(str(i) for i in iters) + " |",
               "|---|" + "---|" * len(iters)]
     for r in runs:
         lines.append(f"| {r.mode} | " + " | ".join(f"{r.losses[i]:.6f}" if i in r.losses else "-" for i in iters) + " |")
     kinds = {r.memory_kind for r in runs if r.memory_kind}
     lines += ["", f"Peak memory is the {', '.join(sorted(kinds)) or 'peak memory'} of the largest rank; time per "
-              "iteration excludes the first iteration; bytes are the plugin's attention traffic (all layers, forward "
+              "iteration is the slowest rank's Megatron train_step, the first iteration left out; bytes are the plugin's attention traffic (all layers, forward "
               "and backward) measured by comm_counter.", *notes, ""]
     failed = [r for r in runs if not r.ok]
     for r in failed:
@@ -174,8 +180,7 @@ def _plots(runs: list[RunResult], out_dir: str) -> list[str]:
         vals = []
         for r in runs:
             if key == "time":
-                ts = [t for i, t in r.times_ms.items() if i > min(r.times_ms)] if r.times_ms else []
-                v = sum(ts) / len(ts) if ts else None
+                v = _mean_time(r)
             elif key == "bytes":
                 v = r.bytes_per_step
             else:

@@ -3,7 +3,9 @@
 report (Markdown table, CSV, PNG plots) of loss, time per iteration, attention bytes per rank
 per step and peak memory.
 
-Each mode is one real Megatron ``pretrain()`` run through ``scripts/pretrain_gpt.sh``:
+Each mode is one real Megatron ``pretrain()`` run of the plugin's entry script, started with
+torchrun (``python -m torch.distributed.run``) from this process; every run writes its metrics as
+JSON lines (``--cp-metrics-dir``), which the report reads:
 
 * ``baseline``  -- CP = 1 on one process (the reference loss curve),
 * ``ring``, ``tasp``, ``mesh:auto``, ``mesh:AxB`` -- the plugin's modes at CP = --cp,
@@ -25,11 +27,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_mesh.launch import free_port, kill_process_tree  # noqa: E402
-from megatron_mesh.report import RunResult, parse_megatron_log, read_metrics, write_report  # noqa: E402
-
-PLUGIN_MODES = ("ring", "tasp", "mesh")
-TE_MODES = ("p2p", "a2a", "all_gather", "a2a+p2p")
+from megatron_mesh.launch import free_port, kill_process_tree, training_command  # noqa: E402
+from megatron_mesh.megatron import PLUGIN_MODES, TE_MODES  # noqa: E402 -- does not import Megatron
+from megatron_mesh.report import RunResult, read_metrics, write_report  # noqa: E402
 
 
 def _have_te() -> bool:
@@ -48,27 +48,37 @@ def default_modes(cp: int) -> list[str]:
     return modes
 
 
-def run_mode(mode: str, args, out_dir: str) -> RunResult:
+def command(mode: str, args, metrics: str) -> tuple[list[str], dict[str, str], list[str]]:
+    """The torchrun command, environment and the flags added to the config's for one mode's run."""
     name, _, tile = mode.partition(":")
     if name != "baseline" and name not in PLUGIN_MODES + TE_MODES:
         raise SystemExit(f"unknown mode {mode!r}; allowed: baseline, ring, tasp, mesh[:auto|:AxB], {', '.join(TE_MODES)}")
     cp = 1 if name == "baseline" else args.cp
-    safe = mode.replace(":", "_").replace("+", "_")
-    metrics = os.path.join(out_dir, "metrics", safe)
-    env = dict(os.environ, CP=str(cp), NPROC=str(cp), MEGATRON_MESH_METRICS=metrics, MASTER_PORT=str(free_port()),
-               PYTHON=sys.executable)
-    flags = ["--train-iters", str(args.iters)]
+    environ = dict(os.environ, CP=str(cp), NPROC=str(cp), MASTER_PORT=str(free_port()))
+    environ.pop("CP_COMM_TYPE", None)
+    flags = ["--train-iters", str(args.iters), "--cp-metrics-dir", metrics]
     if name != "baseline":
-        env["CP_COMM_TYPE"] = name
-    if name == "mesh":
-        flags += ["--mesh-tile-shape", tile or "auto"]
+        environ["CP_COMM_TYPE"] = name
+    if name == "mesh" and tile not in ("", "auto"):
+        flags += ["--mesh-tile-shape", tile]
     if name == "a2a+p2p":
         flags += ["--hierarchical-context-parallel-sizes", "2", str(cp // 2)]
-    cmd = [os.path.join(ROOT, "scripts", "pretrain_gpt.sh"), args.config, *flags, *args.megatron_args]
+    flags += args.megatron_args
+    torchrun_args, env = training_command("pretrain", [args.config, *flags], environ)
+    return [sys.executable, "-m", "torch.distributed.run", *torchrun_args], env, flags
+
+
+def run_mode(mode: str, args, out_dir: str) -> RunResult:
+    safe = mode.replace(":", "_").replace("+", "_")
+    metrics = os.path.join(out_dir, "metrics", safe)
+    cmd, env, flags = command(mode, args, metrics)
+    cp = int(env["CP"])
     log_path = os.path.join(out_dir, f"{safe}.log")
-    print(f"[{mode}] CP={cp}: {' '.join(cmd[1:])}", flush=True)
+    print(f"[{mode}] CP={cp} CP_COMM_TYPE={env.get('CP_COMM_TYPE', '(config)')}: scripts/pretrain_gpt.sh "
+          f"{args.config} {' '.join(flags)}", flush=True)
     start = time.monotonic()
     timed_out = threading.Event()
+    progress = _Progress(mode, metrics, args.iters)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
         stop = lambda: kill_process_tree(proc.pid)  # noqa: E731 -- torchrun and every rank, on timeout or Ctrl-C
@@ -78,9 +88,7 @@ def run_mode(mode: str, args, out_dir: str) -> RunResult:
         try:
             for line in proc.stdout:
                 log.write(line)
-                losses, _ = parse_megatron_log(line)
-                for it, loss in losses.items():
-                    print(f"[{mode}]   iteration {it}/{args.iters}  lm loss {loss:.6f}", flush=True)
+                progress.poll()
             proc.wait()
         except BaseException:
             stop()
@@ -88,28 +96,34 @@ def run_mode(mode: str, args, out_dir: str) -> RunResult:
         finally:
             if timer:
                 timer.cancel()
-    with open(log_path) as f:
-        text = f.read()
-    losses, times = parse_megatron_log(text)
-    bytes_per_step, peak, kind = read_metrics(metrics)
-    res = RunResult(mode=mode, cp=cp, tile=_tile_from_log(text) if name == "mesh" else "", losses=losses,
-                    times_ms=times, bytes_per_step=bytes_per_step, peak_memory=peak, memory_kind=kind)
+    progress.poll(every=0)
+    m = read_metrics(metrics)
+    res = RunResult(mode=mode, cp=cp, tile=m.tile, losses=m.losses, times_ms=m.times_ms,
+                    bytes_per_step=m.bytes_per_step, peak_memory=m.peak_memory, memory_kind=m.memory_kind)
     if timed_out.is_set():
         res.ok, res.error = False, f"stopped after --run-timeout {args.run_timeout:g} s; log {log_path}"
-    elif proc.returncode != 0 or len(losses) < args.iters:
-        tail = " / ".join(text.strip().splitlines()[-3:])
+    elif proc.returncode != 0 or len(m.losses) < args.iters:
+        with open(log_path) as f:
+            tail = " / ".join(f.read().strip().splitlines()[-3:])
         res.ok, res.error = False, f"exit code {proc.returncode}; log {log_path}: {tail[-300:]}"
     print(f"[{mode}] {'done' if res.ok else 'FAILED'} in {time.monotonic() - start:.0f} s", flush=True)
     return res
 
 
-def _tile_from_log(text: str) -> str:
-    for line in text.splitlines():
-        if "megatron_mesh:" in line and "tile" in line:
-            for word in line.replace(",", " ").split():
-                if "x" in word and all(p.isdigit() for p in word.split("x")):
-                    return word
-    return ""
+class _Progress:
+    """Prints each iteration's loss as the run's metrics record it."""
+
+    def __init__(self, mode: str, metrics: str, iters: int):
+        self.mode, self.metrics, self.iters, self.shown, self.last = mode, metrics, iters, set(), 0.0
+
+    def poll(self, every: float = 0.5) -> None:
+        if time.monotonic() - self.last < every:
+            return
+        self.last = time.monotonic()
+        losses = read_metrics(self.metrics).losses
+        for it in sorted(set(losses) - self.shown):
+            print(f"[{self.mode}]   iteration {it}/{self.iters}  lm loss {losses[it]:.6f}", flush=True)
+            self.shown.add(it)
 
 
 def _machine_note() -> str:

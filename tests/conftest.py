@@ -15,10 +15,11 @@ def pytest_collection_modifyitems(config, items):
     except Exception:
         has_cuda = False
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
-    if not config.getoption("--exhaustive"):  # opt-in sweeps: left out, not reported as skipped
-        kept = [item for item in items if "exhaustive" not in item.keywords]
-        config.hook.pytest_deselected(items=[item for item in items if "exhaustive" in item.keywords])
-        items[:] = kept
+    for marker, option in (("exhaustive", "--exhaustive"), ("megatron_matrix", "--megatron-matrix")):
+        if not config.getoption(option):  # opt-in sweeps: left out, not reported as skipped
+            kept = [item for item in items if marker not in item.keywords]
+            config.hook.pytest_deselected(items=[item for item in items if marker in item.keywords])
+            items[:] = kept
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
@@ -27,6 +28,9 @@ def pytest_collection_modifyitems(config, items):
 def pytest_addoption(parser):
     parser.addoption("--exhaustive", action="store_true",
                      help="also run the tests marked 'exhaustive' (plan checks for every P up to 256, hours)")
+    parser.addoption("--megatron-matrix", action="store_true",
+                     help="also run the tests marked 'megatron_matrix' (every plugin mode x bf16 / fp16 / distributed "
+                          "optimizer / recompute / sequence parallelism through both entry scripts, ~15 min)")
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,6 @@ Engine), the YAML -> flags translation, spec patching, unsupported features rais
 CP size 1 behaving as plain attention."""
 
 import copy
-import importlib.util
 import math
 import os
 import sys
@@ -53,12 +52,17 @@ def _validate(args, have_te=False):
      "--attention-dropout", "0"],
     ["--context-parallel-size", "6", "--cp-comm-type", "ring", "--attention-dropout", "0"],
     ["--context-parallel-size", "1"],  # Megatron's default cp_comm_type p2p is fine without CP
-    ["--context-parallel-size", "4", "--cp-comm-type", "ring", "--mesh-tile-shape", "3x5",  # no mesh layer:
-     "--attention-dropout", "0"],                                                            # syntax only
+    ["--context-parallel-size", "1", "--cp-comm-type", "mesh", "--attention-dropout", "0.1"],  # CP 1: Megatron's
+    ["--context-parallel-size", "4", "--cp-comm-type", "tasp", "--tasp-gpus-per-node", "2",    # attention
+     "--tasp-transport", "alltoall", "--cp-kernel-backend", "math", "--log-cp-attention-bytes", "--seq-length", "64"],
+    ["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--tasp-gpus-per-node", "2"],  # Mesh's node layout
+    ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "ring", "--hierarchical-context-parallel-sizes",
+     "2", "2"],
 ])
 def test_valid_flags(megatron_args, argv):
-    args = megatron_args(argv + (["--attention-dropout", "0"] if "--attention-dropout" not in argv else []))
-    _validate(args)
+    spec = ["--spec", "megatron_mesh.megatron.spec", "gpt_layer_spec", "--transformer-impl", "local"]
+    args = megatron_args(spec + argv + (["--attention-dropout", "0"] if "--attention-dropout" not in argv else []))
+    _validate(args, have_te=True)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -72,13 +76,34 @@ def test_valid_flags(megatron_args, argv):
      "Transformer Engine modes p2p, a2a, all_gather, a2a+p2p"),
     (["--context-parallel-size", "1", "--cp-comm-type", "allgather"], "Transformer Engine spells it 'all_gather'"),
     (["--context-parallel-size", "4", "--cp-comm-type", "p2p"],
-     "--cp-comm-type p2p is a Transformer Engine mode, but Transformer Engine is not usable here"),
+     "--cp-comm-type p2p is a Transformer Engine mode, but Transformer Engine is not usable here (not installed); "
+     "use ring (the same algorithm: zigzag ring attention)"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "all_gather"], "not installed); use one of mesh, tasp, ring"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "a2a"], "a2a is a Transformer Engine mode"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "tasp", "ring"],
      "--cp-comm-type has 3 values; give one mode, or one per layer (2 layers)"),
     (["--context-parallel-size", "4", "--cp-comm-type", "tasp", "--attention-dropout", "0.1"],
-     "--attention-dropout 0.1: the mesh/tasp/ring modes support only 0"),
-    (["--context-parallel-size", "4", "--cp-comm-type", "ring", "--attention-dropout", "0",
+     "--attention-dropout 0.1: the mesh/tasp/ring modes support only 0 at CP > 1"),
+    # a flag given for a mode no layer runs is an error, never ignored
+    (["--context-parallel-size", "4", "--cp-comm-type", "ring", "--mesh-tile-shape", "2x2", "--attention-dropout", "0"],
+     "--mesh-tile-shape 2x2 is given, but no layer runs mesh at CP > 1 (--cp-comm-type ring); leave the flag out"),
+    (["--context-parallel-size", "1", "--cp-comm-type", "mesh", "--mesh-schedule", "lockstep"],
+     "--mesh-schedule lockstep is given, but no layer runs mesh at CP > 1 (--context-parallel-size 1)"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--tasp-transport", "alltoall",
+      "--attention-dropout", "0"], "--tasp-transport alltoall is given, but no layer runs tasp at CP > 1"),
+    (["--context-parallel-size", "1", "--log-cp-attention-bytes"],
+     "--log-cp-attention-bytes is given, but no layer runs mesh or tasp or ring at CP > 1"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "ring", "--hierarchical-context-parallel-sizes", "2", "2",
+      "--attention-dropout", "0"], "--hierarchical-context-parallel-sizes 2 2 applies only to Transformer Engine's "
+     "a2a+p2p, which no layer runs here"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--attention-backend", "flash",
+      "--attention-dropout", "0"], "--attention-backend flash: the mesh layers run the plugin's own kernels"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "tasp", "--seq-length", "8", "--attention-dropout", "0"],
+     "--seq-length 8 with --context-parallel-size 4: TASP over CP size 4 splits each KV chunk into 2 slots (one per "
+     "ring), so each zigzag half needs at least 2 tokens: local sequence length 2 is too short (need >= 4)"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask", "--attention-dropout", "0"],
+     "--reset-attention-mask: packed or document-masked sequences are not supported by the plugin modes"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "tasp", "--attention-dropout", "0",
       "--tasp-gpus-per-node", "0"], "--tasp-gpus-per-node must be >= 1"),
     (["--context-parallel-size", "4", "--cp-comm-type", "tasp", "--attention-dropout", "0",
       "--tasp-gpus-per-node", "3"], "--tasp-gpus-per-node 3 with --context-parallel-size 4 and "
@@ -88,7 +113,20 @@ def test_valid_flags(megatron_args, argv):
      "--tensor-model-parallel-size 1: the complete directed graph on 3 ranks has no decomposition"),
 ])
 def test_invalid_flags_name_the_value(megatron_args, argv, message):
-    args = megatron_args(argv)
+    args = megatron_args(["--spec", "megatron_mesh.megatron.spec", "gpt_layer_spec", "--transformer-impl", "local",
+                          *argv])
+    with pytest.raises(ValueError) as e:
+        _validate(args)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "--cp-comm-type mesh needs the plugin's layer spec: add --spec megatron_mesh.megatron.spec gpt_layer_spec"),
+    (["--spec", "megatron_mesh.megatron.spec", "gpt_layer_spec"],
+     "--transformer-impl transformer_engine (Megatron's default) needs Transformer Engine"),
+])
+def test_plugin_modes_need_the_plugin_spec(megatron_args, argv, message):
+    args = megatron_args(["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--attention-dropout", "0", *argv])
     with pytest.raises(ValueError) as e:
         _validate(args)
     assert message in str(e.value)
@@ -101,7 +139,7 @@ def test_te_modes_detected_as_unusable_without_te(megatron_args):
     if usable:
         pytest.skip("Transformer Engine is installed here")
     assert why
-    args = megatron_args(["--context-parallel-size", "2", "--cp-comm-type", "all_gather"])
+    args = megatron_args(["--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--transformer-impl", "local"])
     with pytest.raises(ValueError, match="all_gather is a Transformer Engine mode"):
         validate_args(args)  # detection, not a forced have_te
 
@@ -245,6 +283,7 @@ def test_te_modes_without_te_raise_naming_the_mode(mode):
         _build(_config(context_parallel_size=4), mode)
     assert f"layer 1: cp_comm_type '{mode or 'p2p'}' is a Transformer Engine mode, but Transformer Engine is " \
            "not usable here" in str(e.value)
+    assert ("use ring (the same algorithm)" if mode in ("p2p", None) else "use one of mesh, tasp, ring") in str(e.value)
 
 
 def test_unknown_mode_raises():
@@ -289,8 +328,11 @@ def test_cp1_is_plain_attention_and_forward_checks(one_rank):
     from megatron_mesh.kernels import reference_attention
     from megatron_mesh.megatron.core_attention import PluginCoreAttention
 
-    module = _build(_config(context_parallel_size=1), None, pg_collection=one_rank, softmax_scale=0.2)
-    assert isinstance(module, PluginCoreAttention) and module.cp_size == 1
+    from megatron.core.transformer.enums import AttnMaskType as M
+
+    module = PluginCoreAttention(config=_config(context_parallel_size=1), layer_number=1, attn_mask_type=M.causal,
+                                 attention_type="self", softmax_scale=0.2, pg_collection=one_rank)
+    assert module.cp_size == 1
     g = torch.Generator().manual_seed(0)
     q = torch.randn(12, 2, 4, 16, generator=g, dtype=torch.float64)
     k, v = (torch.randn(12, 2, 2, 16, generator=g, dtype=torch.float64) for _ in range(2))
@@ -305,16 +347,25 @@ def test_cp1_is_plain_attention_and_forward_checks(one_rank):
         module(q, k, v, None, attn_mask_type=AttnMaskType.causal, packed_seq_params=PackedSeqParams(qkv_format="thd"))
     with pytest.raises(ValueError, match="attention mask type 'arbitrary' is not supported"):
         module(q, k, v, None, attn_mask_type=AttnMaskType.arbitrary)
-    assert math.isclose(_build(_config(context_parallel_size=1, kv_channels=16), None,
-                               pg_collection=one_rank).softmax_scale, 16 ** -0.5)
+    assert math.isclose(PluginCoreAttention(config=_config(context_parallel_size=1, kv_channels=16), layer_number=1,
+                                            attn_mask_type=M.causal, attention_type="self",
+                                            pg_collection=one_rank).softmax_scale, 16 ** -0.5)
+
+
+def test_cp1_builder_hands_over_to_megatrons_attention(one_rank):
+    """Under the plugin's spec, CP 1 is Megatron's own DotProductAttention -- dropout included."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    pgs = types.SimpleNamespace(cp=one_rank.cp, tp=one_rank.cp)
+    module = _build(_config(context_parallel_size=1, attention_dropout=0.1), "mesh", pg_collection=pgs)
+    assert type(module) is DotProductAttention and module.attention_dropout.p == 0.1
 
 
 # -- YAML -> flags --------------------------------------------------------------------------------------
 def _yaml_to_args():
-    spec = importlib.util.spec_from_file_location("yaml_to_args", os.path.join(ROOT, "scripts", "yaml_to_args.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from megatron_mesh import yaml_args
+
+    return yaml_args
 
 
 def test_yaml_translation(tmp_path):
@@ -332,6 +383,9 @@ def test_yaml_translation(tmp_path):
                                       "--data-path", "0.5", "/a b", "0.5", "/c"]
     with pytest.raises(ValueError, match=r"--save: \$\{RUN_DIR\} is not set"):
         y.model_args(doc, {})
+    assert y.model_args({"MODEL_ARGS": {"--x": "$A-$$"}}, {"A": "1"}) == ["--x", "1-$"]  # $VAR and $$, as string.Template
+    with pytest.raises(ValueError, match=r"--x: Invalid placeholder .* in '5\$ a' \(write \$\$ for a literal \$\)"):
+        y.model_args({"MODEL_ARGS": {"--x": "5$ a"}}, {})
 
 
 def test_tiny_cpu_config_parses(megatron_args):

@@ -1,37 +1,65 @@
-"""Megatron's real pretrain() loop through scripts/pretrain_gpt.sh on configs/gpt_tiny_cpu.yaml
-(gloo, CPU): three iterations at CP 1 and at CP 4 under each plugin mode log the same losses; a
-checkpoint written under CP 4 / mesh resumes under CP 2 with the per-layer list "mesh tasp" and
-logs the same next-iteration loss; pipeline parallelism 2 x CP 2 logs the losses of PP 2 x CP 1;
-a bad flag stops the script with a clear error.
+"""Megatron's real pretrain() loop on configs/gpt_tiny_cpu.yaml (gloo, CPU), through both entry
+scripts: the plugin's own (scripts/pretrain_gpt.sh) and Megatron-LM's pretrain_gpt.py run by
+scripts/run_megatron_script.sh with the plugin's flags on its command line.
+
+* CP 4 under TASP (selective recompute) and, in Megatron-LM's script, Mesh 1x4 lockstep + ring
+  log the losses of CP 1 (bit for bit in fp32); the script's run also shows the per-stage summary,
+  the CP attention timers and bytes in Megatron's log, and writes a torch_dist checkpoint (whose
+  writer spawns a process that re-imports the script);
+* that checkpoint resumes under the plugin's entry at CP 2 with "mesh tasp", same next loss;
+* bf16 + distributed optimizer + full recompute at CP 4 (Mesh 2x2) matches the same at CP 1 within
+  bf16 tolerance, and its metrics JSON lines carry the losses, bytes and tiles;
+* PP 2 x CP 2 logs the losses of PP 2 x CP 1;
+* bad settings stop both scripts at start-up with one message; killing the launcher kills every rank.
 
 The runs are the expensive part (each process imports Megatron), so one module-scoped fixture
-runs them all once and the tests assert on its logs.
+runs them all once and the tests assert on their logs. ``--megatron-matrix`` adds every plugin
+mode x {bf16 + distributed optimizer + full recompute, fp16 + selective recompute, TP 2 + sequence
+parallelism + distributed optimizer} through both scripts.
+
+``MEGATRON_LM_DIR=/path/to/Megatron-LM`` runs that checkout's pretrain_gpt.py instead of
+tests/megatron_lm/pretrain_gpt.py, a small stand-in written for these tests (the megatron-core
+wheel and source distribution do not ship the file).
 """
 
+import json
 import os
 import re
+import signal
+import subprocess
 import sys
+import time
 
+import psutil
 import pytest
-from scripts_util import ROOT, free_port, run_script
+from scripts_util import ROOT, free_port, kill_process_tree, run_script
 
 pytest.importorskip("megatron.core", reason="needs megatron-core (scripts/setup_env.sh installs it)")
 
-# the fixture's runs (up to 150 s each) count against the first test's timeout
-pytestmark = [pytest.mark.megatron, pytest.mark.slow, pytest.mark.timeout(1200)]
+# the fixture's runs count against the first test's timeout
+pytestmark = [pytest.mark.megatron, pytest.mark.slow, pytest.mark.timeout(1500)]
 
-SCRIPT = os.path.join(ROOT, "scripts", "pretrain_gpt.sh")
+PRETRAIN = os.path.join(ROOT, "scripts", "pretrain_gpt.sh")
+RUN_SCRIPT = os.path.join(ROOT, "scripts", "run_megatron_script.sh")
 CONFIG = os.path.join(ROOT, "configs", "gpt_tiny_cpu.yaml")
+_REAL = os.path.join(os.environ.get("MEGATRON_LM_DIR", ""), "pretrain_gpt.py")
+MEGATRON_LM_SCRIPT = _REAL if os.environ.get("MEGATRON_LM_DIR") else os.path.join(ROOT, "tests", "megatron_lm",
+                                                                                  "pretrain_gpt.py")
 ITERS = 3
+BF16 = ("--bf16", "--use-distributed-optimizer", "--recompute-granularity", "full", "--recompute-method", "uniform",
+        "--recompute-num-layers", "1")
+BF16_RTOL = 2e-3  # bf16 has 8 significant bits; the loss itself is computed in fp32
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
 
 
-def run(nproc: int, cp: int, modes: str, *flags: str, timeout: float = 150) -> tuple[int, str]:
-    """Run the shell script; return (exit status, combined output)."""
+def run(entry: str, nproc: int, cp: int, modes: str, *flags: str, timeout: float = 240) -> tuple[int, str]:
+    """Run an entry script ("pretrain": the plugin's, "megatron-lm": Megatron-LM's pretrain_gpt.py);
+    return (exit status, combined output)."""
     env = dict(os.environ, NPROC=str(nproc), CP=str(cp), CP_COMM_TYPE=modes, MASTER_PORT=str(free_port()),
                PYTHON=sys.executable, OMP_NUM_THREADS="1")
     env.pop("BACKEND", None)
-    return run_script(["bash", SCRIPT, CONFIG, "--train-iters", str(ITERS), *flags], env, timeout)
+    head = [PRETRAIN, CONFIG] if entry == "pretrain" else [RUN_SCRIPT, MEGATRON_LM_SCRIPT, CONFIG]
+    return run_script(["bash", *head, "--train-iters", str(ITERS), *flags], env, timeout)
 
 
 def losses(output: str) -> dict[int, float]:
@@ -45,20 +73,22 @@ def losses(output: str) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("ckpt"))
+    metrics = str(tmp_path_factory.mktemp("metrics"))
     plan = {
-        "cp1": (1, 1, "mesh"),
-        "mesh": (4, 4, "mesh", "--mesh-tile-shape", "2x2", "--save", ckpt, "--save-interval", "2"),
-        "tasp": (4, 4, "tasp"),
-        "ring": (4, 4, "ring"),
-        "resume": (2, 2, "mesh tasp", "--load", ckpt, "--ckpt-step", "2"),
+        "cp1": ("pretrain", 1, 1, "mesh"),
+        "tasp": ("pretrain", 4, 4, "tasp", "--recompute-granularity", "selective"),
+        # a torch_dist checkpoint at iteration 2 (its writer spawns a process that re-imports the script)
+        "megatron-lm": ("megatron-lm", 4, 4, "mesh ring", "--mesh-tile-shape", "1x4", "--mesh-schedule", "lockstep",
+                        "--save", ckpt, "--save-interval", "2", "--timing-log-level", "2", "--log-cp-attention-bytes"),
+        "resume": ("pretrain", 2, 2, "mesh tasp", "--load", ckpt, "--ckpt-step", "2"),
+        "cp1_bf16": ("pretrain", 1, 1, "mesh", *BF16),
+        "mesh_bf16": ("pretrain", 4, 4, "mesh", "--mesh-tile-shape", "2x2", *BF16, "--cp-metrics-dir", metrics),
         # pipeline stages initialise their layers from their own seeds: compare PP 2 with PP 2
-        "pp2_cp1": (2, 1, "ring", "--pipeline-model-parallel-size", "2"),
-        "pp2_cp2": (4, 2, "mesh tasp", "--pipeline-model-parallel-size", "2"),
+        "pp2_cp1": ("pretrain", 2, 1, "ring", "--pipeline-model-parallel-size", "2"),
+        "pp2_cp2": ("pretrain", 4, 2, "mesh tasp", "--pipeline-model-parallel-size", "2"),
     }
-    out = {}
-    for name, (nproc, cp, modes, *flags) in plan.items():
-        rc, text = run(nproc, cp, modes, *flags)
-        out[name] = (rc, text)
+    out = {name: run(*spec) for name, spec in plan.items()}
+    out["metrics_dir"] = metrics
     return out
 
 
@@ -68,49 +98,157 @@ def _ok(runs, name):
     return text
 
 
-def test_cp1_run_logs_every_iteration(runs):
+def _assert_losses_equal(got: dict, want: dict, rel: float = 2e-6, iterations=None):
+    iterations = iterations or sorted(want)
+    assert sorted(got) == list(iterations), (got, want)
+    for it in iterations:
+        assert got[it] == pytest.approx(want[it], rel=rel), (it, got[it], want[it])
+
+
+def test_cp1_runs_megatrons_own_attention(runs):
+    """CP 1 under the plugin's spec is Megatron's own attention: nothing of the plugin's runs."""
     text = _ok(runs, "cp1")
     assert sorted(losses(text)) == list(range(1, ITERS + 1))
-    assert "megatron_mesh: layer 1 runs single-rank attention (CP 1" in text
+    assert "megatron_mesh: pipeline stage" not in text
 
 
-@pytest.mark.parametrize("mode, detail", [("mesh", "mesh (CP 4, tile 2x2"), ("tasp", "tasp (CP 4"),
-                                          ("ring", "ring (CP 4")])
-def test_cp4_losses_equal_cp1(runs, mode, detail):
-    text = _ok(runs, mode)
+def test_tasp_with_selective_recompute_equals_cp1(runs):
+    text = _ok(runs, "tasp")
+    _assert_losses_equal(losses(text), losses(_ok(runs, "cp1")))
+    summary = [line for line in text.splitlines() if "megatron_mesh: pipeline stage" in line]
+    assert len(summary) == 1 and "pipeline stage 1/1: layers 1-2: tasp (CP 4, transport p2p" in summary[0], summary
+
+
+def test_megatron_lm_script_takes_the_plugin_flags(runs):
+    """Megatron-LM's pretrain_gpt.py, unmodified, with --mesh-tile-shape 1x4 --mesh-schedule lockstep
+    on its command line: the summary names them, the losses are CP 1's, the timers and bytes are
+    in Megatron's log, and the torch_dist checkpoint is written."""
+    text = _ok(runs, "megatron-lm")
     want = losses(_ok(runs, "cp1"))
+    _assert_losses_equal(losses(text), want)
+    assert ("megatron_mesh: pipeline stage 1/1: layer 1: mesh (CP 4, tile 1x4, schedule lockstep, backward refetch, "
+            "contiguous q, kernel auto); layer 2: ring (CP 4, zigzag ring, kernel auto)") in text
+    for timer in ("cp-attention-compute", "cp-attention-comm"):  # (min, max) over ranks, per iteration
+        assert len(re.findall(rf"{timer} \.+: \((\d+\.\d+), (\d+\.\d+)\)", text)) == ITERS, timer
+    # Mesh 1x4 and ring move the same bytes on every rank: 2 layers x 2 micro-batches, forward + backward
+    sent = re.findall(r"cp attention bytes per iteration \(min, max\) across ranks: sent \(([\d.]+ \w+), ([\d.]+ \w+)\)",
+                      text)
+    assert len(sent) == ITERS and all(lo == hi == sent[0][0] != "0 B" for lo, hi in sent), sent
+    assert "successfully saved checkpoint from iteration       2" in text
+
+
+def test_checkpoint_of_megatron_lm_script_resumes_under_other_mode_and_cp(runs):
+    text = _ok(runs, "resume")
+    assert "loading distributed checkpoint" in text and "at iteration 2" in text
+    assert "layer 1: mesh (CP 2" in text and "layer 2: tasp (CP 2" in text
     got = losses(text)
-    assert sorted(got) == sorted(want), got
-    for it in want:
-        assert got[it] == pytest.approx(want[it], rel=2e-6), (mode, it, got[it], want[it])
-    assert f"megatron_mesh: layer 1 runs {detail}" in text and f"megatron_mesh: layer 2 runs {detail}" in text
+    assert sorted(got) == [3], got  # only the iteration after the checkpoint runs
+    assert got[3] == pytest.approx(losses(_ok(runs, "cp1"))[3], rel=2e-6)
+
+
+def test_bf16_distributed_optimizer_full_recompute_match_cp1(runs):
+    want, got = losses(_ok(runs, "cp1_bf16")), losses(_ok(runs, "mesh_bf16"))
+    _assert_losses_equal(got, want, rel=BF16_RTOL)
+    fp32 = losses(_ok(runs, "cp1"))
+    assert want[2] != fp32[2]  # the bf16 runs did run in bf16
+    assert "use_distributed_optimizer=True" in runs["mesh_bf16"][1]
+
+
+def test_metrics_json_lines_carry_loss_time_bytes_and_tiles(runs):
+    text = _ok(runs, "mesh_bf16")
+    files = sorted(os.listdir(runs["metrics_dir"]))
+    assert files == [f"rank{r}.jsonl" for r in range(4)], files
+    logged = losses(text)
+    for name in files:
+        with open(os.path.join(runs["metrics_dir"], name)) as f:
+            recs = [json.loads(line) for line in f]
+        layers = [r for r in recs if r["kind"] == "layer"]
+        assert [(r["layer"], r["mode"], r["cp"], r["tile"]) for r in layers] == [(1, "mesh", 4, "2x2"), (2, "mesh", 4, "2x2")]
+        its = [r for r in recs if r["kind"] == "iteration"]
+        assert [r["iteration"] for r in its] == list(range(1, ITERS + 1))
+        loss = {r["iteration"]: r["losses"]["lm loss"] for r in its}
+        # each iteration's own loss; Megatron's log line at iteration 2 averages iterations 1 and 2
+        # (its first log line does not reset the running sums)
+        assert loss[1] == pytest.approx(logged[1], rel=1e-6) and loss[3] == pytest.approx(logged[3], rel=1e-6)
+        assert (loss[1] + loss[2]) / 2 == pytest.approx(logged[2], rel=1e-6)
+        for r in its:
+            assert r["time_ms"] > 0 and r["peak_memory"] > 0 and r["memory_kind"] == "max RSS"
+        # every iteration moves the same attention bytes (full recompute runs the attention twice)
+        assert len({r["bytes_sent"] for r in its}) == 1 and its[0]["bytes_sent"] > 0
 
 
 def test_pipeline_parallel_with_cp_losses_equal_cp1(runs):
-    """PP 2 x CP 2 (one plugin layer per stage, "mesh tasp") logs the losses of PP 2 x CP 1."""
+    """PP 2 x CP 2 (one plugin layer per stage, "mesh tasp") logs the losses of PP 2 x CP 1; each
+    stage prints its own summary line."""
     text = _ok(runs, "pp2_cp2")
-    want, got = losses(_ok(runs, "pp2_cp1")), losses(text)
-    assert sorted(got) == sorted(want) == list(range(1, ITERS + 1)), (got, want)
-    for it in want:
-        assert got[it] == pytest.approx(want[it], rel=2e-6), (it, got[it], want[it])
-    assert "megatron_mesh: layer 1 runs mesh (CP 2" in text and "megatron_mesh: layer 2 runs tasp (CP 2" in text
+    _assert_losses_equal(losses(text), losses(_ok(runs, "pp2_cp1")))
+    assert "pipeline stage 1/2: layer 1: mesh (CP 2" in text and "pipeline stage 2/2: layer 2: tasp (CP 2" in text
 
 
-def test_checkpoint_resumes_under_other_mode_and_cp(runs):
-    saved = _ok(runs, "mesh")
-    assert "saving checkpoint at iteration       2" in saved
-    text = _ok(runs, "resume")
-    assert "loading distributed checkpoint" in text and "at iteration 2" in text
-    assert "megatron_mesh: layer 1 runs mesh (CP 2" in text and "megatron_mesh: layer 2 runs tasp (CP 2" in text
-    got, want = losses(text), losses(_ok(runs, "cp1"))
-    assert sorted(got) == [3], got  # only the iteration after the checkpoint runs
-    assert got[3] == pytest.approx(want[3], rel=2e-6)
-    assert got[3] == pytest.approx(losses(saved)[3], rel=2e-6)
-
-
-def test_bad_flag_stops_the_script_with_a_clear_error():
-    rc, text = run(1, 1, "allgather", timeout=180)
+def test_bad_flag_stops_the_plugin_entry_with_one_message():
+    rc, text = run("pretrain", 1, 1, "allgather", timeout=180)
     assert rc != 0
+    assert text.count("megatron_mesh: error:") == 1
     assert ("megatron_mesh: error: --cp-comm-type 'allgather' is not a context-parallel mode (Transformer Engine "
             "spells it 'all_gather')") in text
     assert "training ..." not in text  # it stopped before Megatron initialised anything
+
+
+def test_megatron_lm_script_bad_tile_fails_once_at_startup():
+    """Two ranks, CP 4 with tile 3x2: rank 0 prints the error once, before Megatron's own checks
+    (the world is too small for CP 4 too) and before anything is initialised."""
+    rc, text = run("megatron-lm", 2, 4, "mesh", "--mesh-tile-shape", "3x2", timeout=180)
+    assert rc != 0
+    assert text.count("megatron_mesh: error:") == 1, text[-3000:]
+    assert ("megatron_mesh: error: --mesh-tile-shape '3x2': tile 3x2 does not fit CP size 4: a * b must equal the CP "
+            "size; allowed tiles: 1x4, 2x2, 4x1") in text
+    assert "initializing torch distributed" not in text and "Traceback" not in text
+
+
+def test_killing_the_launcher_kills_every_rank(tmp_path):
+    """kill -9 of the process scripts/pretrain_gpt.sh became (torchrun's launcher) takes its ranks
+    with it, although torchrun starts each in a session of its own."""
+    env = dict(os.environ, NPROC="2", CP="2", CP_COMM_TYPE="ring", MASTER_PORT=str(free_port()),
+               PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    cmd = ["bash", PRETRAIN, CONFIG, "--train-iters", "100000", "--cp-metrics-dir", str(tmp_path)]
+    launcher = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline, workers = time.monotonic() + 120, []
+        while time.monotonic() < deadline and len(workers) < 2:
+            time.sleep(0.5)
+            workers = [p for p in psutil.Process(launcher.pid).children(recursive=True)
+                       if "megatron_mesh.megatron.pretrain_gpt" in " ".join(p.cmdline())]
+        assert len(workers) == 2, "the ranks did not start"
+        time.sleep(3)  # past their start-up
+        assert all(w.is_running() for w in workers)
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=30)
+        gone, alive = psutil.wait_procs(workers, timeout=30)
+        assert not alive, f"ranks outlived their launcher: {[p.pid for p in alive]}"
+    finally:
+        kill_process_tree(launcher.pid)
+
+
+# -- opt-in: the whole matrix -----------------------------------------------------------------------------
+MATRIX = {  # name -> (flags for every run of the row, processes per CP rank)
+    "bf16-distopt-fullrecompute": (BF16, 1),
+    "fp16-selectiverecompute": (("--fp16", "--initial-loss-scale", "4096", "--recompute-granularity", "selective"), 1),
+    "tp2-sp-distopt": (("--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer"), 2),
+}
+_REFERENCES: dict = {}
+
+
+@pytest.mark.megatron_matrix
+@pytest.mark.parametrize("entry", ["pretrain", "megatron-lm"])
+@pytest.mark.parametrize("mode", ["mesh", "tasp", "ring"])
+@pytest.mark.parametrize("row", sorted(MATRIX))
+def test_matrix_cp4_matches_cp1(row, mode, entry):
+    flags, per_cp = MATRIX[row]
+    if row not in _REFERENCES:
+        rc, text = run("pretrain", per_cp, 1, "mesh", *flags)
+        assert rc == 0, text[-6000:]
+        _REFERENCES[row] = losses(text)
+    rc, text = run(entry, 4 * per_cp, 4, mode, *flags, timeout=400)
+    assert rc == 0, text[-6000:]
+    _assert_losses_equal(losses(text), _REFERENCES[row], rel=BF16_RTOL)
+    assert f"layers 1-2: {mode} (CP 4" in text

@@ -1,16 +1,12 @@
-"""The side-by-side report: Megatron log parsing, per-rank metrics, Markdown/CSV/PNG output."""
+"""The side-by-side report: per-rank metrics (JSON lines) reduced over ranks, Markdown/CSV/PNG output."""
 
 import csv
 import json
 
-from megatron_mesh.report import RunResult, parse_megatron_log, read_metrics, write_report
+from megatron_mesh.report import Metrics, RunResult, format_bytes, read_metrics, write_report
 
-LOG = """\
- [2026-11-22 06:13:05.1] iteration        1/       3 | consumed samples:            2 | elapsed time per iteration (ms): 3326.7 | learning rate: 1.000000E-03 | global batch size:     2 | lm loss: 4.876635E+00 | loss scale: 1.0 | number of skipped iterations:   0 | number of nan iterations:   0 |
- [2026-11-22 06:13:05.4] iteration        2/       3 | consumed samples:            4 | elapsed time per iteration (ms): 331.2 | learning rate: 5.500000E-04 | global batch size:     2 | lm loss: 4.812610E+00 | loss scale: 1.0 | number of skipped iterations:   0 | number of nan iterations:   0 |
-some other line
- [2026-11-22 06:13:05.7] iteration        3/       3 | consumed samples:            6 | elapsed time per iteration (ms): 320.6 | learning rate: 1.000000E-04 | global batch size:     2 | lm loss: 4.649817E+00 | loss scale: 1.0 | number of skipped iterations:   0 | number of nan iterations:   0 |
-"""
+LOSSES = {1: 4.876635, 2: 4.81261, 3: 4.649817}
+TIMES = {1: 3326.7, 2: 331.2, 3: 320.6}
 
 
 def png_size(path) -> tuple[int, int]:
@@ -20,36 +16,41 @@ def png_size(path) -> tuple[int, int]:
     return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
 
 
-def test_parse_megatron_log():
-    losses, times = parse_megatron_log(LOG)
-    assert losses == {1: 4.876635, 2: 4.81261, 3: 4.649817}
-    assert times == {1: 3326.7, 2: 331.2, 3: 320.6}
-
-
-def _metrics(tmp_path, name, per_rank_steps, peak):
+def _metrics(tmp_path, name, per_rank_steps, peak, last_stage=(1,)):
+    """rank<R>.jsonl files as megatron_mesh.megatron.telemetry writes them: layer records, then one
+    record per iteration (losses only on the last pipeline stage's ranks)."""
     d = tmp_path / name
     d.mkdir()
     for rank, steps in enumerate(per_rank_steps):
-        total, recs = 0, []
-        for it, b in enumerate([0] + steps):  # the exit record closes the last iteration
-            total += b
-            recs.append({"iteration": it if it < len(steps) else -1, "bytes_sent": total, "bytes_received": total,
+        recs = [{"kind": "layer", "layer": n, "mode": "mesh", "cp": 4, "tile": "2x2", "description": "mesh (...)"}
+                for n in (1, 2)]
+        for it, b in enumerate(steps, start=1):
+            recs.append({"kind": "iteration", "iteration": it,
+                         "losses": {"lm loss": LOSSES[it]} if rank in last_stage else {},
+                         "time_ms": TIMES[it] - rank, "bytes_sent": b, "bytes_received": b,
                          "peak_memory": peak + rank, "memory_kind": "max RSS"})
         (d / f"rank{rank}.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
     return str(d)
 
 
-def test_read_metrics_takes_max_rank_mean_step(tmp_path):
+def test_read_metrics_reduces_over_ranks(tmp_path):
     path = _metrics(tmp_path, "m", [[100, 100, 100], [200, 200, 200]], peak=1000)
-    assert read_metrics(path) == (200.0, 1001, "max RSS")
-    assert read_metrics(str(tmp_path / "missing")) == (None, None, "")
+    m = read_metrics(path)
+    assert m.losses == LOSSES  # from the rank that holds the loss
+    assert m.times_ms == TIMES  # the slowest rank (rank 0 here)
+    assert (m.bytes_per_step, m.peak_memory, m.memory_kind) == (200.0, 1001, "max RSS")
+    assert m.tile == "2x2" and sorted(m.layers) == [1, 2] and m.layers[1]["mode"] == "mesh"
+    assert read_metrics(str(tmp_path / "missing")) == Metrics()
+
+
+def test_format_bytes():
+    assert [format_bytes(n) for n in (None, 0, 1023, 1024, 3 * 2**20)] == ["-", "0 B", "1023 B", "1.00 KiB", "3.00 MiB"]
 
 
 def test_write_report(tmp_path):
-    losses, times = parse_megatron_log(LOG)
-    runs = [RunResult("baseline", 1, losses=losses, times_ms=times, bytes_per_step=0, peak_memory=10),
-            RunResult("ring", 4, tile="", losses=losses, times_ms=times, bytes_per_step=400, peak_memory=12),
-            RunResult("mesh:2x2", 4, tile="2x2", losses={i: v + 1e-6 for i, v in losses.items()}, times_ms=times,
+    runs = [RunResult("baseline", 1, losses=LOSSES, times_ms=TIMES, bytes_per_step=0, peak_memory=10),
+            RunResult("ring", 4, tile="", losses=LOSSES, times_ms=TIMES, bytes_per_step=400, peak_memory=12),
+            RunResult("mesh:2x2", 4, tile="2x2", losses={i: v + 1e-6 for i, v in LOSSES.items()}, times_ms=TIMES,
                       bytes_per_step=300, peak_memory=11),
             RunResult("tasp", 4, ok=False, error="exit code 1")]
     text = write_report(runs, str(tmp_path), "title", baseline="baseline")

@@ -1,15 +1,19 @@
 """Megatron-Core integration: the only part of megatron_mesh that imports Megatron.
 
 * :mod:`.core_attention` -- the core-attention module (``cp_comm_type`` mesh / tasp / ring, or
-  Transformer Engine's modes handed over to ``TEDotProductAttention``);
+  Transformer Engine's modes handed over to ``TEDotProductAttention``; Megatron's own at CP 1);
 * :mod:`.spec` -- layer specs for ``--spec megatron_mesh.megatron.spec gpt_layer_spec`` and GPTModel;
-* :mod:`.args` -- the plugin's CLI flags and the TransformerConfig subclass that carries them;
+  in any Megatron training script they also configure the plugin from Megatron's parsed arguments;
+* :mod:`.args` -- the plugin's CLI flags, their start-up checks, and the config that carries them;
 * :mod:`.groups` -- Mesh Q/KV ring and TASP node process groups built from Megatron's CP groups;
-* :mod:`.pretrain_gpt` -- the pretraining entry script (``megatron.training.pretrain``);
+* :mod:`.telemetry` / :mod:`.metrics` -- summary line, timers and bytes in Megatron's log; JSON lines;
+* :mod:`.pretrain_gpt` -- the plugin's pretraining entry script (``megatron.training.pretrain``);
+* :mod:`.run_script` -- runs any Megatron script (Megatron-LM's ``pretrain_gpt.py``) with the plugin;
+* :mod:`.bootstrap` -- process start-up shared by the two;
 * :mod:`.cpu_compat` -- workarounds for running Megatron on a CPU (loaded by CPU runs only).
 
-``scripts/pretrain_gpt.sh CONFIG.yaml`` drives the entry script from a Megatron functional-test
-style YAML (translated by ``scripts/yaml_to_args.py``); see docs/megatron.md.
+``scripts/pretrain_gpt.sh CONFIG.yaml`` and ``scripts/run_megatron_script.sh SCRIPT.py`` start them
+under torchrun (``python -m megatron_mesh.launch``); see docs/megatron.md.
 
 Importing this package does not import Megatron.
 """

@@ -1,9 +1,13 @@
 """The plugin's command-line flags, their validation, and the config that carries them.
 
-Flags are added through Megatron's own ``extra_args_provider`` hook and copied onto the
-transformer config by ``core_transformer_config_from_args(args, config_class=MeshTransformerConfig)``
-(it copies every config field that exists on ``args``). Modules read them with
-:func:`plugin_settings`, which falls back to the defaults, so a plain ``TransformerConfig`` works.
+Flags are added through Megatron's ``extra_args_provider`` hook (:func:`add_args`) and checked by
+:func:`validate_args` at start-up, before Megatron initialises anything. Whatever the entry
+script, the spec functions put the settings and the real sequence length from Megatron's parsed
+arguments on the transformer config (:func:`apply_args`), which modules read with
+:func:`plugin_settings` (defaults for what a config does not carry).
+
+A plugin flag left out is ``None`` on the arguments (so a flag given but unable to apply -- a Mesh
+flag without a Mesh layer -- is an error) and its default on the config.
 
 Example (CP 4, 4 layers: Mesh tile 2x2 for the first two, TASP for the last two)::
 
@@ -20,14 +24,13 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..kernels import KERNEL_BACKENDS
 from ..plan import BACKWARD_CHUNKS, CONTIGUOUS, SCHEDULES, AttentionShape, Topology, parse_tile
-from ..plan.autotile import rank_tiles
-from ..plan.planner import pick_best
-from ..plan.tasp import tasp_rings
-from ..runtime.tasp_api import TRANSPORTS as TASP_TRANSPORTS
+from ..plan.autotile import pick_best, rank_tiles
+from ..plan.modes import TRANSPORTS as TASP_TRANSPORTS
+from ..plan.tasp import build_tasp_plan, tasp_rings
 from . import CP_MODES, PLUGIN_MODES, TE_MODES
 
-__all__ = ["MeshTransformerConfig", "PluginSettings", "add_args", "validate_args", "plugin_settings",
-           "layer_modes", "resolve_tile", "have_transformer_engine", "TASP_TRANSPORTS"]
+__all__ = ["MeshTransformerConfig", "PluginSettings", "add_args", "validate_args", "apply_args", "plugin_settings",
+           "layer_modes", "resolve_tile", "have_transformer_engine", "uses_plugin_spec", "TASP_TRANSPORTS"]
 
 
 @dataclass
@@ -52,8 +55,16 @@ class MeshTransformerConfig(TransformerConfig):
     """Global sequence length (from --seq-length), for the time model behind the 'auto' choices."""
 
 
-_FIELDS = ("mesh_tile_shape", "mesh_schedule", "mesh_backward_chunks", "mesh_contiguous",
-           "tasp_gpus_per_node", "tasp_transport", "cp_kernel_backend")
+# flag -> PluginSettings field, default
+_FIELDS = {"mesh_tile_shape": ("tile", "auto"), "mesh_schedule": ("schedule", "greedy"),
+           "mesh_backward_chunks": ("backward_chunks", "refetch"), "mesh_contiguous": ("contiguous", "auto"),
+           "tasp_gpus_per_node": ("tasp_gpus_per_node", None), "tasp_transport": ("tasp_transport", "p2p"),
+           "cp_kernel_backend": ("kernel", "auto")}
+# the layer modes a flag applies to (at CP > 1)
+_APPLIES_TO = {"mesh_tile_shape": ("mesh",), "mesh_schedule": ("mesh",), "mesh_backward_chunks": ("mesh",),
+               "mesh_contiguous": ("mesh",), "tasp_transport": ("tasp",),
+               "tasp_gpus_per_node": ("tasp", "mesh"),  # the node layout: TASP's rings, Mesh's 'auto' choices
+               "cp_kernel_backend": PLUGIN_MODES, "log_cp_attention_bytes": PLUGIN_MODES}
 
 
 @dataclass(frozen=True)
@@ -68,36 +79,46 @@ class PluginSettings:
 
 
 def plugin_settings(config) -> PluginSettings:
-    """The plugin settings carried by ``config`` (defaults for fields a plain config lacks)."""
-    d = MeshTransformerConfig.__dataclass_fields__
-    get = lambda name: getattr(config, name, d[name].default)  # noqa: E731
-    return PluginSettings(tile=str(get("mesh_tile_shape")), schedule=get("mesh_schedule"),
-                          backward_chunks=get("mesh_backward_chunks"), contiguous=get("mesh_contiguous"),
-                          tasp_gpus_per_node=get("tasp_gpus_per_node"), tasp_transport=get("tasp_transport"),
-                          kernel=get("cp_kernel_backend"))
+    """The plugin settings carried by ``config`` (defaults for fields it lacks or leaves None)."""
+    values = {}
+    for name, (field, default) in _FIELDS.items():
+        value = getattr(config, name, None)
+        values[field] = default if value is None else value
+    values["tile"] = str(values["tile"])
+    return PluginSettings(**values)
 
 
 def add_args(parser):
-    """``extra_args_provider`` for ``megatron.training.arguments.parse_and_validate_args``."""
+    """``extra_args_provider`` for ``megatron.training.arguments.parse_and_validate_args``.
+
+    Defaults are None ("not given"): :func:`plugin_settings` supplies the real defaults, and
+    :func:`validate_args` rejects a flag given for a mode no layer runs."""
     g = parser.add_argument_group("megatron_mesh", "context-parallel attention modes mesh, tasp, ring "
                                   "(--cp-comm-type mesh|tasp|ring, one value or one per layer)")
-    g.add_argument("--mesh-tile-shape", default="auto",
+    g.add_argument("--mesh-tile-shape", default=None,
                    help="Mesh tile AxB: each CP rank computes A query chunks x B key/value chunks "
-                        "(A*B = CP size; 1xCP is ring attention), or 'auto': the tile the planner predicts "
-                        "fastest (python -m megatron_mesh.plan shows why)")
-    g.add_argument("--mesh-schedule", default="greedy", choices=SCHEDULES,
-                   help="order of the Mesh pulls")
-    g.add_argument("--mesh-backward-chunks", default="refetch", choices=BACKWARD_CHUNKS,
-                   help="re-communicate Q/KV chunks in the backward (refetch) or keep them (more memory)")
-    g.add_argument("--mesh-contiguous", default="auto", choices=CONTIGUOUS + ("auto",),
+                        "(A*B = CP size; 1xCP is ring attention), or 'auto' (default): the tile the planner "
+                        "predicts fastest (python -m megatron_mesh.plan shows why)")
+    g.add_argument("--mesh-schedule", default=None, choices=SCHEDULES,
+                   help="order of the Mesh pulls (default greedy)")
+    g.add_argument("--mesh-backward-chunks", default=None, choices=BACKWARD_CHUNKS,
+                   help="re-communicate Q/KV chunks in the backward (refetch, default) or keep them (more memory)")
+    g.add_argument("--mesh-contiguous", default=None, choices=CONTIGUOUS + ("auto",),
                    help="which Mesh ring is made of consecutive CP ranks, i.e. stays inside a node "
-                        "('auto': the planner's faster one)")
+                        "('auto', default: the planner's faster one)")
     g.add_argument("--tasp-gpus-per-node", type=int, default=None,
-                   help="GPUs per node for TASP's node-aware rings (default: torchrun's LOCAL_WORLD_SIZE)")
-    g.add_argument("--tasp-transport", default="p2p", choices=TASP_TRANSPORTS,
-                   help="TASP transfers as point-to-point sends or all-to-all collectives")
-    g.add_argument("--cp-kernel-backend", default="auto", choices=KERNEL_BACKENDS,
-                   help="block attention kernel of the plugin modes")
+                   help="GPUs per node for TASP's node-aware rings and Mesh's 'auto' choices "
+                        "(default: torchrun's LOCAL_WORLD_SIZE)")
+    g.add_argument("--tasp-transport", default=None, choices=TASP_TRANSPORTS,
+                   help="TASP transfers as point-to-point sends (p2p, default) or all-to-all collectives")
+    g.add_argument("--cp-kernel-backend", default=None, choices=KERNEL_BACKENDS,
+                   help="block attention kernel of the plugin modes (default auto)")
+    g.add_argument("--log-cp-attention-bytes", action="store_true",
+                   help="log the plugin's attention bytes per iteration (min and max over ranks) at every "
+                        "--log-interval, and write them to TensorBoard when a writer is set up")
+    g.add_argument("--cp-metrics-dir", default=None,
+                   help="write per-rank JSON lines (rank<R>.jsonl) to this directory: the mode and tile of "
+                        "every layer, then loss, time, attention bytes and peak memory per iteration")
     return parser
 
 
@@ -131,47 +152,106 @@ def check_modes(modes, num_layers: int, cp_size: int, have_te: bool, te_reason: 
                          f"({num_layers} layers)")
     te_used = sorted({m for m in modes if m in TE_MODES})
     if cp_size > 1 and te_used and not have_te:
+        instead = ("use ring (the same algorithm: zigzag ring attention)" if te_used == ["p2p"]
+                   else f"use one of {', '.join(PLUGIN_MODES)}")
         raise ValueError(f"--cp-comm-type {te_used[0]} is a Transformer Engine mode, but Transformer Engine is "
-                         f"not usable here ({te_reason or 'not installed'}); use one of "
-                         f"{', '.join(PLUGIN_MODES)}")
+                         f"not usable here ({te_reason or 'not installed'}); {instead}")
+
+
+def uses_plugin_spec(args) -> bool:
+    """Whether ``--spec`` names one of this package's spec functions."""
+    return bool(args.spec) and str(args.spec[0]).startswith("megatron_mesh.")
+
+
+def _given(args, name: str) -> bool:
+    value = getattr(args, name, None)
+    return value is not None and value is not False
 
 
 def validate_args(args, have_te: bool | None = None) -> None:
-    """Check the plugin flags (and the Megatron flags they depend on); ValueError names the value
-    and what is allowed. ``have_te``: None detects Transformer Engine."""
+    """Check the plugin flags and the Megatron flags they depend on, as parsed by Megatron (before
+    its own validation); ValueError names the value and what is allowed. ``have_te``: None detects
+    Transformer Engine. Works on arguments without the plugin's flags too (none given)."""
     te_reason = ""
     if have_te is None:
         have_te, te_reason = have_transformer_engine()
     cp = args.context_parallel_size
     modes = layer_modes(args.cp_comm_type)
     check_modes(modes, args.num_layers, cp, have_te, te_reason)
-    tile = args.mesh_tile_shape
-    try:
-        parse_tile(tile, cp if cp > 1 and "mesh" in modes else _tile_area(tile))
-    except ValueError as e:
-        raise ValueError(f"--mesh-tile-shape {tile!r}: {e}") from None
+    if uses_plugin_spec(args) and args.transformer_impl == "transformer_engine" and not have_te:
+        raise ValueError("--transformer-impl transformer_engine (Megatron's default) needs Transformer Engine, which "
+                         f"is not usable here ({te_reason or 'not installed'}); pass --transformer-impl local")
+    active = set(modes) if cp > 1 else set()  # CP 1: Megatron's own attention, whatever the mode
+    for name, applies_to in _APPLIES_TO.items():
+        if _given(args, name) and not active & set(applies_to):
+            flag = f"--{name.replace('_', '-')}"
+            value = "" if getattr(args, name) is True else f" {getattr(args, name)}"
+            runs = f"--context-parallel-size {cp}" if cp == 1 else f"--cp-comm-type {' '.join(modes)}"
+            raise ValueError(f"{flag}{value} is given, but no layer runs {' or '.join(applies_to)} at CP > 1 "
+                             f"({runs}); leave the flag out")
+    _check_values(args, cp if "mesh" in active else None)
+    if active & set(PLUGIN_MODES):
+        _check_plugin_layers(args, cp, active, have_te, te_reason)
+    hcp = getattr(args, "hierarchical_context_parallel_sizes", None)
+    if hcp and "a2a+p2p" not in active:
+        raise ValueError(f"--hierarchical-context-parallel-sizes {' '.join(map(str, hcp))} applies only to "
+                         "Transformer Engine's a2a+p2p, which no layer runs here; the plugin modes take their layout "
+                         "from --mesh-tile-shape (mesh) and --tasp-gpus-per-node (tasp): leave it out")
+
+
+def _check_values(args, mesh_cp: Optional[int]) -> None:
+    """The plugin flags' own values (choices are also argparse's, for arguments built elsewhere)."""
+    tile = getattr(args, "mesh_tile_shape", None)
+    if tile is not None:
+        try:
+            parse_tile(tile, mesh_cp if mesh_cp else _tile_area(tile))
+        except ValueError as e:
+            raise ValueError(f"--mesh-tile-shape {tile!r}: {e}") from None
     for name, allowed in (("mesh_schedule", SCHEDULES), ("mesh_backward_chunks", BACKWARD_CHUNKS),
                           ("mesh_contiguous", CONTIGUOUS + ("auto",)), ("tasp_transport", TASP_TRANSPORTS),
                           ("cp_kernel_backend", KERNEL_BACKENDS)):
-        if getattr(args, name) not in allowed:
-            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)!r}: allowed {', '.join(allowed)}")
-    if args.tasp_gpus_per_node is not None and args.tasp_gpus_per_node < 1:
-        raise ValueError(f"--tasp-gpus-per-node must be >= 1, got {args.tasp_gpus_per_node}")
-    if cp > 1 and "tasp" in modes and args.tasp_gpus_per_node is not None:
-        _check_tasp_nodes(cp, args.tensor_model_parallel_size, args.tasp_gpus_per_node)
-    if cp > 1 and set(modes) & set(PLUGIN_MODES):
-        if args.attention_dropout:
-            raise ValueError(f"--attention-dropout {args.attention_dropout}: the {'/'.join(PLUGIN_MODES)} modes "
-                             "support only 0 (pass --attention-dropout 0)")
-        if getattr(args, "window_size", None) is not None:
-            raise ValueError(f"--window-size {args.window_size}: sliding-window attention is not supported by "
-                             "the plugin modes")
+        value = getattr(args, name, None)
+        if value is not None and value not in allowed:
+            raise ValueError(f"--{name.replace('_', '-')} {value!r}: allowed {', '.join(allowed)}")
+    gpus = getattr(args, "tasp_gpus_per_node", None)
+    if gpus is not None and gpus < 1:
+        raise ValueError(f"--tasp-gpus-per-node must be >= 1, got {gpus}")
 
 
-def _check_tasp_nodes(cp: int, tp: int, gpus: int) -> None:
-    """Fail at start-up rather than at the first TASP layer: the nodes must hold equal blocks of
-    the CP group whose chained rings exist. Uses Megatron's default rank order (TP innermost, then
-    CP: CP group 0 is ranks 0, tp, 2*tp, ...); other orders are checked when the groups are built."""
+def _check_plugin_layers(args, cp: int, active: set, have_te: bool, te_reason: str) -> None:
+    """What layers running mesh / tasp / ring at CP > 1 need from the rest of the command line."""
+    plugin = ", ".join(m for m in PLUGIN_MODES if m in active)
+    if not args.spec or args.spec[0] == "local":
+        raise ValueError(f"--cp-comm-type {plugin} needs the plugin's layer spec: add --spec megatron_mesh.megatron.spec "
+                         "gpt_layer_spec (Megatron's own spec has no plugin attention)")
+    if args.attention_dropout:
+        raise ValueError(f"--attention-dropout {args.attention_dropout}: the {'/'.join(PLUGIN_MODES)} modes "
+                         "support only 0 at CP > 1 (pass --attention-dropout 0)")
+    backend = getattr(args, "attention_backend", None)
+    if backend is not None and getattr(backend, "name", backend) != "auto":
+        raise ValueError(f"--attention-backend {getattr(backend, 'name', backend)}: the {plugin} layers run the plugin's "
+                         "own kernels (choose them with --cp-kernel-backend); --attention-backend selects Transformer "
+                         "Engine's or Megatron's attention, which these layers do not use: leave it at auto")
+    if getattr(args, "window_size", None) is not None:
+        raise ValueError(f"--window-size {args.window_size}: sliding-window attention is not supported by "
+                         "the plugin modes")
+    softmax = getattr(args, "softmax_type", "vanilla")
+    if softmax != "vanilla":
+        raise ValueError(f"--softmax-type {softmax}: the plugin modes support only vanilla")
+    for flag in ("sft", "hybrid_context_parallel", "dataloader_inter_document_masking", "reset_attention_mask"):
+        if getattr(args, flag, False):
+            raise ValueError(f"--{flag.replace('_', '-')}: packed or document-masked sequences are not supported by "
+                             "the plugin modes (they attend over whole sequences)")
+    if "tasp" in active:
+        _check_tasp(args, cp)
+
+
+def _check_tasp(args, cp: int) -> None:
+    """TASP's node layout and minimum sequence length, checked at start-up rather than at the
+    first TASP layer. Uses Megatron's default rank order (TP innermost, then CP: CP group 0 is
+    ranks 0, tp, 2*tp, ...); other orders are checked when the groups are built."""
+    tp = args.tensor_model_parallel_size
+    gpus = gpus_per_node(PluginSettings(tasp_gpus_per_node=getattr(args, "tasp_gpus_per_node", None)))
     try:
         per_node = ranks_per_node(tuple(i * tp for i in range(cp)), gpus)
         if per_node is not None and per_node < cp:
@@ -179,6 +259,13 @@ def _check_tasp_nodes(cp: int, tp: int, gpus: int) -> None:
     except ValueError as e:
         raise ValueError(f"--tasp-gpus-per-node {gpus} with --context-parallel-size {cp} and "
                          f"--tensor-model-parallel-size {tp}: {e}") from None
+    seq = getattr(args, "seq_length", None)
+    if seq:
+        shape = AttentionShape(seq_local=seq // cp, batch=1, heads=1, kv_heads=1, head_dim=1, itemsize=4)
+        try:
+            build_tasp_plan(cp, shape, gpus_per_node=per_node if per_node and per_node < cp else None)
+        except ValueError as e:
+            raise ValueError(f"--seq-length {seq} with --context-parallel-size {cp}: {e}") from None
 
 
 def node_blocks(cp_ranks: tuple[int, ...], gpus: Optional[int]) -> list[tuple[int, ...]]:
@@ -213,12 +300,13 @@ def _tile_area(tile) -> int:
     return 1
 
 
-def copy_settings(args, config) -> None:
-    """Put the plugin flags on ``config`` when its class has no fields for them (Megatron forces
-    MLATransformerConfig for --multi-latent-attention, dropping a config_class)."""
+def apply_args(args, config) -> None:
+    """Put the plugin settings of Megatron's parsed ``args`` (defaults for flags it lacks) and the
+    global sequence length on ``config`` -- a plain TransformerConfig too: what any entry script
+    builds with ``core_transformer_config_from_args(args)``."""
     for name in _FIELDS:
-        if not hasattr(config, name):
-            setattr(config, name, getattr(args, name))
+        setattr(config, name, getattr(args, name, None))
+    config.cp_seq_length = getattr(args, "seq_length", None)
 
 
 def shape_from_config(config) -> AttentionShape:

@@ -16,7 +16,9 @@ returning [sq, b, heads * head_dim].
 * ``mesh`` / ``tasp`` / ``ring`` -> :class:`PluginCoreAttention` (this package's engine);
 * ``p2p`` / ``a2a`` / ``all_gather`` / ``a2a+p2p`` -> Transformer Engine's ``TEDotProductAttention``
   (an error naming the mode when Transformer Engine is not usable);
-* CP size 1 -> :class:`PluginCoreAttention` as plain single-rank attention.
+* CP size 1 -> Megatron's own core attention (``DotProductAttention``, or Transformer Engine's with
+  ``--transformer-impl transformer_engine``): no context parallelism, nothing for the plugin to do,
+  and everything Megatron's attention supports (dropout, masks) keeps working.
 
 Example (CP 4, 2 layers): ``--cp-comm-type mesh tasp`` gives layer 1 Mesh-Attention (tile from
 ``--mesh-tile-shape``) and layer 2 TASP, both inside the same model.
@@ -24,7 +26,6 @@ Example (CP 4, 2 layers): ``--cp-comm-type mesh tasp`` gives layer 1 Mesh-Attent
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Optional
 
@@ -34,12 +35,10 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 from torch import Tensor
 
-from . import PLUGIN_MODES, TE_MODES
+from . import PLUGIN_MODES, TE_MODES, telemetry
 from .args import have_transformer_engine, plugin_settings, resolve_tile
 
 __all__ = ["CPCoreAttention", "PluginCoreAttention"]
-
-logger = logging.getLogger(__name__)
 
 # Causal, or no mask at all; causal_bottom_right equals causal for self-attention (sq == sk).
 _CAUSAL = {AttnMaskType.causal: True, AttnMaskType.causal_bottom_right: True, AttnMaskType.no_mask: False}
@@ -62,7 +61,9 @@ class CPCoreAttention:
                 pg_collection=None, **kwargs):
         common = dict(config=config, layer_number=layer_number, attn_mask_type=attn_mask_type,
                       attention_type=attention_type, softmax_scale=softmax_scale, pg_collection=pg_collection)
-        if _cp_size(config, pg_collection) == 1 or cp_comm_type in PLUGIN_MODES:
+        if _cp_size(config, pg_collection) == 1:
+            return _megatron_attention(config, common, kwargs)
+        if cp_comm_type in PLUGIN_MODES:
             return PluginCoreAttention(cp_comm_type=cp_comm_type, **common, **kwargs)
         mode = "p2p" if cp_comm_type is None else cp_comm_type  # TE's default for None
         if mode not in TE_MODES:
@@ -72,14 +73,25 @@ class CPCoreAttention:
         return _te_attention(mode, common, kwargs)
 
 
-def _te_attention(mode: str, common: dict, kwargs: dict):
+def _megatron_attention(config, common: dict, kwargs: dict):
+    """CP size 1: the core attention Megatron's own spec would have built."""
+    if config.transformer_impl == "transformer_engine":
+        return _te_attention(None, common, kwargs)
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    return DotProductAttention(**common, **kwargs)  # as Megatron's local spec would build it, arguments and all
+
+
+def _te_attention(mode: Optional[str], common: dict, kwargs: dict):
     usable, why = have_transformer_engine()
     if not usable:
-        raise ValueError(f"layer {common['layer_number']}: cp_comm_type {mode!r} is a Transformer Engine mode, "
-                         f"but Transformer Engine is not usable here ({why}); use one of {', '.join(PLUGIN_MODES)}")
+        what = f"cp_comm_type {mode!r} is a Transformer Engine mode" if mode else "--transformer-impl transformer_engine"
+        instead = "use ring (the same algorithm)" if mode == "p2p" else f"use one of {', '.join(PLUGIN_MODES)}"
+        raise ValueError(f"layer {common['layer_number']}: {what}, but Transformer Engine is not usable here "
+                         f"({why}); {instead if mode else 'pass --transformer-impl local'}")
     from megatron.core.extensions.transformer_engine import TEDotProductAttention
 
-    return TEDotProductAttention(cp_comm_type=mode, **common, **kwargs)
+    return TEDotProductAttention(**({"cp_comm_type": mode} if mode else {}), **common, **kwargs)
 
 
 class PluginCoreAttention(MegatronModule):
@@ -114,17 +126,18 @@ class PluginCoreAttention(MegatronModule):
         if self.mode not in PLUGIN_MODES:
             raise ValueError(f"{where}: PluginCoreAttention runs {', '.join(PLUGIN_MODES)}, not {cp_comm_type!r}")
         self.tile, self.contiguous = None, None  # Mesh: resolved by args.resolve_tile
-        self.comm = self._communicator(config)
+        self.comm = telemetry.timed_communicator(self._communicator(config))
         self.ranks_per_node = None  # TASP: CP ranks per node (None: one node)
         if self.mode == "tasp" and self.cp_size > 1:
             from .groups import cp_ranks_per_node
 
             self.ranks_per_node = cp_ranks_per_node(config, self.cp_group)
-        if _logs_for_its_stage(self.cp_group):
-            logger.info("megatron_mesh: layer %d runs %s", layer_number, self.describe())
+        tile = f"{self.tile[0]}x{self.tile[1]}" if self.tile else None
+        telemetry.register_layer(layer_number, self.describe(), dict(mode=self.mode, cp=self.cp_size, tile=tile),
+                                 logs=_logs_for_its_stage(self.cp_group))
 
     def describe(self) -> str:
-        """One line naming the mode and its settings (logged once per layer on rank 0)."""
+        """The mode and its settings (the per-stage summary line of :mod:`.telemetry`)."""
         s = self.settings
         if self.cp_size == 1:
             return f"single-rank attention (CP 1, kernel {s.kernel})"
@@ -143,7 +156,7 @@ class PluginCoreAttention(MegatronModule):
             self.tile, self.contiguous = resolve_tile(self.cp_size, config)
             return groups.mesh_communicator(config, self.cp_group, self.tile, self.contiguous)
         if self.settings.tasp_transport == "alltoall":
-            return None  # tasp_attention builds its all-to-all communicator over the CP group
+            return groups.alltoall_communicator(self.cp_group)
         return groups.tasp_communicator(config, self.cp_group)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
@@ -162,7 +175,11 @@ class PluginCoreAttention(MegatronModule):
                              "by the plugin modes (allowed: None, i.e. the sbhd layout)")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         causal = _causal(mask_type, where)
-        out = self._attention(query, key, value, causal)
+        telemetry.on_forward()
+        (query, key, value), mark_output = telemetry.mark_backward((query, key, value))
+        with telemetry.compute_phase():
+            out = self._attention(query, key, value, causal)
+        out = mark_output(out)
         sq, b, h, d = out.shape
         return out.reshape(sq, b, h * d)
 
@@ -175,7 +192,7 @@ class PluginCoreAttention(MegatronModule):
             return mesh_attention(q, k, v, tile=self.tile, schedule=s.schedule, backward_chunks=s.backward_chunks,
                                   contiguous=self.contiguous, **common)
         if self.mode == "tasp":
-            from ..runtime.tasp_api import tasp_attention
+            from ..runtime.api import tasp_attention
 
             return tasp_attention(q, k, v, group=self.cp_group, gpus_per_node=self.ranks_per_node,
                                   transport=s.tasp_transport, **common)

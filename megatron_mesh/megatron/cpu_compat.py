@@ -20,24 +20,13 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import os
 
 import torch
 
 __all__ = ["install_model_patches", "install_training_patches"]
-
-_DONE: set[str] = set()
-
-
-def _once(fn):
-    @functools.wraps(fn)
-    def wrapper():
-        if fn.__name__ not in _DONE:
-            fn()
-            _DONE.add(fn.__name__)
-    return wrapper
-
 
 def install_model_patches() -> None:
     """Patches for building and running Megatron-Core models on the CPU."""
@@ -47,6 +36,7 @@ def install_model_patches() -> None:
     _current_device()
     _rope_cp_slice()
     _causal_masks()
+    _torch_norm_sequence_parallel()
 
 
 def install_training_patches() -> None:
@@ -57,7 +47,7 @@ def install_training_patches() -> None:
     _pretrain_loop()
 
 
-@_once
+@functools.cache  # each patch once per process
 def _rng_tracker() -> None:
     # tensor_parallel/random.py: CudaRNGStatesTracker.add()/fork() read and write the CUDA
     # generator (torch.cuda.get_rng_state) -- used by model_parallel_cuda_manual_seed, the local
@@ -90,16 +80,21 @@ def _rng_tracker() -> None:
 
     mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True  # initialize_rng_tracker() keeps ours
+    # Activation recompute (tensor_parallel.checkpoint, full and selective) saves and restores
+    # "all RNG states": the CPU generator, the CUDA generator and the tracker's states. On a CPU the
+    # CPU generator is the only one and is restored on its own, so the CUDA part is a placeholder.
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
 
 
-@_once
+@functools.cache  # each patch once per process
 def _current_device() -> None:
     # ~25 places pass device=torch.cuda.current_device() (GlobalMemoryBuffer, RoPE's inv_freq,
     # tensor-parallel mappings, GPTModel, Attention): make that the CPU.
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
 
 
-@_once
+@functools.cache  # each patch once per process
 def _rope_cp_slice() -> None:
     # rope_utils.get_pos_emb_on_this_cp_rank builds its index with pin_memory=True and .cuda().
     # Same zigzag selection (chunks r and 2*cp-1-r), on the embedding's device. rotary_pos_embedding
@@ -119,7 +114,7 @@ def _rope_cp_slice() -> None:
     rotary_pos_embedding.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
 
 
-@_once
+@functools.cache  # each patch once per process
 def _causal_masks() -> None:
     # transformer/utils.get_default_causal_mask (used by the local DotProductAttention's softmax)
     # allocates with device="cuda"; fused_softmax imported it by name.
@@ -140,7 +135,31 @@ def _causal_masks() -> None:
         mod.get_sliding_window_causal_mask = get_sliding_window_causal_mask
 
 
-@_once
+@functools.cache  # each patch once per process
+def _torch_norm_sequence_parallel() -> None:
+    # transformer/torch_norm.WrappedTorchNorm (the norm of the local spec without apex) asserts
+    # `not config.sequence_parallel`: with sequence parallelism each TP rank normalises its own
+    # slice of the sequence, so the norm's weight gradients are partial sums that
+    # finalize_model_grads must all-reduce over TP -- which it does for parameters marked
+    # `sequence_parallel` (apex's and TE's norms mark theirs). Build the torch norm and mark it.
+    from megatron.core.transformer import torch_norm
+
+    build = torch_norm.WrappedTorchNorm.__new__
+
+    def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
+        sequence_parallel = config.sequence_parallel
+        if sequence_parallel:
+            config = copy.copy(config)
+            config.sequence_parallel = False
+        norm = build(cls, config, hidden_size, eps, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = sequence_parallel
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = __new__
+
+
+@functools.cache  # each patch once per process
 def _arch_version() -> None:
     # arguments.validate_args asks torch.cuda.get_device_properties for the GPU generation when
     # TP > 1 or CP > 1 and then requires CUDA_DEVICE_MAX_CONNECTIONS=1 (pre-Blackwell rule).
@@ -163,7 +182,7 @@ class _Stream:
         return lambda *args, **kwargs: results.get(name)
 
 
-@_once
+@functools.cache  # each patch once per process
 def _cuda_redirect() -> None:
     # Schedules (torch.zeros(..., device="cuda")), DDP buffers, the optimizer and clip_grads
     # create CUDA tensors and use streams. A process-wide TorchFunctionMode turns device="cuda"
@@ -181,6 +200,10 @@ def _cuda_redirect() -> None:
         def __torch_function__(self, func, types, args=(), kwargs=None):
             if func is torch.Tensor.cuda:
                 return args[0]
+            if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+                # The mixed-precision and distributed optimizers and clip_grads check
+                # param.type() against 'torch.cuda.{Float,Half,BFloat16}Tensor'.
+                return func(*args).replace("torch.", "torch.cuda.", 1)
             kwargs = dict(kwargs or {})
             if "device" in kwargs:
                 kwargs["device"] = cpu_device(kwargs["device"])
@@ -196,7 +219,7 @@ def _cuda_redirect() -> None:
     torch.cuda.synchronize = torch.cuda.empty_cache = lambda *a, **k: None  # type: ignore[assignment]
 
 
-@_once
+@functools.cache  # each patch once per process
 def _pretrain_loop() -> None:
     from megatron.training import initialize, training
 
@@ -210,13 +233,8 @@ def _pretrain_loop() -> None:
     # The rerun state machine and checkpoints save/restore the CUDA generator.
     torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()  # type: ignore[assignment]
     torch.cuda.set_rng_state = lambda *a, **k: None  # type: ignore[assignment]
-    # _warmup_jit_function draws torch.rand(..., device="cuda") with shapes that depend on the CP
-    # size; redirected to the CPU it would consume the CPU generator and make the initial weights
-    # depend on CP. Run it on a forked generator.
-    warmup = initialize._warmup_jit_function
-
-    def forked_warmup(*args, **kwargs):
-        with torch.random.fork_rng(devices=[]):
-            return warmup(*args, **kwargs)
-
-    initialize._warmup_jit_function = forked_warmup
+    # _warmup_jit_function runs the torch.compile'd bias+activation and bias+dropout+add fusions on
+    # random CUDA tensors: on a CPU that is ~15 s of inductor compilation per process for fusions a
+    # CPU run turns off, and (redirected to the CPU) its torch.rand calls, shaped by the CP size,
+    # would consume the CPU generator and make the initial weights depend on CP. Skip it.
+    initialize._warmup_jit_function = lambda *args, **kwargs: None

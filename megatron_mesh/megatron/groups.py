@@ -26,17 +26,18 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from ..comm.alltoall import AllToAllCommunicator
 from ..comm.torch_dist import TorchDistCommunicator
 from ..plan import TileMap
 from .args import gpus_per_node, layer_modes, node_blocks, plugin_settings, ranks_per_node, resolve_tile
 
 __all__ = ["initialize_groups", "destroy_groups", "mesh_communicator", "tasp_communicator",
-           "cp_communicator", "node_blocks"]
+           "cp_communicator", "alltoall_communicator", "node_blocks"]
 
 _CP_GROUPS: dict[tuple[int, ...], list[tuple[int, ...]]] = {}  # my CP ranks -> every CP group
 _CREATED: dict[tuple, dict[int, dist.ProcessGroup]] = {}  # request -> {my group's peer: sub-group}
 _OWNED: list[dist.ProcessGroup] = []  # groups this rank is in (for destroy_groups)
-_COMMS: dict[tuple, TorchDistCommunicator] = {}
+_COMMS: dict[tuple, "TorchDistCommunicator | AllToAllCommunicator"] = {}
 
 
 def _ranks(group) -> tuple[int, ...]:
@@ -160,6 +161,14 @@ def mesh_communicator(config, cp_group, tile: tuple[int, int], contiguous: str) 
 def tasp_communicator(config, cp_group) -> TorchDistCommunicator:
     """P2P over the CP group with same-node peers routed through their node group."""
     return _communicator(cp_group, _routes(config, cp_group, ("tasp", gpus_per_node(plugin_settings(config)))))
+
+
+def alltoall_communicator(cp_group) -> AllToAllCommunicator:
+    """One all-to-all collective per round over the CP group (TASP's ``alltoall`` transport)."""
+    key = ("alltoall", _ranks(cp_group))
+    if key not in _COMMS:
+        _COMMS[key] = AllToAllCommunicator(cp_group)
+    return _COMMS[key]
 
 
 def cp_ranks_per_node(config, cp_group) -> Optional[int]:

@@ -1,52 +1,45 @@
-"""Per-iteration metrics for the side-by-side comparison: attention bytes and peak memory.
+"""Per-rank JSON lines for the side-by-side comparison (``--cp-metrics-dir DIR``).
 
-Enabled by ``MEGATRON_MESH_METRICS=<dir>``: every rank appends JSON lines to ``<dir>/rank<R>.jsonl``
-with the cumulative plugin bytes (``comm.base.total_bytes``) and the peak memory seen so far,
-once at the start of each iteration's first micro-batch and once at exit. The bytes of
-iteration i are the growth between its record and the next one. Megatron's own log gives the loss
-and the time per iteration; ``megatron_mesh.report`` joins the two.
+Every rank appends to ``DIR/rank<R>.jsonl`` (written by :mod:`.telemetry`):
+
+* one ``{"kind": "layer", ...}`` record per plugin layer of the rank's pipeline stage, at the first
+  forward: ``layer``, ``mode``, ``cp``, ``tile`` (Mesh: ``"AxB"``), ``description``;
+* one ``{"kind": "iteration", ...}`` record per training iteration: ``iteration``, ``losses``
+  (Megatron's reduced losses, e.g. ``{"lm loss": 4.87}``; empty on ranks without the last
+  pipeline stage), ``time_ms`` (wall time of Megatron's ``train_step``), ``bytes_sent`` /
+  ``bytes_received`` (this rank's plugin attention traffic in the iteration, forward and backward),
+  ``peak_memory`` and ``memory_kind``.
+
+``megatron_mesh.report.read_metrics`` reads them back.
 """
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import resource
 
 import torch
 
-from ..comm.base import total_bytes
-
-__all__ = ["record_iteration"]
-
-_state = {"last": None, "file": None}
+__all__ = ["MetricsWriter", "peak_memory"]
 
 
-def _peak_memory_bytes() -> tuple[int, str]:
+def peak_memory() -> tuple[int, str]:
+    """(bytes, what was measured): the CUDA allocator's peak, else the process's peak RSS."""
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated(), "cuda max allocated"
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "max RSS"  # Linux reports KiB
 
 
-def _write(iteration: int) -> None:
-    sent, received = total_bytes()
-    peak, what = _peak_memory_bytes()
-    rec = {"iteration": iteration, "bytes_sent": sent, "bytes_received": received, "peak_memory": peak,
-           "memory_kind": what}
-    _state["file"].write(json.dumps(rec) + "\n")
-    _state["file"].flush()
+class MetricsWriter:
+    """Appends JSON records to ``<directory>/rank<rank>.jsonl``, flushed per record (a run that
+    is stopped keeps what it wrote)."""
 
+    def __init__(self, directory: str, rank: int):
+        os.makedirs(directory, exist_ok=True)
+        self.path = os.path.join(directory, f"rank{rank}.jsonl")
+        self._file = open(self.path, "a")
 
-def record_iteration(iteration: int) -> None:
-    """Call at the start of every micro-batch; writes once per iteration (no-op unless enabled)."""
-    out_dir = os.environ.get("MEGATRON_MESH_METRICS")
-    if not out_dir or iteration == _state["last"]:
-        return
-    if _state["file"] is None:
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        os.makedirs(out_dir, exist_ok=True)
-        _state["file"] = open(os.path.join(out_dir, f"rank{rank}.jsonl"), "a")
-        atexit.register(lambda: _write(-1))  # the last iteration ends at exit
-    _state["last"] = iteration
-    _write(iteration)
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()

@@ -6,74 +6,50 @@ Run with torchrun (``scripts/pretrain_gpt.sh`` does this from a YAML config)::
         --context-parallel-size 4 --cp-comm-type mesh --mesh-tile-shape 2x2
 
 It is ``megatron.training.pretrain`` with this module's batch, loss and dataset providers (mock
-data or Megatron's indexed GPT datasets), the plugin's flags (:mod:`.args`) parsed through
-Megatron's ``extra_args_provider`` and carried on :class:`~.args.MeshTransformerConfig`, and the
-layer spec :func:`~.spec.gpt_layer_spec` unless ``--spec`` names another. Without CUDA it loads
-:mod:`.cpu_compat` first (gloo backend, CPU tensors).
+data or Megatron's indexed GPT datasets), the plugin's flags (:mod:`.args`) parsed and checked
+inside Megatron's argument parsing (:func:`.bootstrap.install_argument_hook`: a bad setting stops
+every rank with one message, before anything is initialised), carried on
+:class:`~.args.MeshTransformerConfig`, and the layer spec :func:`~.spec.gpt_layer_spec` unless
+``--spec`` names another. Without CUDA it loads :mod:`.cpu_compat` first (gloo backend, CPU
+tensors). ``--cp-metrics-dir DIR`` writes loss, time, bytes, memory and the layers' modes as JSON
+lines (:mod:`.metrics`).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from functools import partial
 
 import torch
 
-from . import ensure_typing_override
+from . import bootstrap
 
 DEFAULT_SPEC = ["megatron_mesh.megatron.spec", "gpt_layer_spec"]
 ARGS_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
 
 
-def _prepare_runtime() -> None:
-    ensure_typing_override()
-    if not torch.cuda.is_available():
-        from . import cpu_compat
-
-        cpu_compat.install_training_patches()
-    # The megatron-core wheel ships the prebuilt dataset helpers but not their Makefile, so the
-    # `make` that initialize._compile_dependencies runs fails (on GPUs too). Use the prebuilt ones.
-    from megatron.core.datasets import utils as dataset_utils
-
-    try:
-        from megatron.core.datasets import helpers_cpp  # noqa: F401
-    except ImportError:
-        return  # a source checkout: let Megatron compile them
-    dataset_utils.compile_helpers = lambda: None
-
-
 def parse_args(argv=None):
-    """Megatron's arguments plus the plugin's; the plugin checks run first, so a bad plugin flag
-    fails before Megatron's own validation or any initialisation."""
+    """Megatron's arguments plus the plugin's, checked: the plugin checks run before Megatron's own
+    validation, so a bad plugin setting fails before anything else."""
     from megatron.training import arguments
 
-    from .args import add_args, validate_args
+    from .args import add_args
 
-    if argv is not None:
-        sys.argv = [sys.argv[0], *argv]
-    raw = arguments.parse_args(add_args)
-    validate_args(raw)
-    _check_impl(raw)
-    _check_data_args(raw)
-    return arguments.parse_and_validate_args(extra_args_provider=add_args, args_defaults=ARGS_DEFAULTS)
-
-
-def _check_impl(args) -> None:
-    from .args import have_transformer_engine
-
-    if args.transformer_impl == "transformer_engine" and args.spec in (None, DEFAULT_SPEC):
-        usable, why = have_transformer_engine()
-        if not usable:
-            raise ValueError(f"--transformer-impl transformer_engine (Megatron's default) needs Transformer Engine, "
-                             f"which is not usable here ({why}); pass --transformer-impl local")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--spec" not in argv:  # this script's default layer spec
+        argv = ["--spec", *DEFAULT_SPEC, *argv]
+    sys.argv = [sys.argv[0], *argv]
+    bootstrap.install_argument_hook()
+    args = arguments.parse_and_validate_args(extra_args_provider=add_args, args_defaults=ARGS_DEFAULTS)
+    _check_data_args(args)
+    return args
 
 
 def _check_data_args(args) -> None:
     for flag in ("sft", "hybrid_context_parallel", "dataloader_inter_document_masking", "reset_attention_mask"):
         if getattr(args, flag, False):
-            raise ValueError(f"--{flag.replace('_', '-')} is not supported by this entry script (packed or "
-                             "document-masked sequences); the plugin modes attend over whole sequences")
+            bootstrap.fail(f"--{flag.replace('_', '-')} is not supported by this entry script (packed or "
+                           "document-masked sequences); the plugin modes attend over whole sequences")
 
 
 # -- batches and loss ---------------------------------------------------------------------------------
@@ -133,12 +109,6 @@ def forward_step(data_iterator, model):
     from megatron.training import get_timers
 
     timers = get_timers()
-    if os.environ.get("MEGATRON_MESH_METRICS"):  # per-iteration bytes / memory for scripts/compare_cp_modes.py
-        from megatron.training import get_args
-
-        from .metrics import record_iteration
-
-        record_iteration(get_args().curr_iteration)
     timers("batch-generator", log_level=2).start()
     vp_stage = get_attr_wrapped_model(model, "vp_stage")
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, vp_stage)
@@ -182,26 +152,20 @@ train_valid_test_datasets_provider.is_distributed = True  # every rank builds (o
 
 # -- main -------------------------------------------------------------------------------------------------
 def build_config(args):
-    """The GPTModelConfig: plugin settings on a MeshTransformerConfig, our spec by default."""
+    """The GPTModelConfig: plugin settings and the sequence length on a MeshTransformerConfig."""
     from megatron.training.argument_utils import core_transformer_config_from_args, gpt_config_from_args
 
-    from .args import MeshTransformerConfig, copy_settings
+    from .args import MeshTransformerConfig, apply_args
 
-    if args.spec is None:
-        args.spec = list(DEFAULT_SPEC)
     config = core_transformer_config_from_args(args, config_class=MeshTransformerConfig)
-    copy_settings(args, config)
-    config.cp_seq_length = args.seq_length  # for the time model behind --mesh-tile-shape auto
+    apply_args(args, config)  # also where Megatron forces MLATransformerConfig (no plugin fields)
     return gpt_config_from_args(args, config=config)
 
 
 def main(argv=None) -> None:
-    _prepare_runtime()
-    try:
-        args = parse_args(argv)
-    except ValueError as e:
-        print(f"megatron_mesh: error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+    bootstrap.die_with_parent()
+    bootstrap.prepare_runtime()
+    args = parse_args(argv)
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args

@@ -9,8 +9,13 @@ and from Python::
 
     model = GPTModel(config=config, transformer_layer_spec=gpt_local_layer_spec(config), ...)
 
-Only ``core_attention`` changes; every other submodule is Megatron's own spec. The functions also
-create the plugin's process groups (collective: every rank builds its model at the same point).
+Only ``core_attention`` changes; every other submodule is Megatron's own spec. Called by a
+Megatron training script (any entry script: Megatron's parsed arguments are global), the functions
+first check the plugin settings on those arguments (once; a bad one stops every rank with one
+message) and put them, with the real sequence length, on the transformer config -- the script may
+have built a plain ``TransformerConfig`` -- and install the plugin's telemetry in Megatron's log
+(:mod:`.telemetry`). They also create the plugin's process groups (collective: every rank builds
+its model at the same point).
 
 * :func:`gpt_layer_spec` -- Megatron's default choice (Transformer Engine spec when
   ``transformer_impl == "transformer_engine"``, local otherwise; MoE block specs too);
@@ -23,7 +28,7 @@ from __future__ import annotations
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from . import ensure_typing_override
-from .args import have_transformer_engine
+from .args import apply_args, have_transformer_engine
 from .core_attention import CPCoreAttention
 from .groups import initialize_groups
 
@@ -31,7 +36,17 @@ __all__ = ["gpt_layer_spec", "gpt_te_layer_spec", "gpt_local_layer_spec", "patch
 
 
 def _transformer_config(model_config):
-    return getattr(model_config, "transformer", model_config)
+    """The TransformerConfig of ``model_config``, configured from Megatron's arguments when a
+    training script parsed them."""
+    t = getattr(model_config, "transformer", model_config)
+    from . import bootstrap, telemetry
+
+    args = bootstrap.megatron_args()
+    if args is not None:
+        bootstrap.check_args(args)  # no-op when the entry script's argument hook already checked them
+        apply_args(args, t)
+        telemetry.install(args)
+    return t
 
 
 def _require_te(what: str) -> None:

@@ -1,5 +1,4 @@
-#!/usr/bin/env python3
-"""Translate a Megatron functional-test style YAML config into environment variables and flags.
+"""Megatron functional-test style YAML configs as environment variables and command-line flags.
 
 The YAML has the shape of Megatron-LM's ``tests/functional_tests/test_cases/*/model_config.yaml``::
 
@@ -10,35 +9,35 @@ The YAML has the shape of Megatron-LM's ``tests/functional_tests/test_cases/*/mo
       --use-cpu-initialization: true          # true: the bare flag; false / null: left out
       --cp-comm-type: mesh tasp               # several values: space-separated (shell quoting rules)
       --data-path: [0.5, /data/a, 0.5, /data/b]   # or a YAML list
-      --save: ${CHECKPOINT_DIR}/run1          # ${VAR}: from the environment or ENV_VARS
+      --save: ${CHECKPOINT_DIR}/run1          # ${VAR} or $VAR: from the environment or ENV_VARS
 
 Variables already set in the environment win over ENV_VARS (the config gives defaults). A
-``${VAR}`` that is set nowhere is an error. Other top-level keys (TEST_TYPE, ...) are ignored.
+``${VAR}`` that is set nowhere is an error. Other top-level keys (TEST_TYPE, ...) are ignored::
 
-Usage (prints NUL-separated items for ``mapfile -d ''``)::
+    doc = load("configs/gpt_tiny_cpu.yaml")
+    env = environment(doc)                         # {"CUDA_DEVICE_MAX_CONNECTIONS": "1", ...}
+    argv = model_args(doc, {**os.environ, **env})  # ["--num-layers", "2", ...]
 
-    yaml_to_args.py --env CONFIG.yaml    # KEY=VALUE for every ENV_VARS entry
-    yaml_to_args.py --args CONFIG.yaml   # the flags of MODEL_ARGS
-
-Only the standard library and PyYAML: the shell script runs this before torch is imported.
+Standard library and PyYAML only (the launcher uses it before any worker starts).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import re
 import shlex
-import sys
+import string
 
-import yaml
-
-_VAR = re.compile(r"\$\{(\w+)\}|\$(\w+)")
+__all__ = ["load", "environment", "model_args"]
 
 
 def load(path: str) -> dict:
+    import yaml
+
     with open(path) as f:
-        doc = yaml.safe_load(f) or {}
+        try:
+            doc = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("MODEL_ARGS", {}), dict) \
             or not isinstance(doc.get("ENV_VARS", {}) or {}, dict):
         raise ValueError(f"{path}: expected a mapping with MODEL_ARGS (and optionally ENV_VARS) mappings")
@@ -58,12 +57,12 @@ def _scalar(value) -> str:
 
 
 def _expand(text: str, env: dict[str, str], flag: str) -> str:
-    def sub(m):
-        name = m.group(1) or m.group(2)
-        if name not in env:
-            raise ValueError(f"{flag}: ${{{name}}} is not set (export it or add it to ENV_VARS)")
-        return env[name]
-    return _VAR.sub(sub, text)
+    try:
+        return string.Template(text).substitute(env)
+    except KeyError as e:
+        raise ValueError(f"{flag}: ${{{e.args[0]}}} is not set (export it or add it to ENV_VARS)") from None
+    except ValueError as e:  # a '$' not followed by a name
+        raise ValueError(f"{flag}: {e} in {text!r} (write $$ for a literal $)") from None
 
 
 def model_args(doc: dict, env: dict[str, str]) -> list[str]:
@@ -83,25 +82,3 @@ def model_args(doc: dict, env: dict[str, str]) -> list[str]:
             text = _expand(_scalar(item), env, flag)
             argv.extend(shlex.split(text) if not isinstance(value, list) else [text])
     return argv
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--env", action="store_true", help="print KEY=VALUE of ENV_VARS")
-    what.add_argument("--args", action="store_true", help="print the MODEL_ARGS flags")
-    p.add_argument("config")
-    a = p.parse_args(argv)
-    try:
-        doc = load(a.config)
-        env = environment(doc)
-        items = [f"{k}={v}" for k, v in env.items()] if a.env else model_args(doc, {**os.environ, **env})
-    except (OSError, ValueError, yaml.YAMLError) as e:
-        print(f"yaml_to_args: error: {e}", file=sys.stderr)
-        return 2
-    sys.stdout.write("".join(item + "\0" for item in items))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,133 @@
+"""Process start-up shared by the plugin's entry script and ``run_script`` (any Megatron script).
+
+* :func:`die_with_parent` -- a torchrun worker dies with its launcher (Linux ``PR_SET_PDEATHSIG``);
+* :func:`prepare_runtime` -- what Megatron-LM's training code needs before it runs here: the
+  ``typing.override`` polyfill, on a CPU the workarounds of :mod:`.cpu_compat`, the prebuilt
+  dataset helpers of the wheel;
+* :func:`check_args` -- the plugin's start-up checks on Megatron's parsed arguments: a bad setting
+  is printed once (by rank 0) and every rank exits with status 2, before anything is built;
+* :func:`install_argument_hook` -- the plugin's flags and checks inside Megatron's own argument
+  parsing, for scripts that do not register them (Megatron-LM's ``pretrain_gpt.py``);
+* :func:`megatron_args` -- Megatron's parsed arguments, when a Megatron training script set them.
+
+Nothing here imports Megatron at module level: ``run_script`` decides where ``megatron`` comes
+from (a Megatron-LM checkout next to the script shadows the wheel) before the first import.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import NoReturn
+
+from . import ensure_typing_override
+
+__all__ = ["die_with_parent", "prepare_runtime", "check_args", "fail", "install_argument_hook", "megatron_args"]
+
+_CHECKED: set[int] = set()  # id() of the argument namespaces already checked (Megatron keeps one for the run)
+_PARENT_AT_START = os.getppid()  # before the launcher could have died: the reference for die_with_parent
+LAUNCHER_PID_ENV = "MEGATRON_MESH_LAUNCHER_PID"  # set by megatron_mesh.launch for the workers it starts
+
+
+def die_with_parent() -> None:
+    """In a torchrun worker, ask Linux to SIGKILL this process when its parent -- torchrun's agent --
+    dies, so that ``kill -9`` of the launcher does not leave the ranks running (torchrun puts each
+    worker in a session of its own; orphans would block on its rendezvous store forever).
+
+    The parent may already be gone by the time this runs: then the process kills itself. The
+    signal fires when the parent *thread* that forked the worker exits; torchrun's agent starts its
+    workers from its main thread, which lives as long as the launcher. No-op outside torchrun
+    (``python -m ...`` by hand must survive its shell) and outside Linux."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1  # <linux/prctl.h>
+    if libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    expected = int(os.environ.get(LAUNCHER_PID_ENV) or _PARENT_AT_START)
+    if os.getppid() != expected:  # the launcher died before prctl: nobody will send the signal
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def prepare_runtime() -> None:
+    """Make Megatron's training code runnable here: ``typing.override`` on Python 3.11; without
+    CUDA, every workaround of :mod:`.cpu_compat` (never loaded on GPUs); and the prebuilt dataset
+    helpers of the megatron-core wheel (GPUs too)."""
+    ensure_typing_override()
+    import torch
+
+    if not torch.cuda.is_available():
+        from . import cpu_compat
+
+        cpu_compat.install_training_patches()
+    # The megatron-core wheel ships the prebuilt dataset helpers but not their Makefile, so the
+    # `make` that initialize._compile_dependencies runs fails (on GPUs too). Use the prebuilt ones.
+    from megatron.core.datasets import utils as dataset_utils
+
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return  # a source checkout: let Megatron compile them
+    dataset_utils.compile_helpers = lambda: None
+
+
+def fail(message: str) -> NoReturn:
+    """Stop a (possibly distributed) start-up: rank 0 prints ``message`` once, every rank exits 2."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"megatron_mesh: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def check_args(args) -> None:
+    """:func:`.args.validate_args` on Megatron's parsed arguments, once per arguments object; a
+    bad setting stops the process through :func:`fail`."""
+    if id(args) in _CHECKED:
+        return
+    from .args import validate_args
+
+    try:
+        validate_args(args)
+    except ValueError as e:
+        fail(str(e))
+    _CHECKED.add(id(args))
+
+
+def megatron_args():
+    """Megatron-LM's global arguments when a training script has parsed them, else None. Looks
+    only at modules already imported: Python users of Megatron-Core never import megatron.training."""
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    return getattr(global_vars, "_GLOBAL_ARGS", None) if global_vars is not None else None
+
+
+def install_argument_hook() -> None:
+    """Add the plugin's flags to Megatron's argument parser and run its checks before Megatron's
+    own validation, for every script that parses arguments through
+    ``megatron.training.arguments.parse_and_validate_args`` (it looks both functions up at call
+    time). A script that registers :func:`.args.add_args` itself keeps its registration."""
+    from megatron.training import arguments
+
+    from .args import add_args
+
+    if getattr(arguments.parse_args, "megatron_mesh_hook", False):
+        return
+    parse, validate = arguments.parse_args, arguments.validate_args
+
+    def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+        def provider(parser):
+            if extra_args_provider is not None:
+                parser = extra_args_provider(parser)
+            if "--mesh-tile-shape" not in parser._option_string_actions:
+                parser = add_args(parser)
+            return parser
+
+        return parse(provider, ignore_unknown_args)
+
+    def validate_args(args, defaults={}):  # noqa: B006 -- Megatron's signature
+        check_args(args)  # first: a bad plugin setting stops here, before Megatron's own asserts
+        return validate(args, defaults)
+
+    parse_args.megatron_mesh_hook = True
+    arguments.parse_args, arguments.validate_args = parse_args, validate_args

@@ -1,0 +1,54 @@
+"""Run any Megatron training script -- e.g. Megatron-LM's own ``pretrain_gpt.py``, unmodified --
+with the plugin's flags and checks, as one torchrun worker::
+
+    torchrun --nproc-per-node 4 -m megatron_mesh.megatron.run_script pretrain_gpt.py <Megatron flags> \\
+        --spec megatron_mesh.megatron.spec gpt_layer_spec --context-parallel-size 4 \\
+        --cp-comm-type mesh --mesh-tile-shape 2x2
+
+(``scripts/run_megatron_script.sh SCRIPT.py [CONFIG.yaml] [flags]`` builds that command.) Before the
+script runs, exactly as ``python SCRIPT.py`` would run it (its directory first on ``sys.path``, so a
+Megatron-LM checkout's ``megatron/`` is the one imported):
+
+* the worker dies with its launcher (:func:`.bootstrap.die_with_parent`);
+* :func:`.bootstrap.prepare_runtime`: the ``typing.override`` polyfill, the prebuilt dataset
+  helpers and -- only without CUDA -- the CPU workarounds of :mod:`.cpu_compat`;
+* :func:`.bootstrap.install_argument_hook`: Megatron's parser accepts the plugin's flags, and the
+  plugin's checks run before Megatron's own validation (one error on rank 0, exit status 2).
+
+Processes the script spawns (the checkpoint writer's ``multiprocessing`` manager re-imports the
+script, without this module) get the same through ``_site/sitecustomize.py``, which this module
+puts on ``PYTHONPATH`` for them.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_site")
+CHILD_ENV = "MEGATRON_MESH_BOOTSTRAP"  # tells _site/sitecustomize.py to prepare spawned children
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or not argv[0].endswith(".py"):
+        raise SystemExit("usage: python -m megatron_mesh.megatron.run_script SCRIPT.py [flags]")
+    script = os.path.abspath(argv[0])
+    if not os.path.isfile(script):
+        raise SystemExit(f"megatron_mesh: error: no such script: {argv[0]}")
+    from . import bootstrap
+
+    bootstrap.die_with_parent()
+    # as `python SCRIPT.py`: the script's directory first (its sibling modules, a checkout's megatron/)
+    sys.path[0] = os.path.dirname(script)
+    os.environ[CHILD_ENV] = "1"
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (SITE_DIR, os.environ.get("PYTHONPATH")) if p)
+    bootstrap.prepare_runtime()
+    bootstrap.install_argument_hook()
+    sys.argv = [script, *argv[1:]]
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""The plugin from any Megatron entry script, in one process: Megatron's parser takes the plugin's
+flags and runs its checks first (run_script's hook); the spec functions put the settings and the
+real sequence length from Megatron's parsed arguments on a plain TransformerConfig, or stop the
+start-up with one message; workers die with their launcher; the CPU workaround for sequence
+parallelism with torch norms."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("megatron.core", reason="needs megatron-core (scripts/setup_env.sh installs it)")
+
+from megatron_mesh.megatron import bootstrap, ensure_typing_override  # noqa: E402
+
+pytestmark = pytest.mark.megatron
+PLUGIN_SPEC = ["--spec", "megatron_mesh.megatron.spec", "gpt_layer_spec", "--transformer-impl", "local"]
+
+
+@pytest.fixture()
+def arguments(monkeypatch):
+    """megatron.training.arguments, restored after the test (the hook replaces two functions)."""
+    ensure_typing_override()
+    from megatron.training import arguments
+
+    monkeypatch.setattr(arguments, "parse_args", arguments.parse_args)
+    monkeypatch.setattr(arguments, "validate_args", arguments.validate_args)
+    monkeypatch.delenv("RANK", raising=False)
+    return arguments
+
+
+def _parse(arguments, monkeypatch, argv, provider=None):
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--num-layers", "2", *argv])
+    return arguments.parse_args(provider)
+
+
+def test_argument_hook_adds_the_plugin_flags_and_checks_them_first(arguments, monkeypatch, capsys):
+    bootstrap.install_argument_hook()
+    bootstrap.install_argument_hook()  # idempotent
+    # what Megatron-LM's pretrain_gpt.py does: no provider of its own
+    args = _parse(arguments, monkeypatch, ["--context-parallel-size", "4", "--cp-comm-type", "mesh",
+                                           "--mesh-tile-shape", "3x2", "--mesh-schedule", "lockstep"])
+    assert (args.mesh_tile_shape, args.mesh_schedule) == ("3x2", "lockstep")
+    with pytest.raises(SystemExit) as e:
+        arguments.validate_args(args, {})  # the plugin's check runs before Megatron's own asserts
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("megatron_mesh: error:") == 1
+    assert "megatron_mesh: error: --mesh-tile-shape '3x2': tile 3x2 does not fit CP size 4" in err
+    # a script that registers the flags itself keeps its registration (no argparse conflict)
+    from megatron_mesh.megatron.args import add_args
+
+    assert _parse(arguments, monkeypatch, ["--mesh-tile-shape", "2x2"], add_args).mesh_tile_shape == "2x2"
+
+
+def test_only_rank_0_prints_the_error(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "3")
+    with pytest.raises(SystemExit) as e:
+        bootstrap.fail("bad")
+    assert e.value.code == 2 and capsys.readouterr().err == ""
+
+
+def _plain_config():
+    from megatron.core.transformer import TransformerConfig
+
+    # what Megatron-LM's script builds: core_transformer_config_from_args(args) -- no plugin fields
+    return TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                             context_parallel_size=4, cp_comm_type="mesh", attention_dropout=0.0)
+
+
+def test_spec_configures_a_plain_config_from_megatrons_arguments(arguments, monkeypatch):
+    """The settings reach the layers whatever config class the script built, and 'auto' plans for
+    the real sequence length: this GQA model at CP 4 and 64 tokens gets the 2x2 tile, where the
+    made-up default length would give the ring-equivalent 1x4."""
+    from megatron_mesh.megatron import spec
+    from megatron_mesh.megatron.args import add_args, plugin_settings, resolve_tile
+
+    args = _parse(arguments, monkeypatch, [*PLUGIN_SPEC, "--context-parallel-size", "4", "--cp-comm-type", "mesh",
+                                           "--mesh-schedule", "lockstep", "--seq-length", "64",
+                                           "--attention-dropout", "0"], add_args)
+    monkeypatch.setattr(bootstrap, "megatron_args", lambda: args)
+    assert resolve_tile(4, _plain_config())[0] == (1, 4)  # without the arguments' sequence length
+    config = spec._transformer_config(_plain_config())
+    assert plugin_settings(config).schedule == "lockstep" and config.cp_seq_length == 64
+    assert resolve_tile(4, config) == ((2, 2), "q")
+
+
+def test_spec_stops_a_bad_setting_once(arguments, monkeypatch, capsys):
+    """An entry script without the argument hook: the spec function is the first plugin code to
+    run, before any layer is built; it stops every rank, rank 0 printing the error once."""
+    from megatron_mesh.megatron import spec
+    from megatron_mesh.megatron.args import add_args
+
+    args = _parse(arguments, monkeypatch, [*PLUGIN_SPEC, "--context-parallel-size", "4", "--cp-comm-type", "mesh",
+                                           "--attention-dropout", "0.1"], add_args)
+    monkeypatch.setattr(bootstrap, "megatron_args", lambda: args)
+    with pytest.raises(SystemExit):
+        spec._transformer_config(_plain_config())
+    assert capsys.readouterr().err.count("megatron_mesh: error: --attention-dropout 0.1") == 1
+
+
+_DIE = textwrap.dedent("""
+    import os, sys
+    os.environ["TORCHELASTIC_RUN_ID"] = "test"
+    os.environ["MEGATRON_MESH_LAUNCHER_PID"] = sys.argv[1]
+    from megatron_mesh.megatron import bootstrap
+    bootstrap.die_with_parent()
+    print("alive")
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_worker_whose_launcher_is_already_gone_kills_itself():
+    """die_with_parent closes the race where the launcher died before the worker asked to follow
+    it: the worker's parent is not the launcher any more, so it kills itself at once."""
+    here = subprocess.run([sys.executable, "-c", _DIE, str(os.getpid())], capture_output=True, text=True, timeout=60)
+    assert here.returncode == 0 and here.stdout.strip() == "alive", here.stderr
+    gone = subprocess.run([sys.executable, "-c", _DIE, "1"], capture_output=True, text=True, timeout=60)
+    assert gone.returncode == -9 and "alive" not in gone.stdout
+
+
+def test_torch_norm_with_sequence_parallelism_marks_its_parameters():
+    """cpu_compat: Megatron's torch norm refuses --sequence-parallel; the workaround builds it and
+    marks its parameters so that finalize_model_grads all-reduces their gradients over TP."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megatron_mesh.megatron import cpu_compat
+
+    cpu_compat._torch_norm_sequence_parallel()
+    for sp in (True, False):
+        config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, normalization="RMSNorm",
+                                   tensor_model_parallel_size=2, sequence_parallel=sp)
+        norm = WrappedTorchNorm(config=config, hidden_size=8, eps=1e-5)
+        assert config.sequence_parallel is sp  # the caller's config is left alone
+        assert [p.sequence_parallel for p in norm.parameters()] == [sp]

@@ -1,0 +1,113 @@
+"""The plugin's lines in Megatron's log, in one process: the per-stage summary, the compute /
+communication timers (a layer's forward and backward, its transfers pausing the compute timer),
+bytes per iteration in the log and TensorBoard, and the metrics JSON lines."""
+
+import json
+import logging
+import types
+
+import pytest
+
+pytest.importorskip("megatron.core", reason="needs megatron-core (scripts/setup_env.sh installs it)")
+
+import torch  # noqa: E402
+
+from megatron_mesh.comm.base import DONE, Communicator, record_bytes  # noqa: E402
+from megatron_mesh.megatron import telemetry  # noqa: E402
+from megatron_mesh.megatron.metrics import MetricsWriter  # noqa: E402
+
+pytestmark = pytest.mark.megatron
+T = telemetry._State
+
+
+def test_summary_names_runs_of_layers():
+    layers = [(1, ("mesh (CP 4, tile 2x2)", {}, True)), (2, ("mesh (CP 4, tile 2x2)", {}, True)),
+              (3, ("tasp (CP 4)", {}, True)), (5, ("tasp (CP 4)", {}, True))]
+    assert telemetry._groups(layers) == ["layers 1-2: mesh (CP 4, tile 2x2)", "layer 3: tasp (CP 4)",
+                                         "layer 5: tasp (CP 4)"]
+
+
+def test_summary_is_logged_once_at_the_first_forward(monkeypatch, caplog):
+    monkeypatch.setattr(T, "layers", {})
+    monkeypatch.setattr(T, "summarized", False)
+    telemetry.register_layer(1, "ring (CP 2, zigzag ring, kernel auto)", {"mode": "ring"}, logs=True)
+    telemetry.register_layer(2, "ring (CP 2, zigzag ring, kernel auto)", {"mode": "ring"}, logs=True)
+    with caplog.at_level(logging.INFO, logger=telemetry.__name__):
+        telemetry.on_forward()
+        telemetry.on_forward()
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["megatron_mesh: layers 1-2: ring (CP 2, zigzag ring, kernel auto)"]  # no parallel state here
+
+
+class _Timers:
+    """Megatron's Timers as the plugin uses them: timers(name, log_level=...).start()/stop()."""
+
+    def __init__(self):
+        self.events = []
+
+    def __call__(self, name, log_level=None):
+        assert log_level == telemetry.TIMER_LOG_LEVEL
+        return types.SimpleNamespace(start=lambda: self.events.append(f"{name} start"),
+                                     stop=lambda: self.events.append(f"{name} stop"))
+
+
+class _Comm(Communicator):
+    rank, world_size = 0, 2
+
+    def _start(self, sends, recvs):
+        return DONE
+
+
+def test_transfers_pause_the_compute_timer_forward_and_backward(monkeypatch):
+    timers = _Timers()
+    monkeypatch.setattr(telemetry, "_timers", lambda: timers)
+    monkeypatch.setattr(T, "timing", True)
+    monkeypatch.setattr(T, "depth", {telemetry.TIMER_COMPUTE: 0, telemetry.TIMER_COMM: 0})
+    comm = telemetry.timed_communicator(_Comm())
+    assert isinstance(comm, telemetry.TimedCommunicator)
+    q = torch.randn(4, requires_grad=True)
+    (qm,), mark_output = telemetry.mark_backward((q,))
+    with telemetry.compute_phase():  # a layer's forward: compute, one round (start + wait), compute
+        comm.start([(1, torch.zeros(2))], []).wait()
+        out = mark_output(qm * 2)
+    C, M = telemetry.TIMER_COMPUTE, telemetry.TIMER_COMM
+    assert timers.events == [f"{C} start", f"{C} stop", f"{M} start", f"{M} stop", f"{C} start",
+                             f"{C} stop", f"{M} start", f"{M} stop", f"{C} start", f"{C} stop"]
+    timers.events.clear()
+    out.sum().backward()  # the output's mark starts the compute timer, the inputs' mark stops it
+    assert timers.events == [f"{C} start", f"{C} stop"] and torch.equal(q.grad, torch.full((4,), 2.0))
+
+
+def test_timers_off_changes_nothing(monkeypatch):
+    monkeypatch.setattr(T, "timing", False)
+    comm = _Comm()
+    assert telemetry.timed_communicator(comm) is comm
+    q = torch.randn(3, requires_grad=True)
+    (qm,), mark_output = telemetry.mark_backward((q,))
+    assert qm is q and mark_output(q) is q
+
+
+def test_iteration_records_and_bytes_in_the_log_and_tensorboard(monkeypatch, tmp_path, caplog):
+    scalars = []
+    writer = types.SimpleNamespace(add_scalar=lambda name, value, it: scalars.append((name, value, it)))
+    monkeypatch.setattr(telemetry, "_writer", lambda: writer)
+    monkeypatch.setattr(T, "args", types.SimpleNamespace(log_interval=2, log_cp_attention_bytes=True))
+    monkeypatch.setattr(T, "timing", False)
+    monkeypatch.setattr(T, "metrics", MetricsWriter(str(tmp_path), 0))
+    monkeypatch.setattr(T, "step_ms", 12.5)
+    base = telemetry.total_bytes()
+    monkeypatch.setattr(T, "bytes_at_record", base)
+    monkeypatch.setattr(T, "bytes_at_log", base)
+    monkeypatch.setattr(T, "iterations_since_log", 0)
+    with caplog.at_level(logging.INFO, logger=telemetry.__name__):
+        for it, (sent, loss) in enumerate([(1000, 4.5), (3000, 4.25)], start=1):
+            record_bytes(sent, 2 * sent)
+            telemetry._after_iteration({"lm loss": torch.tensor(loss)}, it, is_first=False)
+    recs = [json.loads(line) for line in (tmp_path / "rank0.jsonl").read_text().splitlines()]
+    assert [(r["iteration"], r["losses"], r["bytes_sent"], r["bytes_received"], r["time_ms"]) for r in recs] == \
+        [(1, {"lm loss": 4.5}, 1000, 2000, 12.5), (2, {"lm loss": 4.25}, 3000, 6000, 12.5)]
+    # logged at iteration 2 (--log-interval 2): the mean over the two iterations, min = max on one rank
+    assert [r.getMessage() for r in caplog.records] == [
+        "cp attention bytes per iteration (min, max) across ranks: sent (1.95 KiB, 1.95 KiB) | "
+        "received (3.91 KiB, 3.91 KiB)"]
+    assert scalars == [("cp-attention-bytes-sent", 2000.0, 2), ("cp-attention-bytes-received", 4000.0, 2)]
