@@ -139,11 +139,13 @@ def _routing(rank, cp_group, config) -> dict:
     import megatron_mesh as mm
     from megatron_mesh.megatron import groups
 
-    from megatron_mesh.megatron.args import resolve_tile
+    from megatron_mesh.comm.torch_dist import TorchDistCommunicator
+    from megatron_mesh.megatron.placement import resolve_placement
 
-    tile, contiguous = resolve_tile(4, config)  # the ring groups were built for this placement
-    routed = groups.mesh_communicator(config, cp_group, tile, contiguous)
-    flat = groups.cp_communicator(cp_group)
+    placement = resolve_placement("mesh", config, groups.cp_ranks(cp_group))  # the groups were built for it
+    tile, contiguous = placement.tile, placement.contiguous
+    routed = groups.communicator(config, cp_group, placement)
+    flat = TorchDistCommunicator(cp_group)
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(8, 2, h, 16, generator=g) for h in (4, 2, 2))
     results = []
@@ -157,3 +159,147 @@ def _routing(rank, cp_group, config) -> dict:
     return dict(case="routing", label="routing", tp=1, cp=4, routes=sorted(routed.routes), flat_routes=flat.routes,
                 identical=all(torch.equal(x, y) for x, y in zip(a, b)), bytes=(bytes_a, bytes_b),
                 route_ranks={p: sorted(dist.get_process_group_ranks(grp)) for p, grp in routed.routes.items()})
+
+
+# -- masks and hybrids at the model level -----------------------------------------------------------------
+SEQ_M = 48  # divisible by 2 x CP for CP 4 (halves of 6) and by the THD padding multiple 8
+
+
+def _doc_batch(seed: int):
+    """Two samples of SEQ_M tokens with documents cut at end-of-document tokens (VOCAB - 1)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB - 1, (BATCH, SEQ_M), generator=g)
+    tokens[0, [4, 5, 20, 31]] = VOCAB - 1  # a 1-token document, documents across rank chunks
+    tokens[1, [9, 40]] = VOCAB - 1
+    return dict(tokens=tokens, labels=torch.roll(tokens, -1, 1),
+                position_ids=torch.arange(SEQ_M).expand(BATCH, SEQ_M).contiguous(), attention_mask=None)
+
+
+def _dense_doc_mask(tokens):
+    """Megatron's --reset-attention-mask mask ([b, 1, s, s], True = masked): causal, and no token
+    sees tokens at or before an end-of-document token that precedes it."""
+    b, s = tokens.shape
+    mask = torch.tril(torch.ones(b, s, s)).bool()
+    for i in range(b):
+        for eod in (tokens[i] == VOCAB - 1).nonzero().flatten().tolist():
+            mask[i, eod + 1:, :eod + 1] = False
+    return ~mask.unsqueeze(1)
+
+
+def _run_masked(model, batch, packed=None):
+    losses = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"],
+                   packed_seq_params=packed)
+    loss = (losses * batch.get("loss_mask", torch.ones_like(losses))).sum()
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def _masked_cases(cp: int):
+    out = [("mesh 2x2", "mesh", dict(mesh_tile_shape="2x2")), ("mesh auto", "mesh", {}), ("tasp", "tasp", {}),
+           ("ring", "ring", {})] if cp == 4 else [("mesh 2x1", "mesh", dict(mesh_tile_shape="2x1")), ("ring", "ring", {})]
+    if cp == 4:
+        out.append(("a2a+mesh 2x2", "a2a+mesh", dict(hierarchical_context_parallel_sizes=[2, 2])))
+        out.append(("a2a+mesh / mesh per layer", ["a2a+mesh", "mesh"], dict(hierarchical_context_parallel_sizes=[2, 2])))
+    return out
+
+
+def gpt_masked_equivalence(rank: int, world: int, layouts) -> list[dict]:
+    """Window, end-of-document documents and THD packing through GPTModel at CP > 1 against
+    Megatron's own attention at CP 1 with the same mask (a dense mask, or its sliding window)."""
+    _setup_megatron()
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from megatron_mesh.megatron import groups
+    from megatron_mesh.megatron.pretrain_gpt import document_params, pack_thd
+    from megatron_mesh.megatron.spec import gpt_local_layer_spec
+
+    singles = [dist.new_group([r]) for r in range(world)]
+    records = []
+    for tp, cp in layouts:
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+        tensor_parallel.model_parallel_cuda_manual_seed(123)
+        pgc = ProcessGroupCollection.use_mpu_process_groups()
+        single_pgc = copy.copy(pgc)
+        single_pgc.cp = singles[rank]
+        cp_group = ps.get_context_parallel_group()
+        full = _doc_batch(11)
+        for what in ("window", "documents", "thd"):
+            extra = dict(window_size=(5, 0)) if what == "window" else {}
+            ref_cfg = _config(tp, 1, (4, 2), None, **extra)
+            ref_cfg.cp_documents = None
+            position = "rope"
+            ref_model = _build_len(ref_cfg, get_gpt_layer_local_spec(), single_pgc, position)
+            if what == "thd":
+                packed_full, _ = pack_thd({k: v[:1] for k, v in full.items() if v is not None} | {"loss_mask": torch.ones(1, SEQ_M)},
+                                          VOCAB - 1, 8, 1, 0)
+                ref_batch = dict(packed_full)
+                ref_batch["attention_mask"] = _thd_dense_mask(packed_full)
+            else:
+                ref_batch = dict(full, attention_mask=_dense_doc_mask(full["tokens"]) if what == "documents" else None)
+            ref_loss, ref_grads = _run_masked(ref_model, ref_batch)
+            # the mask must matter: the same model and batch with the plain causal mask differ
+            unmasked_cfg = _config(tp, 1, (4, 2), None)
+            unmasked_loss, unmasked_grads = _run_masked(_build_len(unmasked_cfg, get_gpt_layer_local_spec(), single_pgc, position),
+                                           dict(ref_batch, attention_mask=None))
+            mask_effect = max(((unmasked_grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item()
+                              for n, g in ref_grads.items())
+            for label, mode, plugin in _masked_cases(cp):
+                plugin = dict(plugin)
+                hcp = plugin.pop("hierarchical_context_parallel_sizes", None)
+                config = _config(tp, cp, (4, 2), mode, **extra, **plugin)
+                if hcp:
+                    config.hierarchical_context_parallel_sizes = hcp
+                config.cp_seq_length = SEQ_M
+                config.cp_documents = {"window": None, "documents": "eod", "thd": "thd"}[what]
+                model = _build_len(config, gpt_local_layer_spec(config), pgc, position)
+                if what == "thd":
+                    local, packed = pack_thd({k: v[:1] for k, v in full.items() if v is not None}
+                                             | {"loss_mask": torch.ones(1, SEQ_M)}, VOCAB - 1, 8, cp_group.size(),
+                                             cp_group.rank())
+                else:
+                    packed = document_params(full["tokens"], VOCAB - 1) if what == "documents" else None
+                    local = get_batch_on_this_cp_rank(dict(full), is_hybrid_cp=False, cp_group=cp_group)
+                loss, grads = _run_masked(model, local, packed)
+                rec = _compare(f"TP={tp} CP={cp} {what} {label}", loss, grads, ref_loss, ref_grads, cp_group)
+                rec.update(label=label, what=what, tp=tp, cp=cp, unmasked_ref_loss=unmasked_loss.item(),
+                           mask_effect=mask_effect,
+                           modes=[l.self_attention.core_attention.mode for l in model.decoder.layers])
+                records.append(rec)
+        groups.destroy_groups()
+        ps.destroy_model_parallel()
+    return records
+
+
+def _build_len(config, spec, pgc, position):
+    from megatron.core.models.gpt import GPTModel
+
+    torch.manual_seed(1234)
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ_M,
+                    position_embedding_type=position, pg_collection=pgc)
+
+
+def _thd_dense_mask(packed):
+    """The THD batch's mask as Megatron's dense [1, 1, s, s] (True = masked): causal inside each
+    sequence's real tokens; padding attends nothing (rows fully masked; their loss mask is 0)."""
+    s = packed["tokens"].shape[1]
+    allowed = torch.zeros(s, s, dtype=torch.bool)
+    pos = packed["position_ids"][0]
+    # a document is a run where position ids count up from 0 and the loss mask is 1
+    start = None
+    real = packed["loss_mask"][0] > 0
+    for i in range(s + 1):
+        if i < s and real[i] and (start is None or pos[i] != 0):
+            start = i if start is None else start
+            continue
+        if start is not None:
+            allowed[start:i, start:i] = torch.tril(torch.ones(i - start, i - start)).bool()
+            start = None
+        if i < s and real[i]:
+            start = i
+    return ~allowed.view(1, 1, s, s)

@@ -72,37 +72,42 @@ def test_valid_flags(megatron_args, argv):
      "--mesh-tile-shape '2by2': tile shape '2by2' must be 'AxB'"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--mesh-tile-shape", "0x4"], "allowed tiles"),
     (["--context-parallel-size", "4", "--cp-comm-type", "zigzag"],
-     "--cp-comm-type 'zigzag' is not a context-parallel mode; allowed: plugin modes mesh, tasp, ring; "
+     "--cp-comm-type 'zigzag' is not a context-parallel mode; allowed: plugin modes ring, mesh, tasp, a2a+mesh, "
+     "a2a+tasp, a2a+ring; "
      "Transformer Engine modes p2p, a2a, all_gather, a2a+p2p"),
     (["--context-parallel-size", "1", "--cp-comm-type", "allgather"], "Transformer Engine spells it 'all_gather'"),
     (["--context-parallel-size", "4", "--cp-comm-type", "p2p"],
      "--cp-comm-type p2p is a Transformer Engine mode, but Transformer Engine is not usable here (not installed); "
      "use ring (the same algorithm: zigzag ring attention)"),
-    (["--context-parallel-size", "4", "--cp-comm-type", "all_gather"], "not installed); use one of mesh, tasp, ring"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "all_gather"], "not installed); use one of ring, mesh, tasp, a2a+mesh, a2a+tasp, a2a+ring"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "a2a"], "a2a is a Transformer Engine mode"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "tasp", "ring"],
      "--cp-comm-type has 3 values; give one mode, or one per layer (2 layers)"),
     (["--context-parallel-size", "4", "--cp-comm-type", "tasp", "--attention-dropout", "0.1"],
-     "--attention-dropout 0.1: the mesh/tasp/ring modes support only 0 at CP > 1"),
+     "--attention-dropout 0.1: the plugin modes (ring, mesh, tasp, a2a+mesh, a2a+tasp, a2a+ring) support only 0 "
+     "at CP > 1"),
     # a flag given for a mode no layer runs is an error, never ignored
     (["--context-parallel-size", "4", "--cp-comm-type", "ring", "--mesh-tile-shape", "2x2", "--attention-dropout", "0"],
-     "--mesh-tile-shape 2x2 is given, but no layer runs mesh at CP > 1 (--cp-comm-type ring); leave the flag out"),
+     "--mesh-tile-shape 2x2 is given, but no layer runs mesh or a2a+mesh at CP > 1 (--cp-comm-type ring); leave the "
+     "flag out"),
     (["--context-parallel-size", "1", "--cp-comm-type", "mesh", "--mesh-schedule", "lockstep"],
-     "--mesh-schedule lockstep is given, but no layer runs mesh at CP > 1 (--context-parallel-size 1)"),
+     "--mesh-schedule lockstep is given, but no layer runs mesh or a2a+mesh at CP > 1 (--context-parallel-size 1)"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--tasp-transport", "alltoall",
       "--attention-dropout", "0"], "--tasp-transport alltoall is given, but no layer runs tasp at CP > 1"),
     (["--context-parallel-size", "1", "--log-cp-attention-bytes"],
-     "--log-cp-attention-bytes is given, but no layer runs mesh or tasp or ring at CP > 1"),
+     "--log-cp-attention-bytes is given, but no layer runs a plugin mode (ring, mesh, tasp, a2a+mesh, a2a+tasp, "
+     "a2a+ring) at CP > 1"),
     (["--context-parallel-size", "4", "--cp-comm-type", "ring", "--hierarchical-context-parallel-sizes", "2", "2",
-      "--attention-dropout", "0"], "--hierarchical-context-parallel-sizes 2 2 applies only to Transformer Engine's "
-     "a2a+p2p, which no layer runs here"),
+      "--attention-dropout", "0"], "--hierarchical-context-parallel-sizes 2 2 applies only to the all-to-all modes "
+     "(Transformer Engine's a2a+p2p, the plugin's a2a+mesh, a2a+tasp, a2a+ring), which no layer runs here"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--attention-backend", "flash",
       "--attention-dropout", "0"], "--attention-backend flash: the mesh layers run the plugin's own kernels"),
     (["--context-parallel-size", "4", "--cp-comm-type", "tasp", "--seq-length", "8", "--attention-dropout", "0"],
      "--seq-length 8 with --context-parallel-size 4: TASP over CP size 4 splits each KV chunk into 2 slots (one per "
      "ring), so each zigzag half needs at least 2 tokens: local sequence length 2 is too short (need >= 4)"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask", "--attention-dropout", "0"],
-     "--reset-attention-mask: packed or document-masked sequences are not supported by the plugin modes"),
+     "--reset-attention-mask: this entry script passes the documents as a dense [s, s] attention mask, which the "
+     "plugin modes do not read; use megatron_mesh's entry script"),
     (["--context-parallel-size", "4", "--cp-comm-type", "tasp", "--attention-dropout", "0",
       "--tasp-gpus-per-node", "0"], "--tasp-gpus-per-node must be >= 1"),
     (["--context-parallel-size", "4", "--cp-comm-type", "tasp", "--attention-dropout", "0",
@@ -175,25 +180,29 @@ def test_flags_ride_on_the_transformer_config(megatron_args):
 
 
 def test_auto_tile_is_the_planners_choice(monkeypatch):
-    from megatron_mesh.megatron.args import MeshTransformerConfig, resolve_tile, shape_from_config
+    from megatron_mesh.megatron.args import MeshTransformerConfig
+    from megatron_mesh.megatron.placement import layer_shape, resolve_placement
     from megatron_mesh.plan import AttentionShape, Topology, choose_tile
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    ranks = tuple(range(16))
     for heads, groups in ((32, 8), (32, 32), (32, 1)):
         for per_node in (None, 8):
             config = MeshTransformerConfig(num_layers=2, hidden_size=4096, num_attention_heads=heads,
                                            num_query_groups=groups, context_parallel_size=16,
                                            tasp_gpus_per_node=per_node, cp_seq_length=16 * 4096)
-            s = shape_from_config(config)
-            assert (s.heads, s.kv_heads, s.head_dim) == (heads, groups, 128)
+            s = layer_shape(config, 16)
+            assert (s.heads, s.kv_heads, s.head_dim, s.seq_local) == (heads, groups, 128, 4096)
             shape = AttentionShape(4096, 1, heads, groups, 128, s.itemsize)
             topo = Topology(nodes=16 // (per_node or 16), gpus_per_node=per_node or 16)
-            assert resolve_tile(16, config) == choose_tile(16, shape, topo)
+            p = resolve_placement("mesh", config, ranks)
+            assert (p.tile, p.contiguous) == choose_tile(16, shape, topo)
     config.mesh_tile_shape = "8x2"
-    tile, contiguous = resolve_tile(16, config)
-    assert tile == (8, 2) and contiguous in ("q", "kv")
+    p = resolve_placement("mesh", config, ranks)
+    assert p.tile == (8, 2) and p.contiguous in ("q", "kv")
     config.mesh_contiguous = "kv"
-    assert resolve_tile(16, config) == ((8, 2), "kv")
+    p = resolve_placement("mesh", config, ranks)
+    assert (p.tile, p.contiguous) == ((8, 2), "kv")
 
 
 # -- layer specs ------------------------------------------------------------------------------------------
@@ -283,7 +292,8 @@ def test_te_modes_without_te_raise_naming_the_mode(mode):
         _build(_config(context_parallel_size=4), mode)
     assert f"layer 1: cp_comm_type '{mode or 'p2p'}' is a Transformer Engine mode, but Transformer Engine is " \
            "not usable here" in str(e.value)
-    assert ("use ring (the same algorithm)" if mode in ("p2p", None) else "use one of mesh, tasp, ring") in str(e.value)
+    assert ("use ring (the same algorithm)" if mode in ("p2p", None)
+            else "use one of ring, mesh, tasp, a2a+mesh, a2a+tasp, a2a+ring") in str(e.value)
 
 
 def test_unknown_mode_raises():
@@ -293,7 +303,7 @@ def test_unknown_mode_raises():
 
 @pytest.mark.parametrize("change, message", [
     (dict(config=dict(attention_dropout=0.1)), "attention dropout 0.1 is not supported (allowed: 0"),
-    (dict(config=dict(window_size=(128, 0))), "sliding-window attention (window_size=(128, 0))"),
+    (dict(config=dict(window_size=(128, 64))), "window_size (128, 64) on a causal layer: the right side must be 0"),
     (dict(config=dict(softmax_type="learnable")), "softmax_type 'learnable' is not supported"),
     (dict(build=dict(k_channels=192, v_channels=128)), "key head dim 192 != value head dim 128 (MLA)"),
     (dict(build=dict(attention_type="cross")), "attention_type 'cross' is not supported (allowed: 'self')"),
@@ -343,8 +353,23 @@ def test_cp1_is_plain_attention_and_forward_checks(one_rank):
         torch.testing.assert_close(out, want.reshape(12, 2, 64), rtol=1e-10, atol=1e-10)
     with pytest.raises(ValueError, match="attention_bias is not supported"):
         module(q, k, v, None, attn_mask_type=AttnMaskType.causal, attention_bias=torch.zeros(1))
-    with pytest.raises(ValueError, match=r"packed sequences \(packed_seq_params, qkv_format='thd'\)"):
+    with pytest.raises(ValueError, match=r"THD inputs must be \[t, heads, head_dim\], got \(12, 2, 4, 16\)"):
         module(q, k, v, None, attn_mask_type=AttnMaskType.causal, packed_seq_params=PackedSeqParams(qkv_format="thd"))
+    with pytest.raises(ValueError, match=r"qkv_format 'bshd' is not supported by the plugin modes \(allowed: 'thd'"):
+        module(q, k, v, None, attn_mask_type=AttnMaskType.causal, packed_seq_params=PackedSeqParams(qkv_format="bshd"))
+    cu = torch.tensor([[0, 5, 12], [0, 7, 12], [0, 12, 12]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="3 rows of document boundaries for a batch of 2"):
+        module(q, k, v, None, attn_mask_type=AttnMaskType.causal,
+               packed_seq_params=PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu))
+    # per-sample documents at CP 1: each sample is masked by its own documents
+    out = module(q, k, v, None, attn_mask_type=AttnMaskType.causal,
+                 packed_seq_params=PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu[:2], cu_seqlens_kv=cu[:2]))
+    for i, starts in enumerate(([0, 5], [0, 7])):
+        bounds = starts + [12]
+        for a, b in zip(bounds, bounds[1:]):
+            want = reference_attention(q[a:b, i:i + 1], k[a:b, i:i + 1], v[a:b, i:i + 1], causal=True,
+                                       softmax_scale=0.2)
+            torch.testing.assert_close(out[a:b, i:i + 1], want.reshape(b - a, 1, 64), rtol=1e-10, atol=1e-10)
     with pytest.raises(ValueError, match="attention mask type 'arbitrary' is not supported"):
         module(q, k, v, None, attn_mask_type=AttnMaskType.arbitrary)
     assert math.isclose(PluginCoreAttention(config=_config(context_parallel_size=1, kv_channels=16), layer_number=1,
@@ -435,3 +460,100 @@ def test_te_modes_hand_over_to_te_dotproductattention(monkeypatch):
         assert built.kwargs == dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal,
                                     attention_type="self", softmax_scale=None, pg_collection=None,
                                     cp_comm_type=mode, k_channels=16, v_channels=16)
+
+
+# -- masks, packing and the Ulysses hybrids ----------------------------------------------------------------
+HEADS = ["--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2", "--hidden-size", "64"]
+PLUGIN = ["--spec", "megatron_mesh.megatron.spec", "gpt_layer_spec", "--transformer-impl", "local",
+          "--attention-dropout", "0"]
+
+
+@pytest.fixture()
+def our_entry(monkeypatch):
+    """Arguments as megatron_mesh's entry script validates them (it passes documents as boundaries)."""
+    from megatron_mesh.megatron import bootstrap
+
+    monkeypatch.setattr(bootstrap, "ENTRY_PACKS_DOCUMENTS", True)
+
+
+@pytest.mark.parametrize("argv, documents", [
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask"], "eod"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "tasp", "--cp-thd-packing", "--cp-thd-pad-multiple", "16",
+      "--seq-length", "64", "--micro-batch-size", "1"], "thd"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--window-size", "16,0"], None),
+    (["--context-parallel-size", "4", "--cp-comm-type", "ring", "--window-size", "16,-1", "--reset-attention-mask"],
+     "eod"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+mesh", "--hierarchical-context-parallel-sizes", "2", "2",
+      "--mesh-tile-shape", "2x1", *HEADS], None),
+    (["--context-parallel-size", "8", "--cp-comm-type", "a2a+tasp", "a2a+ring", "--hierarchical-context-parallel-sizes",
+      "2", "4", *HEADS], None),
+    (["--context-parallel-size", "1", "--reset-attention-mask", "--cp-comm-type", "mesh"], "eod"),
+])
+def test_masks_and_hybrids_valid(megatron_args, our_entry, argv, documents):
+    from megatron_mesh.megatron.args import MeshTransformerConfig, apply_args
+
+    args = megatron_args(PLUGIN + argv)
+    _validate(args)
+    config = MeshTransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4)
+    apply_args(args, config)
+    assert config.cp_documents == documents
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+mesh", *HEADS],
+     "--cp-comm-type a2a+mesh needs --hierarchical-context-parallel-sizes U M (the all-to-all degree U inside a node "
+     "and the inner CP size M, U * M = --context-parallel-size 4); got none"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+ring", "--hierarchical-context-parallel-sizes", "2", "3",
+      *HEADS], "--hierarchical-context-parallel-sizes 2 3: U * M must equal --context-parallel-size 4"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+mesh", "--hierarchical-context-parallel-sizes", "4", "1",
+      "--num-attention-heads", "6", "--hidden-size", "96"],
+     "--hierarchical-context-parallel-sizes 4 1 with 6 query / 6 key-value heads per tensor-parallel rank: query heads "
+     "(6) must be divisible by the ulysses size (4)"),
+    (["--context-parallel-size", "8", "--cp-comm-type", "a2a+mesh", "--hierarchical-context-parallel-sizes", "4", "2",
+      "--tasp-gpus-per-node", "2", *HEADS],
+     "an all-to-all group of 4 CP ranks must stay inside a node of 2 CP ranks"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+mesh", "--hierarchical-context-parallel-sizes", "2", "2",
+      "--mesh-tile-shape", "2x2", *HEADS], "--mesh-tile-shape '2x2': tile 2x2 does not fit CP size 2"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--window-size", "16,4"],
+     "--window-size 16,4: the plugin's causal layers attend no later key, so the right side must be 0"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--cp-thd-pad-multiple", "16"],
+     "--cp-thd-pad-multiple 16 applies to --cp-thd-packing, which is not given"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--cp-thd-packing", "--cp-thd-pad-multiple", "12",
+      "--seq-length", "48"], "--cp-thd-pad-multiple 12 must be a multiple of 2 x --context-parallel-size = 8"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--cp-thd-packing", "--seq-length", "64",
+      "--micro-batch-size", "2"], "--micro-batch-size must be 1, got 2"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "mesh", "--reset-attention-mask",
+      "--pipeline-model-parallel-size", "2"],
+     "--pipeline-model-parallel-size 2 with packed documents (--reset-attention-mask / --cp-thd-packing)"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--sft"],
+     "--sft: Megatron's sft batches are not supported by the plugin modes"),
+])
+def test_masks_and_hybrids_invalid(megatron_args, our_entry, argv, message):
+    args = megatron_args(PLUGIN + argv)
+    with pytest.raises(ValueError) as e:
+        _validate(args)
+    assert message in str(e.value)
+
+
+def test_dense_document_masks_of_other_scripts(megatron_args):
+    """Another entry script's --reset-attention-mask is a dense mask: Megatron's own attention reads
+    it at CP 1 (no plugin documents, dropout allowed); the plugin modes refuse it at CP > 1, and
+    --cp-thd-packing needs our entry script."""
+    from megatron_mesh.megatron.args import MeshTransformerConfig, apply_args
+
+    args = megatron_args([*PLUGIN[:-2], "--context-parallel-size", "1", "--reset-attention-mask",
+                          "--attention-dropout", "0.1"])
+    _validate(args)
+    config = MeshTransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4)
+    apply_args(args, config)
+    assert config.cp_documents is None
+    with pytest.raises(ValueError, match="--cp-thd-packing is an option of megatron_mesh's entry script"):
+        _validate(megatron_args(PLUGIN + ["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--cp-thd-packing",
+                                          "--seq-length", "64"]))
+
+
+def test_documents_at_cp1_with_dropout_under_our_entry(megatron_args, our_entry):
+    args = megatron_args([*PLUGIN[:-2], "--context-parallel-size", "1", "--reset-attention-mask",
+                          "--attention-dropout", "0.1"])
+    with pytest.raises(ValueError, match="packed documents run the plugin's attention also at CP 1"):
+        _validate(args)

@@ -75,16 +75,18 @@ def test_spec_configures_a_plain_config_from_megatrons_arguments(arguments, monk
     the real sequence length: this GQA model at CP 4 and 64 tokens gets the 2x2 tile, where the
     made-up default length would give the ring-equivalent 1x4."""
     from megatron_mesh.megatron import spec
-    from megatron_mesh.megatron.args import add_args, plugin_settings, resolve_tile
+    from megatron_mesh.megatron.args import add_args, plugin_settings
+    from megatron_mesh.megatron.placement import resolve_placement
 
     args = _parse(arguments, monkeypatch, [*PLUGIN_SPEC, "--context-parallel-size", "4", "--cp-comm-type", "mesh",
                                            "--mesh-schedule", "lockstep", "--seq-length", "64",
                                            "--attention-dropout", "0"], add_args)
     monkeypatch.setattr(bootstrap, "megatron_args", lambda: args)
-    assert resolve_tile(4, _plain_config())[0] == (1, 4)  # without the arguments' sequence length
+    assert resolve_placement("mesh", _plain_config(), (0, 1, 2, 3)).tile == (1, 4)  # without the arguments' sequence length
     config = spec._transformer_config(_plain_config())
     assert plugin_settings(config).schedule == "lockstep" and config.cp_seq_length == 64
-    assert resolve_tile(4, config) == ((2, 2), "q")
+    p = resolve_placement("mesh", config, (0, 1, 2, 3))
+    assert (p.tile, p.contiguous) == ((2, 2), "q")
 
 
 def test_spec_stops_a_bad_setting_once(arguments, monkeypatch, capsys):

@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import typing
 
+from ..plan.modes import MODES
+
 __all__ = ["PLUGIN_MODES", "TE_MODES", "CP_MODES", "ensure_typing_override"]
 
-# cp_comm_type values run by this plugin, and those handed over to Transformer Engine.
-PLUGIN_MODES = ("mesh", "tasp", "ring")
+# cp_comm_type values run by this plugin (its mode registry: ring, mesh, tasp and the Ulysses
+# hybrids a2a+mesh, a2a+tasp, a2a+ring), and those handed over to Transformer Engine.
+PLUGIN_MODES = tuple(MODES)
 TE_MODES = ("p2p", "a2a", "all_gather", "a2a+p2p")
 CP_MODES = PLUGIN_MODES + TE_MODES
 

@@ -16,21 +16,26 @@ Example (CP 4, 4 layers: Mesh tile 2x2 for the first two, TASP for the last two)
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..kernels import KERNEL_BACKENDS
-from ..plan import BACKWARD_CHUNKS, CONTIGUOUS, SCHEDULES, AttentionShape, Topology, parse_tile
-from ..plan.autotile import pick_best, rank_tiles
+from ..plan import BACKWARD_CHUNKS, CONTIGUOUS, SCHEDULES, AttentionShape, parse_tile
+from ..plan.layout import check_ulysses_heads
+from ..plan.modes import HYBRID_PREFIX
 from ..plan.modes import TRANSPORTS as TASP_TRANSPORTS
 from ..plan.tasp import build_tasp_plan, tasp_rings
 from . import CP_MODES, PLUGIN_MODES, TE_MODES
+from .placement import gpus_per_node, ranks_per_node
 
 __all__ = ["MeshTransformerConfig", "PluginSettings", "add_args", "validate_args", "apply_args", "plugin_settings",
-           "layer_modes", "resolve_tile", "have_transformer_engine", "uses_plugin_spec", "TASP_TRANSPORTS"]
+           "layer_modes", "plugin_modes_of", "have_transformer_engine", "uses_plugin_spec", "TASP_TRANSPORTS",
+           "megatron_window"]
+
+_MESH = ("mesh", HYBRID_PREFIX + "mesh")
+_NODE_AWARE = tuple(m for m in PLUGIN_MODES if m != "ring")
 
 
 @dataclass
@@ -53,6 +58,9 @@ class MeshTransformerConfig(TransformerConfig):
     """Block attention kernel of the plugin modes (see megatron_mesh.kernels.KERNEL_BACKENDS)."""
     cp_seq_length: Optional[int] = None
     """Global sequence length (from --seq-length), for the time model behind the 'auto' choices."""
+    cp_documents: Optional[str] = None
+    """Where batches carry document boundaries: 'eod' (from end-of-document tokens, our entry
+    script's --reset-attention-mask), 'thd' (packed sequences) or None (whole sequences)."""
 
 
 # flag -> PluginSettings field, default
@@ -61,9 +69,9 @@ _FIELDS = {"mesh_tile_shape": ("tile", "auto"), "mesh_schedule": ("schedule", "g
            "tasp_gpus_per_node": ("tasp_gpus_per_node", None), "tasp_transport": ("tasp_transport", "p2p"),
            "cp_kernel_backend": ("kernel", "auto")}
 # the layer modes a flag applies to (at CP > 1)
-_APPLIES_TO = {"mesh_tile_shape": ("mesh",), "mesh_schedule": ("mesh",), "mesh_backward_chunks": ("mesh",),
-               "mesh_contiguous": ("mesh",), "tasp_transport": ("tasp",),
-               "tasp_gpus_per_node": ("tasp", "mesh"),  # the node layout: TASP's rings, Mesh's 'auto' choices
+_APPLIES_TO = {"mesh_tile_shape": _MESH, "mesh_schedule": _MESH, "mesh_backward_chunks": _MESH,
+               "mesh_contiguous": _MESH, "tasp_transport": ("tasp",),
+               "tasp_gpus_per_node": _NODE_AWARE,  # the node layout: TASP's rings, Mesh's 'auto' choices, hybrids
                "cp_kernel_backend": PLUGIN_MODES, "log_cp_attention_bytes": PLUGIN_MODES}
 
 
@@ -119,6 +127,12 @@ def add_args(parser):
     g.add_argument("--cp-metrics-dir", default=None,
                    help="write per-rank JSON lines (rank<R>.jsonl) to this directory: the mode and tile of "
                         "every layer, then loss, time, attention bytes and peak memory per iteration")
+    g.add_argument("--cp-thd-packing", action="store_true",
+                   help="megatron_mesh's entry script: pack each sample's end-of-document-delimited documents "
+                        "into Transformer Engine's THD layout (packed_seq_params, qkv_format thd), every document "
+                        "padded to a multiple of --cp-thd-pad-multiple; needs --micro-batch-size 1")
+    g.add_argument("--cp-thd-pad-multiple", type=int, default=None,
+                   help="padding multiple of --cp-thd-packing (a multiple of 2 x CP size; default 2 x CP size)")
     return parser
 
 
@@ -158,6 +172,20 @@ def check_modes(modes, num_layers: int, cp_size: int, have_te: bool, te_reason: 
                          f"not usable here ({te_reason or 'not installed'}); {instead}")
 
 
+def plugin_modes_of(modes) -> set:
+    """The plugin's modes among ``modes``."""
+    return {m for m in modes if m in PLUGIN_MODES}
+
+
+def megatron_window(window_size) -> tuple | None:
+    """Megatron's ``window_size`` (left, right), -1 meaning unlimited, as the plugin's window
+    ((left, right), None meaning unlimited), or None for no window."""
+    if window_size is None:
+        return None
+    left, right = window_size
+    return (None if left < 0 else int(left), None if right < 0 else int(right))
+
+
 def uses_plugin_spec(args) -> bool:
     """Whether ``--spec`` names one of this package's spec functions."""
     return bool(args.spec) and str(args.spec[0]).startswith("megatron_mesh.")
@@ -187,16 +215,102 @@ def validate_args(args, have_te: bool | None = None) -> None:
             flag = f"--{name.replace('_', '-')}"
             value = "" if getattr(args, name) is True else f" {getattr(args, name)}"
             runs = f"--context-parallel-size {cp}" if cp == 1 else f"--cp-comm-type {' '.join(modes)}"
-            raise ValueError(f"{flag}{value} is given, but no layer runs {' or '.join(applies_to)} at CP > 1 "
+            which = (f"a plugin mode ({', '.join(applies_to)})" if set(applies_to) == set(PLUGIN_MODES)
+                     else " or ".join(applies_to))
+            raise ValueError(f"{flag}{value} is given, but no layer runs {which} at CP > 1 "
                              f"({runs}); leave the flag out")
-    _check_values(args, cp if "mesh" in active else None)
+    _check_values(args, _mesh_size(args, cp, active))
+    if cp == 1 and _documents(args) and args.attention_dropout:
+        raise ValueError(f"--attention-dropout {args.attention_dropout}: packed documents run the plugin's attention "
+                         "also at CP 1 (Megatron's own has no document mask without a dense [s, s] mask), which "
+                         "supports only 0 (pass --attention-dropout 0)")
     if active & set(PLUGIN_MODES):
         _check_plugin_layers(args, cp, active, have_te, te_reason)
+    _check_hierarchy(args, cp, active)
+    _check_thd_flags(args, cp)
+
+
+def _check_hierarchy(args, cp: int, active: set) -> None:
+    """--hierarchical-context-parallel-sizes U M: the all-to-all x inner split of Transformer
+    Engine's a2a+p2p and of the plugin's Ulysses hybrids (a2a+mesh, a2a+tasp, a2a+ring); given
+    where nothing uses it, or missing where a layer needs it, is an error (never CP silently off)."""
     hcp = getattr(args, "hierarchical_context_parallel_sizes", None)
-    if hcp and "a2a+p2p" not in active:
-        raise ValueError(f"--hierarchical-context-parallel-sizes {' '.join(map(str, hcp))} applies only to "
-                         "Transformer Engine's a2a+p2p, which no layer runs here; the plugin modes take their layout "
-                         "from --mesh-tile-shape (mesh) and --tasp-gpus-per-node (tasp): leave it out")
+    hybrids = sorted(m for m in active if m.startswith(HYBRID_PREFIX))
+    if hcp and not hybrids:
+        raise ValueError(f"--hierarchical-context-parallel-sizes {' '.join(map(str, hcp))} applies only to the "
+                         "all-to-all modes (Transformer Engine's a2a+p2p, the plugin's a2a+mesh, a2a+tasp, a2a+ring), "
+                         "which no layer runs here at CP > 1: leave it out")
+    if not hybrids:
+        return
+    if not hcp or len(hcp) != 2:
+        raise ValueError(f"--cp-comm-type {hybrids[0]} needs --hierarchical-context-parallel-sizes U M (the all-to-all "
+                         f"degree U inside a node and the inner CP size M, U * M = --context-parallel-size {cp}); got "
+                         f"{'none' if not hcp else ' '.join(map(str, hcp))}")
+    U, M = hcp
+    if U * M != cp:
+        raise ValueError(f"--hierarchical-context-parallel-sizes {U} {M}: U * M must equal --context-parallel-size {cp}")
+    plugin_hybrids = [m for m in hybrids if m in PLUGIN_MODES]
+    if not plugin_hybrids:
+        return  # Transformer Engine's a2a+p2p checks its own
+    tp = args.tensor_model_parallel_size
+    if getattr(args, "num_attention_heads", None):
+        heads = args.num_attention_heads // tp
+        groups = args.num_query_groups if getattr(args, "group_query_attention", False) else None
+        kv = max(1, (groups or args.num_attention_heads) // tp)
+        try:
+            check_ulysses_heads(U, heads, kv)
+        except ValueError as e:
+            raise ValueError(f"--hierarchical-context-parallel-sizes {U} {M} with {heads} query / {kv} key-value heads per "
+                             f"tensor-parallel rank: {e}") from None
+    gpus = gpus_per_node(PluginSettings(tasp_gpus_per_node=getattr(args, "tasp_gpus_per_node", None)))
+    per_node = (gpus // tp) if gpus else None
+    if per_node and per_node < cp and per_node % U:
+        raise ValueError(f"--hierarchical-context-parallel-sizes {U} {M}: an all-to-all group of {U} CP ranks must stay "
+                         f"inside a node of {per_node} CP ranks (GPUs per node {gpus} / TP {tp})")
+
+
+def _documents(args) -> Optional[str]:
+    """How the batches carry documents to the plugin layers: "thd" (--cp-thd-packing), "eod"
+    (--reset-attention-mask under megatron_mesh's entry script, which passes the boundaries), or
+    None. Another script's --reset-attention-mask is a dense mask: Megatron's own attention reads
+    it at CP 1, and the plugin modes refuse it at CP > 1 (see _check_plugin_layers)."""
+    from . import bootstrap
+
+    if getattr(args, "cp_thd_packing", False):
+        return "thd"
+    if getattr(args, "reset_attention_mask", False) and bootstrap.ENTRY_PACKS_DOCUMENTS:
+        return "eod"
+    return None
+
+
+def _check_thd_flags(args, cp: int) -> None:
+    from . import bootstrap
+
+    if getattr(args, "cp_thd_pad_multiple", None) is not None and not getattr(args, "cp_thd_packing", False):
+        raise ValueError(f"--cp-thd-pad-multiple {args.cp_thd_pad_multiple} applies to --cp-thd-packing, which is "
+                         "not given: leave it out")
+    if getattr(args, "cp_thd_packing", False):
+        if not bootstrap.ENTRY_PACKS_DOCUMENTS:
+            raise ValueError("--cp-thd-packing is an option of megatron_mesh's entry script (scripts/pretrain_gpt.sh); "
+                             "this script builds its own batches")
+        m = args.cp_thd_pad_multiple or 2 * cp
+        if m % (2 * cp) or args.seq_length % m:
+            raise ValueError(f"--cp-thd-pad-multiple {m} must be a multiple of 2 x --context-parallel-size = {2 * cp} "
+                             f"and divide --seq-length {args.seq_length} (Transformer Engine's THD layout pads every "
+                             "sequence to a multiple of 2 x CP)")
+        if args.micro_batch_size != 1:
+            raise ValueError(f"--cp-thd-packing packs one sequence per micro-batch: --micro-batch-size must be 1, got "
+                             f"{args.micro_batch_size}")
+
+
+def _mesh_size(args, cp: int, active: set) -> Optional[int]:
+    """The CP size a Mesh tile must fit: the CP size, or a hybrid's inner size M (None: no Mesh)."""
+    if "mesh" in active:
+        return cp
+    hcp = getattr(args, "hierarchical_context_parallel_sizes", None)
+    if HYBRID_PREFIX + "mesh" in active and hcp and len(hcp) == 2:
+        return hcp[1]
+    return None
 
 
 def _check_values(args, mesh_cp: Optional[int]) -> None:
@@ -225,23 +339,39 @@ def _check_plugin_layers(args, cp: int, active: set, have_te: bool, te_reason: s
         raise ValueError(f"--cp-comm-type {plugin} needs the plugin's layer spec: add --spec megatron_mesh.megatron.spec "
                          "gpt_layer_spec (Megatron's own spec has no plugin attention)")
     if args.attention_dropout:
-        raise ValueError(f"--attention-dropout {args.attention_dropout}: the {'/'.join(PLUGIN_MODES)} modes "
-                         "support only 0 at CP > 1 (pass --attention-dropout 0)")
+        raise ValueError(f"--attention-dropout {args.attention_dropout}: the plugin modes "
+                         f"({', '.join(PLUGIN_MODES)}) support only 0 at CP > 1 (pass --attention-dropout 0)")
     backend = getattr(args, "attention_backend", None)
     if backend is not None and getattr(backend, "name", backend) != "auto":
         raise ValueError(f"--attention-backend {getattr(backend, 'name', backend)}: the {plugin} layers run the plugin's "
                          "own kernels (choose them with --cp-kernel-backend); --attention-backend selects Transformer "
                          "Engine's or Megatron's attention, which these layers do not use: leave it at auto")
-    if getattr(args, "window_size", None) is not None:
-        raise ValueError(f"--window-size {args.window_size}: sliding-window attention is not supported by "
-                         "the plugin modes")
+    window = getattr(args, "window_size", None)
+    if window is not None:
+        left, right = megatron_window(window)
+        if right not in (None, 0):  # GPT layers are causal: no later key is attended anyway
+            raise ValueError(f"--window-size {window[0]},{window[1]}: the plugin's causal layers attend no later key, so "
+                             "the right side must be 0 (or -1, unlimited)")
     softmax = getattr(args, "softmax_type", "vanilla")
     if softmax != "vanilla":
         raise ValueError(f"--softmax-type {softmax}: the plugin modes support only vanilla")
-    for flag in ("sft", "hybrid_context_parallel", "dataloader_inter_document_masking", "reset_attention_mask"):
+    for flag in ("sft", "hybrid_context_parallel", "dataloader_inter_document_masking"):
         if getattr(args, flag, False):
-            raise ValueError(f"--{flag.replace('_', '-')}: packed or document-masked sequences are not supported by "
-                             "the plugin modes (they attend over whole sequences)")
+            raise ValueError(f"--{flag.replace('_', '-')}: Megatron's {flag.replace('_', ' ')} batches are not supported by "
+                             "the plugin modes; pack documents with megatron_mesh's entry script instead "
+                             "(--reset-attention-mask: documents at end-of-document tokens, or --cp-thd-packing: "
+                             "Transformer Engine's THD layout)")
+    from . import bootstrap
+
+    documents = getattr(args, "reset_attention_mask", False) or getattr(args, "cp_thd_packing", False)
+    if documents and args.pipeline_model_parallel_size > 1:
+        raise ValueError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} with packed documents "
+                         "(--reset-attention-mask / --cp-thd-packing): the document boundaries reach only the first and "
+                         "last pipeline stages' batches; use pipeline parallelism 1")
+    if getattr(args, "reset_attention_mask", False) and not bootstrap.ENTRY_PACKS_DOCUMENTS:
+        raise ValueError("--reset-attention-mask: this entry script passes the documents as a dense [s, s] attention mask, "
+                         "which the plugin modes do not read; use megatron_mesh's entry script (scripts/pretrain_gpt.sh), "
+                         "which hands them the document boundaries")
     if "tasp" in active:
         _check_tasp(args, cp)
 
@@ -268,29 +398,6 @@ def _check_tasp(args, cp: int) -> None:
             raise ValueError(f"--seq-length {seq} with --context-parallel-size {cp}: {e}") from None
 
 
-def node_blocks(cp_ranks: tuple[int, ...], gpus: Optional[int]) -> list[tuple[int, ...]]:
-    """The CP ranks (indices into ``cp_ranks``, global ranks) that share a node, node by node."""
-    if not gpus:
-        return [tuple(range(len(cp_ranks)))]
-    nodes: dict[int, list[int]] = {}
-    for i, g in enumerate(cp_ranks):
-        nodes.setdefault(g // gpus, []).append(i)
-    return [tuple(v) for _, v in sorted(nodes.items())]
-
-
-def ranks_per_node(cp_ranks: tuple[int, ...], gpus: Optional[int]) -> Optional[int]:
-    """CP ranks per node for TASP (None: the whole CP group shares one node). Nodes must hold
-    equal, consecutive blocks of CP ranks -- Megatron's rank order gives that."""
-    blocks = node_blocks(cp_ranks, gpus)
-    if len(blocks) == 1:
-        return None
-    n = len(blocks[0])
-    if any(block != tuple(range(i * n, (i + 1) * n)) for i, block in enumerate(blocks)):
-        raise ValueError(f"CP group {list(cp_ranks)} spans nodes unevenly ({blocks} by CP rank); TASP needs the "
-                         "same number of consecutive CP ranks on every node (check --tasp-gpus-per-node)")
-    return n
-
-
 def _tile_area(tile) -> int:
     """a*b of an 'AxB' string (syntax check only; the CP size is checked where a mesh layer runs)."""
     if isinstance(tile, str) and tile != "auto":
@@ -307,64 +414,4 @@ def apply_args(args, config) -> None:
     for name in _FIELDS:
         setattr(config, name, getattr(args, name, None))
     config.cp_seq_length = getattr(args, "seq_length", None)
-
-
-def shape_from_config(config) -> AttentionShape:
-    """Per-rank attention shape implied by ``config`` (sequence length 2: byte counts are linear in
-    it, so the best tile does not depend on it)."""
-    tp = config.tensor_model_parallel_size
-    heads = max(1, config.num_attention_heads // tp)
-    groups = config.num_query_groups or config.num_attention_heads
-    kv_heads = max(1, groups // tp)
-    itemsize = 4 if str(config.params_dtype) == "torch.float32" else 2
-    return AttentionShape(seq_local=2, batch=1, heads=heads, kv_heads=kv_heads,
-                          head_dim=config.kv_channels, itemsize=itemsize)
-
-
-# Time-model defaults when the flags do not say: a sequence length per rank for configs built
-# outside the entry script (bytes scale linearly with it; the fastest tile depends on it mildly).
-_DEFAULT_SEQ_LOCAL = 8192
-
-
-def resolve_tile(cp_size: int, config) -> tuple[tuple[int, int], str]:
-    """The Mesh tile and rank order ("q"/"kv") of ``config`` for a CP group of ``cp_size``.
-
-    The ONE place that chooses them. An 'AxB' tile and a 'q'/'kv' order are taken as given; for
-    'auto' the planner's simulator (as :func:`megatron_mesh.plan.autotile.choose_tile`) predicts every
-    candidate on the machine -- CP ranks per node from --tasp-gpus-per-node or torchrun's
-    LOCAL_WORLD_SIZE divided by the TP size, H100 NVLink / 400 Gb/s InfiniBand defaults -- and the
-    fastest allowed one wins. Deterministic: every rank computes the same answer.
-    """
-    s = plugin_settings(config)
-    tile = parse_tile(s.tile, cp_size)
-    if tile != "auto" and s.contiguous != "auto":
-        return tile, s.contiguous
-    shape = shape_from_config(config)
-    seq_length = getattr(config, "cp_seq_length", None)
-    seq_local = seq_length // cp_size if seq_length else _DEFAULT_SEQ_LOCAL
-    shape = AttentionShape(seq_local=max(2, seq_local - seq_local % 2), batch=1, heads=shape.heads,
-                           kv_heads=shape.kv_heads, head_dim=shape.head_dim, itemsize=shape.itemsize)
-    allowed = [c for c in rank_tiles(cp_size, shape, _topology(cp_size, config, s), backward_chunks=s.backward_chunks,
-                                     schedule=s.schedule)
-               if (tile == "auto" or c.tile == tile) and s.contiguous in ("auto", c.contiguous)]
-    best = pick_best(allowed)  # the same tie-breaks as plan.autotile.choose_tile
-    return best.tile, best.contiguous
-
-
-def _topology(cp_size: int, config, settings: "PluginSettings") -> Topology:
-    """The CP group as nodes x CP ranks per node (consecutive CP ranks share a node: Megatron's
-    tp-cp-... rank order puts TP ranks innermost, so a node holds GPUs / TP consecutive CP ranks)."""
-    gpus = gpus_per_node(settings)
-    tp = getattr(config, "tensor_model_parallel_size", 1) or 1
-    per_node = max(1, min(cp_size, gpus // tp)) if gpus else cp_size
-    if cp_size % per_node:
-        per_node = cp_size  # uneven split: model the group as one node
-    return Topology(nodes=cp_size // per_node, gpus_per_node=per_node)
-
-
-def gpus_per_node(settings: PluginSettings) -> Optional[int]:
-    """GPUs per node for TASP: the flag, else torchrun's LOCAL_WORLD_SIZE, else None (one node)."""
-    if settings.tasp_gpus_per_node is not None:
-        return settings.tasp_gpus_per_node
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    return int(local) if local else None
+    config.cp_documents = _documents(args)

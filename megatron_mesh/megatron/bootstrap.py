@@ -25,6 +25,9 @@ from . import ensure_typing_override
 __all__ = ["die_with_parent", "prepare_runtime", "check_args", "fail", "install_argument_hook", "megatron_args"]
 
 _CHECKED: set[int] = set()  # id() of the argument namespaces already checked (Megatron keeps one for the run)
+# True in megatron_mesh's own entry script, whose batches carry document boundaries to the plugin
+# layers (--reset-attention-mask, --cp-thd-packing); other scripts' batches do not
+ENTRY_PACKS_DOCUMENTS = False
 _PARENT_AT_START = os.getppid()  # before the launcher could have died: the reference for die_with_parent
 LAUNCHER_PID_ENV = "MEGATRON_MESH_LAUNCHER_PID"  # set by megatron_mesh.launch for the workers it starts
 

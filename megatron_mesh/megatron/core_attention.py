@@ -8,17 +8,27 @@ Megatron-Core 0.19 builds core attention per layer as::
 and calls ``forward(query, key, value, attention_mask, attn_mask_type=, attention_bias=,
 packed_seq_params=)`` with query [sq, b, heads, head_dim] and key/value [sk, b, kv_heads,
 head_dim] -- this rank's zigzag chunk of the sequence (CP rank r holds chunks r and 2*CP-1-r) --
-returning [sq, b, heads * head_dim].
+returning [sq, b, heads * head_dim]. With packed sequences (``packed_seq_params.qkv_format ==
+"thd"``) they are [t, heads, head_dim]: this rank's tokens of Transformer Engine's THD layout.
 
 :class:`CPCoreAttention` is the builder to put in a layer spec. Per layer it reads the layer's
 ``cp_comm_type`` (``TransformerLayer`` passes each layer its entry of a per-layer list):
 
-* ``mesh`` / ``tasp`` / ``ring`` -> :class:`PluginCoreAttention` (this package's engine);
+* a plugin mode -- ``mesh``, ``tasp``, ``ring`` or a Ulysses hybrid ``a2a+mesh`` / ``a2a+tasp`` /
+  ``a2a+ring`` (the registry :data:`megatron_mesh.plan.MODES`) -> :class:`PluginCoreAttention`;
 * ``p2p`` / ``a2a`` / ``all_gather`` / ``a2a+p2p`` -> Transformer Engine's ``TEDotProductAttention``
   (an error naming the mode when Transformer Engine is not usable);
 * CP size 1 -> Megatron's own core attention (``DotProductAttention``, or Transformer Engine's with
   ``--transformer-impl transformer_engine``): no context parallelism, nothing for the plugin to do,
-  and everything Megatron's attention supports (dropout, masks) keeps working.
+  and everything Megatron's attention supports (dropout, masks) keeps working -- except where the
+  batches carry document boundaries Megatron's own attention cannot read (packed THD sequences,
+  documents from end-of-document tokens) or the layer has a sliding window: then the plugin's
+  attention over one rank, the same exact mask.
+
+Masks reach the plan as data: the layer's window (``--window-size``, per layer with
+``--window-attn-skip-freq``), the documents of ``packed_seq_params`` (THD: Transformer Engine's
+layout, ``cu_seqlens_q`` / ``_padded``; ``sbhd`` with ``cu_seqlens_q`` [batch, k]: the global
+boundaries per sample, which megatron_mesh's entry script derives from end-of-document tokens).
 
 Example (CP 4, 2 layers): ``--cp-comm-type mesh tasp`` gives layer 1 Mesh-Attention (tile from
 ``--mesh-tile-shape``) and layer 2 TASP, both inside the same model.
@@ -29,6 +39,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -36,7 +47,8 @@ from megatron.core.transformer.utils import is_layer_window_attention
 from torch import Tensor
 
 from . import PLUGIN_MODES, TE_MODES, telemetry
-from .args import have_transformer_engine, plugin_settings, resolve_tile
+from .args import have_transformer_engine, megatron_window, plugin_settings
+from .placement import resolve_placement
 
 __all__ = ["CPCoreAttention", "PluginCoreAttention"]
 
@@ -62,7 +74,9 @@ class CPCoreAttention:
         common = dict(config=config, layer_number=layer_number, attn_mask_type=attn_mask_type,
                       attention_type=attention_type, softmax_scale=softmax_scale, pg_collection=pg_collection)
         if _cp_size(config, pg_collection) == 1:
-            return _megatron_attention(config, common, kwargs)
+            if not _needs_plugin_mask(config, layer_number):
+                return _megatron_attention(config, common, kwargs)
+            return PluginCoreAttention(cp_comm_type="ring", **common, **kwargs)
         if cp_comm_type in PLUGIN_MODES:
             return PluginCoreAttention(cp_comm_type=cp_comm_type, **common, **kwargs)
         mode = "p2p" if cp_comm_type is None else cp_comm_type  # TE's default for None
@@ -71,6 +85,19 @@ class CPCoreAttention:
                              f"allowed: {', '.join(PLUGIN_MODES)} (megatron_mesh) or {', '.join(TE_MODES)} "
                              "(Transformer Engine)")
         return _te_attention(mode, common, kwargs)
+
+
+def _layer_window(config, layer_number: int):
+    """The plugin window (left, right) of this layer, or None."""
+    if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+        return megatron_window(config.window_size)
+    return None
+
+
+def _needs_plugin_mask(config, layer_number: int) -> bool:
+    """At CP 1: whether this layer's mask is one Megatron's own attention cannot apply here (a
+    window, or documents carried as boundaries instead of a dense mask)."""
+    return getattr(config, "cp_documents", None) is not None or _layer_window(config, layer_number) is not None
 
 
 def _megatron_attention(config, common: dict, kwargs: dict):
@@ -95,11 +122,11 @@ def _te_attention(mode: Optional[str], common: dict, kwargs: dict):
 
 
 class PluginCoreAttention(MegatronModule):
-    """Attention over the CP group with this package's engine (mesh, tasp or ring).
+    """Attention over the CP group with this package's engine (any plugin mode).
 
-    Supported: self-attention with a causal mask or none, MHA/GQA/MQA, any softmax scale, sbhd
-    layout. Anything else raises ValueError naming the value and what is allowed; nothing falls
-    back to another mode.
+    Supported: self-attention with a causal mask or none, sliding windows, packed documents (THD
+    or boundaries per sample), MHA/GQA/MQA, any softmax scale. Anything else raises ValueError
+    naming the value and what is allowed; nothing falls back to another mode.
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
@@ -125,78 +152,94 @@ class PluginCoreAttention(MegatronModule):
         self.mode = cp_comm_type if self.cp_size > 1 else "ring"  # CP 1: one block, no transfers
         if self.mode not in PLUGIN_MODES:
             raise ValueError(f"{where}: PluginCoreAttention runs {', '.join(PLUGIN_MODES)}, not {cp_comm_type!r}")
-        self.tile, self.contiguous = None, None  # Mesh: resolved by args.resolve_tile
-        self.comm = telemetry.timed_communicator(self._communicator(config))
-        self.ranks_per_node = None  # TASP: CP ranks per node (None: one node)
-        if self.mode == "tasp" and self.cp_size > 1:
-            from .groups import cp_ranks_per_node
+        self.window = _layer_window(config, layer_number)
+        self.documents = getattr(config, "cp_documents", None)
+        from . import groups
 
-            self.ranks_per_node = cp_ranks_per_node(config, self.cp_group)
-        tile = f"{self.tile[0]}x{self.tile[1]}" if self.tile else None
-        telemetry.register_layer(layer_number, self.describe(), dict(mode=self.mode, cp=self.cp_size, tile=tile),
+        self.placement = resolve_placement(self.mode, config, groups.cp_ranks(self.cp_group))
+        self.comm = telemetry.timed_communicator(groups.communicator(config, self.cp_group, self.placement))
+        p = self.placement
+        tile = f"{p.tile[0]}x{p.tile[1]}" if p.tile and self.mode != "ring" else None
+        telemetry.register_layer(layer_number, self.describe(),
+                                 dict(mode=self.mode, cp=self.cp_size, tile=tile, ulysses=p.ulysses,
+                                      window=list(self.window) if self.window else None, documents=self.documents),
                                  logs=_logs_for_its_stage(self.cp_group))
 
     def describe(self) -> str:
         """The mode and its settings (the per-stage summary line of :mod:`.telemetry`)."""
-        s = self.settings
         if self.cp_size == 1:
-            return f"single-rank attention (CP 1, kernel {s.kernel})"
-        detail = {"mesh": f"tile {self.tile[0]}x{self.tile[1]}, schedule {s.schedule}, backward "
-                          f"{s.backward_chunks}, contiguous {self.contiguous}" if self.tile else "",
-                  "tasp": f"transport {s.tasp_transport}, CP ranks per node {self.ranks_per_node or self.cp_size}",
-                  "ring": "zigzag ring"}[self.mode]
-        return f"{self.mode} (CP {self.cp_size}, {detail}, kernel {s.kernel})"
-
-    def _communicator(self, config):
-        from . import groups
-
-        if self.cp_size == 1 or self.mode == "ring":
-            return groups.cp_communicator(self.cp_group)
-        if self.mode == "mesh":
-            self.tile, self.contiguous = resolve_tile(self.cp_size, config)
-            return groups.mesh_communicator(config, self.cp_group, self.tile, self.contiguous)
-        if self.settings.tasp_transport == "alltoall":
-            return groups.alltoall_communicator(self.cp_group)
-        return groups.tasp_communicator(config, self.cp_group)
+            what = "single-rank attention (CP 1"
+        else:
+            what = self.placement.describe()[:-1]
+        extras = [f"kernel {self.settings.kernel}"]
+        if self.window:
+            extras.append(f"window {self.window[0] if self.window[0] is not None else '-'},"
+                          f"{self.window[1] if self.window[1] is not None else '-'}")
+        if self.documents:
+            extras.append(f"documents {self.documents}")
+        return f"{what}, {', '.join(extras)})"
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                 attn_mask_type: Optional[AttnMaskType] = None, attention_bias: Optional[Tensor] = None,
                 packed_seq_params=None) -> Tensor:
-        """query [sq, b, heads, d], key/value [sk, b, kv_heads, d] -> [sq, b, heads * d].
+        """query [sq, b, heads, d] (or [t, heads, d] for THD), key/value likewise ->
+        [sq, b, heads * d].
 
         ``attention_mask`` is not read: with a causal mask type it only repeats the causal
-        structure (Transformer Engine ignores it the same way)."""
+        structure (Transformer Engine ignores it the same way); documents come as boundaries
+        (``packed_seq_params``), not as a dense mask."""
         where = f"layer {self.layer_number} ({self.mode})"
         if attention_bias is not None:
             raise ValueError(f"{where}: attention_bias is not supported by the plugin modes (allowed: None)")
-        if packed_seq_params is not None:
-            fmt = getattr(packed_seq_params, "qkv_format", None)
-            raise ValueError(f"{where}: packed sequences (packed_seq_params, qkv_format={fmt!r}) are not supported "
-                             "by the plugin modes (allowed: None, i.e. the sbhd layout)")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         causal = _causal(mask_type, where)
         telemetry.on_forward()
         (query, key, value), mark_output = telemetry.mark_backward((query, key, value))
         with telemetry.compute_phase():
-            out = self._attention(query, key, value, causal)
+            out = self._with_documents(query, key, value, causal, packed_seq_params, where)
         out = mark_output(out)
-        sq, b, h, d = out.shape
-        return out.reshape(sq, b, h * d)
+        return out.reshape(out.shape[0], out.shape[1], -1)
 
-    def _attention(self, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
-        from ..runtime.api import mesh_attention, ring_attention
+    def _with_documents(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, packed, where: str) -> Tensor:
+        fmt = getattr(packed, "qkv_format", None) if packed is not None else None
+        if self.documents is not None and packed is None:
+            raise ValueError(f"{where}: the batches were to carry document boundaries ({self.documents}) but "
+                             "packed_seq_params is None: the model was called without them")
+        if fmt == "thd":
+            from ..plan import ThdLayout
 
-        s = self.settings
-        common = dict(causal=causal, softmax_scale=self.softmax_scale, kernel=s.kernel, comm=self.comm)
-        if self.mode == "mesh":
-            return mesh_attention(q, k, v, tile=self.tile, schedule=s.schedule, backward_chunks=s.backward_chunks,
-                                  contiguous=self.contiguous, **common)
-        if self.mode == "tasp":
-            from ..runtime.api import tasp_attention
+            if q.dim() != 3:
+                raise ValueError(f"{where}: THD inputs must be [t, heads, head_dim], got {tuple(q.shape)}")
+            cu_pad = packed.cu_seqlens_q_padded if packed.cu_seqlens_q_padded is not None else packed.cu_seqlens_q
+            lens = (packed.cu_seqlens_q[1:] - packed.cu_seqlens_q[:-1]).tolist()
+            layout = ThdLayout(self.cp_size, tuple(cu_pad.tolist()), tuple(lens))
+            out = self._attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), causal, layout=layout)
+            return out
+        if fmt not in (None, "sbhd"):
+            raise ValueError(f"{where}: packed_seq_params qkv_format {fmt!r} is not supported by the plugin modes "
+                             "(allowed: 'thd', or 'sbhd' with per-sample document boundaries)")
+        cu = getattr(packed, "cu_seqlens_q", None) if packed is not None else None
+        if cu is None:
+            return self._attention(q, k, v, causal)
+        # per-sample boundaries [b, k] over the global sequence (padded with its length); samples
+        # with the same documents share one call
+        rows = [tuple(sorted(set(r.tolist()))) for r in (cu if cu.dim() == 2 else cu.unsqueeze(0))]
+        if len(rows) == 1:
+            rows = rows * q.shape[1]
+        if len(rows) != q.shape[1]:
+            raise ValueError(f"{where}: {len(rows)} rows of document boundaries for a batch of {q.shape[1]}")
+        if len(set(rows)) == 1:
+            return self._attention(q, k, v, causal, cu_seqlens=list(rows[0]))
+        outs = [self._attention(q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], causal, cu_seqlens=list(r))
+                for i, r in enumerate(rows)]
+        return torch.cat(outs, dim=1)
 
-            return tasp_attention(q, k, v, group=self.cp_group, gpus_per_node=self.ranks_per_node,
-                                  transport=s.tasp_transport, **common)
-        return ring_attention(q, k, v, **common)
+    def _attention(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, cu_seqlens=None, layout=None) -> Tensor:
+        from ..runtime.api import attention
+
+        return attention(q, k, v, mode=self.placement.mode, placement=self.placement, comm=self.comm, causal=causal,
+                         window=self.window, cu_seqlens=cu_seqlens, layout=layout, softmax_scale=self.softmax_scale,
+                         kernel=self.settings.kernel)
 
 
 def _causal(mask_type: AttnMaskType, where: str) -> bool:
@@ -218,9 +261,10 @@ def _check_config(config, where: str, layer_number: int, attention_type: str, at
     if k_channels is not None and v_channels is not None and k_channels != v_channels:
         raise ValueError(f"{where}: key head dim {k_channels} != value head dim {v_channels} (MLA); "
                          "the plugin modes need equal dims")
-    if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
-        raise ValueError(f"{where}: sliding-window attention (window_size={config.window_size}) is not supported "
-                         "(allowed: None)")
+    window = _layer_window(config, layer_number)
+    if window is not None and window[1] not in (None, 0) and _CAUSAL.get(attn_mask_type, False):
+        raise ValueError(f"{where}: window_size {config.window_size} on a causal layer: the right side must be 0 "
+                         "(or -1, unlimited)")
     softmax_type = getattr(config, "softmax_type", "vanilla")
     if softmax_type != "vanilla":
         raise ValueError(f"{where}: softmax_type {softmax_type!r} is not supported (allowed: 'vanilla')")

@@ -40,16 +40,18 @@ def parse_args(argv=None):
         argv = ["--spec", *DEFAULT_SPEC, *argv]
     sys.argv = [sys.argv[0], *argv]
     bootstrap.install_argument_hook()
+    bootstrap.ENTRY_PACKS_DOCUMENTS = True  # get_batch below hands the plugin layers their documents
     args = arguments.parse_and_validate_args(extra_args_provider=add_args, args_defaults=ARGS_DEFAULTS)
     _check_data_args(args)
     return args
 
 
 def _check_data_args(args) -> None:
-    for flag in ("sft", "hybrid_context_parallel", "dataloader_inter_document_masking", "reset_attention_mask"):
+    for flag in ("sft", "hybrid_context_parallel", "dataloader_inter_document_masking"):
         if getattr(args, flag, False):
-            bootstrap.fail(f"--{flag.replace('_', '-')} is not supported by this entry script (packed or "
-                           "document-masked sequences); the plugin modes attend over whole sequences")
+            bootstrap.fail(f"--{flag.replace('_', '-')} is not supported by this entry script; it packs documents with "
+                           "--reset-attention-mask (boundaries at end-of-document tokens) or --cp-thd-packing "
+                           "(Transformer Engine's THD layout)")
 
 
 # -- batches and loss ---------------------------------------------------------------------------------
@@ -58,14 +60,16 @@ _BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids"
 
 def get_batch(data_iterator, vp_stage=None):
     """This rank's micro-batch: TP rank 0 reads it, broadcasts it over the TP group, and every
-    rank keeps its zigzag CP chunk (chunks r and 2*CP-1-r of each sequence)."""
+    rank keeps its CP share -- the zigzag chunk (chunks r and 2*CP-1-r of each sequence), or with
+    --cp-thd-packing its tokens of Transformer Engine's THD layout. With --reset-attention-mask
+    or --cp-thd-packing the document boundaries travel as ``packed_seq_params`` (the last item)."""
     from megatron.core import parallel_state as mpu
     from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
     from megatron.training import get_args
     from megatron.training.utils import is_first_or_last_pipeline_stage
 
     if not is_first_or_last_pipeline_stage(vp_stage):
-        return (None,) * len(_BATCH_KEYS)
+        return (None,) * (len(_BATCH_KEYS) + 1)
     args = get_args()
     tp_rank = mpu.get_tensor_model_parallel_rank()
     batch = {}
@@ -82,8 +86,87 @@ def get_batch(data_iterator, vp_stage=None):
         mtp_on_this_rank=bool(getattr(args, "mtp_num_layers", None)) and last,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         is_pipeline_first_stage=mpu.is_pipeline_first_stage(), is_pipeline_last_stage=last)
-    batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=mpu.get_context_parallel_group())
-    return tuple(batch.get(k) for k in _BATCH_KEYS)
+    packed = None
+    cp_group = mpu.get_context_parallel_group()
+    if args.cp_thd_packing:  # every TP rank packs the same broadcast tokens: nothing more to send
+        batch, packed = pack_thd(batch, _eod(), args.cp_thd_pad_multiple or 2 * args.context_parallel_size,
+                                 cp_group.size(), cp_group.rank())
+    else:
+        if args.reset_attention_mask:
+            packed = document_params(batch["tokens"], _eod())
+        batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
+    return tuple(batch.get(k) for k in _BATCH_KEYS) + (packed,)
+
+
+def _eod() -> int:
+    from megatron.training import get_tokenizer
+
+    return get_tokenizer().eod
+
+
+def document_starts(tokens_row: torch.Tensor, eod: int) -> list[int]:
+    """Where documents start in one sample: 0 and after every end-of-document token (but the
+    last position), as Megatron's --reset-attention-mask cuts them."""
+    ends = (tokens_row == eod).nonzero().flatten().tolist()
+    return [0] + [i + 1 for i in ends if i + 1 < tokens_row.numel()]
+
+
+def document_params(tokens: torch.Tensor, eod: int):
+    """PackedSeqParams (qkv_format 'sbhd') whose cu_seqlens_q is [batch, k]: each sample's
+    document boundaries over the global sequence (rows padded with the sequence length) -- what
+    the plugin layers need instead of a dense [s, s] mask."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    S = tokens.shape[1]
+    rows = [document_starts(row, eod) + [S] for row in tokens]
+    width = max(len(r) for r in rows)
+    cu = torch.tensor([r + [S] * (width - len(r)) for r in rows], dtype=torch.int32, device=tokens.device)
+    return PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=S, max_seqlen_kv=S)
+
+
+def pack_thd(batch: dict, eod: int, multiple: int, cp_size: int, cp_rank: int):
+    """One sample's documents in Transformer Engine's THD CP layout: each document (cut at end-of-
+    document tokens) padded to a multiple of ``multiple`` (a multiple of 2 x CP size), packed in
+    order into the sample's S tokens (the last one cut to fit; padding has loss mask 0), then this
+    rank's tokens of every sequence (megatron_mesh.thd_shard, what TE's thd_get_partitioned_indices
+    selects). Returns the sharded batch and its PackedSeqParams (global cu_seqlens, real and
+    padded)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from ..plan import ThdLayout
+    from ..runtime.api import thd_shard
+
+    tokens = batch["tokens"]
+    if tokens.shape[0] != 1:
+        raise ValueError(f"--cp-thd-packing packs one sample per micro-batch, got a batch of {tokens.shape[0]}")
+    S = tokens.shape[1]
+    starts = document_starts(tokens[0], eod) + [S]
+    out = {k: torch.zeros_like(batch[k]) for k in ("tokens", "labels", "loss_mask", "position_ids") if k in batch}
+    cu_real, cu_pad, pos = [0], [0], 0
+    for a, b in zip(starts, starts[1:]):
+        if pos >= S:
+            break
+        n = min(b - a, S - pos)
+        padded = min(-(-n // multiple) * multiple, S - pos)
+        for k in ("tokens", "labels", "loss_mask"):
+            if k in out:
+                out[k][0, pos:pos + n] = batch[k][0, a:a + n]
+        if "position_ids" in out:
+            out["position_ids"][0, pos:pos + n] = torch.arange(n, device=tokens.device)
+        pos += padded
+        cu_real.append(cu_real[-1] + n)
+        cu_pad.append(pos)
+    if pos < S:  # the rest of the sample: one sequence of padding only
+        cu_real.append(cu_real[-1])
+        cu_pad.append(S)
+    layout = ThdLayout(cp_size, tuple(cu_pad), tuple(b - a for a, b in zip(cu_real, cu_real[1:])))
+    sharded = {k: thd_shard(v, cp_rank, layout, dim=1) for k, v in out.items()}
+    dev = tokens.device
+    real = torch.tensor(cu_real, dtype=torch.int32, device=dev)
+    padded = torch.tensor(cu_pad, dtype=torch.int32, device=dev)
+    longest = max(b - a for a, b in zip(cu_pad, cu_pad[1:]))
+    return sharded, PackedSeqParams(qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real, cu_seqlens_q_padded=padded,
+                                    cu_seqlens_kv_padded=padded, max_seqlen_q=longest, max_seqlen_kv=longest)
 
 
 def loss_func(loss_mask, output_tensor):
@@ -111,9 +194,9 @@ def forward_step(data_iterator, model):
     timers = get_timers()
     timers("batch-generator", log_level=2).start()
     vp_stage = get_attr_wrapped_model(model, "vp_stage")
-    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, vp_stage)
+    tokens, labels, loss_mask, attention_mask, position_ids, packed = get_batch(data_iterator, vp_stage)
     timers("batch-generator").stop()
-    output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+    output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask, packed_seq_params=packed)
     return output, partial(loss_func, loss_mask)
 
 
