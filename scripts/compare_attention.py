@@ -4,10 +4,17 @@
 For each mode (ring, Mesh tiles, TASP, the Ulysses hybrids) it runs the same zigzag-sharded
 attention forward + backward through ``megatron_mesh.attention``, and prints per mode: the max
 error of out/dq/dk/dv against a dense fp64 reference on the full sequence, the bytes each rank
-sent (measured by ``comm_counter()`` and predicted by the plan of the same placement) and the wall
-time of forward + backward.
+sent (measured by ``comm_counter()`` and predicted by the plan of the same placement), the wall
+time of forward + backward (best of --repeat) and the per-rank work (allowed (query, key) pairs
+computed, max / mean over ranks: 1.00 is perfect balance).
+
+Masks: ``--docs fixed:N|lognormal:MEAN,SIGMA`` packs documents into the sequence (``cu_seqlens``,
+Megatron's global zigzag layout), ``--window L[,R]`` adds a sliding window; ``--unmasked`` also runs
+every mode without the mask, so each row shows masked / unmasked bytes and time.
 
     python scripts/compare_attention.py --world 4 --modes ring mesh:auto mesh:2x2 mesh:4x1 tasp a2a+ring:2
+    python scripts/compare_attention.py --world 8 --seq-len 65536 --heads 2 --kv-heads 2 --head-dim 32 \
+        --docs lognormal:4096,1.0 --unmasked --modes ring mesh:auto mesh:2x4 tasp
 
 Modes: ``ring``, ``mesh[:AxB|:auto]``, ``tasp[:GPUS_PER_NODE]``, ``a2a+ring:U``, ``a2a+mesh:U[:AxB]``,
 ``a2a+tasp:U`` (U: the all-to-all degree).
@@ -24,6 +31,8 @@ import megatron_mesh as mm
 from megatron_mesh.kernels import reference_attention
 from megatron_mesh.launch import spawn
 from megatron_mesh.plan import AttentionShape, Mask, parse_tile, plan_bytes, resolve
+from megatron_mesh.plan.accounting import rank_work
+from megatron_mesh.tools.plan_cli import document_bounds
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
@@ -46,43 +55,75 @@ def mode_settings(mode: str, world: int) -> tuple[str, dict]:
                      "a2a+mesh:U[:AxB], a2a+tasp:U")
 
 
-def planned(mode: str, world: int, shape: AttentionShape, causal: bool):
+def mask_of(args) -> Mask:
+    """The run's mask: causal or full, with --docs and --window (Megatron's global layout)."""
+    window = None
+    if args.window is not None:
+        parts = [int(x) for x in args.window.split(",")]
+        window = (parts[0], parts[1] if len(parts) > 1 else (0 if not args.full else None))
+    if args.docs is None:
+        return Mask(not args.full, window).normalized(args.seq_len)
+    return Mask.from_cu_seqlens(document_bounds(args.docs, args.seq_len, args.seed), args.seq_len, not args.full,
+                                window).normalized(args.seq_len)
+
+
+def planned(mode: str, world: int, shape: AttentionShape, mask: Mask):
     """The plan the runtime runs for ``mode`` (the same placement: settings, auto tile, mask)."""
     name, settings = mode_settings(mode, world)
     if name == "mesh":
-        settings["causal"] = causal  # tile "auto" is simulated for this mask, as the runtime does
+        settings["causal"] = mask.causal  # tile "auto" is chosen for causal / full attention, as the runtime does
     placement = resolve(name, world, shape, **settings)
-    return placement, placement.build(shape, Mask(causal))
+    return placement, placement.build(shape, mask)
 
 
-def run_rank(rank: int, world: int, args) -> list[dict]:
+def _kwargs(mask: Mask) -> dict:
+    """megatron_mesh.attention's mask arguments for ``mask``."""
+    kw = dict(causal=mask.causal)
+    if mask.window != (None, None):
+        kw["window"] = mask.window
+    if mask.documents is not None:
+        kw["cu_seqlens"] = [mask.documents[0][0]] + [b for _, b in mask.documents]  # packed: no gaps
+    return kw
+
+
+def run_rank(rank: int, world: int, args, masks) -> list[dict]:
     dtype = DTYPES[args.dtype]
     g = torch.Generator().manual_seed(0)
     S, B, H, G, D = args.seq_len, args.batch, args.heads, args.kv_heads, args.head_dim
     Q, K, V, dO = (torch.randn(S, B, h, D, generator=g, dtype=torch.float64) for h in (H, G, G, H))
-    ref_in = [x.clone().requires_grad_() for x in (Q, K, V)]
-    ref = reference_attention(*ref_in, causal=not args.full)
-    ref.backward(dO)
-    want = [ref.detach()] + [x.grad for x in ref_in]
     shard = lambda x: mm.zigzag_shard(x, rank, world)  # noqa: E731
     rows = []
-    for mode in args.modes:
-        name, settings = mode_settings(mode, world)
-        q, k, v = (shard(x).to(dtype).requires_grad_() for x in (Q, K, V))
-        torch.distributed.barrier()
-        t0 = time.perf_counter()
-        with mm.comm_counter() as c:
-            out = mm.attention(q, k, v, mode=name, causal=not args.full, **settings)
-            out.backward(shard(dO).to(dtype))
-        elapsed = time.perf_counter() - t0
-        got = [out, q.grad, k.grad, v.grad]
-        err = max((a.double() - shard(b)).abs().max().item() for a, b in zip(got, want))
-        rows.append(dict(mode=mode, err=err, sent=c.bytes_sent, received=c.bytes_received, time=elapsed))
+    for mask in masks:
+        want = None
+        if not args.no_check:
+            ref_in = [x.clone().requires_grad_() for x in (Q, K, V)]
+            ref = reference_attention(*ref_in, mask=mask)
+            ref.backward(dO)
+            want = [ref.detach()] + [x.grad for x in ref_in]
+        for mode in args.modes:
+            name, settings = mode_settings(mode, world)
+            best = None
+            for _ in range(args.repeat):
+                q, k, v = (shard(x).to(dtype).requires_grad_() for x in (Q, K, V))
+                torch.distributed.barrier()
+                t0 = time.perf_counter()
+                with mm.comm_counter() as c:
+                    out = mm.attention(q, k, v, mode=name, **settings, **_kwargs(mask))
+                    out.backward(shard(dO).to(dtype))
+                elapsed = time.perf_counter() - t0
+                best = elapsed if best is None else min(best, elapsed)
+            err = float("nan")
+            if want is not None:
+                got = [out, q.grad, k.grad, v.grad]
+                err = max((a.double() - shard(b)).abs().max().item() for a, b in zip(got, want))
+            rows.append(dict(mode=mode, mask=mask.text(), err=err, sent=c.bytes_sent, received=c.bytes_received,
+                             time=best))
     return rows
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    """Print the table; return one row per mode (max error, max bytes sent and the plan's, time)."""
+    """Print the table; return one row per (mask, mode): max error, max bytes sent and the plan's,
+    time, per-rank work max / mean."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, default=4, help="CP size = number of CPU processes (default 4)")
     ap.add_argument("--modes", nargs="+", default=["ring", "mesh:auto", "mesh:2x2", "mesh:4x1", "tasp"])
@@ -93,40 +134,67 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     ap.add_argument("--full", action="store_true", help="non-causal attention")
+    ap.add_argument("--docs", help="packed documents: fixed:N or lognormal:MEAN,SIGMA (see megatron-mesh-plan)")
+    ap.add_argument("--seed", type=int, default=0, help="random seed of --docs lognormal")
+    ap.add_argument("--window", help="sliding window L or L,R (R defaults to 0 when causal)")
+    ap.add_argument("--unmasked", action="store_true", help="also run every mode without --docs / --window")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per mode; the time is the best (default 1)")
+    ap.add_argument("--no-check", action="store_true", help="skip the dense fp64 reference (long sequences)")
     args = ap.parse_args(argv)
     if args.seq_len % (2 * args.world):
         raise SystemExit(f"--seq-len {args.seq_len} must be divisible by 2 * --world = {2 * args.world}")
+    try:
+        mask = mask_of(args)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    masks = [mask]
+    if args.unmasked and not mask.is_dense:
+        masks.append(Mask(not args.full).normalized(args.seq_len))
     shape = AttentionShape(args.seq_len // args.world, args.batch, args.heads, args.kv_heads, args.head_dim,
                            torch.tensor([], dtype=DTYPES[args.dtype]).element_size())
     plans = {}
-    for mode in args.modes:
-        try:
-            plans[mode] = planned(mode, args.world, shape, not args.full)
-        except ValueError as e:
-            raise SystemExit(f"--modes {mode}: {e}") from None
-    results = spawn(run_rank, args.world, args, timeout=600)
+    for m in masks:
+        for mode in args.modes:
+            try:
+                plans[m, mode] = planned(mode, args.world, shape, m)
+            except ValueError as e:
+                raise SystemExit(f"--modes {mode}: {e}") from None
+    results = spawn(run_rank, args.world, args, masks, timeout=3600)
+    return _report(args, shape, masks, plans, results)
+
+
+def _report(args, shape: AttentionShape, masks: list[Mask], plans: dict, results: list[list[dict]]) -> list[dict]:
+    """Print one table per mask (the rows of every rank merged: the busiest rank's bytes and the
+    slowest rank's time); exit if a rank's measured bytes differ from its plan's."""
     print(f"CP={args.world} seq_len={args.seq_len} heads={args.heads}/{args.kv_heads} head_dim={args.head_dim} "
           f"{args.dtype} {'full' if args.full else 'causal'} (forward + backward, per rank)")
-    print(f"{'mode':<14}{'tile':>8}{'max err vs fp64':>17}{'bytes sent':>14}{'planned':>14}{'vs ring':>9}{'time s':>9}")
-    table, ring_bytes = [], None
-    for i, mode in enumerate(args.modes):
-        rows = [r[i] for r in results]
-        placement, plan = plans[mode]
-        want = [(b.sent, b.received) for b in plan_bytes(plan, shape)]
-        sent, planned_sent = max(r["sent"] for r in rows), max(s for s, _ in want)
-        if mode == "ring":
-            ring_bytes = sent
-        ratio = f"{sent / ring_bytes:.2f}" if ring_bytes else "-"
-        tile = placement.tile or (placement.inner.tile if placement.inner is not None else None)
-        tile_s = f"{tile[0]}x{tile[1]}" if tile else "-"
-        err = max(r["err"] for r in rows)
-        print(f"{mode:<14}{tile_s:>8}{err:>17.2e}{sent:>14,}{planned_sent:>14,}{ratio:>9}"
-              f"{max(r['time'] for r in rows):>9.3f}")
-        table.append(dict(mode=mode, tile=tile, err=err, sent=sent, planned=planned_sent,
-                          time=max(r["time"] for r in rows)))
-        if [(r["sent"], r["received"]) for r in rows] != want:
-            raise SystemExit(f"{mode}: measured bytes {[(r['sent'], r['received']) for r in rows]} differ from the "
-                             f"plan's {want}")
+    table = []
+    for j, m in enumerate(masks):
+        print(f"\nmask: {m.summary()}")
+        print(f"{'mode':<14}{'tile':>8}{'max err vs fp64':>17}{'bytes sent':>14}{'planned':>14}{'vs ring':>9}"
+              f"{'time s':>9}{'work max/mean':>15}")
+        ring_bytes = None
+        for i, mode in enumerate(args.modes):
+            rows = [r[j * len(args.modes) + i] for r in results]
+            placement, plan = plans[m, mode]
+            want = [(b.sent, b.received) for b in plan_bytes(plan, shape)]
+            sent, planned_sent = max(r["sent"] for r in rows), max(s for s, _ in want)
+            if mode == "ring":
+                ring_bytes = sent
+            ratio = f"{sent / ring_bytes:.2f}" if ring_bytes else "-"
+            tile = placement.tile or (placement.inner.tile if placement.inner is not None else None)
+            tile_s = f"{tile[0]}x{tile[1]}" if tile else "-"
+            err = max(r["err"] for r in rows)
+            work = [f + b for f, b in zip(rank_work(plan, "forward"), rank_work(plan, "backward"))]
+            balance = max(work) / (sum(work) / len(work)) if sum(work) else 1.0
+            elapsed = max(r["time"] for r in rows)
+            print(f"{mode:<14}{tile_s:>8}{err:>17.2e}{sent:>14,}{planned_sent:>14,}{ratio:>9}{elapsed:>9.3f}"
+                  f"{balance:>15.2f}")
+            table.append(dict(mode=mode, mask=m.text(), tile=tile, err=err, sent=sent, planned=planned_sent,
+                              time=elapsed, work_max=max(work), work_mean=sum(work) / len(work), balance=balance))
+            if [(r["sent"], r["received"]) for r in rows] != want:
+                raise SystemExit(f"{mode}: measured bytes {[(r['sent'], r['received']) for r in rows]} differ from "
+                                 f"the plan's {want}")
     return table
 
 

@@ -15,7 +15,7 @@ import torch
 
 import megatron_mesh as mm
 from megatron_mesh.kernels import reference_attention
-from megatron_mesh.plan import AttentionShape, Mask, ThdLayout, plan_bytes, resolve, tile_shapes
+from megatron_mesh.plan import AttentionShape, Mask, ThdLayout, plan_bytes, tile_shapes
 from megatron_mesh.runtime.api import prepare
 
 # Transformer Engine's context-parallel test tolerances (bf16: MHA vs GQA/MQA)

@@ -107,12 +107,15 @@ def _masked_problems(world: int) -> list[cases.Problem]:
             cases.Problem(world, 4, 2, True, torch.float32, thd=(cu, (lens[0] - 1, lens[1], 2)), seed=2)]
 
 
-@pytest.mark.parametrize("world", [4, 6])
+@pytest.mark.parametrize("world, tile", [(4, None), (6, None), (4, 5)])
 @pytest.mark.parametrize("mode", list(MODES))
-def test_every_mode_under_masks_through_the_public_api(world, mode):
+def test_every_mode_under_masks_through_the_public_api(world, tile, mode, monkeypatch):
     """Every registered mode (Ulysses hybrids included) with documents + a window, a two-sided
     window without causality, and the THD layout with padding (rows that attend nothing), through
-    ``megatron_mesh.attention`` on the in-process transport: outputs, gradients and bytes."""
+    ``megatron_mesh.attention`` on the in-process transport: outputs, gradients and bytes. With
+    ``tile``, masked blocks run as tiles of that many tokens (cut across runs and documents)."""
+    if tile is not None:
+        monkeypatch.setenv("MEGATRON_MESH_MASK_TILE", str(tile))
     settings = _mode_settings(mode, world)
     for p in _masked_problems(world):
         ref = cases.dense_reference(p)

@@ -101,6 +101,17 @@ def test_compare_attention_measures_what_the_plans_predict(script, capsys):
     assert all(r["err"] < 1e-5 and r["sent"] == r["planned"] > 0 for r in rows), rows
     assert by_mode["tasp"]["sent"] == by_mode["ring"]["sent"]  # TASP moves ring attention's bytes
     assert by_mode["mesh:2x2"]["sent"] < by_mode["ring"]["sent"] and by_mode["mesh:2x2"]["tile"] == (2, 2)
+    # documents + a window, next to the same modes unmasked: exact, planned bytes, fewer of them
+    rows = compare.main(["--world", "4", "--seq-len", "64", "--heads", "4", "--kv-heads", "2", "--head-dim", "8",
+                         "--docs", "lognormal:10,1.0", "--window", "6", "--unmasked", "--repeat", "2",
+                         "--modes", "ring", "mesh:2x2", "tasp", "a2a+mesh:2:2x1"])
+    assert "documents of" in capsys.readouterr().out
+    masked = {r["mode"]: r for r in rows if "docs=" in r["mask"]}
+    plain = {r["mode"]: r for r in rows if r["mask"] == "causal"}
+    assert list(masked) == list(plain) == ["ring", "mesh:2x2", "tasp", "a2a+mesh:2:2x1"], rows
+    assert all(r["err"] < 1e-5 and r["sent"] == r["planned"] and r["balance"] >= 1.0 for r in rows), rows
+    for mode, r in masked.items():
+        assert r["sent"] < plain[mode]["sent"] and r["work_mean"] < plain[mode]["work_mean"], (mode, r, plain[mode])
     with pytest.raises(SystemExit, match=r"--modes mesh:3x2: tile 3x2 does not fit CP size 4"):
         compare.main(["--world", "4", "--modes", "mesh:3x2"])
     with pytest.raises(SystemExit, match="unknown mode 'ulysses'"):

@@ -44,8 +44,25 @@ __all__ = ["ZigzagLayout", "ThdLayout", "SpanLayout", "split_evenly", "slot_segm
            "check_ulysses_heads"]
 
 
+class _Positions:
+    """What every layout derives from its :meth:`runs`: the positions of a rank and the inverse
+    permutation (shared by the zigzag and THD layouts)."""
+
+    def positions(self, rank: int) -> list[int]:
+        """Global token positions held by ``rank``, in local order."""
+        return [p for _, start, n in self.runs(rank) for p in range(start, start + n)]
+
+    def inverse(self) -> list[tuple[int, int]]:
+        """For each global position, (rank, local index): the unshard permutation."""
+        out: list[tuple[int, int]] = [(-1, -1)] * self.seq_len
+        for r in range(self.world_size):
+            for i, p in enumerate(self.positions(r)):
+                out[p] = (r, i)
+        return out
+
+
 @dataclass(frozen=True)
-class ZigzagLayout:
+class ZigzagLayout(_Positions):
     """Megatron's zigzag CP layout of a sequence of ``seq_len`` tokens over ``world_size`` ranks.
 
     The one owner of this permutation: :meth:`positions` / :meth:`runs` give rank r's tokens, and
@@ -86,22 +103,10 @@ class ZigzagLayout:
         h = self.seq_len // (2 * P)
         return ((0, chunk * h, h), (h, (2 * P - 1 - chunk) * h, h))
 
-    def positions(self, rank: int) -> list[int]:
-        """Global token positions held by ``rank``, in local order."""
-        self.halves(rank)
-        return [p for _, start, n in self.runs(rank) for p in range(start, start + n)]
-
-    def inverse(self) -> list[tuple[int, int]]:
-        """For each global position, (rank, local index): the unshard permutation."""
-        out: list[tuple[int, int]] = [(-1, -1)] * self.seq_len
-        for r in range(self.world_size):
-            for i, p in enumerate(self.positions(r)):
-                out[p] = (r, i)
-        return out
 
 
 @dataclass(frozen=True)
-class ThdLayout:
+class ThdLayout(_Positions):
     """Transformer Engine's THD CP layout (see the module docstring).
 
     ``cu_seqlens_padded``: 0 = c0 < c1 < ... < cn, every length c(k+1) - ck divisible by 2P
@@ -160,15 +165,6 @@ class ThdLayout:
             local += 2 * h
         return tuple(out)
 
-    def positions(self, rank: int) -> list[int]:
-        return [p for _, start, n in self.runs(rank) for p in range(start, start + n)]
-
-    def inverse(self) -> list[tuple[int, int]]:
-        out: list[tuple[int, int]] = [(-1, -1)] * self.seq_len
-        for r in range(self.world_size):
-            for i, p in enumerate(self.positions(r)):
-                out[p] = (r, i)
-        return out
 
 
 @dataclass(frozen=True)

@@ -271,7 +271,8 @@ def _split(runs, mask: Mask) -> list[tuple[int, int, int, object]]:
     return out
 
 
-def _union(intervals: list[tuple[int, int]]) -> tuple[Segment, ...]:
+def union_intervals(intervals: list[tuple[int, int]]) -> tuple[Segment, ...]:
+    """Sorted, merged segments covering ``intervals`` ((start, stop) pairs)."""
     out: list[Segment] = []
     for a, b in sorted(intervals):
         if out and a <= out[-1].stop:
@@ -325,8 +326,8 @@ def classify_block(mask: Mask, q_runs: tuple, kv_runs: tuple) -> BlockClass | No
                     pairs += band_pairs(qa, n, ka, m, lo, hi)
     if pairs == 0:
         return None
-    row_sel = _union(rows)
-    col_sels = tuple(_union(c) for c in cols)
+    row_sel = union_intervals(rows)
+    col_sels = tuple(union_intervals(c) for c in cols)
     kind = _kernel_kind(mask, kinds, qs, kvs, row_sel, col_sels, pairs)
     return BlockClass(kind, row_sel, col_sels, pairs)
 

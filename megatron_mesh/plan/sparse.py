@@ -48,7 +48,7 @@ from functools import lru_cache
 from .accounting import AttentionShape, buffer_bytes
 from .ir import (AddGrad, Attend, AttendBackward, Key, MergeOut, Op, Plan, Post, RankPlan, Segment, Transfer,
                  Wait, relative_selection)
-from .mask import Mask, classify_block
+from .mask import Mask, classify_block, union_intervals
 from .passes import insert_frees
 
 __all__ = ["build_sparse_plan", "block_table"]
@@ -69,15 +69,7 @@ def block_table(P: int, mask: Mask, layout) -> dict[tuple[int, int], object]:
 
 
 def _union(sels) -> tuple[Segment, ...]:
-    segs = sorted(s for sel in sels for s in sel)
-    out: list[Segment] = []
-    for a, b in segs:
-        if out and a <= out[-1].stop:
-            if b > out[-1].stop:
-                out[-1] = Segment(out[-1].start, b)
-        else:
-            out.append(Segment(a, b))
-    return tuple(out)
+    return union_intervals([tuple(seg) for sel in sels for seg in sel])
 
 
 class _Needs:

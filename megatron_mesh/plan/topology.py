@@ -39,7 +39,7 @@ measured values):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 __all__ = ["Topology", "LINK_CLASSES"]
 
@@ -89,10 +89,6 @@ class Topology:
     @property
     def capacity(self) -> int:
         return self.nodes * self.gpus_per_node
-
-    def with_(self, **changes) -> "Topology":
-        """A copy with some fields changed (``dataclasses.replace``)."""
-        return replace(self, **changes)
 
     def check(self, world_size: int) -> None:
         """Raise ValueError unless a CP group of ``world_size`` ranks fits this machine."""

@@ -188,19 +188,14 @@ def check_agreement(comm: Communicator, plan: Plan, extra: str = "") -> None:
 
 
 # -- the autograd function ------------------------------------------------------------------------------
-@dataclass
-class _Call:
-    executor: Executor
-
-
 class _PlanAttention(torch.autograd.Function):
     """Autograd wrapper: forward walks the plan's forward ops, backward its backward ops."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, call: _Call) -> Tensor:
-        res = call.executor.forward(*(x.permute(1, 2, 0, 3) for x in (q, k, v)))  # sbhd views as bhsd
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, executor: Executor) -> Tensor:
+        res = executor.forward(*(x.permute(1, 2, 0, 3) for x in (q, k, v)))  # sbhd views as bhsd
         out = res.out.to(q.dtype)  # token-major storage: the sbhd view below is contiguous
-        ctx.call = call
+        ctx.executor = executor
         ctx.counters = active_counters()  # backward may run on autograd's device thread
         ctx.saved_keys = list(res.saved)
         ctx.saved_counts = [len(res.saved[key]) for key in ctx.saved_keys]
@@ -221,7 +216,7 @@ class _PlanAttention(torch.autograd.Function):
             saved[key] = tuple(flat[i:i + n])
             i += n
         with counting_into(ctx.counters):
-            dq, dk, dv = ctx.call.executor.backward(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3),
+            dq, dk, dv = ctx.executor.backward(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3),
                                                     v.permute(1, 2, 0, 3), out, lse if ctx.has_lse else None,
                                                     dout.permute(1, 2, 0, 3), saved)
         return tuple(g.to(x.dtype).permute(2, 0, 1, 3) for g, x in ((dq, q), (dk, k), (dv, v))) + (None,)
@@ -314,7 +309,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None
     """
     call = prepare(q, k, v, mode=mode, group=group, comm=comm, causal=causal, window=window, cu_seqlens=cu_seqlens,
                    layout=layout, softmax_scale=softmax_scale, kernel=kernel, **settings)
-    return _PlanAttention.apply(q, k, v, _Call(call.executor(timer)))
+    return _PlanAttention.apply(q, k, v, call.executor(timer))
 
 
 def mesh_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, tile="auto", causal: bool = True,
@@ -409,7 +404,7 @@ def plan_attention(q: Tensor, k: Tensor, v: Tensor, plan: Plan, *, comm: Communi
                          f"ranks x {shape.seq_local} tokens")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(shape.head_dim)
     executor = Executor(plan, comm, get_kernel(kernel, q.device), float(scale), timer)
-    return _PlanAttention.apply(q, k, v, _Call(executor))
+    return _PlanAttention.apply(q, k, v, executor)
 
 
 def forward_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, plan: "Plan | Callable", *, comm: Communicator,

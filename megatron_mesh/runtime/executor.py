@@ -27,7 +27,7 @@ from ..kernels.base import BlockKernel
 from ..plan.ir import (KINDS, AddGrad, Attend, AttendBackward, Copy, Free, Key, MergeOut, Plan, Post, RankPlan,
                        RowStats, Wait)
 from ..plan.layout import head_slice
-from .masks import block_mask
+from .masks import block_backward, block_forward, block_mask
 from .merge import merge_partial_
 
 __all__ = ["Executor", "ForwardResult", "accumulator_dtype"]
@@ -251,7 +251,8 @@ class Executor:
         k, v, _ = self._kv(op, bufs)
         mask = block_mask(self.plan, op, q.device)
         with self.timer("compute"):
-            blk_out, blk_lse = self.kernel.forward(_take(q, op.rows), k, v, mask=mask, scale=self.scale)
+            blk_out, blk_lse = block_forward(self.kernel, _take(q, op.rows), k, v, mask, self.scale,
+                                             accumulator_dtype(q.dtype))
             out, lse = bufs.accumulator(op.out)
             for a, pos, n in _parts(op.rows, out.shape[2]):
                 merge_partial_(out.narrow(2, a, n), lse.narrow(2, a, n), blk_out.narrow(2, pos, n),
@@ -263,8 +264,9 @@ class Executor:
         k, v, lengths = self._kv(op, bufs)
         mask = block_mask(self.plan, op, q.device)
         with self.timer("compute"):
-            dq, dk, dv = self.kernel.backward(_take(dout, op.rows), _take(q, op.rows), k, v, _take(lse, op.rows),
-                                              _take(delta, op.rows), mask=mask, scale=self.scale)
+            dq, dk, dv = block_backward(self.kernel, _take(dout, op.rows), _take(q, op.rows), k, v,
+                                        _take(lse, op.rows), _take(delta, op.rows), mask, self.scale,
+                                        accumulator_dtype(q.dtype))
             (acc_q,) = bufs.accumulator(op.dq)
             for a, pos, n in _parts(op.rows, acc_q.shape[2]):
                 acc_q.narrow(2, a, n).add_(dq.narrow(2, pos, n))

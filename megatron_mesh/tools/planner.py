@@ -222,6 +222,34 @@ def usp_result(world_size: int, shape: AttentionShape, topo: Topology, causal: b
 
 
 # -- everything -----------------------------------------------------------------------------------------
+def _evaluate_modes(wanted: set, world_size: int, shape: AttentionShape, topo: Topology, mask: Mask, layout,
+                    backward_chunks: str, schedule: str, skipped: list[dict]) -> dict[str, list[ModeResult]]:
+    """Every candidate placement of each registered mode in ``wanted``, simulated under ``mask``;
+    a mode or placement that cannot run is appended to ``skipped`` with the reason."""
+    evaluated: dict[str, list[ModeResult]] = {}
+    for name in plan_modes():
+        if name not in wanted:
+            continue
+        try:
+            candidates = REGISTRY[name].candidates(world_size, shape, topo)
+            if not candidates:
+                raise ValueError(f"no {name} placement fits CP {world_size} on nodes of {topo.gpus_per_node} with "
+                                 f"heads {shape.heads}/{shape.kv_heads}")
+            found = []
+            for p in candidates:
+                p = replace(p, backward_chunks=backward_chunks, schedule=schedule)
+                if p.inner is not None:
+                    p = replace(p, inner=replace(p.inner, backward_chunks=backward_chunks, schedule=schedule))
+                try:
+                    found.append(_evaluate_placement(name, p, shape, topo, mask, layout))
+                except ValueError as e:
+                    skipped.append({"mode": f"{name} ({p.describe()})", "reason": str(e)})
+            evaluated[name] = found
+        except ValueError as e:
+            skipped.append({"mode": name, "reason": str(e)})
+    return evaluated
+
+
 def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: bool = True, modes=None,
              backward_chunks: str = "refetch", schedule: str = "greedy", mask: Mask | None = None, layout=None
              ) -> tuple[list[ModeResult], list[dict]]:
@@ -247,28 +275,8 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: boo
         wanted |= {"a2a+mesh"}
     if "auto" in wanted:
         wanted |= set(plan_modes())
-    evaluated: dict[str, list[ModeResult]] = {}
-    for name in plan_modes():
-        if name not in wanted:
-            continue
-        try:
-            candidates = REGISTRY[name].candidates(world_size, shape, topo)
-            if not candidates:
-                raise ValueError(f"no {name} placement fits CP {world_size} on nodes of {topo.gpus_per_node} with "
-                                 f"heads {shape.heads}/{shape.kv_heads}")
-            found = []
-            for p in candidates:
-                p = replace(p, backward_chunks=backward_chunks, schedule=schedule)
-                if p.inner is not None:
-                    p = replace(p, inner=replace(p.inner, backward_chunks=backward_chunks, schedule=schedule))
-                try:
-                    found.append(_evaluate_placement(name, p, shape, topo, mask if mask is not None else
-                                                     Mask(causal), layout))
-                except ValueError as e:
-                    skipped.append({"mode": f"{name} ({p.describe()})", "reason": str(e)})
-            evaluated[name] = found
-        except ValueError as e:
-            skipped.append({"mode": name, "reason": str(e)})
+    evaluated = _evaluate_modes(wanted, world_size, shape, topo, mask if mask is not None else Mask(causal), layout,
+                                backward_chunks, schedule, skipped)
     for mode in modes:
         if mode in REGISTRY:
             rows.extend(evaluated.get(mode, []))
