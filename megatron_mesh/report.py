@@ -2,9 +2,11 @@
 ``--cp-metrics-dir``, see ``megatron_mesh.megatron.metrics``) and write a Markdown table, a CSV and
 PNG plots.
 
-A run is one mode (e.g. ``mesh:2x2``) of the same pretraining job. Its metrics give the loss and
-time of every iteration, the attention bytes each rank sent, its peak memory and the mode and
-tile of every layer -- no scraping of Megatron's human-readable log.
+A run is one mode (e.g. ``mesh:2x2``) of the same pretraining job under one mask (``none``,
+``docs``, ``window``). Its metrics give the loss and time of every iteration, the attention bytes
+each rank sent, its peak memory and the mode and tile of every layer -- no scraping of Megatron's
+human-readable log. Every run is compared with the baseline and the ring run of its own mask; with
+several masks a second table puts each mode's bytes and time under every mask side by side.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["RunResult", "Metrics", "read_metrics", "write_report", "format_bytes"]
+__all__ = ["RunResult", "Metrics", "read_metrics", "write_report", "format_bytes", "label"]
 
 
 @dataclass
@@ -23,6 +25,7 @@ class RunResult:
 
     mode: str
     cp: int
+    mask: str = "none"  # "none", "docs", "window": the mask the run trained under
     tile: str = ""
     losses: dict[int, float] = field(default_factory=dict)
     times_ms: dict[int, float] = field(default_factory=dict)
@@ -95,15 +98,23 @@ def format_bytes(n: float | None) -> str:
     return str(n)
 
 
+def label(r: RunResult) -> str:
+    """The run's name in tables and plots: the mode, and the mask when there is one."""
+    return r.mode if r.mask == "none" else f"{r.mode} [{r.mask}]"
+
+
 def write_report(runs: list[RunResult], out_dir: str, title: str, baseline: str | None = None,
                  notes: tuple[str, ...] = ()) -> str:
-    """Write report.md, report.csv and PNG plots into ``out_dir``; returns the Markdown text."""
+    """Write report.md, report.csv and PNG plots into ``out_dir``; returns the Markdown text.
+    ``baseline``: the mode whose runs (one per mask) the others' losses are compared with."""
     os.makedirs(out_dir, exist_ok=True)
-    base = next((r for r in runs if r.mode == baseline), None)
-    ring = next((r for r in runs if r.mode == "ring"), None)
+    bases = {r.mask: r for r in runs if r.mode == baseline}
+    rings = {r.mask: r for r in runs if r.mode == "ring"}
     iters = sorted({i for r in runs for i in r.losses})
+    masks = list(dict.fromkeys(r.mask for r in runs))
 
     def deviation(r: RunResult) -> float | None:
+        base = bases.get(r.mask)
         if base is None or not r.losses:
             return None
         common = [i for i in r.losses if i in base.losses]
@@ -111,11 +122,11 @@ def write_report(runs: list[RunResult], out_dir: str, title: str, baseline: str 
 
     rows = []
     for r in runs:
-        dev, mt = deviation(r), _mean_time(r)
+        dev, mt, ring = deviation(r), _mean_time(r), rings.get(r.mask)
         # CP = 1 moves nothing: no ratio to show for it
         vs_ring = (r.bytes_per_step / ring.bytes_per_step) if (ring and ring.bytes_per_step and r.cp > 1
                                                                and r.bytes_per_step is not None) else None
-        rows.append(dict(mode=r.mode, cp=r.cp, tile=r.tile, status="ok" if r.ok else f"FAILED: {r.error}",
+        rows.append(dict(mode=r.mode, mask=r.mask, cp=r.cp, tile=r.tile, status="ok" if r.ok else f"FAILED: {r.error}",
                          max_loss_deviation=dev, time_per_iteration_ms=mt, attention_bytes_per_rank_per_step=r.bytes_per_step,
                          bytes_vs_ring=vs_ring, peak_memory_bytes=r.peak_memory,
                          **{f"loss_iter{i}": r.losses.get(i) for i in iters}))
@@ -125,32 +136,51 @@ def write_report(runs: list[RunResult], out_dir: str, title: str, baseline: str 
         w.writerows(rows)
 
     lines = [f"# {title}", ""]
-    lines.append("| mode | CP | tile | max loss deviation from baseline | time / iteration (ms) | attention bytes sent per rank per step | vs ring | peak memory |")
-    lines.append("|---|---|---|---|---|---|---|---|")
+    lines.append("| mode | mask | CP | tile | max loss deviation from baseline | time / iteration (ms) | attention bytes sent per rank per step | vs ring | peak memory |")
+    lines.append("|---|---|---|---|---|---|---|---|---|")
     for row, r in zip(rows, runs):
         dev, mt, vs = row["max_loss_deviation"], row["time_per_iteration_ms"], row["bytes_vs_ring"]
-        dev_s = "baseline" if r is base else ("-" if dev is None else f"{dev:.2e}")
+        dev_s = "baseline" if bases.get(r.mask) is r else ("-" if dev is None else f"{dev:.2e}")
         mt_s = "-" if mt is None else f"{mt:.1f}"
         vs_s = "-" if vs is None else f"{vs:.2f}"
-        lines.append(f"| {r.mode}{'' if r.ok else ' (failed)'} | {r.cp} | {r.tile or '-'} | {dev_s} | {mt_s} | "
+        lines.append(f"| {r.mode}{'' if r.ok else ' (failed)'} | {r.mask} | {r.cp} | {r.tile or '-'} | {dev_s} | {mt_s} | "
                      f"{format_bytes(r.bytes_per_step)} | {vs_s} | {format_bytes(r.peak_memory)} |")
-    lines += ["", "Loss per iteration:", "", "| mode | " + " | ".join(str(i) for i in iters) + " |",
+    if len(masks) > 1:
+        lines += _mask_table(runs, masks)
+    lines += ["", "Loss per iteration:", "", "| run | " + " | ".join(str(i) for i in iters) + " |",
               "|---|" + "---|" * len(iters)]
     for r in runs:
-        lines.append(f"| {r.mode} | " + " | ".join(f"{r.losses[i]:.6f}" if i in r.losses else "-" for i in iters) + " |")
+        lines.append(f"| {label(r)} | " + " | ".join(f"{r.losses[i]:.6f}" if i in r.losses else "-" for i in iters) + " |")
     kinds = {r.memory_kind for r in runs if r.memory_kind}
     lines += ["", f"Peak memory is the {', '.join(sorted(kinds)) or 'peak memory'} of the largest rank; time per "
               "iteration is the slowest rank's Megatron train_step, the first iteration left out; bytes are the plugin's attention traffic (all layers, forward "
-              "and backward) measured by comm_counter.", *notes, ""]
+              "and backward) measured by comm_counter; each run's loss deviation and ratio to ring are against the "
+              "baseline and ring runs of its own mask.", *notes, ""]
     failed = [r for r in runs if not r.ok]
     for r in failed:
-        lines.append(f"**{r.mode} failed**: {r.error}")
+        lines.append(f"**{label(r)} failed**: {r.error}")
     plots = _plots(runs, out_dir)
     lines += [f"![{name}]({name})" for name in plots]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out_dir, "report.md"), "w") as f:
         f.write(text)
     return text
+
+
+def _mask_table(runs: list[RunResult], masks: list[str]) -> list[str]:
+    """Per mode: attention bytes per rank per step and time per iteration under every mask."""
+    by = {(r.mode, r.mask): r for r in runs}
+    modes = list(dict.fromkeys(r.mode for r in runs))
+    head = " | ".join(f"bytes [{m}]" for m in masks) + " | " + " | ".join(f"ms [{m}]" for m in masks)
+    out = ["", "With and without the masks (attention bytes sent per rank per step; time per iteration in ms):", "",
+           f"| mode | {head} |", "|---|" + "---|" * (2 * len(masks))]
+    for mode in modes:
+        cells = [format_bytes(by[mode, m].bytes_per_step) if (mode, m) in by else "-" for m in masks]
+        for m in masks:
+            t = _mean_time(by[mode, m]) if (mode, m) in by else None
+            cells.append("-" if t is None else f"{t:.1f}")
+        out.append(f"| {mode} | " + " | ".join(cells) + " |")
+    return out
 
 
 def _plots(runs: list[RunResult], out_dir: str) -> list[str]:
@@ -164,7 +194,7 @@ def _plots(runs: list[RunResult], out_dir: str) -> list[str]:
     for r in runs:
         if r.losses:
             its = sorted(r.losses)
-            ax.plot(its, [r.losses[i] for i in its], marker="o", label=r.mode, alpha=0.8)
+            ax.plot(its, [r.losses[i] for i in its], marker="o", label=label(r), alpha=0.8)
     ax.set_xlabel("iteration")
     ax.set_ylabel("lm loss")
     ax.set_title("Loss (curves overlap when the modes agree)")
@@ -173,7 +203,7 @@ def _plots(runs: list[RunResult], out_dir: str) -> list[str]:
     fig.savefig(os.path.join(out_dir, "loss.png"), dpi=110)
     plt.close(fig)
     names.append("loss.png")
-    for key, label, fname, scale in (
+    for key, ylabel, fname, scale in (
             ("time", "time per iteration (ms)", "time.png", 1.0),
             ("bytes", "attention bytes sent per rank per step (MiB)", "bytes.png", 1 / 2**20),
             ("memory", "peak memory per rank (MiB)", "memory.png", 1 / 2**20)):
@@ -189,8 +219,8 @@ def _plots(runs: list[RunResult], out_dir: str) -> list[str]:
         if all(v is None for v in vals):
             continue
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.bar([r.mode for r in runs], [v or 0 for v in vals], color="tab:blue")
-        ax.set_ylabel(label)
+        ax.bar([label(r) for r in runs], [v or 0 for v in vals], color="tab:blue")
+        ax.set_ylabel(ylabel)
         ax.tick_params(axis="x", rotation=30)
         fig.tight_layout()
         fig.savefig(os.path.join(out_dir, fname), dpi=110)

@@ -23,6 +23,7 @@ Modes: ``ring``, ``mesh[:AxB|:auto]``, ``tasp[:GPUS_PER_NODE]``, ``a2a+ring:U``,
 from __future__ import annotations
 
 import argparse
+import math
 import time
 
 import torch
@@ -188,7 +189,8 @@ def _report(args, shape: AttentionShape, masks: list[Mask], plans: dict, results
             work = [f + b for f, b in zip(rank_work(plan, "forward"), rank_work(plan, "backward"))]
             balance = max(work) / (sum(work) / len(work)) if sum(work) else 1.0
             elapsed = max(r["time"] for r in rows)
-            print(f"{mode:<14}{tile_s:>8}{err:>17.2e}{sent:>14,}{planned_sent:>14,}{ratio:>9}{elapsed:>9.3f}"
+            err_s = "not checked" if math.isnan(err) else f"{err:.2e}"
+            print(f"{mode:<14}{tile_s:>8}{err_s:>17}{sent:>14,}{planned_sent:>14,}{ratio:>9}{elapsed:>9.3f}"
                   f"{balance:>15.2f}")
             table.append(dict(mode=mode, mask=m.text(), tile=tile, err=err, sent=sent, planned=planned_sent,
                               time=elapsed, work_max=max(work), work_mean=sum(work) / len(work), balance=balance))

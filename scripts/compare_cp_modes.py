@@ -9,9 +9,23 @@ JSON lines (``--cp-metrics-dir``), which the report reads:
 
 * ``baseline``  -- CP = 1 on one process (the reference loss curve),
 * ``ring``, ``tasp``, ``mesh:auto``, ``mesh:AxB`` -- the plugin's modes at CP = --cp,
+* ``a2a+mesh[:U]``, ``a2a+tasp[:U]``, ``a2a+ring[:U]`` -- the Ulysses hybrids (all-to-all over U
+  ranks, default 2, x the inner mode over CP / U; in the defaults when CP >= 4),
 * ``p2p``, ``a2a``, ``all_gather``, ``a2a+p2p`` -- Transformer Engine's modes (GPU + TE only).
 
+and each mode under each mask of ``--masks`` (the report puts them side by side, every mask with
+its own CP = 1 baseline):
+
+* ``none``   -- the config as it is (causal),
+* ``docs``   -- packed documents: the same model on documents of mixed lengths (mean: a quarter of
+  the sequence; written by scripts/make_doc_dataset.py into the report directory unless
+  ``--doc-data`` names a dataset), cut at end-of-document tokens (``--reset-attention-mask``, loss
+  normalised per token as at CP 1),
+* ``window`` -- a sliding window of ``--window`` tokens (default: a quarter of a zigzag half,
+  seq / (8 CP), so most key blocks are empty).
+
     python scripts/compare_cp_modes.py --config configs/gpt_tiny_cpu_compare.yaml --cp 4 --iters 6
+    python scripts/compare_cp_modes.py --cp 4 --modes baseline ring mesh:2x2 --masks none window --window 32
 """
 
 from __future__ import annotations
@@ -27,9 +41,18 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from megatron_mesh import yaml_args  # noqa: E402
 from megatron_mesh.launch import free_port, kill_process_tree, training_command  # noqa: E402
 from megatron_mesh.megatron import PLUGIN_MODES, TE_MODES  # noqa: E402 -- does not import Megatron
+from megatron_mesh.plan.modes import HYBRID_PREFIX  # noqa: E402
 from megatron_mesh.report import RunResult, read_metrics, write_report  # noqa: E402
+
+MASKS = ("none", "docs", "window")
+# what a documents run adds to the config (its --mock-data goes): boundaries at end-of-document
+# tokens reach the plugin layers; the loss skips EOD tokens and is normalised over every CP rank's
+# tokens, as at CP 1 (see docs/megatron.md, "Masks")
+DOC_FLAGS = {"--reset-attention-mask": True, "--reset-position-ids": True, "--eod-mask-loss": True,
+             "--calculate-per-token-loss": True, "--split": "100,0,0", "--mock-data": None}
 
 
 def _have_te() -> bool:
@@ -43,42 +66,87 @@ def default_modes(cp: int) -> list[str]:
     if square > 1:
         modes.append(f"mesh:{square}x{cp // square}")
     modes.append("tasp")
+    if cp >= 4 and cp % 2 == 0:
+        modes.append("a2a+mesh:2")
     if _have_te():
         modes += list(TE_MODES)
     return modes
 
 
-def command(mode: str, args, metrics: str) -> tuple[list[str], dict[str, str], list[str]]:
-    """The torchrun command, environment and the flags added to the config's for one mode's run."""
-    name, _, tile = mode.partition(":")
+def _seq_length(config: str) -> int:
+    return int(yaml_args.load(config)["MODEL_ARGS"]["--seq-length"])
+
+
+def mask_config(config: str, mask: str, doc_data: str | None, out_dir: str) -> str:
+    """The config a run under ``mask`` reads: ``config`` itself, or (documents) a copy in
+    ``out_dir`` that reads ``doc_data`` instead of mock data."""
+    if mask != "docs":
+        return config
+    import yaml
+
+    doc = yaml_args.load(config)
+    doc["MODEL_ARGS"] = {**doc["MODEL_ARGS"], **DOC_FLAGS, "--data-path": doc_data}
+    path = os.path.join(out_dir, "configs", f"docs_{os.path.basename(config)}")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(f"# {os.path.basename(config)} on packed documents (written by scripts/compare_cp_modes.py)\n")
+        yaml.safe_dump(doc, f, sort_keys=False)
+    return path
+
+
+def make_doc_data(args, out_dir: str) -> str:
+    """Documents for the ``docs`` runs: mean length a quarter of the sequence, enough tokens for
+    every iteration's samples twice over."""
+    seq = _seq_length(args.config)
+    prefix = os.path.join(out_dir, "data", "docs")
+    mean = max(2, seq // 4)
+    documents = max(64, 2 * args.iters * 16 * (seq + 1) // mean)
+    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_doc_dataset.py"), prefix, "--mean-length",
+                    str(mean), "--max-length", str(2 * seq), "--documents", str(documents), "--chunk",
+                    str(seq // (2 * args.cp))], check=True)
+    return prefix
+
+
+def command(mode: str, args, metrics: str, mask: str = "none", config: str | None = None
+            ) -> tuple[list[str], dict[str, str], list[str]]:
+    """The torchrun command, environment and the flags added to the config's for one mode's run
+    under ``mask`` (``config``: the mask's config, default --config)."""
+    name, _, option = mode.partition(":")
     if name != "baseline" and name not in PLUGIN_MODES + TE_MODES:
-        raise SystemExit(f"unknown mode {mode!r}; allowed: baseline, ring, tasp, mesh[:auto|:AxB], {', '.join(TE_MODES)}")
+        raise SystemExit(f"unknown mode {mode!r}; allowed: baseline, ring, tasp, mesh[:auto|:AxB], "
+                         f"a2a+mesh[:U], a2a+tasp[:U], a2a+ring[:U], {', '.join(TE_MODES)}")
     cp = 1 if name == "baseline" else args.cp
     environ = dict(os.environ, CP=str(cp), NPROC=str(cp), MASTER_PORT=str(free_port()))
     environ.pop("CP_COMM_TYPE", None)
     flags = ["--train-iters", str(args.iters), "--cp-metrics-dir", metrics]
     if name != "baseline":
         environ["CP_COMM_TYPE"] = name
-    if name == "mesh" and tile not in ("", "auto"):
-        flags += ["--mesh-tile-shape", tile]
-    if name == "a2a+p2p":
-        flags += ["--hierarchical-context-parallel-sizes", "2", str(cp // 2)]
+    if name == "mesh" and option not in ("", "auto"):
+        flags += ["--mesh-tile-shape", option]
+    if name.startswith(HYBRID_PREFIX) or name == "a2a+p2p":
+        ulysses = int(option or 2)
+        if ulysses < 2 or cp % ulysses:
+            raise SystemExit(f"{mode}: the all-to-all degree {ulysses} must be >= 2 and divide --cp {cp}")
+        flags += ["--hierarchical-context-parallel-sizes", str(ulysses), str(cp // ulysses)]
+    if mask == "window":
+        flags += ["--window-size", f"{args.window},0"]
     flags += args.megatron_args
-    torchrun_args, env = training_command("pretrain", [args.config, *flags], environ)
+    torchrun_args, env = training_command("pretrain", [config or args.config, *flags], environ)
     return [sys.executable, "-m", "torch.distributed.run", *torchrun_args], env, flags
 
 
-def run_mode(mode: str, args, out_dir: str) -> RunResult:
-    safe = mode.replace(":", "_").replace("+", "_")
+def run_mode(mode: str, args, out_dir: str, mask: str = "none", config: str | None = None) -> RunResult:
+    label = mode if mask == "none" else f"{mode} [{mask}]"
+    safe = (mode if mask == "none" else f"{mode}_{mask}").replace(":", "_").replace("+", "_")
     metrics = os.path.join(out_dir, "metrics", safe)
-    cmd, env, flags = command(mode, args, metrics)
+    cmd, env, flags = command(mode, args, metrics, mask, config)
     cp = int(env["CP"])
     log_path = os.path.join(out_dir, f"{safe}.log")
-    print(f"[{mode}] CP={cp} CP_COMM_TYPE={env.get('CP_COMM_TYPE', '(config)')}: scripts/pretrain_gpt.sh "
-          f"{args.config} {' '.join(flags)}", flush=True)
+    print(f"[{label}] CP={cp} CP_COMM_TYPE={env.get('CP_COMM_TYPE', '(config)')}: scripts/pretrain_gpt.sh "
+          f"{config or args.config} {' '.join(flags)}", flush=True)
     start = time.monotonic()
     timed_out = threading.Event()
-    progress = _Progress(mode, metrics, args.iters)
+    progress = _Progress(label, metrics, args.iters)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
         stop = lambda: kill_process_tree(proc.pid)  # noqa: E731 -- torchrun and every rank, on timeout or Ctrl-C
@@ -98,7 +166,7 @@ def run_mode(mode: str, args, out_dir: str) -> RunResult:
                 timer.cancel()
     progress.poll(every=0)
     m = read_metrics(metrics)
-    res = RunResult(mode=mode, cp=cp, tile=m.tile, losses=m.losses, times_ms=m.times_ms,
+    res = RunResult(mode=mode, cp=cp, mask=mask, tile=m.tile, losses=m.losses, times_ms=m.times_ms,
                     bytes_per_step=m.bytes_per_step, peak_memory=m.peak_memory, memory_kind=m.memory_kind)
     if timed_out.is_set():
         res.ok, res.error = False, f"stopped after --run-timeout {args.run_timeout:g} s; log {log_path}"
@@ -106,7 +174,7 @@ def run_mode(mode: str, args, out_dir: str) -> RunResult:
         with open(log_path) as f:
             tail = " / ".join(f.read().strip().splitlines()[-3:])
         res.ok, res.error = False, f"exit code {proc.returncode}; log {log_path}: {tail[-300:]}"
-    print(f"[{mode}] {'done' if res.ok else 'FAILED'} in {time.monotonic() - start:.0f} s", flush=True)
+    print(f"[{label}] {'done' if res.ok else 'FAILED'} in {time.monotonic() - start:.0f} s", flush=True)
     return res
 
 
@@ -139,7 +207,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=os.path.join(ROOT, "configs", "gpt_tiny_cpu_compare.yaml"))
     ap.add_argument("--cp", type=int, default=4, help="context-parallel size of the compared modes (default 4)")
-    ap.add_argument("--modes", nargs="+", help="default: baseline ring mesh:auto mesh:<square> tasp (+ TE modes with TE)")
+    ap.add_argument("--modes", nargs="+",
+                    help="default: baseline ring mesh:auto mesh:<square> tasp, a2a+mesh:2 at CP >= 4 (+ TE modes with TE)")
+    ap.add_argument("--masks", nargs="+", default=list(MASKS), choices=MASKS,
+                    help="run every mode under each of these masks (default: none docs window)")
+    ap.add_argument("--window", type=int, default=None,
+                    help="window of the 'window' runs in tokens (default seq / (8 CP): a quarter of a zigzag half)")
+    ap.add_argument("--doc-data", default=None,
+                    help="dataset prefix (.bin/.idx) of the 'docs' runs (default: written by scripts/make_doc_dataset.py "
+                         "into the report directory)")
     ap.add_argument("--iters", type=int, default=6, help="training iterations per run (default 6)")
     ap.add_argument("--run-timeout", type=float, default=None,
                     help="stop a run (and report it failed) after this many seconds (default: no limit)")
@@ -149,11 +225,23 @@ def main(argv=None) -> int:
     if args.megatron_args and args.megatron_args[0] == "--":
         args.megatron_args = args.megatron_args[1:]
     modes = args.modes or default_modes(args.cp)
+    masks = list(dict.fromkeys(args.masks))
+    if args.window is None:
+        args.window = max(1, _seq_length(args.config) // (8 * args.cp))
+    elif args.window < 1:
+        raise SystemExit(f"--window must be >= 1 token, got {args.window}")
     out_dir = args.out or os.path.join(ROOT, "reports", time.strftime("cp_modes_%Y%m%d_%H%M%S"))
     os.makedirs(out_dir, exist_ok=True)
-    print(f"comparing {len(modes)} modes at CP={args.cp} ({args.iters} iterations each); report -> {out_dir}", flush=True)
-    runs = [run_mode(m, args, out_dir) for m in modes]
+    print(f"comparing {len(modes)} modes x masks {', '.join(masks)} at CP={args.cp} ({args.iters} iterations each); "
+          f"report -> {out_dir}", flush=True)
+    configs = {}
+    for mask in masks:
+        doc_data = (args.doc_data or make_doc_data(args, out_dir)) if mask == "docs" else None
+        configs[mask] = mask_config(args.config, mask, doc_data, out_dir)
+    runs = [run_mode(m, args, out_dir, mask, configs[mask]) for mask in masks for m in modes]
     title = f"CP modes side by side: {os.path.basename(args.config)}, CP={args.cp}, {args.iters} iterations"
+    if "window" in masks:
+        title += f" (window {args.window})"
     notes = (_machine_note(),)
     print("\n" + write_report(runs, out_dir, title, baseline="baseline" if "baseline" in modes else None,
                               notes=notes))

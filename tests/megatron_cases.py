@@ -93,12 +93,25 @@ def _cases(cp: int):
     return out
 
 
+def _parallel_layout(tp: int, cp: int, single):
+    """Megatron's parallel state for TP x CP; returns its process groups, the same with the CP
+    group replaced by ``single`` (this rank alone: the CP 1 reference) and the CP group."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+    tensor_parallel.model_parallel_cuda_manual_seed(123)
+    pgc = ProcessGroupCollection.use_mpu_process_groups()
+    single_pgc = copy.copy(pgc)
+    single_pgc.cp = single
+    return pgc, single_pgc, ps.get_context_parallel_group()
+
+
 def gpt_equivalence(rank: int, world: int, layouts) -> list[dict]:
     """For each (tp, cp, positions, heads) in ``layouts``: every mode of :func:`_cases` vs CP=1."""
     _setup_megatron()
     from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-    from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     from megatron_mesh.megatron import groups
@@ -107,12 +120,7 @@ def gpt_equivalence(rank: int, world: int, layouts) -> list[dict]:
     singles = [dist.new_group([r]) for r in range(world)]  # collective: every rank makes every group
     records = []
     for tp, cp, positions, head_sets in layouts:
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
-        tensor_parallel.model_parallel_cuda_manual_seed(123)
-        pgc = ProcessGroupCollection.use_mpu_process_groups()
-        single_pgc = copy.copy(pgc)
-        single_pgc.cp = singles[rank]
-        cp_group = ps.get_context_parallel_group()
+        pgc, single_pgc, cp_group = _parallel_layout(tp, cp, singles[rank])
         local = get_batch_on_this_cp_rank(_batch(7), is_hybrid_cp=False, cp_group=cp_group)
         for position, heads in itertools.product(positions, head_sets):
             ref_loss, ref_grads = _reference(tp, heads, position, single_pgc)
@@ -199,9 +207,24 @@ def _masked_cases(cp: int):
     out = [("mesh 2x2", "mesh", dict(mesh_tile_shape="2x2")), ("mesh auto", "mesh", {}), ("tasp", "tasp", {}),
            ("ring", "ring", {})] if cp == 4 else [("mesh 2x1", "mesh", dict(mesh_tile_shape="2x1")), ("ring", "ring", {})]
     if cp == 4:
-        out.append(("a2a+mesh 2x2", "a2a+mesh", dict(hierarchical_context_parallel_sizes=[2, 2])))
+        out.append(("a2a+mesh U2 x M2", "a2a+mesh", dict(hierarchical_context_parallel_sizes=[2, 2])))
         out.append(("a2a+mesh / mesh per layer", ["a2a+mesh", "mesh"], dict(hierarchical_context_parallel_sizes=[2, 2])))
     return out
+
+
+def model_failures(records, loss_rtol: float, grad_rtol: float) -> list[str]:
+    """Every record whose loss or parameter gradients differ from its CP 1 reference beyond the
+    tolerances, or whose gradients are missing, as one line each."""
+    failures = []
+    for rank, recs in enumerate(records):
+        for rec in recs:
+            if abs(rec["loss"] - rec["ref_loss"]) > loss_rtol * abs(rec["ref_loss"]):
+                failures.append(f"rank {rank} {rec['case']}: loss {rec['loss']!r} vs CP 1 {rec['ref_loss']!r}")
+            if not rec["grad_rel_err"] <= grad_rtol:
+                failures.append(f"rank {rank} {rec['case']}: gradient error {rec['grad_rel_err']:.2e}")
+            if rec["missing"]:
+                failures.append(f"rank {rank} {rec['case']}: gradients missing for {rec['missing']}")
+    return failures
 
 
 def gpt_masked_equivalence(rank: int, world: int, layouts) -> list[dict]:
@@ -209,10 +232,7 @@ def gpt_masked_equivalence(rank: int, world: int, layouts) -> list[dict]:
     Megatron's own attention at CP 1 with the same mask (a dense mask, or its sliding window)."""
     _setup_megatron()
     from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.packed_seq_params import PackedSeqParams
-    from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     from megatron_mesh.megatron import groups
@@ -222,12 +242,7 @@ def gpt_masked_equivalence(rank: int, world: int, layouts) -> list[dict]:
     singles = [dist.new_group([r]) for r in range(world)]
     records = []
     for tp, cp in layouts:
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
-        tensor_parallel.model_parallel_cuda_manual_seed(123)
-        pgc = ProcessGroupCollection.use_mpu_process_groups()
-        single_pgc = copy.copy(pgc)
-        single_pgc.cp = singles[rank]
-        cp_group = ps.get_context_parallel_group()
+        pgc, single_pgc, cp_group = _parallel_layout(tp, cp, singles[rank])
         full = _doc_batch(11)
         for what in ("window", "documents", "thd"):
             extra = dict(window_size=(5, 0)) if what == "window" else {}

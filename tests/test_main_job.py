@@ -1,7 +1,9 @@
 """The main job end to end: scripts/compare_cp_modes.py runs Megatron's real pretrain() for the
-CP=1 baseline and a Mesh mode, and writes the report (Markdown, CSV, four PNG plots) -- from the
-runs' metrics JSON lines, not their logs -- whose losses match the baseline and whose attention
-bytes per step equal what the plan predicts."""
+CP=1 baseline and the Ulysses x Mesh hybrid a2a+mesh (CP 4 = all-to-all 2 x Mesh 2), without a
+mask and on packed documents (data written by the job), and writes the report (Markdown, CSV, four
+PNG plots) -- from the runs' metrics JSON lines, not their logs -- whose losses match each mask's
+baseline, whose unmasked attention bytes per step equal what the plan predicts, and whose masked
+runs move fewer bytes."""
 
 import csv
 import os
@@ -9,36 +11,44 @@ import sys
 
 import psutil
 import pytest
-from scripts_util import ROOT, free_port, run_script
+from scripts_util import free_port, run_script
 
-from megatron_mesh.plan import AttentionShape, build_mesh_plan, plan_bytes
+from megatron_mesh.plan import AttentionShape, Mask, plan_bytes, resolve
 
 pytest.importorskip("megatron.core", reason="needs megatron-core (scripts/setup_env.sh installs it)")
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
 
-def test_compare_cp_modes_writes_the_report(tmp_path):
+def test_compare_cp_modes_writes_the_report_with_masks(tmp_path):
     out = tmp_path / "report"
     env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()))
     rc, text = run_script([sys.executable, "scripts/compare_cp_modes.py", "--config", "configs/gpt_tiny_cpu.yaml",
-                           "--cp", "2", "--iters", "2", "--modes", "baseline", "mesh:2x1", "--run-timeout", "150",
-                           "--out", str(out)], env, timeout=400)
+                           "--cp", "4", "--iters", "2", "--modes", "baseline", "a2a+mesh:2", "--masks", "none", "docs",
+                           "--run-timeout", "200", "--out", str(out)], env, timeout=600)
     assert rc == 0, text[-6000:]
-    assert "[mesh:2x1]   iteration 2/2" in text  # progress while it runs
+    assert "[a2a+mesh:2 [docs]]   iteration 2/2" in text  # progress while it runs
     for name in ("report.md", "report.csv", "loss.png", "time.png", "bytes.png", "memory.png"):
         assert (out / name).stat().st_size > 0, name
-    rows = {r["mode"]: r for r in csv.DictReader(open(out / "report.csv"))}
-    assert rows.keys() == {"baseline", "mesh:2x1"} and all(r["status"] == "ok" for r in rows.values()), rows
-    mesh = rows["mesh:2x1"]
-    assert mesh["tile"] == "2x1" and float(mesh["max_loss_deviation"]) <= 1e-5, mesh
-    assert float(rows["baseline"]["attention_bytes_per_rank_per_step"]) == 0
-    # gpt_tiny_cpu.yaml: 2 layers, 2 micro-batches of 1 per step, seq 64 (32 per rank), 4/2 heads of 16, fp32
-    shape = AttentionShape(seq_local=32, batch=1, heads=4, kv_heads=2, head_dim=16, itemsize=4)
-    per_call = max(b.sent for b in plan_bytes(build_mesh_plan(2, (2, 1), shape), shape))
-    assert float(mesh["attention_bytes_per_rank_per_step"]) == 2 * 2 * per_call
+    rows = {(r["mode"], r["mask"]): r for r in csv.DictReader(open(out / "report.csv"))}
+    assert rows.keys() == {(m, k) for m in ("baseline", "a2a+mesh:2") for k in ("none", "docs")}, rows.keys()
+    assert all(r["status"] == "ok" for r in rows.values()), rows
+    for mask in ("none", "docs"):
+        hybrid = rows["a2a+mesh:2", mask]
+        assert hybrid["tile"] in ("1x2", "2x1") and float(hybrid["max_loss_deviation"]) <= 1e-5, hybrid
+        assert float(rows["baseline", mask]["attention_bytes_per_rank_per_step"]) == 0
+    # the documents change the losses (the mask is real) and let the plans skip blocks
+    assert rows["baseline", "docs"]["loss_iter1"] != rows["baseline", "none"]["loss_iter1"]
+    unmasked = float(rows["a2a+mesh:2", "none"]["attention_bytes_per_rank_per_step"])
+    assert 0 < float(rows["a2a+mesh:2", "docs"]["attention_bytes_per_rank_per_step"]) < unmasked
+    # gpt_tiny_cpu.yaml: 2 layers, 2 micro-batches of 1 per step, seq 64 (16 per rank), 4/2 heads of 16, fp32
+    shape = AttentionShape(seq_local=16, batch=1, heads=4, kv_heads=2, head_dim=16, itemsize=4)
+    tile = tuple(int(x) for x in rows["a2a+mesh:2", "none"]["tile"].split("x"))
+    plan = resolve("a2a+mesh", 4, shape, ulysses_size=2, tile=tile).build(shape, Mask(causal=True))
+    assert unmasked == 2 * 2 * max(b.sent for b in plan_bytes(plan, shape))
     report = (out / "report.md").read_text()
-    assert "| mesh:2x1 | 2 | 2x1 |" in report and "![loss.png](loss.png)" in report
+    assert "| a2a+mesh:2 | docs | 4 |" in report and "![loss.png](loss.png)" in report
+    assert "| mode | bytes [none] | bytes [docs] | ms [none] | ms [docs] |" in report
 
 
 def test_a_run_past_its_timeout_is_stopped_and_reported(tmp_path):

@@ -421,9 +421,9 @@ def test_tiny_cpu_config_parses(megatron_args):
 
 
 @pytest.mark.parametrize("name", sorted(f for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith(".yaml")))
-def test_configs_parse_with_every_mode(megatron_args, name):
+def test_configs_parse_with_every_mode(megatron_args, our_entry, name):
     """Every flag of every config is one Megatron (or the plugin) knows, and the config is valid
-    under each mode (GPU configs assume Transformer Engine for TE's modes)."""
+    under each mode in the plugin's entry script (GPU configs assume Transformer Engine for TE's modes)."""
     parsed = _config_args(megatron_args, name)
     layers = parsed.num_layers
     for modes in (["mesh"], ["tasp"], ["ring"], ["p2p"], (["mesh", "tasp", "ring"] * layers)[:layers]):
@@ -522,6 +522,12 @@ def test_masks_and_hybrids_valid(megatron_args, our_entry, argv, documents):
       "--seq-length", "48"], "--cp-thd-pad-multiple 12 must be a multiple of 2 x --context-parallel-size = 8"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--cp-thd-packing", "--seq-length", "64",
       "--micro-batch-size", "2"], "--micro-batch-size must be 1, got 2"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--cp-thd-packing", "--cp-thd-pad-multiple", "-8",
+      "--seq-length", "64"], "--cp-thd-pad-multiple must be a positive multiple of 2 x --context-parallel-size = 8, "
+     "got -8"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--cp-thd-packing", "--cp-thd-pad-multiple", "0",
+      "--seq-length", "64"], "--cp-thd-pad-multiple must be a positive multiple of 2 x --context-parallel-size = 8, "
+     "got 0"),
     (["--context-parallel-size", "2", "--cp-comm-type", "mesh", "--reset-attention-mask",
       "--pipeline-model-parallel-size", "2"],
      "--pipeline-model-parallel-size 2 with packed documents (--reset-attention-mask / --cp-thd-packing)"),
@@ -550,6 +556,18 @@ def test_dense_document_masks_of_other_scripts(megatron_args):
     with pytest.raises(ValueError, match="--cp-thd-packing is an option of megatron_mesh's entry script"):
         _validate(megatron_args(PLUGIN + ["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--cp-thd-packing",
                                           "--seq-length", "64"]))
+
+
+def test_documents_from_eod_tokens_refuse_transformer_engine_layers(megatron_args, our_entry):
+    """Our entry's per-sample boundaries are the plugin's format: a TE layer beside plugin layers
+    would misread them, so the start-up check refuses the mix (THD packing stays allowed)."""
+    args = megatron_args(PLUGIN + ["--context-parallel-size", "2", "--cp-comm-type", "mesh", "p2p",
+                                   "--reset-attention-mask"])
+    with pytest.raises(ValueError, match=r"--reset-attention-mask with Transformer Engine layers \(--cp-comm-type "
+                                         r"p2p\): megatron_mesh's entry script hands the layers end-of-document"):
+        _validate(args, have_te=True)
+    _validate(megatron_args(PLUGIN + ["--context-parallel-size", "2", "--cp-comm-type", "mesh", "p2p",
+                                      "--cp-thd-packing", "--seq-length", "64", "--micro-batch-size", "1"]), have_te=True)
 
 
 def test_documents_at_cp1_with_dropout_under_our_entry(megatron_args, our_entry):

@@ -33,15 +33,7 @@ def _model_records(records):
 
 
 def test_cp_model_matches_cp1_reference(records):
-    failures = []
-    for rank, recs in enumerate(_model_records(records)):
-        for rec in recs:
-            if abs(rec["loss"] - rec["ref_loss"]) > LOSS_RTOL * abs(rec["ref_loss"]):
-                failures.append(f"rank {rank} {rec['case']}: loss {rec['loss']!r} vs CP 1 {rec['ref_loss']!r}")
-            if not rec["grad_rel_err"] <= GRAD_RTOL:
-                failures.append(f"rank {rank} {rec['case']}: gradient error {rec['grad_rel_err']:.2e}")
-            if rec["missing"]:
-                failures.append(f"rank {rank} {rec['case']}: gradients missing for {rec['missing']}")
+    failures = megatron_cases.model_failures(_model_records(records), LOSS_RTOL, GRAD_RTOL)
     assert not failures, "\n".join(failures)
 
 

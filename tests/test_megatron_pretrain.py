@@ -2,15 +2,18 @@
 scripts: the plugin's own (scripts/pretrain_gpt.sh) and Megatron-LM's pretrain_gpt.py run by
 scripts/run_megatron_script.sh with the plugin's flags on its command line.
 
-* CP 4 under TASP (selective recompute) and, in Megatron-LM's script, Mesh 1x4 lockstep + ring
-  log the losses of CP 1 (bit for bit in fp32); the script's run also shows the per-stage summary,
-  the CP attention timers and bytes in Megatron's log, and writes a torch_dist checkpoint (whose
-  writer spawns a process that re-imports the script);
+* in Megatron-LM's script, CP 4 under Mesh 1x4 lockstep + ring logs the losses of CP 1 (bit for
+  bit in fp32); the run also shows the per-stage summary, the CP attention timers and bytes in
+  Megatron's log, and writes a torch_dist checkpoint (whose writer spawns a process that re-imports
+  the script);
 * that checkpoint resumes under the plugin's entry at CP 2 with "mesh tasp", same next loss;
 * bf16 + distributed optimizer + full recompute at CP 4 (Mesh 2x2) matches the same at CP 1 within
   bf16 tolerance, and its metrics JSON lines carry the losses, bytes and tiles;
 * PP 2 x CP 2 logs the losses of PP 2 x CP 1;
 * bad settings stop both scripts at start-up with one message; killing the launcher kills every rank.
+
+(TASP with selective recompute, masks and the Ulysses hybrids through pretrain(): see
+tests/test_megatron_pretrain_masks.py.)
 
 The runs are the expensive part (each process imports Megatron), so one module-scoped fixture
 runs them all once and the tests assert on their logs. ``--megatron-matrix`` adds every plugin
@@ -32,15 +35,13 @@ import time
 
 import psutil
 import pytest
-from scripts_util import ROOT, free_port, kill_process_tree, run_script
+from scripts_util import PRETRAIN, ROOT, free_port, kill_process_tree, losses, run_all, run_config
 
 pytest.importorskip("megatron.core", reason="needs megatron-core (scripts/setup_env.sh installs it)")
 
 # the fixture's runs count against the first test's timeout
 pytestmark = [pytest.mark.megatron, pytest.mark.slow, pytest.mark.timeout(1500)]
 
-PRETRAIN = os.path.join(ROOT, "scripts", "pretrain_gpt.sh")
-RUN_SCRIPT = os.path.join(ROOT, "scripts", "run_megatron_script.sh")
 CONFIG = os.path.join(ROOT, "configs", "gpt_tiny_cpu.yaml")
 _REAL = os.path.join(os.environ.get("MEGATRON_LM_DIR", ""), "pretrain_gpt.py")
 MEGATRON_LM_SCRIPT = _REAL if os.environ.get("MEGATRON_LM_DIR") else os.path.join(ROOT, "tests", "megatron_lm",
@@ -49,25 +50,13 @@ ITERS = 3
 BF16 = ("--bf16", "--use-distributed-optimizer", "--recompute-granularity", "full", "--recompute-method", "uniform",
         "--recompute-num-layers", "1")
 BF16_RTOL = 2e-3  # bf16 has 8 significant bits; the loss itself is computed in fp32
-_ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
 
 
 def run(entry: str, nproc: int, cp: int, modes: str, *flags: str, timeout: float = 240) -> tuple[int, str]:
-    """Run an entry script ("pretrain": the plugin's, "megatron-lm": Megatron-LM's pretrain_gpt.py);
-    return (exit status, combined output)."""
-    env = dict(os.environ, NPROC=str(nproc), CP=str(cp), CP_COMM_TYPE=modes, MASTER_PORT=str(free_port()),
-               PYTHON=sys.executable, OMP_NUM_THREADS="1")
-    env.pop("BACKEND", None)
-    head = [PRETRAIN, CONFIG] if entry == "pretrain" else [RUN_SCRIPT, MEGATRON_LM_SCRIPT, CONFIG]
-    return run_script(["bash", *head, "--train-iters", str(ITERS), *flags], env, timeout)
-
-
-def losses(output: str) -> dict[int, float]:
-    """Iteration -> 'lm loss' from Megatron's iteration log lines (printed with 7 digits)."""
-    found: dict[int, float] = {}
-    for it, loss in _ITERATION.findall(output):
-        found.setdefault(int(it), float(loss))
-    return found
+    """Run an entry script ("pretrain": the plugin's, "megatron-lm": Megatron-LM's pretrain_gpt.py)
+    on configs/gpt_tiny_cpu.yaml for ITERS iterations; return (exit status, combined output)."""
+    script = () if entry == "pretrain" else (MEGATRON_LM_SCRIPT,)
+    return run_config(CONFIG, nproc, cp, modes, "--train-iters", str(ITERS), *flags, script=script, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +65,6 @@ def runs(tmp_path_factory):
     metrics = str(tmp_path_factory.mktemp("metrics"))
     plan = {
         "cp1": ("pretrain", 1, 1, "mesh"),
-        "tasp": ("pretrain", 4, 4, "tasp", "--recompute-granularity", "selective"),
         # a torch_dist checkpoint at iteration 2 (its writer spawns a process that re-imports the script)
         "megatron-lm": ("megatron-lm", 4, 4, "mesh ring", "--mesh-tile-shape", "1x4", "--mesh-schedule", "lockstep",
                         "--save", ckpt, "--save-interval", "2", "--timing-log-level", "2", "--log-cp-attention-bytes"),
@@ -87,7 +75,7 @@ def runs(tmp_path_factory):
         "pp2_cp1": ("pretrain", 2, 1, "ring", "--pipeline-model-parallel-size", "2"),
         "pp2_cp2": ("pretrain", 4, 2, "mesh tasp", "--pipeline-model-parallel-size", "2"),
     }
-    out = {name: run(*spec) for name, spec in plan.items()}
+    out = run_all(run, plan, together=("cp1", "cp1_bf16"))
     out["metrics_dir"] = metrics
     return out
 
@@ -110,13 +98,6 @@ def test_cp1_runs_megatrons_own_attention(runs):
     text = _ok(runs, "cp1")
     assert sorted(losses(text)) == list(range(1, ITERS + 1))
     assert "megatron_mesh: pipeline stage" not in text
-
-
-def test_tasp_with_selective_recompute_equals_cp1(runs):
-    text = _ok(runs, "tasp")
-    _assert_losses_equal(losses(text), losses(_ok(runs, "cp1")))
-    summary = [line for line in text.splitlines() if "megatron_mesh: pipeline stage" in line]
-    assert len(summary) == 1 and "pipeline stage 1/1: layers 1-2: tasp (CP 4, transport p2p" in summary[0], summary
 
 
 def test_megatron_lm_script_takes_the_plugin_flags(runs):

@@ -54,14 +54,36 @@ def test_write_report(tmp_path):
                       bytes_per_step=300, peak_memory=11),
             RunResult("tasp", 4, ok=False, error="exit code 1")]
     text = write_report(runs, str(tmp_path), "title", baseline="baseline")
-    assert "| mesh:2x2 | 4 | 2x2 | 1.00e-06 | 325.9 | 300 B | 0.75 |" in text
+    assert "| mesh:2x2 | none | 4 | 2x2 | 1.00e-06 | 325.9 | 300 B | 0.75 |" in text
+    assert "With and without the masks" not in text  # one mask: no second table
     assert "**tasp failed**: exit code 1" in text
     with open(tmp_path / "report.csv") as f:
         rows = list(csv.DictReader(f))
     assert [r["mode"] for r in rows] == ["baseline", "ring", "mesh:2x2", "tasp"]
     assert float(rows[2]["bytes_vs_ring"]) == 0.75 and rows[0]["bytes_vs_ring"] == ""  # CP 1: no ratio
-    assert "| baseline | 1 | - | baseline | 325.9 | 0 B | - |" in text
+    assert "| baseline | none | 1 | - | baseline | 325.9 | 0 B | - |" in text
     # loss: figsize (6, 4), the others (6, 3.5), at 110 dpi
     assert png_size(tmp_path / "loss.png") == (660, 440)
     for png in ("time.png", "bytes.png", "memory.png"):
         assert png_size(tmp_path / png) == (660, 385), png
+
+
+def test_masked_runs_compare_with_their_own_baseline_and_ring(tmp_path):
+    """Each mask's runs are compared with that mask's baseline and ring; a second table puts each
+    mode's bytes and time under every mask side by side."""
+    doc_losses = {i: v - 0.5 for i, v in LOSSES.items()}
+    runs = [RunResult("baseline", 1, losses=LOSSES, times_ms=TIMES, bytes_per_step=0),
+            RunResult("ring", 4, losses=LOSSES, times_ms=TIMES, bytes_per_step=400),
+            RunResult("baseline", 1, mask="docs", losses=doc_losses, times_ms=TIMES, bytes_per_step=0),
+            RunResult("ring", 4, mask="docs", losses={i: v + 2e-6 for i, v in doc_losses.items()}, times_ms=TIMES,
+                      bytes_per_step=100),
+            RunResult("mesh:2x2", 4, mask="docs", tile="2x2", losses=doc_losses, times_ms=TIMES, bytes_per_step=50)]
+    text = write_report(runs, str(tmp_path), "title", baseline="baseline")
+    assert "| ring | docs | 4 | - | 2.00e-06 | 325.9 | 100 B | 1.00 |" in text
+    assert "| mesh:2x2 | docs | 4 | 2x2 | 0.00e+00 | 325.9 | 50 B | 0.50 |" in text  # vs the docs ring
+    assert "| baseline | docs | 1 | - | baseline |" in text
+    assert "| mode | bytes [none] | bytes [docs] | ms [none] | ms [docs] |" in text
+    assert "| ring | 400 B | 100 B | 325.9 | 325.9 |" in text and "| mesh:2x2 | - | 50 B | - | 325.9 |" in text
+    assert "| ring [docs] | " in text  # the loss table names the mask
+    rows = list(csv.DictReader(open(tmp_path / "report.csv")))
+    assert [(r["mode"], r["mask"]) for r in rows][2:] == [("baseline", "docs"), ("ring", "docs"), ("mesh:2x2", "docs")]

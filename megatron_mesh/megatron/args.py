@@ -16,6 +16,7 @@ Example (CP 4, 4 layers: Mesh tile 2x2 for the first two, TASP for the last two)
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -228,6 +229,26 @@ def validate_args(args, have_te: bool | None = None) -> None:
         _check_plugin_layers(args, cp, active, have_te, te_reason)
     _check_hierarchy(args, cp, active)
     _check_thd_flags(args, cp)
+    te_layers = sorted(active & set(TE_MODES))
+    if _documents(args) == "eod" and te_layers:
+        raise ValueError(f"--reset-attention-mask with Transformer Engine layers (--cp-comm-type {te_layers[0]}): "
+                         "megatron_mesh's entry script hands the layers end-of-document boundaries per sample, which "
+                         "only the plugin modes read; run plugin modes on every layer, or pack the documents for "
+                         "Transformer Engine with --cp-thd-packing")
+    _warn_per_rank_loss(args, cp)
+
+
+def _warn_per_rank_loss(args, cp: int) -> None:
+    """Warn when Megatron's loss normalisation makes CP > 1 train differently from CP 1: without
+    --calculate-per-token-loss each CP rank divides its loss by its own unmasked tokens, which
+    differ between ranks when the loss mask does (--eod-mask-loss, THD padding), so the
+    gradients weight the ranks' tokens unequally (any CP mode, Transformer Engine's too)."""
+    uneven = [flag for flag, name in (("--eod-mask-loss", "eod_mask_loss"), ("--cp-thd-packing", "cp_thd_packing"))
+              if getattr(args, name, False)]
+    if cp > 1 and uneven and not getattr(args, "calculate_per_token_loss", False):
+        warnings.warn(f"{' and '.join(uneven)} at --context-parallel-size {cp} without --calculate-per-token-loss: "
+                      "each CP rank divides its loss by its own token count, so the gradients differ from CP 1's "
+                      "(add --calculate-per-token-loss to train as CP 1 does)", stacklevel=2)
 
 
 def _check_hierarchy(args, cp: int, active: set) -> None:
@@ -289,6 +310,10 @@ def _check_thd_flags(args, cp: int) -> None:
     if getattr(args, "cp_thd_pad_multiple", None) is not None and not getattr(args, "cp_thd_packing", False):
         raise ValueError(f"--cp-thd-pad-multiple {args.cp_thd_pad_multiple} applies to --cp-thd-packing, which is "
                          "not given: leave it out")
+    m = getattr(args, "cp_thd_pad_multiple", None)
+    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+        raise ValueError(f"--cp-thd-pad-multiple must be a positive multiple of 2 x --context-parallel-size "
+                         f"= {2 * cp}, got {m!r}")
     if getattr(args, "cp_thd_packing", False):
         if not bootstrap.ENTRY_PACKS_DOCUMENTS:
             raise ValueError("--cp-thd-packing is an option of megatron_mesh's entry script (scripts/pretrain_gpt.sh); "

@@ -1,0 +1,139 @@
+"""Masks through Megatron's real pretrain() loop (scripts/pretrain_gpt.sh, gloo, CPU): packed
+documents and sliding windows under the plugin modes at CP > 1 log the losses of CP 1 (where a
+layer with a window or documents runs the plugin's single-rank attention; tests/test_megatron_masks.py
+checks that one against Megatron's own attention with a dense mask).
+
+Data: documents of mixed lengths (1 to ~150 tokens, ~10 % a lone end-of-document token) written by
+scripts/make_doc_dataset.py; samples of 64 tokens, so at CP 4 a rank holds two zigzag halves of 8
+tokens and most samples hold documents that cross, start and end inside halves.
+
+* ``--reset-attention-mask`` (EOD documents, Megatron's global zigzag layout) together with
+  ``--window-size 5,0`` (a window shorter than a half) at CP 4, one layer per mode: Mesh with the
+  tile 4x1, TASP, ring, with selective recompute; that run writes a checkpoint which resumes under
+  ring at CP 2 with the same next loss;
+* THD packed sequences of mixed lengths (``--cp-thd-packing``, Transformer Engine's CP layout) at
+  CP 4 under ring, Mesh ``auto``, TASP and a2a+mesh (``--hierarchical-context-parallel-sizes 2 2``);
+* THD at TP 2 x CP 2 under Mesh.
+
+Every CP run logs the losses of its CP 1 run to 1e-5 relative (fp32). ``--megatron-matrix`` adds
+each mask alone (window, EOD documents, THD) x each mode (mesh 2x2, mesh auto, tasp, ring) in its
+own run.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from scripts_util import ROOT, losses, run_all, run_config
+
+pytest.importorskip("megatron.core", reason="needs megatron-core (scripts/setup_env.sh installs it)")
+
+pytestmark = [pytest.mark.megatron, pytest.mark.slow, pytest.mark.timeout(1200)]
+
+ITERS = 3
+RTOL = 1e-5
+WINDOW = ("--window-size", "5,0")
+HCP = ("--hierarchical-context-parallel-sizes", "2", "2")
+
+
+def config(name: str) -> str:
+    return os.path.join(ROOT, "configs", f"gpt_tiny_cpu_{name}.yaml")
+
+
+@pytest.fixture(scope="module")
+def doc_data(tmp_path_factory):
+    prefix = str(tmp_path_factory.mktemp("docs") / "tiny_docs")
+    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_doc_dataset.py"), prefix], check=True,
+                   capture_output=True, timeout=120)
+    return prefix
+
+
+def masked_run(doc_data, name: str, nproc: int, cp: int, modes: str, *flags: str) -> tuple[int, str]:
+    return run_config(config(name), nproc, cp, modes, "--train-iters", str(ITERS), *flags,
+                      env={"DOC_DATA": doc_data}, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def runs(doc_data, tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("ckpt"))
+    plan = {
+        "docs_cp1": ("docs", 1, 1, "mesh", *WINDOW),
+        "docs_cp4": ("docs", 4, 4, "mesh tasp ring mesh", *WINDOW, "--mesh-tile-shape", "4x1",
+                     "--recompute-granularity", "selective", "--save", ckpt, "--save-interval", "2"),
+        "docs_resume": ("docs", 2, 2, "ring", *WINDOW, "--load", ckpt, "--ckpt-step", "2"),
+        "thd_cp1": ("thd", 1, 1, "mesh"),
+        "thd_cp4": ("thd", 4, 4, "ring mesh tasp a2a+mesh", *HCP),
+        "thd_tp2_cp1": ("thd", 2, 1, "mesh", "--tensor-model-parallel-size", "2"),
+        "thd_tp2_cp2": ("thd", 4, 2, "mesh", "--tensor-model-parallel-size", "2"),
+    }
+    return run_all(lambda *spec: masked_run(doc_data, *spec), plan, together=("docs_cp1", "thd_cp1", "thd_tp2_cp1"))
+
+
+def _ok(runs, name) -> str:
+    rc, text = runs[name]
+    assert rc == 0, f"{name} run failed (exit {rc}):\n{text[-6000:]}"
+    return text
+
+
+def _assert_losses_equal(got: dict, want: dict, iterations=None):
+    iterations = iterations or sorted(want)
+    assert sorted(got) == list(iterations), (got, want)
+    for it in iterations:
+        assert got[it] == pytest.approx(want[it], rel=RTOL), (it, got[it], want[it])
+
+
+def test_documents_with_window_cp4_match_cp1(runs):
+    want = losses(_ok(runs, "docs_cp1"))
+    assert sorted(want) == list(range(1, ITERS + 1))
+    text = _ok(runs, "docs_cp4")
+    _assert_losses_equal(losses(text), want)
+    summary = [line for line in text.splitlines() if "megatron_mesh: pipeline stage" in line]
+    assert len(summary) == 1, summary  # one line, from the first rank of the stage
+    for part in ("layer 1: mesh (CP 4, tile 4x1", "layer 2: tasp (CP 4, transport p2p", "layer 3: ring (CP 4",
+                 "layer 4: mesh (CP 4, tile 4x1", "window 5,0"):
+        assert part in summary[0], (part, summary[0])
+
+
+def test_checkpoint_with_documents_resumes_under_ring(runs):
+    want = losses(_ok(runs, "docs_cp1"))
+    text = _ok(runs, "docs_resume")
+    _assert_losses_equal(losses(text), want, iterations=[3])
+    assert "layers 1-4: ring (CP 2" in text
+
+
+def test_thd_packed_sequences_cp4_match_cp1(runs):
+    want = losses(_ok(runs, "thd_cp1"))
+    assert sorted(want) == list(range(1, ITERS + 1))
+    text = _ok(runs, "thd_cp4")
+    _assert_losses_equal(losses(text), want)
+    for line in ("layer 1: ring (CP 4", "layer 2: mesh (CP 4, tile ", "layer 3: tasp (CP 4",
+                 "layer 4: a2a+mesh (CP 4"):
+        assert line in text, (line, text[-3000:])
+
+
+def test_thd_tp2_cp2_matches_tp2_cp1(runs):
+    _assert_losses_equal(losses(_ok(runs, "thd_tp2_cp2")), losses(_ok(runs, "thd_tp2_cp1")))
+
+
+# -- opt-in: each mask alone x each mode ----------------------------------------------------------------
+MASKS = {"window": ("window", WINDOW), "docs": ("docs", ()), "thd": ("thd", ())}
+MODES = {"mesh-2x2": ("mesh", "--mesh-tile-shape", "2x2"), "mesh-auto": ("mesh",), "tasp": ("tasp",),
+         "ring": ("ring",)}
+_REFERENCES: dict = {}
+
+
+@pytest.mark.megatron_matrix
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("mask", sorted(MASKS))
+def test_matrix_each_mask_each_mode_cp4_matches_cp1(doc_data, mask, mode):
+    name, flags = MASKS[mask]
+    if mask not in _REFERENCES:
+        rc, text = masked_run(doc_data, name, 1, 1, "mesh", *flags)
+        assert rc == 0, text[-6000:]
+        _REFERENCES[mask] = losses(text)
+    cp_mode, *mode_flags = MODES[mode]
+    rc, text = masked_run(doc_data, name, 4, 4, cp_mode, *flags, *mode_flags)
+    assert rc == 0, text[-6000:]
+    _assert_losses_equal(losses(text), _REFERENCES[mask])
+    assert f"layers 1-4: {cp_mode} (CP 4" in text
