@@ -56,3 +56,32 @@ def gloo(request):
         if "dist_results" in item.fixturenames:
             parts.add("mask_cases")
     return cases.run_gloo(parts)
+
+
+# -- Megatron's argument parser with the plugin's flags (test_megatron_args*.py) --------------------------
+@pytest.fixture(scope="module")
+def megatron_args():
+    """parse(argv) -> Megatron's argparse Namespace with the plugin's flags (no Megatron validation)."""
+    from megatron_mesh.megatron import ensure_typing_override
+
+    ensure_typing_override()
+    from megatron.training import arguments
+
+    from megatron_mesh.megatron.args import add_args
+
+    def parse(argv):
+        saved = sys.argv
+        sys.argv = ["pretrain_gpt", "--num-layers", "2", *argv]
+        try:
+            return arguments.parse_args(add_args)
+        finally:
+            sys.argv = saved
+    return parse
+
+
+@pytest.fixture()
+def our_entry(monkeypatch):
+    """Arguments as megatron_mesh's entry script validates them (it passes documents as boundaries)."""
+    from megatron_mesh.megatron import bootstrap
+
+    monkeypatch.setattr(bootstrap, "ENTRY_PACKS_DOCUMENTS", True)

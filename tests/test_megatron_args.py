@@ -6,7 +6,6 @@ CP size 1 behaving as plain attention."""
 import copy
 import math
 import os
-import sys
 import types
 
 import pytest
@@ -16,28 +15,8 @@ pytest.importorskip("megatron.core", reason="needs megatron-core (scripts/setup_
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megatron_mesh.megatron import ensure_typing_override  # noqa: E402
-
 pytestmark = pytest.mark.megatron
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def megatron_args():
-    """parse(argv) -> Megatron's argparse Namespace with the plugin's flags (no Megatron validation)."""
-    ensure_typing_override()
-    from megatron.training import arguments
-
-    from megatron_mesh.megatron.args import add_args
-
-    def parse(argv):
-        saved = sys.argv
-        sys.argv = ["pretrain_gpt", "--num-layers", "2", *argv]
-        try:
-            return arguments.parse_args(add_args)
-        finally:
-            sys.argv = saved
-    return parse
 
 
 def _validate(args, have_te=False):
@@ -463,115 +442,3 @@ def test_te_modes_hand_over_to_te_dotproductattention(monkeypatch):
 
 
 # -- masks, packing and the Ulysses hybrids ----------------------------------------------------------------
-HEADS = ["--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2", "--hidden-size", "64"]
-PLUGIN = ["--spec", "megatron_mesh.megatron.spec", "gpt_layer_spec", "--transformer-impl", "local",
-          "--attention-dropout", "0"]
-
-
-@pytest.fixture()
-def our_entry(monkeypatch):
-    """Arguments as megatron_mesh's entry script validates them (it passes documents as boundaries)."""
-    from megatron_mesh.megatron import bootstrap
-
-    monkeypatch.setattr(bootstrap, "ENTRY_PACKS_DOCUMENTS", True)
-
-
-@pytest.mark.parametrize("argv, documents", [
-    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask"], "eod"),
-    (["--context-parallel-size", "4", "--cp-comm-type", "tasp", "--cp-thd-packing", "--cp-thd-pad-multiple", "16",
-      "--seq-length", "64", "--micro-batch-size", "1"], "thd"),
-    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--window-size", "16,0"], None),
-    (["--context-parallel-size", "4", "--cp-comm-type", "ring", "--window-size", "16,-1", "--reset-attention-mask"],
-     "eod"),
-    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+mesh", "--hierarchical-context-parallel-sizes", "2", "2",
-      "--mesh-tile-shape", "2x1", *HEADS], None),
-    (["--context-parallel-size", "8", "--cp-comm-type", "a2a+tasp", "a2a+ring", "--hierarchical-context-parallel-sizes",
-      "2", "4", *HEADS], None),
-    (["--context-parallel-size", "1", "--reset-attention-mask", "--cp-comm-type", "mesh"], "eod"),
-])
-def test_masks_and_hybrids_valid(megatron_args, our_entry, argv, documents):
-    from megatron_mesh.megatron.args import MeshTransformerConfig, apply_args
-
-    args = megatron_args(PLUGIN + argv)
-    _validate(args)
-    config = MeshTransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4)
-    apply_args(args, config)
-    assert config.cp_documents == documents
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+mesh", *HEADS],
-     "--cp-comm-type a2a+mesh needs --hierarchical-context-parallel-sizes U M (the all-to-all degree U inside a node "
-     "and the inner CP size M, U * M = --context-parallel-size 4); got none"),
-    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+ring", "--hierarchical-context-parallel-sizes", "2", "3",
-      *HEADS], "--hierarchical-context-parallel-sizes 2 3: U * M must equal --context-parallel-size 4"),
-    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+mesh", "--hierarchical-context-parallel-sizes", "4", "1",
-      "--num-attention-heads", "6", "--hidden-size", "96"],
-     "--hierarchical-context-parallel-sizes 4 1 with 6 query / 6 key-value heads per tensor-parallel rank: query heads "
-     "(6) must be divisible by the ulysses size (4)"),
-    (["--context-parallel-size", "8", "--cp-comm-type", "a2a+mesh", "--hierarchical-context-parallel-sizes", "4", "2",
-      "--tasp-gpus-per-node", "2", *HEADS],
-     "an all-to-all group of 4 CP ranks must stay inside a node of 2 CP ranks"),
-    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+mesh", "--hierarchical-context-parallel-sizes", "2", "2",
-      "--mesh-tile-shape", "2x2", *HEADS], "--mesh-tile-shape '2x2': tile 2x2 does not fit CP size 2"),
-    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--window-size", "16,4"],
-     "--window-size 16,4: the plugin's causal layers attend no later key, so the right side must be 0"),
-    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--cp-thd-pad-multiple", "16"],
-     "--cp-thd-pad-multiple 16 applies to --cp-thd-packing, which is not given"),
-    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--cp-thd-packing", "--cp-thd-pad-multiple", "12",
-      "--seq-length", "48"], "--cp-thd-pad-multiple 12 must be a multiple of 2 x --context-parallel-size = 8"),
-    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--cp-thd-packing", "--seq-length", "64",
-      "--micro-batch-size", "2"], "--micro-batch-size must be 1, got 2"),
-    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--cp-thd-packing", "--cp-thd-pad-multiple", "-8",
-      "--seq-length", "64"], "--cp-thd-pad-multiple must be a positive multiple of 2 x --context-parallel-size = 8, "
-     "got -8"),
-    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--cp-thd-packing", "--cp-thd-pad-multiple", "0",
-      "--seq-length", "64"], "--cp-thd-pad-multiple must be a positive multiple of 2 x --context-parallel-size = 8, "
-     "got 0"),
-    (["--context-parallel-size", "2", "--cp-comm-type", "mesh", "--reset-attention-mask",
-      "--pipeline-model-parallel-size", "2"],
-     "--pipeline-model-parallel-size 2 with packed documents (--reset-attention-mask / --cp-thd-packing)"),
-    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--sft"],
-     "--sft: Megatron's sft batches are not supported by the plugin modes"),
-])
-def test_masks_and_hybrids_invalid(megatron_args, our_entry, argv, message):
-    args = megatron_args(PLUGIN + argv)
-    with pytest.raises(ValueError) as e:
-        _validate(args)
-    assert message in str(e.value)
-
-
-def test_dense_document_masks_of_other_scripts(megatron_args):
-    """Another entry script's --reset-attention-mask is a dense mask: Megatron's own attention reads
-    it at CP 1 (no plugin documents, dropout allowed); the plugin modes refuse it at CP > 1, and
-    --cp-thd-packing needs our entry script."""
-    from megatron_mesh.megatron.args import MeshTransformerConfig, apply_args
-
-    args = megatron_args([*PLUGIN[:-2], "--context-parallel-size", "1", "--reset-attention-mask",
-                          "--attention-dropout", "0.1"])
-    _validate(args)
-    config = MeshTransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4)
-    apply_args(args, config)
-    assert config.cp_documents is None
-    with pytest.raises(ValueError, match="--cp-thd-packing is an option of megatron_mesh's entry script"):
-        _validate(megatron_args(PLUGIN + ["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--cp-thd-packing",
-                                          "--seq-length", "64"]))
-
-
-def test_documents_from_eod_tokens_refuse_transformer_engine_layers(megatron_args, our_entry):
-    """Our entry's per-sample boundaries are the plugin's format: a TE layer beside plugin layers
-    would misread them, so the start-up check refuses the mix (THD packing stays allowed)."""
-    args = megatron_args(PLUGIN + ["--context-parallel-size", "2", "--cp-comm-type", "mesh", "p2p",
-                                   "--reset-attention-mask"])
-    with pytest.raises(ValueError, match=r"--reset-attention-mask with Transformer Engine layers \(--cp-comm-type "
-                                         r"p2p\): megatron_mesh's entry script hands the layers end-of-document"):
-        _validate(args, have_te=True)
-    _validate(megatron_args(PLUGIN + ["--context-parallel-size", "2", "--cp-comm-type", "mesh", "p2p",
-                                      "--cp-thd-packing", "--seq-length", "64", "--micro-batch-size", "1"]), have_te=True)
-
-
-def test_documents_at_cp1_with_dropout_under_our_entry(megatron_args, our_entry):
-    args = megatron_args([*PLUGIN[:-2], "--context-parallel-size", "1", "--reset-attention-mask",
-                          "--attention-dropout", "0.1"])
-    with pytest.raises(ValueError, match="packed documents run the plugin's attention also at CP 1"):
-        _validate(args)
