@@ -171,3 +171,32 @@ def test_comm_counter_is_zero_without_peers():
     with mm.comm_counter() as c:
         mm.ring_attention(*qkv())
     assert (c.bytes_sent, c.bytes_received) == (0, 0)
+
+
+def test_plan_agreement_memory_stays_bounded(monkeypatch):
+    """Documents give every batch its own plan: the per-group record of plans already checked
+    across ranks keeps the most recent ones only, and a plan seen again is not re-gathered."""
+    from megatron_mesh.plan import AttentionShape, build_mesh_plan
+    from megatron_mesh.runtime import api
+
+    class Group:  # a process group stand-in: only its identity matters here
+        pass
+
+    class Comm:
+        rank, process_group = 0, Group()
+
+    gathers = []
+
+    def all_gather_object(out, obj, group=None):
+        gathers.append(obj)
+        out[:] = [obj] * len(out)
+
+    monkeypatch.setattr(api.dist, "all_gather_object", all_gather_object)
+    shape = AttentionShape(seq_local=8, batch=1, heads=2, kv_heads=2, head_dim=8, itemsize=4)
+    plan = build_mesh_plan(2, (1, 2), shape)
+    comm = Comm()
+    for batch in range(api._AGREED_KEEP + 50):
+        api.check_agreement(comm, plan, extra=f" batch {batch}")
+    assert len(api._AGREED[comm.process_group]) == api._AGREED_KEEP
+    api.check_agreement(comm, plan, extra=f" batch {api._AGREED_KEEP + 49}")  # recent: no new gather
+    assert len(gathers) == api._AGREED_KEEP + 50

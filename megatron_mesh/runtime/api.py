@@ -21,6 +21,7 @@ import math
 import os
 import numbers
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
@@ -150,6 +151,9 @@ def group_communicator(group, transport: str = "p2p") -> Communicator:
 
 
 _AGREED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # process group -> fingerprints checked
+# the most recent fingerprints kept per group: documents give every batch its own plan, so the set
+# of checked plans must not grow with the number of training steps
+_AGREED_KEEP = 256
 
 
 def plan_fingerprint(plan: Plan, extra: str = "") -> str:
@@ -172,8 +176,9 @@ def check_agreement(comm: Communicator, plan: Plan, extra: str = "") -> None:
     if group is None or plan.world_size == 1:
         return
     fp = plan_fingerprint(plan, extra)
-    seen = _AGREED.setdefault(group, set())
+    seen = _AGREED.setdefault(group, OrderedDict())
     if fp in seen:
+        seen.move_to_end(fp)
         return
     gathered: list = [None] * plan.world_size
     dist.all_gather_object(gathered, fp, group=group)
@@ -184,7 +189,9 @@ def check_agreement(comm: Communicator, plan: Plan, extra: str = "") -> None:
         raise PlanMismatchError(f"the ranks of this CP group disagree on the attention plan: rank {comm.rank} runs "
                                 f"{mine.split(' ', 1)[1]}, ranks {ranks} run {other.split(' ', 1)[1]} (same "
                                 "mode, settings, sequence length and mask needed on every rank)")
-    seen.add(fp)
+    seen[fp] = None
+    if len(seen) > _AGREED_KEEP:
+        seen.popitem(last=False)
 
 
 # -- the autograd function ------------------------------------------------------------------------------
