@@ -123,10 +123,10 @@ def command(mode: str, args, metrics: str, mask: str = "none", config: str | Non
         environ["CP_COMM_TYPE"] = name
     if name == "mesh" and option not in ("", "auto"):
         flags += ["--mesh-tile-shape", option]
-    if name.startswith(HYBRID_PREFIX) or name == "a2a+p2p":
-        ulysses = int(option or 2)
+    if name.startswith(HYBRID_PREFIX):  # the plugin's hybrids and Transformer Engine's a2a+p2p
+        ulysses = int(option or 2) if (option or "2").isdigit() else 0
         if ulysses < 2 or cp % ulysses:
-            raise SystemExit(f"{mode}: the all-to-all degree {ulysses} must be >= 2 and divide --cp {cp}")
+            raise SystemExit(f"{mode}: the all-to-all degree {option or 2} must be an integer >= 2 dividing --cp {cp}")
         flags += ["--hierarchical-context-parallel-sizes", str(ulysses), str(cp // ulysses)]
     if mask == "window":
         flags += ["--window-size", f"{args.window},0"]

@@ -311,7 +311,7 @@ def _check_thd_flags(args, cp: int) -> None:
         raise ValueError(f"--cp-thd-pad-multiple {args.cp_thd_pad_multiple} applies to --cp-thd-packing, which is "
                          "not given: leave it out")
     m = getattr(args, "cp_thd_pad_multiple", None)
-    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+    if m is not None and m < 1:  # argparse gives an int
         raise ValueError(f"--cp-thd-pad-multiple must be a positive multiple of 2 x --context-parallel-size "
                          f"= {2 * cp}, got {m!r}")
     if getattr(args, "cp_thd_packing", False):
