@@ -16,6 +16,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from .plan.modes import REFERENCE_MODE
+
 __all__ = ["RunResult", "Metrics", "read_metrics", "write_report", "format_bytes", "label"]
 
 
@@ -109,7 +111,7 @@ def write_report(runs: list[RunResult], out_dir: str, title: str, baseline: str 
     ``baseline``: the mode whose runs (one per mask) the others' losses are compared with."""
     os.makedirs(out_dir, exist_ok=True)
     bases = {r.mask: r for r in runs if r.mode == baseline}
-    rings = {r.mask: r for r in runs if r.mode == "ring"}
+    rings = {r.mask: r for r in runs if r.mode == REFERENCE_MODE}
     iters = sorted({i for r in runs for i in r.losses})
     masks = list(dict.fromkeys(r.mask for r in runs))
 

@@ -31,29 +31,12 @@ import torch
 import megatron_mesh as mm
 from megatron_mesh.kernels import reference_attention
 from megatron_mesh.launch import spawn
-from megatron_mesh.plan import AttentionShape, Mask, parse_tile, plan_bytes, resolve
+from megatron_mesh.plan import AttentionShape, Mask, plan_bytes, resolve
+from megatron_mesh.plan.modes import REFERENCE_MODE, parse_mode_spec
 from megatron_mesh.plan.accounting import rank_work
 from megatron_mesh.tools.plan_cli import document_bounds
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
-
-
-def mode_settings(mode: str, world: int) -> tuple[str, dict]:
-    """(registered mode, its settings) of a command-line mode like ``mesh:2x2`` or ``a2a+mesh:2:1x2``."""
-    name, *args = mode.split(":")
-    if name == "ring" and not args:
-        return "ring", {}
-    if name == "mesh" and len(args) <= 1:
-        return "mesh", {"tile": parse_tile(args[0] if args else "auto", world)}
-    if name == "tasp" and len(args) <= 1:
-        return "tasp", {"gpus_per_node": int(args[0])} if args else {}
-    if name in ("a2a+ring", "a2a+tasp") and len(args) == 1:
-        return name, {"ulysses_size": int(args[0])}
-    if name == "a2a+mesh" and len(args) in (1, 2):
-        U = int(args[0])
-        return name, {"ulysses_size": U, "tile": parse_tile(args[1] if len(args) > 1 else "auto", world // U)}
-    raise ValueError(f"unknown mode {mode!r}; use ring, mesh[:AxB|:auto], tasp[:GPUS_PER_NODE], a2a+ring:U, "
-                     "a2a+mesh:U[:AxB], a2a+tasp:U")
 
 
 def mask_of(args) -> Mask:
@@ -70,10 +53,9 @@ def mask_of(args) -> Mask:
 
 def planned(mode: str, world: int, shape: AttentionShape, mask: Mask):
     """The plan the runtime runs for ``mode`` (the same placement: settings, auto tile, mask)."""
-    name, settings = mode_settings(mode, world)
-    if name == "mesh":
-        settings["causal"] = mask.causal  # tile "auto" is chosen for causal / full attention, as the runtime does
-    placement = resolve(name, world, shape, **settings)
+    name, settings = parse_mode_spec(mode)
+    # 'auto' choices are made for causal / full attention, as the runtime does
+    placement = resolve(name, world, shape, mask=Mask(mask.causal), **settings)
     return placement, placement.build(shape, mask)
 
 
@@ -102,7 +84,7 @@ def run_rank(rank: int, world: int, args, masks) -> list[dict]:
             ref.backward(dO)
             want = [ref.detach()] + [x.grad for x in ref_in]
         for mode in args.modes:
-            name, settings = mode_settings(mode, world)
+            name, settings = parse_mode_spec(mode)
             best = None
             for _ in range(args.repeat):
                 q, k, v = (shard(x).to(dtype).requires_grad_() for x in (Q, K, V))
@@ -180,10 +162,10 @@ def _report(args, shape: AttentionShape, masks: list[Mask], plans: dict, results
             placement, plan = plans[m, mode]
             want = [(b.sent, b.received) for b in plan_bytes(plan, shape)]
             sent, planned_sent = max(r["sent"] for r in rows), max(s for s, _ in want)
-            if mode == "ring":
+            if mode == REFERENCE_MODE:
                 ring_bytes = sent
             ratio = f"{sent / ring_bytes:.2f}" if ring_bytes else "-"
-            tile = placement.tile or (placement.inner.tile if placement.inner is not None else None)
+            tile = placement.tile
             tile_s = f"{tile[0]}x{tile[1]}" if tile else "-"
             err = max(r["err"] for r in rows)
             work = [f + b for f, b in zip(rank_work(plan, "forward"), rank_work(plan, "backward"))]

@@ -43,7 +43,7 @@ sys.path.insert(0, ROOT)
 
 from megatron_mesh import yaml_args  # noqa: E402
 from megatron_mesh.launch import free_port, kill_process_tree, training_command  # noqa: E402
-from megatron_mesh.megatron import PLUGIN_MODES, TE_MODES  # noqa: E402 -- does not import Megatron
+from megatron_mesh.megatron import TE_MODES, plugin_modes  # noqa: E402 -- does not import Megatron
 from megatron_mesh.plan.modes import HYBRID_PREFIX  # noqa: E402
 from megatron_mesh.report import RunResult, read_metrics, write_report  # noqa: E402
 
@@ -112,7 +112,7 @@ def command(mode: str, args, metrics: str, mask: str = "none", config: str | Non
     """The torchrun command, environment and the flags added to the config's for one mode's run
     under ``mask`` (``config``: the mask's config, default --config)."""
     name, _, option = mode.partition(":")
-    if name != "baseline" and name not in PLUGIN_MODES + TE_MODES:
+    if name != "baseline" and name not in plugin_modes() + TE_MODES:
         raise SystemExit(f"unknown mode {mode!r}; allowed: baseline, ring, tasp, mesh[:auto|:AxB], "
                          f"a2a+mesh[:U], a2a+tasp[:U], a2a+ring[:U], {', '.join(TE_MODES)}")
     cp = 1 if name == "baseline" else args.cp

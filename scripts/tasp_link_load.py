@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"  {name:<22} {direction:<8} {_mib(per_step)} /step  {_mib(load.max_link)} /round "
                   f"({load.rounds} rounds)")
     if m and P % m == 0 and P // m >= 2:
-        plans[f"tasp ({P // m} nodes of {m})"] = build_tasp_plan(P, shape, gpus_per_node=m)
+        plans[f"tasp ({P // m} nodes of {m})"] = build_tasp_plan(P, shape, ranks_per_node=m)
         print(f"\n{P // m} nodes of {m}: inter-node bytes the busiest rank sends per step (over how many links)")
         for name, plan in plans.items():
             for direction in ("forward", "backward"):
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
                 for (src, dst), b in link_bytes(plan, shape, direction).items():
                     if src // m != dst // m:
                         sent[src] += b
-                load = link_load(plan, shape, direction, gpus_per_node=m)
+                load = link_load(plan, shape, direction, ranks_per_node=m)
                 per_step = max(sent.values()) // steps
                 out["nodes"].append(dict(plan=name, direction=direction, per_step=per_step,
                                          links=load.inter_node_links))

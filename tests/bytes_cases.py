@@ -57,7 +57,7 @@ def cases(world: int) -> list[Case]:
             name = ("ring" if a == 1 else f"mesh {a}x{b} {contiguous}") + f" {bc} causal=True"
             out.append(Case(name, "mesh", dict(tile=(a, b), contiguous=contiguous, backward_chunks=bc)))
     for causal, gpn in ((True, None), (False, None), (True, 2), (True, 4)):
-        case = Case(f"tasp gpus_per_node={gpn} causal={causal}", "tasp", dict(gpus_per_node=gpn), causal=causal)
+        case = Case(f"tasp ranks_per_node={gpn} causal={causal}", "tasp", dict(ranks_per_node=gpn), causal=causal)
         try:
             case.plan(world)
         except ValueError:  # TASP cannot run this size / node split

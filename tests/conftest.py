@@ -80,8 +80,7 @@ def megatron_args():
 
 
 @pytest.fixture()
-def our_entry(monkeypatch):
-    """Arguments as megatron_mesh's entry script validates them (it passes documents as boundaries)."""
-    from megatron_mesh.megatron import bootstrap
-
-    monkeypatch.setattr(bootstrap, "ENTRY_PACKS_DOCUMENTS", True)
+def our_entry():
+    """Keyword arguments of the checks (and apply_args) as megatron_mesh's entry script calls them: it
+    hands the layers document boundaries."""
+    return {"entry_packs_documents": True}

@@ -144,7 +144,7 @@ def _placements(world: int):
             yield "mesh", (("tile", t), ("contiguous", "q"))
     yield "tasp", ()
     if world >= 4 and world % 2 == 0:
-        yield "tasp", (("gpus_per_node", 2),)
+        yield "tasp", (("ranks_per_node", 2),)
 
 
 def masked_grid(rank: int, world: int, group=None) -> list[Record]:

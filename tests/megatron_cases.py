@@ -26,7 +26,7 @@ def _setup_megatron():
 
 
 def _config(tp: int, cp: int, heads: tuple[int, int], cp_comm_type, **plugin):
-    from megatron_mesh.megatron.args import MeshTransformerConfig
+    from megatron_mesh.megatron.settings import MeshTransformerConfig
 
     return MeshTransformerConfig(
         num_layers=2, hidden_size=64, num_attention_heads=heads[0], num_query_groups=heads[1], ffn_hidden_size=128,
@@ -151,7 +151,7 @@ def _routing(rank, cp_group, config) -> dict:
     from megatron_mesh.megatron.placement import resolve_placement
 
     placement = resolve_placement("mesh", config, groups.cp_ranks(cp_group))  # the groups were built for it
-    tile, contiguous = placement.tile, placement.contiguous
+    tile, contiguous = placement.tile, placement.options.contiguous
     routed = groups.communicator(config, cp_group, placement)
     flat = TorchDistCommunicator(cp_group)
     g = torch.Generator().manual_seed(3)

@@ -49,7 +49,7 @@ def counting_all_to_all():
 
 def _case(rank: int, p: Problem, label: str, group, transport: str = "p2p", gpus_per_node=None, ref=None,
           **kwargs) -> Result:
-    plan = build_tasp_plan(p.world, p.shape, causal=p.causal, gpus_per_node=gpus_per_node)
+    plan = build_tasp_plan(p.world, p.shape, causal=p.causal, ranks_per_node=gpus_per_node)
     rounds = sum(isinstance(op, Post) for d in ("forward", "backward") for op in plan.rank(rank).ops(d))
     with counting_all_to_all() as calls:
         res = measure(rank, p, label,

@@ -82,8 +82,9 @@ def test_output_has_q_shape_dtype_and_a_contiguous_layout():
     (dict(cu_seqlens=[0, 5]), r"to the global sequence length 8, got \[0, 5\]"),
     (dict(cu_seqlens=[0, 2.5, 8]), r"cu_seqlens must hold integers, got \[0, 2\.5, 8\]"),
     (dict(cu_seqlens=torch.tensor([0.0, 8.0])), r"cu_seqlens must be a 1-D integer tensor or sequence"),
-    (dict(layout="thd"), r"layout must be None \(Megatron's zigzag\) or a megatron_mesh.ThdLayout, got str"),
-    (dict(layout=ThdLayout(1, (0, 4, 10))), r"THD layout over 1 ranks x 10 tokens per rank does not match"),
+    (dict(layout="thd"), r"layout must be None \(Megatron's zigzag\) or a megatron_mesh layout \(e.g. ThdLayout\), got "
+                         r"str"),
+    (dict(layout=ThdLayout(1, (0, 4, 10))), r"ThdLayout over 1 ranks x 10 tokens per rank does not match"),
 ])
 def test_bad_options_raise_naming_the_value(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -94,12 +95,14 @@ def test_bad_options_raise_naming_the_value(bad, match):
     (lambda: mm.tasp_attention(*qkv(), transport="mpi"), r"transport must be one of p2p, alltoall, got 'mpi'"),
     (lambda: mm.tasp_attention(*qkv(), gpus_per_node=0), r"gpus_per_node must be None or a positive integer, got 0"),
     (lambda: mm.hybrid_attention(*qkv(), ulysses_size=2), r"ulysses_size 2 must be a positive divisor of the CP size 1"),
-    (lambda: mm.hybrid_attention(*qkv(), ulysses_size=1, inner="a2a"), r"inner must be 'mesh', 'tasp' or 'ring', got 'a2a'"),
-    (lambda: mm.hybrid_attention(*qkv(), ulysses_size=1, inner="ring", tile=(1, 1)), r"tile \(1, 1\) applies to inner='mesh' only"),
+    (lambda: mm.hybrid_attention(*qkv(), ulysses_size=1, inner="a2a"),
+     r"inner must be a mode with a Ulysses hybrid, one of mesh, tasp, ring; got 'a2a'"),
+    (lambda: mm.hybrid_attention(*qkv(), ulysses_size=1, inner="ring", tile=(1, 1)),
+     r"CP mode 'a2a\+ring' takes no setting tile"),
     (lambda: mm.attention(*qkv(), mode="ulysses"), r"unknown CP mode 'ulysses'; allowed: ring, mesh, tasp, a2a\+mesh"),
     (lambda: mm.attention(*qkv(), mode="ring", tile=(1, 1)), r"CP mode 'ring' takes no setting tile"),
     (lambda: mm.mesh_attention(*qkv(), cu_seqlens=[0, 8], layout=ThdLayout(1, (0, 8))),
-     r"cu_seqlens and a THD layout both give documents"),
+     r"cu_seqlens and a ThdLayout both give documents"),
 ])
 def test_bad_mode_options_raise_naming_the_value(call, match):
     with pytest.raises(ValueError, match=match):

@@ -87,7 +87,7 @@ def test_tasp_matches_dense_reference(world):
 def test_tasp_two_nodes_matches_dense_reference():
     """The chained rings: 8 ranks as 2 nodes of 4."""
     p = cases.Problem(8, 4, 2, True, torch.float32)
-    check(run_case(p, build_tasp_plan(8, p.shape, causal=True, gpus_per_node=4), label="TASP P=8 as 2 nodes x 4"))
+    check(run_case(p, build_tasp_plan(8, p.shape, causal=True, ranks_per_node=4), label="TASP P=8 as 2 nodes x 4"))
 
 
 def _mode_settings(mode: str, world: int) -> dict:
@@ -115,7 +115,7 @@ def test_every_mode_under_masks_through_the_public_api(world, tile, mode, monkey
     ``megatron_mesh.attention`` on the in-process transport: outputs, gradients and bytes. With
     ``tile``, masked blocks run as tiles of that many tokens (cut across runs and documents)."""
     if tile is not None:
-        monkeypatch.setenv("MEGATRON_MESH_MASK_TILE", str(tile))
+        monkeypatch.setenv("MEGATRON_MESH_MASK_PIECE", str(tile))
     settings = _mode_settings(mode, world)
     for p in _masked_problems(world):
         ref = cases.dense_reference(p)

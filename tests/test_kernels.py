@@ -264,7 +264,7 @@ def test_strided_inputs_give_the_same_result(name):
 
 
 def test_block_mask_rejects_inconsistent_arguments():
-    with pytest.raises(ValueError, match="block mask kind must be 'full', 'causal' or 'masked', got 'band'"):
+    with pytest.raises(ValueError, match="block mask kind must be one of full, causal, masked, got 'band'"):
         BlockMask("band")
     with pytest.raises(ValueError, match="a 'masked' block mask needs its allowed matrix"):
         BlockMask("masked")

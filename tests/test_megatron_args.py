@@ -19,10 +19,10 @@ pytestmark = pytest.mark.megatron
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _validate(args, have_te=False):
-    from megatron_mesh.megatron.args import validate_args
+def _validate(args, have_te=False, entry_packs_documents=False):
+    from megatron_mesh.megatron.checks import validate_args
 
-    validate_args(args, have_te=have_te)
+    validate_args(args, have_te=have_te, entry_packs_documents=entry_packs_documents)
 
 
 @pytest.mark.parametrize("argv", [
@@ -48,7 +48,7 @@ def test_valid_flags(megatron_args, argv):
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--mesh-tile-shape", "3x2"],
      "tile 3x2 does not fit CP size 4: a * b must equal the CP size; allowed tiles: 1x4, 2x2, 4x1"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--mesh-tile-shape", "2by2"],
-     "--mesh-tile-shape '2by2': tile shape '2by2' must be 'AxB'"),
+     "--cp-comm-type mesh at --context-parallel-size 4 with --mesh-tile-shape 2by2: tile shape '2by2' must be 'AxB'"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--mesh-tile-shape", "0x4"], "allowed tiles"),
     (["--context-parallel-size", "4", "--cp-comm-type", "zigzag"],
      "--cp-comm-type 'zigzag' is not a context-parallel mode; allowed: plugin modes ring, mesh, tasp, a2a+mesh, "
@@ -72,29 +72,29 @@ def test_valid_flags(megatron_args, argv):
     (["--context-parallel-size", "1", "--cp-comm-type", "mesh", "--mesh-schedule", "lockstep"],
      "--mesh-schedule lockstep is given, but no layer runs mesh or a2a+mesh at CP > 1 (--context-parallel-size 1)"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--tasp-transport", "alltoall",
-      "--attention-dropout", "0"], "--tasp-transport alltoall is given, but no layer runs tasp at CP > 1"),
+      "--attention-dropout", "0"], "--tasp-transport alltoall is given, but no layer runs tasp or a2a+tasp at CP > 1"),
     (["--context-parallel-size", "1", "--log-cp-attention-bytes"],
      "--log-cp-attention-bytes is given, but no layer runs a plugin mode (ring, mesh, tasp, a2a+mesh, a2a+tasp, "
      "a2a+ring) at CP > 1"),
     (["--context-parallel-size", "4", "--cp-comm-type", "ring", "--hierarchical-context-parallel-sizes", "2", "2",
       "--attention-dropout", "0"], "--hierarchical-context-parallel-sizes 2 2 applies only to the all-to-all modes "
-     "(Transformer Engine's a2a+p2p, the plugin's a2a+mesh, a2a+tasp, a2a+ring), which no layer runs here"),
+     "(a2a+mesh, a2a+tasp, a2a+ring, a2a+p2p), which no layer runs here"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--attention-backend", "flash",
       "--attention-dropout", "0"], "--attention-backend flash: the mesh layers run the plugin's own kernels"),
     (["--context-parallel-size", "4", "--cp-comm-type", "tasp", "--seq-length", "8", "--attention-dropout", "0"],
-     "--seq-length 8 with --context-parallel-size 4: TASP over CP size 4 splits each KV chunk into 2 slots (one per "
-     "ring), so each zigzag half needs at least 2 tokens: local sequence length 2 is too short (need >= 4)"),
+     "--cp-comm-type tasp at --context-parallel-size 4: TASP over CP size 4 splits each KV chunk into 2 slots (one "
+     "per ring), so each zigzag half needs at least 2 tokens: local sequence length 2 is too short (need >= 4)"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask", "--attention-dropout", "0"],
      "--reset-attention-mask: this entry script passes the documents as a dense [s, s] attention mask, which the "
      "plugin modes do not read; use megatron_mesh's entry script"),
     (["--context-parallel-size", "4", "--cp-comm-type", "tasp", "--attention-dropout", "0",
-      "--tasp-gpus-per-node", "0"], "--tasp-gpus-per-node must be >= 1"),
+      "--tasp-gpus-per-node", "0"], "--tasp-gpus-per-node must be a positive integer, got 0"),
     (["--context-parallel-size", "4", "--cp-comm-type", "tasp", "--attention-dropout", "0",
-      "--tasp-gpus-per-node", "3"], "--tasp-gpus-per-node 3 with --context-parallel-size 4 and "
-     "--tensor-model-parallel-size 1: CP group [0, 1, 2, 3] spans nodes unevenly"),
+      "--tasp-gpus-per-node", "3"], "--cp-comm-type tasp at --context-parallel-size 4 with --tasp-gpus-per-node 3: "
+     "CP group [0, 1, 2, 3] spans nodes unevenly"),
     (["--context-parallel-size", "6", "--cp-comm-type", "tasp", "--attention-dropout", "0",
-      "--tasp-gpus-per-node", "3"], "--tasp-gpus-per-node 3 with --context-parallel-size 6 and "
-     "--tensor-model-parallel-size 1: the complete directed graph on 3 ranks has no decomposition"),
+      "--tasp-gpus-per-node", "3"], "--cp-comm-type tasp at --context-parallel-size 6 with --tasp-gpus-per-node 3: "
+     "the complete directed graph on 3 ranks has no decomposition"),
 ])
 def test_invalid_flags_name_the_value(megatron_args, argv, message):
     args = megatron_args(["--spec", "megatron_mesh.megatron.spec", "gpt_layer_spec", "--transformer-impl", "local",
@@ -117,7 +117,7 @@ def test_plugin_modes_need_the_plugin_spec(megatron_args, argv, message):
 
 
 def test_te_modes_detected_as_unusable_without_te(megatron_args):
-    from megatron_mesh.megatron.args import have_transformer_engine, validate_args
+    from megatron_mesh.megatron.checks import have_transformer_engine, validate_args
 
     usable, why = have_transformer_engine()
     if usable:
@@ -141,7 +141,7 @@ def test_flags_ride_on_the_transformer_config(megatron_args):
     from megatron.core.transformer import TransformerConfig
     from megatron.training.argument_utils import core_transformer_config_from_args
 
-    from megatron_mesh.megatron.args import MeshTransformerConfig, PluginSettings, plugin_settings
+    from megatron_mesh.megatron.settings import MeshTransformerConfig, PluginSettings, plugin_settings
 
     args = megatron_args(["--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
                           "--max-position-embeddings", "64", "--micro-batch-size", "1",
@@ -151,15 +151,18 @@ def test_flags_ride_on_the_transformer_config(megatron_args):
 
     validate_args(args, {})
     config = core_transformer_config_from_args(args, config_class=MeshTransformerConfig)
-    assert plugin_settings(config) == PluginSettings(tile="2x2", schedule="lockstep", backward_chunks="refetch",
-                                                     contiguous="kv", tasp_gpus_per_node=8,
-                                                     tasp_transport="alltoall", kernel="math")
+    settings = plugin_settings(config)
+    assert settings == PluginSettings.of(mesh_tile_shape="2x2", mesh_schedule="lockstep", mesh_contiguous="kv",
+                                         tasp_gpus_per_node=8, tasp_transport="alltoall", cp_kernel_backend="math")
+    assert settings.options("mesh") == {"tile": "2x2", "contiguous": "kv", "schedule": "lockstep",
+                                        "backward_chunks": "refetch"}
+    assert settings.options("a2a+tasp") == {"transport": "alltoall"} and settings.kernel == "math"
     plain = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4)
-    assert plugin_settings(plain) == PluginSettings()  # a plain config gets the defaults
+    assert plugin_settings(plain) == PluginSettings.of()  # a plain config gets the defaults
 
 
 def test_auto_tile_is_the_planners_choice(monkeypatch):
-    from megatron_mesh.megatron.args import MeshTransformerConfig
+    from megatron_mesh.megatron.settings import MeshTransformerConfig
     from megatron_mesh.megatron.placement import layer_shape, resolve_placement
     from megatron_mesh.plan import AttentionShape, Topology, choose_tile
 
@@ -175,18 +178,18 @@ def test_auto_tile_is_the_planners_choice(monkeypatch):
             shape = AttentionShape(4096, 1, heads, groups, 128, s.itemsize)
             topo = Topology(nodes=16 // (per_node or 16), gpus_per_node=per_node or 16)
             p = resolve_placement("mesh", config, ranks)
-            assert (p.tile, p.contiguous) == choose_tile(16, shape, topo)
+            assert (p.tile, p.options.contiguous) == choose_tile(16, shape, topo)
     config.mesh_tile_shape = "8x2"
     p = resolve_placement("mesh", config, ranks)
-    assert p.tile == (8, 2) and p.contiguous in ("q", "kv")
+    assert p.tile == (8, 2) and p.options.contiguous in ("q", "kv")
     config.mesh_contiguous = "kv"
     p = resolve_placement("mesh", config, ranks)
-    assert (p.tile, p.contiguous) == ((8, 2), "kv")
+    assert (p.tile, p.options.contiguous) == ((8, 2), "kv")
 
 
 # -- layer specs ------------------------------------------------------------------------------------------
 def _config(**kw):
-    from megatron_mesh.megatron.args import MeshTransformerConfig
+    from megatron_mesh.megatron.settings import MeshTransformerConfig
 
     base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, attention_dropout=0.0, hidden_dropout=0.0,
                 use_cpu_initialization=True, transformer_impl="local")
@@ -230,7 +233,7 @@ def test_patch_spec_rejects_specs_without_attention():
 
 
 def test_te_spec_without_te_is_a_clear_error():
-    from megatron_mesh.megatron.args import have_transformer_engine
+    from megatron_mesh.megatron.checks import have_transformer_engine
     from megatron_mesh.megatron.spec import gpt_layer_spec, gpt_te_layer_spec
 
     if have_transformer_engine()[0]:
@@ -263,7 +266,7 @@ def _build(config, cp_comm_type, **kw):
 
 @pytest.mark.parametrize("mode", ["p2p", "a2a", "all_gather", "a2a+p2p", None])
 def test_te_modes_without_te_raise_naming_the_mode(mode):
-    from megatron_mesh.megatron.args import have_transformer_engine
+    from megatron_mesh.megatron.checks import have_transformer_engine
 
     if have_transformer_engine()[0]:
         pytest.skip("Transformer Engine is installed here")
@@ -408,7 +411,7 @@ def test_configs_parse_with_every_mode(megatron_args, our_entry, name):
     for modes in (["mesh"], ["tasp"], ["ring"], ["p2p"], (["mesh", "tasp", "ring"] * layers)[:layers]):
         args = copy.deepcopy(parsed)
         args.cp_comm_type = modes
-        _validate(args, have_te=True)
+        _validate(args, have_te=True, **our_entry)
 
 
 def _config_args(megatron_args, name, *extra):

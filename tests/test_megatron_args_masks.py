@@ -7,14 +7,14 @@ import pytest
 
 pytest.importorskip("megatron.core", reason="needs megatron-core (scripts/setup_env.sh installs it)")
 
-from megatron_mesh.megatron.args import validate_args as _validate_args  # noqa: E402
+from megatron_mesh.megatron.checks import validate_args as _validate_args  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 
 
-def validate_args(args, have_te: bool = False) -> None:
+def validate_args(args, have_te: bool = False, entry_packs_documents: bool = False) -> None:
     """The plugin's start-up check; Transformer Engine counts as absent unless ``have_te``."""
-    _validate_args(args, have_te=have_te)
+    _validate_args(args, have_te=have_te, entry_packs_documents=entry_packs_documents)
 
 
 HEADS = ["--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2", "--hidden-size", "64"]
@@ -39,9 +39,9 @@ def test_masks_and_hybrids_valid(megatron_args, our_entry, argv, documents):
     from megatron_mesh.megatron.args import MeshTransformerConfig, apply_args
 
     args = megatron_args(PLUGIN + argv)
-    validate_args(args)
+    validate_args(args, **our_entry)
     config = MeshTransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4)
-    apply_args(args, config)
+    apply_args(args, config, **our_entry)
     assert config.cp_documents == documents
 
 
@@ -53,13 +53,14 @@ def test_masks_and_hybrids_valid(megatron_args, our_entry, argv, documents):
       *HEADS], "--hierarchical-context-parallel-sizes 2 3: U * M must equal --context-parallel-size 4"),
     (["--context-parallel-size", "4", "--cp-comm-type", "a2a+mesh", "--hierarchical-context-parallel-sizes", "4", "1",
       "--num-attention-heads", "6", "--hidden-size", "96"],
-     "--hierarchical-context-parallel-sizes 4 1 with 6 query / 6 key-value heads per tensor-parallel rank: query heads "
-     "(6) must be divisible by the ulysses size (4)"),
+     "--cp-comm-type a2a+mesh at --context-parallel-size 4: query heads (6) must be divisible by the ulysses size (4)"),
     (["--context-parallel-size", "8", "--cp-comm-type", "a2a+mesh", "--hierarchical-context-parallel-sizes", "4", "2",
       "--tasp-gpus-per-node", "2", *HEADS],
-     "an all-to-all group of 4 CP ranks must stay inside a node of 2 CP ranks"),
+     "--cp-comm-type a2a+mesh at --context-parallel-size 8 with --tasp-gpus-per-node 2: ulysses_size 4 must divide the "
+     "CP ranks per node 2: an all-to-all group stays inside a node"),
     (["--context-parallel-size", "4", "--cp-comm-type", "a2a+mesh", "--hierarchical-context-parallel-sizes", "2", "2",
-      "--mesh-tile-shape", "2x2", *HEADS], "--mesh-tile-shape '2x2': tile 2x2 does not fit CP size 2"),
+      "--mesh-tile-shape", "2x2", *HEADS], "--cp-comm-type a2a+mesh at --context-parallel-size 4 with --mesh-tile-shape "
+     "2x2: tile 2x2 does not fit CP size 2"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--window-size", "16,4"],
      "--window-size 16,4: the plugin's causal layers attend no later key, so the right side must be 0"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--cp-thd-pad-multiple", "16"],
@@ -69,11 +70,9 @@ def test_masks_and_hybrids_valid(megatron_args, our_entry, argv, documents):
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--cp-thd-packing", "--seq-length", "64",
       "--micro-batch-size", "2"], "--micro-batch-size must be 1, got 2"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--cp-thd-packing", "--cp-thd-pad-multiple", "-8",
-      "--seq-length", "64"], "--cp-thd-pad-multiple must be a positive multiple of 2 x --context-parallel-size = 8, "
-     "got -8"),
+      "--seq-length", "64"], "--cp-thd-pad-multiple must be a positive integer, got -8"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--cp-thd-packing", "--cp-thd-pad-multiple", "0",
-      "--seq-length", "64"], "--cp-thd-pad-multiple must be a positive multiple of 2 x --context-parallel-size = 8, "
-     "got 0"),
+      "--seq-length", "64"], "--cp-thd-pad-multiple must be a positive integer, got 0"),
     (["--context-parallel-size", "2", "--cp-comm-type", "mesh", "--reset-attention-mask",
       "--pipeline-model-parallel-size", "2"],
      "--pipeline-model-parallel-size 2 with packed documents (--reset-attention-mask / --cp-thd-packing)"),
@@ -83,7 +82,7 @@ def test_masks_and_hybrids_valid(megatron_args, our_entry, argv, documents):
 def test_masks_and_hybrids_invalid(megatron_args, our_entry, argv, message):
     args = megatron_args(PLUGIN + argv)
     with pytest.raises(ValueError) as e:
-        validate_args(args)
+        validate_args(args, **our_entry)
     assert message in str(e.value)
 
 
@@ -111,13 +110,14 @@ def test_documents_from_eod_tokens_refuse_transformer_engine_layers(megatron_arg
                                    "--reset-attention-mask"])
     with pytest.raises(ValueError, match=r"--reset-attention-mask with Transformer Engine layers \(--cp-comm-type "
                                          r"p2p\): megatron_mesh's entry script hands the layers end-of-document"):
-        validate_args(args, have_te=True)
+        validate_args(args, have_te=True, **our_entry)
     validate_args(megatron_args(PLUGIN + ["--context-parallel-size", "2", "--cp-comm-type", "mesh", "p2p",
-                                      "--cp-thd-packing", "--seq-length", "64", "--micro-batch-size", "1"]), have_te=True)
+                                      "--cp-thd-packing", "--seq-length", "64", "--micro-batch-size", "1"]), have_te=True,
+                  **our_entry)
 
 
 def test_documents_at_cp1_with_dropout_under_our_entry(megatron_args, our_entry):
     args = megatron_args([*PLUGIN[:-2], "--context-parallel-size", "1", "--reset-attention-mask",
                           "--attention-dropout", "0.1"])
     with pytest.raises(ValueError, match="packed documents run the plugin's attention also at CP 1"):
-        validate_args(args)
+        validate_args(args, **our_entry)

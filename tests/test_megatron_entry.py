@@ -48,7 +48,8 @@ def test_argument_hook_adds_the_plugin_flags_and_checks_them_first(arguments, mo
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("megatron_mesh: error:") == 1
-    assert "megatron_mesh: error: --mesh-tile-shape '3x2': tile 3x2 does not fit CP size 4" in err
+    assert "megatron_mesh: error: --cp-comm-type mesh at --context-parallel-size 4 with --mesh-tile-shape 3x2" in err
+    assert "tile 3x2 does not fit CP size 4" in err
     # a script that registers the flags itself keeps its registration (no argparse conflict)
     from megatron_mesh.megatron.args import add_args
 
@@ -75,7 +76,8 @@ def test_spec_configures_a_plain_config_from_megatrons_arguments(arguments, monk
     the real sequence length: this GQA model at CP 4 and 64 tokens gets the 2x2 tile, where the
     made-up default length would give the ring-equivalent 1x4."""
     from megatron_mesh.megatron import spec
-    from megatron_mesh.megatron.args import add_args, plugin_settings
+    from megatron_mesh.megatron.args import add_args
+    from megatron_mesh.megatron.settings import plugin_settings
     from megatron_mesh.megatron.placement import resolve_placement
 
     args = _parse(arguments, monkeypatch, [*PLUGIN_SPEC, "--context-parallel-size", "4", "--cp-comm-type", "mesh",
@@ -84,9 +86,9 @@ def test_spec_configures_a_plain_config_from_megatrons_arguments(arguments, monk
     monkeypatch.setattr(bootstrap, "megatron_args", lambda: args)
     assert resolve_placement("mesh", _plain_config(), (0, 1, 2, 3)).tile == (1, 4)  # without the arguments' sequence length
     config = spec._transformer_config(_plain_config())
-    assert plugin_settings(config).schedule == "lockstep" and config.cp_seq_length == 64
+    assert plugin_settings(config).options("mesh")["schedule"] == "lockstep" and config.cp_seq_length == 64
     p = resolve_placement("mesh", config, (0, 1, 2, 3))
-    assert (p.tile, p.contiguous) == ((2, 2), "q")
+    assert (p.tile, p.options.contiguous) == ((2, 2), "q")
 
 
 def test_spec_stops_a_bad_setting_once(arguments, monkeypatch, capsys):

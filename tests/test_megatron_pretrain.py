@@ -181,8 +181,8 @@ def test_megatron_lm_script_bad_tile_fails_once_at_startup():
     rc, text = run("megatron-lm", 2, 4, "mesh", "--mesh-tile-shape", "3x2", timeout=180)
     assert rc != 0
     assert text.count("megatron_mesh: error:") == 1, text[-3000:]
-    assert ("megatron_mesh: error: --mesh-tile-shape '3x2': tile 3x2 does not fit CP size 4: a * b must equal the CP "
-            "size; allowed tiles: 1x4, 2x2, 4x1") in text
+    assert ("megatron_mesh: error: --cp-comm-type mesh at --context-parallel-size 4 with --mesh-tile-shape 3x2: tile 3x2 "
+            "does not fit CP size 4: a * b must equal the CP size; allowed tiles: 1x4, 2x2, 4x1") in text
     assert "initializing torch distributed" not in text and "Traceback" not in text
 
 

@@ -1,14 +1,24 @@
 """The mode registry and the Placement object: one place that knows every CP mode, one object
-that knows where a mode puts things (tile, rank order, rings, node map, Ulysses groups)."""
+that knows where a mode puts things (tile, rank order, rings, node map, Ulysses groups) -- and the
+proof that a new mode is one file: registering one (with an option) gives it a Megatron flag, a
+start-up check, mask-aware plans and a planner row, with no other file touched."""
 
 from __future__ import annotations
 
+import ast
+import os
+from dataclasses import dataclass
+from typing import Literal
+
 import pytest
 
-from megatron_mesh.plan import MODES, AttentionShape, Placement, Topology, choose_tile, resolve
-from megatron_mesh.plan.modes import Mode, register
+from megatron_mesh.plan import (MODES, AttentionShape, Mask, Placement, Topology, choose_tile, resolve, setting,
+                                validate_plan)
+from megatron_mesh.plan.mesh import BACKWARD_CHUNKS
+from megatron_mesh.plan.modes import HYBRID_PREFIX, RingMode, parse_mode_spec, register
 
 SHAPE = AttentionShape(seq_local=16, batch=1, heads=8, kv_heads=2, head_dim=8)
+PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatron_mesh")
 
 
 def test_registry_holds_every_mode():
@@ -20,14 +30,25 @@ def test_registry_holds_every_mode():
     (lambda: resolve("mesh", 4, SHAPE, tiles="2x2"), r"CP mode 'mesh' takes no setting tiles; its settings: tile"),
     (lambda: resolve("mesh", 4, SHAPE, tile="3x2"), r"tile 3x2 does not fit CP size 4"),
     (lambda: resolve("mesh", 4, SHAPE, schedule="fast"), r"schedule must be one of greedy, lockstep, got 'fast'"),
-    (lambda: resolve("tasp", 8, SHAPE, gpus_per_node=3), r"positive divisor of the CP size 8, got 3"),
-    (lambda: resolve("tasp", 15, SHAPE, gpus_per_node=5), r"no decomposition into 5 Hamiltonian paths \(none exists for 3 and 5\)"),
+    (lambda: resolve("tasp", 8, SHAPE, ranks_per_node=3), r"positive divisor of the CP size 8, got 3"),
+    (lambda: resolve("tasp", 15, SHAPE, ranks_per_node=5), r"no decomposition into 5 Hamiltonian paths \(none exists for 3 and 5\)"),
     (lambda: resolve("ring", 0, SHAPE), r"CP size must be a positive integer, got 0"),
     (lambda: resolve("tasp", 4, SHAPE, transport="mpi"), r"transport must be one of p2p, alltoall, got 'mpi'"),
+    (lambda: resolve("a2a+tasp", 4, SHAPE, ulysses_size=2, transport="alltoall"),
+     r"transport 'alltoall': CP mode 'a2a\+tasp' runs its all-to-all and the inner tasp rounds point-to-point"),
+    (lambda: parse_mode_spec("mesh:2x2:q"), r"mode 'mesh:2x2:q' has 2 settings after the name; mesh takes at most 1: "
+                                            r"mesh:TILE"),
 ])
 def test_bad_settings_name_the_value(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_mode_specs_of_the_command_line():
+    assert parse_mode_spec("mesh:2x2") == ("mesh", {"tile": "2x2"})
+    assert parse_mode_spec("a2a+mesh:2:1x2") == ("a2a+mesh", {"ulysses_size": 2, "tile": "1x2"})
+    assert parse_mode_spec("tasp:4") == ("tasp", {"ranks_per_node": 4})
+    assert parse_mode_spec("ring") == ("ring", {})
 
 
 def test_mesh_placement_owns_its_rings_and_groups():
@@ -40,9 +61,9 @@ def test_mesh_placement_owns_its_rings_and_groups():
 
 
 def test_tasp_placement_routes_same_node_peers():
-    p = resolve("tasp", 8, SHAPE, gpus_per_node=4)
+    p = resolve("tasp", 8, SHAPE, ranks_per_node=4)
     assert p.groups() == ((0, 1, 2, 3), (4, 5, 6, 7))
-    assert p.build(SHAPE).rings["kv"] == p.rings()["kv"]
+    assert p.build(SHAPE).rings == p.rings()  # rings only; the node groups are transport routes
 
 
 def test_hybrid_placement_has_ulysses_groups_and_mapped_inner_rings():
@@ -51,7 +72,8 @@ def test_hybrid_placement_has_ulysses_groups_and_mapped_inner_rings():
     assert rings["a2a"] == ((0, 1), (2, 3), (4, 5), (6, 7))
     # inner Q rings of head slice 0 are inner ranks {0,1},{2,3} -> CP ranks {0,2},{4,6}; slice 1: {1,3},{5,7}
     assert rings["q"] == ((0, 2), (4, 6), (1, 3), (5, 7))
-    assert p.inner.tile == (2, 2) and p.ulysses == 2
+    assert p.inner.tile == (2, 2) and p.ulysses == 2 and p.tile == (2, 2)
+    assert p.build(SHAPE).rings == rings
     assert "all-to-all 2 x mesh (CP 4, tile 2x2" in p.describe()
 
 
@@ -59,27 +81,108 @@ def test_auto_tile_is_the_one_chooser():
     """mesh tile 'auto' everywhere is choose_tile's fastest; the bytes objective is the closed form."""
     topo = Topology(nodes=2, gpus_per_node=4)
     p = resolve("mesh", 8, SHAPE, tile="auto", ranks_per_node=4)
-    assert (p.tile, p.contiguous) == choose_tile(8, SHAPE, topo)
+    assert (p.tile, p.options.contiguous) == choose_tile(8, SHAPE, topo)
     fixed = resolve("mesh", 8, SHAPE, tile="2x4", contiguous="auto", ranks_per_node=4)
-    assert fixed.tile == (2, 4) and (fixed.tile, fixed.contiguous) == choose_tile(8, SHAPE, topo, tile=(2, 4))
+    assert fixed.tile == (2, 4) and (fixed.tile, fixed.options.contiguous) == choose_tile(8, SHAPE, topo, tile=(2, 4))
     assert choose_tile(8, SHAPE, topo, objective="bytes")[0] in ((2, 4), (4, 2), (1, 8), (8, 1))
     with pytest.raises(ValueError, match="objective must be 'time' or 'bytes'"):
         choose_tile(8, SHAPE, topo, objective="speed")
+    with pytest.raises(ValueError, match="takes a concrete tile; tile 'auto' is chosen by"):
+        from megatron_mesh.plan import build_mesh_plan
+
+        build_mesh_plan(8, "auto", SHAPE)
 
 
-def test_a_new_mode_is_its_builder_plus_one_registry_line():
-    """Register a mode (here: ring attention under another name) and every consumer knows it:
-    the registry, Placement.build, the planner's rows."""
-    from megatron_mesh.tools.planner import evaluate
+# -- a new mode is one file ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Ring2Options:
+    backward_chunks: Literal[BACKWARD_CHUNKS] = setting("refetch", flag="--ring2-backward-chunks",
+                                                        help="ring2: keep or refetch the chunks in the backward")
 
-    base = MODES["ring"]
-    try:
-        register(Mode("ring2", base.settings, lambda *a, **k: Placement("ring2", a[0], tile=(1, a[0])),
-                      base.build, base.rings, lambda world, shape, topo: [Placement("ring2", world, tile=(1, world))],
-                      lambda p: f"ring2 (CP {p.world_size})"))
-        p = resolve("ring2", 4, SHAPE)
-        assert p.build(SHAPE).world_size == 4
-        rows, _ = evaluate(4, SHAPE, Topology(nodes=1, gpus_per_node=4), modes=("ring2",))
-        assert [r.mode for r in rows] == ["ring2"]
-    finally:
-        del MODES["ring2"]
+
+class _Ring2(RingMode):
+    """Ring attention under another name, with its own option and Megatron flag: what a new mode's
+    file holds (its options, its dense plan, its description), nothing else."""
+
+    name = "ring2"
+    Options = _Ring2Options
+
+    def describe(self, p: Placement) -> str:
+        return f"ring2 (CP {p.world_size}, backward {p.options.backward_chunks})"
+
+
+@pytest.fixture()
+def ring2():
+    register(_Ring2())
+    yield
+    for name in ("ring2", HYBRID_PREFIX + "ring2"):
+        MODES.pop(name, None)
+
+
+def test_a_new_mode_is_one_file_and_one_registration(ring2, megatron_args):
+    """Registered, the mode has: its Ulysses hybrid; a Megatron flag, applicable where its layers
+    run and checked at start-up; its settings on the layers' config; mask-aware plans (documents)
+    that validate; and a planner row -- with no other file touched."""
+    from megatron_mesh.megatron.args import apply_args
+    from megatron_mesh.megatron.checks import validate_args
+    from megatron_mesh.megatron.placement import resolve_placement
+    from megatron_mesh.megatron.settings import MeshTransformerConfig
+    from megatron_mesh.tools.planner import default_modes, evaluate
+
+    assert HYBRID_PREFIX + "ring2" in MODES
+    plugin = ["--spec", "megatron_mesh.megatron.spec", "gpt_layer_spec", "--transformer-impl", "local",
+              "--attention-dropout", "0", "--context-parallel-size", "4", "--seq-length", "64"]
+    args = megatron_args([*plugin, "--cp-comm-type", "ring2", "--ring2-backward-chunks", "keep"])
+    validate_args(args, have_te=False)
+    config = MeshTransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2)
+    apply_args(args, config)
+    placement = resolve_placement("ring2", config, (0, 1, 2, 3))
+    assert placement.options.backward_chunks == "keep" and placement.describe() == "ring2 (CP 4, backward keep)"
+    with pytest.raises(ValueError, match=r"--ring2-backward-chunks keep is given, but no layer runs ring2 or "
+                                         r"a2a\+ring2 at CP > 1 \(--cp-comm-type ring\)"):
+        validate_args(megatron_args([*plugin, "--cp-comm-type", "ring", "--ring2-backward-chunks", "keep"]))
+    with pytest.raises(SystemExit):
+        megatron_args([*plugin, "--cp-comm-type", "ring2", "--ring2-backward-chunks", "never"])  # argparse's choices
+
+    docs = Mask.from_cu_seqlens([0, 5, 40, 64], 64, True, (9, 0))
+    plan = resolve("ring2", 4, SHAPE, backward_chunks="keep").build(SHAPE, docs)
+    assert plan.mode == "ring2" and plan.direct and plan.backward_chunks == "keep"
+    validate_plan(plan)
+    validate_plan(resolve("a2a+ring2", 4, SHAPE, ulysses_size=2).build(SHAPE, docs))
+
+    assert "ring2" in default_modes()
+    rows, skipped = evaluate(4, SHAPE, Topology(nodes=1, gpus_per_node=4), modes=("ring2",))
+    assert [r.mode for r in rows] == ["ring2"] and not skipped
+
+
+# -- nobody else knows a mode by name --------------------------------------------------------------------
+def _literals(node) -> list[str]:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [x for e in node.elts for x in _literals(e)]
+    return []
+
+
+def test_no_mode_name_is_compared_outside_the_registry():
+    """No ``== "mesh"`` / ``in ("tasp", ...)`` ladders outside a mode's own file and the registry
+    (megatron_mesh/plan/modes/): every consumer asks the registry."""
+    names = set(MODES) | {HYBRID_PREFIX}
+    found = []
+    for root, _, files in os.walk(PACKAGE):
+        if os.path.join("plan", "modes") in root:
+            continue
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(root, f)
+            for node in ast.walk(ast.parse(open(path).read())):
+                if isinstance(node, ast.Compare):
+                    hits = set(_literals(node.left)).union(*(_literals(c) for c in node.comparators)) & names
+                elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") in ("startswith", "endswith"):
+                    hits = set(x for a in node.args for x in _literals(a)) & names
+                else:
+                    continue
+                if hits:
+                    found.append(f"{os.path.relpath(path, PACKAGE)}:{node.lineno} {sorted(hits)}")
+    assert not found, "mode names compared outside the registry:\n" + "\n".join(found)

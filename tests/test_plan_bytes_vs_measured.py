@@ -55,6 +55,6 @@ def test_every_mode_and_mask_is_measured(world):
     todo = cases(world)
     assert {c.mode for c in todo} == {"ring", "mesh", "tasp", "a2a+ring", "a2a+mesh", "a2a+tasp"}
     assert {c.mode for c in todo if c.cu_seqlens} == {c.mode for c in todo if c.window} == {"ring", "mesh", "tasp"}
-    assert any(c.settings.get("gpus_per_node") for c in todo)
+    assert any(c.settings.get("ranks_per_node") for c in todo)
     assert all(not c.masked for c in todo if c.mode.startswith("a2a+"))
     assert sum(c.masked for c in todo) == 6 and len({c.name for c in todo}) == len(todo)

@@ -7,8 +7,11 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from megatron_mesh.plan import Mask, SpanLayout, ThdLayout, ZigzagLayout, classify_block, head_slice, slot_segments
-from megatron_mesh.plan.mask import band_pairs, pair_kind
+import numpy as np
+
+from megatron_mesh.plan import (Mask, SpanLayout, ThdLayout, ZigzagLayout, classify_block, head_slice, layout_from_text,
+                                positions, slot_segments)
+from megatron_mesh.plan.mask import band_pairs, band_relation
 
 
 # -- the rule ------------------------------------------------------------------------------------
@@ -37,7 +40,7 @@ def test_bad_cu_seqlens_name_the_value(cu, match):
 
 def test_worked_example_of_the_mask_docstring():
     m = Mask.from_cu_seqlens([0, 6, 16], 16, causal=True, window=(3, None))
-    assert m.keys(13, 16) == (10, 14) and m.keys(3, 16) == (0, 4)
+    assert m.key_intervals(13, 16) == ((10, 14),) and m.key_intervals(3, 16) == ((0, 4),)
     layout = ZigzagLayout(4, 16)
     runs = lambda r: tuple((a, n) for _, a, n in layout.runs(r))  # noqa: E731
     c = classify_block(m, runs(1), (runs(0),))
@@ -60,8 +63,32 @@ def test_pair_counts_match_brute_force(qa, n, ka, m, lo, hi):
     hi = float("inf") if hi is None else hi
     want = sum(1 for i in range(qa, qa + n) for j in range(ka, ka + m) if lo <= i - j <= hi)
     assert band_pairs(qa, n, ka, m, lo, hi) == want
-    kind = pair_kind(qa, n, ka, m, lo, hi)
-    assert (kind == "empty") == (want == 0) and (kind == "full") == (want == n * m)
+    kind = band_relation(qa, n, ka, m, lo, hi)
+    assert (kind == "none") == (want == 0) and (kind == "all") == (want == n * m)
+
+
+def _random_mask(data, S: int) -> Mask:
+    cuts = sorted(data.draw(st.sets(st.integers(1, S - 1), max_size=4))) if S > 1 else []
+    gap = data.draw(st.booleans())  # padding after each document (THD-like)
+    docs = [(a, b - (1 if gap and b - a > 1 else 0)) for a, b in zip([0] + cuts, cuts + [S])]
+    causal = data.draw(st.booleans())
+    left = data.draw(st.one_of(st.none(), st.integers(0, S)))
+    right = 0 if causal else data.draw(st.one_of(st.none(), st.integers(0, S)))
+    return Mask(causal, (left, right), tuple(docs))
+
+
+@settings(max_examples=150, deadline=None)
+@given(S=st.integers(1, 30), data=st.data())
+def test_the_vectorised_rule_is_the_rule(S, data):
+    """Mask.allowed (the rule on position arrays -- numpy here, torch in the runtime) agrees with
+    Mask.allows pair by pair, and key_intervals hold exactly the allowed keys of each query."""
+    mask = _random_mask(data, S)
+    pos = np.arange(S)
+    got = mask.allowed(pos, pos)
+    want = np.array([[mask.allows(i, j) for j in range(S)] for i in range(S)])
+    assert got.dtype == bool and (got == want).all()
+    for i in range(S):
+        assert [j for a, b in mask.key_intervals(i, S) for j in range(a, b)] == [j for j in range(S) if want[i, j]]
 
 
 @settings(max_examples=150, deadline=None)
@@ -76,7 +103,7 @@ def test_block_classification_is_exactly_the_mask(P, half, data):
     right = 0 if causal else data.draw(st.one_of(st.none(), st.integers(0, S)))
     mask = Mask.from_cu_seqlens([0, *cuts, S], S, causal, (left, right))
     layout = ZigzagLayout(P, S)
-    pos = [layout.positions(r) for r in range(P)]
+    pos = [positions(layout, r) for r in range(P)]
     for i in range(P):
         for j in range(P):
             c = classify_block(mask, tuple((a, n) for _, a, n in layout.runs(i)),
@@ -118,10 +145,20 @@ def test_dense_causal_blocks_are_the_zigzag_halves(P):
 # -- layouts -----------------------------------------------------------------------------------------
 def test_zigzag_layout_worked_example():
     layout = ZigzagLayout(world_size=4, seq_len=16)
-    assert [layout.positions(r) for r in range(4)] == [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]
-    inv = layout.inverse()
-    assert sorted(inv) == [(r, i) for r in range(4) for i in range(4)]
-    assert all(layout.positions(r)[i] == p for p, (r, i) in enumerate(inv))
+    assert [positions(layout, r) for r in range(4)] == [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]
+    assert layout.documents() is None
+
+
+@pytest.mark.parametrize("layout", [ZigzagLayout(4, 16), ThdLayout(2, (0, 8, 12), (8, 3)),
+                                    SpanLayout(ThdLayout(4, (0, 8, 16)), 2), SpanLayout(ZigzagLayout(4, 32), 4)])
+def test_layout_text_round_trip(layout):
+    again = layout_from_text(layout.text())
+    assert again == layout and again.text() == layout.text()
+
+
+def test_unknown_layout_text_names_it():
+    with pytest.raises(ValueError, match=r"unknown layout 'spiral' in 'spiral P=4'; known: span, thd, zigzag"):
+        layout_from_text("spiral P=4")
 
 
 def test_zigzag_layout_rejects_indivisible_lengths():
@@ -135,13 +172,14 @@ def test_span_chunks_are_the_zigzag_over_fewer_ranks(P, u):
     S = 4 * P
     layout, small = ZigzagLayout(P, S), ZigzagLayout(P // u, S)
     for m in range(P // u):
-        assert sorted(p for r in range(m * u, (m + 1) * u) for p in layout.positions(r)) == sorted(small.positions(m))
+        assert sorted(p for r in range(m * u, (m + 1) * u) for p in positions(layout, r)) == \
+            sorted(positions(small, m))
         assert SpanLayout(layout, u).runs(m) == small.runs(m)
 
 
 def test_thd_layout_worked_example():
     layout = ThdLayout(2, (0, 8, 12), (8, 3))
-    assert layout.positions(0) == [0, 1, 6, 7, 8, 11] and layout.positions(1) == [2, 3, 4, 5, 9, 10]
+    assert positions(layout, 0) == [0, 1, 6, 7, 8, 11] and positions(layout, 1) == [2, 3, 4, 5, 9, 10]
     assert layout.documents() == ((0, 8), (8, 11))
     with pytest.raises(ValueError, match=r"divisible by 2 \* CP size = 4.*got lengths \[6\]"):
         ThdLayout(2, (0, 8, 14))

@@ -79,8 +79,8 @@ def test_worked_example_of_the_design_doc():
     assert text.splitlines()[1:] == [
         "rank 1 forward:", "  post 1: send kv1->3 | recv kv3<-3", "  attend q1 x kv1 causal -> o1", "  wait 1",
         "  post 2: send q1->0 | recv q0<-0", "  attend q1[2:4] x kv3 full -> o1", "  wait 2",
-        "  attend q0[2:4] x kv3,kv1 full -> o0", "  post 3: send o0->0 | recv o1<<-0", "  wait 3",
-        "  merge o1< -> o1"]
+        "  attend q0[2:4] x kv3,kv1 full -> o0", "  post 3: send o0->0 | recv o1'<-0", "  wait 3",
+        "  merge o1' -> o1"]
 
 
 # -- validity: full checks for every tile up to P = 16, both schedules/modes ---------------------
@@ -151,5 +151,5 @@ def test_random_plans_validate(P, data):
                            backward_chunks=data.draw(st.sampled_from(["refetch", "keep"])),
                            contiguous=data.draw(st.sampled_from(["q", "kv"])))
     validate_plan(plan)
-    want = mesh_bytes_formula(P, plan.tile, shape, plan.options["backward_chunks"])
+    want = mesh_bytes_formula(P, plan.tile, shape, plan.backward_chunks)
     assert all(b == want for b in plan_bytes(plan, shape))

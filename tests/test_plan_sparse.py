@@ -109,9 +109,9 @@ def test_mesh_keeps_its_tile_when_the_mask_is_dense_enough():
     shape = AttentionShape(seq_local=T, batch=1, heads=8, kv_heads=8, head_dim=8)
     long_docs = Mask.from_cu_seqlens([0, P * T // 2 + 3, P * T], P * T)
     plan = resolve("mesh", P, shape, tile=(2, 4), contiguous="q").build(shape, long_docs)
-    assert plan.options["assignment"] == "tile"
+    assert plan.assignment == "tile"
     window = resolve("mesh", P, shape, tile=(2, 4), contiguous="q").build(shape, Mask(True, (2, 0)))
-    assert window.options["assignment"] == "query owner" and "nothing to gain" in window.notes[0]
+    assert window.assignment == "query owner" and "nothing to gain" in window.notes[0]
 
 
 def test_work_balance_is_reported_for_packed_documents():

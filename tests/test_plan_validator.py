@@ -134,7 +134,7 @@ def test_validator_catches_a_head_slice_on_the_wrong_heads():
 
 
 def test_validator_catches_a_masked_block_computed_twice():
-    plan = build_mesh_plan(4, (1, 4), AttentionShape(seq_local=8), mask=Mask(True, (2, 0)))
+    plan = resolve("ring", 4, AttentionShape(seq_local=8)).build(AttentionShape(seq_local=8), Mask(True, (2, 0)))
     last = [op for op in plan.rank(1).ops("forward") if isinstance(op, Attend)][-1]
     assert last.mask == "masked"
     bad = _tampered(plan, 1, "forward", lambda o: o.append(last))

@@ -114,6 +114,6 @@ def test_compare_attention_measures_what_the_plans_predict(script, capsys):
         assert r["sent"] < plain[mode]["sent"] and r["work_mean"] < plain[mode]["work_mean"], (mode, r, plain[mode])
     with pytest.raises(SystemExit, match=r"--modes mesh:3x2: tile 3x2 does not fit CP size 4"):
         compare.main(["--world", "4", "--modes", "mesh:3x2"])
-    with pytest.raises(SystemExit, match="unknown mode 'ulysses'"):
+    with pytest.raises(SystemExit, match="--modes ulysses: unknown CP mode 'ulysses'; allowed: ring, mesh"):
         compare.main(["--world", "4", "--modes", "ulysses"])
 

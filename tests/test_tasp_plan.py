@@ -79,7 +79,7 @@ def test_single_node_plans_validate(P, causal):
 def test_multi_node_plans_validate(m, u, causal):
     P = m * u
     shape = _shape(2 * m + 2)
-    plan = build_tasp_plan(P, shape, causal=causal, gpus_per_node=m)
+    plan = build_tasp_plan(P, shape, causal=causal, ranks_per_node=m)
     validate_plan(plan)
     _check_bytes(plan, shape)
     _every_rank_posts_every_round(plan)
@@ -95,7 +95,7 @@ def test_multi_node_plans_validate(m, u, causal):
 
 def test_gpus_per_node_equal_to_group_is_one_node():
     shape = _shape(16)
-    assert build_tasp_plan(8, shape, gpus_per_node=8).rings == build_tasp_plan(8, shape).rings
+    assert build_tasp_plan(8, shape, ranks_per_node=8).rings == build_tasp_plan(8, shape).rings
 
 
 def test_link_load_p8_single_node_and_two_nodes_of_4():
@@ -115,8 +115,8 @@ def test_link_load_p8_single_node_and_two_nodes_of_4():
     # two nodes of 4: ring sends a whole chunk over one NIC per node boundary; chained TASP rings
     # send 1/4 chunk from every rank; one flat K*_8 decomposition sends 4/7 chunk per rank over 4 links
     m = 4
-    chained = build_tasp_plan(P, shape, gpus_per_node=m)
-    ring_load, chained_load, flat_load = (link_load(p, shape, gpus_per_node=m) for p in (ring, chained, tasp))
+    chained = build_tasp_plan(P, shape, ranks_per_node=m)
+    ring_load, chained_load, flat_load = (link_load(p, shape, ranks_per_node=m) for p in (ring, chained, tasp))
     assert ring_load.max_inter_node == kv and ring_load.inter_node_links == 1
     assert chained_load.max_inter_node == kv // m and chained_load.inter_node_links == 1
     assert flat_load.max_inter_node == kv * m // (P - 1) and flat_load.inter_node_links == m
@@ -138,17 +138,18 @@ def test_errors_name_the_values():
     with pytest.raises(ValueError, match=r"7 slots.*local sequence length 12.*need >= 14"):
         build_tasp_plan(8, _shape(12))
     with pytest.raises(ValueError, match="positive divisor of the CP size 8, got 3"):
-        build_tasp_plan(8, _shape(16), gpus_per_node=3)
-    with pytest.raises(ValueError, match="gpus_per_node=None"):
-        build_tasp_plan(10, _shape(16), gpus_per_node=5)
+        build_tasp_plan(8, _shape(16), ranks_per_node=3)
+    with pytest.raises(ValueError, match="ranks_per_node=None"):
+        build_tasp_plan(10, _shape(16), ranks_per_node=5)
     with pytest.raises(ValueError, match="even"):
         build_tasp_plan(2, _shape(5))
     with pytest.raises(ValueError, match="world_size"):
         tasp_rings(0)
 
 
-def test_plan_options_record_the_node_size():
-    """``Plan.options`` holds the builder's settings as facts: the node size the rings were built for."""
+def test_plan_records_the_node_size():
+    """The plan records the node size the rings were built for (a typed fact, printed in its text)."""
     shape = _shape(16)
-    assert build_tasp_plan(8, shape).options["gpus_per_node"] is None
-    assert build_tasp_plan(8, shape, gpus_per_node=4).options["gpus_per_node"] == 4
+    assert build_tasp_plan(8, shape).ranks_per_node is None
+    assert build_tasp_plan(8, shape, ranks_per_node=4).ranks_per_node == 4
+    assert "ranks_per_node=4" in build_tasp_plan(8, shape, ranks_per_node=4).header()

@@ -14,6 +14,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from ..plan.mask import BlockKind
+
 __all__ = ["BlockKernel", "BlockMask", "FULL", "CAUSAL"]
 
 
@@ -27,19 +29,20 @@ class BlockMask:
     A masked block may have rows with no allowed key in it: their ``lse`` is -inf and their
     ``out`` 0, whatever the kernel does underneath."""
 
-    kind: str
+    kind: BlockKind
     allowed: Tensor | None = None
     _bias: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        if self.kind not in ("full", "causal", "masked"):
-            raise ValueError(f"block mask kind must be 'full', 'causal' or 'masked', got {self.kind!r}")
-        if (self.kind == "masked") != (self.allowed is not None):
+        if self.kind not in tuple(BlockKind):
+            raise ValueError(f"block mask kind must be one of {', '.join(BlockKind)}, got {self.kind!r}")
+        self.kind = BlockKind(self.kind)
+        if (self.kind == BlockKind.MASKED) != (self.allowed is not None):
             raise ValueError("a 'masked' block mask needs its allowed matrix (and only it)")
 
     @property
     def causal(self) -> bool:
-        return self.kind == "causal"
+        return self.kind == BlockKind.CAUSAL
 
     def bias(self, dtype: torch.dtype, pad_to: int = 1) -> Tensor:
         """The additive mask (0 where allowed, -inf elsewhere) in ``dtype``, columns padded to a
@@ -65,8 +68,8 @@ class BlockMask:
         return None if e is False else e
 
 
-FULL = BlockMask("full")
-CAUSAL = BlockMask("causal")
+FULL = BlockMask(BlockKind.FULL)
+CAUSAL = BlockMask(BlockKind.CAUSAL)
 
 
 @runtime_checkable

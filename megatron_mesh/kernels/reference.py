@@ -8,6 +8,8 @@ import math
 import torch
 from torch import Tensor
 
+from ..plan.mask import BlockKind
+
 __all__ = ["MathKernel", "reference_attention", "dense_mask"]
 
 
@@ -22,9 +24,9 @@ def _scores(q: Tensor, k: Tensor, allowed: Tensor | None, scale: float) -> Tenso
 
 
 def _allowed(mask, sq: int, sk: int, device) -> Tensor | None:
-    if mask.kind == "full":
+    if mask.kind == BlockKind.FULL:
         return None
-    if mask.kind == "causal":
+    if mask.kind == BlockKind.CAUSAL:
         return torch.ones(sq, sk, dtype=torch.bool, device=device).tril()
     return mask.allowed
 
@@ -81,17 +83,10 @@ class MathKernel:
 def dense_mask(mask, seq_len: int, device=None) -> Tensor:
     """[S, S] bool: which (query, key) pairs of the global sequence ``mask`` (a
     :class:`megatron_mesh.plan.Mask`) allows -- the reference every distributed test compares
-    against, built straight from the rule, not from the plan's blocks."""
+    against, built straight from the rule (:meth:`Mask.allowed`, itself tested against the
+    scalar :meth:`Mask.allows` on every pair), not from the plan's blocks."""
     pos = torch.arange(seq_len, device=device)
-    i, j = pos.unsqueeze(1), pos.unsqueeze(0)
-    lo, hi = mask.band()
-    allowed = (i - j >= lo) & (i - j <= hi) if hi != float("inf") else (i - j >= lo)
-    if mask.documents is not None:
-        doc = torch.full((seq_len,), -1, dtype=torch.long, device=device)
-        for n, (a, b) in enumerate(mask.documents):
-            doc[a:b] = n
-        allowed &= (doc.unsqueeze(1) == doc.unsqueeze(0)) & (doc.unsqueeze(1) >= 0)
-    return allowed
+    return mask.allowed(pos, pos)
 
 
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,

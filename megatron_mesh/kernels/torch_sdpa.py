@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..plan.mask import BlockKind
+
 __all__ = ["TorchAttentionKernel", "CUDA_OPS", "stand_in_output"]
 
 CUDA_OPS = ("flash", "efficient", "cudnn")
@@ -83,11 +85,11 @@ class TorchAttentionKernel:
     def _forward(self, q, k, v, mask, scale):
         causal = mask.causal
         if self.op == "cpu":
-            bias = mask.bias(q.dtype) if mask.kind == "masked" else None
+            bias = mask.bias(q.dtype) if mask.kind == BlockKind.MASKED else None
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias,
                                                                               scale=scale)
-        op = "efficient" if mask.kind == "masked" else self._op(q)
-        if mask.kind == "masked":
+        op = "efficient" if mask.kind == BlockKind.MASKED else self._op(q)
+        if mask.kind == BlockKind.MASKED:
             self.name = "torch-efficient"
         k, v = self._expand_kv(q, k, v)
         sq = q.shape[2]
@@ -110,10 +112,10 @@ class TorchAttentionKernel:
         if self.op == "cpu":
             # the CPU op wants lse in fp32 (fp64 for fp64 inputs)
             lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
-            bias = mask.bias(q.dtype) if mask.kind == "masked" else None
+            bias = mask.bias(q.dtype) if mask.kind == BlockKind.MASKED else None
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
-        op = "efficient" if mask.kind == "masked" else self._op(q)
+        op = "efficient" if mask.kind == BlockKind.MASKED else self._op(q)
         lse, delta = lse.contiguous(), delta.contiguous()  # the executor passes row slices
         groups = q.shape[1] // k.shape[1]
         ke, ve = self._expand_kv(q, k, v)
@@ -147,7 +149,7 @@ class TorchAttentionKernel:
     def _bias(q: Tensor, mask) -> Tensor | None:
         """The efficient kernel's attn_bias for a masked block: [B, H, Sq, Sk] (a broadcast view),
         its rows aligned to 16 elements as the kernel requires."""
-        if mask.kind != "masked":
+        if mask.kind != BlockKind.MASKED:
             return None
         b, h, sq, _ = q.shape
         bias = mask.bias(q.dtype, pad_to=16)

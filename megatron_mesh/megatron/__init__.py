@@ -24,13 +24,20 @@ import typing
 
 from ..plan.modes import MODES
 
-__all__ = ["PLUGIN_MODES", "TE_MODES", "CP_MODES", "ensure_typing_override"]
+__all__ = ["plugin_modes", "TE_MODES", "cp_modes", "ensure_typing_override"]
 
-# cp_comm_type values run by this plugin (its mode registry: ring, mesh, tasp and the Ulysses
-# hybrids a2a+mesh, a2a+tasp, a2a+ring), and those handed over to Transformer Engine.
-PLUGIN_MODES = tuple(MODES)
+# cp_comm_type values handed over to Transformer Engine
 TE_MODES = ("p2p", "a2a", "all_gather", "a2a+p2p")
-CP_MODES = PLUGIN_MODES + TE_MODES
+
+
+def plugin_modes() -> tuple[str, ...]:
+    """cp_comm_type values run by this plugin: its mode registry, read at call time (ring, mesh,
+    tasp, the Ulysses hybrids, and any mode registered since)."""
+    return tuple(MODES)
+
+
+def cp_modes() -> tuple[str, ...]:
+    return plugin_modes() + TE_MODES
 
 
 def ensure_typing_override() -> None:

@@ -89,10 +89,10 @@ def check_args(args) -> None:
     bad setting stops the process through :func:`fail`."""
     if id(args) in _CHECKED:
         return
-    from .args import validate_args
+    from .checks import validate_args
 
     try:
-        validate_args(args)
+        validate_args(args, entry_packs_documents=ENTRY_PACKS_DOCUMENTS)
     except ValueError as e:
         fail(str(e))
     _CHECKED.add(id(args))

@@ -46,8 +46,10 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 from torch import Tensor
 
-from . import PLUGIN_MODES, TE_MODES, telemetry
-from .args import have_transformer_engine, megatron_window, plugin_settings
+from ..plan.modes import DEFAULT_MODE
+from . import TE_MODES, plugin_modes, telemetry
+from .checks import have_transformer_engine
+from .settings import megatron_window, plugin_settings
 from .placement import resolve_placement
 
 __all__ = ["CPCoreAttention", "PluginCoreAttention"]
@@ -76,13 +78,13 @@ class CPCoreAttention:
         if _cp_size(config, pg_collection) == 1:
             if not _needs_plugin_mask(config, layer_number):
                 return _megatron_attention(config, common, kwargs)
-            return PluginCoreAttention(cp_comm_type="ring", **common, **kwargs)
-        if cp_comm_type in PLUGIN_MODES:
+            return PluginCoreAttention(cp_comm_type=DEFAULT_MODE, **common, **kwargs)
+        if cp_comm_type in plugin_modes():
             return PluginCoreAttention(cp_comm_type=cp_comm_type, **common, **kwargs)
         mode = "p2p" if cp_comm_type is None else cp_comm_type  # TE's default for None
         if mode not in TE_MODES:
             raise ValueError(f"layer {layer_number}: cp_comm_type {cp_comm_type!r} is not a context-parallel mode; "
-                             f"allowed: {', '.join(PLUGIN_MODES)} (megatron_mesh) or {', '.join(TE_MODES)} "
+                             f"allowed: {', '.join(plugin_modes())} (megatron_mesh) or {', '.join(TE_MODES)} "
                              "(Transformer Engine)")
         return _te_attention(mode, common, kwargs)
 
@@ -113,7 +115,7 @@ def _te_attention(mode: Optional[str], common: dict, kwargs: dict):
     usable, why = have_transformer_engine()
     if not usable:
         what = f"cp_comm_type {mode!r} is a Transformer Engine mode" if mode else "--transformer-impl transformer_engine"
-        instead = "use ring (the same algorithm)" if mode == "p2p" else f"use one of {', '.join(PLUGIN_MODES)}"
+        instead = "use ring (the same algorithm)" if mode == "p2p" else f"use one of {', '.join(plugin_modes())}"
         raise ValueError(f"layer {common['layer_number']}: {what}, but Transformer Engine is not usable here "
                          f"({why}); {instead if mode else 'pass --transformer-impl local'}")
     from megatron.core.extensions.transformer_engine import TEDotProductAttention
@@ -149,9 +151,9 @@ class PluginCoreAttention(MegatronModule):
             self.cp_group = parallel_state.get_context_parallel_group()
         self.cp_size = self.cp_group.size()
         self.settings = plugin_settings(config)
-        self.mode = cp_comm_type if self.cp_size > 1 else "ring"  # CP 1: one block, no transfers
-        if self.mode not in PLUGIN_MODES:
-            raise ValueError(f"{where}: PluginCoreAttention runs {', '.join(PLUGIN_MODES)}, not {cp_comm_type!r}")
+        self.mode = cp_comm_type if self.cp_size > 1 else DEFAULT_MODE  # CP 1: one block, no transfers
+        if self.mode not in plugin_modes():
+            raise ValueError(f"{where}: PluginCoreAttention runs {', '.join(plugin_modes())}, not {cp_comm_type!r}")
         self.window = _layer_window(config, layer_number)
         self.documents = getattr(config, "cp_documents", None)
         from . import groups
@@ -159,7 +161,7 @@ class PluginCoreAttention(MegatronModule):
         self.placement = resolve_placement(self.mode, config, groups.cp_ranks(self.cp_group))
         self.comm = telemetry.timed_communicator(groups.communicator(config, self.cp_group, self.placement))
         p = self.placement
-        tile = f"{p.tile[0]}x{p.tile[1]}" if p.tile and self.mode != "ring" else None
+        tile = f"{p.tile[0]}x{p.tile[1]}" if p.tile else None
         telemetry.register_layer(layer_number, self.describe(),
                                  dict(mode=self.mode, cp=self.cp_size, tile=tile, ulysses=p.ulysses,
                                       window=list(self.window) if self.window else None, documents=self.documents),

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from ..comm.alltoall import AllToAllCommunicator
 from ..comm.torch_dist import TorchDistCommunicator
 from ..plan.modes import Placement
-from .args import layer_modes, plugin_modes_of
+from .settings import layer_modes, plugin_modes_of
 from .placement import resolve_placement
 
 __all__ = ["initialize_groups", "destroy_groups", "communicator", "cp_ranks"]
@@ -113,7 +113,7 @@ def communicator(config, cp_group, placement: Placement):
     smallest sub-group holding both ranks (the whole CP group otherwise), or one all-to-all
     collective per round for TASP's ``alltoall`` transport."""
     ranks = cp_ranks(cp_group)
-    if placement.mode == "tasp" and placement.transport == "alltoall":
+    if placement.transport == "alltoall":
         key = ("alltoall", ranks)
         if key not in _COMMS:
             _COMMS[key] = AllToAllCommunicator(cp_group)

@@ -16,31 +16,18 @@ fastest for their two nodes.
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 from typing import Optional
 
 from ..plan import AttentionShape
-from ..plan.modes import HYBRID_PREFIX, Placement, resolve
+from ..plan.modes import Placement, get_mode, option_specs, resolve
+from .settings import plugin_settings
 
-__all__ = ["layer_shape", "resolve_placement", "node_blocks", "ranks_per_node", "gpus_per_node", "inner_mode"]
+__all__ = ["layer_shape", "resolve_placement", "node_blocks", "ranks_per_node"]
 
 # A sequence length per rank for configs built outside an entry script that set none (Megatron-Core
 # from Python): the fastest tile depends on it mildly.
 DEFAULT_SEQ_LOCAL = 8192
-
-
-def inner_mode(mode: str) -> str:
-    """The mode whose settings apply: a hybrid's inner mode, else the mode itself."""
-    return mode[len(HYBRID_PREFIX):] if mode.startswith(HYBRID_PREFIX) else mode
-
-
-def gpus_per_node(settings) -> Optional[int]:
-    """GPUs per node: ``--tasp-gpus-per-node``, else torchrun's LOCAL_WORLD_SIZE, else None (one node)."""
-    if settings.tasp_gpus_per_node is not None:
-        return settings.tasp_gpus_per_node
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    return int(local) if local else None
 
 
 def node_blocks(cp_ranks: tuple[int, ...], gpus: Optional[int]) -> list[tuple[int, ...]]:
@@ -82,31 +69,20 @@ def layer_shape(config, cp_size: int) -> AttentionShape:
 
 def resolve_placement(mode: str, config, cp_ranks: tuple[int, ...]) -> Placement:
     """The placement of layers running ``mode`` over the CP group of global ``cp_ranks``."""
-    from .args import plugin_settings
-
     s = plugin_settings(config)
     hcp = getattr(config, "hierarchical_context_parallel_sizes", None)
-    return _resolve(mode, tuple(cp_ranks), layer_shape(config, len(cp_ranks)), s,
-                    tuple(hcp) if hcp else None)
+    return _resolve(mode, tuple(cp_ranks), layer_shape(config, len(cp_ranks)), s.gpus_per_node,
+                    tuple(sorted(s.options(mode).items())), tuple(hcp) if hcp else None)
 
 
 @lru_cache(maxsize=64)
-def _resolve(mode: str, cp_ranks: tuple[int, ...], shape: AttentionShape, s, hcp) -> Placement:
+def _resolve(mode: str, cp_ranks: tuple[int, ...], shape: AttentionShape, gpus: Optional[int], options: tuple,
+             hcp) -> Placement:
     cp = len(cp_ranks)
-    rpn = ranks_per_node(cp_ranks, gpus_per_node(s))
-    inner = inner_mode(mode)
-    kw: dict = {}
-    if inner == "mesh":
-        kw.update(tile=s.tile, schedule=s.schedule, backward_chunks=s.backward_chunks, contiguous=s.contiguous)
-    if inner == "tasp":
-        kw.update(gpus_per_node=rpn)
-        if mode == "tasp":
-            kw.update(transport=s.tasp_transport)
-    else:
-        kw.update(ranks_per_node=rpn)
-    if mode != inner:
+    kw = dict(options)
+    if "ulysses_size" in {s.name for s in option_specs(get_mode(mode).Options)}:  # a Ulysses hybrid
         if not hcp or len(hcp) != 2:
             raise ValueError(f"--cp-comm-type {mode} needs --hierarchical-context-parallel-sizes U M (the all-to-all "
                              f"degree U and the inner CP size M, U * M = {cp}), got {hcp}")
         kw["ulysses_size"] = hcp[0]
-    return resolve(mode, cp, shape, **kw)
+    return resolve(mode, cp, shape, ranks_per_node=ranks_per_node(cp_ranks, gpus), **kw)

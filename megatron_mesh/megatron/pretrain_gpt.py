@@ -241,7 +241,8 @@ def build_config(args):
     from .args import MeshTransformerConfig, apply_args
 
     config = core_transformer_config_from_args(args, config_class=MeshTransformerConfig)
-    apply_args(args, config)  # also where Megatron forces MLATransformerConfig (no plugin fields)
+    # also where Megatron forces MLATransformerConfig (no plugin fields)
+    apply_args(args, config, entry_packs_documents=bootstrap.ENTRY_PACKS_DOCUMENTS)
     return gpt_config_from_args(args, config=config)
 
 

@@ -28,7 +28,8 @@ from __future__ import annotations
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from . import ensure_typing_override
-from .args import apply_args, have_transformer_engine
+from .args import apply_args
+from .checks import have_transformer_engine
 from .core_attention import CPCoreAttention
 from .groups import initialize_groups
 
@@ -44,7 +45,7 @@ def _transformer_config(model_config):
     args = bootstrap.megatron_args()
     if args is not None:
         bootstrap.check_args(args)  # no-op when the entry script's argument hook already checked them
-        apply_args(args, t)
+        apply_args(args, t, entry_packs_documents=bootstrap.ENTRY_PACKS_DOCUMENTS)
         telemetry.install(args)
     return t
 

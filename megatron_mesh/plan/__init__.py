@@ -6,22 +6,26 @@ simulator read the same :class:`Plan`; :mod:`.modes` is the registry of CP modes
 :class:`Placement`.
 """
 
-from .accounting import (AttentionShape, RankBytes, block_area, block_pairs, buffer_bytes, key_bytes, link_bytes,
-                         mesh_bytes_formula, plan_bytes, rank_work, round_link_bytes, tasp_bytes_formula)
+from .accounting import (RankBytes, block_area, block_pairs, buffer_bytes, key_bytes, link_bytes, mesh_bytes_formula,
+                         plan_bytes, rank_work, round_link_bytes, tasp_bytes_formula)
 from .autotile import choose_tile, rank_tiles
 from .hamiltonian import (chained_rings, hamiltonian_decomposition, hamiltonian_path_decomposition,
                           max_disjoint_hamiltonian_cycles)
 from .hybrid import build_hybrid_plan, inner_shape
 from .ir import (KINDS, OP_TYPES, AddGrad, Attend, AttendBackward, Copy, Free, Key, MergeOut, Plan, Post, RankPlan,
-                 Segment, Transfer, Wait, format_op, parse_op)
-from .layout import SpanLayout, ThdLayout, ZigzagLayout, head_slice, slot_segments, split_evenly
-from .mask import BlockClass, Mask, classify_block
+                 RowStats, Transfer, Wait, format_op, parse_op)
+from .layout import (Layout, SpanLayout, ThdLayout, ZigzagLayout, head_slice, layout_from_text, positions,
+                     slot_segments, split_evenly)
+from .mask import BlockClass, BlockKind, Mask, classify_block
 from .memory import BufferMemory, buffer_memory
 from .mesh import BACKWARD_CHUNKS, CONTIGUOUS, TileMap, best_tile, build_mesh_plan, build_ring_plan, parse_tile, tile_shapes
-from .modes import MODES, Placement, get_mode, resolve
+from .modes import HYBRID_PREFIX, MODES, TRANSPORTS, Mode, Placement, get_mode, register, resolve, setting
+from .problem import is_dense, normalize
 from .schedule import SCHEDULES
 from .simulate import SimResult, simulate
-from .sparse import build_sparse_plan
+from .sel import Segment
+from .shape import AttentionShape
+from .sparse import Assignment, build_sparse_plan
 from .tasp import LinkLoad, build_tasp_plan, link_load, tasp_rings
 from .topology import Topology
 from .validate import PlanError, check_cover, check_dataflow, check_matching, dry_run, validate_plan
@@ -30,13 +34,14 @@ __all__ = [
     "AttentionShape", "RankBytes", "buffer_bytes", "key_bytes", "link_bytes", "round_link_bytes", "mesh_bytes_formula",
     "plan_bytes", "tasp_bytes_formula", "block_pairs", "block_area", "rank_work",
     "KINDS", "OP_TYPES", "AddGrad", "Attend", "AttendBackward", "Copy", "Free", "Key", "MergeOut", "Plan", "Post",
-    "RankPlan", "Segment", "Transfer", "Wait", "format_op", "parse_op",
-    "Mask", "BlockClass", "classify_block",
-    "ZigzagLayout", "ThdLayout", "SpanLayout", "head_slice", "slot_segments", "split_evenly",
+    "RankPlan", "RowStats", "Segment", "Transfer", "Wait", "format_op", "parse_op",
+    "Mask", "BlockClass", "BlockKind", "classify_block", "normalize", "is_dense",
+    "Layout", "ZigzagLayout", "ThdLayout", "SpanLayout", "layout_from_text", "positions", "head_slice",
+    "slot_segments", "split_evenly",
     "BACKWARD_CHUNKS", "CONTIGUOUS", "TileMap", "best_tile", "build_mesh_plan", "build_ring_plan", "parse_tile",
     "tile_shapes", "SCHEDULES", "choose_tile", "rank_tiles", "chained_rings", "hamiltonian_decomposition",
     "hamiltonian_path_decomposition", "max_disjoint_hamiltonian_cycles", "LinkLoad", "build_tasp_plan", "link_load",
-    "tasp_rings", "build_sparse_plan", "build_hybrid_plan", "inner_shape", "MODES", "Placement", "get_mode",
-    "resolve", "BufferMemory", "buffer_memory", "SimResult", "simulate", "Topology",
+    "tasp_rings", "build_sparse_plan", "Assignment", "build_hybrid_plan", "inner_shape", "MODES", "Mode", "Placement",
+    "get_mode", "register", "resolve", "setting", "HYBRID_PREFIX", "TRANSPORTS", "BufferMemory", "buffer_memory", "SimResult", "simulate", "Topology",
     "PlanError", "check_cover", "check_dataflow", "check_matching", "dry_run", "validate_plan",
 ]

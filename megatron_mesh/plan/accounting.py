@@ -10,7 +10,10 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .ir import KINDS, Key, Plan, Post, sel_len
+from .ir import KINDS, Key, Plan, Post
+from .mask import BlockKind, classify_block
+from .sel import sel_len
+from .shape import AttentionShape
 
 __all__ = [
     "AttentionShape",
@@ -28,31 +31,6 @@ __all__ = [
 ]
 
 FP32 = 4
-
-
-@dataclass(frozen=True)
-class AttentionShape:
-    """Per-rank problem shape: ``seq_local`` tokens (both zigzag halves) of ``batch`` sequences,
-    ``heads`` query heads and ``kv_heads`` key/value heads of ``head_dim``, ``itemsize`` bytes per
-    element of q, k, v (2 for bf16/fp16, 4 for fp32)."""
-
-    seq_local: int
-    batch: int = 1
-    heads: int = 1
-    kv_heads: int = 1
-    head_dim: int = 1
-    itemsize: int = 2
-
-    def __post_init__(self) -> None:
-        for name in ("seq_local", "batch", "heads", "kv_heads", "head_dim", "itemsize"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-        if self.heads % self.kv_heads:
-            raise ValueError(
-                f"heads ({self.heads}) must be divisible by kv_heads ({self.kv_heads}) "
-                "(grouped-query attention shares each KV head among heads/kv_heads query heads)"
-            )
 
 
 def buffer_bytes(kind: str, tokens: int, shape: AttentionShape, heads: int | None = None,
@@ -191,11 +169,9 @@ def tasp_bytes_formula(world_size: int, shape: AttentionShape) -> RankBytes:
 def block_pairs(plan: Plan, op) -> int:
     """Allowed (query, key) token pairs a block computes: the work measure of one Attend /
     AttendBackward (a causal block of n tokens has n(n+1)/2, a masked block what its mask allows)."""
-    from .mask import classify_block
-
-    if op.mask == "full":
+    if op.mask == BlockKind.FULL:
         return block_area(plan, op)
-    if op.mask == "causal":
+    if op.mask == BlockKind.CAUSAL:
         n = sel_len(op.rows, plan.tokens(op.q))
         return n * (n + 1) // 2
     c = classify_block(plan.mask, plan.positions(op.q, op.rows),
@@ -207,7 +183,7 @@ def block_area(plan: Plan, op) -> int:
     """(query, key) pairs the kernel call computes: rows x columns, or n(n+1)/2 for a causal
     block (a masked block is computed densely and masked: rows x columns)."""
     rows = sel_len(op.rows, plan.tokens(op.q))
-    if op.mask == "causal":
+    if op.mask == BlockKind.CAUSAL:
         return rows * (rows + 1) // 2
     return rows * sum(sel_len(op.col(i), plan.tokens(k)) for i, k in enumerate(op.kv))
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .accounting import AttentionShape
+from .shape import AttentionShape
 from .ir import Plan
 from .memory import buffer_memory
 from .mesh import best_tile, build_mesh_plan, tile_shapes

@@ -107,7 +107,8 @@ def hamiltonian_path_decomposition(m: int) -> list[list[int]]:
         raise ValueError(
             f"the complete directed graph on {m} ranks has no decomposition into {m} Hamiltonian paths "
             f"(none exists for 3 and 5), so TASP cannot chain rings over nodes of {m} GPUs; "
-            f"use gpus_per_node=None (one flat decomposition over the whole CP group)")
+            f"use one node (ranks_per_node=None; gpus_per_node=None in the Python API: one flat decomposition "
+            f"over the whole CP group)")
     return [list(p) for p in _path_decomposition(m)]
 
 

@@ -42,12 +42,16 @@ except dK/dV of a KV head replicated to several ranks, a partial sum (fp32).
 
 from __future__ import annotations
 
-from .accounting import AttentionShape
-from .ir import AddGrad, Copy, Free, Key, Op, Plan, Post, RankPlan, RowStats, Segment, Transfer, Wait
-from .layout import SpanLayout, check_ulysses_heads, head_slice
-from .passes import insert_frees
+from typing import Callable
 
-__all__ = ["build_hybrid_plan", "inner_shape"]
+from .ir import AddGrad, Copy, Free, Key, Op, Plan, Post, RankPlan, RowStats, Transfer, Wait
+from .layout import Layout, SpanLayout, check_ulysses_heads, head_slice
+from .mask import Mask
+from .passes import insert_frees
+from .sel import Segment
+from .shape import AttentionShape
+
+__all__ = ["build_hybrid_plan", "inner_shape", "hybrid_rings"]
 
 
 def _pieces(layout, rank: int, U: int) -> tuple[Segment, ...]:
@@ -78,29 +82,35 @@ def inner_shape(shape: AttentionShape, ulysses: int) -> AttentionShape:
                           kv_heads=kv, head_dim=shape.head_dim, itemsize=shape.itemsize)
 
 
-def build_hybrid_plan(world_size: int, ulysses: int, inner_build, shape: AttentionShape, mask, layout,
-                      inner_name: str) -> Plan:
-    """The hybrid plan: ``inner_build(M, inner_shape, mask, inner_layout) -> Plan`` makes the inner
-    plan over M = world_size / ulysses ranks."""
+def hybrid_rings(world_size: int, ulysses: int, inner_rings: dict) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """The rings of a hybrid over CP ranks: the all-to-all groups ("a2a": U consecutive ranks) and,
+    per head slice u, the inner rings over inner ranks m mapped to CP ranks m * U + u."""
+    U = ulysses
+    out = {"a2a": tuple(tuple(range(m * U, (m + 1) * U)) for m in range(world_size // U))}
+    for fam, rs in inner_rings.items():
+        out[fam] = tuple(tuple(r * U + u for r in ring) for u in range(U) for ring in rs)
+    return out
+
+
+def build_hybrid_plan(mode: str, world_size: int, ulysses: int, build_inner: Callable[..., Plan],
+                      shape: AttentionShape, mask: Mask, layout: Layout) -> Plan:
+    """The hybrid plan (mode name ``mode``): ``build_inner(inner_shape, mask, inner_layout) -> Plan``
+    makes the inner plan over M = world_size / ulysses ranks; ``mask`` / ``layout`` are normalised."""
     U, P = ulysses, world_size
     if not isinstance(U, int) or isinstance(U, bool) or U < 1 or P % U:
         raise ValueError(f"ulysses size {U!r} must be a positive divisor of the CP size {P}")
     sub = inner_shape(shape, U)
-    inner_layout = SpanLayout(layout, U)
-    inner = inner_build(P // U, sub, mask, inner_layout)
+    inner = build_inner(sub, mask, SpanLayout(layout, U))
     lowering = _HybridLowering(P, U, shape, inner, layout)
-    tile = inner.tile
     notes = (f"all-to-all over {U} consecutive ranks ({shape.heads // U} query / {sub.kv_heads} key-value heads per "
              f"rank{'' if shape.kv_heads >= U else f', each KV head replicated to {U // shape.kv_heads} ranks'}), "
-             f"then {inner_name} over {P // U} ranks", *inner.notes)
-    rings = {f"a2a": tuple(tuple(range(m * U, (m + 1) * U)) for m in range(P // U))}
-    for fam, rs in inner.rings.items():
-        rings[fam] = tuple(tuple(r * U + u for r in ring) for u in range(U) for ring in rs)
-    return Plan(mode=f"a2a+{inner_name}", world_size=P, seq_local=shape.seq_local, mask=inner.mask, layout=layout,
+             f"then {inner.mode} over {P // U} ranks", *inner.notes)
+    return Plan(mode=mode, world_size=P, seq_local=shape.seq_local, mask=inner.mask, layout=layout,
                 build_rank=lowering.rank_plan, build_rounds=lowering.round_ops, slots=lowering.segments,
-                heads_split=U, tile=tile, schedule=inner.schedule, rings=rings,
-                options={**inner.options, "ulysses": U, "inner": inner_name, "heads": (shape.heads, shape.kv_heads)},
-                notes=notes, inner=inner)
+                tile=inner.tile, schedule=inner.schedule, backward_chunks=inner.backward_chunks,
+                contiguous=inner.contiguous, assignment=inner.assignment, direct=inner.direct,
+                ulysses=U,
+                heads=(shape.heads, shape.kv_heads), rings=hybrid_rings(P, U, inner.rings), notes=notes, inner=inner)
 
 
 class _HybridLowering:
@@ -111,12 +121,8 @@ class _HybridLowering:
         # where rank m*U + p's tokens sit in span chunk m (its runs, in local order): for the zigzag
         # its two halves, for the THD layout its two halves of every sequence
         self.pieces = [_pieces(layout, m * U + p, U) for m in range(P // U) for p in range(U)]
-        # the inner plan's last round (the same on every rank of a dense plan; a mask-aware plan
-        # states its own bound): the return all-to-all comes after it
-        bound = inner.options.get("max_round")
-        self.last_round = {d: bound if bound is not None else
-                           max((op.round for op in inner.round_ops(0, d) if type(op) is Post), default=0)
-                           for d in ("forward", "backward")}
+        # the inner plan's last round: the return all-to-all comes after it
+        self.last_round = {d: inner.max_round(d) for d in ("forward", "backward")}
         self._keys: list[dict] = [{} for _ in range(U)]  # inner key -> its head-slice-u key (a P=256 plan
         self._transfers: list[dict] = [{} for _ in range(U)]  # relabels ~10^6 of them)
 

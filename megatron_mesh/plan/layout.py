@@ -30,39 +30,88 @@ sequence k occupies [cu_padded[k], cu_padded[k+1]) of the packed tensor, padded 
 of 2P; it is zigzag-split on its own, and rank r's local tokens are, sequence after sequence,
 its two halves of each. The padding tokens belong to no document (see :class:`~.mask.Mask`).
 
-Both layouts answer :meth:`runs`: (local offset, global start, length) of the runs of
-consecutive positions that make up a (span) chunk, in local order.
+Every layout implements :class:`Layout`: :meth:`~Layout.runs` -- (local offset, global start,
+length) of the runs of consecutive positions that make up a (span) chunk, in local order --,
+:meth:`~Layout.documents` (the documents the layout itself defines, None when the mask brings
+them), and a one-line :meth:`~Layout.text` that :func:`layout_from_text` reads back. Plans,
+the validator, the simulator, the byte accounting and the executor read layouts only through
+this protocol, so a new layout is one more class here.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
-from .ir import Segment
+from .sel import Segment
 
-__all__ = ["ZigzagLayout", "ThdLayout", "SpanLayout", "split_evenly", "slot_segments", "head_slice",
-           "check_ulysses_heads"]
-
-
-class _Positions:
-    """What every layout derives from its :meth:`runs`: the positions of a rank and the inverse
-    permutation (shared by the zigzag and THD layouts)."""
-
-    def positions(self, rank: int) -> list[int]:
-        """Global token positions held by ``rank``, in local order."""
-        return [p for _, start, n in self.runs(rank) for p in range(start, start + n)]
-
-    def inverse(self) -> list[tuple[int, int]]:
-        """For each global position, (rank, local index): the unshard permutation."""
-        out: list[tuple[int, int]] = [(-1, -1)] * self.seq_len
-        for r in range(self.world_size):
-            for i, p in enumerate(self.positions(r)):
-                out[p] = (r, i)
-        return out
+__all__ = ["Layout", "ZigzagLayout", "ThdLayout", "SpanLayout", "layout_from_text", "register_layout",
+           "positions", "split_evenly", "slot_segments", "head_slice", "check_ulysses_heads"]
 
 
+@runtime_checkable
+class Layout(Protocol):
+    """Which global positions each CP rank holds (see the module docstring)."""
+
+    world_size: int
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens of the global sequence (padding included)."""
+
+    @property
+    def seq_local(self) -> int:
+        """Tokens each rank holds (the same on every rank: Megatron shards activations evenly)."""
+
+    def runs(self, chunk: int, span: int = 1) -> tuple[tuple[int, int, int], ...]:
+        """(local offset, global start, length) of chunk ``chunk`` of this layout seen in span-``span``
+        chunks (span 1: rank ``chunk``'s tokens; span u: the tokens of ranks chunk*u .. chunk*u+u-1,
+        what a Ulysses group of u ranks gathers)."""
+
+    def documents(self) -> tuple[tuple[int, int], ...] | None:
+        """The documents this layout defines, as global (start, stop); None: it defines none."""
+
+    def text(self) -> str:
+        """One line that :func:`layout_from_text` turns back into an equal layout."""
+
+
+def positions(layout: Layout, rank: int, span: int = 1) -> list[int]:
+    """Global token positions of (span) chunk ``rank``, in local order."""
+    return [p for _, start, n in layout.runs(rank, span) for p in range(start, start + n)]
+
+
+_PARSERS: dict[str, object] = {}
+
+
+def register_layout(word: str):
+    """Class decorator: ``cls.parse(rest_of_line)`` reads the text of layouts starting with ``word``."""
+    def deco(cls):
+        _PARSERS[word] = cls.parse
+        return cls
+    return deco
+
+
+def layout_from_text(text: str) -> Layout:
+    """The layout of a :meth:`Layout.text` line (e.g. ``zigzag P=4 S=16``)."""
+    word, _, rest = text.strip().partition(" ")
+    parse = _PARSERS.get(word)
+    if parse is None:
+        raise ValueError(f"unknown layout {word!r} in {text!r}; known: {', '.join(sorted(_PARSERS))}")
+    return parse(rest)
+
+
+def _fields(rest: str) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in rest.split())
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",")) if text else ()
+
+
+@register_layout("zigzag")
 @dataclass(frozen=True)
-class ZigzagLayout(_Positions):
+class ZigzagLayout:
     """Megatron's zigzag CP layout of a sequence of ``seq_len`` tokens over ``world_size`` ranks.
 
     The one owner of this permutation: :meth:`positions` / :meth:`runs` give rank r's tokens, and
@@ -89,12 +138,6 @@ class ZigzagLayout(_Positions):
     def seq_local(self) -> int:
         return 2 * self.half_len
 
-    def halves(self, rank: int) -> tuple[int, int]:
-        """Indices of the two halves rank ``rank`` holds: (rank, 2P - 1 - rank)."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} out of range for CP size {self.world_size}")
-        return rank, 2 * self.world_size - 1 - rank
-
     def runs(self, chunk: int, span: int = 1) -> tuple[tuple[int, int, int], ...]:
         """(local offset, global start, length) of chunk ``chunk`` of the zigzag over P/span ranks."""
         P = self.world_size // span
@@ -103,10 +146,21 @@ class ZigzagLayout(_Positions):
         h = self.seq_len // (2 * P)
         return ((0, chunk * h, h), (h, (2 * P - 1 - chunk) * h, h))
 
+    def documents(self) -> None:
+        return None
+
+    def text(self) -> str:
+        return f"zigzag P={self.world_size} S={self.seq_len}"
+
+    @classmethod
+    def parse(cls, rest: str) -> "ZigzagLayout":
+        f = _fields(rest)
+        return cls(int(f["P"]), int(f["S"]))
 
 
+@register_layout("thd")
 @dataclass(frozen=True)
-class ThdLayout(_Positions):
+class ThdLayout:
     """Transformer Engine's THD CP layout (see the module docstring).
 
     ``cu_seqlens_padded``: 0 = c0 < c1 < ... < cn, every length c(k+1) - ck divisible by 2P
@@ -165,15 +219,24 @@ class ThdLayout(_Positions):
             local += 2 * h
         return tuple(out)
 
+    def text(self) -> str:
+        return (f"thd P={self.world_size} cu={','.join(map(str, self.cu_seqlens_padded))} "
+                f"lens={','.join(map(str, self.seq_lens))}")
+
+    @classmethod
+    def parse(cls, rest: str) -> "ThdLayout":
+        f = _fields(rest)
+        return cls(int(f["P"]), _ints(f["cu"]), _ints(f["lens"]))
 
 
+@register_layout("span")
 @dataclass(frozen=True)
 class SpanLayout:
     """A layout seen by the inner plan of a Ulysses group: its P/span chunks are the span-``span``
     chunks of ``base`` (see the module docstring), so an inner plan built over it computes on the
     same global positions."""
 
-    base: object
+    base: Layout
     span: int
 
     def __post_init__(self) -> None:
@@ -197,6 +260,16 @@ class SpanLayout:
 
     def documents(self):
         return self.base.documents()
+
+    def text(self) -> str:
+        return f"span U={self.span} of {self.base.text()}"
+
+    @classmethod
+    def parse(cls, rest: str) -> "SpanLayout":
+        m = re.match(r"^U=(\d+) of (.+)$", rest.strip())
+        if m is None:
+            raise ValueError(f"not a span layout: {rest!r} (e.g. 'span U=2 of zigzag P=4 S=16')")
+        return cls(layout_from_text(m.group(2)), int(m.group(1)))
 
 
 def split_evenly(n: int, parts: int) -> list[int]:

@@ -8,12 +8,15 @@ Megatron convention; None = unlimited). Dense causal attention is the special ca
 document, no window". Tokens in no document (the padding of Transformer Engine's THD layout)
 attend nothing and are attended by nothing: their output is 0.
 
-Because a document is an interval and the window bounds i - j on both sides, the keys a query
-may attend form one interval :meth:`Mask.keys` -- which is what makes blocks cheap to classify:
+The rule is :meth:`Mask.allows` (one pair) / :meth:`Mask.allowed` (vectorised over position
+arrays: the runtime's masked kernel calls and the dense reference are built from it). What the
+planner adds is an optimisation of the same rule: because a document is an interval and the
+window bounds i - j on both sides, the keys a query may attend form one interval
+(:meth:`Mask.key_intervals`) -- which is what makes blocks cheap to classify:
 cut the query and key tokens of a block into runs of consecutive positions inside one document;
 a pair of runs (q positions [qa, qa+n), k positions [ka, ka+m), same document) allows exactly
-the pairs with i - j in the band [lo, hi] (lo = 0 if causal else -right, hi = left), so it is
-*empty*, *full* or *banded*, decided from its corners (:func:`pair_kind`).
+the pairs with i - j in the band [lo, hi] (lo = 0 if causal else -right, hi = left), so the band keeps
+none, all or some of its pairs, decided from its corners (:func:`band_relation`).
 
 Worked example (S = 16, documents [0, 6) and [6, 16), causal, window (3, None)); rank 1 of the
 zigzag over P = 4 holds positions [2, 3, 12, 13]::
@@ -29,14 +32,25 @@ zigzag over P = 4 holds positions [2, 3, 12, 13]::
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
+from enum import StrEnum
 from functools import lru_cache
 from typing import NamedTuple
 
-from .ir import Segment
+from .sel import Segment, merge_runs, union_intervals
 
-__all__ = ["Mask", "BlockClass", "classify_block", "pair_kind", "band_pairs", "CAUSAL", "FULL"]
+__all__ = ["Mask", "BlockKind", "BlockClass", "classify_block", "band_relation", "band_pairs", "CAUSAL", "FULL",
+           "union_intervals"]
+
+
+class BlockKind(StrEnum):
+    """How a kernel call masks one block -- the one vocabulary of the plan (``Attend.mask``), the
+    kernels (``BlockMask.kind``) and the runtime's mask pieces."""
+
+    FULL = "full"  # every (query, key) pair of the block attends
+    CAUSAL = "causal"  # top-left causal on identical query and key tokens
+    MASKED = "masked"  # the plan's Mask, applied to the tokens' global positions
 
 INF = float("inf")
 
@@ -128,22 +142,58 @@ class Mask:
             return self.documents[i]
         return None
 
-    def keys(self, i: int, seq_len: int) -> tuple[int, int] | None:
-        """The keys query ``i`` may attend: [lo, hi) (None: none)."""
+    def key_intervals(self, i: int, seq_len: int) -> tuple[tuple[int, int], ...]:
+        """The keys query ``i`` may attend, as sorted disjoint [lo, hi) intervals (empty: none).
+        A document and a window make this one interval; exact cover is checked against the
+        intervals, so a mask kind with holes fits the same check."""
         doc = self.document(i)
         if doc is None:
-            return None
+            return ()
         lo_d, hi_d = self.band()
         lo = max(doc[0], 0, i - hi_d)
         hi = min(doc[1], seq_len, i - lo_d + 1)
-        return (int(lo), int(hi)) if lo < hi else None
+        return ((int(lo), int(hi)),) if lo < hi else ()
 
     def allows(self, i: int, j: int) -> bool:
+        """The rule for one pair: query ``i`` attends key ``j``."""
         doc = self.document(i)
         if doc is None or not doc[0] <= j < doc[1]:
             return False
         lo, hi = self.band()
         return lo <= i - j <= hi
+
+    def allowed(self, q_pos, k_pos):
+        """The rule, vectorised: [len(q_pos), len(k_pos)] booleans, entry (a, b) = query
+        ``q_pos[a]`` attends key ``k_pos[b]``. ``q_pos`` / ``k_pos`` are 1-D integer arrays of any
+        array library with broadcasting arithmetic and comparisons (torch tensors, numpy arrays):
+        this module stays free of both. Agrees with :meth:`allows` on every pair (tested); the
+        runtime's masked kernel calls and the dense reference are built from it."""
+        d = q_pos[:, None] - k_pos[None, :]
+        lo, hi = self.band()
+        ok = (d >= lo) & (d <= hi)
+        if self.documents is not None:
+            qd, kd = self._document_ids(q_pos), self._document_ids(k_pos)
+            ok = ok & (qd[:, None] == kd[None, :]) & (qd[:, None] >= 0)
+        return ok
+
+    def _document_ids(self, pos):
+        """Per position, the index of its document, -1 for padding (array arithmetic only: the
+        documents the positions' range overlaps, found by bisection, each add their id)."""
+        first = bisect_right(self._stops, int(pos.min())) if len(pos) else 0
+        last = bisect_left(self._starts, int(pos.max()) + 1) if len(pos) else 0
+        ids = pos * 0 - 1
+        for i in range(first, last):
+            a, b = self.documents[i]
+            ids = ids + ((pos >= a) & (pos < b)) * (i + 1)
+        return ids
+
+    @property
+    def _starts(self) -> list[int]:
+        return _bounds(self)[0]
+
+    @property
+    def _stops(self) -> list[int]:
+        return _bounds(self)[1]
 
     # -- text --------------------------------------------------------------------------------------
     def text(self) -> str:
@@ -186,16 +236,22 @@ CAUSAL = Mask(True)
 FULL = Mask(False)
 
 
+@lru_cache(maxsize=64)
+def _bounds(mask: Mask) -> tuple[list[int], list[int]]:
+    """The documents' starts and stops as plain lists (bisection over them)."""
+    return [a for a, _ in mask.documents], [b for _, b in mask.documents]
+
+
 # -- pairs of runs --------------------------------------------------------------------------------
-def pair_kind(qa: int, n: int, ka: int, m: int, lo: float, hi: float) -> str:
-    """'empty', 'full' or 'band': queries [qa, qa+n) x keys [ka, ka+m) of one document under the
-    band lo <= i - j <= hi."""
+def band_relation(qa: int, n: int, ka: int, m: int, lo: float, hi: float) -> str:
+    """Which pairs of queries [qa, qa+n) x keys [ka, ka+m) (one document) the band
+    lo <= i - j <= hi keeps: "none", "all" or "some" (decided from the corners)."""
     dmin, dmax = qa - (ka + m - 1), qa + n - 1 - ka
     if dmax < lo or dmin > hi or lo > hi:
-        return "empty"
+        return "none"
     if dmin >= lo and dmax <= hi:
-        return "full"
-    return "band"
+        return "all"
+    return "some"
 
 
 def band_pairs(qa: int, n: int, ka: int, m: int, lo: float, hi: float) -> int:
@@ -271,18 +327,6 @@ def _split(runs, mask: Mask) -> list[tuple[int, int, int, object]]:
     return out
 
 
-def union_intervals(intervals: list[tuple[int, int]]) -> tuple[Segment, ...]:
-    """Sorted, merged segments covering ``intervals`` ((start, stop) pairs)."""
-    out: list[Segment] = []
-    for a, b in sorted(intervals):
-        if out and a <= out[-1].stop:
-            if b > out[-1].stop:
-                out[-1] = Segment(out[-1].start, b)
-        else:
-            out.append(Segment(a, b))
-    return tuple(out)
-
-
 @lru_cache(maxsize=65536)
 def classify_block(mask: Mask, q_runs: tuple, kv_runs: tuple) -> BlockClass | None:
     """The part of block (query tokens ``q_runs`` x key tokens ``kv_runs[i]`` of the i-th key/value
@@ -307,11 +351,11 @@ def classify_block(mask: Mask, q_runs: tuple, kv_runs: tuple) -> BlockClass | No
             for kl, ka, m, kd in ks:
                 if kd != qd:
                     continue
-                kind = pair_kind(qa, n, ka, m, lo, hi)
-                if kind == "empty":
+                kind = band_relation(qa, n, ka, m, lo, hi)
+                if kind == "none":
                     continue
                 kinds.add(kind)
-                if kind == "full":
+                if kind == "all":
                     rows.append((ql, ql + n))
                     cols[b].append((kl, kl + m))
                     pairs += n * m
@@ -346,8 +390,8 @@ def _positions(subruns, sel: tuple[Segment, ...]) -> list[tuple[int, int, object
 def _kernel_kind(mask: Mask, kinds: set, qs, kvs, rows, cols, pairs: int) -> str:
     nrows = sum(s.stop - s.start for s in rows)
     ncols = sum(s.stop - s.start for sel in cols for s in sel)
-    if kinds == {"full"} and pairs == nrows * ncols:
-        return "full"
+    if kinds == {"all"} and pairs == nrows * ncols:
+        return BlockKind.FULL
     # causal: the kept query and key tokens are the same positions, increasing, in one document,
     # and every i >= j among them is allowed (the band's upper edge does not cut inside)
     used = [b for b, sel in enumerate(cols) if sel]
@@ -355,20 +399,10 @@ def _kernel_kind(mask: Mask, kinds: set, qs, kvs, rows, cols, pairs: int) -> str
         qp = _positions(qs, rows)
         kp = _positions(kvs[used[0]], cols[used[0]])
         flat_q = [(s, l) for s, l, _ in qp]
-        if _merge_runs(flat_q) == _merge_runs([(s, l) for s, l, _ in kp]) and len({d for *_, d in qp}) == 1:
+        if merge_runs(flat_q) == merge_runs([(s, l) for s, l, _ in kp]) and len({d for *_, d in qp}) == 1:
             increasing = all(a[0] + a[1] <= b[0] for a, b in zip(flat_q, flat_q[1:]))
             span = flat_q[-1][0] + flat_q[-1][1] - 1 - flat_q[0][0]
             _, hi = mask.band()
             if increasing and hi >= span and pairs == nrows * (nrows + 1) // 2:
-                return "causal"
-    return "masked"
-
-
-def _merge_runs(runs):
-    out = []
-    for s, l in runs:
-        if out and out[-1][0] + out[-1][1] == s:
-            out[-1] = (out[-1][0], out[-1][1] + l)
-        else:
-            out.append((s, l))
-    return out
+                return BlockKind.CAUSAL
+    return BlockKind.MASKED

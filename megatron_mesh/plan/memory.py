@@ -28,7 +28,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from .accounting import AttentionShape, key_bytes
+from .accounting import key_bytes
+from .shape import AttentionShape
 from .ir import AddGrad, Attend, AttendBackward, Copy, Free, MergeOut, Plan, Post, RowStats, Wait
 
 __all__ = ["BufferMemory", "buffer_memory"]

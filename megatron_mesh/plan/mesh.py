@@ -28,19 +28,21 @@ Ring attention (tile 1xP) gives every rank its whole row; tile Px1 gives every r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from .accounting import AttentionShape, buffer_bytes, mesh_bytes_formula
-from .ir import (AddGrad, Attend, AttendBackward, Key, MergeOut, Op, Plan, Post, RankPlan, Segment,
-                 Transfer, Wait)
-from .layout import SpanLayout, ZigzagLayout
+from .accounting import buffer_bytes, mesh_bytes_formula
+from .blocks import block_ops
+from .ir import AddGrad, Key, MergeOut, Op, Plan, Post, RankPlan, Transfer, Wait
+from .layout import ZigzagLayout
 from .mask import Mask, classify_block
 from .passes import insert_frees
 from .schedule import SCHEDULES, build_template, pull_rounds
+from .sel import Segment
+from .shape import AttentionShape
 
 __all__ = ["TileMap", "tile_shapes", "parse_tile", "best_tile", "build_mesh_plan", "build_ring_plan",
-           "BACKWARD_CHUNKS", "CONTIGUOUS", "block_ops"]
+           "BACKWARD_CHUNKS", "CONTIGUOUS"]
 
 # "refetch": the backward pulls Q and KV chunks again (memory of ring attention; more bytes).
 # "keep":    the forward keeps the pulled chunks for the backward (fewer bytes; a-1 Q and b-1 KV
@@ -103,6 +105,12 @@ class TileMap:
         _, c = self.coords(kv_chunk)
         return self.rank_at(r, c)
 
+    def rings(self) -> dict[str, tuple[tuple[int, ...], ...]]:
+        """The b Q rings and the a KV rings (CP ranks in ring order): what the plan moves data on
+        and the process sub-groups a transport routes through."""
+        return {"q": tuple(self.q_group(self.rank_at(r, 0)) for r in range(self.b)),
+                "kv": tuple(self.kv_group(self.rank_at(0, c)) for c in range(self.a))}
+
 
 def tile_shapes(world_size: int) -> list[tuple[int, int]]:
     """Every tile (a, b) with a * b == world_size, by increasing a (a=1 is ring attention)."""
@@ -139,22 +147,21 @@ def best_tile(world_size: int, shape: AttentionShape, backward_chunks: str = "re
                key=lambda t: (mesh_bytes_formula(world_size, t, shape, backward_chunks).sent, t[0]))
 
 
-def build_ring_plan(world_size: int, shape: AttentionShape, causal: bool = True, mask: Mask | None = None,
-                    layout=None) -> Plan:
-    """Ring attention (zigzag, Megatron's layout): the mesh plan of tile (1, P)."""
-    return build_mesh_plan(world_size, (1, world_size), shape, causal=causal, mask=mask, layout=layout)
+def build_ring_plan(world_size: int, shape: AttentionShape, causal: bool = True,
+                    backward_chunks: str = "refetch") -> Plan:
+    """Ring attention (zigzag, Megatron's layout): the Mesh plan of tile (1, P)."""
+    plan = build_mesh_plan(world_size, (1, world_size), shape, causal=causal, backward_chunks=backward_chunks)
+    return replace(plan, mode="ring", _cache={})
 
 
 def build_mesh_plan(world_size: int, tile, shape: AttentionShape, causal: bool = True,
-                    schedule: str = "greedy", backward_chunks: str = "refetch", contiguous: str = "q",
-                    mask: Mask | None = None, layout=None) -> Plan:
-    """The Mesh-Attention plan of every rank (see the module docstring and .schedule).
+                    schedule: str = "greedy", backward_chunks: str = "refetch", contiguous: str = "q") -> Plan:
+    """The dense Mesh-Attention plan of every rank (causal or full attention on Megatron's zigzag;
+    see the module docstring and .schedule). Masks and other layouts: ``resolve("mesh", ...).build``.
 
-    ``tile``: (a, b) with a * b == world_size, "AxB" or "auto" (fewest bytes, :func:`best_tile`).
+    ``tile``: (a, b) with a * b == world_size, or "AxB" (``"auto"`` is the planner's choice:
+    ``megatron_mesh.plan.resolve("mesh", ..., tile="auto")``).
     ``contiguous``: which group is made of consecutive ranks ("q" or "kv", see :class:`TileMap`).
-    ``mask`` (default: causal or full by ``causal``) and ``layout`` (default: Megatron's zigzag):
-    with documents, a window or another layout the plan computes only the blocks the mask allows
-    and moves only the tokens they need (:mod:`.sparse`).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -162,32 +169,15 @@ def build_mesh_plan(world_size: int, tile, shape: AttentionShape, causal: bool =
         raise ValueError(f"backward_chunks must be one of {BACKWARD_CHUNKS}, got {backward_chunks!r}")
     tile = parse_tile(tile, world_size)
     if tile == "auto":
-        tile = best_tile(world_size, shape, backward_chunks)
+        raise ValueError("build_mesh_plan takes a concrete tile; tile 'auto' is chosen by "
+                         "megatron_mesh.plan.resolve('mesh', ..., tile='auto') (fastest predicted)")
     if contiguous not in CONTIGUOUS:
         raise ValueError(f"contiguous must be one of {CONTIGUOUS}, got {contiguous!r}")
-    if shape.seq_local % 2:
-        raise ValueError(f"local sequence length {shape.seq_local} must be even (two zigzag halves)")
-    mask, layout = _mask_and_layout(world_size, shape, causal, mask, layout)
-    if mask.is_dense and isinstance(layout, ZigzagLayout):
-        return _build_mesh_plan(world_size, tile, shape, mask, schedule, backward_chunks, contiguous)
-    from .sparse import build_sparse_plan
-
-    return build_sparse_plan("mesh", world_size, shape, mask, layout, tile=tile, contiguous=contiguous,
-                             backward_chunks=backward_chunks, schedule=schedule)
-
-
-def _mask_and_layout(world_size: int, shape: AttentionShape, causal, mask, layout):
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, got {causal!r}")
-    mask = Mask(causal) if mask is None else mask
-    if not isinstance(mask, Mask):
-        raise ValueError(f"mask must be a megatron_mesh.plan.Mask, got {type(mask).__name__}")
-    if layout is None or (isinstance(layout, SpanLayout) and type(layout.base) is ZigzagLayout):
-        layout = ZigzagLayout(world_size, world_size * shape.seq_local)  # a zigzag seen in span-u chunks is a zigzag
-    if layout.world_size != world_size or layout.seq_local != shape.seq_local:
-        raise ValueError(f"layout over {layout.world_size} ranks x {layout.seq_local} tokens does not match the "
-                         f"CP size {world_size} and local sequence length {shape.seq_local}")
-    return mask.normalized(layout.seq_len), layout
+    if shape.seq_local % 2:
+        raise ValueError(f"local sequence length {shape.seq_local} must be even (two zigzag halves)")
+    return _build_mesh_plan(world_size, tile, shape, Mask(causal), schedule, backward_chunks, contiguous)
 
 
 @lru_cache(maxsize=256)
@@ -204,33 +194,9 @@ def _build_mesh_plan(world_size: int, tile: tuple[int, int], shape: AttentionSha
     keep = backward_chunks == "keep"
     fwd, bwd = _templates(a, b, schedule, keep, cost("q"), cost("kv"), cost("q", "do"), cost("do"))
     lowering = _MeshLowering(world_size, tiles, T, mask, layout, fwd, bwd, keep)
-    rings = {"q": tuple(tiles.q_group(tiles.rank_at(r, 0)) for r in range(b)),
-             "kv": tuple(tiles.kv_group(tiles.rank_at(0, c)) for c in range(a))}
     return Plan(mode="mesh", world_size=world_size, seq_local=T, mask=mask, layout=layout,
-                build_rank=lowering.rank_plan, build_rounds=lowering.round_ops, tile=tile,
-                schedule=schedule, rings=rings, options={"backward_chunks": backward_chunks, "contiguous": contiguous})
-
-
-def block_ops(q: Key, blocks, backward: bool) -> list[Op]:
-    """Attend (or AttendBackward) ops for blocks of one query buffer ``q``: ``blocks`` is a list of
-    (kv key, kernel mask, rows, cols) (None rows/cols: the whole buffer); consecutive full blocks
-    with the same rows share one kernel call (their columns concatenated)."""
-    groups: list[list] = []
-    for kv, kind, rows, col in blocks:
-        if groups and kind == "full" and groups[-1][0] == "full" and groups[-1][1] == rows:
-            groups[-1][2].append(kv)
-            groups[-1][3].append(col)
-        else:
-            groups.append([kind, rows, [kv], [col]])
-    ops: list[Op] = []
-    for kind, rows, kvs, cols in groups:
-        cols_t = None if all(x is None for x in cols) else tuple(cols)
-        if backward:
-            ops.append(AttendBackward(q, q._replace(kind="do"), tuple(kvs), q._replace(kind="dq"),
-                                      tuple(k._replace(kind="dkv") for k in kvs), rows, cols_t, kind))
-        else:
-            ops.append(Attend(q, tuple(kvs), q._replace(kind="o"), rows, cols_t, kind))
-    return ops
+                build_rank=lowering.rank_plan, build_rounds=lowering.round_ops, tile=tile, schedule=schedule,
+                backward_chunks=backward_chunks, contiguous=contiguous, assignment="tile", rings=tiles.rings())
 
 
 @lru_cache(maxsize=256)

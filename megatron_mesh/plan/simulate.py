@@ -56,8 +56,12 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
-from .accounting import AttentionShape, block_area, key_bytes
-from .ir import AddGrad, Attend, AttendBackward, Copy, Free, MergeOut, Op, Plan, Post, RowStats, Wait, sel_len
+from .accounting import block_area, key_bytes
+from .hybrid import inner_shape
+from .ir import AddGrad, Attend, AttendBackward, Copy, Free, MergeOut, Op, Plan, Post, RowStats, Wait
+from .mask import BlockKind
+from .sel import sel_len
+from .shape import AttentionShape
 from .topology import LINK_CLASSES, Topology
 
 __all__ = ["Event", "PhaseResult", "SimResult", "simulate", "RoundTraffic", "round_traffic", "BACKWARD_FLOPS"]
@@ -204,9 +208,7 @@ def _composed_traffic(plan: Plan, shape: AttentionShape, topo: Topology, directi
     group peers: symmetric, priced from rank 0 and rank P-1) plus the inner plan's traffic,
     priced on the inner group of head slice 0 (CP ranks m * U; every slice's group sits on the same
     nodes) with its rounds shifted by the first all-to-all round."""
-    from .hybrid import inner_shape
-
-    U = plan.options["ulysses"]
+    U = plan.ulysses
     inner = plan.inner
     sub = inner_shape(shape, U)
     inner_topo = replace(topo, node_of=tuple(topo.node(m * U) for m in range(inner.world_size)))
@@ -410,7 +412,6 @@ def _combine_cost(plan: Plan, op, shape: AttentionShape, topo: Topology) -> floa
 # seconds the compute stream spends on each op type (communication ops are timed by their rounds)
 _COSTS = {Attend: _block_cost, AttendBackward: _block_cost, MergeOut: _combine_cost, AddGrad: _combine_cost,
           Copy: _combine_cost, RowStats: _combine_cost}
-_NO_COMPUTE = (Post, Wait, Free)
 
 
 def _compute_cost(plan: Plan, op: Op, shape: AttentionShape, topo: Topology) -> float:
@@ -425,7 +426,7 @@ def _cost_signature(plan: Plan, op: Op) -> tuple:
     kind = type(op)
     per_chunk = plan.slots_vary
     if kind is Attend or kind is AttendBackward:
-        if per_chunk or op.mask == "masked":
+        if per_chunk or op.mask == BlockKind.MASKED:
             return (kind, op)
         kv = op.kv
         return (kind, op.q.slot, op.q.span, op.q.heads, op.rows, op.cols, op.mask,
@@ -520,8 +521,7 @@ def _run_lockstep(plan: Plan, shape: AttentionShape, topo: Topology, direction: 
 def _default_ranks(plan: Plan) -> list[int]:
     """Ranks 0 and P-1 for plans where every rank posts the same rounds (approximation 2); every
     rank for mask-aware plans, whose ranks differ in work and rounds."""
-    inner = plan.inner if plan.inner is not None else plan
-    if inner.options.get("transfers") == "direct":
+    if plan.direct:
         return list(range(plan.world_size))
     return [0, plan.world_size - 1]
 

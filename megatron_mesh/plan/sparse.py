@@ -43,19 +43,48 @@ moving 2 of the 12 tokens ring attention would move.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import Callable
 
-from .accounting import AttentionShape, buffer_bytes
-from .ir import (AddGrad, Attend, AttendBackward, Key, MergeOut, Op, Plan, Post, RankPlan, Segment, Transfer,
-                 Wait, relative_selection)
-from .mask import Mask, classify_block, union_intervals
+from .accounting import buffer_bytes
+from .ir import AddGrad, Attend, AttendBackward, Key, MergeOut, Op, Plan, Post, RankPlan, Transfer, Wait
+from .layout import Layout
+from .mask import Mask, classify_block
 from .passes import insert_frees
+from .sel import Segment, relative_selection, union_intervals
+from .shape import AttentionShape
 
-__all__ = ["build_sparse_plan", "block_table"]
+__all__ = ["build_sparse_plan", "block_table", "Assignment", "QUERY_OWNER"]
+
+QUERY_OWNER = "query owner"
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """How a mode places the blocks of a mask-aware plan -- its identity under a mask:
+
+    * ``owners``: candidate maps (name, owner(q_chunk, kv_chunk) -> rank); the plan takes the one
+      whose busiest rank moves the fewest bytes, the query owner (ship K/V, keep Q home) always
+      among them (ring, TASP: only it; Mesh: its tile map too);
+    * ``rounds``: "shift" (round d: receive from rank - d, send to rank + d: every round a
+      permutation, blocks start as their pieces arrive) or "burst" (everything in one round over
+      every link at once, TASP's way);
+    * ``tile`` / ``contiguous``: the Mesh tile map the "tile" owner comes from (plan facts).
+    """
+
+    owners: tuple[tuple[str, Callable[[int, int], int]], ...] = ()
+    rounds: str = "shift"
+    tile: tuple[int, int] | None = None
+    contiguous: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.rounds not in ("shift", "burst"):
+            raise ValueError(f"rounds must be 'shift' or 'burst', got {self.rounds!r}")
 
 
 @lru_cache(maxsize=16)
-def block_table(P: int, mask: Mask, layout) -> dict[tuple[int, int], object]:
+def block_table(P: int, mask: Mask, layout: Layout) -> dict[tuple[int, int], object]:
     """{(i, j): BlockClass} of every block with allowed pairs (shared by every mode's plan of
     this mask: the planner builds dozens)."""
     runs = [tuple((a, n) for _, a, n in layout.runs(g)) for g in range(P)]
@@ -106,36 +135,24 @@ class _Needs:
         return traffic
 
 
-def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layout, *, tile=None,
-                      contiguous: str = "q", backward_chunks: str = "refetch", schedule: str = "greedy",
-                      gpus_per_node: int | None = None) -> Plan:
-    """The mask-aware plan of ``mode`` ("ring", "mesh" with ``tile``, or "tasp") -- see the module
-    docstring."""
+def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layout: Layout, assignment: Assignment,
+                      *, backward_chunks: str = "refetch", ranks_per_node: int | None = None) -> Plan:
+    """The mask-aware plan of ``mode`` (its name) placed by ``assignment`` -- see the module
+    docstring. ``mask`` and ``layout`` are normalised (:func:`~.problem.normalize`)."""
     T = shape.seq_local
     table = block_table(P, mask, layout)
     keep = backward_chunks == "keep"
     notes: list[str] = []
-    options = {"backward_chunks": backward_chunks, "transfers": "direct"}
-    if mode == "mesh" and tile is not None and tile != (1, P):
-        from .mesh import TileMap
-
-        tiles = TileMap(tile[0], tile[1], contiguous)
-        by_tile = _Needs(P, table, tiles.owner)
-        by_row = _Needs(P, table, lambda i, j: i)
-        if max(by_row.bytes_per_rank(shape, keep)) < max(by_tile.bytes_per_rank(shape, keep)):
-            needs, assignment = by_row, "query owner"
-            notes.append(f"the mask leaves tile {tile[0]}x{tile[1]} nothing to gain: every block is computed by its "
-                         f"query chunk's owner (fewer bytes on the busiest rank than the tile map)")
-        else:
-            needs, assignment = by_tile, "tile"
-        options["contiguous"] = contiguous
-    else:
-        needs, assignment = _Needs(P, table, lambda i, j: i), "query owner"
-    options["assignment"] = assignment
-    burst = mode == "tasp"
-    options["max_round"] = 2 if burst else P  # the final return round (ranks post subsets of 1..max)
-    if burst:
-        options["gpus_per_node"] = gpus_per_node
+    candidates = [(QUERY_OWNER, _Needs(P, table, lambda i, j: i))]
+    candidates += [(name, _Needs(P, table, owner)) for name, owner in assignment.owners]
+    # fewest bytes on the busiest rank; ties to the mode's own map (listed last)
+    costs = [max(needs.bytes_per_rank(shape, keep)) for _, needs in candidates]
+    best = min(range(len(candidates)), key=lambda k: (costs[k], -k))
+    assigned, needs = candidates[best]
+    if assignment.owners and assigned == QUERY_OWNER:
+        notes.append(f"the mask leaves the {', '.join(n for n, _ in assignment.owners)} assignment nothing to gain: "
+                     "every block is computed by its query chunk's owner (fewer bytes on the busiest rank)")
+    burst = assignment.rounds == "burst"
     slots: dict = {}
     for (x, c), sel in needs.rows.items():
         slots[(1, c, x)] = sel
@@ -145,13 +162,15 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
     notes.append(f"mask {mask.summary()}: {len(table)} of {P * P} chunk blocks have allowed pairs; each rank receives "
                  f"only the tokens its blocks read, from their owner ({'one round' if burst else 'one round per shift'})")
     return Plan(mode=mode, world_size=P, seq_local=T, mask=mask, layout=layout, build_rank=lowering.rank_plan,
-                build_rounds=lowering.round_ops, slots=slots, tile=tile if mode == "mesh" else None,
-                schedule="burst" if burst else "shift", options=options, notes=tuple(notes))
+                build_rounds=lowering.round_ops, slots=slots, tile=assignment.tile, schedule=assignment.rounds,
+                backward_chunks=backward_chunks, contiguous=assignment.contiguous, assignment=assigned, direct=True,
+                last_round=lowering.final_round, ranks_per_node=ranks_per_node, notes=tuple(notes))
 
 
 class _SparseLowering:
     def __init__(self, P: int, T: int, needs: _Needs, table: dict, slots: dict, keep: bool, burst: bool):
         self.P, self.T, self.needs, self.table, self.slots, self.keep, self.burst = P, T, needs, table, slots, keep, burst
+        self.final_round = 2 if burst else P  # the return round (ranks post subsets of 1 .. final_round)
         # who needs my rows / columns: chunk -> [needer]
         self.row_needers: dict[int, list[int]] = {}
         self.col_needers: dict[int, list[int]] = {}
@@ -276,9 +295,8 @@ class _SparseLowering:
             compute(by_round[t])
         sends, recvs, merges = self._returns(x, direction)
         if sends or recvs:
-            final = self.P if not self.burst else 2
-            ops.append(Post(final, tuple(sends), tuple(recvs)))
-            ops.append(Wait(final))
+            ops.append(Post(self.final_round, tuple(sends), tuple(recvs)))
+            ops.append(Wait(self.final_round))
             if blocks:
                 ops.extend(merges)
         return ops

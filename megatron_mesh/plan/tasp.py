@@ -7,7 +7,7 @@ bytes are those of ring attention; what shrinks is the load of the busiest link 
 
 Rings:
 
-* one node (``gpus_per_node`` None, or the whole group): the n - 1 cycles of a Hamiltonian
+* one node (``ranks_per_node`` None, or the whole group): the n - 1 cycles of a Hamiltonian
   decomposition of K*_P -- every rank sends one slot to every other rank per step. P = 4 and 6
   have none; there the plan uses P - 2 arc-disjoint cycles and says so in ``Plan.notes``.
 * u >= 2 nodes of m GPUs: m rings, each an intra-node Hamiltonian path chained over the nodes --
@@ -55,30 +55,34 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .accounting import AttentionShape, round_link_bytes
+from .accounting import round_link_bytes
+from .blocks import block_ops
 from .hamiltonian import (NO_DECOMPOSITION, chained_rings, hamiltonian_decomposition,
                           max_disjoint_hamiltonian_cycles)
-from .ir import AddGrad, Attend, AttendBackward, Key, Op, Plan, Post, RankPlan, Segment, Transfer, Wait, map_runs
+from .ir import AddGrad, Attend, AttendBackward, Key, Op, Plan, Post, RankPlan, Transfer, Wait
 from .layout import ZigzagLayout, slot_segments
-from .mask import Mask, classify_block
+from .mask import BlockKind, Mask, classify_block
 from .passes import insert_frees
+from .sel import Segment, map_runs
+from .shape import AttentionShape
 
 __all__ = ["tasp_rings", "build_tasp_plan", "LinkLoad", "link_load"]
 
 
-def tasp_rings(world_size: int, gpus_per_node: int | None = None) -> tuple[list[list[int]], tuple[str, ...]]:
+def tasp_rings(world_size: int, ranks_per_node: int | None = None) -> tuple[list[list[int]], tuple[str, ...]]:
     """The rings of a TASP plan over ``world_size`` ranks and notes that describe them."""
     P = world_size
     if not isinstance(P, int) or P < 1:
         raise ValueError(f"world_size must be a positive integer, got {P!r}")
-    if gpus_per_node is not None:
-        if not isinstance(gpus_per_node, int) or gpus_per_node < 1 or P % gpus_per_node:
-            raise ValueError(f"gpus_per_node must be a positive divisor of the CP size {P}, got {gpus_per_node!r}")
-        nodes = P // gpus_per_node
+    if ranks_per_node is not None:
+        if not isinstance(ranks_per_node, int) or ranks_per_node < 1 or P % ranks_per_node:
+            raise ValueError(f"CP ranks per node (gpus_per_node) must be a positive divisor of the CP size {P}, got "
+                             f"{ranks_per_node!r}")
+        nodes = P // ranks_per_node
         if nodes >= 2:
-            rings = chained_rings(gpus_per_node, nodes)
-            return rings, (f"{gpus_per_node} rings chained over {nodes} nodes of {gpus_per_node} GPUs: each rank "
-                           f"sends {gpus_per_node - 1} slots inside its node and 1 to the next node per step",)
+            rings = chained_rings(ranks_per_node, nodes)
+            return rings, (f"{ranks_per_node} rings chained over {nodes} nodes of {ranks_per_node} GPUs: each rank "
+                           f"sends {ranks_per_node - 1} slots inside its node and 1 to the next node per step",)
     if P in NO_DECOMPOSITION:
         rings = max_disjoint_hamiltonian_cycles(P)
         return rings, (f"CP size {P} has no Hamiltonian decomposition of its {P * (P - 1)} links (Tillson: none "
@@ -92,43 +96,36 @@ def tasp_rings(world_size: int, gpus_per_node: int | None = None) -> tuple[list[
 
 
 def build_tasp_plan(world_size: int, shape: AttentionShape, causal: bool = True,
-                    gpus_per_node: int | None = None, mask: Mask | None = None, layout=None) -> Plan:
-    """The TASP plan of every rank (see the module docstring).
+                    ranks_per_node: int | None = None) -> Plan:
+    """The dense TASP plan of every rank (causal or full attention on Megatron's zigzag; see the
+    module docstring). Masks and other layouts: ``resolve("tasp", ...).build``.
 
-    ``gpus_per_node``: None for one flat decomposition over the CP group; otherwise the number of
+    ``ranks_per_node``: None for one flat decomposition over the CP group; otherwise the number of
     consecutive CP ranks per node (a divisor of the CP size), which chains intra-node Hamiltonian
     paths over the nodes so that each rank has one inter-node send and receive per step.
-    ``mask`` / ``layout``: as for :func:`~.mesh.build_mesh_plan`; with documents or a window the
-    plan sends every rank only the key/value tokens its blocks need, all at once over every link
-    (:mod:`.sparse`).
     """
-    from .mesh import _mask_and_layout
-
-    rings, notes = tasp_rings(world_size, gpus_per_node)
+    rings, notes = tasp_rings(world_size, ranks_per_node)
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be True or False, got {causal!r}")
     if shape.seq_local % 2:
         raise ValueError(f"local sequence length {shape.seq_local} must be even (two zigzag halves)")
-    mask, layout = _mask_and_layout(world_size, shape, causal, mask, layout)
-    if not (mask.is_dense and isinstance(layout, ZigzagLayout)):
-        from .sparse import build_sparse_plan
-
-        return build_sparse_plan("tasp", world_size, shape, mask, layout, gpus_per_node=gpus_per_node)
     if shape.seq_local // 2 < len(rings):
         raise ValueError(
             f"TASP over CP size {world_size} splits each KV chunk into {len(rings)} slots (one per ring), "
             f"so each zigzag half needs at least {len(rings)} tokens: local sequence length "
             f"{shape.seq_local} is too short (need >= {2 * len(rings)})")
-    return _build(world_size, tuple(tuple(r) for r in rings), notes, shape.seq_local, mask, gpus_per_node)
+    return _build(world_size, tuple(tuple(r) for r in rings), notes, shape.seq_local, Mask(causal), ranks_per_node)
 
 
 @lru_cache(maxsize=256)
 def _build(P: int, rings: tuple[tuple[int, ...], ...], notes: tuple[str, ...], T: int, mask: Mask,
-           gpus_per_node: int | None) -> Plan:
+           ranks_per_node: int | None) -> Plan:
     segments = [_merge(s) for s in slot_segments(T, len(rings))] if rings else []
     layout = ZigzagLayout(P, P * T)
     lowering = _TaspLowering(P, rings, T, mask, layout, segments)
     return Plan(mode="tasp", world_size=P, seq_local=T, mask=mask, layout=layout, build_rank=lowering.rank_plan,
-                build_rounds=lowering.round_ops, slots=lambda key: segments[key.slot], schedule="tasp",
-                rings={"kv": rings}, notes=notes, options={"gpus_per_node": gpus_per_node})
+                build_rounds=lowering.round_ops, slots=lambda key: segments[key.slot], schedule="rings",
+                assignment="rings", ranks_per_node=ranks_per_node, rings={"kv": rings}, notes=notes)
 
 
 def _merge(segs) -> tuple[Segment, ...]:
@@ -209,8 +206,6 @@ class _TaspLowering:
 
     def _blocks(self, g: int, t: int, backward: bool) -> list[Op]:
         """Step t >= 1: one call per mask over the slots held (slot order within a call)."""
-        from .mesh import block_ops
-
         groups: dict = {}
         for s in range(len(self.rings)):
             o = self._origin(s, g, t)
@@ -238,7 +233,7 @@ class _TaspLowering:
 
         r = post(*self._kv_transfers(g, 1)) if P > 1 else None
         if blocks:
-            kind = "causal" if self.mask.causal else "full"
+            kind = BlockKind.CAUSAL if self.mask.causal else BlockKind.FULL
             q, kv = Key("q", g), (Key("kv", g),)
             ops.append(AttendBackward(q, Key("do", g), kv, Key("dq", g), (Key("dkv", g),), mask=kind)
                        if backward else Attend(q, kv, Key("o", g), mask=kind))
@@ -283,18 +278,18 @@ class LinkLoad:
 
 
 def link_load(plan: Plan, shape: AttentionShape, direction: str = "forward",
-              gpus_per_node: int | None = None) -> LinkLoad:
+              ranks_per_node: int | None = None) -> LinkLoad:
     """Per-round link load of any plan (ring, Mesh or TASP) from its byte accounting; with
-    ``gpus_per_node`` ranks r and r' are on one node iff r // gpus_per_node == r' // gpus_per_node."""
+    ``ranks_per_node`` ranks r and r' are on one node iff r // ranks_per_node == r' // ranks_per_node."""
     per_round = round_link_bytes(plan, shape, direction)
     max_link = max_inter = inter_links = 0
     for links in per_round.values():
         max_link = max(max_link, max(links.values(), default=0))
-        if gpus_per_node:
+        if ranks_per_node:
             sent: dict[int, int] = {}
             peers: dict[int, int] = {}
             for (src, dst), b in links.items():
-                if src // gpus_per_node != dst // gpus_per_node:
+                if src // ranks_per_node != dst // ranks_per_node:
                     sent[src] = sent.get(src, 0) + b
                     peers[src] = peers.get(src, 0) + 1
             max_inter = max(max_inter, max(sent.values(), default=0))

@@ -109,6 +109,20 @@ class Topology:
     def nodes_used(self, world_size: int) -> int:
         return len({self.node(r) for r in range(world_size)})
 
+    def ranks_per_node(self, world_size: int) -> int | None:
+        """Consecutive CP ranks per node for a group of ``world_size`` ranks (None: one node) --
+        what a placement's ``ranks_per_node`` means; ValueError when nodes hold unequal or
+        non-consecutive blocks of ranks. E.g. the inner group of a Ulysses hybrid of degree 2 on
+        nodes of 8 GPUs has 4 inner ranks per node."""
+        nodes = [self.node(r) for r in range(world_size)]
+        if len(set(nodes)) == 1:
+            return None
+        n = nodes.count(nodes[0])
+        if world_size % n or any(nodes[i] != nodes[i - i % n] or (i % n == 0 and i and nodes[i] == nodes[i - 1])
+                                 for i in range(world_size)):
+            raise ValueError(f"CP ranks sit on nodes {nodes}: not equal blocks of consecutive ranks")
+        return n
+
     def link(self, src: int, dst: int) -> str:
         """Link class of a transfer from rank ``src`` to rank ``dst``: "intra" or "inter"."""
         return "intra" if self.node(src) == self.node(dst) else "inter"

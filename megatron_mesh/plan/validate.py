@@ -14,7 +14,7 @@ Checks (each raises :class:`PlanError` naming the rank, op and buffer):
 4. **Exact cover** -- over all ranks and every head slice, every (query token, key token) pair
    the plan's mask allows is computed exactly once, forward and backward, and no masked pair is
    computed: for each query token, the key intervals its blocks compute are disjoint and their
-   union is exactly the one interval of keys the mask allows it (:meth:`~.mask.Mask.keys`).
+   union is exactly the keys the mask allows it (:meth:`~.mask.Mask.key_intervals`).
 
 The per-rank check dispatches on the op type through :data:`_DATAFLOW` (one entry per op type of
 :data:`~.ir.OP_TYPES`; a test checks none is missing).
@@ -25,7 +25,9 @@ from __future__ import annotations
 from collections import defaultdict
 
 from .ir import (CASTS, KINDS, AddGrad, Attend, AttendBackward, Copy, Free, Key, MergeOut, Plan, Post, RankPlan,
-                 RowStats, Wait, sel_len, sel_text)
+                 RowStats, Wait)
+from .mask import BlockKind
+from .sel import sel_len, sel_text
 
 __all__ = ["PlanError", "validate_plan", "check_dataflow", "check_matching", "dry_run", "check_cover"]
 
@@ -118,7 +120,7 @@ class _RankState:
     def _block(self, op, q_side: tuple[Key, ...], outs: tuple[Key, ...]) -> None:
         for k in (*q_side, *op.kv):
             self.need(k, op)
-        if op.mask not in ("full", "causal", "masked"):
+        if op.mask not in tuple(BlockKind):
             self.fail(f"{op} has unknown mask {op.mask!r}")
         self.inside(op.q, op.rows, op, "row")
         if op.cols is not None and len(op.cols) != len(op.kv):
@@ -189,14 +191,12 @@ class _RankState:
             return
         if dst.heads >= 0 or src.heads < 0:
             self.fail(f"{op}: a head range places one head slice into a buffer of all heads")
-        counts = self.plan.options.get("heads")
-        if counts is not None:
-            from .layout import head_slice
-
-            side = "kv" if src.kind in ("kv", "dkv", "gkv") else "q"
-            want = head_slice(side, src.heads, self.plan.heads_split, *counts)
-            if tuple(heads) != want:
-                self.fail(f"{op}: head slice {src.heads} of {side} heads is heads {want}, not {tuple(heads)}")
+        if self.plan.heads is None:
+            self.fail(f"{op} places a head slice, but the plan records no head counts to check it against")
+        want = self.plan.head_range(src, *self.plan.heads)
+        if tuple(heads) != want:
+            self.fail(f"{op}: head slice {src.heads} of {KINDS[src.kind].side} heads is heads {want}, not "
+                      f"{tuple(heads)}")
 
     def rowstats(self, op: RowStats) -> None:
         self.need(op.dout, op)
@@ -319,10 +319,20 @@ def _intervals(positions: list[int]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in out]
 
 
+def _union(ivs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for a, b in sorted(ivs):
+        if out and out[-1][1] == a:
+            out[-1][1] = b
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
 def check_cover(plan: Plan, direction: str) -> None:
     """Check 4 of the module docstring (every query token of the global sequence, every head slice)."""
     seq_len = plan.layout.seq_len
-    slices = range(plan.heads_split) if plan.heads_split > 1 else (-1,)
+    slices = range(plan.ulysses) if plan.ulysses > 1 else (-1,)
     got: dict[tuple[int, int], list] = defaultdict(list)  # (slice, query) -> (a, b, rank, op) key intervals
     for rp in plan.ranks:
         for op in rp.blocks(direction):
@@ -331,36 +341,57 @@ def check_cover(plan: Plan, direction: str) -> None:
             heads = [op.q.heads] if op.q.heads >= 0 else list(slices)
             if any(k.heads != op.q.heads for k in op.kv):
                 raise PlanError(f"rank {rp.rank} {direction}: {op} mixes head slices")
-            if op.mask == "causal":
+            if op.mask == BlockKind.CAUSAL:
                 if qpos != kvpos or any(a >= b for a, b in zip(qpos, qpos[1:])):
                     raise PlanError(f"rank {rp.rank} {direction}: causal block {op} is not on the same, increasing "
                                     "query and key tokens")
                 per_row = [_intervals(kvpos[:r + 1]) for r in range(len(qpos))]
-            elif op.mask == "full":
+            elif op.mask == BlockKind.FULL:
                 ivs = _intervals(kvpos)
                 per_row = [ivs] * len(qpos)
             else:
                 per_row = []
                 for x in qpos:
-                    keys = plan.mask.keys(x, seq_len)
-                    per_row.append([] if keys is None else _intervals([p for p in kvpos if keys[0] <= p < keys[1]]))
+                    allowed = plan.mask.key_intervals(x, seq_len)
+                    per_row.append(_intervals([p for p in kvpos if any(a <= p < b for a, b in allowed)]))
             for h in heads:
                 for x, ivs in zip(qpos, per_row):
                     got[(h, x)].extend((a, b, rp.rank, op) for a, b in ivs)
     for h in slices:
         for x in range(seq_len):
-            keys = plan.mask.keys(x, seq_len)
-            ivs = sorted(got.get((h, x), ()), key=lambda t: (t[0], t[1]))
-            where = f"{direction}: query token {x}" + (f" (head slice {h})" if h >= 0 else "")
-            pos = keys[0] if keys else None
-            for a, b, rank, op in ivs:
-                if keys is None or a < keys[0] or b > keys[1]:
-                    raise PlanError(f"{where}: rank {rank} computes keys [{a}, {b}) in {op}, but the mask allows "
-                                    f"{'none' if keys is None else f'[{keys[0]}, {keys[1]})'}")
-                if a < pos:
-                    raise PlanError(f"{where}: keys [{a}, {min(b, pos)}) computed 2 times (again by rank {rank} in {op})")
-                if a > pos:
-                    raise PlanError(f"{where}: keys [{pos}, {a}) computed 0 times (expected 1)")
-                pos = b
-            if keys is not None and pos != keys[1]:
-                raise PlanError(f"{where}: keys [{pos}, {keys[1]}) computed 0 times (expected 1)")
+            _check_row(direction, x, h, plan.mask.key_intervals(x, seq_len), got.get((h, x), ()))
+
+
+def _check_row(direction: str, x: int, h: int, allowed: tuple, computed) -> None:
+    """The key intervals computed for query ``x`` are disjoint and cover exactly ``allowed``."""
+    where = f"{direction}: query token {x}" + (f" (head slice {h})" if h >= 0 else "")
+    ivs = sorted(computed, key=lambda t: (t[0], t[1]))
+    for (a, b, rank, op), nxt in zip(ivs, ivs[1:]):
+        if nxt[0] < b:
+            raise PlanError(f"{where}: keys [{nxt[0]}, {min(b, nxt[1])}) computed 2 times (again by rank {nxt[2]} in "
+                            f"{nxt[3]})")
+    text = ", ".join(f"[{a}, {b})" for a, b in allowed) or "none"
+    for a, b, rank, op in ivs:
+        if not any(lo <= a and b <= hi for lo, hi in allowed):
+            raise PlanError(f"{where}: rank {rank} computes keys [{a}, {b}) in {op}, but the mask allows {text}")
+    done = _union([(a, b) for a, b, _, _ in ivs])
+    missing = _union([(a, b) for a, b in _subtract(list(allowed), done)])
+    if missing:
+        a, b = missing[0]
+        raise PlanError(f"{where}: keys [{a}, {b}) computed 0 times (expected 1)")
+
+
+def _subtract(allowed: list[tuple[int, int]], done: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of the ``allowed`` intervals no ``done`` interval covers."""
+    out = []
+    for lo, hi in allowed:
+        pos = lo
+        for a, b in done:
+            if b <= pos or a >= hi:
+                continue
+            if a > pos:
+                out.append((pos, a))
+            pos = max(pos, b)
+        if pos < hi:
+            out.append((pos, hi))
+    return out

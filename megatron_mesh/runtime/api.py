@@ -34,11 +34,12 @@ from ..comm.alltoall import AllToAllCommunicator
 from ..comm.base import Communicator, active_counters, counting_into
 from ..comm.torch_dist import TorchDistCommunicator
 from ..kernels import BlockKernel, get_kernel
-from ..plan.accounting import AttentionShape
 from ..plan.ir import Plan
-from ..plan.layout import ThdLayout, ZigzagLayout
+from ..plan.layout import Layout, ThdLayout, ZigzagLayout
 from ..plan.mask import Mask
-from ..plan.modes import HYBRID_PREFIX, TRANSPORTS, Placement, resolve
+from ..plan.modes import HYBRID_PREFIX, MODES, TRANSPORTS, Placement, resolve
+from ..plan.problem import normalize
+from ..plan.shape import AttentionShape
 from ..plan.validate import validate_plan
 from .executor import Executor
 
@@ -93,31 +94,28 @@ def _check_scale(softmax_scale) -> None:
 
 
 def attention_mask(world_size: int, shape: AttentionShape, *, causal: bool = True, window=None, cu_seqlens=None,
-                   layout=None) -> tuple[Mask, object]:
+                   layout=None) -> tuple[Mask, Layout]:
     """The plan's (mask, layout) from the public arguments, checked: ``window`` (left, right) with
-    ints >= 0 or None; ``cu_seqlens`` the document boundaries of the global sequence (layout (a),
-    Megatron's zigzag); ``layout`` a :class:`ThdLayout` (layout (b): its sequences are the
-    documents, cu_seqlens must be None)."""
+    ints >= 0 or None; ``cu_seqlens`` the document boundaries of the global sequence (on
+    Megatron's zigzag); ``layout`` a layout that defines its own documents (:class:`ThdLayout`:
+    its sequences are the documents, cu_seqlens must be None). Normalised by
+    :func:`megatron_mesh.plan.normalize`."""
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, got {causal!r}")
     if window is not None:
         if not isinstance(window, (tuple, list)) or len(window) != 2:
             raise ValueError(f"window must be (left, right) with ints >= 0 or None, got {window!r}")
         window = tuple(window)
-    if layout is None:
-        layout = ZigzagLayout(world_size, world_size * shape.seq_local)
-    elif isinstance(layout, ThdLayout):
-        if cu_seqlens is not None:
-            raise ValueError("cu_seqlens and a THD layout both give documents: the THD layout's sequences are the "
-                             "documents, pass cu_seqlens=None")
-        if layout.world_size != world_size or layout.seq_local != shape.seq_local:
-            raise ValueError(f"THD layout over {layout.world_size} ranks x {layout.seq_local} tokens per rank does "
-                             f"not match the CP size {world_size} and the local tensors' {shape.seq_local} tokens")
-        return Mask(causal, window, layout.documents()).normalized(layout.seq_len), layout
-    elif not isinstance(layout, ZigzagLayout):
-        raise ValueError(f"layout must be None (Megatron's zigzag) or a megatron_mesh.ThdLayout, got "
+    if layout is not None and not isinstance(layout, Layout):
+        raise ValueError(f"layout must be None (Megatron's zigzag) or a megatron_mesh layout (e.g. ThdLayout), got "
                          f"{type(layout).__name__}")
-    seq_len = world_size * shape.seq_local
+    if layout is not None and layout.documents() is not None and cu_seqlens is not None:
+        raise ValueError(f"cu_seqlens and a {type(layout).__name__} both give documents: the layout's sequences are "
+                         "the documents, pass cu_seqlens=None")
+    if layout is not None and (layout.world_size != world_size or layout.seq_local != shape.seq_local):
+        raise ValueError(f"{type(layout).__name__} over {layout.world_size} ranks x {layout.seq_local} tokens per rank "
+                         f"does not match the CP size {world_size} and the local tensors' {shape.seq_local} tokens")
+    mask = Mask(causal, window)
     if cu_seqlens is not None:
         if isinstance(cu_seqlens, Tensor):
             if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
@@ -125,8 +123,8 @@ def attention_mask(world_size: int, shape: AttentionShape, *, causal: bool = Tru
             cu_seqlens = cu_seqlens.tolist()
         if not all(isinstance(c, numbers.Integral) and not isinstance(c, bool) for c in cu_seqlens):
             raise ValueError(f"cu_seqlens must hold integers, got {cu_seqlens!r}")
-        return Mask.from_cu_seqlens(cu_seqlens, seq_len, causal, window), layout
-    return Mask(causal, window).normalized(seq_len), layout
+        mask = Mask.from_cu_seqlens(cu_seqlens, world_size * shape.seq_local, causal, window)
+    return normalize(world_size, shape, mask, layout)
 
 
 # -- communicators and plan agreement -------------------------------------------------------------------
@@ -158,8 +156,7 @@ _AGREED_KEEP = 256
 
 def plan_fingerprint(plan: Plan, extra: str = "") -> str:
     """A short digest of what every rank must agree on (mode, sizes, tile, mask, layout, options)."""
-    text = f"{plan.mode}|{plan.world_size}|{plan.seq_local}|{plan.tile}|{plan.schedule}|{plan.mask.text()}|" \
-           f"{plan.layout!r}|{sorted(plan.options.items(), key=str)}|{plan.heads_split}|{extra}"
+    text = f"{plan.header()}|{plan.mask.text()}|{plan.layout.text()}|{extra}"
     return hashlib.sha1(text.encode()).hexdigest()[:12] + " " + _describe(plan, extra)
 
 
@@ -255,19 +252,21 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None, 
             causal: bool = True, window=None, cu_seqlens=None, layout=None, softmax_scale: float | None = None,
             kernel: "str | BlockKernel" = "auto", placement: Placement | None = None, **settings) -> Prepared:
     """Check everything and build (or fetch) the plan of one call; ``settings`` go to the mode
-    (see :func:`megatron_mesh.plan.modes.resolve`). ``placement`` skips the resolution (the
+    (see :func:`megatron_mesh.plan.resolve`). ``placement`` skips the resolution (the
     Megatron adapter resolves it once per layer)."""
     shape = attention_shape(q, k, v)
     _check_scale(softmax_scale)
     kern = get_kernel(kernel, q.device)
-    if comm is None:
-        comm = group_communicator(group, settings.get("transport", "p2p") if mode == "tasp" else "p2p")
-    P = comm.world_size
+    own = group_communicator(group) if comm is None else comm  # also checks this rank is in the group
+    P = own.world_size
     mask, layout = attention_mask(P, shape, causal=causal, window=window, cu_seqlens=cu_seqlens, layout=layout)
     if placement is None:
-        placement = _resolve(mode, P, shape, causal, tuple(sorted((k, _hashable(v)) for k, v in settings.items())))
+        placement = _resolve(mode, P, shape, Mask(mask.causal), tuple(sorted((k, _hashable(v))
+                                                                              for k, v in settings.items())))
     elif placement.world_size != P:
         raise ValueError(f"placement for {placement.world_size} ranks used on a CP group of {P}")
+    if comm is None:
+        comm = own if placement.transport == "p2p" else group_communicator(group, placement.transport)
     plan = _plan(placement, shape, mask, layout)
     check_agreement(comm, plan, f", {placement.describe()}")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(shape.head_dim)
@@ -275,11 +274,9 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None, 
 
 
 @lru_cache(maxsize=256)
-def _resolve(mode: str, P: int, shape: AttentionShape, causal: bool, settings: tuple) -> Placement:
+def _resolve(mode: str, P: int, shape: AttentionShape, mask: Mask, settings: tuple) -> Placement:
     kw = dict(settings)
-    if mode == "mesh":
-        kw.setdefault("causal", causal)  # tile "auto" is simulated for this mask
-    return resolve(mode, P, shape, **kw)
+    return resolve(mode, P, shape, ranks_per_node=kw.pop("ranks_per_node", None), mask=mask, **kw)
 
 
 def _hashable(v):
@@ -373,7 +370,7 @@ def tasp_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool 
         raise ValueError(f"gpus_per_node must be None or a positive integer, got {gpus_per_node!r}")
     return attention(q, k, v, mode="tasp", group=group, causal=causal, window=window, cu_seqlens=cu_seqlens,
                      layout=layout, softmax_scale=softmax_scale, kernel=kernel, comm=comm,
-                     gpus_per_node=gpus_per_node, transport=transport)
+                     ranks_per_node=gpus_per_node, transport=transport)
 
 
 def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, ulysses_size: int, inner: str = "mesh",
@@ -388,14 +385,15 @@ def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, ulysses_siz
     divide it (then they are replicated). ``tile`` is the inner Mesh tile; ``gpus_per_node`` the
     CP ranks per node; ``inner_settings`` go to the inner mode (e.g. ``schedule``).
     """
-    if inner not in ("mesh", "tasp", "ring"):
-        raise ValueError(f"inner must be 'mesh', 'tasp' or 'ring', got {inner!r}")
+    mode = HYBRID_PREFIX + str(inner)
+    if mode not in MODES:
+        raise ValueError(f"inner must be a mode with a Ulysses hybrid, one of "
+                         f"{', '.join(m[len(HYBRID_PREFIX):] for m in MODES if m.startswith(HYBRID_PREFIX))}; "
+                         f"got {inner!r}")
     settings = dict(inner_settings, ulysses_size=ulysses_size, ranks_per_node=gpus_per_node)
-    if inner == "mesh":
+    if tile != "auto":  # a setting of the inner mode: resolve names a mode that has no tile
         settings["tile"] = tile
-    elif tile != "auto":
-        raise ValueError(f"tile {tile!r} applies to inner='mesh' only (inner={inner!r})")
-    return attention(q, k, v, mode=HYBRID_PREFIX + inner, group=group, causal=causal, window=window,
+    return attention(q, k, v, mode=mode, group=group, causal=causal, window=window,
                      cu_seqlens=cu_seqlens, layout=layout, softmax_scale=softmax_scale, kernel=kernel, comm=comm,
                      **settings)
 

@@ -26,7 +26,6 @@ from ..comm.base import Communicator, Work
 from ..kernels.base import BlockKernel
 from ..plan.ir import (KINDS, AddGrad, Attend, AttendBackward, Copy, Free, Key, MergeOut, Plan, Post, RankPlan,
                        RowStats, Wait)
-from ..plan.layout import head_slice
 from .masks import block_backward, block_forward, block_mask
 from .merge import merge_partial_
 
@@ -122,7 +121,7 @@ class _Buffers:
         if acc is None:
             acc = self.alloc(key)
             for i, t in enumerate(acc):
-                t.fill_(float("-inf") if key.kind == "o" and i == 1 else 0.0)
+                t.fill_(KINDS[key.kind].initial(i))
             self.put(key, acc, owned=key not in self.token_major)
         return acc
 
@@ -195,8 +194,7 @@ class Executor:
             src = sources[key.kind]
             heads = None
             if key.heads >= 0:
-                side = "kv" if KINDS[key.kind].tensors[0][0] == "kv" else "q"
-                heads = head_slice(side, key.heads, self.plan.heads_split, bufs.heads, bufs.kv_heads)
+                heads = self.plan.head_range(key, bufs.heads, bufs.kv_heads)
             ck = (key.kind, tuple(segs), heads)
             tensors = cuts.get(ck)
             if tensors is None:

@@ -29,15 +29,15 @@ import time
 import math
 import random
 
-from ..plan.accounting import AttentionShape
 from ..plan.mask import Mask
+from ..plan.modes import REFERENCE_MODE
+from ..plan.shape import AttentionShape
 from ..plan.topology import Topology
-from .planner import DERIVED, FORMULAS, ModeResult, evaluate, plan_modes
+from .planner import ModeResult, all_modes, default_modes, evaluate
 
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
+# the lines of --plot (one per mode: rows with one placement per CP size)
 PLOT_MODES = ("ring", "mesh-auto", "tasp", "a2a+mesh-auto", "usp", "ulysses")
-DEFAULT_MODES = ("ring", "mesh", "mesh-auto", "tasp", "a2a+ring", "a2a+mesh-auto", "a2a+tasp", "ulysses", "usp",
-                 "auto")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,8 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--backward-chunks", choices=("refetch", "keep"), default="refetch",
                    help="Mesh: re-communicate Q/KV chunks in the backward, or keep them from the forward")
     g.add_argument("--schedule", choices=("greedy", "lockstep"), default="greedy", help="Mesh intra-tile schedule")
-    g.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma-separated subset of "
-                   f"{','.join(plan_modes() + DERIVED + FORMULAS)} "
+    g.add_argument("--modes", default=",".join(default_modes()), help="comma-separated subset of "
+                   f"{','.join(all_modes())} "
                    "(a2a+mesh lists every all-to-all degree x inner tile)")
     g.add_argument("--window", default=None, metavar="L[,R]",
                    help="sliding window: a query attends keys at most L before (and R after, non-causal) it")
@@ -159,7 +159,7 @@ def document_bounds(spec: str, seq_len: int, seed: int = 0) -> list[int]:
 
 def _modes(text: str) -> tuple[str, ...]:
     modes = tuple(m.strip() for m in text.split(",") if m.strip())
-    allowed = plan_modes() + DERIVED + FORMULAS
+    allowed = all_modes()
     bad = [m for m in modes if m not in allowed]
     if bad or not modes:
         raise ValueError(f"--modes {text!r}: unknown {bad}; allowed: {', '.join(allowed)}")
@@ -174,7 +174,7 @@ def _size(n: float) -> str:
 
 
 def _table(rows: list[ModeResult], skipped: list[dict]) -> str:
-    ring = next((r for r in rows if r.mode == "ring"), None)
+    ring = next((r for r in rows if r.mode == REFERENCE_MODE), None)
     work = any("forward_work_max_over_mean" in r.extra for r in rows)
     head = ["mode", "a2a", "tile", "order", "bytes/rank", "vs ring", "intra", "inter mean", "inter max", "steps",
             "peak buf", "fwd ms", "bwd ms", "time ms", "exposed ms", "speedup"] + (["work max/mean"] if work else [])
@@ -196,7 +196,7 @@ def _table(rows: list[ModeResult], skipped: list[dict]) -> str:
     out = ["  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
            for row in lines]
     out.insert(1, "  ".join("-" * w for w in widths))
-    out += [f"{r.mode}: {r.detail}" for r in rows if r.mode in ("tasp", "auto", "usp", "ulysses") and r.detail]
+    out += list(dict.fromkeys(f"{r.mode}: {r.detail}" for r in rows if r.detail))
     if any(r.by_formula for r in rows):
         out.append("* by formula (no plan): Ulysses all-to-alls priced analytically; USP's ring part is simulated")
     out += [f"not available: {s['mode']}: {s['reason']}" for s in skipped]

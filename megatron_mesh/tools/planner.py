@@ -27,26 +27,47 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from ..plan.accounting import AttentionShape, rank_work
+from ..plan.accounting import rank_work
 from ..plan.autotile import TIME_TOLERANCE, Candidate, evaluate_plan, pick_best
 from ..plan.mask import Mask
 from ..plan.mesh import build_mesh_plan
 from ..plan.modes import MODES as REGISTRY, Placement
+from ..plan.shape import AttentionShape
 from ..plan.simulate import BACKWARD_FLOPS
 from ..plan.topology import Topology
 
-__all__ = ["MODES", "ModeResult", "evaluate", "plan_modes", "ulysses_result", "usp_result", "TIME_TOLERANCE"]
+__all__ = ["all_modes", "default_modes", "derived_modes", "ModeResult", "evaluate", "plan_modes", "ulysses_result",
+           "usp_result", "TIME_TOLERANCE", "FORMULAS"]
 
-# rows: every registered plan-based mode, the fastest Mesh / hybrid Mesh / plan of all, the formulas
-DERIVED = ("mesh-auto", "a2a+mesh-auto", "auto")
+# rows beyond the registry: the fastest plan of all, and the formulas
+AUTO = "auto"
 FORMULAS = ("ulysses", "usp")
 
 
 def plan_modes() -> tuple[str, ...]:
+    """Every registered (plan-based) mode, read at call time."""
     return tuple(REGISTRY)
 
 
-MODES = plan_modes() + DERIVED + FORMULAS
+def derived_modes() -> tuple[str, ...]:
+    """The modes' "fastest candidate" rows (e.g. mesh-auto) and ``auto``, the fastest plan of all."""
+    return tuple(m.auto_row for m in REGISTRY.values() if m.auto_row) + (AUTO,)
+
+
+def all_modes() -> tuple[str, ...]:
+    return plan_modes() + derived_modes() + FORMULAS
+
+
+def default_modes() -> tuple[str, ...]:
+    """What the planner shows unless told otherwise: each mode as it asks (every candidate and/or
+    its fastest), the formulas and ``auto``."""
+    out = []
+    for m in REGISTRY.values():
+        if m.planner_rows == "all":
+            out.append(m.name)
+        if m.auto_row:
+            out.append(m.auto_row)
+    return tuple(out) + FORMULAS + (AUTO,)
 
 
 @dataclass(frozen=True)
@@ -95,16 +116,15 @@ def _row(mode: str, c: Candidate, placement: Placement, detail: str = "", extra:
 def _evaluate_placement(name: str, p: Placement, shape: AttentionShape, topo: Topology, mask: Mask | None,
                         layout) -> ModeResult:
     plan = p.build(shape, mask, layout)
-    c = evaluate_plan(plan, shape, topo, contiguous=p.contiguous if p.tile and p.tile[0] > 1 else
-                      (p.contiguous if p.inner is not None and p.inner.tile and p.inner.tile[0] > 1 else None))
+    c = evaluate_plan(plan, shape, topo, contiguous=plan.contiguous if plan.tile and plan.tile[0] > 1 else None)
     extra = {}
     if mask is not None and not mask.is_dense or layout is not None:
         for direction in ("forward", "backward"):
             w = rank_work(plan, direction)
             extra[f"{direction}_work_max_over_mean"] = max(w) * len(w) / max(1, sum(w))
-    detail = "; ".join(plan.notes) if name in ("tasp", "a2a+tasp") or (mask is not None and not mask.is_dense) else ""
-    if p.ulysses > 1:
-        detail = f"all-to-all {p.ulysses} x {p.inner.describe()}" + (f"; {detail}" if detail else "")
+    detail = "; ".join(plan.notes)
+    if p.inner is not None:
+        detail = f"{p.describe()}" + (f"; {detail}" if detail else "")
     return _row(name, c, p, detail, extra)
 
 
@@ -221,6 +241,9 @@ def usp_result(world_size: int, shape: AttentionShape, topo: Topology, causal: b
                       extra={"ulysses_degree": u, "ring_degree": r})
 
 
+_FORMULA = {"ulysses": ulysses_result, "usp": usp_result}
+
+
 # -- everything -----------------------------------------------------------------------------------------
 def _evaluate_modes(wanted: set, world_size: int, shape: AttentionShape, topo: Topology, mask: Mask, layout,
                     backward_chunks: str, schedule: str, skipped: list[dict]) -> dict[str, list[ModeResult]]:
@@ -237,9 +260,7 @@ def _evaluate_modes(wanted: set, world_size: int, shape: AttentionShape, topo: T
                                  f"heads {shape.heads}/{shape.kv_heads}")
             found = []
             for p in candidates:
-                p = replace(p, backward_chunks=backward_chunks, schedule=schedule)
-                if p.inner is not None:
-                    p = replace(p, inner=replace(p.inner, backward_chunks=backward_chunks, schedule=schedule))
+                p = p.with_options(backward_chunks=backward_chunks, schedule=schedule)
                 try:
                     found.append(_evaluate_placement(name, p, shape, topo, mask, layout))
                 except ValueError as e:
@@ -257,7 +278,7 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: boo
 
     ``mask`` (default: causal or full by ``causal``) and ``layout`` build the plan-based modes
     mask-aware; the formula rows (ulysses, usp) assume dense attention and are left out then."""
-    allowed = plan_modes() + DERIVED + FORMULAS
+    allowed = all_modes()
     modes = allowed if modes is None else modes
     unknown = [m for m in modes if m not in allowed]
     if unknown:
@@ -269,36 +290,32 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: boo
     rows: list[ModeResult] = []
     skipped: list[dict] = []
     wanted = set(modes)
-    if "mesh-auto" in wanted or "auto" in wanted:
-        wanted |= {"ring", "mesh"}
-    if "a2a+mesh-auto" in wanted or "auto" in wanted:
-        wanted |= {"a2a+mesh"}
-    if "auto" in wanted:
+    auto_rows = {m.auto_row: (m.name, *m.auto_pool) for m in REGISTRY.values() if m.auto_row}
+    for row, pool in auto_rows.items():
+        if row in wanted:
+            wanted |= set(pool)
+    if AUTO in wanted:
         wanted |= set(plan_modes())
     evaluated = _evaluate_modes(wanted, world_size, shape, topo, mask if mask is not None else Mask(causal), layout,
                                 backward_chunks, schedule, skipped)
     for mode in modes:
         if mode in REGISTRY:
             rows.extend(evaluated.get(mode, []))
-        elif mode == "mesh-auto":
-            pool = evaluated.get("ring", []) + evaluated.get("mesh", [])
+        elif mode in auto_rows:
+            pool = [r for name in auto_rows[mode] for r in evaluated.get(name, [])]
             if pool:
-                rows.append(replace(pick_best(pool), mode="mesh-auto"))
-        elif mode == "a2a+mesh-auto":
-            pool = evaluated.get("a2a+mesh", [])
-            if pool:
-                rows.append(replace(pick_best(pool), mode="a2a+mesh-auto"))
-        elif mode == "auto":
+                rows.append(replace(pick_best(pool), mode=mode))
+        elif mode == AUTO:
             pool = [r for name in plan_modes() for r in evaluated.get(name, [])]
             if pool:
                 best = pick_best(pool)
-                rows.append(replace(best, mode="auto", detail=f"{best.mode}" + (f": {best.detail}" if best.detail
+                rows.append(replace(best, mode=AUTO, detail=f"{best.mode}" + (f": {best.detail}" if best.detail
                                                                                  else "")))
         elif masked:
             skipped.append({"mode": mode, "reason": "priced by formula for dense attention only"})
         else:
             try:
-                rows.append((ulysses_result if mode == "ulysses" else usp_result)(world_size, shape, topo, causal))
+                rows.append(_FORMULA[mode](world_size, shape, topo, causal))
             except ValueError as e:
                 skipped.append({"mode": mode, "reason": str(e)})
     return rows, skipped

@@ -1,5 +1,5 @@
-"""Large masked blocks run as tiles (runtime/masks.py): the worked example of the module
-docstring, tile classification against the mask rule pair by pair, and tiled forward/backward
+"""Large masked blocks run as mask pieces (runtime/masks.py): the worked example of the module
+docstring, each piece's kernel mask against the mask rule pair by pair, and pieced forward/backward
 equal to one dense masked kernel call in fp64 (documents, windows, padding, zigzag runs)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from megatron_mesh.kernels import BlockMask, MathKernel, TorchAttentionKernel
 from megatron_mesh.plan import Mask
-from megatron_mesh.runtime.masks import (TiledMask, _pieces, _tiled, allowed_matrix, block_backward, block_forward,
-                                         mask_tile, tile_kind)
+from megatron_mesh.runtime.masks import (PIECE_ENV, PiecedMask, _cut, _pieced, block_backward, block_forward,
+                                         mask_piece, piece_mask)
 
 CPU = torch.device("cpu")
 
@@ -22,23 +22,24 @@ def _positions(runs):
 
 
 def test_worked_example_of_the_module_docstring():
-    """4096 x 4096 causal block, window 512, documents [0, 1000) and [1000, 4096), tiles of 512:
-    15 kernel calls -- 7 causal diagonal tiles, 8 masked (the document edge at 1000 and the
-    window's edge below the diagonal) -- every other tile is empty."""
+    """4096 x 4096 causal block, window 512, documents [0, 1000) and [1000, 4096), pieces of 512:
+    15 kernel calls -- 7 causal diagonal pieces, 8 masked (the document edge at 1000 and the
+    window's edge below the diagonal) -- every other piece is empty."""
     mask = Mask.from_cu_seqlens([0, 1000, 4096], 4096, True, (512, 0)).normalized(4096)
-    tiled = _tiled(mask, ((0, 4096),), ((0, 4096),), 512, CPU)
-    kinds = {(t.rows[0] // 512, t.cols[0] // 512): t.mask.kind for t in tiled.tiles}
-    assert len(tiled.tiles) == 15
+    pieced = _pieced(mask, ((0, 4096),), ((0, 4096),), 512, CPU)
+    kinds = {(t.rows[0] // 512, t.cols[0] // 512): t.mask.kind for t in pieced.pieces}
+    assert len(pieced.pieces) == 15
     assert {k for k, kind in kinds.items() if kind == "causal"} == {(i, i) for i in range(8) if i != 1}
     assert {k for k, kind in kinds.items() if kind == "masked"} == {(1, 1)} | {(i, i - 1) for i in range(1, 8)}
-    assert max(t.mask.allowed.numel() for t in tiled.tiles if t.mask.kind == "masked") == 512 * 512
+    assert max(t.mask.allowed.numel() for t in pieced.pieces if t.mask.kind == "masked") == 512 * 512
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.data())
-def test_tile_kind_agrees_with_the_rule(data):
-    """Every tile's kind against the rule pair by pair: empty = no allowed pair; full = all;
-    causal = exactly j <= i on identical ranges."""
+def test_piece_mask_agrees_with_the_rule(data):
+    """Every piece's kernel mask against the rule pair by pair (:meth:`Mask.allows`, one pair at a
+    time): None = no allowed pair; full = all; causal = exactly j <= i on identical ranges; masked
+    = the allowed matrix itself."""
     S = data.draw(st.integers(8, 40))
     cuts = sorted(data.draw(st.sets(st.integers(1, S - 1), max_size=4)))
     gap = data.draw(st.booleans())  # padding after each document (THD-like)
@@ -51,14 +52,16 @@ def test_tile_kind_agrees_with_the_rule(data):
     n, m = data.draw(st.integers(1, S - qa)), data.draw(st.integers(1, S - ka))
     if data.draw(st.booleans()):
         ka, m = qa, n
-    allowed = allowed_matrix(mask, torch.arange(qa, qa + n), torch.arange(ka, ka + m))
-    kind = tile_kind(mask, qa, n, ka, m)
-    if kind == "empty":
+    allowed = torch.tensor([[mask.allows(i, j) for j in range(ka, ka + m)] for i in range(qa, qa + n)])
+    got = piece_mask(mask, qa, n, ka, m, CPU)
+    if got is None:
         assert not allowed.any()
-    elif kind == "full":
+    elif got.kind == "full":
         assert allowed.all()
-    elif kind == "causal":
+    elif got.kind == "causal":
         assert (qa, n) == (ka, m) and torch.equal(allowed, torch.tril(torch.ones(n, n, dtype=torch.bool)))
+    else:
+        assert torch.equal(got.allowed, allowed)
 
 
 def _problem(seed: int, runs_q, runs_k, mask: Mask, heads=4, kv_heads=2, d=8):
@@ -67,13 +70,13 @@ def _problem(seed: int, runs_q, runs_k, mask: Mask, heads=4, kv_heads=2, d=8):
     q = torch.randn(2, heads, sq, d, generator=g, dtype=torch.float64)
     k, v = (torch.randn(2, kv_heads, sk, d, generator=g, dtype=torch.float64) for _ in range(2))
     dout = torch.randn(2, heads, sq, d, generator=g, dtype=torch.float64)
-    dense = BlockMask("masked", allowed_matrix(mask, _positions(runs_q), _positions(runs_k)))
+    dense = BlockMask("masked", mask.allowed(_positions(runs_q), _positions(runs_k)))
     return q, k, v, dout, dense
 
 
-def test_tiled_block_equals_one_dense_masked_call():
+def test_pieced_block_equals_one_dense_masked_call():
     """A zigzag-like block (two query runs, two key runs of another chunk and this one) under
-    documents with padding gaps + a window, tiles of 3, 5, 7 and 64 tokens (runs cut unevenly):
+    documents with padding gaps + a window, pieces of 3, 5, 7 and 64 tokens (runs cut unevenly):
     out, lse and the gradients given the rows' statistics equal one dense masked call, with
     torch's CPU kernel and the math kernel, fp64."""
     S = 96
@@ -85,27 +88,31 @@ def test_tiled_block_equals_one_dense_masked_call():
         want_out, want_lse = kernel.forward(q, k, v, mask=dense, scale=0.3)
         delta = (dout * want_out).sum(-1)
         want = kernel.backward(dout, q, k, v, want_lse, delta, mask=dense, scale=0.3)
-        for tile in (3, 5, 7, 64):
-            tiled = _tiled(mask, runs_q, runs_k, tile, CPU)
-            assert isinstance(tiled, TiledMask) and tiled.tiles
-            out, lse = block_forward(kernel, q, k, v, tiled, 0.3, torch.float64)
+        for piece in (3, 5, 7, 64):
+            pieced = _pieced(mask, runs_q, runs_k, piece, CPU)
+            assert isinstance(pieced, PiecedMask) and pieced.pieces
+            out, lse = block_forward(kernel, q, k, v, pieced, 0.3, torch.float64)
             torch.testing.assert_close(out, want_out.to(out.dtype), rtol=1e-10, atol=1e-10)
             torch.testing.assert_close(lse, want_lse.to(lse.dtype), rtol=1e-10, atol=1e-10)
-            got = block_backward(kernel, dout, q, k, v, want_lse, delta, tiled, 0.3, torch.float64)
+            got = block_backward(kernel, dout, q, k, v, want_lse, delta, pieced, 0.3, torch.float64)
             for name, a, b in zip(("dq", "dk", "dv"), got, want):
-                torch.testing.assert_close(a, b.to(a.dtype), rtol=1e-10, atol=1e-10, msg=f"{kernel.name} {tile} {name}")
+                torch.testing.assert_close(a, b.to(a.dtype), rtol=1e-10, atol=1e-10, msg=f"{kernel.name} {piece} {name}")
 
 
 def test_pieces_follow_the_runs():
-    assert _pieces(((10, 5), (40, 3)), 2) == [(0, 10, 2), (2, 12, 2), (4, 14, 1), (5, 40, 2), (7, 42, 1)]
+    assert _cut(((10, 5), (40, 3)), 2) == [(0, 10, 2), (2, 12, 2), (4, 14, 1), (5, 40, 2), (7, 42, 1)]
 
 
-def test_tile_setting(monkeypatch):
+def test_piece_setting(monkeypatch):
+    monkeypatch.delenv(PIECE_ENV, raising=False)
     monkeypatch.delenv("MEGATRON_MESH_MASK_TILE", raising=False)
-    assert mask_tile(CPU) == 512 and mask_tile(torch.device("cuda", 0)) == 2048
-    monkeypatch.setenv("MEGATRON_MESH_MASK_TILE", "64")
-    assert mask_tile(CPU) == 64
+    assert mask_piece(CPU) == 512 and mask_piece(torch.device("cuda", 0)) == 2048
+    monkeypatch.setenv(PIECE_ENV, "64")
+    assert mask_piece(CPU) == 64
     for bad in ("0", "x"):
-        monkeypatch.setenv("MEGATRON_MESH_MASK_TILE", bad)
-        with pytest.raises(ValueError, match=f"MEGATRON_MESH_MASK_TILE must be a positive integer, got '{bad}'"):
-            mask_tile(CPU)
+        monkeypatch.setenv(PIECE_ENV, bad)
+        with pytest.raises(ValueError, match=f"{PIECE_ENV} must be a positive integer, got '{bad}'"):
+            mask_piece(CPU)
+    monkeypatch.setenv("MEGATRON_MESH_MASK_TILE", "64")  # the old name is refused, naming the new one
+    with pytest.raises(ValueError, match=f"MEGATRON_MESH_MASK_TILE was renamed {PIECE_ENV}"):
+        mask_piece(CPU)

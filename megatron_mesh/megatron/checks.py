@@ -1,0 +1,272 @@
+"""The plugin's start-up checks on Megatron's parsed arguments: a bad or inapplicable setting is
+one ValueError naming the flag, the value and what is allowed, before anything is built.
+
+What applies where comes from the settings schema (:func:`.settings.flags`: every flag knows the
+layer modes it applies to); what a mode accepts from the mode registry. The checks take what they
+need as parameters -- whether the entry script hands the layers document boundaries
+(``entry_packs_documents``), whether Transformer Engine is usable -- and read no process state.
+
+Example: ``--cp-comm-type ring --mesh-tile-shape 2x2`` fails with "--mesh-tile-shape 2x2 is given,
+but no layer runs mesh or a2a+mesh at CP > 1 (--cp-comm-type ring); leave the flag out".
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+from ..plan.modes import HYBRID_PREFIX, get_mode
+from . import TE_MODES, cp_modes, plugin_modes
+from .placement import layer_shape, resolve_placement
+from .settings import PluginSettings, flags, layer_modes, megatron_window, plugin_modes_of
+
+__all__ = ["validate_args", "check_modes", "have_transformer_engine", "uses_plugin_spec", "documents_of"]
+
+
+def have_transformer_engine() -> tuple[bool, str]:
+    """(installed and usable, why not). TE raises RuntimeError/OSError, not only ImportError,
+    when its CUDA libraries are missing, so anything it raises means 'not usable'."""
+    try:
+        import transformer_engine  # noqa: F401
+        from megatron.core.extensions.transformer_engine import HAVE_TE
+    except Exception as e:  # noqa: BLE001
+        return False, f"{type(e).__name__}: {e}"
+    return bool(HAVE_TE), "" if HAVE_TE else "megatron.core reports HAVE_TE=False"
+
+
+
+
+def check_modes(modes, num_layers: int, cp_size: int, have_te: bool, te_reason: str = "") -> None:
+    """ValueError unless every mode is known, the list fits the layers, and TE modes have TE."""
+    for m in modes:
+        if m not in cp_modes():
+            hint = " (Transformer Engine spells it 'all_gather')" if m == "allgather" else ""
+            raise ValueError(f"--cp-comm-type {m!r} is not a context-parallel mode{hint}; allowed: plugin modes "
+                             f"{', '.join(plugin_modes())}; Transformer Engine modes {', '.join(TE_MODES)}")
+    if len(modes) not in (0, 1, num_layers):
+        raise ValueError(f"--cp-comm-type has {len(modes)} values; give one mode, or one per layer "
+                         f"({num_layers} layers)")
+    te_used = sorted({m for m in modes if m in TE_MODES})
+    if cp_size > 1 and te_used and not have_te:
+        instead = ("use ring (the same algorithm: zigzag ring attention)" if te_used == ["p2p"]
+                   else f"use one of {', '.join(plugin_modes())}")
+        raise ValueError(f"--cp-comm-type {te_used[0]} is a Transformer Engine mode, but Transformer Engine is "
+                         f"not usable here ({te_reason or 'not installed'}); {instead}")
+
+
+
+
+def uses_plugin_spec(args) -> bool:
+    """Whether ``--spec`` names one of this package's spec functions."""
+    return bool(args.spec) and str(args.spec[0]).startswith("megatron_mesh.")
+
+
+def _given(args, name: str) -> bool:
+    value = getattr(args, name, None)
+    return value is not None and value is not False
+
+
+def validate_args(args, have_te: bool | None = None, *, entry_packs_documents: bool = False) -> None:
+    """Check the plugin flags and the Megatron flags they depend on, as parsed by Megatron (before
+    its own validation); ValueError names the value and what is allowed. ``have_te``: None detects
+    Transformer Engine; ``entry_packs_documents``: the entry script hands the layers document
+    boundaries (megatron_mesh's own does). Works on arguments without the plugin's flags too."""
+    te_reason = ""
+    if have_te is None:
+        have_te, te_reason = have_transformer_engine()
+    cp = args.context_parallel_size
+    modes = layer_modes(args.cp_comm_type)
+    check_modes(modes, args.num_layers, cp, have_te, te_reason)
+    if uses_plugin_spec(args) and args.transformer_impl == "transformer_engine" and not have_te:
+        raise ValueError("--transformer-impl transformer_engine (Megatron's default) needs Transformer Engine, which "
+                         f"is not usable here ({te_reason or 'not installed'}); pass --transformer-impl local")
+    active = set(modes) if cp > 1 else set()  # CP 1: Megatron's own attention, whatever the mode
+    _check_applicable(args, cp, modes, active)
+    _check_choices(args)
+    documents = documents_of(args, entry_packs_documents)
+    if cp == 1 and documents and args.attention_dropout:
+        raise ValueError(f"--attention-dropout {args.attention_dropout}: packed documents run the plugin's attention "
+                         "also at CP 1 (Megatron's own has no document mask without a dense [s, s] mask), which "
+                         "supports only 0 (pass --attention-dropout 0)")
+    _check_hierarchy(args, cp, active)
+    for mode in sorted(plugin_modes_of(active)):
+        _check_placement(args, cp, mode)
+    if active & set(plugin_modes()):
+        _check_plugin_layers(args, cp, active, entry_packs_documents)
+    _check_thd_flags(args, cp, entry_packs_documents)
+    te_layers = sorted(active & set(TE_MODES))
+    if documents == "eod" and te_layers:
+        raise ValueError(f"--reset-attention-mask with Transformer Engine layers (--cp-comm-type {te_layers[0]}): "
+                         "megatron_mesh's entry script hands the layers end-of-document boundaries per sample, which "
+                         "only the plugin modes read; run plugin modes on every layer, or pack the documents for "
+                         "Transformer Engine with --cp-thd-packing")
+    _warn_per_rank_loss(args, cp)
+
+
+def _check_applicable(args, cp: int, modes, active: set) -> None:
+    """A flag given where no layer runs a mode it applies to is an error (never silently unused)."""
+    for f in flags():
+        applies_to = f.modes()
+        if applies_to is None or not _given(args, f.dest) or active & set(applies_to):
+            continue
+        value = "" if getattr(args, f.dest) is True else f" {getattr(args, f.dest)}"
+        runs = f"--context-parallel-size {cp}" if cp == 1 else f"--cp-comm-type {' '.join(modes)}"
+        which = (f"a plugin mode ({', '.join(applies_to)})" if set(applies_to) == set(plugin_modes())
+                 else " or ".join(applies_to))
+        raise ValueError(f"{f.name}{value} is given, but no layer runs {which} at CP > 1 ({runs}); leave the flag out")
+
+
+def _check_choices(args) -> None:
+    """The flags' own values (argparse checks choices too; this covers arguments built elsewhere)."""
+    for f in flags():
+        value = getattr(args, f.dest, None)
+        if value is None or f.store_true:
+            continue
+        if f.choices is not None and value not in f.choices:
+            raise ValueError(f"{f.name} {value!r}: allowed {', '.join(map(str, f.choices))}")
+        if f.type is int and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{f.name} must be a positive integer, got {value!r}")
+
+
+def _check_placement(args, cp: int, mode: str) -> None:
+    """The mode's own start-up check: resolve (and build) its placement for these arguments -- the
+    sequence length, the heads per tensor-parallel rank, the node layout, its options -- so a
+    setting the mode refuses stops the run here, naming the flags, not at the first layer."""
+    settings = PluginSettings.of(**{f.dest: getattr(args, f.dest, None) for f in flags()})
+    config = _ArgsConfig(args, settings)
+    tp = args.tensor_model_parallel_size
+    given = [f"{f.name} {getattr(args, f.dest)}" for f in flags()
+             if f.option is not None and mode in (f.modes() or ()) and _given(args, f.dest)]
+    if getattr(args, "tasp_gpus_per_node", None) is not None and get_mode(mode).uses_nodes:
+        given.append(f"--tasp-gpus-per-node {args.tasp_gpus_per_node}")
+    try:
+        placement = resolve_placement(mode, config, tuple(i * tp for i in range(cp)))
+        if getattr(args, "seq_length", None):
+            placement.build(layer_shape(config, cp))
+    except ValueError as e:
+        setup = f"--cp-comm-type {mode} at --context-parallel-size {cp}" + (f" with {', '.join(given)}" if given else "")
+        raise ValueError(f"{setup}: {e}") from None
+
+
+class _ArgsConfig:
+    """What the placement reads from a transformer config, taken from the parsed arguments (the
+    checks run before Megatron builds the config)."""
+
+    def __init__(self, args, settings: PluginSettings):
+        for f in flags():
+            setattr(self, f.dest, settings[f.dest])
+        self.tensor_model_parallel_size = args.tensor_model_parallel_size
+        # arguments that leave the model out (Megatron fails on them later) are checked on one head
+        self.num_attention_heads = getattr(args, "num_attention_heads", None) or 1
+        self.num_query_groups = args.num_query_groups if getattr(args, "group_query_attention", False) else None
+        hidden = getattr(args, "hidden_size", None)
+        self.kv_channels = getattr(args, "kv_channels", None) or (hidden // self.num_attention_heads if hidden else 1)
+        self.params_dtype = "torch.float32" if not (getattr(args, "bf16", False) or getattr(args, "fp16", False)) \
+            else "torch.bfloat16"
+        self.cp_seq_length = getattr(args, "seq_length", None)
+        self.hierarchical_context_parallel_sizes = getattr(args, "hierarchical_context_parallel_sizes", None)
+
+
+def _warn_per_rank_loss(args, cp: int) -> None:
+    """Warn when Megatron's loss normalisation makes CP > 1 train differently from CP 1: without
+    --calculate-per-token-loss each CP rank divides its loss by its own unmasked tokens, which
+    differ between ranks when the loss mask does (--eod-mask-loss, THD padding), so the
+    gradients weight the ranks' tokens unequally (any CP mode, Transformer Engine's too)."""
+    uneven = [flag for flag, name in (("--eod-mask-loss", "eod_mask_loss"), ("--cp-thd-packing", "cp_thd_packing"))
+              if getattr(args, name, False)]
+    if cp > 1 and uneven and not getattr(args, "calculate_per_token_loss", False):
+        warnings.warn(f"{' and '.join(uneven)} at --context-parallel-size {cp} without --calculate-per-token-loss: "
+                      "each CP rank divides its loss by its own token count, so the gradients differ from CP 1's "
+                      "(add --calculate-per-token-loss to train as CP 1 does)", stacklevel=2)
+
+
+def _check_hierarchy(args, cp: int, active: set) -> None:
+    """--hierarchical-context-parallel-sizes U M: the all-to-all x inner split of Transformer
+    Engine's a2a+p2p and of the plugin's Ulysses hybrids; given where nothing uses it, or missing
+    where a layer needs it, is an error (never CP silently off). The hybrid's own constraints
+    (heads, U inside a node) are its placement's check."""
+    hcp = getattr(args, "hierarchical_context_parallel_sizes", None)
+    hybrids = sorted(m for m in active if m.startswith(HYBRID_PREFIX))
+    if hcp and not hybrids:
+        raise ValueError(f"--hierarchical-context-parallel-sizes {' '.join(map(str, hcp))} applies only to the "
+                         f"all-to-all modes ({', '.join(m for m in cp_modes() if m.startswith(HYBRID_PREFIX))}), "
+                         "which no layer runs here at CP > 1: leave it out")
+    if not hybrids:
+        return
+    if not hcp or len(hcp) != 2:
+        raise ValueError(f"--cp-comm-type {hybrids[0]} needs --hierarchical-context-parallel-sizes U M (the all-to-all "
+                         f"degree U inside a node and the inner CP size M, U * M = --context-parallel-size {cp}); got "
+                         f"{'none' if not hcp else ' '.join(map(str, hcp))}")
+    U, M = hcp
+    if U * M != cp:
+        raise ValueError(f"--hierarchical-context-parallel-sizes {U} {M}: U * M must equal --context-parallel-size {cp}")
+
+
+def documents_of(args, entry_packs_documents: bool) -> Optional[str]:
+    """How the batches carry documents to the plugin layers: "thd" (--cp-thd-packing), "eod"
+    (--reset-attention-mask under an entry script that passes the boundaries), or None. Another
+    script's --reset-attention-mask is a dense mask: Megatron's own attention reads it at CP 1,
+    and the plugin modes refuse it at CP > 1 (see _check_plugin_layers)."""
+    if getattr(args, "cp_thd_packing", False):
+        return "thd"
+    if getattr(args, "reset_attention_mask", False) and entry_packs_documents:
+        return "eod"
+    return None
+
+
+def _check_thd_flags(args, cp: int, entry_packs_documents: bool) -> None:
+    if getattr(args, "cp_thd_pad_multiple", None) is not None and not getattr(args, "cp_thd_packing", False):
+        raise ValueError(f"--cp-thd-pad-multiple {args.cp_thd_pad_multiple} applies to --cp-thd-packing, which is "
+                         "not given: leave it out")
+    if getattr(args, "cp_thd_packing", False):
+        if not entry_packs_documents:
+            raise ValueError("--cp-thd-packing is an option of megatron_mesh's entry script (scripts/pretrain_gpt.sh); "
+                             "this script builds its own batches")
+        m = args.cp_thd_pad_multiple or 2 * cp
+        if m % (2 * cp) or args.seq_length % m:
+            raise ValueError(f"--cp-thd-pad-multiple {m} must be a multiple of 2 x --context-parallel-size = {2 * cp} "
+                             f"and divide --seq-length {args.seq_length} (Transformer Engine's THD layout pads every "
+                             "sequence to a multiple of 2 x CP)")
+        if args.micro_batch_size != 1:
+            raise ValueError(f"--cp-thd-packing packs one sequence per micro-batch: --micro-batch-size must be 1, got "
+                             f"{args.micro_batch_size}")
+
+
+def _check_plugin_layers(args, cp: int, active: set, entry_packs_documents: bool) -> None:
+    """What layers running a plugin mode at CP > 1 need from the rest of the command line."""
+    plugin = ", ".join(m for m in plugin_modes() if m in active)
+    if not args.spec or args.spec[0] == "local":
+        raise ValueError(f"--cp-comm-type {plugin} needs the plugin's layer spec: add --spec megatron_mesh.megatron.spec "
+                         "gpt_layer_spec (Megatron's own spec has no plugin attention)")
+    if args.attention_dropout:
+        raise ValueError(f"--attention-dropout {args.attention_dropout}: the plugin modes "
+                         f"({', '.join(plugin_modes())}) support only 0 at CP > 1 (pass --attention-dropout 0)")
+    backend = getattr(args, "attention_backend", None)
+    if backend is not None and getattr(backend, "name", backend) != "auto":
+        raise ValueError(f"--attention-backend {getattr(backend, 'name', backend)}: the {plugin} layers run the plugin's "
+                         "own kernels (choose them with --cp-kernel-backend); --attention-backend selects Transformer "
+                         "Engine's or Megatron's attention, which these layers do not use: leave it at auto")
+    window = getattr(args, "window_size", None)
+    if window is not None:
+        left, right = megatron_window(window)
+        if right not in (None, 0):  # GPT layers are causal: no later key is attended anyway
+            raise ValueError(f"--window-size {window[0]},{window[1]}: the plugin's causal layers attend no later key, so "
+                             "the right side must be 0 (or -1, unlimited)")
+    softmax = getattr(args, "softmax_type", "vanilla")
+    if softmax != "vanilla":
+        raise ValueError(f"--softmax-type {softmax}: the plugin modes support only vanilla")
+    for flag in ("sft", "hybrid_context_parallel", "dataloader_inter_document_masking"):
+        if getattr(args, flag, False):
+            raise ValueError(f"--{flag.replace('_', '-')}: Megatron's {flag.replace('_', ' ')} batches are not supported by "
+                             "the plugin modes; pack documents with megatron_mesh's entry script instead "
+                             "(--reset-attention-mask: documents at end-of-document tokens, or --cp-thd-packing: "
+                             "Transformer Engine's THD layout)")
+    documents = getattr(args, "reset_attention_mask", False) or getattr(args, "cp_thd_packing", False)
+    if documents and args.pipeline_model_parallel_size > 1:
+        raise ValueError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} with packed documents "
+                         "(--reset-attention-mask / --cp-thd-packing): the document boundaries reach only the first and "
+                         "last pipeline stages' batches; use pipeline parallelism 1")
+    if getattr(args, "reset_attention_mask", False) and not entry_packs_documents:
+        raise ValueError("--reset-attention-mask: this entry script passes the documents as a dense [s, s] attention mask, "
+                         "which the plugin modes do not read; use megatron_mesh's entry script (scripts/pretrain_gpt.sh), "
+                         "which hands them the document boundaries")

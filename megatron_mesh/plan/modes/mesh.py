@@ -1,0 +1,113 @@
+"""Mesh-Attention and ring attention as CP modes: options, resolution (the ``auto`` tile), the
+dense plan, the block assignment under a mask, rings, planner candidates.
+
+Ring attention is Mesh with tile 1 x P (every rank computes its whole row of blocks); it is its own
+mode because users ask for it by name (Transformer Engine's ``p2p`` algorithm).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from ..autotile import choose_tile
+from ..mask import Mask
+from ..mesh import BACKWARD_CHUNKS, CONTIGUOUS, TileMap, build_mesh_plan, build_ring_plan, parse_tile, tile_shapes
+from ..schedule import SCHEDULES
+from ..shape import AttentionShape
+from ..sparse import Assignment
+from ..topology import Topology
+from .base import Mode, Placement, setting, topology_for
+
+__all__ = ["MeshMode", "RingMode", "MeshOptions", "RingOptions"]
+
+_BACKWARD_HELP = ("'refetch' re-communicates Q/KV chunks in the backward (ring attention's memory); 'keep' keeps "
+                  "the forward's (fewer bytes, more activation memory)")
+
+
+@dataclass(frozen=True)
+class MeshOptions:
+    """Mesh-Attention's options (before resolution: ``tile`` / ``contiguous`` may be "auto")."""
+
+    tile: Any = setting("auto", flag="--mesh-tile-shape",
+                        help="Mesh tile AxB: each CP rank computes A query chunks x B key/value chunks (A*B = CP "
+                             "size; 1xCP is ring attention), or 'auto': the tile the planner predicts fastest")
+    contiguous: Literal[CONTIGUOUS + ("auto",)] = setting(
+        "auto", flag="--mesh-contiguous",
+        help="which Mesh ring is made of consecutive CP ranks, i.e. stays inside a node ('auto': the planner's "
+             "faster one)")
+    schedule: Literal[SCHEDULES] = setting("greedy", flag="--mesh-schedule",
+                                           help="order of the Mesh pulls: 'greedy' (compute unlocked per byte) or "
+                                                "'lockstep'")
+    backward_chunks: Literal[BACKWARD_CHUNKS] = setting("refetch", flag="--mesh-backward-chunks", help=_BACKWARD_HELP)
+
+
+@dataclass(frozen=True)
+class RingOptions:
+    backward_chunks: Literal[BACKWARD_CHUNKS] = setting("refetch", help=_BACKWARD_HELP)
+
+
+class MeshMode(Mode):
+    name = "mesh"
+    Options = MeshOptions
+    doc = "Mesh-Attention: each rank computes an a x b tile of the block matrix (a * b = CP size)"
+    auto_row = "mesh-auto"
+    auto_pool = ("ring",)
+    shorthand = ("tile",)
+
+    def resolve(self, world_size: int, shape: AttentionShape, topology: Topology | None, ranks_per_node, options,
+                mask: Mask) -> Placement:
+        tile = parse_tile(options.tile, world_size)
+        contiguous = options.contiguous
+        if tile == "auto" or contiguous == "auto":
+            topo = topology_for(world_size, ranks_per_node, topology)
+            tile, contiguous = choose_tile(world_size, shape, topo, tile=tile, contiguous=contiguous,
+                                           causal=mask.causal, backward_chunks=options.backward_chunks,
+                                           schedule=options.schedule)
+        return Placement(self.name, world_size, replace(options, tile=tile, contiguous=contiguous), ranks_per_node)
+
+    def build_dense(self, p: Placement, shape: AttentionShape, mask: Mask):
+        o = p.options
+        return build_mesh_plan(p.world_size, o.tile, shape, causal=mask.causal, schedule=o.schedule,
+                               backward_chunks=o.backward_chunks, contiguous=o.contiguous)
+
+    def assignment(self, p: Placement) -> Assignment:
+        a, b = p.options.tile
+        tiles = TileMap(a, b, p.options.contiguous)
+        return Assignment(owners=(("tile", tiles.owner),) if a > 1 else (), tile=(a, b),
+                          contiguous=p.options.contiguous)
+
+    def rings(self, p: Placement) -> dict:
+        return TileMap(*p.options.tile, p.options.contiguous).rings()
+
+    def candidates(self, world_size: int, shape: AttentionShape, topo: Topology) -> list[Placement]:
+        rpn = topo.ranks_per_node(world_size)
+        spans = rpn is not None
+        out = []
+        for a, b in tile_shapes(world_size):
+            if a == 1:
+                continue  # ring's own row
+            for c in (CONTIGUOUS if spans and b > 1 else ("q",)):
+                out.append(Placement(self.name, world_size, MeshOptions(tile=(a, b), contiguous=c), rpn))
+        return out
+
+    def describe(self, p: Placement) -> str:
+        o = p.options
+        return (f"mesh (CP {p.world_size}, tile {o.tile[0]}x{o.tile[1]}, schedule {o.schedule}, backward "
+                f"{o.backward_chunks}, contiguous {o.contiguous})")
+
+
+class RingMode(Mode):
+    name = "ring"
+    Options = RingOptions
+    uses_nodes = False  # one ring over every rank, whatever the nodes
+    doc = "zigzag ring attention (Transformer Engine's p2p algorithm): Mesh with tile 1 x CP"
+
+    def build_dense(self, p: Placement, shape: AttentionShape, mask: Mask):
+        return build_ring_plan(p.world_size, shape, causal=mask.causal, backward_chunks=p.options.backward_chunks)
+
+    def rings(self, p: Placement) -> dict:
+        return TileMap(1, p.world_size).rings()
+
+    def describe(self, p: Placement) -> str:
+        return f"ring (CP {p.world_size}, zigzag ring)"
