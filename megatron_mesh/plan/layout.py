@@ -36,6 +36,7 @@ consecutive positions that make up a (span) chunk, in local order.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 from .ir import Segment
@@ -105,6 +106,20 @@ class ZigzagLayout(_Positions):
 
 
 
+def _integers(name: str, values) -> tuple[int, ...]:
+    """``values`` as ints; anything not an integer (16.5, 16.0, True) is refused, never truncated.
+    Integer scalars of other libraries (numpy, torch) pass through their ``__index__``."""
+    out = []
+    for v in values:
+        try:
+            if isinstance(v, bool):
+                raise TypeError
+            out.append(operator.index(v))
+        except TypeError:
+            raise ValueError(f"{name} must hold integers, got {v!r} in {values!r}") from None
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class ThdLayout(_Positions):
     """Transformer Engine's THD CP layout (see the module docstring).
@@ -122,7 +137,7 @@ class ThdLayout(_Positions):
     seq_lens: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        P, cu = self.world_size, tuple(int(c) for c in self.cu_seqlens_padded)
+        P, cu = self.world_size, _integers("cu_seqlens_padded", self.cu_seqlens_padded)
         object.__setattr__(self, "cu_seqlens_padded", cu)
         if P < 1:
             raise ValueError(f"world_size must be >= 1, got {P}")
@@ -135,7 +150,7 @@ class ThdLayout(_Positions):
         lens = self.seq_lens
         if lens is None:
             lens = tuple(b - a for a, b in zip(cu, cu[1:]))
-        lens = tuple(int(x) for x in lens)
+        lens = _integers("seq_lens", lens)
         if len(lens) != len(cu) - 1 or any(not 0 <= n <= b - a for n, a, b in zip(lens, cu, cu[1:])):
             raise ValueError(f"seq_lens {self.seq_lens!r} must give one length per sequence, each between 0 and its "
                              f"padded length {[b - a for a, b in zip(cu, cu[1:])]}")

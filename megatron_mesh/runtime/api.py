@@ -10,18 +10,16 @@ never touches the data.
 
 One call: check the tensors and options (errors name the value and what is allowed) -> resolve
 the mode's :class:`~megatron_mesh.plan.Placement` -> the plan for (placement, shape, mask,
-layout) (cached) -> check once per process group that every rank runs the same plan -> the
-executor, forward under autograd, backward when autograd asks.
+layout) (cached) -> check that every rank of the group makes the same call (:mod:`.agreement`:
+one small all-reduce per call) -> the executor, forward under autograd, backward when autograd
+asks.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import numbers
-import weakref
-from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
@@ -40,15 +38,13 @@ from ..plan.layout import ThdLayout, ZigzagLayout
 from ..plan.mask import Mask
 from ..plan.modes import HYBRID_PREFIX, TRANSPORTS, Placement, resolve
 from ..plan.validate import validate_plan
+from . import agreement
+from .agreement import PlanMismatchError
 from .executor import Executor
 
 __all__ = ["attention", "mesh_attention", "ring_attention", "tasp_attention", "hybrid_attention", "plan_attention",
            "forward_backward", "zigzag_shard", "zigzag_unshard", "thd_shard", "thd_unshard", "attention_shape",
            "group_communicator", "attention_mask", "PlanMismatchError"]
-
-
-class PlanMismatchError(RuntimeError):
-    """The ranks of one CP group called attention with different plans (they would hang)."""
 
 
 # -- input checks -------------------------------------------------------------------------------------
@@ -120,6 +116,9 @@ def attention_mask(world_size: int, shape: AttentionShape, *, causal: bool = Tru
     seq_len = world_size * shape.seq_local
     if cu_seqlens is not None:
         if isinstance(cu_seqlens, Tensor):
+            if cu_seqlens.device.type == "meta":
+                raise ValueError(f"cu_seqlens is on the {cu_seqlens.device} device, which holds no values: pass the "
+                                 "document boundaries on the CPU or the inputs' device")
             if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
                 raise ValueError(f"cu_seqlens must be a 1-D integer tensor or sequence, got {cu_seqlens!r}")
             cu_seqlens = cu_seqlens.tolist()
@@ -129,7 +128,7 @@ def attention_mask(world_size: int, shape: AttentionShape, *, causal: bool = Tru
     return Mask(causal, window).normalized(seq_len), layout
 
 
-# -- communicators and plan agreement -------------------------------------------------------------------
+# -- communicators --------------------------------------------------------------------------------------
 class _SingleRank(Communicator):
     rank, world_size = 0, 1
 
@@ -148,50 +147,6 @@ def group_communicator(group, transport: str = "p2p") -> Communicator:
     if transport == "alltoall":
         return AllToAllCommunicator(group)
     return TorchDistCommunicator(group)
-
-
-_AGREED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # process group -> fingerprints checked
-# the most recent fingerprints kept per group: documents give every batch its own plan, so the set
-# of checked plans must not grow with the number of training steps
-_AGREED_KEEP = 256
-
-
-def plan_fingerprint(plan: Plan, extra: str = "") -> str:
-    """A short digest of what every rank must agree on (mode, sizes, tile, mask, layout, options)."""
-    text = f"{plan.mode}|{plan.world_size}|{plan.seq_local}|{plan.tile}|{plan.schedule}|{plan.mask.text()}|" \
-           f"{plan.layout!r}|{sorted(plan.options.items(), key=str)}|{plan.heads_split}|{extra}"
-    return hashlib.sha1(text.encode()).hexdigest()[:12] + " " + _describe(plan, extra)
-
-
-def _describe(plan: Plan, extra: str) -> str:
-    tile = f" tile {plan.tile[0]}x{plan.tile[1]}" if plan.tile else ""
-    return f"[{plan.mode}{tile}, {plan.world_size} ranks x {plan.seq_local} tokens, {plan.mask.summary()}{extra}]"
-
-
-def check_agreement(comm: Communicator, plan: Plan, extra: str = "") -> None:
-    """Raise :class:`PlanMismatchError` on every rank if the ranks of ``comm``'s group hold
-    different plans -- once per (process group, plan): one small all-gather instead of a hang
-    until the transport's timeout."""
-    group = getattr(comm, "process_group", None)
-    if group is None or plan.world_size == 1:
-        return
-    fp = plan_fingerprint(plan, extra)
-    seen = _AGREED.setdefault(group, OrderedDict())
-    if fp in seen:
-        seen.move_to_end(fp)
-        return
-    gathered: list = [None] * plan.world_size
-    dist.all_gather_object(gathered, fp, group=group)
-    if any(g != fp for g in gathered):
-        mine = gathered[comm.rank]
-        other = next(g for g in gathered if g != mine)
-        ranks = [r for r, g in enumerate(gathered) if g == other]
-        raise PlanMismatchError(f"the ranks of this CP group disagree on the attention plan: rank {comm.rank} runs "
-                                f"{mine.split(' ', 1)[1]}, ranks {ranks} run {other.split(' ', 1)[1]} (same "
-                                "mode, settings, sequence length and mask needed on every rank)")
-    seen[fp] = None
-    if len(seen) > _AGREED_KEEP:
-        seen.popitem(last=False)
 
 
 # -- the autograd function ------------------------------------------------------------------------------
@@ -257,26 +212,32 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None, 
     """Check everything and build (or fetch) the plan of one call; ``settings`` go to the mode
     (see :func:`megatron_mesh.plan.modes.resolve`). ``placement`` skips the resolution (the
     Megatron adapter resolves it once per layer)."""
-    shape = attention_shape(q, k, v)
-    _check_scale(softmax_scale)
-    kern = get_kernel(kernel, q.device)
     if comm is None:
         comm = group_communicator(group, settings.get("transport", "p2p") if mode == "tasp" else "p2p")
-    P = comm.world_size
-    mask, layout = attention_mask(P, shape, causal=causal, window=window, cu_seqlens=cu_seqlens, layout=layout)
-    if placement is None:
-        placement = _resolve(mode, P, shape, causal, tuple(sorted((k, _hashable(v)) for k, v in settings.items())))
-    elif placement.world_size != P:
-        raise ValueError(f"placement for {placement.world_size} ranks used on a CP group of {P}")
-    plan = _plan(placement, shape, mask, layout)
-    check_agreement(comm, plan, f", {placement.describe()}")
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(shape.head_dim)
-    return Prepared(plan, placement, comm, kern, float(scale))
+    with agreement.joined_on_error(comm):  # a rank whose input fails still joins the check: no rank waits for it
+        shape = attention_shape(q, k, v)
+        _check_scale(softmax_scale)
+        kern = get_kernel(kernel, q.device)
+        P = comm.world_size
+        mask, layout = attention_mask(P, shape, causal=causal, window=window, cu_seqlens=cu_seqlens, layout=layout)
+        if placement is None:
+            placement = _resolve(mode, P, shape, causal, tuple(sorted((k, _hashable(v)) for k, v in settings.items())))
+        elif placement.world_size != P:
+            raise ValueError(f"placement for {placement.world_size} ranks used on a CP group of {P}")
+        plan = _plan(placement, shape, mask, layout)
+    scale = float(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(shape.head_dim))
+    agreement.check(comm, agreement.Call(plan, placement, tuple(q.shape), tuple(k.shape), q.dtype, scale, kern))
+    return Prepared(plan, placement, comm, kern, scale)
 
 
 @lru_cache(maxsize=256)
 def _resolve(mode: str, P: int, shape: AttentionShape, causal: bool, settings: tuple) -> Placement:
     kw = dict(settings)
+    if mode == HYBRID_PREFIX + "tasp" and kw.get("transport", "p2p") != "p2p":
+        # the all-to-all transport needs every rank of the group in every round's collective, which
+        # only a plain TASP plan guarantees; a hybrid's inner rings always run point-to-point
+        raise ValueError(f"transport {kw['transport']!r} is not supported by {mode}: its inner TASP rings always run "
+                         "point-to-point (allowed: 'p2p'; the all-to-all transport is for mode 'tasp')")
     if mode == "mesh":
         kw.setdefault("causal", causal)  # tile "auto" is simulated for this mask
     return resolve(mode, P, shape, **kw)
@@ -386,7 +347,8 @@ def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, ulysses_siz
     brings the output back. Same input layout as the other modes (this rank's chunk over the
     whole CP group). Query heads must divide by ``ulysses_size``; KV heads must divide by it or
     divide it (then they are replicated). ``tile`` is the inner Mesh tile; ``gpus_per_node`` the
-    CP ranks per node; ``inner_settings`` go to the inner mode (e.g. ``schedule``).
+    CP ranks per node; ``inner_settings`` go to the inner mode (e.g. ``schedule``). The inner rings
+    run point-to-point: inner="tasp" with ``transport="alltoall"`` raises ValueError.
     """
     if inner not in ("mesh", "tasp", "ring"):
         raise ValueError(f"inner must be 'mesh', 'tasp' or 'ring', got {inner!r}")
@@ -404,13 +366,16 @@ def plan_attention(q: Tensor, k: Tensor, v: Tensor, plan: Plan, *, comm: Communi
                    softmax_scale: float | None = None, kernel: "str | BlockKernel" = "auto", timer=None) -> Tensor:
     """Run an explicit ``plan`` (e.g. one parsed from text with :meth:`Plan.from_text`) on this
     rank, differentiably. The plan must match the tensors' shape and the communicator."""
-    shape = attention_shape(q, k, v)
-    _check_scale(softmax_scale)
-    if plan.seq_local != shape.seq_local or plan.world_size != comm.world_size:
-        raise ValueError(f"plan for {plan.world_size} ranks x {plan.seq_local} tokens does not fit {comm.world_size} "
-                         f"ranks x {shape.seq_local} tokens")
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(shape.head_dim)
-    executor = Executor(plan, comm, get_kernel(kernel, q.device), float(scale), timer)
+    with agreement.joined_on_error(comm):
+        shape = attention_shape(q, k, v)
+        _check_scale(softmax_scale)
+        if plan.seq_local != shape.seq_local or plan.world_size != comm.world_size:
+            raise ValueError(f"plan for {plan.world_size} ranks x {plan.seq_local} tokens does not fit "
+                             f"{comm.world_size} ranks x {shape.seq_local} tokens")
+        kern = get_kernel(kernel, q.device)
+    scale = float(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(shape.head_dim))
+    agreement.check(comm, agreement.Call(plan, None, tuple(q.shape), tuple(k.shape), q.dtype, scale, kern))
+    executor = Executor(plan, comm, kern, scale, timer)
     return _PlanAttention.apply(q, k, v, executor)
 
 
