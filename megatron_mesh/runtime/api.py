@@ -213,7 +213,9 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None, 
     (see :func:`megatron_mesh.plan.modes.resolve`). ``placement`` skips the resolution (the
     Megatron adapter resolves it once per layer)."""
     if comm is None:
-        comm = group_communicator(group, settings.get("transport", "p2p") if mode == "tasp" else "p2p")
+        transport = settings.get("transport", "p2p") if mode == "tasp" else "p2p"
+        # an unknown transport is refused by the mode's resolve below, where every rank still joins the check
+        comm = group_communicator(group, transport if transport in TRANSPORTS else "p2p")
     with agreement.joined_on_error(comm):  # a rank whose input fails still joins the check: no rank waits for it
         shape = attention_shape(q, k, v)
         _check_scale(softmax_scale)
