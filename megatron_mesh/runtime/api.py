@@ -367,7 +367,9 @@ def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, ulysses_siz
 def plan_attention(q: Tensor, k: Tensor, v: Tensor, plan: Plan, *, comm: Communicator,
                    softmax_scale: float | None = None, kernel: "str | BlockKernel" = "auto", timer=None) -> Tensor:
     """Run an explicit ``plan`` (e.g. one parsed from text with :meth:`Plan.from_text`) on this
-    rank, differentiably. The plan must match the tensors' shape and the communicator."""
+    rank, differentiably. The plan must match the tensors' shape and the communicator; the ranks of
+    the communicator's group must pass the same plan, scale, dtype, shapes and kernel (checked on
+    every call, as for :func:`attention`)."""
     with agreement.joined_on_error(comm):
         shape = attention_shape(q, k, v)
         _check_scale(softmax_scale)
