@@ -126,7 +126,8 @@ class ThdLayout(_Positions):
 
     ``cu_seqlens_padded``: 0 = c0 < c1 < ... < cn, every length c(k+1) - ck divisible by 2P
     (Megatron's ``cu_seqlens_q_padded``); ``seq_lens``: the real (unpadded) length of each
-    sequence, <= its padded length (default: no padding). :meth:`documents` are the real tokens.
+    sequence, <= its padded length (default: no padding). Both hold integers (a float such as
+    16.5 or 16.0 is a ValueError, never truncated). :meth:`documents` are the real tokens.
 
     Example (P = 2, two sequences of 8 and 4 tokens, the second with 3 real tokens): rank 0 holds
     positions [0, 1, 6, 7, 8, 11], rank 1 [2, 3, 4, 5, 9, 10]; documents (0, 8), (8, 11).
