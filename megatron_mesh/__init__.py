@@ -29,7 +29,7 @@ _EXPORTS = {
     "zigzag_unshard": "megatron_mesh.runtime.api",
     "thd_shard": "megatron_mesh.runtime.api",
     "thd_unshard": "megatron_mesh.runtime.api",
-    "PlanMismatchError": "megatron_mesh.runtime.api",
+    "PlanMismatchError": "megatron_mesh.runtime.agreement",
     "ThdLayout": "megatron_mesh.plan.layout",
     "Mask": "megatron_mesh.plan.mask",
     "comm_counter": "megatron_mesh.comm.base",

@@ -1,23 +1,27 @@
-"""Hostile distributed calls, run in one spawned gloo group of 4 (see test_api_distributed.py):
-ranks that disagree on the plan, a rank calling with a group it is not in, and a process group
-destroyed and re-created with the ranks swapped."""
+"""Hostile distributed calls, run on the whole default group of the shared spawn (see
+test_api_distributed.py): ranks that disagree on the plan (mode, documents with a cached plan on
+some ranks and a new one on others, same-shape plans, softmax scale, dtype, local shape, window,
+a hybrid, the Megatron adapter's wrapped communicator, one rank's bad input), a rank calling with a
+group it is not in, and a process group destroyed and re-created with the ranks swapped."""
 
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 import torch.distributed as dist
 
 import megatron_mesh as mm
 from megatron_mesh.kernels import reference_attention
+from megatron_mesh.plan import Mask
 
 
-def _inputs(world: int, rank: int, T: int = 8, heads: int = 4, kv: int = 2):
+def _inputs(world: int, rank: int, T: int = 8, heads: int = 4, kv: int = 2, mask: Mask | None = None):
     g = torch.Generator().manual_seed(7)
     S = world * T
     full = [torch.randn(S, 1, h, 8, generator=g, dtype=torch.float64) for h in (heads, kv, kv)]
-    ref = reference_attention(*full)
+    ref = reference_attention(*full, mask=mask)
     return [mm.zigzag_shard(x, rank, world) for x in full], mm.zigzag_shard(ref, rank, world)
 
 
@@ -29,14 +33,70 @@ def _outcome(fn) -> str:
         return f"{type(e).__name__}: {e}"
 
 
+# documents of a 32-token sequence: B, C and D move A's first boundary by one or two tokens (under
+# ring, A's and B's transfers have the same shapes: a rank running the other plan would not fail)
+DOCS = {"A": [0, 13, 20, 32], "B": [0, 14, 20, 32], "C": [0, 12, 20, 32], "D": [0, 15, 20, 32]}
+
+
+def disagreements(rank: int, world: int) -> dict:
+    """Calls on which the ranks disagree, in order (plans built by earlier calls stay cached):
+    name -> (outcome on this rank, seconds). Each must raise on every rank; the "*_agree" calls
+    in between must run."""
+    from megatron_mesh.comm.torch_dist import TorchDistCommunicator
+    from megatron_mesh.megatron.telemetry import TimedCommunicator
+    from megatron_mesh.plan import AttentionShape, resolve
+
+    T = 32 // world
+    (q, k, v), _ = _inputs(world, rank, T=T)
+
+    def ring(odd: int, theirs: str, rest: str):  # rank `odd` passes documents `theirs`, the others `rest`
+        return lambda: mm.ring_attention(q, k, v, cu_seqlens=DOCS[theirs if rank == odd else rest])
+
+    half = (q.repeat(1, 2, 1, 1), k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1))  # batch 2
+    wide = tuple(torch.cat([x, x], dim=-1) for x in (q, k, v))  # head dim 16
+    shape = AttentionShape(T, 1, 4, 2, 8, 8)
+    adapter = TimedCommunicator(TorchDistCommunicator(None))  # what core_attention.py hands attention()
+    placement = resolve("mesh", world, shape, tile=(2, world // 2))
+    calls = {
+        "documents_agree_A": ring(0, "A", "A"),
+        "documents_cached_vs_new": ring(0, "A", "B"),  # rank 0 reuses A's plan, the others build B's
+        "documents_new_vs_cached": ring(0, "B", "A"),  # rank 0 builds B's plan, the others reuse A's
+        "documents_agree_B": ring(0, "B", "B"),
+        "documents_same_shape": ring(3, "B", "A"),  # both plans cached everywhere, same transfer shapes
+        "documents_unseen": ring(0, "C", "D"),  # new on every rank, different
+        "softmax_scale": lambda: mm.ring_attention(q, k, v, softmax_scale=0.5 if rank == 0 else None),
+        "dtype": lambda: mm.mesh_attention(*(x.bfloat16() if rank == 0 else x.float() for x in (q, k, v)),
+                                           tile=(2, world // 2)),
+        "local_shape": lambda: mm.mesh_attention(*(half if rank == 0 else wide if rank == 1 else (q, k, v)),
+                                                 tile=(2, world // 2)),
+        "window": lambda: mm.mesh_attention(q, k, v, tile=(2, world // 2), window=(3 if rank == 0 else 4, 0)),
+        "hybrid_agree": lambda: mm.hybrid_attention(q, k, v, ulysses_size=2, tile=(1, world // 2), window=(3, 0)),
+        "hybrid_window": lambda: mm.hybrid_attention(q, k, v, ulysses_size=2, tile=(1, world // 2),
+                                                     window=(4 if rank == world - 3 else 3, 0)),
+        "adapter": lambda: mm.attention(q, k, v, mode="mesh", placement=placement, comm=adapter,
+                                        cu_seqlens=DOCS["A" if rank else "B"]),
+        "bad_input_on_one_rank": lambda: mm.ring_attention(q, k, v, window=(-1, 0) if rank == 2 else None),
+    }
+    out = {}
+    for name, fn in calls.items():
+        start = time.perf_counter()
+        out[name] = (_outcome(fn), time.perf_counter() - start)
+    # the group still works, and the result is right
+    mask = Mask.from_cu_seqlens(DOCS["A"], 32)
+    (q, k, v), want = _inputs(world, rank, T=T, mask=mask)
+    out["after"] = (mm.ring_attention(q, k, v, cu_seqlens=DOCS["A"]) - want).abs().max().item(), 0.0
+    return out
+
+
 def hostile(rank: int, world: int) -> dict:
     """Runs on the whole default group (world >= 4, even); destroys and re-creates it at the end."""
     out = {}
     (q, k, v), _ = _inputs(world, rank)
     # 1. rank 0 asks for tile 2 x P/2, the others for 1 x P: every rank must raise at once, not hang
     out["disagree"] = _outcome(lambda: mm.mesh_attention(q, k, v, tile=(2, world // 2) if rank == 0 else (1, world)))
-    # the same call with matching settings still works afterwards (the check is per plan)
+    # the same call with matching settings still works afterwards
     out["agree"] = _outcome(lambda: mm.mesh_attention(q, k, v, tile=(1, world)))
+    out["disagreements"] = disagreements(rank, world)
     # 2. a group this rank is not in
     pair = dist.new_group([0, 1])
     if rank >= 2:

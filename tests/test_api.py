@@ -82,6 +82,7 @@ def test_output_has_q_shape_dtype_and_a_contiguous_layout():
     (dict(cu_seqlens=[0, 5]), r"to the global sequence length 8, got \[0, 5\]"),
     (dict(cu_seqlens=[0, 2.5, 8]), r"cu_seqlens must hold integers, got \[0, 2\.5, 8\]"),
     (dict(cu_seqlens=torch.tensor([0.0, 8.0])), r"cu_seqlens must be a 1-D integer tensor or sequence"),
+    (dict(cu_seqlens=torch.tensor([0, 8], device="meta")), r"cu_seqlens is on the meta device, which holds no values"),
     (dict(layout="thd"), r"layout must be None \(Megatron's zigzag\) or a megatron_mesh layout \(e.g. ThdLayout\), got "
                          r"str"),
     (dict(layout=ThdLayout(1, (0, 4, 10))), r"ThdLayout over 1 ranks x 10 tokens per rank does not match"),
@@ -99,6 +100,11 @@ def test_bad_options_raise_naming_the_value(bad, match):
      r"inner must be a mode with a Ulysses hybrid, one of mesh, tasp, ring; got 'a2a'"),
     (lambda: mm.hybrid_attention(*qkv(), ulysses_size=1, inner="ring", tile=(1, 1)),
      r"CP mode 'a2a\+ring' takes no setting tile"),
+    (lambda: mm.hybrid_attention(*qkv(), ulysses_size=1, inner="tasp", transport="alltoall"),
+     r"transport 'alltoall': CP mode 'a2a\+tasp' runs its all-to-all and the inner tasp rounds point-to-point "
+     r"\(allowed: 'p2p'\)"),
+    (lambda: mm.attention(*qkv(), mode="a2a+tasp", ulysses_size=1, transport="alltoall"),
+     r"transport 'alltoall': CP mode 'a2a\+tasp' runs its all-to-all"),
     (lambda: mm.attention(*qkv(), mode="ulysses"), r"unknown CP mode 'ulysses'; allowed: ring, mesh, tasp, a2a\+mesh"),
     (lambda: mm.attention(*qkv(), mode="ring", tile=(1, 1)), r"CP mode 'ring' takes no setting tile"),
     (lambda: mm.mesh_attention(*qkv(), cu_seqlens=[0, 8], layout=ThdLayout(1, (0, 8))),
@@ -107,6 +113,20 @@ def test_bad_options_raise_naming_the_value(bad, match):
 def test_bad_mode_options_raise_naming_the_value(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.parametrize("args, match", [
+    (((0, 16.5, 32),), r"cu_seqlens_padded must hold integers, got 16\.5 in \(0, 16\.5, 32\)"),
+    (((0, 16.0, 32),), r"cu_seqlens_padded must hold integers, got 16\.0"),
+    (((0, 16, 32), (16, 7.5)), r"seq_lens must hold integers, got 7\.5 in \(16, 7\.5\)"),
+    (((0, True, 2),), r"cu_seqlens_padded must hold integers, got True"),
+])
+def test_thd_layout_refuses_non_integer_boundaries(args, match):
+    """Never truncated (16.5 -> 16 would shift every later document); integer tensors and numpy
+    integers pass."""
+    with pytest.raises(ValueError, match=match):
+        ThdLayout(1, *args)
+    assert ThdLayout(1, torch.tensor([0, 16, 32]), torch.tensor([16, 7])) == ThdLayout(1, (0, 16, 32), (16, 7))
 
 
 def test_bad_tensors_raise_naming_the_value():
@@ -176,30 +196,104 @@ def test_comm_counter_is_zero_without_peers():
     assert (c.bytes_sent, c.bytes_received) == (0, 0)
 
 
-def test_plan_agreement_memory_stays_bounded(monkeypatch):
-    """Documents give every batch its own plan: the per-group record of plans already checked
-    across ranks keeps the most recent ones only, and a plan seen again is not re-gathered."""
-    from megatron_mesh.plan import AttentionShape, build_mesh_plan
-    from megatron_mesh.runtime import api
+class _Group:  # a process group stand-in for the agreement check (only its identity matters)
+    pass
 
-    class Group:  # a process group stand-in: only its identity matters here
-        pass
 
-    class Comm:
-        rank, process_group = 0, Group()
+class _Comm:
+    """Rank 0 of a 2-rank group for prepare() and the agreement check, without processes."""
 
-    gathers = []
+    rank, world_size, process_group = 0, 2, _Group()
+
+
+@pytest.fixture()
+def collectives(monkeypatch):
+    """The agreement check's collectives, recorded: all_reduce leaves the tensor as it is (every
+    rank agrees), all_gather_object (only on disagreement) gathers this rank's description."""
+    from megatron_mesh.runtime import agreement
+
+    seen = []
+
+    def all_reduce(t, op=None, group=None):
+        seen.append(("all_reduce", t.dtype, t.numel(), t.device.type))
 
     def all_gather_object(out, obj, group=None):
-        gathers.append(obj)
+        seen.append(("all_gather_object",))
         out[:] = [obj] * len(out)
 
-    monkeypatch.setattr(api.dist, "all_gather_object", all_gather_object)
-    shape = AttentionShape(seq_local=8, batch=1, heads=2, kv_heads=2, head_dim=8, itemsize=4)
-    plan = build_mesh_plan(2, (1, 2), shape)
-    comm = Comm()
-    for batch in range(api._AGREED_KEEP + 50):
-        api.check_agreement(comm, plan, extra=f" batch {batch}")
-    assert len(api._AGREED[comm.process_group]) == api._AGREED_KEEP
-    api.check_agreement(comm, plan, extra=f" batch {api._AGREED_KEEP + 49}")  # recent: no new gather
-    assert len(gathers) == api._AGREED_KEEP + 50
+    monkeypatch.setattr(agreement.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(agreement.dist, "all_gather_object", all_gather_object)
+    monkeypatch.setattr(agreement.dist, "get_backend", lambda group=None: "gloo")
+    return seen
+
+
+def _call(tensors=None, **kw):
+    """The agreement.Call that rank 0 of a 2-rank group makes (ring attention unless ``mode``)."""
+    from megatron_mesh.runtime import agreement
+    from megatron_mesh.runtime.api import prepare
+
+    q, k, v = tensors if tensors is not None else qkv(s=4)
+    kw.setdefault("mode", "ring")
+    p = prepare(q, k, v, comm=_Comm(), **kw)
+    return agreement.Call(p.plan, p.placement, tuple(q.shape), tuple(k.shape), q.dtype, p.scale, p.kernel)
+
+
+def test_every_call_is_checked_with_one_small_all_reduce(collectives):
+    """No per-rank cache: a plan reused from the cache is checked again (another rank may hold a
+    different one), each time with one all-reduce of two int64 -- nothing else while ranks agree."""
+    for _ in range(3):
+        _call(cu_seqlens=[0, 3, 8])
+    assert collectives == [("all_reduce", torch.int64, 2, "cpu")] * 3
+
+
+def test_the_check_can_be_turned_off(collectives, monkeypatch):
+    from megatron_mesh.runtime import agreement
+
+    monkeypatch.setenv(agreement.ENV, "0")
+    _call()
+    assert collectives == []
+    monkeypatch.setenv(agreement.ENV, "yes")
+    with pytest.raises(ValueError, match=r"MEGATRON_MESH_PLAN_AGREEMENT must be 1 \(check every attention call, the "
+                                         r"default\) or 0 \(no check\), got 'yes'"):
+        _call()
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(mode="mesh", tile=(2, 1)), "mode"),
+    (dict(mode="mesh", tile=(1, 2), schedule="lockstep"), "mode"),
+    (dict(backward_chunks="keep"), "settings"),
+    (dict(mode="tasp"), "mode"),
+    (dict(mode="tasp", transport="alltoall"), "mode"),
+    (dict(causal=False), "mask"),
+    (dict(window=(2, 0)), "mask"),
+    (dict(cu_seqlens=[0, 3, 8]), "documents"),
+    (dict(layout=ThdLayout(2, (0, 4, 8), (4, 3))), "documents"),
+    (dict(layout=ThdLayout(2, (0, 8))), "layout"),
+    (dict(softmax_scale=0.5), "softmax_scale"),
+    (dict(tensors=tuple(x.double() for x in qkv(s=4))), "dtype"),
+    (dict(tensors=qkv(s=6)), "local shape [s_local, batch, heads, head_dim]"),
+    (dict(tensors=qkv(s=4, b=1)), "local shape [s_local, batch, heads, head_dim]"),
+    (dict(tensors=qkv(s=4, h=2)), "local shape [s_local, batch, heads, head_dim]"),
+    (dict(tensors=qkv(s=4, g=1)), "local shape [s_local, batch, heads, head_dim]"),
+    (dict(tensors=qkv(s=4, d=16), softmax_scale=1 / 8 ** 0.5), "local shape [s_local, batch, heads, head_dim]"),
+    (dict(kernel="math"), "kernel"),
+])
+def test_the_fingerprint_covers_what_changes_the_result_or_the_traffic(collectives, change, field):
+    """Changing any one input of a call changes its digest, and the message names that field first."""
+    from megatron_mesh.runtime import agreement
+
+    base, other = _call(), _call(**change)
+    assert base.digest() != other.digest()
+    msg = agreement.mismatch_message([base.describe(), other.describe()])
+    assert f"result): {field}: rank 0: " in msg, msg
+
+
+def test_mismatch_message_names_ranks_and_the_first_differing_documents():
+    from megatron_mesh.runtime import agreement
+
+    many = tuple(f"{i}:{i + 1}" for i in range(1000))
+    moved = many[:500] + ("500:502",) + many[502:]  # rank 1 lost the boundary at 501
+    msg = agreement.mismatch_message([{"documents": d} for d in (many, moved, many, many)])
+    assert msg.endswith("documents: ranks 0, 2-3: 1000 [... (#497) 497:498 498:499 499:500 500:501 501:502 502:503 "
+                        "503:504 ...], rank 1: 999 [... (#497) 497:498 498:499 499:500 500:502 502:503 503:504 "
+                        "504:505 ...]"), msg

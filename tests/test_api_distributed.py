@@ -1,10 +1,17 @@
 """The API under hostile distributed use (the last part of the shared 8-rank spawn, see
-conftest.dist_results): ranks that disagree on the
-plan fail at once on every rank naming both plans, instead of hanging until gloo's 30-minute
-timeout; a rank passing a group it is not in gets an error naming the group; after
-destroy_process_group() and a new init with the ranks swapped, group=None means the new group."""
+conftest.dist_results): ranks that disagree on the call -- mode, documents (a cached plan on some
+ranks and a new one on others, or two cached plans whose transfers have the same shapes), softmax
+scale, dtype, local shape, window, a hybrid's window, through the Megatron adapter's wrapped
+communicator, one rank's bad input -- fail at once on every rank naming the difference, instead
+of hanging or returning a wrong result; a rank passing a group it is not in gets an error naming
+the group; after destroy_process_group() and a new init with the ranks swapped, group=None means
+the new group."""
 
 import pytest
+
+from api_cases import DOCS
+
+MISMATCH = "PlanMismatchError: the ranks of this CP group disagree on the attention plan"
 
 
 @pytest.fixture(scope="module")
@@ -15,9 +22,64 @@ def results(dist_results):
 def test_ranks_that_disagree_on_the_plan_fail_naming_both(results):
     for rank, r in enumerate(results):
         msg = r["disagree"]
-        assert msg.startswith("PlanMismatchError: the ranks of this CP group disagree on the attention plan"), msg
-        assert "mesh tile 2x4" in msg and "mesh tile 1x8" in msg, msg
+        assert msg.startswith(MISMATCH), msg
+        assert "mode: rank 0: mesh (CP 8, tile 2x4" in msg and "ranks 1-7: mesh (CP 8, tile 1x8" in msg, msg
         assert r["agree"] == "ok"
+
+
+def _docs(name: str) -> str:
+    cu = DOCS[name]
+    return f"3 [{' '.join(f'{a}:{b}' for a, b in zip(cu, cu[1:]))}]"
+
+
+# call -> what every rank's PlanMismatchError must name (api_cases.disagreements, P = 8)
+DIFFERENCES = {
+    "documents_cached_vs_new": f"documents: rank 0: {_docs('A')}, ranks 1-7: {_docs('B')}",
+    "documents_new_vs_cached": f"documents: rank 0: {_docs('B')}, ranks 1-7: {_docs('A')}",
+    "documents_same_shape": f"documents: ranks 0-2, 4-7: {_docs('A')}, rank 3: {_docs('B')}",
+    "documents_unseen": f"documents: rank 0: {_docs('C')}, ranks 1-7: {_docs('D')}",
+    "softmax_scale": "softmax_scale: rank 0: 0.5, ranks 1-7: 0.35355339059327373",
+    "dtype": "dtype: rank 0: bfloat16, ranks 1-7: float32",
+    # rank 1's head dim also changes its default softmax scale 1/sqrt(head_dim)
+    "local_shape": "local shape [s_local, batch, heads, head_dim]: rank 0: q [4, 2, 4, 8], k/v [4, 2, 2, 8], rank 1: "
+                   "q [4, 1, 4, 16], k/v [4, 1, 2, 16], ranks 2-7: q [4, 1, 4, 8], k/v [4, 1, 2, 8]; softmax_scale: "
+                   "ranks 0, 2-7: 0.35355339059327373, rank 1: 0.25",
+    "window": "mask: rank 0: causal,window=3:0, ranks 1-7: causal,window=4:0",
+    "hybrid_window": "mask: ranks 0-4, 6-7: causal,window=3:0, rank 5: causal,window=4:0",
+    "adapter": f"documents: rank 0: {_docs('B')}, ranks 1-7: {_docs('A')}",
+}
+
+
+@pytest.mark.parametrize("call", sorted(DIFFERENCES))
+def test_every_rank_raises_naming_the_difference(results, call):
+    """Each disagreement raises on every rank (none hangs, none returns) within seconds, and the
+    message names exactly what differs: the plan's digest and the placement's repr are left out
+    when a field they derive from differs."""
+    for rank, r in enumerate(results):
+        outcome, seconds = r["disagreements"][call]
+        assert outcome.startswith(MISMATCH), (rank, outcome)
+        assert outcome.endswith(": " + DIFFERENCES[call]), (rank, outcome)
+        assert seconds < 10, (rank, call, seconds)
+
+
+def test_agreeing_calls_between_the_disagreements_run(results):
+    for r in results:
+        d = r["disagreements"]
+        assert [d[name][0] for name in ("documents_agree_A", "documents_agree_B", "hybrid_agree")] == ["ok"] * 3
+        assert d["after"][0] < 1e-12  # the group is still usable and right after every disagreement
+
+
+def test_a_rank_with_bad_input_raises_it_and_the_others_name_it(results):
+    error = "ValueError: window left must be an int >= 0 or None (unlimited), got -1"
+    for rank, r in enumerate(results):
+        outcome, seconds = r["disagreements"]["bad_input_on_one_rank"]
+        if rank == 2:
+            assert outcome == error
+        else:
+            assert outcome == f"{MISMATCH} (each must pass the same mode, settings, mask, layout, dtype, local shape, " \
+                              f"softmax scale and kernel; running it would hang or return a wrong result): input: " \
+                              f"ranks 0-1, 3-7: valid, rank 2: raised {error}"
+        assert seconds < 10
 
 
 def test_a_rank_outside_the_group_is_told_so(results):

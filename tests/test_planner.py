@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import subprocess
 import sys
 import time
@@ -80,9 +81,12 @@ def test_cli_table_and_plot(capsys, tmp_path):
     (["--cp", "64", "--nodes", "2"], "does not fit 2 nodes x 8 GPUs"),
     (["--modes", "ring,bogus"], "unknown \\['bogus'\\]"),
     (["--heads", "32", "--kv-heads", "5"], "divisible by kv_heads"),
+    *[(["--seq-len", "8192", "--docs", spec], f"--docs '{re.escape(spec)}' must be fixed:N \\(an integer 1 <= N <= "
+       "--seq-len 8192\\) or lognormal:MEAN,SIGMA \\(finite numbers, 1 <= MEAN <= --seq-len 8192, SIGMA >= 0\\)")
+      for spec in ("lognormal:inf,1", "lognormal:nan,1", "lognormal:64,nan", "lognormal:64,1e308", "lognormal:0.5,1",
+                   "lognormal:9000,1", "fixed:100000", "fixed:0", "fixed:-3", "fixed:2.5", "fixed:", "poisson:4")],
 ])
 def test_cli_rejects_bad_input(capsys, argv, message):
-    import re
     assert main(argv) == 2
     assert re.search(message, capsys.readouterr().err)
 

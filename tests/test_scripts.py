@@ -1,8 +1,9 @@
 """The benchmark and comparison scripts end to end on tiny CPU shapes: scripts/bench_kernels.py
 (tiled plans vs the fused kernel), scripts/tasp_link_load.py (link load of ring vs TASP) and
 scripts/compare_attention.py (4 gloo processes). (scripts/bench_tasp_transport.py is a timing
-script of the same transports that test_tasp_attention.py checks; its spawn is left out to save
-the start-up time.)"""
+script of the same transports that test_tasp_attention.py checks, and scripts/bench_agreement.py
+one of the plan-agreement check that test_api.py and test_api_distributed.py check; their spawns
+are left out to save the start-up time.)"""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from typing import Optional
 from ..plan.modes import HYBRID_PREFIX, get_mode
 from . import TE_MODES, cp_modes, plugin_modes
 from .placement import layer_shape, resolve_placement
-from .settings import PluginSettings, flags, layer_modes, megatron_window, plugin_modes_of
+from .settings import PluginSettings, flags, layer_modes, plugin_modes_of
 
 __all__ = ["validate_args", "check_modes", "have_transformer_engine", "uses_plugin_spec", "documents_of"]
 
@@ -83,6 +83,7 @@ def validate_args(args, have_te: bool | None = None, *, entry_packs_documents: b
     active = set(modes) if cp > 1 else set()  # CP 1: Megatron's own attention, whatever the mode
     _check_applicable(args, cp, modes, active)
     _check_choices(args)
+    _check_window(args, cp, active)
     documents = documents_of(args, entry_packs_documents)
     if cp == 1 and documents and args.attention_dropout:
         raise ValueError(f"--attention-dropout {args.attention_dropout}: packed documents run the plugin's attention "
@@ -180,6 +181,45 @@ def _warn_per_rank_loss(args, cp: int) -> None:
                       "(add --calculate-per-token-loss to train as CP 1 does)", stacklevel=2)
 
 
+def _check_window(args, cp: int, active: set) -> None:
+    """--window-size LEFT,RIGHT (token counts >= 0, -1 unlimited) and --window-attn-skip-freq
+    (N >= 1: every N-th layer full attention; or a 0/1 list with one entry per layer), checked at
+    start-up naming the flag instead of failing while the model is built or training silently
+    with a misread window. Where the plugin's layers apply the window -- plugin modes at CP > 1,
+    and at CP 1 under the plugin's spec (Megatron's own attention has no window mask there) --
+    they are causal, so RIGHT must be 0 or -1, and attention dropout must be 0."""
+    window = getattr(args, "window_size", None)
+    skip = getattr(args, "window_attn_skip_freq", None)
+    if window is None:
+        return  # Megatron ignores --window-attn-skip-freq then
+    text = ",".join(str(w) for w in window)
+    if len(window) != 2:
+        raise ValueError(f"--window-size {text}: give two values LEFT,RIGHT (keys before and after a query; -1: "
+                         "unlimited), e.g. --window-size 4096,0")
+    for side, value in zip(("LEFT", "RIGHT"), window):
+        if value < -1:
+            raise ValueError(f"--window-size {text}: {side} {value} is not allowed; each side is a number of tokens "
+                             ">= 0, or -1 (unlimited)")
+    if isinstance(skip, int) and skip < 1:
+        raise ValueError(f"--window-attn-skip-freq {skip}: an integer N must be >= 1 (every N-th layer runs full "
+                         "attention), or give a list of 0/1 per layer, e.g. '[1,1,1,0]'")
+    if isinstance(skip, list):
+        if len(skip) != args.num_layers:
+            raise ValueError(f"--window-attn-skip-freq {skip}: the list needs one entry per layer ({args.num_layers} "
+                             f"layers, --num-layers), got {len(skip)}")
+        if any(v not in (0, 1) or isinstance(v, bool) for v in skip):
+            raise ValueError(f"--window-attn-skip-freq {skip}: entries must be 1 (sliding window) or 0 (full "
+                             "attention)")
+    plugin = (cp > 1 and active & set(plugin_modes())) or (cp == 1 and uses_plugin_spec(args))
+    if plugin and window[1] not in (-1, 0):  # GPT layers are causal: no later key is attended anyway
+        raise ValueError(f"--window-size {text}: the plugin's causal layers attend no later key, so the right side "
+                         "must be 0 (or -1, unlimited)")
+    if cp == 1 and plugin and args.attention_dropout:
+        raise ValueError(f"--attention-dropout {args.attention_dropout}: a sliding window runs the plugin's attention "
+                         "also at CP 1 (Megatron's own has no window mask there), which supports only 0 (pass "
+                         "--attention-dropout 0)")
+
+
 def _check_hierarchy(args, cp: int, active: set) -> None:
     """--hierarchical-context-parallel-sizes U M: the all-to-all x inner split of Transformer
     Engine's a2a+p2p and of the plugin's Ulysses hybrids; given where nothing uses it, or missing
@@ -246,12 +286,6 @@ def _check_plugin_layers(args, cp: int, active: set, entry_packs_documents: bool
         raise ValueError(f"--attention-backend {getattr(backend, 'name', backend)}: the {plugin} layers run the plugin's "
                          "own kernels (choose them with --cp-kernel-backend); --attention-backend selects Transformer "
                          "Engine's or Megatron's attention, which these layers do not use: leave it at auto")
-    window = getattr(args, "window_size", None)
-    if window is not None:
-        left, right = megatron_window(window)
-        if right not in (None, 0):  # GPT layers are causal: no later key is attended anyway
-            raise ValueError(f"--window-size {window[0]},{window[1]}: the plugin's causal layers attend no later key, so "
-                             "the right side must be 0 (or -1, unlimited)")
     softmax = getattr(args, "softmax_type", "vanilla")
     if softmax != "vanilla":
         raise ValueError(f"--softmax-type {softmax}: the plugin modes support only vanilla")

@@ -40,6 +40,7 @@ this protocol, so a new layout is one more class here.
 
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -158,6 +159,20 @@ class ZigzagLayout:
         return cls(int(f["P"]), int(f["S"]))
 
 
+def _integers(name: str, values) -> tuple[int, ...]:
+    """``values`` as ints; anything not an integer (16.5, 16.0, True) is refused, never truncated.
+    Integer scalars of other libraries (numpy, torch) pass through their ``__index__``."""
+    out = []
+    for v in values:
+        try:
+            if isinstance(v, bool):
+                raise TypeError
+            out.append(operator.index(v))
+        except TypeError:
+            raise ValueError(f"{name} must hold integers, got {v!r} in {values!r}") from None
+    return tuple(out)
+
+
 @register_layout("thd")
 @dataclass(frozen=True)
 class ThdLayout:
@@ -165,7 +180,8 @@ class ThdLayout:
 
     ``cu_seqlens_padded``: 0 = c0 < c1 < ... < cn, every length c(k+1) - ck divisible by 2P
     (Megatron's ``cu_seqlens_q_padded``); ``seq_lens``: the real (unpadded) length of each
-    sequence, <= its padded length (default: no padding). :meth:`documents` are the real tokens.
+    sequence, <= its padded length (default: no padding). Both hold integers (a float such as
+    16.5 or 16.0 is a ValueError, never truncated). :meth:`documents` are the real tokens.
 
     Example (P = 2, two sequences of 8 and 4 tokens, the second with 3 real tokens): rank 0 holds
     positions [0, 1, 6, 7, 8, 11], rank 1 [2, 3, 4, 5, 9, 10]; documents (0, 8), (8, 11).
@@ -176,7 +192,7 @@ class ThdLayout:
     seq_lens: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        P, cu = self.world_size, tuple(int(c) for c in self.cu_seqlens_padded)
+        P, cu = self.world_size, _integers("cu_seqlens_padded", self.cu_seqlens_padded)
         object.__setattr__(self, "cu_seqlens_padded", cu)
         if P < 1:
             raise ValueError(f"world_size must be >= 1, got {P}")
@@ -189,7 +205,7 @@ class ThdLayout:
         lens = self.seq_lens
         if lens is None:
             lens = tuple(b - a for a, b in zip(cu, cu[1:]))
-        lens = tuple(int(x) for x in lens)
+        lens = _integers("seq_lens", lens)
         if len(lens) != len(cu) - 1 or any(not 0 <= n <= b - a for n, a, b in zip(lens, cu, cu[1:])):
             raise ValueError(f"seq_lens {self.seq_lens!r} must give one length per sequence, each between 0 and its "
                              f"padded length {[b - a for a, b in zip(cu, cu[1:])]}")

@@ -10,18 +10,16 @@ never touches the data.
 
 One call: check the tensors and options (errors name the value and what is allowed) -> resolve
 the mode's :class:`~megatron_mesh.plan.Placement` -> the plan for (placement, shape, mask,
-layout) (cached) -> check once per process group that every rank runs the same plan -> the
-executor, forward under autograd, backward when autograd asks.
+layout) (cached) -> check that every rank of the group makes the same call (:mod:`.agreement`:
+one small all-reduce per call) -> the executor, forward under autograd, backward when autograd
+asks.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import numbers
-import weakref
-from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
@@ -41,15 +39,13 @@ from ..plan.modes import HYBRID_PREFIX, MODES, TRANSPORTS, Placement, resolve
 from ..plan.problem import normalize
 from ..plan.shape import AttentionShape
 from ..plan.validate import validate_plan
+from . import agreement
+from .agreement import PlanMismatchError
 from .executor import Executor
 
 __all__ = ["attention", "mesh_attention", "ring_attention", "tasp_attention", "hybrid_attention", "plan_attention",
            "forward_backward", "zigzag_shard", "zigzag_unshard", "thd_shard", "thd_unshard", "attention_shape",
            "group_communicator", "attention_mask", "PlanMismatchError"]
-
-
-class PlanMismatchError(RuntimeError):
-    """The ranks of one CP group called attention with different plans (they would hang)."""
 
 
 # -- input checks -------------------------------------------------------------------------------------
@@ -118,6 +114,9 @@ def attention_mask(world_size: int, shape: AttentionShape, *, causal: bool = Tru
     mask = Mask(causal, window)
     if cu_seqlens is not None:
         if isinstance(cu_seqlens, Tensor):
+            if cu_seqlens.device.type == "meta":
+                raise ValueError(f"cu_seqlens is on the {cu_seqlens.device} device, which holds no values: pass the "
+                                 "document boundaries on the CPU or the inputs' device")
             if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
                 raise ValueError(f"cu_seqlens must be a 1-D integer tensor or sequence, got {cu_seqlens!r}")
             cu_seqlens = cu_seqlens.tolist()
@@ -127,7 +126,7 @@ def attention_mask(world_size: int, shape: AttentionShape, *, causal: bool = Tru
     return normalize(world_size, shape, mask, layout)
 
 
-# -- communicators and plan agreement -------------------------------------------------------------------
+# -- communicators --------------------------------------------------------------------------------------
 class _SingleRank(Communicator):
     rank, world_size = 0, 1
 
@@ -146,49 +145,6 @@ def group_communicator(group, transport: str = "p2p") -> Communicator:
     if transport == "alltoall":
         return AllToAllCommunicator(group)
     return TorchDistCommunicator(group)
-
-
-_AGREED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # process group -> fingerprints checked
-# the most recent fingerprints kept per group: documents give every batch its own plan, so the set
-# of checked plans must not grow with the number of training steps
-_AGREED_KEEP = 256
-
-
-def plan_fingerprint(plan: Plan, extra: str = "") -> str:
-    """A short digest of what every rank must agree on (mode, sizes, tile, mask, layout, options)."""
-    text = f"{plan.header()}|{plan.mask.text()}|{plan.layout.text()}|{extra}"
-    return hashlib.sha1(text.encode()).hexdigest()[:12] + " " + _describe(plan, extra)
-
-
-def _describe(plan: Plan, extra: str) -> str:
-    tile = f" tile {plan.tile[0]}x{plan.tile[1]}" if plan.tile else ""
-    return f"[{plan.mode}{tile}, {plan.world_size} ranks x {plan.seq_local} tokens, {plan.mask.summary()}{extra}]"
-
-
-def check_agreement(comm: Communicator, plan: Plan, extra: str = "") -> None:
-    """Raise :class:`PlanMismatchError` on every rank if the ranks of ``comm``'s group hold
-    different plans -- once per (process group, plan): one small all-gather instead of a hang
-    until the transport's timeout."""
-    group = getattr(comm, "process_group", None)
-    if group is None or plan.world_size == 1:
-        return
-    fp = plan_fingerprint(plan, extra)
-    seen = _AGREED.setdefault(group, OrderedDict())
-    if fp in seen:
-        seen.move_to_end(fp)
-        return
-    gathered: list = [None] * plan.world_size
-    dist.all_gather_object(gathered, fp, group=group)
-    if any(g != fp for g in gathered):
-        mine = gathered[comm.rank]
-        other = next(g for g in gathered if g != mine)
-        ranks = [r for r, g in enumerate(gathered) if g == other]
-        raise PlanMismatchError(f"the ranks of this CP group disagree on the attention plan: rank {comm.rank} runs "
-                                f"{mine.split(' ', 1)[1]}, ranks {ranks} run {other.split(' ', 1)[1]} (same "
-                                "mode, settings, sequence length and mask needed on every rank)")
-    seen[fp] = None
-    if len(seen) > _AGREED_KEEP:
-        seen.popitem(last=False)
 
 
 # -- the autograd function ------------------------------------------------------------------------------
@@ -254,23 +210,24 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None, 
     """Check everything and build (or fetch) the plan of one call; ``settings`` go to the mode
     (see :func:`megatron_mesh.plan.resolve`). ``placement`` skips the resolution (the
     Megatron adapter resolves it once per layer)."""
-    shape = attention_shape(q, k, v)
-    _check_scale(softmax_scale)
-    kern = get_kernel(kernel, q.device)
     own = group_communicator(group) if comm is None else comm  # also checks this rank is in the group
-    P = own.world_size
-    mask, layout = attention_mask(P, shape, causal=causal, window=window, cu_seqlens=cu_seqlens, layout=layout)
-    if placement is None:
-        placement = _resolve(mode, P, shape, Mask(mask.causal), tuple(sorted((k, _hashable(v))
-                                                                              for k, v in settings.items())))
-    elif placement.world_size != P:
-        raise ValueError(f"placement for {placement.world_size} ranks used on a CP group of {P}")
+    with agreement.joined_on_error(own):  # a rank whose input fails still joins the check: no rank waits for it
+        shape = attention_shape(q, k, v)
+        _check_scale(softmax_scale)
+        kern = get_kernel(kernel, q.device)
+        P = own.world_size
+        mask, layout = attention_mask(P, shape, causal=causal, window=window, cu_seqlens=cu_seqlens, layout=layout)
+        if placement is None:
+            placement = _resolve(mode, P, shape, Mask(mask.causal), tuple(sorted((k, _hashable(v))
+                                                                                  for k, v in settings.items())))
+        elif placement.world_size != P:
+            raise ValueError(f"placement for {placement.world_size} ranks used on a CP group of {P}")
+        plan = _plan(placement, shape, mask, layout)
     if comm is None:
         comm = own if placement.transport == "p2p" else group_communicator(group, placement.transport)
-    plan = _plan(placement, shape, mask, layout)
-    check_agreement(comm, plan, f", {placement.describe()}")
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(shape.head_dim)
-    return Prepared(plan, placement, comm, kern, float(scale))
+    scale = float(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(shape.head_dim))
+    agreement.check(comm, agreement.Call(plan, placement, tuple(q.shape), tuple(k.shape), q.dtype, scale, kern))
+    return Prepared(plan, placement, comm, kern, scale)
 
 
 @lru_cache(maxsize=256)
@@ -383,7 +340,8 @@ def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, ulysses_siz
     brings the output back. Same input layout as the other modes (this rank's chunk over the
     whole CP group). Query heads must divide by ``ulysses_size``; KV heads must divide by it or
     divide it (then they are replicated). ``tile`` is the inner Mesh tile; ``gpus_per_node`` the
-    CP ranks per node; ``inner_settings`` go to the inner mode (e.g. ``schedule``).
+    CP ranks per node; ``inner_settings`` go to the inner mode (e.g. ``schedule``). The inner rings
+    run point-to-point: inner="tasp" with ``transport="alltoall"`` raises ValueError.
     """
     mode = HYBRID_PREFIX + str(inner)
     if mode not in MODES:
@@ -401,14 +359,19 @@ def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, ulysses_siz
 def plan_attention(q: Tensor, k: Tensor, v: Tensor, plan: Plan, *, comm: Communicator,
                    softmax_scale: float | None = None, kernel: "str | BlockKernel" = "auto", timer=None) -> Tensor:
     """Run an explicit ``plan`` (e.g. one parsed from text with :meth:`Plan.from_text`) on this
-    rank, differentiably. The plan must match the tensors' shape and the communicator."""
-    shape = attention_shape(q, k, v)
-    _check_scale(softmax_scale)
-    if plan.seq_local != shape.seq_local or plan.world_size != comm.world_size:
-        raise ValueError(f"plan for {plan.world_size} ranks x {plan.seq_local} tokens does not fit {comm.world_size} "
-                         f"ranks x {shape.seq_local} tokens")
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(shape.head_dim)
-    executor = Executor(plan, comm, get_kernel(kernel, q.device), float(scale), timer)
+    rank, differentiably. The plan must match the tensors' shape and the communicator; the ranks of
+    the communicator's group must pass the same plan, scale, dtype, shapes and kernel (checked on
+    every call, as for :func:`attention`)."""
+    with agreement.joined_on_error(comm):
+        shape = attention_shape(q, k, v)
+        _check_scale(softmax_scale)
+        if plan.seq_local != shape.seq_local or plan.world_size != comm.world_size:
+            raise ValueError(f"plan for {plan.world_size} ranks x {plan.seq_local} tokens does not fit "
+                             f"{comm.world_size} ranks x {shape.seq_local} tokens")
+        kern = get_kernel(kernel, q.device)
+    scale = float(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(shape.head_dim))
+    agreement.check(comm, agreement.Call(plan, None, tuple(q.shape), tuple(k.shape), q.dtype, scale, kern))
+    executor = Executor(plan, comm, kern, scale, timer)
     return _PlanAttention.apply(q, k, v, executor)
 
 

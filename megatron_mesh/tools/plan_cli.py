@@ -64,7 +64,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="sliding window: a query attends keys at most L before (and R after, non-causal) it")
     g.add_argument("--docs", default=None, metavar="SPEC",
                    help="packed documents: fixed:N (every document N tokens) or lognormal:MEAN,SIGMA (lengths "
-                        "drawn with mean MEAN tokens)")
+                        "drawn with mean MEAN tokens); N and MEAN at most --seq-len, the last document is cut where "
+                        "the sequence ends")
     g.add_argument("--seed", type=int, default=0, help="random seed of --docs lognormal")
     t = p.add_argument_group("machine (defaults: H100 SXM5, NVLink 4, one 400 Gb/s NIC per GPU)")
     t.add_argument("--nodes", type=int, default=None, help="nodes U (default: ceil(P / gpus-per-node))")
@@ -131,26 +132,36 @@ def _mask(args) -> Mask | None:
 
 def document_bounds(spec: str, seq_len: int, seed: int = 0) -> list[int]:
     """cu_seqlens of documents packed into ``seq_len`` tokens: ``fixed:N`` or
-    ``lognormal:MEAN,SIGMA`` (lengths drawn from a log-normal with that mean, at least 1; the
-    last document is cut at ``seq_len``)."""
+    ``lognormal:MEAN,SIGMA`` (lengths drawn from a log-normal with that mean, at least 1 and at
+    most ``seq_len``). The last document is cut where the sequence ends, as a packing data loader
+    cuts it; a length longer than the whole sequence (N or MEAN > ``seq_len``) is refused, since
+    it would leave no document boundary at all.
+
+    >>> document_bounds("fixed:3", 8)
+    [0, 3, 6, 8]
+    """
     kind, _, val = spec.partition(":")
+    allowed = (f"must be fixed:N (an integer 1 <= N <= --seq-len {seq_len}) or lognormal:MEAN,SIGMA (finite numbers, "
+               f"1 <= MEAN <= --seq-len {seq_len}, SIGMA >= 0)")
     try:
         if kind == "fixed":
             n = int(val)
-            if n < 1:
+            if not 1 <= n <= seq_len:
                 raise ValueError
             draw = lambda: n  # noqa: E731
         elif kind == "lognormal":
             mean, sigma = (float(x) for x in val.split(","))
-            if mean < 1 or sigma < 0:
+            if not (math.isfinite(mean) and math.isfinite(sigma) and 1 <= mean <= seq_len and sigma >= 0):
+                raise ValueError
+            mu = math.log(mean) - sigma * sigma / 2  # so that the mean length is `mean`
+            if not math.isfinite(mu):  # SIGMA so large its square overflows
                 raise ValueError
             rng = random.Random(seed)
-            mu = math.log(mean) - sigma * sigma / 2  # so that the mean length is `mean`
-            draw = lambda: max(1, round(rng.lognormvariate(mu, sigma)))  # noqa: E731
+            draw = lambda: min(seq_len, max(1, round(rng.lognormvariate(mu, sigma))))  # noqa: E731
         else:
             raise ValueError
     except ValueError:
-        raise ValueError(f"--docs {spec!r} must be fixed:N (N >= 1) or lognormal:MEAN,SIGMA (MEAN >= 1, SIGMA >= 0)")
+        raise ValueError(f"--docs {spec!r} {allowed}") from None
     cu = [0]
     while cu[-1] < seq_len:
         cu.append(min(seq_len, cu[-1] + draw()))

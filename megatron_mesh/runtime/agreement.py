@@ -1,0 +1,261 @@
+"""Plan agreement: on every attention call, the ranks of the CP group check that they run the same call.
+
+Why: the executor trusts that every rank of the group walks the same plan -- the same rounds,
+transfers and shapes. Ranks that disagree hang (a transfer one side never posts), abort inside the
+transport (gloo's C++ size check), or, worst, return a wrong result without an error (two plans
+whose transfers have the same shapes; a different softmax scale). With packed documents every
+batch brings a new plan, so a single data-loader bug is enough -- and a rank that reuses a cached
+plan must be checked as much as one that built a new one, so nothing here is cached per rank.
+
+How: each rank digests what must agree (:class:`Call`) into a 63-bit integer ``d``. One
+all-reduce MAX of the int64 pair ``[d, -d]`` gives every rank the largest digest of the group and
+minus the smallest: ``max == min`` (the same on every rank) means all agree, and the call runs.
+Only when they differ do the ranks gather their descriptions (``all_gather_object``) to name the
+difference, and every rank raises :class:`PlanMismatchError` with the same message -- before any
+transfer is posted, so none hangs and none returns.
+
+Worked example (4 ranks; rank 0 passes ``softmax_scale=0.5``, the others the default 1/sqrt(32)):
+d0 != d1 = d2 = d3, so max != min on every rank, the descriptions are gathered and every rank
+raises::
+
+    PlanMismatchError: the ranks of this CP group disagree on the attention plan (...):
+    softmax_scale: rank 0: 0.5, ranks 1-3: 0.17677669529663687
+
+What a call's digest covers: the mode and every placement setting (tile, schedule, backward
+chunks, rank order, ranks per node, transport, all-to-all degree, the inner placement), the mask
+(causal, window, documents), the layout (zigzag, or THD's padded sequences), the local shape
+(s_local, batch, heads, kv heads, head dim), the dtype, the softmax scale, the kernel, and the
+plan itself (a digest of its structure, computed once per plan object).
+
+Cost: one 16-byte all-reduce per call, on the group backend's device (CPU for gloo; for NCCL a
+CUDA tensor whose result the host reads: one stream synchronisation per call). Measured on CPU
+with ``scripts/bench_agreement.py`` (docs/performance.md). ``MEGATRON_MESH_PLAN_AGREEMENT=0``
+turns the check off (no collective at all; ranks that disagree then hang or return wrong
+results); ``1`` (the default) checks every call. Communicators without a ``process_group``
+(in-process test transports) and single-rank groups are not checked.
+
+A rank whose own input checks fail still joins the check, describing itself by its error
+(:func:`joined_on_error`), before raising that error: the other ranks raise PlanMismatchError
+naming it instead of waiting for that rank in their first transfer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from ..plan.ir import Plan
+from ..plan.mask import Mask
+
+__all__ = ["PlanMismatchError", "Call", "check", "joined_on_error", "enabled", "plan_digest", "mismatch_message",
+           "ENV"]
+
+ENV = "MEGATRON_MESH_PLAN_AGREEMENT"
+
+
+class PlanMismatchError(RuntimeError):
+    """The ranks of one CP group called attention with different plans, settings or inputs
+    (they would hang or return a wrong result)."""
+
+
+def enabled() -> bool:
+    """Whether calls are checked (``MEGATRON_MESH_PLAN_AGREEMENT``: 1, the default, or 0)."""
+    value = os.environ.get(ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV} must be 1 (check every attention call, the default) or 0 (no check), got {value!r}")
+    return value == "1"
+
+
+_PLAN_DIGESTS: "weakref.WeakKeyDictionary[Plan, str]" = weakref.WeakKeyDictionary()
+
+
+def plan_digest(plan: Plan) -> str:
+    """A digest of the plan's structure (mode, sizes, tile, schedule, mask, layout, rings,
+    options), once per plan object: every batch with documents brings a new plan, but a plan
+    reused by several calls (or layers) is digested once."""
+    d = _PLAN_DIGESTS.get(plan)
+    if d is None:
+        text = f"{plan.header()}|{plan.mask.text()}|{plan.layout.text()}|{plan.rings}"
+        d = _PLAN_DIGESTS[plan] = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+    return d
+
+
+def _short(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
+def _kernel_text(kernel) -> str:
+    """The kernel's identity: its class and the op it was asked for (``name`` changes as it runs)."""
+    op = "auto" if getattr(kernel, "auto", False) else getattr(kernel, "op", None)
+    return type(kernel).__name__ + (f" {op}" if op else "")
+
+
+@dataclass(frozen=True)
+class Call:
+    """What every rank of the group must agree on for one attention call (see the module docstring).
+
+    ``placement`` is None for an explicit plan (:func:`megatron_mesh.runtime.api.plan_attention`)."""
+
+    plan: Plan
+    placement: object
+    q_shape: tuple
+    kv_shape: tuple
+    dtype: torch.dtype
+    scale: float
+    kernel: object
+
+    def digest(self) -> int:
+        """63 bits (so that the negated digest is an int64 too)."""
+        key = (plan_digest(self.plan), repr(self.placement), self.q_shape, self.kv_shape, str(self.dtype),
+               repr(float(self.scale)), _kernel_text(self.kernel))
+        return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "little") >> 1
+
+    def describe(self) -> dict:
+        """Field -> value, for naming what differs (built only when the ranks disagree)."""
+        plan, p = self.plan, self.placement
+        if p is not None:
+            mode = p.describe()
+        else:
+            mode = f"{plan.mode} plan" + (f" tile {plan.tile[0]}x{plan.tile[1]}" if plan.tile else "")
+        mask = plan.mask
+        layout = plan.layout
+        return {
+            "input": "valid",
+            "mode": mode,
+            "settings": repr(p) if p is not None else "explicit plan",
+            "mask": Mask(mask.causal, mask.window).text(),
+            "documents": tuple(f"{a}:{b}" for a, b in mask.documents) if mask.documents is not None else "none",
+            "local shape [s_local, batch, heads, head_dim]": f"q {list(self.q_shape)}, k/v {list(self.kv_shape)}",
+            "layout": _short(layout.text()),
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "softmax_scale": repr(float(self.scale)),
+            "kernel": _kernel_text(self.kernel),
+            "plan": f"{plan.mode} over {plan.world_size} ranks x {plan.seq_local} tokens, digest {plan_digest(plan)}",
+        }
+
+
+# -- the collective ----------------------------------------------------------------------------------------
+_DEVICES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # process group -> device of the check
+
+
+def _group(comm):
+    """The live process group of ``comm`` (a wrapper such as Megatron's timed communicator
+    forwards the attribute), or None where the check does not apply."""
+    if comm.world_size == 1 or not enabled():
+        return None
+    return getattr(comm, "process_group", None)
+
+
+def _device(group) -> torch.device:
+    """Where the check's tensor lives: CUDA for an NCCL group, else the CPU -- chosen from the
+    group alone, so every rank picks the same, whatever its inputs."""
+    device = _DEVICES.get(group)
+    if device is None:
+        nccl = dist.get_backend(group) == "nccl"
+        device = _DEVICES[group] = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    return device
+
+
+def _agree(group, world_size: int, digest: int, describe) -> None:
+    t = torch.tensor([digest, -digest], dtype=torch.int64, device=_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    top, neg_bottom = t.tolist()
+    if top == -neg_bottom:  # the same on every rank: they all return, or all gather below
+        return
+    gathered: list = [None] * world_size
+    dist.all_gather_object(gathered, describe(), group=group)
+    raise PlanMismatchError(mismatch_message(gathered))
+
+
+def check(comm, call: Call) -> None:
+    """Raise :class:`PlanMismatchError` on every rank of ``comm``'s group unless all ranks make
+    the same ``call`` (one small all-reduce; see the module docstring)."""
+    group = _group(comm)
+    if group is not None:
+        _agree(group, comm.world_size, call.digest(), call.describe)
+
+
+@contextmanager
+def joined_on_error(comm) -> Iterator[None]:
+    """Run the block; if it raises on this rank, join the group's check first, described by the
+    error (so the ranks that did not fail raise PlanMismatchError naming it instead of hanging),
+    then re-raise it here."""
+    try:
+        yield
+    except Exception as e:
+        group = _group(comm)
+        if group is not None:
+            what = f"raised {type(e).__name__}: {e}"
+            try:
+                _agree(group, comm.world_size, int.from_bytes(hashlib.blake2b(what.encode(), digest_size=8).digest(),
+                                                              "little") >> 1, lambda: {"input": what})
+            except PlanMismatchError:
+                pass  # this rank's own error says more; the others raise theirs
+        raise
+
+
+# -- naming the difference ----------------------------------------------------------------------------------
+def _ranks(ranks: list[int]) -> str:
+    """'rank 3', 'ranks 1-3', 'ranks 0, 2-3'."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and runs[-1][1] == r - 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
+
+
+def _items(value, first: int, keep: int = 3) -> str:
+    """A list field (documents) as its count and the items around the first difference ``first``."""
+    if len(value) <= 2 * keep + 1:
+        shown = " ".join(value)
+    else:
+        lo = max(0, min(first - keep, len(value) - 2 * keep - 1))
+        hi = lo + 2 * keep + 1
+        shown = ("... " if lo else "") + f"(#{lo}) " + " ".join(value[lo:hi]) + (" ..." if hi < len(value) else "")
+    return f"{len(value)} [{shown}]"
+
+
+def _first_difference(values: list) -> int:
+    seqs = [v for v in values if isinstance(v, tuple)]
+    n = min(len(s) for s in seqs)
+    return next((i for i in range(n) if len({s[i] for s in seqs}) > 1), n)
+
+
+def mismatch_message(descriptions: list[dict]) -> str:
+    """Every field on which the ranks' descriptions differ, each with its values and the ranks
+    holding them, e.g. ``softmax_scale: rank 0: 0.5, ranks 1-3: 0.1767...``.
+
+    >>> mismatch_message([{"dtype": "bfloat16"}, {"dtype": "float32"}, {"dtype": "float32"}]).endswith(
+    ...     "dtype: rank 0: bfloat16, ranks 1-2: float32")
+    True
+    """
+    fields = [f for f in descriptions[0] if all(f in d for d in descriptions)]
+    differ = [f for f in fields if len({d[f] for d in descriptions}) > 1]
+    # derived fields add nothing once what they derive from differs: the settings' repr after the
+    # modes' descriptions, the plan's digest after anything else
+    if "mode" in differ and "settings" in differ:
+        differ.remove("settings")
+    if "plan" in differ and len(differ) > 1:
+        differ.remove("plan")
+    parts = []
+    for f in differ:
+        values = [d[f] for d in descriptions]
+        holders: dict = {}
+        for r, v in enumerate(values):
+            holders.setdefault(v, []).append(r)
+        first = _first_difference(values) if any(isinstance(v, tuple) for v in values) else 0
+        parts.append(f"{f}: " + ", ".join(f"{_ranks(rs)}: {_items(v, first) if isinstance(v, tuple) else v}"
+                                          for v, rs in holders.items()))
+    return ("the ranks of this CP group disagree on the attention plan (each must pass the same mode, settings, "
+            "mask, layout, dtype, local shape, softmax scale and kernel; running it would hang or return a wrong "
+            "result): " + "; ".join(parts))
