@@ -43,6 +43,7 @@ class Case:
     window: tuple | None = None
     cu_seqlens: tuple | None = None
     thd: tuple | None = None
+    balanced: int = 0  # > 0: the documents cu_seqlens on balanced_layout(..., group=balanced)
     seq_local: int = 8
     batch: int = 1
     head_dim: int = 16
@@ -56,6 +57,8 @@ class Case:
             mask += f" docs={list(self.cu_seqlens)}"
         if self.thd:
             mask += f" thd={list(self.thd[0])}/{list(self.thd[1])}"
+        if self.balanced:
+            mask += f" balanced (group {self.balanced})"
         return (f"P={self.world} {self.mode} {st} heads={self.heads}/{self.kv_heads} {str(self.dtype)[6:]} "
                 f"{mask}").replace("  ", " ")
 
@@ -72,6 +75,8 @@ class Record:
 
 
 def _layout(c: Case):
+    if c.balanced:
+        return mm.balanced_layout(c.cu_seqlens, c.world, causal=c.causal, window=c.window, group=c.balanced)
     return None if c.thd is None else ThdLayout(c.world, c.thd[0], c.thd[1])
 
 
@@ -96,10 +101,11 @@ def run(rank: int, c: Case, group) -> Record:
     Qr, Kr, Vr = (x.clone().requires_grad_() for x in (Q, K, V))
     ref = reference_attention(Qr, Kr, Vr, mask=_mask(c, S))
     ref.backward(dO)
-    shard = (lambda x: mm.zigzag_shard(x, rank, c.world)) if layout is None else (lambda x: mm.thd_shard(x, rank, layout))
+    shard = (lambda x: mm.zigzag_shard(x, rank, c.world)) if layout is None else (
+        lambda x: mm.layout_shard(x, rank, layout))
     q, k, v = (shard(x).to(c.dtype).requires_grad_() for x in (Q, K, V))
-    kw = dict(causal=c.causal, window=c.window, cu_seqlens=list(c.cu_seqlens) if c.cu_seqlens else None,
-              layout=layout, **dict(c.settings))
+    documents = list(c.cu_seqlens) if c.cu_seqlens and not c.balanced else None  # a balanced layout brings its own
+    kw = dict(causal=c.causal, window=c.window, cu_seqlens=documents, layout=layout, **dict(c.settings))
     with mm.comm_counter() as counter:
         out = mm.attention(q, k, v, mode=c.mode, group=group, **kw)
         out.backward(shard(dO).to(c.dtype))
@@ -208,6 +214,45 @@ def hybrid_grid(rank: int, world: int, group=None) -> list[Record]:
     return out
 
 
+def balanced_documents(world: int, T: int, variant: int) -> tuple:
+    """Documents for the balanced layout: one-token documents, one document, documents longer than
+    S / P, a mix (deterministic per variant)."""
+    import random
+
+    S = world * T
+    if variant % 4 == 0:
+        return (0, S)
+    if variant % 4 == 1:
+        return tuple(range(0, S, 1 if world < 4 else 2)) + (S,)
+    rng = random.Random(variant * 101 + world)
+    cu = [0]
+    while cu[-1] < S:
+        cu.append(min(S, cu[-1] + (rng.randint(1, 3) if variant % 4 == 2 else rng.randint(1, 3 * T))))
+    return tuple(cu)
+
+
+def balanced_grid(rank: int, world: int, group=None) -> list[Record]:
+    """The work-balanced layout (issue 19): every plan-based mode on it -- ring, Mesh (auto and a
+    2-row tile), TASP, and at even CP sizes the hybrids on a layout balanced per Ulysses group --
+    under four document sets and windows, MHA / GQA / MQA, fp32 and bf16."""
+    T = 2 * max(world, 3)
+    out, n = [], 0
+    modes = [("ring", (), 0), ("mesh", (("tile", "auto"),), 0), ("tasp", (), 0)]
+    two_rows = next((t for t in tile_shapes(world) if t[0] == 2), None)
+    if two_rows:
+        modes.append(("mesh", (("tile", two_rows),), 0))
+    if world % 2 == 0 and world > 2:
+        modes += [("a2a+ring", (("ulysses_size", 2),), 2), ("a2a+mesh", (("ulysses_size", 2),), 2)]
+    for mode, settings, group_size in modes:
+        for _ in range(2):
+            heads, kv, dtype = COMBOS[n % len(COMBOS)]
+            window = (None, (2, 0), (T, 0))[n % 3]
+            out.append(run(rank, Case(world, mode, settings, heads, kv, dtype, window=window, seq_local=T,
+                                      cu_seqlens=balanced_documents(world, T, n), balanced=group_size or 1), group))
+            n += 1
+    return out
+
+
 def all_cases(rank: int, world: int) -> dict:
     """Everything in one 8-rank spawn; the hostile API cases (api_cases) last, because they
     destroy and re-create the default process group."""
@@ -216,6 +261,7 @@ def all_cases(rank: int, world: int) -> dict:
 
     out = {"masked": in_subgroups(rank, world, masked_grid),
            "halo": in_subgroups(rank, world, halo_cases, phases=((8,),)),
-           "hybrid": in_subgroups(rank, world, hybrid_grid, phases=((8,), (6, 2), (4, 4)))}
+           "hybrid": in_subgroups(rank, world, hybrid_grid, phases=((8,), (6, 2), (4, 4))),
+           "balanced": in_subgroups(rank, world, balanced_grid)}
     out["hostile"] = api_cases.hostile(rank, world)
     return out

@@ -186,7 +186,7 @@ def test_thd_shard_is_transformer_engines_partition():
     chunks = [mm.thd_shard(x, r, layout) for r in range(P)]
     assert [c.tolist() for c in chunks] == want
     assert torch.equal(mm.thd_unshard(chunks, layout), x)
-    with pytest.raises(ValueError, match=r"tensor has 23 tokens along dim 0, the THD layout 24"):
+    with pytest.raises(ValueError, match=r"tensor has 23 tokens along dim 0, the ThdLayout 24"):
         mm.thd_shard(x[:23], 0, layout)
 
 

@@ -20,7 +20,7 @@ from megatron_mesh.plan import AttentionShape, mesh_bytes_formula
 @pytest.fixture(scope="module")
 def results(dist_results):
     per_rank = dist_results
-    merged: dict = {"masked": {}, "halo": {}, "hybrid": {}}
+    merged: dict = {"masked": {}, "halo": {}, "hybrid": {}, "balanced": {}}
     for rank_result in per_rank:
         for kind in merged:
             for size, recs in rank_result[kind].items():
@@ -67,6 +67,14 @@ def test_documents_inside_halves_move_nothing(results):
 @pytest.mark.parametrize("world", [4, 6, 8])
 def test_hybrid_matches_dense_reference_and_moves_the_planned_bytes(results, world):
     _check(results["hybrid"][world])
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_balanced_layout_matches_dense_reference_and_moves_the_planned_bytes(results, world):
+    """Every mode on the work-balanced, document-aware layout, forward and backward exact against
+    the dense fp64 reference, bytes as planned (P = 1..8, odd sizes included, hybrids at even P)."""
+    _check(results["balanced"][world])
+    assert len(results["balanced"][world][0]) >= 6
 
 
 def test_max_errors_summary(results, record_property):

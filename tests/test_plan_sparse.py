@@ -5,8 +5,9 @@ every mode to a halo exchange."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
-from megatron_mesh.plan import (Attend, AttendBackward, AttentionShape, Mask, ThdLayout, plan_bytes, rank_work,
+from megatron_mesh.plan import (ZigzagLayout, Attend, AttendBackward, AttentionShape, Mask, ThdLayout, plan_bytes, rank_work,
                                 resolve, tile_shapes, validate_plan)
 from megatron_mesh.plan.ir import MergeOut, AddGrad
 
@@ -121,3 +122,37 @@ def test_work_balance_is_reported_for_packed_documents():
     plan = resolve("ring", P, shape).build(shape, mask)
     fwd, bwd = rank_work(plan, "forward"), rank_work(plan, "backward")
     assert fwd == bwd and sum(fwd) == sum(1 for i in range(P * T) for j in range(P * T) if mask.allows(i, j))
+
+
+@settings(max_examples=60, deadline=None)
+@given(P=st.integers(1, 6), data=st.data())
+def test_block_table_is_the_classification_of_every_block(P, data):
+    """The linear block table (documents paired only with the ranks holding them) equals
+    classify_block of every (query chunk, key chunk) pair, on zigzag, THD and balanced layouts."""
+    from megatron_mesh.plan.balance import balanced_layout
+    from megatron_mesh.plan.mask import classify_block
+    from megatron_mesh.plan.sparse import block_table
+
+    T = 2 * data.draw(st.integers(1, 6))
+    S = P * T
+    cuts = sorted(data.draw(st.sets(st.integers(1, S - 1), max_size=6))) if S > 1 else []
+    causal = data.draw(st.booleans())
+    left = data.draw(st.one_of(st.none(), st.integers(0, S)))
+    right = 0 if causal else data.draw(st.one_of(st.none(), st.integers(0, S)))
+    cu = [0, *cuts, S]
+    layouts = [(ZigzagLayout(P, S), Mask.from_cu_seqlens(cu, S, causal, (left, right)))]
+    layouts.append((balanced_layout(cu, P, causal=causal, window=(left, right)),
+                    Mask.from_cu_seqlens(cu, S, causal, (left, right))))
+    pad = 2 * P
+    thd = ThdLayout(P, (0, pad, 2 * pad), (pad - 1, data.draw(st.integers(0, pad))))
+    layouts.append((thd, Mask(causal, (left, right), thd.documents())))
+    for layout, mask in layouts:
+        mask = mask.normalized(layout.seq_len)
+        runs = [tuple((a, n) for _, a, n in layout.runs(g)) for g in range(P)]
+        want = {}
+        for i in range(P):
+            for j in range(P):
+                c = classify_block(mask, runs[i], (runs[j],))
+                if c is not None:
+                    want[(i, j)] = c
+        assert block_table.__wrapped__(P, mask, layout) == want, type(layout).__name__

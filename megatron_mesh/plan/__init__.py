@@ -9,6 +9,7 @@ simulator read the same :class:`Plan`; :mod:`.modes` is the registry of CP modes
 from .accounting import (RankBytes, block_area, block_pairs, buffer_bytes, key_bytes, link_bytes, mesh_bytes_formula,
                          plan_bytes, rank_work, round_link_bytes, tasp_bytes_formula)
 from .autotile import choose_tile, rank_tiles
+from .balance import BalancedLayout, balanced_layout
 from .hamiltonian import (chained_rings, hamiltonian_decomposition, hamiltonian_path_decomposition,
                           max_disjoint_hamiltonian_cycles)
 from .hybrid import build_hybrid_plan, inner_shape
@@ -36,7 +37,7 @@ __all__ = [
     "KINDS", "OP_TYPES", "AddGrad", "Attend", "AttendBackward", "Copy", "Free", "Key", "MergeOut", "Plan", "Post",
     "RankPlan", "RowStats", "Segment", "Transfer", "Wait", "format_op", "parse_op",
     "Mask", "BlockClass", "BlockKind", "classify_block", "normalize", "is_dense",
-    "Layout", "ZigzagLayout", "ThdLayout", "SpanLayout", "layout_from_text", "positions", "head_slice",
+    "Layout", "ZigzagLayout", "ThdLayout", "SpanLayout", "BalancedLayout", "balanced_layout", "layout_from_text", "positions", "head_slice",
     "slot_segments", "split_evenly",
     "BACKWARD_CHUNKS", "CONTIGUOUS", "TileMap", "best_tile", "build_mesh_plan", "build_ring_plan", "parse_tile",
     "tile_shapes", "SCHEDULES", "choose_tile", "rank_tiles", "chained_rings", "hamiltonian_decomposition",

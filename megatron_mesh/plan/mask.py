@@ -41,7 +41,7 @@ from typing import NamedTuple
 from .sel import Segment, merge_runs, union_intervals
 
 __all__ = ["Mask", "BlockKind", "BlockClass", "classify_block", "band_relation", "band_pairs", "CAUSAL", "FULL",
-           "union_intervals"]
+           "union_intervals", "split_by_document", "INF"]
 
 
 class BlockKind(StrEnum):
@@ -301,9 +301,32 @@ class BlockClass(NamedTuple):
     pairs: int
 
 
+def split_by_document(runs, mask: Mask) -> list[tuple[int, int, int, int]]:
+    """(local offset, global start, length, document index) of layout runs (local offset, global
+    start, length) cut at document edges; padding (no document) is left out. Without documents
+    every run is document 0."""
+    out = []
+    docs = mask.documents
+    starts = _bounds(mask)[0] if docs is not None else None
+    for local, start, length in runs:
+        pos, end = start, start + length
+        while pos < end:
+            if docs is None:
+                out.append((local + pos - start, pos, end - pos, 0))
+                break
+            i = bisect_right(starts, pos) - 1
+            if i >= 0 and pos < docs[i][1]:
+                stop = min(end, docs[i][1])
+                out.append((local + pos - start, pos, stop - pos, i))
+            else:  # padding up to the next document
+                stop = min(end, docs[i + 1][0]) if i + 1 < len(docs) else end
+            pos = stop
+    return out
+
+
 def _split(runs, mask: Mask) -> list[tuple[int, int, int, object]]:
     """(local offset, global start, length, document) sub-runs of position runs cut at document
-    boundaries; ``runs`` are (start, length) in buffer order."""
+    boundaries; ``runs`` are (start, length) in buffer order; padding sub-runs have document None."""
     out = []
     local = 0
     docs = mask.documents

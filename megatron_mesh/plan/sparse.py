@@ -50,7 +50,7 @@ from typing import Callable
 from .accounting import buffer_bytes
 from .ir import AddGrad, Attend, AttendBackward, Key, MergeOut, Op, Plan, Post, RankPlan, Transfer, Wait
 from .layout import Layout
-from .mask import Mask, classify_block
+from .mask import INF, BlockClass, BlockKind, Mask, band_pairs, band_relation, split_by_document
 from .passes import insert_frees
 from .sel import Segment, relative_selection, union_intervals
 from .shape import AttentionShape
@@ -84,17 +84,111 @@ class Assignment:
 
 
 @lru_cache(maxsize=16)
-def block_table(P: int, mask: Mask, layout: Layout) -> dict[tuple[int, int], object]:
+def block_table(P: int, mask: Mask, layout: Layout) -> dict[tuple[int, int], BlockClass]:
     """{(i, j): BlockClass} of every block with allowed pairs (shared by every mode's plan of
-    this mask: the planner builds dozens)."""
-    runs = [tuple((a, n) for _, a, n in layout.runs(g)) for g in range(P)]
-    out = {}
-    for i in range(P):
-        for j in range(P):
-            c = classify_block(mask, runs[i], (runs[j],))
-            if c is not None:
-                out[(i, j)] = c
-    return out
+    this mask: the planner builds dozens).
+
+    Linear in the documents: each rank's runs are cut at document edges once, and only the runs
+    of one document on the ranks that hold it are paired (a document held by k ranks costs k^2
+    pairs of runs; one held by one rank touches only its diagonal block). The result is
+    :func:`~.mask.classify_block` of every block (a test checks they agree)."""
+    lo, hi = mask.band()
+    by_doc: dict = {}
+    for g in range(P):
+        for local, start, n, doc in split_by_document(layout.runs(g), mask):
+            holders = by_doc.get(doc)
+            if holders is None:
+                by_doc[doc] = {g: [(local, start, n)]}
+            else:
+                holders.setdefault(g, []).append((local, start, n))
+    acc: dict[tuple[int, int], _BlockSum] = {}
+    for doc, holders in by_doc.items():
+        items = list(holders.items())
+        for i, q_runs in items:
+            for j, k_runs in items:
+                e = None
+                for ql, qa, n in q_runs:
+                    for kl, ka, m in k_runs:
+                        relation = band_relation(qa, n, ka, m, lo, hi)
+                        if relation == "none":
+                            continue
+                        if e is None:
+                            e = acc.get((i, j))
+                            if e is None:
+                                e = acc[(i, j)] = _BlockSum()
+                            e.documents += e.last_document != doc
+                            e.last_document = doc
+                        e.add(relation, ql, qa, n, kl, ka, m, lo, hi)
+    return {ij: e.result(mask, layout.runs(ij[0]) if ij[0] == ij[1] else ()) for ij, e in acc.items() if e.pairs}
+
+
+class _BlockSum:
+    """The allowed pairs of one block, summed over its pairs of runs (one document at a time)."""
+
+    __slots__ = ("rows", "cols", "pairs", "relations", "documents", "last_document", "rows_sorted", "cols_sorted")
+
+    def __init__(self):
+        self.rows: list[tuple[int, int]] = []
+        self.cols: list[tuple[int, int]] = []
+        self.pairs, self.relations, self.documents, self.last_document = 0, set(), 0, None
+        self.rows_sorted = self.cols_sorted = True
+
+    def add(self, relation: str, ql: int, qa: int, n: int, kl: int, ka: int, m: int, lo: float, hi: float) -> None:
+        self.relations.add(relation)
+        if relation == "all":
+            r0, r1, c0, c1 = ql, ql + n, kl, kl + m
+            self.pairs += n * m
+        else:  # rows with a key in the band, keys of a row in it
+            r0 = ql + int(max(qa, ka + lo) if lo != -INF else qa) - qa
+            r1 = ql + int(min(qa + n, ka + m + hi) if hi != INF else qa + n) - qa
+            c0 = kl + int(max(ka, qa - hi) if hi != INF else ka) - ka
+            c1 = kl + int(min(ka + m, qa + n - lo) if lo != -INF else ka + m) - ka
+            self.pairs += band_pairs(qa, n, ka, m, lo, hi)
+        self.rows_sorted &= _append_interval(self.rows, r0, r1)
+        self.cols_sorted &= _append_interval(self.cols, c0, c1)
+
+    def result(self, mask: Mask, diagonal_runs) -> BlockClass:
+        rows = tuple(Segment(a, b) for a, b in self.rows) if self.rows_sorted else union_intervals(self.rows)
+        cols = tuple(Segment(a, b) for a, b in self.cols) if self.cols_sorted else union_intervals(self.cols)
+        nrows = sum(b - a for a, b in rows)
+        ncols = sum(b - a for a, b in cols)
+        if self.relations == {"all"} and self.pairs == nrows * ncols:
+            kind = BlockKind.FULL
+        elif diagonal_runs and self.documents == 1 and rows == cols and mask.causal and \
+                self.pairs == nrows * (nrows + 1) // 2 and _increasing(diagonal_runs, rows):
+            kind = BlockKind.CAUSAL  # one document's own tokens, in order, the band not cutting inside
+        else:
+            kind = BlockKind.MASKED
+        return BlockClass(kind, rows, (cols,), self.pairs)
+
+
+def _append_interval(ivs: list, a: int, b: int) -> bool:
+    """Append [a, b) to sorted intervals, joined with the last when they touch; False when it
+    comes before the last (the list then needs sorting)."""
+    if ivs:
+        la, lb = ivs[-1]
+        if a < la:
+            ivs.append((a, b))
+            return False
+        if a <= lb:
+            if b > lb:
+                ivs[-1] = (la, b)
+            return True
+    ivs.append((a, b))
+    return True
+
+
+def _increasing(runs, rows) -> bool:
+    """The global positions of the local ``rows`` of a chunk with ``runs`` increase."""
+    last = -1
+    for r in rows:
+        for local, start, n in runs:
+            a, b = max(r.start, local), min(r.stop, local + n)
+            if a < b:
+                if start + a - local <= last:
+                    return False
+                last = start + b - local - 1
+    return True
 
 
 def _union(sels) -> tuple[Segment, ...]:

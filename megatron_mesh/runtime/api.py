@@ -44,7 +44,8 @@ from .agreement import PlanMismatchError
 from .executor import Executor
 
 __all__ = ["attention", "mesh_attention", "ring_attention", "tasp_attention", "hybrid_attention", "plan_attention",
-           "forward_backward", "zigzag_shard", "zigzag_unshard", "thd_shard", "thd_unshard", "attention_shape",
+           "forward_backward", "zigzag_shard", "zigzag_unshard", "thd_shard", "thd_unshard", "layout_shard",
+           "layout_unshard", "attention_shape",
            "group_communicator", "attention_mask", "PlanMismatchError"]
 
 
@@ -395,44 +396,50 @@ def forward_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, plan: "Plan 
 
 
 # -- layouts on tensors ------------------------------------------------------------------------------------
+def layout_shard(x: Tensor, rank: int, layout: Layout, dim: int = 0) -> Tensor:
+    """Rank ``rank``'s tokens of a full-sequence tensor under ``layout`` (any layout: Megatron's
+    zigzag, Transformer Engine's THD, :func:`megatron_mesh.balanced_layout`), in the rank's local
+    order -- what that rank passes to attention."""
+    if not isinstance(layout, Layout):
+        raise ValueError(f"layout must be a megatron_mesh layout (ZigzagLayout, ThdLayout, BalancedLayout), got "
+                         f"{type(layout).__name__}")
+    if x.shape[dim] != layout.seq_len:
+        raise ValueError(f"tensor has {x.shape[dim]} tokens along dim {dim}, the {type(layout).__name__} "
+                         f"{layout.seq_len}")
+    if not isinstance(rank, int) or not 0 <= rank < layout.world_size:
+        raise ValueError(f"rank {rank!r} out of range for CP size {layout.world_size}")
+    return torch.cat([x.narrow(dim, start, n) for _, start, n in layout.runs(rank)], dim=dim)
+
+
+def layout_unshard(chunks: list[Tensor], layout: Layout, dim: int = 0) -> Tensor:
+    """The full-sequence tensor from every rank's tokens under ``layout`` (inverse of
+    :func:`layout_shard`)."""
+    if len(chunks) != layout.world_size:
+        raise ValueError(f"{len(chunks)} chunks for a {type(layout).__name__} over {layout.world_size} ranks")
+    pieces = []
+    for r, c in enumerate(chunks):
+        for local, start, n in layout.runs(r):
+            pieces.append((start, c.narrow(dim, local, n)))
+    return torch.cat([p for _, p in sorted(pieces, key=lambda t: t[0])], dim=dim)
+
+
 def zigzag_shard(x: Tensor, rank: int, world_size: int, dim: int = 0) -> Tensor:
     """Rank ``rank``'s zigzag chunk of a full-sequence tensor (Megatron's CP batch split)."""
-    layout = ZigzagLayout(world_size, x.shape[dim])
-    return _gather(x, layout.runs(rank), dim)
+    return layout_shard(x, rank, ZigzagLayout(world_size, x.shape[dim]), dim)
 
 
 def zigzag_unshard(chunks: list[Tensor], dim: int = 0) -> Tensor:
     """The full-sequence tensor from every rank's zigzag chunk (inverse of :func:`zigzag_shard`)."""
-    world = len(chunks)
-    return _scatter(chunks, ZigzagLayout(world, chunks[0].shape[dim] * world), dim)
+    return layout_unshard(chunks, ZigzagLayout(len(chunks), chunks[0].shape[dim] * len(chunks)), dim)
 
 
 def thd_shard(x: Tensor, rank: int, layout: ThdLayout, dim: int = 0) -> Tensor:
     """Rank ``rank``'s tokens of a packed THD tensor in Transformer Engine's CP layout (each
     sequence, padded to a multiple of 2 * CP, zigzag-split on its own): what TE's
     ``thd_get_partitioned_indices`` selects."""
-    if x.shape[dim] != layout.seq_len:
-        raise ValueError(f"tensor has {x.shape[dim]} tokens along dim {dim}, the THD layout {layout.seq_len} "
-                         "(cu_seqlens_padded[-1])")
-    if not 0 <= rank < layout.world_size:
-        raise ValueError(f"rank {rank} out of range for CP size {layout.world_size}")
-    return _gather(x, layout.runs(rank), dim)
+    return layout_shard(x, rank, layout, dim)
 
 
 def thd_unshard(chunks: list[Tensor], layout: ThdLayout, dim: int = 0) -> Tensor:
     """The packed THD tensor from every rank's tokens (inverse of :func:`thd_shard`)."""
-    if len(chunks) != layout.world_size:
-        raise ValueError(f"{len(chunks)} chunks for a THD layout over {layout.world_size} ranks")
-    return _scatter(chunks, layout, dim)
-
-
-def _gather(x: Tensor, runs, dim: int) -> Tensor:
-    return torch.cat([x.narrow(dim, start, n) for _, start, n in runs], dim=dim)
-
-
-def _scatter(chunks: list[Tensor], layout, dim: int) -> Tensor:
-    pieces = []
-    for r, c in enumerate(chunks):
-        for local, start, n in layout.runs(r):
-            pieces.append((start, c.narrow(dim, local, n)))
-    return torch.cat([p for _, p in sorted(pieces, key=lambda t: t[0])], dim=dim)
+    return layout_unshard(chunks, layout, dim)

@@ -1,0 +1,386 @@
+"""A work-balanced, document-aware CP layout for packed documents (:func:`balanced_layout`).
+
+Megatron's zigzag balances causal work for one sequence; packed documents of different lengths
+break it (a rank whose halves fall into long documents does several times the mean). This layout
+assigns every token to a rank from the documents themselves:
+
+* every rank holds exactly S / P tokens (Megatron shards activations evenly);
+* per-rank work -- the (query, key) pairs the mask allows to the rank's query tokens, window
+  included -- is balanced;
+* a document that fits is kept whole on one rank: it needs no CP traffic at all; a long one is cut
+  into *zigzag pieces* (piece i = its halves i and 2k-1-i of 2k, so every piece has the same work),
+  and pieces go to consecutive ranks (inside a node where they fit), so the modes' own algorithms
+  run over the few ranks that share it;
+* it is deterministic: every rank derives the same layout from the same boundaries.
+
+Algorithm (one pass, O(pieces log pieces)): pieces -- whole documents and the zigzag pieces of the
+long ones (work above ``piece_work`` x the mean per rank) -- are ordered by *density* (work per
+token). Ranks are filled one after another, each to exactly S / P tokens and a work target of
+(work left) / (ranks left): first the densest pieces whole while the rest of the rank can still be
+filled below the target with the lightest pieces, then one cut of the next densest piece to reach
+the target, then the tokens are filled with the pieces closest to the density still needed, the
+last one cut to fit. A cut piece goes back to the pool (the next rank usually takes the rest), so
+at most a few pieces per rank are cut.
+
+Worked example (P = 2, 16 tokens, causal, documents [0, 8), [8, 12), [12, 16): work 36, 10 and
+10, mean 28 per rank). Megatron's zigzag gives rank 0 positions 0-3 and 12-15 (work 20) and rank 1
+4-11 (work 36: 1.29x the mean). Here the first document (work 36 > 0.25 x 28) is cut into two
+zigzag pieces, its quarters {0, 1} + {6, 7} and {2, 3} + {4, 5} (work 18 each), the short ones
+stay whole::
+
+    rank 0: [0, 1, 6, 7, 8, 9, 10, 11]     work 18 + 10 = 28
+    rank 1: [2, 3, 4, 5, 12, 13, 14, 15]   work 18 + 10 = 28
+
+(``tests/test_balance.py`` pins it); only the first document's pieces meet in an attention block.
+
+With ``group`` U > 1 (a Ulysses hybrid of degree U) the balance is made over P / U groups of U * S
+/ P tokens -- the all-to-all gathers a group's tokens, so only the groups' work matters -- and each
+group's tokens are cut in order into its U ranks.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import re
+from collections import deque
+from dataclasses import dataclass
+from operator import index
+
+from .layout import register_layout, split_evenly
+
+__all__ = ["BalancedLayout", "balanced_layout", "document_work", "PIECE_WORK"]
+
+# a document whose work is above this fraction of the mean per-rank work is cut into zigzag pieces
+# of at most this much work each (smaller pieces pack better; fewer move less)
+PIECE_WORK = 0.25
+
+
+def _sum_min(n: int, c: int | None) -> int:
+    """sum_{t=0}^{n-1} min(t, c) (c None: unlimited)."""
+    if n <= 0:
+        return 0
+    if c is None or n <= c + 1:
+        return n * (n - 1) // 2
+    return c * (c + 1) // 2 + (n - c - 1) * c
+
+
+def document_work(a: int, b: int, length: int, causal: bool = True, window=(None, None)) -> int:
+    """Allowed keys of the queries at positions [a, b) of a document of ``length`` tokens:
+    query t sees min(t, left) keys before it, itself, and (non-causal) min(length-1-t, right)
+    after it. E.g. document_work(0, 4, 4) == 10 (1 + 2 + 3 + 4)."""
+    left, right = window
+    before = _sum_min(b, left) - _sum_min(a, left)
+    after = 0 if causal else _sum_min(length - a, right) - _sum_min(length - b, right)
+    return (b - a) + before + after
+
+
+class _Piece:
+    """Runs (document-relative [a, b)) of one document that go to one rank together."""
+
+    __slots__ = ("doc", "start", "length", "runs", "tokens", "work")
+
+    def __init__(self, doc: int, start: int, length: int, runs, causal: bool, window):
+        self.doc, self.start, self.length, self.runs = doc, start, length, runs
+        self.tokens = sum(b - a for a, b in runs)
+        self.work = sum(document_work(a, b, length, causal, window) for a, b in runs)
+
+    @property
+    def density(self) -> float:
+        return self.work / self.tokens
+
+    def cut(self, x: int, causal: bool, window) -> tuple["_Piece", "_Piece"]:
+        """The first ``x`` tokens, taken from every run in proportion (a zigzag piece keeps its
+        density), and the rest."""
+        sizes = [b - a for a, b in self.runs]
+        take = [s * x // self.tokens for s in sizes]
+        left = x - sum(take)
+        for i, s in enumerate(sizes):
+            more = min(left, s - take[i])
+            take[i] += more
+            left -= more
+        first = [(a, a + t) for (a, b), t in zip(self.runs, take) if t]
+        rest = [(a + t, b) for (a, b), t in zip(self.runs, take) if a + t < b]
+        return (_Piece(self.doc, self.start, self.length, first, causal, window),
+                _Piece(self.doc, self.start, self.length, rest, causal, window))
+
+
+class _Pool:
+    """Pieces by density: the densest, the lightest, the one closest to a density."""
+
+    def __init__(self, pieces):
+        self.by: dict[float, deque] = {}
+        for p in sorted(pieces, key=lambda p: (p.density, p.doc, p.runs[0][0])):
+            self.by.setdefault(p.density, deque()).append(p)
+        self.keys = sorted(self.by)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def take(self, i: int) -> _Piece:
+        k = self.keys[i]
+        q = self.by[k]
+        p = q.popleft()
+        if not q:
+            del self.by[k]
+            self.keys.pop(i)
+        return p
+
+    def peek(self, i: int) -> _Piece:
+        return self.by[self.keys[i]][0]
+
+    def closest(self, density: float) -> int:
+        i = bisect.bisect_left(self.keys, density)
+        if i == len(self.keys) or (i > 0 and density - self.keys[i - 1] <= self.keys[i] - density):
+            i -= 1
+        return i
+
+    def put(self, p: _Piece) -> None:
+        q = self.by.get(p.density)
+        if q is None:
+            q = self.by[p.density] = deque()
+            bisect.insort(self.keys, p.density)
+        q.appendleft(p)
+
+    def lightest_fill(self, tokens: int) -> float:
+        """Work of the lightest pieces holding ``tokens`` tokens (the least any fill can add)."""
+        w = 0.0
+        for k in self.keys:
+            for p in self.by[k]:
+                if p.tokens >= tokens:
+                    return w + tokens * p.density
+                w += p.work
+                tokens -= p.tokens
+        return w
+
+
+def _pieces(bounds, work_cap: float, token_cap: int, causal: bool, window) -> list[_Piece]:
+    out = []
+    for d, (a, b) in enumerate(bounds):
+        L = b - a
+        w = document_work(0, L, L, causal, window)
+        k = max(1, math.ceil(w / work_cap), math.ceil(L / token_cap))
+        k = min(k, max(1, L // 2))
+        if k == 1:
+            out.append(_Piece(d, a, L, [(0, L)], causal, window))
+            continue
+        h = split_evenly(L, 2 * k)
+        for i in range(k):
+            j = 2 * k - 1 - i
+            out.append(_Piece(d, a, L, [(h[i], h[i + 1]), (h[j], h[j + 1])], causal, window))
+    return out
+
+
+def _fill(pool: _Pool, tokens: int, target: float, causal: bool, window) -> list[_Piece]:
+    """One bin: exactly ``tokens`` tokens with work close to ``target`` (see the module docstring)."""
+    got: list[_Piece] = []
+    t = w = 0
+
+    def take(p: _Piece) -> None:
+        nonlocal t, w
+        got.append(p)
+        t += p.tokens
+        w += p.work
+
+    while len(pool) > 1:  # the densest pieces whole, while the rest can still be filled below the target
+        p = pool.peek(len(pool) - 1)
+        if p.tokens > tokens - t:
+            break
+        pool.take(len(pool) - 1)
+        if w + p.work + pool.lightest_fill(tokens - t - p.tokens) > target:
+            pool.put(p)
+            break
+        take(p)
+    if len(pool) > 1 and t < tokens:  # one cut of the densest piece: as much as keeps the rest fillable
+        p = pool.take(len(pool) - 1)
+        lo, hi = 0, min(tokens - t, p.tokens - 1)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if w + mid * p.density + pool.lightest_fill(tokens - t - mid) <= target:
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo > 0:
+            first, rest = p.cut(lo, causal, window)
+            pool.put(rest)
+            take(first)
+        else:
+            pool.put(p)
+    while t < tokens:  # the tokens, with the pieces closest to the density still needed
+        p = pool.take(pool.closest((target - w) / (tokens - t)))
+        if p.tokens > tokens - t:
+            first, rest = p.cut(tokens - t, causal, window)
+            pool.put(rest)
+            p = first
+        take(p)
+    return got
+
+
+def _even_out(bins: list[list[_Piece]], causal: bool, window, tolerance: float = 0.01) -> None:
+    """Swap tokens between the busiest and the idlest bin -- the same number each way, the denser
+    ones to the idler bin -- until they are within ``tolerance`` of the mean (the greedy fill's
+    last bins take what is left)."""
+    works = [sum(p.work for p in b) for b in bins]
+    mean = sum(works) / len(works)
+    for _ in range(4 * len(bins)):
+        h = max(range(len(bins)), key=works.__getitem__)
+        lo = min(range(len(bins)), key=works.__getitem__)
+        gap = works[h] - works[lo]
+        if gap <= 2 * tolerance * mean:
+            return
+        ph = max(bins[h], key=lambda p: p.density)
+        pl = min(bins[lo], key=lambda p: p.density)
+        if ph.density <= pl.density:
+            return
+        m = min(round(gap / 2 / (ph.density - pl.density)), ph.tokens, pl.tokens)
+        if m < 1:
+            return
+        moved_h, kept_h = ph.cut(m, causal, window) if m < ph.tokens else (ph, None)
+        moved_l, kept_l = pl.cut(m, causal, window) if m < pl.tokens else (pl, None)
+        bins[h].remove(ph)
+        bins[lo].remove(pl)
+        bins[h] += [x for x in (kept_h, moved_l) if x is not None]
+        bins[lo] += [x for x in (kept_l, moved_h) if x is not None]
+        works[h], works[lo] = sum(p.work for p in bins[h]), sum(p.work for p in bins[lo])
+
+
+def _runs(pieces) -> tuple[tuple[int, int], ...]:
+    """(global start, length) of the pieces' tokens, sorted and joined."""
+    out: list[list[int]] = []
+    for s, e in sorted((p.start + a, p.start + b) for p in pieces for a, b in p.runs):
+        if out and out[-1][0] + out[-1][1] == s:
+            out[-1][1] += e - s
+        else:
+            out.append([s, e - s])
+    return tuple((s, n) for s, n in out)
+
+
+def _check_bounds(cu_seqlens, world_size: int, group: int) -> tuple[tuple[int, int], ...]:
+    try:
+        cu = [index(c) for c in cu_seqlens]
+    except TypeError:
+        raise ValueError(f"cu_seqlens must hold integers, got {cu_seqlens!r}") from None
+    if any(isinstance(c, bool) for c in cu_seqlens):
+        raise ValueError(f"cu_seqlens must hold integers, got {cu_seqlens!r}")
+    if len(cu) < 2 or cu[0] != 0 or any(b <= a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must be strictly increasing from 0 (every document at least one token), got "
+                         f"{list(cu_seqlens)!r}")
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if not isinstance(group, int) or isinstance(group, bool) or group < 1 or world_size % group:
+        raise ValueError(f"group (the Ulysses degree) must be a positive divisor of world_size {world_size}, got "
+                         f"{group!r}")
+    S = cu[-1]
+    if S % world_size or S < 2 * world_size:
+        raise ValueError(f"the sequence of {S} tokens (cu_seqlens[-1]) must split into {world_size} ranks of equal, "
+                         f"even token counts: S divisible by and at least 2 x the CP size ({2 * world_size})")
+    return tuple(zip(cu, cu[1:]))
+
+
+def balanced_layout(cu_seqlens, world_size: int, *, causal: bool = True, window=None, group: int = 1,
+                    piece_work: float = PIECE_WORK) -> "BalancedLayout":
+    """The work-balanced, document-aware layout of the documents ``cu_seqlens`` (0 = c0 < c1 <
+    ... < cn = S, S divisible by the CP size ``world_size``) under a causal (or full) mask with
+    ``window`` (left, right) -- see the module docstring. ``group``: balance over world_size /
+    group groups of ranks (a Ulysses hybrid of that degree). ValueError names a bad input."""
+    bounds = _check_bounds(cu_seqlens, world_size, group)
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be True or False, got {causal!r}")
+    window = (None, None) if window is None else tuple(window)
+    if len(window) != 2 or any(v is not None and (not isinstance(v, int) or v < 0) for v in window):
+        raise ValueError(f"window must be (left, right) with ints >= 0 or None, got {window!r}")
+    if causal:
+        window = (window[0], 0)
+    S = bounds[-1][1]
+    bins = world_size // group
+    capacity = S // bins
+    total = sum(document_work(0, b - a, b - a, causal, window) for a, b in bounds)
+    pool = _Pool(_pieces(bounds, max(1.0, piece_work * total / bins), capacity, causal, window))
+    filled, left = [], total
+    for b in range(bins):
+        got = _fill(pool, capacity, left / (bins - b), causal, window)
+        left -= sum(p.work for p in got)
+        filled.append(got)
+    _even_out(filled, causal, window)
+    per_bin = [_runs(got) for got in filled]
+    ranks: list[tuple[tuple[int, int], ...]] = []
+    local = S // world_size
+    for runs in per_bin:  # each group's tokens, in order, cut into its ranks
+        flat = [(s, n) for s, n in runs]
+        for _ in range(group):
+            mine, need = [], local
+            while need:
+                s, n = flat[0]
+                take = min(n, need)
+                mine.append((s, take))
+                need -= take
+                if take == n:
+                    flat.pop(0)
+                else:
+                    flat[0] = (s + take, n - take)
+            ranks.append(tuple(mine))
+    return BalancedLayout(world_size, tuple(ranks), bounds, group)
+
+
+@register_layout("balanced")
+@dataclass(frozen=True)
+class BalancedLayout:
+    """A layout given by each rank's runs of global positions (in local order) and the documents
+    -- what :func:`balanced_layout` computes. ``group``: the Ulysses degree it was balanced for
+    (span-``group`` chunks are its balanced units; any span works)."""
+
+    world_size: int
+    rank_runs: tuple[tuple[tuple[int, int], ...], ...]
+    docs: tuple[tuple[int, int], ...]
+    group: int = 1
+
+    def __post_init__(self) -> None:
+        if len(self.rank_runs) != self.world_size:
+            raise ValueError(f"{len(self.rank_runs)} ranks' runs for world_size {self.world_size}")
+        counts = {sum(n for _, n in r) for r in self.rank_runs}
+        if len(counts) != 1:
+            raise ValueError(f"every rank must hold the same number of tokens, got {sorted(counts)}")
+        covered = sorted(p for r in self.rank_runs for p in r)
+        pos = 0
+        for s, n in covered:
+            if s != pos or n < 1:
+                raise ValueError(f"the ranks' runs must cover positions 0..S-1 exactly once; gap or overlap at {pos}")
+            pos += n
+
+    @property
+    def seq_len(self) -> int:
+        return self.docs[-1][1] if self.docs else sum(n for r in self.rank_runs for _, n in r)
+
+    @property
+    def seq_local(self) -> int:
+        return sum(n for _, n in self.rank_runs[0])
+
+    def runs(self, chunk: int, span: int = 1) -> tuple[tuple[int, int, int], ...]:
+        """Rank ``chunk``'s runs (span 1), or those of ranks chunk*span .. chunk*span+span-1 in
+        rank order (what a Ulysses group of ``span`` ranks gathers)."""
+        if span < 1 or self.world_size % span or not 0 <= chunk < self.world_size // span:
+            raise ValueError(f"chunk {chunk} of span {span} does not exist over CP size {self.world_size}")
+        out, local = [], 0
+        for r in range(chunk * span, (chunk + 1) * span):
+            for s, n in self.rank_runs[r]:
+                out.append((local, s, n))
+                local += n
+        return tuple(out)
+
+    def documents(self) -> tuple[tuple[int, int], ...]:
+        return self.docs
+
+    def text(self) -> str:
+        docs = ",".join(str(b) for _, b in self.docs)
+        ranks = ";".join(",".join(f"{s}+{n}" for s, n in r) for r in self.rank_runs)
+        return f"balanced P={self.world_size} U={self.group} cu=0,{docs} runs={ranks}"
+
+    @classmethod
+    def parse(cls, rest: str) -> "BalancedLayout":
+        m = re.match(r"^P=(\d+) U=(\d+) cu=([\d,]+) runs=(.*)$", rest.strip())
+        if m is None:
+            raise ValueError(f"not a balanced layout: {rest!r} (e.g. 'balanced P=2 U=1 cu=0,4,8 runs=0+4;4+4')")
+        cu = [int(x) for x in m.group(3).split(",")]
+        runs = tuple(tuple((int(s), int(n)) for s, n in (x.split("+") for x in r.split(",")))
+                     for r in m.group(4).split(";"))
+        return cls(int(m.group(1)), runs, tuple(zip(cu, cu[1:])), int(m.group(2)))

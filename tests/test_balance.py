@@ -1,0 +1,136 @@
+"""The work-balanced, document-aware layout (plan/balance.py): the worked example, exact token
+counts and per-rank work within 5 % of the mean on random documents, documents kept whole where
+they fit, exact cover of every mode's mask-aware plan on it (validated, forward and backward),
+determinism, its text form, and errors naming the value."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from megatron_mesh.plan import (AttentionShape, Mask, Plan, layout_from_text, positions, rank_work, resolve,
+                                validate_plan)
+from megatron_mesh.plan.balance import BalancedLayout, balanced_layout, document_work
+
+
+def _work(layout, mask: Mask, rank: int) -> int:
+    S = layout.seq_len
+    return sum(b - a for p in positions(layout, rank) for a, b in mask.key_intervals(p, S))
+
+
+def _lognormal(S: int, mean: float, sigma: float, seed: int) -> list[int]:
+    import math
+
+    rng = random.Random(seed)
+    mu = math.log(mean) - sigma * sigma / 2
+    cu = [0]
+    while cu[-1] < S:
+        cu.append(min(S, cu[-1] + max(1, round(rng.lognormvariate(mu, sigma)))))
+    return cu
+
+
+def test_worked_example_of_the_module_docstring():
+    layout = balanced_layout([0, 8, 12, 16], 2)
+    assert [positions(layout, r) for r in range(2)] == [[0, 1, 6, 7, 8, 9, 10, 11], [2, 3, 4, 5, 12, 13, 14, 15]]
+    mask = Mask.from_cu_seqlens([0, 8, 12, 16], 16)
+    assert [_work(layout, mask, r) for r in range(2)] == [28, 28]
+    assert layout.documents() == ((0, 8), (8, 12), (12, 16))
+
+
+def test_document_work_is_the_rule():
+    for L, causal, window in ((7, True, (None, None)), (9, True, (3, 0)), (6, False, (2, 1)), (5, False, (None, None))):
+        mask = Mask(causal, window, ((0, L),))
+        for a in range(L):
+            for b in range(a + 1, L + 1):
+                want = sum(b2 - a2 for t in range(a, b) for a2, b2 in mask.key_intervals(t, L))
+                assert document_work(a, b, L, causal, mask.window) == want
+
+
+@pytest.mark.parametrize("P, S, mean, sigma", [(8, 65536, 4096, 1.0), (8, 65536, 1024, 1.5), (16, 65536, 2048, 1.0),
+                                               (6, 6144, 300, 1.0), (5, 4000, 100, 0.5)])
+def test_balanced_within_five_percent_with_exact_tokens(P, S, mean, sigma):
+    for seed in range(3):
+        cu = _lognormal(S, mean, sigma, seed)
+        layout = balanced_layout(cu, P)
+        mask = Mask.from_cu_seqlens(cu, S)
+        work = [_work(layout, mask, r) for r in range(P)]
+        assert max(work) <= 1.05 * sum(work) / P, (seed, work)
+        assert sorted(p for r in range(P) for p in positions(layout, r)) == list(range(S))
+        assert {len(positions(layout, r)) for r in range(P)} == {S // P}
+
+
+def test_short_documents_stay_whole():
+    """Documents whose work fits are kept on one rank (at most the few cut to fill a rank exactly)."""
+    cu = _lognormal(65536, 512, 0.5, 0)
+    layout = balanced_layout(cu, 8)
+    holders = {}
+    for r in range(8):
+        for p in positions(layout, r):
+            holders.setdefault(p, r)
+    split = sum(1 for a, b in zip(cu, cu[1:]) if len({holders[p] for p in range(a, b)}) > 1)
+    assert split <= 2 * 8, split
+
+
+def test_windows_and_groups_balance_their_own_work():
+    cu = _lognormal(32768, 2048, 1.0, 1)
+    mask = Mask.from_cu_seqlens(cu, 32768, True, (512, 0))
+    layout = balanced_layout(cu, 8, window=(512, 0))
+    work = [_work(layout, mask, r) for r in range(8)]
+    assert max(work) <= 1.05 * sum(work) / 8
+    grouped = balanced_layout(cu, 8, group=4)  # two groups of 4 ranks balanced, ranks inside a group are not
+    plain = Mask.from_cu_seqlens(cu, 32768)
+    groups = [sum(_work(grouped, plain, r) for r in range(g * 4, g * 4 + 4)) for g in range(2)]
+    assert max(groups) <= 1.05 * sum(groups) / 2
+    # a group's span chunk is its ranks' tokens in rank order (what the Ulysses all-to-all gathers)
+    assert positions(grouped, 1, span=4) == [p for r in range(4, 8) for p in positions(grouped, r)]
+
+
+def test_layout_is_deterministic_and_its_text_round_trips():
+    cu = _lognormal(16384, 700, 1.0, 3)
+    a, b = balanced_layout(cu, 8), balanced_layout(list(cu), 8)
+    assert a == b
+    again = layout_from_text(a.text())
+    assert again == a and isinstance(again, BalancedLayout)
+
+
+@settings(max_examples=25, deadline=None)
+@given(P=st.integers(2, 6), data=st.data())
+def test_every_mode_runs_exactly_on_the_balanced_layout(P, data):
+    """Exact cover (every allowed pair once, forward and backward) for every mode's plan on random
+    documents (one-token ones, one document, documents longer than S / P) and windows."""
+    T = 2 * data.draw(st.integers(2, 8))
+    S = P * T
+    cuts = sorted(data.draw(st.sets(st.integers(1, S - 1), max_size=6)))
+    cu = [0, *cuts, S]
+    window = data.draw(st.one_of(st.none(), st.tuples(st.integers(0, S), st.just(0))))
+    layout = balanced_layout(cu, P, window=window)
+    mask = Mask.from_cu_seqlens(cu, S, True, window)
+    shape = AttentionShape(seq_local=T, heads=4, kv_heads=2, head_dim=8)
+    for mode in ("ring", "mesh", "tasp"):
+        plan = resolve(mode, P, shape).build(shape, Mask(True, window), layout)
+        validate_plan(plan)
+        assert sum(rank_work(plan)) == sum(_work(layout, mask, r) for r in range(P))
+    if P % 2 == 0:
+        U = 2
+        plan = resolve("a2a+ring", P, shape, ulysses_size=U).build(shape, Mask(True, window),
+                                                                  balanced_layout(cu, P, window=window, group=U))
+        validate_plan(plan)
+    text = plan.to_text()
+    assert Plan.from_text(text).to_text() == text
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: balanced_layout([0, 5, 5, 16], 2), r"strictly increasing from 0 \(every document at least one token\)"),
+    (lambda: balanced_layout([0, 5, 15], 2), r"the sequence of 15 tokens .* must split into 2 ranks"),
+    (lambda: balanced_layout([0, 3], 2), r"the sequence of 3 tokens"),
+    (lambda: balanced_layout([0, 4.5, 16], 2), r"cu_seqlens must hold integers, got \[0, 4.5, 16\]"),
+    (lambda: balanced_layout([0, 8, 16], 0), r"world_size must be a positive integer, got 0"),
+    (lambda: balanced_layout([0, 8, 16], 4, group=3), r"group \(the Ulysses degree\) must be a positive divisor"),
+    (lambda: balanced_layout([0, 8, 16], 2, window=(-1, 0)), r"window must be \(left, right\)"),
+])
+def test_bad_input_names_the_value(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
