@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from megatron_mesh.kernels import BlockMask, MathKernel, TorchAttentionKernel
 from megatron_mesh.plan import Mask
-from megatron_mesh.runtime.masks import (PIECE_ENV, PiecedMask, _cut, _pieced, block_backward, block_forward,
-                                         mask_piece, piece_mask)
+from megatron_mesh.plan.mask import cut_runs, mask_pieces
+from megatron_mesh.runtime.masks import PIECE_ENV, PiecedMask, _pieced, block_backward, block_forward, mask_piece
 
 CPU = torch.device("cpu")
 
@@ -53,15 +53,20 @@ def test_piece_mask_agrees_with_the_rule(data):
     if data.draw(st.booleans()):
         ka, m = qa, n
     allowed = torch.tensor([[mask.allows(i, j) for j in range(ka, ka + m)] for i in range(qa, qa + n)])
-    got = piece_mask(mask, qa, n, ka, m, CPU)
-    if got is None:
+    pieces = _pieced(mask, ((qa, n),), ((ka, m),), max(n, m), CPU).pieces  # one piece: the whole rectangle
+    assert [kind for kind, _, _ in mask_pieces(mask, ((qa, n),), ((ka, m),), max(n, m))] == \
+        [p.mask.kind for p in pieces]
+    if not pieces:
         assert not allowed.any()
-    elif got.kind == "full":
+        return
+    (got,) = pieces
+    assert (got.rows, got.cols) == ((0, n), (0, m))
+    if got.mask.kind == "full":
         assert allowed.all()
-    elif got.kind == "causal":
+    elif got.mask.kind == "causal":
         assert (qa, n) == (ka, m) and torch.equal(allowed, torch.tril(torch.ones(n, n, dtype=torch.bool)))
     else:
-        assert torch.equal(got.allowed, allowed)
+        assert torch.equal(got.mask.allowed, allowed)
 
 
 def _problem(seed: int, runs_q, runs_k, mask: Mask, heads=4, kv_heads=2, d=8):
@@ -100,7 +105,7 @@ def test_pieced_block_equals_one_dense_masked_call():
 
 
 def test_pieces_follow_the_runs():
-    assert _cut(((10, 5), (40, 3)), 2) == [(0, 10, 2), (2, 12, 2), (4, 14, 1), (5, 40, 2), (7, 42, 1)]
+    assert cut_runs(((10, 5), (40, 3)), 2) == [(0, 10, 2), (2, 12, 2), (4, 14, 1), (5, 40, 2), (7, 42, 1)]
 
 
 def test_piece_setting(monkeypatch):

@@ -41,7 +41,7 @@ from typing import NamedTuple
 from .sel import Segment, merge_runs, union_intervals
 
 __all__ = ["Mask", "BlockKind", "BlockClass", "classify_block", "band_relation", "band_pairs", "CAUSAL", "FULL",
-           "union_intervals", "split_by_document", "INF"]
+           "union_intervals", "split_by_document", "INF", "MASK_PIECE", "cut_runs", "mask_pieces"]
 
 
 class BlockKind(StrEnum):
@@ -429,3 +429,39 @@ def _kernel_kind(mask: Mask, kinds: set, qs, kvs, rows, cols, pairs: int) -> str
             if increasing and hi >= span and pairs == nrows * (nrows + 1) // 2:
                 return BlockKind.CAUSAL
     return BlockKind.MASKED
+
+
+# -- how a masked block runs: mask pieces ---------------------------------------------------------------
+# tokens per side of a mask piece: what the runtime cuts a masked block into, per device (the
+# simulator's machine is a GPU); MEGATRON_MESH_MASK_PIECE overrides it at run time
+MASK_PIECE = {"cpu": 512, "cuda": 2048}
+
+
+def cut_runs(runs, piece: int) -> list[tuple[int, int, int]]:
+    """(block-local offset, global start, length) of position runs (start, length) cut into
+    lengths <= ``piece``."""
+    out, local = [], 0
+    for start, n in runs:
+        for a in range(0, n, piece):
+            m = min(piece, n - a)
+            out.append((local + a, start + a, m))
+        local += n
+    return out
+
+
+def mask_pieces(mask: Mask, q_runs, k_runs, piece: int) -> list[tuple[BlockKind, tuple[int, int], tuple[int, int]]]:
+    """How a "masked" block runs: its query and key runs (global (start, length), in buffer order)
+    cut into pieces of at most ``piece`` tokens; every piece with an allowed pair is one kernel call
+    (kind, block-local rows [r0, r1), columns [c0, c1)) -- FULL or CAUSAL when the classification
+    says the whole piece is, else MASKED (the kernel gets the piece's allowed matrix). The runtime
+    executes exactly these calls and the simulator prices them (one owner of the cut)."""
+    out = []
+    for r0, qa, n in cut_runs(q_runs, piece):
+        for c0, ka, m in cut_runs(k_runs, piece):
+            c = classify_block(mask, ((qa, n),), (((ka, m),),))
+            if c is None:
+                continue
+            whole = c.rows == ((0, n),) and c.cols[0] == ((0, m),)
+            kind = c.kind if whole and c.kind != BlockKind.MASKED else BlockKind.MASKED
+            out.append((kind, (r0, r0 + n), (c0, c0 + m)))
+    return out

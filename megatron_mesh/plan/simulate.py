@@ -5,8 +5,9 @@ It walks the *same op lists the executor runs* and prices each op (:data:`_COSTS
 
 * **Compute stream** (one per rank, in op order). ``Attend``: 4 * batch * heads * head_dim FLOPs
   per (query, key) pair the kernel call computes (:func:`~.accounting.block_area`: a causal
-  block of n tokens computes n(n+1)/2 pairs, about half; a masked block is computed densely and
-  masked), at ``attention_flops``, plus ``kernel_latency`` per call, plus the fp32 merge into
+  block of n tokens computes n(n+1)/2 pairs, about half; a masked block runs as the calls of its
+  mask pieces, :func:`~.mask.mask_pieces`, as the runtime runs it), at ``attention_flops``, plus
+  ``kernel_latency`` per call, plus the fp32 merge into
   the accumulator at ``memory_bandwidth``. ``AttendBackward``: 2.5x the forward FLOPs
   (FlashAttention's backward does 5 matmuls to the forward's 2) plus the dQ/dKV accumulation.
   ``MergeOut``/``AddGrad``/``RowStats``: read two buffers, write one, at ``memory_bandwidth``;
@@ -59,7 +60,7 @@ from typing import NamedTuple
 from .accounting import block_area, key_bytes
 from .hybrid import inner_shape
 from .ir import AddGrad, Attend, AttendBackward, Copy, Free, MergeOut, Op, Plan, Post, RowStats, Wait
-from .mask import BlockKind
+from .mask import BlockKind, mask_pieces
 from .sel import sel_len
 from .shape import AttentionShape
 from .topology import LINK_CLASSES, Topology
@@ -160,6 +161,7 @@ class RoundTraffic:
     sent: tuple[int, ...] | None = None
     received: tuple[int, ...] | None = None
     inter: tuple[int, ...] | None = None
+    per_rank: dict[tuple[int, int], float] | None = None  # (rank, round) -> that rank's round duration
 
 
 def _round_time(loads: dict[tuple[str, bool], int], topo: Topology) -> float:
@@ -215,6 +217,9 @@ def _composed_traffic(plan: Plan, shape: AttentionShape, topo: Topology, directi
     t = round_traffic(inner, sub, inner_topo, direction)
     cache: dict = {}
     duration = {r + 1: d for r, d in t.duration.items()}
+    per_rank = None
+    if t.per_rank is not None:  # every head slice's inner group runs the same rounds on its own ranks
+        per_rank = {(m * U + u, rnd + 1): d for (m, rnd), d in t.per_rank.items() for u in range(U)}
     a2a_sent = a2a_inter = max_inter = 0
     for r in (0, plan.world_size - 1):
         sent = inter = 0
@@ -232,13 +237,17 @@ def _composed_traffic(plan: Plan, shape: AttentionShape, topo: Topology, directi
                 loads[(topo.link(x.peer, r), False)] += _nbytes(plan, x.key, shape, cache)
             duration[op.round] = max(duration.get(op.round, 0.0), _round_time(loads, topo))
         a2a_sent, a2a_inter, max_inter = sent, max(a2a_inter, inter), max(max_inter, inter)
+    if per_rank is not None:  # the all-to-alls: the same on every rank (priced on the extremes)
+        for rnd in set(duration) - {rnd + 1 for rnd in t.duration}:
+            per_rank.update({(r, rnd): duration[rnd] for r in range(plan.world_size)})
     return RoundTraffic(duration, t.bytes_sent + a2a_sent, t.mean_intra + a2a_sent - a2a_inter,
-                        t.mean_inter + a2a_inter, t.max_inter + max_inter)
+                        t.mean_inter + a2a_inter, t.max_inter + max_inter, per_rank=per_rank)
 
 
 def _exact_traffic(plan: Plan, shape: AttentionShape, topo: Topology, direction: str) -> RoundTraffic:
     cache: dict = {}
     duration: dict[int, float] = {}
+    per_rank: dict[tuple[int, int], float] = {}
     sent, received, inter, intra = [], [], [], []
     for r in range(plan.world_size):
         s = rcv = x = i = 0
@@ -257,14 +266,15 @@ def _exact_traffic(plan: Plan, shape: AttentionShape, topo: Topology, direction:
                 n = _nbytes(plan, t.key, shape, cache)
                 loads[(topo.link(t.peer, r), False)] += n
                 rcv += n
-            duration[post.round] = max(duration.get(post.round, 0.0), _round_time(loads, topo))
+            per_rank[(r, post.round)] = _round_time(loads, topo)
+            duration[post.round] = max(duration.get(post.round, 0.0), per_rank[(r, post.round)])
         sent.append(s)
         received.append(rcv)
         inter.append(x)
         intra.append(i)
     P = plan.world_size
     return RoundTraffic(duration, max(sent), sum(intra) / P, sum(inter) / P, max(inter), tuple(sent),
-                        tuple(received), tuple(inter))
+                        tuple(received), tuple(inter), per_rank)
 
 
 class _RingTraffic:
@@ -383,9 +393,18 @@ class _RingTraffic:
 
 # -- compute costs ------------------------------------------------------------------------------------
 def _block_cost(plan: Plan, op, shape: AttentionShape, topo: Topology) -> float:
-    """A kernel call: its (query, key) pairs at ``attention_flops`` (a masked block is computed
-    densely), plus the launch latency and the fp32 accumulator traffic."""
-    pairs = block_area(plan, op)
+    """A kernel call: its (query, key) pairs at ``attention_flops``, plus the launch latency and
+    the fp32 accumulator traffic. A masked block runs as the kernel calls of its mask pieces
+    (:func:`~.mask.mask_pieces`): their areas, one launch each."""
+    calls = 1
+    if op.mask == BlockKind.MASKED:
+        pieces = mask_pieces(plan.mask, plan.positions(op.q, op.rows),
+                             tuple(r for i, k in enumerate(op.kv) for r in plan.positions(k, op.col(i))), topo.mask_piece)
+        pairs = sum((r1 - r0) * (r1 - r0 + 1) // 2 if kind == BlockKind.CAUSAL else (r1 - r0) * (c1 - c0)
+                    for kind, (r0, r1), (c0, c1) in pieces)
+        calls = max(1, len(pieces))
+    else:
+        pairs = block_area(plan, op)
     h, g = plan.head_counts(op.q, shape.heads, shape.kv_heads)
     flops = 4.0 * shape.batch * h * shape.head_dim * pairs
     rows = sel_len(op.rows, plan.tokens(op.q))
@@ -396,7 +415,7 @@ def _block_cost(plan: Plan, op, shape: AttentionShape, topo: Topology) -> float:
         flops *= BACKWARD_FLOPS
         cols = sum(sel_len(op.col(i), plan.tokens(k)) for i, k in enumerate(op.kv))
         moved = 3 * shape.batch * shape.head_dim * acc * (h * rows + 2 * g * cols)
-    return flops / topo.attention_flops + topo.kernel_latency + moved / topo.memory_bandwidth
+    return flops / topo.attention_flops + calls * topo.kernel_latency + moved / topo.memory_bandwidth
 
 
 def _combine_cost(plan: Plan, op, shape: AttentionShape, topo: Topology) -> float:
@@ -518,6 +537,73 @@ def _run_lockstep(plan: Plan, shape: AttentionShape, topo: Topology, direction: 
     return time, slowest.busy, rounds, events
 
 
+def _run_pairwise(plan: Plan, shape: AttentionShape, topo: Topology, direction: str,
+                  per_rank: dict[tuple[int, int], float], timeline: bool) -> tuple[float, float, int, list[Event]]:
+    """Every rank stepped on its own (a mask-aware plan, whose ranks post different rounds to
+    different peers): rank r's round t starts once r and each of its peers in that round have
+    posted t and r's previous round is done, and lasts r's own duration -- transfers between two
+    ranks wait for those two only, as point-to-point transfers do (the lockstep model would make
+    every rank wait for the slowest poster of the whole group)."""
+    states = [_Rank(r, plan.rank(r).ops(direction)) for r in range(plan.world_size)]
+    posted: dict[tuple[int, int], float] = {}  # (rank, round) -> post time
+    peers: dict[tuple[int, int], tuple[int, ...]] = {}
+    queue: list[list[int]] = [[] for _ in states]  # each rank's posted, unresolved rounds, in order
+    done: dict[tuple[int, int], float] = {}
+    comm_free = [0.0] * len(states)
+    costs: dict = {}
+    while True:
+        moved = False
+        for st in states:
+            ops, n, r = st.ops, len(st.ops), st.rank
+            while st.pc < n:
+                op = ops[st.pc]
+                kind = type(op)
+                if kind is Wait:
+                    end = done.get((r, op.round))
+                    if end is None:
+                        break
+                    if timeline and end > st.clock:
+                        st.events.append(Event(r, "compute", st.clock, end, f"wait {op.round}"))
+                    st.clock = max(st.clock, end)
+                elif kind is Post:
+                    posted[(r, op.round)] = st.clock
+                    peers[(r, op.round)] = tuple({t.peer for t in op.sends + op.recvs})
+                    queue[r].append(op.round)
+                elif kind is not Free:
+                    sig = _cost_signature(plan, op)
+                    c = costs.get(sig)
+                    if c is None:
+                        c = costs[sig] = _compute_cost(plan, op, shape, topo)
+                    if timeline:
+                        st.events.append(Event(r, "compute", st.clock, st.clock + c, kind.__name__))
+                    st.clock += c
+                    st.busy += c
+                st.pc += 1
+                moved = True
+        for r, pending in enumerate(queue):  # resolve rounds whose peers have all posted them
+            while pending:
+                t = pending[0]
+                times = [posted.get((p, t)) for p in peers[(r, t)]]
+                if any(x is None for x in times):
+                    break
+                start = max([posted[(r, t)], comm_free[r], *times])
+                done[(r, t)] = comm_free[r] = start + per_rank.get((r, t), 0.0)
+                if timeline:
+                    states[r].events.append(Event(r, "comm", start, done[(r, t)], f"round {t}"))
+                pending.pop(0)
+                moved = True
+        if all(st.pc == len(st.ops) for st in states):
+            break
+        if not moved:
+            stuck = {st.rank: str(st.ops[st.pc]) for st in states if st.pc < len(st.ops)}
+            raise ValueError(f"{direction}: simulated ranks block forever: {stuck}")
+    slowest = max(states, key=lambda s: s.clock)
+    time = max(slowest.clock, max(comm_free))
+    rounds = max(sum(1 for op in st.ops if type(op) is Post) for st in states)
+    events = sorted((e for st in states for e in st.events), key=lambda e: (e.rank, e.start)) if timeline else []
+    return time, slowest.busy, rounds, events
+
+
 def _default_ranks(plan: Plan) -> list[int]:
     """Ranks 0 and P-1 for plans where every rank posts the same rounds (approximation 2); every
     rank for mask-aware plans, whose ranks differ in work and rounds."""
@@ -545,7 +631,11 @@ def simulate(plan: Plan, shape: AttentionShape, topology: Topology | None = None
     phases = []
     for direction in _DIRECTIONS:
         traffic = round_traffic(plan, shape, topo, direction, exact=exact)
-        time, busy, rounds, events = _run_lockstep(plan, shape, topo, direction, sim_ranks, traffic.duration, timeline)
+        if traffic.per_rank is not None and len(sim_ranks) == plan.world_size:
+            time, busy, rounds, events = _run_pairwise(plan, shape, topo, direction, traffic.per_rank, timeline)
+        else:
+            time, busy, rounds, events = _run_lockstep(plan, shape, topo, direction, sim_ranks, traffic.duration,
+                                                       timeline)
         phases.append(PhaseResult(time, busy, rounds, traffic.bytes_sent, traffic.mean_intra, traffic.mean_inter,
                                   traffic.max_inter, tuple(events), traffic.sent))
     return SimResult(*phases, exact=exact)

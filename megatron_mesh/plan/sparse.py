@@ -55,7 +55,7 @@ from .passes import insert_frees
 from .sel import Segment, relative_selection, union_intervals
 from .shape import AttentionShape
 
-__all__ = ["build_sparse_plan", "block_table", "Assignment", "QUERY_OWNER"]
+__all__ = ["build_sparse_plan", "block_table", "block_parts", "Assignment", "QUERY_OWNER", "OWN_CALL_TOKENS"]
 
 QUERY_OWNER = "query owner"
 
@@ -83,15 +83,30 @@ class Assignment:
             raise ValueError(f"rounds must be 'shift' or 'burst', got {self.rounds!r}")
 
 
+# a document with fewer query tokens than this in a block shares one masked kernel call with the
+# block's other small documents (the runtime cuts that call into mask pieces); a larger one gets a
+# call of its own, causal or full where it can -- a kernel call costs about as much as the causal
+# block of a ~500-token document on an H100, so small documents are not worth a call each
+OWN_CALL_TOKENS = 128
+
+
 @lru_cache(maxsize=16)
 def block_table(P: int, mask: Mask, layout: Layout) -> dict[tuple[int, int], BlockClass]:
     """{(i, j): BlockClass} of every block with allowed pairs (shared by every mode's plan of
-    this mask: the planner builds dozens).
+    this mask: the planner builds dozens). The result is :func:`~.mask.classify_block` of every
+    block (a test checks they agree); :func:`block_parts` splits each into its kernel calls."""
+    return {ij: _join(parts, mask, layout, ij) for ij, parts in block_parts(P, mask, layout).items()}
+
+
+@lru_cache(maxsize=16)
+def block_parts(P: int, mask: Mask, layout: Layout) -> dict[tuple[int, int], tuple[BlockClass, ...]]:
+    """{(i, j): kernel calls} of every block with allowed pairs: one call per document with at
+    least :data:`OWN_CALL_TOKENS` query tokens in the block (causal or full where it is), the
+    block's smaller documents together in one masked call.
 
     Linear in the documents: each rank's runs are cut at document edges once, and only the runs
     of one document on the ranks that hold it are paired (a document held by k ranks costs k^2
-    pairs of runs; one held by one rank touches only its diagonal block). The result is
-    :func:`~.mask.classify_block` of every block (a test checks they agree)."""
+    pairs of runs; one held by one rank touches only its diagonal block)."""
     lo, hi = mask.band()
     by_doc: dict = {}
     for g in range(P):
@@ -101,7 +116,7 @@ def block_table(P: int, mask: Mask, layout: Layout) -> dict[tuple[int, int], Blo
                 by_doc[doc] = {g: [(local, start, n)]}
             else:
                 holders.setdefault(g, []).append((local, start, n))
-    acc: dict[tuple[int, int], _BlockSum] = {}
+    acc: dict[tuple[int, int], list[_BlockSum]] = {}
     for doc, holders in by_doc.items():
         items = list(holders.items())
         for i, q_runs in items:
@@ -113,25 +128,63 @@ def block_table(P: int, mask: Mask, layout: Layout) -> dict[tuple[int, int], Blo
                         if relation == "none":
                             continue
                         if e is None:
-                            e = acc.get((i, j))
-                            if e is None:
-                                e = acc[(i, j)] = _BlockSum()
-                            e.documents += e.last_document != doc
-                            e.last_document = doc
+                            e = _BlockSum()
+                            acc.setdefault((i, j), []).append(e)
                         e.add(relation, ql, qa, n, kl, ka, m, lo, hi)
-    return {ij: e.result(mask, layout.runs(ij[0]) if ij[0] == ij[1] else ()) for ij, e in acc.items() if e.pairs}
+    out = {}
+    for ij, sums in acc.items():
+        diagonal = layout.runs(ij[0]) if ij[0] == ij[1] else ()
+        own = [e.result(mask, diagonal) for e in sums if e.pairs and e.nrows >= OWN_CALL_TOKENS]
+        small = [e for e in sums if e.pairs and e.nrows < OWN_CALL_TOKENS]
+        if small:
+            own.append(_BlockSum.merged(small).result(mask, diagonal))
+        if own:
+            out[ij] = tuple(sorted(own, key=lambda c: c.rows[0]))
+    return out
+
+
+def _join(parts: tuple[BlockClass, ...], mask: Mask, layout: Layout, ij: tuple[int, int]) -> BlockClass:
+    """The whole block of its parts: rows and columns united, pairs summed, one kind for all."""
+    if len(parts) == 1:
+        return parts[0]
+    e = _BlockSum()
+    e.rows = [tuple(r) for c in parts for r in c.rows]
+    e.cols = [tuple(r) for c in parts for r in c.cols[0]]
+    e.rows_sorted = e.cols_sorted = False
+    e.pairs = sum(c.pairs for c in parts)
+    e.relations = {"all" if c.kind == BlockKind.FULL else "some" for c in parts}
+    e.documents = 2  # several parts: never one causal call
+    return e.result(mask, ())
 
 
 class _BlockSum:
-    """The allowed pairs of one block, summed over its pairs of runs (one document at a time)."""
+    """The allowed pairs of one block (or of one document in it), summed over its pairs of runs."""
 
-    __slots__ = ("rows", "cols", "pairs", "relations", "documents", "last_document", "rows_sorted", "cols_sorted")
+    __slots__ = ("rows", "cols", "pairs", "relations", "documents", "rows_sorted", "cols_sorted")
 
     def __init__(self):
         self.rows: list[tuple[int, int]] = []
         self.cols: list[tuple[int, int]] = []
-        self.pairs, self.relations, self.documents, self.last_document = 0, set(), 0, None
+        self.pairs, self.relations, self.documents = 0, set(), 1
         self.rows_sorted = self.cols_sorted = True
+
+    @property
+    def nrows(self) -> int:
+        return sum(b - a for a, b in (self.rows if self.rows_sorted else union_intervals(self.rows)))
+
+    @classmethod
+    def merged(cls, sums: list["_BlockSum"]) -> "_BlockSum":
+        if len(sums) == 1:
+            return sums[0]
+        e = cls()
+        for x in sums:
+            e.rows += x.rows
+            e.cols += x.cols
+            e.pairs += x.pairs
+            e.relations |= x.relations
+        e.rows_sorted = e.cols_sorted = False
+        e.documents = len(sums)
+        return e
 
     def add(self, relation: str, ql: int, qa: int, n: int, kl: int, ka: int, m: int, lo: float, hi: float) -> None:
         self.relations.add(relation)
@@ -252,7 +305,7 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
         slots[(1, c, x)] = sel
     for (x, c), sel in needs.cols.items():
         slots[(1, c, P + x)] = sel
-    lowering = _SparseLowering(P, T, needs, table, slots, keep, burst)
+    lowering = _SparseLowering(P, T, needs, block_parts(P, mask, layout), slots, keep, burst)
     notes.append(f"mask {mask.summary()}: {len(table)} of {P * P} chunk blocks have allowed pairs; each rank receives "
                  f"only the tokens its blocks read, from their owner ({'one round' if burst else 'one round per shift'})")
     return Plan(mode=mode, world_size=P, seq_local=T, mask=mask, layout=layout, build_rank=lowering.rank_plan,
@@ -262,9 +315,10 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
 
 
 class _SparseLowering:
-    def __init__(self, P: int, T: int, needs: _Needs, table: dict, slots: dict, keep: bool, burst: bool):
-        self.P, self.T, self.needs, self.table, self.slots, self.keep, self.burst = P, T, needs, table, slots, keep, burst
+    def __init__(self, P: int, T: int, needs: _Needs, parts: dict, slots: dict, keep: bool, burst: bool):
+        self.P, self.T, self.needs, self.parts, self.slots, self.keep, self.burst = P, T, needs, parts, slots, keep, burst
         self.final_round = 2 if burst else P  # the return round (ranks post subsets of 1 .. final_round)
+        self._pairs: dict[Op, int] = {}  # allowed pairs of each block op (where to cut the local work)
         # who needs my rows / columns: chunk -> [needer]
         self.row_needers: dict[int, list[int]] = {}
         self.col_needers: dict[int, list[int]] = {}
@@ -334,17 +388,23 @@ class _SparseLowering:
                 merges.append(AddGrad(k, Key("dkv", x), self.slots[(1, x, self.P + y)]))
         return sends, recvs, merges
 
-    def _block(self, x: int, i: int, j: int, backward: bool) -> Op:
-        c = self.table[(i, j)]
+    def _blocks(self, x: int, i: int, j: int, backward: bool) -> list[Op]:
+        """The kernel calls of block (i, j) on rank x (one per part, :func:`block_parts`)."""
         q = self.qkey("q", i, x)
         kv = self.kvkey("kv", j, x)
-        rows = self._local(c.rows, i, x, (1, i, x))
-        col = self._local(c.cols[0], j, x, (1, j, self.P + x))
-        cols = None if col is None else (col,)
-        if backward:
-            return AttendBackward(q, self.qkey("do", i, x), (kv,), self.qkey("dq", i, x),
-                                  (self.kvkey("dkv", j, x),), rows, cols, c.kind)
-        return Attend(q, (kv,), self.qkey("o", i, x), rows, cols, c.kind)
+        ops: list[Op] = []
+        for c in self.parts[(i, j)]:
+            rows = self._local(c.rows, i, x, (1, i, x))
+            col = self._local(c.cols[0], j, x, (1, j, self.P + x))
+            cols = None if col is None else (col,)
+            if backward:
+                op = AttendBackward(q, self.qkey("do", i, x), (kv,), self.qkey("dq", i, x), (self.kvkey("dkv", j, x),),
+                                    rows, cols, c.kind)
+            else:
+                op = Attend(q, (kv,), self.qkey("o", i, x), rows, cols, c.kind)
+            self._pairs[op] = c.pairs
+            ops.append(op)
+        return ops
 
     def _local(self, sel, chunk: int, x: int, slot) -> tuple | None:
         """A chunk-local selection in the coordinates of the buffer x holds (None: all of it)."""
@@ -374,11 +434,22 @@ class _SparseLowering:
 
         def compute(bs) -> None:
             if blocks:
-                ops.extend(self._block(x, i, j, backward) for i, j in bs)
+                for i, j in bs:
+                    ops.extend(self._blocks(x, i, j, backward))
 
+        sends, recvs, merges = self._returns(x, direction)
+        local = [op for i, j in by_round.pop(0, []) for op in self._blocks(x, i, j, backward)] if blocks else []
+        later: list[Op] = []
+        if sends or recvs:  # half of the local work (by pairs) waits to hide the return round behind it
+            total, acc = sum(self._pairs[op] for op in local), 0
+            for n, op in enumerate(local):
+                acc += self._pairs[op]
+                if 2 * acc >= total:
+                    local, later = local[:n + 1], local[n + 1:]
+                    break
         if order:
             ops.append(Post(order[0], tuple(pulls[order[0]][0]), tuple(pulls[order[0]][1])))
-        compute(by_round.pop(0, []))
+        ops.extend(local)
         for n, t in enumerate(order):
             if n + 1 < len(order):  # prefetch: the next round flies while this one's blocks compute
                 nxt = order[n + 1]
@@ -387,9 +458,9 @@ class _SparseLowering:
             compute(by_round.pop(t, []))
         for t in sorted(by_round):  # blocks whose pieces came in rounds with nothing else for this rank
             compute(by_round[t])
-        sends, recvs, merges = self._returns(x, direction)
         if sends or recvs:
             ops.append(Post(self.final_round, tuple(sends), tuple(recvs)))
+            ops.extend(later)
             ops.append(Wait(self.final_round))
             if blocks:
                 ops.extend(merges)

@@ -35,11 +35,17 @@ measured values):
 * ``kernel_latency`` 5 us: fixed cost per attention kernel call (launch and tail effects).
 * ``memory_bandwidth`` 3.35e12 B/s: H100 SXM5 HBM3 (datasheet); prices the element-wise
   merges of partial outputs and gradient accumulators.
+* ``mask_piece`` 2048 tokens: a masked block runs as kernel calls on pieces of at most this many
+  query x key tokens (the runtime's default on CUDA, :data:`~.mask.MASK_PIECE`): empty pieces are
+  skipped, whole-document pieces run the causal / full fast path, the rest are computed densely
+  and masked -- the simulator prices exactly those calls.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from .mask import MASK_PIECE
 
 __all__ = ["Topology", "LINK_CLASSES"]
 
@@ -64,6 +70,7 @@ class Topology:
     kernel_latency: float = 5e-6
     memory_bandwidth: float = 3.35e12
     node_of: tuple[int, ...] | None = None
+    mask_piece: int = MASK_PIECE["cuda"]
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node"):

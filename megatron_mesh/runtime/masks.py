@@ -31,13 +31,11 @@ from torch import Tensor
 
 from ..kernels.base import CAUSAL, FULL, BlockKernel, BlockMask
 from ..plan.ir import Plan
-from ..plan.mask import BlockKind, Mask, classify_block
+from ..plan.mask import MASK_PIECE, BlockKind, Mask, mask_pieces
 from .merge import merge_partial_
 
-__all__ = ["block_mask", "PiecedMask", "Piece", "piece_mask", "block_forward", "block_backward", "mask_piece",
-           "PIECE_ENV"]
+__all__ = ["block_mask", "PiecedMask", "Piece", "block_forward", "block_backward", "mask_piece", "PIECE_ENV"]
 
-DEFAULT_PIECE = {"cpu": 512, "cuda": 2048}
 PIECE_ENV = "MEGATRON_MESH_MASK_PIECE"
 
 
@@ -55,7 +53,7 @@ def mask_piece(device: torch.device) -> int:
         if piece < 1:
             raise ValueError(f"{PIECE_ENV} must be a positive integer, got {env!r}")
         return piece
-    return DEFAULT_PIECE.get(device.type, DEFAULT_PIECE["cuda"])
+    return MASK_PIECE.get(device.type, MASK_PIECE["cuda"])
 
 
 @dataclass(frozen=True)
@@ -106,41 +104,30 @@ def block_mask(plan: Plan, op, device: torch.device) -> "BlockMask | PiecedMask"
     return m
 
 
-def _cut(runs, piece: int) -> list[tuple[int, int, int]]:
-    """(block-local offset, global start, length) of the runs cut into lengths <= ``piece``."""
-    out, local = [], 0
-    for start, n in runs:
-        for a in range(0, n, piece):
-            m = min(piece, n - a)
-            out.append((local + a, start + a, m))
-        local += n
-    return out
-
-
-def piece_mask(mask: Mask, qa: int, n: int, ka: int, m: int, device) -> BlockMask | None:
-    """The kernel mask of queries [qa, qa+n) x keys [ka, ka+m) (global positions) under ``mask``:
-    None when no pair attends; FULL / CAUSAL when the planner's classification says the whole
-    rectangle is (so the kernels' fast paths run); else its allowed matrix."""
-    c = classify_block(mask, ((qa, n),), (((ka, m),),))
-    if c is None:
-        return None
-    whole = c.rows == ((0, n),) and c.cols[0] == ((0, m),)
-    if whole and c.kind == BlockKind.FULL:
-        return FULL
-    if whole and c.kind == BlockKind.CAUSAL:
-        return CAUSAL
-    return BlockMask(BlockKind.MASKED, mask.allowed(torch.arange(qa, qa + n, device=device),
-                                                    torch.arange(ka, ka + m, device=device)))
-
-
 def _pieced(mask: Mask, q_runs, k_runs, piece: int, device) -> PiecedMask:
+    """The pieces :func:`~megatron_mesh.plan.mask_pieces` cuts the block into, with their kernel masks."""
     pieces = []
-    for r0, qa, n in _cut(q_runs, piece):
-        for c0, ka, m in _cut(k_runs, piece):
-            bm = piece_mask(mask, qa, n, ka, m, device)
-            if bm is not None:
-                pieces.append(Piece((r0, r0 + n), (c0, c0 + m), bm))
+    for kind, (r0, r1), (c0, c1) in mask_pieces(mask, q_runs, k_runs, piece):
+        if kind == BlockKind.FULL:
+            bm = FULL
+        elif kind == BlockKind.CAUSAL:
+            bm = CAUSAL
+        else:
+            q_pos, k_pos = _positions_of(q_runs, r0, r1, device), _positions_of(k_runs, c0, c1, device)
+            bm = BlockMask(BlockKind.MASKED, mask.allowed(q_pos, k_pos))
+        pieces.append(Piece((r0, r1), (c0, c1), bm))
     return PiecedMask(tuple(pieces))
+
+
+def _positions_of(runs, a: int, b: int, device) -> torch.Tensor:
+    """Global positions of block-local tokens [a, b) of a buffer made of ``runs`` (a piece never
+    crosses a run: :func:`~megatron_mesh.plan.cut_runs` cuts inside runs)."""
+    local = 0
+    for start, n in runs:
+        if local <= a < local + n:
+            return torch.arange(start + a - local, start + b - local, device=device)
+        local += n
+    raise ValueError(f"rows [{a}, {b}) outside the runs {runs}")
 
 
 # -- running a block through the kernel ------------------------------------------------------------------

@@ -115,7 +115,7 @@ def _row(mode: str, c: Candidate, placement: Placement, detail: str = "", extra:
 
 def _evaluate_placement(name: str, p: Placement, shape: AttentionShape, topo: Topology, mask: Mask | None,
                         layout) -> ModeResult:
-    plan = p.build(shape, mask, layout)
+    plan = p.build(shape, mask, layout(p) if callable(layout) else layout)
     c = evaluate_plan(plan, shape, topo, contiguous=plan.contiguous if plan.tile and plan.tile[0] > 1 else None)
     extra = {}
     if mask is not None and not mask.is_dense or layout is not None:
@@ -276,7 +276,8 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: boo
              ) -> tuple[list[ModeResult], list[dict]]:
     """Rows for ``modes`` (see :data:`MODES`) and the modes that cannot run, with the reason.
 
-    ``mask`` (default: causal or full by ``causal``) and ``layout`` build the plan-based modes
+    ``mask`` (default: causal or full by ``causal``) and ``layout`` (a layout, or a function of the
+    placement giving one -- a layout balanced per Ulysses group) build the plan-based modes
     mask-aware; the formula rows (ulysses, usp) assume dense attention and are left out then."""
     allowed = all_modes()
     modes = allowed if modes is None else modes
