@@ -16,8 +16,9 @@ SHAPE = dict(batch=1, heads=4, kv_heads=2, head_dim=8, itemsize=2)
 
 def placements(P: int, shape: AttentionShape):
     yield resolve("ring", P, shape)
+    yield resolve("ring", P, shape, backward_chunks="keep")
     for t in tile_shapes(P):
-        yield resolve("mesh", P, shape, tile=t, contiguous="q")
+        yield resolve("mesh", P, shape, tile=t, contiguous="q", backward_chunks="keep" if t[0] == 2 else "refetch")
     yield resolve("tasp", P, shape)
 
 

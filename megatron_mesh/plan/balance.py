@@ -53,7 +53,7 @@ __all__ = ["BalancedLayout", "balanced_layout", "document_work", "PIECE_WORK"]
 
 # a document whose work is above this fraction of the mean per-rank work is cut into zigzag pieces
 # of at most this much work each (smaller pieces pack better; fewer move less)
-PIECE_WORK = 0.25
+PIECE_WORK = 1.0
 
 
 def _sum_min(n: int, c: int | None) -> int:

@@ -367,13 +367,17 @@ def classify_block(mask: Mask, q_runs: tuple, kv_runs: tuple) -> BlockClass | No
     cols: list[list[tuple[int, int]]] = [[] for _ in kvs]
     pairs = 0
     kinds = set()
+    by_doc: list[dict] = []  # per key/value buffer: document -> its sub-runs (pairs of one document only)
+    for ks in kvs:
+        d: dict = {}
+        for run in ks:
+            d.setdefault(run[3], []).append(run)
+        by_doc.append(d)
     for ql, qa, n, qd in qs:
         if qd is None:
             continue
-        for b, ks in enumerate(kvs):
-            for kl, ka, m, kd in ks:
-                if kd != qd:
-                    continue
+        for b, ks in enumerate(by_doc):
+            for kl, ka, m, kd in ks.get(qd, ()):
                 kind = band_relation(qa, n, ka, m, lo, hi)
                 if kind == "none":
                     continue

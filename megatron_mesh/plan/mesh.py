@@ -34,15 +34,15 @@ from functools import lru_cache
 from .accounting import buffer_bytes, mesh_bytes_formula
 from .blocks import block_ops
 from .ir import AddGrad, Key, MergeOut, Op, Plan, Post, RankPlan, Transfer, Wait
-from .layout import ZigzagLayout
-from .mask import Mask, classify_block
+from .layout import Layout, ZigzagLayout
+from .mask import BlockKind, Mask, classify_block
 from .passes import insert_frees
 from .schedule import SCHEDULES, build_template, pull_rounds
 from .sel import Segment
 from .shape import AttentionShape
 
 __all__ = ["TileMap", "tile_shapes", "parse_tile", "best_tile", "build_mesh_plan", "build_ring_plan",
-           "BACKWARD_CHUNKS", "CONTIGUOUS"]
+           "build_rotation_plan", "BACKWARD_CHUNKS", "CONTIGUOUS"]
 
 # "refetch": the backward pulls Q and KV chunks again (memory of ring attention; more bytes).
 # "keep":    the forward keeps the pulled chunks for the backward (fewer bytes; a-1 Q and b-1 KV
@@ -182,11 +182,11 @@ def build_mesh_plan(world_size: int, tile, shape: AttentionShape, causal: bool =
 
 @lru_cache(maxsize=256)
 def _build_mesh_plan(world_size: int, tile: tuple[int, int], shape: AttentionShape, mask: Mask,
-                     schedule: str, backward_chunks: str, contiguous: str) -> Plan:
+                     schedule: str, backward_chunks: str, contiguous: str, layout: Layout | None = None) -> Plan:
     a, b = tile
     tiles = TileMap(a, b, contiguous)
     T = shape.seq_local
-    layout = ZigzagLayout(world_size, world_size * T)
+    layout = ZigzagLayout(world_size, world_size * T) if layout is None else layout
 
     def cost(*kinds: str) -> int:
         return sum(buffer_bytes(k, T, shape) for k in kinds)
@@ -197,6 +197,17 @@ def _build_mesh_plan(world_size: int, tile: tuple[int, int], shape: AttentionSha
     return Plan(mode="mesh", world_size=world_size, seq_local=T, mask=mask, layout=layout,
                 build_rank=lowering.rank_plan, build_rounds=lowering.round_ops, tile=tile, schedule=schedule,
                 backward_chunks=backward_chunks, contiguous=contiguous, assignment="tile", rings=tiles.rings())
+
+
+def build_rotation_plan(world_size: int, shape: AttentionShape, mask: Mask, layout: Layout,
+                        mode: str = "rotation") -> Plan:
+    """Ring attention's schedule on any mask and layout: every chunk visits every rank around the
+    ring, and each block computes what the mask allows of it -- Transformer Engine's ``p2p`` on its
+    THD layout (whole KV chunks every step, per-document blocks). The planner prices TE with it;
+    the plugin's modes send only what a mask-aware plan needs instead (:mod:`.sparse`).
+    ``mask`` / ``layout``: normalised (:func:`~.problem.normalize`)."""
+    return replace(_build_mesh_plan(world_size, (1, world_size), shape, mask, "greedy", "refetch", "q", layout),
+                   mode=mode, _cache={})
 
 
 @lru_cache(maxsize=256)
@@ -239,6 +250,10 @@ class _MeshLowering:
             if c is not None:
                 whole = (Segment(0, self.T),)
                 c = (c.kind, None if c.rows == whole else c.rows, None if c.cols[0] == whole else c.cols[0])
+            elif not self.mask.is_dense:
+                # a rotation over a mask (TE's p2p on THD): the block's accumulators still travel the
+                # ring, so the call runs and computes nothing (every row masked: out 0, lse -inf)
+                c = (BlockKind.MASKED, None, None)
             self.blocks[(i, j)] = c
         return c
 

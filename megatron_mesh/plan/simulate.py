@@ -199,6 +199,8 @@ def round_traffic(plan: Plan, shape: AttentionShape, topo: Topology, direction: 
     if not exact:
         if plan.inner is not None:
             return _composed_traffic(plan, shape, topo, direction)
+        if plan.direct:  # ranks move different tokens to different peers: every rank is read
+            return _exact_traffic(plan, shape, topo, direction)
         fast = _RingTraffic.build(plan, shape, topo, direction)
         if fast is not None:
             return fast
@@ -388,7 +390,7 @@ class _RingTraffic:
         total = sum(sent_by_label.values())
         inter_of = {pattern: sum(n for li, n in sent_by_label.items() if pattern[li] == "inter") for pattern in patterns}
         mean_inter = sum(inter_of[p] * c for p, c in patterns.items()) / P
-        return RoundTraffic(duration, total, total - mean_inter, mean_inter, max(inter_of.values()))
+        return RoundTraffic(duration, total, total - mean_inter, mean_inter, max(inter_of.values(), default=0))
 
 
 # -- compute costs ------------------------------------------------------------------------------------

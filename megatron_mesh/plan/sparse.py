@@ -98,49 +98,87 @@ def block_table(P: int, mask: Mask, layout: Layout) -> dict[tuple[int, int], Blo
     return {ij: _join(parts, mask, layout, ij) for ij, parts in block_parts(P, mask, layout).items()}
 
 
-@lru_cache(maxsize=16)
 def block_parts(P: int, mask: Mask, layout: Layout) -> dict[tuple[int, int], tuple[BlockClass, ...]]:
-    """{(i, j): kernel calls} of every block with allowed pairs: one call per document with at
-    least :data:`OWN_CALL_TOKENS` query tokens in the block (causal or full where it is), the
-    block's smaller documents together in one masked call.
+    """{(i, j): kernel calls} of every block with allowed pairs (see :class:`_Blocks`)."""
+    return _blocks(P, mask, layout).all()
 
-    Linear in the documents: each rank's runs are cut at document edges once, and only the runs
-    of one document on the ranks that hold it are paired (a document held by k ranks costs k^2
-    pairs of runs; one held by one rank touches only its diagonal block)."""
-    lo, hi = mask.band()
-    by_doc: dict = {}
-    for g in range(P):
-        for local, start, n, doc in split_by_document(layout.runs(g), mask):
-            holders = by_doc.get(doc)
-            if holders is None:
-                by_doc[doc] = {g: [(local, start, n)]}
-            else:
-                holders.setdefault(g, []).append((local, start, n))
-    acc: dict[tuple[int, int], list[_BlockSum]] = {}
-    for doc, holders in by_doc.items():
-        items = list(holders.items())
-        for i, q_runs in items:
-            for j, k_runs in items:
-                e = None
-                for ql, qa, n in q_runs:
-                    for kl, ka, m in k_runs:
-                        relation = band_relation(qa, n, ka, m, lo, hi)
-                        if relation == "none":
-                            continue
-                        if e is None:
-                            e = _BlockSum()
-                            acc.setdefault((i, j), []).append(e)
-                        e.add(relation, ql, qa, n, kl, ka, m, lo, hi)
-    out = {}
-    for ij, sums in acc.items():
-        diagonal = layout.runs(ij[0]) if ij[0] == ij[1] else ()
-        own = [e.result(mask, diagonal) for e in sums if e.pairs and e.nrows >= OWN_CALL_TOKENS]
+
+@lru_cache(maxsize=16)
+def _blocks(P: int, mask: Mask, layout: Layout) -> "_Blocks":
+    return _Blocks(P, mask, layout)
+
+
+class _Blocks:
+    """The blocks of one (CP size, mask, layout), built on demand.
+
+    An index first -- each rank's runs cut at document edges, and for each document the ranks
+    holding it (linear in the layout's runs) -- then the kernel calls of a block when asked: one
+    call per document with at least :data:`OWN_CALL_TOKENS` query tokens in the block (causal or
+    full where it is), the block's smaller documents together in one masked call. Only the runs of
+    one document on the ranks that hold it are paired. A rank's own plan asks for its row and
+    column of blocks only (ranks sharing a document with it), so every rank builds its plan in
+    time proportional to its own documents' holders, not to P^2."""
+
+    def __init__(self, P: int, mask: Mask, layout: Layout):
+        self.P, self.mask, self.layout = P, mask, layout
+        self.lo, self.hi = mask.band()
+        self.holders: dict[int, dict[int, list]] = {}  # document -> rank -> its runs (local, start, n)
+        self.docs_of: list[list[int]] = [[] for _ in range(P)]  # rank -> documents it holds
+        for g in range(P):
+            for local, start, n, doc in split_by_document(layout.runs(g), mask):
+                holders = self.holders.setdefault(doc, {})
+                if g not in holders:
+                    holders[g] = []
+                    self.docs_of[g].append(doc)
+                holders[g].append((local, start, n))
+        self._parts: dict[tuple[int, int], tuple[BlockClass, ...] | None] = {}
+        self._sharing: dict[int, tuple[int, ...]] = {}
+
+    def sharing(self, x: int) -> tuple[int, ...]:
+        """The ranks holding a document rank x holds (x included), sorted."""
+        out = self._sharing.get(x)
+        if out is None:
+            out = self._sharing[x] = tuple(sorted({g for d in self.docs_of[x] for g in self.holders[d]}))
+        return out
+
+    def parts(self, i: int, j: int) -> tuple[BlockClass, ...] | None:
+        """The kernel calls of block (query chunk i, key chunk j); None when nothing is allowed."""
+        ij = (i, j)
+        if ij in self._parts:
+            return self._parts[ij]
+        lo, hi = self.lo, self.hi
+        sums: list[_BlockSum] = []
+        for doc in self.docs_of[i]:
+            k_runs = self.holders[doc].get(j)
+            if k_runs is None:
+                continue
+            e = None
+            for ql, qa, n in self.holders[doc][i]:
+                q_end = qa + n - 1
+                for kl, ka, m in k_runs:
+                    dmin, dmax = qa - ka - m + 1, q_end - ka  # band_relation, inlined: the hot loop
+                    if dmax < lo or dmin > hi:
+                        continue
+                    if e is None:
+                        e = _BlockSum()
+                        sums.append(e)
+                    e.add("all" if dmin >= lo and dmax <= hi else "some", ql, qa, n, kl, ka, m, lo, hi)
+        diagonal = self.layout.runs(i) if i == j else ()
+        own = [e.result(self.mask, diagonal) for e in sums if e.pairs and e.nrows >= OWN_CALL_TOKENS]
         small = [e for e in sums if e.pairs and e.nrows < OWN_CALL_TOKENS]
         if small:
-            own.append(_BlockSum.merged(small).result(mask, diagonal))
-        if own:
-            out[ij] = tuple(sorted(own, key=lambda c: c.rows[0]))
-    return out
+            own.append(_BlockSum.merged(small).result(self.mask, diagonal))
+        out = self._parts[ij] = tuple(sorted(own, key=lambda c: c.rows[0])) if own else None
+        return out
+
+    def all(self) -> dict[tuple[int, int], tuple[BlockClass, ...]]:
+        out = {}
+        for i in range(self.P):
+            for j in self.sharing(i):
+                parts = self.parts(i, j)
+                if parts:
+                    out[(i, j)] = parts
+        return out
 
 
 def _join(parts: tuple[BlockClass, ...], mask: Mask, layout: Layout, ij: tuple[int, int]) -> BlockClass:
@@ -249,22 +287,49 @@ def _union(sels) -> tuple[Segment, ...]:
 
 
 class _Needs:
-    """For one assignment: which rows / columns of which chunk each rank reads from others."""
+    """For one assignment: which rows / columns of which chunk each rank reads from others, and
+    which blocks it computes -- computed for every rank at once from the whole block table (an
+    assignment other than the query owner: the bytes of every rank decide between them)."""
 
     def __init__(self, P: int, table: dict, owner):
         self.P = P
-        self.blocks: list[list[tuple[int, int]]] = [[] for _ in range(P)]  # rank -> its blocks
+        self._blocks: list[list[tuple[int, int]]] = [[] for _ in range(P)]
         rows: dict[tuple[int, int], list] = {}  # (needer, chunk) -> row selections
         cols: dict[tuple[int, int], list] = {}
         for (i, j), c in table.items():
             x = owner(i, j)
-            self.blocks[x].append((i, j))
+            self._blocks[x].append((i, j))
             if i != x:
                 rows.setdefault((x, i), []).append(c.rows)
             if j != x:
                 cols.setdefault((x, j), []).append(c.cols[0])
-        self.rows = {k: _union(v) for k, v in rows.items()}
-        self.cols = {k: _union(v) for k, v in cols.items()}
+        self._rows = [dict() for _ in range(P)]
+        self._cols = [dict() for _ in range(P)]
+        self._row_needers: list[list[int]] = [[] for _ in range(P)]
+        self._col_needers: list[list[int]] = [[] for _ in range(P)]
+        for (x, c), sels in sorted(rows.items()):
+            self._rows[x][c] = _union(sels)
+            self._row_needers[c].append(x)
+        for (x, c), sels in sorted(cols.items()):
+            self._cols[x][c] = _union(sels)
+            self._col_needers[c].append(x)
+
+    def blocks(self, x: int) -> list[tuple[int, int]]:
+        return self._blocks[x]
+
+    def rows(self, x: int) -> dict[int, tuple[Segment, ...]]:
+        """Chunk -> the rows of it rank x reads (chunks other than x's own)."""
+        return self._rows[x]
+
+    def cols(self, x: int) -> dict[int, tuple[Segment, ...]]:
+        return self._cols[x]
+
+    def row_needers(self, c: int) -> list[int]:
+        """The ranks that read rows of chunk c (sorted)."""
+        return self._row_needers[c]
+
+    def col_needers(self, c: int) -> list[int]:
+        return self._col_needers[c]
 
     def bytes_per_rank(self, shape: AttentionShape, keep: bool) -> list[int]:
         """Sent + received bytes of each rank, forward and backward."""
@@ -273,13 +338,59 @@ class _Needs:
         row_kinds = ("q", "o", "do", "dq") + (() if keep else ("q",))
         col_kinds = ("kv", "dkv") + (() if keep else ("kv",))
         traffic = [0] * self.P
-        for table, kinds in ((self.rows, row_kinds), (self.cols, col_kinds)):
-            for (x, c), sel in table.items():
-                n = sum(s.stop - s.start for s in sel)
-                b = n * sum(per_row[k] for k in kinds)
-                traffic[x] += b
-                traffic[c] += b
+        for table, kinds in ((self._rows, row_kinds), (self._cols, col_kinds)):
+            for x, needs in enumerate(table):
+                for c, sel in needs.items():
+                    b = sum(s.stop - s.start for s in sel) * sum(per_row[k] for k in kinds)
+                    traffic[x] += b
+                    traffic[c] += b
         return traffic
+
+
+class _QueryOwnerNeeds:
+    """The query owner's needs (every block computed where its queries live), rank by rank on
+    demand from the block index: a rank's plan reads only its own row and column of blocks."""
+
+    def __init__(self, blocks: _Blocks):
+        self.index, self.P = blocks, blocks.P
+        self._cols: dict[int, dict] = {}
+
+    def blocks(self, x: int) -> list[tuple[int, int]]:
+        return [(x, j) for j in self.index.sharing(x) if self.index.parts(x, j)]
+
+    def rows(self, x: int) -> dict:
+        return {}
+
+    def cols(self, x: int) -> dict[int, tuple[Segment, ...]]:
+        out = self._cols.get(x)
+        if out is None:
+            out = self._cols[x] = {j: union_intervals([tuple(seg) for c in parts for seg in c.cols[0]])
+                                   for j in self.index.sharing(x) if j != x
+                                   for parts in (self.index.parts(x, j),) if parts}
+        return out
+
+    def row_needers(self, c: int) -> list[int]:
+        return []
+
+    def col_needers(self, c: int) -> list[int]:
+        return [i for i in self.index.sharing(c) if i != c and self.index.parts(i, c)]
+
+
+class _Slots:
+    """Slot key -> its segments: ``q{c}.{x}`` the rows of chunk c rank x reads, ``kv{c}.{P+x}`` the
+    columns. The segments differ per chunk (sizes are not cached by slot alone: ``vary``)."""
+
+    vary = True
+
+    def __init__(self, needs, P: int):
+        self.needs, self.P = needs, P
+
+    def __call__(self, key: Key):
+        if key.span != 1:
+            return None
+        if key.slot < self.P:
+            return self.needs.rows(key.slot).get(key.chunk)
+        return self.needs.cols(key.slot - self.P).get(key.chunk)
 
 
 def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layout: Layout, assignment: Assignment,
@@ -287,47 +398,37 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
     """The mask-aware plan of ``mode`` (its name) placed by ``assignment`` -- see the module
     docstring. ``mask`` and ``layout`` are normalised (:func:`~.problem.normalize`)."""
     T = shape.seq_local
-    table = block_table(P, mask, layout)
+    index = _blocks(P, mask, layout)
     keep = backward_chunks == "keep"
     notes: list[str] = []
-    candidates = [(QUERY_OWNER, _Needs(P, table, lambda i, j: i))]
-    candidates += [(name, _Needs(P, table, owner)) for name, owner in assignment.owners]
-    # fewest bytes on the busiest rank; ties to the mode's own map (listed last)
-    costs = [max(needs.bytes_per_rank(shape, keep)) for _, needs in candidates]
-    best = min(range(len(candidates)), key=lambda k: (costs[k], -k))
-    assigned, needs = candidates[best]
-    if assignment.owners and assigned == QUERY_OWNER:
-        notes.append(f"the mask leaves the {', '.join(n for n, _ in assignment.owners)} assignment nothing to gain: "
-                     "every block is computed by its query chunk's owner (fewer bytes on the busiest rank)")
+    needs: object = _QueryOwnerNeeds(index)
+    assigned = QUERY_OWNER
+    if assignment.owners:  # compare the mode's maps with the query owner by the busiest rank's bytes
+        table = block_table(P, mask, layout)
+        candidates = [(QUERY_OWNER, _Needs(P, table, lambda i, j: i))]
+        candidates += [(name, _Needs(P, table, owner)) for name, owner in assignment.owners]
+        costs = [max(n.bytes_per_rank(shape, keep)) for _, n in candidates]
+        best = min(range(len(candidates)), key=lambda k: (costs[k], -k))  # ties: the mode's own map (last)
+        assigned, needs = candidates[best]
+        if assigned == QUERY_OWNER:
+            notes.append(f"the mask leaves the {', '.join(n for n, _ in assignment.owners)} assignment nothing to "
+                         "gain: every block is computed by its query chunk's owner (fewer bytes on the busiest rank)")
     burst = assignment.rounds == "burst"
-    slots: dict = {}
-    for (x, c), sel in needs.rows.items():
-        slots[(1, c, x)] = sel
-    for (x, c), sel in needs.cols.items():
-        slots[(1, c, P + x)] = sel
-    lowering = _SparseLowering(P, T, needs, block_parts(P, mask, layout), slots, keep, burst)
-    notes.append(f"mask {mask.summary()}: {len(table)} of {P * P} chunk blocks have allowed pairs; each rank receives "
-                 f"only the tokens its blocks read, from their owner ({'one round' if burst else 'one round per shift'})")
+    lowering = _SparseLowering(P, T, needs, index, keep, burst)
+    notes.append(f"mask {mask.summary()}: each rank computes only the blocks with allowed pairs and receives only the "
+                 f"tokens they read, from their owner ({'one round' if burst else 'one round per shift'})")
     return Plan(mode=mode, world_size=P, seq_local=T, mask=mask, layout=layout, build_rank=lowering.rank_plan,
-                build_rounds=lowering.round_ops, slots=slots, tile=assignment.tile, schedule=assignment.rounds,
+                build_rounds=lowering.round_ops, slots=lowering.slots, tile=assignment.tile, schedule=assignment.rounds,
                 backward_chunks=backward_chunks, contiguous=assignment.contiguous, assignment=assigned, direct=True,
                 last_round=lowering.final_round, ranks_per_node=ranks_per_node, notes=tuple(notes))
 
 
 class _SparseLowering:
-    def __init__(self, P: int, T: int, needs: _Needs, parts: dict, slots: dict, keep: bool, burst: bool):
-        self.P, self.T, self.needs, self.parts, self.slots, self.keep, self.burst = P, T, needs, parts, slots, keep, burst
+    def __init__(self, P: int, T: int, needs, index: _Blocks, keep: bool, burst: bool):
+        self.P, self.T, self.needs, self.index, self.keep, self.burst = P, T, needs, index, keep, burst
+        self.slots = _Slots(needs, P)
         self.final_round = 2 if burst else P  # the return round (ranks post subsets of 1 .. final_round)
         self._pairs: dict[Op, int] = {}  # allowed pairs of each block op (where to cut the local work)
-        # who needs my rows / columns: chunk -> [needer]
-        self.row_needers: dict[int, list[int]] = {}
-        self.col_needers: dict[int, list[int]] = {}
-        for x, c in needs.rows:
-            self.row_needers.setdefault(c, []).append(x)
-        for x, c in needs.cols:
-            self.col_needers.setdefault(c, []).append(x)
-        for v in (*self.row_needers.values(), *self.col_needers.values()):
-            v.sort()
 
     # -- keys: my own chunk's buffers are whole; a remote piece is the slot made for me -------------
     def qkey(self, kind: str, chunk: int, x: int, incoming: bool = False) -> Key:
@@ -347,20 +448,18 @@ class _SparseLowering:
         row_kinds = (("do",) if self.keep else ("q", "do")) if backward else ("q",)
         col_kinds = (() if self.keep else ("kv",)) if backward else ("kv",)
         rounds: dict[int, tuple[list, list]] = {}
-        for y in self.row_needers.get(x, ()):  # my rows others need
+        for y in self.needs.row_needers(x):  # my rows others need
             for kind in row_kinds:
                 rounds.setdefault(self._shift(x, y, True), ([], []))[0].append(Transfer(y, Key(kind, x, y)))
-        for y in self.col_needers.get(x, ()):
+        for y in self.needs.col_needers(x):
             for kind in col_kinds:
                 rounds.setdefault(self._shift(x, y, True), ([], []))[0].append(Transfer(y, Key(kind, x, self.P + y)))
-        for (needer, c) in self.needs.rows:
-            if needer == x:
-                for kind in row_kinds:
-                    rounds.setdefault(self._shift(x, c, False), ([], []))[1].append(Transfer(c, Key(kind, c, x)))
-        for (needer, c) in self.needs.cols:
-            if needer == x:
-                for kind in col_kinds:
-                    rounds.setdefault(self._shift(x, c, False), ([], []))[1].append(Transfer(c, Key(kind, c, self.P + x)))
+        for c in sorted(self.needs.rows(x)):
+            for kind in row_kinds:
+                rounds.setdefault(self._shift(x, c, False), ([], []))[1].append(Transfer(c, Key(kind, c, x)))
+        for c in sorted(self.needs.cols(x)):
+            for kind in col_kinds:
+                rounds.setdefault(self._shift(x, c, False), ([], []))[1].append(Transfer(c, Key(kind, c, self.P + x)))
         return rounds
 
     def _returns(self, x: int, direction: str) -> tuple[list, list, list]:
@@ -368,24 +467,21 @@ class _SparseLowering:
         merged / added at the listed segments)."""
         backward = direction == "backward"
         sends, recvs, merges = [], [], []
-        for (needer, c) in sorted(self.needs.rows):
-            if needer == x:
-                for kind in (("dq",) if backward else ("o",)):
-                    sends.append(Transfer(c, Key(kind, c, x)))
+        for c in sorted(self.needs.rows(x)):
+            sends.append(Transfer(c, Key("dq" if backward else "o", c, x)))
         if backward:
-            for (needer, c) in sorted(self.needs.cols):
-                if needer == x:
-                    sends.append(Transfer(c, Key("dkv", c, self.P + x)))
-        for y in self.row_needers.get(x, ()):
+            for c in sorted(self.needs.cols(x)):
+                sends.append(Transfer(c, Key("dkv", c, self.P + x)))
+        for y in self.needs.row_needers(x):
             kind = "dq" if backward else "o"
             k = Key(kind, x, y, incoming=True)
             recvs.append(Transfer(y, k))
-            merges.append((AddGrad if backward else MergeOut)(k, Key(kind, x), self.slots[(1, x, y)]))
+            merges.append((AddGrad if backward else MergeOut)(k, Key(kind, x), self.needs.rows(y)[x]))
         if backward:
-            for y in self.col_needers.get(x, ()):
+            for y in self.needs.col_needers(x):
                 k = Key("dkv", x, self.P + y, incoming=True)
                 recvs.append(Transfer(y, k))
-                merges.append(AddGrad(k, Key("dkv", x), self.slots[(1, x, self.P + y)]))
+                merges.append(AddGrad(k, Key("dkv", x), self.needs.cols(y)[x]))
         return sends, recvs, merges
 
     def _blocks(self, x: int, i: int, j: int, backward: bool) -> list[Op]:
@@ -393,7 +489,7 @@ class _SparseLowering:
         q = self.qkey("q", i, x)
         kv = self.kvkey("kv", j, x)
         ops: list[Op] = []
-        for c in self.parts[(i, j)]:
+        for c in self.index.parts(i, j):
             rows = self._local(c.rows, i, x, (1, i, x))
             col = self._local(c.cols[0], j, x, (1, j, self.P + x))
             cols = None if col is None else (col,)
@@ -410,7 +506,7 @@ class _SparseLowering:
         """A chunk-local selection in the coordinates of the buffer x holds (None: all of it)."""
         if chunk == x:
             return None if sel == (Segment(0, self.T),) else sel
-        within = self.slots[slot]
+        within = self.slots(Key("q", slot[1], slot[2]))
         local = relative_selection(sel, within)
         return None if local == (Segment(0, sum(s.stop - s.start for s in within)),) else local
 
@@ -418,7 +514,7 @@ class _SparseLowering:
         backward = direction == "backward"
         pulls = self._pulls(x, direction)
         order = sorted(pulls)
-        mine = sorted(self.needs.blocks[x], key=lambda b: (b != (x, x), b))
+        mine = sorted(self.needs.blocks(x), key=lambda b: (b != (x, x), b))
         # a block is ready once the rounds bringing its remote pieces have completed (rows always
         # travel: q and/or do; columns not in a backward that kept them from the forward)
         def ready_round(b: tuple[int, int]) -> int:
@@ -438,15 +534,18 @@ class _SparseLowering:
                     ops.extend(self._blocks(x, i, j, backward))
 
         sends, recvs, merges = self._returns(x, direction)
-        local = [op for i, j in by_round.pop(0, []) for op in self._blocks(x, i, j, backward)] if blocks else []
+        ready = by_round.pop(0, [])
+        local = [op for i, j in ready if (i, j) != (x, x) for op in self._blocks(x, i, j, backward)] if blocks else []
+        own = self._blocks(x, x, x, backward) if blocks and (x, x) in ready else []
         later: list[Op] = []
-        if sends or recvs:  # half of the local work (by pairs) waits to hide the return round behind it
-            total, acc = sum(self._pairs[op] for op in local), 0
-            for n, op in enumerate(local):
+        if sends or recvs:  # half of the rank's own block (by pairs) waits to hide the return round behind it
+            total, acc = sum(self._pairs[op] for op in own), 0
+            for n, op in enumerate(own):
                 acc += self._pairs[op]
                 if 2 * acc >= total:
-                    local, later = local[:n + 1], local[n + 1:]
+                    own, later = own[:n + 1], own[n + 1:]
                     break
+        local = own + local
         if order:
             ops.append(Post(order[0], tuple(pulls[order[0]][0]), tuple(pulls[order[0]][1])))
         ops.extend(local)
@@ -475,22 +574,23 @@ class _SparseLowering:
         q, kv, do = Key("q", x), Key("kv", x), Key("do", x)
         fwd_in = {q: whole, kv: whole}
         bwd_in = {q: whole, kv: whole, do: whole}
-        for y in self.row_needers.get(x, ()):
-            fwd_in[Key("q", x, y)] = self.slots[(1, x, y)]
-            bwd_in[Key("do", x, y)] = self.slots[(1, x, y)]
+        for y in self.needs.row_needers(x):
+            rows = self.needs.rows(y)[x]
+            fwd_in[Key("q", x, y)] = rows
+            bwd_in[Key("do", x, y)] = rows
             if not self.keep:
-                bwd_in[Key("q", x, y)] = self.slots[(1, x, y)]
-        for y in self.col_needers.get(x, ()):
-            fwd_in[Key("kv", x, P + y)] = self.slots[(1, x, P + y)]
+                bwd_in[Key("q", x, y)] = rows
+        for y in self.needs.col_needers(x):
+            cols = self.needs.cols(y)[x]
+            fwd_in[Key("kv", x, P + y)] = cols
             if not self.keep:
-                bwd_in[Key("kv", x, P + y)] = self.slots[(1, x, P + y)]
+                bwd_in[Key("kv", x, P + y)] = cols
         saved: tuple[Key, ...] = ()
         if self.keep:
-            saved = tuple(Key("q", c, x) for (n, c) in sorted(self.needs.rows) if n == x) + \
-                    tuple(Key("kv", c, P + x) for (n, c) in sorted(self.needs.cols) if n == x)
+            saved = tuple(Key("q", c, x) for c in sorted(self.needs.rows(x))) + \
+                tuple(Key("kv", c, P + x) for c in sorted(self.needs.cols(x)))
         output, grad_q, grad_kv = Key("o", x), Key("dq", x), Key("dkv", x)
         forward = insert_frees(self.lower(x, "forward"), keep={output, q, kv, *saved})
         backward = insert_frees(self.lower(x, "backward"), keep={grad_q, grad_kv})
         return RankPlan(rank=x, seq_local=self.T, forward=forward, backward=backward, forward_inputs=fwd_in,
                         backward_inputs=bwd_in, output=output, grad_q=grad_q, grad_kv=grad_kv, saved=saved)
-

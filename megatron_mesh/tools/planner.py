@@ -29,15 +29,20 @@ from dataclasses import asdict, dataclass, field, replace
 
 from ..plan.accounting import rank_work
 from ..plan.autotile import TIME_TOLERANCE, Candidate, evaluate_plan, pick_best
+from ..plan.balance import balanced_layout, document_work
+from ..plan.hybrid import build_hybrid_plan
+from ..plan.layout import ThdLayout
 from ..plan.mask import Mask
-from ..plan.mesh import build_mesh_plan
+from ..plan.mesh import build_mesh_plan, build_rotation_plan
 from ..plan.modes import MODES as REGISTRY, Placement
+from ..plan.problem import normalize
 from ..plan.shape import AttentionShape
 from ..plan.simulate import BACKWARD_FLOPS
 from ..plan.topology import Topology
 
 __all__ = ["all_modes", "default_modes", "derived_modes", "ModeResult", "evaluate", "plan_modes", "ulysses_result",
-           "usp_result", "TIME_TOLERANCE", "FORMULAS"]
+           "usp_result", "TIME_TOLERANCE", "FORMULAS", "LAYOUTS", "TE_ROWS", "layout_rows", "thd_layout",
+           "compute_floor", "allowed_pairs"]
 
 # rows beyond the registry: the fastest plan of all, and the formulas
 AUTO = "auto"
@@ -91,6 +96,7 @@ class ModeResult:
     by_formula: bool = False
     ulysses: int = 1
     extra: dict = field(default_factory=dict, compare=False)
+    layout: str = "zigzag"
 
     @property
     def exposed_comm_s(self) -> float:
@@ -319,4 +325,98 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: boo
                 rows.append(_FORMULA[mode](world_size, shape, topo, causal))
             except ValueError as e:
                 skipped.append({"mode": mode, "reason": str(e)})
+    return rows, skipped
+
+
+# -- layouts: the zigzag, Transformer Engine's THD, the balanced one --------------------------------------
+LAYOUTS = ("zigzag", "thd", "balanced")
+# Transformer Engine's own runs on its THD layout: p2p (every KV chunk around the ring), a2a+p2p (USP)
+TE_ROWS = ("te-p2p", "te-a2a+p2p")
+
+
+def thd_layout(cu_seqlens, world_size: int) -> ThdLayout:
+    """Transformer Engine's THD layout of the documents: each padded to a multiple of 2 * CP and
+    zigzag-split on its own (the padding tokens attend nothing)."""
+    lens = [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]
+    step = 2 * world_size
+    padded = [0]
+    for n in lens:
+        padded.append(padded[-1] + -(-n // step) * step)
+    return ThdLayout(world_size, tuple(padded), tuple(lens))
+
+
+def allowed_pairs(cu_seqlens, causal: bool = True, window=None) -> int:
+    """(query, key) pairs the mask of these documents allows (the whole sequence's work)."""
+    w = (None, 0 if causal else None) if window is None else (window[0], 0 if causal else window[1])
+    return sum(document_work(0, b - a, b - a, causal, w) for a, b in zip(cu_seqlens, cu_seqlens[1:]))
+
+
+def compute_floor(pairs: int, world_size: int, shape: AttentionShape, topo: Topology) -> float:
+    """Seconds of forward + backward attention per rank with every pair spread evenly and nothing
+    else: the bound no layout or mode beats on this machine."""
+    flops = 4.0 * shape.batch * shape.heads * shape.head_dim * pairs / world_size
+    return flops * (1 + BACKWARD_FLOPS) / topo.attention_flops
+
+
+def _te_rows(world_size: int, shape: AttentionShape, topo: Topology, mask: Mask, thd: ThdLayout,
+             skipped: list[dict]) -> list[ModeResult]:
+    """Transformer Engine as it runs THD: p2p (the ring schedule, whole KV chunks every step, the
+    documents' blocks) and a2a+p2p (USP: the all-to-all over the largest node-local degree, then p2p)."""
+    mask, layout = normalize(world_size, shape, mask, thd)
+    plans = {"te-p2p": lambda: build_rotation_plan(world_size, shape, mask, layout, "te-p2p")}
+    u = _usp_degree(world_size, shape, topo)
+    if u is not None:
+        plans["te-a2a+p2p"] = lambda: build_hybrid_plan(
+            "te-a2a+p2p", world_size, u, lambda sub, m, lay: build_rotation_plan(world_size // u, sub, m, lay),
+            shape, mask, layout)
+    else:
+        skipped.append({"mode": "te-a2a+p2p", "reason": "no all-to-all degree fits the node and the heads"})
+    rows = []
+    for name, build in plans.items():
+        plan = build()
+        c = evaluate_plan(plan, shape, topo)
+        w = rank_work(plan, "forward")
+        rows.append(ModeResult(name, None, c.bytes_per_rank, c.intra_node_bytes_per_rank, c.inter_node_bytes_per_rank,
+                               c.max_inter_node_bytes, c.steps, c.peak_buffer_bytes, c.time_s, c.forward_s,
+                               c.backward_s, c.compute_s, detail="Transformer Engine on its THD layout: " +
+                               ("every KV chunk around the ring" if name == "te-p2p" else
+                                f"all-to-all degree {u} x every KV chunk around the ring"),
+                               by_formula=False, ulysses=u if name != "te-p2p" else 1,
+                               extra={"forward_work_max_over_mean": max(w) * len(w) / max(1, sum(w))}, layout="thd"))
+    return rows
+
+
+def layout_rows(world_size: int, shape: AttentionShape, topo: Topology, cu_seqlens, *, causal: bool = True,
+                window=None, modes=None, layouts=LAYOUTS, backward_chunks: str = "refetch",
+                schedule: str = "greedy") -> tuple[list[ModeResult], list[dict]]:
+    """Every mode of ``modes`` on each of ``layouts`` for these packed documents: Megatron's zigzag,
+    Transformer Engine's THD (each document padded to 2 * CP; our modes on it, and TE's own p2p and
+    a2a+p2p as it runs them: :data:`TE_ROWS`) and the balanced layout (per Ulysses group for the
+    hybrids). Rows carry their ``layout``; the THD rows' shape is the padded one."""
+    unknown = [name for name in layouts if name not in LAYOUTS]
+    if unknown:
+        raise ValueError(f"unknown layouts {unknown}; allowed: {', '.join(LAYOUTS)}")
+    cu = [int(c) for c in cu_seqlens]
+    S = world_size * shape.seq_local
+    if cu[-1] != S:
+        raise ValueError(f"the documents cover {cu[-1]} tokens, the sequence {S}")
+    modes = [m for m in (all_modes() if modes is None else modes) if m not in FORMULAS]
+    rows, skipped = [], []
+    for name in layouts:
+        if name == "zigzag":
+            got, skip = evaluate(world_size, shape, topo, modes=modes, backward_chunks=backward_chunks,
+                                 schedule=schedule, mask=Mask.from_cu_seqlens(cu, S, causal, window))
+        elif name == "balanced":
+            got, skip = evaluate(world_size, shape, topo, modes=modes, backward_chunks=backward_chunks,
+                                 schedule=schedule, mask=Mask(causal, window),
+                                 layout=lambda p: balanced_layout(cu, world_size, causal=causal, window=window,
+                                                                  group=p.ulysses))
+        else:
+            thd = thd_layout(cu, world_size)
+            padded = replace(shape, seq_local=thd.seq_local)
+            got, skip = evaluate(world_size, padded, topo, modes=modes, backward_chunks=backward_chunks,
+                                 schedule=schedule, mask=Mask(causal, window), layout=thd)
+            got += _te_rows(world_size, padded, topo, Mask(causal, window), thd, skip)
+        rows += [replace(r, layout=name) for r in got]
+        skipped += [{**s, "mode": f"{s['mode']} ({name})"} for s in skip]
     return rows, skipped

@@ -207,7 +207,9 @@ class Plan:
         cached by (kind, slot) alone."""
         if self.inner is not None:
             return self.inner.slots_vary
-        return bool(self.slots) and not callable(self.slots)
+        if callable(self.slots):  # a slot function says whether its segments differ per chunk
+            return getattr(self.slots, "vary", False)
+        return bool(self.slots)
 
     def tokens(self, key: Key) -> int:
         """Token count of buffer ``key``."""

@@ -185,14 +185,14 @@ class Mode:
         mask, layout = normalize(p.world_size, shape, mask, layout)
         if is_dense(mask, layout):
             return self.build_dense(p, shape, mask)
-        return build_sparse_plan(self.name, p.world_size, shape, mask, layout, self.assignment(p),
+        return build_sparse_plan(self.name, p.world_size, shape, mask, layout, self.assignment(p, mask, layout),
                                  backward_chunks=getattr(p.options, "backward_chunks", "refetch"),
                                  ranks_per_node=p.ranks_per_node)
 
     def build_dense(self, p: Placement, shape: AttentionShape, mask: Mask) -> Plan:
         raise NotImplementedError(f"CP mode {self.name!r} has no dense plan")
 
-    def assignment(self, p: Placement) -> Assignment:
+    def assignment(self, p: Placement, mask: Mask, layout: Layout) -> Assignment:
         """Block placement of mask-aware plans (default: the query owner computes)."""
         return Assignment()
 

@@ -71,10 +71,14 @@ class MeshMode(Mode):
         return build_mesh_plan(p.world_size, o.tile, shape, causal=mask.causal, schedule=o.schedule,
                                backward_chunks=o.backward_chunks, contiguous=o.contiguous)
 
-    def assignment(self, p: Placement) -> Assignment:
+    def assignment(self, p: Placement, mask: Mask, layout) -> Assignment:
+        """The tile map competes with the query owner by bytes on Megatron's zigzag; a layout that
+        places documents itself (THD, balanced) keeps a document on the few ranks that share it,
+        where a tile over the whole group would only ship queries and partial outputs away."""
         a, b = p.options.tile
         tiles = TileMap(a, b, p.options.contiguous)
-        return Assignment(owners=(("tile", tiles.owner),) if a > 1 else (), tile=(a, b),
+        use_tile = a > 1 and layout.documents() is None
+        return Assignment(owners=(("tile", tiles.owner),) if use_tile else (), tile=(a, b),
                           contiguous=p.options.contiguous)
 
     def rings(self, p: Placement) -> dict:

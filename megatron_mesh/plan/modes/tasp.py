@@ -40,7 +40,7 @@ class TaspMode(Mode):
     def build_dense(self, p: Placement, shape: AttentionShape, mask: Mask):
         return build_tasp_plan(p.world_size, shape, causal=mask.causal, ranks_per_node=p.ranks_per_node)
 
-    def assignment(self, p: Placement) -> Assignment:
+    def assignment(self, p: Placement, mask: Mask, layout) -> Assignment:
         return Assignment(rounds="burst")
 
     def rings(self, p: Placement) -> dict:

@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+"""How long one batch's layout and plan take to build (the data loader builds them per sample).
+
+For each CP size and document set: the balanced layout (:func:`megatron_mesh.balanced_layout`),
+then each mode's mask-aware plan on the zigzag and on the balanced layout -- building every
+rank's op lists, as the ranks of a real run do together (each rank builds only its own; the
+maximum over ranks is printed as "per rank"). Pure Python, no torch::
+
+    python scripts/bench_plan_build.py                                   # P = 64, 256, 1024; 1M tokens
+    python scripts/bench_plan_build.py --cp 8 --seq-len 131072 --docs lognormal:12,1 --modes ring
+
+The plan's block table is built once per batch and shared by every layer (and mode) of that
+batch; "plan" is the time to the first rank's op list, "all ranks" to every rank's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from megatron_mesh.plan import AttentionShape, Mask, balanced_layout, get_mode, resolve, tile_shapes  # noqa: E402
+from megatron_mesh.plan import sparse  # noqa: E402
+from megatron_mesh.tools.plan_cli import document_bounds  # noqa: E402
+
+
+def _clear() -> None:
+    """Forget every cached block table: each sample is a new batch."""
+    sparse.block_table.cache_clear()
+    sparse._blocks.cache_clear()
+
+
+def measure(P: int, S: int, spec: str, modes: list[str], seed: int = 0) -> list[dict]:
+    cu = document_bounds(spec, S, seed)
+    shape = AttentionShape(seq_local=S // P, batch=1, heads=32, kv_heads=8, head_dim=128)
+    out = []
+    t0 = time.perf_counter()
+    layout = balanced_layout(cu, P)
+    layout_s = time.perf_counter() - t0
+    for mode in modes:
+        for name, lay, mask in (("zigzag", None, Mask.from_cu_seqlens(cu, S)), ("balanced", layout, Mask())):
+            _clear()
+            square = min(tile_shapes(P), key=lambda t: (abs(t[0] - t[1]), t))  # a fixed tile: no 'auto' search
+            placement = resolve(mode, P, shape, tile=square) if "tile" in get_mode(mode).Options.__dataclass_fields__ \
+                else resolve(mode, P, shape)
+            t0 = time.perf_counter()
+            plan = placement.build(shape, mask, lay)
+            plan.rank(0)
+            first = time.perf_counter() - t0
+            per_rank = first
+            for r in range(1, P):
+                t1 = time.perf_counter()
+                plan.rank(r)
+                per_rank = max(per_rank, time.perf_counter() - t1)
+            out.append(dict(P=P, S=S, docs=len(cu) - 1, mode=mode, layout=name,
+                            layout_s=layout_s if name == "balanced" else 0.0, plan_s=first,
+                            all_ranks_s=time.perf_counter() - t0, per_rank_s=per_rank))
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cp", type=int, nargs="+", default=[64, 256, 1024])
+    ap.add_argument("--seq-len", type=int, default=1 << 20)
+    ap.add_argument("--docs", default="lognormal:4096,1.0")
+    ap.add_argument("--modes", nargs="+", default=["ring", "mesh", "tasp"])
+    args = ap.parse_args(argv)
+    print(f"{'P':>5} {'docs':>6} {'mode':<6} {'layout':<9} {'layout ms':>10} {'plan ms':>9} {'all ranks s':>12}")
+    for P in args.cp:
+        for row in measure(P, args.seq_len, args.docs, args.modes):
+            print(f"{row['P']:>5} {row['docs']:>6} {row['mode']:<6} {row['layout']:<9} {row['layout_s'] * 1e3:>10.1f} "
+                  f"{row['plan_s'] * 1e3:>9.1f} {row['all_ranks_s']:>12.2f}")
+
+
+if __name__ == "__main__":
+    main()
