@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from megatron_mesh.kernels import BlockMask, MathKernel, TorchAttentionKernel
 from megatron_mesh.plan import Mask
-from megatron_mesh.plan.mask import cut_runs, mask_pieces
+from megatron_mesh.plan.mask import BlockKind, cut_runs, mask_pieces
 from megatron_mesh.runtime.masks import PIECE_ENV, PiecedMask, _pieced, block_backward, block_forward, mask_piece
 
 CPU = torch.device("cpu")
@@ -104,8 +104,16 @@ def test_pieced_block_equals_one_dense_masked_call():
                 torch.testing.assert_close(a, b.to(a.dtype), rtol=1e-10, atol=1e-10, msg=f"{kernel.name} {piece} {name}")
 
 
-def test_pieces_follow_the_runs():
-    assert cut_runs(((10, 5), (40, 3)), 2) == [(0, 10, 2), (2, 12, 2), (4, 14, 1), (5, 40, 2), (7, 42, 1)]
+def test_pieces_cut_the_buffer_across_runs():
+    """Pieces are consecutive buffer tokens (a piece may span runs): many short documents make few
+    kernel calls."""
+    assert cut_runs(((10, 5), (40, 3)), 2) == [(0, ((10, 2),), 2), (2, ((12, 2),), 2), (4, ((14, 1), (40, 1)), 2),
+                                               (6, ((41, 2),), 2)]
+    runs = tuple((16 * d, 1) for d in range(2000))  # THD-like: one token of each of 2000 padded documents
+    mask = Mask(True, (None, 0), tuple((16 * d, 16 * d + 3) for d in range(2000))).normalized(32000)
+    # each token sees only itself: the 4 diagonal pieces (512, 512, 512, 464 tokens), one masked call each
+    assert mask_pieces(mask, runs, runs, 512) == [(BlockKind.MASKED, (r, min(r + 512, 2000)), (r, min(r + 512, 2000)))
+                                                  for r in range(0, 2000, 512)]
 
 
 def test_piece_setting(monkeypatch):

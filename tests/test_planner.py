@@ -19,7 +19,9 @@ from megatron_mesh.plan.memory import buffer_memory
 from megatron_mesh.plan.simulate import round_traffic, simulate
 from megatron_mesh.plan.topology import Topology
 from megatron_mesh.tools.plan_cli import main
-from megatron_mesh.tools.planner import TIME_TOLERANCE, evaluate, ulysses_result, usp_result
+from megatron_mesh.plan.simulate import BACKWARD_FLOPS
+from megatron_mesh.tools.planner import (LAYOUTS, TE_ROWS, TIME_TOLERANCE, allowed_pairs, compute_floor, evaluate,
+                                        layout_rows, ulysses_result, usp_result)
 
 GQA = AttentionShape(seq_local=16384, heads=32, kv_heads=8, head_dim=128)
 MHA = AttentionShape(seq_local=4096, heads=32, kv_heads=32, head_dim=128)
@@ -81,6 +83,7 @@ def test_cli_table_and_plot(capsys, tmp_path):
     (["--cp", "64", "--nodes", "2"], "does not fit 2 nodes x 8 GPUs"),
     (["--modes", "ring,bogus"], "unknown \\['bogus'\\]"),
     (["--heads", "32", "--kv-heads", "5"], "divisible by kv_heads"),
+    (["--cp", "4", "--layout", "balanced"], "--layout balanced places documents: give them with --docs"),
     *[(["--seq-len", "8192", "--docs", spec], f"--docs '{re.escape(spec)}' must be fixed:N \\(an integer 1 <= N <= "
        "--seq-len 8192\\) or lognormal:MEAN,SIGMA \\(finite numbers, 1 <= MEAN <= --seq-len 8192, SIGMA >= 0\\)")
       for spec in ("lognormal:inf,1", "lognormal:nan,1", "lognormal:64,nan", "lognormal:64,1e308", "lognormal:0.5,1",
@@ -89,6 +92,49 @@ def test_cli_table_and_plot(capsys, tmp_path):
 def test_cli_rejects_bad_input(capsys, argv, message):
     assert main(argv) == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_cli_layouts_side_by_side(capsys):
+    """With --docs the planner compares the three layouts; every row is at or above the compute floor,
+    the balanced layout evens the causal work that the zigzag leaves uneven, and TE's own THD rows are there."""
+    data = _json(capsys, "--cp", "8", "--seq-len", "16384", "--docs", "lognormal:1024,1", "--modes", "ring,mesh,tasp")
+    floor = data["compute_floor_s"]
+    assert floor > 0
+    by = {(r["layout"], r["mode"]): r for r in data["modes"]}
+    assert {layout for layout, _ in by} == set(LAYOUTS)
+    assert {("thd", m) for m in TE_ROWS} <= set(by)
+    assert all(r["time_s"] >= floor for r in data["modes"])
+    zig, bal = by["zigzag", "ring"], by["balanced", "ring"]
+    assert bal["forward_work_max_over_mean"] < 1.05 < zig["forward_work_max_over_mean"]
+    one = _json(capsys, "--cp", "8", "--seq-len", "16384", "--docs", "lognormal:1024,1", "--modes", "ring",
+                "--layout", "balanced")
+    assert {r["layout"] for r in one["modes"]} == {"balanced"} and one["compute_floor_s"] == floor
+    assert main(["--cp", "8", "--seq-len", "16384", "--docs", "fixed:4096"]) == 0
+    out = capsys.readouterr().out
+    assert "compute floor:" in out and "x floor" in out and "balanced" in out
+    with pytest.raises(SystemExit):
+        main(["--cp", "4", "--docs", "fixed:4", "--layout", "bogus"])
+    assert "invalid choice: 'bogus'" in capsys.readouterr().err
+
+
+def test_compute_floor_worked_example():
+    """Two documents of 4 and 2 tokens. Causal: 4*5/2 + 2*3/2 = 13 allowed pairs; not causal: 16 + 4;
+    a window of one key back (each query sees itself and the key before): (1+2+2+2) + (1+2) = 10."""
+    assert allowed_pairs([0, 4, 6]) == 13
+    assert allowed_pairs([0, 4, 6], causal=False) == 16 + 4
+    assert allowed_pairs([0, 4, 6], window=(1, 0)) == 10
+    shape = AttentionShape(seq_local=3, heads=2, kv_heads=2, head_dim=4)
+    topo = Topology(attention_flops=1e3)
+    # 4 flops per pair per head-dim per head, forward + BACKWARD_FLOPS x backward, over 2 ranks
+    assert compute_floor(13, 2, shape, topo) == pytest.approx(4 * 2 * 4 * 13 / 2 * (1 + BACKWARD_FLOPS) / 1e3)
+
+
+def test_layout_rows_rejects_bad_input():
+    shape = AttentionShape(seq_local=8, heads=2, kv_heads=2, head_dim=4)
+    with pytest.raises(ValueError, match="unknown layouts \\['ragged'\\]; allowed: zigzag, thd, balanced"):
+        layout_rows(2, shape, Topology(), [0, 16], layouts=("ragged",))
+    with pytest.raises(ValueError, match="the documents cover 10 tokens, the sequence 16"):
+        layout_rows(2, shape, Topology(), [0, 10])
 
 
 def test_cli_runs_without_torch():

@@ -48,7 +48,7 @@ from .ir import AddGrad, Copy, Free, Key, Op, Plan, Post, RankPlan, RowStats, Tr
 from .layout import Layout, SpanLayout, check_ulysses_heads, head_slice
 from .mask import Mask
 from .passes import insert_frees
-from .sel import Segment
+from .sel import Segment, first_at
 from .shape import AttentionShape
 
 __all__ = ["build_hybrid_plan", "inner_shape", "hybrid_rings"]
@@ -57,20 +57,21 @@ __all__ = ["build_hybrid_plan", "inner_shape", "hybrid_rings"]
 def _pieces(layout, rank: int, U: int) -> tuple[Segment, ...]:
     """Token ranges of span-U chunk rank // U that rank ``rank``'s tokens occupy, in its local
     order (every run of the rank lies inside one run of the span chunk)."""
-    outer = layout.runs(rank // U, U)
+    outer = sorted(layout.runs(rank // U, U), key=lambda r: r[1])  # by global start: a bisection finds a run's
+    starts = [s0 for _, s0, _ in outer]                             # home (THD has thousands of runs)
     out: list[Segment] = []
     for _, start, n in layout.runs(rank):
-        for local, s0, sn in outer:
-            if s0 <= start < s0 + sn:
-                if start + n > s0 + sn:
-                    raise ValueError(f"rank {rank}'s tokens {start}..{start + n} straddle two runs of its Ulysses "
-                                     "group's chunk: the layout is not a zigzag of span chunks")
-                a = local + start - s0
-                if out and out[-1].stop == a:
-                    out[-1] = Segment(out[-1].start, a + n)
-                else:
-                    out.append(Segment(a, a + n))
-                break
+        local, s0, sn = outer[first_at(starts, start)]
+        if not s0 <= start < s0 + sn:
+            raise ValueError(f"rank {rank}'s tokens {start}..{start + n} are not in its Ulysses group's chunk")
+        if start + n > s0 + sn:
+            raise ValueError(f"rank {rank}'s tokens {start}..{start + n} straddle two runs of its Ulysses "
+                             "group's chunk: the layout is not a zigzag of span chunks")
+        a = local + start - s0
+        if out and out[-1].stop == a:
+            out[-1] = Segment(out[-1].start, a + n)
+        else:
+            out.append(Segment(a, a + n))
     return tuple(out)
 
 

@@ -66,7 +66,7 @@ class Layout(Protocol):
         """Tokens each rank holds (the same on every rank: Megatron shards activations evenly)."""
 
     def runs(self, chunk: int, span: int = 1) -> tuple[tuple[int, int, int], ...]:
-        """(local offset, global start, length) of chunk ``chunk`` of this layout seen in span-``span``
+        """(local offset, global start, length), in local order, of chunk ``chunk`` of this layout seen in span-``span``
         chunks (span 1: rank ``chunk``'s tokens; span u: the tokens of ranks chunk*u .. chunk*u+u-1,
         what a Ulysses group of u ranks gathers)."""
 

@@ -38,7 +38,7 @@ from enum import StrEnum
 from functools import lru_cache
 from typing import NamedTuple
 
-from .sel import Segment, merge_runs, union_intervals
+from .sel import Segment, first_at, merge_runs, union_intervals
 
 __all__ = ["Mask", "BlockKind", "BlockClass", "classify_block", "band_relation", "band_pairs", "CAUSAL", "FULL",
            "union_intervals", "split_by_document", "INF", "MASK_PIECE", "cut_runs", "mask_pieces"]
@@ -91,6 +91,18 @@ class Mask:
                                      f"got {self.documents!r}")
                 prev = b
             object.__setattr__(self, "documents", docs)
+
+    def __hash__(self) -> int:
+        # masks key the planner's caches (a block's classification, the block index): with
+        # thousands of documents, hashing the tuple on every lookup would dominate, so once
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.causal, self.window, self.documents))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __reduce__(self):  # the cached hash stays in this process (hash(None) differs between processes)
+        return (Mask, (self.causal, self.window, self.documents))
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
@@ -404,10 +416,15 @@ def classify_block(mask: Mask, q_runs: tuple, kv_runs: tuple) -> BlockClass | No
 
 
 def _positions(subruns, sel: tuple[Segment, ...]) -> list[tuple[int, int, object]]:
-    """(global start, length, doc) runs of the selected local tokens of a split buffer."""
+    """(global start, length, doc) runs of the selected local tokens of a split buffer (sub-runs
+    in local order: a bisection finds a segment's first one)."""
     out = []
+    offsets = [local for local, *_ in subruns]
     for s in sel:
-        for local, start, length, doc in subruns:
+        for n in range(first_at(offsets, s.start), len(subruns)):
+            local, start, length, doc = subruns[n]
+            if local >= s.stop:
+                break
             a, b = max(s.start, local), min(s.stop, local + length)
             if a < b:
                 out.append((start + a - local, b - a, doc))
@@ -441,28 +458,43 @@ def _kernel_kind(mask: Mask, kinds: set, qs, kvs, rows, cols, pairs: int) -> str
 MASK_PIECE = {"cpu": 512, "cuda": 2048}
 
 
-def cut_runs(runs, piece: int) -> list[tuple[int, int, int]]:
-    """(block-local offset, global start, length) of position runs (start, length) cut into
-    lengths <= ``piece``."""
-    out, local = [], 0
+def cut_runs(runs, piece: int) -> list[tuple[int, tuple[tuple[int, int], ...], int]]:
+    """A buffer made of position runs (start, length), cut into consecutive pieces of at most
+    ``piece`` tokens: (block-local offset, the piece's runs, its length). A piece may span several
+    runs, so a buffer of many short documents is a few pieces, not one per run (THD with 3-token
+    documents would otherwise make ~10^7 kernel calls of one block).
+
+    >>> cut_runs(((10, 5), (40, 3)), 2)
+    [(0, ((10, 2),), 2), (2, ((12, 2),), 2), (4, ((14, 1), (40, 1)), 2), (6, ((41, 2),), 2)]
+    """
+    out: list = []
+    cur: list[tuple[int, int]] = []
+    local = filled = 0
     for start, n in runs:
-        for a in range(0, n, piece):
-            m = min(piece, n - a)
-            out.append((local + a, start + a, m))
-        local += n
+        while n:
+            take = min(n, piece - filled)
+            cur.append((start, take))
+            start, n, filled = start + take, n - take, filled + take
+            if filled == piece:
+                out.append((local, tuple(cur), filled))
+                local, cur, filled = local + filled, [], 0
+    if filled:
+        out.append((local, tuple(cur), filled))
     return out
 
 
 def mask_pieces(mask: Mask, q_runs, k_runs, piece: int) -> list[tuple[BlockKind, tuple[int, int], tuple[int, int]]]:
-    """How a "masked" block runs: its query and key runs (global (start, length), in buffer order)
-    cut into pieces of at most ``piece`` tokens; every piece with an allowed pair is one kernel call
-    (kind, block-local rows [r0, r1), columns [c0, c1)) -- FULL or CAUSAL when the classification
-    says the whole piece is, else MASKED (the kernel gets the piece's allowed matrix). The runtime
-    executes exactly these calls and the simulator prices them (one owner of the cut)."""
+    """How a "masked" block runs: its query and key buffers (global runs (start, length), in buffer
+    order) cut into pieces of at most ``piece`` tokens (:func:`cut_runs`); every piece with an
+    allowed pair is one kernel call (kind, block-local rows [r0, r1), columns [c0, c1)) -- FULL or
+    CAUSAL when the classification says the whole piece is, else MASKED (the kernel gets the
+    piece's allowed matrix). The runtime executes exactly these calls and the simulator prices
+    them (one owner of the cut)."""
     out = []
-    for r0, qa, n in cut_runs(q_runs, piece):
-        for c0, ka, m in cut_runs(k_runs, piece):
-            c = classify_block(mask, ((qa, n),), (((ka, m),),))
+    cols = cut_runs(k_runs, piece)
+    for r0, qr, n in cut_runs(q_runs, piece):
+        for c0, kr, m in cols:
+            c = classify_block(mask, qr, (kr,))
             if c is None:
                 continue
             whole = c.rows == ((0, n),) and c.cols[0] == ((0, m),)

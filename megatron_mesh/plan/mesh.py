@@ -180,7 +180,9 @@ def build_mesh_plan(world_size: int, tile, shape: AttentionShape, causal: bool =
     return _build_mesh_plan(world_size, tile, shape, Mask(causal), schedule, backward_chunks, contiguous)
 
 
-@lru_cache(maxsize=256)
+# a plan keeps its rank plans once built (a P = 256 plan with every rank built holds ~100 MB): the
+# planner evaluates dozens, so only the recent ones stay cached
+@lru_cache(maxsize=32)
 def _build_mesh_plan(world_size: int, tile: tuple[int, int], shape: AttentionShape, mask: Mask,
                      schedule: str, backward_chunks: str, contiguous: str, layout: Layout | None = None) -> Plan:
     a, b = tile

@@ -16,10 +16,12 @@ selection ((2, 6),) of that buffer::
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from itertools import accumulate
 from typing import NamedTuple
 
 __all__ = ["Segment", "Sel", "sel_len", "sel_text", "parse_sel", "sub_selection", "relative_selection", "map_runs",
-           "union_intervals", "merge_runs"]
+           "union_intervals", "merge_runs", "first_at"]
 
 
 class Segment(NamedTuple):
@@ -52,6 +54,12 @@ def parse_sel(text: str | None) -> Sel | None:
     return tuple(out)
 
 
+def first_at(offsets: list[int], pos: int) -> int:
+    """Index of the last of ascending ``offsets`` at or before ``pos`` (0 if none): where a scan
+    for the runs overlapping a range that starts at ``pos`` begins."""
+    return max(0, bisect_right(offsets, pos) - 1)
+
+
 def _append(out: list[Segment], seg: Segment) -> None:
     if out and out[-1].stop == seg.start:
         out[-1] = Segment(out[-1].start, seg.stop)
@@ -64,29 +72,39 @@ def sub_selection(segments: Sel, sel: Sel | None) -> Sel:
     the space ``segments`` index into (see the module docstring)."""
     if sel is None:
         return tuple(segments)
+    # where each segment begins in the concatenation: a bisection finds a range's first segment,
+    # so a buffer of thousands of documents' runs costs O(n log n), not O(n^2)
+    begins = list(accumulate((s1 - s0 for s0, s1 in segments), initial=0))
     out: list[Segment] = []
     for lo, hi in sel:
-        pos = 0
-        for s0, s1 in segments:
-            n = s1 - s0
-            a, b = max(lo, pos), min(hi, pos + n)
+        for n in range(first_at(begins, lo), len(segments)):
+            pos = begins[n]
+            if pos >= hi:
+                break
+            s0, s1 = segments[n]
+            a, b = max(lo, pos), min(hi, pos + s1 - s0)
             if a < b:
                 _append(out, Segment(s0 + a - pos, s0 + b - pos))
-            pos += n
     return tuple(out)
 
 
 def relative_selection(sel: Sel, within: Sel) -> Sel:
     """Inverse of :func:`sub_selection`: the ranges ``sel`` (inside ``within``) as indices into
     the concatenation of ``within``."""
+    begins = list(accumulate((w1 - w0 for w0, w1 in within), initial=0))
+    # ``within`` in ascending order (a chunk's runs are) lets a bisection find the first overlap
+    ordered = all(a.stop <= b.start for a, b in zip(within, within[1:]))
+    starts = [w0 for w0, _ in within]
     out: list[Segment] = []
     for lo, hi in sel:
-        pos = 0
-        for w0, w1 in within:
+        first = first_at(starts, lo) if ordered else 0
+        for n in range(first, len(within)):
+            w0, w1 = within[n]
+            if ordered and w0 >= hi:
+                break
             a, b = max(lo, w0), min(hi, w1)
             if a < b:
-                _append(out, Segment(pos + a - w0, pos + b - w0))
-            pos += w1 - w0
+                _append(out, Segment(begins[n] + a - w0, begins[n] + b - w0))
     if sum(b - a for a, b in out) != sum(b - a for a, b in sel):
         raise ValueError(f"selection {sel} is not inside {within}")
     return tuple(out)
@@ -94,10 +112,15 @@ def relative_selection(sel: Sel, within: Sel) -> Sel:
 
 def map_runs(runs, segs: Sel) -> tuple[tuple[int, int], ...]:
     """Global position runs (start, length) of the local ``segs`` of a chunk whose tokens are
-    ``runs`` (local offset, global start, length)."""
+    ``runs`` (local offset, global start, length; in local order, as layouts give them)."""
+    runs = tuple(runs)
+    locals_ = [local for local, _, _ in runs]
     out: list[tuple[int, int]] = []
     for s in segs:
-        for local, start, length in runs:
+        for n in range(first_at(locals_, s.start), len(runs)):
+            local, start, length = runs[n]
+            if local >= s.stop:
+                break
             a, b = max(s.start, local), min(s.stop, local + length)
             if a < b:
                 pos = start + a - local

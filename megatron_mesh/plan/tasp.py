@@ -117,7 +117,7 @@ def build_tasp_plan(world_size: int, shape: AttentionShape, causal: bool = True,
     return _build(world_size, tuple(tuple(r) for r in rings), notes, shape.seq_local, Mask(causal), ranks_per_node)
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=32)  # as mesh._build_mesh_plan: a cached plan keeps the rank plans built from it
 def _build(P: int, rings: tuple[tuple[int, ...], ...], notes: tuple[str, ...], T: int, mask: Mask,
            ranks_per_node: int | None) -> Plan:
     segments = [_merge(s) for s in slot_segments(T, len(rings))] if rings else []

@@ -107,27 +107,18 @@ def block_mask(plan: Plan, op, device: torch.device) -> "BlockMask | PiecedMask"
 def _pieced(mask: Mask, q_runs, k_runs, piece: int, device) -> PiecedMask:
     """The pieces :func:`~megatron_mesh.plan.mask_pieces` cuts the block into, with their kernel masks."""
     pieces = []
+    q_pos = k_pos = None  # the block's positions, made once and sliced per masked piece
     for kind, (r0, r1), (c0, c1) in mask_pieces(mask, q_runs, k_runs, piece):
         if kind == BlockKind.FULL:
             bm = FULL
         elif kind == BlockKind.CAUSAL:
             bm = CAUSAL
         else:
-            q_pos, k_pos = _positions_of(q_runs, r0, r1, device), _positions_of(k_runs, c0, c1, device)
-            bm = BlockMask(BlockKind.MASKED, mask.allowed(q_pos, k_pos))
+            if q_pos is None:
+                q_pos, k_pos = _positions(q_runs, device), _positions(k_runs, device)
+            bm = BlockMask(BlockKind.MASKED, mask.allowed(q_pos[r0:r1], k_pos[c0:c1]))
         pieces.append(Piece((r0, r1), (c0, c1), bm))
     return PiecedMask(tuple(pieces))
-
-
-def _positions_of(runs, a: int, b: int, device) -> torch.Tensor:
-    """Global positions of block-local tokens [a, b) of a buffer made of ``runs`` (a piece never
-    crosses a run: :func:`~megatron_mesh.plan.cut_runs` cuts inside runs)."""
-    local = 0
-    for start, n in runs:
-        if local <= a < local + n:
-            return torch.arange(start + a - local, start + b - local, device=device)
-        local += n
-    raise ValueError(f"rows [{a}, {b}) outside the runs {runs}")
 
 
 # -- running a block through the kernel ------------------------------------------------------------------

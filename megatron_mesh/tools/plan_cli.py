@@ -32,8 +32,10 @@ import random
 from ..plan.mask import Mask
 from ..plan.modes import REFERENCE_MODE
 from ..plan.shape import AttentionShape
+from ..plan.simulate import BACKWARD_FLOPS
 from ..plan.topology import Topology
-from .planner import ModeResult, all_modes, default_modes, evaluate
+from .planner import (LAYOUTS, ModeResult, all_modes, allowed_pairs, compute_floor, default_modes, evaluate,
+                      layout_rows)
 
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 # the lines of --plot (one per mode: rows with one placement per CP size)
@@ -67,6 +69,10 @@ def _parser() -> argparse.ArgumentParser:
                         "drawn with mean MEAN tokens); N and MEAN at most --seq-len, the last document is cut where "
                         "the sequence ends")
     g.add_argument("--seed", type=int, default=0, help="random seed of --docs lognormal")
+    g.add_argument("--layout", default=None, choices=LAYOUTS + ("all",),
+                   help="the sequence layout under --docs: Megatron's zigzag, Transformer Engine's THD (each document "
+                        "padded to 2 x CP; TE's own p2p and a2a+p2p on it too), the plugin's balanced layout, or all "
+                        "three side by side (default with --docs; without documents only the zigzag applies)")
     t = p.add_argument_group("machine (defaults: H100 SXM5, NVLink 4, one 400 Gb/s NIC per GPU)")
     t.add_argument("--nodes", type=int, default=None, help="nodes U (default: ceil(P / gpus-per-node))")
     t.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node, help="CP ranks per node M")
@@ -168,6 +174,16 @@ def document_bounds(spec: str, seq_len: int, seed: int = 0) -> list[int]:
     return cu
 
 
+def _layouts(args) -> tuple[str, ...]:
+    """The layouts to compare: --layout, or all three when --docs gives documents (zigzag alone
+    otherwise: the THD and balanced layouts place documents)."""
+    if args.layout is None:
+        return LAYOUTS if args.docs is not None else ("zigzag",)
+    if args.layout != "zigzag" and args.docs is None:
+        raise ValueError(f"--layout {args.layout} places documents: give them with --docs (e.g. lognormal:4096,1)")
+    return LAYOUTS if args.layout == "all" else (args.layout,)
+
+
 def _modes(text: str) -> tuple[str, ...]:
     modes = tuple(m.strip() for m in text.split(",") if m.strip())
     allowed = all_modes()
@@ -184,17 +200,21 @@ def _size(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def _table(rows: list[ModeResult], skipped: list[dict]) -> str:
+def _table(rows: list[ModeResult], skipped: list[dict], floor: float | None = None) -> str:
     ring = next((r for r in rows if r.mode == REFERENCE_MODE), None)
     work = any("forward_work_max_over_mean" in r.extra for r in rows)
-    head = ["mode", "a2a", "tile", "order", "bytes/rank", "vs ring", "intra", "inter mean", "inter max", "steps",
-            "peak buf", "fwd ms", "bwd ms", "time ms", "exposed ms", "speedup"] + (["work max/mean"] if work else [])
+    layouts = len({r.layout for r in rows}) > 1
+    head = (["layout"] if layouts else []) + \
+        ["mode", "a2a", "tile", "order", "bytes/rank", "vs ring", "intra", "inter mean", "inter max", "steps",
+         "peak buf", "fwd ms", "bwd ms", "time ms", "exposed ms", "speedup"] + (["work max/mean"] if work else []) + \
+        (["x floor"] if floor else [])
     lines = [head]
     for r in rows:
         tile = f"{r.tile[0]}x{r.tile[1]}" if r.tile else "-"
         vs = f"{100 * (r.bytes_per_rank / ring.bytes_per_rank - 1):+.1f}%" if ring and ring.bytes_per_rank else "-"
         speed = f"{ring.time_s / r.time_s:.2f}x" if ring else "-"
-        row = [r.mode + ("*" if r.by_formula else ""), str(r.ulysses) if r.ulysses > 1 else "-", tile,
+        row = ([r.layout] if layouts else []) + [r.mode + ("*" if r.by_formula else ""),
+                                                 str(r.ulysses) if r.ulysses > 1 else "-", tile,
                r.contiguous or "-", _size(r.bytes_per_rank), vs, _size(r.intra_node_bytes_per_rank),
                _size(r.inter_node_bytes_per_rank), _size(r.max_inter_node_bytes), str(r.steps),
                _size(r.peak_buffer_bytes), f"{r.forward_s * 1e3:.2f}", f"{r.backward_s * 1e3:.2f}",
@@ -202,12 +222,19 @@ def _table(rows: list[ModeResult], skipped: list[dict]) -> str:
         if work:
             w = r.extra.get("forward_work_max_over_mean")
             row.append("-" if w is None else f"{w:.2f}")
+        if floor:
+            row.append(f"{r.time_s / floor:.2f}")
         lines.append(row)
     widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
-    out = ["  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+    left = 4 + layouts
+    out = ["  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
            for row in lines]
     out.insert(1, "  ".join("-" * w for w in widths))
-    out += list(dict.fromkeys(f"{r.mode}: {r.detail}" for r in rows if r.detail))
+    details: dict[str, list[str]] = {}  # one line per explanation, naming the rows it explains
+    for r in rows:
+        if r.detail:
+            details.setdefault(r.detail, []).append(r.mode + (f" ({r.layout})" if layouts else ""))
+    out += [f"{', '.join(dict.fromkeys(names))}: {detail}" for detail, names in details.items()]
     if any(r.by_formula for r in rows):
         out.append("* by formula (no plan): Ulysses all-to-alls priced analytically; USP's ring part is simulated")
     out += [f"not available: {s['mode']}: {s['reason']}" for s in skipped]
@@ -267,9 +294,20 @@ def main(argv: list[str] | None = None) -> int:
         shape = _shape(args, args.cp)
         topo = _topology(args, args.cp)
         mask = _mask(args)
+        layouts = _layouts(args)
         start = time.perf_counter()
-        rows, skipped = evaluate(args.cp, shape, topo, causal=args.causal, modes=modes,
-                                 backward_chunks=args.backward_chunks, schedule=args.schedule, mask=mask)
+        floor = None
+        if layouts == ("zigzag",):
+            rows, skipped = evaluate(args.cp, shape, topo, causal=args.causal, modes=modes,
+                                     backward_chunks=args.backward_chunks, schedule=args.schedule, mask=mask)
+        else:
+            window = None if mask is None or mask.window == (None, 0 if args.causal else None) else mask.window
+            cu = [0] + [b for _, b in mask.documents]
+            rows, skipped = layout_rows(args.cp, shape, topo, cu, causal=args.causal, window=window, modes=modes,
+                                        layouts=layouts, backward_chunks=args.backward_chunks, schedule=args.schedule)
+        if mask is not None and mask.documents is not None:
+            cu = [0] + [b for _, b in mask.documents]
+            floor = compute_floor(allowed_pairs(cu, args.causal, mask.window), args.cp, shape, topo)
         elapsed = time.perf_counter() - start
         if args.plot:
             _plot(args, modes, args.plot)
@@ -281,10 +319,14 @@ def main(argv: list[str] | None = None) -> int:
                           "problem": {"cp": args.cp, "seq_len": args.seq_len, **vars(shape), "causal": args.causal,
                                       "mask": mask.text() if mask is not None else None},
                           "topology": {k: v for k, v in vars(topo).items() if k != "node_of"},
-                          "planner_seconds": elapsed}, indent=1))
+                          "compute_floor_s": floor, "planner_seconds": elapsed}, indent=1))
     else:
         print(_header(args, args.cp, shape, topo, mask))
-        print(_table(rows, skipped))
+        if floor:
+            print(f"compute floor: {floor * 1e3:.2f} ms (every allowed pair spread evenly over the ranks, forward + "
+                  f"{BACKWARD_FLOPS}x backward at {topo.attention_flops / 1e12:g} TFLOP/s; no communication, no "
+                  "kernel launches)\n")
+        print(_table(rows, skipped, floor))
         print(f"\n(planned and simulated in {elapsed:.2f} s)" + (f"; plot written to {args.plot}" if args.plot else ""))
     return 0
 
