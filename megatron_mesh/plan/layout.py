@@ -66,8 +66,8 @@ class Layout(Protocol):
         """Tokens each rank holds (the same on every rank: Megatron shards activations evenly)."""
 
     def runs(self, chunk: int, span: int = 1) -> tuple[tuple[int, int, int], ...]:
-        """(local offset, global start, length), in local order, of chunk ``chunk`` of this layout seen in span-``span``
-        chunks (span 1: rank ``chunk``'s tokens; span u: the tokens of ranks chunk*u .. chunk*u+u-1,
+        """(local offset, global start, length), in local order, of chunk ``chunk`` of this layout
+        seen in span-``span`` chunks (span 1: rank ``chunk``'s tokens; span u: the tokens of ranks chunk*u .. chunk*u+u-1,
         what a Ulysses group of u ranks gathers)."""
 
     def documents(self) -> tuple[tuple[int, int], ...] | None:

@@ -1,0 +1,196 @@
+"""The simulated ranks' timelines: a compute stream and a communication stream per rank, stepped
+through the rank's op list (approximations 1 and 2 of :mod:`~.simulate`). ``Post(t)`` starts
+round t once the compute issued before it has finished and the rank's previous round has
+completed (NCCL runs a rank's rounds in posting order); ``Wait(t)`` stalls the compute stream until
+round t has completed.
+
+Two ways to step: :func:`run_lockstep` (round t lasts as long as on the slowest rank of the group:
+the steady state of ring-shaped plans) and :func:`run_pairwise` (every rank on its own: a
+round waits for its own peers only, as point-to-point transfers do; mask-aware plans).
+
+Worked example (ring attention, P = 2, forward of rank 0: the diagonal block costs c1, the
+block with the remote chunk c2, round 1 takes m)::
+
+    compute  |-- block (0,0) c1 --|.......wait.......|-- block (0,1) c2 --|
+    comm     |-------- round 1 (KV chunk 1 -> 0) m --------|
+    time = max(c1, m) + c2
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from .costs import compute_cost, cost_signature
+from .ir import Free, Plan, Post, Wait
+from .shape import AttentionShape
+from .topology import Topology
+
+__all__ = ["Event", "run_lockstep", "run_pairwise"]
+
+
+class Event(NamedTuple):
+    """One interval on a rank's timeline (seconds from the start of the direction)."""
+
+    rank: int
+    stream: str  # "compute" or "comm"
+    start: float
+    end: float
+    what: str
+
+
+@dataclass
+class _Rank:
+    rank: int
+    ops: tuple
+    pc: int = 0
+    clock: float = 0.0  # compute stream
+    busy: float = 0.0
+    events: list = field(default_factory=list)
+
+    def compute(self, op, seconds: float, timeline: bool) -> None:
+        """Run ``op`` on the compute stream."""
+        if timeline:
+            self.events.append(Event(self.rank, "compute", self.clock, self.clock + seconds, type(op).__name__))
+        self.clock += seconds
+        self.busy += seconds
+
+
+class _Costs:
+    """Compute seconds per op, priced once per :func:`~.costs.cost_signature` (ops of a dense plan
+    repeat a handful)."""
+
+    def __init__(self, plan: Plan, shape: AttentionShape, topo: Topology):
+        self.plan, self.shape, self.topo, self.seen = plan, shape, topo, {}
+
+    def __call__(self, op) -> float:
+        sig = cost_signature(self.plan, op)
+        c = self.seen.get(sig)
+        if c is None:
+            c = self.seen[sig] = compute_cost(self.plan, op, self.shape, self.topo)
+        return c
+
+
+def _finished(states: list[_Rank], moved: bool, direction: str) -> bool:
+    """Every simulated rank has run its last op; a pass that moved nothing is a deadlock."""
+    if all(st.pc == len(st.ops) for st in states):
+        return True
+    if not moved:
+        stuck = {st.rank: str(st.ops[st.pc]) for st in states if st.pc < len(st.ops)}
+        raise ValueError(f"{direction}: simulated ranks block forever: {stuck}")
+    return False
+
+
+def _result(states: list[_Rank], comm_end: float, timeline: bool) -> tuple[float, float, int, list[Event]]:
+    """(time, compute of the slowest rank, rounds of the busiest rank, events)."""
+    slowest = max(states, key=lambda s: s.clock)
+    rounds = max(sum(1 for op in st.ops if type(op) is Post) for st in states)
+    events = sorted((e for st in states for e in st.events), key=lambda e: (e.rank, e.start)) if timeline else []
+    return max(slowest.clock, comm_end), slowest.busy, rounds, events
+
+
+def run_lockstep(plan: Plan, shape: AttentionShape, topo: Topology, direction: str, ranks: list[int],
+                  duration: dict[int, float], timeline: bool) -> tuple[float, float, int, list[Event]]:
+    """Step the simulated ranks together; round t starts once every simulated rank that posts it
+    has posted it and each of them has finished its previous rounds (a rank's rounds run in
+    posting order; approximation 1). Returns (time, compute of the slowest rank, rounds of the
+    busiest rank, events)."""
+    states = [_Rank(r, plan.rank(r).ops(direction)) for r in ranks]
+    posters: dict[int, int] = {}  # round -> how many simulated ranks post it
+    for st in states:
+        for op in st.ops:
+            if type(op) is Post:
+                posters[op.round] = posters.get(op.round, 0) + 1
+    posted: dict[int, list[tuple[float, _Rank]]] = {}
+    ready: list[int] = []  # rounds every poster has posted, not yet resolved
+    done: dict[int, float] = {}
+    comm_free = {st.rank: 0.0 for st in states}
+    costs = _Costs(plan, shape, topo)
+    while True:
+        moved = False
+        for st in states:
+            ops, n = st.ops, len(st.ops)
+            while st.pc < n:
+                op = ops[st.pc]
+                kind = type(op)
+                if kind is Wait:
+                    if op.round not in done:
+                        break
+                    if timeline and done[op.round] > st.clock:
+                        st.events.append(Event(st.rank, "compute", st.clock, done[op.round], f"wait {op.round}"))
+                    st.clock = max(st.clock, done[op.round])
+                elif kind is Post:
+                    entries = posted.setdefault(op.round, [])
+                    entries.append((st.clock, st))
+                    if len(entries) == posters[op.round]:
+                        ready.append(op.round)
+                elif kind is not Free:
+                    st.compute(op, costs(op), timeline)
+                st.pc += 1
+                moved = True
+        for t in ready:
+            entries = posted[t]
+            start = max(max(c for c, _ in entries), max(comm_free[st.rank] for _, st in entries))
+            done[t] = start + duration.get(t, 0.0)
+            for _, st in entries:
+                comm_free[st.rank] = done[t]
+                if timeline:
+                    st.events.append(Event(st.rank, "comm", start, done[t], f"round {t}"))
+            moved = True
+        ready.clear()
+        if _finished(states, moved, direction):
+            break
+    return _result(states, max(comm_free.values()), timeline)
+
+
+def run_pairwise(plan: Plan, shape: AttentionShape, topo: Topology, direction: str,
+                  per_rank: dict[tuple[int, int], float], timeline: bool) -> tuple[float, float, int, list[Event]]:
+    """Every rank stepped on its own (a mask-aware plan, whose ranks post different rounds to
+    different peers): rank r's round t starts once r and each of its peers in that round have
+    posted t and r's previous round is done, and lasts r's own duration -- transfers between two
+    ranks wait for those two only, as point-to-point transfers do (the lockstep model would make
+    every rank wait for the slowest poster of the whole group)."""
+    states = [_Rank(r, plan.rank(r).ops(direction)) for r in range(plan.world_size)]
+    posted: dict[tuple[int, int], float] = {}  # (rank, round) -> post time
+    peers: dict[tuple[int, int], tuple[int, ...]] = {}
+    queue: list[list[int]] = [[] for _ in states]  # each rank's posted, unresolved rounds, in order
+    done: dict[tuple[int, int], float] = {}
+    comm_free = [0.0] * len(states)
+    costs = _Costs(plan, shape, topo)
+    while True:
+        moved = False
+        for st in states:
+            ops, n, r = st.ops, len(st.ops), st.rank
+            while st.pc < n:
+                op = ops[st.pc]
+                kind = type(op)
+                if kind is Wait:
+                    end = done.get((r, op.round))
+                    if end is None:
+                        break
+                    if timeline and end > st.clock:
+                        st.events.append(Event(r, "compute", st.clock, end, f"wait {op.round}"))
+                    st.clock = max(st.clock, end)
+                elif kind is Post:
+                    posted[(r, op.round)] = st.clock
+                    peers[(r, op.round)] = tuple({t.peer for t in op.sends + op.recvs})
+                    queue[r].append(op.round)
+                elif kind is not Free:
+                    st.compute(op, costs(op), timeline)
+                st.pc += 1
+                moved = True
+        for r, pending in enumerate(queue):  # resolve rounds whose peers have all posted them
+            while pending:
+                t = pending[0]
+                times = [posted.get((p, t)) for p in peers[(r, t)]]
+                if any(x is None for x in times):
+                    break
+                start = max([posted[(r, t)], comm_free[r], *times])
+                done[(r, t)] = comm_free[r] = start + per_rank.get((r, t), 0.0)
+                if timeline:
+                    states[r].events.append(Event(r, "comm", start, done[(r, t)], f"round {t}"))
+                pending.pop(0)
+                moved = True
+        if _finished(states, moved, direction):
+            break
+    return _result(states, max(comm_free), timeline)
