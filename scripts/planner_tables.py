@@ -46,8 +46,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     topo = Topology.for_cp(a.cp, a.gpus_per_node, attention_flops=a.tflops * 1e12,
                            inter_bandwidth=a.inter_bandwidth * 1e9)
-    print(f"| heads q/kv | S | ring ms | mesh-auto ms | USP ms (formula) | a2a+ring ms (USP plan) | best a2a+mesh "
-          f"(U, tile) ms | auto ms | auto vs USP | floor ms | USP / floor |")
+    print("| heads q/kv | S | ring ms | mesh-auto ms | USP ms (formula) | a2a+ring ms (USP plan) | best a2a+mesh "
+          "(U, tile) ms | auto ms | auto vs USP | floor ms | USP / floor |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     speedups, start = [], time.perf_counter()
     for h, g, S in CONFIGS:

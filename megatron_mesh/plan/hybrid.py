@@ -148,7 +148,7 @@ class _HybridLowering:
 
     def inner_ops(self, m: int, u: int, direction: str, blocks: bool) -> list[Op]:
         src = self.inner.rank(m).ops(direction) if blocks else self.inner.round_ops(m, direction)
-        U, out = self.U, []
+        out = []
         for op in src:
             t = type(op)
             if t is Free:  # the combined list gets its own Frees

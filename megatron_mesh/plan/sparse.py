@@ -50,7 +50,7 @@ from typing import Callable
 from .accounting import buffer_bytes
 from .ir import AddGrad, Attend, AttendBackward, Key, MergeOut, Op, Plan, Post, RankPlan, Transfer, Wait
 from .layout import Layout
-from .mask import INF, BlockClass, BlockKind, Mask, band_pairs, band_relation, split_by_document
+from .mask import INF, BlockClass, BlockKind, Mask, band_pairs, split_by_document
 from .passes import insert_frees
 from .sel import Segment, relative_selection, union_intervals
 from .shape import AttentionShape

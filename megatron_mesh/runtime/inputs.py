@@ -1,0 +1,107 @@
+"""The public entry points' input checks: the tensors against each other, the softmax scale, and
+the mask + layout of one call (errors name the value and what is allowed).
+
+Worked example: q [8, 2, 4, 16] and k/v [8, 2, 2, 16] on 4 ranks are a GQA problem of 8 tokens per
+rank (two zigzag halves of 4), batch 2, 4 query heads over 2 KV heads of 16: ``attention_shape``
+returns AttentionShape(seq_local=8, batch=2, heads=4, kv_heads=2, head_dim=16); q [7, ...] raises
+(s_local must be even).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+from torch import Tensor
+
+from ..plan.layout import Layout
+from ..plan.mask import Mask
+from ..plan.problem import normalize
+from ..plan.shape import AttentionShape
+
+__all__ = ["attention_shape", "check_scale", "scale_of", "attention_mask"]
+
+
+def attention_shape(q: Tensor, k: Tensor, v: Tensor) -> AttentionShape:
+    """Check q, k, v against each other (raising ValueError naming the values) and return the
+    per-rank problem shape."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [s_local, batch, heads, head_dim] (Megatron's sbhd layout), "
+                             f"got shape {tuple(x.shape)}")
+        if 0 in x.shape[1:]:
+            raise ValueError(f"{name} must have batch, heads and head_dim >= 1, got shape {tuple(x.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    s, b, h, d = q.shape
+    if (k.shape[0], k.shape[1], k.shape[3]) != (s, b, d):
+        raise ValueError(f"q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree in s_local, batch and head_dim")
+    if h % k.shape[2]:
+        raise ValueError(f"query heads ({h}) must be divisible by kv heads ({k.shape[2]}) "
+                         "for grouped-query / multi-query attention")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.dtype.is_floating_point:
+        raise ValueError(f"q, k, v must be floating point, got {q.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on the same device, got {q.device}, {k.device}, {v.device}")
+    if s % 2 or s == 0:
+        raise ValueError(f"s_local ({s}) must be even and > 0: each rank holds two equal zigzag halves "
+                         "(the global sequence must be divisible by 2 * CP size)")
+    return AttentionShape(seq_local=s, batch=b, heads=h, kv_heads=k.shape[2], head_dim=d, itemsize=q.element_size())
+
+
+def check_scale(softmax_scale) -> float | None:
+    """``softmax_scale`` checked: None (1/sqrt(head_dim)) or a finite number > 0."""
+    if softmax_scale is None:
+        return None
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real) or \
+            not math.isfinite(float(softmax_scale)) or softmax_scale <= 0:
+        raise ValueError(f"softmax_scale must be a finite number > 0 (or None for 1/sqrt(head_dim)), got "
+                         f"{softmax_scale!r}")
+    return float(softmax_scale)
+
+
+def scale_of(shape: AttentionShape, softmax_scale) -> float:
+    """The softmax scale a call runs with: ``softmax_scale`` (checked) or 1/sqrt(head_dim)."""
+    s = check_scale(softmax_scale)
+    return s if s is not None else 1.0 / math.sqrt(shape.head_dim)
+
+
+def attention_mask(world_size: int, shape: AttentionShape, *, causal: bool = True, window=None, cu_seqlens=None,
+                   layout=None) -> tuple[Mask, Layout]:
+    """The plan's (mask, layout) from the public arguments, checked: ``window`` (left, right) with
+    ints >= 0 or None; ``cu_seqlens`` the document boundaries of the global sequence (on
+    Megatron's zigzag); ``layout`` a layout that defines its own documents (:class:`ThdLayout`:
+    its sequences are the documents, cu_seqlens must be None). Normalised by
+    :func:`megatron_mesh.plan.normalize`."""
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be True or False, got {causal!r}")
+    if window is not None:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise ValueError(f"window must be (left, right) with ints >= 0 or None, got {window!r}")
+        window = tuple(window)
+    if layout is not None and not isinstance(layout, Layout):
+        raise ValueError(f"layout must be None (Megatron's zigzag) or a megatron_mesh layout (e.g. ThdLayout), got "
+                         f"{type(layout).__name__}")
+    if layout is not None and layout.documents() is not None and cu_seqlens is not None:
+        raise ValueError(f"cu_seqlens and a {type(layout).__name__} both give documents: the layout's sequences are "
+                         "the documents, pass cu_seqlens=None")
+    if layout is not None and (layout.world_size != world_size or layout.seq_local != shape.seq_local):
+        raise ValueError(f"{type(layout).__name__} over {layout.world_size} ranks x {layout.seq_local} tokens per rank "
+                         f"does not match the CP size {world_size} and the local tensors' {shape.seq_local} tokens")
+    mask = Mask(causal, window)
+    if cu_seqlens is not None:
+        if isinstance(cu_seqlens, Tensor):
+            if cu_seqlens.device.type == "meta":
+                raise ValueError(f"cu_seqlens is on the {cu_seqlens.device} device, which holds no values: pass the "
+                                 "document boundaries on the CPU or the inputs' device")
+            if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
+                raise ValueError(f"cu_seqlens must be a 1-D integer tensor or sequence, got {cu_seqlens!r}")
+            cu_seqlens = cu_seqlens.tolist()
+        if not all(isinstance(c, numbers.Integral) and not isinstance(c, bool) for c in cu_seqlens):
+            raise ValueError(f"cu_seqlens must hold integers, got {cu_seqlens!r}")
+        mask = Mask.from_cu_seqlens(cu_seqlens, world_size * shape.seq_local, causal, window)
+    return normalize(world_size, shape, mask, layout)

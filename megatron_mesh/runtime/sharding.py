@@ -1,0 +1,64 @@
+"""Layouts on tensors: a rank's tokens of a full-sequence tensor under any layout (zigzag, THD,
+balanced) and back -- what a data loader or a test does before and after attention.
+
+Worked example: zigzag over 2 ranks of an 8-token sequence [0..7]: rank 0 holds [0, 1, 6, 7],
+rank 1 [2, 3, 4, 5]; ``zigzag_unshard`` of the two puts [0..7] back together.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..plan.layout import Layout, ThdLayout, ZigzagLayout
+
+__all__ = ["layout_shard", "layout_unshard", "zigzag_shard", "zigzag_unshard", "thd_shard", "thd_unshard"]
+
+
+def layout_shard(x: Tensor, rank: int, layout: Layout, dim: int = 0) -> Tensor:
+    """Rank ``rank``'s tokens of a full-sequence tensor under ``layout`` (any layout: Megatron's
+    zigzag, Transformer Engine's THD, :func:`megatron_mesh.balanced_layout`), in the rank's local
+    order -- what that rank passes to attention."""
+    if not isinstance(layout, Layout):
+        raise ValueError(f"layout must be a megatron_mesh layout (ZigzagLayout, ThdLayout, BalancedLayout), got "
+                         f"{type(layout).__name__}")
+    if x.shape[dim] != layout.seq_len:
+        raise ValueError(f"tensor has {x.shape[dim]} tokens along dim {dim}, the {type(layout).__name__} "
+                         f"{layout.seq_len}")
+    if not isinstance(rank, int) or not 0 <= rank < layout.world_size:
+        raise ValueError(f"rank {rank!r} out of range for CP size {layout.world_size}")
+    return torch.cat([x.narrow(dim, start, n) for _, start, n in layout.runs(rank)], dim=dim)
+
+
+def layout_unshard(chunks: list[Tensor], layout: Layout, dim: int = 0) -> Tensor:
+    """The full-sequence tensor from every rank's tokens under ``layout`` (inverse of
+    :func:`layout_shard`)."""
+    if len(chunks) != layout.world_size:
+        raise ValueError(f"{len(chunks)} chunks for a {type(layout).__name__} over {layout.world_size} ranks")
+    pieces = []
+    for r, c in enumerate(chunks):
+        for local, start, n in layout.runs(r):
+            pieces.append((start, c.narrow(dim, local, n)))
+    return torch.cat([p for _, p in sorted(pieces, key=lambda t: t[0])], dim=dim)
+
+
+def zigzag_shard(x: Tensor, rank: int, world_size: int, dim: int = 0) -> Tensor:
+    """Rank ``rank``'s zigzag chunk of a full-sequence tensor (Megatron's CP batch split)."""
+    return layout_shard(x, rank, ZigzagLayout(world_size, x.shape[dim]), dim)
+
+
+def zigzag_unshard(chunks: list[Tensor], dim: int = 0) -> Tensor:
+    """The full-sequence tensor from every rank's zigzag chunk (inverse of :func:`zigzag_shard`)."""
+    return layout_unshard(chunks, ZigzagLayout(len(chunks), chunks[0].shape[dim] * len(chunks)), dim)
+
+
+def thd_shard(x: Tensor, rank: int, layout: ThdLayout, dim: int = 0) -> Tensor:
+    """Rank ``rank``'s tokens of a packed THD tensor in Transformer Engine's CP layout (each
+    sequence, padded to a multiple of 2 * CP, zigzag-split on its own): what TE's
+    ``thd_get_partitioned_indices`` selects."""
+    return layout_shard(x, rank, layout, dim)
+
+
+def thd_unshard(chunks: list[Tensor], layout: ThdLayout, dim: int = 0) -> Tensor:
+    """The packed THD tensor from every rank's tokens (inverse of :func:`thd_shard`)."""
+    return layout_unshard(chunks, layout, dim)
