@@ -386,12 +386,19 @@ def _te_rows(world_size: int, shape: AttentionShape, topo: Topology, mask: Mask,
     return rows
 
 
+def _node_ranks(world_size: int, topo: Topology) -> int | None:
+    """The balanced layout's node level: CP ranks per node when the group spans nodes of
+    consecutive ranks (None: one node, or an explicit rank-to-node map)."""
+    m = topo.gpus_per_node
+    return m if topo.node_of is None and world_size > m and world_size % m == 0 else None
+
+
 def layout_rows(world_size: int, shape: AttentionShape, topo: Topology, cu_seqlens, *, causal: bool = True,
                 window=None, modes=None, layouts=LAYOUTS, backward_chunks: str = "refetch",
                 schedule: str = "greedy") -> tuple[list[ModeResult], list[dict]]:
     """Every mode of ``modes`` on each of ``layouts`` for these packed documents: Megatron's zigzag,
     Transformer Engine's THD (each document padded to 2 * CP; our modes on it, and TE's own p2p and
-    a2a+p2p as it runs them: :data:`TE_ROWS`) and the balanced layout (per Ulysses group for the
+    a2a+p2p as it runs them: :data:`TE_ROWS`) and the balanced layout (nodes first when the group spans nodes; per Ulysses group for the
     hybrids). Rows carry their ``layout``; the THD rows' shape is the padded one."""
     unknown = [name for name in layouts if name not in LAYOUTS]
     if unknown:
@@ -410,7 +417,8 @@ def layout_rows(world_size: int, shape: AttentionShape, topo: Topology, cu_seqle
             got, skip = evaluate(world_size, shape, topo, modes=modes, backward_chunks=backward_chunks,
                                  schedule=schedule, mask=Mask(causal, window),
                                  layout=lambda p: balanced_layout(cu, world_size, causal=causal, window=window,
-                                                                  group=p.ulysses))
+                                                                  group=p.ulysses,
+                                                                  ranks_per_node=_node_ranks(world_size, topo)))
         else:
             thd = thd_layout(cu, world_size)
             padded = replace(shape, seq_local=thd.seq_local)
