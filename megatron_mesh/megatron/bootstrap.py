@@ -28,6 +28,9 @@ _CHECKED: set[int] = set()  # id() of the argument namespaces already checked (M
 # True in megatron_mesh's own entry script, whose batches carry document boundaries to the plugin
 # layers (--reset-attention-mask, --cp-thd-packing); other scripts' batches do not
 ENTRY_PACKS_DOCUMENTS = False
+# True under run_script: batch_layout takes the documents of --reset-attention-mask from the
+# script's batches (position ids or end-of-document tokens) for the layers
+BATCH_DOCUMENTS = False
 _PARENT_AT_START = os.getppid()  # before the launcher could have died: the reference for die_with_parent
 LAUNCHER_PID_ENV = "MEGATRON_MESH_LAUNCHER_PID"  # set by megatron_mesh.launch for the workers it starts
 
@@ -92,7 +95,7 @@ def check_args(args) -> None:
     from .checks import validate_args
 
     try:
-        validate_args(args, entry_packs_documents=ENTRY_PACKS_DOCUMENTS)
+        validate_args(args, entry_packs_documents=ENTRY_PACKS_DOCUMENTS, batch_documents=BATCH_DOCUMENTS)
     except ValueError as e:
         fail(str(e))
     _CHECKED.add(id(args))
