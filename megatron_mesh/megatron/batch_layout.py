@@ -36,6 +36,7 @@ rank 1 [2-5, 12-15] (work 28 each), and RoPE on rank 1 uses the embedding rows 2
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -215,7 +216,7 @@ def current() -> Optional[BatchLayout]:
 
 
 # -- RoPE ---------------------------------------------------------------------------------------------------
-_FOLLOWING: set[int] = set()  # id() of the rotary embeddings that follow the layout
+_FOLLOWING: "weakref.WeakSet" = weakref.WeakSet()  # the rotary embeddings that follow the layout
 
 
 def follow_layout(model) -> int:
@@ -234,9 +235,9 @@ def follow_layout(model) -> int:
             if type(module) is not RotaryEmbedding:
                 raise ValueError(f"{type(module).__name__}: --cp-layout balanced supports RoPE ('rope'), learned "
                                  "absolute positions and none; pass --cp-layout zigzag")
-            if id(module) not in _FOLLOWING:
+            if module not in _FOLLOWING:
                 module.register_forward_hook(_gather_rope, with_kwargs=True)
-                _FOLLOWING.add(id(module))
+                _FOLLOWING.add(module)
             hooked += 1
     return hooked
 

@@ -296,8 +296,9 @@ def _check_layout(args, cp: int, documents: Optional[str]) -> None:
         if value:
             raise ValueError(f"{which} with {flag}{'' if value is True else f' {value}'}: it assumes Megatron's "
                              f"zigzag layout (MLA's own RoPE slicing, multi-token prediction's roll); {zigzag}")
-    if position == "rope" and getattr(args, "apply_rope_fusion", False) and args.micro_batch_size > 1:
-        raise ValueError(f"{which} with fused RoPE and --micro-batch-size {args.micro_batch_size}: each sample has its "
+    micro = getattr(args, "micro_batch_size", None) or 1
+    if position == "rope" and getattr(args, "apply_rope_fusion", False) and micro > 1:
+        raise ValueError(f"{which} with fused RoPE and --micro-batch-size {micro}: each sample has its "
                          "own layout, so its own rotary positions, and Transformer Engine's fused RoPE takes one "
                          f"[s, 1, 1, d] table per batch; pass --no-rope-fusion or --micro-batch-size 1, {zigzag}")
 
