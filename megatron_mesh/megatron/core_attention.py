@@ -28,7 +28,10 @@ returning [sq, b, heads * head_dim]. With packed sequences (``packed_seq_params.
 Masks reach the plan as data: the layer's window (``--window-size``, per layer with
 ``--window-attn-skip-freq``), the documents of ``packed_seq_params`` (THD: Transformer Engine's
 layout, ``cu_seqlens_q`` / ``_padded``; ``sbhd`` with ``cu_seqlens_q`` [batch, k]: the global
-boundaries per sample, which megatron_mesh's entry script derives from end-of-document tokens).
+boundaries per sample, which megatron_mesh's entry script derives from end-of-document tokens --
+or, when the model call carries none, those :mod:`.batch_layout` took from the current batch).
+With such documents each sample runs on its CP layout (:func:`.batch_layout.sample_layout`: the
+balanced layout of ``--cp-layout balanced``, or Megatron's zigzag), the one its batch was split by.
 
 Example (CP 4, 2 layers): ``--cp-comm-type mesh tasp`` gives layer 1 Mesh-Attention (tile from
 ``--mesh-tile-shape``) and layer 2 TASP, both inside the same model.
