@@ -10,7 +10,8 @@
   layout's positions -- per sample [s_local, b, 1, d], shared [s_local, 1, 1, d] -- and rotating
   this rank's queries with it equals rotating the full sequence and splitting it;
 * Megatron-LM's scripts: ``install`` swaps ``get_batch_on_this_cp_rank`` for the layout's split
-  and makes the batch current for the layers.
+  and makes the batch current for the layers;
+* the core attention refuses a batch split by layouts other than its own.
 
 The losses through ``pretrain()``: tests/test_megatron_pretrain_masks.py; the GPTModel against
 Megatron's attention with a dense mask: tests/test_megatron_masks.py.
@@ -209,3 +210,19 @@ def test_megatron_scripts_get_the_layout_split(monkeypatch):
     monkeypatch.setattr(utils.get_batch_on_this_cp_rank, "__wrapped__", lambda *a, **k: calls.append(a) or "megatron")
     args.reset_attention_mask = False
     assert utils.get_batch_on_this_cp_rank(dict(full), False, None) == "megatron" and len(calls) == 1
+
+
+def test_layer_refuses_a_batch_split_by_other_layouts():
+    """The core attention checks that the current batch was split by the layouts it derives (the
+    same decision, so only different settings could part them)."""
+    from megatron_mesh.megatron.core_attention import PluginCoreAttention
+
+    rows = batch_layout.document_rows({"tokens": _tokens()}, "eod", EOD)
+    batch_layout.set_current(batch_layout.BatchLayout.of(rows, config(), 0))
+    same = [batch_layout.sample_layout(r, config()) for r in rows]
+    PluginCoreAttention._check_batch_split(None, list(rows), same, "layer 1 (mesh)")
+    other = [batch_layout.sample_layout(r, config(hierarchical_context_parallel_sizes=[2, 2])) for r in rows]
+    with pytest.raises(RuntimeError, match=r"layer 1 \(mesh\): sample 0 was split by the layout 'balanced P=4 U=1 .*', "
+                                           r"the layer's is 'balanced P=4 U=2 .*': the batch split and the layer read "
+                                           "different settings"):
+        PluginCoreAttention._check_batch_split(None, list(rows), other, "layer 1 (mesh)")

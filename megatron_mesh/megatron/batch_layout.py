@@ -198,7 +198,8 @@ def _megatron_zigzag():
     """Megatron's own ``get_batch_on_this_cp_rank`` (the one :func:`install` replaced, if it did)."""
     from megatron.core import utils
 
-    return getattr(utils.get_batch_on_this_cp_rank, "__wrapped__", utils.get_batch_on_this_cp_rank)
+    split = utils.get_batch_on_this_cp_rank
+    return split.__wrapped__ if getattr(split, "megatron_mesh", False) else split
 
 
 _CURRENT: Optional[BatchLayout] = None
@@ -288,11 +289,11 @@ def check_rope_follows(args) -> None:
                            "another way needs megatron_mesh.megatron.batch_layout.follow_layout(model))")
 
 
-# -- Megatron-LM's own scripts ------------------------------------------------------------------------------
+# -- get_batch: the plugin's entry script, and Megatron-LM's own scripts -------------------------------------
 def split_batch(batch: dict, source: str, args, cp_group, eod: Optional[int] = None) -> BatchLayout:
-    """The documents of the full micro-batch ``batch`` (from ``source``, see
-    :func:`document_rows`) and their layouts, made current; returns the layout (its :meth:`~BatchLayout.shard`
-    splits the batch)."""
+    """The documents of the full micro-batch ``batch`` (from ``source``, see :func:`document_rows`)
+    and their layouts, made current; returns them (:meth:`BatchLayout.shard` splits the batch).
+    Stops a balanced batch for a RoPE model whose rotary embedding does not follow the layout."""
     rank = cp_group.rank() if cp_group is not None else 0
     layout = BatchLayout.of(document_rows(batch, source, eod), args, rank)
     if layout.balanced:

@@ -236,10 +236,7 @@ class PluginCoreAttention(MegatronModule):
         # samples with the same documents share one call
         layouts = [batch_layout.sample_layout(r, self.config) for r in rows]
         self._check_batch_split(rows, layouts, where)
-        calls = {}
-        for i, r in enumerate(rows):
-            calls.setdefault(r, []).append(i)
-        if len(calls) == 1:
+        if len(set(rows)) == 1:
             return self._sample_attention(q, k, v, causal, rows[0], layouts[0])
         outs = [self._sample_attention(q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], causal, r, layouts[i])
                 for i, r in enumerate(rows)]
@@ -267,8 +264,10 @@ class PluginCoreAttention(MegatronModule):
         batch = batch_layout.current()
         if batch is None or list(batch.rows) != list(rows) or batch.layouts == tuple(layouts):
             return
-        raise RuntimeError(f"{where}: the batch was split by layouts other than the layer's ({batch.layouts} vs "
-                           f"{tuple(layouts)}): the batch split and the layer read different settings")
+        i = next(i for i, (a, b) in enumerate(zip(batch.layouts, layouts)) if a != b)
+        text = [x.text()[:120] if x is not None else "Megatron's zigzag" for x in (batch.layouts[i], layouts[i])]
+        raise RuntimeError(f"{where}: sample {i} was split by the layout {text[0]!r}, the layer's is {text[1]!r}: the "
+                           "batch split and the layer read different settings")
 
     def _sample_attention(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, row, layout) -> Tensor:
         """One sample's (or several with the same documents) attention: on its balanced layout,
