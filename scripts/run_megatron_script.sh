@@ -10,8 +10,10 @@
 # flags given here. Each worker runs `python -m megatron_mesh.megatron.run_script SCRIPT.py ...`:
 # it dies with its launcher, applies the typing.override polyfill (Python 3.11), the prebuilt
 # dataset helpers and, on a CPU only, the CPU workarounds -- also in the processes the script
-# spawns (the torch_dist checkpoint writer's) -- and adds the plugin's flags and start-up checks to
-# Megatron's argument parsing. On GPUs it adds nothing else.
+# spawns (the torch_dist checkpoint writer's) -- adds the plugin's flags and start-up checks to
+# Megatron's argument parsing, and with --reset-attention-mask hands the plugin layers each sample's
+# documents (from its position ids or EOD tokens) and splits the batch by its CP layout (--cp-layout;
+# megatron_mesh/megatron/batch_layout.py; on GPUs too). Nothing else.
 #
 # Environment: NPROC, CP, CP_COMM_TYPE, NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, BACKEND,
 # PYTHON -- as for scripts/pretrain_gpt.sh.

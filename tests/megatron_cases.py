@@ -235,7 +235,7 @@ def gpt_masked_equivalence(rank: int, world: int, layouts) -> list[dict]:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    from megatron_mesh.megatron import groups
+    from megatron_mesh.megatron import batch_layout, groups
     from megatron_mesh.megatron.pretrain_gpt import document_params, pack_thd
     from megatron_mesh.megatron.spec import gpt_local_layer_spec
 
@@ -244,7 +244,7 @@ def gpt_masked_equivalence(rank: int, world: int, layouts) -> list[dict]:
     for tp, cp in layouts:
         pgc, single_pgc, cp_group = _parallel_layout(tp, cp, singles[rank])
         full = _doc_batch(11)
-        for what in ("window", "documents", "thd"):
+        for what in ("window", "documents", "balanced", "thd"):
             extra = dict(window_size=(5, 0)) if what == "window" else {}
             ref_cfg = _config(tp, 1, (4, 2), None, **extra)
             ref_cfg.cp_documents = None
@@ -256,7 +256,8 @@ def gpt_masked_equivalence(rank: int, world: int, layouts) -> list[dict]:
                 ref_batch = dict(packed_full)
                 ref_batch["attention_mask"] = _thd_dense_mask(packed_full)
             else:
-                ref_batch = dict(full, attention_mask=_dense_doc_mask(full["tokens"]) if what == "documents" else None)
+                documents = what in ("documents", "balanced")
+                ref_batch = dict(full, attention_mask=_dense_doc_mask(full["tokens"]) if documents else None)
             ref_loss, ref_grads = _run_masked(ref_model, ref_batch)
             # the mask must matter: the same model and batch with the plain causal mask differ
             unmasked_cfg = _config(tp, 1, (4, 2), None)
@@ -271,9 +272,16 @@ def gpt_masked_equivalence(rank: int, world: int, layouts) -> list[dict]:
                 if hcp:
                     config.hierarchical_context_parallel_sizes = hcp
                 config.cp_seq_length = SEQ_M
-                config.cp_documents = {"window": None, "documents": "eod", "thd": "thd"}[what]
+                config.cp_documents = {"window": None, "documents": "eod", "balanced": "eod", "thd": "thd"}[what]
+                config.cp_layout = "balanced" if what == "balanced" else "zigzag"
                 model = _build_len(config, gpt_local_layer_spec(config), pgc, position)
-                if what == "thd":
+                if what == "balanced":  # each sample split by its own layout; RoPE follows it
+                    split = batch_layout.BatchLayout.of(batch_layout.document_rows(full, "eod", VOCAB - 1), config,
+                                                        cp_group.rank())
+                    batch_layout.set_current(split)
+                    assert batch_layout.follow_layout(model) == 1
+                    packed, local = split.packed_seq_params(), split.shard(dict(full), cp_group)
+                elif what == "thd":
                     local, packed = pack_thd({k: v[:1] for k, v in full.items() if v is not None}
                                              | {"loss_mask": torch.ones(1, SEQ_M)}, VOCAB - 1, 8, cp_group.size(),
                                              cp_group.rank())
@@ -281,6 +289,7 @@ def gpt_masked_equivalence(rank: int, world: int, layouts) -> list[dict]:
                     packed = document_params(full["tokens"], VOCAB - 1) if what == "documents" else None
                     local = get_batch_on_this_cp_rank(dict(full), is_hybrid_cp=False, cp_group=cp_group)
                 loss, grads = _run_masked(model, local, packed)
+                batch_layout.set_current(None)
                 rec = _compare(f"TP={tp} CP={cp} {what} {label}", loss, grads, ref_loss, ref_grads, cp_group)
                 rec.update(label=label, what=what, tp=tp, cp=cp, unmasked_ref_loss=unmasked_loss.item(),
                            mask_effect=mask_effect,

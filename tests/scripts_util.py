@@ -30,6 +30,9 @@ def run_script(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int
 
 PRETRAIN = os.path.join(ROOT, "scripts", "pretrain_gpt.sh")
 RUN_SCRIPT = os.path.join(ROOT, "scripts", "run_megatron_script.sh")
+# Megatron-LM's pretrain_gpt.py: the checkout's when MEGATRON_LM_DIR names one, else the tests' stand-in
+MEGATRON_LM_SCRIPT = (os.path.join(os.environ["MEGATRON_LM_DIR"], "pretrain_gpt.py") if os.environ.get("MEGATRON_LM_DIR")
+                      else os.path.join(ROOT, "tests", "megatron_lm", "pretrain_gpt.py"))
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
 
 

@@ -1,7 +1,9 @@
 """The start-up checks of masks and Ulysses hybrids, in one process: windows, documents from
-end-of-document tokens and THD packing (valid under megatron_mesh's entry script, refused where the
-layers could not read them), --hierarchical-context-parallel-sizes for the hybrids, and the
-settings that combine badly with them -- each error naming the value and what is allowed."""
+end-of-document tokens and THD packing (valid under megatron_mesh's entry script, and for
+documents through run_script, refused where the layers could not read them), --cp-layout (where
+it applies, what the balanced layout needs), --hierarchical-context-parallel-sizes for the
+hybrids, and the settings that combine badly with them -- each error naming the value and what is
+allowed."""
 
 import pytest
 
@@ -12,9 +14,11 @@ from megatron_mesh.megatron.checks import validate_args as _validate_args  # noq
 pytestmark = pytest.mark.megatron
 
 
-def validate_args(args, have_te: bool = False, entry_packs_documents: bool = False) -> None:
+def validate_args(args, have_te: bool = False, entry_packs_documents: bool = False,
+                  batch_documents: bool = False) -> None:
     """The plugin's start-up check; Transformer Engine counts as absent unless ``have_te``."""
-    _validate_args(args, have_te=have_te, entry_packs_documents=entry_packs_documents)
+    _validate_args(args, have_te=have_te, entry_packs_documents=entry_packs_documents,
+                   batch_documents=batch_documents)
 
 
 HEADS = ["--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2", "--hidden-size", "64"]
@@ -22,13 +26,20 @@ PLUGIN = ["--spec", "megatron_mesh.megatron.spec", "gpt_layer_spec", "--transfor
           "--attention-dropout", "0"]
 
 
+PER_TOKEN = "--calculate-per-token-loss"  # the balanced layout (the default with documents at CP > 1) needs it
+
+
 @pytest.mark.parametrize("argv, documents", [
-    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask"], "eod"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask", PER_TOKEN], "eod"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask", "--cp-layout", "zigzag"],
+     "eod"),
     (["--context-parallel-size", "4", "--cp-comm-type", "tasp", "--cp-thd-packing", "--cp-thd-pad-multiple", "16",
       "--seq-length", "64", "--micro-batch-size", "1"], "thd"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--window-size", "16,0"], None),
-    (["--context-parallel-size", "4", "--cp-comm-type", "ring", "--window-size", "16,-1", "--reset-attention-mask"],
-     "eod"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "ring", "--window-size", "16,-1", "--reset-attention-mask",
+      PER_TOKEN, "--position-embedding-type", "rope", "--no-rope-fusion", "--micro-batch-size", "2"], "eod"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "ring", "--reset-attention-mask", PER_TOKEN,
+      "--position-embedding-type", "rope", "--micro-batch-size", "1", "--cp-layout", "balanced"], "eod"),
     (["--context-parallel-size", "4", "--cp-comm-type", "a2a+mesh", "--hierarchical-context-parallel-sizes", "2", "2",
       "--mesh-tile-shape", "2x1", *HEADS], None),
     (["--context-parallel-size", "8", "--cp-comm-type", "a2a+tasp", "a2a+ring", "--hierarchical-context-parallel-sizes",
@@ -102,6 +113,33 @@ def test_masks_and_hybrids_valid(megatron_args, our_entry, argv, documents):
      "--pipeline-model-parallel-size 2 with packed documents (--reset-attention-mask / --cp-thd-packing)"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--sft"],
      "--sft: Megatron's sft batches are not supported by the plugin modes"),
+    # --cp-layout: where it applies, and what the balanced layout needs
+    (["--context-parallel-size", "1", "--reset-attention-mask", "--cp-layout", "balanced"],
+     "--cp-layout balanced applies to packed documents (--reset-attention-mask) at CP > 1, not here "
+     "(--context-parallel-size 1); leave the flag out"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--cp-layout", "zigzag"],
+     "--cp-layout zigzag applies to packed documents (--reset-attention-mask) at CP > 1, not here (no "
+     "--reset-attention-mask)"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--cp-thd-packing", "--seq-length", "64",
+      "--micro-batch-size", "1", "--cp-layout", "balanced"],
+     "--cp-layout balanced applies to packed documents (--reset-attention-mask) at CP > 1, not here "
+     "(--cp-thd-packing (Transformer Engine's THD layout))"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask"],
+     "--cp-layout balanced (the default with packed documents at CP > 1) needs --calculate-per-token-loss: the ranks "
+     "hold different documents"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask", "--cp-layout", "balanced"],
+     "--cp-layout balanced needs --calculate-per-token-loss"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask", PER_TOKEN,
+      "--position-embedding-type", "yarn"],
+     "--cp-layout balanced (the default with packed documents at CP > 1) with --position-embedding-type yarn: "
+     "supported are rope, learned_absolute and none"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask", PER_TOKEN,
+      "--mtp-num-layers", "1"], "with --mtp-num-layers 1: it assumes Megatron's zigzag layout"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask", PER_TOKEN,
+      "--position-embedding-type", "rope", "--micro-batch-size", "2"],
+     "with fused RoPE and --micro-batch-size 2: each sample has its own layout, so its own rotary positions, and "
+     "Transformer Engine's fused RoPE takes one [s, 1, 1, d] table per batch; pass --no-rope-fusion or "
+     "--micro-batch-size 1, or pass --cp-layout zigzag"),
 ])
 def test_masks_and_hybrids_invalid(megatron_args, our_entry, argv, message):
     args = megatron_args(PLUGIN + argv)
@@ -125,6 +163,41 @@ def test_dense_document_masks_of_other_scripts(megatron_args):
     with pytest.raises(ValueError, match="--cp-thd-packing is an option of megatron_mesh's entry script"):
         validate_args(megatron_args(PLUGIN + ["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--cp-thd-packing",
                                           "--seq-length", "64"]))
+
+
+def test_cp_layout_value_is_checked(megatron_args, our_entry):
+    """argparse refuses a value on the command line; arguments built another way are checked too."""
+    args = megatron_args(PLUGIN + ["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask",
+                                   PER_TOKEN])
+    args.cp_layout = "diagonal"
+    with pytest.raises(ValueError, match="--cp-layout 'diagonal': allowed balanced, zigzag"):
+        validate_args(args, **our_entry)
+
+
+@pytest.mark.parametrize("reset_positions, documents", [(True, "positions"), (False, "eod")])
+def test_documents_of_megatron_lm_scripts_through_run_script(megatron_args, reset_positions, documents):
+    """Through run_script (batch_documents) Megatron-LM's own script gets the documents of
+    --reset-attention-mask from its batches -- where the position ids restart, else after the EOD
+    tokens -- at any CP size, under either layout; without it, its dense mask is refused at CP > 1."""
+    from megatron_mesh.megatron.args import MeshTransformerConfig, apply_args
+
+    argv = PLUGIN + ["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask", PER_TOKEN,
+                     *(["--reset-position-ids"] if reset_positions else [])]
+    for extra in ([], ["--cp-layout", "zigzag"]):
+        args = megatron_args(argv + extra)
+        validate_args(args, batch_documents=True)
+        config = MeshTransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4)
+        apply_args(args, config, batch_documents=True)
+        assert config.cp_documents == documents
+        assert (config.cp_layout or "balanced") == (extra[-1] if extra else "balanced")
+    with pytest.raises(ValueError, match="--reset-attention-mask: this entry script passes the documents as a dense "
+                                         r"\[s, s\] attention mask, .* or run this script through "
+                                         "scripts/run_megatron_script.sh"):
+        validate_args(megatron_args(argv))
+    cp1 = megatron_args([*PLUGIN[:-2], "--context-parallel-size", "1", "--reset-attention-mask",
+                         "--attention-dropout", "0.1"])
+    with pytest.raises(ValueError, match="packed documents run the plugin's attention also at CP 1"):
+        validate_args(cp1, batch_documents=True)
 
 
 def test_documents_from_eod_tokens_refuse_transformer_engine_layers(megatron_args, our_entry):

@@ -1,9 +1,12 @@
 """Masks through Megatron: a tiny GPTModel at CP 4 (and TP 2 x CP 2) with a sliding window
 (``window_size``), end-of-document documents (``--reset-attention-mask``: sbhd PackedSeqParams
-with per-sample document starts) and THD packing (TE's per-sequence CP layout, ``cu_seqlens``
-real and padded) through every plugin mode -- Mesh (a tile and ``auto``), TASP, ring, the
-Ulysses x Mesh hybrid and a per-layer mix -- matches the same model at CP 1 with Megatron's own
-attention and the equivalent dense mask: loss and every parameter gradient, rotary positions."""
+with per-sample document starts) on Megatron's zigzag and on each sample's balanced layout
+(``--cp-layout balanced``: the batch split by :mod:`megatron_mesh.megatron.batch_layout`, RoPE
+gathered at the layout's positions), and THD packing (TE's per-sequence CP layout,
+``cu_seqlens`` real and padded) through every plugin mode -- Mesh (a tile and ``auto``), TASP,
+ring, the Ulysses x Mesh hybrid and a per-layer mix -- matches the same model at CP 1 with
+Megatron's own attention and the equivalent dense mask: loss and every parameter gradient, rotary
+positions."""
 
 import pytest
 
@@ -43,7 +46,7 @@ def test_the_masks_matter(records):
 def test_every_mode_and_mask_ran(records):
     recs = records[0]
     got = {(r["tp"], r["cp"], r["what"], r["label"]) for r in recs}
-    for what in ("window", "documents", "thd"):
+    for what in ("window", "documents", "balanced", "thd"):
         for label in ("mesh 2x2", "mesh auto", "tasp", "ring", "a2a+mesh U2 x M2", "a2a+mesh / mesh per layer"):
             assert (1, 4, what, label) in got
         for label in ("mesh 2x1", "ring"):

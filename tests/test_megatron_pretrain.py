@@ -35,7 +35,8 @@ import time
 
 import psutil
 import pytest
-from scripts_util import PRETRAIN, ROOT, free_port, kill_process_tree, losses, run_all, run_config
+from scripts_util import (MEGATRON_LM_SCRIPT, PRETRAIN, ROOT, free_port, kill_process_tree, losses, run_all,
+                          run_config)
 
 pytest.importorskip("megatron.core", reason="needs megatron-core (scripts/setup_env.sh installs it)")
 
@@ -43,9 +44,6 @@ pytest.importorskip("megatron.core", reason="needs megatron-core (scripts/setup_
 pytestmark = [pytest.mark.megatron, pytest.mark.slow, pytest.mark.timeout(1500)]
 
 CONFIG = os.path.join(ROOT, "configs", "gpt_tiny_cpu.yaml")
-_REAL = os.path.join(os.environ.get("MEGATRON_LM_DIR", ""), "pretrain_gpt.py")
-MEGATRON_LM_SCRIPT = _REAL if os.environ.get("MEGATRON_LM_DIR") else os.path.join(ROOT, "tests", "megatron_lm",
-                                                                                  "pretrain_gpt.py")
 ITERS = 3
 BF16 = ("--bf16", "--use-distributed-optimizer", "--recompute-granularity", "full", "--recompute-method", "uniform",
         "--recompute-num-layers", "1")

@@ -7,17 +7,23 @@ Data: documents of mixed lengths (1 to ~150 tokens, ~10 % a lone end-of-document
 scripts/make_doc_dataset.py; samples of 64 tokens, so at CP 4 a rank holds two zigzag halves of 8
 tokens and most samples hold documents that cross, start and end inside halves.
 
-* ``--reset-attention-mask`` (EOD documents, Megatron's global zigzag layout) together with
-  ``--window-size 5,0`` (a window shorter than a half) at CP 4, one layer per mode: Mesh with the
-  tile 4x1, TASP, ring, with selective recompute; that run writes a checkpoint which resumes under
-  ring at CP 2 with the same next loss;
+* ``--reset-attention-mask`` (EOD documents) on Megatron's global zigzag layout (``--cp-layout
+  zigzag``) together with ``--window-size 5,0`` (a window shorter than a half) at CP 4, one layer
+  per mode: Mesh with the tile 4x1, TASP, ring, with selective recompute; that run writes a
+  checkpoint which resumes under ring at CP 2 on the balanced layout with the same next loss;
+* the same documents and window on the balanced layout (the default) at CP 4 with two samples per
+  micro-batch, one layer per mode (mesh, tasp, ring, a2a+mesh with
+  ``--hierarchical-context-parallel-sizes 2 2``), through the plugin's entry script (documents from
+  EOD tokens) and through Megatron-LM's pretrain_gpt.py run by scripts/run_megatron_script.sh
+  (documents from the position ids); the first writes a checkpoint which resumes under the zigzag
+  at CP 2 with the same next loss;
 * THD packed sequences of mixed lengths (``--cp-thd-packing``, Transformer Engine's CP layout) at
   CP 4 under ring, Mesh ``auto``, TASP and a2a+mesh (``--hierarchical-context-parallel-sizes 2 2``);
 * THD at TP 2 x CP 2 under Mesh.
 
 Every CP run logs the losses of its CP 1 run to 1e-5 relative (fp32). ``--megatron-matrix`` adds
 each mask alone (window, EOD documents, THD) x each mode (mesh 2x2, mesh auto, tasp, ring) in its
-own run.
+own run (EOD documents also on the zigzag, and through Megatron-LM's script).
 """
 
 import os
@@ -25,7 +31,7 @@ import subprocess
 import sys
 
 import pytest
-from scripts_util import ROOT, losses, run_all, run_config
+from scripts_util import MEGATRON_LM_SCRIPT, ROOT, losses, run_all, run_config
 
 pytest.importorskip("megatron.core", reason="needs megatron-core (scripts/setup_env.sh installs it)")
 
@@ -50,24 +56,37 @@ def doc_data(tmp_path_factory):
 
 
 def masked_run(doc_data, name: str, nproc: int, cp: int, modes: str, *flags: str) -> tuple[int, str]:
-    return run_config(config(name), nproc, cp, modes, "--train-iters", str(ITERS), *flags,
-                      env={"DOC_DATA": doc_data}, timeout=300)
+    """One run of ``configs/gpt_tiny_cpu_<name>.yaml``; ``name`` "mlm:docs" runs Megatron-LM's
+    pretrain_gpt.py (through scripts/run_megatron_script.sh) on that config instead of ours."""
+    script = (MEGATRON_LM_SCRIPT,) if name.startswith("mlm:") else ()
+    return run_config(config(name.removeprefix("mlm:")), nproc, cp, modes, "--train-iters", str(ITERS), *flags,
+                      script=script, env={"DOC_DATA": doc_data}, timeout=300)
 
 
 @pytest.fixture(scope="module")
 def runs(doc_data, tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("ckpt"))
+    balanced_ckpt = str(tmp_path_factory.mktemp("balanced_ckpt"))
+    # the balanced layout: one layer per mode, the Ulysses hybrid's U = 2 as the balancing group,
+    # the window on every layer, two samples (two layouts) per micro-batch
+    balanced = ("mesh tasp ring a2a+mesh", *WINDOW, *HCP, "--micro-batch-size", "2")
     plan = {
         "docs_cp1": ("docs", 1, 1, "mesh", *WINDOW),
-        "docs_cp4": ("docs", 4, 4, "mesh tasp ring mesh", *WINDOW, "--mesh-tile-shape", "4x1",
+        "docs_cp4": ("docs", 4, 4, "mesh tasp ring mesh", *WINDOW, "--mesh-tile-shape", "4x1", "--cp-layout", "zigzag",
                      "--recompute-granularity", "selective", "--save", ckpt, "--save-interval", "2"),
         "docs_resume": ("docs", 2, 2, "ring", *WINDOW, "--load", ckpt, "--ckpt-step", "2"),
+        "balanced_cp4": ("docs", 4, 4, *balanced, "--save", balanced_ckpt, "--save-interval", "2"),
+        "balanced_resume": ("docs", 2, 2, "mesh", *WINDOW, "--cp-layout", "zigzag", "--load", balanced_ckpt,
+                            "--ckpt-step", "2"),
+        "mlm_docs_cp1": ("mlm:docs", 1, 1, "mesh", *WINDOW),
+        "mlm_balanced_cp4": ("mlm:docs", 4, 4, *balanced),
         "thd_cp1": ("thd", 1, 1, "mesh"),
         "thd_cp4": ("thd", 4, 4, "ring mesh tasp a2a+mesh", *HCP),
         "thd_tp2_cp1": ("thd", 2, 1, "mesh", "--tensor-model-parallel-size", "2"),
         "thd_tp2_cp2": ("thd", 4, 2, "mesh", "--tensor-model-parallel-size", "2"),
     }
-    return run_all(lambda *spec: masked_run(doc_data, *spec), plan, together=("docs_cp1", "thd_cp1", "thd_tp2_cp1"))
+    return run_all(lambda *spec: masked_run(doc_data, *spec), plan,
+                   together=("docs_cp1", "mlm_docs_cp1", "thd_cp1", "thd_tp2_cp1"))
 
 
 def _ok(runs, name) -> str:
@@ -83,23 +102,57 @@ def _assert_losses_equal(got: dict, want: dict, iterations=None):
         assert got[it] == pytest.approx(want[it], rel=RTOL), (it, got[it], want[it])
 
 
+def _summary(text: str) -> str:
+    summary = [line for line in text.splitlines() if "megatron_mesh: pipeline stage" in line]
+    assert len(summary) == 1, summary  # one line, from the first rank of the stage
+    return summary[0]
+
+
 def test_documents_with_window_cp4_match_cp1(runs):
     want = losses(_ok(runs, "docs_cp1"))
     assert sorted(want) == list(range(1, ITERS + 1))
     text = _ok(runs, "docs_cp4")
     _assert_losses_equal(losses(text), want)
-    summary = [line for line in text.splitlines() if "megatron_mesh: pipeline stage" in line]
-    assert len(summary) == 1, summary  # one line, from the first rank of the stage
+    summary = _summary(text)
     for part in ("layer 1: mesh (CP 4, tile 4x1", "layer 2: tasp (CP 4, transport p2p", "layer 3: ring (CP 4",
-                 "layer 4: mesh (CP 4, tile 4x1", "window 5,0"):
-        assert part in summary[0], (part, summary[0])
+                 "layer 4: mesh (CP 4, tile 4x1", "window 5,0, documents eod, layout zigzag)"):
+        assert part in summary, (part, summary)
 
 
-def test_checkpoint_with_documents_resumes_under_ring(runs):
+def test_checkpoint_under_zigzag_resumes_under_balanced(runs):
     want = losses(_ok(runs, "docs_cp1"))
     text = _ok(runs, "docs_resume")
     _assert_losses_equal(losses(text), want, iterations=[3])
-    assert "layers 1-4: ring (CP 2" in text
+    assert "layers 1-4: ring (CP 2, zigzag ring, kernel auto, window 5,0, documents eod, layout balanced)" in text
+
+
+@pytest.mark.parametrize("entry, cp1, cp4, documents", [
+    ("megatron_mesh", "docs_cp1", "balanced_cp4", "eod"),
+    ("Megatron-LM", "mlm_docs_cp1", "mlm_balanced_cp4", "positions"),  # position ids: --reset-position-ids
+])
+def test_balanced_layout_cp4_matches_cp1(runs, entry, cp1, cp4, documents):
+    """The balanced layout (the default) through both entry scripts: each sample of a micro-batch
+    of two split by its own layout, RoPE at the layout's positions, Mesh / TASP / ring / a2a+mesh
+    layers on it -- the losses of CP 1."""
+    want = losses(_ok(runs, cp1))
+    assert sorted(want) == list(range(1, ITERS + 1))
+    _assert_losses_equal(losses(_ok(runs, cp4)), want)
+    summary = _summary(_ok(runs, cp4))
+    for part in ("layer 1: mesh (CP 4", "layer 2: tasp (CP 4", "layer 3: ring (CP 4", "layer 4: a2a+mesh (CP 4"):
+        assert part in summary, (part, summary)
+    assert summary.count(f"window 5,0, documents {documents}, layout balanced)") == 4, summary
+
+
+def test_both_entry_scripts_train_alike_on_documents(runs):
+    """Megatron-LM's script (documents from its position ids) and ours (from EOD tokens) at CP 1."""
+    _assert_losses_equal(losses(_ok(runs, "mlm_docs_cp1")), losses(_ok(runs, "docs_cp1")))
+
+
+def test_checkpoint_under_balanced_resumes_under_zigzag(runs):
+    want = losses(_ok(runs, "docs_cp1"))
+    text = _ok(runs, "balanced_resume")
+    _assert_losses_equal(losses(text), want, iterations=[3])
+    assert "documents eod, layout zigzag)" in _summary(text)
 
 
 def test_thd_packed_sequences_cp4_match_cp1(runs):
@@ -117,7 +170,10 @@ def test_thd_tp2_cp2_matches_tp2_cp1(runs):
 
 
 # -- opt-in: each mask alone x each mode ----------------------------------------------------------------
-MASKS = {"window": ("window", WINDOW), "docs": ("docs", ()), "thd": ("thd", ())}
+# (config, flags, flags of the CP 4 run only)
+MASKS = {"window": ("window", WINDOW, ()), "docs": ("docs", (), ()),
+         "docs-zigzag": ("docs", (), ("--cp-layout", "zigzag")), "docs-megatron-lm": ("mlm:docs", (), ()),
+         "thd": ("thd", (), ())}
 MODES = {"mesh-2x2": ("mesh", "--mesh-tile-shape", "2x2"), "mesh-auto": ("mesh",), "tasp": ("tasp",),
          "ring": ("ring",)}
 _REFERENCES: dict = {}
@@ -127,13 +183,13 @@ _REFERENCES: dict = {}
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("mask", sorted(MASKS))
 def test_matrix_each_mask_each_mode_cp4_matches_cp1(doc_data, mask, mode):
-    name, flags = MASKS[mask]
+    name, flags, cp_flags = MASKS[mask]
     if mask not in _REFERENCES:
         rc, text = masked_run(doc_data, name, 1, 1, "mesh", *flags)
         assert rc == 0, text[-6000:]
         _REFERENCES[mask] = losses(text)
     cp_mode, *mode_flags = MODES[mode]
-    rc, text = masked_run(doc_data, name, 4, 4, cp_mode, *flags, *mode_flags)
+    rc, text = masked_run(doc_data, name, 4, 4, cp_mode, *flags, *cp_flags, *mode_flags)
     assert rc == 0, text[-6000:]
     _assert_losses_equal(losses(text), _REFERENCES[mask])
     assert f"layers 1-4: {cp_mode} (CP 4" in text

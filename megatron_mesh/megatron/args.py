@@ -37,12 +37,13 @@ def add_args(parser):
     return parser
 
 
-def apply_args(args, config, *, entry_packs_documents: bool = False) -> None:
+def apply_args(args, config, *, entry_packs_documents: bool = False, batch_documents: bool = False) -> None:
     """Put the plugin settings of Megatron's parsed ``args`` (defaults for flags it lacks) and the
     global sequence length on ``config`` -- a plain TransformerConfig too: what any entry script
     builds with ``core_transformer_config_from_args(args)``. ``entry_packs_documents``: whether
-    the entry script hands the layers document boundaries (megatron_mesh's own)."""
+    the entry script hands the layers document boundaries (megatron_mesh's own);
+    ``batch_documents``: whether :mod:`.batch_layout` takes them from its batches (``run_script``)."""
     for f in flags():
         setattr(config, f.dest, getattr(args, f.dest, None))
     config.cp_seq_length = getattr(args, "seq_length", None)
-    config.cp_documents = documents_of(args, entry_packs_documents)
+    config.cp_documents = documents_of(args, entry_packs_documents, batch_documents)

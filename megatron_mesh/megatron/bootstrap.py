@@ -28,8 +28,12 @@ _CHECKED: set[int] = set()  # id() of the argument namespaces already checked (M
 # True in megatron_mesh's own entry script, whose batches carry document boundaries to the plugin
 # layers (--reset-attention-mask, --cp-thd-packing); other scripts' batches do not
 ENTRY_PACKS_DOCUMENTS = False
+# True under run_script: batch_layout takes the documents of --reset-attention-mask from the
+# script's batches (position ids or end-of-document tokens) for the layers
+BATCH_DOCUMENTS = False
 _PARENT_AT_START = os.getppid()  # before the launcher could have died: the reference for die_with_parent
-LAUNCHER_PID_ENV = "MEGATRON_MESH_LAUNCHER_PID"  # set by megatron_mesh.launch for the workers it starts
+LAUNCHER_PID_ENV = "MEGATRON_MESH_LAUNCHER_PID"
+FAIL_GRACE_S = 10.0  # how long the other ranks of a failed start-up wait for rank 0's message  # set by megatron_mesh.launch for the workers it starts
 
 
 def die_with_parent() -> None:
@@ -81,6 +85,12 @@ def fail(message: str) -> NoReturn:
     """Stop a (possibly distributed) start-up: rank 0 prints ``message`` once, every rank exits 2."""
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"megatron_mesh: error: {message}", file=sys.stderr, flush=True)
+    elif "TORCHELASTIC_RUN_ID" in os.environ:
+        # torchrun stops every rank when the first one exits: give rank 0 the time to print (its
+        # exit ends this wait too)
+        import time
+
+        time.sleep(FAIL_GRACE_S)
     raise SystemExit(2)
 
 
@@ -92,7 +102,7 @@ def check_args(args) -> None:
     from .checks import validate_args
 
     try:
-        validate_args(args, entry_packs_documents=ENTRY_PACKS_DOCUMENTS)
+        validate_args(args, entry_packs_documents=ENTRY_PACKS_DOCUMENTS, batch_documents=BATCH_DOCUMENTS)
     except ValueError as e:
         fail(str(e))
     _CHECKED.add(id(args))

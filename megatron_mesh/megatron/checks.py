@@ -18,7 +18,7 @@ from typing import Optional
 from ..plan.modes import HYBRID_PREFIX, get_mode
 from . import TE_MODES, cp_modes, plugin_modes
 from .placement import layer_shape, resolve_placement
-from .settings import PluginSettings, flags, layer_modes, plugin_modes_of
+from .settings import BATCH_DOCUMENTS, PluginSettings, cp_layout, flags, layer_modes, plugin_modes_of
 
 __all__ = ["validate_args", "check_modes", "have_transformer_engine", "uses_plugin_spec", "documents_of"]
 
@@ -66,11 +66,14 @@ def _given(args, name: str) -> bool:
     return value is not None and value is not False
 
 
-def validate_args(args, have_te: bool | None = None, *, entry_packs_documents: bool = False) -> None:
+def validate_args(args, have_te: bool | None = None, *, entry_packs_documents: bool = False,
+                  batch_documents: bool = False) -> None:
     """Check the plugin flags and the Megatron flags they depend on, as parsed by Megatron (before
     its own validation); ValueError names the value and what is allowed. ``have_te``: None detects
     Transformer Engine; ``entry_packs_documents``: the entry script hands the layers document
-    boundaries (megatron_mesh's own does). Works on arguments without the plugin's flags too."""
+    boundaries (megatron_mesh's own does); ``batch_documents``: :mod:`.batch_layout` takes them from
+    the script's batches (``run_script``: Megatron-LM's own scripts). Works on arguments without the
+    plugin's flags too."""
     te_reason = ""
     if have_te is None:
         have_te, te_reason = have_transformer_engine()
@@ -84,7 +87,7 @@ def validate_args(args, have_te: bool | None = None, *, entry_packs_documents: b
     _check_applicable(args, cp, modes, active)
     _check_choices(args)
     _check_window(args, cp, active)
-    documents = documents_of(args, entry_packs_documents)
+    documents = documents_of(args, entry_packs_documents, batch_documents)
     if cp == 1 and documents and args.attention_dropout:
         raise ValueError(f"--attention-dropout {args.attention_dropout}: packed documents run the plugin's attention "
                          "also at CP 1 (Megatron's own has no document mask without a dense [s, s] mask), which "
@@ -93,7 +96,7 @@ def validate_args(args, have_te: bool | None = None, *, entry_packs_documents: b
     for mode in sorted(plugin_modes_of(active)):
         _check_placement(args, cp, mode)
     if active & set(plugin_modes()):
-        _check_plugin_layers(args, cp, active, entry_packs_documents)
+        _check_plugin_layers(args, cp, active, entry_packs_documents or batch_documents)
     _check_thd_flags(args, cp, entry_packs_documents)
     te_layers = sorted(active & set(TE_MODES))
     if documents == "eod" and te_layers:
@@ -101,6 +104,7 @@ def validate_args(args, have_te: bool | None = None, *, entry_packs_documents: b
                          "megatron_mesh's entry script hands the layers end-of-document boundaries per sample, which "
                          "only the plugin modes read; run plugin modes on every layer, or pack the documents for "
                          "Transformer Engine with --cp-thd-packing")
+    _check_layout(args, cp, documents)
     _warn_per_rank_loss(args, cp)
 
 
@@ -242,16 +246,61 @@ def _check_hierarchy(args, cp: int, active: set) -> None:
         raise ValueError(f"--hierarchical-context-parallel-sizes {U} {M}: U * M must equal --context-parallel-size {cp}")
 
 
-def documents_of(args, entry_packs_documents: bool) -> Optional[str]:
-    """How the batches carry documents to the plugin layers: "thd" (--cp-thd-packing), "eod"
-    (--reset-attention-mask under an entry script that passes the boundaries), or None. Another
-    script's --reset-attention-mask is a dense mask: Megatron's own attention reads it at CP 1,
-    and the plugin modes refuse it at CP > 1 (see _check_plugin_layers)."""
+def documents_of(args, entry_packs_documents: bool, batch_documents: bool = False) -> Optional[str]:
+    """Where the plugin layers' documents come from: "thd" (--cp-thd-packing), "eod" (the
+    end-of-document tokens of --reset-attention-mask, under an entry script that passes the
+    boundaries or through :mod:`.batch_layout`), "positions" (the position-id resets of
+    --reset-position-ids, through :mod:`.batch_layout`: exactly where --reset-attention-mask cuts),
+    or None. Another script's --reset-attention-mask is a dense mask: Megatron's own attention
+    reads it at CP 1, and the plugin modes refuse it at CP > 1 (see _check_plugin_layers)."""
     if getattr(args, "cp_thd_packing", False):
         return "thd"
-    if getattr(args, "reset_attention_mask", False) and entry_packs_documents:
+    if not getattr(args, "reset_attention_mask", False):
+        return None
+    if entry_packs_documents:
         return "eod"
+    if batch_documents:
+        return "positions" if getattr(args, "reset_position_ids", False) else "eod"
     return None
+
+
+def _check_layout(args, cp: int, documents: Optional[str]) -> None:
+    """--cp-layout applies where a layout is chosen per sample: documents from the batch
+    (--reset-attention-mask) reaching plugin layers at CP > 1. The balanced layout (the default)
+    needs --calculate-per-token-loss, and what else follows Megatron's zigzag refuses it: RoPE
+    other than 'rope' (YaRN, mRoPE, MLA's own), multi-token prediction (its roll assumes the
+    zigzag), and fused RoPE over micro-batches of several samples (Transformer Engine's kernel
+    takes one [s, 1, 1, d] table; each sample has its own layout)."""
+    given = getattr(args, "cp_layout", None)
+    applies = cp > 1 and documents in BATCH_DOCUMENTS
+    if given is not None and not applies:
+        why = (f"--context-parallel-size {cp}" if cp == 1 else
+               "--cp-thd-packing (Transformer Engine's THD layout)" if documents == "thd" else
+               "no --reset-attention-mask")
+        raise ValueError(f"--cp-layout {given} applies to packed documents (--reset-attention-mask) at CP > 1, not "
+                         f"here ({why}); leave the flag out")
+    if not applies or cp_layout(args) != "balanced":
+        return
+    which = "--cp-layout balanced" + ("" if given else " (the default with packed documents at CP > 1)")
+    zigzag = "or pass --cp-layout zigzag (Megatron's global zigzag)"
+    if not getattr(args, "calculate_per_token_loss", False):
+        raise ValueError(f"{which} needs --calculate-per-token-loss: the ranks hold different documents, so each "
+                         "would divide its loss by its own token count; add --calculate-per-token-loss (the loss "
+                         f"then is CP 1's, whatever the layout), {zigzag}")
+    position = getattr(args, "position_embedding_type", "learned_absolute")
+    if position not in ("rope", "learned_absolute", "none"):
+        raise ValueError(f"{which} with --position-embedding-type {position}: supported are rope, learned_absolute "
+                         f"and none (their positions follow the layout); {zigzag}")
+    for flag, name in (("--multi-latent-attention", "multi_latent_attention"), ("--mtp-num-layers", "mtp_num_layers")):
+        value = getattr(args, name, None)
+        if value:
+            raise ValueError(f"{which} with {flag}{'' if value is True else f' {value}'}: it assumes Megatron's "
+                             f"zigzag layout (MLA's own RoPE slicing, multi-token prediction's roll); {zigzag}")
+    micro = getattr(args, "micro_batch_size", None) or 1
+    if position == "rope" and getattr(args, "apply_rope_fusion", False) and micro > 1:
+        raise ValueError(f"{which} with fused RoPE and --micro-batch-size {micro}: each sample has its "
+                         "own layout, so its own rotary positions, and Transformer Engine's fused RoPE takes one "
+                         f"[s, 1, 1, d] table per batch; pass --no-rope-fusion or --micro-batch-size 1, {zigzag}")
 
 
 def _check_thd_flags(args, cp: int, entry_packs_documents: bool) -> None:
@@ -272,8 +321,9 @@ def _check_thd_flags(args, cp: int, entry_packs_documents: bool) -> None:
                              f"{args.micro_batch_size}")
 
 
-def _check_plugin_layers(args, cp: int, active: set, entry_packs_documents: bool) -> None:
-    """What layers running a plugin mode at CP > 1 need from the rest of the command line."""
+def _check_plugin_layers(args, cp: int, active: set, passes_documents: bool) -> None:
+    """What layers running a plugin mode at CP > 1 need from the rest of the command line
+    (``passes_documents``: the entry hands them document boundaries)."""
     plugin = ", ".join(m for m in plugin_modes() if m in active)
     if not args.spec or args.spec[0] == "local":
         raise ValueError(f"--cp-comm-type {plugin} needs the plugin's layer spec: add --spec megatron_mesh.megatron.spec "
@@ -300,7 +350,8 @@ def _check_plugin_layers(args, cp: int, active: set, entry_packs_documents: bool
         raise ValueError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} with packed documents "
                          "(--reset-attention-mask / --cp-thd-packing): the document boundaries reach only the first and "
                          "last pipeline stages' batches; use pipeline parallelism 1")
-    if getattr(args, "reset_attention_mask", False) and not entry_packs_documents:
+    if getattr(args, "reset_attention_mask", False) and not passes_documents:
         raise ValueError("--reset-attention-mask: this entry script passes the documents as a dense [s, s] attention mask, "
                          "which the plugin modes do not read; use megatron_mesh's entry script (scripts/pretrain_gpt.sh), "
-                         "which hands them the document boundaries")
+                         "or run this script through scripts/run_megatron_script.sh: both hand the layers the document "
+                         "boundaries")

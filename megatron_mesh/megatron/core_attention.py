@@ -28,7 +28,10 @@ returning [sq, b, heads * head_dim]. With packed sequences (``packed_seq_params.
 Masks reach the plan as data: the layer's window (``--window-size``, per layer with
 ``--window-attn-skip-freq``), the documents of ``packed_seq_params`` (THD: Transformer Engine's
 layout, ``cu_seqlens_q`` / ``_padded``; ``sbhd`` with ``cu_seqlens_q`` [batch, k]: the global
-boundaries per sample, which megatron_mesh's entry script derives from end-of-document tokens).
+boundaries per sample, which megatron_mesh's entry script derives from end-of-document tokens --
+or, when the model call carries none, those :mod:`.batch_layout` took from the current batch).
+With such documents each sample runs on its CP layout (:func:`.batch_layout.sample_layout`: the
+balanced layout of ``--cp-layout balanced``, or Megatron's zigzag), the one its batch was split by.
 
 Example (CP 4, 2 layers): ``--cp-comm-type mesh tasp`` gives layer 1 Mesh-Attention (tile from
 ``--mesh-tile-shape``) and layer 2 TASP, both inside the same model.
@@ -47,9 +50,9 @@ from megatron.core.transformer.utils import is_layer_window_attention
 from torch import Tensor
 
 from ..plan.modes import DEFAULT_MODE
-from . import TE_MODES, plugin_modes, telemetry
+from . import TE_MODES, batch_layout, plugin_modes, telemetry
 from .checks import have_transformer_engine
-from .settings import megatron_window, plugin_settings
+from .settings import BATCH_DOCUMENTS, cp_layout, megatron_window, plugin_settings
 from .placement import resolve_placement
 
 __all__ = ["CPCoreAttention", "PluginCoreAttention"]
@@ -156,6 +159,8 @@ class PluginCoreAttention(MegatronModule):
             raise ValueError(f"{where}: PluginCoreAttention runs {', '.join(plugin_modes())}, not {cp_comm_type!r}")
         self.window = _layer_window(config, layer_number)
         self.documents = getattr(config, "cp_documents", None)
+        # the CP layout of each sample's tokens, where documents come from the batch (batch_layout)
+        self.layout = cp_layout(config) if self.documents in BATCH_DOCUMENTS and self.cp_size > 1 else None
         from . import groups
 
         self.placement = resolve_placement(self.mode, config, groups.cp_ranks(self.cp_group))
@@ -164,7 +169,8 @@ class PluginCoreAttention(MegatronModule):
         tile = f"{p.tile[0]}x{p.tile[1]}" if p.tile else None
         telemetry.register_layer(layer_number, self.describe(),
                                  dict(mode=self.mode, cp=self.cp_size, tile=tile, ulysses=p.ulysses,
-                                      window=list(self.window) if self.window else None, documents=self.documents),
+                                      window=list(self.window) if self.window else None, documents=self.documents,
+                                      layout=self.layout),
                                  logs=_logs_for_its_stage(self.cp_group))
 
     def describe(self) -> str:
@@ -179,6 +185,8 @@ class PluginCoreAttention(MegatronModule):
                           f"{self.window[1] if self.window[1] is not None else '-'}")
         if self.documents:
             extras.append(f"documents {self.documents}")
+        if self.layout:
+            extras.append(f"layout {self.layout}")
         return f"{what}, {', '.join(extras)})"
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
@@ -204,9 +212,6 @@ class PluginCoreAttention(MegatronModule):
 
     def _with_documents(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, packed, where: str) -> Tensor:
         fmt = getattr(packed, "qkv_format", None) if packed is not None else None
-        if self.documents is not None and packed is None:
-            raise ValueError(f"{where}: the batches were to carry document boundaries ({self.documents}) but "
-                             "packed_seq_params is None: the model was called without them")
         if fmt == "thd":
             from ..plan import ThdLayout
 
@@ -220,21 +225,56 @@ class PluginCoreAttention(MegatronModule):
         if fmt not in (None, "sbhd"):
             raise ValueError(f"{where}: packed_seq_params qkv_format {fmt!r} is not supported by the plugin modes "
                              "(allowed: 'thd', or 'sbhd' with per-sample document boundaries)")
-        cu = getattr(packed, "cu_seqlens_q", None) if packed is not None else None
-        if cu is None:
+        rows = self._document_rows(packed, where)
+        if rows is None:
             return self._attention(q, k, v, causal)
-        # per-sample boundaries [b, k] over the global sequence (padded with its length); samples
-        # with the same documents share one call
-        rows = [tuple(sorted(set(r.tolist()))) for r in (cu if cu.dim() == 2 else cu.unsqueeze(0))]
         if len(rows) == 1:
             rows = rows * q.shape[1]
         if len(rows) != q.shape[1]:
             raise ValueError(f"{where}: {len(rows)} rows of document boundaries for a batch of {q.shape[1]}")
+        # each sample's layout, by the decision the batch split made (the same cached object);
+        # samples with the same documents share one call
+        layouts = [batch_layout.sample_layout(r, self.config) for r in rows]
+        self._check_batch_split(rows, layouts, where)
         if len(set(rows)) == 1:
-            return self._attention(q, k, v, causal, cu_seqlens=list(rows[0]))
-        outs = [self._attention(q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], causal, cu_seqlens=list(r))
+            return self._sample_attention(q, k, v, causal, rows[0], layouts[0])
+        outs = [self._sample_attention(q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], causal, r, layouts[i])
                 for i, r in enumerate(rows)]
         return torch.cat(outs, dim=1)
+
+    def _document_rows(self, packed, where: str):
+        """Per-sample boundaries over the global sequence: ``packed_seq_params.cu_seqlens_q``
+        [b, k] (padded with S), or -- for a script whose model call carries none (Megatron-LM's
+        own, through run_script) -- those :mod:`.batch_layout` took from the current batch.
+        None: no documents."""
+        cu = getattr(packed, "cu_seqlens_q", None) if packed is not None else None
+        if cu is not None:
+            return [tuple(sorted(set(r.tolist()))) for r in (cu if cu.dim() == 2 else cu.unsqueeze(0))]
+        if self.documents is None:
+            return None
+        batch = batch_layout.current()
+        if batch is None:
+            raise ValueError(f"{where}: the batches were to carry document boundaries ({self.documents}) but "
+                             "packed_seq_params is None and no batch layout is set: the model was called without them")
+        return list(batch.rows)
+
+    def _check_batch_split(self, rows, layouts, where: str) -> None:
+        """The batch was split by the layouts the layer uses: both come from
+        :func:`.batch_layout.sample_layout`, so only different settings could part them."""
+        batch = batch_layout.current()
+        if batch is None or list(batch.rows) != list(rows) or batch.layouts == tuple(layouts):
+            return
+        i = next(i for i, (a, b) in enumerate(zip(batch.layouts, layouts)) if a != b)
+        text = [x.text()[:120] if x is not None else "Megatron's zigzag" for x in (batch.layouts[i], layouts[i])]
+        raise RuntimeError(f"{where}: sample {i} was split by the layout {text[0]!r}, the layer's is {text[1]!r}: the "
+                           "batch split and the layer read different settings")
+
+    def _sample_attention(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, row, layout) -> Tensor:
+        """One sample's (or several with the same documents) attention: on its balanced layout,
+        whose documents are the layout's, or on Megatron's zigzag with the boundaries."""
+        if layout is not None:
+            return self._attention(q, k, v, causal, layout=layout)
+        return self._attention(q, k, v, causal, cu_seqlens=list(row))
 
     def _attention(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, cu_seqlens=None, layout=None) -> Tensor:
         from ..runtime.api import attention

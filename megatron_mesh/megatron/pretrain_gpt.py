@@ -60,13 +60,17 @@ _BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids"
 
 def get_batch(data_iterator, vp_stage=None):
     """This rank's micro-batch: TP rank 0 reads it, broadcasts it over the TP group, and every
-    rank keeps its CP share -- the zigzag chunk (chunks r and 2*CP-1-r of each sequence), or with
-    --cp-thd-packing its tokens of Transformer Engine's THD layout. With --reset-attention-mask
-    or --cp-thd-packing the document boundaries travel as ``packed_seq_params`` (the last item)."""
+    rank keeps its CP share -- the zigzag chunk (chunks r and 2*CP-1-r of each sequence); with
+    --reset-attention-mask each sample's tokens of its own CP layout (:mod:`.batch_layout`:
+    ``--cp-layout balanced``, the default, or the zigzag); with --cp-thd-packing its tokens of
+    Transformer Engine's THD layout. With documents their boundaries travel as
+    ``packed_seq_params`` (the last item)."""
     from megatron.core import parallel_state as mpu
     from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
     from megatron.training import get_args
     from megatron.training.utils import is_first_or_last_pipeline_stage
+
+    from . import batch_layout
 
     if not is_first_or_last_pipeline_stage(vp_stage):
         return (None,) * (len(_BATCH_KEYS) + 1)
@@ -91,9 +95,11 @@ def get_batch(data_iterator, vp_stage=None):
     if args.cp_thd_packing:  # every TP rank packs the same broadcast tokens: nothing more to send
         batch, packed = pack_thd(batch, _eod(), args.cp_thd_pad_multiple or 2 * args.context_parallel_size,
                                  cp_group.size(), cp_group.rank())
+    elif args.reset_attention_mask:  # each sample by its own layout (tokens, labels, loss mask, positions)
+        split = batch_layout.split_batch(batch, "eod", args, cp_group, _eod())
+        packed = split.packed_seq_params(batch["tokens"].device)
+        batch = split.shard(batch, cp_group)
     else:
-        if args.reset_attention_mask:
-            packed = document_params(batch["tokens"], _eod())
         batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
     return tuple(batch.get(k) for k in _BATCH_KEYS) + (packed,)
 
@@ -104,24 +110,13 @@ def _eod() -> int:
     return get_tokenizer().eod
 
 
-def document_starts(tokens_row: torch.Tensor, eod: int) -> list[int]:
-    """Where documents start in one sample: 0 and after every end-of-document token (but the
-    last position), as Megatron's --reset-attention-mask cuts them."""
-    ends = (tokens_row == eod).nonzero().flatten().tolist()
-    return [0] + [i + 1 for i in ends if i + 1 < tokens_row.numel()]
-
-
 def document_params(tokens: torch.Tensor, eod: int):
     """PackedSeqParams (qkv_format 'sbhd') whose cu_seqlens_q is [batch, k]: each sample's
     document boundaries over the global sequence (rows padded with the sequence length) -- what
     the plugin layers need instead of a dense [s, s] mask."""
-    from megatron.core.packed_seq_params import PackedSeqParams
+    from .batch_layout import boundary_params, document_rows
 
-    S = tokens.shape[1]
-    rows = [document_starts(row, eod) + [S] for row in tokens]
-    width = max(len(r) for r in rows)
-    cu = torch.tensor([r + [S] * (width - len(r)) for r in rows], dtype=torch.int32, device=tokens.device)
-    return PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=S, max_seqlen_kv=S)
+    return boundary_params(document_rows({"tokens": tokens}, "eod", eod), tokens.device)
 
 
 def pack_thd(batch: dict, eod: int, multiple: int, cp_size: int, cp_rank: int):
@@ -135,12 +130,13 @@ def pack_thd(batch: dict, eod: int, multiple: int, cp_size: int, cp_rank: int):
 
     from ..plan import ThdLayout
     from ..runtime.api import thd_shard
+    from .batch_layout import eod_starts
 
     tokens = batch["tokens"]
     if tokens.shape[0] != 1:
         raise ValueError(f"--cp-thd-packing packs one sample per micro-batch, got a batch of {tokens.shape[0]}")
     S = tokens.shape[1]
-    starts = document_starts(tokens[0], eod) + [S]
+    starts = eod_starts(tokens[0], eod) + [S]
     out = {k: torch.zeros_like(batch[k]) for k in ("tokens", "labels", "loss_mask", "position_ids") if k in batch}
     cu_real, cu_pad, pos = [0], [0], 0
     for a, b in zip(starts, starts[1:]):

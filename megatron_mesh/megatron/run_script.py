@@ -13,7 +13,11 @@ Megatron-LM checkout's ``megatron/`` is the one imported):
 * :func:`.bootstrap.prepare_runtime`: the ``typing.override`` polyfill, the prebuilt dataset
   helpers and -- only without CUDA -- the CPU workarounds of :mod:`.cpu_compat`;
 * :func:`.bootstrap.install_argument_hook`: Megatron's parser accepts the plugin's flags, and the
-  plugin's checks run before Megatron's own validation (one error on rank 0, exit status 2).
+  plugin's checks run before Megatron's own validation (one error on rank 0, exit status 2);
+* :func:`.batch_layout.install`: with ``--reset-attention-mask`` the script's
+  ``get_batch_on_this_cp_rank`` takes each sample's documents from its position ids (or
+  end-of-document tokens) and splits the batch by its CP layout (``--cp-layout``), so the plugin
+  layers get the document boundaries instead of a dense [s, s] mask (GPUs too).
 
 Processes the script spawns (the checkpoint writer's ``multiprocessing`` manager re-imports the
 script, without this module) get the same through ``_site/sitecustomize.py``, which this module
@@ -46,6 +50,10 @@ def main(argv=None) -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (SITE_DIR, os.environ.get("PYTHONPATH")) if p)
     bootstrap.prepare_runtime()
     bootstrap.install_argument_hook()
+    from . import batch_layout
+
+    batch_layout.install()  # before the script imports get_batch_on_this_cp_rank
+    bootstrap.BATCH_DOCUMENTS = True
     sys.argv = [script, *argv[1:]]
     runpy.run_path(script, run_name="__main__")
 

@@ -25,8 +25,14 @@ from ..plan.modes import MODES, get_mode, option_specs
 from . import TE_MODES, plugin_modes
 
 __all__ = ["Flag", "flags", "flag_dest", "PluginSettings", "plugin_settings", "MeshTransformerConfig", "layer_modes",
-           "plugin_modes_of", "megatron_window", "ALL_PLUGIN_MODES", "NODE_AWARE"]
+           "plugin_modes_of", "megatron_window", "ALL_PLUGIN_MODES", "NODE_AWARE", "CP_LAYOUTS",
+           "BATCH_DOCUMENTS", "cp_layout"]
 
+# --cp-layout's values, the default first (why: docs/megatron.md, "Packed documents: the CP layout")
+CP_LAYOUTS = ("balanced", "zigzag")
+# config.cp_documents values whose documents come from each sample of the batch (end-of-document
+# tokens, position-id resets) and so get a CP layout per sample; "thd" is a layout of its own
+BATCH_DOCUMENTS = ("eod", "positions")
 # applies_to markers of the general flags (resolved against the registry when asked)
 ALL_PLUGIN_MODES = "every plugin mode"
 NODE_AWARE = "every plugin mode that uses the node layout"
@@ -78,6 +84,12 @@ GENERAL = (
     Flag("--cp-metrics-dir", None,
          help="write per-rank JSON lines (rank<R>.jsonl) to this directory: the mode and tile of every layer, then "
               "loss, time, attention bytes and peak memory per iteration"),
+    Flag("--cp-layout", CP_LAYOUTS[0], choices=CP_LAYOUTS,
+         help="which CP rank holds which tokens of a sample of packed documents (--reset-attention-mask; megatron_mesh's "
+              "entry script, or any script through scripts/run_megatron_script.sh) at CP > 1: 'balanced' -- each "
+              "sample's own work-balanced, document-aware layout (short documents whole on one rank, long ones in "
+              "zigzag pieces over a few ranks; needs --calculate-per-token-loss) -- or 'zigzag', Megatron's global "
+              "zigzag"),
     Flag("--cp-thd-packing", False, store_true=True,
          help="megatron_mesh's entry script: pack each sample's end-of-document-delimited documents into Transformer "
               "Engine's THD layout (packed_seq_params, qkv_format thd), every document padded to a multiple of "
@@ -162,9 +174,11 @@ def _config_fields() -> list:
                 field(default=None, metadata={"help": "global sequence length (from --seq-length), for the time "
                                                       "model behind the 'auto' choices"})))
     out.append(("cp_documents", Optional[str],
-                field(default=None, metadata={"help": "where batches carry document boundaries: 'eod' (our entry "
-                                                      "script's --reset-attention-mask), 'thd' (packed sequences) "
-                                                      "or None (whole sequences)"})))
+                field(default=None, metadata={"help": "where the layers' document boundaries come from: 'eod' "
+                                                      "(end-of-document tokens, --reset-attention-mask), 'positions' "
+                                                      "(position-id resets, --reset-position-ids too, through "
+                                                      "run_megatron_script.sh), 'thd' (packed sequences) or None "
+                                                      "(whole sequences)"})))
     return out
 
 
@@ -190,6 +204,12 @@ def plugin_modes_of(modes) -> set:
 
 def te_modes_of(modes) -> set:
     return {m for m in modes if m in TE_MODES}
+
+
+def cp_layout(config) -> str:
+    """``--cp-layout`` of ``config`` (Megatron's parsed arguments or a transformer config carrying
+    the plugin settings); its default when not given."""
+    return getattr(config, "cp_layout", None) or CP_LAYOUTS[0]
 
 
 def megatron_window(window_size) -> tuple | None:

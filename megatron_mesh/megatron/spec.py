@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from . import ensure_typing_override
+from . import batch_layout, ensure_typing_override
 from .args import apply_args
 from .checks import have_transformer_engine
 from .core_attention import CPCoreAttention
@@ -45,8 +45,10 @@ def _transformer_config(model_config):
     args = bootstrap.megatron_args()
     if args is not None:
         bootstrap.check_args(args)  # no-op when the entry script's argument hook already checked them
-        apply_args(args, t, entry_packs_documents=bootstrap.ENTRY_PACKS_DOCUMENTS)
+        apply_args(args, t, entry_packs_documents=bootstrap.ENTRY_PACKS_DOCUMENTS,
+                   batch_documents=bootstrap.BATCH_DOCUMENTS)
         telemetry.install(args)
+    batch_layout.add_rope_hook(model_config, t)  # RoPE follows the balanced layout (Megatron's builder runs it)
     return t
 
 

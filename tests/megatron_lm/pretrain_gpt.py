@@ -8,8 +8,10 @@ root of the Megatron-LM repository). It keeps what the plugin has to cope with t
 * arguments parsed with no provider for the plugin's flags
   (``parse_and_validate_args(extra_args_provider=None)``);
 * a plain ``TransformerConfig`` from ``gpt_config_from_args(args)``, ``--spec`` naming the layer spec;
-* batches as Megatron-LM's: TP rank 0 reads and broadcasts, every CP rank keeps its zigzag chunk;
-  the loss summed per CP rank and divided by Megatron by the token count.
+* batches as Megatron-LM's: TP rank 0 reads and broadcasts, every CP rank keeps its zigzag chunk
+  (``get_batch_on_this_cp_rank``, imported by name at module level); the model called without
+  ``packed_seq_params``; the loss summed per CP rank and divided by Megatron by the token count;
+* data as Megatron-LM's: ``--mock-data`` or the indexed datasets of ``--data-path``.
 
 The tests run the real file instead when ``MEGATRON_LM_DIR`` names a Megatron-LM checkout.
 """
@@ -19,14 +21,14 @@ from functools import partial
 import torch
 from megatron.core import mpu
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.enums import ModelType
 from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
 from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
 from megatron.training import get_args, get_timers, pretrain, print_rank_0
 from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
 from megatron.training.arguments import core_transformer_config_from_args, parse_and_validate_args
-from megatron.training.utils import is_first_or_last_pipeline_stage
+from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
 KEYS = ("attention_mask", "labels", "loss_mask", "position_ids", "tokens")
 
@@ -74,14 +76,16 @@ def is_dataset_built_on_rank(vp_stage=None):
 
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
     args = get_args()
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
     config = GPTDatasetConfig(
-        random_seed=args.seed, sequence_length=args.seq_length, blend=None, blend_per_split=None,
+        random_seed=args.seed, sequence_length=args.seq_length, blend=blend, blend_per_split=blend_per_split,
         split=args.split, path_to_cache=args.data_cache_path, tokenizer=build_tokenizer(args),
         reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss, create_attention_mask=args.create_attention_mask_in_dataloader,
         mid_level_dataset_surplus=args.mid_level_dataset_surplus)
+    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
     print_rank_0("> building train, validation, and test datasets for GPT ...")
-    return BlendedMegatronDatasetBuilder(MockGPTDataset, train_val_test_num_samples,
+    return BlendedMegatronDatasetBuilder(dataset_type, train_val_test_num_samples,
                                         partial(is_dataset_built_on_rank, vp_stage=vp_stage), config).build()
 
 

@@ -1,0 +1,358 @@
+"""The CP layout of a micro-batch of packed documents in Megatron: which tokens each CP rank holds.
+
+Megatron's layout is the global zigzag (``get_batch_on_this_cp_rank``: chunks r and 2*CP-1-r of
+every sequence), and three places of Megatron assume it: the batch split, RoPE
+(``get_pos_emb_on_this_cp_rank`` slices the same chunks of the position embedding) and the layers.
+With packed documents (``--reset-attention-mask``) ``--cp-layout balanced`` (the default) replaces
+it with :func:`megatron_mesh.balanced_layout`: per sample, work balanced over the CP ranks and
+short documents kept whole on one rank. This module is everything that makes Megatron follow it:
+
+* :func:`sample_layout` -- THE decision: a sample's layout from its document boundaries and the
+  config (CP size, the Ulysses degree U as ``group``, the window when every layer has it). The
+  batch split and the core attention both call it, so they cannot disagree (the core attention
+  also checks that its layouts are the batch's);
+* :class:`BatchLayout` -- one micro-batch: per sample its boundaries and layout; it splits the
+  batch (every tensor with a sequence dimension, each sample by its own layout: S/P tokens per
+  rank per sample), gives the layers their boundaries (``packed_seq_params`` sbhd, ``cu_seqlens``
+  [b, k]) and RoPE its positions. The batch being fed to the model is the *current* one
+  (:func:`set_current` / :func:`current`), for RoPE and for the layers of scripts whose model call
+  carries no ``packed_seq_params``;
+* :func:`follow_layout` -- RoPE: a forward hook on the model's ``RotaryEmbedding`` replaces its
+  zigzag slice with the full embedding gathered at each local token's global position, [s_local,
+  b, 1, d] (one row per sample; [s_local, 1, 1, d] when the samples share their layout). The spec
+  function installs it through ``GPTModelConfig.pre_wrap_hooks``; Python users call it on their
+  model;
+* :func:`install` -- Megatron-LM's own ``pretrain_gpt.py`` (run by ``run_script``): its
+  ``get_batch`` calls ``megatron.core.utils.get_batch_on_this_cp_rank``, which this replaces by a
+  function that takes each sample's documents from the batch -- where its position ids restart
+  (``--reset-position-ids``), else after its end-of-document tokens -- and splits it by the layout
+  (the zigzag for ``--cp-layout zigzag``), so no dense [s, s] mask is needed.
+
+Example (CP 2, one sample of 16 tokens, documents [0, 8), [8, 12), [12, 16)): the zigzag gives
+rank 1 positions 4-11 (work 36 of 56); :func:`sample_layout` gives rank 0 [0, 1, 6, 7, 8-11] and
+rank 1 [2-5, 12-15] (work 28 each), and RoPE on rank 1 uses the embedding rows 2, 3, 4, 5, 12, ...
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..plan.balance import BalancedLayout, balanced_layout
+from ..plan.layout import positions
+from .placement import ranks_per_node
+from .settings import BATCH_DOCUMENTS, cp_layout, megatron_window, plugin_settings
+
+__all__ = ["sample_layout", "uses_balanced_layout", "eod_starts", "position_starts", "document_rows",
+           "boundary_params", "BatchLayout", "split_batch", "set_current", "current",
+           "follow_layout", "add_rope_hook", "install"]
+
+# batch entries that carry no sequence dimension (Megatron's get_batch_on_this_cp_rank skips them too)
+_METADATA_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "local_cp_size", "hybrid_cp_group")
+
+
+# -- the decision ---------------------------------------------------------------------------------------
+def uses_balanced_layout(config) -> bool:
+    """Whether batches under ``config`` (a transformer config carrying the plugin settings) are
+    split by the balanced layout: documents from the batch at CP > 1 under ``--cp-layout
+    balanced``."""
+    return (getattr(config, "cp_documents", None) in BATCH_DOCUMENTS and config.context_parallel_size > 1
+            and cp_layout(config) == "balanced")
+
+
+def _uniform_window(config):
+    """The plugin window (left, right) when every layer has it, else None (the layout then
+    balances the unwindowed work: the layers without a window dominate it)."""
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    size = getattr(config, "window_size", None)
+    if not size:
+        return None
+    skip = getattr(config, "window_attn_skip_freq", None)
+    if all(is_layer_window_attention(size, skip, n) for n in range(1, config.num_layers + 1)):
+        return megatron_window(size)
+    return None
+
+
+def sample_layout(cu_seqlens, config) -> Optional[BalancedLayout]:
+    """The CP layout of one sample with document boundaries ``cu_seqlens`` (0 = c0 < ... < cn = S)
+    under ``config`` -- Megatron's parsed arguments or the transformer config, which carry the same
+    fields: None for Megatron's zigzag (``--cp-layout zigzag``, or CP 1), else the balanced layout
+    over ``context_parallel_size`` ranks, balanced per Ulysses group of U ranks (U from
+    ``--hierarchical-context-parallel-sizes U M``), nodes first when the CP group spans nodes, for
+    causal attention with the window when every layer has one. Cached: the batch split and every layer get the same object.
+
+    Example: ``sample_layout([0, 8, 12, 16], args)`` at CP 2 -> rank 0 holds [0, 2) + [6, 12),
+    rank 1 [2, 6) + [12, 16)."""
+    cp = config.context_parallel_size
+    if cp == 1 or cp_layout(config) == "zigzag":
+        return None
+    hcp = getattr(config, "hierarchical_context_parallel_sizes", None)
+    group = int(hcp[0]) if hcp else 1
+    window = _uniform_window(config)
+    return _balanced(tuple(int(c) for c in cu_seqlens), cp, group, None if window is None else tuple(window),
+                     _nodes(config, group))
+
+
+def _nodes(config, group: int) -> Optional[int]:
+    """CP ranks per node when the CP group spans nodes (the layout balances nodes first, keeping
+    documents on a node's links), from the CP group's global ranks and the GPUs per node
+    (``--tasp-gpus-per-node`` or torchrun's LOCAL_WORLD_SIZE); None: one node, no process groups
+    yet, or nodes that do not hold whole Ulysses groups (the group level then decides alone)."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    cp_ranks = tuple(parallel_state.get_context_parallel_global_ranks())
+    n = ranks_per_node(cp_ranks, plugin_settings(config).gpus_per_node)
+    return n if n is not None and n % group == 0 else None
+
+
+@functools.lru_cache(maxsize=512)
+def _balanced(cu: tuple, cp: int, group: int, window, nodes: Optional[int]) -> BalancedLayout:
+    return balanced_layout(cu, cp, causal=True, window=window, group=group, ranks_per_node=nodes)
+
+
+# -- documents from a batch -----------------------------------------------------------------------------
+def eod_starts(tokens_row: Tensor, eod: int) -> list[int]:
+    """Where documents start in one sample: 0 and after every end-of-document token (but the last
+    position), as Megatron's ``--reset-attention-mask`` cuts them."""
+    ends = (tokens_row == eod).nonzero().flatten().tolist()
+    return [0] + [i + 1 for i in ends if i + 1 < tokens_row.numel()]
+
+
+def position_starts(position_row: Tensor) -> list[int]:
+    """Where documents start in one sample by its position ids: 0 and wherever a position is not
+    its predecessor's + 1 (``--reset-position-ids`` restarts them at 0 after every end-of-document
+    token, where ``--reset-attention-mask`` cuts the documents). E.g. [0, 1, 2, 0, 1, 0] -> [0, 3, 5]."""
+    jumps = (position_row[1:] != position_row[:-1] + 1).nonzero().flatten()
+    return [0] + (jumps + 1).tolist()
+
+
+def document_rows(batch: dict, source: str, eod: Optional[int] = None) -> tuple[tuple[int, ...], ...]:
+    """Each sample's document boundaries (0, starts..., S) in the full (not yet split) ``batch``:
+    from its position ids (``source`` "positions") or its end-of-document tokens ("eod", token
+    ``eod``)."""
+    if source == "positions":
+        rows, starts = batch["position_ids"], position_starts
+    elif source == "eod":
+        rows, starts = batch["tokens"], functools.partial(eod_starts, eod=eod)
+    else:
+        raise ValueError(f"documents come from 'eod' tokens or 'positions', got {source!r}")
+    return tuple(tuple(starts(r)) + (rows.shape[1],) for r in rows)
+
+
+def boundary_params(rows, device=None):
+    """PackedSeqParams (qkv_format 'sbhd') whose cu_seqlens_q is [b, k]: each sample's
+    boundaries over the global sequence, rows padded with the sequence length -- what the plugin
+    layers read instead of a dense [s, s] mask."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    S = rows[0][-1]
+    width = max(len(r) for r in rows)
+    cu = torch.tensor([tuple(r) + (S,) * (width - len(r)) for r in rows], dtype=torch.int32, device=device)
+    return PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=S, max_seqlen_kv=S)
+
+
+# -- one micro-batch ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BatchLayout:
+    """One micro-batch: per sample its document boundaries over the global sequence (``rows``,
+    0 ... S) and its layout (None: Megatron's zigzag), and this CP rank."""
+
+    rows: tuple[tuple[int, ...], ...]
+    layouts: tuple[Optional[BalancedLayout], ...]
+    rank: int
+
+    @classmethod
+    def of(cls, rows, config, rank: int) -> "BatchLayout":
+        """Each sample's layout by :func:`sample_layout`."""
+        rows = tuple(tuple(int(c) for c in r) for r in rows)
+        return cls(rows, tuple(sample_layout(r, config) for r in rows), rank)
+
+    @property
+    def balanced(self) -> bool:
+        return self.layouts[0] is not None
+
+    @functools.cached_property
+    def index(self) -> Tensor:
+        """[b, s_local] global positions of this rank's tokens of each sample, in local order."""
+        return torch.tensor([positions(layout, self.rank) for layout in self.layouts], dtype=torch.long)
+
+    def rope_positions(self) -> Tensor:
+        """[s_local, b] (or [s_local, 1] when every sample has the same layout): the global
+        position of each local token, what RoPE rotates it by."""
+        same = all(layout is self.layouts[0] for layout in self.layouts)
+        return (self.index[:1] if same else self.index).t()
+
+    def shard(self, batch: dict, cp_group) -> dict:
+        """This rank's part of the full batch: every tensor with a sequence dimension (dim 1)
+        gathered at :attr:`index` (the balanced layout), or Megatron's zigzag split. The dense
+        ``attention_mask`` is dropped: the layers take the documents as boundaries."""
+        if not self.balanced:
+            return _megatron_zigzag()(batch, is_hybrid_cp=False, cp_group=cp_group)
+        out = {}
+        for key, value in batch.items():
+            if key == "attention_mask" or value is None or key in _METADATA_KEYS:
+                out[key] = None if key == "attention_mask" else value
+                continue
+            idx = self.index.to(value.device).view(*self.index.shape, *(1,) * (value.dim() - 2))
+            out[key] = value.gather(1, idx.expand(-1, -1, *value.shape[2:]))
+        return out
+
+    def packed_seq_params(self, device=None):
+        """The boundaries for the layers (:func:`boundary_params`)."""
+        return boundary_params(self.rows, device)
+
+
+def _megatron_zigzag():
+    """Megatron's own ``get_batch_on_this_cp_rank`` (the one :func:`install` replaced, if it did)."""
+    from megatron.core import utils
+
+    split = utils.get_batch_on_this_cp_rank
+    return split.__wrapped__ if getattr(split, "megatron_mesh", False) else split
+
+
+_CURRENT: Optional[BatchLayout] = None
+
+
+def set_current(batch: Optional[BatchLayout]) -> None:
+    """The micro-batch about to be fed to the model (``get_batch`` sets it; Megatron's schedules
+    run its forward -- and any recomputation -- before the next ``get_batch``)."""
+    global _CURRENT
+    _CURRENT = batch
+
+
+def current() -> Optional[BatchLayout]:
+    return _CURRENT
+
+
+# -- RoPE ---------------------------------------------------------------------------------------------------
+_FOLLOWING: "weakref.WeakSet" = weakref.WeakSet()  # the rotary embeddings that follow the layout
+
+
+def follow_layout(model) -> int:
+    """Make the rotary embeddings in ``model`` (a GPTModel, or a list of pipeline stages) follow
+    the current batch's layout: a forward hook replaces Megatron's zigzag slice of the embedding by
+    the full embedding at each local token's global position. Returns how many it hooked (0:
+    the model has no RoPE -- learned absolute positions follow the split position ids by
+    themselves). ValueError for YaRN (its own slicing; not supported with the balanced layout)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    hooked = 0
+    for stage in model if isinstance(model, (list, tuple)) else [model]:
+        for module in stage.modules():
+            if not isinstance(module, RotaryEmbedding):
+                continue
+            if type(module) is not RotaryEmbedding:
+                raise ValueError(f"{type(module).__name__}: --cp-layout balanced supports RoPE ('rope'), learned "
+                                 "absolute positions and none; pass --cp-layout zigzag")
+            if module not in _FOLLOWING:
+                module.register_forward_hook(_gather_rope, with_kwargs=True)
+                _FOLLOWING.add(module)
+            hooked += 1
+    return hooked
+
+
+def _gather_rope(module, args, kwargs, output):
+    """RotaryEmbedding.forward(max_seq_len, offset=0, packed_seq=False, cp_group=None) returned this
+    rank's zigzag chunks; return the embedding at the current batch's positions instead."""
+    batch = current()
+    if batch is None:
+        raise RuntimeError("megatron_mesh: the rotary embedding follows the batch's CP layout (--cp-layout balanced), "
+                           "but no batch layout is set for this forward: feed the model through megatron_mesh's "
+                           "get_batch (scripts/pretrain_gpt.sh, scripts/run_megatron_script.sh) or call "
+                           "megatron_mesh.megatron.batch_layout.set_current")
+    if not batch.balanced:
+        return output  # Megatron's zigzag slice is right
+    seq_len = args[0] if args else kwargs["max_seq_len"]
+    offset = args[1] if len(args) > 1 else kwargs.get("offset", 0)
+    if seq_len != batch.rows[0][-1]:
+        raise RuntimeError(f"megatron_mesh: RoPE for {seq_len} tokens, but the current batch layout covers "
+                           f"{batch.rows[0][-1]}")
+    full = module.forward(seq_len, offset, packed_seq=True)  # [S, 1, 1, d], not sliced (Megatron caches it)
+    pos = batch.rope_positions().to(full.device)
+    return full[:, 0, 0][pos].unsqueeze(2)  # [s_local, b or 1, 1, d]
+
+
+def add_rope_hook(model_config, config) -> None:
+    """Where the balanced layout applies (``config``, the transformer config), make the model
+    built from ``model_config`` (a GPTModelConfig) follow it: :func:`follow_layout` joins its
+    ``pre_wrap_hooks``, which Megatron's model builder runs on the built stages. A plain
+    TransformerConfig has no hooks: call :func:`follow_layout` on the model yourself."""
+    hooks = getattr(model_config, "pre_wrap_hooks", None)
+    if not uses_balanced_layout(config) or hooks is None or _pre_wrap in hooks:
+        return
+    hooks.append(_pre_wrap)
+
+
+def _pre_wrap(models):
+    follow_layout(models)
+    return models
+
+
+def check_rope_follows(args) -> None:
+    """A balanced batch for a RoPE model none of whose rotary embeddings follows the layout would
+    train with the zigzag's positions: stop instead."""
+    if getattr(args, "position_embedding_type", None) == "rope" and not _FOLLOWING:
+        raise RuntimeError("megatron_mesh: --cp-layout balanced, but the model's rotary embedding does not follow the "
+                           "layout (the spec function adds the hook to GPTModelConfig.pre_wrap_hooks; a model built "
+                           "another way needs megatron_mesh.megatron.batch_layout.follow_layout(model))")
+
+
+# -- get_batch: the plugin's entry script, and Megatron-LM's own scripts -------------------------------------
+def split_batch(batch: dict, source: str, args, cp_group, eod: Optional[int] = None) -> BatchLayout:
+    """The documents of the full micro-batch ``batch`` (from ``source``, see :func:`document_rows`)
+    and their layouts, made current; returns them (:meth:`BatchLayout.shard` splits the batch).
+    Stops a balanced batch for a RoPE model whose rotary embedding does not follow the layout."""
+    rank = cp_group.rank() if cp_group is not None else 0
+    layout = BatchLayout.of(document_rows(batch, source, eod), args, rank)
+    if layout.balanced:
+        check_rope_follows(args)
+    set_current(layout)
+    return layout
+
+
+def install() -> None:
+    """Replace ``megatron.core.utils.get_batch_on_this_cp_rank`` -- before the script imports it --
+    by :func:`get_batch_on_this_cp_rank`, which Megatron's own function serves wherever the batches
+    carry no documents for the plugin layers."""
+    from megatron.core import utils
+
+    megatrons = utils.get_batch_on_this_cp_rank
+    if getattr(megatrons, "megatron_mesh", False):
+        return
+
+    def substitute(batch, is_hybrid_cp=False, cp_group=None, *rest, **kwargs):
+        return get_batch_on_this_cp_rank(batch, is_hybrid_cp, cp_group, *rest, **kwargs)
+
+    functools.update_wrapper(substitute, megatrons)  # __wrapped__: Megatron's, for _megatron_zigzag
+    substitute.megatron_mesh = True
+    utils.get_batch_on_this_cp_rank = substitute
+
+
+def get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=None, *rest, **kwargs):
+    """Megatron's ``get_batch_on_this_cp_rank`` where documents reach the plugin layers from the
+    batch (``--reset-attention-mask`` through ``run_script``; see :func:`.checks.documents_of`):
+    this micro-batch's documents become current and it is split by its layout. Otherwise, or for
+    batches Megatron packs itself (``cu_seqlens``, refused at start-up), Megatron's own."""
+    from . import bootstrap
+    from .checks import documents_of
+
+    original = _megatron_zigzag()
+    args = bootstrap.megatron_args()
+    source = documents_of(args, False, batch_documents=bootstrap.BATCH_DOCUMENTS) if args is not None else None
+    if source not in BATCH_DOCUMENTS or is_hybrid_cp or batch.get("cu_seqlens") is not None \
+            or batch.get("tokens") is None:
+        return original(batch, is_hybrid_cp, cp_group, *rest, **kwargs)
+    eod = None
+    if source == "eod":
+        from megatron.training import get_tokenizer
+
+        eod = get_tokenizer().eod
+    return split_batch(batch, source, args, cp_group, eod).shard(batch, cp_group)

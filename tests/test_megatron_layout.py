@@ -1,0 +1,245 @@
+"""The balanced CP layout in Megatron (megatron_mesh/megatron/batch_layout.py), in one process:
+
+* the one decision (:func:`sample_layout`): zigzag / CP 1 -> Megatron's zigzag, the Ulysses degree
+  as the balancing group, the window only when every layer has it, one cached object per sample;
+* documents from a batch: position-id resets = end-of-document tokens, as Megatron's dataset makes
+  them (adjacent EODs, an EOD at the last position);
+* the batch split: S/P tokens per rank per sample, each sample by its own layout, every tensor
+  with a sequence dimension, the dense mask dropped;
+* RoPE: the hooked rotary embedding of every CP rank is the full embedding gathered at the
+  layout's positions -- per sample [s_local, b, 1, d], shared [s_local, 1, 1, d] -- and rotating
+  this rank's queries with it equals rotating the full sequence and splitting it;
+* Megatron-LM's scripts: ``install`` swaps ``get_batch_on_this_cp_rank`` for the layout's split
+  and makes the batch current for the layers;
+* the core attention refuses a batch split by layouts other than its own.
+
+The losses through ``pretrain()``: tests/test_megatron_pretrain_masks.py; the GPTModel against
+Megatron's attention with a dense mask: tests/test_megatron_masks.py.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="needs megatron-core (scripts/setup_env.sh installs it)")
+
+from megatron_mesh.megatron import batch_layout  # noqa: E402
+from megatron_mesh.plan.layout import positions  # noqa: E402
+
+pytestmark = pytest.mark.megatron
+
+S, P, EOD = 32, 4, 31
+
+
+def config(**kw):
+    base = dict(context_parallel_size=P, cp_layout="balanced", num_layers=2, window_size=None,
+                window_attn_skip_freq=None, hierarchical_context_parallel_sizes=None)
+    return SimpleNamespace(**{**base, **kw})
+
+
+class FakeGroup:
+    """What RotaryEmbedding and the batch split ask of a CP group."""
+
+    def __init__(self, size: int, rank: int):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+def _tokens():
+    """Two samples of S tokens with different documents (EOD = 31): one-token documents, adjacent
+    EODs, an EOD at the last position, a long document."""
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, EOD, (2, S), generator=g)
+    tokens[0, [3, 4, 5, 17, S - 1]] = EOD
+    tokens[1, [20]] = EOD
+    return tokens
+
+
+@pytest.fixture(autouse=True)
+def _no_current_batch():
+    yield
+    batch_layout.set_current(None)
+
+
+def test_sample_layout_is_the_one_decision():
+    cu = (0, 3, 19, 24, 32)
+    assert batch_layout.sample_layout(cu, config(cp_layout="zigzag")) is None
+    assert batch_layout.sample_layout(cu, config(context_parallel_size=1)) is None
+    layout = batch_layout.sample_layout(cu, config())
+    assert layout is batch_layout.sample_layout(list(cu), config(cp_layout=None))  # the default, one cached object
+    assert layout.documents() == ((0, 3), (3, 19), (19, 24), (24, 32))
+    assert {sum(n for _, n in r) for r in layout.rank_runs} == {S // P}
+    hybrid = batch_layout.sample_layout(cu, config(hierarchical_context_parallel_sizes=[2, 2]))
+    assert hybrid.group == 2 and layout.group == 1
+    # a window on every layer changes the work to balance (here, the layout); on some layers only, not
+    assert batch_layout.sample_layout(cu, config(window_size=(3, 0))) != layout
+    assert batch_layout.sample_layout(cu, config(window_size=(3, 0), window_attn_skip_freq=2)) is layout
+
+
+def test_sample_layout_balances_nodes_first_when_the_group_spans_nodes(monkeypatch):
+    """CP 4 over nodes of 2 GPUs (--tasp-gpus-per-node 2): the layout of balanced_layout(...,
+    ranks_per_node=2); one node, or nodes that do not hold whole Ulysses groups: no node level."""
+    from megatron.core import parallel_state
+
+    from megatron_mesh.plan.balance import balanced_layout
+
+    monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: True)
+    monkeypatch.setattr(parallel_state, "get_context_parallel_global_ranks", lambda: [0, 1, 2, 3])
+    cu = (0, 3, 19, 24, 32)
+    got = batch_layout.sample_layout(cu, config(tasp_gpus_per_node=2))
+    assert got == balanced_layout(cu, P, ranks_per_node=2)
+    assert batch_layout.sample_layout(cu, config(tasp_gpus_per_node=4)) == balanced_layout(cu, P)
+    hybrid = batch_layout.sample_layout(cu, config(tasp_gpus_per_node=1, hierarchical_context_parallel_sizes=[2, 2]))
+    assert hybrid == balanced_layout(cu, P, group=2)
+
+
+def test_documents_from_position_ids_equal_those_from_eod_tokens():
+    """Megatron's dataset resets position ids exactly where --reset-attention-mask cuts."""
+    from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+
+    tokens = _tokens()
+    positions_ = torch.stack([_get_ltor_masks_and_position_ids(row, EOD, True, True, False, False)[2]
+                              for row in tokens])
+    by_eod = batch_layout.document_rows({"tokens": tokens}, "eod", EOD)
+    assert by_eod == batch_layout.document_rows({"position_ids": positions_}, "positions")
+    assert by_eod == ((0, 4, 5, 6, 18, 32), (0, 21, 32))
+    assert batch_layout.position_starts(torch.tensor([0, 1, 2, 0, 1, 0])) == [0, 3, 5]
+    with pytest.raises(ValueError, match="documents come from 'eod' tokens or 'positions', got 'thd'"):
+        batch_layout.document_rows({"tokens": tokens}, "thd")
+
+
+def test_batch_split_gives_each_sample_its_own_layout():
+    tokens = _tokens()
+    rows = batch_layout.document_rows({"tokens": tokens}, "eod", EOD)
+    full = dict(tokens=tokens, labels=tokens + 100, loss_mask=torch.rand(2, S), position_ids=torch.arange(S).repeat(2, 1),
+                attention_mask=torch.ones(2, 1, S, S, dtype=torch.bool), extra=torch.randn(2, S, 3), max_seqlen=None)
+    seen = torch.zeros(2, S, dtype=torch.int)
+    for rank in range(P):
+        split = batch_layout.BatchLayout.of(rows, config(), rank)
+        assert split.layouts[0] is not split.layouts[1] and split.balanced
+        local = split.shard(full, FakeGroup(P, rank))
+        assert local["attention_mask"] is None and local["max_seqlen"] is None
+        for i, layout in enumerate(split.layouts):
+            mine = positions(layout, rank)
+            assert len(mine) == S // P
+            for key in ("tokens", "labels", "loss_mask", "position_ids", "extra"):
+                assert torch.equal(local[key][i], full[key][i, mine]), key
+            seen[i, mine] += 1
+        assert split.packed_seq_params().cu_seqlens_q.tolist() == [list(rows[0]), list(rows[1]) + [S] * 3]
+    assert bool((seen == 1).all())  # every token on exactly one rank
+
+
+def _rotary(group):
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    return RotaryEmbedding(kv_channels=16, rotary_percent=1.0, use_cpu_initialization=True, cp_group=group)
+
+
+def test_rope_follows_the_layout():
+    """Every CP rank's hooked embedding is the full one at its tokens' global positions, and
+    rotating its queries with it equals rotating the full sequence and splitting it."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from megatron_mesh.megatron import cpu_compat
+
+    cpu_compat.install_model_patches()
+    tokens = _tokens()
+    full_emb = _rotary(None)(S)  # [S, 1, 1, d]
+    q = torch.randn(S, 2, 3, 16, generator=torch.Generator().manual_seed(1))
+    rotated = _apply_rotary_pos_emb_bshd(q, full_emb)
+    for same in (False, True):
+        rows = batch_layout.document_rows({"tokens": tokens[:1].repeat(2, 1) if same else tokens}, "eod", EOD)
+        for rank in range(P):
+            rope = _rotary(FakeGroup(P, rank))
+            zigzag = rope(S)
+            assert batch_layout.follow_layout(torch.nn.ModuleList([rope])) == 1
+            split = batch_layout.BatchLayout.of(rows, config(), rank)
+            batch_layout.set_current(split)
+            emb = rope(S)
+            assert emb.shape == (S // P, 1 if same else 2, 1, 16)
+            index = split.index  # [b, s_local]
+            for i in range(2):
+                assert torch.equal(emb[:, 0 if same else i], full_emb[index[i], 0]), (rank, i)
+            local_q = torch.stack([q[index[i], i] for i in range(2)], dim=1)
+            want = torch.stack([rotated[index[i], i] for i in range(2)], dim=1)
+            assert torch.equal(_apply_rotary_pos_emb_bshd(local_q, emb), want)
+            batch_layout.set_current(batch_layout.BatchLayout.of(rows, config(cp_layout="zigzag"), rank))
+            assert torch.equal(rope(S), zigzag)  # the zigzag: Megatron's own slice
+    batch_layout.set_current(None)
+    with pytest.raises(RuntimeError, match="no batch layout is set for this forward"):
+        rope(S)
+
+
+def test_rope_hook_refuses_yarn_and_missing_hooks():
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+
+    from megatron_mesh.megatron import cpu_compat
+
+    cpu_compat.install_model_patches()
+    yarn = YarnRotaryEmbedding(kv_channels=16, rotary_percent=1.0, use_cpu_initialization=True)
+    with pytest.raises(ValueError, match="YarnRotaryEmbedding: --cp-layout balanced supports RoPE"):
+        batch_layout.follow_layout(torch.nn.ModuleList([yarn]))
+    assert batch_layout.follow_layout(torch.nn.Linear(2, 2)) == 0
+    hooks = []
+    model_config = SimpleNamespace(pre_wrap_hooks=hooks)
+    transformer = config(cp_documents="eod")
+    batch_layout.add_rope_hook(model_config, transformer)
+    batch_layout.add_rope_hook(model_config, transformer)
+    assert len(hooks) == 1  # once, however many stages ask
+    batch_layout.add_rope_hook(SimpleNamespace(pre_wrap_hooks=hooks), config(cp_documents="eod", cp_layout="zigzag"))
+    assert len(hooks) == 1
+
+
+def test_megatron_scripts_get_the_layout_split(monkeypatch):
+    """run_script's substitute for Megatron's get_batch_on_this_cp_rank: documents from the
+    position ids of the full batch, the split by each sample's layout, the batch made current;
+    batches without documents go to Megatron's own function."""
+    from megatron.core import utils
+
+    from megatron_mesh.megatron import bootstrap
+    from megatron_mesh.megatron.pretrain_gpt import document_params
+
+    monkeypatch.setattr(utils, "get_batch_on_this_cp_rank", utils.get_batch_on_this_cp_rank)
+    megatrons = utils.get_batch_on_this_cp_rank
+    batch_layout.install()
+    batch_layout.install()
+    assert utils.get_batch_on_this_cp_rank.__wrapped__ is megatrons
+    tokens = _tokens()
+    pos = torch.stack([torch.tensor(sum((list(range(b - a)) for a, b in zip(r, r[1:])), []))
+                       for r in batch_layout.document_rows({"tokens": tokens}, "eod", EOD)])
+    args = SimpleNamespace(**vars(config()), reset_attention_mask=True, reset_position_ids=True,
+                           position_embedding_type="learned_absolute")
+    monkeypatch.setattr(bootstrap, "megatron_args", lambda: args)
+    monkeypatch.setattr(bootstrap, "BATCH_DOCUMENTS", True)
+    full = dict(tokens=tokens, labels=tokens, loss_mask=torch.ones(2, S), position_ids=pos, attention_mask=None)
+    local = utils.get_batch_on_this_cp_rank(dict(full), is_hybrid_cp=False, cp_group=FakeGroup(P, 2))
+    current = batch_layout.current()
+    assert current.rows == batch_layout.document_rows({"tokens": tokens}, "eod", EOD) and current.rank == 2
+    assert torch.equal(local["tokens"], current.shard(full, FakeGroup(P, 2))["tokens"])
+    assert document_params(tokens, EOD).cu_seqlens_q.tolist() == current.packed_seq_params().cu_seqlens_q.tolist()
+    calls = []
+    monkeypatch.setattr(utils.get_batch_on_this_cp_rank, "__wrapped__", lambda *a, **k: calls.append(a) or "megatron")
+    args.reset_attention_mask = False
+    assert utils.get_batch_on_this_cp_rank(dict(full), False, None) == "megatron" and len(calls) == 1
+
+
+def test_layer_refuses_a_batch_split_by_other_layouts():
+    """The core attention checks that the current batch was split by the layouts it derives (the
+    same decision, so only different settings could part them)."""
+    from megatron_mesh.megatron.core_attention import PluginCoreAttention
+
+    rows = batch_layout.document_rows({"tokens": _tokens()}, "eod", EOD)
+    batch_layout.set_current(batch_layout.BatchLayout.of(rows, config(), 0))
+    same = [batch_layout.sample_layout(r, config()) for r in rows]
+    PluginCoreAttention._check_batch_split(None, list(rows), same, "layer 1 (mesh)")
+    other = [batch_layout.sample_layout(r, config(hierarchical_context_parallel_sizes=[2, 2])) for r in rows]
+    with pytest.raises(RuntimeError, match=r"layer 1 \(mesh\): sample 0 was split by the layout 'balanced P=4 U=1 .*', "
+                                           r"the layer's is 'balanced P=4 U=2 .*': the batch split and the layer read "
+                                           "different settings"):
+        PluginCoreAttention._check_batch_split(None, list(rows), other, "layer 1 (mesh)")
