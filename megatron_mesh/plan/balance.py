@@ -48,12 +48,11 @@ from __future__ import annotations
 
 import bisect
 import math
-import re
 from collections import deque
 from dataclasses import dataclass
 from operator import index
 
-from .layout import register_layout, split_evenly
+from .layout import match_text, register_layout, split_evenly
 
 __all__ = ["BalancedLayout", "balanced_layout", "document_work", "PIECE_WORK"]
 
@@ -422,9 +421,7 @@ class BalancedLayout:
 
     @classmethod
     def parse(cls, rest: str) -> "BalancedLayout":
-        m = re.match(r"^P=(\d+) U=(\d+) cu=([\d,]+) runs=(.*)$", rest.strip())
-        if m is None:
-            raise ValueError(f"not a balanced layout: {rest!r} (e.g. 'balanced P=2 U=1 cu=0,4,8 runs=0+4;4+4')")
+        m = match_text(r"^P=(\d+) U=(\d+) cu=([\d,]+) runs=(.*)$", rest, "balanced P=2 U=1 cu=0,4,8 runs=0+4;4+4")
         cu = [int(x) for x in m.group(3).split(",")]
         runs = tuple(tuple((int(s), int(n)) for s, n in (x.split("+") for x in r.split(",")))
                      for r in m.group(4).split(";"))

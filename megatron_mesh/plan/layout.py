@@ -47,7 +47,7 @@ from typing import Protocol, runtime_checkable
 
 from .sel import Segment
 
-__all__ = ["Layout", "ZigzagLayout", "ThdLayout", "SpanLayout", "layout_from_text", "register_layout",
+__all__ = ["Layout", "ZigzagLayout", "ThdLayout", "SpanLayout", "layout_from_text", "register_layout", "match_text",
            "positions", "split_evenly", "slot_segments", "head_slice", "check_ulysses_heads"]
 
 
@@ -100,6 +100,14 @@ def layout_from_text(text: str) -> Layout:
     if parse is None:
         raise ValueError(f"unknown layout {word!r} in {text!r}; known: {', '.join(sorted(_PARSERS))}")
     return parse(rest)
+
+
+def match_text(pattern: str, rest: str, example: str) -> re.Match:
+    """``rest`` of a layout's text line against ``pattern``; ValueError quoting it and ``example``."""
+    m = re.match(pattern, rest.strip())
+    if m is None:
+        raise ValueError(f"not a {example.split()[0]} layout: {rest!r} (e.g. {example!r})")
+    return m
 
 
 def _fields(rest: str) -> dict[str, str]:
@@ -282,9 +290,7 @@ class SpanLayout:
 
     @classmethod
     def parse(cls, rest: str) -> "SpanLayout":
-        m = re.match(r"^U=(\d+) of (.+)$", rest.strip())
-        if m is None:
-            raise ValueError(f"not a span layout: {rest!r} (e.g. 'span U=2 of zigzag P=4 S=16')")
+        m = match_text(r"^U=(\d+) of (.+)$", rest, "span U=2 of zigzag P=4 S=16")
         return cls(layout_from_text(m.group(2)), int(m.group(1)))
 
 

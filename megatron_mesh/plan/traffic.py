@@ -69,6 +69,25 @@ def _nbytes(plan: Plan, key, shape: AttentionShape, cache: dict) -> int:
     return n
 
 
+def _post_loads(plan: Plan, r: int, post: Post, shape: AttentionShape, topo: Topology,
+                cache: dict) -> tuple[Counter, int, int, int]:
+    """Rank r's bytes in one round per (link class, is_send), and its bytes sent, sent across
+    nodes and received."""
+    loads: Counter = Counter()
+    sent = inter = received = 0
+    for t in post.sends:
+        n = _nbytes(plan, t.key, shape, cache)
+        link = topo.link(r, t.peer)
+        loads[(link, True)] += n
+        sent += n
+        inter += n if link == "inter" else 0
+    for t in post.recvs:
+        n = _nbytes(plan, t.key, shape, cache)
+        loads[(topo.link(t.peer, r), False)] += n
+        received += n
+    return loads, sent, inter, received
+
+
 def round_traffic(plan: Plan, shape: AttentionShape, topo: Topology, direction: str,
                   exact: bool = False) -> RoundTraffic:
     """Per-round durations and link bytes of ``direction`` (see :class:`RoundTraffic`).
@@ -110,15 +129,8 @@ def _composed_traffic(plan: Plan, shape: AttentionShape, topo: Topology, directi
         for op in plan.round_ops(r, direction):
             if type(op) is not Post or not any(x.key.span == 1 for x in op.sends + op.recvs):
                 continue
-            loads: Counter = Counter()
-            for x in op.sends:
-                n = _nbytes(plan, x.key, shape, cache)
-                link = topo.link(r, x.peer)
-                loads[(link, True)] += n
-                sent += n
-                inter += n if link == "inter" else 0
-            for x in op.recvs:
-                loads[(topo.link(x.peer, r), False)] += _nbytes(plan, x.key, shape, cache)
+            loads, out, across, _ = _post_loads(plan, r, op, shape, topo, cache)
+            sent, inter = sent + out, inter + across
             duration[op.round] = max(duration.get(op.round, 0.0), _round_time(loads, topo))
         a2a_sent, a2a_inter, max_inter = sent, max(a2a_inter, inter), max(max_inter, inter)
     if per_rank is not None:  # the all-to-alls: the same on every rank (priced on the extremes)
@@ -136,20 +148,8 @@ def _exact_traffic(plan: Plan, shape: AttentionShape, topo: Topology, direction:
     for r in range(plan.world_size):
         s = rcv = x = i = 0
         for post in _posts(plan.round_ops(r, direction)):
-            loads: Counter = Counter()
-            for t in post.sends:
-                n = _nbytes(plan, t.key, shape, cache)
-                link = topo.link(r, t.peer)
-                loads[(link, True)] += n
-                s += n
-                if link == "inter":
-                    x += n
-                else:
-                    i += n
-            for t in post.recvs:
-                n = _nbytes(plan, t.key, shape, cache)
-                loads[(topo.link(t.peer, r), False)] += n
-                rcv += n
+            loads, out, across, got = _post_loads(plan, r, post, shape, topo, cache)
+            s, x, i, rcv = s + out, x + across, i + out - across, rcv + got
             per_rank[(r, post.round)] = _round_time(loads, topo)
             duration[post.round] = max(duration.get(post.round, 0.0), per_rank[(r, post.round)])
         sent.append(s)
