@@ -102,7 +102,7 @@ def _collectives(rank: int, world: int, iters: int) -> dict:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     """Print a markdown table (slowest rank's medians); return its rows."""
-    from megatron_mesh.launch import spawn
+    from megatron_mesh.comm.spawn import spawn
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, default=8)

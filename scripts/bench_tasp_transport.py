@@ -65,7 +65,7 @@ def _bench(rank: int, world: int, seq_local: int, iters: int) -> dict:
 
 def main(argv: list[str] | None = None) -> dict[int, dict]:
     """Print one line per CP size; return {CP size: {"rounds/p2p": seconds, ..., "bytes": per rank}}."""
-    from megatron_mesh.launch import spawn
+    from megatron_mesh.comm.spawn import spawn
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, nargs="+", default=[4, 8])

@@ -30,7 +30,7 @@ import torch
 
 import megatron_mesh as mm
 from megatron_mesh.kernels import reference_attention
-from megatron_mesh.launch import spawn
+from megatron_mesh.comm.spawn import spawn
 from megatron_mesh.plan import AttentionShape, Mask, plan_bytes, resolve
 from megatron_mesh.plan.modes import REFERENCE_MODE, parse_mode_spec
 from megatron_mesh.plan.accounting import rank_work

@@ -41,11 +41,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_mesh import yaml_args  # noqa: E402
-from megatron_mesh.launch import free_port, kill_process_tree, training_command  # noqa: E402
+from megatron_mesh.megatron import yaml_args  # noqa: E402
+from megatron_mesh.megatron.launch import free_port, kill_process_tree, training_command  # noqa: E402
 from megatron_mesh.megatron import TE_MODES, plugin_modes  # noqa: E402 -- does not import Megatron
 from megatron_mesh.plan.modes import HYBRID_PREFIX  # noqa: E402
-from megatron_mesh.report import RunResult, read_metrics, write_report  # noqa: E402
+from megatron_mesh.tools.report import RunResult, read_metrics, write_report  # noqa: E402
 
 MASKS = ("none", "docs", "window")
 # what a documents run adds to the config (its --mock-data goes): boundaries at end-of-document

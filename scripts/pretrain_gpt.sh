@@ -4,7 +4,7 @@
 #   [NPROC=4] [CP=4] [CP_COMM_TYPE="mesh"] scripts/pretrain_gpt.sh CONFIG.yaml [more Megatron flags]
 #
 # CONFIG.yaml: Megatron functional-test shape (ENV_VARS, MODEL_ARGS with literal `--flag: value`
-# keys; see megatron_mesh/yaml_args.py). Flags come in this order, later ones winning:
+# keys; see megatron_mesh/megatron/yaml_args.py). Flags come in this order, later ones winning:
 #   the config's MODEL_ARGS < --distributed-backend < CP / CP_COMM_TYPE < the extra flags given here.
 #
 # Environment:
@@ -16,7 +16,7 @@
 #   BACKEND       nccl | gloo (default: nccl when CUDA is available, else gloo)
 #   PYTHON        the interpreter (default: the active virtual environment's, else the repo's .venv,
 #                 else python)
-# A thin wrapper: `python -m megatron_mesh.launch pretrain` builds the command and runs torchrun in
+# A thin wrapper: `python -m megatron_mesh.megatron.launch pretrain` builds the command and runs torchrun in
 # its own process (killing it kills every rank).
 set -euo pipefail
 
@@ -29,4 +29,4 @@ if [[ -z ${PYTHON:-} ]]; then
     if [[ -z ${VIRTUAL_ENV:-} && -x $ROOT/.venv/bin/python ]]; then PYTHON=$ROOT/.venv/bin/python; else PYTHON=python; fi
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-exec "$PYTHON" -m megatron_mesh.launch pretrain "$@"
+exec "$PYTHON" -m megatron_mesh.megatron.launch pretrain "$@"

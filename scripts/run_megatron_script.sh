@@ -28,4 +28,4 @@ if [[ -z ${PYTHON:-} ]]; then
     if [[ -z ${VIRTUAL_ENV:-} && -x $ROOT/.venv/bin/python ]]; then PYTHON=$ROOT/.venv/bin/python; else PYTHON=python; fi
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-exec "$PYTHON" -m megatron_mesh.launch script "$@"
+exec "$PYTHON" -m megatron_mesh.megatron.launch script "$@"

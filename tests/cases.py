@@ -311,7 +311,7 @@ def run_gloo(parts, timeout: float = 840) -> dict:
     """{part: {CP size: [results of group rank 0, 1, ...]}} of ``parts`` (a whole-group part: [its
     result on rank 0, 1, ...]), from one spawn of 8 gloo processes (killed after ``timeout`` s,
     below pytest's own limit of 900 s)."""
-    from megatron_mesh.launch import spawn
+    from megatron_mesh.comm.spawn import spawn
 
     unknown = set(parts) - set(PARTS) - set(WHOLE_GROUP_PARTS)
     assert not unknown, f"unknown gloo parts {sorted(unknown)}"

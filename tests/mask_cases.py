@@ -1,5 +1,5 @@
 """Masked and hybrid distributed cases, run inside spawned gloo process groups (see
-megatron_mesh.launch): every rank runs the public API on its shard, forward and backward, and
+megatron_mesh.comm.spawn): every rank runs the public API on its shard, forward and backward, and
 returns a :class:`Record`; pytest asserts on the records.
 
 The reference is dense fp64 attention over the global sequence with the same mask, built from

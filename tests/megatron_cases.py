@@ -1,4 +1,4 @@
-"""Megatron test cases run inside spawned gloo process groups (see megatron_mesh.launch.spawn).
+"""Megatron test cases run inside spawned gloo process groups (see megatron_mesh.comm.spawn).
 
 :func:`gpt_equivalence` builds a tiny Megatron-Core GPTModel twice with identical weights: with
 context parallelism (the plugin's core attention, each rank holding Megatron's zigzag chunk of

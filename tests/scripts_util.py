@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from megatron_mesh.launch import free_port, kill_process_tree  # noqa: F401 -- free_port for the tests
+from megatron_mesh.megatron.launch import free_port, kill_process_tree  # noqa: F401 -- free_port for the tests
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

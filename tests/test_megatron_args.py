@@ -370,7 +370,7 @@ def test_cp1_builder_hands_over_to_megatrons_attention(one_rank):
 
 # -- YAML -> flags --------------------------------------------------------------------------------------
 def _yaml_to_args():
-    from megatron_mesh import yaml_args
+    from megatron_mesh.megatron import yaml_args
 
     return yaml_args
 

@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("megatron.core", reason="needs megatron-core (scripts/setup_env.sh installs it)")
 
-from megatron_mesh.launch import spawn  # noqa: E402
+from megatron_mesh.comm.spawn import spawn  # noqa: E402
 
 import megatron_cases  # noqa: E402
 

@@ -3,7 +3,7 @@
 import csv
 import json
 
-from megatron_mesh.report import Metrics, RunResult, format_bytes, read_metrics, write_report
+from megatron_mesh.tools.report import Metrics, RunResult, format_bytes, read_metrics, write_report
 
 LOSSES = {1: 4.876635, 2: 4.81261, 3: 4.649817}
 TIMES = {1: 3326.7, 2: 331.2, 3: 320.6}

@@ -15,7 +15,7 @@
 * :mod:`.cpu_compat` -- workarounds for running Megatron on a CPU (loaded by CPU runs only).
 
 ``scripts/pretrain_gpt.sh CONFIG.yaml`` and ``scripts/run_megatron_script.sh SCRIPT.py`` start them
-under torchrun (``python -m megatron_mesh.launch``); see docs/megatron.md.
+under torchrun (``python -m megatron_mesh.megatron.launch``); see docs/megatron.md.
 
 Importing this package does not import Megatron.
 """

@@ -33,7 +33,7 @@ ENTRY_PACKS_DOCUMENTS = False
 BATCH_DOCUMENTS = False
 _PARENT_AT_START = os.getppid()  # before the launcher could have died: the reference for die_with_parent
 LAUNCHER_PID_ENV = "MEGATRON_MESH_LAUNCHER_PID"
-FAIL_GRACE_S = 10.0  # how long the other ranks of a failed start-up wait for rank 0's message  # set by megatron_mesh.launch for the workers it starts
+FAIL_GRACE_S = 10.0  # how long the other ranks of a failed start-up wait for rank 0's message  # set by megatron_mesh.megatron.launch for the workers it starts
 
 
 def die_with_parent() -> None:

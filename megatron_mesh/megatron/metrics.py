@@ -10,7 +10,7 @@ Every rank appends to ``DIR/rank<R>.jsonl`` (written by :mod:`.telemetry`):
   ``bytes_received`` (this rank's plugin attention traffic in the iteration, forward and backward),
   ``peak_memory`` and ``memory_kind``.
 
-``megatron_mesh.report.read_metrics`` reads them back.
+``megatron_mesh.tools.report.read_metrics`` reads them back.
 """
 
 from __future__ import annotations

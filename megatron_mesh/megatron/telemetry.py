@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.base import Communicator, total_bytes
+from ..plan.units import format_bytes
 
 __all__ = ["install", "register_layer", "on_forward", "timed_communicator", "compute_phase", "mark_backward",
            "TIMER_COMPUTE", "TIMER_COMM", "TIMER_LOG_LEVEL"]
@@ -296,14 +297,10 @@ def _log_bytes(iteration: int, reset: bool) -> None:
     hi_sent, hi_recv, lo_sent, lo_recv = t[0].item(), t[1].item(), -t[2].item(), -t[3].item()
     if not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1:  # where Megatron logs
         logger.info("cp attention bytes per iteration (min, max) across ranks: sent (%s, %s) | received (%s, %s)",
-                    _fmt(lo_sent), _fmt(hi_sent), _fmt(lo_recv), _fmt(hi_recv))
+                    format_bytes(lo_sent), format_bytes(hi_sent), format_bytes(lo_recv), format_bytes(hi_recv))
         writer = _writer()
         if writer is not None:
             writer.add_scalar("cp-attention-bytes-sent", hi_sent, iteration)
             writer.add_scalar("cp-attention-bytes-received", hi_recv, iteration)
 
 
-def _fmt(n: float) -> str:
-    from ..report import format_bytes
-
-    return format_bytes(n)

@@ -34,6 +34,7 @@ from ..plan.modes import REFERENCE_MODE
 from ..plan.shape import AttentionShape
 from ..plan.simulate import BACKWARD_FLOPS
 from ..plan.topology import Topology
+from ..plan.units import format_bytes
 from .planner import (LAYOUTS, ModeResult, all_modes, allowed_pairs, compute_floor, default_modes, evaluate,
                       layout_rows)
 
@@ -193,13 +194,6 @@ def _modes(text: str) -> tuple[str, ...]:
     return modes
 
 
-def _size(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
 def _table(rows: list[ModeResult], skipped: list[dict], floor: float | None = None) -> str:
     ring = next((r for r in rows if r.mode == REFERENCE_MODE), None)
     work = any("forward_work_max_over_mean" in r.extra for r in rows)
@@ -215,9 +209,9 @@ def _table(rows: list[ModeResult], skipped: list[dict], floor: float | None = No
         speed = f"{ring.time_s / r.time_s:.2f}x" if ring else "-"
         row = ([r.layout] if layouts else []) + [r.mode + ("*" if r.by_formula else ""),
                                                  str(r.ulysses) if r.ulysses > 1 else "-", tile,
-               r.contiguous or "-", _size(r.bytes_per_rank), vs, _size(r.intra_node_bytes_per_rank),
-               _size(r.inter_node_bytes_per_rank), _size(r.max_inter_node_bytes), str(r.steps),
-               _size(r.peak_buffer_bytes), f"{r.forward_s * 1e3:.2f}", f"{r.backward_s * 1e3:.2f}",
+               r.contiguous or "-", format_bytes(r.bytes_per_rank), vs, format_bytes(r.intra_node_bytes_per_rank),
+               format_bytes(r.inter_node_bytes_per_rank), format_bytes(r.max_inter_node_bytes), str(r.steps),
+               format_bytes(r.peak_buffer_bytes), f"{r.forward_s * 1e3:.2f}", f"{r.backward_s * 1e3:.2f}",
                f"{r.time_s * 1e3:.2f}", f"{r.exposed_comm_s * 1e3:.2f}", speed]
         if work:
             w = r.extra.get("forward_work_max_over_mean")

@@ -1,14 +1,14 @@
-"""Process launching: torchrun commands for the training entry points, killing a launcher's whole
-process tree, and an in-process test harness.
+"""Launching training: torchrun commands for the training entry points and killing a launcher's
+whole process tree.
 
-* :func:`training_command` / ``python -m megatron_mesh.launch`` -- the torchrun (``torch.distributed.run``)
+* :func:`training_command` / ``python -m megatron_mesh.megatron.launch`` -- the torchrun (``torch.distributed.run``)
   command and environment for the plugin's entry script (``pretrain``, from a Megatron
   functional-test style YAML) or any Megatron script (``script``, through
   ``megatron_mesh.megatron.run_script``). ``scripts/pretrain_gpt.sh`` and
   ``scripts/run_megatron_script.sh`` are thin wrappers around the command line::
 
-      python -m megatron_mesh.launch pretrain configs/gpt_tiny_cpu.yaml --train-iters 3
-      python -m megatron_mesh.launch script /path/to/Megatron-LM/pretrain_gpt.py [CONFIG.yaml] [flags]
+      python -m megatron_mesh.megatron.launch pretrain configs/gpt_tiny_cpu.yaml --train-iters 3
+      python -m megatron_mesh.megatron.launch script /path/to/Megatron-LM/pretrain_gpt.py [CONFIG.yaml] [flags]
 
   Environment: NPROC (processes on this node; default CP, else 1), CP (--context-parallel-size),
   CP_COMM_TYPE (--cp-comm-type: one mode or a space-separated list, one per layer), NNODES,
@@ -16,29 +16,22 @@ process tree, and an in-process test harness.
   available, else gloo). Flags come in this order, later ones winning: the config's MODEL_ARGS <
   ``--distributed-backend`` < CP / CP_COMM_TYPE < the flags on the command line.
 * :func:`kill_process_tree` -- SIGKILL a process and everything below it.
-* :func:`spawn` -- run a function on N local processes joined in a gloo process group, with a
-  hard timeout. The tests, the side-by-side demo and the benchmarks use it instead of torchrun: one
-  spawn per world size runs many cases (process start-up costs seconds), a FileStore rendezvous
-  needs no ports, and a hang becomes an error after ``timeout`` seconds instead of stalling CI.
+
+The tests' and benchmarks' process groups are started by ``megatron_mesh.comm.spawn`` instead.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import signal
 import sys
-import tempfile
-import time
-import traceback
-from typing import Any, Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import psutil
-import torch.multiprocessing as mp
 
 __all__ = ["spawn", "SpawnError", "kill_process_tree", "free_port", "training_command", "main"]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout (for PYTHONPATH)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout (for PYTHONPATH)
 ENTRY = {"pretrain": ["-m", "megatron_mesh.megatron.pretrain_gpt"],
          "script": ["-m", "megatron_mesh.megatron.run_script"]}
 
@@ -120,7 +113,7 @@ def training_command(entry: str, args: Sequence[str], environ: Mapping[str, str]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m megatron_mesh.launch {pretrain CONFIG.yaml | script SCRIPT.py [CONFIG.yaml]} [flags]``:
+    """``python -m megatron_mesh.megatron.launch {pretrain CONFIG.yaml | script SCRIPT.py [CONFIG.yaml]} [flags]``:
     run torchrun in this process (its workers die with it, see megatron_mesh.megatron.bootstrap)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in ENTRY:
@@ -129,12 +122,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         torchrun_args, env = training_command(argv[0], argv[1:])
     except (OSError, ValueError) as e:
-        print(f"megatron_mesh.launch: error: {e}", file=sys.stderr)
+        print(f"megatron_mesh.megatron.launch: error: {e}", file=sys.stderr)
         return 2
     env["MEGATRON_MESH_LAUNCHER_PID"] = str(os.getpid())  # the workers' parent: see bootstrap.die_with_parent
     os.environ.clear()
     os.environ.update(env)
-    print(f"megatron_mesh.launch: {env.get('NPROC') or env.get('CP') or '1'} process(es) per node x "
+    print(f"megatron_mesh.megatron.launch: {env.get('NPROC') or env.get('CP') or '1'} process(es) per node x "
           f"{env.get('NNODES', '1')} node(s): torchrun {' '.join(torchrun_args)}", file=sys.stderr, flush=True)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
@@ -144,76 +137,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ChildFailedError:
         return 1  # torchrun has printed which rank failed and how
     return 0
-
-
-class SpawnError(RuntimeError):
-    """A rank raised, died or timed out."""
-
-
-def _entry(rank: int, world_size: int, store_path: str, out_dir: str, fn: Callable, args: tuple,
-           backend: str, threads: int) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(threads)
-    result_path = os.path.join(out_dir, f"rank{rank}.pkl")
-    try:
-        dist.init_process_group(backend, store=dist.FileStore(store_path, world_size), rank=rank,
-                                world_size=world_size)
-        try:
-            value = fn(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
-        payload = ("ok", value)
-    except BaseException as e:  # report every failure to the parent, with its traceback
-        payload = ("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
-    with open(result_path, "wb") as f:
-        pickle.dump(payload, f)
-    if payload[0] == "error":
-        raise SystemExit(1)
-
-
-def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0, backend: str = "gloo",
-          threads: int = 1) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes in a process group;
-    return each rank's result (picklable) in rank order.
-
-    ``fn`` must be importable by name (a module-level function). Raises :class:`SpawnError` with
-    the failing rank's traceback if any rank raises, and kills every rank after ``timeout`` s.
-    """
-    with tempfile.TemporaryDirectory(prefix="megatron_mesh_spawn_") as tmp:
-        ctx = mp.start_processes(
-            _entry, args=(world_size, os.path.join(tmp, "store"), tmp, fn, args, backend, threads),
-            nprocs=world_size, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout
-        try:
-            while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
-                if time.monotonic() > deadline:
-                    raise SpawnError(f"{getattr(fn, '__name__', fn)} on {world_size} ranks timed out after "
-                                     f"{timeout:.0f} s (a hang or deadlock)")
-        except mp.ProcessRaisedException as e:  # pragma: no cover - _entry catches everything
-            raise SpawnError(str(e)) from None
-        except mp.ProcessExitedException:
-            pass  # the rank's own report below says why
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-        results, errors = [], []
-        for r in range(world_size):
-            path = os.path.join(tmp, f"rank{r}.pkl")
-            if not os.path.exists(path):
-                errors.append(f"rank {r}: exited without a result (killed or crashed)")
-                results.append(None)
-                continue
-            with open(path, "rb") as f:
-                status, value = pickle.load(f)
-            if status == "error":
-                errors.append(value)
-            results.append(value)
-        if errors:
-            raise SpawnError("\n".join(errors))
-        return results
 
 
 if __name__ == "__main__":

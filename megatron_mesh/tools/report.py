@@ -16,7 +16,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from .plan.modes import REFERENCE_MODE
+from ..plan.modes import REFERENCE_MODE
+from ..plan.units import format_bytes
 
 __all__ = ["RunResult", "Metrics", "read_metrics", "write_report", "format_bytes", "label"]
 
@@ -90,25 +91,16 @@ def _mean_time(r: RunResult) -> float | None:
     return sum(ts) / len(ts) if ts else None
 
 
-def format_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def label(r: RunResult) -> str:
     """The run's name in tables and plots: the mode, and the mask when there is one."""
     return r.mode if r.mask == "none" else f"{r.mode} [{r.mask}]"
 
 
 def write_report(runs: list[RunResult], out_dir: str, title: str, baseline: str | None = None,
-                 notes: tuple[str, ...] = ()) -> str:
+                 notes: tuple[str, ...] = (), sections: tuple[str, ...] = ()) -> str:
     """Write report.md, report.csv and PNG plots into ``out_dir``; returns the Markdown text.
-    ``baseline``: the mode whose runs (one per mask) the others' losses are compared with."""
+    ``baseline``: the mode whose runs (one per mask) the others' losses are compared with;
+    ``sections``: further Markdown blocks (e.g. the planner's prediction), put after the tables."""
     os.makedirs(out_dir, exist_ok=True)
     bases = {r.mask: r for r in runs if r.mode == baseline}
     rings = {r.mask: r for r in runs if r.mode == REFERENCE_MODE}
@@ -161,6 +153,8 @@ def write_report(runs: list[RunResult], out_dir: str, title: str, baseline: str 
     failed = [r for r in runs if not r.ok]
     for r in failed:
         lines.append(f"**{label(r)} failed**: {r.error}")
+    for section in sections:
+        lines += ["", section.rstrip(), ""]
     plots = _plots(runs, out_dir)
     lines += [f"![{name}]({name})" for name in plots]
     text = "\n".join(lines) + "\n"
