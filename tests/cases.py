@@ -22,25 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
+from helpers import tolerance
+
 import megatron_mesh as mm
 from megatron_mesh.kernels import reference_attention
 from megatron_mesh.plan import AttentionShape, Mask, ThdLayout, plan_bytes
 
 # Transformer Engine's context-parallel test tolerances (tests/pytorch/attention, bf16: MHA vs GQA)
-TOLERANCES = {
-    torch.float32: (2e-5, 2e-5),
-    torch.float64: (1e-10, 1e-10),
-    torch.float16: (5e-3, 5e-3),
-}
-
-
-def tolerance(dtype: torch.dtype, heads: int, kv_heads: int) -> tuple[float, float]:
-    """(atol, rtol) for outputs and gradients of ``dtype``."""
-    if dtype == torch.bfloat16:
-        return (2.5e-2, 2.5e-2) if heads == kv_heads else (3.5e-2, 3.5e-2)
-    return TOLERANCES[dtype]
-
-
 HEADS = {"MHA": (4, 4), "GQA": (4, 2), "MQA": (4, 1)}
 NAMES = ("out", "dq", "dk", "dv")
 

@@ -13,20 +13,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from helpers import tolerance
+
 import megatron_mesh as mm
 from megatron_mesh.kernels import reference_attention
 from megatron_mesh.plan import AttentionShape, Mask, ThdLayout, plan_bytes, tile_shapes
 from megatron_mesh.runtime.api import prepare
-
-# Transformer Engine's context-parallel test tolerances (bf16: MHA vs GQA/MQA)
-TOL = {torch.float32: (2e-5, 2e-5), torch.float64: (1e-10, 1e-10)}
-
-
-def tolerance(dtype: torch.dtype, heads: int, kv_heads: int) -> tuple[float, float]:
-    if dtype == torch.bfloat16:
-        return (2.5e-2, 2.5e-2) if heads == kv_heads else (3.5e-2, 3.5e-2)
-    return TOL[dtype]
-
 
 @dataclass(frozen=True)
 class Case:

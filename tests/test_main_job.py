@@ -11,7 +11,7 @@ import sys
 
 import psutil
 import pytest
-from scripts_util import free_port, run_script
+from helpers import free_port, run_script
 
 from megatron_mesh.plan import AttentionShape, Mask, plan_bytes, resolve
 

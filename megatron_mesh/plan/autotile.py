@@ -53,7 +53,7 @@ class Candidate:
     intra_node_bytes_per_rank: float  # mean over ranks
     inter_node_bytes_per_rank: float  # mean over ranks
     max_inter_node_bytes: float
-    steps: int
+    rounds: int  # communication rounds per rank, forward + backward
     peak_buffer_bytes: int
     saved_bytes: int
     held_buffer_bytes: int

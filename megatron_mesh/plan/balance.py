@@ -31,7 +31,7 @@ stay whole::
     rank 0: [0, 1, 6, 7, 8, 9, 10, 11]     work 18 + 10 = 28
     rank 1: [2, 3, 4, 5, 12, 13, 14, 15]   work 18 + 10 = 28
 
-(``tests/test_balance.py`` pins it); only the first document's pieces meet in an attention block.
+(``tests/plan/test_balance.py`` pins it); only the first document's pieces meet in an attention block.
 
 With ``ranks_per_node`` M (a CP group over nodes of M consecutive ranks) the same fill runs
 twice: over the P / M nodes (M * S / P tokens each), then over the ranks of each node with that

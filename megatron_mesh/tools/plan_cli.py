@@ -2,7 +2,7 @@
 
 Per mode (ring, mesh per tile, mesh-auto, tasp, the Ulysses hybrids a2a+ring / a2a+mesh /
 a2a+tasp for every all-to-all degree, auto, and Ulysses / USP by formula): bytes each rank sends in the
-forward + backward of one attention layer, split intra/inter-node, communication steps, peak
+forward + backward of one attention layer, split intra/inter-node, communication rounds, peak
 extra buffer memory, and the predicted forward + backward time of the simulator
 (:mod:`megatron_mesh.plan.simulate`). Example (the paper's scale)::
 
@@ -13,7 +13,7 @@ or ``lognormal:MEAN,SIGMA`` document lengths drawn with ``--seed``) plan every m
 and add the per-rank work max / mean.
 
 ``--json`` prints ``{"modes": [{"mode", "tile", "bytes_per_rank", "inter_node_bytes_per_rank",
-"steps", "time_s", ...}], "skipped": [...], ...}`` (bytes are whole bytes sent in one layer's
+"rounds", "time_s", ...}], "skipped": [...], ...}`` (bytes are whole bytes sent in one layer's
 forward + backward; ``*_per_rank`` split values are means over the ranks, ``max_inter_node_bytes``
 is the busiest rank's); ``--plot FILE.png`` draws bytes and time
 against the CP size (8..1024 by default).
@@ -199,7 +199,7 @@ def _table(rows: list[ModeResult], skipped: list[dict], floor: float | None = No
     work = any("forward_work_max_over_mean" in r.extra for r in rows)
     layouts = len({r.layout for r in rows}) > 1
     head = (["layout"] if layouts else []) + \
-        ["mode", "a2a", "tile", "order", "bytes/rank", "vs ring", "intra", "inter mean", "inter max", "steps",
+        ["mode", "a2a", "tile", "order", "bytes/rank", "vs ring", "intra", "inter mean", "inter max", "rounds",
          "peak buf", "fwd ms", "bwd ms", "time ms", "exposed ms", "speedup"] + (["work max/mean"] if work else []) + \
         (["x floor"] if floor else [])
     lines = [head]
@@ -210,7 +210,7 @@ def _table(rows: list[ModeResult], skipped: list[dict], floor: float | None = No
         row = ([r.layout] if layouts else []) + [r.mode + ("*" if r.by_formula else ""),
                                                  str(r.ulysses) if r.ulysses > 1 else "-", tile,
                r.contiguous or "-", format_bytes(r.bytes_per_rank), vs, format_bytes(r.intra_node_bytes_per_rank),
-               format_bytes(r.inter_node_bytes_per_rank), format_bytes(r.max_inter_node_bytes), str(r.steps),
+               format_bytes(r.inter_node_bytes_per_rank), format_bytes(r.max_inter_node_bytes), str(r.rounds),
                format_bytes(r.peak_buffer_bytes), f"{r.forward_s * 1e3:.2f}", f"{r.backward_s * 1e3:.2f}",
                f"{r.time_s * 1e3:.2f}", f"{r.exposed_comm_s * 1e3:.2f}", speed]
         if work:

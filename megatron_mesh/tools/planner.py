@@ -85,7 +85,7 @@ class ModeResult:
     intra_node_bytes_per_rank: float  # mean over ranks
     inter_node_bytes_per_rank: float  # mean over ranks (ring: only the ranks at node boundaries send)
     max_inter_node_bytes: float  # the rank with the most inter-node bytes
-    steps: int  # communication rounds (all-to-alls for Ulysses) per rank, forward + backward
+    rounds: int  # communication rounds (all-to-alls for Ulysses) per rank, forward + backward
     peak_buffer_bytes: int
     time_s: float
     forward_s: float
@@ -114,7 +114,7 @@ class ModeResult:
 
 def _row(mode: str, c: Candidate, placement: Placement, detail: str = "", extra: dict | None = None) -> ModeResult:
     return ModeResult(mode, c.tile, c.bytes_per_rank, c.intra_node_bytes_per_rank, c.inter_node_bytes_per_rank,
-                      c.max_inter_node_bytes, c.steps, c.peak_buffer_bytes, c.time_s, c.forward_s, c.backward_s,
+                      c.max_inter_node_bytes, c.rounds, c.peak_buffer_bytes, c.time_s, c.forward_s, c.backward_s,
                       c.compute_s, c.contiguous, detail, ulysses=placement.ulysses,
                       extra={"saved_bytes": c.saved_bytes, "held_buffer_bytes": c.held_buffer_bytes, **(extra or {})})
 
@@ -241,7 +241,7 @@ def usp_result(world_size: int, shape: AttentionShape, topo: Topology, causal: b
     fwd, bwd = a2a.time["forward"] + ring.forward_s, a2a.time["backward"] + ring.backward_s
     return ModeResult("usp", None, round(a2a.bytes_sent) + ring.bytes_per_rank,
                       a2a.intra + ring.intra_node_bytes_per_rank, a2a.inter + ring.inter_node_bytes_per_rank,
-                      a2a.max_inter + ring.max_inter_node_bytes, 4 + ring.steps,
+                      a2a.max_inter + ring.max_inter_node_bytes, 4 + ring.rounds,
                       2 * a2a.local + ring.peak_buffer_bytes, fwd + bwd, fwd, bwd, ring.compute_s,
                       detail=f"all-to-all degree {u} x ring {r}", by_formula=True, ulysses=u,
                       extra={"ulysses_degree": u, "ring_degree": r})
@@ -377,7 +377,7 @@ def _te_rows(world_size: int, shape: AttentionShape, topo: Topology, mask: Mask,
         c = evaluate_plan(plan, shape, topo)
         w = rank_work(plan, "forward")
         rows.append(ModeResult(name, None, c.bytes_per_rank, c.intra_node_bytes_per_rank, c.inter_node_bytes_per_rank,
-                               c.max_inter_node_bytes, c.steps, c.peak_buffer_bytes, c.time_s, c.forward_s,
+                               c.max_inter_node_bytes, c.rounds, c.peak_buffer_bytes, c.time_s, c.forward_s,
                                c.backward_s, c.compute_s, detail="Transformer Engine on its THD layout: " +
                                ("every KV chunk around the ring" if name == "te-p2p" else
                                 f"all-to-all degree {u} x every KV chunk around the ring"),

@@ -28,7 +28,7 @@ slice when the key names one.
 Key text: ``kind chunk [*span] [.slot] [/h<slice>] [']``, e.g. ``kv3.2`` (slot 2 of chunk 3),
 ``q0*2/h1`` (head slice 1 of the span-2 chunk 0), ``o1'`` (an incoming partial output, kept apart
 from this rank's own ``o1`` until a merge). Op text, e.g. rank 1 of the 4-rank 2x2 Mesh forward
-(the plan docs/design.md prints; tests/test_plan_ir.py checks it against the builder)::
+(the plan docs/design.md prints; tests/plan/test_plan_ir.py checks it against the builder)::
 
     post 1: send kv1->3 | recv kv3<-3
     attend q1 x kv1 causal -> o1

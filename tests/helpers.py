@@ -1,5 +1,6 @@
-"""Running the project's shell scripts from tests: a timeout kills torchrun and every rank it
-started, not only the shell, and fails the test."""
+"""What many tests share: numerical tolerances, running the project's shell scripts (a timeout kills
+torchrun and every rank it started, not only the shell, and fails the test), reading their losses,
+and reading PNG sizes. One module, so a tolerance or a log format changes in one place."""
 
 from __future__ import annotations
 
@@ -9,10 +10,29 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from megatron_mesh.megatron.launch import free_port, kill_process_tree  # noqa: F401 -- free_port for the tests
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Transformer Engine's context-parallel test tolerances (atol, rtol); bf16 looser for GQA/MQA, where
+# several query heads' gradients are summed into one KV head
+TOLERANCES = {torch.float32: (2e-5, 2e-5), torch.float64: (1e-10, 1e-10), torch.float16: (5e-3, 5e-3)}
+
+
+def tolerance(dtype: torch.dtype, heads: int = 4, kv_heads: int = 4) -> tuple[float, float]:
+    """(atol, rtol) for outputs and gradients of ``dtype``."""
+    if dtype == torch.bfloat16:
+        return (2.5e-2, 2.5e-2) if heads == kv_heads else (3.5e-2, 3.5e-2)
+    return TOLERANCES[dtype]
+
+
+def png_size(path) -> tuple[int, int]:
+    """(width, height) in pixels from a PNG's IHDR chunk (no image library needed)."""
+    head = open(path, "rb").read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR", head
+    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
 
 
 def run_script(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int, str]:
@@ -32,7 +52,7 @@ PRETRAIN = os.path.join(ROOT, "scripts", "pretrain_gpt.sh")
 RUN_SCRIPT = os.path.join(ROOT, "scripts", "run_megatron_script.sh")
 # Megatron-LM's pretrain_gpt.py: the checkout's when MEGATRON_LM_DIR names one, else the tests' stand-in
 MEGATRON_LM_SCRIPT = (os.path.join(os.environ["MEGATRON_LM_DIR"], "pretrain_gpt.py") if os.environ.get("MEGATRON_LM_DIR")
-                      else os.path.join(ROOT, "tests", "megatron_lm", "pretrain_gpt.py"))
+                      else os.path.join(ROOT, "tests", "megatron", "megatron_lm", "pretrain_gpt.py"))
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
 
 
@@ -67,3 +87,20 @@ def run_all(run, plan: dict, together: tuple[str, ...] = ()) -> dict:
         out = {name: f.result() for name, f in futures.items()}
     out.update({name: run(*spec) for name, spec in plan.items()})
     return out
+
+
+def run_ok(runs: dict, name: str) -> str:
+    """The output of run ``name`` of ``runs`` ({name: (exit status, output)}); fails the test with
+    the output's tail if the run failed."""
+    rc, text = runs[name]
+    assert rc == 0, f"{name} run failed (exit {rc}):\n{text[-6000:]}"
+    return text
+
+
+def assert_losses_equal(got: dict, want: dict, rel: float, iterations=None) -> None:
+    """``got`` has exactly ``iterations`` (default: ``want``'s) with losses equal to ``want``'s
+    within relative ``rel``."""
+    iterations = iterations or sorted(want)
+    assert sorted(got) == list(iterations), (got, want)
+    for it in iterations:
+        assert got[it] == pytest.approx(want[it], rel=rel), (it, got[it], want[it])

@@ -84,13 +84,13 @@ def test_plan_text_is_lossless(name):
 def test_the_op_docstring_example_is_the_builders_plan():
     """The op text example of megatron_mesh.plan.ir.ops (and docs/design.md) is rank 1 of the
     4-rank 2x2 Mesh forward, as the builder makes it."""
-    doc = ops_module.__doc__.split("forward\n(the plan docs/design.md prints; tests/test_plan_ir.py checks it against "
+    doc = ops_module.__doc__.split("forward\n(the plan docs/design.md prints; tests/plan/test_plan_ir.py checks it against "
                                    "the builder)::\n\n")[1]
     example = [ln.strip() for ln in doc.split('"""')[0].strip().splitlines()]
     got = [ln.strip() for ln in build_mesh_plan(4, (2, 2), SHAPE).describe([1]).split("rank 1 backward")[0]
            .splitlines()[2:]]
     assert got == example
-    design = open(__file__.replace("tests/test_plan_ir.py", "docs/design.md")).read()
+    design = open(__file__.replace("tests/plan/test_plan_ir.py", "docs/design.md")).read()
     assert "\n".join(example) in design
 
 

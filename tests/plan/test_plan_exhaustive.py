@@ -1,11 +1,11 @@
-"""Every tile a x b = P for EVERY P up to 256 (tests/test_plan_mesh.py checks every P up to 16 fully, matching up to 64 and
+"""Every tile a x b = P for EVERY P up to 256 (tests/plan/test_plan_mesh.py checks every P up to 16 fully, matching up to 64 and
 samples above): exact cover, matching transfers, a deadlock-free dry run, perfectly balanced
 causal work and bytes equal to the closed form (both backward modes). Pure Python, but the cost
 grows as P^2 per tile: P <= 123 takes about half an hour on one core, all of it several hours,
 so it runs only on request (pass node ids such as
-``tests/test_plan_exhaustive.py::test_every_tile_of_every_P_up_to_256[200]`` to pick sizes)::
+``tests/plan/test_plan_exhaustive.py::test_every_tile_of_every_P_up_to_256[200]`` to pick sizes)::
 
-    scripts/test.sh tests/test_plan_exhaustive.py --exhaustive
+    scripts/test.sh tests/plan/test_plan_exhaustive.py --exhaustive
 """
 
 import pytest

@@ -1,6 +1,6 @@
 """Masks through Megatron's real pretrain() loop (scripts/pretrain_gpt.sh, gloo, CPU): packed
 documents and sliding windows under the plugin modes at CP > 1 log the losses of CP 1 (where a
-layer with a window or documents runs the plugin's single-rank attention; tests/test_megatron_masks.py
+layer with a window or documents runs the plugin's single-rank attention; tests/megatron/test_megatron_masks.py
 checks that one against Megatron's own attention with a dense mask).
 
 Data: documents of mixed lengths (1 to ~150 tokens, ~10 % a lone end-of-document token) written by
@@ -31,7 +31,7 @@ import subprocess
 import sys
 
 import pytest
-from scripts_util import MEGATRON_LM_SCRIPT, ROOT, losses, run_all, run_config
+from helpers import assert_losses_equal, run_ok, MEGATRON_LM_SCRIPT, ROOT, losses, run_all, run_config
 
 pytest.importorskip("megatron.core", reason="needs megatron-core (scripts/setup_env.sh installs it)")
 
@@ -89,19 +89,6 @@ def runs(doc_data, tmp_path_factory):
                    together=("docs_cp1", "mlm_docs_cp1", "thd_cp1", "thd_tp2_cp1"))
 
 
-def _ok(runs, name) -> str:
-    rc, text = runs[name]
-    assert rc == 0, f"{name} run failed (exit {rc}):\n{text[-6000:]}"
-    return text
-
-
-def _assert_losses_equal(got: dict, want: dict, iterations=None):
-    iterations = iterations or sorted(want)
-    assert sorted(got) == list(iterations), (got, want)
-    for it in iterations:
-        assert got[it] == pytest.approx(want[it], rel=RTOL), (it, got[it], want[it])
-
-
 def _summary(text: str) -> str:
     summary = [line for line in text.splitlines() if "megatron_mesh: pipeline stage" in line]
     assert len(summary) == 1, summary  # one line, from the first rank of the stage
@@ -109,10 +96,10 @@ def _summary(text: str) -> str:
 
 
 def test_documents_with_window_cp4_match_cp1(runs):
-    want = losses(_ok(runs, "docs_cp1"))
+    want = losses(run_ok(runs, "docs_cp1"))
     assert sorted(want) == list(range(1, ITERS + 1))
-    text = _ok(runs, "docs_cp4")
-    _assert_losses_equal(losses(text), want)
+    text = run_ok(runs, "docs_cp4")
+    assert_losses_equal(losses(text), want, rel=RTOL)
     summary = _summary(text)
     for part in ("layer 1: mesh (CP 4, tile 4x1", "layer 2: tasp (CP 4, transport p2p", "layer 3: ring (CP 4",
                  "layer 4: mesh (CP 4, tile 4x1", "window 5,0, documents eod, layout zigzag)"):
@@ -120,9 +107,9 @@ def test_documents_with_window_cp4_match_cp1(runs):
 
 
 def test_checkpoint_under_zigzag_resumes_under_balanced(runs):
-    want = losses(_ok(runs, "docs_cp1"))
-    text = _ok(runs, "docs_resume")
-    _assert_losses_equal(losses(text), want, iterations=[3])
+    want = losses(run_ok(runs, "docs_cp1"))
+    text = run_ok(runs, "docs_resume")
+    assert_losses_equal(losses(text), want, iterations=[3], rel=RTOL)
     assert "layers 1-4: ring (CP 2, zigzag ring, kernel auto, window 5,0, documents eod, layout balanced)" in text
 
 
@@ -134,10 +121,10 @@ def test_balanced_layout_cp4_matches_cp1(runs, entry, cp1, cp4, documents):
     """The balanced layout (the default) through both entry scripts: each sample of a micro-batch
     of two split by its own layout, RoPE at the layout's positions, Mesh / TASP / ring / a2a+mesh
     layers on it -- the losses of CP 1."""
-    want = losses(_ok(runs, cp1))
+    want = losses(run_ok(runs, cp1))
     assert sorted(want) == list(range(1, ITERS + 1))
-    _assert_losses_equal(losses(_ok(runs, cp4)), want)
-    summary = _summary(_ok(runs, cp4))
+    assert_losses_equal(losses(run_ok(runs, cp4)), want, rel=RTOL)
+    summary = _summary(run_ok(runs, cp4))
     for part in ("layer 1: mesh (CP 4", "layer 2: tasp (CP 4", "layer 3: ring (CP 4", "layer 4: a2a+mesh (CP 4"):
         assert part in summary, (part, summary)
     assert summary.count(f"window 5,0, documents {documents}, layout balanced)") == 4, summary
@@ -145,28 +132,28 @@ def test_balanced_layout_cp4_matches_cp1(runs, entry, cp1, cp4, documents):
 
 def test_both_entry_scripts_train_alike_on_documents(runs):
     """Megatron-LM's script (documents from its position ids) and ours (from EOD tokens) at CP 1."""
-    _assert_losses_equal(losses(_ok(runs, "mlm_docs_cp1")), losses(_ok(runs, "docs_cp1")))
+    assert_losses_equal(losses(run_ok(runs, "mlm_docs_cp1")), losses(run_ok(runs, "docs_cp1")), rel=RTOL)
 
 
 def test_checkpoint_under_balanced_resumes_under_zigzag(runs):
-    want = losses(_ok(runs, "docs_cp1"))
-    text = _ok(runs, "balanced_resume")
-    _assert_losses_equal(losses(text), want, iterations=[3])
+    want = losses(run_ok(runs, "docs_cp1"))
+    text = run_ok(runs, "balanced_resume")
+    assert_losses_equal(losses(text), want, iterations=[3], rel=RTOL)
     assert "documents eod, layout zigzag)" in _summary(text)
 
 
 def test_thd_packed_sequences_cp4_match_cp1(runs):
-    want = losses(_ok(runs, "thd_cp1"))
+    want = losses(run_ok(runs, "thd_cp1"))
     assert sorted(want) == list(range(1, ITERS + 1))
-    text = _ok(runs, "thd_cp4")
-    _assert_losses_equal(losses(text), want)
+    text = run_ok(runs, "thd_cp4")
+    assert_losses_equal(losses(text), want, rel=RTOL)
     for line in ("layer 1: ring (CP 4", "layer 2: mesh (CP 4, tile ", "layer 3: tasp (CP 4",
                  "layer 4: a2a+mesh (CP 4"):
         assert line in text, (line, text[-3000:])
 
 
 def test_thd_tp2_cp2_matches_tp2_cp1(runs):
-    _assert_losses_equal(losses(_ok(runs, "thd_tp2_cp2")), losses(_ok(runs, "thd_tp2_cp1")))
+    assert_losses_equal(losses(run_ok(runs, "thd_tp2_cp2")), losses(run_ok(runs, "thd_tp2_cp1")), rel=RTOL)
 
 
 # -- opt-in: each mask alone x each mode ----------------------------------------------------------------
@@ -191,5 +178,5 @@ def test_matrix_each_mask_each_mode_cp4_matches_cp1(doc_data, mask, mode):
     cp_mode, *mode_flags = MODES[mode]
     rc, text = masked_run(doc_data, name, 4, 4, cp_mode, *flags, *cp_flags, *mode_flags)
     assert rc == 0, text[-6000:]
-    _assert_losses_equal(losses(text), _REFERENCES[mask])
+    assert_losses_equal(losses(text), _REFERENCES[mask], rel=RTOL)
     assert f"layers 1-4: {cp_mode} (CP 4" in text

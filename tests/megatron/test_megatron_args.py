@@ -16,7 +16,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 pytestmark = pytest.mark.megatron
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _validate(args, have_te=False, entry_packs_documents=False):

@@ -19,6 +19,8 @@ from megatron_mesh.plan.memory import buffer_memory
 from megatron_mesh.plan.simulate import round_traffic, simulate
 from megatron_mesh.plan.topology import Topology
 from megatron_mesh.tools.plan_cli import main
+
+from helpers import png_size
 from megatron_mesh.plan.simulate import BACKWARD_FLOPS
 from megatron_mesh.tools.planner import (LAYOUTS, TE_ROWS, TIME_TOLERANCE, allowed_pairs, compute_floor, evaluate,
                                         layout_rows, ulysses_result, usp_result)
@@ -32,13 +34,6 @@ NO_COMPUTE = dict(attention_flops=1e30, kernel_latency=0.0, memory_bandwidth=1e3
 def _json(capsys, *argv) -> dict:
     assert main([*argv, "--json"]) == 0
     return json.loads(capsys.readouterr().out)
-
-
-def png_size(path) -> tuple[int, int]:
-    """(width, height) in pixels from a PNG's IHDR chunk (no image library needed)."""
-    head = open(path, "rb").read(24)
-    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR", head
-    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
 
 
 def _comm(plan, shape, topo) -> float:
@@ -57,7 +52,7 @@ def test_cli_json_schema(capsys):
         assert r["tile"] is None or (len(r["tile"]) == 2 and r["tile"][0] * r["tile"][1] * r["ulysses"] == 16)
         assert isinstance(r["bytes_per_rank"], int) and r["bytes_per_rank"] > 0
         assert 0 <= r["inter_node_bytes_per_rank"] <= r["bytes_per_rank"]
-        assert isinstance(r["steps"], int) and r["steps"] > 0
+        assert isinstance(r["rounds"], int) and r["rounds"] > 0
         assert r["time_s"] > 0
     shape = AttentionShape(seq_local=262144 // 16, heads=32, kv_heads=8, head_dim=128)
     ring = next(r for r in rows if r["mode"] == "ring")
@@ -322,7 +317,7 @@ def test_ulysses_formula_single_node():
     q = 1024 * 32 * 128 * 2
     kv = 2 * 1024 * 8 * 128 * 2
     assert row.bytes_per_rank == round((q + kv + q + q + q + kv) * (P - 1) / P)
-    assert row.inter_node_bytes_per_rank == 0 and row.steps == 4 and row.tile is None
+    assert row.inter_node_bytes_per_rank == 0 and row.rounds == 4 and row.tile is None
     with pytest.raises(ValueError, match="needs heads"):
         ulysses_result(64, shape, Topology.for_cp(64))
 

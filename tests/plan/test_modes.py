@@ -18,7 +18,7 @@ from megatron_mesh.plan.mesh import BACKWARD_CHUNKS
 from megatron_mesh.plan.modes import HYBRID_PREFIX, RingMode, parse_mode_spec, register
 
 SHAPE = AttentionShape(seq_local=16, batch=1, heads=8, kv_heads=2, head_dim=8)
-PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatron_mesh")
+PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "megatron_mesh")
 
 
 def test_registry_holds_every_mode():

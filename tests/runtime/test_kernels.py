@@ -22,14 +22,11 @@ from megatron_mesh.runtime.api import forward_backward
 from megatron_mesh.runtime.merge import merge_partial_
 
 import cases
+from helpers import tolerance
 
 HEADS = cases.HEADS
 CPU_KERNELS = {"torch-cpu": lambda: TorchAttentionKernel("cpu"), "math": MathKernel}
 NEG_INF = float("-inf")
-
-
-def tolerance(dtype, heads=4, kv_heads=4):
-    return cases.tolerance(dtype, heads, kv_heads)  # Transformer Engine's CP test tolerances
 
 
 def allowed_of(mask: BlockMask, sq: int, sk: int, device="cpu") -> torch.Tensor | None:
@@ -362,7 +359,7 @@ def test_gradients_scale_with_dout_through_a_mesh_run(dtype, dout_scale):
     gradients came out wrong (relative error 1.2 - 1.6) without any error or NaN."""
     p = cases.Problem(4, 4, 2, True, dtype)
     ref = cases.dense_reference(p)  # fp64, unscaled: gradients are linear in dout
-    atol, rtol = cases.tolerance(dtype, p.heads, p.kv_heads)
+    atol, rtol = tolerance(dtype, p.heads, p.kv_heads)
     for rank, grads in enumerate(_mesh_2x2_gradients(p, dout_scale)):
         for name, got, want in zip(("dq", "dk", "dv"), grads, ref.wanted[1:]):
             want = p.shard(want, rank)

@@ -13,8 +13,8 @@
   and makes the batch current for the layers;
 * the core attention refuses a batch split by layouts other than its own.
 
-The losses through ``pretrain()``: tests/test_megatron_pretrain_masks.py; the GPTModel against
-Megatron's attention with a dense mask: tests/test_megatron_masks.py.
+The losses through ``pretrain()``: tests/megatron/test_megatron_pretrain_masks.py; the GPTModel against
+Megatron's attention with a dense mask: tests/megatron/test_megatron_masks.py.
 """
 
 from types import SimpleNamespace
