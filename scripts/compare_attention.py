@@ -10,11 +10,16 @@ computed, max / mean over ranks: 1.00 is perfect balance).
 
 Masks: ``--docs fixed:N|lognormal:MEAN,SIGMA`` packs documents into the sequence (``cu_seqlens``,
 Megatron's global zigzag layout), ``--window L[,R]`` adds a sliding window; ``--unmasked`` also runs
-every mode without the mask, so each row shows masked / unmasked bytes and time.
+every mode without the mask, so each row shows masked / unmasked bytes and time. ``--layout
+balanced`` (or ``both``) runs the documents on the plugin's balanced layout
+(``megatron_mesh.balanced_layout``, one per Ulysses group size for the hybrids) instead of (or
+next to) the zigzag.
 
     python scripts/compare_attention.py --world 4 --modes ring mesh:auto mesh:2x2 mesh:4x1 tasp a2a+ring:2
     python scripts/compare_attention.py --world 8 --seq-len 65536 --heads 2 --kv-heads 2 --head-dim 32 \
         --docs lognormal:4096,1.0 --unmasked --modes ring mesh:auto mesh:2x4 tasp
+    python scripts/compare_attention.py --world 8 --seq-len 65536 --heads 2 --kv-heads 2 --head-dim 32 \
+        --docs lognormal:4096,1.0 --layout both --no-check --modes ring mesh:auto tasp a2a+mesh:2
 
 Modes: ``ring``, ``mesh[:AxB|:auto]``, ``tasp[:GPUS_PER_NODE]``, ``a2a+ring:U``, ``a2a+mesh:U[:AxB]``,
 ``a2a+tasp:U`` (U: the all-to-all degree).
@@ -51,47 +56,67 @@ def mask_of(args) -> Mask:
                                 window).normalized(args.seq_len)
 
 
-def planned(mode: str, world: int, shape: AttentionShape, mask: Mask):
-    """The plan the runtime runs for ``mode`` (the same placement: settings, auto tile, mask)."""
+def planned(mode: str, world: int, shape: AttentionShape, mask: Mask, balanced: bool = False):
+    """(placement, plan, layout) the runtime runs for ``mode`` (the same placement: settings, auto
+    tile, mask); ``balanced``: the documents of ``mask`` on the balanced layout of the mode's
+    Ulysses group size (layout None: Megatron's zigzag)."""
     name, settings = parse_mode_spec(mode)
     # 'auto' choices are made for causal / full attention, as the runtime does
     placement = resolve(name, world, shape, mask=Mask(mask.causal), **settings)
-    return placement, placement.build(shape, mask)
+    if not balanced:
+        return placement, placement.build(shape, mask), None
+    layout = mm.balanced_layout(_cu_seqlens(mask), world, causal=mask.causal, window=_window(mask),
+                                group=placement.ulysses)
+    plain = Mask(mask.causal, _window(mask))
+    return placement, placement.build(shape, plain, layout), layout
 
 
-def _kwargs(mask: Mask) -> dict:
-    """megatron_mesh.attention's mask arguments for ``mask``."""
+def _window(mask: Mask):
+    return None if mask.window == (None, None) else mask.window
+
+
+def _cu_seqlens(mask: Mask) -> list[int]:
+    return [mask.documents[0][0]] + [b for _, b in mask.documents]  # packed: no gaps
+
+
+def _kwargs(mask: Mask, layout) -> dict:
+    """megatron_mesh.attention's mask arguments for ``mask`` (its documents given by ``layout``
+    when there is one)."""
     kw = dict(causal=mask.causal)
     if mask.window != (None, None):
         kw["window"] = mask.window
-    if mask.documents is not None:
-        kw["cu_seqlens"] = [mask.documents[0][0]] + [b for _, b in mask.documents]  # packed: no gaps
+    if layout is not None:
+        kw["layout"] = layout
+    elif mask.documents is not None:
+        kw["cu_seqlens"] = _cu_seqlens(mask)
     return kw
 
 
-def run_rank(rank: int, world: int, args, masks) -> list[dict]:
+def run_rank(rank: int, world: int, args, runs) -> list[dict]:
+    """``runs``: [(mask, [layout of each of args.modes (None: zigzag)])]."""
     dtype = DTYPES[args.dtype]
     g = torch.Generator().manual_seed(0)
     S, B, H, G, D = args.seq_len, args.batch, args.heads, args.kv_heads, args.head_dim
     Q, K, V, dO = (torch.randn(S, B, h, D, generator=g, dtype=torch.float64) for h in (H, G, G, H))
-    shard = lambda x: mm.zigzag_shard(x, rank, world)  # noqa: E731
-    rows = []
-    for mask in masks:
-        want = None
-        if not args.no_check:
+    rows, refs = [], {}
+    for mask, layouts in runs:
+        if not args.no_check and mask not in refs:
             ref_in = [x.clone().requires_grad_() for x in (Q, K, V)]
             ref = reference_attention(*ref_in, mask=mask)
             ref.backward(dO)
-            want = [ref.detach()] + [x.grad for x in ref_in]
-        for mode in args.modes:
+            refs[mask] = [ref.detach()] + [x.grad for x in ref_in]
+        want = refs.get(mask)
+        for mode, layout in zip(args.modes, layouts):
             name, settings = parse_mode_spec(mode)
+            shard = ((lambda x: mm.zigzag_shard(x, rank, world)) if layout is None  # noqa: E731
+                     else (lambda x, layout=layout: mm.layout_shard(x, rank, layout)))
             best = None
             for _ in range(args.repeat):
                 q, k, v = (shard(x).to(dtype).requires_grad_() for x in (Q, K, V))
                 torch.distributed.barrier()
                 t0 = time.perf_counter()
                 with mm.comm_counter() as c:
-                    out = mm.attention(q, k, v, mode=name, **settings, **_kwargs(mask))
+                    out = mm.attention(q, k, v, mode=name, **settings, **_kwargs(mask, layout))
                     out.backward(shard(dO).to(dtype))
                 elapsed = time.perf_counter() - t0
                 best = elapsed if best is None else min(best, elapsed)
@@ -99,7 +124,7 @@ def run_rank(rank: int, world: int, args, masks) -> list[dict]:
             if want is not None:
                 got = [out, q.grad, k.grad, v.grad]
                 err = max((a.double() - shard(b)).abs().max().item() for a, b in zip(got, want))
-            rows.append(dict(mode=mode, mask=mask.text(), err=err, sent=c.bytes_sent, received=c.bytes_received,
+            rows.append(dict(mode=mode, mask=mask.text(), layout="zigzag" if layout is None else "balanced", err=err, sent=c.bytes_sent, received=c.bytes_received,
                              time=best))
     return rows
 
@@ -121,6 +146,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--seed", type=int, default=0, help="random seed of --docs lognormal")
     ap.add_argument("--window", help="sliding window L or L,R (R defaults to 0 when causal)")
     ap.add_argument("--unmasked", action="store_true", help="also run every mode without --docs / --window")
+    ap.add_argument("--layout", choices=("zigzag", "balanced", "both"), default="zigzag",
+                    help="the layout of --docs: Megatron's zigzag, the plugin's balanced layout, or both (default zigzag)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per mode; the time is the best (default 1)")
     ap.add_argument("--no-check", action="store_true", help="skip the dense fp64 reference (long sequences)")
     args = ap.parse_args(argv)
@@ -130,36 +157,41 @@ def main(argv: list[str] | None = None) -> list[dict]:
         mask = mask_of(args)
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    masks = [mask]
+    if args.layout != "zigzag" and mask.documents is None:
+        raise SystemExit(f"--layout {args.layout} lays out documents: give --docs")
+    variants = [(mask, layout == "balanced") for layout in (("zigzag", "balanced") if args.layout == "both"
+                                                            else (args.layout,))]
     if args.unmasked and not mask.is_dense:
-        masks.append(Mask(not args.full).normalized(args.seq_len))
+        variants.append((Mask(not args.full).normalized(args.seq_len), False))
     shape = AttentionShape(args.seq_len // args.world, args.batch, args.heads, args.kv_heads, args.head_dim,
                            torch.tensor([], dtype=DTYPES[args.dtype]).element_size())
     plans = {}
-    for m in masks:
+    for v in variants:
         for mode in args.modes:
             try:
-                plans[m, mode] = planned(mode, args.world, shape, m)
+                plans[v, mode] = planned(mode, args.world, shape, *v)
             except ValueError as e:
                 raise SystemExit(f"--modes {mode}: {e}") from None
-    results = spawn(run_rank, args.world, args, masks, timeout=3600)
-    return _report(args, shape, masks, plans, results)
+    runs = [(m, [plans[(m, balanced), mode][2] for mode in args.modes]) for m, balanced in variants]
+    results = spawn(run_rank, args.world, args, runs, timeout=3600)
+    return _report(args, shape, variants, plans, results)
 
 
-def _report(args, shape: AttentionShape, masks: list[Mask], plans: dict, results: list[list[dict]]) -> list[dict]:
-    """Print one table per mask (the rows of every rank merged: the busiest rank's bytes and the
-    slowest rank's time); exit if a rank's measured bytes differ from its plan's."""
+def _report(args, shape: AttentionShape, variants: list, plans: dict, results: list[list[dict]]) -> list[dict]:
+    """Print one table per (mask, layout) (the rows of every rank merged: the busiest rank's bytes
+    and the slowest rank's time); exit if a rank's measured bytes differ from its plan's."""
     print(f"CP={args.world} seq_len={args.seq_len} heads={args.heads}/{args.kv_heads} head_dim={args.head_dim} "
           f"{args.dtype} {'full' if args.full else 'causal'} (forward + backward, per rank)")
     table = []
-    for j, m in enumerate(masks):
-        print(f"\nmask: {m.summary()}")
+    for j, (m, balanced) in enumerate(variants):
+        layout_name = "balanced" if balanced else "zigzag"
+        print(f"\nmask: {m.summary()}; layout: {layout_name}")
         print(f"{'mode':<14}{'tile':>8}{'max err vs fp64':>17}{'bytes sent':>14}{'planned':>14}{'vs ring':>9}"
               f"{'time s':>9}{'work max/mean':>15}")
         ring_bytes = None
         for i, mode in enumerate(args.modes):
             rows = [r[j * len(args.modes) + i] for r in results]
-            placement, plan = plans[m, mode]
+            placement, plan, _ = plans[(m, balanced), mode]
             want = [(b.sent, b.received) for b in plan_bytes(plan, shape)]
             sent, planned_sent = max(r["sent"] for r in rows), max(s for s, _ in want)
             if mode == REFERENCE_MODE:
@@ -174,7 +206,7 @@ def _report(args, shape: AttentionShape, masks: list[Mask], plans: dict, results
             err_s = "not checked" if math.isnan(err) else f"{err:.2e}"
             print(f"{mode:<14}{tile_s:>8}{err_s:>17}{sent:>14,}{planned_sent:>14,}{ratio:>9}{elapsed:>9.3f}"
                   f"{balance:>15.2f}")
-            table.append(dict(mode=mode, mask=m.text(), tile=tile, err=err, sent=sent, planned=planned_sent,
+            table.append(dict(mode=mode, mask=m.text(), layout=layout_name, tile=tile, err=err, sent=sent, planned=planned_sent,
                               time=elapsed, work_max=max(work), work_mean=sum(work) / len(work), balance=balance))
             if [(r["sent"], r["received"]) for r in rows] != want:
                 raise SystemExit(f"{mode}: measured bytes {[(r['sent'], r['received']) for r in rows]} differ from "

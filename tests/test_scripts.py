@@ -118,3 +118,21 @@ def test_compare_attention_measures_what_the_plans_predict(script, capsys):
     with pytest.raises(SystemExit, match="--modes ulysses: unknown CP mode 'ulysses'; allowed: ring, mesh"):
         compare.main(["--world", "4", "--modes", "ulysses"])
 
+
+def test_compare_attention_runs_documents_on_both_layouts(script, capsys):
+    """--layout both: the same documents on Megatron's zigzag and on the balanced layout (per Ulysses
+    group size for the hybrid), exact against fp64 with the plan's bytes on both; the balanced
+    layout evens out the ranks' work where the zigzag does not."""
+    compare = script("compare_attention")
+    rows = compare.main(["--world", "4", "--seq-len", "256", "--heads", "4", "--kv-heads", "1", "--head-dim", "8",
+                         "--docs", "lognormal:40,1.0", "--seed", "3", "--layout", "both",
+                         "--modes", "ring", "mesh:2x2", "tasp", "a2a+mesh:2"])
+    assert "layout: balanced" in capsys.readouterr().out
+    by = {(r["layout"], r["mode"]): r for r in rows}
+    assert sorted({layout for layout, _ in by}) == ["balanced", "zigzag"] and len(by) == 8, rows
+    assert all(r["err"] < 1e-5 and r["sent"] == r["planned"] for r in rows), rows
+    assert max(r["balance"] for r in rows if r["layout"] == "balanced") <= 1.05, rows
+    assert max(r["balance"] for r in rows if r["layout"] == "zigzag") > 1.1, rows  # what the layout is for
+    with pytest.raises(SystemExit, match="--layout balanced lays out documents: give --docs"):
+        compare.main(["--world", "4", "--layout", "balanced"])
+
