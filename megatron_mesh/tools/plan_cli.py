@@ -9,8 +9,9 @@ extra buffer memory, and the predicted forward + backward time of the simulator
     megatron-mesh-plan --cp 256 --heads 32 --kv-heads 8 --head-dim 128 --seq-len 1048576 --gpus-per-node 8
 
 Masks: ``--window L[,R]`` (a sliding window) and ``--docs SPEC`` (packed documents: ``fixed:N``
-or ``lognormal:MEAN,SIGMA`` document lengths drawn with ``--seed``) plan every mode mask-aware
-and add the per-rank work max / mean.
+or ``lognormal:MEAN,SIGMA`` document lengths drawn with ``--seed``, after any ``one:N+`` single
+documents, e.g. ``one:524288+lognormal:4096,1``) plan every mode mask-aware and add the per-rank
+work max / mean.
 
 ``--json`` prints ``{"modes": [{"mode", "tile", "bytes_per_rank", "inter_node_bytes_per_rank",
 "rounds", "time_s", ...}], "skipped": [...], ...}`` (bytes are whole bytes sent in one layer's
@@ -67,7 +68,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="sliding window: a query attends keys at most L before (and R after, non-causal) it")
     g.add_argument("--docs", default=None, metavar="SPEC",
                    help="packed documents: fixed:N (every document N tokens) or lognormal:MEAN,SIGMA (lengths "
-                        "drawn with mean MEAN tokens); N and MEAN at most --seq-len, the last document is cut where "
+                        "drawn with mean MEAN tokens), after any one:N+ parts (one document of N tokens each, e.g. "
+                        "one:524288+lognormal:4096,1); N and MEAN at most --seq-len, the last document is cut where "
                         "the sequence ends")
     g.add_argument("--seed", type=int, default=0, help="random seed of --docs lognormal")
     g.add_argument("--layout", default=None, choices=LAYOUTS + ("all",),
@@ -138,41 +140,63 @@ def _mask(args) -> Mask | None:
 
 
 def document_bounds(spec: str, seq_len: int, seed: int = 0) -> list[int]:
-    """cu_seqlens of documents packed into ``seq_len`` tokens: ``fixed:N`` or
-    ``lognormal:MEAN,SIGMA`` (lengths drawn from a log-normal with that mean, at least 1 and at
-    most ``seq_len``). The last document is cut where the sequence ends, as a packing data loader
-    cuts it; a length longer than the whole sequence (N or MEAN > ``seq_len``) is refused, since
-    it would leave no document boundary at all.
+    """cu_seqlens of documents packed into ``seq_len`` tokens: parts joined by ``+``, in sequence
+    order: ``one:N`` (one document of N tokens) any number of times, then at most one part that
+    fills the rest -- ``fixed:N`` (documents of N tokens) or ``lognormal:MEAN,SIGMA`` (lengths drawn
+    from a log-normal with that mean, at least 1 and at most ``seq_len``). The last document is cut
+    where the sequence ends, as a packing data loader cuts it; a length longer than the whole
+    sequence is refused, since it would leave no document boundary at all; ``one`` parts alone must
+    cover the sequence exactly.
 
     >>> document_bounds("fixed:3", 8)
     [0, 3, 6, 8]
+    >>> document_bounds("one:4+fixed:3", 12)
+    [0, 4, 7, 10, 12]
     """
-    kind, _, val = spec.partition(":")
-    allowed = (f"must be fixed:N (an integer 1 <= N <= --seq-len {seq_len}) or lognormal:MEAN,SIGMA (finite numbers, "
+    allowed = (f"must be parts joined by '+': one:N (one document of N tokens) any number of times, then at most "
+               f"one of fixed:N (an integer 1 <= N <= --seq-len {seq_len}) or lognormal:MEAN,SIGMA (finite numbers, "
                f"1 <= MEAN <= --seq-len {seq_len}, SIGMA >= 0)")
-    try:
-        if kind == "fixed":
-            n = int(val)
-            if not 1 <= n <= seq_len:
-                raise ValueError
-            draw = lambda: n  # noqa: E731
-        elif kind == "lognormal":
-            mean, sigma = (float(x) for x in val.split(","))
-            if not (math.isfinite(mean) and math.isfinite(sigma) and 1 <= mean <= seq_len and sigma >= 0):
-                raise ValueError
-            mu = math.log(mean) - sigma * sigma / 2  # so that the mean length is `mean`
-            if not math.isfinite(mu):  # SIGMA so large its square overflows
-                raise ValueError
-            rng = random.Random(seed)
-            draw = lambda: min(seq_len, max(1, round(rng.lognormvariate(mu, sigma))))  # noqa: E731
-        else:
-            raise ValueError
-    except ValueError:
-        raise ValueError(f"--docs {spec!r} {allowed}") from None
+    parts = spec.split("+")
     cu = [0]
-    while cu[-1] < seq_len:
-        cu.append(min(seq_len, cu[-1] + draw()))
+    for i, part in enumerate(parts):
+        kind, _, val = part.partition(":")
+        try:
+            if kind == "one":
+                n = int(val)
+                if not 1 <= n <= seq_len - cu[-1]:
+                    raise ValueError
+                cu.append(cu[-1] + n)
+                continue
+            if i != len(parts) - 1:  # a filling part leaves nothing for the parts after it
+                raise ValueError
+            draw = _length_draw(kind, val, seq_len, seed)
+        except ValueError:
+            raise ValueError(f"--docs {spec!r} {allowed}; {part!r} at {cu[-1]} of {seq_len} tokens") from None
+        while cu[-1] < seq_len:
+            cu.append(min(seq_len, cu[-1] + draw()))
+    if cu[-1] != seq_len:
+        raise ValueError(f"--docs {spec!r}: its one:N documents cover {cu[-1]} of --seq-len {seq_len} tokens; end with "
+                         f"fixed:N or lognormal:MEAN,SIGMA to fill the rest")
     return cu
+
+
+def _length_draw(kind: str, val: str, seq_len: int, seed: int):
+    """The document length generator of a filling --docs part (ValueError if it is not one)."""
+    if kind == "fixed":
+        n = int(val)
+        if not 1 <= n <= seq_len:
+            raise ValueError
+        return lambda: n
+    if kind == "lognormal":
+        mean, sigma = (float(x) for x in val.split(","))
+        if not (math.isfinite(mean) and math.isfinite(sigma) and 1 <= mean <= seq_len and sigma >= 0):
+            raise ValueError
+        mu = math.log(mean) - sigma * sigma / 2  # so that the mean length is `mean`
+        if not math.isfinite(mu):  # SIGMA so large its square overflows
+            raise ValueError
+        rng = random.Random(seed)
+        return lambda: min(seq_len, max(1, round(rng.lognormvariate(mu, sigma))))
+    raise ValueError
 
 
 def _layouts(args) -> tuple[str, ...]:

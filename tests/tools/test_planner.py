@@ -18,7 +18,7 @@ from megatron_mesh.plan.autotile import choose_tile, rank_tiles
 from megatron_mesh.plan.memory import buffer_memory
 from megatron_mesh.plan.simulate import round_traffic, simulate
 from megatron_mesh.plan.topology import Topology
-from megatron_mesh.tools.plan_cli import main
+from megatron_mesh.tools.plan_cli import document_bounds, main
 
 from helpers import png_size
 from megatron_mesh.plan.simulate import BACKWARD_FLOPS
@@ -79,14 +79,27 @@ def test_cli_table_and_plot(capsys, tmp_path):
     (["--modes", "ring,bogus"], "unknown \\['bogus'\\]"),
     (["--heads", "32", "--kv-heads", "5"], "divisible by kv_heads"),
     (["--cp", "4", "--layout", "balanced"], "--layout balanced places documents: give them with --docs"),
-    *[(["--seq-len", "8192", "--docs", spec], f"--docs '{re.escape(spec)}' must be fixed:N \\(an integer 1 <= N <= "
-       "--seq-len 8192\\) or lognormal:MEAN,SIGMA \\(finite numbers, 1 <= MEAN <= --seq-len 8192, SIGMA >= 0\\)")
+    *[(["--seq-len", "8192", "--docs", spec], f"--docs '{re.escape(spec)}' must be parts joined by '\\+': one:N .* then at "
+       "most one of fixed:N \\(an integer 1 <= N <= --seq-len 8192\\) or lognormal:MEAN,SIGMA \\(finite numbers, 1 <= "
+       "MEAN <= --seq-len 8192, SIGMA >= 0\\)")
       for spec in ("lognormal:inf,1", "lognormal:nan,1", "lognormal:64,nan", "lognormal:64,1e308", "lognormal:0.5,1",
-                   "lognormal:9000,1", "fixed:100000", "fixed:0", "fixed:-3", "fixed:2.5", "fixed:", "poisson:4")],
+                   "lognormal:9000,1", "fixed:100000", "fixed:0", "fixed:-3", "fixed:2.5", "fixed:", "poisson:4",
+                   "one:9000+fixed:4", "one:8000+one:500", "fixed:4+one:4", "one:x")],
+    (["--seq-len", "8192", "--docs", "one:4096"], "its one:N documents cover 4096 of --seq-len 8192 tokens"),
 ])
 def test_cli_rejects_bad_input(capsys, argv, message):
     assert main(argv) == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_documents_spec_with_single_documents():
+    """one:N parts place single documents first (a long document among short ones), then the
+    filling part; the documents cover the sequence exactly."""
+    assert document_bounds("one:4+fixed:3", 12) == [0, 4, 7, 10, 12]
+    assert document_bounds("one:8192", 8192) == [0, 8192]
+    cu = document_bounds("one:4096+one:1024+lognormal:64,1", 8192, seed=1)
+    assert cu[:3] == [0, 4096, 5120] and cu[-1] == 8192 and all(b > a for a, b in zip(cu, cu[1:]))
+    assert cu == document_bounds("one:4096+one:1024+lognormal:64,1", 8192, seed=1)  # deterministic
 
 
 def test_cli_layouts_side_by_side(capsys):
