@@ -29,7 +29,7 @@ from typing import Mapping, Sequence
 
 import psutil
 
-__all__ = ["spawn", "SpawnError", "kill_process_tree", "free_port", "training_command", "main"]
+__all__ = ["kill_process_tree", "free_port", "training_command", "main"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout (for PYTHONPATH)
 ENTRY = {"pretrain": ["-m", "megatron_mesh.megatron.pretrain_gpt"],
