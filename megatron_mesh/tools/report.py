@@ -37,6 +37,10 @@ class RunResult:
     memory_kind: str = ""
     ok: bool = True
     error: str = ""
+    # per CP rank (index = rank in the CP group), means over iterations; see Metrics
+    rank_bytes: list[float] = field(default_factory=list)
+    rank_work: list[float] = field(default_factory=list)
+    bytes_matrix: list[list[float]] = field(default_factory=list)  # [sender][receiver]
 
 
 @dataclass
@@ -49,6 +53,14 @@ class Metrics:
     peak_memory: int | None = None  # max over ranks
     memory_kind: str = ""
     layers: dict[int, dict] = field(default_factory=dict)  # layer number -> {"mode", "cp", "tile", ...}
+    # Per CP rank (list index = the rank in its CP group; the max over CP groups where DP, TP or PP
+    # give several), means over iterations: attention bytes sent, attention work (scores computed
+    # in the forward, see megatron_mesh.megatron.metrics) and the bytes each rank sent to each
+    # peer, bytes_matrix[sender][receiver] (its rows sum to rank_bytes). Empty for metrics
+    # written before these were recorded.
+    rank_bytes: list[float] = field(default_factory=list)
+    rank_work: list[float] = field(default_factory=list)
+    bytes_matrix: list[list[float]] = field(default_factory=list)
 
     @property
     def tile(self) -> str:
@@ -62,6 +74,7 @@ def read_metrics(metrics_dir: str, loss_key: str = "lm loss") -> Metrics:
     if not os.path.isdir(metrics_dir):
         return m
     per_rank_bytes, peaks = [], []
+    per_cp_rank: dict[int, list[list[dict]]] = {}  # CP rank -> each of its processes' iteration records
     for name in sorted(os.listdir(metrics_dir)):
         if not name.endswith(".jsonl"):
             continue
@@ -80,9 +93,35 @@ def read_metrics(metrics_dir: str, loss_key: str = "lm loss") -> Metrics:
             per_rank_bytes.append(sum(r["bytes_sent"] for r in its) / len(its))
             peaks.append(max(r["peak_memory"] for r in its))
             m.memory_kind = its[-1]["memory_kind"]
+            cp_rank = its[-1].get("cp_rank")
+            if cp_rank is not None:
+                per_cp_rank.setdefault(cp_rank, []).append(its)
     if per_rank_bytes:
         m.bytes_per_step, m.peak_memory = max(per_rank_bytes), max(peaks)
+    if per_cp_rank:
+        _per_cp_rank(m, per_cp_rank)
     return m
+
+
+def _per_cp_rank(m: Metrics, per_cp_rank: dict[int, list[list[dict]]]) -> None:
+    """Fill the per-rank lists and the bytes matrix from each rank's iteration records."""
+    size = max(max(per_cp_rank) + 1, max((int(p) + 1 for runs in per_cp_rank.values() for its in runs
+                                          for r in its for p in r.get("bytes_sent_to", {})), default=0))
+    m.rank_bytes, m.rank_work = [0.0] * size, [0.0] * size
+    m.bytes_matrix = [[0.0] * size for _ in range(size)]
+    for rank, groups in per_cp_rank.items():
+        best = None  # the group whose rank sent most: its row of the matrix, so rows sum to rank_bytes
+        for its in groups:
+            sent = sum(r["bytes_sent"] for r in its) / len(its)
+            row = [0.0] * size
+            for r in its:
+                for peer, n in r.get("bytes_sent_to", {}).items():
+                    row[int(peer)] += n / len(its)
+            work = sum(r.get("attention_work") or 0 for r in its) / len(its)
+            if best is None or sent > best[0]:
+                best = (sent, row)
+            m.rank_work[rank] = max(m.rank_work[rank], work)
+        m.rank_bytes[rank], m.bytes_matrix[rank] = best
 
 
 def _mean_time(r: RunResult) -> float | None:
