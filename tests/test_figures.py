@@ -172,8 +172,10 @@ def test_heatmap_totals_equal_the_measured_bytes():
         assert float(data.sum()) == pytest.approx(sum(r.rank_bytes) * scale)
         for s in range(CP):
             assert float(data[s].sum()) == pytest.approx(r.rank_bytes[s] * scale)
-        assert ax.get_title() == f"{r.mode}\n[{r.mask}] total {format_bytes(sum(r.rank_bytes))}"
-        assert ax.get_xlabel() == "receiver (CP rank)"
+        assert ax.get_title() == f"{r.mode}: total {format_bytes(sum(r.rank_bytes))}"
+        last_row, first_col = r.mask == MASKS[-1], r.mode == MODES[1]  # axis labels at the grid's edges
+        assert ax.get_xlabel() == ("receiver (CP rank)" if last_row else "")
+        assert ax.get_ylabel() == (f"mask: {r.mask}\nsender (CP rank)" if first_col else "")
         # each nonzero cell annotated
         assert len(ax.texts) == sum(1 for row in r.bytes_matrix for v in row if v)
     ring = axes[0]

@@ -1,5 +1,5 @@
 """The comparison report's figures: one function per figure, each taking the runs
-(:class:`~megatron_mesh.tools.report.RunResult`) and the report directory and returning the names of
+(:class:`~megatron_mesh.tools.runs.RunResult`) and the report directory and returning the names of
 the PNG files it wrote (none when the runs hold nothing to draw).
 
 * :func:`loss_figure` (``loss.png``) -- per mask a panel with every mode's loss curve, and under it
@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 
 from ..plan.units import format_bytes
-from .report import RunResult, _mean_time, imbalance
+from .runs import RunResult, imbalance, mean_time
 
 __all__ = ["FIGURES", "DEVIATION_FLOOR", "loss_figure", "measure_figure", "ranks_figure", "heatmap_figure",
            "write_figures", "loss_fig", "measure_fig", "ranks_fig", "heatmap_fig", "MEASURES"]
@@ -36,7 +36,7 @@ DEVIATION_FLOOR = 1e-12
 MEASURES = {
     "bytes": ("bytes.png", "attention bytes sent\nper rank per step ({unit})", lambda r: r.bytes_per_step, "bytes",
               False),  # CP 1 sends nothing: no bar
-    "time": ("time.png", "time per iteration ({unit})", _mean_time, "ms", True),
+    "time": ("time.png", "time per iteration ({unit})", mean_time, "ms", True),
     "memory": ("memory.png", "peak memory per rank ({unit})", lambda r: r.peak_memory, "bytes", True),
 }
 
@@ -103,6 +103,11 @@ def loss_fig(runs: list[RunResult], baseline: str | None = "baseline"):
     nrows = 2 if bases else 1
     fig, axes = plt.subplots(nrows, len(masks), figsize=(3.6 * len(masks) + 1.8, 3.0 * nrows), squeeze=False,
                              sharex=True, layout="constrained")
+    # modes that agree draw on top of each other: hollow markers of decreasing size (nested rings)
+    # keep every one of them visible
+    others = [m for m in modes if m != baseline]
+    style = {m: dict(marker="os^Dv<>ph"[j % 9], ms=max(3.0, 10.0 - 1.3 * j), mfc="none", mew=1.2)
+             for j, m in enumerate(others)}
     handles = {}
     floored = False
     for col, mask in enumerate(masks):
@@ -112,8 +117,8 @@ def loss_fig(runs: list[RunResult], baseline: str | None = "baseline"):
             its = sorted(r.losses)
             is_base = r.mode == baseline
             (line,) = ax.plot(its, [r.losses[i] for i in its], color=colors[r.mode], label=r.mode,
-                              lw=3.0 if is_base else 1.2, alpha=0.35 if is_base else 0.9,
-                              marker=None if is_base else "o", ms=3, zorder=1 if is_base else 2)
+                              lw=3.0 if is_base else 1.0, alpha=0.35 if is_base else 0.9,
+                              zorder=1 if is_base else 2, **({} if is_base else style[r.mode]))
             handles.setdefault(r.mode, line)
         ax.set_title(f"mask: {mask}")
         ax.set_ylabel("lm loss" if col == 0 else "")
@@ -130,7 +135,7 @@ def loss_fig(runs: list[RunResult], baseline: str | None = "baseline"):
                 devs = [abs(r.losses[i] - base.losses[i]) for i in its]
                 floored |= any(d < DEVIATION_FLOOR for d in devs)
                 (line,) = ax.plot(its, [max(d, DEVIATION_FLOOR) for d in devs], color=colors[r.mode], label=r.mode,
-                                  lw=1.2, marker="o", ms=3)
+                                  lw=1.0, **style[r.mode])
                 handles.setdefault(r.mode, line)
             ax.set_yscale("log")
             ax.set_ylim(DEVIATION_FLOOR / 3, 1.0)
@@ -167,6 +172,9 @@ def measure_fig(runs: list[RunResult], measure: str, baseline: str | None = "bas
     unit, scale = _unit(max(vals.values()), kind)
     vals = {k: v * scale for k, v in vals.items()}
     ylabel = ylabel.format(unit=unit)
+    kinds = sorted({r.memory_kind for r in runs if r.memory_kind})
+    if measure == "memory" and kinds:  # what was measured: max RSS on CPU, the CUDA allocator's peak on GPUs
+        ylabel += f"\n({', '.join(kinds)})"
     plt = _plt()
     masks, modes = _masks(runs), _modes(runs)
     colors = _colors(modes, baseline)
@@ -256,8 +264,9 @@ def heatmap_fig(runs: list[RunResult]):
     modes = _modes(runs)
     cp = max(len(r.bytes_matrix) for r in runs)
     size = max(2.3, 0.42 * cp)
-    fig, axes = plt.subplots(len(masks), len(modes), figsize=(size * len(modes) + 1.5, (size + 0.5) * len(masks)),
+    fig, axes = plt.subplots(len(masks), len(modes), figsize=(size * len(modes) + 1.5, (size + 0.7) * len(masks)),
                              squeeze=False, layout="constrained")
+    fig.get_layout_engine().set(h_pad=0.08)  # the image panels keep their aspect: room between the rows
     for row, mask in enumerate(masks):
         by_mode = {r.mode: r for r in runs if r.mask == mask}
         largest = max((v for r in by_mode.values() for line in r.bytes_matrix for v in line), default=0)
@@ -280,12 +289,12 @@ def heatmap_fig(runs: list[RunResult]):
                             ax.text(j, i, _short_bytes(r.bytes_matrix[i][j]), ha="center", va="center", fontsize=7,
                                     color="white" if data[i][j] > 0.6 * vmax else "black")
             total = sum(sum(line) for line in r.bytes_matrix)
-            ax.set_title(f"{mode}\n[{mask}] total {format_bytes(total)}", fontsize=9)
+            ax.set_title(f"{mode}: total {format_bytes(total)}", fontsize=9)
             ax.set_xticks(range(n))
             ax.set_yticks(range(n))
             ax.tick_params(labelsize=7)
-            ax.set_xlabel("receiver (CP rank)", fontsize=8)
-            ax.set_ylabel("sender (CP rank)" if col == 0 else "", fontsize=8)
+            ax.set_xlabel("receiver (CP rank)" if row == len(masks) - 1 else "", fontsize=8)
+            ax.set_ylabel(f"mask: {mask}\nsender (CP rank)" if col == 0 else "", fontsize=8)
         if image is not None:
             bar = fig.colorbar(image, ax=list(axes[row]), shrink=0.85, pad=0.01)
             bar.set_label(f"{unit} per step", fontsize=8)
