@@ -138,6 +138,12 @@ def test_measure_figures_group_the_modes_by_mask(measure):
         expect = [by[mode, mask] for mode in modes for mask in MASKS]
         assert heights == pytest.approx(expect)
     _check_layout(fig)
+    for r in runs:  # a failed run has no bar; a mode with none left has no legend entry
+        if r.mode == runs[2].mode:
+            r.ok = False
+    fig = figures.measure_fig(runs, measure)
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == [m for m in modes if m != runs[2].mode]
+    assert len(_panels(fig)[0].patches) == (len(modes) - 1) * len(MASKS)
     with pytest.raises(ValueError, match="unknown measure 'speed'; allowed: bytes, time, memory"):
         figures.measure_fig(runs, "speed")
 

@@ -178,6 +178,7 @@ def measure_fig(runs: list[RunResult], measure: str, baseline: str | None = "bas
     plt = _plt()
     masks, modes = _masks(runs), _modes(runs)
     colors = _colors(modes, baseline)
+    modes = [m for m in modes if any((mask, m) in vals for mask in masks)]  # a failed mode has no bar, no entry
     width = 0.8 / len(modes)
     fig, ax = plt.subplots(figsize=(max(5.0, 1.2 + 0.35 * len(modes) * len(masks)) + 1.8, 3.6), layout="constrained")
     for j, mode in enumerate(modes):
