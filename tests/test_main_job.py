@@ -1,7 +1,7 @@
 """The main job end to end: scripts/compare_cp_modes.py runs Megatron's real pretrain() for the
 CP=1 baseline and the Ulysses x Mesh hybrid a2a+mesh (CP 4 = all-to-all 2 x Mesh 2), without a
-mask and on packed documents (data written by the job), and writes the report (Markdown, CSV, four
-PNG plots) -- from the runs' metrics JSON lines, not their logs -- whose losses match each mask's
+mask and on packed documents (data written by the job), and writes the report (Markdown, CSV, the
+PNG figures, the heatmap's totals = the bytes the ranks measured) -- from the runs' metrics JSON lines, not their logs -- whose losses match each mask's
 baseline, whose unmasked attention bytes per step equal what the plan predicts, and whose masked
 runs move fewer bytes."""
 
@@ -49,6 +49,33 @@ def test_compare_cp_modes_writes_the_report_with_masks(tmp_path):
     report = (out / "report.md").read_text()
     assert "| a2a+mesh:2 | docs | 4 |" in report and "![loss.png](loss.png)" in report
     assert "| mode | bytes [none] | bytes [docs] | ms [none] | ms [docs] |" in report
+    _check_per_rank_figures(out, rows)
+
+
+def _check_per_rank_figures(out, rows):
+    """The per-rank figures exist, and the heatmap shows what the ranks measured: each rank's row
+    sums to the bytes_sent of its metrics lines, a2a+mesh:2 sends to its all-to-all partner (r^1)
+    and its inner ring partner (r^2) only, and the unmasked work is balanced."""
+    import json
+
+    from megatron_mesh.tools.figures import heatmap_fig
+    from megatron_mesh.tools.report import RunResult, read_metrics
+
+    for name in ("ranks.png", "heatmap.png"):
+        assert (out / name).stat().st_size > 0 and f"![{name}]({name})" in (out / "report.md").read_text(), name
+    metrics = out / "metrics" / "a2a_mesh_2"
+    measured = {}
+    for f in metrics.glob("rank*.jsonl"):
+        its = [r for r in map(json.loads, f.read_text().splitlines()) if r["kind"] == "iteration"]
+        measured[its[-1]["cp_rank"]] = sum(r["bytes_sent"] for r in its) / len(its)
+    m = read_metrics(str(metrics))
+    assert m.rank_bytes == [measured[r] for r in range(4)] == [sum(row) for row in m.bytes_matrix]
+    assert [[p for p in range(4) if row[p]] for row in m.bytes_matrix] == [sorted((r ^ 1, r ^ 2)) for r in range(4)]
+    assert float(rows["a2a+mesh:2", "none"]["work_max_over_mean"]) == 1.0 and min(m.rank_work) > 0
+    fig = heatmap_fig([RunResult("a2a+mesh:2", 4, rank_bytes=m.rank_bytes, bytes_matrix=m.bytes_matrix)])
+    (image,) = fig.axes[0].get_images()
+    scale = 1 / 1024 if max(max(row) for row in m.bytes_matrix) < 2**20 else 1 / 2**20  # the figure's unit
+    assert float(image.get_array().sum()) == pytest.approx(sum(measured.values()) * scale)
 
 
 def test_a_run_past_its_timeout_is_stopped_and_reported(tmp_path):

@@ -111,3 +111,61 @@ def test_iteration_records_and_bytes_in_the_log_and_tensorboard(monkeypatch, tmp
         "cp attention bytes per iteration (min, max) across ranks: sent (1.95 KiB, 1.95 KiB) | "
         "received (3.91 KiB, 3.91 KiB)"]
     assert scalars == [("cp-attention-bytes-sent", 2000.0, 2), ("cp-attention-bytes-received", 4000.0, 2)]
+
+
+class _Comm4(Communicator):
+    rank, world_size = 1, 4
+
+    def _start(self, sends, recvs):
+        return DONE
+
+
+def test_iteration_records_bytes_per_peer_and_attention_work(monkeypatch, tmp_path):
+    """Each iteration record splits bytes_sent by receiver (CP group ranks; they sum to bytes_sent)
+    and carries the forward attention work of the plans the layers ran: summed over a CP group's
+    ranks it is every causal (query, key) pair x heads x samples, for a plain and a head-sliced plan."""
+    from megatron_mesh.plan import AttentionShape, Mask, resolve
+
+    monkeypatch.setattr(T, "args", types.SimpleNamespace(log_interval=100))
+    monkeypatch.setattr(T, "timing", False)
+    monkeypatch.setattr(T, "metrics", MetricsWriter(str(tmp_path), 1))
+    monkeypatch.setattr(T, "step_ms", 1.0)
+    monkeypatch.setattr(T, "bytes_at_record", telemetry.total_bytes())
+    monkeypatch.setattr(T, "sent_to_at_record", telemetry.total_sent_to())
+    monkeypatch.setattr(T, "work", 0)
+    monkeypatch.setattr(T, "plan_work", {})
+    monkeypatch.setattr(T, "cp_rank", None)
+    comm = _Comm4()
+    f32 = torch.float32
+    comm.start([(0, torch.zeros(10, dtype=f32)), (2, torch.zeros(3, dtype=f32)), (0, torch.zeros(1, dtype=f32))],
+               [(3, torch.zeros(4, dtype=f32))])
+    comm.start([(3, torch.zeros(5, dtype=torch.float64))], [])
+    S, heads, kv_heads, batch = 32, 4, 2, 2
+    shape = AttentionShape(seq_local=S // 4, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=8, itemsize=4)
+    causal_scores = S * (S + 1) // 2 * heads * batch
+    for mode, settings in (("ring", {}), ("a2a+mesh", {"ulysses_size": 2})):
+        plan = resolve(mode, 4, shape, **settings).build(shape, Mask(causal=True))
+        works = []
+        for rank in range(4):
+            before = T.work
+            for _ in range(2):  # a second call of the same plan (next micro-batch) adds the same work again
+                telemetry.on_attention(plan, rank, batch, heads, kv_heads)
+            works.append((T.work - before) // 2)
+        assert sum(works) == causal_scores, (mode, works)
+    telemetry.on_attention(plan, 1, batch, heads, kv_heads)  # this process is CP rank 1
+    telemetry._after_iteration({"lm loss": torch.tensor(4.0)}, 1, is_first=False)
+    telemetry._after_iteration({"lm loss": torch.tensor(3.9)}, 2, is_first=False)
+    first, second = [json.loads(line) for line in (tmp_path / "rank1.jsonl").read_text().splitlines()]
+    assert first["bytes_sent_to"] == {"0": 44, "2": 12, "3": 40} and first["bytes_sent"] == 96 == 4 * 11 + 12 + 40
+    assert first["cp_rank"] == 1 and first["attention_work"] == 4 * causal_scores + works[1]
+    assert (second["bytes_sent"], second["bytes_sent_to"], second["attention_work"]) == (0, {}, 0)
+
+
+def test_comm_counter_counts_bytes_per_peer():
+    from megatron_mesh.comm.base import comm_counter
+
+    with comm_counter() as c:
+        _Comm4().start([(0, torch.zeros(2)), (3, torch.zeros(6)), (0, torch.zeros(1))], [])
+    assert c.sent_to == {0: 12, 3: 24} and c.bytes_sent == 36 and c.messages_sent == 3
+    with pytest.raises(ValueError, match=r"bytes per peer \{0: 5\} sum to 5, not to the 6 bytes sent"):
+        record_bytes(6, 0, 1, {0: 5})

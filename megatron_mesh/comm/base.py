@@ -10,12 +10,12 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Iterator, Protocol, Sequence
+from dataclasses import dataclass, field
+from typing import Iterator, Mapping, Protocol, Sequence
 
 from torch import Tensor
 
-__all__ = ["Work", "Communicator", "CommCount", "comm_counter", "record_bytes", "total_bytes"]
+__all__ = ["Work", "Communicator", "CommCount", "comm_counter", "record_bytes", "total_bytes", "total_sent_to"]
 
 
 class Work(Protocol):
@@ -49,18 +49,31 @@ class Communicator(ABC):
                 raise ValueError("transfers need contiguous tensors")
         if not sends and not recvs:
             return DONE
-        record_bytes(sum(t.numel() * t.element_size() for _, t in sends),
-                     sum(t.numel() * t.element_size() for _, t in recvs), len(sends))
+        sent_to: dict[int, int] = {}
+        for peer, t in sends:
+            sent_to[peer] = sent_to.get(peer, 0) + t.numel() * t.element_size()
+        record_bytes(sum(sent_to.values()), sum(t.numel() * t.element_size() for _, t in recvs), len(sends), sent_to)
         return self._start(sends, recvs)
 
 
 @dataclass
 class CommCount:
-    """Bytes this rank's plugin communication sent and received inside a :func:`comm_counter`."""
+    """Bytes this rank's plugin communication sent and received inside a :func:`comm_counter`.
+    ``sent_to`` splits ``bytes_sent`` by receiver: peer -> bytes, the peer as the communicator names
+    it, i.e. its rank in the CP group (not its global rank), so the counts of a group's ranks form
+    its sender x receiver matrix."""
 
     bytes_sent: int = 0
     bytes_received: int = 0
     messages_sent: int = 0
+    sent_to: dict[int, int] = field(default_factory=dict)
+
+    def add(self, sent: int, received: int, messages: int, sent_to: Mapping[int, int] | None) -> None:
+        self.bytes_sent += sent
+        self.bytes_received += received
+        self.messages_sent += messages
+        for peer, n in (sent_to or {}).items():
+            self.sent_to[peer] = self.sent_to.get(peer, 0) + n
 
 
 _local = threading.local()  # one stack per thread: in-process virtual ranks run one per thread
@@ -74,15 +87,15 @@ def _stack() -> list[CommCount]:
     return _local.stack
 
 
-def record_bytes(sent: int, received: int, messages: int = 0) -> None:
+def record_bytes(sent: int, received: int, messages: int = 0, sent_to: Mapping[int, int] | None = None) -> None:
+    """Credit a round's bytes to the process totals and this thread's open counters; ``sent_to``:
+    the sent bytes per peer (group rank), summing to ``sent`` when given."""
+    if sent_to is not None and sum(sent_to.values()) != sent:
+        raise ValueError(f"bytes per peer {dict(sent_to)} sum to {sum(sent_to.values())}, not to the {sent} bytes sent")
     with _totals_lock:
-        _totals.bytes_sent += sent
-        _totals.bytes_received += received
-        _totals.messages_sent += messages
+        _totals.add(sent, received, messages, sent_to)
     for c in _stack():
-        c.bytes_sent += sent
-        c.bytes_received += received
-        c.messages_sent += messages
+        c.add(sent, received, messages, sent_to)
 
 
 def total_bytes() -> tuple[int, int]:
@@ -90,6 +103,14 @@ def total_bytes() -> tuple[int, int]:
     the training scripts log its growth per iteration."""
     with _totals_lock:
         return _totals.bytes_sent, _totals.bytes_received
+
+
+def total_sent_to() -> dict[int, int]:
+    """Bytes this process sent so far per peer (its rank in the CP group), all threads: a copy.
+    One process is one rank of one CP group in Megatron; in-process virtual ranks (threads) share
+    a process, so read their per-rank counts from :func:`comm_counter` instead."""
+    with _totals_lock:
+        return dict(_totals.sent_to)
 
 
 def active_counters() -> list[CommCount]:
@@ -119,7 +140,7 @@ def comm_counter() -> Iterator[CommCount]:
         with megatron_mesh.comm_counter() as c:
             out = megatron_mesh.mesh_attention(q, k, v, tile=(2, 2))
             out.sum().backward()
-        print(c.bytes_sent, c.bytes_received)
+        print(c.bytes_sent, c.bytes_received, c.sent_to)  # sent_to: {peer group rank: bytes}
     """
     c = CommCount()
     _stack().append(c)

@@ -8,7 +8,11 @@ Every rank appends to ``DIR/rank<R>.jsonl`` (written by :mod:`.telemetry`):
   (Megatron's reduced losses, e.g. ``{"lm loss": 4.87}``; empty on ranks without the last
   pipeline stage), ``time_ms`` (wall time of Megatron's ``train_step``), ``bytes_sent`` /
   ``bytes_received`` (this rank's plugin attention traffic in the iteration, forward and backward),
-  ``peak_memory`` and ``memory_kind``.
+  ``peak_memory``, ``memory_kind``, ``cp_rank`` (this rank's rank in its CP group; None if no
+  plugin attention ran), ``bytes_sent_to`` (``bytes_sent`` split by receiver: ``{"<peer CP rank>":
+  bytes}``, peers with nothing left out) and ``attention_work`` (the attention scores its plugin
+  kernel calls computed in the forward: allowed (query, key) pairs x query heads x samples, from
+  the plans the layers ran).
 
 ``megatron_mesh.tools.report.read_metrics`` reads them back.
 """

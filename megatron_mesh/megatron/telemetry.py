@@ -12,7 +12,9 @@
 * **Bytes** (``--log-cp-attention-bytes``): at every ``--log-interval`` the attention bytes each
   rank sent and received per iteration, min and max over ranks, as a log line and as TensorBoard
   scalars ``cp-attention-bytes-sent`` / ``-received`` (max over ranks).
-* **Metrics** (``--cp-metrics-dir DIR``): per-rank JSON lines, see :mod:`.metrics`.
+* **Metrics** (``--cp-metrics-dir DIR``): per-rank JSON lines, see :mod:`.metrics`: per iteration
+  also the bytes this rank sent to each CP peer and the attention work of its kernel calls
+  (:func:`on_attention`, called by every plugin attention call with the plan it runs).
 
 The spec functions call :func:`install` with Megatron's parsed arguments; it wraps
 ``megatron.training.training.training_log`` (called once per iteration on every rank, after
@@ -32,10 +34,10 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from ..comm.base import Communicator, total_bytes
+from ..comm.base import Communicator, total_bytes, total_sent_to
 from ..plan.units import format_bytes
 
-__all__ = ["install", "register_layer", "on_forward", "timed_communicator", "compute_phase", "mark_backward",
+__all__ = ["install", "register_layer", "on_forward", "on_attention", "timed_communicator", "compute_phase", "mark_backward",
            "TIMER_COMPUTE", "TIMER_COMM", "TIMER_LOG_LEVEL"]
 
 logger = logging.getLogger(__name__)
@@ -54,6 +56,10 @@ class _State:
     depth = {TIMER_COMPUTE: 0, TIMER_COMM: 0}
     step_ms: Optional[float] = None
     bytes_at_record = (0, 0)
+    sent_to_at_record: dict = {}  # peer -> bytes sent so far, at the last iteration record
+    work = 0  # attention work of this rank's kernel calls since the last iteration record
+    cp_rank: Optional[int] = None  # this rank's rank in its CP group (the peers' numbering)
+    plan_work: dict = {}  # id(plan) -> (plan, rank, work): a plan's work is summed once, not per call
     bytes_at_log = (0, 0)
     iterations_since_log = 0
 
@@ -112,6 +118,29 @@ def _groups(layers) -> list[str]:
         else:
             runs.append([n, n, desc])
     return [f"{f'layer {a}' if a == b else f'layers {a}-{b}'}: {desc}" for a, b, desc in runs]
+
+
+# -- attention work ------------------------------------------------------------------------------------
+def on_attention(plan, rank: int, batch: int, heads: int, kv_heads: int) -> None:
+    """A plugin attention call on this rank (its CP group rank ``rank``) runs ``plan`` for a batch
+    of ``batch`` samples with ``heads`` / ``kv_heads`` heads: credits the forward work of its kernel
+    calls -- the (query, key) pairs the mask allows, times the query heads of each block and the
+    batch, i.e. the attention scores actually computed (a Ulysses rank's blocks hold its head
+    slice). Only with ``--cp-metrics-dir``; the plan's work is computed once per plan (the runtime
+    caches plans, so the same object comes back every step)."""
+    if _State.metrics is None:
+        return
+    _State.cp_rank = rank
+    entry = _State.plan_work.get(id(plan))
+    if entry is None or entry[0] is not plan or entry[1] != (rank, heads, kv_heads):
+        from ..plan.accounting import block_pairs
+
+        work = sum(block_pairs(plan, op) * plan.head_counts(op.q, heads, kv_heads)[0]
+                   for op in plan.rank(rank).blocks("forward"))
+        if len(_State.plan_work) > 256:  # documents give a plan per batch: keep the table small
+            _State.plan_work.clear()
+        entry = _State.plan_work[id(plan)] = (plan, (rank, heads, kv_heads), work)  # holding plan keeps id(plan) its own
+    _State.work += entry[2] * batch
 
 
 # -- timers ----------------------------------------------------------------------------------------------
@@ -252,13 +281,18 @@ def _after_iteration(loss_dict: dict, iteration: int, is_first: bool) -> None:
     _State.iterations_since_log += 1
     if _State.metrics is not None:
         sent, received = total_bytes()
+        sent_to = total_sent_to()
+        before = _State.sent_to_at_record
         peak, kind = _peak_memory()
         _State.metrics.write({
             "kind": "iteration", "iteration": iteration,
             "losses": {k: float(v.float().mean()) if torch.is_tensor(v) else float(v) for k, v in loss_dict.items()},
             "time_ms": _State.step_ms, "bytes_sent": sent - _State.bytes_at_record[0],
-            "bytes_received": received - _State.bytes_at_record[1], "peak_memory": peak, "memory_kind": kind})
-        _State.bytes_at_record = (sent, received)
+            "bytes_received": received - _State.bytes_at_record[1], "peak_memory": peak, "memory_kind": kind,
+            "cp_rank": _State.cp_rank,
+            "bytes_sent_to": {str(p): n - before.get(p, 0) for p, n in sorted(sent_to.items()) if n != before.get(p, 0)},
+            "attention_work": _State.work})
+        _State.bytes_at_record, _State.sent_to_at_record, _State.work = (sent, received), sent_to, 0
     if not (iteration % args.log_interval == 0 or is_first):
         return
     if _State.timing:  # like training_log: the first iteration is logged without resetting

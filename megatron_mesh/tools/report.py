@@ -1,12 +1,15 @@
 """The side-by-side report of CP modes: read each run's per-rank metrics (JSON lines written by
-``--cp-metrics-dir``, see ``megatron_mesh.megatron.metrics``) and write a Markdown table, a CSV and
-PNG plots.
+``--cp-metrics-dir``, see ``megatron_mesh.megatron.metrics``) and write Markdown tables, a CSV and
+PNG figures (:mod:`.figures`; the tables are written first and never need matplotlib).
 
 A run is one mode (e.g. ``mesh:2x2``) of the same pretraining job under one mask (``none``,
 ``docs``, ``window``). Its metrics give the loss and time of every iteration, the attention bytes
 each rank sent, its peak memory and the mode and tile of every layer -- no scraping of Megatron's
 human-readable log. Every run is compared with the baseline and the ring run of its own mask; with
-several masks a second table puts each mode's bytes and time under every mask side by side.
+several masks a second table puts each mode's bytes and time under every mask side by side, and a
+mask ``<m>-zigzag`` (the same runs on Megatron's zigzag layout) is set beside ``<m>`` in a third.
+Per CP rank the metrics also give the attention work and the bytes sent to each peer: the tables'
+max/mean columns and the per-rank and sender x receiver figures.
 """
 
 from __future__ import annotations
@@ -18,25 +21,9 @@ from dataclasses import dataclass, field
 
 from ..plan.modes import REFERENCE_MODE
 from ..plan.units import format_bytes
+from .runs import RunResult, imbalance, label, mean_time as _mean_time
 
-__all__ = ["RunResult", "Metrics", "read_metrics", "write_report", "format_bytes", "label"]
-
-
-@dataclass
-class RunResult:
-    """One mode's run: per-iteration losses and times, bytes per rank per step, peak memory."""
-
-    mode: str
-    cp: int
-    mask: str = "none"  # "none", "docs", "window": the mask the run trained under
-    tile: str = ""
-    losses: dict[int, float] = field(default_factory=dict)
-    times_ms: dict[int, float] = field(default_factory=dict)
-    bytes_per_step: float | None = None  # max over ranks, mean over iterations
-    peak_memory: int | None = None  # max over ranks
-    memory_kind: str = ""
-    ok: bool = True
-    error: str = ""
+__all__ = ["RunResult", "Metrics", "read_metrics", "write_report", "format_bytes", "label", "imbalance"]
 
 
 @dataclass
@@ -49,6 +36,14 @@ class Metrics:
     peak_memory: int | None = None  # max over ranks
     memory_kind: str = ""
     layers: dict[int, dict] = field(default_factory=dict)  # layer number -> {"mode", "cp", "tile", ...}
+    # Per CP rank (list index = the rank in its CP group; the max over CP groups where DP, TP or PP
+    # give several), means over iterations: attention bytes sent, attention work (scores computed
+    # in the forward, see megatron_mesh.megatron.metrics) and the bytes each rank sent to each
+    # peer, bytes_matrix[sender][receiver] (its rows sum to rank_bytes). Empty for metrics
+    # written before these were recorded.
+    rank_bytes: list[float] = field(default_factory=list)
+    rank_work: list[float] = field(default_factory=list)
+    bytes_matrix: list[list[float]] = field(default_factory=list)
 
     @property
     def tile(self) -> str:
@@ -62,6 +57,7 @@ def read_metrics(metrics_dir: str, loss_key: str = "lm loss") -> Metrics:
     if not os.path.isdir(metrics_dir):
         return m
     per_rank_bytes, peaks = [], []
+    per_cp_rank: dict[int, list[list[dict]]] = {}  # CP rank -> each of its processes' iteration records
     for name in sorted(os.listdir(metrics_dir)):
         if not name.endswith(".jsonl"):
             continue
@@ -80,27 +76,52 @@ def read_metrics(metrics_dir: str, loss_key: str = "lm loss") -> Metrics:
             per_rank_bytes.append(sum(r["bytes_sent"] for r in its) / len(its))
             peaks.append(max(r["peak_memory"] for r in its))
             m.memory_kind = its[-1]["memory_kind"]
+            cp_rank = its[-1].get("cp_rank")
+            if cp_rank is not None:
+                per_cp_rank.setdefault(cp_rank, []).append(its)
     if per_rank_bytes:
         m.bytes_per_step, m.peak_memory = max(per_rank_bytes), max(peaks)
+    if per_cp_rank:
+        _per_cp_rank(m, per_cp_rank)
     return m
 
 
-def _mean_time(r: RunResult) -> float | None:
-    """Mean time per iteration, the first (warm-up) iteration left out when there are others."""
-    ts = [t for i, t in sorted(r.times_ms.items()) if i > min(r.times_ms)] or list(r.times_ms.values())
-    return sum(ts) / len(ts) if ts else None
+def _per_cp_rank(m: Metrics, per_cp_rank: dict[int, list[list[dict]]]) -> None:
+    """Fill the per-rank lists and the bytes matrix from each rank's iteration records."""
+    size = max(max(per_cp_rank) + 1, max((int(p) + 1 for runs in per_cp_rank.values() for its in runs
+                                          for r in its for p in r.get("bytes_sent_to", {})), default=0))
+    m.rank_bytes, m.rank_work = [0.0] * size, [0.0] * size
+    m.bytes_matrix = [[0.0] * size for _ in range(size)]
+    for rank, groups in per_cp_rank.items():
+        best = None  # the group whose rank sent most: its row of the matrix, so rows sum to rank_bytes
+        for its in groups:
+            sent = sum(r["bytes_sent"] for r in its) / len(its)
+            row = [0.0] * size
+            for r in its:
+                for peer, n in r.get("bytes_sent_to", {}).items():
+                    row[int(peer)] += n / len(its)
+            work = sum(r.get("attention_work") or 0 for r in its) / len(its)
+            if best is None or sent > best[0]:
+                best = (sent, row)
+            m.rank_work[rank] = max(m.rank_work[rank], work)
+        m.rank_bytes[rank], m.bytes_matrix[rank] = best
 
 
-def label(r: RunResult) -> str:
-    """The run's name in tables and plots: the mode, and the mask when there is one."""
-    return r.mode if r.mask == "none" else f"{r.mode} [{r.mask}]"
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+PLOTTING_MISSING = ("Figures: not drawn -- matplotlib is not installed (`pip install matplotlib`, or install the "
+                    "plugin with its `megatron` extra: `pip install -e .[megatron]`); the tables above are complete.")
 
 
 def write_report(runs: list[RunResult], out_dir: str, title: str, baseline: str | None = None,
                  notes: tuple[str, ...] = (), sections: tuple[str, ...] = ()) -> str:
-    """Write report.md, report.csv and PNG plots into ``out_dir``; returns the Markdown text.
-    ``baseline``: the mode whose runs (one per mask) the others' losses are compared with;
-    ``sections``: further Markdown blocks (e.g. the planner's prediction), put after the tables."""
+    """Write report.md, report.csv and the PNG figures (:mod:`.figures`) into ``out_dir``; returns
+    the Markdown text. ``baseline``: the mode whose runs (one per mask) the others' losses are
+    compared with; ``sections``: further Markdown blocks (e.g. the planner's prediction), put after
+    the tables. The tables are written first, so a figure that cannot be drawn never loses them;
+    without matplotlib the report says so in one line."""
     os.makedirs(out_dir, exist_ok=True)
     bases = {r.mask: r for r in runs if r.mode == baseline}
     rings = {r.mask: r for r in runs if r.mode == REFERENCE_MODE}
@@ -123,6 +144,9 @@ def write_report(runs: list[RunResult], out_dir: str, title: str, baseline: str 
         rows.append(dict(mode=r.mode, mask=r.mask, cp=r.cp, tile=r.tile, status="ok" if r.ok else f"FAILED: {r.error}",
                          max_loss_deviation=dev, time_per_iteration_ms=mt, attention_bytes_per_rank_per_step=r.bytes_per_step,
                          bytes_vs_ring=vs_ring, peak_memory_bytes=r.peak_memory,
+                         work_max_over_mean=imbalance(r.rank_work), bytes_max_over_mean=imbalance(r.rank_bytes),
+                         attention_work_per_rank=" ".join(f"{v:.0f}" for v in r.rank_work),
+                         attention_bytes_per_rank=" ".join(f"{v:.0f}" for v in r.rank_bytes),
                          **{f"loss_iter{i}": r.losses.get(i) for i in iters}))
     with open(os.path.join(out_dir, "report.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -130,17 +154,21 @@ def write_report(runs: list[RunResult], out_dir: str, title: str, baseline: str 
         w.writerows(rows)
 
     lines = [f"# {title}", ""]
-    lines.append("| mode | mask | CP | tile | max loss deviation from baseline | time / iteration (ms) | attention bytes sent per rank per step | vs ring | peak memory |")
-    lines.append("|---|---|---|---|---|---|---|---|---|")
+    lines.append("| mode | mask | CP | tile | max loss deviation from baseline | time / iteration (ms) | attention bytes sent "
+                 "per rank per step | vs ring | peak memory | work max/mean | bytes max/mean |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
     for row, r in zip(rows, runs):
         dev, mt, vs = row["max_loss_deviation"], row["time_per_iteration_ms"], row["bytes_vs_ring"]
         dev_s = "baseline" if bases.get(r.mask) is r else ("-" if dev is None else f"{dev:.2e}")
         mt_s = "-" if mt is None else f"{mt:.1f}"
-        vs_s = "-" if vs is None else f"{vs:.2f}"
         lines.append(f"| {r.mode}{'' if r.ok else ' (failed)'} | {r.mask} | {r.cp} | {r.tile or '-'} | {dev_s} | {mt_s} | "
-                     f"{format_bytes(r.bytes_per_step)} | {vs_s} | {format_bytes(r.peak_memory)} |")
+                     f"{format_bytes(r.bytes_per_step)} | {_ratio(vs)} | {format_bytes(r.peak_memory)} | "
+                     f"{_ratio(row['work_max_over_mean'])} | {_ratio(row['bytes_max_over_mean'])} |")
     if len(masks) > 1:
         lines += _mask_table(runs, masks)
+    for mask in masks:
+        if mask.endswith(ZIGZAG_SUFFIX) and mask[:-len(ZIGZAG_SUFFIX)] in masks:
+            lines += _layout_table(runs, mask[:-len(ZIGZAG_SUFFIX)], mask, deviation)
     lines += ["", "Loss per iteration:", "", "| run | " + " | ".join(str(i) for i in iters) + " |",
               "|---|" + "---|" * len(iters)]
     for r in runs:
@@ -149,18 +177,64 @@ def write_report(runs: list[RunResult], out_dir: str, title: str, baseline: str 
     lines += ["", f"Peak memory is the {', '.join(sorted(kinds)) or 'peak memory'} of the largest rank; time per "
               "iteration is the slowest rank's Megatron train_step, the first iteration left out; bytes are the plugin's attention traffic (all layers, forward "
               "and backward) measured by comm_counter; each run's loss deviation and ratio to ring are against the "
-              "baseline and ring runs of its own mask.", *notes, ""]
+              "baseline and ring runs of its own mask. Work max/mean and bytes max/mean: the busiest CP rank's "
+              "attention work (scores its kernel calls computed in the forward, from the plans the layers ran) and "
+              "bytes sent over the mean of the ranks (1.00: balanced).", *notes, ""]
     failed = [r for r in runs if not r.ok]
     for r in failed:
         lines.append(f"**{label(r)} failed**: {r.error}")
     for section in sections:
         lines += ["", section.rstrip(), ""]
-    plots = _plots(runs, out_dir)
-    lines += [f"![{name}]({name})" for name in plots]
-    text = "\n".join(lines) + "\n"
-    with open(os.path.join(out_dir, "report.md"), "w") as f:
-        f.write(text)
-    return text
+
+    def write(extra: list[str]) -> str:
+        text = "\n".join(lines + extra) + "\n"
+        with open(os.path.join(out_dir, "report.md"), "w") as f:
+            f.write(text)
+        return text
+
+    write([])  # the tables are on disk before any figure is drawn
+    try:
+        import matplotlib  # noqa: F401 -- only to know whether the figures can be drawn
+    except ImportError:
+        return write(["", PLOTTING_MISSING])
+    from .figures import write_figures
+
+    return write(["", *_FIGURE_TEXT, ""] + [f"![{name}]({name})" for name in write_figures(runs, out_dir, baseline)])
+
+
+ZIGZAG_SUFFIX = "-zigzag"
+_FIGURE_TEXT = ("Figures: loss.png -- loss curves per mask and their deviation from the mask's baseline (log axis; "
+                "parity is a flat line at rounding level); bytes.png, time.png, memory.png -- one group of bars per "
+                "mask, one bar per mode; ranks.png -- attention work and bytes of every CP rank (imbalance); "
+                "heatmap.png -- the bytes each CP rank sent to each other one (sender x receiver).",)
+
+
+def _layout_table(runs: list[RunResult], mask: str, zigzag: str, deviation) -> list[str]:
+    """Per mode: the runs under ``mask`` (its default layout; balanced for documents) and under
+    ``<mask>-zigzag`` (Megatron's zigzag layout) side by side."""
+    by = {(r.mode, r.mask): r for r in runs}
+    name = "documents" if mask == "docs" else mask
+    out = ["", f"{name}: balanced vs zigzag layout ('{mask}' runs vs '{zigzag}' runs; attention bytes sent per rank "
+           "per step, work and bytes max/mean over CP ranks, time per iteration, max loss deviation from the CP 1 "
+           "baseline):", "",
+           "| mode | bytes balanced | bytes zigzag | work max/mean balanced | work max/mean zigzag | bytes max/mean "
+           "balanced | bytes max/mean zigzag | ms balanced | ms zigzag | loss deviation balanced | loss deviation zigzag |",
+           "|---|" + "---|" * 10]
+    for mode in dict.fromkeys(r.mode for r in runs):
+        pair = [by.get((mode, mask)), by.get((mode, zigzag))]
+        if all(r is None or r.cp == 1 for r in pair):
+            continue  # CP 1 has no layout to compare
+        cells = [format_bytes(r.bytes_per_step) if r else "-" for r in pair]
+        cells += [_ratio(imbalance(r.rank_work)) if r else "-" for r in pair]
+        cells += [_ratio(imbalance(r.rank_bytes)) if r else "-" for r in pair]
+        for r in pair:
+            t = _mean_time(r) if r else None
+            cells.append("-" if t is None else f"{t:.1f}")
+        for r in pair:
+            d = deviation(r) if r else None
+            cells.append("-" if d is None else f"{d:.2e}")
+        out.append(f"| {mode} | " + " | ".join(cells) + " |")
+    return out
 
 
 def _mask_table(runs: list[RunResult], masks: list[str]) -> list[str]:
@@ -177,49 +251,3 @@ def _mask_table(runs: list[RunResult], masks: list[str]) -> list[str]:
             cells.append("-" if t is None else f"{t:.1f}")
         out.append(f"| {mode} | " + " | ".join(cells) + " |")
     return out
-
-
-def _plots(runs: list[RunResult], out_dir: str) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = []
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in runs:
-        if r.losses:
-            its = sorted(r.losses)
-            ax.plot(its, [r.losses[i] for i in its], marker="o", label=label(r), alpha=0.8)
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("lm loss")
-    ax.set_title("Loss (curves overlap when the modes agree)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "loss.png"), dpi=110)
-    plt.close(fig)
-    names.append("loss.png")
-    for key, ylabel, fname, scale in (
-            ("time", "time per iteration (ms)", "time.png", 1.0),
-            ("bytes", "attention bytes sent per rank per step (MiB)", "bytes.png", 1 / 2**20),
-            ("memory", "peak memory per rank (MiB)", "memory.png", 1 / 2**20)):
-        vals = []
-        for r in runs:
-            if key == "time":
-                v = _mean_time(r)
-            elif key == "bytes":
-                v = r.bytes_per_step
-            else:
-                v = r.peak_memory
-            vals.append(None if v is None else v * scale)
-        if all(v is None for v in vals):
-            continue
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.bar([label(r) for r in runs], [v or 0 for v in vals], color="tab:blue")
-        ax.set_ylabel(ylabel)
-        ax.tick_params(axis="x", rotation=30)
-        fig.tight_layout()
-        fig.savefig(os.path.join(out_dir, fname), dpi=110)
-        plt.close(fig)
-        names.append(fname)
-    return names
