@@ -3,17 +3,11 @@
 import csv
 import json
 
+from helpers import png_size
 from megatron_mesh.tools.report import PLOTTING_MISSING, Metrics, RunResult, format_bytes, read_metrics, write_report
 
 LOSSES = {1: 4.876635, 2: 4.81261, 3: 4.649817}
 TIMES = {1: 3326.7, 2: 331.2, 3: 320.6}
-
-
-def png_size(path) -> tuple[int, int]:
-    """(width, height) in pixels from a PNG's IHDR chunk (no image library needed)."""
-    head = open(path, "rb").read(24)
-    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR", head
-    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
 
 
 def _metrics(tmp_path, name, per_rank_steps, peak, last_stage=(1,)):
