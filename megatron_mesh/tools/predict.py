@@ -13,8 +13,11 @@ Markdown sections built here from the planner (:mod:`megatron_mesh.tools.planner
   node), per mode the bytes each rank sends, the predicted forward + backward time and the work
   balance, which mode ``auto`` picks, and the compute floor;
 * :func:`measured_vs_planned_section` -- for the CPU run: per (mode, mask) run, the planner's
-  bytes per rank per step for the run's own shape (layers x micro-batches x one layer's forward +
-  backward, the busiest rank) next to the bytes ``comm_counter`` measured, and their ratio.
+  bytes per rank per step for the run's own plan (its mode, all-to-all degree and tile resolved as
+  the runtime resolves them; layers x micro-batches x one layer's forward + backward, the busiest
+  rank: :func:`~megatron_mesh.plan.autotile.evaluate_plan`, the number the planner reports and
+  tests/test_plan_bytes_vs_measured.py checks against comm_counter) next to the bytes measured,
+  and their ratio.
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ import struct
 from dataclasses import dataclass
 
 from ..megatron import yaml_args
+from ..plan.autotile import evaluate_plan
+from ..plan.balance import balanced_layout
 from ..plan.mask import Mask
+from ..plan.modes import resolve
 from ..plan.shape import AttentionShape
 from ..plan.simulate import BACKWARD_FLOPS
 from ..plan.topology import Topology
@@ -301,63 +307,73 @@ def _tile(text: str) -> tuple[int, int] | None:
     return int(a), int(b)
 
 
-def _match(rows: list[ModeResult], mode: str, tile: str) -> ModeResult | None:
-    """The planner row of a run: same mode, all-to-all degree and (Mesh) tile the run reported."""
+def _placement(mode: str, tile: str, problem: Problem):
+    """The run's placement as the runtime resolves it: its mode, all-to-all degree and the (Mesh)
+    tile it reported (None: a Mesh run that did not report one tile)."""
     name, ulysses = _plan_mode(mode)
-    want = _tile(tile)
-    for r in rows:
-        if r.mode == name and r.ulysses == ulysses and (want is None or r.tile is None or r.tile == want):
-            return r
-    return None
+    settings = {"ulysses_size": ulysses} if name.startswith("a2a+") else {}
+    if name.endswith("mesh"):
+        if _tile(tile) is None:
+            return None
+        settings["tile"] = _tile(tile)
+    return resolve(name, problem.cp, problem.shape, **settings)
 
 
-def _planned_rows(problem: Problem, names: tuple[str, ...], mask: str, window: int | None, doc_mean: int,
-                  draws: int) -> list[list[ModeResult]]:
-    """The planner's rows of the CPU run's modes under ``mask`` (one list per document draw)."""
+def _planned_bytes(placement, problem: Problem, mask: str, window: int | None, cu_seqlens) -> int:
+    """The planner's bytes (busiest rank, one layer, forward + backward) of ``placement`` under the
+    run's ``mask``: documents under the balanced layout (docs; per Ulysses group, as the runtime
+    balances them) or Megatron's zigzag (docs-zigzag)."""
     topo = Topology.for_cp(problem.cp, problem.cp)  # one machine: every rank on one "node", as the gloo run
-    shape = problem.shape
+    shape, layout = problem.shape, None
     if mask == "none":
-        return [evaluate(problem.cp, shape, topo, modes=names)[0]]
-    if mask == "window":
-        return [evaluate(problem.cp, shape, topo, modes=names, mask=Mask(True, (window, 0)))[0]]
-    layout = "balanced" if mask == "docs" else "zigzag"
-    return [layout_rows(problem.cp, shape, topo, document_bounds(f"lognormal:{doc_mean},1", problem.seq_len, seed),
-                        modes=names, layouts=(layout,))[0] for seed in range(draws)]
+        m = Mask(True)
+    elif mask == "window":
+        m = Mask(True, (window, 0))
+    elif mask == "docs-zigzag":
+        m = Mask.from_cu_seqlens(cu_seqlens, problem.seq_len, True)
+    else:
+        m, layout = Mask(True), balanced_layout(cu_seqlens, problem.cp, group=placement.ulysses)
+    return evaluate_plan(placement.build(shape, m, layout), shape, topo).bytes_per_rank
 
 
 def measured_vs_planned_section(runs, problem: Problem, window: int | None = None, doc_mean: int | None = None,
-                                draws: int = 4) -> str:
+                                draws: int = 8) -> str:
     """Markdown: for each CP run (``runs``: the report's RunResults -- mode, mask, cp, tile,
     bytes_per_step), the planner's bytes per rank per step for ``problem`` (the CPU job's config
     at its CP size) next to the measured ones. Unmasked and windowed runs are planned exactly;
     documents differ from sample to sample, so the documents runs are planned for ``draws`` draws
-    of the job's length distribution (lognormal, mean ``doc_mean``, sigma 1): near 1, not 1."""
+    of the job's length distribution (lognormal, mean ``doc_mean``, sigma 1): an estimate."""
     runs = [r for r in runs if r.cp > 1 and r.ok and r.bytes_per_step is not None]
     per_step = problem.layers * problem.micro_batches
-    names = tuple(dict.fromkeys(_plan_mode(r.mode)[0] for r in runs))
-    planned: dict[str, list[list[ModeResult]]] = {}
+    if any(r.mask in ("docs", "docs-zigzag") for r in runs) and doc_mean is None:
+        raise ValueError("planning the documents runs needs their mean length (doc_mean)")
+    if any(r.mask == "window" for r in runs) and window is None:
+        raise ValueError("planning the window runs needs the window's width (window)")
+    draws_cu = [document_bounds(f"lognormal:{doc_mean},1", problem.seq_len, seed) for seed in range(draws)] \
+        if doc_mean is not None else []
     lines = ["## Measured vs planned bytes (this CPU run)", "",
-             f"Planned: the planner's bytes for the busiest rank of the same shape ({problem.shape.heads} / "
-             f"{problem.shape.kv_heads} heads of dim {problem.head_dim}, {problem.shape.seq_local} tokens per rank at "
-             f"CP {problem.cp}, {problem.dtype}), x {problem.layers} layers x {problem.micro_batches} micro-batch(es) "
-             "per step, forward + backward; measured: comm_counter's bytes of the busiest rank, mean over iterations.",
+             f"Planned: the planner's bytes for the busiest rank of the run's own plan (its mode, all-to-all degree "
+             f"and tile; {problem.shape.heads} / {problem.shape.kv_heads} heads of dim {problem.head_dim}, "
+             f"{problem.shape.seq_local} tokens per rank at CP {problem.cp}, {problem.dtype}) x {problem.layers} layers "
+             f"x {problem.micro_batches} micro-batch(es) per step, forward + backward; measured: comm_counter's bytes "
+             "of the busiest rank, mean over the iterations. Documents change from sample to sample (and the bytes "
+             f"with them), so the documents runs are planned for {draws} draws of the job's length distribution "
+             f"(lognormal, mean {doc_mean} tokens): an estimate, not the run's own samples.",
              "", "| run | planned bytes per rank per step | measured | measured / planned | note |",
              "|---|---|---|---|---|"]
     for r in runs:
-        if r.mask not in planned:
-            if r.mask in ("docs", "docs-zigzag") and doc_mean is None:
-                raise ValueError(f"run {r.mode} [{r.mask}]: planning documents needs their mean length (doc_mean)")
-            if r.mask == "window" and window is None:
-                raise ValueError(f"run {r.mode} [{r.mask}]: planning a window needs its width (window)")
-            planned[r.mask] = _planned_rows(problem, names, r.mask, window, doc_mean, draws)
-        found = [_match(rows, r.mode, r.tile) for rows in planned[r.mask]]
         label = r.mode if r.mask == "none" else f"{r.mode} [{r.mask}]"
-        if any(f is None for f in found):
-            lines.append(f"| {label} | - | {format_bytes(r.bytes_per_step)} | - | no planner row for this mode / tile |")
+        placement = _placement(r.mode, r.tile, problem)
+        if placement is None:
+            lines.append(f"| {label} | - | {format_bytes(r.bytes_per_step)} | - | no single Mesh tile reported "
+                         f"({r.tile or 'none'}) |")
             continue
-        plan = per_step * sum(f.bytes_per_rank for f in found) / len(found)
-        note = (f"documents: mean of {len(found)} draws like the job's (its samples differ), so near 1, not 1"
-                if r.mask in ("docs", "docs-zigzag") else "the same plan: equal when the run moves what it plans")
+        if r.mask in ("docs", "docs-zigzag"):
+            one = [_planned_bytes(placement, problem, r.mask, window, cu) for cu in draws_cu]
+            plan, note = per_step * sum(one) / len(one), f"estimate: mean of {len(one)} document draws"
+        else:
+            plan = per_step * _planned_bytes(placement, problem, r.mask, window, None)
+            note = "the run's own plan: equal when the run moves what it plans"
         ratio = f"{r.bytes_per_step / plan:.3f}" if plan else "-"
         lines.append(f"| {label} | {format_bytes(plan)} | {format_bytes(r.bytes_per_step)} | {ratio} | {note} |")
     return "\n".join(lines)
