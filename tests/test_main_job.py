@@ -60,7 +60,7 @@ def test_compare_cp_modes_writes_the_report_with_masks(tmp_path):
     # the planner's sections: its bytes next to the measured ones (the same, unmasked), the GPU prediction
     checked = report.split("## Measured vs planned")[1].split("\n## ")[0]
     hybrid_row = next(line for line in checked.splitlines() if line.startswith("| a2a+mesh:2 |"))
-    assert "| 1.000 | the same plan" in hybrid_row, hybrid_row
+    assert "| 1.000 | the run's own plan" in hybrid_row, hybrid_row
     assert "| a2a+mesh:2 [docs] |" in checked
     assert "## Prediction for llama3_8b_128k_cp16.yaml on GPUs" in report and "`auto` picks **" in report
 
