@@ -19,12 +19,17 @@ its own CP = 1 baseline):
 * ``none``   -- the config as it is (causal),
 * ``docs``   -- packed documents: the same model on documents of mixed lengths (mean: a quarter of
   the sequence; written by scripts/make_doc_dataset.py into the report directory unless
-  ``--doc-data`` names a dataset), cut at end-of-document tokens (``--reset-attention-mask``, loss
-  normalised per token as at CP 1),
+  ``--doc-data`` names a dataset: each document repeats a span of its own, so the loss falls and
+  attention inside a document pays), cut at end-of-document tokens (``--reset-attention-mask``,
+  loss normalised per token as at CP 1), split over the CP ranks by the plugin's balanced layout
+  (``--cp-layout balanced``, the default),
+* ``docs-zigzag`` -- the same documents under Megatron's zigzag layout (``--cp-layout zigzag``);
+  its CP 1 baseline is the ``docs`` one (CP 1 has no layout),
 * ``window`` -- a sliding window of ``--window`` tokens (default: a quarter of a zigzag half,
   seq / (8 CP), so most key blocks are empty).
 
     python scripts/compare_cp_modes.py --config configs/gpt_tiny_cpu_compare.yaml --cp 4 --iters 6
+    python scripts/compare_cp_modes.py --long      # 8K tokens: configs/gpt_tiny_cpu_long.yaml, every mask
     python scripts/compare_cp_modes.py --cp 4 --modes baseline ring mesh:2x2 --masks none window --window 32
 """
 
@@ -37,6 +42,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -45,14 +51,45 @@ from megatron_mesh.megatron import yaml_args  # noqa: E402
 from megatron_mesh.megatron.launch import free_port, kill_process_tree, training_command  # noqa: E402
 from megatron_mesh.megatron import TE_MODES, plugin_modes  # noqa: E402 -- does not import Megatron
 from megatron_mesh.plan.modes import HYBRID_PREFIX  # noqa: E402
+from megatron_mesh.tools import predict  # noqa: E402 -- pure Python: the planner
 from megatron_mesh.tools.report import RunResult, read_metrics, write_report  # noqa: E402
 
-MASKS = ("none", "docs", "window")
+MASKS = ("none", "docs", "docs-zigzag", "window")
+DEFAULT_MASKS = ("none", "docs", "window")  # docs-zigzag would add a run per mode to the quick job
+DOC_MASKS = ("docs", "docs-zigzag")  # the masks that train on the documents
+# --long: the long-context preset (2K tokens per rank at CP 4), every mask
+LONG_CONFIG = os.path.join(ROOT, "configs", "gpt_tiny_cpu_long.yaml")
+LONG_ITERS = 4
+DEFAULT_CONFIG = os.path.join(ROOT, "configs", "gpt_tiny_cpu_compare.yaml")
+DEFAULT_ITERS = 6
 # what a documents run adds to the config (its --mock-data goes): boundaries at end-of-document
 # tokens reach the plugin layers; the loss skips EOD tokens and is normalised over every CP rank's
 # tokens, as at CP 1 (see docs/megatron.md, "Masks")
 DOC_FLAGS = {"--reset-attention-mask": True, "--reset-position-ids": True, "--eod-mask-loss": True,
              "--calculate-per-token-loss": True, "--split": "100,0,0", "--mock-data": None}
+
+
+def preset(args) -> None:
+    """Fill the options left unset: the long-context preset's (--long) or the quick job's."""
+    config, masks, iters = (LONG_CONFIG, MASKS, LONG_ITERS) if args.long else (DEFAULT_CONFIG, DEFAULT_MASKS,
+                                                                                 DEFAULT_ITERS)
+    args.config = config if args.config is None else args.config
+    args.masks = list(masks if args.masks is None else args.masks)
+    args.iters = iters if args.iters is None else args.iters
+    if args.iters < 1:
+        raise SystemExit(f"--iters must be >= 1, got {args.iters}")
+
+
+def reused_baseline(runs: list[RunResult], mode: str, mask: str) -> RunResult | None:
+    """docs-zigzag's CP 1 baseline: the docs baseline's run, when there is one (CP 1 splits nothing,
+    so the layout cannot change it: running it again would only cost time)."""
+    if mode != "baseline" or mask != "docs-zigzag":
+        return None
+    same = next((r for r in runs if r.mode == "baseline" and r.mask == "docs"), None)
+    if same is None:
+        return None
+    print("[baseline [docs-zigzag]] the [docs] baseline's run (CP 1 has no layout)", flush=True)
+    return replace(same, mask=mask)
 
 
 def _have_te() -> bool:
@@ -80,7 +117,7 @@ def _seq_length(config: str) -> int:
 def mask_config(config: str, mask: str, doc_data: str | None, out_dir: str) -> str:
     """The config a run under ``mask`` reads: ``config`` itself, or (documents) a copy in
     ``out_dir`` that reads ``doc_data`` instead of mock data."""
-    if mask != "docs":
+    if mask not in DOC_MASKS:
         return config
     import yaml
 
@@ -94,12 +131,18 @@ def mask_config(config: str, mask: str, doc_data: str | None, out_dir: str) -> s
     return path
 
 
+def doc_mean_length(seq: int) -> int:
+    """Mean document length of the docs runs: a quarter of the sequence, so a sample holds a few
+    documents and most cross a rank's chunk."""
+    return max(2, seq // 4)
+
+
 def make_doc_data(args, out_dir: str) -> str:
     """Documents for the ``docs`` runs: mean length a quarter of the sequence, enough tokens for
     every iteration's samples twice over."""
     seq = _seq_length(args.config)
     prefix = os.path.join(out_dir, "data", "docs")
-    mean = max(2, seq // 4)
+    mean = doc_mean_length(seq)
     documents = max(64, 2 * args.iters * 16 * (seq + 1) // mean)
     subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_doc_dataset.py"), prefix, "--mean-length",
                     str(mean), "--max-length", str(2 * seq), "--documents", str(documents), "--chunk",
@@ -130,6 +173,8 @@ def command(mode: str, args, metrics: str, mask: str = "none", config: str | Non
         flags += ["--hierarchical-context-parallel-sizes", str(ulysses), str(cp // ulysses)]
     if mask == "window":
         flags += ["--window-size", f"{args.window},0"]
+    if mask == "docs-zigzag" and cp > 1:  # Megatron refuses a layout at CP 1: there is nothing to split
+        flags += ["--cp-layout", "zigzag"]
     flags += args.megatron_args
     torchrun_args, env = training_command("pretrain", [config or args.config, *flags], environ)
     return [sys.executable, "-m", "torch.distributed.run", *torchrun_args], env, flags
@@ -195,6 +240,18 @@ class _Progress:
             self.shown.add(it)
 
 
+def report_sections(runs: list[RunResult], args) -> tuple[str, ...]:
+    """The report's planner sections: the measured-vs-planned bytes of this run (CP > 1), then the
+    GPU prediction of each --predict config."""
+    sections = []
+    if args.cpu_problem is not None:
+        doc_mean = doc_mean_length(args.cpu_problem.seq_len)  # what make_doc_data writes (with --doc-data: a guess)
+        sections.append(predict.measured_vs_planned_section(runs, args.cpu_problem, window=args.window,
+                                                            doc_mean=doc_mean))
+    sections += [predict.prediction_section(path) for path in args.predict_configs]
+    return tuple(sections)
+
+
 def _machine_note() -> str:
     gpus = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.strip().splitlines() \
         if shutil.which("nvidia-smi") else []
@@ -204,50 +261,90 @@ def _machine_note() -> str:
             "their times say nothing about GPU speed -- compare losses and bytes here, times on GPUs.")
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The job's options with the preset's defaults filled in, the modes and masks resolved, and
+    every config the report plans for read (``cpu_problem``: the job's own; ``predict_configs``)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=os.path.join(ROOT, "configs", "gpt_tiny_cpu_compare.yaml"))
+    ap.add_argument("--config", default=None,
+                    help="Megatron YAML config of the job (default configs/gpt_tiny_cpu_compare.yaml; with --long "
+                         "configs/gpt_tiny_cpu_long.yaml)")
+    ap.add_argument("--long", action="store_true",
+                    help=f"the long-context preset: configs/gpt_tiny_cpu_long.yaml (8192 tokens, 2048 per rank at CP 4), "
+                         f"every mask ({' '.join(MASKS)}), {LONG_ITERS} iterations (each overridable)")
     ap.add_argument("--cp", type=int, default=4, help="context-parallel size of the compared modes (default 4)")
     ap.add_argument("--modes", nargs="+",
                     help="default: baseline ring mesh:auto mesh:<square> tasp, a2a+mesh:2 at CP >= 4 (+ TE modes with TE)")
-    ap.add_argument("--masks", nargs="+", default=list(MASKS), choices=MASKS,
-                    help="run every mode under each of these masks (default: none docs window)")
+    ap.add_argument("--masks", nargs="+", default=None, choices=MASKS,
+                    help=f"run every mode under each of these masks (default: {' '.join(DEFAULT_MASKS)}; with --long "
+                         f"{' '.join(MASKS)})")
     ap.add_argument("--window", type=int, default=None,
                     help="window of the 'window' runs in tokens (default seq / (8 CP): a quarter of a zigzag half)")
     ap.add_argument("--doc-data", default=None,
                     help="dataset prefix (.bin/.idx) of the 'docs' runs (default: written by scripts/make_doc_dataset.py "
                          "into the report directory)")
-    ap.add_argument("--iters", type=int, default=6, help="training iterations per run (default 6)")
+    ap.add_argument("--iters", type=int, default=None,
+                    help=f"training iterations per run (default {DEFAULT_ITERS}; with --long {LONG_ITERS})")
     ap.add_argument("--run-timeout", type=float, default=None,
                     help="stop a run (and report it failed) after this many seconds (default: no limit)")
+    ap.add_argument("--predict", action="append", default=None, metavar="CONFIG.yaml",
+                    help="a Megatron config (repeatable) whose attention the planner predicts on GPUs, in the report "
+                         "next to the CPU rows (default: configs/llama3_8b_128k_cp16.yaml)")
+    ap.add_argument("--no-predict", action="store_true", help="leave the GPU prediction out of the report")
     ap.add_argument("--out", default=None, help="report directory (default reports/cp_modes_<time>)")
     ap.add_argument("megatron_args", nargs=argparse.REMAINDER, help="extra Megatron flags after --")
     args = ap.parse_args(argv)
+    preset(args)
     if args.megatron_args and args.megatron_args[0] == "--":
         args.megatron_args = args.megatron_args[1:]
-    modes = args.modes or default_modes(args.cp)
-    masks = list(dict.fromkeys(args.masks))
+    args.modes = args.modes or default_modes(args.cp)
+    args.masks = list(dict.fromkeys(args.masks))
     if args.window is None:
         args.window = max(1, _seq_length(args.config) // (8 * args.cp))
     elif args.window < 1:
         raise SystemExit(f"--window must be >= 1 token, got {args.window}")
+    if args.no_predict and args.predict:
+        raise SystemExit("--predict and --no-predict exclude each other")
+    args.predict_configs = [] if args.no_predict else (args.predict or [predict.DEFAULT_CONFIG])
+    try:  # read every config before the first training: a bad one fails in seconds, not after the runs
+        for path in args.predict_configs:
+            predict.read_config(path)
+        args.cpu_problem = predict.read_config(args.config, cp=args.cp) if args.cp > 1 else None
+    except ValueError as e:
+        raise SystemExit(f"compare_cp_modes: {e}") from None
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    modes, masks = args.modes, args.masks
     out_dir = args.out or os.path.join(ROOT, "reports", time.strftime("cp_modes_%Y%m%d_%H%M%S"))
     os.makedirs(out_dir, exist_ok=True)
     print(f"comparing {len(modes)} modes x masks {', '.join(masks)} at CP={args.cp} ({args.iters} iterations each); "
           f"report -> {out_dir}", flush=True)
     configs = {}
+    doc_data = (args.doc_data or make_doc_data(args, out_dir)) if set(masks) & set(DOC_MASKS) else None
     for mask in masks:
-        doc_data = (args.doc_data or make_doc_data(args, out_dir)) if mask == "docs" else None
-        configs[mask] = mask_config(args.config, mask, doc_data, out_dir)
-    runs = [run_mode(m, args, out_dir, mask, configs[mask]) for mask in masks for m in modes]
+        configs[mask] = mask_config(args.config, mask, doc_data if mask in DOC_MASKS else None, out_dir)
+    runs = []
+    for mask in masks:
+        for m in modes:
+            runs.append(reused_baseline(runs, m, mask) or run_mode(m, args, out_dir, mask, configs[mask]))
     title = f"CP modes side by side: {os.path.basename(args.config)}, CP={args.cp}, {args.iters} iterations"
     if "window" in masks:
         title += f" (window {args.window})"
     notes = (_machine_note(),)
+    if "docs-zigzag" in masks and "docs" in masks and "baseline" in modes:
+        notes += ("docs-zigzag's baseline is the docs baseline's run: CP 1 splits nothing, so it has no layout.",)
+    planned = True
+    try:
+        sections = report_sections(runs, args)
+    except ValueError as e:  # the tables of the runs are written whatever the planner says
+        print(f"compare_cp_modes: the planner's sections failed: {e}", file=sys.stderr, flush=True)
+        sections, planned = (f"**The planner's sections failed**: {e}",), False
     print("\n" + write_report(runs, out_dir, title, baseline="baseline" if "baseline" in modes else None,
-                              notes=notes))
+                              notes=notes, sections=sections))
     print(f"report: {os.path.join(out_dir, 'report.md')} (+ report.csv, *.png)")
-    return 0 if all(r.ok for r in runs) else 1
+    return 0 if planned and all(r.ok for r in runs) else 1
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 """The main job end to end: scripts/compare_cp_modes.py runs Megatron's real pretrain() for the
-CP=1 baseline and the Ulysses x Mesh hybrid a2a+mesh (CP 4 = all-to-all 2 x Mesh 2), without a
-mask and on packed documents (data written by the job), and writes the report (Markdown, CSV, the
-PNG figures, the heatmap's totals = the bytes the ranks measured) -- from the runs' metrics JSON lines, not their logs -- whose losses match each mask's
-baseline, whose unmasked attention bytes per step equal what the plan predicts, and whose masked
-runs move fewer bytes."""
+CP=1 baseline and the Ulysses x Mesh hybrid a2a+mesh (CP 4 = all-to-all 2 x Mesh 2) on the default
+job's config and iterations, without a mask and on packed documents (data written by the job), and
+writes the report (Markdown, CSV, the PNG figures, the heatmap's totals = the bytes the ranks
+measured) -- from the runs' metrics JSON lines, not their logs -- whose losses match each mask's
+baseline, whose documents' loss falls as the unmasked one does, whose unmasked attention bytes per
+step equal what the plan predicts (and the report's measured-vs-planned section says so), whose
+masked runs move fewer bytes, and which ends with the planner's prediction for the Llama-3 128K
+config on GPUs."""
 
 import csv
 import os
@@ -23,11 +26,12 @@ pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 def test_compare_cp_modes_writes_the_report_with_masks(tmp_path):
     out = tmp_path / "report"
     env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()))
-    rc, text = run_script([sys.executable, "scripts/compare_cp_modes.py", "--config", "configs/gpt_tiny_cpu.yaml",
-                           "--cp", "4", "--iters", "2", "--modes", "baseline", "a2a+mesh:2", "--masks", "none", "docs",
-                           "--run-timeout", "200", "--out", str(out)], env, timeout=600)
+    # the default job's config (configs/gpt_tiny_cpu_compare.yaml: 1024 tokens) and iterations (6)
+    rc, text = run_script([sys.executable, "scripts/compare_cp_modes.py", "--cp", "4", "--modes", "baseline",
+                           "a2a+mesh:2", "--masks", "none", "docs", "--run-timeout", "200", "--out", str(out)], env,
+                          timeout=600)
     assert rc == 0, text[-6000:]
-    assert "[a2a+mesh:2 [docs]]   iteration 2/2" in text  # progress while it runs
+    assert "[a2a+mesh:2 [docs]]   iteration 6/6" in text  # progress while it runs
     for name in ("report.md", "report.csv", "loss.png", "time.png", "bytes.png", "memory.png"):
         assert (out / name).stat().st_size > 0, name
     rows = {(r["mode"], r["mask"]): r for r in csv.DictReader(open(out / "report.csv"))}
@@ -41,14 +45,25 @@ def test_compare_cp_modes_writes_the_report_with_masks(tmp_path):
     assert rows["baseline", "docs"]["loss_iter1"] != rows["baseline", "none"]["loss_iter1"]
     unmasked = float(rows["a2a+mesh:2", "none"]["attention_bytes_per_rank_per_step"])
     assert 0 < float(rows["a2a+mesh:2", "docs"]["attention_bytes_per_rank_per_step"]) < unmasked
-    # gpt_tiny_cpu.yaml: 2 layers, 2 micro-batches of 1 per step, seq 64 (16 per rank), 4/2 heads of 16, fp32
-    shape = AttentionShape(seq_local=16, batch=1, heads=4, kv_heads=2, head_dim=16, itemsize=4)
+    # the documents repeat spans of themselves: their loss falls in every mode, as the unmasked one does
+    for (mode, mask), row in rows.items():
+        first, last = float(row["loss_iter1"]), float(row["loss_iter6"])
+        assert last <= 0.95 * first, (mode, mask, first, last)
+    # gpt_tiny_cpu_compare.yaml: 2 layers, 2 micro-batches of 1 per step, seq 1024 (256 per rank), 4/2 heads of 16,
+    # fp32
+    shape = AttentionShape(seq_local=256, batch=1, heads=4, kv_heads=2, head_dim=16, itemsize=4)
     tile = tuple(int(x) for x in rows["a2a+mesh:2", "none"]["tile"].split("x"))
     plan = resolve("a2a+mesh", 4, shape, ulysses_size=2, tile=tile).build(shape, Mask(causal=True))
     assert unmasked == 2 * 2 * max(b.sent for b in plan_bytes(plan, shape))
     report = (out / "report.md").read_text()
     assert "| a2a+mesh:2 | docs | 4 |" in report and "![loss.png](loss.png)" in report
     assert "| mode | bytes [none] | bytes [docs] | ms [none] | ms [docs] |" in report
+    # the planner's sections: its bytes next to the measured ones (the same, unmasked), the GPU prediction
+    checked = report.split("## Measured vs planned")[1].split("\n## ")[0]
+    hybrid_row = next(line for line in checked.splitlines() if line.startswith("| a2a+mesh:2 |"))
+    assert "| 1.000 | the run's own plan" in hybrid_row, hybrid_row
+    assert "| a2a+mesh:2 [docs] |" in checked
+    assert "## Prediction for llama3_8b_128k_cp16.yaml on GPUs" in report and "`auto` picks **" in report
     _check_per_rank_figures(out, rows)
 
 

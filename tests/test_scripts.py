@@ -136,3 +136,36 @@ def test_compare_attention_runs_documents_on_both_layouts(script, capsys):
     with pytest.raises(SystemExit, match="--layout balanced lays out documents: give --docs"):
         compare.main(["--world", "4", "--layout", "balanced"])
 
+
+def test_compare_cp_modes_long_preset_and_the_zigzag_documents(script, tmp_path):
+    """scripts/compare_cp_modes.py, no run: --long reads the long-context config (>= 8K tokens,
+    2K+ per rank at CP 4) with every mask; docs-zigzag trains the docs config under
+    --cp-layout zigzag at CP > 1 (CP 1 has no layout) and reuses the docs baseline; the default
+    job stays the quick one; the GPU prediction's config is read before any run."""
+    compare = script("compare_cp_modes")
+    args = compare.parse_args(["--long", "--out", str(tmp_path)])
+    assert args.config == compare.LONG_CONFIG and args.iters == compare.LONG_ITERS
+    assert args.masks == ["none", "docs", "docs-zigzag", "window"] and "a2a+mesh:2" in args.modes
+    assert args.cpu_problem.seq_len >= 8192 and args.cpu_problem.shape.seq_local >= 2048
+    assert args.window == args.cpu_problem.seq_len // 32 and args.predict_configs == [compare.predict.DEFAULT_CONFIG]
+    docs = compare.mask_config(args.config, "docs-zigzag", str(tmp_path / "d"), str(tmp_path))
+    assert docs == compare.mask_config(args.config, "docs", str(tmp_path / "d"), str(tmp_path))
+    _, env, flags = compare.command("mesh:2x2", args, str(tmp_path / "m"), "docs-zigzag", docs)
+    assert env["CP"] == "4" and flags[flags.index("--cp-layout") + 1] == "zigzag", flags
+    assert flags[flags.index("--train-iters") + 1] == str(compare.LONG_ITERS)
+    assert "--cp-layout" not in compare.command("mesh:2x2", args, str(tmp_path / "m"), "docs", docs)[2]
+    assert "--cp-layout" not in compare.command("baseline", args, str(tmp_path / "m"), "docs-zigzag", docs)[2]
+    window = compare.command("ring", args, str(tmp_path / "m"), "window", args.config)[2]
+    assert window[window.index("--window-size") + 1] == f"{args.window},0"
+    base = compare.RunResult("baseline", 1, "docs", losses={1: 4.0})
+    assert compare.reused_baseline([base], "baseline", "docs-zigzag") == compare.RunResult("baseline", 1, "docs-zigzag",
+                                                                                          losses={1: 4.0})
+    assert compare.reused_baseline([base], "ring", "docs-zigzag") is None
+    quick = compare.parse_args(["--out", str(tmp_path), "--predict", "configs/llama3_8b_128k_cp8.yaml"])
+    assert quick.config == compare.DEFAULT_CONFIG and quick.masks == list(compare.DEFAULT_MASKS) and quick.iters == 6
+    assert quick.cpu_problem.seq_len < args.cpu_problem.seq_len and quick.predict_configs == ["configs/llama3_8b_128k_cp8.yaml"]
+    with pytest.raises(SystemExit, match=r"compare_cp_modes: config 'nope.yaml': no such file"):
+        compare.parse_args(["--predict", "nope.yaml"])
+    with pytest.raises(SystemExit, match="exclude each other"):
+        compare.parse_args(["--predict", "x.yaml", "--no-predict"])
+    assert compare.parse_args(["--no-predict"]).predict_configs == []

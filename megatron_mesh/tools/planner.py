@@ -120,11 +120,11 @@ def _row(mode: str, c: Candidate, placement: Placement, detail: str = "", extra:
 
 
 def _evaluate_placement(name: str, p: Placement, shape: AttentionShape, topo: Topology, mask: Mask | None,
-                        layout) -> ModeResult:
+                        layout, work: bool = False) -> ModeResult:
     plan = p.build(shape, mask, layout(p) if callable(layout) else layout)
     c = evaluate_plan(plan, shape, topo, contiguous=plan.contiguous if plan.tile and plan.tile[0] > 1 else None)
     extra = {}
-    if mask is not None and not mask.is_dense or layout is not None:
+    if work or mask is not None and not mask.is_dense or layout is not None:
         for direction in ("forward", "backward"):
             w = rank_work(plan, direction)
             extra[f"{direction}_work_max_over_mean"] = max(w) * len(w) / max(1, sum(w))
@@ -252,7 +252,8 @@ _FORMULA = {"ulysses": ulysses_result, "usp": usp_result}
 
 # -- everything -----------------------------------------------------------------------------------------
 def _evaluate_modes(wanted: set, world_size: int, shape: AttentionShape, topo: Topology, mask: Mask, layout,
-                    backward_chunks: str, schedule: str, skipped: list[dict]) -> dict[str, list[ModeResult]]:
+                    backward_chunks: str, schedule: str, skipped: list[dict], work: bool = False
+                    ) -> dict[str, list[ModeResult]]:
     """Every candidate placement of each registered mode in ``wanted``, simulated under ``mask``;
     a mode or placement that cannot run is appended to ``skipped`` with the reason."""
     evaluated: dict[str, list[ModeResult]] = {}
@@ -268,7 +269,7 @@ def _evaluate_modes(wanted: set, world_size: int, shape: AttentionShape, topo: T
             for p in candidates:
                 p = p.with_options(backward_chunks=backward_chunks, schedule=schedule)
                 try:
-                    found.append(_evaluate_placement(name, p, shape, topo, mask, layout))
+                    found.append(_evaluate_placement(name, p, shape, topo, mask, layout, work))
                 except ValueError as e:
                     skipped.append({"mode": f"{name} ({p.describe()})", "reason": str(e)})
             evaluated[name] = found
@@ -278,13 +279,14 @@ def _evaluate_modes(wanted: set, world_size: int, shape: AttentionShape, topo: T
 
 
 def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: bool = True, modes=None,
-             backward_chunks: str = "refetch", schedule: str = "greedy", mask: Mask | None = None, layout=None
-             ) -> tuple[list[ModeResult], list[dict]]:
+             backward_chunks: str = "refetch", schedule: str = "greedy", mask: Mask | None = None, layout=None,
+             work: bool = False) -> tuple[list[ModeResult], list[dict]]:
     """Rows for ``modes`` (see :data:`MODES`) and the modes that cannot run, with the reason.
 
     ``mask`` (default: causal or full by ``causal``) and ``layout`` (a layout, or a function of the
     placement giving one -- a layout balanced per Ulysses group) build the plan-based modes
-    mask-aware; the formula rows (ulysses, usp) assume dense attention and are left out then."""
+    mask-aware; the formula rows (ulysses, usp) assume dense attention and are left out then.
+    ``work``: give every plan-based row its per-rank work max / mean (masked rows always have it)."""
     allowed = all_modes()
     modes = allowed if modes is None else modes
     unknown = [m for m in modes if m not in allowed]
@@ -304,7 +306,7 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: boo
     if AUTO in wanted:
         wanted |= set(plan_modes())
     evaluated = _evaluate_modes(wanted, world_size, shape, topo, mask if mask is not None else Mask(causal), layout,
-                                backward_chunks, schedule, skipped)
+                                backward_chunks, schedule, skipped, work)
     for mode in modes:
         if mode in REGISTRY:
             rows.extend(evaluated.get(mode, []))

@@ -1,0 +1,379 @@
+"""What the planner predicts for a Megatron config on GPUs, and how the CPU run's measured bytes
+compare with the planner's (pure Python, no torch).
+
+The side-by-side job (scripts/compare_cp_modes.py) trains a tiny model on CPU processes, where
+times say nothing about GPUs. Its report connects the run to the user's cluster with two
+Markdown sections built here from the planner (:mod:`megatron_mesh.tools.planner`):
+
+* :func:`prediction_section` -- for a Megatron YAML config (e.g. configs/llama3_8b_128k_cp16.yaml):
+  the attention problem of one CP rank (query / KV heads per tensor-parallel rank, head dim,
+  sequence per CP rank, micro-batch, dtype, window, documents of the config's data if it resets
+  attention at end-of-document tokens) on the planner's assumed GPU machine (its defaults:
+  :class:`~megatron_mesh.plan.topology.Topology`, 8 GPUs per node, tensor parallelism inside a
+  node), per mode the bytes each rank sends, the predicted forward + backward time and the work
+  balance, which mode ``auto`` picks, and the compute floor;
+* :func:`measured_vs_planned_section` -- for the CPU run: per (mode, mask) run, the planner's
+  bytes per rank per step for the run's own plan (its mode, all-to-all degree and tile resolved as
+  the runtime resolves them; layers x micro-batches x one layer's forward + backward, the busiest
+  rank: :func:`~megatron_mesh.plan.autotile.evaluate_plan`, the number the planner reports and
+  tests/test_plan_bytes_vs_measured.py checks against comm_counter) next to the bytes measured,
+  and their ratio.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+
+from ..megatron import yaml_args
+from ..plan.autotile import evaluate_plan
+from ..plan.balance import balanced_layout
+from ..plan.mask import Mask
+from ..plan.modes import resolve
+from ..plan.shape import AttentionShape
+from ..plan.simulate import BACKWARD_FLOPS
+from ..plan.topology import Topology
+from ..plan.units import format_bytes
+from .plan_cli import document_bounds
+from .planner import ModeResult, allowed_pairs, compute_floor, evaluate, layout_rows
+
+__all__ = ["Problem", "read_config", "machine", "predict", "prediction_section", "measured_vs_planned_section",
+           "PREDICT_MODES", "DEFAULT_CONFIG"]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_CONFIG = os.path.join(ROOT, "configs", "llama3_8b_128k_cp16.yaml")
+# the rows of the prediction: each mode's fastest placement, the hybrids per all-to-all degree,
+# Ulysses and USP by formula (dense attention only), and auto
+PREDICT_MODES = ("ring", "mesh-auto", "tasp", "a2a+ring", "a2a+mesh-auto", "a2a+tasp", "ulysses", "usp", "auto")
+ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
+# Megatron's default rank order puts tensor parallelism innermost: a CP group's neighbours are TP
+# ranks apart, so a node of GPUS_PER_NODE GPUs holds GPUS_PER_NODE / TP ranks of each CP group
+GPUS_PER_NODE = Topology().gpus_per_node
+REQUIRED = ("--num-layers", "--num-attention-heads", "--seq-length")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The attention of one Megatron config as the planner sees it (per CP rank)."""
+
+    name: str
+    layers: int
+    heads: int  # query heads of the model (all TP ranks)
+    kv_heads: int
+    head_dim: int
+    seq_len: int
+    cp: int
+    tp: int = 1
+    micro_batch: int = 1
+    micro_batches: int = 1  # per step with data parallelism 1 (global batch / micro-batch)
+    dtype: str = "fp32"
+    window: tuple | None = None  # the plugin's (left, right); None: no window
+    documents: tuple[int, ...] | None = None  # cu_seqlens of one sample; None: one sequence
+
+    @property
+    def shape(self) -> AttentionShape:
+        """One CP rank's attention: its TP rank's heads (KV heads replicated when fewer than TP)."""
+        return AttentionShape(seq_local=self.seq_len // self.cp, batch=self.micro_batch, heads=self.heads // self.tp,
+                              kv_heads=max(1, self.kv_heads // self.tp), head_dim=self.head_dim,
+                              itemsize=ITEMSIZE[self.dtype])
+
+    @property
+    def cu_seqlens(self) -> list[int]:
+        return list(self.documents) if self.documents is not None else [0, self.seq_len]
+
+    def mask(self, documents: bool = True) -> Mask:
+        if documents and self.documents is not None:
+            return Mask.from_cu_seqlens(self.cu_seqlens, self.seq_len, True, self.window).normalized(self.seq_len)
+        return Mask(True, self.window).normalized(self.seq_len)
+
+    def describe(self) -> str:
+        sh = self.shape
+        tp = f", TP {self.tp} -> {sh.heads} / {sh.kv_heads} per rank" if self.tp > 1 else ""
+        what = "causal"
+        if self.window is not None:
+            what += f", window {self.window[0]} tokens"
+        if self.documents is not None:
+            n = len(self.documents) - 1
+            what += f", {n} documents of mean {self.seq_len / n:,.0f} tokens (the first sample of its data)"
+        return (f"{self.layers} layers, {self.heads} query / {self.kv_heads} KV heads of dim {self.head_dim}{tp}; "
+                f"{self.seq_len:,} tokens at CP {self.cp} ({sh.seq_local:,} per rank), micro-batch "
+                f"{self.micro_batch}, {self.dtype}, {what}")
+
+
+def _flags(path: str) -> dict[str, object]:
+    """MODEL_ARGS of a Megatron YAML config as flag -> value (True for a bare flag; a string, or a
+    list of strings for several values), ${VAR}s expanded as the launcher expands them."""
+    if not os.path.isfile(path):
+        raise ValueError(f"config {path!r}: no such file (give a Megatron YAML config, e.g. {DEFAULT_CONFIG})")
+    doc = yaml_args.load(path)
+    argv = yaml_args.model_args(doc, {**os.environ, **yaml_args.environment(doc)})
+    flags: dict[str, object] = {}
+    for token in argv:
+        if token.startswith("--"):
+            flags[token] = True
+            key = token
+        else:
+            old = flags[key]
+            flags[key] = token if old is True else (old + [token] if isinstance(old, list) else [old, token])
+    return flags
+
+
+def _int(flags: dict, flag: str, path: str, default: int | None = None) -> int:
+    value = flags.get(flag, default)
+    try:
+        number = int(value)
+        if number < 1 or isinstance(value, bool):
+            raise ValueError
+    except (TypeError, ValueError):
+        raise ValueError(f"config {path!r}: {flag} {value!r} must be an integer >= 1") from None
+    return number
+
+
+def _data_prefix(flags: dict, path: str) -> str:
+    data = flags.get("--data-path")
+    if data is None or data is True:
+        raise ValueError(f"config {path!r}: --reset-attention-mask (packed documents) without --data-path: the "
+                         "documents to plan for come from the data's index (PREFIX.idx)")
+    if isinstance(data, list):  # blended data: "W1 PREFIX1 W2 PREFIX2 ..." or "PREFIX1 PREFIX2 ..."
+        data = data[1] if len(data) > 1 and _is_number(data[0]) else data[0]
+    return str(data)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def document_lengths(prefix: str) -> list[int]:
+    """Sequence lengths of a Megatron indexed dataset (PREFIX.idx, the format of Megatron-LM's
+    tools/preprocess_data.py and scripts/make_doc_dataset.py), read without Megatron."""
+    path = prefix + ".idx"
+    try:
+        with open(path, "rb") as f:
+            head = f.read(34)
+            if len(head) < 34 or head[:9] != b"MMIDIDX\x00\x00":
+                raise ValueError(f"{path}: not a Megatron indexed dataset index (no MMIDIDX header)")
+            (count,) = struct.unpack("<Q", head[18:26])
+            raw = f.read(4 * count)
+    except OSError as e:
+        raise ValueError(f"documents: cannot read {path!r} ({e.strerror}); write it with scripts/make_doc_dataset.py "
+                         "or give the config's --data-path") from None
+    if len(raw) != 4 * count:
+        raise ValueError(f"{path}: truncated ({count} sequence lengths announced)")
+    return list(struct.unpack(f"<{count}i", raw))
+
+
+def _sample_bounds(lengths: list[int], seq_len: int) -> tuple[int, ...]:
+    """cu_seqlens of the first sample: the documents in order, the last one cut at the sequence end
+    (Megatron's GPTDataset concatenates documents the same way, in a shuffled order)."""
+    cu = [0]
+    for n in lengths:
+        if n > 0:
+            cu.append(min(seq_len, cu[-1] + n))
+        if cu[-1] == seq_len:
+            return tuple(cu)
+    raise ValueError(f"documents: {cu[-1]} tokens in all, fewer than one sample of --seq-length {seq_len}")
+
+
+def read_config(path: str, cp: int | None = None) -> Problem:
+    """The planner's problem of a Megatron YAML config (``cp`` overrides --context-parallel-size).
+    ValueError naming the config and the flag when one is missing or unusable."""
+    flags = _flags(path)
+    missing = [f for f in REQUIRED if f not in flags]
+    if "--kv-channels" not in flags and "--hidden-size" not in flags:
+        missing.append("--hidden-size (or --kv-channels)")
+    if missing:
+        raise ValueError(f"config {path!r}: MODEL_ARGS lacks {', '.join(missing)} (needed to plan its attention)")
+    heads = _int(flags, "--num-attention-heads", path)
+    kv = _int(flags, "--num-query-groups", path, heads) if flags.get("--group-query-attention") else heads
+    if "--kv-channels" in flags:
+        head_dim = _int(flags, "--kv-channels", path)
+    else:
+        hidden = _int(flags, "--hidden-size", path)
+        if hidden % heads:
+            raise ValueError(f"config {path!r}: --hidden-size {hidden} is not a multiple of --num-attention-heads "
+                             f"{heads}; give --kv-channels")
+        head_dim = hidden // heads
+    cp = _int(flags, "--context-parallel-size", path, 1) if cp is None else cp
+    if cp < 2:
+        raise ValueError(f"config {path!r}: context-parallel size {cp}: the CP modes need --context-parallel-size >= 2")
+    seq = _int(flags, "--seq-length", path)
+    if seq % (2 * cp):
+        raise ValueError(f"config {path!r}: --seq-length {seq} must be divisible by 2 x CP = {2 * cp}")
+    tp = _int(flags, "--tensor-model-parallel-size", path, 1)
+    if heads % tp or GPUS_PER_NODE % tp:
+        raise ValueError(f"config {path!r}: --tensor-model-parallel-size {tp} must divide the heads ({heads}) and "
+                         f"the {GPUS_PER_NODE} GPUs of a node")
+    micro = _int(flags, "--micro-batch-size", path, 1)
+    global_batch = _int(flags, "--global-batch-size", path, micro)
+    dtype = "bf16" if flags.get("--bf16") else "fp16" if flags.get("--fp16") else "fp32"
+    window = None
+    if "--window-size" in flags:
+        text = flags["--window-size"]
+        try:
+            left, right = (int(x) for x in str(text).split(","))
+        except ValueError:
+            raise ValueError(f"config {path!r}: --window-size {text!r} must be LEFT,RIGHT (integers)") from None
+        window = (None if left < 0 else left, 0)  # GPT attention is causal: nothing to the right
+    documents = None
+    if flags.get("--reset-attention-mask"):
+        documents = _sample_bounds(document_lengths(_data_prefix(flags, path)), seq)
+    return Problem(name=os.path.basename(path), layers=_int(flags, "--num-layers", path), heads=heads, kv_heads=kv,
+                   head_dim=head_dim, seq_len=seq, cp=cp, tp=tp, micro_batch=micro,
+                   micro_batches=max(1, global_batch // micro), dtype=dtype, window=window, documents=documents)
+
+
+def machine(problem: Problem, gpus_per_node: int = GPUS_PER_NODE, **links) -> Topology:
+    """The planner's assumed GPU machine for ``problem``: its default links and throughput, nodes of
+    ``gpus_per_node`` GPUs of which each CP group holds gpus_per_node / TP consecutive ranks."""
+    return Topology.for_cp(problem.cp, max(1, gpus_per_node // problem.tp), **links)
+
+
+def predict(problem: Problem, topo: Topology, modes=PREDICT_MODES
+            ) -> tuple[list[ModeResult], list[dict], float]:
+    """The planner's rows for ``problem`` on ``topo`` (one attention layer, forward + backward),
+    the modes that cannot run, and the compute floor in seconds. Documents: the plugin's
+    balanced layout (its default for packed documents)."""
+    shape = problem.shape
+    if problem.documents is None:
+        rows, skipped = evaluate(problem.cp, shape, topo, modes=modes, mask=problem.mask(), work=True)
+    else:
+        rows, skipped = layout_rows(problem.cp, shape, topo, problem.cu_seqlens, window=problem.window, modes=modes,
+                                    layouts=("balanced",))
+    floor = compute_floor(allowed_pairs(problem.cu_seqlens, True, problem.window), problem.cp, shape, topo)
+    return rows, skipped, floor
+
+
+def prediction_section(path: str = DEFAULT_CONFIG, topo: Topology | None = None) -> str:
+    """Markdown: the planner's prediction for the Megatron config at ``path`` on the assumed GPU
+    machine (default :func:`machine`), assumptions first."""
+    problem = read_config(path)
+    topo = topo or machine(problem)
+    rows, skipped, floor = predict(problem, topo)
+    ring = next((r for r in rows if r.mode == "ring"), None)
+    auto = next((r for r in rows if r.mode == "auto"), None)
+    nodes = topo.nodes_used(problem.cp)
+    lines = [f"## Prediction for {problem.name} on GPUs (the planner)", "",
+             f"Model: {problem.describe()}.", "",
+             f"Assumed machine (the planner's defaults, megatron_mesh.plan.topology.Topology): {topo.gpus_per_node * problem.tp} "
+             f"GPUs per node" + (f", TP {problem.tp} inside a node, so {topo.gpus_per_node} CP ranks per node" if
+                                 problem.tp > 1 else "") + f": CP {problem.cp} spans {nodes} node(s); "
+             f"NVLink {topo.intra_bandwidth / 1e9:g} GB/s and {topo.intra_latency * 1e6:g} us inside a node, network "
+             f"{topo.inter_bandwidth / 1e9:g} GB/s and {topo.inter_latency * 1e6:g} us between nodes (per GPU per "
+             f"direction); attention {topo.attention_flops / 1e12:g} TFLOP/s per GPU (backward {BACKWARD_FLOPS}x the "
+             f"forward's FLOPs), {topo.kernel_latency * 1e6:g} us per kernel launch. Other machines: "
+             "`megatron-mesh-plan --help` (e.g. --inter-bandwidth, --tflops).", "",
+             f"Compute floor: **{floor * 1e3:.2f} ms** per layer (every allowed query-key pair spread evenly over the "
+             "CP ranks at that throughput, forward + backward; no mode beats it).", ""]
+    if auto is not None:
+        lines += [f"`auto` picks **{auto.detail.split(':')[0]}**" + (f" (all-to-all {auto.ulysses})" if auto.ulysses > 1
+                                                                      else "")
+                  + (f", tile {auto.tile[0]}x{auto.tile[1]}" if auto.tile else "")
+                  + f": {auto.time_s * 1e3:.2f} ms per layer, {auto.time_s / floor:.2f}x the floor.", ""]
+    lines += ["| mode | all-to-all | tile | bytes sent per rank (one layer, fwd+bwd) | vs ring | predicted fwd+bwd "
+              "time (ms, one layer) | exposed comm (ms) | x floor | work max/mean |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        vs = f"{r.bytes_per_rank / ring.bytes_per_rank:.2f}" if ring and ring.bytes_per_rank else "-"
+        work = r.extra.get("forward_work_max_over_mean")
+        lines.append(f"| {r.mode}{' (formula)' if r.by_formula else ''} | {r.ulysses if r.ulysses > 1 else '-'} | "
+                     f"{f'{r.tile[0]}x{r.tile[1]}' if r.tile else '-'} | {format_bytes(r.bytes_per_rank)} | {vs} | "
+                     f"{r.time_s * 1e3:.2f} | {r.exposed_comm_s * 1e3:.2f} | {r.time_s / floor:.2f} | "
+                     f"{'-' if work is None else f'{work:.2f}'} |")
+    lines += ["", f"Per step a rank sends {problem.layers} layers x its micro-batches x these bytes (more with "
+              "activation recompute, which repeats the forward). Work max/mean: the busiest rank's attention work "
+              "over the mean (1.00 = balanced); the formula rows (Ulysses and USP priced analytically) have none."]
+    lines += [f"Not available: {s['mode']}: {s['reason']}" for s in skipped]
+    return "\n".join(lines)
+
+
+# -- the CPU run: measured vs planned ------------------------------------------------------------------
+def _plan_mode(mode: str) -> tuple[str, int]:
+    """The planner's mode and all-to-all degree of a run's mode ('a2a+mesh:2' -> ('a2a+mesh', 2))."""
+    name, _, option = mode.partition(":")
+    if name.startswith("a2a+"):
+        return name, int(option or 2)
+    return name, 1
+
+
+def _tile(text: str) -> tuple[int, int] | None:
+    if not text or "," in text:  # no Mesh layer, or layers with different tiles
+        return None
+    a, b = text.split("x")
+    return int(a), int(b)
+
+
+def _placement(mode: str, tile: str, problem: Problem):
+    """The run's placement as the runtime resolves it: its mode, all-to-all degree and the (Mesh)
+    tile it reported (None: a Mesh run that did not report one tile)."""
+    name, ulysses = _plan_mode(mode)
+    settings = {"ulysses_size": ulysses} if name.startswith("a2a+") else {}
+    if name.endswith("mesh"):
+        if _tile(tile) is None:
+            return None
+        settings["tile"] = _tile(tile)
+    return resolve(name, problem.cp, problem.shape, **settings)
+
+
+def _planned_bytes(placement, problem: Problem, mask: str, window: int | None, cu_seqlens) -> int:
+    """The planner's bytes (busiest rank, one layer, forward + backward) of ``placement`` under the
+    run's ``mask``: documents under the balanced layout (docs; per Ulysses group, as the runtime
+    balances them) or Megatron's zigzag (docs-zigzag)."""
+    topo = Topology.for_cp(problem.cp, problem.cp)  # one machine: every rank on one "node", as the gloo run
+    shape, layout = problem.shape, None
+    if mask == "none":
+        m = Mask(True)
+    elif mask == "window":
+        m = Mask(True, (window, 0))
+    elif mask == "docs-zigzag":
+        m = Mask.from_cu_seqlens(cu_seqlens, problem.seq_len, True)
+    else:
+        m, layout = Mask(True), balanced_layout(cu_seqlens, problem.cp, group=placement.ulysses)
+    return evaluate_plan(placement.build(shape, m, layout), shape, topo).bytes_per_rank
+
+
+def measured_vs_planned_section(runs, problem: Problem, window: int | None = None, doc_mean: int | None = None,
+                                draws: int = 8) -> str:
+    """Markdown: for each CP run (``runs``: the report's RunResults -- mode, mask, cp, tile,
+    bytes_per_step), the planner's bytes per rank per step for ``problem`` (the CPU job's config
+    at its CP size) next to the measured ones. Unmasked and windowed runs are planned exactly;
+    documents differ from sample to sample, so the documents runs are planned for ``draws`` draws
+    of the job's length distribution (lognormal, mean ``doc_mean``, sigma 1): an estimate."""
+    runs = [r for r in runs if r.cp > 1 and r.ok and r.bytes_per_step is not None]
+    per_step = problem.layers * problem.micro_batches
+    if any(r.mask in ("docs", "docs-zigzag") for r in runs) and doc_mean is None:
+        raise ValueError("planning the documents runs needs their mean length (doc_mean)")
+    if any(r.mask == "window" for r in runs) and window is None:
+        raise ValueError("planning the window runs needs the window's width (window)")
+    draws_cu = [document_bounds(f"lognormal:{doc_mean},1", problem.seq_len, seed) for seed in range(draws)] \
+        if doc_mean is not None else []
+    lines = ["## Measured vs planned bytes (this CPU run)", "",
+             f"Planned: the planner's bytes for the busiest rank of the run's own plan (its mode, all-to-all degree "
+             f"and tile; {problem.shape.heads} / {problem.shape.kv_heads} heads of dim {problem.head_dim}, "
+             f"{problem.shape.seq_local} tokens per rank at CP {problem.cp}, {problem.dtype}) x {problem.layers} layers "
+             f"x {problem.micro_batches} micro-batch(es) per step, forward + backward; measured: comm_counter's bytes "
+             "of the busiest rank, mean over the iterations. Documents change from sample to sample (and the bytes "
+             f"with them), so the documents runs are planned for {draws} draws of the job's length distribution "
+             f"(lognormal, mean {doc_mean} tokens): an estimate, not the run's own samples.",
+             "", "| run | planned bytes per rank per step | measured | measured / planned | note |",
+             "|---|---|---|---|---|"]
+    for r in runs:
+        label = r.mode if r.mask == "none" else f"{r.mode} [{r.mask}]"
+        placement = _placement(r.mode, r.tile, problem)
+        if placement is None:
+            lines.append(f"| {label} | - | {format_bytes(r.bytes_per_step)} | - | no single Mesh tile reported "
+                         f"({r.tile or 'none'}) |")
+            continue
+        if r.mask in ("docs", "docs-zigzag"):
+            one = [_planned_bytes(placement, problem, r.mask, window, cu) for cu in draws_cu]
+            plan, note = per_step * sum(one) / len(one), f"estimate: mean of {len(one)} document draws"
+        else:
+            plan = per_step * _planned_bytes(placement, problem, r.mask, window, None)
+            note = "the run's own plan: equal when the run moves what it plans"
+        ratio = f"{r.bytes_per_step / plan:.3f}" if plan else "-"
+        lines.append(f"| {label} | {format_bytes(plan)} | {format_bytes(r.bytes_per_step)} | {ratio} | {note} |")
+    return "\n".join(lines)

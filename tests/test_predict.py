@@ -1,0 +1,129 @@
+"""megatron_mesh.tools.predict: the planner's prediction for a Megatron config on GPUs (the
+report's section for configs/llama3_8b_128k_cp16.yaml) and the measured-vs-planned bytes of the
+CPU run, on synthetic runs (pure Python, no training: seconds)."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from megatron_mesh.plan import AttentionShape, Mask, Topology, plan_bytes, resolve
+from megatron_mesh.tools import predict
+from megatron_mesh.tools.planner import allowed_pairs, compute_floor
+from megatron_mesh.tools.report import RunResult
+
+
+def _rows(section: str) -> dict[str, list[list[str]]]:
+    """The section's table rows by mode (a mode may have several: one per all-to-all degree)."""
+    out: dict[str, list[list[str]]] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and not line.startswith("| mode") and not line.startswith("| run"):
+            out.setdefault(cells[0], []).append(cells)
+    return out
+
+
+def test_the_llama3_config_reads_as_its_attention_per_rank():
+    p = predict.read_config(predict.DEFAULT_CONFIG)
+    assert (p.layers, p.heads, p.kv_heads, p.head_dim, p.seq_len, p.cp, p.tp, p.dtype) == \
+        (32, 32, 8, 128, 131072, 16, 2, "bf16")
+    assert p.shape == AttentionShape(seq_local=8192, batch=1, heads=16, kv_heads=4, head_dim=128, itemsize=2)
+    topo = predict.machine(p)  # TP 2 inside nodes of 8 GPUs: 4 CP ranks per node, CP 16 over 4 nodes
+    assert (topo.gpus_per_node, topo.nodes_used(16)) == (4, 4)
+
+
+def test_the_prediction_has_a_row_per_mode_names_autos_pick_and_the_floor():
+    section = predict.prediction_section(predict.DEFAULT_CONFIG)
+    rows = _rows(section)
+    expected = {m + (" (formula)" if m in ("ulysses", "usp") else "") for m in predict.PREDICT_MODES}
+    assert set(rows) == expected, rows.keys()
+    assert len(rows["a2a+tasp"]) >= 2  # every all-to-all degree that fits the heads and the node
+    p = predict.read_config(predict.DEFAULT_CONFIG)
+    topo = predict.machine(p)
+    planned, _, floor = predict.predict(p, topo)
+    assert floor == pytest.approx(compute_floor(allowed_pairs([0, p.seq_len]), 16, p.shape, topo))
+    assert f"Compute floor: **{floor * 1e3:.2f} ms**" in section
+    auto = next(r for r in planned if r.mode == "auto")
+    best = min((r for r in planned if r.mode not in ("auto", "ulysses", "usp")), key=lambda r: r.time_s)
+    assert auto.time_s == pytest.approx(best.time_s, rel=0.05)  # auto: the fastest plan (within the tolerance)
+    assert f"`auto` picks **{auto.detail.split(':')[0]}**" in section
+    for r in planned:  # every row: the planner's bytes and time, work balance for the plans
+        cells = next(c for c in rows[r.mode + (" (formula)" if r.by_formula else "")]
+                     if c[1] == (str(r.ulysses) if r.ulysses > 1 else "-"))
+        assert cells[5] == f"{r.time_s * 1e3:.2f}" and cells[7] == f"{r.time_s / floor:.2f}", (r.mode, cells)
+        assert (cells[8] == "-") == r.by_formula, cells
+    # the assumptions are printed
+    for text in ("8 GPUs per node", "TP 2 inside a node", "450 GB/s", "50 GB/s", "400 TFLOP/s", "spans 4 node(s)"):
+        assert text in section, text
+
+
+def test_bad_configs_raise_errors_naming_them(tmp_path):
+    with pytest.raises(ValueError, match=r"config 'no/such.yaml': no such file"):
+        predict.read_config("no/such.yaml")
+    cfg = tmp_path / "partial.yaml"
+    cfg.write_text("MODEL_ARGS:\n  --num-layers: 2\n  --num-attention-heads: 4\n  --context-parallel-size: 4\n")
+    with pytest.raises(ValueError, match=r"partial.yaml'.*lacks --seq-length, --hidden-size \(or --kv-channels\)"):
+        predict.read_config(str(cfg))
+    cfg.write_text("MODEL_ARGS:\n  --num-layers: 2\n  --num-attention-heads: 4\n  --hidden-size: 64\n"
+                   "  --seq-length: 100\n  --context-parallel-size: 4\n")
+    with pytest.raises(ValueError, match=r"--seq-length 100 must be divisible by 2 x CP = 8"):
+        predict.read_config(str(cfg))
+    with pytest.raises(ValueError, match=r"context-parallel size 1: the CP modes need"):
+        predict.read_config("configs/gpt_tiny_cpu.yaml")
+    with pytest.raises(ValueError, match=r"partial.yaml'.*without --data-path"):
+        cfg.write_text("MODEL_ARGS:\n  --num-layers: 2\n  --num-attention-heads: 4\n  --hidden-size: 64\n"
+                       "  --seq-length: 64\n  --reset-attention-mask: true\n")
+        predict.read_config(str(cfg), cp=4)
+
+
+def test_documents_come_from_the_datas_index(tmp_path):
+    """--reset-attention-mask: the first sample's documents, read from PREFIX.idx (Megatron's
+    format) without Megatron; the prediction then plans the balanced layout and its work."""
+    lengths = [10, 30, 4, 40, 50]
+    header = b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 8, len(lengths), len(lengths) + 1)
+    (tmp_path / "d.idx").write_bytes(header + struct.pack(f"<{len(lengths)}i", *lengths))
+    cfg = tmp_path / "docs.yaml"
+    cfg.write_text("MODEL_ARGS:\n  --num-layers: 2\n  --num-attention-heads: 4\n  --group-query-attention: true\n"
+                   "  --num-query-groups: 2\n  --hidden-size: 64\n  --seq-length: 64\n  --context-parallel-size: 4\n"
+                   f"  --reset-attention-mask: true\n  --data-path: {tmp_path / 'd'}\n")
+    p = predict.read_config(str(cfg))
+    assert p.documents == (0, 10, 40, 44, 64) and (p.kv_heads, p.head_dim) == (2, 16)
+    section = predict.prediction_section(str(cfg))
+    assert "4 documents of mean 16 tokens" in section
+    assert all(c[8] != "-" for m, cells in _rows(section).items() for c in cells), section
+    (tmp_path / "d.idx").write_bytes(b"garbage" * 10)
+    with pytest.raises(ValueError, match="not a Megatron indexed dataset index"):
+        predict.read_config(str(cfg))
+
+
+def test_measured_vs_planned_puts_the_planners_bytes_next_to_the_measured(tmp_path):
+    """Synthetic runs of configs/gpt_tiny_cpu.yaml at CP 4: the planned bytes per step are the
+    busiest rank's plan bytes (as tests/test_main_job.py matches them) x layers x micro-batches."""
+    problem = predict.read_config("configs/gpt_tiny_cpu.yaml", cp=4)
+    shape = AttentionShape(seq_local=16, batch=1, heads=4, kv_heads=2, head_dim=16, itemsize=4)
+    assert problem.shape == shape and (problem.layers, problem.micro_batches) == (2, 2)
+
+    def busiest(mode, mask=Mask(causal=True), **settings):
+        plan = resolve(mode, 4, shape, **settings).build(shape, mask)
+        return 2 * 2 * max(b.sent for b in plan_bytes(plan, shape))
+
+    hybrid, ring, window = (busiest("a2a+mesh", ulysses_size=2, tile=(2, 1)), busiest("ring"),
+                            busiest("mesh", Mask(True, (2, 0)), tile=(2, 2)))
+    runs = [RunResult("baseline", 1, bytes_per_step=0.0), RunResult("ring", 4, bytes_per_step=ring),
+            RunResult("a2a+mesh:2", 4, tile="2x1", bytes_per_step=hybrid / 2),
+            RunResult("mesh:2x2", 4, "window", tile="2x2", bytes_per_step=window),
+            RunResult("tasp", 4, "docs", bytes_per_step=1000.0),
+            RunResult("mesh:auto", 4, tile="1x4", bytes_per_step=ring),  # the ring tile: ring's bytes
+            RunResult("mesh:2x2", 4, tile="1x4, 2x2", bytes_per_step=5.0),  # layers of different tiles
+            RunResult("ring", 4, "docs-zigzag", ok=False)]
+    section = predict.measured_vs_planned_section(runs, problem, window=2, doc_mean=16, draws=2)
+    rows = _rows(section)
+    assert set(rows) == {"ring", "a2a+mesh:2", "mesh:2x2 [window]", "tasp [docs]", "mesh:auto", "mesh:2x2"}, rows
+    assert rows["ring"][0][3] == rows["mesh:2x2 [window]"][0][3] == rows["mesh:auto"][0][3] == "1.000", rows
+    assert rows["a2a+mesh:2"][0][3] == "0.500"  # its tile 2x1, not 1x2 (which moves fewer bytes)
+    assert "mean of 2 document draws" in rows["tasp [docs]"][0][4] and float(rows["tasp [docs]"][0][3]) > 0
+    assert rows["mesh:2x2"][0][1] == "-" and "no single Mesh tile reported (1x4, 2x2)" in rows["mesh:2x2"][0][4]
+    with pytest.raises(ValueError, match=r"planning the window runs needs the window's width"):
+        predict.measured_vs_planned_section(runs, problem, window=None, doc_mean=16)
+    assert Topology.for_cp(4, 4).nodes_used(4) == 1  # the CPU run's machine: one node
