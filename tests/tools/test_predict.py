@@ -99,7 +99,7 @@ def test_documents_come_from_the_datas_index(tmp_path):
 
 def test_measured_vs_planned_puts_the_planners_bytes_next_to_the_measured(tmp_path):
     """Synthetic runs of configs/gpt_tiny_cpu.yaml at CP 4: the planned bytes per step are the
-    busiest rank's plan bytes (as tests/test_main_job.py matches them) x layers x micro-batches."""
+    busiest rank's plan bytes (as tests/tools/test_main_job.py matches them) x layers x micro-batches."""
     problem = predict.read_config("configs/gpt_tiny_cpu.yaml", cp=4)
     shape = AttentionShape(seq_local=16, batch=1, heads=4, kv_heads=2, head_dim=16, itemsize=4)
     assert problem.shape == shape and (problem.layers, problem.micro_batches) == (2, 2)
