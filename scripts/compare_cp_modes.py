@@ -212,7 +212,8 @@ def run_mode(mode: str, args, out_dir: str, mask: str = "none", config: str | No
     progress.poll(every=0)
     m = read_metrics(metrics)
     res = RunResult(mode=mode, cp=cp, mask=mask, tile=m.tile, losses=m.losses, times_ms=m.times_ms,
-                    bytes_per_step=m.bytes_per_step, peak_memory=m.peak_memory, memory_kind=m.memory_kind,
+                    bytes_per_step=m.bytes_per_step, planned_bytes_per_step=m.planned_bytes_per_step,
+                    peak_memory=m.peak_memory, memory_kind=m.memory_kind,
                     rank_bytes=m.rank_bytes, rank_work=m.rank_work, bytes_matrix=m.bytes_matrix)
     if timed_out.is_set():
         res.ok, res.error = False, f"stopped after --run-timeout {args.run_timeout:g} s; log {log_path}"

@@ -277,14 +277,15 @@ class PluginCoreAttention(MegatronModule):
         return self._attention(q, k, v, causal, cu_seqlens=list(row))
 
     def _attention(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, cu_seqlens=None, layout=None) -> Tensor:
-        from ..runtime.api import prepare
+        from ..runtime.api import attention_shape, prepare
         from ..runtime.autograd import PlanAttention
 
         # runtime.api.attention's two steps, with the plan in hand for the metrics' attention work
         call = prepare(q, k, v, mode=self.placement.mode, placement=self.placement, comm=self.comm, causal=causal,
                        window=self.window, cu_seqlens=cu_seqlens, layout=layout, softmax_scale=self.softmax_scale,
                        kernel=self.settings.kernel)
-        telemetry.on_attention(call.plan, call.comm.rank, q.shape[1], q.shape[2], k.shape[2])
+        telemetry.on_attention(call.plan, call.comm.rank, attention_shape(q, k, v),
+                               torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
         return PlanAttention.apply(q, k, v, call.executor())
 
 

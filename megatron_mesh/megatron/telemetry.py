@@ -59,7 +59,8 @@ class _State:
     sent_to_at_record: dict = {}  # peer -> bytes sent so far, at the last iteration record
     work = 0  # attention work of this rank's kernel calls since the last iteration record
     cp_rank: Optional[int] = None  # this rank's rank in its CP group (the peers' numbering)
-    plan_work: dict = {}  # id(plan) -> (plan, rank, work): a plan's work is summed once, not per call
+    planned_sent = 0  # bytes this rank's plans send, since the last iteration record
+    plan_costs: dict = {}  # id(plan) -> (plan, (rank, shape), work, forward bytes, backward bytes): once per plan
     bytes_at_log = (0, 0)
     iterations_since_log = 0
 
@@ -121,26 +122,37 @@ def _groups(layers) -> list[str]:
 
 
 # -- attention work ------------------------------------------------------------------------------------
-def on_attention(plan, rank: int, batch: int, heads: int, kv_heads: int) -> None:
-    """A plugin attention call on this rank (its CP group rank ``rank``) runs ``plan`` for a batch
-    of ``batch`` samples with ``heads`` / ``kv_heads`` heads: credits the forward work of its kernel
-    calls -- the (query, key) pairs the mask allows, times the query heads of each block and the
-    batch, i.e. the attention scores actually computed (a Ulysses rank's blocks hold its head
-    slice). Only with ``--cp-metrics-dir``; the plan's work is computed once per plan (the runtime
-    caches plans, so the same object comes back every step)."""
+def on_attention(plan, rank: int, shape, backward: bool) -> None:
+    """A plugin attention call on this rank (its CP group rank ``rank``) runs ``plan`` for the
+    problem ``shape`` (an AttentionShape: batch, heads, kv heads, head dim, element size); its
+    backward will run when ``backward``. Credits, for the metrics:
+
+    * the forward work of its kernel calls -- the (query, key) pairs the mask allows, times the
+      query heads of each block and the batch, i.e. the attention scores actually computed (a
+      Ulysses rank's blocks hold its head slice);
+    * the bytes its plan says this rank sends: the forward's, and the backward's when it will run
+      (an activation-recompute forward runs without it, then again with it) -- so the planned
+      bytes of an iteration equal the measured ones when the run moves what it plans, documents
+      included (each batch's own plan).
+
+    Only with ``--cp-metrics-dir``; both are computed once per plan (the runtime caches plans, so
+    the same object comes back every step)."""
     if _State.metrics is None:
         return
     _State.cp_rank = rank
-    entry = _State.plan_work.get(id(plan))
-    if entry is None or entry[0] is not plan or entry[1] != (rank, heads, kv_heads):
-        from ..plan.accounting import block_pairs
+    key = (rank, shape)
+    entry = _State.plan_costs.get(id(plan))
+    if entry is None or entry[0] is not plan or entry[1] != key:
+        from ..plan.accounting import block_pairs, plan_bytes
 
-        work = sum(block_pairs(plan, op) * plan.head_counts(op.q, heads, kv_heads)[0]
-                   for op in plan.rank(rank).blocks("forward"))
-        if len(_State.plan_work) > 256:  # documents give a plan per batch: keep the table small
-            _State.plan_work.clear()
-        entry = _State.plan_work[id(plan)] = (plan, (rank, heads, kv_heads), work)  # holding plan keeps id(plan) its own
-    _State.work += entry[2] * batch
+        work = sum(block_pairs(plan, op) * plan.head_counts(op.q, shape.heads, shape.kv_heads)[0]
+                   for op in plan.rank(rank).blocks("forward")) * shape.batch
+        sent = plan_bytes(plan, shape)[rank]
+        if len(_State.plan_costs) > 256:  # documents give a plan per batch: keep the table small
+            _State.plan_costs.clear()
+        entry = _State.plan_costs[id(plan)] = (plan, key, work, sent.forward_sent, sent.backward_sent)  # holding plan keeps id(plan) its own
+    _State.work += entry[2]
+    _State.planned_sent += entry[3] + (entry[4] if backward else 0)
 
 
 # -- timers ----------------------------------------------------------------------------------------------
@@ -291,8 +303,9 @@ def _after_iteration(loss_dict: dict, iteration: int, is_first: bool) -> None:
             "bytes_received": received - _State.bytes_at_record[1], "peak_memory": peak, "memory_kind": kind,
             "cp_rank": _State.cp_rank,
             "bytes_sent_to": {str(p): n - before.get(p, 0) for p, n in sorted(sent_to.items()) if n != before.get(p, 0)},
-            "attention_work": _State.work})
+            "attention_work": _State.work, "planned_bytes_sent": _State.planned_sent})
         _State.bytes_at_record, _State.sent_to_at_record, _State.work = (sent, received), sent_to, 0
+        _State.planned_sent = 0
     if not (iteration % args.log_interval == 0 or is_first):
         return
     if _State.timing:  # like training_log: the first iteration is logged without resetting

@@ -340,9 +340,11 @@ def measured_vs_planned_section(runs, problem: Problem, window: int | None = Non
                                 draws: int = 8) -> str:
     """Markdown: for each CP run (``runs``: the report's RunResults -- mode, mask, cp, tile,
     bytes_per_step), the planner's bytes per rank per step for ``problem`` (the CPU job's config
-    at its CP size) next to the measured ones. Unmasked and windowed runs are planned exactly;
-    documents differ from sample to sample, so the documents runs are planned for ``draws`` draws
-    of the job's length distribution (lognormal, mean ``doc_mean``, sigma 1): an estimate."""
+    at its CP size) next to the measured ones. Unmasked and windowed runs are planned here from the
+    config, independently of the run; documents differ from sample to sample, so a documents run is
+    compared with the bytes of the plans its calls ran (``planned_bytes_per_step``, from the
+    metrics), or -- metrics without them -- planned for ``draws`` draws of the job's length
+    distribution (lognormal, mean ``doc_mean``, sigma 1): an estimate."""
     runs = [r for r in runs if r.cp > 1 and r.ok and r.bytes_per_step is not None]
     per_step = problem.layers * problem.micro_batches
     if any(r.mask in ("docs", "docs-zigzag") for r in runs) and doc_mean is None:
@@ -357,8 +359,9 @@ def measured_vs_planned_section(runs, problem: Problem, window: int | None = Non
              f"{problem.shape.seq_local} tokens per rank at CP {problem.cp}, {problem.dtype}) x {problem.layers} layers "
              f"x {problem.micro_batches} micro-batch(es) per step, forward + backward; measured: comm_counter's bytes "
              "of the busiest rank, mean over the iterations. Documents change from sample to sample (and the bytes "
-             f"with them), so the documents runs are planned for {draws} draws of the job's length distribution "
-             f"(lognormal, mean {doc_mean} tokens): an estimate, not the run's own samples.",
+             "with them): the documents runs are compared with the bytes of the plans their calls ran (the "
+             "metrics record them), or, for metrics without them, planned for "
+             f"{draws} draws of the job's length distribution (lognormal, mean {doc_mean} tokens): an estimate.",
              "", "| run | planned bytes per rank per step | measured | measured / planned | note |",
              "|---|---|---|---|---|"]
     for r in runs:
@@ -368,7 +371,9 @@ def measured_vs_planned_section(runs, problem: Problem, window: int | None = Non
             lines.append(f"| {label} | - | {format_bytes(r.bytes_per_step)} | - | no single Mesh tile reported "
                          f"({r.tile or 'none'}) |")
             continue
-        if r.mask in ("docs", "docs-zigzag"):
+        if r.mask in ("docs", "docs-zigzag") and r.planned_bytes_per_step is not None:
+            plan, note = r.planned_bytes_per_step, "the plans the run's calls ran: each batch's own documents"
+        elif r.mask in ("docs", "docs-zigzag"):
             one = [_planned_bytes(placement, problem, r.mask, window, cu) for cu in draws_cu]
             plan, note = per_step * sum(one) / len(one), f"estimate: mean of {len(one)} document draws"
         else:

@@ -33,6 +33,8 @@ class Metrics:
     losses: dict[int, float] = field(default_factory=dict)  # iteration -> Megatron's reduced "lm loss"
     times_ms: dict[int, float] = field(default_factory=dict)  # iteration -> slowest rank's train_step
     bytes_per_step: float | None = None  # attention bytes sent: max over ranks of the mean over iterations
+    # the bytes the plans each call ran send, reduced the same way (None for metrics without them)
+    planned_bytes_per_step: float | None = None
     peak_memory: int | None = None  # max over ranks
     memory_kind: str = ""
     layers: dict[int, dict] = field(default_factory=dict)  # layer number -> {"mode", "cp", "tile", ...}
@@ -56,7 +58,7 @@ def read_metrics(metrics_dir: str, loss_key: str = "lm loss") -> Metrics:
     m = Metrics()
     if not os.path.isdir(metrics_dir):
         return m
-    per_rank_bytes, peaks = [], []
+    per_rank_bytes, per_rank_planned, peaks = [], [], []
     per_cp_rank: dict[int, list[list[dict]]] = {}  # CP rank -> each of its processes' iteration records
     for name in sorted(os.listdir(metrics_dir)):
         if not name.endswith(".jsonl"):
@@ -74,6 +76,8 @@ def read_metrics(metrics_dir: str, loss_key: str = "lm loss") -> Metrics:
                 m.times_ms[r["iteration"]] = max(m.times_ms.get(r["iteration"], 0.0), r["time_ms"])
         if its:
             per_rank_bytes.append(sum(r["bytes_sent"] for r in its) / len(its))
+            if all("planned_bytes_sent" in r for r in its):
+                per_rank_planned.append(sum(r["planned_bytes_sent"] for r in its) / len(its))
             peaks.append(max(r["peak_memory"] for r in its))
             m.memory_kind = its[-1]["memory_kind"]
             cp_rank = its[-1].get("cp_rank")
@@ -81,6 +85,8 @@ def read_metrics(metrics_dir: str, loss_key: str = "lm loss") -> Metrics:
                 per_cp_rank.setdefault(cp_rank, []).append(its)
     if per_rank_bytes:
         m.bytes_per_step, m.peak_memory = max(per_rank_bytes), max(peaks)
+    if per_rank_planned and len(per_rank_planned) == len(per_rank_bytes):
+        m.planned_bytes_per_step = max(per_rank_planned)
     if per_cp_rank:
         _per_cp_rank(m, per_cp_rank)
     return m

@@ -19,6 +19,7 @@ class RunResult:
     losses: dict[int, float] = field(default_factory=dict)
     times_ms: dict[int, float] = field(default_factory=dict)
     bytes_per_step: float | None = None  # max over ranks, mean over iterations
+    planned_bytes_per_step: float | None = None  # what the plans each call ran send, reduced the same way
     peak_memory: int | None = None  # max over ranks
     memory_kind: str = ""
     ok: bool = True

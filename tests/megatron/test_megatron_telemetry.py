@@ -123,8 +123,9 @@ class _Comm4(Communicator):
 def test_iteration_records_bytes_per_peer_and_attention_work(monkeypatch, tmp_path):
     """Each iteration record splits bytes_sent by receiver (CP group ranks; they sum to bytes_sent)
     and carries the forward attention work of the plans the layers ran: summed over a CP group's
-    ranks it is every causal (query, key) pair x heads x samples, for a plain and a head-sliced plan."""
-    from megatron_mesh.plan import AttentionShape, Mask, resolve
+    ranks it is every causal (query, key) pair x heads x samples, for a plain and a head-sliced plan;
+    and the bytes its plans send (the backward's only for a call whose backward runs)."""
+    from megatron_mesh.plan import AttentionShape, Mask, plan_bytes, resolve
 
     monkeypatch.setattr(T, "args", types.SimpleNamespace(log_interval=100))
     monkeypatch.setattr(T, "timing", False)
@@ -133,7 +134,8 @@ def test_iteration_records_bytes_per_peer_and_attention_work(monkeypatch, tmp_pa
     monkeypatch.setattr(T, "bytes_at_record", telemetry.total_bytes())
     monkeypatch.setattr(T, "sent_to_at_record", telemetry.total_sent_to())
     monkeypatch.setattr(T, "work", 0)
-    monkeypatch.setattr(T, "plan_work", {})
+    monkeypatch.setattr(T, "plan_costs", {})
+    monkeypatch.setattr(T, "planned_sent", 0)
     monkeypatch.setattr(T, "cp_rank", None)
     comm = _Comm4()
     f32 = torch.float32
@@ -149,16 +151,21 @@ def test_iteration_records_bytes_per_peer_and_attention_work(monkeypatch, tmp_pa
         for rank in range(4):
             before = T.work
             for _ in range(2):  # a second call of the same plan (next micro-batch) adds the same work again
-                telemetry.on_attention(plan, rank, batch, heads, kv_heads)
+                telemetry.on_attention(plan, rank, shape, backward=True)
             works.append((T.work - before) // 2)
         assert sum(works) == causal_scores, (mode, works)
-    telemetry.on_attention(plan, 1, batch, heads, kv_heads)  # this process is CP rank 1
+    T.planned_sent = 0
+    planned = plan_bytes(plan, shape)[1]
+    telemetry.on_attention(plan, 1, shape, backward=False)  # this process is CP rank 1; a recompute forward
+    telemetry.on_attention(plan, 1, shape, backward=True)  # ... then the forward whose backward runs
     telemetry._after_iteration({"lm loss": torch.tensor(4.0)}, 1, is_first=False)
     telemetry._after_iteration({"lm loss": torch.tensor(3.9)}, 2, is_first=False)
     first, second = [json.loads(line) for line in (tmp_path / "rank1.jsonl").read_text().splitlines()]
     assert first["bytes_sent_to"] == {"0": 44, "2": 12, "3": 40} and first["bytes_sent"] == 96 == 4 * 11 + 12 + 40
-    assert first["cp_rank"] == 1 and first["attention_work"] == 4 * causal_scores + works[1]
+    assert first["cp_rank"] == 1 and first["attention_work"] == 4 * causal_scores + 2 * works[1]
+    assert first["planned_bytes_sent"] == 2 * planned.forward_sent + planned.backward_sent > 0
     assert (second["bytes_sent"], second["bytes_sent_to"], second["attention_work"]) == (0, {}, 0)
+    assert second["planned_bytes_sent"] == 0
 
 
 def test_comm_counter_counts_bytes_per_peer():

@@ -62,7 +62,8 @@ def test_compare_cp_modes_writes_the_report_with_masks(tmp_path):
     checked = report.split("## Measured vs planned")[1].split("\n## ")[0]
     hybrid_row = next(line for line in checked.splitlines() if line.startswith("| a2a+mesh:2 |"))
     assert "| 1.000 | the run's own plan" in hybrid_row, hybrid_row
-    assert "| a2a+mesh:2 [docs] |" in checked
+    docs_row = next(line for line in checked.splitlines() if line.startswith("| a2a+mesh:2 [docs] |"))
+    assert "| 1.000 | the plans the run's calls ran" in docs_row, docs_row  # each batch's own documents, exactly
     assert "## Prediction for llama3_8b_128k_cp16.yaml on GPUs" in report and "`auto` picks **" in report
     _check_per_rank_figures(out, rows)
 

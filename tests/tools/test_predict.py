@@ -114,15 +114,18 @@ def test_measured_vs_planned_puts_the_planners_bytes_next_to_the_measured(tmp_pa
             RunResult("a2a+mesh:2", 4, tile="2x1", bytes_per_step=hybrid / 2),
             RunResult("mesh:2x2", 4, "window", tile="2x2", bytes_per_step=window),
             RunResult("tasp", 4, "docs", bytes_per_step=1000.0),
+            RunResult("ring", 4, "docs", bytes_per_step=1000.0, planned_bytes_per_step=800.0),  # recorded by the run
             RunResult("mesh:auto", 4, tile="1x4", bytes_per_step=ring),  # the ring tile: ring's bytes
             RunResult("mesh:2x2", 4, tile="1x4, 2x2", bytes_per_step=5.0),  # layers of different tiles
             RunResult("ring", 4, "docs-zigzag", ok=False)]
     section = predict.measured_vs_planned_section(runs, problem, window=2, doc_mean=16, draws=2)
     rows = _rows(section)
-    assert set(rows) == {"ring", "a2a+mesh:2", "mesh:2x2 [window]", "tasp [docs]", "mesh:auto", "mesh:2x2"}, rows
+    assert set(rows) == {"ring", "a2a+mesh:2", "mesh:2x2 [window]", "tasp [docs]", "ring [docs]", "mesh:auto",
+                         "mesh:2x2"}, rows
     assert rows["ring"][0][3] == rows["mesh:2x2 [window]"][0][3] == rows["mesh:auto"][0][3] == "1.000", rows
     assert rows["a2a+mesh:2"][0][3] == "0.500"  # its tile 2x1, not 1x2 (which moves fewer bytes)
     assert "mean of 2 document draws" in rows["tasp [docs]"][0][4] and float(rows["tasp [docs]"][0][3]) > 0
+    assert rows["ring [docs]"][0][3] == "1.250" and "each batch's own documents" in rows["ring [docs]"][0][4]
     assert rows["mesh:2x2"][0][1] == "-" and "no single Mesh tile reported (1x4, 2x2)" in rows["mesh:2x2"][0][4]
     with pytest.raises(ValueError, match=r"planning the window runs needs the window's width"):
         predict.measured_vs_planned_section(runs, problem, window=None, doc_mean=16)
