@@ -22,6 +22,7 @@ Markdown sections built here from the planner (:mod:`megatron_mesh.tools.planner
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import struct
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from ..megatron import yaml_args
 from ..plan.autotile import evaluate_plan
 from ..plan.balance import balanced_layout
 from ..plan.mask import Mask
-from ..plan.modes import resolve
+from ..plan.modes import REFERENCE_MODE, get_mode, parse_mode_spec, resolve
 from ..plan.shape import AttentionShape
 from ..plan.simulate import BACKWARD_FLOPS
 from ..plan.topology import Topology
@@ -254,7 +255,7 @@ def prediction_section(path: str = DEFAULT_CONFIG, topo: Topology | None = None)
     problem = read_config(path)
     topo = topo or machine(problem)
     rows, skipped, floor = predict(problem, topo)
-    ring = next((r for r in rows if r.mode == "ring"), None)
+    ring = next((r for r in rows if r.mode == REFERENCE_MODE), None)
     auto = next((r for r in rows if r.mode == "auto"), None)
     nodes = topo.nodes_used(problem.cp)
     lines = [f"## Prediction for {problem.name} on GPUs (the planner)", "",
@@ -292,14 +293,6 @@ def prediction_section(path: str = DEFAULT_CONFIG, topo: Topology | None = None)
 
 
 # -- the CPU run: measured vs planned ------------------------------------------------------------------
-def _plan_mode(mode: str) -> tuple[str, int]:
-    """The planner's mode and all-to-all degree of a run's mode ('a2a+mesh:2' -> ('a2a+mesh', 2))."""
-    name, _, option = mode.partition(":")
-    if name.startswith("a2a+"):
-        return name, int(option or 2)
-    return name, 1
-
-
 def _tile(text: str) -> tuple[int, int] | None:
     if not text or "," in text:  # no Mesh layer, or layers with different tiles
         return None
@@ -308,11 +301,14 @@ def _tile(text: str) -> tuple[int, int] | None:
 
 
 def _placement(mode: str, tile: str, problem: Problem):
-    """The run's placement as the runtime resolves it: its mode, all-to-all degree and the (Mesh)
-    tile it reported (None: a Mesh run that did not report one tile)."""
-    name, ulysses = _plan_mode(mode)
-    settings = {"ulysses_size": ulysses} if name.startswith("a2a+") else {}
-    if name.endswith("mesh"):
+    """The run's placement as the runtime resolves it: its mode and settings ('a2a+mesh:2' -> the
+    hybrid with all-to-all degree 2, the job's default when none is given), and the tile it reported
+    for a mode that takes one (None: such a run that did not report one tile)."""
+    name, settings = parse_mode_spec(mode)
+    options = {f.name for f in dataclasses.fields(get_mode(name).Options)}
+    if "ulysses_size" in options:
+        settings.setdefault("ulysses_size", 2)  # compare_cp_modes' all-to-all degree when the mode names none
+    if "tile" in options:
         if _tile(tile) is None:
             return None
         settings["tile"] = _tile(tile)
