@@ -121,6 +121,40 @@ PLOTTING_MISSING = ("Figures: not drawn -- matplotlib is not installed (`pip ins
                     "plugin with its `megatron` extra: `pip install -e .[megatron]`); the tables above are complete.")
 
 
+def _rows(runs: list[RunResult], rings: dict, iters: list[int], deviation) -> list[dict]:
+    """One CSV row per run: its measures, ratios to its mask's ring run, per-rank values, losses."""
+    rows = []
+    for r in runs:
+        ring = rings.get(r.mask)
+        # CP = 1 moves nothing: no ratio to show for it
+        vs_ring = (r.bytes_per_step / ring.bytes_per_step) if (ring and ring.bytes_per_step and r.cp > 1
+                                                               and r.bytes_per_step is not None) else None
+        rows.append(dict(mode=r.mode, mask=r.mask, cp=r.cp, tile=r.tile, status="ok" if r.ok else f"FAILED: {r.error}",
+                         max_loss_deviation=deviation(r), time_per_iteration_ms=_mean_time(r),
+                         attention_bytes_per_rank_per_step=r.bytes_per_step,
+                         bytes_vs_ring=vs_ring, peak_memory_bytes=r.peak_memory,
+                         work_max_over_mean=imbalance(r.rank_work), bytes_max_over_mean=imbalance(r.rank_bytes),
+                         attention_work_per_rank=" ".join(f"{v:.0f}" for v in r.rank_work),
+                         attention_bytes_per_rank=" ".join(f"{v:.0f}" for v in r.rank_bytes),
+                         **{f"loss_iter{i}": r.losses.get(i) for i in iters}))
+    return rows
+
+
+def _main_table(runs: list[RunResult], rows: list[dict], bases: dict) -> list[str]:
+    """The Markdown table of every run (the CSV rows, formatted)."""
+    lines = ["| mode | mask | CP | tile | max loss deviation from baseline | time / iteration (ms) | attention bytes sent "
+             "per rank per step | vs ring | peak memory | work max/mean | bytes max/mean |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row, r in zip(rows, runs):
+        dev, mt, vs = row["max_loss_deviation"], row["time_per_iteration_ms"], row["bytes_vs_ring"]
+        dev_s = "baseline" if bases.get(r.mask) is r else ("-" if dev is None else f"{dev:.2e}")
+        mt_s = "-" if mt is None else f"{mt:.1f}"
+        lines.append(f"| {r.mode}{'' if r.ok else ' (failed)'} | {r.mask} | {r.cp} | {r.tile or '-'} | {dev_s} | {mt_s} | "
+                     f"{format_bytes(r.bytes_per_step)} | {_ratio(vs)} | {format_bytes(r.peak_memory)} | "
+                     f"{_ratio(row['work_max_over_mean'])} | {_ratio(row['bytes_max_over_mean'])} |")
+    return lines
+
+
 def write_report(runs: list[RunResult], out_dir: str, title: str, baseline: str | None = None,
                  notes: tuple[str, ...] = (), sections: tuple[str, ...] = ()) -> str:
     """Write report.md, report.csv and the PNG figures (:mod:`.figures`) into ``out_dir``; returns
@@ -141,35 +175,12 @@ def write_report(runs: list[RunResult], out_dir: str, title: str, baseline: str 
         common = [i for i in r.losses if i in base.losses]
         return max((abs(r.losses[i] - base.losses[i]) for i in common), default=None)
 
-    rows = []
-    for r in runs:
-        dev, mt, ring = deviation(r), _mean_time(r), rings.get(r.mask)
-        # CP = 1 moves nothing: no ratio to show for it
-        vs_ring = (r.bytes_per_step / ring.bytes_per_step) if (ring and ring.bytes_per_step and r.cp > 1
-                                                               and r.bytes_per_step is not None) else None
-        rows.append(dict(mode=r.mode, mask=r.mask, cp=r.cp, tile=r.tile, status="ok" if r.ok else f"FAILED: {r.error}",
-                         max_loss_deviation=dev, time_per_iteration_ms=mt, attention_bytes_per_rank_per_step=r.bytes_per_step,
-                         bytes_vs_ring=vs_ring, peak_memory_bytes=r.peak_memory,
-                         work_max_over_mean=imbalance(r.rank_work), bytes_max_over_mean=imbalance(r.rank_bytes),
-                         attention_work_per_rank=" ".join(f"{v:.0f}" for v in r.rank_work),
-                         attention_bytes_per_rank=" ".join(f"{v:.0f}" for v in r.rank_bytes),
-                         **{f"loss_iter{i}": r.losses.get(i) for i in iters}))
+    rows = _rows(runs, rings, iters, deviation)
     with open(os.path.join(out_dir, "report.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-
-    lines = [f"# {title}", ""]
-    lines.append("| mode | mask | CP | tile | max loss deviation from baseline | time / iteration (ms) | attention bytes sent "
-                 "per rank per step | vs ring | peak memory | work max/mean | bytes max/mean |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
-    for row, r in zip(rows, runs):
-        dev, mt, vs = row["max_loss_deviation"], row["time_per_iteration_ms"], row["bytes_vs_ring"]
-        dev_s = "baseline" if bases.get(r.mask) is r else ("-" if dev is None else f"{dev:.2e}")
-        mt_s = "-" if mt is None else f"{mt:.1f}"
-        lines.append(f"| {r.mode}{'' if r.ok else ' (failed)'} | {r.mask} | {r.cp} | {r.tile or '-'} | {dev_s} | {mt_s} | "
-                     f"{format_bytes(r.bytes_per_step)} | {_ratio(vs)} | {format_bytes(r.peak_memory)} | "
-                     f"{_ratio(row['work_max_over_mean'])} | {_ratio(row['bytes_max_over_mean'])} |")
+    lines = [f"# {title}", "", *_main_table(runs, rows, bases)]
     if len(masks) > 1:
         lines += _mask_table(runs, masks)
     for mask in masks:
