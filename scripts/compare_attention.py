@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Side-by-side run of CP attention modes on N CPU processes (gloo): exactness and bytes moved.
 
-For each mode (ring, Mesh tiles, TASP, the Ulysses hybrids) it runs the same zigzag-sharded
+For each mode (ring, Mesh tiles, TASP, the Ulysses hybrids) it runs the same sharded (zigzag, or --layout)
 attention forward + backward through ``megatron_mesh.attention``, and prints per mode: the max
 error of out/dq/dk/dv against a dense fp64 reference on the full sequence, the bytes each rank
 sent (measured by ``comm_counter()`` and predicted by the plan of the same placement), the wall
