@@ -46,7 +46,32 @@ def normalize(world_size: int, shape: AttentionShape, mask: Mask | None = None, 
             raise ValueError("the layout defines the documents; the mask brings others: pass the documents once "
                              "(the layout's)")
         mask = Mask(mask.causal, mask.window, tuple(documents))
-    return mask.normalized(layout.seq_len), layout
+    mask = mask.normalized(layout.seq_len)
+    if mask.is_dense and not isinstance(layout, ZigzagLayout) and _is_zigzag(layout):
+        layout = ZigzagLayout(world_size, layout.seq_len)  # e.g. the balanced layout of one document
+    return mask, layout
+
+
+def _merged(runs) -> list[tuple[int, int]]:
+    """(global start, length) of ``runs`` in local order, adjacent runs joined."""
+    out: list[list[int]] = []
+    for _, start, n in runs:
+        if out and out[-1][0] + out[-1][1] == start:
+            out[-1][1] += n
+        else:
+            out.append([start, n])
+    return [tuple(r) for r in out]
+
+
+def _is_zigzag(layout: Layout) -> bool:
+    """Whether ``layout`` puts every rank's tokens where Megatron's zigzag does, in the same local
+    order: then it is the zigzag, and a dense mask gets the dense ring schedules (a layout of one
+    document spanning the sequence is one)."""
+    P, S = layout.world_size, layout.seq_len
+    if S % (2 * P):
+        return False
+    zigzag = ZigzagLayout(P, S)
+    return all(_merged(layout.runs(r)) == _merged(zigzag.runs(r)) for r in range(P))
 
 
 def is_dense(mask: Mask, layout: Layout) -> bool:

@@ -312,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         shape = _shape(args, args.cp)
         topo = _topology(args, args.cp)
         mask = _mask(args)
+        docs = None if args.docs is None else document_bounds(args.docs, args.seq_len, args.seed)
         layouts = _layouts(args)
         start = time.perf_counter()
         floor = None
@@ -320,12 +321,10 @@ def main(argv: list[str] | None = None) -> int:
                                      backward_chunks=args.backward_chunks, schedule=args.schedule, mask=mask)
         else:
             window = None if mask is None or mask.window == (None, 0 if args.causal else None) else mask.window
-            cu = [0] + [b for _, b in mask.documents]
-            rows, skipped = layout_rows(args.cp, shape, topo, cu, causal=args.causal, window=window, modes=modes,
+            rows, skipped = layout_rows(args.cp, shape, topo, docs, causal=args.causal, window=window, modes=modes,
                                         layouts=layouts, backward_chunks=args.backward_chunks, schedule=args.schedule)
-        if mask is not None and mask.documents is not None:
-            cu = [0] + [b for _, b in mask.documents]
-            floor = compute_floor(allowed_pairs(cu, args.causal, mask.window), args.cp, shape, topo)
+        if docs is not None:  # the documents as given (one document over the whole sequence is plain causal)
+            floor = compute_floor(allowed_pairs(docs, args.causal, mask.window), args.cp, shape, topo)
         elapsed = time.perf_counter() - start
         if args.plot:
             _plot(args, modes, args.plot)

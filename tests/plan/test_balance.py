@@ -6,6 +6,7 @@ determinism, its text form, and errors naming the value."""
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -118,6 +119,25 @@ def test_layout_is_deterministic_and_its_text_round_trips():
     assert again == a and isinstance(again, BalancedLayout)
 
 
+@pytest.mark.parametrize("P", [2, 3, 8])
+def test_one_document_is_the_zigzag_and_gets_the_dense_plans(P):
+    """One document over the whole sequence: the balanced layout puts every token where Megatron's
+    zigzag does, so the plans are the dense ring schedules, the same as without a layout -- no
+    regression against the zigzag for a single long document."""
+    from megatron_mesh.plan import ZigzagLayout, normalize
+
+    S = 16 * P
+    layout = balanced_layout([0, S], P)
+    shape = AttentionShape(seq_local=S // P, batch=1, heads=2, kv_heads=1, head_dim=4)
+    mask, got = normalize(P, shape, Mask(), layout)
+    assert mask.is_dense and got == ZigzagLayout(P, S)
+    for mode in ("ring", "mesh", "tasp"):
+        placement = resolve(mode, P, shape)
+        assert placement.build(shape, Mask(), layout).to_text() == placement.build(shape, Mask()).to_text(), mode
+    two = balanced_layout([0, S // 2, S], P)  # documents: the layout stays what it is
+    assert normalize(P, shape, Mask(), two)[1] is two
+
+
 @settings(max_examples=25, deadline=None)
 @given(P=st.integers(2, 6), data=st.data())
 def test_every_mode_runs_exactly_on_the_balanced_layout(P, data):
@@ -133,7 +153,13 @@ def test_every_mode_runs_exactly_on_the_balanced_layout(P, data):
     mask = Mask.from_cu_seqlens(cu, S, True, window)
     shape = AttentionShape(seq_local=T, heads=4, kv_heads=2, head_dim=8)
     for mode in ("ring", "mesh", "tasp"):
-        plan = resolve(mode, P, shape).build(shape, Mask(True, window), layout)
+        placement = resolve(mode, P, shape)
+        try:
+            plan = placement.build(shape, Mask(True, window), layout)
+        except ValueError as e:  # one document, unmasked: the layout is the zigzag, and the dense schedule
+            with pytest.raises(ValueError, match=re.escape(str(e))):  # refuses this size as it does without a layout
+                placement.build(shape, Mask(True, window))
+            continue
         validate_plan(plan)
         assert sum(rank_work(plan)) == sum(_work(layout, mask, r) for r in range(P))
     if P % 2 == 0:
