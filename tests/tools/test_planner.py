@@ -102,6 +102,17 @@ def test_documents_spec_with_single_documents():
     assert cu == document_bounds("one:4096+one:1024+lognormal:64,1", 8192, seed=1)  # deterministic
 
 
+def test_one_document_plans_as_the_zigzag_on_every_layout(capsys):
+    """One document over the whole sequence is plain causal attention: the balanced layout of it is
+    the zigzag (the same rows), and the floor is the causal one."""
+    data = _json(capsys, "--cp", "4", "--seq-len", "256", "--docs", "one:256", "--modes", "ring,tasp")
+    by = {(r["layout"], r["mode"]): r for r in data["modes"]}
+    for mode in ("ring", "tasp"):
+        zig, bal = by["zigzag", mode], by["balanced", mode]
+        assert (bal["bytes_per_rank"], bal["time_s"], bal["rounds"]) == (zig["bytes_per_rank"], zig["time_s"], zig["rounds"])
+    assert data["compute_floor_s"] > 0
+
+
 def test_cli_layouts_side_by_side(capsys):
     """With --docs the planner compares the three layouts; every row is at or above the compute floor,
     the balanced layout evens the causal work that the zigzag leaves uneven, and TE's own THD rows are there."""
