@@ -122,6 +122,12 @@ def _groups(layers) -> list[str]:
 
 
 # -- attention work ------------------------------------------------------------------------------------
+def records_attention() -> bool:
+    """Whether :func:`on_attention` records anything (``--cp-metrics-dir``): the layer skips
+    working out its arguments otherwise."""
+    return _State.metrics is not None
+
+
 def on_attention(plan, rank: int, shape, backward: bool) -> None:
     """A plugin attention call on this rank (its CP group rank ``rank``) runs ``plan`` for the
     problem ``shape`` (an AttentionShape: batch, heads, kv heads, head dim, element size); its
