@@ -22,6 +22,10 @@ short documents kept whole on one rank. This module is everything that makes Meg
   b, 1, d] (one row per sample; [s_local, 1, 1, d] when the samples share their layout). The spec
   function installs it through ``GPTModelConfig.pre_wrap_hooks``; Python users call it on their
   model;
+* :class:`Lookahead` / :func:`install_lookahead` -- ahead of the step: under Megatron's
+  ``RerunDataIterator`` a background thread fetches the next micro-batch and works out its
+  layouts, and this rank's plans of them (:func:`megatron_mesh.runtime.api.prebuild`), while
+  the current step runs -- so neither is on the step's critical path (both entry scripts);
 * :func:`install` -- Megatron-LM's own ``pretrain_gpt.py`` (run by ``run_script``): its
   ``get_batch`` calls ``megatron.core.utils.get_batch_on_this_cp_rank``, which this replaces by a
   function that takes each sample's documents from the batch -- where its position ids restart
@@ -36,6 +40,8 @@ rank 1 [2-5, 12-15] (work 28 each), and RoPE on rank 1 uses the embedding rows 2
 from __future__ import annotations
 
 import functools
+import logging
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Optional
@@ -50,7 +56,9 @@ from .settings import BATCH_DOCUMENTS, cp_layout, megatron_window, plugin_settin
 
 __all__ = ["sample_layout", "uses_balanced_layout", "eod_starts", "position_starts", "document_rows",
            "boundary_params", "BatchLayout", "split_batch", "set_current", "current",
-           "follow_layout", "add_rope_hook", "install"]
+           "follow_layout", "add_rope_hook", "install", "Lookahead", "install_lookahead"]
+
+logger = logging.getLogger(__name__)
 
 # batch entries that carry no sequence dimension (Megatron's get_batch_on_this_cp_rank skips them too)
 _METADATA_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "local_cp_size", "hybrid_cp_group")
@@ -356,3 +364,141 @@ def get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=None, *rest, *
 
         eod = get_tokenizer().eod
     return split_batch(batch, source, args, cp_group, eod).shard(batch, cp_group)
+
+
+# -- ahead of the step ------------------------------------------------------------------------------------
+class _Fetch:
+    """One item of ``source``, fetched and warmed on a daemon thread (a daemon: a fetch still in
+    flight when training ends must not hold the process)."""
+
+    def __init__(self, source, warm):
+        self._done = threading.Event()
+        self._item = self._error = None
+        threading.Thread(target=self._run, args=(source, warm), name="megatron_mesh-lookahead", daemon=True).start()
+
+    def _run(self, source, warm) -> None:
+        try:
+            self._item = next(source)
+        except BaseException as e:  # StopIteration included: raised where the item is asked for
+            self._error = e
+            self._done.set()
+            return
+        try:
+            warm(self._item)
+        except Exception:  # noqa: BLE001 -- the step works the layout out again and raises there, with its context
+            pass
+        self._done.set()
+
+    def result(self):
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._item
+
+
+class Lookahead:
+    """An iterator one item ahead of its consumer: while the consumer works on item n, a
+    background thread fetches item n + 1 and calls ``warm(item)`` on it. Items come out in the
+    same order, each once; an error fetching an item (StopIteration included) is raised when
+    that item is asked for, and the next call fetches again.
+
+    Under Megatron's ``RerunDataIterator`` (:func:`install_lookahead` puts it there, below the
+    replay buffer, so a rerun replays exactly the micro-batches it handed out) ``warm`` works out
+    the next micro-batch's layouts -- the cached objects ``get_batch`` then finds -- and builds
+    this rank's plans of them (:func:`megatron_mesh.runtime.api.prebuild`): at 256 ranks and 1M
+    tokens of ~300 documents, the ~40 ms of layout and plan per sample leave the step's critical
+    path (``scripts/bench_plan_build.py``).
+
+    Example: ``it = Lookahead(iter([b0, b1, b2]), warm)`` -> ``next(it)`` returns b0 (fetched at
+    construction) and starts fetching b1, warming it while the step trains on b0."""
+
+    def __init__(self, source, warm):
+        self.source, self.warm = source, warm
+        self._next = _Fetch(self.source, warm)
+
+    def __iter__(self) -> "Lookahead":
+        return self
+
+    def __next__(self):
+        fetch = self._next
+        try:
+            item = fetch.result()
+        except StopIteration:
+            raise  # the source is done: stay done
+        except BaseException:
+            self._next = _Fetch(self.source, self.warm)
+            raise
+        self._next = _Fetch(self.source, self.warm)
+        return item
+
+
+def _warm_layouts(args, source: str, eod: Optional[int]):
+    """The warm-up of one full micro-batch (as the data loader gives it, before any split): its
+    samples' layouts (cached: ``get_batch`` finds them) and this rank's plans of each layout."""
+    from ..runtime.api import prebuild
+
+    said = []
+
+    def warm(batch) -> None:
+        seen, plans = set(), 0
+        for layout in BatchLayout.of(document_rows(batch, source, eod), args, 0).layouts:
+            if layout is not None and id(layout) not in seen:
+                seen.add(id(layout))
+                plans += prebuild(layout)
+        if plans and not said:  # once, on the first rank: the step's plans are being built ahead
+            said.append(True)
+            if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+                logger.info("megatron_mesh: the next micro-batch's layouts (%d) and this rank's plans of them (%d) "
+                            "were built ahead of its step (--no-cp-layout-lookahead: on the critical path)",
+                            len(seen), plans)
+
+    return warm
+
+
+def _ahead(iterator, warm):
+    """``iterator`` (a RerunDataIterator, a list of them, or None) with a :class:`Lookahead`
+    under each replay buffer; anything else as it is (nothing to put below)."""
+    if isinstance(iterator, (list, tuple)):
+        return type(iterator)(_ahead(it, warm) for it in iterator)
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    if isinstance(iterator, RerunDataIterator) and not isinstance(iterator.iterable, Lookahead):
+        iterator.iterable = Lookahead(iterator.iterable, warm)
+    return iterator
+
+
+def install_lookahead() -> None:
+    """Make Megatron's ``pretrain`` build its data iterators with a :class:`Lookahead` below each
+    replay buffer when the balanced layout applies (documents from the batch at CP > 1,
+    ``--cp-layout balanced``) and ``--no-cp-layout-lookahead`` is not given. ``pretrain`` looks
+    the builder up in its module at call time; the entry script and ``run_script`` call this
+    before it."""
+    from megatron.training import training
+
+    build = training.build_train_valid_test_data_iterators
+    if getattr(build, "megatron_mesh", False):
+        return
+
+    def substitute(*a, **kw):
+        iterators = build(*a, **kw)
+        from . import bootstrap
+        from .checks import documents_of
+
+        args = bootstrap.megatron_args()
+        if args is None or getattr(args, "no_cp_layout_lookahead", False) or cp_layout(args) != "balanced" or \
+                args.context_parallel_size == 1:
+            return iterators
+        source = documents_of(args, bootstrap.ENTRY_PACKS_DOCUMENTS, bootstrap.BATCH_DOCUMENTS)
+        if source not in BATCH_DOCUMENTS:
+            return iterators
+        eod = None
+        if source == "eod":
+            from megatron.training import get_tokenizer
+
+            eod = get_tokenizer().eod
+        warm = _warm_layouts(args, source, eod)
+        return tuple(_ahead(it, warm) for it in iterators)
+
+    functools.update_wrapper(substitute, build)
+    substitute.megatron_mesh = True
+    training.build_train_valid_test_data_iterators = substitute

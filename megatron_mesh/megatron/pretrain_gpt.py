@@ -250,6 +250,9 @@ def main(argv=None) -> None:
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
+    from . import batch_layout
+
+    batch_layout.install_lookahead()
     model_config = build_config(args)
     pretrain(pretrain_cfg_container_from_args(args, model_config), train_valid_test_datasets_provider,
              ModelType.encoder_or_decoder, forward_step)

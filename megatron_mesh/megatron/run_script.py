@@ -53,6 +53,7 @@ def main(argv=None) -> None:
     from . import batch_layout
 
     batch_layout.install()  # before the script imports get_batch_on_this_cp_rank
+    batch_layout.install_lookahead()
     bootstrap.BATCH_DOCUMENTS = True
     sys.argv = [script, *argv[1:]]
     runpy.run_path(script, run_name="__main__")

@@ -90,6 +90,9 @@ GENERAL = (
               "sample's own work-balanced, document-aware layout (short documents whole on one rank, long ones in "
               "zigzag pieces over a few ranks; needs --calculate-per-token-loss) -- or 'zigzag', Megatron's global "
               "zigzag"),
+    Flag("--no-cp-layout-lookahead", False, store_true=True,
+         help="--cp-layout balanced: work out each micro-batch's layouts and this rank's plans of them on the step's "
+              "critical path, instead of on a background thread while the step before trains (the default)"),
     Flag("--cp-thd-packing", False, store_true=True,
          help="megatron_mesh's entry script: pack each sample's end-of-document-delimited documents into Transformer "
               "Engine's THD layout (packed_seq_params, qkv_format thd), every document padded to a multiple of "

@@ -56,9 +56,9 @@ def _block_cost(plan: Plan, op, shape: AttentionShape, topo: Topology) -> float:
 def _combine_cost(plan: Plan, op, shape: AttentionShape, topo: Topology) -> float:
     """A merge, gradient add or row statistics: read two buffers' worth and write one, at HBM
     bandwidth; a copy reads one and writes one (of the rows it moves)."""
-    if type(op) is Copy:
-        return 2 * key_bytes(plan, op.dst, shape) * sel_len(op.rows, plan.tokens(op.src)) / \
-            plan.tokens(op.dst) / topo.memory_bandwidth
+    if type(op) is Copy:  # the rows it moves of the source (a head slice of the destination when op.heads)
+        return 2 * key_bytes(plan, op.src, shape) * sel_len(op.rows, plan.tokens(op.src)) / \
+            plan.tokens(op.src) / topo.memory_bandwidth
     src = op.dout if type(op) is RowStats else op.src
     return 3 * key_bytes(plan, src, shape) / topo.memory_bandwidth
 

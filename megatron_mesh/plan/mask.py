@@ -483,21 +483,82 @@ def cut_runs(runs, piece: int) -> list[tuple[int, tuple[tuple[int, int], ...], i
     return out
 
 
+def _segments(runs, piece: int) -> list[tuple[int, tuple[tuple[int, int], ...], int]]:
+    """A buffer's runs as the segments :func:`mask_pieces` pairs up: runs joined where their
+    positions continue; a run of at least ``piece // 16`` tokens is a segment of its own (so the
+    empty and full quadrants between two zigzag pieces of a document are never computed densely
+    together); the shorter runs between them packed into segments of at most ``piece`` tokens
+    (:func:`cut_runs`: many short documents make few kernel calls). (block-local offset, runs,
+    length), as :func:`cut_runs`."""
+    long_run = max(1, piece // 16)
+    joined: list[list[int]] = []
+    for start, n in runs:
+        if joined and joined[-1][0] + joined[-1][1] == start:
+            joined[-1][1] += n
+        else:
+            joined.append([start, n])
+    out: list = []
+    local, short = 0, []
+
+    def flush() -> None:
+        nonlocal local, short
+        for off, rs, n in cut_runs(short, piece):
+            out.append((local + off, rs, n))
+        local += sum(n for _, n in short)
+        short = []
+
+    for start, n in joined:
+        if n >= long_run:
+            flush()
+            out.append((local, ((start, n),), n))
+            local += n
+        else:
+            short.append((start, n))
+    flush()
+    return out
+
+
 def mask_pieces(mask: Mask, q_runs, k_runs, piece: int) -> list[tuple[BlockKind, tuple[int, int], tuple[int, int]]]:
     """How a "masked" block runs: its query and key buffers (global runs (start, length), in buffer
-    order) cut into pieces of at most ``piece`` tokens (:func:`cut_runs`); every piece with an
-    allowed pair is one kernel call (kind, block-local rows [r0, r1), columns [c0, c1)) -- FULL or
-    CAUSAL when the classification says the whole piece is, else MASKED (the kernel gets the
-    piece's allowed matrix). The runtime executes exactly these calls and the simulator prices
-    them (one owner of the cut)."""
-    out = []
-    cols = cut_runs(k_runs, piece)
-    for r0, qr, n in cut_runs(q_runs, piece):
+    order) as segments (:func:`_segments`: long runs alone, short ones packed); every pair of
+    segments with an allowed pair is one kernel call (kind, block-local rows [r0, r1), columns
+    [c0, c1)) -- FULL or CAUSAL, at any size, when the classification says the whole pair is --
+    else the pair is cut into pieces of at most ``piece`` tokens a side (:func:`cut_runs`), each
+    with an allowed pair one MASKED call (the kernel gets the piece's allowed matrix), or FULL /
+    CAUSAL when the whole piece is. The runtime executes exactly these calls and the simulator
+    prices them (one owner of the cut).
+
+    Full calls side by side on the same rows are joined into one (a full call needs no mask).
+
+    Worked example (causal, one document [0, 4000) cut into two zigzag pieces, piece 2048): the
+    query piece [0, 1000) + [3000, 4000) against the key piece [1000, 2000) + [2000, 3000) (joined:
+    one run of 2000). Its front run sees none of those keys, its back run all of them: one FULL
+    call of 1000 x 2000 pairs, where one masked call over the whole block computed 2000 x 2000."""
+    out: list = []
+
+    def add(kind: BlockKind, rows: tuple[int, int], cols: tuple[int, int]) -> None:
+        last = out[-1] if out else None  # full calls side by side on the same rows are one call
+        if kind == BlockKind.FULL and last is not None and last[0] == BlockKind.FULL and last[1] == rows and \
+                last[2][1] == cols[0]:
+            out[-1] = (kind, rows, (last[2][0], cols[1]))
+        else:
+            out.append((kind, rows, cols))
+
+    cols = _segments(k_runs, piece)
+    for r0, qr, n in _segments(q_runs, piece):
         for c0, kr, m in cols:
             c = classify_block(mask, qr, (kr,))
             if c is None:
                 continue
-            whole = c.rows == ((0, n),) and c.cols[0] == ((0, m),)
-            kind = c.kind if whole and c.kind != BlockKind.MASKED else BlockKind.MASKED
-            out.append((kind, (r0, r0 + n), (c0, c0 + m)))
+            if c.kind != BlockKind.MASKED and c.rows == ((0, n),) and c.cols[0] == ((0, m),):
+                add(c.kind, (r0, r0 + n), (c0, c0 + m))
+                continue
+            for r1, qp, n1 in cut_runs(qr, piece):
+                for c1, kp, m1 in cut_runs(kr, piece):
+                    cp = classify_block(mask, qp, (kp,))
+                    if cp is None:
+                        continue
+                    whole = cp.rows == ((0, n1),) and cp.cols[0] == ((0, m1),)
+                    kind = cp.kind if whole and cp.kind != BlockKind.MASKED else BlockKind.MASKED
+                    add(kind, (r0 + r1, r0 + r1 + n1), (c0 + c1, c0 + c1 + m1))
     return out

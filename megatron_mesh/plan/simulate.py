@@ -40,7 +40,9 @@ Approximations (say them with every number):
    rank's link classes in O(P) instead of building P op lists (rank P-1's real rounds are checked
    against the prediction; ``exact=True`` reads every rank's rounds instead).
 4. Not modelled: contention between communication and compute for SMs or HBM, NCCL protocol
-   and chunking effects, network congestion beyond one NIC per GPU, CPU launch overhead.
+   and chunking effects, network congestion beyond one NIC per GPU, CPU launch overhead, and the
+   copy that joins the key/value buffers of one kernel call over several of them (dense Mesh and
+   TASP steps, fused document calls: at most the call's K/V bytes, read and written once).
 
 Worked example (ring attention, P = 2 ranks, one node, causal, forward of rank 0: the diagonal
 block costs c1 (n(n+1)/2 pairs), the block with the remote chunk c2 (n/2 x n pairs); round 1

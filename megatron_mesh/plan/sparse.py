@@ -22,6 +22,12 @@ from the mask itself, for every mode:
    rows (``into`` = the slot's segments). Rounds: ring and Mesh pull by *shift* -- in round d,
    rank x receives from x - d and sends to x + d, so every round is a permutation and blocks start
    as soon as their pieces arrive; TASP pulls everything in one round over all links at once.
+4. **Kernel calls.** The rank's own block runs as one causal call per document; the blocks with
+   other ranks' pieces that are ready in the same round are fused per query rows: one call over
+   their columns in position order (pieces of a document that continue each other join into long
+   runs, which :func:`~.mask.mask_pieces` runs as a few full calls), and one merge instead of one
+   per block. Where a return round follows, the own block is split to hide both transfers: the
+   pulls' share of the bytes runs before the pulls' wait, the rest after the return is posted.
 
 Slot names: ``q{x}.{y}`` are the rows of chunk x rank y needs (also ``do``, ``o``, ``dq`` of those
 rows), ``kv{x}.{P+y}`` the columns (also ``dkv``).
@@ -414,7 +420,8 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
             notes.append(f"the mask leaves the {', '.join(n for n, _ in assignment.owners)} assignment nothing to "
                          "gain: every block is computed by its query chunk's owner (fewer bytes on the busiest rank)")
     burst = assignment.rounds == "burst"
-    lowering = _SparseLowering(P, T, needs, index, keep, burst)
+    lowering = _SparseLowering(P, T, needs, index, keep, burst,
+                               {k: buffer_bytes(k, 1, shape) for k in ("q", "kv", "do", "o", "dq", "dkv")})
     notes.append(f"mask {mask.summary()}: each rank computes only the blocks with allowed pairs and receives only the "
                  f"tokens they read, from their owner ({'one round' if burst else 'one round per shift'})")
     return Plan(mode=mode, world_size=P, seq_local=T, mask=mask, layout=layout, build_rank=lowering.rank_plan,
@@ -424,8 +431,9 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
 
 
 class _SparseLowering:
-    def __init__(self, P: int, T: int, needs, index: _Blocks, keep: bool, burst: bool):
+    def __init__(self, P: int, T: int, needs, index: _Blocks, keep: bool, burst: bool, token_bytes: dict):
         self.P, self.T, self.needs, self.index, self.keep, self.burst = P, T, needs, index, keep, burst
+        self.token_bytes = token_bytes  # kind -> bytes per token
         self.slots = _Slots(needs, P)
         self.final_round = 2 if burst else P  # the return round (ranks post subsets of 1 .. final_round)
         self._pairs: dict[Op, int] = {}  # allowed pairs of each block op (where to cut the local work)
@@ -502,6 +510,73 @@ class _SparseLowering:
             ops.append(op)
         return ops
 
+    def _fused(self, x: int, i: int, parts: list[tuple[int, BlockClass]], backward: bool) -> Op:
+        """The kernel calls ``parts`` -- (key/value chunk j, a call of block (i, j)), all with the
+        same query rows of chunk i (one document's, or the same small documents'), all pieces on
+        rank x -- as one call: the columns of every j, in the order of their global positions (a
+        buffer's columns split where another's come between), against those rows. Pieces that
+        continue each other then join into long runs, and :func:`~.mask.mask_pieces` runs it as
+        a few full or causal calls; the rank merges one partial result instead of one per block.
+        No pair is added: the rows are one document's (or the small documents') rows with keys in
+        each j, and a block's call for them holds all their allowed pairs in j.
+
+        Example: rank x holds the zigzag piece [0, 1000) + [3000, 4000) of a document; ranks y and
+        z hold [1000, 2000) and [2000, 3000). Rows [3000, 4000) see both; TASP's single round
+        brings both; the call is q_x[back] x (kv_y, kv_z): one FULL call over the joined run
+        [1000, 3000), one merge -- instead of two blocks, two calls, two merges."""
+        layout = self.index.layout
+        pieces = []  # (global start, chunk j, local start, local stop)
+        for j, c in parts:
+            for local, start, n in layout.runs(j):
+                for a, b in c.cols[0]:
+                    lo, hi = max(a, local), min(b, local + n)
+                    if lo < hi:
+                        pieces.append((start + lo - local, j, lo, hi))
+        pieces.sort()
+        entries: list[list] = []  # [chunk, [Segment, ...]]: consecutive pieces of one chunk share an entry
+        for _, j, lo, hi in pieces:
+            if entries and entries[-1][0] == j:
+                segs = entries[-1][1]
+                if segs[-1].stop == lo:
+                    segs[-1] = Segment(segs[-1].start, hi)
+                else:
+                    segs.append(Segment(lo, hi))
+            else:
+                entries.append([j, [Segment(lo, hi)]])
+        full = all(c.kind == BlockKind.FULL for _, c in parts)
+        kind = BlockKind.FULL if full else BlockKind.MASKED
+        q = self.qkey("q", i, x)
+        rows = self._local(parts[0][1].rows, i, x, (1, i, x))
+        kvs = tuple(self.kvkey("kv", j, x) for j, _ in entries)
+        cols = tuple(self._local(tuple(segs), j, x, (1, j, self.P + x)) for j, segs in entries)
+        cols = None if all(c is None for c in cols) else cols
+        if backward:
+            op = AttendBackward(q, self.qkey("do", i, x), kvs, self.qkey("dq", i, x),
+                                tuple(self.kvkey("dkv", j, x) for j, _ in entries), rows, cols, kind)
+        else:
+            op = Attend(q, kvs, self.qkey("o", i, x), rows, cols, kind)
+        self._pairs[op] = sum(c.pairs for _, c in parts)
+        return op
+
+    def _compute(self, x: int, blocks, backward: bool) -> list[Op]:
+        """The kernel calls of ``blocks`` on rank x: the own block (x, x) as its calls (one causal
+        call per document); the others' calls fused by query chunk and rows (:meth:`_fused`)."""
+        ops: list[Op] = []
+        groups: dict[tuple, list] = {}
+        for i, j in blocks:
+            if (i, j) == (x, x):
+                ops.extend(self._blocks(x, i, j, backward))
+                continue
+            for c in self.index.parts(i, j):
+                groups.setdefault((i, c.rows), []).append((j, c))
+        ops.extend(self._fused(x, i, parts, backward) for (i, _), parts in sorted(groups.items()))
+        return ops
+
+    def _bytes(self, transfers) -> int:
+        """Bytes of ``transfers`` (their slots' tokens x the bytes per token of their kind)."""
+        return sum(self.token_bytes[t.key.kind] * sum(b - a for a, b in self.slots(t.key))
+                   for t in transfers)
+
     def _local(self, sel, chunk: int, x: int, slot) -> tuple | None:
         """A chunk-local selection in the coordinates of the buffer x holds (None: all of it)."""
         if chunk == x:
@@ -530,21 +605,25 @@ class _SparseLowering:
 
         def compute(bs) -> None:
             if blocks:
-                for i, j in bs:
-                    ops.extend(self._blocks(x, i, j, backward))
+                ops.extend(self._compute(x, bs, backward))
 
         sends, recvs, merges = self._returns(x, direction)
         ready = by_round.pop(0, [])
-        local = [op for i, j in ready if (i, j) != (x, x) for op in self._blocks(x, i, j, backward)] if blocks else []
+        local = self._compute(x, [b for b in ready if b != (x, x)], backward) if blocks else []
         own = self._blocks(x, x, x, backward) if blocks and (x, x) in ready else []
         later: list[Op] = []
-        if sends or recvs:  # half of the rank's own block (by pairs) waits to hide the return round behind it
+        if sends or recvs:
+            # the own block hides both transfers: the share of its calls (by pairs) that runs before
+            # the pulls' wait is the pulls' share of the bytes, the rest runs once the return round
+            # is posted (a backward pulls K/V in bf16 and returns dK/dV in fp32: a third before)
+            pulled = self._bytes(t for r in order for ts in pulls[r] for t in ts)
+            returned = self._bytes((*sends, *recvs))
+            share = pulled / max(1, pulled + returned)
             total, acc = sum(self._pairs[op] for op in own), 0
-            for n, op in enumerate(own):
-                acc += self._pairs[op]
-                if 2 * acc >= total:
-                    own, later = own[:n + 1], own[n + 1:]
-                    break
+            own, later = [], own
+            while later and acc < share * total:
+                acc += self._pairs[later[0]]
+                own.append(later.pop(0))
         local = own + local
         if order:
             ops.append(Post(order[0], tuple(pulls[order[0]][0]), tuple(pulls[order[0]][1])))

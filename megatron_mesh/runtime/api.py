@@ -18,6 +18,8 @@ asks.
 from __future__ import annotations
 
 import os
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -43,7 +45,7 @@ from .sharding import layout_shard, layout_unshard, thd_shard, thd_unshard, zigz
 __all__ = ["attention", "mesh_attention", "ring_attention", "tasp_attention", "hybrid_attention", "plan_attention",
            "forward_backward", "zigzag_shard", "zigzag_unshard", "thd_shard", "thd_unshard", "layout_shard",
            "layout_unshard", "attention_shape",
-           "group_communicator", "attention_mask", "PlanMismatchError"]
+           "group_communicator", "attention_mask", "PlanMismatchError", "prebuild"]
 
 
 # -- communicators --------------------------------------------------------------------------------------
@@ -73,6 +75,46 @@ def _plan(placement: Placement, shape: AttentionShape, mask: Mask, layout) -> Pl
     if os.environ.get("MEGATRON_MESH_VALIDATE") == "1":  # debugging: prove every new plan before running it
         validate_plan(plan)
     return plan
+
+
+# Calls made on a layout with documents of its own (the balanced layout of a packed sample): the
+# (placement, shape, causal, window, rank) that :func:`prebuild` plans again for the next samples'
+# layouts. Newest last; a few per model (one per distinct attention setting, not per layer).
+_LAYOUT_CALLS: "OrderedDict[tuple, None]" = OrderedDict()
+_LAYOUT_CALLS_KEPT = 16
+_LAYOUT_CALLS_LOCK = threading.Lock()
+
+
+def _remember_layout_call(placement: Placement, shape: AttentionShape, causal: bool, window, rank: int) -> None:
+    key = (placement, shape, causal, window, rank)
+    with _LAYOUT_CALLS_LOCK:
+        _LAYOUT_CALLS[key] = None
+        _LAYOUT_CALLS.move_to_end(key)
+        while len(_LAYOUT_CALLS) > _LAYOUT_CALLS_KEPT:
+            _LAYOUT_CALLS.popitem(last=False)
+
+
+def prebuild(layout) -> int:
+    """Build, now, the plans the coming calls on ``layout`` will need: for every attention call
+    recently made on another layout of the same CP size and tokens per rank (same placement,
+    shape, causal, window, rank), this rank's plan of ``layout`` goes into the plan cache that
+    :func:`prepare` reads. What a background thread runs for the next micro-batch's layouts
+    (:mod:`megatron_mesh.megatron.batch_layout`), so that the step finds its plans built. Returns
+    how many plans it built (0 before the first call on a layout).
+
+    Example: after a step of ``attention(q, k, v, mode="tasp", layout=L1)`` on rank 3,
+    ``prebuild(L2)`` builds rank 3's TASP plan of L2; the next step's call with ``layout=L2``
+    finds it (no plan build on the step's critical path)."""
+    with _LAYOUT_CALLS_LOCK:
+        calls = list(_LAYOUT_CALLS)
+    built = 0
+    for placement, shape, causal, window, rank in calls:
+        if placement.world_size != layout.world_size or shape.seq_local != layout.seq_local:
+            continue
+        mask, normal = attention_mask(layout.world_size, shape, causal=causal, window=window, layout=layout)
+        _plan(placement, shape, mask, normal).rank(rank)
+        built += 1
+    return built
 
 
 @dataclass
@@ -108,6 +150,8 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None, 
         elif placement.world_size != P:
             raise ValueError(f"placement for {placement.world_size} ranks used on a CP group of {P}")
         plan = _plan(placement, shape, mask, layout)
+        if layout.documents() is not None:  # a packed sample's layout: the next samples' plans can be built ahead
+            _remember_layout_call(placement, shape, mask.causal, window, own.rank)
     if comm is None:
         comm = own if placement.transport == "p2p" else group_communicator(group, placement.transport)
     scale = scale_of(shape, softmax_scale)

@@ -3,12 +3,13 @@ needs from the tokens' global positions and the plan's :class:`~megatron_mesh.pl
 per plan, block and device -- never an [S, S] matrix. Nothing here re-derives the mask: the
 allowed matrix is :meth:`Mask.allowed`, the kind of a piece is :func:`~megatron_mesh.plan.classify_block`.
 
-A small masked block gets its [Sq, Sk] allowed matrix. A large one (more than PIECE x PIECE
-pairs, PIECE = ``MEGATRON_MESH_MASK_PIECE`` or 512 tokens on CPU, 2048 on CUDA) is cut into
-*mask pieces* of at most PIECE x PIECE along its token runs, and each piece is classified like a
-plan block: empty pieces are skipped, pieces inside one document and band are "full" or "causal"
-(the kernels' fast paths), only the pieces a document edge or a window edge crosses get a (small)
-allowed matrix. :func:`block_forward` / :func:`block_backward` run either kind through the
+A masked block runs as the kernel calls :func:`~megatron_mesh.plan.mask_pieces` cuts it into
+(PIECE = ``MEGATRON_MESH_MASK_PIECE`` or 512 tokens on CPU, 2048 on CUDA): its long token runs
+apart, its short ones together, each pair of them one call when it is full or causal, else cut
+into *mask pieces* of at most PIECE x PIECE; a block that is one masked piece gets its [Sq, Sk]
+allowed matrix. Each piece is classified like a plan block: empty pieces are skipped, pieces
+inside one document and band are "full" or "causal" (the kernels' fast paths), only the pieces a
+document edge or a window edge crosses get a (small) allowed matrix. :func:`block_forward` / :func:`block_backward` run either kind through the
 kernel; the pieces' partial results merge with the online-softmax identity, and their backward
 uses the rows' global statistics, so the result is the block's.
 
@@ -96,19 +97,21 @@ def block_mask(plan: Plan, op, device: torch.device) -> "BlockMask | PiecedMask"
         q_runs = tuple(plan.positions(op.q, op.rows))
         k_runs = tuple(run for i, k in enumerate(op.kv) for run in plan.positions(k, op.col(i)))
         sq, sk = sum(n for _, n in q_runs), sum(n for _, n in k_runs)
-        if sq * sk <= piece * piece:
+        cut = mask_pieces(plan.mask, q_runs, k_runs, piece)  # the calls the simulator prices
+        if cut == [(BlockKind.MASKED, (0, sq), (0, sk))]:
             m = BlockMask(BlockKind.MASKED, plan.mask.allowed(_positions(q_runs, device), _positions(k_runs, device)))
         else:
-            m = _pieced(plan.mask, q_runs, k_runs, piece, device)
+            m = _pieced(plan.mask, q_runs, k_runs, piece, device, cut)
         per_plan[ck] = m
     return m
 
 
-def _pieced(mask: Mask, q_runs, k_runs, piece: int, device) -> PiecedMask:
-    """The pieces :func:`~megatron_mesh.plan.mask_pieces` cuts the block into, with their kernel masks."""
+def _pieced(mask: Mask, q_runs, k_runs, piece: int, device, cut=None) -> PiecedMask:
+    """The pieces :func:`~megatron_mesh.plan.mask_pieces` cuts the block into (``cut``, when
+    already made), with their kernel masks."""
     pieces = []
     q_pos = k_pos = None  # the block's positions, made once and sliced per masked piece
-    for kind, (r0, r1), (c0, c1) in mask_pieces(mask, q_runs, k_runs, piece):
+    for kind, (r0, r1), (c0, c1) in (mask_pieces(mask, q_runs, k_runs, piece) if cut is None else cut):
         if kind == BlockKind.FULL:
             bm = FULL
         elif kind == BlockKind.CAUSAL:

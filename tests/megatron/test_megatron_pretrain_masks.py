@@ -128,6 +128,8 @@ def test_balanced_layout_cp4_matches_cp1(runs, entry, cp1, cp4, documents):
     for part in ("layer 1: mesh (CP 4", "layer 2: tasp (CP 4", "layer 3: ring (CP 4", "layer 4: a2a+mesh (CP 4"):
         assert part in summary, (part, summary)
     assert summary.count(f"window 5,0, documents {documents}, layout balanced)") == 4, summary
+    # the next micro-batch's layouts and plans were built on the background thread (batch_layout.Lookahead)
+    assert "and this rank's plans of them" in run_ok(runs, cp4) and "were built ahead of its step" in run_ok(runs, cp4)
 
 
 def test_both_entry_scripts_train_alike_on_documents(runs):

@@ -1,6 +1,7 @@
-"""Large masked blocks run as mask pieces (runtime/masks.py): the worked example of the module
-docstring, each piece's kernel mask against the mask rule pair by pair, and pieced forward/backward
-equal to one dense masked kernel call in fp64 (documents, windows, padding, zigzag runs)."""
+"""Large masked blocks run as mask pieces (runtime/masks.py): the worked examples of the module
+and of mask_pieces, each piece's kernel mask against the mask rule pair by pair, every allowed pair
+in exactly one call, and pieced forward/backward equal to one dense masked kernel call in fp64
+(documents, windows, padding, zigzag runs)."""
 
 from __future__ import annotations
 
@@ -129,3 +130,59 @@ def test_piece_setting(monkeypatch):
     monkeypatch.setenv("MEGATRON_MESH_MASK_TILE", "64")  # the old name is refused, naming the new one
     with pytest.raises(ValueError, match=f"MEGATRON_MESH_MASK_TILE was renamed {PIECE_ENV}"):
         mask_piece(CPU)
+
+
+def test_worked_example_of_mask_pieces():
+    """mask_pieces' docstring: the zigzag piece [0, 1000) + [3000, 4000) of a document against the
+    piece [1000, 3000) is one FULL call of 1000 x 2000 (the front run sees none of it); against
+    itself three calls (causal front, full back x front, causal back), nothing computed densely."""
+    mask = Mask(True, None, ((0, 4000),)).normalized(4000)
+    q = ((0, 1000), (3000, 1000))
+    assert mask_pieces(mask, q, ((1000, 1000), (2000, 1000)), 2048) == [(BlockKind.FULL, (1000, 2000), (0, 2000))]
+    assert mask_pieces(mask, q, q, 2048) == [(BlockKind.CAUSAL, (0, 1000), (0, 1000)),
+                                             (BlockKind.FULL, (1000, 2000), (0, 1000)),
+                                             (BlockKind.CAUSAL, (1000, 2000), (1000, 2000))]
+    # full pieces side by side on the same rows are one call, however long: the back run against
+    # three earlier runs that do not continue each other
+    k = ((0, 600), (1200, 600), (2400, 600))
+    assert mask_pieces(mask, ((3000, 1000),), k, 512) == [(BlockKind.FULL, (0, 1000), (0, 1800))]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_mask_pieces_cover_every_allowed_pair_once(data):
+    """Buffers of several runs (in any order, some continuing each other, some long, some short),
+    documents, windows, any piece size: the calls are disjoint, cover every allowed pair and no
+    other computed pair is allowed-by-accident -- a full call is all allowed, a causal one exactly
+    its lower triangle on identical positions, a masked one at most ``piece`` tokens a side."""
+    S = data.draw(st.integers(8, 64))
+    cuts = sorted(data.draw(st.sets(st.integers(1, S - 1), max_size=4)))
+    docs = tuple(zip([0] + cuts, cuts + [S]))
+    causal = data.draw(st.booleans())
+    left = data.draw(st.one_of(st.none(), st.integers(0, S)))
+    mask = Mask(causal, (left, 0 if causal else data.draw(st.one_of(st.none(), st.integers(0, S)))),
+                docs).normalized(S)
+
+    def runs():
+        bounds = sorted(data.draw(st.sets(st.integers(1, S - 1), max_size=6)))
+        spans = [(a, b - a) for a, b in zip([0] + bounds, bounds + [S])]
+        keep = data.draw(st.lists(st.sampled_from(range(len(spans))), min_size=1, max_size=len(spans), unique=True))
+        return tuple(spans[i] for i in keep)
+
+    q_runs, k_runs = runs(), (runs() if data.draw(st.booleans()) else None)
+    k_runs = q_runs if k_runs is None else k_runs
+    piece = data.draw(st.integers(1, 40))
+    allowed = mask.allowed(_positions(q_runs), _positions(k_runs))
+    covered = torch.zeros_like(allowed, dtype=torch.int64)
+    for kind, (r0, r1), (c0, c1) in mask_pieces(mask, q_runs, k_runs, piece):
+        sub = allowed[r0:r1, c0:c1]
+        if kind == BlockKind.FULL:
+            assert sub.all()
+        elif kind == BlockKind.CAUSAL:
+            assert torch.equal(_positions(q_runs)[r0:r1], _positions(k_runs)[c0:c1])
+            assert torch.equal(sub, torch.tril(torch.ones_like(sub)))
+        else:
+            assert r1 - r0 <= piece and c1 - c0 <= piece
+        covered[r0:r1, c0:c1] += 1
+    assert covered.max() <= 1, "two calls compute the same pair"
+    assert torch.equal(covered.bool() & allowed, allowed), "an allowed pair is in no call"
