@@ -151,7 +151,7 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None, 
             raise ValueError(f"placement for {placement.world_size} ranks used on a CP group of {P}")
         plan = _plan(placement, shape, mask, layout)
         if layout.documents() is not None:  # a packed sample's layout: the next samples' plans can be built ahead
-            _remember_layout_call(placement, shape, mask.causal, window, own.rank)
+            _remember_layout_call(placement, shape, mask.causal, None if window is None else tuple(window), own.rank)
     if comm is None:
         comm = own if placement.transport == "p2p" else group_communicator(group, placement.transport)
     scale = scale_of(shape, softmax_scale)

@@ -71,12 +71,13 @@ def test_a_prebuilt_plan_is_the_one_the_next_call_runs():
 
     def rank_fn(rank, comm):
         shard = lambda x, layout: mm.layout_shard(x, rank, layout)  # noqa: E731
-        mm.attention(*(shard(x, first) for x in (Q, K, V)), mode="tasp", comm=comm, layout=first)
+        mm.attention(*(shard(x, first) for x in (Q, K, V)), mode="tasp", comm=comm, layout=first,
+                     window=[None, 0])  # a list, as users pass it: remembered as a tuple
         built = prebuild(second)
         q, k, v = (shard(x, second) for x in (Q, K, V))
-        plan = prepare(q, k, v, mode="tasp", comm=comm, layout=second).plan
+        plan = prepare(q, k, v, mode="tasp", comm=comm, layout=second, window=(None, 0)).plan
         ahead = rank in plan._cache  # prepare builds no op lists: only prebuild could have
-        out = mm.attention(q, k, v, mode="tasp", comm=comm, layout=second)
+        out = mm.attention(q, k, v, mode="tasp", comm=comm, layout=second, window=(None, 0))
         return built, ahead, out
 
     results = run_inprocess(rank_fn, P, timeout=120)
