@@ -265,8 +265,9 @@ def documents_of(args, entry_packs_documents: bool, batch_documents: bool = Fals
 
 
 def _check_layout(args, cp: int, documents: Optional[str]) -> None:
-    """--cp-layout applies where a layout is chosen per sample: documents from the batch
-    (--reset-attention-mask) reaching plugin layers at CP > 1. The balanced layout (the default)
+    """--cp-layout (and --no-cp-layout-lookahead, for the balanced one) applies where a layout is
+    chosen per sample: documents from the batch (--reset-attention-mask) reaching plugin layers at
+    CP > 1. The balanced layout (the default)
     needs --calculate-per-token-loss, and what else follows Megatron's zigzag refuses it: RoPE
     other than 'rope' (YaRN, mRoPE, MLA's own), multi-token prediction (its roll assumes the
     zigzag), and fused RoPE over micro-batches of several samples (Transformer Engine's kernel
@@ -279,6 +280,9 @@ def _check_layout(args, cp: int, documents: Optional[str]) -> None:
                "no --reset-attention-mask")
         raise ValueError(f"--cp-layout {given} applies to packed documents (--reset-attention-mask) at CP > 1, not "
                          f"here ({why}); leave the flag out")
+    if getattr(args, "no_cp_layout_lookahead", False) and not (applies and cp_layout(args) == "balanced"):
+        raise ValueError("--no-cp-layout-lookahead applies to --cp-layout balanced (packed documents, "
+                         "--reset-attention-mask, at CP > 1), which this run does not use; leave the flag out")
     if not applies or cp_layout(args) != "balanced":
         return
     which = "--cp-layout balanced" + ("" if given else " (the default with packed documents at CP > 1)")

@@ -127,6 +127,12 @@ def test_masks_and_hybrids_valid(megatron_args, our_entry, argv, documents):
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask"],
      "--cp-layout balanced (the default with packed documents at CP > 1) needs --calculate-per-token-loss: the ranks "
      "hold different documents"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--no-cp-layout-lookahead"],
+     "--no-cp-layout-lookahead applies to --cp-layout balanced (packed documents, --reset-attention-mask, at CP > 1), "
+     "which this run does not use; leave the flag out"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask", PER_TOKEN,
+      "--cp-layout", "zigzag", "--no-cp-layout-lookahead"],
+     "--no-cp-layout-lookahead applies to --cp-layout balanced"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask", "--cp-layout", "balanced"],
      "--cp-layout balanced needs --calculate-per-token-loss"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask", PER_TOKEN,

@@ -88,3 +88,29 @@ def test_a_prebuilt_plan_is_the_one_the_next_call_runs():
     want = reference_attention(Q, K, V, mask=Mask(True, None, second.documents()))
     for rank, (_, _, out) in enumerate(results):
         torch.testing.assert_close(out, mm.layout_shard(want, rank, second), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("off, layout, wrapped", [(False, "balanced", True), (True, "balanced", False),
+                                                  (False, "zigzag", False)])
+def test_pretrain_builds_its_iterators_with_the_lookahead_where_it_applies(monkeypatch, off, layout, wrapped):
+    """install_lookahead wraps what Megatron's builder returns -- under --cp-layout balanced with
+    documents from the batch at CP > 1, unless --no-cp-layout-lookahead -- and nothing else."""
+    import argparse
+
+    from megatron_mesh.megatron import batch_layout, bootstrap, ensure_typing_override
+
+    ensure_typing_override()  # megatron.training needs typing.override (Python 3.12) on 3.11
+    from megatron.core.rerun_state_machine import RerunDataIterator
+    from megatron.training import global_vars, training
+
+    built = (RerunDataIterator(iter([{"i": 0}])), [RerunDataIterator(iter([{"i": 1}]))], None)
+    monkeypatch.setattr(training, "build_train_valid_test_data_iterators", lambda provider: built)
+    args = argparse.Namespace(context_parallel_size=2, cp_layout=layout, reset_attention_mask=True,
+                              reset_position_ids=True, no_cp_layout_lookahead=off, cp_thd_packing=False)
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
+    monkeypatch.setattr(bootstrap, "BATCH_DOCUMENTS", True)  # run_script: documents from the position ids
+    batch_layout.install_lookahead()
+    train, valid, test = training.build_train_valid_test_data_iterators(None)
+    assert test is None
+    assert isinstance(train.iterable, Lookahead) is wrapped and isinstance(valid[0].iterable, Lookahead) is wrapped
+    assert next(train) == {"i": 0} and next(valid[0]) == {"i": 1}
