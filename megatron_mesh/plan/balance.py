@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from operator import index
 
 from .layout import match_text, register_layout, split_evenly
+from .sel import merge_runs
 
 __all__ = ["BalancedLayout", "balanced_layout", "document_work", "PIECE_WORK", "NODE_PIECE_WORK"]
 
@@ -272,13 +273,8 @@ def _even_out(bins: list[list[_Piece]], causal: bool, window, tolerance: float =
 
 def _runs(pieces) -> tuple[tuple[int, int], ...]:
     """(global start, length) of the pieces' tokens, sorted and joined."""
-    out: list[list[int]] = []
-    for s, e in sorted((p.start + a, p.start + b) for p in pieces for a, b in p.runs):
-        if out and out[-1][0] + out[-1][1] == s:
-            out[-1][1] += e - s
-        else:
-            out.append([s, e - s])
-    return tuple((s, n) for s, n in out)
+    return tuple(merge_runs((s, e - s) for s, e in sorted((p.start + a, p.start + b) for p in pieces
+                                                          for a, b in p.runs)))
 
 
 def _check_bounds(cu_seqlens, world_size: int, group: int) -> tuple[tuple[int, int], ...]:
@@ -329,14 +325,17 @@ def _check_nodes(world_size: int, group: int, ranks_per_node) -> int:
 
 
 def balanced_layout(cu_seqlens, world_size: int, *, causal: bool = True, window=None, group: int = 1,
-                    ranks_per_node: int | None = None, piece_work: float = PIECE_WORK) -> "BalancedLayout":
+                    ranks_per_node: int | None = None, piece_work: float = PIECE_WORK,
+                    node_piece_work: float | None = None) -> "BalancedLayout":
     """The work-balanced, document-aware layout of the documents ``cu_seqlens`` (0 = c0 < c1 <
     ... < cn = S, S divisible by the CP size ``world_size``) under a causal (or full) mask with
     ``window`` (left, right) -- see the module docstring. ``group``: balance over world_size /
     group groups of ranks (a Ulysses hybrid of that degree). ``ranks_per_node``: the CP group spans
     nodes of that many consecutive ranks -- balance the nodes first, then the ranks (groups) inside
-    each node, so a document whose work fits a node never crosses one (its transfers stay on the
-    node's links). ValueError names a bad input."""
+    each node, so a document whose work fits a node's pieces stays inside one (its transfers stay on
+    the node's links). ``piece_work`` / ``node_piece_work``: the largest piece, in units of a rank's
+    (group's) / a node's mean work (default :data:`PIECE_WORK`; for the node pass
+    :data:`NODE_PIECE_WORK` with group 1, else ``piece_work``). ValueError names a bad input."""
     bounds = _check_bounds(cu_seqlens, world_size, group)
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, got {causal!r}")
@@ -352,7 +351,8 @@ def balanced_layout(cu_seqlens, world_size: int, *, causal: bool = True, window=
     if nodes in (1, units):
         filled = _balance(docs, units, S // units, causal, window, piece_work)
     else:  # nodes first (a document stays inside one node when its work fits), then the units of each node
-        node_work = NODE_PIECE_WORK if group == 1 and piece_work == PIECE_WORK else piece_work
+        node_work = node_piece_work if node_piece_work is not None else \
+            NODE_PIECE_WORK if group == 1 else piece_work
         filled = [unit for node in _balance(docs, nodes, S // nodes, causal, window, node_work)
                   for unit in _balance(node, units // nodes, S // units, causal, window, piece_work)]
     per_bin = [_runs(got) for got in filled]

@@ -491,12 +491,7 @@ def _segments(runs, piece: int) -> list[tuple[int, tuple[tuple[int, int], ...], 
     (:func:`cut_runs`: many short documents make few kernel calls). (block-local offset, runs,
     length), as :func:`cut_runs`."""
     long_run = max(1, piece // 16)
-    joined: list[list[int]] = []
-    for start, n in runs:
-        if joined and joined[-1][0] + joined[-1][1] == start:
-            joined[-1][1] += n
-        else:
-            joined.append([start, n])
+    joined = merge_runs(runs)
     out: list = []
     local, short = 0, []
 

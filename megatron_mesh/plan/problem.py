@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from .layout import Layout, SpanLayout, ZigzagLayout
 from .mask import Mask
+from .sel import merge_runs
 from .shape import AttentionShape
 
 __all__ = ["normalize", "is_dense"]
@@ -53,14 +54,8 @@ def normalize(world_size: int, shape: AttentionShape, mask: Mask | None = None, 
 
 
 def _merged(runs) -> list[tuple[int, int]]:
-    """(global start, length) of ``runs`` in local order, adjacent runs joined."""
-    out: list[list[int]] = []
-    for _, start, n in runs:
-        if out and out[-1][0] + out[-1][1] == start:
-            out[-1][1] += n
-        else:
-            out.append([start, n])
-    return [tuple(r) for r in out]
+    """(global start, length) of a layout's ``runs`` in local order, adjacent runs joined."""
+    return merge_runs((start, n) for _, start, n in runs)
 
 
 def _is_zigzag(layout: Layout) -> bool:
