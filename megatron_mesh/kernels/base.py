@@ -16,7 +16,8 @@ from torch import Tensor
 
 from ..plan.mask import BlockKind
 
-__all__ = ["BlockKernel", "BlockMask", "FULL", "CAUSAL"]
+__all__ = ["BlockKernel", "BlockMask", "FULL", "CAUSAL", "varlen_forward", "varlen_backward", "loop_varlen_forward",
+           "loop_varlen_backward"]
 
 
 @dataclass(eq=False)
@@ -95,3 +96,63 @@ class BlockKernel(Protocol):
         P = exp(s - lse) on allowed pairs (0 elsewhere) and dS = P * (dout v^T - delta):
         dq = scale dS k, dk = scale dS^T q, dv = P^T dout. Returns (dq, dk, dv) shaped like
         (q, k, v), any float dtype (the executor accumulates in fp32)."""
+
+
+# -- variable-length calls ------------------------------------------------------------------------------------
+# A kernel with ``varlen = True`` runs several sequences in one call (flash-attention's varlen
+# kernels): ``q`` [B, H, sum nq, D] and ``k``, ``v`` [B, Hkv, sum nk, D] hold the sequences one
+# after another, ``seqs`` their (nq, nk); sequence i's queries attend only its own keys, all of
+# them (``causal`` False) or causally (``causal`` True, nq == nk). Its ``forward_varlen`` /
+# ``backward_varlen`` return what ``forward`` / ``backward`` return, for the packed rows and
+# columns. The runtime groups a masked block's full pieces, and its causal ones, into such calls
+# (:func:`megatron_mesh.plan.call_groups`); a kernel without them runs each piece alone.
+def varlen_forward(kernel: BlockKernel, q: Tensor, k: Tensor, v: Tensor, seqs, *, causal: bool,
+                   scale: float) -> tuple[Tensor, Tensor]:
+    """(out, lse) of the packed sequences ``seqs`` in one call of ``kernel`` (see above)."""
+    _check_seqs(q, k, seqs, causal)
+    return kernel.forward_varlen(q, k, v, tuple(seqs), causal=causal, scale=scale)
+
+
+def varlen_backward(kernel: BlockKernel, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor,
+                    seqs, *, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of the packed sequences ``seqs`` given the rows' global statistics."""
+    _check_seqs(q, k, seqs, causal)
+    return kernel.backward_varlen(dout, q, k, v, lse, delta, tuple(seqs), causal=causal, scale=scale)
+
+
+def _check_seqs(q: Tensor, k: Tensor, seqs, causal: bool) -> None:
+    if sum(n for n, _ in seqs) != q.shape[2] or sum(m for _, m in seqs) != k.shape[2]:
+        raise ValueError(f"sequences {list(seqs)} do not add up to {q.shape[2]} queries and {k.shape[2]} keys")
+    if causal and any(n != m for n, m in seqs):
+        raise ValueError(f"causal sequences must have as many queries as keys, got {list(seqs)}")
+    if any(n < 1 or m < 1 for n, m in seqs):
+        raise ValueError(f"every sequence needs a query and a key, got {list(seqs)}")
+
+
+def loop_varlen_forward(kernel: BlockKernel, q: Tensor, k: Tensor, v: Tensor, seqs, *, causal: bool,
+                        scale: float) -> tuple[Tensor, Tensor]:
+    """A variable-length call as one ``forward`` per sequence (kernels whose inputs the fused
+    op does not take, e.g. fp32 on flash)."""
+    outs, lses, qo, ko = [], [], 0, 0
+    mask = CAUSAL if causal else FULL
+    for n, m in seqs:
+        o, l = kernel.forward(q.narrow(2, qo, n), k.narrow(2, ko, m), v.narrow(2, ko, m), mask=mask, scale=scale)
+        outs.append(o)
+        lses.append(l)
+        qo, ko = qo + n, ko + m
+    return torch.cat(outs, 2), torch.cat(lses, 2)
+
+
+def loop_varlen_backward(kernel: BlockKernel, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor,
+                         delta: Tensor, seqs, *, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward of :func:`loop_varlen_forward`."""
+    dqs, dks, dvs, qo, ko = [], [], [], 0, 0
+    mask = CAUSAL if causal else FULL
+    for n, m in seqs:
+        gq, gk, gv = kernel.backward(dout.narrow(2, qo, n), q.narrow(2, qo, n), k.narrow(2, ko, m), v.narrow(2, ko, m),
+                                     lse.narrow(-1, qo, n), delta.narrow(-1, qo, n), mask=mask, scale=scale)
+        dqs.append(gq)
+        dks.append(gk)
+        dvs.append(gv)
+        qo, ko = qo + n, ko + m
+    return torch.cat(dqs, 2), torch.cat(dks, 2), torch.cat(dvs, 2)

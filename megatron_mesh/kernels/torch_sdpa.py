@@ -24,8 +24,9 @@ import torch
 from torch import Tensor
 
 from ..plan.mask import BlockKind
+from .base import loop_varlen_backward, loop_varlen_forward
 
-__all__ = ["TorchAttentionKernel", "CUDA_OPS", "stand_in_output"]
+__all__ = ["TorchAttentionKernel", "CUDA_OPS", "stand_in_output", "flash_varlen_forward", "flash_varlen_backward"]
 
 CUDA_OPS = ("flash", "efficient", "cudnn")
 
@@ -66,6 +67,9 @@ class TorchAttentionKernel:
         self.auto = device_type == "cuda" and op == "auto"
         self.op = "cpu" if device_type == "cpu" else ("flash" if op == "auto" else op)
         self.name = f"torch-{self.op}"
+        # several documents' pieces in one call: flash-attention's varlen kernels (CUDA); the CPU
+        # op has none, so there the runtime calls it once per piece
+        self.varlen = device_type == "cuda" and self.op == "flash"
 
     def _op(self, q: Tensor) -> str:
         """The op for these inputs: "auto" takes flash for 16-bit inputs and the efficient kernel
@@ -145,6 +149,27 @@ class TorchAttentionKernel:
             dv = dv.view(b, h // groups, groups, sk, d).sum(2, dtype=torch.float32)
         return dq, dk, dv
 
+    # -- variable-length calls (CUDA flash; see kernels.base) -----------------------------------
+    def forward_varlen(self, q, k, v, seqs, *, causal, scale):
+        if q.dtype not in (torch.float16, torch.bfloat16):  # flash takes 16-bit inputs only
+            return loop_varlen_forward(self, q, k, v, seqs, causal=causal, scale=scale)
+        self.name = "torch-flash"
+        b, h, tq, d = q.shape
+        cu_q, cu_k, max_q, max_k = _cu_seqlens(seqs, b, q.device)
+        out, lse = flash_varlen_forward(_tokens(q), _tokens(k), _tokens(v), cu_q, cu_k, max_q, max_k, causal, scale)
+        return _heads(out, b), lse.reshape(h, b, tq).permute(1, 0, 2)
+
+    def backward_varlen(self, dout, q, k, v, lse, delta, seqs, *, causal, scale):
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            return loop_varlen_backward(self, dout, q, k, v, lse, delta, seqs, causal=causal, scale=scale)
+        b, h, tq, d = q.shape
+        cu_q, cu_k, max_q, max_k = _cu_seqlens(seqs, b, q.device)
+        out = stand_in_output(dout, delta)
+        lse = lse.float().permute(1, 0, 2).reshape(h, b * tq).contiguous()
+        dq, dk, dv = flash_varlen_backward(_tokens(dout), _tokens(q), _tokens(k), _tokens(v), _tokens(out), lse,
+                                           cu_q, cu_k, max_q, max_k, causal, scale)
+        return _heads(dq, b), _heads(dk, b), _heads(dv, b)
+
     @staticmethod
     def _bias(q: Tensor, mask) -> Tensor | None:
         """The efficient kernel's attn_bias for a masked block: [B, H, Sq, Sk] (a broadcast view),
@@ -162,3 +187,57 @@ class TorchAttentionKernel:
         if groups == 1:
             return k, v
         return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+
+
+# -- flash-attention's variable-length kernels, as torch ships them ----------------------------------------
+# (torch.nn.attention.varlen calls the same ops: packed [tokens, heads, head_dim] inputs, int32
+# cumulative sequence offsets, lse [heads, tokens] in fp32, native grouped-query attention)
+def flash_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
+                         causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
+                                                                 scale=scale)
+    return out, lse
+
+
+def flash_varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor,
+                          cu_k: Tensor, max_q: int, max_k: int, causal: bool,
+                          scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: the state is unused
+    unused = torch.empty(0, device=q.device)
+    return torch.ops.aten._flash_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal,
+                                                    rng, unused, scale=scale)
+
+
+_CU: dict = {}  # (seqs, batch, device) -> offsets: a plan's calls repeat every step, and a host-to-device
+_CU_KEPT = 4096  # copy per call would stall the launch queue
+
+
+def _cu_seqlens(seqs, batch: int, device) -> tuple[Tensor, Tensor, int, int]:
+    """int32 cumulative offsets of ``seqs`` repeated for each batch element (the batch is folded
+    into the packed tokens), and the longest query and key sequence; made once per shape."""
+    key = (tuple(seqs), batch, str(device))
+    got = _CU.get(key)
+    if got is None:
+        qs = [n for _ in range(batch) for n, _ in seqs]
+        ks = [m for _ in range(batch) for _, m in seqs]
+        cu = [[0], [0]]
+        for n, m in zip(qs, ks):
+            cu[0].append(cu[0][-1] + n)
+            cu[1].append(cu[1][-1] + m)
+        if len(_CU) >= _CU_KEPT:
+            _CU.clear()
+        got = _CU[key] = (torch.tensor(cu[0], dtype=torch.int32, device=device),
+                          torch.tensor(cu[1], dtype=torch.int32, device=device), max(qs), max(ks))
+    return got
+
+
+def _tokens(x: Tensor) -> Tensor:
+    """[B, H, T, D] -> [B * T, H, D] (the packed layout of the varlen kernels)."""
+    b, h, t, d = x.shape
+    return x.permute(0, 2, 1, 3).reshape(b * t, h, d)
+
+
+def _heads(x: Tensor, batch: int) -> Tensor:
+    """[B * T, H, D] -> [B, H, T, D]."""
+    bt, h, d = x.shape
+    return x.reshape(batch, bt // batch, h, d).permute(0, 2, 1, 3)

@@ -110,7 +110,7 @@ def build_hybrid_plan(mode: str, world_size: int, ulysses: int, build_inner: Cal
                 build_rank=lowering.rank_plan, build_rounds=lowering.round_ops, slots=lowering.segments,
                 tile=inner.tile, schedule=inner.schedule, backward_chunks=inner.backward_chunks,
                 contiguous=inner.contiguous, assignment=inner.assignment, direct=inner.direct,
-                ulysses=U,
+                ulysses=U, kernel_calls=inner.kernel_calls,
                 heads=(shape.heads, shape.kv_heads), rings=hybrid_rings(P, U, inner.rings), notes=notes, inner=inner)
 
 

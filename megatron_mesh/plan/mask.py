@@ -41,7 +41,8 @@ from typing import NamedTuple
 from .sel import Segment, first_at, merge_runs, union_intervals
 
 __all__ = ["Mask", "BlockKind", "BlockClass", "classify_block", "band_relation", "band_pairs", "CAUSAL", "FULL",
-           "union_intervals", "split_by_document", "INF", "MASK_PIECE", "cut_runs", "mask_pieces"]
+           "union_intervals", "split_by_document", "INF", "MASK_PIECE", "cut_runs", "mask_pieces", "call_groups",
+           "KERNEL_CALLS"]
 
 
 class BlockKind(StrEnum):
@@ -483,15 +484,40 @@ def cut_runs(runs, piece: int) -> list[tuple[int, tuple[tuple[int, int], ...], i
     return out
 
 
-def _segments(runs, piece: int) -> list[tuple[int, tuple[tuple[int, int], ...], int]]:
+def _document_runs(mask: Mask, runs) -> list[tuple[int, int]]:
+    """``runs`` (position runs, buffer order) cut where a document of ``mask`` starts or ends: a
+    run that holds several documents becomes one run per document (and per gap between them).
+
+    >>> _document_runs(Mask(True, documents=((0, 5), (5, 9), (12, 20))), [(3, 12)])
+    [(3, 2), (5, 4), (9, 3), (12, 3)]
+    """
+    if mask.documents is None:
+        return list(runs)
+    starts, stops = _bounds(mask)
+    out = []
+    for start, n in runs:
+        end = start + n
+        cuts = sorted(set(starts[bisect_right(starts, start):bisect_left(starts, end)]) |
+                      set(stops[bisect_right(stops, start):bisect_left(stops, end)]))
+        for c in cuts:
+            out.append((start, c - start))
+            start = c
+        out.append((start, end - start))
+    return out
+
+
+def _segments(runs, piece: int, mask: Mask | None = None) -> list[tuple[int, tuple[tuple[int, int], ...], int]]:
     """A buffer's runs as the segments :func:`mask_pieces` pairs up: runs joined where their
-    positions continue; a run of at least ``piece // 16`` tokens is a segment of its own (so the
-    empty and full quadrants between two zigzag pieces of a document are never computed densely
-    together); the shorter runs between them packed into segments of at most ``piece`` tokens
-    (:func:`cut_runs`: many short documents make few kernel calls). (block-local offset, runs,
-    length), as :func:`cut_runs`."""
+    positions continue and cut where a document ends; a run of at least ``piece // 16`` tokens is
+    a segment of its own (so the empty and full quadrants between two zigzag pieces of a document
+    are never computed densely together, and two documents side by side are two causal calls,
+    not one masked rectangle); the shorter runs between them packed into segments of at most
+    ``piece`` tokens (:func:`cut_runs`: many short documents make few kernel calls). (block-local
+    offset, runs, length), as :func:`cut_runs`."""
     long_run = max(1, piece // 16)
     joined = merge_runs(runs)
+    if mask is not None:
+        joined = _document_runs(mask, joined)
     out: list = []
     local, short = 0, []
 
@@ -511,6 +537,43 @@ def _segments(runs, piece: int) -> list[tuple[int, tuple[tuple[int, int], ...], 
             short.append((start, n))
     flush()
     return out
+
+
+KERNEL_CALLS = ("varlen", "piece", "block")
+
+
+def call_groups(pieces, kernel_calls: str = "varlen") -> list[tuple[int, ...]]:
+    """Which pieces of a masked block (:func:`mask_pieces`) one kernel call runs together, as
+    tuples of their indices, in the order of their first piece:
+
+    * "varlen" (this package's kernels): FULL pieces that follow each other -- the next one's
+      rows and columns start where the last one's end, as consecutive documents' pieces do --
+      in one variable-length call, and CAUSAL ones likewise: each piece a sequence of its own,
+      its rows against its columns, as flash-attention's varlen kernels take them, packed
+      without a copy; each MASKED piece alone (it needs its allowed matrix);
+    * "piece": every piece alone (a kernel without variable-length calls);
+    * "block": all in one call (Transformer Engine's THD attention: per-document masks from
+      cu_seqlens, whatever the pieces).
+
+    Worked example: a rank's own block with documents of 900, 2,000, 40, 30 and 500 tokens
+    (piece 2048, so runs of 128 tokens or more are segments of their own): causal 900, causal
+    2,000, masked (40 + 30 packed together), causal 500 -> "varlen": three calls, (0, 1), (2,)
+    and (3,); "piece": four; "block": one."""
+    if kernel_calls not in KERNEL_CALLS:
+        raise ValueError(f"kernel_calls must be one of {', '.join(KERNEL_CALLS)}, got {kernel_calls!r}")
+    if kernel_calls == "block":
+        return [tuple(range(len(pieces)))] if pieces else []
+    if kernel_calls == "piece":
+        return [(i,) for i in range(len(pieces))]
+    groups: list[list[int]] = []
+    for i, (kind, rows, cols) in enumerate(pieces):
+        if groups and kind != BlockKind.MASKED:
+            last_kind, last_rows, last_cols = pieces[groups[-1][-1]]
+            if last_kind == kind and last_rows[1] == rows[0] and last_cols[1] == cols[0]:
+                groups[-1].append(i)
+                continue
+        groups.append([i])
+    return [tuple(g) for g in groups]
 
 
 def mask_pieces(mask: Mask, q_runs, k_runs, piece: int) -> list[tuple[BlockKind, tuple[int, int], tuple[int, int]]]:
@@ -539,8 +602,8 @@ def mask_pieces(mask: Mask, q_runs, k_runs, piece: int) -> list[tuple[BlockKind,
         else:
             out.append((kind, rows, cols))
 
-    cols = _segments(k_runs, piece)
-    for r0, qr, n in _segments(q_runs, piece):
+    cols = _segments(k_runs, piece, mask)
+    for r0, qr, n in _segments(q_runs, piece, mask):
         for c0, kr, m in cols:
             c = classify_block(mask, qr, (kr,))
             if c is None:

@@ -42,12 +42,22 @@ from .sel import Segment
 from .shape import AttentionShape
 
 __all__ = ["TileMap", "tile_shapes", "parse_tile", "best_tile", "build_mesh_plan", "build_ring_plan",
-           "build_rotation_plan", "BACKWARD_CHUNKS", "CONTIGUOUS"]
+           "build_rotation_plan", "BACKWARD_CHUNKS", "CONTIGUOUS", "dense_backward_chunks"]
 
 # "refetch": the backward pulls Q and KV chunks again (memory of ring attention; more bytes).
 # "keep":    the forward keeps the pulled chunks for the backward (fewer bytes; a-1 Q and b-1 KV
 #            chunks more memory per layer until its backward runs).
-BACKWARD_CHUNKS = ("refetch", "keep")
+# "auto":    a mask-aware plan keeps what a rank pulled where that is at most its own Q, K and V
+#            (:data:`~.sparse.KEEP_LIMIT`), rank by rank; a dense plan refetches (its chunks rotate
+#            behind every step's compute, and keeping them all would hold a-1 Q and b-1 KV chunks).
+BACKWARD_CHUNKS = ("refetch", "keep", "auto")
+
+
+def dense_backward_chunks(backward_chunks: str) -> str:
+    """What a dense plan does for ``backward_chunks``: "auto" refetches (see :data:`BACKWARD_CHUNKS`)."""
+    if backward_chunks not in BACKWARD_CHUNKS:
+        raise ValueError(f"backward_chunks must be one of {', '.join(BACKWARD_CHUNKS)}, got {backward_chunks!r}")
+    return "refetch" if backward_chunks == "auto" else backward_chunks
 # Which Mesh group holds consecutive CP ranks (see TileMap).
 CONTIGUOUS = ("q", "kv")
 
@@ -143,6 +153,7 @@ def parse_tile(tile, world_size: int) -> tuple[int, int] | str:
 def best_tile(world_size: int, shape: AttentionShape, backward_chunks: str = "refetch") -> tuple[int, int]:
     """The tile with the fewest bytes per rank (forward + backward, closed form); ties -> the
     flatter tile (smaller a, closer to ring attention, fewer accumulator returns)."""
+    backward_chunks = dense_backward_chunks(backward_chunks)
     return min(tile_shapes(world_size),
                key=lambda t: (mesh_bytes_formula(world_size, t, shape, backward_chunks).sent, t[0]))
 
@@ -165,8 +176,7 @@ def build_mesh_plan(world_size: int, tile, shape: AttentionShape, causal: bool =
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    if backward_chunks not in BACKWARD_CHUNKS:
-        raise ValueError(f"backward_chunks must be one of {BACKWARD_CHUNKS}, got {backward_chunks!r}")
+    backward_chunks = dense_backward_chunks(backward_chunks)
     tile = parse_tile(tile, world_size)
     if tile == "auto":
         raise ValueError("build_mesh_plan takes a concrete tile; tile 'auto' is chosen by "
@@ -205,11 +215,12 @@ def build_rotation_plan(world_size: int, shape: AttentionShape, mask: Mask, layo
                         mode: str = "rotation") -> Plan:
     """Ring attention's schedule on any mask and layout: every chunk visits every rank around the
     ring, and each block computes what the mask allows of it -- Transformer Engine's ``p2p`` on its
-    THD layout (whole KV chunks every step, per-document blocks). The planner prices TE with it;
+    THD layout (whole KV chunks every step, per-document blocks, each block one variable-length
+    kernel call over its documents: ``kernel_calls="block"``). The planner prices TE with it;
     the plugin's modes send only what a mask-aware plan needs instead (:mod:`.sparse`).
     ``mask`` / ``layout``: normalised (:func:`~.problem.normalize`)."""
     return replace(_build_mesh_plan(world_size, (1, world_size), shape, mask, "greedy", "refetch", "q", layout),
-                   mode=mode, _cache={})
+                   mode=mode, kernel_calls="block", _cache={})
 
 
 @lru_cache(maxsize=256)

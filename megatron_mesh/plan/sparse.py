@@ -405,6 +405,8 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
     docstring. ``mask`` and ``layout`` are normalised (:func:`~.problem.normalize`)."""
     T = shape.seq_local
     index = _blocks(P, mask, layout)
+    if backward_chunks not in ("refetch", "keep", "auto"):
+        raise ValueError(f"backward_chunks must be one of refetch, keep, auto, got {backward_chunks!r}")
     keep = backward_chunks == "keep"
     notes: list[str] = []
     needs: object = _QueryOwnerNeeds(index)
@@ -420,8 +422,9 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
             notes.append(f"the mask leaves the {', '.join(n for n, _ in assignment.owners)} assignment nothing to "
                          "gain: every block is computed by its query chunk's owner (fewer bytes on the busiest rank)")
     burst = assignment.rounds == "burst"
-    lowering = _SparseLowering(P, T, needs, index, keep, burst,
-                               {k: buffer_bytes(k, 1, shape) for k in ("q", "kv", "do", "o", "dq", "dkv")})
+    token_bytes = {k: buffer_bytes(k, 1, shape) for k in ("q", "kv", "do", "o", "dq", "dkv")}
+    keeps = _Keeps(backward_chunks, needs, T, token_bytes)
+    lowering = _SparseLowering(P, T, needs, index, keeps, burst, token_bytes)
     notes.append(f"mask {mask.summary()}: each rank computes only the blocks with allowed pairs and receives only the "
                  f"tokens they read, from their owner ({'one round' if burst else 'one round per shift'})")
     return Plan(mode=mode, world_size=P, seq_local=T, mask=mask, layout=layout, build_rank=lowering.rank_plan,
@@ -430,9 +433,41 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
                 last_round=lowering.final_round, ranks_per_node=ranks_per_node, notes=tuple(notes))
 
 
+# backward_chunks="auto" keeps a rank's pulled pieces for the backward when they hold at most this
+# many times the bytes of its own Q, K and V chunk -- the inputs the backward saves anyway -- so
+# keeping at most doubles them; above it (a rank reading most of a long document) the rank refetches
+KEEP_LIMIT = 1.0
+
+
+class _Keeps:
+    """Which ranks keep the pieces they pulled in the forward for the backward (no second pull
+    of Q / K / V; only dO and the returns move): every rank ("keep"), none ("refetch"), or each
+    rank whose pulled rows and columns take at most :data:`KEEP_LIMIT` x its own chunk's Q + K + V
+    bytes ("auto", decided per rank from the needs, so sender and receiver agree).
+
+    Example: rank x of a query-owner plan reads 3,000 columns of K/V from other ranks and holds
+    T = 4,096 tokens of its own: 3,000 x kv <= 4,096 x (q + kv) -> it keeps them; a rank reading
+    20,000 columns of a long document refetches them in the backward instead."""
+
+    def __init__(self, policy: str, needs, T: int, token_bytes: dict):
+        self.policy, self.needs, self.T, self.token_bytes = policy, needs, T, token_bytes
+        self._memo: dict[int, bool] = {}
+
+    def __call__(self, x: int) -> bool:
+        if self.policy != "auto":
+            return self.policy == "keep"
+        got = self._memo.get(x)
+        if got is None:
+            tb = self.token_bytes
+            rows = sum(s.stop - s.start for sel in self.needs.rows(x).values() for s in sel)
+            cols = sum(s.stop - s.start for sel in self.needs.cols(x).values() for s in sel)
+            got = self._memo[x] = rows * tb["q"] + cols * tb["kv"] <= KEEP_LIMIT * self.T * (tb["q"] + tb["kv"])
+        return got
+
+
 class _SparseLowering:
-    def __init__(self, P: int, T: int, needs, index: _Blocks, keep: bool, burst: bool, token_bytes: dict):
-        self.P, self.T, self.needs, self.index, self.keep, self.burst = P, T, needs, index, keep, burst
+    def __init__(self, P: int, T: int, needs, index: _Blocks, keeps: _Keeps, burst: bool, token_bytes: dict):
+        self.P, self.T, self.needs, self.index, self.keeps, self.burst = P, T, needs, index, keeps, burst
         self.token_bytes = token_bytes  # kind -> bytes per token
         self.slots = _Slots(needs, P)
         self.final_round = 2 if burst else P  # the return round (ranks post subsets of 1 .. final_round)
@@ -453,20 +488,24 @@ class _SparseLowering:
     def _pulls(self, x: int, direction: str) -> dict[int, tuple[list, list]]:
         """Round -> (sends, recvs) of the pulls of ``direction``."""
         backward = direction == "backward"
-        row_kinds = (("do",) if self.keep else ("q", "do")) if backward else ("q",)
-        col_kinds = (() if self.keep else ("kv",)) if backward else ("kv",)
+
+        def row_kinds(reader: int) -> tuple[str, ...]:  # what moves of the rows ``reader`` needs
+            return (("do",) if self.keeps(reader) else ("q", "do")) if backward else ("q",)
+
+        def col_kinds(reader: int) -> tuple[str, ...]:
+            return (() if self.keeps(reader) else ("kv",)) if backward else ("kv",)
         rounds: dict[int, tuple[list, list]] = {}
         for y in self.needs.row_needers(x):  # my rows others need
-            for kind in row_kinds:
+            for kind in row_kinds(y):
                 rounds.setdefault(self._shift(x, y, True), ([], []))[0].append(Transfer(y, Key(kind, x, y)))
         for y in self.needs.col_needers(x):
-            for kind in col_kinds:
+            for kind in col_kinds(y):
                 rounds.setdefault(self._shift(x, y, True), ([], []))[0].append(Transfer(y, Key(kind, x, self.P + y)))
         for c in sorted(self.needs.rows(x)):
-            for kind in row_kinds:
+            for kind in row_kinds(x):
                 rounds.setdefault(self._shift(x, c, False), ([], []))[1].append(Transfer(c, Key(kind, c, x)))
         for c in sorted(self.needs.cols(x)):
-            for kind in col_kinds:
+            for kind in col_kinds(x):
                 rounds.setdefault(self._shift(x, c, False), ([], []))[1].append(Transfer(c, Key(kind, c, self.P + x)))
         return rounds
 
@@ -572,6 +611,38 @@ class _SparseLowering:
         ops.extend(self._fused(x, i, parts, backward) for (i, _), parts in sorted(groups.items()))
         return ops
 
+    def _own_calls(self, x: int, before: list[Op], after: list[Op], backward: bool) -> tuple[list[Op], list[Op]]:
+        """The own block's calls (one per document, in row order; ``before`` the return round is
+        posted, then ``after``) as at most two calls: the rows up to the first of ``after``, and
+        the rest, each against all the chunk's keys under the mask. Their documents' pieces then
+        run as a few variable-length kernel calls (:func:`~.mask.call_groups`) instead of a call
+        each, with no copy: each call's rows are one range of the chunk. Exact because the
+        documents' rows are disjoint: every allowed pair of a row is in the call holding the row.
+
+        Example: own documents of 900, 40, 30 and 2,000 tokens, the first two before the return:
+        rows [0, 970) and [970, 3970), each a MASKED call whose pieces (causal 900, masked 40 + 30;
+        causal 2,000) run as two and one kernel calls."""
+        ops = before + after
+        if len(ops) < 2 or any(op.rows is None for op in ops):
+            return before, after
+        rows = [seg for op in ops for seg in op.rows]
+        if sum(b - a for a, b in rows) != sum(b - a for a, b in union_intervals([tuple(r) for r in rows])):
+            return before, after  # rows shared by two calls: keep them apart
+        cut = after[0].rows[0].start if after else self.T
+
+        def call(a: int, b: int) -> list[Op]:
+            if a >= b:
+                return []
+            sel = None if (a, b) == (0, self.T) else (Segment(a, b),)
+            q, kv = self.qkey("q", x, x), self.kvkey("kv", x, x)
+            if backward:
+                op = AttendBackward(q, self.qkey("do", x, x), (kv,), self.qkey("dq", x, x),
+                                    (self.kvkey("dkv", x, x),), sel, None, BlockKind.MASKED)
+            else:
+                op = Attend(q, (kv,), self.qkey("o", x, x), sel, None, BlockKind.MASKED)
+            return [op]
+        return call(0, cut if before else 0), call(cut if before else 0, self.T if after else 0)
+
     def _bytes(self, transfers) -> int:
         """Bytes of ``transfers`` (their slots' tokens x the bytes per token of their kind)."""
         return sum(self.token_bytes[t.key.kind] * sum(b - a for a, b in self.slots(t.key))
@@ -595,7 +666,7 @@ class _SparseLowering:
         def ready_round(b: tuple[int, int]) -> int:
             i, j = b
             r = self._shift(x, i, False) if i != x else 0
-            if j != x and not (self.keep and backward):
+            if j != x and not (backward and self.keeps(x)):
                 r = max(r, self._shift(x, j, False))
             return r
         by_round: dict[int, list] = {}
@@ -624,14 +695,28 @@ class _SparseLowering:
             while later and acc < share * total:
                 acc += self._pairs[later[0]]
                 own.append(later.pop(0))
+        own, later = self._own_calls(x, own, later, backward)
         local = own + local
+        posted = 0  # rounds of ``order`` posted so far
+
+        def post_next() -> None:
+            # the next round, and every send-only round after it: a round that brings this rank
+            # nothing has nothing to wait for, so its peers get their pieces before this rank's
+            # compute (a rank that kept its pieces for the backward only sends). Rounds stay in
+            # order on every rank, so no rank waits on a round its peer posts later.
+            nonlocal posted
+            while True:
+                t = order[posted]
+                ops.append(Post(t, tuple(pulls[t][0]), tuple(pulls[t][1])))
+                posted += 1
+                if posted == len(order) or pulls[order[posted]][1]:
+                    return
         if order:
-            ops.append(Post(order[0], tuple(pulls[order[0]][0]), tuple(pulls[order[0]][1])))
+            post_next()
         ops.extend(local)
         for n, t in enumerate(order):
-            if n + 1 < len(order):  # prefetch: the next round flies while this one's blocks compute
-                nxt = order[n + 1]
-                ops.append(Post(nxt, tuple(pulls[nxt][0]), tuple(pulls[nxt][1])))
+            if n + 1 == posted < len(order):  # prefetch: the next round flies while this one's blocks compute
+                post_next()
             ops.append(Wait(t))
             compute(by_round.pop(t, []))
         for t in sorted(by_round):  # blocks whose pieces came in rounds with nothing else for this rank
@@ -657,15 +742,15 @@ class _SparseLowering:
             rows = self.needs.rows(y)[x]
             fwd_in[Key("q", x, y)] = rows
             bwd_in[Key("do", x, y)] = rows
-            if not self.keep:
+            if not self.keeps(y):
                 bwd_in[Key("q", x, y)] = rows
         for y in self.needs.col_needers(x):
             cols = self.needs.cols(y)[x]
             fwd_in[Key("kv", x, P + y)] = cols
-            if not self.keep:
+            if not self.keeps(y):
                 bwd_in[Key("kv", x, P + y)] = cols
         saved: tuple[Key, ...] = ()
-        if self.keep:
+        if self.keeps(x):
             saved = tuple(Key("q", c, x) for c in sorted(self.needs.rows(x))) + \
                 tuple(Key("kv", c, P + x) for c in sorted(self.needs.cols(x)))
         output, grad_q, grad_kv = Key("o", x), Key("dq", x), Key("dkv", x)

@@ -204,7 +204,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None
 
 def mesh_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, tile="auto", causal: bool = True,
                    window=None, cu_seqlens=None, layout=None, softmax_scale: float | None = None,
-                   schedule: str = "greedy", backward_chunks: str = "refetch", contiguous: str = "auto",
+                   schedule: str = "greedy", backward_chunks: str = "auto", contiguous: str = "auto",
                    gpus_per_node: int | None = None, kernel: "str | BlockKernel" = "auto",
                    comm: Communicator | None = None) -> Tensor:
     """Mesh-Attention (see :func:`attention` for the common arguments).
@@ -215,7 +215,9 @@ def mesh_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, tile="auto", 
             ``gpus_per_node`` CP ranks, one node when None). (1, P) is ring attention.
         schedule: "greedy" (pull order by unlocked compute per byte) or "lockstep".
         backward_chunks: "refetch" (re-communicate Q/KV chunks in the backward, ring attention's
-            memory) or "keep" (keep the forward's chunks: fewer bytes, more activation memory).
+            memory), "keep" (keep the forward's chunks: fewer bytes, more activation memory) or
+            "auto" (under a mask or document layout, keep them on each rank where they are at most
+            its own Q, K and V; dense plans refetch).
         contiguous: which group is made of consecutive CP ranks, i.e. shares a node when the CP
             group spans nodes: "q" (Q rings), "kv" (KV rings) or "auto" (with the tile).
     """
@@ -227,17 +229,19 @@ def mesh_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, tile="auto", 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool = True, window=None,
                    cu_seqlens=None, layout=None, softmax_scale: float | None = None,
-                   kernel: "str | BlockKernel" = "auto", comm: Communicator | None = None) -> Tensor:
+                   backward_chunks: str = "auto", kernel: "str | BlockKernel" = "auto",
+                   comm: Communicator | None = None) -> Tensor:
     """Ring attention (zigzag, as Transformer Engine's ``p2p``): Mesh-Attention with tile (1, P).
-    Same arguments and layout as :func:`attention`."""
+    Same arguments and layout as :func:`attention`; ``backward_chunks`` as :func:`mesh_attention`'s."""
     return attention(q, k, v, mode="ring", group=group, causal=causal, window=window, cu_seqlens=cu_seqlens,
-                     layout=layout, softmax_scale=softmax_scale, kernel=kernel, comm=comm)
+                     layout=layout, softmax_scale=softmax_scale, kernel=kernel, comm=comm,
+                     backward_chunks=backward_chunks)
 
 
 def tasp_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool = True, window=None,
                    cu_seqlens=None, layout=None, softmax_scale: float | None = None,
-                   gpus_per_node: int | None = None, transport: str = "p2p", kernel: "str | BlockKernel" = "auto",
-                   comm: Communicator | None = None) -> Tensor:
+                   gpus_per_node: int | None = None, transport: str = "p2p", backward_chunks: str = "auto",
+                   kernel: "str | BlockKernel" = "auto", comm: Communicator | None = None) -> Tensor:
     """TASP attention (see :func:`attention` for the common arguments).
 
     Args:
@@ -247,6 +251,9 @@ def tasp_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool 
             impossible (no Hamiltonian path decomposition exists) and raise ValueError.
         transport: "p2p" (batched isend/irecv per round) or "alltoall" (one all_to_all_single
             per round); ignored when ``comm`` is given.
+        backward_chunks: under a mask or document layout, "refetch" pulls the K/V pieces again
+            in the backward, "keep" keeps the forward's, "auto" keeps them on each rank where
+            they are at most its own Q, K and V. The dense plan always refetches.
 
     Each rank's local sequence must hold at least one token per ring in each zigzag half
     (s_local >= 2 * rings; rings = CP size - 1 on one node).
@@ -256,7 +263,7 @@ def tasp_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool 
         raise ValueError(f"gpus_per_node must be None or a positive integer, got {gpus_per_node!r}")
     return attention(q, k, v, mode="tasp", group=group, causal=causal, window=window, cu_seqlens=cu_seqlens,
                      layout=layout, softmax_scale=softmax_scale, kernel=kernel, comm=comm,
-                     ranks_per_node=gpus_per_node, transport=transport)
+                     ranks_per_node=gpus_per_node, transport=transport, backward_chunks=backward_chunks)
 
 
 def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, ulysses_size: int, inner: str = "mesh",

@@ -26,7 +26,7 @@ from ..comm.base import Communicator, Work
 from ..kernels.base import BlockKernel
 from ..plan.ir import (KINDS, AddGrad, Attend, AttendBackward, Copy, Free, Key, MergeOut, Plan, Post, RankPlan,
                        RowStats, Wait)
-from .masks import block_backward, block_forward, block_mask
+from .masks import backward_partials, block_mask, forward_partials
 from .merge import merge_partial_
 
 __all__ = ["Executor", "ForwardResult", "accumulator_dtype"]
@@ -64,6 +64,15 @@ def _parts(sel, total: int):
     for a, b in _segments(sel, total):
         yield a, pos, b - a
         pos += b - a
+
+
+def _overlaps(parts, r0: int, r1: int):
+    """Where block rows [r0, r1) go: (buffer start, offset in [r0, r1), length) for each range of
+    ``parts`` (:func:`_parts`) they overlap."""
+    for a, pos, n in parts:
+        lo, hi = max(r0, pos), min(r1, pos + n)
+        if lo < hi:
+            yield a + lo - pos, lo - r0, hi - lo
 
 
 class _Buffers:
@@ -249,12 +258,13 @@ class Executor:
         k, v, _ = self._kv(op, bufs)
         mask = block_mask(self.plan, op, q.device)
         with self.timer("compute"):
-            blk_out, blk_lse = block_forward(self.kernel, _take(q, op.rows), k, v, mask, self.scale,
-                                             accumulator_dtype(q.dtype))
             out, lse = bufs.accumulator(op.out)
-            for a, pos, n in _parts(op.rows, out.shape[2]):
-                merge_partial_(out.narrow(2, a, n), lse.narrow(2, a, n), blk_out.narrow(2, pos, n),
-                               blk_lse.narrow(2, pos, n))
+            rows = list(_parts(op.rows, out.shape[2]))
+            # each kernel call's partial result merges straight into the rows' accumulator
+            for r0, r1, o, l in forward_partials(self.kernel, _take(q, op.rows), k, v, mask, self.scale,
+                                                 self.plan.kernel_calls):
+                for a, off, n in _overlaps(rows, r0, r1):
+                    merge_partial_(out.narrow(2, a, n), lse.narrow(2, a, n), o.narrow(2, off, n), l.narrow(2, off, n))
 
     def _attend_backward(self, op: AttendBackward, bufs: _Buffers, pending) -> None:
         (q,) = bufs.get(op.q)
@@ -262,19 +272,27 @@ class Executor:
         k, v, lengths = self._kv(op, bufs)
         mask = block_mask(self.plan, op, q.device)
         with self.timer("compute"):
-            dq, dk, dv = block_backward(self.kernel, _take(dout, op.rows), _take(q, op.rows), k, v,
-                                        _take(lse, op.rows), _take(delta, op.rows), mask, self.scale,
-                                        accumulator_dtype(q.dtype))
             (acc_q,) = bufs.accumulator(op.dq)
-            for a, pos, n in _parts(op.rows, acc_q.shape[2]):
-                acc_q.narrow(2, a, n).add_(dq.narrow(2, pos, n))
-            start = 0
+            rows = list(_parts(op.rows, acc_q.shape[2]))
+            cols, start = [], 0  # (accumulators, buffer start, block column, length) of each key range
             for i, (key, n_cols) in enumerate(zip(op.dkv, lengths)):
                 acc_k, acc_v = bufs.accumulator(key)
-                for a, pos, n in _parts(op.col(i), acc_k.shape[2]):
-                    acc_k.narrow(2, a, n).add_(dk.narrow(2, start + pos, n))
-                    acc_v.narrow(2, a, n).add_(dv.narrow(2, start + pos, n))
+                cols += [((acc_k, acc_v), a, start + pos, n) for a, pos, n in _parts(op.col(i), acc_k.shape[2])]
                 start += n_cols
+            for part in backward_partials(self.kernel, _take(dout, op.rows), _take(q, op.rows), k, v,
+                                          _take(lse, op.rows), _take(delta, op.rows), mask, self.scale,
+                                          self.plan.kernel_calls):
+                if part[0] == "q":
+                    _, r0, r1, dq = part
+                    for a, off, n in _overlaps(rows, r0, r1):
+                        acc_q.narrow(2, a, n).add_(dq.narrow(2, off, n))
+                    continue
+                _, c0, c1, dk, dv = part
+                for (acc_k, acc_v), a, pos, n in cols:
+                    lo, hi = max(c0, pos), min(c1, pos + n)
+                    if lo < hi:
+                        acc_k.narrow(2, a + lo - pos, hi - lo).add_(dk.narrow(2, lo - c0, hi - lo))
+                        acc_v.narrow(2, a + lo - pos, hi - lo).add_(dv.narrow(2, lo - c0, hi - lo))
 
     def _merge(self, op: MergeOut, bufs: _Buffers, pending) -> None:
         src_out, src_lse = bufs.get(op.src)

@@ -14,11 +14,12 @@ kernel; the pieces' partial results merge with the online-softmax identity, and 
 uses the rows' global statistics, so the result is the block's.
 
 Worked example: a 4096 x 4096 block of one rank's own tokens (positions 0..4095, causal) with a
-window of 512 and documents [0, 1000), [1000, 4096), PIECE 512: of the 8 x 8 pieces, the 28 above
-the diagonal and those more than one piece below it are empty; the diagonal pieces are causal
-except the one holding position 1000 (masked), the pieces just below the diagonal are masked by
-the window's edge -- 15 kernel calls with masks of at most 512 x 512 instead of one 4096 x 4096
-mask.
+window of 512 and documents [0, 1000), [1000, 4096), PIECE 512: each document is cut apart (its
+own runs: no piece crosses position 1000) into pieces of 512 from its start; the diagonal pieces
+are causal (2 + 7), the pieces just below them are masked by the window's edge (1 + 6), the rest
+empty -- 16 pieces with masks of at most 512 x 512 instead of one 4096 x 4096 mask. With a
+variable-length kernel (CUDA flash) the first document's last diagonal piece and the second's
+first, which follow each other, are one call: 15 kernel calls.
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..kernels.base import CAUSAL, FULL, BlockKernel, BlockMask
+from ..kernels.base import CAUSAL, FULL, BlockKernel, BlockMask, varlen_backward, varlen_forward
 from ..plan.ir import Plan
-from ..plan.mask import MASK_PIECE, BlockKind, Mask, mask_pieces
+from ..plan.mask import MASK_PIECE, BlockKind, Mask, call_groups, mask_pieces
 from .merge import merge_partial_
 
-__all__ = ["block_mask", "PiecedMask", "Piece", "block_forward", "block_backward", "mask_piece", "PIECE_ENV"]
+__all__ = ["block_mask", "PiecedMask", "Piece", "block_forward", "block_backward", "forward_partials", "backward_partials",
+           "mask_piece", "PIECE_ENV"]
 
 PIECE_ENV = "MEGATRON_MESH_MASK_PIECE"
 
@@ -71,6 +73,12 @@ class PiecedMask:
     """A masked block as its non-empty pieces (see the module docstring)."""
 
     pieces: tuple[Piece, ...]
+
+    def groups(self, kernel_calls: str) -> list[tuple[Piece, ...]]:
+        """The pieces each kernel call runs (:func:`~megatron_mesh.plan.call_groups`, the
+        simulator's count of calls)."""
+        cut = [(t.mask.kind, t.rows, t.cols) for t in self.pieces]
+        return [tuple(self.pieces[i] for i in g) for g in call_groups(cut, kernel_calls)]
 
 
 _CACHE: "weakref.WeakKeyDictionary[Plan, dict]" = weakref.WeakKeyDictionary()
@@ -125,35 +133,117 @@ def _pieced(mask: Mask, q_runs, k_runs, piece: int, device, cut=None) -> PiecedM
 
 
 # -- running a block through the kernel ------------------------------------------------------------------
+def _pack(t: Tensor, ranges, dim: int = 2) -> Tensor:
+    """Ranges [a, b) of ``t`` along ``dim``, one after another: a view where they follow each
+    other in ``t``, else a copy."""
+    merged: list[list[int]] = []
+    for a, b in ranges:
+        if merged and merged[-1][1] == a:
+            merged[-1][1] = b
+        else:
+            merged.append([a, b])
+    if len(merged) == 1:
+        a, b = merged[0]
+        return t.narrow(dim, a, b - a)
+    return torch.cat([t.narrow(dim, a, b - a) for a, b in merged], dim=dim)
+
+
+def _varlen(kernel: BlockKernel, group) -> bool:
+    """Whether ``group`` of pieces runs as one variable-length call of ``kernel``."""
+    return len(group) > 1 and getattr(kernel, "varlen", False)
+
+
+def forward_partials(kernel: BlockKernel, q: Tensor, k: Tensor, v: Tensor, mask, scale: float,
+                     kernel_calls: str = "varlen"):
+    """The kernel calls of one block, as partial results: yields (r0, r1, out, lse) -- block rows
+    [r0, r1) and their (out, lse) over the keys of one call -- for the caller to merge where
+    those rows' accumulator is. A pieced block runs as :meth:`PiecedMask.groups`: several full
+    (or causal) pieces in one variable-length call where the kernel has one
+    (:func:`~megatron_mesh.kernels.base.varlen_forward`), each piece a sequence of its own."""
+    if not isinstance(mask, PiecedMask):
+        out, lse = kernel.forward(q, k, v, mask=mask, scale=scale)
+        yield 0, q.shape[2], out, lse
+        return
+    for group in mask.groups(kernel_calls):
+        if not _varlen(kernel, group):
+            for t in group:
+                (r0, r1), (c0, c1) = t.rows, t.cols
+                o, l = kernel.forward(q[:, :, r0:r1], k[:, :, c0:c1], v[:, :, c0:c1], mask=t.mask, scale=scale)
+                yield r0, r1, o, l
+            continue
+        cols = [t.cols for t in group]
+        o, l = varlen_forward(kernel, _pack(q, [t.rows for t in group]), _pack(k, cols), _pack(v, cols),
+                              [(t.rows[1] - t.rows[0], t.cols[1] - t.cols[0]) for t in group],
+                              causal=group[0].mask.causal, scale=scale)
+        off = 0
+        for t in group:
+            n = t.rows[1] - t.rows[0]
+            yield t.rows[0], t.rows[1], o.narrow(2, off, n), l.narrow(2, off, n)
+            off += n
+
+
+def backward_partials(kernel: BlockKernel, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor,
+                      delta: Tensor, mask, scale: float, kernel_calls: str = "varlen"):
+    """The gradients of one block's kernel calls given the rows' global statistics: yields
+    ("q", r0, r1, dq) for block rows [r0, r1) and ("kv", c0, c1, dk, dv) for block columns
+    [c0, c1), for the caller to add where their accumulators are (the calls of
+    :func:`forward_partials`)."""
+    if not isinstance(mask, PiecedMask):
+        dq, dk, dv = kernel.backward(dout, q, k, v, lse, delta, mask=mask, scale=scale)
+        yield "q", 0, q.shape[2], dq
+        yield "kv", 0, k.shape[2], dk, dv
+        return
+    for group in mask.groups(kernel_calls):
+        if not _varlen(kernel, group):
+            for t in group:
+                (r0, r1), (c0, c1) = t.rows, t.cols
+                gq, gk, gv = kernel.backward(dout[:, :, r0:r1], q[:, :, r0:r1], k[:, :, c0:c1], v[:, :, c0:c1],
+                                             lse[..., r0:r1], delta[..., r0:r1], mask=t.mask, scale=scale)
+                yield "q", r0, r1, gq
+                yield "kv", c0, c1, gk, gv
+            continue
+        rows, cols = [t.rows for t in group], [t.cols for t in group]
+        gq, gk, gv = varlen_backward(kernel, _pack(dout, rows), _pack(q, rows), _pack(k, cols), _pack(v, cols),
+                                     _pack(lse, rows, -1), _pack(delta, rows, -1),
+                                     [(t.rows[1] - t.rows[0], t.cols[1] - t.cols[0]) for t in group],
+                                     causal=group[0].mask.causal, scale=scale)
+        qo = ko = 0
+        for t in group:
+            n, m = t.rows[1] - t.rows[0], t.cols[1] - t.cols[0]
+            yield "q", t.rows[0], t.rows[1], gq.narrow(2, qo, n)
+            yield "kv", t.cols[0], t.cols[1], gk.narrow(2, ko, m), gv.narrow(2, ko, m)
+            qo, ko = qo + n, ko + m
+
+
 def block_forward(kernel: BlockKernel, q: Tensor, k: Tensor, v: Tensor, mask, scale: float,
-                  acc_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """(out, lse) of one block: one kernel call, or its pieces merged in ``acc_dtype``."""
+                  acc_dtype: torch.dtype, kernel_calls: str = "varlen") -> tuple[Tensor, Tensor]:
+    """(out, lse) of one block: one kernel call, or its calls' partials merged in ``acc_dtype``."""
     if not isinstance(mask, PiecedMask):
         return kernel.forward(q, k, v, mask=mask, scale=scale)
     b, h, sq, d = q.shape
     out = torch.zeros(b, h, sq, d, dtype=acc_dtype, device=q.device)
     lse = torch.full((b, h, sq), float("-inf"), dtype=acc_dtype, device=q.device)
-    for t in mask.pieces:
-        (r0, r1), (c0, c1) = t.rows, t.cols
-        o, l = kernel.forward(q[:, :, r0:r1], k[:, :, c0:c1], v[:, :, c0:c1], mask=t.mask, scale=scale)
+    for r0, r1, o, l in forward_partials(kernel, q, k, v, mask, scale, kernel_calls):
         merge_partial_(out[:, :, r0:r1], lse[:, :, r0:r1], o, l)
     return out, lse
 
 
 def block_backward(kernel: BlockKernel, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor,
-                   mask, scale: float, acc_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of one block given the rows' global statistics: one kernel call, or its pieces'
+                   mask, scale: float, acc_dtype: torch.dtype,
+                   kernel_calls: str = "varlen") -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of one block given the rows' global statistics: one kernel call, or its calls'
     gradients summed in ``acc_dtype``."""
     if not isinstance(mask, PiecedMask):
         return kernel.backward(dout, q, k, v, lse, delta, mask=mask, scale=scale)
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc_dtype, device=q.device)
     dv = torch.zeros(v.shape, dtype=acc_dtype, device=q.device)
-    for t in mask.pieces:
-        (r0, r1), (c0, c1) = t.rows, t.cols
-        gq, gk, gv = kernel.backward(dout[:, :, r0:r1], q[:, :, r0:r1], k[:, :, c0:c1], v[:, :, c0:c1],
-                                     lse[..., r0:r1], delta[..., r0:r1], mask=t.mask, scale=scale)
-        dq[:, :, r0:r1] += gq
-        dk[:, :, c0:c1] += gk
-        dv[:, :, c0:c1] += gv
+    for part in backward_partials(kernel, dout, q, k, v, lse, delta, mask, scale, kernel_calls):
+        if part[0] == "q":
+            _, r0, r1, g = part
+            dq[:, :, r0:r1] += g
+        else:
+            _, c0, c1, gk, gv = part
+            dk[:, :, c0:c1] += gk
+            dv[:, :, c0:c1] += gv
     return dq, dk, dv

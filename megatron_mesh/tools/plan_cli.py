@@ -31,6 +31,7 @@ import math
 import random
 
 from ..plan.mask import Mask
+from ..plan.mesh import BACKWARD_CHUNKS
 from ..plan.modes import REFERENCE_MODE
 from ..plan.shape import AttentionShape
 from ..plan.simulate import BACKWARD_FLOPS
@@ -58,8 +59,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--batch", type=int, default=1, help="micro-batch size")
     g.add_argument("--dtype", choices=sorted(ITEMSIZE), default="bf16", help="activation dtype of q, k, v")
     g.add_argument("--no-causal", dest="causal", action="store_false", help="full (non-causal) attention")
-    g.add_argument("--backward-chunks", choices=("refetch", "keep"), default="refetch",
-                   help="Mesh: re-communicate Q/KV chunks in the backward, or keep them from the forward")
+    g.add_argument("--backward-chunks", choices=BACKWARD_CHUNKS, default="auto",
+                   help="re-communicate Q/KV chunks in the backward ('refetch'), keep them from the forward ('keep'), "
+                        "or keep them where a mask-aware plan's pieces are at most a rank's own Q, K, V ('auto'; "
+                        "dense plans refetch; TE's rows always refetch, as TE does)")
     g.add_argument("--schedule", choices=("greedy", "lockstep"), default="greedy", help="Mesh intra-tile schedule")
     g.add_argument("--modes", default=",".join(default_modes()), help="comma-separated subset of "
                    f"{','.join(all_modes())} "

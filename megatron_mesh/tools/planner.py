@@ -279,7 +279,7 @@ def _evaluate_modes(wanted: set, world_size: int, shape: AttentionShape, topo: T
 
 
 def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: bool = True, modes=None,
-             backward_chunks: str = "refetch", schedule: str = "greedy", mask: Mask | None = None, layout=None,
+             backward_chunks: str = "auto", schedule: str = "greedy", mask: Mask | None = None, layout=None,
              work: bool = False) -> tuple[list[ModeResult], list[dict]]:
     """Rows for ``modes`` (see :data:`MODES`) and the modes that cannot run, with the reason.
 
@@ -396,7 +396,7 @@ def _node_ranks(world_size: int, topo: Topology) -> int | None:
 
 
 def layout_rows(world_size: int, shape: AttentionShape, topo: Topology, cu_seqlens, *, causal: bool = True,
-                window=None, modes=None, layouts=LAYOUTS, backward_chunks: str = "refetch",
+                window=None, modes=None, layouts=LAYOUTS, backward_chunks: str = "auto",
                 schedule: str = "greedy") -> tuple[list[ModeResult], list[dict]]:
     """Every mode of ``modes`` on each of ``layouts`` for these packed documents: Megatron's zigzag,
     Transformer Engine's THD (each document padded to 2 * CP; our modes on it, and TE's own p2p and

@@ -146,17 +146,21 @@ def test_flags_ride_on_the_transformer_config(megatron_args):
     args = megatron_args(["--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
                           "--max-position-embeddings", "64", "--micro-batch-size", "1",
                           "--mesh-tile-shape", "2x2", "--mesh-schedule", "lockstep", "--mesh-contiguous", "kv",
-                          "--tasp-gpus-per-node", "8", "--tasp-transport", "alltoall", "--cp-kernel-backend", "math"])
+                          "--tasp-gpus-per-node", "8", "--tasp-transport", "alltoall", "--tasp-backward-chunks", "keep",
+                          "--cp-kernel-backend", "math"])
     from megatron.training.arguments import validate_args
 
     validate_args(args, {})
     config = core_transformer_config_from_args(args, config_class=MeshTransformerConfig)
     settings = plugin_settings(config)
     assert settings == PluginSettings.of(mesh_tile_shape="2x2", mesh_schedule="lockstep", mesh_contiguous="kv",
-                                         tasp_gpus_per_node=8, tasp_transport="alltoall", cp_kernel_backend="math")
+                                         tasp_gpus_per_node=8, tasp_transport="alltoall", tasp_backward_chunks="keep",
+                                         cp_kernel_backend="math")
     assert settings.options("mesh") == {"tile": "2x2", "contiguous": "kv", "schedule": "lockstep",
-                                        "backward_chunks": "refetch"}
-    assert settings.options("a2a+tasp") == {"transport": "alltoall"} and settings.kernel == "math"
+                                        "backward_chunks": "auto"}  # the default
+    assert settings.options("ring") == {"backward_chunks": "auto"}  # ring is Mesh 1 x CP: it shares the flag
+    assert settings.options("a2a+tasp") == {"transport": "alltoall", "backward_chunks": "keep"}
+    assert settings.kernel == "math"
     plain = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4)
     assert plugin_settings(plain) == PluginSettings.of()  # a plain config gets the defaults
 

@@ -93,7 +93,7 @@ def test_megatron_lm_script_takes_the_plugin_flags(runs):
     text = run_ok(runs, "megatron-lm")
     want = losses(run_ok(runs, "cp1"))
     assert_losses_equal(losses(text), want, rel=FP32_RTOL)
-    assert ("megatron_mesh: pipeline stage 1/1: layer 1: mesh (CP 4, tile 1x4, schedule lockstep, backward refetch, "
+    assert ("megatron_mesh: pipeline stage 1/1: layer 1: mesh (CP 4, tile 1x4, schedule lockstep, backward auto, "
             "contiguous q, kernel auto); layer 2: ring (CP 4, zigzag ring, kernel auto)") in text
     for timer in ("cp-attention-compute", "cp-attention-comm"):  # (min, max) over ranks, per iteration
         assert len(re.findall(rf"{timer} \.+: \((\d+\.\d+), (\d+\.\d+)\)", text)) == ITERS, timer

@@ -57,7 +57,7 @@ def test_mesh_placement_owns_its_rings_and_groups():
     assert p.groups() == ((0, 1), (0, 2), (1, 3), (2, 3))
     plan = p.build(AttentionShape(seq_local=16, heads=8, kv_heads=2, head_dim=8))
     assert plan.rings == p.rings()  # one owner: the plan's rings are the placement's
-    assert p.describe() == "mesh (CP 4, tile 2x2, schedule greedy, backward refetch, contiguous q)"
+    assert p.describe() == "mesh (CP 4, tile 2x2, schedule greedy, backward auto, contiguous q)"
 
 
 def test_tasp_placement_routes_same_node_peers():

@@ -19,7 +19,9 @@ def placements(P: int, shape: AttentionShape):
     yield resolve("ring", P, shape, backward_chunks="keep")
     for t in tile_shapes(P):
         yield resolve("mesh", P, shape, tile=t, contiguous="q", backward_chunks="keep" if t[0] == 2 else "refetch")
-    yield resolve("tasp", P, shape)
+    yield resolve("tasp", P, shape)  # backward_chunks "auto": each rank keeps or refetches by its pulls
+    yield resolve("tasp", P, shape, backward_chunks="refetch")
+    yield resolve("tasp", P, shape, backward_chunks="keep")
 
 
 def masks(S: int, T: int):
@@ -185,3 +187,41 @@ def test_a_documents_remote_blocks_are_fused_per_query_rows():
             assert any(len(set(op.kv)) < len(op.kv) for op in remote), "no chunk's columns were split"
     blocks = sum(1 for i, j in block_table(P, plan.mask, plan.layout) if i != j)
     assert calls["ring"] == blocks and calls["tasp"] < blocks, (calls, blocks)
+
+
+def test_backward_chunks_auto_keeps_on_the_ranks_whose_pulls_fit_their_own_chunk():
+    """backward_chunks="auto" under a mask: a rank keeps the pieces it pulled in the forward
+    (nothing of Q / K / V moves to it in the backward) exactly where they hold at most the bytes
+    of its own Q, K and V chunk (sparse.KEEP_LIMIT), else it pulls them again; its senders agree.
+    P = 4, T = 12, one causal document of 46 tokens on the zigzag: ranks 0 and 1 read 36 and 30
+    of its columns (more than their 12 tokens' Q + K + V: refetch), ranks 2 and 3 read 24 and 18
+    (keep). "keep" / "refetch" apply to every rank; a dense plan refetches under "auto"."""
+    from megatron_mesh.plan.accounting import buffer_bytes
+    from megatron_mesh.plan.sparse import KEEP_LIMIT
+
+    P, T = 4, 12
+    shape = AttentionShape(seq_local=T, **SHAPE)
+    mask = Mask.from_cu_seqlens([0, 46, 48], P * T)
+    per = {k: buffer_bytes(k, 1, shape) for k in ("q", "kv")}
+    sent = {}
+    for mode in ("ring", "tasp", "mesh"):
+        for bc in ("refetch", "keep", "auto"):
+            settings = dict(tile=(1, 4)) if mode == "mesh" else {}
+            plan = resolve(mode, P, shape, backward_chunks=bc, **settings).build(shape, mask)
+            validate_plan(plan)
+            kept = []
+            for r in range(P):
+                rp = plan.rank(r)
+                pulled = sum(b - a for k in rp.saved for a, b in plan.slots(k)) if rp.saved else None
+                moved_in = {t.key.kind for op in rp.backward if type(op).__name__ == "Post" for t in op.recvs}
+                kept.append(bool(rp.saved))
+                assert kept[-1] == ("kv" not in moved_in), (mode, bc, r, moved_in)
+                if bc == "auto" and pulled is not None:
+                    assert pulled * per["kv"] <= KEEP_LIMIT * T * (per["q"] + per["kv"])
+            want = {"keep": [True] * P, "refetch": [False] * P, "auto": [False, False, True, True]}[bc]
+            assert kept == want, (mode, bc, kept)
+            sent[mode, bc] = sum(b.sent for b in plan_bytes(plan, shape))
+        assert sent[mode, "keep"] < sent[mode, "auto"] < sent[mode, "refetch"], mode
+    dense = resolve("ring", P, shape).build(shape, Mask(True))
+    assert dense.backward_chunks == "refetch" and not any(dense.rank(r).saved for r in range(P))
+    assert resolve("tasp", P, shape, backward_chunks="keep").build(shape, Mask(True)).backward_chunks == "refetch"

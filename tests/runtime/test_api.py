@@ -68,7 +68,7 @@ def test_output_has_q_shape_dtype_and_a_contiguous_layout():
     (dict(tile="2by2"), "must be 'AxB'"),
     (dict(tile=(2.7, 2.2)), r"tile sides must be integers, got \(2\.7, 2\.2\)"),
     (dict(schedule="fastest"), r"schedule must be one of greedy, lockstep, got 'fastest'"),
-    (dict(backward_chunks="cache"), r"backward_chunks must be one of refetch, keep, got 'cache'"),
+    (dict(backward_chunks="cache"), r"backward_chunks must be one of refetch, keep, auto, got 'cache'"),
     (dict(contiguous="rows"), r"contiguous must be one of q, kv, auto, got 'rows'"),
     (dict(kernel="flash3"), "unknown kernel backend 'flash3'"),
     (dict(causal="False"), r"causal must be True or False, got 'False'"),

@@ -133,6 +133,21 @@ def test_every_mode_under_masks_through_the_public_api(world, tile, mode, monkey
         assert any(sent for sent, _ in planned), planned  # something travelled
 
 
+@pytest.mark.parametrize("mode", list(MODES))
+def test_backward_chunks_under_a_mask_match_the_dense_reference(mode):
+    """backward_chunks "refetch", "keep" and "auto" on a mask-aware plan of every mode (hybrids
+    included): outputs and gradients exact, bytes the plan's. One causal document of 46 of the 48
+    tokens, P = 4: under "auto" the ranks reading most of it refetch, the others keep (a plan
+    whose ranks disagree on purpose: senders must send exactly what each receiver pulls again)."""
+    world = 4
+    p = cases.Problem(world, 4, 2, True, torch.float32, seq_local=12, cu_seqlens=(0, 46, 48))
+    ref = cases.dense_reference(p)
+    settings = _mode_settings(mode, world)
+    for backward_chunks in ("refetch", "keep", "auto"):
+        plan = resolve(mode, world, p.shape, backward_chunks=backward_chunks, **settings).build(p.shape, p.mask)
+        check(run_case(p, plan, ref=ref, label=f"{mode} {settings} backward_chunks={backward_chunks}"))
+
+
 # -- identical to gloo and to the public autograd path ------------------------------------------------------
 def test_bitwise_equal_to_gloo_and_autograd(gloo):
     """Same inputs, same plan: the in-process transport gives bitwise the outputs and gradients of

@@ -24,23 +24,33 @@ def _positions(runs):
 
 def test_worked_example_of_the_module_docstring():
     """4096 x 4096 causal block, window 512, documents [0, 1000) and [1000, 4096), pieces of 512:
-    15 kernel calls -- 7 causal diagonal pieces, 8 masked (the document edge at 1000 and the
-    window's edge below the diagonal) -- every other piece is empty."""
+    each document cut apart and into pieces of 512 from its start -- 9 causal diagonal pieces, 7
+    masked by the window's edge just below them, none across the document edge -- 16 pieces; a
+    variable-length kernel runs the first document's last diagonal piece and the second's first,
+    which follow each other, in one call: 15 calls."""
     mask = Mask.from_cu_seqlens([0, 1000, 4096], 4096, True, (512, 0)).normalized(4096)
     pieced = _pieced(mask, ((0, 4096),), ((0, 4096),), 512, CPU)
-    kinds = {(t.rows[0] // 512, t.cols[0] // 512): t.mask.kind for t in pieced.pieces}
-    assert len(pieced.pieces) == 15
-    assert {k for k, kind in kinds.items() if kind == "causal"} == {(i, i) for i in range(8) if i != 1}
-    assert {k for k, kind in kinds.items() if kind == "masked"} == {(1, 1)} | {(i, i - 1) for i in range(1, 8)}
-    assert max(t.mask.allowed.numel() for t in pieced.pieces if t.mask.kind == "masked") == 512 * 512
+    starts = [0, 512] + list(range(1000, 4096, 512))
+    diagonal = {(a, min(a + 512, 1000 if a < 1000 else 4096)) for a in starts}
+    assert len(pieced.pieces) == 16
+    assert {t.rows for t in pieced.pieces if t.mask.kind == "causal"} == diagonal
+    assert all(t.rows == t.cols for t in pieced.pieces if t.mask.kind == "causal")
+    masked = [t for t in pieced.pieces if t.mask.kind == "masked"]
+    assert {t.cols for t in masked} == diagonal - {(512, 1000), (4072, 4096)}  # the window's edge below each
+    assert all(t.rows[0] == t.cols[1] for t in masked)
+    assert all(not (t.rows[0] < 1000 < t.rows[1] or t.cols[0] < 1000 < t.cols[1]) for t in pieced.pieces)
+    assert max(t.mask.allowed.numel() for t in masked) == 512 * 512
+    assert len(pieced.groups("varlen")) == 15 and len(pieced.groups("piece")) == 16
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_piece_mask_agrees_with_the_rule(data):
     """Every piece's kernel mask against the rule pair by pair (:meth:`Mask.allows`, one pair at a
-    time): None = no allowed pair; full = all; causal = exactly j <= i on identical ranges; masked
-    = the allowed matrix itself."""
+    time): no piece = no allowed pair; full = all; causal = exactly j <= i on identical ranges;
+    masked = the allowed matrix itself; with pieces as large as the block, one piece per pair of
+    document runs (the block's runs are cut where a document ends), together covering every
+    allowed pair once."""
     S = data.draw(st.integers(8, 40))
     cuts = sorted(data.draw(st.sets(st.integers(1, S - 1), max_size=4)))
     gap = data.draw(st.booleans())  # padding after each document (THD-like)
@@ -54,20 +64,24 @@ def test_piece_mask_agrees_with_the_rule(data):
     if data.draw(st.booleans()):
         ka, m = qa, n
     allowed = torch.tensor([[mask.allows(i, j) for j in range(ka, ka + m)] for i in range(qa, qa + n)])
-    pieces = _pieced(mask, ((qa, n),), ((ka, m),), max(n, m), CPU).pieces  # one piece: the whole rectangle
+    pieces = _pieced(mask, ((qa, n),), ((ka, m),), max(n, m), CPU).pieces
     assert [kind for kind, _, _ in mask_pieces(mask, ((qa, n),), ((ka, m),), max(n, m))] == \
         [p.mask.kind for p in pieces]
-    if not pieces:
-        assert not allowed.any()
-        return
-    (got,) = pieces
-    assert (got.rows, got.cols) == ((0, n), (0, m))
-    if got.mask.kind == "full":
-        assert allowed.all()
-    elif got.mask.kind == "causal":
-        assert (qa, n) == (ka, m) and torch.equal(allowed, torch.tril(torch.ones(n, n, dtype=torch.bool)))
-    else:
-        assert torch.equal(got.mask.allowed, allowed)
+    covered = torch.zeros(n, m, dtype=torch.int64)
+    for got in pieces:
+        (r0, r1), (c0, c1) = got.rows, got.cols
+        sub = allowed[r0:r1, c0:c1]
+        if got.mask.kind == "full":
+            assert sub.all()
+            covered[r0:r1, c0:c1] += 1
+        elif got.mask.kind == "causal":
+            assert (qa + r0, r1 - r0) == (ka + c0, c1 - c0)
+            assert torch.equal(sub, torch.tril(torch.ones(r1 - r0, r1 - r0, dtype=torch.bool)))
+            covered[r0:r1, c0:c1] += sub
+        else:
+            assert torch.equal(got.mask.allowed, sub)
+            covered[r0:r1, c0:c1] += sub
+    assert torch.equal(covered, allowed.to(torch.int64))  # every allowed pair in exactly one piece
 
 
 def _problem(seed: int, runs_q, runs_k, mask: Mask, heads=4, kv_heads=2, d=8):

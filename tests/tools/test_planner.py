@@ -3,6 +3,7 @@ P = 1024, the simulator's invariants, buffer memory, the auto tile, Ulysses/USP 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import re
@@ -134,6 +135,43 @@ def test_cli_layouts_side_by_side(capsys):
     with pytest.raises(SystemExit):
         main(["--cp", "4", "--docs", "fixed:4", "--layout", "bogus"])
     assert "invalid choice: 'bogus'" in capsys.readouterr().err
+
+
+def test_te_rows_run_a_blocks_documents_in_one_kernel_call():
+    """Transformer Engine runs a THD block as one variable-length kernel call over its documents
+    (``kernel_calls="block"``); this package's kernels run its full pieces in one call, its causal
+    pieces in another, each masked piece alone ("varlen"), or every piece alone ("piece"). Same
+    pairs, same merge: the prices of a masked block differ by exactly the launches."""
+    from megatron_mesh.plan.mask import call_groups
+    from megatron_mesh.plan import Mask
+    from megatron_mesh.plan.costs import compute_cost
+    from megatron_mesh.plan.ir import Attend
+    from megatron_mesh.plan.mask import BlockKind, mask_pieces
+    from megatron_mesh.plan.mesh import build_rotation_plan
+    from megatron_mesh.plan.problem import normalize
+    from megatron_mesh.tools.planner import thd_layout
+
+    P, shape, topo = 4, AttentionShape(seq_local=5120, heads=8, kv_heads=2, head_dim=64), Topology(nodes=1)
+    cu = [0, 3000, 7000, 12000, 20480]  # every document's halves of >= 128 tokens: full and causal pieces
+    thd = thd_layout(cu, P)
+    padded = AttentionShape(seq_local=thd.seq_local, heads=8, kv_heads=2, head_dim=64)
+    mask, layout = normalize(P, padded, Mask(True), thd)
+    te = build_rotation_plan(P, padded, mask, layout, "te-p2p")
+    assert te.kernel_calls == "block" and build_ring_plan(P, shape).kernel_calls == "varlen"
+    per_piece = dataclasses.replace(te, kernel_calls="piece", _cache={})
+    varlen = dataclasses.replace(te, kernel_calls="varlen", _cache={})
+    seen = 0
+    for op in te.rank(1).forward:
+        if type(op) is not Attend or op.mask != BlockKind.MASKED:
+            continue
+        pieces = mask_pieces(te.mask, te.positions(op.q, op.rows),
+                             tuple(r for i, k in enumerate(op.kv) for r in te.positions(k, op.col(i))), topo.mask_piece)
+        block = compute_cost(te, op, padded, topo)
+        assert compute_cost(per_piece, op, padded, topo) - block == pytest.approx((len(pieces) - 1) * topo.kernel_latency)
+        groups = call_groups(pieces, "varlen")
+        assert compute_cost(varlen, op, padded, topo) - block == pytest.approx((len(groups) - 1) * topo.kernel_latency)
+        seen += len(pieces) > len(groups) > 1
+    assert seen  # blocks with several documents' pieces were priced
 
 
 def test_compute_floor_worked_example():

@@ -108,7 +108,8 @@ class Plan:
     * ``schedule`` -- how the rounds are ordered: "greedy" / "lockstep" (Mesh's pull order),
       "rings" (TASP's ring steps), "shift" / "burst" (a mask-aware plan: one round per rank
       distance, or everything in one round);
-    * ``backward_chunks`` -- "refetch" or "keep" (the forward keeps what the backward reads);
+    * ``backward_chunks`` -- "refetch", "keep" (the forward keeps what the backward reads) or
+      "auto" (a mask-aware plan: each rank keeps where that is at most its own Q, K and V);
     * ``contiguous`` -- which Mesh ring holds consecutive ranks ("q" / "kv"; None otherwise);
     * ``assignment`` -- who computes a block: "tile" (the Mesh tile map), "rings" (the query
       owner, chunks travelling around rings), "query owner" (straight from each block's owner);
@@ -120,6 +121,11 @@ class Plan:
     * ``ulysses`` -- the number of head slices keys may name (a Ulysses degree; 1 otherwise);
       ``heads`` -- the (query, key/value) head counts the slices were cut from;
     * ``rings`` -- the rings the plan moves data on (family -> rank tuples in ring order);
+    * ``kernel_calls`` -- how a masked block's mask pieces (:func:`~..mask.mask_pieces`) run as
+      kernel calls (:func:`~..mask.call_groups`): "varlen" (this package's kernels: its full
+      pieces in one variable-length call, its causal ones in another, each masked piece alone),
+      "piece" (one call each) or "block" (one call for all: Transformer Engine's THD attention,
+      which the planner's TE rows model);
     * ``inner`` -- a hybrid's inner plan over world_size / ulysses ranks (its traffic is what the
       simulator prices); ``notes`` -- human-readable facts.
 
@@ -145,6 +151,7 @@ class Plan:
     ranks_per_node: int | None = None
     ulysses: int = 1
     heads: tuple[int, int] | None = None
+    kernel_calls: str = "varlen"
     rings: dict[str, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     inner: "Plan | None" = field(default=None, repr=False)
@@ -310,6 +317,7 @@ _HEADER = {  # field -> (to text, from text)
     "ulysses": (str, int),
     "heads": (lambda v: "-" if v is None else f"{v[0]}/{v[1]}",
               lambda s: None if s == "-" else tuple(int(x) for x in s.split("/"))),
+    "kernel_calls": (str, str),
 }
 # the Plan fields that are neither text sections nor the builder's callables
 assert set(_HEADER) | {"mode", "world_size", "seq_local", "build_rank", "mask", "layout", "slots", "rings", "notes",

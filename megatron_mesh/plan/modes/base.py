@@ -186,7 +186,7 @@ class Mode:
         if is_dense(mask, layout):
             return self.build_dense(p, shape, mask)
         return build_sparse_plan(self.name, p.world_size, shape, mask, layout, self.assignment(p, mask, layout),
-                                 backward_chunks=getattr(p.options, "backward_chunks", "refetch"),
+                                 backward_chunks=getattr(p.options, "backward_chunks", "auto"),
                                  ranks_per_node=p.ranks_per_node)
 
     def build_dense(self, p: Placement, shape: AttentionShape, mask: Mask) -> Plan:

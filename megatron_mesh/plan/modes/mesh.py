@@ -22,7 +22,9 @@ from .base import Mode, Placement, setting, topology_for
 __all__ = ["MeshMode", "RingMode", "MeshOptions", "RingOptions"]
 
 _BACKWARD_HELP = ("'refetch' re-communicates Q/KV chunks in the backward (ring attention's memory); 'keep' keeps "
-                  "the forward's (fewer bytes, more activation memory)")
+                  "the forward's (fewer bytes, more activation memory); 'auto' keeps them under documents, "
+                  "windows or a document layout on each rank where they are at most its own Q, K and V, and "
+                  "refetches otherwise and in dense plans")
 
 
 @dataclass(frozen=True)
@@ -39,12 +41,12 @@ class MeshOptions:
     schedule: Literal[SCHEDULES] = setting("greedy", flag="--mesh-schedule",
                                            help="order of the Mesh pulls: 'greedy' (compute unlocked per byte) or "
                                                 "'lockstep'")
-    backward_chunks: Literal[BACKWARD_CHUNKS] = setting("refetch", flag="--mesh-backward-chunks", help=_BACKWARD_HELP)
+    backward_chunks: Literal[BACKWARD_CHUNKS] = setting("auto", flag="--mesh-backward-chunks", help=_BACKWARD_HELP)
 
 
 @dataclass(frozen=True)
 class RingOptions:
-    backward_chunks: Literal[BACKWARD_CHUNKS] = setting("refetch", help=_BACKWARD_HELP)
+    backward_chunks: Literal[BACKWARD_CHUNKS] = setting("auto", flag="--mesh-backward-chunks", help=_BACKWARD_HELP)
 
 
 class MeshMode(Mode):

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..mask import Mask
+from ..mesh import BACKWARD_CHUNKS
 from ..shape import AttentionShape
 from ..sparse import Assignment
 from ..tasp import build_tasp_plan, tasp_rings
@@ -24,6 +25,12 @@ class TaspOptions:
     transport: Literal[TRANSPORTS] = setting("p2p", flag="--tasp-transport",
                                              help="TASP transfers as point-to-point sends ('p2p') or all-to-all "
                                                   "collectives ('alltoall')")
+    backward_chunks: Literal[BACKWARD_CHUNKS] = setting(
+        "auto", flag="--tasp-backward-chunks",
+        help="under documents, windows or a document layout: 'refetch' pulls the K/V pieces again in the backward, "
+             "'keep' keeps the forward's (fewer bytes, more activation memory), 'auto' keeps them on each rank "
+             "where they are at most its own Q, K and V; the dense TASP plan refetches under every setting (its "
+             "rotation would have to keep all P-1 chunks)")
 
 
 class TaspMode(Mode):
@@ -38,6 +45,7 @@ class TaspMode(Mode):
         return Placement(self.name, world_size, options, ranks_per_node)
 
     def build_dense(self, p: Placement, shape: AttentionShape, mask: Mask):
+        # backward_chunks is a mask-aware plan's setting here: the dense rotation refetches whatever it says
         return build_tasp_plan(p.world_size, shape, causal=mask.causal, ranks_per_node=p.ranks_per_node)
 
     def assignment(self, p: Placement, mask: Mask, layout) -> Assignment:
