@@ -177,3 +177,30 @@ def test_own_documents_are_at_most_two_calls():
             assert 1 <= len(own) <= 2, (mode, r, own)
             assert all(op.mask == BlockKind.MASKED and op.cols is None for op in own if len(own) > 1 or
                        op.mask == BlockKind.MASKED)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("causal", [True, False])
+def test_cuda_flash_varlen_equals_one_call_per_sequence(dtype, causal):
+    """The real flash varlen ops (torch's aten._flash_attention_forward / _backward with
+    cumulative offsets) give what one call per sequence gives: batch 2, GQA 8/2, sequences of odd
+    lengths, inputs strided as the executor passes them (views of an sbhd tensor)."""
+    torch.manual_seed(0)
+    seqs = ((5, 5), (130, 130), (77, 77)) if causal else ((5, 40), (130, 7), (77, 77))
+    tq, tk = sum(n for n, _ in seqs), sum(m for _, m in seqs)
+    q = torch.randn(tq, 2, 8, 128, device="cuda", dtype=dtype).permute(1, 2, 0, 3)
+    k, v = (torch.randn(tk, 2, 2, 128, device="cuda", dtype=dtype).permute(1, 2, 0, 3) for _ in range(2))
+    kernel = TorchAttentionKernel("cuda")
+    assert kernel.varlen
+    out, lse = varlen_forward(kernel, q, k, v, seqs, causal=causal, scale=128 ** -0.5)
+    want_out, want_lse = loop_varlen_forward(kernel, q, k, v, seqs, causal=causal, scale=128 ** -0.5)
+    torch.testing.assert_close(out.float(), want_out.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.float(), want_lse.float(), atol=2e-2, rtol=2e-2)
+    dout = torch.randn_like(q)
+    delta = (dout.float() * want_out.float()).sum(-1)
+    got = kernel.backward_varlen(dout, q, k, v, want_lse, delta, seqs, causal=causal, scale=128 ** -0.5)
+    want = loop_varlen_backward(kernel, dout, q, k, v, want_lse, delta, seqs, causal=causal, scale=128 ** -0.5)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert g.shape == w.shape, name
+        torch.testing.assert_close(g.float(), w.float(), atol=5e-2, rtol=5e-2, msg=name)
