@@ -14,7 +14,7 @@ from dataclasses import replace
 import torch
 
 import megatron_mesh as mm
-from megatron_mesh.plan import Post, build_tasp_plan, tasp_bytes_formula
+from megatron_mesh.plan import Post, build_tasp_plan, resolve, tasp_bytes_formula
 
 from cases import HEADS, Problem, Result, dense_reference, measure
 
@@ -74,8 +74,9 @@ def tasp_grid(rank: int, world: int, group=None) -> list[Result]:
 
 
 def tasp_variants(rank: int, world: int, group=None) -> list[Result]:
-    """MQA, the math kernel with a custom softmax scale, and a longer fp64 sequence (several tokens
-    per slot) on both transports."""
+    """MQA, the math kernel with a custom softmax scale, a longer fp64 sequence (several tokens
+    per slot) on both transports, and documents on the all-to-all transport under each
+    backward_chunks setting (ranks that keep pull nothing in the backward, and still join)."""
     T = seq_local_for(world)
     results = [_case(rank, Problem(world, *HEADS["MQA"], True, torch.float32, seq_local=T), f"P={world} MQA causal fp32",
                      group)]
@@ -85,4 +86,17 @@ def tasp_variants(rank: int, world: int, group=None) -> list[Result]:
     for transport in ("p2p", "alltoall"):
         p = Problem(world, 4, 2, True, torch.float64, seq_local=4 * world + 2, seed=2)
         results.append(_case(rank, p, f"P={world} fp64 long {transport}", group, transport))
+    # a long document on most ranks: under backward_chunks "auto" the ranks reading most of it
+    # refetch and the others keep (and pull nothing in the backward) -- the all-to-all transport
+    # still needs every rank in every round's collective
+    p = Problem(world, 4, 2, True, torch.float32, seq_local=12, seed=3, cu_seqlens=(0, 12 * world - 2, 12 * world))
+    for backward_chunks in ("auto", "keep", "refetch"):
+        plan = resolve("tasp", world, p.shape, backward_chunks=backward_chunks).build(p.shape, p.mask)
+        rounds = sum(isinstance(op, Post) for d in ("forward", "backward") for op in plan.rank(rank).ops(d))
+        with counting_all_to_all() as calls:
+            res = measure(rank, p, f"P={world} documents alltoall backward_chunks={backward_chunks}",
+                          lambda q, k, v: mm.tasp_attention(q, k, v, group=group, cu_seqlens=p.cu_seqlens,
+                                                            transport="alltoall", backward_chunks=backward_chunks),
+                          plan=plan)
+        results.append(replace(res, collectives=(calls[0], rounds)))
     return results

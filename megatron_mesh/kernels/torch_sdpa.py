@@ -191,7 +191,9 @@ class TorchAttentionKernel:
 
 # -- flash-attention's variable-length kernels, as torch ships them ----------------------------------------
 # (torch.nn.attention.varlen calls the same ops: packed [tokens, heads, head_dim] inputs, int32
-# cumulative sequence offsets, lse [heads, tokens] in fp32, native grouped-query attention)
+# cumulative sequence offsets, lse [heads, tokens] in fp32, native grouped-query attention -- whose
+# dK/dV come back in the input dtype, summed over a KV head's query heads inside the kernel,
+# where the one-call-per-piece path sums them in fp32; the executor accumulates both in fp32)
 def flash_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
                          causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,

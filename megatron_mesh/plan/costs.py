@@ -18,7 +18,7 @@ from __future__ import annotations
 from .accounting import block_area, key_bytes
 from .ir import AddGrad, Attend, AttendBackward, Copy, MergeOut, Op, Plan, RowStats
 from .mask import BlockKind, call_groups, mask_pieces
-from .sel import sel_len
+from .sel import sel_len, union_intervals
 from .shape import AttentionShape
 from .topology import Topology
 
@@ -33,48 +33,30 @@ def _block_cost(plan: Plan, op, shape: AttentionShape, topo: Topology) -> float:
     (:func:`~.mask.mask_pieces`): their areas, one launch per call of
     :func:`~.mask.call_groups` for ``plan.kernel_calls`` (variable-length calls group pieces)."""
     calls = 1
-    gathered = (0, 0)  # query rows and key columns a variable-length call copies together
+    rows = sel_len(op.rows, plan.tokens(op.q))
+    cols = sum(sel_len(op.col(i), plan.tokens(k)) for i, k in enumerate(op.kv))
     if op.mask == BlockKind.MASKED:
         pieces = mask_pieces(plan.mask, plan.positions(op.q, op.rows),
                              tuple(r for i, k in enumerate(op.kv) for r in plan.positions(k, op.col(i))), topo.mask_piece)
         pairs = sum((r1 - r0) * (r1 - r0 + 1) // 2 if kind == BlockKind.CAUSAL else (r1 - r0) * (c1 - c0)
                     for kind, (r0, r1), (c0, c1) in pieces)
-        groups = call_groups(pieces, plan.kernel_calls)
-        calls = max(1, len(groups))
-        if plan.kernel_calls == "varlen":
-            gathered = _gathered(pieces, groups)
+        # a variable-length call's pieces follow each other in the block: packed as a view
+        calls = max(1, len(call_groups(pieces, plan.kernel_calls)))
+        # the accumulators a masked block touches are its pieces' rows and columns (the
+        # runtime merges and adds each call's partial where it belongs), not its whole buffers
+        rows = sum(b - a for a, b in union_intervals([r for _, r, _ in pieces]))
+        cols = sum(b - a for a, b in union_intervals([c for _, _, c in pieces]))
     else:
         pairs = block_area(plan, op)
     h, g = plan.head_counts(op.q, shape.heads, shape.kv_heads)
     flops = 4.0 * shape.batch * h * shape.head_dim * pairs
-    rows = sel_len(op.rows, plan.tokens(op.q))
     acc = 4  # fp32 accumulators: read + write the accumulator, read the block result
-    e = shape.itemsize
     if type(op) is Attend:
         moved = 3 * shape.batch * h * rows * (shape.head_dim + 1) * acc
-        moved += 2 * shape.batch * shape.head_dim * e * (h * gathered[0] + 2 * g * gathered[1])  # q; k, v
     else:
         flops *= BACKWARD_FLOPS
-        cols = sum(sel_len(op.col(i), plan.tokens(k)) for i, k in enumerate(op.kv))
         moved = 3 * shape.batch * shape.head_dim * acc * (h * rows + 2 * g * cols)
-        moved += 2 * shape.batch * shape.head_dim * e * (2 * h * gathered[0] + 2 * g * gathered[1])  # q, dout; k, v
     return flops / topo.attention_flops + calls * topo.kernel_latency + moved / topo.memory_bandwidth
-
-
-def _gathered(pieces, groups) -> tuple[int, int]:
-    """Rows and columns the variable-length calls of ``groups`` copy into one buffer: a call
-    whose pieces' rows (columns) do not follow each other in the block packs them (read + write),
-    as the runtime does (:func:`megatron_mesh.runtime.masks.forward_partials`)."""
-    rows = cols = 0
-    for group in groups:
-        if len(group) < 2:
-            continue
-        for side in (1, 2):
-            ranges = [pieces[i][side] for i in group]
-            if any(b[0] != a[1] for a, b in zip(ranges, ranges[1:])):
-                n = sum(b - a for a, b in ranges)
-                rows, cols = (rows + n, cols) if side == 1 else (rows, cols + n)
-    return rows, cols
 
 
 def _combine_cost(plan: Plan, op, shape: AttentionShape, topo: Topology) -> float:

@@ -576,6 +576,34 @@ def call_groups(pieces, kernel_calls: str = "varlen") -> list[tuple[int, ...]]:
     return [tuple(g) for g in groups]
 
 
+def _documents_of(mask: Mask, runs) -> set[int]:
+    """Indices of the documents of ``mask`` that position ``runs`` overlap."""
+    starts, stops = _bounds(mask)
+    out: set[int] = set()
+    for start, n in runs:
+        i = max(0, bisect_right(starts, start) - 1)
+        while i < len(starts) and starts[i] < start + n:
+            if stops[i] > start:
+                out.add(i)
+            i += 1
+    return out
+
+
+def _partners(mask: Mask, cols):
+    """For a query segment's runs, the indices (ascending) of the key segments ``cols`` that can
+    hold a key it attends: with documents, only those sharing a document with it (found through
+    the documents, so a block of many documents is cut in time linear in them, not quadratic);
+    without, every one."""
+    if mask.documents is None:
+        every = range(len(cols))
+        return lambda runs: every
+    by_doc: dict[int, list[int]] = {}
+    for i, (_, kr, _) in enumerate(cols):
+        for d in _documents_of(mask, kr):
+            by_doc.setdefault(d, []).append(i)
+    return lambda runs: sorted({i for d in _documents_of(mask, runs) for i in by_doc.get(d, ())})
+
+
 def mask_pieces(mask: Mask, q_runs, k_runs, piece: int) -> list[tuple[BlockKind, tuple[int, int], tuple[int, int]]]:
     """How a "masked" block runs: its query and key buffers (global runs (start, length), in buffer
     order) as segments (:func:`_segments`: long runs alone, short ones packed); every pair of
@@ -603,8 +631,9 @@ def mask_pieces(mask: Mask, q_runs, k_runs, piece: int) -> list[tuple[BlockKind,
             out.append((kind, rows, cols))
 
     cols = _segments(k_runs, piece, mask)
+    partners = _partners(mask, cols)
     for r0, qr, n in _segments(q_runs, piece, mask):
-        for c0, kr, m in cols:
+        for c0, kr, m in (cols[i] for i in partners(qr)):
             c = classify_block(mask, qr, (kr,))
             if c is None:
                 continue

@@ -40,9 +40,13 @@ Approximations (say them with every number):
    rank's link classes in O(P) instead of building P op lists (rank P-1's real rounds are checked
    against the prediction; ``exact=True`` reads every rank's rounds instead).
 4. Not modelled: contention between communication and compute for SMs or HBM, NCCL protocol
-   and chunking effects, network congestion beyond one NIC per GPU, CPU launch overhead, and the
+   and chunking effects, network congestion beyond one NIC per GPU, CPU launch overhead, the
    copy that joins the key/value buffers of one kernel call over several of them (dense Mesh and
-   TASP steps, fused document calls: at most the call's K/V bytes, read and written once).
+   TASP steps, fused document calls: at most the call's K/V bytes, read and written once), and
+   with a micro-batch of more than one sample the copy that folds the batch into the tokens of a
+   variable-length call. Kernel calls are those of the CUDA flash kernel on 16-bit inputs
+   (:func:`~.mask.call_groups`, ``plan.kernel_calls``): fp32 inputs and the other CUDA ops run
+   a variable-length group one piece at a time.
 
 Worked example (ring attention, P = 2 ranks, one node, causal, forward of rank 0: the diagonal
 block costs c1 (n(n+1)/2 pairs), the block with the remote chunk c2 (n/2 x n pairs); round 1

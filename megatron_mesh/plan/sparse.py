@@ -22,12 +22,17 @@ from the mask itself, for every mode:
    rows (``into`` = the slot's segments). Rounds: ring and Mesh pull by *shift* -- in round d,
    rank x receives from x - d and sends to x + d, so every round is a permutation and blocks start
    as soon as their pieces arrive; TASP pulls everything in one round over all links at once.
-4. **Kernel calls.** The rank's own block runs as one causal call per document; the blocks with
-   other ranks' pieces that are ready in the same round are fused per query rows: one call over
-   their columns in position order (pieces of a document that continue each other join into long
-   runs, which :func:`~.mask.mask_pieces` runs as a few full calls), and one merge instead of one
-   per block. Where a return round follows, the own block is split to hide both transfers: the
+4. **Kernel calls.** The rank's own block runs as at most two masked calls over contiguous rows
+   (:meth:`_SparseLowering._own_calls`), each cut into one causal piece per document, which a
+   variable-length kernel runs together (:func:`~.mask.call_groups`); the blocks with other
+   ranks' pieces that are ready in the same round are fused per query rows: one call over their
+   columns in position order (pieces of a document that continue each other join into long runs,
+   which :func:`~.mask.mask_pieces` runs as a few full calls), and one merge instead of one per
+   block. Where a return round follows, the own block is split to hide both transfers: the
    pulls' share of the bytes runs before the pulls' wait, the rest after the return is posted.
+5. **Backward chunks.** Under ``backward_chunks="auto"`` a rank keeps the pieces it pulled for
+   the backward where they are at most its own Q, K and V (:class:`_Keeps`), so its backward
+   pulls only dO; rounds in which a rank only sends are posted before its compute.
 
 Slot names: ``q{x}.{y}`` are the rows of chunk x rank y needs (also ``do``, ``o``, ``dq`` of those
 rows), ``kv{x}.{P+y}`` the columns (also ``dkv``).
@@ -415,6 +420,7 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
         table = block_table(P, mask, layout)
         candidates = [(QUERY_OWNER, _Needs(P, table, lambda i, j: i))]
         candidates += [(name, _Needs(P, table, owner)) for name, owner in assignment.owners]
+        # "auto" is compared as "refetch": which ranks keep depends on the map being chosen
         costs = [max(n.bytes_per_rank(shape, keep)) for _, n in candidates]
         best = min(range(len(candidates)), key=lambda k: (costs[k], -k))  # ties: the mode's own map (last)
         assigned, needs = candidates[best]
@@ -619,9 +625,10 @@ class _SparseLowering:
         each, with no copy: each call's rows are one range of the chunk. Exact because the
         documents' rows are disjoint: every allowed pair of a row is in the call holding the row.
 
-        Example: own documents of 900, 40, 30 and 2,000 tokens, the first two before the return:
-        rows [0, 970) and [970, 3970), each a MASKED call whose pieces (causal 900, masked 40 + 30;
-        causal 2,000) run as two and one kernel calls."""
+        Example: a chunk of 2,970 tokens holding documents of 900, 40, 30 and 2,000 tokens, calls
+        900 / 40 + 30 (the small ones share one) / 2,000, the first two before the return: rows
+        [0, 970) and [970, 2970), each a MASKED call whose pieces (causal 900 and masked 40 + 30;
+        causal 2,000) run as two kernel calls and one."""
         ops = before + after
         if len(ops) < 2 or any(op.rows is None for op in ops):
             return before, after
@@ -659,6 +666,8 @@ class _SparseLowering:
     def lower(self, x: int, direction: str, blocks: bool = True) -> list[Op]:
         backward = direction == "backward"
         pulls = self._pulls(x, direction)
+        if self.burst:  # every rank posts both rounds, empty or not: TASP's all-to-all transport is
+            pulls.setdefault(1, ([], []))  # a collective, and ranks keeping their pieces pull nothing
         order = sorted(pulls)
         mine = sorted(self.needs.blocks(x), key=lambda b: (b != (x, x), b))
         # a block is ready once the rounds bringing its remote pieces have completed (rows always
@@ -721,7 +730,7 @@ class _SparseLowering:
             compute(by_round.pop(t, []))
         for t in sorted(by_round):  # blocks whose pieces came in rounds with nothing else for this rank
             compute(by_round[t])
-        if sends or recvs:
+        if sends or recvs or self.burst:
             ops.append(Post(self.final_round, tuple(sends), tuple(recvs)))
             ops.extend(later)
             ops.append(Wait(self.final_round))

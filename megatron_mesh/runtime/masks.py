@@ -149,8 +149,12 @@ def _pack(t: Tensor, ranges, dim: int = 2) -> Tensor:
 
 
 def _varlen(kernel: BlockKernel, group) -> bool:
-    """Whether ``group`` of pieces runs as one variable-length call of ``kernel``."""
-    return len(group) > 1 and getattr(kernel, "varlen", False)
+    """Whether ``group`` of pieces runs as one variable-length call of ``kernel``: several pieces
+    of one kind, full or causal (a masked piece needs its allowed matrix; a plan priced as one
+    call per block, Transformer Engine's, mixes kinds and runs piece by piece here)."""
+    kind = group[0].mask.kind
+    return (len(group) > 1 and getattr(kernel, "varlen", False) and kind != BlockKind.MASKED
+            and all(t.mask.kind == kind for t in group))
 
 
 def forward_partials(kernel: BlockKernel, q: Tensor, k: Tensor, v: Tensor, mask, scale: float,

@@ -41,7 +41,8 @@ def test_tasp_matches_dense_reference(gloo, world):
 def test_tasp_variants(gloo, world):
     per_rank = gloo["tasp_variants"][world]
     _check(per_rank)
-    assert [rec.problem.dtype for rec in per_rank[0]] == [torch.float32] * 2 + [torch.float64] * 2
+    assert [rec.problem.dtype for rec in per_rank[0]] == [torch.float32] * 2 + [torch.float64] * 2 + [torch.float32] * 3
+    assert all(rec.collectives[1] >= 4 for rec in per_rank[0][-3:])  # every rank, both rounds, both directions
 
 
 def test_tasp_single_rank_without_process_group():
