@@ -126,6 +126,7 @@ class _HybridLowering:
         self.last_round = {d: inner.max_round(d) for d in ("forward", "backward")}
         self._keys: list[dict] = [{} for _ in range(U)]  # inner key -> its head-slice-u key (a P=256 plan
         self._transfers: list[dict] = [{} for _ in range(U)]  # relabels ~10^6 of them)
+        self._early: dict[int, bool] = {}  # inner rank -> dQ goes home before dK/dV
 
     def segments(self, key: Key):
         if key.span == self.U:
@@ -194,19 +195,28 @@ class _HybridLowering:
             for key, segs in (rp.backward_inputs if backward else rp.forward_inputs).items():
                 if key.slot >= 0:
                     ops.append(Copy(self.relabel(key._replace(slot=-1), u), self.relabel(key, u), rows=segs))
-        ops.extend(self.inner_ops(m, u, direction, blocks))
+        inner = self.inner_ops(m, u, direction, blocks)
         # finished results go home in the input dtype, as Ulysses sends them; dK/dV of a KV head
         # replicated to several ranks is still a partial sum there: it travels in fp32
         outs = (("dq", "gq"), ("dkv", self.grad_kv)) if backward else (("o", "y"),)
-        if blocks:
-            for acc, k in outs:
-                for p, x in enumerate(group):
-                    ops.append(Copy(Key(acc, m, heads=u, span=U), Key(k, x, heads=u), rows=self.pieces[x]))
         last = self.last_round[direction] + 2
-        if peers:
-            ops.append(Post(last, tuple(Transfer(x, Key(k, x, heads=u)) for x in peers for _, k in outs),
-                            tuple(Transfer(x, Key(k, g, heads=x - m * U)) for x in peers for _, k in outs)))
-            ops.append(Wait(last))
+        sends: list[list[Op]] = []  # the return all-to-all: one round, or dQ's and then dK/dV's
+        if peers and backward and self._dq_home_early(m):
+            # dQ is final once the inner plan's last call ran (no dQ partials come back): it goes
+            # home while the dK/dV partials still return, the inner plan's last round
+            at = next((i for i, op in enumerate(inner) if type(op) is Wait and op.round == self.inner.last_round + 1),
+                      len(inner))
+            ops.extend(inner[:at])
+            ops.extend(self._home(g, group, outs[:1], last, blocks))
+            ops.extend(inner[at:])
+            ops.extend(self._home(g, group, outs[1:], last + 1, blocks))
+            waits = [Wait(last), Wait(last + 1)]
+        else:
+            ops.extend(inner)
+            home = self._home(g, group, outs, last, blocks)
+            ops.extend(home if peers else home[:-1])  # alone in its group: nothing to send
+            waits = [Wait(last)] if peers else []
+        ops.extend(waits)
         if blocks:  # assemble my chunk's head slices (dK/dV of a replicated KV head: summed)
             for _, k in outs:
                 side = "kv" if k in ("dkv", "gkv") else "q"
@@ -217,6 +227,31 @@ class _HybridLowering:
                     else:
                         ops.append(Copy(src, Key(k, g), heads=self.heads(side, p)))
         return ops
+
+    def _home(self, g: int, group: list[int], outs, round_: int, blocks: bool) -> list[Op]:
+        """The copies of ``outs`` ((accumulator, finished kind) pairs) into each group member's
+        buffer, then the round that sends them home (the last op)."""
+        U, (m, u) = self.U, divmod(g, self.U)
+        ops: list[Op] = []
+        if blocks:
+            for acc, k in outs:
+                for x in group:
+                    ops.append(Copy(Key(acc, m, heads=u, span=U), Key(k, x, heads=u), rows=self.pieces[x]))
+        peers = [x for x in group if x != g]
+        ops.append(Post(round_, tuple(Transfer(x, Key(k, x, heads=u)) for x in peers for _, k in outs),
+                        tuple(Transfer(x, Key(k, g, heads=x - m * U)) for x in peers for _, k in outs)))
+        return ops
+
+    def _dq_home_early(self, m: int) -> bool:
+        """Whether inner rank m's dQ is final before its last round completes: a mask-aware inner
+        plan (its last round returns partials and only merges follow it) whose rank receives no
+        dQ partials (a query owner's)."""
+        got = self._early.get(m)
+        if got is None:
+            inner = self.inner
+            got = self._early[m] = bool(inner.direct and inner.last_round is not None) and not any(
+                t.key.kind == "dq" for op in inner.round_ops(m, "backward") if type(op) is Post for t in op.recvs)
+        return got
 
     def round_ops(self, g: int, direction: str) -> tuple[Op, ...]:
         return tuple(op for op in self.lower(g, direction, blocks=False) if type(op) in (Post, Wait))

@@ -130,7 +130,7 @@ def test_te_modes_detected_as_unusable_without_te(megatron_args):
 
 @pytest.mark.parametrize("argv", [["--mesh-schedule", "fastest"], ["--mesh-backward-chunks", "never"],
                                   ["--mesh-contiguous", "rows"], ["--tasp-transport", "rdma"],
-                                  ["--cp-kernel-backend", "cudnn9"]])
+                                  ["--tasp-backward-chunks", "always"], ["--cp-kernel-backend", "cudnn9"]])
 def test_unknown_choices_are_argparse_errors(megatron_args, argv, capsys):
     with pytest.raises(SystemExit):
         megatron_args(argv)

@@ -44,6 +44,29 @@ def test_hybrid_plans_take_masks(U, M):
             validate_plan(resolve(mode, P, shape, ulysses_size=U, **kw).build(shape, mask))
 
 
+def test_dq_goes_home_before_the_dkv_partials_return():
+    """Under documents the inner plan's query owner gets no dQ partials back: its backward sends
+    dQ home (one all-to-all round) while the dK/dV partials still return, then dK/dV (a second
+    round); with Mesh's tile assignment dQ partials do come back, and one round sends both."""
+    from megatron_mesh.plan.ir import Wait
+
+    U, M, T = 2, 4, 12
+    P = U * M
+    shape = _shape(U, 2 * U, U, T)
+    mask = Mask.from_cu_seqlens([0, 5, 30, 70, P * T], P * T)
+    plan = resolve("a2a+tasp", P, shape, ulysses_size=U).build(shape, mask)
+    validate_plan(plan)
+    for r in range(P):
+        ops = plan.rank(r).backward
+        home = [op for op in ops if type(op) is Post and op.round > plan.inner.last_round + 1]
+        assert [{t.key.kind for t in op.sends} for op in home] == [{"gq"}, {"gkv"}], r
+        inner_wait = next(i for i, op in enumerate(ops) if type(op) is Wait and op.round == plan.inner.last_round + 1)
+        assert ops.index(home[0]) < inner_wait < ops.index(home[1])
+    dense = resolve("a2a+mesh", P, shape, ulysses_size=U, tile=(2, 2), contiguous="q").build(shape, Mask(True))
+    home = [op for op in dense.rank(0).backward if type(op) is Post and op.round > dense.inner.max_round("backward") + 1]
+    assert [{t.key.kind for t in op.sends} for op in home] == [{"gq", "gkv"}]
+
+
 @pytest.mark.parametrize("U, heads, kv", [(2, 4, 4), (4, 8, 2), (4, 8, 1), (2, 4, 1)])
 def test_all_to_all_bytes_are_ulysses_bytes(U, heads, kv):
     """What Ulysses moves, in the input dtype: forward q and k/v of U - 1 head slices out, the
