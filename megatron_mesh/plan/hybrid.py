@@ -200,7 +200,7 @@ class _HybridLowering:
         # replicated to several ranks is still a partial sum there: it travels in fp32
         outs = (("dq", "gq"), ("dkv", self.grad_kv)) if backward else (("o", "y"),)
         last = self.last_round[direction] + 2
-        sends: list[list[Op]] = []  # the return all-to-all: one round, or dQ's and then dK/dV's
+        # the return all-to-all: one round, or dQ's and then dK/dV's
         if peers and backward and self._dq_home_early(m):
             # dQ is final once the inner plan's last call ran (no dQ partials come back): it goes
             # home while the dK/dV partials still return, the inner plan's last round

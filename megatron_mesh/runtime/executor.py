@@ -274,10 +274,10 @@ class Executor:
         with self.timer("compute"):
             (acc_q,) = bufs.accumulator(op.dq)
             rows = list(_parts(op.rows, acc_q.shape[2]))
-            cols, start = [], 0  # (accumulators, buffer start, block column, length) of each key range
+            cols, start = [], 0  # each key buffer's accumulators and where its block columns go
             for i, (key, n_cols) in enumerate(zip(op.dkv, lengths)):
                 acc_k, acc_v = bufs.accumulator(key)
-                cols += [((acc_k, acc_v), a, start + pos, n) for a, pos, n in _parts(op.col(i), acc_k.shape[2])]
+                cols.append((acc_k, acc_v, [(a, start + pos, n) for a, pos, n in _parts(op.col(i), acc_k.shape[2])]))
                 start += n_cols
             for part in backward_partials(self.kernel, _take(dout, op.rows), _take(q, op.rows), k, v,
                                           _take(lse, op.rows), _take(delta, op.rows), mask, self.scale,
@@ -288,11 +288,10 @@ class Executor:
                         acc_q.narrow(2, a, n).add_(dq.narrow(2, off, n))
                     continue
                 _, c0, c1, dk, dv = part
-                for (acc_k, acc_v), a, pos, n in cols:
-                    lo, hi = max(c0, pos), min(c1, pos + n)
-                    if lo < hi:
-                        acc_k.narrow(2, a + lo - pos, hi - lo).add_(dk.narrow(2, lo - c0, hi - lo))
-                        acc_v.narrow(2, a + lo - pos, hi - lo).add_(dv.narrow(2, lo - c0, hi - lo))
+                for acc_k, acc_v, parts in cols:
+                    for a, off, n in _overlaps(parts, c0, c1):
+                        acc_k.narrow(2, a, n).add_(dk.narrow(2, off, n))
+                        acc_v.narrow(2, a, n).add_(dv.narrow(2, off, n))
 
     def _merge(self, op: MergeOut, bufs: _Buffers, pending) -> None:
         src_out, src_lse = bufs.get(op.src)
