@@ -133,28 +133,22 @@ def _pieced(mask: Mask, q_runs, k_runs, piece: int, device, cut=None) -> PiecedM
 
 
 # -- running a block through the kernel ------------------------------------------------------------------
-def _pack(t: Tensor, ranges, dim: int = 2) -> Tensor:
-    """Ranges [a, b) of ``t`` along ``dim``, one after another: a view where they follow each
-    other in ``t``, else a copy."""
-    merged: list[list[int]] = []
-    for a, b in ranges:
-        if merged and merged[-1][1] == a:
-            merged[-1][1] = b
-        else:
-            merged.append([a, b])
-    if len(merged) == 1:
-        a, b = merged[0]
-        return t.narrow(dim, a, b - a)
-    return torch.cat([t.narrow(dim, a, b - a) for a, b in merged], dim=dim)
+def _span(t: Tensor, group, side: int, dim: int = 2) -> Tensor:
+    """The rows (``side`` 0) or columns (1) of a group's pieces, one after another: a view, as the
+    pieces of a variable-length call follow each other (:func:`_varlen`)."""
+    a, b = (group[0].rows, group[-1].rows) if side == 0 else (group[0].cols, group[-1].cols)
+    return t.narrow(dim, a[0], b[1] - a[0])
 
 
 def _varlen(kernel: BlockKernel, group) -> bool:
     """Whether ``group`` of pieces runs as one variable-length call of ``kernel``: several pieces
-    of one kind, full or causal (a masked piece needs its allowed matrix; a plan priced as one
-    call per block, Transformer Engine's, mixes kinds and runs piece by piece here)."""
+    of one kind, full or causal (a masked piece needs its allowed matrix), each starting where
+    the last one ends (packed without a copy). A plan priced as one call per block, Transformer
+    Engine's, may group others: they run piece by piece here."""
     kind = group[0].mask.kind
     return (len(group) > 1 and getattr(kernel, "varlen", False) and kind != BlockKind.MASKED
-            and all(t.mask.kind == kind for t in group))
+            and all(t.mask.kind == kind for t in group)
+            and all(p.rows[1] == t.rows[0] and p.cols[1] == t.cols[0] for p, t in zip(group, group[1:])))
 
 
 def forward_partials(kernel: BlockKernel, q: Tensor, k: Tensor, v: Tensor, mask, scale: float,
@@ -175,8 +169,7 @@ def forward_partials(kernel: BlockKernel, q: Tensor, k: Tensor, v: Tensor, mask,
                 o, l = kernel.forward(q[:, :, r0:r1], k[:, :, c0:c1], v[:, :, c0:c1], mask=t.mask, scale=scale)
                 yield r0, r1, o, l
             continue
-        cols = [t.cols for t in group]
-        o, l = varlen_forward(kernel, _pack(q, [t.rows for t in group]), _pack(k, cols), _pack(v, cols),
+        o, l = varlen_forward(kernel, _span(q, group, 0), _span(k, group, 1), _span(v, group, 1),
                               [(t.rows[1] - t.rows[0], t.cols[1] - t.cols[0]) for t in group],
                               causal=group[0].mask.causal, scale=scale)
         off = 0
@@ -206,9 +199,8 @@ def backward_partials(kernel: BlockKernel, dout: Tensor, q: Tensor, k: Tensor, v
                 yield "q", r0, r1, gq
                 yield "kv", c0, c1, gk, gv
             continue
-        rows, cols = [t.rows for t in group], [t.cols for t in group]
-        gq, gk, gv = varlen_backward(kernel, _pack(dout, rows), _pack(q, rows), _pack(k, cols), _pack(v, cols),
-                                     _pack(lse, rows, -1), _pack(delta, rows, -1),
+        gq, gk, gv = varlen_backward(kernel, _span(dout, group, 0), _span(q, group, 0), _span(k, group, 1),
+                                     _span(v, group, 1), _span(lse, group, 0, -1), _span(delta, group, 0, -1),
                                      [(t.rows[1] - t.rows[0], t.cols[1] - t.cols[0]) for t in group],
                                      causal=group[0].mask.causal, scale=scale)
         qo = ko = 0
