@@ -22,14 +22,15 @@ from .sel import sel_len, union_intervals
 from .shape import AttentionShape
 from .topology import Topology
 
-__all__ = ["BACKWARD_FLOPS", "compute_cost", "cost_signature"]
+__all__ = ["BACKWARD_FLOPS", "block_cost_parts", "compute_cost", "cost_signature"]
 
 BACKWARD_FLOPS = 2.5  # backward FLOPs / forward FLOPs of one block (5 matmuls vs 2)
 
 
-def _block_cost(plan: Plan, op, shape: AttentionShape, topo: Topology) -> float:
-    """A kernel call: its (query, key) pairs at ``attention_flops``, plus the launch latency and
-    the fp32 accumulator traffic. A masked block runs as the kernel calls of its mask pieces
+def block_cost_parts(plan: Plan, op, shape: AttentionShape, topo: Topology) -> tuple[float, float, float]:
+    """A kernel call's seconds as (FLOPs, launches, accumulator traffic): its (query, key) pairs at
+    ``attention_flops``, the launch latency per call and the fp32 accumulator traffic at
+    ``memory_bandwidth``. A masked block runs as the kernel calls of its mask pieces
     (:func:`~.mask.mask_pieces`): their areas, one launch per call of
     :func:`~.mask.call_groups` for ``plan.kernel_calls`` (variable-length calls group pieces)."""
     calls = 1
@@ -56,7 +57,11 @@ def _block_cost(plan: Plan, op, shape: AttentionShape, topo: Topology) -> float:
     else:
         flops *= BACKWARD_FLOPS
         moved = 3 * shape.batch * shape.head_dim * acc * (h * rows + 2 * g * cols)
-    return flops / topo.attention_flops + calls * topo.kernel_latency + moved / topo.memory_bandwidth
+    return flops / topo.attention_flops, calls * topo.kernel_latency, moved / topo.memory_bandwidth
+
+
+def _block_cost(plan: Plan, op, shape: AttentionShape, topo: Topology) -> float:
+    return sum(block_cost_parts(plan, op, shape, topo))
 
 
 def _combine_cost(plan: Plan, op, shape: AttentionShape, topo: Topology) -> float:

@@ -61,15 +61,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .costs import BACKWARD_FLOPS
-from .ir import Plan
+from .costs import BACKWARD_FLOPS, block_cost_parts, compute_cost
+from .ir import Attend, AttendBackward, Copy, Plan, Post
 from .shape import AttentionShape
 from .timeline import Event, run_lockstep, run_pairwise
 from .topology import Topology
 from .traffic import RoundTraffic, round_traffic
 
 # the simulator's parts (traffic, costs, timeline) re-exported where callers look for them
-__all__ = ["Event", "PhaseResult", "SimResult", "simulate", "RoundTraffic", "round_traffic", "BACKWARD_FLOPS"]
+__all__ = ["Event", "PhaseResult", "SimResult", "simulate", "RoundTraffic", "round_traffic", "BACKWARD_FLOPS",
+           "TimeBreakdown", "time_breakdown"]
 
 _DIRECTIONS = ("forward", "backward")
 
@@ -171,3 +172,63 @@ def simulate(plan: Plan, shape: AttentionShape, topology: Topology | None = None
         phases.append(PhaseResult(time, busy, rounds, traffic.bytes_sent, traffic.mean_intra, traffic.mean_inter,
                                   traffic.max_inter, tuple(events), traffic.sent))
     return SimResult(*phases, exact=exact)
+
+
+@dataclass(frozen=True)
+class TimeBreakdown:
+    """Where one direction's predicted time goes on its slowest rank (the one that finishes last):
+    ``parts`` in seconds -- "flops" (the kernel calls' pairs at peak), "launches", "accumulate"
+    (fp32 merges of the calls' results), "copies" (Copy ops: the Ulysses reorder, slot cuts, casts),
+    "combine" (merges, gradient adds, row statistics of received partials) and "exposed" (the
+    rest: waiting for communication) -- and ``waits``: (round, seconds, what it moves) of each
+    round the rank's compute stream waited for, longest first."""
+
+    direction: str
+    rank: int
+    time: float
+    parts: dict
+    waits: tuple
+
+
+def _round_text(post: Post) -> str:
+    kinds = sorted({t.key.kind for t in post.sends + post.recvs})
+    peers = len({t.peer for t in post.sends + post.recvs})
+    return f"{','.join(kinds) or 'nothing'} with {peers} peer{'s' if peers != 1 else ''}"
+
+
+def time_breakdown(plan: Plan, shape: AttentionShape, topology: Topology | None = None) -> tuple[TimeBreakdown, ...]:
+    """Forward and backward :class:`TimeBreakdown` of ``plan`` (one :func:`simulate` with its
+    timeline). Worked example: ``megatron-mesh-plan --explain`` prints it for the fastest plan;
+    its parts add up to the direction's time."""
+    topo = topology if topology is not None else Topology.for_cp(plan.world_size)
+    sim = simulate(plan, shape, topo, timeline=True)
+    out = []
+    for direction, phase in zip(_DIRECTIONS, (sim.forward, sim.backward)):
+        ends: dict[int, float] = {}
+        for e in phase.timeline:
+            ends[e.rank] = max(ends.get(e.rank, 0.0), e.end)
+        rank = max(sorted(ends), key=lambda r: ends[r]) if ends else 0
+        parts = dict.fromkeys(("flops", "launches", "accumulate", "copies", "combine"), 0.0)
+        posts = {}
+        for op in plan.rank(rank).ops(direction):
+            kind = type(op)
+            if kind is Attend or kind is AttendBackward:
+                flops, launches, acc = block_cost_parts(plan, op, shape, topo)
+                parts["flops"] += flops
+                parts["launches"] += launches
+                parts["accumulate"] += acc
+            elif kind is Copy:
+                parts["copies"] += compute_cost(plan, op, shape, topo)
+            elif kind is Post:
+                posts[op.round] = op
+            else:
+                parts["combine"] += compute_cost(plan, op, shape, topo)
+        parts["exposed"] = max(0.0, phase.time - sum(parts.values()))
+        waits = []
+        for e in phase.timeline:
+            if e.rank == rank and e.stream == "compute" and e.what.startswith("wait ") and e.end > e.start:
+                t = int(e.what.split()[1])
+                waits.append((t, e.end - e.start, _round_text(posts[t]) if t in posts else ""))
+        out.append(TimeBreakdown(direction, rank, phase.time, parts,
+                                 tuple(sorted(waits, key=lambda w: (-w[1], w[0])))))
+    return tuple(out)

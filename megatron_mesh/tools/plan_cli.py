@@ -91,6 +91,10 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--hbm", type=float, default=d.memory_bandwidth / 1e12, help="HBM TB/s (merges)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    o.add_argument("--explain", action="store_true",
+                   help="also say where the fastest plan's time goes (per layout): on its slowest rank, FLOPs, "
+                        "kernel launches, fp32 accumulation, copies, merges and exposed communication, with the "
+                        "rounds it waits for (JSON: every row's 'breakdown')")
     o.add_argument("--plot", metavar="FILE.png", help="also draw bytes and time versus CP size")
     o.add_argument("--plot-cp", default="8,16,32,64,128,256,512,1024", help="CP sizes of the plot")
     return p
@@ -308,6 +312,28 @@ def _plot(args, modes: tuple[str, ...], path: str) -> None:
     plt.close(fig)
 
 
+def _explain(rows, floor: float | None) -> str:
+    """Where the fastest plan of each layout spends its time (rows with a breakdown)."""
+    out = []
+    for layout in dict.fromkeys(r.layout for r in rows):
+        pool = [r for r in rows if r.layout == layout and "breakdown" in r.extra]
+        if not pool:
+            continue
+        best = min(pool, key=lambda r: r.time_s)
+        what = best.mode + (f", all-to-all {best.ulysses}" if best.ulysses > 1 else "") + \
+            (f", tile {best.tile[0]}x{best.tile[1]}" if best.tile and best.tile[0] > 1 else "")
+        where = f" on the {layout} layout" if len({r.layout for r in rows}) > 1 or layout != "zigzag" else ""
+        out.append(f"\nwhere the time goes: {what}{where}, {best.time_s * 1e3:.2f} ms"
+                   + (f" = {best.time_s / floor:.2f}x the compute floor" if floor else ""))
+        for b in best.extra["breakdown"]:
+            parts = ", ".join(f"{k[:-2]} {b[k] * 1e3:.3f}" for k in ("flops_s", "launches_s", "accumulate_s",
+                                                                      "copies_s", "combine_s", "exposed_s"))
+            out.append(f"  {b['direction']:8s} {b['time_s'] * 1e3:8.3f} ms on rank {b['rank']}: {parts} ms")
+            for w in b["waits"][:3]:
+                out.append(f"           waits {w['seconds'] * 1e3:.3f} ms for round {w['round']} ({w['moves']})")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -321,11 +347,13 @@ def main(argv: list[str] | None = None) -> int:
         floor = None
         if layouts == ("zigzag",):
             rows, skipped = evaluate(args.cp, shape, topo, causal=args.causal, modes=modes,
-                                     backward_chunks=args.backward_chunks, schedule=args.schedule, mask=mask)
+                                     backward_chunks=args.backward_chunks, schedule=args.schedule, mask=mask,
+                                     explain=args.explain)
         else:
             window = None if mask is None or mask.window == (None, 0 if args.causal else None) else mask.window
             rows, skipped = layout_rows(args.cp, shape, topo, docs, causal=args.causal, window=window, modes=modes,
-                                        layouts=layouts, backward_chunks=args.backward_chunks, schedule=args.schedule)
+                                        layouts=layouts, backward_chunks=args.backward_chunks, schedule=args.schedule,
+                                        explain=args.explain)
         if docs is not None:  # the documents as given (one document over the whole sequence is plain causal)
             floor = compute_floor(allowed_pairs(docs, args.causal, mask.window), args.cp, shape, topo)
         elapsed = time.perf_counter() - start
@@ -347,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{BACKWARD_FLOPS}x backward at {topo.attention_flops / 1e12:g} TFLOP/s; no communication, no "
                   "kernel launches)\n")
         print(_table(rows, skipped, floor))
+        if args.explain:
+            print(_explain(rows, floor))
         print(f"\n(planned and simulated in {elapsed:.2f} s)" + (f"; plot written to {args.plot}" if args.plot else ""))
     return 0
 

@@ -37,7 +37,7 @@ from ..plan.mesh import build_mesh_plan, build_rotation_plan
 from ..plan.modes import MODES as REGISTRY, Placement
 from ..plan.problem import normalize
 from ..plan.shape import AttentionShape
-from ..plan.simulate import BACKWARD_FLOPS
+from ..plan.simulate import BACKWARD_FLOPS, time_breakdown
 from ..plan.topology import Topology
 
 __all__ = ["all_modes", "default_modes", "derived_modes", "ModeResult", "evaluate", "plan_modes", "ulysses_result",
@@ -119,11 +119,19 @@ def _row(mode: str, c: Candidate, placement: Placement, detail: str = "", extra:
                       extra={"saved_bytes": c.saved_bytes, "held_buffer_bytes": c.held_buffer_bytes, **(extra or {})})
 
 
+def _breakdown_json(plan, shape: AttentionShape, topo: Topology) -> list[dict]:
+    return [{"direction": b.direction, "rank": b.rank, "time_s": b.time, **{f"{k}_s": v for k, v in b.parts.items()},
+             "waits": [{"round": t, "seconds": w, "moves": what} for t, w, what in b.waits]}
+            for b in time_breakdown(plan, shape, topo)]
+
+
 def _evaluate_placement(name: str, p: Placement, shape: AttentionShape, topo: Topology, mask: Mask | None,
-                        layout, work: bool = False) -> ModeResult:
+                        layout, work: bool = False, explain: bool = False) -> ModeResult:
     plan = p.build(shape, mask, layout(p) if callable(layout) else layout)
     c = evaluate_plan(plan, shape, topo, contiguous=plan.contiguous if plan.tile and plan.tile[0] > 1 else None)
     extra = {}
+    if explain:  # where the time goes on the slowest rank (--explain)
+        extra["breakdown"] = _breakdown_json(plan, shape, topo)
     if work or mask is not None and not mask.is_dense or layout is not None:
         for direction in ("forward", "backward"):
             w = rank_work(plan, direction)
@@ -252,8 +260,8 @@ _FORMULA = {"ulysses": ulysses_result, "usp": usp_result}
 
 # -- everything -----------------------------------------------------------------------------------------
 def _evaluate_modes(wanted: set, world_size: int, shape: AttentionShape, topo: Topology, mask: Mask, layout,
-                    backward_chunks: str, schedule: str, skipped: list[dict], work: bool = False
-                    ) -> dict[str, list[ModeResult]]:
+                    backward_chunks: str, schedule: str, skipped: list[dict], work: bool = False,
+                    explain: bool = False) -> dict[str, list[ModeResult]]:
     """Every candidate placement of each registered mode in ``wanted``, simulated under ``mask``;
     a mode or placement that cannot run is appended to ``skipped`` with the reason."""
     evaluated: dict[str, list[ModeResult]] = {}
@@ -269,7 +277,7 @@ def _evaluate_modes(wanted: set, world_size: int, shape: AttentionShape, topo: T
             for p in candidates:
                 p = p.with_options(backward_chunks=backward_chunks, schedule=schedule)
                 try:
-                    found.append(_evaluate_placement(name, p, shape, topo, mask, layout, work))
+                    found.append(_evaluate_placement(name, p, shape, topo, mask, layout, work, explain))
                 except ValueError as e:
                     skipped.append({"mode": f"{name} ({p.describe()})", "reason": str(e)})
             evaluated[name] = found
@@ -280,13 +288,14 @@ def _evaluate_modes(wanted: set, world_size: int, shape: AttentionShape, topo: T
 
 def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: bool = True, modes=None,
              backward_chunks: str = "auto", schedule: str = "greedy", mask: Mask | None = None, layout=None,
-             work: bool = False) -> tuple[list[ModeResult], list[dict]]:
+             work: bool = False, explain: bool = False) -> tuple[list[ModeResult], list[dict]]:
     """Rows for ``modes`` (see :data:`MODES`) and the modes that cannot run, with the reason.
 
     ``mask`` (default: causal or full by ``causal``) and ``layout`` (a layout, or a function of the
     placement giving one -- a layout balanced per Ulysses group) build the plan-based modes
     mask-aware; the formula rows (ulysses, usp) assume dense attention and are left out then.
-    ``work``: give every plan-based row its per-rank work max / mean (masked rows always have it)."""
+    ``work``: give every plan-based row its per-rank work max / mean (masked rows always have it);
+    ``explain``: and where its time goes (``extra["breakdown"]``, :func:`~..plan.simulate.time_breakdown`)."""
     allowed = all_modes()
     modes = allowed if modes is None else modes
     unknown = [m for m in modes if m not in allowed]
@@ -306,7 +315,7 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: boo
     if AUTO in wanted:
         wanted |= set(plan_modes())
     evaluated = _evaluate_modes(wanted, world_size, shape, topo, mask if mask is not None else Mask(causal), layout,
-                                backward_chunks, schedule, skipped, work)
+                                backward_chunks, schedule, skipped, work, explain)
     for mode in modes:
         if mode in REGISTRY:
             rows.extend(evaluated.get(mode, []))
@@ -397,7 +406,7 @@ def _node_ranks(world_size: int, topo: Topology) -> int | None:
 
 def layout_rows(world_size: int, shape: AttentionShape, topo: Topology, cu_seqlens, *, causal: bool = True,
                 window=None, modes=None, layouts=LAYOUTS, backward_chunks: str = "auto",
-                schedule: str = "greedy") -> tuple[list[ModeResult], list[dict]]:
+                schedule: str = "greedy", explain: bool = False) -> tuple[list[ModeResult], list[dict]]:
     """Every mode of ``modes`` on each of ``layouts`` for these packed documents: Megatron's zigzag,
     Transformer Engine's THD (each document padded to 2 * CP; our modes on it, and TE's own p2p and
     a2a+p2p as it runs them: :data:`TE_ROWS`) and the balanced layout (nodes first when the group spans nodes; per Ulysses group for the
@@ -414,10 +423,10 @@ def layout_rows(world_size: int, shape: AttentionShape, topo: Topology, cu_seqle
     for name in layouts:
         if name == "zigzag":
             got, skip = evaluate(world_size, shape, topo, modes=modes, backward_chunks=backward_chunks,
-                                 schedule=schedule, mask=Mask.from_cu_seqlens(cu, S, causal, window))
+                                 schedule=schedule, mask=Mask.from_cu_seqlens(cu, S, causal, window), explain=explain)
         elif name == "balanced":
             got, skip = evaluate(world_size, shape, topo, modes=modes, backward_chunks=backward_chunks,
-                                 schedule=schedule, mask=Mask(causal, window),
+                                 schedule=schedule, mask=Mask(causal, window), explain=explain,
                                  layout=lambda p: balanced_layout(cu, world_size, causal=causal, window=window,
                                                                   group=p.ulysses,
                                                                   ranks_per_node=_node_ranks(world_size, topo)))
@@ -425,7 +434,7 @@ def layout_rows(world_size: int, shape: AttentionShape, topo: Topology, cu_seqle
             thd = thd_layout(cu, world_size)
             padded = replace(shape, seq_local=thd.seq_local)
             got, skip = evaluate(world_size, padded, topo, modes=modes, backward_chunks=backward_chunks,
-                                 schedule=schedule, mask=Mask(causal, window), layout=thd)
+                                 schedule=schedule, mask=Mask(causal, window), layout=thd, explain=explain)
             got += _te_rows(world_size, padded, topo, Mask(causal, window), thd, skip)
         rows += [replace(r, layout=name) for r in got]
         skipped += [{**s, "mode": f"{s['mode']} ({name})"} for s in skip]

@@ -312,6 +312,52 @@ def test_timeline_events():
         assert max(e.end for e in phase.timeline) == pytest.approx(phase.time)
 
 
+def test_time_breakdown_adds_up_and_names_the_rounds_it_waits_for():
+    """The parts of each direction's time on its slowest rank add up to the time; FLOPs are the
+    kernel calls' pairs at peak; a Ulysses hybrid under documents waits for its all-to-all of Q
+    and K/V (round 1), and a plan whose communication hides behind compute waits for nothing."""
+    from megatron_mesh.plan.balance import balanced_layout
+    from megatron_mesh.plan.mask import Mask
+    from megatron_mesh.plan.modes import MODES
+    from megatron_mesh.plan.simulate import time_breakdown
+    topo = Topology.for_cp(8)
+    ring = build_ring_plan(8, MHA)
+    for b in time_breakdown(ring, MHA, topo):
+        assert sum(b.parts.values()) == pytest.approx(b.time)
+        S = 8 * MHA.seq_local
+        flops = 4 * MHA.heads * MHA.head_dim * S * (S + 1) / 2 / 8  # causal pairs, an eighth per rank
+        assert b.parts["flops"] == pytest.approx(flops * (BACKWARD_FLOPS if b.direction == "backward" else 1)
+                                                 / topo.attention_flops, rel=0.01)
+    shape = AttentionShape(seq_local=2048, heads=8, kv_heads=2, head_dim=64)
+    cu = document_bounds("lognormal:1024,1", 8 * 2048, 0)
+    p = next(c for c in MODES["a2a+tasp"].candidates(8, shape, topo) if c.ulysses == 2)
+    plan = p.build(shape, Mask(True), balanced_layout(cu, 8, group=2))
+    fwd, bwd = time_breakdown(plan, shape, topo)
+    for b in (fwd, bwd):
+        assert sum(b.parts.values()) == pytest.approx(b.time)
+        assert b.parts["copies"] > 0 and b.parts["launches"] > 0  # the all-to-all's reorder, the calls
+        assert b.parts["exposed"] == pytest.approx(b.time - sum(v for k, v in b.parts.items() if k != "exposed"))
+    assert (1, "kv,q with 1 peer") in {(t, what) for t, _, what in fwd.waits}
+    assert all(w > 0 for _, w, _ in fwd.waits + bwd.waits)
+    assert sum(w for _, w, _ in fwd.waits) <= fwd.parts["exposed"] + 1e-12
+
+
+def test_cli_explain(capsys):
+    """--explain says where the fastest plan of each layout spends its time; --json carries it on every row."""
+    assert main(["--cp", "8", "--seq-len", "16384", "--docs", "lognormal:1024,1", "--modes", "ring,a2a+tasp,auto",
+                 "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("where the time goes:") == len(LAYOUTS)
+    assert re.search(r"forward +[0-9.]+ ms on rank \d+: flops [0-9.]+, launches [0-9.]+, accumulate [0-9.]+, "
+                     r"copies [0-9.]+, combine [0-9.]+, exposed [0-9.]+ ms", out)
+    data = _json(capsys, "--cp", "8", "--seq-len", "65536", "--modes", "ring", "--explain")
+    (row,) = data["modes"]
+    fwd, bwd = row["breakdown"]
+    assert (fwd["direction"], bwd["direction"]) == ("forward", "backward")
+    assert fwd["time_s"] + bwd["time_s"] == pytest.approx(row["time_s"])
+    assert "breakdown" not in _json(capsys, "--cp", "8", "--seq-len", "65536", "--modes", "ring")["modes"][0]
+
+
 def test_simulate_rejects_bad_input():
     plan = build_mesh_plan(8, (2, 4), MHA)
     with pytest.raises(ValueError, match="does not fit"):
