@@ -204,8 +204,9 @@ class _HybridLowering:
         if peers and backward and self._dq_home_early(m):
             # dQ is final once the inner plan's last call ran (no dQ partials come back): it goes
             # home while the dK/dV partials still return, the inner plan's last round
-            at = next((i for i, op in enumerate(inner) if type(op) is Wait and op.round == self.inner.last_round + 1),
-                      len(inner))
+            returning = {op.round for op in inner if type(op) is Post and any(
+                t.key.kind in ("o", "dq", "dkv") for t in op.sends + op.recvs)}
+            at = next((i for i, op in enumerate(inner) if type(op) is Wait and op.round in returning), len(inner))
             ops.extend(inner[:at])
             ops.extend(self._home(g, group, outs[:1], last, blocks))
             ops.extend(inner[at:])

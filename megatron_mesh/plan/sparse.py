@@ -476,7 +476,9 @@ class _SparseLowering:
         self.P, self.T, self.needs, self.index, self.keeps, self.burst = P, T, needs, index, keeps, burst
         self.token_bytes = token_bytes  # kind -> bytes per token
         self.slots = _Slots(needs, P)
-        self.final_round = 2 if burst else P  # the return round (ranks post subsets of 1 .. final_round)
+        # burst: pulls in round 1, returns in round 2; shifts: pulls in rounds 1 .. P-1, returns in
+        # P+1 .. 2P-1 (one per shift, :meth:`_return_round`)
+        self.final_round = 2 if burst else 2 * P - 1
         self._pairs: dict[Op, int] = {}  # allowed pairs of each block op (where to cut the local work)
 
     # -- keys: my own chunk's buffers are whole; a remote piece is the slot made for me -------------
@@ -515,27 +517,43 @@ class _SparseLowering:
                 rounds.setdefault(self._shift(x, c, False), ([], []))[1].append(Transfer(c, Key(kind, c, self.P + x)))
         return rounds
 
-    def _returns(self, x: int, direction: str) -> tuple[list, list, list]:
-        """The final round: my partials of others' tokens go home; theirs of mine arrive (and are
-        merged / added at the listed segments)."""
+    def _return_round(self, sender: int, owner: int) -> int:
+        """Round in which ``sender`` returns its partials of chunk ``owner``'s tokens: one final
+        round in burst mode; else one per shift d = sender - owner, after every pull round, so
+        each goes home as soon as the blocks writing it ran (and sender and owner agree on it)."""
+        return self.final_round if self.burst else self.P + (sender - owner) % self.P
+
+    def _returns(self, x: int, direction: str) -> dict[int, tuple[list, list, list, set]]:
+        """Return round -> (sends, recvs, merges, chunks): my partials of others' tokens go home;
+        theirs of mine arrive (and are merged / added at the listed segments); ``chunks``: the
+        owners of what I send (its blocks must have run before the round is posted)."""
         backward = direction == "backward"
-        sends, recvs, merges = [], [], []
+        kind = "dq" if backward else "o"
+        rounds: dict[int, tuple[list, list, list, set]] = {}
+
+        def at(t: int) -> tuple[list, list, list, set]:
+            return rounds.setdefault(t, ([], [], [], set()))
         for c in sorted(self.needs.rows(x)):
-            sends.append(Transfer(c, Key("dq" if backward else "o", c, x)))
+            r = at(self._return_round(x, c))
+            r[0].append(Transfer(c, Key(kind, c, x)))
+            r[3].add(c)
         if backward:
             for c in sorted(self.needs.cols(x)):
-                sends.append(Transfer(c, Key("dkv", c, self.P + x)))
+                r = at(self._return_round(x, c))
+                r[0].append(Transfer(c, Key("dkv", c, self.P + x)))
+                r[3].add(c)
         for y in self.needs.row_needers(x):
-            kind = "dq" if backward else "o"
             k = Key(kind, x, y, incoming=True)
-            recvs.append(Transfer(y, k))
-            merges.append((AddGrad if backward else MergeOut)(k, Key(kind, x), self.needs.rows(y)[x]))
+            r = at(self._return_round(y, x))
+            r[1].append(Transfer(y, k))
+            r[2].append((AddGrad if backward else MergeOut)(k, Key(kind, x), self.needs.rows(y)[x]))
         if backward:
             for y in self.needs.col_needers(x):
                 k = Key("dkv", x, self.P + y, incoming=True)
-                recvs.append(Transfer(y, k))
-                merges.append(AddGrad(k, Key("dkv", x), self.needs.cols(y)[x]))
-        return sends, recvs, merges
+                r = at(self._return_round(y, x))
+                r[1].append(Transfer(y, k))
+                r[2].append(AddGrad(k, Key("dkv", x), self.needs.cols(y)[x]))
+        return rounds
 
     def _blocks(self, x: int, i: int, j: int, backward: bool) -> list[Op]:
         """The kernel calls of block (i, j) on rank x (one per part, :func:`block_parts`)."""
@@ -687,17 +705,17 @@ class _SparseLowering:
             if blocks:
                 ops.extend(self._compute(x, bs, backward))
 
-        sends, recvs, merges = self._returns(x, direction)
+        returns = self._returns(x, direction)
         ready = by_round.pop(0, [])
         local = self._compute(x, [b for b in ready if b != (x, x)], backward) if blocks else []
         own = self._blocks(x, x, x, backward) if blocks and (x, x) in ready else []
         later: list[Op] = []
-        if sends or recvs:
+        if returns:
             # the own block hides both transfers: the share of its calls (by pairs) that runs before
-            # the pulls' wait is the pulls' share of the bytes, the rest runs once the return round
-            # is posted (a backward pulls K/V in bf16 and returns dK/dV in fp32: a third before)
+            # the pulls' wait is the pulls' share of the bytes, the rest runs once the returns are
+            # posted (a backward pulls K/V in bf16 and returns dK/dV in fp32: a third before)
             pulled = self._bytes(t for r in order for ts in pulls[r] for t in ts)
-            returned = self._bytes((*sends, *recvs))
+            returned = self._bytes(t for sends, recvs, _, _ in returns.values() for t in (*sends, *recvs))
             share = pulled / max(1, pulled + returned)
             total, acc = sum(self._pairs[op] for op in own), 0
             own, later = [], own
@@ -720,22 +738,49 @@ class _SparseLowering:
                 posted += 1
                 if posted == len(order) or pulls[order[posted]][1]:
                     return
-        if order:
-            post_next()
+        if self.burst:
+            if order:
+                post_next()
+        else:  # every pull up front: the return rounds come after them, and go as soon as they can
+            while posted < len(order):
+                post_next()
+        # a return round is posted once the blocks writing what it sends ran, in round order (a
+        # chunk's blocks run after the pull rounds that bring their pieces: ready_round)
+        last_use: dict[int, int] = {}
+        for b in mine:
+            for c in set(b):
+                if c != x:
+                    last_use[c] = max(last_use.get(c, 0), ready_round(b))
+        pending = sorted(returns)
+        computed = {0}
+
+        def post_returns(final: bool = False) -> None:
+            while pending and (final or all(last_use.get(c, 0) in computed for c in returns[pending[0]][3])):
+                t = pending.pop(0)
+                ops.append(Post(t, tuple(returns[t][0]), tuple(returns[t][1])))
         ops.extend(local)
+        if not self.burst:
+            post_returns()
         for n, t in enumerate(order):
             if n + 1 == posted < len(order):  # prefetch: the next round flies while this one's blocks compute
                 post_next()
             ops.append(Wait(t))
             compute(by_round.pop(t, []))
+            computed.add(t)
+            if not self.burst:
+                post_returns()
         for t in sorted(by_round):  # blocks whose pieces came in rounds with nothing else for this rank
             compute(by_round[t])
-        if sends or recvs or self.burst:
-            ops.append(Post(self.final_round, tuple(sends), tuple(recvs)))
-            ops.extend(later)
-            ops.append(Wait(self.final_round))
+            computed.add(t)
+        if self.burst:  # every rank posts the return round, empty or not (a collective transport)
+            returns.setdefault(self.final_round, ([], [], [], set()))
+            pending = sorted(returns)
+        post_returns(final=True)
+        ops.extend(later)
+        for t in sorted(returns):
+            ops.append(Wait(t))
             if blocks:
-                ops.extend(merges)
+                ops.extend(returns[t][2])
         return ops
 
     def round_ops(self, x: int, direction: str) -> tuple[Op, ...]:
