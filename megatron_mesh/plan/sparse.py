@@ -18,10 +18,14 @@ from the mask itself, for every mode:
 3. **Transfers.** Each rank receives exactly the tokens its blocks read, straight from their
    owner, once: a *slot* of chunk x for needer y holds the rows (or columns) of chunk x that y's
    blocks use. No chunk reaches a rank none of whose blocks needs it; partial outputs and
-   gradients go back only for those tokens, in one final round, and are merged into the owner's
-   rows (``into`` = the slot's segments). Rounds: ring and Mesh pull by *shift* -- in round d,
-   rank x receives from x - d and sends to x + d, so every round is a permutation and blocks start
-   as soon as their pieces arrive; TASP pulls everything in one round over all links at once.
+   gradients go back only for those tokens and are merged into the owner's rows (``into`` = the
+   slot's segments). Rounds: ring and Mesh pull by *shift* -- in round d, rank x receives from
+   x - d and sends to x + d, so every round is a permutation and blocks start as soon as their
+   pieces arrive; every pull is posted up front, and the partials of shift d go home in round
+   P + d as soon as the blocks writing them ran. TASP pulls everything in one round over all
+   links at once and returns the partials in :data:`RETURN_GROUPS` rounds, one per group of its
+   remote blocks, while the next group computes (a long document's fp32 dK/dV return then hides
+   behind the rank's remaining work instead of following its last block).
 4. **Kernel calls.** The rank's own block runs as at most two masked calls over contiguous rows
    (:meth:`_SparseLowering._own_calls`), each cut into one causal piece per document, which a
    variable-length kernel runs together (:func:`~.mask.call_groups`); the blocks with other
@@ -41,15 +45,26 @@ Worked example (P = 4, zigzag, causal, window (2, 0), S = 16: halves of 2 tokens
 positions [2, 3, 12, 13]): its rows [2, 3] need keys [0, 1] of rank 0's front half, its rows
 [12, 13] need keys [10, 11] of rank 2's back half. Ring attention's plan for rank 1 therefore::
 
-    post 1: send kv1.5->2 | recv kv0.5<-0          # shift 1: rank 0's columns [0:2]; rank 2 needs ours
+    post 1: send kv1.6->2 | recv kv0.5<-0          # shift 1: rank 0's columns [0:2]; rank 2 needs ours
+    post 3: send kv1.4->0 | recv kv2.5<-2          # shift 3 (= -1): rank 2's columns [2:4]
     attend q1 x kv1 masked -> o1                   # the local block (a window cuts it)
-    post 3: send kv1.7->0 | recv kv2.7<-2          # shift 3 (= -1): rank 2's columns [2:4]
     wait 1
     attend q1[0:2] x kv0.5 masked -> o1
     wait 3
-    attend q1[2:4] x kv2.7 masked -> o1
+    attend q1[2:4] x kv2.5 masked -> o1
 
-moving 2 of the 12 tokens ring attention would move.
+moving 2 of the 12 tokens ring attention would move. Its backward (the pieces kept) returns each
+dK/dV partial in its shift's return round, and its own block runs while they travel::
+
+    attend_bwd q1[0:2] do1 x kv0.5 masked -> dq1 | dkv0.5
+    attend_bwd q1[2:4] do1 x kv2.5 masked -> dq1 | dkv2.5
+    post 5: send dkv0.5->0 | recv dkv1.6'<-2       # shift 1: to rank 0; rank 2's partial of mine
+    post 7: send dkv2.5->2 | recv dkv1.4'<-0       # shift 3
+    attend_bwd q1 do1 x kv1 masked -> dq1 | dkv1
+    wait 5
+    add dkv1.6' -> dkv1[0:2]
+    wait 7
+    add dkv1.4' -> dkv1[2:4]
 """
 
 from __future__ import annotations
@@ -439,6 +454,14 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
                 last_round=lowering.final_round, ranks_per_node=ranks_per_node, notes=tuple(notes))
 
 
+# a burst plan (TASP) computes a rank's remote blocks in this many groups of about equal work, in
+# shift order, and returns each group's partials (its own round) while the next group computes:
+# work, instead of waiting for the last block (each more group: one more merge of the rows).
+# Planner, 256 GPUs (32 x 8), 1M tokens, GQA 32/8: a2a+tasp U 8 on the balanced layout under
+# lognormal:16384 documents 15.44 -> 14.27 (4 groups) -> 13.73 ms (8) -> 13.79 (16); TASP
+# 55.9 -> 48.2 ms; lognormal:4096 3.31 -> 3.33 ms (its ranks return little)
+RETURN_GROUPS = 8
+
 # backward_chunks="auto" keeps a rank's pulled pieces for the backward when they hold at most this
 # many times the bytes of its own Q, K and V chunk -- the inputs the backward saves anyway -- so
 # keeping at most doubles them; above it (a rank reading most of a long document) the rank refetches
@@ -478,7 +501,9 @@ class _SparseLowering:
         self.slots = _Slots(needs, P)
         # burst: pulls in round 1, returns in round 2; shifts: pulls in rounds 1 .. P-1, returns in
         # P+1 .. 2P-1 (one per shift, :meth:`_return_round`)
-        self.final_round = 2 if burst else 2 * P - 1
+        self.groups = RETURN_GROUPS if burst else 1
+        self.final_round = 1 + self.groups if burst else 2 * P - 1
+        self._group_memo: dict[int, dict[int, int]] = {}
         self._pairs: dict[Op, int] = {}  # allowed pairs of each block op (where to cut the local work)
 
     # -- keys: my own chunk's buffers are whole; a remote piece is the slot made for me -------------
@@ -517,11 +542,39 @@ class _SparseLowering:
                 rounds.setdefault(self._shift(x, c, False), ([], []))[1].append(Transfer(c, Key(kind, c, self.P + x)))
         return rounds
 
+    def _groups(self, x: int) -> dict[int, int]:
+        """Burst mode: the return group (0 .. groups-1) of each chunk rank x computes blocks of
+        (other than its own): chunks by shift (x - c) mod P, cut into groups of about equal work
+        (allowed pairs of their blocks). Both sides of a return derive it from the needs."""
+        got = self._group_memo.get(x)
+        if got is None:
+            work: dict[int, int] = {}
+            for i, j in self.needs.blocks(x):
+                n = sum(c.pairs for c in self.index.parts(i, j))
+                for c in {i, j} - {x}:
+                    work[c] = work.get(c, 0) + n
+            n = self.groups
+            chunks = sorted(work, key=lambda c: (x - c) % self.P)
+            total, acc, got = sum(work.values()), 0, {}
+            for c in chunks:  # a chunk's group: where the work before it (and half its own) falls
+                got[c] = min(n - 1, int(n * (acc + work[c] / 2) / max(1, total)))
+                acc += work[c]
+            self._group_memo[x] = got
+        return got
+
+    def _block_group(self, x: int, b: tuple[int, int]) -> int:
+        """A block's return group on rank x: the latest of its remote chunks'."""
+        groups = self._groups(x)
+        return max((groups[c] for c in b if c != x), default=0)
+
     def _return_round(self, sender: int, owner: int) -> int:
-        """Round in which ``sender`` returns its partials of chunk ``owner``'s tokens: one final
-        round in burst mode; else one per shift d = sender - owner, after every pull round, so
-        each goes home as soon as the blocks writing it ran (and sender and owner agree on it)."""
-        return self.final_round if self.burst else self.P + (sender - owner) % self.P
+        """Round in which ``sender`` returns its partials of chunk ``owner``'s tokens: in burst
+        mode one per return group (:meth:`_groups`), after the pull round; else one per shift
+        d = sender - owner, after every pull round. Each goes home as soon as the blocks writing it
+        ran, and sender and owner agree on it."""
+        if self.burst:
+            return 2 + self._groups(sender)[owner]
+        return self.P + (sender - owner) % self.P
 
     def _returns(self, x: int, direction: str) -> dict[int, tuple[list, list, list, set]]:
         """Return round -> (sends, recvs, merges, chunks): my partials of others' tokens go home;
@@ -696,21 +749,31 @@ class _SparseLowering:
             if j != x and not (backward and self.keeps(x)):
                 r = max(r, self._shift(x, j, False))
             return r
-        by_round: dict[int, list] = {}
+        returns = self._returns(x, direction)
+        # a step: (the pull round a block waits for, its return group); blocks run step by step,
+        # and a return round is posted once every block writing what it sends has run (a rank that
+        # sends no partials -- the query owner's forward -- keeps its remote calls fused)
+        grouped = self.burst and any(r[0] for r in returns.values())
+
+        def step(b: tuple[int, int]) -> tuple[int, int]:
+            return ready_round(b), self._block_group(x, b) if grouped else 0
+        by_step: dict[tuple[int, int], list] = {}
         for b in mine:
-            by_round.setdefault(ready_round(b), []).append(b)
+            if b != (x, x):
+                by_step.setdefault(step(b), []).append(b)
         ops: list[Op] = []
 
         def compute(bs) -> None:
             if blocks:
                 ops.extend(self._compute(x, bs, backward))
 
-        returns = self._returns(x, direction)
-        ready = by_round.pop(0, [])
-        local = self._compute(x, [b for b in ready if b != (x, x)], backward) if blocks else []
-        own = self._blocks(x, x, x, backward) if blocks and (x, x) in ready else []
+        moves = any(r[0] or r[1] for r in returns.values())
+        if self.burst:  # every rank posts every return round, empty or not (a collective transport)
+            for g in range(self.groups):
+                returns.setdefault(2 + g, ([], [], [], set()))
+        own = self._blocks(x, x, x, backward) if blocks and (x, x) in mine else []
         later: list[Op] = []
-        if returns:
+        if moves:
             # the own block hides both transfers: the share of its calls (by pairs) that runs before
             # the pulls' wait is the pulls' share of the bytes, the rest runs once the returns are
             # posted (a backward pulls K/V in bf16 and returns dK/dV in fp32: a third before)
@@ -723,7 +786,6 @@ class _SparseLowering:
                 acc += self._pairs[later[0]]
                 own.append(later.pop(0))
         own, later = self._own_calls(x, own, later, backward)
-        local = own + local
         posted = 0  # rounds of ``order`` posted so far
 
         def post_next() -> None:
@@ -744,37 +806,32 @@ class _SparseLowering:
         else:  # every pull up front: the return rounds come after them, and go as soon as they can
             while posted < len(order):
                 post_next()
-        # a return round is posted once the blocks writing what it sends ran, in round order (a
-        # chunk's blocks run after the pull rounds that bring their pieces: ready_round)
-        last_use: dict[int, int] = {}
-        for b in mine:
-            for c in set(b):
-                if c != x:
-                    last_use[c] = max(last_use.get(c, 0), ready_round(b))
+        last_use: dict[int, tuple[int, int]] = {}
+        for b, st in ((b, step(b)) for b in mine if b != (x, x)):
+            for c in set(b) - {x}:
+                last_use[c] = max(last_use.get(c, st), st)
         pending = sorted(returns)
-        computed = {0}
+        done: set = set()
 
         def post_returns(final: bool = False) -> None:
-            while pending and (final or all(last_use.get(c, 0) in computed for c in returns[pending[0]][3])):
+            while pending and (final or all(c not in last_use or last_use[c] in done for c in returns[pending[0]][3])):
                 t = pending.pop(0)
                 ops.append(Post(t, tuple(returns[t][0]), tuple(returns[t][1])))
-        ops.extend(local)
-        if not self.burst:
-            post_returns()
+
+        def run(r: int) -> None:  # the blocks waiting for pull round r, group by group
+            for st in sorted(k for k in by_step if k[0] == r):
+                compute(by_step.pop(st))
+                done.add(st)
+                post_returns()
+        ops.extend(own)
+        run(0)
         for n, t in enumerate(order):
             if n + 1 == posted < len(order):  # prefetch: the next round flies while this one's blocks compute
                 post_next()
             ops.append(Wait(t))
-            compute(by_round.pop(t, []))
-            computed.add(t)
-            if not self.burst:
-                post_returns()
-        for t in sorted(by_round):  # blocks whose pieces came in rounds with nothing else for this rank
-            compute(by_round[t])
-            computed.add(t)
-        if self.burst:  # every rank posts the return round, empty or not (a collective transport)
-            returns.setdefault(self.final_round, ([], [], [], set()))
-            pending = sorted(returns)
+            run(t)
+        for r in sorted({k[0] for k in by_step}):  # blocks whose pieces came in rounds with nothing else
+            run(r)
         post_returns(final=True)
         ops.extend(later)
         for t in sorted(returns):

@@ -189,6 +189,57 @@ def test_a_documents_remote_blocks_are_fused_per_query_rows():
     assert calls["ring"] == blocks and calls["tasp"] < blocks, (calls, blocks)
 
 
+def test_module_docstring_worked_example():
+    """The window example of plan/sparse.py's docstring, forward and backward, is what the
+    builder makes for rank 1 (ring, P = 4, S = 16, window (2, 0), the pieces kept)."""
+    import re
+
+    from megatron_mesh.plan import sparse
+    from megatron_mesh.plan.ir import Free
+
+    shape = AttentionShape(seq_local=4, **SHAPE)
+    plan = resolve("ring", 4, shape, backward_chunks="keep").build(shape, Mask(True, (2, 0)), ZigzagLayout(4, 16))
+    validate_plan(plan)
+    blocks = re.findall(r"::\n\n((?:    .*\n)+)", sparse.__doc__)
+    want = [[line.split("#")[0].strip() for line in b.splitlines()] for b in blocks[-2:]]
+    got = [[str(op) for op in plan.rank(1).ops(d) if type(op) is not Free] for d in ("forward", "backward")]
+    assert got == want
+
+
+def test_partials_go_home_as_soon_as_the_blocks_writing_them_ran():
+    """A rank returns each piece's partial (here dK/dV) in a round of its own right after the
+    blocks that write it, while its other blocks still compute -- ring: round P + d for shift d,
+    every pull posted up front; TASP: one round per return group (sparse.RETURN_GROUPS, every rank
+    posts all of them: its all-to-all transport is a collective). P = 4, T = 12, one causal
+    document of 46 tokens on the zigzag, backward refetching: rank 0 reads K/V of ranks 3, 2, 1
+    (pull rounds 1-3) and returns dkv3, dkv2, dkv1 in rounds 5, 6, 7 (ring)."""
+    from megatron_mesh.plan.ir import Free, Post, Wait
+    from megatron_mesh.plan.sparse import RETURN_GROUPS
+
+    P, T = 4, 12
+    shape = AttentionShape(seq_local=T, **SHAPE)
+    mask = Mask.from_cu_seqlens([0, 46, 48], P * T)
+    for mode in ("ring", "tasp"):
+        plan = resolve(mode, P, shape, backward_chunks="refetch").build(shape, mask)
+        validate_plan(plan)
+        for r in range(P):
+            ops = [op for op in plan.rank(r).backward if type(op) is not Free]
+            posts = {op.round: op for op in ops if type(op) is Post}
+            returns = [t for t, op in posts.items() if any(x.key.kind == "dkv" for x in op.sends + op.recvs)]
+            if mode == "tasp":
+                assert sorted(posts) == list(range(1, 2 + RETURN_GROUPS))  # every rank, every round
+            for n, op in enumerate(ops):
+                if type(op) is AttendBackward and op.kv[0].slot >= 0:  # a remote piece's block
+                    nxt = next(o for o in ops[n + 1:] if type(o) is not Post or o.sends or o.recvs)
+                    assert type(nxt) is Post and any(x.key == op.dkv[0] for x in nxt.sends), (mode, r, op, nxt)
+            # the returns' waits come after the last block: the rank computes while they fly
+            last_compute = max(n for n, op in enumerate(ops) if type(op) is AttendBackward)
+            assert all(n > last_compute for n, op in enumerate(ops) if type(op) is Wait and op.round in returns)
+            if mode == "ring" and r == 0:
+                assert [t for t in sorted(returns)] == [5, 6, 7]
+                assert [x.peer for t in (5, 6, 7) for x in posts[t].sends] == [3, 2, 1]
+
+
 def test_backward_chunks_auto_keeps_on_the_ranks_whose_pulls_fit_their_own_chunk():
     """backward_chunks="auto" under a mask: a rank keeps the pieces it pulled in the forward
     (nothing of Q / K / V moves to it in the backward) exactly where they hold at most the bytes
