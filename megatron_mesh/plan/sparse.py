@@ -22,10 +22,11 @@ from the mask itself, for every mode:
    slot's segments). Rounds: ring and Mesh pull by *shift* -- in round d, rank x receives from
    x - d and sends to x + d, so every round is a permutation and blocks start as soon as their
    pieces arrive; every pull is posted up front, and the partials of shift d go home in round
-   P + d as soon as the blocks writing them ran. TASP pulls everything in one round over all
-   links at once and returns the partials in :data:`RETURN_GROUPS` rounds, one per group of its
-   remote blocks, while the next group computes (a long document's fp32 dK/dV return then hides
-   behind the rank's remaining work instead of following its last block).
+   P + d as soon as the blocks writing them ran. TASP pulls over all links at once, in
+   :data:`BURST_GROUPS` rounds (groups of a rank's remote pieces of about equal work), and
+   returns each group's partials in a round of its own while the next group computes (a long
+   document's blocks start before all its pieces are in, and its fp32 dK/dV return hides behind
+   the rank's remaining work instead of following its last block).
 4. **Kernel calls.** The rank's own block runs as at most two masked calls over contiguous rows
    (:meth:`_SparseLowering._own_calls`), each cut into one causal piece per document, which a
    variable-length kernel runs together (:func:`~.mask.call_groups`); the blocks with other
@@ -454,13 +455,16 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
                 last_round=lowering.final_round, ranks_per_node=ranks_per_node, notes=tuple(notes))
 
 
-# a burst plan (TASP) computes a rank's remote blocks in this many groups of about equal work, in
-# shift order, and returns each group's partials (its own round) while the next group computes:
-# work, instead of waiting for the last block (each more group: one more merge of the rows).
-# Planner, 256 GPUs (32 x 8), 1M tokens, GQA 32/8: a2a+tasp U 8 on the balanced layout under
-# lognormal:16384 documents 15.44 -> 14.27 (4 groups) -> 13.73 ms (8) -> 13.79 (16); TASP
-# 55.9 -> 48.2 ms; lognormal:4096 3.31 -> 3.33 ms (its ranks return little)
-RETURN_GROUPS = 8
+# a burst plan (TASP) pulls a rank's remote pieces in this many groups of about equal work, in
+# shift order, each one round over all links, and returns each group's partials in a round of its
+# own: a group's blocks start once its pieces are in, and its dK/dV partials travel while the next
+# group computes -- instead of every block waiting for the whole pull and every partial for the
+# last block (each more group: one more merge of the rows). Planner, 256 GPUs (32 x 8), 1M
+# tokens, GQA 32/8, a2a+tasp U 8 on the balanced layout: lognormal:16384 documents 15.44 ms with
+# one pull and one return round -> 13.73 with 8 return groups -> 13.39 with 8 pull groups too
+# (4 return groups: 14.27; 16: 13.79); one 512K document + lognormal:4096 98.3 -> 81.6 ms;
+# lognormal:4096 3.31 -> 3.34 ms (its ranks pull and return little); TASP alone, 16384: 55.9 -> 44.8
+BURST_GROUPS = 8
 
 # backward_chunks="auto" keeps a rank's pulled pieces for the backward when they hold at most this
 # many times the bytes of its own Q, K and V chunk -- the inputs the backward saves anyway -- so
@@ -499,10 +503,10 @@ class _SparseLowering:
         self.P, self.T, self.needs, self.index, self.keeps, self.burst = P, T, needs, index, keeps, burst
         self.token_bytes = token_bytes  # kind -> bytes per token
         self.slots = _Slots(needs, P)
-        # burst: pulls in round 1, returns in round 2; shifts: pulls in rounds 1 .. P-1, returns in
-        # P+1 .. 2P-1 (one per shift, :meth:`_return_round`)
-        self.groups = RETURN_GROUPS if burst else 1
-        self.final_round = 1 + self.groups if burst else 2 * P - 1
+        # burst: pulls in rounds 1 .. G, returns in G+1 .. 2G (one per group, :meth:`_groups`);
+        # shifts: pulls in rounds 1 .. P-1, returns in P+1 .. 2P-1 (one per shift)
+        self.groups = BURST_GROUPS if burst else 1
+        self.final_round = 2 * self.groups if burst else 2 * P - 1
         self._group_memo: dict[int, dict[int, int]] = {}
         self._pairs: dict[Op, int] = {}  # allowed pairs of each block op (where to cut the local work)
 
@@ -515,8 +519,10 @@ class _SparseLowering:
 
     def _shift(self, x: int, peer: int, sending: bool) -> int:
         """Round of a pull between x and ``peer``: the shift d with peer = x + d (x sends) or
-        x - d (x receives); one round for everything in burst mode."""
-        return 1 if self.burst else ((peer - x) % self.P if sending else (x - peer) % self.P)
+        x - d (x receives); in burst mode 1 + the receiver's group of the sender's chunk."""
+        if self.burst:  # the receiver's group of the sender's chunk (:meth:`_groups`)
+            return 1 + (self._groups(peer)[x] if sending else self._groups(x)[peer])
+        return (peer - x) % self.P if sending else (x - peer) % self.P
 
     def _pulls(self, x: int, direction: str) -> dict[int, tuple[list, list]]:
         """Round -> (sends, recvs) of the pulls of ``direction``."""
@@ -543,9 +549,10 @@ class _SparseLowering:
         return rounds
 
     def _groups(self, x: int) -> dict[int, int]:
-        """Burst mode: the return group (0 .. groups-1) of each chunk rank x computes blocks of
-        (other than its own): chunks by shift (x - c) mod P, cut into groups of about equal work
-        (allowed pairs of their blocks). Both sides of a return derive it from the needs."""
+        """Burst mode: the group (0 .. groups-1) of each chunk rank x computes blocks of (other
+        than its own) -- the round its pieces come in and its partials go home: chunks by shift
+        (x - c) mod P, cut into groups of about equal work (allowed pairs of their blocks). Both
+        sides of a transfer derive it from the needs."""
         got = self._group_memo.get(x)
         if got is None:
             work: dict[int, int] = {}
@@ -553,8 +560,8 @@ class _SparseLowering:
                 n = sum(c.pairs for c in self.index.parts(i, j))
                 for c in {i, j} - {x}:
                     work[c] = work.get(c, 0) + n
-            n = self.groups
             chunks = sorted(work, key=lambda c: (x - c) % self.P)
+            n = self.groups
             total, acc, got = sum(work.values()), 0, {}
             for c in chunks:  # a chunk's group: where the work before it (and half its own) falls
                 got[c] = min(n - 1, int(n * (acc + work[c] / 2) / max(1, total)))
@@ -573,7 +580,7 @@ class _SparseLowering:
         d = sender - owner, after every pull round. Each goes home as soon as the blocks writing it
         ran, and sender and owner agree on it."""
         if self.burst:
-            return 2 + self._groups(sender)[owner]
+            return 1 + self.groups + self._groups(sender)[owner]
         return self.P + (sender - owner) % self.P
 
     def _returns(self, x: int, direction: str) -> dict[int, tuple[list, list, list, set]]:
@@ -738,7 +745,8 @@ class _SparseLowering:
         backward = direction == "backward"
         pulls = self._pulls(x, direction)
         if self.burst:  # every rank posts both rounds, empty or not: TASP's all-to-all transport is
-            pulls.setdefault(1, ([], []))  # a collective, and ranks keeping their pieces pull nothing
+            for g in range(self.groups):  # a collective, and ranks keeping their pieces pull nothing
+                pulls.setdefault(1 + g, ([], []))
         order = sorted(pulls)
         mine = sorted(self.needs.blocks(x), key=lambda b: (b != (x, x), b))
         # a block is ready once the rounds bringing its remote pieces have completed (rows always
@@ -770,7 +778,7 @@ class _SparseLowering:
         moves = any(r[0] or r[1] for r in returns.values())
         if self.burst:  # every rank posts every return round, empty or not (a collective transport)
             for g in range(self.groups):
-                returns.setdefault(2 + g, ([], [], [], set()))
+                returns.setdefault(1 + self.groups + g, ([], [], [], set()))
         own = self._blocks(x, x, x, backward) if blocks and (x, x) in mine else []
         later: list[Op] = []
         if moves:
@@ -800,12 +808,8 @@ class _SparseLowering:
                 posted += 1
                 if posted == len(order) or pulls[order[posted]][1]:
                     return
-        if self.burst:
-            if order:
-                post_next()
-        else:  # every pull up front: the return rounds come after them, and go as soon as they can
-            while posted < len(order):
-                post_next()
+        while posted < len(order):  # every pull up front: the return rounds come after them
+            post_next()
         last_use: dict[int, tuple[int, int]] = {}
         for b, st in ((b, step(b)) for b in mine if b != (x, x)):
             for c in set(b) - {x}:

@@ -161,15 +161,18 @@ def test_block_table_is_the_classification_of_every_block(P, data):
         assert block_table.__wrapped__(P, mask, layout) == want, type(layout).__name__
 
 
-def test_a_documents_remote_blocks_are_fused_per_query_rows():
-    """TASP on the balanced layout (a 44-token document cut over 4 ranks of 16, three short ones):
-    in its single round every rank receives all it needs, and the blocks with other ranks' pieces
-    of one document become one kernel call per query rows -- fewer calls than blocks -- with the
-    columns in the order of their positions (a chunk's columns split where another's come between,
-    so pieces that continue each other join). Ring pulls one shift per round: one call per block.
-    Both plans validate: every allowed pair exactly once."""
+def test_a_documents_remote_blocks_are_fused_per_query_rows(monkeypatch):
+    """TASP on the balanced layout (a 44-token document cut over 4 ranks of 16, three short ones),
+    pulling in one group (sparse.BURST_GROUPS = 1): in its single round every rank receives all it
+    needs, and the blocks with other ranks' pieces of one document become one kernel call per
+    query rows -- fewer calls than blocks -- with the columns in the order of their positions (a
+    chunk's columns split where another's come between, so pieces that continue each other join).
+    Ring pulls one shift per round: one call per block. Both plans validate: every allowed pair
+    exactly once. (With more groups the pieces of one group are fused the same way.)"""
     import megatron_mesh as mm
+    from megatron_mesh.plan import sparse
     from megatron_mesh.plan.sparse import block_table
+    monkeypatch.setattr(sparse, "BURST_GROUPS", 1)
     P, T = 4, 16
     layout = mm.balanced_layout([0, 44, 50, 56, 64], P)
     shape = AttentionShape(seq_local=T, **SHAPE)
@@ -209,12 +212,12 @@ def test_module_docstring_worked_example():
 def test_partials_go_home_as_soon_as_the_blocks_writing_them_ran():
     """A rank returns each piece's partial (here dK/dV) in a round of its own right after the
     blocks that write it, while its other blocks still compute -- ring: round P + d for shift d,
-    every pull posted up front; TASP: one round per return group (sparse.RETURN_GROUPS, every rank
-    posts all of them: its all-to-all transport is a collective). P = 4, T = 12, one causal
+    every pull posted up front; TASP: a pull and a return round per group of remote pieces
+    (sparse.BURST_GROUPS; every rank posts all of them: its all-to-all transport is a collective). P = 4, T = 12, one causal
     document of 46 tokens on the zigzag, backward refetching: rank 0 reads K/V of ranks 3, 2, 1
     (pull rounds 1-3) and returns dkv3, dkv2, dkv1 in rounds 5, 6, 7 (ring)."""
     from megatron_mesh.plan.ir import Free, Post, Wait
-    from megatron_mesh.plan.sparse import RETURN_GROUPS
+    from megatron_mesh.plan.sparse import BURST_GROUPS
 
     P, T = 4, 12
     shape = AttentionShape(seq_local=T, **SHAPE)
@@ -227,7 +230,7 @@ def test_partials_go_home_as_soon_as_the_blocks_writing_them_ran():
             posts = {op.round: op for op in ops if type(op) is Post}
             returns = [t for t, op in posts.items() if any(x.key.kind == "dkv" for x in op.sends + op.recvs)]
             if mode == "tasp":
-                assert sorted(posts) == list(range(1, 2 + RETURN_GROUPS))  # every rank, every round
+                assert sorted(posts) == list(range(1, 1 + 2 * BURST_GROUPS))  # every rank, every round
             for n, op in enumerate(ops):
                 if type(op) is AttendBackward and op.kv[0].slot >= 0:  # a remote piece's block
                     nxt = next(o for o in ops[n + 1:] if type(o) is not Post or o.sends or o.recvs)
