@@ -455,16 +455,19 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
                 last_round=lowering.final_round, ranks_per_node=ranks_per_node, notes=tuple(notes))
 
 
-# a burst plan (TASP) pulls a rank's remote pieces in this many groups of about equal work, in
-# shift order, each one round over all links, and returns each group's partials in a round of its
-# own: a group's blocks start once its pieces are in, and its dK/dV partials travel while the next
-# group computes -- instead of every block waiting for the whole pull and every partial for the
-# last block (each more group: one more merge of the rows). Planner, 256 GPUs (32 x 8), 1M
-# tokens, GQA 32/8, a2a+tasp U 8 on the balanced layout: lognormal:16384 documents 15.44 ms with
-# one pull and one return round -> 13.73 with 8 return groups -> 13.39 with 8 pull groups too
-# (4 return groups: 14.27; 16: 13.79); one 512K document + lognormal:4096 98.3 -> 81.6 ms;
-# lognormal:4096 3.31 -> 3.34 ms (its ranks pull and return little); TASP alone, 16384: 55.9 -> 44.8
+# a burst plan (TASP) pulls a rank's remote pieces in up to this many groups of about equal work,
+# in shift order, each one round over all links, and returns each group's partials in a round of
+# its own: a group's blocks start once its pieces are in, and its dK/dV partials travel while the
+# next group computes -- instead of every block waiting for the whole pull and every partial for
+# the last block. Each group costs a round's latency, a kernel call and a merge of its rows, so a
+# rank makes one group per GROUP_TOKENS pulled tokens (a rank reading little keeps one fused call).
+# Planner, 256 GPUs (32 x 8), 1M tokens, GQA 32/8, a2a+tasp U 8 on the balanced layout:
+# lognormal:16384 documents 15.44 ms with one pull and one return round -> 13.73 with 8 return
+# groups -> 13.39 with 8 pull groups too (4 return groups: 14.27; 16: 13.79); one 512K document
+# + lognormal:4096 98.3 -> 81.6 ms; lognormal:4096 3.31 -> 3.33 ms (its ranks pull little);
+# TASP alone, lognormal:16384: 55.9 -> 44.8 ms. GROUP_TOKENS 16384 instead: 3.31, 14.13, 81.6 ms
 BURST_GROUPS = 8
+GROUP_TOKENS = 4096
 
 # backward_chunks="auto" keeps a rank's pulled pieces for the backward when they hold at most this
 # many times the bytes of its own Q, K and V chunk -- the inputs the backward saves anyway -- so
@@ -557,11 +560,15 @@ class _SparseLowering:
         if got is None:
             work: dict[int, int] = {}
             for i, j in self.needs.blocks(x):
-                n = sum(c.pairs for c in self.index.parts(i, j))
+                pairs = sum(c.pairs for c in self.index.parts(i, j))
                 for c in {i, j} - {x}:
-                    work[c] = work.get(c, 0) + n
+                    work[c] = work.get(c, 0) + pairs
+            # groups of at least GROUP_TOKENS pulled tokens: a round's latency and a call's merge
+            # are then small against the transfer and the compute they overlap
+            pulled = sum(b - a for sel in self.needs.rows(x).values() for a, b in sel) + \
+                sum(b - a for sel in self.needs.cols(x).values() for a, b in sel)
+            n = max(1, min(self.groups, pulled // GROUP_TOKENS))
             chunks = sorted(work, key=lambda c: (x - c) % self.P)
-            n = self.groups
             total, acc, got = sum(work.values()), 0, {}
             for c in chunks:  # a chunk's group: where the work before it (and half its own) falls
                 got[c] = min(n - 1, int(n * (acc + work[c] / 2) / max(1, total)))

@@ -134,11 +134,17 @@ def test_every_mode_under_masks_through_the_public_api(world, tile, mode, monkey
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_backward_chunks_under_a_mask_match_the_dense_reference(mode):
+@pytest.mark.parametrize("groups", ["few", "many"])
+def test_backward_chunks_under_a_mask_match_the_dense_reference(mode, groups, monkeypatch):
     """backward_chunks "refetch", "keep" and "auto" on a mask-aware plan of every mode (hybrids
     included): outputs and gradients exact, bytes the plan's. One causal document of 46 of the 48
     tokens, P = 4: under "auto" the ranks reading most of it refetch, the others keep (a plan
-    whose ranks disagree on purpose: senders must send exactly what each receiver pulls again)."""
+    whose ranks disagree on purpose: senders must send exactly what each receiver pulls again).
+    "many": TASP pulls and returns in a group per remote piece (sparse.GROUP_TOKENS = 1), its
+    returns posted while later groups compute."""
+    from megatron_mesh.plan import sparse
+    if groups == "many":
+        monkeypatch.setattr(sparse, "GROUP_TOKENS", 1)
     world = 4
     p = cases.Problem(world, 4, 2, True, torch.float32, seq_local=12, cu_seqlens=(0, 46, 48))
     ref = cases.dense_reference(p)
