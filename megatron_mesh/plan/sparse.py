@@ -464,10 +464,12 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
 # Planner, 256 GPUs (32 x 8), 1M tokens, GQA 32/8, a2a+tasp U 8 on the balanced layout:
 # lognormal:16384 documents 15.44 ms with one pull and one return round -> 13.73 with 8 return
 # groups -> 13.39 with 8 pull groups too (4 return groups: 14.27; 16: 13.79); one 512K document
-# + lognormal:4096 98.3 -> 81.6 ms; lognormal:4096 3.31 -> 3.33 ms (its ranks pull little);
-# TASP alone, lognormal:16384: 55.9 -> 44.8 ms. GROUP_TOKENS 16384 instead: 3.31, 14.13, 81.6 ms
+# + lognormal:4096 98.3 -> 81.6 ms; lognormal:4096 3.31 -> 3.34 ms (its ranks pull little);
+# TASP alone: lognormal:16384 55.9 -> 44.8 ms, lognormal:4096 12.8 -> 12.5 ms. The simulated
+# times move by a few % either way with GROUP_TOKENS (4,096: TASP on lognormal:4096 13.9 ms;
+# 16,384: a2a+tasp on lognormal:16384 14.1 ms)
 BURST_GROUPS = 8
-GROUP_TOKENS = 4096
+GROUP_TOKENS = 1024
 
 # backward_chunks="auto" keeps a rank's pulled pieces for the backward when they hold at most this
 # many times the bytes of its own Q, K and V chunk -- the inputs the backward saves anyway -- so

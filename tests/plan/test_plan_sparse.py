@@ -215,16 +215,18 @@ def test_module_docstring_worked_example():
     assert got == want
 
 
-def test_partials_go_home_as_soon_as_the_blocks_writing_them_ran():
+def test_partials_go_home_as_soon_as_the_blocks_writing_them_ran(monkeypatch):
     """A rank returns each piece's partial (here dK/dV) in a round of its own right after the
     blocks that write it, while its other blocks still compute -- ring: round P + d for shift d,
     every pull posted up front; TASP: a pull and a return round per group of remote pieces
     (sparse.BURST_GROUPS; every rank posts all of them: its all-to-all transport is a collective). P = 4, T = 12, one causal
     document of 46 tokens on the zigzag, backward refetching: rank 0 reads K/V of ranks 3, 2, 1
     (pull rounds 1-3) and returns dkv3, dkv2, dkv1 in rounds 5, 6, 7 (ring)."""
+    from megatron_mesh.plan import sparse
     from megatron_mesh.plan.ir import Free, Post, Wait
     from megatron_mesh.plan.sparse import BURST_GROUPS
 
+    monkeypatch.setattr(sparse, "GROUP_TOKENS", 1)  # a group per piece even for these few tokens
     P, T = 4, 12
     shape = AttentionShape(seq_local=T, **SHAPE)
     mask = Mask.from_cu_seqlens([0, 46, 48], P * T)
