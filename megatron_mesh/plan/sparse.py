@@ -753,8 +753,8 @@ class _SparseLowering:
     def lower(self, x: int, direction: str, blocks: bool = True) -> list[Op]:
         backward = direction == "backward"
         pulls = self._pulls(x, direction)
-        if self.burst:  # every rank posts both rounds, empty or not: TASP's all-to-all transport is
-            for g in range(self.groups):  # a collective, and ranks keeping their pieces pull nothing
+        if self.burst:  # every rank posts every pull round, empty or not: TASP's all-to-all transport
+            for g in range(self.groups):  # is a collective, and ranks keeping their pieces pull nothing
                 pulls.setdefault(1 + g, ([], []))
         order = sorted(pulls)
         mine = sorted(self.needs.blocks(x), key=lambda b: (b != (x, x), b))
@@ -769,7 +769,7 @@ class _SparseLowering:
         returns = self._returns(x, direction)
         # a step: (the pull round a block waits for, its return group); blocks run step by step,
         # and a return round is posted once every block writing what it sends has run (a rank that
-        # sends no partials -- the query owner's forward -- keeps its remote calls fused)
+        # sends no partials -- the query owner's forward -- fuses the calls of each pull round)
         grouped = self.burst and any(r[0] for r in returns.values())
 
         def step(b: tuple[int, int]) -> tuple[int, int]:
@@ -803,22 +803,11 @@ class _SparseLowering:
                 acc += self._pairs[later[0]]
                 own.append(later.pop(0))
         own, later = self._own_calls(x, own, later, backward)
-        posted = 0  # rounds of ``order`` posted so far
-
-        def post_next() -> None:
-            # the next round, and every send-only round after it: a round that brings this rank
-            # nothing has nothing to wait for, so its peers get their pieces before this rank's
-            # compute (a rank that kept its pieces for the backward only sends). Rounds stay in
-            # order on every rank, so no rank waits on a round its peer posts later.
-            nonlocal posted
-            while True:
-                t = order[posted]
-                ops.append(Post(t, tuple(pulls[t][0]), tuple(pulls[t][1])))
-                posted += 1
-                if posted == len(order) or pulls[order[posted]][1]:
-                    return
-        while posted < len(order):  # every pull up front: the return rounds come after them
-            post_next()
+        # every pull up front, in round order on every rank (so no rank waits on a round its peer
+        # posts later): a rank's sends go out before its compute, and the return rounds, numbered
+        # after every pull, can be posted as soon as their partials are written
+        for t in order:
+            ops.append(Post(t, tuple(pulls[t][0]), tuple(pulls[t][1])))
         last_use: dict[int, tuple[int, int]] = {}
         for b, st in ((b, step(b)) for b in mine if b != (x, x)):
             for c in set(b) - {x}:
@@ -838,9 +827,7 @@ class _SparseLowering:
                 post_returns()
         ops.extend(own)
         run(0)
-        for n, t in enumerate(order):
-            if n + 1 == posted < len(order):  # prefetch: the next round flies while this one's blocks compute
-                post_next()
+        for t in order:
             ops.append(Wait(t))
             run(t)
         for r in sorted({k[0] for k in by_step}):  # blocks whose pieces came in rounds with nothing else
