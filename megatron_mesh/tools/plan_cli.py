@@ -320,7 +320,8 @@ def _explain(rows, floor: float | None) -> str:
         if not pool:
             continue
         best = min(pool, key=lambda r: r.time_s)
-        what = best.mode + (f", all-to-all {best.ulysses}" if best.ulysses > 1 else "") + \
+        name = f"auto = {best.detail.split(':')[0]}" if best.mode == "auto" and best.detail else best.mode
+        what = name + (f", all-to-all {best.ulysses}" if best.ulysses > 1 else "") + \
             (f", tile {best.tile[0]}x{best.tile[1]}" if best.tile and best.tile[0] > 1 else "")
         where = f" on the {layout} layout" if len({r.layout for r in rows}) > 1 or layout != "zigzag" else ""
         out.append(f"\nwhere the time goes: {what}{where}, {best.time_s * 1e3:.2f} ms"
