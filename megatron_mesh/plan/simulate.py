@@ -176,7 +176,8 @@ def simulate(plan: Plan, shape: AttentionShape, topology: Topology | None = None
 
 @dataclass(frozen=True)
 class TimeBreakdown:
-    """Where one direction's predicted time goes on its slowest rank (the one that finishes last):
+    """Where one direction's predicted time goes on its slowest rank (the one that finishes last,
+    of the ranks the simulator steps: every rank of a mask-aware plan, 0 and P-1 otherwise):
     ``parts`` in seconds -- "flops" (the kernel calls' pairs at peak), "launches", "accumulate"
     (fp32 merges of the calls' results), "copies" (Copy ops: the Ulysses reorder, slot cuts, casts),
     "combine" (merges, gradient adds, row statistics of received partials) and "exposed" (the
