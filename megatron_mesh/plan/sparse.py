@@ -95,8 +95,8 @@ class Assignment:
       whose busiest rank moves the fewest bytes, the query owner (ship K/V, keep Q home) always
       among them (ring, TASP: only it; Mesh: its tile map too);
     * ``rounds``: "shift" (round d: receive from rank - d, send to rank + d: every round a
-      permutation, blocks start as their pieces arrive) or "burst" (everything in one round over
-      every link at once, TASP's way);
+      permutation, blocks start as their pieces arrive) or "burst" (each group of a rank's pieces
+      in one round over every link at once, TASP's way: :data:`BURST_GROUPS`);
     * ``tile`` / ``contiguous``: the Mesh tile map the "tile" owner comes from (plan facts).
     """
 
@@ -448,7 +448,7 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
     keeps = _Keeps(backward_chunks, needs, T, token_bytes)
     lowering = _SparseLowering(P, T, needs, index, keeps, burst, token_bytes)
     notes.append(f"mask {mask.summary()}: each rank computes only the blocks with allowed pairs and receives only the "
-                 f"tokens they read, from their owner ({'one round' if burst else 'one round per shift'})")
+                 f"tokens they read, from their owner ({'over all links at once, in groups' if burst else 'one round per shift'})")
     return Plan(mode=mode, world_size=P, seq_local=T, mask=mask, layout=layout, build_rank=lowering.rank_plan,
                 build_rounds=lowering.round_ops, slots=lowering.slots, tile=assignment.tile, schedule=assignment.rounds,
                 backward_chunks=backward_chunks, contiguous=assignment.contiguous, assignment=assigned, direct=True,
@@ -653,8 +653,8 @@ class _SparseLowering:
         each j, and a block's call for them holds all their allowed pairs in j.
 
         Example: rank x holds the zigzag piece [0, 1000) + [3000, 4000) of a document; ranks y and
-        z hold [1000, 2000) and [2000, 3000). Rows [3000, 4000) see both; TASP's single round
-        brings both; the call is q_x[back] x (kv_y, kv_z): one FULL call over the joined run
+        z hold [1000, 2000) and [2000, 3000). Rows [3000, 4000) see both; when one round
+        brings both, the call is q_x[back] x (kv_y, kv_z): one FULL call over the joined run
         [1000, 3000), one merge -- instead of two blocks, two calls, two merges."""
         layout = self.index.layout
         pieces = []  # (global start, chunk j, local start, local stop)
