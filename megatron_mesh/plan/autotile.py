@@ -59,9 +59,10 @@ class Candidate:
     held_buffer_bytes: int
 
 
-def evaluate_plan(plan: Plan, shape: AttentionShape, topo: Topology, contiguous: str | None = None) -> Candidate:
-    """Simulate ``plan`` on ``topo`` and read its buffer memory."""
-    sim = simulate(plan, shape, topo)
+def evaluate_plan(plan: Plan, shape: AttentionShape, topo: Topology, contiguous: str | None = None,
+                  sim=None) -> Candidate:
+    """Simulate ``plan`` on ``topo`` (or take ``sim``, its simulation) and read its buffer memory."""
+    sim = sim if sim is not None else simulate(plan, shape, topo)
     mem = buffer_memory(plan, shape)
     return Candidate(plan.tile, contiguous, sim.time, sim.forward.time, sim.backward.time, sim.compute,
                      sim.bytes_sent, sim.intra_bytes, sim.inter_bytes, sim.max_inter_bytes, sim.rounds, mem.peak,

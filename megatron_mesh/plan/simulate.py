@@ -197,12 +197,15 @@ def _round_text(post: Post) -> str:
     return f"{','.join(kinds) or 'nothing'} with {peers} peer{'s' if peers != 1 else ''}"
 
 
-def time_breakdown(plan: Plan, shape: AttentionShape, topology: Topology | None = None) -> tuple[TimeBreakdown, ...]:
-    """Forward and backward :class:`TimeBreakdown` of ``plan`` (one :func:`simulate` with its
-    timeline). Worked example: ``megatron-mesh-plan --explain`` prints it for the fastest plan;
-    its parts add up to the direction's time."""
+def time_breakdown(plan: Plan, shape: AttentionShape, topology: Topology | None = None,
+                   sim: SimResult | None = None) -> tuple[TimeBreakdown, ...]:
+    """Forward and backward :class:`TimeBreakdown` of ``plan`` (from ``sim``, a :func:`simulate`
+    of it on ``topology`` with its timeline, or one run here). Worked example:
+    ``megatron-mesh-plan --explain`` prints it for the fastest plan; its parts add up to the
+    direction's time."""
     topo = topology if topology is not None else Topology.for_cp(plan.world_size)
-    sim = simulate(plan, shape, topo, timeline=True)
+    if sim is None or not (sim.forward.timeline or sim.backward.timeline):
+        sim = simulate(plan, shape, topo, timeline=True)
     out = []
     for direction, phase in zip(_DIRECTIONS, (sim.forward, sim.backward)):
         ends: dict[int, float] = {}

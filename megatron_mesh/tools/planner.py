@@ -37,7 +37,7 @@ from ..plan.mesh import build_mesh_plan, build_rotation_plan
 from ..plan.modes import MODES as REGISTRY, Placement
 from ..plan.problem import normalize
 from ..plan.shape import AttentionShape
-from ..plan.simulate import BACKWARD_FLOPS, time_breakdown
+from ..plan.simulate import BACKWARD_FLOPS, simulate, time_breakdown
 from ..plan.topology import Topology
 
 __all__ = ["all_modes", "default_modes", "derived_modes", "ModeResult", "evaluate", "plan_modes", "ulysses_result",
@@ -119,19 +119,21 @@ def _row(mode: str, c: Candidate, placement: Placement, detail: str = "", extra:
                       extra={"saved_bytes": c.saved_bytes, "held_buffer_bytes": c.held_buffer_bytes, **(extra or {})})
 
 
-def _breakdown_json(plan, shape: AttentionShape, topo: Topology) -> list[dict]:
+def _breakdown_json(plan, shape: AttentionShape, topo: Topology, sim) -> list[dict]:
     return [{"direction": b.direction, "rank": b.rank, "time_s": b.time, **{f"{k}_s": v for k, v in b.parts.items()},
              "waits": [{"round": t, "seconds": w, "moves": what} for t, w, what in b.waits]}
-            for b in time_breakdown(plan, shape, topo)]
+            for b in time_breakdown(plan, shape, topo, sim)]
 
 
 def _evaluate_placement(name: str, p: Placement, shape: AttentionShape, topo: Topology, mask: Mask | None,
                         layout, work: bool = False, explain: bool = False) -> ModeResult:
     plan = p.build(shape, mask, layout(p) if callable(layout) else layout)
-    c = evaluate_plan(plan, shape, topo, contiguous=plan.contiguous if plan.tile and plan.tile[0] > 1 else None)
+    sim = simulate(plan, shape, topo, timeline=explain)  # one simulation: the row and its breakdown
+    c = evaluate_plan(plan, shape, topo, contiguous=plan.contiguous if plan.tile and plan.tile[0] > 1 else None,
+                      sim=sim)
     extra = {}
     if explain:  # where the time goes on the slowest rank (--explain)
-        extra["breakdown"] = _breakdown_json(plan, shape, topo)
+        extra["breakdown"] = _breakdown_json(plan, shape, topo, sim)
     if work or mask is not None and not mask.is_dense or layout is not None:
         for direction in ("forward", "backward"):
             w = rank_work(plan, direction)
