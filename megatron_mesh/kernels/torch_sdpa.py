@@ -125,9 +125,11 @@ class TorchAttentionKernel:
         ke, ve = self._expand_kv(q, k, v)
         sq, sk = q.shape[2], ke.shape[2]
         if op == "flash":
-            empty = torch.empty(0, dtype=torch.int64, device=q.device)
+            # no cumulative offsets (None, not an empty tensor: a defined one selects the varlen
+            # path); the dropout state, unused at p = 0, as the forward would hand it over
+            rng, unused = _no_dropout_state(q.device)
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                dout, q, ke, ve, out, lse, empty, empty, sq, sk, 0.0, causal, empty, empty, scale=scale)
+                dout, q, ke, ve, out, lse, None, None, sq, sk, 0.0, causal, rng, unused, scale=scale)
         elif op == "efficient":
             lse_p = lse
             pad = (-sq) % 32
@@ -135,14 +137,19 @@ class TorchAttentionKernel:
                 lse_p = torch.nn.functional.pad(lse, (0, pad))
             seed = torch.zeros((), dtype=torch.int64, device=q.device)
             bias = self._bias(q, mask)
+            # the op reads dout, q, k, v and out as [B, S, H, D] memory (it transposes them and
+            # assumes the heads of a token lie together): in any other layout -- a contiguous
+            # [B, H, S, D] tensor, say -- it returns garbage, NaN included, without an error (seen on
+            # an H100, torch 2.11)
+            dout_, q_, ke_, ve_, out_ = (_bshd_memory(x) for x in (dout, q, ke, ve, out))
             dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-                dout, q, ke, ve, bias if bias is not None else torch.empty(0, device=q.device, dtype=q.dtype), out,
-                lse_p, seed, seed, 0.0, [True, True, True, False], causal, scale=scale)
+                dout_, q_, ke_, ve_, bias, out_, lse_p, seed, seed, 0.0, [True, True, True, False], causal,
+                scale=scale)
         else:
             empty = torch.empty(0, dtype=torch.int64, device=q.device)
             dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-                dout, q, ke, ve, out, lse.unsqueeze(-1), empty, empty, torch.empty(0, device=q.device, dtype=q.dtype),
-                empty, empty, sq, sk, 0.0, causal, scale=scale)
+                dout, q, ke, ve, out, lse.unsqueeze(-1), empty, empty, None, None, None, sq, sk, 0.0, causal,
+                scale=scale)
         if groups > 1:  # fold the gradients of the repeated KV heads back onto the shared heads
             b, h, _, d = dk.shape
             dk = dk.view(b, h // groups, groups, sk, d).sum(2, dtype=torch.float32)
@@ -204,10 +211,19 @@ def flash_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Te
 def flash_varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor,
                           cu_k: Tensor, max_q: int, max_k: int, causal: bool,
                           scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: the state is unused
-    unused = torch.empty(0, device=q.device)
+    rng, unused = _no_dropout_state(q.device)
     return torch.ops.aten._flash_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal,
                                                     rng, unused, scale=scale)
+
+
+def _bshd_memory(x: Tensor) -> Tensor:
+    """``x`` ([B, H, S, D]) with its memory laid out as [B, S, H, D] (a copy only when it is not)."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _no_dropout_state(device) -> tuple[Tensor, Tensor]:
+    """The (rng state, unused) pair flash's backward takes; with no dropout it is never read."""
+    return torch.zeros(2, dtype=torch.uint64, device=device), torch.empty(0, device=device)
 
 
 _CU: dict = {}  # (seqs, batch, device) -> offsets: a plan's calls repeat every step, and a host-to-device

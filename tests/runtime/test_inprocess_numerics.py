@@ -241,15 +241,19 @@ def test_cuda_mesh_matches_dense_reference(world, dtype, kernel):
 @pytest.mark.parametrize("kernel", ["torch-flash", "torch-efficient", "torch-cudnn"])
 def test_cuda_each_op_on_streams_and_deterministic(kernel):
     """Each CUDA op through a 2x2 mesh, virtual ranks on their own streams (the mailbox's events
-    order the copies), twice with bitwise equal results."""
+    order the copies), twice: both runs match the reference, and flash and cuDNN give bitwise
+    equal results. The efficient kernel's backward adds dQ with atomics, in no fixed order
+    (torch lists it among the nondeterministic ops), so there only the outputs are bitwise equal."""
     p = cases.Problem(4, 4, 2, True, torch.bfloat16, seq_local=256, head_dim=128)
     ref = cases.dense_reference(p)
     plan = build_mesh_plan(4, (2, 2), p.shape)
     first = run_case(p, plan, device="cuda", kernel=kernel, streams=True, ref=ref, label=f"{kernel} streams")
-    second = run_case(p, plan, device="cuda", kernel=kernel, streams=True, ref=ref)
+    second = run_case(p, plan, device="cuda", kernel=kernel, streams=True, ref=ref, label=f"{kernel} again")
     check(first)
+    check(second)
+    compared = 1 if kernel == "torch-efficient" else 4  # (out, dq, dk, dv)
     for a, b in zip(first, second):
-        assert all(torch.equal(x, y) for x, y in zip(a.outputs, b.outputs)), kernel
+        assert all(torch.equal(x, y) for x, y in zip(a.outputs[:compared], b.outputs[:compared])), kernel
 
 
 @pytest.mark.gpu

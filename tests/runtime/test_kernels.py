@@ -432,6 +432,51 @@ def test_cuda_op_plumbing_on_meta_tensors(op, heads):
     assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
 
 
+@pytest.mark.parametrize("op", CUDA_OPS)
+def test_cuda_backward_arguments_that_the_gpu_needs(op, monkeypatch):
+    """What the first run on an H100 (torch 2.11) showed, checked on meta tensors: an absent
+    tensor argument is None, never an empty tensor (flash takes defined offsets for a varlen call
+    and fails on their dtype; efficient and cuDNN take an empty bias for a bias and fail on its
+    shape), and the efficient backward gets dout, q, k, v and out in [B, S, H, D] memory (in
+    any other layout it returns wrong gradients, NaN included, without an error)."""
+    calls = {}
+
+    class Spy:  # records the call; anything else (torch asks for the op's overloads) goes to the op
+        def __init__(self, name):
+            self.name, self.real = name, getattr(torch.ops.aten, name)
+
+        def __call__(self, *args, **kwargs):
+            calls[self.name] = args
+            return self.real(*args, **kwargs)
+
+        def __getattr__(self, attr):
+            return getattr(self.real, attr)
+
+    def spy(name):
+        monkeypatch.setattr(torch.ops.aten, name, Spy(name))
+
+    for name in ("_scaled_dot_product_flash_attention_backward", "_scaled_dot_product_efficient_attention_backward",
+                 "_scaled_dot_product_cudnn_attention_backward"):
+        spy(name)
+    kernel = TorchAttentionKernel("cuda", op)
+    q = torch.empty(2, 4, 40, 64, device="meta", dtype=torch.bfloat16)  # contiguous [B, H, S, D]
+    k = torch.empty(2, 2, 40, 64, device="meta", dtype=torch.bfloat16)
+    lse = torch.empty(2, 4, 40, device="meta")
+    masked = BlockMask("masked", torch.empty(40, 40, dtype=torch.bool, device="meta"))
+    for mask in (CAUSAL, masked):
+        calls.clear()
+        kernel.backward(q, q, k, k, lse, lse, mask=mask, scale=0.125)
+        (name, args), = calls.items()
+        if "flash" in name:
+            assert args[6] is None and args[7] is None, "cumulative offsets"
+        elif "cudnn" in name:
+            assert args[8] is None and args[9] is None and args[10] is None, "bias and offsets"
+        else:
+            assert (args[4] is None) == (mask is CAUSAL), "bias"
+            for i, what in zip((0, 1, 2, 3, 5), ("dout", "q", "k", "v", "out")):
+                assert args[i].transpose(1, 2).is_contiguous(), f"{what} not in [B, S, H, D] memory"
+
+
 def test_backend_names_and_bad_backends():
     assert get_kernel("auto", torch.device("cpu")).name == "torch-cpu"
     assert get_kernel("math", torch.device("cpu")).name == "math"
