@@ -1,5 +1,5 @@
 """The benchmark and comparison scripts end to end on tiny CPU shapes: scripts/bench_kernels.py
-(tiled plans vs the fused kernel), scripts/tasp_link_load.py (link load of ring vs TASP) and
+(tiled plans vs the fused kernel), scripts/bench_masks.py (packed documents' plans vs one varlen call), scripts/tasp_link_load.py (link load of ring vs TASP) and
 scripts/compare_attention.py (4 gloo processes). (scripts/bench_tasp_transport.py is a timing
 script of the same transports that test_tasp_attention.py checks, and scripts/bench_agreement.py
 one of the plan-agreement check that test_api.py and test_api_distributed.py check; their spawns
@@ -70,6 +70,28 @@ def test_bench_kernels_runs_on_tiny_shapes(tmp_path, capsys, script):
         bench.main(["--device", "cpu", "--world", "3", "--tiles", "2x2"])
     with pytest.raises(SystemExit, match="--seq-local values must be even and >= 2"):
         bench.main(["--device", "cpu", "--world", "3", "--seq-local", "7"])
+def test_bench_masks_runs_on_tiny_shapes(tmp_path, capsys, script):
+    """Packed documents on odd P, both layouts, a plain mode and a hybrid: every row reproduces
+    the fused call's out and gradients, the balanced layout balances the plan's work, and the
+    printed table and the JSON carry the rows."""
+    bench = script("bench_masks")
+    out_json = tmp_path / "masks.json"
+    result = bench.main(["--device", "cpu", "--world", "3", "--seq-local", "24", "--docs", "one:30+lognormal:9,1.0",
+                         "--heads", "3", "--kv-heads", "1", "--head-dim", "8", "--iters", "1", "--warmup", "0",
+                         "--modes", "ring", "a2a+tasp:3", "--json", str(out_json)])
+    printed = capsys.readouterr().out
+    assert "| balanced | a2a+tasp:3 | loop |" in printed and "S=72" in printed
+    assert json.loads(out_json.read_text()) == json.loads(json.dumps(result))
+    rows = result["rows"]
+    assert [(r["layout"], r["mode"]) for r in rows] == [("-", "fused")] + [
+        (lay, m) for lay in ("zigzag", "balanced") for m in ("ring", "a2a+tasp:3")]
+    for r in rows[1:]:
+        assert set(r["errors"]) == {"out", "dq", "dk", "dv"} and max(r["errors"].values()) < 1e-5, r
+        assert r["efficiency"] == pytest.approx(rows[0]["ms_per_rank"] / r["ms_per_rank"], rel=1e-9)
+    work = {(r["layout"], r["mode"]): r["work_max_mean"] for r in rows}
+    assert work["balanced", "ring"] < work["zigzag", "ring"], work
+
+
 
 
 def test_tasp_link_load_matches_the_ring_arithmetic(script, capsys):

@@ -1,0 +1,188 @@
+#!/usr/bin/env python
+"""How fast do the mask-aware plans run packed documents, on one device?
+
+For a packed sample (``--docs``, the planner's document specs) of S = P x s_local tokens and each
+layout (Megatron's zigzag, the balanced layout) and mode, it runs the mode's mask-aware plan on all P
+virtual ranks of the in-process transport (serial: one rank at a time, so the wall time is the sum
+of every rank's work; see ``scripts/bench_kernels.py``) and times forward + backward per rank:
+
+* **tiled**: the plan, with the kernel's variable-length calls (``varlen``: consecutive full or
+  causal pieces in one flash varlen call, CUDA) and with one call per piece (``loop``);
+* **fused**: one flash varlen call over the whole packed sample (every document a sequence),
+  forward + backward, divided by P: the compute floor at the kernel's own speed on this device.
+
+Efficiency = fused / tiled (1.0: the plan's pieces cost what one call over the sample costs).
+The busiest rank's work (allowed pairs, max / mean) comes from the plan; the max errors compare the
+tiled out / dq / dk / dv with the fused call's. The serial harness sums the ranks' times, so it
+measures what the pieces cost in all, not the balance: on P devices a step takes the busiest rank's
+time. A hybrid's balanced layout balances its Ulysses groups (``balanced_layout(group=U)``), as
+Megatron's adapter builds it.
+
+    python scripts/bench_masks.py                                      # CUDA defaults, else small CPU shapes
+    python scripts/bench_masks.py --world 8 --seq-local 16384 --docs lognormal:4096,1.0 --modes ring tasp
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from megatron_mesh.comm.inprocess import run_inprocess  # noqa: E402
+from megatron_mesh.kernels import get_kernel  # noqa: E402
+from megatron_mesh.kernels.base import loop_varlen_backward, loop_varlen_forward  # noqa: E402
+from megatron_mesh.kernels.torch_sdpa import stand_in_output  # noqa: E402
+from megatron_mesh.plan import AttentionShape, balanced_layout, resolve  # noqa: E402
+from megatron_mesh.plan.modes.base import parse_mode_spec  # noqa: E402
+from megatron_mesh.plan.accounting import rank_work  # noqa: E402
+from megatron_mesh.runtime.autograd import forward_backward  # noqa: E402
+from megatron_mesh.runtime.inputs import attention_mask  # noqa: E402
+from megatron_mesh.runtime.sharding import layout_shard, layout_unshard  # noqa: E402
+from megatron_mesh.tools.plan_cli import document_bounds  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DEFAULTS = {  # realistic on a GPU; seconds on a CPU
+    "cuda": dict(world=4, seq_local=16384, heads=32, kv_heads=8, head_dim=128, dtype="bf16", iters=3, warmup=1),
+    "cpu": dict(world=4, seq_local=512, heads=4, kv_heads=2, head_dim=32, dtype="fp32", iters=1, warmup=0),
+}
+
+
+def fused(kernel, q, k, v, dout, seqs, scale):
+    """One variable-length call over the whole packed sample ([1, H, S, D] inputs): (out, lse),
+    (dq, dk, dv). Falls back to one call per document where the kernel has no varlen calls."""
+    if getattr(kernel, "varlen", False):
+        out, lse = kernel.forward_varlen(q, k, v, seqs, causal=True, scale=scale)
+        delta = (dout.float() * out.float()).sum(-1)
+        return (out, lse), kernel.backward_varlen(dout, q, k, v, lse, delta, seqs, causal=True, scale=scale)
+    out, lse = loop_varlen_forward(kernel, q, k, v, seqs, causal=True, scale=scale)
+    delta = (dout.float() * out.float()).sum(-1)
+    return (out, lse), loop_varlen_backward(kernel, dout, q, k, v, lse, delta, seqs, causal=True, scale=scale)
+
+
+def timed(device, fn, iters):
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / iters
+
+
+def run(args) -> tuple[list[dict], dict]:
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    P, S = args.world, args.world * args.seq_local
+    bounds = document_bounds(args.docs, S, args.seed)
+    seqs = tuple((b - a, b - a) for a, b in zip(bounds, bounds[1:]))
+    g = torch.Generator().manual_seed(0)
+    mk = lambda h: torch.randn(S, 1, h, args.head_dim, generator=g).to(device, dtype)  # noqa: E731 -- sbhd
+    Q, K, V, dO = mk(args.heads), mk(args.kv_heads), mk(args.kv_heads), mk(args.heads)
+    bhsd = lambda x: x.permute(1, 2, 0, 3)  # noqa: E731
+    shape = AttentionShape(args.seq_local, 1, args.heads, args.kv_heads, args.head_dim, Q.element_size())
+    scale = 1 / math.sqrt(args.head_dim)
+    kernel = get_kernel(args.kernel, device)
+    for _ in range(args.warmup):
+        fused(kernel, bhsd(Q), bhsd(K), bhsd(V), bhsd(dO), seqs, scale)
+    ref = {}
+    t_fused = timed(device, lambda: ref.update(r=fused(kernel, bhsd(Q), bhsd(K), bhsd(V), bhsd(dO), seqs, scale)),
+                    args.iters)
+    (ref_out, _), ref_grads = ref["r"]
+    want = {"out": ref_out, "dq": ref_grads[0], "dk": ref_grads[1], "dv": ref_grads[2]}
+    rows = [dict(layout="-", mode="fused", calls="varlen" if kernel.varlen else "loop", ms_per_rank=1e3 * t_fused / P,
+                 efficiency=1.0, work_max_mean=1.0, errors={})]
+    for layout_name in args.layouts:
+        for mode in args.modes:
+            name, settings = parse_mode_spec(mode)
+            placement = resolve(name, P, shape, **settings)
+            # the balanced layout of a hybrid balances its Ulysses groups, as the runtime builds it
+            layout = balanced_layout(bounds, P, group=placement.ulysses) if layout_name == "balanced" else None
+            mask, layout = attention_mask(P, shape, causal=True, cu_seqlens=None if layout else bounds, layout=layout)
+            shards = [tuple(layout_shard(x, r, layout, dim=0) for x in (Q, K, V, dO)) for r in range(P)]
+            plan = placement.build(shape, mask, layout)
+            work = rank_work(plan)  # allowed (query, key) pairs each rank computes
+            for calls in (("varlen", "loop") if kernel.varlen else ("loop",)):
+                kern = get_kernel(args.kernel, device)
+                kern.varlen = calls == "varlen"
+                got = [None] * P
+
+                def rank_fn(rank, comm, n):
+                    for _ in range(n):
+                        got[rank] = forward_backward(*shards[rank], plan, comm=comm, kernel=kern)
+
+                if args.warmup:
+                    run_inprocess(rank_fn, P, args.warmup, serial=True, device=device, timeout=600)
+                t = timed(device, lambda: run_inprocess(rank_fn, P, args.iters, serial=True, device=device,
+                                                        timeout=600), 1) / args.iters
+                errors = {}
+                for i, name in enumerate(("out", "dq", "dk", "dv")):
+                    whole = bhsd(layout_unshard([r[i] for r in got], layout, dim=0))
+                    errors[name] = (whole.double() - want[name].double()).abs().max().item()
+                rows.append(dict(layout=layout_name, mode=mode, calls=calls, ms_per_rank=1e3 * t / P,
+                                 efficiency=t_fused / t, work_max_mean=max(work) / (sum(work) / P), errors=errors))
+    meta = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU", kernel=kernel.name,
+                dtype=args.dtype, world=P, seq_len=S, docs=args.docs, seed=args.seed, documents=len(seqs),
+                heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, iters=args.iters,
+                torch=torch.__version__)
+    return rows, meta
+
+
+def markdown(rows, meta) -> str:
+    lines = [f"device: {meta['device']}, {meta['kernel']}, {meta['dtype']}, P={meta['world']}, S={meta['seq_len']}, "
+             f"{meta['documents']} documents ({meta['docs']}, seed {meta['seed']}), heads {meta['heads']}/"
+             f"{meta['kv_heads']} of {meta['head_dim']}, causal, forward + backward", "",
+             "| layout | mode | calls | ms per rank | efficiency | work max/mean | max abs err (out, dq, dk, dv) |",
+             "|---|---|---|---:|---:|---:|---|"]
+    for r in rows:
+        err = ", ".join(f"{v:.1e}" for v in r["errors"].values()) or "-"
+        lines.append(f"| {r['layout']} | {r['mode']} | {r['calls']} | {r['ms_per_rank']:.3f} | {r['efficiency']:.2f} | "
+                     f"{r['work_max_mean']:.2f} | {err} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    for name in ("world", "seq-local", "heads", "kv-heads", "head-dim", "iters", "warmup"):
+        p.add_argument(f"--{name}", type=int)
+    p.add_argument("--dtype", choices=sorted(DTYPES))
+    p.add_argument("--docs", default="lognormal:4096,1.0", help="packed documents, as megatron-mesh-plan's --docs")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layouts", nargs="+", default=["zigzag", "balanced"], choices=["zigzag", "balanced"])
+    p.add_argument("--modes", nargs="+", default=["ring", "tasp", "a2a+ring:2"],
+                   help="modes as compare_attention.py takes them (mesh:2x2, a2a+ring:2, ...)")
+    p.add_argument("--kernel", default="auto")
+    p.add_argument("--json", default=None, help="also write the rows as JSON to this file")
+    args = p.parse_args(argv)
+    device_type = torch.device(args.device).type
+    if device_type not in DEFAULTS:
+        raise SystemExit(f"--device must be a cpu or cuda device, got {args.device!r}")
+    for key, value in DEFAULTS[device_type].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.iters < 1 or args.warmup < 0:
+        raise SystemExit(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    rows, meta = run(args)
+    print(markdown(rows, meta))
+    result = dict(meta=meta, rows=rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"JSON written to {args.json}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
