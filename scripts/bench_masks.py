@@ -38,7 +38,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from megatron_mesh.comm.inprocess import run_inprocess  # noqa: E402
 from megatron_mesh.kernels import get_kernel  # noqa: E402
 from megatron_mesh.kernels.base import loop_varlen_backward, loop_varlen_forward  # noqa: E402
-from megatron_mesh.kernels.torch_sdpa import stand_in_output  # noqa: E402
 from megatron_mesh.plan import AttentionShape, balanced_layout, resolve  # noqa: E402
 from megatron_mesh.plan.modes.base import parse_mode_spec  # noqa: E402
 from megatron_mesh.plan.accounting import rank_work  # noqa: E402
