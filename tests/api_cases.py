@@ -38,6 +38,24 @@ def _outcome(fn) -> str:
 DOCS = {"A": [0, 13, 20, 32], "B": [0, 14, 20, 32], "C": [0, 12, 20, 32], "D": [0, 15, 20, 32]}
 
 
+OTHER_SOURCE = "000000000000"  # the plan layer's source digest of "another plugin version"
+
+
+def _other_plan_code(other: bool, fn):
+    """Run ``fn`` as a rank whose plan layer has other source files (``other``): a node with
+    another plugin version. Same inputs, same plan digest: only the plan code differs."""
+    from megatron_mesh.runtime import agreement
+
+    if not other:
+        return fn()
+    real = agreement._source_digest()
+    agreement._SOURCE_DIGEST[:] = [OTHER_SOURCE]
+    try:
+        return fn()
+    finally:
+        agreement._SOURCE_DIGEST[:] = [real]
+
+
 def disagreements(rank: int, world: int) -> dict:
     """Calls on which the ranks disagree, in order (plans built by earlier calls stay cached):
     name -> (outcome on this rank, seconds). Each must raise on every rank; the "*_agree" calls
@@ -76,6 +94,7 @@ def disagreements(rank: int, world: int) -> dict:
         "adapter": lambda: mm.attention(q, k, v, mode="mesh", placement=placement, comm=adapter,
                                         cu_seqlens=DOCS["A" if rank else "B"]),
         "bad_input_on_one_rank": lambda: mm.ring_attention(q, k, v, window=(-1, 0) if rank == 2 else None),
+        "plan_code": lambda: _other_plan_code(rank == 0, lambda: mm.ring_attention(q, k, v)),
     }
     out = {}
     for name, fn in calls.items():

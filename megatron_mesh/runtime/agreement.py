@@ -24,8 +24,13 @@ raises::
 What a call's digest covers: the mode and every placement setting (tile, schedule, backward
 chunks, rank order, ranks per node, transport, all-to-all degree, the inner placement), the mask
 (causal, window, documents), the layout (zigzag, or THD's padded sequences), the local shape
-(s_local, batch, heads, kv heads, head dim), the dtype, the softmax scale, the kernel, and the
-plan itself (a digest of its structure, computed once per plan object).
+(s_local, batch, heads, kv heads, head dim), the dtype, the softmax scale, the kernel, the
+plan itself (a digest of its structure, computed once per plan object), and the code that built
+it (:func:`plan_code`: the plugin's version, a digest of the plan layer's source files and the
+plan builders' tunable constants). The plan digest names the plan, not each rank's op list (a
+rank builds only its own); ranks running the same code on the same inputs build matching op
+lists, so the code is what closes that gap: two nodes with different plugin versions, or a
+patched builder, raise here instead of hanging in a transfer one side never posts.
 
 Cost: one 16-byte all-reduce per call, on the group backend's device (CPU for gloo; for NCCL a
 CUDA tensor whose result the host reads: one stream synchronisation per call). Measured on CPU
@@ -46,16 +51,20 @@ import os
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
+from .. import __version__
+from .. import plan as plan_package
+from ..plan import balance, sparse
 from ..plan.ir import Plan
 from ..plan.mask import Mask
 
-__all__ = ["PlanMismatchError", "Call", "check", "joined_on_error", "enabled", "plan_digest", "mismatch_message",
-           "ENV"]
+__all__ = ["PlanMismatchError", "Call", "check", "joined_on_error", "enabled", "plan_digest", "plan_code",
+           "mismatch_message", "ENV"]
 
 ENV = "MEGATRON_MESH_PLAN_AGREEMENT"
 
@@ -87,6 +96,29 @@ def plan_digest(plan: Plan) -> str:
     return d
 
 
+_SOURCE_DIGEST: list = []  # the plan layer's source files, hashed once per process
+
+
+def _source_digest() -> str:
+    if not _SOURCE_DIGEST:
+        root = Path(plan_package.__file__).parent
+        h = hashlib.blake2b(digest_size=6)
+        for path in sorted(root.rglob("*.py")):
+            h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+        _SOURCE_DIGEST.append(h.hexdigest())
+    return _SOURCE_DIGEST[0]
+
+
+def plan_code() -> str:
+    """The code that builds the plans: the plugin's version, a digest of the plan layer's source
+    files (read once) and the builders' tunable constants as they are now (they are module
+    globals a user or a test may change). Two ranks with different values would build op lists
+    that do not match."""
+    tunables = (sparse.BURST_GROUPS, sparse.GROUP_TOKENS, sparse.OWN_CALL_TOKENS, sparse.KEEP_LIMIT,
+                balance.PIECE_WORK, balance.NODE_PIECE_WORK)
+    return f"{__version__} {_source_digest()} " + ",".join(str(t) for t in tunables)
+
+
 def _short(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
@@ -114,7 +146,7 @@ class Call:
     def digest(self) -> int:
         """63 bits (so that the negated digest is an int64 too)."""
         key = (plan_digest(self.plan), repr(self.placement), self.q_shape, self.kv_shape, str(self.dtype),
-               repr(float(self.scale)), _kernel_text(self.kernel))
+               repr(float(self.scale)), _kernel_text(self.kernel), plan_code())
         return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "little") >> 1
 
     def describe(self) -> dict:
@@ -138,6 +170,7 @@ class Call:
             "softmax_scale": repr(float(self.scale)),
             "kernel": _kernel_text(self.kernel),
             "plan": f"{plan.mode} over {plan.world_size} ranks x {plan.seq_local} tokens, digest {plan_digest(plan)}",
+            "plan code (version, source digest, tunables)": plan_code(),
         }
 
 

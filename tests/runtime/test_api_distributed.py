@@ -2,14 +2,16 @@
 conftest.dist_results): ranks that disagree on the call -- mode, documents (a cached plan on some
 ranks and a new one on others, or two cached plans whose transfers have the same shapes), softmax
 scale, dtype, local shape, window, a hybrid's window, through the Megatron adapter's wrapped
-communicator, one rank's bad input -- fail at once on every rank naming the difference, instead
+communicator, one rank's bad input, one rank with another plugin version -- fail at once on every rank naming the difference, instead
 of hanging or returning a wrong result; a rank passing a group it is not in gets an error naming
 the group; after destroy_process_group() and a new init with the ranks swapped, group=None means
 the new group."""
 
+import api_cases
 import pytest
-
 from api_cases import DOCS
+
+from megatron_mesh.runtime import agreement
 
 MISMATCH = "PlanMismatchError: the ranks of this CP group disagree on the attention plan"
 
@@ -47,6 +49,10 @@ DIFFERENCES = {
     "window": "mask: rank 0: causal,window=3:0, ranks 1-7: causal,window=4:0",
     "hybrid_window": "mask: ranks 0-4, 6-7: causal,window=3:0, rank 5: causal,window=4:0",
     "adapter": f"documents: rank 0: {_docs('B')}, ranks 1-7: {_docs('A')}",
+    # another plugin version on one node: same inputs, same plan digest, other plan code
+    "plan_code": "plan code (version, source digest, tunables): rank 0: "
+                 f"{agreement.plan_code().replace(agreement._source_digest(), api_cases.OTHER_SOURCE)}, ranks 1-7: "
+                 f"{agreement.plan_code()}",
 }
 
 
