@@ -97,17 +97,23 @@ class Assignment:
     * ``rounds``: "shift" (round d: receive from rank - d, send to rank + d: every round a
       permutation, blocks start as their pieces arrive) or "burst" (each group of a rank's pieces
       in one round over every link at once, TASP's way: :data:`BURST_GROUPS`);
-    * ``tile`` / ``contiguous``: the Mesh tile map the "tile" owner comes from (plan facts).
+    * ``tile`` / ``contiguous``: the Mesh tile map the "tile" owner comes from (plan facts);
+    * ``tiles``: where several tile maps compete (Mesh's ``auto`` tile under a mask), the
+      (tile, contiguous) of each owner map, in the order of ``owners``: the plan's tile facts are
+      the chosen map's.
     """
 
     owners: tuple[tuple[str, Callable[[int, int], int]], ...] = ()
     rounds: str = "shift"
     tile: tuple[int, int] | None = None
     contiguous: str | None = None
+    tiles: tuple[tuple[tuple[int, int], str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.rounds not in ("shift", "burst"):
             raise ValueError(f"rounds must be 'shift' or 'burst', got {self.rounds!r}")
+        if self.tiles and len(self.tiles) != len(self.owners):
+            raise ValueError(f"tiles must name the tile of each of the {len(self.owners)} owner maps, got {self.tiles!r}")
 
 
 # a document with fewer query tokens than this in a block shares one masked kernel call with the
@@ -358,17 +364,20 @@ class _Needs:
     def col_needers(self, c: int) -> list[int]:
         return self._col_needers[c]
 
-    def bytes_per_rank(self, shape: AttentionShape, keep: bool) -> list[int]:
-        """Sent + received bytes of each rank, forward and backward."""
+    def bytes_per_rank(self, shape: AttentionShape, keeps: Callable[[int], bool]) -> list[int]:
+        """Sent + received bytes of each rank, forward and backward; ``keeps(x)``: whether rank x
+        keeps what it pulled for the backward (:class:`_Keeps`)."""
         per_row = {k: buffer_bytes(k, 1, shape) for k in ("q", "kv", "o", "do", "dq", "dkv")}
         # forward: pull q / kv, return o; backward: pull (q,) do / (kv), return dq / dkv
-        row_kinds = ("q", "o", "do", "dq") + (() if keep else ("q",))
-        col_kinds = ("kv", "dkv") + (() if keep else ("kv",))
+        kinds = {(table, keep): base + (() if keep else again)
+                 for table, base, again in (("rows", ("q", "o", "do", "dq"), ("q",)), ("cols", ("kv", "dkv"), ("kv",)))
+                 for keep in (False, True)}
         traffic = [0] * self.P
-        for table, kinds in ((self._rows, row_kinds), (self._cols, col_kinds)):
+        for name, table in (("rows", self._rows), ("cols", self._cols)):
             for x, needs in enumerate(table):
+                row_bytes = sum(per_row[k] for k in kinds[name, keeps(x)])
                 for c, sel in needs.items():
-                    b = sum(s.stop - s.start for s in sel) * sum(per_row[k] for k in kinds)
+                    b = sum(s.stop - s.start for s in sel) * row_bytes
                     traffic[x] += b
                     traffic[c] += b
         return traffic
@@ -428,21 +437,27 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
     index = _blocks(P, mask, layout)
     if backward_chunks not in ("refetch", "keep", "auto"):
         raise ValueError(f"backward_chunks must be one of refetch, keep, auto, got {backward_chunks!r}")
-    keep = backward_chunks == "keep"
     notes: list[str] = []
     needs: object = _QueryOwnerNeeds(index)
     assigned = QUERY_OWNER
+    tile, contiguous = assignment.tile, assignment.contiguous
     if assignment.owners:  # compare the mode's maps with the query owner by the busiest rank's bytes
         table = block_table(P, mask, layout)
         candidates = [(QUERY_OWNER, _Needs(P, table, lambda i, j: i))]
         candidates += [(name, _Needs(P, table, owner)) for name, owner in assignment.owners]
-        # "auto" is compared as "refetch": which ranks keep depends on the map being chosen
-        costs = [max(n.bytes_per_rank(shape, keep)) for _, n in candidates]
+        # each map with the ranks that would keep their pieces under it ("auto" decides per map)
+        token_bytes = {k: buffer_bytes(k, 1, shape) for k in ("q", "kv")}
+        costs = [max(n.bytes_per_rank(shape, _Keeps(backward_chunks, n, T, token_bytes))) for _, n in candidates]
         best = min(range(len(candidates)), key=lambda k: (costs[k], -k))  # ties: the mode's own map (last)
         assigned, needs = candidates[best]
         if assigned == QUERY_OWNER:
-            notes.append(f"the mask leaves the {', '.join(n for n, _ in assignment.owners)} assignment nothing to "
-                         "gain: every block is computed by its query chunk's owner (fewer bytes on the busiest rank)")
+            names = ", ".join(dict.fromkeys(n for n, _ in assignment.owners))
+            notes.append(f"the mask leaves the {names} assignment nothing to gain: every block is computed by its "
+                         "query chunk's owner (fewer bytes on the busiest rank)")
+        elif assignment.tiles:
+            tile, contiguous = assignment.tiles[best - 1]
+            notes.append(f"tile {tile[0]}x{tile[1]} (contiguous {contiguous}): of the {len(assignment.tiles)} tile "
+                         "maps and the query owner, the fewest bytes on the busiest rank under this mask")
     burst = assignment.rounds == "burst"
     token_bytes = {k: buffer_bytes(k, 1, shape) for k in ("q", "kv", "do", "o", "dq", "dkv")}
     keeps = _Keeps(backward_chunks, needs, T, token_bytes)
@@ -450,8 +465,8 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
     notes.append(f"mask {mask.summary()}: each rank computes only the blocks with allowed pairs and receives only the "
                  f"tokens they read, from their owner ({'over all links at once, in groups' if burst else 'one round per shift'})")
     return Plan(mode=mode, world_size=P, seq_local=T, mask=mask, layout=layout, build_rank=lowering.rank_plan,
-                build_rounds=lowering.round_ops, slots=lowering.slots, tile=assignment.tile, schedule=assignment.rounds,
-                backward_chunks=backward_chunks, contiguous=assignment.contiguous, assignment=assigned, direct=True,
+                build_rounds=lowering.round_ops, slots=lowering.slots, tile=tile, schedule=assignment.rounds,
+                backward_chunks=backward_chunks, contiguous=contiguous, assignment=assigned, direct=True,
                 last_round=lowering.final_round, ranks_per_node=ranks_per_node, notes=tuple(notes))
 
 

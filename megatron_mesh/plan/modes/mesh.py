@@ -42,6 +42,8 @@ class MeshOptions:
                                            help="order of the Mesh pulls: 'greedy' (compute unlocked per byte) or "
                                                 "'lockstep'")
     backward_chunks: Literal[BACKWARD_CHUNKS] = setting("auto", flag="--mesh-backward-chunks", help=_BACKWARD_HELP)
+    tile_auto: bool = setting(False, help="set by resolution: the tile was 'auto', so under a mask on Megatron's "
+                                          "zigzag every tile's block map competes, not only the dense choice")
 
 
 @dataclass(frozen=True)
@@ -61,12 +63,14 @@ class MeshMode(Mode):
                 mask: Mask) -> Placement:
         tile = parse_tile(options.tile, world_size)
         contiguous = options.contiguous
+        tile_auto = options.tile_auto or tile == "auto"
         if tile == "auto" or contiguous == "auto":
             topo = topology_for(world_size, ranks_per_node, topology)
             tile, contiguous = choose_tile(world_size, shape, topo, tile=tile, contiguous=contiguous,
                                            causal=mask.causal, backward_chunks=options.backward_chunks,
                                            schedule=options.schedule)
-        return Placement(self.name, world_size, replace(options, tile=tile, contiguous=contiguous), ranks_per_node)
+        return Placement(self.name, world_size, replace(options, tile=tile, contiguous=contiguous, tile_auto=tile_auto),
+                         ranks_per_node)
 
     def build_dense(self, p: Placement, shape: AttentionShape, mask: Mask):
         o = p.options
@@ -76,12 +80,28 @@ class MeshMode(Mode):
     def assignment(self, p: Placement, mask: Mask, layout) -> Assignment:
         """The tile map competes with the query owner by bytes on Megatron's zigzag; a layout that
         places documents itself (THD, balanced) keeps a document on the few ranks that share it,
-        where a tile over the whole group would only ship queries and partial outputs away."""
+        where a tile over the whole group would only ship queries and partial outputs away.
+
+        With the ``auto`` tile, every tile map of the group competes (each rank order where it
+        differs), each with its own keep decisions: the dense choice knows nothing of the mask.
+        Worked example: 8 ranks, 19 documents of 245-13,321 tokens in 64K, heads 2/2 of 32
+        (docs/performance.md, "Masks measured on CPU"). The dense choice is 4x2. With refetched
+        backward chunks the 8x1 map's busiest rank moves 29.4 MB sent + received against 4x2's
+        29.8 MB, so the plan takes 8x1 (its notes say so); with the default "auto" backward
+        chunks 4x2 stays the fewest (23.1 MB)."""
         a, b = p.options.tile
-        tiles = TileMap(a, b, p.options.contiguous)
-        use_tile = a > 1 and layout.documents() is None
-        return Assignment(owners=(("tile", tiles.owner),) if use_tile else (), tile=(a, b),
-                          contiguous=p.options.contiguous)
+        contiguous = p.options.contiguous
+        if layout.documents() is not None:
+            return Assignment(tile=(a, b), contiguous=contiguous)
+        if not p.options.tile_auto:
+            return Assignment(owners=(("tile", TileMap(a, b, contiguous).owner),) if a > 1 else (), tile=(a, b),
+                              contiguous=contiguous)
+        # the dense choice last: the builder breaks ties towards the last map
+        maps = [((x, y), c) for x, y in tile_shapes(p.world_size) if x > 1 for c in (CONTIGUOUS if y > 1 else ("q",))
+                if ((x, y), c) != ((a, b), contiguous)]
+        maps += [((a, b), contiguous)] if a > 1 else []
+        return Assignment(owners=tuple(("tile", TileMap(*t, c).owner) for t, c in maps), tile=(a, b),
+                          contiguous=contiguous, tiles=tuple(maps))
 
     def rings(self, p: Placement) -> dict:
         return TileMap(*p.options.tile, p.options.contiguous).rings()
