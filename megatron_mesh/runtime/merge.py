@@ -7,6 +7,8 @@ from torch import Tensor
 
 __all__ = ["merge_partial_"]
 
+_FLOOR = -1e30  # the reference of rows no key has reached (their weights are exp(-inf) = 0)
+
 
 def merge_partial_(out: Tensor, lse: Tensor, blk_out: Tensor, blk_lse: Tensor) -> None:
     """In place: (out, lse) <- the attention over the union of both key sets.
@@ -14,11 +16,13 @@ def merge_partial_(out: Tensor, lse: Tensor, blk_out: Tensor, blk_lse: Tensor) -
     ``out`` [..., S, D] and ``lse`` [..., S] are fp32 (or fp64) accumulators (possibly views); ``blk_*`` a
     partial result over other keys. With L = logaddexp(lse, blk_lse):
     out <- out * exp(lse - L) + blk_out * exp(blk_lse - L). Rows that no key has reached yet have
-    lse = -inf and out = 0; they stay so (the exp weights are taken against 0 there instead of
-    -inf, which would give NaN).
+    lse = -inf and out = 0; they stay so (the exp weights are taken against a finite floor there
+    instead of -inf, which would give NaN: exp(-inf - floor) = 0).
     """
     new_lse = torch.logaddexp(lse, blk_lse)
-    ref = new_lse.masked_fill(new_lse.isneginf(), 0.0)
+    # one op, not isneginf + masked_fill: a merge runs per block, and on a GPU each op is a launch.
+    # Any finite lse lies far above the floor (|lse| <= log(keys) + max|q.k| * scale)
+    ref = new_lse.clamp_min(_FLOOR)
     out.mul_((lse - ref).exp_().unsqueeze(-1))
     out.addcmul_(blk_out, (blk_lse.to(out.dtype) - ref).exp_().unsqueeze(-1))
     lse.copy_(new_lse)

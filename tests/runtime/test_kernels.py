@@ -322,6 +322,44 @@ def test_stand_in_output_reproduces_delta_of_tiny_and_huge_rows(scale):
     assert torch.allclose(got, delta, rtol=1e-5, atol=0), (got, delta)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_stand_in_output_leaves_its_inputs_alone(dtype):
+    """It works in place on its own copy only: a dout already in the wide dtype is not touched."""
+    dout = torch.randn(2, 5, 8, dtype=dtype)
+    delta = torch.randn(2, 5, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    before = dout.clone(), delta.clone()
+    stand_in_output(dout, delta)
+    assert torch.equal(dout, before[0]) and torch.equal(delta, before[1])
+
+
+def test_merge_and_stand_in_launch_few_kernels():
+    """A merge runs per forward block and a stand-in output per backward block; on a GPU every
+    elementwise op is a kernel launch, which at a few thousand tokens per rank costs as much as
+    the block (docs/performance.md, "Measured on GPU"). Their op counts stay at what they are
+    now (views left out): 9 and 12, from 10 and 20 before stop 28."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    views = {"slice", "unsqueeze", "squeeze", "view", "permute", "expand", "transpose", "select", "alias"}
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func.overloadpacket.__name__ not in views
+            return func(*args, **(kwargs or {}))
+
+    out, blk_out = torch.zeros(1, 2, 8, 4), torch.randn(1, 2, 8, 4)
+    lse, blk_lse = torch.full((1, 2, 8), float("-inf")), torch.randn(1, 2, 8)
+    with Ops() as merge:
+        merge_partial_(out, lse, blk_out, blk_lse)
+    dout, delta = torch.randn(1, 2, 8, 4, dtype=torch.bfloat16), torch.randn(1, 2, 8)
+    with Ops() as stand_in:
+        stand_in_output(dout, delta)
+    assert (merge.n, stand_in.n) == (9, 12)
+
+
 def test_backward_with_stand_in_equals_backward_with_real_output():
     """TorchAttentionKernel passes the stand-in to the CPU op; the op given the real output gives
     the same gradients (fp64: equal to rounding)."""
