@@ -251,6 +251,20 @@ def markdown(rows: list[Row], meta: dict) -> str:
     return "\n".join(lines)
 
 
+def with_device_defaults(args, defaults: dict):
+    """``args`` with every option left unset taken from ``defaults[device type]`` ("cuda" or
+    "cpu"), and --iters / --warmup checked (shared with scripts/bench_masks.py)."""
+    device_type = torch.device(args.device).type
+    if device_type not in defaults:
+        raise SystemExit(f"--device must be a cpu or cuda device, got {args.device!r}")
+    for key, value in defaults[device_type].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.iters < 1 or args.warmup < 0:
+        raise SystemExit(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
+    return args
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -263,15 +277,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=sorted(DTYPES))
     p.add_argument("--kernel", default="auto", help="block kernel backend (see megatron_mesh.kernels.get_kernel)")
     p.add_argument("--json", default="-", help="write the results as JSON to this file ('-': print them)")
-    args = p.parse_args(argv)
-    device_type = torch.device(args.device).type
-    if device_type not in DEFAULTS:
-        raise SystemExit(f"--device must be a cpu or cuda device, got {args.device!r}")
-    for key, value in DEFAULTS[device_type].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    if args.iters < 1 or args.warmup < 0:
-        raise SystemExit(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
+    args = with_device_defaults(p.parse_args(argv), DEFAULTS)
     for s in args.seq_local:
         if s < 2 or s % 2:
             raise SystemExit(f"--seq-local values must be even and >= 2 (two zigzag halves), got {s}")

@@ -34,7 +34,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: the kernel benchmark's helpers
 
+from bench_kernels import with_device_defaults  # noqa: E402
 from megatron_mesh.comm.inprocess import run_inprocess  # noqa: E402
 from megatron_mesh.kernels import get_kernel  # noqa: E402
 from megatron_mesh.kernels.base import loop_varlen_backward, loop_varlen_forward  # noqa: E402
@@ -160,16 +162,7 @@ def parse_args(argv=None):
                    help="modes as compare_attention.py takes them (mesh:2x2, a2a+ring:2, ...)")
     p.add_argument("--kernel", default="auto")
     p.add_argument("--json", default=None, help="also write the rows as JSON to this file")
-    args = p.parse_args(argv)
-    device_type = torch.device(args.device).type
-    if device_type not in DEFAULTS:
-        raise SystemExit(f"--device must be a cpu or cuda device, got {args.device!r}")
-    for key, value in DEFAULTS[device_type].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    if args.iters < 1 or args.warmup < 0:
-        raise SystemExit(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
-    return args
+    return with_device_defaults(p.parse_args(argv), DEFAULTS)
 
 
 def main(argv=None) -> dict:
