@@ -158,6 +158,25 @@ def test_mesh_auto_tile_under_documents_runs_the_tile_the_mask_favours(world, cu
         assert [(res.sent, res.received) for res in out] == planned
 
 
+def test_hybrid_inner_mesh_auto_tile_under_documents():
+    """The same for a2a+mesh's inner Mesh (U = 2 over 8 ranks): the inner tile's dense choice is
+    2x2, the documents make 4x1 the fewest bytes, and the hybrid runs it exactly."""
+    p = cases.Problem(8, 4, 4, True, torch.float32, cu_seqlens=(0, 3, 17, 27, 33, 48, 60, 64))
+    placement = resolve("a2a+mesh", 8, p.shape, ulysses_size=2)
+    plan = placement.build(p.shape, p.mask, p.layout)
+    assert placement.tile == (2, 2) and (plan.tile, plan.assignment) == ((4, 1), "tile")
+    ref = cases.dense_reference(p)
+    planned = [(b.sent, b.received) for b in plan_bytes(plan, p.shape)]
+
+    def rank_fn(rank, comm):
+        return cases.measure(rank, p, "a2a+mesh auto", lambda q, k, v: mm.attention(
+            q, k, v, mode="a2a+mesh", ulysses_size=2, comm=comm, **p.mask_args()), ref)
+
+    out = run_inprocess(rank_fn, 8, timeout=120)
+    cases.assert_accurate([[res] for res in out])
+    assert [(res.sent, res.received) for res in out] == planned
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("groups", ["few", "many"])
 def test_backward_chunks_under_a_mask_match_the_dense_reference(mode, groups, monkeypatch):
