@@ -50,8 +50,10 @@ from megatron_mesh.tools.plan_cli import document_bounds  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULTS = {  # realistic on a GPU; seconds on a CPU
-    "cuda": dict(world=4, seq_local=16384, heads=32, kv_heads=8, head_dim=128, dtype="bf16", iters=3, warmup=1),
-    "cpu": dict(world=4, seq_local=512, heads=4, kv_heads=2, head_dim=32, dtype="fp32", iters=1, warmup=0),
+    "cuda": dict(world=4, seq_local=16384, heads=32, kv_heads=8, head_dim=128, dtype="bf16", iters=3, warmup=1,
+                 docs="lognormal:4096,1.0"),
+    "cpu": dict(world=4, seq_local=512, heads=4, kv_heads=2, head_dim=32, dtype="fp32", iters=1, warmup=0,
+                docs="lognormal:256,1.0"),
 }
 
 
@@ -81,7 +83,10 @@ def run(args) -> tuple[list[dict], dict]:
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     P, S = args.world, args.world * args.seq_local
-    bounds = document_bounds(args.docs, S, args.seed)
+    try:
+        bounds = document_bounds(args.docs, S, args.seed)
+    except ValueError as e:
+        raise SystemExit(f"{e} (--seq-len here: --world x --seq-local)") from None
     seqs = tuple((b - a, b - a) for a, b in zip(bounds, bounds[1:]))
     g = torch.Generator().manual_seed(0)
     mk = lambda h: torch.randn(S, 1, h, args.head_dim, generator=g).to(device, dtype)  # noqa: E731 -- sbhd
@@ -101,8 +106,11 @@ def run(args) -> tuple[list[dict], dict]:
                  efficiency=1.0, work_max_mean=1.0, errors={})]
     for layout_name in args.layouts:
         for mode in args.modes:
-            name, settings = parse_mode_spec(mode)
-            placement = resolve(name, P, shape, **settings)
+            try:
+                name, settings = parse_mode_spec(mode)
+                placement = resolve(name, P, shape, **settings)
+            except ValueError as e:
+                raise SystemExit(f"--modes {mode}: {e}") from None
             # the balanced layout of a hybrid balances its Ulysses groups, as the runtime builds it
             layout = balanced_layout(bounds, P, group=placement.ulysses) if layout_name == "balanced" else None
             mask, layout = attention_mask(P, shape, causal=True, cu_seqlens=None if layout else bounds, layout=layout)
@@ -155,7 +163,8 @@ def parse_args(argv=None):
     for name in ("world", "seq-local", "heads", "kv-heads", "head-dim", "iters", "warmup"):
         p.add_argument(f"--{name}", type=int)
     p.add_argument("--dtype", choices=sorted(DTYPES))
-    p.add_argument("--docs", default="lognormal:4096,1.0", help="packed documents, as megatron-mesh-plan's --docs")
+    p.add_argument("--docs", help="packed documents, as megatron-mesh-plan's --docs (default lognormal:4096,1.0 on "
+                                  "CUDA, lognormal:256,1.0 on the CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layouts", nargs="+", default=["zigzag", "balanced"], choices=["zigzag", "balanced"])
     p.add_argument("--modes", nargs="+", default=["ring", "tasp", "a2a+ring:2"],
