@@ -27,7 +27,7 @@ from ..kernels.base import BlockKernel
 from ..plan.ir import (KINDS, AddGrad, Attend, AttendBackward, Copy, Free, Key, MergeOut, Plan, Post, RankPlan,
                        RowStats, Wait)
 from .masks import backward_partials, block_mask, forward_partials
-from .merge import merge_partial_
+from .merge import merge_partial_, part_of
 
 __all__ = ["Executor", "ForwardResult", "accumulator_dtype"]
 
@@ -54,7 +54,7 @@ def _take(t: Tensor, sel, dim: int = 2) -> Tensor:
         return t
     if len(sel) == 1:
         a, b = sel[0]
-        return t.narrow(dim, a, b - a)
+        return part_of(t, dim, a, b - a)
     return torch.cat([t.narrow(dim, a, b - a) for a, b in sel], dim=dim)
 
 
@@ -264,7 +264,8 @@ class Executor:
             for r0, r1, o, l in forward_partials(self.kernel, _take(q, op.rows), k, v, mask, self.scale,
                                                  self.plan.kernel_calls):
                 for a, off, n in _overlaps(rows, r0, r1):
-                    merge_partial_(out.narrow(2, a, n), lse.narrow(2, a, n), o.narrow(2, off, n), l.narrow(2, off, n))
+                    merge_partial_(part_of(out, 2, a, n), part_of(lse, 2, a, n), part_of(o, 2, off, n),
+                                   part_of(l, 2, off, n))
 
     def _attend_backward(self, op: AttendBackward, bufs: _Buffers, pending) -> None:
         (q,) = bufs.get(op.q)
@@ -285,20 +286,20 @@ class Executor:
                 if part[0] == "q":
                     _, r0, r1, dq = part
                     for a, off, n in _overlaps(rows, r0, r1):
-                        acc_q.narrow(2, a, n).add_(dq.narrow(2, off, n))
+                        part_of(acc_q, 2, a, n).add_(part_of(dq, 2, off, n))
                     continue
                 _, c0, c1, dk, dv = part
                 for acc_k, acc_v, parts in cols:
                     for a, off, n in _overlaps(parts, c0, c1):
-                        acc_k.narrow(2, a, n).add_(dk.narrow(2, off, n))
-                        acc_v.narrow(2, a, n).add_(dv.narrow(2, off, n))
+                        part_of(acc_k, 2, a, n).add_(part_of(dk, 2, off, n))
+                        part_of(acc_v, 2, a, n).add_(part_of(dv, 2, off, n))
 
     def _merge(self, op: MergeOut, bufs: _Buffers, pending) -> None:
         src_out, src_lse = bufs.get(op.src)
         out, lse = bufs.accumulator(op.dst)
         for a, pos, n in _parts(op.into, out.shape[2]):
-            merge_partial_(out.narrow(2, a, n), lse.narrow(2, a, n), src_out.narrow(2, pos, n),
-                           src_lse.narrow(2, pos, n))
+            merge_partial_(part_of(out, 2, a, n), part_of(lse, 2, a, n), part_of(src_out, 2, pos, n),
+                           part_of(src_lse, 2, pos, n))
 
     def _add(self, op: AddGrad, bufs: _Buffers, pending) -> None:
         src, dst = bufs.get(op.src), bufs.accumulator(op.dst)
@@ -306,7 +307,7 @@ class Executor:
             if op.heads is not None:
                 d = d.narrow(1, op.heads[0], op.heads[1] - op.heads[0])
             for a, pos, n in _parts(op.into, d.shape[2]):
-                d.narrow(2, a, n).add_(s.narrow(2, pos, n))
+                part_of(d, 2, a, n).add_(part_of(s, 2, pos, n))
 
     def _copy(self, op: Copy, bufs: _Buffers, pending) -> None:
         src, dst = bufs.get(op.src), bufs.accumulator(op.dst)
@@ -315,7 +316,7 @@ class Executor:
                 d = d.narrow(1, op.heads[0], op.heads[1] - op.heads[0])
             s = _take(s, op.rows)
             for a, pos, n in _parts(op.into, d.shape[2]):
-                d.narrow(2, a, n).copy_(s.narrow(2, pos, n))
+                part_of(d, 2, a, n).copy_(part_of(s, 2, pos, n))
 
     def _rowstats(self, op: RowStats, bufs: _Buffers, pending) -> None:
         (dout,) = bufs.get(op.dout)

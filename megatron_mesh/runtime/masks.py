@@ -34,7 +34,7 @@ from torch import Tensor
 from ..kernels.base import CAUSAL, FULL, BlockKernel, BlockMask, varlen_backward, varlen_forward
 from ..plan.ir import Plan
 from ..plan.mask import MASK_PIECE, BlockKind, Mask, call_groups, mask_pieces
-from .merge import merge_partial_
+from .merge import merge_partial_, part_of
 
 __all__ = ["block_mask", "PiecedMask", "Piece", "block_forward", "block_backward", "forward_partials", "backward_partials",
            "mask_piece", "PIECE_ENV"]
@@ -137,7 +137,7 @@ def _span(t: Tensor, group, side: int, dim: int = 2) -> Tensor:
     """The rows (``side`` 0) or columns (1) of a group's pieces, one after another: a view, as the
     pieces of a variable-length call follow each other (:func:`_varlen`)."""
     a, b = (group[0].rows, group[-1].rows) if side == 0 else (group[0].cols, group[-1].cols)
-    return t.narrow(dim, a[0], b[1] - a[0])
+    return part_of(t, dim, a[0], b[1] - a[0])
 
 
 def _varlen(kernel: BlockKernel, group) -> bool:
@@ -175,7 +175,7 @@ def forward_partials(kernel: BlockKernel, q: Tensor, k: Tensor, v: Tensor, mask,
         off = 0
         for t in group:
             n = t.rows[1] - t.rows[0]
-            yield t.rows[0], t.rows[1], o.narrow(2, off, n), l.narrow(2, off, n)
+            yield t.rows[0], t.rows[1], part_of(o, 2, off, n), part_of(l, 2, off, n)
             off += n
 
 
@@ -206,8 +206,8 @@ def backward_partials(kernel: BlockKernel, dout: Tensor, q: Tensor, k: Tensor, v
         qo = ko = 0
         for t in group:
             n, m = t.rows[1] - t.rows[0], t.cols[1] - t.cols[0]
-            yield "q", t.rows[0], t.rows[1], gq.narrow(2, qo, n)
-            yield "kv", t.cols[0], t.cols[1], gk.narrow(2, ko, m), gv.narrow(2, ko, m)
+            yield "q", t.rows[0], t.rows[1], part_of(gq, 2, qo, n)
+            yield "kv", t.cols[0], t.cols[1], part_of(gk, 2, ko, m), part_of(gv, 2, ko, m)
             qo, ko = qo + n, ko + m
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["merge_partial_"]
+__all__ = ["merge_partial_", "part_of"]
 
 _FLOOR = -1e30  # the reference of rows no key has reached (their weights are exp(-inf) = 0)
 
@@ -26,3 +26,10 @@ def merge_partial_(out: Tensor, lse: Tensor, blk_out: Tensor, blk_lse: Tensor) -
     out.mul_((lse - ref).exp_().unsqueeze(-1))
     out.addcmul_(blk_out, (blk_lse.to(out.dtype) - ref).exp_().unsqueeze(-1))
     lse.copy_(new_lse)
+
+
+def part_of(t: Tensor, dim: int, start: int, length: int) -> Tensor:
+    """``t.narrow(dim, start, length)``, or ``t`` itself where that is all of it: the executor
+    cuts its accumulators and block results per range, mostly whole, and every view costs a
+    dispatch on the host (a GPU waits for the host at a few thousand tokens per rank)."""
+    return t if start == 0 and length == t.shape[dim] else t.narrow(dim, start, length)
