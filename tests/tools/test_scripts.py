@@ -1,5 +1,6 @@
 """The benchmark and comparison scripts end to end on tiny CPU shapes: scripts/bench_kernels.py
-(tiled plans vs the fused kernel), scripts/bench_masks.py (packed documents' plans vs one varlen call), scripts/tasp_link_load.py (link load of ring vs TASP) and
+(tiled plans vs the fused kernel), scripts/bench_masks.py (packed documents' plans vs one varlen call),
+scripts/count_host_ops.py (torch ops per rank), scripts/tasp_link_load.py (link load of ring vs TASP) and
 scripts/compare_attention.py (4 gloo processes). (scripts/bench_tasp_transport.py is a timing
 script of the same transports that test_tasp_attention.py checks, and scripts/bench_agreement.py
 one of the plan-agreement check that test_api.py and test_api_distributed.py check; their spawns
@@ -70,6 +71,18 @@ def test_bench_kernels_runs_on_tiny_shapes(tmp_path, capsys, script):
         bench.main(["--device", "cpu", "--world", "3", "--tiles", "2x2"])
     with pytest.raises(SystemExit, match="--seq-local values must be even and >= 2"):
         bench.main(["--device", "cpu", "--world", "3", "--seq-local", "7"])
+def test_count_host_ops_counts_every_rank_s_ops(capsys, script):
+    """The op count on odd P (the hybrid is Ulysses over all 3 ranks): a row per layout and mode,
+    views among the ops, and the table printed."""
+    count = script("count_host_ops")
+    rows = count.main(["--world", "3", "--seq-local", "32", "--docs", "lognormal:20,1.0", "--modes", "ring",
+                       "a2a+ring:3", "--top", "3"])
+    assert [(r["layout"], r["mode"]) for r in rows] == [(lay, m) for lay in ("zigzag", "balanced")
+                                                        for m in ("ring", "a2a+ring:3")]
+    assert all(r["ops"] > r["non_view"] > 0 for r in rows)
+    assert "zigzag    ring" in capsys.readouterr().out
+
+
 def test_bench_masks_runs_on_tiny_shapes(tmp_path, capsys, script):
     """Packed documents on odd P, both layouts, a plain mode and a hybrid: every row reproduces
     the fused call's out and gradients, the balanced layout balances the plan's work, and the
