@@ -12,10 +12,12 @@ of every rank's work; see ``scripts/bench_kernels.py``) and times forward + back
   forward + backward, divided by P: the compute floor at the kernel's own speed on this device.
 
 Efficiency = fused / tiled (1.0: the plan's pieces cost what one call over the sample costs).
+**Busiest rank ms**: the largest of the ranks' own times (each rank's turns in the serial run, the
+device synchronised at every hand-over): what one step on P devices would take without
+communication; step efficiency = (fused / P) / busiest rank -- where the layout's balance shows.
 The busiest rank's work (allowed pairs, max / mean) comes from the plan; the max errors compare the
-tiled out / dq / dk / dv with the fused call's. The serial harness sums the ranks' times, so it
-measures what the pieces cost in all, not the balance: on P devices a step takes the busiest rank's
-time. A hybrid's balanced layout balances its Ulysses groups (``balanced_layout(group=U)``), as
+tiled out / dq / dk / dv with the fused call's. "ms per rank" sums the ranks' times (what the
+pieces cost in all); "busiest rank ms" is the balance. A hybrid's balanced layout balances its Ulysses groups (``balanced_layout(group=U)``), as
 Megatron's adapter builds it.
 
     python scripts/bench_masks.py                                      # CUDA defaults, else small CPU shapes
@@ -37,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: the kernel benchmark's helpers
 
 from bench_kernels import with_device_defaults  # noqa: E402
-from megatron_mesh.comm.inprocess import run_inprocess  # noqa: E402
+from megatron_mesh.comm.inprocess import Mailbox, run_inprocess  # noqa: E402
 from megatron_mesh.kernels import get_kernel  # noqa: E402
 from megatron_mesh.kernels.base import loop_varlen_backward, loop_varlen_forward  # noqa: E402
 from megatron_mesh.plan import AttentionShape, balanced_layout, resolve  # noqa: E402
@@ -52,7 +54,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULTS = {  # realistic on a GPU; seconds on a CPU
     "cuda": dict(world=4, seq_local=16384, heads=32, kv_heads=8, head_dim=128, dtype="bf16", iters=3, warmup=1,
                  docs="lognormal:4096,1.0"),
-    "cpu": dict(world=4, seq_local=512, heads=4, kv_heads=2, head_dim=32, dtype="fp32", iters=1, warmup=0,
+    "cpu": dict(world=4, seq_local=512, heads=4, kv_heads=2, head_dim=32, dtype="fp32", iters=1, warmup=1,
                 docs="lognormal:256,1.0"),
 }
 
@@ -103,7 +105,7 @@ def run(args) -> tuple[list[dict], dict]:
     (ref_out, _), ref_grads = ref["r"]
     want = {"out": ref_out, "dq": ref_grads[0], "dk": ref_grads[1], "dv": ref_grads[2]}
     rows = [dict(layout="-", mode="fused", calls="varlen" if kernel.varlen else "loop", ms_per_rank=1e3 * t_fused / P,
-                 efficiency=1.0, work_max_mean=1.0, errors={})]
+                 busiest_ms=1e3 * t_fused / P, efficiency=1.0, step_efficiency=1.0, work_max_mean=1.0, errors={})]
     for layout_name in args.layouts:
         for mode in args.modes:
             try:
@@ -128,14 +130,18 @@ def run(args) -> tuple[list[dict], dict]:
 
                 if args.warmup:
                     run_inprocess(rank_fn, P, args.warmup, serial=True, device=device, timeout=600)
+                box = Mailbox(P)
                 t = timed(device, lambda: run_inprocess(rank_fn, P, args.iters, serial=True, device=device,
-                                                        timeout=600), 1) / args.iters
+                                                        timeout=600, mailbox=box), 1) / args.iters
+                busiest = max(box.busy) / args.iters  # each rank's own turns: one step of P devices
                 errors = {}
                 for i, name in enumerate(("out", "dq", "dk", "dv")):
                     whole = bhsd(layout_unshard([r[i] for r in got], layout, dim=0))
                     errors[name] = (whole.double() - want[name].double()).abs().max().item()
                 rows.append(dict(layout=layout_name, mode=mode, calls=calls, ms_per_rank=1e3 * t / P,
-                                 efficiency=t_fused / t, work_max_mean=max(work) / (sum(work) / P), errors=errors))
+                                 busiest_ms=1e3 * busiest, efficiency=t_fused / t,
+                                 step_efficiency=t_fused / P / busiest, work_max_mean=max(work) / (sum(work) / P),
+                                 errors=errors))
     meta = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU", kernel=kernel.name,
                 dtype=args.dtype, world=P, seq_len=S, docs=args.docs, seed=args.seed, documents=len(seqs),
                 heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, iters=args.iters,
@@ -147,12 +153,13 @@ def markdown(rows, meta) -> str:
     lines = [f"device: {meta['device']}, {meta['kernel']}, {meta['dtype']}, P={meta['world']}, S={meta['seq_len']}, "
              f"{meta['documents']} documents ({meta['docs']}, seed {meta['seed']}), heads {meta['heads']}/"
              f"{meta['kv_heads']} of {meta['head_dim']}, causal, forward + backward", "",
-             "| layout | mode | calls | ms per rank | efficiency | work max/mean | max abs err (out, dq, dk, dv) |",
-             "|---|---|---|---:|---:|---:|---|"]
+             "| layout | mode | calls | ms per rank (sum / P) | efficiency | busiest rank ms | step efficiency "
+             "| work max/mean | max abs err (out, dq, dk, dv) |",
+             "|---|---|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         err = ", ".join(f"{v:.1e}" for v in r["errors"].values()) or "-"
         lines.append(f"| {r['layout']} | {r['mode']} | {r['calls']} | {r['ms_per_rank']:.3f} | {r['efficiency']:.2f} | "
-                     f"{r['work_max_mean']:.2f} | {err} |")
+                     f"{r['busiest_ms']:.3f} | {r['step_efficiency']:.2f} | {r['work_max_mean']:.2f} | {err} |")
     return "\n".join(lines)
 
 

@@ -122,6 +122,12 @@ class Mailbox:
         self.blocked: dict[int, list[_Transfer]] = {}  # rank -> the transfers it waits for
         self.finished: set[int] = set()
         self.error: str | None = None
+        # serial runs: each rank's seconds holding the turn (its own work: run_inprocess's
+        # ``rank_seconds``); the device is synchronised at every hand-over so its queued work is
+        # counted to the rank that queued it
+        self.serial = False
+        self.busy = [0.0] * world_size
+        self._since: dict[int, float] = {}
 
     # -- posting -----------------------------------------------------------------------------------
     def post(self, rank: int, sends: Sequence[tuple[int, Tensor]], recvs: Sequence[tuple[int, Tensor]]) -> list:
@@ -174,6 +180,21 @@ class Mailbox:
             raise ValueError("copy times are measured only by a Mailbox(..., timed=True)")
         return self._cpu_seconds + sum(a.elapsed_time(b) for a, b in self._cuda_events) / 1e3
 
+    # -- the turn of a serial run ------------------------------------------------------------------
+    def take_turn(self, rank: int, device=None) -> None:
+        """Serial runs: ``rank`` starts working (it holds the lock)."""
+        if self.serial:
+            self._since[rank] = time.perf_counter()
+
+    def end_turn(self, rank: int, device=None) -> None:
+        """Serial runs: ``rank`` stops working (before it gives the lock up): its time so far,
+        its queued device work included, is its own."""
+        start = self._since.pop(rank, None) if self.serial else None
+        if start is not None:
+            if device is not None and device.type == "cuda":
+                torch.cuda.synchronize(device)
+            self.busy[rank] += time.perf_counter() - start
+
     # -- waiting -----------------------------------------------------------------------------------
     def wait(self, rank: int, transfers: list[_Transfer]) -> None:
         with self.cond:
@@ -182,10 +203,13 @@ class Mailbox:
                 if all(t.done for t in transfers):
                     break
                 self.blocked[rank] = transfers
+                device = transfers[0].tensor.device if transfers else None
                 try:
                     self._detect_deadlock()
+                    self.end_turn(rank, device)
                     self.cond.wait(_POLL_S)
                 finally:
+                    self.take_turn(rank)
                     self.blocked.pop(rank, None)
         for t in transfers:  # the caller's stream may use / reuse the tensors once the copy is done
             if t.copied is not None:
@@ -271,7 +295,9 @@ def run_inprocess(fn: Callable[..., Any], world_size: int, *args: Any, timeout: 
 
     ``serial=True`` lets one virtual rank run at a time (a rank hands over only while it waits
     for a message), so wall time is the sum of all ranks' work -- what a one-device benchmark
-    wants. ``device`` (a CUDA device) is made current in every thread; ``streams=True`` gives
+    wants -- and ``mailbox.busy[r]`` the seconds rank r held the turn (its own work; the device is
+    synchronised at each hand-over): the busiest rank's is what one step of P devices would
+    take without communication. ``device`` (a CUDA device) is made current in every thread; ``streams=True`` gives
     each virtual rank its own CUDA stream. ``mailbox``: a fresh :class:`Mailbox` of
     ``world_size`` ranks to use (e.g. a timed one); default a new one. Raises
     :class:`InProcessError` if a rank raises, the ranks deadlock, or the run is still going after
@@ -292,6 +318,7 @@ def run_inprocess(fn: Callable[..., Any], world_size: int, *args: Any, timeout: 
         used = "already used" if mailbox.posted or mailbox.finished else "unused"
         raise ValueError(f"mailbox must be a fresh Mailbox of {world_size} ranks, got an {used} one of "
                          f"{mailbox.world_size} ranks")
+    mailbox.serial = serial
     results: list[Any] = [None] * world_size
     errors: dict[int, BaseException] = {}
     tracebacks: dict[int, str] = {}
@@ -301,11 +328,13 @@ def run_inprocess(fn: Callable[..., Any], world_size: int, *args: Any, timeout: 
         try:
             if serial:
                 mailbox.lock.acquire()
+                mailbox.take_turn(rank)
             try:
                 with _device_context(dev, streams):
                     results[rank] = fn(rank, comm, *args)
             finally:
                 if serial:
+                    mailbox.end_turn(rank, dev)
                     mailbox.lock.release()
         except BaseException as e:  # report every failure, and stop the ranks that wait on this one
             errors[rank] = e

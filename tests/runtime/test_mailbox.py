@@ -163,6 +163,31 @@ def test_timed_mailbox_counts_every_copied_byte():
         Mailbox(2).copy_seconds()
 
 
+def test_serial_run_times_each_rank_s_own_work():
+    """In a serial run each rank's turn time is its own work, waits excluded: a ring of 3 ranks,
+    each working before and after an exchange (rank 1 ten times longer); the turns add up to the
+    wall time, and a parallel run records none."""
+    work = {0: (0.01, 0.02), 1: (0.1, 0.2), 2: (0.02, 0.01)}
+
+    def fn(rank, comm):
+        time.sleep(work[rank][0])
+        got = torch.empty(1)
+        comm.start([((rank + 1) % 3, torch.full((1,), float(rank)))], [((rank - 1) % 3, got)]).wait()
+        time.sleep(work[rank][1])
+        return got.item()
+
+    box = Mailbox(3)
+    start = time.perf_counter()
+    assert run_inprocess(fn, 3, serial=True, mailbox=box) == [2.0, 0.0, 1.0]
+    wall = time.perf_counter() - start
+    for rank, (before, after) in work.items():
+        assert before + after <= box.busy[rank] < before + after + 0.05, (rank, box.busy)
+    assert sum(box.busy) <= wall < sum(box.busy) + 0.1
+    parallel = Mailbox(3)
+    run_inprocess(fn, 3, mailbox=parallel)
+    assert parallel.busy == [0.0] * 3
+
+
 def test_bad_arguments_raise_value_error():
     with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
         run_inprocess(lambda r, c: None, 0)

@@ -101,6 +101,7 @@ def test_bench_masks_runs_on_tiny_shapes(tmp_path, capsys, script):
     for r in rows[1:]:
         assert set(r["errors"]) == {"out", "dq", "dk", "dv"} and max(r["errors"].values()) < 1e-5, r
         assert r["efficiency"] == pytest.approx(rows[0]["ms_per_rank"] / r["ms_per_rank"], rel=1e-9)
+        assert r["busiest_ms"] > 0 and r["step_efficiency"] == pytest.approx(rows[0]["ms_per_rank"] / r["busiest_ms"])
     work = {(r["layout"], r["mode"]): r["work_max_mean"] for r in rows}
     assert work["balanced", "ring"] < work["zigzag", "ring"], work
 
