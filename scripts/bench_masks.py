@@ -17,8 +17,8 @@ device synchronised at every hand-over): what one step on P devices would take w
 communication; step efficiency = (fused / P) / busiest rank -- where the layout's balance shows.
 The busiest rank's work (allowed pairs, max / mean) comes from the plan; the max errors compare the
 tiled out / dq / dk / dv with the fused call's. "ms per rank" sums the ranks' times (what the
-pieces cost in all); "busiest rank ms" is the balance. A hybrid's balanced layout balances its Ulysses groups (``balanced_layout(group=U)``), as
-Megatron's adapter builds it.
+pieces cost in all); "busiest rank ms" is the balance. A hybrid's balanced layout balances its
+Ulysses groups (``balanced_layout(group=U)``), as Megatron's adapter builds it.
 
     python scripts/bench_masks.py                                      # CUDA defaults, else small CPU shapes
     python scripts/bench_masks.py --world 8 --seq-local 16384 --docs lognormal:4096,1.0 --modes ring tasp

@@ -122,9 +122,8 @@ class Mailbox:
         self.blocked: dict[int, list[_Transfer]] = {}  # rank -> the transfers it waits for
         self.finished: set[int] = set()
         self.error: str | None = None
-        # serial runs: each rank's seconds holding the turn (its own work: run_inprocess's
-        # ``rank_seconds``); the device is synchronised at every hand-over so its queued work is
-        # counted to the rank that queued it
+        # serial runs: each rank's seconds holding the turn (its own work); the device is
+        # synchronised at every hand-over so its queued work counts to the rank that queued it
         self.serial = False
         self.busy = [0.0] * world_size
         self._since: dict[int, float] = {}
@@ -181,7 +180,7 @@ class Mailbox:
         return self._cpu_seconds + sum(a.elapsed_time(b) for a, b in self._cuda_events) / 1e3
 
     # -- the turn of a serial run ------------------------------------------------------------------
-    def take_turn(self, rank: int, device=None) -> None:
+    def take_turn(self, rank: int) -> None:
         """Serial runs: ``rank`` starts working (it holds the lock)."""
         if self.serial:
             self._since[rank] = time.perf_counter()
@@ -297,8 +296,8 @@ def run_inprocess(fn: Callable[..., Any], world_size: int, *args: Any, timeout: 
     for a message), so wall time is the sum of all ranks' work -- what a one-device benchmark
     wants -- and ``mailbox.busy[r]`` the seconds rank r held the turn (its own work; the device is
     synchronised at each hand-over): the busiest rank's is what one step of P devices would
-    take without communication. ``device`` (a CUDA device) is made current in every thread; ``streams=True`` gives
-    each virtual rank its own CUDA stream. ``mailbox``: a fresh :class:`Mailbox` of
+    take without communication. ``device`` (a CUDA device) is made current in every thread;
+    ``streams=True`` gives each virtual rank its own CUDA stream. ``mailbox``: a fresh :class:`Mailbox` of
     ``world_size`` ranks to use (e.g. a timed one); default a new one. Raises
     :class:`InProcessError` if a rank raises, the ranks deadlock, or the run is still going after
     ``timeout`` seconds.

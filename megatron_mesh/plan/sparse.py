@@ -113,7 +113,8 @@ class Assignment:
         if self.rounds not in ("shift", "burst"):
             raise ValueError(f"rounds must be 'shift' or 'burst', got {self.rounds!r}")
         if self.tiles and len(self.tiles) != len(self.owners):
-            raise ValueError(f"tiles must name the tile of each of the {len(self.owners)} owner maps, got {self.tiles!r}")
+            raise ValueError(f"tiles must name the tile of each of the {len(self.owners)} owner maps, "
+                             f"got {self.tiles!r}")
 
 
 # a document with fewer query tokens than this in a block shares one masked kernel call with the
@@ -441,12 +442,12 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
     needs: object = _QueryOwnerNeeds(index)
     assigned = QUERY_OWNER
     tile, contiguous = assignment.tile, assignment.contiguous
+    token_bytes = {k: buffer_bytes(k, 1, shape) for k in ("q", "kv", "do", "o", "dq", "dkv")}
     if assignment.owners:  # compare the mode's maps with the query owner by the busiest rank's bytes
         table = block_table(P, mask, layout)
         candidates = [(QUERY_OWNER, _Needs(P, table, lambda i, j: i))]
         candidates += [(name, _Needs(P, table, owner)) for name, owner in assignment.owners]
         # each map with the ranks that would keep their pieces under it ("auto" decides per map)
-        token_bytes = {k: buffer_bytes(k, 1, shape) for k in ("q", "kv")}
         costs = [max(n.bytes_per_rank(shape, _Keeps(backward_chunks, n, T, token_bytes))) for _, n in candidates]
         best = min(range(len(candidates)), key=lambda k: (costs[k], -k))  # ties: the mode's own map (last)
         assigned, needs = candidates[best]
@@ -459,7 +460,6 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
             notes.append(f"tile {tile[0]}x{tile[1]} (contiguous {contiguous}): of the {len(assignment.tiles)} tile "
                          "maps and the query owner, the fewest bytes on the busiest rank under this mask")
     burst = assignment.rounds == "burst"
-    token_bytes = {k: buffer_bytes(k, 1, shape) for k in ("q", "kv", "do", "o", "dq", "dkv")}
     keeps = _Keeps(backward_chunks, needs, T, token_bytes)
     lowering = _SparseLowering(P, T, needs, index, keeps, burst, token_bytes)
     notes.append(f"mask {mask.summary()}: each rank computes only the blocks with allowed pairs and receives only the "

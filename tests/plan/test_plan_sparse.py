@@ -138,8 +138,8 @@ def test_mesh_auto_tile_chooses_with_the_mask(P, backward_chunks):
     def busiest(plan):
         return max(b.sent + b.received for b in plan_bytes(plan, shape))
 
-    explicit = {(t, c): resolve("mesh", P, shape, tile=t, contiguous=c, backward_chunks=backward_chunks).build(shape, docs)
-                for t in tile_shapes(P) for c in ("q", "kv")}
+    explicit = {(t, c): resolve("mesh", P, shape, tile=t, contiguous=c, backward_chunks=backward_chunks)
+                .build(shape, docs) for t in tile_shapes(P) for c in ("q", "kv")}
     auto = resolve("mesh", P, shape, backward_chunks=backward_chunks)
     assert auto.options.tile_auto and not resolve("mesh", P, shape, tile=(2, P // 2)).options.tile_auto
     plan = auto.build(shape, docs)
@@ -147,7 +147,8 @@ def test_mesh_auto_tile_chooses_with_the_mask(P, backward_chunks):
     assert busiest(plan) == min(busiest(p) for p in explicit.values())
     if plan.assignment == "tile":
         assert busiest(plan) == busiest(explicit[plan.tile, plan.contiguous])
-        assert plan.notes[0].startswith(f"tile {plan.tile[0]}x{plan.tile[1]} (contiguous {plan.contiguous}): "), plan.notes
+        a, b = plan.tile
+        assert plan.notes[0].startswith(f"tile {a}x{b} (contiguous {plan.contiguous}): "), plan.notes
     assert all(p.tile == t and p.contiguous == c for (t, c), p in explicit.items())  # an explicit tile stays
 
 

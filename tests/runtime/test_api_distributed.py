@@ -2,10 +2,10 @@
 conftest.dist_results): ranks that disagree on the call -- mode, documents (a cached plan on some
 ranks and a new one on others, or two cached plans whose transfers have the same shapes), softmax
 scale, dtype, local shape, window, a hybrid's window, through the Megatron adapter's wrapped
-communicator, one rank's bad input, one rank with another plugin version -- fail at once on every rank naming the difference, instead
-of hanging or returning a wrong result; a rank passing a group it is not in gets an error naming
-the group; after destroy_process_group() and a new init with the ranks swapped, group=None means
-the new group."""
+communicator, one rank's bad input, one rank with another plugin version -- fail at once on every
+rank naming the difference, instead of hanging or returning a wrong result; a rank passing a group
+it is not in gets an error naming the group; after destroy_process_group() and a new init with the
+ranks swapped, group=None means the new group."""
 
 import api_cases
 import pytest
