@@ -89,7 +89,10 @@ def main(argv=None) -> list[dict]:
     print(f"{'layout':<10}{'mode':<14}{'ops':>7}{'non-view':>10}  most frequent")
     for layout_name in args.layouts:
         for mode in args.modes:
-            ops = count(args.world, args.seq_local, mode, args.docs, layout_name)
+            try:
+                ops = count(args.world, args.seq_local, mode, args.docs, layout_name)
+            except ValueError as e:  # a bad --world, --modes or --docs: the message names it
+                raise SystemExit(f"{layout_name} {mode}: {e}") from None
             total = sum(ops.values()) / args.world
             kernels = sum(n for op, n in ops.items() if op not in VIEWS) / args.world
             top = ", ".join(f"{op} {n / args.world:.0f}" for op, n in ops.most_common(args.top))
