@@ -130,7 +130,7 @@ def run(args) -> tuple[list[dict], dict]:
 
                 if args.warmup:
                     run_inprocess(rank_fn, P, args.warmup, serial=True, device=device, timeout=600)
-                box = Mailbox(P)
+                box = Mailbox(P, turns=True)
                 t = timed(device, lambda: run_inprocess(rank_fn, P, args.iters, serial=True, device=device,
                                                         timeout=600, mailbox=box), 1) / args.iters
                 busiest = max(box.busy) / args.iters  # each rank's own turns: one step of P devices

@@ -102,13 +102,15 @@ class Mailbox:
     """Channels between the ``world_size`` virtual ranks of one run (see the module doc).
 
     ``timed=True`` measures the copies (what a benchmark subtracts to get compute-only time):
-    :meth:`copy_seconds` and ``copied_bytes``.
+    :meth:`copy_seconds` and ``copied_bytes``. ``turns=True`` times each rank's own work in a
+    serial run (``busy``), synchronising the device at every hand-over -- which a run that does
+    not ask for it is spared, so its ranks' device work may overlap the next rank's launches.
     """
 
-    def __init__(self, world_size: int, timed: bool = False):
+    def __init__(self, world_size: int, timed: bool = False, turns: bool = False):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
-        self.world_size, self.timed = world_size, timed
+        self.world_size, self.timed, self.turns = world_size, timed, turns
         self.copied_bytes = 0
         self._cpu_seconds = 0.0
         self._cuda_events: list = []  # (start, end) pairs, read after the device is synchronised
@@ -122,8 +124,9 @@ class Mailbox:
         self.blocked: dict[int, list[_Transfer]] = {}  # rank -> the transfers it waits for
         self.finished: set[int] = set()
         self.error: str | None = None
-        # serial runs: each rank's seconds holding the turn (its own work); the device is
-        # synchronised at every hand-over so its queued work counts to the rank that queued it
+        # serial runs with turns=True: each rank's seconds holding the turn (its own work); the
+        # device is synchronised at every hand-over so its queued work counts to the rank that
+        # queued it
         self.serial = False
         self.busy = [0.0] * world_size
         self._since: dict[int, float] = {}
@@ -182,13 +185,13 @@ class Mailbox:
     # -- the turn of a serial run ------------------------------------------------------------------
     def take_turn(self, rank: int) -> None:
         """Serial runs: ``rank`` starts working (it holds the lock)."""
-        if self.serial:
+        if self.serial and self.turns:
             self._since[rank] = time.perf_counter()
 
     def end_turn(self, rank: int, device=None) -> None:
         """Serial runs: ``rank`` stops working (before it gives the lock up): its time so far,
         its queued device work included, is its own."""
-        start = self._since.pop(rank, None) if self.serial else None
+        start = self._since.pop(rank, None)
         if start is not None:
             if device is not None and device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -294,9 +297,9 @@ def run_inprocess(fn: Callable[..., Any], world_size: int, *args: Any, timeout: 
 
     ``serial=True`` lets one virtual rank run at a time (a rank hands over only while it waits
     for a message), so wall time is the sum of all ranks' work -- what a one-device benchmark
-    wants -- and ``mailbox.busy[r]`` the seconds rank r held the turn (its own work; the device is
-    synchronised at each hand-over): the busiest rank's is what one step of P devices would
-    take without communication. ``device`` (a CUDA device) is made current in every thread;
+    wants -- and, with a ``Mailbox(..., turns=True)``, ``mailbox.busy[r]`` the seconds rank r held
+    the turn (its own work; the device is synchronised at each hand-over): the busiest rank's is
+    what one step of P devices would take without communication. ``device`` (a CUDA device) is made current in every thread;
     ``streams=True`` gives each virtual rank its own CUDA stream. ``mailbox``: a fresh :class:`Mailbox` of
     ``world_size`` ranks to use (e.g. a timed one); default a new one. Raises
     :class:`InProcessError` if a rank raises, the ranks deadlock, or the run is still going after

@@ -176,14 +176,14 @@ def test_serial_run_times_each_rank_s_own_work():
         time.sleep(work[rank][1])
         return got.item()
 
-    box = Mailbox(3)
+    box = Mailbox(3, turns=True)
     start = time.perf_counter()
     assert run_inprocess(fn, 3, serial=True, mailbox=box) == [2.0, 0.0, 1.0]
     wall = time.perf_counter() - start
     for rank, (before, after) in work.items():
         assert before + after <= box.busy[rank] < before + after + 0.05, (rank, box.busy)
     assert sum(box.busy) <= wall < sum(box.busy) + 0.1
-    parallel = Mailbox(3)
+    parallel = Mailbox(3, turns=True)
     run_inprocess(fn, 3, mailbox=parallel)
     assert parallel.busy == [0.0] * 3
 
