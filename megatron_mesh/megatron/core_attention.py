@@ -284,6 +284,7 @@ class PluginCoreAttention(MegatronModule):
         call = prepare(q, k, v, mode=self.placement.mode, placement=self.placement, comm=self.comm, causal=causal,
                        window=self.window, cu_seqlens=cu_seqlens, layout=layout, softmax_scale=self.softmax_scale,
                        kernel=self.settings.kernel)
+        telemetry.on_plan(self.layer_number, self.placement.tile, call.plan)
         if telemetry.records_attention():  # nothing to work out per call without --cp-metrics-dir
             telemetry.on_attention(call.plan, call.comm.rank, attention_shape(q, k, v),
                                    torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))

@@ -3,6 +3,9 @@
 * **Summary**: at the first forward, one line per pipeline stage (CP, TP and DP rank 0 of the
   stage) names the mode and settings of its plugin layers, e.g.
   ``megatron_mesh: pipeline stage 1/1: layers 1-2: mesh (CP 4, tile 2x2, schedule greedy, ...)``.
+  The tile there is the one for dense attention; where a batch's documents or window make a Mesh
+  plan place its blocks otherwise (another tile map, or every block at its query's owner), one
+  more line says so, once for each such placement (:func:`on_plan`).
 * **Timers** (Megatron's timers, log level 2: ``--timing-log-level 2``): ``cp-attention-compute``
   and ``cp-attention-comm`` -- the time the plugin's attention layers spend, forward and backward,
   outside and inside their transfers (starting a round, waiting for it). Logged with Megatron's
@@ -37,7 +40,7 @@ import torch.distributed as dist
 from ..comm.base import Communicator, total_bytes, total_sent_to
 from ..plan.units import format_bytes
 
-__all__ = ["install", "register_layer", "on_forward", "on_attention", "timed_communicator", "compute_phase", "mark_backward",
+__all__ = ["install", "register_layer", "on_forward", "on_plan", "on_attention", "timed_communicator", "compute_phase", "mark_backward",
            "TIMER_COMPUTE", "TIMER_COMM", "TIMER_LOG_LEVEL"]
 
 logger = logging.getLogger(__name__)
@@ -53,6 +56,7 @@ class _State:
     metrics = None  # MetricsWriter
     layers: dict = {}  # layer number -> (description, record) of this process's plugin layers
     summarized = False
+    placements_said: set = set()  # (layer description, tile, assignment) already logged by on_plan
     depth = {TIMER_COMPUTE: 0, TIMER_COMM: 0}
     step_ms: Optional[float] = None
     bytes_at_record = (0, 0)
@@ -119,6 +123,35 @@ def _groups(layers) -> list[str]:
         else:
             runs.append([n, n, desc])
     return [f"{f'layer {a}' if a == b else f'layers {a}-{b}'}: {desc}" for a, b, desc in runs]
+
+
+def on_plan(layer_number: int, planned_tile, plan) -> None:
+    """A plugin layer runs ``plan``; its summary line named ``planned_tile`` (the placement's tile,
+    chosen for dense attention; None for modes without one). Under a batch's documents or window
+    a Mesh plan may place its blocks otherwise -- another tile map, or every block at its query
+    chunk's owner, whichever moves the fewest bytes on the busiest rank -- and then this logs one
+    line saying so, once for each layer description and placement (plans are per batch; the
+    check is one set lookup), e.g. ``megatron_mesh: layers with mesh (CP 8, tile 2x4, ...): under
+    this batch's mask the plan runs tile 4x2 (...)``."""
+    if planned_tile is None:
+        return
+    assignment = plan.assignment or "tile"
+    if plan.tile == tuple(planned_tile) and (assignment == "tile" or planned_tile[0] == 1):
+        return  # as summarised (a 1 x P tile is the query owner's placement)
+    entry = _State.layers.get(layer_number)
+    if entry is None or not entry[2]:
+        return
+    key = (entry[0], plan.tile, assignment)
+    if key in _State.placements_said:
+        return
+    _State.placements_said.add(key)
+    if assignment == "tile":
+        what = (f"tile {plan.tile[0]}x{plan.tile[1]} (of the tile maps and the query owner, the fewest bytes on the "
+                "busiest rank under this mask)")
+    else:
+        what = (f"every block at its query chunk's owner ({assignment}: under this mask no tile map moves fewer bytes "
+                "on the busiest rank)")
+    logger.info("megatron_mesh: layers with %s: under this batch's mask the plan runs %s", entry[0], what)
 
 
 # -- attention work ------------------------------------------------------------------------------------

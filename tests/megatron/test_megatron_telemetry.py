@@ -176,3 +176,45 @@ def test_comm_counter_counts_bytes_per_peer():
     assert c.sent_to == {0: 12, 3: 24} and c.bytes_sent == 36 and c.messages_sent == 3
     with pytest.raises(ValueError, match=r"bytes per peer \{0: 5\} sum to 5, not to the 6 bytes sent"):
         record_bytes(6, 0, 1, {0: 5})
+
+
+def test_a_plan_placed_otherwise_than_the_summary_is_logged_once(monkeypatch, caplog):
+    """mesh:auto picks its tile for dense attention (the summary line); under documents the
+    mask-aware plan takes another tile map, or the query owner: one line says so per placement."""
+    from megatron_mesh.plan import AttentionShape, Mask, resolve
+
+    monkeypatch.setattr(T, "layers", {})
+    monkeypatch.setattr(T, "summarized", False)
+    monkeypatch.setattr(T, "placements_said", set())
+    shape = AttentionShape(seq_local=1024, batch=1, heads=4, kv_heads=4, head_dim=8, itemsize=4)
+    placement = resolve("mesh", 8, shape, tile="auto")
+    assert placement.tile == (2, 4)
+    documents = Mask.from_cu_seqlens([0, 3000, 4000, 4100, 8192], 8192, True, None)
+    plan = placement.build(shape, documents, None)
+    assert (plan.tile, plan.assignment) == ((4, 2), "tile")
+    dense = placement.build(shape, None, None)
+    desc = placement.describe()[:-1] + ", kernel auto)"
+    for n in (1, 2):
+        telemetry.register_layer(n, desc, {"mode": "mesh"}, logs=True)
+    telemetry.register_layer(3, "tasp (CP 8, kernel auto)", {"mode": "tasp"}, logs=True)
+    with caplog.at_level(logging.INFO, logger=telemetry.__name__):
+        telemetry.on_plan(1, placement.tile, dense)  # as summarised: nothing
+        for _ in range(3):  # every batch, two layers: said once
+            telemetry.on_plan(1, placement.tile, plan)
+            telemetry.on_plan(2, placement.tile, plan)
+        telemetry.on_plan(3, None, plan)  # no tile summarised: nothing to correct
+        owner = types.SimpleNamespace(tile=(2, 4), assignment="query owner")
+        telemetry.on_plan(2, placement.tile, owner)
+        telemetry.on_plan(1, (1, 8), types.SimpleNamespace(tile=(1, 8), assignment="query owner"))  # a ring tile
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [f"megatron_mesh: layers with {desc}: under this batch's mask the plan runs tile 4x2 (of the tile "
+                     "maps and the query owner, the fewest bytes on the busiest rank under this mask)",
+                     f"megatron_mesh: layers with {desc}: under this batch's mask the plan runs every block at its "
+                     "query chunk's owner (query owner: under this mask no tile map moves fewer bytes on the busiest "
+                     "rank)"]
+    monkeypatch.setattr(T, "placements_said", set())
+    telemetry.register_layer(4, desc, {"mode": "mesh"}, logs=False)  # a rank that does not speak for its stage
+    with caplog.at_level(logging.INFO, logger=telemetry.__name__):
+        caplog.clear()
+        telemetry.on_plan(4, placement.tile, plan)
+    assert caplog.records == []
