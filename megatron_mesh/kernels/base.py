@@ -95,7 +95,12 @@ class BlockKernel(Protocol):
         ``delta`` = rowsum(dout * out) [B, H, Sq] (fp32 or fp64) of the full attention rows. With
         P = exp(s - lse) on allowed pairs (0 elsewhere) and dS = P * (dout v^T - delta):
         dq = scale dS k, dk = scale dS^T q, dv = P^T dout. Returns (dq, dk, dv) shaped like
-        (q, k, v), any float dtype (the executor accumulates in fp32)."""
+        (q, k, v), any float dtype (the executor accumulates in fp32).
+
+        A kernel that needs more of the rows than ``delta`` (torch's fused ops want an output)
+        may define ``backward_rows(dout, delta) -> Tensor``: the executor then calls it once per
+        buffer of rows -- not once per block, as many blocks read the same rows -- and passes the
+        result's rows of each call as ``backward(..., rows=...)`` (and ``backward_varlen``)."""
 
 
 # -- variable-length calls ------------------------------------------------------------------------------------
@@ -114,10 +119,12 @@ def varlen_forward(kernel: BlockKernel, q: Tensor, k: Tensor, v: Tensor, seqs, *
 
 
 def varlen_backward(kernel: BlockKernel, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor,
-                    seqs, *, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of the packed sequences ``seqs`` given the rows' global statistics."""
+                    seqs, *, causal: bool, scale: float, rows: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of the packed sequences ``seqs`` given the rows' global statistics (and
+    ``rows``: what the kernel's ``backward_rows`` made of them, if it has one)."""
     _check_seqs(q, k, seqs, causal)
-    return kernel.backward_varlen(dout, q, k, v, lse, delta, tuple(seqs), causal=causal, scale=scale)
+    extra = {} if rows is None else {"rows": rows}
+    return kernel.backward_varlen(dout, q, k, v, lse, delta, tuple(seqs), causal=causal, scale=scale, **extra)
 
 
 def _check_seqs(q: Tensor, k: Tensor, seqs, causal: bool) -> None:
@@ -144,13 +151,15 @@ def loop_varlen_forward(kernel: BlockKernel, q: Tensor, k: Tensor, v: Tensor, se
 
 
 def loop_varlen_backward(kernel: BlockKernel, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor,
-                         delta: Tensor, seqs, *, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                         delta: Tensor, seqs, *, causal: bool, scale: float,
+                         rows: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The backward of :func:`loop_varlen_forward`."""
     dqs, dks, dvs, qo, ko = [], [], [], 0, 0
     mask = CAUSAL if causal else FULL
     for n, m in seqs:
+        extra = {} if rows is None else {"rows": rows.narrow(2, qo, n)}
         gq, gk, gv = kernel.backward(dout.narrow(2, qo, n), q.narrow(2, qo, n), k.narrow(2, ko, m), v.narrow(2, ko, m),
-                                     lse.narrow(-1, qo, n), delta.narrow(-1, qo, n), mask=mask, scale=scale)
+                                     lse.narrow(-1, qo, n), delta.narrow(-1, qo, n), mask=mask, scale=scale, **extra)
         dqs.append(gq)
         dks.append(gk)
         dvs.append(gv)

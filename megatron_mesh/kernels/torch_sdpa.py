@@ -111,9 +111,14 @@ class TorchAttentionKernel:
         return res[0], res[1].reshape(q.shape[0], q.shape[1], sq).float()
 
     # -- backward ------------------------------------------------------------------------------
-    def backward(self, dout, q, k, v, lse, delta, *, mask, scale):
+    def backward_rows(self, dout: Tensor, delta: Tensor) -> Tensor:
+        """The stand-in output of these rows (:func:`stand_in_output`): the executor makes it
+        once per buffer of rows and hands each call its rows (``backward(..., rows=...)``)."""
+        return stand_in_output(dout, delta)
+
+    def backward(self, dout, q, k, v, lse, delta, *, mask, scale, rows=None):
         causal = mask.causal
-        out = stand_in_output(dout, delta)
+        out = stand_in_output(dout, delta) if rows is None else rows
         # a row no key of the whole attention reaches (THD padding) has lse -inf: its gradients are 0
         lse = lse.masked_fill(lse.isneginf(), 0.0)
         if self.op == "cpu":
@@ -169,12 +174,12 @@ class TorchAttentionKernel:
         out, lse = flash_varlen_forward(_tokens(q), _tokens(k), _tokens(v), cu_q, cu_k, max_q, max_k, causal, scale)
         return _heads(out, b), lse.reshape(h, b, tq).permute(1, 0, 2)
 
-    def backward_varlen(self, dout, q, k, v, lse, delta, seqs, *, causal, scale):
+    def backward_varlen(self, dout, q, k, v, lse, delta, seqs, *, causal, scale, rows=None):
         if q.dtype not in (torch.float16, torch.bfloat16):
-            return loop_varlen_backward(self, dout, q, k, v, lse, delta, seqs, causal=causal, scale=scale)
+            return loop_varlen_backward(self, dout, q, k, v, lse, delta, seqs, causal=causal, scale=scale, rows=rows)
         b, h, tq, d = q.shape
         cu_q, cu_k, max_q, max_k = _cu_seqlens(seqs, b, q.device)
-        out = stand_in_output(dout, delta)
+        out = stand_in_output(dout, delta) if rows is None else rows
         lse = lse.float().permute(1, 0, 2).reshape(h, b * tq).contiguous()
         dq, dk, dv = flash_varlen_backward(_tokens(dout), _tokens(q), _tokens(k), _tokens(v), _tokens(out), lse,
                                            cu_q, cu_k, max_q, max_k, causal, scale)

@@ -87,6 +87,7 @@ class _Buffers:
         self.acc_dtype = accumulator_dtype(dtype)
         self.token_major = token_major
         self.live: dict[Key, tuple[Tensor, ...]] = {}
+        self.derived: dict[Key, Tensor] = {}  # what a kernel makes of a live buffer once (backward_rows)
         self.owned: set[Key] = set()  # pool-allocated (user inputs are never recycled)
         self.pool: dict[tuple, list[tuple[Tensor, ...]]] = {}
         self.allocations = 0  # buffers created (not recycled): constant per call in steady state
@@ -118,6 +119,7 @@ class _Buffers:
 
     def put(self, key: Key, tensors: tuple[Tensor, ...], owned: bool) -> None:
         self.live[key] = tensors
+        self.derived.pop(key, None)
         if owned:
             self.owned.add(key)
 
@@ -134,8 +136,16 @@ class _Buffers:
             self.put(key, acc, owned=key not in self.token_major)
         return acc
 
+    def derive(self, key: Key, make: Callable[[], Tensor]) -> Tensor:
+        """``make()`` of the live buffer ``key``, made once while it lives (many blocks read it)."""
+        got = self.derived.get(key)
+        if got is None:
+            got = self.derived[key] = make()
+        return got
+
     def free(self, key: Key) -> None:
         tensors = self.live.pop(key)
+        self.derived.pop(key, None)
         if key in self.owned:
             self.owned.discard(key)
             self.pool.setdefault(self._shape(key), []).append(tensors)
@@ -273,6 +283,8 @@ class Executor:
         k, v, lengths = self._kv(op, bufs)
         mask = block_mask(self.plan, op, q.device)
         with self.timer("compute"):
+            rows_of = getattr(self.kernel, "backward_rows", None)  # once per buffer of rows, not per block
+            stand_in = None if rows_of is None else _take(bufs.derive(op.do, lambda: rows_of(dout, delta)), op.rows)
             (acc_q,) = bufs.accumulator(op.dq)
             rows = list(_parts(op.rows, acc_q.shape[2]))
             cols, start = [], 0  # each key buffer's accumulators and where its block columns go
@@ -282,7 +294,7 @@ class Executor:
                 start += n_cols
             for part in backward_partials(self.kernel, _take(dout, op.rows), _take(q, op.rows), k, v,
                                           _take(lse, op.rows), _take(delta, op.rows), mask, self.scale,
-                                          self.plan.kernel_calls):
+                                          self.plan.kernel_calls, rows=stand_in):
                 if part[0] == "q":
                     _, r0, r1, dq = part
                     for a, off, n in _overlaps(rows, r0, r1):

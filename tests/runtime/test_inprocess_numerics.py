@@ -33,7 +33,8 @@ def run_case(p: cases.Problem, plan, *, device="cpu", kernel="auto", softmax_sca
     def rank_fn(rank, comm):
         q, k, v, do = (p.shard(x, rank).to(device=device, dtype=p.dtype) for x in (Q, K, V, dO))
         with mm.comm_counter() as c:
-            got = forward_backward(q, k, v, do, plan, comm=comm, kernel=kernel, softmax_scale=softmax_scale)
+            got = forward_backward(q, k, v, do, plan, comm=comm, kernel=kernel(rank) if callable(kernel) else kernel,
+                                   softmax_scale=softmax_scale)
         got = tuple(g.cpu() for g in got)
         errors, ratios = cases.compare(p, got, ref, rank)
         return cases.Result(label, p, errors, ratios, c.bytes_sent, c.bytes_received,
@@ -199,6 +200,41 @@ def test_backward_chunks_under_a_mask_match_the_dense_reference(mode, groups, mo
 
 
 # -- identical to gloo and to the public autograd path ------------------------------------------------------
+def test_stand_in_output_is_made_once_per_buffer_of_rows():
+    """torch's fused backward ops want the rows' output; the kernel makes a stand-in from dO and
+    delta (``backward_rows``). The executor makes it once per buffer of rows the backward reads,
+    not once per block or kernel call (several blocks read the same rows: one op per element
+    each, a launch each on a GPU), and the gradients are bitwise those of a stand-in per call --
+    dense ring, and documents on the zigzag, whose blocks run as several calls."""
+    from megatron_mesh.kernels.torch_sdpa import TorchAttentionKernel
+    from megatron_mesh.plan import AttendBackward
+
+    class Counting(TorchAttentionKernel):
+        def __init__(self):
+            super().__init__("cpu")
+            self.made = 0
+
+        def backward_rows(self, dout, delta):
+            self.made += 1
+            return super().backward_rows(dout, delta)
+
+    class PerCall(TorchAttentionKernel):
+        backward_rows = None  # the contract's optional method absent: a stand-in per call
+
+    for p in (cases.Problem(4, 4, 2, True, torch.float32, seq_local=16),
+              cases.Problem(4, 4, 2, True, torch.float32, seq_local=16, cu_seqlens=(0, 5, 21, 40, 64))):
+        plan = resolve("ring", 4, p.shape).build(p.shape, p.mask, p.layout)
+        kernels = [Counting() for _ in range(4)]
+        once = run_case(p, plan, kernel=lambda r: kernels[r], serial=True)
+        per_call = run_case(p, plan, kernel=lambda r: PerCall("cpu"), serial=True)
+        check(once)
+        for rank, (a, b) in enumerate(zip(once, per_call)):
+            assert all(torch.equal(x, y) for x, y in zip(a.outputs, b.outputs)), rank
+            reads = {op.do for op in plan.rank(rank).ops("backward") if type(op) is AttendBackward}
+            blocks = sum(type(op) is AttendBackward for op in plan.rank(rank).ops("backward"))
+            assert kernels[rank].made == len(reads) < blocks, (rank, kernels[rank].made, len(reads), blocks)
+
+
 def test_bitwise_equal_to_gloo_and_autograd(gloo):
     """Same inputs, same plan: the in-process transport gives bitwise the outputs and gradients of
     the gloo transport (public autograd API in spawned processes, part "gloo_outputs"), and
