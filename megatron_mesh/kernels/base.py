@@ -17,7 +17,7 @@ from torch import Tensor
 from ..plan.mask import BlockKind
 
 __all__ = ["BlockKernel", "BlockMask", "FULL", "CAUSAL", "varlen_forward", "varlen_backward", "loop_varlen_forward",
-           "loop_varlen_backward"]
+           "loop_varlen_backward", "rows_of"]
 
 
 @dataclass(eq=False)
@@ -73,6 +73,14 @@ FULL = BlockMask(BlockKind.FULL)
 CAUSAL = BlockMask(BlockKind.CAUSAL)
 
 
+def rows_of(rows: tuple[Tensor, ...] | None, start: int, n: int) -> dict:
+    """``backward(..., **rows_of(rows, start, n))``: rows [start, start + n) of what a kernel's
+    ``backward_rows`` made (nothing when it made nothing)."""
+    if rows is None:
+        return {}
+    return {"rows": tuple(t if start == 0 and n == t.shape[2] else t.narrow(2, start, n) for t in rows)}
+
+
 @runtime_checkable
 class BlockKernel(Protocol):
     """Attention of one block.
@@ -97,10 +105,11 @@ class BlockKernel(Protocol):
         dq = scale dS k, dk = scale dS^T q, dv = P^T dout. Returns (dq, dk, dv) shaped like
         (q, k, v), any float dtype (the executor accumulates in fp32).
 
-        A kernel that needs more of the rows than ``delta`` (torch's fused ops want an output)
-        may define ``backward_rows(dout, delta) -> Tensor``: the executor then calls it once per
-        buffer of rows -- not once per block, as many blocks read the same rows -- and passes the
-        result's rows of each call as ``backward(..., rows=...)`` (and ``backward_varlen``)."""
+        A kernel that makes something of the rows' statistics before its op can take them (torch's
+        fused ops want an output, and lse without -inf) may define ``backward_rows(dout, lse,
+        delta) -> tuple[Tensor, ...]`` of tensors with the rows along dim 2: the executor then calls
+        it once per buffer of rows -- not once per block, as many blocks read the same rows -- and
+        passes each call its rows of them as ``backward(..., rows=...)`` (and ``backward_varlen``)."""
 
 
 # -- variable-length calls ------------------------------------------------------------------------------------
@@ -119,12 +128,13 @@ def varlen_forward(kernel: BlockKernel, q: Tensor, k: Tensor, v: Tensor, seqs, *
 
 
 def varlen_backward(kernel: BlockKernel, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor,
-                    seqs, *, causal: bool, scale: float, rows: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                    seqs, *, causal: bool, scale: float,
+                    rows: tuple[Tensor, ...] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of the packed sequences ``seqs`` given the rows' global statistics (and
     ``rows``: what the kernel's ``backward_rows`` made of them, if it has one)."""
     _check_seqs(q, k, seqs, causal)
-    extra = {} if rows is None else {"rows": rows}
-    return kernel.backward_varlen(dout, q, k, v, lse, delta, tuple(seqs), causal=causal, scale=scale, **extra)
+    return kernel.backward_varlen(dout, q, k, v, lse, delta, tuple(seqs), causal=causal, scale=scale,
+                                  **rows_of(rows, 0, q.shape[2]))
 
 
 def _check_seqs(q: Tensor, k: Tensor, seqs, causal: bool) -> None:
@@ -152,14 +162,14 @@ def loop_varlen_forward(kernel: BlockKernel, q: Tensor, k: Tensor, v: Tensor, se
 
 def loop_varlen_backward(kernel: BlockKernel, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor,
                          delta: Tensor, seqs, *, causal: bool, scale: float,
-                         rows: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                         rows: tuple[Tensor, ...] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The backward of :func:`loop_varlen_forward`."""
     dqs, dks, dvs, qo, ko = [], [], [], 0, 0
     mask = CAUSAL if causal else FULL
     for n, m in seqs:
-        extra = {} if rows is None else {"rows": rows.narrow(2, qo, n)}
         gq, gk, gv = kernel.backward(dout.narrow(2, qo, n), q.narrow(2, qo, n), k.narrow(2, ko, m), v.narrow(2, ko, m),
-                                     lse.narrow(-1, qo, n), delta.narrow(-1, qo, n), mask=mask, scale=scale, **extra)
+                                     lse.narrow(-1, qo, n), delta.narrow(-1, qo, n), mask=mask, scale=scale,
+                                     **rows_of(rows, qo, n))
         dqs.append(gq)
         dks.append(gk)
         dvs.append(gv)

@@ -111,16 +111,16 @@ class TorchAttentionKernel:
         return res[0], res[1].reshape(q.shape[0], q.shape[1], sq).float()
 
     # -- backward ------------------------------------------------------------------------------
-    def backward_rows(self, dout: Tensor, delta: Tensor) -> Tensor:
-        """The stand-in output of these rows (:func:`stand_in_output`): the executor makes it
-        once per buffer of rows and hands each call its rows (``backward(..., rows=...)``)."""
-        return stand_in_output(dout, delta)
+    def backward_rows(self, dout: Tensor, lse: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
+        """What the ops take of these rows: the stand-in output (:func:`stand_in_output`) and lse
+        with 0 for -inf (a row no key of the whole attention reaches, THD padding: its gradients
+        are 0). The executor makes them once per buffer of rows and hands each call its rows
+        (``backward(..., rows=...)``)."""
+        return _backward_rows(dout, lse, delta)
 
     def backward(self, dout, q, k, v, lse, delta, *, mask, scale, rows=None):
         causal = mask.causal
-        out = stand_in_output(dout, delta) if rows is None else rows
-        # a row no key of the whole attention reaches (THD padding) has lse -inf: its gradients are 0
-        lse = lse.masked_fill(lse.isneginf(), 0.0)
+        out, lse = _backward_rows(dout, lse, delta) if rows is None else rows
         if self.op == "cpu":
             # the CPU op wants lse in fp32 (fp64 for fp64 inputs)
             lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
@@ -179,7 +179,7 @@ class TorchAttentionKernel:
             return loop_varlen_backward(self, dout, q, k, v, lse, delta, seqs, causal=causal, scale=scale, rows=rows)
         b, h, tq, d = q.shape
         cu_q, cu_k, max_q, max_k = _cu_seqlens(seqs, b, q.device)
-        out = stand_in_output(dout, delta) if rows is None else rows
+        out = stand_in_output(dout, delta) if rows is None else rows[0]
         lse = lse.float().permute(1, 0, 2).reshape(h, b * tq).contiguous()
         dq, dk, dv = flash_varlen_backward(_tokens(dout), _tokens(q), _tokens(k), _tokens(v), _tokens(out), lse,
                                            cu_q, cu_k, max_q, max_k, causal, scale)
@@ -222,6 +222,10 @@ def flash_varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
     rng, unused = _no_dropout_state(q.device)
     return torch.ops.aten._flash_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal,
                                                     rng, unused, scale=scale)
+
+
+def _backward_rows(dout: Tensor, lse: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
+    return stand_in_output(dout, delta), lse.masked_fill(lse.isneginf(), 0.0)
 
 
 def _bshd_memory(x: Tensor) -> Tensor:

@@ -87,7 +87,7 @@ class _Buffers:
         self.acc_dtype = accumulator_dtype(dtype)
         self.token_major = token_major
         self.live: dict[Key, tuple[Tensor, ...]] = {}
-        self.derived: dict[Key, Tensor] = {}  # what a kernel makes of a live buffer once (backward_rows)
+        self.derived: dict[Key, tuple] = {}  # what a kernel makes of a live buffer once (backward_rows)
         self.owned: set[Key] = set()  # pool-allocated (user inputs are never recycled)
         self.pool: dict[tuple, list[tuple[Tensor, ...]]] = {}
         self.allocations = 0  # buffers created (not recycled): constant per call in steady state
@@ -136,7 +136,7 @@ class _Buffers:
             self.put(key, acc, owned=key not in self.token_major)
         return acc
 
-    def derive(self, key: Key, make: Callable[[], Tensor]) -> Tensor:
+    def derive(self, key: Key, make: Callable[[], tuple]) -> tuple:
         """``make()`` of the live buffer ``key``, made once while it lives (many blocks read it)."""
         got = self.derived.get(key)
         if got is None:
@@ -283,8 +283,9 @@ class Executor:
         k, v, lengths = self._kv(op, bufs)
         mask = block_mask(self.plan, op, q.device)
         with self.timer("compute"):
-            rows_of = getattr(self.kernel, "backward_rows", None)  # once per buffer of rows, not per block
-            stand_in = None if rows_of is None else _take(bufs.derive(op.do, lambda: rows_of(dout, delta)), op.rows)
+            make = getattr(self.kernel, "backward_rows", None)  # once per buffer of rows, not per block
+            made = None if make is None else tuple(_take(t, op.rows) for t in
+                                                   bufs.derive(op.do, lambda: make(dout, lse, delta)))
             (acc_q,) = bufs.accumulator(op.dq)
             rows = list(_parts(op.rows, acc_q.shape[2]))
             cols, start = [], 0  # each key buffer's accumulators and where its block columns go
@@ -294,7 +295,7 @@ class Executor:
                 start += n_cols
             for part in backward_partials(self.kernel, _take(dout, op.rows), _take(q, op.rows), k, v,
                                           _take(lse, op.rows), _take(delta, op.rows), mask, self.scale,
-                                          self.plan.kernel_calls, rows=stand_in):
+                                          self.plan.kernel_calls, rows=made):
                 if part[0] == "q":
                     _, r0, r1, dq = part
                     for a, off, n in _overlaps(rows, r0, r1):

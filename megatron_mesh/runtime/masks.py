@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..kernels.base import CAUSAL, FULL, BlockKernel, BlockMask, varlen_backward, varlen_forward
+from ..kernels.base import CAUSAL, FULL, BlockKernel, BlockMask, rows_of, varlen_backward, varlen_forward
 from ..plan.ir import Plan
 from ..plan.mask import MASK_PIECE, BlockKind, Mask, call_groups, mask_pieces
 from .merge import merge_partial_, part_of
@@ -180,17 +180,15 @@ def forward_partials(kernel: BlockKernel, q: Tensor, k: Tensor, v: Tensor, mask,
 
 
 def backward_partials(kernel: BlockKernel, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor,
-                      delta: Tensor, mask, scale: float, kernel_calls: str = "varlen", rows: Tensor | None = None):
+                      delta: Tensor, mask, scale: float, kernel_calls: str = "varlen",
+                      rows: tuple[Tensor, ...] | None = None):
     """The gradients of one block's kernel calls given the rows' global statistics: yields
     ("q", r0, r1, dq) for block rows [r0, r1) and ("kv", c0, c1, dk, dv) for block columns
     [c0, c1), for the caller to add where their accumulators are (the calls of
     :func:`forward_partials`). ``rows``: what the kernel's ``backward_rows`` made of the block's
     rows (each call gets its own rows of it), or None."""
-    def extra(r0: int, r1: int) -> dict:
-        return {} if rows is None else {"rows": part_of(rows, 2, r0, r1 - r0)}
-
     if not isinstance(mask, PiecedMask):
-        dq, dk, dv = kernel.backward(dout, q, k, v, lse, delta, mask=mask, scale=scale, **extra(0, q.shape[2]))
+        dq, dk, dv = kernel.backward(dout, q, k, v, lse, delta, mask=mask, scale=scale, **rows_of(rows, 0, q.shape[2]))
         yield "q", 0, q.shape[2], dq
         yield "kv", 0, k.shape[2], dk, dv
         return
@@ -200,7 +198,7 @@ def backward_partials(kernel: BlockKernel, dout: Tensor, q: Tensor, k: Tensor, v
                 (r0, r1), (c0, c1) = t.rows, t.cols
                 gq, gk, gv = kernel.backward(dout[:, :, r0:r1], q[:, :, r0:r1], k[:, :, c0:c1], v[:, :, c0:c1],
                                              lse[..., r0:r1], delta[..., r0:r1], mask=t.mask, scale=scale,
-                                             **extra(r0, r1))
+                                             **rows_of(rows, r0, r1 - r0))
                 yield "q", r0, r1, gq
                 yield "kv", c0, c1, gk, gv
             continue
@@ -208,7 +206,7 @@ def backward_partials(kernel: BlockKernel, dout: Tensor, q: Tensor, k: Tensor, v
                                      _span(v, group, 1), _span(lse, group, 0, -1), _span(delta, group, 0, -1),
                                      [(t.rows[1] - t.rows[0], t.cols[1] - t.cols[0]) for t in group],
                                      causal=group[0].mask.causal, scale=scale,
-                                     rows=None if rows is None else _span(rows, group, 0))
+                                     rows=None if rows is None else tuple(_span(t, group, 0) for t in rows))
         qo = ko = 0
         for t in group:
             n, m = t.rows[1] - t.rows[0], t.cols[1] - t.cols[0]

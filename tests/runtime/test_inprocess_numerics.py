@@ -214,9 +214,9 @@ def test_stand_in_output_is_made_once_per_buffer_of_rows():
             super().__init__("cpu")
             self.made = 0
 
-        def backward_rows(self, dout, delta):
+        def backward_rows(self, dout, lse, delta):
             self.made += 1
-            return super().backward_rows(dout, delta)
+            return super().backward_rows(dout, lse, delta)
 
     class PerCall(TorchAttentionKernel):
         backward_rows = None  # the contract's optional method absent: a stand-in per call
