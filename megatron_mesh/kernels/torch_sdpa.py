@@ -111,12 +111,16 @@ class TorchAttentionKernel:
         return res[0], res[1].reshape(q.shape[0], q.shape[1], sq).float()
 
     # -- backward ------------------------------------------------------------------------------
-    def backward_rows(self, dout: Tensor, lse: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
-        """What the ops take of these rows: the stand-in output (:func:`stand_in_output`) and lse
-        with 0 for -inf (a row no key of the whole attention reaches, THD padding: its gradients
-        are 0). The executor makes them once per buffer of rows and hands each call its rows
-        (``backward(..., rows=...)``)."""
-        return _backward_rows(dout, lse, delta)
+    def backward_rows(self, dout: Tensor, lse: Tensor, delta: Tensor, out: Tensor | None = None
+                      ) -> tuple[Tensor, Tensor]:
+        """What the ops take of these rows: their output -- ``out`` in dout's dtype where the
+        caller has it (its own rows), else the stand-in (:func:`stand_in_output`: a dozen ops, each
+        a pass over dout-sized memory) -- and lse with 0 for -inf (a row no key of the whole
+        attention reaches, THD padding: its gradients are 0). The executor makes them once per
+        buffer of rows and hands each call its rows (``backward(..., rows=...)``)."""
+        if out is None:
+            return _backward_rows(dout, lse, delta)
+        return out.to(dout.dtype), lse.masked_fill(lse.isneginf(), 0.0)
 
     def backward(self, dout, q, k, v, lse, delta, *, mask, scale, rows=None):
         causal = mask.causal

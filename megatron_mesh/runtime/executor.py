@@ -193,6 +193,12 @@ class Executor:
             delta = (dout.to(acc) * out.to(acc)).sum(-1)  # rowsum(dout * out): the backward's row statistic
             sources["do"] = (dout, lse, delta)
         self._inputs(bufs, rp.backward_inputs, sources)
+        make = getattr(self.kernel, "backward_rows", None)
+        if make is not None and "do" in sources:  # this rank's rows: the kernel may take their output itself
+            for key, segs in rp.backward_inputs.items():
+                if key.kind == "do":
+                    (o,) = self._cut(bufs, key, segs, (out,))
+                    bufs.derive(key, lambda: make(*bufs.get(key), out=o))
         for key, tensors in saved.items():
             bufs.put(key, tensors, owned=False)
         self._run(rp.backward, bufs)
@@ -210,21 +216,23 @@ class Executor:
         is a view; several ranges or one head slice are copied (once per distinct cut)."""
         cuts: dict = {}
         for key, segs in table.items():
-            src = sources[key.kind]
-            heads = None
-            if key.heads >= 0:
-                heads = self.plan.head_range(key, bufs.heads, bufs.kv_heads)
-            ck = (key.kind, tuple(segs), heads)
+            ck = (key.kind, tuple(segs), key.heads)
             tensors = cuts.get(ck)
             if tensors is None:
-                parts = []
-                for t in src:
-                    if heads is not None:
-                        t = t.narrow(1, heads[0], heads[1] - heads[0])
-                    parts.append(_take(t, segs))
-                copied = heads is not None or len(segs) > 1
-                tensors = cuts[ck] = tuple(p.contiguous() if copied else p for p in parts)
+                tensors = cuts[ck] = self._cut(bufs, key, segs, sources[key.kind])
             bufs.put(key, tensors, owned=False)
+
+    def _cut(self, bufs: _Buffers, key: Key, segs, tensors) -> tuple[Tensor, ...]:
+        """The input buffer ``key``'s cut (token ranges ``segs``, its head slice) of the local
+        ``tensors``: a view for one range of all heads, else a copy."""
+        heads = self.plan.head_range(key, bufs.heads, bufs.kv_heads) if key.heads >= 0 else None
+        parts = []
+        for t in tensors:
+            if heads is not None:
+                t = t.narrow(1, heads[0], heads[1] - heads[0])
+            parts.append(_take(t, segs))
+        copied = heads is not None or len(segs) > 1
+        return tuple(p.contiguous() if copied else p for p in parts)
 
     # -- the loop ----------------------------------------------------------------------------------
     def _run(self, ops, bufs: _Buffers) -> None:
@@ -338,6 +346,10 @@ class Executor:
         d_out.copy_(dout)
         d_lse.copy_(lse)
         torch.sum(dout.to(out.dtype) * out, dim=-1, out=d_delta)
+        make = getattr(self.kernel, "backward_rows", None)
+        if make is not None:  # these rows' output is here: the kernel may take it instead of a stand-in
+            # (``out`` is a saved forward buffer: never recycled while the backward runs)
+            bufs.derived[op.dst] = make(d_out, d_lse, d_delta, out=out)
 
     def _free(self, op: Free, bufs: _Buffers, pending) -> None:
         bufs.free(op.key)

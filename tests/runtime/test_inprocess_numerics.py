@@ -200,39 +200,52 @@ def test_backward_chunks_under_a_mask_match_the_dense_reference(mode, groups, mo
 
 
 # -- identical to gloo and to the public autograd path ------------------------------------------------------
-def test_stand_in_output_is_made_once_per_buffer_of_rows():
-    """torch's fused backward ops want the rows' output; the kernel makes a stand-in from dO and
-    delta (``backward_rows``). The executor makes it once per buffer of rows the backward reads,
-    not once per block or kernel call (several blocks read the same rows: one op per element
-    each, a launch each on a GPU), and the gradients are bitwise those of a stand-in per call --
-    dense ring, and documents on the zigzag, whose blocks run as several calls."""
-    from megatron_mesh.kernels.torch_sdpa import TorchAttentionKernel
-    from megatron_mesh.plan import AttendBackward
+def test_backward_rows_made_once_per_buffer_and_own_rows_take_their_output():
+    """torch's fused backward ops want the rows' output. For its own rows a rank has it (the
+    forward's, or a Ulysses group's partial output behind RowStats); for rows it works on for
+    another rank the kernel makes a stand-in from dO and delta (a dozen ops per element). The
+    executor makes either once per buffer of rows (``backward_rows``), not once per block or call
+    (several blocks read the same rows: a launch per op on a GPU), and the gradients match those
+    of a stand-in per call: dense ring, documents on the zigzag (blocks of several calls), a Mesh
+    tile (remote rows) and a Ulysses hybrid (RowStats)."""
+    from megatron_mesh.kernels import torch_sdpa
+    from megatron_mesh.plan import AttendBackward, RowStats
 
-    class Counting(TorchAttentionKernel):
+    class Counting(torch_sdpa.TorchAttentionKernel):
         def __init__(self):
             super().__init__("cpu")
-            self.made = 0
+            self.made = self.stand_ins = 0
 
-        def backward_rows(self, dout, lse, delta):
+        def backward_rows(self, dout, lse, delta, out=None):
             self.made += 1
-            return super().backward_rows(dout, lse, delta)
+            self.stand_ins += out is None
+            return super().backward_rows(dout, lse, delta, out)
 
-    class PerCall(TorchAttentionKernel):
+    class PerCall(torch_sdpa.TorchAttentionKernel):
         backward_rows = None  # the contract's optional method absent: a stand-in per call
 
-    for p in (cases.Problem(4, 4, 2, True, torch.float32, seq_local=16),
-              cases.Problem(4, 4, 2, True, torch.float32, seq_local=16, cu_seqlens=(0, 5, 21, 40, 64))):
-        plan = resolve("ring", 4, p.shape).build(p.shape, p.mask, p.layout)
+    docs = (0, 5, 21, 40, 64)
+    for mode, settings, cu in (("ring", {}, None), ("ring", {}, docs), ("mesh", {"tile": (2, 2)}, None),
+                               ("a2a+ring", {"ulysses_size": 2}, docs)):
+        p = cases.Problem(4, 4, 2, True, torch.float32, seq_local=16, cu_seqlens=cu)
+        plan = resolve(mode, 4, p.shape, **settings).build(p.shape, p.mask, p.layout)
         kernels = [Counting() for _ in range(4)]
         once = run_case(p, plan, kernel=lambda r: kernels[r], serial=True)
         per_call = run_case(p, plan, kernel=lambda r: PerCall("cpu"), serial=True)
         check(once)
         for rank, (a, b) in enumerate(zip(once, per_call)):
-            assert all(torch.equal(x, y) for x, y in zip(a.outputs, b.outputs)), rank
-            reads = {op.do for op in plan.rank(rank).ops("backward") if type(op) is AttendBackward}
-            blocks = sum(type(op) is AttendBackward for op in plan.rank(rank).ops("backward"))
-            assert kernels[rank].made == len(reads) < blocks, (rank, kernels[rank].made, len(reads), blocks)
+            for x, y in zip(a.outputs, b.outputs):
+                torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+            ops = plan.rank(rank).ops("backward")
+            reads = {op.do for op in ops if type(op) is AttendBackward}
+            blocks = sum(type(op) is AttendBackward for op in ops)
+            own = {op.dst for op in ops if type(op) is RowStats} | set(plan.rank(rank).backward_inputs)
+            what = (mode, cu, rank)
+            assert kernels[rank].made == len(reads | {k for k in own if k.kind == "do"}), what
+            assert kernels[rank].stand_ins == len(reads - own), what  # remote rows only
+            if mode != "mesh":
+                assert kernels[rank].stand_ins == 0 and len(reads) < blocks, what
+        assert (mode == "mesh") == any(k.stand_ins for k in kernels), mode  # a tile's rows come from others
 
 
 def test_bitwise_equal_to_gloo_and_autograd(gloo):
