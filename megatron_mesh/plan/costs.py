@@ -4,13 +4,15 @@
 ``Attend``: 4 * batch * heads * head_dim FLOPs per (query, key) pair the kernel call computes
 (:func:`~.accounting.block_area`; a masked block runs as the calls of its mask pieces,
 :func:`~.mask.mask_pieces`, as the runtime runs it) at ``attention_flops``, plus ``kernel_latency``
-per call, plus the fp32 merge into the accumulator at ``memory_bandwidth``. ``AttendBackward``:
+per call, plus the fp32 merge into the accumulator at ``memory_bandwidth`` (a copy -- two thirds of
+the traffic -- on rows no earlier op wrote, :meth:`~.ir.Plan.first_writes`). ``AttendBackward``:
 :data:`BACKWARD_FLOPS` x the forward FLOPs plus the dQ/dKV accumulation. Merges, gradient adds and
 row statistics read two buffers and write one; a copy reads and writes the rows it moves.
 
 Worked example: a causal block of n = 4096 tokens, 32 heads of 128, batch 1, computes
 4096 * 4097 / 2 pairs = 4 * 32 * 128 * 8.39e6 = 1.37e11 FLOPs: 0.34 ms at 400 TFLOP/s, plus one
-launch (5 us) and the merge of 3 * 32 * 4096 * 129 * 4 bytes at 3.35 TB/s (0.06 ms).
+launch (5 us) and the merge of 3 * 32 * 4096 * 129 * 4 bytes at 3.35 TB/s (0.06 ms) -- 0.04 ms
+when it is the first op to write those rows (a copy: 2 * 32 * 4096 * 129 * 4 bytes).
 """
 
 from __future__ import annotations
@@ -22,17 +24,32 @@ from .sel import sel_len, union_intervals
 from .shape import AttentionShape
 from .topology import Topology
 
-__all__ = ["BACKWARD_FLOPS", "block_cost_parts", "compute_cost", "cost_signature"]
+__all__ = ["BACKWARD_FLOPS", "block_cost_parts", "compute_cost", "cost_signature", "fresh_rows"]
 
 BACKWARD_FLOPS = 2.5  # backward FLOPs / forward FLOPs of one block (5 matmuls vs 2)
 
 
-def block_cost_parts(plan: Plan, op, shape: AttentionShape, topo: Topology) -> tuple[float, float, float]:
+def fresh_rows(op, first: dict | None) -> tuple[int, int]:
+    """(query rows, key/value columns) a block writes first (:meth:`~.ir.Plan.first_writes` of its
+    index): copied into the accumulator, not merged into / added to it."""
+    if not first:
+        return (0, 0)
+    n = {key: sum(s.stop - s.start for s in sel) for key, sel in first.items()}
+    if type(op) is Attend:
+        return (n.get(op.out, 0), 0)
+    return (n.get(op.dq, 0), sum(n.get(key, 0) for key in op.dkv))
+
+
+def block_cost_parts(plan: Plan, op, shape: AttentionShape, topo: Topology,
+                     fresh: tuple[int, int] = (0, 0)) -> tuple[float, float, float]:
     """A kernel call's seconds as (FLOPs, launches, accumulator traffic): its (query, key) pairs at
     ``attention_flops``, the launch latency per call and the fp32 accumulator traffic at
     ``memory_bandwidth``. A masked block runs as the kernel calls of its mask pieces
     (:func:`~.mask.mask_pieces`): their areas, one launch per call of
-    :func:`~.mask.call_groups` for ``plan.kernel_calls`` (variable-length calls group pieces)."""
+    :func:`~.mask.call_groups` for ``plan.kernel_calls`` (variable-length calls group pieces).
+    ``fresh``: (rows, columns) of the block's accumulators no earlier op wrote (:func:`fresh_rows`):
+    the runtime copies the result there (read it, write the accumulator: 2 of a merge's or an
+    add's 3 passes)."""
     calls = 1
     rows = sel_len(op.rows, plan.tokens(op.q))
     cols = sum(sel_len(op.col(i), plan.tokens(k)) for i, k in enumerate(op.kv))
@@ -52,19 +69,20 @@ def block_cost_parts(plan: Plan, op, shape: AttentionShape, topo: Topology) -> t
     h, g = plan.head_counts(op.q, shape.heads, shape.kv_heads)
     flops = 4.0 * shape.batch * h * shape.head_dim * pairs
     acc = 4  # fp32 accumulators: read + write the accumulator, read the block result
+    fresh_q, fresh_kv = min(fresh[0], rows), min(fresh[1], cols)
     if type(op) is Attend:
-        moved = 3 * shape.batch * h * rows * (shape.head_dim + 1) * acc
+        moved = (3 * rows - fresh_q) * shape.batch * h * (shape.head_dim + 1) * acc
     else:
         flops *= BACKWARD_FLOPS
-        moved = 3 * shape.batch * shape.head_dim * acc * (h * rows + 2 * g * cols)
+        moved = shape.batch * shape.head_dim * acc * (h * (3 * rows - fresh_q) + 2 * g * (3 * cols - fresh_kv))
     return flops / topo.attention_flops, calls * topo.kernel_latency, moved / topo.memory_bandwidth
 
 
-def _block_cost(plan: Plan, op, shape: AttentionShape, topo: Topology) -> float:
-    return sum(block_cost_parts(plan, op, shape, topo))
+def _block_cost(plan: Plan, op, shape: AttentionShape, topo: Topology, fresh=(0, 0)) -> float:
+    return sum(block_cost_parts(plan, op, shape, topo, fresh))
 
 
-def _combine_cost(plan: Plan, op, shape: AttentionShape, topo: Topology) -> float:
+def _combine_cost(plan: Plan, op, shape: AttentionShape, topo: Topology, fresh=(0, 0)) -> float:
     """A merge, gradient add or row statistics: read two buffers' worth and write one, at HBM
     bandwidth; a copy reads one and writes one (of the rows it moves)."""
     if type(op) is Copy:  # the rows it moves of the source (a head slice of the destination when op.heads)
@@ -79,10 +97,11 @@ _COSTS = {Attend: _block_cost, AttendBackward: _block_cost, MergeOut: _combine_c
           Copy: _combine_cost, RowStats: _combine_cost}
 
 
-def compute_cost(plan: Plan, op: Op, shape: AttentionShape, topo: Topology) -> float:
-    """Seconds the compute stream spends on ``op`` (0 for comm and Free ops)."""
+def compute_cost(plan: Plan, op: Op, shape: AttentionShape, topo: Topology, fresh=(0, 0)) -> float:
+    """Seconds the compute stream spends on ``op`` (0 for comm and Free ops); ``fresh``: see
+    :func:`block_cost_parts`."""
     fn = _COSTS.get(type(op))
-    return 0.0 if fn is None else fn(plan, op, shape, topo)
+    return 0.0 if fn is None else fn(plan, op, shape, topo, fresh)
 
 
 def cost_signature(plan: Plan, op: Op) -> tuple:

@@ -8,7 +8,8 @@ It walks the *same op lists the executor runs* and prices each op (:data:`_COSTS
   block of n tokens computes n(n+1)/2 pairs, about half; a masked block runs as the calls of its
   mask pieces, :func:`~.mask.mask_pieces`, as the runtime runs it), at ``attention_flops``, plus
   ``kernel_latency`` per call, plus the fp32 merge into
-  the accumulator at ``memory_bandwidth``. ``AttendBackward``: 2.5x the forward FLOPs
+  the accumulator at ``memory_bandwidth`` (a copy on rows no earlier op wrote:
+  :meth:`~.ir.Plan.first_writes`, as the runtime does). ``AttendBackward``: 2.5x the forward FLOPs
   (FlashAttention's backward does 5 matmuls to the forward's 2) plus the dQ/dKV accumulation.
   ``MergeOut``/``AddGrad``/``RowStats``: read two buffers, write one, at ``memory_bandwidth``;
   ``Copy``: read and write the rows it moves.
@@ -61,7 +62,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .costs import BACKWARD_FLOPS, block_cost_parts, compute_cost
+from .costs import BACKWARD_FLOPS, block_cost_parts, compute_cost, fresh_rows
 from .ir import Attend, AttendBackward, Copy, Plan, Post
 from .shape import AttentionShape
 from .timeline import Event, run_lockstep, run_pairwise
@@ -214,10 +215,11 @@ def time_breakdown(plan: Plan, shape: AttentionShape, topology: Topology | None 
         rank = max(sorted(ends), key=lambda r: ends[r]) if ends else 0
         parts = dict.fromkeys(("flops", "launches", "accumulate", "copies", "combine"), 0.0)
         posts = {}
-        for op in plan.rank(rank).ops(direction):
+        first = plan.first_writes(rank, direction)
+        for i, op in enumerate(plan.rank(rank).ops(direction)):
             kind = type(op)
             if kind is Attend or kind is AttendBackward:
-                flops, launches, acc = block_cost_parts(plan, op, shape, topo)
+                flops, launches, acc = block_cost_parts(plan, op, shape, topo, fresh_rows(op, first.get(i)))
                 parts["flops"] += flops
                 parts["launches"] += launches
                 parts["accumulate"] += acc

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from .costs import compute_cost, cost_signature
+from .costs import compute_cost, cost_signature, fresh_rows
 from .ir import Free, Plan, Post, Wait
 from .shape import AttentionShape
 from .topology import Topology
@@ -43,6 +43,7 @@ class Event(NamedTuple):
 class _Rank:
     rank: int
     ops: tuple
+    first: dict = field(default_factory=dict)  # op index -> {accumulator: rows it writes first} (Plan.first_writes)
     pc: int = 0
     clock: float = 0.0  # compute stream
     busy: float = 0.0
@@ -63,11 +64,13 @@ class _Costs:
     def __init__(self, plan: Plan, shape: AttentionShape, topo: Topology):
         self.plan, self.shape, self.topo, self.seen = plan, shape, topo, {}
 
-    def __call__(self, op) -> float:
-        sig = cost_signature(self.plan, op)
+    def __call__(self, op, first=None) -> float:
+        """``first``: the accumulator rows ``op`` (a block) writes first -- copied, not merged / added."""
+        fresh = fresh_rows(op, first)
+        sig = (cost_signature(self.plan, op), fresh)
         c = self.seen.get(sig)
         if c is None:
-            c = self.seen[sig] = compute_cost(self.plan, op, self.shape, self.topo)
+            c = self.seen[sig] = compute_cost(self.plan, op, self.shape, self.topo, fresh)
         return c
 
 
@@ -95,7 +98,7 @@ def run_lockstep(plan: Plan, shape: AttentionShape, topo: Topology, direction: s
     has posted it and each of them has finished its previous rounds (a rank's rounds run in
     posting order; approximation 1). Returns (time, compute of the slowest rank, rounds of the
     busiest rank, events)."""
-    states = [_Rank(r, plan.rank(r).ops(direction)) for r in ranks]
+    states = [_Rank(r, plan.rank(r).ops(direction), plan.first_writes(r, direction)) for r in ranks]
     posters: dict[int, int] = {}  # round -> how many simulated ranks post it
     for st in states:
         for op in st.ops:
@@ -125,7 +128,7 @@ def run_lockstep(plan: Plan, shape: AttentionShape, topo: Topology, direction: s
                     if len(entries) == posters[op.round]:
                         ready.append(op.round)
                 elif kind is not Free:
-                    st.compute(op, costs(op), timeline)
+                    st.compute(op, costs(op, st.first.get(st.pc)), timeline)
                 st.pc += 1
                 moved = True
         for t in ready:
@@ -150,7 +153,8 @@ def run_pairwise(plan: Plan, shape: AttentionShape, topo: Topology, direction: s
     posted t and r's previous round is done, and lasts r's own duration -- transfers between two
     ranks wait for those two only, as point-to-point transfers do (the lockstep model would make
     every rank wait for the slowest poster of the whole group)."""
-    states = [_Rank(r, plan.rank(r).ops(direction)) for r in range(plan.world_size)]
+    states = [_Rank(r, plan.rank(r).ops(direction), plan.first_writes(r, direction))
+              for r in range(plan.world_size)]
     posted: dict[tuple[int, int], float] = {}  # (rank, round) -> post time
     peers: dict[tuple[int, int], tuple[int, ...]] = {}
     queue: list[list[int]] = [[] for _ in states]  # each rank's posted, unresolved rounds, in order
@@ -176,7 +180,7 @@ def run_pairwise(plan: Plan, shape: AttentionShape, topo: Topology, direction: s
                     peers[(r, op.round)] = tuple({t.peer for t in op.sends + op.recvs})
                     queue[r].append(op.round)
                 elif kind is not Free:
-                    st.compute(op, costs(op), timeline)
+                    st.compute(op, costs(op, st.first.get(st.pc)), timeline)
                 st.pc += 1
                 moved = True
         for r, pending in enumerate(queue):  # resolve rounds whose peers have all posted them

@@ -75,6 +75,43 @@ def _overlaps(parts, r0: int, r1: int):
             yield a + lo - pos, lo - r0, hi - lo
 
 
+def _add_or_copy(acc: Tensor, part: Tensor, first: bool) -> None:
+    """acc += part, or acc <- part where acc still holds its initial zeros (the same values)."""
+    if first:
+        acc.copy_(part)
+    else:
+        acc.add_(part)
+
+
+def _fresh(first: dict, key) -> list[list[int]]:
+    """The rows of accumulator ``key`` an op writes first (mutable: :func:`_split_fresh` uses them up)."""
+    return [list(s) for s in first.get(key, ())]
+
+
+def _split_fresh(fresh: list[list[int]], a: int, n: int):
+    """Rows [a, a + n) as (start, length, first) pieces: ``first`` where they lie in ``fresh``
+    (sorted [start, stop) ranges not written yet), which then drops them."""
+    pos, end = a, a + n
+    for f in fresh:
+        if pos >= end:
+            break
+        lo, hi = max(pos, f[0]), min(end, f[1])
+        if lo >= hi:
+            continue
+        if lo > pos:
+            yield pos, lo - pos, False
+        yield lo, hi - lo, True
+        pos = hi
+    if pos < end:
+        yield pos, end - pos, False
+    if fresh:  # what was just written is no longer fresh
+        fresh[:] = [r for f in fresh for r in _without(f, a, end)]
+
+
+def _without(f: list[int], a: int, b: int) -> list[list[int]]:
+    return [r for r in ([f[0], min(f[1], a)], [max(f[0], b), f[1]]) if r[0] < r[1]]
+
+
 class _Buffers:
     """Named buffers of one rank plus a pool that recycles freed ones (steady state: no new
     allocations from one step to the next)."""
@@ -174,7 +211,7 @@ class Executor:
         rp = self.rank_plan
         bufs = self._buffers(q, k, {rp.output})
         self._inputs(bufs, rp.forward_inputs, {"q": (q,), "kv": (k, v)})
-        self._run(rp.forward, bufs)
+        self._run("forward", bufs)
         final = bufs.accumulator(rp.output)
         out, lse = final if len(final) == 2 else (final[0], None)  # a finished output ("y") has no lse
         saved = {key: bufs.get(key) for key in rp.saved}
@@ -201,7 +238,7 @@ class Executor:
                     bufs.derive(key, lambda: make(*bufs.get(key), out=o))
         for key, tensors in saved.items():
             bufs.put(key, tensors, owned=False)
-        self._run(rp.backward, bufs)
+        self._run("backward", bufs)
         (dq,) = bufs.accumulator(rp.grad_q)
         dk, dv = bufs.accumulator(rp.grad_kv)
         return dq, dk, dv
@@ -235,13 +272,15 @@ class Executor:
         return tuple(p.contiguous() if copied else p for p in parts)
 
     # -- the loop ----------------------------------------------------------------------------------
-    def _run(self, ops, bufs: _Buffers) -> None:
+    def _run(self, direction: str, bufs: _Buffers) -> None:
         pending: dict[int, tuple[Work, list, list]] = {}
         handlers = self.HANDLERS
-        for op in ops:
+        first = self.plan.first_writes(self.comm.rank, direction)
+        for i, op in enumerate(self.rank_plan.ops(direction)):
             handler = handlers.get(type(op))
             if handler is None:
                 raise TypeError(f"unknown plan op {op!r}")
+            self._first = first.get(i, {})  # a block's accumulator rows no earlier op wrote (plan.first_writes)
             handler(self, op, bufs, pending)
         if pending:
             raise RuntimeError(f"plan left rounds {sorted(pending)} unwaited")
@@ -278,12 +317,20 @@ class Executor:
         with self.timer("compute"):
             out, lse = bufs.accumulator(op.out)
             rows = list(_parts(op.rows, out.shape[2]))
-            # each kernel call's partial result merges straight into the rows' accumulator
+            fresh = _fresh(self._first, op.out)
+            # each kernel call's partial result merges straight into the rows' accumulator; on rows
+            # nothing has written yet (still 0, -inf) a copy gives the same values
             for r0, r1, o, l in forward_partials(self.kernel, _take(q, op.rows), k, v, mask, self.scale,
                                                  self.plan.kernel_calls):
                 for a, off, n in _overlaps(rows, r0, r1):
-                    merge_partial_(part_of(out, 2, a, n), part_of(lse, 2, a, n), part_of(o, 2, off, n),
-                                   part_of(l, 2, off, n))
+                    for s, m, first in _split_fresh(fresh, a, n):
+                        dst_o, dst_l = part_of(out, 2, s, m), part_of(lse, 2, s, m)
+                        src_o, src_l = part_of(o, 2, off + s - a, m), part_of(l, 2, off + s - a, m)
+                        if first:
+                            dst_o.copy_(src_o)
+                            dst_l.copy_(src_l)
+                        else:
+                            merge_partial_(dst_o, dst_l, src_o, src_l)
 
     def _attend_backward(self, op: AttendBackward, bufs: _Buffers, pending) -> None:
         (q,) = bufs.get(op.q)
@@ -296,10 +343,12 @@ class Executor:
                                                    bufs.derive(op.do, lambda: make(dout, lse, delta)))
             (acc_q,) = bufs.accumulator(op.dq)
             rows = list(_parts(op.rows, acc_q.shape[2]))
-            cols, start = [], 0  # each key buffer's accumulators and where its block columns go
+            fresh_q = _fresh(self._first, op.dq)  # rows still 0: a copy instead of an add
+            cols, start = [], 0  # each key buffer's accumulators, where its block columns go, its fresh rows
             for i, (key, n_cols) in enumerate(zip(op.dkv, lengths)):
                 acc_k, acc_v = bufs.accumulator(key)
-                cols.append((acc_k, acc_v, [(a, start + pos, n) for a, pos, n in _parts(op.col(i), acc_k.shape[2])]))
+                cols.append((acc_k, acc_v, [(a, start + pos, n) for a, pos, n in _parts(op.col(i), acc_k.shape[2])],
+                             _fresh(self._first, key)))
                 start += n_cols
             for part in backward_partials(self.kernel, _take(dout, op.rows), _take(q, op.rows), k, v,
                                           _take(lse, op.rows), _take(delta, op.rows), mask, self.scale,
@@ -307,13 +356,15 @@ class Executor:
                 if part[0] == "q":
                     _, r0, r1, dq = part
                     for a, off, n in _overlaps(rows, r0, r1):
-                        part_of(acc_q, 2, a, n).add_(part_of(dq, 2, off, n))
+                        for s, m, first in _split_fresh(fresh_q, a, n):
+                            _add_or_copy(part_of(acc_q, 2, s, m), part_of(dq, 2, off + s - a, m), first)
                     continue
                 _, c0, c1, dk, dv = part
-                for acc_k, acc_v, parts in cols:
+                for acc_k, acc_v, parts, fresh in cols:
                     for a, off, n in _overlaps(parts, c0, c1):
-                        part_of(acc_k, 2, a, n).add_(part_of(dk, 2, off, n))
-                        part_of(acc_v, 2, a, n).add_(part_of(dv, 2, off, n))
+                        for s, m, first in _split_fresh(fresh, a, n):
+                            _add_or_copy(part_of(acc_k, 2, s, m), part_of(dk, 2, off + s - a, m), first)
+                            _add_or_copy(part_of(acc_v, 2, s, m), part_of(dv, 2, off + s - a, m), first)
 
     def _merge(self, op: MergeOut, bufs: _Buffers, pending) -> None:
         src_out, src_lse = bufs.get(op.src)

@@ -176,3 +176,53 @@ def test_unknown_op_text_names_the_allowed_ops():
         parse_op("jump 3")
     with pytest.raises(ValueError, match=r"block mask 'diag'.*not one of full, causal, masked"):
         parse_op("attend q1 x kv0 diag -> o1")
+
+
+def test_first_writes_of_a_ring_plan_and_the_docstring_example():
+    """``Plan.first_writes``: the rows of each accumulator a block writes before any other op --
+    where the runtime copies instead of merging or adding, and the simulator prices a copy. Each
+    row of an accumulator is written first at most once, by a block that writes it; a dense ring
+    rank's first forward block writes all of its output, the others none."""
+    from megatron_mesh.plan import Attend, AttendBackward, Free, Segment
+    from megatron_mesh.plan.passes import first_writes
+
+    o1 = Key.parse("o1")
+    ops = [Attend(Key.parse("q1"), (Key.parse("kv1"),), o1, None, None, "causal"),
+           Attend(Key.parse("q1"), (Key.parse("kv0.5"),), o1, None, None, "full")]
+    assert first_writes(ops, lambda key: 4) == {0: {o1: (Segment(0, 4),)}}
+    assert first_writes([*ops[:1], Free(o1), ops[1]], lambda key: 4) == {0: {o1: ((0, 4),)}, 2: {o1: ((0, 4),)}}
+    plan = build_mesh_plan(4, (1, 4), SHAPE, causal=True)
+    for r in range(4):
+        for direction in ("forward", "backward"):
+            ops = plan.rank(r).ops(direction)
+            first = plan.first_writes(r, direction)
+            seen: dict = {}
+            for i, writes in first.items():
+                assert type(ops[i]) in (Attend, AttendBackward)
+                for key, sel in writes.items():
+                    assert key in ops[i].writes()
+                    for a, b in sel:
+                        assert all(x not in seen.setdefault(key, set()) for x in range(a, b))
+                        seen[key].update(range(a, b))
+            if direction == "forward":
+                blocks = [i for i, op in enumerate(ops) if type(op) is Attend]
+                out = ops[blocks[0]].out
+                assert first[blocks[0]] == {out: ((0, plan.tokens(out)),)}, r
+                assert all(out not in first.get(i, {}) for i in blocks[1:]), r
+
+
+def test_a_copied_first_write_costs_two_thirds_of_a_merge():
+    """The simulator prices an accumulator's first write as a copy (read the result, write the
+    accumulator), a merge or add as three passes: the costs module's worked example."""
+    from megatron_mesh.plan import Attend
+    from megatron_mesh.plan.costs import block_cost_parts
+
+    shape = AttentionShape(seq_local=4096, batch=1, heads=32, kv_heads=32, head_dim=128, itemsize=2)
+    plan = build_mesh_plan(1, (1, 1), shape, causal=True)
+    op = next(op for op in plan.rank(0).ops("forward") if type(op) is Attend)
+    topo = Topology.for_cp(1)
+    _, _, merged = block_cost_parts(plan, op, shape, topo)
+    _, _, copied = block_cost_parts(plan, op, shape, topo, (4096, 0))
+    assert merged == pytest.approx(3 * 32 * 4096 * 129 * 4 / topo.memory_bandwidth)
+    assert copied == pytest.approx(merged * 2 / 3)
+    assert plan.first_writes(0, "forward")  # the one block writes the whole output first

@@ -248,6 +248,31 @@ def test_backward_rows_made_once_per_buffer_and_own_rows_take_their_output():
         assert (mode == "mesh") == any(k.stand_ins for k in kernels), mode  # a tile's rows come from others
 
 
+def test_first_writes_copy_and_give_bitwise_the_same_results(monkeypatch):
+    """Where a block is the first op to write rows of an accumulator (``Plan.first_writes``), the
+    executor copies its kernel calls' results instead of merging them into (0, -inf) or adding
+    them to zeros: outputs and gradients bitwise those of merging / adding everywhere -- dense,
+    documents and a window on the zigzag, a Mesh tile, a hybrid -- with fewer ops."""
+    from megatron_mesh.plan import Plan
+
+    problems = [("ring", {}, cases.Problem(4, 4, 2, True, torch.float32, seq_local=16)),
+                ("ring", {}, cases.Problem(4, 4, 2, True, torch.float32, seq_local=16, cu_seqlens=(0, 5, 21, 40, 64),
+                                           window=(6, 0))),
+                ("mesh", {"tile": (2, 2)}, cases.Problem(4, 4, 1, False, torch.float32, seq_local=16)),
+                ("a2a+tasp", {"ulysses_size": 2}, cases.Problem(4, 4, 2, True, torch.float32, seq_local=16,
+                                                                cu_seqlens=(0, 5, 21, 40, 64)))]
+    for mode, settings, p in problems:
+        plan = resolve(mode, 4, p.shape, **settings).build(p.shape, p.mask, p.layout)
+        assert any(plan.first_writes(r, d) for r in range(4) for d in ("forward", "backward")), mode
+        copied = run_case(p, plan, serial=True)
+        check(copied)
+        with monkeypatch.context() as m:
+            m.setattr(Plan, "first_writes", lambda self, r, direction: {})
+            merged = run_case(p, resolve(mode, 4, p.shape, **settings).build(p.shape, p.mask, p.layout), serial=True)
+        for a, b in zip(copied, merged):
+            assert all(torch.equal(x, y) for x, y in zip(a.outputs, b.outputs)), mode
+
+
 def test_bitwise_equal_to_gloo_and_autograd(gloo):
     """Same inputs, same plan: the in-process transport gives bitwise the outputs and gradients of
     the gloo transport (public autograd API in spawned processes, part "gloo_outputs"), and

@@ -176,6 +176,17 @@ class Plan:
             rp = self._cache[r] = self.build_rank(r)
         return rp
 
+    def first_writes(self, r: int, direction: str) -> dict:
+        """:func:`~megatron_mesh.plan.passes.first_writes` of rank ``r``'s ops in ``direction``
+        (once per plan: the executor and the simulator both read it)."""
+        ck = ("first", r, direction)
+        hit = self._cache.get(ck)
+        if hit is None:
+            from ..passes import first_writes
+
+            hit = self._cache[ck] = first_writes(self.rank(r).ops(direction), self.tokens)
+        return hit
+
     @property
     def ranks(self) -> tuple[RankPlan, ...]:
         return tuple(self.rank(r) for r in range(self.world_size))
