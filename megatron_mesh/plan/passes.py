@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .ir import AddGrad, Attend, AttendBackward, Copy, Free, Key, MergeOut, Op, Post, Wait
-from .sel import Segment, Sel
+from .sel import Segment, Sel, union_intervals
 
 __all__ = ["reads_writes", "insert_frees", "first_writes"]
 
@@ -62,16 +62,6 @@ def _minus(segs: list[Segment], cut: list[Segment]) -> list[Segment]:
     return out
 
 
-def _add(segs: list[Segment], new) -> list[Segment]:
-    out: list[Segment] = []
-    for a, b in sorted([*segs, *new]):
-        if out and a <= out[-1].stop:
-            out[-1] = Segment(out[-1].start, max(out[-1].stop, b))
-        else:
-            out.append(Segment(a, b))
-    return out
-
-
 def first_writes(ops, tokens) -> dict[int, dict[Key, Sel]]:
     """For each block of ``ops`` (by index): the rows of each accumulator it adds into -- an
     :class:`Attend`'s output, an :class:`AttendBackward`'s dQ rows and dK/dV columns -- that no
@@ -91,7 +81,7 @@ def first_writes(ops, tokens) -> dict[int, dict[Key, Sel]]:
         fresh = _minus(rows, written.get(key, []))
         if fresh:
             out.setdefault(i, {})[key] = tuple(fresh)
-        written[key] = _add(written.get(key, []), rows)
+        written[key] = list(union_intervals([*written.get(key, []), *rows]))
 
     for i, op in enumerate(ops):
         kind = type(op)
@@ -107,5 +97,5 @@ def first_writes(ops, tokens) -> dict[int, dict[Key, Sel]]:
             for key in op.writes():
                 into = op.into if kind is MergeOut or (kind in (AddGrad, Copy) and op.heads is None) else None
                 rows = list(into) if into is not None else [Segment(0, tokens(key))]
-                written[key] = _add(written.get(key, []), rows)
+                written[key] = list(union_intervals([*written.get(key, []), *rows]))
     return out
