@@ -184,7 +184,7 @@ def test_first_writes_of_a_ring_plan_and_the_docstring_example():
     row of an accumulator is written first at most once, by a block that writes it; a dense ring
     rank's first forward block writes all of its output, the others none."""
     from megatron_mesh.plan import Attend, AttendBackward, Free, Segment
-    from megatron_mesh.plan.passes import first_writes
+    from megatron_mesh.plan.ir.writes import first_writes
 
     o1 = Key.parse("o1")
     ops = [Attend(Key.parse("q1"), (Key.parse("kv1"),), o1, None, None, "causal"),

@@ -38,6 +38,7 @@ from ..layout import Layout, ZigzagLayout, head_slice, layout_from_text
 from ..mask import Mask
 from ..sel import Segment, Sel, map_runs, parse_sel, sel_text, sub_selection
 from .ops import KINDS, Attend, AttendBackward, Free, Key, Op, Post, Wait, _parse_keys, op_keys, parse_op
+from .writes import first_writes
 
 __all__ = ["RankPlan", "Plan", "SlotTable"]
 
@@ -177,13 +178,11 @@ class Plan:
         return rp
 
     def first_writes(self, r: int, direction: str) -> dict:
-        """:func:`~megatron_mesh.plan.passes.first_writes` of rank ``r``'s ops in ``direction``
-        (once per plan: the executor and the simulator both read it)."""
+        """:func:`~.writes.first_writes` of rank ``r``'s ops in ``direction`` (once per plan: the
+        executor and the simulator both read it)."""
         ck = ("first", r, direction)
         hit = self._cache.get(ck)
         if hit is None:
-            from ..passes import first_writes
-
             hit = self._cache[ck] = first_writes(self.rank(r).ops(direction), self.tokens)
         return hit
 
