@@ -24,6 +24,7 @@ from torch import Tensor
 
 from ..comm.base import Communicator, Work
 from ..kernels.base import BlockKernel
+from ..plan.mask import BlockKind
 from ..plan.ir import (KINDS, AddGrad, Attend, AttendBackward, Copy, Free, Key, MergeOut, Plan, Post, RankPlan,
                        RowStats, Wait)
 from .masks import backward_partials, block_mask, forward_partials
@@ -163,12 +164,13 @@ class _Buffers:
     def get(self, key: Key) -> tuple[Tensor, ...]:
         return self.live[key]
 
-    def accumulator(self, key: Key) -> tuple[Tensor, ...]:
-        """The buffer ``key``, created on first use (out = 0, lse = -inf; gradients and copies 0)."""
+    def accumulator(self, key: Key, filled: bool = True) -> tuple[Tensor, ...]:
+        """The buffer ``key``, created on first use (out = 0, lse = -inf; gradients and copies 0;
+        not ``filled``: as allocated, for a block that writes all of it before anything reads it)."""
         acc = self.live.get(key)
         if acc is None:
             acc = self.alloc(key)
-            for i, t in enumerate(acc):
+            for i, t in enumerate(acc if filled else ()):
                 t.fill_(KINDS[key.kind].initial(i))
             self.put(key, acc, owned=key not in self.token_major)
         return acc
@@ -310,12 +312,20 @@ class Executor:
         return (torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts], dim=2),
                 [p[0].shape[2] for p in parts])
 
+    def _writes_all(self, op, key: Key) -> bool:
+        """Whether block ``op`` is the first to write every row of accumulator ``key`` (plan
+        ``first_writes``) with one kernel call over all its rows and columns (not a masked block,
+        whose pieces may leave rows out): then the accumulator needs no initial fill."""
+        sel = self._first.get(key)
+        return op.mask != BlockKind.MASKED and sel is not None and len(sel) == 1 and sel[0][0] == 0 and \
+            sel[0][1] == self.plan.tokens(key)
+
     def _attend(self, op: Attend, bufs: _Buffers, pending) -> None:
         (q,) = bufs.get(op.q)
         k, v, _ = self._kv(op, bufs)
         mask = block_mask(self.plan, op, q.device)
         with self.timer("compute"):
-            out, lse = bufs.accumulator(op.out)
+            out, lse = bufs.accumulator(op.out, filled=not self._writes_all(op, op.out))
             rows = list(_parts(op.rows, out.shape[2]))
             fresh = _fresh(self._first, op.out)
             # each kernel call's partial result merges straight into the rows' accumulator; on rows
@@ -341,12 +351,12 @@ class Executor:
             make = getattr(self.kernel, "backward_rows", None)  # once per buffer of rows, not per block
             made = None if make is None else tuple(_take(t, op.rows) for t in
                                                    bufs.derive(op.do, lambda: make(dout, lse, delta)))
-            (acc_q,) = bufs.accumulator(op.dq)
+            (acc_q,) = bufs.accumulator(op.dq, filled=not self._writes_all(op, op.dq))
             rows = list(_parts(op.rows, acc_q.shape[2]))
             fresh_q = _fresh(self._first, op.dq)  # rows still 0: a copy instead of an add
             cols, start = [], 0  # each key buffer's accumulators, where its block columns go, its fresh rows
             for i, (key, n_cols) in enumerate(zip(op.dkv, lengths)):
-                acc_k, acc_v = bufs.accumulator(key)
+                acc_k, acc_v = bufs.accumulator(key, filled=not self._writes_all(op, key))
                 cols.append((acc_k, acc_v, [(a, start + pos, n) for a, pos, n in _parts(op.col(i), acc_k.shape[2])],
                              _fresh(self._first, key)))
                 start += n_cols

@@ -251,9 +251,16 @@ def test_backward_rows_made_once_per_buffer_and_own_rows_take_their_output():
 def test_first_writes_copy_and_give_bitwise_the_same_results(monkeypatch):
     """Where a block is the first op to write rows of an accumulator (``Plan.first_writes``), the
     executor copies its kernel calls' results instead of merging them into (0, -inf) or adding
-    them to zeros: outputs and gradients bitwise those of merging / adding everywhere -- dense,
-    documents and a window on the zigzag, a Mesh tile, a hybrid -- with fewer ops."""
+    them to zeros, and skips the initial fill where one unmasked block writes all of it first:
+    outputs and gradients bitwise those of merging / adding everywhere -- dense, documents and a
+    window on the zigzag, a Mesh tile, a hybrid. New buffers come back full of NaN here, so a row
+    left unwritten would show."""
     from megatron_mesh.plan import Plan
+    from megatron_mesh.runtime import executor
+
+    new = executor._Buffers._new
+    monkeypatch.setattr(executor._Buffers, "_new", lambda self, key: tuple(t.fill_(float("nan"))
+                                                                          for t in new(self, key)))
 
     problems = [("ring", {}, cases.Problem(4, 4, 2, True, torch.float32, seq_local=16)),
                 ("ring", {}, cases.Problem(4, 4, 2, True, torch.float32, seq_local=16, cu_seqlens=(0, 5, 21, 40, 64),
