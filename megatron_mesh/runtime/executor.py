@@ -204,6 +204,9 @@ class Executor:
         self.plan = plan
         self.rank_plan: RankPlan = plan.rank(comm.rank)
         self.comm, self.kernel, self.scale = comm, kernel, scale
+        # the kernel's optional backward_rows (kernels.base.BlockKernel.backward): what it makes of a
+        # buffer of rows once, instead of in every call
+        self.backward_rows = getattr(kernel, "backward_rows", None)
         self.timer = timer or (lambda what: contextlib.nullcontext())
 
     # -- public ----------------------------------------------------------------------------------
@@ -232,7 +235,7 @@ class Executor:
             delta = (dout.to(acc) * out.to(acc)).sum(-1)  # rowsum(dout * out): the backward's row statistic
             sources["do"] = (dout, lse, delta)
         self._inputs(bufs, rp.backward_inputs, sources)
-        make = getattr(self.kernel, "backward_rows", None)
+        make = self.backward_rows
         if make is not None and "do" in sources:  # this rank's rows: the kernel may take their output itself
             for key, segs in rp.backward_inputs.items():
                 if key.kind == "do":
@@ -348,7 +351,7 @@ class Executor:
         k, v, lengths = self._kv(op, bufs)
         mask = block_mask(self.plan, op, q.device)
         with self.timer("compute"):
-            make = getattr(self.kernel, "backward_rows", None)  # once per buffer of rows, not per block
+            make = self.backward_rows  # once per buffer of rows, not per block
             made = None if make is None else tuple(_take(t, op.rows) for t in
                                                    bufs.derive(op.do, lambda: make(dout, lse, delta)))
             (acc_q,) = bufs.accumulator(op.dq, filled=not self._writes_all(op, op.dq))
@@ -407,7 +410,7 @@ class Executor:
         d_out.copy_(dout)
         d_lse.copy_(lse)
         torch.sum(dout.to(out.dtype) * out, dim=-1, out=d_delta)
-        make = getattr(self.kernel, "backward_rows", None)
+        make = self.backward_rows
         if make is not None:  # these rows' output is here: the kernel may take it instead of a stand-in
             # (``out`` is a saved forward buffer: never recycled while the backward runs)
             bufs.derived[op.dst] = make(d_out, d_lse, d_delta, out=out)
