@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from operator import index
 
 from .layout import match_text, register_layout, split_evenly
+from .mask import Mask
 from .sel import merge_runs
 
 __all__ = ["BalancedLayout", "balanced_layout", "document_work", "PIECE_WORK", "NODE_PIECE_WORK"]
@@ -279,23 +280,27 @@ def _runs(pieces) -> tuple[tuple[int, int], ...]:
 
 def _check_bounds(cu_seqlens, world_size: int, group: int) -> tuple[tuple[int, int], ...]:
     try:
-        cu = [index(c) for c in cu_seqlens]
+        given = list(cu_seqlens)  # once: a generator is read one time only
     except TypeError:
-        raise ValueError(f"cu_seqlens must hold integers, got {cu_seqlens!r}") from None
-    if any(isinstance(c, bool) for c in cu_seqlens):
-        raise ValueError(f"cu_seqlens must hold integers, got {cu_seqlens!r}")
+        raise ValueError(f"cu_seqlens must be a sequence of integers, got {cu_seqlens!r}") from None
+    try:
+        cu = [index(c) for c in given]
+    except TypeError:
+        raise ValueError(f"cu_seqlens must hold integers, got {given!r}") from None
+    if any(isinstance(c, bool) for c in given):
+        raise ValueError(f"cu_seqlens must hold integers, got {given!r}")
     if len(cu) < 2 or cu[0] != 0 or any(b <= a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"cu_seqlens must be strictly increasing from 0 (every document at least one token), got "
-                         f"{list(cu_seqlens)!r}")
+                         f"{cu!r}")
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     if not isinstance(group, int) or isinstance(group, bool) or group < 1 or world_size % group:
         raise ValueError(f"group (the Ulysses degree) must be a positive divisor of world_size {world_size}, got "
                          f"{group!r}")
     S = cu[-1]
-    if S % world_size or S < 2 * world_size:
+    if S % (2 * world_size):
         raise ValueError(f"the sequence of {S} tokens (cu_seqlens[-1]) must split into {world_size} ranks of equal, "
-                         f"even token counts: S divisible by and at least 2 x the CP size ({2 * world_size})")
+                         f"even token counts: S divisible by 2 x the CP size ({2 * world_size})")
     return tuple(zip(cu, cu[1:]))
 
 
@@ -337,13 +342,15 @@ def balanced_layout(cu_seqlens, world_size: int, *, causal: bool = True, window=
     (group's) / a node's mean work (default :data:`PIECE_WORK`; for the node pass
     :data:`NODE_PIECE_WORK` with group 1, else ``piece_work``). ValueError names a bad input."""
     bounds = _check_bounds(cu_seqlens, world_size, group)
-    if not isinstance(causal, bool):
-        raise ValueError(f"causal must be True or False, got {causal!r}")
-    window = (None, None) if window is None else tuple(window)
-    if len(window) != 2 or any(v is not None and (not isinstance(v, int) or v < 0) for v in window):
-        raise ValueError(f"window must be (left, right) with ints >= 0 or None, got {window!r}")
-    if causal:
-        window = (window[0], 0)
+    if isinstance(window, list):
+        window = tuple(window)
+    window = Mask(causal, window).window  # attention's rules: ints >= 0 or None, right 0 when causal
+    for name, v in (("piece_work", piece_work), ("node_piece_work", node_piece_work)):
+        if v is None and name == "node_piece_work":
+            continue
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"{name} must be a positive number (the largest piece in units of the mean work), "
+                             f"got {v!r}")
     S = bounds[-1][1]
     units = world_size // group  # the balanced units: ranks, or Ulysses groups of ``group`` ranks
     nodes = _check_nodes(world_size, group, ranks_per_node)
@@ -388,6 +395,11 @@ class BalancedLayout:
     group: int = 1
 
     def __post_init__(self) -> None:
+        for name, v in (("world_size", self.world_size), ("group", self.group)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.world_size % self.group:
+            raise ValueError(f"group {self.group} must divide world_size {self.world_size}")
         if len(self.rank_runs) != self.world_size:
             raise ValueError(f"{len(self.rank_runs)} ranks' runs for world_size {self.world_size}")
         counts = {sum(n for _, n in r) for r in self.rank_runs}
@@ -399,6 +411,14 @@ class BalancedLayout:
             if s != pos or n < 1:
                 raise ValueError(f"the ranks' runs must cover positions 0..S-1 exactly once; gap or overlap at {pos}")
             pos += n
+        end = 0  # the documents: in order, disjoint, and exactly the runs' S tokens
+        for a, b in self.docs:
+            if a != end or b <= a:
+                raise ValueError(f"documents {self.docs!r} must cover positions 0..{pos - 1} in order, each at least "
+                                 f"one token")
+            end = b
+        if self.docs and end != pos:
+            raise ValueError(f"documents {self.docs!r} cover {end} tokens, the ranks' runs {pos}")
 
     @property
     def seq_len(self) -> int:
@@ -430,7 +450,8 @@ class BalancedLayout:
 
     @classmethod
     def parse(cls, rest: str) -> "BalancedLayout":
-        m = match_text(r"^P=(\d+) U=(\d+) cu=([\d,]+) runs=(.*)$", rest, "balanced P=2 U=1 cu=0,4,8 runs=0+4;4+4")
+        example = "balanced P=2 U=1 cu=0,4,8 runs=0+4;4+4"
+        m = match_text(r"^P=(\d+) U=(\d+) cu=(\d+(?:,\d+)*) runs=(\d+\+\d+(?:[,;]\d+\+\d+)*)$", rest, example)
         cu = [int(x) for x in m.group(3).split(",")]
         runs = tuple(tuple((int(s), int(n)) for s, n in (x.split("+") for x in r.split(",")))
                      for r in m.group(4).split(";"))

@@ -101,6 +101,8 @@ def attention_mask(world_size: int, shape: AttentionShape, *, causal: bool = Tru
             if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
                 raise ValueError(f"cu_seqlens must be a 1-D integer tensor or sequence, got {cu_seqlens!r}")
             cu_seqlens = cu_seqlens.tolist()
+        else:
+            cu_seqlens = list(cu_seqlens)  # once: a generator is read one time only
         if not all(isinstance(c, numbers.Integral) and not isinstance(c, bool) for c in cu_seqlens):
             raise ValueError(f"cu_seqlens must hold integers, got {cu_seqlens!r}")
         mask = Mask.from_cu_seqlens(cu_seqlens, world_size * shape.seq_local, causal, window)

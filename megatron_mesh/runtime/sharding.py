@@ -7,6 +7,8 @@ rank 1 [2, 3, 4, 5]; ``zigzag_unshard`` of the two puts [0..7] back together.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import Tensor
 
@@ -19,27 +21,43 @@ def layout_shard(x: Tensor, rank: int, layout: Layout, dim: int = 0) -> Tensor:
     """Rank ``rank``'s tokens of a full-sequence tensor under ``layout`` (any layout: Megatron's
     zigzag, Transformer Engine's THD, :func:`megatron_mesh.balanced_layout`), in the rank's local
     order -- what that rank passes to attention."""
-    if not isinstance(layout, Layout):
-        raise ValueError(f"layout must be a megatron_mesh layout (ZigzagLayout, ThdLayout, BalancedLayout), got "
-                         f"{type(layout).__name__}")
+    _check_layout(layout)
     if x.shape[dim] != layout.seq_len:
         raise ValueError(f"tensor has {x.shape[dim]} tokens along dim {dim}, the {type(layout).__name__} "
                          f"{layout.seq_len}")
-    if not isinstance(rank, int) or not 0 <= rank < layout.world_size:
-        raise ValueError(f"rank {rank!r} out of range for CP size {layout.world_size}")
+    try:
+        r = None if isinstance(rank, bool) else operator.index(rank)  # numpy / 0-d tensor integers too
+    except TypeError:
+        r = None
+    if r is None or not 0 <= r < layout.world_size:
+        raise ValueError(f"rank must be an integer in 0..{layout.world_size - 1} (the CP size {layout.world_size}), "
+                         f"got {rank!r}")
+    rank = r
     return torch.cat([x.narrow(dim, start, n) for _, start, n in layout.runs(rank)], dim=dim)
 
 
 def layout_unshard(chunks: list[Tensor], layout: Layout, dim: int = 0) -> Tensor:
     """The full-sequence tensor from every rank's tokens under ``layout`` (inverse of
     :func:`layout_shard`)."""
+    _check_layout(layout)
+    chunks = list(chunks)
     if len(chunks) != layout.world_size:
         raise ValueError(f"{len(chunks)} chunks for a {type(layout).__name__} over {layout.world_size} ranks")
+    sizes = [c.shape[dim] for c in chunks]
+    if any(n != layout.seq_local for n in sizes):
+        raise ValueError(f"every rank's chunk must have the layout's {layout.seq_local} tokens along dim {dim}, got "
+                         f"{sizes}")
     pieces = []
     for r, c in enumerate(chunks):
         for local, start, n in layout.runs(r):
             pieces.append((start, c.narrow(dim, local, n)))
     return torch.cat([p for _, p in sorted(pieces, key=lambda t: t[0])], dim=dim)
+
+
+def _check_layout(layout) -> None:
+    if not isinstance(layout, Layout):
+        raise ValueError(f"layout must be a megatron_mesh layout (ZigzagLayout, ThdLayout, BalancedLayout), got "
+                         f"{type(layout).__name__}")
 
 
 def zigzag_shard(x: Tensor, rank: int, world_size: int, dim: int = 0) -> Tensor:

@@ -78,7 +78,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--layout", default=None, choices=LAYOUTS + ("all",),
                    help="the sequence layout under --docs: Megatron's zigzag, Transformer Engine's THD (each document "
                         "padded to 2 x CP; TE's own p2p and a2a+p2p on it too), the plugin's balanced layout, or all "
-                        "three side by side (default with --docs; without documents only the zigzag applies)")
+                        "three side by side (default with --docs; without documents only the zigzag applies; side by "
+                        "side above 64 ranks the plugin's modes are not planned on THD, too many pieces: --layout thd "
+                        "plans them)")
     t = p.add_argument_group("machine (defaults: H100 SXM5, NVLink 4, one 400 Gb/s NIC per GPU)")
     t.add_argument("--nodes", type=int, default=None, help="nodes U (default: ceil(P / gpus-per-node))")
     t.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node, help="CP ranks per node M")
@@ -354,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
             window = None if mask is None or mask.window == (None, 0 if args.causal else None) else mask.window
             rows, skipped = layout_rows(args.cp, shape, topo, docs, causal=args.causal, window=window, modes=modes,
                                         layouts=layouts, backward_chunks=args.backward_chunks, schedule=args.schedule,
-                                        explain=args.explain)
+                                        explain=args.explain, plan_thd=True if args.layout == "thd" else None)
         if docs is not None:  # the documents as given (one document over the whole sequence is plain causal)
             floor = compute_floor(allowed_pairs(docs, args.causal, mask.window), args.cp, shape, topo)
         elapsed = time.perf_counter() - start

@@ -345,6 +345,10 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: boo
 LAYOUTS = ("zigzag", "thd", "balanced")
 # Transformer Engine's own runs on its THD layout: p2p (every KV chunk around the ring), a2a+p2p (USP)
 TE_ROWS = ("te-p2p", "te-a2a+p2p")
+# the most ranks at which a comparison of every layout plans the plugin's modes on THD: there each
+# rank holds two pieces of every document, so a plan's blocks grow as ranks^2 x documents (1M tokens
+# of 4K documents on this project's build machine: 44 s at 64 ranks, minutes at 128, hours at 256)
+THD_PLAN_RANKS = 64
 
 
 def thd_layout(cu_seqlens, world_size: int) -> ThdLayout:
@@ -408,11 +412,14 @@ def _node_ranks(world_size: int, topo: Topology) -> int | None:
 
 def layout_rows(world_size: int, shape: AttentionShape, topo: Topology, cu_seqlens, *, causal: bool = True,
                 window=None, modes=None, layouts=LAYOUTS, backward_chunks: str = "auto",
-                schedule: str = "greedy", explain: bool = False) -> tuple[list[ModeResult], list[dict]]:
+                schedule: str = "greedy", explain: bool = False,
+                plan_thd: bool | None = None) -> tuple[list[ModeResult], list[dict]]:
     """Every mode of ``modes`` on each of ``layouts`` for these packed documents: Megatron's zigzag,
     Transformer Engine's THD (each document padded to 2 * CP; our modes on it, and TE's own p2p and
     a2a+p2p as it runs them: :data:`TE_ROWS`) and the balanced layout (nodes first when the group spans nodes; per Ulysses group for the
-    hybrids). Rows carry their ``layout``; the THD rows' shape is the padded one."""
+    hybrids). Rows carry their ``layout``; the THD rows' shape is the padded one. ``plan_thd``:
+    plan the plugin's modes on THD (None: up to :data:`THD_PLAN_RANKS` ranks; above, they are
+    listed as skipped, with the reason, and TE's own rows are priced)."""
     unknown = [name for name in layouts if name not in LAYOUTS]
     if unknown:
         raise ValueError(f"unknown layouts {unknown}; allowed: {', '.join(LAYOUTS)}")
@@ -435,8 +442,14 @@ def layout_rows(world_size: int, shape: AttentionShape, topo: Topology, cu_seqle
         else:
             thd = thd_layout(cu, world_size)
             padded = replace(shape, seq_local=thd.seq_local)
-            got, skip = evaluate(world_size, padded, topo, modes=modes, backward_chunks=backward_chunks,
-                                 schedule=schedule, mask=Mask(causal, window), layout=thd, explain=explain)
+            if plan_thd is False or plan_thd is None and world_size > THD_PLAN_RANKS:
+                got, skip = [], [{"mode": m, "reason": f"not planned on THD at CP {world_size}: every rank holds two "
+                                  f"pieces of each of the {len(cu) - 1} documents, too many blocks to plan in "
+                                  f"reasonable time above {THD_PLAN_RANKS} ranks (plan them with --layout thd)"}
+                                 for m in modes]
+            else:
+                got, skip = evaluate(world_size, padded, topo, modes=modes, backward_chunks=backward_chunks,
+                                     schedule=schedule, mask=Mask(causal, window), layout=thd, explain=explain)
             got += _te_rows(world_size, padded, topo, Mask(causal, window), thd, skip)
         rows += [replace(r, layout=name) for r in got]
         skipped += [{**s, "mode": f"{s['mode']} ({name})"} for s in skip]

@@ -178,7 +178,28 @@ def test_every_mode_runs_exactly_on_the_balanced_layout(P, data):
     (lambda: balanced_layout([0, 4.5, 16], 2), r"cu_seqlens must hold integers, got \[0, 4.5, 16\]"),
     (lambda: balanced_layout([0, 8, 16], 0), r"world_size must be a positive integer, got 0"),
     (lambda: balanced_layout([0, 8, 16], 4, group=3), r"group \(the Ulysses degree\) must be a positive divisor"),
-    (lambda: balanced_layout([0, 8, 16], 2, window=(-1, 0)), r"window must be \(left, right\)"),
+    (lambda: balanced_layout([0, 8, 16], 2, window=(-1, 0)), r"window left must be an int >= 0 or None"),
+    # attention's window rules (a bool is no size; a causal window sees no later key)
+    (lambda: balanced_layout([0, 8, 16], 2, window=(True, 0)), r"window left must be an int >= 0 or None \(unlimited\), got True"),
+    (lambda: balanced_layout([0, 8, 16], 2, window=(2, 5)), r"window right 5 > 0 with causal attention"),
+    (lambda: balanced_layout([0, 8, 16], 2, window=3), r"window must be \(left, right\) .* got 3"),
+    # attention needs an even token count per rank: 3 per rank would pass here and fail there
+    (lambda: balanced_layout([0, 3, 6], 2), r"the sequence of 6 tokens .* S divisible by 2 x the CP size \(4\)"),
+    (lambda: balanced_layout([0, 8, 16], 2, piece_work=0), r"piece_work must be a positive number .* got 0"),
+    (lambda: balanced_layout([0, 8, 16], 2, piece_work=float("nan")), r"piece_work must be a positive number"),
+    (lambda: balanced_layout([0, 8, 16], 2, piece_work="x"), r"piece_work must be a positive number .* got 'x'"),
+    (lambda: balanced_layout([0, 8, 16], 4, ranks_per_node=2, node_piece_work=-5),
+     r"node_piece_work must be a positive number .* got -5"),
+    # a generator is read once: its values are checked, not what is left of it
+    (lambda: balanced_layout((c for c in [0, True, 8]), 1), r"cu_seqlens must hold integers, got \[0, True, 8\]"),
+    # a layout made by hand: the documents must be the runs' sequence, the group must divide P
+    (lambda: BalancedLayout(2, (((0, 8),), ((8, 8),)), ((0, 8), (8, 20))),
+     r"documents \(\(0, 8\), \(8, 20\)\) cover 20 tokens, the ranks' runs 16"),
+    (lambda: BalancedLayout(2, (((0, 8),), ((8, 8),)), ((0, 8),)), r"cover 8 tokens, the ranks' runs 16"),
+    (lambda: BalancedLayout(2, (((0, 8),), ((8, 8),)), ((0, 8), (9, 16))), r"must cover positions 0..15 in order"),
+    (lambda: BalancedLayout(2, (((0, 8),), ((8, 8),)), ((0, 16),), group=3), r"group 3 must divide world_size 2"),
+    (lambda: layout_from_text("balanced P=2 U=1 cu=0,4,20 runs=0+8;8+8"), r"cover 20 tokens, the ranks' runs 16"),
+    (lambda: layout_from_text("balanced P=0 U=1 cu=0 runs="), r"not a balanced layout: 'P=0 U=1 cu=0 runs='"),
     (lambda: balanced_layout([0, 8, 16], 4, ranks_per_node=3), r"ranks_per_node must be None or a positive divisor of "
      r"world_size 4 that the group 1 divides, got 3"),
     (lambda: balanced_layout([0, 8, 16], 4, group=4, ranks_per_node=2), r"ranks_per_node .* that the group 4 divides"),
@@ -186,4 +207,12 @@ def test_every_mode_runs_exactly_on_the_balanced_layout(P, data):
 def test_bad_input_names_the_value(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_generator_and_array_boundaries_give_the_same_layout():
+    import numpy as np
+
+    want = balanced_layout([0, 3, 9, 16], 2)
+    assert balanced_layout((c for c in [0, 3, 9, 16]), 2) == want
+    assert balanced_layout(np.array([0, 3, 9, 16]), 2) == want
 

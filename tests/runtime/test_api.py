@@ -40,6 +40,13 @@ def test_cp1_equals_dense_attention(fn, mask):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
 
 
+def test_cu_seqlens_may_be_a_generator():
+    """Read once: checking the boundaries must not use up the generator the mask is built from."""
+    q, k, v = qkv()
+    want = mm.ring_attention(q, k, v, cu_seqlens=[0, 3, 8])
+    assert torch.equal(mm.ring_attention(q, k, v, cu_seqlens=(c for c in [0, 3, 8])), want)
+
+
 @pytest.mark.parametrize("scale", [1e-30, 1e-20, 1e19])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gradients_are_right_for_tiny_and_huge_dout(scale, dtype):
@@ -167,6 +174,29 @@ def test_zigzag_shard_unshard_roundtrip(world):
     chunks = [mm.zigzag_shard(x, r, world) for r in range(world)]
     assert torch.equal(mm.zigzag_unshard(chunks), x)
     assert chunks[0][:2, 0].tolist() == [0, 3] and chunks[0][2:, 0].tolist() == [3 * (4 * world - 2), 3 * (4 * world - 1)]
+
+
+def test_layout_shard_and_unshard_check_their_inputs():
+    """A chunk of the wrong length is an error, not rows silently dropped or a torch index error;
+    integer-like ranks (numpy, 0-d tensors) are ranks, a bool is not."""
+    import numpy as np
+
+    layout = mm.balanced_layout([0, 3, 16], 2)
+    x = torch.arange(16)
+    chunks = [mm.layout_shard(x, r, layout) for r in range(2)]
+    assert torch.equal(mm.layout_unshard(chunks, layout), x)
+    assert torch.equal(mm.layout_shard(x, np.int64(1), layout), chunks[1])
+    assert torch.equal(mm.layout_shard(x, torch.tensor(1), layout), chunks[1])
+    with pytest.raises(ValueError, match=r"rank must be an integer in 0..1 \(the CP size 2\), got True"):
+        mm.layout_shard(x, True, layout)
+    with pytest.raises(ValueError, match=r"rank must be an integer in 0..1 .* got 2"):
+        mm.layout_shard(x, 2, layout)
+    for bad in ([torch.cat([chunks[0], chunks[0]]), chunks[1]], [chunks[0][:7], chunks[1]]):
+        with pytest.raises(ValueError, match=r"every rank's chunk must have the layout's 8 tokens along dim 0, got "
+                                             r"\[(16|7), 8\]"):
+            mm.layout_unshard(bad, layout)
+    with pytest.raises(ValueError, match=r"layout must be a megatron_mesh layout .* got NoneType"):
+        mm.layout_unshard(chunks, None)
 
 
 def test_thd_shard_is_transformer_engines_partition():

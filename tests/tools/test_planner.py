@@ -194,6 +194,25 @@ def test_layout_rows_rejects_bad_input():
         layout_rows(2, shape, Topology(), [0, 10])
 
 
+def test_layout_rows_plan_thd_only_when_asked_above_the_limit(monkeypatch):
+    """Above THD_PLAN_RANKS a comparison of every layout lists the plugin's modes on THD as not
+    planned, saying why and how to plan them; TE's own THD rows and the other layouts are priced.
+    Asked for (``plan_thd=True``, the CLI's ``--layout thd``) they are planned."""
+    import megatron_mesh.tools.planner as planner
+
+    shape = AttentionShape(seq_local=64, heads=2, kv_heads=2, head_dim=4)
+    cu = [0, 40, 100, 256]
+    monkeypatch.setattr(planner, "THD_PLAN_RANKS", 2)
+    rows, skipped = layout_rows(4, shape, Topology(), cu, modes=("ring", "auto"))
+    assert {(r.layout, r.mode) for r in rows} >= {("zigzag", "ring"), ("balanced", "ring"), ("thd", "te-p2p")}
+    assert not any(r.layout == "thd" and r.mode in ("ring", "auto") for r in rows)
+    assert [s["mode"] for s in skipped] == ["ring (thd)", "auto (thd)"]
+    assert "not planned on THD at CP 4: every rank holds two pieces of each of the 3 documents" in skipped[0]["reason"]
+    assert "(plan them with --layout thd)" in skipped[0]["reason"]
+    rows, skipped = layout_rows(4, shape, Topology(), cu, modes=("ring",), layouts=("thd",), plan_thd=True)
+    assert ("thd", "ring") in {(r.layout, r.mode) for r in rows} and not skipped
+
+
 def test_cli_runs_without_torch():
     code = ("import sys, json, io, contextlib; sys.modules['torch'] = None\n"
             "from megatron_mesh.tools.plan_cli import main\n"
