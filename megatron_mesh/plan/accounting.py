@@ -27,6 +27,7 @@ __all__ = [
     "tasp_bytes_formula",
     "block_pairs",
     "block_area",
+    "owner_work",
     "rank_work",
 ]
 
@@ -186,6 +187,22 @@ def block_area(plan: Plan, op) -> int:
     if op.mask == BlockKind.CAUSAL:
         return rows * (rows + 1) // 2
     return rows * sum(sel_len(op.col(i), plan.tokens(k)) for i, k in enumerate(op.kv))
+
+
+def owner_work(mask, layout, span: int = 1) -> list[int]:
+    """Allowed (query, key) pairs of each chunk's rows (span-``span`` chunks: a Ulysses group's)
+    against the whole sequence, from the mask and the layout alone: :func:`rank_work` of a plan
+    in which each row's pairs are computed where the row lives (ring attention, Transformer
+    Engine's p2p on THD; a hybrid's ranks count their group's pairs once per head slice, as
+    ``rank_work`` does), without building any rank's blocks. E.g. two documents [0, 4) and [4, 8)
+    on a zigzag over 2 ranks (rank 0: tokens 0, 1, 6, 7): causal 1 + 2 + 3 + 4 = 10 pairs."""
+    S = layout.seq_len
+    chunks = layout.world_size // span
+    out = []
+    for c in range(chunks):
+        got = classify_block(mask, tuple((s, n) for _, s, n in layout.runs(c, span)), (((0, S),),))
+        out.append(0 if got is None else got.pairs)
+    return [w for w in out for _ in range(span)]
 
 
 def rank_work(plan: Plan, direction: str = "forward") -> list[int]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from ..plan.accounting import rank_work
+from ..plan.accounting import owner_work, rank_work
 from ..plan.autotile import TIME_TOLERANCE, Candidate, evaluate_plan, pick_best
 from ..plan.balance import balanced_layout, document_work
 from ..plan.hybrid import build_hybrid_plan
@@ -392,7 +392,9 @@ def _te_rows(world_size: int, shape: AttentionShape, topo: Topology, mask: Mask,
     for name, build in plans.items():
         plan = build()
         c = evaluate_plan(plan, shape, topo)
-        w = rank_work(plan, "forward")
+        # each row's pairs are computed where it lives (its group's, for the hybrid): the layout
+        # says how many, without building all P ranks' blocks (minutes at 256 ranks)
+        w = owner_work(mask, layout, 1 if name == "te-p2p" else u)
         rows.append(ModeResult(name, None, c.bytes_per_rank, c.intra_node_bytes_per_rank, c.inter_node_bytes_per_rank,
                                c.max_inter_node_bytes, c.rounds, c.peak_buffer_bytes, c.time_s, c.forward_s,
                                c.backward_s, c.compute_s, detail="Transformer Engine on its THD layout: " +

@@ -194,6 +194,29 @@ def test_layout_rows_rejects_bad_input():
         layout_rows(2, shape, Topology(), [0, 10])
 
 
+@pytest.mark.parametrize("P, S, window, u", [(4, 4096, None, 2), (6, 12288, None, 3), (8, 16384, (300, 0), 4)])
+def test_owner_work_is_the_te_plans_rank_work(P, S, window, u):
+    """The TE rows' work column comes from the layout (owner_work), not from every rank's blocks:
+    the same counts as rank_work of TE's p2p plan and of its a2a+p2p hybrid, on THD."""
+    from megatron_mesh.plan import Mask
+    from megatron_mesh.plan.accounting import owner_work, rank_work
+    from megatron_mesh.plan.hybrid import build_hybrid_plan
+    from megatron_mesh.plan.layout import ZigzagLayout
+    from megatron_mesh.plan.mesh import build_rotation_plan
+    from megatron_mesh.plan.problem import normalize
+    from megatron_mesh.tools.plan_cli import document_bounds
+    from megatron_mesh.tools.planner import thd_layout
+
+    assert owner_work(Mask.from_cu_seqlens([0, 4, 8], 8), ZigzagLayout(2, 8)) == [10, 10]  # the docstring's
+    thd = thd_layout(document_bounds("lognormal:700,1.0", S, 1), P)
+    shape = AttentionShape(seq_local=thd.seq_local, heads=12, kv_heads=12, head_dim=8)
+    mask, layout = normalize(P, shape, Mask(True, window), thd)
+    assert rank_work(build_rotation_plan(P, shape, mask, layout, "te-p2p")) == owner_work(mask, layout)
+    hybrid = build_hybrid_plan("te-a2a+p2p", P, u, lambda sub, m, lay: build_rotation_plan(P // u, sub, m, lay),
+                               shape, mask, layout)
+    assert rank_work(hybrid) == owner_work(mask, layout, u)
+
+
 def test_layout_rows_plan_thd_only_when_asked_above_the_limit(monkeypatch):
     """Above THD_PLAN_RANKS a comparison of every layout lists the plugin's modes on THD as not
     planned, saying why and how to plan them; TE's own THD rows and the other layouts are priced.
