@@ -68,6 +68,15 @@ def main(argv=None) -> None:
     ap.add_argument("--docs", default="lognormal:4096,1.0")
     ap.add_argument("--modes", nargs="+", default=["ring", "mesh", "tasp"])
     args = ap.parse_args(argv)
+    bad = [P for P in args.cp if P < 1 or args.seq_len % (2 * P)]
+    if args.seq_len < 1 or bad:
+        ap.error(f"--cp {bad or args.cp}: every CP size must be >= 1 and split --seq-len {args.seq_len} into 2 x CP halves")
+    try:  # the documents and the modes, before the first measurement
+        document_bounds(args.docs, args.seq_len)
+        for mode in args.modes:
+            get_mode(mode)
+    except ValueError as e:
+        ap.error(str(e))
     print(f"{'P':>5} {'docs':>6} {'mode':<6} {'layout':<9} {'layout ms':>10} {'plan ms':>9} {'all ranks s':>12}")
     for P in args.cp:
         for row in measure(P, args.seq_len, args.docs, args.modes):

@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: --heads, i.e. MHA)")
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     ap.add_argument("--full", action="store_true", help="non-causal attention")
@@ -151,6 +151,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--repeat", type=int, default=1, help="runs per mode; the time is the best (default 1)")
     ap.add_argument("--no-check", action="store_true", help="skip the dense fp64 reference (long sequences)")
     args = ap.parse_args(argv)
+    if args.kv_heads is None:
+        args.kv_heads = args.heads
+    if args.world < 1 or args.repeat < 1:
+        ap.error(f"--world and --repeat must be >= 1, got {args.world} and {args.repeat}")
     if args.seq_len % (2 * args.world):
         raise SystemExit(f"--seq-len {args.seq_len} must be divisible by 2 * --world = {2 * args.world}")
     try:
@@ -163,8 +167,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                                             else (args.layout,))]
     if args.unmasked and not mask.is_dense:
         variants.append((Mask(not args.full).normalized(args.seq_len), False))
-    shape = AttentionShape(args.seq_len // args.world, args.batch, args.heads, args.kv_heads, args.head_dim,
-                           torch.tensor([], dtype=DTYPES[args.dtype]).element_size())
+    try:
+        shape = AttentionShape(args.seq_len // args.world, args.batch, args.heads, args.kv_heads, args.head_dim,
+                               torch.tensor([], dtype=DTYPES[args.dtype]).element_size())
+    except ValueError as e:  # heads / sizes: the message names the value
+        ap.error(str(e))
     plans = {}
     for v in variants:
         for mode in args.modes:

@@ -100,6 +100,12 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--layouts", nargs="+", default=["zigzag", "balanced"], choices=["zigzag", "balanced"])
     p.add_argument("--top", type=int, default=8, help="name the most frequent ops")
     args = p.parse_args(argv)
+    if args.world < 1 or args.seq_local < 1 or args.top < 0:
+        p.error(f"--world and --seq-local must be >= 1 and --top >= 0, got {args.world}, {args.seq_local}, {args.top}")
+    try:  # the documents fit the sample (the planner's message names its own --seq-len: say which that is)
+        document_bounds(args.docs, args.world * args.seq_local)
+    except ValueError as e:
+        p.error(f"--docs {args.docs!r} over --world x --seq-local = {args.world * args.seq_local} tokens: {e}")
     rows = []
     print(f"ops per rank, forward + backward: P={args.world}, {args.seq_local} tokens per rank, documents {args.docs}")
     print(f"{'layout':<10}{'mode':<14}{'ops':>7}{'non-view':>10}{'transport':>11}  most frequent (the plugin's)")

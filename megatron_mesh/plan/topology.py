@@ -43,6 +43,8 @@ measured values):
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from .mask import MASK_PIECE
@@ -77,11 +79,11 @@ class Topology:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         for name in ("intra_bandwidth", "inter_bandwidth", "attention_flops", "memory_bandwidth"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be finite and > 0, got {getattr(self, name)!r}")
         for name in ("intra_latency", "inter_latency", "kernel_latency"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be finite and >= 0, got {getattr(self, name)!r}")
         if self.node_of is not None:
             object.__setattr__(self, "node_of", tuple(int(n) for n in self.node_of))
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -110,6 +111,13 @@ def _topology(args, world_size: int) -> Topology:
         raise ValueError(f"--gpus-per-node {gpn} does not divide --cp {world_size}: a CP group that spans nodes holds "
                          f"the same number of consecutive ranks on every node (allowed: a divisor of {world_size}, "
                          f"or >= {world_size} for one node)")
+    for flag, value, zero_ok in (("--intra-bandwidth", args.intra_bandwidth, False),
+                                 ("--inter-bandwidth", args.inter_bandwidth, False),
+                                 ("--intra-latency", args.intra_latency, True),
+                                 ("--inter-latency", args.inter_latency, True), ("--tflops", args.tflops, False),
+                                 ("--kernel-latency", args.kernel_latency, True), ("--hbm", args.hbm, False)):
+        if not math.isfinite(value) or value < 0 or value == 0 and not zero_ok:
+            raise ValueError(f"{flag} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {value:g}")
     links = dict(intra_bandwidth=args.intra_bandwidth * 1e9, inter_bandwidth=args.inter_bandwidth * 1e9,
                  intra_latency=args.intra_latency * 1e-6, inter_latency=args.inter_latency * 1e-6,
                  attention_flops=args.tflops * 1e12, kernel_latency=args.kernel_latency * 1e-6,
@@ -122,6 +130,8 @@ def _topology(args, world_size: int) -> Topology:
 def _shape(args, world_size: int) -> AttentionShape:
     if world_size < 1:
         raise ValueError(f"--cp must be >= 1, got {world_size}")
+    if args.seq_len < 1:
+        raise ValueError(f"--seq-len must be >= 1, got {args.seq_len}")
     if args.seq_len % (2 * world_size):
         raise ValueError(f"--seq-len {args.seq_len} must be divisible by 2 * CP size = {2 * world_size} "
                          "(Megatron's zigzag layout cuts the sequence into 2P halves)")
@@ -181,6 +191,9 @@ def document_bounds(spec: str, seq_len: int, seed: int = 0) -> list[int]:
             draw = _length_draw(kind, val, seq_len, seed)
         except ValueError:
             raise ValueError(f"--docs {spec!r} {allowed}; {part!r} at {cu[-1]} of {seq_len} tokens") from None
+        if cu[-1] == seq_len:
+            raise ValueError(f"--docs {spec!r}: {part!r} fills nothing, the one:N documents before it already cover "
+                             f"--seq-len {seq_len}; leave it out")
         while cu[-1] < seq_len:
             cu.append(min(seq_len, cu[-1] + draw()))
     if cu[-1] != seq_len:
@@ -221,9 +234,14 @@ def _layouts(args) -> tuple[str, ...]:
 def _modes(text: str) -> tuple[str, ...]:
     modes = tuple(m.strip() for m in text.split(",") if m.strip())
     allowed = all_modes()
+    if not modes:
+        raise ValueError(f"--modes {text!r} names no mode; allowed: {', '.join(allowed)}")
     bad = [m for m in modes if m not in allowed]
-    if bad or not modes:
+    if bad:
         raise ValueError(f"--modes {text!r}: unknown {bad}; allowed: {', '.join(allowed)}")
+    twice = sorted({m for m in modes if modes.count(m) > 1})
+    if twice:
+        raise ValueError(f"--modes {text!r} names {', '.join(twice)} more than once")
     return modes
 
 
@@ -280,13 +298,35 @@ def _header(args, world_size: int, shape: AttentionShape, topo: Topology, mask: 
             "bytes: sent per rank, forward + backward, one attention layer; time: simulated forward + backward\n")
 
 
-def _plot(args, modes: tuple[str, ...], path: str) -> None:
+def _plot_sizes(args, modes: tuple[str, ...]) -> list[int]:
+    """--plot's CP sizes, checked before any planning (ValueError naming the option): the plot
+    draws unmasked attention for the modes of PLOT_MODES, into a PNG file that can be written."""
+    if args.window is not None or args.docs is not None:
+        raise ValueError("--plot draws unmasked attention against the CP size; it does not take --window or --docs "
+                         "(plot without them, or leave --plot out)")
+    if not any(m in PLOT_MODES for m in modes):
+        raise ValueError(f"--plot draws {', '.join(PLOT_MODES)}; --modes {args.modes!r} names none of them")
+    path = args.plot
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise ValueError(f"--plot {path!r} must be a PNG file in a writable folder")
+    try:
+        sizes = [int(x) for x in args.plot_cp.split(",") if x.strip()]
+    except ValueError:
+        sizes = []
+    bad = [P for P in sizes if P < 1 or args.seq_len % (2 * P)]
+    if not sizes or bad:
+        raise ValueError(f"--plot-cp {args.plot_cp!r} must be CP sizes joined by ',' that each split --seq-len "
+                         f"{args.seq_len} into 2 x CP halves" + (f"; not {bad}" if bad else ""))
+    return sizes
+
+
+def _plot(args, modes: tuple[str, ...], path: str, sizes: list[int]) -> None:
     import matplotlib  # lazy: only --plot needs it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sizes = [int(x) for x in args.plot_cp.split(",") if x.strip()]
     series: dict[str, list[tuple[int, ModeResult]]] = {}
     for P in sizes:
         rows, _ = evaluate(P, _shape(args, P), _topology(argparse.Namespace(**{**vars(args), "nodes": None}), P),
@@ -310,8 +350,12 @@ def _plot(args, modes: tuple[str, ...], path: str) -> None:
     fig.suptitle(f"S = {args.seq_len:,} tokens, heads {args.heads}/{kv}, head dim {args.head_dim}, {args.dtype}, "
                  f"{'causal' if args.causal else 'full'} (megatron-mesh-plan)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=120, format="png")
+    except OSError as e:
+        raise ValueError(f"--plot {path!r}: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)
 
 
 def _explain(rows, floor: float | None) -> str:
@@ -346,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         mask = _mask(args)
         docs = None if args.docs is None else document_bounds(args.docs, args.seq_len, args.seed)
         layouts = _layouts(args)
+        plot_sizes = _plot_sizes(args, modes) if args.plot else None
         start = time.perf_counter()
         floor = None
         if layouts == ("zigzag",):
@@ -361,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
             floor = compute_floor(allowed_pairs(docs, args.causal, mask.window), args.cp, shape, topo)
         elapsed = time.perf_counter() - start
         if args.plot:
-            _plot(args, modes, args.plot)
+            _plot(args, modes, args.plot, plot_sizes)
     except ValueError as e:
         print(f"megatron-mesh-plan: error: {e}", file=sys.stderr)
         return 2

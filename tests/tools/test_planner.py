@@ -87,6 +87,26 @@ def test_cli_table_and_plot(capsys, tmp_path):
                    "lognormal:9000,1", "fixed:100000", "fixed:0", "fixed:-3", "fixed:2.5", "fixed:", "poisson:4",
                    "one:9000+fixed:4", "one:8000+one:500", "fixed:4+one:4", "one:x")],
     (["--seq-len", "8192", "--docs", "one:4096"], "its one:N documents cover 4096 of --seq-len 8192 tokens"),
+    (["--seq-len", "1024", "--docs", "one:1024+fixed:4"], "'fixed:4' fills nothing, the one:N documents before it"),
+    (["--modes", ","], "--modes ',' names no mode; allowed: ring, "),
+    (["--modes", "ring,mesh,ring"], "--modes 'ring,mesh,ring' names ring more than once"),
+    (["--seq-len", "-8", "--cp", "2"], "--seq-len must be >= 1, got -8"),
+    # machine numbers: finite, named by their option (not by the simulator's field in SI units)
+    (["--inter-latency", "inf"], "--inter-latency must be a finite number >= 0, got inf"),
+    (["--intra-bandwidth", "-1"], "--intra-bandwidth must be a finite number > 0, got -1"),
+    (["--tflops", "nan"], "--tflops must be a finite number > 0, got nan"),
+    (["--kernel-latency", "inf", "--json"], "--kernel-latency must be a finite number >= 0, got inf"),
+    # --plot is checked before any planning: a file it can write, modes it draws, CP sizes that fit
+    (["--cp", "4", "--seq-len", "4096", "--plot", "/nonexistent/dir/x.png"],
+     "--plot '/nonexistent/dir/x.png' must be a PNG file in a writable folder"),
+    (["--cp", "4", "--seq-len", "4096", "--plot", "."], "--plot '.' must be a PNG file in a writable folder"),
+    (["--cp", "4", "--seq-len", "4096", "--modes", "mesh", "--plot", "p.png"],
+     "--plot draws ring, mesh-auto, .*; --modes 'mesh' names none of them"),
+    (["--cp", "4", "--seq-len", "4096", "--window", "16", "--plot", "p.png"],
+     "--plot draws unmasked attention against the CP size; it does not take --window or --docs"),
+    *[(["--cp", "4", "--seq-len", "4096", "--plot", "p.png", "--plot-cp", cps],
+       f"--plot-cp '{cps}' must be CP sizes joined by ',' that each split --seq-len 4096 into 2 x CP halves{tail}")
+      for cps, tail in (("8,abc", ""), ("", ""), ("0", "; not \\[0\\]"), ("3,8", "; not \\[3\\]"))],
 ])
 def test_cli_rejects_bad_input(capsys, argv, message):
     assert main(argv) == 2
@@ -489,8 +509,10 @@ def test_topology_worked_example_and_validation():
     assert Topology.for_cp(256).nodes == 32
     with pytest.raises(ValueError, match="nodes must be an integer >= 1"):
         Topology(nodes=0)
-    with pytest.raises(ValueError, match="inter_bandwidth must be > 0"):
+    with pytest.raises(ValueError, match="inter_bandwidth must be finite and > 0"):
         Topology(inter_bandwidth=0)
+    with pytest.raises(ValueError, match="kernel_latency must be finite and >= 0, got inf"):
+        Topology(kernel_latency=float("inf"))
     with pytest.raises(ValueError, match="CP size <= 8"):
         topo.check(9)
     strided = Topology(node_of=(0, 1, 0, 1))

@@ -205,3 +205,34 @@ def test_compare_cp_modes_long_preset_and_the_zigzag_documents(script, tmp_path)
     with pytest.raises(SystemExit, match="exclude each other"):
         compare.parse_args(["--predict", "x.yaml", "--no-predict"])
     assert compare.parse_args(["--no-predict"]).predict_configs == []
+
+
+@pytest.mark.parametrize("name, argv, message", [
+    ("bench_plan_build", ["--cp", "4", "--seq-len", "1024"], r"--docs 'lognormal:4096,1.0' must be parts joined"),
+    ("bench_plan_build", ["--cp", "0", "3", "--seq-len", "1024", "--docs", "fixed:128"],
+     r"--cp \[0, 3\]: every CP size must be >= 1 and split --seq-len 1024 into 2 x CP halves"),
+    ("bench_plan_build", ["--cp", "4", "--seq-len", "1024", "--docs", "fixed:128", "--modes", "foo"],
+     r"unknown CP mode 'foo'; allowed: ring"),
+    ("compare_attention", ["--world", "0"], r"--world and --repeat must be >= 1, got 0 and 1"),
+    ("compare_attention", ["--world", "2", "--seq-len", "64", "--repeat", "0"], r"got 2 and 0"),
+    ("compare_attention", ["--world", "2", "--seq-len", "64", "--heads", "3", "--kv-heads", "2"],
+     r"heads \(3\) must be divisible by kv_heads \(2\)"),
+    ("count_host_ops", ["--world", "2", "--seq-local", "64"],
+     r"--docs 'lognormal:512,1.0' over --world x --seq-local = 128 tokens"),
+    ("count_host_ops", ["--world", "2", "--seq-local", "64", "--docs", "fixed:16", "--top", "-1"],
+     r"--top >= 0, got 2, 64, -1"),
+])
+def test_scripts_refuse_bad_input_by_name(script, capsys, name, argv, message):
+    """A user's bad argument ends in argparse's usage error naming it (exit 2), not a traceback."""
+    import re
+
+    with pytest.raises(SystemExit) as exit_:
+        script(name).main(argv)
+    assert exit_.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_compare_attention_kv_heads_follow_heads(script, capsys):
+    rows = script("compare_attention").main(["--world", "2", "--seq-len", "32", "--heads", "2", "--head-dim", "8",
+                                             "--modes", "ring"])
+    assert [r["mode"] for r in rows] == ["ring"] and "heads=2/2" in capsys.readouterr().out
