@@ -199,8 +199,9 @@ def owner_work(mask, layout, span: int = 1) -> list[int]:
     S = layout.seq_len
     chunks = layout.world_size // span
     out = []
+    classify = classify_block.__wrapped__  # one call per chunk: nothing to reuse, keep its cache for the plans
     for c in range(chunks):
-        got = classify_block(mask, tuple((s, n) for _, s, n in layout.runs(c, span)), (((0, S),),))
+        got = classify(mask, tuple((s, n) for _, s, n in layout.runs(c, span)), (((0, S),),))
         out.append(0 if got is None else got.pairs)
     return [w for w in out for _ in range(span)]
 

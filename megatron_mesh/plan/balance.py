@@ -345,9 +345,8 @@ def balanced_layout(cu_seqlens, world_size: int, *, causal: bool = True, window=
     if isinstance(window, list):
         window = tuple(window)
     window = Mask(causal, window).window  # attention's rules: ints >= 0 or None, right 0 when causal
-    for name, v in (("piece_work", piece_work), ("node_piece_work", node_piece_work)):
-        if v is None and name == "node_piece_work":
-            continue
+    given = {"piece_work": piece_work, **({} if node_piece_work is None else {"node_piece_work": node_piece_work})}
+    for name, v in given.items():
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
             raise ValueError(f"{name} must be a positive number (the largest piece in units of the mean work), "
                              f"got {v!r}")
