@@ -234,7 +234,8 @@ def balanced_grid(rank: int, world: int, group=None) -> list[Record]:
     if two_rows:
         modes.append(("mesh", (("tile", two_rows),), 0))
     if world % 2 == 0 and world > 2:
-        modes += [("a2a+ring", (("ulysses_size", 2),), 2), ("a2a+mesh", (("ulysses_size", 2),), 2)]
+        modes += [("a2a+ring", (("ulysses_size", 2),), 2), ("a2a+mesh", (("ulysses_size", 2),), 2),
+                  ("a2a+tasp", (("ulysses_size", 2),), 2)]
     for mode, settings, group_size in modes:
         for _ in range(2):
             heads, kv, dtype = COMBOS[n % len(COMBOS)]

@@ -278,6 +278,41 @@ def _runs(pieces) -> tuple[tuple[int, int], ...]:
                                                           for a, b in p.runs)))
 
 
+def _take_tokens(flat: list, need: int) -> list:
+    """The first ``need`` tokens of the runs ``flat`` (consumed from it)."""
+    mine = []
+    while need:
+        s, n = flat[0]
+        take = min(n, need)
+        mine.append((s, take))
+        need -= take
+        if take == n:
+            flat.pop(0)
+        else:
+            flat[0] = (s + take, n - take)
+    return mine
+
+
+def _group_sets(runs, bounds) -> tuple[list, list]:
+    """A Ulysses group's tokens (runs of global positions) as its two all-to-all sets, each
+    sorted: the tokens of documents that cross into another group (their blocks with other
+    groups' keys come last), and the rest (documents wholly inside the group)."""
+    starts = [a for a, _ in bounds]
+    cut = []  # the runs cut at document boundaries: (start, length, document)
+    for s, n in runs:
+        p = s
+        while p < s + n:
+            d = bisect.bisect_right(starts, p) - 1
+            e = min(bounds[d][1], s + n)
+            cut.append((p, e - p, d))
+            p = e
+    held: dict[int, int] = {}
+    for _, n, d in cut:
+        held[d] = held.get(d, 0) + n
+    crossing = {d for d, n in held.items() if n < bounds[d][1] - bounds[d][0]}
+    return ([(p, n) for p, n, d in cut if d in crossing], [(p, n) for p, n, d in cut if d not in crossing])
+
+
 def _check_bounds(cu_seqlens, world_size: int, group: int) -> tuple[tuple[int, int], ...]:
     try:
         given = list(cu_seqlens)  # once: a generator is read one time only
@@ -364,20 +399,17 @@ def balanced_layout(cu_seqlens, world_size: int, *, causal: bool = True, window=
     per_bin = [_runs(got) for got in filled]
     ranks: list[tuple[tuple[int, int], ...]] = []
     local = S // world_size
-    for runs in per_bin:  # each group's tokens, in order, cut into its ranks
-        flat = [(s, n) for s, n in runs]
-        for _ in range(group):
-            mine, need = [], local
-            while need:
-                s, n = flat[0]
-                take = min(n, need)
-                mine.append((s, take))
-                need -= take
-                if take == n:
-                    flat.pop(0)
-                else:
-                    flat[0] = (s + take, n - take)
-            ranks.append(tuple(mine))
+    for runs in per_bin:
+        if group == 1:
+            ranks.append(tuple(runs))
+            continue
+        # a Ulysses group's two all-to-all sets, each shared out evenly over its ranks (every rank
+        # sends and receives 1/U of each all-to-all round)
+        crossing, rest = _group_sets(runs, bounds)
+        a = sum(n for _, n in crossing)
+        for x in range(group):
+            share = a * (x + 1) // group - a * x // group
+            ranks.append(tuple(merge_runs(_take_tokens(crossing, share) + _take_tokens(rest, local - share))))
     return BalancedLayout(world_size, tuple(ranks), bounds, group)
 
 
@@ -429,15 +461,41 @@ class BalancedLayout:
 
     def runs(self, chunk: int, span: int = 1) -> tuple[tuple[int, int, int], ...]:
         """Rank ``chunk``'s runs (span 1), or those of ranks chunk*span .. chunk*span+span-1 in
-        rank order (what a Ulysses group of ``span`` ranks gathers)."""
+        rank order (what a Ulysses group of ``span`` ranks gathers). The group this layout was
+        balanced for (span = ``group`` > 1) holds its tokens in all-to-all set order instead: the
+        documents that cross into another group, then the rest, each sorted (one contiguous
+        segment per set, whichever of its ranks sent the tokens)."""
         if span < 1 or self.world_size % span or not 0 <= chunk < self.world_size // span:
             raise ValueError(f"chunk {chunk} of span {span} does not exist over CP size {self.world_size}")
+        if span > 1 and span == self.group:
+            cache = self.__dict__.setdefault("_group_runs", {})
+            got = cache.get(chunk)
+            if got is None:
+                got = cache[chunk] = self._set_runs(chunk)
+            return got
         out, local = [], 0
         for r in range(chunk * span, (chunk + 1) * span):
             for s, n in self.rank_runs[r]:
                 out.append((local, s, n))
                 local += n
         return tuple(out)
+
+    def _set_runs(self, chunk: int) -> tuple[tuple[int, int, int], ...]:
+        U = self.group
+        mine = sorted(run for r in range(chunk * U, (chunk + 1) * U) for run in self.rank_runs[r])
+        out, local = [], 0
+        for runs in _group_sets(merge_runs(mine), self.docs):
+            for s, n in merge_runs(runs):
+                out.append((local, s, n))
+                local += n
+        return tuple(out)
+
+    def crossing_tokens(self, chunk: int) -> int:
+        """Tokens of Ulysses group ``chunk`` (span ``group``) in documents that cross into another
+        group: the first all-to-all set of a hybrid (:mod:`.hybrid`)."""
+        return sum(n for _, n in _group_sets(merge_runs(sorted(
+            run for r in range(chunk * self.group, (chunk + 1) * self.group) for run in self.rank_runs[r])),
+            self.docs)[0])
 
     def documents(self) -> tuple[tuple[int, int], ...]:
         return self.docs

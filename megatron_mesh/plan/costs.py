@@ -7,7 +7,9 @@
 per call, plus the fp32 merge into the accumulator at ``memory_bandwidth`` (a copy -- two thirds of
 the traffic -- on rows no earlier op wrote, :meth:`~.ir.Plan.first_writes`). ``AttendBackward``:
 :data:`BACKWARD_FLOPS` x the forward FLOPs plus the dQ/dKV accumulation. Merges, gradient adds and
-row statistics read two buffers and write one; a copy reads and writes the rows it moves.
+row statistics read two buffers and write one; a copy reads and writes the rows it moves (a cast
+of an accumulator into the input dtype -- ``o`` -> ``y`` -- reads its fp32 values, not the row
+statistics, and writes half the bytes in bf16).
 
 Worked example: a causal block of n = 4096 tokens, 32 heads of 128, batch 1, computes
 4096 * 4097 / 2 pairs = 4 * 32 * 128 * 8.39e6 = 1.37e11 FLOPs: 0.34 ms at 400 TFLOP/s, plus one
@@ -17,7 +19,7 @@ when it is the first op to write those rows (a copy: 2 * 32 * 4096 * 129 * 4 byt
 
 from __future__ import annotations
 
-from .accounting import block_area, key_bytes
+from .accounting import FP32, block_area, buffer_bytes, key_bytes
 from .ir import AddGrad, Attend, AttendBackward, Copy, MergeOut, Op, Plan, RowStats
 from .mask import BlockKind, call_groups, mask_pieces
 from .sel import sel_len, union_intervals
@@ -86,10 +88,18 @@ def _combine_cost(plan: Plan, op, shape: AttentionShape, topo: Topology, fresh=(
     """A merge, gradient add or row statistics: read two buffers' worth and write one, at HBM
     bandwidth; a copy reads one and writes one (of the rows it moves)."""
     if type(op) is Copy:  # the rows it moves of the source (a head slice of the destination when op.heads)
-        return 2 * key_bytes(plan, op.src, shape) * sel_len(op.rows, plan.tokens(op.src)) / \
-            plan.tokens(op.src) / topo.memory_bandwidth
-    src = op.dout if type(op) is RowStats else op.src
-    return 3 * key_bytes(plan, src, shape) / topo.memory_bandwidth
+        share = sel_len(op.rows, plan.tokens(op.src)) / plan.tokens(op.src)
+        if op.src.kind == op.dst.kind:
+            return 2 * key_bytes(plan, op.src, shape) * share / topo.memory_bandwidth
+        # a cast (o -> y, dq -> gq, dkv -> gkv) reads the accumulator's values -- not an output's
+        # row statistics -- and writes them once in the input dtype
+        h, g = plan.head_counts(op.src, shape.heads, shape.kv_heads)
+        written = buffer_bytes(op.dst.kind, plan.tokens(op.src), shape, h, g)
+        return written * (1 + max(FP32, shape.itemsize) / shape.itemsize) * share / topo.memory_bandwidth
+    if type(op) is RowStats:
+        return 3 * key_bytes(plan, op.dout, shape) * sel_len(op.rows, plan.tokens(op.dout)) / \
+            plan.tokens(op.dout) / topo.memory_bandwidth
+    return 3 * key_bytes(plan, op.src, shape) / topo.memory_bandwidth
 
 
 # seconds the compute stream spends on each op type (communication ops are timed by their rounds)
@@ -117,7 +127,8 @@ def cost_signature(plan: Plan, op: Op) -> tuple:
                 kv[0].slot if len(kv) == 1 else tuple(k.slot for k in kv))
     if kind is Copy:
         return (kind, op.src.kind, op.dst.kind, op.src.span, op.dst.span, op.rows, op.into, op.heads)
+    if kind is RowStats:
+        return (kind, op.dout.slot, op.dout.span, op.dout.heads, op.rows, op.dout.chunk if per_chunk else 0)
     if kind in _COSTS:
-        src = op.dout if kind is RowStats else op.src
-        return (kind, src.kind, src.slot, src.span, src.heads, src.chunk if per_chunk else 0)
+        return (kind, op.src.kind, op.src.slot, op.src.span, op.src.heads, op.src.chunk if per_chunk else 0)
     return (kind,)

@@ -44,11 +44,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .ir import AddGrad, Copy, Free, Key, Op, Plan, Post, RankPlan, RowStats, Transfer, Wait
+from .ir import AddGrad, Attend, AttendBackward, Copy, Free, Key, Op, Plan, Post, RankPlan, RowStats, Transfer, Wait
 from .layout import Layout, SpanLayout, check_ulysses_heads, head_slice
-from .mask import Mask
+from .mask import BlockKind, Mask
 from .passes import insert_frees
-from .sel import Segment, first_at
+from .sel import Segment, Sel, first_at
 from .shape import AttentionShape
 
 __all__ = ["build_hybrid_plan", "inner_shape", "hybrid_rings"]
@@ -61,17 +61,17 @@ def _pieces(layout, rank: int, U: int) -> tuple[Segment, ...]:
     starts = [s0 for _, s0, _ in outer]                             # home (THD has thousands of runs)
     out: list[Segment] = []
     for _, start, n in layout.runs(rank):
-        local, s0, sn = outer[first_at(starts, start)]
-        if not s0 <= start < s0 + sn:
-            raise ValueError(f"rank {rank}'s tokens {start}..{start + n} are not in its Ulysses group's chunk")
-        if start + n > s0 + sn:
-            raise ValueError(f"rank {rank}'s tokens {start}..{start + n} straddle two runs of its Ulysses "
-                             "group's chunk: the layout is not a zigzag of span chunks")
-        a = local + start - s0
-        if out and out[-1].stop == a:
-            out[-1] = Segment(out[-1].start, a + n)
-        else:
-            out.append(Segment(a, a + n))
+        while n:  # a run may continue in the next run of the span chunk (the balanced layout's sets)
+            local, s0, sn = outer[first_at(starts, start)]
+            if not s0 <= start < s0 + sn:
+                raise ValueError(f"rank {rank}'s tokens {start}..{start + n} are not in its Ulysses group's chunk")
+            take = min(n, s0 + sn - start)
+            a = local + start - s0
+            if out and out[-1].stop == a:
+                out[-1] = Segment(out[-1].start, a + take)
+            else:
+                out.append(Segment(a, a + take))
+            start, n = start + take, n - take
     return tuple(out)
 
 
@@ -114,6 +114,22 @@ def build_hybrid_plan(mode: str, world_size: int, ulysses: int, build_inner: Cal
                 heads=(shape.heads, shape.kv_heads), rings=hybrid_rings(P, U, inner.rings), notes=notes, inner=inner)
 
 
+def _restrict(op, rows: Sel):
+    """The part of an own block (its chunk's rows against its chunk's keys) whose rows and columns
+    both lie in ``rows`` (None: nothing there). Exact only when no allowed pair joins ``rows`` to
+    the rest: ``rows`` is whole documents."""
+    def cut(sel):
+        out = []
+        for a, b in (sel if sel is not None else ((0, 1 << 62),)):
+            out += [Segment(max(a, r.start), min(b, r.stop)) for r in rows if max(a, r.start) < min(b, r.stop)]
+        return tuple(out)
+    mine = cut(op.rows)
+    cols = tuple(cut(op.col(i)) for i in range(len(op.kv)))
+    if not mine or not all(cols):
+        return None
+    return op._replace(rows=mine, cols=cols, mask=BlockKind.MASKED)
+
+
 class _HybridLowering:
     def __init__(self, P: int, U: int, shape: AttentionShape, inner: Plan, layout):
         self.P, self.U, self.shape, self.inner = P, U, shape, inner
@@ -127,11 +143,44 @@ class _HybridLowering:
         self._keys: list[dict] = [{} for _ in range(U)]  # inner key -> its head-slice-u key (a P=256 plan
         self._transfers: list[dict] = [{} for _ in range(U)]  # relabels ~10^6 of them)
         self._early: dict[int, bool] = {}  # inner rank -> dQ goes home before dK/dV
+        # the all-to-all in two rounds (a layout balanced for this group: see _lower_sets)
+        self.sets = U > 1 and getattr(layout, "group", 1) == U and hasattr(layout, "crossing_tokens")
+        self._set_rows: dict[int, tuple[Sel, Sel]] = {}
+        self._member_sets: dict[int, list] = {}
+        self.layout = layout
 
     def segments(self, key: Key):
         if key.span == self.U:
             return self.inner.segments(key._replace(heads=-1, span=1))
+        if self.sets and key.span == 1 and 0 <= key.slot < 2:  # a rank's rows of one all-to-all round
+            return self.member_sets(key.chunk)[key.slot][0]
         raise KeyError(f"hybrid plan has no slot {key}")
+
+    # -- the all-to-all in two rounds ------------------------------------------------------------
+    def set_rows(self, m: int) -> tuple[Sel, Sel]:
+        """Span chunk m's rows of the two all-to-all rounds: the documents that cross into another
+        group (first in the chunk, :meth:`~.balance.BalancedLayout.runs`), then the rest."""
+        got = self._set_rows.get(m)
+        if got is None:
+            a, total = self.layout.crossing_tokens(m), self.U * self.T
+            got = self._set_rows[m] = tuple((Segment(x, y),) if x < y else () for x, y in ((0, a), (a, total)))
+        return got
+
+    def member_sets(self, x: int) -> list[tuple[Sel, Sel]]:
+        """For each round: (rank x's local rows in it, where they go in its span chunk)."""
+        got = self._member_sets.get(x)
+        if got is None:
+            got, local = [([], []) for _ in range(2)], 0
+            for seg in self.pieces[x]:
+                for j, rows in enumerate(self.set_rows(x // self.U)):
+                    for r in rows:
+                        a, b = max(seg.start, r.start), min(seg.stop, r.stop)
+                        if a < b:
+                            got[j][0].append(Segment(local + a - seg.start, local + b - seg.start))
+                            got[j][1].append(Segment(a, b))
+                local += seg.stop - seg.start
+            got = self._member_sets[x] = [(tuple(a), tuple(b)) for a, b in got]
+        return got
 
     def relabel(self, key: Key, u: int) -> Key:
         cache = self._keys[u]
@@ -148,6 +197,9 @@ class _HybridLowering:
         return x
 
     def inner_ops(self, m: int, u: int, direction: str, blocks: bool) -> list[Op]:
+        """The inner plan's ops of inner rank m, relabelled to head slice u; its rounds follow the
+        all-to-all's (one round, or two with :attr:`sets`)."""
+        shift = 2 if self.sets else 1
         src = self.inner.rank(m).ops(direction) if blocks else self.inner.round_ops(m, direction)
         out = []
         for op in src:
@@ -155,10 +207,10 @@ class _HybridLowering:
             if t is Free:  # the combined list gets its own Frees
                 continue
             if t is Post:
-                out.append(Post(op.round + 1, tuple(self._transfer(x, u) for x in op.sends),
+                out.append(Post(op.round + shift, tuple(self._transfer(x, u) for x in op.sends),
                                 tuple(self._transfer(x, u) for x in op.recvs)))
             elif t is Wait:
-                out.append(Wait(op.round + 1))
+                out.append(Wait(op.round + shift))
             else:
                 fields = {}
                 for name, v in zip(op._fields, op):
@@ -173,6 +225,9 @@ class _HybridLowering:
         return head_slice(side, p, self.U, self.shape.heads, self.shape.kv_heads)
 
     def lower(self, g: int, direction: str, blocks: bool = True) -> list[Op]:
+        if self.sets:
+            ops = self._lower_sets(g, direction)
+            return ops if blocks else [op for op in ops if type(op) in (Post, Wait)]
         U, backward = self.U, direction == "backward"
         m, u = divmod(g, U)
         group = [m * U + p for p in range(U)]
@@ -229,6 +284,86 @@ class _HybridLowering:
                         ops.append(Copy(src, Key(k, g), heads=self.heads(side, p)))
         return ops
 
+    def _lower_sets(self, g: int, direction: str) -> list[Op]:
+        """The all-to-all in two rounds, by document: round A carries the tokens of the documents
+        that cross into another group, round B the rest (each rank holds 1/U of each,
+        :func:`~.balance.balanced_layout`). Blocks never mix the two (a document's tokens are in
+        one round), so the inner plan's own block runs as its A part, then its B part once round B
+        is in, hiding it; B's rows -- no other group's keys reach them -- go home while the A
+        rows' blocks with other groups' keys run (forward) or the A part runs (backward). What
+        stays exposed is round A's share of the gather and of the return.
+
+        Forward: gather A, gather B | wait A | own block on A | wait B | own block on B | the
+        inner plan's blocks with other groups' keys | B home | A home. Backward: gather A, B |
+        wait A | the blocks with other groups' keys (A rows) | wait B | own block on B | B home |
+        own block on A | A home (after the dK/dV partials of other groups are added)."""
+        U, backward = self.U, direction == "backward"
+        m, u = divmod(g, U)
+        group = [m * U + p for p in range(U)]
+        peers = [x for x in group if x != g]
+        sets = {x: self.member_sets(x) for x in group}
+        in_kinds = ("dy",) if backward else ("q", "kv")
+        span = {k: Key(k, m, heads=u, span=U) for k in ("q", "kv", "o", "dy", "do")}
+
+        def gather(j: int) -> Post:
+            return Post(1 + j, tuple(Transfer(x, Key(k, g, slot=j, heads=x - m * U))
+                                     for x in peers for k in in_kinds if sets[g][j][0]),
+                        tuple(Transfer(x, Key(k, x, slot=j, heads=u)) for x in peers for k in in_kinds if sets[x][j][0]))
+
+        def arrive(j: int) -> list[Op]:
+            ops: list[Op] = [Wait(1 + j)]
+            for k in in_kinds:
+                ops += [Copy(Key(k, x, slot=j, heads=u), span[k], into=sets[x][j][1]) for x in group if sets[x][j][0]]
+            rows = self.set_rows(m)[j]
+            if backward and rows:  # the row statistics come from the output this rank kept
+                ops.append(RowStats(span["dy"], span["o"], span["do"], rows=rows))
+            return ops
+
+        outs = (("dq", "gq"), ("dkv", self.grad_kv)) if backward else (("o", "y"),)
+        last = self.last_round[direction] + 3
+
+        def home(j: int) -> list[Op]:  # round j's rows, finished, to their ranks
+            ops: list[Op] = [Copy(Key(acc, m, heads=u, span=U), Key(k, x, slot=j, heads=u), rows=sets[x][j][1])
+                             for acc, k in outs for x in group if sets[x][j][0]]
+            ops.append(Post(last + (1 - j), tuple(Transfer(x, Key(k, x, slot=j, heads=u))
+                                                  for x in peers for _, k in outs if sets[x][j][0]),
+                            tuple(Transfer(x, Key(k, g, slot=j, heads=x - m * U))
+                                  for x in peers for _, k in outs if sets[g][j][0])))
+            return ops
+
+        ops: list[Op] = [gather(0), gather(1), *arrive(0)]
+        rp = self.inner.rank(m)  # the inner plan's own input cuts (its slots) come from round A's tokens
+        for key, segs in (rp.backward_inputs if backward else rp.forward_inputs).items():
+            if key.slot >= 0:
+                ops.append(Copy(self.relabel(key._replace(slot=-1), u), self.relabel(key, u), rows=segs))
+        inner = self.inner_ops(m, u, direction, True)
+        own = [i for i, op in enumerate(inner) if type(op) in (Attend, AttendBackward) and op.q == span["q"]
+               and op.kv == (span["kv"],)]
+        if not own:
+            raise ValueError(f"inner rank {m}'s plan has no own block to split over the all-to-all rounds")
+        before, after = inner[:own[0]], inner[own[-1] + 1:]
+        # what the inner plan runs between the calls of its own block (its rounds), in order
+        middle = [op for i, op in enumerate(inner[own[0]:own[-1] + 1], own[0]) if i not in own]
+        A, B = ([p for i in own if (p := _restrict(inner[i], rows)) is not None] for rows in self.set_rows(m))
+        if backward:
+            # the blocks with other groups' keys first (A rows: round A's dO), round B while they run
+            first_wait = next((i for i, op in enumerate(before) if type(op) is Wait), len(before))
+            ops += before[:first_wait] + arrive(1) + B + before[first_wait:] + middle + home(1) + A + after + home(0)
+        else:
+            # B home after the inner plan's last post: rounds are posted in order
+            cut = max((i for i, op in enumerate(after) if type(op) is Post), default=-1) + 1
+            ops += before + A + middle + arrive(1) + B + after[:cut] + home(1) + after[cut:] + home(0)
+        ops += [Wait(last), Wait(last + 1)]
+        for _, k in outs:  # assemble my chunk's head slices (dK/dV of a replicated KV head: summed)
+            side = "kv" if k in ("dkv", "gkv") else "q"
+            for p in range(U):
+                for j in range(2):
+                    if sets[g][j][0]:
+                        src, dst, heads = Key(k, g, slot=j, heads=p), Key(k, g), self.heads(side, p)
+                        ops.append(AddGrad(src, dst, into=sets[g][j][0], heads=heads) if k == "dkv" else
+                                   Copy(src, dst, into=sets[g][j][0], heads=heads))
+        return ops
+
     def _home(self, g: int, group: list[int], outs, round_: int, blocks: bool) -> list[Op]:
         """The copies of ``outs`` ((accumulator, finished kind) pairs) into each group member's
         buffer, then the round that sends them home (the last op)."""
@@ -267,7 +402,12 @@ class _HybridLowering:
         output, grad_q, grad_kv = Key("y", g), Key("gq", g), Key(self.grad_kv, g)
         forward = insert_frees(self.lower(g, "forward"), keep={output, *saved})
         backward = insert_frees(self.lower(g, "backward"), keep={grad_q, grad_kv})
-        fwd_in = {Key(k, g, heads=p): whole for k in ("q", "kv") for p in range(U)}
-        bwd_in = {Key("dy", g, heads=p): whole for p in range(U)}
+        if self.sets:  # my rows of each all-to-all round, per head slice
+            cuts = [(j, rows) for j, (rows, _) in enumerate(self.member_sets(g)) if rows]
+            fwd_in = {Key(k, g, slot=j, heads=p): rows for k in ("q", "kv") for p in range(U) for j, rows in cuts}
+            bwd_in = {Key("dy", g, slot=j, heads=p): rows for p in range(U) for j, rows in cuts}
+        else:
+            fwd_in = {Key(k, g, heads=p): whole for k in ("q", "kv") for p in range(U)}
+            bwd_in = {Key("dy", g, heads=p): whole for p in range(U)}
         return RankPlan(rank=g, seq_local=self.T, forward=forward, backward=backward, forward_inputs=fwd_in,
                         backward_inputs=bwd_in, output=output, grad_q=grad_q, grad_kv=grad_kv, saved=saved)

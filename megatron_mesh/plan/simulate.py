@@ -12,7 +12,8 @@ It walks the *same op lists the executor runs* and prices each op (:data:`_COSTS
   :meth:`~.ir.Plan.first_writes`, as the runtime does). ``AttendBackward``: 2.5x the forward FLOPs
   (FlashAttention's backward does 5 matmuls to the forward's 2) plus the dQ/dKV accumulation.
   ``MergeOut``/``AddGrad``/``RowStats``: read two buffers, write one, at ``memory_bandwidth``;
-  ``Copy``: read and write the rows it moves.
+  ``Copy``: read and write the rows it moves (a cast of an fp32 accumulator into the input
+  dtype reads its values and writes them once, in 16 bits: 1.5x the output's fp32 bytes).
   ``Free`` costs nothing.
 * **Communication stream** (one per rank; NCCL runs a rank's rounds in posting order). ``Post(t)``
   starts round t once the compute issued before it has finished (the NCCL stream waits on the

@@ -406,13 +406,16 @@ class Executor:
     def _rowstats(self, op: RowStats, bufs: _Buffers, pending) -> None:
         (dout,) = bufs.get(op.dout)
         out, lse = bufs.get(op.out)
-        d_out, d_lse, d_delta = bufs.accumulator(op.dst)
-        d_out.copy_(dout)
-        d_lse.copy_(lse)
-        torch.sum(dout.to(out.dtype) * out, dim=-1, out=d_delta)
+        d_out, d_lse, d_delta = bufs.accumulator(op.dst, filled=op.rows is not None)
+        for a, _, n in _parts(op.rows, d_out.shape[2]):
+            o = part_of(out, 2, a, n)
+            part_of(d_out, 2, a, n).copy_(part_of(dout, 2, a, n))
+            part_of(d_lse, 2, a, n).copy_(part_of(lse, 2, a, n))
+            torch.sum(part_of(dout, 2, a, n).to(out.dtype) * o, dim=-1, out=part_of(d_delta, 2, a, n))
         make = self.backward_rows
         if make is not None:  # these rows' output is here: the kernel may take it instead of a stand-in
-            # (``out`` is a saved forward buffer: never recycled while the backward runs)
+            # (``out`` is a saved forward buffer: never recycled while the backward runs); the
+            # rows of a later RowStats make it again
             bufs.derived[op.dst] = make(d_out, d_lse, d_delta, out=out)
 
     def _free(self, op: Free, bufs: _Buffers, pending) -> None:

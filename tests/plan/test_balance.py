@@ -84,8 +84,18 @@ def test_windows_and_groups_balance_their_own_work():
     plain = Mask.from_cu_seqlens(cu, 32768)
     groups = [sum(_work(grouped, plain, r) for r in range(g * 4, g * 4 + 4)) for g in range(2)]
     assert max(groups) <= 1.05 * sum(groups) / 2
-    # a group's span chunk is its ranks' tokens in rank order (what the Ulysses all-to-all gathers)
-    assert positions(grouped, 1, span=4) == [p for r in range(4, 8) for p in positions(grouped, r)]
+    # a group's span chunk is its ranks' tokens in all-to-all set order: the documents that cross
+    # into the other group, then the rest, each sorted; every rank holds a quarter of each set
+    span = positions(grouped, 1, span=4)
+    mine = [p for r in range(4, 8) for p in positions(grouped, r)]
+    rank_of = {p: r for r in range(8) for p in positions(grouped, r)}
+    crossing = [p for a, b in zip(cu, cu[1:]) if {rank_of[x] // 4 for x in range(a, b)} == {0, 1}
+                for p in range(a, b) if rank_of[p] // 4 == 1]
+    assert 0 < len(crossing) < len(mine)
+    assert span == crossing + sorted(set(mine) - set(crossing))
+    shares = [len(set(positions(grouped, r)) & set(crossing)) for r in range(4, 8)]
+    assert max(shares) - min(shares) <= 1, shares
+    assert grouped.crossing_tokens(1) == len(crossing)
 
 
 def test_nodes_first_keeps_documents_inside_nodes():

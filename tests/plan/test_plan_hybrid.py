@@ -123,3 +123,48 @@ def test_hybrid_work_is_balanced_per_head_slice():
     for direction in ("forward", "backward"):
         work = rank_work(plan, direction)
         assert max(work) == min(work), work
+
+
+@pytest.mark.parametrize("mode", ["a2a+ring", "a2a+tasp", "a2a+mesh"])
+def test_all_to_all_in_two_rounds_on_a_layout_balanced_for_the_group(mode):
+    """On a layout balanced for its Ulysses groups the all-to-all runs in two rounds: round 1 the
+    tokens of documents that cross into another group, round 2 the rest -- each rank holds 1/U of
+    each -- so the own block's part on round 2's documents hides it, and round 2's rows go home
+    while the rest runs. Plans stay valid (exact cover per head slice, no deadlock) and the bytes
+    are Ulysses' bytes; on Megatron's zigzag the all-to-all stays one round."""
+    from megatron_mesh.plan import balanced_layout
+    from megatron_mesh.plan.ir import Copy, Key, RowStats
+
+    P, U, T = 8, 4, 16
+    cu = [0, 3, 40, 41, 60, 64, 100, 128]  # 40 and 60..100 cross the two groups' halves
+    layout = balanced_layout(cu, P, group=U)
+    shape = _shape(U, 8, 4, T)
+    plan = resolve(mode, P, shape, ulysses_size=U).build(shape, Mask(True), layout)
+    validate_plan(plan)
+    zigzag = resolve(mode, P, shape, ulysses_size=U).build(shape, Mask.from_cu_seqlens(cu, P * T))
+    assert [op.round for op in zigzag.rank(0).forward if type(op) is Post][:1] == [1]
+    for g in range(P // U):
+        crossing = layout.crossing_tokens(g)
+        assert 0 < crossing < U * T  # both rounds carry tokens in this sample
+        firsts = []
+        for r in range(g * U, (g + 1) * U):
+            for direction, kinds in (("forward", {"q", "kv"}), ("backward", {"dy"})):
+                ops = plan.rank(r).ops(direction)
+                rounds = [op for op in ops if type(op) is Post]
+                assert [p.round for p in rounds[:2]] == [1, 2]
+                for j, post in enumerate(rounds[:2]):
+                    assert {t.key.kind for t in post.sends} <= kinds and {t.key.slot for t in post.sends} <= {j}
+                    assert {t.peer for t in post.sends} <= set(range(g * U, (g + 1) * U)) - {r}
+                if direction == "backward":  # row statistics per round, as its rows arrive
+                    assert len([op for op in ops if type(op) is RowStats]) == 2
+            sent = [t for t in plan.rank(r).forward[0].sends if t.key.kind == "q"]
+            firsts.append(plan.tokens(sent[0].key) if sent else 0)
+            # the two rounds move what one all-to-all moves: every peer's head slice of my chunk
+            moved = sum(key_bytes(plan, t.key, shape) for op in plan.rank(r).forward[:2] for t in op.sends)
+            h, kv = plan.head_counts(Key("q", r, heads=(r + 1) % U), shape.heads, shape.kv_heads)
+            assert moved == (U - 1) * (buffer_bytes("q", T, shape, h, kv) + buffer_bytes("kv", T, shape, h, kv))
+            # round 1's rows land at the front of the group's span chunk, round 2's behind them
+            into = [op.into for op in plan.rank(r).forward if type(op) is Copy and op.src.kind == "q"
+                    and op.src.slot == 0]
+            assert all(seg.stop <= crossing for sel in into for seg in sel)
+        assert sum(firsts) == crossing and max(firsts) - min(firsts) <= 1

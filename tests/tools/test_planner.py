@@ -194,6 +194,33 @@ def test_te_rows_run_a_blocks_documents_in_one_kernel_call():
     assert seen  # blocks with several documents' pieces were priced
 
 
+@pytest.mark.parametrize("dtype_bytes", [2, 4])
+def test_copy_costs_read_and_write_what_they_move(dtype_bytes):
+    """A Ulysses plan's copies: a token reorder reads and writes its rows in the input dtype; a cast
+    of an fp32 accumulator (o -> y, dq -> gq, dkv -> gkv) reads its values (not an output's row
+    statistics) and writes them once in the input dtype: 4 + 2 bytes an element in bf16, 4 + 4 in fp32."""
+    from megatron_mesh.plan.costs import compute_cost
+    from megatron_mesh.plan.ir import Copy
+    from megatron_mesh.plan.modes.base import resolve
+
+    shape = AttentionShape(seq_local=64, heads=8, kv_heads=4, head_dim=16, itemsize=dtype_bytes)
+    topo = Topology(nodes=1, memory_bandwidth=1.0)  # seconds = bytes
+    plan = resolve("a2a+ring", 4, shape, ulysses_size=2).build(shape)
+    seen = set()
+    for direction in ("forward", "backward"):
+        for op in plan.rank(1).ops(direction):
+            if type(op) is not Copy:
+                continue
+            h, g = plan.head_counts(op.src, shape.heads, shape.kv_heads)
+            rows = plan.tokens(op.src) if op.rows is None else sum(s.stop - s.start for s in op.rows)
+            elements = rows * shape.head_dim * (h if op.dst.kind in ("q", "y", "gq", "dy") else 2 * g)
+            cast = op.src.kind != op.dst.kind
+            per_element = (4 + dtype_bytes) if cast else 2 * dtype_bytes
+            assert compute_cost(plan, op, shape, topo) == pytest.approx(elements * per_element), op
+            seen.add((op.src.kind, op.dst.kind))
+    assert seen >= {("q", "q"), ("kv", "kv"), ("o", "y"), ("dq", "gq"), ("dkv", "gkv"), ("y", "y")}, seen
+
+
 def test_compute_floor_worked_example():
     """Two documents of 4 and 2 tokens. Causal: 4*5/2 + 2*3/2 = 13 allowed pairs; not causal: 16 + 4;
     a window of one key back (each query sees itself and the key before): (1+2+2+2) + (1+2) = 10."""

@@ -404,11 +404,13 @@ class RowStats(NamedTuple):
     """``dst`` (a ``do`` buffer) <- the incoming gradient ``dout`` (a ``dy`` buffer) with the row
     statistics of the partial output ``out`` (an ``o`` buffer of the same tokens): its lse and
     delta = rowsum(dout * out). Lets a rank that holds a row's output compute them, instead of
-    receiving them (a Ulysses all-to-all then moves dout alone)."""
+    receiving them (a Ulysses all-to-all then moves dout alone). ``rows``: only those rows (the
+    same in all three buffers), e.g. one all-to-all round's rows as they arrive."""
 
     dout: Key
     out: Key
     dst: Key
+    rows: Sel | None = None
 
     def reads(self) -> tuple[Key, ...]:
         return (self.dout, self.out)
@@ -417,14 +419,15 @@ class RowStats(NamedTuple):
         return (self.dst,)
 
     def __str__(self) -> str:
-        return f"rowstats {self.dout} {self.out} -> {self.dst}"
+        return f"rowstats {self.dout}{sel_text(self.rows)} {self.out} -> {self.dst}"
 
     @classmethod
     def parse(cls, text: str) -> "RowStats":
         m = re.match(r"^rowstats (\S+) (\S+) -> (\S+)$", text)
         if m is None:
             raise ValueError(f"not a rowstats: {text!r}")
-        return cls(Key.parse(m.group(1)), Key.parse(m.group(2)), Key.parse(m.group(3)))
+        (dout,), (rows,) = _parse_keys(m.group(1))
+        return cls(dout, Key.parse(m.group(2)), Key.parse(m.group(3)), rows)
 
 
 class Free(NamedTuple):
