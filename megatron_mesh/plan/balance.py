@@ -42,8 +42,12 @@ fast links (at 256 GPUs, 32 x 8, 1M tokens of lognormal documents of mean 4096: 
 documents cross a node instead of 169).
 
 With ``group`` U > 1 (a Ulysses hybrid of degree U) the balance is made over P / U groups of U * S
-/ P tokens -- the all-to-all gathers a group's tokens, so only the groups' work matters -- and each
-group's tokens are cut in order into its U ranks.
+/ P tokens -- the all-to-all gathers a group's tokens, so only the groups' work matters. A group's
+tokens form two sets: those of the documents that cross into another group (their blocks with
+other groups' keys come last) and the rest. Each of its U ranks gets 1/U of each set (first its
+share of the crossing tokens, then of the rest), so the hybrid's all-to-all can run as two
+balanced rounds, one per set (:mod:`.hybrid`); the group's span chunk holds the crossing set
+first, then the rest, each sorted (:meth:`BalancedLayout.runs`).
 """
 
 from __future__ import annotations

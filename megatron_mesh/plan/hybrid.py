@@ -10,6 +10,14 @@ balance intact. The output goes back through the reverse all-to-all; the backwar
 GQA: with fewer KV heads than U, each KV head is replicated to U / kv_heads ranks (what
 DeepSpeed-Ulysses does; the bytes count the copies) and their dK/dV partials are summed at home.
 
+On a layout balanced for these groups (:func:`~.balance.balanced_layout` with ``group`` U) the
+all-to-all runs in two rounds by document (:meth:`_HybridLowering._lower_sets`): round 1 the
+tokens of documents that cross into another group, round 2 the rest, each rank sending 1/U of
+each. The own block runs in two parts, round 2's documents while round 1's blocks with other
+groups' keys are pending, and round 2's rows go home before the rest: only round 1's share of
+the all-to-all stays exposed (at 256 GPUs, 1M tokens of lognormal:4096 documents, 24-58 % of a
+group's tokens).
+
 Everything is plan ops: the all-to-all is one :class:`~.ir.Post` per direction and way (a rank
 sends one head slice to each of its U - 1 group peers), the token reorder is :class:`~.ir.Copy`
 ops, the inner plan's ops are relabelled (keys get the span-U chunk and head slice u, peers become
@@ -346,14 +354,16 @@ class _HybridLowering:
         middle = [op for i, op in enumerate(inner[own[0]:own[-1] + 1], own[0]) if i not in own]
         A, B = ([p for i in own if (p := _restrict(inner[i], rows)) is not None] for rows in self.set_rows(m))
         if backward:
-            # the blocks with other groups' keys first (A rows: round A's dO), round B while they run
+            # the inner plan's blocks that wait for nothing (other groups' keys kept from the
+            # forward, on A rows) while round B arrives, then B's part, then the rest
             first_wait = next((i for i, op in enumerate(before) if type(op) is Wait), len(before))
-            ops += before[:first_wait] + arrive(1) + B + before[first_wait:] + middle + home(1) + A + after + home(0)
+            ops += before[:first_wait] + arrive(1) + B + before[first_wait:] + middle + home(1) + A + after
         else:
             # B home after the inner plan's last post: rounds are posted in order
             cut = max((i for i, op in enumerate(after) if type(op) is Post), default=-1) + 1
-            ops += before + A + middle + arrive(1) + B + after[:cut] + home(1) + after[cut:] + home(0)
-        ops += [Wait(last), Wait(last + 1)]
+            ops += before + A + middle + arrive(1) + B + after[:cut] + home(1) + after[cut:]
+        # B's rows went home while A's ran: its buffers go before A's are made
+        ops += [Wait(last), *home(0), Wait(last + 1)]
         for _, k in outs:  # assemble my chunk's head slices (dK/dV of a replicated KV head: summed)
             side = "kv" if k in ("dkv", "gkv") else "q"
             for p in range(U):
