@@ -357,11 +357,16 @@ class _HybridLowering:
             # the inner plan's blocks that wait for nothing (other groups' keys kept from the
             # forward, on A rows) while round B arrives, then B's part, then the rest
             first_wait = next((i for i, op in enumerate(before) if type(op) is Wait), len(before))
-            ops += before[:first_wait] + arrive(1) + B + before[first_wait:] + middle + home(1) + A + after
+            seq = before[:first_wait] + arrive(1) + B
+            b_end = len(seq)
+            seq += before[first_wait:] + middle + A + after
         else:
-            # B home after the inner plan's last post: rounds are posted in order
-            cut = max((i for i, op in enumerate(after) if type(op) is Post), default=-1) + 1
-            ops += before + A + middle + arrive(1) + B + after[:cut] + home(1) + after[cut:]
+            seq = before + A + middle + arrive(1) + B
+            b_end = len(seq)
+            seq += after
+        # B home once its part ran and after the inner plan's last post (rounds are posted in order)
+        at = max(b_end, max((i + 1 for i, op in enumerate(seq) if type(op) is Post), default=0))
+        ops += seq[:at] + home(1) + seq[at:]
         # B's rows went home while A's ran: its buffers go before A's are made
         ops += [Wait(last), *home(0), Wait(last + 1)]
         for _, k in outs:  # assemble my chunk's head slices (dK/dV of a replicated KV head: summed)

@@ -168,3 +168,18 @@ def test_all_to_all_in_two_rounds_on_a_layout_balanced_for_the_group(mode):
                     and op.src.slot == 0]
             assert all(seg.stop <= crossing for sel in into for seg in sel)
         assert sum(firsts) == crossing and max(firsts) - min(firsts) <= 1
+
+
+@pytest.mark.parametrize("cu", [[0, 16], [0, 5, 16], [0, 1, 2, 3, 4, 8, 12, 16], [0, 7, 9, 16]])
+@pytest.mark.parametrize("mode", ["a2a+ring", "a2a+tasp", "a2a+mesh"])
+def test_two_rounds_stay_valid_when_a_round_is_empty(cu, mode):
+    """One document (every token crosses: round 2 is empty, the inner plan a dense one), documents
+    inside one rank (round 1 empty), and mixes: the plan validates, its rounds in posting order."""
+    from megatron_mesh.plan import balanced_layout
+
+    P, U = 4, 2
+    shape = _shape(U, 4, 2, 4)
+    for window in (None, (3, 0)):
+        plan = resolve(mode, P, shape, ulysses_size=U).build(shape, Mask(True, window),
+                                                              balanced_layout(cu, P, window=window, group=U))
+        validate_plan(plan)
