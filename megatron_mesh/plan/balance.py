@@ -472,11 +472,7 @@ class BalancedLayout:
         if span < 1 or self.world_size % span or not 0 <= chunk < self.world_size // span:
             raise ValueError(f"chunk {chunk} of span {span} does not exist over CP size {self.world_size}")
         if span > 1 and span == self.group:
-            cache = self.__dict__.setdefault("_group_runs", {})
-            got = cache.get(chunk)
-            if got is None:
-                got = cache[chunk] = self._set_runs(chunk)
-            return got
+            return self._set_order(chunk)[0]
         out, local = [], 0
         for r in range(chunk * span, (chunk + 1) * span):
             for s, n in self.rank_runs[r]:
@@ -484,22 +480,27 @@ class BalancedLayout:
                 local += n
         return tuple(out)
 
-    def _set_runs(self, chunk: int) -> tuple[tuple[int, int, int], ...]:
-        U = self.group
-        mine = sorted(run for r in range(chunk * U, (chunk + 1) * U) for run in self.rank_runs[r])
-        out, local = [], 0
-        for runs in _group_sets(merge_runs(mine), self.docs):
-            for s, n in merge_runs(runs):
-                out.append((local, s, n))
-                local += n
-        return tuple(out)
+    def _set_order(self, chunk: int) -> tuple[tuple[tuple[int, int, int], ...], int]:
+        """Group ``chunk``'s runs in all-to-all set order, and its crossing tokens (cached: the
+        hybrids ask for them per rank)."""
+        cache = self.__dict__.setdefault("_sets", {})
+        got = cache.get(chunk)
+        if got is None:
+            U = self.group
+            sets = _group_sets(merge_runs(sorted(run for r in range(chunk * U, (chunk + 1) * U)
+                                                 for run in self.rank_runs[r])), self.docs)
+            out, local = [], 0
+            for runs in sets:
+                for s, n in merge_runs(runs):
+                    out.append((local, s, n))
+                    local += n
+            got = cache[chunk] = (tuple(out), sum(n for _, n in sets[0]))
+        return got
 
     def crossing_tokens(self, chunk: int) -> int:
         """Tokens of Ulysses group ``chunk`` (span ``group``) in documents that cross into another
-        group: the first all-to-all set of a hybrid (:mod:`.hybrid`)."""
-        return sum(n for _, n in _group_sets(merge_runs(sorted(
-            run for r in range(chunk * self.group, (chunk + 1) * self.group) for run in self.rank_runs[r])),
-            self.docs)[0])
+        group: the first all-to-all round of a hybrid (:mod:`.hybrid`)."""
+        return self._set_order(chunk)[1]
 
     def documents(self) -> tuple[tuple[int, int], ...]:
         return self.docs
