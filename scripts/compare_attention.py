@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 
 import torch
@@ -90,6 +91,12 @@ def _kwargs(mask: Mask, layout) -> dict:
     elif mask.documents is not None:
         kw["cu_seqlens"] = _cu_seqlens(mask)
     return kw
+
+
+def reference_bytes(args) -> int:
+    """Memory the dense fp64 reference takes on all processes together: scores, probabilities and
+    their gradients, [batch, heads, S, S] each, on every process."""
+    return args.world * 4 * args.batch * args.heads * args.seq_len ** 2 * 8
 
 
 def run_rank(rank: int, world: int, args, runs) -> list[dict]:
@@ -157,6 +164,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ap.error(f"--world and --repeat must be >= 1, got {args.world} and {args.repeat}")
     if args.seq_len % (2 * args.world):
         raise SystemExit(f"--seq-len {args.seq_len} must be divisible by 2 * --world = {2 * args.world}")
+    if not args.no_check:  # every process builds the dense reference: say so before they are killed
+        need, free = reference_bytes(args), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        if need > free:
+            ap.error(f"--seq-len {args.seq_len}: the dense fp64 reference needs about {need / 2**30:.1f} GiB on the "
+                     f"{args.world} processes (each builds it: ~4 x batch x heads x seq_len^2 x 8 bytes), "
+                     f"{free / 2**30:.1f} GiB are free; pass --no-check (bytes and times only) or a shorter --seq-len")
     try:
         mask = mask_of(args)
     except ValueError as e:

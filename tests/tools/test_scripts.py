@@ -217,6 +217,8 @@ def test_compare_cp_modes_long_preset_and_the_zigzag_documents(script, tmp_path)
     ("compare_attention", ["--world", "2", "--seq-len", "64", "--repeat", "0"], r"got 2 and 0"),
     ("compare_attention", ["--world", "2", "--seq-len", "64", "--heads", "3", "--kv-heads", "2"],
      r"heads \(3\) must be divisible by kv_heads \(2\)"),
+    ("compare_attention", ["--world", "8", "--seq-len", "4194304", "--heads", "2", "--head-dim", "8"],
+     r"--seq-len 4194304: the dense fp64 reference needs about .* GiB on the 8 processes .* pass --no-check"),
     ("count_host_ops", ["--world", "2", "--seq-local", "64"],
      r"--docs 'lognormal:512,1.0' over --world x --seq-local = 128 tokens"),
     ("count_host_ops", ["--world", "2", "--seq-local", "64", "--docs", "fixed:16", "--top", "-1"],
