@@ -281,15 +281,8 @@ class _HybridLowering:
             ops.extend(home if peers else home[:-1])  # alone in its group: nothing to send
             waits = [Wait(last)] if peers else []
         ops.extend(waits)
-        if blocks:  # assemble my chunk's head slices (dK/dV of a replicated KV head: summed)
-            for _, k in outs:
-                side = "kv" if k in ("dkv", "gkv") else "q"
-                for p in range(U):
-                    src = Key(k, g, heads=p)
-                    if k == "dkv":
-                        ops.append(AddGrad(src, Key(k, g), heads=self.heads(side, p)))
-                    else:
-                        ops.append(Copy(src, Key(k, g), heads=self.heads(side, p)))
+        if blocks:
+            ops.extend(self._assemble(g, outs, [(-1, None)]))
         return ops
 
     def _lower_sets(self, g: int, direction: str) -> list[Op]:
@@ -331,13 +324,7 @@ class _HybridLowering:
         last = self.last_round[direction] + 3
 
         def home(j: int) -> list[Op]:  # round j's rows, finished, to their ranks
-            ops: list[Op] = [Copy(Key(acc, m, heads=u, span=U), Key(k, x, slot=j, heads=u), rows=sets[x][j][1])
-                             for acc, k in outs for x in group if sets[x][j][0]]
-            ops.append(Post(last + (1 - j), tuple(Transfer(x, Key(k, x, slot=j, heads=u))
-                                                  for x in peers for _, k in outs if sets[x][j][0]),
-                            tuple(Transfer(x, Key(k, g, slot=j, heads=x - m * U))
-                                  for x in peers for _, k in outs if sets[g][j][0])))
-            return ops
+            return self._home(g, group, outs, last + (1 - j), True, slot=j)
 
         ops: list[Op] = [gather(0), gather(1), *arrive(0)]
         rp = self.inner.rank(m)  # the inner plan's own input cuts (its slots) come from round A's tokens
@@ -369,28 +356,38 @@ class _HybridLowering:
         ops += seq[:at] + home(1) + seq[at:]
         # B's rows went home while A's ran: its buffers go before A's are made
         ops += [Wait(last), *home(0), Wait(last + 1)]
-        for _, k in outs:  # assemble my chunk's head slices (dK/dV of a replicated KV head: summed)
-            side = "kv" if k in ("dkv", "gkv") else "q"
-            for p in range(U):
-                for j in range(2):
-                    if sets[g][j][0]:
-                        src, dst, heads = Key(k, g, slot=j, heads=p), Key(k, g), self.heads(side, p)
-                        ops.append(AddGrad(src, dst, into=sets[g][j][0], heads=heads) if k == "dkv" else
-                                   Copy(src, dst, into=sets[g][j][0], heads=heads))
-        return ops
+        return ops + self._assemble(g, outs, [(j, rows) for j, (rows, _) in enumerate(sets[g]) if rows])
 
-    def _home(self, g: int, group: list[int], outs, round_: int, blocks: bool) -> list[Op]:
+    def _home(self, g: int, group: list[int], outs, round_: int, blocks: bool, slot: int = -1) -> list[Op]:
         """The copies of ``outs`` ((accumulator, finished kind) pairs) into each group member's
-        buffer, then the round that sends them home (the last op)."""
+        buffer, then the round that sends them home (the last op). ``slot`` j >= 0: only the rows
+        of all-to-all round j (:meth:`member_sets`; a member with none gets nothing)."""
         U, (m, u) = self.U, divmod(g, self.U)
+        rows = {x: self.pieces[x] if slot < 0 else self.member_sets(x)[slot][1] for x in group}
         ops: list[Op] = []
         if blocks:
             for acc, k in outs:
                 for x in group:
-                    ops.append(Copy(Key(acc, m, heads=u, span=U), Key(k, x, heads=u), rows=self.pieces[x]))
+                    if rows[x]:
+                        ops.append(Copy(Key(acc, m, heads=u, span=U), Key(k, x, slot=slot, heads=u), rows=rows[x]))
         peers = [x for x in group if x != g]
-        ops.append(Post(round_, tuple(Transfer(x, Key(k, x, heads=u)) for x in peers for _, k in outs),
-                        tuple(Transfer(x, Key(k, g, heads=x - m * U)) for x in peers for _, k in outs)))
+        ops.append(Post(round_, tuple(Transfer(x, Key(k, x, slot=slot, heads=u)) for x in peers for _, k in outs
+                                      if rows[x]),
+                        tuple(Transfer(x, Key(k, g, slot=slot, heads=x - m * U)) for x in peers for _, k in outs
+                              if rows[g])))
+        return ops
+
+    def _assemble(self, g: int, outs, parts) -> list[Op]:
+        """My chunk's head slices of ``outs``, come home, into its buffers (dK/dV of a replicated KV
+        head: summed); ``parts``: (slot, my local rows) of each round they came in (-1, None: one)."""
+        ops: list[Op] = []
+        for _, k in outs:
+            side = "kv" if k in ("dkv", "gkv") else "q"
+            for p in range(self.U):
+                for slot, into in parts:
+                    src, heads = Key(k, g, slot=slot, heads=p), self.heads(side, p)
+                    ops.append(AddGrad(src, Key(k, g), into=into, heads=heads) if k == "dkv" else
+                               Copy(src, Key(k, g), into=into, heads=heads))
         return ops
 
     def _dq_home_early(self, m: int) -> bool:
