@@ -539,6 +539,50 @@ def _segments(runs, piece: int, mask: Mask | None = None) -> list[tuple[int, tup
     return out
 
 
+def _segment_documents(mask: Mask, segments) -> tuple[list[int], dict[int, list]]:
+    """Group ids of ``segments`` (:func:`_segments`): consecutive segments that lie in one and the
+    same document share an id; a segment of several documents has one of its own. And the groups
+    of more than one segment: id -> [document, first offset, end, runs, segments]."""
+    ids, last, gid = [], None, -1
+    groups: dict[int, list] = {}
+    for off, runs, n in segments:
+        docs = {0} if mask.documents is None else _documents_of(mask, runs)
+        doc = next(iter(docs)) if len(docs) == 1 else None
+        if doc is None or doc != last:
+            gid += 1
+            groups[gid] = [doc, off, off, [], 0]
+        got = groups[gid]
+        got[2], got[4] = off + n, got[4] + 1
+        got[3].extend(runs)
+        ids.append(gid)
+        last = doc
+    return ids, groups
+
+
+def _whole_documents(mask: Mask, rows, cols) -> tuple[list[int], list[int], dict]:
+    """Where :func:`mask_pieces` makes one call of several segment pairs: the group ids of the
+    query and key segments (:func:`_segment_documents`) and, for each pair of groups of one
+    document with more than two segments between them whose whole rectangle is FULL or CAUSAL
+    (:func:`classify_block`, nothing trimmed), that call (kind, rows, columns). The call computes
+    exactly the rectangle's allowed pairs, so every segment pair of the two groups is skipped."""
+    q_group, q_spans = _segment_documents(mask, rows)
+    k_group, k_spans = _segment_documents(mask, cols)
+    by_doc: dict = {}
+    for kg, span in k_spans.items():
+        if span[0] is not None:
+            by_doc.setdefault(span[0], []).append((kg, span))
+    whole: dict = {}
+    for qg, (doc, r0, r1, q_runs, q_count) in q_spans.items():
+        for kg, (_, c0, c1, k_runs, k_count) in by_doc.get(doc, ()) if doc is not None else ():
+            if q_count + k_count < 3:  # one segment pair: mask_pieces' own rule
+                continue
+            c = classify_block(mask, tuple(q_runs), (tuple(k_runs),))
+            if c is not None and c.kind != BlockKind.MASKED and c.rows == ((0, r1 - r0),) and \
+                    c.cols[0] == ((0, c1 - c0),):
+                whole[qg, kg] = (c.kind, (r0, r1), (c0, c1))
+    return q_group, k_group, whole
+
+
 KERNEL_CALLS = ("varlen", "piece", "block")
 
 
@@ -614,26 +658,45 @@ def mask_pieces(mask: Mask, q_runs, k_runs, piece: int) -> list[tuple[BlockKind,
     CAUSAL when the whole piece is. The runtime executes exactly these calls and the simulator
     prices them (one owner of the cut).
 
-    Full calls side by side on the same rows are joined into one (a full call needs no mask).
+    Full calls side by side on the same rows, or one above the other on the same columns, are
+    joined into one (a full call needs no mask).
+    Consecutive segments of one document against consecutive segments of the same document are
+    one call when the whole rectangle they make is FULL or CAUSAL (:func:`_whole_documents`):
+    the zigzag pieces of a document against themselves are one causal call, not three.
 
     Worked example (causal, one document [0, 4000) cut into two zigzag pieces, piece 2048): the
     query piece [0, 1000) + [3000, 4000) against the key piece [1000, 2000) + [2000, 3000) (joined:
     one run of 2000). Its front run sees none of those keys, its back run all of them: one FULL
-    call of 1000 x 2000 pairs, where one masked call over the whole block computed 2000 x 2000."""
+    call of 1000 x 2000 pairs, where one masked call over the whole block computed 2000 x 2000.
+    Against itself it is one CAUSAL call of 2000 x 2000: the positions increase along the buffer,
+    so "key position <= query position" is the lower triangle (front x back is empty, back x
+    front full), and a causal kernel skips the empty half as it does for one run."""
     out: list = []
 
     def add(kind: BlockKind, rows: tuple[int, int], cols: tuple[int, int]) -> None:
-        last = out[-1] if out else None  # full calls side by side on the same rows are one call
+        last = out[-1] if out else None  # full calls side by side (or one above the other) are one call
         if kind == BlockKind.FULL and last is not None and last[0] == BlockKind.FULL and last[1] == rows and \
                 last[2][1] == cols[0]:
             out[-1] = (kind, rows, (last[2][0], cols[1]))
+        elif kind == BlockKind.FULL and last is not None and last[0] == BlockKind.FULL and last[2] == cols and \
+                last[1][1] == rows[0]:
+            out[-1] = (kind, (last[1][0], rows[1]), cols)
         else:
             out.append((kind, rows, cols))
 
     cols = _segments(k_runs, piece, mask)
+    rows = _segments(q_runs, piece, mask)
     partners = _partners(mask, cols)
-    for r0, qr, n in _segments(q_runs, piece, mask):
-        for c0, kr, m in (cols[i] for i in partners(qr)):
+    q_group, k_group, documents = _whole_documents(mask, rows, cols)
+    for qi, (r0, qr, n) in enumerate(rows):
+        for ki in partners(qr):
+            c0, kr, m = cols[ki]
+            joined = documents.get((q_group[qi], k_group[ki]))
+            if joined is not None:  # one call for the documents' rectangle, at its first pair
+                if joined:
+                    add(*joined)
+                    documents[q_group[qi], k_group[ki]] = ()
+                continue
             c = classify_block(mask, qr, (kr,))
             if c is None:
                 continue

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from megatron_mesh.kernels import BlockMask, MathKernel, TorchAttentionKernel
 from megatron_mesh.plan import Mask
-from megatron_mesh.plan.mask import BlockKind, cut_runs, mask_pieces
+from megatron_mesh.plan.mask import BlockKind, call_groups, cut_runs, mask_pieces
 from megatron_mesh.runtime.masks import PIECE_ENV, PiecedMask, _pieced, block_backward, block_forward, mask_piece
 
 CPU = torch.device("cpu")
@@ -149,13 +149,28 @@ def test_piece_setting(monkeypatch):
 def test_worked_example_of_mask_pieces():
     """mask_pieces' docstring: the zigzag piece [0, 1000) + [3000, 4000) of a document against the
     piece [1000, 3000) is one FULL call of 1000 x 2000 (the front run sees none of it); against
-    itself three calls (causal front, full back x front, causal back), nothing computed densely."""
+    itself one CAUSAL call of 2000 x 2000 (positions increase along the buffer: the lower triangle
+    is exactly the allowed pairs), where cutting by runs made three (causal front, full back x
+    front, causal back). A window that cuts inside the rectangle keeps the three (a causal call
+    cannot express it), and so does a kernel told to cut every run apart."""
     mask = Mask(True, None, ((0, 4000),)).normalized(4000)
     q = ((0, 1000), (3000, 1000))
     assert mask_pieces(mask, q, ((1000, 1000), (2000, 1000)), 2048) == [(BlockKind.FULL, (1000, 2000), (0, 2000))]
-    assert mask_pieces(mask, q, q, 2048) == [(BlockKind.CAUSAL, (0, 1000), (0, 1000)),
-                                             (BlockKind.FULL, (1000, 2000), (0, 1000)),
-                                             (BlockKind.CAUSAL, (1000, 2000), (1000, 2000))]
+    assert mask_pieces(mask, q, q, 2048) == [(BlockKind.CAUSAL, (0, 2000), (0, 2000))]
+    # two documents side by side, each of two zigzag pieces: one causal call each, packed together
+    # by a variable-length call (call_groups)
+    two = Mask(True, None, ((0, 4000), (4000, 8000))).normalized(8000)
+    q2 = q + ((4000, 1000), (7000, 1000))
+    assert mask_pieces(two, q2, q2, 2048) == [(BlockKind.CAUSAL, (0, 2000), (0, 2000)),
+                                              (BlockKind.CAUSAL, (2000, 4000), (2000, 4000))]
+    assert call_groups(mask_pieces(two, q2, q2, 2048)) == [(0, 1)]
+    # full calls one above the other on the same columns are one call: two query runs that both
+    # see all of an earlier key run (the later query run also sees a second one)
+    assert mask_pieces(mask, ((2000, 500), (3000, 500)), ((0, 1000), (2600, 300)), 2048) == \
+        [(BlockKind.FULL, (0, 1000), (0, 1000)), (BlockKind.FULL, (500, 1000), (1000, 1300))]
+    windowed = Mask(True, (2500, 0), ((0, 4000),)).normalized(4000)
+    assert [kind for kind, _, _ in mask_pieces(windowed, q, q, 2048)] == \
+        [BlockKind.CAUSAL, BlockKind.MASKED, BlockKind.CAUSAL]
     # full pieces side by side on the same rows are one call, however long: the back run against
     # three earlier runs that do not continue each other
     k = ((0, 600), (1200, 600), (2400, 600))
