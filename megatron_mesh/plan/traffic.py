@@ -61,7 +61,8 @@ def _posts(ops) -> list[Post]:
 
 
 def _nbytes(plan: Plan, key, shape: AttentionShape, cache: dict) -> int:
-    per_chunk = key.slot >= 0 and plan.slots_vary  # slots that differ per chunk (mask-aware plans)
+    # slots that differ per chunk: mask-aware plans', and a hybrid's all-to-all rounds by document
+    per_chunk = key.slot >= 0 and (plan.slots_vary or plan.inner is not None and key.span == 1)
     ck = (key.kind, key.slot, key.span, key.heads, key.chunk if per_chunk else 0)
     n = cache.get(ck)
     if n is None:
@@ -108,36 +109,53 @@ def round_traffic(plan: Plan, shape: AttentionShape, topo: Topology, direction: 
     return _exact_traffic(plan, shape, topo, direction)
 
 
+def _inner_shift(plan: Plan, direction: str) -> int:
+    """How far a hybrid shifts its inner plan's rounds (the all-to-all rounds before them): CP rank
+    m * U runs inner rank m's rounds, relabelled; the first inner rank that moves anything says."""
+    U = plan.ulysses
+    for m in range(plan.inner.world_size):
+        theirs = next((op.round for op in plan.inner.round_ops(m, direction)
+                       if type(op) is Post and (op.sends or op.recvs)), None)
+        if theirs is not None:
+            ours = next(op.round for op in plan.round_ops(m * U, direction) if type(op) is Post
+                        and any(x.key.span == U for x in op.sends + op.recvs))
+            return ours - theirs
+    return 1  # the inner plan moves nothing: no round of it to place
+
+
 def _composed_traffic(plan: Plan, shape: AttentionShape, topo: Topology, direction: str) -> RoundTraffic:
     """A Ulysses hybrid: its all-to-all rounds (every rank sends one head slice to each of its
-    group peers: symmetric, priced from rank 0 and rank P-1) plus the inner plan's traffic,
-    priced on the inner group of head slice 0 (CP ranks m * U; every slice's group sits on the same
-    nodes) with its rounds shifted by the first all-to-all round."""
+    group peers) plus the inner plan's traffic, priced on the inner group of head slice 0 (CP ranks
+    m * U; every slice's group sits on the same nodes) with its rounds shifted by the all-to-all
+    rounds before them (one, or one per set of a layout balanced for the groups). The all-to-all
+    is priced per rank where the inner plan is (its rounds' sizes differ by group on a balanced
+    layout), else on rank 0 and rank P-1 (Megatron's zigzag: the same on every rank)."""
     U = plan.ulysses
     inner = plan.inner
     sub = inner_shape(shape, U)
     inner_topo = replace(topo, node_of=tuple(topo.node(m * U) for m in range(inner.world_size)))
     t = round_traffic(inner, sub, inner_topo, direction)
     cache: dict = {}
-    duration = {r + 1: d for r, d in t.duration.items()}
+    shift = _inner_shift(plan, direction)
+    duration = {r + shift: d for r, d in t.duration.items()}
     per_rank = None
     if t.per_rank is not None:  # every head slice's inner group runs the same rounds on its own ranks
-        per_rank = {(m * U + u, rnd + 1): d for (m, rnd), d in t.per_rank.items() for u in range(U)}
-    a2a_sent = a2a_inter = max_inter = 0
-    for r in (0, plan.world_size - 1):
+        per_rank = {(m * U + u, rnd + shift): d for (m, rnd), d in t.per_rank.items() for u in range(U)}
+    a2a_sent = a2a_inter = 0
+    for r in (range(plan.world_size) if per_rank is not None else (0, plan.world_size - 1)):
         sent = inter = 0
         for op in plan.round_ops(r, direction):
             if type(op) is not Post or not any(x.key.span == 1 for x in op.sends + op.recvs):
                 continue
             loads, out, across, _ = _post_loads(plan, r, op, shape, topo, cache)
             sent, inter = sent + out, inter + across
-            duration[op.round] = max(duration.get(op.round, 0.0), _round_time(loads, topo))
-        a2a_sent, a2a_inter, max_inter = sent, max(a2a_inter, inter), max(max_inter, inter)
-    if per_rank is not None:  # the all-to-alls: the same on every rank (priced on the extremes)
-        for rnd in set(duration) - {rnd + 1 for rnd in t.duration}:
-            per_rank.update({(r, rnd): duration[rnd] for r in range(plan.world_size)})
+            took = _round_time(loads, topo)
+            duration[op.round] = max(duration.get(op.round, 0.0), took)
+            if per_rank is not None:
+                per_rank[(r, op.round)] = took
+        a2a_sent, a2a_inter = max(a2a_sent, sent), max(a2a_inter, inter)
     return RoundTraffic(duration, t.bytes_sent + a2a_sent, t.mean_intra + a2a_sent - a2a_inter,
-                        t.mean_inter + a2a_inter, t.max_inter + max_inter, per_rank=per_rank)
+                        t.mean_inter + a2a_inter, t.max_inter + a2a_inter, per_rank=per_rank)
 
 
 def _exact_traffic(plan: Plan, shape: AttentionShape, topo: Topology, direction: str) -> RoundTraffic:

@@ -183,3 +183,27 @@ def test_two_rounds_stay_valid_when_a_round_is_empty(cu, mode):
         plan = resolve(mode, P, shape, ulysses_size=U).build(shape, Mask(True, window),
                                                               balanced_layout(cu, P, window=window, group=U))
         validate_plan(plan)
+
+
+@pytest.mark.parametrize("mode", ["a2a+ring", "a2a+tasp", "a2a+mesh"])
+def test_composed_traffic_of_a_hybrid_equals_every_rank(mode):
+    """The simulator prices a hybrid's traffic from its inner plan (head slice 0's group, rounds
+    shifted past the all-to-all) plus the all-to-all rounds: per rank and round the same durations
+    as reading every rank's rounds -- on Megatron's zigzag (one gather round) and on a layout
+    balanced for the groups (two gather rounds, whose sizes differ by group and rank)."""
+    from megatron_mesh.plan import Topology, balanced_layout
+    from megatron_mesh.plan.simulate import round_traffic
+
+    P, U, T = 8, 2, 16
+    cu = [0, 3, 40, 41, 60, 64, 100, 128]
+    shape = _shape(U, 8, 4, T)
+    topo = Topology.for_cp(P, 4)
+    for mask, layout in ((Mask.from_cu_seqlens(cu, P * T), None), (Mask(True), balanced_layout(cu, P, group=U))):
+        plan = resolve(mode, P, shape, ulysses_size=U).build(shape, mask, layout)
+        for d in ("forward", "backward"):
+            fast, exact = round_traffic(plan, shape, topo, d), round_traffic(plan, shape, topo, d, exact=True)
+            moving = lambda times: {k: v for k, v in times.items() if v}  # noqa: E731 (a round that moves nothing)
+            assert moving(fast.duration) == pytest.approx(moving(exact.duration)), (d, layout is None)
+            if fast.per_rank is not None:
+                assert moving(fast.per_rank) == pytest.approx(moving(exact.per_rank)), (d, layout is None)
+            assert fast.bytes_sent == exact.bytes_sent

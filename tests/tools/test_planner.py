@@ -190,8 +190,8 @@ def test_te_rows_run_a_blocks_documents_in_one_kernel_call():
         assert compute_cost(per_piece, op, padded, topo) - block == pytest.approx((len(pieces) - 1) * topo.kernel_latency)
         groups = call_groups(pieces, "varlen")
         assert compute_cost(varlen, op, padded, topo) - block == pytest.approx((len(groups) - 1) * topo.kernel_latency)
-        seen += len(pieces) > len(groups) > 1
-    assert seen  # blocks with several documents' pieces were priced
+        seen += len(pieces) > len(groups)
+    assert seen  # blocks with several documents' pieces were priced, joined by the varlen calls
 
 
 @pytest.mark.parametrize("dtype_bytes", [2, 4])
