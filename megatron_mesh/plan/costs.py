@@ -4,8 +4,9 @@
 ``Attend``: 4 * batch * heads * head_dim FLOPs per (query, key) pair the kernel call computes
 (:func:`~.accounting.block_area`; a masked block runs as the calls of its mask pieces,
 :func:`~.mask.mask_pieces`, as the runtime runs it) at ``attention_flops``, plus ``kernel_latency``
-per call, plus the fp32 merge into the accumulator at ``memory_bandwidth`` (a copy -- two thirds of
-the traffic -- on rows no earlier op wrote, :meth:`~.ir.Plan.first_writes`). ``AttendBackward``:
+per call, plus the fp32 merge into the accumulator at ``memory_bandwidth``: read and write the
+accumulator, read the kernel's result in the input dtype (a copy -- read the result, write the
+accumulator -- on rows no earlier op wrote, :meth:`~.ir.Plan.first_writes`). ``AttendBackward``:
 :data:`BACKWARD_FLOPS` x the forward FLOPs plus the dQ/dKV accumulation. Merges, gradient adds and
 row statistics read two buffers and write one; a copy reads and writes the rows it moves (a cast
 of an accumulator into the input dtype -- ``o`` -> ``y`` -- reads its fp32 values, not the row
@@ -13,8 +14,10 @@ statistics, and writes half the bytes in bf16).
 
 Worked example: a causal block of n = 4096 tokens, 32 heads of 128, batch 1, computes
 4096 * 4097 / 2 pairs = 4 * 32 * 128 * 8.39e6 = 1.37e11 FLOPs: 0.34 ms at 400 TFLOP/s, plus one
-launch (5 us) and the merge of 3 * 32 * 4096 * 129 * 4 bytes at 3.35 TB/s (0.06 ms) -- 0.04 ms
-when it is the first op to write those rows (a copy: 2 * 32 * 4096 * 129 * 4 bytes).
+launch (5 us) and, in bf16, the merge of 32 * 4096 * (2 * 129 * 4 + 128 * 2 + 4) bytes (the fp32
+accumulator and its lse read and written, the bf16 result and its fp32 lse read) at 3.35 TB/s
+(0.05 ms) -- 0.03 ms when it is the first op to write those rows (a copy: 32 * 4096 * (129 * 4 +
+128 * 2 + 4) bytes).
 """
 
 from __future__ import annotations
@@ -69,14 +72,21 @@ def block_cost_parts(plan: Plan, op, shape: AttentionShape, topo: Topology,
     else:
         pairs = block_area(plan, op)
     h, g = plan.head_counts(op.q, shape.heads, shape.kv_heads)
-    flops = 4.0 * shape.batch * h * shape.head_dim * pairs
-    acc = 4  # fp32 accumulators: read + write the accumulator, read the block result
+    d = shape.head_dim
+    flops = 4.0 * shape.batch * h * d * pairs
     fresh_q, fresh_kv = min(fresh[0], rows), min(fresh[1], cols)
+    # a merge reads and writes the fp32 accumulator and reads the block result, which the kernel
+    # returns in the input dtype (torch's attention ops: out, dQ, dK, dV in q's dtype; lse fp32);
+    # a first write reads the result and writes the accumulator
+    a = max(FP32, shape.itemsize)  # accumulators are fp32 (fp64 for fp64 inputs)
     if type(op) is Attend:
-        moved = (3 * rows - fresh_q) * shape.batch * h * (shape.head_dim + 1) * acc
+        acc, result = a * (d + 1), shape.itemsize * d + FP32  # out + lse per row and head
+        moved = shape.batch * h * ((rows - fresh_q) * (2 * acc + result) + fresh_q * (acc + result))
     else:
         flops *= BACKWARD_FLOPS
-        moved = shape.batch * shape.head_dim * acc * (h * (3 * rows - fresh_q) + 2 * g * (3 * cols - fresh_kv))
+        acc, result = a * d, shape.itemsize * d
+        moved = shape.batch * (h * ((rows - fresh_q) * (2 * acc + result) + fresh_q * (acc + result)) +
+                               2 * g * ((cols - fresh_kv) * (2 * acc + result) + fresh_kv * (acc + result)))
     return flops / topo.attention_flops, calls * topo.kernel_latency, moved / topo.memory_bandwidth
 
 

@@ -221,6 +221,37 @@ def test_copy_costs_read_and_write_what_they_move(dtype_bytes):
     assert seen >= {("q", "q"), ("kv", "kv"), ("o", "y"), ("dq", "gq"), ("dkv", "gkv"), ("y", "y")}, seen
 
 
+def test_merges_read_the_kernel_result_in_the_input_dtype():
+    """A kernel call's result reaches its fp32 accumulator as the kernel returns it, in the input
+    dtype (torch's attention ops: out, dQ, dK, dV in q's dtype, lse in fp32): per element a merge
+    reads and writes the accumulator (4 + 4 bytes) and reads the result (2 in bf16), a first write
+    reads the result and writes the accumulator. The same block in bf16 and in fp32 differs by
+    exactly 2 bytes per element of its result -- every row it touches, merged or written first."""
+    from megatron_mesh.plan.costs import block_cost_parts, fresh_rows
+    from megatron_mesh.plan.ir import Attend, AttendBackward
+
+    topo = Topology(nodes=1, memory_bandwidth=1.0)  # seconds = bytes
+    bf16, fp32 = (AttentionShape(seq_local=64, heads=8, kv_heads=2, head_dim=16, itemsize=b) for b in (2, 4))
+    plan = build_ring_plan(4, bf16)
+    seen = set()
+    for direction in ("forward", "backward"):
+        first = plan.first_writes(1, direction)
+        for i, op in enumerate(plan.rank(1).ops(direction)):
+            if type(op) not in (Attend, AttendBackward):
+                continue
+            fresh = fresh_rows(op, first.get(i))
+            rows = sum(s.stop - s.start for s in op.rows) if op.rows is not None else plan.tokens(op.q)
+            cols = sum(plan.tokens(k) if op.col(j) is None else sum(s.stop - s.start for s in op.col(j))
+                       for j, k in enumerate(op.kv))
+            elements = 8 * 16 * rows if type(op) is Attend else 16 * (8 * rows + 2 * 2 * cols)
+            a, b = block_cost_parts(plan, op, bf16, topo, fresh)[2], block_cost_parts(plan, op, fp32, topo, fresh)[2]
+            assert b - a == pytest.approx(2 * elements), op
+            if type(op) is Attend and fresh == (0, 0):  # a merge: 2 x 4 (out + lse) + 2 x 16 + 4 a row and head
+                assert a == pytest.approx(8 * rows * (2 * 4 * 17 + 2 * 16 + 4)), op
+            seen.add((direction, fresh == (0, 0)))
+    assert seen >= {("forward", True), ("forward", False), ("backward", False)}, seen  # merges and first writes
+
+
 def test_compute_floor_worked_example():
     """Two documents of 4 and 2 tokens. Causal: 4*5/2 + 2*3/2 = 13 allowed pairs; not causal: 16 + 4;
     a window of one key back (each query sees itself and the key before): (1+2+2+2) + (1+2) = 10."""
