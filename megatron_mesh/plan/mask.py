@@ -541,8 +541,8 @@ def _segments(runs, piece: int, mask: Mask | None = None) -> list[tuple[int, tup
 
 def _segment_documents(mask: Mask, segments) -> tuple[list[int], dict[int, list]]:
     """Group ids of ``segments`` (:func:`_segments`): consecutive segments that lie in one and the
-    same document share an id; a segment of several documents has one of its own. And the groups
-    of more than one segment: id -> [document, first offset, end, runs, segments]."""
+    same document share an id; a segment of several documents has one of its own. And every
+    group: id -> [its document (None: several), first offset, end, runs, segment count]."""
     ids, last, gid = [], None, -1
     groups: dict[int, list] = {}
     for off, runs, n in segments:

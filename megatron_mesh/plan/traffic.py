@@ -116,9 +116,9 @@ def _inner_shift(plan: Plan, direction: str) -> int:
     for m in range(plan.inner.world_size):
         theirs = next((op.round for op in plan.inner.round_ops(m, direction)
                        if type(op) is Post and (op.sends or op.recvs)), None)
-        if theirs is not None:
-            ours = next(op.round for op in plan.round_ops(m * U, direction) if type(op) is Post
-                        and any(x.key.span == U for x in op.sends + op.recvs))
+        ours = next((op.round for op in plan.round_ops(m * U, direction) if type(op) is Post
+                     and any(x.key.span == U for x in op.sends + op.recvs)), None) if theirs is not None else None
+        if ours is not None:
             return ours - theirs
     return 1  # the inner plan moves nothing: no round of it to place
 
