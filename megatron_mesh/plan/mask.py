@@ -539,14 +539,15 @@ def _segments(runs, piece: int, mask: Mask | None = None) -> list[tuple[int, tup
     return out
 
 
-def _segment_documents(mask: Mask, segments) -> tuple[list[int], dict[int, list]]:
+def _segment_documents(segments, docs_of) -> tuple[list[int], dict[int, list]]:
     """Group ids of ``segments`` (:func:`_segments`): consecutive segments that lie in one and the
-    same document share an id; a segment of several documents has one of its own. And every
-    group: id -> [its document (None: several), first offset, end, runs, segment count]."""
+    same document share an id; a segment of several documents has one of its own (``docs_of``:
+    each segment's documents, :func:`_documents_of`; None: the mask has none, one document). And
+    every group: id -> [its document (None: several), first offset, end, runs, segment count]."""
     ids, last, gid = [], None, -1
     groups: dict[int, list] = {}
-    for off, runs, n in segments:
-        docs = {0} if mask.documents is None else _documents_of(mask, runs)
+    for (off, runs, n), docs in zip(segments, docs_of):
+        docs = {0} if docs is None else docs
         doc = next(iter(docs)) if len(docs) == 1 else None
         if doc is None or doc != last:
             gid += 1
@@ -559,14 +560,14 @@ def _segment_documents(mask: Mask, segments) -> tuple[list[int], dict[int, list]
     return ids, groups
 
 
-def _whole_documents(mask: Mask, rows, cols) -> tuple[list[int], list[int], dict]:
+def _whole_documents(mask: Mask, rows, cols, row_docs, col_docs) -> tuple[list[int], list[int], dict]:
     """Where :func:`mask_pieces` makes one call of several segment pairs: the group ids of the
     query and key segments (:func:`_segment_documents`) and, for each pair of groups of one
     document with more than two segments between them whose whole rectangle is FULL or CAUSAL
     (:func:`classify_block`, nothing trimmed), that call (kind, rows, columns). The call computes
     exactly the rectangle's allowed pairs, so every segment pair of the two groups is skipped."""
-    q_group, q_spans = _segment_documents(mask, rows)
-    k_group, k_spans = _segment_documents(mask, cols)
+    q_group, q_spans = _segment_documents(rows, row_docs)
+    k_group, k_spans = _segment_documents(cols, col_docs)
     by_doc: dict = {}
     for kg, span in k_spans.items():
         if span[0] is not None:
@@ -633,19 +634,19 @@ def _documents_of(mask: Mask, runs) -> set[int]:
     return out
 
 
-def _partners(mask: Mask, cols):
-    """For a query segment's runs, the indices (ascending) of the key segments ``cols`` that can
-    hold a key it attends: with documents, only those sharing a document with it (found through
-    the documents, so a block of many documents is cut in time linear in them, not quadratic);
-    without, every one."""
+def _partners(mask: Mask, cols, col_docs):
+    """For a query segment's documents, the indices (ascending) of the key segments ``cols`` (their
+    documents ``col_docs``) that can hold a key it attends: with documents, only those sharing a
+    document with it (found through the documents, so a block of many documents is cut in time
+    linear in them, not quadratic); without, every one."""
     if mask.documents is None:
         every = range(len(cols))
-        return lambda runs: every
+        return lambda docs: every
     by_doc: dict[int, list[int]] = {}
-    for i, (_, kr, _) in enumerate(cols):
-        for d in _documents_of(mask, kr):
+    for i, docs in enumerate(col_docs):
+        for d in docs:
             by_doc.setdefault(d, []).append(i)
-    return lambda runs: sorted({i for d in _documents_of(mask, runs) for i in by_doc.get(d, ())})
+    return lambda docs: sorted({i for d in docs for i in by_doc.get(d, ())})
 
 
 def mask_pieces(mask: Mask, q_runs, k_runs, piece: int) -> list[tuple[BlockKind, tuple[int, int], tuple[int, int]]]:
@@ -686,10 +687,13 @@ def mask_pieces(mask: Mask, q_runs, k_runs, piece: int) -> list[tuple[BlockKind,
 
     cols = _segments(k_runs, piece, mask)
     rows = _segments(q_runs, piece, mask)
-    partners = _partners(mask, cols)
-    q_group, k_group, documents = _whole_documents(mask, rows, cols)
+    # each segment's documents, found once (the partners and the whole-document calls use them)
+    row_docs, col_docs = ([None] * len(x) if mask.documents is None else [_documents_of(mask, r) for _, r, _ in x]
+                          for x in (rows, cols))
+    partners = _partners(mask, cols, col_docs)
+    q_group, k_group, documents = _whole_documents(mask, rows, cols, row_docs, col_docs)
     for qi, (r0, qr, n) in enumerate(rows):
-        for ki in partners(qr):
+        for ki in partners(row_docs[qi]):
             c0, kr, m = cols[ki]
             joined = documents.get((q_group[qi], k_group[ki]))
             if joined is not None:  # one call for the documents' rectangle, at its first pair
