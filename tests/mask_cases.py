@@ -36,6 +36,7 @@ class Case:
     cu_seqlens: tuple | None = None
     thd: tuple | None = None
     balanced: int = 0  # > 0: the documents cu_seqlens on balanced_layout(..., group=balanced)
+    hide: bool = False  # and hide=True: the hybrids' first and last documents (four all-to-all rounds)
     seq_local: int = 8
     batch: int = 1
     head_dim: int = 16
@@ -50,7 +51,7 @@ class Case:
         if self.thd:
             mask += f" thd={list(self.thd[0])}/{list(self.thd[1])}"
         if self.balanced:
-            mask += f" balanced (group {self.balanced})"
+            mask += f" balanced (group {self.balanced}{', hide' if self.hide else ''})"
         return (f"P={self.world} {self.mode} {st} heads={self.heads}/{self.kv_heads} {str(self.dtype)[6:]} "
                 f"{mask}").replace("  ", " ")
 
@@ -68,7 +69,8 @@ class Record:
 
 def _layout(c: Case):
     if c.balanced:
-        return mm.balanced_layout(c.cu_seqlens, c.world, causal=c.causal, window=c.window, group=c.balanced)
+        return mm.balanced_layout(c.cu_seqlens, c.world, causal=c.causal, window=c.window, group=c.balanced,
+                                  hide=c.hide)
     return None if c.thd is None else ThdLayout(c.world, c.thd[0], c.thd[1])
 
 
@@ -225,8 +227,9 @@ def balanced_documents(world: int, T: int, variant: int) -> tuple:
 
 def balanced_grid(rank: int, world: int, group=None) -> list[Record]:
     """The work-balanced layout (issue 19): every plan-based mode on it -- ring, Mesh (auto and a
-    2-row tile), TASP, and at even CP sizes the hybrids on a layout balanced per Ulysses group --
-    under four document sets and windows, MHA / GQA / MQA, fp32 and bf16."""
+    2-row tile), TASP, and at even CP sizes the hybrids on a layout balanced per Ulysses group
+    (every other case with its first and last documents set apart: hide) -- under four document
+    sets and windows, MHA / GQA / MQA, fp32 and bf16."""
     T = 2 * max(world, 3)
     out, n = [], 0
     modes = [("ring", (), 0), ("mesh", (("tile", "auto"),), 0), ("tasp", (), 0)]
@@ -241,7 +244,8 @@ def balanced_grid(rank: int, world: int, group=None) -> list[Record]:
             heads, kv, dtype = COMBOS[n % len(COMBOS)]
             window = (None, (2, 0), (T, 0))[n % 3]
             out.append(run(rank, Case(world, mode, settings, heads, kv, dtype, window=window, seq_local=T,
-                                      cu_seqlens=balanced_documents(world, T, n), balanced=group_size or 1), group))
+                                      cu_seqlens=balanced_documents(world, T, n), balanced=group_size or 1,
+                                      hide=group_size > 1 and n % 2 == 0), group))
             n += 1
     return out
 

@@ -273,7 +273,9 @@ def gpt_masked_equivalence(rank: int, world: int, layouts) -> list[dict]:
                     config.hierarchical_context_parallel_sizes = hcp
                 config.cp_seq_length = SEQ_M
                 config.cp_documents = {"window": None, "documents": "eod", "balanced": "eod", "thd": "thd"}[what]
-                config.cp_layout = "balanced" if what == "balanced" else "zigzag"
+                # the hybrids on the balanced layout with their first and last documents set apart
+                # (pretrain() runs them on the plain balanced layout)
+                config.cp_layout = ("balanced-hide" if hcp else "balanced") if what == "balanced" else "zigzag"
                 model = _build_len(config, gpt_local_layer_spec(config), pgc, position)
                 if what == "balanced":  # each sample split by its own layout; RoPE follows it
                     split = batch_layout.BatchLayout.of(batch_layout.document_rows(full, "eod", VOCAB - 1), config,

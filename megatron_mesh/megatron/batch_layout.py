@@ -70,7 +70,7 @@ def uses_balanced_layout(config) -> bool:
     split by the balanced layout: documents from the batch at CP > 1 under ``--cp-layout
     balanced``."""
     return (getattr(config, "cp_documents", None) in BATCH_DOCUMENTS and config.context_parallel_size > 1
-            and cp_layout(config) == "balanced")
+            and cp_layout(config) != "zigzag")
 
 
 def _uniform_window(config):
@@ -104,7 +104,7 @@ def sample_layout(cu_seqlens, config) -> Optional[BalancedLayout]:
     group = int(hcp[0]) if hcp else 1
     window = _uniform_window(config)
     return _balanced(tuple(int(c) for c in cu_seqlens), cp, group, None if window is None else tuple(window),
-                     _nodes(config, group))
+                     _nodes(config, group), cp_layout(config) == "balanced-hide")
 
 
 def _nodes(config, group: int) -> Optional[int]:
@@ -122,8 +122,8 @@ def _nodes(config, group: int) -> Optional[int]:
 
 
 @functools.lru_cache(maxsize=512)
-def _balanced(cu: tuple, cp: int, group: int, window, nodes: Optional[int]) -> BalancedLayout:
-    return balanced_layout(cu, cp, causal=True, window=window, group=group, ranks_per_node=nodes)
+def _balanced(cu: tuple, cp: int, group: int, window, nodes: Optional[int], hide: bool) -> BalancedLayout:
+    return balanced_layout(cu, cp, causal=True, window=window, group=group, ranks_per_node=nodes, hide=hide)
 
 
 # -- documents from a batch -----------------------------------------------------------------------------
@@ -485,7 +485,7 @@ def install_lookahead() -> None:
         from .checks import documents_of
 
         args = bootstrap.megatron_args()
-        if args is None or getattr(args, "no_cp_layout_lookahead", False) or cp_layout(args) != "balanced" or \
+        if args is None or getattr(args, "no_cp_layout_lookahead", False) or cp_layout(args) == "zigzag" or \
                 args.context_parallel_size == 1:
             return iterators
         source = documents_of(args, bootstrap.ENTRY_PACKS_DOCUMENTS, bootstrap.BATCH_DOCUMENTS)

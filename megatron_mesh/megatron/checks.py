@@ -280,12 +280,12 @@ def _check_layout(args, cp: int, documents: Optional[str]) -> None:
                "no --reset-attention-mask")
         raise ValueError(f"--cp-layout {given} applies to packed documents (--reset-attention-mask) at CP > 1, not "
                          f"here ({why}); leave the flag out")
-    if getattr(args, "no_cp_layout_lookahead", False) and not (applies and cp_layout(args) == "balanced"):
+    if getattr(args, "no_cp_layout_lookahead", False) and not (applies and cp_layout(args) != "zigzag"):
         raise ValueError("--no-cp-layout-lookahead applies to --cp-layout balanced (packed documents, "
                          "--reset-attention-mask, at CP > 1), which this run does not use; leave the flag out")
-    if not applies or cp_layout(args) != "balanced":
+    if not applies or cp_layout(args) == "zigzag":
         return
-    which = "--cp-layout balanced" + ("" if given else " (the default with packed documents at CP > 1)")
+    which = f"--cp-layout {cp_layout(args)}" + ("" if given else " (the default with packed documents at CP > 1)")
     zigzag = "or pass --cp-layout zigzag (Megatron's global zigzag)"
     if not getattr(args, "calculate_per_token_loss", False):
         raise ValueError(f"{which} needs --calculate-per-token-loss: the ranks hold different documents, so each "

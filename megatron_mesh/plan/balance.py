@@ -43,11 +43,17 @@ documents cross a node instead of 169).
 
 With ``group`` U > 1 (a Ulysses hybrid of degree U) the balance is made over P / U groups of U * S
 / P tokens -- the all-to-all gathers a group's tokens, so only the groups' work matters. A group's
-tokens form two sets: those of the documents that cross into another group (their blocks with
-other groups' keys come last) and the rest. Each of its U ranks gets 1/U of each set (first its
-share of the crossing tokens, then of the rest), so the hybrid's all-to-all can run as two
-balanced rounds, one per set (:mod:`.hybrid`); the group's span chunk holds the crossing set
-first, then the rest, each sorted (:meth:`BalancedLayout.runs`).
+tokens form sets (:data:`SETS`): those of the documents that cross into another group (their
+blocks with other groups' keys come last) and the rest. Each of its U ranks gets 1/U of each set
+(its share of the crossing tokens first), so the hybrid's all-to-all runs as balanced rounds,
+one per set (:mod:`.hybrid`); the group's span chunk holds the crossing set first, then the rest,
+each sorted (:meth:`BalancedLayout.runs`). With ``hide`` the rest is three sets: inside
+documents the group runs first, while the crossing tokens' round arrives, the others, and inside
+documents it runs last, while the crossing rows go home -- each the fewest tokens with the pairs
+to hide that round (:data:`FIRST_PAIRS`, :data:`LAST_PAIRS`). It pays where the inside
+documents' work is not needed to hide the inner plan's rounds (at 256 GPUs, 1M tokens: 3.05 ->
+2.98 ms with documents of mean 4096, 13.2 -> 14.2 ms of mean 16384): the planner compares
+"balanced" and "balanced-hide".
 """
 
 from __future__ import annotations
@@ -62,7 +68,8 @@ from .layout import match_text, register_layout, split_evenly
 from .mask import Mask
 from .sel import merge_runs
 
-__all__ = ["BalancedLayout", "balanced_layout", "document_work", "PIECE_WORK", "NODE_PIECE_WORK"]
+__all__ = ["BalancedLayout", "balanced_layout", "document_work", "FIRST_PAIRS", "LAST_PAIRS", "NODE_PIECE_WORK",
+           "PIECE_WORK", "SETS"]
 
 # a document whose work is above this fraction of the mean per-rank work is cut into zigzag pieces
 # of at most this much work each (smaller pieces pack better; fewer move less)
@@ -73,6 +80,19 @@ PIECE_WORK = 1.0
 # -> 18.7 ms, ring 27.9 -> 16.7 ms (seed 0); lognormal:16384: TASP 58.7 -> 55.9 ms. The Ulysses
 # groups keep PIECE_WORK (their node pass moved a2a+tasp U 4 by -1 % to +4 %)
 NODE_PIECE_WORK = 0.5
+# a Ulysses group's all-to-all sets (_group_sets), in the order its span chunk holds them: the
+# documents that cross into another group; the documents wholly inside it run first (while the
+# crossing ones' round arrives), the other inside ones, and those run last (while the crossing
+# rows go home)
+SETS = ("crossing", "first", "inside", "last")
+# the first and last documents' size: (query, key) pairs of them per crossing token of the group,
+# enough to hide the crossing tokens' gather / return on the default machine (docs/performance.md,
+# GQA 32/8 of 128 in bf16, U 8). A rank receives 7/8 of the group's crossing tokens of its head
+# slice: q, k and v, 1.5 KiB a token, 3.0 ns at 450 GB/s: ~580 pairs at 2 K FLOPs a pair forward
+# and 400 TFLOP/s. It returns their output, 1 KiB a token: ~390 pairs (the backward gathers dy and
+# returns dQ and dK/dV against 2.5x the FLOPs a pair: less)
+FIRST_PAIRS = 580
+LAST_PAIRS = 400
 
 
 def _sum_min(n: int, c: int | None) -> int:
@@ -297,10 +317,14 @@ def _take_tokens(flat: list, need: int) -> list:
     return mine
 
 
-def _group_sets(runs, bounds) -> tuple[list, list]:
-    """A Ulysses group's tokens (runs of global positions) as its two all-to-all sets, each
-    sorted: the tokens of documents that cross into another group (their blocks with other
-    groups' keys come last), and the rest (documents wholly inside the group)."""
+def _group_sets(runs, bounds, hide: bool) -> tuple[list, list, list, list]:
+    """A Ulysses group's tokens (runs of global positions) as its all-to-all sets (:data:`SETS`),
+    each sorted: the tokens of documents that cross into another group (their blocks with other
+    groups' keys come last), then three sets of the documents wholly inside the group -- those
+    run first, the others, those run last. With ``hide``, the last documents: the fewest tokens
+    of them with :data:`LAST_PAIRS` causal pairs per crossing token (:func:`_fewest_tokens`), the
+    first ones likewise from the rest with :data:`FIRST_PAIRS` (none when no document crosses);
+    without, none (every inside document in the middle set)."""
     starts = [a for a, _ in bounds]
     cut = []  # the runs cut at document boundaries: (start, length, document)
     for s, n in runs:
@@ -314,7 +338,55 @@ def _group_sets(runs, bounds) -> tuple[list, list]:
     for _, n, d in cut:
         held[d] = held.get(d, 0) + n
     crossing = {d for d, n in held.items() if n < bounds[d][1] - bounds[d][0]}
-    return ([(p, n) for p, n, d in cut if d in crossing], [(p, n) for p, n, d in cut if d not in crossing])
+    across = sum(held[d] for d in crossing) if hide else 0
+    last = _fewest_tokens(sorted((held[d], d) for d in held if d not in crossing), LAST_PAIRS * across)
+    first = _fewest_tokens(sorted((held[d], d) for d in held if d not in crossing | last), FIRST_PAIRS * across)
+    sets = (crossing, first, None, last)
+    which = {d: j for j, docs in enumerate(sets) if docs for d in docs}
+    return tuple([(p, n) for p, n, d in cut if which.get(d, 2) == j] for j in range(len(SETS)))
+
+
+def _fewest_tokens(inside, need: float) -> set[int]:
+    """Documents of ``inside`` ((tokens, document), ascending) with at least ``need`` causal
+    pairs in the fewest tokens (their return or gather stays exposed). Candidates: the longest
+    documents below the need, one after another, each completed by the shortest other one that
+    reaches it; when nothing reaches it, the longest document (it hides the most a token)."""
+    if not need or not inside:
+        return set()
+    pairs = [n * (n + 1) // 2 for n, _ in inside]
+    best, best_tokens = {inside[-1][1]}, None
+    chosen, tokens, got = [], 0, 0
+    for i in range(len(inside) - 1, -1, -1):
+        # the shortest document not chosen that completes the need (the list ascends)
+        j = next((j for j in range(i + 1) if got + pairs[j] >= need), None)
+        if j is not None and (best_tokens is None or tokens + inside[j][0] < best_tokens):
+            best, best_tokens = {*chosen, inside[j][1]}, tokens + inside[j][0]
+        if got + pairs[i] >= need:
+            continue  # document i alone completes it: the candidate above is at least as short
+        chosen.append(inside[i][1])
+        tokens, got = tokens + inside[i][0], got + pairs[i]
+    return best
+
+
+def _shares(sizes, group: int, local: int, rest: int) -> list[list[int]]:
+    """Each of ``group`` ranks' tokens of each set (``sizes``, summing to ``group`` x ``local``):
+    1/group of each set within one token, set ``rest`` taking what makes every rank's total
+    ``local`` (within as many tokens as there are sets); when that set is too small for it, the
+    remainders of all sets go round the ranks instead (every set within one token)."""
+    out = []
+    for x in range(group):
+        share = [n * (x + 1) // group - n * x // group for n in sizes]
+        share[rest] += local - sum(share)
+        out.append(share)
+    if min(min(s) for s in out) >= 0:
+        return out
+    out = [[n // group for n in sizes] for _ in range(group)]
+    at = 0
+    for j, n in enumerate(sizes):
+        for i in range(n % group):
+            out[(at + i) % group][j] += 1
+        at += n % group
+    return out
 
 
 def _check_bounds(cu_seqlens, world_size: int, group: int) -> tuple[tuple[int, int], ...]:
@@ -370,7 +442,7 @@ def _check_nodes(world_size: int, group: int, ranks_per_node) -> int:
 
 def balanced_layout(cu_seqlens, world_size: int, *, causal: bool = True, window=None, group: int = 1,
                     ranks_per_node: int | None = None, piece_work: float = PIECE_WORK,
-                    node_piece_work: float | None = None) -> "BalancedLayout":
+                    node_piece_work: float | None = None, hide: bool = False) -> "BalancedLayout":
     """The work-balanced, document-aware layout of the documents ``cu_seqlens`` (0 = c0 < c1 <
     ... < cn = S, S divisible by the CP size ``world_size``) under a causal (or full) mask with
     ``window`` (left, right) -- see the module docstring. ``group``: balance over world_size /
@@ -379,8 +451,13 @@ def balanced_layout(cu_seqlens, world_size: int, *, causal: bool = True, window=
     each node, so a document whose work fits a node's pieces stays inside one (its transfers stay on
     the node's links). ``piece_work`` / ``node_piece_work``: the largest piece, in units of a rank's
     (group's) / a node's mean work (default :data:`PIECE_WORK`; for the node pass
-    :data:`NODE_PIECE_WORK` with group 1, else ``piece_work``). ValueError names a bad input."""
+    :data:`NODE_PIECE_WORK` with group 1, else ``piece_work``). ``hide`` (with ``group`` > 1):
+    each group also sets apart documents inside it that its ranks run first and last, hiding the
+    all-to-all of the documents that cross into other groups (:func:`_group_sets`, the hybrids'
+    four rounds); the planner says where it pays. ValueError names a bad input."""
     bounds = _check_bounds(cu_seqlens, world_size, group)
+    if not isinstance(hide, bool):
+        raise ValueError(f"hide must be True or False, got {hide!r}")
     if isinstance(window, list):
         window = tuple(window)
     window = Mask(causal, window).window  # attention's rules: ints >= 0 or None, right 0 when causal
@@ -407,14 +484,12 @@ def balanced_layout(cu_seqlens, world_size: int, *, causal: bool = True, window=
         if group == 1:
             ranks.append(tuple(runs))
             continue
-        # a Ulysses group's two all-to-all sets, each shared out evenly over its ranks (every rank
+        # a Ulysses group's all-to-all sets, each shared out evenly over its ranks (every rank
         # sends and receives 1/U of each all-to-all round)
-        crossing, rest = _group_sets(runs, bounds)
-        a = sum(n for _, n in crossing)
-        for x in range(group):
-            share = a * (x + 1) // group - a * x // group
-            ranks.append(tuple(merge_runs(_take_tokens(crossing, share) + _take_tokens(rest, local - share))))
-    return BalancedLayout(world_size, tuple(ranks), bounds, group)
+        sets = _group_sets(runs, bounds, hide)
+        for share in _shares([sum(n for _, n in x) for x in sets], group, local, SETS.index("inside")):
+            ranks.append(tuple(merge_runs([run for j, x in enumerate(sets) for run in _take_tokens(x, share[j])])))
+    return BalancedLayout(world_size, tuple(ranks), bounds, group, hide and group > 1)
 
 
 @register_layout("balanced")
@@ -428,6 +503,7 @@ class BalancedLayout:
     rank_runs: tuple[tuple[tuple[int, int], ...], ...]
     docs: tuple[tuple[int, int], ...]
     group: int = 1
+    hide: bool = False
 
     def __post_init__(self) -> None:
         for name, v in (("world_size", self.world_size), ("group", self.group)):
@@ -435,6 +511,8 @@ class BalancedLayout:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if self.world_size % self.group:
             raise ValueError(f"group {self.group} must divide world_size {self.world_size}")
+        if not isinstance(self.hide, bool):
+            raise ValueError(f"hide must be True or False, got {self.hide!r}")
         if len(self.rank_runs) != self.world_size:
             raise ValueError(f"{len(self.rank_runs)} ranks' runs for world_size {self.world_size}")
         counts = {sum(n for _, n in r) for r in self.rank_runs}
@@ -480,26 +558,26 @@ class BalancedLayout:
                 local += n
         return tuple(out)
 
-    def _set_order(self, chunk: int) -> tuple[tuple[tuple[int, int, int], ...], int]:
-        """Group ``chunk``'s runs in all-to-all set order, and its crossing tokens (cached: the
+    def _set_order(self, chunk: int) -> tuple[tuple[tuple[int, int, int], ...], tuple[int, ...]]:
+        """Group ``chunk``'s runs in all-to-all set order, and each set's token count (cached: the
         hybrids ask for them per rank)."""
         cache = self.__dict__.setdefault("_sets", {})
         got = cache.get(chunk)
         if got is None:
             U = self.group
             sets = _group_sets(merge_runs(sorted(run for r in range(chunk * U, (chunk + 1) * U)
-                                                 for run in self.rank_runs[r])), self.docs)
+                                                 for run in self.rank_runs[r])), self.docs, self.hide)
             out, local = [], 0
             for runs in sets:
                 for s, n in merge_runs(runs):
                     out.append((local, s, n))
                     local += n
-            got = cache[chunk] = (tuple(out), sum(n for _, n in sets[0]))
+            got = cache[chunk] = (tuple(out), tuple(sum(n for _, n in x) for x in sets))
         return got
 
-    def crossing_tokens(self, chunk: int) -> int:
-        """Tokens of Ulysses group ``chunk`` (span ``group``) in documents that cross into another
-        group: the first all-to-all round of a hybrid (:mod:`.hybrid`)."""
+    def set_tokens(self, chunk: int) -> tuple[int, ...]:
+        """Tokens of Ulysses group ``chunk`` (span ``group``) in each all-to-all set (:data:`SETS`),
+        in the order its span chunk holds them: the rounds of a hybrid's all-to-all (:mod:`.hybrid`)."""
         return self._set_order(chunk)[1]
 
     def documents(self) -> tuple[tuple[int, int], ...]:
@@ -508,13 +586,14 @@ class BalancedLayout:
     def text(self) -> str:
         docs = ",".join(str(b) for _, b in self.docs)
         ranks = ";".join(",".join(f"{s}+{n}" for s, n in r) for r in self.rank_runs)
-        return f"balanced P={self.world_size} U={self.group} cu=0,{docs} runs={ranks}"
+        return f"balanced P={self.world_size} U={self.group}{' hide' if self.hide else ''} cu=0,{docs} runs={ranks}"
 
     @classmethod
     def parse(cls, rest: str) -> "BalancedLayout":
         example = "balanced P=2 U=1 cu=0,4,8 runs=0+4;4+4"
-        m = match_text(r"^P=(\d+) U=(\d+) cu=(\d+(?:,\d+)*) runs=(\d+\+\d+(?:[,;]\d+\+\d+)*)$", rest, example)
-        cu = [int(x) for x in m.group(3).split(",")]
+        m = match_text(r"^P=(\d+) U=(\d+)( hide)? cu=(\d+(?:,\d+)*) runs=(\d+\+\d+(?:[,;]\d+\+\d+)*)$", rest,
+                       example)
+        cu = [int(x) for x in m.group(4).split(",")]
         runs = tuple(tuple((int(s), int(n)) for s, n in (x.split("+") for x in r.split(",")))
-                     for r in m.group(4).split(";"))
-        return cls(int(m.group(1)), runs, tuple(zip(cu, cu[1:])), int(m.group(2)))
+                     for r in m.group(5).split(";"))
+        return cls(int(m.group(1)), runs, tuple(zip(cu, cu[1:])), int(m.group(2)), m.group(3) is not None)

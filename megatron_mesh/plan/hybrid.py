@@ -11,12 +11,13 @@ GQA: with fewer KV heads than U, each KV head is replicated to U / kv_heads rank
 DeepSpeed-Ulysses does; the bytes count the copies) and their dK/dV partials are summed at home.
 
 On a layout balanced for these groups (:func:`~.balance.balanced_layout` with ``group`` U) the
-all-to-all runs in two rounds by document (:meth:`_HybridLowering._lower_sets`): round 1 the
-tokens of documents that cross into another group, round 2 the rest, each rank sending 1/U of
-each. The own block runs in two parts, round 2's documents while round 1's blocks with other
-groups' keys are pending, and round 2's rows go home before the rest: only round 1's share of
-the all-to-all stays exposed (at 256 GPUs, 1M tokens of lognormal:4096 documents, 24-58 % of a
-group's tokens).
+all-to-all runs in rounds by document (:meth:`_HybridLowering._lower_sets`): the tokens of
+documents that cross into another group, then the documents inside the group, each rank sending
+1/U of each. The own block runs in parts, the inside documents' while the crossing ones' blocks
+with other groups' keys are pending, and the inside rows go home before the rest: only the
+crossing tokens' share of the all-to-all stays exposed (at 256 GPUs, 1M tokens of lognormal:4096
+documents, 24-58 % of a group's tokens). With ``hide`` the layout also sets apart inside
+documents run first (hiding the crossing tokens' gather) and last (hiding their return).
 
 Everything is plan ops: the all-to-all is one :class:`~.ir.Post` per direction and way (a rank
 sends one head slice to each of its U - 1 group peers), the token reorder is :class:`~.ir.Copy`
@@ -50,14 +51,20 @@ except dK/dV of a KV head replicated to several ranks, a partial sum (fp32).
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Callable
 
+from .balance import SETS
 from .ir import AddGrad, Attend, AttendBackward, Copy, Free, Key, Op, Plan, Post, RankPlan, RowStats, Transfer, Wait
 from .layout import Layout, SpanLayout, check_ulysses_heads, head_slice
 from .mask import BlockKind, Mask
 from .passes import insert_frees
 from .sel import Segment, Sel, first_at
 from .shape import AttentionShape
+
+# the rounds before a hybrid's inner plan on a layout balanced for its groups (_lower_sets): the
+# all-to-all's four gather rounds, one per set, and the first documents' return
+_SET_ROUNDS = len(SETS) + 1
 
 __all__ = ["build_hybrid_plan", "inner_shape", "hybrid_rings"]
 
@@ -151,34 +158,35 @@ class _HybridLowering:
         self._keys: list[dict] = [{} for _ in range(U)]  # inner key -> its head-slice-u key (a P=256 plan
         self._transfers: list[dict] = [{} for _ in range(U)]  # relabels ~10^6 of them)
         self._early: dict[int, bool] = {}  # inner rank -> dQ goes home before dK/dV
-        # the all-to-all in two rounds (a layout balanced for this group: see _lower_sets)
-        self.sets = U > 1 and getattr(layout, "group", 1) == U and hasattr(layout, "crossing_tokens")
-        self._set_rows: dict[int, tuple[Sel, Sel]] = {}
+        # the all-to-all in rounds by document (a layout balanced for this group: see _lower_sets)
+        self.sets = U > 1 and getattr(layout, "group", 1) == U and hasattr(layout, "set_tokens")
+        self._set_rows: dict[int, tuple[Sel, ...]] = {}
         self._member_sets: dict[int, list] = {}
         self.layout = layout
 
     def segments(self, key: Key):
         if key.span == self.U:
             return self.inner.segments(key._replace(heads=-1, span=1))
-        if self.sets and key.span == 1 and 0 <= key.slot < 2:  # a rank's rows of one all-to-all round
+        if self.sets and key.span == 1 and 0 <= key.slot < len(SETS):  # a rank's rows of one all-to-all round
             return self.member_sets(key.chunk)[key.slot][0]
         raise KeyError(f"hybrid plan has no slot {key}")
 
-    # -- the all-to-all in two rounds ------------------------------------------------------------
-    def set_rows(self, m: int) -> tuple[Sel, Sel]:
-        """Span chunk m's rows of the two all-to-all rounds: the documents that cross into another
-        group (first in the chunk, :meth:`~.balance.BalancedLayout.runs`), then the rest."""
+    # -- the all-to-all in rounds by document -----------------------------------------------------
+    def set_rows(self, m: int) -> tuple[Sel, ...]:
+        """Span chunk m's rows of each all-to-all round (:data:`~.balance.SETS`, in the chunk in
+        that order, :meth:`~.balance.BalancedLayout.runs`): the documents that cross into another
+        group, those inside it, those inside it run last."""
         got = self._set_rows.get(m)
         if got is None:
-            a, total = self.layout.crossing_tokens(m), self.U * self.T
-            got = self._set_rows[m] = tuple((Segment(x, y),) if x < y else () for x, y in ((0, a), (a, total)))
+            ends = list(accumulate(self.layout.set_tokens(m), initial=0))
+            got = self._set_rows[m] = tuple((Segment(x, y),) if x < y else () for x, y in zip(ends, ends[1:]))
         return got
 
     def member_sets(self, x: int) -> list[tuple[Sel, Sel]]:
         """For each round: (rank x's local rows in it, where they go in its span chunk)."""
         got = self._member_sets.get(x)
         if got is None:
-            got, local = [([], []) for _ in range(2)], 0
+            got, local = [([], []) for _ in SETS], 0
             for seg in self.pieces[x]:
                 for j, rows in enumerate(self.set_rows(x // self.U)):
                     for r in rows:
@@ -207,7 +215,7 @@ class _HybridLowering:
     def inner_ops(self, m: int, u: int, direction: str, blocks: bool) -> list[Op]:
         """The inner plan's ops of inner rank m, relabelled to head slice u; its rounds follow the
         all-to-all's (one round, or two with :attr:`sets`)."""
-        shift = 2 if self.sets else 1
+        shift = _SET_ROUNDS if self.sets else 1
         src = self.inner.rank(m).ops(direction) if blocks else self.inner.round_ops(m, direction)
         out = []
         for op in src:
@@ -286,18 +294,21 @@ class _HybridLowering:
         return ops
 
     def _lower_sets(self, g: int, direction: str) -> list[Op]:
-        """The all-to-all in two rounds, by document: round A carries the tokens of the documents
-        that cross into another group, round B the rest (each rank holds 1/U of each,
-        :func:`~.balance.balanced_layout`). Blocks never mix the two (a document's tokens are in
-        one round), so the inner plan's own block runs as its A part, then its B part once round B
-        is in, hiding it; B's rows -- no other group's keys reach them -- go home while the A
-        rows' blocks with other groups' keys run (forward) or the A part runs (backward). What
-        stays exposed is round A's share of the gather and of the return.
+        """The all-to-all in four rounds, by document (:data:`~.balance.SETS`; each rank holds 1/U
+        of each, :func:`~.balance.balanced_layout`): A the tokens of the documents that cross into
+        another group, then three of documents inside the group: F run first, B, L run last.
+        Blocks never mix the sets (a document's tokens are in one), so the inner plan's own block
+        runs in four parts, each once its round is in. F's part hides round A (the layout gives it
+        the pairs to), A's part and B's hide the inner plan's rounds, B's rows -- no other group's
+        keys reach them -- go home while the A rows' blocks with other groups' keys run (forward)
+        or the A part runs (backward), and L's part hides A's rows going home. What stays exposed
+        is F's gather and L's return (the layout keeps them small).
 
-        Forward: gather A, gather B | wait A | own block on A | wait B | own block on B | the
-        inner plan's blocks with other groups' keys | B home | A home. Backward: gather A, B |
-        wait A | the blocks with other groups' keys (A rows) | wait B | own block on B | B home |
-        own block on A | A home (after the dK/dV partials of other groups are added)."""
+        Forward: gather F, A, B, L | wait F | own block on F | F home | wait A | own block on A |
+        wait B | own block on B | the inner plan's blocks with other groups' keys | B home | A home
+        | wait L | own block on L | L home. Backward: the same, with the blocks with other groups'
+        keys (A rows: their keys kept from the forward) before B's part and A's part after it, A's
+        rows going home once the dK/dV partials of other groups are added."""
         U, backward = self.U, direction == "backward"
         m, u = divmod(g, U)
         group = [m * U + p for p in range(U)]
@@ -305,14 +316,18 @@ class _HybridLowering:
         sets = {x: self.member_sets(x) for x in group}
         in_kinds = ("dy",) if backward else ("q", "kv")
         span = {k: Key(k, m, heads=u, span=U) for k in ("q", "kv", "o", "dy", "do")}
+        A, F, B, L = range(len(SETS))
+        gathered = (F, A, B, L)  # rounds 1-4, in this order; F home is round 5
+        last = self.last_round[direction] + _SET_ROUNDS + 1  # the first round after the inner plan's
+        home_round = {F: len(gathered) + 1, B: last, A: last + 1, L: last + 2}
 
         def gather(j: int) -> Post:
-            return Post(1 + j, tuple(Transfer(x, Key(k, g, slot=j, heads=x - m * U))
-                                     for x in peers for k in in_kinds if sets[g][j][0]),
+            return Post(1 + gathered.index(j), tuple(Transfer(x, Key(k, g, slot=j, heads=x - m * U))
+                                                     for x in peers for k in in_kinds if sets[g][j][0]),
                         tuple(Transfer(x, Key(k, x, slot=j, heads=u)) for x in peers for k in in_kinds if sets[x][j][0]))
 
         def arrive(j: int) -> list[Op]:
-            ops: list[Op] = [Wait(1 + j)]
+            ops: list[Op] = [Wait(1 + gathered.index(j))]
             for k in in_kinds:
                 ops += [Copy(Key(k, x, slot=j, heads=u), span[k], into=sets[x][j][1]) for x in group if sets[x][j][0]]
             rows = self.set_rows(m)[j]
@@ -321,41 +336,48 @@ class _HybridLowering:
             return ops
 
         outs = (("dq", "gq"), ("dkv", self.grad_kv)) if backward else (("o", "y"),)
-        last = self.last_round[direction] + 3
 
         def home(j: int) -> list[Op]:  # round j's rows, finished, to their ranks
-            return self._home(g, group, outs, last + (1 - j), True, slot=j)
+            return self._home(g, group, outs, home_round[j], True, slot=j)
 
-        ops: list[Op] = [gather(0), gather(1), *arrive(0)]
-        rp = self.inner.rank(m)  # the inner plan's own input cuts (its slots) come from round A's tokens
-        for key, segs in (rp.backward_inputs if backward else rp.forward_inputs).items():
-            if key.slot >= 0:
-                ops.append(Copy(self.relabel(key._replace(slot=-1), u), self.relabel(key, u), rows=segs))
         inner = self.inner_ops(m, u, direction, True)
         own = [i for i, op in enumerate(inner) if type(op) in (Attend, AttendBackward) and op.q == span["q"]
                and op.kv == (span["kv"],)]
         if not own:
             raise ValueError(f"inner rank {m}'s plan has no own block to split over the all-to-all rounds")
+        part = {j: [p for i in own if (p := _restrict(inner[i], rows)) is not None]
+                for j, rows in enumerate(self.set_rows(m))}
+        ops: list[Op] = [gather(j) for j in gathered]
+        ops += arrive(F) + part[F] + home(F) + arrive(A)
+        rp = self.inner.rank(m)  # the inner plan's own input cuts (its slots) come from round A's tokens
+        for key, segs in (rp.backward_inputs if backward else rp.forward_inputs).items():
+            if key.slot >= 0:
+                ops.append(Copy(self.relabel(key._replace(slot=-1), u), self.relabel(key, u), rows=segs))
         before, after = inner[:own[0]], inner[own[-1] + 1:]
         # what the inner plan runs between the calls of its own block (its rounds), in order
         middle = [op for i, op in enumerate(inner[own[0]:own[-1] + 1], own[0]) if i not in own]
-        A, B = ([p for i in own if (p := _restrict(inner[i], rows)) is not None] for rows in self.set_rows(m))
         if backward:
             # the inner plan's blocks that wait for nothing (other groups' keys kept from the
             # forward, on A rows) while round B arrives, then B's part, then the rest
             first_wait = next((i for i, op in enumerate(before) if type(op) is Wait), len(before))
-            seq = before[:first_wait] + arrive(1) + B
+            seq = before[:first_wait] + arrive(B) + part[B]
             b_end = len(seq)
-            seq += before[first_wait:] + middle + A + after
+            seq += before[first_wait:] + middle + part[A] + after
         else:
-            seq = before + A + middle + arrive(1) + B
+            seq = before + part[A] + middle + arrive(B) + part[B]
             b_end = len(seq)
             seq += after
         # B home once its part ran and after the inner plan's last post (rounds are posted in order)
         at = max(b_end, max((i + 1 for i, op in enumerate(seq) if type(op) is Post), default=0))
-        ops += seq[:at] + home(1) + seq[at:]
-        # B's rows went home while A's ran: its buffers go before A's are made
-        ops += [Wait(last), *home(0), Wait(last + 1)]
+        ops += seq[:at] + home(B) + seq[at:]
+        # F's and B's rows went home while A's ran: their buffers go before A's are made; A's rows
+        # go home while L's part runs
+        ops += [Wait(home_round[F]), Wait(home_round[B]), *home(A), *arrive(L), *part[L], *home(L),
+                Wait(home_round[A]), Wait(home_round[L])]
+        # a round that moves nothing for this rank (an empty set: no first or last documents without
+        # hide, no crossing ones) is not posted; the others keep their numbers
+        idle = {op.round for op in ops if type(op) is Post and not op.sends and not op.recvs}
+        ops = [op for op in ops if type(op) not in (Post, Wait) or op.round not in idle]
         return ops + self._assemble(g, outs, [(j, rows) for j, (rows, _) in enumerate(sets[g]) if rows])
 
     def _home(self, g: int, group: list[int], outs, round_: int, blocks: bool, slot: int = -1) -> list[Op]:

@@ -78,10 +78,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="random seed of --docs lognormal")
     g.add_argument("--layout", default=None, choices=LAYOUTS + ("all",),
                    help="the sequence layout under --docs: Megatron's zigzag, Transformer Engine's THD (each document "
-                        "padded to 2 x CP; TE's own p2p and a2a+p2p on it too), the plugin's balanced layout, or all "
-                        "three side by side (default with --docs; without documents only the zigzag applies; side by "
-                        "side above 64 ranks the plugin's modes are not planned on THD, too many pieces: --layout thd "
-                        "plans them)")
+                        "padded to 2 x CP; TE's own p2p and a2a+p2p on it too), the plugin's balanced layout, the "
+                        "same with the Ulysses groups' first and last documents set apart (balanced-hide: the "
+                        "hybrids only), or all side by side (default with --docs; without documents only the zigzag "
+                        "applies; side by side above 64 ranks the plugin's modes are not planned on THD, too many "
+                        "pieces: --layout thd plans them)")
     t = p.add_argument_group("machine (defaults: H100 SXM5, NVLink 4, one 400 Gb/s NIC per GPU)")
     t.add_argument("--nodes", type=int, default=None, help="nodes U (default: ceil(P / gpus-per-node))")
     t.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node, help="CP ranks per node M")
@@ -222,7 +223,7 @@ def _length_draw(kind: str, val: str, seq_len: int, seed: int):
 
 
 def _layouts(args) -> tuple[str, ...]:
-    """The layouts to compare: --layout, or all three when --docs gives documents (zigzag alone
+    """The layouts to compare: --layout, or all of them when --docs gives documents (zigzag alone
     otherwise: the THD and balanced layouts place documents)."""
     if args.layout is None:
         return LAYOUTS if args.docs is not None else ("zigzag",)

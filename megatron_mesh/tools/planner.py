@@ -35,6 +35,7 @@ from ..plan.layout import ThdLayout
 from ..plan.mask import Mask
 from ..plan.mesh import build_mesh_plan, build_rotation_plan
 from ..plan.modes import MODES as REGISTRY, Placement
+from ..plan.modes.hybrid import HybridMode
 from ..plan.problem import normalize
 from ..plan.shape import AttentionShape
 from ..plan.simulate import BACKWARD_FLOPS, simulate, time_breakdown
@@ -342,7 +343,18 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: boo
 
 
 # -- layouts: the zigzag, Transformer Engine's THD, the balanced one --------------------------------------
-LAYOUTS = ("zigzag", "thd", "balanced")
+# "balanced-hide": the balanced layout whose Ulysses groups set apart documents they run first and
+# last (balanced_layout(hide=True)); it differs from "balanced" only for the hybrids
+LAYOUTS = ("zigzag", "thd", "balanced", "balanced-hide")
+
+
+def _hybrid_modes(modes) -> list[str]:
+    """Of ``modes``, those a Ulysses hybrid runs: hybrid modes and their fastest-candidate rows
+    (every hybrid mode when ``auto`` is asked)."""
+    hybrid = [name for name, m in REGISTRY.items() if isinstance(m, HybridMode)]
+    rows = {m.auto_row for name, m in REGISTRY.items() if name in hybrid and m.auto_row}
+    asked = [m for m in modes if m in hybrid or m in rows]
+    return asked + [m for m in hybrid if m not in asked] if AUTO in modes else asked
 # Transformer Engine's own runs on its THD layout: p2p (every KV chunk around the ring), a2a+p2p (USP)
 TE_ROWS = ("te-p2p", "te-a2a+p2p")
 # the most ranks at which a comparison of every layout plans the plugin's modes on THD: there each
@@ -435,12 +447,21 @@ def layout_rows(world_size: int, shape: AttentionShape, topo: Topology, cu_seqle
         if name == "zigzag":
             got, skip = evaluate(world_size, shape, topo, modes=modes, backward_chunks=backward_chunks,
                                  schedule=schedule, mask=Mask.from_cu_seqlens(cu, S, causal, window), explain=explain)
-        elif name == "balanced":
-            got, skip = evaluate(world_size, shape, topo, modes=modes, backward_chunks=backward_chunks,
+        elif name in ("balanced", "balanced-hide"):
+            hide = name == "balanced-hide"
+            asked = _hybrid_modes(modes) if hide else modes  # hide changes only the Ulysses groups' layouts
+            got, skip = evaluate(world_size, shape, topo, modes=asked, backward_chunks=backward_chunks,
                                  schedule=schedule, mask=Mask(causal, window), explain=explain,
                                  layout=lambda p: balanced_layout(cu, world_size, causal=causal, window=window,
-                                                                  group=p.ulysses,
+                                                                  group=p.ulysses, hide=hide,
                                                                   ranks_per_node=_node_ranks(world_size, topo)))
+            if hide:  # the fastest of the hybrids on it, then the rows asked for
+                pool = [r for r in got if r.mode in REGISTRY]
+                got = [r for r in got if r.mode in modes]
+                if AUTO in modes and pool:
+                    best = pick_best(pool)
+                    got.append(replace(best, mode=AUTO, detail=f"{best.mode}" + (f": {best.detail}" if best.detail
+                                                                                     else "")))
         else:
             thd = thd_layout(cu, world_size)
             padded = replace(shape, seq_local=thd.seq_local)

@@ -25,6 +25,7 @@ import torch
 pytest.importorskip("megatron.core", reason="needs megatron-core (scripts/setup_env.sh installs it)")
 
 from megatron_mesh.megatron import batch_layout  # noqa: E402
+from megatron_mesh.plan.balance import balanced_layout  # noqa: E402
 from megatron_mesh.plan.layout import positions  # noqa: E402
 
 pytestmark = pytest.mark.megatron
@@ -77,6 +78,12 @@ def test_sample_layout_is_the_one_decision():
     assert {sum(n for _, n in r) for r in layout.rank_runs} == {S // P}
     hybrid = batch_layout.sample_layout(cu, config(hierarchical_context_parallel_sizes=[2, 2]))
     assert hybrid.group == 2 and layout.group == 1
+    # --cp-layout balanced-hide: the hybrids' groups also set apart documents run first and last
+    hidden = batch_layout.sample_layout(cu, config(cp_layout="balanced-hide",
+                                                   hierarchical_context_parallel_sizes=[2, 2]))
+    assert hidden.hide and not hybrid.hide and hidden.text() != hybrid.text()
+    assert hidden == balanced_layout(cu, P, group=2, hide=True)
+    assert batch_layout.uses_balanced_layout(config(cp_layout="balanced-hide", cp_documents="eod"))
     # a window on every layer changes the work to balance (here, the layout); on some layers only, not
     assert batch_layout.sample_layout(cu, config(window_size=(3, 0))) != layout
     assert batch_layout.sample_layout(cu, config(window_size=(3, 0), window_attn_skip_freq=2)) is layout

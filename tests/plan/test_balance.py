@@ -13,7 +13,8 @@ from hypothesis import given, settings, strategies as st
 
 from megatron_mesh.plan import (AttentionShape, Mask, Plan, layout_from_text, positions, rank_work, resolve,
                                 validate_plan)
-from megatron_mesh.plan.balance import BalancedLayout, balanced_layout, document_work
+from megatron_mesh.plan.balance import (FIRST_PAIRS, LAST_PAIRS, SETS, BalancedLayout, _fewest_tokens, balanced_layout,
+                                        document_work)
 
 
 def _work(layout, mask: Mask, rank: int) -> int:
@@ -84,18 +85,49 @@ def test_windows_and_groups_balance_their_own_work():
     plain = Mask.from_cu_seqlens(cu, 32768)
     groups = [sum(_work(grouped, plain, r) for r in range(g * 4, g * 4 + 4)) for g in range(2)]
     assert max(groups) <= 1.05 * sum(groups) / 2
-    # a group's span chunk is its ranks' tokens in all-to-all set order: the documents that cross
-    # into the other group, then the rest, each sorted; every rank holds a quarter of each set
+    # a group's span chunk is its ranks' tokens in all-to-all set order (SETS): the documents that
+    # cross into the other group, then the rest; every rank holds a quarter of each. With hide,
+    # the rest is three sets: the inside documents run first, the others, those run last -- the
+    # fewest tokens with FIRST_PAIRS (LAST_PAIRS) causal pairs per crossing token -- each sorted
+    plain = grouped
+    grouped = balanced_layout(cu, 8, group=4, hide=True)
+    assert [positions(grouped, r) for r in range(8)] != [positions(plain, r) for r in range(8)]
+    assert sorted(positions(grouped, 1, span=4)) == sorted(positions(plain, 1, span=4))  # the same group tokens
     span = positions(grouped, 1, span=4)
     mine = [p for r in range(4, 8) for p in positions(grouped, r)]
     rank_of = {p: r for r in range(8) for p in positions(grouped, r)}
     crossing = [p for a, b in zip(cu, cu[1:]) if {rank_of[x] // 4 for x in range(a, b)} == {0, 1}
                 for p in range(a, b) if rank_of[p] // 4 == 1]
-    assert 0 < len(crossing) < len(mine)
-    assert span == crossing + sorted(set(mine) - set(crossing))
-    shares = [len(set(positions(grouped, r)) & set(crossing)) for r in range(4, 8)]
-    assert max(shares) - min(shares) <= 1, shares
-    assert grouped.crossing_tokens(1) == len(crossing)
+    inside = sorted((b - a, i) for i, (a, b) in enumerate(zip(cu, cu[1:]))
+                    if {rank_of[x] // 4 for x in range(a, b)} == {1})
+    last = _fewest_tokens(inside, LAST_PAIRS * len(crossing))
+    first = _fewest_tokens([d for d in inside if d[1] not in last], FIRST_PAIRS * len(crossing))
+    tokens = [[p for i in sorted(docs) for p in range(cu[i], cu[i + 1])] for docs in (first, last)]
+    assert 0 < len(crossing) < len(mine) and all(tokens)
+    rest = sorted(set(mine) - set(crossing) - set(tokens[0]) - set(tokens[1]))
+    assert span == crossing + tokens[0] + rest + tokens[1]
+    sizes = grouped.set_tokens(1)
+    assert len(sizes) == len(SETS) and sizes == (len(crossing), len(tokens[0]), len(rest), len(tokens[1]))
+    assert plain.set_tokens(1) == (len(crossing), 0, len(mine) - len(crossing), 0)
+    assert positions(plain, 1, span=4) == crossing + sorted(set(mine) - set(crossing))
+    at = 0
+    for j, n in enumerate(sizes):  # within one token, the inside set within one per set (it evens the totals)
+        shares = [len(set(positions(grouped, r)) & set(span[at:at + n])) for r in range(4, 8)]
+        assert max(shares) - min(shares) <= (len(SETS) - 1 if SETS[j] == "inside" else 1) and sum(shares) == n, shares
+        at += n
+
+
+def test_first_and_last_documents_are_the_fewest_tokens_with_the_pairs():
+    """The documents a group runs first or last (their gather or return stays exposed): the fewest
+    tokens whose causal pairs reach the need -- one document that reaches it alone, or long ones
+    completed by a short one; when nothing reaches it, the longest document."""
+    docs = [(10, 0), (40, 1), (60, 2), (120, 3)]  # (tokens, document): 55, 820, 1830, 7260 pairs
+    assert _fewest_tokens(docs, 800) == {1}
+    assert _fewest_tokens(docs, 2600) == {2, 1}  # 100 tokens: fewer than document 3's 120
+    assert _fewest_tokens(docs, 2700) == {2, 1, 0}  # 110 tokens, 2705 pairs
+    assert _fewest_tokens(docs, 2800) == {3}  # all three short ones have too few
+    assert _fewest_tokens(docs, 10000) == {3}  # nothing reaches it
+    assert _fewest_tokens(docs, 0) == set() and _fewest_tokens([], 5) == set()
 
 
 def test_nodes_first_keeps_documents_inside_nodes():
@@ -127,6 +159,10 @@ def test_layout_is_deterministic_and_its_text_round_trips():
     assert a == b
     again = layout_from_text(a.text())
     assert again == a and isinstance(again, BalancedLayout)
+    hidden = balanced_layout(cu, 8, group=2, hide=True)
+    assert " hide " in hidden.text() and layout_from_text(hidden.text()) == hidden
+    assert [hidden.set_tokens(g) for g in range(4)] == [layout_from_text(hidden.text()).set_tokens(g) for g in range(4)]
+    assert not balanced_layout(cu, 8, hide=True).hide  # nothing to hide without Ulysses groups
 
 
 @pytest.mark.parametrize("P", [2, 3, 8])
@@ -196,6 +232,7 @@ def test_every_mode_runs_exactly_on_the_balanced_layout(P, data):
     # attention needs an even token count per rank: 3 per rank would pass here and fail there
     (lambda: balanced_layout([0, 3, 6], 2), r"the sequence of 6 tokens .* S divisible by 2 x the CP size \(4\)"),
     (lambda: balanced_layout([0, 8, 16], 2, piece_work=0), r"piece_work must be a positive number .* got 0"),
+    (lambda: balanced_layout([0, 8, 16], 2, group=2, hide=1), r"hide must be True or False, got 1"),
     (lambda: balanced_layout([0, 8, 16], 2, piece_work=float("nan")), r"piece_work must be a positive number"),
     (lambda: balanced_layout([0, 8, 16], 2, piece_work="x"), r"piece_work must be a positive number .* got 'x'"),
     (lambda: balanced_layout([0, 8, 16], 4, ranks_per_node=2, node_piece_work=-5),

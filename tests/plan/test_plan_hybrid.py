@@ -125,49 +125,95 @@ def test_hybrid_work_is_balanced_per_head_slice():
         assert max(work) == min(work), work
 
 
-@pytest.mark.parametrize("mode", ["a2a+ring", "a2a+tasp", "a2a+mesh"])
-def test_all_to_all_in_two_rounds_on_a_layout_balanced_for_the_group(mode):
-    """On a layout balanced for its Ulysses groups the all-to-all runs in two rounds: round 1 the
-    tokens of documents that cross into another group, round 2 the rest -- each rank holds 1/U of
-    each -- so the own block's part on round 2's documents hides it, and round 2's rows go home
-    while the rest runs. Plans stay valid (exact cover per head slice, no deadlock) and the bytes
-    are Ulysses' bytes; on Megatron's zigzag the all-to-all stays one round."""
+def test_worked_example_of_the_rounds_by_document():
+    """docs/algorithms/hybrid.md: CP 8, U 4, 16 tokens per rank, two documents crossing the groups.
+    Rank 0 holds 6 of group 0's 27 crossing tokens, then 10 of the document [3, 40) inside it;
+    it sends the crossing ones in round 2, the others in round 3. With hide, group 0's inside
+    document is its last set, group 1 sets 4 tokens first, 4 in the middle, 19 last."""
     from megatron_mesh.plan import balanced_layout
-    from megatron_mesh.plan.ir import Copy, Key, RowStats
+
+    cu = [0, 3, 40, 41, 60, 64, 100, 128]
+    layout = balanced_layout(cu, 8, group=4)
+    assert layout.rank_runs[0] == ((68, 5), (100, 1), (3, 10))
+    assert [layout.set_tokens(g) for g in range(2)] == [(27, 0, 37, 0), (37, 0, 27, 0)]
+    shape = _shape(4, 8, 4, 16)
+    plan = resolve("a2a+tasp", 8, shape, ulysses_size=4).build(shape, Mask(True), layout)
+    posts = [op for op in plan.rank(0).forward if type(op) is Post]
+    assert [(p.round, {t.key.slot for t in p.sends}) for p in posts[:2]] == [(2, {0}), (3, {2})]
+    hidden = balanced_layout(cu, 8, group=4, hide=True)
+    assert [hidden.set_tokens(g) for g in range(2)] == [(27, 0, 0, 37), (37, 4, 4, 19)]
+
+
+@pytest.mark.parametrize("mode", ["a2a+ring", "a2a+tasp", "a2a+mesh"])
+def test_all_to_all_in_rounds_by_document_on_a_layout_balanced_for_the_group(mode):
+    """On a layout balanced for its Ulysses groups the all-to-all runs in one round per set of
+    documents (SETS; each rank holds 1/U of each): round 1 the inside documents run first, round 2
+    the documents that cross into another group, rounds 3 and 4 the other inside ones and those run
+    last. The own block runs in parts: the first documents' before round 2 is waited for (their
+    rows go home in round 5, before the inner plan's rounds), the last documents' after the
+    crossing rows went home. Plans stay valid (exact cover per head slice, no deadlock) and the
+    bytes are Ulysses' bytes; on Megatron's zigzag the all-to-all stays one round."""
+    from megatron_mesh.plan import balanced_layout
+    from megatron_mesh.plan.balance import SETS
+    from megatron_mesh.plan.ir import Attend, AttendBackward, Copy, Key, RowStats, Wait
 
     P, U, T = 8, 4, 16
-    cu = [0, 3, 40, 41, 60, 64, 100, 128]  # 40 and 60..100 cross the two groups' halves
-    layout = balanced_layout(cu, P, group=U)
+    cu = [0, 2, 5, 9, 14, 40, 41, 47, 54, 60, 64, 70, 73, 77, 100, 128]  # 14..40 and 77..100 cross the groups
+    layout = balanced_layout(cu, P, group=U, hide=True)
     shape = _shape(U, 8, 4, T)
     plan = resolve(mode, P, shape, ulysses_size=U).build(shape, Mask(True), layout)
     validate_plan(plan)
+    # without hide the first and last documents' rounds carry nothing (the middle set has them all)
+    plain = resolve(mode, P, shape, ulysses_size=U).build(shape, Mask(True), balanced_layout(cu, P, group=U))
+    validate_plan(plain)
+    assert not [op for r in range(P) for d in ("forward", "backward") for op in plain.rank(r).ops(d)
+                if type(op) in (Post, Wait) and op.round in (1, 4, 5)]  # rounds that would move nothing are not posted
     zigzag = resolve(mode, P, shape, ulysses_size=U).build(shape, Mask.from_cu_seqlens(cu, P * T))
     assert [op.round for op in zigzag.rank(0).forward if type(op) is Post][:1] == [1]
+    A, F, B, L = range(len(SETS))
+    assert [layout.set_tokens(g)[B] > 0 for g in range(2)] == [False, True]  # a group without B, one with
     for g in range(P // U):
-        crossing = layout.crossing_tokens(g)
-        assert 0 < crossing < U * T  # both rounds carry tokens in this sample
-        firsts = []
+        sizes = layout.set_tokens(g)
+        assert all(sizes[j] > 0 for j in (A, F, L))
+        starts = [sum(sizes[:j]) for j in range(len(SETS))]
         for r in range(g * U, (g + 1) * U):
             for direction, kinds in (("forward", {"q", "kv"}), ("backward", {"dy"})):
                 ops = plan.rank(r).ops(direction)
-                rounds = [op for op in ops if type(op) is Post]
-                assert [p.round for p in rounds[:2]] == [1, 2]
-                for j, post in enumerate(rounds[:2]):
+                posts = [op for op in ops if type(op) is Post]
+                gathers = [j for j in (F, A, B, L) if sizes[j] > 0]  # an empty set's round is not posted
+                assert [p.round for p in posts[:len(gathers) + 1]] == [1 + (F, A, B, L).index(j) for j in gathers] + [5]
+                for j, post in zip(gathers, posts):
                     assert {t.key.kind for t in post.sends} <= kinds and {t.key.slot for t in post.sends} <= {j}
                     assert {t.peer for t in post.sends} <= set(range(g * U, (g + 1) * U)) - {r}
+                assert {t.key.slot for t in posts[len(gathers)].sends} == {F}  # F's rows, finished, go home
+                # the own block's parts: F's between waiting for rounds 1 and 2, L's after A's rows left
+                own = [i for i, op in enumerate(ops) if type(op) in (Attend, AttendBackward) and op.q.span == U
+                       and op.kv[0].chunk == g and op.kv[0].span == U]
+                waits = {op.round: i for i, op in enumerate(ops) if type(op) is Wait}
+                def within(i: int, j: int) -> bool:  # op i's rows all in set j's part of the span chunk
+                    return all(starts[j] <= seg.start and seg.stop <= starts[j] + sizes[j] for seg in ops[i].rows)
+
+                firsts = [i for i in own if within(i, F)]
+                lasts = [i for i in own if within(i, L)]
+                assert len(firsts) + len(lasts) + sum(within(i, A) or within(i, B) for i in own) == len(own)
+                assert firsts and all(waits[1] < i < waits[2] for i in firsts)
+                a_home = max(i for i, op in enumerate(ops)
+                             if type(op) is Post and any(t.key.slot == A for t in op.sends))
+                assert lasts and all(i > a_home for i in lasts)
                 if direction == "backward":  # row statistics per round, as its rows arrive
-                    assert len([op for op in ops if type(op) is RowStats]) == 2
-            sent = [t for t in plan.rank(r).forward[0].sends if t.key.kind == "q"]
-            firsts.append(plan.tokens(sent[0].key) if sent else 0)
-            # the two rounds move what one all-to-all moves: every peer's head slice of my chunk
-            moved = sum(key_bytes(plan, t.key, shape) for op in plan.rank(r).forward[:2] for t in op.sends)
+                    assert len([op for op in ops if type(op) is RowStats]) == sum(n > 0 for n in sizes)
+            # the rounds move what one all-to-all moves: every peer's head slice of my chunk
+            moved = sum(key_bytes(plan, t.key, shape) for op in plan.rank(r).forward
+                        if type(op) is Post and op.round <= 4 for t in op.sends)
             h, kv = plan.head_counts(Key("q", r, heads=(r + 1) % U), shape.heads, shape.kv_heads)
             assert moved == (U - 1) * (buffer_bytes("q", T, shape, h, kv) + buffer_bytes("kv", T, shape, h, kv))
-            # round 1's rows land at the front of the group's span chunk, round 2's behind them
-            into = [op.into for op in plan.rank(r).forward if type(op) is Copy and op.src.kind == "q"
-                    and op.src.slot == 0]
-            assert all(seg.stop <= crossing for sel in into for seg in sel)
-        assert sum(firsts) == crossing and max(firsts) - min(firsts) <= 1
+            # each round's rows land in its set's part of the group's span chunk
+            for op in plan.rank(r).forward:
+                if type(op) is Copy and op.src.kind == "q" and op.src.slot >= 0:
+                    j = op.src.slot
+                    assert all(starts[j] <= seg.start and seg.stop <= starts[j] + sizes[j] for seg in op.into)
+        shares = [sum(n for _, _, n in layout.runs(r)) for r in range(g * U, (g + 1) * U)]
+        assert len(set(shares)) == 1
 
 
 @pytest.mark.parametrize("cu", [[0, 16], [0, 5, 16], [0, 1, 2, 3, 4, 8, 12, 16], [0, 7, 9, 16]])
