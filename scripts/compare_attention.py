@@ -13,7 +13,8 @@ Megatron's global zigzag layout), ``--window L[,R]`` adds a sliding window; ``--
 every mode without the mask, so each row shows masked / unmasked bytes and time. ``--layout
 balanced`` (or ``both``) runs the documents on the plugin's balanced layout
 (``megatron_mesh.balanced_layout``, one per Ulysses group size for the hybrids) instead of (or
-next to) the zigzag.
+next to) the zigzag; ``balanced-hide`` (or ``all``) on the same with the hybrids' first and last
+documents set apart (``hide=True``; the plain modes' layout is the balanced one).
 
     python scripts/compare_attention.py --world 4 --modes ring mesh:auto mesh:2x2 mesh:4x1 tasp a2a+ring:2
     python scripts/compare_attention.py --world 8 --seq-len 65536 --heads 2 --kv-heads 2 --head-dim 32 \
@@ -57,16 +58,18 @@ def mask_of(args) -> Mask:
                                 window).normalized(args.seq_len)
 
 
-def planned(mode: str, world: int, shape: AttentionShape, mask: Mask, balanced: bool = False):
+def planned(mode: str, world: int, shape: AttentionShape, mask: Mask, layout: str = "zigzag"):
     """(placement, plan, layout) the runtime runs for ``mode`` (the same placement: settings, auto
-    tile, mask); ``balanced``: the documents of ``mask`` on the balanced layout of the mode's
-    Ulysses group size (layout None: Megatron's zigzag)."""
+    tile, mask); ``layout`` "balanced" / "balanced-hide": the documents of ``mask`` on the balanced
+    layout of the mode's Ulysses group size, with ``hide`` for the latter (layout None: Megatron's
+    zigzag)."""
     name, settings = parse_mode_spec(mode)
     # 'auto' choices are made for causal / full attention, as the runtime does
     placement = resolve(name, world, shape, mask=Mask(mask.causal), **settings)
-    if not balanced:
+    if layout == "zigzag":
         return placement, placement.build(shape, mask), None
-    layout = mm.balanced_layout(_cu_seqlens(mask), world, causal=mask.causal, window=_window(mask),
+    hide = layout == "balanced-hide"
+    layout = mm.balanced_layout(_cu_seqlens(mask), world, causal=mask.causal, window=_window(mask), hide=hide,
                                 group=placement.ulysses)
     plain = Mask(mask.causal, _window(mask))
     return placement, placement.build(shape, plain, layout), layout
@@ -131,7 +134,8 @@ def run_rank(rank: int, world: int, args, runs) -> list[dict]:
             if want is not None:
                 got = [out, q.grad, k.grad, v.grad]
                 err = max((a.double() - shard(b)).abs().max().item() for a, b in zip(got, want))
-            rows.append(dict(mode=mode, mask=mask.text(), layout="zigzag" if layout is None else "balanced", err=err, sent=c.bytes_sent, received=c.bytes_received,
+            name = "zigzag" if layout is None else "balanced-hide" if layout.hide else "balanced"
+            rows.append(dict(mode=mode, mask=mask.text(), layout=name, err=err, sent=c.bytes_sent, received=c.bytes_received,
                              time=best))
     return rows
 
@@ -153,8 +157,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--seed", type=int, default=0, help="random seed of --docs lognormal")
     ap.add_argument("--window", help="sliding window L or L,R (R defaults to 0 when causal)")
     ap.add_argument("--unmasked", action="store_true", help="also run every mode without --docs / --window")
-    ap.add_argument("--layout", choices=("zigzag", "balanced", "both"), default="zigzag",
-                    help="the layout of --docs: Megatron's zigzag, the plugin's balanced layout, or both (default zigzag)")
+    ap.add_argument("--layout", choices=("zigzag", "balanced", "balanced-hide", "both", "all"), default="zigzag",
+                    help="the layout of --docs: Megatron's zigzag, the plugin's balanced layout, the same with the "
+                         "Ulysses groups' first and last documents set apart (hide), zigzag and balanced (both) or "
+                         "all three (default zigzag)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per mode; the time is the best (default 1)")
     ap.add_argument("--no-check", action="store_true", help="skip the dense fp64 reference (long sequences)")
     args = ap.parse_args(argv)
@@ -176,10 +182,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise SystemExit(str(e)) from None
     if args.layout != "zigzag" and mask.documents is None:
         raise SystemExit(f"--layout {args.layout} lays out documents: give --docs")
-    variants = [(mask, layout == "balanced") for layout in (("zigzag", "balanced") if args.layout == "both"
-                                                            else (args.layout,))]
+    names = {"both": ("zigzag", "balanced"), "all": ("zigzag", "balanced", "balanced-hide")}
+    variants = [(mask, name) for name in names.get(args.layout, (args.layout,))]
     if args.unmasked and not mask.is_dense:
-        variants.append((Mask(not args.full).normalized(args.seq_len), False))
+        variants.append((Mask(not args.full).normalized(args.seq_len), "zigzag"))
     try:
         shape = AttentionShape(args.seq_len // args.world, args.batch, args.heads, args.kv_heads, args.head_dim,
                                torch.tensor([], dtype=DTYPES[args.dtype]).element_size())
@@ -192,7 +198,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 plans[v, mode] = planned(mode, args.world, shape, *v)
             except ValueError as e:
                 raise SystemExit(f"--modes {mode}: {e}") from None
-    runs = [(m, [plans[(m, balanced), mode][2] for mode in args.modes]) for m, balanced in variants]
+    runs = [(m, [plans[(m, name), mode][2] for mode in args.modes]) for m, name in variants]
     results = spawn(run_rank, args.world, args, runs, timeout=3600)
     return _report(args, shape, variants, plans, results)
 
@@ -203,15 +209,14 @@ def _report(args, shape: AttentionShape, variants: list, plans: dict, results: l
     print(f"CP={args.world} seq_len={args.seq_len} heads={args.heads}/{args.kv_heads} head_dim={args.head_dim} "
           f"{args.dtype} {'full' if args.full else 'causal'} (forward + backward, per rank)")
     table = []
-    for j, (m, balanced) in enumerate(variants):
-        layout_name = "balanced" if balanced else "zigzag"
+    for j, (m, layout_name) in enumerate(variants):
         print(f"\nmask: {m.summary()}; layout: {layout_name}")
         print(f"{'mode':<14}{'tile':>8}{'max err vs fp64':>17}{'bytes sent':>14}{'planned':>14}{'vs ring':>9}"
               f"{'time s':>9}{'work max/mean':>15}")
         ring_bytes = None
         for i, mode in enumerate(args.modes):
             rows = [r[j * len(args.modes) + i] for r in results]
-            placement, plan, _ = plans[(m, balanced), mode]
+            placement, plan, _ = plans[(m, layout_name), mode]
             want = [(b.sent, b.received) for b in plan_bytes(plan, shape)]
             sent, planned_sent = max(r["sent"] for r in rows), max(s for s, _ in want)
             if mode == REFERENCE_MODE:

@@ -135,13 +135,16 @@ def test_one_document_plans_as_the_zigzag_on_every_layout(capsys):
 
 
 def test_cli_layouts_side_by_side(capsys):
-    """With --docs the planner compares the three layouts; every row is at or above the compute floor,
-    the balanced layout evens the causal work that the zigzag leaves uneven, and TE's own THD rows are there."""
-    data = _json(capsys, "--cp", "8", "--seq-len", "16384", "--docs", "lognormal:1024,1", "--modes", "ring,mesh,tasp")
+    """With --docs the planner compares the layouts; every row is at or above the compute floor,
+    the balanced layout evens the causal work that the zigzag leaves uneven, TE's own THD rows are
+    there, and balanced-hide has the hybrids' rows alone (the plain modes' layout is the balanced one)."""
+    data = _json(capsys, "--cp", "8", "--seq-len", "16384", "--docs", "lognormal:1024,1", "--modes",
+                 "ring,mesh,tasp,a2a+tasp")
     floor = data["compute_floor_s"]
     assert floor > 0
     by = {(r["layout"], r["mode"]): r for r in data["modes"]}
     assert {layout for layout, _ in by} == set(LAYOUTS)
+    assert {mode for layout, mode in by if layout == "balanced-hide"} == {"a2a+tasp"}
     assert {("thd", m) for m in TE_ROWS} <= set(by)
     assert all(r["time_s"] >= floor for r in data["modes"])
     zig, bal = by["zigzag", "ring"], by["balanced", "ring"]
@@ -435,7 +438,9 @@ def test_timeline_events():
 def test_time_breakdown_adds_up_and_names_the_rounds_it_waits_for():
     """The parts of each direction's time on its slowest rank add up to the time; FLOPs are the
     kernel calls' pairs at peak; a Ulysses hybrid under documents waits for its all-to-all of Q
-    and K/V (round 1), and a plan whose communication hides behind compute waits for nothing."""
+    and K/V (round 2: the documents that cross into another group; round 1, the first documents'
+    of balanced-hide, is not posted on the balanced layout), and a plan whose communication hides
+    behind compute waits for nothing."""
     from megatron_mesh.plan.balance import balanced_layout
     from megatron_mesh.plan.mask import Mask
     from megatron_mesh.plan.modes import MODES
@@ -457,7 +462,7 @@ def test_time_breakdown_adds_up_and_names_the_rounds_it_waits_for():
         assert sum(b.parts.values()) == pytest.approx(b.time)
         assert b.parts["copies"] > 0 and b.parts["launches"] > 0  # the all-to-all's reorder, the calls
         assert b.parts["exposed"] == pytest.approx(b.time - sum(v for k, v in b.parts.items() if k != "exposed"))
-    assert (1, "kv,q with 1 peer") in {(t, what) for t, _, what in fwd.waits}
+    assert (2, "kv,q with 1 peer") in {(t, what) for t, _, what in fwd.waits}
     assert all(w > 0 for _, w, _ in fwd.waits + bwd.waits)
     assert sum(w for _, w, _ in fwd.waits) <= fwd.parts["exposed"] + 1e-12
 

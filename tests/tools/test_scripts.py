@@ -171,6 +171,13 @@ def test_compare_attention_runs_documents_on_both_layouts(script, capsys):
     assert max(r["balance"] for r in rows if r["layout"] == "zigzag") > 1.1, rows  # what the layout is for
     with pytest.raises(SystemExit, match="--layout balanced lays out documents: give --docs"):
         compare.main(["--world", "4", "--layout", "balanced"])
+    # the hybrid on balanced-hide (its first and last documents set apart): exact, the plan's bytes
+    rows = compare.main(["--world", "4", "--seq-len", "256", "--heads", "4", "--kv-heads", "1", "--head-dim", "8",
+                         "--docs", "lognormal:40,1.0", "--seed", "3", "--layout", "balanced-hide",
+                         "--modes", "a2a+mesh:2", "a2a+tasp:2"])
+    assert "layout: balanced-hide" in capsys.readouterr().out
+    assert [r["layout"] for r in rows] == ["balanced-hide"] * 2, rows
+    assert all(r["err"] < 1e-5 and r["sent"] == r["planned"] and r["balance"] <= 1.05 for r in rows), rows
 
 
 def test_compare_cp_modes_long_preset_and_the_zigzag_documents(script, tmp_path):
