@@ -11,6 +11,7 @@ import api_cases
 import pytest
 from api_cases import DOCS
 
+import megatron_mesh as mm
 from megatron_mesh.runtime import agreement
 
 MISMATCH = "PlanMismatchError: the ranks of this CP group disagree on the attention plan"
@@ -49,6 +50,9 @@ DIFFERENCES = {
     "window": "mask: rank 0: causal,window=3:0, ranks 1-7: causal,window=4:0",
     "hybrid_window": "mask: ranks 0-4, 6-7: causal,window=3:0, rank 5: causal,window=4:0",
     "adapter": f"documents: rank 0: {_docs('B')}, ranks 1-7: {_docs('A')}",
+    # rank 1's layout sets apart the hybrid's first and last documents (its span chunks' order)
+    "balanced_hide": f"layout: ranks 0, 2-7: {mm.balanced_layout(api_cases.DOCS['A'], 8, group=2).text()}, rank 1: "
+                     f"{mm.balanced_layout(api_cases.DOCS['A'], 8, group=2, hide=True).text()}",
     # another plugin version on one node: same inputs, same plan digest, other plan code
     "plan_code": "plan code (version, source digest, tunables): rank 0: "
                  f"{agreement.plan_code().replace(agreement._source_digest(), api_cases.OTHER_SOURCE)}, ranks 1-7: "
