@@ -175,7 +175,8 @@ class _HybridLowering:
     def set_rows(self, m: int) -> tuple[Sel, ...]:
         """Span chunk m's rows of each all-to-all round (:data:`~.balance.SETS`, in the chunk in
         that order, :meth:`~.balance.BalancedLayout.runs`): the documents that cross into another
-        group, those inside it, those inside it run last."""
+        group, then those inside it run first, the others, those run last (the first and last
+        empty without ``hide``)."""
         got = self._set_rows.get(m)
         if got is None:
             ends = list(accumulate(self.layout.set_tokens(m), initial=0))
@@ -214,7 +215,7 @@ class _HybridLowering:
 
     def inner_ops(self, m: int, u: int, direction: str, blocks: bool) -> list[Op]:
         """The inner plan's ops of inner rank m, relabelled to head slice u; its rounds follow the
-        all-to-all's (one round, or two with :attr:`sets`)."""
+        all-to-all's (one round, or :data:`_SET_ROUNDS` with :attr:`sets`)."""
         shift = _SET_ROUNDS if self.sets else 1
         src = self.inner.rank(m).ops(direction) if blocks else self.inner.round_ops(m, direction)
         out = []
