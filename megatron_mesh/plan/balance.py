@@ -357,9 +357,9 @@ def _fewest_tokens(inside, need: float) -> set[int]:
     best, best_tokens = {inside[-1][1]}, None
     chosen, tokens, got = [], 0, 0
     for i in range(len(inside) - 1, -1, -1):
-        # the shortest document not chosen that completes the need (the list ascends)
-        j = next((j for j in range(i + 1) if got + pairs[j] >= need), None)
-        if j is not None and (best_tokens is None or tokens + inside[j][0] < best_tokens):
+        # the shortest document not chosen that completes the need (the list ascends, so do pairs)
+        j = bisect.bisect_left(pairs, need - got, 0, i + 1)
+        if j <= i and (best_tokens is None or tokens + inside[j][0] < best_tokens):
             best, best_tokens = {*chosen, inside[j][1]}, tokens + inside[j][0]
         if got + pairs[i] >= need:
             continue  # document i alone completes it: the candidate above is at least as short
