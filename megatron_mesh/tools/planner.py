@@ -289,6 +289,12 @@ def _evaluate_modes(wanted: set, world_size: int, shape: AttentionShape, topo: T
     return evaluated
 
 
+def _auto_row(pool: list[ModeResult]) -> ModeResult:
+    """The ``auto`` row: the fastest of ``pool``, naming the mode it is."""
+    best = pick_best(pool)
+    return replace(best, mode=AUTO, detail=f"{best.mode}" + (f": {best.detail}" if best.detail else ""))
+
+
 def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: bool = True, modes=None,
              backward_chunks: str = "auto", schedule: str = "greedy", mask: Mask | None = None, layout=None,
              work: bool = False, explain: bool = False) -> tuple[list[ModeResult], list[dict]]:
@@ -329,9 +335,7 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: boo
         elif mode == AUTO:
             pool = [r for name in plan_modes() for r in evaluated.get(name, [])]
             if pool:
-                best = pick_best(pool)
-                rows.append(replace(best, mode=AUTO, detail=f"{best.mode}" + (f": {best.detail}" if best.detail
-                                                                                 else "")))
+                rows.append(_auto_row(pool))
         elif masked:
             skipped.append({"mode": mode, "reason": "priced by formula for dense attention only"})
         else:
@@ -347,6 +351,13 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: boo
 # last (balanced_layout(hide=True)); it differs from "balanced" only for the hybrids
 LAYOUTS = ("zigzag", "thd", "balanced", "balanced-hide")
 
+# Transformer Engine's own runs on its THD layout: p2p (every KV chunk around the ring), a2a+p2p (USP)
+TE_ROWS = ("te-p2p", "te-a2a+p2p")
+# the most ranks at which a comparison of every layout plans the plugin's modes on THD: there each
+# rank holds two pieces of every document, so a plan's blocks grow as ranks^2 x documents (1M tokens
+# of 4K documents on this project's build machine: 44 s at 64 ranks, minutes at 128, hours at 256)
+THD_PLAN_RANKS = 64
+
 
 def _hybrid_modes(modes) -> list[str]:
     """Of ``modes``, those a Ulysses hybrid runs: hybrid modes and their fastest-candidate rows
@@ -355,12 +366,6 @@ def _hybrid_modes(modes) -> list[str]:
     rows = {m.auto_row for name, m in REGISTRY.items() if name in hybrid and m.auto_row}
     asked = [m for m in modes if m in hybrid or m in rows]
     return asked + [m for m in hybrid if m not in asked] if AUTO in modes else asked
-# Transformer Engine's own runs on its THD layout: p2p (every KV chunk around the ring), a2a+p2p (USP)
-TE_ROWS = ("te-p2p", "te-a2a+p2p")
-# the most ranks at which a comparison of every layout plans the plugin's modes on THD: there each
-# rank holds two pieces of every document, so a plan's blocks grow as ranks^2 x documents (1M tokens
-# of 4K documents on this project's build machine: 44 s at 64 ranks, minutes at 128, hours at 256)
-THD_PLAN_RANKS = 64
 
 
 def thd_layout(cu_seqlens, world_size: int) -> ThdLayout:
@@ -459,9 +464,7 @@ def layout_rows(world_size: int, shape: AttentionShape, topo: Topology, cu_seqle
                 pool = [r for r in got if r.mode in REGISTRY]
                 got = [r for r in got if r.mode in modes]
                 if AUTO in modes and pool:
-                    best = pick_best(pool)
-                    got.append(replace(best, mode=AUTO, detail=f"{best.mode}" + (f": {best.detail}" if best.detail
-                                                                                     else "")))
+                    got.append(_auto_row(pool))
         else:
             thd = thd_layout(cu, world_size)
             padded = replace(shape, seq_local=thd.seq_local)
