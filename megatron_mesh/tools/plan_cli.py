@@ -11,7 +11,8 @@ extra buffer memory, and the predicted forward + backward time of the simulator
 Masks: ``--window L[,R]`` (a sliding window) and ``--docs SPEC`` (packed documents: ``fixed:N``
 or ``lognormal:MEAN,SIGMA`` document lengths drawn with ``--seed``, after any ``one:N+`` single
 documents, e.g. ``one:524288+lognormal:4096,1``) plan every mode mask-aware and add the per-rank
-work max / mean.
+work max / mean. With documents the layouts are compared side by side (``--layout``), and the
+table ends with the fastest row and the fewest bytes on the busiest rank over them.
 
 ``--json`` prints ``{"modes": [{"mode", "tile", "bytes_per_rank", "inter_node_bytes_per_rank",
 "rounds", "time_s", ...}], "skipped": [...], ...}`` (bytes are whole bytes sent in one layer's
@@ -38,7 +39,7 @@ from ..plan.shape import AttentionShape
 from ..plan.simulate import BACKWARD_FLOPS
 from ..plan.topology import Topology
 from ..plan.units import format_bytes
-from .planner import (LAYOUTS, ModeResult, all_modes, allowed_pairs, compute_floor, default_modes, evaluate,
+from .planner import (AUTO, LAYOUTS, REGISTRY, ModeResult, all_modes, allowed_pairs, compute_floor, default_modes, evaluate,
                       layout_rows)
 
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -287,6 +288,47 @@ def _table(rows: list[ModeResult], skipped: list[dict], floor: float | None = No
     return "\n".join(out)
 
 
+def _row_name(r: ModeResult) -> str:
+    parts = [r.mode] + ([f"U {r.ulysses}"] if r.ulysses > 1 else []) + ([f"{r.tile[0]}x{r.tile[1]}"] if r.tile else [])
+    return " ".join(parts) + f" on {r.layout}"
+
+
+# the Megatron flag that puts the tokens in each planned layout (docs/megatron.md)
+MEGATRON_LAYOUT_FLAGS = {"zigzag": "--cp-layout zigzag", "balanced": "--cp-layout balanced",
+                         "balanced-hide": "--cp-layout balanced-hide", "thd": "--cp-thd-packing"}
+
+
+def megatron_flags(r: ModeResult, world_size: int) -> str | None:
+    """The plugin's Megatron flags that run row ``r`` (None for Transformer Engine's own rows and
+    the formulas): ``--cp-comm-type``, the all-to-all degree, Mesh's tile and the layout."""
+    mode = next((name for name, m in REGISTRY.items() if r.mode in (name, m.auto_row)), None)
+    if mode is None:
+        return None
+    flags = [f"--cp-comm-type {mode}"]
+    if r.ulysses > 1:
+        flags.append(f"--hierarchical-context-parallel-sizes {r.ulysses} {world_size // r.ulysses}")
+    if r.tile and "mesh" in mode:
+        flags.append(f"--mesh-tile-shape {r.tile[0]}x{r.tile[1]}")
+    if r.layout in MEGATRON_LAYOUT_FLAGS:
+        flags.append(MEGATRON_LAYOUT_FLAGS[r.layout])
+    return " ".join(flags)
+
+
+def _best(rows: list[ModeResult], floor: float | None = None, world_size: int | None = None) -> str:
+    """Under several layouts: the fastest row and the row whose busiest rank sends the fewest
+    bytes, over every layout (the auto rows repeat a row, so they are left out)."""
+    pool = [r for r in rows if r.mode != AUTO]
+    if len({r.layout for r in rows}) < 2 or not pool:
+        return ""
+    fast = min(pool, key=lambda r: r.time_s)
+    light = min(pool, key=lambda r: r.bytes_per_rank)
+    vs = f" ({fast.time_s / floor:.2f}x the compute floor)" if floor else ""
+    flags = megatron_flags(fast, world_size) if world_size else None
+    return (f"fastest over the layouts: {_row_name(fast)}, {fast.time_s * 1e3:.2f} ms{vs}\n" +
+            (f"  in Megatron: {flags}\n" if flags else "") +
+            f"fewest bytes sent by the busiest rank: {_row_name(light)}, {format_bytes(light.bytes_per_rank)}")
+
+
 def _header(args, world_size: int, shape: AttentionShape, topo: Topology, mask: Mask | None = None) -> str:
     what = mask.text() if mask is not None else ("causal" if args.causal else "full")
     if mask is not None and mask.documents is not None:
@@ -424,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{BACKWARD_FLOPS}x backward at {topo.attention_flops / 1e12:g} TFLOP/s; no communication, no "
                   "kernel launches)\n")
         print(_table(rows, skipped, floor))
+        best = _best(rows, floor, args.cp)
+        if best:
+            print("\n" + best)
         if args.explain:
             print(_explain(rows, floor))
         print(f"\n(planned and simulated in {elapsed:.2f} s)" + (f"; plot written to {args.plot}" if args.plot else ""))

@@ -224,3 +224,37 @@ def test_documents_at_cp1_with_dropout_under_our_entry(megatron_args, our_entry)
                           "--attention-dropout", "0.1"])
     with pytest.raises(ValueError, match="packed documents run the plugin's attention also at CP 1"):
         validate_args(args, **our_entry)
+
+
+def test_planners_megatron_flags_pass_the_start_up_checks(megatron_args, our_entry):
+    """Every plugin row the planner compares side by side names flags that Megatron's start-up
+    checks accept under our entry script (with the documents of --reset-attention-mask, or THD
+    packing for the THD rows), and that select that row's mode, degree, tile and layout."""
+    from megatron_mesh.megatron.settings import CP_LAYOUTS
+    from megatron_mesh.plan import AttentionShape, Topology
+    from megatron_mesh.tools.plan_cli import MEGATRON_LAYOUT_FLAGS, megatron_flags
+    from megatron_mesh.tools.planner import layout_rows
+
+    assert {f.split()[-1] for f in MEGATRON_LAYOUT_FLAGS.values() if f.startswith("--cp-layout ")} == set(CP_LAYOUTS)
+    shape = AttentionShape(batch=1, heads=4, kv_heads=2, head_dim=16, seq_local=32, itemsize=2)
+    rows, _ = layout_rows(4, shape, Topology(nodes=1, gpus_per_node=4), [0, 20, 50, 128],
+                          modes=["ring", "mesh", "mesh-auto", "tasp", "a2a+mesh", "a2a+tasp", "a2a+ring"])
+    seen = set()
+    for r in rows:
+        flags = megatron_flags(r, 4)
+        if flags is None:
+            assert r.mode.startswith("te-"), r.mode  # Transformer Engine's own rows
+            continue
+        argv = flags.split()
+        argv += ["--seq-length", "128", "--micro-batch-size", "1", PER_TOKEN] + (
+            ["--cp-thd-pad-multiple", "8"] if r.layout == "thd" else ["--reset-attention-mask"])
+        args = megatron_args(PLUGIN + HEADS + ["--context-parallel-size", "4"] + argv)
+        validate_args(args, **our_entry)
+        assert args.cp_comm_type == [r.mode.removesuffix("-auto")], (args.cp_comm_type, r.mode)
+        assert (args.hierarchical_context_parallel_sizes or [1, 4]) == [r.ulysses, 4 // r.ulysses]
+        if "mesh" in r.mode:  # no tile: the mask leaves every tile the query owner's plan (the default auto)
+            assert args.mesh_tile_shape == (f"{r.tile[0]}x{r.tile[1]}" if r.tile else None), (r.mode, r.layout)
+        assert args.cp_thd_packing if r.layout == "thd" else args.cp_layout == r.layout
+        seen.add((r.layout, r.ulysses > 1))
+    assert seen == {(layout, hybrid) for layout in ("zigzag", "thd", "balanced") for hybrid in (False, True)} | \
+        {("balanced-hide", True)}

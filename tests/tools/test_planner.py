@@ -160,6 +160,28 @@ def test_cli_layouts_side_by_side(capsys):
     assert "invalid choice: 'bogus'" in capsys.readouterr().err
 
 
+def test_cli_names_the_fastest_row_and_the_fewest_bytes_over_the_layouts(capsys):
+    """Side by side, the table ends with the fastest row (and the Megatron flags that run it) and
+    the row whose busiest rank sends the fewest bytes, over every layout -- the same rows the
+    JSON's minima give (auto repeats a row)."""
+    argv = ["--cp", "4", "--seq-len", "8192", "--docs", "lognormal:1024,1", "--modes", "ring,mesh,tasp,a2a+ring,auto"]
+    data = _json(capsys, *argv)
+    rows = [r for r in data["modes"] if r["mode"] != "auto"]
+    fast = min(rows, key=lambda r: r["time_s"])
+    light = min(rows, key=lambda r: r["bytes_per_rank"])
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("fastest over the layouts: "))
+    assert f"{fast['mode']} " in line and f" on {fast['layout']}, {fast['time_s'] * 1e3:.2f} ms" in line
+    assert f"({fast['time_s'] / data['compute_floor_s']:.2f}x the compute floor)" in line
+    flags = next(x for x in out.splitlines() if x.startswith("  in Megatron: --cp-comm-type "))
+    assert flags.split()[3] == fast["mode"].removesuffix("-auto")  # the flags' own test: tests/megatron
+    line = next(x for x in out.splitlines() if x.startswith("fewest bytes sent by the busiest rank: "))
+    assert f"{light['mode']} " in line and f" on {light['layout']}, " in line
+    assert main(argv + ["--layout", "balanced"]) == 0  # one layout: the table's auto row says it
+    assert "fastest over the layouts" not in capsys.readouterr().out
+
+
 def test_te_rows_run_a_blocks_documents_in_one_kernel_call():
     """Transformer Engine runs a THD block as one variable-length kernel call over its documents
     (``kernel_calls="block"``); this package's kernels run its full pieces in one call, its causal
