@@ -513,6 +513,8 @@ class BalancedLayout:
             raise ValueError(f"group {self.group} must divide world_size {self.world_size}")
         if not isinstance(self.hide, bool):
             raise ValueError(f"hide must be True or False, got {self.hide!r}")
+        if self.hide and self.group == 1:
+            raise ValueError("hide applies to the Ulysses groups of a layout balanced per group (group > 1), got group 1")
         if len(self.rank_runs) != self.world_size:
             raise ValueError(f"{len(self.rank_runs)} ranks' runs for world_size {self.world_size}")
         counts = {sum(n for _, n in r) for r in self.rank_runs}
@@ -524,18 +526,21 @@ class BalancedLayout:
             if s != pos or n < 1:
                 raise ValueError(f"the ranks' runs must cover positions 0..S-1 exactly once; gap or overlap at {pos}")
             pos += n
+        if not self.docs:  # no documents: every token would attend nothing (an all-zero output)
+            raise ValueError(f"documents must cover positions 0..{pos - 1} in order (one document: ((0, {pos}),)), got "
+                             "none")
         end = 0  # the documents: in order, disjoint, and exactly the runs' S tokens
         for a, b in self.docs:
             if a != end or b <= a:
                 raise ValueError(f"documents {self.docs!r} must cover positions 0..{pos - 1} in order, each at least "
                                  f"one token")
             end = b
-        if self.docs and end != pos:
+        if end != pos:
             raise ValueError(f"documents {self.docs!r} cover {end} tokens, the ranks' runs {pos}")
 
     @property
     def seq_len(self) -> int:
-        return self.docs[-1][1] if self.docs else sum(n for r in self.rank_runs for _, n in r)
+        return self.docs[-1][1]
 
     @property
     def seq_local(self) -> int:
@@ -577,7 +582,15 @@ class BalancedLayout:
 
     def set_tokens(self, chunk: int) -> tuple[int, ...]:
         """Tokens of Ulysses group ``chunk`` (span ``group``) in each all-to-all set (:data:`SETS`),
-        in the order its span chunk holds them: the rounds of a hybrid's all-to-all (:mod:`.hybrid`)."""
+        in the order its span chunk holds them: the rounds of a hybrid's all-to-all (:mod:`.hybrid`).
+        ValueError for a layout not balanced per group (group 1) or a group that does not exist."""
+        groups = self.world_size // self.group
+        if self.group == 1:
+            raise ValueError("set_tokens applies to a layout balanced per Ulysses group (group > 1); this one has "
+                             "group 1")
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or not 0 <= chunk < groups:
+            raise ValueError(f"group {chunk!r} does not exist: this layout has groups 0..{groups - 1} of {self.group} "
+                             "ranks")
         return self._set_order(chunk)[1]
 
     def documents(self) -> tuple[tuple[int, int], ...]:

@@ -1,8 +1,10 @@
 """Token selections: the algebra every other plan module builds on (a leaf: imports nothing of the
 package).
 
-A *selection* is a tuple of :class:`Segment` -- token ranges [start, stop) of a buffer (or of a
-rank's local tokens), in buffer order; ``None`` means "all of it". A *run* is (global start,
+A *selection* is a tuple of :class:`Segment` -- disjoint token ranges [start, stop) of a buffer
+(or of a rank's local tokens), in the order they are read (the buffer's order, except where a
+fused kernel call takes its columns in position order and the layout's local order differs);
+``None`` means "all of it". A *run* is (global start,
 length): consecutive global positions. Layouts describe a rank's tokens as runs with their local
 offsets, ``(local, start, length)``.
 

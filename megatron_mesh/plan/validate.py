@@ -80,12 +80,16 @@ class _RankState:
         self.present.add(key)
 
     def inside(self, key: Key, sel, op, what: str) -> None:
+        """``sel``: non-empty, disjoint ranges of ``key``'s tokens. Their order is the order the op
+        reads them, not necessarily the buffer's: a fused call takes its columns in position order,
+        which differs from a buffer's where the layout's local order is not position order (a
+        Ulysses group's set order read by a plain mode, a hand-built layout)."""
         if sel is None:
             return
         n, pos = self.plan.tokens(key), 0
-        for s in sel:
+        for s in sorted(sel):
             if not (pos <= s.start < s.stop <= n):
-                self.fail(f"{op}: {what} selection {sel_text(sel)} is not increasing ranges inside {key} ({n} tokens)")
+                self.fail(f"{op}: {what} selection {sel_text(sel)} is not disjoint ranges inside {key} ({n} tokens)")
             pos = s.stop
 
     # -- one handler per op type ------------------------------------------------------------------

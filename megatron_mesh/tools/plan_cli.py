@@ -34,6 +34,7 @@ import random
 
 from ..plan.mask import Mask
 from ..plan.mesh import BACKWARD_CHUNKS
+from ..plan.modes.base import option_specs
 from ..plan.modes import REFERENCE_MODE
 from ..plan.shape import AttentionShape
 from ..plan.simulate import BACKWARD_FLOPS
@@ -284,7 +285,10 @@ def _table(rows: list[ModeResult], skipped: list[dict], floor: float | None = No
     out += [f"{', '.join(dict.fromkeys(names))}: {detail}" for detail, names in details.items()]
     if any(r.by_formula for r in rows):
         out.append("* by formula (no plan): Ulysses all-to-alls priced analytically; USP's ring part is simulated")
-    out += [f"not available: {s['mode']}: {s['reason']}" for s in skipped]
+    reasons: dict[str, list[str]] = {}  # one line per reason, naming the rows it leaves out
+    for s in skipped:
+        reasons.setdefault(s["reason"], []).append(s["mode"])
+    out += [f"not available: {', '.join(names)}: {reason}" for reason, names in reasons.items()]
     return "\n".join(out)
 
 
@@ -307,8 +311,9 @@ def megatron_flags(r: ModeResult, world_size: int) -> str | None:
     flags = [f"--cp-comm-type {mode}"]
     if r.ulysses > 1:
         flags.append(f"--hierarchical-context-parallel-sizes {r.ulysses} {world_size // r.ulysses}")
-    if r.tile and "mesh" in mode:
-        flags.append(f"--mesh-tile-shape {r.tile[0]}x{r.tile[1]}")
+    tile = next((o.flag for o in option_specs(REGISTRY[mode].Options) if o.name == "tile"), None)
+    if r.tile and tile:  # the mode's own tile option (Mesh's, inner or not)
+        flags.append(f"{tile} {r.tile[0]}x{r.tile[1]}")
     if r.layout in MEGATRON_LAYOUT_FLAGS:
         flags.append(MEGATRON_LAYOUT_FLAGS[r.layout])
     return " ".join(flags)

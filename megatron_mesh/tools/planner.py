@@ -446,8 +446,10 @@ def layout_rows(world_size: int, shape: AttentionShape, topo: Topology, cu_seqle
     S = world_size * shape.seq_local
     if cu[-1] != S:
         raise ValueError(f"the documents cover {cu[-1]} tokens, the sequence {S}")
-    modes = [m for m in (all_modes() if modes is None else modes) if m not in FORMULAS]
-    rows, skipped = [], []
+    given = all_modes() if modes is None else modes
+    modes = [m for m in given if m not in FORMULAS]
+    rows, skipped = [], [{"mode": m, "reason": "priced by formula for dense attention only, not under documents"}
+                         for m in given if m in FORMULAS]
     for name in layouts:
         if name == "zigzag":
             got, skip = evaluate(world_size, shape, topo, modes=modes, backward_chunks=backward_chunks,
@@ -465,6 +467,11 @@ def layout_rows(world_size: int, shape: AttentionShape, topo: Topology, cu_seqle
                 got = [r for r in got if r.mode in modes]
                 if AUTO in modes and pool:
                     got.append(_auto_row(pool))
+                elif AUTO in modes:
+                    skip.append({"mode": AUTO, "reason": "no Ulysses hybrid runs here (their rows say why)"})
+                skip += [{"mode": m, "reason": "balanced-hide changes only the Ulysses groups' layouts (a2a+mesh, "
+                          "a2a+tasp, a2a+ring); the plain modes run on the balanced one (--layout balanced)"}
+                         for m in modes if m not in asked and m != AUTO]
         else:
             thd = thd_layout(cu, world_size)
             padded = replace(shape, seq_local=thd.seq_local)

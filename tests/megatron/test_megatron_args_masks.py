@@ -146,6 +146,14 @@ def test_masks_and_hybrids_valid(megatron_args, our_entry, argv, documents):
      "with fused RoPE and --micro-batch-size 2: each sample has its own layout, so its own rotary positions, and "
      "Transformer Engine's fused RoPE takes one [s, 1, 1, d] table per batch; pass --no-rope-fusion or "
      "--micro-batch-size 1, or pass --cp-layout zigzag"),
+    # balanced-hide without a Ulysses group would be the balanced layout, silently
+    (["--context-parallel-size", "4", "--cp-comm-type", "ring", "--reset-attention-mask", PER_TOKEN, "--cp-layout",
+      "balanced-hide"], "--cp-layout balanced-hide sets apart the documents that the Ulysses groups of the all-to-all "
+     "modes (a2a+mesh, a2a+tasp, a2a+ring) run first and last, and this run has no such group (no "
+     "--hierarchical-context-parallel-sizes); use --cp-layout balanced, the same layout without them"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+mesh", "--hierarchical-context-parallel-sizes", "1", "4",
+      "--reset-attention-mask", PER_TOKEN, "--cp-layout", "balanced-hide"],
+     "this run has no such group (--hierarchical-context-parallel-sizes 1 4); use --cp-layout balanced"),
 ])
 def test_masks_and_hybrids_invalid(megatron_args, our_entry, argv, message):
     args = megatron_args(PLUGIN + argv)

@@ -210,9 +210,19 @@ def test_every_mode_runs_exactly_on_the_balanced_layout(P, data):
         assert sum(rank_work(plan)) == sum(_work(layout, mask, r) for r in range(P))
     if P % 2 == 0:
         U = 2
-        plan = resolve("a2a+ring", P, shape, ulysses_size=U).build(shape, Mask(True, window),
-                                                                  balanced_layout(cu, P, window=window, group=U))
+        grouped = balanced_layout(cu, P, window=window, group=U, hide=data.draw(st.booleans()))
+        plan = resolve("a2a+ring", P, shape, ulysses_size=U).build(shape, Mask(True, window), grouped)
         validate_plan(plan)
+        # a layout used by modes it was not balanced for (Megatron's per-layer modes share one):
+        # its local order is the groups' set order, so fused calls read columns out of buffer order
+        for mode, on, extra in (("ring", grouped, {}), ("tasp", grouped, {}), ("mesh", grouped, {}),
+                                ("a2a+mesh", layout, {"ulysses_size": U})):
+            other = resolve(mode, P, shape, **extra)
+            try:
+                validate_plan(other.build(shape, Mask(True, window), on))
+            except ValueError as e:  # one document: the zigzag's dense schedule refuses this size too
+                with pytest.raises(ValueError, match=re.escape(str(e))):
+                    other.build(shape, Mask(True, window))
     text = plan.to_text()
     assert Plan.from_text(text).to_text() == text
 
@@ -245,6 +255,17 @@ def test_every_mode_runs_exactly_on_the_balanced_layout(P, data):
     (lambda: BalancedLayout(2, (((0, 8),), ((8, 8),)), ((0, 8),)), r"cover 8 tokens, the ranks' runs 16"),
     (lambda: BalancedLayout(2, (((0, 8),), ((8, 8),)), ((0, 8), (9, 16))), r"must cover positions 0..15 in order"),
     (lambda: BalancedLayout(2, (((0, 8),), ((8, 8),)), ((0, 16),), group=3), r"group 3 must divide world_size 2"),
+    # no documents would make every token attend nothing (an all-zero output, no error)
+    (lambda: BalancedLayout(1, (((0, 8),),), ()), r"documents must cover positions 0..7 in order \(one document: "
+     r"\(\(0, 8\),\)\), got none"),
+    (lambda: layout_from_text("balanced P=1 U=1 cu=0 runs=0+8"), r"documents must cover positions 0..7"),
+    (lambda: layout_from_text("balanced P=1 U=1 hide cu=0,8 runs=0+8"), r"hide applies to the Ulysses groups of a "
+     r"layout balanced per group \(group > 1\), got group 1"),
+    (lambda: balanced_layout([0, 8, 16], 2, group=2).set_tokens(1), r"group 1 does not exist: this layout has groups "
+     r"0..0 of 2 ranks"),
+    (lambda: balanced_layout([0, 8, 16], 4, group=2).set_tokens(-1), r"group -1 does not exist"),
+    (lambda: balanced_layout([0, 8, 16], 2).set_tokens(0), r"set_tokens applies to a layout balanced per Ulysses "
+     r"group \(group > 1\); this one has group 1"),
     (lambda: layout_from_text("balanced P=2 U=1 cu=0,4,20 runs=0+8;8+8"), r"cover 20 tokens, the ranks' runs 16"),
     (lambda: layout_from_text("balanced P=0 U=1 cu=0 runs="), r"not a balanced layout: 'P=0 U=1 cu=0 runs='"),
     (lambda: balanced_layout([0, 8, 16], 4, ranks_per_node=3), r"ranks_per_node must be None or a positive divisor of "

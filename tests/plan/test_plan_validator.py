@@ -106,8 +106,14 @@ def test_validator_catches_a_selection_outside_its_buffer():
     def overrun(ops):
         i = _index(ops, Attend)
         ops[i] = ops[i]._replace(rows=(Segment(2, 6),))
-    with pytest.raises(PlanError, match=r"row selection \[2:6\] is not increasing ranges inside q0 \(4 tokens\)"):
+    with pytest.raises(PlanError, match=r"row selection \[2:6\] is not disjoint ranges inside q0 \(4 tokens\)"):
         validate_plan(_tampered(plan, 0, "forward", overrun))
+
+    def overlap(ops):  # rows read twice: in any order, ranges must not overlap
+        i = _index(ops, Attend)
+        ops[i] = ops[i]._replace(rows=(Segment(2, 4), Segment(0, 3)))
+    with pytest.raises(PlanError, match=r"row selection \[2:4,0:3\] is not disjoint ranges inside q0"):
+        validate_plan(_tampered(plan, 0, "forward", overlap))
 
 
 def test_validator_catches_a_copy_onto_other_positions():

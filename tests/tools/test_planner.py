@@ -160,6 +160,23 @@ def test_cli_layouts_side_by_side(capsys):
     assert "invalid choice: 'bogus'" in capsys.readouterr().err
 
 
+def test_cli_says_which_rows_a_layout_leaves_out(capsys):
+    """balanced-hide with only plain modes (or the formulas, which price dense attention) is no
+    empty table: every row left out is named, once per reason."""
+    base = ["--cp", "4", "--seq-len", "64", "--heads", "4", "--docs", "lognormal:10,1", "--layout", "balanced-hide"]
+    data = _json(capsys, *base, "--modes", "ring,mesh,usp")
+    assert data["modes"] == []
+    assert [s["mode"] for s in data["skipped"]] == ["usp", "ring (balanced-hide)", "mesh (balanced-hide)"]
+    assert main(base + ["--modes", "ring,mesh,usp"]) == 0
+    out = capsys.readouterr().out
+    assert "not available: usp: priced by formula for dense attention only, not under documents" in out
+    assert ("not available: ring (balanced-hide), mesh (balanced-hide): balanced-hide changes only the Ulysses "
+            "groups' layouts") in out
+    data = _json(capsys, "--cp", "3", "--seq-len", "66", "--heads", "4", "--docs", "lognormal:10,1", "--layout",
+                 "balanced-hide", "--modes", "auto")  # no hybrid fits CP 3 with 4 heads: neither does auto
+    assert data["modes"] == [] and {s["mode"] for s in data["skipped"]} >= {"auto (balanced-hide)"}
+
+
 def test_cli_names_the_fastest_row_and_the_fewest_bytes_over_the_layouts(capsys):
     """Side by side, the table ends with the fastest row (and the Megatron flags that run it) and
     the row whose busiest rank sends the fewest bytes, over every layout -- the same rows the
@@ -332,7 +349,8 @@ def test_layout_rows_plan_thd_only_when_asked_above_the_limit(monkeypatch):
     rows, skipped = layout_rows(4, shape, Topology(), cu, modes=("ring", "auto"))
     assert {(r.layout, r.mode) for r in rows} >= {("zigzag", "ring"), ("balanced", "ring"), ("thd", "te-p2p")}
     assert not any(r.layout == "thd" and r.mode in ("ring", "auto") for r in rows)
-    assert [s["mode"] for s in skipped] == ["ring (thd)", "auto (thd)"]
+    assert [s["mode"] for s in skipped] == ["ring (thd)", "auto (thd)", "ring (balanced-hide)"]
+    assert "the plain modes run on the balanced one (--layout balanced)" in skipped[2]["reason"]
     assert "not planned on THD at CP 4: every rank holds two pieces of each of the 3 documents" in skipped[0]["reason"]
     assert "(plan them with --layout thd)" in skipped[0]["reason"]
     rows, skipped = layout_rows(4, shape, Topology(), cu, modes=("ring",), layouts=("thd",), plan_thd=True)
