@@ -291,9 +291,10 @@ def _check_layout(args, cp: int, documents: Optional[str]) -> None:
     if cp_layout(args) == "balanced-hide" and not (hcp and int(hcp[0]) > 1):
         sizes = f"--hierarchical-context-parallel-sizes {' '.join(map(str, hcp))}" if hcp else \
             "no --hierarchical-context-parallel-sizes"
+        hybrids = ", ".join(m for m in plugin_modes() if m.startswith(HYBRID_PREFIX))
         raise ValueError("--cp-layout balanced-hide sets apart the documents that the Ulysses groups of the all-to-all "
-                         "modes (a2a+mesh, a2a+tasp, a2a+ring) run first and last, and this run has no such group "
-                         f"({sizes}); use --cp-layout balanced, the same layout without them")
+                         f"modes ({hybrids}) run first and last, and this run has no such group ({sizes}); use "
+                         "--cp-layout balanced, the same layout without them")
     if not getattr(args, "calculate_per_token_loss", False):
         raise ValueError(f"{which} needs --calculate-per-token-loss: the ranks hold different documents, so each "
                          "would divide its loss by its own token count; add --calculate-per-token-loss (the loss "

@@ -4,9 +4,8 @@ package).
 A *selection* is a tuple of :class:`Segment` -- disjoint token ranges [start, stop) of a buffer
 (or of a rank's local tokens), in the order they are read (the buffer's order, except where a
 fused kernel call takes its columns in position order and the layout's local order differs);
-``None`` means "all of it". A *run* is (global start,
-length): consecutive global positions. Layouts describe a rank's tokens as runs with their local
-offsets, ``(local, start, length)``.
+``None`` means "all of it". A *run* is (global start, length): consecutive global positions.
+Layouts describe a rank's tokens as runs with their local offsets, ``(local, start, length)``.
 
 Worked example: a buffer made of local segments ((10, 14), (20, 24)) -- 8 tokens -- and the
 selection ((2, 6),) of that buffer::

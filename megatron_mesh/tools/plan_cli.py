@@ -34,14 +34,13 @@ import random
 
 from ..plan.mask import Mask
 from ..plan.mesh import BACKWARD_CHUNKS
-from ..plan.modes.base import option_specs
-from ..plan.modes import REFERENCE_MODE
+from ..plan.modes import REFERENCE_MODE, option_specs
 from ..plan.shape import AttentionShape
 from ..plan.simulate import BACKWARD_FLOPS
 from ..plan.topology import Topology
 from ..plan.units import format_bytes
-from .planner import (AUTO, LAYOUTS, REGISTRY, ModeResult, all_modes, allowed_pairs, compute_floor, default_modes, evaluate,
-                      layout_rows)
+from .planner import (AUTO, LAYOUTS, REGISTRY, ModeResult, all_modes, allowed_pairs, compute_floor, default_modes,
+                      evaluate, layout_rows)
 
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 # the lines of --plot (one per mode: rows with one placement per CP size)

@@ -469,8 +469,9 @@ def layout_rows(world_size: int, shape: AttentionShape, topo: Topology, cu_seqle
                     got.append(_auto_row(pool))
                 elif AUTO in modes:
                     skip.append({"mode": AUTO, "reason": "no Ulysses hybrid runs here (their rows say why)"})
-                skip += [{"mode": m, "reason": "balanced-hide changes only the Ulysses groups' layouts (a2a+mesh, "
-                          "a2a+tasp, a2a+ring); the plain modes run on the balanced one (--layout balanced)"}
+                hybrids = ", ".join(name for name, m in REGISTRY.items() if isinstance(m, HybridMode))
+                skip += [{"mode": m, "reason": f"balanced-hide changes only the Ulysses groups' layouts ({hybrids}); "
+                          "the plain modes run on the balanced one (--layout balanced)"}
                          for m in modes if m not in asked and m != AUTO]
         else:
             thd = thd_layout(cu, world_size)
