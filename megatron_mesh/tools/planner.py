@@ -25,7 +25,12 @@ Numbers are per rank and per attention call (one layer), forward + backward.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+from concurrent.futures import Executor, ProcessPoolExecutor
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 
 from ..plan.accounting import owner_work, rank_work
 from ..plan.autotile import TIME_TOLERANCE, Candidate, evaluate_plan, pick_best
@@ -43,7 +48,7 @@ from ..plan.topology import Topology
 
 __all__ = ["all_modes", "default_modes", "derived_modes", "ModeResult", "evaluate", "plan_modes", "ulysses_result",
            "usp_result", "TIME_TOLERANCE", "FORMULAS", "LAYOUTS", "TE_ROWS", "layout_rows", "thd_layout",
-           "compute_floor", "allowed_pairs"]
+           "compute_floor", "allowed_pairs", "check_jobs"]
 
 # rows beyond the registry: the fastest plan of all, and the formulas
 AUTO = "auto"
@@ -264,10 +269,13 @@ _FORMULA = {"ulysses": ulysses_result, "usp": usp_result}
 # -- everything -----------------------------------------------------------------------------------------
 def _evaluate_modes(wanted: set, world_size: int, shape: AttentionShape, topo: Topology, mask: Mask, layout,
                     backward_chunks: str, schedule: str, skipped: list[dict], work: bool = False,
-                    explain: bool = False) -> dict[str, list[ModeResult]]:
+                    explain: bool = False, executor: Executor | None = None) -> dict[str, list[ModeResult]]:
     """Every candidate placement of each registered mode in ``wanted``, simulated under ``mask``;
-    a mode or placement that cannot run is appended to ``skipped`` with the reason."""
+    a mode or placement that cannot run is appended to ``skipped`` with the reason. ``executor``:
+    the placements are planned and simulated there, in parallel (the rows and their order are the
+    same as in this process)."""
     evaluated: dict[str, list[ModeResult]] = {}
+    tasks: list[tuple[str, Placement]] = []
     for name in plan_modes():
         if name not in wanted:
             continue
@@ -276,17 +284,55 @@ def _evaluate_modes(wanted: set, world_size: int, shape: AttentionShape, topo: T
             if not candidates:
                 raise ValueError(f"no {name} placement fits CP {world_size} on nodes of {topo.gpus_per_node} with "
                                  f"heads {shape.heads}/{shape.kv_heads}")
-            found = []
-            for p in candidates:
-                p = p.with_options(backward_chunks=backward_chunks, schedule=schedule)
-                try:
-                    found.append(_evaluate_placement(name, p, shape, topo, mask, layout, work, explain))
-                except ValueError as e:
-                    skipped.append({"mode": f"{name} ({p.describe()})", "reason": str(e)})
-            evaluated[name] = found
         except ValueError as e:
             skipped.append({"mode": name, "reason": str(e)})
+            continue
+        evaluated[name] = []
+        tasks += [(name, p.with_options(backward_chunks=backward_chunks, schedule=schedule)) for p in candidates]
+    args = (shape, topo, mask, layout, work, explain)
+    if executor is None:
+        results = [_attempt(name, p, *args) for name, p in tasks]
+    else:
+        results = [f.result() for f in [executor.submit(_attempt, name, p, *args) for name, p in tasks]]
+    for (name, p), got in zip(tasks, results):
+        if isinstance(got, ModeResult):
+            evaluated[name].append(got)
+        else:
+            skipped.append({"mode": f"{name} ({p.describe()})", "reason": got})
     return evaluated
+
+
+def _attempt(name: str, p: Placement, *args) -> ModeResult | str:
+    """One placement's row, or why it cannot run (a worker's task: the reason travels back as text)."""
+    try:
+        return _evaluate_placement(name, p, *args)
+    except ValueError as e:
+        return str(e)
+
+
+def check_jobs(jobs) -> int:
+    """The number of processes ``jobs`` asks for: a positive integer, or 0 for one per CPU core this
+    process may run on. ValueError names anything else."""
+    if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 0:
+        raise ValueError(f"jobs must be a whole number >= 0 (0: one process per CPU core), got {jobs!r}")
+    if jobs:
+        return jobs
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+@contextmanager
+def _processes(jobs: int):
+    """A pool of ``jobs`` worker processes (None for one: plan here). Spawned, not forked: the
+    planner may run inside a process that holds threads (torch, a test runner), which a fork copies
+    in whatever state they are."""
+    if jobs == 1:
+        yield None
+        return
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield pool
 
 
 def _auto_row(pool: list[ModeResult]) -> ModeResult:
@@ -297,14 +343,21 @@ def _auto_row(pool: list[ModeResult]) -> ModeResult:
 
 def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: bool = True, modes=None,
              backward_chunks: str = "auto", schedule: str = "greedy", mask: Mask | None = None, layout=None,
-             work: bool = False, explain: bool = False) -> tuple[list[ModeResult], list[dict]]:
+             work: bool = False, explain: bool = False, jobs: int = 1,
+             executor: Executor | None = None) -> tuple[list[ModeResult], list[dict]]:
     """Rows for ``modes`` (see :data:`MODES`) and the modes that cannot run, with the reason.
 
     ``mask`` (default: causal or full by ``causal``) and ``layout`` (a layout, or a function of the
     placement giving one -- a layout balanced per Ulysses group) build the plan-based modes
     mask-aware; the formula rows (ulysses, usp) assume dense attention and are left out then.
     ``work``: give every plan-based row its per-rank work max / mean (masked rows always have it);
-    ``explain``: and where its time goes (``extra["breakdown"]``, :func:`~..plan.simulate.time_breakdown`)."""
+    ``explain``: and where its time goes (``extra["breakdown"]``, :func:`~..plan.simulate.time_breakdown`).
+    ``jobs``: processes that plan and simulate the placements in parallel (1: this one; 0: one per
+    CPU core; :func:`check_jobs`) -- the same rows, in the same order; ``layout`` must then pickle
+    (a layout, or a module-level function or ``functools.partial`` of one), and a mode registered
+    at run time rather than on import is unknown to the spawned workers. ``executor``: an executor
+    to use instead (jobs is then ignored)."""
+    jobs = check_jobs(jobs)
     allowed = all_modes()
     modes = allowed if modes is None else modes
     unknown = [m for m in modes if m not in allowed]
@@ -323,8 +376,9 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: boo
             wanted |= set(pool)
     if AUTO in wanted:
         wanted |= set(plan_modes())
-    evaluated = _evaluate_modes(wanted, world_size, shape, topo, mask if mask is not None else Mask(causal), layout,
-                                backward_chunks, schedule, skipped, work, explain)
+    with nullcontext(executor) if executor is not None else _processes(jobs) as pool:
+        evaluated = _evaluate_modes(wanted, world_size, shape, topo, mask if mask is not None else Mask(causal),
+                                    layout, backward_chunks, schedule, skipped, work, explain, pool)
     for mode in modes:
         if mode in REGISTRY:
             rows.extend(evaluated.get(mode, []))
@@ -432,13 +486,29 @@ def _node_ranks(world_size: int, topo: Topology) -> int | None:
 def layout_rows(world_size: int, shape: AttentionShape, topo: Topology, cu_seqlens, *, causal: bool = True,
                 window=None, modes=None, layouts=LAYOUTS, backward_chunks: str = "auto",
                 schedule: str = "greedy", explain: bool = False,
-                plan_thd: bool | None = None) -> tuple[list[ModeResult], list[dict]]:
+                plan_thd: bool | None = None, jobs: int = 1) -> tuple[list[ModeResult], list[dict]]:
     """Every mode of ``modes`` on each of ``layouts`` for these packed documents: Megatron's zigzag,
     Transformer Engine's THD (each document padded to 2 * CP; our modes on it, and TE's own p2p and
     a2a+p2p as it runs them: :data:`TE_ROWS`) and the balanced layout (nodes first when the group spans nodes; per Ulysses group for the
     hybrids). Rows carry their ``layout``; the THD rows' shape is the padded one. ``plan_thd``:
     plan the plugin's modes on THD (None: up to :data:`THD_PLAN_RANKS` ranks; above, they are
-    listed as skipped, with the reason, and TE's own rows are priced)."""
+    listed as skipped, with the reason, and TE's own rows are priced). ``jobs``: processes that plan
+    and simulate the placements of every layout in parallel (:func:`evaluate`)."""
+    jobs = check_jobs(jobs)
+    with _processes(jobs) as pool:
+        return _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, modes, layouts, backward_chunks,
+                            schedule, explain, plan_thd, pool)
+
+
+def _balanced_for(cu, world_size: int, causal: bool, window, hide: bool, ranks_per_node, p: Placement):
+    """The balanced layout a placement runs on (per its Ulysses group): a module-level function, so
+    that a worker process can be sent it."""
+    return balanced_layout(cu, world_size, causal=causal, window=window, group=p.ulysses, hide=hide,
+                           ranks_per_node=ranks_per_node)
+
+
+def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, modes, layouts, backward_chunks, schedule,
+                 explain, plan_thd, pool) -> tuple[list[ModeResult], list[dict]]:
     unknown = [name for name in layouts if name not in LAYOUTS]
     if unknown:
         raise ValueError(f"unknown layouts {unknown}; allowed: {', '.join(LAYOUTS)}")
@@ -453,15 +523,15 @@ def layout_rows(world_size: int, shape: AttentionShape, topo: Topology, cu_seqle
     for name in layouts:
         if name == "zigzag":
             got, skip = evaluate(world_size, shape, topo, modes=modes, backward_chunks=backward_chunks,
-                                 schedule=schedule, mask=Mask.from_cu_seqlens(cu, S, causal, window), explain=explain)
+                                 schedule=schedule, mask=Mask.from_cu_seqlens(cu, S, causal, window), explain=explain,
+                                 executor=pool)
         elif name in ("balanced", "balanced-hide"):
             hide = name == "balanced-hide"
             asked = _hybrid_modes(modes) if hide else modes  # hide changes only the Ulysses groups' layouts
             got, skip = evaluate(world_size, shape, topo, modes=asked, backward_chunks=backward_chunks,
-                                 schedule=schedule, mask=Mask(causal, window), explain=explain,
-                                 layout=lambda p: balanced_layout(cu, world_size, causal=causal, window=window,
-                                                                  group=p.ulysses, hide=hide,
-                                                                  ranks_per_node=_node_ranks(world_size, topo)))
+                                 schedule=schedule, mask=Mask(causal, window), explain=explain, executor=pool,
+                                 layout=partial(_balanced_for, cu, world_size, causal, window, hide,
+                                                _node_ranks(world_size, topo)))
             if hide:  # the fastest of the hybrids on it, then the rows asked for
                 pool = [r for r in got if r.mode in REGISTRY]
                 got = [r for r in got if r.mode in modes]
@@ -483,7 +553,8 @@ def layout_rows(world_size: int, shape: AttentionShape, topo: Topology, cu_seqle
                                  for m in modes]
             else:
                 got, skip = evaluate(world_size, padded, topo, modes=modes, backward_chunks=backward_chunks,
-                                     schedule=schedule, mask=Mask(causal, window), layout=thd, explain=explain)
+                                     schedule=schedule, mask=Mask(causal, window), layout=thd, explain=explain,
+                                     executor=pool)
             got += _te_rows(world_size, padded, topo, Mask(causal, window), thd, skip)
         rows += [replace(r, layout=name) for r in got]
         skipped += [{**s, "mode": f"{s['mode']} ({name})"} for s in skip]

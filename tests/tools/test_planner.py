@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -107,6 +109,7 @@ def test_cli_table_and_plot(capsys, tmp_path):
     *[(["--cp", "4", "--seq-len", "4096", "--plot", "p.png", "--plot-cp", cps],
        f"--plot-cp '{cps}' must be CP sizes joined by ',' that each split --seq-len 4096 into 2 x CP halves{tail}")
       for cps, tail in (("8,abc", ""), ("", ""), ("0", "; not \\[0\\]"), ("3,8", "; not \\[3\\]"))],
+    (["--cp", "4", "--jobs", "-1"], "--jobs -1: must be >= 0 \\(N processes; 0: one per CPU core\\)"),
 ])
 def test_cli_rejects_bad_input(capsys, argv, message):
     assert main(argv) == 2
@@ -335,6 +338,75 @@ def test_owner_work_is_the_te_plans_rank_work(P, S, window, u):
     hybrid = build_hybrid_plan("te-a2a+p2p", P, u, lambda sub, m, lay: build_rotation_plan(P // u, sub, m, lay),
                                shape, mask, layout)
     assert rank_work(hybrid) == owner_work(mask, layout, u)
+
+
+def test_jobs_plan_the_same_rows_in_parallel(capsys):
+    """Rows planned and simulated in worker processes are the rows of one process, in the same
+    order, with the same skipped rows -- over every layout (balanced per Ulysses group included)
+    and through the CLI (whose table differs only in the time it took)."""
+    shape = AttentionShape(seq_local=256, heads=4, kv_heads=2, head_dim=8)
+    cu = document_bounds("lognormal:300,1", 8 * 256, seed=3)
+    modes = ("ring", "mesh", "mesh-auto", "tasp", "a2a+tasp", "a2a+mesh", "auto", "usp")
+    one = layout_rows(8, shape, Topology(nodes=2, gpus_per_node=4), cu, modes=modes)
+    two = layout_rows(8, shape, Topology(nodes=2, gpus_per_node=4), cu, modes=modes, jobs=2)
+    assert one == two and [r.extra for r in one[0]] == [r.extra for r in two[0]]  # extra: not in ==
+    assert {r.layout for r in one[0]} == set(LAYOUTS) and one[1]
+    assert evaluate(4, shape, Topology(), modes=("ring", "mesh", "auto"), jobs=2) == \
+        evaluate(4, shape, Topology(), modes=("ring", "mesh", "auto"))
+    argv = ["--cp", "4", "--seq-len", "4096", "--docs", "lognormal:500,1", "--modes", "ring,tasp,a2a+ring,auto"]
+    tables = []
+    for jobs in ("1", "2", "0"):
+        assert main(argv + ["--jobs", jobs]) == 0
+        tables.append(re.sub(r"planned and simulated in [0-9.]+ s", "", capsys.readouterr().out))
+    assert tables[0] == tables[1] == tables[2] and "fastest over the layouts" in tables[0]
+
+
+def _workers(pid: int) -> list[int]:
+    """The pool workers a process spawned (not multiprocessing's resource tracker)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    worker = b"spawn_main" in f.read()
+            except OSError:
+                continue
+            if parent == pid and worker:
+                out.append(int(d))
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the worker processes in /proc")
+def test_cli_says_when_a_worker_is_killed():
+    """A worker killed mid-plan (out of memory, a signal) is an error naming --jobs, not a traceback
+    or a table short of its rows."""
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_mesh.tools.plan_cli", "--cp", "64", "--seq-len", "262144",
+                             "--docs", "lognormal:4096,1", "--layout", "balanced", "--jobs", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (kids := _workers(proc.pid)) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert kids, "no worker process started"
+        time.sleep(1)  # spawned and planning
+        os.kill(kids[0], signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1 and out == ""
+    assert "error: a worker process of --jobs 2 ended before its rows were planned" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("jobs", [-1, 1.5, True, "2", None])
+def test_jobs_must_be_a_whole_number(jobs):
+    with pytest.raises(ValueError, match=re.escape(f"jobs must be a whole number >= 0 (0: one process per CPU core), "
+                                                   f"got {jobs!r}")):
+        layout_rows(2, AttentionShape(seq_local=8), Topology(), [0, 16], jobs=jobs)
+    with pytest.raises(ValueError, match="jobs must be a whole number"):
+        evaluate(2, AttentionShape(seq_local=8), Topology(), jobs=jobs)
 
 
 def test_layout_rows_plan_thd_only_when_asked_above_the_limit(monkeypatch):
