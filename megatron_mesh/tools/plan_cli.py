@@ -466,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"megatron-mesh-plan: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the rows not started are dropped, the workers stop with this process
+        print("megatron-mesh-plan: interrupted", file=sys.stderr)
+        return 130
     except BrokenProcessPool:  # a worker killed (out of memory, a signal): its rows are lost
         print(f"megatron-mesh-plan: error: a worker process of --jobs {args.jobs} ended before its rows were planned "
               "(killed, or out of memory: each worker holds its own plans); run again with fewer --jobs",

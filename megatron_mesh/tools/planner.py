@@ -331,8 +331,13 @@ def _processes(jobs: int):
     if jobs == 1:
         yield None
         return
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
+    try:
         yield pool
+    except BaseException:  # Ctrl-C, a dead worker: drop the rows not started instead of planning them first
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
 
 
 def _auto_row(pool: list[ModeResult]) -> ModeResult:

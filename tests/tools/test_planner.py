@@ -400,6 +400,35 @@ def test_cli_says_when_a_worker_is_killed():
     assert "Traceback" not in err
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the worker processes in /proc")
+def test_cli_stops_its_workers_on_ctrl_c():
+    """Ctrl-C (SIGINT to the terminal's process group: the CLI and its workers) ends a parallel run
+    at once -- the rows not started are dropped, not planned first (this run takes minutes)."""
+    def interruptible():  # a shell's background job ignores SIGINT; a terminal's foreground one does not
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.setpgrp()
+
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_mesh.tools.plan_cli", "--cp", "64", "--seq-len", "262144",
+                             "--docs", "lognormal:4096,1", "--layout", "all", "--jobs", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)
+    try:
+        deadline = time.monotonic() + 60
+        while not (kids := _workers(proc.pid)) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert kids, "no worker process started"
+        time.sleep(1)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        deadline = time.monotonic() + 30
+        while any(os.path.exists(f"/proc/{k}") for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and out == ""
+    assert err.endswith("megatron-mesh-plan: interrupted\n")
+    assert not any(os.path.exists(f"/proc/{k}") for k in kids), "a worker outlived the interrupted run"
+
+
 @pytest.mark.parametrize("jobs", [-1, 1.5, True, "2", None])
 def test_jobs_must_be_a_whole_number(jobs):
     with pytest.raises(ValueError, match=re.escape(f"jobs must be a whole number >= 0 (0: one process per CPU core), "
