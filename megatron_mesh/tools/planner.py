@@ -360,8 +360,9 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: boo
     ``jobs``: processes that plan and simulate the placements in parallel (1: this one; 0: one per
     CPU core; :func:`check_jobs`) -- the same rows, in the same order; ``layout`` must then pickle
     (a layout, or a module-level function or ``functools.partial`` of one), and a mode registered
-    at run time rather than on import is unknown to the spawned workers. ``executor``: an executor
-    to use instead (jobs is then ignored)."""
+    at run time rather than on import is unknown to the spawned workers (they import the calling
+    script, as multiprocessing's spawn does: a script needs the ``if __name__ == "__main__":``
+    guard). ``executor``: an executor to use instead (jobs is then ignored)."""
     jobs = check_jobs(jobs)
     allowed = all_modes()
     modes = allowed if modes is None else modes
@@ -494,8 +495,8 @@ def layout_rows(world_size: int, shape: AttentionShape, topo: Topology, cu_seqle
                 plan_thd: bool | None = None, jobs: int = 1) -> tuple[list[ModeResult], list[dict]]:
     """Every mode of ``modes`` on each of ``layouts`` for these packed documents: Megatron's zigzag,
     Transformer Engine's THD (each document padded to 2 * CP; our modes on it, and TE's own p2p and
-    a2a+p2p as it runs them: :data:`TE_ROWS`) and the balanced layout (nodes first when the group spans nodes; per Ulysses group for the
-    hybrids). Rows carry their ``layout``; the THD rows' shape is the padded one. ``plan_thd``:
+    a2a+p2p as it runs them: :data:`TE_ROWS`) and the balanced layout (nodes first when the group
+    spans nodes; per Ulysses group for the hybrids). Rows carry their ``layout``; the THD rows' shape is the padded one. ``plan_thd``:
     plan the plugin's modes on THD (None: up to :data:`THD_PLAN_RANKS` ranks; above, they are
     listed as skipped, with the reason, and TE's own rows are priced). ``jobs``: processes that plan
     and simulate the placements of every layout in parallel (:func:`evaluate`)."""
