@@ -42,7 +42,7 @@ from ..plan.simulate import BACKWARD_FLOPS
 from ..plan.topology import Topology
 from ..plan.units import format_bytes
 from .planner import (AUTO, LAYOUTS, REGISTRY, ModeResult, all_modes, allowed_pairs, compute_floor, default_modes,
-                      evaluate, layout_rows)
+                      evaluate, layout_rows, worker_pool)
 
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 # the lines of --plot (one per mode: rows with one placement per CP size)
@@ -374,7 +374,7 @@ def _plot_sizes(args, modes: tuple[str, ...]) -> list[int]:
     return sizes
 
 
-def _plot(args, modes: tuple[str, ...], path: str, sizes: list[int]) -> None:
+def _plot(args, modes: tuple[str, ...], path: str, sizes: list[int], pool) -> None:
     import matplotlib  # lazy: only --plot needs it
 
     matplotlib.use("Agg")
@@ -384,7 +384,7 @@ def _plot(args, modes: tuple[str, ...], path: str, sizes: list[int]) -> None:
     for P in sizes:
         rows, _ = evaluate(P, _shape(args, P), _topology(argparse.Namespace(**{**vars(args), "nodes": None}), P),
                            causal=args.causal, modes=[m for m in PLOT_MODES if m in modes],
-                           backward_chunks=args.backward_chunks, schedule=args.schedule, jobs=args.jobs)
+                           backward_chunks=args.backward_chunks, schedule=args.schedule, executor=pool)
         for r in rows:
             series.setdefault(r.mode, []).append((P, r))
     fig, (ax_b, ax_t) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -448,21 +448,22 @@ def main(argv: list[str] | None = None) -> int:
         plot_sizes = _plot_sizes(args, modes) if args.plot else None
         start = time.perf_counter()
         floor = None
-        if layouts == ("zigzag",):
-            rows, skipped = evaluate(args.cp, shape, topo, causal=args.causal, modes=modes,
-                                     backward_chunks=args.backward_chunks, schedule=args.schedule, mask=mask,
-                                     explain=args.explain, jobs=args.jobs)
-        else:
-            window = None if mask is None or mask.window == (None, 0 if args.causal else None) else mask.window
-            rows, skipped = layout_rows(args.cp, shape, topo, docs, causal=args.causal, window=window, modes=modes,
-                                        layouts=layouts, backward_chunks=args.backward_chunks, schedule=args.schedule,
-                                        explain=args.explain, plan_thd=True if args.layout == "thd" else None,
-                                        jobs=args.jobs)
-        if docs is not None:  # the documents as given (one document over the whole sequence is plain causal)
-            floor = compute_floor(allowed_pairs(docs, args.causal, mask.window), args.cp, shape, topo)
-        elapsed = time.perf_counter() - start
-        if args.plot:
-            _plot(args, modes, args.plot, plot_sizes)
+        with worker_pool(args.jobs) as pool:  # one pool for the table and the plot
+            if layouts == ("zigzag",):
+                rows, skipped = evaluate(args.cp, shape, topo, causal=args.causal, modes=modes,
+                                         backward_chunks=args.backward_chunks, schedule=args.schedule, mask=mask,
+                                         explain=args.explain, executor=pool)
+            else:
+                window = None if mask is None or mask.window == (None, 0 if args.causal else None) else mask.window
+                rows, skipped = layout_rows(args.cp, shape, topo, docs, causal=args.causal, window=window,
+                                            modes=modes, layouts=layouts, backward_chunks=args.backward_chunks,
+                                            schedule=args.schedule, explain=args.explain,
+                                            plan_thd=True if args.layout == "thd" else None, executor=pool)
+            if docs is not None:  # the documents as given (one document over the whole sequence is plain causal)
+                floor = compute_floor(allowed_pairs(docs, args.causal, mask.window), args.cp, shape, topo)
+            elapsed = time.perf_counter() - start
+            if args.plot:
+                _plot(args, modes, args.plot, plot_sizes, pool)
     except ValueError as e:
         print(f"megatron-mesh-plan: error: {e}", file=sys.stderr)
         return 2

@@ -48,7 +48,7 @@ from ..plan.topology import Topology
 
 __all__ = ["all_modes", "default_modes", "derived_modes", "ModeResult", "evaluate", "plan_modes", "ulysses_result",
            "usp_result", "TIME_TOLERANCE", "FORMULAS", "LAYOUTS", "TE_ROWS", "layout_rows", "thd_layout",
-           "compute_floor", "allowed_pairs", "check_jobs"]
+           "compute_floor", "allowed_pairs", "check_jobs", "worker_pool"]
 
 # rows beyond the registry: the fastest plan of all, and the formulas
 AUTO = "auto"
@@ -324,10 +324,12 @@ def check_jobs(jobs) -> int:
 
 
 @contextmanager
-def _processes(jobs: int):
-    """A pool of ``jobs`` worker processes (None for one: plan here). Spawned, not forked: the
+def worker_pool(jobs: int):
+    """A pool of ``jobs`` worker processes (:func:`check_jobs`; None for one: plan here) to pass as
+    ``executor`` to several :func:`evaluate` / :func:`layout_rows` calls. Spawned, not forked: the
     planner may run inside a process that holds threads (torch, a test runner), which a fork copies
     in whatever state they are."""
+    jobs = check_jobs(jobs)
     if jobs == 1:
         yield None
         return
@@ -382,7 +384,7 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: boo
             wanted |= set(pool)
     if AUTO in wanted:
         wanted |= set(plan_modes())
-    with nullcontext(executor) if executor is not None else _processes(jobs) as pool:
+    with nullcontext(executor) if executor is not None else worker_pool(jobs) as pool:
         evaluated = _evaluate_modes(wanted, world_size, shape, topo, mask if mask is not None else Mask(causal),
                                     layout, backward_chunks, schedule, skipped, work, explain, pool)
     for mode in modes:
@@ -492,16 +494,17 @@ def _node_ranks(world_size: int, topo: Topology) -> int | None:
 def layout_rows(world_size: int, shape: AttentionShape, topo: Topology, cu_seqlens, *, causal: bool = True,
                 window=None, modes=None, layouts=LAYOUTS, backward_chunks: str = "auto",
                 schedule: str = "greedy", explain: bool = False,
-                plan_thd: bool | None = None, jobs: int = 1) -> tuple[list[ModeResult], list[dict]]:
+                plan_thd: bool | None = None, jobs: int = 1,
+                executor: Executor | None = None) -> tuple[list[ModeResult], list[dict]]:
     """Every mode of ``modes`` on each of ``layouts`` for these packed documents: Megatron's zigzag,
     Transformer Engine's THD (each document padded to 2 * CP; our modes on it, and TE's own p2p and
     a2a+p2p as it runs them: :data:`TE_ROWS`) and the balanced layout (nodes first when the group
     spans nodes; per Ulysses group for the hybrids). Rows carry their ``layout``; the THD rows' shape is the padded one. ``plan_thd``:
     plan the plugin's modes on THD (None: up to :data:`THD_PLAN_RANKS` ranks; above, they are
     listed as skipped, with the reason, and TE's own rows are priced). ``jobs``: processes that plan
-    and simulate the placements of every layout in parallel (:func:`evaluate`)."""
+    and simulate the placements of every layout in parallel, or ``executor`` (:func:`evaluate`)."""
     jobs = check_jobs(jobs)
-    with _processes(jobs) as pool:
+    with nullcontext(executor) if executor is not None else worker_pool(jobs) as pool:
         return _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, modes, layouts, backward_chunks,
                             schedule, explain, plan_thd, pool)
 

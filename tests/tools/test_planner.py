@@ -340,7 +340,7 @@ def test_owner_work_is_the_te_plans_rank_work(P, S, window, u):
     assert rank_work(hybrid) == owner_work(mask, layout, u)
 
 
-def test_jobs_plan_the_same_rows_in_parallel(capsys):
+def test_jobs_plan_the_same_rows_in_parallel(capsys, tmp_path):
     """Rows planned and simulated in worker processes are the rows of one process, in the same
     order, with the same skipped rows -- over every layout (balanced per Ulysses group included)
     and through the CLI (whose table differs only in the time it took)."""
@@ -359,6 +359,10 @@ def test_jobs_plan_the_same_rows_in_parallel(capsys):
         assert main(argv + ["--jobs", jobs]) == 0
         tables.append(re.sub(r"planned and simulated in [0-9.]+ s", "", capsys.readouterr().out))
     assert tables[0] == tables[1] == tables[2] and "fastest over the layouts" in tables[0]
+    # the plot's CP sizes share the table's workers
+    assert main(["--cp", "4", "--seq-len", "4096", "--plot", str(tmp_path / "p.png"), "--plot-cp", "4,8",
+                 "--jobs", "2"]) == 0
+    assert png_size(tmp_path / "p.png")[0] > 0
 
 
 def _workers(pid: int) -> list[int]:
