@@ -42,7 +42,7 @@ from ..plan.simulate import BACKWARD_FLOPS
 from ..plan.topology import Topology
 from ..plan.units import format_bytes
 from .planner import (AUTO, LAYOUTS, REGISTRY, ModeResult, all_modes, allowed_pairs, compute_floor, default_modes,
-                      evaluate, layout_rows, worker_pool)
+                      derived_modes, evaluate, layout_rows, mean_rows, worker_pool)
 
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 # the lines of --plot (one per mode: rows with one placement per CP size)
@@ -79,6 +79,10 @@ def _parser() -> argparse.ArgumentParser:
                         "one:524288+lognormal:4096,1); N and MEAN at most --seq-len, the last document is cut where "
                         "the sequence ends")
     g.add_argument("--seed", type=int, default=0, help="random seed of --docs lognormal")
+    g.add_argument("--samples", type=int, default=1, metavar="N",
+                   help="plan N samples of --docs lognormal (seeds --seed .. --seed+N-1) and give each row's mean "
+                        "over them (buffer memory: the largest; 'time max': the slowest sample): what a run over "
+                        "many such samples can expect, where one sample can mislead")
     g.add_argument("--layout", default=None, choices=LAYOUTS + ("all",),
                    help="the sequence layout under --docs: Megatron's zigzag, Transformer Engine's THD (each document "
                         "padded to 2 x CP; TE's own p2p and a2a+p2p on it too), the plugin's balanced layout, the "
@@ -148,8 +152,9 @@ def _shape(args, world_size: int) -> AttentionShape:
                           head_dim=args.head_dim, itemsize=ITEMSIZE[args.dtype])
 
 
-def _mask(args) -> Mask | None:
-    """The mask of --window / --docs (None: plain causal or full attention)."""
+def _mask(args, seed: int | None = None) -> Mask | None:
+    """The mask of --window / --docs drawn with ``seed`` (default --seed; None: plain causal or
+    full attention)."""
     window = None
     if args.window is not None:
         try:
@@ -159,7 +164,8 @@ def _mask(args) -> Mask | None:
         if len(parts) not in (1, 2) or min(parts) < 0:
             raise ValueError(f"--window {args.window!r} must be L or L,R (integers >= 0)")
         window = (parts[0], parts[1] if len(parts) == 2 else (0 if args.causal else None))
-    docs = None if args.docs is None else document_bounds(args.docs, args.seq_len, args.seed)
+    docs = None if args.docs is None else document_bounds(args.docs, args.seq_len,
+                                                          args.seed if seed is None else seed)
     if window is None and docs is None:
         return None
     mask = Mask(args.causal, window) if docs is None else Mask.from_cu_seqlens(docs, args.seq_len, args.causal, window)
@@ -256,10 +262,12 @@ def _modes(text: str) -> tuple[str, ...]:
 def _table(rows: list[ModeResult], skipped: list[dict], floor: float | None = None) -> str:
     ring = next((r for r in rows if r.mode == REFERENCE_MODE), None)
     work = any("forward_work_max_over_mean" in r.extra for r in rows)
+    sampled = any("time_s_max" in r.extra for r in rows)  # rows averaged over samples (mean_rows)
     layouts = len({r.layout for r in rows}) > 1
     head = (["layout"] if layouts else []) + \
         ["mode", "a2a", "tile", "order", "bytes/rank", "vs ring", "intra", "inter mean", "inter max", "rounds",
-         "peak buf", "fwd ms", "bwd ms", "time ms", "exposed ms", "speedup"] + (["work max/mean"] if work else []) + \
+         "peak buf", "fwd ms", "bwd ms", "time ms"] + (["time max"] if sampled else []) + \
+        ["exposed ms", "speedup"] + (["work max/mean"] if work else []) + \
         (["x floor"] if floor else [])
     lines = [head]
     for r in rows:
@@ -271,7 +279,8 @@ def _table(rows: list[ModeResult], skipped: list[dict], floor: float | None = No
                r.contiguous or "-", format_bytes(r.bytes_per_rank), vs, format_bytes(r.intra_node_bytes_per_rank),
                format_bytes(r.inter_node_bytes_per_rank), format_bytes(r.max_inter_node_bytes), str(r.rounds),
                format_bytes(r.peak_buffer_bytes), f"{r.forward_s * 1e3:.2f}", f"{r.backward_s * 1e3:.2f}",
-               f"{r.time_s * 1e3:.2f}", f"{r.exposed_comm_s * 1e3:.2f}", speed]
+               f"{r.time_s * 1e3:.2f}"] + ([f"{r.extra['time_s_max'] * 1e3:.2f}"] if sampled else []) + \
+            [f"{r.exposed_comm_s * 1e3:.2f}", speed]
         if work:
             w = r.extra.get("forward_work_max_over_mean")
             row.append("-" if w is None else f"{w:.2f}")
@@ -327,16 +336,19 @@ def megatron_flags(r: ModeResult, world_size: int) -> str | None:
 def _best(rows: list[ModeResult], floor: float | None = None, world_size: int | None = None) -> str:
     """Under several layouts: the fastest row and the row whose busiest rank sends the fewest
     bytes, over every layout (the auto rows repeat a row, so they are left out)."""
-    pool = [r for r in rows if r.mode != AUTO]
+    samples = max((r.extra.get("samples", 1) for r in rows), default=1)
+    # over several samples a derived row's pick changes from sample to sample: no one set of flags runs it
+    pool = [r for r in rows if r.mode != AUTO and (samples == 1 or r.mode not in derived_modes())]
     if len({r.layout for r in rows}) < 2 or not pool:
         return ""
     fast = min(pool, key=lambda r: r.time_s)
     light = min(pool, key=lambda r: r.bytes_per_rank)
     vs = f" ({fast.time_s / floor:.2f}x the compute floor)" if floor else ""
+    mean = f"mean over {samples} samples " if samples > 1 else ""
     flags = megatron_flags(fast, world_size) if world_size else None
-    return (f"fastest over the layouts: {_row_name(fast)}, {fast.time_s * 1e3:.2f} ms{vs}\n" +
+    return (f"fastest over the layouts: {_row_name(fast)}, {mean}{fast.time_s * 1e3:.2f} ms{vs}\n" +
             (f"  in Megatron: {flags}\n" if flags else "") +
-            f"fewest bytes sent by the busiest rank: {_row_name(light)}, {format_bytes(light.bytes_per_rank)}")
+            f"fewest bytes sent by the busiest rank: {_row_name(light)}, {mean}{format_bytes(light.bytes_per_rank)}")
 
 
 def _header(args, world_size: int, shape: AttentionShape, topo: Topology, mask: Mask | None = None) -> str:
@@ -434,6 +446,41 @@ def _explain(rows, floor: float | None) -> str:
     return "\n".join(out)
 
 
+def _seeds(args) -> list[int]:
+    """The --seed of each sample of --docs (--samples of them, from --seed on)."""
+    n = args.samples
+    if n < 1:
+        raise ValueError(f"--samples {n}: must be >= 1")
+    if n > 1:
+        random_docs = args.docs is not None and any(p.partition(":")[0] == "lognormal" for p in args.docs.split("+"))
+        if not random_docs:
+            raise ValueError(f"--samples {n} draws --docs with seeds {args.seed}..{args.seed + n - 1}: give --docs a "
+                             f"lognormal part (one: and fixed: documents are the same in every sample), got "
+                             f"{args.docs!r}")
+        if args.explain:
+            raise ValueError(f"--explain breaks down one sample's plans: leave out --samples {n} or --explain")
+    return list(range(args.seed, args.seed + n))
+
+
+def _plan_sample(args, modes, shape: AttentionShape, topo: Topology, mask: Mask | None, seed: int, layouts,
+                 pool) -> tuple[list[ModeResult], list[dict], float | None]:
+    """The rows, the rows left out and the compute floor of one sample of --docs (seed ``seed``)."""
+    docs = None if args.docs is None else document_bounds(args.docs, args.seq_len, seed)
+    if layouts == ("zigzag",):
+        rows, skipped = evaluate(args.cp, shape, topo, causal=args.causal, modes=modes,
+                                 backward_chunks=args.backward_chunks, schedule=args.schedule, mask=mask,
+                                 explain=args.explain, executor=pool)
+    else:
+        window = None if mask is None or mask.window == (None, 0 if args.causal else None) else mask.window
+        rows, skipped = layout_rows(args.cp, shape, topo, docs, causal=args.causal, window=window, modes=modes,
+                                    layouts=layouts, backward_chunks=args.backward_chunks, schedule=args.schedule,
+                                    explain=args.explain, plan_thd=True if args.layout == "thd" else None,
+                                    executor=pool)
+    # the documents as given (one document over the whole sequence is plain causal)
+    floor = None if docs is None else compute_floor(allowed_pairs(docs, args.causal, mask.window), args.cp, shape, topo)
+    return rows, skipped, floor
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -443,24 +490,18 @@ def main(argv: list[str] | None = None) -> int:
         shape = _shape(args, args.cp)
         topo = _topology(args, args.cp)
         mask = _mask(args)
-        docs = None if args.docs is None else document_bounds(args.docs, args.seq_len, args.seed)
+        seeds = _seeds(args)
         layouts = _layouts(args)
         plot_sizes = _plot_sizes(args, modes) if args.plot else None
         start = time.perf_counter()
-        floor = None
-        with worker_pool(args.jobs) as pool:  # one pool for the table and the plot
-            if layouts == ("zigzag",):
-                rows, skipped = evaluate(args.cp, shape, topo, causal=args.causal, modes=modes,
-                                         backward_chunks=args.backward_chunks, schedule=args.schedule, mask=mask,
-                                         explain=args.explain, executor=pool)
-            else:
-                window = None if mask is None or mask.window == (None, 0 if args.causal else None) else mask.window
-                rows, skipped = layout_rows(args.cp, shape, topo, docs, causal=args.causal, window=window,
-                                            modes=modes, layouts=layouts, backward_chunks=args.backward_chunks,
-                                            schedule=args.schedule, explain=args.explain,
-                                            plan_thd=True if args.layout == "thd" else None, executor=pool)
-            if docs is not None:  # the documents as given (one document over the whole sequence is plain causal)
-                floor = compute_floor(allowed_pairs(docs, args.causal, mask.window), args.cp, shape, topo)
+        with worker_pool(args.jobs) as pool:  # one pool for every sample, the table and the plot
+            planned = [_plan_sample(args, modes, shape, topo, mask if seed == args.seed else _mask(args, seed), seed,
+                                    layouts, pool) for seed in seeds]
+            rows, skipped, floor = planned[0]
+            if len(planned) > 1:  # the mean over the samples; what any sample could not plan
+                rows, missing = mean_rows([r for r, _, _ in planned])
+                skipped = list({(s["mode"], s["reason"]): s for _, sk, _ in planned for s in sk}.values()) + missing
+                floor = sum(f for _, _, f in planned) / len(planned)
             elapsed = time.perf_counter() - start
             if args.plot:
                 _plot(args, modes, args.plot, plot_sizes, pool)
@@ -480,13 +521,18 @@ def main(argv: list[str] | None = None) -> int:
                           "problem": {"cp": args.cp, "seq_len": args.seq_len, **vars(shape), "causal": args.causal,
                                       "mask": mask.text() if mask is not None else None},
                           "topology": {k: v for k, v in vars(topo).items() if k != "node_of"},
-                          "compute_floor_s": floor, "planner_seconds": elapsed}, indent=1))
+                          "compute_floor_s": floor, "samples": len(seeds), "seeds": seeds if args.docs else None,
+                          "planner_seconds": elapsed}, indent=1))
     else:
         print(_header(args, args.cp, shape, topo, mask))
+        if len(seeds) > 1:
+            print(f"samples: {len(seeds)} of --docs {args.docs} (--seed {seeds[0]}..{seeds[-1]}); every number is the "
+                  "mean over them (buffer memory: the largest; time max: the slowest sample); the documents above "
+                  "are the first sample's\n")
         if floor:
             print(f"compute floor: {floor * 1e3:.2f} ms (every allowed pair spread evenly over the ranks, forward + "
                   f"{BACKWARD_FLOPS}x backward at {topo.attention_flops / 1e12:g} TFLOP/s; no communication, no "
-                  "kernel launches)\n")
+                  "kernel launches" + ("; the mean over the samples" if len(seeds) > 1 else "") + ")\n")
         print(_table(rows, skipped, floor))
         best = _best(rows, floor, args.cp)
         if best:

@@ -48,7 +48,7 @@ from ..plan.topology import Topology
 
 __all__ = ["all_modes", "default_modes", "derived_modes", "ModeResult", "evaluate", "plan_modes", "ulysses_result",
            "usp_result", "TIME_TOLERANCE", "FORMULAS", "LAYOUTS", "TE_ROWS", "layout_rows", "thd_layout",
-           "compute_floor", "allowed_pairs", "check_jobs", "worker_pool"]
+           "compute_floor", "allowed_pairs", "check_jobs", "worker_pool", "mean_rows"]
 
 # rows beyond the registry: the fastest plan of all, and the formulas
 AUTO = "auto"
@@ -340,6 +340,69 @@ def worker_pool(jobs: int):
         pool.shutdown(wait=False, cancel_futures=True)
         raise
     pool.shutdown()
+
+
+# the numbers of a row that are memory: over several samples the largest counts (a buffer has to
+# fit the worst sample); every other number is the mean
+_PEAK_FIELDS = ("peak_buffer_bytes", "held_buffer_bytes")
+
+
+def mean_rows(samples: list[list[ModeResult]]) -> tuple[list[ModeResult], list[dict]]:
+    """Rows of several samples of documents (one list of rows per sample, e.g. :func:`layout_rows`
+    of each) as one row per (layout, mode, all-to-all degree, tile, order): every number the mean
+    over the samples, buffer memory the largest, ``extra["time_s_max"]`` the slowest sample's time,
+    ``extra["samples"]`` their number -- what a run over many such samples can expect, where one
+    sample can mislead (the winner between two layouts can change from sample to sample). A
+    derived row (``auto``, ``mesh-auto``...) may pick differently per sample: it is kept per
+    (layout, mode), its mean is that of its picks, and its detail counts them. A row missing from
+    some sample is left out, with the reason (second value)."""
+    if not samples or any(not isinstance(rows, list) for rows in samples):
+        raise ValueError("mean_rows takes a non-empty list of samples, each a list of rows")
+    derived = set(derived_modes())
+
+    def key(r: ModeResult):
+        return (r.layout, r.mode) if r.mode in derived else (r.layout, r.mode, r.ulysses, r.tile, r.contiguous)
+
+    by: dict = {}
+    for rows in samples:
+        for r in rows:
+            by.setdefault(key(r), []).append(r)
+    n = len(samples)
+    out, skipped = [], []
+    for k, rs in by.items():
+        if len(rs) != n:
+            skipped.append({"mode": f"{rs[0].mode} ({rs[0].layout})",
+                            "reason": f"planned in {len(rs)} of the {n} samples only"})
+            continue
+        first = rs[0]
+        values = {}
+        for f in ("bytes_per_rank", "intra_node_bytes_per_rank", "inter_node_bytes_per_rank", "max_inter_node_bytes",
+                  "rounds", "peak_buffer_bytes", "time_s", "forward_s", "backward_s", "compute_s"):
+            xs = [getattr(r, f) for r in rs]
+            v = max(xs) if f in _PEAK_FIELDS else sum(xs) / n
+            values[f] = round(v) if isinstance(getattr(first, f), int) else v
+        extra = {}
+        for name, v in first.extra.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and all(name in r.extra for r in rs):
+                xs = [r.extra[name] for r in rs]
+                extra[name] = max(xs) if name in _PEAK_FIELDS else sum(xs) / n
+                extra[name] = round(extra[name]) if isinstance(v, int) else extra[name]
+        extra.update(time_s_max=max(r.time_s for r in rs), samples=n)
+        picks = [_pick_name(r) for r in rs]
+        if first.mode in derived and len(set(picks)) > 1:  # no one placement: the counts say which
+            counts = ", ".join(f"{p} in {picks.count(p)}" for p in dict.fromkeys(picks))
+            values.update(detail=f"the fastest per sample: {counts} of the {n} samples", tile=None, contiguous=None,
+                          ulysses=first.ulysses if len({r.ulysses for r in rs}) == 1 else 1)
+        out.append(replace(first, **values, extra=extra))
+    return out, skipped
+
+
+def _pick_name(r: ModeResult) -> str:
+    """What a derived row picked in one sample: the mode (auto's, from its detail), the all-to-all
+    degree and the tile."""
+    mode = r.detail.split(":")[0] if r.mode == AUTO else r.mode.removesuffix("-auto")
+    return " ".join([mode] + ([f"U {r.ulysses}"] if r.ulysses > 1 else []) +
+                    ([f"{r.tile[0]}x{r.tile[1]}"] if r.tile else []))
 
 
 def _auto_row(pool: list[ModeResult]) -> ModeResult:

@@ -26,7 +26,7 @@ from megatron_mesh.tools.plan_cli import document_bounds, main
 from helpers import png_size
 from megatron_mesh.plan.simulate import BACKWARD_FLOPS
 from megatron_mesh.tools.planner import (LAYOUTS, TE_ROWS, TIME_TOLERANCE, allowed_pairs, compute_floor, evaluate,
-                                        layout_rows, ulysses_result, usp_result)
+                                        layout_rows, mean_rows, ulysses_result, usp_result)
 
 GQA = AttentionShape(seq_local=16384, heads=32, kv_heads=8, head_dim=128)
 MHA = AttentionShape(seq_local=4096, heads=32, kv_heads=32, head_dim=128)
@@ -110,6 +110,13 @@ def test_cli_table_and_plot(capsys, tmp_path):
        f"--plot-cp '{cps}' must be CP sizes joined by ',' that each split --seq-len 4096 into 2 x CP halves{tail}")
       for cps, tail in (("8,abc", ""), ("", ""), ("0", "; not \\[0\\]"), ("3,8", "; not \\[3\\]"))],
     (["--cp", "4", "--jobs", "-1"], "--jobs -1: must be >= 0 \\(N processes; 0: one per CPU core\\)"),
+    (["--cp", "4", "--seq-len", "4096", "--docs", "lognormal:100,1", "--samples", "0"], "--samples 0: must be >= 1"),
+    (["--cp", "4", "--seq-len", "4096", "--docs", "one:96+fixed:1000", "--samples", "2"],
+     "--samples 2 draws --docs with seeds 0..1: give --docs a lognormal part \\(one: and fixed: documents are the "
+     "same in every sample\\), got 'one:96\\+fixed:1000'"),
+    (["--cp", "4", "--seed", "5", "--samples", "3"], "--samples 3 draws --docs with seeds 5..7: .*got None"),
+    (["--cp", "4", "--seq-len", "4096", "--docs", "lognormal:100,1", "--samples", "2", "--explain"],
+     "--explain breaks down one sample's plans: leave out --samples 2 or --explain"),
 ])
 def test_cli_rejects_bad_input(capsys, argv, message):
     assert main(argv) == 2
@@ -363,6 +370,54 @@ def test_jobs_plan_the_same_rows_in_parallel(capsys, tmp_path):
     assert main(["--cp", "4", "--seq-len", "4096", "--plot", str(tmp_path / "p.png"), "--plot-cp", "4,8",
                  "--jobs", "2"]) == 0
     assert png_size(tmp_path / "p.png")[0] > 0
+
+
+def test_cli_samples_give_each_rows_mean_over_the_samples(capsys):
+    """--samples N plans N samples of the documents (seeds --seed..--seed+N-1): every number is the
+    mean of the rows of each seed alone, buffer memory the largest, the slowest sample's time its
+    own column; the fastest row over the layouts is a placement Megatron's flags can name (a
+    derived row may pick differently per sample)."""
+    base = ["--cp", "4", "--seq-len", "8192", "--docs", "lognormal:700,1.2", "--modes",
+            "ring,tasp,a2a+ring,mesh-auto,auto", "--seed", "2"]
+    each = [_json(capsys, *base[:-1], str(seed)) for seed in (2, 3, 4)]
+    mean = _json(capsys, *base, "--samples", "3", "--jobs", "2")
+    assert mean["samples"] == 3 and mean["seeds"] == [2, 3, 4]
+    assert mean["compute_floor_s"] == pytest.approx(sum(d["compute_floor_s"] for d in each) / 3)
+    key = lambda r: (r["layout"], r["mode"], r["ulysses"], str(r["tile"]))  # noqa: E731
+    fixed = {key(r): r for r in mean["modes"] if r["mode"] in ("ring", "tasp", "a2a+ring", "te-p2p", "te-a2a+p2p")}
+    assert {k[0] for k in fixed} == set(LAYOUTS) and len(fixed) >= 8
+    for k, row in fixed.items():
+        rows = [next(r for r in d["modes"] if key(r) == k) for d in each]
+        for field in ("time_s", "forward_s", "backward_s", "forward_work_max_over_mean"):
+            assert row[field] == pytest.approx(sum(r[field] for r in rows) / 3), (k, field)
+        assert abs(row["bytes_per_rank"] - sum(r["bytes_per_rank"] for r in rows) / 3) <= 0.5
+        assert row["peak_buffer_bytes"] == max(r["peak_buffer_bytes"] for r in rows)
+        assert row["time_s_max"] == max(r["time_s"] for r in rows) and row["samples"] == 3
+    assert main(base + ["--samples", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "samples: 3 of --docs lognormal:700,1.2 (--seed 2..4); every number is the mean over them" in out
+    assert " time max " in out.splitlines()[next(i for i, x in enumerate(out.splitlines()) if x.startswith("layout"))]
+    line = next(x for x in out.splitlines() if x.startswith("fastest over the layouts: "))
+    pool = [r for r in mean["modes"] if r["mode"] not in ("auto", "mesh-auto")]
+    fast = min(pool, key=lambda r: r["time_s"])
+    assert f"{fast['mode']} " in line and f"mean over 3 samples {fast['time_s'] * 1e3:.2f} ms" in line
+
+
+def test_mean_rows_say_what_they_cannot_average():
+    """A row missing from a sample is left out with the reason; a derived row whose pick changes
+    names no tile and counts its picks."""
+    shape = AttentionShape(seq_local=256, heads=4, kv_heads=2, head_dim=8)
+    rows, _ = evaluate(4, shape, Topology(), modes=("ring", "mesh", "mesh-auto"))
+    ring = next(r for r in rows if r.mode == "ring")
+    auto = next(r for r in rows if r.mode == "mesh-auto")
+    other = dataclasses.replace(auto, tile=(4, 1), time_s=auto.time_s * 3)
+    got, skipped = mean_rows([[ring, auto], [auto.__class__(**{**dataclasses.asdict(other)})]])
+    assert [r.mode for r in got] == ["mesh-auto"] and got[0].tile is None
+    assert got[0].time_s == pytest.approx(auto.time_s * 2) and got[0].extra["time_s_max"] == other.time_s
+    assert got[0].detail == f"the fastest per sample: mesh {auto.tile[0]}x{auto.tile[1]} in 1, mesh 4x1 in 1 of the 2 samples"
+    assert skipped == [{"mode": "ring (zigzag)", "reason": "planned in 1 of the 2 samples only"}]
+    with pytest.raises(ValueError, match="a non-empty list of samples"):
+        mean_rows([])
 
 
 def _workers(pid: int) -> list[int]:
