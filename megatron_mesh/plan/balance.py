@@ -52,8 +52,9 @@ documents the group runs first, while the crossing tokens' round arrives, the ot
 documents it runs last, while the crossing rows go home -- each the fewest tokens with the pairs
 to hide that round (:data:`FIRST_PAIRS`, :data:`LAST_PAIRS`). It pays where the inside
 documents' work is not needed to hide the inner plan's rounds (at 256 GPUs, 1M tokens: 3.05 ->
-2.98 ms with documents of mean 4096, 13.2 -> 14.2 ms of mean 16384): the planner compares
-"balanced" and "balanced-hide".
+2.98 ms with documents of mean 4096 (seed 0; over seeds 0-4 it loses, 3.67 -> 4.19 ms on
+average), 13.2 -> 14.2 ms of mean 16384): the planner compares "balanced" and "balanced-hide"
+(``--samples`` over several samples).
 """
 
 from __future__ import annotations

@@ -12,7 +12,9 @@ Masks: ``--window L[,R]`` (a sliding window) and ``--docs SPEC`` (packed documen
 or ``lognormal:MEAN,SIGMA`` document lengths drawn with ``--seed``, after any ``one:N+`` single
 documents, e.g. ``one:524288+lognormal:4096,1``) plan every mode mask-aware and add the per-rank
 work max / mean. With documents the layouts are compared side by side (``--layout``), and the
-table ends with the fastest row and the fewest bytes on the busiest rank over them.
+table ends with the fastest row and the fewest bytes on the busiest rank over them;
+``--samples N`` plans N samples of the documents and gives every row's mean over them (one
+sample can mislead: which layout wins can change from sample to sample).
 
 ``--json`` prints ``{"modes": [{"mode", "tile", "bytes_per_rank", "inter_node_bytes_per_rank",
 "rounds", "time_s", ...}], "skipped": [...], ...}`` (bytes are whole bytes sent in one layer's
@@ -446,14 +448,18 @@ def _explain(rows, floor: float | None) -> str:
     return "\n".join(out)
 
 
+def _random_docs(spec: str | None) -> bool:
+    """--docs draws its lengths at random (a lognormal part): its samples differ by --seed."""
+    return spec is not None and any(p.partition(":")[0] == "lognormal" for p in spec.split("+"))
+
+
 def _seeds(args) -> list[int]:
     """The --seed of each sample of --docs (--samples of them, from --seed on)."""
     n = args.samples
     if n < 1:
         raise ValueError(f"--samples {n}: must be >= 1")
     if n > 1:
-        random_docs = args.docs is not None and any(p.partition(":")[0] == "lognormal" for p in args.docs.split("+"))
-        if not random_docs:
+        if not _random_docs(args.docs):
             raise ValueError(f"--samples {n} draws --docs with seeds {args.seed}..{args.seed + n - 1}: give --docs a "
                              f"lognormal part (one: and fixed: documents are the same in every sample), got "
                              f"{args.docs!r}")
@@ -537,6 +543,8 @@ def main(argv: list[str] | None = None) -> int:
         best = _best(rows, floor, args.cp)
         if best:
             print("\n" + best)
+            if len(seeds) == 1 and _random_docs(args.docs):  # which layout wins can change from sample to sample
+                print(f"(one sample of --docs, --seed {args.seed}: --samples N gives the mean over N samples)")
         if args.explain:
             print(_explain(rows, floor))
         print(f"\n(planned and simulated in {elapsed:.2f} s)" + (f"; plot written to {args.plot}" if args.plot else ""))

@@ -205,6 +205,7 @@ def test_cli_names_the_fastest_row_and_the_fewest_bytes_over_the_layouts(capsys)
     assert flags.split()[3] == fast["mode"].removesuffix("-auto")  # the flags' own test: tests/megatron
     line = next(x for x in out.splitlines() if x.startswith("fewest bytes sent by the busiest rank: "))
     assert f"{light['mode']} " in line and f" on {light['layout']}, " in line
+    assert "(one sample of --docs, --seed 0: --samples N gives the mean over N samples)" in out
     assert main(argv + ["--layout", "balanced"]) == 0  # one layout: the table's auto row says it
     assert "fastest over the layouts" not in capsys.readouterr().out
 
