@@ -506,7 +506,11 @@ def main(argv: list[str] | None = None) -> int:
             rows, skipped, floor = planned[0]
             if len(planned) > 1:  # the mean over the samples; what any sample could not plan
                 rows, missing = mean_rows([r for r, _, _ in planned])
-                skipped = list({(s["mode"], s["reason"]): s for _, sk, _ in planned for s in sk}.values()) + missing
+                first: dict[str, dict] = {}  # per row, the first sample's reason (they differ in counts only)
+                for _, sk, _ in planned:
+                    for x in sk:
+                        first.setdefault(x["mode"], x)
+                skipped = list(first.values()) + missing
                 floor = sum(f for _, _, f in planned) / len(planned)
             elapsed = time.perf_counter() - start
             if args.plot:

@@ -373,7 +373,7 @@ def test_jobs_plan_the_same_rows_in_parallel(capsys, tmp_path):
     assert png_size(tmp_path / "p.png")[0] > 0
 
 
-def test_cli_samples_give_each_rows_mean_over_the_samples(capsys):
+def test_cli_samples_give_each_rows_mean_over_the_samples(capsys, monkeypatch):
     """--samples N plans N samples of the documents (seeds --seed..--seed+N-1): every number is the
     mean of the rows of each seed alone, buffer memory the largest, the slowest sample's time its
     own column; the fastest row over the layouts is a placement Megatron's flags can name (a
@@ -397,6 +397,11 @@ def test_cli_samples_give_each_rows_mean_over_the_samples(capsys):
     assert main(base + ["--samples", "3"]) == 0
     out = capsys.readouterr().out
     assert "samples: 3 of --docs lognormal:700,1.2 (--seed 2..4); every number is the mean over them" in out
+    import megatron_mesh.tools.planner as planner
+
+    monkeypatch.setattr(planner, "THD_PLAN_RANKS", 2)  # THD's reason names each sample's document count
+    names = [x["mode"] for x in _json(capsys, *base, "--samples", "3")["skipped"]]
+    assert "ring (balanced-hide)" in names and "ring (thd)" in names and len(set(names)) == len(names)
     assert " time max " in out.splitlines()[next(i for i, x in enumerate(out.splitlines()) if x.startswith("layout"))]
     line = next(x for x in out.splitlines() if x.startswith("fastest over the layouts: "))
     pool = [r for r in mean["modes"] if r["mode"] not in ("auto", "mesh-auto")]
