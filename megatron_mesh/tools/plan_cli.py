@@ -29,7 +29,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from concurrent.futures.process import BrokenProcessPool
 
@@ -44,7 +46,7 @@ from ..plan.simulate import BACKWARD_FLOPS
 from ..plan.topology import Topology
 from ..plan.units import format_bytes
 from .planner import (AUTO, LAYOUTS, REGISTRY, ModeResult, all_modes, allowed_pairs, compute_floor, default_modes,
-                      derived_modes, evaluate, layout_rows, mean_rows, worker_pool)
+                      evaluate, layout_rows, mean_rows, worker_pool)
 
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 # the lines of --plot (one per mode: rows with one placement per CP size)
@@ -339,8 +341,8 @@ def _best(rows: list[ModeResult], floor: float | None = None, world_size: int | 
     """Under several layouts: the fastest row and the row whose busiest rank sends the fewest
     bytes, over every layout (the auto rows repeat a row, so they are left out)."""
     samples = max((r.extra.get("samples", 1) for r in rows), default=1)
-    # over several samples a derived row's pick changes from sample to sample: no one set of flags runs it
-    pool = [r for r in rows if r.mode != AUTO and (samples == 1 or r.mode not in derived_modes())]
+    # over several samples a derived row whose pick changes from sample to sample: no one set of flags runs it
+    pool = [r for r in rows if r.mode != AUTO and len(set(r.extra.get("picks", ()))) < 2]
     if len({r.layout for r in rows}) < 2 or not pool:
         return ""
     fast = min(pool, key=lambda r: r.time_s)
@@ -487,8 +489,24 @@ def _plan_sample(args, modes, shape: AttentionShape, topo: Topology, mask: Mask 
     return rows, skipped, floor
 
 
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # SIGTERM (a job's time limit, kill) as an exception, so that the worker pool stops its workers
+    # on the way out instead of leaving them to init; the caller's handler comes back at the end
+    main_thread = threading.current_thread() is threading.main_thread()  # where signal handlers can be set
+    handler = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
+    try:
+        return _main(args)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if handler is None else handler)
+
+
+def _main(args) -> int:
     try:
         modes = _modes(args.modes)
         if args.jobs < 0:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 from concurrent.futures import Executor, ProcessPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
@@ -336,8 +337,14 @@ def worker_pool(jobs: int):
     pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
     try:
         yield pool
-    except BaseException:  # Ctrl-C, a dead worker: drop the rows not started instead of planning them first
+    except BaseException:  # Ctrl-C, SIGTERM, a dead worker: drop the rows not started, stop the running ones
+        workers = list(getattr(pool, "_processes", None) or {})  # pids; the executor has no public handle
         pool.shutdown(wait=False, cancel_futures=True)
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except OSError:  # already gone
+                pass
         raise
     pool.shutdown()
 
@@ -349,32 +356,33 @@ _PEAK_FIELDS = ("peak_buffer_bytes", "held_buffer_bytes")
 
 def mean_rows(samples: list[list[ModeResult]]) -> tuple[list[ModeResult], list[dict]]:
     """Rows of several samples of documents (one list of rows per sample, e.g. :func:`layout_rows`
-    of each) as one row per (layout, mode, all-to-all degree, tile, order): every number the mean
+    of each, for the same modes and machine) as one row per placement: every number the mean
     over the samples, buffer memory the largest, ``extra["time_s_max"]`` the slowest sample's time,
     ``extra["samples"]`` their number -- what a run over many such samples can expect, where one
     sample can mislead (the winner between two layouts can change from sample to sample). A
-    derived row (``auto``, ``mesh-auto``...) may pick differently per sample: it is kept per
-    (layout, mode), its mean is that of its picks, and its detail counts them. A row missing from
-    some sample is left out, with the reason (second value)."""
+    derived row (``auto``, ``mesh-auto``...) may pick differently per sample: its mean is that of
+    its picks, ``extra["picks"]`` names them and, where they differ, its detail counts them. A row
+    missing from some sample is left out, with the reason (second value)."""
     if not samples or any(not isinstance(rows, list) for rows in samples):
         raise ValueError("mean_rows takes a non-empty list of samples, each a list of rows")
     derived = set(derived_modes())
-
-    def key(r: ModeResult):
-        return (r.layout, r.mode) if r.mode in derived else (r.layout, r.mode, r.ulysses, r.tile, r.contiguous)
-
     by: dict = {}
     for rows in samples:
+        # a placement's k-th row of its (layout, mode) is the same placement in every sample (the
+        # candidates' order does not depend on the documents); its plan's tile may (a sample of
+        # one document plans ring as the dense zigzag, with a tile)
+        seen: dict = {}
         for r in rows:
-            by.setdefault(key(r), []).append(r)
+            k = seen[r.layout, r.mode] = seen.get((r.layout, r.mode), -1) + 1
+            by.setdefault((r.layout, r.mode, k), []).append(r)
     n = len(samples)
     out, skipped = [], []
-    for k, rs in by.items():
+    for rs in by.values():
+        first = rs[0]
         if len(rs) != n:
-            skipped.append({"mode": f"{rs[0].mode} ({rs[0].layout})",
+            skipped.append({"mode": f"{_pick_name(first)} ({first.layout})",
                             "reason": f"planned in {len(rs)} of the {n} samples only"})
             continue
-        first = rs[0]
         values = {}
         for f in ("bytes_per_rank", "intra_node_bytes_per_rank", "inter_node_bytes_per_rank", "max_inter_node_bytes",
                   "rounds", "peak_buffer_bytes", "time_s", "forward_s", "backward_s", "compute_s"):
@@ -388,27 +396,31 @@ def mean_rows(samples: list[list[ModeResult]]) -> tuple[list[ModeResult], list[d
                 extra[name] = max(xs) if name in _PEAK_FIELDS else sum(xs) / n
                 extra[name] = round(extra[name]) if isinstance(v, int) else extra[name]
         extra.update(time_s_max=max(r.time_s for r in rs), samples=n)
-        picks = [_pick_name(r) for r in rs]
-        if first.mode in derived and len(set(picks)) > 1:  # no one placement: the counts say which
-            counts = ", ".join(f"{p} in {picks.count(p)}" for p in dict.fromkeys(picks))
-            values.update(detail=f"the fastest per sample: {counts} of the {n} samples", tile=None, contiguous=None,
-                          ulysses=first.ulysses if len({r.ulysses for r in rs}) == 1 else 1)
+        if len({r.detail for r in rs}) > 1:  # e.g. the mask's documents: say whose it is
+            values["detail"] = f"first sample: {first.detail}"
+        picks = [r.extra.get("pick", _pick_name(r)) for r in rs]
+        if first.mode in derived:
+            extra["picks"] = picks
+            if len(set(picks)) > 1:  # no one placement: the counts say which
+                counts = ", ".join(f"{p} in {picks.count(p)}" for p in dict.fromkeys(picks))
+                values.update(detail=f"the fastest per sample: {counts} of the {n} samples", tile=None,
+                              contiguous=None, ulysses=first.ulysses if len({r.ulysses for r in rs}) == 1 else 1)
         out.append(replace(first, **values, extra=extra))
     return out, skipped
 
 
 def _pick_name(r: ModeResult) -> str:
-    """What a derived row picked in one sample: the mode (auto's, from its detail), the all-to-all
-    degree and the tile."""
-    mode = r.detail.split(":")[0] if r.mode == AUTO else r.mode.removesuffix("-auto")
-    return " ".join([mode] + ([f"U {r.ulysses}"] if r.ulysses > 1 else []) +
-                    ([f"{r.tile[0]}x{r.tile[1]}"] if r.tile else []))
+    """A row's placement in words: its mode, all-to-all degree, tile and rank order (what a
+    derived row picked: ``extra["pick"]``)."""
+    tile = [f"{r.tile[0]}x{r.tile[1]}"] + ([r.contiguous] if r.contiguous else []) if r.tile and r.tile[0] > 1 else []
+    return " ".join([r.mode] + ([f"U {r.ulysses}"] if r.ulysses > 1 else []) + tile)
 
 
 def _auto_row(pool: list[ModeResult]) -> ModeResult:
     """The ``auto`` row: the fastest of ``pool``, naming the mode it is."""
     best = pick_best(pool)
-    return replace(best, mode=AUTO, detail=f"{best.mode}" + (f": {best.detail}" if best.detail else ""))
+    return replace(best, mode=AUTO, detail=f"{best.mode}" + (f": {best.detail}" if best.detail else ""),
+                   extra={**best.extra, "pick": _pick_name(best)})
 
 
 def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: bool = True, modes=None,
@@ -456,7 +468,8 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: boo
         elif mode in auto_rows:
             pool = [r for name in auto_rows[mode] for r in evaluated.get(name, [])]
             if pool:
-                rows.append(replace(pick_best(pool), mode=mode))
+                best = pick_best(pool)
+                rows.append(replace(best, mode=mode, extra={**best.extra, "pick": _pick_name(best)}))
         elif mode == AUTO:
             pool = [r for name in plan_modes() for r in evaluated.get(name, [])]
             if pool:
@@ -562,8 +575,8 @@ def layout_rows(world_size: int, shape: AttentionShape, topo: Topology, cu_seqle
     """Every mode of ``modes`` on each of ``layouts`` for these packed documents: Megatron's zigzag,
     Transformer Engine's THD (each document padded to 2 * CP; our modes on it, and TE's own p2p and
     a2a+p2p as it runs them: :data:`TE_ROWS`) and the balanced layout (nodes first when the group
-    spans nodes; per Ulysses group for the hybrids). Rows carry their ``layout``; the THD rows' shape is the padded one. ``plan_thd``:
-    plan the plugin's modes on THD (None: up to :data:`THD_PLAN_RANKS` ranks; above, they are
+    spans nodes; per Ulysses group for the hybrids). Rows carry their ``layout``; the THD rows'
+    shape is the padded one. ``plan_thd``: plan the plugin's modes on THD (None: up to :data:`THD_PLAN_RANKS` ranks; above, they are
     listed as skipped, with the reason, and TE's own rows are priced). ``jobs``: processes that plan
     and simulate the placements of every layout in parallel, or ``executor`` (:func:`evaluate`)."""
     jobs = check_jobs(jobs)
@@ -580,7 +593,7 @@ def _balanced_for(cu, world_size: int, causal: bool, window, hide: bool, ranks_p
 
 
 def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, modes, layouts, backward_chunks, schedule,
-                 explain, plan_thd, pool) -> tuple[list[ModeResult], list[dict]]:
+                 explain, plan_thd, executor) -> tuple[list[ModeResult], list[dict]]:
     unknown = [name for name in layouts if name not in LAYOUTS]
     if unknown:
         raise ValueError(f"unknown layouts {unknown}; allowed: {', '.join(LAYOUTS)}")
@@ -596,12 +609,12 @@ def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, modes, lay
         if name == "zigzag":
             got, skip = evaluate(world_size, shape, topo, modes=modes, backward_chunks=backward_chunks,
                                  schedule=schedule, mask=Mask.from_cu_seqlens(cu, S, causal, window), explain=explain,
-                                 executor=pool)
+                                 executor=executor)
         elif name in ("balanced", "balanced-hide"):
             hide = name == "balanced-hide"
             asked = _hybrid_modes(modes) if hide else modes  # hide changes only the Ulysses groups' layouts
             got, skip = evaluate(world_size, shape, topo, modes=asked, backward_chunks=backward_chunks,
-                                 schedule=schedule, mask=Mask(causal, window), explain=explain, executor=pool,
+                                 schedule=schedule, mask=Mask(causal, window), explain=explain, executor=executor,
                                  layout=partial(_balanced_for, cu, world_size, causal, window, hide,
                                                 _node_ranks(world_size, topo)))
             if hide:  # the fastest of the hybrids on it, then the rows asked for
@@ -626,7 +639,7 @@ def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, modes, lay
             else:
                 got, skip = evaluate(world_size, padded, topo, modes=modes, backward_chunks=backward_chunks,
                                      schedule=schedule, mask=Mask(causal, window), layout=thd, explain=explain,
-                                     executor=pool)
+                                     executor=executor)
             got += _te_rows(world_size, padded, topo, Mask(causal, window), thd, skip)
         rows += [replace(r, layout=name) for r in got]
         skipped += [{**s, "mode": f"{s['mode']} ({name})"} for s in skip]

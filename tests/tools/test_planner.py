@@ -416,14 +416,50 @@ def test_mean_rows_say_what_they_cannot_average():
     rows, _ = evaluate(4, shape, Topology(), modes=("ring", "mesh", "mesh-auto"))
     ring = next(r for r in rows if r.mode == "ring")
     auto = next(r for r in rows if r.mode == "mesh-auto")
-    other = dataclasses.replace(auto, tile=(4, 1), time_s=auto.time_s * 3)
+    other = dataclasses.replace(auto, tile=(4, 1), time_s=auto.time_s * 3, extra={**auto.extra, "pick": "mesh 4x1 q"})
     got, skipped = mean_rows([[ring, auto], [auto.__class__(**{**dataclasses.asdict(other)})]])
     assert [r.mode for r in got] == ["mesh-auto"] and got[0].tile is None
     assert got[0].time_s == pytest.approx(auto.time_s * 2) and got[0].extra["time_s_max"] == other.time_s
-    assert got[0].detail == f"the fastest per sample: mesh {auto.tile[0]}x{auto.tile[1]} in 1, mesh 4x1 in 1 of the 2 samples"
+    assert got[0].detail == f"the fastest per sample: {auto.extra['pick']} in 1, mesh 4x1 q in 1 of the 2 samples"
+    assert got[0].extra["picks"] == [auto.extra["pick"], "mesh 4x1 q"]
     assert skipped == [{"mode": "ring (zigzag)", "reason": "planned in 1 of the 2 samples only"}]
     with pytest.raises(ValueError, match="a non-empty list of samples"):
         mean_rows([])
+
+
+def test_samples_match_rows_by_placement_and_name_the_picks(capsys):
+    """A sample of one document plans ring as the dense zigzag (with a tile): its rows still match
+    the other samples' by placement; a derived row names what it picked per sample (mesh-auto can
+    pick ring) and, where it picked one placement in every sample, can be the fastest row."""
+    argv = ["--cp", "8", "--seq-len", "16384", "--docs", "lognormal:6000,2", "--modes", "ring,tasp,a2a+ring,auto",
+            "--layout", "zigzag", "--samples", "3"]
+    assert document_bounds("lognormal:6000,2", 16384, seed=2) == [0, 16384]  # seed 2: one document
+    data = _json(capsys, *argv)
+    assert not [s for s in data["skipped"] if "samples only" in s["reason"]]
+    assert {r["mode"] for r in data["modes"]} >= {"ring", "tasp", "a2a+ring", "auto"}
+    assert len([r for r in data["modes"] if r["mode"] == "a2a+ring"]) >= 2
+    data = _json(capsys, "--cp", "8", "--seq-len", "16384", "--docs", "lognormal:1500,1.2", "--gpus-per-node", "4",
+                 "--layout", "zigzag", "--modes", "ring,mesh,mesh-auto", "--samples", "3")
+    auto = next(r for r in data["modes"] if r["mode"] == "mesh-auto")
+    each = [next(r for r in _json(capsys, "--cp", "8", "--seq-len", "16384", "--docs", "lognormal:1500,1.2",
+                                  "--gpus-per-node", "4", "--layout", "zigzag", "--modes", "ring,mesh,mesh-auto",
+                                  "--seed", str(seed))["modes"] if r["mode"] == "mesh-auto") for seed in range(3)]
+    assert auto["picks"] == [r["pick"] for r in each] and all(p.split()[0] in ("ring", "mesh") for p in auto["picks"])
+    argv = ["--cp", "4", "--seq-len", "8192", "--docs", "lognormal:700,1.2", "--modes", "a2a+mesh-auto", "--samples", "3"]
+    rows = _json(capsys, *argv)["modes"]
+    steady = [r for r in rows if r["mode"] == "a2a+mesh-auto" and len(set(r["picks"])) == 1]
+    assert steady
+    assert main(argv) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("fastest over the layouts: "))
+    fast = min([r for r in rows if r["mode"] != "a2a+mesh-auto"] + steady, key=lambda r: r["time_s"])
+    assert f"{fast['time_s'] * 1e3:.2f} ms" in line
+
+
+def test_layout_rows_take_the_layouts_in_any_order():
+    shape = AttentionShape(seq_local=2048, heads=4, kv_heads=2, head_dim=8)
+    rows, _ = layout_rows(4, shape, Topology(), [0, 1000, 3000, 8192], layouts=("balanced-hide", "zigzag"),
+                          modes=["ring", "a2a+ring", "auto"])
+    assert [r.layout for r in rows][0] == "balanced-hide" and rows[-1].layout == "zigzag"
 
 
 def _workers(pid: int) -> list[int]:
@@ -466,9 +502,11 @@ def test_cli_says_when_a_worker_is_killed():
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the worker processes in /proc")
-def test_cli_stops_its_workers_on_ctrl_c():
-    """Ctrl-C (SIGINT to the terminal's process group: the CLI and its workers) ends a parallel run
-    at once -- the rows not started are dropped, not planned first (this run takes minutes)."""
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_cli_stops_its_workers_when_interrupted(how):
+    """Ctrl-C (SIGINT to the terminal's process group: the CLI and its workers) or SIGTERM to the
+    CLI alone (a job's time limit, kill) ends a parallel run at once, its workers with it -- the
+    rows not started are dropped, not planned first (this run takes minutes)."""
     def interruptible():  # a shell's background job ignores SIGINT; a terminal's foreground one does not
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.setpgrp()
@@ -482,16 +520,21 @@ def test_cli_stops_its_workers_on_ctrl_c():
             time.sleep(0.05)
         assert kids, "no worker process started"
         time.sleep(1)
-        os.killpg(proc.pid, signal.SIGINT)
+        if how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            os.kill(proc.pid, signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
         deadline = time.monotonic() + 30
         while any(os.path.exists(f"/proc/{k}") for k in kids) and time.monotonic() < deadline:
             time.sleep(0.05)
     finally:
         proc.kill()
-    assert proc.returncode == 130 and out == ""
-    assert err.endswith("megatron-mesh-plan: interrupted\n")
-    assert not any(os.path.exists(f"/proc/{k}") for k in kids), "a worker outlived the interrupted run"
+    assert out == "" and not any(os.path.exists(f"/proc/{k}") for k in kids), "a worker outlived the run"
+    if how == "ctrl-c":
+        assert proc.returncode == 130 and err.endswith("megatron-mesh-plan: interrupted\n")
+    else:
+        assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err
 
 
 @pytest.mark.parametrize("jobs", [-1, 1.5, True, "2", None])
