@@ -19,7 +19,8 @@ sample can mislead: which layout wins can change from sample to sample).
 ``--json`` prints ``{"modes": [{"mode", "tile", "bytes_per_rank", "inter_node_bytes_per_rank",
 "rounds", "time_s", ...}], "skipped": [...], ...}`` (bytes are whole bytes sent in one layer's
 forward + backward; ``*_per_rank`` split values are means over the ranks, ``max_inter_node_bytes``
-is the busiest rank's); ``--plot FILE.png`` draws bytes and time
+is the busiest rank's; a derived row -- ``auto``, ``mesh-auto`` -- names its ``pick``, and with
+``--samples`` its ``picks``, one per sample); ``--plot FILE.png`` draws bytes and time
 against the CP size (8..1024 by default). ``--jobs N`` plans and simulates the rows in N worker
 processes (0: one per CPU core): the same output, sooner.
 """
