@@ -497,10 +497,15 @@ TE_ROWS = ("te-p2p", "te-a2a+p2p")
 THD_PLAN_RANKS = 64
 
 
+def _hybrid_names() -> list[str]:
+    """The registered Ulysses hybrid modes (a2a+...), read at call time."""
+    return [name for name, m in REGISTRY.items() if isinstance(m, HybridMode)]
+
+
 def _hybrid_modes(modes) -> list[str]:
     """Of ``modes``, those a Ulysses hybrid runs: hybrid modes and their fastest-candidate rows
     (every hybrid mode when ``auto`` is asked)."""
-    hybrid = [name for name, m in REGISTRY.items() if isinstance(m, HybridMode)]
+    hybrid = _hybrid_names()
     rows = {m.auto_row for name, m in REGISTRY.items() if name in hybrid and m.auto_row}
     asked = [m for m in modes if m in hybrid or m in rows]
     return asked + [m for m in hybrid if m not in asked] if AUTO in modes else asked
@@ -624,7 +629,7 @@ def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, modes, lay
                     got.append(_auto_row(pool))
                 elif AUTO in modes:
                     skip.append({"mode": AUTO, "reason": "no Ulysses hybrid runs here (their rows say why)"})
-                hybrids = ", ".join(name for name, m in REGISTRY.items() if isinstance(m, HybridMode))
+                hybrids = ", ".join(_hybrid_names())
                 skip += [{"mode": m, "reason": f"balanced-hide changes only the Ulysses groups' layouts ({hybrids}); "
                           "the plain modes run on the balanced one (--layout balanced)"}
                          for m in modes if m not in asked and m != AUTO]
