@@ -58,6 +58,24 @@ def gloo(request):
     return cases.run_gloo(parts)
 
 
+@pytest.fixture(scope="session")
+def megatron_models(request):
+    """{case function: per-rank records} from ONE spawn of 4 gloo processes running the
+    megatron_cases functions that the selected tests' modules name in their MEGATRON_CASES
+    ({function name: its layouts}): each process imports Megatron, which costs more than the
+    cases themselves on 2 cores."""
+    import megatron_cases
+
+    from megatron_mesh.comm.spawn import spawn
+
+    cases: dict = {}
+    for item in request.session.items:
+        if "megatron_models" in item.fixturenames:
+            cases.update(getattr(item.module, "MEGATRON_CASES", {}))
+    per_rank = spawn(megatron_cases.run_cases, 4, cases, timeout=800)
+    return {name: [records[name] for records in per_rank] for name in cases}
+
+
 # -- Megatron's argument parser with the plugin's flags (test_megatron_args*.py) --------------------------
 @pytest.fixture(scope="module")
 def megatron_args():

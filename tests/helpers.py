@@ -78,7 +78,8 @@ def losses(output: str) -> dict[int, float]:
 
 def run_all(run, plan: dict, together: tuple[str, ...] = ()) -> dict:
     """``{name: run(*plan[name])}``; the runs named in ``together`` (single-process references,
-    one core each) run two at a time, the others one after the other."""
+    one core each, and runs that stop at start-up) run two at a time, the others one after the
+    other."""
     from concurrent.futures import ThreadPoolExecutor
 
     plan = dict(plan)

@@ -329,3 +329,10 @@ def _thd_dense_mask(packed):
         if i < s and real[i]:
             start = i
     return ~allowed.view(1, 1, s, s)
+
+
+def run_cases(rank: int, world: int, cases: dict) -> dict:
+    """{name: records} of each case function of this module named in ``cases`` ({name: its
+    layouts}), one after the other in the same process group (tests/conftest.megatron_models)."""
+    runners = {"gpt_equivalence": gpt_equivalence, "gpt_masked_equivalence": gpt_masked_equivalence}
+    return {name: runners[name](rank, world, layouts) for name, layouts in cases.items()}

@@ -12,8 +12,6 @@ import pytest
 
 pytest.importorskip("megatron.core", reason="needs megatron-core (scripts/setup_env.sh installs it)")
 
-from megatron_mesh.comm.spawn import spawn  # noqa: E402
-
 import megatron_cases  # noqa: E402
 
 pytestmark = pytest.mark.megatron
@@ -23,9 +21,12 @@ LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-5
 
 
+MEGATRON_CASES = {"gpt_masked_equivalence": LAYOUTS}  # run in the one spawn shared with the other model tests
+
+
 @pytest.fixture(scope="module")
-def records():
-    per_rank = spawn(megatron_cases.gpt_masked_equivalence, 4, LAYOUTS, timeout=600)
+def records(megatron_models):
+    per_rank = megatron_models["gpt_masked_equivalence"]
     assert per_rank[0], "no cases ran"
     return per_rank
 

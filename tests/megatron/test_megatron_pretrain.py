@@ -73,8 +73,11 @@ def runs(tmp_path_factory):
         # pipeline stages initialise their layers from their own seeds: compare PP 2 with PP 2
         "pp2_cp1": ("pretrain", 2, 1, "ring", "--pipeline-model-parallel-size", "2"),
         "pp2_cp2": ("pretrain", 4, 2, "mesh tasp", "--pipeline-model-parallel-size", "2"),
+        # bad settings: each must stop its script at start-up
+        "bad_mode": ("pretrain", 1, 1, "allgather"),
+        "bad_tile": ("megatron-lm", 2, 4, "mesh", "--mesh-tile-shape", "3x2"),
     }
-    out = run_all(run, plan, together=("cp1", "cp1_bf16"))
+    out = run_all(run, plan, together=("cp1", "cp1_bf16", "bad_mode", "bad_tile"))
     out["metrics_dir"] = metrics
     return out
 
@@ -152,8 +155,8 @@ def test_pipeline_parallel_with_cp_losses_equal_cp1(runs):
     assert "pipeline stage 1/2: layer 1: mesh (CP 2" in text and "pipeline stage 2/2: layer 2: tasp (CP 2" in text
 
 
-def test_bad_flag_stops_the_plugin_entry_with_one_message():
-    rc, text = run("pretrain", 1, 1, "allgather", timeout=180)
+def test_bad_flag_stops_the_plugin_entry_with_one_message(runs):
+    rc, text = runs["bad_mode"]
     assert rc != 0
     assert text.count("megatron_mesh: error:") == 1
     assert ("megatron_mesh: error: --cp-comm-type 'allgather' is not a context-parallel mode (Transformer Engine "
@@ -161,10 +164,10 @@ def test_bad_flag_stops_the_plugin_entry_with_one_message():
     assert "training ..." not in text  # it stopped before Megatron initialised anything
 
 
-def test_megatron_lm_script_bad_tile_fails_once_at_startup():
+def test_megatron_lm_script_bad_tile_fails_once_at_startup(runs):
     """Two ranks, CP 4 with tile 3x2: rank 0 prints the error once, before Megatron's own checks
     (the world is too small for CP 4 too) and before anything is initialised."""
-    rc, text = run("megatron-lm", 2, 4, "mesh", "--mesh-tile-shape", "3x2", timeout=180)
+    rc, text = runs["bad_tile"]
     assert rc != 0
     assert text.count("megatron_mesh: error:") == 1, text[-3000:]
     assert ("megatron_mesh: error: --cp-comm-type mesh at --context-parallel-size 4 with --mesh-tile-shape 3x2: tile 3x2 "

@@ -98,7 +98,7 @@ def test_a_run_past_its_timeout_is_stopped_and_reported(tmp_path):
     out = tmp_path / "report"
     env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()))
     rc, text = run_script([sys.executable, "scripts/compare_cp_modes.py", "--config", "configs/gpt_tiny_cpu.yaml",
-                           "--cp", "2", "--iters", "2", "--modes", "baseline", "--run-timeout", "3",
+                           "--cp", "2", "--iters", "2", "--modes", "baseline", "--masks", "none", "--run-timeout", "3",
                            "--out", str(out)], env, timeout=120)
     assert rc == 1, text[-3000:]
     assert "[baseline] FAILED" in text
