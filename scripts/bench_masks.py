@@ -20,8 +20,14 @@ tiled out / dq / dk / dv with the fused call's. "ms per rank" sums the ranks' ti
 pieces cost in all); "busiest rank ms" is the balance. A hybrid's balanced layout balances its
 Ulysses groups (``balanced_layout(group=U)``), as Megatron's adapter builds it.
 
+``--profile FILE`` runs each row once more under ``torch.profiler`` and adds where its time goes:
+the device's busy time in attention kernels and in all other kernels (merges, casts, copies), and
+the kernel launches, each per rank (sum / P); whatever the wall time has beyond the busy time is
+the host's (launch overhead, Python, the serial run's hand-overs). FILE gets each row's top kernels.
+
     python scripts/bench_masks.py                                      # CUDA defaults, else small CPU shapes
     python scripts/bench_masks.py --world 8 --seq-local 16384 --docs lognormal:4096,1.0 --modes ring tasp
+    python scripts/bench_masks.py --profile profile.txt                # + device busy time and launches
 """
 
 from __future__ import annotations
@@ -81,6 +87,29 @@ def timed(device, fn, iters):
     return (time.perf_counter() - t0) / iters
 
 
+ATTENTION_KERNELS = ("flash", "fmha", "attention", "sdpa", "cudnn")  # kernel names that are attention
+
+
+def profile_row(device, fn, P, title, out) -> dict:
+    """Run ``fn`` once under torch.profiler: device busy ms per rank in attention kernels and in the
+    others, and kernel launches per rank; the top kernels by device time are appended to ``out``."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    busy = lambda es: sum(e.self_device_time_total for e in es) / 1e3 / P  # noqa: E731 -- us -> ms per rank
+    attention = [e for e in kernels if any(w in e.key.lower() for w in ATTENTION_KERNELS)]
+    out.append(f"## {title}\n\n" + prof.key_averages().table(
+        sort_by="self_device_time_total" if kernels else "self_cpu_time_total", row_limit=20) + "\n")
+    if device.type != "cuda":  # the CPU has no kernel launches to count: only the table
+        return dict(attention_ms=None, other_kernels_ms=None, launches=None)
+    return dict(attention_ms=busy(attention), other_kernels_ms=busy(kernels) - busy(attention),
+                launches=sum(e.count for e in kernels) / P)
+
+
 def run(args) -> tuple[list[dict], dict]:
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
@@ -103,9 +132,13 @@ def run(args) -> tuple[list[dict], dict]:
     t_fused = timed(device, lambda: ref.update(r=fused(kernel, bhsd(Q), bhsd(K), bhsd(V), bhsd(dO), seqs, scale)),
                     args.iters)
     (ref_out, _), ref_grads = ref["r"]
+    profiles = []
     want = {"out": ref_out, "dq": ref_grads[0], "dk": ref_grads[1], "dv": ref_grads[2]}
     rows = [dict(layout="-", mode="fused", calls="varlen" if kernel.varlen else "loop", ms_per_rank=1e3 * t_fused / P,
                  busiest_ms=1e3 * t_fused / P, efficiency=1.0, step_efficiency=1.0, work_max_mean=1.0, errors={})]
+    if args.profile:
+        rows[0].update(profile_row(device, lambda: fused(kernel, bhsd(Q), bhsd(K), bhsd(V), bhsd(dO), seqs, scale),
+                                   P, "fused", profiles))
     for layout_name in args.layouts:
         for mode in args.modes:
             try:
@@ -142,10 +175,16 @@ def run(args) -> tuple[list[dict], dict]:
                                  busiest_ms=1e3 * busiest, efficiency=t_fused / t,
                                  step_efficiency=t_fused / P / busiest, work_max_mean=max(work) / (sum(work) / P),
                                  errors=errors))
+                if args.profile:
+                    rows[-1].update(profile_row(device, lambda: run_inprocess(rank_fn, P, 1, serial=True, device=device,
+                                                                              timeout=600),
+                                                P, f"{layout_name} {mode} {calls}", profiles))
     meta = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU", kernel=kernel.name,
                 dtype=args.dtype, world=P, seq_len=S, docs=args.docs, seed=args.seed, documents=len(seqs),
                 heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, iters=args.iters,
                 torch=torch.__version__)
+    if args.profile:
+        Path(args.profile).write_text("\n".join(profiles))
     return rows, meta
 
 
@@ -156,10 +195,17 @@ def markdown(rows, meta) -> str:
              "| layout | mode | calls | ms per rank (sum / P) | efficiency | busiest rank ms | step efficiency "
              "| work max/mean | max abs err (out, dq, dk, dv) |",
              "|---|---|---|---:|---:|---:|---:|---:|---|"]
+    profiled = "launches" in rows[0]
+    if profiled:  # where the time goes, per rank (sum / P)
+        lines[2] += " attention kernels ms | other kernels ms | launches |"
+        lines[3] += "---:|---:|---:|"
     for r in rows:
         err = ", ".join(f"{v:.1e}" for v in r["errors"].values()) or "-"
         lines.append(f"| {r['layout']} | {r['mode']} | {r['calls']} | {r['ms_per_rank']:.3f} | {r['efficiency']:.2f} | "
                      f"{r['busiest_ms']:.3f} | {r['step_efficiency']:.2f} | {r['work_max_mean']:.2f} | {err} |")
+        if profiled:
+            lines[-1] += " " + " | ".join("-" if r[k] is None else f"{r[k]:.{d}f}" for k, d in
+                                          (("attention_ms", 3), ("other_kernels_ms", 3), ("launches", 0))) + " |"
     return "\n".join(lines)
 
 
@@ -178,6 +224,8 @@ def parse_args(argv=None):
                    help="modes as compare_attention.py takes them (mesh:2x2, a2a+ring:2, ...)")
     p.add_argument("--kernel", default="auto")
     p.add_argument("--json", default=None, help="also write the rows as JSON to this file")
+    p.add_argument("--profile", default=None,
+                   help="profile each row once more: device busy time and launches per rank; top kernels to this file")
     return with_device_defaults(p.parse_args(argv), DEFAULTS)
 
 

@@ -106,6 +106,22 @@ def test_bench_masks_runs_on_tiny_shapes(tmp_path, capsys, script):
     assert work["balanced", "ring"] < work["zigzag", "ring"], work
 
 
+def test_bench_masks_profile_writes_each_rows_kernels(tmp_path, capsys, script):
+    """--profile: one profiled run per row, each row's top ops in the file; on the CPU the device
+    columns say "-" (no kernels to count), never a zero that reads as a measurement."""
+    prof = tmp_path / "profile.txt"
+    result = script("bench_masks").main(["--device", "cpu", "--world", "2", "--seq-local", "16", "--docs",
+                                         "lognormal:9,1.0", "--heads", "2", "--kv-heads", "1", "--head-dim", "8",
+                                         "--iters", "1", "--warmup", "0", "--modes", "ring", "--profile", str(prof)])
+    printed = capsys.readouterr().out
+    text = prof.read_text()
+    assert [line for line in text.splitlines() if line.startswith("## ")] == [
+        "## fused", "## zigzag ring loop", "## balanced ring loop"]
+    assert "aten::" in text
+    assert "| launches |" in printed and printed.rstrip().endswith("| - | - | - |")
+    assert all(r["launches"] is None and r["attention_ms"] is None for r in result["rows"])
+
+
 
 
 def test_tasp_link_load_matches_the_ring_arithmetic(script, capsys):
@@ -245,3 +261,26 @@ def test_compare_attention_kv_heads_follow_heads(script, capsys):
     rows = script("compare_attention").main(["--world", "2", "--seq-len", "32", "--heads", "2", "--head-dim", "8",
                                              "--modes", "ring"])
     assert [r["mode"] for r in rows] == ["ring"] and "heads=2/2" in capsys.readouterr().out
+
+
+def test_gpu_check_runs_each_step_under_its_limit(tmp_path):
+    """scripts/gpu_check.sh with a stand-in interpreter (it records its arguments; one step hangs):
+    every step runs with the arguments docs/gpu.md names, each logs to its own file, a step that
+    outlives its limit is reported (rc 124) and the steps after it still run."""
+    import subprocess
+    fake = tmp_path / "python"
+    fake.write_text('#!/usr/bin/env bash\necho "args: $*"\ncase "$*" in *--world\\ 4*) sleep 30;; esac\n')
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    env = {"PATH": "/usr/bin:/bin", "TEST_PYTHON": str(fake), "MASKS_LIMIT": "1"}
+    run = subprocess.run(["bash", str(SCRIPTS / "gpu_check.sh"), str(out)], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr
+    logs = {p.name: p.read_text() for p in out.iterdir()}
+    assert {"device.txt", "tier.log", "kernels.log", "masks4.log", "masks8.log"} <= set(logs)
+    assert "-m pytest -q -ra -p no:cacheprovider tests -m gpu" in logs["tier.log"]
+    assert f"bench_kernels.py --json {out}/kernels.json" in logs["kernels.log"]
+    assert "bench_masks.py --world 8 --modes ring mesh:2x4 tasp a2a+ring:2" in logs["masks8.log"]
+    status = [line for line in run.stdout.splitlines() if line.startswith("== ")]
+    assert [s.split(":")[0] for s in status] == ["== tier", "== kernels", "== masks4", "== masks8"]
+    assert "rc 124" in status[2] and all("rc 0 " in s for s in status[:2] + status[3:]), status
