@@ -23,7 +23,10 @@ Ulysses groups (``balanced_layout(group=U)``), as Megatron's adapter builds it.
 ``--profile FILE`` runs each row once more under ``torch.profiler`` and adds where its time goes:
 the device's busy time in attention kernels and in all other kernels (merges, casts, copies), and
 the kernel launches, each per rank (sum / P); whatever the wall time has beyond the busy time is
-the host's (launch overhead, Python, the serial run's hand-overs). FILE gets each row's top kernels.
+the host's (launch overhead, Python, the serial run's hand-overs). And the busiest rank's own
+device busy time (each turn of the serial run marked on the device, :class:`MarkedTurns`): what a
+step on P devices takes where each rank's host keeps ahead of its device and the transfers hide.
+FILE gets each row's top kernels.
 
     python scripts/bench_masks.py                                      # CUDA defaults, else small CPU shapes
     python scripts/bench_masks.py --world 8 --seq-local 16384 --docs lognormal:4096,1.0 --modes ring tasp
@@ -90,24 +93,62 @@ def timed(device, fn, iters):
 ATTENTION_KERNELS = ("flash", "fmha", "attention", "sdpa", "cudnn")  # kernel names that are attention
 
 
-def profile_row(device, fn, P, title, out) -> dict:
+class MarkedTurns(Mailbox):
+    """A serial run's mailbox that also marks the start of every turn on the device (a tiny
+    ``spin_kernel``, which nothing else launches) and records whose turn it was: the device is
+    synchronised at every hand-over, so the kernels between two marks are that rank's."""
+
+    def __init__(self, world_size: int):
+        super().__init__(world_size, turns=True)
+        self.order: list[int] = []
+
+    def take_turn(self, rank: int) -> None:
+        super().take_turn(rank)
+        if self.serial:
+            self.order.append(rank)
+            torch.cuda._sleep(1)
+
+
+def busy_per_rank(kernels, order: list[int], P: int) -> list[float]:
+    """Device busy ms of each rank: ``kernels`` ((name, start us, end us) of every device kernel
+    and copy) split at the turn marks (``spin_kernel``) in time order, the i-th turn being rank
+    ``order[i]``'s (:class:`MarkedTurns`); the marks themselves count to no one."""
+    busy = [0.0] * P
+    turn = -1
+    for name, start, end in sorted(kernels, key=lambda k: k[1]):
+        if "spin_kernel" in name:
+            turn += 1
+        elif turn >= 0:
+            busy[order[turn]] += (end - start) / 1e3
+    if turn != len(order) - 1:
+        raise RuntimeError(f"{turn + 1} turn marks on the device for {len(order)} turns")
+    return busy
+
+
+def profile_row(device, fn, P, title, out, box: MarkedTurns | None = None) -> dict:
     """Run ``fn`` once under torch.profiler: device busy ms per rank in attention kernels and in the
-    others, and kernel launches per rank; the top kernels by device time are appended to ``out``."""
+    others, kernel launches per rank, and -- for a plan run through ``box`` -- the busiest rank's
+    device busy ms; the top kernels by device time are appended to ``out``."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         fn()
-    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
-    busy = lambda es: sum(e.self_device_time_total for e in es) / 1e3 / P  # noqa: E731 -- us -> ms per rank
-    attention = [e for e in kernels if any(w in e.key.lower() for w in ATTENTION_KERNELS)]
     out.append(f"## {title}\n\n" + prof.key_averages().table(
-        sort_by="self_device_time_total" if kernels else "self_cpu_time_total", row_limit=20) + "\n")
+        sort_by="self_device_time_total" if device.type == "cuda" else "self_cpu_time_total", row_limit=20) + "\n")
     if device.type != "cuda":  # the CPU has no kernel launches to count: only the table
-        return dict(attention_ms=None, other_kernels_ms=None, launches=None)
+        return dict(attention_ms=None, other_kernels_ms=None, launches=None, busiest_device_ms=None)
+    timeline = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                if e.device_type == DeviceType.CUDA]
+    kernels = [k for k in timeline if "spin_kernel" not in k[0]]  # without the turn marks
+    attention = [k for k in kernels if any(w in k[0].lower() for w in ATTENTION_KERNELS)]
+    busy = lambda ks: sum(e - s for _, s, e in ks) / 1e3 / P  # noqa: E731 -- us -> ms per rank
+    # the busiest rank's own device time: a step on P devices whose hosts keep ahead of them
+    # (for the fused call, its share: the whole / P)
+    busiest = busy(kernels) if box is None else max(busy_per_rank(timeline, box.order, P))
     return dict(attention_ms=busy(attention), other_kernels_ms=busy(kernels) - busy(attention),
-                launches=sum(e.count for e in kernels) / P)
+                launches=len(kernels) / P, busiest_device_ms=busiest)
 
 
 def run(args) -> tuple[list[dict], dict]:
@@ -176,9 +217,10 @@ def run(args) -> tuple[list[dict], dict]:
                                  step_efficiency=t_fused / P / busiest, work_max_mean=max(work) / (sum(work) / P),
                                  errors=errors))
                 if args.profile:
+                    marks = MarkedTurns(P) if device.type == "cuda" else None
                     rows[-1].update(profile_row(device, lambda: run_inprocess(rank_fn, P, 1, serial=True, device=device,
-                                                                              timeout=600),
-                                                P, f"{layout_name} {mode} {calls}", profiles))
+                                                                              timeout=600, mailbox=marks),
+                                                P, f"{layout_name} {mode} {calls}", profiles, marks))
     meta = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU", kernel=kernel.name,
                 dtype=args.dtype, world=P, seq_len=S, docs=args.docs, seed=args.seed, documents=len(seqs),
                 heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, iters=args.iters,
@@ -197,15 +239,16 @@ def markdown(rows, meta) -> str:
              "|---|---|---|---:|---:|---:|---:|---:|---|"]
     profiled = "launches" in rows[0]
     if profiled:  # where the time goes, per rank (sum / P)
-        lines[2] += " attention kernels ms | other kernels ms | launches |"
-        lines[3] += "---:|---:|---:|"
+        lines[2] += " attention kernels ms | other kernels ms | launches | busiest rank's device ms |"
+        lines[3] += "---:|---:|---:|---:|"
     for r in rows:
         err = ", ".join(f"{v:.1e}" for v in r["errors"].values()) or "-"
         lines.append(f"| {r['layout']} | {r['mode']} | {r['calls']} | {r['ms_per_rank']:.3f} | {r['efficiency']:.2f} | "
                      f"{r['busiest_ms']:.3f} | {r['step_efficiency']:.2f} | {r['work_max_mean']:.2f} | {err} |")
         if profiled:
             lines[-1] += " " + " | ".join("-" if r[k] is None else f"{r[k]:.{d}f}" for k, d in
-                                          (("attention_ms", 3), ("other_kernels_ms", 3), ("launches", 0))) + " |"
+                                          (("attention_ms", 3), ("other_kernels_ms", 3), ("launches", 0),
+                                           ("busiest_device_ms", 3))) + " |"
     return "\n".join(lines)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 import os
 
 import torch
@@ -32,6 +33,7 @@ def install_model_patches() -> None:
     """Patches for building and running Megatron-Core models on the CPU."""
     if torch.cuda.is_available():
         raise RuntimeError("megatron_mesh.megatron.cpu_compat is for CPU-only runs; CUDA is available")
+    _compile_on_first_call()  # first: before anything imports megatron.core.jit
     _rng_tracker()
     _current_device()
     _rope_cp_slice()
@@ -48,6 +50,37 @@ def install_training_patches() -> None:
 
 
 @functools.cache  # each patch once per process
+def _compile_on_first_call() -> None:
+    # megatron/core/jit.py: `jit_fuser = torch.compile` decorates the bias+activation and
+    # bias+dropout+add fusions (and a few more) when megatron.core is imported, and torch.compile
+    # imports torch._dynamo and inductor right then: 2-4 s of every CPU process's start-up, most of
+    # a small test run's CPU time. CPU runs turn those fusions off (and skip their warm-up, see
+    # _pretrain_loop), so a decorated function is compiled at its first call instead -- when
+    # torch.compile would compile it anyway; only the import moves. Modules and other objects go
+    # to torch.compile at once. Effective only where megatron.core.jit is not imported yet
+    # (bootstrap.prepare_runtime runs this first in every entry).
+    real = torch.compile
+
+    def compile(model=None, **options):  # noqa: A001 -- torch.compile's signature
+        if model is None:  # @torch.compile(...) with options
+            return lambda fn: compile(fn, **options)
+        if not inspect.isfunction(model):
+            return real(model, **options)
+        compiled = None
+
+        @functools.wraps(model)
+        def compiled_on_first_call(*args, **kwargs):
+            nonlocal compiled
+            if compiled is None:
+                compiled = real(model, **options)
+            return compiled(*args, **kwargs)
+
+        return compiled_on_first_call
+
+    torch.compile = compile
+
+
+@functools.cache
 def _rng_tracker() -> None:
     # tensor_parallel/random.py: CudaRNGStatesTracker.add()/fork() read and write the CUDA
     # generator (torch.cuda.get_rng_state) -- used by model_parallel_cuda_manual_seed, the local

@@ -140,3 +140,37 @@ def test_torch_norm_with_sequence_parallelism_marks_its_parameters():
         norm = WrappedTorchNorm(config=config, hidden_size=8, eps=1e-5)
         assert config.sequence_parallel is sp  # the caller's config is left alone
         assert [p.sequence_parallel for p in norm.parameters()] == [sp]
+
+
+_LAZY_COMPILE = textwrap.dedent("""
+    import sys, torch
+    from megatron_mesh.megatron import bootstrap
+    bootstrap.prepare_runtime()
+    import megatron.core, megatron.training
+    from megatron.core.fusions.fused_bias_gelu import bias_gelu
+    from megatron.core.models.gpt import GPTModel
+    assert "torch._dynamo" not in sys.modules and "torch._inductor" not in sys.modules, "imported at start-up"
+    assert bias_gelu.__name__ == "bias_gelu"  # Megatron's jit_fuser-decorated fusion, not yet compiled
+    calls = []
+    def f(x):
+        calls.append(1)
+        return x * 2 + 1
+    g = torch.compile(f, backend="eager")
+    assert "torch._dynamo" not in sys.modules and g.__wrapped__ is f
+    assert torch.equal(g(torch.ones(3)), torch.full((3,), 3.0)) and calls
+    assert "torch._dynamo" in sys.modules  # compiled at the first call
+    h = torch.compile(backend="eager")(f)  # decorator form with options
+    assert torch.equal(h(torch.zeros(2)), torch.ones(2))
+    module = torch.compile(torch.nn.Linear(2, 2), backend="eager")  # modules go to torch.compile at once
+    assert type(module).__name__ == "OptimizedModule"
+    print("ok")
+""")
+
+
+def test_cpu_runs_compile_megatrons_fusions_at_their_first_call():
+    """cpu_compat: Megatron decorates its fusions with torch.compile at import, which imports
+    torch._dynamo and inductor (seconds per process); on a CPU run they are compiled at their
+    first call instead -- same results, the import moves -- and modules still compile at once."""
+    run = subprocess.run([sys.executable, "-W", "ignore", "-c", _LAZY_COMPILE], capture_output=True, text=True,
+                         timeout=180)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]

@@ -119,7 +119,23 @@ def test_bench_masks_profile_writes_each_rows_kernels(tmp_path, capsys, script):
         "## fused", "## zigzag ring loop", "## balanced ring loop"]
     assert "aten::" in text
     assert "| launches |" in printed and printed.rstrip().endswith("| - | - | - |")
-    assert all(r["launches"] is None and r["attention_ms"] is None for r in result["rows"])
+    assert all(r["launches"] is None and r["attention_ms"] is None and r["busiest_device_ms"] is None
+               for r in result["rows"])
+
+
+def test_bench_masks_splits_the_device_timeline_at_the_turn_marks(script):
+    """busy_per_rank: kernels between two turn marks are the turn's rank's, in start-time order
+    whatever order the profiler lists them in; the marks count to no one; a mark missing on the
+    device is an error, not a silent misattribution."""
+    busy_per_rank = script("bench_masks").busy_per_rank
+    timeline = [("spin_kernel(long)", 0, 1), ("flash_fwd", 1, 1001), ("Memcpy DtoD", 1001, 1501),  # rank 1's turn
+                ("spin_kernel(long)", 2000, 2001), ("merge", 2001, 2251),  # rank 0
+                ("spin_kernel(long)", 3000, 3001), ("flash_bwd", 3001, 5001)]  # rank 1 again
+    order = [1, 0, 1]
+    assert busy_per_rank(timeline, order, 3) == [0.25, 3.5, 0.0]
+    assert busy_per_rank(list(reversed(timeline)), order, 3) == [0.25, 3.5, 0.0]
+    with pytest.raises(RuntimeError, match="2 turn marks on the device for 3 turns"):
+        busy_per_rank(timeline[:5], order, 3)
 
 
 
