@@ -94,19 +94,26 @@ ATTENTION_KERNELS = ("flash", "fmha", "attention", "sdpa", "cudnn")  # kernel na
 
 
 class MarkedTurns(Mailbox):
-    """A serial run's mailbox that also marks the start of every turn on the device (a tiny
-    ``spin_kernel``, which nothing else launches) and records whose turn it was: the device is
-    synchronised at every hand-over, so the kernels between two marks are that rank's."""
+    """A serial run's mailbox that also marks the start of every turn on the device (``mark``; by
+    default a tiny ``spin_kernel`` on ``device``, which nothing else launches) and records whose
+    turn it was. Every rank runs on the one default stream and the device is synchronised at
+    every hand-over, so the kernels between two marks are that rank's."""
 
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, device: torch.device | None = None, mark=None):
         super().__init__(world_size, turns=True)
         self.order: list[int] = []
+        self.mark = mark or (lambda: _spin(device))
 
     def take_turn(self, rank: int) -> None:
         super().take_turn(rank)
         if self.serial:
             self.order.append(rank)
-            torch.cuda._sleep(1)
+            self.mark()
+
+
+def _spin(device) -> None:
+    with torch.cuda.device(device):  # a rank's first turn starts before it sets its device
+        torch.cuda._sleep(1)
 
 
 def busy_per_rank(kernels, order: list[int], P: int) -> list[float]:
@@ -118,6 +125,8 @@ def busy_per_rank(kernels, order: list[int], P: int) -> list[float]:
     for name, start, end in sorted(kernels, key=lambda k: k[1]):
         if "spin_kernel" in name:
             turn += 1
+            if turn >= len(order):
+                break
         elif turn >= 0:
             busy[order[turn]] += (end - start) / 1e3
     if turn != len(order) - 1:
@@ -146,7 +155,13 @@ def profile_row(device, fn, P, title, out, box: MarkedTurns | None = None) -> di
     busy = lambda ks: sum(e - s for _, s, e in ks) / 1e3 / P  # noqa: E731 -- us -> ms per rank
     # the busiest rank's own device time: a step on P devices whose hosts keep ahead of them
     # (for the fused call, its share: the whole / P)
-    busiest = busy(kernels) if box is None else max(busy_per_rank(timeline, box.order, P))
+    busiest = busy(kernels)
+    if box is not None:
+        try:
+            busiest = max(busy_per_rank(timeline, box.order, P))
+        except RuntimeError as e:  # say so and keep the run's other rows (GPU time is scarce)
+            print(f"warning: {title}: no busiest rank's device time: {e}", file=sys.stderr)
+            busiest = None
     return dict(attention_ms=busy(attention), other_kernels_ms=busy(kernels) - busy(attention),
                 launches=len(kernels) / P, busiest_device_ms=busiest)
 
@@ -217,7 +232,7 @@ def run(args) -> tuple[list[dict], dict]:
                                  step_efficiency=t_fused / P / busiest, work_max_mean=max(work) / (sum(work) / P),
                                  errors=errors))
                 if args.profile:
-                    marks = MarkedTurns(P) if device.type == "cuda" else None
+                    marks = MarkedTurns(P, device) if device.type == "cuda" else None
                     rows[-1].update(profile_row(device, lambda: run_inprocess(rank_fn, P, 1, serial=True, device=device,
                                                                               timeout=600, mailbox=marks),
                                                 P, f"{layout_name} {mode} {calls}", profiles, marks))

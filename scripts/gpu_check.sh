@@ -2,23 +2,28 @@
 # The GPU checks of docs/gpu.md in one go, for a lent GPU machine with little time on it:
 # the CUDA test tier, then the kernel and packed-documents benchmarks. Each step has its own time
 # limit, so a hang in one still leaves the others' results; logs and JSON go to the folder given
-# (default: $OUT where the device tool sets it, else ./gpu_results).
+# (default: $OUT where the device tool sets it, else ./gpu_results). Exits 1 if any step failed.
 #
-#   scripts/gpu_check.sh [DIR]          # on the GPU machine, from the repo root
+#   scripts/gpu_check.sh [DIR]          # on the GPU machine, from anywhere
 #
+# The limits (seconds; TIER_LIMIT, KERNELS_LIMIT, MASKS_LIMIT) add up to 450, plus 10 s of grace
+# per step: give the command that runs it 500 s or more (on 2026-11-27 it took 213 s on an H100).
 # Uses the machine's own python3 (its torch has CUDA); megatron-core is not needed (those tests skip).
 set -uo pipefail
-cd "$(dirname "$0")/.."
 dir=${1:-${OUT:-gpu_results}}
-mkdir -p "$dir"
+mkdir -p "$dir" && dir=$(cd "$dir" && pwd)  # relative to the caller, before the cd below
+cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 py=${TEST_PYTHON:-python3}
+failed=0
 
 step() {  # step NAME SECONDS COMMAND...: run it under a limit, log to DIR/NAME.log, report its status
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
-  timeout --kill-after=10 "$limit" "$@" > "$dir/$name.log" 2>&1
+  # SIGINT first: pytest then prints where it was and its summary; SIGKILL 10 s later
+  timeout --signal=INT --kill-after=10 "$limit" "$@" > "$dir/$name.log" 2>&1
   local rc=$?
+  [ "$rc" -eq 0 ] || failed=1
   echo "== $name: rc $rc in $((SECONDS - t0)) s"
   tail -n "${TAIL:-15}" "$dir/$name.log"
 }
@@ -28,8 +33,9 @@ step() {  # step NAME SECONDS COMMAND...: run it under a limit, log to DIR/NAME.
 } > "$dir/device.txt" 2>&1
 cat "$dir/device.txt"
 
-TAIL=25 step tier "${TIER_LIMIT:-240}" "$py" -m pytest -q -ra -p no:cacheprovider tests -m gpu
-step kernels "${KERNELS_LIMIT:-120}" "$py" scripts/bench_kernels.py --json "$dir/kernels.json"
-TAIL=20 step masks4 "${MASKS_LIMIT:-120}" "$py" scripts/bench_masks.py --world 4 --json "$dir/masks4.json"
-TAIL=20 step masks8 "${MASKS_LIMIT:-120}" "$py" scripts/bench_masks.py --world 8 \
+TAIL=25 step tier "${TIER_LIMIT:-180}" "$py" -m pytest -q -ra -p no:cacheprovider tests -m gpu
+step kernels "${KERNELS_LIMIT:-90}" "$py" scripts/bench_kernels.py --json "$dir/kernels.json"
+TAIL=20 step masks4 "${MASKS_LIMIT:-90}" "$py" scripts/bench_masks.py --world 4 --json "$dir/masks4.json"
+TAIL=20 step masks8 "${MASKS_LIMIT:-90}" "$py" scripts/bench_masks.py --world 8 \
   --modes ring mesh:2x4 tasp a2a+ring:2 --json "$dir/masks8.json"
+exit "$failed"

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
@@ -280,23 +281,45 @@ def test_compare_attention_kv_heads_follow_heads(script, capsys):
 
 
 def test_gpu_check_runs_each_step_under_its_limit(tmp_path):
-    """scripts/gpu_check.sh with a stand-in interpreter (it records its arguments; one step hangs):
-    every step runs with the arguments docs/gpu.md names, each logs to its own file, a step that
-    outlives its limit is reported (rc 124) and the steps after it still run."""
+    """scripts/gpu_check.sh with a stand-in interpreter (it records its arguments; the kernel
+    benchmark hangs): every step runs with the arguments docs/gpu.md names, each logs to its own
+    file in the folder given relative to the caller, a step that outlives its limit is reported
+    (rc 124) while the steps after it still run, and the script's exit status says one failed."""
     import subprocess
     fake = tmp_path / "python"
-    fake.write_text('#!/usr/bin/env bash\necho "args: $*"\ncase "$*" in *--world\\ 4*) sleep 30;; esac\n')
+    fake.write_text('#!/usr/bin/env bash\necho "args: $*"\ncase "$*" in *bench_kernels*) sleep 30;; esac\n')
     fake.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "TEST_PYTHON": str(fake), "KERNELS_LIMIT": "2"}
+    run = subprocess.run(["bash", str(SCRIPTS / "gpu_check.sh"), "out"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 1, (run.stdout, run.stderr)
     out = tmp_path / "out"
-    env = {"PATH": "/usr/bin:/bin", "TEST_PYTHON": str(fake), "MASKS_LIMIT": "1"}
-    run = subprocess.run(["bash", str(SCRIPTS / "gpu_check.sh"), str(out)], env=env, capture_output=True, text=True,
-                         timeout=60)
-    assert run.returncode == 0, run.stderr
     logs = {p.name: p.read_text() for p in out.iterdir()}
     assert {"device.txt", "tier.log", "kernels.log", "masks4.log", "masks8.log"} <= set(logs)
     assert "-m pytest -q -ra -p no:cacheprovider tests -m gpu" in logs["tier.log"]
     assert f"bench_kernels.py --json {out}/kernels.json" in logs["kernels.log"]
+    assert "bench_masks.py --world 4 --json" in logs["masks4.log"]
     assert "bench_masks.py --world 8 --modes ring mesh:2x4 tasp a2a+ring:2" in logs["masks8.log"]
     status = [line for line in run.stdout.splitlines() if line.startswith("== ")]
     assert [s.split(":")[0] for s in status] == ["== tier", "== kernels", "== masks4", "== masks8"]
-    assert "rc 124" in status[2] and all("rc 0 " in s for s in status[:2] + status[3:]), status
+    assert "rc 124" in status[1] and all("rc 0 " in s for s in status[:1] + status[2:]), status
+
+
+def test_bench_masks_marks_each_turn_of_the_serial_run(script):
+    """MarkedTurns: one mark per turn, made at the turn's start and recorded with its rank, so
+    the device's timeline splits into the ranks' own work (busy_per_rank); a serial run of a
+    real plan hands over many times, and every rank has turns."""
+    from megatron_mesh.comm.inprocess import run_inprocess
+    from megatron_mesh.plan import AttentionShape, build_mesh_plan
+    from megatron_mesh.runtime.autograd import forward_backward
+
+    bench = script("bench_masks")
+    P, s_local = 4, 8
+    marks = []
+    box = bench.MarkedTurns(P, mark=lambda: marks.append(len(marks)))
+    plan = build_mesh_plan(P, (2, 2), AttentionShape(s_local, 1, 2, 2, 4, 4))
+    g = torch.Generator().manual_seed(0)
+    shards = [[torch.randn(s_local, 1, 2, 4, generator=g) for _ in range(4)] for _ in range(P)]
+    run_inprocess(lambda rank, comm: forward_backward(*shards[rank], plan, comm=comm), P, serial=True, mailbox=box,
+                  timeout=60)
+    assert len(marks) == len(box.order) > P and set(box.order) == set(range(P))
