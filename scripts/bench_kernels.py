@@ -253,7 +253,8 @@ def markdown(rows: list[Row], meta: dict) -> str:
 
 def with_device_defaults(args, defaults: dict):
     """``args`` with every option left unset taken from ``defaults[device type]`` ("cuda" or
-    "cpu"), and --iters / --warmup checked (shared with scripts/bench_masks.py)."""
+    "cpu"), and --iters / --warmup and the output files' folders checked (shared with
+    scripts/bench_masks.py)."""
     device_type = torch.device(args.device).type
     if device_type not in defaults:
         raise SystemExit(f"--device must be a cpu or cuda device, got {args.device!r}")
@@ -262,6 +263,10 @@ def with_device_defaults(args, defaults: dict):
             setattr(args, key, value)
     if args.iters < 1 or args.warmup < 0:
         raise SystemExit(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
+    for flag in ("json", "profile"):  # found out now, not after the run (GPU time is scarce)
+        path = getattr(args, flag, None)
+        if path and not Path(path).resolve().parent.is_dir():
+            raise SystemExit(f"--{flag} {path}: no folder {Path(path).resolve().parent} to write it in")
     return args
 
 

@@ -124,6 +124,15 @@ def test_bench_masks_profile_writes_each_rows_kernels(tmp_path, capsys, script):
                for r in result["rows"])
 
 
+def test_bench_masks_refuses_an_output_it_could_not_write_before_it_runs(tmp_path, script):
+    with pytest.raises(SystemExit, match=r"--profile .*nowhere/p.txt: no folder"):
+        script("bench_masks").main(["--device", "cpu", "--profile", str(tmp_path / "nowhere" / "p.txt")])
+    with pytest.raises(SystemExit, match=r"--json .*nowhere/m.json: no folder"):
+        script("bench_masks").main(["--device", "cpu", "--json", str(tmp_path / "nowhere" / "m.json")])
+    with pytest.raises(SystemExit, match=r"--json .*nowhere/k.json: no folder"):
+        script("bench_kernels").main(["--device", "cpu", "--json", str(tmp_path / "nowhere" / "k.json")])
+
+
 def test_bench_masks_splits_the_device_timeline_at_the_turn_marks(script):
     """busy_per_rank: kernels between two turn marks are the turn's rank's, in start-time order
     whatever order the profiler lists them in; the marks count to no one; a mark missing on the
