@@ -133,6 +133,26 @@ def test_bench_masks_refuses_an_output_it_could_not_write_before_it_runs(tmp_pat
         script("bench_kernels").main(["--device", "cpu", "--json", str(tmp_path / "nowhere" / "k.json")])
 
 
+@pytest.mark.gpu
+def test_bench_masks_profile_on_cuda(tmp_path, script):
+    """--profile on a GPU: every row counts kernels, attention among them; the busiest rank's
+    device time is at least the mean rank's (the fused row: exactly its share), and every row
+    stays exact against the fused call."""
+    prof = tmp_path / "profile.txt"
+    result = script("bench_masks").main(["--device", "cuda", "--world", "3", "--seq-local", "256", "--docs",
+                                         "lognormal:128,1.0", "--heads", "4", "--kv-heads", "2", "--head-dim", "32",
+                                         "--iters", "1", "--warmup", "1", "--modes", "ring", "a2a+ring:3",
+                                         "--profile", str(prof)])
+    for r in result["rows"]:
+        mean = r["attention_ms"] + r["other_kernels_ms"]
+        assert r["launches"] > 0 and r["attention_ms"] > 0, r
+        assert r["busiest_device_ms"] >= mean * (1 - 1e-6), r
+        assert max(r["errors"].values(), default=0) < 0.1, r
+    assert result["rows"][0]["busiest_device_ms"] == pytest.approx(
+        result["rows"][0]["attention_ms"] + result["rows"][0]["other_kernels_ms"])
+    assert prof.read_text().count("## ") == len(result["rows"])
+
+
 def test_bench_masks_splits_the_device_timeline_at_the_turn_marks(script):
     """busy_per_rank: kernels between two turn marks are the turn's rank's, in start-time order
     whatever order the profiler lists them in; the marks count to no one; a mark missing on the
