@@ -58,6 +58,16 @@ class BlockMask:
             b = self._bias[key] = full[:, :sk]
         return b
 
+    def to(self, device: torch.device) -> "BlockMask":
+        """This mask on ``device``, with what it knows of its empty rows carried over: a mask on
+        the meta device (shapes only, to count a plan's memory traffic) cannot find them out."""
+        if self.allowed is None:
+            return self
+        moved = BlockMask(self.kind, self.allowed.to(device))
+        empty = self.empty_rows()
+        moved._bias["empty"] = False if empty is None else empty.to(device)
+        return moved
+
     def empty_rows(self) -> Tensor | None:
         """Rows with no allowed key (None when there are none)."""
         if self.allowed is None:

@@ -89,8 +89,9 @@ def _positions(runs, device) -> torch.Tensor:
         torch.empty(0, dtype=torch.long, device=device)
 
 
-def block_mask(plan: Plan, op, device: torch.device) -> "BlockMask | PiecedMask":
-    """The kernel mask of block ``op`` (an Attend / AttendBackward) of ``plan``."""
+def block_mask(plan: Plan, op, device: torch.device, piece: int | None = None) -> "BlockMask | PiecedMask":
+    """The kernel mask of block ``op`` (an Attend / AttendBackward) of ``plan``, in mask pieces of
+    ``piece`` tokens (default: the device's, :func:`mask_piece`)."""
     if op.mask == BlockKind.FULL:
         return FULL
     if op.mask == BlockKind.CAUSAL:
@@ -98,9 +99,11 @@ def block_mask(plan: Plan, op, device: torch.device) -> "BlockMask | PiecedMask"
     per_plan = _CACHE.get(plan)
     if per_plan is None:
         per_plan = _CACHE[plan] = {}
-    piece = mask_piece(device)
+    piece = mask_piece(device) if piece is None else piece
     ck = (op.q, op.rows, op.kv, op.cols, device, piece)
     m = per_plan.get(ck)
+    if m is None and device.type == "meta":  # shapes only: made on the CPU, where its values exist
+        m = per_plan[ck] = _on(block_mask(plan, op, torch.device("cpu"), piece), device)
     if m is None:
         q_runs = tuple(plan.positions(op.q, op.rows))
         k_runs = tuple(run for i, k in enumerate(op.kv) for run in plan.positions(k, op.col(i)))
@@ -112,6 +115,12 @@ def block_mask(plan: Plan, op, device: torch.device) -> "BlockMask | PiecedMask"
             m = _pieced(plan.mask, q_runs, k_runs, piece, device, cut)
         per_plan[ck] = m
     return m
+
+
+def _on(m: "BlockMask | PiecedMask", device: torch.device) -> "BlockMask | PiecedMask":
+    if isinstance(m, PiecedMask):
+        return PiecedMask(tuple(Piece(t.rows, t.cols, t.mask.to(device)) for t in m.pieces))
+    return m.to(device)
 
 
 def _pieced(mask: Mask, q_runs, k_runs, piece: int, device, cut=None) -> PiecedMask:

@@ -215,3 +215,35 @@ def test_mask_pieces_cover_every_allowed_pair_once(data):
         covered[r0:r1, c0:c1] += 1
     assert covered.max() <= 1, "two calls compute the same pair"
     assert torch.equal(covered.bool() & allowed, allowed), "an allowed pair is in no call"
+
+
+def test_masks_on_the_meta_device_are_the_cpu_masks_moved():
+    """Block masks for meta tensors (shapes only: scripts/count_host_ops.py --bytes) are made on
+    the CPU in the meta device's mask pieces and moved: the same pieces and shapes, and each
+    piece's empty rows, which a meta tensor could not find out, carried over."""
+    from megatron_mesh.plan import AttentionShape, resolve
+    from megatron_mesh.plan.ir import Attend
+    from megatron_mesh.runtime.inputs import attention_mask
+    from megatron_mesh.runtime.masks import block_mask
+
+    shape = AttentionShape(40, 1, 2, 2, 8, 4)
+    mask, layout = attention_mask(2, shape, causal=True, cu_seqlens=[0, 7, 33, 50, 80], window=(5, 0))
+    plan = resolve("ring", 2, shape).build(shape, mask, layout)
+    masked = [op for r in range(2) for op in plan.rank(r).ops("forward")
+              if isinstance(op, Attend) and op.mask == BlockKind.MASKED]
+    assert masked
+    piece = mask_piece(torch.device("meta"))
+    for op in masked:
+        cpu, meta = block_mask(plan, op, torch.device("cpu"), piece), block_mask(plan, op, torch.device("meta"))
+        cpu_pieces = cpu.pieces if isinstance(cpu, PiecedMask) else [cpu]
+        meta_pieces = meta.pieces if isinstance(meta, PiecedMask) else [meta]
+        assert len(cpu_pieces) == len(meta_pieces)
+        for a, b in zip(cpu_pieces, meta_pieces):
+            ma, mb = getattr(a, "mask", a), getattr(b, "mask", b)
+            assert getattr(a, "rows", None) == getattr(b, "rows", None) and ma.kind == mb.kind
+            if ma.allowed is not None:
+                assert mb.allowed.device.type == "meta" and mb.allowed.shape == ma.allowed.shape
+                empty = ma.empty_rows()
+                assert (mb.empty_rows() is None) == (empty is None)
+                if empty is not None:
+                    assert mb.empty_rows().shape == empty.shape

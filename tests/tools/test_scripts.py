@@ -84,6 +84,23 @@ def test_count_host_ops_counts_every_rank_s_ops(capsys, script):
     assert "zigzag    ring" in capsys.readouterr().out
 
 
+def test_count_host_ops_bytes_on_meta_tensors(capsys, script):
+    """--bytes: a row per layout and mode with each rank's bytes (meta tensors, the CUDA flash
+    kernel's plumbing), proportional to the heads (every pass is over [tokens, heads, dim]
+    tensors; only the row statistics' and offsets' few bytes are not), the table printed."""
+    count = script("count_host_ops")
+    args = ["--bytes", "--world", "3", "--seq-local", "64", "--docs", "lognormal:16,1.0", "--head-dim", "128",
+            "--modes", "ring", "a2a+ring:3", "--top", "3"]
+    small = count.main([*args, "--heads", "6", "--kv-heads", "3"])
+    large = count.main([*args, "--heads", "12", "--kv-heads", "6"])
+    assert [(r["layout"], r["mode"]) for r in small] == [(lay, m) for lay in ("zigzag", "balanced")
+                                                         for m in ("ring", "a2a+ring:3")]
+    for a, b in zip(small, large):
+        assert all(x > 0 for x in a["bytes_per_rank"]) and len(a["bytes_per_rank"]) == 3
+        assert sum(b["bytes_per_rank"]) / sum(a["bytes_per_rank"]) == pytest.approx(2, rel=0.05), (a, b)
+    assert "mean GB" in capsys.readouterr().out
+
+
 def test_bench_masks_runs_on_tiny_shapes(tmp_path, capsys, script):
     """Packed documents on odd P, both layouts, a plain mode and a hybrid: every row reproduces
     the fused call's out and gradients, the balanced layout balances the plan's work, and the
