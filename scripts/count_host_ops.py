@@ -110,7 +110,7 @@ def run_counted(world: int, seq_local: int, mode: str, docs: str, layout_name: s
     S = world * seq_local
     name, settings = parse_mode_spec(mode)
     u = int(settings.get("ulysses_size", 1))
-    heads, kv_heads = heads or 4 * u, kv_heads or 2 * u
+    heads, kv_heads = 4 * u if heads is None else heads, 2 * u if kv_heads is None else kv_heads
     shape = AttentionShape(seq_local, 1, heads, kv_heads, head_dim, torch.empty((), dtype=dtype).element_size())
     placement = resolve(name, world, shape, **settings)
     bounds = document_bounds(docs, S, seed)
@@ -163,6 +163,9 @@ def main(argv=None) -> list[dict]:
     except ValueError as e:
         p.error(f"--docs {args.docs!r} over --world x --seq-local = {args.world * args.seq_local} tokens: {e}")
     if args.bytes:
+        if min(args.heads, args.kv_heads, args.head_dim) < 1 or not args.hbm > 0:
+            p.error(f"--heads, --kv-heads and --head-dim must be >= 1 and --hbm > 0, got {args.heads}, "
+                    f"{args.kv_heads}, {args.head_dim} and {args.hbm}")
         return bytes_rows(args)
     rows = []
     print(f"ops per rank, forward + backward: P={args.world}, {args.seq_local} tokens per rank, documents {args.docs}")

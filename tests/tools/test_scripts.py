@@ -99,6 +99,11 @@ def test_count_host_ops_bytes_on_meta_tensors(capsys, script):
         assert all(x > 0 for x in a["bytes_per_rank"]) and len(a["bytes_per_rank"]) == 3
         assert sum(b["bytes_per_rank"]) / sum(a["bytes_per_rank"]) == pytest.approx(2, rel=0.05), (a, b)
     assert "mean GB" in capsys.readouterr().out
+    for bad in (["--heads", "0"], ["--hbm", "0"]):
+        with pytest.raises(SystemExit):
+            count.main([*args, *bad])
+    assert "--heads, --kv-heads and --head-dim must be >= 1 and --hbm > 0, got 0, 8, 128 and 3.35" in \
+        capsys.readouterr().err
 
 
 def test_bench_masks_runs_on_tiny_shapes(tmp_path, capsys, script):
