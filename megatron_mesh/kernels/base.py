@@ -117,9 +117,12 @@ class BlockKernel(Protocol):
 
         A kernel that makes something of the rows' statistics before its op can take them (torch's
         fused ops want an output, and lse without -inf) may define ``backward_rows(dout, lse,
-        delta) -> tuple[Tensor, ...]`` of tensors with the rows along dim 2: the executor then calls
-        it once per buffer of rows -- not once per block, as many blocks read the same rows -- and
-        passes each call its rows of them as ``backward(..., rows=...)`` (and ``backward_varlen``)."""
+        delta, out=None) -> tuple[Tensor, ...]`` of tensors with the rows along dim 2: the executor
+        then calls it once per buffer of rows -- not once per block, as many blocks read the same
+        rows -- and passes each call its rows of them as ``backward(..., rows=...)`` (and
+        ``backward_varlen``). Where the rows' output is on the rank (its own rows) the executor
+        passes it as ``out``, and then must not read ``delta``: it computes delta only for rows
+        other ranks compute blocks of, and leaves NaN in the others."""
 
 
 # -- variable-length calls ------------------------------------------------------------------------------------

@@ -200,6 +200,13 @@ def test_backward_chunks_under_a_mask_match_the_dense_reference(mode, groups, mo
 
 
 # -- identical to gloo and to the public autograd path ------------------------------------------------------
+class FakeComm:
+    """Just what an Executor reads of its communicator when it is made."""
+
+    def __init__(self, rank, world_size):
+        self.rank, self.world_size = rank, world_size
+
+
 def test_backward_rows_made_once_per_buffer_and_own_rows_take_their_output():
     """torch's fused backward ops want the rows' output. For its own rows a rank has it (the
     forward's, or a Ulysses group's partial output behind RowStats); for rows it works on for
@@ -210,6 +217,7 @@ def test_backward_rows_made_once_per_buffer_and_own_rows_take_their_output():
     tile (remote rows) and a Ulysses hybrid (RowStats)."""
     from megatron_mesh.kernels import torch_sdpa
     from megatron_mesh.plan import AttendBackward, RowStats
+    from megatron_mesh.runtime.executor import Executor
 
     class Counting(torch_sdpa.TorchAttentionKernel):
         def __init__(self):
@@ -219,6 +227,9 @@ def test_backward_rows_made_once_per_buffer_and_own_rows_take_their_output():
         def backward_rows(self, dout, lse, delta, out=None):
             self.made += 1
             self.stand_ins += out is None
+            # delta is computed only where something reads it: rows other ranks compute blocks of
+            # (NaN elsewhere, so a missed read fails the results)
+            assert out is not None or not delta.isnan().any()
             return super().backward_rows(dout, lse, delta, out)
 
     class PerCall(torch_sdpa.TorchAttentionKernel):
@@ -246,6 +257,11 @@ def test_backward_rows_made_once_per_buffer_and_own_rows_take_their_output():
             if mode != "mesh":
                 assert kernels[rank].stand_ins == 0 and len(reads) < blocks, what
         assert (mode == "mesh") == any(k.stand_ins for k in kernels), mode  # a tile's rows come from others
+        # this rank's delta = rowsum(dO * O): only for rows whose dO goes to another rank
+        computed = [Executor(plan, FakeComm(r, 4), kernels[r], 1.0)._delta_rows for r in range(4)]
+        assert all(rows == () for rows in computed) if mode != "mesh" else all(computed), (mode, computed)
+        assert Executor(plan, FakeComm(0, 4), PerCall("cpu"), 1.0)._delta_rows is None  # no backward_rows: all
+
 
 
 def test_first_writes_copy_and_give_bitwise_the_same_results(monkeypatch):
