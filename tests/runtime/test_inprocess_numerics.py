@@ -263,7 +263,6 @@ def test_backward_rows_made_once_per_buffer_and_own_rows_take_their_output():
         assert Executor(plan, FakeComm(0, 4), PerCall("cpu"), 1.0)._delta_rows is None  # no backward_rows: all
 
 
-
 def test_first_writes_copy_and_give_bitwise_the_same_results(monkeypatch):
     """Where a block is the first op to write rows of an accumulator (``Plan.first_writes``), the
     executor copies its kernel calls' results instead of merging them into (0, -inf) or adding
