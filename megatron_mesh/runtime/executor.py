@@ -24,7 +24,6 @@ from torch import Tensor
 
 from ..comm.base import Communicator, Work
 from ..kernels.base import BlockKernel
-from ..plan.mask import BlockKind
 from ..plan.sel import union_intervals
 from ..plan.ir import (KINDS, AddGrad, Attend, AttendBackward, Copy, Free, Key, MergeOut, Plan, Post, RankPlan,
                        RowStats, Wait)
@@ -165,16 +164,26 @@ class _Buffers:
     def get(self, key: Key) -> tuple[Tensor, ...]:
         return self.live[key]
 
-    def accumulator(self, key: Key, filled: bool = True) -> tuple[Tensor, ...]:
-        """The buffer ``key``, created on first use (out = 0, lse = -inf; gradients and copies 0;
-        not ``filled``: as allocated, for a block that writes all of it before anything reads it)."""
+    def accumulator(self, key: Key, filled: bool = True, rows=None) -> tuple[Tensor, ...]:
+        """The buffer ``key``, created on first use with its initial values (out = 0, lse = -inf;
+        gradients and copies 0) in ``rows`` (None: all of them; the plan's ``creation_fills``
+        name the rows its creator and later blocks do not write before anything reads them); not
+        ``filled``: as allocated, for ops that write all of it first."""
         acc = self.live.get(key)
         if acc is None:
             acc = self.alloc(key)
-            for i, t in enumerate(acc if filled else ()):
-                t.fill_(KINDS[key.kind].initial(i))
+            if filled:
+                self.fill(key, acc, rows)
             self.put(key, acc, owned=key not in self.token_major)
         return acc
+
+    @staticmethod
+    def fill(key: Key, tensors: tuple[Tensor, ...], rows=None) -> None:
+        """Set ``rows`` (None: all) of ``tensors``, buffer ``key``, to its kind's initial values."""
+        for i, t in enumerate(tensors):
+            value = KINDS[key.kind].initial(i)
+            for a, _, n in _parts(rows, t.shape[2]):
+                part_of(t, 2, a, n).fill_(value)
 
     def derive(self, key: Key, make: Callable[[], tuple]) -> tuple:
         """``make()`` of the live buffer ``key``, made once while it lives (many blocks read it)."""
@@ -323,11 +332,13 @@ class Executor:
         pending: dict[int, tuple[Work, list, list]] = {}
         handlers = self.HANDLERS
         first = self.plan.first_writes(self.comm.rank, direction)
+        fills = self.plan.creation_fills(self.comm.rank, direction, bufs.heads, bufs.kv_heads)
         for i, op in enumerate(self.rank_plan.ops(direction)):
             handler = handlers.get(type(op))
             if handler is None:
                 raise TypeError(f"unknown plan op {op!r}")
             self._first = first.get(i, {})  # a block's accumulator rows no earlier op wrote (plan.first_writes)
+            self._fills = fills.get(i, {})  # what to fill of an accumulator this op creates (plan.creation_fills)
             handler(self, op, bufs, pending)
         if pending:
             raise RuntimeError(f"plan left rounds {sorted(pending)} unwaited")
@@ -357,20 +368,25 @@ class Executor:
         return (torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts], dim=2),
                 [p[0].shape[2] for p in parts])
 
-    def _writes_all(self, op, key: Key) -> bool:
-        """Whether block ``op`` is the first to write every row of accumulator ``key`` (plan
-        ``first_writes``) with one kernel call over all its rows and columns (not a masked block,
-        whose pieces may leave rows out): then the accumulator needs no initial fill."""
-        sel = self._first.get(key)
-        return op.mask != BlockKind.MASKED and sel is not None and len(sel) == 1 and sel[0][0] == 0 and \
-            sel[0][1] == self.plan.tokens(key)
+    def _created(self, bufs: _Buffers, key: Key) -> tuple[Tensor, ...]:
+        """Accumulator ``key`` of a block or copy: where this op creates it, filled only in the rows
+        the plan says no block or whole copy writes before they are read (``creation_fills``;
+        all of them where the plan names none)."""
+        return bufs.accumulator(key, rows=self._fills.get(key))
+
+    @staticmethod
+    def _fill_unwritten(bufs: _Buffers, key: Key, fresh: list[list[int]]) -> None:
+        """Rows a block was to write first but whose kernel calls left them out (a masked block's
+        rows without an allowed key in it): their initial values, as later ops add into them."""
+        if fresh:
+            bufs.fill(key, bufs.get(key), [tuple(f) for f in fresh])
 
     def _attend(self, op: Attend, bufs: _Buffers, pending) -> None:
         (q,) = bufs.get(op.q)
         k, v, _ = self._kv(op, bufs)
         mask = block_mask(self.plan, op, q.device)
         with self.timer("compute"):
-            out, lse = bufs.accumulator(op.out, filled=not self._writes_all(op, op.out))
+            out, lse = self._created(bufs, op.out)
             rows = list(_parts(op.rows, out.shape[2]))
             fresh = _fresh(self._first, op.out)
             # each kernel call's partial result merges straight into the rows' accumulator; on rows
@@ -386,6 +402,7 @@ class Executor:
                             dst_l.copy_(src_l)
                         else:
                             merge_partial_(dst_o, dst_l, src_o, src_l)
+            self._fill_unwritten(bufs, op.out, fresh)
 
     def _attend_backward(self, op: AttendBackward, bufs: _Buffers, pending) -> None:
         (q,) = bufs.get(op.q)
@@ -396,14 +413,18 @@ class Executor:
             make = self.backward_rows  # once per buffer of rows, not per block
             made = None if make is None else tuple(_take(t, op.rows) for t in
                                                    bufs.derive(op.do, lambda: make(dout, lse, delta)))
-            (acc_q,) = bufs.accumulator(op.dq, filled=not self._writes_all(op, op.dq))
+            (acc_q,) = self._created(bufs, op.dq)
             rows = list(_parts(op.rows, acc_q.shape[2]))
             fresh_q = _fresh(self._first, op.dq)  # rows still 0: a copy instead of an add
             cols, start = [], 0  # each key buffer's accumulators, where its block columns go, its fresh rows
+            fresh_kv: dict[Key, list[list[int]]] = {}  # one list per buffer: a block may name it for several ranges
             for i, (key, n_cols) in enumerate(zip(op.dkv, lengths)):
-                acc_k, acc_v = bufs.accumulator(key, filled=not self._writes_all(op, key))
+                acc_k, acc_v = self._created(bufs, key)
+                fresh = fresh_kv.get(key)
+                if fresh is None:
+                    fresh = fresh_kv[key] = _fresh(self._first, key)
                 cols.append((acc_k, acc_v, [(a, start + pos, n) for a, pos, n in _parts(op.col(i), acc_k.shape[2])],
-                             _fresh(self._first, key)))
+                             fresh))
                 start += n_cols
             for part in backward_partials(self.kernel, _take(dout, op.rows), _take(q, op.rows), k, v,
                                           _take(lse, op.rows), _take(delta, op.rows), mask, self.scale,
@@ -420,6 +441,9 @@ class Executor:
                         for s, m, first in _split_fresh(fresh, a, n):
                             _add_or_copy(part_of(acc_k, 2, s, m), part_of(dk, 2, off + s - a, m), first)
                             _add_or_copy(part_of(acc_v, 2, s, m), part_of(dv, 2, off + s - a, m), first)
+            self._fill_unwritten(bufs, op.dq, fresh_q)
+            for key, fresh in fresh_kv.items():
+                self._fill_unwritten(bufs, key, fresh)
 
     def _merge(self, op: MergeOut, bufs: _Buffers, pending) -> None:
         src_out, src_lse = bufs.get(op.src)
@@ -437,7 +461,7 @@ class Executor:
                 part_of(d, 2, a, n).add_(part_of(s, 2, pos, n))
 
     def _copy(self, op: Copy, bufs: _Buffers, pending) -> None:
-        src, dst = bufs.get(op.src), bufs.accumulator(op.dst)
+        src, dst = bufs.get(op.src), self._created(bufs, op.dst)
         for d, s in zip(dst, src):  # a cast to a finished kind keeps the leading tensors (out, not lse)
             if op.heads is not None:
                 d = d.narrow(1, op.heads[0], op.heads[1] - op.heads[0])

@@ -211,6 +211,73 @@ def test_first_writes_of_a_ring_plan_and_the_docstring_example():
                 assert all(out not in first.get(i, {}) for i in blocks[1:]), r
 
 
+def test_creation_fills_the_docstring_examples_copies_and_every_plan():
+    """``creation_fills``: which rows of an accumulator the runtime sets to their initial values
+    when a block or copy creates it -- only those no block's first write or whole copy covers
+    before anything reads it. The docstring's examples; a block naming one buffer for two column
+    ranges writes both first; a copy of fewer tensors (a finished output into a partial one)
+    covers nothing, head-slice copies cover the rows whose every head they write; a send reads
+    what is covered so far, a block only its rows and columns.
+    On real plans: the rows filled at creation and the rows blocks write first never overlap, and
+    together they are the whole buffer wherever a block or whole copy created it."""
+    from megatron_mesh.plan import Attend, AttendBackward, Copy, Free, Post, Segment, Transfer
+    from megatron_mesh.plan.ir.writes import creation_fills, first_writes
+
+    q1, kv1, o1 = Key.parse("q1"), Key.parse("kv1"), Key.parse("o1")
+    four = lambda key: 4  # noqa: E731
+    send = Post(3, (Transfer(0, o1),), ())
+    whole = Attend(q1, (kv1,), o1, None, None, "causal")
+    part = Attend(q1, (kv1,), o1, ((0, 2),), None, "causal")
+    assert creation_fills([whole, send], four) == {0: {o1: ()}}
+    assert creation_fills([part, send], four) == {0: {o1: (Segment(2, 4),)}}
+    assert creation_fills([part, send, whole], four) == {0: {o1: (Segment(2, 4),)}}  # sent before [2, 4) was
+    assert creation_fills([part, Free(o1), whole], four) == {0: {o1: (Segment(2, 4),)}, 2: {o1: ()}}
+    assert creation_fills([whole], four, live=[o1]) == {}  # it exists: nothing creates it
+    # one key/value buffer named for two column ranges: both are first writes
+    dq1, dkv1, do1 = Key.parse("dq1"), Key.parse("dkv1"), Key.parse("do1")
+    bwd = AttendBackward(q1, do1, (kv1, kv1), dq1, (dkv1, dkv1), None, (((0, 1),), ((2, 4),)), "full")
+    assert first_writes([bwd], four)[0][dkv1] == (Segment(0, 1), Segment(2, 4))
+    assert creation_fills([bwd], four)[0] == {dq1: (), dkv1: (Segment(1, 2),)}
+    # copies: all heads of rows `into` cover them; a head slice, or fewer tensors, covers nothing
+    y0, o0, o0h = Key.parse("y0"), Key.parse("o0"), Key.parse("o0/h1")
+    counts = lambda key: {"y": 1, "o": 2}[key.kind]  # noqa: E731
+    assert creation_fills([Copy(o0h, o1, None, ((0, 2),), None), Copy(o0h, o1, None, ((2, 4),), None)], four,
+                          live=[o0h], tensor_counts=counts) == {0: {o1: ()}}
+    assert creation_fills([Copy(o0h, o1, None, None, (0, 2))], four, live=[o0h], tensor_counts=counts) == \
+        {0: {o1: (Segment(0, 4),)}}
+    assert creation_fills([Copy(y0, o0, None, None, None)], four, live=[y0], tensor_counts=counts) == \
+        {0: {o0: (Segment(0, 4),)}}
+    # head slices that together write every head of rows [0, 4) (given the buffer's heads) cover them
+    halves = [Copy(o0h, o1, None, None, (0, 2)), Copy(o0h, o1, None, ((0, 3),), (2, 4))]
+    assert creation_fills(halves, four, live=[o0h], heads_of=lambda key: 4) == {0: {o1: (Segment(3, 4),)}}
+    # a buffer assembled in rounds: a block reads only the rows in so far
+    q2, q0a, q0b = Key.parse("q0*2"), Key.parse("q0.0"), Key.parse("q1.0")
+    rounds = [Copy(q0a, q2, None, ((0, 2),)), Attend(q2, (kv1,), o1, ((0, 2),), None, "causal"),
+              Copy(q0b, q2, None, ((2, 4),)), Attend(q2, (kv1,), o1, ((2, 4),), None, "causal")]
+    assert creation_fills(rounds, four, live=[q0a, q0b, kv1]) == {0: {q2: ()}, 1: {o1: ()}}
+    assert creation_fills(rounds[:2] + rounds[3:], four, live=[q0a, q0b, kv1])[0] == {q2: (Segment(2, 4),)}
+
+    masked = Mask(True, (None, None), ((0, 3), (3, 9), (9, 16)))
+    plans = [build_mesh_plan(4, (2, 2), SHAPE, causal=True),
+             resolve("ring", 4, SHAPE).build(SHAPE, masked),
+             resolve("a2a+ring", 4, SHAPE, ulysses_size=2).build(SHAPE, masked)]
+    for plan in plans:
+        for r in range(4):
+            for direction in ("forward", "backward"):
+                ops, first = plan.rank(r).ops(direction), plan.first_writes(r, direction)
+                for i, fills in [*plan.creation_fills(r, direction).items(),
+                                 *plan.creation_fills(r, direction, 4, 2).items()]:
+                    assert type(ops[i]) in (Attend, AttendBackward, Copy)
+                    for key, rows in fills.items():
+                        written = set().union(*(range(a, b) for a, b in first.get(i, {}).get(key, ())))
+                        filled = set().union(*(range(a, b) for a, b in rows))
+                        assert not written & filled, (plan.notes, r, direction, i, key)
+                        if type(ops[i]) is not Copy:
+                            later = set().union(*(range(a, b) for j, w in first.items() if j > i
+                                                  for a, b in w.get(key, ())))
+                            assert written | filled | later >= set(range(plan.tokens(key))), (r, i, key)
+
+
 def test_a_copied_first_write_costs_one_accumulator_pass_less_than_a_merge():
     """The simulator prices an accumulator's first write as a copy (read the result, write the
     accumulator), a merge or add as three passes (read and write the fp32 accumulator, read the

@@ -266,33 +266,48 @@ def test_backward_rows_made_once_per_buffer_and_own_rows_take_their_output():
 def test_first_writes_copy_and_give_bitwise_the_same_results(monkeypatch):
     """Where a block is the first op to write rows of an accumulator (``Plan.first_writes``), the
     executor copies its kernel calls' results instead of merging them into (0, -inf) or adding
-    them to zeros, and skips the initial fill where one unmasked block writes all of it first:
-    outputs and gradients bitwise those of merging / adding everywhere -- dense, documents and a
-    window on the zigzag, a Mesh tile, a hybrid. New buffers come back full of NaN here, so a row
-    left unwritten would show."""
+    them to zeros, and fills a new accumulator only in the rows nothing writes before they are
+    read (``Plan.creation_fills``; the rows a masked block's calls leave out after them):
+    outputs and gradients bitwise those of filling every new accumulator and merging / adding
+    everywhere -- dense, documents and a window on the zigzag, THD padding (rows that attend
+    nothing), a Mesh tile, a hybrid. New buffers come back full of NaN here, so a row left
+    unwritten would show; and fewer rows are filled."""
     from megatron_mesh.plan import Plan
     from megatron_mesh.runtime import executor
 
     new = executor._Buffers._new
     monkeypatch.setattr(executor._Buffers, "_new", lambda self, key: tuple(t.fill_(float("nan"))
                                                                           for t in new(self, key)))
+    filled = [0]
+    fill = executor._Buffers.fill
+
+    def counting_fill(key, tensors, rows=None):
+        filled[0] += sum(b - a for a, b in (rows if rows is not None else [(0, tensors[0].shape[2])]))
+        fill(key, tensors, rows)
+
+    monkeypatch.setattr(executor._Buffers, "fill", staticmethod(counting_fill))
 
     problems = [("ring", {}, cases.Problem(4, 4, 2, True, torch.float32, seq_local=16)),
                 ("ring", {}, cases.Problem(4, 4, 2, True, torch.float32, seq_local=16, cu_seqlens=(0, 5, 21, 40, 64),
                                            window=(6, 0))),
                 ("mesh", {"tile": (2, 2)}, cases.Problem(4, 4, 1, False, torch.float32, seq_local=16)),
                 ("a2a+tasp", {"ulysses_size": 2}, cases.Problem(4, 4, 2, True, torch.float32, seq_local=16,
-                                                                cu_seqlens=(0, 5, 21, 40, 64)))]
+                                                                cu_seqlens=(0, 5, 21, 40, 64))),
+                ("ring", {}, _masked_problems(4)[2])]
     for mode, settings, p in problems:
         plan = resolve(mode, 4, p.shape, **settings).build(p.shape, p.mask, p.layout)
         assert any(plan.first_writes(r, d) for r in range(4) for d in ("forward", "backward")), mode
+        filled[0] = 0
         copied = run_case(p, plan, serial=True)
         check(copied)
+        rows_filled = filled[0]
         with monkeypatch.context() as m:
             m.setattr(Plan, "first_writes", lambda self, r, direction: {})
+            m.setattr(Plan, "creation_fills", lambda self, *args: {})  # every new accumulator filled
             merged = run_case(p, resolve(mode, 4, p.shape, **settings).build(p.shape, p.mask, p.layout), serial=True)
         for a, b in zip(copied, merged):
             assert all(torch.equal(x, y) for x, y in zip(a.outputs, b.outputs)), mode
+        assert rows_filled < filled[0] - rows_filled, (mode, rows_filled, filled[0] - rows_filled)
 
 
 def test_bitwise_equal_to_gloo_and_autograd(gloo):

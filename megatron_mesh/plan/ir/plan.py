@@ -38,7 +38,7 @@ from ..layout import Layout, ZigzagLayout, head_slice, layout_from_text
 from ..mask import Mask
 from ..sel import Segment, Sel, map_runs, parse_sel, sel_text, sub_selection
 from .ops import KINDS, Attend, AttendBackward, Free, Key, Op, Post, Wait, _parse_keys, op_keys, parse_op
-from .writes import first_writes
+from .writes import creation_fills, first_writes
 
 __all__ = ["RankPlan", "Plan", "SlotTable"]
 
@@ -184,6 +184,27 @@ class Plan:
         hit = self._cache.get(ck)
         if hit is None:
             hit = self._cache[ck] = first_writes(self.rank(r).ops(direction), self.tokens)
+        return hit
+
+    def creation_fills(self, r: int, direction: str, heads: int | None = None, kv_heads: int | None = None) -> dict:
+        """:func:`~.writes.creation_fills` of rank ``r``'s ops in ``direction``: which rows of an
+        accumulator the executor fills when a block or copy creates it (once per plan and heads;
+        with ``heads`` / ``kv_heads`` given, copies of head slices that together write all heads
+        of rows cover them)."""
+        ck = ("fills", r, direction, heads, kv_heads)
+        hit = self._cache.get(ck)
+        if hit is None:
+            rp = self.rank(r)
+            live = [*rp.forward_inputs] if direction == "forward" else [*rp.backward_inputs, *rp.saved]
+
+            def heads_of(key: Key) -> int:
+                h, g = self.head_counts(key, heads, kv_heads)
+                return h if KINDS[key.kind].side == "q" else g
+
+            hit = self._cache[ck] = creation_fills(rp.ops(direction), self.tokens, live,
+                                                   lambda key: len(KINDS[key.kind].tensors),
+                                                   self.first_writes(r, direction),
+                                                   None if heads is None else heads_of)
         return hit
 
     @property

@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 from ..sel import Segment, Sel, union_intervals
-from .ops import AddGrad, Attend, AttendBackward, Copy, Free, Key, MergeOut
+from .ops import AddGrad, Attend, AttendBackward, Copy, Free, Key, MergeOut, op_keys
 
-__all__ = ["first_writes"]
+__all__ = ["first_writes", "creation_fills"]
 
 
 def _minus(segs: list[Segment], cut: list[Segment]) -> list[Segment]:
@@ -43,8 +43,9 @@ def first_writes(ops, tokens) -> dict[int, dict[Key, Sel]]:
     def block(i: int, key: Key, sel) -> None:
         rows = list(sel) if sel is not None else [Segment(0, tokens(key))]
         fresh = _minus(rows, written.get(key, []))
-        if fresh:
-            out.setdefault(i, {})[key] = tuple(fresh)
+        if fresh:  # (a block may name one key/value buffer for several of its column ranges)
+            mine = out.setdefault(i, {})
+            mine[key] = tuple(union_intervals([*mine.get(key, ()), *fresh]))
         written[key] = list(union_intervals([*written.get(key, []), *rows]))
 
     for i, op in enumerate(ops):
@@ -62,4 +63,112 @@ def first_writes(ops, tokens) -> dict[int, dict[Key, Sel]]:
                 into = op.into if kind is MergeOut or (kind in (AddGrad, Copy) and op.heads is None) else None
                 rows = list(into) if into is not None else [Segment(0, tokens(key))]
                 written[key] = list(union_intervals([*written.get(key, []), *rows]))
+    return out
+
+
+def creation_fills(ops, tokens, live=(), tensor_counts=None, first=None, heads_of=None) -> dict[int, dict[Key, Sel]]:
+    """For each op that creates an accumulator -- a block (:class:`Attend`, :class:`AttendBackward`)
+    or a :class:`Copy` writing a buffer that is not live -- the rows the runtime must set to their
+    initial values (out 0, lse -inf, gradients 0) when it creates it: those that something reads
+    (copies, merges or adds into, sends, ...) before a block's first write (:func:`first_writes`)
+    or a copy over all heads covers them, and those nothing covers before the buffer is freed or
+    the direction ends (its final output and gradients are read). A fill is a pass over the
+    buffer's memory as large as a copy; most accumulators are written whole by their blocks
+    first. (Rows a block's first write names but its kernel calls leave out -- a masked block's
+    rows without an allowed key in it -- are the runtime's to fill after the calls.)
+
+    ``live``: the buffers that exist when ``ops`` start (inputs, the forward's saved buffers);
+    ``tensor_counts(key)``: how many tensors a buffer has (a copy from a kind with fewer, a
+    finished output into a partial one, leaves the others unwritten); ``first``: the blocks' first
+    writes as the runtime takes them (default :func:`first_writes` of ``ops``); ``heads_of(key)``:
+    a buffer's heads, where copies into head slices (a Ulysses group's all-to-all, assembling a
+    chunk's head slices) may together cover rows (None: such copies cover nothing).
+
+    Example: ``attend q1 x kv1 causal -> o1`` writes all 4 rows of o1 first, ``post 3: send
+    o1->0`` reads them: ``{0: {o1: ()}}`` (nothing to fill). Had the block been ``attend q1[0:2]
+    x kv1 ...``, rows [2, 4) would be filled: ``{0: {o1: ((2, 4),)}}``."""
+    first = first_writes(ops, tokens) if first is None else first
+    live = set(live)
+    # a buffer a block or copy created, while it lives: [creating op, rows covered, rows read first]
+    open_: dict[Key, list] = {}
+    out: dict[int, dict[Key, Sel]] = {}
+
+    slices: dict[Key, list] = {}  # head-slice copies into an open buffer: (rows, (first head, stop))
+
+    def slice_cover(key: Key, rows, heads) -> list[Segment]:
+        """The rows whose every head the head-slice copies into ``key`` so far have written."""
+        pieces = slices.setdefault(key, [])
+        pieces.append((list(rows), heads))
+        cuts = sorted({x for r, _ in pieces for seg in r for x in seg})
+        done = []
+        for a, b in zip(cuts, cuts[1:]):
+            hs = sorted(h for r, h in pieces if any(s <= a and b <= e for s, e in r))
+            reach = 0
+            for h0, h1 in hs:
+                if h0 > reach:
+                    break
+                reach = max(reach, h1)
+            if reach >= heads_of(key):
+                done.append(Segment(a, b))
+        return done
+
+    def every(key: Key) -> list[Segment]:
+        return [Segment(0, tokens(key))]
+
+    def close(key: Key) -> None:
+        i, covered, read = open_.pop(key)
+        slices.pop(key, None)
+        out.setdefault(i, {})[key] = tuple(union_intervals([*read, *_minus(every(key), covered)]))
+
+    def create(i: int, key: Key) -> None:
+        if key not in live:
+            live.add(key)
+            open_[key] = [i, [], []]
+
+    def cover(key: Key, rows) -> None:
+        state = open_[key]
+        state[1] = list(union_intervals([*state[1], *rows]))
+
+    def read(key: Key, rows) -> None:  # rows something reads (or adds into) before they may be covered
+        state = open_.get(key)
+        if state is None:
+            return
+        if rows is None:  # the whole buffer: what is not covered now is filled
+            close(key)
+        else:
+            state[2] = list(union_intervals([*state[2], *_minus(list(rows), state[1])]))
+
+    for i, op in enumerate(ops):
+        kind = type(op)
+        if kind in (Attend, AttendBackward):
+            written = (op.out,) if kind is Attend else (op.dq, *op.dkv)
+            reads = [(op.q, op.rows), *((k, op.col(j)) for j, k in enumerate(op.kv))]
+            for key, rows in reads + ([(op.do, op.rows)] if kind is AttendBackward else []):
+                if key not in written:
+                    read(key, rows)  # its rows and columns (a buffer assembled in rounds: the rows in so far)
+            for key in written:
+                create(i, key)
+                if key in open_:
+                    cover(key, first.get(i, {}).get(key, ()))
+        elif kind is Copy:
+            read(op.src, op.rows)
+            create(i, op.dst)
+            if op.dst in open_ and (tensor_counts is None or tensor_counts(op.src) >= tensor_counts(op.dst)):
+                rows = op.into if op.into is not None else every(op.dst)
+                if op.heads is None:
+                    cover(op.dst, rows)
+                elif heads_of is not None:  # the rows all of whose heads such copies have written
+                    cover(op.dst, slice_cover(op.dst, rows, tuple(op.heads)))
+        elif kind in (MergeOut, AddGrad):
+            read(op.src, None)
+            read(op.dst, op.into)  # merged or added into: those rows must hold their initial values
+        elif kind is Free:
+            read(op.key, None)
+            live.discard(op.key)
+        else:  # sends, receives, row statistics: the whole buffer
+            for key in op_keys(op):
+                read(key, None)
+            live.update(op.writes())
+    for key in list(open_):
+        close(key)
     return out
