@@ -26,7 +26,7 @@ from ..comm.base import Communicator, Work
 from ..kernels.base import BlockKernel
 from ..plan.sel import union_intervals
 from ..plan.ir import (KINDS, AddGrad, Attend, AttendBackward, Copy, Free, Key, MergeOut, Plan, Post, RankPlan,
-                       RowStats, Wait)
+                       RowStats, Wait, op_keys)
 from .masks import backward_partials, block_mask, forward_partials
 from .merge import merge_partial_, part_of
 
@@ -222,6 +222,7 @@ class Executor:
         self._delta_rows = None if self.backward_rows is None else union_intervals(
             seg for key, segs in self.rank_plan.backward_inputs.items() if key in reads for seg in segs)
         self._rowstats_delta = reads  # (RowStats results among them)
+        self._copied_only = {d: self._copy_sources(self.rank_plan, d) for d in ("forward", "backward")}
         self.timer = timer or (lambda what: contextlib.nullcontext())
 
     # -- public ----------------------------------------------------------------------------------
@@ -230,7 +231,7 @@ class Executor:
         Returns the fp32 out (token-major storage) and lse."""
         rp = self.rank_plan
         bufs = self._buffers(q, k, {rp.output})
-        self._inputs(bufs, rp.forward_inputs, {"q": (q,), "kv": (k, v)})
+        self._inputs(bufs, rp.forward_inputs, {"q": (q,), "kv": (k, v)}, self._copied_only["forward"])
         self._run("forward", bufs)
         final = bufs.accumulator(rp.output)
         out, lse = final if len(final) == 2 else (final[0], None)  # a finished output ("y") has no lse
@@ -247,7 +248,7 @@ class Executor:
         sources = {"q": (q,), "kv": (k, v), "dy": (dout,)}
         if any(key.kind == "do" for key in rp.backward_inputs):
             sources["do"] = (dout, lse, self._delta(dout, out, lse))
-        self._inputs(bufs, rp.backward_inputs, sources)
+        self._inputs(bufs, rp.backward_inputs, sources, self._copied_only["backward"])
         make = self.backward_rows
         if make is not None and "do" in sources:  # this rank's rows: the kernel may take their output itself
             for key, segs in rp.backward_inputs.items():
@@ -304,28 +305,41 @@ class Executor:
         b, h, _, d = q.shape
         return _Buffers(self.plan, h, k.shape[1], b, d, q.dtype, q.device, token_major)
 
-    def _inputs(self, bufs: _Buffers, table: dict, sources: dict) -> None:
+    def _inputs(self, bufs: _Buffers, table: dict, sources: dict, views: frozenset = frozenset()) -> None:
         """Cut the rank plan's input buffers from the local tensors: one token range of all heads
-        is a view; several ranges or one head slice are copied (once per distinct cut)."""
+        is a view; several ranges or one head slice are copied (once per distinct cut), except a
+        head slice in ``views`` (read by copies alone, :meth:`_copy_sources`): a view too."""
         cuts: dict = {}
         for key, segs in table.items():
-            ck = (key.kind, tuple(segs), key.heads)
+            ck = (key.kind, tuple(segs), key.heads, key in views)
             tensors = cuts.get(ck)
             if tensors is None:
-                tensors = cuts[ck] = self._cut(bufs, key, segs, sources[key.kind])
+                tensors = cuts[ck] = self._cut(bufs, key, segs, sources[key.kind], view=key in views)
             bufs.put(key, tensors, owned=False)
 
-    def _cut(self, bufs: _Buffers, key: Key, segs, tensors) -> tuple[Tensor, ...]:
+    def _cut(self, bufs: _Buffers, key: Key, segs, tensors, view: bool = False) -> tuple[Tensor, ...]:
         """The input buffer ``key``'s cut (token ranges ``segs``, its head slice) of the local
-        ``tensors``: a view for one range of all heads, else a copy."""
+        ``tensors``: a view for one range of all heads (or of a head slice, with ``view``), else a
+        copy."""
         heads = self.plan.head_range(key, bufs.heads, bufs.kv_heads) if key.heads >= 0 else None
         parts = []
         for t in tensors:
             if heads is not None:
                 t = t.narrow(1, heads[0], heads[1] - heads[0])
             parts.append(_take(t, segs))
-        copied = heads is not None or len(segs) > 1
+        copied = (heads is not None and not view) or len(segs) > 1
         return tuple(p.contiguous() if copied else p for p in parts)
+
+    @staticmethod
+    def _copy_sources(rank_plan: RankPlan, direction: str) -> frozenset:
+        """The input buffers of ``direction`` that only :class:`Copy` ops read (a Ulysses group
+        member's own head slice, copied into the group's tokens): cutting them as a contiguous
+        copy first would move their bytes twice. A buffer that is sent or that a block reads
+        stays contiguous (a send needs it; kernels read it many times)."""
+        inputs = rank_plan.forward_inputs if direction == "forward" else rank_plan.backward_inputs
+        others = {key for op in rank_plan.ops(direction) if type(op) is not Copy for key in op_keys(op)}
+        copied = {op.src for op in rank_plan.ops(direction) if type(op) is Copy}
+        return frozenset(key for key in inputs if key in copied and key not in others)
 
     # -- the loop ----------------------------------------------------------------------------------
     def _run(self, direction: str, bufs: _Buffers) -> None:

@@ -263,6 +263,25 @@ def test_backward_rows_made_once_per_buffer_and_own_rows_take_their_output():
         assert Executor(plan, FakeComm(0, 4), PerCall("cpu"), 1.0)._delta_rows is None  # no backward_rows: all
 
 
+def test_own_head_slices_only_copied_are_cut_as_views():
+    """A Ulysses group member's own head slice of its q, k/v (and dout) is only copied into the
+    group's tokens: the executor cuts it as a view instead of a contiguous copy first (its bytes
+    moved once, not twice); the slices it sends, and every buffer a block reads, stay
+    contiguous. The hybrid's results against the fp64 reference are in the tests above."""
+    from megatron_mesh.plan import Key
+    from megatron_mesh.runtime.executor import Executor
+
+    p = cases.Problem(4, 4, 2, True, torch.float32, seq_local=16)
+    plan = resolve("a2a+ring", 4, p.shape, ulysses_size=2).build(p.shape, p.mask, p.layout)
+    for r in range(4):
+        views = Executor(plan, FakeComm(r, 4), None, 1.0)._copied_only
+        own = r % 2
+        assert views["forward"] == {Key("q", r, heads=own), Key("kv", r, heads=own)}, (r, views)
+        assert views["backward"] == {Key("dy", r, heads=own)}, (r, views)
+    plain = resolve("ring", 4, p.shape).build(p.shape, p.mask, p.layout)
+    assert Executor(plain, FakeComm(0, 4), None, 1.0)._copied_only == {"forward": frozenset(), "backward": frozenset()}
+
+
 def test_first_writes_copy_and_give_bitwise_the_same_results(monkeypatch):
     """Where a block is the first op to write rows of an accumulator (``Plan.first_writes``), the
     executor copies its kernel calls' results instead of merging them into (0, -inf) or adding
