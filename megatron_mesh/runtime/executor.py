@@ -217,12 +217,14 @@ class Executor:
         # the kernel's optional backward_rows (kernels.base.BlockKernel.backward): what it makes of a
         # buffer of rows once, instead of in every call
         self.backward_rows = getattr(kernel, "backward_rows", None)
-        # the rows of this rank's delta = rowsum(dout * out) that something reads (None: all)
-        reads = self._delta_reads(self.rank_plan, self.backward_rows is not None)
-        self._delta_rows = None if self.backward_rows is None else union_intervals(
-            seg for key, segs in self.rank_plan.backward_inputs.items() if key in reads for seg in segs)
-        self._rowstats_delta = reads  # (RowStats results among them)
-        self._copied_only = {d: self._copy_sources(self.rank_plan, d) for d in ("forward", "backward")}
+        # made once per plan and rank (an executor is made per call; these walk the rank's ops):
+        # the rows of this rank's delta = rowsum(dout * out) that something reads (None: all), and
+        # the RowStats results whose delta is read; the input buffers only copies read
+        rp, made = self.rank_plan, self.backward_rows is not None
+        self._delta_rows, self._rowstats_delta = plan.memo(("delta", comm.rank, made),
+                                                           lambda: self._delta_facts(rp, made))
+        self._copied_only = plan.memo(("copied only", comm.rank), lambda: {
+            d: self._copy_sources(rp, d) for d in ("forward", "backward")})
         self.timer = timer or (lambda what: contextlib.nullcontext())
 
     # -- public ----------------------------------------------------------------------------------
@@ -280,6 +282,16 @@ class Executor:
             torch.sum(dout.narrow(2, a, b - a).to(acc) * out.narrow(2, a, b - a).to(acc), dim=-1,
                       out=delta.narrow(2, a, b - a))
         return delta
+
+    @classmethod
+    def _delta_facts(cls, rank_plan: RankPlan, own_rows_made: bool) -> tuple:
+        """(the rows of this rank's delta to compute, None for all; the ``do`` buffers whose
+        delta is read): see :meth:`_delta_reads`."""
+        reads = cls._delta_reads(rank_plan, own_rows_made)
+        if not own_rows_made:
+            return None, reads
+        return union_intervals(seg for key, segs in rank_plan.backward_inputs.items() if key in reads
+                               for seg in segs), reads
 
     @staticmethod
     def _delta_reads(rank_plan: RankPlan, own_rows_made: bool) -> set[Key]:

@@ -186,6 +186,14 @@ class Plan:
             hit = self._cache[ck] = first_writes(self.rank(r).ops(direction), self.tokens)
         return hit
 
+    def memo(self, key: tuple, make: Callable[[], object]):
+        """``make()``, made once per plan and ``key``: facts a runtime derives from a rank's ops
+        (the executor's, per call otherwise), kept with the plan's other per-rank caches."""
+        ck = ("memo", *key)
+        if ck not in self._cache:
+            self._cache[ck] = make()
+        return self._cache[ck]
+
     def creation_fills(self, r: int, direction: str, heads: int | None = None, kv_heads: int | None = None) -> dict:
         """:func:`~.writes.creation_fills` of rank ``r``'s ops in ``direction``: which rows of an
         accumulator the executor fills when a block or copy creates it (once per plan and heads;
