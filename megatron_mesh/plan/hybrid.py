@@ -36,10 +36,10 @@ Worked example (P = 4, U = 2, inner ring over M = 2, 4 heads): CP rank 1 is (gro
     attend q0*2/h1 x kv0*2/h1 causal -> o0*2/h1
     ...
     copy o0*2/h1[0:2,6:8] -> y0/h1          # rank 0's rows of my head slice, finished (input dtype)
-    post 4: send y0/h1->0 | recv y1/h0<-0
-    wait 4
-    copy y1/h0 -> y1{h0:2}                  # the head slices of my own chunk, assembled
-    copy y1/h1 -> y1{h2:4}
+    copy o0*2/h1[2:6] -> y1{h2:4}           # my own rows of it: straight into my chunk's output
+    post 3: send y0/h1->0 | recv y1/h0<-0
+    wait 3
+    copy y1/h0 -> y1{h0:2}                  # rank 0's slice of my rows: the output assembled
 
 Inputs are cut per head slice (``q1/h0`` = heads 0-1 of rank 1's q). The forward keeps the
 inner Q, K/V and output (the all-to-all'd tokens) for the backward, as Ulysses does, so the
@@ -67,6 +67,11 @@ from .shape import AttentionShape
 _SET_ROUNDS = len(SETS) + 1
 
 __all__ = ["build_hybrid_plan", "inner_shape", "hybrid_rings"]
+
+# the finished kinds a rank's own rows go home as: their head slice is copied straight into the
+# chunk's buffer; "dkv" (a replicated KV head's partial) is summed there instead
+_STRAIGHT = ("y", "gq", "gkv")
+_SIDE = {"y": "q", "gq": "q", "gkv": "kv", "dkv": "kv"}
 
 
 def _pieces(layout, rank: int, U: int) -> tuple[Segment, ...]:
@@ -384,14 +389,22 @@ class _HybridLowering:
     def _home(self, g: int, group: list[int], outs, round_: int, blocks: bool, slot: int = -1) -> list[Op]:
         """The copies of ``outs`` ((accumulator, finished kind) pairs) into each group member's
         buffer, then the round that sends them home (the last op). ``slot`` j >= 0: only the rows
-        of all-to-all round j (:meth:`member_sets`; a member with none gets nothing)."""
+        of all-to-all round j (:meth:`member_sets`; a member with none gets nothing). My own rows
+        of a finished kind go straight into my chunk's head slice (one copy instead of two); a
+        replicated KV head's dK/dV partial is summed in :meth:`_assemble`."""
         U, (m, u) = self.U, divmod(g, self.U)
         rows = {x: self.pieces[x] if slot < 0 else self.member_sets(x)[slot][1] for x in group}
         ops: list[Op] = []
         if blocks:
             for acc, k in outs:
                 for x in group:
-                    if rows[x]:
+                    if not rows[x]:
+                        continue
+                    if x == g and k in _STRAIGHT:  # my own rows of my head slice: straight into my chunk's buffer
+                        into = None if slot < 0 else self.member_sets(g)[slot][0]
+                        ops.append(Copy(Key(acc, m, heads=u, span=U), Key(k, g), rows=rows[g], into=into,
+                                        heads=self.heads(_SIDE[k], u)))
+                    else:
                         ops.append(Copy(Key(acc, m, heads=u, span=U), Key(k, x, slot=slot, heads=u), rows=rows[x]))
         peers = [x for x in group if x != g]
         ops.append(Post(round_, tuple(Transfer(x, Key(k, x, slot=slot, heads=u)) for x in peers for _, k in outs
@@ -404,9 +417,12 @@ class _HybridLowering:
         """My chunk's head slices of ``outs``, come home, into its buffers (dK/dV of a replicated KV
         head: summed); ``parts``: (slot, my local rows) of each round they came in (-1, None: one)."""
         ops: list[Op] = []
+        own = g % self.U
         for _, k in outs:
-            side = "kv" if k in ("dkv", "gkv") else "q"
+            side = _SIDE[k]
             for p in range(self.U):
+                if p == own and k in _STRAIGHT:  # copied in straight from the span buffer (_home)
+                    continue
                 for slot, into in parts:
                     src, heads = Key(k, g, slot=slot, heads=p), self.heads(side, p)
                     ops.append(AddGrad(src, Key(k, g), into=into, heads=heads) if k == "dkv" else

@@ -132,8 +132,8 @@ def test_validator_catches_a_head_slice_on_the_wrong_heads():
     shape = AttentionShape(seq_local=4, heads=4, kv_heads=2, head_dim=4)
     plan = resolve("a2a+ring", 4, shape, ulysses_size=2).build(shape)
 
-    def shift(ops):
-        i = max(i for i, op in enumerate(ops) if isinstance(op, Copy))
+    def shift(ops):  # rank 1's own head slice (1) of its rows, copied straight into its output
+        i = max(i for i, op in enumerate(ops) if isinstance(op, Copy) and op.src.heads == 1 and op.heads)
         ops[i] = ops[i]._replace(heads=(1, 3))
     with pytest.raises(PlanError, match=r"head slice 1 of q heads is heads \(2, 4\), not \(1, 3\)"):
         validate_plan(_tampered(plan, 1, "forward", shift))
