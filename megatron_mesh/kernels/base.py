@@ -120,9 +120,10 @@ class BlockKernel(Protocol):
         delta, out=None) -> tuple[Tensor, ...]`` of tensors with the rows along dim 2: the executor
         then calls it once per buffer of rows -- not once per block, as many blocks read the same
         rows -- and passes each call its rows of them as ``backward(..., rows=...)`` (and
-        ``backward_varlen``). Where the rows' output is on the rank (its own rows) the executor
-        passes it as ``out``, and then must not read ``delta``: it computes delta only for rows
-        other ranks compute blocks of, and leaves NaN in the others."""
+        ``backward_varlen``). Where the rows' output is on the rank (its own rows), the executor
+        passes it as ``out``; the kernel must then take delta from ``out`` and not read the
+        ``delta`` argument. The executor computes that argument only for the rows other ranks
+        compute blocks of, and leaves NaN in the others."""
 
 
 # -- variable-length calls ------------------------------------------------------------------------------------

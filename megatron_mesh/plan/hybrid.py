@@ -163,6 +163,7 @@ class _HybridLowering:
         self._keys: list[dict] = [{} for _ in range(U)]  # inner key -> its head-slice-u key (a P=256 plan
         self._transfers: list[dict] = [{} for _ in range(U)]  # relabels ~10^6 of them)
         self._early: dict[int, bool] = {}  # inner rank -> dQ goes home before dK/dV
+        self._empty: dict[int, bool] = {}  # inner rank -> it computes nothing (THD padding alone)
         # the all-to-all in rounds by document (a layout balanced for this group: see _lower_sets)
         self.sets = U > 1 and getattr(layout, "group", 1) == U and hasattr(layout, "set_tokens")
         self._set_rows: dict[int, tuple[Sel, ...]] = {}
@@ -264,7 +265,7 @@ class _HybridLowering:
             for k in in_kinds:
                 for p, x in enumerate(group):
                     ops.append(Copy(Key(k, x, heads=u), Key(k, m, heads=u, span=U), into=self.pieces[x]))
-            if backward:  # the row statistics come from the output this rank kept, not over the wire
+            if backward and not self._no_blocks(m):  # the row statistics come from the output this rank kept
                 ops.append(RowStats(Key("dy", m, heads=u, span=U), Key("o", m, heads=u, span=U),
                                     Key("do", m, heads=u, span=U)))
             # the inner plan's own input cuts (slots of its chunk) come from the assembled buffers
@@ -278,6 +279,10 @@ class _HybridLowering:
         outs = (("dq", "gq"), ("dkv", self.grad_kv)) if backward else (("o", "y"),)
         last = self.last_round[direction] + 2
         # the return all-to-all: one round, or dQ's and then dK/dV's
+        if self._no_blocks(m):
+            # the group holds only padding (THD): no output or gradient was made, every member's
+            # are zeros -- what the executor's final buffers start as -- and nothing goes home
+            return ops + inner
         if peers and backward and self._dq_home_early(m):
             # dQ is final once the inner plan's last call ran (no dQ partials come back): it goes
             # home while the dK/dV partials still return, the inner plan's last round
@@ -429,6 +434,16 @@ class _HybridLowering:
                                Copy(src, Key(k, g), into=into, heads=heads))
         return ops
 
+    def _no_blocks(self, m: int) -> bool:
+        """Whether inner rank m computes nothing (its tokens are THD padding, which no query and
+        no key of a document reaches): its group then has no output or gradients to send home.
+        Worked example: 6 ranks, U = 3, one 3-token document in 12 tokens -- group 1 (ranks 3-5)
+        holds only padding."""
+        got = self._empty.get(m)
+        if got is None:
+            got = self._empty[m] = not any(type(op) is Attend for op in self.inner.rank(m).ops("forward"))
+        return got
+
     def _dq_home_early(self, m: int) -> bool:
         """Whether inner rank m's dQ is final before its last round completes: a mask-aware inner
         plan (its last round returns partials and only merges follow it) whose rank receives no
@@ -448,7 +463,8 @@ class _HybridLowering:
         m, u = divmod(g, U)
         whole = (Segment(0, self.T),)
         inner = self.inner.rank(m)
-        kept = {Key(k, m, heads=u, span=U) for k in ("q", "kv", "o")}  # the inner tokens and output
+        # the inner tokens and output (none where the group computes nothing)
+        kept = {Key(k, m, heads=u, span=U) for k in ("q", "kv") + (() if self._no_blocks(m) else ("o",))}
         saved = tuple(sorted(kept | {self.relabel(k, u) for k in inner.saved}))
         output, grad_q, grad_kv = Key("y", g), Key("gq", g), Key(self.grad_kv, g)
         forward = insert_frees(self.lower(g, "forward"), keep={output, *saved})

@@ -10,7 +10,8 @@ Tensors are [B, H, T, D] (heads before tokens) inside the executor, as *views*: 
 hands it ``x.permute(1, 2, 0, 3)`` of Megatron's [T, B, H, D] tensors, and the final output and
 gradients are allocated token-major, so neither side copies to change layouts (the kernels take
 strided inputs). A buffer is copied only where it must be contiguous: when it is sent, or cut
-from several token ranges or one head slice.
+from several token ranges or one head slice that a block reads or that is sent (a head slice
+only copies read stays a view).
 """
 
 from __future__ import annotations
@@ -219,10 +220,11 @@ class Executor:
         self.backward_rows = getattr(kernel, "backward_rows", None)
         # made once per plan and rank (an executor is made per call; these walk the rank's ops):
         # the rows of this rank's delta = rowsum(dout * out) that something reads (None: all), and
-        # the RowStats results whose delta is read; the input buffers only copies read
+        # the do buffers whose delta is read (RowStats results among them); the input buffers only
+        # copies read
         rp, made = self.rank_plan, self.backward_rows is not None
-        self._delta_rows, self._rowstats_delta = plan.memo(("delta", comm.rank, made),
-                                                           lambda: self._delta_facts(rp, made))
+        self._delta_rows, self._delta_keys = plan.memo(("delta", comm.rank, made),
+                                                       lambda: self._delta_facts(rp, made))
         self._copied_only = plan.memo(("copied only", comm.rank), lambda: {
             d: self._copy_sources(rp, d) for d in ("forward", "backward")})
         self.timer = timer or (lambda what: contextlib.nullcontext())
@@ -269,7 +271,7 @@ class Executor:
         """delta = rowsum(dout * out) (fp32) of this rank's rows, where anything reads it
         (:meth:`_delta_reads`); NaN elsewhere, so a read the analysis missed cannot pass unnoticed.
 
-        Its fp32 casts, product and sum are the largest elementwise pass of a backward (~22 bytes
+        Its fp32 casts, product and sum are the largest elementwise pass of a backward (~28 bytes
         of memory traffic per element in bf16: 1.9 GB per rank at 16K tokens, 32 heads of 128),
         and with a kernel that takes the rows' output (``backward_rows``) only the rows other ranks
         compute blocks of need it -- the fused backward forms delta itself from dout and out."""
@@ -300,8 +302,12 @@ class Executor:
         every one when the kernel has no ``backward_rows`` (``own_rows_made`` False), else all
         but this rank's own rows (the backward inputs, whose output is here) and RowStats'
         results -- and the sources of copies into either, found walking the ops backwards."""
-        made = set(rank_plan.backward_inputs) if own_rows_made else set()
         ops = rank_plan.ops("backward")
+        made = set(rank_plan.backward_inputs) if own_rows_made else set()
+        # an input buffer's name that a receive or copy makes again holds rows that are not this
+        # rank's own (no builder does this; a safe answer if one ever did)
+        made -= {t.key for op in ops if isinstance(op, Post) for t in op.recvs}
+        made -= {op.dst for op in ops if isinstance(op, Copy)}
         made |= {op.dst for op in ops if isinstance(op, RowStats)} if own_rows_made else set()
         reads: set[Key] = set()
         for op in reversed(ops):
@@ -349,8 +355,10 @@ class Executor:
         copy first would move their bytes twice. A buffer that is sent or that a block reads
         stays contiguous (a send needs it; kernels read it many times)."""
         inputs = rank_plan.forward_inputs if direction == "forward" else rank_plan.backward_inputs
-        others = {key for op in rank_plan.ops(direction) if type(op) is not Copy for key in op_keys(op)}
-        copied = {op.src for op in rank_plan.ops(direction) if type(op) is Copy}
+        ops = rank_plan.ops(direction)
+        others = {key for op in ops if type(op) is not Copy for key in op_keys(op)}
+        others |= {op.dst for op in ops if type(op) is Copy}  # a view must never be written into
+        copied = {op.src for op in ops if type(op) is Copy}
         return frozenset(key for key in inputs if key in copied and key not in others)
 
     # -- the loop ----------------------------------------------------------------------------------
@@ -505,7 +513,7 @@ class Executor:
             o = part_of(out, 2, a, n)
             part_of(d_out, 2, a, n).copy_(part_of(dout, 2, a, n))
             part_of(d_lse, 2, a, n).copy_(part_of(lse, 2, a, n))
-            if op.dst in self._rowstats_delta:
+            if op.dst in self._delta_keys:
                 torch.sum(part_of(dout, 2, a, n).to(out.dtype) * o, dim=-1, out=part_of(d_delta, 2, a, n))
             else:  # nothing reads these rows' delta (:meth:`_delta`): the kernel takes their output
                 part_of(d_delta, 2, a, n).fill_(float("nan"))

@@ -14,7 +14,7 @@ import torch
 
 import megatron_mesh as mm
 from megatron_mesh.comm.inprocess import run_inprocess
-from megatron_mesh.plan import MODES, build_mesh_plan, build_tasp_plan, plan_bytes, resolve, tile_shapes
+from megatron_mesh.plan import MODES, build_mesh_plan, build_tasp_plan, plan_bytes, resolve, tile_shapes, validate_plan
 from megatron_mesh.runtime.api import forward_backward
 
 import cases
@@ -132,6 +132,26 @@ def test_every_mode_under_masks_through_the_public_api(world, tile, mode, monkey
         cases.assert_accurate([[res] for res in out])
         assert [(res.sent, res.received) for res in out] == planned, p.mask.text()
         assert any(sent for sent, _ in planned), planned  # something travelled
+
+
+def test_hybrids_with_a_group_that_holds_only_thd_padding():
+    """THD padding no document reaches can fill a whole Ulysses group (6 ranks, U = 3, one
+    3-token document padded to 12 tokens: ranks 3-5 hold padding alone). That group computes
+    nothing and sends nothing home; its outputs and gradients are zeros. Every hybrid, causal
+    and not, forward and backward against the fp64 reference, through the public API (before:
+    the plan read an output buffer no op had made, a KeyError on the group's ranks)."""
+    for mode, settings in (("a2a+ring", {}), ("a2a+tasp", {}), ("a2a+mesh", {"tile": (2, 1)})):
+        for causal in (True, False):
+            p = cases.Problem(6, 6, 3, causal, torch.float32, head_dim=8, thd=((0, 12), (3,)))
+            plan = resolve(mode, 6, p.shape, ulysses_size=3, **settings).build(p.shape, p.mask, p.layout)
+            validate_plan(plan)
+            ref = cases.dense_reference(p)
+
+            def rank_fn(rank, comm):
+                return cases.measure(rank, p, f"{mode} causal={causal}", lambda q, k, v: mm.attention(
+                    q, k, v, mode=mode, comm=comm, ulysses_size=3, **p.mask_args(), **settings), ref)
+
+            cases.assert_accurate([[res] for res in run_inprocess(rank_fn, 6, timeout=120)])
 
 
 @pytest.mark.parametrize("world, cu, chosen", [(4, (0, 2, 14, 25, 29, 32), ((4, 1), "q")),

@@ -1,5 +1,7 @@
 """Which rows of its accumulators a block writes first: :func:`first_writes`, read by the executor
-(it copies there instead of merging or adding) and by the simulator (it prices a copy)."""
+(it copies there instead of merging or adding) and by the simulator (it prices a copy); and which
+rows of a new accumulator must start from their initial values: :func:`creation_fills`, read by
+the executor (it fills only those)."""
 
 from __future__ import annotations
 
