@@ -55,7 +55,8 @@ from itertools import accumulate
 from typing import Callable
 
 from .balance import SETS
-from .ir import AddGrad, Attend, AttendBackward, Copy, Free, Key, Op, Plan, Post, RankPlan, RowStats, Transfer, Wait
+from .ir import (KINDS, AddGrad, Attend, AttendBackward, Copy, Free, Key, Op, Plan, Post, RankPlan, RowStats, Transfer,
+                 Wait)
 from .layout import Layout, SpanLayout, check_ulysses_heads, head_slice
 from .mask import BlockKind, Mask
 from .passes import insert_frees
@@ -71,7 +72,6 @@ __all__ = ["build_hybrid_plan", "inner_shape", "hybrid_rings"]
 # the finished kinds a rank's own rows go home as: their head slice is copied straight into the
 # chunk's buffer; "dkv" (a replicated KV head's partial) is summed there instead
 _STRAIGHT = ("y", "gq", "gkv")
-_SIDE = {"y": "q", "gq": "q", "gkv": "kv", "dkv": "kv"}
 
 
 def _pieces(layout, rank: int, U: int) -> tuple[Segment, ...]:
@@ -408,7 +408,7 @@ class _HybridLowering:
                     if x == g and k in _STRAIGHT:  # my own rows of my head slice: straight into my chunk's buffer
                         into = None if slot < 0 else self.member_sets(g)[slot][0]
                         ops.append(Copy(Key(acc, m, heads=u, span=U), Key(k, g), rows=rows[g], into=into,
-                                        heads=self.heads(_SIDE[k], u)))
+                                        heads=self.heads(KINDS[k].side, u)))
                     else:
                         ops.append(Copy(Key(acc, m, heads=u, span=U), Key(k, x, slot=slot, heads=u), rows=rows[x]))
         peers = [x for x in group if x != g]
@@ -424,7 +424,7 @@ class _HybridLowering:
         ops: list[Op] = []
         own = g % self.U
         for _, k in outs:
-            side = _SIDE[k]
+            side = KINDS[k].side
             for p in range(self.U):
                 if p == own and k in _STRAIGHT:  # copied in straight from the span buffer (_home)
                     continue

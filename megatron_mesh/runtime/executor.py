@@ -496,11 +496,11 @@ class Executor:
 
     def _copy(self, op: Copy, bufs: _Buffers, pending) -> None:
         src, dst = bufs.get(op.src), self._created(bufs, op.dst)
+        # range by range: gathering the source rows first (_take) would copy them twice
+        rows = list(_parts(op.rows, src[0].shape[2]))
         for d, s in zip(dst, src):  # a cast to a finished kind keeps the leading tensors (out, not lse)
             if op.heads is not None:
                 d = d.narrow(1, op.heads[0], op.heads[1] - op.heads[0])
-            # range by range: gathering the source rows first (_take) would copy them twice
-            rows = list(_parts(op.rows, s.shape[2]))
             for a, pos, n in _parts(op.into, d.shape[2]):
                 for start, off, m in _overlaps(rows, pos, pos + n):
                     part_of(d, 2, a + off, m).copy_(part_of(s, 2, start, m))
