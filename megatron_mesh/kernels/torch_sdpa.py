@@ -2,8 +2,9 @@
 
 * CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``): fp64/fp32/bf16/fp16,
   native grouped-query attention, returns the log-sum-exp.
-* CUDA: ``aten._scaled_dot_product_flash_attention`` (default), ``..._efficient_attention`` or
-  ``..._cudnn_attention``, chosen by :func:`cuda_ops_available` / the ``op`` argument.
+* CUDA: ``aten._scaled_dot_product_flash_attention`` (default; native grouped-query attention),
+  ``..._efficient_attention`` or ``..._cudnn_attention`` (these two get K/V repeated to the query
+  heads), chosen by the ``op`` argument ("auto": flash for 16-bit inputs, else efficient).
 
 Masks: "full" and "causal" blocks use the ops' own ``is_causal``; a "masked" block passes the
 additive mask (0 / -inf in the inputs' dtype) -- the CPU op's ``attn_mask``, or the efficient
@@ -98,8 +99,9 @@ class TorchAttentionKernel:
         op = "efficient" if mask.kind == BlockKind.MASKED else self._op(q)
         if mask.kind == BlockKind.MASKED:
             self.name = "torch-efficient"
-        k, v = self._expand_kv(q, k, v)
         sq = q.shape[2]
+        if op != "flash":  # flash takes grouped KV heads as they are (see _expand_kv)
+            k, v = self._expand_kv(q, k, v)
         if op == "flash":
             res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
             return res[0], res[1].float()
@@ -133,8 +135,8 @@ class TorchAttentionKernel:
                 dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
         op = "efficient" if mask.kind == BlockKind.MASKED else self._op(q)
         lse = lse.contiguous()  # the executor passes row slices (delta: the ops form it from out)
-        groups = q.shape[1] // k.shape[1]
-        ke, ve = self._expand_kv(q, k, v)
+        ke, ve = (k, v) if op == "flash" else self._expand_kv(q, k, v)
+        groups = ke.shape[1] // k.shape[1]  # 1 for flash: it sums dK/dV over each KV head's query heads
         sq, sk = q.shape[2], ke.shape[2]
         if op == "flash":
             # no cumulative offsets (None, not an empty tensor: a defined one selects the varlen
@@ -201,7 +203,10 @@ class TorchAttentionKernel:
 
     @staticmethod
     def _expand_kv(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        # torch's CUDA ops want as many KV heads as query heads
+        # the efficient and cuDNN ops want as many KV heads as query heads. Flash takes grouped
+        # heads natively (as its varlen op below): no copy of K and V per call, and dK/dV come
+        # back summed over a KV head's query heads inside the kernel, in the input dtype (the
+        # executor accumulates them in fp32, as it does the varlen call's)
         groups = q.shape[1] // k.shape[1]
         if groups == 1:
             return k, v

@@ -476,7 +476,8 @@ def test_cuda_backward_arguments_that_the_gpu_needs(op, monkeypatch):
     tensor argument is None, never an empty tensor (flash takes defined offsets for a varlen call
     and fails on their dtype; efficient and cuDNN take an empty bias for a bias and fail on its
     shape), and the efficient backward gets dout, q, k, v and out in [B, S, H, D] memory (in
-    any other layout it returns wrong gradients, NaN included, without an error)."""
+    any other layout it returns wrong gradients, NaN included, without an error). Flash gets
+    grouped KV heads as they are, both ways (no repeated copy of K and V)."""
     calls = {}
 
     class Spy:  # records the call; anything else (torch asks for the op's overloads) goes to the op
@@ -494,7 +495,7 @@ def test_cuda_backward_arguments_that_the_gpu_needs(op, monkeypatch):
         monkeypatch.setattr(torch.ops.aten, name, Spy(name))
 
     for name in ("_scaled_dot_product_flash_attention_backward", "_scaled_dot_product_efficient_attention_backward",
-                 "_scaled_dot_product_cudnn_attention_backward"):
+                 "_scaled_dot_product_cudnn_attention_backward", "_scaled_dot_product_flash_attention"):
         spy(name)
     kernel = TorchAttentionKernel("cuda", op)
     q = torch.empty(2, 4, 40, 64, device="meta", dtype=torch.bfloat16)  # contiguous [B, H, S, D]
@@ -507,12 +508,19 @@ def test_cuda_backward_arguments_that_the_gpu_needs(op, monkeypatch):
         (name, args), = calls.items()
         if "flash" in name:
             assert args[6] is None and args[7] is None, "cumulative offsets"
+            # grouped KV heads go in as they are: no copy of K and V repeated to the query heads
+            assert args[2] is k and args[3] is k, "K/V expanded for flash"
         elif "cudnn" in name:
             assert args[8] is None and args[9] is None and args[10] is None, "bias and offsets"
         else:
             assert (args[4] is None) == (mask is CAUSAL), "bias"
             for i, what in zip((0, 1, 2, 3, 5), ("dout", "q", "k", "v", "out")):
                 assert args[i].transpose(1, 2).is_contiguous(), f"{what} not in [B, S, H, D] memory"
+    if op == "flash":
+        calls.clear()
+        kernel.forward(q, k, k, mask=CAUSAL, scale=0.125)
+        (name, args), = calls.items()
+        assert args[1] is k and args[2] is k, "K/V expanded for the flash forward"
 
 
 def test_backend_names_and_bad_backends():

@@ -155,16 +155,28 @@ def test_bench_masks_refuses_an_output_it_could_not_write_before_it_runs(tmp_pat
         script("bench_kernels").main(["--device", "cpu", "--json", str(tmp_path / "nowhere" / "k.json")])
 
 
+# a small --profile run; the CUDA test below takes it as is, and the CPU test checks that its
+# arguments are valid (on 2026-11-28 the GPU found 4 query heads for U = 3: an error no CPU test saw)
+PROFILE_RUN = ["--world", "3", "--seq-local", "256", "--docs", "lognormal:128,1.0", "--heads", "6", "--kv-heads", "3",
+               "--head-dim", "32", "--iters", "1", "--warmup", "1", "--modes", "ring", "a2a+ring:3"]
+
+
+def test_bench_masks_profile_run_is_valid_on_the_cpu(tmp_path, script):
+    """The CUDA test's run, on the CPU: every row runs and is exact (the profile columns need a GPU)."""
+    result = script("bench_masks").main(["--device", "cpu", *PROFILE_RUN, "--profile", str(tmp_path / "p.txt")])
+    assert [(r["layout"], r["mode"]) for r in result["rows"]][1:] == [
+        (layout, mode) for layout in ("zigzag", "balanced") for mode in ("ring", "a2a+ring:3")]
+    for r in result["rows"]:
+        assert max(r["errors"].values(), default=0) < 1e-5, r
+
+
 @pytest.mark.gpu
 def test_bench_masks_profile_on_cuda(tmp_path, script):
     """--profile on a GPU: every row counts kernels, attention among them; the busiest rank's
     device time is at least the mean rank's (the fused row: exactly its share), and every row
     stays exact against the fused call."""
     prof = tmp_path / "profile.txt"
-    result = script("bench_masks").main(["--device", "cuda", "--world", "3", "--seq-local", "256", "--docs",
-                                         "lognormal:128,1.0", "--heads", "4", "--kv-heads", "2", "--head-dim", "32",
-                                         "--iters", "1", "--warmup", "1", "--modes", "ring", "a2a+ring:3",
-                                         "--profile", str(prof)])
+    result = script("bench_masks").main(["--device", "cuda", *PROFILE_RUN, "--profile", str(prof)])
     for r in result["rows"]:
         mean = r["attention_ms"] + r["other_kernels_ms"]
         assert r["launches"] > 0 and r["attention_ms"] > 0, r
