@@ -115,27 +115,33 @@ def training_command(entry: str, args: Sequence[str], environ: Mapping[str, str]
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m megatron_mesh.megatron.launch {pretrain CONFIG.yaml | script SCRIPT.py [CONFIG.yaml]} [flags]``:
     run torchrun in this process (its workers die with it, see megatron_mesh.megatron.bootstrap)."""
+    from .bootstrap import freeze_gc, pause_gc, resume_gc
+
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in ENTRY:
         print(__doc__.split("* :func:`kill_process_tree`")[0], file=sys.stderr)
         return 2
+    pause_gc()  # while torch loads (see bootstrap.pause_gc)
     try:
         torchrun_args, env = training_command(argv[0], argv[1:])
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.run import main as torchrun_main
     except (OSError, ValueError) as e:
         print(f"megatron_mesh.megatron.launch: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        resume_gc()
     env["MEGATRON_MESH_LAUNCHER_PID"] = str(os.getpid())  # the workers' parent: see bootstrap.die_with_parent
     os.environ.clear()
     os.environ.update(env)
     print(f"megatron_mesh.megatron.launch: {env.get('NPROC') or env.get('CP') or '1'} process(es) per node x "
           f"{env.get('NNODES', '1')} node(s): torchrun {' '.join(torchrun_args)}", file=sys.stderr, flush=True)
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun_main
-
     try:
         torchrun_main(torchrun_args)
     except ChildFailedError:
         return 1  # torchrun has printed which rank failed and how
+    finally:
+        freeze_gc()  # a quicker exit
     return 0
 
 

@@ -20,9 +20,12 @@ from __future__ import annotations
 import sys
 from functools import partial
 
-import torch
-
 from . import bootstrap
+
+if __name__ == "__main__":
+    bootstrap.pause_gc()  # before torch and Megatron load (resumed when the arguments are parsed)
+
+import torch  # noqa: E402 -- after the pause above
 
 DEFAULT_SPEC = ["megatron_mesh.megatron.spec", "gpt_layer_spec"]
 ARGS_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
@@ -256,6 +259,7 @@ def main(argv=None) -> None:
     model_config = build_config(args)
     pretrain(pretrain_cfg_container_from_args(args, model_config), train_valid_test_datasets_provider,
              ModelType.encoder_or_decoder, forward_step)
+    bootstrap.freeze_gc()  # a quicker exit
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"megatron_mesh: error: no such script: {argv[0]}")
     from . import bootstrap
 
+    bootstrap.pause_gc()  # while the script imports torch and Megatron (resumed when it parses its arguments)
     bootstrap.die_with_parent()
     # as `python SCRIPT.py`: the script's directory first (its sibling modules, a checkout's megatron/)
     sys.path[0] = os.path.dirname(script)
@@ -57,6 +58,7 @@ def main(argv=None) -> None:
     bootstrap.BATCH_DOCUMENTS = True
     sys.argv = [script, *argv[1:]]
     runpy.run_path(script, run_name="__main__")
+    bootstrap.freeze_gc()  # a quicker exit
 
 
 if __name__ == "__main__":

@@ -175,3 +175,36 @@ def test_cpu_runs_compile_megatrons_fusions_at_their_first_call():
     run = subprocess.run([sys.executable, "-W", "ignore", "-c", _LAZY_COMPILE], capture_output=True, text=True,
                          timeout=180, env=cpu_run)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+
+
+
+def test_start_up_pauses_the_garbage_collector_and_gives_it_back(arguments, monkeypatch):
+    """bootstrap.pause_gc / resume_gc: the entry scripts load torch and Megatron without cyclic
+    garbage collection (its passes over the growing heap are a fifth of the import) and resume
+    it, the start-up's objects frozen, when the arguments are parsed; importing the entry modules
+    changes nothing, a launcher that fails at start-up gives collection back, and a collector the
+    caller had turned off stays off."""
+    import gc
+
+    from megatron_mesh.megatron import launch, pretrain_gpt, run_script  # noqa: F401 -- as modules: no pause
+
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    try:
+        assert launch.main(["pretrain", "/nowhere/config.yaml"]) == 2  # an error at start-up
+        assert gc.isenabled()
+        bootstrap.pause_gc()
+        assert not gc.isenabled()
+        bootstrap.install_argument_hook()
+        _parse(arguments, monkeypatch, ["--hidden-size", "8", "--num-attention-heads", "2"])
+        frozen = gc.get_freeze_count()  # the hook ended the start-up: what exists is frozen
+        assert gc.isenabled() and frozen > 0, frozen
+        bootstrap.resume_gc()  # once only
+        assert gc.get_freeze_count() == frozen
+        gc.disable()  # a caller that runs without the collector keeps it off
+        bootstrap.pause_gc()
+        bootstrap.resume_gc()
+        assert not gc.isenabled()
+    finally:  # this process's collector as it was
+        gc.unfreeze()
+        gc.enable()
+        monkeypatch.setattr(bootstrap, "_GC_PAUSED", False)
