@@ -55,11 +55,14 @@ def pause_gc() -> None:
 
 
 def resume_gc() -> None:
-    """End of start-up (the entry script has imported what it runs; the argument hook calls it
-    too): what exists now moves to the collector's permanent generation, never scanned again
-    (``gc.freeze``: it lives until exit anyway), and collection resumes for what training makes
-    -- with Megatron's ``--manual-gc`` its own schedule. A no-op unless :func:`pause_gc` turned
-    the collector off."""
+    """End of start-up, called by the argument hook (:func:`install_argument_hook`): a script
+    parses its arguments once it has imported what it runs, and every Megatron 0.19 script parses
+    through the hook (``parse_and_validate_args`` and Megatron's own second parse look
+    ``parse_args`` up at call time; the plugin's flags depend on it too). What exists now moves
+    to the collector's permanent generation, never scanned again (``gc.freeze``: it lives until
+    exit anyway), and collection resumes for what training makes -- with Megatron's
+    ``--manual-gc`` on its own schedule. A no-op unless :func:`pause_gc` turned the collector
+    off; the launcher calls it itself once torch is loaded."""
     global _GC_PAUSED
     if _GC_PAUSED:
         _GC_PAUSED = False
