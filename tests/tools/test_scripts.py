@@ -363,6 +363,7 @@ def test_gpu_check_runs_each_step_under_its_limit(tmp_path):
     assert f"bench_kernels.py --json {out}/kernels.json" in logs["kernels.log"]
     assert "bench_masks.py --world 4 --json" in logs["masks4.log"]
     assert "bench_masks.py --world 8 --modes ring mesh:2x4 tasp a2a+ring:2" in logs["masks8.log"]
+    assert f"--profile {out}/profile8.txt" in logs["masks8.log"]
     status = [line for line in run.stdout.splitlines() if line.startswith("== ")]
     assert [s.split(":")[0] for s in status] == ["== tier", "== kernels", "== masks4", "== masks8"]
     assert "rc 124" in status[1] and all("rc 0 " in s for s in status[:1] + status[2:]), status
