@@ -12,7 +12,8 @@ Rules (the executor's, see :mod:`megatron_mesh.runtime.executor`):
 The final output (out + lse) and the gradient accumulators of the rank's own chunk are listed
 separately (``outputs``), not in the peaks: every mode needs them. Buffers the forward keeps for
 the backward (``backward_chunks="keep"``) are in the forward peak, listed as ``saved``, and live
-at the start of the backward.
+at the start of the backward; a kept partial output (a Ulysses group's span) is kept in the
+inputs' dtype (:func:`kept_bytes`), its copy made at the end of the forward.
 
 Worked example (ring attention, P = 2, forward): round 1 allocates the incoming KV chunk (2
 tensors of T tokens x Hkv heads), the accumulator of the own output is an output, so the forward
@@ -28,11 +29,11 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from .accounting import key_bytes
+from .accounting import FP32, key_bytes
 from .shape import AttentionShape
-from .ir import AddGrad, Attend, AttendBackward, Copy, Free, MergeOut, Plan, Post, RowStats, Wait
+from .ir import AddGrad, Attend, AttendBackward, Copy, Free, Key, MergeOut, Plan, Post, RowStats, Wait
 
-__all__ = ["BufferMemory", "buffer_memory"]
+__all__ = ["BufferMemory", "buffer_memory", "kept_bytes"]
 
 
 @dataclass(frozen=True)
@@ -62,10 +63,10 @@ class _Walk:
     def bytes(self, key) -> int:
         return key_bytes(self.plan, key, self.shape)
 
-    def add(self, key, pooled: bool = True) -> None:
+    def add(self, key, pooled: bool = True, n: int | None = None) -> None:
         if key in self.live or key in self.exclude:
             return
-        n = self.bytes(key)
+        n = self.bytes(key) if n is None else n
         self.total += n
         self.peak = max(self.peak, self.total)
         kind = (key.kind, self.plan.tokens(key), self.plan.head_counts(key, self.shape.heads, self.shape.kv_heads)) \
@@ -106,6 +107,17 @@ _WALK = {
 }
 
 
+def kept_bytes(plan: Plan, key: Key, shape: AttentionShape) -> int:
+    """Bytes of forward buffer ``key`` as the backward gets it: a partial output ``o`` in the
+    inputs' dtype with its lse (the executor casts it at the end of the forward), any other as
+    it is."""
+    n = key_bytes(plan, key, shape)
+    if key.kind == "o":
+        h, _ = plan.head_counts(key, shape.heads, shape.kv_heads)
+        n -= shape.batch * h * plan.tokens(key) * shape.head_dim * (max(FP32, shape.itemsize) - shape.itemsize)
+    return n
+
+
 def buffer_memory(plan: Plan, shape: AttentionShape, rank: int = 0) -> BufferMemory:
     """Peak extra buffer bytes of ``rank`` in the forward and the backward of ``plan``."""
     rp = plan.rank(rank)
@@ -117,11 +129,14 @@ def buffer_memory(plan: Plan, shape: AttentionShape, rank: int = 0) -> BufferMem
         if len(segs) > 1 or key.heads >= 0:  # cut by copying (a view otherwise)
             fwd.add(key)
     fwd.run(rp.forward)
-    saved = sum(key_bytes(plan, k, shape) for k in rp.saved)
+    kept = {k: kept_bytes(plan, k, shape) for k in rp.saved}
+    # the kept copies of partial outputs are made at the end, while the originals still live
+    fwd.peak = max(fwd.peak, fwd.total + sum(n for k, n in kept.items() if k.kind == "o"))
+    saved = sum(kept.values())
 
     bwd = _Walk(plan, shape, outputs)
-    for key in rp.saved:
-        bwd.add(key, pooled=False)  # the forward's buffers, handed over (not pooled by the backward)
+    for key, n in kept.items():
+        bwd.add(key, pooled=False, n=n)  # the forward's buffers, handed over (not pooled by the backward)
     for key, segs in rp.backward_inputs.items():
         if len(segs) > 1 or key.heads >= 0:
             bwd.add(key)

@@ -302,6 +302,39 @@ def test_own_head_slices_only_copied_are_cut_as_views():
     assert Executor(plain, FakeComm(0, 4), None, 1.0)._copied_only == {"forward": frozenset(), "backward": frozenset()}
 
 
+def test_saved_partial_outputs_are_kept_in_the_inputs_dtype():
+    """A Ulysses group's span output, which the backward reads only for delta, goes to the
+    backward in the inputs' dtype (bf16: half the bytes) with its fp32 lse; the buffers the forward
+    hands over are exactly the memory model's ``saved`` bytes (plan.memory.kept_bytes), fp32 and
+    bf16, plain and hybrid; and a bf16 hybrid stays exact against the fp64 reference (its
+    backward forms delta in fp32 from the kept output)."""
+    from megatron_mesh.kernels import get_kernel
+    from megatron_mesh.plan.memory import buffer_memory
+    from megatron_mesh.runtime.executor import Executor
+
+    for dtype in (torch.float32, torch.bfloat16):
+        for mode, settings in (("a2a+ring", {"ulysses_size": 2}), ("a2a+mesh", {"ulysses_size": 4}), ("ring", {})):
+            p = cases.Problem(4, 4, 2, True, dtype, seq_local=16, cu_seqlens=(0, 5, 21, 40, 64))
+            plan = resolve(mode, 4, p.shape, **settings).build(p.shape, p.mask, p.layout)
+            Q, K, V = (torch.randn(64, p.shape.batch, h, p.shape.head_dim).to(dtype) for h in (4, 2, 2))
+
+            def rank_fn(rank, comm):
+                q, k, v = (p.shard(x, rank).permute(1, 2, 0, 3) for x in (Q, K, V))
+                kernel = get_kernel("auto", torch.device("cpu"))
+                return Executor(plan, comm, kernel, 0.5).forward(q, k, v).saved
+
+            for rank, saved in enumerate(run_inprocess(rank_fn, 4, timeout=120, serial=True)):
+                for key, tensors in saved.items():
+                    want = ((dtype, torch.float32) if key.kind == "o"
+                            else (dtype,) * len(tensors))
+                    assert tuple(t.dtype for t in tensors) == want, (mode, key)
+                held = sum(t.numel() * t.element_size() for ts in saved.values() for t in ts)
+                assert held == buffer_memory(plan, p.shape, rank).saved, (mode, dtype, rank)
+                assert mode == "ring" or any(key.kind == "o" for key in saved), mode
+    p = cases.Problem(4, 4, 2, True, torch.bfloat16, seq_local=16, cu_seqlens=(0, 5, 21, 40, 64))
+    check(run_case(p, resolve("a2a+ring", 4, p.shape, ulysses_size=2).build(p.shape, p.mask, p.layout),
+                   serial=True))
+
 def test_first_writes_copy_and_give_bitwise_the_same_results(monkeypatch):
     """Where a block is the first op to write rows of an accumulator (``Plan.first_writes``), the
     executor copies its kernel calls' results instead of merging them into (0, -inf) or adding
