@@ -14,7 +14,10 @@ every mode without the mask, so each row shows masked / unmasked bytes and time.
 balanced`` (or ``both``) runs the documents on the plugin's balanced layout
 (``megatron_mesh.balanced_layout``, one per Ulysses group size for the hybrids) instead of (or
 next to) the zigzag; ``balanced-hide`` (or ``all``) on the same with the hybrids' first and last
-documents set apart (``hide=True``; the plain modes' layout is the balanced one).
+documents set apart (``hide=True``; the plain modes' layout is the balanced one). ``--layout-file
+F`` adds a layout given as its text line (``BalancedLayout.text()``), e.g. one that
+``scripts/search_layout.py`` found for the same documents; a layout that names its blocks' owners
+runs under Mesh only (the other modes refuse it).
 
     python scripts/compare_attention.py --world 4 --modes ring mesh:auto mesh:2x2 mesh:4x1 tasp a2a+ring:2
     python scripts/compare_attention.py --world 8 --seq-len 65536 --heads 2 --kv-heads 2 --head-dim 32 \
@@ -41,6 +44,7 @@ from megatron_mesh.comm.spawn import spawn
 from megatron_mesh.plan import AttentionShape, Mask, plan_bytes, resolve
 from megatron_mesh.plan.modes import REFERENCE_MODE, parse_mode_spec
 from megatron_mesh.plan.accounting import rank_work
+from megatron_mesh.plan.layout import layout_from_text
 from megatron_mesh.tools.plan_cli import document_bounds
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -58,21 +62,38 @@ def mask_of(args) -> Mask:
                                 window).normalized(args.seq_len)
 
 
-def planned(mode: str, world: int, shape: AttentionShape, mask: Mask, layout: str = "zigzag"):
+def planned(mode: str, world: int, shape: AttentionShape, mask: Mask, layout: str = "zigzag", given=None):
     """(placement, plan, layout) the runtime runs for ``mode`` (the same placement: settings, auto
     tile, mask); ``layout`` "balanced" / "balanced-hide": the documents of ``mask`` on the balanced
-    layout of the mode's Ulysses group size, with ``hide`` for the latter (layout None: Megatron's
-    zigzag)."""
+    layout of the mode's Ulysses group size, with ``hide`` for the latter; "file": the layout
+    ``given`` (layout None: Megatron's zigzag)."""
     name, settings = parse_mode_spec(mode)
     # 'auto' choices are made for causal / full attention, as the runtime does
     placement = resolve(name, world, shape, mask=Mask(mask.causal), **settings)
     if layout == "zigzag":
         return placement, placement.build(shape, mask), None
-    hide = layout == "balanced-hide"
-    layout = mm.balanced_layout(_cu_seqlens(mask), world, causal=mask.causal, window=_window(mask), hide=hide,
-                                group=placement.ulysses)
+    if layout == "file":
+        layout = given
+    else:
+        layout = mm.balanced_layout(_cu_seqlens(mask), world, causal=mask.causal, window=_window(mask),
+                                    hide=layout == "balanced-hide", group=placement.ulysses)
     plain = Mask(mask.causal, _window(mask))
     return placement, placement.build(shape, plain, layout), layout
+
+
+def _layout_file(path: str, world: int, mask: Mask):
+    """The layout in ``path`` (one text line), checked against the run: SystemExit naming what differs."""
+    try:
+        with open(path) as f:
+            layout = layout_from_text(f.read().strip())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--layout-file {path}: {e}") from None
+    if layout.world_size != world:
+        raise SystemExit(f"--layout-file {path}: a layout of {layout.world_size} ranks, --world {world}")
+    if mask.documents is None or tuple(layout.documents()) != tuple(mask.documents):
+        raise SystemExit(f"--layout-file {path}: its documents are not those of --docs (give the --docs, --seed and "
+                         "--seq-len it was made for)")
+    return layout
 
 
 def _window(mask: Mask):
@@ -103,13 +124,13 @@ def reference_bytes(args) -> int:
 
 
 def run_rank(rank: int, world: int, args, runs) -> list[dict]:
-    """``runs``: [(mask, [layout of each of args.modes (None: zigzag)])]."""
+    """``runs``: [(mask, layout name, [layout of each of args.modes (None: zigzag)])]."""
     dtype = DTYPES[args.dtype]
     g = torch.Generator().manual_seed(0)
     S, B, H, G, D = args.seq_len, args.batch, args.heads, args.kv_heads, args.head_dim
     Q, K, V, dO = (torch.randn(S, B, h, D, generator=g, dtype=torch.float64) for h in (H, G, G, H))
     rows, refs = [], {}
-    for mask, layouts in runs:
+    for mask, layout_name, layouts in runs:
         if not args.no_check and mask not in refs:
             ref_in = [x.clone().requires_grad_() for x in (Q, K, V)]
             ref = reference_attention(*ref_in, mask=mask)
@@ -134,8 +155,7 @@ def run_rank(rank: int, world: int, args, runs) -> list[dict]:
             if want is not None:
                 got = [out, q.grad, k.grad, v.grad]
                 err = max((a.double() - shard(b)).abs().max().item() for a, b in zip(got, want))
-            name = "zigzag" if layout is None else "balanced-hide" if layout.hide else "balanced"
-            rows.append(dict(mode=mode, mask=mask.text(), layout=name, err=err, sent=c.bytes_sent, received=c.bytes_received,
+            rows.append(dict(mode=mode, mask=mask.text(), layout=layout_name, err=err, sent=c.bytes_sent, received=c.bytes_received,
                              time=best))
     return rows
 
@@ -161,6 +181,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="the layout of --docs: Megatron's zigzag, the plugin's balanced layout, the same with the "
                          "Ulysses groups' first and last documents set apart (hide), zigzag and balanced (both) or "
                          "all three (default zigzag)")
+    ap.add_argument("--layout-file", help="also run --docs on the layout in this file: its text line "
+                                          "(BalancedLayout.text(), as scripts/search_layout.py writes it)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per mode; the time is the best (default 1)")
     ap.add_argument("--no-check", action="store_true", help="skip the dense fp64 reference (long sequences)")
     args = ap.parse_args(argv)
@@ -184,6 +206,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise SystemExit(f"--layout {args.layout} lays out documents: give --docs")
     names = {"both": ("zigzag", "balanced"), "all": ("zigzag", "balanced", "balanced-hide")}
     variants = [(mask, name) for name in names.get(args.layout, (args.layout,))]
+    given = None
+    if args.layout_file:
+        given = _layout_file(args.layout_file, args.world, mask)
+        variants.append((mask, "file"))
     if args.unmasked and not mask.is_dense:
         variants.append((Mask(not args.full).normalized(args.seq_len), "zigzag"))
     try:
@@ -195,10 +221,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for v in variants:
         for mode in args.modes:
             try:
-                plans[v, mode] = planned(mode, args.world, shape, *v)
+                plans[v, mode] = planned(mode, args.world, shape, *v, given=given)
             except ValueError as e:
                 raise SystemExit(f"--modes {mode}: {e}") from None
-    runs = [(m, [plans[(m, name), mode][2] for mode in args.modes]) for m, name in variants]
+    runs = [(m, name, [plans[(m, name), mode][2] for mode in args.modes]) for m, name in variants]
     results = spawn(run_rank, args.world, args, runs, timeout=3600)
     return _report(args, shape, variants, plans, results)
 
@@ -232,7 +258,7 @@ def _report(args, shape: AttentionShape, variants: list, plans: dict, results: l
             elapsed = max(r["time"] for r in rows)
             err_s = "not checked" if math.isnan(err) else f"{err:.2e}"
             print(f"{mode:<14}{tile_s:>8}{err_s:>17}{sent:>14,}{planned_sent:>14,}{ratio:>9}{elapsed:>9.3f}"
-                  f"{balance:>15.2f}")
+                  f"{balance:>15.3f}")
             table.append(dict(mode=mode, mask=m.text(), layout=layout_name, tile=tile, err=err, sent=sent, planned=planned_sent,
                               time=elapsed, work_max=max(work), work_mean=sum(work) / len(work), balance=balance))
             if [(r["sent"], r["received"]) for r in rows] != want:

@@ -18,6 +18,7 @@ from helpers import tolerance
 import megatron_mesh as mm
 from megatron_mesh.kernels import reference_attention
 from megatron_mesh.plan import AttentionShape, Mask, ThdLayout, plan_bytes, tile_shapes
+from megatron_mesh.plan.balance import BalancedLayout
 from megatron_mesh.runtime.api import prepare
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class Case:
     thd: tuple | None = None
     balanced: int = 0  # > 0: the documents cu_seqlens on balanced_layout(..., group=balanced)
     hide: bool = False  # and hide=True: the hybrids' first and last documents (four all-to-all rounds)
+    owners: int = 0  # > 0: the documents cu_seqlens on ranks of contiguous tokens, each block computed where a
+    # random map of this seed names (BalancedLayout.owners: either of its two ranks or another)
     seq_local: int = 8
     batch: int = 1
     head_dim: int = 16
@@ -52,6 +55,8 @@ class Case:
             mask += f" thd={list(self.thd[0])}/{list(self.thd[1])}"
         if self.balanced:
             mask += f" balanced (group {self.balanced}{', hide' if self.hide else ''})"
+        if self.owners:
+            mask += f" contiguous ranks, block owners of seed {self.owners}"
         return (f"P={self.world} {self.mode} {st} heads={self.heads}/{self.kv_heads} {str(self.dtype)[6:]} "
                 f"{mask}").replace("  ", " ")
 
@@ -68,6 +73,14 @@ class Record:
 
 
 def _layout(c: Case):
+    if c.owners:
+        import random
+
+        rng = random.Random(c.owners)
+        owners = tuple((i, j, rng.randrange(c.world)) for i in range(c.world) for j in range(c.world)
+                       if i != j and rng.random() < 0.7)
+        runs = tuple(((r * c.seq_local, c.seq_local),) for r in range(c.world))
+        return BalancedLayout(c.world, runs, tuple(zip(c.cu_seqlens, c.cu_seqlens[1:])), owners=owners)
     if c.balanced:
         return mm.balanced_layout(c.cu_seqlens, c.world, causal=c.causal, window=c.window, group=c.balanced,
                                   hide=c.hide)
@@ -98,7 +111,7 @@ def run(rank: int, c: Case, group) -> Record:
     shard = (lambda x: mm.zigzag_shard(x, rank, c.world)) if layout is None else (
         lambda x: mm.layout_shard(x, rank, layout))
     q, k, v = (shard(x).to(c.dtype).requires_grad_() for x in (Q, K, V))
-    documents = list(c.cu_seqlens) if c.cu_seqlens and not c.balanced else None  # a balanced layout brings its own
+    documents = list(c.cu_seqlens) if c.cu_seqlens and not (c.balanced or c.owners) else None  # the layout's own
     kw = dict(causal=c.causal, window=c.window, cu_seqlens=documents, layout=layout, **dict(c.settings))
     with mm.comm_counter() as counter:
         out = mm.attention(q, k, v, mode=c.mode, group=group, **kw)
@@ -229,7 +242,8 @@ def balanced_grid(rank: int, world: int, group=None) -> list[Record]:
     """The work-balanced layout (issue 19): every plan-based mode on it -- ring, Mesh (auto and a
     2-row tile), TASP, and at even CP sizes the hybrids on a layout balanced per Ulysses group
     (every other case with its first and last documents set apart: hide) -- under four document
-    sets and windows, MHA / GQA / MQA, fp32 and bf16."""
+    sets and windows, MHA / GQA / MQA, fp32 and bf16; and Mesh on a layout that names its blocks'
+    owners (contiguous ranks, random owners: query rank, key rank or a third)."""
     T = 2 * max(world, 3)
     out, n = [], 0
     modes = [("ring", (), 0), ("mesh", (("tile", "auto"),), 0), ("tasp", (), 0)]
@@ -247,6 +261,11 @@ def balanced_grid(rank: int, world: int, group=None) -> list[Record]:
                                       cu_seqlens=balanced_documents(world, T, n), balanced=group_size or 1,
                                       hide=group_size > 1 and n % 2 == 0), group))
             n += 1
+    for seed in (1, 2) if world > 1 else ():
+        heads, kv, dtype = COMBOS[n % len(COMBOS)]
+        out.append(run(rank, Case(world, "mesh", (), heads, kv, dtype, window=(None, (T, 0))[seed - 1], seq_local=T,
+                                  cu_seqlens=balanced_documents(world, T, seed + 1), owners=seed * 10 + world), group))
+        n += 1
     return out
 
 

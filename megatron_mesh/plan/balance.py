@@ -498,13 +498,26 @@ def balanced_layout(cu_seqlens, world_size: int, *, causal: bool = True, window=
 class BalancedLayout:
     """A layout given by each rank's runs of global positions (in local order) and the documents
     -- what :func:`balanced_layout` computes. ``group``: the Ulysses degree it was balanced for
-    (span-``group`` chunks are its balanced units; any span works)."""
+    (span-``group`` chunks are its balanced units; any span works).
+
+    ``owners``: ((i, j, h), ...) -- rank h computes the block of rank i's queries and rank j's
+    keys (i != j; blocks not named: the query owner i). A layout whose balance rests on where its
+    blocks are computed names them here (``scripts/search_layout.py`` finds such layouts: long
+    documents in contiguous pieces, each pair of pieces computed on one of its two ranks); Mesh's
+    plans compute each block where the layout says, and the other modes, whose identity is the
+    query owner (ring, TASP) or a Ulysses group, refuse such a layout instead of running it
+    unbalanced. Worked example (P = 3, one document of 12 tokens, rank r holds [4r, 4r + 4)): the
+    query owner gives ranks 0, 1 and 2 the work 10, 26 and 42 (each piece's own 10 pairs, and 16
+    per earlier piece); ``owners=((2, 0, 0),)`` has rank 0 compute rank 2's queries against its own
+    keys -- 26 each, and every rank takes part in two blocks, whose transfers are one piece each
+    (rank 0's K/V to rank 1, rank 1's to rank 2, rank 2's Q to rank 0)."""
 
     world_size: int
     rank_runs: tuple[tuple[tuple[int, int], ...], ...]
     docs: tuple[tuple[int, int], ...]
     group: int = 1
     hide: bool = False
+    owners: tuple[tuple[int, int, int], ...] = ()
 
     def __post_init__(self) -> None:
         for name, v in (("world_size", self.world_size), ("group", self.group)):
@@ -538,6 +551,25 @@ class BalancedLayout:
             end = b
         if end != pos:
             raise ValueError(f"documents {self.docs!r} cover {end} tokens, the ranks' runs {pos}")
+        if self.owners and self.group != 1:
+            raise ValueError(f"owners name the ranks of plain modes' blocks; this layout is balanced for Ulysses groups "
+                             f"of {self.group} (group must be 1)")
+        P, seen = self.world_size, set()
+        for t in self.owners:
+            if (not isinstance(t, tuple) or len(t) != 3
+                    or any(isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < P for x in t)):
+                raise ValueError(f"each owner must be (query rank, key rank, computing rank) of ranks 0..{P - 1}, got {t!r}")
+            if t[0] == t[1] or t[:2] in seen:
+                raise ValueError(f"owners must name each block (i, j) of two different ranks at most once, got {t!r}")
+            seen.add(t[:2])
+
+    def owner(self, i: int, j: int) -> int:
+        """The rank that computes the block of rank i's queries and rank j's keys (``owners``,
+        else i)."""
+        table = self.__dict__.get("_owner_table")
+        if table is None:
+            table = self.__dict__["_owner_table"] = {(a, b): h for a, b, h in self.owners}
+        return table.get((i, j), i)
 
     @property
     def seq_len(self) -> int:
@@ -600,14 +632,17 @@ class BalancedLayout:
     def text(self) -> str:
         docs = ",".join(str(b) for _, b in self.docs)
         ranks = ";".join(",".join(f"{s}+{n}" for s, n in r) for r in self.rank_runs)
-        return f"balanced P={self.world_size} U={self.group}{' hide' if self.hide else ''} cu=0,{docs} runs={ranks}"
+        owners = f" owners={','.join(f'{i}>{j}:{h}' for i, j, h in self.owners)}" if self.owners else ""
+        return f"balanced P={self.world_size} U={self.group}{' hide' if self.hide else ''} cu=0,{docs} runs={ranks}{owners}"
 
     @classmethod
     def parse(cls, rest: str) -> "BalancedLayout":
         example = "balanced P=2 U=1 cu=0,4,8 runs=0+4;4+4"
-        m = match_text(r"^P=(\d+) U=(\d+)( hide)? cu=(\d+(?:,\d+)*) runs=(\d+\+\d+(?:[,;]\d+\+\d+)*)$", rest,
-                       example)
+        m = match_text(r"^P=(\d+) U=(\d+)( hide)? cu=(\d+(?:,\d+)*) runs=(\d+\+\d+(?:[,;]\d+\+\d+)*)"
+                       r"(?: owners=(\d+>\d+:\d+(?:,\d+>\d+:\d+)*))?$", rest, example)
         cu = [int(x) for x in m.group(4).split(",")]
         runs = tuple(tuple((int(s), int(n)) for s, n in (x.split("+") for x in r.split(",")))
                      for r in m.group(5).split(";"))
-        return cls(int(m.group(1)), runs, tuple(zip(cu, cu[1:])), int(m.group(2)), m.group(3) is not None)
+        owners = tuple(tuple(int(v) for v in x.replace(">", ":").split(":")) for x in m.group(6).split(",")) \
+            if m.group(6) else ()
+        return cls(int(m.group(1)), runs, tuple(zip(cu, cu[1:])), int(m.group(2)), m.group(3) is not None, owners)

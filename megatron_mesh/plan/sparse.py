@@ -100,7 +100,10 @@ class Assignment:
     * ``tile`` / ``contiguous``: the Mesh tile map the "tile" owner comes from (plan facts);
     * ``tiles``: where several tile maps compete (Mesh's ``auto`` tile under a mask), the
       (tile, contiguous) of each owner map, in the order of ``owners``: the plan's tile facts are
-      the chosen map's.
+      the chosen map's;
+    * ``compete``: False -- the one map in ``owners`` is used as it is, without the query owner
+      competing (a layout that names its blocks' owners balances work with them:
+      :class:`~.balance.BalancedLayout`).
     """
 
     owners: tuple[tuple[str, Callable[[int, int], int]], ...] = ()
@@ -108,10 +111,13 @@ class Assignment:
     tile: tuple[int, int] | None = None
     contiguous: str | None = None
     tiles: tuple[tuple[tuple[int, int], str], ...] = ()
+    compete: bool = True
 
     def __post_init__(self) -> None:
         if self.rounds not in ("shift", "burst"):
             raise ValueError(f"rounds must be 'shift' or 'burst', got {self.rounds!r}")
+        if not self.compete and len(self.owners) != 1:
+            raise ValueError(f"compete=False uses one owner map as it is, got {len(self.owners)}")
         if self.tiles and len(self.tiles) != len(self.owners):
             raise ValueError(f"tiles must name the tile of each of the {len(self.owners)} owner maps, "
                              f"got {self.tiles!r}")
@@ -443,7 +449,11 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
     assigned = QUERY_OWNER
     tile, contiguous = assignment.tile, assignment.contiguous
     token_bytes = {k: buffer_bytes(k, 1, shape) for k in ("q", "kv", "do", "o", "dq", "dkv")}
-    if assignment.owners:  # compare the mode's maps with the query owner by the busiest rank's bytes
+    if not assignment.compete:  # the map is the layout's: its work balance rests on it
+        assigned, owner = assignment.owners[0]
+        needs = _Needs(P, block_table(P, mask, layout), owner)
+        notes.append(f"every block is computed where the {assigned} map names (the layout's balance rests on it)")
+    elif assignment.owners:  # compare the mode's maps with the query owner by the busiest rank's bytes
         table = block_table(P, mask, layout)
         candidates = [(QUERY_OWNER, _Needs(P, table, lambda i, j: i))]
         candidates += [(name, _Needs(P, table, owner)) for name, owner in assignment.owners]

@@ -11,7 +11,7 @@ import re
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from megatron_mesh.plan import (AttentionShape, Mask, Plan, layout_from_text, positions, rank_work, resolve,
+from megatron_mesh.plan import (AttentionShape, Mask, Plan, layout_from_text, plan_bytes, positions, rank_work, resolve,
                                 validate_plan)
 from megatron_mesh.plan.balance import (FIRST_PAIRS, LAST_PAIRS, SETS, BalancedLayout, _fewest_tokens, balanced_layout,
                                         document_work)
@@ -271,6 +271,18 @@ def test_every_mode_runs_exactly_on_the_balanced_layout(P, data):
     (lambda: balanced_layout([0, 8, 16], 4, ranks_per_node=3), r"ranks_per_node must be None or a positive divisor of "
      r"world_size 4 that the group 1 divides, got 3"),
     (lambda: balanced_layout([0, 8, 16], 4, group=4, ranks_per_node=2), r"ranks_per_node .* that the group 4 divides"),
+    # block owners: three ranks of the layout, each block (i, j) of two ranks at most once, plain modes only
+    (lambda: BalancedLayout(2, (((0, 8),), ((8, 8),)), ((0, 16),), owners=((1, 0, 2),)),
+     r"each owner must be \(query rank, key rank, computing rank\) of ranks 0..1, got \(1, 0, 2\)"),
+    (lambda: BalancedLayout(2, (((0, 8),), ((8, 8),)), ((0, 16),), owners=((1, 0),)), r"got \(1, 0\)"),
+    (lambda: BalancedLayout(2, (((0, 8),), ((8, 8),)), ((0, 16),), owners=((1, True, 0),)), r"got \(1, True, 0\)"),
+    (lambda: BalancedLayout(2, (((0, 8),), ((8, 8),)), ((0, 16),), owners=((1, 1, 0),)),
+     r"owners must name each block \(i, j\) of two different ranks at most once, got \(1, 1, 0\)"),
+    (lambda: BalancedLayout(2, (((0, 8),), ((8, 8),)), ((0, 16),), owners=((1, 0, 0), (1, 0, 1))),
+     r"at most once, got \(1, 0, 1\)"),
+    (lambda: BalancedLayout(2, (((0, 8),), ((8, 8),)), ((0, 16),), group=2, owners=((1, 0, 0),)),
+     r"owners name the ranks of plain modes' blocks; this layout is balanced for Ulysses groups of 2"),
+    (lambda: layout_from_text("balanced P=2 U=1 cu=0,16 runs=0+8;8+8 owners=1>0"), r"not a balanced layout"),
 ])
 def test_bad_input_names_the_value(call, match):
     with pytest.raises(ValueError, match=match):
@@ -284,3 +296,29 @@ def test_generator_and_array_boundaries_give_the_same_layout():
     assert balanced_layout((c for c in [0, 3, 9, 16]), 2) == want
     assert balanced_layout(np.array([0, 3, 9, 16]), 2) == want
 
+
+
+def test_block_owners_balance_the_worked_example_under_mesh_and_the_other_modes_refuse_them():
+    """BalancedLayout's worked example: one document of 12 tokens, [4r, 4r + 4) on rank r. The
+    query owner gives the ranks 10, 26 and 42 pairs; owners ((2, 0, 0),) give 26 each under every
+    Mesh tile, each rank sending one piece per block it takes part in (rank 0 its K/V to rank 1
+    and rank 2's output and dQ back, rank 1 its K/V to rank 2, rank 2 its Q and dO to rank 0 and
+    rank 1's dK/dV back). Modes that compute blocks elsewhere refuse the layout."""
+    runs = tuple(((4 * r, 4),) for r in range(3))
+    owned = BalancedLayout(3, runs, ((0, 12),), owners=((2, 0, 0),))
+    assert layout_from_text(owned.text()) == owned and "owners=2>0:0" in owned.text()
+    assert (owned.owner(2, 0), owned.owner(1, 0), owned.owner(2, 1)) == (0, 1, 2)
+    shape = AttentionShape(4, 1, 2, 2, 8, 4)
+    plain = resolve("mesh", 3, shape).build(shape, Mask(True), BalancedLayout(3, runs, ((0, 12),)))
+    assert rank_work(plain) == [10, 26, 42] and plain.assignment == "query owner"
+    q, kv = 4 * 2 * 8 * 4, 4 * 2 * 2 * 8 * 4  # bytes of 4 tokens' Q and K/V (2 heads of 8, fp32)
+    o, do = q + 4 * 2 * 4, q + 2 * 4 * 2 * 4  # with the lse (o), with the lse and delta (do)
+    for tile in ("auto", (3, 1), (1, 3)):
+        plan = resolve("mesh", 3, shape, tile=tile).build(shape, Mask(True), owned)
+        assert plan.assignment == "layout" and rank_work(plan) == rank_work(plan, "backward") == [26, 26, 26]
+        assert [b.sent for b in plan_bytes(plan, shape)] == [kv + o + q, kv + kv, q + do + kv]
+    for mode, settings in (("ring", {}), ("tasp", {}), ("a2a+mesh", {"ulysses_size": 3})):
+        shape3 = AttentionShape(4, 1, 3, 3, 8, 4)
+        with pytest.raises(ValueError, match=f"this layout names the rank that computes each of its blocks \\(owners\\); "
+                                             f"CP mode '{re.escape(mode)}' computes them elsewhere"):
+            resolve(mode, 3, shape3, **settings).build(shape3, Mask(True), owned)

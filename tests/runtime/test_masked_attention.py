@@ -72,9 +72,13 @@ def test_hybrid_matches_dense_reference_and_moves_the_planned_bytes(results, wor
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_balanced_layout_matches_dense_reference_and_moves_the_planned_bytes(results, world):
     """Every mode on the work-balanced, document-aware layout, forward and backward exact against
-    the dense fp64 reference, bytes as planned (P = 1..8, odd sizes included, hybrids at even P)."""
+    the dense fp64 reference, bytes as planned (P = 1..8, odd sizes included, hybrids at even P);
+    Mesh on layouts that name their blocks' owners too (P >= 2), where blocks move."""
     _check(results["balanced"][world])
     assert len(results["balanced"][world][0]) >= 6
+    owned = [rec for recs in results["balanced"][world] for rec in recs if "block owners" in rec.case]
+    assert len(owned) == (2 * world if world > 1 else 0)
+    assert world == 1 or sum(rec.sent for rec in owned) > 0
 
 
 def test_max_errors_summary(results, record_property):

@@ -1,7 +1,8 @@
 """The benchmark and comparison scripts end to end on tiny CPU shapes: scripts/bench_kernels.py
 (tiled plans vs the fused kernel), scripts/bench_masks.py (packed documents' plans vs one varlen call),
 scripts/count_host_ops.py (torch ops per rank), scripts/tasp_link_load.py (link load of ring vs TASP) and
-scripts/compare_attention.py (4 gloo processes). (scripts/bench_tasp_transport.py is a timing
+scripts/compare_attention.py (4 gloo processes), scripts/search_layout.py (a searched layout, run by
+compare_attention.py --layout-file). (scripts/bench_tasp_transport.py is a timing
 script of the same transports that test_tasp_attention.py checks, and scripts/bench_agreement.py
 one of the plan-agreement check that test_api.py and test_api_distributed.py check; their spawns
 are left out to save the start-up time.)"""
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from megatron_mesh.plan import layout_from_text
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
@@ -276,6 +279,33 @@ def test_compare_attention_runs_documents_on_both_layouts(script, capsys):
     assert all(r["err"] < 1e-5 and r["sent"] == r["planned"] and r["balance"] <= 1.05 for r in rows), rows
 
 
+def test_search_layout_writes_a_layout_that_mesh_runs_exactly_with_the_planned_bytes(script, tmp_path, capsys):
+    """scripts/search_layout.py on a small sample (4 ranks of 64 tokens, 7 documents): its best
+    layout names its blocks' owners, the plan of it moves the bytes the search's model counted (the
+    script exits otherwise) at work within --max-balance, and compare_attention.py --layout-file
+    runs it under Mesh on 4 processes, exact against fp64, with the planned bytes. Other modes, a
+    layout of other documents and an unreadable file are refused by name."""
+    path = tmp_path / "layout.txt"
+    sample = ["--world", "4", "--seq-len", "256", "--docs", "lognormal:40,1.0", "--seed", "3", "--heads", "2",
+              "--head-dim", "8"]
+    got = script("search_layout").main(sample + ["--search-seeds", "0", "1", "--iters", "3000", "--max-balance", "1.1",
+                                                 "--out", str(path)])
+    assert "layout written to" in capsys.readouterr().out
+    layout = layout_from_text(path.read_text())
+    assert layout == got["layout"] and layout.owners and got["balance"] <= 1.1 and got["sent"] == max(got["planned"]) > 0
+    compare = script("compare_attention")
+    rows = compare.main(sample + ["--modes", "mesh", "--layout-file", str(path)])
+    by = {r["layout"]: r for r in rows}
+    assert sorted(by) == ["file", "zigzag"] and all(r["err"] < 1e-5 and r["sent"] == r["planned"] for r in rows), rows
+    assert by["file"]["sent"] == got["sent"] and by["file"]["balance"] == pytest.approx(got["balance"])
+    with pytest.raises(SystemExit, match=r"--modes ring: this layout names the rank that computes each of its blocks"):
+        compare.main(sample + ["--modes", "ring", "--layout-file", str(path)])
+    with pytest.raises(SystemExit, match=r"its documents are not those of --docs"):
+        compare.main(sample[:7] + ["4"] + sample[8:] + ["--modes", "mesh", "--layout-file", str(path)])
+    with pytest.raises(SystemExit, match=r"--layout-file .*missing.txt: \[Errno 2\]"):
+        compare.main(sample + ["--modes", "mesh", "--layout-file", str(tmp_path / "missing.txt")])
+
+
 def test_compare_cp_modes_long_preset_and_the_zigzag_documents(script, tmp_path):
     """scripts/compare_cp_modes.py, no run: --long reads the long-context config (>= 8K tokens,
     2K+ per rank at CP 4) with every mask; docs-zigzag trains the docs config under
@@ -322,6 +352,12 @@ def test_compare_cp_modes_long_preset_and_the_zigzag_documents(script, tmp_path)
      r"heads \(3\) must be divisible by kv_heads \(2\)"),
     ("compare_attention", ["--world", "8", "--seq-len", "4194304", "--heads", "2", "--head-dim", "8"],
      r"--seq-len 4194304: the dense fp64 reference needs about .* GiB on the 8 processes .* pass --no-check"),
+    ("search_layout", ["--world", "3", "--seq-len", "64"], r"--world must be >= 2 and divide --seq-len, got 3 and 64"),
+    ("search_layout", ["--world", "2", "--seq-len", "64", "--max-balance", "0.9"],
+     r"--iters must be >= 0 and --max-balance >= 1, got 20000 and 0.9"),
+    ("search_layout", ["--world", "2", "--seq-len", "64", "--heads", "3", "--kv-heads", "2"],
+     r"heads \(3\) must be divisible by kv_heads \(2\)"),
+    ("search_layout", ["--world", "2", "--seq-len", "64", "--docs", "fixed:0"], r"fixed:0"),
     ("count_host_ops", ["--world", "2", "--seq-local", "64"],
      r"--docs 'lognormal:512,1.0' over --world x --seq-local = 128 tokens"),
     ("count_host_ops", ["--world", "2", "--seq-local", "64", "--docs", "fixed:16", "--top", "-1"],

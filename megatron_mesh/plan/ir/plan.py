@@ -113,7 +113,8 @@ class Plan:
       "auto" (a mask-aware plan: each rank keeps where that is at most its own Q, K and V);
     * ``contiguous`` -- which Mesh ring holds consecutive ranks ("q" / "kv"; None otherwise);
     * ``assignment`` -- who computes a block: "tile" (the Mesh tile map), "rings" (the query
-      owner, chunks travelling around rings), "query owner" (straight from each block's owner);
+      owner, chunks travelling around rings), "query owner" (straight from each block's owner),
+      "layout" (where the layout's ``owners`` name: :class:`~..balance.BalancedLayout`);
     * ``direct`` -- transfers go straight between the ranks that need them: ranks post different
       rounds and do different work, so analyses read every rank (a mask-aware plan);
     * ``last_round`` -- the highest round number any rank posts (a hybrid's return all-to-all

@@ -171,6 +171,7 @@ class Mode:
     planner_rows: ClassVar[str] = "all"  # what the planner shows by default: "all" candidates, or its "auto" row
     shorthand: ClassVar[tuple[str, ...]] = ()  # settings given positionally in "mode:a:b" (see parse_mode_spec)
     uses_nodes: ClassVar[bool] = True  # its placement depends on the CP ranks per node
+    takes_block_owners: ClassVar[bool] = False  # computes blocks where a layout's ``owners`` name (Mesh)
 
     def options(self, **values) -> Any:
         """The mode's options from keyword settings, checked."""
@@ -183,11 +184,20 @@ class Mode:
 
     def build(self, p: Placement, shape: AttentionShape, mask: Mask | None, layout: Layout | None) -> Plan:
         mask, layout = normalize(p.world_size, shape, mask, layout)
+        self.check_layout(layout)
         if is_dense(mask, layout):
             return self.build_dense(p, shape, mask)
         return build_sparse_plan(self.name, p.world_size, shape, mask, layout, self.assignment(p, mask, layout),
                                  backward_chunks=getattr(p.options, "backward_chunks", "auto"),
                                  ranks_per_node=p.ranks_per_node)
+
+    def check_layout(self, layout: Layout) -> None:
+        """ValueError for a layout that names its blocks' owners (its work balance rests on them)
+        where this mode computes blocks elsewhere -- not a silently unbalanced run."""
+        if getattr(layout, "owners", ()) and not self.takes_block_owners:
+            raise ValueError(f"this layout names the rank that computes each of its blocks (owners); CP mode {self.name!r} "
+                             "computes them elsewhere and would run it unbalanced: use mesh, or a layout without owners "
+                             "(megatron_mesh.balanced_layout)")
 
     def build_dense(self, p: Placement, shape: AttentionShape, mask: Mask) -> Plan:
         raise NotImplementedError(f"CP mode {self.name!r} has no dense plan")

@@ -74,6 +74,7 @@ class HybridMode(Mode):
 
     def build(self, p: Placement, shape: AttentionShape, mask, layout):
         mask, layout = normalize(p.world_size, shape, mask, layout)
+        self.check_layout(layout)
         return build_hybrid_plan(self.name, p.world_size, p.ulysses, p.inner.build, shape, mask, layout)
 
     def rings(self, p: Placement) -> dict:

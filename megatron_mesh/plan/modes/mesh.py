@@ -58,6 +58,7 @@ class MeshMode(Mode):
     auto_row = "mesh-auto"
     auto_pool = ("ring",)
     shorthand = ("tile",)
+    takes_block_owners = True
 
     def resolve(self, world_size: int, shape: AttentionShape, topology: Topology | None, ranks_per_node, options,
                 mask: Mask) -> Placement:
@@ -88,9 +89,14 @@ class MeshMode(Mode):
         (docs/performance.md, "Masks measured on CPU"). The dense choice is 4x2. With refetched
         backward chunks the 8x1 map's busiest rank moves 29.4 MB sent + received against 4x2's
         29.8 MB, so the plan takes 8x1 (its notes say so); with the default "auto" backward
-        chunks 4x2 stays the fewest (23.1 MB)."""
+        chunks 4x2 stays the fewest (23.1 MB).
+
+        A layout that names its blocks' owners (``BalancedLayout.owners``) gets them as they are:
+        its work balance rests on them."""
         a, b = p.options.tile
         contiguous = p.options.contiguous
+        if getattr(layout, "owners", ()):  # the layout names where its blocks are computed
+            return Assignment(owners=(("layout", layout.owner),), tile=(a, b), contiguous=contiguous, compete=False)
         if layout.documents() is not None:
             return Assignment(tile=(a, b), contiguous=contiguous)
         if not p.options.tile_auto:

@@ -1,0 +1,263 @@
+#!/usr/bin/env python
+"""Search one sample's documents for a layout, and where each of its blocks is computed, that
+moves few bytes on the busiest rank at balanced work. Offline: it takes minutes per sample, so it
+says how far the built layouts (``megatron_mesh.balanced_layout``) are from what is attainable;
+it is not a data loader's layout.
+
+The family searched (found on issue 19's CPU sample, 8 ranks, 64K tokens of lognormal:4096):
+
+* a *long* document -- work above the mean per-rank work, or more tokens than a rank holds -- is
+  poured in contiguous pieces into the tokens the others leave, along an order of the ranks
+  (the longest first);
+* every other document stays whole on one rank (no traffic);
+* the block of rank i's queries against rank j's keys (where a long document's pieces meet) is
+  computed on one rank, i or j or another (``BalancedLayout.owners``).
+
+Contiguous pieces of a document meet in one block per pair of ranks, where zigzag pieces meet in
+two, and a block computed at either end lets work go where there is room. Worked example
+(``BalancedLayout``'s): one document of 12 tokens on 3 ranks, [4r, 4r + 4) on rank r -- the
+query owner gives the ranks 10, 26 and 42 pairs; computing block (2, 0) on rank 0 gives 26 each,
+and each rank sends one piece per block it takes part in.
+
+The search: simulated annealing from a seeded random start (moves: a short document to another
+rank, two swapped, two ranks swapped in the pouring order, a block to another rank), scored by
+the busiest rank's bytes sent (forward + backward, counted as the plan counts them, pieces kept
+for the backward where :class:`~megatron_mesh.plan.sparse._Keeps` keeps them), with a penalty on
+work max/mean above ``--max-balance``. The best state is then built by the planner -- Mesh's plan
+on the ``BalancedLayout`` with its owners -- and that plan's bytes and work are printed (they
+equal the model's: a difference exits non-zero). ``--out`` writes the layout's text line, which
+``compare_attention.py --layout-file`` runs on N processes against the fp64 reference:
+
+    python scripts/search_layout.py --world 8 --seq-len 65536 --docs lognormal:4096,1.0 --heads 2 \\
+        --kv-heads 2 --head-dim 32 --dtype fp32 --search-seeds 13 --iters 100000 --out /tmp/layout.txt
+    python scripts/compare_attention.py --world 8 --seq-len 65536 --heads 2 --kv-heads 2 --head-dim 32 \\
+        --dtype fp32 --docs lognormal:4096,1.0 --no-check --modes mesh --layout-file /tmp/layout.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+import time
+
+from megatron_mesh.plan import AttentionShape, Mask, plan_bytes, rank_work, resolve
+from megatron_mesh.plan.accounting import buffer_bytes
+from megatron_mesh.plan.balance import BalancedLayout
+from megatron_mesh.plan.sparse import KEEP_LIMIT
+from megatron_mesh.tools.plan_cli import document_bounds
+
+ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
+
+
+def pairs(n: int) -> int:
+    """Causal (query, key) pairs of n tokens of one document: n (n + 1) / 2."""
+    return n * (n + 1) // 2
+
+
+class Problem:
+    """One sample: P ranks of T tokens, the documents' lengths, bytes per token of each buffer."""
+
+    def __init__(self, world: int, lengths: list[int], shape: AttentionShape):
+        self.P, self.T, self.lengths = world, shape.seq_local, lengths
+        self.token = {k: buffer_bytes(k, 1, shape) for k in ("q", "kv", "o", "do", "dq", "dkv")}
+        self.mean = sum(pairs(n) for n in lengths) / world
+        # poured longest first: the longest gets the first ranks' room
+        self.long = sorted((d for d, n in enumerate(lengths) if pairs(n) > self.mean or n > self.T),
+                           key=lambda d: (-lengths[d], d))
+        self.short = [d for d in range(len(lengths)) if d not in self.long]
+
+    def pieces(self, state) -> list[list[tuple[int, int, int]]] | None:
+        """Each rank's (document, start, end): the short documents at their homes, then the long
+        ones poured in order into what is left, rank by rank along ``state.order``; None where the
+        homes overfill a rank."""
+        ranks: list[list[tuple[int, int, int]]] = [[] for _ in range(self.P)]
+        left = [self.T] * self.P
+        for d, r in state.home.items():
+            ranks[r].append((d, 0, self.lengths[d]))
+            left[r] -= self.lengths[d]
+        if min(left) < 0:
+            return None
+        at = 0
+        for d in self.long:
+            lo = 0
+            while lo < self.lengths[d]:
+                while left[state.order[at]] == 0:
+                    at += 1
+                r = state.order[at]
+                take = min(left[r], self.lengths[d] - lo)
+                ranks[r].append((d, lo, lo + take))
+                left[r] -= take
+                lo += take
+        return ranks
+
+    def score(self, state):
+        """(busiest rank's bytes sent, work max/mean, sent per rank, work per rank, pieces), or
+        None for a state that overfills a rank."""
+        ranks = self.pieces(state)
+        if ranks is None:
+            return None
+        P, tb = self.P, self.token
+        work = [sum(pairs(b - a) for _, a, b in pcs) for pcs in ranks]
+        where: dict[int, list[tuple[int, int, int]]] = {}
+        for r, pcs in enumerate(ranks):
+            for d, a, b in pcs:
+                where.setdefault(d, []).append((r, a, b))
+        rows: dict[tuple[int, int], set] = {}  # (computing rank, query rank) -> documents whose rows it reads
+        cols: dict[tuple[int, int], set] = {}
+        for d, pcs in where.items():
+            for i, a, b in pcs:
+                for j, c, e in pcs:
+                    if i != j and e <= a:  # j's piece comes first: i's rows see all of it
+                        h = state.owner(i, j)
+                        work[h] += (b - a) * (e - c)
+                        if h != i:
+                            rows.setdefault((h, i), set()).add(d)
+                        if h != j:
+                            cols.setdefault((h, j), set()).add(d)
+        piece = {(r, d): b - a for r, pcs in enumerate(ranks) for d, a, b in pcs}
+        row_n = {k: sum(piece[k[1], d] for d in ds) for k, ds in rows.items()}
+        col_n = {k: sum(piece[k[1], d] for d in ds) for k, ds in cols.items()}
+        pulled = [0] * P
+        for (h, _), n in row_n.items():
+            pulled[h] += n * tb["q"]
+        for (h, _), n in col_n.items():
+            pulled[h] += n * tb["kv"]
+        keeps = [pulled[h] <= KEEP_LIMIT * self.T * (tb["q"] + tb["kv"]) for h in range(P)]
+        sent = [0] * P
+        for (h, i), n in row_n.items():
+            sent[i] += n * (tb["q"] * (1 if keeps[h] else 2) + tb["do"])
+            sent[h] += n * (tb["o"] + tb["dq"])
+        for (h, j), n in col_n.items():
+            sent[j] += n * tb["kv"] * (1 if keeps[h] else 2)
+            sent[h] += n * tb["dkv"]
+        return max(sent), max(work) / self.mean, sent, work, ranks
+
+
+class State:
+    """Where each short document lives, the order the long ones are poured along, and the rank
+    of each block that is not its query owner's."""
+
+    def __init__(self, home: dict[int, int], order: list[int], owners: dict[tuple[int, int], int]):
+        self.home, self.order, self.owners = home, order, owners
+
+    def owner(self, i: int, j: int) -> int:
+        return self.owners.get((i, j), i)
+
+    def moved(self, problem: Problem, rng: random.Random) -> "State":
+        home, order, owners = dict(self.home), list(self.order), dict(self.owners)
+        P, u = problem.P, rng.random()
+        if u < 0.2 and problem.short:
+            home[rng.choice(problem.short)] = rng.randrange(P)
+        elif u < 0.35 and len(problem.short) > 1:
+            a, b = rng.sample(problem.short, 2)
+            home[a], home[b] = home[b], home[a]
+        elif u < 0.5:
+            a, b = rng.sample(range(P), 2)
+            order[a], order[b] = order[b], order[a]
+        else:
+            i, j = rng.sample(range(P), 2)
+            v = rng.random()
+            owners[(i, j)] = i if v < 0.35 else j if v < 0.7 else rng.randrange(P)
+        return State(home, order, owners)
+
+
+def objective(result, max_balance: float) -> float:
+    """MB sent by the busiest rank, plus 1,000 per unit of work max/mean above the bound."""
+    return math.inf if result is None else result[0] / 1e6 + 1000 * max(0.0, result[1] - max_balance)
+
+
+def anneal(problem: Problem, seed: int, iters: int, max_balance: float, temp: float = 3.0):
+    """The best (objective, state, result) of one annealing run from a seeded random start."""
+    rng = random.Random(seed)
+    P = problem.P
+    state = State({d: rng.randrange(P) for d in problem.short}, rng.sample(range(P), P), {})
+    result = problem.score(state)
+    while result is None:  # random homes can overfill a rank
+        state = State({d: rng.randrange(P) for d in problem.short}, state.order, {})
+        result = problem.score(state)
+    cost = objective(result, max_balance)
+    best = (cost, state, result)
+    decay = (0.002 / temp) ** (1 / max(iters, 1))  # to 2 kB at the end: only improvements then
+    for _ in range(iters):
+        nxt = state.moved(problem, rng)
+        got = problem.score(nxt)
+        c = objective(got, max_balance)
+        if c < cost or (c < math.inf and rng.random() < math.exp((cost - c) / temp)):
+            state, cost = nxt, c
+            if c < best[0]:
+                best = (c, nxt, got)
+        temp *= decay
+    return best
+
+
+def layout_of(problem: Problem, bounds: list[int], state: State, ranks) -> BalancedLayout:
+    """The BalancedLayout of ``ranks``' pieces (each rank's runs in position order), with the
+    owners of the blocks that exist and are not their query owner's."""
+    runs = tuple(tuple(sorted((bounds[d] + a, b - a) for d, a, b in pcs)) for pcs in ranks)
+    docs_of = [{d for d, _, _ in pcs} for pcs in ranks]
+    owners = tuple(sorted((i, j, h) for (i, j), h in state.owners.items()
+                          if h != i and docs_of[i] & docs_of[j] & set(problem.long)))
+    return BalancedLayout(problem.P, runs, tuple(zip(bounds, bounds[1:])), owners=owners)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world", type=int, default=8, help="CP size (default 8)")
+    ap.add_argument("--seq-len", type=int, default=65536)
+    ap.add_argument("--docs", default="lognormal:4096,1.0", help="documents, as megatron-mesh-plan --docs")
+    ap.add_argument("--seed", type=int, default=0, help="random seed of --docs lognormal")
+    ap.add_argument("--heads", type=int, default=2)
+    ap.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: --heads)")
+    ap.add_argument("--head-dim", type=int, default=32)
+    ap.add_argument("--dtype", choices=sorted(ITEMSIZE), default="fp32")
+    ap.add_argument("--max-balance", type=float, default=1.05, help="work max/mean bound (default 1.05)")
+    ap.add_argument("--search-seeds", type=int, nargs="+", default=[0], help="one annealing run per seed")
+    ap.add_argument("--iters", type=int, default=20000, help="moves per run (default 20000)")
+    ap.add_argument("--out", help="write the best layout's text line here")
+    args = ap.parse_args(argv)
+    if args.world < 2 or args.seq_len % args.world:
+        ap.error(f"--world must be >= 2 and divide --seq-len, got {args.world} and {args.seq_len}")
+    if args.iters < 0 or args.max_balance < 1:
+        ap.error(f"--iters must be >= 0 and --max-balance >= 1, got {args.iters} and {args.max_balance}")
+    try:
+        shape = AttentionShape(args.seq_len // args.world, 1, args.heads, args.kv_heads or args.heads, args.head_dim,
+                               ITEMSIZE[args.dtype])
+        bounds = document_bounds(args.docs, args.seq_len, args.seed)
+    except ValueError as e:
+        ap.error(str(e))
+    problem = Problem(args.world, [b - a for a, b in zip(bounds, bounds[1:])], shape)
+    best = None
+    for seed in args.search_seeds:
+        t0 = time.perf_counter()
+        got = anneal(problem, seed, args.iters, args.max_balance)
+        print(f"search seed {seed}: busiest rank {got[2][0] / 1e6:.3f} MB sent, work max/mean {got[2][1]:.4f} "
+              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        if best is None or got[0] < best[0]:
+            best = got
+    _, state, (sent, balance, model_sent, _, ranks) = best
+    layout = layout_of(problem, bounds, state, ranks)
+    # the planner's plan of it: Mesh computes each block where the layout names
+    plan = resolve("mesh", args.world, shape).build(shape, Mask(True), layout)
+    planned = [b.sent for b in plan_bytes(plan, shape)]
+    work = rank_work(plan)
+    plan_balance = max(work) / (sum(work) / len(work))
+    print(f"{len(problem.lengths)} documents, {len(problem.long)} long ({', '.join(str(problem.lengths[d]) for d in problem.long)} "
+          f"tokens); best: busiest rank {max(planned) / 1e6:.3f} MB sent (the plan's), work max/mean {plan_balance:.4f}")
+    print("rank  pieces (document tokens [start, end))" + " " * 30 + "sent MB  work/mean")
+    for r, pcs in enumerate(ranks):
+        text = ", ".join(f"{problem.lengths[d]}[{a}:{b})" if d in problem.long else str(problem.lengths[d])
+                         for d, a, b in sorted(pcs, key=lambda p: bounds[p[0]] + p[1]))
+        print(f"{r:>4}  {text:<66}{planned[r] / 1e6:>8.3f}{work[r] / (sum(work) / len(work)):>11.3f}")
+    if planned != model_sent:
+        raise SystemExit(f"the model's bytes {model_sent} differ from the plan's {planned}")
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(layout.text() + "\n")
+        print(f"layout written to {args.out}")
+    return dict(sent=max(planned), balance=plan_balance, layout=layout, planned=planned)
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
