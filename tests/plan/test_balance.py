@@ -317,8 +317,8 @@ def test_block_owners_balance_the_worked_example_under_mesh_and_the_other_modes_
         plan = resolve("mesh", 3, shape, tile=tile).build(shape, Mask(True), owned)
         assert plan.assignment == "layout" and rank_work(plan) == rank_work(plan, "backward") == [26, 26, 26]
         assert [b.sent for b in plan_bytes(plan, shape)] == [kv + o + q, kv + kv, q + do + kv]
-    for mode, settings in (("ring", {}), ("tasp", {}), ("a2a+mesh", {"ulysses_size": 3})):
+    for mode, options in (("ring", {}), ("tasp", {}), ("a2a+mesh", {"ulysses_size": 3})):
         shape3 = AttentionShape(4, 1, 3, 3, 8, 4)
         with pytest.raises(ValueError, match=f"this layout names the rank that computes each of its blocks \\(owners\\); "
                                              f"CP mode '{re.escape(mode)}' computes them elsewhere"):
-            resolve(mode, 3, shape3, **settings).build(shape3, Mask(True), owned)
+            resolve(mode, 3, shape3, **options).build(shape3, Mask(True), owned)
