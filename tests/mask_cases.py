@@ -243,7 +243,8 @@ def balanced_grid(rank: int, world: int, group=None) -> list[Record]:
     2-row tile), TASP, and at even CP sizes the hybrids on a layout balanced per Ulysses group
     (every other case with its first and last documents set apart: hide) -- under four document
     sets and windows, MHA / GQA / MQA, fp32 and bf16; and Mesh on a layout that names its blocks'
-    owners (contiguous ranks, random owners: query rank, key rank or a third)."""
+    owners (contiguous ranks, random owners: query rank, key rank or a third; one document over
+    every rank, and documents longer than a rank)."""
     T = 2 * max(world, 3)
     out, n = [], 0
     modes = [("ring", (), 0), ("mesh", (("tile", "auto"),), 0), ("tasp", (), 0)]
@@ -264,7 +265,8 @@ def balanced_grid(rank: int, world: int, group=None) -> list[Record]:
     for seed in (1, 2) if world > 1 else ():
         heads, kv, dtype = COMBOS[n % len(COMBOS)]
         out.append(run(rank, Case(world, "mesh", (), heads, kv, dtype, window=(None, (T, 0))[seed - 1], seq_local=T,
-                                  cu_seqlens=balanced_documents(world, T, seed + 1), owners=seed * 10 + world), group))
+                                  cu_seqlens=balanced_documents(world, T, (4, 7)[seed - 1]), owners=seed * 10 + world),
+                       group))
         n += 1
     return out
 
