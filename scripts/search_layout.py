@@ -4,7 +4,8 @@ moves few bytes on the busiest rank at balanced work. Offline: it takes minutes 
 says how far the built layouts (``megatron_mesh.balanced_layout``) are from what is attainable;
 it is not a data loader's layout.
 
-The family searched (found on issue 19's CPU sample, 8 ranks, 64K tokens of lognormal:4096):
+The family searched (found on issue 19's CPU sample, 8 ranks, 64K tokens of lognormal:4096),
+for causal attention over packed documents (no window):
 
 * a *long* document -- work above the mean per-rank work, or more tokens than a rank holds -- is
   poured in contiguous pieces into the tokens the others leave, along an order of the ranks
