@@ -214,8 +214,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--dtype", choices=sorted(ITEMSIZE), default="fp32")
     ap.add_argument("--max-balance", type=float, default=1.05, help="work max/mean bound (default 1.05)")
-    ap.add_argument("--search-seeds", type=int, nargs="+", default=[0], help="one annealing run per seed")
-    ap.add_argument("--iters", type=int, default=20000, help="moves per run (default 20000)")
+    # one run of 100,000 moves takes ~9 s on the 8-rank sample; the best of a few seeds is what is
+    # worth reporting (24 seeds of 300,000 moves there: best 5.37 MB, median 5.78, worst 7.75)
+    ap.add_argument("--search-seeds", type=int, nargs="+", default=[0, 1, 2, 3],
+                    help="one annealing run per seed, the best kept (default 0 1 2 3)")
+    ap.add_argument("--iters", type=int, default=100000, help="moves per run (default 100000)")
     ap.add_argument("--out", help="write the best layout's text line here")
     args = ap.parse_args(argv)
     if args.world < 2 or args.seq_len % args.world:

@@ -357,7 +357,7 @@ def test_compare_cp_modes_long_preset_and_the_zigzag_documents(script, tmp_path)
      r"--seq-len 4194304: the dense fp64 reference needs about .* GiB on the 8 processes .* pass --no-check"),
     ("search_layout", ["--world", "3", "--seq-len", "64"], r"--world must be >= 2 and divide --seq-len, got 3 and 64"),
     ("search_layout", ["--world", "2", "--seq-len", "64", "--max-balance", "0.9"],
-     r"--iters must be >= 0 and --max-balance >= 1, got 20000 and 0.9"),
+     r"--iters must be >= 0 and --max-balance >= 1, got 100000 and 0.9"),
     ("search_layout", ["--world", "2", "--seq-len", "64", "--heads", "3", "--kv-heads", "2"],
      r"heads \(3\) must be divisible by kv_heads \(2\)"),
     ("search_layout", ["--world", "2", "--seq-len", "64", "--docs", "fixed:0"], r"fixed:0"),
