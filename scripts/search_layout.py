@@ -45,7 +45,7 @@ import time
 
 from megatron_mesh.plan import AttentionShape, Mask, plan_bytes, rank_work, resolve
 from megatron_mesh.plan.accounting import buffer_bytes
-from megatron_mesh.plan.balance import BalancedLayout
+from megatron_mesh.plan.balance import BalancedLayout, document_work
 from megatron_mesh.plan.sparse import KEEP_LIMIT
 from megatron_mesh.tools.plan_cli import document_bounds
 
@@ -53,8 +53,9 @@ ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 
 
 def pairs(n: int) -> int:
-    """Causal (query, key) pairs of n tokens of one document: n (n + 1) / 2."""
-    return n * (n + 1) // 2
+    """Causal (query, key) pairs of n tokens of one document among themselves (the balanced
+    layout's rule: :func:`~megatron_mesh.plan.balance.document_work`)."""
+    return document_work(0, n, n)
 
 
 class Problem:
