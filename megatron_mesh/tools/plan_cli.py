@@ -14,7 +14,10 @@ documents, e.g. ``one:524288+lognormal:4096,1``) plan every mode mask-aware and 
 work max / mean. With documents the layouts are compared side by side (``--layout``), and the
 table ends with the fastest row and the fewest bytes on the busiest rank over them;
 ``--samples N`` plans N samples of the documents and gives every row's mean over them (one
-sample can mislead: which layout wins can change from sample to sample).
+sample can mislead: which layout wins can change from sample to sample). ``--layout-file F``
+adds the rows of one more layout of the same documents, read from F (its text line, e.g. the one
+``scripts/search_layout.py --out`` writes), as layout ``file``: the GPU model's price of a layout
+searched offline, next to the ones Megatron can run.
 
 ``--json`` prints ``{"modes": [{"mode", "tile", "bytes_per_rank", "inter_node_bytes_per_rank",
 "rounds", "time_s", ...}], "skipped": [...], ...}`` (bytes are whole bytes sent in one layer's
@@ -35,10 +38,12 @@ import sys
 import threading
 import time
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import replace
 
 import math
 import random
 
+from ..plan.layout import layout_from_text
 from ..plan.mask import Mask
 from ..plan.mesh import BACKWARD_CHUNKS
 from ..plan.modes import REFERENCE_MODE, option_specs
@@ -46,8 +51,8 @@ from ..plan.shape import AttentionShape
 from ..plan.simulate import BACKWARD_FLOPS
 from ..plan.topology import Topology
 from ..plan.units import format_bytes
-from .planner import (AUTO, LAYOUTS, REGISTRY, ModeResult, all_modes, allowed_pairs, compute_floor, default_modes,
-                      evaluate, layout_rows, mean_rows, worker_pool)
+from .planner import (AUTO, FORMULAS, LAYOUTS, REGISTRY, ModeResult, all_modes, allowed_pairs, compute_floor,
+                      default_modes, evaluate, layout_rows, mean_rows, worker_pool)
 
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 # the lines of --plot (one per mode: rows with one placement per CP size)
@@ -95,6 +100,10 @@ def _parser() -> argparse.ArgumentParser:
                         "hybrids only), or all side by side (default with --docs; without documents only the zigzag "
                         "applies; side by side above 64 ranks the plugin's modes are not planned on THD, too many "
                         "pieces: --layout thd plans them)")
+    g.add_argument("--layout-file", default=None, metavar="F",
+                   help="also plan the layout in F for the same --docs and --seed (one sample; its text line, as "
+                        "scripts/search_layout.py --out writes it), as the rows of layout 'file'; no Megatron flag "
+                        "runs it")
     t = p.add_argument_group("machine (defaults: H100 SXM5, NVLink 4, one 400 Gb/s NIC per GPU)")
     t.add_argument("--nodes", type=int, default=None, help="nodes U (default: ceil(P / gpus-per-node))")
     t.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node, help="CP ranks per node M")
@@ -322,10 +331,11 @@ MEGATRON_LAYOUT_FLAGS = {"zigzag": "--cp-layout zigzag", "balanced": "--cp-layou
 
 
 def megatron_flags(r: ModeResult, world_size: int) -> str | None:
-    """The plugin's Megatron flags that run row ``r`` (None for Transformer Engine's own rows and
-    the formulas): ``--cp-comm-type``, the all-to-all degree, Mesh's tile and the layout."""
+    """The plugin's Megatron flags that run row ``r`` (None for Transformer Engine's own rows, the
+    formulas and a layout read from a file): ``--cp-comm-type``, the all-to-all degree, Mesh's tile
+    and the layout."""
     mode = next((name for name, m in REGISTRY.items() if r.mode in (name, m.auto_row)), None)
-    if mode is None:
+    if mode is None or r.layout not in MEGATRON_LAYOUT_FLAGS:  # TE's rows, the formulas; a layout from a file
         return None
     flags = [f"--cp-comm-type {mode}"]
     if r.ulysses > 1:
@@ -333,8 +343,7 @@ def megatron_flags(r: ModeResult, world_size: int) -> str | None:
     tile = next((o.flag for o in option_specs(REGISTRY[mode].Options) if o.name == "tile"), None)
     if r.tile and tile:  # the mode's own tile option (Mesh's, inner or not)
         flags.append(f"{tile} {r.tile[0]}x{r.tile[1]}")
-    if r.layout in MEGATRON_LAYOUT_FLAGS:
-        flags.append(MEGATRON_LAYOUT_FLAGS[r.layout])
+    flags.append(MEGATRON_LAYOUT_FLAGS[r.layout])
     return " ".join(flags)
 
 
@@ -472,8 +481,9 @@ def _seeds(args) -> list[int]:
 
 
 def _plan_sample(args, modes, shape: AttentionShape, topo: Topology, mask: Mask | None, seed: int, layouts,
-                 pool) -> tuple[list[ModeResult], list[dict], float | None]:
-    """The rows, the rows left out and the compute floor of one sample of --docs (seed ``seed``)."""
+                 pool, file_layout=None) -> tuple[list[ModeResult], list[dict], float | None]:
+    """The rows, the rows left out and the compute floor of one sample of --docs (seed ``seed``), and
+    the rows of ``file_layout`` (--layout-file) as layout "file"."""
     docs = None if args.docs is None else document_bounds(args.docs, args.seq_len, seed)
     if layouts == ("zigzag",):
         rows, skipped = evaluate(args.cp, shape, topo, causal=args.causal, modes=modes,
@@ -485,9 +495,39 @@ def _plan_sample(args, modes, shape: AttentionShape, topo: Topology, mask: Mask 
                                     layouts=layouts, backward_chunks=args.backward_chunks, schedule=args.schedule,
                                     explain=args.explain, plan_thd=True if args.layout == "thd" else None,
                                     executor=pool)
+    if file_layout is not None:  # one more layout of the same documents, as given
+        window = None if mask is None or mask.window == (None, 0 if args.causal else None) else mask.window
+        got, skip = evaluate(args.cp, shape, topo, causal=args.causal, modes=[m for m in modes if m not in FORMULAS],
+                             backward_chunks=args.backward_chunks, schedule=args.schedule,
+                             mask=Mask(args.causal, window), layout=file_layout, explain=args.explain, executor=pool)
+        rows = rows + [replace(r, layout="file") for r in got]
+        skipped = skipped + [{**s, "mode": f"{s['mode']} (file)"} for s in skip]
     # the documents as given (one document over the whole sequence is plain causal)
     floor = None if docs is None else compute_floor(allowed_pairs(docs, args.causal, mask.window), args.cp, shape, topo)
     return rows, skipped, floor
+
+
+def _layout_file(args):
+    """The layout of --layout-file (None without it), checked against the problem: ValueError naming
+    what differs."""
+    path = args.layout_file
+    if path is None:
+        return None
+    if args.docs is None or args.samples > 1:
+        raise ValueError(f"--layout-file {path} holds one sample's layout of its documents: give the --docs (and "
+                         f"--seed) it was made for, and no --samples (got --docs {args.docs}, --samples {args.samples})")
+    try:
+        with open(path) as f:
+            layout = layout_from_text(f.read().strip())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--layout-file {path}: {e}") from None
+    if layout.world_size != args.cp:
+        raise ValueError(f"--layout-file {path}: a layout of {layout.world_size} ranks, --cp {args.cp}")
+    bounds = document_bounds(args.docs, args.seq_len, args.seed)
+    if tuple(layout.documents()) != tuple(zip(bounds, bounds[1:])):
+        raise ValueError(f"--layout-file {path}: its documents are not those of --docs {args.docs} --seed {args.seed} "
+                         f"--seq-len {args.seq_len} (give the ones it was made for)")
+    return layout
 
 
 def _terminated(signum, frame):
@@ -517,11 +557,12 @@ def _main(args) -> int:
         mask = _mask(args)
         seeds = _seeds(args)
         layouts = _layouts(args)
+        file_layout = _layout_file(args)
         plot_sizes = _plot_sizes(args, modes) if args.plot else None
         start = time.perf_counter()
         with worker_pool(args.jobs) as pool:  # one pool for every sample, the table and the plot
             planned = [_plan_sample(args, modes, shape, topo, mask if seed == args.seed else _mask(args, seed), seed,
-                                    layouts, pool) for seed in seeds]
+                                    layouts, pool, file_layout) for seed in seeds]
             rows, skipped, floor = planned[0]
             if len(planned) > 1:  # the mean over the samples; what any sample could not plan
                 rows, missing = mean_rows([r for r, _, _ in planned])

@@ -187,6 +187,63 @@ def test_cli_says_which_rows_a_layout_leaves_out(capsys):
     assert data["modes"] == [] and {s["mode"] for s in data["skipped"]} >= {"auto (balanced-hide)"}
 
 
+def test_cli_prices_a_layout_from_a_file(capsys, tmp_path):
+    """--layout-file adds one more layout of the same documents as layout "file": BalancedLayout's
+    worked example (P = 3, one document of 12 tokens, rank r holds [4r, 4r + 4)). Its owners
+    (rank 0 computes rank 2's queries against its own keys) give every rank 26 pairs; only Mesh
+    computes blocks where a layout names, so the other modes' rows are left out, saying why; the
+    bytes are the plan's; no Megatron flag runs such a layout."""
+    from megatron_mesh.plan import Mask, plan_bytes, resolve
+    from megatron_mesh.plan.layout import layout_from_text
+
+    base = ["--cp", "3", "--seq-len", "12", "--heads", "2", "--head-dim", "8", "--docs", "one:12", "--layout", "zigzag"]
+    owned, plain = tmp_path / "owned.txt", tmp_path / "plain.txt"
+    owned.write_text("balanced P=3 U=1 cu=0,12 runs=0+4;4+4;8+4 owners=2>0:0\n")
+    plain.write_text("balanced P=3 U=1 cu=0,12 runs=0+4;4+4;8+4\n")
+    data = _json(capsys, *base, "--modes", "ring,mesh", "--layout-file", str(owned))
+    rows = {(r["layout"], r["mode"]) for r in data["modes"]}
+    assert {("zigzag", "ring"), ("file", "mesh")} <= rows and ("file", "ring") not in rows, rows
+    reason = next(s["reason"] for s in data["skipped"] if s["mode"].startswith("ring") and s["mode"].endswith("(file)"))
+    assert "owners" in reason and "use mesh" in reason, reason
+    shape = AttentionShape(seq_local=4, heads=2, kv_heads=2, head_dim=8)
+    layout = layout_from_text(owned.read_text())
+    for r in (r for r in data["modes"] if r["layout"] == "file"):
+        assert r["forward_work_max_over_mean"] == 1.0, r  # 26 pairs on each rank
+        plan = resolve("mesh", 3, shape, tile=tuple(r["tile"])).build(shape, Mask(True), layout)
+        assert r["bytes_per_rank"] == max(b.sent for b in plan_bytes(plan, shape)), r
+    # without owners the query owner computes every block: 10, 26 and 42 pairs, and ring runs it
+    data = _json(capsys, *base, "--modes", "ring", "--layout-file", str(plain))
+    ring = next(r for r in data["modes"] if r["layout"] == "file")
+    assert abs(ring["forward_work_max_over_mean"] - 42 / 26) < 1e-9, ring
+    assert main([*base, "--modes", "mesh", "--layout-file", str(owned)]) == 0
+    out = capsys.readouterr().out
+    assert "fastest over the layouts: mesh" in out and " on file, " in out and "in Megatron:" not in out, out
+
+
+def test_cli_layout_file_must_fit_the_problem(capsys, tmp_path):
+    """A layout file that cannot be read, or holds another problem's layout, stops the planner
+    with one line naming the file and what differs."""
+    good = tmp_path / "layout.txt"
+    good.write_text("balanced P=3 U=1 cu=0,12 runs=0+4;4+4;8+4 owners=2>0:0\n")
+    bad = tmp_path / "bad.txt"
+    bad.write_text("balanced P=3 U=1 cu=0,12 runs=0+4;4+4;8+5\n")
+    base = ["--cp", "3", "--seq-len", "12", "--heads", "2", "--head-dim", "8"]
+    cases = [
+        ([*base, "--docs", "one:12", "--layout-file", str(tmp_path / "none.txt")], "--layout-file .*none.txt: .*No such"),
+        ([*base, "--docs", "one:12", "--layout-file", str(bad)],
+         "--layout-file .*bad.txt: every rank must hold the same number of tokens, got \\[4, 5\\]"),
+        ([*base, "--layout-file", str(good)], "holds one sample's layout of its documents: give the --docs"),
+        (["--cp", "3", "--seq-len", "24", "--docs", "lognormal:4,1", "--samples", "2", "--layout-file", str(good)],
+         "holds one sample's layout .*--samples 2"),
+        (["--cp", "6", "--seq-len", "12", "--docs", "one:12", "--layout-file", str(good)],
+         "a layout of 3 ranks, --cp 6"),
+        ([*base, "--docs", "fixed:6", "--layout-file", str(good)], "its documents are not those of --docs fixed:6"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        assert re.search(message, capsys.readouterr().err), (argv, message)
+
+
 def test_cli_names_the_fastest_row_and_the_fewest_bytes_over_the_layouts(capsys):
     """Side by side, the table ends with the fastest row (and the Megatron flags that run it) and
     the row whose busiest rank sends the fewest bytes, over every layout -- the same rows the
