@@ -44,8 +44,7 @@ from megatron_mesh.comm.spawn import spawn
 from megatron_mesh.plan import AttentionShape, Mask, plan_bytes, resolve
 from megatron_mesh.plan.modes import REFERENCE_MODE, parse_mode_spec
 from megatron_mesh.plan.accounting import rank_work
-from megatron_mesh.plan.layout import layout_from_text
-from megatron_mesh.tools.plan_cli import document_bounds
+from megatron_mesh.tools.plan_cli import document_bounds, read_layout_file
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
@@ -84,16 +83,9 @@ def planned(mode: str, world: int, shape: AttentionShape, mask: Mask, layout: st
 def _layout_file(path: str, world: int, mask: Mask):
     """The layout in ``path`` (one text line), checked against the run: SystemExit naming what differs."""
     try:
-        with open(path) as f:
-            layout = layout_from_text(f.read().strip())
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"--layout-file {path}: {e}") from None
-    if layout.world_size != world:
-        raise SystemExit(f"--layout-file {path}: a layout of {layout.world_size} ranks, --world {world}")
-    if mask.documents is None or tuple(layout.documents()) != tuple(mask.documents):
-        raise SystemExit(f"--layout-file {path}: its documents are not those of --docs (give the --docs, --seed and "
-                         "--seq-len it was made for)")
-    return layout
+        return read_layout_file(path, world, mask.documents, "--world")
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def _window(mask: Mask):

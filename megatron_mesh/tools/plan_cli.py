@@ -507,27 +507,33 @@ def _plan_sample(args, modes, shape: AttentionShape, topo: Topology, mask: Mask 
     return rows, skipped, floor
 
 
-def _layout_file(args):
-    """The layout of --layout-file (None without it), checked against the problem: ValueError naming
-    what differs."""
-    path = args.layout_file
-    if path is None:
-        return None
-    if args.docs is None or args.samples > 1:
-        raise ValueError(f"--layout-file {path} holds one sample's layout of its documents: give the --docs (and "
-                         f"--seed) it was made for, and no --samples (got --docs {args.docs}, --samples {args.samples})")
+def read_layout_file(path: str, world_size: int, documents, world_flag: str = "--cp"):
+    """The layout in ``path`` (one text line, :meth:`Layout.text`, as ``scripts/search_layout.py
+    --out`` writes it), checked against the problem: ``world_size`` ranks (given by ``world_flag``)
+    and the ``documents`` ((start, end), ...). ValueError naming the file and what differs."""
     try:
         with open(path) as f:
             layout = layout_from_text(f.read().strip())
     except (OSError, ValueError) as e:
         raise ValueError(f"--layout-file {path}: {e}") from None
-    if layout.world_size != args.cp:
-        raise ValueError(f"--layout-file {path}: a layout of {layout.world_size} ranks, --cp {args.cp}")
-    bounds = document_bounds(args.docs, args.seq_len, args.seed)
-    if tuple(layout.documents()) != tuple(zip(bounds, bounds[1:])):
-        raise ValueError(f"--layout-file {path}: its documents are not those of --docs {args.docs} --seed {args.seed} "
-                         f"--seq-len {args.seq_len} (give the ones it was made for)")
+    if layout.world_size != world_size:
+        raise ValueError(f"--layout-file {path}: a layout of {layout.world_size} ranks, {world_flag} {world_size}")
+    if documents is None or tuple(layout.documents()) != tuple(documents):
+        raise ValueError(f"--layout-file {path}: its documents are not those of --docs (give the --docs, --seed and "
+                         "--seq-len it was made for)")
     return layout
+
+
+def _layout_file(args):
+    """The layout of --layout-file (None without it): one sample's, of --docs."""
+    if args.layout_file is None:
+        return None
+    if args.docs is None or args.samples > 1:
+        raise ValueError(f"--layout-file {args.layout_file} holds one sample's layout of its documents: give the "
+                         f"--docs (and --seed) it was made for, and no --samples (got --docs {args.docs}, --samples "
+                         f"{args.samples})")
+    bounds = document_bounds(args.docs, args.seq_len, args.seed)
+    return read_layout_file(args.layout_file, args.cp, tuple(zip(bounds, bounds[1:])))
 
 
 def _terminated(signum, frame):

@@ -237,7 +237,8 @@ def test_cli_layout_file_must_fit_the_problem(capsys, tmp_path):
          "holds one sample's layout .*--samples 2"),
         (["--cp", "6", "--seq-len", "12", "--docs", "one:12", "--layout-file", str(good)],
          "a layout of 3 ranks, --cp 6"),
-        ([*base, "--docs", "fixed:6", "--layout-file", str(good)], "its documents are not those of --docs fixed:6"),
+        ([*base, "--docs", "fixed:6", "--layout-file", str(good)],
+         "its documents are not those of --docs \\(give the --docs, --seed"),
     ]
     for argv, message in cases:
         assert main(argv) == 2, argv
