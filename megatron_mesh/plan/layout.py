@@ -110,10 +110,6 @@ def match_text(pattern: str, rest: str, example: str) -> re.Match:
     return m
 
 
-def _fields(rest: str) -> dict[str, str]:
-    return dict(item.split("=", 1) for item in rest.split())
-
-
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",")) if text else ()
 
@@ -163,8 +159,8 @@ class ZigzagLayout:
 
     @classmethod
     def parse(cls, rest: str) -> "ZigzagLayout":
-        f = _fields(rest)
-        return cls(int(f["P"]), int(f["S"]))
+        m = match_text(r"^P=(\d+) S=(\d+)$", rest, "zigzag P=4 S=16")
+        return cls(int(m.group(1)), int(m.group(2)))
 
 
 def _integers(name: str, values) -> tuple[int, ...]:
@@ -249,8 +245,8 @@ class ThdLayout:
 
     @classmethod
     def parse(cls, rest: str) -> "ThdLayout":
-        f = _fields(rest)
-        return cls(int(f["P"]), _ints(f["cu"]), _ints(f["lens"]))
+        m = match_text(r"^P=(\d+) cu=(\d+(?:,\d+)*) lens=(\d+(?:,\d+)*)$", rest, "thd P=2 cu=0,4,8 lens=3,4")
+        return cls(int(m.group(1)), _ints(m.group(2)), _ints(m.group(3)))
 
 
 @register_layout("span")

@@ -518,6 +518,9 @@ def read_layout_file(path: str, world_size: int, documents, world_flag: str = "-
         raise ValueError(f"--layout-file {path}: {e}") from None
     if layout.world_size != world_size:
         raise ValueError(f"--layout-file {path}: a layout of {layout.world_size} ranks, {world_flag} {world_size}")
+    if layout.documents() is None:  # the zigzag: the same tokens for any documents
+        raise ValueError(f"--layout-file {path}: a {layout.text().split()[0]} layout places no documents; give a "
+                         "layout of the documents (balanced, thd), e.g. the one scripts/search_layout.py --out writes")
     if documents is None or tuple(layout.documents()) != tuple(documents):
         raise ValueError(f"--layout-file {path}: its documents are not those of --docs (give the --docs, --seed and "
                          "--seq-len it was made for)")

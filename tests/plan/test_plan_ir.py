@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 import megatron_mesh.plan.ir.ops as ops_module
-from megatron_mesh.plan import (OP_TYPES, AttentionShape, Key, Mask, Plan, PlanError, ThdLayout, Topology,
+from megatron_mesh.plan import (OP_TYPES, AttentionShape, Key, Mask, Plan, PlanError, ThdLayout, Topology, ZigzagLayout,
                                 buffer_memory, build_mesh_plan, build_tasp_plan, parse_op, plan_bytes, rank_work,
-                                resolve, simulate, validate_plan)
+                                layout_from_text, resolve, simulate, validate_plan)
 from megatron_mesh.plan.sel import Segment, relative_selection, sub_selection
 
 SHAPE = AttentionShape(seq_local=4, batch=1, heads=4, kv_heads=2, head_dim=8, itemsize=2)
@@ -24,6 +24,22 @@ def test_key_text_round_trip(text):
 def test_bad_key_text_names_the_text():
     with pytest.raises(ValueError, match=r"not a buffer key: 'x3'"):
         Key.parse("x3")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("zigzag P=4 S=x", r"not a zigzag layout: 'P=4 S=x' \(e.g. 'zigzag P=4 S=16'\)"),
+    ("zigzag P=4", r"not a zigzag layout: 'P=4'"),
+    ("thd P=4 S=64", r"not a thd layout: 'P=4 S=64' \(e.g. 'thd P=2 cu=0,4,8 lens=3,4'\)"),
+    ("thd P=2 cu=0,4,8", r"not a thd layout"),
+    ("ring P=2", r"unknown layout 'ring' in 'ring P=2'; known: balanced, span, thd, zigzag"),
+])
+def test_bad_layout_text_names_the_text_and_an_example(text, message):
+    """A layout line that does not parse is a ValueError quoting it and a well-formed example (it
+    comes from plan text and from users' files: megatron-mesh-plan / compare_attention --layout-file)."""
+    with pytest.raises(ValueError, match=message):
+        layout_from_text(text)
+    for layout in (ZigzagLayout(4, 16), ThdLayout(2, (0, 4, 8), (3, 4))):
+        assert layout_from_text(layout.text()) == layout
 
 
 def test_selection_helpers_compose():

@@ -227,6 +227,9 @@ def test_cli_layout_file_must_fit_the_problem(capsys, tmp_path):
     good.write_text("balanced P=3 U=1 cu=0,12 runs=0+4;4+4;8+4 owners=2>0:0\n")
     bad = tmp_path / "bad.txt"
     bad.write_text("balanced P=3 U=1 cu=0,12 runs=0+4;4+4;8+5\n")
+    zigzag, thd = tmp_path / "zigzag.txt", tmp_path / "thd.txt"
+    zigzag.write_text("zigzag P=3 S=12\n")
+    thd.write_text("thd P=3 S=12\n")
     base = ["--cp", "3", "--seq-len", "12", "--heads", "2", "--head-dim", "8"]
     cases = [
         ([*base, "--docs", "one:12", "--layout-file", str(tmp_path / "none.txt")], "--layout-file .*none.txt: .*No such"),
@@ -237,6 +240,9 @@ def test_cli_layout_file_must_fit_the_problem(capsys, tmp_path):
          "holds one sample's layout .*--samples 2"),
         (["--cp", "6", "--seq-len", "12", "--docs", "one:12", "--layout-file", str(good)],
          "a layout of 3 ranks, --cp 6"),
+        ([*base, "--docs", "one:12", "--layout-file", str(zigzag)],
+         "--layout-file .*zigzag.txt: a zigzag layout places no documents; give a layout of the documents"),
+        ([*base, "--docs", "one:12", "--layout-file", str(thd)], "--layout-file .*thd.txt: not a thd layout: 'P=3 S=12'"),
         ([*base, "--docs", "fixed:6", "--layout-file", str(good)],
          "its documents are not those of --docs \\(give the --docs, --seed"),
     ]
