@@ -485,18 +485,18 @@ def _plan_sample(args, modes, shape: AttentionShape, topo: Topology, mask: Mask 
     """The rows, the rows left out and the compute floor of one sample of --docs (seed ``seed``), and
     the rows of ``file_layout`` (--layout-file) as layout "file"."""
     docs = None if args.docs is None else document_bounds(args.docs, args.seq_len, seed)
+    # the mask's window, None for none: the layouts that place the documents take it apart from them
+    window = None if mask is None or mask.window == (None, 0 if args.causal else None) else mask.window
     if layouts == ("zigzag",):
         rows, skipped = evaluate(args.cp, shape, topo, causal=args.causal, modes=modes,
                                  backward_chunks=args.backward_chunks, schedule=args.schedule, mask=mask,
                                  explain=args.explain, executor=pool)
     else:
-        window = None if mask is None or mask.window == (None, 0 if args.causal else None) else mask.window
         rows, skipped = layout_rows(args.cp, shape, topo, docs, causal=args.causal, window=window, modes=modes,
                                     layouts=layouts, backward_chunks=args.backward_chunks, schedule=args.schedule,
                                     explain=args.explain, plan_thd=True if args.layout == "thd" else None,
                                     executor=pool)
     if file_layout is not None:  # one more layout of the same documents, as given
-        window = None if mask is None or mask.window == (None, 0 if args.causal else None) else mask.window
         got, skip = evaluate(args.cp, shape, topo, causal=args.causal, modes=[m for m in modes if m not in FORMULAS],
                              backward_chunks=args.backward_chunks, schedule=args.schedule,
                              mask=Mask(args.causal, window), layout=file_layout, explain=args.explain, executor=pool)
