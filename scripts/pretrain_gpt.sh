@@ -11,7 +11,8 @@
 #   NPROC         processes on this node (default: CP, else 1)
 #   CP            --context-parallel-size (default: the config's)
 #   CP_COMM_TYPE  --cp-comm-type: one mode, or a space-separated list with one mode per layer;
-#                 mesh | tasp | ring (megatron_mesh), p2p | a2a | all_gather | a2a+p2p (Transformer Engine)
+#                 mesh | tasp | ring | a2a+mesh | a2a+tasp | a2a+ring (megatron_mesh; the a2a+ hybrids
+#                 with --hierarchical-context-parallel-sizes U M), p2p | a2a | all_gather | a2a+p2p (TE)
 #   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   torchrun's multi-node settings
 #   BACKEND       nccl | gloo (default: nccl when CUDA is available, else gloo)
 #   PYTHON        the interpreter (default: the active virtual environment's, else the repo's .venv,
@@ -22,7 +23,7 @@ set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 if [[ $# -lt 1 ]]; then
-    sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 fi
 if [[ -z ${PYTHON:-} ]]; then
