@@ -44,17 +44,14 @@ from megatron_mesh.comm.spawn import spawn
 from megatron_mesh.plan import AttentionShape, Mask, plan_bytes, resolve
 from megatron_mesh.plan.modes import REFERENCE_MODE, parse_mode_spec
 from megatron_mesh.plan.accounting import rank_work
-from megatron_mesh.tools.plan_cli import document_bounds, read_layout_file
+from megatron_mesh.tools.plan_cli import document_bounds, read_layout_file, window_of
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
 
 def mask_of(args) -> Mask:
     """The run's mask: causal or full, with --docs and --window (Megatron's global layout)."""
-    window = None
-    if args.window is not None:
-        parts = [int(x) for x in args.window.split(",")]
-        window = (parts[0], parts[1] if len(parts) > 1 else (0 if not args.full else None))
+    window = None if args.window is None else window_of(args.window, not args.full)
     if args.docs is None:
         return Mask(not args.full, window).normalized(args.seq_len)
     return Mask.from_cu_seqlens(document_bounds(args.docs, args.seq_len, args.seed), args.seq_len, not args.full,
@@ -75,7 +72,7 @@ def planned(mode: str, world: int, shape: AttentionShape, mask: Mask, layout: st
         layout = given
     else:
         layout = mm.balanced_layout(_cu_seqlens(mask), world, causal=mask.causal, window=_window(mask),
-                                    hide=layout == "balanced-hide", group=placement.ulysses)
+                                    hide=layout == "balanced-hide" and placement.ulysses > 1, group=placement.ulysses)
     plain = Mask(mask.causal, _window(mask))
     return placement, placement.build(shape, plain, layout), layout
 
@@ -183,7 +180,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.world < 1 or args.repeat < 1:
         ap.error(f"--world and --repeat must be >= 1, got {args.world} and {args.repeat}")
     if args.seq_len % (2 * args.world):
-        raise SystemExit(f"--seq-len {args.seq_len} must be divisible by 2 * --world = {2 * args.world}")
+        ap.error(f"--seq-len {args.seq_len} must be divisible by 2 * --world = {2 * args.world}")
     if not args.no_check:  # every process builds the dense reference: say so before they are killed
         need, free = reference_bytes(args), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
         if need > free:
@@ -193,7 +190,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     try:
         mask = mask_of(args)
     except ValueError as e:
-        raise SystemExit(str(e)) from None
+        ap.error(str(e))
     if args.layout != "zigzag" and mask.documents is None:
         raise SystemExit(f"--layout {args.layout} lays out documents: give --docs")
     names = {"both": ("zigzag", "balanced"), "all": ("zigzag", "balanced", "balanced-hide")}

@@ -170,14 +170,34 @@ def objective(result, max_balance: float) -> float:
     return math.inf if result is None else result[0] / 1e6 + 1000 * max(0.0, result[1] - max_balance)
 
 
+def first_homes(problem: Problem) -> dict[int, int]:
+    """Each short document, longest first, on the rank with the most room left: a start that
+    overfills no rank wherever the documents allow one (ValueError naming them where not)."""
+    left = [problem.T] * problem.P
+    home = {}
+    for d in sorted(problem.short, key=lambda d: (-problem.lengths[d], d)):
+        r = max(range(problem.P), key=lambda r: (left[r], -r))
+        if problem.lengths[d] > left[r]:
+            raise ValueError(f"the short documents do not fit whole on {problem.P} ranks of {problem.T} tokens "
+                             f"(document {d} of {problem.lengths[d]} tokens finds at most {left[r]} left)")
+        home[d] = r
+        left[r] -= problem.lengths[d]
+    return home
+
+
 def anneal(problem: Problem, seed: int, iters: int, max_balance: float, temp: float = 3.0):
     """The best (objective, state, result) of one annealing run from a seeded random start."""
     rng = random.Random(seed)
     P = problem.P
-    state = State({d: rng.randrange(P) for d in problem.short}, rng.sample(range(P), P), {})
-    result = problem.score(state)
-    while result is None:  # random homes can overfill a rank
-        state = State({d: rng.randrange(P) for d in problem.short}, state.order, {})
+    order = rng.sample(range(P), P)
+    # random homes can overfill a rank: a bounded number of draws, then the largest-first start
+    for _ in range(100):
+        state = State({d: rng.randrange(P) for d in problem.short}, order, {})
+        result = problem.score(state)
+        if result is not None:
+            break
+    else:
+        state = State(first_homes(problem), order, {})
         result = problem.score(state)
     cost = objective(result, max_balance)
     best = (cost, state, result)
@@ -222,17 +242,29 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--iters", type=int, default=100000, help="moves per run (default 100000)")
     ap.add_argument("--out", help="write the best layout's text line here")
     args = ap.parse_args(argv)
-    if args.world < 2 or args.seq_len % args.world:
-        ap.error(f"--world must be >= 2 and divide --seq-len, got {args.world} and {args.seq_len}")
-    if args.iters < 0 or args.max_balance < 1:
-        ap.error(f"--iters must be >= 0 and --max-balance >= 1, got {args.iters} and {args.max_balance}")
+    # the plan built at the end is Mesh's, whose ranks hold two zigzag halves of the sequence
+    if args.world < 2 or args.seq_len % (2 * args.world):
+        ap.error(f"--world must be >= 2 and --seq-len divisible by 2 * --world, got {args.world} and {args.seq_len}")
+    if args.iters < 0:
+        ap.error(f"--iters must be >= 0, got {args.iters}")
+    if not 1 <= args.max_balance < math.inf:  # NaN too: it would switch the balance penalty off
+        ap.error(f"--max-balance must be a number >= 1, got {args.max_balance}")
     try:
-        shape = AttentionShape(args.seq_len // args.world, 1, args.heads, args.kv_heads or args.heads, args.head_dim,
+        shape = AttentionShape(args.seq_len // args.world, 1, args.heads,
+                               args.heads if args.kv_heads is None else args.kv_heads, args.head_dim,
                                ITEMSIZE[args.dtype])
         bounds = document_bounds(args.docs, args.seq_len, args.seed)
     except ValueError as e:
         ap.error(str(e))
     problem = Problem(args.world, [b - a for a, b in zip(bounds, bounds[1:])], shape)
+    if not problem.long:
+        ap.error(f"no document of --docs {args.docs} is long (more work than a rank's mean, or more tokens "
+                 f"than its {problem.T}): the search pours long documents into the room the others leave, "
+                 "so it has nothing to search here (megatron_mesh.balanced_layout lays out such documents)")
+    try:
+        first_homes(problem)
+    except ValueError as e:
+        ap.error(str(e))
     best = None
     for seed in args.search_seeds:
         t0 = time.perf_counter()

@@ -459,6 +459,8 @@ def balanced_layout(cu_seqlens, world_size: int, *, causal: bool = True, window=
     bounds = _check_bounds(cu_seqlens, world_size, group)
     if not isinstance(hide, bool):
         raise ValueError(f"hide must be True or False, got {hide!r}")
+    if hide and group == 1:  # as BalancedLayout: a hide asked for and not given would be a silent change
+        raise ValueError("hide applies to the Ulysses groups of a layout balanced per group (group > 1), got group 1")
     if isinstance(window, list):
         window = tuple(window)
     window = Mask(causal, window).window  # attention's rules: ints >= 0 or None, right 0 when causal
@@ -490,7 +492,7 @@ def balanced_layout(cu_seqlens, world_size: int, *, causal: bool = True, window=
         sets = _group_sets(runs, bounds, hide)
         for share in _shares([sum(n for _, n in x) for x in sets], group, local, SETS.index("inside")):
             ranks.append(tuple(merge_runs([run for j, x in enumerate(sets) for run in _take_tokens(x, share[j])])))
-    return BalancedLayout(world_size, tuple(ranks), bounds, group, hide and group > 1)
+    return BalancedLayout(world_size, tuple(ranks), bounds, group, hide)
 
 
 @register_layout("balanced")

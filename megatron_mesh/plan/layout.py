@@ -127,8 +127,8 @@ class ZigzagLayout:
     seq_len: int
 
     def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        object.__setattr__(self, "world_size", _integer("world_size", self.world_size, 1))
+        object.__setattr__(self, "seq_len", _integer("seq_len", self.seq_len, 0))
         if self.seq_len % (2 * self.world_size):
             raise ValueError(
                 f"sequence length {self.seq_len} must be divisible by 2 * CP size = "
@@ -161,6 +161,20 @@ class ZigzagLayout:
     def parse(cls, rest: str) -> "ZigzagLayout":
         m = match_text(r"^P=(\d+) S=(\d+)$", rest, "zigzag P=4 S=16")
         return cls(int(m.group(1)), int(m.group(2)))
+
+
+def _integer(name: str, value, low: int) -> int:
+    """``value`` as an int >= ``low`` (numpy / torch integer scalars too); a float, bool or string
+    is refused, never truncated."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        v = operator.index(value)
+    except TypeError:
+        v = None
+    if v is None or v < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return v
 
 
 def _integers(name: str, values) -> tuple[int, ...]:
@@ -196,10 +210,9 @@ class ThdLayout:
     seq_lens: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        P, cu = self.world_size, _integers("cu_seqlens_padded", self.cu_seqlens_padded)
+        P, cu = _integer("world_size", self.world_size, 1), _integers("cu_seqlens_padded", self.cu_seqlens_padded)
+        object.__setattr__(self, "world_size", P)
         object.__setattr__(self, "cu_seqlens_padded", cu)
-        if P < 1:
-            raise ValueError(f"world_size must be >= 1, got {P}")
         if len(cu) < 2 or cu[0] != 0 or any(b <= a for a, b in zip(cu, cu[1:])):
             raise ValueError(f"cu_seqlens_padded must be strictly increasing from 0, got {self.cu_seqlens_padded!r}")
         bad = [b - a for a, b in zip(cu, cu[1:]) if (b - a) % (2 * P)]

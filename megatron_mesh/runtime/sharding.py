@@ -22,6 +22,7 @@ def layout_shard(x: Tensor, rank: int, layout: Layout, dim: int = 0) -> Tensor:
     zigzag, Transformer Engine's THD, :func:`megatron_mesh.balanced_layout`), in the rank's local
     order -- what that rank passes to attention."""
     _check_layout(layout)
+    _check_dim(x, dim, "x")
     if x.shape[dim] != layout.seq_len:
         raise ValueError(f"tensor has {x.shape[dim]} tokens along dim {dim}, the {type(layout).__name__} "
                          f"{layout.seq_len}")
@@ -43,15 +44,28 @@ def layout_unshard(chunks: list[Tensor], layout: Layout, dim: int = 0) -> Tensor
     chunks = list(chunks)
     if len(chunks) != layout.world_size:
         raise ValueError(f"{len(chunks)} chunks for a {type(layout).__name__} over {layout.world_size} ranks")
+    for r, c in enumerate(chunks):
+        _check_dim(c, dim, f"rank {r}'s chunk")
     sizes = [c.shape[dim] for c in chunks]
     if any(n != layout.seq_local for n in sizes):
         raise ValueError(f"every rank's chunk must have the layout's {layout.seq_local} tokens along dim {dim}, got "
                          f"{sizes}")
+    others = {c.shape[:dim % c.dim()] + c.shape[dim % c.dim() + 1:] for c in chunks}
+    if len(others) > 1:
+        raise ValueError(f"the ranks' chunks must agree on every dim but {dim}, got shapes "
+                         f"{[tuple(c.shape) for c in chunks]}")
     pieces = []
     for r, c in enumerate(chunks):
         for local, start, n in layout.runs(r):
             pieces.append((start, c.narrow(dim, local, n)))
     return torch.cat([p for _, p in sorted(pieces, key=lambda t: t[0])], dim=dim)
+
+
+def _check_dim(x, dim: int, name: str) -> None:
+    if not isinstance(x, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not -x.dim() <= dim < x.dim() or x.dim() == 0:
+        raise ValueError(f"dim {dim} is not a dim of {name} of shape {tuple(x.shape)} (the sequence dim to split)")
 
 
 def _check_layout(layout) -> None:
@@ -62,11 +76,16 @@ def _check_layout(layout) -> None:
 
 def zigzag_shard(x: Tensor, rank: int, world_size: int, dim: int = 0) -> Tensor:
     """Rank ``rank``'s zigzag chunk of a full-sequence tensor (Megatron's CP batch split)."""
+    _check_dim(x, dim, "x")
     return layout_shard(x, rank, ZigzagLayout(world_size, x.shape[dim]), dim)
 
 
 def zigzag_unshard(chunks: list[Tensor], dim: int = 0) -> Tensor:
     """The full-sequence tensor from every rank's zigzag chunk (inverse of :func:`zigzag_shard`)."""
+    chunks = list(chunks)
+    if not chunks:
+        raise ValueError("zigzag_unshard needs every rank's chunk, got none")
+    _check_dim(chunks[0], dim, "rank 0's chunk")
     return layout_unshard(chunks, ZigzagLayout(len(chunks), chunks[0].shape[dim] * len(chunks)), dim)
 
 

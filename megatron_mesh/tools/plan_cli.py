@@ -166,18 +166,22 @@ def _shape(args, world_size: int) -> AttentionShape:
                           head_dim=args.head_dim, itemsize=ITEMSIZE[args.dtype])
 
 
+def window_of(text: str, causal: bool) -> tuple[int, int | None]:
+    """(left, right) of the tools' ``--window L`` or ``L,R``: tokens each query sees before and
+    after itself; R defaults to 0 under a causal mask, else to no bound (None)."""
+    try:
+        parts = [int(x) for x in text.split(",")]
+    except ValueError:
+        parts = []
+    if len(parts) not in (1, 2) or min(parts) < 0:
+        raise ValueError(f"--window {text!r} must be L or L,R (integers >= 0)")
+    return parts[0], parts[1] if len(parts) == 2 else (0 if causal else None)
+
+
 def _mask(args, seed: int | None = None) -> Mask | None:
     """The mask of --window / --docs drawn with ``seed`` (default --seed; None: plain causal or
     full attention)."""
-    window = None
-    if args.window is not None:
-        try:
-            parts = [int(x) for x in args.window.split(",")]
-        except ValueError:
-            raise ValueError(f"--window {args.window!r} must be L or L,R (integers >= 0)") from None
-        if len(parts) not in (1, 2) or min(parts) < 0:
-            raise ValueError(f"--window {args.window!r} must be L or L,R (integers >= 0)")
-        window = (parts[0], parts[1] if len(parts) == 2 else (0 if args.causal else None))
+    window = None if args.window is None else window_of(args.window, args.causal)
     docs = None if args.docs is None else document_bounds(args.docs, args.seq_len,
                                                           args.seed if seed is None else seed)
     if window is None and docs is None:

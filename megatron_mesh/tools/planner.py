@@ -593,8 +593,9 @@ def layout_rows(world_size: int, shape: AttentionShape, topo: Topology, cu_seqle
 def _balanced_for(cu, world_size: int, causal: bool, window, hide: bool, ranks_per_node, p: Placement):
     """The balanced layout a placement runs on (per its Ulysses group): a module-level function, so
     that a worker process can be sent it."""
-    return balanced_layout(cu, world_size, causal=causal, window=window, group=p.ulysses, hide=hide,
-                           ranks_per_node=ranks_per_node)
+    # "balanced-hide" is the balanced layout for the plain modes (no Ulysses groups to hide in)
+    return balanced_layout(cu, world_size, causal=causal, window=window, group=p.ulysses,
+                           hide=hide and p.ulysses > 1, ranks_per_node=ranks_per_node)
 
 
 def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, modes, layouts, backward_chunks, schedule,

@@ -162,7 +162,6 @@ def test_layout_is_deterministic_and_its_text_round_trips():
     hidden = balanced_layout(cu, 8, group=2, hide=True)
     assert " hide " in hidden.text() and layout_from_text(hidden.text()) == hidden
     assert [hidden.set_tokens(g) for g in range(4)] == [layout_from_text(hidden.text()).set_tokens(g) for g in range(4)]
-    assert not balanced_layout(cu, 8, hide=True).hide  # nothing to hide without Ulysses groups
 
 
 @pytest.mark.parametrize("P", [2, 3, 8])
@@ -243,6 +242,8 @@ def test_every_mode_runs_exactly_on_the_balanced_layout(P, data):
     (lambda: balanced_layout([0, 3, 6], 2), r"the sequence of 6 tokens .* S divisible by 2 x the CP size \(4\)"),
     (lambda: balanced_layout([0, 8, 16], 2, piece_work=0), r"piece_work must be a positive number .* got 0"),
     (lambda: balanced_layout([0, 8, 16], 2, group=2, hide=1), r"hide must be True or False, got 1"),
+    # BalancedLayout refuses it too: dropping the hide asked for would change the layout silently
+    (lambda: balanced_layout([0, 4, 8], 2, hide=True), r"hide applies to the Ulysses groups .* got group 1"),
     (lambda: balanced_layout([0, 8, 16], 2, piece_work=float("nan")), r"piece_work must be a positive number"),
     (lambda: balanced_layout([0, 8, 16], 2, piece_work="x"), r"piece_work must be a positive number .* got 'x'"),
     (lambda: balanced_layout([0, 8, 16], 4, ranks_per_node=2, node_piece_work=-5),

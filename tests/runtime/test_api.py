@@ -6,7 +6,7 @@ import torch
 
 import megatron_mesh as mm
 from megatron_mesh.kernels import reference_attention
-from megatron_mesh.plan import Mask, ThdLayout
+from megatron_mesh.plan import Mask, ThdLayout, ZigzagLayout
 
 MODES = [
     lambda q, k, v, **kw: mm.mesh_attention(q, k, v, **kw),
@@ -197,6 +197,25 @@ def test_layout_shard_and_unshard_check_their_inputs():
             mm.layout_unshard(bad, layout)
     with pytest.raises(ValueError, match=r"layout must be a megatron_mesh layout .* got NoneType"):
         mm.layout_unshard(chunks, None)
+    # a dim the tensor lacks, chunks that disagree elsewhere, no chunks, a non-integer CP size:
+    # ValueErrors naming the argument, not torch index / type errors from inside
+    with pytest.raises(ValueError, match=r"dim 5 is not a dim of x of shape \(3, 16\)"):
+        mm.layout_shard(torch.zeros(3, 16), 0, layout, dim=5)
+    with pytest.raises(ValueError, match=r"dim 0 is not a dim of x of shape \(\)"):
+        mm.layout_shard(torch.tensor(1.0), 0, layout)
+    with pytest.raises(ValueError, match=r"chunks must agree on every dim but 0, got shapes \[\(8, 2\), \(8, 3\)\]"):
+        mm.layout_unshard([torch.zeros(8, 2), torch.zeros(8, 3)], layout)
+    with pytest.raises(ValueError, match=r"rank 1's chunk must be a torch.Tensor, got list"):
+        mm.layout_unshard([chunks[0], [0] * 8], layout)
+    with pytest.raises(ValueError, match=r"zigzag_unshard needs every rank's chunk, got none"):
+        mm.zigzag_unshard([])
+    with pytest.raises(ValueError, match=r"world_size must be an integer >= 1, got 2.0"):
+        mm.zigzag_shard(torch.zeros(8), 0, 2.0)
+    with pytest.raises(ValueError, match=r"world_size must be an integer >= 1, got '2'"):
+        ZigzagLayout("2", 8)
+    with pytest.raises(ValueError, match=r"world_size must be an integer >= 1, got 0"):
+        ZigzagLayout(0, 8)
+    assert ZigzagLayout(np.int64(2), np.int64(8)) == ZigzagLayout(2, 8)
 
 
 def test_thd_shard_is_transformer_engines_partition():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -280,6 +281,16 @@ def test_compare_attention_runs_documents_on_both_layouts(script, capsys):
     assert all(r["err"] < 1e-5 and r["sent"] == r["planned"] and r["balance"] <= 1.05 for r in rows), rows
 
 
+def test_search_layout_starts_where_random_homes_rarely_fit(script, capsys):
+    """10 ranks of 16 tokens, ten 9-token documents and one of 70: random homes fit only when every
+    rank draws exactly one short document (10!/10^10, about 1 in 2,800), so the search starts from
+    the largest-first homes instead of drawing until one fits (which could spin for ever)."""
+    got = script("search_layout").main(["--world", "10", "--seq-len", "160", "--docs", "one:70+fixed:9",
+                                        "--heads", "2", "--head-dim", "8", "--search-seeds", "0", "--iters", "20"])
+    assert got["balance"] < math.inf and sum(got["planned"]) > 0
+    assert "best: busiest rank" in capsys.readouterr().out
+
+
 def test_search_layout_writes_a_layout_that_mesh_runs_exactly_with_the_planned_bytes(script, tmp_path, capsys):
     """scripts/search_layout.py on a small sample (4 ranks of 64 tokens, 7 documents): its best
     layout names its blocks' owners, the plan of it moves the bytes the search's model counted (the
@@ -351,13 +362,29 @@ def test_compare_cp_modes_long_preset_and_the_zigzag_documents(script, tmp_path)
      r"unknown CP mode 'foo'; allowed: ring"),
     ("compare_attention", ["--world", "0"], r"--world and --repeat must be >= 1, got 0 and 1"),
     ("compare_attention", ["--world", "2", "--seq-len", "64", "--repeat", "0"], r"got 2 and 0"),
+    ("compare_attention", ["--world", "2", "--seq-len", "64", "--docs", "fixed:8", "--window", "abc"],
+     r"--window 'abc' must be L or L,R \(integers >= 0\)"),
+    ("compare_attention", ["--world", "2", "--seq-len", "64", "--window", "4,-1"], r"--window '4,-1' must be L or L,R"),
+    ("compare_attention", ["--world", "4", "--seq-len", "36"], r"--seq-len 36 must be divisible by 2 \* --world = 8"),
     ("compare_attention", ["--world", "2", "--seq-len", "64", "--heads", "3", "--kv-heads", "2"],
      r"heads \(3\) must be divisible by kv_heads \(2\)"),
     ("compare_attention", ["--world", "8", "--seq-len", "4194304", "--heads", "2", "--head-dim", "8"],
      r"--seq-len 4194304: the dense fp64 reference needs about .* GiB on the 8 processes .* pass --no-check"),
-    ("search_layout", ["--world", "3", "--seq-len", "64"], r"--world must be >= 2 and divide --seq-len, got 3 and 64"),
+    ("search_layout", ["--world", "3", "--seq-len", "64"],
+     r"--world must be >= 2 and --seq-len divisible by 2 \* --world, got 3 and 64"),
+    ("search_layout", ["--world", "4", "--seq-len", "12", "--docs", "fixed:3"], r"got 4 and 12"),
     ("search_layout", ["--world", "2", "--seq-len", "64", "--max-balance", "0.9"],
-     r"--iters must be >= 0 and --max-balance >= 1, got 100000 and 0.9"),
+     r"--max-balance must be a number >= 1, got 0.9"),
+    # NaN would switch the balance penalty off
+    ("search_layout", ["--world", "2", "--seq-len", "64", "--max-balance", "nan"], r"--max-balance .* got nan"),
+    ("search_layout", ["--world", "2", "--seq-len", "64", "--iters", "-1"], r"--iters must be >= 0, got -1"),
+    ("search_layout", ["--world", "2", "--seq-len", "64", "--kv-heads", "0"], r"kv_heads must be an integer >= 1, got 0"),
+    # no long document: whole short documents rarely fill every rank exactly (the search spun forever)
+    ("search_layout", ["--world", "4", "--seq-len", "64", "--docs", "fixed:6"],
+     r"no document of --docs fixed:6 is long .* nothing to search"),
+    ("search_layout", ["--world", "4", "--seq-len", "4096", "--docs", "lognormal:64,0.5"], r"no document .* is long"),
+    ("search_layout", ["--world", "4", "--seq-len", "64", "--docs", "one:20+fixed:9"],
+     r"the short documents do not fit whole on 4 ranks of 16 tokens \(document 5 of 8 tokens finds at most 7 left\)"),
     ("search_layout", ["--world", "2", "--seq-len", "64", "--heads", "3", "--kv-heads", "2"],
      r"heads \(3\) must be divisible by kv_heads \(2\)"),
     ("search_layout", ["--world", "2", "--seq-len", "64", "--docs", "fixed:0"], r"fixed:0"),
