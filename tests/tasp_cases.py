@@ -99,4 +99,14 @@ def tasp_variants(rank: int, world: int, group=None) -> list[Result]:
                                                             transport="alltoall", backward_chunks=backward_chunks),
                           plan=plan)
         results.append(replace(res, collectives=(calls[0], rounds)))
+    # every document inside one zigzag half: nothing moves, so no round is posted -- not 2 x 8
+    # all-to-alls of empty buffers on every rank
+    p = Problem(world, 4, 2, True, torch.float32, seq_local=12, seed=4, cu_seqlens=tuple(range(0, 12 * world + 1, 6)))
+    plan = resolve("tasp", world, p.shape).build(p.shape, p.mask)
+    rounds = sum(isinstance(op, Post) for d in ("forward", "backward") for op in plan.rank(rank).ops(d))
+    with counting_all_to_all() as calls:
+        res = measure(rank, p, f"P={world} documents inside the halves alltoall",
+                      lambda q, k, v: mm.tasp_attention(q, k, v, group=group, cu_seqlens=p.cu_seqlens,
+                                                        transport="alltoall"), plan=plan)
+    results.append(replace(res, collectives=(calls[0], rounds)))
     return results

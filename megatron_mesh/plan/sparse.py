@@ -538,6 +538,7 @@ class _SparseLowering:
         self.groups = BURST_GROUPS if burst else 1
         self.final_round = 2 * self.groups if burst else 2 * P - 1
         self._group_memo: dict[int, dict[int, int]] = {}
+        self._moves_memo: dict[str, bool] = {}
         self._pairs: dict[Op, int] = {}  # allowed pairs of each block op (where to cut the local work)
 
     # -- keys: my own chunk's buffers are whole; a remote piece is the slot made for me -------------
@@ -553,6 +554,16 @@ class _SparseLowering:
         if self.burst:  # the receiver's group of the sender's chunk (:meth:`_groups`)
             return 1 + (self._groups(peer)[x] if sending else self._groups(x)[peer])
         return (peer - x) % self.P if sending else (x - peer) % self.P
+
+    def _moves(self, direction: str) -> bool:
+        """Whether any rank moves anything in ``direction``: where none does (every document inside
+        one rank), the collective rounds would be posted empty on every rank -- so none are."""
+        got = self._moves_memo.get(direction)
+        if got is None:
+            got = self._moves_memo[direction] = any(
+                r[0] or r[1] for y in range(self.P)
+                for r in (*self._pulls(y, direction).values(), *self._returns(y, direction).values()))
+        return got
 
     def _pulls(self, x: int, direction: str) -> dict[int, tuple[list, list]]:
         """Round -> (sends, recvs) of the pulls of ``direction``."""
@@ -778,8 +789,8 @@ class _SparseLowering:
     def lower(self, x: int, direction: str, blocks: bool = True) -> list[Op]:
         backward = direction == "backward"
         pulls = self._pulls(x, direction)
-        if self.burst:  # every rank posts every pull round, empty or not: TASP's all-to-all transport
-            for g in range(self.groups):  # is a collective, and ranks keeping their pieces pull nothing
+        if self.burst and self._moves(direction):  # every rank posts every pull round, empty or not: TASP's
+            for g in range(self.groups):  # all-to-all transport is a collective, and ranks keeping their pieces pull nothing
                 pulls.setdefault(1 + g, ([], []))
         order = sorted(pulls)
         mine = sorted(self.needs.blocks(x), key=lambda b: (b != (x, x), b))
@@ -810,7 +821,7 @@ class _SparseLowering:
                 ops.extend(self._compute(x, bs, backward))
 
         moves = any(r[0] or r[1] for r in returns.values())
-        if self.burst:  # every rank posts every return round, empty or not (a collective transport)
+        if self.burst and self._moves(direction):  # every rank posts every return round, empty or not (a collective)
             for g in range(self.groups):
                 returns.setdefault(1 + self.groups + g, ([], [], [], set()))
         own = self._blocks(x, x, x, backward) if blocks and (x, x) in mine else []

@@ -1,12 +1,13 @@
 """Public, differentiable entry points -- ``mesh_attention``, ``ring_attention``,
 ``tasp_attention``, ``hybrid_attention``, all thin wrappers of :func:`attention` -- plus the
-layout helpers (zigzag and THD shard / unshard).
+layout helpers (shard / unshard under any layout).
 
 Layout is Megatron's: q [s_local, batch, heads, head_dim], k/v [s_local, batch, kv_heads,
 head_dim], each rank holding its chunk of the global sequence: Megatron's zigzag by default
-(:class:`megatron_mesh.plan.ZigzagLayout`), or Transformer Engine's THD layout (``layout=`` a
-:class:`megatron_mesh.plan.ThdLayout`). Every mode takes the same inputs, so switching modes
-never touches the data.
+(:class:`megatron_mesh.plan.ZigzagLayout`), or a layout that places documents (``layout=``):
+the work-balanced :class:`megatron_mesh.BalancedLayout` (:func:`megatron_mesh.balanced_layout`)
+or Transformer Engine's THD layout (:class:`megatron_mesh.plan.ThdLayout`). Every mode takes the
+same inputs, so switching modes never touches the data.
 
 One call: check the tensors and options (errors name the value and what is allowed) -> resolve
 the mode's :class:`~megatron_mesh.plan.Placement` -> the plan for (placement, shape, mask,
@@ -184,9 +185,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None
             None when causal): query i attends key j only if i - j <= left and j - i <= right.
         cu_seqlens: packed documents -- their boundaries over the global (unsharded) sequence,
             0 = c0 < c1 < ... < cn = S (Megatron's zigzag layout with documents anywhere).
-        layout: None (Megatron's zigzag) or a :class:`megatron_mesh.ThdLayout` (Transformer
-            Engine's THD layout: each packed sequence padded to 2 * CP and split on its own; its
-            sequences are the documents). See :func:`thd_shard`.
+        layout: None (Megatron's zigzag), a :class:`megatron_mesh.BalancedLayout` (from
+            :func:`megatron_mesh.balanced_layout`: work-balanced and document-aware; its documents
+            are the mask's) or a :class:`megatron_mesh.ThdLayout` (Transformer Engine's THD layout:
+            each packed sequence padded to 2 * CP and split on its own; its sequences are the
+            documents). Either gives the documents: cu_seqlens must then be None. See
+            :func:`layout_shard`.
         softmax_scale: defaults to 1 / sqrt(head_dim).
         kernel: block kernel backend ("auto", "torch", "math", "torch-flash", ...) or an instance.
         comm: an explicit communicator (tests, in-process transports).

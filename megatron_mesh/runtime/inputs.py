@@ -74,8 +74,8 @@ def attention_mask(world_size: int, shape: AttentionShape, *, causal: bool = Tru
                    layout=None) -> tuple[Mask, Layout]:
     """The plan's (mask, layout) from the public arguments, checked: ``window`` (left, right) with
     ints >= 0 or None; ``cu_seqlens`` the document boundaries of the global sequence (on
-    Megatron's zigzag); ``layout`` a layout that defines its own documents (:class:`ThdLayout`:
-    its sequences are the documents, cu_seqlens must be None). Normalised by
+    Megatron's zigzag); ``layout`` a layout that defines its own documents (:class:`BalancedLayout`:
+    its documents; :class:`ThdLayout`: its sequences; cu_seqlens must then be None). Normalised by
     :func:`megatron_mesh.plan.normalize`."""
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, got {causal!r}")
@@ -84,11 +84,12 @@ def attention_mask(world_size: int, shape: AttentionShape, *, causal: bool = Tru
             raise ValueError(f"window must be (left, right) with ints >= 0 or None, got {window!r}")
         window = tuple(window)
     if layout is not None and not isinstance(layout, Layout):
-        raise ValueError(f"layout must be None (Megatron's zigzag) or a megatron_mesh layout (e.g. ThdLayout), got "
+        raise ValueError(f"layout must be None (Megatron's zigzag) or a megatron_mesh layout (BalancedLayout from "
+                         f"balanced_layout(), ThdLayout), got "
                          f"{type(layout).__name__}")
     if layout is not None and layout.documents() is not None and cu_seqlens is not None:
-        raise ValueError(f"cu_seqlens and a {type(layout).__name__} both give documents: the layout's sequences are "
-                         "the documents, pass cu_seqlens=None")
+        raise ValueError(f"cu_seqlens and a {type(layout).__name__} both give documents: the layout's documents are "
+                         "the ones attention sees, pass cu_seqlens=None")
     if layout is not None and (layout.world_size != world_size or layout.seq_local != shape.seq_local):
         raise ValueError(f"{type(layout).__name__} over {layout.world_size} ranks x {layout.seq_local} tokens per rank "
                          f"does not match the CP size {world_size} and the local tensors' {shape.seq_local} tokens")

@@ -299,7 +299,7 @@ def _evaluate_modes(wanted: set, world_size: int, shape: AttentionShape, topo: T
         if isinstance(got, ModeResult):
             evaluated[name].append(got)
         else:
-            skipped.append({"mode": f"{name} ({p.describe()})", "reason": got})
+            skipped.append({"mode": p.describe(), "reason": got})  # "ring (CP 2, ...)": it names the mode
     return evaluated
 
 

@@ -90,8 +90,8 @@ def test_output_has_q_shape_dtype_and_a_contiguous_layout():
     (dict(cu_seqlens=[0, 2.5, 8]), r"cu_seqlens must hold integers, got \[0, 2\.5, 8\]"),
     (dict(cu_seqlens=torch.tensor([0.0, 8.0])), r"cu_seqlens must be a 1-D integer tensor or sequence"),
     (dict(cu_seqlens=torch.tensor([0, 8], device="meta")), r"cu_seqlens is on the meta device, which holds no values"),
-    (dict(layout="thd"), r"layout must be None \(Megatron's zigzag\) or a megatron_mesh layout \(e.g. ThdLayout\), got "
-                         r"str"),
+    (dict(layout="thd"), r"layout must be None \(Megatron's zigzag\) or a megatron_mesh layout \(BalancedLayout from "
+     r"balanced_layout\(\), ThdLayout\), got str"),
     (dict(layout=ThdLayout(1, (0, 4, 10))), r"ThdLayout over 1 ranks x 10 tokens per rank does not match"),
 ])
 def test_bad_options_raise_naming_the_value(bad, match):
@@ -116,6 +116,8 @@ def test_bad_options_raise_naming_the_value(bad, match):
     (lambda: mm.attention(*qkv(), mode="ring", tile=(1, 1)), r"CP mode 'ring' takes no setting tile"),
     (lambda: mm.mesh_attention(*qkv(), cu_seqlens=[0, 8], layout=ThdLayout(1, (0, 8))),
      r"cu_seqlens and a ThdLayout both give documents"),
+    (lambda: mm.mesh_attention(*qkv(), cu_seqlens=[0, 8], layout=mm.balanced_layout([0, 3, 8], 1)),
+     r"cu_seqlens and a BalancedLayout both give documents: the layout's documents are the ones attention sees"),
 ])
 def test_bad_mode_options_raise_naming_the_value(call, match):
     with pytest.raises(ValueError, match=match):

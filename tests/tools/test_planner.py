@@ -203,7 +203,9 @@ def test_cli_prices_a_layout_from_a_file(capsys, tmp_path):
     data = _json(capsys, *base, "--modes", "ring,mesh", "--layout-file", str(owned))
     rows = {(r["layout"], r["mode"]) for r in data["modes"]}
     assert {("zigzag", "ring"), ("file", "mesh")} <= rows and ("file", "ring") not in rows, rows
-    reason = next(s["reason"] for s in data["skipped"] if s["mode"].startswith("ring") and s["mode"].endswith("(file)"))
+    # named once: "ring (CP 3, zigzag ring) (file)", not "ring (ring (CP 3, ...)) (file)"
+    reason = next(s["reason"] for s in data["skipped"] if s["mode"].startswith("ring (CP 3")
+                  and s["mode"].endswith(") (file)"))
     assert "owners" in reason and "use mesh" in reason, reason
     shape = AttentionShape(seq_local=4, heads=2, kv_heads=2, head_dim=8)
     layout = layout_from_text(owned.read_text())
