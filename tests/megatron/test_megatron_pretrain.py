@@ -77,7 +77,7 @@ def runs(tmp_path_factory):
         "bad_mode": ("pretrain", 1, 1, "allgather"),
         "bad_tile": ("megatron-lm", 2, 4, "mesh", "--mesh-tile-shape", "3x2"),
     }
-    out = run_all(run, plan, together=("cp1", "cp1_bf16", "bad_mode", "bad_tile"))
+    out = run_all(run, plan, together=("cp1", "cp1_bf16", "bad_mode", "bad_tile"), then_together=("resume", "pp2_cp1"))
     out["metrics_dir"] = metrics
     return out
 

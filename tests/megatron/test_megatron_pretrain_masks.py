@@ -86,7 +86,8 @@ def runs(doc_data, tmp_path_factory):
         "thd_tp2_cp2": ("thd", 4, 2, "mesh", "--tensor-model-parallel-size", "2"),
     }
     return run_all(lambda *spec: masked_run(doc_data, *spec), plan,
-                   together=("docs_cp1", "mlm_docs_cp1", "thd_cp1", "thd_tp2_cp1"))
+                   together=("docs_cp1", "mlm_docs_cp1", "thd_cp1", "thd_tp2_cp1"),
+                   then_together=("docs_resume", "balanced_resume"))
 
 
 def _summary(text: str) -> str:
