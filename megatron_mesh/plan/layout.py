@@ -163,32 +163,33 @@ class ZigzagLayout:
         return cls(int(m.group(1)), int(m.group(2)))
 
 
-def _integer(name: str, value, low: int) -> int:
-    """``value`` as an int >= ``low`` (numpy / torch integer scalars too); a float, bool or string
-    is refused, never truncated."""
+def _as_int(value) -> int | None:
+    """``value`` as an int (numpy / torch integer scalars pass through their ``__index__``), or
+    None for anything else -- a float (16.0 too), a bool or a string is never truncated."""
+    if isinstance(value, bool):
+        return None
     try:
-        if isinstance(value, bool):
-            raise TypeError
-        v = operator.index(value)
+        return operator.index(value)
     except TypeError:
-        v = None
+        return None
+
+
+def _integer(name: str, value, low: int) -> int:
+    """``value`` as an int >= ``low``; anything else is a ValueError naming it."""
+    v = _as_int(value)
     if v is None or v < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     return v
 
 
 def _integers(name: str, values) -> tuple[int, ...]:
-    """``values`` as ints; anything not an integer (16.5, 16.0, True) is refused, never truncated.
-    Integer scalars of other libraries (numpy, torch) pass through their ``__index__``."""
-    out = []
-    for v in values:
-        try:
-            if isinstance(v, bool):
-                raise TypeError
-            out.append(operator.index(v))
-        except TypeError:
-            raise ValueError(f"{name} must hold integers, got {v!r} in {values!r}") from None
-    return tuple(out)
+    """``values`` as ints; anything not an integer (16.5, 16.0, True) is a ValueError naming it."""
+    items = list(values)  # a generator is read once
+    out = tuple(_as_int(v) for v in items)
+    for v, got in zip(items, out):
+        if got is None:
+            raise ValueError(f"{name} must hold integers, got {v!r} in {values!r}")
+    return out
 
 
 @register_layout("thd")

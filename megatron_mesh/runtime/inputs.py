@@ -84,9 +84,8 @@ def attention_mask(world_size: int, shape: AttentionShape, *, causal: bool = Tru
             raise ValueError(f"window must be (left, right) with ints >= 0 or None, got {window!r}")
         window = tuple(window)
     if layout is not None and not isinstance(layout, Layout):
-        raise ValueError(f"layout must be None (Megatron's zigzag) or a megatron_mesh layout (BalancedLayout from "
-                         f"balanced_layout(), ThdLayout), got "
-                         f"{type(layout).__name__}")
+        raise ValueError("layout must be None (Megatron's zigzag) or a megatron_mesh layout (BalancedLayout from "
+                         f"balanced_layout(), ThdLayout), got {type(layout).__name__}")
     if layout is not None and layout.documents() is not None and cu_seqlens is not None:
         raise ValueError(f"cu_seqlens and a {type(layout).__name__} both give documents: the layout's documents are "
                          "the ones attention sees, pass cu_seqlens=None")
