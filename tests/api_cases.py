@@ -94,6 +94,10 @@ def disagreements(rank: int, world: int) -> dict:
         "adapter": lambda: mm.attention(q, k, v, mode="mesh", placement=placement, comm=adapter,
                                         cu_seqlens=DOCS["A" if rank else "B"]),
         "bad_input_on_one_rank": lambda: mm.ring_attention(q, k, v, window=(-1, 0) if rank == 2 else None),
+        # the wrappers' own arguments: checked where the failing rank still joins the agreement check
+        "bad_inner_on_one_rank": lambda: mm.hybrid_attention(q, k, v, ulysses_size=2,
+                                                             inner="bogus" if rank == 2 else "mesh"),
+        "bad_gpus_per_node_on_one_rank": lambda: mm.mesh_attention(q, k, v, gpus_per_node=0 if rank == 2 else None),
         # one rank's balanced layout sets apart the hybrid's first and last documents, the others' not
         "balanced_hide": lambda: mm.hybrid_attention(q, k, v, ulysses_size=2, tile=(1, world // 2),
                                                      layout=mm.balanced_layout(DOCS["A"], world, group=2,

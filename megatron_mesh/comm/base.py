@@ -143,8 +143,10 @@ def comm_counter() -> Iterator[CommCount]:
         print(c.bytes_sent, c.bytes_received, c.sent_to)  # sent_to: {peer group rank: bytes}
     """
     c = CommCount()
-    _stack().append(c)
+    stack = _stack()
+    stack.append(c)
     try:
         yield c
     finally:
-        _stack().remove(c)
+        # by identity: CommCount compares by value, so list.remove would drop an equal outer counter
+        stack[:] = [x for x in stack if x is not c]  # in place: counting_into may share this list

@@ -146,8 +146,8 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None, 
         P = own.world_size
         mask, layout = attention_mask(P, shape, causal=causal, window=window, cu_seqlens=cu_seqlens, layout=layout)
         if placement is None:
-            placement = _resolve(mode, P, shape, Mask(mask.causal), tuple(sorted((k, _hashable(v))
-                                                                                  for k, v in settings.items())))
+            items = tuple(sorted((k, _hashable(v)) for k, v in settings.items()))
+            placement = _resolve(mode, P, shape, Mask(mask.causal), items, repr(items))
         elif placement.world_size != P:
             raise ValueError(f"placement for {placement.world_size} ranks used on a CP group of {P}")
         plan = _plan(placement, shape, mask, layout)
@@ -161,7 +161,10 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None, 
 
 
 @lru_cache(maxsize=256)
-def _resolve(mode: str, P: int, shape: AttentionShape, mask: Mask, settings: tuple) -> Placement:
+def _resolve(mode: str, P: int, shape: AttentionShape, mask: Mask, settings: tuple, typed_key: str) -> Placement:
+    """The placement of a call's settings, cached. ``typed_key`` (the settings' repr) keeps 1, 1.0
+    and True apart: they are one key to lru_cache, yet resolve accepts one and refuses the others,
+    so a refused value must never be served the placement an equal valid one left in the cache."""
     kw = dict(settings)
     return resolve(mode, P, shape, ranks_per_node=kw.pop("ranks_per_node", None), mask=mask, **kw)
 
@@ -262,9 +265,6 @@ def tasp_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool 
     Each rank's local sequence must hold at least one token per ring in each zigzag half
     (s_local >= 2 * rings; rings = CP size - 1 on one node).
     """
-    if gpus_per_node is not None and (not isinstance(gpus_per_node, int) or isinstance(gpus_per_node, bool)
-                                      or gpus_per_node < 1):
-        raise ValueError(f"gpus_per_node must be None or a positive integer, got {gpus_per_node!r}")
     return attention(q, k, v, mode="tasp", group=group, causal=causal, window=window, cu_seqlens=cu_seqlens,
                      layout=layout, softmax_scale=softmax_scale, kernel=kernel, comm=comm,
                      ranks_per_node=gpus_per_node, transport=transport, backward_chunks=backward_chunks)
@@ -284,10 +284,13 @@ def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, ulysses_siz
     run point-to-point: inner="tasp" with ``transport="alltoall"`` raises ValueError.
     """
     mode = HYBRID_PREFIX + str(inner)
-    if mode not in MODES:
-        raise ValueError(f"inner must be a mode with a Ulysses hybrid, one of "
-                         f"{', '.join(m[len(HYBRID_PREFIX):] for m in MODES if m.startswith(HYBRID_PREFIX))}; "
-                         f"got {inner!r}")
+    # checked where a rank that fails still joins the agreement check, as prepare's checks are: its
+    # peers then raise naming its error instead of waiting for it
+    with agreement.joined_on_error(group_communicator(group) if comm is None else comm):
+        if mode not in MODES:
+            raise ValueError(f"inner must be a mode with a Ulysses hybrid, one of "
+                             f"{', '.join(m[len(HYBRID_PREFIX):] for m in MODES if m.startswith(HYBRID_PREFIX))}; "
+                             f"got {inner!r}")
     settings = dict(inner_settings, ulysses_size=ulysses_size, ranks_per_node=gpus_per_node)
     if tile != "auto":  # a setting of the inner mode: resolve names a mode that has no tile
         settings["tile"] = tile

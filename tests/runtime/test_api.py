@@ -101,7 +101,7 @@ def test_bad_options_raise_naming_the_value(bad, match):
 
 @pytest.mark.parametrize("call, match", [
     (lambda: mm.tasp_attention(*qkv(), transport="mpi"), r"transport must be one of p2p, alltoall, got 'mpi'"),
-    (lambda: mm.tasp_attention(*qkv(), gpus_per_node=0), r"gpus_per_node must be None or a positive integer, got 0"),
+    (lambda: mm.tasp_attention(*qkv(), gpus_per_node=0), r"CP ranks per node \(gpus_per_node\) must be a positive divisor of the CP size 1, got 0"),
     (lambda: mm.hybrid_attention(*qkv(), ulysses_size=2), r"ulysses_size 2 must be a positive divisor of the CP size 1"),
     (lambda: mm.hybrid_attention(*qkv(), ulysses_size=1, inner="a2a"),
      r"inner must be a mode with a Ulysses hybrid, one of mesh, tasp, ring; got 'a2a'"),
@@ -245,6 +245,36 @@ def test_comm_counter_is_zero_without_peers():
     with mm.comm_counter() as c:
         mm.ring_attention(*qkv())
     assert (c.bytes_sent, c.bytes_received) == (0, 0)
+
+
+def test_a_refused_setting_stays_refused_after_an_equal_valid_one():
+    """The placement cache must not serve 1.0 or True the plan that 1 left there: lru_cache takes
+    them for one key, resolve accepts only the int."""
+    q, k, v = qkv()
+    mm.hybrid_attention(q, k, v, ulysses_size=1)
+    mm.mesh_attention(q, k, v, tile=(1, 1), gpus_per_node=1)
+    for call in (lambda: mm.hybrid_attention(q, k, v, ulysses_size=1.0),
+                 lambda: mm.hybrid_attention(q, k, v, ulysses_size=True),
+                 lambda: mm.mesh_attention(q, k, v, tile=(1.0, 1.0)),
+                 lambda: mm.mesh_attention(q, k, v, gpus_per_node=True),
+                 lambda: mm.tasp_attention(q, k, v, gpus_per_node=1.0)):
+        with pytest.raises(ValueError):
+            call()
+
+
+def test_nested_comm_counters_each_count_their_own_block():
+    """Counters compare by value (two fresh ones are equal): closing the inner one must not close
+    the outer one, which still counts what its block sends after the inner block."""
+    from megatron_mesh.comm.base import active_counters, record_bytes
+
+    with mm.comm_counter() as outer:
+        with mm.comm_counter() as inner:
+            record_bytes(10, 20, 1, {1: 10})
+        record_bytes(100, 200, 1, {1: 100})
+        assert [c is outer for c in active_counters()] == [True]
+    assert (outer.bytes_sent, outer.bytes_received, outer.sent_to) == (110, 220, {1: 110})
+    assert (inner.bytes_sent, inner.bytes_received, inner.sent_to) == (10, 20, {1: 10})
+    assert active_counters() == []
 
 
 class _Group:  # a process group stand-in for the agreement check (only its identity matters)

@@ -79,10 +79,18 @@ def test_agreeing_calls_between_the_disagreements_run(results):
         assert d["after"][0] < 1e-12  # the group is still usable and right after every disagreement
 
 
-def test_a_rank_with_bad_input_raises_it_and_the_others_name_it(results):
-    error = "ValueError: window left must be an int >= 0 or None (unlimited), got -1"
+@pytest.mark.parametrize("call, error", [
+    ("bad_input_on_one_rank", "ValueError: window left must be an int >= 0 or None (unlimited), got -1"),
+    ("bad_inner_on_one_rank", "ValueError: inner must be a mode with a Ulysses hybrid, one of mesh, tasp, ring; "
+                              "got 'bogus'"),
+    ("bad_gpus_per_node_on_one_rank", "ValueError: CP ranks per node (gpus_per_node) must be a positive divisor of "
+                                      "the CP size 8, got 0"),
+])
+def test_a_rank_with_bad_input_raises_it_and_the_others_name_it(results, call, error):
+    """One rank's bad argument -- to attention() or to a wrapper (hybrid_attention's inner) -- raises
+    there and, within seconds, a PlanMismatchError naming it on the others: none waits for it."""
     for rank, r in enumerate(results):
-        outcome, seconds = r["disagreements"]["bad_input_on_one_rank"]
+        outcome, seconds = r["disagreements"][call]
         if rank == 2:
             assert outcome == error
         else:

@@ -61,7 +61,7 @@ def test_tasp_rejects_bad_arguments():
     k = v = torch.randn(8, 1, 2, 16)
     with pytest.raises(ValueError, match="transport must be one of p2p, alltoall, got 'nccl'"):
         mm.tasp_attention(q, k, v, transport="nccl")
-    with pytest.raises(ValueError, match="gpus_per_node must be None or a positive integer, got 0"):
+    with pytest.raises(ValueError, match=r"CP ranks per node \(gpus_per_node\) must be a positive divisor of the CP size 1, got 0"):
         mm.tasp_attention(q, k, v, gpus_per_node=0)
     with pytest.raises(ValueError, match=r"query heads \(4\) must be divisible by kv heads \(3\)"):
         mm.tasp_attention(q, torch.randn(8, 1, 3, 16), torch.randn(8, 1, 3, 16))
