@@ -19,7 +19,7 @@ defaults (mean 12, sigma 1) at --seq-length 64 and CP 4 (chunks of 16 tokens, ha
 sample holds ~5 documents: about 1 in 5 is longer than a chunk, some span several samples, and
 about 1 in 12 is a single token. The EOD id is NullTokenizer's, ``--vocab-size - 1``.
 
-    scripts/make_doc_dataset.py data/tiny_docs            # what configs/gpt_tiny_cpu_docs.yaml reads
+    .venv/bin/python scripts/make_doc_dataset.py data/tiny_docs   # what configs/gpt_tiny_cpu_docs.yaml reads
     scripts/make_doc_dataset.py /tmp/docs --mean-length 200 --max-length 4096 --documents 500
 
 It writes with ``megatron.core.datasets.indexed_dataset.IndexedDatasetBuilder`` (the format of

@@ -103,8 +103,9 @@ def die_with_parent() -> None:
 
 def prepare_runtime() -> None:
     """Make Megatron's training code runnable here: ``typing.override`` on Python 3.11; without
-    CUDA, every workaround of :mod:`.cpu_compat` (never loaded on GPUs); and the prebuilt dataset
-    helpers of the megatron-core wheel (GPUs too)."""
+    CUDA, every workaround of :mod:`.cpu_compat` (never loaded on GPUs); and Megatron's dataset
+    helpers (GPUs too): the megatron-core wheel's prebuilt ones, or a source checkout's built with
+    this interpreter."""
     ensure_typing_override()
     import torch
 
@@ -119,8 +120,46 @@ def prepare_runtime() -> None:
     try:
         from megatron.core.datasets import helpers_cpp  # noqa: F401
     except ImportError:
-        return  # a source checkout: let Megatron compile them
+        # A source checkout (Megatron-LM): its Makefile builds them with whatever `python3` and
+        # `python3-config` are on PATH -- often not this interpreter, or one without pybind11.
+        # What the build needs is checked here, on every rank: Megatron builds on rank 0 alone
+        # while the others wait in a barrier, which a failed rank 0 turns into their tracebacks.
+        where = os.path.dirname(os.path.abspath(dataset_utils.__file__))
+        _check_helpers_build(where)
+        dataset_utils.compile_helpers = lambda: _compile_dataset_helpers(where)
+        return
     dataset_utils.compile_helpers = lambda: None
+
+
+def _check_helpers_build(where: str) -> None:
+    """Stop the start-up (:func:`fail`) where the dataset helpers in ``where`` cannot be built."""
+    import importlib.util
+    import shutil
+
+    if importlib.util.find_spec("pybind11") is None:
+        fail(f"the dataset helpers of the Megatron checkout at {where} are not built, and {sys.executable} cannot "
+             f"build them: it has no pybind11 (`{sys.executable} -m pip install pybind11`; scripts/setup_env.sh "
+             f"installs it), or build them once yourself: `make -C {where}` with a python3 that has pybind11")
+    missing = [tool for tool in ("make", os.environ.get("CXX", "g++")) if shutil.which(tool) is None]
+    if missing:
+        fail(f"the dataset helpers of the Megatron checkout at {where} are not built, and this machine cannot build "
+             f"them: no {' or '.join(missing)} on PATH (build them once elsewhere: `make -C {where}`)")
+
+
+def _compile_dataset_helpers(where: str) -> None:
+    """Megatron's ``compile_helpers`` (rank 0 only) for a source checkout: the Makefile in
+    ``where``, with this interpreter's pybind11 includes and extension suffix in place of the ones
+    `python3` on PATH would give. A build that fails stops the start-up with one message."""
+    import subprocess
+    import sysconfig
+
+    includes = subprocess.run([sys.executable, "-m", "pybind11", "--includes"], capture_output=True, text=True,
+                              check=True)
+    build = subprocess.run(["make", "-C", where, f"CPPFLAGS={includes.stdout.strip()}",
+                            f"LIBEXT={sysconfig.get_config_var('EXT_SUFFIX')}"], capture_output=True, text=True)
+    if build.returncode != 0:
+        fail(f"building the dataset helpers of the Megatron checkout at {where} failed (`make -C {where}`, "
+             f"exit {build.returncode}):\n{(build.stdout + build.stderr).strip()[-2000:]}")
 
 
 def fail(message: str) -> NoReturn:

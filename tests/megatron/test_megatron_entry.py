@@ -4,9 +4,12 @@ real sequence length from Megatron's parsed arguments on a plain TransformerConf
 start-up with one message; workers die with their launcher; the CPU workaround for sequence
 parallelism with torch norms."""
 
+import importlib.util
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
 import textwrap
 
 import pytest
@@ -208,3 +211,53 @@ def test_start_up_pauses_the_garbage_collector_and_gives_it_back(arguments, monk
         gc.unfreeze()
         gc.enable()
         monkeypatch.setattr(bootstrap, "_GC_PAUSED", False)
+
+
+# the shape of Megatron-LM's megatron/core/datasets/Makefile: `python3` and `python3-config` on PATH
+# decide the includes and the file name -- here a python3 without pybind11 (the machine's own)
+_HELPERS_MAKEFILE = """\
+CXXFLAGS += -O1 -shared -std=c++17 -fPIC
+CPPFLAGS += $(shell python3 -m pybind11 --includes)
+LIBEXT = $(shell python3-config --extension-suffix)
+helpers_cpp$(LIBEXT): helpers.cpp
+\t$(CXX) $(CXXFLAGS) $(CPPFLAGS) $< -o $@
+"""
+
+
+@pytest.mark.skipif(not all(shutil.which(t) for t in ("make", "g++")), reason="needs make and g++")
+def test_a_megatron_checkouts_dataset_helpers_are_built_with_this_interpreter(tmp_path, monkeypatch):
+    """A Megatron-LM checkout has no built helpers; its Makefile would ask PATH's python3 (here one
+    without pybind11, or none) for the includes and the extension suffix: the plugin builds them
+    with the interpreter that runs the training, and the module imports."""
+    (tmp_path / "Makefile").write_text(_HELPERS_MAKEFILE)
+    (tmp_path / "helpers.cpp").write_text(
+        "#include <pybind11/pybind11.h>\nPYBIND11_MODULE(helpers_cpp, m) { m.def(\"answer\", []() { return 42; }); }\n")
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    bootstrap._compile_dataset_helpers(str(tmp_path))
+    built = list(tmp_path.glob("helpers_cpp*"))
+    assert [p.name for p in built] == [f"helpers_cpp{sysconfig.get_config_var('EXT_SUFFIX')}"]
+    spec = importlib.util.spec_from_file_location("helpers_cpp", built[0])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.answer() == 42
+
+
+def test_a_checkout_whose_helpers_cannot_be_built_stops_every_rank_with_one_message(tmp_path, monkeypatch, capsys):
+    """Checked on every rank before Megatron's rank-0-only build: no pybind11 in this interpreter,
+    or no compiler, is one message naming the way out, and exit status 2."""
+    import importlib.util as util
+
+    real = util.find_spec
+    monkeypatch.setattr(util, "find_spec", lambda name, *a: None if name == "pybind11" else real(name, *a))
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as stop:
+        bootstrap._check_helpers_build(str(tmp_path))
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert f"the dataset helpers of the Megatron checkout at {tmp_path} are not built" in err
+    assert f"{sys.executable} -m pip install pybind11" in err
+    monkeypatch.setattr(util, "find_spec", real)
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    with pytest.raises(SystemExit):
+        bootstrap._check_helpers_build(str(tmp_path))
+    assert "no no-such-compiler on PATH" in capsys.readouterr().err
