@@ -40,7 +40,7 @@ from . import agreement
 from .agreement import PlanMismatchError
 from .autograd import PlanAttention, forward_backward
 from .executor import Executor
-from .inputs import attention_mask, attention_shape, check_scale, scale_of
+from .inputs import attention_mask, attention_shape, check_scale, integer_scalar, scale_of
 from .sharding import layout_shard, layout_unshard, thd_shard, thd_unshard, zigzag_shard, zigzag_unshard
 
 __all__ = ["attention", "mesh_attention", "ring_attention", "tasp_attention", "hybrid_attention", "plan_attention",
@@ -145,8 +145,12 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None, 
         kern = get_kernel(kernel, q.device)
         P = own.world_size
         mask, layout = attention_mask(P, shape, causal=causal, window=window, cu_seqlens=cu_seqlens, layout=layout)
+        if "gpus_per_node" in settings:  # the wrappers' (and their docs') name for the plan's ranks_per_node
+            if "ranks_per_node" in settings:
+                raise ValueError("pass gpus_per_node or ranks_per_node (the same setting), not both")
+            settings["ranks_per_node"] = settings.pop("gpus_per_node")
         if placement is None:
-            items = tuple(sorted((k, _hashable(v)) for k, v in settings.items()))
+            items = tuple(sorted((k, _setting(k, v)) for k, v in settings.items()))
             placement = _resolve(mode, P, shape, Mask(mask.causal), items, repr(items))
         elif placement.world_size != P:
             raise ValueError(f"placement for {placement.world_size} ranks used on a CP group of {P}")
@@ -169,8 +173,20 @@ def _resolve(mode: str, P: int, shape: AttentionShape, mask: Mask, settings: tup
     return resolve(mode, P, shape, ranks_per_node=kw.pop("ranks_per_node", None), mask=mask, **kw)
 
 
-def _hashable(v):
-    return tuple(v) if isinstance(v, list) else v
+def _setting(name: str, v):
+    """A setting's value as the plan layer takes it and the placement cache keys it: lists and
+    numpy arrays as tuples, integer scalars of numpy / torch as ints; a value that cannot be a
+    key (a dict, a set) is a ValueError naming the setting."""
+    if type(v).__module__ == "numpy" and hasattr(v, "tolist"):  # arrays and scalars
+        v = v.tolist()
+    if isinstance(v, (list, tuple)):
+        return tuple(_setting(name, x) for x in v)
+    v = integer_scalar(v)
+    try:
+        hash(v)
+    except TypeError:
+        raise ValueError(f"setting {name} must be a number, a string or a sequence of them, got {v!r}") from None
+    return v
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None, causal: bool = True,
@@ -263,7 +279,8 @@ def tasp_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool 
             they are at most its own Q, K and V. The dense plan always refetches.
 
     Each rank's local sequence must hold at least one token per ring in each zigzag half
-    (s_local >= 2 * rings; rings = CP size - 1 on one node).
+    (s_local >= 2 * rings; on one node rings = CP size - 1, except CP sizes 4 and 6, which have
+    no Hamiltonian decomposition and use 2 and 4 rings).
     """
     return attention(q, k, v, mode="tasp", group=group, causal=causal, window=window, cu_seqlens=cu_seqlens,
                      layout=layout, softmax_scale=softmax_scale, kernel=kernel, comm=comm,

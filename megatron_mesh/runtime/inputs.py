@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 
 from torch import Tensor
 
@@ -19,7 +20,7 @@ from ..plan.mask import Mask
 from ..plan.problem import normalize
 from ..plan.shape import AttentionShape
 
-__all__ = ["attention_shape", "check_scale", "scale_of", "attention_mask"]
+__all__ = ["attention_shape", "check_scale", "scale_of", "attention_mask", "integer_scalar"]
 
 
 def attention_shape(q: Tensor, k: Tensor, v: Tensor) -> AttentionShape:
@@ -70,6 +71,17 @@ def scale_of(shape: AttentionShape, softmax_scale) -> float:
     return s if s is not None else 1.0 / math.sqrt(shape.head_dim)
 
 
+def integer_scalar(v):
+    """``v`` as an int where it is an integer scalar of numpy or torch (as cu_seqlens and the
+    layouts take them); anything else unchanged, for the checks that name it."""
+    if isinstance(v, bool) or isinstance(v, int) or not hasattr(v, "__index__"):
+        return v
+    try:
+        return operator.index(v)
+    except TypeError:  # a tensor of several elements
+        return v
+
+
 def attention_mask(world_size: int, shape: AttentionShape, *, causal: bool = True, window=None, cu_seqlens=None,
                    layout=None) -> tuple[Mask, Layout]:
     """The plan's (mask, layout) from the public arguments, checked: ``window`` (left, right) with
@@ -82,7 +94,7 @@ def attention_mask(world_size: int, shape: AttentionShape, *, causal: bool = Tru
     if window is not None:
         if not isinstance(window, (tuple, list)) or len(window) != 2:
             raise ValueError(f"window must be (left, right) with ints >= 0 or None, got {window!r}")
-        window = tuple(window)
+        window = tuple(integer_scalar(v) for v in window)
     if layout is not None and not isinstance(layout, Layout):
         raise ValueError("layout must be None (Megatron's zigzag) or a megatron_mesh layout (BalancedLayout from "
                          f"balanced_layout(), ThdLayout), got {type(layout).__name__}")

@@ -54,6 +54,8 @@ def layout_unshard(chunks: list[Tensor], layout: Layout, dim: int = 0) -> Tensor
     if len(others) > 1:
         raise ValueError(f"the ranks' chunks must agree on every dim but {dim}, got shapes "
                          f"{[tuple(c.shape) for c in chunks]}")
+    if len({c.dtype for c in chunks}) > 1:  # torch.cat would promote them silently
+        raise ValueError(f"the ranks' chunks must have one dtype, got {[str(c.dtype) for c in chunks]}")
     pieces = []
     for r, c in enumerate(chunks):
         for local, start, n in layout.runs(r):
@@ -64,6 +66,8 @@ def layout_unshard(chunks: list[Tensor], layout: Layout, dim: int = 0) -> Tensor
 def _check_dim(x, dim: int, name: str) -> None:
     if not isinstance(x, Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise ValueError(f"dim must be an int (the sequence dim to split), got {dim!r}")
     if not -x.dim() <= dim < x.dim() or x.dim() == 0:
         raise ValueError(f"dim {dim} is not a dim of {name} of shape {tuple(x.shape)} (the sequence dim to split)")
 

@@ -118,6 +118,12 @@ def test_bad_options_raise_naming_the_value(bad, match):
      r"cu_seqlens and a ThdLayout both give documents"),
     (lambda: mm.mesh_attention(*qkv(), cu_seqlens=[0, 8], layout=mm.balanced_layout([0, 3, 8], 1)),
      r"cu_seqlens and a BalancedLayout both give documents: the layout's documents are the ones attention sees"),
+    (lambda: mm.mesh_attention(*qkv(), tile={"a": 1}),
+     r"setting tile must be a number, a string or a sequence of them, got \{'a': 1\}"),
+    (lambda: mm.mesh_attention(*qkv(), schedule={"greedy"}), r"setting schedule must be a number, a string"),
+    (lambda: mm.attention(*qkv(), mode="mesh", tile_auto="no"), r"tile_auto must be True or False, got 'no'"),
+    (lambda: mm.attention(*qkv(), mode="mesh", gpus_per_node=1, ranks_per_node=1),
+     r"pass gpus_per_node or ranks_per_node \(the same setting\), not both"),
 ])
 def test_bad_mode_options_raise_naming_the_value(call, match):
     with pytest.raises(ValueError, match=match):
@@ -207,6 +213,11 @@ def test_layout_shard_and_unshard_check_their_inputs():
         mm.layout_shard(torch.tensor(1.0), 0, layout)
     with pytest.raises(ValueError, match=r"chunks must agree on every dim but 0, got shapes \[\(8, 2\), \(8, 3\)\]"):
         mm.layout_unshard([torch.zeros(8, 2), torch.zeros(8, 3)], layout)
+    with pytest.raises(ValueError, match=r"chunks must have one dtype, got \['torch.float32', 'torch.float16'\]"):
+        mm.zigzag_unshard([torch.zeros(8), torch.zeros(8, dtype=torch.float16)])
+    for dim in (0.0, None, "1", True):
+        with pytest.raises(ValueError, match=r"dim must be an int \(the sequence dim to split\), got"):
+            mm.zigzag_shard(torch.zeros(2, 8), 0, 2, dim=dim)
     with pytest.raises(ValueError, match=r"rank 1's chunk must be a torch.Tensor, got list"):
         mm.layout_unshard([chunks[0], [0] * 8], layout)
     with pytest.raises(ValueError, match=r"zigzag_unshard needs every rank's chunk, got none"):
@@ -245,6 +256,21 @@ def test_comm_counter_is_zero_without_peers():
     with mm.comm_counter() as c:
         mm.ring_attention(*qkv())
     assert (c.bytes_sent, c.bytes_received) == (0, 0)
+
+
+def test_settings_take_numpy_integers_and_the_wrappers_names():
+    """Integer scalars of numpy (a config's arithmetic) are integers, as cu_seqlens and the
+    layouts take them; attention() takes gpus_per_node, the wrappers' name. Same result as ints."""
+    np = pytest.importorskip("numpy")
+    q, k, v = qkv()
+    want = mm.mesh_attention(q, k, v, tile=(1, 1), window=(2, 0))
+    for got in (mm.mesh_attention(q, k, v, tile=(np.int64(1), np.int64(1)), window=(np.int64(2), 0),
+                                  gpus_per_node=np.int64(1)),
+                mm.mesh_attention(q, k, v, tile=np.array([1, 1]), window=(2, 0)),
+                mm.attention(q, k, v, mode="mesh", tile=(1, 1), window=(2, 0), gpus_per_node=1)):
+        assert torch.equal(got, want)
+    assert torch.equal(mm.hybrid_attention(q, k, v, ulysses_size=np.int64(1), tile=(1, 1)),
+                       mm.hybrid_attention(q, k, v, ulysses_size=1, tile=(1, 1)))
 
 
 def test_a_refused_setting_stays_refused_after_an_equal_valid_one():

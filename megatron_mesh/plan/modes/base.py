@@ -78,10 +78,13 @@ def check_options(mode: str, options_type: type, values: dict) -> Any:
     if extra:
         raise ValueError(f"CP mode {mode!r} takes no setting {', '.join(extra)}; its settings: "
                          f"{', '.join(specs) or 'none'}")
+    hints = typing.get_type_hints(options_type)
     for name, value in values.items():
         choices = specs[name].choices
         if choices is not None and value not in choices:
             raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}")
+        if hints[name] is bool and not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
     return options_type(**values)
 
 
