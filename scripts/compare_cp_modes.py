@@ -7,7 +7,8 @@ Each mode is one real Megatron ``pretrain()`` run of the plugin's entry script, 
 torchrun (``python -m torch.distributed.run``) from this process; every run writes its metrics as
 JSON lines (``--cp-metrics-dir``), which the report reads:
 
-* ``baseline``  -- CP = 1 on one process (the reference loss curve),
+* ``baseline``  -- CP = 1 on one process (the reference loss curve; always run, first, unless
+  ``--no-baseline``),
 * ``ring``, ``tasp``, ``mesh:auto``, ``mesh:AxB`` -- the plugin's modes at CP = --cp,
 * ``a2a+mesh[:U]``, ``a2a+tasp[:U]``, ``a2a+ring[:U]`` -- the Ulysses hybrids (all-to-all over U
   ranks, default 2, x the inner mode over CP / U; in the defaults when CP >= 4),
@@ -30,7 +31,7 @@ its own CP = 1 baseline):
 
     python scripts/compare_cp_modes.py --config configs/gpt_tiny_cpu_compare.yaml --cp 4 --iters 6
     python scripts/compare_cp_modes.py --long      # 8K tokens: configs/gpt_tiny_cpu_long.yaml, every mask
-    python scripts/compare_cp_modes.py --cp 4 --modes baseline ring mesh:2x2 --masks none window --window 32
+    python scripts/compare_cp_modes.py --cp 4 --modes ring mesh:2x2 --masks none window --window 32
 """
 
 from __future__ import annotations
@@ -275,6 +276,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--cp", type=int, default=4, help="context-parallel size of the compared modes (default 4)")
     ap.add_argument("--modes", nargs="+",
                     help="default: baseline ring mesh:auto mesh:<square> tasp, a2a+mesh:2 at CP >= 4 (+ TE modes with TE)")
+    ap.add_argument("--no-baseline", action="store_true",
+                    help="leave out the CP 1 baseline, which --modes gets unless it names it (the report then has "
+                         "no loss deviations: the loss check is the job's point)")
     ap.add_argument("--masks", nargs="+", default=None, choices=MASKS,
                     help=f"run every mode under each of these masks (default: {' '.join(DEFAULT_MASKS)}; with --long "
                          f"{' '.join(MASKS)})")
@@ -298,6 +302,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.megatron_args and args.megatron_args[0] == "--":
         args.megatron_args = args.megatron_args[1:]
     args.modes = args.modes or default_modes(args.cp)
+    if args.no_baseline:
+        if "baseline" in args.modes:
+            raise SystemExit("--no-baseline and --modes baseline exclude each other")
+    elif "baseline" not in args.modes:  # every mode's loss is checked against CP 1's
+        args.modes = ["baseline", *args.modes]
     args.masks = list(dict.fromkeys(args.masks))
     if args.window is None:
         args.window = max(1, _seq_length(args.config) // (8 * args.cp))
@@ -334,6 +343,8 @@ def main(argv=None) -> int:
     if "window" in masks:
         title += f" (window {args.window})"
     notes = (_machine_note(),)
+    if args.no_baseline:
+        notes += ("No CP 1 baseline (--no-baseline): the loss columns have no deviation to show.",)
     if "docs-zigzag" in masks and "docs" in masks and "baseline" in modes:
         notes += ("docs-zigzag's baseline is the docs baseline's run: CP 1 splits nothing, so it has no layout.",)
     planned = True

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 
 from ..plan.units import format_bytes
-from .runs import RunResult, imbalance, mean_time
+from .runs import RunResult, imbalance, mean_time, timed_iterations
 
 __all__ = ["FIGURES", "DEVIATION_FLOOR", "loss_figure", "measure_figure", "ranks_figure", "heatmap_figure",
            "write_figures", "loss_fig", "measure_fig", "ranks_fig", "heatmap_fig", "MEASURES"]
@@ -181,10 +181,23 @@ def measure_fig(runs: list[RunResult], measure: str, baseline: str | None = "bas
     modes = [m for m in modes if any((mask, m) in vals for mask in masks)]  # a failed mode has no bar, no entry
     width = 0.8 / len(modes)
     fig, ax = plt.subplots(figsize=(max(5.0, 1.2 + 0.35 * len(modes) * len(masks)) + 1.8, 3.6), layout="constrained")
+    by_key = {(r.mask, r.mode): r for r in runs}
     for j, mode in enumerate(modes):
         xs = [i + (j - (len(modes) - 1) / 2) * width for i, mask in enumerate(masks) if (mask, mode) in vals]
         ys = [vals[mask, mode] for mask in masks if (mask, mode) in vals]
         ax.bar(xs, ys, width=width * 0.92, color=colors[mode], label=mode)
+        if measure == "time":  # the spread of the timed iterations: a difference inside it is noise
+            spans = [[min(ts) * scale, max(ts) * scale] for mask in masks if (mask, mode) in vals
+                     for ts in [timed_iterations(by_key[mask, mode])]]
+            ax.errorbar(xs, ys, yerr=[[y - lo for y, (lo, _) in zip(ys, spans)], [hi - y for y, (_, hi) in zip(ys, spans)]],
+                        fmt="none", ecolor="black", elinewidth=0.8, capsize=2)
+    if measure == "time":
+        counts = sorted({len(timed_iterations(r)) for r in runs if r.ok and r.times_ms})
+        ax.set_title(f"mean of {'/'.join(map(str, counts))} iterations (the first left out), whiskers: min-max. "
+                     "Differences inside the whiskers are noise;\non CPU the ranks share the cores, so these "
+                     "times say nothing of GPU speed", fontsize=8)
+    elif measure == "memory" and "max RSS" in kinds:
+        ax.set_title("max RSS per process: mostly torch and Megatron themselves, not attention buffers", fontsize=8)
     ax.set_xticks(range(len(masks)), [f"mask: {m}" for m in masks])
     ax.set_xlim(-0.5, len(masks) - 0.5)
     ax.set_ylabel(ylabel)

@@ -30,9 +30,15 @@ class RunResult:
     bytes_matrix: list[list[float]] = field(default_factory=list)  # [sender][receiver]
 
 
+def timed_iterations(r: RunResult) -> list[float]:
+    """The iteration times (ms) a run's time is made of: the first (warm-up) iteration left out
+    when there are others."""
+    return [t for i, t in sorted(r.times_ms.items()) if i > min(r.times_ms)] or list(r.times_ms.values())
+
+
 def mean_time(r: RunResult) -> float | None:
-    """Mean time per iteration, the first (warm-up) iteration left out when there are others."""
-    ts = [t for i, t in sorted(r.times_ms.items()) if i > min(r.times_ms)] or list(r.times_ms.values())
+    """Mean time per iteration over :func:`timed_iterations`."""
+    ts = timed_iterations(r)
     return sum(ts) / len(ts) if ts else None
 
 

@@ -137,6 +137,12 @@ def test_measure_figures_group_the_modes_by_mask(measure):
         by = {(r.mode, r.mask): r.bytes_per_step / KIB for r in runs}
         expect = [by[mode, mask] for mode in modes for mask in MASKS]
         assert heights == pytest.approx(expect)
+    if measure == "time":  # whiskers span the timed iterations (2 and 3; the first is the warm-up)
+        spans = sorted(tuple(sorted(seg[:, 1])) for c in ax.collections for seg in c.get_segments())
+        assert spans == sorted((300.0 + 10 * j, 310.0 + 10 * j) for j in range(len(MODES)) for _ in MASKS)
+        assert "mean of 2 iterations" in ax.get_title() and "noise" in ax.get_title()
+    if measure == "memory":
+        assert "max RSS per process" in ax.get_title()
     _check_layout(fig)
     for r in runs:  # a failed run has no bar; a mode with none left has no legend entry
         if r.mode == runs[2].mode:

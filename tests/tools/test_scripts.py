@@ -354,6 +354,18 @@ def test_compare_cp_modes_long_preset_and_the_zigzag_documents(script, tmp_path)
     assert compare.parse_args(["--no-predict"]).predict_configs == []
 
 
+def test_compare_cp_modes_always_runs_the_baseline_unless_told_not_to(script):
+    """The loss check against CP 1 is the job's point: --modes without baseline gets it first; only
+    --no-baseline leaves it out (and the report says so)."""
+    compare = script("compare_cp_modes")
+    assert compare.parse_args(["--modes", "ring", "mesh:2x2", "--no-predict"]).modes == ["baseline", "ring", "mesh:2x2"]
+    assert compare.parse_args(["--modes", "ring", "baseline", "--no-predict"]).modes == ["ring", "baseline"]
+    assert compare.parse_args(["--modes", "ring", "--no-baseline", "--no-predict"]).modes == ["ring"]
+    assert compare.parse_args(["--no-predict"]).modes[0] == "baseline"
+    with pytest.raises(SystemExit, match="--no-baseline and --modes baseline exclude each other"):
+        compare.parse_args(["--modes", "baseline", "ring", "--no-baseline"])
+
+
 @pytest.mark.parametrize("name, argv, message", [
     ("bench_plan_build", ["--cp", "4", "--seq-len", "1024"], r"--docs 'lognormal:4096,1.0' must be parts joined"),
     ("bench_plan_build", ["--cp", "0", "3", "--seq-len", "1024", "--docs", "fixed:128"],
