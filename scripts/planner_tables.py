@@ -1,11 +1,14 @@
 #!/usr/bin/env python
 """The planner's tables for docs/performance.md: every mode against USP (Ulysses x ring,
 Transformer Engine's a2a+p2p) at 256 GPUs = 32 nodes x 8, for the nine configurations (MHA 32/32,
-GQA 32/8 and 64/8; 256K, 512K, 1M tokens), and the same on a machine with another speed ratio.
+GQA 32/8 and 64/8; 256K, 512K, 1M tokens), and the same on a machine with another speed ratio;
+``--table mesh``: Mesh-Attention against ring attention in the same nine (the page's first table
+and its headline numbers).
 
     python scripts/planner_tables.py                      # the default H100 machine (Topology())
     python scripts/planner_tables.py --tflops 800         # twice the attention throughput
     python scripts/planner_tables.py --inter-bandwidth 25 # half the network
+    python scripts/planner_tables.py --table mesh         # Mesh vs ring
 
 Columns: ring attention, the fastest Mesh tile, USP by formula (its ring part simulated from the
 ring plan; no reorder copies counted) and simulated from its plan (``a2a+ring``), the fastest
@@ -24,6 +27,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_mesh.plan import AttentionShape, Topology  # noqa: E402
+from megatron_mesh.plan.mesh import best_tile  # noqa: E402
 from megatron_mesh.plan.simulate import BACKWARD_FLOPS  # noqa: E402
 from megatron_mesh.tools.planner import evaluate  # noqa: E402
 
@@ -36,6 +40,45 @@ def floor_s(shape: AttentionShape, seq_len: int, P: int, topo: Topology) -> floa
     return 4.0 * shape.batch * shape.heads * shape.head_dim * pairs * (1 + BACKWARD_FLOPS) / topo.attention_flops
 
 
+def mesh_table(cp: int, topo: Topology) -> int:
+    """Per configuration: ring attention; the fewest-bytes tile (:func:`best_tile`, closed form;
+    of its two rank orders the one with fewer bytes, then the faster); ``mesh-auto`` (the
+    simulator's fastest, ties within the planner's tolerance to fewer inter-node bytes); USP.
+    Then the headline: bytes and speedups against ring attention, max and mean over the nine."""
+    print("| heads q/kv | S | ring GiB/rank | ring ms (exposed) | fewest-bytes tile | bytes | speedup | mesh-auto tile "
+          "| bytes | ms | speedup | USP ms (speedup) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    fewest, auto_bytes, auto_speedups, start = {}, [], [], time.perf_counter()
+    for h, g, S in CONFIGS:
+        shape = AttentionShape(seq_local=S // cp, heads=h, kv_heads=g, head_dim=128)
+        rows, _ = evaluate(cp, shape, topo, modes=("ring", "mesh", "mesh-auto", "usp"))
+        ring = next(r for r in rows if r.mode == "ring")
+        tile = best_tile(cp, shape)
+        few = min((r for r in rows if r.mode == "mesh" and r.tile == tile), key=lambda r: (r.bytes_per_rank, r.time_s))
+        auto = next(r for r in rows if r.mode == "mesh-auto")
+        usp = next(r for r in rows if r.mode == "usp")
+        fewest[h, g, S] = few.bytes_per_rank / ring.bytes_per_rank - 1
+        auto_bytes.append(auto.bytes_per_rank / ring.bytes_per_rank - 1)
+        auto_speedups.append(ring.time_s / auto.time_s)
+
+        def name(r):
+            return f"{r.tile[0]}x{r.tile[1]} {r.contiguous}"
+        print(f"| {h}/{g} | {S // 1024}K | {ring.bytes_per_rank / 2**30:.2f} | {ring.time_s * 1e3:.0f} "
+              f"({ring.exposed_comm_s / ring.time_s:.0%}) | {name(few)} | {fewest[h, g, S]:+.1%} | "
+              f"{ring.time_s / few.time_s:.2f}x | {name(auto)} | {auto_bytes[-1]:+.1%} | {auto.time_s * 1e3:.0f} | "
+              f"{auto_speedups[-1]:.2f}x | {usp.time_s * 1e3:.0f} ({ring.time_s / usp.time_s:.2f}x) |", flush=True)
+    mha = [v for (h, g, _), v in fewest.items() if h == g]
+    gqa = [v for (h, g, _), v in fewest.items() if h != g]
+    n = len(CONFIGS)
+    print(f"\nfewest-bytes tile: bytes {min(fewest.values()):+.1%} max, {sum(fewest.values()) / n:+.1%} average "
+          f"(MHA {min(mha):+.1%}, GQA {max(gqa):+.1%} ... {min(gqa):+.1%}); mesh-auto: bytes {min(auto_bytes):+.1%} max, "
+          f"{sum(auto_bytes) / n:+.1%} average; speedup {max(auto_speedups):.2f}x max, "
+          f"{sum(auto_speedups) / n:.2f}x average (MHA {min(auto_speedups[:3]):.2f}-{max(auto_speedups[:3]):.2f}x; "
+          f"GQA {min(auto_speedups[3:]):.2f}-{max(auto_speedups[3:]):.2f}x) "
+          f"({time.perf_counter() - start:.0f} s; machine: {topo.describe()})")
+    return 0
+
+
 def main(argv=None) -> int:
     d = Topology()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -43,9 +86,13 @@ def main(argv=None) -> int:
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--tflops", type=float, default=d.attention_flops / 1e12)
     p.add_argument("--inter-bandwidth", type=float, default=d.inter_bandwidth / 1e9, help="GB/s per GPU")
+    p.add_argument("--table", choices=("usp", "mesh"), default="usp",
+                   help="usp: every mode against USP (default); mesh: Mesh-Attention against ring attention")
     a = p.parse_args(argv)
     topo = Topology.for_cp(a.cp, a.gpus_per_node, attention_flops=a.tflops * 1e12,
                            inter_bandwidth=a.inter_bandwidth * 1e9)
+    if a.table == "mesh":
+        return mesh_table(a.cp, topo)
     print("| heads q/kv | S | ring ms | mesh-auto ms | USP ms (formula) | a2a+ring ms (USP plan) | best a2a+mesh "
           "(U, tile) ms | auto ms | auto vs USP | floor ms | USP / floor |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
