@@ -13,6 +13,7 @@ import argparse
 import importlib
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -465,3 +466,24 @@ def test_bench_masks_marks_each_turn_of_the_serial_run(script):
     run_inprocess(lambda rank, comm: forward_backward(*shards[rank], plan, comm=comm), P, serial=True, mailbox=box,
                   timeout=60)
     assert len(marks) == len(box.order) > P and set(box.order) == set(range(P))
+
+
+def test_planner_tables_mesh_table_and_its_headline_agree(script, capsys):
+    """scripts/planner_tables.py --table mesh (docs/performance.md's first table) at a CP size that
+    plans in a second: one row per configuration; the fewest-bytes tile never moves more than
+    mesh-auto's; the headline line is the rows' max and mean."""
+    tables = script("planner_tables")
+    assert tables.main(["--table", "mesh", "--cp", "16", "--gpus-per-node", "8"]) == 0
+    text = capsys.readouterr().out
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()
+            if line.startswith("| ") and "heads q/kv" not in line]
+    assert [f"{r[0]} {r[1]}" for r in rows] == [f"{h}/{g} {S // 1024}K" for h, g, S in tables.CONFIGS]
+    fewest = [float(r[5].rstrip("%")) for r in rows]
+    auto = [float(r[8].rstrip("%")) for r in rows]
+    speedups = [float(r[10].rstrip("x")) for r in rows]
+    assert all(f <= a for f, a in zip(fewest, auto)) and all(s >= 0.99 for s in speedups)
+    headline = text.split("fewest-bytes tile: bytes ")[1]
+    assert headline.startswith(f"{min(fewest):+.1f}% max, ")
+    top, mean = re.search(r"speedup ([\d.]+)x max, ([\d.]+)x average", headline).groups()
+    assert float(top) == max(speedups)  # the rows print rounded values: the mean to within rounding
+    assert float(mean) == pytest.approx(sum(speedups) / len(speedups), abs=0.006)
