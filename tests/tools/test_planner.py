@@ -908,3 +908,24 @@ def test_tasp_rows_move_ring_bytes_and_beat_ring_across_nodes():
     assert tasp.bytes_per_rank == tasp_bytes_formula(P, shape).sent
     assert tasp.max_inter_node_bytes < ring.max_inter_node_bytes  # spread over every NIC
     assert tasp.time_s < ring.time_s
+
+
+def test_tasp_and_hybrid_details_count_in_the_right_number():
+    """The rows' details read right for one and for many: one rank per node is one ring (no
+    "1 rings ... 0 slots"), an all-to-all over every rank leaves the inner mode one rank."""
+    from megatron_mesh.plan.tasp import tasp_rings
+    from megatron_mesh.plan.units import count
+
+    assert (count(1, "ring"), count(2, "ring"), count(0, "slot")) == ("1 ring", "2 rings", "0 slots")
+    _, (one,) = tasp_rings(4, ranks_per_node=1)
+    assert one == "one ring over 4 nodes of 1 GPU: each rank sends 1 slot to the next node per step"
+    _, (two,) = tasp_rings(8, ranks_per_node=2)
+    assert two.startswith("2 rings chained over 4 nodes of 2 GPUs: each rank sends 1 slot inside its node")
+    _, (many,) = tasp_rings(16, ranks_per_node=4)
+    assert "sends 3 slots inside its node" in many
+    shape = AttentionShape(seq_local=1024, heads=8, kv_heads=1, head_dim=64)
+    rows, _ = evaluate(8, shape, Topology.for_cp(8, 8), modes=("a2a+tasp",))
+    details = " | ".join(r.detail for r in rows)
+    assert "then tasp over 1 rank;" in details or details.endswith("then tasp over 1 rank"), details
+    assert "1 key-value head per rank" in details and "then tasp over 4 ranks" in details, details
+    assert not re.search(r"\b1 (rings|ranks|slots|GPUs|key-value heads)\b", details), details
