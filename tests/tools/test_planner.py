@@ -929,3 +929,63 @@ def test_tasp_and_hybrid_details_count_in_the_right_number():
     assert "then tasp over 1 rank;" in details or details.endswith("then tasp over 1 rank"), details
     assert "1 key-value head per rank" in details and "then tasp over 4 ranks" in details, details
     assert not re.search(r"\b1 (rings|ranks|slots|GPUs|key-value heads)\b", details), details
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_auto_is_described_with_its_tie_rule_everywhere(capsys):
+    """Wherever a derived row is called the fastest -- --help, the table, the docs -- the tie rule
+    (TIME_TOLERANCE, the one place the number lives) is said with it: otherwise a row a little
+    faster than auto's pick reads as a wrong pick."""
+    from megatron_mesh.plan.autotile import TIE_RULE
+
+    rule = f"ties within {TIME_TOLERANCE * 100:g} % going to fewer inter-node bytes"
+    assert TIE_RULE == rule
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert rule in " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    assert main(["--cp", "8", "--seq-len", "16384", "--modes", "ring,mesh,mesh-auto,auto"]) == 0
+    assert f"mesh-auto, auto: the fastest of their candidates, {rule}" in capsys.readouterr().out
+    for doc in ("README.md", "docs/megatron.md", "docs/performance.md"):
+        with open(os.path.join(ROOT, doc)) as f:
+            assert rule in " ".join(f.read().split()), doc
+
+
+def test_help_states_each_default_once(capsys):
+    """argparse's "(default: X)" only where X means something: not True for --no-causal, not None
+    next to the help's own default; --explain says it does not take --samples."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: True)" not in out and "(default: False)" not in out and "(default: None)" not in out
+    assert "full (non-causal) attention (default: causal)" in out
+    assert out.count("(default: H, i.e. MHA)") == 1
+    assert "(default: all with --docs, zigzag without" in out
+    assert "one sample's plans, so not with --samples N > 1" in out
+
+
+def test_cli_window_error_names_the_flags_spelling(capsys):
+    """R > 0 under a causal mask is refused in the CLI's terms (0 or left out, --no-causal), not
+    the Mask's (None)."""
+    assert main(["--cp", "4", "--seq-len", "4096", "--window", "4096,16"]) == 2
+    err = capsys.readouterr().err
+    assert "--window '4096,16': a causal query never sees a later key, so R must be 0 or left out (--window " \
+           "4096); give --no-causal for R > 0" in err
+    assert "None" not in err
+    assert main(["--cp", "4", "--seq-len", "4096", "--window", "64,16", "--no-causal", "--modes", "ring"]) == 0
+
+
+def test_table_says_which_bytes_are_the_busiest_ranks_and_which_the_means(capsys):
+    """bytes max is the busiest rank's, intra / inter mean are means over the ranks: the header
+    says so, and for the ring (every rank sends the same) the means add up to the max."""
+    assert main(["--cp", "16", "--seq-len", "32768", "--modes", "ring,tasp"]) == 0
+    out = capsys.readouterr().out
+    head = next(line for line in out.splitlines() if line.startswith("mode"))
+    assert head.split()[4:10] == ["bytes", "max", "vs", "ring", "intra", "mean"]
+    assert "'max': the busiest rank's, 'mean': the mean over the ranks" in out
+    rows = {r["mode"]: r for r in _json(capsys, "--cp", "16", "--seq-len", "32768", "--modes", "ring,tasp")["modes"]}
+    ring = rows["ring"]
+    assert abs(ring["intra_node_bytes_per_rank"] + ring["inter_node_bytes_per_rank"] - ring["bytes_per_rank"]) <= 1
+    tasp = rows["tasp"]  # the mean rank never sends more than the busiest
+    assert tasp["intra_node_bytes_per_rank"] + tasp["inter_node_bytes_per_rank"] <= tasp["bytes_per_rank"] + 1
