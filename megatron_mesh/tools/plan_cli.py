@@ -26,8 +26,8 @@ searched offline, next to the ones Megatron can run.
 "rounds", "time_s", ...}], "skipped": [...], ...}`` (bytes are whole bytes sent in one layer's
 forward + backward; ``bytes_per_rank`` is the busiest rank's, the ``*_node_bytes_per_rank`` split
 values are means over the ranks, ``max_inter_node_bytes`` is the busiest rank's across nodes; a derived row -- ``auto``, ``mesh-auto`` -- names its ``pick``, and with
-``--samples`` its ``picks``, one per sample); ``--plot FILE.png`` draws bytes and time
-against the CP size (8..1024 by default). ``--jobs N`` plans and simulates the rows in N worker
+``--samples`` its ``picks``, one per sample); ``--plot FILE.png`` draws, against the
+CP size (8..1024 by default), the busiest rank's bytes, the time and the time relative to ring. ``--jobs N`` plans and simulates the rows in N worker
 processes (0: one per CPU core): the same output, sooner.
 """
 
@@ -137,7 +137,8 @@ def _parser() -> argparse.ArgumentParser:
                         "kernel launches, fp32 accumulation, copies, merges and exposed communication, with the "
                         "rounds it waits for (JSON: every row's 'breakdown'); one sample's plans, so not with --samples N > 1")
     o.add_argument("--plot", metavar="FILE.png",
-                   help="also draw bytes and time versus CP size (unmasked: not with --window or --docs)")
+                   help="also draw bytes, time and time relative to ring versus CP size (unmasked: not with "
+                        "--window or --docs)")
     o.add_argument("--plot-cp", default="8,16,32,64,128,256,512,1024", help="CP sizes of the plot")
     o.add_argument("--jobs", type=int, default=1, metavar="N",
                    help="plan and simulate the rows in N processes (0: one per CPU core); the same table, sooner "
@@ -431,37 +432,94 @@ def _plot_sizes(args, modes: tuple[str, ...]) -> list[int]:
     return sizes
 
 
-def _plot(args, modes: tuple[str, ...], path: str, sizes: list[int], pool) -> None:
+# each line of --plot its own colour, line style and marker: lines that coincide (tasp moves ring's
+# bytes; at small P every mode takes the same time) still show both. Ring, the reference every
+# other line is read against, is a wide pale band drawn under the rest; the markers are hollow.
+PLOT_STYLES = {
+    "ring": dict(color="black", ls="-", lw=5.0, alpha=0.25, zorder=1),
+    "mesh-auto": dict(color="tab:orange", ls="-", marker="o"),
+    "tasp": dict(color="tab:green", ls="--", marker="s"),
+    "a2a+mesh-auto": dict(color="tab:red", ls="-", marker="D"),
+    "usp": dict(color="tab:purple", ls=":", marker="^"),
+    "ulysses": dict(color="tab:brown", ls="-.", marker="v"),
+}
+PLOT_DPI = 120
+
+
+def _plot_series(args, modes: tuple[str, ...], sizes: list[int], pool) -> dict[str, list[tuple[int, ModeResult]]]:
+    """Per mode of PLOT_MODES asked for: (CP size, row) at each of ``sizes`` where it runs."""
+    series: dict[str, list[tuple[int, ModeResult]]] = {m: [] for m in PLOT_MODES if m in modes}
+    for P in sizes:
+        rows, _ = evaluate(P, _shape(args, P), _topology(argparse.Namespace(**{**vars(args), "nodes": None}), P),
+                           causal=args.causal, modes=list(series), backward_chunks=args.backward_chunks,
+                           schedule=args.schedule, executor=pool)
+        for r in rows:
+            series[r.mode].append((P, r))
+    return {m: pts for m, pts in series.items() if pts}
+
+
+def _g(value, _pos=None) -> str:
+    """A tick label as the number it is (8, 1024, 0.5), not 2^3 or 5 x 10^-1."""
+    return f"{value:g}"
+
+
+def plot_fig(series: dict[str, list[tuple[int, ModeResult]]], title: str, gpus_per_node: int):
+    """The --plot figure: per mode, against the CP size, the bytes the busiest rank sends (log),
+    the predicted time (log) and the time relative to ring's at the same CP size (linear: the
+    10-20 % between modes that a log axis flattens). One legend for the three panels, under them."""
     import matplotlib  # lazy: only --plot needs it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
-    series: dict[str, list[tuple[int, ModeResult]]] = {}
-    for P in sizes:
-        rows, _ = evaluate(P, _shape(args, P), _topology(argparse.Namespace(**{**vars(args), "nodes": None}), P),
-                           causal=args.causal, modes=[m for m in PLOT_MODES if m in modes],
-                           backward_chunks=args.backward_chunks, schedule=args.schedule, executor=pool)
-        for r in rows:
-            series.setdefault(r.mode, []).append((P, r))
-    fig, (ax_b, ax_t) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax_b, ax_t, ax_r) = plt.subplots(1, 3, figsize=(15, 4.8), layout="constrained")
+    ring = {P: r.time_s for P, r in series.get(REFERENCE_MODE, [])}
+    handles = []
     for mode, pts in series.items():
-        xs = [p for p, _ in pts]
-        ax_b.plot(xs, [r.bytes_per_rank / 2**30 for _, r in pts], marker="o", label=mode)
-        ax_t.plot(xs, [r.time_s * 1e3 for _, r in pts], marker="o", label=mode)
-    kv = args.kv_heads if args.kv_heads is not None else args.heads
-    for ax, label in ((ax_b, "GiB sent per rank (fwd + bwd)"), (ax_t, "predicted attention time, ms (fwd + bwd)")):
+        style = {"lw": 1.4, "ms": 6, "mfc": "none", "mew": 1.3, "zorder": 2, **PLOT_STYLES[mode]}
+        xs = [P for P, _ in pts]
+        (line,) = ax_b.plot(xs, [r.bytes_per_rank / 2**30 for _, r in pts], label=mode, **style)
+        ax_t.plot(xs, [r.time_s * 1e3 for _, r in pts], **style)
+        vs = [(P, r.time_s / ring[P]) for P, r in pts if P in ring]
+        if vs:
+            ax_r.plot([P for P, _ in vs], [v for _, v in vs], **style)
+        handles.append(line)
+    sizes = sorted({P for pts in series.values() for P, _ in pts})
+    for ax, what in ((ax_b, "GiB"), (ax_t, "ms"),
+                     (ax_r, "time / ring's time (below 1: faster)")):
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel(f"CP size ({args.gpus_per_node} GPUs per node)")
-        ax.set_ylabel(label)
+        ax.set_xticks(sizes, [_g(P) for P in sizes])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel(f"CP size ({gpus_per_node} GPUs per node)")
+        ax.set_ylabel(what)
         ax.grid(True, which="both", alpha=0.3)
-    ax_b.legend()
-    fig.suptitle(f"S = {args.seq_len:,} tokens, heads {args.heads}/{kv}, head dim {args.head_dim}, {args.dtype}, "
-                 f"{'causal' if args.causal else 'full'} (megatron-mesh-plan)", fontsize=10)
-    fig.tight_layout()
+    for ax in (ax_b, ax_t):
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FuncFormatter(_g))
+        # the 2s and 5s of each decade labelled too (a decade with one label is hard to read)
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _pos: _g(v) if f"{v:.0e}"[0] in "25" else ""))
+    ax_b.set_title("bytes sent by the busiest rank (fwd + bwd, log)", fontsize=10)
+    ax_t.set_title("predicted attention time (fwd + bwd, log)", fontsize=10)
+    ax_r.set_title(f"time relative to {REFERENCE_MODE} (linear)", fontsize=10)
+    if not ring:
+        ax_r.text(0.5, 0.5, f"no {REFERENCE_MODE} row to compare with\n(add it to --modes)", ha="center",
+                  va="center", transform=ax_r.transAxes)
+    fig.suptitle(title, fontsize=10)
+    fig.legend(handles, [h.get_label() for h in handles], loc="outside lower center", ncols=len(handles),
+               title="mode", fontsize=9)
+    return fig
+
+
+def _plot(args, modes: tuple[str, ...], path: str, sizes: list[int], pool) -> None:
+    import matplotlib.pyplot as plt
+
+    kv = args.kv_heads if args.kv_heads is not None else args.heads
+    title = (f"S = {args.seq_len:,} tokens, heads {args.heads}/{kv}, head dim {args.head_dim}, {args.dtype}, "
+             f"{'causal' if args.causal else 'full'}, one attention layer (megatron-mesh-plan)")
+    fig = plot_fig(_plot_series(args, modes, sizes, pool), title, args.gpus_per_node)
     try:
-        fig.savefig(path, dpi=120, format="png")
+        fig.savefig(path, dpi=PLOT_DPI, format="png")
     except OSError as e:
         raise ValueError(f"--plot {path!r}: {e.strerror or e}") from None
     finally:

@@ -73,7 +73,46 @@ def test_cli_table_and_plot(capsys, tmp_path):
     assert main(["--cp", "8", "--seq-len", "65536", "--plot", str(png), "--plot-cp", "8,16,32"]) == 0
     out = capsys.readouterr().out
     assert "ring" in out and "mesh-auto" in out and "speedup" in out
-    assert png_size(png) == (11 * 120, round(4.2 * 120))  # figsize (11, 4.2) inches at 120 dpi
+    assert png_size(png) == (15 * 120, round(4.8 * 120))  # figsize (15, 4.8) inches at 120 dpi
+    # the plot plans every CP size again: its time is reported, not hidden in the table's
+    assert re.search(r"\(planned and simulated in [0-9.]+ s; the plot, 3 CP sizes planned and drawn, in [0-9.]+ s, "
+                     rf"written to {re.escape(str(png))}; [0-9.]+ s in all\)", out), out
+
+
+def test_plot_figure_shows_every_line_and_the_time_relative_to_ring():
+    """Every mode in each panel with its own line style and marker (tasp moves ring's bytes: both
+    still show), a linear panel of time / ring's time, one legend below the panels, off the data."""
+    pytest.importorskip("matplotlib")
+    from megatron_mesh.tools.plan_cli import PLOT_MODES, plot_fig
+
+    shape = AttentionShape(seq_local=4096, heads=32, kv_heads=8, head_dim=128)
+    series = {}
+    for P in (8, 16, 32):
+        rows, _ = evaluate(P, shape, Topology.for_cp(P), modes=PLOT_MODES)
+        for r in rows:
+            series.setdefault(r.mode, []).append((P, r))
+    fig = plot_fig(series, "test", 8)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    ax_b, ax_t, ax_r = fig.axes
+    for ax in (ax_b, ax_t, ax_r):
+        assert len(ax.get_lines()) == len(series)
+        styles = [(line.get_linestyle(), line.get_marker(), line.get_linewidth()) for line in ax.get_lines()]
+        assert len(set(styles)) == len(styles), styles  # no two lines alike: coinciding ones both show
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["8", "16", "32"]
+    ring_ratio = ax_r.get_lines()[list(series).index("ring")].get_ydata()
+    assert list(ring_ratio) == [1.0, 1.0, 1.0]
+    usp = dict(series["usp"])
+    ring = dict(series["ring"])
+    assert list(ax_r.get_lines()[list(series).index("usp")].get_ydata()) == \
+        pytest.approx([usp[P].time_s / ring[P].time_s for P in (8, 16, 32)])
+    assert ax_r.get_yscale() == "linear" and ax_t.get_yscale() == "log"
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == list(series)
+    box = legend.get_window_extent(renderer)
+    for ax in fig.axes:  # under the panels, inside the figure
+        assert box.y1 <= ax.get_tightbbox(renderer).y0
+    assert box.y0 >= 0 and box.x0 >= 0 and box.x1 <= fig.bbox.x1
 
 
 @pytest.mark.parametrize("argv, message", [
