@@ -51,7 +51,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
 def mask_of(args) -> Mask:
     """The run's mask: causal or full, with --docs and --window (Megatron's global layout)."""
-    window = None if args.window is None else window_of(args.window, not args.full)
+    window = None if args.window is None else window_of(args.window, not args.full, full_flag="--full")
     if args.docs is None:
         return Mask(not args.full, window).normalized(args.seq_len)
     return Mask.from_cu_seqlens(document_bounds(args.docs, args.seq_len, args.seed), args.seq_len, not args.full,

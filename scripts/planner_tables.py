@@ -12,7 +12,8 @@ and its headline numbers).
 
 Columns: ring attention, the fastest Mesh tile, USP by formula (its ring part simulated from the
 ring plan; no reorder copies counted) and simulated from its plan (``a2a+ring``), the fastest
-Ulysses x Mesh hybrid, ``auto`` (the fastest plan of every mode), auto's speedup over USP, and the
+Ulysses x Mesh hybrid, ``auto`` (the fastest plan of every mode, ties within
+:data:`~megatron_mesh.plan.autotile.TIME_TOLERANCE` going to fewer inter-node bytes), auto's speedup over USP, and the
 *compute floor*: the attention FLOPs of one rank at the machine's throughput (forward + 2.5x
 backward) -- no CP mode can be faster, so USP's time over the floor bounds any mode's speedup.
 """

@@ -29,11 +29,14 @@ def add_args(parser):
     g = parser.add_argument_group("megatron_mesh", "context-parallel attention modes of the plugin "
                                   "(--cp-comm-type MODE, one value or one per layer)")
     for f in flags():
+        # argparse reads help as a %-format (e.g. "ties within 1 %" in --mesh-tile-shape's): a
+        # literal % is written %%
         if f.store_true:
-            g.add_argument(f.name, action="store_true", help=f.help)
+            g.add_argument(f.name, action="store_true", help=f.help.replace("%", "%%"))
             continue
         default = f" (default {f.default})" if f.default is not None else ""
-        g.add_argument(f.name, default=None, type=f.type, choices=f.choices, help=f.help + default)
+        g.add_argument(f.name, default=None, type=f.type, choices=f.choices,
+                       help=(f.help + default).replace("%", "%%"))
     return parser
 
 

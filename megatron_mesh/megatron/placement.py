@@ -11,7 +11,8 @@ the CP group (consecutive CP ranks per node: ``--tasp-gpus-per-node`` or torchru
 Example: CP 8 over 2 nodes of 4 (``LOCAL_WORLD_SIZE=4``), GQA 8/2 heads, ``--cp-comm-type a2a+mesh
 --hierarchical-context-parallel-sizes 2 4``: the placement is an all-to-all over CP ranks {0,1},
 {2,3}, ... and, per head slice, an inner Mesh over 4 ranks with the tile the simulator predicts
-fastest for their two nodes.
+fastest for their two nodes (ties within :data:`~megatron_mesh.plan.autotile.TIME_TOLERANCE` going to
+fewer inter-node bytes).
 """
 
 from __future__ import annotations

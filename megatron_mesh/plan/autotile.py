@@ -32,11 +32,14 @@ from .mesh import best_tile, build_mesh_plan, tile_shapes
 from .simulate import simulate
 from .topology import Topology
 
-__all__ = ["Candidate", "evaluate_plan", "rank_tiles", "choose_tile", "pick_best", "TIME_TOLERANCE"]
+__all__ = ["Candidate", "evaluate_plan", "rank_tiles", "choose_tile", "pick_best", "TIME_TOLERANCE", "TIE_RULE"]
 
 # predicted times closer than this count as equal: the model is not more accurate than that, and
 # the tie goes to fewer inter-node bytes, then fewer bytes (other traffic shares the network)
 TIME_TOLERANCE = 0.01
+# the rule in words, for every text that calls a pick "the fastest" (help, tables, reports): written
+# from TIME_TOLERANCE so that the number lives in one place
+TIE_RULE = f"ties within {TIME_TOLERANCE * 100:g} % going to fewer inter-node bytes"
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,7 @@ from .mask import BlockKind, Mask
 from .passes import insert_frees
 from .sel import Segment, Sel, first_at
 from .shape import AttentionShape
+from .units import count
 
 # the rounds before a hybrid's inner plan on a layout balanced for its groups (_lower_sets): the
 # all-to-all's four gather rounds, one per set, and the first documents' return
@@ -123,9 +124,10 @@ def build_hybrid_plan(mode: str, world_size: int, ulysses: int, build_inner: Cal
     sub = inner_shape(shape, U)
     inner = build_inner(sub, mask, SpanLayout(layout, U))
     lowering = _HybridLowering(P, U, shape, inner, layout)
-    notes = (f"all-to-all over {U} consecutive ranks ({shape.heads // U} query / {sub.kv_heads} key-value heads per "
-             f"rank{'' if shape.kv_heads >= U else f', each KV head replicated to {U // shape.kv_heads} ranks'}), "
-             f"then {inner.mode} over {P // U} ranks", *inner.notes)
+    heads = f"{shape.heads // U} query / {count(sub.kv_heads, 'key-value head')} per rank"
+    notes = (f"all-to-all over {count(U, 'consecutive rank')} ({heads}"
+             f"{'' if shape.kv_heads >= U else f', each KV head replicated to {U // shape.kv_heads} ranks'}), "
+             f"then {inner.mode} over {count(P // U, 'rank')}", *inner.notes)
     return Plan(mode=mode, world_size=P, seq_local=shape.seq_local, mask=inner.mask, layout=layout,
                 build_rank=lowering.rank_plan, build_rounds=lowering.round_ops, slots=lowering.segments,
                 tile=inner.tile, schedule=inner.schedule, backward_chunks=inner.backward_chunks,

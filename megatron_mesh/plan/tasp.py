@@ -65,6 +65,7 @@ from .mask import BlockKind, Mask, classify_block
 from .passes import insert_frees
 from .sel import Segment, map_runs
 from .shape import AttentionShape
+from .units import count
 
 __all__ = ["tasp_rings", "build_tasp_plan", "LinkLoad", "link_load"]
 
@@ -81,8 +82,12 @@ def tasp_rings(world_size: int, ranks_per_node: int | None = None) -> tuple[list
         nodes = P // ranks_per_node
         if nodes >= 2:
             rings = chained_rings(ranks_per_node, nodes)
+            if ranks_per_node == 1:  # one rank per node: a single ring, nothing stays inside a node
+                return rings, (f"one ring over {nodes} nodes of 1 GPU: each rank sends 1 slot to the next node "
+                               "per step",)
             return rings, (f"{ranks_per_node} rings chained over {nodes} nodes of {ranks_per_node} GPUs: each rank "
-                           f"sends {ranks_per_node - 1} slots inside its node and 1 to the next node per step",)
+                           f"sends {count(ranks_per_node - 1, 'slot')} inside its node and 1 to the next node per "
+                           "step",)
     if P in NO_DECOMPOSITION:
         rings = max_disjoint_hamiltonian_cycles(P)
         return rings, (f"CP size {P} has no Hamiltonian decomposition of its {P * (P - 1)} links (Tillson: none "

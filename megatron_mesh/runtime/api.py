@@ -235,7 +235,9 @@ def mesh_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, tile="auto", 
     Args:
         tile: (a, b) with a * b == CP size -- a query chunks by b key/value chunks per rank; "AxB"
             strings and "auto" (the tile the planner's simulator predicts fastest on nodes of
-            ``gpus_per_node`` CP ranks, one node when None). (1, P) is ring attention.
+            ``gpus_per_node`` CP ranks, one node when None; ties within
+            :data:`~megatron_mesh.plan.autotile.TIME_TOLERANCE` go to fewer inter-node bytes).
+            (1, P) is ring attention.
         schedule: "greedy" (pull order by unlocked compute per byte) or "lockstep".
         backward_chunks: "refetch" (re-communicate Q/KV chunks in the backward, ring attention's
             memory), "keep" (keep the forward's chunks: fewer bytes, more activation memory) or

@@ -11,7 +11,8 @@ the PNG files it wrote (none when the runs hold nothing to draw).
   CP rank, grouped by mode, with each group's max / mean (the imbalance);
 * :func:`heatmap_figure` (``heatmap.png``) -- per mask and mode, the bytes each CP rank sent to
   each other one (sender x receiver, as ``comm_counter`` measured them): ring's band, Mesh's tile
-  blocks, TASP's spread, a hybrid's all-to-all pairs beside its inner ring.
+  blocks, TASP's spread, a hybrid's all-to-all pairs beside its inner ring; one unit and one colour
+  scale for every panel.
 
 Each figure has a ``*_fig`` builder that returns the matplotlib Figure (the tests inspect its
 artists). Layout: constrained layout, legends in the figure margin (outside the data), saved with
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import os
 
-from ..plan.units import format_bytes
 from .runs import RunResult, imbalance, mean_time, timed_iterations
 
 __all__ = ["FIGURES", "DEVIATION_FLOOR", "loss_figure", "measure_figure", "ranks_figure", "heatmap_figure",
@@ -268,8 +268,11 @@ def ranks_figure(runs: list[RunResult], out_dir: str) -> list[str]:
 # -- who sends to whom -------------------------------------------------------------------------------
 def heatmap_fig(runs: list[RunResult]):
     """Per mask (rows) and mode (columns): the bytes per step each CP rank sent (row) to each
-    other one (column), as measured; one color scale per mask, cells annotated (CP <= 8), the
-    panel's total in its title. None: no run has the per-peer counts."""
+    other one (column), as measured. One unit for every panel (from the largest cell of all): the
+    cells (annotated, CP <= 8), colour bars and panel totals all in it. One colour scale per mask,
+    shared by its modes (the comparison the figure is for: the same problem, mode against mode);
+    masks get their own, since a mask that sends a tenth of the bytes would otherwise show no
+    pattern at all. None: no run has the per-peer counts."""
     runs = [r for r in runs if r.ok and r.cp > 1 and r.bytes_matrix]
     if not runs:
         return None
@@ -281,11 +284,10 @@ def heatmap_fig(runs: list[RunResult]):
     fig, axes = plt.subplots(len(masks), len(modes), figsize=(size * len(modes) + 1.5, (size + 0.7) * len(masks)),
                              squeeze=False, layout="constrained")
     fig.get_layout_engine().set(h_pad=0.08)  # the image panels keep their aspect: room between the rows
+    unit, scale = _unit(max(v for r in runs for line in r.bytes_matrix for v in line), "bytes")
     for row, mask in enumerate(masks):
         by_mode = {r.mode: r for r in runs if r.mask == mask}
-        largest = max((v for r in by_mode.values() for line in r.bytes_matrix for v in line), default=0)
-        unit, scale = _unit(largest, "bytes")
-        vmax = largest * scale or 1.0
+        vmax = max((v for r in by_mode.values() for line in r.bytes_matrix for v in line), default=0) * scale or 1.0
         image = None
         for col, mode in enumerate(modes):
             ax = axes[row][col]
@@ -300,10 +302,10 @@ def heatmap_fig(runs: list[RunResult]):
                 for i in range(n):
                     for j in range(n):
                         if r.bytes_matrix[i][j]:
-                            ax.text(j, i, _short_bytes(r.bytes_matrix[i][j]), ha="center", va="center", fontsize=7,
+                            ax.text(j, i, _cell_label(data[i][j]), ha="center", va="center", fontsize=7,
                                     color="white" if data[i][j] > 0.6 * vmax else "black")
             total = sum(sum(line) for line in r.bytes_matrix)
-            ax.set_title(f"{mode}: total {format_bytes(total)}", fontsize=9)
+            ax.set_title(f"{mode}: total {_cell_label(total * scale)} {unit}", fontsize=9)
             ax.set_xticks(range(n))
             ax.set_yticks(range(n))
             ax.tick_params(labelsize=7)
@@ -311,19 +313,18 @@ def heatmap_fig(runs: list[RunResult]):
             ax.set_ylabel(f"mask: {mask}\nsender (CP rank)" if col == 0 else "", fontsize=8)
         if image is not None:
             bar = fig.colorbar(image, ax=list(axes[row]), shrink=0.85, pad=0.01)
-            bar.set_label(f"{unit} per step", fontsize=8)
+            bar.set_label(f"{unit} sent per step", fontsize=8)
             bar.ax.tick_params(labelsize=7)
-    fig.suptitle("Attention bytes sent per step, sender x receiver (measured by comm_counter)")
+    fig.suptitle(f"Attention bytes sent per step, sender x receiver, in {unit}; one colour scale per mask (measured by "
+                 "comm_counter)")
     return fig
 
 
-def _short_bytes(n: float) -> str:
-    """A cell's bytes in at most ~5 characters ('576K', '1.1M')."""
-    for unit, size in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
-        if n >= size:
-            v = n / size
-            return f"{v:.0f}{unit}" if v >= 10 else f"{v:.1f}{unit}"
-    return f"{n:.0f}"
+def _cell_label(v: float) -> str:
+    """A cell's value in the figure's unit, in at most ~4 characters ('2.25', '768', '0.75')."""
+    if v >= 100:
+        return f"{v:.0f}"
+    return f"{v:.3g}" if v >= 1 else f"{v:.2g}"
 
 
 def heatmap_figure(runs: list[RunResult], out_dir: str) -> list[str]:

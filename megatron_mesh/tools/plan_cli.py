@@ -2,9 +2,12 @@
 
 Per mode (ring, mesh per tile, mesh-auto, tasp, the Ulysses hybrids a2a+ring / a2a+mesh /
 a2a+tasp for every all-to-all degree, auto, and Ulysses / USP by formula): bytes each rank sends in the
-forward + backward of one attention layer, split intra/inter-node, communication rounds, peak
-extra buffer memory, and the predicted forward + backward time of the simulator
-(:mod:`megatron_mesh.plan.simulate`). Example (the paper's scale)::
+forward + backward of one attention layer (the busiest rank's, and the mean over the ranks split
+intra/inter-node), communication rounds, peak extra buffer memory, and the predicted forward +
+backward time of the simulator (:mod:`megatron_mesh.plan.simulate`). ``mesh-auto``,
+``a2a+mesh-auto`` and ``auto`` are the fastest of their candidates, ties within
+:data:`~megatron_mesh.plan.autotile.TIME_TOLERANCE` going to fewer inter-node bytes
+(:data:`~megatron_mesh.plan.autotile.TIE_RULE`). Example (the paper's scale)::
 
     megatron-mesh-plan --cp 256 --heads 32 --kv-heads 8 --head-dim 128 --seq-len 1048576 --gpus-per-node 8
 
@@ -21,10 +24,10 @@ searched offline, next to the ones Megatron can run.
 
 ``--json`` prints ``{"modes": [{"mode", "tile", "bytes_per_rank", "inter_node_bytes_per_rank",
 "rounds", "time_s", ...}], "skipped": [...], ...}`` (bytes are whole bytes sent in one layer's
-forward + backward; ``*_per_rank`` split values are means over the ranks, ``max_inter_node_bytes``
-is the busiest rank's; a derived row -- ``auto``, ``mesh-auto`` -- names its ``pick``, and with
-``--samples`` its ``picks``, one per sample); ``--plot FILE.png`` draws bytes and time
-against the CP size (8..1024 by default). ``--jobs N`` plans and simulates the rows in N worker
+forward + backward; ``bytes_per_rank`` is the busiest rank's, the ``*_node_bytes_per_rank`` split
+values are means over the ranks, ``max_inter_node_bytes`` is the busiest rank's across nodes; a derived row -- ``auto``, ``mesh-auto`` -- names its ``pick``, and with
+``--samples`` its ``picks``, one per sample); ``--plot FILE.png`` draws, against the
+CP size (8..1024 by default), the busiest rank's bytes, the time and the time relative to ring. ``--jobs N`` plans and simulates the rows in N worker
 processes (0: one per CPU core): the same output, sooner.
 """
 
@@ -43,6 +46,7 @@ from dataclasses import replace
 import math
 import random
 
+from ..plan.autotile import TIE_RULE
 from ..plan.layout import layout_from_text
 from ..plan.mask import Mask
 from ..plan.mesh import BACKWARD_CHUNKS
@@ -52,18 +56,27 @@ from ..plan.simulate import BACKWARD_FLOPS
 from ..plan.topology import Topology
 from ..plan.units import format_bytes
 from .planner import (AUTO, FORMULAS, LAYOUTS, REGISTRY, ModeResult, all_modes, allowed_pairs, compute_floor,
-                      default_modes, evaluate, layout_rows, mean_rows, worker_pool)
+                      default_modes, derived_modes, evaluate, layout_rows, mean_rows, worker_pool)
 
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 # the lines of --plot (one per mode: rows with one placement per CP size)
 PLOT_MODES = ("ring", "mesh-auto", "tasp", "a2a+mesh-auto", "usp", "ulysses")
 
 
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's "(default: X)" only where X says something: not for on/off flags (the help says
+    what the flag turns on or off) nor for None (the help says what happens without the option)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or isinstance(action.default, bool):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _parser() -> argparse.ArgumentParser:
     d = Topology()
     p = argparse.ArgumentParser(
-        prog="megatron-mesh-plan", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        prog="megatron-mesh-plan", description=__doc__.split("\n\n")[0], formatter_class=_DefaultsHelp)
     g = p.add_argument_group("problem (one attention layer)")
     g.add_argument("--cp", type=int, default=8, help="context-parallel size P")
     g.add_argument("--heads", type=int, default=32, help="query heads H")
@@ -72,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seq-len", type=int, default=131072, help="global sequence length S (divisible by 2P)")
     g.add_argument("--batch", type=int, default=1, help="micro-batch size")
     g.add_argument("--dtype", choices=sorted(ITEMSIZE), default="bf16", help="activation dtype of q, k, v")
-    g.add_argument("--no-causal", dest="causal", action="store_false", help="full (non-causal) attention")
+    g.add_argument("--no-causal", dest="causal", action="store_false", help="full (non-causal) attention (default: causal)")
     g.add_argument("--backward-chunks", choices=BACKWARD_CHUNKS, default="auto",
                    help="re-communicate Q/KV chunks in the backward ('refetch'), keep them from the forward ('keep'), "
                         "or keep them where a mask-aware plan's pieces are at most a rank's own Q, K, V ('auto'; "
@@ -80,9 +93,12 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--schedule", choices=("greedy", "lockstep"), default="greedy", help="Mesh intra-tile schedule")
     g.add_argument("--modes", default=",".join(default_modes()), help="comma-separated subset of "
                    f"{','.join(all_modes())} "
-                   "(a2a+mesh lists every all-to-all degree x inner tile)")
+                   f"(a2a+mesh lists every all-to-all degree x inner tile; {', '.join(derived_modes())}: the fastest "
+                   f"of their candidates, {TIE_RULE})".replace("%", "%%"))  # argparse: help is a %-format
     g.add_argument("--window", default=None, metavar="L[,R]",
-                   help="sliding window: a query attends keys at most L before (and R after, non-causal) it")
+                   help="sliding window: a query attends keys at most L tokens before it and, with --no-causal, at "
+                        "most R after it (R left out: no bound with --no-causal; 0, or left out, when causal) "
+                        "(default: no window)")
     g.add_argument("--docs", default=None, metavar="SPEC",
                    help="packed documents: fixed:N (every document N tokens) or lognormal:MEAN,SIGMA (lengths "
                         "drawn with mean MEAN tokens), after any one:N+ parts (one document of N tokens each, e.g. "
@@ -92,14 +108,14 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--samples", type=int, default=1, metavar="N",
                    help="plan N samples of --docs lognormal (seeds --seed .. --seed+N-1) and give each row's mean "
                         "over them (buffer memory: the largest; 'time max': the slowest sample): what a run over "
-                        "many such samples can expect, where one sample can mislead")
+                        "many such samples can expect, where one sample can mislead; not with --explain")
     g.add_argument("--layout", default=None, choices=LAYOUTS + ("all",),
                    help="the sequence layout under --docs: Megatron's zigzag, Transformer Engine's THD (each document "
                         "padded to 2 x CP; TE's own p2p and a2a+p2p on it too), the plugin's balanced layout, the "
                         "same with the Ulysses groups' first and last documents set apart (balanced-hide: the "
-                        "hybrids only), or all side by side (default with --docs; without documents only the zigzag "
-                        "applies; side by side above 64 ranks the plugin's modes are not planned on THD, too many "
-                        "pieces: --layout thd plans them)")
+                        "hybrids only), or all side by side (above 64 ranks the plugin's modes are not planned on THD "
+                        "then, too many pieces: --layout thd plans them) (default: all with --docs, zigzag without: "
+                        "the other layouts place documents)")
     g.add_argument("--layout-file", default=None, metavar="F",
                    help="also plan the layout in F for the same --docs and --seed (one sample; its text line, as "
                         "scripts/search_layout.py --out writes it), as the rows of layout 'file'; no Megatron flag "
@@ -119,8 +135,10 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--explain", action="store_true",
                    help="also say where the fastest plan's time goes (per layout): on its slowest rank, FLOPs, "
                         "kernel launches, fp32 accumulation, copies, merges and exposed communication, with the "
-                        "rounds it waits for (JSON: every row's 'breakdown')")
-    o.add_argument("--plot", metavar="FILE.png", help="also draw bytes and time versus CP size")
+                        "rounds it waits for (JSON: every row's 'breakdown'); one sample's plans, so not with --samples N > 1")
+    o.add_argument("--plot", metavar="FILE.png",
+                   help="also draw bytes, time and time relative to ring versus CP size (unmasked: not with "
+                        "--window or --docs)")
     o.add_argument("--plot-cp", default="8,16,32,64,128,256,512,1024", help="CP sizes of the plot")
     o.add_argument("--jobs", type=int, default=1, metavar="N",
                    help="plan and simulate the rows in N processes (0: one per CPU core); the same table, sooner "
@@ -166,15 +184,19 @@ def _shape(args, world_size: int) -> AttentionShape:
                           head_dim=args.head_dim, itemsize=ITEMSIZE[args.dtype])
 
 
-def window_of(text: str, causal: bool) -> tuple[int, int | None]:
+def window_of(text: str, causal: bool, full_flag: str = "--no-causal") -> tuple[int, int | None]:
     """(left, right) of the tools' ``--window L`` or ``L,R``: tokens each query sees before and
-    after itself; R defaults to 0 under a causal mask, else to no bound (None)."""
+    after itself; R defaults to 0 under a causal mask, else to no bound (None). ValueError in the
+    flags' terms: R > 0 needs a full mask, which the tool's ``full_flag`` asks for."""
     try:
         parts = [int(x) for x in text.split(",")]
     except ValueError:
         parts = []
     if len(parts) not in (1, 2) or min(parts) < 0:
         raise ValueError(f"--window {text!r} must be L or L,R (integers >= 0)")
+    if causal and len(parts) == 2 and parts[1]:  # said here in the flag's terms, not Mask's (None)
+        raise ValueError(f"--window {text!r}: a causal query never sees a later key, so R must be 0 or left out "
+                         f"(--window {parts[0]}); give {full_flag} for R > 0")
     return parts[0], parts[1] if len(parts) == 2 else (0 if causal else None)
 
 
@@ -283,7 +305,7 @@ def _table(rows: list[ModeResult], skipped: list[dict], floor: float | None = No
     sampled = any("time_s_max" in r.extra for r in rows)  # rows averaged over samples (mean_rows)
     layouts = len({r.layout for r in rows}) > 1
     head = (["layout"] if layouts else []) + \
-        ["mode", "a2a", "tile", "order", "bytes/rank", "vs ring", "intra", "inter mean", "inter max", "rounds",
+        ["mode", "a2a", "tile", "order", "bytes max", "vs ring", "intra mean", "inter mean", "inter max", "rounds",
          "peak buf", "fwd ms", "bwd ms", "time ms"] + (["time max"] if sampled else []) + \
         ["exposed ms", "speedup"] + (["work max/mean"] if work else []) + \
         (["x floor"] if floor else [])
@@ -315,6 +337,10 @@ def _table(rows: list[ModeResult], skipped: list[dict], floor: float | None = No
         if r.detail:
             details.setdefault(r.detail, []).append(r.mode + (f" ({r.layout})" if layouts else ""))
     out += [f"{', '.join(dict.fromkeys(names))}: {detail}" for detail, names in details.items()]
+    derived = [m for m in dict.fromkeys(r.mode for r in rows) if m in derived_modes()]
+    if derived:  # what their "fastest" means: a row a little faster than the pick is within the tie rule
+        out.append(f"{', '.join(derived)}: the fastest of {'its' if len(derived) == 1 else 'their'} candidates, "
+                   f"{TIE_RULE}")
     if any(r.by_formula for r in rows):
         out.append("* by formula (no plan): Ulysses all-to-alls priced analytically; USP's ring part is simulated")
     reasons: dict[str, list[str]] = {}  # one line per reason, naming the rows it leaves out
@@ -378,7 +404,9 @@ def _header(args, world_size: int, shape: AttentionShape, topo: Topology, mask: 
             f"{args.seq_len:,} tokens ({shape.seq_local:,} per rank), batch {shape.batch}, heads {shape.heads}/"
             f"{shape.kv_heads}, head dim {shape.head_dim}, {args.dtype}, {what}\n"
             f"machine: {topo.describe()}\n"
-            "bytes: sent per rank, forward + backward, one attention layer; time: simulated forward + backward\n")
+            "bytes: sent per rank, forward + backward, one attention layer -- 'max': the busiest rank's, 'mean': the "
+            "mean over the ranks (intra mean + inter mean = the mean rank's bytes, at most bytes max); time: "
+            "simulated forward + backward\n")
 
 
 def _plot_sizes(args, modes: tuple[str, ...]) -> list[int]:
@@ -404,37 +432,94 @@ def _plot_sizes(args, modes: tuple[str, ...]) -> list[int]:
     return sizes
 
 
-def _plot(args, modes: tuple[str, ...], path: str, sizes: list[int], pool) -> None:
+# each line of --plot its own colour, line style and marker: lines that coincide (tasp moves ring's
+# bytes; at small P every mode takes the same time) still show both. Ring, the reference every
+# other line is read against, is a wide pale band drawn under the rest; the markers are hollow.
+PLOT_STYLES = {
+    "ring": dict(color="black", ls="-", lw=5.0, alpha=0.25, zorder=1),
+    "mesh-auto": dict(color="tab:orange", ls="-", marker="o"),
+    "tasp": dict(color="tab:green", ls="--", marker="s"),
+    "a2a+mesh-auto": dict(color="tab:red", ls="-", marker="D"),
+    "usp": dict(color="tab:purple", ls=":", marker="^"),
+    "ulysses": dict(color="tab:brown", ls="-.", marker="v"),
+}
+PLOT_DPI = 120
+
+
+def _plot_series(args, modes: tuple[str, ...], sizes: list[int], pool) -> dict[str, list[tuple[int, ModeResult]]]:
+    """Per mode of PLOT_MODES asked for: (CP size, row) at each of ``sizes`` where it runs."""
+    series: dict[str, list[tuple[int, ModeResult]]] = {m: [] for m in PLOT_MODES if m in modes}
+    for P in sizes:
+        rows, _ = evaluate(P, _shape(args, P), _topology(argparse.Namespace(**{**vars(args), "nodes": None}), P),
+                           causal=args.causal, modes=list(series), backward_chunks=args.backward_chunks,
+                           schedule=args.schedule, executor=pool)
+        for r in rows:
+            series[r.mode].append((P, r))
+    return {m: pts for m, pts in series.items() if pts}
+
+
+def _g(value, _pos=None) -> str:
+    """A tick label as the number it is (8, 1024, 0.5), not 2^3 or 5 x 10^-1."""
+    return f"{value:g}"
+
+
+def plot_fig(series: dict[str, list[tuple[int, ModeResult]]], title: str, gpus_per_node: int):
+    """The --plot figure: per mode, against the CP size, the bytes the busiest rank sends (log),
+    the predicted time (log) and the time relative to ring's at the same CP size (linear: the
+    10-20 % between modes that a log axis flattens). One legend for the three panels, under them."""
     import matplotlib  # lazy: only --plot needs it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
-    series: dict[str, list[tuple[int, ModeResult]]] = {}
-    for P in sizes:
-        rows, _ = evaluate(P, _shape(args, P), _topology(argparse.Namespace(**{**vars(args), "nodes": None}), P),
-                           causal=args.causal, modes=[m for m in PLOT_MODES if m in modes],
-                           backward_chunks=args.backward_chunks, schedule=args.schedule, executor=pool)
-        for r in rows:
-            series.setdefault(r.mode, []).append((P, r))
-    fig, (ax_b, ax_t) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax_b, ax_t, ax_r) = plt.subplots(1, 3, figsize=(15, 4.8), layout="constrained")
+    ring = {P: r.time_s for P, r in series.get(REFERENCE_MODE, [])}
+    handles = []
     for mode, pts in series.items():
-        xs = [p for p, _ in pts]
-        ax_b.plot(xs, [r.bytes_per_rank / 2**30 for _, r in pts], marker="o", label=mode)
-        ax_t.plot(xs, [r.time_s * 1e3 for _, r in pts], marker="o", label=mode)
-    kv = args.kv_heads if args.kv_heads is not None else args.heads
-    for ax, label in ((ax_b, "GiB sent per rank (fwd + bwd)"), (ax_t, "predicted attention time, ms (fwd + bwd)")):
+        style = {"lw": 1.4, "ms": 6, "mfc": "none", "mew": 1.3, "zorder": 2, **PLOT_STYLES[mode]}
+        xs = [P for P, _ in pts]
+        (line,) = ax_b.plot(xs, [r.bytes_per_rank / 2**30 for _, r in pts], label=mode, **style)
+        ax_t.plot(xs, [r.time_s * 1e3 for _, r in pts], **style)
+        vs = [(P, r.time_s / ring[P]) for P, r in pts if P in ring]
+        if vs:
+            ax_r.plot([P for P, _ in vs], [v for _, v in vs], **style)
+        handles.append(line)
+    sizes = sorted({P for pts in series.values() for P, _ in pts})
+    for ax, what in ((ax_b, "GiB"), (ax_t, "ms"),
+                     (ax_r, "time / ring's time (below 1: faster)")):
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel(f"CP size ({args.gpus_per_node} GPUs per node)")
-        ax.set_ylabel(label)
+        ax.set_xticks(sizes, [_g(P) for P in sizes])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel(f"CP size ({gpus_per_node} GPUs per node)")
+        ax.set_ylabel(what)
         ax.grid(True, which="both", alpha=0.3)
-    ax_b.legend()
-    fig.suptitle(f"S = {args.seq_len:,} tokens, heads {args.heads}/{kv}, head dim {args.head_dim}, {args.dtype}, "
-                 f"{'causal' if args.causal else 'full'} (megatron-mesh-plan)", fontsize=10)
-    fig.tight_layout()
+    for ax in (ax_b, ax_t):
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FuncFormatter(_g))
+        # the 2s and 5s of each decade labelled too (a decade with one label is hard to read)
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _pos: _g(v) if f"{v:.0e}"[0] in "25" else ""))
+    ax_b.set_title("bytes sent by the busiest rank (fwd + bwd, log)", fontsize=10)
+    ax_t.set_title("predicted attention time (fwd + bwd, log)", fontsize=10)
+    ax_r.set_title(f"time relative to {REFERENCE_MODE} (linear)", fontsize=10)
+    if not ring:
+        ax_r.text(0.5, 0.5, f"no {REFERENCE_MODE} row to compare with\n(add it to --modes)", ha="center",
+                  va="center", transform=ax_r.transAxes)
+    fig.suptitle(title, fontsize=10)
+    fig.legend(handles, [h.get_label() for h in handles], loc="outside lower center", ncols=len(handles),
+               title="mode", fontsize=9)
+    return fig
+
+
+def _plot(args, modes: tuple[str, ...], path: str, sizes: list[int], pool) -> None:
+    import matplotlib.pyplot as plt
+
+    kv = args.kv_heads if args.kv_heads is not None else args.heads
+    title = (f"S = {args.seq_len:,} tokens, heads {args.heads}/{kv}, head dim {args.head_dim}, {args.dtype}, "
+             f"{'causal' if args.causal else 'full'}, one attention layer (megatron-mesh-plan)")
+    fig = plot_fig(_plot_series(args, modes, sizes, pool), title, args.gpus_per_node)
     try:
-        fig.savefig(path, dpi=120, format="png")
+        fig.savefig(path, dpi=PLOT_DPI, format="png")
     except OSError as e:
         raise ValueError(f"--plot {path!r}: {e.strerror or e}") from None
     finally:
@@ -586,8 +671,10 @@ def _main(args) -> int:
                 skipped = list(first.values()) + missing
                 floor = sum(f for _, _, f in planned) / len(planned)
             elapsed = time.perf_counter() - start
+            plot_s = None  # the plot plans every CP size again and draws: often longer than the table
             if args.plot:
                 _plot(args, modes, args.plot, plot_sizes, pool)
+                plot_s = time.perf_counter() - start - elapsed
     except ValueError as e:
         print(f"megatron-mesh-plan: error: {e}", file=sys.stderr)
         return 2
@@ -605,7 +692,7 @@ def _main(args) -> int:
                                       "mask": mask.text() if mask is not None else None},
                           "topology": {k: v for k, v in vars(topo).items() if k != "node_of"},
                           "compute_floor_s": floor, "samples": len(seeds), "seeds": seeds if args.docs else None,
-                          "planner_seconds": elapsed}, indent=1))
+                          "planner_seconds": elapsed, "plot_seconds": plot_s}, indent=1))
     else:
         print(_header(args, args.cp, shape, topo, mask))
         if len(seeds) > 1:
@@ -624,7 +711,9 @@ def _main(args) -> int:
                 print(f"(one sample of --docs, --seed {args.seed}: --samples N gives the mean over N samples)")
         if args.explain:
             print(_explain(rows, floor))
-        print(f"\n(planned and simulated in {elapsed:.2f} s)" + (f"; plot written to {args.plot}" if args.plot else ""))
+        print(f"\n(planned and simulated in {elapsed:.2f} s" +
+              (f"; the plot, {len(plot_sizes)} CP sizes planned and drawn, in {plot_s:.2f} s, written to {args.plot}; "
+               f"{elapsed + plot_s:.2f} s in all)" if args.plot else ")"))
     return 0
 
 

@@ -6,7 +6,10 @@ For the plan-based modes -- every mode of the registry (:data:`megatron_mesh.pla
 numbers come from the plans the runtime executes: bytes from their rounds, time from
 :func:`~megatron_mesh.plan.simulate.simulate`, buffer memory from
 :func:`~megatron_mesh.plan.memory.buffer_memory`. ``mesh-auto`` is the fastest Mesh tile,
-``a2a+mesh-auto`` the fastest hybrid with an inner Mesh, ``auto`` the fastest plan of all.
+``a2a+mesh-auto`` the fastest hybrid with an inner Mesh, ``auto`` the fastest plan of all -- each
+"fastest" by :func:`~megatron_mesh.plan.autotile.pick_best`: predicted times within
+:data:`TIME_TOLERANCE` of the fastest count as a tie, which goes to fewer inter-node bytes
+(:data:`TIE_RULE` says it in words).
 ``ulysses`` and ``usp`` (Transformer Engine's ``a2a+p2p``) are also priced by formula, as their
 papers and Transformer Engine describe them, next to our plan of the same algorithm
 (``a2a+ring``):
@@ -34,7 +37,7 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 
 from ..plan.accounting import owner_work, rank_work
-from ..plan.autotile import TIME_TOLERANCE, Candidate, evaluate_plan, pick_best
+from ..plan.autotile import TIE_RULE, TIME_TOLERANCE, Candidate, evaluate_plan, pick_best
 from ..plan.balance import balanced_layout, document_work
 from ..plan.hybrid import build_hybrid_plan
 from ..plan.layout import ThdLayout
@@ -48,7 +51,7 @@ from ..plan.simulate import BACKWARD_FLOPS, simulate, time_breakdown
 from ..plan.topology import Topology
 
 __all__ = ["all_modes", "default_modes", "derived_modes", "ModeResult", "evaluate", "plan_modes", "ulysses_result",
-           "usp_result", "TIME_TOLERANCE", "FORMULAS", "LAYOUTS", "TE_ROWS", "layout_rows", "thd_layout",
+           "usp_result", "TIME_TOLERANCE", "TIE_RULE", "FORMULAS", "LAYOUTS", "TE_ROWS", "layout_rows", "thd_layout",
            "compute_floor", "allowed_pairs", "check_jobs", "worker_pool", "mean_rows"]
 
 # rows beyond the registry: the fastest plan of all, and the formulas
@@ -62,7 +65,9 @@ def plan_modes() -> tuple[str, ...]:
 
 
 def derived_modes() -> tuple[str, ...]:
-    """The modes' "fastest candidate" rows (e.g. mesh-auto) and ``auto``, the fastest plan of all."""
+    """The modes' "fastest candidate" rows (e.g. mesh-auto) and ``auto``, the fastest plan of all
+    (fastest as :func:`pick_best` picks: ties within :data:`TIME_TOLERANCE` go to fewer inter-node
+    bytes)."""
     return tuple(m.auto_row for m in REGISTRY.values() if m.auto_row) + (AUTO,)
 
 
@@ -417,7 +422,8 @@ def _pick_name(r: ModeResult) -> str:
 
 
 def _auto_row(pool: list[ModeResult]) -> ModeResult:
-    """The ``auto`` row: the fastest of ``pool``, naming the mode it is."""
+    """The ``auto`` row: the fastest of ``pool`` (:func:`pick_best`, ties within
+    :data:`TIME_TOLERANCE` going to fewer inter-node bytes), naming the mode it is."""
     best = pick_best(pool)
     return replace(best, mode=AUTO, detail=f"{best.mode}" + (f": {best.detail}" if best.detail else ""),
                    extra={**best.extra, "pick": _pick_name(best)})

@@ -28,7 +28,7 @@ import struct
 from dataclasses import dataclass
 
 from ..megatron import yaml_args
-from ..plan.autotile import evaluate_plan
+from ..plan.autotile import TIE_RULE, evaluate_plan
 from ..plan.balance import balanced_layout
 from ..plan.mask import Mask
 from ..plan.modes import REFERENCE_MODE, get_mode, parse_mode_spec, resolve
@@ -274,7 +274,8 @@ def prediction_section(path: str = DEFAULT_CONFIG, topo: Topology | None = None)
         lines += [f"`auto` picks **{auto.detail.split(':')[0]}**" + (f" (all-to-all {auto.ulysses})" if auto.ulysses > 1
                                                                       else "")
                   + (f", tile {auto.tile[0]}x{auto.tile[1]}" if auto.tile else "")
-                  + f": {auto.time_s * 1e3:.2f} ms per layer, {auto.time_s / floor:.2f}x the floor.", ""]
+                  + f": {auto.time_s * 1e3:.2f} ms per layer, {auto.time_s / floor:.2f}x the floor (the fastest, "
+                    f"{TIE_RULE}).", ""]
     lines += ["| mode | all-to-all | tile | bytes sent per rank (one layer, fwd+bwd) | vs ring | predicted fwd+bwd "
               "time (ms, one layer) | exposed comm (ms) | x floor | work max/mean |",
               "|---|---|---|---|---|---|---|---|---|"]

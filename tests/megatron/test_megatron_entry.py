@@ -59,6 +59,19 @@ def test_argument_hook_adds_the_plugin_flags_and_checks_them_first(arguments, mo
     assert _parse(arguments, monkeypatch, ["--mesh-tile-shape", "2x2"], add_args).mesh_tile_shape == "2x2"
 
 
+def test_plugin_flags_help_renders_a_literal_percent():
+    """argparse reads help as a %-format: --mesh-tile-shape's tie rule ("ties within 1 %") is
+    escaped, and --help shows it as written."""
+    import argparse
+
+    from megatron_mesh.megatron.args import add_args
+    from megatron_mesh.plan.autotile import TIE_RULE
+
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    assert TIE_RULE in " ".join(parser.format_help().split())
+
+
 def test_only_rank_0_prints_the_error(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "3")
     with pytest.raises(SystemExit) as e:

@@ -6,7 +6,6 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from megatron_mesh.plan.units import format_bytes  # noqa: E402
 from megatron_mesh.tools import figures  # noqa: E402
 from megatron_mesh.tools.report import RunResult  # noqa: E402
 
@@ -176,7 +175,7 @@ def test_heatmap_totals_equal_the_measured_bytes():
     axes = _panels(fig)
     cp_runs = [r for r in runs if r.cp > 1]
     assert len(axes) == len(cp_runs)  # one panel per mask and CP mode
-    scale = 1 / KIB  # the largest cell is < 1 MiB: KiB
+    scale = 1 / KIB  # the largest cell of all is < 1 MiB: KiB, in every panel
     for ax, r in zip(axes, cp_runs):
         (image,) = ax.get_images()
         data = image.get_array()
@@ -184,7 +183,7 @@ def test_heatmap_totals_equal_the_measured_bytes():
         assert float(data.sum()) == pytest.approx(sum(r.rank_bytes) * scale)
         for s in range(CP):
             assert float(data[s].sum()) == pytest.approx(r.rank_bytes[s] * scale)
-        assert ax.get_title() == f"{r.mode}: total {format_bytes(sum(r.rank_bytes))}"
+        assert ax.get_title() == f"{r.mode}: total {figures._cell_label(sum(r.rank_bytes) * scale)} KiB"
         last_row, first_col = r.mask == MASKS[-1], r.mode == MODES[1]  # axis labels at the grid's edges
         assert ax.get_xlabel() == ("receiver (CP rank)" if last_row else "")
         assert ax.get_ylabel() == (f"mask: {r.mask}\nsender (CP rank)" if first_col else "")
@@ -204,3 +203,32 @@ def test_write_figures_writes_every_png(tmp_path):
     # a CP 1 run alone: no per-rank or bytes figures, the rest drawn
     assert figures.write_figures(_runs(masks=["none"], modes=["baseline"]), str(tmp_path / "b")) == \
         ["loss.png", "time.png", "memory.png"]
+
+
+def test_heatmap_has_one_unit_and_one_colour_scale_for_every_panel():
+    """Masks whose largest cells differ by more than a unit step (MiB and KiB) still share the
+    unit (in every colour bar and title, the cells as plain numbers in it); the modes of a mask
+    share its colour scale."""
+    runs = _runs(masks=["none", "window"])
+    for r in runs:  # "none" sends MiB per cell, "window" KiB
+        if r.mask == "none":
+            r.bytes_matrix = [[v * 16 for v in line] for line in r.bytes_matrix]
+    fig = figures.heatmap_fig(runs)
+    axes = _panels(fig)
+    cp_runs = [r for r in runs if r.cp > 1]
+    largest = max(v for r in cp_runs for line in r.bytes_matrix for v in line)
+    assert 2**20 <= largest < 2**30
+    bars = [ax for ax in fig.axes if ax.get_label() == "<colorbar>"]
+    assert [bar.get_ylabel() for bar in bars] == ["MiB sent per step"] * 2  # one per mask
+    assert "in MiB" in fig._suptitle.get_text()
+    for ax, r in zip(axes, cp_runs):
+        (image,) = ax.get_images()
+        mine = max(v for q in cp_runs if q.mask == r.mask for line in q.bytes_matrix for v in line)
+        assert image.get_clim() == pytest.approx((0, mine / 2**20))
+        cells = {(round(t.get_position()[1]), round(t.get_position()[0])): t.get_text() for t in ax.texts}
+        for (i, j), text in cells.items():  # a number in MiB, no unit letter of its own
+            assert float(text) == pytest.approx(r.bytes_matrix[i][j] / 2**20, rel=0.05), text
+        assert ax.get_title().endswith(" MiB")
+    assert figures._cell_label(2.25) == "2.25" and figures._cell_label(0.75) == "0.75"
+    assert figures._cell_label(768) == "768" and figures._cell_label(0.09375) == "0.094"
+    _check_layout(fig)

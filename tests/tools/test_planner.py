@@ -73,7 +73,46 @@ def test_cli_table_and_plot(capsys, tmp_path):
     assert main(["--cp", "8", "--seq-len", "65536", "--plot", str(png), "--plot-cp", "8,16,32"]) == 0
     out = capsys.readouterr().out
     assert "ring" in out and "mesh-auto" in out and "speedup" in out
-    assert png_size(png) == (11 * 120, round(4.2 * 120))  # figsize (11, 4.2) inches at 120 dpi
+    assert png_size(png) == (15 * 120, round(4.8 * 120))  # figsize (15, 4.8) inches at 120 dpi
+    # the plot plans every CP size again: its time is reported, not hidden in the table's
+    assert re.search(r"\(planned and simulated in [0-9.]+ s; the plot, 3 CP sizes planned and drawn, in [0-9.]+ s, "
+                     rf"written to {re.escape(str(png))}; [0-9.]+ s in all\)", out), out
+
+
+def test_plot_figure_shows_every_line_and_the_time_relative_to_ring():
+    """Every mode in each panel with its own line style and marker (tasp moves ring's bytes: both
+    still show), a linear panel of time / ring's time, one legend below the panels, off the data."""
+    pytest.importorskip("matplotlib")
+    from megatron_mesh.tools.plan_cli import PLOT_MODES, plot_fig
+
+    shape = AttentionShape(seq_local=4096, heads=32, kv_heads=8, head_dim=128)
+    series = {}
+    for P in (8, 16, 32):
+        rows, _ = evaluate(P, shape, Topology.for_cp(P), modes=PLOT_MODES)
+        for r in rows:
+            series.setdefault(r.mode, []).append((P, r))
+    fig = plot_fig(series, "test", 8)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    ax_b, ax_t, ax_r = fig.axes
+    for ax in (ax_b, ax_t, ax_r):
+        assert len(ax.get_lines()) == len(series)
+        styles = [(line.get_linestyle(), line.get_marker(), line.get_linewidth()) for line in ax.get_lines()]
+        assert len(set(styles)) == len(styles), styles  # no two lines alike: coinciding ones both show
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["8", "16", "32"]
+    ring_ratio = ax_r.get_lines()[list(series).index("ring")].get_ydata()
+    assert list(ring_ratio) == [1.0, 1.0, 1.0]
+    usp = dict(series["usp"])
+    ring = dict(series["ring"])
+    assert list(ax_r.get_lines()[list(series).index("usp")].get_ydata()) == \
+        pytest.approx([usp[P].time_s / ring[P].time_s for P in (8, 16, 32)])
+    assert ax_r.get_yscale() == "linear" and ax_t.get_yscale() == "log"
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == list(series)
+    box = legend.get_window_extent(renderer)
+    for ax in fig.axes:  # under the panels, inside the figure
+        assert box.y1 <= ax.get_tightbbox(renderer).y0
+    assert box.y0 >= 0 and box.x0 >= 0 and box.x1 <= fig.bbox.x1
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -908,3 +947,84 @@ def test_tasp_rows_move_ring_bytes_and_beat_ring_across_nodes():
     assert tasp.bytes_per_rank == tasp_bytes_formula(P, shape).sent
     assert tasp.max_inter_node_bytes < ring.max_inter_node_bytes  # spread over every NIC
     assert tasp.time_s < ring.time_s
+
+
+def test_tasp_and_hybrid_details_count_in_the_right_number():
+    """The rows' details read right for one and for many: one rank per node is one ring (no
+    "1 rings ... 0 slots"), an all-to-all over every rank leaves the inner mode one rank."""
+    from megatron_mesh.plan.tasp import tasp_rings
+    from megatron_mesh.plan.units import count
+
+    assert (count(1, "ring"), count(2, "ring"), count(0, "slot")) == ("1 ring", "2 rings", "0 slots")
+    _, (one,) = tasp_rings(4, ranks_per_node=1)
+    assert one == "one ring over 4 nodes of 1 GPU: each rank sends 1 slot to the next node per step"
+    _, (two,) = tasp_rings(8, ranks_per_node=2)
+    assert two.startswith("2 rings chained over 4 nodes of 2 GPUs: each rank sends 1 slot inside its node")
+    _, (many,) = tasp_rings(16, ranks_per_node=4)
+    assert "sends 3 slots inside its node" in many
+    shape = AttentionShape(seq_local=1024, heads=8, kv_heads=1, head_dim=64)
+    rows, _ = evaluate(8, shape, Topology.for_cp(8, 8), modes=("a2a+tasp",))
+    details = " | ".join(r.detail for r in rows)
+    assert "then tasp over 1 rank;" in details or details.endswith("then tasp over 1 rank"), details
+    assert "1 key-value head per rank" in details and "then tasp over 4 ranks" in details, details
+    assert not re.search(r"\b1 (rings|ranks|slots|GPUs|key-value heads)\b", details), details
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_auto_is_described_with_its_tie_rule_everywhere(capsys):
+    """Wherever a derived row is called the fastest -- --help, the table, the docs -- the tie rule
+    (TIME_TOLERANCE, the one place the number lives) is said with it: otherwise a row a little
+    faster than auto's pick reads as a wrong pick."""
+    from megatron_mesh.plan.autotile import TIE_RULE
+
+    rule = f"ties within {TIME_TOLERANCE * 100:g} % going to fewer inter-node bytes"
+    assert TIE_RULE == rule
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert rule in " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    assert main(["--cp", "8", "--seq-len", "16384", "--modes", "ring,mesh,mesh-auto,auto"]) == 0
+    assert f"mesh-auto, auto: the fastest of their candidates, {rule}" in capsys.readouterr().out
+    for doc in ("README.md", "docs/megatron.md", "docs/performance.md"):
+        with open(os.path.join(ROOT, doc)) as f:
+            assert rule in " ".join(f.read().split()), doc
+
+
+def test_help_states_each_default_once(capsys):
+    """argparse's "(default: X)" only where X means something: not True for --no-causal, not None
+    next to the help's own default; --explain says it does not take --samples."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: True)" not in out and "(default: False)" not in out and "(default: None)" not in out
+    assert "full (non-causal) attention (default: causal)" in out
+    assert out.count("(default: H, i.e. MHA)") == 1
+    assert "(default: all with --docs, zigzag without" in out
+    assert "one sample's plans, so not with --samples N > 1" in out
+
+
+def test_cli_window_error_names_the_flags_spelling(capsys):
+    """R > 0 under a causal mask is refused in the CLI's terms (0 or left out, --no-causal), not
+    the Mask's (None)."""
+    assert main(["--cp", "4", "--seq-len", "4096", "--window", "4096,16"]) == 2
+    err = capsys.readouterr().err
+    assert "--window '4096,16': a causal query never sees a later key, so R must be 0 or left out (--window " \
+           "4096); give --no-causal for R > 0" in err
+    assert "None" not in err
+    assert main(["--cp", "4", "--seq-len", "4096", "--window", "64,16", "--no-causal", "--modes", "ring"]) == 0
+
+
+def test_table_says_which_bytes_are_the_busiest_ranks_and_which_the_means(capsys):
+    """bytes max is the busiest rank's, intra / inter mean are means over the ranks: the header
+    says so, and for the ring (every rank sends the same) the means add up to the max."""
+    assert main(["--cp", "16", "--seq-len", "32768", "--modes", "ring,tasp"]) == 0
+    out = capsys.readouterr().out
+    head = next(line for line in out.splitlines() if line.startswith("mode"))
+    assert head.split()[4:10] == ["bytes", "max", "vs", "ring", "intra", "mean"]
+    assert "'max': the busiest rank's, 'mean': the mean over the ranks" in out
+    rows = {r["mode"]: r for r in _json(capsys, "--cp", "16", "--seq-len", "32768", "--modes", "ring,tasp")["modes"]}
+    ring = rows["ring"]
+    assert abs(ring["intra_node_bytes_per_rank"] + ring["inter_node_bytes_per_rank"] - ring["bytes_per_rank"]) <= 1
+    tasp = rows["tasp"]  # the mean rank never sends more than the busiest
+    assert tasp["intra_node_bytes_per_rank"] + tasp["inter_node_bytes_per_rank"] <= tasp["bytes_per_rank"] + 1

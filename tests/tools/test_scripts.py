@@ -378,6 +378,9 @@ def test_compare_cp_modes_always_runs_the_baseline_unless_told_not_to(script):
     ("compare_attention", ["--world", "2", "--seq-len", "64", "--docs", "fixed:8", "--window", "abc"],
      r"--window 'abc' must be L or L,R \(integers >= 0\)"),
     ("compare_attention", ["--world", "2", "--seq-len", "64", "--window", "4,-1"], r"--window '4,-1' must be L or L,R"),
+    ("compare_attention", ["--world", "2", "--seq-len", "64", "--window", "4,2"],
+     r"--window '4,2': a causal query never sees a later key, so R must be 0 or left out \(--window 4\); give --full "
+     r"for R > 0"),
     ("compare_attention", ["--world", "4", "--seq-len", "36"], r"--seq-len 36 must be divisible by 2 \* --world = 8"),
     ("compare_attention", ["--world", "2", "--seq-len", "64", "--heads", "3", "--kv-heads", "2"],
      r"heads \(3\) must be divisible by kv_heads \(2\)"),

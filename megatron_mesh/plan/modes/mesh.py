@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from ..autotile import choose_tile
+from ..autotile import TIE_RULE, choose_tile
 from ..mask import Mask
 from ..mesh import BACKWARD_CHUNKS, CONTIGUOUS, TileMap, build_mesh_plan, build_ring_plan, parse_tile, tile_shapes
 from ..schedule import SCHEDULES
@@ -33,7 +33,8 @@ class MeshOptions:
 
     tile: Any = setting("auto", flag="--mesh-tile-shape",
                         help="Mesh tile AxB: each CP rank computes A query chunks x B key/value chunks (A*B = CP "
-                             "size; 1xCP is ring attention), or 'auto': the tile the planner predicts fastest")
+                             "size; 1xCP is ring attention), or 'auto': the tile the planner predicts fastest ("
+                             f"{TIE_RULE})")
     contiguous: Literal[CONTIGUOUS + ("auto",)] = setting(
         "auto", flag="--mesh-contiguous",
         help="which Mesh ring is made of consecutive CP ranks, i.e. stays inside a node ('auto': the planner's "
