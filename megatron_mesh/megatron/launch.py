@@ -14,7 +14,11 @@ whole process tree.
   CP_COMM_TYPE (--cp-comm-type: one mode or a space-separated list, one per layer), NNODES,
   NODE_RANK, MASTER_ADDR, MASTER_PORT (torchrun's), BACKEND (nccl | gloo; default nccl when CUDA is
   available, else gloo). Flags come in this order, later ones winning: the config's MODEL_ARGS <
-  ``--distributed-backend`` < CP / CP_COMM_TYPE < the flags on the command line.
+  ``--distributed-backend`` < CP / CP_COMM_TYPE < the flags on the command line (one
+  ``--distributed-backend`` reaches the command: the winner).
+
+  Before torchrun starts it refuses, in one line with status 2, a SCRIPT.py that is not there and a
+  world size NPROC x NNODES that is not a multiple of TP x PP x CP (as the flags give them).
 * :func:`kill_process_tree` -- SIGKILL a process and everything below it.
 
 The tests' and benchmarks' process groups are started by ``megatron_mesh.comm.spawn`` instead.
@@ -86,6 +90,8 @@ def training_command(entry: str, args: Sequence[str], environ: Mapping[str, str]
     if entry == "script":
         if not args or not args[0].endswith(".py"):
             raise ValueError("script: the first argument must be the Megatron script (SCRIPT.py)")
+        if not os.path.isfile(args[0]):  # here, not after torchrun has started every rank to find out
+            raise ValueError(f"script: no such file: {args[0]}")
         target.append(args.pop(0))
     config_args: list[str] = []
     if entry == "pretrain" or (args and args[0].endswith((".yaml", ".yml"))):
@@ -97,9 +103,15 @@ def training_command(entry: str, args: Sequence[str], environ: Mapping[str, str]
         config_args = yaml_args.model_args(doc, env)
     backend = env.get("BACKEND") or ("nccl" if _have_cuda() else "gloo")
     run_args = []
-    # the plugin's entry always names the backend; another script gets only what it lacks (gloo)
-    if entry == "pretrain" or backend != "nccl":
-        run_args += ["--distributed-backend", backend]
+    # the plugin's entry always names the backend; another script gets only what it lacks (gloo).
+    # One --distributed-backend reaches the command, the one that wins by the order above: the
+    # launcher's replaces the config's, a flag on the command line replaces both.
+    launcher_backend = entry == "pretrain" or backend != "nccl"
+    given = _flag_value(args, BACKEND_FLAG) is not None
+    if launcher_backend or given:
+        config_args = _without_flag(config_args, BACKEND_FLAG)
+    if launcher_backend and not given:
+        run_args += [BACKEND_FLAG, backend]
     if env.get("CP"):
         run_args += ["--context-parallel-size", env["CP"]]
     if env.get("CP_COMM_TYPE"):
@@ -107,9 +119,63 @@ def training_command(entry: str, args: Sequence[str], environ: Mapping[str, str]
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron requires it with TP/CP > 1
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     nproc = env.get("NPROC") or env.get("CP") or "1"
+    flags = [*config_args, *run_args, *args]
+    _check_world_size(nproc, env.get("NNODES", "1"), flags)
     torchrun = ["--nproc-per-node", nproc, "--nnodes", env.get("NNODES", "1"), "--node-rank", env.get("NODE_RANK", "0"),
                 "--master-addr", env.get("MASTER_ADDR", "127.0.0.1"), "--master-port", env.get("MASTER_PORT", "29500")]
-    return [*torchrun, *target, *config_args, *run_args, *args], env
+    return [*torchrun, *target, *flags], env
+
+
+BACKEND_FLAG = "--distributed-backend"
+_MODEL_PARALLEL = (("TP", "--tensor-model-parallel-size"), ("PP", "--pipeline-model-parallel-size"),
+                   ("CP", "--context-parallel-size"))
+
+
+def _flag_value(argv: Sequence[str], flag: str) -> str | None:
+    """The value of the last ``flag VALUE`` / ``flag=VALUE`` in ``argv`` (argparse's: the last
+    wins; Megatron's parser takes no abbreviations), else None."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1:]
+    return value
+
+
+def _without_flag(argv: Sequence[str], flag: str) -> list[str]:
+    """``argv`` without any ``flag VALUE`` / ``flag=VALUE`` (a flag of one value)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == flag:
+            skip = True
+        elif not arg.startswith(flag + "="):
+            out.append(arg)
+    return out
+
+
+def _check_world_size(nproc: str, nnodes: str, flags: Sequence[str]) -> None:
+    """ValueError unless the world size NPROC x NNODES is a multiple of TP x PP x CP as the flags
+    give them: Megatron asserts it only after every rank has imported torch and Megatron (4-7 s),
+    once per rank. Values that are not plain integers (torchrun's ``--nproc-per-node gpu``, an
+    elastic ``--nnodes 1:4``, a bad flag value) are left to torchrun and Megatron."""
+    try:
+        world = int(nproc) * int(nnodes)
+        sizes = [(name, flag, int(_flag_value(flags, flag) or 1)) for name, flag in _MODEL_PARALLEL]
+    except ValueError:
+        return
+    model = 1
+    for _, _, size in sizes:
+        model *= size
+    if world > 0 and model > 0 and world % model:
+        given = [(name, flag, size) for name, flag, size in sizes if size != 1 or name == "CP"]
+        names = " x ".join(name for name, _, _ in given)
+        values = " x ".join(str(size) for _, _, size in given)
+        product = f"{names} = {values}" + (f" = {model}" if len(given) > 1 else "")
+        raise ValueError(f"world size NPROC x NNODES = {nproc} x {nnodes} = {world} is not a multiple of {product} "
+                         f"({', '.join(flag for _, flag, _ in given)}); make NPROC x NNODES a multiple of {model}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -118,8 +184,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .bootstrap import freeze_gc, pause_gc, resume_gc
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    usage = __doc__.split("* :func:`kill_process_tree`")[0]
+    if argv[:1] in (["-h"], ["--help"]) or (argv[:1] and argv[0] in ENTRY and argv[1:2] in (["-h"], ["--help"])):
+        print(usage)
+        return 0
     if not argv or argv[0] not in ENTRY:
-        print(__doc__.split("* :func:`kill_process_tree`")[0], file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     pause_gc()  # while torch loads (see bootstrap.pause_gc)
     try:
@@ -134,8 +204,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     env["MEGATRON_MESH_LAUNCHER_PID"] = str(os.getpid())  # the workers' parent: see bootstrap.die_with_parent
     os.environ.clear()
     os.environ.update(env)
-    print(f"megatron_mesh.megatron.launch: {env.get('NPROC') or env.get('CP') or '1'} process(es) per node x "
-          f"{env.get('NNODES', '1')} node(s): torchrun {' '.join(torchrun_args)}", file=sys.stderr, flush=True)
+    nproc, nnodes = env.get("NPROC") or env.get("CP") or "1", env.get("NNODES", "1")
+    print(f"megatron_mesh.megatron.launch: {nproc} process(es) per node x {nnodes} node(s): "
+          f"torchrun {' '.join(torchrun_args)}", file=sys.stderr, flush=True)
     try:
         torchrun_main(torchrun_args)
     except ChildFailedError:

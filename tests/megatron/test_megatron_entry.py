@@ -2,7 +2,9 @@
 flags and runs its checks first (run_script's hook); the spec functions put the settings and the
 real sequence length from Megatron's parsed arguments on a plain TransformerConfig, or stop the
 start-up with one message; workers die with their launcher; the CPU workaround for sequence
-parallelism with torch norms."""
+parallelism with torch norms. The launcher: --help, and a bad command line (a missing script, a
+world size that TP x PP x CP does not divide) refused in one line before torchrun starts; the
+backend flag passed once."""
 
 import os
 import subprocess
@@ -10,6 +12,7 @@ import sys
 import textwrap
 
 import pytest
+from helpers import MEGATRON_LM_SCRIPT, PRETRAIN, ROOT, RUN_SCRIPT
 
 pytest.importorskip("megatron.core", reason="needs megatron-core (scripts/setup_env.sh installs it)")
 
@@ -208,3 +211,86 @@ def test_start_up_pauses_the_garbage_collector_and_gives_it_back(arguments, monk
         gc.unfreeze()
         gc.enable()
         monkeypatch.setattr(bootstrap, "_GC_PAUSED", False)
+
+
+# -- the launcher (megatron_mesh.megatron.launch, scripts/pretrain_gpt.sh, scripts/run_megatron_script.sh) --
+CONFIG = os.path.join(ROOT, "configs", "gpt_tiny_cpu.yaml")
+
+
+def _script(*argv: str, timeout: float = 60, **env: str) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of one of the shell scripts, run under a timeout."""
+    full_env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", **env)
+    run = subprocess.run(["bash", *argv], cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return run.returncode, run.stdout, run.stderr
+
+
+def test_launch_scripts_print_their_usage_on_help():
+    for script, first in ((PRETRAIN, "Pretrain a GPT with Megatron's training loop"),
+                          (RUN_SCRIPT, "Run any Megatron training script")):
+        for flag in ("-h", "--help"):
+            rc, out, err = _script(script, flag)
+            assert rc == 0 and err == "", (script, flag, err)
+            assert out.startswith(first) and "CP_COMM_TYPE" in out and "No such file" not in out, out
+        rc, out, err = _script(script)  # nothing given: the usage on stderr, status 2
+        assert rc == 2 and out == "" and err.startswith(first)
+
+
+@pytest.mark.parametrize("script, env, words", [
+    # a Megatron script that is not there: before torchrun starts
+    ((RUN_SCRIPT, "/nonexistent/pretrain_gpt.py", CONFIG), {}, ["script: no such file: /nonexistent/pretrain_gpt.py"]),
+    # world sizes Megatron would refuse after every rank had imported it
+    ((PRETRAIN, CONFIG), {"NPROC": "3", "CP": "2"}, ["world size NPROC x NNODES = 3 x 1 = 3 is not a multiple of CP = 2",
+                                                     "make NPROC x NNODES a multiple of 2"]),
+    ((RUN_SCRIPT, MEGATRON_LM_SCRIPT, CONFIG), {"NPROC": "2", "CP": "4"}, ["= 2 x 1 = 2 is not a multiple of CP = 4"]),
+    ((PRETRAIN, CONFIG, "--tensor-model-parallel-size", "2"), {"NPROC": "2", "CP": "2", "NNODES": "1"},
+     ["= 2 x 1 = 2 is not a multiple of TP x CP = 2 x 2 = 4 (--tensor-model-parallel-size, --context-parallel-size)"]),
+])
+def test_launcher_refuses_a_bad_command_line_in_one_line_before_torchrun(script, env, words):
+    rc, out, err = _script(*script, **env)
+    assert rc == 2 and out == "", (rc, out, err)
+    assert len(err.splitlines()) == 1 and err.startswith("megatron_mesh.megatron.launch: error: "), err
+    assert "torchrun" not in err  # nothing was started
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_launcher_checks_the_world_size_against_tp_pp_cp_from_the_flags():
+    from megatron_mesh.megatron.launch import training_command
+
+    def command(nproc, *flags, **env):
+        return training_command("pretrain", [CONFIG, *flags], {"NPROC": str(nproc), "PATH": os.environ["PATH"], **env})
+
+    # fits: 2 nodes x 2 = CP 4; TP 2 x PP 2 x CP 2 in 8 processes (data parallel 1); 4 = CP 2 x data parallel 2
+    command(2, NNODES="2", CP="4")
+    command(8, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size=2", CP="2")
+    command(4, CP="2")
+    command("gpu", CP="3")  # torchrun's own counts are left to torchrun
+    with pytest.raises(ValueError, match=r"= 4 x 1 = 4 is not a multiple of PP x CP = 2 x 4 = 8 "
+                                         r"\(--pipeline-model-parallel-size, --context-parallel-size\)"):
+        command(4, "--pipeline-model-parallel-size", "2", CP="4")
+    with pytest.raises(ValueError, match=r"= 4 x 1 = 4 is not a multiple of CP = 8"):  # the last flag wins
+        command(4, "--context-parallel-size", "8", CP="2")
+
+
+def test_launcher_passes_the_backend_once():
+    """The config names --distributed-backend gloo and the launcher names the backend too: the
+    command carries one, the one that wins by the documented order (config < launcher < flags)."""
+    from megatron_mesh.megatron.launch import training_command
+
+    def backends(entry, args, **env):
+        argv, _ = training_command(entry, args, {"PATH": os.environ["PATH"], **env})
+        return [argv[i + 1] for i, a in enumerate(argv) if a == "--distributed-backend"]
+
+    assert backends("pretrain", [CONFIG], CP="2") == ["nccl" if torch_cuda() else "gloo"]
+    assert backends("pretrain", [CONFIG], BACKEND="nccl") == ["nccl"]
+    assert backends("pretrain", [CONFIG, "--distributed-backend", "gloo"], BACKEND="nccl") == ["gloo"]
+    assert backends("script", [MEGATRON_LM_SCRIPT, CONFIG], BACKEND="nccl") == ["gloo"]  # the config's; nothing added
+    assert backends("script", [MEGATRON_LM_SCRIPT, CONFIG], BACKEND="gloo") == ["gloo"]
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+

@@ -75,7 +75,7 @@ def runs(tmp_path_factory):
         "pp2_cp2": ("pretrain", 4, 2, "mesh tasp", "--pipeline-model-parallel-size", "2"),
         # bad settings: each must stop its script at start-up
         "bad_mode": ("pretrain", 1, 1, "allgather"),
-        "bad_tile": ("megatron-lm", 2, 4, "mesh", "--mesh-tile-shape", "3x2"),
+        "bad_tile": ("megatron-lm", 2, 2, "mesh", "--mesh-tile-shape", "3x2"),
     }
     out = run_all(run, plan, together=("cp1", "cp1_bf16", "bad_mode", "bad_tile"), then_together=("resume", "pp2_cp1"))
     out["metrics_dir"] = metrics
@@ -165,13 +165,13 @@ def test_bad_flag_stops_the_plugin_entry_with_one_message(runs):
 
 
 def test_megatron_lm_script_bad_tile_fails_once_at_startup(runs):
-    """Two ranks, CP 4 with tile 3x2: rank 0 prints the error once, before Megatron's own checks
-    (the world is too small for CP 4 too) and before anything is initialised."""
+    """Two ranks, CP 2 with tile 3x2 (CP 4 in two processes is now the launcher's error): rank 0
+    prints the error once, before anything is initialised."""
     rc, text = runs["bad_tile"]
     assert rc != 0
     assert text.count("megatron_mesh: error:") == 1, text[-3000:]
-    assert ("megatron_mesh: error: --cp-comm-type mesh at --context-parallel-size 4 with --mesh-tile-shape 3x2: tile 3x2 "
-            "does not fit CP size 4: a * b must equal the CP size; allowed tiles: 1x4, 2x2, 4x1") in text
+    assert ("megatron_mesh: error: --cp-comm-type mesh at --context-parallel-size 2 with --mesh-tile-shape 3x2: tile 3x2 "
+            "does not fit CP size 2: a * b must equal the CP size; allowed tiles: 1x2, 2x1") in text
     assert "initializing torch distributed" not in text and "Traceback" not in text
 
 
