@@ -16,8 +16,8 @@
 # megatron_mesh/megatron/batch_layout.py; on GPUs too). Nothing else.
 #
 # Environment: NPROC, CP, CP_COMM_TYPE, NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, BACKEND,
-# PYTHON; start-up checks -- as for scripts/pretrain_gpt.sh (a missing SCRIPT.py is refused before
-# torchrun starts). -h, --help: this text.
+# PYTHON; start-up checks and exit status -- as for scripts/pretrain_gpt.sh (a missing SCRIPT.py is
+# refused before torchrun starts). -h, --help: this text.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

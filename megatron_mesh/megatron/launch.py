@@ -19,6 +19,8 @@ whole process tree.
 
   Before torchrun starts it refuses, in one line with status 2, a SCRIPT.py that is not there and a
   world size NPROC x NNODES that is not a multiple of TP x PP x CP (as the flags give them).
+  Ctrl-C / SIGTERM: torchrun stops every rank, the launcher says so in one line and exits 128 + the
+  signal (130 / 143). Failed ranks: their exit status when they agree (2: a start-up error), else 1.
 * :func:`kill_process_tree` -- SIGKILL a process and everything below it.
 
 The tests' and benchmarks' process groups are started by ``megatron_mesh.comm.spawn`` instead.
@@ -26,6 +28,7 @@ The tests' and benchmarks' process groups are started by ``megatron_mesh.comm.sp
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -180,7 +183,12 @@ def _check_world_size(nproc: str, nnodes: str, flags: Sequence[str]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m megatron_mesh.megatron.launch {pretrain CONFIG.yaml | script SCRIPT.py [CONFIG.yaml]} [flags]``:
-    run torchrun in this process (its workers die with it, see megatron_mesh.megatron.bootstrap)."""
+    run torchrun in this process (its workers die with it, see megatron_mesh.megatron.bootstrap).
+
+    Returns 0 when every rank finished; 2 for a bad command line (printed in one line before
+    anything starts); when ranks failed, their exit status if every rank that exited by itself
+    returned the same one (2 for the plugin's start-up errors), else 1; 128 + N when signal N
+    (SIGINT: 130, SIGTERM: 143) stopped the launcher, after torchrun has stopped the ranks."""
     from .bootstrap import freeze_gc, pause_gc, resume_gc
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -194,11 +202,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     pause_gc()  # while torch loads (see bootstrap.pause_gc)
     try:
         torchrun_args, env = training_command(argv[0], argv[1:])
+        from torch.distributed.elastic.multiprocessing import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.run import main as torchrun_main
     except (OSError, ValueError) as e:
         print(f"megatron_mesh.megatron.launch: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while torch loads: nothing has started yet
+        print("megatron_mesh.megatron.launch: interrupted (SIGINT) before torchrun started", file=sys.stderr)
+        return 128 + signal.SIGINT
     finally:
         resume_gc()
     env["MEGATRON_MESH_LAUNCHER_PID"] = str(os.getpid())  # the workers' parent: see bootstrap.die_with_parent
@@ -207,13 +219,65 @@ def main(argv: Sequence[str] | None = None) -> int:
     nproc, nnodes = env.get("NPROC") or env.get("CP") or "1", env.get("NNODES", "1")
     print(f"megatron_mesh.megatron.launch: {nproc} process(es) per node x {nnodes} node(s): "
           f"torchrun {' '.join(torchrun_args)}", file=sys.stderr, flush=True)
+    _quiet_torchrun_shutdown()
     try:
         torchrun_main(torchrun_args)
-    except ChildFailedError:
-        return 1  # torchrun has printed which rank failed and how
+    except ChildFailedError as e:
+        return _failure_status(e)  # torchrun has printed which rank failed and how
+    except SignalException as e:  # torchrun's handler: it has stopped the ranks (SIGKILL after a grace time)
+        return _interrupted(signal.Signals(e.sigval), nproc, nnodes)
+    except KeyboardInterrupt:  # before torchrun installed its handler (rendezvous): ranks may be starting
+        return _interrupted(signal.SIGINT, nproc, nnodes)
     finally:
         freeze_gc()  # a quicker exit
     return 0
+
+
+def _failure_status(error) -> int:
+    """The launcher's exit status when ranks failed (``error``: torchrun's ChildFailedError): the
+    status of the ranks that exited by themselves if they all agree, else 1. Ranks killed by a
+    signal do not count: once one rank fails, torchrun stops the others with SIGTERM."""
+    codes = {f.exitcode for f in error.failures.values() if f.exitcode > 0}
+    return codes.pop() if len(codes) == 1 else 1
+
+
+def _interrupted(sig: signal.Signals, nproc: str, nnodes: str) -> int:
+    """After signal ``sig`` stopped torchrun: make sure no process it started is left (a second
+    Ctrl-C can cut torchrun's own shutdown short), say so in one line, and return 128 + ``sig``
+    (a shell's status for a process killed by it)."""
+    for handled in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(handled, signal.SIG_IGN)  # a further Ctrl-C must not interrupt the clean-up with a traceback
+    for child in psutil.Process().children():
+        kill_process_tree(child.pid)
+    where = " on this node" if nnodes != "1" else ""
+    print(f"megatron_mesh.megatron.launch: interrupted ({sig.name}): stopped torchrun and its {nproc} rank(s){where}",
+          file=sys.stderr, flush=True)
+    return 128 + int(sig)
+
+
+class _QuietShutdown(logging.Filter):
+    """Drops torchrun's warnings about a signal it received and forwards to the ranks (one line
+    per rank): the launcher reports the interruption itself, in one line. Its other messages --
+    a rank that failed, and which -- pass."""
+
+    RECEIVED = "Received %s death signal, shutting down workers"
+    SENDING = "Sending process %s closing signal %s"
+
+    def __init__(self):
+        super().__init__()
+        self.signalled = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == self.RECEIVED:
+            self.signalled = True
+            return False
+        return not (self.signalled and record.msg == self.SENDING)
+
+
+def _quiet_torchrun_shutdown() -> None:
+    quiet = _QuietShutdown()
+    for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
+        logging.getLogger(name).addFilter(quiet)
 
 
 if __name__ == "__main__":

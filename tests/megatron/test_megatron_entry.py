@@ -1,10 +1,10 @@
 """The plugin from any Megatron entry script, in one process: Megatron's parser takes the plugin's
 flags and runs its checks first (run_script's hook); the spec functions put the settings and the
 real sequence length from Megatron's parsed arguments on a plain TransformerConfig, or stop the
-start-up with one message; workers die with their launcher; the CPU workaround for sequence
-parallelism with torch norms. The launcher: --help, and a bad command line (a missing script, a
-world size that TP x PP x CP does not divide) refused in one line before torchrun starts; the
-backend flag passed once."""
+start-up with one message; workers die with their launcher and exit on Ctrl-C without a traceback;
+the CPU workaround for sequence parallelism with torch norms. The launcher: --help, and a bad
+command line (a missing script, a world size that TP x PP x CP does not divide) refused in one line
+before torchrun starts; the backend flag passed once; the exit status of failed ranks."""
 
 import os
 import subprocess
@@ -292,5 +292,56 @@ def torch_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def test_launcher_returns_the_ranks_exit_status_when_they_agree():
+    """Once a rank fails torchrun stops the others with SIGTERM: those do not count. The plugin's
+    start-up error exits every rank that gets there with 2, so the launcher returns 2."""
+    from types import SimpleNamespace
+
+    from megatron_mesh.megatron.launch import _failure_status
+
+    def status(*codes):
+        return _failure_status(SimpleNamespace(failures={r: SimpleNamespace(exitcode=c) for r, c in enumerate(codes)}))
+
+    assert status(2, -15, -15, -15) == 2
+    assert status(2, 2) == 2
+    assert status(1, -15) == 1
+    assert status(2, 1) == 1  # they differ
+    assert status(-9, -15) == 1  # killed (out of memory?): no rank's own status
+
+
+_INTERRUPT = textwrap.dedent("""
+    import os, signal, sys, time
+    os.environ["TORCHELASTIC_RUN_ID"] = "test"
+    os.environ["MEGATRON_MESH_LAUNCHER_PID"] = str(os.getppid())
+    from megatron_mesh.megatron import bootstrap
+    bootstrap.quiet_interrupt()
+    child = os.fork()
+    if child == 0:  # a forked child (a data-loader worker) keeps Python's KeyboardInterrupt
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        except KeyboardInterrupt:
+            os._exit(7)
+        os._exit(0)
+    assert os.WEXITSTATUS(os.waitpid(child, 0)[1]) == 7
+    print("ready", flush=True)
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+    finally:
+        print("unwound", flush=True)  # finally blocks run, as with KeyboardInterrupt
+""")
+
+
+def test_a_rank_of_the_launcher_exits_130_on_ctrl_c_without_a_traceback():
+    run = subprocess.run([sys.executable, "-c", _INTERRUPT], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 130 and run.stdout.split() == ["ready", "unwound"], (run.returncode, run.stdout, run.stderr)
+    assert run.stderr == ""
+    # outside the launcher Ctrl-C stays KeyboardInterrupt
+    plain = _INTERRUPT.replace('os.environ["MEGATRON_MESH_LAUNCHER_PID"] = str(os.getppid())', "")
+    run = subprocess.run([sys.executable, "-c", plain], capture_output=True, text=True, timeout=60)
+    assert run.returncode != 130 and "KeyboardInterrupt" in run.stderr
 
 
