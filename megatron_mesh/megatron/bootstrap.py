@@ -5,8 +5,9 @@
 * :func:`prepare_runtime` -- what Megatron-LM's training code needs before it runs here: the
   ``typing.override`` polyfill, on a CPU the workarounds of :mod:`.cpu_compat`, the prebuilt
   dataset helpers of the wheel;
-* :func:`check_args` -- the plugin's start-up checks on Megatron's parsed arguments: a bad setting
-  is printed once (by rank 0) and every rank exits with status 2, before anything is built;
+* :func:`check_args` -- the plugin's start-up checks on Megatron's parsed arguments (and that the
+  datasets they name exist): a bad setting is printed once (by rank 0) and every rank exits with
+  status 2, before anything is built;
 * :func:`install_argument_hook` -- the plugin's flags and checks inside Megatron's own argument
   parsing, for scripts that do not register them (Megatron-LM's ``pretrain_gpt.py``);
 * :func:`megatron_args` -- Megatron's parsed arguments, when a Megatron training script set them;
@@ -164,14 +165,16 @@ def fail(message: str) -> NoReturn:
 
 
 def check_args(args) -> None:
-    """:func:`.args.validate_args` on Megatron's parsed arguments, once per arguments object; a
-    bad setting stops the process through :func:`fail`."""
+    """:func:`.checks.validate_args` and :func:`.checks.check_data_files` (the datasets the flags
+    name exist) on Megatron's parsed arguments, once per arguments object; a bad setting stops the
+    process through :func:`fail`."""
     if id(args) in _CHECKED:
         return
-    from .checks import validate_args
+    from .checks import check_data_files, validate_args
 
     try:
         validate_args(args, entry_packs_documents=ENTRY_PACKS_DOCUMENTS, batch_documents=BATCH_DOCUMENTS)
+        check_data_files(args)
     except ValueError as e:
         fail(str(e))
     _CHECKED.add(id(args))

@@ -4,7 +4,8 @@ real sequence length from Megatron's parsed arguments on a plain TransformerConf
 start-up with one message; workers die with their launcher and exit on Ctrl-C without a traceback;
 the CPU workaround for sequence parallelism with torch norms. The launcher: --help, and a bad
 command line (a missing script, a world size that TP x PP x CP does not divide) refused in one line
-before torchrun starts; the backend flag passed once; the exit status of failed ranks."""
+before torchrun starts; the backend flag passed once; the exit status of failed ranks; missing
+dataset files named at start-up."""
 
 import os
 import subprocess
@@ -345,3 +346,47 @@ def test_a_rank_of_the_launcher_exits_130_on_ctrl_c_without_a_traceback():
     assert run.returncode != 130 and "KeyboardInterrupt" in run.stderr
 
 
+def test_missing_dataset_files_are_named_at_start_up(tmp_path, monkeypatch):
+    """check_data_files (bootstrap.check_args runs it in both entry scripts): a --data-path prefix
+    without its .bin / .idx stops the start-up naming them; the document configs' prefix
+    (DOC_DATA, data/tiny_docs) gets the command that writes it; mock data is not checked."""
+    from types import SimpleNamespace
+
+    from megatron_mesh.megatron import checks
+
+    def args(**kw):
+        return SimpleNamespace(**{"mock_data": False, "data_path": None, **kw})
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DOC_DATA", raising=False)
+    (tmp_path / "a.bin").write_bytes(b"")
+    (tmp_path / "a.idx").write_bytes(b"")
+    (tmp_path / "b.idx").write_bytes(b"")
+    checks.check_data_files(args(data_path=["a"]))
+    checks.check_data_files(args(data_path=["0.3", "a", "0.7", str(tmp_path / "a")]))
+    checks.check_data_files(args(mock_data=True, data_path=["nowhere"]))
+    checks.check_data_files(args())  # no data flags: Megatron's own affair
+    with pytest.raises(ValueError) as e:
+        checks.check_data_files(args(data_path=["0.5", "a", "0.5", "b"]))
+    assert str(e.value) == (f"--data-path 0.5 a 0.5 b: no dataset there, b.bin not found (relative to {tmp_path}); give "
+                            "the prefix of an existing Megatron indexed dataset (PREFIX.bin + PREFIX.idx), or --mock-data")
+    with pytest.raises(ValueError, match=r"^--valid-data-path /x/y: no dataset there, /x/y\.bin, /x/y\.idx not found; "):
+        checks.check_data_files(args(valid_data_path=["/x/y"]))
+    with pytest.raises(ValueError, match=r"^--data-args-path list\.txt: no such file$"):
+        checks.check_data_files(args(data_args_path="list.txt"))
+    (tmp_path / "list.txt").write_text("1 a\n1 c\n")
+    with pytest.raises(ValueError, match=r"^--data-args-path list\.txt: no dataset there, c\.bin, c\.idx not found"):
+        checks.check_data_files(args(data_args_path="list.txt"))
+    # the document configs' data, in a checkout (its .venv and scripts/make_doc_dataset.py)
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "make_doc_dataset.py").write_text("")
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv" / "bin" / "python").write_text("")
+    monkeypatch.setattr(checks, "ROOT", str(tmp_path))
+    monkeypatch.setenv("DOC_DATA", "data/tiny_docs")
+    with pytest.raises(ValueError) as e:
+        checks.check_data_files(args(data_path=["data/tiny_docs"]))
+    assert str(e.value) == (f"--data-path data/tiny_docs: no dataset there, data/tiny_docs.bin, data/tiny_docs.idx not "
+                            f"found (relative to {tmp_path}); write the documents first: .venv/bin/python "
+                            "scripts/make_doc_dataset.py data/tiny_docs (DOC_DATA sets the prefix the document configs "
+                            "read)")

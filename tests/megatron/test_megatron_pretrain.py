@@ -10,8 +10,9 @@ scripts/run_megatron_script.sh with the plugin's flags on its command line.
 * bf16 + distributed optimizer + full recompute at CP 4 (Mesh 2x2) matches the same at CP 1 within
   bf16 tolerance, and its metrics JSON lines carry the losses, bytes and tiles;
 * PP 2 x CP 2 logs the losses of PP 2 x CP 1;
-* bad settings stop both scripts at start-up with one message and status 2; killing the launcher
-  kills every rank; Ctrl-C (or SIGTERM) stops them with one line and status 130 (143).
+* bad settings stop both scripts at start-up with one message and status 2, so does a missing
+  dataset; killing the launcher kills every rank; Ctrl-C (or SIGTERM) stops them with one line and
+  status 130 (143).
 
 (TASP with selective recompute, masks and the Ulysses hybrids through pretrain(): see
 tests/megatron/test_megatron_pretrain_masks.py.)
@@ -175,6 +176,20 @@ def test_megatron_lm_script_bad_tile_fails_once_at_startup(runs):
     assert ("megatron_mesh: error: --cp-comm-type mesh at --context-parallel-size 2 with --mesh-tile-shape 3x2: tile 3x2 "
             "does not fit CP size 2: a * b must equal the CP size; allowed tiles: 1x2, 2x1") in text
     assert "initializing torch distributed" not in text and "Traceback" not in text
+
+
+def test_missing_dataset_stops_at_start_up_with_one_line(tmp_path):
+    """The document config before scripts/make_doc_dataset.py has written its data: one line names
+    the missing files and the command that writes them, status 2 -- not an AssertionError per rank
+    while Megatron builds the datasets."""
+    prefix = str(tmp_path / "tiny_docs")
+    rc, text = run_config(os.path.join(ROOT, "configs", "gpt_tiny_cpu_docs.yaml"), 2, 2, "mesh", "--train-iters", "1",
+                          env={"DOC_DATA": prefix}, timeout=180)
+    assert rc == 2, text[-3000:]
+    assert text.count("megatron_mesh: error:") == 1, text[-3000:]
+    assert (f"megatron_mesh: error: --data-path {prefix}: no dataset there, {prefix}.bin, {prefix}.idx not found; write "
+            f"the documents first: ") in text and f"scripts/make_doc_dataset.py {prefix} (DOC_DATA" in text
+    assert "Traceback" not in text and "AssertionError" not in text and "initializing torch distributed" not in text
 
 
 def test_killing_the_launcher_kills_every_rank(tmp_path):
