@@ -18,13 +18,24 @@
 #   PYTHON        the interpreter (default: the active virtual environment's, else the repo's .venv,
 #                 else python)
 # A thin wrapper: `python -m megatron_mesh.megatron.launch pretrain` builds the command and runs torchrun in
-# its own process (killing it kills every rank).
+# its own process (killing it kills every rank). It refuses, in one line and before any rank starts, a
+# world size NPROC x NNODES that is not a multiple of TP x PP x CP (as the flags give them).
+#
+# Exit status: 0 done; 2 a bad command line or setting (one message, before training starts); the
+# failed ranks' status when they agree, else 1; 128 + N when signal N stopped it (Ctrl-C: 130, with
+# one line "interrupted (SIGINT): stopped torchrun and its N rank(s)"). -h, --help: this text.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# the usage: this header, the comment lines from line 2 to the first line that is not one
+usage() { sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; }
 if [[ $# -lt 1 ]]; then
-    sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//' >&2
+    usage >&2
     exit 2
+fi
+if [[ $1 == -h || $1 == --help ]]; then
+    usage
+    exit 0
 fi
 if [[ -z ${PYTHON:-} ]]; then
     if [[ -z ${VIRTUAL_ENV:-} && -x $ROOT/.venv/bin/python ]]; then PYTHON=$ROOT/.venv/bin/python; else PYTHON=python; fi

@@ -16,13 +16,20 @@
 # megatron_mesh/megatron/batch_layout.py; on GPUs too). Nothing else.
 #
 # Environment: NPROC, CP, CP_COMM_TYPE, NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, BACKEND,
-# PYTHON -- as for scripts/pretrain_gpt.sh.
+# PYTHON; start-up checks and exit status -- as for scripts/pretrain_gpt.sh (a missing SCRIPT.py is
+# refused before torchrun starts). -h, --help: this text.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# the usage: this header, the comment lines from line 2 to the first line that is not one
+usage() { sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; }
 if [[ $# -lt 1 ]]; then
-    sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//' >&2
+    usage >&2
     exit 2
+fi
+if [[ $1 == -h || $1 == --help ]]; then
+    usage
+    exit 0
 fi
 if [[ -z ${PYTHON:-} ]]; then
     if [[ -z ${VIRTUAL_ENV:-} && -x $ROOT/.venv/bin/python ]]; then PYTHON=$ROOT/.venv/bin/python; else PYTHON=python; fi

@@ -448,8 +448,10 @@ def _warm_layouts(args, source: str, eod: Optional[int]):
         if plans and not said:  # once, on the first rank: the step's plans are being built ahead
             said.append(True)
             if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+                # says what runs (the lookahead is on); the flag only as the way to turn it off
                 logger.info("megatron_mesh: the next micro-batch's layouts (%d) and this rank's plans of them (%d) "
-                            "were built ahead of its step (--no-cp-layout-lookahead: on the critical path)",
+                            "were built ahead of its step, on a background thread while the step before trained "
+                            "(--no-cp-layout-lookahead would build them on the step's critical path instead)",
                             len(seen), plans)
 
     return warm

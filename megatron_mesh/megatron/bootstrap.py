@@ -1,11 +1,13 @@
 """Process start-up shared by the plugin's entry script and ``run_script`` (any Megatron script).
 
 * :func:`die_with_parent` -- a torchrun worker dies with its launcher (Linux ``PR_SET_PDEATHSIG``);
+* :func:`quiet_interrupt` -- a worker of the launcher exits on SIGINT without a traceback;
 * :func:`prepare_runtime` -- what Megatron-LM's training code needs before it runs here: the
   ``typing.override`` polyfill, on a CPU the workarounds of :mod:`.cpu_compat`, the prebuilt
   dataset helpers of the wheel;
-* :func:`check_args` -- the plugin's start-up checks on Megatron's parsed arguments: a bad setting
-  is printed once (by rank 0) and every rank exits with status 2, before anything is built;
+* :func:`check_args` -- the plugin's start-up checks on Megatron's parsed arguments (and that the
+  datasets they name exist): a bad setting is printed once (by rank 0) and every rank exits with
+  status 2, before anything is built;
 * :func:`install_argument_hook` -- the plugin's flags and checks inside Megatron's own argument
   parsing, for scripts that do not register them (Megatron-LM's ``pretrain_gpt.py``);
 * :func:`megatron_args` -- Megatron's parsed arguments, when a Megatron training script set them;
@@ -25,7 +27,7 @@ from typing import NoReturn
 
 from . import ensure_typing_override
 
-__all__ = ["die_with_parent", "prepare_runtime", "check_args", "fail", "install_argument_hook", "megatron_args",
+__all__ = ["die_with_parent", "quiet_interrupt", "prepare_runtime", "check_args", "fail", "install_argument_hook", "megatron_args",
            "pause_gc", "resume_gc", "freeze_gc"]
 
 _CHECKED: set[int] = set()  # id() of the argument namespaces already checked (Megatron keeps one for the run)
@@ -99,6 +101,32 @@ def die_with_parent() -> None:
     expected = int(os.environ.get(LAUNCHER_PID_ENV) or _PARENT_AT_START)
     if os.getppid() != expected:  # the launcher died before prctl: nobody will send the signal
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def quiet_interrupt() -> None:
+    """In a worker of megatron_mesh's launcher: SIGINT -- Ctrl-C, which torchrun forwards to every
+    rank -- exits with status 130 (128 + SIGINT) like KeyboardInterrupt would, unwinding the same
+    way (``finally`` blocks, ``atexit``), but without its traceback: one per rank, ~70 lines each,
+    while the launcher says in one line that the run was interrupted. Errors keep their
+    tracebacks. Elsewhere (``python -m ...`` by hand, torchrun run directly) Ctrl-C stays
+    KeyboardInterrupt, and so it does in the processes a rank forks (they inherit the handler):
+    PyTorch's data-loader workers, which torchrun's SIGINT to the rank's process group reaches
+    too, end quietly on KeyboardInterrupt, but a worker that exited 130 would make the rank raise
+    "DataLoader worker exited unexpectedly". Megatron's own ``--exit-signal-handler`` installs its
+    handler later and wins."""
+    import signal
+
+    if LAUNCHER_PID_ENV not in os.environ or "TORCHELASTIC_RUN_ID" not in os.environ \
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:  # ignored, or someone's own
+        return
+    rank_pid = os.getpid()
+
+    def interrupted(signum, frame) -> NoReturn:
+        if os.getpid() != rank_pid:  # a forked child: Python's default
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGINT, interrupted)
 
 
 def prepare_runtime() -> None:
@@ -176,14 +204,16 @@ def fail(message: str) -> NoReturn:
 
 
 def check_args(args) -> None:
-    """:func:`.args.validate_args` on Megatron's parsed arguments, once per arguments object; a
-    bad setting stops the process through :func:`fail`."""
+    """:func:`.checks.validate_args` and :func:`.checks.check_data_files` (the datasets the flags
+    name exist) on Megatron's parsed arguments, once per arguments object; a bad setting stops the
+    process through :func:`fail`."""
     if id(args) in _CHECKED:
         return
-    from .checks import validate_args
+    from .checks import check_data_files, validate_args
 
     try:
         validate_args(args, entry_packs_documents=ENTRY_PACKS_DOCUMENTS, batch_documents=BATCH_DOCUMENTS)
+        check_data_files(args)
     except ValueError as e:
         fail(str(e))
     _CHECKED.add(id(args))

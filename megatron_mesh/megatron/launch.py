@@ -14,7 +14,13 @@ whole process tree.
   CP_COMM_TYPE (--cp-comm-type: one mode or a space-separated list, one per layer), NNODES,
   NODE_RANK, MASTER_ADDR, MASTER_PORT (torchrun's), BACKEND (nccl | gloo; default nccl when CUDA is
   available, else gloo). Flags come in this order, later ones winning: the config's MODEL_ARGS <
-  ``--distributed-backend`` < CP / CP_COMM_TYPE < the flags on the command line.
+  ``--distributed-backend`` < CP / CP_COMM_TYPE < the flags on the command line (one
+  ``--distributed-backend`` reaches the command: the winner).
+
+  Before torchrun starts it refuses, in one line with status 2, a SCRIPT.py that is not there and a
+  world size NPROC x NNODES that is not a multiple of TP x PP x CP (as the flags give them).
+  Ctrl-C / SIGTERM: torchrun stops every rank, the launcher says so in one line and exits 128 + the
+  signal (130 / 143). Failed ranks: their exit status when they agree (2: a start-up error), else 1.
 * :func:`kill_process_tree` -- SIGKILL a process and everything below it.
 
 The tests' and benchmarks' process groups are started by ``megatron_mesh.comm.spawn`` instead.
@@ -22,6 +28,7 @@ The tests' and benchmarks' process groups are started by ``megatron_mesh.comm.sp
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -86,6 +93,8 @@ def training_command(entry: str, args: Sequence[str], environ: Mapping[str, str]
     if entry == "script":
         if not args or not args[0].endswith(".py"):
             raise ValueError("script: the first argument must be the Megatron script (SCRIPT.py)")
+        if not os.path.isfile(args[0]):  # here, not after torchrun has started every rank to find out
+            raise ValueError(f"script: no such file: {args[0]}")
         target.append(args.pop(0))
     config_args: list[str] = []
     if entry == "pretrain" or (args and args[0].endswith((".yaml", ".yml"))):
@@ -97,9 +106,15 @@ def training_command(entry: str, args: Sequence[str], environ: Mapping[str, str]
         config_args = yaml_args.model_args(doc, env)
     backend = env.get("BACKEND") or ("nccl" if _have_cuda() else "gloo")
     run_args = []
-    # the plugin's entry always names the backend; another script gets only what it lacks (gloo)
-    if entry == "pretrain" or backend != "nccl":
-        run_args += ["--distributed-backend", backend]
+    # the plugin's entry always names the backend; another script gets only what it lacks (gloo).
+    # One --distributed-backend reaches the command, the one that wins by the order above: the
+    # launcher's replaces the config's, a flag on the command line replaces both.
+    launcher_backend = entry == "pretrain" or backend != "nccl"
+    given = _flag_value(args, BACKEND_FLAG) is not None
+    if launcher_backend or given:
+        config_args = _without_flag(config_args, BACKEND_FLAG)
+    if launcher_backend and not given:
+        run_args += [BACKEND_FLAG, backend]
     if env.get("CP"):
         run_args += ["--context-parallel-size", env["CP"]]
     if env.get("CP_COMM_TYPE"):
@@ -107,42 +122,162 @@ def training_command(entry: str, args: Sequence[str], environ: Mapping[str, str]
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron requires it with TP/CP > 1
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     nproc = env.get("NPROC") or env.get("CP") or "1"
+    flags = [*config_args, *run_args, *args]
+    _check_world_size(nproc, env.get("NNODES", "1"), flags)
     torchrun = ["--nproc-per-node", nproc, "--nnodes", env.get("NNODES", "1"), "--node-rank", env.get("NODE_RANK", "0"),
                 "--master-addr", env.get("MASTER_ADDR", "127.0.0.1"), "--master-port", env.get("MASTER_PORT", "29500")]
-    return [*torchrun, *target, *config_args, *run_args, *args], env
+    return [*torchrun, *target, *flags], env
+
+
+BACKEND_FLAG = "--distributed-backend"
+_MODEL_PARALLEL = (("TP", "--tensor-model-parallel-size"), ("PP", "--pipeline-model-parallel-size"),
+                   ("CP", "--context-parallel-size"))
+
+
+def _flag_value(argv: Sequence[str], flag: str) -> str | None:
+    """The value of the last ``flag VALUE`` / ``flag=VALUE`` in ``argv`` (argparse's: the last
+    wins; Megatron's parser takes no abbreviations), else None."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1:]
+    return value
+
+
+def _without_flag(argv: Sequence[str], flag: str) -> list[str]:
+    """``argv`` without any ``flag VALUE`` / ``flag=VALUE`` (a flag of one value)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == flag:
+            skip = True
+        elif not arg.startswith(flag + "="):
+            out.append(arg)
+    return out
+
+
+def _check_world_size(nproc: str, nnodes: str, flags: Sequence[str]) -> None:
+    """ValueError unless the world size NPROC x NNODES is a multiple of TP x PP x CP as the flags
+    give them: Megatron asserts it only after every rank has imported torch and Megatron (4-7 s),
+    once per rank. Values that are not plain integers (torchrun's ``--nproc-per-node gpu``, an
+    elastic ``--nnodes 1:4``, a bad flag value) are left to torchrun and Megatron."""
+    try:
+        world = int(nproc) * int(nnodes)
+        sizes = [(name, flag, int(_flag_value(flags, flag) or 1)) for name, flag in _MODEL_PARALLEL]
+    except ValueError:
+        return
+    model = 1
+    for _, _, size in sizes:
+        model *= size
+    if world > 0 and model > 0 and world % model:
+        given = [(name, flag, size) for name, flag, size in sizes if size != 1 or name == "CP"]
+        names = " x ".join(name for name, _, _ in given)
+        values = " x ".join(str(size) for _, _, size in given)
+        product = f"{names} = {values}" + (f" = {model}" if len(given) > 1 else "")
+        raise ValueError(f"world size NPROC x NNODES = {nproc} x {nnodes} = {world} is not a multiple of {product} "
+                         f"({', '.join(flag for _, flag, _ in given)}); make NPROC x NNODES a multiple of {model}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m megatron_mesh.megatron.launch {pretrain CONFIG.yaml | script SCRIPT.py [CONFIG.yaml]} [flags]``:
-    run torchrun in this process (its workers die with it, see megatron_mesh.megatron.bootstrap)."""
+    run torchrun in this process (its workers die with it, see megatron_mesh.megatron.bootstrap).
+
+    Returns 0 when every rank finished; 2 for a bad command line (printed in one line before
+    anything starts); when ranks failed, their exit status if every rank that exited by itself
+    returned the same one (2 for the plugin's start-up errors), else 1; 128 + N when signal N
+    (SIGINT: 130, SIGTERM: 143) stopped the launcher, after torchrun has stopped the ranks."""
     from .bootstrap import freeze_gc, pause_gc, resume_gc
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    usage = __doc__.split("* :func:`kill_process_tree`")[0]
+    if argv[:1] in (["-h"], ["--help"]) or (argv[:1] and argv[0] in ENTRY and argv[1:2] in (["-h"], ["--help"])):
+        print(usage)
+        return 0
     if not argv or argv[0] not in ENTRY:
-        print(__doc__.split("* :func:`kill_process_tree`")[0], file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     pause_gc()  # while torch loads (see bootstrap.pause_gc)
     try:
         torchrun_args, env = training_command(argv[0], argv[1:])
+        from torch.distributed.elastic.multiprocessing import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.run import main as torchrun_main
     except (OSError, ValueError) as e:
         print(f"megatron_mesh.megatron.launch: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while torch loads: nothing has started yet
+        print("megatron_mesh.megatron.launch: interrupted (SIGINT) before torchrun started", file=sys.stderr)
+        return 128 + signal.SIGINT
     finally:
         resume_gc()
     env["MEGATRON_MESH_LAUNCHER_PID"] = str(os.getpid())  # the workers' parent: see bootstrap.die_with_parent
     os.environ.clear()
     os.environ.update(env)
-    print(f"megatron_mesh.megatron.launch: {env.get('NPROC') or env.get('CP') or '1'} process(es) per node x "
-          f"{env.get('NNODES', '1')} node(s): torchrun {' '.join(torchrun_args)}", file=sys.stderr, flush=True)
+    nproc, nnodes = env.get("NPROC") or env.get("CP") or "1", env.get("NNODES", "1")
+    print(f"megatron_mesh.megatron.launch: {nproc} process(es) per node x {nnodes} node(s): "
+          f"torchrun {' '.join(torchrun_args)}", file=sys.stderr, flush=True)
+    _quiet_torchrun_shutdown()
     try:
         torchrun_main(torchrun_args)
-    except ChildFailedError:
-        return 1  # torchrun has printed which rank failed and how
+    except ChildFailedError as e:
+        return _failure_status(e)  # torchrun has printed which rank failed and how
+    except SignalException as e:  # torchrun's handler: it has stopped the ranks (SIGKILL after a grace time)
+        return _interrupted(signal.Signals(e.sigval), nproc, nnodes)
+    except KeyboardInterrupt:  # before torchrun installed its handler (rendezvous): ranks may be starting
+        return _interrupted(signal.SIGINT, nproc, nnodes)
     finally:
         freeze_gc()  # a quicker exit
     return 0
+
+
+def _failure_status(error) -> int:
+    """The launcher's exit status when ranks failed (``error``: torchrun's ChildFailedError): the
+    status of the ranks that exited by themselves if they all agree, else 1. Ranks killed by a
+    signal do not count: once one rank fails, torchrun stops the others with SIGTERM."""
+    codes = {f.exitcode for f in error.failures.values() if f.exitcode > 0}
+    return codes.pop() if len(codes) == 1 else 1
+
+
+def _interrupted(sig: signal.Signals, nproc: str, nnodes: str) -> int:
+    """After signal ``sig`` stopped torchrun: make sure no process it started is left (a second
+    Ctrl-C can cut torchrun's own shutdown short), say so in one line, and return 128 + ``sig``
+    (a shell's status for a process killed by it)."""
+    for handled in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(handled, signal.SIG_IGN)  # a further Ctrl-C must not interrupt the clean-up with a traceback
+    for child in psutil.Process().children():
+        kill_process_tree(child.pid)
+    where = " on this node" if nnodes != "1" else ""
+    print(f"megatron_mesh.megatron.launch: interrupted ({sig.name}): stopped torchrun and its {nproc} rank(s){where}",
+          file=sys.stderr, flush=True)
+    return 128 + int(sig)
+
+
+class _QuietShutdown(logging.Filter):
+    """Drops torchrun's warnings about a signal it received and forwards to the ranks (one line
+    per rank): the launcher reports the interruption itself, in one line. Its other messages --
+    a rank that failed, and which -- pass."""
+
+    RECEIVED = "Received %s death signal, shutting down workers"
+    SENDING = "Sending process %s closing signal %s"
+
+    def __init__(self):
+        super().__init__()
+        self.signalled = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == self.RECEIVED:
+            self.signalled = True
+            return False
+        return not (self.signalled and record.msg == self.SENDING)
+
+
+def _quiet_torchrun_shutdown() -> None:
+    quiet = _QuietShutdown()
+    for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
+        logging.getLogger(name).addFilter(quiet)
 
 
 if __name__ == "__main__":

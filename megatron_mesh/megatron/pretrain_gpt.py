@@ -23,6 +23,7 @@ from functools import partial
 from . import bootstrap
 
 if __name__ == "__main__":
+    bootstrap.quiet_interrupt()  # first: Ctrl-C while torch loads is quiet too
     bootstrap.pause_gc()  # before torch and Megatron load (resumed when the arguments are parsed)
 
 import torch  # noqa: E402 -- after the pause above

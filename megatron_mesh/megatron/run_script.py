@@ -9,7 +9,8 @@ with the plugin's flags and checks, as one torchrun worker::
 script runs, exactly as ``python SCRIPT.py`` would run it (its directory first on ``sys.path``, so a
 Megatron-LM checkout's ``megatron/`` is the one imported):
 
-* the worker dies with its launcher (:func:`.bootstrap.die_with_parent`);
+* the worker dies with its launcher (:func:`.bootstrap.die_with_parent`) and exits on Ctrl-C
+  without a traceback (:func:`.bootstrap.quiet_interrupt`);
 * :func:`.bootstrap.prepare_runtime`: the ``typing.override`` polyfill, the prebuilt dataset
   helpers and -- only without CUDA -- the CPU workarounds of :mod:`.cpu_compat`;
 * :func:`.bootstrap.install_argument_hook`: Megatron's parser accepts the plugin's flags, and the
@@ -43,6 +44,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"megatron_mesh: error: no such script: {argv[0]}")
     from . import bootstrap
 
+    bootstrap.quiet_interrupt()  # Ctrl-C (forwarded by torchrun): exit 130 without a traceback per rank
     bootstrap.pause_gc()  # while the script imports torch and Megatron (resumed when it parses its arguments)
     bootstrap.die_with_parent()
     # as `python SCRIPT.py`: the script's directory first (its sibling modules, a checkout's megatron/)

@@ -1,8 +1,11 @@
 """The plugin from any Megatron entry script, in one process: Megatron's parser takes the plugin's
 flags and runs its checks first (run_script's hook); the spec functions put the settings and the
 real sequence length from Megatron's parsed arguments on a plain TransformerConfig, or stop the
-start-up with one message; workers die with their launcher; the CPU workaround for sequence
-parallelism with torch norms."""
+start-up with one message; workers die with their launcher and exit on Ctrl-C without a traceback;
+the CPU workaround for sequence parallelism with torch norms. The launcher: --help, and a bad
+command line (a missing script, a world size that TP x PP x CP does not divide) refused in one line
+before torchrun starts; the backend flag passed once; the exit status of failed ranks; missing
+dataset files named at start-up."""
 
 import importlib.util
 import os
@@ -13,6 +16,7 @@ import sysconfig
 import textwrap
 
 import pytest
+from helpers import MEGATRON_LM_SCRIPT, PRETRAIN, ROOT, RUN_SCRIPT
 
 pytest.importorskip("megatron.core", reason="needs megatron-core (scripts/setup_env.sh installs it)")
 
@@ -274,3 +278,181 @@ def test_a_checkout_whose_helpers_cannot_be_built_stops_every_rank_with_one_mess
     with pytest.raises(SystemExit):
         bootstrap._check_helpers_build(str(tmp_path))
     assert "no no-such-compiler on PATH" in capsys.readouterr().err
+
+
+# -- the launcher (megatron_mesh.megatron.launch, scripts/pretrain_gpt.sh, scripts/run_megatron_script.sh) --
+CONFIG = os.path.join(ROOT, "configs", "gpt_tiny_cpu.yaml")
+
+
+def _script(*argv: str, timeout: float = 60, **env: str) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of one of the shell scripts, run under a timeout."""
+    full_env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", **env)
+    run = subprocess.run(["bash", *argv], cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return run.returncode, run.stdout, run.stderr
+
+
+def test_launch_scripts_print_their_usage_on_help():
+    for script, first in ((PRETRAIN, "Pretrain a GPT with Megatron's training loop"),
+                          (RUN_SCRIPT, "Run any Megatron training script")):
+        for flag in ("-h", "--help"):
+            rc, out, err = _script(script, flag)
+            assert rc == 0 and err == "", (script, flag, err)
+            assert out.startswith(first) and "CP_COMM_TYPE" in out and "No such file" not in out, out
+        rc, out, err = _script(script)  # nothing given: the usage on stderr, status 2
+        assert rc == 2 and out == "" and err.startswith(first)
+
+
+@pytest.mark.parametrize("script, env, words", [
+    # a Megatron script that is not there: before torchrun starts
+    ((RUN_SCRIPT, "/nonexistent/pretrain_gpt.py", CONFIG), {}, ["script: no such file: /nonexistent/pretrain_gpt.py"]),
+    # world sizes Megatron would refuse after every rank had imported it
+    ((PRETRAIN, CONFIG), {"NPROC": "3", "CP": "2"}, ["world size NPROC x NNODES = 3 x 1 = 3 is not a multiple of CP = 2",
+                                                     "make NPROC x NNODES a multiple of 2"]),
+    ((RUN_SCRIPT, MEGATRON_LM_SCRIPT, CONFIG), {"NPROC": "2", "CP": "4"}, ["= 2 x 1 = 2 is not a multiple of CP = 4"]),
+    ((PRETRAIN, CONFIG, "--tensor-model-parallel-size", "2"), {"NPROC": "2", "CP": "2", "NNODES": "1"},
+     ["= 2 x 1 = 2 is not a multiple of TP x CP = 2 x 2 = 4 (--tensor-model-parallel-size, --context-parallel-size)"]),
+])
+def test_launcher_refuses_a_bad_command_line_in_one_line_before_torchrun(script, env, words):
+    rc, out, err = _script(*script, **env)
+    assert rc == 2 and out == "", (rc, out, err)
+    assert len(err.splitlines()) == 1 and err.startswith("megatron_mesh.megatron.launch: error: "), err
+    assert "torchrun" not in err  # nothing was started
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_launcher_checks_the_world_size_against_tp_pp_cp_from_the_flags():
+    from megatron_mesh.megatron.launch import training_command
+
+    def command(nproc, *flags, **env):
+        return training_command("pretrain", [CONFIG, *flags], {"NPROC": str(nproc), "PATH": os.environ["PATH"], **env})
+
+    # fits: 2 nodes x 2 = CP 4; TP 2 x PP 2 x CP 2 in 8 processes (data parallel 1); 4 = CP 2 x data parallel 2
+    command(2, NNODES="2", CP="4")
+    command(8, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size=2", CP="2")
+    command(4, CP="2")
+    command("gpu", CP="3")  # torchrun's own counts are left to torchrun
+    with pytest.raises(ValueError, match=r"= 4 x 1 = 4 is not a multiple of PP x CP = 2 x 4 = 8 "
+                                         r"\(--pipeline-model-parallel-size, --context-parallel-size\)"):
+        command(4, "--pipeline-model-parallel-size", "2", CP="4")
+    with pytest.raises(ValueError, match=r"= 4 x 1 = 4 is not a multiple of CP = 8"):  # the last flag wins
+        command(4, "--context-parallel-size", "8", CP="2")
+
+
+def test_launcher_passes_the_backend_once():
+    """The config names --distributed-backend gloo and the launcher names the backend too: the
+    command carries one, the one that wins by the documented order (config < launcher < flags)."""
+    from megatron_mesh.megatron.launch import training_command
+
+    def backends(entry, args, **env):
+        argv, _ = training_command(entry, args, {"PATH": os.environ["PATH"], **env})
+        return [argv[i + 1] for i, a in enumerate(argv) if a == "--distributed-backend"]
+
+    assert backends("pretrain", [CONFIG], CP="2") == ["nccl" if torch_cuda() else "gloo"]
+    assert backends("pretrain", [CONFIG], BACKEND="nccl") == ["nccl"]
+    assert backends("pretrain", [CONFIG, "--distributed-backend", "gloo"], BACKEND="nccl") == ["gloo"]
+    assert backends("script", [MEGATRON_LM_SCRIPT, CONFIG], BACKEND="nccl") == ["gloo"]  # the config's; nothing added
+    assert backends("script", [MEGATRON_LM_SCRIPT, CONFIG], BACKEND="gloo") == ["gloo"]
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def test_launcher_returns_the_ranks_exit_status_when_they_agree():
+    """Once a rank fails torchrun stops the others with SIGTERM: those do not count. The plugin's
+    start-up error exits every rank that gets there with 2, so the launcher returns 2."""
+    from types import SimpleNamespace
+
+    from megatron_mesh.megatron.launch import _failure_status
+
+    def status(*codes):
+        return _failure_status(SimpleNamespace(failures={r: SimpleNamespace(exitcode=c) for r, c in enumerate(codes)}))
+
+    assert status(2, -15, -15, -15) == 2
+    assert status(2, 2) == 2
+    assert status(1, -15) == 1
+    assert status(2, 1) == 1  # they differ
+    assert status(-9, -15) == 1  # killed (out of memory?): no rank's own status
+
+
+_INTERRUPT = textwrap.dedent("""
+    import os, signal, sys, time
+    os.environ["TORCHELASTIC_RUN_ID"] = "test"
+    os.environ["MEGATRON_MESH_LAUNCHER_PID"] = str(os.getppid())
+    from megatron_mesh.megatron import bootstrap
+    bootstrap.quiet_interrupt()
+    child = os.fork()
+    if child == 0:  # a forked child (a data-loader worker) keeps Python's KeyboardInterrupt
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        except KeyboardInterrupt:
+            os._exit(7)
+        os._exit(0)
+    assert os.WEXITSTATUS(os.waitpid(child, 0)[1]) == 7
+    print("ready", flush=True)
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+    finally:
+        print("unwound", flush=True)  # finally blocks run, as with KeyboardInterrupt
+""")
+
+
+def test_a_rank_of_the_launcher_exits_130_on_ctrl_c_without_a_traceback():
+    run = subprocess.run([sys.executable, "-c", _INTERRUPT], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 130 and run.stdout.split() == ["ready", "unwound"], (run.returncode, run.stdout, run.stderr)
+    assert run.stderr == ""
+    # outside the launcher Ctrl-C stays KeyboardInterrupt
+    plain = _INTERRUPT.replace('os.environ["MEGATRON_MESH_LAUNCHER_PID"] = str(os.getppid())', "")
+    run = subprocess.run([sys.executable, "-c", plain], capture_output=True, text=True, timeout=60)
+    assert run.returncode != 130 and "KeyboardInterrupt" in run.stderr
+
+
+def test_missing_dataset_files_are_named_at_start_up(tmp_path, monkeypatch):
+    """check_data_files (bootstrap.check_args runs it in both entry scripts): a --data-path prefix
+    without its .bin / .idx stops the start-up naming them; the document configs' prefix
+    (DOC_DATA, data/tiny_docs) gets the command that writes it; mock data is not checked."""
+    from types import SimpleNamespace
+
+    from megatron_mesh.megatron import checks
+
+    def args(**kw):
+        return SimpleNamespace(**{"mock_data": False, "data_path": None, **kw})
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DOC_DATA", raising=False)
+    (tmp_path / "a.bin").write_bytes(b"")
+    (tmp_path / "a.idx").write_bytes(b"")
+    (tmp_path / "b.idx").write_bytes(b"")
+    checks.check_data_files(args(data_path=["a"]))
+    checks.check_data_files(args(data_path=["0.3", "a", "0.7", str(tmp_path / "a")]))
+    checks.check_data_files(args(mock_data=True, data_path=["nowhere"]))
+    checks.check_data_files(args())  # no data flags: Megatron's own affair
+    with pytest.raises(ValueError) as e:
+        checks.check_data_files(args(data_path=["0.5", "a", "0.5", "b"]))
+    assert str(e.value) == (f"--data-path 0.5 a 0.5 b: no dataset there, b.bin not found (relative to {tmp_path}); give "
+                            "the prefix of an existing Megatron indexed dataset (PREFIX.bin + PREFIX.idx), or --mock-data")
+    with pytest.raises(ValueError, match=r"^--valid-data-path /x/y: no dataset there, /x/y\.bin, /x/y\.idx not found; "):
+        checks.check_data_files(args(valid_data_path=["/x/y"]))
+    with pytest.raises(ValueError, match=r"^--data-args-path list\.txt: no such file$"):
+        checks.check_data_files(args(data_args_path="list.txt"))
+    (tmp_path / "list.txt").write_text("1 a\n1 c\n")
+    with pytest.raises(ValueError, match=r"^--data-args-path list\.txt: no dataset there, c\.bin, c\.idx not found"):
+        checks.check_data_files(args(data_args_path="list.txt"))
+    # the document configs' data, in a checkout (its .venv and scripts/make_doc_dataset.py)
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "make_doc_dataset.py").write_text("")
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv" / "bin" / "python").write_text("")
+    monkeypatch.setattr(checks, "ROOT", str(tmp_path))
+    monkeypatch.setenv("DOC_DATA", "data/tiny_docs")
+    with pytest.raises(ValueError) as e:
+        checks.check_data_files(args(data_path=["data/tiny_docs"]))
+    assert str(e.value) == (f"--data-path data/tiny_docs: no dataset there, data/tiny_docs.bin, data/tiny_docs.idx not "
+                            f"found (relative to {tmp_path}); write the documents first: .venv/bin/python "
+                            "scripts/make_doc_dataset.py data/tiny_docs (DOC_DATA sets the prefix the document configs "
+                            "read)")

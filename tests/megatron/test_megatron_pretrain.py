@@ -10,7 +10,9 @@ scripts/run_megatron_script.sh with the plugin's flags on its command line.
 * bf16 + distributed optimizer + full recompute at CP 4 (Mesh 2x2) matches the same at CP 1 within
   bf16 tolerance, and its metrics JSON lines carry the losses, bytes and tiles;
 * PP 2 x CP 2 logs the losses of PP 2 x CP 1;
-* bad settings stop both scripts at start-up with one message; killing the launcher kills every rank.
+* bad settings stop both scripts at start-up with one message and status 2, so does a missing
+  dataset; killing the launcher kills every rank; Ctrl-C (or SIGTERM) stops them with one line and
+  status 130 (143).
 
 (TASP with selective recompute, masks and the Ulysses hybrids through pretrain(): see
 tests/megatron/test_megatron_pretrain_masks.py.)
@@ -75,7 +77,7 @@ def runs(tmp_path_factory):
         "pp2_cp2": ("pretrain", 4, 2, "mesh tasp", "--pipeline-model-parallel-size", "2"),
         # bad settings: each must stop its script at start-up
         "bad_mode": ("pretrain", 1, 1, "allgather"),
-        "bad_tile": ("megatron-lm", 2, 4, "mesh", "--mesh-tile-shape", "3x2"),
+        "bad_tile": ("megatron-lm", 2, 2, "mesh", "--mesh-tile-shape", "3x2"),
     }
     out = run_all(run, plan, together=("cp1", "cp1_bf16", "bad_mode", "bad_tile"), then_together=("resume", "pp2_cp1"))
     out["metrics_dir"] = metrics
@@ -157,7 +159,7 @@ def test_pipeline_parallel_with_cp_losses_equal_cp1(runs):
 
 def test_bad_flag_stops_the_plugin_entry_with_one_message(runs):
     rc, text = runs["bad_mode"]
-    assert rc != 0
+    assert rc == 2, text[-3000:]  # the ranks' start-up error status, returned by the launcher
     assert text.count("megatron_mesh: error:") == 1
     assert ("megatron_mesh: error: --cp-comm-type 'allgather' is not a context-parallel mode (Transformer Engine "
             "spells it 'all_gather')") in text
@@ -165,14 +167,29 @@ def test_bad_flag_stops_the_plugin_entry_with_one_message(runs):
 
 
 def test_megatron_lm_script_bad_tile_fails_once_at_startup(runs):
-    """Two ranks, CP 4 with tile 3x2: rank 0 prints the error once, before Megatron's own checks
-    (the world is too small for CP 4 too) and before anything is initialised."""
+    """Two ranks, CP 2 with tile 3x2: rank 0 prints the error once, before anything is
+    initialised; every rank that gets there exits 2 (the other is stopped by torchrun), and so
+    does the launcher."""
     rc, text = runs["bad_tile"]
-    assert rc != 0
+    assert rc == 2, text[-3000:]
     assert text.count("megatron_mesh: error:") == 1, text[-3000:]
-    assert ("megatron_mesh: error: --cp-comm-type mesh at --context-parallel-size 4 with --mesh-tile-shape 3x2: tile 3x2 "
-            "does not fit CP size 4: a * b must equal the CP size; allowed tiles: 1x4, 2x2, 4x1") in text
+    assert ("megatron_mesh: error: --cp-comm-type mesh at --context-parallel-size 2 with --mesh-tile-shape 3x2: tile 3x2 "
+            "does not fit CP size 2: a * b must equal the CP size; allowed tiles: 1x2, 2x1") in text
     assert "initializing torch distributed" not in text and "Traceback" not in text
+
+
+def test_missing_dataset_stops_at_start_up_with_one_line(tmp_path):
+    """The document config before scripts/make_doc_dataset.py has written its data: one line names
+    the missing files and the command that writes them, status 2 -- not an AssertionError per rank
+    while Megatron builds the datasets."""
+    prefix = str(tmp_path / "tiny_docs")
+    rc, text = run_config(os.path.join(ROOT, "configs", "gpt_tiny_cpu_docs.yaml"), 2, 2, "mesh", "--train-iters", "1",
+                          env={"DOC_DATA": prefix}, timeout=180)
+    assert rc == 2, text[-3000:]
+    assert text.count("megatron_mesh: error:") == 1, text[-3000:]
+    assert (f"megatron_mesh: error: --data-path {prefix}: no dataset there, {prefix}.bin, {prefix}.idx not found; write "
+            f"the documents first: ") in text and f"scripts/make_doc_dataset.py {prefix} (DOC_DATA" in text
+    assert "Traceback" not in text and "AssertionError" not in text and "initializing torch distributed" not in text
 
 
 def test_killing_the_launcher_kills_every_rank(tmp_path):
@@ -195,6 +212,49 @@ def test_killing_the_launcher_kills_every_rank(tmp_path):
         launcher.wait(timeout=30)
         gone, alive = psutil.wait_procs(workers, timeout=30)
         assert not alive, f"ranks outlived their launcher: {[p.pid for p in alive]}"
+    finally:
+        kill_process_tree(launcher.pid)
+
+
+def _iterations_started(path, launcher, timeout: float = 180) -> None:
+    """Wait until the run writing its output to ``path`` has logged iteration 2 (past its start-up)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and launcher.poll() is None:
+        with open(path) as f:
+            if re.search(r"iteration\s+2/", f.read()):
+                return
+        time.sleep(0.5)
+    pytest.fail(f"the run did not reach iteration 2 (exit {launcher.poll()}):\n{open(path).read()[-3000:]}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_stops_every_rank_with_one_line(tmp_path, sig):
+    """Ctrl-C (SIGINT to the launcher, which torchrun forwards to the ranks) or SIGTERM during
+    training: every rank stops, the launcher says so in one line and exits 128 + the signal (130,
+    143); no rank prints a traceback, nor does torchrun."""
+    env = dict(os.environ, NPROC="2", CP="2", CP_COMM_TYPE="ring", MASTER_PORT=str(free_port()),
+               PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    log = tmp_path / "out.log"
+    with open(log, "w") as out:
+        launcher = subprocess.Popen(["bash", PRETRAIN, CONFIG, "--train-iters", "100000"], cwd=ROOT, env=env,
+                                    stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _iterations_started(log, launcher)
+        ranks = [p for p in psutil.Process(launcher.pid).children()
+                 if "megatron_mesh.megatron.pretrain_gpt" in " ".join(p.cmdline())]
+        assert len(ranks) == 2, ranks
+        below = psutil.Process(launcher.pid).children(recursive=True)  # the ranks and their data-loader workers
+        before = log.stat().st_size
+        os.kill(launcher.pid, sig)
+        rc = launcher.wait(timeout=60)
+        gone, alive = psutil.wait_procs(below, timeout=30)
+        assert not alive, f"processes outlived the interrupt: {[(p.pid, p.name()) for p in alive]}"
+        text = log.read_text()
+        tail = text[before:] if text[before - 1:before] == "\n" else text[before:].partition("\n")[2]  # whole lines
+        after = [line for line in tail.splitlines() if not re.search(r"iteration\s+\d+/", line)]
+        assert rc == 128 + sig, (rc, after)
+        assert after == [f"megatron_mesh.megatron.launch: interrupted ({sig.name}): stopped torchrun and its 2 rank(s)"], \
+            after[-40:]
     finally:
         kill_process_tree(launcher.pid)
 
