@@ -177,7 +177,10 @@ def command(mode: str, args, metrics: str, mask: str = "none", config: str | Non
     if mask == "docs-zigzag" and cp > 1:  # Megatron refuses a layout at CP 1: there is nothing to split
         flags += ["--cp-layout", "zigzag"]
     flags += args.megatron_args
-    torchrun_args, env = training_command("pretrain", [config or args.config, *flags], environ)
+    try:
+        torchrun_args, env = training_command("pretrain", [config or args.config, *flags], environ)
+    except ValueError as e:  # the launcher's checks of the command line (e.g. a world size CP does not divide)
+        raise SystemExit(f"compare_cp_modes: {mode}: {e}") from None
     return [sys.executable, "-m", "torch.distributed.run", *torchrun_args], env, flags
 
 
@@ -315,6 +318,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.no_predict and args.predict:
         raise SystemExit("--predict and --no-predict exclude each other")
     args.predict_configs = [] if args.no_predict else (args.predict or [predict.DEFAULT_CONFIG])
+    for mode in args.modes:  # each mode's command once, before the first training: a bad one fails now
+        command(mode, args, os.devnull)
     try:  # read every config before the first training: a bad one fails in seconds, not after the runs
         for path in args.predict_configs:
             predict.read_config(path)

@@ -365,6 +365,12 @@ def test_compare_cp_modes_always_runs_the_baseline_unless_told_not_to(script):
     assert compare.parse_args(["--no-predict"]).modes[0] == "baseline"
     with pytest.raises(SystemExit, match="--no-baseline and --modes baseline exclude each other"):
         compare.parse_args(["--modes", "baseline", "ring", "--no-baseline"])
+    # every mode's command is built before the first run: a bad one stops the job at once
+    with pytest.raises(SystemExit, match=r"unknown mode 'bogus'"):
+        compare.parse_args(["--modes", "ring", "bogus", "--no-predict"])
+    with pytest.raises(SystemExit, match=r"compare_cp_modes: baseline: world size NPROC x NNODES = 1 x 1 = 1 is not a "
+                                         r"multiple of TP x CP = 3 x 1 = 3"):
+        compare.parse_args(["--modes", "ring", "--no-predict", "--", "--tensor-model-parallel-size", "3"])
 
 
 @pytest.mark.parametrize("name, argv, message", [
