@@ -1,6 +1,7 @@
 """Process start-up shared by the plugin's entry script and ``run_script`` (any Megatron script).
 
 * :func:`die_with_parent` -- a torchrun worker dies with its launcher (Linux ``PR_SET_PDEATHSIG``);
+  :func:`forked_children_die_with_this_process` -- and what it forks dies with it;
 * :func:`quiet_interrupt` -- a worker of the launcher exits on SIGINT without a traceback;
 * :func:`prepare_runtime` -- what Megatron-LM's training code needs before it runs here: the
   ``typing.override`` polyfill, on a CPU the workarounds of :mod:`.cpu_compat`, the prebuilt
@@ -23,11 +24,12 @@ from __future__ import annotations
 import gc
 import os
 import sys
-from typing import NoReturn
+from contextlib import contextmanager
+from typing import Iterator, NoReturn
 
 from . import ensure_typing_override
 
-__all__ = ["die_with_parent", "quiet_interrupt", "prepare_runtime", "check_args", "fail", "install_argument_hook", "megatron_args",
+__all__ = ["die_with_parent", "forked_children_die_with_this_process", "quiet_interrupt", "prepare_runtime", "check_args", "fail", "install_argument_hook", "megatron_args",
            "pause_gc", "resume_gc", "freeze_gc"]
 
 _CHECKED: set[int] = set()  # id() of the argument namespaces already checked (Megatron keeps one for the run)
@@ -91,6 +93,10 @@ def die_with_parent() -> None:
     (``python -m ...`` by hand must survive its shell) and outside Linux."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return
+    _sigkill_when_parent_dies(int(os.environ.get(LAUNCHER_PID_ENV) or _PARENT_AT_START))
+
+
+def _sigkill_when_parent_dies(expected_parent: int) -> None:
     import ctypes
     import signal
 
@@ -98,9 +104,38 @@ def die_with_parent() -> None:
     pr_set_pdeathsig = 1  # <linux/prctl.h>
     if libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    expected = int(os.environ.get(LAUNCHER_PID_ENV) or _PARENT_AT_START)
-    if os.getppid() != expected:  # the launcher died before prctl: nobody will send the signal
+    if os.getppid() != expected_parent:  # the parent died before prctl: nobody will send the signal
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+_FORK_PARENT: list[int] = []  # inside forked_children_die_with_this_process: the forking process
+_AT_FORK_REGISTERED: list[bool] = []
+
+
+def _after_fork_in_child() -> None:
+    if _FORK_PARENT:
+        parent = _FORK_PARENT.pop()
+        _sigkill_when_parent_dies(parent)
+
+
+@contextmanager
+def forked_children_die_with_this_process() -> Iterator[None]:
+    """Processes this one forks inside the block (from this thread) are SIGKILLed when it dies.
+    PR_SET_PDEATHSIG is not inherited across fork, so a rank's helper process -- the checkpoint
+    writer's result-queue manager -- outlived a rank killed with ``kill -9``, for ever. Linux only
+    (elsewhere a no-op)."""
+    if not sys.platform.startswith("linux"):
+        yield
+        return
+    if not _AT_FORK_REGISTERED:
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+        _AT_FORK_REGISTERED.append(True)
+    _FORK_PARENT.append(os.getpid())
+    try:
+        yield
+    finally:
+        _FORK_PARENT.clear()
+
 
 
 def quiet_interrupt() -> None:

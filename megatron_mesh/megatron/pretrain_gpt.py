@@ -256,7 +256,8 @@ def start_checkpoint_results_queue(args) -> None:
     if args.save and args.ckpt_format == "torch_dist" and not args.async_save:
         from megatron.core.dist_checkpointing.strategies.filesystem_async import get_write_results_queue
 
-        get_write_results_queue(mp_mode="fork")
+        with bootstrap.forked_children_die_with_this_process():  # kill -9 of the rank must not orphan it
+            get_write_results_queue(mp_mode="fork")
 
 
 def main(argv=None) -> None:

@@ -456,3 +456,43 @@ def test_missing_dataset_files_are_named_at_start_up(tmp_path, monkeypatch):
                             f"found (relative to {tmp_path}); write the documents first: .venv/bin/python "
                             "scripts/make_doc_dataset.py data/tiny_docs (DOC_DATA sets the prefix the document configs "
                             "read)")
+
+
+_FORKED = textwrap.dedent("""
+    import multiprocessing, os, sys, time
+    from megatron_mesh.megatron import bootstrap
+    # as pretrain_gpt.start_checkpoint_results_queue starts Megatron's result queue: a forked Manager
+    with bootstrap.forked_children_die_with_this_process():
+        manager = multiprocessing.get_context("fork").Manager()
+    outside = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+    outside.start()  # forked after the block: not tied to this process
+    print(manager._process.pid, outside.pid, flush=True)
+    time.sleep(60)
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_ranks_forked_helpers_die_when_it_is_killed():
+    """kill -9 of a rank that forked its checkpoint result-queue manager: the manager goes too
+    (PR_SET_PDEATHSIG is not inherited across fork); a process forked outside the block is not tied."""
+    import signal
+    import time
+
+    import psutil
+
+    proc = subprocess.Popen([sys.executable, "-c", _FORKED], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=ROOT))
+    try:
+        manager, outside = map(int, proc.stdout.readline().split())
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while psutil.pid_exists(manager) and psutil.Process(manager).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the forked manager outlived the killed process"
+            time.sleep(0.1)
+        assert psutil.pid_exists(outside)
+    finally:
+        proc.kill()
+        for pid in (locals().get("manager"), locals().get("outside")):
+            if pid and psutil.pid_exists(pid):
+                os.kill(pid, signal.SIGKILL)
