@@ -20,7 +20,8 @@ whole process tree.
   Before torchrun starts it refuses, in one line with status 2, a SCRIPT.py that is not there and a
   world size NPROC x NNODES that is not a multiple of TP x PP x CP (as the flags give them).
   Ctrl-C / SIGTERM: torchrun stops every rank, the launcher says so in one line and exits 128 + the
-  signal (130 / 143). Failed ranks: their exit status when they agree (2: a start-up error), else 1.
+  signal (130 / 143). Failed ranks: their exit status when they agree (2: a start-up error), else 1;
+  128 + N where none exited by itself and one was killed by signal N (137: kill -9, OOM).
 * :func:`kill_process_tree` -- SIGKILL a process and everything below it.
 
 The tests' and benchmarks' process groups are started by ``megatron_mesh.comm.spawn`` instead.
@@ -116,6 +117,8 @@ def training_command(entry: str, args: Sequence[str], environ: Mapping[str, str]
     if launcher_backend and not given:
         run_args += [BACKEND_FLAG, backend]
     if env.get("CP"):
+        if not env["CP"].isdigit() or int(env["CP"]) < 1:  # torchrun would take CP=four for its NPROC and fail in 29 lines
+            raise ValueError(f"CP (--context-parallel-size) must be a positive integer, got {env['CP']!r}")
         run_args += ["--context-parallel-size", env["CP"]]
     if env.get("CP_COMM_TYPE"):
         run_args += ["--cp-comm-type", *env["CP_COMM_TYPE"].split()]
@@ -187,8 +190,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns 0 when every rank finished; 2 for a bad command line (printed in one line before
     anything starts); when ranks failed, their exit status if every rank that exited by itself
-    returned the same one (2 for the plugin's start-up errors), else 1; 128 + N when signal N
-    (SIGINT: 130, SIGTERM: 143) stopped the launcher, after torchrun has stopped the ranks."""
+    returned the same one (2 for the plugin's start-up errors), else 1 (see :func:`_failure_status`);
+    128 + N when signal N (SIGINT: 130, SIGTERM: 143) stopped the launcher, after torchrun has
+    stopped the ranks."""
     from .bootstrap import freeze_gc, pause_gc, resume_gc
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -236,8 +240,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _failure_status(error) -> int:
     """The launcher's exit status when ranks failed (``error``: torchrun's ChildFailedError): the
     status of the ranks that exited by themselves if they all agree, else 1. Ranks killed by a
-    signal do not count: once one rank fails, torchrun stops the others with SIGTERM."""
+    signal do not count: once one rank fails, torchrun stops the others with SIGTERM; where no rank
+    exited by itself, 128 + the signal that killed one (137: kill -9, or the kernel's OOM killer)."""
     codes = {f.exitcode for f in error.failures.values() if f.exitcode > 0}
+    if not codes:  # no rank exited by itself: one was killed (kill -9, out of memory), as a shell says it
+        killed = {-f.exitcode for f in error.failures.values() if f.exitcode < 0 and -f.exitcode != signal.SIGTERM}
+        return 128 + killed.pop() if len(killed) == 1 else 1
     return codes.pop() if len(codes) == 1 else 1
 
 

@@ -309,6 +309,7 @@ def test_launch_scripts_print_their_usage_on_help():
     ((PRETRAIN, CONFIG), {"NPROC": "3", "CP": "2"}, ["world size NPROC x NNODES = 3 x 1 = 3 is not a multiple of CP = 2",
                                                      "make NPROC x NNODES a multiple of 2"]),
     ((RUN_SCRIPT, MEGATRON_LM_SCRIPT, CONFIG), {"NPROC": "2", "CP": "4"}, ["= 2 x 1 = 2 is not a multiple of CP = 4"]),
+    ((PRETRAIN, CONFIG), {"CP": "four"}, ["CP (--context-parallel-size) must be a positive integer, got 'four'"]),
     ((PRETRAIN, CONFIG, "--tensor-model-parallel-size", "2"), {"NPROC": "2", "CP": "2", "NNODES": "1"},
      ["= 2 x 1 = 2 is not a multiple of TP x CP = 2 x 2 = 4 (--tensor-model-parallel-size, --context-parallel-size)"]),
 ])
@@ -375,7 +376,8 @@ def test_launcher_returns_the_ranks_exit_status_when_they_agree():
     assert status(2, 2) == 2
     assert status(1, -15) == 1
     assert status(2, 1) == 1  # they differ
-    assert status(-9, -15) == 1  # killed (out of memory?): no rank's own status
+    assert status(-9, -15) == 137  # one rank killed (kill -9, out of memory), the others stopped: as a shell says it
+    assert status(-9, -6) == 1  # killed by different signals
 
 
 _INTERRUPT = textwrap.dedent("""
