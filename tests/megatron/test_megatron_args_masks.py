@@ -75,7 +75,7 @@ def test_masks_and_hybrids_valid(megatron_args, our_entry, argv, documents):
      "CP ranks per node 2: an all-to-all group stays inside a node"),
     (["--context-parallel-size", "4", "--cp-comm-type", "a2a+mesh", "--hierarchical-context-parallel-sizes", "2", "2",
       "--mesh-tile-shape", "2x2", *HEADS], "--cp-comm-type a2a+mesh at --context-parallel-size 4 with --mesh-tile-shape "
-     "2x2: tile 2x2 does not fit CP size 2"),
+     "2x2: CP mode 'a2a+mesh' at CP size 4 = all-to-all 2 x inner mesh over 2 ranks: tile 2x2 does not fit CP size 2"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--window-size", "16,4"],
      "--window-size 16,4: the plugin's causal layers attend no later key, so the right side must be 0"),
     (["--context-parallel-size", "1", "--window-size", "16,4"],  # CP 1: the plugin's layer applies the window too

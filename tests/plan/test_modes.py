@@ -29,6 +29,8 @@ def test_registry_holds_every_mode():
     (lambda: resolve("meshy", 4, SHAPE), r"unknown CP mode 'meshy'; allowed: ring, mesh, tasp"),
     (lambda: resolve("mesh", 4, SHAPE, tiles="2x2"), r"CP mode 'mesh' takes no setting tiles; its settings: tile"),
     (lambda: resolve("mesh", 4, SHAPE, tile="3x2"), r"tile 3x2 does not fit CP size 4"),
+    (lambda: resolve("a2a+mesh", 4, SHAPE, ulysses_size=2, tile="4x1"),  # the inner group's size, named as such
+     r"CP mode 'a2a\+mesh' at CP size 4 = all-to-all 2 x inner mesh over 2 ranks: tile 4x1 does not fit CP size 2"),
     (lambda: resolve("mesh", 4, SHAPE, schedule="fast"), r"schedule must be one of greedy, lockstep, got 'fast'"),
     (lambda: resolve("tasp", 8, SHAPE, ranks_per_node=3), r"positive divisor of the CP size 8, got 3"),
     (lambda: resolve("tasp", 15, SHAPE, ranks_per_node=5), r"no decomposition into 5 Hamiltonian paths \(none exists for 3 and 5\)"),

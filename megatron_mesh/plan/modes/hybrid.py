@@ -69,7 +69,11 @@ class HybridMode(Mode):
             raise ValueError(f"transport {inner_options['transport']!r}: CP mode {self.name!r} runs its all-to-all and "
                              f"the inner {self.inner.name} rounds point-to-point (allowed: 'p2p')")
         inner_rpn = check_ranks_per_node(M, ranks_per_node // U) if ranks_per_node else None
-        inner = self.inner.resolve(M, sub, inner_topo, inner_rpn, self.inner.options(**inner_options), mask)
+        try:
+            inner = self.inner.resolve(M, sub, inner_topo, inner_rpn, self.inner.options(**inner_options), mask)
+        except ValueError as e:  # its sizes are the inner group's: say which group that is
+            raise ValueError(f"CP mode {self.name!r} at CP size {world_size} = all-to-all {U} x inner "
+                             f"{self.inner.name} over {M} ranks: {e}") from None
         return Placement(self.name, world_size, UlyssesOptions(U), ranks_per_node, inner)
 
     def build(self, p: Placement, shape: AttentionShape, mask, layout):
