@@ -17,6 +17,7 @@ Example (CP 4, 4 layers: Mesh tile 2x2 for the first two, TASP for the last two)
 from __future__ import annotations
 
 from .checks import documents_of
+from .errors import fail
 from .settings import MeshTransformerConfig, flags
 
 __all__ = ["add_args", "apply_args", "MeshTransformerConfig"]
@@ -44,8 +45,6 @@ def add_args(parser):
 
 
 def _one_line_error(message: str):
-    from .bootstrap import fail
-
     fail(f"{message} (the flags: --help)")
 
 

@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from typing import Iterator, NoReturn
 
 from . import ensure_typing_override
+from .errors import FAIL_GRACE_S, fail  # noqa: F401 -- bootstrap.fail: the entry scripts' way to stop a start-up
 
 __all__ = ["die_with_parent", "forked_children_die_with_this_process", "quiet_interrupt", "prepare_runtime", "check_args", "fail", "install_argument_hook", "megatron_args",
            "pause_gc", "resume_gc", "freeze_gc"]
@@ -42,7 +43,6 @@ BATCH_DOCUMENTS = False
 _GC_PAUSED = False  # pause_gc turned the collector off (resume_gc turns it on again, once)
 _PARENT_AT_START = os.getppid()  # before the launcher could have died: the reference for die_with_parent
 LAUNCHER_PID_ENV = "MEGATRON_MESH_LAUNCHER_PID"
-FAIL_GRACE_S = 10.0  # how long the other ranks of a failed start-up wait for rank 0's message  # set by megatron_mesh.megatron.launch for the workers it starts
 
 
 def pause_gc() -> None:
@@ -137,7 +137,6 @@ def forked_children_die_with_this_process() -> Iterator[None]:
         _FORK_PARENT.clear()
 
 
-
 def quiet_interrupt() -> None:
     """In a worker of megatron_mesh's launcher: SIGINT -- Ctrl-C, which torchrun forwards to every
     rank -- exits with status 130 (128 + SIGINT) like KeyboardInterrupt would, unwinding the same
@@ -223,19 +222,6 @@ def _compile_dataset_helpers(where: str) -> None:
     if build.returncode != 0:
         fail(f"building the dataset helpers of the Megatron checkout at {where} failed (`make -C {where}`, "
              f"exit {build.returncode}):\n{(build.stdout + build.stderr).strip()[-2000:]}")
-
-
-def fail(message: str) -> NoReturn:
-    """Stop a (possibly distributed) start-up: rank 0 prints ``message`` once, every rank exits 2."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"megatron_mesh: error: {message}", file=sys.stderr, flush=True)
-    elif "TORCHELASTIC_RUN_ID" in os.environ:
-        # torchrun stops every rank when the first one exits: give rank 0 the time to print (its
-        # exit ends this wait too)
-        import time
-
-        time.sleep(FAIL_GRACE_S)
-    raise SystemExit(2)
 
 
 def check_args(args) -> None:
