@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from typing import Iterator, NoReturn
 
 from . import ensure_typing_override
-from .errors import FAIL_GRACE_S, fail  # noqa: F401 -- bootstrap.fail: the entry scripts' way to stop a start-up
+from .errors import fail  # bootstrap.fail: also the entry scripts' way to stop a start-up
 
 __all__ = ["die_with_parent", "forked_children_die_with_this_process", "quiet_interrupt", "prepare_runtime", "check_args", "fail", "install_argument_hook", "megatron_args",
            "pause_gc", "resume_gc", "freeze_gc"]
