@@ -40,12 +40,12 @@ this protocol, so a new layout is one more class here.
 
 from __future__ import annotations
 
-import operator
 import re
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from .sel import Segment
+from .units import as_int
 
 __all__ = ["Layout", "ZigzagLayout", "ThdLayout", "SpanLayout", "layout_from_text", "register_layout", "match_text",
            "positions", "split_evenly", "slot_segments", "head_slice", "check_ulysses_heads"]
@@ -163,20 +163,9 @@ class ZigzagLayout:
         return cls(int(m.group(1)), int(m.group(2)))
 
 
-def _as_int(value) -> int | None:
-    """``value`` as an int (numpy / torch integer scalars pass through their ``__index__``), or
-    None for anything else -- a float (16.0 too), a bool or a string is never truncated."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
-
-
 def _integer(name: str, value, low: int) -> int:
     """``value`` as an int >= ``low``; anything else is a ValueError naming it."""
-    v = _as_int(value)
+    v = as_int(value)
     if v is None or v < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     return v
@@ -185,7 +174,7 @@ def _integer(name: str, value, low: int) -> int:
 def _integers(name: str, values) -> tuple[int, ...]:
     """``values`` as ints; anything not an integer (16.5, 16.0, True) is a ValueError naming it."""
     items = list(values)  # a generator is read once
-    out = tuple(_as_int(v) for v in items)
+    out = tuple(as_int(v) for v in items)
     for v, got in zip(items, out):
         if got is None:
             raise ValueError(f"{name} must hold integers, got {v!r} in {values!r}")

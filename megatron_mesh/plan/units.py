@@ -4,7 +4,9 @@ counts of things with the noun in the right number (``count(1, "ring") == '1 rin
 
 from __future__ import annotations
 
-__all__ = ["format_bytes", "count"]
+import operator
+
+__all__ = ["format_bytes", "count", "as_int"]
 
 
 def format_bytes(n: float | None) -> str:
@@ -25,3 +27,14 @@ def count(n: int, noun: str, plural: str | None = None) -> str:
     ('1 ring', '8 GPUs', '0 slots')
     """
     return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
+def as_int(value) -> int | None:
+    """``value`` as an int (numpy / torch integer scalars pass through their ``__index__``), or
+    None for anything else -- a float (16.0 too), a bool or a string is never truncated."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None

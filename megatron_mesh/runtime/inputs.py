@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import math
 import numbers
-import operator
 
 from torch import Tensor
 
 from ..plan.layout import Layout
 from ..plan.mask import Mask
+from ..plan.units import as_int
 from ..plan.problem import normalize
 from ..plan.shape import AttentionShape
 
@@ -74,12 +74,8 @@ def scale_of(shape: AttentionShape, softmax_scale) -> float:
 def integer_scalar(v):
     """``v`` as an int where it is an integer scalar of numpy or torch (as cu_seqlens and the
     layouts take them); anything else unchanged, for the checks that name it."""
-    if isinstance(v, bool) or isinstance(v, int) or not hasattr(v, "__index__"):
-        return v
-    try:
-        return operator.index(v)
-    except TypeError:  # a tensor of several elements
-        return v
+    got = as_int(v)
+    return v if got is None else got
 
 
 def attention_mask(world_size: int, shape: AttentionShape, *, causal: bool = True, window=None, cu_seqlens=None,
