@@ -24,6 +24,8 @@ import copy
 import functools
 import inspect
 import os
+import sys
+import warnings
 
 import torch
 
@@ -34,6 +36,7 @@ def install_model_patches() -> None:
     if torch.cuda.is_available():
         raise RuntimeError("megatron_mesh.megatron.cpu_compat is for CPU-only runs; CUDA is available")
     _compile_on_first_call()  # first: before anything imports megatron.core.jit
+    _quiet_missing_library_warnings()
     _rng_tracker()
     _current_device()
     _rope_cp_slice()
@@ -47,6 +50,26 @@ def install_training_patches() -> None:
     _arch_version()
     _cuda_redirect()
     _pretrain_loop()
+
+
+# Megatron's import-time warnings that an optional library is missing: Transformer Engine and Apex
+# (which cannot be installed without CUDA) and absl. Every process printed ten of them, 20 lines a
+# rank, none of which a CPU user can act on. Only these messages, and only where the user has not
+# asked for warnings himself (python -W / PYTHONWARNINGS: then Python's own settings apply)
+MISSING_LIBRARY_WARNINGS = (
+    r"Transformer Engine and Apex are not installed",
+    r"Apex is not installed",
+    r"absl\.logging is not installed",
+    r"Only transformer-engine>=1\.7\.0 supports MoE experts, but your version is 0\.0\.0",
+)
+
+
+@functools.cache  # each patch once per process
+def _quiet_missing_library_warnings() -> None:
+    if sys.warnoptions:
+        return
+    for message in MISSING_LIBRARY_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
 
 
 @functools.cache  # each patch once per process

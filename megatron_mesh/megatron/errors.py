@@ -9,13 +9,16 @@ import os
 import sys
 from typing import NoReturn
 
-__all__ = ["fail", "FAIL_GRACE_S"]
+__all__ = ["fail", "FAIL_GRACE_S", "STARTUP_ERROR_STATUS"]
 
+# every rank's exit status after fail(): the launcher knows by it that the failure is explained
+STARTUP_ERROR_STATUS = 2
 FAIL_GRACE_S = 10.0  # how long the other ranks of a failed start-up wait for rank 0's message
 
 
 def fail(message: str) -> NoReturn:
-    """Stop a (possibly distributed) start-up: rank 0 prints ``message`` once, every rank exits 2."""
+    """Stop a (possibly distributed) start-up: rank 0 prints ``message`` once, every rank exits
+    :data:`STARTUP_ERROR_STATUS` (2)."""
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"megatron_mesh: error: {message}", file=sys.stderr, flush=True)
     elif "TORCHELASTIC_RUN_ID" in os.environ:
@@ -24,4 +27,4 @@ def fail(message: str) -> NoReturn:
         import time
 
         time.sleep(FAIL_GRACE_S)
-    raise SystemExit(2)
+    raise SystemExit(STARTUP_ERROR_STATUS)

@@ -21,7 +21,9 @@ whole process tree.
   world size NPROC x NNODES that is not a multiple of TP x PP x CP (as the flags give them).
   Ctrl-C / SIGTERM: torchrun stops every rank, the launcher says so in one line and exits 128 + the
   signal (130 / 143). Failed ranks: their exit status when they agree (2: a start-up error), else 1;
-  128 + N where none exited by itself and one was killed by signal N (137: kill -9, OOM).
+  128 + N where none exited by itself and one was killed by signal N (137: kill -9, OOM). A
+  start-up error is the rank's one line: torchrun's own lines that repeat it (stopping the other
+  ranks, the failed rank's status) are dropped (:class:`_QuietShutdown`).
 * :func:`kill_process_tree` -- SIGKILL a process and everything below it.
 
 The tests' and benchmarks' process groups are started by ``megatron_mesh.comm.spawn`` instead.
@@ -36,6 +38,8 @@ import sys
 from typing import Mapping, Sequence
 
 import psutil
+
+from .errors import STARTUP_ERROR_STATUS
 
 __all__ = ["kill_process_tree", "free_port", "training_command", "main"]
 
@@ -264,22 +268,24 @@ def _interrupted(sig: signal.Signals, nproc: str, nnodes: str) -> int:
 
 
 class _QuietShutdown(logging.Filter):
-    """Drops torchrun's warnings about a signal it received and forwards to the ranks (one line
-    per rank): the launcher reports the interruption itself, in one line. Its other messages --
-    a rank that failed, and which -- pass."""
+    """Drops torchrun's lines that repeat what the launcher or a rank has said in one line:
+
+    * after a signal (Ctrl-C, SIGTERM): that it received it and forwards it to each rank (one line
+      per rank) -- the launcher reports the interruption itself;
+    * after a rank failed: that it stops each other rank (one line per rank: torchrun always does,
+      and the launcher's docs say so), and, where the failed rank exited with status 2 -- a start-up
+      error, which the rank has named in one line (``megatron_mesh: error: ...``) -- the status line.
+
+    Kept: a rank that failed otherwise, which and how (with its traceback above it)."""
 
     RECEIVED = "Received %s death signal, shutting down workers"
     SENDING = "Sending process %s closing signal %s"
-
-    def __init__(self):
-        super().__init__()
-        self.signalled = False
+    FAILED = "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg == self.RECEIVED:
-            self.signalled = True
-            return False
-        return not (self.signalled and record.msg == self.SENDING)
+        if record.msg == self.FAILED:
+            return record.args[0] != STARTUP_ERROR_STATUS
+        return record.msg not in (self.RECEIVED, self.SENDING)
 
 
 def _quiet_torchrun_shutdown() -> None:

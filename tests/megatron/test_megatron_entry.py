@@ -380,6 +380,55 @@ def test_launcher_returns_the_ranks_exit_status_when_they_agree():
     assert status(-9, -6) == 1  # killed by different signals
 
 
+
+def test_launcher_keeps_only_torchrun_lines_that_say_something_new():
+    """torchrun's lines after a start-up error (its rank printed the one line, status 2) or a
+    signal are dropped; a rank that failed otherwise is still named."""
+    import logging
+
+    from megatron_mesh.megatron.launch import _QuietShutdown
+
+    keep = _QuietShutdown().filter
+
+    def record(msg, *args):
+        return logging.LogRecord("torch.distributed.elastic.multiprocessing.api", logging.ERROR, "api.py", 1, msg,
+                                 args, None)
+
+    assert not keep(record(_QuietShutdown.SENDING, 123, "SIGTERM"))
+    assert not keep(record(_QuietShutdown.RECEIVED, "SIGINT"))
+    assert not keep(record(_QuietShutdown.FAILED, 2, 0, 123, "python"))
+    assert keep(record(_QuietShutdown.FAILED, 1, 0, 123, "python"))  # a crash: which rank, with its traceback
+    assert keep(record(_QuietShutdown.FAILED, -9, 1, 124, "python"))  # killed (out of memory?)
+    assert keep(record("Starting elastic_operator with launch configs:"))
+
+
+def test_cpu_runs_hide_megatrons_warnings_about_gpu_libraries(monkeypatch):
+    """Megatron warns at import that TE / Apex / absl are missing (ten warnings a process): CPU runs
+    hide exactly those, unless the user asked for warnings (-W / PYTHONWARNINGS)."""
+    import sys
+    import warnings
+
+    from megatron_mesh.megatron import cpu_compat
+
+    def shown(message):
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("default")
+            cpu_compat._quiet_missing_library_warnings.__wrapped__()
+            warnings.warn(message, UserWarning)
+            warnings.warn("something else", UserWarning)
+        return [str(w.message) for w in got]
+
+    monkeypatch.setattr(sys, "warnoptions", [])
+    for message in ("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.",
+                    "Apex is not installed. Falling back to Torch Norm",
+                    "absl.logging is not installed. Using logging.getLogger(__name__) instead.",
+                    "Only transformer-engine>=1.7.0 supports MoE experts, but your version is 0.0.0. Use local"):
+        assert shown(message) == ["something else"], message
+    monkeypatch.setattr(sys, "warnoptions", ["default"])
+    assert shown("Apex is not installed. Falling back to Torch Norm") == [
+        "Apex is not installed. Falling back to Torch Norm", "something else"]
+
+
 _INTERRUPT = textwrap.dedent("""
     import os, signal, sys, time
     os.environ["TORCHELASTIC_RUN_ID"] = "test"

@@ -164,6 +164,7 @@ def test_bad_flag_stops_the_plugin_entry_with_one_message(runs):
     assert ("megatron_mesh: error: --cp-comm-type 'allgather' is not a context-parallel mode (Transformer Engine "
             "spells it 'all_gather')") in text
     assert "training ..." not in text  # it stopped before Megatron initialised anything
+    assert_start_up_error_alone(text)
 
 
 def test_megatron_lm_script_bad_tile_fails_once_at_startup(runs):
@@ -176,6 +177,15 @@ def test_megatron_lm_script_bad_tile_fails_once_at_startup(runs):
     assert ("megatron_mesh: error: --cp-comm-type mesh at --context-parallel-size 2 with --mesh-tile-shape 3x2: tile 3x2 "
             "does not fit CP size 2: a * b must equal the CP size; allowed tiles: 1x2, 2x1") in text
     assert "initializing torch distributed" not in text and "Traceback" not in text
+    assert_start_up_error_alone(text)
+
+
+def assert_start_up_error_alone(text: str) -> None:
+    """Nothing around a start-up error's one line that repeats it: not torchrun's stopping of the
+    other ranks and status line, nor Megatron's warnings that TE / Apex are not installed (which a
+    CPU machine cannot install: cpu_compat hides them)."""
+    for noise in ("closing signal", "failed (exitcode", "UserWarning", "is not installed"):
+        assert noise not in text, text[-3000:]
 
 
 def test_missing_dataset_stops_at_start_up_with_one_line(tmp_path):
@@ -190,6 +200,7 @@ def test_missing_dataset_stops_at_start_up_with_one_line(tmp_path):
     assert (f"megatron_mesh: error: --data-path {prefix}: no dataset there, {prefix}.bin, {prefix}.idx not found; write "
             f"the documents first: ") in text and f"scripts/make_doc_dataset.py {prefix} (DOC_DATA" in text
     assert "Traceback" not in text and "AssertionError" not in text and "initializing torch distributed" not in text
+    assert_start_up_error_alone(text)
 
 
 def test_killing_the_launcher_kills_every_rank(tmp_path):
