@@ -46,6 +46,7 @@ import time
 from megatron_mesh.plan import AttentionShape, Mask, plan_bytes, rank_work, resolve
 from megatron_mesh.plan.accounting import buffer_bytes
 from megatron_mesh.plan.balance import BalancedLayout, document_work
+from megatron_mesh.plan.layout import ZigzagLayout
 from megatron_mesh.plan.sparse import KEEP_LIMIT
 from megatron_mesh.tools.plan_cli import document_bounds
 
@@ -224,6 +225,25 @@ def layout_of(problem: Problem, bounds: list[int], state: State, ranks) -> Balan
     return BalancedLayout(problem.P, runs, tuple(zip(bounds, bounds[1:])), owners=owners)
 
 
+def zigzag_best(world: int, bounds: list[int], shape: AttentionShape) -> tuple[int, str]:
+    """(bytes the busiest rank sends, mode) of the zigzag layout's best mode on these documents:
+    ring, Mesh (its tile chosen as the runtime chooses it), TASP and, at an even CP size, the
+    Ulysses hybrids of degree 2 -- the issue's yardstick for a searched layout."""
+    S = bounds[-1]
+    mask = Mask.from_cu_seqlens(bounds, S, True, None).normalized(S)
+    modes = [("ring", {}), ("mesh", {}), ("tasp", {})]
+    if world % 2 == 0 and world > 2:
+        modes += [(f"a2a+{inner}", {"ulysses_size": 2}) for inner in ("ring", "mesh", "tasp")]
+    best = None
+    for name, settings in modes:
+        plan = resolve(name, world, shape, mask=Mask(True), **settings).build(shape, mask, ZigzagLayout(world, S))
+        sent = max(b.sent for b in plan_bytes(plan, shape))
+        label = name + (f":{settings['ulysses_size']}" if settings else "")
+        if best is None or sent < best[0]:
+            best = (sent, label)
+    return best
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, default=8, help="CP size (default 8)")
@@ -289,11 +309,15 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{r:>4}  {text:<66}{planned[r] / 1e6:>8.3f}{work[r] / (sum(work) / len(work)):>11.3f}")
     if planned != model_sent:
         raise SystemExit(f"the model's bytes {model_sent} differ from the plan's {planned}")
+    zigzag, zigzag_mode = zigzag_best(args.world, bounds, shape)
+    print(f"the zigzag layout's best mode on these documents: {zigzag_mode}, busiest rank {zigzag / 1e6:.3f} MB sent; "
+          f"searched / zigzag = {max(planned) / zigzag:.3f}")
     if args.out:
         with open(args.out, "w") as f:
             f.write(layout.text() + "\n")
         print(f"layout written to {args.out}")
-    return dict(sent=max(planned), balance=plan_balance, layout=layout, planned=planned)
+    return dict(sent=max(planned), balance=plan_balance, layout=layout, planned=planned, zigzag=zigzag,
+                zigzag_mode=zigzag_mode)
 
 
 if __name__ == "__main__":

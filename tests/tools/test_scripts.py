@@ -303,7 +303,8 @@ def test_search_layout_writes_a_layout_that_mesh_runs_exactly_with_the_planned_b
               "--head-dim", "8"]
     got = script("search_layout").main(sample + ["--search-seeds", "0", "1", "--iters", "3000", "--max-balance", "1.1",
                                                  "--out", str(path)])
-    assert "layout written to" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "layout written to" in out
     layout = layout_from_text(path.read_text())
     assert layout == got["layout"] and layout.owners and got["balance"] <= 1.1 and got["sent"] == max(got["planned"]) > 0
     # compare_attention --layout-file plans Mesh on it as the search did (its processes run any
@@ -313,6 +314,11 @@ def test_search_layout_writes_a_layout_that_mesh_runs_exactly_with_the_planned_b
     shape = AttentionShape(64, 1, 2, 2, 8, 4)
     _, plan, given = compare.planned("mesh", 4, shape, mask, "file", given=compare._layout_file(str(path), 4, mask))
     assert given == layout and [b.sent for b in plan_bytes(plan, shape)] == got["planned"]
+    # the yardstick it prints: the zigzag layout's best mode on the same documents, as planned by compare_attention
+    zigzag = {m: max(b.sent for b in plan_bytes(compare.planned(m, 4, shape, mask)[1], shape))
+              for m in ("ring", "mesh", "tasp", "a2a+ring:2", "a2a+mesh:2", "a2a+tasp:2")}
+    assert got["zigzag"] == zigzag[got["zigzag_mode"]] == min(zigzag.values())
+    assert f"searched / zigzag = {got['sent'] / got['zigzag']:.3f}" in out
     with pytest.raises(SystemExit, match=r"--modes ring: this layout names the rank that computes each of its blocks"):
         compare.main(sample + ["--modes", "ring", "--layout-file", str(path)])
     with pytest.raises(SystemExit, match=r"its documents are not those of --docs"):
