@@ -68,6 +68,36 @@ def run_config(config: str, nproc: int, cp: int, modes: str, *flags: str, script
     return run_script(["bash", *head, *flags], full_env, timeout)
 
 
+
+def run_nodes(config: str, nproc: int, cp: int, nodes: list[tuple[str, tuple[str, ...]]],
+              env: dict[str, str] | None = None, timeout: float = 240) -> list[tuple[int, str]]:
+    """[(exit status, output)] of one training run over ``len(nodes)`` "nodes" on this machine: one
+    scripts/pretrain_gpt.sh per node (NNODES, NODE_RANK, one MASTER_PORT), ``nproc`` processes
+    each, started together; ``nodes``: each node's (CP_COMM_TYPE, extra flags) -- as a user starts
+    a job on several machines, the same command on each unless the test says otherwise."""
+    port = str(free_port())
+    procs = []
+    for rank, (modes, flags) in enumerate(nodes):
+        full_env = dict(os.environ, NPROC=str(nproc), CP=str(cp), CP_COMM_TYPE=modes, MASTER_PORT=port,
+                        MASTER_ADDR="127.0.0.1", NNODES=str(len(nodes)), NODE_RANK=str(rank), PYTHON=sys.executable,
+                        OMP_NUM_THREADS="1", **(env or {}))
+        full_env.pop("BACKEND", None)
+        procs.append(subprocess.Popen(["bash", PRETRAIN, config, *flags], cwd=ROOT, env=full_env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    out = []
+    try:
+        for p in procs:
+            text, _ = p.communicate(timeout=timeout)
+            out.append((p.returncode, text))
+    except subprocess.TimeoutExpired:
+        tails = []
+        for p in procs:
+            kill_process_tree(p.pid)
+            tails.append(p.communicate()[0][-3000:])
+        pytest.fail(f"{len(nodes)} nodes of {config} did not finish in {timeout:g} s:\n" + "\n---\n".join(tails))
+    return out
+
+
 def losses(output: str) -> dict[int, float]:
     """Iteration -> 'lm loss' from Megatron's iteration log lines (printed with 7 digits)."""
     found: dict[int, float] = {}

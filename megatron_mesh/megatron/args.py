@@ -27,7 +27,7 @@ def add_args(parser):
     """``extra_args_provider`` for ``megatron.training.arguments.parse_and_validate_args``: one
     flag per entry of :func:`.settings.flags`, default None ("not given"): the settings supply
     the real defaults, and the checks reject a flag given for a mode no layer runs."""
-    # A bad flag (the plugin's or Megatron's) is one line from rank 0 and status 2 on every rank,
+    # A bad flag (the plugin's or Megatron's) is one line per node and status 2 on every rank,
     # as the plugin's own checks are, instead of argparse's usage (~380 lines) from every rank.
     parser.error = _one_line_error
     g = parser.add_argument_group("megatron_mesh", "context-parallel attention modes of the plugin "

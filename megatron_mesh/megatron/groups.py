@@ -30,16 +30,23 @@ import torch.distributed as dist
 from ..comm.alltoall import AllToAllCommunicator
 from ..comm.torch_dist import TorchDistCommunicator
 from ..plan.modes import Placement
-from .settings import layer_modes, plugin_modes_of
+from ..runtime.agreement import differences
+from .settings import flags, layer_modes, plugin_modes_of, plugin_settings
 from .placement import resolve_placement
 
-__all__ = ["initialize_groups", "destroy_groups", "communicator", "cp_ranks"]
+__all__ = ["initialize_groups", "destroy_groups", "communicator", "cp_ranks", "SettingsMismatchError"]
+
+
+class SettingsMismatchError(ValueError):
+    """The ranks were started with different context-parallel settings (two nodes launched with
+    different flags): they would create different process groups and wait for each other for ever."""
 
 _CP_GROUPS: dict[tuple[int, ...], list[tuple[int, ...]]] = {}  # my CP ranks -> every CP group
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}  # global members -> the group made for them
 _DONE: set = set()  # (my CP ranks, placement) whose groups exist (a mode's tile may change between models)
 _OWNED: list[dist.ProcessGroup] = []  # groups made here (for destroy_groups)
 _COMMS: dict[tuple, "TorchDistCommunicator | AllToAllCommunicator"] = {}
+_AGREED: set = set()  # the settings (as described) every rank of the world was found to share
 
 
 def cp_ranks(group) -> tuple[int, ...]:
@@ -64,11 +71,50 @@ def _all_cp_groups(cp_group) -> list[tuple[int, ...]]:
     return _CP_GROUPS[mine]
 
 
+def settings_of(config) -> dict:
+    """The context-parallel settings of ``config`` that every rank must share, by the flag that
+    sets each: the CP size, the layers' modes, the hierarchical sizes, every plugin flag and the
+    CP ranks per node (which TASP's rings, the hybrids' groups and the balanced layout follow)."""
+    modes = layer_modes(config.cp_comm_type)
+    out = {"--context-parallel-size": config.context_parallel_size,
+           "--cp-comm-type": " ".join(modes),
+           "--hierarchical-context-parallel-sizes": getattr(config, "hierarchical_context_parallel_sizes", None)}
+    for f in flags():
+        out[f.name] = getattr(config, f.dest, None)
+    if plugin_modes_of(modes):
+        out["CP ranks per node (--tasp-gpus-per-node, else torchrun's LOCAL_WORLD_SIZE)"] = \
+            plugin_settings(config).gpus_per_node
+    out["documents (--reset-attention-mask, --reset-position-ids, --cp-thd-packing)"] = getattr(config, "cp_documents",
+                                                                                                None)
+    return {k: repr(v) if isinstance(v, (list, dict, set)) else v for k, v in out.items()}
+
+
+def check_settings_agree(config) -> None:
+    """SettingsMismatchError on every rank, naming the settings and the ranks that hold each value,
+    where the ranks of the world do not share :func:`settings_of` -- e.g. two nodes started with
+    different ``--cp-comm-type``, which would otherwise wait for each other for ever in the first
+    process group one of them creates. Collective over the world, once per setting."""
+    mine = settings_of(config)
+    key = tuple(sorted((k, str(v)) for k, v in mine.items()))
+    if key in _AGREED:
+        return
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    parts = differences(gathered)
+    if parts:
+        raise SettingsMismatchError("the ranks were started with different context-parallel settings (every rank, on "
+                                    "every node, must get the same flags and the same number of processes per node; "
+                                    "otherwise they wait for each other for ever): " + "; ".join(parts))
+    _AGREED.add(key)
+
+
 def initialize_groups(config, cp_group=None) -> None:
     """Create, once and on every rank, the sub-groups ``config``'s plugin layers need (collective:
-    call it on all ranks, e.g. from the spec function; later calls are free)."""
+    call it on all ranks, e.g. from the spec function; later calls are free). First every rank of
+    the world checks that all share the context-parallel settings (:func:`check_settings_agree`)."""
     if cp_group is None and config.context_parallel_size == 1:
         return
+    check_settings_agree(config)
     modes = sorted(plugin_modes_of(layer_modes(config.cp_comm_type)))
     if not modes:
         return
@@ -151,3 +197,4 @@ def destroy_groups() -> None:
     _DONE.clear()
     _CP_GROUPS.clear()
     _COMMS.clear()
+    _AGREED.clear()

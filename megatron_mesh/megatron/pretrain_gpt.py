@@ -272,9 +272,13 @@ def main(argv=None) -> None:
     from . import batch_layout
 
     batch_layout.install_lookahead()
+    from .errors import one_line_for
+    from .groups import SettingsMismatchError
+
     model_config = build_config(args)
-    pretrain(pretrain_cfg_container_from_args(args, model_config), train_valid_test_datasets_provider,
-             ModelType.encoder_or_decoder, forward_step)
+    with one_line_for(SettingsMismatchError):  # two nodes started with different flags
+        pretrain(pretrain_cfg_container_from_args(args, model_config), train_valid_test_datasets_provider,
+                 ModelType.encoder_or_decoder, forward_step)
     bootstrap.freeze_gc()  # a quicker exit
 
 

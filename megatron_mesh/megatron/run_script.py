@@ -58,8 +58,12 @@ def main(argv=None) -> None:
     batch_layout.install()  # before the script imports get_batch_on_this_cp_rank
     batch_layout.install_lookahead()
     bootstrap.BATCH_DOCUMENTS = True
+    from .errors import one_line_for
+    from .groups import SettingsMismatchError
+
     sys.argv = [script, *argv[1:]]
-    runpy.run_path(script, run_name="__main__")
+    with one_line_for(SettingsMismatchError):  # two nodes started with different flags
+        runpy.run_path(script, run_name="__main__")
     bootstrap.freeze_gc()  # a quicker exit
 
 

@@ -64,7 +64,7 @@ from ..plan.ir import Plan
 from ..plan.mask import Mask
 
 __all__ = ["PlanMismatchError", "Call", "check", "joined_on_error", "enabled", "plan_digest", "plan_code",
-           "mismatch_message", "ENV"]
+           "mismatch_message", "differences", "ENV"]
 
 ENV = "MEGATRON_MESH_PLAN_AGREEMENT"
 
@@ -264,31 +264,45 @@ def _first_difference(values: list) -> int:
     return next((i for i in range(n) if len({s[i] for s in seqs}) > 1), n)
 
 
-def mismatch_message(descriptions: list[dict]) -> str:
-    """Every field on which the ranks' descriptions differ, each with its values and the ranks
-    holding them, e.g. ``softmax_scale: rank 0: 0.5, ranks 1-3: 0.1767...``.
+def differences(descriptions: list[dict], skip=()) -> list[str]:
+    """Every field (but ``skip``) on which the ranks' descriptions differ, each as its values and
+    the ranks holding them (a list of ranks' descriptions, rank order), e.g.
+    ``softmax_scale: rank 0: 0.5, ranks 1-3: 0.1767...``.
 
-    >>> mismatch_message([{"dtype": "bfloat16"}, {"dtype": "float32"}, {"dtype": "float32"}]).endswith(
-    ...     "dtype: rank 0: bfloat16, ranks 1-2: float32")
-    True
+    >>> differences([{"dtype": "bfloat16"}, {"dtype": "float32"}, {"dtype": "float32"}])
+    ['dtype: rank 0: bfloat16, ranks 1-2: float32']
     """
     fields = [f for f in descriptions[0] if all(f in d for d in descriptions)]
-    differ = [f for f in fields if len({d[f] for d in descriptions}) > 1]
-    # derived fields add nothing once what they derive from differs: the settings' repr after the
-    # modes' descriptions, the plan's digest after anything else
-    if "mode" in differ and "settings" in differ:
-        differ.remove("settings")
-    if "plan" in differ and len(differ) > 1:
-        differ.remove("plan")
     parts = []
-    for f in differ:
+    for f in fields:
         values = [d[f] for d in descriptions]
+        if f in skip or len(set(values)) == 1:
+            continue
         holders: dict = {}
         for r, v in enumerate(values):
             holders.setdefault(v, []).append(r)
         first = _first_difference(values) if any(isinstance(v, tuple) for v in values) else 0
         parts.append(f"{f}: " + ", ".join(f"{_ranks(rs)}: {_items(v, first) if isinstance(v, tuple) else v}"
                                           for v, rs in holders.items()))
+    return parts
+
+
+def mismatch_message(descriptions: list[dict]) -> str:
+    """Every field on which the ranks' descriptions differ (:func:`differences`), after what the
+    plan check asks of the ranks.
+
+    >>> mismatch_message([{"dtype": "bfloat16"}, {"dtype": "float32"}, {"dtype": "float32"}]).endswith(
+    ...     "dtype: rank 0: bfloat16, ranks 1-2: float32")
+    True
+    """
+    differ = {f for f in descriptions[0] if all(f in d for d in descriptions) and len({d[f] for d in descriptions}) > 1}
+    # derived fields add nothing once what they derive from differs: the settings' repr after the
+    # modes' descriptions, the plan's digest after anything else
+    skip = set()
+    if {"mode", "settings"} <= differ:
+        skip.add("settings")
+    if "plan" in differ and len(differ) > 1:
+        skip.add("plan")
     return ("the ranks of this CP group disagree on the attention plan (each must pass the same mode, settings, "
             "mask, layout, dtype, local shape, softmax scale and kernel; running it would hang or return a wrong "
-            "result): " + "; ".join(parts))
+            "result): " + "; ".join(differences(descriptions, skip)))

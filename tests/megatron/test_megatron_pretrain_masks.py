@@ -31,7 +31,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import assert_losses_equal, run_ok, MEGATRON_LM_SCRIPT, ROOT, losses, run_all, run_config
+from helpers import assert_losses_equal, run_ok, MEGATRON_LM_SCRIPT, ROOT, losses, run_all, run_config, run_nodes
 
 pytest.importorskip("megatron.core", reason="needs megatron-core (scripts/setup_env.sh installs it)")
 
@@ -106,6 +106,35 @@ def test_documents_with_window_cp4_match_cp1(runs):
                  "layer 4: mesh (CP 4, tile 4x1", "window 5,0, documents eod, layout zigzag)"):
         assert part in summary, (part, summary)
 
+
+
+def test_two_nodes_train_as_one_and_refuse_different_flags(doc_data, runs):
+    """A job over two "nodes" of 2 processes (two launchers on this machine, NNODES 2, as on two
+    machines), CP 4 on the balanced layout, one layer per mode: the CP 1 losses, TASP's rings
+    and the balanced layout following the nodes (2 CP ranks per node, from torchrun's
+    LOCAL_WORLD_SIZE). Then the nodes started with different flags (a tile) and different modes:
+    every rank stops at start-up, each node's log says why in one line, status 2 -- not ranks
+    waiting for each other for ever in the first process group one node creates."""
+    flags = ("--train-iters", str(ITERS), *WINDOW, *HCP)
+    modes = "mesh tasp ring a2a+mesh"
+    done = run_nodes(config("docs"), 2, 4, [(modes, flags), (modes, flags)], env={"DOC_DATA": doc_data}, timeout=300)
+    for rc, text in done:
+        assert rc == 0, text[-3000:]
+    assert_losses_equal(losses(done[1][1]), losses(run_ok(runs, "docs_cp1")), rel=RTOL)  # the last rank logs them
+    assert "tasp (CP 4, transport p2p, CP ranks per node 2" in _summary(done[0][1])
+    for node_flags, named in ((("--mesh-tile-shape", "2x2"), ("--mesh-tile-shape", "4x1")), (("mesh", "tasp"), None)):
+        if named is None:  # the modes differ
+            nodes = [(node_flags[0], ("--train-iters", "1")), (node_flags[1], ("--train-iters", "1"))]
+            want = "--cp-comm-type: ranks 0-1: mesh, ranks 2-3: tasp"
+        else:
+            nodes = [("mesh", ("--train-iters", "1", *node_flags)), ("mesh", ("--train-iters", "1", *named))]
+            want = "--mesh-tile-shape: ranks 0-1: 2x2, ranks 2-3: 4x1"
+        for rc, text in run_nodes(config("docs"), 2, 4, nodes, env={"DOC_DATA": doc_data}, timeout=120):
+            assert rc == 2, text[-3000:]
+            assert text.count("megatron_mesh: error:") == 1, text[-3000:]
+            assert ("megatron_mesh: error: the ranks were started with different context-parallel settings" in text
+                    and want in text), text[-3000:]
+            assert "Traceback" not in text and "iteration        1/" not in text
 
 def test_checkpoint_under_zigzag_resumes_under_balanced(runs):
     want = losses(run_ok(runs, "docs_cp1"))
