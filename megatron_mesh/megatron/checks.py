@@ -146,8 +146,13 @@ def _check_placement(args, cp: int, mode: str) -> None:
     tp = args.tensor_model_parallel_size
     given = [f"{f.name} {getattr(args, f.dest)}" for f in flags()
              if f.option is not None and mode in (f.modes() or ()) and _given(args, f.dest)]
+    hcp = getattr(args, "hierarchical_context_parallel_sizes", None)
+    if hcp and mode.startswith(HYBRID_PREFIX):  # the errors name its all-to-all degree (ulysses_size): say whence
+        given.append(f"--hierarchical-context-parallel-sizes {' '.join(str(x) for x in hcp)}")
     if getattr(args, "tasp_gpus_per_node", None) is not None and get_mode(mode).uses_nodes:
         given.append(f"--tasp-gpus-per-node {args.tasp_gpus_per_node}")
+    elif get_mode(mode).uses_nodes and os.environ.get("LOCAL_WORLD_SIZE"):
+        given.append(f"{os.environ['LOCAL_WORLD_SIZE']} processes per node")
     try:
         placement = resolve_placement(mode, config, tuple(i * tp for i in range(cp)))
         if getattr(args, "seq_length", None):

@@ -68,14 +68,15 @@ def test_masks_and_hybrids_valid(megatron_args, our_entry, argv, documents):
       *HEADS], "--hierarchical-context-parallel-sizes 2 3: U * M must equal --context-parallel-size 4"),
     (["--context-parallel-size", "4", "--cp-comm-type", "a2a+mesh", "--hierarchical-context-parallel-sizes", "4", "1",
       "--num-attention-heads", "6", "--hidden-size", "96"],
-     "--cp-comm-type a2a+mesh at --context-parallel-size 4: query heads (6) must be divisible by the ulysses size (4)"),
+     "--cp-comm-type a2a+mesh at --context-parallel-size 4 with --hierarchical-context-parallel-sizes 4 1: query heads "
+     "(6) must be divisible by the ulysses size (4)"),
     (["--context-parallel-size", "8", "--cp-comm-type", "a2a+mesh", "--hierarchical-context-parallel-sizes", "4", "2",
       "--tasp-gpus-per-node", "2", *HEADS],
-     "--cp-comm-type a2a+mesh at --context-parallel-size 8 with --tasp-gpus-per-node 2: ulysses_size 4 must divide the "
-     "CP ranks per node 2: an all-to-all group stays inside a node"),
+     "--cp-comm-type a2a+mesh at --context-parallel-size 8 with --hierarchical-context-parallel-sizes 4 2, "
+     "--tasp-gpus-per-node 2: ulysses_size 4 must divide the CP ranks per node 2: an all-to-all group stays inside a node"),
     (["--context-parallel-size", "4", "--cp-comm-type", "a2a+mesh", "--hierarchical-context-parallel-sizes", "2", "2",
       "--mesh-tile-shape", "2x2", *HEADS], "--cp-comm-type a2a+mesh at --context-parallel-size 4 with --mesh-tile-shape "
-     "2x2: CP mode 'a2a+mesh' at CP size 4 = all-to-all 2 x inner mesh over 2 ranks: tile 2x2 does not fit CP size 2"),
+     "2x2, --hierarchical-context-parallel-sizes 2 2: CP mode 'a2a+mesh' at CP size 4 = all-to-all 2 x inner mesh over 2 ranks: tile 2x2 does not fit CP size 2"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--window-size", "16,4"],
      "--window-size 16,4: the plugin's causal layers attend no later key, so the right side must be 0"),
     (["--context-parallel-size", "1", "--window-size", "16,4"],  # CP 1: the plugin's layer applies the window too
