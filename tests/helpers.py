@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -68,7 +69,6 @@ def run_config(config: str, nproc: int, cp: int, modes: str, *flags: str, script
     return run_script(["bash", *head, *flags], full_env, timeout)
 
 
-
 def run_nodes(config: str, nproc: int, cp: int, nodes: list[tuple[str, tuple[str, ...]]],
               env: dict[str, str] | None = None, timeout: float = 240) -> list[tuple[int, str]]:
     """[(exit status, output)] of one training run over ``len(nodes)`` "nodes" on this machine: one
@@ -85,9 +85,10 @@ def run_nodes(config: str, nproc: int, cp: int, nodes: list[tuple[str, tuple[str
         procs.append(subprocess.Popen(["bash", PRETRAIN, config, *flags], cwd=ROOT, env=full_env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     out = []
+    deadline = time.monotonic() + timeout  # one for the whole job, not one per node
     try:
         for p in procs:
-            text, _ = p.communicate(timeout=timeout)
+            text, _ = p.communicate(timeout=max(0.0, deadline - time.monotonic()))
             out.append((p.returncode, text))
     except subprocess.TimeoutExpired:
         tails = []

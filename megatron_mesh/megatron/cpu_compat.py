@@ -52,10 +52,12 @@ def install_training_patches() -> None:
     _pretrain_loop()
 
 
-# Megatron's import-time warnings that an optional library is missing: Transformer Engine and Apex
-# (which cannot be installed without CUDA) and absl. Every process printed ten of them, 20 lines a
-# rank, none of which a CPU user can act on. Only these messages, and only where the user has not
-# asked for warnings himself (python -W / PYTHONWARNINGS: then Python's own settings apply)
+# Megatron's warnings, at import and while it builds the layer specs, that an optional library is
+# missing: Transformer Engine and Apex, which cannot be installed without CUDA, and absl (which
+# could be, but Megatron falls back to Python's logging without it). Every process printed ten of
+# them, 20 lines a rank, of which a CPU run has nothing to learn. Only these messages, and only where
+# the user has not asked for warnings himself (python -W / PYTHONWARNINGS: then Python's own
+# settings apply)
 MISSING_LIBRARY_WARNINGS = (
     r"Transformer Engine and Apex are not installed",
     r"Apex is not installed",

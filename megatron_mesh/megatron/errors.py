@@ -14,7 +14,7 @@ __all__ = ["fail", "one_line_for", "FAIL_GRACE_S", "STARTUP_ERROR_STATUS"]
 
 # every rank's exit status after fail(): the launcher knows by it that the failure is explained
 STARTUP_ERROR_STATUS = 2
-FAIL_GRACE_S = 10.0  # how long the other ranks of a failed start-up wait for rank 0's message
+FAIL_GRACE_S = 10.0  # how long the other ranks of a failed start-up wait for their node's first rank to print
 
 
 def fail(message: str, *, at_once: bool = False) -> NoReturn:
@@ -26,8 +26,8 @@ def fail(message: str, *, at_once: bool = False) -> NoReturn:
     if int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))) == 0:
         print(f"megatron_mesh: error: {message}", file=sys.stderr, flush=True)
     elif "TORCHELASTIC_RUN_ID" in os.environ:
-        # torchrun stops every rank when the first one exits: give rank 0 the time to print (its
-        # exit ends this wait too)
+        # torchrun stops every rank when the first one exits: give the node's first rank the time
+        # to print (its exit ends this wait too)
         import time
 
         time.sleep(FAIL_GRACE_S)

@@ -46,7 +46,6 @@ _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}  # global members -> the 
 _DONE: set = set()  # (my CP ranks, placement) whose groups exist (a mode's tile may change between models)
 _OWNED: list[dist.ProcessGroup] = []  # groups made here (for destroy_groups)
 _COMMS: dict[tuple, "TorchDistCommunicator | AllToAllCommunicator"] = {}
-_AGREED: set = set()  # the settings (as described) every rank of the world was found to share
 
 
 def cp_ranks(group) -> tuple[int, ...]:
@@ -71,50 +70,67 @@ def _all_cp_groups(cp_group) -> list[tuple[int, ...]]:
     return _CP_GROUPS[mine]
 
 
+# plugin flags that only change what one rank writes or when it works, never a collective: a rank
+# may differ there (e.g. a metrics directory on each node's local disk)
+LOCAL_FLAGS = ("--cp-metrics-dir", "--no-cp-layout-lookahead")
+
+
 def settings_of(config) -> dict:
     """The context-parallel settings of ``config`` that every rank must share, by the flag that
-    sets each: the CP size, the layers' modes, the hierarchical sizes, every plugin flag and the
-    CP ranks per node (which TASP's rings, the hybrids' groups and the balanced layout follow)."""
+    sets each: the CP size, the layers' modes, the hierarchical sizes, every plugin flag but
+    :data:`LOCAL_FLAGS`, the processes per node (TASP's rings, the hybrids' groups and the balanced
+    layout follow the nodes) and what the 'auto' choices are made for (the sequence length, heads,
+    head size, parameter dtype and TP size: ranks that differ there could pick different tiles)."""
     modes = layer_modes(config.cp_comm_type)
     out = {"--context-parallel-size": config.context_parallel_size,
            "--cp-comm-type": " ".join(modes),
            "--hierarchical-context-parallel-sizes": getattr(config, "hierarchical_context_parallel_sizes", None)}
+    settings = plugin_settings(config)  # as they apply: a flag left out and one given its default agree
     for f in flags():
-        out[f.name] = getattr(config, f.dest, None)
+        if f.name not in LOCAL_FLAGS:
+            out[f.name] = settings[f.dest]
     if plugin_modes_of(modes):
-        out["CP ranks per node (--tasp-gpus-per-node, else torchrun's LOCAL_WORLD_SIZE)"] = \
-            plugin_settings(config).gpus_per_node
+        out["processes (GPUs) per node (--tasp-gpus-per-node, else torchrun's LOCAL_WORLD_SIZE)"] = \
+            settings.gpus_per_node
+        for name, dest in (("--seq-length", "cp_seq_length"), ("--num-attention-heads", "num_attention_heads"),
+                           ("--num-query-groups", "num_query_groups"), ("--kv-channels", "kv_channels"),
+                           ("--tensor-model-parallel-size", "tensor_model_parallel_size"),
+                           ("parameter dtype (--bf16, --fp16)", "params_dtype")):
+            out[name] = getattr(config, dest, None)
     out["documents (--reset-attention-mask, --reset-position-ids, --cp-thd-packing)"] = getattr(config, "cp_documents",
                                                                                                 None)
-    return {k: repr(v) if isinstance(v, (list, dict, set)) else v for k, v in out.items()}
+    # plain values as they are; anything else as its repr -- hashable and printable by the report,
+    # whatever a Python user put on the config -- a list as the tuple it equals (Megatron's parser
+    # gives lists, a config built in Python may hold tuples)
+    return {k: v if v is None or isinstance(v, (str, int, float, bool)) else
+            repr(tuple(v)) if isinstance(v, (list, tuple)) else repr(v) for k, v in out.items()}
 
 
 def check_settings_agree(config) -> None:
     """SettingsMismatchError on every rank, naming the settings and the ranks that hold each value,
     where the ranks of the world do not share :func:`settings_of` -- e.g. two nodes started with
     different ``--cp-comm-type``, which would otherwise wait for each other for ever in the first
-    process group one of them creates. Collective over the world, once per setting."""
-    mine = settings_of(config)
-    key = tuple(sorted((k, str(v)) for k, v in mine.items()))
-    if key in _AGREED:
-        return
+    process group one of them creates. Collective over the world at every call (so that no rank
+    can skip it while another waits), made where every rank builds its layers."""
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
+    dist.all_gather_object(gathered, settings_of(config))
     parts = differences(gathered)
     if parts:
         raise SettingsMismatchError("the ranks were started with different context-parallel settings (every rank, on "
                                     "every node, must get the same flags and the same number of processes per node; "
                                     "otherwise they wait for each other for ever): " + "; ".join(parts))
-    _AGREED.add(key)
 
 
 def initialize_groups(config, cp_group=None) -> None:
-    """Create, once and on every rank, the sub-groups ``config``'s plugin layers need (collective:
-    call it on all ranks, e.g. from the spec function; later calls are free). First every rank of
-    the world checks that all share the context-parallel settings (:func:`check_settings_agree`)."""
+    """Create, once and on every rank, the sub-groups ``config``'s plugin layers need (collective
+    over the world: call it on all ranks at the same point, e.g. from the spec function, as
+    Megatron builds every rank's layers). First every rank checks that all share the
+    context-parallel settings (:func:`check_settings_agree`; also at CP 1, where a node started
+    with another CP size would otherwise skip it)."""
+    if cp_group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        check_settings_agree(config)
     if cp_group is None and config.context_parallel_size == 1:
         return
-    check_settings_agree(config)
     modes = sorted(plugin_modes_of(layer_modes(config.cp_comm_type)))
     if not modes:
         return
@@ -197,4 +213,3 @@ def destroy_groups() -> None:
     _DONE.clear()
     _CP_GROUPS.clear()
     _COMMS.clear()
-    _AGREED.clear()

@@ -170,6 +170,30 @@ def test_flags_ride_on_the_transformer_config(megatron_args):
     assert plugin_settings(plain) == PluginSettings.of()  # a plain config gets the defaults
 
 
+def test_settings_every_rank_must_share_compare_as_they_apply(monkeypatch):
+    """What the ranks compare before creating process groups (groups.settings_of): settings as they
+    apply (a default given or left out, a list or the equal tuple agree), not the per-rank output
+    directory; a tile that differs is named with the ranks holding each value, tuples included."""
+    from megatron_mesh.megatron.groups import settings_of
+    from megatron_mesh.megatron.settings import MeshTransformerConfig
+    from megatron_mesh.runtime.agreement import differences
+
+    def config(**kw):
+        return MeshTransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, context_parallel_size=4,
+                                     cp_comm_type=["mesh", "tasp"], **kw)
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    base = settings_of(config(hierarchical_context_parallel_sizes=[2, 2]))
+    same = settings_of(config(hierarchical_context_parallel_sizes=(2, 2), cp_layout="balanced",
+                              cp_metrics_dir="/scratch/node1"))
+    assert differences([base, same]) == []
+    tiled = settings_of(config(hierarchical_context_parallel_sizes=[2, 2], mesh_tile_shape=(4, 1)))
+    assert differences([base, base, tiled, tiled]) == ["--mesh-tile-shape: ranks 0-1: auto, ranks 2-3: (4, 1)"]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # another node with more processes: TASP's rings would differ
+    assert differences([base, settings_of(config(hierarchical_context_parallel_sizes=[2, 2]))]) == [
+        "processes (GPUs) per node (--tasp-gpus-per-node, else torchrun's LOCAL_WORLD_SIZE): rank 0: 2, rank 1: 4"]
+
+
 def test_auto_tile_is_the_planners_choice(monkeypatch):
     from megatron_mesh.megatron.settings import MeshTransformerConfig
     from megatron_mesh.megatron.placement import layer_shape, resolve_placement

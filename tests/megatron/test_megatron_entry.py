@@ -197,7 +197,6 @@ def test_cpu_runs_compile_megatrons_fusions_at_their_first_call():
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
 
 
-
 def test_start_up_pauses_the_garbage_collector_and_gives_it_back(arguments, monkeypatch):
     """bootstrap.pause_gc / resume_gc: the entry scripts load torch and Megatron without cyclic
     garbage collection (its passes over the growing heap are a fifth of the import) and resume
@@ -378,7 +377,6 @@ def test_launcher_returns_the_ranks_exit_status_when_they_agree():
     assert status(2, 1) == 1  # they differ
     assert status(-9, -15) == 137  # one rank killed (kill -9, out of memory), the others stopped: as a shell says it
     assert status(-9, -6) == 1  # killed by different signals
-
 
 
 def test_launcher_keeps_only_torchrun_lines_that_say_something_new():

@@ -107,7 +107,6 @@ def test_documents_with_window_cp4_match_cp1(runs):
         assert part in summary, (part, summary)
 
 
-
 def test_two_nodes_train_as_one_and_refuse_different_flags(doc_data, runs):
     """A job over two "nodes" of 2 processes (two launchers on this machine, NNODES 2, as on two
     machines), CP 4 on the balanced layout, one layer per mode: the CP 1 losses, TASP's rings
@@ -135,6 +134,7 @@ def test_two_nodes_train_as_one_and_refuse_different_flags(doc_data, runs):
             assert ("megatron_mesh: error: the ranks were started with different context-parallel settings" in text
                     and want in text), text[-3000:]
             assert "Traceback" not in text and "iteration        1/" not in text
+
 
 def test_checkpoint_under_zigzag_resumes_under_balanced(runs):
     want = losses(run_ok(runs, "docs_cp1"))
