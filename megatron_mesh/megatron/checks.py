@@ -151,13 +151,13 @@ def _check_placement(args, cp: int, mode: str) -> None:
         given.append(f"--hierarchical-context-parallel-sizes {' '.join(str(x) for x in hcp)}")
     if getattr(args, "tasp_gpus_per_node", None) is not None and get_mode(mode).uses_nodes:
         given.append(f"--tasp-gpus-per-node {args.tasp_gpus_per_node}")
-    elif get_mode(mode).uses_nodes and os.environ.get("LOCAL_WORLD_SIZE"):
-        given.append(f"{os.environ['LOCAL_WORLD_SIZE']} processes per node")
     try:
         placement = resolve_placement(mode, config, tuple(i * tp for i in range(cp)))
         if getattr(args, "seq_length", None):
             placement.build(layer_shape(config, cp))
     except ValueError as e:
+        if "per node" in str(e) and "--tasp-gpus-per-node" not in " ".join(given) and os.environ.get("LOCAL_WORLD_SIZE"):
+            given.append(f"{os.environ['LOCAL_WORLD_SIZE']} processes per node")  # where the nodes come from
         setup = f"--cp-comm-type {mode} at --context-parallel-size {cp}" + (f" with {', '.join(given)}" if given else "")
         raise ValueError(f"{setup}: {e}") from None
 
