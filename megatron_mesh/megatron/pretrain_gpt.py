@@ -263,6 +263,7 @@ def start_checkpoint_results_queue(args) -> None:
 def main(argv=None) -> None:
     bootstrap.die_with_parent()
     bootstrap.prepare_runtime()
+    bootstrap.watch_other_nodes()  # after torch's import; a node that stops at start-up stops this one too
     args = parse_args(argv)
     start_checkpoint_results_queue(args)
     from megatron.core.enums import ModelType

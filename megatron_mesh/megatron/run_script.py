@@ -52,6 +52,7 @@ def main(argv=None) -> None:
     os.environ[CHILD_ENV] = "1"
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (SITE_DIR, os.environ.get("PYTHONPATH")) if p)
     bootstrap.prepare_runtime()
+    bootstrap.watch_other_nodes()  # after torch's import; a node that stops at start-up stops this one too
     bootstrap.install_argument_hook()
     from . import batch_layout
 

@@ -113,7 +113,8 @@ def test_two_nodes_train_as_one_and_refuse_different_flags(doc_data, runs):
     and the balanced layout following the nodes (2 CP ranks per node, from torchrun's
     LOCAL_WORLD_SIZE). Then the nodes started with different flags (a tile) and different modes:
     every rank stops at start-up, each node's log says why in one line, status 2 -- not ranks
-    waiting for each other for ever in the first process group one node creates."""
+    waiting for each other for ever in the first process group one node creates. And a node that
+    stops at start-up by itself stops the other at once, which names it."""
     flags = ("--train-iters", str(ITERS), *WINDOW, *HCP)
     modes = "mesh tasp ring a2a+mesh"
     done = run_nodes(config("docs"), 2, 4, [(modes, flags), (modes, flags)], env={"DOC_DATA": doc_data}, timeout=300)
@@ -134,6 +135,17 @@ def test_two_nodes_train_as_one_and_refuse_different_flags(doc_data, runs):
             assert ("megatron_mesh: error: the ranks were started with different context-parallel settings" in text
                     and want in text), text[-3000:]
             assert "Traceback" not in text and "iteration        1/" not in text
+    # one node without the dataset: it stops at start-up, and the other -- which would wait in its
+    # first collective until the distributed timeout (10 min) -- stops within seconds, naming it
+    missing = doc_data + "_missing"
+    done = run_nodes(config("docs"), 2, 4, [("mesh", ("--train-iters", "1")),
+                                            ("mesh", ("--train-iters", "1", "--data-path", missing))],
+                     env={"DOC_DATA": doc_data}, timeout=60)
+    assert [rc for rc, _ in done] == [2, 2], [text[-2000:] for _, text in done]
+    assert f"megatron_mesh: error: node 1 (ranks 2-3) stopped at start-up: --data-path {missing}: no dataset there" \
+        in done[0][1], done[0][1][-3000:]
+    assert f"megatron_mesh: error: --data-path {missing}: no dataset there" in done[1][1], done[1][1][-3000:]
+    assert all("DistStoreError" not in text and "Traceback" not in text for _, text in done)
 
 
 def test_checkpoint_under_zigzag_resumes_under_balanced(runs):
