@@ -22,18 +22,26 @@ FAIL_GRACE_S = 10.0  # how long the other ranks of a failed start-up wait for th
 _FAILING = threading.Event()  # this process is stopping through fail(): its own message wins
 _WATCH_DONE = threading.Event()  # every rank has met the others: stop watching for other nodes' failures
 WATCH_POLL_S = 1.0
+# how long a node that failed keeps its processes (and so, on node 0, torchrun's store) alive for the
+# other nodes' watchers to read its message: two polls and a margin
+TELL_WAIT_S = 2 * WATCH_POLL_S + 1.0
+
+
+def _multi_node_job() -> bool:
+    """A torchrun job of several nodes, its workers on the agent's store, no elastic restarts (a
+    restart would read the last attempt's failure; the plugin's launcher allows none)."""
+    return (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1
+            and os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0")
 
 
 def _failure_key() -> str:
-    # one per restart of the job: an elastic restart must not read the last attempt's failure
-    return f"megatron_mesh/start_up_failure/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return f"megatron_mesh/start_up_failure/{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
 
 
 def _job_store(timeout_s: float):
-    """A client of the torchrun agent's store (MASTER_ADDR:MASTER_PORT, which every node of the
-    job reaches), or None outside a torchrun job of several nodes."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(os.environ.get("GROUP_WORLD_SIZE", "1")) < 2:
-        return None
+    """A client of the torchrun agent's store (MASTER_ADDR:MASTER_PORT, on node 0, which every node
+    of the job reaches)."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -44,27 +52,39 @@ def _job_store(timeout_s: float):
 
 def _tell_other_nodes(message: str) -> None:
     """Put this node's start-up failure where the other nodes' watchers (:func:`watch_other_nodes`)
-    read it; best effort (the message is printed here anyway)."""
+    read it -- the first node's to fail, if several do -- and wait (at most :data:`TELL_WAIT_S`)
+    until each has read it: on node 0 the store lives in torchrun, which goes once this process
+    exits. Best effort: the message is printed here anyway."""
+    import socket
+    import time
+
     try:
-        store = _job_store(5.0)
-        if store is not None:
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            first = int(os.environ.get("RANK", "0")) - int(os.environ.get("LOCAL_RANK", "0"))
-            ranks = f"rank {first}" if local == 1 else f"ranks {first}-{first + local - 1}"
-            store.set(_failure_key(), f"node {os.environ.get('GROUP_RANK', '?')} ({ranks}) stopped at start-up: "
-                                      f"{message}")
-    except Exception:  # noqa: BLE001 -- the store may be gone (its node stopped first): nothing to tell
+        store = _job_store(2.0)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        first = int(os.environ.get("RANK", "0")) - int(os.environ.get("LOCAL_RANK", "0"))
+        ranks = f"rank {first}" if local == 1 else f"ranks {first}-{first + local - 1}"
+        text = (f"node {os.environ.get('GROUP_RANK', '?')} ({socket.gethostname()}, {ranks}) stopped at start-up: "
+                f"{message}")
+        key = _failure_key()
+        if store.compare_set(key, "", text).decode() != text:
+            return  # another node failed first: its message is the one the others read
+        others = int(os.environ.get("GROUP_WORLD_SIZE", "1")) - 1
+        deadline = time.monotonic() + TELL_WAIT_S
+        while store.add(key + "/read", 0) < others and time.monotonic() < deadline:
+            time.sleep(0.1)
+    except Exception:  # noqa: BLE001 -- the store may be gone (node 0 stopped first): nothing to tell
         pass
 
 
 def watch_other_nodes() -> None:
-    """In a job of several nodes, stop this rank -- one line on each node's first rank, status 2 --
-    as soon as another node stops at start-up (:func:`fail` there writes its message into torchrun's
-    store): otherwise this node would wait in its first collective until the distributed timeout
-    (Megatron's ``--distributed-timeout-minutes``, 10 by default). A daemon thread polls the store
-    every :data:`WATCH_POLL_S` until :func:`stop_watching_other_nodes` (every rank has met the
-    others). No-op outside a torchrun job of several nodes."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(os.environ.get("GROUP_WORLD_SIZE", "1")) < 2:
+    """In a job of several nodes, stop this node -- one line, status 2 -- as soon as another node
+    stops at start-up (:func:`fail` there writes its message into torchrun's store): otherwise this
+    node would wait in its first collective until the distributed timeout (Megatron's
+    ``--distributed-timeout-minutes``, 10 by default). On each node's first rank (torchrun stops
+    the node's other ranks when it exits) a daemon thread polls the store every
+    :data:`WATCH_POLL_S` until :func:`stop_watching_other_nodes` (every rank has met the others) or
+    the process exits. No-op outside a torchrun job of several nodes."""
+    if not _multi_node_job() or int(os.environ.get("LOCAL_RANK", "0")) != 0:
         return
 
     def watch() -> None:
@@ -75,10 +95,9 @@ def watch_other_nodes() -> None:
                 if store.check([key]):
                     if _FAILING.is_set():  # this rank stops with its own message
                         return
-                    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-                        print(f"megatron_mesh: error: {store.get(key).decode()}", file=sys.stderr, flush=True)
-                    else:  # as fail(): torchrun stops the node once one rank exits; let the first print
-                        _WATCH_DONE.wait(FAIL_GRACE_S)
+                    text = store.get(key).decode()
+                    store.add(key + "/read", 1)
+                    print(f"megatron_mesh: error: {text}", file=sys.stderr, flush=True)
                     sys.stdout.flush()
                     os._exit(STARTUP_ERROR_STATUS)
                 _WATCH_DONE.wait(WATCH_POLL_S)
@@ -87,8 +106,14 @@ def watch_other_nodes() -> None:
 
     import atexit
 
-    atexit.register(_WATCH_DONE.set)  # a run that never met the others through the plugin: stop before exit
-    threading.Thread(target=watch, name="megatron_mesh-watch-other-nodes", daemon=True).start()
+    thread = threading.Thread(target=watch, name="megatron_mesh-watch-other-nodes", daemon=True)
+
+    def stop() -> None:  # before the interpreter goes: a daemon thread inside a store call could abort it
+        _WATCH_DONE.set()
+        thread.join(timeout=2 * WATCH_POLL_S)
+
+    atexit.register(stop)
+    thread.start()
 
 
 def stop_watching_other_nodes() -> None:
@@ -106,7 +131,7 @@ def fail(message: str, *, at_once: bool = False) -> NoReturn:
     _FAILING.set()
     if int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))) == 0:
         print(f"megatron_mesh: error: {message}", file=sys.stderr, flush=True)
-        if not _WATCH_DONE.is_set():  # the other nodes have not met this one yet: they would wait
+        if _multi_node_job() and not _WATCH_DONE.is_set():  # the other nodes have not met this one: they would wait
             _tell_other_nodes(message)
     elif "TORCHELASTIC_RUN_ID" in os.environ:
         # torchrun stops every rank when the first one exits: give the node's first rank the time

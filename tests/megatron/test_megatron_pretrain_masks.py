@@ -27,6 +27,7 @@ own run (EOD documents also on the zigzag, and through Megatron-LM's script).
 """
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -136,16 +137,19 @@ def test_two_nodes_train_as_one_and_refuse_different_flags(doc_data, runs):
                     and want in text), text[-3000:]
             assert "Traceback" not in text and "iteration        1/" not in text
     # one node without the dataset: it stops at start-up, and the other -- which would wait in its
-    # first collective until the distributed timeout (10 min) -- stops within seconds, naming it
+    # first collective until the distributed timeout (10 min) -- stops within seconds, naming it;
+    # also when the node that stops is node 0, whose torchrun holds the store they meet in
     missing = doc_data + "_missing"
-    done = run_nodes(config("docs"), 2, 4, [("mesh", ("--train-iters", "1")),
-                                            ("mesh", ("--train-iters", "1", "--data-path", missing))],
-                     env={"DOC_DATA": doc_data}, timeout=60)
-    assert [rc for rc, _ in done] == [2, 2], [text[-2000:] for _, text in done]
-    assert f"megatron_mesh: error: node 1 (ranks 2-3) stopped at start-up: --data-path {missing}: no dataset there" \
-        in done[0][1], done[0][1][-3000:]
-    assert f"megatron_mesh: error: --data-path {missing}: no dataset there" in done[1][1], done[1][1][-3000:]
-    assert all("DistStoreError" not in text and "Traceback" not in text for _, text in done)
+    for bad in (1, 0):
+        nodes = [("mesh", ("--train-iters", "1") + (("--data-path", missing) if n == bad else ())) for n in (0, 1)]
+        done = run_nodes(config("docs"), 2, 4, nodes, env={"DOC_DATA": doc_data}, timeout=60)
+        assert [rc for rc, _ in done] == [2, 2], [text[-2000:] for _, text in done]
+        ranks = "ranks 2-3" if bad else "ranks 0-1"
+        told = done[1 - bad][1]
+        assert (f"megatron_mesh: error: node {bad} ({socket.gethostname()}, {ranks}) stopped at start-up: --data-path "
+                f"{missing}: no dataset there") in told, told[-3000:]
+        assert f"megatron_mesh: error: --data-path {missing}: no dataset there" in done[bad][1], done[bad][1][-3000:]
+        assert all("DistStoreError" not in text and "Traceback" not in text for _, text in done)
 
 
 def test_checkpoint_under_zigzag_resumes_under_balanced(runs):
