@@ -35,6 +35,18 @@ def _multi_node_job() -> bool:
             and os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0")
 
 
+def _first_rank_of_node() -> bool:
+    """Whether this process prints for its node (torchrun's LOCAL_RANK 0; RANK 0 outside torchrun)."""
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))) == 0
+
+
+def _exit_now() -> NoReturn:
+    """Exit with :data:`STARTUP_ERROR_STATUS` without Python's shutdown, the output flushed."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(STARTUP_ERROR_STATUS)
+
+
 def _failure_key() -> str:
     return f"megatron_mesh/start_up_failure/{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
 
@@ -84,7 +96,7 @@ def watch_other_nodes() -> None:
     the node's other ranks when it exits) a daemon thread polls the store every
     :data:`WATCH_POLL_S` until :func:`stop_watching_other_nodes` (every rank has met the others) or
     the process exits. No-op outside a torchrun job of several nodes."""
-    if not _multi_node_job() or int(os.environ.get("LOCAL_RANK", "0")) != 0:
+    if not _multi_node_job() or not _first_rank_of_node():
         return
 
     def watch() -> None:
@@ -98,8 +110,7 @@ def watch_other_nodes() -> None:
                     text = store.get(key).decode()
                     store.add(key + "/read", 1)
                     print(f"megatron_mesh: error: {text}", file=sys.stderr, flush=True)
-                    sys.stdout.flush()
-                    os._exit(STARTUP_ERROR_STATUS)
+                    _exit_now()
                 _WATCH_DONE.wait(WATCH_POLL_S)
         except Exception:  # noqa: BLE001 -- the store is gone: the job is ending anyway
             return
@@ -129,7 +140,7 @@ def fail(message: str, *, at_once: bool = False) -> NoReturn:
     for a process that has started its process groups: their threads, torn down by the shutdown,
     can abort it ("terminate called without an active exception", status 134)."""
     _FAILING.set()
-    if int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))) == 0:
+    if _first_rank_of_node():
         print(f"megatron_mesh: error: {message}", file=sys.stderr, flush=True)
         if _multi_node_job() and not _WATCH_DONE.is_set():  # the other nodes have not met this one: they would wait
             _tell_other_nodes(message)
@@ -140,9 +151,7 @@ def fail(message: str, *, at_once: bool = False) -> NoReturn:
 
         time.sleep(FAIL_GRACE_S)
     if at_once:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(STARTUP_ERROR_STATUS)
+        _exit_now()
     raise SystemExit(STARTUP_ERROR_STATUS)
 
 
