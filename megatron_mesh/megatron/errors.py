@@ -1,7 +1,12 @@
 """Stopping a (possibly distributed) start-up with one message: :func:`fail`, shared by the
 start-up machinery (:mod:`.bootstrap`) and Megatron's argument parser (:func:`.args.add_args`
 routes its errors here), so that every bad setting reads the same: one line from the first rank
-of each node (rank 0 on one node), status 2 on every rank."""
+of each node (rank 0 on one node), status 2 on every rank.
+
+In a job of several nodes a node that stops -- :func:`fail`, or any error that ends one of its
+ranks (:func:`crash_stops_other_nodes`) -- tells the others through torchrun's store, which each
+node's first rank watches (:func:`watch_other_nodes`): otherwise they would wait for it in their
+next collective until the distributed timeout."""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ import sys
 import threading
 from typing import Iterator, NoReturn
 
-__all__ = ["fail", "one_line_for", "watch_other_nodes", "stop_watching_other_nodes", "FAIL_GRACE_S",
+__all__ = ["fail", "one_line_for", "watch_other_nodes", "all_ranks_met", "crash_stops_other_nodes", "FAIL_GRACE_S",
            "STARTUP_ERROR_STATUS"]
 
 # every rank's exit status after fail(): the launcher knows by it that the failure is explained
@@ -19,8 +24,9 @@ STARTUP_ERROR_STATUS = 2
 FAIL_GRACE_S = 10.0  # how long the other ranks of a failed start-up wait for their node's first rank to print
 
 
-_FAILING = threading.Event()  # this process is stopping through fail(): its own message wins
-_WATCH_DONE = threading.Event()  # every rank has met the others: stop watching for other nodes' failures
+_FAILING = threading.Event()  # this process is stopping with its own message (fail, a crash): it wins
+_MET = threading.Event()  # every rank has met the others: the start-up is over
+_EXITING = threading.Event()  # this process exits: the watcher stops
 WATCH_POLL_S = 1.0
 # how long a node that failed keeps its processes (and so, on node 0, torchrun's store) alive for the
 # other nodes' watchers to read its message: two polls and a margin
@@ -63,7 +69,7 @@ def _job_store(timeout_s: float):
 
 
 def _tell_other_nodes(message: str) -> None:
-    """Put this node's start-up failure where the other nodes' watchers (:func:`watch_other_nodes`)
+    """Put this node's failure where the other nodes' watchers (:func:`watch_other_nodes`)
     read it -- the first node's to fail, if several do -- and wait (at most :data:`TELL_WAIT_S`)
     until each has read it: on node 0 the store lives in torchrun, which goes once this process
     exits. Best effort: the message is printed here anyway."""
@@ -75,11 +81,15 @@ def _tell_other_nodes(message: str) -> None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         first = int(os.environ.get("RANK", "0")) - int(os.environ.get("LOCAL_RANK", "0"))
         ranks = f"rank {first}" if local == 1 else f"ranks {first}-{first + local - 1}"
-        text = (f"node {os.environ.get('GROUP_RANK', '?')} ({socket.gethostname()}, {ranks}) stopped at start-up: "
-                f"{message}")
+        node = os.environ.get("GROUP_RANK", "?")
+        when = "" if _MET.is_set() else " at start-up"
+        text = f"node {node} ({socket.gethostname()}, {ranks}) stopped{when}: {message}"
         key = _failure_key()
-        if store.compare_set(key, "", text).decode() != text:
+        value = f"{node}|{text}"  # the node first: its own watcher leaves it
+        if store.compare_set(key, "", value).decode().split("|", 1)[0] != node:
             return  # another node failed first: its message is the one the others read
+        # this node's message (this rank's or another's of this node: it waits too, lest its exit --
+        # torchrun then stops the node -- end the others' collectives before they have read it)
         others = int(os.environ.get("GROUP_WORLD_SIZE", "1")) - 1
         deadline = time.monotonic() + TELL_WAIT_S
         while store.add(key + "/read", 0) < others and time.monotonic() < deadline:
@@ -90,11 +100,12 @@ def _tell_other_nodes(message: str) -> None:
 
 def watch_other_nodes() -> None:
     """In a job of several nodes, stop this node -- one line, status 2 -- as soon as another node
-    stops at start-up (:func:`fail` there writes its message into torchrun's store): otherwise this
-    node would wait in its first collective until the distributed timeout (Megatron's
-    ``--distributed-timeout-minutes``, 10 by default). On each node's first rank (torchrun stops
-    the node's other ranks when it exits) a daemon thread polls the store every
-    :data:`WATCH_POLL_S` until :func:`stop_watching_other_nodes` (every rank has met the others) or
+    stops (:func:`fail` or :func:`crash_stops_other_nodes` there writes its message into
+    torchrun's store): otherwise this node would wait in its next collective until the
+    distributed timeout (Megatron's ``--distributed-timeout-minutes``, 10 by default) -- at
+    start-up in the store's rendezvous, later on NCCL, whose collectives do not see a peer's
+    exit (gloo's do). On each node's first rank (torchrun stops the node's other ranks when it
+    exits) a daemon thread polls the store every :data:`WATCH_POLL_S` -- one small request -- until
     the process exits. No-op outside a torchrun job of several nodes."""
     if not _multi_node_job() or not _first_rank_of_node():
         return
@@ -103,16 +114,18 @@ def watch_other_nodes() -> None:
         try:
             store = _job_store(30.0)
             key = _failure_key()
-            while not _WATCH_DONE.is_set():
+            while not _EXITING.is_set():
                 if store.check([key]):
                     if _FAILING.is_set():  # this rank stops with its own message
                         return
-                    text = store.get(key).decode()
+                    node, text = store.get(key).decode().split("|", 1)
+                    if node == os.environ.get("GROUP_RANK"):  # another rank of this node: it stops by itself
+                        return
                     store.add(key + "/read", 1)
                     print(f"megatron_mesh: error: {text}", file=sys.stderr, flush=True)
                     _exit_now()
-                _WATCH_DONE.wait(WATCH_POLL_S)
-        except Exception:  # noqa: BLE001 -- the store is gone: the job is ending anyway
+                _EXITING.wait(WATCH_POLL_S)
+        except Exception:  # noqa: BLE001 -- the store is gone (node 0 has ended): the job is ending anyway
             return
 
     import atexit
@@ -120,17 +133,17 @@ def watch_other_nodes() -> None:
     thread = threading.Thread(target=watch, name="megatron_mesh-watch-other-nodes", daemon=True)
 
     def stop() -> None:  # before the interpreter goes: a daemon thread inside a store call could abort it
-        _WATCH_DONE.set()
+        _EXITING.set()
         thread.join(timeout=2 * WATCH_POLL_S)
 
     atexit.register(stop)
     thread.start()
 
 
-def stop_watching_other_nodes() -> None:
-    """Every rank has met the others (the plugin's settings agreement): a node that fails from now
-    on is seen in the collectives, not through the store."""
-    _WATCH_DONE.set()
+def all_ranks_met() -> None:
+    """Every rank has met the others (the plugin's settings agreement): a node that stops from now
+    on stopped during the run, not at start-up (its message says which)."""
+    _MET.set()
 
 
 def fail(message: str, *, at_once: bool = False) -> NoReturn:
@@ -142,7 +155,7 @@ def fail(message: str, *, at_once: bool = False) -> NoReturn:
     _FAILING.set()
     if _first_rank_of_node():
         print(f"megatron_mesh: error: {message}", file=sys.stderr, flush=True)
-        if _multi_node_job() and not _WATCH_DONE.is_set():  # the other nodes have not met this one: they would wait
+        if _multi_node_job():  # the other nodes would wait for this one
             _tell_other_nodes(message)
     elif "TORCHELASTIC_RUN_ID" in os.environ:
         # torchrun stops every rank when the first one exits: give the node's first rank the time
@@ -164,3 +177,34 @@ def one_line_for(*errors: type) -> Iterator[None]:
         yield
     except errors as e:
         fail(str(e), at_once=True)
+
+
+def _describe(error: BaseException) -> str:
+    """One line for another node's log: the error's type and first line."""
+    if isinstance(error, SystemExit):
+        if isinstance(error.code, str):  # sys.exit("message"): Python prints it and exits 1
+            return error.code.strip().splitlines()[0][:300] if error.code.strip() else "exit status 1"
+        return f"exit status {error.code}" + (" (interrupted)" if error.code == 130 else "")
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted"
+    first = next((line for line in str(error).splitlines() if line.strip()), "")
+    text = f"{type(error).__name__}: {first}" if first else type(error).__name__
+    return (text if len(text) <= 300 else text[:297] + "...") + " (the traceback is in that node's log)"
+
+
+@contextlib.contextmanager
+def crash_stops_other_nodes() -> Iterator[None]:
+    """Around an entry script's whole run: an error that ends this rank -- Megatron's own, at
+    start-up (an argument check, a missing file) or later -- is told to the other nodes first
+    (:func:`watch_other_nodes` stops them, naming this node and the error) and then raised as it
+    would be (its traceback in this node's log). A normal exit (status 0) tells nothing; neither
+    does a process :func:`fail` stops (it told them itself). No-op outside a torchrun job of
+    several nodes."""
+    try:
+        yield
+    except BaseException as e:
+        normal = isinstance(e, SystemExit) and e.code in (0, None)
+        if not normal and not _FAILING.is_set() and _multi_node_job():
+            _FAILING.set()
+            _tell_other_nodes(_describe(e))
+        raise

@@ -260,10 +260,8 @@ def start_checkpoint_results_queue(args) -> None:
             get_write_results_queue(mp_mode="fork")
 
 
-def main(argv=None) -> None:
-    bootstrap.die_with_parent()
-    bootstrap.prepare_runtime()
-    bootstrap.watch_other_nodes()  # after torch's import; a node that stops at start-up stops this one too
+def _train(argv) -> None:
+    """Parse ``argv`` and run Megatron's pretrain() with this script's providers."""
     args = parse_args(argv)
     start_checkpoint_results_queue(args)
     from megatron.core.enums import ModelType
@@ -280,6 +278,14 @@ def main(argv=None) -> None:
     with one_line_for(SettingsMismatchError):  # two nodes started with different flags
         pretrain(pretrain_cfg_container_from_args(args, model_config), train_valid_test_datasets_provider,
                  ModelType.encoder_or_decoder, forward_step)
+
+
+def main(argv=None) -> None:
+    bootstrap.die_with_parent()
+    bootstrap.prepare_runtime()
+    bootstrap.watch_other_nodes()  # after torch's import; a node that stops stops this one too
+    with bootstrap.crash_stops_other_nodes():  # and so does an error here, Megatron's too
+        _train(argv)
     bootstrap.freeze_gc()  # a quicker exit
 
 

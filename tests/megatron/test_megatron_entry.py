@@ -83,6 +83,38 @@ def test_only_rank_0_prints_the_error(monkeypatch, capsys):
     assert e.value.code == 2 and capsys.readouterr().err == ""
 
 
+def test_a_crash_is_told_to_other_nodes_in_one_line(monkeypatch):
+    """What another node's log says of a rank's error (crash_stops_other_nodes; the two-node job
+    in test_megatron_pretrain_masks.py runs it): its type and first line, or the exit status;
+    outside a job of several nodes nothing is told and the error passes through as it was."""
+    from megatron_mesh.megatron import errors
+
+    assert errors._describe(AssertionError("bad header, cannot read: x.idx\nmore")) == (
+        "AssertionError: bad header, cannot read: x.idx (the traceback is in that node's log)")
+    assert errors._describe(RuntimeError()) == "RuntimeError (the traceback is in that node's log)"
+    assert errors._describe(ValueError("x" * 1000)).startswith("ValueError: " + "x" * 285 + "...")
+    assert errors._describe(SystemExit(130)) == "exit status 130 (interrupted)"
+    assert errors._describe(SystemExit("usage: ...\nmore")) == "usage: ..."
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    told = []
+    monkeypatch.setattr(errors, "_tell_other_nodes", told.append)
+    with pytest.raises(KeyError):
+        with errors.crash_stops_other_nodes():
+            raise KeyError("k")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
+    monkeypatch.setattr(errors, "_FAILING", type(errors._FAILING)())  # this test's own: fail() sets the process's
+    with pytest.raises(SystemExit):
+        with errors.crash_stops_other_nodes():
+            raise SystemExit(0)  # a normal exit
+    assert told == []
+    with pytest.raises(KeyError):
+        with errors.crash_stops_other_nodes():
+            raise KeyError("k")
+    assert told == ["KeyError: 'k' (the traceback is in that node's log)"]
+
+
 def _plain_config():
     from megatron.core.transformer import TransformerConfig
 

@@ -27,6 +27,7 @@ own run (EOD documents also on the zigzag, and through Megatron-LM's script).
 """
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -108,14 +109,15 @@ def test_documents_with_window_cp4_match_cp1(runs):
         assert part in summary, (part, summary)
 
 
-def test_two_nodes_train_as_one_and_refuse_different_flags(doc_data, runs):
+def test_two_nodes_train_as_one_and_refuse_different_flags(doc_data, runs, tmp_path):
     """A job over two "nodes" of 2 processes (two launchers on this machine, NNODES 2, as on two
     machines), CP 4 on the balanced layout, one layer per mode: the CP 1 losses, TASP's rings
     and the balanced layout following the nodes (2 CP ranks per node, from torchrun's
     LOCAL_WORLD_SIZE). Then the nodes started with different flags (a tile) and different modes:
     every rank stops at start-up, each node's log says why in one line, status 2 -- not ranks
     waiting for each other for ever in the first process group one node creates. And a node that
-    stops at start-up by itself stops the other at once, which names it."""
+    stops at start-up by itself stops the other at once, which names it -- so does one that
+    crashes (Megatron's own errors), at start-up or during the run."""
     flags = ("--train-iters", str(ITERS), *WINDOW, *HCP)
     modes = "mesh tasp ring a2a+mesh"
     done = run_nodes(config("docs"), 2, 4, [(modes, flags), (modes, flags)], env={"DOC_DATA": doc_data}, timeout=300)
@@ -150,6 +152,22 @@ def test_two_nodes_train_as_one_and_refuse_different_flags(doc_data, runs):
                 f"{missing}: no dataset there") in told, told[-3000:]
         assert f"megatron_mesh: error: --data-path {missing}: no dataset there" in done[bad][1], done[bad][1][-3000:]
         assert all("DistStoreError" not in text and "Traceback" not in text for _, text in done)
+    # an error of Megatron's own on one node: at start-up (an argument check of its own, before
+    # the process groups exist: the other node would wait in their rendezvous) and during the run
+    # (a dataset whose index is garbage): the failing node's traceback, the other stops at once
+    garbage = os.path.join(str(tmp_path), "garbage")
+    shutil.copy(doc_data + ".bin", garbage + ".bin")
+    with open(garbage + ".idx", "wb") as f:
+        f.write(b"not an index" * 10)
+    for flags, told in ((("--warmup", "3"), "stopped at start-up: AssertionError: --warmup argument is no longer valid"),
+                        (("--data-path", garbage), f"stopped: AssertionError: bad header, cannot read: {garbage}.idx")):
+        nodes = [("mesh", ("--train-iters", "1")), ("mesh", ("--train-iters", "1", *flags))]
+        (rc0, text0), (rc1, text1) = run_nodes(config("docs"), 2, 4, nodes, env={"DOC_DATA": doc_data}, timeout=60)
+        assert (rc0, rc1) == (2, 1), (text0[-2000:], text1[-2000:])
+        assert (f"megatron_mesh: error: node 1 ({socket.gethostname()}, ranks 2-3) {told}" in text0
+                and "(the traceback is in that node's log)" in text0), text0[-3000:]
+        assert "Traceback" not in text0 and "DistStoreError" not in text0, text0[-3000:]
+        assert "Traceback" in text1 and "megatron_mesh: error" not in text1, text1[-3000:]
 
 
 def test_checkpoint_under_zigzag_resumes_under_balanced(runs):
