@@ -21,8 +21,9 @@
 # its own process (killing it kills every rank). It refuses, in one line and before any rank starts, a
 # world size NPROC x NNODES that is not a multiple of TP x PP x CP (as the flags give them).
 #
-# Exit status: 0 done; 2 a bad command line or setting (one message, before training starts); the
-# failed ranks' status when they agree, else 1; 128 + N when signal N stopped it (Ctrl-C: 130, with
+# Exit status: 0 done; 2 a bad command line or setting (one message, before training starts), or
+# another node of the job stopped (one message naming it and its error); the failed ranks' status
+# when they agree, else 1; 128 + N when signal N stopped it (Ctrl-C: 130, with
 # one line "interrupted (SIGINT): stopped torchrun and its N rank(s)"). -h, --help: this text.
 set -euo pipefail
 

@@ -3,10 +3,16 @@ start-up machinery (:mod:`.bootstrap`) and Megatron's argument parser (:func:`.a
 routes its errors here), so that every bad setting reads the same: one line from the first rank
 of each node (rank 0 on one node), status 2 on every rank.
 
-In a job of several nodes a node that stops -- :func:`fail`, or any error that ends one of its
+In a job of several nodes a node that stops -- :func:`fail`, or an error that ends one of its
 ranks (:func:`crash_stops_other_nodes`) -- tells the others through torchrun's store, which each
 node's first rank watches (:func:`watch_other_nodes`): otherwise they would wait for it in their
-next collective until the distributed timeout."""
+next collective until the distributed timeout. Worked example, 3 nodes: node 1's Megatron raises
+an AssertionError at start-up; its rank writes "1|node 1 (host-b, ranks 2-3) stopped at start-up:
+AssertionError: ..." under :func:`_failure_key` (the first writer wins), then waits until nodes 0
+and 2 have each set their ``/read/<node>`` key (at most :data:`TELL_WAIT_S`) and raises as it
+would have; the watchers of nodes 0 and 2 read it within a second, set their keys, print the
+line, wait likewise -- node 0's torchrun holds the store, so node 0 must not go before node 2 has
+read -- and exit with status 2."""
 
 from __future__ import annotations
 
@@ -16,18 +22,19 @@ import sys
 import threading
 from typing import Iterator, NoReturn
 
-__all__ = ["fail", "one_line_for", "watch_other_nodes", "all_ranks_met", "crash_stops_other_nodes", "FAIL_GRACE_S",
+__all__ = ["fail", "one_line_for", "watch_other_nodes", "crash_stops_other_nodes", "FAIL_GRACE_S",
            "STARTUP_ERROR_STATUS"]
 
-# every rank's exit status after fail(): the launcher knows by it that the failure is explained
+# every rank's exit status after fail(), and a node's that another node stopped: the launcher knows
+# by it that the failure is explained (in one line)
 STARTUP_ERROR_STATUS = 2
 FAIL_GRACE_S = 10.0  # how long the other ranks of a failed start-up wait for their node's first rank to print
 
 
 _FAILING = threading.Event()  # this process is stopping with its own message (fail, a crash): it wins
-_MET = threading.Event()  # every rank has met the others: the start-up is over
-_EXITING = threading.Event()  # this process exits: the watcher stops
+_EXITING = threading.Event()  # this process has finished its run, or exits: the watcher stops
 WATCH_POLL_S = 1.0
+WATCH_STORE_TIMEOUT_S = 5.0  # a store call that hangs longer (node 0 gone from the network) ends the watcher
 # how long a node that failed keeps its processes (and so, on node 0, torchrun's store) alive for the
 # other nodes' watchers to read its message: two polls and a margin
 TELL_WAIT_S = 2 * WATCH_POLL_S + 1.0
@@ -46,6 +53,10 @@ def _first_rank_of_node() -> bool:
     return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))) == 0
 
 
+def _node() -> str:
+    return os.environ.get("GROUP_RANK", "?")
+
+
 def _exit_now() -> NoReturn:
     """Exit with :data:`STARTUP_ERROR_STATUS` without Python's shutdown, the output flushed."""
     sys.stdout.flush()
@@ -54,7 +65,7 @@ def _exit_now() -> NoReturn:
 
 
 def _failure_key() -> str:
-    return f"megatron_mesh/start_up_failure/{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
+    return f"megatron_mesh/node_failure/{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
 
 
 def _job_store(timeout_s: float):
@@ -68,32 +79,51 @@ def _job_store(timeout_s: float):
                          timeout=timedelta(seconds=timeout_s))
 
 
-def _tell_other_nodes(message: str) -> None:
-    """Put this node's failure where the other nodes' watchers (:func:`watch_other_nodes`)
-    read it -- the first node's to fail, if several do -- and wait (at most :data:`TELL_WAIT_S`)
-    until each has read it: on node 0 the store lives in torchrun, which goes once this process
-    exits. Best effort: the message is printed here anyway."""
-    import socket
+def _started() -> bool:
+    """Whether this process has joined the job's process group (before, the others wait for it in
+    the rendezvous: "at start-up")."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def _acknowledge(store, key: str) -> None:
+    """This node has the message: the failing node need not wait for it."""
+    store.set(f"{key}/read/{_node()}", "1")
+
+
+def _wait_until_read(store, key: str, writer: str) -> None:
+    """Wait (at most :data:`TELL_WAIT_S`) until every node but ``writer`` has acknowledged."""
     import time
+
+    others = [f"{key}/read/{n}" for n in range(int(os.environ.get("GROUP_WORLD_SIZE", "1"))) if str(n) != writer]
+    deadline = time.monotonic() + TELL_WAIT_S
+    while not store.check(others) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _tell_other_nodes(message: str) -> None:
+    """Put this node's failure where the other nodes' watchers (:func:`watch_other_nodes`) read it
+    -- the first node's to fail, if several do (a node that loses acknowledges the winner's: it
+    stops by itself) -- and wait until each has read it: on node 0 the store lives in torchrun,
+    which goes once this process exits. Best effort: the message is printed here anyway."""
+    import socket
 
     try:
         store = _job_store(2.0)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         first = int(os.environ.get("RANK", "0")) - int(os.environ.get("LOCAL_RANK", "0"))
         ranks = f"rank {first}" if local == 1 else f"ranks {first}-{first + local - 1}"
-        node = os.environ.get("GROUP_RANK", "?")
-        when = "" if _MET.is_set() else " at start-up"
-        text = f"node {node} ({socket.gethostname()}, {ranks}) stopped{when}: {message}"
+        node = _node()
+        text = f"node {node} ({socket.gethostname()}, {ranks}) stopped{'' if _started() else ' at start-up'}: {message}"
         key = _failure_key()
         value = f"{node}|{text}"  # the node first: its own watcher leaves it
-        if store.compare_set(key, "", value).decode().split("|", 1)[0] != node:
-            return  # another node failed first: its message is the one the others read
+        writer = store.compare_set(key, "", value).decode().split("|", 1)[0]
+        if writer != node:  # another node failed first: its message is the one the others read
+            _acknowledge(store, key)
+            return
         # this node's message (this rank's or another's of this node: it waits too, lest its exit --
         # torchrun then stops the node -- end the others' collectives before they have read it)
-        others = int(os.environ.get("GROUP_WORLD_SIZE", "1")) - 1
-        deadline = time.monotonic() + TELL_WAIT_S
-        while store.add(key + "/read", 0) < others and time.monotonic() < deadline:
-            time.sleep(0.1)
+        _wait_until_read(store, key, node)
     except Exception:  # noqa: BLE001 -- the store may be gone (node 0 stopped first): nothing to tell
         pass
 
@@ -103,27 +133,30 @@ def watch_other_nodes() -> None:
     stops (:func:`fail` or :func:`crash_stops_other_nodes` there writes its message into
     torchrun's store): otherwise this node would wait in its next collective until the
     distributed timeout (Megatron's ``--distributed-timeout-minutes``, 10 by default) -- at
-    start-up in the store's rendezvous, later on NCCL, whose collectives do not see a peer's
-    exit (gloo's do). On each node's first rank (torchrun stops the node's other ranks when it
-    exits) a daemon thread polls the store every :data:`WATCH_POLL_S` -- one small request -- until
-    the process exits. No-op outside a torchrun job of several nodes."""
+    start-up in the rendezvous, later on NCCL, whose collectives do not see a peer's exit (gloo's
+    do). On each node's first rank (torchrun stops the node's other ranks when it exits) a daemon
+    thread polls the store every :data:`WATCH_POLL_S` -- one small request -- until the run has
+    finished or the process exits. No-op outside a torchrun job of several nodes."""
     if not _multi_node_job() or not _first_rank_of_node():
         return
 
     def watch() -> None:
         try:
-            store = _job_store(30.0)
+            store = _job_store(WATCH_STORE_TIMEOUT_S)
             key = _failure_key()
             while not _EXITING.is_set():
                 if store.check([key]):
                     if _FAILING.is_set():  # this rank stops with its own message
                         return
-                    node, text = store.get(key).decode().split("|", 1)
-                    if node == os.environ.get("GROUP_RANK"):  # another rank of this node: it stops by itself
+                    writer, text = store.get(key).decode().split("|", 1)
+                    if writer == _node():  # another rank of this node: it stops by itself
                         return
-                    store.add(key + "/read", 1)
+                    _acknowledge(store, key)
                     print(f"megatron_mesh: error: {text}", file=sys.stderr, flush=True)
-                    _exit_now()
+                    try:  # node 0's torchrun holds the store: it must not go before the others have read
+                        _wait_until_read(store, key, writer)
+                    finally:
+                        _exit_now()
                 _EXITING.wait(WATCH_POLL_S)
         except Exception:  # noqa: BLE001 -- the store is gone (node 0 has ended): the job is ending anyway
             return
@@ -140,24 +173,19 @@ def watch_other_nodes() -> None:
     thread.start()
 
 
-def all_ranks_met() -> None:
-    """Every rank has met the others (the plugin's settings agreement): a node that stops from now
-    on stopped during the run, not at start-up (its message says which)."""
-    _MET.set()
-
-
-def fail(message: str, *, at_once: bool = False) -> NoReturn:
+def fail(message: str, *, at_once: bool = False, tell: bool = True) -> NoReturn:
     """Stop a (possibly distributed) start-up: the first rank of each node (rank 0 on one node)
     prints ``message`` once -- every node's log says why --, every rank exits
-    :data:`STARTUP_ERROR_STATUS` (2). ``at_once``: exit without Python's shutdown (``os._exit``),
-    for a process that has started its process groups: their threads, torn down by the shutdown,
-    can abort it ("terminate called without an active exception", status 134)."""
+    :data:`STARTUP_ERROR_STATUS` (2); in a job of several nodes the others are told (``tell``;
+    False for an error every rank raises alike). ``at_once``: exit without Python's shutdown
+    (``os._exit``), for a process that has started its process groups: their threads, torn down by
+    the shutdown, can abort it ("terminate called without an active exception", status 134)."""
     _FAILING.set()
     if _first_rank_of_node():
         print(f"megatron_mesh: error: {message}", file=sys.stderr, flush=True)
-        if _multi_node_job():  # the other nodes would wait for this one
-            _tell_other_nodes(message)
-    elif "TORCHELASTIC_RUN_ID" in os.environ:
+    if tell and _multi_node_job():  # from any rank that fails: the first rank may not
+        _tell_other_nodes(message)
+    if not _first_rank_of_node() and "TORCHELASTIC_RUN_ID" in os.environ:
         # torchrun stops every rank when the first one exits: give the node's first rank the time
         # to print (its exit ends this wait too)
         import time
@@ -172,11 +200,12 @@ def fail(message: str, *, at_once: bool = False) -> NoReturn:
 def one_line_for(*errors: type) -> Iterator[None]:
     """Turn ``errors`` raised inside into :func:`fail` (at once: the process groups exist): for
     errors every rank raises alike that name what the user must change (ranks started with
-    different settings), one line per node instead of a traceback per rank."""
+    different settings), one line per node instead of a traceback per rank -- and nothing told
+    between nodes, which say it themselves."""
     try:
         yield
     except errors as e:
-        fail(str(e), at_once=True)
+        fail(str(e), at_once=True, tell=False)
 
 
 def _describe(error: BaseException) -> str:
@@ -192,19 +221,32 @@ def _describe(error: BaseException) -> str:
     return (text if len(text) <= 300 else text[:297] + "...") + " (the traceback is in that node's log)"
 
 
+def _tells(error: BaseException) -> bool:
+    """Whether ``error`` ending a rank is a failure the other nodes must hear of: an exception, an
+    interrupt (KeyboardInterrupt, or status 130 from the launcher's SIGINT handler) or
+    ``sys.exit("message")`` -- not an exit with another integer status, which stops every rank
+    alike on purpose (Megatron's rerun state machine exits 16 / 17 on all ranks, to be resumed)."""
+    if isinstance(error, SystemExit):
+        return isinstance(error.code, str) or error.code == 130
+    return True
+
+
 @contextlib.contextmanager
 def crash_stops_other_nodes() -> Iterator[None]:
     """Around an entry script's whole run: an error that ends this rank -- Megatron's own, at
-    start-up (an argument check, a missing file) or later -- is told to the other nodes first
-    (:func:`watch_other_nodes` stops them, naming this node and the error) and then raised as it
-    would be (its traceback in this node's log). A normal exit (status 0) tells nothing; neither
-    does a process :func:`fail` stops (it told them itself). No-op outside a torchrun job of
-    several nodes."""
+    start-up (an argument check, a missing file) or later, or an interrupt -- is told to the other
+    nodes first (:func:`watch_other_nodes` stops them, naming this node and the error) and then
+    raised as it would be (its traceback in this node's log). An exit on purpose tells nothing
+    (:func:`_tells`); neither does a process :func:`fail` stops (it told them itself). Once the
+    run has finished, this node no longer watches. No-op outside a torchrun job of several nodes."""
     try:
         yield
     except BaseException as e:
-        normal = isinstance(e, SystemExit) and e.code in (0, None)
-        if not normal and not _FAILING.is_set() and _multi_node_job():
+        if _tells(e) and not _FAILING.is_set() and _multi_node_job():
             _FAILING.set()
-            _tell_other_nodes(_describe(e))
+            try:
+                _tell_other_nodes(_describe(e))
+            except Exception:  # noqa: BLE001 -- an error whose text cannot be made: the error itself matters
+                pass
         raise
+    _EXITING.set()  # finished: another node's failure from now on is not this node's

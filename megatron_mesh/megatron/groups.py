@@ -31,7 +31,6 @@ from ..comm.alltoall import AllToAllCommunicator
 from ..comm.torch_dist import TorchDistCommunicator
 from ..plan.modes import Placement
 from ..runtime.agreement import differences
-from .errors import all_ranks_met
 from .settings import flags, layer_modes, plugin_modes_of, plugin_settings
 from .placement import resolve_placement
 
@@ -115,7 +114,6 @@ def check_settings_agree(config) -> None:
     can skip it while another waits), made where every rank builds its layers."""
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, settings_of(config))
-    all_ranks_met()  # every rank got here: a node that stops from now on stops during the run
     parts = differences(gathered)
     if parts:
         raise SettingsMismatchError("the ranks were started with different context-parallel settings (every rank, on "

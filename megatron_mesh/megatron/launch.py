@@ -20,7 +20,8 @@ whole process tree.
   Before torchrun starts it refuses, in one line with status 2, a SCRIPT.py that is not there and a
   world size NPROC x NNODES that is not a multiple of TP x PP x CP (as the flags give them).
   Ctrl-C / SIGTERM: torchrun stops every rank, the launcher says so in one line and exits 128 + the
-  signal (130 / 143). Failed ranks: their exit status when they agree (2: a start-up error), else 1;
+  signal (130 / 143). Failed ranks: their exit status when they agree (2: a start-up error, or
+  another node stopped the job), else 1;
   128 + N where none exited by itself and one was killed by signal N (137: kill -9, OOM). A
   start-up error is the rank's one line: torchrun's own lines that repeat it (stopping the other
   ranks, the failed rank's status) are dropped (:class:`_QuietShutdown`).
@@ -194,7 +195,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns 0 when every rank finished; 2 for a bad command line (printed in one line before
     anything starts); when ranks failed, their exit status if every rank that exited by itself
-    returned the same one (2 for the plugin's start-up errors), else 1 (see :func:`_failure_status`);
+    returned the same one (2 for the plugin's start-up errors and where another node stopped the
+    job), else 1 (see :func:`_failure_status`);
     128 + N when signal N (SIGINT: 130, SIGTERM: 143) stopped the launcher, after torchrun has
     stopped the ranks."""
     from .bootstrap import freeze_gc, pause_gc, resume_gc
@@ -274,7 +276,8 @@ class _QuietShutdown(logging.Filter):
       per rank) -- the launcher reports the interruption itself;
     * after a rank failed: that it stops each other rank (one line per rank: torchrun always does,
       and the launcher's docs say so), and, where the failed rank exited with status 2 -- a start-up
-      error, which the rank has named in one line (``megatron_mesh: error: ...``) -- the status line.
+      error, or another node's failure, which the rank has named in one line (``megatron_mesh: error:
+      ...``) -- the status line.
 
     Kept: a rank that failed otherwise, which and how (with its traceback above it)."""
 

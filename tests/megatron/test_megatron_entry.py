@@ -84,9 +84,11 @@ def test_only_rank_0_prints_the_error(monkeypatch, capsys):
 
 
 def test_a_crash_is_told_to_other_nodes_in_one_line(monkeypatch):
-    """What another node's log says of a rank's error (crash_stops_other_nodes; the two-node job
-    in test_megatron_pretrain_masks.py runs it): its type and first line, or the exit status;
-    outside a job of several nodes nothing is told and the error passes through as it was."""
+    """What another node's log says of a rank's error (crash_stops_other_nodes; the multi-node jobs
+    in test_megatron_pretrain_masks.py run it): its type and first line, or why it exited; exits on
+    purpose (an integer status: Megatron's rerun state machine exits 16 on every rank) and fail()'s
+    own exit tell nothing; outside a job of several nodes nothing is told and the error passes
+    through as it was."""
     from megatron_mesh.megatron import errors
 
     assert errors._describe(AssertionError("bad header, cannot read: x.idx\nmore")) == (
@@ -94,25 +96,56 @@ def test_a_crash_is_told_to_other_nodes_in_one_line(monkeypatch):
     assert errors._describe(RuntimeError()) == "RuntimeError (the traceback is in that node's log)"
     assert errors._describe(ValueError("x" * 1000)).startswith("ValueError: " + "x" * 285 + "...")
     assert errors._describe(SystemExit(130)) == "exit status 130 (interrupted)"
+    assert errors._describe(KeyboardInterrupt()) == "interrupted"
     assert errors._describe(SystemExit("usage: ...\nmore")) == "usage: ..."
-    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+
+    class Unprintable(Exception):
+        def __str__(self):
+            raise RuntimeError("no text")
+
     told = []
     monkeypatch.setattr(errors, "_tell_other_nodes", told.append)
-    with pytest.raises(KeyError):
-        with errors.crash_stops_other_nodes():
-            raise KeyError("k")
-    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
-    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
     monkeypatch.setattr(errors, "_FAILING", type(errors._FAILING)())  # this test's own: fail() sets the process's
+    monkeypatch.setattr(errors, "_EXITING", type(errors._EXITING)())
+
+    def run(error):
+        with pytest.raises(type(error)) as got:
+            with errors.crash_stops_other_nodes():
+                raise error
+        assert got.value is error  # raised as it was
+
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    run(KeyError("k"))
+    assert told == []
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "3")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
+    for planned in (SystemExit(0), SystemExit(None), SystemExit(16), SystemExit(2)):
+        run(planned)
+    assert told == [] and not errors._FAILING.is_set()
+    monkeypatch.setenv("RANK", "3")  # not the node's first rank: fail() does not wait for it to print
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     with pytest.raises(SystemExit):
         with errors.crash_stops_other_nodes():
-            raise SystemExit(0)  # a normal exit
-    assert told == []
-    with pytest.raises(KeyError):
-        with errors.crash_stops_other_nodes():
-            raise KeyError("k")
-    assert told == ["KeyError: 'k' (the traceback is in that node's log)"]
+            errors.fail("bad flag")  # tells once, as itself
+    assert told == ["bad flag"]
+    monkeypatch.setattr(errors, "_FAILING", type(errors._FAILING)())
+    run(KeyboardInterrupt())
+    assert told[-1] == "interrupted"
+    monkeypatch.setattr(errors, "_FAILING", type(errors._FAILING)())
+    run(Unprintable())  # an error whose text fails still comes out as itself
+    monkeypatch.setattr(errors, "_FAILING", type(errors._FAILING)())
+    with errors.crash_stops_other_nodes():
+        pass
+    assert errors._EXITING.is_set()  # finished: it stops watching
+    with pytest.raises(SystemExit):
+        errors.fail("every rank alike", tell=False)  # each node says it itself: nothing told
+    assert told == ["bad flag", "interrupted"]
+    failed = []
+    monkeypatch.setattr(errors, "fail", lambda message, **how: failed.append((message, how)))
+    with errors.one_line_for(ValueError):  # the errors every rank raises alike
+        raise ValueError("different flags")
+    assert failed == [("different flags", {"at_once": True, "tell": False})]
 
 
 def _plain_config():

@@ -170,6 +170,20 @@ def test_two_nodes_train_as_one_and_refuse_different_flags(doc_data, runs, tmp_p
         assert "Traceback" in text1 and "megatron_mesh: error" not in text1, text1[-3000:]
 
 
+def test_three_nodes_all_hear_of_one_that_stops(doc_data):
+    """Three nodes of one process (data parallel 3): node 1's Megatron stops at start-up; node 0 -- whose
+    torchrun holds the store they meet in -- and node 2 both stop within seconds naming it (node 0
+    waits until node 2 has read the message before it goes, taking the store with it)."""
+    flags = ("--train-iters", "1", "--global-batch-size", "3")
+    nodes = [("mesh", flags), ("mesh", (*flags, "--warmup", "3")), ("mesh", flags)]
+    done = run_nodes(config("docs"), 1, 1, nodes, env={"DOC_DATA": doc_data}, timeout=60)
+    assert [rc for rc, _ in done] == [2, 1, 2], [text[-2000:] for _, text in done]
+    for n in (0, 2):
+        assert (f"megatron_mesh: error: node 1 ({socket.gethostname()}, rank 1) stopped at start-up: AssertionError: "
+                "--warmup argument is no longer valid") in done[n][1], done[n][1][-3000:]
+        assert "Traceback" not in done[n][1], done[n][1][-3000:]
+
+
 def test_checkpoint_under_zigzag_resumes_under_balanced(runs):
     want = losses(run_ok(runs, "docs_cp1"))
     text = run_ok(runs, "docs_resume")
