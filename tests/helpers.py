@@ -70,11 +70,12 @@ def run_config(config: str, nproc: int, cp: int, modes: str, *flags: str, script
 
 
 def run_nodes(config: str, nproc: int, cp: int, nodes: list[tuple[str, tuple[str, ...]]],
-              env: dict[str, str] | None = None, timeout: float = 240) -> list[tuple[int, str]]:
+              env: dict[str, str] | None = None, timeout: float = 240, during=None) -> list[tuple[int, str]]:
     """[(exit status, output)] of one training run over ``len(nodes)`` "nodes" on this machine: one
     scripts/pretrain_gpt.sh per node (NNODES, NODE_RANK, one MASTER_PORT), ``nproc`` processes
     each, started together; ``nodes``: each node's (CP_COMM_TYPE, extra flags) -- as a user starts
-    a job on several machines, the same command on each unless the test says otherwise."""
+    a job on several machines, the same command on each unless the test says otherwise. ``during``:
+    called with the launchers' processes once all have started (e.g. to kill one of their ranks)."""
     port = str(free_port())
     procs = []
     for rank, (modes, flags) in enumerate(nodes):
@@ -87,6 +88,8 @@ def run_nodes(config: str, nproc: int, cp: int, nodes: list[tuple[str, tuple[str
     out = []
     deadline = time.monotonic() + timeout  # one for the whole job, not one per node
     try:
+        if during is not None:
+            during(procs)
         for p in procs:
             text, _ = p.communicate(timeout=max(0.0, deadline - time.monotonic()))
             out.append((p.returncode, text))

@@ -3,12 +3,13 @@ start-up machinery (:mod:`.bootstrap`) and Megatron's argument parser (:func:`.a
 routes its errors here), so that every bad setting reads the same: one line from the first rank
 of each node (rank 0 on one node), status 2 on every rank.
 
-In a job of several nodes a node that stops -- :func:`fail`, or an error that ends one of its
-ranks (:func:`crash_stops_other_nodes`) -- tells the others through torchrun's store, which each
+In a job of several nodes a node that stops -- :func:`fail`, an error that ends one of its ranks
+(:func:`crash_stops_other_nodes`), or one of its ranks killed by a signal (its launcher:
+:func:`tell_other_nodes_from_launcher`) -- tells the others through torchrun's store, which each
 node's first rank watches (:func:`watch_other_nodes`): otherwise they would wait for it in their
 next collective until the distributed timeout. Worked example, 3 nodes: node 1's Megatron raises
 an AssertionError at start-up; its rank writes "1|node 1 (host-b, ranks 2-3) stopped at start-up:
-AssertionError: ..." under :func:`_failure_key` (the first writer wins), then waits until nodes 0
+AssertionError: ..." under :attr:`_Job.key` (the first writer wins), then waits until nodes 0
 and 2 have each set their ``/read/<node>`` key (at most :data:`TELL_WAIT_S`) and raises as it
 would have; the watchers of nodes 0 and 2 read it within a second, set their keys, print the
 line, wait likewise -- node 0's torchrun holds the store, so node 0 must not go before node 2 has
@@ -20,9 +21,10 @@ import contextlib
 import os
 import sys
 import threading
-from typing import Iterator, NoReturn
+from typing import Iterator, NamedTuple, NoReturn
 
-__all__ = ["fail", "one_line_for", "watch_other_nodes", "crash_stops_other_nodes", "FAIL_GRACE_S",
+__all__ = ["fail", "one_line_for", "watch_other_nodes", "crash_stops_other_nodes", "tell_other_nodes_from_launcher",
+           "FAIL_GRACE_S",
            "STARTUP_ERROR_STATUS"]
 
 # every rank's exit status after fail(), and a node's that another node stopped: the launcher knows
@@ -53,10 +55,6 @@ def _first_rank_of_node() -> bool:
     return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))) == 0
 
 
-def _node() -> str:
-    return os.environ.get("GROUP_RANK", "?")
-
-
 def _exit_now() -> NoReturn:
     """Exit with :data:`STARTUP_ERROR_STATUS` without Python's shutdown, the output flushed."""
     sys.stdout.flush()
@@ -64,19 +62,75 @@ def _exit_now() -> NoReturn:
     os._exit(STARTUP_ERROR_STATUS)
 
 
-def _failure_key() -> str:
-    return f"megatron_mesh/node_failure/{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
+class _Job(NamedTuple):
+    """Where a node's failure goes: torchrun's store (``addr``:``port``, held by node 0's torchrun,
+    which every node reaches) and who this node is -- from a worker's environment
+    (:meth:`of_worker`) or from the node's launcher, which starts torchrun in its own process."""
 
+    node: str  # torchrun's node rank (GROUP_RANK)
+    nodes: int
+    first_rank: int  # the global rank of the node's first process
+    local: int  # processes per node
+    addr: str
+    port: int
+    run_id: str  # torchrun's --rdzv-id ("none" by default): one job's key, not another's
 
-def _job_store(timeout_s: float):
-    """A client of the torchrun agent's store (MASTER_ADDR:MASTER_PORT, on node 0, which every node
-    of the job reaches)."""
-    from datetime import timedelta
+    @classmethod
+    def of_worker(cls) -> "_Job":
+        env = os.environ
+        return cls(env.get("GROUP_RANK", "?"), int(env.get("GROUP_WORLD_SIZE", "1")),
+                   int(env.get("RANK", "0")) - int(env.get("LOCAL_RANK", "0")), int(env.get("LOCAL_WORLD_SIZE", "1")),
+                   env.get("MASTER_ADDR", ""), int(env.get("MASTER_PORT", "0")), env.get("TORCHELASTIC_RUN_ID", ""))
 
-    import torch.distributed as dist
+    @property
+    def key(self) -> str:
+        return f"megatron_mesh/node_failure/{self.run_id}"
 
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=timedelta(seconds=timeout_s))
+    def store(self, timeout_s: float):
+        """A client of the store."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        return dist.TCPStore(self.addr, self.port, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+    def acknowledge(self, store) -> None:
+        """This node has the message: the failing node need not wait for it."""
+        store.set(f"{self.key}/read/{self.node}", "1")
+
+    def wait_until_read(self, store, writer: str) -> None:
+        """Wait (at most :data:`TELL_WAIT_S`) until every node but ``writer`` has acknowledged."""
+        import time
+
+        others = [f"{self.key}/read/{n}" for n in range(self.nodes) if str(n) != writer]
+        deadline = time.monotonic() + TELL_WAIT_S
+        while not store.check(others) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    def tell(self, message: str, at_start_up: bool) -> None:
+        """Put this node's failure where the other nodes' watchers (:func:`watch_other_nodes`) read
+        it -- the first node's to fail, if several do (a node that loses acknowledges the winner's:
+        it stops by itself) -- and wait until each has read it: on node 0 the store lives in
+        torchrun, which goes once its process exits. Best effort: the message is printed here
+        anyway."""
+        import socket
+
+        try:
+            store = self.store(2.0)
+            last = self.first_rank + self.local - 1
+            ranks = f"rank {self.first_rank}" if self.local == 1 else f"ranks {self.first_rank}-{last}"
+            text = (f"node {self.node} ({socket.gethostname()}, {ranks}) stopped{' at start-up' if at_start_up else ''}: "
+                    f"{message}")
+            value = f"{self.node}|{text}"  # the node first: its own watcher leaves it
+            writer = store.compare_set(self.key, "", value).decode().split("|", 1)[0]
+            if writer != self.node:  # another node failed first: its message is the one the others read
+                self.acknowledge(store)
+                return
+            # this node's message (this rank's or another's of this node: it waits too, lest its exit --
+            # torchrun then stops the node -- end the others' collectives before they have read it)
+            self.wait_until_read(store, self.node)
+        except Exception:  # noqa: BLE001 -- the store may be gone (node 0 stopped first): nothing to tell
+            pass
 
 
 def _started() -> bool:
@@ -86,46 +140,18 @@ def _started() -> bool:
     return dist is not None and dist.is_available() and dist.is_initialized()
 
 
-def _acknowledge(store, key: str) -> None:
-    """This node has the message: the failing node need not wait for it."""
-    store.set(f"{key}/read/{_node()}", "1")
-
-
-def _wait_until_read(store, key: str, writer: str) -> None:
-    """Wait (at most :data:`TELL_WAIT_S`) until every node but ``writer`` has acknowledged."""
-    import time
-
-    others = [f"{key}/read/{n}" for n in range(int(os.environ.get("GROUP_WORLD_SIZE", "1"))) if str(n) != writer]
-    deadline = time.monotonic() + TELL_WAIT_S
-    while not store.check(others) and time.monotonic() < deadline:
-        time.sleep(0.1)
-
-
 def _tell_other_nodes(message: str) -> None:
-    """Put this node's failure where the other nodes' watchers (:func:`watch_other_nodes`) read it
-    -- the first node's to fail, if several do (a node that loses acknowledges the winner's: it
-    stops by itself) -- and wait until each has read it: on node 0 the store lives in torchrun,
-    which goes once this process exits. Best effort: the message is printed here anyway."""
-    import socket
+    """From a worker: :meth:`_Job.tell`, "at start-up" before this process joined the process group."""
+    _Job.of_worker().tell(message, at_start_up=not _started())
 
-    try:
-        store = _job_store(2.0)
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        first = int(os.environ.get("RANK", "0")) - int(os.environ.get("LOCAL_RANK", "0"))
-        ranks = f"rank {first}" if local == 1 else f"ranks {first}-{first + local - 1}"
-        node = _node()
-        text = f"node {node} ({socket.gethostname()}, {ranks}) stopped{'' if _started() else ' at start-up'}: {message}"
-        key = _failure_key()
-        value = f"{node}|{text}"  # the node first: its own watcher leaves it
-        writer = store.compare_set(key, "", value).decode().split("|", 1)[0]
-        if writer != node:  # another node failed first: its message is the one the others read
-            _acknowledge(store, key)
-            return
-        # this node's message (this rank's or another's of this node: it waits too, lest its exit --
-        # torchrun then stops the node -- end the others' collectives before they have read it)
-        _wait_until_read(store, key, node)
-    except Exception:  # noqa: BLE001 -- the store may be gone (node 0 stopped first): nothing to tell
-        pass
+
+def tell_other_nodes_from_launcher(message: str, *, node: int, nodes: int, local: int, addr: str, port: int,
+                                   run_id: str = "none") -> None:
+    """From a node's launcher (torchrun in its process, its workers' parent): what no worker can
+    tell -- one of them killed by a signal (``kill -9``, the kernel's OOM killer). No-op for a job
+    of one node."""
+    if nodes > 1:
+        _Job(str(node), nodes, node * local, local, addr, port, run_id).tell(message, at_start_up=False)
 
 
 def watch_other_nodes() -> None:
@@ -142,19 +168,19 @@ def watch_other_nodes() -> None:
 
     def watch() -> None:
         try:
-            store = _job_store(WATCH_STORE_TIMEOUT_S)
-            key = _failure_key()
+            job = _Job.of_worker()
+            store = job.store(WATCH_STORE_TIMEOUT_S)
             while not _EXITING.is_set():
-                if store.check([key]):
+                if store.check([job.key]):
                     if _FAILING.is_set():  # this rank stops with its own message
                         return
-                    writer, text = store.get(key).decode().split("|", 1)
-                    if writer == _node():  # another rank of this node: it stops by itself
+                    writer, text = store.get(job.key).decode().split("|", 1)
+                    if writer == job.node:  # another rank of this node, or its launcher: it stops by itself
                         return
-                    _acknowledge(store, key)
+                    job.acknowledge(store)
                     print(f"megatron_mesh: error: {text}", file=sys.stderr, flush=True)
                     try:  # node 0's torchrun holds the store: it must not go before the others have read
-                        _wait_until_read(store, key, writer)
+                        job.wait_until_read(store, writer)
                     finally:
                         _exit_now()
                 _EXITING.wait(WATCH_POLL_S)

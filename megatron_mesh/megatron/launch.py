@@ -40,7 +40,7 @@ from typing import Mapping, Sequence
 
 import psutil
 
-from .errors import STARTUP_ERROR_STATUS
+from .errors import STARTUP_ERROR_STATUS, tell_other_nodes_from_launcher
 
 __all__ = ["kill_process_tree", "free_port", "training_command", "main"]
 
@@ -230,6 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"megatron_mesh.megatron.launch: {nproc} process(es) per node x {nnodes} node(s): "
           f"torchrun {' '.join(torchrun_args)}", file=sys.stderr, flush=True)
     _quiet_torchrun_shutdown()
+    _tell_other_nodes_of_a_killed_rank(torchrun_args)
     try:
         torchrun_main(torchrun_args)
     except ChildFailedError as e:
@@ -289,6 +290,49 @@ class _QuietShutdown(logging.Filter):
         if record.msg == self.FAILED:
             return record.args[0] != STARTUP_ERROR_STATUS
         return record.msg not in (self.RECEIVED, self.SENDING)
+
+
+class _KilledRank(logging.Handler):
+    """In a job of several nodes, tells the other nodes (:func:`.errors.tell_other_nodes_from_launcher`)
+    when torchrun reports that a rank of this node was killed by a signal -- ``kill -9``, the
+    kernel's OOM killer: the rank could say nothing, and the other nodes would wait for it in their
+    next collective until the distributed timeout (NCCL; gloo notices a dead peer). Torchrun reports
+    it once it has stopped the node's other ranks, its store (node 0's) still up. Not for SIGTERM /
+    SIGINT: torchrun's own stopping of the other ranks, or a signal every node gets."""
+
+    NOT_TOLD = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, **job):
+        super().__init__()
+        self.job = job
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.msg != _QuietShutdown.FAILED or not isinstance(record.args[0], int) or record.args[0] >= 0:
+            return
+        number = -record.args[0]
+        if number in self.NOT_TOLD:
+            return
+        try:
+            name = signal.Signals(number).name
+        except ValueError:
+            name = str(number)
+        cause = " (kill -9, or the kernel's OOM killer)" if number == signal.SIGKILL else ""
+        rank = self.job["node"] * self.job["local"] + record.args[1]
+        tell_other_nodes_from_launcher(f"rank {rank} (local rank {record.args[1]}) was killed by signal {name}{cause}",
+                                       **self.job)
+
+
+def _tell_other_nodes_of_a_killed_rank(torchrun_args: Sequence[str]) -> None:
+    """Install :class:`_KilledRank` for a job of several nodes (plain integers: an elastic
+    ``--nnodes 1:4`` is left alone)."""
+    try:
+        job = dict(node=int(_flag_value(torchrun_args, "--node-rank")), nodes=int(_flag_value(torchrun_args, "--nnodes")),
+                   local=int(_flag_value(torchrun_args, "--nproc-per-node")),
+                   addr=_flag_value(torchrun_args, "--master-addr"), port=int(_flag_value(torchrun_args, "--master-port")))
+    except (TypeError, ValueError):
+        return
+    if job["nodes"] > 1:
+        logging.getLogger("torch.distributed.elastic.multiprocessing.api").addHandler(_KilledRank(**job))
 
 
 def _quiet_torchrun_shutdown() -> None:

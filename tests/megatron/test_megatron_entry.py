@@ -465,6 +465,47 @@ def test_launcher_keeps_only_torchrun_lines_that_say_something_new():
     assert keep(record("Starting elastic_operator with launch configs:"))
 
 
+def test_launcher_tells_other_nodes_of_a_rank_killed_by_a_signal(monkeypatch):
+    """A rank killed outright (SIGKILL: kill -9, the OOM killer) cannot tell the other nodes; its
+    launcher does, from torchrun's report (the three-node job in test_megatron_pretrain_masks.py
+    runs it). Not SIGTERM (torchrun stopping the other ranks), SIGINT, or a rank that exited by
+    itself (it told them); not in a job of one node or an elastic one."""
+    import logging
+
+    from megatron_mesh.megatron import launch
+
+    told = []
+    monkeypatch.setattr(launch, "tell_other_nodes_from_launcher", lambda message, **job: told.append((message, job)))
+    logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    before = list(logger.handlers)
+    try:
+        launch._tell_other_nodes_of_a_killed_rank(["--nproc-per-node", "4", "--nnodes", "1", "--node-rank", "0",
+                                                   "--master-addr", "h", "--master-port", "29500"])
+        launch._tell_other_nodes_of_a_killed_rank(["--nproc-per-node", "4", "--nnodes", "1:4", "--node-rank", "0",
+                                                   "--master-addr", "h", "--master-port", "29500"])
+        assert logger.handlers == before
+        launch._tell_other_nodes_of_a_killed_rank(["--nproc-per-node", "4", "--nnodes", "3", "--node-rank", "2",
+                                                   "--master-addr", "h", "--master-port", "29500", "-m", "x"])
+        (handler,) = [h for h in logger.handlers if h not in before]
+    finally:
+        for h in logger.handlers[:]:
+            if h not in before:
+                logger.removeHandler(h)
+
+    def report(code, local_rank=1):
+        handler.handle(logging.LogRecord(logger.name, logging.ERROR, "api.py", 1, launch._QuietShutdown.FAILED,
+                                         (code, local_rank, 123, "python"), None))
+
+    for code in (1, 2, -15, -2):
+        report(code)
+    assert told == []
+    report(-9, 3)
+    assert told == [("rank 11 (local rank 3) was killed by signal SIGKILL (kill -9, or the kernel's OOM killer)",
+                     dict(node=2, nodes=3, local=4, addr="h", port=29500))]
+    report(-11)
+    assert told[-1][0] == "rank 9 (local rank 1) was killed by signal SIGSEGV"
+
+
 def test_cpu_runs_hide_megatrons_warnings_about_gpu_libraries(monkeypatch):
     """Megatron warns at import that TE / Apex / absl are missing (ten warnings a process): CPU runs
     hide exactly those, unless the user asked for warnings (-W / PYTHONWARNINGS)."""

@@ -28,10 +28,13 @@ own run (EOD documents also on the zigzag, and through Megatron-LM's script).
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 from helpers import assert_losses_equal, run_ok, MEGATRON_LM_SCRIPT, ROOT, losses, run_all, run_config, run_nodes
 
@@ -173,7 +176,8 @@ def test_two_nodes_train_as_one_and_refuse_different_flags(doc_data, runs, tmp_p
 def test_three_nodes_all_hear_of_one_that_stops(doc_data):
     """Three nodes of one process (data parallel 3): node 1's Megatron stops at start-up; node 0 -- whose
     torchrun holds the store they meet in -- and node 2 both stop within seconds naming it (node 0
-    waits until node 2 has read the message before it goes, taking the store with it)."""
+    waits until node 2 has read the message before it goes, taking the store with it); so do they
+    when a rank of node 1 is killed outright (its launcher tells them)."""
     flags = ("--train-iters", "1", "--global-batch-size", "3")
     nodes = [("mesh", flags), ("mesh", (*flags, "--warmup", "3")), ("mesh", flags)]
     done = run_nodes(config("docs"), 1, 1, nodes, env={"DOC_DATA": doc_data}, timeout=60)
@@ -182,6 +186,30 @@ def test_three_nodes_all_hear_of_one_that_stops(doc_data):
         assert (f"megatron_mesh: error: node 1 ({socket.gethostname()}, rank 1) stopped at start-up: AssertionError: "
                 "--warmup argument is no longer valid") in done[n][1], done[n][1][-3000:]
         assert "Traceback" not in done[n][1], done[n][1][-3000:]
+    # a rank killed outright (kill -9, the OOM killer) says nothing: its node's launcher tells --
+    # here while the ranks start, when the others would wait in the rendezvous for it
+    done = run_nodes(config("docs"), 1, 1, [("mesh", flags)] * 3, env={"DOC_DATA": doc_data}, timeout=60,
+                     during=_kill_a_rank_of(1))
+    assert [rc for rc, _ in done] == [2, 128 + signal.SIGKILL, 2], [text[-2000:] for _, text in done]
+    for n in (0, 2):
+        assert (f"megatron_mesh: error: node 1 ({socket.gethostname()}, rank 1) stopped: rank 1 (local rank 0) was "
+                "killed by signal SIGKILL (kill -9, or the kernel's OOM killer)") in done[n][1], done[n][1][-3000:]
+
+
+def _kill_a_rank_of(node: int):
+    """For run_nodes(during=...): SIGKILL the first rank of ``node`` as soon as its launcher has
+    started it."""
+    def kill(procs) -> None:
+        launcher = psutil.Process(procs[node].pid)  # the script execs the launcher, which runs torchrun
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            ranks = [c for c in launcher.children() if "megatron_mesh.megatron.pretrain_gpt" in " ".join(c.cmdline())]
+            if ranks:
+                ranks[0].kill()
+                return
+            time.sleep(0.05)
+        pytest.fail(f"node {node}'s launcher started no rank in 30 s")
+    return kill
 
 
 def test_checkpoint_under_zigzag_resumes_under_balanced(runs):
