@@ -40,6 +40,9 @@ WATCH_STORE_TIMEOUT_S = 5.0  # a store call that hangs longer (node 0 gone from 
 # how long a node that failed keeps its processes (and so, on node 0, torchrun's store) alive for the
 # other nodes' watchers to read its message: two polls and a margin
 TELL_WAIT_S = 2 * WATCH_POLL_S + 1.0
+# the same for node 0, whose torchrun holds the store: a rank of it killed as it starts is told by
+# its launcher before the other nodes' watchers exist (they start once torch is imported, seconds)
+STORE_NODE_WAIT_S = 30.0
 
 
 def _multi_node_job() -> bool:
@@ -99,11 +102,13 @@ class _Job(NamedTuple):
         store.set(f"{self.key}/read/{self.node}", "1")
 
     def wait_until_read(self, store, writer: str) -> None:
-        """Wait (at most :data:`TELL_WAIT_S`) until every node but ``writer`` has acknowledged."""
+        """Wait (at most :data:`TELL_WAIT_S`; :data:`STORE_NODE_WAIT_S` on node 0 after its own
+        failure) until every node but ``writer`` has acknowledged."""
         import time
 
         others = [f"{self.key}/read/{n}" for n in range(self.nodes) if str(n) != writer]
-        deadline = time.monotonic() + TELL_WAIT_S
+        wait = STORE_NODE_WAIT_S if writer == self.node == "0" else TELL_WAIT_S
+        deadline = time.monotonic() + wait
         while not store.check(others) and time.monotonic() < deadline:
             time.sleep(0.1)
 
@@ -129,8 +134,8 @@ class _Job(NamedTuple):
             # this node's message (this rank's or another's of this node: it waits too, lest its exit --
             # torchrun then stops the node -- end the others' collectives before they have read it)
             self.wait_until_read(store, self.node)
-        except Exception:  # noqa: BLE001 -- the store may be gone (node 0 stopped first): nothing to tell
-            pass
+        except (RuntimeError, OSError, ValueError):  # the store may be gone (node 0 stopped first): nothing to tell
+            pass  # (not Exception: torchrun's SignalException, in the launcher, must reach torchrun)
 
 
 def _started() -> bool:
@@ -156,8 +161,9 @@ def tell_other_nodes_from_launcher(message: str, *, node: int, nodes: int, local
 
 def watch_other_nodes() -> None:
     """In a job of several nodes, stop this node -- one line, status 2 -- as soon as another node
-    stops (:func:`fail` or :func:`crash_stops_other_nodes` there writes its message into
-    torchrun's store): otherwise this node would wait in its next collective until the
+    stops (:func:`fail`, :func:`crash_stops_other_nodes` or, for a rank killed by a signal, its
+    launcher -- :func:`tell_other_nodes_from_launcher` -- writes its message into torchrun's
+    store): otherwise this node would wait in its next collective until the
     distributed timeout (Megatron's ``--distributed-timeout-minutes``, 10 by default) -- at
     start-up in the rendezvous, later on NCCL, whose collectives do not see a peer's exit (gloo's
     do). On each node's first rank (torchrun stops the node's other ranks when it exits) a daemon

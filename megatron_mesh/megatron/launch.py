@@ -24,7 +24,9 @@ whole process tree.
   another node stopped the job), else 1;
   128 + N where none exited by itself and one was killed by signal N (137: kill -9, OOM). A
   start-up error is the rank's one line: torchrun's own lines that repeat it (stopping the other
-  ranks, the failed rank's status) are dropped (:class:`_QuietShutdown`).
+  ranks, the failed rank's status) are dropped (:class:`_QuietShutdown`). In a job of several
+  nodes, a rank of this node killed by a signal (kill -9, the OOM killer) is told to the other
+  nodes, which would otherwise wait for it (:class:`_KilledRank`).
 * :func:`kill_process_tree` -- SIGKILL a process and everything below it.
 
 The tests' and benchmarks' process groups are started by ``megatron_mesh.comm.spawn`` instead.
@@ -298,7 +300,8 @@ class _KilledRank(logging.Handler):
     kernel's OOM killer: the rank could say nothing, and the other nodes would wait for it in their
     next collective until the distributed timeout (NCCL; gloo notices a dead peer). Torchrun reports
     it once it has stopped the node's other ranks, its store (node 0's) still up. Not for SIGTERM /
-    SIGINT: torchrun's own stopping of the other ranks, or a signal every node gets."""
+    SIGINT: what a scheduler or a user sends to every node, each of which then stops by itself (a
+    single rank stopped with a plain ``kill PID`` is not told either)."""
 
     NOT_TOLD = (signal.SIGTERM, signal.SIGINT)
 
@@ -323,15 +326,19 @@ class _KilledRank(logging.Handler):
 
 
 def _tell_other_nodes_of_a_killed_rank(torchrun_args: Sequence[str]) -> None:
-    """Install :class:`_KilledRank` for a job of several nodes (plain integers: an elastic
-    ``--nnodes 1:4`` is left alone)."""
+    """Install :class:`_KilledRank` for a job of several nodes, torchrun's arguments read as torchrun
+    reads them (its ``PET_*`` environment variables too): a static rendezvous -- the store on node
+    0, where the workers' watchers look -- without restarts, plain integers (an elastic ``--nnodes
+    1:4`` is left alone)."""
+    from torch.distributed.run import parse_args
+
+    args = parse_args(list(torchrun_args))
     try:
-        job = dict(node=int(_flag_value(torchrun_args, "--node-rank")), nodes=int(_flag_value(torchrun_args, "--nnodes")),
-                   local=int(_flag_value(torchrun_args, "--nproc-per-node")),
-                   addr=_flag_value(torchrun_args, "--master-addr"), port=int(_flag_value(torchrun_args, "--master-port")))
+        job = dict(node=int(args.node_rank), nodes=int(args.nnodes), local=int(args.nproc_per_node),
+                   addr=args.master_addr, port=int(args.master_port), run_id=args.rdzv_id)
     except (TypeError, ValueError):
         return
-    if job["nodes"] > 1:
+    if job["nodes"] > 1 and args.rdzv_backend == "static" and args.max_restarts == 0:
         logging.getLogger("torch.distributed.elastic.multiprocessing.api").addHandler(_KilledRank(**job))
 
 

@@ -480,9 +480,11 @@ def test_launcher_tells_other_nodes_of_a_rank_killed_by_a_signal(monkeypatch):
     before = list(logger.handlers)
     try:
         launch._tell_other_nodes_of_a_killed_rank(["--nproc-per-node", "4", "--nnodes", "1", "--node-rank", "0",
-                                                   "--master-addr", "h", "--master-port", "29500"])
+                                                   "--master-addr", "h", "--master-port", "29500", "-m", "x"])
         launch._tell_other_nodes_of_a_killed_rank(["--nproc-per-node", "4", "--nnodes", "1:4", "--node-rank", "0",
-                                                   "--master-addr", "h", "--master-port", "29500"])
+                                                   "--master-addr", "h", "--master-port", "29500", "-m", "x"])
+        launch._tell_other_nodes_of_a_killed_rank(["--nproc-per-node", "4", "--nnodes", "3", "--max-restarts", "1",
+                                                   "--master-addr", "h", "--master-port", "29500", "-m", "x"])
         assert logger.handlers == before
         launch._tell_other_nodes_of_a_killed_rank(["--nproc-per-node", "4", "--nnodes", "3", "--node-rank", "2",
                                                    "--master-addr", "h", "--master-port", "29500", "-m", "x"])
@@ -501,7 +503,7 @@ def test_launcher_tells_other_nodes_of_a_rank_killed_by_a_signal(monkeypatch):
     assert told == []
     report(-9, 3)
     assert told == [("rank 11 (local rank 3) was killed by signal SIGKILL (kill -9, or the kernel's OOM killer)",
-                     dict(node=2, nodes=3, local=4, addr="h", port=29500))]
+                     dict(node=2, nodes=3, local=4, addr="h", port=29500, run_id="none"))]
     report(-11)
     assert told[-1][0] == "rank 9 (local rank 1) was killed by signal SIGSEGV"
 

@@ -203,10 +203,13 @@ def _kill_a_rank_of(node: int):
         launcher = psutil.Process(procs[node].pid)  # the script execs the launcher, which runs torchrun
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            ranks = [c for c in launcher.children() if "megatron_mesh.megatron.pretrain_gpt" in " ".join(c.cmdline())]
-            if ranks:
-                ranks[0].kill()
-                return
+            for child in launcher.children():
+                try:
+                    if "megatron_mesh.megatron.pretrain_gpt" in " ".join(child.cmdline()):
+                        child.kill()
+                        return
+                except psutil.NoSuchProcess:  # a process that was already gone
+                    pass
             time.sleep(0.05)
         pytest.fail(f"node {node}'s launcher started no rank in 30 s")
     return kill
