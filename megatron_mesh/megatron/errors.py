@@ -24,8 +24,7 @@ import threading
 from typing import Iterator, NamedTuple, NoReturn
 
 __all__ = ["fail", "one_line_for", "watch_other_nodes", "crash_stops_other_nodes", "tell_other_nodes_from_launcher",
-           "FAIL_GRACE_S",
-           "STARTUP_ERROR_STATUS"]
+           "FAIL_GRACE_S", "STARTUP_ERROR_STATUS"]
 
 # every rank's exit status after fail(), and a node's that another node stopped: the launcher knows
 # by it that the failure is explained (in one line)
