@@ -28,9 +28,9 @@ from contextlib import contextmanager
 from typing import Iterator, NoReturn
 
 from . import ensure_typing_override
-from .errors import crash_stops_other_nodes, fail, watch_other_nodes  # bootstrap.fail: also the entry scripts' way to stop a start-up
+from .errors import entry_run, fail  # bootstrap.fail: also the entry scripts' way to stop a start-up
 
-__all__ = ["die_with_parent", "forked_children_die_with_this_process", "quiet_interrupt", "prepare_runtime", "check_args", "fail", "watch_other_nodes", "crash_stops_other_nodes", "install_argument_hook", "megatron_args",
+__all__ = ["die_with_parent", "forked_children_die_with_this_process", "quiet_interrupt", "prepare_runtime", "check_args", "fail", "entry_run", "install_argument_hook", "megatron_args",
            "pause_gc", "resume_gc", "freeze_gc"]
 
 _CHECKED: set[int] = set()  # id() of the argument namespaces already checked (Megatron keeps one for the run)

@@ -24,7 +24,13 @@ import threading
 from typing import Iterator, NamedTuple, NoReturn
 
 __all__ = ["fail", "one_line_for", "watch_other_nodes", "crash_stops_other_nodes", "tell_other_nodes_from_launcher",
-           "FAIL_GRACE_S", "STARTUP_ERROR_STATUS"]
+           "entry_run", "SettingsMismatchError", "FAIL_GRACE_S", "STARTUP_ERROR_STATUS"]
+
+class SettingsMismatchError(ValueError):
+    """The ranks were started with different context-parallel settings (two nodes launched with
+    different flags): they would create different process groups and wait for each other for ever
+    (raised by :func:`.groups.check_settings_agree`)."""
+
 
 # every rank's exit status after fail(), and a node's that another node stopped: the launcher knows
 # by it that the failure is explained (in one line)
@@ -281,3 +287,14 @@ def crash_stops_other_nodes() -> Iterator[None]:
                 pass
         raise
     _EXITING.set()  # finished: another node's failure from now on is not this node's
+
+
+@contextlib.contextmanager
+def entry_run() -> Iterator[None]:
+    """An entry script's run (ours, and Megatron's scripts through run_script), as every node must
+    run it: watching the other nodes (:func:`watch_other_nodes`; call it after torch's import), an
+    error that ends a rank told to them (:func:`crash_stops_other_nodes`), and ranks started with
+    different settings (:class:`SettingsMismatchError`, every rank alike) as one line per node."""
+    watch_other_nodes()
+    with crash_stops_other_nodes(), one_line_for(SettingsMismatchError):
+        yield

@@ -31,15 +31,13 @@ from ..comm.alltoall import AllToAllCommunicator
 from ..comm.torch_dist import TorchDistCommunicator
 from ..plan.modes import Placement
 from ..runtime.agreement import differences
+from .errors import SettingsMismatchError
 from .settings import flags, layer_modes, plugin_modes_of, plugin_settings
 from .placement import resolve_placement
 
 __all__ = ["initialize_groups", "destroy_groups", "communicator", "cp_ranks", "SettingsMismatchError"]
 
 
-class SettingsMismatchError(ValueError):
-    """The ranks were started with different context-parallel settings (two nodes launched with
-    different flags): they would create different process groups and wait for each other for ever."""
 
 _CP_GROUPS: dict[tuple[int, ...], list[tuple[int, ...]]] = {}  # my CP ranks -> every CP group
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}  # global members -> the group made for them

@@ -271,20 +271,15 @@ def _train(argv) -> None:
     from . import batch_layout
 
     batch_layout.install_lookahead()
-    from .errors import one_line_for
-    from .groups import SettingsMismatchError
-
     model_config = build_config(args)
-    with one_line_for(SettingsMismatchError):  # two nodes started with different flags
-        pretrain(pretrain_cfg_container_from_args(args, model_config), train_valid_test_datasets_provider,
-                 ModelType.encoder_or_decoder, forward_step)
+    pretrain(pretrain_cfg_container_from_args(args, model_config), train_valid_test_datasets_provider,
+             ModelType.encoder_or_decoder, forward_step)
 
 
 def main(argv=None) -> None:
     bootstrap.die_with_parent()
     bootstrap.prepare_runtime()
-    bootstrap.watch_other_nodes()  # after torch's import; a node that stops stops this one too
-    with bootstrap.crash_stops_other_nodes():  # and so does an error here, Megatron's too
+    with bootstrap.entry_run():  # after torch's import: a node that stops stops the others, and back
         _train(argv)
     bootstrap.freeze_gc()  # a quicker exit
 

@@ -52,20 +52,15 @@ def main(argv=None) -> None:
     os.environ[CHILD_ENV] = "1"
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (SITE_DIR, os.environ.get("PYTHONPATH")) if p)
     bootstrap.prepare_runtime()
-    bootstrap.watch_other_nodes()  # after torch's import; a node that stops stops this one too
-    with bootstrap.crash_stops_other_nodes():  # and so does an error here, Megatron's too
+    with bootstrap.entry_run():  # after torch's import: a node that stops stops the others, and back
         bootstrap.install_argument_hook()
         from . import batch_layout
 
         batch_layout.install()  # before the script imports get_batch_on_this_cp_rank
         batch_layout.install_lookahead()
         bootstrap.BATCH_DOCUMENTS = True
-        from .errors import one_line_for
-        from .groups import SettingsMismatchError
-
         sys.argv = [script, *argv[1:]]
-        with one_line_for(SettingsMismatchError):  # two nodes started with different flags
-            runpy.run_path(script, run_name="__main__")
+        runpy.run_path(script, run_name="__main__")
     bootstrap.freeze_gc()  # a quicker exit
 
 
