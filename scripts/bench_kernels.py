@@ -263,7 +263,7 @@ def with_device_defaults(args, defaults: dict):
             setattr(args, key, value)
     if args.iters < 1 or args.warmup < 0:
         raise SystemExit(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
-    for flag in ("json", "profile"):  # found out now, not after the run (GPU time is scarce)
+    for flag in ("json", "profile", "calls"):  # found out now, not after the run (GPU time is scarce)
         path = getattr(args, flag, None)
         if path and not Path(path).resolve().parent.is_dir():
             raise SystemExit(f"--{flag} {path}: no folder {Path(path).resolve().parent} to write it in")

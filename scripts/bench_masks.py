@@ -28,9 +28,16 @@ device busy time (each turn of the serial run marked on the device, :class:`Mark
 step on P devices takes where each rank's host keeps ahead of its device and the transfers hide.
 FILE gets each row's top kernels.
 
+``--calls FILE`` runs each row once more with every kernel call timed on the device (CUDA events
+around it; the clock on the CPU) and sized (the allowed (query, key) pairs it computes), and
+writes, per row, how the calls of each size ran against the fused call's rate: which pieces lose
+the kernel's speed (:class:`CallLog`). A call's time includes its own glue (the varlen calls'
+packing, the offsets), as the fused call's does.
+
     python scripts/bench_masks.py                                      # CUDA defaults, else small CPU shapes
     python scripts/bench_masks.py --world 8 --seq-local 16384 --docs lognormal:4096,1.0 --modes ring tasp
     python scripts/bench_masks.py --profile profile.txt                # + device busy time and launches
+    python scripts/bench_masks.py --modes ring --calls calls.txt          # + each kernel call's size and speed
 """
 
 from __future__ import annotations
@@ -166,6 +173,136 @@ def profile_row(device, fn, P, title, out, box: MarkedTurns | None = None) -> di
                 launches=len(kernels) / P, busiest_device_ms=busiest)
 
 
+class CallLog:
+    """A block kernel that records each call of the kernel it wraps: direction, kind (one block's
+    "full" / "causal" / "masked" call, or a "varlen" call of several pieces), the allowed (query,
+    key) pairs it computes and its device time (CUDA events on the calling thread's stream, read
+    by :meth:`records` after a synchronisation; the clock on the CPU, where calls are synchronous).
+    Everything else is the wrapped kernel's."""
+
+    def __init__(self, kernel, device: torch.device):
+        self.kernel, self.device, self._calls = kernel, device, []
+        self.name = kernel.name  # an attribute of its own: Python 3.12's isinstance(BlockKernel) looks statically
+        # id(allowed) -> (allowed, its count): one host read per mask; holding the tensor keeps its id unique
+        self._pairs: dict[int, tuple] = {}
+
+    def __getattr__(self, name):  # varlen, backward_rows, ...: the wrapped kernel's
+        return getattr(self.kernel, name)
+
+    def _timed(self, direction, kind, pieces, pairs, heads, head_dim, fn):
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            result = fn()
+            end.record()
+            timing = (start, end)
+        else:
+            t0 = time.perf_counter()
+            result = fn()
+            timing = 1e3 * (time.perf_counter() - t0)
+        self._calls.append(dict(direction=direction, kind=kind, pieces=pieces, pairs=pairs, heads=heads,
+                                head_dim=head_dim, timing=timing))
+        return result
+
+    def _block_pairs(self, q, k, mask) -> int:
+        sq, sk = q.shape[2], k.shape[2]
+        if mask.allowed is not None:
+            key = id(mask.allowed)
+            if key not in self._pairs:
+                self._pairs[key] = (mask.allowed, int(mask.allowed.sum()))
+            return self._pairs[key][1]
+        return sq * (sq + 1) // 2 if mask.causal else sq * sk
+
+    def forward(self, q, k, v, *, mask, scale):
+        return self._timed("forward", str(mask.kind.value), q.shape[0], q.shape[0] * self._block_pairs(q, k, mask),
+                           q.shape[1], q.shape[3], lambda: self.kernel.forward(q, k, v, mask=mask, scale=scale))
+
+    def backward(self, dout, q, k, v, lse, delta, *, mask, scale, **kw):
+        return self._timed("backward", str(mask.kind.value), q.shape[0], q.shape[0] * self._block_pairs(q, k, mask),
+                           q.shape[1], q.shape[3],
+                           lambda: self.kernel.backward(dout, q, k, v, lse, delta, mask=mask, scale=scale, **kw))
+
+    @staticmethod
+    def _varlen_pairs(seqs, causal) -> int:
+        return sum(nq * (nq + 1) // 2 if causal else nq * nk for nq, nk in seqs)
+
+    def forward_varlen(self, q, k, v, seqs, *, causal, scale):
+        return self._timed("forward", f"varlen {'causal' if causal else 'full'}", q.shape[0] * len(seqs), q.shape[0] * self._varlen_pairs(seqs, causal),
+                           q.shape[1], q.shape[3],
+                           lambda: self.kernel.forward_varlen(q, k, v, seqs, causal=causal, scale=scale))
+
+    def backward_varlen(self, dout, q, k, v, lse, delta, seqs, *, causal, scale, **kw):
+        return self._timed("backward", f"varlen {'causal' if causal else 'full'}", q.shape[0] * len(seqs), q.shape[0] * self._varlen_pairs(seqs, causal),
+                           q.shape[1], q.shape[3],
+                           lambda: self.kernel.backward_varlen(dout, q, k, v, lse, delta, seqs, causal=causal,
+                                                               scale=scale, **kw))
+
+    def records(self) -> list[dict]:
+        """Every call so far with its ``ms`` and ``flops`` (forward 4 x heads x head_dim x pairs,
+        the backward 2.5x that, as the benchmarks count); forgets them."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        out = []
+        for c in self._calls:
+            t = c.pop("timing")
+            c["ms"] = t if isinstance(t, float) else t[0].elapsed_time(t[1])
+            c["flops"] = 4 * c["heads"] * c["head_dim"] * c["pairs"] * (2.5 if c["direction"] == "backward" else 1)
+            out.append(c)
+        self._calls = []
+        return out
+
+
+SIZES = (512, 1024, 2048, 4096, 8192)  # bucket edges: a piece's side, sqrt(2 x its pairs) for causal
+
+
+def piece_side(c) -> float:
+    """The side of a square of the call's mean piece's pairs (a causal piece: of twice them, so one
+    of n tokens has side about n)."""
+    return math.sqrt(c["pairs"] / c["pieces"] * (2 if c["kind"].endswith("causal") else 1))
+
+
+def calls_summary(records: list[dict], fused_rate: dict, P: int) -> list[dict]:
+    """Per direction, kind and size bucket of the mean piece (:func:`piece_side`): the calls, their share
+    of the FLOPs, device ms per rank (sum / P), TFLOP/s, and the ms per rank they take beyond what
+    the fused call's rate (``fused_rate[direction]``, FLOP/ms) would need for the same FLOPs."""
+    rows = {}
+    for c in records:
+        side = piece_side(c)
+        bucket = next((f"<= {e}" for e in SIZES if side <= e), f"> {SIZES[-1]}")
+        r = rows.setdefault((c["direction"], c["kind"], bucket), dict(direction=c["direction"], kind=c["kind"],
+                                                                      size=bucket, calls=0, pieces=0, flops=0.0,
+                                                                      ms=0.0))
+        r["calls"] += 1
+        r["pieces"] += c["pieces"]
+        r["flops"] += c["flops"]
+        r["ms"] += c["ms"]
+    total = {d: sum(r["flops"] for r in rows.values() if r["direction"] == d) or 1.0 for d in ("forward", "backward")}
+    order = {f"<= {e}": i for i, e in enumerate(SIZES)} | {f"> {SIZES[-1]}": len(SIZES)}
+    out = []
+    for (d, kind, b), r in sorted(rows.items(), key=lambda kv: (kv[0][0] != "forward", kv[0][1], order[kv[0][2]])):
+        out.append(dict(r, flop_share=r["flops"] / total[d], ms=r["ms"] / P,
+                        tflops=r["flops"] / r["ms"] / 1e9 if r["ms"] else float("nan"),
+                        lost_ms=(r["ms"] - r["flops"] / fused_rate[d]) / P))
+    return out
+
+
+CALLS_HEADER = """Kernel calls by the size of their mean piece (the side of a square of its allowed pairs; a causal
+piece of n tokens: n), device time of each call (CUDA events around it, its glue included), P = {world}, {docs},
+heads {heads}/{kv_heads} of {head_dim}, {dtype}: per rank (sum / P), and what they take beyond the fused call's
+rate for the same FLOPs.
+
+"""
+
+
+def calls_markdown(title: str, summary: list[dict]) -> str:
+    lines = [f"## {title}", "", "| dir | kind | piece side | calls | pieces | FLOP share | ms per rank | TFLOP/s "
+             "| ms per rank beyond the fused rate |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in summary:
+        lines.append(f"| {r['direction']} | {r['kind']} | {r['size']} | {r['calls']} | {r['pieces']} | "
+                     f"{r['flop_share']:.2f} | {r['ms']:.3f} | {r['tflops']:.3g} | {r['lost_ms']:+.3f} |")
+    return "\n".join(lines) + "\n"
+
+
 def run(args) -> tuple[list[dict], dict]:
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
@@ -195,6 +332,16 @@ def run(args) -> tuple[list[dict], dict]:
     if args.profile:
         rows[0].update(profile_row(device, lambda: fused(kernel, bhsd(Q), bhsd(K), bhsd(V), bhsd(dO), seqs, scale),
                                    P, "fused", profiles))
+    calls_out, fused_rate = [], {}
+    if args.calls:  # the fused call's rate per direction (FLOP per ms), its calls timed as the plans' are
+        log = CallLog(kernel, device)
+        fused(log, bhsd(Q), bhsd(K), bhsd(V), bhsd(dO), seqs, scale)
+        records = log.records()
+        for d in ("forward", "backward"):
+            mine = [c for c in records if c["direction"] == d]
+            fused_rate[d] = sum(c["flops"] for c in mine) / sum(c["ms"] for c in mine)
+        rows[0]["calls_summary"] = calls_summary(records, fused_rate, P)
+        calls_out.append(calls_markdown("fused", rows[0]["calls_summary"]))
     for layout_name in args.layouts:
         for mode in args.modes:
             try:
@@ -236,12 +383,20 @@ def run(args) -> tuple[list[dict], dict]:
                     rows[-1].update(profile_row(device, lambda: run_inprocess(rank_fn, P, 1, serial=True, device=device,
                                                                               timeout=600, mailbox=marks),
                                                 P, f"{layout_name} {mode} {calls}", profiles, marks))
+                if args.calls:
+                    log = CallLog(kern, device)
+                    run_inprocess(lambda rank, comm: forward_backward(*shards[rank], plan, comm=comm, kernel=log),
+                                  P, serial=True, device=device, timeout=600)
+                    rows[-1]["calls_summary"] = calls_summary(log.records(), fused_rate, P)
+                    calls_out.append(calls_markdown(f"{layout_name} {mode} {calls}", rows[-1]["calls_summary"]))
     meta = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU", kernel=kernel.name,
                 dtype=args.dtype, world=P, seq_len=S, docs=args.docs, seed=args.seed, documents=len(seqs),
                 heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, iters=args.iters,
                 torch=torch.__version__)
     if args.profile:
         Path(args.profile).write_text("\n".join(profiles))
+    if args.calls:
+        Path(args.calls).write_text(CALLS_HEADER.format(**vars(args)) + "\n".join(calls_out))
     return rows, meta
 
 
@@ -282,6 +437,9 @@ def parse_args(argv=None):
                    help="modes as compare_attention.py takes them (mesh:2x2, a2a+ring:2, ...)")
     p.add_argument("--kernel", default="auto")
     p.add_argument("--json", default=None, help="also write the rows as JSON to this file")
+    p.add_argument("--calls", default=None,
+                   help="time each kernel call once more: per row, the calls by piece size against the fused rate, "
+                        "to this file")
     p.add_argument("--profile", default=None,
                    help="profile each row once more: device busy time and launches per rank; top kernels to this file")
     return with_device_defaults(p.parse_args(argv), DEFAULTS)

@@ -152,11 +152,36 @@ def test_bench_masks_profile_writes_each_rows_kernels(tmp_path, capsys, script):
                for r in result["rows"])
 
 
+def test_bench_masks_calls_count_every_allowed_pair_once(tmp_path, script):
+    """--calls: each row's timed calls, of every layout and mode (a hybrid's head slices too), add up
+    to the fused call's FLOPs in each direction -- every allowed (query, key) pair of every head once,
+    none twice -- so the per-size rates in the file are of the real work; the file has every row."""
+    calls = tmp_path / "calls.txt"
+    result = script("bench_masks").main(["--device", "cpu", "--world", "3", "--seq-local", "24", "--docs",
+                                         "one:30+lognormal:9,1.0", "--heads", "3", "--kv-heads", "1", "--head-dim",
+                                         "8", "--iters", "1", "--warmup", "0", "--modes", "ring", "a2a+tasp:3",
+                                         "--calls", str(calls)])
+    rows = result["rows"]
+    total = lambda r, d: sum(c["flops"] for c in r["calls_summary"] if c["direction"] == d)  # noqa: E731
+    for d in ("forward", "backward"):
+        want = total(rows[0], d)
+        assert want > 0
+        for r in rows[1:]:
+            assert total(r, d) == pytest.approx(want, rel=1e-12), (r["layout"], r["mode"], d)
+            assert sum(c["flop_share"] for c in r["calls_summary"] if c["direction"] == d) == pytest.approx(1)
+    assert total(rows[0], "backward") == pytest.approx(2.5 * total(rows[0], "forward"))
+    text = calls.read_text()
+    assert [line for line in text.splitlines() if line.startswith("## ")] == [
+        "## fused"] + [f"## {lay} {m} loop" for lay in ("zigzag", "balanced") for m in ("ring", "a2a+tasp:3")]
+
+
 def test_bench_masks_refuses_an_output_it_could_not_write_before_it_runs(tmp_path, script):
     with pytest.raises(SystemExit, match=r"--profile .*nowhere/p.txt: no folder"):
         script("bench_masks").main(["--device", "cpu", "--profile", str(tmp_path / "nowhere" / "p.txt")])
     with pytest.raises(SystemExit, match=r"--json .*nowhere/m.json: no folder"):
         script("bench_masks").main(["--device", "cpu", "--json", str(tmp_path / "nowhere" / "m.json")])
+    with pytest.raises(SystemExit, match=r"--calls .*nowhere/c.txt: no folder"):
+        script("bench_masks").main(["--device", "cpu", "--calls", str(tmp_path / "nowhere" / "c.txt")])
     with pytest.raises(SystemExit, match=r"--json .*nowhere/k.json: no folder"):
         script("bench_kernels").main(["--device", "cpu", "--json", str(tmp_path / "nowhere" / "k.json")])
 
@@ -182,7 +207,9 @@ def test_bench_masks_profile_on_cuda(tmp_path, script):
     device time is at least the mean rank's (the fused row: exactly its share), and every row
     stays exact against the fused call."""
     prof = tmp_path / "profile.txt"
-    result = script("bench_masks").main(["--device", "cuda", *PROFILE_RUN, "--profile", str(prof)])
+    calls = tmp_path / "calls.txt"
+    result = script("bench_masks").main(["--device", "cuda", *PROFILE_RUN, "--profile", str(prof),
+                                         "--calls", str(calls)])
     for r in result["rows"]:
         mean = r["attention_ms"] + r["other_kernels_ms"]
         assert r["launches"] > 0 and r["attention_ms"] > 0, r
@@ -191,6 +218,12 @@ def test_bench_masks_profile_on_cuda(tmp_path, script):
     assert result["rows"][0]["busiest_device_ms"] == pytest.approx(
         result["rows"][0]["attention_ms"] + result["rows"][0]["other_kernels_ms"])
     assert prof.read_text().count("## ") == len(result["rows"])
+    # --calls on CUDA (events around the varlen calls): every row's calls add up to the fused FLOPs
+    for d in ("forward", "backward"):
+        flops = [sum(c["flops"] for c in r["calls_summary"] if c["direction"] == d) for r in result["rows"]]
+        assert flops == pytest.approx([flops[0]] * len(flops), rel=1e-12), d
+        assert all(c["ms"] > 0 for r in result["rows"] for c in r["calls_summary"])
+    assert calls.read_text().count("## ") == len(result["rows"])
 
 
 def test_bench_masks_splits_the_device_timeline_at_the_turn_marks(script):
