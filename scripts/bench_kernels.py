@@ -12,6 +12,13 @@ For each local sequence length and each plan (ring 1xP, Mesh tiles, TASP), causa
     backward: its blocks, LSE merges, gradient adds, buffer pool and the mailbox copies. Time
     divided by P. "compute only" subtracts the measured mailbox copy time (copies stand in for
     NCCL transfers, which on real ranks overlap the blocks).
+(c) **alone**: the busiest rank (by the plan's work) once more, alone on the device: the messages
+    it received in (b) replayed into its receive buffers (:mod:`megatron_mesh.comm.replay`), so it
+    computes exactly what it computed in (b), with nothing between its ops but its own host work
+    (launches, the executor's Python). Its host runs ahead of the device as on a real GPU of a
+    P-GPU job: "alone ms" is its wall time per step (sync at the end of the loop only), "host ms"
+    the time the host took to issue one step. Host ms close to alone ms: the host sets the pace;
+    well below it: the device does. The communication itself is left out (it overlaps the blocks).
 
 Both modes do the same useful FLOPs (the plan covers the causal matrix exactly once): forward
 4*B*H*S^2*D/2, backward 2.5x that (flash-attention's convention). Efficiency = time(a) / time(b)
@@ -40,8 +47,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from megatron_mesh.comm.inprocess import Mailbox, run_inprocess  # noqa: E402
+from megatron_mesh.comm.replay import Recorder, ReplayCommunicator  # noqa: E402
 from megatron_mesh.kernels import CAUSAL, get_kernel  # noqa: E402
 from megatron_mesh.plan import AttentionShape, build_mesh_plan, build_tasp_plan, parse_tile  # noqa: E402
+from megatron_mesh.plan.accounting import rank_work  # noqa: E402
 from megatron_mesh.runtime.api import zigzag_shard, zigzag_unshard  # noqa: E402
 from megatron_mesh.runtime.executor import Executor  # noqa: E402
 
@@ -68,6 +77,10 @@ class Row:
     peak_mib_total: float | None
     peak_mib_per_rank: float | None
     max_abs_err: dict | None  # tiled vs fused, per tensor
+    alone_rank: int | None = None  # (c): the busiest rank, run alone (None for fused)
+    alone_ms: float | None = None  # its wall ms per step, the host free-running
+    alone_host_ms: float | None = None  # the host's ms to issue one step
+    alone_efficiency: float | None = None  # fused ms per rank / alone ms
 
 
 def attention_flops(batch, heads, seq, head_dim, direction):
@@ -166,6 +179,53 @@ def bench_tiled(dev, plan, kernel, shards, scale, iters, warmup):
     return results
 
 
+def bench_alone(dev, plan, kernel, shards, scale, iters, warmup) -> dict:
+    """(c): record every rank's received messages in one in-process step, then run the busiest
+    rank (by the plan's forward work; the lowest such rank) alone with them replayed, ``iters``
+    steps per direction after ``warmup``: its rank, and per direction (wall seconds per step, host
+    seconds to issue one step)."""
+    world = plan.world_size
+    recorded: dict = {"forward": [None] * world, "backward": [None] * world}
+    saved = [None] * world
+
+    def forward(rank, comm):
+        rec = Recorder(comm)
+        q, k, v, _ = shards[rank]
+        saved[rank] = Executor(plan, rec, kernel, scale).forward(q, k, v)
+        recorded["forward"][rank] = rec.received()
+
+    def backward(rank, comm):
+        rec = Recorder(comm)
+        q, k, v, dout = shards[rank]
+        res = saved[rank]
+        Executor(plan, rec, kernel, scale).backward(q, k, v, res.out.to(q.dtype), res.lse, dout, res.saved)
+        recorded["backward"][rank] = rec.received()
+
+    for fn in (forward, backward):
+        run_inprocess(fn, world, serial=True, device=dev.device)
+    work = rank_work(plan)
+    rank = work.index(max(work))
+    q, k, v, dout = shards[rank]
+    result = {"rank": rank}
+    fwd = Executor(plan, ReplayCommunicator(rank, world, recorded["forward"][rank]), kernel, scale)
+    bwd = Executor(plan, ReplayCommunicator(rank, world, recorded["backward"][rank]), kernel, scale)
+    res = fwd.forward(q, k, v)
+    out = res.out.to(q.dtype)
+    steps = {"forward": lambda: fwd.forward(q, k, v),
+             "backward": lambda: bwd.backward(q, k, v, out, res.lse, dout, res.saved)}
+    for direction, step in steps.items():
+        for _ in range(warmup):
+            step()
+        dev.sync()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            step()
+        issued = time.perf_counter() - t0
+        dev.sync()
+        result[direction] = ((time.perf_counter() - t0) / iters, issued / iters)
+    return result
+
+
 def max_errors(fused_out, fused_grads, tiled) -> dict:
     unshard = lambda parts: zigzag_unshard(list(parts), dim=2)  # noqa: E731
     got = {"out": unshard(tiled["out"])}
@@ -197,14 +257,17 @@ def run(args) -> tuple[list[Row], dict]:
         for tile in args.tiles:
             plan, mode = build_plan(tile, P, shape)
             tiled = bench_tiled(dev, plan, kernel, shards, scale, args.iters, args.warmup)
+            alone = bench_alone(dev, plan, kernel, shards, scale, args.iters, args.warmup)
             errors = max_errors(fused[0][2][0], fused[1][2], tiled)
             for i, direction in enumerate(("forward", "backward")):
                 t_all, copy_s, peak = tiled[direction]
                 t, tc, tf = t_all / P, (t_all - copy_s) / P, fused[i][0] / P
                 flops = attention_flops(args.batch, args.heads, S, args.head_dim, direction) / P
                 err = {n: errors[n] for n in (("out",) if direction == "forward" else ("dq", "dk", "dv"))}
+                wall, host = alone[direction]
                 rows.append(Row(s_local, mode, direction, 1e3 * t, flops / t / 1e12, tf / t, 1e3 * tc, tf / tc,
-                                peak, peak / P if peak is not None else None, err))
+                                peak, peak / P if peak is not None else None, err, alone["rank"], 1e3 * wall,
+                                1e3 * host, tf / wall))
         del q, k, v, dout, shards
     meta = dict(device=describe(dev.device), kernel=kernel.name, dtype=args.dtype, world=P, heads=args.heads,
                 kv_heads=args.kv_heads, head_dim=args.head_dim, batch=args.batch, iters=args.iters,
@@ -241,13 +304,14 @@ def markdown(rows: list[Row], meta: dict) -> str:
              f"heads {meta['heads']}/{meta['kv_heads']}, head_dim {meta['head_dim']}, batch {meta['batch']}, causal",
              "",
              "| s_local | mode | dir | ms/rank | TFLOP/s | efficiency | compute-only ms | compute-only eff. "
-             "| peak MiB/rank | max abs err vs fused |",
-             "|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
+             "| peak MiB/rank | max abs err vs fused | alone: rank | alone ms | host ms | alone eff. |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     for r in rows:
         err = ", ".join(f"{k} {v:.1e}" for k, v in r.max_abs_err.items()) if r.max_abs_err else "-"
         lines.append(f"| {r.seq_local} | {r.mode} | {DIR[r.direction]} | {r.ms_per_rank:.3f} | {r.tflops:.3f} | "
                      f"{r.efficiency:.3f} | {r.compute_ms_per_rank:.3f} | {r.compute_efficiency:.3f} | "
-                     f"{fmt(r.peak_mib_per_rank, '.1f')} | {err} |")
+                     f"{fmt(r.peak_mib_per_rank, '.1f')} | {err} | {fmt(r.alone_rank, 'd')} | "
+                     f"{fmt(r.alone_ms, '.3f')} | {fmt(r.alone_host_ms, '.3f')} | {fmt(r.alone_efficiency, '.3f')} |")
     return "\n".join(lines)
 
 

@@ -20,6 +20,12 @@ tiled out / dq / dk / dv with the fused call's. "ms per rank" sums the ranks' ti
 pieces cost in all); "busiest rank ms" is the balance. A hybrid's balanced layout balances its
 Ulysses groups (``balanced_layout(group=U)``), as Megatron's adapter builds it.
 
+**Alone**: the busiest rank once more, alone on the device, its received messages replayed
+(:mod:`megatron_mesh.comm.replay`, as ``scripts/bench_kernels.py`` (c)): its wall ms per step with
+the host free-running ("alone ms"), the host's ms to issue a step, and (fused / P) / alone ms.
+The truest one-device figure for a step on P GPUs: the rank's own kernels and host work, no
+hand-overs; communication left out.
+
 ``--profile FILE`` runs each row once more under ``torch.profiler`` and adds where its time goes:
 the device's busy time in attention kernels and in all other kernels (merges, casts, copies), and
 the kernel launches, each per rank (sum / P); whatever the wall time has beyond the busy time is
@@ -56,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: the kernel
 
 from bench_kernels import with_device_defaults  # noqa: E402
 from megatron_mesh.comm.inprocess import Mailbox, run_inprocess  # noqa: E402
+from megatron_mesh.comm.replay import Recorder, ReplayCommunicator  # noqa: E402
 from megatron_mesh.kernels import get_kernel  # noqa: E402
 from megatron_mesh.kernels.base import loop_varlen_backward, loop_varlen_forward  # noqa: E402
 from megatron_mesh.plan import AttentionShape, balanced_layout, resolve  # noqa: E402
@@ -303,6 +310,33 @@ def calls_markdown(title: str, summary: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def alone(device, plan, kernel, shards, rank, iters, warmup) -> tuple[float, float]:
+    """``rank`` of ``plan`` alone on ``device``: the messages it received in one in-process step
+    replayed (:class:`ReplayCommunicator`), ``iters`` forward + backward steps after ``warmup``,
+    the device synchronised only after the loop: (wall seconds per step, host seconds to issue
+    one)."""
+    P = plan.world_size
+    recorders = [None] * P
+
+    def record(r, comm):
+        recorders[r] = Recorder(comm)
+        forward_backward(*shards[r], plan, comm=recorders[r], kernel=kernel)
+
+    run_inprocess(record, P, serial=True, device=device, timeout=600)
+    comm = ReplayCommunicator(rank, P, recorders[rank].received())
+    step = lambda: forward_backward(*shards[rank], plan, comm=comm, kernel=kernel)  # noqa: E731
+    for _ in range(warmup):
+        step()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step()
+    issued = time.perf_counter() - t0
+    sync()
+    return (time.perf_counter() - t0) / iters, issued / iters
+
+
 def run(args) -> tuple[list[dict], dict]:
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
@@ -328,7 +362,8 @@ def run(args) -> tuple[list[dict], dict]:
     profiles = []
     want = {"out": ref_out, "dq": ref_grads[0], "dk": ref_grads[1], "dv": ref_grads[2]}
     rows = [dict(layout="-", mode="fused", calls="varlen" if kernel.varlen else "loop", ms_per_rank=1e3 * t_fused / P,
-                 busiest_ms=1e3 * t_fused / P, efficiency=1.0, step_efficiency=1.0, work_max_mean=1.0, errors={})]
+                 busiest_ms=1e3 * t_fused / P, efficiency=1.0, step_efficiency=1.0, work_max_mean=1.0, errors={},
+                 alone_rank=None, alone_ms=None, alone_host_ms=None, alone_efficiency=None)]
     if args.profile:
         rows[0].update(profile_row(device, lambda: fused(kernel, bhsd(Q), bhsd(K), bhsd(V), bhsd(dO), seqs, scale),
                                    P, "fused", profiles))
@@ -374,10 +409,13 @@ def run(args) -> tuple[list[dict], dict]:
                 for i, name in enumerate(("out", "dq", "dk", "dv")):
                     whole = bhsd(layout_unshard([r[i] for r in got], layout, dim=0))
                     errors[name] = (whole.double() - want[name].double()).abs().max().item()
+                rank = work.index(max(work))
+                wall, host = alone(device, plan, kern, shards, rank, args.iters, args.warmup)
                 rows.append(dict(layout=layout_name, mode=mode, calls=calls, ms_per_rank=1e3 * t / P,
                                  busiest_ms=1e3 * busiest, efficiency=t_fused / t,
                                  step_efficiency=t_fused / P / busiest, work_max_mean=max(work) / (sum(work) / P),
-                                 errors=errors))
+                                 errors=errors, alone_rank=rank, alone_ms=1e3 * wall, alone_host_ms=1e3 * host,
+                                 alone_efficiency=t_fused / P / wall))
                 if args.profile:
                     marks = MarkedTurns(P, device) if device.type == "cuda" else None
                     rows[-1].update(profile_row(device, lambda: run_inprocess(rank_fn, P, 1, serial=True, device=device,
@@ -405,8 +443,8 @@ def markdown(rows, meta) -> str:
              f"{meta['documents']} documents ({meta['docs']}, seed {meta['seed']}), heads {meta['heads']}/"
              f"{meta['kv_heads']} of {meta['head_dim']}, causal, forward + backward", "",
              "| layout | mode | calls | ms per rank (sum / P) | efficiency | busiest rank ms | step efficiency "
-             "| work max/mean | max abs err (out, dq, dk, dv) |",
-             "|---|---|---|---:|---:|---:|---:|---:|---|"]
+             "| work max/mean | max abs err (out, dq, dk, dv) | alone: rank | alone ms | host ms | alone eff. |",
+             "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     profiled = "launches" in rows[0]
     if profiled:  # where the time goes, per rank (sum / P)
         lines[2] += " attention kernels ms | other kernels ms | launches | busiest rank's device ms |"
@@ -414,7 +452,10 @@ def markdown(rows, meta) -> str:
     for r in rows:
         err = ", ".join(f"{v:.1e}" for v in r["errors"].values()) or "-"
         lines.append(f"| {r['layout']} | {r['mode']} | {r['calls']} | {r['ms_per_rank']:.3f} | {r['efficiency']:.2f} | "
-                     f"{r['busiest_ms']:.3f} | {r['step_efficiency']:.2f} | {r['work_max_mean']:.2f} | {err} |")
+                     f"{r['busiest_ms']:.3f} | {r['step_efficiency']:.2f} | {r['work_max_mean']:.2f} | {err} | " +
+                     " | ".join("-" if r[k] is None else f"{r[k]:{f}}" for k, f in
+                                (("alone_rank", "d"), ("alone_ms", ".3f"), ("alone_host_ms", ".3f"),
+                                 ("alone_efficiency", ".2f"))) + " |")
         if profiled:
             lines[-1] += " " + " | ".join("-" if r[k] is None else f"{r[k]:.{d}f}" for k, d in
                                           (("attention_ms", 3), ("other_kernels_ms", 3), ("launches", 0),

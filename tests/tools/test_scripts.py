@@ -67,9 +67,13 @@ def test_bench_kernels_runs_on_tiny_shapes(tmp_path, capsys, script):
         assert r["peak_mib_per_rank"] is None  # not measured on the CPU
         if r["mode"] == "fused":
             assert r["max_abs_err"] is None and r["efficiency"] == 1.0
+            assert r["alone_rank"] is r["alone_ms"] is r["alone_host_ms"] is r["alone_efficiency"] is None
         else:
             names = ("out",) if r["direction"] == "forward" else ("dq", "dk", "dv")
             assert tuple(r["max_abs_err"]) == names and max(r["max_abs_err"].values()) < 1e-5, r
+            # (c) the busiest rank alone: every rank's work is equal on the zigzag, so rank 0
+            assert r["alone_rank"] == 0 and 0 < r["alone_host_ms"] <= r["alone_ms"], r
+            assert r["alone_efficiency"] == pytest.approx(f["ms_per_rank"] / r["alone_ms"], rel=1e-9), r
     cal = result["meta"]["calibration"]
     assert cal["seq_local"] == 16
     assert cal["attention_flops"] == pytest.approx(fused[(16, "forward")]["tflops"] * 1e12)
@@ -131,6 +135,9 @@ def test_bench_masks_runs_on_tiny_shapes(tmp_path, capsys, script):
         assert set(r["errors"]) == {"out", "dq", "dk", "dv"} and max(r["errors"].values()) < 1e-5, r
         assert r["efficiency"] == pytest.approx(rows[0]["ms_per_rank"] / r["ms_per_rank"], rel=1e-9)
         assert r["busiest_ms"] > 0 and r["step_efficiency"] == pytest.approx(rows[0]["ms_per_rank"] / r["busiest_ms"])
+        assert r["alone_rank"] in range(3) and 0 < r["alone_host_ms"] <= r["alone_ms"], r  # the busiest, alone
+        assert r["alone_efficiency"] == pytest.approx(rows[0]["ms_per_rank"] / r["alone_ms"]), r
+    assert rows[0]["alone_ms"] is None
     work = {(r["layout"], r["mode"]): r["work_max_mean"] for r in rows}
     assert work["balanced", "ring"] < work["zigzag", "ring"], work
 
@@ -199,6 +206,21 @@ def test_bench_masks_profile_run_is_valid_on_the_cpu(tmp_path, script):
         (layout, mode) for layout in ("zigzag", "balanced") for mode in ("ring", "a2a+ring:3")]
     for r in result["rows"]:
         assert max(r["errors"].values(), default=0) < 1e-5, r
+
+
+@pytest.mark.gpu
+def test_bench_kernels_runs_a_rank_alone_on_cuda(script):
+    """(c) on a GPU: the busiest rank alone, its host free-running (it issues a step in no more time
+    than the step takes, the device synchronised only after the loop), and the tiled rows still
+    exact against the fused call."""
+    result = script("bench_kernels").main(["--device", "cuda", "--seq-local", "512", "--world", "3", "--tiles",
+                                           "1x3", "tasp", "--heads", "4", "--kv-heads", "2", "--head-dim", "64",
+                                           "--iters", "3", "--warmup", "1"])
+    tiled = [r for r in result["rows"] if r["mode"] != "fused"]
+    assert len(tiled) == 4
+    for r in tiled:
+        assert r["alone_rank"] in range(3) and 0 < r["alone_host_ms"] <= r["alone_ms"] * (1 + 1e-6), r
+        assert max(r["max_abs_err"].values()) < 0.1, r
 
 
 @pytest.mark.gpu
