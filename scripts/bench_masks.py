@@ -38,7 +38,9 @@ FILE gets each row's top kernels.
 around it; the clock on the CPU) and sized (the allowed (query, key) pairs it computes), and
 writes, per row, how the calls of each size ran against the fused call's rate: which pieces lose
 the kernel's speed (:class:`CallLog`). A call's time includes its own glue (the varlen calls'
-packing, the offsets), as the fused call's does.
+packing, the offsets), as the fused call's does, and -- it is the device's timeline between two
+events -- any wait of the device for the host issuing the call: small calls' times are mostly
+the host's.
 
     python scripts/bench_masks.py                                      # CUDA defaults, else small CPU shapes
     python scripts/bench_masks.py --world 8 --seq-local 16384 --docs lognormal:4096,1.0 --modes ring tasp
