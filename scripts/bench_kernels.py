@@ -185,30 +185,33 @@ def bench_alone(dev, plan, kernel, shards, scale, iters, warmup) -> dict:
     steps per direction after ``warmup``: its rank, and per direction (wall seconds per step, host
     seconds to issue one step)."""
     world = plan.world_size
-    recorded: dict = {"forward": [None] * world, "backward": [None] * world}
+    work = rank_work(plan)
+    rank = work.index(max(work))
+    recorded: dict = {}  # direction -> that rank's received messages (only its: they can be GBs)
     saved = [None] * world
 
-    def forward(rank, comm):
-        rec = Recorder(comm)
-        q, k, v, _ = shards[rank]
-        saved[rank] = Executor(plan, rec, kernel, scale).forward(q, k, v)
-        recorded["forward"][rank] = rec.received()
+    def forward(r, comm):
+        rec = Recorder(comm) if r == rank else comm
+        q, k, v, _ = shards[r]
+        saved[r] = Executor(plan, rec, kernel, scale).forward(q, k, v)
+        if r == rank:
+            recorded["forward"] = rec.received()
 
-    def backward(rank, comm):
-        rec = Recorder(comm)
-        q, k, v, dout = shards[rank]
-        res = saved[rank]
+    def backward(r, comm):
+        rec = Recorder(comm) if r == rank else comm
+        q, k, v, dout = shards[r]
+        res = saved[r]
         Executor(plan, rec, kernel, scale).backward(q, k, v, res.out.to(q.dtype), res.lse, dout, res.saved)
-        recorded["backward"][rank] = rec.received()
+        if r == rank:
+            recorded["backward"] = rec.received()
 
     for fn in (forward, backward):
         run_inprocess(fn, world, serial=True, device=dev.device)
-    work = rank_work(plan)
-    rank = work.index(max(work))
+    del saved
     q, k, v, dout = shards[rank]
     result = {"rank": rank}
-    fwd = Executor(plan, ReplayCommunicator(rank, world, recorded["forward"][rank]), kernel, scale)
-    bwd = Executor(plan, ReplayCommunicator(rank, world, recorded["backward"][rank]), kernel, scale)
+    fwd = Executor(plan, ReplayCommunicator(rank, world, recorded["forward"]), kernel, scale)
+    bwd = Executor(plan, ReplayCommunicator(rank, world, recorded["backward"]), kernel, scale)
     res = fwd.forward(q, k, v)
     out = res.out.to(q.dtype)
     steps = {"forward": lambda: fwd.forward(q, k, v),

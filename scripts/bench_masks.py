@@ -90,7 +90,11 @@ def fused(kernel, q, k, v, dout, seqs, scale):
     if getattr(kernel, "varlen", False):
         out, lse = kernel.forward_varlen(q, k, v, seqs, causal=True, scale=scale)
         delta = (dout.float() * out.float()).sum(-1)
-        return (out, lse), kernel.backward_varlen(dout, q, k, v, lse, delta, seqs, causal=True, scale=scale)
+        # the rows' output and lse as the kernel takes them, made before the call, as the executor
+        # makes them for a rank's own rows (``backward_rows``): not a stand-in inside the call
+        rows = kernel.backward_rows(dout, lse, delta, out) if getattr(kernel, "backward_rows", None) else None
+        return (out, lse), kernel.backward_varlen(dout, q, k, v, lse, delta, seqs, causal=True, scale=scale,
+                                                  rows=rows)
     out, lse = loop_varlen_forward(kernel, q, k, v, seqs, causal=True, scale=scale)
     delta = (dout.float() * out.float()).sum(-1)
     return (out, lse), loop_varlen_backward(kernel, dout, q, k, v, lse, delta, seqs, causal=True, scale=scale)
@@ -265,9 +269,12 @@ SIZES = (512, 1024, 2048, 4096, 8192)  # bucket edges: a piece's side, sqrt(2 x 
 
 
 def piece_side(c) -> float:
-    """The side of a square of the call's mean piece's pairs (a causal piece: of twice them, so one
-    of n tokens has side about n)."""
-    return math.sqrt(c["pairs"] / c["pieces"] * (2 if c["kind"].endswith("causal") else 1))
+    """The side of the call's mean piece: of a square of its pairs, or for a causal piece the n of
+    its n (n + 1) / 2 pairs (so a causal and a full piece of n tokens fall in one bucket)."""
+    pairs = c["pairs"] / c["pieces"]
+    if c["kind"].endswith("causal"):
+        return (math.sqrt(8 * pairs + 1) - 1) / 2
+    return math.sqrt(pairs)
 
 
 def calls_summary(records: list[dict], fused_rate: dict, P: int) -> list[dict]:
@@ -318,14 +325,16 @@ def alone(device, plan, kernel, shards, rank, iters, warmup) -> tuple[float, flo
     the device synchronised only after the loop: (wall seconds per step, host seconds to issue
     one)."""
     P = plan.world_size
-    recorders = [None] * P
+    recorded = []  # only this rank's received messages (every rank's can be GBs)
 
     def record(r, comm):
-        recorders[r] = Recorder(comm)
-        forward_backward(*shards[r], plan, comm=recorders[r], kernel=kernel)
+        rec = Recorder(comm) if r == rank else comm
+        forward_backward(*shards[r], plan, comm=rec, kernel=kernel)
+        if r == rank:
+            recorded.extend(rec.received())
 
     run_inprocess(record, P, serial=True, device=device, timeout=600)
-    comm = ReplayCommunicator(rank, P, recorders[rank].received())
+    comm = ReplayCommunicator(rank, P, recorded)
     step = lambda: forward_backward(*shards[rank], plan, comm=comm, kernel=kernel)  # noqa: E731
     for _ in range(warmup):
         step()

@@ -37,7 +37,8 @@ class _Recorded:
 
     def wait(self) -> None:
         self.work.wait()
-        self.into.append([t.clone() for _, t in self.recvs])
+        if not self.into:  # once: a second wait may come after the buffers were reused
+            self.into.append([t.clone() for _, t in self.recvs])
 
 
 class Recorder(Communicator):
@@ -48,6 +49,11 @@ class Recorder(Communicator):
     def __init__(self, comm: Communicator):
         self.comm, self.rank, self.world_size = comm, comm.rank, comm.world_size
         self.rounds: list[list[Tensor]] = []
+
+    def __getattr__(self, name):  # process_group etc.: the wrapped communicator's (the plan agreement check)
+        if name == "comm":
+            raise AttributeError(name)
+        return getattr(self.comm, name)
 
     def start(self, sends, recvs) -> Work:  # the wrapped communicator counts the bytes, once
         work = self.comm.start(sends, recvs)

@@ -27,7 +27,7 @@ def merge_partial_(out: Tensor, lse: Tensor, blk_out: Tensor, blk_lse: Tensor) -
     form out * exp(lse - L) + blk_out * exp(blk_lse - L) took nine.
     """
     # Any finite lse lies far above the floor (|lse| <= log(keys) + max|q.k| * scale)
-    w = (blk_lse - lse.clamp_min(_FLOOR)).sigmoid_()
+    w = (blk_lse.to(lse.dtype) - lse.clamp_min(_FLOOR)).sigmoid_()  # lerp_ wants w in out's dtype
     out.lerp_(blk_out.to(out.dtype), w.unsqueeze(-1))
     if lse.requires_grad or blk_lse.requires_grad:  # a test differentiating through merges: out= has no grad
         lse.copy_(torch.logaddexp(lse, blk_lse))

@@ -438,6 +438,22 @@ def test_merge_rows_no_key_has_reached_stay_empty_never_nan():
     assert torch.equal(out, before_out) and torch.equal(lse, before_lse)
 
 
+def test_merge_takes_blocks_of_other_dtypes():
+    """A block in a narrower dtype (bf16 out from a fused op) or a wider one (a kernel computing
+    in fp64 for fp32 accumulators) merges as its values in the accumulator's dtype."""
+    q, k, v, _ = inputs(4, 2, 6, 10, torch.float64)
+    full_out, full_lse = dense(q, k, v, FULL, 0.5)
+    a_out, a_lse = dense(q, k[:, :, :4], v[:, :, :4], FULL, 0.5)
+    b_out, b_lse = dense(q, k[:, :, 4:], v[:, :, 4:], FULL, 0.5)
+    for blk_dtype in (torch.bfloat16, torch.float64):
+        out, lse = a_out.float(), a_lse.float()
+        merge_partial_(out, lse, b_out.to(blk_dtype), b_lse)  # b_lse fp64: wider than lse
+        assert out.dtype == lse.dtype == torch.float32
+        tol = 1e-2 if blk_dtype == torch.bfloat16 else 1e-6
+        torch.testing.assert_close(out, full_out.float(), rtol=tol, atol=tol)
+        torch.testing.assert_close(lse, full_lse.float(), rtol=1e-6, atol=1e-6)
+
+
 def test_merge_into_strided_views_touches_only_those_rows():
     """The executor merges into row halves of a chunk's accumulator, from a lower-precision block."""
     out = torch.zeros(2, 3, 8, 4)

@@ -81,3 +81,21 @@ def test_a_replay_that_does_not_fit_its_recording_is_an_error():
     never.start([], [(2, torch.empty_like(t)) for t in rounds[0]])  # posted, never waited
     with pytest.raises(ValueError, match="round 0 of rank 0 was never waited for"):
         never.received()
+
+
+def test_a_recorder_is_its_communicator_to_the_executor_s_checks():
+    """Wrapped around a torch.distributed communicator, a Recorder still offers its process group
+    (the plan-agreement check all-reduces over it: a rank without one would skip it and leave its
+    peers waiting); a round waited twice is recorded once, as it first arrived."""
+    class WithGroup(ReplayCommunicator):
+        process_group = object()
+
+    rounds = [[torch.arange(4.0)]]
+    rec = Recorder(WithGroup(0, 2, rounds))
+    assert rec.process_group is WithGroup.process_group
+    buf = torch.empty(4)
+    work = rec.start([], [(1, buf)])
+    work.wait()
+    buf.fill_(7.0)  # the executor reuses the buffer
+    work.wait()
+    assert len(rec.received()) == 1 and torch.equal(rec.received()[0][0], torch.arange(4.0))

@@ -182,6 +182,16 @@ def test_bench_masks_calls_count_every_allowed_pair_once(tmp_path, script):
         "## fused"] + [f"## {lay} {m} loop" for lay in ("zigzag", "balanced") for m in ("ring", "a2a+tasp:3")]
 
 
+def test_bench_masks_calls_bucket_causal_and_full_pieces_of_one_size_together(script):
+    """A causal piece of n tokens (n (n + 1) / 2 pairs) has side n, as a full one of n x n: both in
+    the bucket of n, edges included."""
+    side = script("bench_masks").piece_side
+    for n in (512, 2048, 8192, 777):
+        assert side(dict(kind="causal", pairs=n * (n + 1) // 2, pieces=1)) == pytest.approx(n)
+        assert side(dict(kind="varlen causal", pairs=3 * n * (n + 1) // 2, pieces=3)) == pytest.approx(n)
+        assert side(dict(kind="full", pairs=n * n, pieces=1)) == pytest.approx(n)
+
+
 def test_bench_masks_refuses_an_output_it_could_not_write_before_it_runs(tmp_path, script):
     with pytest.raises(SystemExit, match=r"--profile .*nowhere/p.txt: no folder"):
         script("bench_masks").main(["--device", "cpu", "--profile", str(tmp_path / "nowhere" / "p.txt")])
