@@ -511,21 +511,23 @@ def test_gpu_check_runs_each_step_under_its_limit(tmp_path):
     fake = tmp_path / "python"
     fake.write_text('#!/usr/bin/env bash\necho "args: $*"\ncase "$*" in *bench_kernels*) sleep 30;; esac\n')
     fake.chmod(0o755)
-    env = {"PATH": "/usr/bin:/bin", "TEST_PYTHON": str(fake), "KERNELS_LIMIT": "2"}
+    env = {"PATH": "/usr/bin:/bin", "TEST_PYTHON": str(fake), "KERNELS_LIMIT": "2", "KERNELS8_LIMIT": "2"}
     run = subprocess.run(["bash", str(SCRIPTS / "gpu_check.sh"), "out"], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=60)
     assert run.returncode == 1, (run.stdout, run.stderr)
     out = tmp_path / "out"
     logs = {p.name: p.read_text() for p in out.iterdir()}
-    assert {"device.txt", "tier.log", "kernels.log", "masks4.log", "masks8.log"} <= set(logs)
+    assert {"device.txt", "tier.log", "kernels.log", "kernels8.log", "masks4.log", "masks8.log"} <= set(logs)
     assert "-m pytest -q -ra -p no:cacheprovider tests -m gpu" in logs["tier.log"]
     assert f"bench_kernels.py --json {out}/kernels.json" in logs["kernels.log"]
+    assert "bench_kernels.py --world 8 --tiles 1x8 2x4 --seq-local 2048 4096" in logs["kernels8.log"]
     assert "bench_masks.py --world 4 --json" in logs["masks4.log"]
     assert "bench_masks.py --world 8 --modes ring mesh:2x4 tasp a2a+ring:2" in logs["masks8.log"]
     assert f"--profile {out}/profile8.txt" in logs["masks8.log"]
     status = [line for line in run.stdout.splitlines() if line.startswith("== ")]
-    assert [s.split(":")[0] for s in status] == ["== tier", "== kernels", "== masks4", "== masks8"]
-    assert "rc 124" in status[1] and all("rc 0 " in s for s in status[:1] + status[2:]), status
+    assert [s.split(":")[0] for s in status] == ["== tier", "== kernels", "== kernels8", "== masks4", "== masks8"]
+    assert "rc 124" in status[1] and "rc 124" in status[2], status
+    assert all("rc 0 " in s for s in status[:1] + status[3:]), status
 
 
 def test_bench_masks_marks_each_turn_of_the_serial_run(script):
