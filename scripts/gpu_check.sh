@@ -6,9 +6,10 @@
 #
 #   scripts/gpu_check.sh [DIR]          # on the GPU machine, from anywhere
 #
-# The limits (seconds; TIER_LIMIT, KERNELS_LIMIT, KERNELS8_LIMIT, MASKS_LIMIT) add up to 540, plus 10 s
-# of grace per step: give the command that runs it 590 s (the device tool's calls allow 600) (on 2026-11-28 it took 196 s on an H200;
-# the busiest rank alone, added since, runs each tiled row of both benchmarks once more).
+# The limits (seconds; TIER_LIMIT, KERNELS_LIMIT, KERNELS8_LIMIT, MASKS_LIMIT) add up to 540, plus
+# 10 s of grace per step: give the command that runs it 590 s (a device call allows 600). On
+# 2026-11-28 it took 196 s on an H200, before the P = 8 kernels step and the busiest rank alone
+# (each tiled row of both benchmarks once more) were added.
 # Uses the machine's own python3 (its torch has CUDA); megatron-core is not needed (those tests skip).
 set -uo pipefail
 dir=${1:-${OUT:-gpu_results}}
