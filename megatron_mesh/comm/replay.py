@@ -82,6 +82,8 @@ class ReplayCommunicator(Communicator):
     dtype differs from the recording (another plan, or other inputs) is an error naming both."""
 
     def __init__(self, rank: int, world_size: int, rounds: Sequence[Sequence[Tensor]]):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in 0..{world_size - 1} (world_size {world_size}), got {rank}")
         if not rounds:
             raise ValueError(f"rank {rank} has no recorded rounds to replay")
         self.rank, self.world_size, self.rounds = rank, world_size, list(rounds)

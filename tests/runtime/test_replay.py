@@ -75,6 +75,8 @@ def test_a_replay_that_does_not_fit_its_recording_is_an_error():
         forward_backward(*other_shards[0], other, comm=ReplayCommunicator(0, 3, rounds), kernel="math")
     with pytest.raises(ValueError, match="rank 1 has no recorded rounds to replay"):
         ReplayCommunicator(1, 3, [])
+    with pytest.raises(ValueError, match=r"rank must be in 0..2 \(world_size 3\), got 3"):
+        ReplayCommunicator(3, 3, rounds)
     with pytest.raises(ValueError, match="rank 0, replayed round 0: 1 receives, 2 recorded"):
         ReplayCommunicator(0, 3, rounds).start([], [(2, torch.empty_like(rounds[0][0]))])
     never = Recorder(ReplayCommunicator(0, 3, rounds))
