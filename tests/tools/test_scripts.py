@@ -192,6 +192,40 @@ def test_bench_masks_calls_bucket_causal_and_full_pieces_of_one_size_together(sc
         assert side(dict(kind="full", pairs=n * n, pieces=1)) == pytest.approx(n)
 
 
+def test_bench_masks_fused_backward_takes_its_rows_made_beforehand(script, monkeypatch):
+    """The fused reference on a kernel with varlen calls (the CUDA flash glue, its ops faked on the
+    CPU as tests/runtime/test_varlen.py does) makes its rows' output before the backward call, as
+    the executor does for a rank's own rows (so --calls times the same work on both sides), and
+    gives the gradients of one call per document."""
+    from megatron_mesh.kernels import torch_sdpa
+    from megatron_mesh.kernels.torch_sdpa import TorchAttentionKernel
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+    try:
+        import test_varlen as tv
+    finally:
+        sys.path.pop(0)
+    calls = []
+    monkeypatch.setattr(torch_sdpa, "flash_varlen_forward", lambda *a: tv.fake_flash_forward(calls, *a))
+    monkeypatch.setattr(torch_sdpa, "flash_varlen_backward", lambda *a: tv.fake_flash_backward(calls, *a))
+    made = []
+
+    class Flash(tv.FlashOnCPU):
+        def backward_rows(self, dout, lse, delta, out=None):
+            made.append(out is not None)
+            return super().backward_rows(dout, lse, delta, out)
+
+    bench = script("bench_masks")
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, h, 24, 8, generator=g).to(torch.bfloat16) for h in (4, 2, 2, 4))
+    seqs = ((10, 10), (14, 14))
+    (out, _), grads = bench.fused(Flash(), q, k, v, dout, seqs, 0.3)
+    (want_out, _), want = bench.fused(TorchAttentionKernel("cpu"), q, k, v, dout, seqs, 0.3)
+    assert made == [True] and [c[0] for c in calls] == ["forward", "backward"]
+    for a, b in zip((out, *grads), (want_out, *want)):
+        torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2)
+
+
 def test_bench_masks_refuses_an_output_it_could_not_write_before_it_runs(tmp_path, script):
     with pytest.raises(SystemExit, match=r"--profile .*nowhere/p.txt: no folder"):
         script("bench_masks").main(["--device", "cpu", "--profile", str(tmp_path / "nowhere" / "p.txt")])
