@@ -180,10 +180,10 @@ def bench_tiled(dev, plan, kernel, shards, scale, iters, warmup):
 
 
 def bench_alone(dev, plan, kernel, shards, scale, iters, warmup) -> dict:
-    """(c): record every rank's received messages in one in-process step, then run the busiest
-    rank (by the plan's forward work; the lowest such rank) alone with them replayed, ``iters``
-    steps per direction after ``warmup``: its rank, and per direction (wall seconds per step, host
-    seconds to issue one step)."""
+    """(c): the busiest rank (by the plan's forward work; the lowest such rank): record the messages
+    it receives in one in-process step of all ranks, then run it alone with them replayed,
+    ``iters`` steps per direction after ``warmup``: its rank, and per direction (wall seconds per
+    step, host seconds to issue one step)."""
     world = plan.world_size
     work = rank_work(plan)
     rank = work.index(max(work))
