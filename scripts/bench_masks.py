@@ -62,7 +62,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: the kernel benchmark's helpers
 
-from bench_kernels import with_device_defaults  # noqa: E402
+from bench_kernels import free_running, with_device_defaults  # noqa: E402
 from megatron_mesh.comm.inprocess import Mailbox, run_inprocess  # noqa: E402
 from megatron_mesh.comm.replay import Recorder, ReplayCommunicator  # noqa: E402
 from megatron_mesh.kernels import get_kernel  # noqa: E402
@@ -335,17 +335,8 @@ def alone(device, plan, kernel, shards, rank, iters, warmup) -> tuple[float, flo
 
     run_inprocess(record, P, serial=True, device=device, timeout=600)
     comm = ReplayCommunicator(rank, P, recorded)
-    step = lambda: forward_backward(*shards[rank], plan, comm=comm, kernel=kernel)  # noqa: E731
-    for _ in range(warmup):
-        step()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        step()
-    issued = time.perf_counter() - t0
-    sync()
-    return (time.perf_counter() - t0) / iters, issued / iters
+    return free_running(sync, lambda: forward_backward(*shards[rank], plan, comm=comm, kernel=kernel), iters, warmup)
 
 
 def run(args) -> tuple[list[dict], dict]:
