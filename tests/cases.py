@@ -165,6 +165,9 @@ def run_local(rank: int, p: Problem, attention, ref: Reference) -> tuple[tuple, 
     with mm.comm_counter() as c:
         out = attention(q, k, v)
         out.backward(p.shard(dO, rank).to(p.dtype))
+    # the caller's tensors are read, never written (a buffer cut as a view of them and then written
+    # changed them, and broke autograd's saved views: a hybrid of degree 1 with one KV head did)
+    assert [x._version for x in (q, k, v)] == [0, 0, 0], f"rank {rank} wrote into its inputs"
     return (out.detach(), q.grad, k.grad, v.grad), (c.bytes_sent, c.bytes_received)
 
 

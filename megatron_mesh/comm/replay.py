@@ -38,13 +38,13 @@ class _Recorded:
     def wait(self) -> None:
         self.work.wait()
         if not self.into:  # once: a second wait may come after the buffers were reused
-            self.into.append([t.clone() for _, t in self.recvs])
+            self.into.append([(peer, t.clone()) for peer, t in self.recvs])
 
 
 class Recorder(Communicator):
     """Wraps a rank's communicator and records, per round, a copy of every tensor it received
-    (``rounds``: one list per round that had receives, in posting order). Hand them to a
-    :class:`ReplayCommunicator` to run this rank again alone."""
+    and its sender (``rounds``: one list per round that had receives, in posting order). Hand
+    :meth:`received` to a :class:`ReplayCommunicator` to run this rank again alone."""
 
     def __init__(self, comm: Communicator):
         self.comm, self.rank, self.world_size = comm, comm.rank, comm.world_size
@@ -66,9 +66,9 @@ class Recorder(Communicator):
     def _start(self, sends, recvs) -> Work:  # pragma: no cover -- start() delegates whole rounds
         raise NotImplementedError
 
-    def received(self) -> list[list[Tensor]]:
-        """The rounds' received tensors (every round waited for: a round never waited leaves an
-        empty entry, which is an error here)."""
+    def received(self) -> list[list[tuple[int, Tensor]]]:
+        """The rounds' received (sending rank, tensor) pairs (every round waited for: a round
+        never waited leaves an empty entry, which is an error here)."""
         for i, r in enumerate(self.rounds):
             if not r:
                 raise ValueError(f"round {i} of rank {self.rank} was never waited for: nothing was recorded")
@@ -78,10 +78,16 @@ class Recorder(Communicator):
 class ReplayCommunicator(Communicator):
     """Rank ``rank`` of ``world_size`` alone: round i (of those with receives, in posting order)
     copies ``rounds[i]`` into its receive buffers; sends go nowhere. After the last round it starts
-    again from the first, so a loop of steps replays every step. A receive buffer whose shape or
-    dtype differs from the recording (another plan, or other inputs) is an error naming both."""
+    again from the first, so a loop of steps replays every step. ``rounds``: what
+    :meth:`Recorder.received` returns, (sending rank, tensor) per receive.
 
-    def __init__(self, rank: int, world_size: int, rounds: Sequence[Sequence[Tensor]]):
+    A receive that does not fit the recording -- another count of receives in a round, another
+    sender, shape or dtype (another plan, or other inputs' sizes) -- is an error naming both.
+    What it cannot tell is a call whose messages look the same: the same plan with other input
+    values, or another plan with the same transfers (a causal and a non-causal ring). Those run
+    on the recorded values and compute something else; replay the call that was recorded."""
+
+    def __init__(self, rank: int, world_size: int, rounds: Sequence[Sequence[tuple[int, Tensor]]]):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in 0..{world_size - 1} (world_size {world_size}), got {rank}")
         if not rounds:
@@ -96,10 +102,11 @@ class ReplayCommunicator(Communicator):
         if len(recorded) != len(recvs):
             raise ValueError(f"rank {self.rank}, replayed round {self.next}: {len(recvs)} receives, "
                              f"{len(recorded)} recorded")
-        for (peer, buf), src in zip(recvs, recorded):
-            if buf.shape != src.shape or buf.dtype != src.dtype:
+        for (peer, buf), (sender, src) in zip(recvs, recorded):
+            if peer != sender or buf.shape != src.shape or buf.dtype != src.dtype:
                 raise ValueError(f"rank {self.rank}, replayed round {self.next}: receive from rank {peer} is "
-                                 f"{tuple(buf.shape)} {buf.dtype}, recorded {tuple(src.shape)} {src.dtype}")
+                                 f"{tuple(buf.shape)} {buf.dtype}, recorded from rank {sender} "
+                                 f"{tuple(src.shape)} {src.dtype}")
             buf.copy_(src, non_blocking=True)
         self.next = (self.next + 1) % len(self.rounds)
         return DONE

@@ -266,7 +266,9 @@ class _HybridLowering:
         if blocks:
             for k in in_kinds:
                 for p, x in enumerate(group):
-                    ops.append(Copy(Key(k, x, heads=u), Key(k, m, heads=u, span=U), into=self.pieces[x]))
+                    src, dst = Key(k, x, heads=u), Key(k, m, heads=u, span=U)
+                    if src != dst:  # U = 1: the group's buffer is the rank's own chunk, nothing to assemble
+                        ops.append(Copy(src, dst, into=self.pieces[x]))
             if backward and not self._no_blocks(m):  # the row statistics come from the output this rank kept
                 ops.append(RowStats(Key("dy", m, heads=u, span=U), Key("o", m, heads=u, span=U),
                                     Key("do", m, heads=u, span=U)))

@@ -56,6 +56,9 @@ class _RankState:
     def __init__(self, plan: Plan, rp: RankPlan, direction: str):
         self.plan, self.rp, self.where = plan, rp, f"rank {rp.rank} {direction}"
         self.present = set(rp.forward_inputs) if direction == "forward" else set(rp.backward_inputs) | set(rp.saved)
+        # the caller's tensors (a cut of one token range is a view of them) and the forward's saved
+        # buffers: an op writing into one would change the caller's input or what autograd saved
+        self.read_only = set(self.present)
         self.in_flight_send: dict[Key, int] = {}
         self.in_flight_recv: dict[Key, int] = {}
         self.open_rounds: dict[int, Post] = {}
@@ -77,6 +80,8 @@ class _RankState:
             self.fail(f"{op} writes {key} while its receive is in flight")
         if not create and key not in self.present:
             self.fail(f"{op} writes {key}, which does not exist there")
+        if key in self.read_only:
+            self.fail(f"{op} writes {key}, an input or saved buffer (the caller's tensors or what autograd keeps)")
         self.present.add(key)
 
     def inside(self, key: Key, sel, op, what: str) -> None:
@@ -218,6 +223,7 @@ class _RankState:
         if op.key in self.in_flight_send:
             self.fail(f"frees {op.key} while round {self.in_flight_send[op.key]} sends it")
         self.present.discard(op.key)
+        self.read_only.discard(op.key)  # a later buffer of that name is a new one
 
 
 _DATAFLOW = {Post: _RankState.post, Wait: _RankState.wait, Attend: _RankState.attend,
@@ -342,7 +348,8 @@ def check_cover(plan: Plan, direction: str) -> None:
         for op in rp.blocks(direction):
             qpos = _expand(plan.positions(op.q, op.rows))
             kvpos = [p for i, k in enumerate(op.kv) for p in _expand(plan.positions(k, op.col(i)))]
-            heads = [op.q.heads] if op.q.heads >= 0 else list(slices)
+            # a head slice is one of U; at U = 1 (a hybrid of degree 1) its only slice is all heads
+            heads = list(slices) if op.q.heads < 0 or plan.ulysses == 1 else [op.q.heads]
             if any(k.heads != op.q.heads for k in op.kv):
                 raise PlanError(f"rank {rp.rank} {direction}: {op} mixes head slices")
             if op.mask == BlockKind.CAUSAL:

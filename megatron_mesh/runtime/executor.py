@@ -128,6 +128,9 @@ class _Buffers:
         self.live: dict[Key, tuple[Tensor, ...]] = {}
         self.derived: dict[Key, tuple] = {}  # what a kernel makes of a live buffer once (backward_rows)
         self.owned: set[Key] = set()  # pool-allocated (user inputs are never recycled)
+        # the caller's tensors (a cut may be a view of them) and the forward's saved buffers: no op
+        # may write them (the validator proves it of a plan; this guards a plan never validated)
+        self.read_only: set[Key] = set()
         self.pool: dict[tuple, list[tuple[Tensor, ...]]] = {}
         self.allocations = 0  # buffers created (not recycled): constant per call in steady state
 
@@ -171,6 +174,9 @@ class _Buffers:
         name the rows its creator and later blocks do not write before anything reads them); not
         ``filled``: as allocated, for ops that write all of it first."""
         acc = self.live.get(key)
+        if key in self.read_only:
+            raise RuntimeError(f"the plan writes into {key}, an input or saved buffer (the caller's tensors or "
+                               "what autograd keeps): a plan builder's defect")
         if acc is None:
             acc = self.alloc(key)
             if filled:
@@ -196,6 +202,7 @@ class _Buffers:
     def free(self, key: Key) -> None:
         tensors = self.live.pop(key)
         self.derived.pop(key, None)
+        self.read_only.discard(key)  # a later buffer of that name is a new one
         if key in self.owned:
             self.owned.discard(key)
             self.pool.setdefault(self._shape(key), []).append(tensors)
@@ -273,6 +280,7 @@ class Executor:
                     bufs.derive(key, lambda: make(*bufs.get(key), out=o))
         for key, tensors in saved.items():
             bufs.put(key, tensors, owned=False)
+            bufs.read_only.add(key)
         self._run("backward", bufs)
         (dq,) = bufs.accumulator(rp.grad_q)
         dk, dv = bufs.accumulator(rp.grad_kv)
@@ -346,6 +354,7 @@ class Executor:
             if tensors is None:
                 tensors = cuts[ck] = self._cut(bufs, key, segs, sources[key.kind], view=key in views)
             bufs.put(key, tensors, owned=False)
+            bufs.read_only.add(key)
 
     def _cut(self, bufs: _Buffers, key: Key, segs, tensors, view: bool = False) -> tuple[Tensor, ...]:
         """The input buffer ``key``'s cut (token ranges ``segs``, its head slice) of the local

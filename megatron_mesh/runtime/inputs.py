@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 
+import torch
 from torch import Tensor
 
 from ..plan.layout import Layout
@@ -20,7 +21,10 @@ from ..plan.units import as_int
 from ..plan.problem import normalize
 from ..plan.shape import AttentionShape
 
-__all__ = ["attention_shape", "check_scale", "scale_of", "attention_mask", "integer_scalar"]
+# the inputs' dtypes the kernels take (fp32 accumulators for the halves, fp64 for fp64)
+INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+__all__ = ["INPUT_DTYPES", "attention_shape", "check_scale", "scale_of", "attention_mask", "integer_scalar"]
 
 
 def attention_shape(q: Tensor, k: Tensor, v: Tensor) -> AttentionShape:
@@ -44,8 +48,8 @@ def attention_shape(q: Tensor, k: Tensor, v: Tensor) -> AttentionShape:
                          "for grouped-query / multi-query attention")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not q.dtype.is_floating_point:
-        raise ValueError(f"q, k, v must be floating point, got {q.dtype}")
+    if q.dtype not in INPUT_DTYPES:  # fp8 passes is_floating_point, and the kernels have no fp8 path
+        raise ValueError(f"q, k, v must be one of {', '.join(str(t) for t in INPUT_DTYPES)}, got {q.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on the same device, got {q.device}, {k.device}, {v.device}")
     if s % 2 or s == 0:
@@ -110,7 +114,10 @@ def attention_mask(world_size: int, shape: AttentionShape, *, causal: bool = Tru
                 raise ValueError(f"cu_seqlens must be a 1-D integer tensor or sequence, got {cu_seqlens!r}")
             cu_seqlens = cu_seqlens.tolist()
         else:
-            cu_seqlens = list(cu_seqlens)  # once: a generator is read one time only
+            try:
+                cu_seqlens = list(cu_seqlens)  # once: a generator is read one time only
+            except TypeError:
+                raise ValueError(f"cu_seqlens must be a 1-D integer tensor or sequence, got {cu_seqlens!r}") from None
         if not all(isinstance(c, numbers.Integral) and not isinstance(c, bool) for c in cu_seqlens):
             raise ValueError(f"cu_seqlens must hold integers, got {cu_seqlens!r}")
         mask = Mask.from_cu_seqlens(cu_seqlens, world_size * shape.seq_local, causal, window)

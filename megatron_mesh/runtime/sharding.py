@@ -56,6 +56,8 @@ def layout_unshard(chunks: list[Tensor], layout: Layout, dim: int = 0) -> Tensor
                          f"{[tuple(c.shape) for c in chunks]}")
     if len({c.dtype for c in chunks}) > 1:  # torch.cat would promote them silently
         raise ValueError(f"the ranks' chunks must have one dtype, got {[str(c.dtype) for c in chunks]}")
+    if len({c.device for c in chunks}) > 1:  # gathered from ranks: move them to one device first
+        raise ValueError(f"the ranks' chunks must be on one device, got {[str(c.device) for c in chunks]}")
     pieces = []
     for r, c in enumerate(chunks):
         for local, start, n in layout.runs(r):

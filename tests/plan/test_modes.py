@@ -66,6 +66,11 @@ def test_tasp_placement_routes_same_node_peers():
     p = resolve("tasp", 8, SHAPE, ranks_per_node=4)
     assert p.groups() == ((0, 1, 2, 3), (4, 5, 6, 7))
     assert p.build(SHAPE).rings == p.rings()  # rings only; the node groups are transport routes
+    # backward_chunks changes only the mask-aware plans: where it shows, it says so
+    assert p.describe() == ("tasp (CP 8, transport p2p, CP ranks per node 4, backward auto under masks (the dense "
+                            "plan refetches))")
+    assert resolve("tasp", 8, SHAPE, backward_chunks="refetch").describe() == (
+        "tasp (CP 8, transport p2p, CP ranks per node 8)")
 
 
 def test_hybrid_placement_has_ulysses_groups_and_mapped_inner_rings():

@@ -9,7 +9,10 @@ import pytest
 from megatron_mesh.plan import (AttentionShape, Mask, Post, buffer_bytes, inner_shape, key_bytes, plan_bytes, resolve,
                                 tile_shapes, validate_plan)
 
-UM = [(2, 2), (2, 3), (3, 2), (2, 4), (4, 2)]
+# U = 1 too: a hybrid of degree 1 (Megatron's --hierarchical-context-parallel-sizes 1 M) is its inner
+# mode, with nothing to assemble -- once a copy of the rank's own chunk onto itself, which wrote
+# into the caller's tensors
+UM = [(1, 3), (1, 4), (2, 2), (2, 3), (3, 2), (2, 4), (4, 2)]
 
 
 def _shape(U: int, heads: int, kv_heads: int, T: int = 12) -> AttentionShape:
@@ -35,7 +38,7 @@ def test_hybrid_plans_validate_for_every_inner_mode_and_tile(U, M):
             validate_plan(resolve("a2a+tasp", P, shape, ulysses_size=U).build(shape, mask))
 
 
-@pytest.mark.parametrize("U, M", [(2, 2), (2, 4), (4, 2)])
+@pytest.mark.parametrize("U, M", [(1, 3), (2, 2), (2, 4), (4, 2)])
 def test_hybrid_plans_take_masks(U, M):
     P, T = U * M, 12
     shape = _shape(U, 2 * U, U)

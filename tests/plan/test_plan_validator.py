@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -156,3 +157,23 @@ def test_validator_rejects_receiving_into_an_existing_buffer():
         ops[i] = ops[i]._replace(recvs=(ops[i].recvs[0]._replace(key=Key("kv", 0)),))
     with pytest.raises(PlanError, match=r"rank 0 forward: round 1 receives into kv0, which already exists"):
         validate_plan(_tampered(plan, 0, "forward", clobber), cover=False)
+
+
+def test_validator_rejects_writing_into_an_input_or_a_saved_buffer():
+    """An input buffer may be a view of the caller's tensor (one token range) and a saved one is
+    what autograd keeps: an op writing either changes them (a hybrid of degree 1 once copied a
+    rank's chunk onto itself, which bumped the caller's key's version and broke its backward)."""
+    shape = AttentionShape(seq_local=4, heads=2, kv_heads=2, head_dim=4)
+    plan = resolve("a2a+ring", 4, shape, ulysses_size=2).build(shape)
+
+    def onto_itself(ops):
+        ops.insert(0, Copy(Key("q", 1, heads=1), Key("q", 1, heads=1)))
+    with pytest.raises(PlanError, match=r"rank 1 forward: copy q1/h1 -> q1/h1 writes q1/h1, an input or saved buffer"):
+        validate_plan(_tampered(plan, 1, "forward", onto_itself), cover=False)
+    saved = sorted(plan.rank(1).saved, key=str)[0]
+
+    def into_saved(ops):
+        ops.insert(0, Copy(saved, saved))
+    with pytest.raises(PlanError, match=rf"rank 1 backward: copy {re.escape(str(saved))} -> .* writes .*an input or "
+                                        r"saved buffer"):
+        validate_plan(_tampered(plan, 1, "backward", into_saved), cover=False)

@@ -89,6 +89,7 @@ def test_output_has_q_shape_dtype_and_a_contiguous_layout():
     (dict(cu_seqlens=[0, 5]), r"to the global sequence length 8, got \[0, 5\]"),
     (dict(cu_seqlens=[0, 2.5, 8]), r"cu_seqlens must hold integers, got \[0, 2\.5, 8\]"),
     (dict(cu_seqlens=torch.tensor([0.0, 8.0])), r"cu_seqlens must be a 1-D integer tensor or sequence"),
+    (dict(cu_seqlens=8), r"cu_seqlens must be a 1-D integer tensor or sequence, got 8"),
     (dict(cu_seqlens=torch.tensor([0, 8], device="meta")), r"cu_seqlens is on the meta device, which holds no values"),
     (dict(layout="thd"), r"layout must be None \(Megatron's zigzag\) or a megatron_mesh layout \(BalancedLayout from "
      r"balanced_layout\(\), ThdLayout\), got str"),
@@ -160,8 +161,13 @@ def test_bad_tensors_raise_naming_the_value():
         mm.mesh_attention(q, k[:4], v[:4])
     with pytest.raises(ValueError, match="4-D"):
         mm.mesh_attention(q[0], k, v)
-    with pytest.raises(ValueError, match="floating point"):
+    allowed = r"q, k, v must be one of torch.float16, torch.bfloat16, torch.float32, torch.float64, got "
+    with pytest.raises(ValueError, match=allowed + "torch.int64"):
         mm.mesh_attention(q.long(), k.long(), v.long())
+    with pytest.raises(ValueError, match=allowed + "torch.float8_e4m3fn"):  # floating point, but no kernel takes it
+        mm.mesh_attention(*(x.to(torch.float8_e4m3fn) for x in (q, k, v)), kernel="math")
+    with pytest.raises(ValueError, match=allowed + "torch.complex64"):
+        mm.mesh_attention(*(x.to(torch.complex64) for x in (q, k, v)))
     with pytest.raises(ValueError, match=r"same device, got cpu, meta, cpu"):
         mm.mesh_attention(q, k.to("meta"), v)
 
@@ -215,6 +221,8 @@ def test_layout_shard_and_unshard_check_their_inputs():
         mm.layout_unshard([torch.zeros(8, 2), torch.zeros(8, 3)], layout)
     with pytest.raises(ValueError, match=r"chunks must have one dtype, got \['torch.float32', 'torch.float16'\]"):
         mm.zigzag_unshard([torch.zeros(8), torch.zeros(8, dtype=torch.float16)])
+    with pytest.raises(ValueError, match=r"chunks must be on one device, got \['cpu', 'meta'\]"):
+        mm.layout_unshard([torch.zeros(8), torch.zeros(8, device="meta")], layout)
     for dim in (0.0, None, "1", True):
         with pytest.raises(ValueError, match=r"dim must be an int \(the sequence dim to split\), got"):
             mm.zigzag_shard(torch.zeros(2, 8), 0, 2, dim=dim)

@@ -14,7 +14,7 @@ import torch
 
 import megatron_mesh as mm
 from megatron_mesh.comm.inprocess import run_inprocess
-from megatron_mesh.plan import MODES, build_mesh_plan, build_tasp_plan, plan_bytes, resolve, tile_shapes, validate_plan
+from megatron_mesh.plan import MODES, AttentionShape, build_mesh_plan, build_tasp_plan, plan_bytes, resolve, tile_shapes, validate_plan
 from megatron_mesh.runtime.api import forward_backward
 
 import cases
@@ -95,6 +95,51 @@ def _mode_settings(mode: str, world: int) -> dict:
     """Settings that make every registered mode run something non-trivial at P = 4 or 6."""
     return {"mesh": dict(tile=(2, world // 2), contiguous="q"), "a2a+mesh": dict(ulysses_size=2, tile=(world // 2, 1)),
             "a2a+ring": dict(ulysses_size=2), "a2a+tasp": dict(ulysses_size=2)}.get(mode, {})
+
+
+@pytest.mark.parametrize("mode", ["a2a+mesh", "a2a+ring", "a2a+tasp"])
+def test_hybrid_of_degree_one_is_its_inner_mode(mode):
+    """ulysses_size 1 (Megatron's --hierarchical-context-parallel-sizes 1 M) runs the inner mode
+    on the rank's own chunk, exactly and with the inner mode's bytes, at an odd CP size, with one
+    KV head too -- where the group's buffer once was a copy of the input onto itself, written into
+    the caller's key/value tensors (run_local asserts they stay unwritten)."""
+    world, inner = 3, mode.split("+")[1]
+    for causal, heads in ((True, "MQA"), (False, "GQA"), (True, "MHA")):
+        # batch 1: a [s, 1, 1, d] key's cut is then a contiguous view of the caller's tensor
+        p = cases.Problem(world, *cases.HEADS[heads], causal, torch.float32, seq_local=12, batch=1, seed=3)
+        ref = cases.dense_reference(p)
+        inner_plan = resolve(inner, world, p.shape).build(p.shape, p.mask, p.layout)
+
+        def rank_fn(rank, comm):
+            return cases.measure(rank, p, f"{mode} U=1 causal={causal} {heads}", lambda q, k, v: mm.attention(
+                q, k, v, mode=mode, ulysses_size=1, comm=comm, causal=causal), ref, plan=inner_plan)
+
+        out = [[res] for res in run_inprocess(rank_fn, world, timeout=120)]
+        cases.assert_accurate(out)
+        cases.assert_bytes_as_expected(out)
+
+
+def test_the_executor_refuses_a_plan_that_writes_into_an_input():
+    """Plans are validated in the tests (MEGATRON_MESH_VALIDATE=1 at run time); one that slipped
+    through and wrote into an input buffer -- a view of the caller's tensor -- stops with an
+    error instead of changing the caller's tensor."""
+    import dataclasses
+
+    from megatron_mesh.kernels import get_kernel
+    from megatron_mesh.plan import Copy, Key
+    from megatron_mesh.runtime.executor import Executor
+
+    shape = AttentionShape(seq_local=8, batch=1, heads=2, kv_heads=1, head_dim=4)
+    plan = resolve("ring", 1, shape).build(shape)
+    rp = plan.rank(0)
+    (key,) = [key for key in rp.forward_inputs if key.kind == "kv"]
+    bad = dataclasses.replace(rp, forward=(Copy(key, key), *rp.forward))
+    plan = dataclasses.replace(plan, build_rank=lambda r: bad, build_rounds=None, _cache={})
+    q, k, v = (torch.randn(1, h, 8, 4) for h in (2, 1, 1))
+    before = k.clone()
+    with pytest.raises(RuntimeError, match=rf"the plan writes into {key}, an input or saved buffer"):
+        Executor(plan, FakeComm(0, 1), get_kernel("auto", torch.device("cpu")), 1.0).forward(q, k, v)
+    assert torch.equal(k, before) and k._version == 0
 
 
 def _masked_problems(world: int) -> list[cases.Problem]:

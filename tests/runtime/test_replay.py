@@ -1,7 +1,7 @@
 """One rank alone (comm/replay.py): its rounds recorded in a full in-process run and replayed,
 it computes bitwise what it computed among its peers -- every mode, odd P, packed documents on
-the balanced layout -- and again on every step of a loop; a replay that does not fit its
-recording is an error, not a silent wrong answer."""
+the balanced layout -- and again on every step of a loop; a replay whose receives do not fit its
+recording (count, sender, shape, dtype) is an error, not a silent wrong answer."""
 
 from __future__ import annotations
 
@@ -78,9 +78,14 @@ def test_a_replay_that_does_not_fit_its_recording_is_an_error():
     with pytest.raises(ValueError, match=r"rank must be in 0..2 \(world_size 3\), got 3"):
         ReplayCommunicator(3, 3, rounds)
     with pytest.raises(ValueError, match="rank 0, replayed round 0: 1 receives, 2 recorded"):
-        ReplayCommunicator(0, 3, rounds).start([], [(2, torch.empty_like(rounds[0][0]))])
+        ReplayCommunicator(0, 3, rounds).start([], [(2, torch.empty_like(rounds[0][0][1]))])
+    (sender, t), *rest = rounds[0]
+    with pytest.raises(ValueError, match=rf"rank 0, replayed round 0: receive from rank {3 - sender} is .* recorded "
+                                         rf"from rank {sender}"):  # the same sizes, from another rank
+        ReplayCommunicator(0, 3, rounds).start([], [(3 - sender, torch.empty_like(t)),
+                                                    *[(p, torch.empty_like(x)) for p, x in rest]])
     never = Recorder(ReplayCommunicator(0, 3, rounds))
-    never.start([], [(2, torch.empty_like(t)) for t in rounds[0]])  # posted, never waited
+    never.start([], [(p, torch.empty_like(t)) for p, t in rounds[0]])  # posted, never waited
     with pytest.raises(ValueError, match="round 0 of rank 0 was never waited for"):
         never.received()
 
@@ -92,7 +97,7 @@ def test_a_recorder_is_its_communicator_to_the_executor_s_checks():
     class WithGroup(ReplayCommunicator):
         process_group = object()
 
-    rounds = [[torch.arange(4.0)]]
+    rounds = [[(1, torch.arange(4.0))]]
     rec = Recorder(WithGroup(0, 2, rounds))
     assert rec.process_group is WithGroup.process_group
     buf = torch.empty(4)
@@ -100,4 +105,5 @@ def test_a_recorder_is_its_communicator_to_the_executor_s_checks():
     work.wait()
     buf.fill_(7.0)  # the executor reuses the buffer
     work.wait()
-    assert len(rec.received()) == 1 and torch.equal(rec.received()[0][0], torch.arange(4.0))
+    assert len(rec.received()) == 1 and rec.received()[0][0][0] == 1
+    assert torch.equal(rec.received()[0][0][1], torch.arange(4.0))

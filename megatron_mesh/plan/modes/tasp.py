@@ -59,5 +59,8 @@ class TaspMode(Mode):
         return tuple(tuple(range(a, a + n)) for a in range(0, p.world_size, n)) if n else ()  # same-node peers
 
     def describe(self, p: Placement) -> str:
+        # said where it shows (start-up log, telemetry): 'keep' changes only the mask-aware plans
+        chunks = p.options.backward_chunks
+        backward = "" if chunks == "refetch" else f", backward {chunks} under masks (the dense plan refetches)"
         return (f"tasp (CP {p.world_size}, transport {p.options.transport}, CP ranks per node "
-                f"{p.ranks_per_node or p.world_size})")
+                f"{p.ranks_per_node or p.world_size}{backward})")
