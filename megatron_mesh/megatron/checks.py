@@ -5,7 +5,8 @@ What applies where comes from the settings schema (:func:`.settings.flags`: ever
 layer modes it applies to); what a mode accepts from the mode registry. The checks take what they
 need as parameters -- whether the entry script hands the layers document boundaries
 (``entry_packs_documents``), whether Transformer Engine is usable -- and read no process state;
-:func:`check_data_files` alone looks at the file system (the datasets the flags name).
+:func:`check_data_files` alone looks at the file system (the datasets the flags name, the metrics
+directory).
 
 Example: ``--cp-comm-type ring --mesh-tile-shape 2x2`` fails with "--mesh-tile-shape 2x2 is given,
 but no layer runs mesh or a2a+mesh at CP > 1 (--cp-comm-type ring); leave the flag out".
@@ -71,17 +72,26 @@ def _given(args, name: str) -> bool:
 
 
 def validate_args(args, have_te: bool | None = None, *, entry_packs_documents: bool = False,
-                  batch_documents: bool = False) -> None:
+                  batch_documents: bool = False, have_cuda: bool | None = None) -> None:
     """Check the plugin flags and the Megatron flags they depend on, as parsed by Megatron (before
     its own validation); ValueError names the value and what is allowed. ``have_te``: None detects
     Transformer Engine; ``entry_packs_documents``: the entry script hands the layers document
     boundaries (megatron_mesh's own does); ``batch_documents``: :mod:`.batch_layout` takes them from
-    the script's batches (``run_script``: Megatron-LM's own scripts). Works on arguments without the
-    plugin's flags too."""
+    the script's batches (``run_script``: Megatron-LM's own scripts); ``have_cuda``: None asks
+    torch (the run's tensors are on CUDA devices where it has them). Works on arguments without
+    the plugin's flags too."""
     te_reason = ""
     if have_te is None:
         have_te, te_reason = have_transformer_engine()
+    if have_cuda is None:
+        import torch
+
+        have_cuda = torch.cuda.is_available()
     cp = args.context_parallel_size
+    seq = getattr(args, "seq_length", None)
+    if cp > 1 and isinstance(seq, int) and seq % (2 * cp):  # Megatron asserts it later, once per rank
+        raise ValueError(f"--seq-length {seq} must be divisible by 2 x --context-parallel-size ({2 * cp}): each CP rank "
+                         f"holds two equal halves of the sequence (e.g. --seq-length {seq // (2 * cp) * 2 * cp or 2 * cp})")
     modes = layer_modes(args.cp_comm_type)
     check_modes(modes, args.num_layers, cp, have_te, te_reason)
     if uses_plugin_spec(args) and args.transformer_impl == "transformer_engine" and not have_te:
@@ -90,12 +100,18 @@ def validate_args(args, have_te: bool | None = None, *, entry_packs_documents: b
     active = set(modes) if cp > 1 else set()  # CP 1: Megatron's own attention, whatever the mode
     _check_applicable(args, cp, modes, active)
     _check_choices(args)
+    backend = getattr(args, "cp_kernel_backend", None)
+    if active and isinstance(backend, str) and backend.startswith("torch-") and not have_cuda:
+        raise ValueError(f"--cp-kernel-backend {backend} runs on CUDA devices, and this machine has none; allowed here: "
+                         "auto, torch, math")
     _check_window(args, cp, active)
     documents = documents_of(args, entry_packs_documents, batch_documents)
     if cp == 1 and documents and args.attention_dropout:
         raise ValueError(f"--attention-dropout {args.attention_dropout}: packed documents run the plugin's attention "
                          "also at CP 1 (Megatron's own has no document mask without a dense [s, s] mask), which "
                          "supports only 0 (pass --attention-dropout 0)")
+    if documents:  # at CP 1 too: documents run the plugin's attention there as well
+        _no_pipeline_with_documents(args)
     _check_hierarchy(args, cp, active)
     for mode in sorted(plugin_modes_of(active)):
         _check_placement(args, cp, mode)
@@ -366,16 +382,20 @@ def _check_plugin_layers(args, cp: int, active: set, passes_documents: bool) -> 
                              "the plugin modes; pack documents with megatron_mesh's entry script instead "
                              "(--reset-attention-mask: documents at end-of-document tokens, or --cp-thd-packing: "
                              "Transformer Engine's THD layout)")
-    documents = getattr(args, "reset_attention_mask", False) or getattr(args, "cp_thd_packing", False)
-    if documents and args.pipeline_model_parallel_size > 1:
-        raise ValueError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} with packed documents "
-                         "(--reset-attention-mask / --cp-thd-packing): the document boundaries reach only the first and "
-                         "last pipeline stages' batches; use pipeline parallelism 1")
+    if getattr(args, "reset_attention_mask", False) or getattr(args, "cp_thd_packing", False):
+        _no_pipeline_with_documents(args)
     if getattr(args, "reset_attention_mask", False) and not passes_documents:
         raise ValueError("--reset-attention-mask: this entry script passes the documents as a dense [s, s] attention mask, "
                          "which the plugin modes do not read; use megatron_mesh's entry script (scripts/pretrain_gpt.sh), "
                          "or run this script through scripts/run_megatron_script.sh: both hand the layers the document "
                          "boundaries")
+
+
+def _no_pipeline_with_documents(args) -> None:
+    if args.pipeline_model_parallel_size > 1:
+        raise ValueError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} with packed documents "
+                         "(--reset-attention-mask / --cp-thd-packing): the document boundaries reach only the first and "
+                         "last pipeline stages' batches; use pipeline parallelism 1")
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
@@ -437,7 +457,12 @@ def check_data_files(args) -> None:
     document configs' DOC_DATA (configs/gpt_tiny_cpu_docs.yaml's data/tiny_docs) gets the
     command that writes it. Not checked: --mock-data (Megatron makes its tokens up), object-store
     paths (``s3://``, ``msc://``), and --dataloader-fast-cache-load (Megatron's cached indices may
-    stand in for the files)."""
+    stand in for the files). Also --cp-metrics-dir: a path that exists must be a directory (every
+    rank would fail to create it, after initialising)."""
+    metrics_dir = getattr(args, "cp_metrics_dir", None)
+    if metrics_dir and os.path.exists(metrics_dir) and not os.path.isdir(metrics_dir):
+        raise ValueError(f"--cp-metrics-dir {metrics_dir}: that is a file, not a directory; name a directory (it is "
+                         "created if missing)")
     if getattr(args, "mock_data", False) or getattr(args, "dataloader_fast_cache_load", False):
         return
     for given, prefixes in _blends(args):

@@ -2,6 +2,9 @@
 
 Every rank appends to ``DIR/rank<R>.jsonl`` (written by :mod:`.telemetry`):
 
+* one ``{"kind": "run"}`` record when a run opens the file: a directory used again holds several
+  runs, and the reader keeps what the latest run stands on -- the records of earlier runs before
+  the iteration it started at (a run resumed from a checkpoint continues them), its own after;
 * one ``{"kind": "layer", ...}`` record per plugin layer of the rank's pipeline stage, at the first
   forward: ``layer``, ``mode``, ``cp``, ``tile`` (Mesh: ``"AxB"``), ``description``;
 * one ``{"kind": "iteration", ...}`` record per training iteration: ``iteration``, ``losses``
@@ -37,12 +40,13 @@ def peak_memory() -> tuple[int, str]:
 
 class MetricsWriter:
     """Appends JSON records to ``<directory>/rank<rank>.jsonl``, flushed per record (a run that
-    is stopped keeps what it wrote)."""
+    is stopped keeps what it wrote), after a ``run`` record that starts this run's."""
 
     def __init__(self, directory: str, rank: int):
         os.makedirs(directory, exist_ok=True)
         self.path = os.path.join(directory, f"rank{rank}.jsonl")
         self._file = open(self.path, "a")
+        self.write({"kind": "run"})
 
     def write(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")

@@ -64,7 +64,7 @@ def read_metrics(metrics_dir: str, loss_key: str = "lm loss") -> Metrics:
         if not name.endswith(".jsonl"):
             continue
         with open(os.path.join(metrics_dir, name)) as f:
-            recs = [json.loads(line) for line in f if line.strip()]
+            recs = _latest_run([json.loads(line) for line in f if line.strip()])
         its = [r for r in recs if r.get("kind") == "iteration"]
         for r in recs:
             if r.get("kind") == "layer":
@@ -90,6 +90,29 @@ def read_metrics(metrics_dir: str, loss_key: str = "lm loss") -> Metrics:
     if per_cp_rank:
         _per_cp_rank(m, per_cp_rank)
     return m
+
+
+def _latest_run(recs: list[dict]) -> list[dict]:
+    """The records the latest run of a file stands on (a directory used by several runs: each
+    starts with a ``run`` record). A run keeps the earlier runs' iterations before its first one
+    -- a run resumed from a checkpoint at iteration k continues them; a new run from iteration 1
+    keeps none -- and its own layer records replace theirs. E.g. runs of iterations 1-10, then
+    (resumed at 9) 9-12: iterations 1-8 of the first and 9-12 of the second."""
+    kept: list[dict] = []
+    runs: list[list[dict]] = [[]]
+    for r in recs:
+        if r.get("kind") == "run":
+            runs.append([])
+        else:
+            runs[-1].append(r)
+    for run in runs:
+        its = [r["iteration"] for r in run if r.get("kind") == "iteration"]
+        if its:
+            kept = [r for r in kept if r.get("kind") != "iteration" or r["iteration"] < min(its)]
+        if any(r.get("kind") == "layer" for r in run):
+            kept = [r for r in kept if r.get("kind") != "layer"]
+        kept += run
+    return kept
 
 
 def _per_cp_rank(m: Metrics, per_cp_rank: dict[int, list[list[dict]]]) -> None:

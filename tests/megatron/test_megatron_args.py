@@ -19,10 +19,10 @@ pytestmark = pytest.mark.megatron
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _validate(args, have_te=False, entry_packs_documents=False):
+def _validate(args, have_te=False, entry_packs_documents=False, have_cuda=False):
     from megatron_mesh.megatron.checks import validate_args
 
-    validate_args(args, have_te=have_te, entry_packs_documents=entry_packs_documents)
+    validate_args(args, have_te=have_te, entry_packs_documents=entry_packs_documents, have_cuda=have_cuda)
 
 
 @pytest.mark.parametrize("argv", [
@@ -95,6 +95,14 @@ def test_valid_flags(megatron_args, argv):
     (["--context-parallel-size", "6", "--cp-comm-type", "tasp", "--attention-dropout", "0",
       "--tasp-gpus-per-node", "3"], "--cp-comm-type tasp at --context-parallel-size 6 with --tasp-gpus-per-node 3: "
      "the complete directed graph on 3 ranks has no decomposition"),
+    # Megatron asserts these later, once per rank after initialising: one line here
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--attention-dropout", "0", "--seq-length", "60"],
+     "--seq-length 60 must be divisible by 2 x --context-parallel-size (8): each CP rank holds two equal halves of "
+     "the sequence (e.g. --seq-length 56)"),
+    # the kernel fails only at the first forward, on every rank
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--attention-dropout", "0", "--cp-kernel-backend",
+      "torch-flash"], "--cp-kernel-backend torch-flash runs on CUDA devices, and this machine has none; allowed here: "
+     "auto, torch, math"),
 ])
 def test_invalid_flags_name_the_value(megatron_args, argv, message):
     args = megatron_args(["--spec", "megatron_mesh.megatron.spec", "gpt_layer_spec", "--transformer-impl", "local",
@@ -102,6 +110,15 @@ def test_invalid_flags_name_the_value(megatron_args, argv, message):
     with pytest.raises(ValueError) as e:
         _validate(args)
     assert message in str(e.value)
+
+
+def test_cuda_kernel_backends_pass_where_cuda_is(megatron_args):
+    args = megatron_args(["--spec", "megatron_mesh.megatron.spec", "gpt_layer_spec", "--transformer-impl", "local",
+                          "--context-parallel-size", "4", "--cp-comm-type", "mesh", "--attention-dropout", "0",
+                          "--cp-kernel-backend", "torch-flash"])
+    _validate(args, have_cuda=True)
+    with pytest.raises(ValueError, match="--cp-kernel-backend torch-flash runs on CUDA devices"):
+        _validate(args, have_cuda=False)
 
 
 @pytest.mark.parametrize("argv, message", [

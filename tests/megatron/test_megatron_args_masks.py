@@ -112,6 +112,11 @@ def test_masks_and_hybrids_valid(megatron_args, our_entry, argv, documents):
     (["--context-parallel-size", "2", "--cp-comm-type", "mesh", "--reset-attention-mask",
       "--pipeline-model-parallel-size", "2"],
      "--pipeline-model-parallel-size 2 with packed documents (--reset-attention-mask / --cp-thd-packing)"),
+    # at CP 1 too: the documents run the plugin's attention there as well (it crashed mid-step)
+    (["--context-parallel-size", "1", "--reset-attention-mask", PER_TOKEN, "--pipeline-model-parallel-size", "2"],
+     "--pipeline-model-parallel-size 2 with packed documents (--reset-attention-mask / --cp-thd-packing)"),
+    (["--context-parallel-size", "1", "--cp-thd-packing", "--seq-length", "64", "--pipeline-model-parallel-size", "4"],
+     "--pipeline-model-parallel-size 4 with packed documents (--reset-attention-mask / --cp-thd-packing)"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--sft"],
      "--sft: Megatron's sft batches are not supported by the plugin modes"),
     # --cp-layout: where it applies, and what the balanced layout needs

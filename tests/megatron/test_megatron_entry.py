@@ -589,6 +589,11 @@ def test_missing_dataset_files_are_named_at_start_up(tmp_path, monkeypatch):
     checks.check_data_files(args(data_path=["0.3", "a", "0.7", str(tmp_path / "a")]))
     checks.check_data_files(args(mock_data=True, data_path=["nowhere"]))
     checks.check_data_files(args())  # no data flags: Megatron's own affair
+    # --cp-metrics-dir: a directory, or a path to create; an existing file failed on every rank
+    checks.check_data_files(args(cp_metrics_dir=str(tmp_path)))
+    checks.check_data_files(args(cp_metrics_dir=str(tmp_path / "new" / "metrics")))
+    with pytest.raises(ValueError, match=r"^--cp-metrics-dir .*a\.bin: that is a file, not a directory"):
+        checks.check_data_files(args(cp_metrics_dir=str(tmp_path / "a.bin")))
     with pytest.raises(ValueError) as e:
         checks.check_data_files(args(data_path=["0.5", "a", "0.5", "b"]))
     assert str(e.value) == (f"--data-path 0.5 a 0.5 b: no dataset there, b.bin not found (relative to {tmp_path}); give "

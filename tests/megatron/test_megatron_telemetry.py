@@ -103,7 +103,8 @@ def test_iteration_records_and_bytes_in_the_log_and_tensorboard(monkeypatch, tmp
         for it, (sent, loss) in enumerate([(1000, 4.5), (3000, 4.25)], start=1):
             record_bytes(sent, 2 * sent)
             telemetry._after_iteration({"lm loss": torch.tensor(loss)}, it, is_first=False)
-    recs = [json.loads(line) for line in (tmp_path / "rank0.jsonl").read_text().splitlines()]
+    run, *recs = [json.loads(line) for line in (tmp_path / "rank0.jsonl").read_text().splitlines()]
+    assert run == {"kind": "run"}  # a run opens its records (a directory used again holds several)
     assert [(r["iteration"], r["losses"], r["bytes_sent"], r["bytes_received"], r["time_ms"]) for r in recs] == \
         [(1, {"lm loss": 4.5}, 1000, 2000, 12.5), (2, {"lm loss": 4.25}, 3000, 6000, 12.5)]
     # logged at iteration 2 (--log-interval 2): the mean over the two iterations, min = max on one rank
@@ -160,7 +161,7 @@ def test_iteration_records_bytes_per_peer_and_attention_work(monkeypatch, tmp_pa
     telemetry.on_attention(plan, 1, shape, backward=True)  # ... then the forward whose backward runs
     telemetry._after_iteration({"lm loss": torch.tensor(4.0)}, 1, is_first=False)
     telemetry._after_iteration({"lm loss": torch.tensor(3.9)}, 2, is_first=False)
-    first, second = [json.loads(line) for line in (tmp_path / "rank1.jsonl").read_text().splitlines()]
+    _, first, second = [json.loads(line) for line in (tmp_path / "rank1.jsonl").read_text().splitlines()]
     assert first["bytes_sent_to"] == {"0": 44, "2": 12, "3": 40} and first["bytes_sent"] == 96 == 4 * 11 + 12 + 40
     assert first["cp_rank"] == 1 and first["attention_work"] == 4 * causal_scores + 2 * works[1]
     assert first["planned_bytes_sent"] == 2 * planned.forward_sent + planned.backward_sent > 0

@@ -37,6 +37,32 @@ def test_read_metrics_reduces_over_ranks(tmp_path):
     assert read_metrics(str(tmp_path / "missing")) == Metrics()
 
 
+def test_read_metrics_keeps_what_the_latest_run_stands_on(tmp_path):
+    """A directory used again: a new run from iteration 1 replaces the old one's records (layers,
+    losses, bytes) -- they were mixed before; a run resumed at iteration 3 keeps iterations 1-2."""
+    from megatron_mesh.megatron.metrics import MetricsWriter
+
+    def run(directory, layers, iterations, bytes_sent):
+        w = MetricsWriter(str(directory), 0)
+        for n, mode in layers:
+            w.write({"kind": "layer", "layer": n, "mode": mode, "cp": 4, "tile": "", "description": mode})
+        for it in iterations:
+            w.write({"kind": "iteration", "iteration": it, "losses": {"lm loss": 10.0 * it + bytes_sent},
+                     "time_ms": 1.0, "bytes_sent": bytes_sent, "bytes_received": bytes_sent, "peak_memory": 1,
+                     "memory_kind": "max RSS"})
+
+    run(tmp_path / "again", [(1, "ring"), (2, "tasp"), (3, "mesh"), (4, "ring")], range(1, 6), 100)
+    run(tmp_path / "again", [(1, "mesh"), (2, "mesh")], range(1, 3), 40)
+    m = read_metrics(str(tmp_path / "again"))
+    assert sorted(m.layers) == [1, 2] and m.layers[1]["mode"] == "mesh"
+    assert m.losses == {1: 50.0, 2: 60.0} and m.bytes_per_step == 40.0
+    run(tmp_path / "resumed", [(1, "ring")], range(1, 5), 100)  # stopped after iteration 4, saved at 2
+    run(tmp_path / "resumed", [(1, "ring")], range(3, 6), 40)
+    m = read_metrics(str(tmp_path / "resumed"))
+    assert m.losses == {1: 110.0, 2: 120.0, 3: 70.0, 4: 80.0, 5: 90.0}
+    assert m.bytes_per_step == (2 * 100 + 3 * 40) / 5
+
+
 def test_format_bytes():
     assert [format_bytes(n) for n in (None, 0, 1023, 1024, 3 * 2**20)] == ["-", "0 B", "1023 B", "1.00 KiB", "3.00 MiB"]
 
