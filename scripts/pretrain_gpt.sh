@@ -25,21 +25,5 @@
 # another node of the job stopped (one message naming it and its error); the failed ranks' status
 # when they agree, else 1; 128 + N when signal N stopped it (Ctrl-C: 130, with
 # one line "interrupted (SIGINT): stopped torchrun and its N rank(s)"). -h, --help: this text.
-set -euo pipefail
-
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-# the usage: this header, the comment lines from line 2 to the first line that is not one
-usage() { sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; }
-if [[ $# -lt 1 ]]; then
-    usage >&2
-    exit 2
-fi
-if [[ $1 == -h || $1 == --help ]]; then
-    usage
-    exit 0
-fi
-if [[ -z ${PYTHON:-} ]]; then
-    if [[ -z ${VIRTUAL_ENV:-} && -x $ROOT/.venv/bin/python ]]; then PYTHON=$ROOT/.venv/bin/python; else PYTHON=python; fi
-fi
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-exec "$PYTHON" -m megatron_mesh.megatron.launch pretrain "$@"
+source "$(dirname "${BASH_SOURCE[0]}")/_launch.sh"
+launch pretrain "$@"

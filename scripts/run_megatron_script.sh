@@ -18,21 +18,5 @@
 # Environment: NPROC, CP, CP_COMM_TYPE, NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, BACKEND,
 # PYTHON; start-up checks and exit status -- as for scripts/pretrain_gpt.sh (a missing SCRIPT.py is
 # refused before torchrun starts). -h, --help: this text.
-set -euo pipefail
-
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-# the usage: this header, the comment lines from line 2 to the first line that is not one
-usage() { sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; }
-if [[ $# -lt 1 ]]; then
-    usage >&2
-    exit 2
-fi
-if [[ $1 == -h || $1 == --help ]]; then
-    usage
-    exit 0
-fi
-if [[ -z ${PYTHON:-} ]]; then
-    if [[ -z ${VIRTUAL_ENV:-} && -x $ROOT/.venv/bin/python ]]; then PYTHON=$ROOT/.venv/bin/python; else PYTHON=python; fi
-fi
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-exec "$PYTHON" -m megatron_mesh.megatron.launch script "$@"
+source "$(dirname "${BASH_SOURCE[0]}")/_launch.sh"
+launch script "$@"
