@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import shutil
 import subprocess
 import sys
@@ -51,6 +52,7 @@ sys.path.insert(0, ROOT)
 from megatron_mesh.megatron import yaml_args  # noqa: E402
 from megatron_mesh.megatron.launch import free_port, kill_process_tree, training_command  # noqa: E402
 from megatron_mesh.megatron import TE_MODES, plugin_modes  # noqa: E402 -- does not import Megatron
+from megatron_mesh.plan.mesh import parse_tile  # noqa: E402
 from megatron_mesh.plan.modes import HYBRID_PREFIX  # noqa: E402
 from megatron_mesh.tools import predict  # noqa: E402 -- pure Python: the planner
 from megatron_mesh.tools.report import RunResult, read_metrics, write_report  # noqa: E402
@@ -70,6 +72,16 @@ DOC_FLAGS = {"--reset-attention-mask": True, "--reset-position-ids": True, "--eo
              "--calculate-per-token-loss": True, "--split": "100,0,0", "--mock-data": None}
 
 
+def refuse(message: str):
+    """A bad command line: one line, status 2 (as the plugin's other tools), before any training."""
+    print(f"compare_cp_modes: error: {' '.join(message.split())}", file=sys.stderr, flush=True)  # a YAML error spans lines
+    raise SystemExit(2)
+
+
+class Interrupted(Exception):
+    """SIGTERM (a scheduler's stop) as an exception: the job stops its run and still writes the report."""
+
+
 def preset(args) -> None:
     """Fill the options left unset: the long-context preset's (--long) or the quick job's."""
     config, masks, iters = (LONG_CONFIG, MASKS, LONG_ITERS) if args.long else (DEFAULT_CONFIG, DEFAULT_MASKS,
@@ -78,7 +90,7 @@ def preset(args) -> None:
     args.masks = list(masks if args.masks is None else args.masks)
     args.iters = iters if args.iters is None else args.iters
     if args.iters < 1:
-        raise SystemExit(f"--iters must be >= 1, got {args.iters}")
+        refuse(f"--iters must be >= 1, got {args.iters}")
 
 
 def reused_baseline(runs: list[RunResult], mode: str, mask: str) -> RunResult | None:
@@ -112,7 +124,11 @@ def default_modes(cp: int) -> list[str]:
 
 
 def _seq_length(config: str) -> int:
-    return int(yaml_args.load(config)["MODEL_ARGS"]["--seq-length"])
+    try:
+        return int(yaml_args.load(config)["MODEL_ARGS"]["--seq-length"])
+    except (OSError, KeyError, TypeError, ValueError) as e:  # a missing file, no MODEL_ARGS, no --seq-length
+        refuse(f"--config {config}: cannot read its MODEL_ARGS' --seq-length ({type(e).__name__}: {e}); give a "
+               "Megatron YAML config as configs/gpt_tiny_cpu_compare.yaml")
 
 
 def mask_config(config: str, mask: str, doc_data: str | None, out_dir: str) -> str:
@@ -157,8 +173,8 @@ def command(mode: str, args, metrics: str, mask: str = "none", config: str | Non
     under ``mask`` (``config``: the mask's config, default --config)."""
     name, _, option = mode.partition(":")
     if name != "baseline" and name not in plugin_modes() + TE_MODES:
-        raise SystemExit(f"unknown mode {mode!r}; allowed: baseline, ring, tasp, mesh[:auto|:AxB], "
-                         f"a2a+mesh[:U], a2a+tasp[:U], a2a+ring[:U], {', '.join(TE_MODES)}")
+        refuse(f"unknown mode {mode!r}; allowed: baseline, ring, tasp, mesh[:auto|:AxB], "
+               f"a2a+mesh[:U], a2a+tasp[:U], a2a+ring[:U], {', '.join(TE_MODES)}")
     cp = 1 if name == "baseline" else args.cp
     environ = dict(os.environ, CP=str(cp), NPROC=str(cp), MASTER_PORT=str(free_port()))
     environ.pop("CP_COMM_TYPE", None)
@@ -166,11 +182,15 @@ def command(mode: str, args, metrics: str, mask: str = "none", config: str | Non
     if name != "baseline":
         environ["CP_COMM_TYPE"] = name
     if name == "mesh" and option not in ("", "auto"):
+        try:  # here, not in every rank after the baselines have trained
+            parse_tile(option, cp)
+        except ValueError as e:
+            refuse(f"{mode}: {e}")
         flags += ["--mesh-tile-shape", option]
     if name.startswith(HYBRID_PREFIX):  # the plugin's hybrids and Transformer Engine's a2a+p2p
         ulysses = int(option or 2) if (option or "2").isdigit() else 0
         if ulysses < 2 or cp % ulysses:
-            raise SystemExit(f"{mode}: the all-to-all degree {option or 2} must be an integer >= 2 dividing --cp {cp}")
+            refuse(f"{mode}: the all-to-all degree {option or 2} must be an integer >= 2 dividing --cp {cp}")
         flags += ["--hierarchical-context-parallel-sizes", str(ulysses), str(cp // ulysses)]
     if mask == "window":
         flags += ["--window-size", f"{args.window},0"]
@@ -180,7 +200,7 @@ def command(mode: str, args, metrics: str, mask: str = "none", config: str | Non
     try:
         torchrun_args, env = training_command("pretrain", [config or args.config, *flags], environ)
     except ValueError as e:  # the launcher's checks of the command line (e.g. a world size CP does not divide)
-        raise SystemExit(f"compare_cp_modes: {mode}: {e}") from None
+        refuse(f"{mode}: {e}")
     return [sys.executable, "-m", "torch.distributed.run", *torchrun_args], env, flags
 
 
@@ -207,7 +227,8 @@ def run_mode(mode: str, args, out_dir: str, mask: str = "none", config: str | No
                 log.write(line)
                 progress.poll()
             proc.wait()
-        except BaseException:
+        except BaseException:  # Ctrl-C, SIGTERM: stop torchrun and its ranks (a second Ctrl-C must not cut that short)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
             stop()
             raise
         finally:
@@ -223,7 +244,10 @@ def run_mode(mode: str, args, out_dir: str, mask: str = "none", config: str | No
         res.ok, res.error = False, f"stopped after --run-timeout {args.run_timeout:g} s; log {log_path}"
     elif proc.returncode != 0 or len(m.losses) < args.iters:
         with open(log_path) as f:
-            tail = " / ".join(f.read().strip().splitlines()[-3:])
+            lines = f.read().strip().splitlines()
+        # a start-up check's own line says why; torchrun's last lines only that a rank failed
+        said = [line for line in lines if line.startswith("megatron_mesh: error:")]
+        tail = said[0] if said else " / ".join(lines[-3:])
         res.ok, res.error = False, f"exit code {proc.returncode}; log {log_path}: {tail[-300:]}"
     print(f"[{label}] {'done' if res.ok else 'FAILED'} in {time.monotonic() - start:.0f} s", flush=True)
     return res
@@ -301,22 +325,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", default=None, help="report directory (default reports/cp_modes_<time>)")
     ap.add_argument("megatron_args", nargs=argparse.REMAINDER, help="extra Megatron flags after --")
     args = ap.parse_args(argv)
+    if args.cp < 1:
+        refuse(f"--cp must be >= 1, got {args.cp}")
+    if args.run_timeout is not None and not args.run_timeout > 0:  # NaN too
+        refuse(f"--run-timeout must be a number of seconds > 0, got {args.run_timeout:g} (leave it out for no limit)")
     preset(args)
     if args.megatron_args and args.megatron_args[0] == "--":
         args.megatron_args = args.megatron_args[1:]
-    args.modes = args.modes or default_modes(args.cp)
+    args.modes = list(dict.fromkeys(args.modes or default_modes(args.cp)))  # a mode named twice runs once
+    if args.cp == 1 and set(args.modes) - {"baseline"}:
+        refuse(f"--cp 1: the compared modes ({', '.join(m for m in args.modes if m != 'baseline')}) split nothing at "
+               "CP 1 (Megatron's own attention runs); give --cp 2 or more")
     if args.no_baseline:
         if "baseline" in args.modes:
-            raise SystemExit("--no-baseline and --modes baseline exclude each other")
+            refuse("--no-baseline and --modes baseline exclude each other")
     elif "baseline" not in args.modes:  # every mode's loss is checked against CP 1's
         args.modes = ["baseline", *args.modes]
     args.masks = list(dict.fromkeys(args.masks))
+    seq = _seq_length(args.config)
     if args.window is None:
-        args.window = max(1, _seq_length(args.config) // (8 * args.cp))
+        args.window = max(1, seq // (8 * args.cp))
     elif args.window < 1:
-        raise SystemExit(f"--window must be >= 1 token, got {args.window}")
+        refuse(f"--window must be >= 1 token, got {args.window}")
+    elif args.window >= seq - 1 and "window" in args.masks:
+        refuse(f"--window {args.window} reaches across the whole sequence of {seq} tokens: the window runs would be "
+               f"the unmasked ones; give at most {seq - 2}")
     if args.no_predict and args.predict:
-        raise SystemExit("--predict and --no-predict exclude each other")
+        refuse("--predict and --no-predict exclude each other")
     args.predict_configs = [] if args.no_predict else (args.predict or [predict.DEFAULT_CONFIG])
     for mode in args.modes:  # each mode's command once, before the first training: a bad one fails now
         command(mode, args, os.devnull)
@@ -325,25 +360,55 @@ def parse_args(argv=None) -> argparse.Namespace:
             predict.read_config(path)
         args.cpu_problem = predict.read_config(args.config, cp=args.cp) if args.cp > 1 else None
     except ValueError as e:
-        raise SystemExit(f"compare_cp_modes: {e}") from None
+        refuse(str(e))
     return args
+
+
+def report_directory(out: str | None) -> str:
+    """--out, made (default reports/cp_modes_<time>): refused in one line before any training
+    where it cannot be (a file there, a path under a file, no permission)."""
+    out = out or os.path.join(ROOT, "reports", time.strftime("cp_modes_%Y%m%d_%H%M%S"))
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        refuse(f"--out {out}: cannot make the report directory ({e.strerror or e})")
+    if not os.access(out, os.W_OK):
+        refuse(f"--out {out}: the report directory is not writable")
+    return out
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     modes, masks = args.modes, args.masks
-    out_dir = args.out or os.path.join(ROOT, "reports", time.strftime("cp_modes_%Y%m%d_%H%M%S"))
-    os.makedirs(out_dir, exist_ok=True)
+    out_dir = report_directory(args.out)
     print(f"comparing {len(modes)} modes x masks {', '.join(masks)} at CP={args.cp} ({args.iters} iterations each); "
           f"report -> {out_dir}", flush=True)
     configs = {}
     doc_data = (args.doc_data or make_doc_data(args, out_dir)) if set(masks) & set(DOC_MASKS) else None
     for mask in masks:
         configs[mask] = mask_config(args.config, mask, doc_data if mask in DOC_MASKS else None, out_dir)
-    runs = []
-    for mask in masks:
-        for m in modes:
-            runs.append(reused_baseline(runs, m, mask) or run_mode(m, args, out_dir, mask, configs[mask]))
+    runs, stopped = [], None
+    at = (modes[0], masks[0])
+
+    def on_sigterm(signum, frame):
+        raise Interrupted()
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        for mask in masks:
+            for m in modes:
+                at = (m, mask)
+                runs.append(reused_baseline(runs, m, mask) or run_mode(m, args, out_dir, mask, configs[mask]))
+    except (KeyboardInterrupt, Interrupted) as e:  # the runs so far still get their report
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        stopped = "SIGINT" if isinstance(e, KeyboardInterrupt) else "SIGTERM"
+        m, mask = at
+        runs.append(RunResult(mode=m, cp=1 if m == "baseline" else args.cp, mask=mask, ok=False,
+                              error=f"interrupted ({stopped}); the runs after it did not start"))
+        print(f"compare_cp_modes: interrupted ({stopped}): stopped the {m} run; writing the report of the runs so far",
+              file=sys.stderr, flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     title = f"CP modes side by side: {os.path.basename(args.config)}, CP={args.cp}, {args.iters} iterations"
     if "window" in masks:
         title += f" (window {args.window})"
@@ -361,6 +426,8 @@ def main(argv=None) -> int:
     print("\n" + write_report(runs, out_dir, title, baseline="baseline" if "baseline" in modes else None,
                               notes=notes, sections=sections))
     print(f"report: {os.path.join(out_dir, 'report.md')} (+ report.csv, *.png)")
+    if stopped:
+        return 130 if stopped == "SIGINT" else 143
     return 0 if planned and all(r.ok for r in runs) else 1
 
 

@@ -108,3 +108,41 @@ def test_a_run_past_its_timeout_is_stopped_and_reported(tmp_path):
     left = [(p.info["pid"], " ".join(p.info["cmdline"])[:120]) for p in psutil.process_iter(["pid", "cmdline"])
             if any(str(out) in part for part in p.info["cmdline"] or ())]  # the ranks carry --cp-metrics-dir OUT/...
     assert not left, left
+
+
+@pytest.mark.parametrize("signum, status", [(15, 143), (2, 130)])
+def test_an_interrupted_job_stops_its_run_and_still_writes_the_report(tmp_path, signum, status):
+    """SIGTERM (a scheduler) or Ctrl-C mid-run: the run's torchrun and ranks stop, the report of
+    the runs so far is written with that run marked interrupted, status 128 + N (before: no report,
+    and Ctrl-C a traceback)."""
+    import signal
+    import subprocess
+    import time
+
+    out = tmp_path / "report"
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()))
+    proc = subprocess.Popen([sys.executable, "scripts/compare_cp_modes.py", "--config", "configs/gpt_tiny_cpu.yaml",
+                             "--cp", "2", "--iters", "100000", "--modes", "baseline", "--masks", "none", "--no-predict",
+                             "--out", str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    text, deadline = "", time.monotonic() + 120
+    try:
+        for line in proc.stdout:  # the first iteration's loss: the run is training
+            text += line
+            if "iteration 1/100000" in line or time.monotonic() > deadline:
+                break
+        assert "iteration 1/100000" in text, text[-3000:]
+        proc.send_signal(signum)
+        rest, _ = proc.communicate(timeout=60)
+        text += rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == status, text[-3000:]
+    name = signal.Signals(signum).name
+    assert f"compare_cp_modes: interrupted ({name}): stopped the baseline run" in text and "Traceback" not in text
+    rows = list(csv.DictReader(open(out / "report.csv")))
+    assert rows[0]["status"].startswith(f"FAILED: interrupted ({name})"), rows
+    left = [(p.info["pid"], " ".join(p.info["cmdline"])[:120]) for p in psutil.process_iter(["pid", "cmdline"])
+            if any(str(out) in part for part in p.info["cmdline"] or ())]
+    assert not left, left

@@ -426,7 +426,16 @@ def test_search_layout_writes_a_layout_that_mesh_runs_exactly_with_the_planned_b
         compare.main(sample + ["--modes", "mesh", "--layout-file", str(tmp_path / "missing.txt")])
 
 
-def test_compare_cp_modes_long_preset_and_the_zigzag_documents(script, tmp_path):
+def refused(capsys, call, pattern: str) -> None:
+    """``call()`` stops with status 2 and one line on stderr matching ``pattern``."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        call()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and re.search(pattern, err), (e.value.code, err)
+
+
+def test_compare_cp_modes_long_preset_and_the_zigzag_documents(script, tmp_path, capsys):
     """scripts/compare_cp_modes.py, no run: --long reads the long-context config (>= 8K tokens,
     2K+ per rank at CP 4) with every mask; docs-zigzag trains the docs config under
     --cp-layout zigzag at CP > 1 (CP 1 has no layout) and reuses the docs baseline; the default
@@ -453,10 +462,9 @@ def test_compare_cp_modes_long_preset_and_the_zigzag_documents(script, tmp_path)
     quick = compare.parse_args(["--out", str(tmp_path), "--predict", "configs/llama3_8b_128k_cp8.yaml"])
     assert quick.config == compare.DEFAULT_CONFIG and quick.masks == list(compare.DEFAULT_MASKS) and quick.iters == 6
     assert quick.cpu_problem.seq_len < args.cpu_problem.seq_len and quick.predict_configs == ["configs/llama3_8b_128k_cp8.yaml"]
-    with pytest.raises(SystemExit, match=r"compare_cp_modes: config 'nope.yaml': no such file"):
-        compare.parse_args(["--predict", "nope.yaml"])
-    with pytest.raises(SystemExit, match="exclude each other"):
-        compare.parse_args(["--predict", "x.yaml", "--no-predict"])
+    refused(capsys, lambda: compare.parse_args(["--predict", "nope.yaml"]),
+            r"compare_cp_modes: error: config 'nope.yaml': no such file")
+    refused(capsys, lambda: compare.parse_args(["--predict", "x.yaml", "--no-predict"]), "exclude each other")
     assert compare.parse_args(["--no-predict"]).predict_configs == []
 
 
@@ -468,14 +476,42 @@ def test_compare_cp_modes_always_runs_the_baseline_unless_told_not_to(script):
     assert compare.parse_args(["--modes", "ring", "baseline", "--no-predict"]).modes == ["ring", "baseline"]
     assert compare.parse_args(["--modes", "ring", "--no-baseline", "--no-predict"]).modes == ["ring"]
     assert compare.parse_args(["--no-predict"]).modes[0] == "baseline"
-    with pytest.raises(SystemExit, match="--no-baseline and --modes baseline exclude each other"):
-        compare.parse_args(["--modes", "baseline", "ring", "--no-baseline"])
+    assert compare.parse_args(["--modes", "ring", "ring", "--no-predict"]).modes == ["baseline", "ring"]  # runs once
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--modes", "baseline", "ring", "--no-baseline"], "--no-baseline and --modes baseline exclude each other"),
     # every mode's command is built before the first run: a bad one stops the job at once
-    with pytest.raises(SystemExit, match=r"unknown mode 'bogus'"):
-        compare.parse_args(["--modes", "ring", "bogus", "--no-predict"])
-    with pytest.raises(SystemExit, match=r"compare_cp_modes: baseline: world size NPROC x NNODES = 1 x 1 = 1 is not a "
-                                         r"multiple of TP x CP = 3 x 1 = 3"):
-        compare.parse_args(["--modes", "ring", "--no-predict", "--", "--tensor-model-parallel-size", "3"])
+    (["--modes", "ring", "bogus"], r"unknown mode 'bogus'"),
+    (["--modes", "ring", "--", "--tensor-model-parallel-size", "3"],
+     r"compare_cp_modes: error: baseline: world size NPROC x NNODES = 1 x 1 = 1 is not a multiple of TP x CP = 3 x 1 = 3"),
+    (["--modes", "mesh:3x3"], r"mesh:3x3: tile 3x3 does not fit CP size 4: .* allowed tiles: 1x4, 2x2, 4x1"),
+    (["--modes", "mesh:2x"], r"mesh:2x: tile shape '2x' must be 'AxB'"),
+    (["--modes", "a2a+mesh:3"], r"a2a\+mesh:3: the all-to-all degree 3 must be an integer >= 2 dividing --cp 4"),
+    (["--cp", "0", "--modes", "ring"], r"--cp must be >= 1, got 0"),
+    (["--cp", "1", "--modes", "ring"], r"--cp 1: the compared modes \(ring\) split nothing at CP 1"),
+    (["--iters", "0"], r"--iters must be >= 1, got 0"),
+    (["--window", "0"], r"--window must be >= 1 token, got 0"),
+    (["--masks", "window", "--window", "100000"], r"--window 100000 reaches across the whole sequence of \d+ tokens"),
+    (["--run-timeout", "-1"], r"--run-timeout must be a number of seconds > 0, got -1"),
+    (["--run-timeout", "0"], r"--run-timeout must be a number of seconds > 0, got 0 \(leave it out for no limit\)"),
+    (["--config", "configs/../README.md"], r"--config configs/../README.md: cannot read its MODEL_ARGS' --seq-length"),
+])
+def test_compare_cp_modes_refuses_a_bad_command_line_in_one_line(script, capsys, argv, message):
+    """Before any training, status 2, one line (as the plugin's other tools; they exited 1, some with
+    a traceback, and a bad tile failed in every run after the baselines had trained)."""
+    compare = script("compare_cp_modes")
+    cut = argv.index("--") if "--" in argv else len(argv)  # the extra Megatron flags come last
+    refused(capsys, lambda: compare.parse_args([*argv[:cut], "--no-predict", *argv[cut:]]), message)
+
+
+def test_compare_cp_modes_refuses_a_report_directory_it_cannot_make(script, capsys, tmp_path):
+    compare = script("compare_cp_modes")
+    (tmp_path / "file").write_text("")
+    refused(capsys, lambda: compare.report_directory(str(tmp_path / "file")), r"--out .*file: cannot make the report "
+                                                                                r"directory \(File exists\)")
+    refused(capsys, lambda: compare.report_directory(str(tmp_path / "file" / "under")), r"Not a directory")
+    assert compare.report_directory(str(tmp_path / "new")) == str(tmp_path / "new") and (tmp_path / "new").is_dir()
 
 
 @pytest.mark.parametrize("name, argv, message", [
