@@ -302,6 +302,46 @@ def gpt_masked_equivalence(rank: int, world: int, layouts) -> list[dict]:
     return records
 
 
+def gpt_mask_refusals(rank: int, world: int, layouts) -> list[dict]:
+    """What a Python user of Megatron-Core gets wrong, at CP 4 (mesh): documents on a batch that
+    Megatron's get_batch_on_this_cp_rank split while the layer's layout is the balanced default,
+    and a dense attention_mask that is not the causal one (both ran silently with a wrong loss);
+    the causal mask of the zigzag positions, which Megatron's dataloader makes, still runs. One
+    record per case: the error's text, or the loss and the same model's loss without a mask."""
+    _setup_megatron()
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from megatron_mesh.megatron import groups
+    from megatron_mesh.megatron.pretrain_gpt import document_params
+    from megatron_mesh.megatron.spec import gpt_local_layer_spec
+
+    single = [dist.new_group([r]) for r in range(world)][rank]
+    records = []
+    for tp, cp in layouts:
+        pgc, _, cp_group = _parallel_layout(tp, cp, single)
+        full = _doc_batch(11)
+        causal = ~torch.tril(torch.ones(BATCH, SEQ_M, SEQ_M)).bool().unsqueeze(1)
+        cases = [("balanced default, zigzag split", "eod", dict(full), document_params(full["tokens"], VOCAB - 1)),
+                 ("document mask, no documents", None, dict(full, attention_mask=_dense_doc_mask(full["tokens"])), None),
+                 ("causal mask", None, dict(full, attention_mask=causal), None),
+                 ("no mask", None, dict(full), None)]
+        for name, documents, batch, packed in cases:
+            config = _config(tp, cp, (4, 2), "mesh")
+            config.cp_seq_length, config.cp_documents = SEQ_M, documents  # cp_layout unset: balanced with documents
+            model = _build_len(config, gpt_local_layer_spec(config), pgc, "rope")
+            local = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
+            try:
+                loss, _ = _run_masked(model, local, packed)
+                dist.all_reduce(loss, group=cp_group)
+                records.append(dict(case=name, loss=loss.item()))
+            except ValueError as e:
+                records.append(dict(case=name, error=str(e)))
+        groups.destroy_groups()
+        ps.destroy_model_parallel()
+    return records
+
+
 def _build_len(config, spec, pgc, position):
     from megatron.core.models.gpt import GPTModel
 
@@ -334,5 +374,6 @@ def _thd_dense_mask(packed):
 def run_cases(rank: int, world: int, cases: dict) -> dict:
     """{name: records} of each case function of this module named in ``cases`` ({name: its
     layouts}), one after the other in the same process group (tests/conftest.megatron_models)."""
-    runners = {"gpt_equivalence": gpt_equivalence, "gpt_masked_equivalence": gpt_masked_equivalence}
+    runners = {"gpt_equivalence": gpt_equivalence, "gpt_masked_equivalence": gpt_masked_equivalence,
+               "gpt_mask_refusals": gpt_mask_refusals}
     return {name: runners[name](rank, world, layouts) for name, layouts in cases.items()}

@@ -195,10 +195,14 @@ class PluginCoreAttention(MegatronModule):
         """query [sq, b, heads, d] (or [t, heads, d] for THD), key/value likewise ->
         [sq, b, heads * d].
 
-        ``attention_mask`` is not read: with a causal mask type it only repeats the causal
+        ``attention_mask`` is not applied: with a causal mask type it only repeats the causal
         structure (Transformer Engine ignores it the same way); documents come as boundaries
-        (``packed_seq_params``), not as a dense mask."""
+        (``packed_seq_params``), not as a dense mask. A mask that says something else is an error,
+        not silently dropped (checked at the layer's first call without documents: the check
+        reads the whole mask and waits for the device)."""
         where = f"layer {self.layer_number} ({self.mode})"
+        if attention_mask is not None and packed_seq_params is None and not self.documents and not self._mask_checked:
+            self._check_dense_mask(attention_mask, query, attn_mask_type, where)
         if attention_bias is not None:
             raise ValueError(f"{where}: attention_bias is not supported by the plugin modes (allowed: None)")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
@@ -209,6 +213,41 @@ class PluginCoreAttention(MegatronModule):
             out = self._with_documents(query, key, value, causal, packed_seq_params, where)
         out = mark_output(out)
         return out.reshape(out.shape[0], out.shape[1], -1)
+
+    _mask_checked = False
+
+    def _check_dense_mask(self, attention_mask: Tensor, query: Tensor, attn_mask_type, where: str) -> None:
+        """``attention_mask`` (Megatron's: True = masked, [b or 1, 1, this rank's queries, S] after
+        get_batch_on_this_cp_rank) masks exactly what this layer masks without it -- the causal
+        structure (and window) at this rank's zigzag positions -- or a ValueError says it would be
+        ignored. E.g. a non-causal document or padding mask built in Python for a model at CP > 1."""
+        from ..plan import ZigzagLayout
+
+        self._mask_checked = True
+        sq, S = query.shape[0], attention_mask.shape[-1]
+        if attention_mask.dim() != 4 or attention_mask.shape[-2] != sq or S != sq * self.cp_size:
+            raise ValueError(f"{where}: attention_mask of shape {tuple(attention_mask.shape)} is not Megatron's "
+                             f"[b, 1, {sq}, {sq * self.cp_size}] for this rank's queries; the plugin modes do not read "
+                             "a dense mask: pass documents as packed_seq_params boundaries, or no mask")
+        device = attention_mask.device
+        rank = self.cp_group.rank()
+        pos = torch.cat([torch.arange(start, start + n, device=device)
+                         for _, start, n in ZigzagLayout(self.cp_size, S).runs(rank)])
+        keys = torch.arange(S, device=device)
+        allowed = torch.ones(sq, S, dtype=torch.bool, device=device)
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        if _causal(mask_type, where):
+            allowed &= keys[None, :] <= pos[:, None]
+        left, right = self.window if self.window is not None else (None, None)
+        if left is not None:
+            allowed &= keys[None, :] >= pos[:, None] - left
+        if right is not None:
+            allowed &= keys[None, :] <= pos[:, None] + right
+        if bool((attention_mask.to(torch.bool) == allowed).any()):  # True = masked: equal to allowed is a difference
+            raise ValueError(f"{where}: attention_mask masks other (query, key) pairs than this layer applies (causal "
+                             "structure and window at the zigzag positions); the plugin modes do not read a dense mask: "
+                             "pass documents as packed_seq_params boundaries (megatron_mesh.megatron.pretrain_gpt."
+                             "document_params), or no mask")
 
     def _with_documents(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, packed, where: str) -> Tensor:
         fmt = getattr(packed, "qkv_format", None) if packed is not None else None
@@ -248,6 +287,8 @@ class PluginCoreAttention(MegatronModule):
         own, through run_script) -- those :mod:`.batch_layout` took from the current batch.
         None: no documents."""
         cu = getattr(packed, "cu_seqlens_q", None) if packed is not None else None
+        if cu is not None and (cu.is_floating_point() or cu.is_complex() or cu.dtype == torch.bool):
+            raise ValueError(f"{where}: packed_seq_params.cu_seqlens_q must be an integer tensor, got {cu.dtype}")
         if cu is not None:
             return [tuple(sorted(set(r.tolist()))) for r in (cu if cu.dim() == 2 else cu.unsqueeze(0))]
         if self.documents is None:
@@ -262,7 +303,16 @@ class PluginCoreAttention(MegatronModule):
         """The batch was split by the layouts the layer uses: both come from
         :func:`.batch_layout.sample_layout`, so only different settings could part them."""
         batch = batch_layout.current()
-        if batch is None or list(batch.rows) != list(rows) or batch.layouts == tuple(layouts):
+        if batch is None or list(batch.rows) != list(rows):
+            if any(layout is not None for layout in layouts):  # tokens split another way: a wrong result, silently
+                raise ValueError(
+                    f"{where}: the samples' CP layout is the balanced one (cp_layout "
+                    f"{getattr(self.config, 'cp_layout', None) or 'balanced'!r}, the default with documents at CP > 1), "
+                    "but this batch was not split by it (no megatron_mesh.megatron.batch_layout.BatchLayout of these "
+                    "documents is current): split the batch with BatchLayout and set_current as the entry scripts' "
+                    "get_batch does, or set cp_layout='zigzag' to keep Megatron's get_batch_on_this_cp_rank split")
+            return
+        if batch.layouts == tuple(layouts):
             return
         i = next(i for i, (a, b) in enumerate(zip(batch.layouts, layouts)) if a != b)
         text = [x.text()[:120] if x is not None else "Megatron's zigzag" for x in (batch.layouts[i], layouts[i])]
