@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .base import Communicator, Work
+from .torch_dist import check_member
 
 __all__ = ["AllToAllCommunicator"]
 
@@ -48,11 +49,9 @@ class AllToAllCommunicator(Communicator):
 
     def __init__(self, group: dist.ProcessGroup | None = None, device: torch.device | None = None):
         self.group = group
+        check_member(group)
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        if self.rank < 0:
-            raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the process group "
-                             f"{dist.get_process_group_ranks(group)} it was asked to attend over")
         if device is None:  # where the empty buffers of a rank with nothing to move live
             nccl = dist.get_backend(group) == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")

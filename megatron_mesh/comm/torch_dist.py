@@ -39,6 +39,15 @@ class _Works:
             w.wait()
 
 
+def check_member(group) -> None:
+    """ValueError where this process is not in ``group``: torch.distributed.new_group hands ranks
+    outside the group a placeholder, whose ranks are not the group's (so the message names none)."""
+    if group is not None and (group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0):
+        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the process group it was asked "
+                         "to attend over (torch.distributed.new_group was called without this rank); call attention "
+                         "on the ranks of that group only (each rank passes its own CP group)")
+
+
 class TorchDistCommunicator(Communicator):
     """P2P over ``group`` (None: the default group); plan ranks are group ranks.
 
@@ -50,13 +59,10 @@ class TorchDistCommunicator(Communicator):
     def __init__(self, group: dist.ProcessGroup | None = None,
                  routes: Mapping[int, dist.ProcessGroup] | None = None):
         self.group = group
+        check_member(group)
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.global_ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world_size))
-        if self.rank < 0:
-            raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the process group "
-                             f"{self.global_ranks} it was asked to attend over; call attention on the ranks of "
-                             "that group only (each rank passes its own CP group)")
         self.routes = dict(routes or {})
         me = self.global_ranks[self.rank]
         for peer, sub in self.routes.items():
