@@ -59,6 +59,7 @@ from .planner import (AUTO, FORMULAS, LAYOUTS, REGISTRY, ModeResult, all_modes, 
                       default_modes, derived_modes, evaluate, layout_rows, mean_rows, worker_pool)
 
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
+PLOT_CP = "8,16,32,64,128,256,512,1024"  # --plot's CP sizes unless --plot-cp says
 # the lines of --plot (one per mode: rows with one placement per CP size)
 PLOT_MODES = ("ring", "mesh-auto", "tasp", "a2a+mesh-auto", "usp", "ulysses")
 
@@ -139,7 +140,7 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--plot", metavar="FILE.png",
                    help="also draw bytes, time and time relative to ring versus CP size (unmasked: not with "
                         "--window or --docs)")
-    o.add_argument("--plot-cp", default="8,16,32,64,128,256,512,1024", help="CP sizes of the plot")
+    o.add_argument("--plot-cp", default=None, help=f"CP sizes of the plot (with --plot; default {PLOT_CP})")
     o.add_argument("--jobs", type=int, default=1, metavar="N",
                    help="plan and simulate the rows in N processes (0: one per CPU core); the same table, sooner "
                         "(every row is one plan and one simulation: 1M tokens at 256 ranks with --layout all takes "
@@ -419,8 +420,10 @@ def _plot_sizes(args, modes: tuple[str, ...]) -> list[int]:
         raise ValueError(f"--plot draws {', '.join(PLOT_MODES)}; --modes {args.modes!r} names none of them")
     path = args.plot
     folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        raise ValueError(f"--plot {path!r} must be a PNG file in a writable folder")
+    if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK) \
+            or not path.lower().endswith(".png"):  # it writes PNG whatever the name says
+        raise ValueError(f"--plot {path!r} must be a PNG file (FILE.png) in a writable folder")
+    args.plot_cp = PLOT_CP if args.plot_cp is None else args.plot_cp
     try:
         sizes = [int(x) for x in args.plot_cp.split(",") if x.strip()]
     except ValueError:
@@ -640,6 +643,9 @@ def main(argv: list[str] | None = None) -> int:
     handler = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     try:
         return _main(args)
+    except BrokenPipeError:  # `megatron-mesh-plan ... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush would raise again
+        return 0
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if handler is None else handler)
@@ -656,6 +662,8 @@ def _main(args) -> int:
         seeds = _seeds(args)
         layouts = _layouts(args)
         file_layout = _layout_file(args)
+        if args.plot_cp is not None and not args.plot:
+            raise ValueError(f"--plot-cp {args.plot_cp} sets the CP sizes of --plot FILE.png, which is not given")
         plot_sizes = _plot_sizes(args, modes) if args.plot else None
         start = time.perf_counter()
         with worker_pool(args.jobs) as pool:  # one pool for every sample, the table and the plot

@@ -139,8 +139,11 @@ def test_plot_figure_shows_every_line_and_the_time_relative_to_ring():
     (["--kernel-latency", "inf", "--json"], "--kernel-latency must be a finite number >= 0, got inf"),
     # --plot is checked before any planning: a file it can write, modes it draws, CP sizes that fit
     (["--cp", "4", "--seq-len", "4096", "--plot", "/nonexistent/dir/x.png"],
-     "--plot '/nonexistent/dir/x.png' must be a PNG file in a writable folder"),
-    (["--cp", "4", "--seq-len", "4096", "--plot", "."], "--plot '.' must be a PNG file in a writable folder"),
+     "--plot '/nonexistent/dir/x.png' must be a PNG file \\(FILE.png\\) in a writable folder"),
+    (["--cp", "4", "--seq-len", "4096", "--plot", "."], "--plot '.' must be a PNG file"),
+    (["--cp", "4", "--seq-len", "4096", "--plot", "p.jpg"], "--plot 'p.jpg' must be a PNG file \\(FILE.png\\)"),
+    (["--cp", "4", "--seq-len", "4096", "--plot-cp", "8,16"],
+     "--plot-cp 8,16 sets the CP sizes of --plot FILE.png, which is not given"),
     (["--cp", "4", "--seq-len", "4096", "--modes", "mesh", "--plot", "p.png"],
      "--plot draws ring, mesh-auto, .*; --modes 'mesh' names none of them"),
     (["--cp", "4", "--seq-len", "4096", "--window", "16", "--plot", "p.png"],
@@ -160,6 +163,17 @@ def test_plot_figure_shows_every_line_and_the_time_relative_to_ring():
 def test_cli_rejects_bad_input(capsys, argv, message):
     assert main(argv) == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_cli_output_into_a_closed_pipe_is_not_an_error(tmp_path):
+    """`megatron-mesh-plan ... | head -1`: the reader stops early; no BrokenPipeError traceback."""
+    import subprocess
+
+    plan = subprocess.Popen([sys.executable, "-m", "megatron_mesh.tools.plan_cli", "--cp", "8", "--seq-len", "8192"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    plan.stdout.close()  # closed before the table is written
+    _, err = plan.communicate(timeout=120)
+    assert plan.returncode == 0 and b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()[-2000:]
 
 
 def test_documents_spec_with_single_documents():
