@@ -78,11 +78,8 @@ def planned(mode: str, world: int, shape: AttentionShape, mask: Mask, layout: st
 
 
 def _layout_file(path: str, world: int, mask: Mask):
-    """The layout in ``path`` (one text line), checked against the run: SystemExit naming what differs."""
-    try:
-        return read_layout_file(path, world, mask.documents, "--world")
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
+    """The layout in ``path`` (one text line), checked against the run: ValueError naming what differs."""
+    return read_layout_file(path, world, mask.documents, "--world")
 
 
 def _window(mask: Mask):
@@ -192,12 +189,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     except ValueError as e:
         ap.error(str(e))
     if args.layout != "zigzag" and mask.documents is None:
-        raise SystemExit(f"--layout {args.layout} lays out documents: give --docs")
+        ap.error(f"--layout {args.layout} lays out documents: give --docs")
     names = {"both": ("zigzag", "balanced"), "all": ("zigzag", "balanced", "balanced-hide")}
     variants = [(mask, name) for name in names.get(args.layout, (args.layout,))]
     given = None
     if args.layout_file:
-        given = _layout_file(args.layout_file, args.world, mask)
+        try:
+            given = _layout_file(args.layout_file, args.world, mask)
+        except ValueError as e:
+            ap.error(str(e))
         variants.append((mask, "file"))
     if args.unmasked and not mask.is_dense:
         variants.append((Mask(not args.full).normalized(args.seq_len), "zigzag"))
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             try:
                 plans[v, mode] = planned(mode, args.world, shape, *v, given=given)
             except ValueError as e:
-                raise SystemExit(f"--modes {mode}: {e}") from None
+                ap.error(f"--modes {mode}: {e}")
     runs = [(m, name, [plans[(m, name), mode][2] for mode in args.modes]) for m, name in variants]
     results = spawn(run_rank, args.world, args, runs, timeout=3600)
     return _report(args, shape, variants, plans, results)

@@ -327,6 +327,17 @@ def test_tasp_link_load_matches_the_ring_arithmetic(script, capsys):
     assert nodes[("tasp (one node)", "forward")]["links"] == 4
 
 
+def refused(capsys, call, pattern: str, one_line: bool = True) -> None:
+    """``call()`` stops with status 2 and one line on stderr matching ``pattern`` (not
+    ``one_line``: argparse's usage first, then its error line)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        call()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and (len(err.splitlines()) == 1 or not one_line) and re.search(pattern, err), \
+        (e.value.code, err)
+
+
 def test_compare_attention_measures_what_the_plans_predict(script, capsys):
     """Every kind of mode on 4 gloo processes: errors at fp32 rounding, bytes equal to the plan of
     the same placement (the script exits otherwise), Mesh and the hybrids below ring attention."""
@@ -350,10 +361,10 @@ def test_compare_attention_measures_what_the_plans_predict(script, capsys):
     assert all(r["err"] < 1e-5 and r["sent"] == r["planned"] and r["balance"] >= 1.0 for r in rows), rows
     for mode, r in masked.items():
         assert r["sent"] < plain[mode]["sent"] and r["work_mean"] < plain[mode]["work_mean"], (mode, r, plain[mode])
-    with pytest.raises(SystemExit, match=r"--modes mesh:3x2: tile 3x2 does not fit CP size 4"):
-        compare.main(["--world", "4", "--modes", "mesh:3x2"])
-    with pytest.raises(SystemExit, match="--modes ulysses: unknown CP mode 'ulysses'; allowed: ring, mesh"):
-        compare.main(["--world", "4", "--modes", "ulysses"])
+    refused(capsys, lambda: compare.main(["--world", "4", "--modes", "mesh:3x2"]),
+            r"--modes mesh:3x2: tile 3x2 does not fit CP size 4", one_line=False)
+    refused(capsys, lambda: compare.main(["--world", "4", "--modes", "ulysses"]),
+            "--modes ulysses: unknown CP mode 'ulysses'; allowed: ring, mesh", one_line=False)
 
 
 def test_compare_attention_runs_documents_on_both_layouts(script, capsys):
@@ -370,8 +381,8 @@ def test_compare_attention_runs_documents_on_both_layouts(script, capsys):
     assert all(r["err"] < 1e-5 and r["sent"] == r["planned"] for r in rows), rows
     assert max(r["balance"] for r in rows if r["layout"] == "balanced") <= 1.05, rows
     assert max(r["balance"] for r in rows if r["layout"] == "zigzag") > 1.1, rows  # what the layout is for
-    with pytest.raises(SystemExit, match="--layout balanced lays out documents: give --docs"):
-        compare.main(["--world", "4", "--layout", "balanced"])
+    refused(capsys, lambda: compare.main(["--world", "4", "--layout", "balanced"]),
+            "--layout balanced lays out documents: give --docs", one_line=False)
     # the hybrid on balanced-hide (its first and last documents set apart): exact, the plan's bytes
     rows = compare.main(["--world", "4", "--seq-len", "256", "--heads", "4", "--kv-heads", "1", "--head-dim", "8",
                          "--docs", "lognormal:40,1.0", "--seed", "3", "--layout", "balanced-hide",
@@ -418,21 +429,15 @@ def test_search_layout_writes_a_layout_that_mesh_runs_exactly_with_the_planned_b
               for m in ("ring", "mesh", "tasp", "a2a+ring:2", "a2a+mesh:2", "a2a+tasp:2")}
     assert got["zigzag"] == zigzag[got["zigzag_mode"]] == min(zigzag.values())
     assert f"searched / zigzag = {got['sent'] / got['zigzag']:.3f}" in out
-    with pytest.raises(SystemExit, match=r"--modes ring: this layout names the rank that computes each of its blocks"):
-        compare.main(sample + ["--modes", "ring", "--layout-file", str(path)])
-    with pytest.raises(SystemExit, match=r"its documents are not those of --docs"):
-        compare.main(sample[:7] + ["4"] + sample[8:] + ["--modes", "mesh", "--layout-file", str(path)])
-    with pytest.raises(SystemExit, match=r"--layout-file .*missing.txt: \[Errno 2\]"):
-        compare.main(sample + ["--modes", "mesh", "--layout-file", str(tmp_path / "missing.txt")])
+    refused(capsys, lambda: compare.main(sample + ["--modes", "ring", "--layout-file", str(path)]),
+            r"--modes ring: this layout names the rank that computes each of its blocks", one_line=False)
+    refused(capsys, lambda: compare.main(sample[:7] + ["4"] + sample[8:] + ["--modes", "mesh", "--layout-file",
+                                                                           str(path)]),
+            r"its documents are not those of --docs", one_line=False)
+    refused(capsys, lambda: compare.main(sample + ["--modes", "mesh", "--layout-file", str(tmp_path / "missing.txt")]),
+            r"--layout-file .*missing.txt: \[Errno 2\]", one_line=False)
 
 
-def refused(capsys, call, pattern: str) -> None:
-    """``call()`` stops with status 2 and one line on stderr matching ``pattern``."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        call()
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and len(err.splitlines()) == 1 and re.search(pattern, err), (e.value.code, err)
 
 
 def test_compare_cp_modes_long_preset_and_the_zigzag_documents(script, tmp_path, capsys):
