@@ -193,9 +193,12 @@ def measure_fig(runs: list[RunResult], measure: str, baseline: str | None = "bas
                         fmt="none", ecolor="black", elinewidth=0.8, capsize=2)
     if measure == "time":
         counts = sorted({len(timed_iterations(r)) for r in runs if r.ok and r.times_ms})
-        ax.set_title(f"mean of {'/'.join(map(str, counts))} iterations (the first left out), whiskers: min-max. "
-                     "Differences inside the whiskers are noise;\non CPU the ranks share the cores, so these "
-                     "times say nothing of GPU speed", fontsize=8)
+        warm_up = all(len(r.times_ms) > 1 for r in runs if r.ok and r.times_ms)  # one iteration: it is the one timed
+        # three short lines: the title stays clear of the legend beside the plot
+        ax.set_title(f"mean of {'/'.join(map(str, counts))} iteration{'s' if counts != [1] else ''}"
+                     f"{' (the first left out)' if warm_up else ''}, whiskers: min-max;\ndifferences inside the "
+                     "whiskers are noise; on CPU the ranks share\nthe cores, so these times say nothing of GPU speed",
+                     fontsize=8)
     elif measure == "memory" and "max RSS" in kinds:
         ax.set_title("max RSS per process: mostly torch and Megatron themselves, not attention buffers", fontsize=8)
     ax.set_xticks(range(len(masks)), [f"mask: {m}" for m in masks])

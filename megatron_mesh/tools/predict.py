@@ -343,6 +343,9 @@ def measured_vs_planned_section(runs, problem: Problem, window: int | None = Non
     metrics), or -- metrics without them -- planned for ``draws`` draws of the job's length
     distribution (lognormal, mean ``doc_mean``, sigma 1): an estimate."""
     runs = [r for r in runs if r.cp > 1 and r.ok and r.bytes_per_step is not None]
+    if not runs:  # every CP run failed: a heading over nothing would read as a missing table
+        return ("## Measured vs planned bytes (this CPU run)\n\nNo CP run finished, so there is nothing measured to "
+                "set beside the plans.")
     per_step = problem.layers * problem.micro_batches
     if any(r.mask in ("docs", "docs-zigzag") for r in runs) and doc_mean is None:
         raise ValueError("planning the documents runs needs their mean length (doc_mean)")

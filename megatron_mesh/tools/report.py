@@ -209,13 +209,16 @@ def write_report(runs: list[RunResult], out_dir: str, title: str, baseline: str 
     for mask in masks:
         if mask.endswith(ZIGZAG_SUFFIX) and mask[:-len(ZIGZAG_SUFFIX)] in masks:
             lines += _layout_table(runs, mask[:-len(ZIGZAG_SUFFIX)], mask, deviation)
-    lines += ["", "Loss per iteration:", "", "| run | " + " | ".join(str(i) for i in iters) + " |",
-              "|---|" + "---|" * len(iters)]
-    for r in runs:
-        lines.append(f"| {label(r)} | " + " | ".join(f"{r.losses[i]:.6f}" if i in r.losses else "-" for i in iters) + " |")
+    if iters:  # no run logged a loss (every one failed): no table to draw
+        lines += ["", "Loss per iteration:", "", "| run | " + " | ".join(str(i) for i in iters) + " |",
+                  "|---|" + "---|" * len(iters)]
+        for r in runs:
+            lines.append(f"| {label(r)} | " + " | ".join(f"{r.losses[i]:.6f}" if i in r.losses else "-" for i in iters)
+                         + " |")
     kinds = {r.memory_kind for r in runs if r.memory_kind}
-    lines += ["", f"Peak memory is the {', '.join(sorted(kinds)) or 'peak memory'} of the largest rank; time per "
-              "iteration is the slowest rank's Megatron train_step, the first iteration left out; bytes are the plugin's attention traffic (all layers, forward "
+    lines += ["", f"Peak memory is the {', '.join(sorted(kinds)) or 'peak memory (max RSS on CPU, the CUDA allocator on GPUs)'} "
+              "of the largest rank; time per iteration is the slowest rank's Megatron train_step, the first iteration "
+              "left out where there are others; bytes are the plugin's attention traffic (all layers, forward "
               "and backward) measured by comm_counter; each run's loss deviation and ratio to ring are against the "
               "baseline and ring runs of its own mask. Work max/mean and bytes max/mean: the busiest CP rank's "
               "attention work (scores its kernel calls computed in the forward, from the plans the layers ran) and "
@@ -239,7 +242,10 @@ def write_report(runs: list[RunResult], out_dir: str, title: str, baseline: str 
         return write(["", PLOTTING_MISSING])
     from .figures import write_figures
 
-    return write(["", *_FIGURE_TEXT, ""] + [f"![{name}]({name})" for name in write_figures(runs, out_dir, baseline)])
+    drawn = write_figures(runs, out_dir, baseline)
+    if not drawn:  # no run finished: nothing to draw, and no legend of figures that are not there
+        return write(["", "Figures: none (no run finished)."])
+    return write(["", *_FIGURE_TEXT, ""] + [f"![{name}]({name})" for name in drawn])
 
 
 ZIGZAG_SUFFIX = "-zigzag"

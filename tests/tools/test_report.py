@@ -63,6 +63,17 @@ def test_read_metrics_keeps_what_the_latest_run_stands_on(tmp_path):
     assert m.bytes_per_step == (2 * 100 + 3 * 40) / 5
 
 
+def test_a_report_of_runs_that_all_failed_has_no_empty_tables(tmp_path):
+    """Every run stopped (a --run-timeout too short): the status table and the reasons, no loss
+    table without columns, no legend of figures that were not drawn."""
+    runs = [RunResult("baseline", 1, ok=False, error="stopped"), RunResult("ring", 4, ok=False, error="stopped")]
+    text = write_report(runs, str(tmp_path), "title", baseline="baseline")
+    assert "| ring (failed) | none | 4 |" in text and "**ring failed**: stopped" in text
+    assert "Loss per iteration" not in text and "| run |  |" not in text
+    if not text.endswith(PLOTTING_MISSING + "\n"):
+        assert text.rstrip().endswith("Figures: none (no run finished).") and not list(tmp_path.glob("*.png"))
+
+
 def test_format_bytes():
     assert [format_bytes(n) for n in (None, 0, 1023, 1024, 3 * 2**20)] == ["-", "0 B", "1023 B", "1.00 KiB", "3.00 MiB"]
 
