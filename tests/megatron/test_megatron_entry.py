@@ -559,13 +559,24 @@ _INTERRUPT = textwrap.dedent("""
 """)
 
 
+def _ctrl_c_as_in_a_terminal():
+    """A child's SIGINT as a terminal's, also where the tests run with it ignored (a job a shell
+    without job control put in the background: children inherit the ignore, and Python then
+    never raises KeyboardInterrupt)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_a_rank_of_the_launcher_exits_130_on_ctrl_c_without_a_traceback():
-    run = subprocess.run([sys.executable, "-c", _INTERRUPT], capture_output=True, text=True, timeout=60)
+    run = subprocess.run([sys.executable, "-c", _INTERRUPT], capture_output=True, text=True, timeout=60,
+                         preexec_fn=_ctrl_c_as_in_a_terminal)
     assert run.returncode == 130 and run.stdout.split() == ["ready", "unwound"], (run.returncode, run.stdout, run.stderr)
     assert run.stderr == ""
     # outside the launcher Ctrl-C stays KeyboardInterrupt
     plain = _INTERRUPT.replace('os.environ["MEGATRON_MESH_LAUNCHER_PID"] = str(os.getppid())', "")
-    run = subprocess.run([sys.executable, "-c", plain], capture_output=True, text=True, timeout=60)
+    run = subprocess.run([sys.executable, "-c", plain], capture_output=True, text=True, timeout=60,
+                         preexec_fn=_ctrl_c_as_in_a_terminal)
     assert run.returncode != 130 and "KeyboardInterrupt" in run.stderr
 
 

@@ -124,7 +124,10 @@ def test_an_interrupted_job_stops_its_run_and_still_writes_the_report(tmp_path, 
     proc = subprocess.Popen([sys.executable, "scripts/compare_cp_modes.py", "--config", "configs/gpt_tiny_cpu.yaml",
                              "--cp", "2", "--iters", "100000", "--modes", "baseline", "--masks", "none", "--no-predict",
                              "--out", str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                            # Ctrl-C as in a terminal, also where this test runs with SIGINT ignored (a job put
+                            # in the background by a shell without job control: its children inherit that)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     text, deadline = "", time.monotonic() + 120
     try:
         for line in proc.stdout:  # the first iteration's loss: the run is training
