@@ -325,9 +325,13 @@ def gpt_mask_refusals(rank: int, world: int, layouts) -> list[dict]:
         cases = [("balanced default, zigzag split", "eod", dict(full), document_params(full["tokens"], VOCAB - 1)),
                  ("document mask, no documents", None, dict(full, attention_mask=_dense_doc_mask(full["tokens"])), None),
                  ("causal mask", None, dict(full, attention_mask=causal), None),
-                 ("no mask", None, dict(full), None)]
+                 ("no mask", None, dict(full), None),
+                 # a window layer given the dataloader's causal mask (Megatron-LM's script): its window is the
+                 # config's, the mask only the causal structure
+                 ("window, causal mask", None, dict(full, attention_mask=causal), None),
+                 ("window, no mask", None, dict(full), None)]
         for name, documents, batch, packed in cases:
-            config = _config(tp, cp, (4, 2), "mesh")
+            config = _config(tp, cp, (4, 2), "mesh", **(dict(window_size=(5, 0)) if "window" in name else {}))
             config.cp_seq_length, config.cp_documents = SEQ_M, documents  # cp_layout unset: balanced with documents
             model = _build_len(config, gpt_local_layer_spec(config), pgc, "rope")
             local = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)

@@ -218,9 +218,10 @@ class PluginCoreAttention(MegatronModule):
 
     def _check_dense_mask(self, attention_mask: Tensor, query: Tensor, attn_mask_type, where: str) -> None:
         """``attention_mask`` (Megatron's: True = masked, [b or 1, 1, this rank's queries, S] after
-        get_batch_on_this_cp_rank) masks exactly what this layer masks without it -- the causal
-        structure (and window) at this rank's zigzag positions -- or a ValueError says it would be
-        ignored. E.g. a non-causal document or padding mask built in Python for a model at CP > 1."""
+        get_batch_on_this_cp_rank) masks what this layer masks without it -- the causal structure at
+        this rank's zigzag positions (Megatron's dataloader mask), or that and the layer's window --
+        or a ValueError says it would be ignored. E.g. a non-causal document or padding mask built
+        in Python for a model at CP > 1."""
         from ..plan import ZigzagLayout
 
         self._mask_checked = True
@@ -238,12 +239,16 @@ class PluginCoreAttention(MegatronModule):
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         if _causal(mask_type, where):
             allowed &= keys[None, :] <= pos[:, None]
+        masked = attention_mask.to(torch.bool)
+        same = not bool((masked == allowed).any())  # True = masked: equal to allowed is a difference
         left, right = self.window if self.window is not None else (None, None)
-        if left is not None:
-            allowed &= keys[None, :] >= pos[:, None] - left
-        if right is not None:
-            allowed &= keys[None, :] <= pos[:, None] + right
-        if bool((attention_mask.to(torch.bool) == allowed).any()):  # True = masked: equal to allowed is a difference
+        if not same and (left is not None or right is not None):  # the window applied by the mask too
+            if left is not None:
+                allowed &= keys[None, :] >= pos[:, None] - left
+            if right is not None:
+                allowed &= keys[None, :] <= pos[:, None] + right
+            same = not bool((masked == allowed).any())
+        if not same:
             raise ValueError(f"{where}: attention_mask masks other (query, key) pairs than this layer applies (causal "
                              "structure and window at the zigzag positions); the plugin modes do not read a dense mask: "
                              "pass documents as packed_seq_params boundaries (megatron_mesh.megatron.pretrain_gpt."

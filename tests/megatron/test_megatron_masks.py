@@ -71,3 +71,4 @@ def test_masks_the_layers_would_not_apply_are_errors_not_wrong_losses(megatron_m
         assert "cp_layout='zigzag'" in got["balanced default, zigzag split"]["error"]
         assert "attention_mask masks other (query, key) pairs" in got["document mask, no documents"]["error"]
         assert got["causal mask"]["loss"] == got["no mask"]["loss"]
+        assert got["window, causal mask"]["loss"] == got["window, no mask"]["loss"] != got["no mask"]["loss"]
