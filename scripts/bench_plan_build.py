@@ -61,22 +61,31 @@ def measure(P: int, S: int, spec: str, modes: list[str], seed: int = 0) -> list[
     return out
 
 
+DEFAULT_DOCS = "lognormal:4096,1.0"  # the documents (1M tokens)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cp", type=int, nargs="+", default=[64, 256, 1024])
     ap.add_argument("--seq-len", type=int, default=1 << 20)
-    ap.add_argument("--docs", default="lognormal:4096,1.0")
+    ap.add_argument("--docs", default=None, help=f"documents, as megatron-mesh-plan --docs (default {DEFAULT_DOCS})")
     ap.add_argument("--modes", nargs="+", default=["ring", "mesh", "tasp"])
     args = ap.parse_args(argv)
+    if args.seq_len < 1:
+        ap.error(f"--seq-len must be >= 1, got {args.seq_len}")
+    if len(set(args.cp)) < len(args.cp) or len(set(args.modes)) < len(args.modes):
+        ap.error(f"--cp {args.cp} / --modes {args.modes}: name each CP size and mode once")
     bad = [P for P in args.cp if P < 1 or args.seq_len % (2 * P)]
-    if args.seq_len < 1 or bad:
+    if bad:
         ap.error(f"--cp {bad or args.cp}: every CP size must be >= 1 and split --seq-len {args.seq_len} into 2 x CP halves")
+    given, args.docs = args.docs, args.docs or DEFAULT_DOCS
     try:  # the documents and the modes, before the first measurement
         document_bounds(args.docs, args.seq_len)
         for mode in args.modes:
             get_mode(mode)
     except ValueError as e:
-        ap.error(str(e))
+        ap.error(str(e) + ("" if given else f" (--docs {DEFAULT_DOCS} is the default: give --docs for a --seq-len this "
+                                              "short)"))
     print(f"{'P':>5} {'docs':>6} {'mode':<6} {'layout':<9} {'layout ms':>10} {'plan ms':>9} {'all ranks s':>12}")
     for P in args.cp:
         for row in measure(P, args.seq_len, args.docs, args.modes):

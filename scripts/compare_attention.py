@@ -176,8 +176,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.kv_heads = args.heads
     if args.world < 1 or args.repeat < 1:
         ap.error(f"--world and --repeat must be >= 1, got {args.world} and {args.repeat}")
-    if args.seq_len % (2 * args.world):
-        ap.error(f"--seq-len {args.seq_len} must be divisible by 2 * --world = {2 * args.world}")
+    if args.seq_len < 2 * args.world or args.seq_len % (2 * args.world):  # 0 too: each rank holds two halves
+        ap.error(f"--seq-len {args.seq_len} must be a positive multiple of 2 * --world = {2 * args.world}")
     if not args.no_check:  # every process builds the dense reference: say so before they are killed
         need, free = reference_bytes(args), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
         if need > free:
@@ -212,7 +212,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             try:
                 plans[v, mode] = planned(mode, args.world, shape, *v, given=given)
             except ValueError as e:
-                ap.error(f"--modes {mode}: {e}")
+                # the API's setting names, as the mode spec spells them (mode:U for the all-to-all degree)
+                ap.error(f"--modes {mode}: " + str(e).replace("ulysses_size ", "the all-to-all degree U = "))
     runs = [(m, name, [plans[(m, name), mode][2] for mode in args.modes]) for m, name in variants]
     results = spawn(run_rank, args.world, args, runs, timeout=3600)
     return _report(args, shape, variants, plans, results)

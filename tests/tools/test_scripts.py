@@ -520,7 +520,13 @@ def test_compare_cp_modes_refuses_a_report_directory_it_cannot_make(script, caps
 
 
 @pytest.mark.parametrize("name, argv, message", [
-    ("bench_plan_build", ["--cp", "4", "--seq-len", "1024"], r"--docs 'lognormal:4096,1.0' must be parts joined"),
+    ("bench_plan_build", ["--cp", "4", "--seq-len", "1024"],
+     r"--docs 'lognormal:4096,1.0' must be parts joined.* \(--docs lognormal:4096,1.0 is the default: give --docs for a "
+     r"--seq-len this short\)"),
+    ("bench_plan_build", ["--cp", "4", "--seq-len", "0"], r"--seq-len must be >= 1, got 0"),
+    ("bench_plan_build", ["--cp", "4", "4", "--seq-len", "1024", "--docs", "fixed:128"], r"name each CP size and mode once"),
+    ("bench_plan_build", ["--cp", "4", "--seq-len", "1024", "--docs", "fixed:128", "--modes", "ring", "ring"],
+     r"name each CP size and mode once"),
     ("bench_plan_build", ["--cp", "0", "3", "--seq-len", "1024", "--docs", "fixed:128"],
      r"--cp \[0, 3\]: every CP size must be >= 1 and split --seq-len 1024 into 2 x CP halves"),
     ("bench_plan_build", ["--cp", "4", "--seq-len", "1024", "--docs", "fixed:128", "--modes", "foo"],
@@ -533,7 +539,10 @@ def test_compare_cp_modes_refuses_a_report_directory_it_cannot_make(script, caps
     ("compare_attention", ["--world", "2", "--seq-len", "64", "--window", "4,2"],
      r"--window '4,2': a causal query never sees a later key, so R must be 0 or left out \(--window 4\); give --full "
      r"for R > 0"),
-    ("compare_attention", ["--world", "4", "--seq-len", "36"], r"--seq-len 36 must be divisible by 2 \* --world = 8"),
+    ("compare_attention", ["--world", "4", "--seq-len", "36"], r"--seq-len 36 must be a positive multiple of 2 \* --world = 8"),
+    ("compare_attention", ["--world", "4", "--seq-len", "0"], r"--seq-len 0 must be a positive multiple of 2 \* --world = 8"),
+    ("compare_attention", ["--world", "4", "--seq-len", "64", "--modes", "a2a+mesh:3"],
+     r"--modes a2a\+mesh:3: the all-to-all degree U = 3 must be"),
     ("compare_attention", ["--world", "2", "--seq-len", "64", "--heads", "3", "--kv-heads", "2"],
      r"heads \(3\) must be divisible by kv_heads \(2\)"),
     ("compare_attention", ["--world", "8", "--seq-len", "4194304", "--heads", "2", "--head-dim", "8"],
