@@ -279,6 +279,12 @@ def crash_stops_other_nodes() -> Iterator[None]:
     try:
         yield
     except BaseException as e:
+        if not _FAILING.is_set() and _multi_node_job() and _another_node_stopped():
+            # that node's failure ended this rank too (gloo's collectives see its ranks go): this
+            # node's first rank says so in one line (its watcher); no traceback of the consequence
+            if _first_rank_of_node():
+                _EXITING.wait(3 * WATCH_POLL_S)  # the watcher prints and exits within a poll
+            _exit_now()
         if _tells(e) and not _FAILING.is_set() and _multi_node_job():
             _FAILING.set()
             try:
@@ -287,6 +293,16 @@ def crash_stops_other_nodes() -> Iterator[None]:
                 pass
         raise
     _EXITING.set()  # finished: another node's failure from now on is not this node's
+
+
+def _another_node_stopped() -> bool:
+    """Whether another node has told the job it stopped (its message is in torchrun's store)."""
+    try:
+        job = _Job.of_worker()
+        store = job.store(WATCH_STORE_TIMEOUT_S)
+        return bool(store.check([job.key])) and store.get(job.key).decode().split("|", 1)[0] != job.node
+    except Exception:  # noqa: BLE001 -- no store (node 0 has ended, or not a torchrun job): nothing to tell
+        return False
 
 
 @contextlib.contextmanager
