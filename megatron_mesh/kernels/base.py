@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ..plan.mask import BlockKind
 
-__all__ = ["BlockKernel", "BlockMask", "FULL", "CAUSAL", "varlen_forward", "varlen_backward", "loop_varlen_forward",
+__all__ = ["BlockKernel", "BlockMask", "FULL", "CAUSAL", "check_head_dims", "varlen_forward", "varlen_backward", "loop_varlen_forward",
            "loop_varlen_backward", "rows_of"]
 
 
@@ -83,6 +83,15 @@ FULL = BlockMask(BlockKind.FULL)
 CAUSAL = BlockMask(BlockKind.CAUSAL)
 
 
+def check_head_dims(kernel, head_dim: int, v_head_dim: int) -> None:
+    """Raise ValueError, naming the kernel, where ``kernel`` cannot take values of ``v_head_dim``
+    with queries and keys of ``head_dim`` (its optional ``check_head_dims``; a kernel without one
+    takes any)."""
+    check = getattr(kernel, "check_head_dims", None)
+    if v_head_dim != head_dim and check is not None:
+        check(head_dim, v_head_dim)
+
+
 def rows_of(rows: tuple[Tensor, ...] | None, start: int, n: int) -> dict:
     """``backward(..., **rows_of(rows, start, n))``: rows [start, start + n) of what a kernel's
     ``backward_rows`` made (nothing when it made nothing)."""
@@ -95,9 +104,12 @@ def rows_of(rows: tuple[Tensor, ...] | None, start: int, n: int) -> dict:
 class BlockKernel(Protocol):
     """Attention of one block.
 
-    Layout: ``q`` [B, H, Sq, D]; ``k``, ``v`` [B, Hkv, Sk, D] with H % Hkv == 0 (grouped-query
-    attention: query head h uses KV head h // (H / Hkv)). Inputs may be strided views (slices of
-    a chunk along the sequence, or of a [S, B, H, D] tensor), with the head_dim axis contiguous.
+    Layout: ``q`` [B, H, Sq, D]; ``k`` [B, Hkv, Sk, D], ``v`` [B, Hkv, Sk, Dv] with H % Hkv == 0
+    (grouped-query attention: query head h uses KV head h // (H / Hkv)); Dv may differ from D
+    (MLA) where the kernel takes it: a kernel that cannot defines ``check_head_dims(d, dv)``,
+    raising ValueError naming itself (:func:`check_head_dims`). Inputs may be strided views
+    (slices of a chunk along the sequence, or of a [S, B, H, D] tensor), with the head_dim axis
+    contiguous. The output and dout have Dv.
     """
 
     name: str

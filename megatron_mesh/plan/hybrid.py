@@ -51,6 +51,7 @@ except dK/dV of a KV head replicated to several ranks, a partial sum (fp32).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from itertools import accumulate
 from typing import Callable
 
@@ -100,8 +101,7 @@ def inner_shape(shape: AttentionShape, ulysses: int) -> AttentionShape:
     """The per-rank shape the inner plan sees: U times the tokens, one head slice."""
     check_ulysses_heads(ulysses, shape.heads, shape.kv_heads)
     kv = shape.kv_heads // ulysses if shape.kv_heads >= ulysses else 1
-    return AttentionShape(seq_local=shape.seq_local * ulysses, batch=shape.batch, heads=shape.heads // ulysses,
-                          kv_heads=kv, head_dim=shape.head_dim, itemsize=shape.itemsize)
+    return replace(shape, seq_local=shape.seq_local * ulysses, heads=shape.heads // ulysses, kv_heads=kv)
 
 
 def hybrid_rings(world_size: int, ulysses: int, inner_rings: dict) -> dict[str, tuple[tuple[int, ...], ...]]:

@@ -24,8 +24,9 @@ raises::
 What a call's digest covers: the mode and every placement setting (tile, schedule, backward
 chunks, rank order, ranks per node, transport, all-to-all degree, the inner placement), the mask
 (causal, window, documents), the layout (zigzag, or THD's padded sequences), the local shape
-(s_local, batch, heads, kv heads, head dim), the dtype, the softmax scale, the kernel, the
-plan itself (a digest of its structure, computed once per plan object), and the code that built
+(s_local, batch, heads, kv heads, head dim, value head dim), the attention sinks' kind (none,
+fixed or learnable: not their values, which would cost a host read per call), the dtype, the
+softmax scale, the kernel, the plan itself (a digest of its structure, computed once per plan object), and the code that built
 it (:func:`plan_code`: the plugin's version, a digest of the plan layer's source files and the
 plan builders' tunable constants). The plan digest names the plan, not each rank's op list (a
 rank builds only its own); ranks running the same code on the same inputs build matching op
@@ -142,12 +143,18 @@ class Call:
     dtype: torch.dtype
     scale: float
     kernel: object
+    v_head_dim: int | None = None  # None: k's head dim
+    sink: str = "none"  # the softmax offset's kind (runtime.sinks.sink_kind): none, fixed or learnable
 
     def digest(self) -> int:
         """63 bits (so that the negated digest is an int64 too)."""
         key = (plan_digest(self.plan), repr(self.placement), self.q_shape, self.kv_shape, str(self.dtype),
-               repr(float(self.scale)), _kernel_text(self.kernel), plan_code())
+               repr(float(self.scale)), _kernel_text(self.kernel), plan_code(), self._v_head_dim, self.sink)
         return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "little") >> 1
+
+    @property
+    def _v_head_dim(self) -> int:
+        return self.kv_shape[-1] if self.v_head_dim is None else self.v_head_dim
 
     def describe(self) -> dict:
         """Field -> value, for naming what differs (built only when the ranks disagree)."""
@@ -164,11 +171,13 @@ class Call:
             "settings": repr(p) if p is not None else "explicit plan",
             "mask": Mask(mask.causal, mask.window).text(),
             "documents": tuple(f"{a}:{b}" for a, b in mask.documents) if mask.documents is not None else "none",
-            "local shape [s_local, batch, heads, head_dim]": f"q {list(self.q_shape)}, k/v {list(self.kv_shape)}",
+            "local shape [s_local, batch, heads, head_dim]": f"q {list(self.q_shape)}, k/v {list(self.kv_shape)}"
+            + (f", v head dim {self._v_head_dim}" if self._v_head_dim != self.kv_shape[-1] else ""),
             "layout": _short(layout.text()),
             "dtype": str(self.dtype).replace("torch.", ""),
             "softmax_scale": repr(float(self.scale)),
             "kernel": _kernel_text(self.kernel),
+            "softmax offset (sinks)": self.sink,
             "plan": f"{plan.mode} over {plan.world_size} ranks x {plan.seq_local} tokens, digest {plan_digest(plan)}",
             "plan code (version, source digest, tunables)": plan_code(),
         }

@@ -30,7 +30,7 @@ from torch import Tensor
 from ..comm.alltoall import AllToAllCommunicator
 from ..comm.base import Communicator
 from ..comm.torch_dist import TorchDistCommunicator
-from ..kernels import BlockKernel, get_kernel
+from ..kernels import BlockKernel, check_head_dims, get_kernel
 from ..plan.ir import Plan
 from ..plan.mask import Mask
 from ..plan.modes import HYBRID_PREFIX, MODES, TRANSPORTS, Placement, resolve
@@ -41,6 +41,7 @@ from .agreement import PlanMismatchError
 from .autograd import PlanAttention, forward_backward
 from .executor import Executor
 from .inputs import attention_mask, attention_shape, check_scale, integer_scalar, scale_of
+from .sinks import check_offset, sink_kind
 from .sharding import layout_shard, layout_unshard, thd_shard, thd_unshard, zigzag_shard, zigzag_unshard
 
 __all__ = ["attention", "mesh_attention", "ring_attention", "tasp_attention", "hybrid_attention", "plan_attention",
@@ -134,15 +135,19 @@ class Prepared:
 
 def prepare(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None, comm: Communicator | None = None,
             causal: bool = True, window=None, cu_seqlens=None, layout=None, softmax_scale: float | None = None,
-            kernel: "str | BlockKernel" = "auto", placement: Placement | None = None, **settings) -> Prepared:
+            kernel: "str | BlockKernel" = "auto", placement: Placement | None = None, softmax_offset=None,
+            **settings) -> Prepared:
     """Check everything and build (or fetch) the plan of one call; ``settings`` go to the mode
     (see :func:`megatron_mesh.plan.resolve`). ``placement`` skips the resolution (the
-    Megatron adapter resolves it once per layer)."""
+    Megatron adapter resolves it once per layer). ``softmax_offset`` is checked and agreed on;
+    the plan does not depend on it (a sink adds no bytes: :mod:`.sinks`)."""
     own = group_communicator(group) if comm is None else comm  # also checks this rank is in the group
     with agreement.joined_on_error(own):  # a rank whose input fails still joins the check: no rank waits for it
         shape = attention_shape(q, k, v)
         check_scale(softmax_scale)
+        check_offset(softmax_offset, shape.heads, q.device)
         kern = get_kernel(kernel, q.device)
+        check_head_dims(kern, shape.head_dim, shape.v_head_dim)
         P = own.world_size
         mask, layout = attention_mask(P, shape, causal=causal, window=window, cu_seqlens=cu_seqlens, layout=layout)
         if "gpus_per_node" in settings:  # the wrappers' (and their docs') name for the plan's ranks_per_node
@@ -160,7 +165,8 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None, 
     if comm is None:
         comm = own if placement.transport == "p2p" else group_communicator(group, placement.transport)
     scale = scale_of(shape, softmax_scale)
-    agreement.check(comm, agreement.Call(plan, placement, tuple(q.shape), tuple(k.shape), q.dtype, scale, kern))
+    agreement.check(comm, agreement.Call(plan, placement, tuple(q.shape), tuple(k.shape), q.dtype, scale, kern,
+                                         shape.v_head_dim, sink_kind(softmax_offset)))
     return Prepared(plan, placement, comm, kern, scale)
 
 
@@ -191,14 +197,18 @@ def _setting(name: str, v):
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None, causal: bool = True,
               window=None, cu_seqlens=None, layout=None, softmax_scale: float | None = None,
-              kernel: "str | BlockKernel" = "auto", comm: Communicator | None = None, timer=None, **settings) -> Tensor:
+              softmax_offset: Tensor | None = None, kernel: "str | BlockKernel" = "auto",
+              comm: Communicator | None = None, timer=None, **settings) -> Tensor:
     """Context-parallel attention over the CP group ``group`` (None: the default process group)
     with CP mode ``mode`` (``"mesh"``, ``"ring"``, ``"tasp"``, ``"a2a+mesh"``, ``"a2a+tasp"``,
     ``"a2a+ring"``; ``settings`` are the mode's, see the wrappers below).
 
     Args:
         q: [s_local, batch, heads, head_dim], this rank's chunk of the global sequence.
-        k, v: [s_local, batch, kv_heads, head_dim]; heads % kv_heads == 0 (GQA / MQA).
+        k, v: [s_local, batch, kv_heads, head_dim] and [s_local, batch, kv_heads, v_head_dim];
+            heads % kv_heads == 0 (GQA / MQA); v_head_dim may differ from head_dim (MLA: 192 and
+            128), the output then has v's head dim (CPU: every kernel; CUDA: see
+            :func:`megatron_mesh.kernels.get_kernel`).
         causal: causal (True) or full (False) attention over the global sequence.
         window: (left, right) sliding window (None = unlimited on that side; right must be 0 or
             None when causal): query i attends key j only if i - j <= left and j - i <= right.
@@ -211,23 +221,29 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None
             documents). Either gives the documents: cu_seqlens must then be None. See
             :func:`layout_shard`.
         softmax_scale: defaults to 1 / sqrt(head_dim).
+        softmax_offset: attention sinks (Megatron's ``softmax_offset``, ``softmax_type``
+            "off-by-one": zeros, "learnable": a parameter): a tensor [heads], one logit per query
+            head added to every row's softmax denominator (not scaled). Applied once where the
+            rows' partial results are merged: no extra bytes. Where it requires grad, its
+            gradient on each rank is the sum over the rows that rank finished, so the CP group's
+            sum (Megatron's gradient reduction) is the whole gradient.
         kernel: block kernel backend ("auto", "torch", "math", "torch-flash", ...) or an instance.
         comm: an explicit communicator (tests, in-process transports).
         timer: ``timer("compute")`` / ``timer("wait")`` context managers around kernel calls and
             waits (e.g. Megatron's timers).
 
-    Returns the attention output, shaped and typed like q; differentiable w.r.t. q, k, v (one
-    backward). Only the (query, key) pairs the mask allows are computed and only the tokens they
+    Returns the attention output, [s_local, batch, heads, v_head_dim] in q's dtype; differentiable
+    w.r.t. q, k, v and softmax_offset (one backward). Only the (query, key) pairs the mask allows are computed and only the tokens they
     need are sent.
     """
     call = prepare(q, k, v, mode=mode, group=group, comm=comm, causal=causal, window=window, cu_seqlens=cu_seqlens,
-                   layout=layout, softmax_scale=softmax_scale, kernel=kernel, **settings)
-    return PlanAttention.apply(q, k, v, call.executor(timer))
+                   layout=layout, softmax_scale=softmax_scale, kernel=kernel, softmax_offset=softmax_offset, **settings)
+    return PlanAttention.apply(q, k, v, call.executor(timer), softmax_offset)
 
 
 def mesh_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, tile="auto", causal: bool = True,
                    window=None, cu_seqlens=None, layout=None, softmax_scale: float | None = None,
-                   schedule: str = "greedy", backward_chunks: str = "auto", contiguous: str = "auto",
+                   softmax_offset: Tensor | None = None, schedule: str = "greedy", backward_chunks: str = "auto", contiguous: str = "auto",
                    gpus_per_node: int | None = None, kernel: "str | BlockKernel" = "auto",
                    comm: Communicator | None = None) -> Tensor:
     """Mesh-Attention (see :func:`attention` for the common arguments).
@@ -247,25 +263,26 @@ def mesh_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, tile="auto", 
             group spans nodes: "q" (Q rings), "kv" (KV rings) or "auto" (with the tile).
     """
     return attention(q, k, v, mode="mesh", group=group, causal=causal, window=window, cu_seqlens=cu_seqlens,
-                     layout=layout, softmax_scale=softmax_scale, kernel=kernel, comm=comm, tile=tile,
+                     layout=layout, softmax_scale=softmax_scale, softmax_offset=softmax_offset, kernel=kernel,
+                     comm=comm, tile=tile,
                      schedule=schedule, backward_chunks=backward_chunks, contiguous=contiguous,
                      ranks_per_node=gpus_per_node)
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool = True, window=None,
                    cu_seqlens=None, layout=None, softmax_scale: float | None = None,
-                   backward_chunks: str = "auto", kernel: "str | BlockKernel" = "auto",
+                   softmax_offset: Tensor | None = None, backward_chunks: str = "auto", kernel: "str | BlockKernel" = "auto",
                    comm: Communicator | None = None) -> Tensor:
     """Ring attention (zigzag, as Transformer Engine's ``p2p``): Mesh-Attention with tile (1, P).
     Same arguments and layout as :func:`attention`; ``backward_chunks`` as :func:`mesh_attention`'s."""
     return attention(q, k, v, mode="ring", group=group, causal=causal, window=window, cu_seqlens=cu_seqlens,
-                     layout=layout, softmax_scale=softmax_scale, kernel=kernel, comm=comm,
-                     backward_chunks=backward_chunks)
+                     layout=layout, softmax_scale=softmax_scale, softmax_offset=softmax_offset, kernel=kernel,
+                     comm=comm, backward_chunks=backward_chunks)
 
 
 def tasp_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool = True, window=None,
                    cu_seqlens=None, layout=None, softmax_scale: float | None = None,
-                   gpus_per_node: int | None = None, transport: str = "p2p", backward_chunks: str = "auto",
+                   softmax_offset: Tensor | None = None, gpus_per_node: int | None = None, transport: str = "p2p", backward_chunks: str = "auto",
                    kernel: "str | BlockKernel" = "auto", comm: Communicator | None = None) -> Tensor:
     """TASP attention (see :func:`attention` for the common arguments).
 
@@ -285,14 +302,15 @@ def tasp_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool 
     no Hamiltonian decomposition and use 2 and 4 rings).
     """
     return attention(q, k, v, mode="tasp", group=group, causal=causal, window=window, cu_seqlens=cu_seqlens,
-                     layout=layout, softmax_scale=softmax_scale, kernel=kernel, comm=comm,
-                     ranks_per_node=gpus_per_node, transport=transport, backward_chunks=backward_chunks)
+                     layout=layout, softmax_scale=softmax_scale, softmax_offset=softmax_offset, kernel=kernel,
+                     comm=comm, ranks_per_node=gpus_per_node, transport=transport, backward_chunks=backward_chunks)
 
 
 def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, ulysses_size: int, inner: str = "mesh",
                      tile="auto", gpus_per_node: int | None = None, causal: bool = True, window=None,
                      cu_seqlens=None, layout=None, softmax_scale: float | None = None,
-                     kernel: "str | BlockKernel" = "auto", comm: Communicator | None = None, **inner_settings) -> Tensor:
+                     softmax_offset: Tensor | None = None, kernel: "str | BlockKernel" = "auto",
+                     comm: Communicator | None = None, **inner_settings) -> Tensor:
     """Ulysses x Mesh / TASP / ring: an all-to-all over ``ulysses_size`` consecutive CP ranks
     (inside a node) scatters heads and gathers tokens, then ``inner`` ("mesh", "tasp" or "ring")
     runs across the CP size / ulysses_size groups on that head slice; the reverse all-to-all
@@ -314,12 +332,13 @@ def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, ulysses_siz
     if tile != "auto":  # a setting of the inner mode: resolve names a mode that has no tile
         settings["tile"] = tile
     return attention(q, k, v, mode=mode, group=group, causal=causal, window=window,
-                     cu_seqlens=cu_seqlens, layout=layout, softmax_scale=softmax_scale, kernel=kernel, comm=comm,
-                     **settings)
+                     cu_seqlens=cu_seqlens, layout=layout, softmax_scale=softmax_scale, softmax_offset=softmax_offset,
+                     kernel=kernel, comm=comm, **settings)
 
 
 def plan_attention(q: Tensor, k: Tensor, v: Tensor, plan: Plan, *, comm: Communicator,
-                   softmax_scale: float | None = None, kernel: "str | BlockKernel" = "auto", timer=None) -> Tensor:
+                   softmax_scale: float | None = None, kernel: "str | BlockKernel" = "auto", timer=None,
+                   softmax_offset: Tensor | None = None) -> Tensor:
     """Run an explicit ``plan`` (e.g. one parsed from text with :meth:`Plan.from_text`) on this
     rank, differentiably. The plan must match the tensors' shape and the communicator; the ranks of
     the communicator's group must pass the same plan, scale, dtype, shapes and kernel (checked on
@@ -327,11 +346,14 @@ def plan_attention(q: Tensor, k: Tensor, v: Tensor, plan: Plan, *, comm: Communi
     with agreement.joined_on_error(comm):
         shape = attention_shape(q, k, v)
         check_scale(softmax_scale)
+        check_offset(softmax_offset, shape.heads, q.device)
         if plan.seq_local != shape.seq_local or plan.world_size != comm.world_size:
             raise ValueError(f"plan for {plan.world_size} ranks x {plan.seq_local} tokens does not fit "
                              f"{comm.world_size} ranks x {shape.seq_local} tokens")
         kern = get_kernel(kernel, q.device)
+        check_head_dims(kern, shape.head_dim, shape.v_head_dim)
     scale = scale_of(shape, softmax_scale)
-    agreement.check(comm, agreement.Call(plan, None, tuple(q.shape), tuple(k.shape), q.dtype, scale, kern))
+    agreement.check(comm, agreement.Call(plan, None, tuple(q.shape), tuple(k.shape), q.dtype, scale, kern,
+                                         shape.v_head_dim, sink_kind(softmax_offset)))
     executor = Executor(plan, comm, kern, scale, timer)
-    return PlanAttention.apply(q, k, v, executor)
+    return PlanAttention.apply(q, k, v, executor, softmax_offset)

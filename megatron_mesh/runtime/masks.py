@@ -229,8 +229,8 @@ def block_forward(kernel: BlockKernel, q: Tensor, k: Tensor, v: Tensor, mask, sc
     """(out, lse) of one block: one kernel call, or its calls' partials merged in ``acc_dtype``."""
     if not isinstance(mask, PiecedMask):
         return kernel.forward(q, k, v, mask=mask, scale=scale)
-    b, h, sq, d = q.shape
-    out = torch.zeros(b, h, sq, d, dtype=acc_dtype, device=q.device)
+    b, h, sq = q.shape[:3]
+    out = torch.zeros(b, h, sq, v.shape[-1], dtype=acc_dtype, device=q.device)
     lse = torch.full((b, h, sq), float("-inf"), dtype=acc_dtype, device=q.device)
     for r0, r1, o, l in forward_partials(kernel, q, k, v, mask, scale, kernel_calls):
         merge_partial_(out[:, :, r0:r1], lse[:, :, r0:r1], o, l)

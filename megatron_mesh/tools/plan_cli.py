@@ -82,7 +82,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--cp", type=int, default=8, help="context-parallel size P")
     g.add_argument("--heads", type=int, default=32, help="query heads H")
     g.add_argument("--kv-heads", type=int, default=None, help="key/value heads G (default: H, i.e. MHA)")
-    g.add_argument("--head-dim", type=int, default=128, help="head dimension D")
+    g.add_argument("--head-dim", type=int, default=128, help="head dimension D (of queries and keys)")
+    g.add_argument("--v-head-dim", type=int, default=None, help="value head dimension (default: --head-dim; "
+                   "MLA's differ, e.g. 192 and 128): values, outputs and their gradients are counted at it")
     g.add_argument("--seq-len", type=int, default=131072, help="global sequence length S (divisible by 2P)")
     g.add_argument("--batch", type=int, default=1, help="micro-batch size")
     g.add_argument("--dtype", choices=sorted(ITEMSIZE), default="bf16", help="activation dtype of q, k, v")
@@ -181,8 +183,10 @@ def _shape(args, world_size: int) -> AttentionShape:
         raise ValueError(f"--seq-len {args.seq_len} must be divisible by 2 * CP size = {2 * world_size} "
                          "(Megatron's zigzag layout cuts the sequence into 2P halves)")
     kv = args.kv_heads if args.kv_heads is not None else args.heads
+    if args.v_head_dim is not None and args.v_head_dim < 1:
+        raise ValueError(f"--v-head-dim must be >= 1 (or left out: --head-dim), got {args.v_head_dim}")
     return AttentionShape(seq_local=args.seq_len // world_size, batch=args.batch, heads=args.heads, kv_heads=kv,
-                          head_dim=args.head_dim, itemsize=ITEMSIZE[args.dtype])
+                          head_dim=args.head_dim, itemsize=ITEMSIZE[args.dtype], v_head_dim=args.v_head_dim)
 
 
 def window_of(text: str, causal: bool, full_flag: str = "--no-causal") -> tuple[int, int | None]:
@@ -403,7 +407,7 @@ def _header(args, world_size: int, shape: AttentionShape, topo: Topology, mask: 
         what = what.split(",docs=")[0] + f", {len(lens)} documents of mean {sum(lens) / len(lens):,.0f} tokens"
     return (f"CP {world_size} on {topo.nodes_used(world_size)} node(s) x {topo.gpus_per_node} GPUs; sequence "
             f"{args.seq_len:,} tokens ({shape.seq_local:,} per rank), batch {shape.batch}, heads {shape.heads}/"
-            f"{shape.kv_heads}, head dim {shape.head_dim}, {args.dtype}, {what}\n"
+            f"{shape.kv_heads}, {shape.dims_text}, {args.dtype}, {what}\n"
             f"machine: {topo.describe()}\n"
             "bytes: sent per rank, forward + backward, one attention layer -- 'max': the busiest rank's, 'mean': the "
             "mean over the ranks (intra mean + inter mean = the mean rank's bytes, at most bytes max); time: "
@@ -518,7 +522,7 @@ def _plot(args, modes: tuple[str, ...], path: str, sizes: list[int], pool) -> No
     import matplotlib.pyplot as plt
 
     kv = args.kv_heads if args.kv_heads is not None else args.heads
-    title = (f"S = {args.seq_len:,} tokens, heads {args.heads}/{kv}, head dim {args.head_dim}, {args.dtype}, "
+    title = (f"S = {args.seq_len:,} tokens, heads {args.heads}/{kv}, {_shape(args, 1).dims_text}, {args.dtype}, "
              f"{'causal' if args.causal else 'full'}, one attention layer (megatron-mesh-plan)")
     fig = plot_fig(_plot_series(args, modes, sizes, pool), title, args.gpus_per_node)
     try:

@@ -39,6 +39,7 @@ from functools import partial
 from ..plan.accounting import owner_work, rank_work
 from ..plan.autotile import TIE_RULE, TIME_TOLERANCE, Candidate, evaluate_plan, pick_best
 from ..plan.balance import balanced_layout, document_work
+from ..plan.costs import pair_flops
 from ..plan.hybrid import build_hybrid_plan
 from ..plan.layout import ThdLayout
 from ..plan.mask import Mask
@@ -47,7 +48,7 @@ from ..plan.modes import MODES as REGISTRY, Placement
 from ..plan.modes.hybrid import HybridMode
 from ..plan.problem import normalize
 from ..plan.shape import AttentionShape
-from ..plan.simulate import BACKWARD_FLOPS, simulate, time_breakdown
+from ..plan.simulate import simulate, time_breakdown
 from ..plan.topology import Topology
 
 __all__ = ["all_modes", "default_modes", "derived_modes", "ModeResult", "evaluate", "plan_modes", "ulysses_result",
@@ -201,10 +202,11 @@ class _AllToAlls:
 
     @classmethod
     def price(cls, world_size: int, u: int, shape: AttentionShape, kv_heads: int, topo: Topology) -> "_AllToAlls":
-        e, B, n, D = shape.itemsize, shape.batch, shape.seq_local, shape.head_dim
-        q, kv = B * n * shape.heads * D * e, 2 * B * n * kv_heads * D * e
+        e, B, n, D, Dv = shape.itemsize, shape.batch, shape.seq_local, shape.head_dim, shape.v_head_dim
+        q, kv, out = B * n * shape.heads * D * e, B * n * kv_heads * (D + Dv) * e, B * n * shape.heads * Dv * e
         acc = cls(local=q + kv)
-        for direction, sizes in (("forward", (q + kv, q)), ("backward", (q, q + kv))):
+        # forward: q, k, v in, the output back; backward: dout in, dq, dk, dv back
+        for direction, sizes in (("forward", (q + kv, out)), ("backward", (out, q + kv))):
             acc.time[direction] = 0.0
             for nbytes in sizes:
                 i, x, mx, dt = _a2a(world_size, u, nbytes, topo)
@@ -214,9 +216,10 @@ class _AllToAlls:
         return acc
 
 
-def _attention_time(seq_len: int, heads: int, shape: AttentionShape, topo: Topology, causal: bool) -> float:
+def _attention_time(seq_len: int, heads: int, shape: AttentionShape, topo: Topology, causal: bool,
+                    backward: bool = False) -> float:
     pairs = seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
-    return 4.0 * shape.batch * heads * shape.head_dim * pairs / topo.attention_flops + topo.kernel_latency
+    return pair_flops(shape, heads, backward) * pairs / topo.attention_flops + topo.kernel_latency
 
 
 def ulysses_result(world_size: int, shape: AttentionShape, topo: Topology, causal: bool = True) -> ModeResult:
@@ -228,10 +231,10 @@ def ulysses_result(world_size: int, shape: AttentionShape, topo: Topology, causa
                          f"({shape.kv_heads}) divisible by, or a divisor of, {u}")
     a2a = _AllToAlls.price(world_size, u, shape, kv_heads, topo)
     fwd_compute = _attention_time(shape.seq_local * u, shape.heads // u, shape, topo, causal)
-    bwd_compute = fwd_compute * BACKWARD_FLOPS
+    bwd_compute = _attention_time(shape.seq_local * u, shape.heads // u, shape, topo, causal, backward=True)
     fwd, bwd = a2a.time["forward"] + fwd_compute, a2a.time["backward"] + bwd_compute
     # head-sharded q, k, v, out kept for the backward, then dout and the gradients
-    peak = 2 * a2a.local + shape.batch * shape.seq_local * shape.heads * shape.head_dim * shape.itemsize
+    peak = 2 * a2a.local + shape.batch * shape.seq_local * shape.heads * shape.v_head_dim * shape.itemsize
     return ModeResult("ulysses", None, round(a2a.bytes_sent), a2a.intra, a2a.inter, a2a.max_inter, 4, peak,
                       fwd + bwd, fwd, bwd, fwd_compute + bwd_compute, detail=f"all-to-all degree {u}",
                       by_formula=True, ulysses=u, extra={"ulysses_degree": u})
@@ -255,8 +258,7 @@ def usp_result(world_size: int, shape: AttentionShape, topo: Topology, causal: b
                          f"node, dividing the CP size and the heads ({shape.heads}/{shape.kv_heads})")
     r = world_size // u
     kv_heads = _ulysses_kv_heads(u, shape)
-    sub = AttentionShape(seq_local=shape.seq_local * u, batch=shape.batch, heads=shape.heads // u,
-                         kv_heads=max(1, kv_heads // u), head_dim=shape.head_dim, itemsize=shape.itemsize)
+    sub = replace(shape, seq_local=shape.seq_local * u, heads=shape.heads // u, kv_heads=max(1, kv_heads // u))
     ring_topo = replace(topo, node_of=tuple(topo.node(j * u) for j in range(r)))
     ring = evaluate_plan(build_mesh_plan(r, (1, r), sub, causal=causal), sub, ring_topo)
     a2a = _AllToAlls.price(world_size, u, shape, kv_heads, topo)
@@ -537,8 +539,8 @@ def allowed_pairs(cu_seqlens, causal: bool = True, window=None) -> int:
 def compute_floor(pairs: int, world_size: int, shape: AttentionShape, topo: Topology) -> float:
     """Seconds of forward + backward attention per rank with every pair spread evenly and nothing
     else: the bound no layout or mode beats on this machine."""
-    flops = 4.0 * shape.batch * shape.heads * shape.head_dim * pairs / world_size
-    return flops * (1 + BACKWARD_FLOPS) / topo.attention_flops
+    flops = (pair_flops(shape, shape.heads) + pair_flops(shape, shape.heads, backward=True)) * pairs / world_size
+    return flops / topo.attention_flops
 
 
 def _te_rows(world_size: int, shape: AttentionShape, topo: Topology, mask: Mask, thd: ThdLayout,

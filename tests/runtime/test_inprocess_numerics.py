@@ -392,17 +392,17 @@ def test_first_writes_copy_and_give_bitwise_the_same_results(monkeypatch):
     from megatron_mesh.plan import Plan
     from megatron_mesh.runtime import executor
 
-    new = executor._Buffers._new
-    monkeypatch.setattr(executor._Buffers, "_new", lambda self, key: tuple(t.fill_(float("nan"))
+    new = executor.Buffers._new
+    monkeypatch.setattr(executor.Buffers, "_new", lambda self, key: tuple(t.fill_(float("nan"))
                                                                           for t in new(self, key)))
     filled = [0]
-    fill = executor._Buffers.fill
+    fill = executor.Buffers.fill
 
     def counting_fill(key, tensors, rows=None):
         filled[0] += sum(b - a for a, b in (rows if rows is not None else [(0, tensors[0].shape[2])]))
         fill(key, tensors, rows)
 
-    monkeypatch.setattr(executor._Buffers, "fill", staticmethod(counting_fill))
+    monkeypatch.setattr(executor.Buffers, "fill", staticmethod(counting_fill))
 
     problems = [("ring", {}, cases.Problem(4, 4, 2, True, torch.float32, seq_local=16)),
                 ("ring", {}, cases.Problem(4, 4, 2, True, torch.float32, seq_local=16, cu_seqlens=(0, 5, 21, 40, 64),
