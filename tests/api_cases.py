@@ -103,6 +103,15 @@ def disagreements(rank: int, world: int) -> dict:
                                                      layout=mm.balanced_layout(DOCS["A"], world, group=2,
                                                                                hide=rank == 1)),
         "plan_code": lambda: _other_plan_code(rank == 0, lambda: mm.ring_attention(q, k, v)),
+        # attention sinks: learnable on rank 1, off-by-one (fixed zeros) on the others; none on rank 2
+        "sinks": lambda: mm.ring_attention(q, k, v, softmax_offset=torch.zeros(4, dtype=q.dtype).requires_grad_(
+            rank == 1)),
+        "sinks_on_some_ranks": lambda: mm.hybrid_attention(q, k, v, ulysses_size=2, inner="ring",
+                                                           softmax_offset=None if rank == 2 else torch.zeros(4)),
+        # MLA on rank 0 (values of head dim 6), the others' values of q's and k's head dim 8
+        "value_head_dim": lambda: mm.ring_attention(q, k, v[..., :6] if rank == 0 else v),
+        "sinks_agree": lambda: mm.mesh_attention(q, k, v[..., :6], tile=(2, world // 2), softmax_offset=torch.zeros(4)),
+        "bad_offset_on_one_rank": lambda: mm.ring_attention(q, k, v, softmax_offset=torch.zeros(3 if rank == 2 else 4)),
     }
     out = {}
     for name, fn in calls.items():

@@ -43,6 +43,8 @@ class Case:
     seq_local: int = 8
     batch: int = 1
     head_dim: int = 16
+    v_head_dim: int | None = None  # None: head_dim (MLA's differ)
+    sink: str = ""  # attention sinks: "" none, "fixed" (off-by-one: zeros), "learnable" (their gradient checked)
 
     def label(self) -> str:
         st = " ".join(f"{k}={v}" for k, v in self.settings)
@@ -57,6 +59,10 @@ class Case:
             mask += f" balanced (group {self.balanced}{', hide' if self.hide else ''})"
         if self.owners:
             mask += f" contiguous ranks, block owners of seed {self.owners}"
+        if self.v_head_dim not in (None, self.head_dim):
+            mask += f" head dims {self.head_dim}/{self.v_head_dim}"
+        if self.sink:
+            mask += f" {self.sink} sinks"
         return (f"P={self.world} {self.mode} {st} heads={self.heads}/{self.kv_heads} {str(self.dtype)[6:]} "
                 f"{mask}").replace("  ", " ")
 
@@ -70,6 +76,8 @@ class Record:
     received: int = 0
     planned: tuple = (0, 0)
     dtype: str = ""
+    offset_grad: tuple = ()  # this rank's share of d softmax_offset (learnable sinks)
+    offset_grad_want: tuple = ()  # the dense reference's whole gradient
 
 
 def _layout(c: Case):
@@ -100,28 +108,34 @@ def run(rank: int, c: Case, group) -> Record:
     layout = _layout(c)
     S = c.world * c.seq_local if layout is None else layout.seq_len
     g = torch.Generator().manual_seed(S * 31 + c.heads)
-    f64 = torch.float64
+    f64, dv = torch.float64, c.v_head_dim or c.head_dim
     Q = torch.randn(S, c.batch, c.heads, c.head_dim, generator=g, dtype=f64)
     K = torch.randn(S, c.batch, c.kv_heads, c.head_dim, generator=g, dtype=f64)
-    V = torch.randn(S, c.batch, c.kv_heads, c.head_dim, generator=g, dtype=f64)
-    dO = torch.randn(S, c.batch, c.heads, c.head_dim, generator=g, dtype=f64)
+    V = torch.randn(S, c.batch, c.kv_heads, dv, generator=g, dtype=f64)
+    dO = torch.randn(S, c.batch, c.heads, dv, generator=g, dtype=f64)
     Qr, Kr, Vr = (x.clone().requires_grad_() for x in (Q, K, V))
-    ref = reference_attention(Qr, Kr, Vr, mask=_mask(c, S))
+    sink = None if not c.sink else torch.zeros(c.heads, dtype=f64) if c.sink == "fixed" else \
+        torch.randn(c.heads, generator=g, dtype=f64).requires_grad_()
+    ref = reference_attention(Qr, Kr, Vr, mask=_mask(c, S), softmax_offset=sink)
     ref.backward(dO)
     shard = (lambda x: mm.zigzag_shard(x, rank, c.world)) if layout is None else (
         lambda x: mm.layout_shard(x, rank, layout))
     q, k, v = (shard(x).to(c.dtype).requires_grad_() for x in (Q, K, V))
+    offset = None if sink is None else sink.detach().to(c.dtype).requires_grad_(c.sink == "learnable")
     documents = list(c.cu_seqlens) if c.cu_seqlens and not (c.balanced or c.owners) else None  # the layout's own
     kw = dict(causal=c.causal, window=c.window, cu_seqlens=documents, layout=layout, **dict(c.settings))
     with mm.comm_counter() as counter:
-        out = mm.attention(q, k, v, mode=c.mode, group=group, **kw)
+        out = mm.attention(q, k, v, mode=c.mode, group=group, softmax_offset=offset, **kw)
         out.backward(shard(dO).to(c.dtype))
+    # the bytes of the same call's plan without sinks: a sink adds none
     plan = prepare(q.detach(), k.detach(), v.detach(), mode=c.mode, group=group, **kw).plan
-    shape = AttentionShape(q.shape[0], c.batch, c.heads, c.kv_heads, c.head_dim, q.element_size())
+    shape = AttentionShape(q.shape[0], c.batch, c.heads, c.kv_heads, c.head_dim, q.element_size(), dv)
     planned = plan_bytes(plan, shape)[rank]
     atol, rtol = tolerance(c.dtype, c.heads, c.kv_heads)
     rec = Record(c.label(), sent=counter.bytes_sent, received=counter.bytes_received,
                  planned=(planned.sent, planned.received), dtype=str(c.dtype))
+    if c.sink == "learnable":
+        rec.offset_grad, rec.offset_grad_want = tuple(offset.grad.double().tolist()), tuple(sink.grad.tolist())
     for name, got, want in (("out", out, ref.detach()), ("dq", q.grad, Qr.grad), ("dk", k.grad, Kr.grad),
                             ("dv", v.grad, Vr.grad)):
         want = shard(want)
@@ -271,6 +285,37 @@ def balanced_grid(rank: int, world: int, group=None) -> list[Record]:
     return out
 
 
+def sink_grid(rank: int, world: int, group=None) -> list[Record]:
+    """Attention sinks (learnable: each rank's share of the offset's gradient, summed over the
+    group on the pytest side; off-by-one: fixed zeros) and value head dims other than the
+    query/key one (12 / 8: MLA's 192 / 128 scaled down) in every mode -- ring, a Mesh tile (2-D
+    where P has one), TASP and, at even CP sizes, the three hybrids (U = 2) -- one case each,
+    rotating over the CP sizes the mask (none, a window, documents with a window on the balanced
+    layout, full attention over documents), MHA / GQA / MQA, fp32 / bf16, the sink kind and the
+    head dims, so that across the sizes every mode meets each of them."""
+    T = 2 * max(world, 3)
+    S = world * T
+    docs = tuple(sorted({0, S} | {x for x in (3, T + 1, S - 2) if 0 < x < S}))
+    tile = next((t for t in tile_shapes(world) if 1 < t[0] < world), (1, world))
+    modes = [("ring", ()), ("mesh", (("tile", tile),)), ("tasp", ())]
+    if world % 2 == 0:
+        modes += [(m, (("ulysses_size", 2),)) for m in ("a2a+ring", "a2a+mesh", "a2a+tasp")]
+    masks = [{}, dict(window=(3, 0)), dict(cu_seqlens=docs, window=(T, 0), balanced=1),
+             dict(causal=False, cu_seqlens=docs)]
+    out = []
+    for i, (mode, settings) in enumerate(modes):
+        n = world + i
+        mask = dict(masks[(n + world // 2) % len(masks)])
+        if mask.get("balanced") and mode.startswith("a2a"):
+            mask["balanced"] = 2  # balanced per Ulysses group
+        kv = (4, 2, 1)[(world // 2 + i) % 3]  # MHA, GQA, MQA
+        dtype = (torch.float32, torch.bfloat16)[(world + i + world // 2 + i // 3) % 2]
+        dims = dict(head_dim=12, v_head_dim=8) if (world // 2 + i) % 2 else {}
+        out.append(run(rank, Case(world, mode, settings, 4, kv, dtype, seq_local=T, batch=2,
+                                  sink="fixed" if n % 3 == 0 else "learnable", **dims, **mask), group))
+    return out
+
+
 def all_cases(rank: int, world: int) -> dict:
     """Everything in one 8-rank spawn; the hostile API cases (api_cases) last, because they
     destroy and re-create the default process group."""
@@ -280,6 +325,8 @@ def all_cases(rank: int, world: int) -> dict:
     out = {"masked": in_subgroups(rank, world, masked_grid),
            "halo": in_subgroups(rank, world, halo_cases, phases=((8,),)),
            "hybrid": in_subgroups(rank, world, hybrid_grid, phases=((8,), (6, 2), (4, 4))),
-           "balanced": in_subgroups(rank, world, balanced_grid)}
+           "balanced": in_subgroups(rank, world, balanced_grid),
+           # one group per CP size (the group's ranks' shares of the sinks' gradient are summed)
+           "sinks": in_subgroups(rank, world, sink_grid, phases=((8,), (7, 1), (6, 2), (5, 3), (4,)))}
     out["hostile"] = api_cases.hostile(rank, world)
     return out

@@ -173,6 +173,34 @@ def test_bad_tensors_raise_naming_the_value():
         mm.mesh_attention(q, k.to("meta"), v)
 
 
+def test_bad_softmax_offsets_and_value_head_dims_raise_naming_the_value():
+    """Attention sinks: an offset of the wrong type, shape, dtype or device is refused naming it
+    and what is allowed; values of another head dim than q and k run (the output has v's), but a
+    kernel that cannot take them refuses by name, before anything runs."""
+    from megatron_mesh.kernels import TorchAttentionKernel
+
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"softmax_offset must be None or a tensor of shape \[4\] \(one logit per "
+                                         r"query head\), got list"):
+        mm.ring_attention(q, k, v, softmax_offset=[0.0] * 4)
+    with pytest.raises(ValueError, match=r"softmax_offset must have shape \[4\] \(one logit per query head of q\), "
+                                         r"got \[2\]"):
+        mm.mesh_attention(q, k, v, softmax_offset=torch.zeros(2))
+    with pytest.raises(ValueError, match=r"softmax_offset must have shape \[4\].*got \[1, 4\]"):
+        mm.tasp_attention(q, k, v, softmax_offset=torch.zeros(1, 4))
+    with pytest.raises(ValueError, match=r"softmax_offset must be one of torch.float16, torch.bfloat16, torch.float32, "
+                                         r"torch.float64, got torch.int64"):
+        mm.attention(q, k, v, softmax_offset=torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"softmax_offset must be on the inputs' device cpu, got meta"):
+        mm.hybrid_attention(q, k, v, ulysses_size=1, softmax_offset=torch.zeros(4, device="meta"))
+    out = mm.ring_attention(q, k, v[..., :6], softmax_offset=torch.zeros(4, dtype=torch.bfloat16))
+    assert out.shape == (8, 2, 4, 6) and out.dtype == q.dtype
+    for op in ("flash", "cudnn"):
+        with pytest.raises(ValueError, match=rf"kernel backend torch-{op} cannot take a value head dim \(6\) other "
+                                             r"than the query/key head dim \(8\)"):
+            mm.ring_attention(q, k, v[..., :6], kernel=TorchAttentionKernel("cuda", op))
+
+
 def test_double_backward_says_it_is_unsupported():
     q, k, v = (x.requires_grad_() for x in qkv())
     out = mm.mesh_attention(q, k, v)

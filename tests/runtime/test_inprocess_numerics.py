@@ -29,18 +29,22 @@ def run_case(p: cases.Problem, plan, *, device="cpu", kernel="auto", softmax_sca
     ref = ref if ref is not None else cases.dense_reference(p, softmax_scale)
     planned = plan_bytes(plan, p.shape)
     Q, K, V, dO = ref.inputs
+    offset = None if ref.offset is None else ref.offset.to(device=device, dtype=p.dtype)
 
     def rank_fn(rank, comm):
         q, k, v, do = (p.shard(x, rank).to(device=device, dtype=p.dtype) for x in (Q, K, V, dO))
         with mm.comm_counter() as c:
             got = forward_backward(q, k, v, do, plan, comm=comm, kernel=kernel(rank) if callable(kernel) else kernel,
-                                   softmax_scale=softmax_scale)
+                                   softmax_scale=softmax_scale, softmax_offset=offset)
         got = tuple(g.cpu() for g in got)
         errors, ratios = cases.compare(p, got, ref, rank)
         return cases.Result(label, p, errors, ratios, c.bytes_sent, c.bytes_received,
                             (("plan", (planned[rank].sent, planned[rank].received)),), outputs=got)
 
-    return run_inprocess(rank_fn, p.world, timeout=120, serial=serial, device=device, streams=streams)
+    results = run_inprocess(rank_fn, p.world, timeout=120, serial=serial, device=device, streams=streams)
+    if offset is not None:  # (out, dq, dk, dv, this rank's share of d softmax_offset)
+        cases.assert_offset_grad(p, [r.outputs[4] for r in results], ref, label)
+    return results
 
 
 def check(results: list[cases.Result]) -> None:
@@ -549,6 +553,23 @@ def test_cuda_every_mode_under_masks(mode):
               cases.Problem(world, 4, 1, False, torch.bfloat16, seq_local=T, head_dim=64, window=(20, 9))):
         plan = resolve(mode, world, p.shape, **settings).build(p.shape, p.mask)
         check(run_case(p, plan, device="cuda", label=f"CUDA {mode} {p.mask.text()}"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", list(MODES))
+def test_cuda_sinks_and_value_head_dims(mode):
+    """Learnable sinks (their gradient summed over the ranks) with values of another head dim than
+    queries and keys (MLA's 192 / 128 halved) and with equal ones, documents and a window, on
+    CUDA: bf16 through "auto" (flash for equal dims, the efficient op for the others) and fp32
+    through the efficient op, P = 4."""
+    world, T = 4, 128
+    settings = _mode_settings(mode, world)
+    for dtype, kernel, dv in ((torch.bfloat16, "auto", 48), (torch.bfloat16, "auto", None),
+                              (torch.float32, "torch-efficient", 48)):
+        p = cases.Problem(world, 4, 2, True, dtype, seq_local=T, head_dim=96, v_head_dim=dv, sink=True,
+                          cu_seqlens=(0, 37, world * T // 2 + 5, world * T), window=(50, 0))
+        plan = resolve(mode, world, p.shape, **settings).build(p.shape, p.mask)
+        check(run_case(p, plan, device="cuda", kernel=kernel, label=f"CUDA {mode} sinks dv={dv} {dtype}"))
 
 
 @pytest.mark.gpu

@@ -707,6 +707,35 @@ def test_planner_at_1024_ranks_is_fast(capsys):
     assert elapsed < 30, f"planner took {elapsed:.1f} s at P=1024"
 
 
+def test_keys_and_values_are_counted_at_their_own_head_dims(capsys):
+    """--v-head-dim (MLA: queries and keys of 192, values of 128): every buffer kind has its tensors
+    at their own dims (plan.ir.KINDS), the planner's ring and Mesh rows move the closed form's
+    bytes at those dims, the memory walk's ring forward peak is one K + V chunk, the FLOPs per pair
+    are 2 (192 + 128) forward and 2 (3 x 192 + 2 x 128) backward, the table's header names both
+    dims, and a bad value is refused naming the flag."""
+    from megatron_mesh.plan.costs import pair_flops
+
+    shape = AttentionShape(seq_local=2048, batch=1, heads=8, kv_heads=2, head_dim=192, itemsize=2, v_head_dim=128)
+    T = 4
+    sizes = {"q": 8 * 192 * 2, "kv": 2 * (192 + 128) * 2, "o": 8 * (128 + 1) * 4, "do": 8 * (128 * 2 + 4 + 4),
+             "dq": 8 * 192 * 4, "dkv": 2 * (192 + 128) * 4, "y": 8 * 128 * 2, "dy": 8 * 128 * 2, "gq": 8 * 192 * 2,
+             "gkv": 2 * (192 + 128) * 2}
+    assert {kind: buffer_bytes(kind, T, shape) for kind in sizes} == {kind: n * T for kind, n in sizes.items()}
+    rows = _json(capsys, "--cp", "8", "--heads", "8", "--kv-heads", "2", "--seq-len", "16384", "--head-dim", "192",
+                 "--v-head-dim", "128", "--modes", "ring,mesh")["modes"]
+    assert {r["mode"] for r in rows} == {"ring", "mesh"}
+    for r in rows:
+        assert r["bytes_per_rank"] == mesh_bytes_formula(8, tuple(r["tile"]), shape).sent, r
+    assert buffer_memory(build_ring_plan(2, shape), shape).forward_peak == buffer_bytes("kv", 2048, shape)
+    assert pair_flops(shape, 8) == 8 * 2 * 320 and pair_flops(shape, 8, backward=True) == 8 * 2 * (576 + 256)
+    equal = dataclasses.replace(shape, v_head_dim=192)
+    assert pair_flops(equal, 8, backward=True) == BACKWARD_FLOPS * pair_flops(equal, 8)
+    assert main(["--cp", "8", "--seq-len", "16384", "--head-dim", "192", "--v-head-dim", "128", "--modes", "ring"]) == 0
+    assert "head dim 192 (values 128)" in capsys.readouterr().out
+    assert main(["--cp", "8", "--v-head-dim", "0"]) == 2
+    assert "--v-head-dim must be >= 1 (or left out: --head-dim), got 0" in capsys.readouterr().err
+
+
 # -- simulator -------------------------------------------------------------------------------------------
 def test_worked_example_ring_of_two():
     shape = AttentionShape(seq_local=4096, heads=8, kv_heads=8, head_dim=128)
