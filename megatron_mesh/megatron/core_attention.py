@@ -364,14 +364,15 @@ def _check_config(config, where: str, layer_number: int, attention_type: str, at
                          "pass --attention-dropout 0)")
     if k_channels is not None and v_channels is not None and k_channels != v_channels:
         raise ValueError(f"{where}: key head dim {k_channels} != value head dim {v_channels} (MLA); "
-                         "the plugin modes need equal dims")
+                         "the plugin's Megatron layers need equal dims for now (mm.attention takes them)")
     window = _layer_window(config, layer_number)
     if window is not None and window[1] not in (None, 0) and _CAUSAL.get(attn_mask_type, False):
         raise ValueError(f"{where}: window_size {config.window_size} on a causal layer: the right side must be 0 "
                          "(or -1, unlimited)")
     softmax_type = getattr(config, "softmax_type", "vanilla")
     if softmax_type != "vanilla":
-        raise ValueError(f"{where}: softmax_type {softmax_type!r} is not supported (allowed: 'vanilla')")
+        raise ValueError(f"{where}: softmax_type {softmax_type!r} is not supported by the plugin's Megatron layers "
+                         "yet (allowed: 'vanilla'; mm.attention takes sinks as softmax_offset)")
 
 
 def _logs_for_its_stage(cp_group) -> bool:

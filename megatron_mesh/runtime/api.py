@@ -3,7 +3,7 @@
 layout helpers (shard / unshard under any layout).
 
 Layout is Megatron's: q [s_local, batch, heads, head_dim], k/v [s_local, batch, kv_heads,
-head_dim], each rank holding its chunk of the global sequence: Megatron's zigzag by default
+head_dim] (v's head dim may differ: MLA), each rank holding its chunk of the global sequence: Megatron's zigzag by default
 (:class:`megatron_mesh.plan.ZigzagLayout`), or a layout that places documents (``layout=``):
 the work-balanced :class:`megatron_mesh.BalancedLayout` (:func:`megatron_mesh.balanced_layout`)
 or Transformer Engine's THD layout (:class:`megatron_mesh.plan.ThdLayout`). Every mode takes the
