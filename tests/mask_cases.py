@@ -306,8 +306,8 @@ def sink_grid(rank: int, world: int, group=None) -> list[Record]:
     for i, (mode, settings) in enumerate(modes):
         n = world + i
         mask = dict(masks[(n + world // 2) % len(masks)])
-        if mask.get("balanced") and mode.startswith("a2a"):
-            mask["balanced"] = 2  # balanced per Ulysses group
+        if mask.get("balanced") and mode.startswith("a2a"):  # balanced per Ulysses group; from P = 4 its first and
+            mask.update(balanced=2, hide=world > 2)  # last documents apart: rows finished (and sunk) at two times
         kv = (4, 2, 1)[(world // 2 + i) % 3]  # MHA, GQA, MQA
         dtype = (torch.float32, torch.bfloat16)[(world + i + world // 2 + i // 3) % 2]
         dims = dict(head_dim=12, v_head_dim=8) if (world // 2 + i) % 2 else {}

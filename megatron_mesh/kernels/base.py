@@ -115,7 +115,7 @@ class BlockKernel(Protocol):
     name: str
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, mask: BlockMask, scale: float) -> tuple[Tensor, Tensor]:
-        """Returns ``out`` [B, H, Sq, D] (any float dtype) and ``lse`` [B, H, Sq] (fp32, or fp64
+        """Returns ``out`` [B, H, Sq, Dv] (any float dtype) and ``lse`` [B, H, Sq] (fp32, or fp64
         for fp64 inputs), the log-sum-exp of the scaled scores of each row over this block's
         allowed keys (-inf for a row with none)."""
 

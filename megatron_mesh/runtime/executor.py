@@ -99,6 +99,53 @@ def _without(f: list[int], a: int, b: int) -> list[list[int]]:
     return [r for r in ([f[0], min(f[1], a)], [max(f[0], b), f[1]]) if r[0] < r[1]]
 
 
+def _delta_facts(rank_plan: RankPlan, own_rows_made: bool) -> tuple:
+    """(the rows of this rank's delta to compute, None for all; the ``do`` buffers whose
+    delta is read): see :func:`_delta_reads`."""
+    reads = _delta_reads(rank_plan, own_rows_made)
+    if not own_rows_made:
+        return None, reads
+    return union_intervals(seg for key, segs in rank_plan.backward_inputs.items() if key in reads
+                           for seg in segs), reads
+
+
+def _delta_reads(rank_plan: RankPlan, own_rows_made: bool) -> set[Key]:
+    """The ``do`` buffers whose delta something reads: those sent to another rank (its blocks
+    get a stand-in output made from delta), those a block reads without its rows' output --
+    every one when the kernel has no ``backward_rows`` (``own_rows_made`` False), else all
+    but this rank's own rows (the backward inputs, whose output is here) and RowStats'
+    results -- and the sources of copies into either, found walking the ops backwards."""
+    ops = rank_plan.ops("backward")
+    made = set(rank_plan.backward_inputs) if own_rows_made else set()
+    # an input buffer's name that a receive or copy makes again holds rows that are not this
+    # rank's own (no builder does this; a safe answer if one ever did)
+    made -= {t.key for op in ops if isinstance(op, Post) for t in op.recvs}
+    made -= {op.dst for op in ops if isinstance(op, Copy)}
+    made |= {op.dst for op in ops if isinstance(op, RowStats)} if own_rows_made else set()
+    reads: set[Key] = set()
+    for op in reversed(ops):
+        if isinstance(op, Post):
+            reads |= {t.key for t in op.sends if t.key.kind == "do"}
+        elif isinstance(op, AttendBackward) and op.do not in made:
+            reads.add(op.do)
+        elif isinstance(op, Copy) and op.dst in reads and op.src.kind == "do":
+            reads.add(op.src)
+    return reads
+
+
+def _copy_sources(rank_plan: RankPlan, direction: str) -> frozenset:
+    """The input buffers of ``direction`` that only :class:`Copy` ops read (a Ulysses group
+    member's own head slice, copied into the group's tokens): cutting them as a contiguous
+    copy first would move their bytes twice. A buffer that is sent or that a block reads
+    stays contiguous (a send needs it; kernels read it many times)."""
+    inputs = rank_plan.forward_inputs if direction == "forward" else rank_plan.backward_inputs
+    ops = rank_plan.ops(direction)
+    others = {key for op in ops if type(op) is not Copy for key in op_keys(op)}
+    others |= {op.dst for op in ops if type(op) is Copy}  # a view must never be written into
+    copied = {op.src for op in ops if type(op) is Copy}
+    return frozenset(key for key in inputs if key in copied and key not in others)
+
+
 class Executor:
     """Runs ``plan.rank(comm.rank)`` with ``comm`` and ``kernel``.
 
@@ -122,9 +169,9 @@ class Executor:
         # copies read
         rp, made = self.rank_plan, self.backward_rows is not None
         self._delta_rows, self._delta_keys = plan.memo(("delta", comm.rank, made),
-                                                       lambda: self._delta_facts(rp, made))
+                                                       lambda: _delta_facts(rp, made))
         self._copied_only = plan.memo(("copied only", comm.rank), lambda: {
-            d: self._copy_sources(rp, d) for d in ("forward", "backward")})
+            d: _copy_sources(rp, d) for d in ("forward", "backward")})
         self.timer = timer or (lambda what: contextlib.nullcontext())
         self._sink: Tensor | None = None  # the call's softmax_offset in the accumulators' dtype (runtime/sinks.py)
         self.offset_grad: Tensor | None = None  # the last backward's d softmax_offset over the rows it finished
@@ -194,7 +241,7 @@ class Executor:
     # -- setup -------------------------------------------------------------------------------------
     def _delta(self, dout: Tensor, out: Tensor, lse: Tensor) -> Tensor:
         """delta = rowsum(dout * out) (fp32) of this rank's rows, where anything reads it
-        (:meth:`_delta_reads`); NaN elsewhere, so a read the analysis missed cannot pass unnoticed.
+        (:func:`_delta_reads`); NaN elsewhere, so a read the analysis missed cannot pass unnoticed.
 
         Its fp32 casts, product and sum are the largest elementwise pass of a backward (~28 bytes
         of memory traffic per element in bf16: 1.9 GB per rank at 16K tokens, 32 heads of 128),
@@ -209,40 +256,6 @@ class Executor:
             torch.sum(dout.narrow(2, a, b - a).to(acc) * out.narrow(2, a, b - a).to(acc), dim=-1,
                       out=delta.narrow(2, a, b - a))
         return delta
-
-    @classmethod
-    def _delta_facts(cls, rank_plan: RankPlan, own_rows_made: bool) -> tuple:
-        """(the rows of this rank's delta to compute, None for all; the ``do`` buffers whose
-        delta is read): see :meth:`_delta_reads`."""
-        reads = cls._delta_reads(rank_plan, own_rows_made)
-        if not own_rows_made:
-            return None, reads
-        return union_intervals(seg for key, segs in rank_plan.backward_inputs.items() if key in reads
-                               for seg in segs), reads
-
-    @staticmethod
-    def _delta_reads(rank_plan: RankPlan, own_rows_made: bool) -> set[Key]:
-        """The ``do`` buffers whose delta something reads: those sent to another rank (its blocks
-        get a stand-in output made from delta), those a block reads without its rows' output --
-        every one when the kernel has no ``backward_rows`` (``own_rows_made`` False), else all
-        but this rank's own rows (the backward inputs, whose output is here) and RowStats'
-        results -- and the sources of copies into either, found walking the ops backwards."""
-        ops = rank_plan.ops("backward")
-        made = set(rank_plan.backward_inputs) if own_rows_made else set()
-        # an input buffer's name that a receive or copy makes again holds rows that are not this
-        # rank's own (no builder does this; a safe answer if one ever did)
-        made -= {t.key for op in ops if isinstance(op, Post) for t in op.recvs}
-        made -= {op.dst for op in ops if isinstance(op, Copy)}
-        made |= {op.dst for op in ops if isinstance(op, RowStats)} if own_rows_made else set()
-        reads: set[Key] = set()
-        for op in reversed(ops):
-            if isinstance(op, Post):
-                reads |= {t.key for t in op.sends if t.key.kind == "do"}
-            elif isinstance(op, AttendBackward) and op.do not in made:
-                reads.add(op.do)
-            elif isinstance(op, Copy) and op.dst in reads and op.src.kind == "do":
-                reads.add(op.src)
-        return reads
 
     def _buffers(self, q: Tensor, k: Tensor, v: Tensor, token_major: set[Key]) -> Buffers:
         b, h, _, d = q.shape
@@ -269,7 +282,7 @@ class Executor:
     def _inputs(self, bufs: Buffers, table: dict, sources: dict, views: frozenset = frozenset()) -> None:
         """Cut the rank plan's input buffers from the local tensors: one token range of all heads
         is a view; several ranges or one head slice are copied (once per distinct cut), except a
-        head slice in ``views`` (read by copies alone, :meth:`_copy_sources`): a view too."""
+        head slice in ``views`` (read by copies alone, :func:`_copy_sources`): a view too."""
         cuts: dict = {}
         for key, segs in table.items():
             ck = (key.kind, tuple(segs), key.heads, key in views)
@@ -291,19 +304,6 @@ class Executor:
             parts.append(_take(t, segs))
         copied = (heads is not None and not view) or len(segs) > 1
         return tuple(p.contiguous() if copied else p for p in parts)
-
-    @staticmethod
-    def _copy_sources(rank_plan: RankPlan, direction: str) -> frozenset:
-        """The input buffers of ``direction`` that only :class:`Copy` ops read (a Ulysses group
-        member's own head slice, copied into the group's tokens): cutting them as a contiguous
-        copy first would move their bytes twice. A buffer that is sent or that a block reads
-        stays contiguous (a send needs it; kernels read it many times)."""
-        inputs = rank_plan.forward_inputs if direction == "forward" else rank_plan.backward_inputs
-        ops = rank_plan.ops(direction)
-        others = {key for op in ops if type(op) is not Copy for key in op_keys(op)}
-        others |= {op.dst for op in ops if type(op) is Copy}  # a view must never be written into
-        copied = {op.src for op in ops if type(op) is Copy}
-        return frozenset(key for key in inputs if key in copied and key not in others)
 
     # -- the loop ----------------------------------------------------------------------------------
     def _run(self, direction: str, bufs: Buffers) -> None:

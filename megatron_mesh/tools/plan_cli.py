@@ -83,8 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--heads", type=int, default=32, help="query heads H")
     g.add_argument("--kv-heads", type=int, default=None, help="key/value heads G (default: H, i.e. MHA)")
     g.add_argument("--head-dim", type=int, default=128, help="head dimension D (of queries and keys)")
-    g.add_argument("--v-head-dim", type=int, default=None, help="value head dimension (default: --head-dim; "
-                   "MLA's differ, e.g. 192 and 128): values, outputs and their gradients are counted at it")
+    g.add_argument("--v-head-dim", type=int, default=None, help="value head dimension (default: D; MLA: e.g. 128)")
     g.add_argument("--seq-len", type=int, default=131072, help="global sequence length S (divisible by 2P)")
     g.add_argument("--batch", type=int, default=1, help="micro-batch size")
     g.add_argument("--dtype", choices=sorted(ITEMSIZE), default="bf16", help="activation dtype of q, k, v")
@@ -139,9 +138,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="also say where the fastest plan's time goes (per layout): on its slowest rank, FLOPs, "
                         "kernel launches, fp32 accumulation, copies, merges and exposed communication, with the "
                         "rounds it waits for (JSON: every row's 'breakdown'); one sample's plans, so not with --samples N > 1")
-    o.add_argument("--plot", metavar="FILE.png",
-                   help="also draw bytes, time and time relative to ring versus CP size (unmasked: not with "
-                        "--window or --docs)")
+    o.add_argument("--plot", metavar="FILE.png", help="also draw bytes, time and time relative to ring versus CP "
+                   "size (unmasked: not with --window or --docs)")
     o.add_argument("--plot-cp", default=None, help=f"CP sizes of the plot (with --plot; default {PLOT_CP})")
     o.add_argument("--jobs", type=int, default=1, metavar="N",
                    help="plan and simulate the rows in N processes (0: one per CPU core); the same table, sooner "
@@ -183,8 +181,6 @@ def _shape(args, world_size: int) -> AttentionShape:
         raise ValueError(f"--seq-len {args.seq_len} must be divisible by 2 * CP size = {2 * world_size} "
                          "(Megatron's zigzag layout cuts the sequence into 2P halves)")
     kv = args.kv_heads if args.kv_heads is not None else args.heads
-    if args.v_head_dim is not None and args.v_head_dim < 1:
-        raise ValueError(f"--v-head-dim must be >= 1 (or left out: --head-dim), got {args.v_head_dim}")
     return AttentionShape(seq_local=args.seq_len // world_size, batch=args.batch, heads=args.heads, kv_heads=kv,
                           head_dim=args.head_dim, itemsize=ITEMSIZE[args.dtype], v_head_dim=args.v_head_dim)
 

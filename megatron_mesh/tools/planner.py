@@ -205,7 +205,6 @@ class _AllToAlls:
         e, B, n, D, Dv = shape.itemsize, shape.batch, shape.seq_local, shape.head_dim, shape.v_head_dim
         q, kv, out = B * n * shape.heads * D * e, B * n * kv_heads * (D + Dv) * e, B * n * shape.heads * Dv * e
         acc = cls(local=q + kv)
-        # forward: q, k, v in, the output back; backward: dout in, dq, dk, dv back
         for direction, sizes in (("forward", (q + kv, out)), ("backward", (out, q + kv))):
             acc.time[direction] = 0.0
             for nbytes in sizes:
@@ -216,10 +215,9 @@ class _AllToAlls:
         return acc
 
 
-def _attention_time(seq_len: int, heads: int, shape: AttentionShape, topo: Topology, causal: bool,
-                    backward: bool = False) -> float:
+def _attention_time(seq_len: int, heads: int, shape: AttentionShape, topo: Topology, causal: bool) -> float:
     pairs = seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
-    return pair_flops(shape, heads, backward) * pairs / topo.attention_flops + topo.kernel_latency
+    return pair_flops(shape, heads) * pairs / topo.attention_flops + topo.kernel_latency
 
 
 def ulysses_result(world_size: int, shape: AttentionShape, topo: Topology, causal: bool = True) -> ModeResult:
@@ -231,7 +229,7 @@ def ulysses_result(world_size: int, shape: AttentionShape, topo: Topology, causa
                          f"({shape.kv_heads}) divisible by, or a divisor of, {u}")
     a2a = _AllToAlls.price(world_size, u, shape, kv_heads, topo)
     fwd_compute = _attention_time(shape.seq_local * u, shape.heads // u, shape, topo, causal)
-    bwd_compute = _attention_time(shape.seq_local * u, shape.heads // u, shape, topo, causal, backward=True)
+    bwd_compute = fwd_compute * pair_flops(shape, 1, backward=True) / pair_flops(shape, 1)  # BACKWARD_FLOPS, any dims
     fwd, bwd = a2a.time["forward"] + fwd_compute, a2a.time["backward"] + bwd_compute
     # head-sharded q, k, v, out kept for the backward, then dout and the gradients
     peak = 2 * a2a.local + shape.batch * shape.seq_local * shape.heads * shape.v_head_dim * shape.itemsize
