@@ -24,6 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -41,6 +42,7 @@ from .agreement import PlanMismatchError
 from .autograd import PlanAttention, forward_backward
 from .executor import Executor
 from .inputs import attention_mask, attention_shape, check_scale, integer_scalar, scale_of
+from .masks import mask_piece
 from .sharding import layout_shard, layout_unshard, thd_shard, thd_unshard, zigzag_shard, zigzag_unshard
 
 __all__ = ["attention", "mesh_attention", "ring_attention", "tasp_attention", "hybrid_attention", "plan_attention",
@@ -143,6 +145,7 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None, 
         shape = attention_shape(q, k, v)
         check_scale(softmax_scale)
         kern = get_kernel(kernel, q.device)
+        mask_piece(q.device)  # this process's setting, read here: a bad one fails before the check, not after
         P = own.world_size
         mask, layout = attention_mask(P, shape, causal=causal, window=window, cu_seqlens=cu_seqlens, layout=layout)
         if "gpus_per_node" in settings:  # the wrappers' (and their docs') name for the plan's ranks_per_node
@@ -160,8 +163,14 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None, 
     if comm is None:
         comm = own if placement.transport == "p2p" else group_communicator(group, placement.transport)
     scale = scale_of(shape, softmax_scale)
-    agreement.check(comm, agreement.Call(plan, placement, tuple(q.shape), tuple(k.shape), q.dtype, scale, kern))
+    agreement.check(comm, agreement.Call(plan, placement, tuple(q.shape), tuple(k.shape), q.dtype, scale, kern,
+                                         backward_follows(q, k, v)))
     return Prepared(plan, placement, comm, kern, scale)
+
+
+def backward_follows(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether autograd records this call, so that a backward (with its own transfers) follows it."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
 
 
 @lru_cache(maxsize=256)
@@ -331,7 +340,9 @@ def plan_attention(q: Tensor, k: Tensor, v: Tensor, plan: Plan, *, comm: Communi
             raise ValueError(f"plan for {plan.world_size} ranks x {plan.seq_local} tokens does not fit "
                              f"{comm.world_size} ranks x {shape.seq_local} tokens")
         kern = get_kernel(kernel, q.device)
+        mask_piece(q.device)
     scale = scale_of(shape, softmax_scale)
-    agreement.check(comm, agreement.Call(plan, None, tuple(q.shape), tuple(k.shape), q.dtype, scale, kern))
+    agreement.check(comm, agreement.Call(plan, None, tuple(q.shape), tuple(k.shape), q.dtype, scale, kern,
+                                         backward_follows(q, k, v)))
     executor = Executor(plan, comm, kern, scale, timer)
     return PlanAttention.apply(q, k, v, executor)
