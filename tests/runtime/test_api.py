@@ -174,6 +174,17 @@ def test_bad_tensors_raise_naming_the_value():
         mm.mesh_attention(q, k.to("meta"), v)
 
 
+def test_balanced_layout_takes_boundaries_in_a_tensor_and_refuses_the_meta_device():
+    """A tensor of boundaries gives the list's layout; one on the meta device (no values) is a
+    ValueError naming it, not torch's RuntimeError from deep inside (issue 48)."""
+    want = mm.balanced_layout([0, 5, 16], 2)
+    assert mm.balanced_layout(torch.tensor([0, 5, 16]), 2) == want
+    for cu in (torch.tensor([0, 5, 16], device="meta"), [0, torch.tensor(5, device="meta"), 16]):
+        with pytest.raises(ValueError, match=r"cu_seqlens must hold integers that can be read here, got .*"
+                                             r"device='meta'.*: pass the document boundaries on the CPU"):
+            mm.balanced_layout(cu, 2)
+
+
 def test_double_backward_says_it_is_unsupported():
     q, k, v = (x.requires_grad_() for x in qkv())
     out = mm.mesh_attention(q, k, v)
