@@ -128,10 +128,11 @@ def gpt_equivalence(rank: int, world: int, layouts) -> list[dict]:
                 config = _config(tp, cp, heads, mode, **plugin)
                 model = _build(config, gpt_local_layer_spec(config), pgc, position)
                 kinds = sorted({type(l.self_attention.core_attention).__name__ for l in model.decoder.layers})
+                strided = _watch_strides(model)
                 loss, grads = _run(model, local)
                 rec = _compare(f"TP={tp} CP={cp} {position} heads={heads} {label}", loss, grads,
                                ref_loss, ref_grads, cp_group)
-                rec.update(label=label, tp=tp, cp=cp, attention_modules=kinds)
+                rec.update(label=label, tp=tp, cp=cp, attention_modules=kinds, strided_inputs=sorted(strided))
                 rec["modes"] = [l.self_attention.core_attention.mode for l in model.decoder.layers]
                 records.append(rec)
         if cp == 4:
@@ -139,6 +140,19 @@ def gpt_equivalence(rank: int, world: int, layouts) -> list[dict]:
         groups.destroy_groups()
         ps.destroy_model_parallel()
     return records
+
+
+def _watch_strides(model) -> set:
+    """Filled, as the model runs, with the names (q, k, v) of the core attention inputs that are
+    not contiguous (Megatron's QKV split hands views of its fused projection)."""
+    seen: set = set()
+
+    def hook(module, args):
+        seen.update(name for name, t in zip("qkv", args[:3]) if not t.is_contiguous())
+
+    for layer in model.decoder.layers:
+        layer.self_attention.core_attention.register_forward_pre_hook(hook)
+    return seen
 
 
 def _routing(rank, cp_group, config) -> dict:

@@ -16,8 +16,21 @@ from torch import Tensor
 
 from ..plan.mask import BlockKind
 
-__all__ = ["BlockKernel", "BlockMask", "FULL", "CAUSAL", "check_head_dims", "varlen_forward", "varlen_backward", "loop_varlen_forward",
-           "loop_varlen_backward", "rows_of"]
+__all__ = ["BlockKernel", "BlockMask", "FULL", "CAUSAL", "check_head_dims", "varlen_forward", "varlen_backward",
+           "loop_varlen_forward", "loop_varlen_backward", "rows_of", "head_dim_dense"]
+
+
+def head_dim_dense(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """``tensors`` with their last axis (head_dim) of stride 1: each as it is where it already is --
+    any other strides, 0 included, the kernels read as they are -- else a copy.
+
+    torch's fused attention ops read head_dim as if its stride were 1: the CPU op gives wrong
+    numbers without an error on ``k = buf[..., ::2]``, a projection stored [d, h] and transposed or
+    a broadcast head_dim (it reads memory the view does not cover); the CUDA ops refuse such
+    inputs. A copy, as torch's own ops make one, rather than an error: the values are what the
+    caller means, and only these rare layouts pay the pass over the tensor. The caller's tensor is
+    never written."""
+    return tuple(x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous() for x in tensors)
 
 
 @dataclass(eq=False)
@@ -107,9 +120,11 @@ class BlockKernel(Protocol):
     Layout: ``q`` [B, H, Sq, D]; ``k`` [B, Hkv, Sk, D], ``v`` [B, Hkv, Sk, Dv] with H % Hkv == 0
     (grouped-query attention: query head h uses KV head h // (H / Hkv)); Dv may differ from D
     (MLA) where the kernel takes it: a kernel that cannot defines ``check_head_dims(d, dv)``,
-    raising ValueError naming itself (:func:`check_head_dims`). Inputs may be strided views
-    (slices of a chunk along the sequence, or of a [S, B, H, D] tensor), with the head_dim axis
-    contiguous. The output and dout have Dv.
+    raising ValueError naming itself (:func:`check_head_dims`). The output and dout have Dv.
+    Inputs may be strided views (slices of a chunk along the sequence, or of a [S, B, H, D]
+    tensor); the executor hands them with head_dim of stride 1 (:func:`head_dim_dense`), and a
+    kernel called with any other strides must give the same result (torch's kernel copies such
+    inputs).
     """
 
     name: str

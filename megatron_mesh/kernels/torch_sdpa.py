@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ..plan.mask import BlockKind
-from .base import loop_varlen_backward, loop_varlen_forward
+from .base import head_dim_dense, loop_varlen_backward, loop_varlen_forward
 
 __all__ = ["TorchAttentionKernel", "CUDA_OPS", "stand_in_output", "flash_varlen_forward", "flash_varlen_backward"]
 
@@ -97,7 +97,7 @@ class TorchAttentionKernel:
 
     # -- forward -------------------------------------------------------------------------------
     def forward(self, q, k, v, *, mask, scale):
-        out, lse = self._forward(q, k, v, mask, scale)
+        out, lse = self._forward(*head_dim_dense(q, k, v), mask, scale)
         empty = mask.empty_rows()
         if empty is not None:  # the ops report lse 0 for a row with no allowed key
             lse = lse.masked_fill(empty, float("-inf"))
@@ -142,6 +142,7 @@ class TorchAttentionKernel:
     def backward(self, dout, q, k, v, lse, delta, *, mask, scale, rows=None):
         causal = mask.causal
         out, lse = _backward_rows(dout, lse, delta) if rows is None else rows
+        dout, q, k, v, out = head_dim_dense(dout, q, k, v, out)
         if self.op == "cpu":
             # the CPU op wants lse in fp32 (fp64 for fp64 inputs)
             lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
@@ -192,6 +193,7 @@ class TorchAttentionKernel:
         if not _flash_takes(q, v):  # flash takes 16-bit inputs of equal head dims only
             return loop_varlen_forward(self, q, k, v, seqs, causal=causal, scale=scale)
         self.name = "torch-flash"
+        q, k, v = head_dim_dense(q, k, v)
         b, h, tq, d = q.shape
         cu_q, cu_k, max_q, max_k = _cu_seqlens(seqs, b, q.device)
         out, lse = flash_varlen_forward(_tokens(q), _tokens(k), _tokens(v), cu_q, cu_k, max_q, max_k, causal, scale)
@@ -203,6 +205,7 @@ class TorchAttentionKernel:
         b, h, tq, d = q.shape
         cu_q, cu_k, max_q, max_k = _cu_seqlens(seqs, b, q.device)
         out = stand_in_output(dout, delta) if rows is None else rows[0]
+        dout, q, k, v, out = head_dim_dense(dout, q, k, v, out)
         lse = lse.float().permute(1, 0, 2).reshape(h, b * tq).contiguous()
         dq, dk, dv = flash_varlen_backward(_tokens(dout), _tokens(q), _tokens(k), _tokens(v), _tokens(out), lse,
                                            cu_q, cu_k, max_q, max_k, causal, scale)

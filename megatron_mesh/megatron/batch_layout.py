@@ -51,8 +51,9 @@ from torch import Tensor
 
 from ..plan.balance import BalancedLayout, balanced_layout
 from ..plan.layout import positions
+from ..plan.window import megatron_window
 from .placement import ranks_per_node
-from .settings import BATCH_DOCUMENTS, cp_layout, megatron_window, plugin_settings
+from .settings import BATCH_DOCUMENTS, cp_layout, plugin_settings
 
 __all__ = ["sample_layout", "uses_balanced_layout", "eod_starts", "position_starts", "document_rows",
            "boundary_params", "BatchLayout", "split_batch", "set_current", "current",

@@ -50,9 +50,10 @@ from megatron.core.transformer.utils import is_layer_window_attention
 from torch import Tensor
 
 from ..plan.modes import DEFAULT_MODE
+from ..plan.window import megatron_window
 from . import TE_MODES, batch_layout, plugin_modes, telemetry
 from .checks import have_transformer_engine
-from .settings import BATCH_DOCUMENTS, cp_layout, megatron_window, plugin_settings
+from .settings import BATCH_DOCUMENTS, cp_layout, plugin_settings
 from .placement import resolve_placement
 
 __all__ = ["CPCoreAttention", "PluginCoreAttention"]

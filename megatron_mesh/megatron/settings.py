@@ -25,7 +25,7 @@ from ..plan.modes import MODES, get_mode, option_specs
 from . import TE_MODES, plugin_modes
 
 __all__ = ["Flag", "flags", "flag_dest", "PluginSettings", "plugin_settings", "MeshTransformerConfig", "layer_modes",
-           "plugin_modes_of", "megatron_window", "ALL_PLUGIN_MODES", "NODE_AWARE", "CP_LAYOUTS",
+           "plugin_modes_of", "ALL_PLUGIN_MODES", "NODE_AWARE", "CP_LAYOUTS",
            "BATCH_DOCUMENTS", "cp_layout"]
 
 # --cp-layout's values, the default first (why: docs/megatron.md, "Packed documents: the CP layout");
@@ -216,12 +216,3 @@ def cp_layout(config) -> str:
     """``--cp-layout`` of ``config`` (Megatron's parsed arguments or a transformer config carrying
     the plugin settings); its default when not given."""
     return getattr(config, "cp_layout", None) or CP_LAYOUTS[0]
-
-
-def megatron_window(window_size) -> tuple | None:
-    """Megatron's ``window_size`` (left, right), -1 meaning unlimited, as the plugin's window
-    ((left, right), None meaning unlimited), or None for no window."""
-    if window_size is None:
-        return None
-    left, right = window_size
-    return (None if left < 0 else int(left), None if right < 0 else int(right))

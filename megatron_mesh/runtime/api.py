@@ -24,6 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -41,6 +42,7 @@ from .agreement import PlanMismatchError
 from .autograd import PlanAttention, forward_backward
 from .executor import Executor
 from .inputs import attention_mask, attention_shape, check_scale, integer_scalar, scale_of
+from .masks import mask_piece
 from .sinks import check_offset, sink_kind
 from .sharding import layout_shard, layout_unshard, thd_shard, thd_unshard, zigzag_shard, zigzag_unshard
 
@@ -147,6 +149,7 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None, 
         check_scale(softmax_scale)
         check_offset(softmax_offset, shape.heads, q.device)
         kern = get_kernel(kernel, q.device)
+        mask_piece(q.device)  # this process's setting, read here: a bad one fails before the check, not after
         check_head_dims(kern, shape.head_dim, shape.v_head_dim)
         P = own.world_size
         mask, layout = attention_mask(P, shape, causal=causal, window=window, cu_seqlens=cu_seqlens, layout=layout)
@@ -166,8 +169,14 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None, 
         comm = own if placement.transport == "p2p" else group_communicator(group, placement.transport)
     scale = scale_of(shape, softmax_scale)
     agreement.check(comm, agreement.Call(plan, placement, tuple(q.shape), tuple(k.shape), q.dtype, scale, kern,
-                                         shape.v_head_dim, sink_kind(softmax_offset)))
+                                         backward_follows(q, k, v, softmax_offset), shape.v_head_dim,
+                                         sink_kind(softmax_offset)))
     return Prepared(plan, placement, comm, kern, scale)
+
+
+def backward_follows(q: Tensor, k: Tensor, v: Tensor, softmax_offset: Tensor | None = None) -> bool:
+    """Whether autograd records this call, so that a backward (with its own transfers) follows it."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, softmax_offset))
 
 
 @lru_cache(maxsize=256)
@@ -351,9 +360,11 @@ def plan_attention(q: Tensor, k: Tensor, v: Tensor, plan: Plan, *, comm: Communi
             raise ValueError(f"plan for {plan.world_size} ranks x {plan.seq_local} tokens does not fit "
                              f"{comm.world_size} ranks x {shape.seq_local} tokens")
         kern = get_kernel(kernel, q.device)
+        mask_piece(q.device)
         check_head_dims(kern, shape.head_dim, shape.v_head_dim)
     scale = scale_of(shape, softmax_scale)
     agreement.check(comm, agreement.Call(plan, None, tuple(q.shape), tuple(k.shape), q.dtype, scale, kern,
-                                         shape.v_head_dim, sink_kind(softmax_offset)))
+                                         backward_follows(q, k, v, softmax_offset), shape.v_head_dim,
+                                         sink_kind(softmax_offset)))
     executor = Executor(plan, comm, kern, scale, timer)
     return PlanAttention.apply(q, k, v, executor, softmax_offset)

@@ -11,7 +11,10 @@ hands it ``x.permute(1, 2, 0, 3)`` of Megatron's [T, B, H, D] tensors, and the f
 gradients are allocated token-major, so neither side copies to change layouts (the kernels take
 strided inputs). A buffer is copied only where it must be contiguous: when it is sent, or cut
 from several token ranges or one head slice that a block reads or that is sent (a head slice
-only copies read stays a view).
+only copies read stays a view). The one stride the kernels cannot take is a head_dim that is not
+stride 1 (``buf[..., ::2]``, a projection stored [d, h] and transposed, a broadcast head_dim): such
+an input (or dout) is copied once per pass, at entry (:func:`~megatron_mesh.kernels.base.head_dim_dense`),
+instead of once per block that reads it.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 from torch import Tensor
 
 from ..comm.base import Communicator, Work
-from ..kernels.base import BlockKernel
+from ..kernels.base import BlockKernel, head_dim_dense
 from ..plan.sel import union_intervals
 from ..plan.ir import (AddGrad, Attend, AttendBackward, Copy, Free, Key, MergeOut, Plan, Post, RankPlan, RowStats,
                        Wait, op_keys)
@@ -178,9 +181,10 @@ class Executor:
 
     # -- public ----------------------------------------------------------------------------------
     def forward(self, q: Tensor, k: Tensor, v: Tensor, softmax_offset: Tensor | None = None) -> ForwardResult:
-        """q [B, H, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv] (views of any strides, head_dim
-        contiguous); ``softmax_offset`` [H]: attention sinks, applied where rows are finished
-        (:mod:`.sinks`). Returns the fp32 out (token-major storage) and lse."""
+        """q [B, H, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv] (views of any strides);
+        ``softmax_offset`` [H]: attention sinks, applied where rows are finished (:mod:`.sinks`).
+        Returns the fp32 out (token-major storage) and lse."""
+        q, k, v = head_dim_dense(q, k, v)
         rp = self.rank_plan
         self._set_sink(softmax_offset, q.dtype)
         bufs = self._buffers(q, k, v, {rp.output})
@@ -210,8 +214,11 @@ class Executor:
                  offset_grad: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         """Gradients (fp32 or the input dtype, token-major storage) of q, k, v given the
         forward's final ``out`` (q's dtype or fp32) and ``lse`` (with the forward's
-        ``softmax_offset`` in them) and the incoming ``dout`` [B, H, T, Dv]. ``offset_grad``: also
-        sum d softmax_offset over the rows this rank finished, into :attr:`offset_grad` [H]."""
+        ``softmax_offset`` in them) and the incoming ``dout`` [B, H, T, Dv] (views of any strides).
+        The inputs are copied again where the forward copied them (:func:`head_dim_dense`): keeping
+        the forward's copies would hold that memory in between. ``offset_grad``: also sum d
+        softmax_offset over the rows this rank finished, into :attr:`offset_grad` [H]."""
+        q, k, v, dout = head_dim_dense(q, k, v, dout)
         rp = self.rank_plan
         self._set_sink(softmax_offset, q.dtype)
         self.offset_grad = None

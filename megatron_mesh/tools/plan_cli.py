@@ -60,6 +60,7 @@ from .planner import (AUTO, FORMULAS, LAYOUTS, REGISTRY, ModeResult, all_modes, 
 
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 PLOT_CP = "8,16,32,64,128,256,512,1024"  # --plot's CP sizes unless --plot-cp says
+MAX_SAMPLES = 10_000  # --samples: each sample plans every row again, and its rows are kept for the mean
 # the lines of --plot (one per mode: rows with one placement per CP size)
 PLOT_MODES = ("ring", "mesh-auto", "tasp", "a2a+mesh-auto", "usp", "ulysses")
 
@@ -110,7 +111,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--samples", type=int, default=1, metavar="N",
                    help="plan N samples of --docs lognormal (seeds --seed .. --seed+N-1) and give each row's mean "
                         "over them (buffer memory: the largest; 'time max': the slowest sample): what a run over "
-                        "many such samples can expect, where one sample can mislead; not with --explain")
+                        f"many such samples can expect, where one sample can mislead; at most {MAX_SAMPLES:,}; not "
+                        "with --explain")
     g.add_argument("--layout", default=None, choices=LAYOUTS + ("all",),
                    help="the sequence layout under --docs: Megatron's zigzag, Transformer Engine's THD (each document "
                         "padded to 2 x CP; TE's own p2p and a2a+p2p on it too), the plugin's balanced layout, the "
@@ -173,14 +175,14 @@ def _topology(args, world_size: int) -> Topology:
 
 
 def _shape(args, world_size: int) -> AttentionShape:
-    if world_size < 1:
-        raise ValueError(f"--cp must be >= 1, got {world_size}")
-    if args.seq_len < 1:
-        raise ValueError(f"--seq-len must be >= 1, got {args.seq_len}")
+    kv = args.kv_heads if args.kv_heads is not None else args.heads
+    for flag, value in (("--cp", world_size), ("--seq-len", args.seq_len), ("--heads", args.heads),
+                        ("--kv-heads", kv), ("--head-dim", args.head_dim), ("--batch", args.batch)):
+        if value < 1:  # named by its flag, not by the shape's field
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     if args.seq_len % (2 * world_size):
         raise ValueError(f"--seq-len {args.seq_len} must be divisible by 2 * CP size = {2 * world_size} "
                          "(Megatron's zigzag layout cuts the sequence into 2P halves)")
-    kv = args.kv_heads if args.kv_heads is not None else args.heads
     return AttentionShape(seq_local=args.seq_len // world_size, batch=args.batch, heads=args.heads, kv_heads=kv,
                           head_dim=args.head_dim, itemsize=ITEMSIZE[args.dtype], v_head_dim=args.v_head_dim)
 
@@ -396,11 +398,14 @@ def _best(rows: list[ModeResult], floor: float | None = None, world_size: int | 
             f"fewest bytes sent by the busiest rank: {_row_name(light)}, {mean}{format_bytes(light.bytes_per_rank)}")
 
 
-def _header(args, world_size: int, shape: AttentionShape, topo: Topology, mask: Mask | None = None) -> str:
+def _header(args, world_size: int, shape: AttentionShape, topo: Topology, mask: Mask | None = None,
+            layouts: tuple[str, ...] = ("zigzag",)) -> str:
     what = mask.text() if mask is not None else ("causal" if args.causal else "full")
     if mask is not None and mask.documents is not None:
         lens = [b - a for a, b in mask.documents]
         what = what.split(",docs=")[0] + f", {len(lens)} documents of mean {sum(lens) / len(lens):,.0f} tokens"
+        if len(layouts) == 1:  # the table has a layout column only when it compares several
+            what += f"; every row on the {layouts[0]} layout"
     return (f"CP {world_size} on {topo.nodes_used(world_size)} node(s) x {topo.gpus_per_node} GPUs; sequence "
             f"{args.seq_len:,} tokens ({shape.seq_local:,} per rank), batch {shape.batch}, heads {shape.heads}/"
             f"{shape.kv_heads}, {shape.dims_text}, {args.dtype}, {what}\n"
@@ -562,6 +567,9 @@ def _seeds(args) -> list[int]:
     n = args.samples
     if n < 1:
         raise ValueError(f"--samples {n}: must be >= 1")
+    if n > MAX_SAMPLES:
+        raise ValueError(f"--samples {n}: at most {MAX_SAMPLES:,} (each sample plans every row again, and its rows are "
+                         "kept for the mean)")
     if n > 1:
         if not _random_docs(args.docs):
             raise ValueError(f"--samples {n} draws --docs with seeds {args.seed}..{args.seed + n - 1}: give --docs a "
@@ -702,7 +710,7 @@ def _main(args) -> int:
                           "compute_floor_s": floor, "samples": len(seeds), "seeds": seeds if args.docs else None,
                           "planner_seconds": elapsed, "plot_seconds": plot_s}, indent=1))
     else:
-        print(_header(args, args.cp, shape, topo, mask))
+        print(_header(args, args.cp, shape, topo, mask, layouts))
         if len(seeds) > 1:
             print(f"samples: {len(seeds)} of --docs {args.docs} (--seed {seeds[0]}..{seeds[-1]}); every number is the "
                   "mean over them (buffer memory: the largest; time max: the slowest sample); the documents above "

@@ -159,10 +159,18 @@ def test_plot_figure_shows_every_line_and_the_time_relative_to_ring():
     (["--cp", "4", "--seed", "5", "--samples", "3"], "--samples 3 draws --docs with seeds 5..7: .*got None"),
     (["--cp", "4", "--seq-len", "4096", "--docs", "lognormal:100,1", "--samples", "2", "--explain"],
      "--explain breaks down one sample's plans: leave out --samples 2 or --explain"),
+    # issue 48: a count that would not fit in memory, and the shape's numbers named by their flags
+    (["--cp", "4", "--seq-len", "4096", "--docs", "lognormal:100,1", "--samples", "1000000000"],
+     "--samples 1000000000: at most 10,000 \\(each sample plans every row again"),
+    (["--cp", "4", "--heads", "0"], "--heads must be >= 1, got 0"),
+    (["--cp", "4", "--kv-heads", "-2"], "--kv-heads must be >= 1, got -2"),
+    (["--cp", "4", "--head-dim", "0"], "--head-dim must be >= 1, got 0"),
+    (["--cp", "4", "--batch", "0"], "--batch must be >= 1, got 0"),
 ])
 def test_cli_rejects_bad_input(capsys, argv, message):
     assert main(argv) == 2
-    assert re.search(message, capsys.readouterr().err)
+    err = capsys.readouterr().err
+    assert re.search(message, err) and len(err.strip().splitlines()) == 1, err
 
 
 def test_cli_output_into_a_closed_pipe_is_not_an_error(tmp_path):
@@ -221,6 +229,15 @@ def test_cli_layouts_side_by_side(capsys):
     with pytest.raises(SystemExit):
         main(["--cp", "4", "--docs", "fixed:4", "--layout", "bogus"])
     assert "invalid choice: 'bogus'" in capsys.readouterr().err
+
+
+def test_cli_table_of_one_layout_says_which(capsys):
+    """A table of one layout has no layout column: its header names the layout (issue 48)."""
+    for layout in ("balanced", "zigzag", "thd"):
+        assert main(["--cp", "4", "--seq-len", "4096", "--docs", "fixed:512", "--modes", "ring", "--layout",
+                     layout]) == 0
+        head = capsys.readouterr().out.splitlines()[0]
+        assert head.endswith(f"8 documents of mean 512 tokens; every row on the {layout} layout"), head
 
 
 def test_cli_says_which_rows_a_layout_leaves_out(capsys):
