@@ -8,8 +8,8 @@ from .base import CAUSAL, FULL, BlockKernel, BlockMask, check_head_dims
 from .reference import MathKernel, dense_mask, reference_attention
 from .torch_sdpa import CUDA_OPS, TorchAttentionKernel
 
-__all__ = ["BlockKernel", "BlockMask", "FULL", "CAUSAL", "check_head_dims", "MathKernel", "TorchAttentionKernel", "reference_attention",
-           "dense_mask", "get_kernel", "KERNEL_BACKENDS"]
+__all__ = ["BlockKernel", "BlockMask", "FULL", "CAUSAL", "check_head_dims", "MathKernel", "TorchAttentionKernel",
+           "reference_attention", "dense_mask", "get_kernel", "KERNEL_BACKENDS"]
 
 KERNEL_BACKENDS = ("auto", "torch", "math") + tuple(f"torch-{op}" for op in CUDA_OPS)
 

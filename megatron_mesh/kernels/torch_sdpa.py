@@ -93,7 +93,8 @@ class TorchAttentionKernel:
         """Flash and cuDNN (asked for by name) take no value head dim other than the query/key one."""
         if head_dim != v_head_dim and not self.auto and self.op in ("flash", "cudnn"):
             raise ValueError(f"kernel backend torch-{self.op} cannot take a value head dim ({v_head_dim}) other than "
-                             f"the query/key head dim ({head_dim}); use 'auto' or 'torch-efficient' on CUDA (or 'math')")
+                             f"the query/key head dim ({head_dim}); use 'auto' or 'torch-efficient' on CUDA "
+                             "(or 'math')")
 
     # -- forward -------------------------------------------------------------------------------
     def forward(self, q, k, v, *, mask, scale):

@@ -372,8 +372,7 @@ def _check_config(config, where: str, layer_number: int, attention_type: str, at
                          "(or -1, unlimited)")
     softmax_type = getattr(config, "softmax_type", "vanilla")
     if softmax_type != "vanilla":
-        raise ValueError(f"{where}: softmax_type {softmax_type!r} is not supported by the plugin's Megatron layers "
-                         "yet (allowed: 'vanilla'; mm.attention takes sinks as softmax_offset)")
+        raise ValueError(f"{where}: softmax_type {softmax_type!r} is not supported (allowed: 'vanilla')")
 
 
 def _logs_for_its_stage(cp_group) -> bool:

@@ -2,8 +2,9 @@
 :func:`~.simulate.simulate` (its model is in that module's docstring).
 
 ``Attend``: 2 * batch * heads * (head_dim + v_head_dim) FLOPs (:func:`pair_flops`; 4 * head_dim at
-equal dims) per (query, key) pair the kernel call computes (:func:`~.accounting.block_area`; a masked block runs as the calls of its mask pieces,
-:func:`~.mask.mask_pieces`, as the runtime runs it) at ``attention_flops``, plus ``kernel_latency``
+equal dims) per (query, key) pair the kernel call computes (:func:`~.accounting.block_area`; a
+masked block runs as the calls of its mask pieces, :func:`~.mask.mask_pieces`, as the runtime runs
+it) at ``attention_flops``, plus ``kernel_latency``
 per call, plus the fp32 merge into the accumulator at ``memory_bandwidth``: read and write the
 accumulator, read the kernel's result in the input dtype (a copy -- read the result, write the
 accumulator -- on rows no earlier op wrote, :meth:`~.ir.Plan.first_writes`). ``AttendBackward``:

@@ -44,4 +44,5 @@ class AttentionShape:
     @property
     def dims_text(self) -> str:
         """"head dim 128", or "head dim 192 (values 128)" where the value head dim differs."""
-        return f"head dim {self.head_dim}" + (f" (values {self.v_head_dim})" if self.v_head_dim != self.head_dim else "")
+        values = f" (values {self.v_head_dim})" if self.v_head_dim != self.head_dim else ""
+        return f"head dim {self.head_dim}{values}"

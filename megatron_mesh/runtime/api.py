@@ -242,8 +242,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None
             waits (e.g. Megatron's timers).
 
     Returns the attention output, [s_local, batch, heads, v_head_dim] in q's dtype; differentiable
-    w.r.t. q, k, v and softmax_offset (one backward). Only the (query, key) pairs the mask allows are computed and only the tokens they
-    need are sent.
+    w.r.t. q, k, v and softmax_offset (one backward). Only the (query, key) pairs the mask allows
+    are computed and only the tokens they need are sent.
     """
     call = prepare(q, k, v, mode=mode, group=group, comm=comm, causal=causal, window=window, cu_seqlens=cu_seqlens,
                    layout=layout, softmax_scale=softmax_scale, kernel=kernel, softmax_offset=softmax_offset, **settings)
@@ -252,8 +252,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None
 
 def mesh_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, tile="auto", causal: bool = True,
                    window=None, cu_seqlens=None, layout=None, softmax_scale: float | None = None,
-                   softmax_offset: Tensor | None = None, schedule: str = "greedy", backward_chunks: str = "auto", contiguous: str = "auto",
-                   gpus_per_node: int | None = None, kernel: "str | BlockKernel" = "auto",
+                   softmax_offset: Tensor | None = None, schedule: str = "greedy", backward_chunks: str = "auto",
+                   contiguous: str = "auto", gpus_per_node: int | None = None, kernel: "str | BlockKernel" = "auto",
                    comm: Communicator | None = None) -> Tensor:
     """Mesh-Attention (see :func:`attention` for the common arguments).
 
@@ -273,15 +273,14 @@ def mesh_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, tile="auto", 
     """
     return attention(q, k, v, mode="mesh", group=group, causal=causal, window=window, cu_seqlens=cu_seqlens,
                      layout=layout, softmax_scale=softmax_scale, softmax_offset=softmax_offset, kernel=kernel,
-                     comm=comm, tile=tile,
-                     schedule=schedule, backward_chunks=backward_chunks, contiguous=contiguous,
+                     comm=comm, tile=tile, schedule=schedule, backward_chunks=backward_chunks, contiguous=contiguous,
                      ranks_per_node=gpus_per_node)
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool = True, window=None,
                    cu_seqlens=None, layout=None, softmax_scale: float | None = None,
-                   softmax_offset: Tensor | None = None, backward_chunks: str = "auto", kernel: "str | BlockKernel" = "auto",
-                   comm: Communicator | None = None) -> Tensor:
+                   softmax_offset: Tensor | None = None, backward_chunks: str = "auto",
+                   kernel: "str | BlockKernel" = "auto", comm: Communicator | None = None) -> Tensor:
     """Ring attention (zigzag, as Transformer Engine's ``p2p``): Mesh-Attention with tile (1, P).
     Same arguments and layout as :func:`attention`; ``backward_chunks`` as :func:`mesh_attention`'s."""
     return attention(q, k, v, mode="ring", group=group, causal=causal, window=window, cu_seqlens=cu_seqlens,
@@ -291,8 +290,9 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool 
 
 def tasp_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool = True, window=None,
                    cu_seqlens=None, layout=None, softmax_scale: float | None = None,
-                   softmax_offset: Tensor | None = None, gpus_per_node: int | None = None, transport: str = "p2p", backward_chunks: str = "auto",
-                   kernel: "str | BlockKernel" = "auto", comm: Communicator | None = None) -> Tensor:
+                   softmax_offset: Tensor | None = None, gpus_per_node: int | None = None, transport: str = "p2p",
+                   backward_chunks: str = "auto", kernel: "str | BlockKernel" = "auto",
+                   comm: Communicator | None = None) -> Tensor:
     """TASP attention (see :func:`attention` for the common arguments).
 
     Args:

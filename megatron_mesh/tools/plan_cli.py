@@ -176,8 +176,8 @@ def _topology(args, world_size: int) -> Topology:
 
 def _shape(args, world_size: int) -> AttentionShape:
     kv = args.kv_heads if args.kv_heads is not None else args.heads
-    for flag, value in (("--cp", world_size), ("--seq-len", args.seq_len), ("--heads", args.heads),
-                        ("--kv-heads", kv), ("--head-dim", args.head_dim), ("--batch", args.batch)):
+    for flag, value in (("--cp", world_size), ("--seq-len", args.seq_len), ("--heads", args.heads), ("--kv-heads", kv),
+                        ("--head-dim", args.head_dim), ("--v-head-dim", args.v_head_dim or 1), ("--batch", args.batch)):
         if value < 1:  # named by its flag, not by the shape's field
             raise ValueError(f"{flag} must be >= 1, got {value}")
     if args.seq_len % (2 * world_size):

@@ -96,7 +96,8 @@ def test_agreeing_calls_between_the_disagreements_run(results):
                               "got 'bogus'"),
     ("bad_gpus_per_node_on_one_rank", "ValueError: CP ranks per node (gpus_per_node) must be a positive divisor of "
                                       "the CP size 8, got 0"),
-    ("bad_offset_on_one_rank", "ValueError: softmax_offset must have shape [4] (one logit per query head of q), got [3]"),
+    ("bad_offset_on_one_rank", "ValueError: softmax_offset must have shape [4] (one logit per query head of q), "
+                               "got [3]"),
     # one rank's own process settings, read where it still joins the check (they failed after it)
     ("agreement_bad_on_one_rank", "ValueError: MEGATRON_MESH_PLAN_AGREEMENT must be 1 (check every attention call, "
                                   "the default) or 0 (no check), got 'yes'"),

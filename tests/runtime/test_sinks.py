@@ -143,7 +143,8 @@ def _thd_sink_run(mode: str, settings: dict, offset: torch.Tensor | None):
             out = PlanAttention.apply(q, k, v, call.executor(), o)
             out.backward(mm.layout_shard(inputs[3], rank, layout))
         lse = call.executor().forward(*(x.detach().permute(1, 2, 0, 3) for x in (q, k, v)), o).lse
-        return out.detach(), q.grad, k.grad, v.grad, None if o is None else o.grad, (c.bytes_sent, c.bytes_received), lse
+        d_offset = None if o is None else o.grad
+        return out.detach(), q.grad, k.grad, v.grad, d_offset, (c.bytes_sent, c.bytes_received), lse
 
     return layout, inputs, run_inprocess(rank_fn, 4, timeout=120)
 

@@ -750,7 +750,7 @@ def test_keys_and_values_are_counted_at_their_own_head_dims(capsys):
     assert main(["--cp", "8", "--seq-len", "16384", "--head-dim", "192", "--v-head-dim", "128", "--modes", "ring"]) == 0
     assert "head dim 192 (values 128)" in capsys.readouterr().out
     assert main(["--cp", "8", "--v-head-dim", "0"]) == 2
-    assert "v_head_dim must be an integer >= 1, got 0" in capsys.readouterr().err
+    assert "--v-head-dim must be >= 1, got 0" in capsys.readouterr().err
 
 
 # -- simulator -------------------------------------------------------------------------------------------
