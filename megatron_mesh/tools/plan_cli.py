@@ -175,16 +175,16 @@ def _topology(args, world_size: int) -> Topology:
 
 
 def _shape(args, world_size: int) -> AttentionShape:
-    kv = args.kv_heads if args.kv_heads is not None else args.heads
+    kv, dv = (x if x is not None else y for x, y in ((args.kv_heads, args.heads), (args.v_head_dim, args.head_dim)))
     for flag, value in (("--cp", world_size), ("--seq-len", args.seq_len), ("--heads", args.heads), ("--kv-heads", kv),
-                        ("--head-dim", args.head_dim), ("--v-head-dim", args.v_head_dim or 1), ("--batch", args.batch)):
+                        ("--head-dim", args.head_dim), ("--v-head-dim", dv), ("--batch", args.batch)):
         if value < 1:  # named by its flag, not by the shape's field
             raise ValueError(f"{flag} must be >= 1, got {value}")
     if args.seq_len % (2 * world_size):
         raise ValueError(f"--seq-len {args.seq_len} must be divisible by 2 * CP size = {2 * world_size} "
                          "(Megatron's zigzag layout cuts the sequence into 2P halves)")
     return AttentionShape(seq_local=args.seq_len // world_size, batch=args.batch, heads=args.heads, kv_heads=kv,
-                          head_dim=args.head_dim, itemsize=ITEMSIZE[args.dtype], v_head_dim=args.v_head_dim)
+                          head_dim=args.head_dim, itemsize=ITEMSIZE[args.dtype], v_head_dim=dv)
 
 
 def window_of(text: str, causal: bool, full_flag: str = "--no-causal") -> tuple[int, int | None]:
