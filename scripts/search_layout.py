@@ -47,7 +47,7 @@ from megatron_mesh.plan import AttentionShape, Mask, plan_bytes, rank_work, reso
 from megatron_mesh.plan.accounting import buffer_bytes
 from megatron_mesh.plan.balance import BalancedLayout, document_work
 from megatron_mesh.plan.layout import ZigzagLayout
-from megatron_mesh.plan.sparse import KEEP_LIMIT
+from megatron_mesh.plan.tunables import TUNABLES
 from megatron_mesh.tools.plan_cli import document_bounds
 
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
@@ -127,7 +127,7 @@ class Problem:
             pulled[h] += n * tb["q"]
         for (h, _), n in col_n.items():
             pulled[h] += n * tb["kv"]
-        keeps = [pulled[h] <= KEEP_LIMIT * self.T * (tb["q"] + tb["kv"]) for h in range(P)]
+        keeps = [pulled[h] <= TUNABLES.keep_limit * self.T * (tb["q"] + tb["kv"]) for h in range(P)]
         sent = [0] * P
         for (h, i), n in row_n.items():
             sent[i] += n * (tb["q"] * (1 if keeps[h] else 2) + tb["do"])

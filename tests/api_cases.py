@@ -49,12 +49,12 @@ def _other_plan_code(other: bool, fn):
 
     if not other:
         return fn()
-    real = agreement._source_digest()
-    agreement._SOURCE_DIGEST[:] = [OTHER_SOURCE]
+    real = agreement._source_digest
+    agreement._source_digest = lambda: OTHER_SOURCE
     try:
         return fn()
     finally:
-        agreement._SOURCE_DIGEST[:] = [real]
+        agreement._source_digest = real
 
 
 def _with_env(here: bool, name: str, value: str, fn):

@@ -39,8 +39,8 @@ stay whole::
 
 With ``ranks_per_node`` M (a CP group over nodes of M consecutive ranks) the same fill runs
 twice: over the P / M nodes (M * S / P tokens each; for the plain modes in pieces of at most
-:data:`NODE_PIECE_WORK` of a node's work), then over the ranks of each node with that node's
-pieces -- a document whose work fits a node's pieces (half a node's work for the plain modes,
+``node_portion_work`` of a node's work: :mod:`.tunables`), then over the ranks of each node with
+that node's pieces -- a document whose work fits a node's pieces (half a node's work for the plain modes,
 a whole node's for the Ulysses groups) stays inside one node, so its transfers use the node's
 fast links (at 256 GPUs, 32 x 8, 1M tokens of lognormal documents of mean 4096: 50 of 266
 documents cross a node instead of 169).
@@ -73,19 +73,10 @@ from .docwork import document_work, max_work, zigzag_runs
 from .layout import match_text, register_layout, split_evenly
 from .mask import Mask
 from .sel import merge_runs
+from .tunables import TUNABLES
 
-__all__ = ["BalancedLayout", "balanced_layout", "document_work", "FIRST_PAIRS", "LAST_PAIRS", "NODE_PIECE_WORK",
-           "PIECE_WORK", "SETS"]
+__all__ = ["BalancedLayout", "balanced_layout", "document_work", "FIRST_PAIRS", "LAST_PAIRS", "SETS"]
 
-# a document whose work is above this fraction of the mean per-rank work is cut into zigzag pieces
-# of at most this much work each (smaller pieces pack better; fewer move less)
-PIECE_WORK = 1.0
-# the same, per node, in the nodes-first pass of a layout for the plain modes (group 1): pieces of
-# at most half a node's work. Measured with the planner at 256 GPUs (32 x 8, 1M tokens of
-# lognormal:4096,1 documents, seeds 0-3): TASP 19.0 -> 12.8, 22.2 -> 15.5, 14.4 -> 14.1 and 18.7
-# -> 18.7 ms, ring 27.9 -> 16.7 ms (seed 0); lognormal:16384: TASP 58.7 -> 55.9 ms. The Ulysses
-# groups keep PIECE_WORK (their node pass moved a2a+tasp U 4 by -1 % to +4 %)
-NODE_PIECE_WORK = 0.5
 # a Ulysses group's all-to-all sets (_group_sets), in the order its span chunk holds them: the
 # documents that cross into another group; the documents wholly inside it run first (while the
 # crossing ones' round arrives), the other inside ones, and those run last (while the crossing
@@ -431,7 +422,7 @@ def _check_nodes(world_size: int, group: int, ranks_per_node) -> int:
 
 
 def balanced_layout(cu_seqlens, world_size: int, *, causal: bool = True, window=None, group: int = 1,
-                    ranks_per_node: int | None = None, piece_work: float = PIECE_WORK,
+                    ranks_per_node: int | None = None, piece_work: float = TUNABLES.portion_work,
                     node_piece_work: float | None = None, hide: bool = False) -> "BalancedLayout":
     """The work-balanced, document-aware layout of the documents ``cu_seqlens`` (0 = c0 < c1 <
     ... < cn = S, S divisible by the CP size ``world_size``) under a causal (or full) mask with
@@ -440,8 +431,8 @@ def balanced_layout(cu_seqlens, world_size: int, *, causal: bool = True, window=
     nodes of that many consecutive ranks -- balance the nodes first, then the ranks (groups) inside
     each node, so a document whose work fits a node's pieces stays inside one (its transfers stay on
     the node's links). ``piece_work`` / ``node_piece_work``: the largest piece, in units of a rank's
-    (group's) / a node's mean work (default :data:`PIECE_WORK`; for the node pass
-    :data:`NODE_PIECE_WORK` with group 1, else ``piece_work``). ``hide`` (with ``group`` > 1):
+    (group's) / a node's mean work (default :class:`~.tunables.Tunables`' ``portion_work``; for the
+    node pass its ``node_portion_work`` with group 1, else ``piece_work``). ``hide`` (with ``group`` > 1):
     each group also sets apart documents inside it that its ranks run first and last, hiding the
     all-to-all of the documents that cross into other groups (:func:`_group_sets`, the hybrids'
     four rounds); the planner says where it pays. ValueError names a bad input."""
@@ -466,7 +457,7 @@ def balanced_layout(cu_seqlens, world_size: int, *, causal: bool = True, window=
         filled = _balance(docs, units, S // units, causal, window, piece_work)
     else:  # nodes first (a document stays inside one node when its work fits), then the units of each node
         node_work = node_piece_work if node_piece_work is not None else \
-            NODE_PIECE_WORK if group == 1 else piece_work
+            TUNABLES.node_portion_work if group == 1 else piece_work
         filled = [unit for node in _balance(docs, nodes, S // nodes, causal, window, node_work)
                   for unit in _balance(node, units // nodes, S // units, causal, window, piece_work)]
     per_bin = [_runs(got) for got in filled]

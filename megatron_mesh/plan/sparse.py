@@ -23,8 +23,8 @@ from the mask itself, for every mode:
    x - d and sends to x + d, so every round is a permutation and blocks start as soon as their
    pieces arrive; every pull is posted up front, and the partials of shift d go home in round
    P + d as soon as the blocks writing them ran. TASP pulls over all links at once, in
-   :data:`BURST_GROUPS` rounds (groups of a rank's remote pieces of about equal work), and
-   returns each group's partials in a round of its own while the next group computes (a long
+   ``burst_groups`` rounds (:class:`~.tunables.Tunables`: groups of a rank's remote pieces of
+   about equal work), and returns each group's partials in a round of its own while the next group computes (a long
    document's blocks start before all its pieces are in, and its fp32 dK/dV return hides behind
    the rank's remaining work instead of following its last block).
 4. **Kernel calls.** The rank's own block runs as at most two masked calls over contiguous rows
@@ -81,8 +81,9 @@ from .mask import INF, BlockClass, BlockKind, Mask, band_pairs, split_by_documen
 from .passes import insert_frees
 from .sel import Segment, relative_selection, union_intervals
 from .shape import AttentionShape
+from .tunables import TUNABLES, Tunables
 
-__all__ = ["build_sparse_plan", "block_table", "block_parts", "Assignment", "QUERY_OWNER", "OWN_CALL_TOKENS"]
+__all__ = ["build_sparse_plan", "block_table", "block_parts", "Assignment", "QUERY_OWNER"]
 
 QUERY_OWNER = "query owner"
 
@@ -96,7 +97,7 @@ class Assignment:
       among them (ring, TASP: only it; Mesh: its tile map too);
     * ``rounds``: "shift" (round d: receive from rank - d, send to rank + d: every round a
       permutation, blocks start as their pieces arrive) or "burst" (each group of a rank's pieces
-      in one round over every link at once, TASP's way: :data:`BURST_GROUPS`);
+      in one round over every link at once, TASP's way: ``burst_groups``);
     * ``tile`` / ``contiguous``: the Mesh tile map the "tile" owner comes from (plan facts);
     * ``tiles``: where several tile maps compete (Mesh's ``auto`` tile under a mask), the
       (tile, contiguous) of each owner map, in the order of ``owners``: the plan's tile facts are
@@ -123,29 +124,24 @@ class Assignment:
                              f"got {self.tiles!r}")
 
 
-# a document with fewer query tokens than this in a block shares one masked kernel call with the
-# block's other small documents (the runtime cuts that call into mask pieces); a larger one gets a
-# call of its own, causal or full where it can -- a kernel call costs about as much as the causal
-# block of a ~500-token document on an H100, so small documents are not worth a call each
-OWN_CALL_TOKENS = 128
-
-
 @lru_cache(maxsize=16)
-def block_table(P: int, mask: Mask, layout: Layout) -> dict[tuple[int, int], BlockClass]:
+def block_table(P: int, mask: Mask, layout: Layout,
+                own_call_tokens: int = TUNABLES.own_call_tokens) -> dict[tuple[int, int], BlockClass]:
     """{(i, j): BlockClass} of every block with allowed pairs (shared by every mode's plan of
     this mask: the planner builds dozens). The result is :func:`~.mask.classify_block` of every
     block (a test checks they agree); :func:`block_parts` splits each into its kernel calls."""
-    return {ij: _join(parts, mask, layout, ij) for ij, parts in block_parts(P, mask, layout).items()}
+    return {ij: _join(parts, mask, layout, ij) for ij, parts in block_parts(P, mask, layout, own_call_tokens).items()}
 
 
-def block_parts(P: int, mask: Mask, layout: Layout) -> dict[tuple[int, int], tuple[BlockClass, ...]]:
+def block_parts(P: int, mask: Mask, layout: Layout,
+                own_call_tokens: int = TUNABLES.own_call_tokens) -> dict[tuple[int, int], tuple[BlockClass, ...]]:
     """{(i, j): kernel calls} of every block with allowed pairs (see :class:`_Blocks`)."""
-    return _blocks(P, mask, layout).all()
+    return _blocks(P, mask, layout, own_call_tokens).all()
 
 
 @lru_cache(maxsize=16)
-def _blocks(P: int, mask: Mask, layout: Layout) -> "_Blocks":
-    return _Blocks(P, mask, layout)
+def _blocks(P: int, mask: Mask, layout: Layout, own_call_tokens: int) -> "_Blocks":
+    return _Blocks(P, mask, layout, own_call_tokens)
 
 
 class _Blocks:
@@ -153,14 +149,14 @@ class _Blocks:
 
     An index first -- each rank's runs cut at document edges, and for each document the ranks
     holding it (linear in the layout's runs) -- then the kernel calls of a block when asked: one
-    call per document with at least :data:`OWN_CALL_TOKENS` query tokens in the block (causal or
+    call per document with at least ``own_call_tokens`` (:class:`~.tunables.Tunables`) query tokens in the block (causal or
     full where it is), the block's smaller documents together in one masked call. Only the runs of
     one document on the ranks that hold it are paired. A rank's own plan asks for its row and
     column of blocks only (ranks sharing a document with it), so every rank builds its plan in
     time proportional to its own documents' holders, not to P^2."""
 
-    def __init__(self, P: int, mask: Mask, layout: Layout):
-        self.P, self.mask, self.layout = P, mask, layout
+    def __init__(self, P: int, mask: Mask, layout: Layout, own_call_tokens: int):
+        self.P, self.mask, self.layout, self.own_call_tokens = P, mask, layout, own_call_tokens
         self.lo, self.hi = mask.band()
         self.holders: dict[int, dict[int, list]] = {}  # document -> rank -> its runs (local, start, n)
         self.docs_of: list[list[int]] = [[] for _ in range(P)]  # rank -> documents it holds
@@ -204,8 +200,8 @@ class _Blocks:
                         sums.append(e)
                     e.add("all" if dmin >= lo and dmax <= hi else "some", ql, qa, n, kl, ka, m, lo, hi)
         diagonal = self.layout.runs(i) if i == j else ()
-        own = [e.result(self.mask, diagonal) for e in sums if e.pairs and e.nrows >= OWN_CALL_TOKENS]
-        small = [e for e in sums if e.pairs and e.nrows < OWN_CALL_TOKENS]
+        own = [e.result(self.mask, diagonal) for e in sums if e.pairs and e.nrows >= self.own_call_tokens]
+        small = [e for e in sums if e.pairs and e.nrows < self.own_call_tokens]
         if small:
             own.append(_BlockSum.merged(small).result(self.mask, diagonal))
         out = self._parts[ij] = tuple(sorted(own, key=lambda c: c.rows[0])) if own else None
@@ -437,11 +433,13 @@ class _Slots:
 
 
 def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layout: Layout, assignment: Assignment,
-                      *, backward_chunks: str = "refetch", ranks_per_node: int | None = None) -> Plan:
+                      *, backward_chunks: str = "refetch", ranks_per_node: int | None = None,
+                      tunables: Tunables = TUNABLES) -> Plan:
     """The mask-aware plan of ``mode`` (its name) placed by ``assignment`` -- see the module
     docstring. ``mask`` and ``layout`` are normalised (:func:`~.problem.normalize`)."""
     T = shape.seq_local
-    index = _blocks(P, mask, layout)
+    own_calls = tunables.own_call_tokens
+    index = _blocks(P, mask, layout, own_calls)
     if backward_chunks not in ("refetch", "keep", "auto"):
         raise ValueError(f"backward_chunks must be one of refetch, keep, auto, got {backward_chunks!r}")
     notes: list[str] = []
@@ -451,14 +449,15 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
     token_bytes = {k: buffer_bytes(k, 1, shape) for k in ("q", "kv", "do", "o", "dq", "dkv")}
     if not assignment.compete:  # the map is the layout's: its work balance rests on it
         assigned, owner = assignment.owners[0]
-        needs = _Needs(P, block_table(P, mask, layout), owner)
+        needs = _Needs(P, block_table(P, mask, layout, own_calls), owner)
         notes.append(f"every block is computed where the {assigned} map names (the layout's balance rests on it)")
     elif assignment.owners:  # compare the mode's maps with the query owner by the busiest rank's bytes
-        table = block_table(P, mask, layout)
+        table = block_table(P, mask, layout, own_calls)
         candidates = [(QUERY_OWNER, _Needs(P, table, lambda i, j: i))]
         candidates += [(name, _Needs(P, table, owner)) for name, owner in assignment.owners]
         # each map with the ranks that would keep their pieces under it ("auto" decides per map)
-        costs = [max(n.bytes_per_rank(shape, _Keeps(backward_chunks, n, T, token_bytes))) for _, n in candidates]
+        costs = [max(n.bytes_per_rank(shape, _Keeps(backward_chunks, n, T, token_bytes, tunables.keep_limit)))
+                 for _, n in candidates]
         best = min(range(len(candidates)), key=lambda k: (costs[k], -k))  # ties: the mode's own map (last)
         assigned, needs = candidates[best]
         if assigned == QUERY_OWNER:
@@ -470,8 +469,8 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
             notes.append(f"tile {tile[0]}x{tile[1]} (contiguous {contiguous}): of the {len(assignment.tiles)} tile "
                          "maps and the query owner, the fewest bytes on the busiest rank under this mask")
     burst = assignment.rounds == "burst"
-    keeps = _Keeps(backward_chunks, needs, T, token_bytes)
-    lowering = _SparseLowering(P, T, needs, index, keeps, burst, token_bytes)
+    keeps = _Keeps(backward_chunks, needs, T, token_bytes, tunables.keep_limit)
+    lowering = _SparseLowering(P, T, needs, index, keeps, burst, token_bytes, tunables)
     notes.append(f"mask {mask.summary()}: each rank computes only the blocks with allowed pairs and receives only the "
                  f"tokens they read, from their owner ({'over all links at once, in groups' if burst else 'one round per shift'})")
     return Plan(mode=mode, world_size=P, seq_local=T, mask=mask, layout=layout, build_rank=lowering.rank_plan,
@@ -480,40 +479,18 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
                 last_round=lowering.final_round, ranks_per_node=ranks_per_node, notes=tuple(notes))
 
 
-# a burst plan (TASP) pulls a rank's remote pieces in up to this many groups of about equal work,
-# in shift order, each one round over all links, and returns each group's partials in a round of
-# its own: a group's blocks start once its pieces are in, and its dK/dV partials travel while the
-# next group computes -- instead of every block waiting for the whole pull and every partial for
-# the last block. Each group costs a round's latency, a kernel call and a merge of its rows, so a
-# rank makes one group per GROUP_TOKENS pulled tokens (a rank reading little keeps one fused call).
-# Planner, 256 GPUs (32 x 8), 1M tokens, GQA 32/8, a2a+tasp U 8 on the balanced layout:
-# lognormal:16384 documents 15.44 ms with one pull and one return round -> 13.73 with 8 return
-# groups -> 13.39 with 8 pull groups too (4 return groups: 14.27; 16: 13.79); one 512K document
-# + lognormal:4096 98.3 -> 81.6 ms; lognormal:4096 3.31 -> 3.34 ms (its ranks pull little);
-# TASP alone: lognormal:16384 55.9 -> 44.8 ms, lognormal:4096 12.8 -> 12.5 ms. The simulated
-# times move by a few % either way with GROUP_TOKENS (4,096: TASP on lognormal:4096 13.9 ms;
-# 16,384: a2a+tasp on lognormal:16384 14.1 ms)
-BURST_GROUPS = 8
-GROUP_TOKENS = 1024
-
-# backward_chunks="auto" keeps a rank's pulled pieces for the backward when they hold at most this
-# many times the bytes of its own Q, K and V chunk -- the inputs the backward saves anyway -- so
-# keeping at most doubles them; above it (a rank reading most of a long document) the rank refetches
-KEEP_LIMIT = 1.0
-
-
 class _Keeps:
     """Which ranks keep the pieces they pulled in the forward for the backward (no second pull
     of Q / K / V; only dO and the returns move): every rank ("keep"), none ("refetch"), or each
-    rank whose pulled rows and columns take at most :data:`KEEP_LIMIT` x its own chunk's Q + K + V
+    rank whose pulled rows and columns take at most ``keep_limit`` (:class:`~.tunables.Tunables`) x its own chunk's Q + K + V
     bytes ("auto", decided per rank from the needs, so sender and receiver agree).
 
     Example: rank x of a query-owner plan reads 3,000 columns of K/V from other ranks and holds
     T = 4,096 tokens of its own: 3,000 x kv <= 4,096 x (q + kv) -> it keeps them; a rank reading
     20,000 columns of a long document refetches them in the backward instead."""
 
-    def __init__(self, policy: str, needs, T: int, token_bytes: dict):
-        self.policy, self.needs, self.T, self.token_bytes = policy, needs, T, token_bytes
+    def __init__(self, policy: str, needs, T: int, token_bytes: dict, limit: float):
+        self.policy, self.needs, self.T, self.token_bytes, self.limit = policy, needs, T, token_bytes, limit
         self._memo: dict[int, bool] = {}
 
     def __call__(self, x: int) -> bool:
@@ -524,18 +501,20 @@ class _Keeps:
             tb = self.token_bytes
             rows = sum(s.stop - s.start for sel in self.needs.rows(x).values() for s in sel)
             cols = sum(s.stop - s.start for sel in self.needs.cols(x).values() for s in sel)
-            got = self._memo[x] = rows * tb["q"] + cols * tb["kv"] <= KEEP_LIMIT * self.T * (tb["q"] + tb["kv"])
+            got = self._memo[x] = rows * tb["q"] + cols * tb["kv"] <= self.limit * self.T * (tb["q"] + tb["kv"])
         return got
 
 
 class _SparseLowering:
-    def __init__(self, P: int, T: int, needs, index: _Blocks, keeps: _Keeps, burst: bool, token_bytes: dict):
+    def __init__(self, P: int, T: int, needs, index: _Blocks, keeps: _Keeps, burst: bool, token_bytes: dict,
+                 tunables: Tunables):
         self.P, self.T, self.needs, self.index, self.keeps, self.burst = P, T, needs, index, keeps, burst
         self.token_bytes = token_bytes  # kind -> bytes per token
         self.slots = _Slots(needs, P)
         # burst: pulls in rounds 1 .. G, returns in G+1 .. 2G (one per group, :meth:`_groups`);
         # shifts: pulls in rounds 1 .. P-1, returns in P+1 .. 2P-1 (one per shift)
-        self.groups = BURST_GROUPS if burst else 1
+        self.groups = tunables.burst_groups if burst else 1
+        self.group_tokens = tunables.group_tokens
         self.final_round = 2 * self.groups if burst else 2 * P - 1
         self._group_memo: dict[int, dict[int, int]] = {}
         self._moves_memo: dict[str, bool] = {}
@@ -601,11 +580,11 @@ class _SparseLowering:
                 pairs = sum(c.pairs for c in self.index.parts(i, j))
                 for c in {i, j} - {x}:
                     work[c] = work.get(c, 0) + pairs
-            # groups of at least GROUP_TOKENS pulled tokens: a round's latency and a call's merge
+            # groups of at least group_tokens pulled tokens: a round's latency and a call's merge
             # are then small against the transfer and the compute they overlap
             pulled = sum(b - a for sel in self.needs.rows(x).values() for a, b in sel) + \
                 sum(b - a for sel in self.needs.cols(x).values() for a, b in sel)
-            n = max(1, min(self.groups, pulled // GROUP_TOKENS))
+            n = max(1, min(self.groups, pulled // self.group_tokens))
             chunks = sorted(work, key=lambda c: (x - c) % self.P)
             total, acc, got = sum(work.values()), 0, {}
             for c in chunks:  # a chunk's group: where the work before it (and half its own) falls

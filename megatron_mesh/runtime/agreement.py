@@ -30,7 +30,7 @@ softmax scale, the kernel, whether a backward follows (grad mode on and an input
 a rank under ``torch.no_grad()`` would leave the others waiting in theirs), the check's own
 switch (below), the plan itself (a digest of its structure, computed once per plan object), and
 the code that built it (:func:`plan_code`: the plugin's version, a digest of the plan layer's
-source files and the plan builders' tunable constants). The plan digest names the plan, not each rank's op list (a
+source files and the plan builders' tunables). The plan digest names the plan, not each rank's op list (a
 rank builds only its own); ranks running the same code on the same inputs build matching op
 lists, so the code is what closes that gap: two nodes with different plugin versions, or a
 patched builder, raise here instead of hanging in a transfer one side never posts.
@@ -58,6 +58,7 @@ runtime (the mask piece, ``MEGATRON_MESH_MASK_PIECE``) are read there too.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import weakref
@@ -71,9 +72,9 @@ import torch.distributed as dist
 
 from .. import __version__
 from .. import plan as plan_package
-from ..plan import balance, sparse
 from ..plan.ir import Plan
 from ..plan.mask import Mask
+from ..plan.tunables import TUNABLES
 
 __all__ = ["PlanMismatchError", "Call", "check", "joined_on_error", "enabled", "plan_digest", "plan_code",
            "mismatch_message", "differences", "ENV", "SWITCH"]
@@ -109,27 +110,21 @@ def plan_digest(plan: Plan) -> str:
     return d
 
 
-_SOURCE_DIGEST: list = []  # the plan layer's source files, hashed once per process
-
-
+@functools.cache
 def _source_digest() -> str:
-    if not _SOURCE_DIGEST:
-        root = Path(plan_package.__file__).parent
-        h = hashlib.blake2b(digest_size=6)
-        for path in sorted(root.rglob("*.py")):
-            h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
-        _SOURCE_DIGEST.append(h.hexdigest())
-    return _SOURCE_DIGEST[0]
+    """The plan layer's source files, hashed once per process."""
+    root = Path(plan_package.__file__).parent
+    h = hashlib.blake2b(digest_size=6)
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def plan_code() -> str:
     """The code that builds the plans: the plugin's version, a digest of the plan layer's source
-    files (read once) and the builders' tunable constants as they are now (they are module
-    globals a user or a test may change). Two ranks with different values would build op lists
-    that do not match."""
-    tunables = (sparse.BURST_GROUPS, sparse.GROUP_TOKENS, sparse.OWN_CALL_TOKENS, sparse.KEEP_LIMIT,
-                balance.PIECE_WORK, balance.NODE_PIECE_WORK)
-    return f"{__version__} {_source_digest()} " + ",".join(str(t) for t in tunables)
+    files (read once) and the builders' tunables the runtime builds with (:data:`TUNABLES`, as a
+    whole: every field). Two ranks with different values would build op lists that do not match."""
+    return f"{__version__} {_source_digest()} {TUNABLES!r}"
 
 
 def _kernel_text(kernel) -> str:
