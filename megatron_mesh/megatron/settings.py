@@ -22,7 +22,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..kernels import KERNEL_BACKENDS
 from ..plan.modes import MODES, get_mode, option_specs
-from . import TE_MODES, plugin_modes
+from . import plugin_modes
 
 __all__ = ["Flag", "flags", "flag_dest", "PluginSettings", "plugin_settings", "MeshTransformerConfig", "layer_modes",
            "plugin_modes_of", "ALL_PLUGIN_MODES", "NODE_AWARE", "CP_LAYOUTS",
@@ -206,10 +206,6 @@ def layer_modes(cp_comm_type) -> list:
 def plugin_modes_of(modes) -> set:
     """The plugin's modes among ``modes``."""
     return {m for m in modes if m in plugin_modes()}
-
-
-def te_modes_of(modes) -> set:
-    return {m for m in modes if m in TE_MODES}
 
 
 def cp_layout(config) -> str:

@@ -96,18 +96,15 @@ def enabled() -> bool:
     return value == "1"
 
 
-_PLAN_DIGESTS: "weakref.WeakKeyDictionary[Plan, str]" = weakref.WeakKeyDictionary()
-
-
 def plan_digest(plan: Plan) -> str:
     """A digest of the plan's structure (mode, sizes, tile, schedule, mask, layout, rings,
-    options), once per plan object: every batch with documents brings a new plan, but a plan
-    reused by several calls (or layers) is digested once."""
-    d = _PLAN_DIGESTS.get(plan)
-    if d is None:
+    options), once per plan object (kept with the plan): every batch with documents brings a new
+    plan, but a plan reused by several calls (or layers) is digested once."""
+    def digest() -> str:
         text = f"{plan.header()}|{plan.mask.text()}|{plan.layout.text()}|{plan.rings}"
-        d = _PLAN_DIGESTS[plan] = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
-    return d
+        return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+    return plan.memo(("agreement digest",), digest)
 
 
 @functools.cache

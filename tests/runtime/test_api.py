@@ -454,7 +454,6 @@ def test_the_check_can_be_turned_off_once_the_ranks_agree_to_it(collectives, mon
 
 @pytest.mark.parametrize("env, value, error", [
     ("MEGATRON_MESH_MASK_PIECE", "0", r"MEGATRON_MESH_MASK_PIECE must be a positive integer, got '0'"),
-    ("MEGATRON_MESH_MASK_TILE", "64", r"MEGATRON_MESH_MASK_TILE was renamed MEGATRON_MESH_MASK_PIECE"),
 ])
 def test_a_bad_mask_piece_setting_is_read_where_the_rank_still_joins_the_check(collectives, monkeypatch, env, value,
                                                                              error):

@@ -133,7 +133,6 @@ def test_pieces_cut_the_buffer_across_runs():
 
 def test_piece_setting(monkeypatch):
     monkeypatch.delenv(PIECE_ENV, raising=False)
-    monkeypatch.delenv("MEGATRON_MESH_MASK_TILE", raising=False)
     assert mask_piece(CPU) == 512 and mask_piece(torch.device("cuda", 0)) == 2048
     monkeypatch.setenv(PIECE_ENV, "64")
     assert mask_piece(CPU) == 64
@@ -141,9 +140,6 @@ def test_piece_setting(monkeypatch):
         monkeypatch.setenv(PIECE_ENV, bad)
         with pytest.raises(ValueError, match=f"{PIECE_ENV} must be a positive integer, got '{bad}'"):
             mask_piece(CPU)
-    monkeypatch.setenv("MEGATRON_MESH_MASK_TILE", "64")  # the old name is refused, naming the new one
-    with pytest.raises(ValueError, match=f"MEGATRON_MESH_MASK_TILE was renamed {PIECE_ENV}"):
-        mask_piece(CPU)
 
 
 def test_worked_example_of_mask_pieces():
