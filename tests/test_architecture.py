@@ -26,6 +26,15 @@ def _modules() -> dict[str, str]:
     return out
 
 
+def _from_base(node: ast.ImportFrom, package: str) -> str:
+    """The absolute module a ``from ... import`` in ``package`` imports from."""
+    base = node.module or ""
+    if node.level:
+        parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+        base = ".".join(parts + ([base] if base else []))
+    return base
+
+
 def _imports(name: str, path: str, modules: dict[str, str]) -> list[str]:
     """Package modules ``name`` imports anywhere in its file (an ``from .x import y`` of a
     submodule y counts as importing y)."""
@@ -35,10 +44,7 @@ def _imports(name: str, path: str, modules: dict[str, str]) -> list[str]:
         if isinstance(node, ast.Import):
             out += [a.name for a in node.names if a.name in modules]
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
-                base = ".".join(parts + ([base] if base else []))
+            base = _from_base(node, package)
             for a in node.names:
                 full = f"{base}.{a.name}"
                 target = full if full in modules else base
@@ -143,10 +149,7 @@ def _module_aliases(tree, package: str) -> dict[str, str]:
                 else:
                     out[a.name.split(".")[0]] = a.name.split(".")[0]
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
-                base = ".".join(parts + ([base] if base else []))
+            base = _from_base(node, package)
             for a in node.names:
                 out[a.asname or a.name] = f"{base}.{a.name}"
     for node in ast.walk(tree):
@@ -181,7 +184,8 @@ def _data_names(path: str) -> set[str]:
         return set()
     names = set()
     for node in body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, ast.AnnAssign) else []
         names.update(t.id for t in targets if isinstance(t, ast.Name))
     return names
 
@@ -220,7 +224,8 @@ def test_monkeypatches_of_package_state():
                     if how in ("setattr", "delattr") and isinstance(first, ast.Constant):  # "pkg.mod.NAME"
                         target, _, name = first.value.rpartition(".")
                         hit = (target, name)
-                    elif how in ("setattr", "delattr") and len(node.args) > 1 and isinstance(node.args[1], ast.Constant):
+                    elif how in ("setattr", "delattr") and len(node.args) > 1 \
+                            and isinstance(node.args[1], ast.Constant):
                         hit = (_dotted(first, aliases), node.args[1].value)
                     elif how in ("setitem", "delitem") and isinstance(first, ast.Attribute):
                         hit = (_dotted(first.value, aliases), first.attr)
@@ -232,7 +237,8 @@ def test_monkeypatches_of_package_state():
                 if hit and _is_package_state(*hit):
                     found.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}: {hit[0]}.{hit[1]}")
     remaining = {
-        # run_script's flag, read by batch_layout.py's get_batch (its own issue): a ProcessState field once it reads that
+        # run_script's flag, read by batch_layout.py's get_batch (its own issue): a ProcessState
+        # field once it reads it from there
         "megatron_mesh.megatron.bootstrap.BATCH_DOCUMENTS",
         # the checkout a data-file check resolves paths against
         "megatron_mesh.megatron.checks.ROOT",
@@ -382,3 +388,17 @@ def test_the_readme_names_every_environment_variable_the_package_reads():
     readme = open(os.path.join(ROOT, "README.md")).read()
     table = readme[readme.index("### Environment variables"):]
     assert len(names) >= 5 and {n for n in names if f"`{n}`" not in table} == set(), names
+
+
+def test_the_glossary_that_the_docs_point_to_defines_their_words():
+    """README and the IR's docstring point to the glossary in docs/design.md: it is there, and it
+    defines every word the IR's docstring says are its (and "piece" once: the mask piece)."""
+    design = open(os.path.join(ROOT, "docs", "design.md")).read()
+    glossary = design[design.index("\n## Glossary\n"):]
+    glossary = glossary[:glossary.index("\n## ", 1)]
+    words = {w.strip() for row in re.findall(r"^\| ([^|]+) \|", glossary, re.M) for w in row.split(",")}
+    ops = _tree(os.path.join(PACKAGE, "plan", "ir", "ops.py"))
+    listed = re.search(r"Words \(([^)]*)\)\s+are those of the glossary in docs/design.md", ast.get_docstring(ops))
+    assert listed and set(listed.group(1).replace("\n", " ").split(", ")) <= words, (listed, words)
+    assert "(docs/design.md#glossary)" in open(os.path.join(ROOT, "README.md")).read()
+    assert [w for w in words if "piece" in w] == ["mask piece"]

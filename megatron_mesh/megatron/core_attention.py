@@ -165,8 +165,7 @@ class PluginCoreAttention(MegatronModule):
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
                  k_channels: Optional[int] = None, v_channels: Optional[int] = None,
-                 cp_comm_type: Optional[str] = None, pg_collection=None, telemetry: Optional[Telemetry] = None,
-                 groups: Optional[CPGroups] = None):
+                 cp_comm_type: Optional[str] = None, pg_collection=None, telemetry=None, groups=None):
         super().__init__(config=config)
         self.telemetry = telemetry if telemetry is not None else Telemetry()
         self.layer_number = layer_number
@@ -192,8 +191,8 @@ class PluginCoreAttention(MegatronModule):
         # the CP layout of each sample's tokens, where documents come from the batch (batch_layout)
         self.layout = cp_layout(config) if self.documents in BATCH_DOCUMENTS and self.cp_size > 1 else None
         self.placement = resolve_placement(self.mode, config, cp_ranks(self.cp_group))
-        groups = groups if groups is not None else PROCESS_GROUPS
-        self.comm = self.telemetry.timing.communicator(groups.communicator(config, self.cp_group, self.placement))
+        self.comm = self.telemetry.timing.communicator((groups or PROCESS_GROUPS).communicator(config, self.cp_group,
+                                                                                               self.placement))
         p = self.placement
         tile = f"{p.tile[0]}x{p.tile[1]}" if p.tile else None
         self.telemetry.summary.register_layer(layer_number, self.describe(),

@@ -90,7 +90,7 @@ GENERAL = (
          help="which CP rank holds which tokens of a sample of packed documents (--reset-attention-mask; megatron_mesh's "
               "entry script, or any script through scripts/run_megatron_script.sh) at CP > 1: 'balanced' -- each "
               "sample's own work-balanced, document-aware layout (short documents whole on one rank, long ones in "
-              "zigzag pieces over a few ranks; needs --calculate-per-token-loss) -- 'balanced-hide', the same whose "
+              "zigzag portions over a few ranks; needs --calculate-per-token-loss) -- 'balanced-hide', the same whose "
               "Ulysses groups (a2a+*) run some documents first and last to hide the all-to-all (megatron-mesh-plan "
               "--layout all says when it pays) -- or 'zigzag', Megatron's global zigzag"),
     Flag("--no-cp-layout-lookahead", False, store_true=True,

@@ -21,21 +21,21 @@ from the mask itself, for every mode:
    gradients go back only for those tokens and are merged into the owner's rows (``into`` = the
    slot's segments). Rounds: ring and Mesh pull by *shift* -- in round d, rank x receives from
    x - d and sends to x + d, so every round is a permutation and blocks start as soon as their
-   pieces arrive; every pull is posted up front, and the partials of shift d go home in round
+   slots arrive; every pull is posted up front, and the partials of shift d go home in round
    P + d as soon as the blocks writing them ran. TASP pulls over all links at once, in
-   ``burst_groups`` rounds (:class:`~.tunables.Tunables`: groups of a rank's remote pieces of
+   ``burst_groups`` rounds (:class:`~.tunables.Tunables`: groups of a rank's remote slots of
    about equal work), and returns each group's partials in a round of its own while the next group computes (a long
-   document's blocks start before all its pieces are in, and its fp32 dK/dV return hides behind
+   document's blocks start before all its slots are in, and its fp32 dK/dV return hides behind
    the rank's remaining work instead of following its last block).
 4. **Kernel calls.** The rank's own block runs as at most two masked calls over contiguous rows
-   (:meth:`_SparseLowering._own_calls`), each cut into one causal piece per document, which a
+   (:meth:`_SparseLowering._own_calls`), each cut into one causal mask piece per document, which a
    variable-length kernel runs together (:func:`~.mask.call_groups`); the blocks with other
-   ranks' pieces that are ready in the same round are fused per query rows: one call over their
-   columns in position order (pieces of a document that continue each other join into long runs,
+   ranks' slots that are ready in the same round are fused per query rows: one call over their
+   columns in position order (runs of a document that continue each other join into long runs,
    which :func:`~.mask.mask_pieces` runs as a few full calls), and one merge instead of one per
    block. Where a return round follows, the own block is split to hide both transfers: the
    pulls' share of the bytes runs before the pulls' wait, the rest after the return is posted.
-5. **Backward chunks.** Under ``backward_chunks="auto"`` a rank keeps the pieces it pulled for
+5. **Backward chunks.** Under ``backward_chunks="auto"`` a rank keeps the slots it pulled for
    the backward where they are at most its own Q, K and V (:class:`_Keeps`), so its backward
    pulls only dO; rounds in which a rank only sends are posted before its compute.
 
@@ -54,7 +54,7 @@ positions [2, 3, 12, 13]): its rows [2, 3] need keys [0, 1] of rank 0's front ha
     wait 3
     attend q1[2:4] x kv2.5 masked -> o1
 
-moving 2 of the 12 tokens ring attention would move. Its backward (the pieces kept) returns each
+moving 2 of the 12 tokens ring attention would move. Its backward (the slots kept) returns each
 dK/dV partial in its shift's return round, and its own block runs while they travel::
 
     attend_bwd q1[0:2] do1 x kv0.5 masked -> dq1 | dkv0.5
@@ -96,7 +96,7 @@ class Assignment:
       whose busiest rank moves the fewest bytes, the query owner (ship K/V, keep Q home) always
       among them (ring, TASP: only it; Mesh: its tile map too);
     * ``rounds``: "shift" (round d: receive from rank - d, send to rank + d: every round a
-      permutation, blocks start as their pieces arrive) or "burst" (each group of a rank's pieces
+      permutation, blocks start as their slots arrive) or "burst" (each group of a rank's slots
       in one round over every link at once, TASP's way: ``burst_groups``);
     * ``tile`` / ``contiguous``: the Mesh tile map the "tile" owner comes from (plan facts);
     * ``tiles``: where several tile maps compete (Mesh's ``auto`` tile under a mask), the
@@ -455,7 +455,7 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
         table = block_table(P, mask, layout, own_calls)
         candidates = [(QUERY_OWNER, _Needs(P, table, lambda i, j: i))]
         candidates += [(name, _Needs(P, table, owner)) for name, owner in assignment.owners]
-        # each map with the ranks that would keep their pieces under it ("auto" decides per map)
+        # each map with the ranks that would keep their slots under it ("auto" decides per map)
         costs = [max(n.bytes_per_rank(shape, _Keeps(backward_chunks, n, T, token_bytes, tunables.keep_limit)))
                  for _, n in candidates]
         best = min(range(len(candidates)), key=lambda k: (costs[k], -k))  # ties: the mode's own map (last)
@@ -480,7 +480,7 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
 
 
 class _Keeps:
-    """Which ranks keep the pieces they pulled in the forward for the backward (no second pull
+    """Which ranks keep the slots they pulled in the forward for the backward (no second pull
     of Q / K / V; only dO and the returns move): every rank ("keep"), none ("refetch"), or each
     rank whose pulled rows and columns take at most ``keep_limit`` (:class:`~.tunables.Tunables`) x its own chunk's Q + K + V
     bytes ("auto", decided per rank from the needs, so sender and receiver agree).
@@ -509,18 +509,16 @@ class _SparseLowering:
     def __init__(self, P: int, T: int, needs, index: _Blocks, keeps: _Keeps, burst: bool, token_bytes: dict,
                  tunables: Tunables):
         self.P, self.T, self.needs, self.index, self.keeps, self.burst = P, T, needs, index, keeps, burst
-        self.token_bytes = token_bytes  # kind -> bytes per token
+        self.token_bytes, self.group_tokens = token_bytes, tunables.group_tokens  # kind -> bytes per token
         self.slots = _Slots(needs, P)
         # burst: pulls in rounds 1 .. G, returns in G+1 .. 2G (one per group, :meth:`_groups`);
         # shifts: pulls in rounds 1 .. P-1, returns in P+1 .. 2P-1 (one per shift)
-        self.groups = tunables.burst_groups if burst else 1
-        self.group_tokens = tunables.group_tokens
-        self.final_round = 2 * self.groups if burst else 2 * P - 1
+        self.groups, self.final_round = (tunables.burst_groups, 2 * tunables.burst_groups) if burst else (1, 2 * P - 1)
         self._group_memo: dict[int, dict[int, int]] = {}
         self._moves_memo: dict[str, bool] = {}
         self._pairs: dict[Op, int] = {}  # allowed pairs of each block op (where to cut the local work)
 
-    # -- keys: my own chunk's buffers are whole; a remote piece is the slot made for me -------------
+    # -- keys: my own chunk's buffers are whole; a remote chunk's tokens are the slot made for me -------------
     def qkey(self, kind: str, chunk: int, x: int, incoming: bool = False) -> Key:
         return Key(kind, chunk) if chunk == x and not incoming else Key(kind, chunk, x, incoming)
 
@@ -570,7 +568,7 @@ class _SparseLowering:
 
     def _groups(self, x: int) -> dict[int, int]:
         """Burst mode: the group (0 .. groups-1) of each chunk rank x computes blocks of (other
-        than its own) -- the round its pieces come in and its partials go home: chunks by shift
+        than its own) -- the round its slots come in and its partials go home: chunks by shift
         (x - c) mod P, cut into groups of about equal work (allowed pairs of their blocks). Both
         sides of a transfer derive it from the needs."""
         got = self._group_memo.get(x)
@@ -659,29 +657,29 @@ class _SparseLowering:
 
     def _fused(self, x: int, i: int, parts: list[tuple[int, BlockClass]], backward: bool) -> Op:
         """The kernel calls ``parts`` -- (key/value chunk j, a call of block (i, j)), all with the
-        same query rows of chunk i (one document's, or the same small documents'), all pieces on
+        same query rows of chunk i (one document's, or the same small documents'), all slots on
         rank x -- as one call: the columns of every j, in the order of their global positions (a
-        buffer's columns split where another's come between), against those rows. Pieces that
+        buffer's columns split where another's come between), against those rows. Runs that
         continue each other then join into long runs, and :func:`~.mask.mask_pieces` runs it as
         a few full or causal calls; the rank merges one partial result instead of one per block.
         No pair is added: the rows are one document's (or the small documents') rows with keys in
         each j, and a block's call for them holds all their allowed pairs in j.
 
-        Example: rank x holds the zigzag piece [0, 1000) + [3000, 4000) of a document; ranks y and
+        Example: rank x holds the zigzag portion [0, 1000) + [3000, 4000) of a document; ranks y and
         z hold [1000, 2000) and [2000, 3000). Rows [3000, 4000) see both; when one round
         brings both, the call is q_x[back] x (kv_y, kv_z): one FULL call over the joined run
         [1000, 3000), one merge -- instead of two blocks, two calls, two merges."""
         layout = self.index.layout
-        pieces = []  # (global start, chunk j, local start, local stop)
+        runs = []  # (global start, chunk j, local start, local stop)
         for j, c in parts:
             for local, start, n in layout.runs(j):
                 for a, b in c.cols[0]:
                     lo, hi = max(a, local), min(b, local + n)
                     if lo < hi:
-                        pieces.append((start + lo - local, j, lo, hi))
-        pieces.sort()
-        entries: list[list] = []  # [chunk, [Segment, ...]]: consecutive pieces of one chunk share an entry
-        for _, j, lo, hi in pieces:
+                        runs.append((start + lo - local, j, lo, hi))
+        runs.sort()
+        entries: list[list] = []  # [chunk, [Segment, ...]]: consecutive runs of one chunk share an entry
+        for _, j, lo, hi in runs:
             if entries and entries[-1][0] == j:
                 segs = entries[-1][1]
                 if segs[-1].stop == lo:
@@ -722,14 +720,14 @@ class _SparseLowering:
     def _own_calls(self, x: int, before: list[Op], after: list[Op], backward: bool) -> tuple[list[Op], list[Op]]:
         """The own block's calls (one per document, in row order; ``before`` the return round is
         posted, then ``after``) as at most two calls: the rows up to the first of ``after``, and
-        the rest, each against all the chunk's keys under the mask. Their documents' pieces then
+        the rest, each against all the chunk's keys under the mask. Their documents' runs then
         run as a few variable-length kernel calls (:func:`~.mask.call_groups`) instead of a call
         each, with no copy: each call's rows are one range of the chunk. Exact because the
         documents' rows are disjoint: every allowed pair of a row is in the call holding the row.
 
         Example: a chunk of 2,970 tokens holding documents of 900, 40, 30 and 2,000 tokens, calls
         900 / 40 + 30 (the small ones share one) / 2,000, the first two before the return: rows
-        [0, 970) and [970, 2970), each a MASKED call whose pieces (causal 900 and masked 40 + 30;
+        [0, 970) and [970, 2970), each a MASKED call whose mask pieces (causal 900 and masked 40 + 30;
         causal 2,000) run as two kernel calls and one."""
         ops = before + after
         if len(ops) < 2 or any(op.rows is None for op in ops):
@@ -769,11 +767,11 @@ class _SparseLowering:
         backward = direction == "backward"
         pulls = self._pulls(x, direction)
         if self.burst and self._moves(direction):  # every rank posts every pull round, empty or not: TASP's
-            for g in range(self.groups):  # all-to-all transport is a collective, and ranks keeping their pieces pull nothing
+            for g in range(self.groups):  # all-to-all transport is a collective, and ranks keeping their slots pull nothing
                 pulls.setdefault(1 + g, ([], []))
         order = sorted(pulls)
         mine = sorted(self.needs.blocks(x), key=lambda b: (b != (x, x), b))
-        # a block is ready once the rounds bringing its remote pieces have completed (rows always
+        # a block is ready once the rounds bringing its remote slots have completed (rows always
         # travel: q and/or do; columns not in a backward that kept them from the forward)
         def ready_round(b: tuple[int, int]) -> int:
             i, j = b
@@ -845,7 +843,7 @@ class _SparseLowering:
         for t in order:
             ops.append(Wait(t))
             run(t)
-        for r in sorted({k[0] for k in by_step}):  # blocks whose pieces came in rounds with nothing else
+        for r in sorted({k[0] for k in by_step}):  # blocks whose slots came in rounds with nothing else
             run(r)
         post_returns(final=True)
         ops.extend(later)

@@ -91,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--no-causal", dest="causal", action="store_false", help="full (non-causal) attention (default: causal)")
     g.add_argument("--backward-chunks", choices=BACKWARD_CHUNKS, default="auto",
                    help="re-communicate Q/KV chunks in the backward ('refetch'), keep them from the forward ('keep'), "
-                        "or keep them where a mask-aware plan's pieces are at most a rank's own Q, K, V ('auto'; "
+                        "or keep them where a mask-aware plan's pulled tokens are at most a rank's own Q, K, V ('auto'; "
                         "dense plans refetch; TE's rows always refetch, as TE does)")
     g.add_argument("--schedule", choices=("greedy", "lockstep"), default="greedy", help="Mesh intra-tile schedule")
     g.add_argument("--modes", default=",".join(default_modes()), help="comma-separated subset of "
@@ -118,7 +118,7 @@ def _parser() -> argparse.ArgumentParser:
                         "padded to 2 x CP; TE's own p2p and a2a+p2p on it too), the plugin's balanced layout, the "
                         "same with the Ulysses groups' first and last documents set apart (balanced-hide: the "
                         "hybrids only), or all side by side (above 64 ranks the plugin's modes are not planned on THD "
-                        "then, too many pieces: --layout thd plans them) (default: all with --docs, zigzag without: "
+                        "then, too many blocks: --layout thd plans them) (default: all with --docs, zigzag without: "
                         "the other layouts place documents)")
     g.add_argument("--layout-file", default=None, metavar="F",
                    help="also plan the layout in F for the same --docs and --seed (one sample; its text line, as "

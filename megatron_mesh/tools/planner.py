@@ -498,7 +498,7 @@ LAYOUTS = ("zigzag", "thd", "balanced", "balanced-hide")
 # Transformer Engine's own runs on its THD layout: p2p (every KV chunk around the ring), a2a+p2p (USP)
 TE_ROWS = ("te-p2p", "te-a2a+p2p")
 # the most ranks at which a comparison of every layout plans the plugin's modes on THD: there each
-# rank holds two pieces of every document, so a plan's blocks grow as ranks^2 x documents (1M tokens
+# rank holds two halves of every document, so a plan's blocks grow as ranks^2 x documents (1M tokens
 # of 4K documents on this project's build machine: 44 s at 64 ranks, minutes at 128, hours at 256)
 THD_PLAN_RANKS = 64
 
@@ -645,7 +645,7 @@ def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, modes, lay
             padded = replace(shape, seq_local=thd.seq_local)
             if plan_thd is False or plan_thd is None and world_size > THD_PLAN_RANKS:
                 got, skip = [], [{"mode": m, "reason": f"not planned on THD at CP {world_size}: every rank holds two "
-                                  f"pieces of each of the {len(cu) - 1} documents, too many blocks to plan in "
+                                  f"halves of each of the {len(cu) - 1} documents, too many blocks to plan in "
                                   f"reasonable time above {THD_PLAN_RANKS} ranks (plan them with --layout thd)"}
                                  for m in modes]
             else:

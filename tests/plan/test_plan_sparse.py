@@ -217,11 +217,11 @@ def test_block_table_is_the_classification_of_every_block(P, data):
 def test_a_documents_remote_blocks_are_fused_per_query_rows():
     """TASP on the balanced layout (a 44-token document cut over 4 ranks of 16, three short ones),
     pulling in one group (burst_groups = 1): in its single round every rank receives all it
-    needs, and the blocks with other ranks' pieces of one document become one kernel call per
+    needs, and the blocks with other ranks' slots of one document become one kernel call per
     query rows -- fewer calls than blocks -- with the columns in the order of their positions (a
-    chunk's columns split where another's come between, so pieces that continue each other join).
+    chunk's columns split where another's come between, so runs that continue each other join).
     Ring pulls one shift per round: one call per block. Both plans validate: every allowed pair
-    exactly once. (With more groups the pieces of one group are fused the same way.)"""
+    exactly once. (With more groups the slots of one group are fused the same way.)"""
     import megatron_mesh as mm
     from megatron_mesh.plan.sparse import block_table
     P, T = 4, 16
@@ -245,7 +245,7 @@ def test_a_documents_remote_blocks_are_fused_per_query_rows():
 
 def test_module_docstring_worked_example():
     """The window example of plan/sparse.py's docstring, forward and backward, is what the
-    builder makes for rank 1 (ring, P = 4, S = 16, window (2, 0), the pieces kept)."""
+    builder makes for rank 1 (ring, P = 4, S = 16, window (2, 0), the slots kept)."""
     import re
 
     from megatron_mesh.plan import sparse
@@ -261,9 +261,9 @@ def test_module_docstring_worked_example():
 
 
 def test_partials_go_home_as_soon_as_the_blocks_writing_them_ran():
-    """A rank returns each piece's partial (here dK/dV) in a round of its own right after the
+    """A rank returns each slot's partial (here dK/dV) in a round of its own right after the
     blocks that write it, while its other blocks still compute -- ring: round P + d for shift d,
-    every pull posted up front; TASP: a pull and a return round per group of remote pieces
+    every pull posted up front; TASP: a pull and a return round per group of remote slots
     (burst_groups; every rank posts all of them: its all-to-all transport is a collective). P = 4, T = 12, one causal
     document of 46 tokens on the zigzag, backward refetching: rank 0 reads K/V of ranks 3, 2, 1
     (pull rounds 1-3) and returns dkv3, dkv2, dkv1 in rounds 5, 6, 7 (ring)."""
@@ -283,7 +283,7 @@ def test_partials_go_home_as_soon_as_the_blocks_writing_them_ran():
             if mode == "tasp":
                 assert sorted(posts) == list(range(1, 1 + 2 * tunables.burst_groups))  # every rank, every round
             for n, op in enumerate(ops):
-                if type(op) is AttendBackward and op.kv[0].slot >= 0:  # a remote piece's block
+                if type(op) is AttendBackward and op.kv[0].slot >= 0:  # a remote slot's block
                     nxt = next(o for o in ops[n + 1:] if type(o) is not Post or o.sends or o.recvs)
                     assert type(nxt) is Post and any(x.key == op.dkv[0] for x in nxt.sends), (mode, r, op, nxt)
             # the returns' waits come after the last block: the rank computes while they fly
@@ -297,7 +297,7 @@ def test_partials_go_home_as_soon_as_the_blocks_writing_them_ran():
 def test_tasp_groups_overlap_pulls_and_returns_with_compute():
     """TASP pulling and returning in burst_groups groups instead of one round each: on 16 ranks
     over 2 nodes with a 48K-token document cut over 12 ranks (and short ones), the simulated
-    forward starts its remote blocks before all pieces are in and the backward's dK/dV returns
+    forward starts its remote blocks before all slots are in and the backward's dK/dV returns
     travel while later groups compute -- both directions faster than with one group, the same
     bytes (a deterministic model property, not a timing; validity: the "many" groups case of
     test_masked_plans_validate_for_every_mode)."""
@@ -322,7 +322,7 @@ def test_tasp_groups_overlap_pulls_and_returns_with_compute():
 
 
 def test_backward_chunks_auto_keeps_on_the_ranks_whose_pulls_fit_their_own_chunk():
-    """backward_chunks="auto" under a mask: a rank keeps the pieces it pulled in the forward
+    """backward_chunks="auto" under a mask: a rank keeps the slots it pulled in the forward
     (nothing of Q / K / V moves to it in the backward) exactly where they hold at most the bytes
     of its own Q, K and V chunk (keep_limit), else it pulls them again; its senders agree.
     P = 4, T = 12, one causal document of 46 tokens on the zigzag: ranks 0 and 1 read 36 and 30

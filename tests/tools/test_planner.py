@@ -696,7 +696,7 @@ def test_layout_rows_plan_thd_only_when_asked_above_the_limit(monkeypatch):
     assert not any(r.layout == "thd" and r.mode in ("ring", "auto") for r in rows)
     assert [s["mode"] for s in skipped] == ["ring (thd)", "auto (thd)", "ring (balanced-hide)"]
     assert "the plain modes run on the balanced one (--layout balanced)" in skipped[2]["reason"]
-    assert "not planned on THD at CP 4: every rank holds two pieces of each of the 3 documents" in skipped[0]["reason"]
+    assert "not planned on THD at CP 4: every rank holds two halves of each of the 3 documents" in skipped[0]["reason"]
     assert "(plan them with --layout thd)" in skipped[0]["reason"]
     rows, skipped = layout_rows(4, shape, Topology(), cu, modes=("ring",), layouts=("thd",), plan_thd=True)
     assert ("thd", "ring") in {(r.layout, r.mode) for r in rows} and not skipped
