@@ -6,7 +6,7 @@ its inner rings); this module creates them for every CP group of the world and r
 through the smallest one holding both ranks. Nothing here knows a mode by name.
 
 ``torch.distributed.new_group`` is collective over the whole world: every rank must create every
-group, in the same order, even groups it is not in. :func:`initialize_groups` therefore walks
+group, in the same order, even groups it is not in. :meth:`CPGroups.initialize` therefore walks
 every CP group of the world (gathered once with ``all_gather_object``, so any rank order --
 tp-cp-ep-dp-pp or with TP/DP/PP > 1 -- is handled) and every plugin mode of the config in one
 fixed order, and keeps the result in a :class:`CPGroups` object: the process's own is
