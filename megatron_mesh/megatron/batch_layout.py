@@ -3,14 +3,17 @@
 Megatron's layout is the global zigzag (``get_batch_on_this_cp_rank``: chunks r and 2*CP-1-r of
 every sequence), and three places of Megatron assume it: the batch split, RoPE
 (``get_pos_emb_on_this_cp_rank`` slices the same chunks of the position embedding) and the layers.
-With packed documents (``--reset-attention-mask``) ``--cp-layout balanced`` (the default) replaces
-it with :func:`megatron_mesh.balanced_layout`: per sample, work balanced over the CP ranks and
-short documents kept whole on one rank. This module is everything that makes Megatron follow it:
+With packed documents (``--reset-attention-mask``) ``--cp-layout balanced`` replaces it with
+:func:`megatron_mesh.balanced_layout`: per sample, work balanced over the CP ranks and short
+documents kept whole on one rank; ``--cp-layout auto`` (the default) does so for each sample
+where that is not predicted slower than the zigzag for the layers' mode
+(:func:`megatron_mesh.plan.choice.choose_layout`) and keeps the zigzag for the others. This
+module is everything that makes Megatron follow it:
 
 * :func:`sample_layout` -- THE decision: a sample's layout from its document boundaries and the
-  config (CP size, the Ulysses degree U as ``group``, the window when every layer has it). The
-  batch split and the core attention both call it, so they cannot disagree (the core attention
-  also checks that its layouts are the batch's);
+  config (CP size, the mode, the Ulysses degree U as ``group``, the window when every layer has
+  it). The batch split and the core attention both call it, so they cannot disagree (the core
+  attention also checks that its layouts are the batch's);
 * :class:`BatchLayout` -- one micro-batch: per sample its boundaries and layout; it splits the
   batch (every tensor with a sequence dimension, each sample by its own layout: S/P tokens per
   rank per sample), gives the layers their boundaries (``packed_seq_params`` sbhd, ``cu_seqlens``
@@ -50,9 +53,12 @@ import torch
 from torch import Tensor
 
 from ..plan.balance import BalancedLayout, balanced_layout
-from ..plan.layout import positions
-from .placement import ranks_per_node
-from .settings import BATCH_DOCUMENTS, cp_layout, megatron_window, plugin_settings
+from ..plan.choice import choose_layout
+from ..plan.layout import ZigzagLayout, positions
+from ..plan.shape import AttentionShape
+from ..plan.topology import Topology
+from .placement import layer_shape, ranks_per_node
+from .settings import BATCH_DOCUMENTS, cp_layout, layer_modes, megatron_window, plugin_modes_of, plugin_settings
 
 __all__ = ["sample_layout", "uses_balanced_layout", "eod_starts", "position_starts", "document_rows",
            "boundary_params", "BatchLayout", "split_batch", "set_current", "current",
@@ -93,7 +99,9 @@ def sample_layout(cu_seqlens, config) -> Optional[BalancedLayout]:
     fields: None for Megatron's zigzag (``--cp-layout zigzag``, or CP 1), else the balanced layout
     over ``context_parallel_size`` ranks, balanced per Ulysses group of U ranks (U from
     ``--hierarchical-context-parallel-sizes U M``), nodes first when the CP group spans nodes, for
-    causal attention with the window when every layer has one. Cached: the batch split and every layer get the same object.
+    causal attention with the window when every layer has one -- under ``--cp-layout auto`` only
+    where :func:`_keeps_balanced` says so (None otherwise). Cached: the batch split and every layer
+    get the same object.
 
     Example: ``sample_layout([0, 8, 12, 16], args)`` at CP 2 -> rank 0 holds [0, 2) + [6, 12),
     rank 1 [2, 6) + [12, 16)."""
@@ -103,8 +111,31 @@ def sample_layout(cu_seqlens, config) -> Optional[BalancedLayout]:
     hcp = getattr(config, "hierarchical_context_parallel_sizes", None)
     group = int(hcp[0]) if hcp else 1
     window = _uniform_window(config)
-    return _balanced(tuple(int(c) for c in cu_seqlens), cp, group, None if window is None else tuple(window),
-                     _nodes(config, group), cp_layout(config) == "balanced-hide")
+    cu, nodes = tuple(int(c) for c in cu_seqlens), _nodes(config, group)
+    if cp_layout(config) == "auto" and window is None and not _keeps_balanced(cu, cp, group, nodes, *_priced(config)):
+        return None
+    return _balanced(cu, cp, group, None if window is None else tuple(window), nodes,
+                     cp_layout(config) == "balanced-hide")
+
+
+def _priced(config) -> tuple:
+    """What ``--cp-layout auto`` prices a sample for: the layers' mode (the first plugin mode of
+    ``cp_comm_type``) and their per-rank heads, head dim and dtype."""
+    modes = plugin_modes_of(layer_modes(getattr(config, "cp_comm_type", None)))
+    mode = next((m for m in layer_modes(config.cp_comm_type) if m in modes), "ring")
+    shape = layer_shape(config, 1)
+    return mode, shape.heads, shape.kv_heads, shape.head_dim, shape.itemsize
+
+
+@functools.lru_cache(maxsize=512)
+def _keeps_balanced(cu: tuple, cp: int, group: int, nodes: Optional[int], mode: str, heads: int, kv_heads: int,
+                    head_dim: int, itemsize: int) -> bool:
+    """``--cp-layout auto``: whether this sample's balanced layout is priced no slower than
+    Megatron's zigzag for ``mode`` on the default machine (docs/performance.md, "Assumptions")
+    with the CP group's ``nodes`` (:func:`megatron_mesh.plan.choice.choose_layout`)."""
+    shape = AttentionShape(cu[-1] // cp, 1, heads, kv_heads, head_dim, itemsize)
+    topo = Topology(nodes=cp // nodes if nodes else 1, gpus_per_node=nodes or cp)
+    return choose_layout(_balanced(cu, cp, group, None, nodes, False), shape, topo, mode, group)[0] == "balanced"
 
 
 def _nodes(config, group: int) -> Optional[int]:
@@ -171,26 +202,31 @@ def boundary_params(rows, device=None):
 @dataclass(frozen=True)
 class BatchLayout:
     """One micro-batch: per sample its document boundaries over the global sequence (``rows``,
-    0 ... S) and its layout (None: Megatron's zigzag), and this CP rank."""
+    0 ... S) and its layout (None: Megatron's zigzag), this CP rank and the CP size ``cp`` (the
+    zigzag's, for samples that keep it next to balanced ones under ``--cp-layout auto``)."""
 
     rows: tuple[tuple[int, ...], ...]
     layouts: tuple[Optional[BalancedLayout], ...]
     rank: int
+    cp: int = 1
 
     @classmethod
     def of(cls, rows, config, rank: int) -> "BatchLayout":
         """Each sample's layout by :func:`sample_layout`."""
         rows = tuple(tuple(int(c) for c in r) for r in rows)
-        return cls(rows, tuple(sample_layout(r, config) for r in rows), rank)
+        return cls(rows, tuple(sample_layout(r, config) for r in rows), rank, config.context_parallel_size)
 
     @property
     def balanced(self) -> bool:
-        return self.layouts[0] is not None
+        """Whether any sample runs on a balanced layout (else the batch is Megatron's zigzag split)."""
+        return any(layout is not None for layout in self.layouts)
 
     @functools.cached_property
     def index(self) -> Tensor:
-        """[b, s_local] global positions of this rank's tokens of each sample, in local order."""
-        return torch.tensor([positions(layout, self.rank) for layout in self.layouts], dtype=torch.long)
+        """[b, s_local] global positions of this rank's tokens of each sample, in local order (a
+        sample on the zigzag: the zigzag's, as Megatron's split takes them)."""
+        return torch.tensor([positions(layout if layout is not None else ZigzagLayout(self.cp, row[-1]), self.rank)
+                             for layout, row in zip(self.layouts, self.rows)], dtype=torch.long)
 
     def rope_positions(self) -> Tensor:
         """[s_local, b] (or [s_local, 1] when every sample has the same layout): the global
