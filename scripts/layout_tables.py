@@ -12,8 +12,8 @@ compute floor, the work max/mean -- and the issue's criteria over the seeds. Pur
         --modes ring,mesh-auto,tasp --seeds 0 1 2 3 4 5 6 7 8 9
 
 The rows are the planner's (:func:`megatron_mesh.tools.planner.layout_rows`, as ``megatron-mesh-plan
---layout zigzag`` / ``balanced`` print them); the default layout's row is the zigzag's or the
-balanced one's, as the choice says -- what Megatron runs with the default ``--cp-layout auto``.
+--layout zigzag`` / ``balanced`` / ``auto`` print them): the default layout's row is the zigzag's or
+the balanced one's, as ``--cp-layout auto`` picks -- what Megatron runs by default.
 """
 
 from __future__ import annotations
@@ -27,42 +27,32 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megatron_mesh.plan import AttentionShape, Topology, balanced_layout  # noqa: E402
+from megatron_mesh.plan import AttentionShape, Topology  # noqa: E402
 from megatron_mesh.plan.bound import query_owner_bound  # noqa: E402
-from megatron_mesh.plan.choice import choose_layout  # noqa: E402
 from megatron_mesh.tools.plan_cli import ITEMSIZE, document_bounds  # noqa: E402
-from megatron_mesh.tools.planner import (REGISTRY, allowed_pairs, compute_floor, layout_rows,  # noqa: E402
-                                         worker_pool)
+from megatron_mesh.tools.planner import allowed_pairs, compute_floor, layout_rows, worker_pool  # noqa: E402
 
 PLAIN = ("ring", "mesh-auto", "tasp")  # the plain modes the issue asks to be never slower on the default layout
 
 
-def _mode_of(row) -> str:
-    """The registered mode a row runs (a derived row, e.g. mesh-auto, its candidate's)."""
-    return next(name for name, m in REGISTRY.items() if row.mode in (name, m.auto_row))
-
-
 def sample(args, shape: AttentionShape, topo: Topology, seed: int, pool) -> dict:
-    """One seed's rows: per (mode, U) the zigzag's and the balanced layout's, the default's pick."""
+    """One seed's rows: per (mode, U) the zigzag's, the balanced layout's and the default's pick."""
     cu = document_bounds(args.docs, args.seq_len, seed)
-    rows, _ = layout_rows(args.cp, shape, topo, cu, modes=args.modes.split(","), layouts=("zigzag", "balanced"),
-                          executor=pool)
-    nodes = topo.gpus_per_node if args.cp > topo.gpus_per_node else None
+    rows, _ = layout_rows(args.cp, shape, topo, cu, modes=args.modes.split(","),
+                          layouts=("zigzag", "balanced", "auto"), executor=pool)
     bound = query_owner_bound(cu, args.cp, shape)
     out = dict(seed=seed, documents=len(cu) - 1, longest=max(b - a for a, b in zip(cu, cu[1:])),
                floor=compute_floor(allowed_pairs(cu), args.cp, shape, topo), bound=bound.bytes, simple=bound.simple,
                rows=[])
     by = {(r.layout, r.mode, r.ulysses): r for r in rows}
-    for (layout, mode, U), r in by.items():
-        if layout != "balanced":
+    for r in rows:
+        z, b = by.get(("zigzag", r.mode, r.ulysses)), by.get(("balanced", r.mode, r.ulysses))
+        if r.layout != "auto" or z is None or b is None:
             continue
-        z = by.get(("zigzag", mode, U))
-        pick = choose_layout(balanced_layout(cu, args.cp, group=U, ranks_per_node=nodes if nodes and nodes % U == 0
-                                             else None), shape, topo, _mode_of(r), U)[0]
         out["rows"].append(dict(
-            mode=mode, U=U, pick=pick,
+            mode=r.mode, U=r.ulysses, pick=r.extra["auto_pick"],
             zigzag=dict(bytes=z.bytes_per_rank, time=z.time_s, work=z.extra.get("forward_work_max_over_mean")),
-            balanced=dict(bytes=r.bytes_per_rank, time=r.time_s, work=r.extra.get("forward_work_max_over_mean"))))
+            balanced=dict(bytes=b.bytes_per_rank, time=b.time_s, work=b.extra.get("forward_work_max_over_mean"))))
     return out
 
 

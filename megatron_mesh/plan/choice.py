@@ -110,21 +110,22 @@ def _work_and_pulls(pieces, docs, units: int) -> tuple[list[int], dict[tuple[int
     pulls: dict[tuple[int, int], tuple[int, int]] = {}
     for d, holders in pieces.items():
         length = docs[d][1] - docs[d][0]
-        last, first = {}, {}
+        span = {}  # unit -> (first token, last token + 1, tokens)
         for u, runs in holders.items():
             work[u] += sum(document_work(a, b, length) for a, b in runs)
-            last[u] = max(b for _, b in runs) - 1
-            first[u] = min(a for a, _ in runs)
+            span[u] = (min(a for a, _ in runs), max(b for _, b in runs), sum(b - a for a, b in runs))
         if len(holders) < 2:
             continue
         for h, runs in holders.items():
-            for g, y in last.items():
-                if g != h:
-                    n = sum(max(0, min(b, y) - a) for a, b in runs)
-                    if n:
-                        rows = sum(max(0, b - max(a, first[h] + 1)) for a, b in holders[g])
-                        cols, rs = pulls.get((h, g), (0, 0))
-                        pulls[h, g] = (cols + n, rs + rows)
+            h_first, h_end, h_tokens = span[h]
+            for g, (g_first, g_end, g_tokens) in span.items():
+                y = g_end - 1  # g's last row reads h's tokens before it
+                if g == h or y <= h_first:
+                    continue
+                n = h_tokens if y >= h_end else sum(max(0, min(b, y) - a) for a, b in runs)
+                rows = g_tokens if g_first > h_first else sum(max(0, b - max(a, h_first + 1)) for a, b in holders[g])
+                cols, rs = pulls.get((h, g), (0, 0))
+                pulls[h, g] = (cols + n, rs + rows)
     return work, pulls
 
 
@@ -156,27 +157,35 @@ def _comm(pulls, units: int, shape: AttentionShape, topo: Topology, span: int, b
         pulled[g] += n
     keeps = [n * kv <= KEEP_LIMIT * shape.seq_local * (q + kv) for n in pulled]
     node = [topo.node(u * span) for u in range(units)]
-    # (unit, direction, round) -> [sent, received, across nodes]: the forward pulls K/V, the
-    # backward returns dK/dV partials and pulls K/V again where they are not kept
-    rounds: dict[tuple, list] = {}
+    # per direction: (unit, round) -> [sent, received, across nodes]; the forward pulls K/V, the
+    # backward returns dK/dV partials (rounds 0 .. units-1) and pulls K/V again where they are not
+    # kept (rounds units ..)
+    forward: dict[tuple[int, int], list] = {}
+    backward: dict[tuple[int, int], list] = {}
     for (h, g), (n, _) in pulls.items():
         inter = node[h] != node[g]
-        shift = inter if burst else (g - h) % units
-        moves = [("f", n * kv, h, g), ("b", n * dkv, g, h)] + ([] if keeps[g] else [("r", n * kv, h, g)])
-        for kind, nbytes, src, dst in moves:
-            for u, i in ((src, 0), (dst, 1)):
-                r = rounds.get((u, kind, shift))
-                if r is None:
-                    r = rounds[u, kind, shift] = [0, 0, inter]
-                r[i] += nbytes
-    lat = {flag: topo.latency("inter" if flag else "intra") * (BURST_GROUPS if burst else 1) for flag in (False, True)}
-    bw = {flag: topo.bandwidth("inter" if flag else "intra") for flag in (False, True)}
-    per = {}
-    for (u, kind, _), (sent, received, inter) in rounds.items():
-        key = (u, kind == "f")
-        per[key] = per.get(key, 0.0) + lat[inter] + max(sent, received) / bw[inter]
-    return (max((t for (u, f), t in per.items() if f), default=0.0),
-            max((t for (u, f), t in per.items() if not f), default=0.0))
+        shift = int(inter) if burst else (g - h) % units
+        for rounds, src, dst, nbytes, key in ((forward, h, g, n * kv, shift), (backward, g, h, n * dkv, shift)) + \
+                (() if keeps[g] else ((backward, h, g, n * kv, units + shift),)):
+            r = rounds.get((src, key))
+            if r is None:
+                r = rounds[src, key] = [0, 0, inter]
+            r[0] += nbytes
+            r = rounds.get((dst, key))
+            if r is None:
+                r = rounds[dst, key] = [0, 0, inter]
+            r[1] += nbytes
+    scale = BURST_GROUPS if burst else 1
+    cost = {flag: (topo.latency("inter" if flag else "intra") * scale, topo.bandwidth("inter" if flag else "intra"))
+            for flag in (False, True)}
+    out = []
+    for rounds in (forward, backward):
+        per = [0.0] * units
+        for (u, _), (sent, received, inter) in rounds.items():
+            lat, bw = cost[inter]
+            per[u] += lat + (sent if sent > received else received) / bw
+        out.append(max(per, default=0.0))
+    return out[0], out[1]
 
 
 def layout_cost(layout: Layout, docs, shape: AttentionShape, topo: Topology, mode: str,

@@ -115,7 +115,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="the sequence layout under --docs: Megatron's zigzag, Transformer Engine's THD (each document "
                         "padded to 2 x CP; TE's own p2p and a2a+p2p on it too), the plugin's balanced layout, the "
                         "same with the Ulysses groups' first and last documents set apart (balanced-hide: the "
-                        "hybrids only), or all side by side (above 64 ranks the plugin's modes are not planned on THD "
+                        "hybrids only), Megatron's default (auto: per mode the zigzag's or the balanced layout's row, "
+                        "as --cp-layout auto picks it), or all side by side (above 64 ranks the plugin's modes are not "
+                        "planned on THD "
                         "then, too many pieces: --layout thd plans them) (default: all with --docs, zigzag without: "
                         "the other layouts place documents)")
     g.add_argument("--layout-file", default=None, metavar="F",
@@ -361,7 +363,8 @@ def _row_name(r: ModeResult) -> str:
 
 # the Megatron flag that puts the tokens in each planned layout (docs/megatron.md)
 MEGATRON_LAYOUT_FLAGS = {"zigzag": "--cp-layout zigzag", "balanced": "--cp-layout balanced",
-                         "balanced-hide": "--cp-layout balanced-hide", "thd": "--cp-thd-packing"}
+                         "balanced-hide": "--cp-layout balanced-hide", "auto": "--cp-layout auto",
+                         "thd": "--cp-thd-packing"}
 
 
 def megatron_flags(r: ModeResult, world_size: int) -> str | None:

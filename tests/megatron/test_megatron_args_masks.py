@@ -271,5 +271,5 @@ def test_planners_megatron_flags_pass_the_start_up_checks(megatron_args, our_ent
             assert args.mesh_tile_shape == (f"{r.tile[0]}x{r.tile[1]}" if r.tile else None), (r.mode, r.layout)
         assert args.cp_thd_packing if r.layout == "thd" else args.cp_layout == r.layout
         seen.add((r.layout, r.ulysses > 1))
-    assert seen == {(layout, hybrid) for layout in ("zigzag", "thd", "balanced") for hybrid in (False, True)} | \
+    assert seen == {(layout, hybrid) for layout in ("zigzag", "thd", "balanced", "auto") for hybrid in (False, True)} | \
         {("balanced-hide", True)}
