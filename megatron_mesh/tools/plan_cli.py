@@ -115,11 +115,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="the sequence layout under --docs: Megatron's zigzag, Transformer Engine's THD (each document "
                         "padded to 2 x CP; TE's own p2p and a2a+p2p on it too), the plugin's balanced layout, the "
                         "same with the Ulysses groups' first and last documents set apart (balanced-hide: the "
-                        "hybrids only), Megatron's default (auto: per mode the zigzag's or the balanced layout's row, "
-                        "as --cp-layout auto picks it), or all side by side (above 64 ranks the plugin's modes are not "
-                        "planned on THD "
-                        "then, too many pieces: --layout thd plans them) (default: all with --docs, zigzag without: "
-                        "the other layouts place documents)")
+                        "hybrids only), Megatron's default (auto: per mode the zigzag's or the balanced row, as "
+                        "--cp-layout auto picks it), or all side by side (above 64 ranks the plugin's modes are not "
+                        "planned on THD then: --layout thd plans them) (default: all with --docs, else zigzag)")
     g.add_argument("--layout-file", default=None, metavar="F",
                    help="also plan the layout in F for the same --docs and --seed (one sample; its text line, as "
                         "scripts/search_layout.py --out writes it), as the rows of layout 'file'; no Megatron flag "
@@ -606,6 +604,28 @@ def _plan_sample(args, modes, shape: AttentionShape, topo: Topology, mask: Mask 
     return rows, skipped, floor, _bounds(args, docs, window, shape)
 
 
+def _mean_samples(planned) -> tuple:
+    """Several samples' (rows, skipped, floor, bounds) as one: each row's mean over the samples
+    (:func:`mean_rows`), per row left out the first sample's reason (they differ in counts only)
+    and what some sample could not plan, the mean floor and bounds."""
+    rows, missing = mean_rows([r for r, _, _, _ in planned])
+    first: dict[str, dict] = {}
+    for _, skipped, _, _ in planned:
+        for x in skipped:
+            first.setdefault(x["mode"], x)
+    n = len(planned)
+    bounds = None if planned[0][3] is None else tuple(sum(p[3][i] for p in planned) / n for i in range(3))
+    return rows, list(first.values()) + missing, sum(p[2] for p in planned) / n, bounds
+
+
+def _bounds_line(bounds, samples: int) -> str:
+    """The sample's bounds on the busiest rank's bytes, as the planner prints them."""
+    return (f"busiest rank's bytes, lower bounds (plan/bound.py, work at most {BUDGET}x the mean): "
+            f"{format_bytes(bounds[0])} when every pair is computed by its query's owner ('x bound'; "
+            f"b max(sqrt(L^2 - 2B), L - T): {format_bytes(bounds[1])}), {format_bytes(bounds[2])} wherever blocks "
+            "are computed" + ("; the means over the samples" if samples > 1 else "") + "\n")
+
+
 def _bounds(args, docs, window, shape: AttentionShape) -> tuple[float, float, float] | None:
     """(query-owner bound, its b x max(sqrt(L^2 - 2B), L - T) form, any-placement bound) on the
     busiest rank's bytes (:mod:`megatron_mesh.plan.bound`), for causal documents without a
@@ -686,17 +706,7 @@ def _main(args) -> int:
         with worker_pool(args.jobs) as pool:  # one pool for every sample, the table and the plot
             planned = [_plan_sample(args, modes, shape, topo, mask if seed == args.seed else _mask(args, seed), seed,
                                     layouts, pool, file_layout) for seed in seeds]
-            rows, skipped, floor, bounds = planned[0]
-            if len(planned) > 1:  # the mean over the samples; what any sample could not plan
-                rows, missing = mean_rows([r for r, _, _, _ in planned])
-                first: dict[str, dict] = {}  # per row, the first sample's reason (they differ in counts only)
-                for _, sk, _, _ in planned:
-                    for x in sk:
-                        first.setdefault(x["mode"], x)
-                skipped = list(first.values()) + missing
-                floor = sum(f for _, _, f, _ in planned) / len(planned)
-                bounds = None if bounds is None else tuple(sum(p[3][i] for p in planned) / len(planned)
-                                                           for i in range(3))
+            rows, skipped, floor, bounds = planned[0] if len(planned) == 1 else _mean_samples(planned)
             elapsed = time.perf_counter() - start
             plot_s = None  # the plot plans every CP size again and draws: often longer than the table
             if args.plot:
@@ -733,10 +743,7 @@ def _main(args) -> int:
                   f"{BACKWARD_FLOPS}x backward at {topo.attention_flops / 1e12:g} TFLOP/s; no communication, no "
                   "kernel launches" + ("; the mean over the samples" if len(seeds) > 1 else "") + ")\n")
         if bounds:
-            print(f"busiest rank's bytes, lower bounds (plan/bound.py, work at most {BUDGET}x the mean): "
-                  f"{format_bytes(bounds[0])} when every pair is computed by its query's owner ('x bound'; "
-                  f"b max(sqrt(L^2 - 2B), L - T): {format_bytes(bounds[1])}), {format_bytes(bounds[2])} wherever "
-                  "blocks are computed" + ("; the means over the samples" if len(seeds) > 1 else "") + "\n")
+            print(_bounds_line(bounds, len(seeds)))
         print(_table(rows, skipped, floor, bounds[0] if bounds else None))
         best = _best(rows, floor, args.cp)
         if best:
