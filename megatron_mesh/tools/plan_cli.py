@@ -112,12 +112,12 @@ def _parser() -> argparse.ArgumentParser:
                         "over them (buffer memory: the largest; 'time max': the slowest sample): what a run over "
                         "many such samples can expect, where one sample can mislead; not with --explain")
     g.add_argument("--layout", default=None, choices=LAYOUTS + ("all",),
-                   help="the sequence layout under --docs: Megatron's zigzag, Transformer Engine's THD (each document "
-                        "padded to 2 x CP; TE's own p2p and a2a+p2p on it too), the plugin's balanced layout, the "
-                        "same with the Ulysses groups' first and last documents set apart (balanced-hide: the "
-                        "hybrids only), Megatron's default (auto: per mode the zigzag's or the balanced row, as "
-                        "--cp-layout auto picks it), or all side by side (above 64 ranks the plugin's modes are not "
-                        "planned on THD then: --layout thd plans them) (default: all with --docs, else zigzag)")
+                   help="the sequence layout under --docs: Megatron's zigzag, TE's THD (documents padded to 2 x CP; "
+                        "TE's p2p and a2a+p2p too), the balanced layout, balanced-hide (its Ulysses groups' first and "
+                        "last documents set apart: the hybrids only), auto (Megatron's default: per mode the zigzag's "
+                        "or the balanced row, as --cp-layout auto picks), or all side by side (not THD above 64 ranks: "
+                        "--layout thd plans it) (default: all with --docs, zigzag without: the other layouts place "
+                        "documents)")
     g.add_argument("--layout-file", default=None, metavar="F",
                    help="also plan the layout in F for the same --docs and --seed (one sample; its text line, as "
                         "scripts/search_layout.py --out writes it), as the rows of layout 'file'; no Megatron flag "
