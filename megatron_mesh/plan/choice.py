@@ -13,19 +13,21 @@ and keeps the cheaper, so a user never gets a slower step than Megatron's own la
 
 * compute: the busiest unit's allowed pairs at the machine's attention rate (a unit is a rank,
   or a Ulysses group of U ranks for a hybrid, whose ranks each compute 1/U of the heads);
-* communication: the busiest unit's rounds, each ``latency + max(sent, received) / bandwidth``
-  on the link class it uses -- the pulls the mask-aware plans make (:mod:`.sparse`: every unit
-  receives, from each holder, the tokens of a document before its last row there; K/V in the
-  forward, kept for the backward where they are at most its own Q, K and V, else pulled again;
-  dK/dV partials back), one round per shift of the ring for ring and Mesh, one round per link
-  class for TASP, which pulls over every link at once.
+* communication: the busiest unit's rounds -- the pulls the mask-aware plans make (:mod:`.sparse`:
+  every unit receives, from each holder, the tokens of a document before its last row there; K/V
+  in the forward, kept for the backward where they are at most its own Q, K and V, else pulled
+  again; dK/dV partials back): for ring and Mesh one round per shift of the ring, in which a unit
+  sends to one peer and receives from another, each transfer its link's latency + bytes /
+  bandwidth; for TASP, which pulls from every peer at once, per link class the latency of up to
+  :data:`~.sparse.BURST_GROUPS` rounds + the busier direction's bytes / bandwidth.
 
 It leaves out what both layouts pay alike (the hybrids' all-to-all) and prices what a plan adds
 on top only roughly (a kernel call per piece of its remote blocks, the merge of their partial
 results, :mod:`.costs`' rates): it ranks the two layouts, it does not predict the simulator's
-time. At 256 GPUs (lognormal:4096, seed 0) it gives ring 10.7 ms on the zigzag and 14.2 on the
-balanced layout (the simulator: 10.5 and 13.9), TASP 10.2 and 10.9 (10.7 and 12.5), a2a+tasp U 8
-7.1 and 3.0 (7.3 and 3.0). Where a rank's attention takes less than
+time. At 256 GPUs (lognormal:4096, seed 0) it gives ring 10.4 ms on the zigzag and 13.8 on the
+balanced layout (the simulator: 10.5 and 13.9), TASP 9.9 and 10.6 (10.7 and 12.5), a2a+tasp U 8
+7.1 and 3.0 (7.3 and 3.0). It takes 3-110 ms of Python at 256 ranks (1M tokens; the plain modes
+on 16K-token documents, whose pieces pull from the most peers, the longest). Where a rank's attention takes less than
 :data:`MIN_COMPUTE_LAUNCHES` kernel launches the zigzag is kept: such a step is bound by launches
 and latencies, which the price leaves out.
 
@@ -150,42 +152,65 @@ def _overheads(pulls, units: int, shape: AttentionShape, topo: Topology) -> tupl
 
 
 def _comm(pulls, units: int, shape: AttentionShape, topo: Topology, span: int, burst: bool) -> tuple[float, float]:
-    """The busiest unit's forward and backward communication (module docstring)."""
+    """The busiest unit's forward and backward communication (module docstring): the forward pulls
+    K/V; the backward returns dK/dV partials and pulls K/V again where they are not kept."""
     kv, dkv, q = (buffer_bytes(k, 1, shape) for k in ("kv", "dkv", "q"))
     pulled = [0] * units
     for (_, g), (n, _) in pulls.items():
         pulled[g] += n
     keeps = [n * kv <= KEEP_LIMIT * shape.seq_local * (q + kv) for n in pulled]
     node = [topo.node(u * span) for u in range(units)]
-    # per direction: (unit, round) -> [sent, received, across nodes]; the forward pulls K/V, the
-    # backward returns dK/dV partials (rounds 0 .. units-1) and pulls K/V again where they are not
-    # kept (rounds units ..)
-    forward: dict[tuple[int, int], list] = {}
-    backward: dict[tuple[int, int], list] = {}
-    for (h, g), (n, _) in pulls.items():
-        inter = node[h] != node[g]
-        shift = int(inter) if burst else (g - h) % units
-        for rounds, src, dst, nbytes, key in ((forward, h, g, n * kv, shift), (backward, g, h, n * dkv, shift)) + \
-                (() if keeps[g] else ((backward, h, g, n * kv, units + shift),)):
-            r = rounds.get((src, key))
-            if r is None:
-                r = rounds[src, key] = [0, 0, inter]
-            r[0] += nbytes
-            r = rounds.get((dst, key))
-            if r is None:
-                r = rounds[dst, key] = [0, 0, inter]
-            r[1] += nbytes
-    scale = BURST_GROUPS if burst else 1
-    cost = {flag: (topo.latency("inter" if flag else "intra") * scale, topo.bandwidth("inter" if flag else "intra"))
-            for flag in (False, True)}
+    link = [(topo.latency(c), topo.bandwidth(c)) for c in ("intra", "inter")]
+    # transfers (sender, receiver) -> bytes, per kind of round
+    forward = {(h, g): n * kv for (h, g), (n, _) in pulls.items()}
+    returns = {(g, h): n * dkv for (h, g), (n, _) in pulls.items()}
+    again = {(h, g): n * kv for (h, g), (n, _) in pulls.items() if not keeps[g]}
     out = []
-    for rounds in (forward, backward):
+    for kinds in ((forward,), (returns, again)):
         per = [0.0] * units
-        for (u, _), (sent, received, inter) in rounds.items():
-            lat, bw = cost[inter]
-            per[u] += lat + (sent if sent > received else received) / bw
+        for moves in kinds:
+            rounds = _burst_rounds(moves, units, node, link) if burst else _shift_rounds(moves, units, node, link)
+            per = [a + b for a, b in zip(per, rounds)]
         out.append(max(per, default=0.0))
     return out[0], out[1]
+
+
+def _shift_rounds(moves: dict, units: int, node, link) -> list[float]:
+    """Each unit's seconds in ring-shift rounds: in the round of shift d it sends to u + d and
+    receives from u - d at once; each transfer takes its link's latency + bytes / bandwidth."""
+    per = [0.0] * units
+    for (src, dst), nbytes in moves.items():
+        d = (dst - src) % units
+        lat, bw = link[node[src] != node[dst]]
+        t = lat + nbytes / bw
+        back = ((src - d) % units, src)  # what src receives in the same round
+        other = moves.get(back)
+        if other is not None:
+            lat2, bw2 = link[node[back[0]] != node[src]]
+            t = max(t, lat2 + other / bw2)
+        per[src] += t
+        if (dst, (dst + d) % units) not in moves:  # dst sends nothing that round: it only receives
+            per[dst] += lat + nbytes / bw
+    return per
+
+
+def _burst_rounds(moves: dict, units: int, node, link) -> list[float]:
+    """Each unit's seconds in TASP's rounds: every peer at once, in up to :data:`BURST_GROUPS`
+    groups, the busier direction of each link class deciding."""
+    sent = [[0, 0] for _ in range(units)]
+    received = [[0, 0] for _ in range(units)]
+    peers = [[0, 0] for _ in range(units)]
+    for (src, dst), nbytes in moves.items():
+        c = int(node[src] != node[dst])
+        sent[src][c] += nbytes
+        received[dst][c] += nbytes
+        peers[src][c] += 1
+        peers[dst][c] += 1
+    per = [0.0] * units
+    for u in range(units):
+        per[u] = max((link[c][0] * min(BURST_GROUPS, peers[u][c]) + max(sent[u][c], received[u][c]) / link[c][1]
+                      for c in (0, 1) if peers[u][c]), default=0.0)
+    return per
 
 
 def layout_cost(layout: Layout, docs, shape: AttentionShape, topo: Topology, mode: str,
