@@ -54,8 +54,9 @@ def sample_layout(cu_seqlens, config) -> Optional[BalancedLayout]:
     where :func:`_keeps_balanced` says so (None otherwise). Cached: the batch split and every layer
     get the same object.
 
-    Example: ``sample_layout([0, 8, 12, 16], args)`` at CP 2 -> rank 0 holds [0, 2) + [6, 12),
-    rank 1 [2, 6) + [12, 16)."""
+    Example: ``sample_layout([0, 8, 12, 16], args)`` at CP 2 under ``--cp-layout balanced`` -> rank
+    0 holds [0, 2) + [6, 12), rank 1 [2, 6) + [12, 16); under ``auto`` None (16 tokens: a
+    launch-bound step keeps the zigzag)."""
     cp = config.context_parallel_size
     if cp == 1 or cp_layout(config) == "zigzag":
         return None
@@ -72,8 +73,9 @@ def sample_layout(cu_seqlens, config) -> Optional[BalancedLayout]:
 def _priced(config) -> tuple:
     """What ``--cp-layout auto`` prices a sample for: the layers' mode (the first plugin mode of
     ``cp_comm_type``) and their per-rank heads, head dim and dtype."""
-    modes = plugin_modes_of(layer_modes(getattr(config, "cp_comm_type", None)))
-    mode = next((m for m in layer_modes(config.cp_comm_type) if m in modes), "ring")
+    modes = layer_modes(getattr(config, "cp_comm_type", None))
+    plugin = plugin_modes_of(modes)
+    mode = next((m for m in modes if m in plugin), "ring")
     shape = layer_shape(config, 1)
     return mode, shape.heads, shape.kv_heads, shape.head_dim, shape.itemsize
 
