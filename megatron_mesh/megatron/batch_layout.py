@@ -36,8 +36,9 @@ module is everything that makes Megatron follow it:
   (the zigzag for ``--cp-layout zigzag``), so no dense [s, s] mask is needed.
 
 Example (CP 2, one sample of 16 tokens, documents [0, 8), [8, 12), [12, 16)): the zigzag gives
-rank 1 positions 4-11 (work 36 of 56); :func:`sample_layout` gives rank 0 [0, 1, 6, 7, 8-11] and
-rank 1 [2-5, 12-15] (work 28 each), and RoPE on rank 1 uses the embedding rows 2, 3, 4, 5, 12, ...
+rank 1 positions 4-11 (work 36 of 56); :func:`sample_layout` under ``--cp-layout balanced`` gives
+rank 0 [0, 1, 6, 7, 8-11] and rank 1 [2-5, 12-15] (work 28 each), and RoPE on rank 1 uses the
+embedding rows 2, 3, 4, 5, 12, ...
 """
 
 from __future__ import annotations
