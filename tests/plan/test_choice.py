@@ -30,14 +30,20 @@ def test_worked_example_of_the_module_docstring():
     assert round(mine.forward_compute * 1e3, 1) == 16.9 and round(theirs.forward_compute * 1e3, 1) == 22.5
 
 
-def test_the_plain_modes_keep_the_zigzag_at_256_gpus():
-    """1M tokens of lognormal:4096 documents on 32 nodes x 8: ring and TASP send more across nodes
-    on the balanced layout than the balancing saves (docs/performance.md); the hybrid gains."""
-    cu = document_bounds("lognormal:4096,1.0", 1 << 20, 0)
+@pytest.mark.parametrize("docs, seed, mode, U, want", [
+    ("lognormal:4096,1.0", 0, "ring", 1, "zigzag"), ("lognormal:4096,1.0", 0, "tasp", 1, "zigzag"),
+    ("lognormal:4096,1.0", 0, "a2a+tasp", 8, "balanced"),
+    ("lognormal:4096,1.0", 1, "tasp", 1, "balanced"),  # simulated 13.7 ms on it, 15.5 on the zigzag
+    # priced 8 % cheaper on the balanced layout, simulated 14 % slower: not by COMM_MARGIN
+    ("lognormal:16384,1.0", 3, "tasp", 1, "zigzag"),
+])
+def test_the_plain_modes_keep_the_zigzag_at_256_gpus(docs, seed, mode, U, want):
+    """1M tokens on 32 nodes x 8: ring and TASP mostly send more across nodes on the balanced
+    layout than the balancing saves (docs/performance.md, the per-seed tables); the hybrid gains."""
+    cu = document_bounds(docs, 1 << 20, seed)
     shape, topo = AttentionShape(4096, 1, **GQA), Topology(nodes=32, gpus_per_node=8)
-    for mode, U, want in (("ring", 1, "zigzag"), ("tasp", 1, "zigzag"), ("a2a+tasp", 8, "balanced")):
-        pick, mine, theirs = choose_layout(balanced_layout(cu, 256, group=U, ranks_per_node=8), shape, topo, mode, U)
-        assert pick == want, (mode, mine.total, theirs.total)
+    pick, mine, theirs = choose_layout(balanced_layout(cu, 256, group=U, ranks_per_node=8), shape, topo, mode, U)
+    assert pick == want, (mode, mine.total, theirs.total)
 
 
 def test_launch_bound_steps_and_one_ulysses_group_keep_the_zigzag():
