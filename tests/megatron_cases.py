@@ -318,7 +318,7 @@ def gpt_masked_equivalence(rank: int, world: int, layouts) -> list[dict]:
 
 def gpt_mask_refusals(rank: int, world: int, layouts) -> list[dict]:
     """What a Python user of Megatron-Core gets wrong, at CP 4 (mesh): documents on a batch that
-    Megatron's get_batch_on_this_cp_rank split while the layer's layout is the balanced default,
+    Megatron's get_batch_on_this_cp_rank split while the layer's layout is the balanced one,
     and a dense attention_mask that is not the causal one (both ran silently with a wrong loss);
     the causal mask of the zigzag positions, which Megatron's dataloader makes, still runs. One
     record per case: the error's text, or the loss and the same model's loss without a mask."""
@@ -336,7 +336,7 @@ def gpt_mask_refusals(rank: int, world: int, layouts) -> list[dict]:
         pgc, _, cp_group = _parallel_layout(tp, cp, single)
         full = _doc_batch(11)
         causal = ~torch.tril(torch.ones(BATCH, SEQ_M, SEQ_M)).bool().unsqueeze(1)
-        cases = [("balanced default, zigzag split", "eod", dict(full), document_params(full["tokens"], VOCAB - 1)),
+        cases = [("balanced layout, zigzag split", "eod", dict(full), document_params(full["tokens"], VOCAB - 1)),
                  ("document mask, no documents", None, dict(full, attention_mask=_dense_doc_mask(full["tokens"])), None),
                  ("causal mask", None, dict(full, attention_mask=causal), None),
                  ("no mask", None, dict(full), None),
@@ -346,7 +346,8 @@ def gpt_mask_refusals(rank: int, world: int, layouts) -> list[dict]:
                  ("window, no mask", None, dict(full), None)]
         for name, documents, batch, packed in cases:
             config = _config(tp, cp, (4, 2), "mesh", **(dict(window_size=(5, 0)) if "window" in name else {}))
-            config.cp_seq_length, config.cp_documents = SEQ_M, documents  # cp_layout unset: balanced with documents
+            config.cp_seq_length, config.cp_documents = SEQ_M, documents
+            config.cp_layout = "balanced"  # every sample on its balanced layout (auto may keep the zigzag)
             model = _build_len(config, gpt_local_layer_spec(config), pgc, "rope")
             local = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
             try:

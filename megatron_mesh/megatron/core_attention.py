@@ -31,7 +31,8 @@ layout, ``cu_seqlens_q`` / ``_padded``; ``sbhd`` with ``cu_seqlens_q`` [batch, k
 boundaries per sample, which megatron_mesh's entry script derives from end-of-document tokens --
 or, when the model call carries none, those :mod:`.batch_layout` took from the current batch).
 With such documents each sample runs on its CP layout (:func:`.batch_layout.sample_layout`: the
-balanced layout of ``--cp-layout balanced``, or Megatron's zigzag), the one its batch was split by.
+balanced layout of ``--cp-layout balanced`` or ``auto``, or Megatron's zigzag), the one its batch was
+split by.
 
 Example (CP 4, 2 layers): ``--cp-comm-type mesh tasp`` gives layer 1 Mesh-Attention (tile from
 ``--mesh-tile-shape``) and layer 2 TASP, both inside the same model.
@@ -340,7 +341,7 @@ class PluginCoreAttention(MegatronModule):
             if any(layout is not None for layout in layouts):  # tokens split another way: a wrong result, silently
                 raise ValueError(
                     f"{where}: the samples' CP layout is the balanced one (cp_layout "
-                    f"{getattr(self.config, 'cp_layout', None) or 'balanced'!r}, the default with documents at CP > 1), "
+                    f"{cp_layout(self.config)!r}; 'auto', the default with documents at CP > 1, chooses it per sample), "
                     "but this batch was not split by it (no megatron_mesh.megatron.batch_layout.BatchLayout of these "
                     "documents is current): split the batch with BatchLayout and set_current as the entry scripts' "
                     "get_batch does, or set cp_layout='zigzag' to keep Megatron's get_batch_on_this_cp_rank split")

@@ -201,7 +201,7 @@ def test_settings_every_rank_must_share_compare_as_they_apply(monkeypatch):
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     base = settings_of(config(hierarchical_context_parallel_sizes=[2, 2]))
-    same = settings_of(config(hierarchical_context_parallel_sizes=(2, 2), cp_layout="balanced",
+    same = settings_of(config(hierarchical_context_parallel_sizes=(2, 2), cp_layout="auto",
                               cp_metrics_dir="/scratch/node1"))
     assert differences([base, same]) == []
     tiled = settings_of(config(hierarchical_context_parallel_sizes=[2, 2], mesh_tile_shape=(4, 1)))
