@@ -38,10 +38,11 @@ from enum import StrEnum
 from functools import lru_cache
 from typing import NamedTuple
 
+from .maskkinds import INF, MaskKind, check_documents, mask_from_text, register_mask_kind
 from .sel import Segment, first_at, merge_runs, union_intervals
 
 __all__ = ["Mask", "BlockKind", "BlockClass", "classify_block", "band_relation", "band_pairs", "CAUSAL", "FULL",
-           "union_intervals", "split_by_document", "INF", "MASK_PIECE", "cut_runs", "mask_pieces", "call_groups",
+           "union_intervals", "documents_of", "INF", "MASK_PIECE", "cut_runs", "mask_pieces", "call_groups",
            "KERNEL_CALLS"]
 
 
@@ -53,14 +54,14 @@ class BlockKind(StrEnum):
     CAUSAL = "causal"  # top-left causal on identical query and key tokens
     MASKED = "masked"  # the plan's Mask, applied to the tokens' global positions
 
-INF = float("inf")
 
-
+@register_mask_kind("causal", "full")
 @dataclass(frozen=True)
-class Mask:
-    """See the module docstring. ``documents``: sorted, disjoint (start, stop) intervals of global
-    positions (None: the whole sequence is one document); ``window``: (left, right), each an int
-    >= 0 or None (unlimited)."""
+class Mask(MaskKind):
+    """The band kind (see the module docstring): causal or full attention with an optional
+    sliding window, inside ``documents`` (sorted, disjoint (start, stop) intervals of global
+    positions; None: the whole sequence is one document); ``window``: (left, right), each an int
+    >= 0 or None (unlimited). The other kinds: :mod:`.maskkinds`."""
 
     causal: bool = True
     window: tuple = (None, None)
@@ -83,38 +84,14 @@ class Mask:
                              "key, so right must be 0 or None")
         if self.causal and w[1] is None:
             object.__setattr__(self, "window", (w[0], 0))
-        if self.documents is not None:
-            docs = tuple((int(a), int(b)) for a, b in self.documents)
-            prev = None
-            for a, b in docs:
-                if not a < b or (prev is not None and a < prev):
-                    raise ValueError(f"documents must be sorted, non-empty, disjoint (start, stop) intervals, "
-                                     f"got {self.documents!r}")
-                prev = b
-            object.__setattr__(self, "documents", docs)
-
-    def __hash__(self) -> int:
-        # masks key the planner's caches (a block's classification, the block index): with
-        # thousands of documents, hashing the tuple on every lookup would dominate, so once
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = hash((self.causal, self.window, self.documents))
-            object.__setattr__(self, "_hash", h)
-        return h
-
-    def __reduce__(self):  # the cached hash stays in this process (hash(None) differs between processes)
-        return (Mask, (self.causal, self.window, self.documents))
+        object.__setattr__(self, "documents", check_documents(self.documents))
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens, seq_len: int, causal: bool = True, window=None) -> "Mask":
         """Documents of a packed sequence of ``seq_len`` tokens from their boundaries
         (``cu_seqlens``: 0 = c0 < c1 < ... < cn = seq_len; Megatron's global zigzag layout)."""
-        cu = [int(c) for c in cu_seqlens]
-        if len(cu) < 2 or cu[0] != 0 or cu[-1] != seq_len or any(b <= a for a, b in zip(cu, cu[1:])):
-            raise ValueError(f"cu_seqlens must be strictly increasing from 0 to the global sequence length "
-                             f"{seq_len}, got {cu_seqlens!r}")
-        return cls(causal, window, tuple(zip(cu, cu[1:]))).normalized(seq_len)
+        return cls(causal, window, documents_of(cu_seqlens, seq_len)).normalized(seq_len)
 
     def normalized(self, seq_len: int) -> "Mask":
         """The same mask in its simplest form over a sequence of ``seq_len`` tokens: one document
@@ -130,8 +107,7 @@ class Mask:
             right = None
         if self.causal:
             right = 0
-        m = Mask(self.causal, (left, right), docs)
-        return m
+        return Mask(self.causal, (left, right), docs)
 
     @property
     def is_dense(self) -> bool:
@@ -146,103 +122,54 @@ class Mask:
         hi = left if left is not None else INF
         return lo, hi
 
-    def document(self, pos: int) -> tuple[int, int] | None:
-        """The (start, stop) of the document holding ``pos`` (None: padding)."""
-        if self.documents is None:
-            return (0, INF)  # type: ignore[return-value]
-        i = bisect_right(self.documents, (pos, INF)) - 1
-        if i >= 0 and self.documents[i][0] <= pos < self.documents[i][1]:
-            return self.documents[i]
-        return None
+    def parts(self, doc_len, lo, hi):
+        return ((lo, hi, 0, 0),)  # one group, one part: the document
 
-    def key_intervals(self, i: int, seq_len: int) -> tuple[tuple[int, int], ...]:
-        """The keys query ``i`` may attend, as sorted disjoint [lo, hi) intervals (empty: none).
-        A document and a window make this one interval; exact cover is checked against the
-        intervals, so a mask kind with holes fits the same check."""
-        doc = self.document(i)
-        if doc is None:
-            return ()
-        lo_d, hi_d = self.band()
-        lo = max(doc[0], 0, i - hi_d)
-        hi = min(doc[1], seq_len, i - lo_d + 1)
-        return ((int(lo), int(hi)),) if lo < hi else ()
+    def pair_band(self, qpart: int, kpart: int) -> tuple[float, float]:
+        return self.band()
 
-    def allows(self, i: int, j: int) -> bool:
-        """The rule for one pair: query ``i`` attends key ``j``."""
-        doc = self.document(i)
-        if doc is None or not doc[0] <= j < doc[1]:
-            return False
+    def reach(self, doc_len, rel):
         lo, hi = self.band()
-        return lo <= i - j <= hi
+        return rel - hi, rel - lo + 1
 
-    def allowed(self, q_pos, k_pos):
-        """The rule, vectorised: [len(q_pos), len(k_pos)] booleans, entry (a, b) = query
-        ``q_pos[a]`` attends key ``k_pos[b]``. ``q_pos`` / ``k_pos`` are 1-D integer arrays of any
-        array library with broadcasting arithmetic and comparisons (torch tensors, numpy arrays):
-        this module stays free of both. Agrees with :meth:`allows` on every pair (tested); the
-        runtime's masked kernel calls and the dense reference are built from it."""
-        d = q_pos[:, None] - k_pos[None, :]
-        lo, hi = self.band()
-        ok = (d >= lo) & (d <= hi)
-        if self.documents is not None:
-            qd, kd = self._document_ids(q_pos), self._document_ids(k_pos)
-            ok = ok & (qd[:, None] == kd[None, :]) & (qd[:, None] >= 0)
-        return ok
-
-    def _document_ids(self, pos):
-        """Per position, the index of its document, -1 for padding (array arithmetic only: the
-        documents the positions' range overlaps, found by bisection, each add their id)."""
-        first = bisect_right(self._stops, int(pos.min())) if len(pos) else 0
-        last = bisect_left(self._starts, int(pos.max()) + 1) if len(pos) else 0
-        ids = pos * 0 - 1
-        for i in range(first, last):
-            a, b = self.documents[i]
-            ids = ids + ((pos >= a) & (pos < b)) * (i + 1)
-        return ids
-
-    @property
-    def _starts(self) -> list[int]:
-        return _bounds(self)[0]
-
-    @property
-    def _stops(self) -> list[int]:
-        return _bounds(self)[1]
+    def span_work(self, a: int, b: int, doc_len: int) -> int:
+        from .docwork import document_work
+        return document_work(a, b, doc_len, self.causal, self.window)
 
     # -- text --------------------------------------------------------------------------------------
-    def text(self) -> str:
-        """Compact text, e.g. ``causal``, ``full``, ``causal,window=128:0,docs=0:6:16``."""
+    def head_text(self) -> str:
+        """``causal`` / ``full``, then the window if one bites, e.g. ``causal,window=128:0``."""
         parts = ["causal" if self.causal else "full"]
         if self.window != (None, 0 if self.causal else None):
             l, r = self.window
             parts.append(f"window={'-' if l is None else l}:{'-' if r is None else r}")
-        if self.documents is not None:
-            parts.append("docs=" + ";".join(f"{a}:{b}" for a, b in self.documents))
         return ",".join(parts)
 
-    def summary(self) -> str:
-        """Short human text: the text form, with documents counted instead of listed."""
-        if self.documents is None or len(self.documents) <= 4:
-            return self.text()
-        lens = [b - a for a, b in self.documents]
-        head = Mask(self.causal, self.window).text()
-        return f"{head},{len(lens)} documents of {min(lens)}-{max(lens)} (mean {sum(lens) / len(lens):.0f}) tokens"
-
     @classmethod
-    def from_text(cls, text: str) -> "Mask":
-        parts = text.split(",")
-        if parts[0] not in ("causal", "full"):
-            raise ValueError(f"mask text {text!r} must start with 'causal' or 'full'")
-        causal, window, docs = parts[0] == "causal", None, None
+    def from_head(cls, head: str, documents) -> "Mask":
+        parts = head.split(",")
+        causal, window = parts[0] == "causal", None
         for p in parts[1:]:
             name, _, val = p.partition("=")
-            if name == "window":
-                l, r = val.split(":")
-                window = (None if l == "-" else int(l), None if r == "-" else int(r))
-            elif name == "docs":
-                docs = tuple(tuple(int(x) for x in d.split(":")) for d in val.split(";"))
-            else:
-                raise ValueError(f"unknown mask field {name!r} in {text!r}")
-        return cls(causal, window, docs)
+            if name != "window":
+                raise ValueError(f"unknown mask field {name!r} in {head!r}")
+            l, r = val.split(":")
+            window = (None if l == "-" else int(l), None if r == "-" else int(r))
+        return cls(causal, window, documents)
+
+    @staticmethod
+    def from_text(text: str) -> MaskKind:
+        """Any registered kind's mask from its :meth:`~.maskkinds.MaskKind.text`."""
+        return mask_from_text(text)
+
+
+def documents_of(cu_seqlens, seq_len: int) -> tuple[tuple[int, int], ...]:
+    """The (start, stop) documents of boundaries ``cu_seqlens`` (0 = c0 < ... < cn = seq_len)."""
+    cu = [int(c) for c in cu_seqlens]
+    if len(cu) < 2 or cu[0] != 0 or cu[-1] != seq_len or any(b <= a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must be strictly increasing from 0 to the global sequence length "
+                         f"{seq_len}, got {cu_seqlens!r}")
+    return tuple(zip(cu, cu[1:]))
 
 
 CAUSAL = Mask(True)
@@ -314,55 +241,6 @@ class BlockClass(NamedTuple):
     pairs: int
 
 
-def split_by_document(runs, mask: Mask) -> list[tuple[int, int, int, int]]:
-    """(local offset, global start, length, document index) of layout runs (local offset, global
-    start, length) cut at document edges; padding (no document) is left out. Without documents
-    every run is document 0."""
-    out = []
-    docs = mask.documents
-    starts = _bounds(mask)[0] if docs is not None else None
-    for local, start, length in runs:
-        pos, end = start, start + length
-        while pos < end:
-            if docs is None:
-                out.append((local + pos - start, pos, end - pos, 0))
-                break
-            i = bisect_right(starts, pos) - 1
-            if i >= 0 and pos < docs[i][1]:
-                stop = min(end, docs[i][1])
-                out.append((local + pos - start, pos, stop - pos, i))
-            else:  # padding up to the next document
-                stop = min(end, docs[i + 1][0]) if i + 1 < len(docs) else end
-            pos = stop
-    return out
-
-
-def _split(runs, mask: Mask) -> list[tuple[int, int, int, object]]:
-    """(local offset, global start, length, document) sub-runs of position runs cut at document
-    boundaries; ``runs`` are (start, length) in buffer order; padding sub-runs have document None."""
-    out = []
-    local = 0
-    docs = mask.documents
-    for start, length in runs:
-        pos, end = start, start + length
-        while pos < end:
-            if docs is None:
-                out.append((local, pos, end - pos, 0))
-                local += end - pos
-                break
-            i = bisect_right(docs, (pos, INF)) - 1
-            if i >= 0 and docs[i][0] <= pos < docs[i][1]:
-                stop = min(end, docs[i][1])
-                doc = i
-            else:  # padding up to the next document
-                nxt = docs[i + 1][0] if i + 1 < len(docs) else end
-                stop, doc = min(end, nxt), None
-            out.append((local, pos, stop - pos, doc))
-            local += stop - pos
-            pos = stop
-    return out
-
-
 @lru_cache(maxsize=65536)
 def classify_block(mask: Mask, q_runs: tuple, kv_runs: tuple) -> BlockClass | None:
     """The part of block (query tokens ``q_runs`` x key tokens ``kv_runs[i]`` of the i-th key/value
@@ -373,28 +251,30 @@ def classify_block(mask: Mask, q_runs: tuple, kv_runs: tuple) -> BlockClass | No
     when every remaining pair is allowed, "causal" when the remaining query and key tokens are
     the same positions in increasing order inside one document and the band does not cut within
     them (top-left causal on the block), else "masked" (the kernel masks by position)."""
-    lo, hi = mask.band()
-    qs = _split(q_runs, mask)
-    kvs = [_split(r, mask) for r in kv_runs]
+    qs = mask.split(q_runs)
+    kvs = [mask.split(r) for r in kv_runs]
     rows: list[tuple[int, int]] = []
     cols: list[list[tuple[int, int]]] = [[] for _ in kvs]
     pairs = 0
     kinds = set()
-    by_doc: list[dict] = []  # per key/value buffer: document -> its sub-runs (pairs of one document only)
+    causal_only = True  # every pair kept lies on or below the diagonal (i >= j)
+    by_group: list[dict] = []  # per key/value buffer: group -> its pieces (pairs of one group only)
     for ks in kvs:
         d: dict = {}
         for run in ks:
             d.setdefault(run[3], []).append(run)
-        by_doc.append(d)
-    for ql, qa, n, qd in qs:
-        if qd is None:
+        by_group.append(d)
+    for ql, qa, n, qg, qp in qs:
+        if qg is None:
             continue
-        for b, ks in enumerate(by_doc):
-            for kl, ka, m, kd in ks.get(qd, ()):
+        for b, ks in enumerate(by_group):
+            for kl, ka, m, _, kp in ks.get(qg, ()):
+                lo, hi = mask.pair_band(qp, kp)
                 kind = band_relation(qa, n, ka, m, lo, hi)
                 if kind == "none":
                     continue
                 kinds.add(kind)
+                causal_only &= lo >= 0
                 if kind == "all":
                     rows.append((ql, ql + n))
                     cols[b].append((kl, kl + m))
@@ -412,18 +292,18 @@ def classify_block(mask: Mask, q_runs: tuple, kv_runs: tuple) -> BlockClass | No
         return None
     row_sel = union_intervals(rows)
     col_sels = tuple(union_intervals(c) for c in cols)
-    kind = _kernel_kind(mask, kinds, qs, kvs, row_sel, col_sels, pairs)
+    kind = _kernel_kind(causal_only, kinds, qs, kvs, row_sel, col_sels, pairs)
     return BlockClass(kind, row_sel, col_sels, pairs)
 
 
 def _positions(subruns, sel: tuple[Segment, ...]) -> list[tuple[int, int, object]]:
-    """(global start, length, doc) runs of the selected local tokens of a split buffer (sub-runs
+    """(global start, length, group) runs of the selected local tokens of a split buffer (pieces
     in local order: a bisection finds a segment's first one)."""
     out = []
     offsets = [local for local, *_ in subruns]
     for s in sel:
         for n in range(first_at(offsets, s.start), len(subruns)):
-            local, start, length, doc = subruns[n]
+            local, start, length, doc, _ = subruns[n]
             if local >= s.stop:
                 break
             a, b = max(s.start, local), min(s.stop, local + length)
@@ -432,23 +312,21 @@ def _positions(subruns, sel: tuple[Segment, ...]) -> list[tuple[int, int, object
     return out
 
 
-def _kernel_kind(mask: Mask, kinds: set, qs, kvs, rows, cols, pairs: int) -> str:
+def _kernel_kind(causal_only: bool, kinds: set, qs, kvs, rows, cols, pairs: int) -> str:
     nrows = sum(s.stop - s.start for s in rows)
     ncols = sum(s.stop - s.start for sel in cols for s in sel)
     if kinds == {"all"} and pairs == nrows * ncols:
         return BlockKind.FULL
-    # causal: the kept query and key tokens are the same positions, increasing, in one document,
-    # and every i >= j among them is allowed (the band's upper edge does not cut inside)
+    # causal: the kept query and key tokens are the same positions, increasing, in one group, every
+    # kept pair has i >= j and there are n (n + 1) / 2 of them: so every i >= j is allowed
     used = [b for b, sel in enumerate(cols) if sel]
-    if mask.causal and len(used) == 1 and nrows == ncols:
+    if causal_only and len(used) == 1 and nrows == ncols:
         qp = _positions(qs, rows)
         kp = _positions(kvs[used[0]], cols[used[0]])
         flat_q = [(s, l) for s, l, _ in qp]
         if merge_runs(flat_q) == merge_runs([(s, l) for s, l, _ in kp]) and len({d for *_, d in qp}) == 1:
             increasing = all(a[0] + a[1] <= b[0] for a, b in zip(flat_q, flat_q[1:]))
-            span = flat_q[-1][0] + flat_q[-1][1] - 1 - flat_q[0][0]
-            _, hi = mask.band()
-            if increasing and hi >= span and pairs == nrows * (nrows + 1) // 2:
+            if increasing and pairs == nrows * (nrows + 1) // 2:
                 return BlockKind.CAUSAL
     return BlockKind.MASKED
 
