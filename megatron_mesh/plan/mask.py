@@ -38,7 +38,9 @@ from enum import StrEnum
 from functools import lru_cache
 from typing import NamedTuple
 
-from .maskkinds import INF, MaskKind, check_documents, mask_from_text, register_mask_kind
+from .maskkinds import INF, MaskKind
+from .maskkinds.band import Mask, documents_of
+from .maskkinds.pairs import band_pairs, band_relation
 from .sel import Segment, first_at, merge_runs, union_intervals
 
 __all__ = ["Mask", "BlockKind", "BlockClass", "classify_block", "band_relation", "band_pairs", "CAUSAL", "FULL",
@@ -55,123 +57,6 @@ class BlockKind(StrEnum):
     MASKED = "masked"  # the plan's Mask, applied to the tokens' global positions
 
 
-@register_mask_kind("causal", "full")
-@dataclass(frozen=True)
-class Mask(MaskKind):
-    """The band kind (see the module docstring): causal or full attention with an optional
-    sliding window, inside ``documents`` (sorted, disjoint (start, stop) intervals of global
-    positions; None: the whole sequence is one document); ``window``: (left, right), each an int
-    >= 0 or None (unlimited). The other kinds: :mod:`.maskkinds`."""
-
-    causal: bool = True
-    window: tuple = (None, None)
-    documents: tuple | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.causal, bool):
-            raise ValueError(f"causal must be True or False, got {self.causal!r}")
-        w = self.window
-        if w is None:
-            object.__setattr__(self, "window", (None, None))
-            w = self.window
-        if not isinstance(w, tuple) or len(w) != 2:
-            raise ValueError(f"window must be (left, right) with ints >= 0 or None, got {w!r}")
-        for side, v in zip(("left", "right"), w):
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-                raise ValueError(f"window {side} must be an int >= 0 or None (unlimited), got {v!r}")
-        if self.causal and w[1] not in (None, 0):
-            raise ValueError(f"window right {w[1]} > 0 with causal attention: a causal query never sees a later "
-                             "key, so right must be 0 or None")
-        if self.causal and w[1] is None:
-            object.__setattr__(self, "window", (w[0], 0))
-        object.__setattr__(self, "documents", check_documents(self.documents))
-
-    # -- construction ----------------------------------------------------------------------------
-    @classmethod
-    def from_cu_seqlens(cls, cu_seqlens, seq_len: int, causal: bool = True, window=None) -> "Mask":
-        """Documents of a packed sequence of ``seq_len`` tokens from their boundaries
-        (``cu_seqlens``: 0 = c0 < c1 < ... < cn = seq_len; Megatron's global zigzag layout)."""
-        return cls(causal, window, documents_of(cu_seqlens, seq_len)).normalized(seq_len)
-
-    def normalized(self, seq_len: int) -> "Mask":
-        """The same mask in its simplest form over a sequence of ``seq_len`` tokens: one document
-        covering everything is no document; a window that cannot bite is no window."""
-        docs = self.documents
-        if docs is not None and docs == ((0, seq_len),):
-            docs = None
-        left, right = self.window
-        longest = seq_len if docs is None else max((b - a for a, b in docs), default=0)
-        if left is not None and left >= longest - 1:
-            left = None
-        if right is not None and not self.causal and right >= longest - 1:
-            right = None
-        if self.causal:
-            right = 0
-        return Mask(self.causal, (left, right), docs)
-
-    @property
-    def is_dense(self) -> bool:
-        """Plain causal or full attention (no documents, no window): the zigzag rule applies."""
-        return self.documents is None and self.window[0] is None and (self.causal or self.window[1] is None)
-
-    # -- the rule ----------------------------------------------------------------------------------
-    def band(self) -> tuple[float, float]:
-        """Allowed range of i - j inside one document: [lo, hi]."""
-        left, right = self.window
-        lo = 0 if self.causal else (-right if right is not None else -INF)
-        hi = left if left is not None else INF
-        return lo, hi
-
-    def parts(self, doc_len, lo, hi):
-        return ((lo, hi, 0, 0),)  # one group, one part: the document
-
-    def pair_band(self, qpart: int, kpart: int) -> tuple[float, float]:
-        return self.band()
-
-    def reach(self, doc_len, rel):
-        lo, hi = self.band()
-        return rel - hi, rel - lo + 1
-
-    def span_work(self, a: int, b: int, doc_len: int) -> int:
-        from .docwork import document_work
-        return document_work(a, b, doc_len, self.causal, self.window)
-
-    # -- text --------------------------------------------------------------------------------------
-    def head_text(self) -> str:
-        """``causal`` / ``full``, then the window if one bites, e.g. ``causal,window=128:0``."""
-        parts = ["causal" if self.causal else "full"]
-        if self.window != (None, 0 if self.causal else None):
-            l, r = self.window
-            parts.append(f"window={'-' if l is None else l}:{'-' if r is None else r}")
-        return ",".join(parts)
-
-    @classmethod
-    def from_head(cls, head: str, documents) -> "Mask":
-        parts = head.split(",")
-        causal, window = parts[0] == "causal", None
-        for p in parts[1:]:
-            name, _, val = p.partition("=")
-            if name != "window":
-                raise ValueError(f"unknown mask field {name!r} in {head!r}")
-            l, r = val.split(":")
-            window = (None if l == "-" else int(l), None if r == "-" else int(r))
-        return cls(causal, window, documents)
-
-    @staticmethod
-    def from_text(text: str) -> MaskKind:
-        """Any registered kind's mask from its :meth:`~.maskkinds.MaskKind.text`."""
-        return mask_from_text(text)
-
-
-def documents_of(cu_seqlens, seq_len: int) -> tuple[tuple[int, int], ...]:
-    """The (start, stop) documents of boundaries ``cu_seqlens`` (0 = c0 < ... < cn = seq_len)."""
-    cu = [int(c) for c in cu_seqlens]
-    if len(cu) < 2 or cu[0] != 0 or cu[-1] != seq_len or any(b <= a for a, b in zip(cu, cu[1:])):
-        raise ValueError(f"cu_seqlens must be strictly increasing from 0 to the global sequence length "
-                         f"{seq_len}, got {cu_seqlens!r}")
-    return tuple(zip(cu, cu[1:]))
-
-
 CAUSAL = Mask(True)
 FULL = Mask(False)
 
@@ -180,53 +65,6 @@ FULL = Mask(False)
 def _bounds(mask: Mask) -> tuple[list[int], list[int]]:
     """The documents' starts and stops as plain lists (bisection over them)."""
     return [a for a, _ in mask.documents], [b for _, b in mask.documents]
-
-
-# -- pairs of runs --------------------------------------------------------------------------------
-def band_relation(qa: int, n: int, ka: int, m: int, lo: float, hi: float) -> str:
-    """Which pairs of queries [qa, qa+n) x keys [ka, ka+m) (one document) the band
-    lo <= i - j <= hi keeps: "none", "all" or "some" (decided from the corners)."""
-    dmin, dmax = qa - (ka + m - 1), qa + n - 1 - ka
-    if dmax < lo or dmin > hi or lo > hi:
-        return "none"
-    if dmin >= lo and dmax <= hi:
-        return "all"
-    return "some"
-
-
-def band_pairs(qa: int, n: int, ka: int, m: int, lo: float, hi: float) -> int:
-    """How many (i, j) with i in [qa, qa+n), j in [ka, ka+m) have lo <= i - j <= hi.
-
-    Closed form: query x sees keys [A(x), B(x)] with A = max(ka, x - hi), B = min(ka + m - 1,
-    x - lo); the count B - A + 1 (clamped at 0) is linear with slope -1, 0 or 1 between the
-    points where A or B switch sides, so each part is an arithmetic series."""
-    if n <= 0 or m <= 0:
-        return 0
-    big = 4 * (n + m + abs(qa - ka)) + 4  # a band edge beyond this never binds
-    lo_i = -big if lo == -INF else max(-big, min(big, int(lo)))
-    hi_i = big if hi == INF else max(-big, min(big, int(hi)))
-
-    def f(x: int) -> int:
-        return min(ka + m - 1, x - lo_i) - max(ka, x - hi_i) + 1
-
-    cuts = sorted({qa, qa + n} | {c for c in (ka + hi_i, ka + m - 1 + lo_i) if qa < c < qa + n})
-    total = 0
-    for x0, x1 in zip(cuts, cuts[1:]):
-        f0, last = f(x0), x1 - 1
-        slope = f(last) - f0 if last > x0 else 0
-        slope = (slope > 0) - (slope < 0)
-        if slope == 0:
-            total += (x1 - x0) * max(0, f0)
-            continue
-        if slope > 0:  # positive from x0 + max(0, 1 - f0) on
-            a = x0 + max(0, 1 - f0)
-            b = last
-        else:  # positive up to x0 + f0 - 1
-            a = x0
-            b = min(last, x0 + f0 - 1)
-        if a <= b:
-            total += (f(a) + f(b)) * (b - a + 1) // 2
-    return total
 
 
 # -- blocks ----------------------------------------------------------------------------------------

@@ -9,37 +9,26 @@ from plan text.
 
 from __future__ import annotations
 
-from .base import INF, MaskKind, cached_hash, check_documents, reduce_mask
+from .base import INF, MaskKind, check_documents
+from .registry import MASK_KINDS, mask_from_text, register_mask_kind
+from .band import Mask
+from .chunked import Chunked
+from .prefix import Prefix
 
-__all__ = ["MaskKind", "MASK_KINDS", "register_mask_kind", "mask_from_text", "INF", "check_documents"]
-
-MASK_KINDS: dict[str, type] = {}
-
-
-def register_mask_kind(*words: str):
-    """Class decorator: register a mask kind under the first word(s) of its text form (the text up
-    to the first ',' or '='), give it the cached hash and a pickle form without it."""
-    def wrap(cls):
-        if not issubclass(cls, MaskKind):
-            raise TypeError(f"{cls.__name__} must subclass megatron_mesh.plan.maskkinds.MaskKind")
-        for w in words or (cls.kind,):
-            if w in MASK_KINDS and MASK_KINDS[w] is not cls:
-                raise ValueError(f"mask kind {w!r} is registered already ({MASK_KINDS[w].__name__})")
-            MASK_KINDS[w] = cls
-        cls.__hash__ = cached_hash
-        cls.__reduce__ = reduce_mask
-        return cls
-    return wrap
+__all__ = ["MaskKind", "MASK_KINDS", "register_mask_kind", "mask_from_text", "INF", "check_documents", "Mask",
+           "Chunked", "Prefix", "work_mask"]
 
 
-def mask_from_text(text: str) -> MaskKind:
-    """The mask of :meth:`MaskKind.text` ``text``; ValueError names an unknown kind."""
-    head, sep, docs = text.partition(",docs=")
-    if sep and "," in docs:
-        raise ValueError(f"mask text {text!r}: the documents come last")
-    word = head.split(",")[0].split("=")[0]
-    cls = MASK_KINDS.get(word)
-    if cls is None:
-        raise ValueError(f"mask text {text!r}: unknown mask kind {word!r}; known: {', '.join(sorted(MASK_KINDS))}")
-    documents = tuple(tuple(int(x) for x in d.split(":")) for d in docs.split(";")) if sep else None
-    return cls.from_head(head, documents)
+def work_mask(mask, causal: bool = True, window=None, documents=None) -> MaskKind:
+    """The mask whose work a layout balances: ``mask`` (any kind; its documents, if any, must be
+    ``documents``) or the band of ``causal`` / ``window`` (the loose arguments; not both)."""
+    if mask is None:
+        return Mask(causal, tuple(window) if isinstance(window, list) else window)
+    if not isinstance(mask, MaskKind):
+        raise ValueError(f"mask must be a mask (megatron_mesh.masks), got {mask!r}")
+    if causal is not True or window is not None:
+        raise ValueError(f"pass mask= or causal/window, not both: got mask {mask.text()!r} and causal={causal!r}, "
+                         f"window={window!r}")
+    if mask.documents is not None and documents is not None and tuple(mask.documents) != tuple(documents):
+        raise ValueError(f"the mask's documents {mask.summary()!r} are not the layout's documents")
+    return mask.without_documents()
