@@ -158,13 +158,10 @@ class _Blocks:
     def __init__(self, P: int, mask: Mask, layout: Layout, own_call_tokens: int):
         self.P, self.mask, self.layout, self.own_call_tokens = P, mask, layout, own_call_tokens
         self.band = mask.pair_band
-        # group (a document, or the mask kind's sub-document) -> rank -> its pieces (local, start, n, part)
-        self.holders: dict[int, dict[int, list]] = {}
-        self.docs_of: list[list[int]] = [[] for _ in range(P)]  # rank -> groups it holds
+        self.holders: dict[int, dict[int, list]] = {}  # group -> rank -> its pieces (local, start, n, part)
+        self.docs_of: list[list[int]] = [[] for _ in range(P)]  # rank -> groups (documents, chunks) it holds
         for g in range(P):
-            for local, start, n, doc, part in _pieces(mask, layout.runs(g)):
-                if doc is None:  # padding attends nothing
-                    continue
+            for local, start, n, doc, part in mask.split_layout(layout.runs(g)):
                 holders = self.holders.setdefault(doc, {})
                 if g not in holders:
                     holders[g] = []
@@ -221,14 +218,6 @@ class _Blocks:
         return out
 
 
-def _pieces(mask: Mask, runs) -> list[tuple[int, int, int, int | None, int]]:
-    """A rank's layout runs (local, start, n) as the mask's pieces (local, start, n, group, part)."""
-    out = []
-    for local, start, n in runs:
-        out += [(local + off, a, m, g, part) for off, a, m, g, part in mask.split(((start, n),))]
-    return out
-
-
 def _join(parts: tuple[BlockClass, ...], mask: Mask, layout: Layout, ij: tuple[int, int]) -> BlockClass:
     """The whole block of its parts: rows and columns united, pairs summed, one kind for all."""
     if len(parts) == 1:
@@ -269,7 +258,6 @@ class _BlockSum:
             e.cols += x.cols
             e.pairs += x.pairs
             e.relations |= x.relations
-            e.causal_only &= x.causal_only
         e.rows_sorted = e.cols_sorted = False
         e.documents = len(sums)
         return e

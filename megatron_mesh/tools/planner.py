@@ -38,11 +38,13 @@ from functools import partial
 
 from ..plan.accounting import owner_work, rank_work
 from ..plan.autotile import TIE_RULE, TIME_TOLERANCE, Candidate, evaluate_plan, pick_best
-from ..plan.balance import balanced_layout, document_work
+from ..plan.balance import balanced_layout
 from ..plan.costs import pair_flops
 from ..plan.hybrid import build_hybrid_plan
 from ..plan.layout import ThdLayout
-from ..plan.mask import Mask
+from ..plan.mask import Mask, documents_of
+from ..plan.maskkinds import work_mask
+from .mask_spec import layouts_head
 from ..plan.mesh import build_mesh_plan, build_rotation_plan
 from ..plan.modes import MODES as REGISTRY, Placement
 from ..plan.modes.hybrid import HybridMode
@@ -531,10 +533,11 @@ def thd_layout(cu_seqlens, world_size: int) -> ThdLayout:
     return ThdLayout(world_size, tuple(padded), tuple(lens))
 
 
-def allowed_pairs(cu_seqlens, causal: bool = True, window=None) -> int:
-    """(query, key) pairs the mask of these documents allows (the whole sequence's work)."""
-    w = (None, 0 if causal else None) if window is None else (window[0], 0 if causal else window[1])
-    return sum(document_work(0, b - a, b - a, causal, w) for a, b in zip(cu_seqlens, cu_seqlens[1:]))
+def allowed_pairs(cu_seqlens, causal: bool = True, window=None, mask=None) -> int:
+    """(query, key) pairs the mask of these documents allows (the whole sequence's work): ``mask``
+    (any kind) or the band of ``causal`` / ``window``."""
+    head = work_mask(mask, causal, None if window is None else (window[0], 0 if causal else window[1]))
+    return sum(head.span_work(0, b - a, b - a) for a, b in zip(cu_seqlens, cu_seqlens[1:]))
 
 
 def compute_floor(pairs: int, world_size: int, shape: AttentionShape, topo: Topology) -> float:
@@ -585,29 +588,30 @@ def layout_rows(world_size: int, shape: AttentionShape, topo: Topology, cu_seqle
                 window=None, modes=None, layouts=LAYOUTS, backward_chunks: str = "auto",
                 schedule: str = "greedy", explain: bool = False,
                 plan_thd: bool | None = None, jobs: int = 1,
-                executor: Executor | None = None) -> tuple[list[ModeResult], list[dict]]:
+                executor: Executor | None = None, kind=None) -> tuple[list[ModeResult], list[dict]]:
     """Every mode of ``modes`` on each of ``layouts`` for these packed documents: Megatron's zigzag,
     Transformer Engine's THD (each document padded to 2 * CP; our modes on it, and TE's own p2p and
     a2a+p2p as it runs them: :data:`TE_ROWS`) and the balanced layout (nodes first when the group
     spans nodes; per Ulysses group for the hybrids). Rows carry their ``layout``; the THD rows'
     shape is the padded one. ``plan_thd``: plan the plugin's modes on THD (None: up to :data:`THD_PLAN_RANKS` ranks; above, they are
     listed as skipped, with the reason, and TE's own rows are priced). ``jobs``: processes that plan
-    and simulate the placements of every layout in parallel, or ``executor`` (:func:`evaluate`)."""
-    jobs = check_jobs(jobs)
+    and simulate the placements of every layout in parallel, or ``executor`` (:func:`evaluate`). ``kind``:
+    a mask kind instead of ``causal`` / ``window`` (:func:`~.mask_spec.layouts_head`)."""
+    jobs, (head, layouts) = check_jobs(jobs), layouts_head(kind, causal, window, layouts, AUTO_LAYOUT)
     with nullcontext(executor) if executor is not None else worker_pool(jobs) as pool:
-        return _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, modes, layouts, backward_chunks,
-                            schedule, explain, plan_thd, pool)
+        return _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, head, modes, layouts,
+                            backward_chunks, schedule, explain, plan_thd, pool)
 
 
-def _balanced_for(cu, world_size: int, causal: bool, window, hide: bool, ranks_per_node, p: Placement):
+def _balanced_for(cu, world_size: int, head, hide: bool, ranks_per_node, p: Placement):
     """The balanced layout a placement runs on (per its Ulysses group): a module-level function, so
     that a worker process can be sent it."""
     # "balanced-hide" is the balanced layout for the plain modes (no Ulysses groups to hide in)
-    return balanced_layout(cu, world_size, causal=causal, window=window, group=p.ulysses,
+    return balanced_layout(cu, world_size, mask=head, group=p.ulysses,
                            hide=hide and p.ulysses > 1, ranks_per_node=ranks_per_node)
 
 
-def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, modes, layouts, backward_chunks, schedule,
+def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, head, modes, layouts, backward_chunks, schedule,
                  explain, plan_thd, executor) -> tuple[list[ModeResult], list[dict]]:
     unknown = [name for name in layouts if name not in LAYOUTS]
     if unknown:
@@ -625,14 +629,14 @@ def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, modes, lay
             continue
         if name == "zigzag":
             got, skip = evaluate(world_size, shape, topo, modes=modes, backward_chunks=backward_chunks,
-                                 schedule=schedule, mask=Mask.from_cu_seqlens(cu, S, causal, window), explain=explain,
+                                 schedule=schedule, mask=head.with_documents(documents_of(cu, S)).normalized(S), explain=explain,
                                  executor=executor)
         elif name in ("balanced", "balanced-hide"):
             hide = name == "balanced-hide"
             asked = _hybrid_modes(modes) if hide else modes  # hide changes only the Ulysses groups' layouts
             got, skip = evaluate(world_size, shape, topo, modes=asked, backward_chunks=backward_chunks,
-                                 schedule=schedule, mask=Mask(causal, window), explain=explain, executor=executor,
-                                 layout=partial(_balanced_for, cu, world_size, causal, window, hide,
+                                 schedule=schedule, mask=head, explain=explain, executor=executor,
+                                 layout=partial(_balanced_for, cu, world_size, head, hide,
                                                 _node_ranks(world_size, topo)))
             if hide:  # the fastest of the hybrids on it, then the rows asked for
                 pool = [r for r in got if r.mode in REGISTRY]
@@ -655,14 +659,16 @@ def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, modes, lay
                                  for m in modes]
             else:
                 got, skip = evaluate(world_size, padded, topo, modes=modes, backward_chunks=backward_chunks,
-                                     schedule=schedule, mask=Mask(causal, window), layout=thd, explain=explain,
+                                     schedule=schedule, mask=head, layout=thd, explain=explain,
                                      executor=executor)
-            got += _te_rows(world_size, padded, topo, Mask(causal, window), thd, skip)
+            got += _te_rows(world_size, padded, topo, head, thd, skip) if head.is_band else []
+            skip += [] if head.is_band else [{"mode": m, "reason": f"Transformer Engine has no {head.kind} mask"}
+                                             for m in TE_ROWS]
         rows += [replace(r, layout=name) for r in got]
         skipped += [{**s, "mode": f"{s['mode']} ({name})"} for s in skip]
     if AUTO_LAYOUT in layouts:
         missing = tuple(name for name in ("zigzag", "balanced") if name not in layouts)
-        both = rows + (_layout_rows(world_size, shape, topo, cu, causal, window, modes, missing, backward_chunks,
-                                    schedule, explain, plan_thd, executor)[0] if missing else [])
+        both = rows + (_layout_rows(world_size, shape, topo, cu, causal, window, head, modes, missing,
+                                    backward_chunks, schedule, explain, plan_thd, executor)[0] if missing else [])
         rows += auto_rows(both, cu, world_size, shape, topo, causal, window, _node_ranks(world_size, topo))
     return rows, skipped

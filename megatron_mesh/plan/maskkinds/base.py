@@ -166,6 +166,11 @@ class MaskKind:
             local += length
         return out
 
+    def split_layout(self, runs) -> list[tuple[int, int, int, int, int]]:
+        """A rank's layout runs (local, start, n) as :meth:`split`'s pieces, padding left out."""
+        return [(local + off, a, m, g, part) for local, start, n in runs
+                for off, a, m, g, part in self.split(((start, n),)) if g is not None]
+
     def allowed(self, q_pos, k_pos):
         """The rule, vectorised: [len(q_pos), len(k_pos)] booleans, entry (a, b) = query
         ``q_pos[a]`` attends key ``k_pos[b]``, for 1-D integer arrays of any library with
