@@ -268,6 +268,7 @@ PARTS = {
     "bytes": ("bytes_cases:measure_group", (2, 3, 4, 5, 6, 7, 8)),
     "gloo_outputs": ("cases:gloo_outputs", (4,)),
     "strides": ("mask_cases:strides_grid", (5, 6)),
+    "mask_kinds": ("mask_cases:kinds_grid", (3, 4, 8)),
 }
 # run after the phases on the whole default group (they make their own subgroups, and their hostile
 # API cases destroy and re-create the default group): name -> "module:function(rank, world)"

@@ -99,7 +99,7 @@ def attention_mask(world_size: int, shape: AttentionShape, *, causal: bool | Non
         loose = {k: v for k, v in (("causal", causal), ("window", window), ("cu_seqlens", cu_seqlens)) if v is not None}
         if loose:
             raise ValueError(f"pass mask= or the loose causal/window/cu_seqlens arguments, not both: got mask "
-                             f"{mask!r} and {', '.join(f'{k}={v!r}' for k, v in loose.items())}")
+                             f"{mask.summary() if isinstance(mask, MaskKind) else repr(mask)} and {', '.join(f'{k}={v!r}' for k, v in loose.items())}")
         if not isinstance(mask, MaskKind):
             raise ValueError(f"mask must be a mask of megatron_mesh.masks (e.g. masks.causal()), got {mask!r}")
     causal = True if causal is None else causal
