@@ -192,8 +192,7 @@ class _Blocks:
             for ql, qa, n, qp in self.holders[doc][i]:
                 q_end = qa + n - 1
                 for kl, ka, m, kp in k_runs:
-                    lo, hi = band(qp, kp)
-                    dmin, dmax = qa - ka - m + 1, q_end - ka  # band_relation, inlined: the hot loop
+                    (lo, hi), dmin, dmax = band(qp, kp), qa - ka - m + 1, q_end - ka  # band_relation, inlined: hot loop
                     if dmax < lo or dmin > hi or lo > hi:
                         continue
                     if e is None:
@@ -240,8 +239,7 @@ class _BlockSum:
     def __init__(self):
         self.rows: list[tuple[int, int]] = []
         self.cols: list[tuple[int, int]] = []
-        self.pairs, self.relations, self.documents = 0, set(), 1
-        self.causal_only = True  # every pair added lies on or below the diagonal (i >= j)
+        self.pairs, self.relations, self.documents, self.causal_only = 0, set(), 1, True
         self.rows_sorted = self.cols_sorted = True
 
     @property
@@ -264,7 +262,7 @@ class _BlockSum:
 
     def add(self, relation: str, ql: int, qa: int, n: int, kl: int, ka: int, m: int, lo: float, hi: float) -> None:
         self.relations.add(relation)
-        self.causal_only &= lo >= 0
+        self.causal_only &= lo >= 0  # every pair added on or below the diagonal (i >= j): a causal call can run it
         if relation == "all":
             r0, r1, c0, c1 = ql, ql + n, kl, kl + m
             self.pairs += n * m

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ..plan.maskkinds import Chunked, MaskKind, Prefix, work_mask
 
-__all__ = ["MASK_SPECS", "mask_kind", "check_mask_flags", "layouts_head"]
+__all__ = ["MASK_SPECS", "mask_kind", "cli_kind", "layouts_head", "no_te", "work_mask"]
 
 MASK_SPECS = {"chunked": Chunked, "prefix": Prefix}
 HELP = ("a mask kind instead of --no-causal / --window: chunked:SIZE (causal inside chunks of SIZE tokens, counted "
@@ -28,11 +28,19 @@ def mask_kind(spec: str | None) -> MaskKind | None:
         raise ValueError(f"--mask {spec!r}: {e}") from None
 
 
-def check_mask_flags(args) -> None:
-    """--mask replaces --no-causal and --window: refuse them together (one line)."""
+def cli_kind(args) -> MaskKind | None:
+    """The kind of the planner's --mask (None: none), which replaces --no-causal and --window:
+    given together, a ValueError (one line)."""
     if args.mask is not None and (args.window is not None or not args.causal):
         given = "--window" if args.window is not None else "--no-causal"
         raise ValueError(f"--mask {args.mask} replaces --no-causal and --window; leave {given} out")
+    return mask_kind(args.mask)
+
+
+def no_te(kind: MaskKind, te_rows, skipped: list) -> list:
+    """No Transformer Engine rows for ``kind`` (TE has no such mask): each said in ``skipped``."""
+    skipped += [{"mode": m, "reason": f"Transformer Engine has no {kind.kind} mask"} for m in te_rows]
+    return []
 
 
 def layouts_head(kind: MaskKind | None, causal: bool, window, layouts, auto: str) -> tuple[MaskKind, tuple]:

@@ -56,7 +56,7 @@ from ..plan.shape import AttentionShape
 from ..plan.simulate import BACKWARD_FLOPS
 from ..plan.topology import Topology
 from ..plan.units import format_bytes
-from .mask_spec import HELP as MASK_HELP, check_mask_flags, mask_kind
+from .mask_spec import HELP as MASK_HELP, cli_kind
 from .planner import (AUTO, FORMULAS, LAYOUTS, REGISTRY, ModeResult, all_modes, allowed_pairs, compute_floor,
                       default_modes, derived_modes, evaluate, layout_rows, mean_rows, worker_pool)
 
@@ -207,9 +207,8 @@ def window_of(text: str, causal: bool, full_flag: str = "--no-causal") -> tuple[
 
 
 def _mask(args, seed: int | None = None) -> Mask | None:
-    """The mask of --window / --docs drawn with ``seed`` (default --seed; None: plain causal or
-    full attention)."""
-    window, kind = None if args.window is None else window_of(args.window, args.causal), mask_kind(args.mask)
+    """The mask of --window / --mask / --docs drawn with ``seed`` (default --seed; None: none)."""
+    window, kind = None if args.window is None else window_of(args.window, args.causal), cli_kind(args)
     docs = None if args.docs is None else document_bounds(args.docs, args.seq_len, args.seed if seed is None else seed)
     if window is None and docs is None and kind is None:
         return None
@@ -593,8 +592,7 @@ def _plan_sample(args, modes, shape: AttentionShape, topo: Topology, mask: Mask 
     docs = None if args.docs is None else document_bounds(args.docs, args.seq_len, seed)
     # the mask's window, None for none: the layouts that place the documents take it apart from them
     window = None if mask is None or args.mask or mask.window == (None, 0 if args.causal else None) else mask.window
-    kind = mask_kind(args.mask)
-    head = Mask(args.causal, window) if kind is None else kind
+    head = (kind := cli_kind(args)) or Mask(args.causal, window)
     if layouts == ("zigzag",):
         rows, skipped = evaluate(args.cp, shape, topo, causal=args.causal, modes=modes,
                                  backward_chunks=args.backward_chunks, schedule=args.schedule, mask=mask,
@@ -706,7 +704,6 @@ def _main(args) -> int:
             raise ValueError(f"--jobs {args.jobs}: must be >= 0 (N processes; 0: one per CPU core)")
         shape = _shape(args, args.cp)
         topo = _topology(args, args.cp)
-        check_mask_flags(args)
         mask = _mask(args)
         seeds = _seeds(args)
         layouts = _layouts(args)

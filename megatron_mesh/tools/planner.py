@@ -43,8 +43,7 @@ from ..plan.costs import pair_flops
 from ..plan.hybrid import build_hybrid_plan
 from ..plan.layout import ThdLayout
 from ..plan.mask import Mask, documents_of
-from ..plan.maskkinds import work_mask
-from .mask_spec import layouts_head
+from .mask_spec import layouts_head, no_te, work_mask
 from ..plan.mesh import build_mesh_plan, build_rotation_plan
 from ..plan.modes import MODES as REGISTRY, Placement
 from ..plan.modes.hybrid import HybridMode
@@ -534,8 +533,7 @@ def thd_layout(cu_seqlens, world_size: int) -> ThdLayout:
 
 
 def allowed_pairs(cu_seqlens, causal: bool = True, window=None, mask=None) -> int:
-    """(query, key) pairs the mask of these documents allows (the whole sequence's work): ``mask``
-    (any kind) or the band of ``causal`` / ``window``."""
+    """(query, key) pairs the mask (``mask``, or causal / window) of these documents allows."""
     head = work_mask(mask, causal, None if window is None else (window[0], 0 if causal else window[1]))
     return sum(head.span_work(0, b - a, b - a) for a, b in zip(cu_seqlens, cu_seqlens[1:]))
 
@@ -595,8 +593,7 @@ def layout_rows(world_size: int, shape: AttentionShape, topo: Topology, cu_seqle
     spans nodes; per Ulysses group for the hybrids). Rows carry their ``layout``; the THD rows'
     shape is the padded one. ``plan_thd``: plan the plugin's modes on THD (None: up to :data:`THD_PLAN_RANKS` ranks; above, they are
     listed as skipped, with the reason, and TE's own rows are priced). ``jobs``: processes that plan
-    and simulate the placements of every layout in parallel, or ``executor`` (:func:`evaluate`). ``kind``:
-    a mask kind instead of ``causal`` / ``window`` (:func:`~.mask_spec.layouts_head`)."""
+    and simulate the placements of every layout in parallel, or ``executor`` (:func:`evaluate`); ``kind``: see layouts_head."""
     jobs, (head, layouts) = check_jobs(jobs), layouts_head(kind, causal, window, layouts, AUTO_LAYOUT)
     with nullcontext(executor) if executor is not None else worker_pool(jobs) as pool:
         return _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, head, modes, layouts,
@@ -629,8 +626,8 @@ def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, head, mode
             continue
         if name == "zigzag":
             got, skip = evaluate(world_size, shape, topo, modes=modes, backward_chunks=backward_chunks,
-                                 schedule=schedule, mask=head.with_documents(documents_of(cu, S)).normalized(S), explain=explain,
-                                 executor=executor)
+                                 schedule=schedule, mask=head.with_documents(documents_of(cu, S)).normalized(S),
+                                 explain=explain, executor=executor)
         elif name in ("balanced", "balanced-hide"):
             hide = name == "balanced-hide"
             asked = _hybrid_modes(modes) if hide else modes  # hide changes only the Ulysses groups' layouts
@@ -661,9 +658,7 @@ def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, head, mode
                 got, skip = evaluate(world_size, padded, topo, modes=modes, backward_chunks=backward_chunks,
                                      schedule=schedule, mask=head, layout=thd, explain=explain,
                                      executor=executor)
-            got += _te_rows(world_size, padded, topo, head, thd, skip) if head.is_band else []
-            skip += [] if head.is_band else [{"mode": m, "reason": f"Transformer Engine has no {head.kind} mask"}
-                                             for m in TE_ROWS]
+            got += _te_rows(world_size, padded, topo, head, thd, skip) if head.is_band else no_te(head, TE_ROWS, skip)
         rows += [replace(r, layout=name) for r in got]
         skipped += [{**s, "mode": f"{s['mode']} ({name})"} for s in skip]
     if AUTO_LAYOUT in layouts:

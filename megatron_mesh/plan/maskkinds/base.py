@@ -241,7 +241,8 @@ class MaskKind:
             return a.band_and(b).with_documents(docs)
         if b.is_band:
             a, b = b, a
-        supported = "supported: documents & any kind, causal/full/window & each other, full or causal & chunked, full & prefix"
+        supported = ("supported: documents & any kind, causal/full/window & each other, full or causal & chunked, "
+                     "full & prefix")
         if not a.is_band:
             raise ValueError(f"{a.head_text()} & {b.head_text()}: two mask kinds other than causal/full/window do "
                              f"not combine ({supported})")
