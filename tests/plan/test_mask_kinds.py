@@ -14,9 +14,10 @@ import pickle
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
+from helpers import assert_blocks_exact
 
 from megatron_mesh import masks
-from megatron_mesh.plan import MODES, AttentionShape, Mask, ZigzagLayout, classify_block, plan_bytes, resolve
+from megatron_mesh.plan import MODES, AttentionShape, Mask, ZigzagLayout, plan_bytes, resolve
 from megatron_mesh.plan.balance import balanced_layout
 from megatron_mesh.plan.docwork import max_work, zigzag_runs
 from megatron_mesh.plan.maskkinds import Chunked, MaskKind, Prefix, mask_from_text
@@ -79,21 +80,8 @@ def test_block_classification_is_exactly_the_mask(P, half, data):
     cuts = data.draw(st.lists(st.integers(1, S - 1), max_size=3)) if S > 1 else []
     kind = data.draw(st.sampled_from([Chunked(data.draw(st.integers(1, S))), Prefix(data.draw(st.integers(1, S)))]))
     cu = [0, *sorted(set(cuts)), S]
-    for name, layout in _layouts(P, S, cu, kind).items():
-        m = kind.with_documents(tuple(zip(cu, cu[1:])))
-        pos = [[a + t for _, a, n in layout.runs(r) for t in range(n)] for r in range(P)]
-        for i, j in itertools.product(range(P), repeat=2):
-            c = classify_block(m, tuple((a, n) for _, a, n in layout.runs(i)), (tuple((a, n) for _, a, n in layout.runs(j)),))
-            allowed = {(x, y) for x in pos[i] for y in pos[j] if m.allows(x, y)}
-            if c is None:
-                assert not allowed
-                continue
-            rows = [pos[i][t] for a, b in c.rows for t in range(a, b)]
-            cols = [pos[j][t] for a, b in c.cols[0] for t in range(a, b)]
-            computed = {(x, y) for x in rows for y in cols} if c.kind == "full" else \
-                {(x, y) for r, x in enumerate(rows) for y in cols[:r + 1]} if c.kind == "causal" else \
-                {(x, y) for x in rows for y in cols if m.allows(x, y)}
-            assert computed == allowed and c.pairs == len(allowed), (name, i, j, c, m)
+    for layout in _layouts(P, S, cu, kind).values():
+        assert_blocks_exact(kind.with_documents(tuple(zip(cu, cu[1:]))), layout)
 
 
 def _settings(mode: str, P: int) -> dict:
@@ -174,10 +162,10 @@ def test_text_hash_and_pickle_tell_kinds_and_sizes_apart():
 
 
 @pytest.mark.parametrize("make, match", [
-    (lambda: masks.chunked(0), r"chunk size must be an int > 0 \(tokens per chunk\), got 0"),
-    (lambda: masks.chunked(-3), r"chunk size must be an int > 0"),
+    (lambda: masks.chunked(0), r"chunk size \(tokens per chunk\) must be an int > 0, got 0"),
+    (lambda: masks.chunked(-3), r"chunk size \(tokens per chunk\) must be an int > 0, got -3"),
     (lambda: masks.chunked(2.5), r"chunk size must be an integer, got 2.5"),
-    (lambda: masks.prefix(-1), r"prefix length must be an int >= 0 .*got -1"),
+    (lambda: masks.prefix(-1), r"prefix length \(tokens per document attending both ways\) must be an int >= 0, got -1"),
     (lambda: masks.documents([0, 5, 5, 9]), r"cu_seqlens must be integers strictly increasing from 0"),
     (lambda: masks.causal() & masks.prefix(3), r"causal & prefix=3: causal would remove prefix's bidirectional"),
     (lambda: masks.window(8) & masks.chunked(4), r"causal,window=8:0 & chunked=4: a window with chunked"),
@@ -213,7 +201,7 @@ def test_the_planner_takes_mask_specs(capsys):
     out = capsys.readouterr().out
     assert "chunked=256" in out and "balanced  ring" in out and "zigzag    tasp" in out
     assert "te-p2p (thd), te-a2a+p2p (thd): Transformer Engine has no chunked mask" in out
-    for argv, match in [(["--mask", "chunked:0"], "chunk size must be an int > 0"),
+    for argv, match in [(["--mask", "chunked:0"], "chunk size (tokens per chunk) must be an int > 0"),
                         (["--mask", "sliding:4"], "must be one of chunked:N, prefix:N"),
                         (["--mask", "prefix:4", "--window", "8"], "replaces --no-causal and --window")]:
         assert main(argv) == 2  # one line, exit status 2

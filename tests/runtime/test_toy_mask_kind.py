@@ -29,7 +29,6 @@ class ToyPrefixLM(MaskKind):
 
     p: int
     documents: tuple | None = None
-    kind = "toy-prefix-lm"
 
     def parts(self, doc_len, lo, hi):
         cut = min(self.p, doc_len)

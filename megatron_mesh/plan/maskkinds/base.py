@@ -270,6 +270,20 @@ def reduce_mask(self):
     return (type(self), tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
 
 
+def int_head(head: str, name: str) -> int:
+    """The N of a kind's head text ``name=N`` (one int parameter), or a ValueError naming the form."""
+    word, _, value = head.partition("=")
+    if word != name or not value.isdigit():
+        raise ValueError(f"{name} mask text must be '{name}=N' (N an integer >= 0), got {head!r}")
+    return int(value)
+
+
+def check_count(value, least: int, what: str) -> None:
+    """A kind's size parameter: an int >= ``least`` (not a bool), or a ValueError naming it."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise ValueError(f"{what} must be an int {'> 0' if least == 1 else f'>= {least}'}, got {value!r}")
+
+
 def check_documents(documents) -> tuple | None:
     """``documents`` as sorted, disjoint, non-empty (start, stop) int pairs, or a ValueError."""
     if documents is None:

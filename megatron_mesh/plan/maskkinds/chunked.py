@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from .registry import register_mask_kind
 from .band import Mask
-from .base import INF, MaskKind, check_documents
+from .base import INF, MaskKind, check_count, check_documents, int_head
 
 __all__ = ["Chunked"]
 
@@ -28,12 +28,10 @@ class Chunked(MaskKind):
 
     size: int
     documents: tuple | None = None
-    kind = "chunked"
     causal = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size <= 0:
-            raise ValueError(f"chunked attention's chunk size must be an int > 0 (tokens per chunk), got {self.size!r}")
+        check_count(self.size, 1, "chunked attention's chunk size (tokens per chunk)")
         object.__setattr__(self, "documents", check_documents(self.documents))
 
     def parts(self, doc_len, lo, hi):
@@ -64,7 +62,4 @@ class Chunked(MaskKind):
 
     @classmethod
     def from_head(cls, head: str, documents) -> "Chunked":
-        name, _, size = head.partition("=")
-        if name != "chunked" or "," in size or not size.isdigit():
-            raise ValueError(f"chunked mask text must be 'chunked=SIZE', got {head!r}")
-        return cls(int(size), documents)
+        return cls(int_head(head, "chunked"), documents)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from .registry import register_mask_kind
 from .band import Mask
-from .base import INF, NONE_BAND, MaskKind, check_documents
+from .base import INF, NONE_BAND, MaskKind, check_count, check_documents, int_head
 
 __all__ = ["Prefix"]
 
@@ -30,12 +30,9 @@ class Prefix(MaskKind):
 
     length: int
     documents: tuple | None = None
-    kind = "prefix"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.length, int) or isinstance(self.length, bool) or self.length < 0:
-            raise ValueError(f"prefix length must be an int >= 0 (tokens per document attending both ways), "
-                             f"got {self.length!r}")
+        check_count(self.length, 0, "prefix length (tokens per document attending both ways)")
         object.__setattr__(self, "documents", check_documents(self.documents))
 
     def parts(self, doc_len, lo, hi):
@@ -72,7 +69,4 @@ class Prefix(MaskKind):
 
     @classmethod
     def from_head(cls, head: str, documents) -> "Prefix":
-        name, _, length = head.partition("=")
-        if name != "prefix" or "," in length or not length.isdigit():
-            raise ValueError(f"prefix mask text must be 'prefix=LENGTH', got {head!r}")
-        return cls(int(length), documents)
+        return cls(int_head(head, "prefix"), documents)

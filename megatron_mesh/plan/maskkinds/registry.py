@@ -11,7 +11,8 @@ MASK_KINDS: dict[str, type] = {}
 
 def register_mask_kind(*words: str):
     """Class decorator: register a mask kind under the first word(s) of its text form (the text up
-    to the first ',' or '='), give it the cached hash and a pickle form without it."""
+    to the first ',' or '='; the first is its ``kind``), give it the cached hash and a pickle form
+    without it."""
     def wrap(cls):
         if not issubclass(cls, MaskKind):
             raise TypeError(f"{cls.__name__} must subclass megatron_mesh.plan.maskkinds.MaskKind")
@@ -19,6 +20,7 @@ def register_mask_kind(*words: str):
             if w in MASK_KINDS and MASK_KINDS[w] is not cls:
                 raise ValueError(f"mask kind {w!r} is registered already ({MASK_KINDS[w].__name__})")
             MASK_KINDS[w] = cls
+        cls.kind = cls.kind or (words or ("",))[0]
         cls.__hash__ = cached_hash
         cls.__reduce__ = reduce_mask
         return cls
