@@ -1,22 +1,14 @@
-"""The attention mask, defined once: documents, causality and a sliding window over the global
-sequence -- and the classification of a block (some query tokens x some key tokens) under it.
+"""Blocks under a mask: the classification of a block (some query tokens x some key tokens), and
+how a masked block runs as kernel calls (mask pieces).
 
-A token of the global (unsharded) sequence has a position and belongs to at most one
-*document*. Query token i may attend key token j iff both are in the same document, j <= i when
-``causal``, and i - j <= left and j - i <= right for a window (left, right) (flash-attn /
-Megatron convention; None = unlimited). Dense causal attention is the special case "one
-document, no window". Tokens in no document (the padding of Transformer Engine's THD layout)
-attend nothing and are attended by nothing: their output is 0.
-
-The rule is :meth:`Mask.allows` (one pair) / :meth:`Mask.allowed` (vectorised over position
-arrays: the runtime's masked kernel calls and the dense reference are built from it). What the
-planner adds is an optimisation of the same rule: because a document is an interval and the
-window bounds i - j on both sides, the keys a query may attend form one interval
-(:meth:`Mask.key_intervals`) -- which is what makes blocks cheap to classify:
-cut the query and key tokens of a block into runs of consecutive positions inside one document;
-a pair of runs (q positions [qa, qa+n), k positions [ka, ka+m), same document) allows exactly
-the pairs with i - j in the band [lo, hi] (lo = 0 if causal else -right, hi = left), so the band keeps
-none, all or some of its pairs, decided from its corners (:func:`band_relation`).
+The mask itself is a *mask kind* (:mod:`.maskkinds`): :class:`Mask` -- documents, causality and a
+sliding window, re-exported here -- or chunked, prefix, or a kind registered elsewhere. Tokens in
+no document (the padding of Transformer Engine's THD layout) attend nothing and are attended by
+nothing: their output is 0. Every kind cuts a buffer's position runs into pieces (same group,
+same part: :meth:`~.maskkinds.MaskKind.split`); a pair of pieces of one group (q positions
+[qa, qa+n), k positions [ka, ka+m)) allows exactly the pairs with i - j in the pair's band
+[lo, hi] (the band mask: lo = 0 if causal else -right, hi = left), so it keeps none, all or some
+of its pairs, decided from its corners (:func:`band_relation`).
 
 Worked example (S = 16, documents [0, 6) and [6, 16), causal, window (3, None)); rank 1 of the
 zigzag over P = 4 holds positions [2, 3, 12, 13]::
