@@ -157,7 +157,7 @@ class _Blocks:
 
     def __init__(self, P: int, mask: Mask, layout: Layout, own_call_tokens: int):
         self.P, self.mask, self.layout, self.own_call_tokens = P, mask, layout, own_call_tokens
-        self.band = mask.pair_band
+        self.band, self.fixed = mask.pair_band, mask.band() if mask.is_band else None  # fixed: one band for all
         self.holders: dict[int, dict[int, list]] = {}  # group -> rank -> its pieces (local, start, n, part)
         self.docs_of: list[list[int]] = [[] for _ in range(P)]  # rank -> groups (documents, chunks) it holds
         for g in range(P):
@@ -182,7 +182,7 @@ class _Blocks:
         ij = (i, j)
         if ij in self._parts:
             return self._parts[ij]
-        band = self.band
+        band, fixed = self.band, self.fixed
         sums: list[_BlockSum] = []
         for doc in self.docs_of[i]:
             k_runs = self.holders[doc].get(j)
@@ -192,7 +192,7 @@ class _Blocks:
             for ql, qa, n, qp in self.holders[doc][i]:
                 q_end = qa + n - 1
                 for kl, ka, m, kp in k_runs:
-                    (lo, hi), dmin, dmax = band(qp, kp), qa - ka - m + 1, q_end - ka  # band_relation, inlined: hot loop
+                    (lo, hi), dmin, dmax = fixed or band(qp, kp), qa - ka - m + 1, q_end - ka  # band_relation, inlined
                     if dmax < lo or dmin > hi or lo > hi:
                         continue
                     if e is None:
