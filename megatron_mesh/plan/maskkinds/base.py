@@ -225,34 +225,39 @@ class MaskKind:
     is_band: ClassVar[bool] = False  # the band kind (causal / full / window) is the one that intersects
 
     def __and__(self, other: "MaskKind") -> "MaskKind":
-        """Supported (flex attention's ``and_masks`` on these): documents & any kind (the kind inside
-        each document; ``documents(cu)`` alone is full attention inside each); band & band (the
-        narrower band: ``causal() & window(64, 64)`` is ``window(64)``); full & any kind; causal &
-        a causal kind (chunked). Refused, naming both: two different sets of documents, a window with
-        another kind, causal & a kind with bidirectional pairs (prefix: it is causal after the prefix
-        already), two kinds other than the band (chunked & prefix)."""
-        if not isinstance(other, MaskKind):
-            raise ValueError(f"a mask combines with & only with another mask (megatron_mesh.masks), got {other!r}")
-        if self.documents is not None and other.documents is not None and self.documents != other.documents:
-            raise ValueError(f"{self.summary()} & {other.summary()}: two different sets of documents; pass them once")
-        docs = self.documents if self.documents is not None else other.documents
-        a, b = self.without_documents(), other.without_documents()
-        if a.is_band and b.is_band:
-            return a.band_and(b).with_documents(docs)
-        if b.is_band:
-            a, b = b, a
-        supported = ("supported: documents & any kind, causal/full/window & each other, full or causal & chunked, "
-                     "full & prefix")
-        if not a.is_band:
-            raise ValueError(f"{a.head_text()} & {b.head_text()}: two mask kinds other than causal/full/window do "
-                             f"not combine ({supported})")
-        if a.window[0] is not None or (not a.causal and a.window[1] is not None):
-            raise ValueError(f"{a.head_text()} & {b.head_text()}: a window with {b.kind} attention is not supported "
-                             f"({supported})")
-        if a.causal and not b.causal:
-            raise ValueError(f"{a.head_text()} & {b.head_text()}: causal would remove {b.kind}'s bidirectional pairs; "
-                             f"{b.kind} is causal where it should be already: leave causal() out")
-        return b.with_documents(docs)
+        """The pairs both masks allow (:func:`intersect`: the supported compositions)."""
+        return intersect(self, other)
+
+
+def intersect(self: MaskKind, other: MaskKind) -> MaskKind:  # MaskKind.__and__
+    """Supported (flex attention's ``and_masks`` on these): documents & any kind (the kind inside
+    each document; ``documents(cu)`` alone is full attention inside each); band & band (the
+    narrower band: ``causal() & window(64, 64)`` is ``window(64)``); full & any kind; causal &
+    a causal kind (chunked). Refused, naming both: two different sets of documents, a window with
+    another kind, causal & a kind with bidirectional pairs (prefix: it is causal after the prefix
+    already), two kinds other than the band (chunked & prefix)."""
+    if not isinstance(other, MaskKind):
+        raise ValueError(f"a mask combines with & only with another mask (megatron_mesh.masks), got {other!r}")
+    if self.documents is not None and other.documents is not None and self.documents != other.documents:
+        raise ValueError(f"{self.summary()} & {other.summary()}: two different sets of documents; pass them once")
+    docs = self.documents if self.documents is not None else other.documents
+    a, b = self.without_documents(), other.without_documents()
+    if a.is_band and b.is_band:
+        return a.band_and(b).with_documents(docs)
+    if b.is_band:
+        a, b = b, a
+    supported = ("supported: documents & any kind, causal/full/window & each other, full or causal & chunked, "
+                 "full & prefix")
+    if not a.is_band:
+        raise ValueError(f"{a.head_text()} & {b.head_text()}: two mask kinds other than causal/full/window do "
+                         f"not combine ({supported})")
+    if a.window[0] is not None or (not a.causal and a.window[1] is not None):
+        raise ValueError(f"{a.head_text()} & {b.head_text()}: a window with {b.kind} attention is not supported "
+                         f"({supported})")
+    if a.causal and not b.causal:
+        raise ValueError(f"{a.head_text()} & {b.head_text()}: causal would remove {b.kind}'s bidirectional pairs; "
+                         f"{b.kind} is causal where it should be already: leave causal() out")
+    return b.with_documents(docs)
 
 
 def cached_hash(self) -> int:
