@@ -133,7 +133,7 @@ def test_a_new_mode_is_one_file_and_one_registration(ring2, megatron_args):
     from megatron_mesh.megatron.args import apply_args
     from megatron_mesh.megatron.checks import validate_args
     from megatron_mesh.megatron.placement import resolve_placement
-    from megatron_mesh.megatron.settings import MeshTransformerConfig
+    from megatron_mesh.megatron.args import MeshTransformerConfig
     from megatron_mesh.tools.planner import default_modes, evaluate
 
     assert HYBRID_PREFIX + "ring2" in MODES

@@ -177,6 +177,7 @@ class Mode:
     shorthand: ClassVar[tuple[str, ...]] = ()  # settings given positionally in "mode:a:b" (see parse_mode_spec)
     uses_nodes: ClassVar[bool] = True  # its placement depends on the CP ranks per node
     takes_block_owners: ClassVar[bool] = False  # computes blocks where a layout's ``owners`` name (Mesh)
+    burst_rounds: ClassVar[bool] = False  # its mask-aware plans pull from every peer at once (TASP), not one ring shift a round
 
     def options(self, **values) -> Any:
         """The mode's options from keyword settings, checked."""
@@ -200,7 +201,7 @@ class Mode:
     def check_layout(self, layout: Layout) -> None:
         """ValueError for a layout that names its blocks' owners (its work balance rests on them)
         where this mode computes blocks elsewhere -- not a silently unbalanced run."""
-        if getattr(layout, "owners", ()) and not self.takes_block_owners:
+        if layout.owners and not self.takes_block_owners:
             raise ValueError(f"this layout names the rank that computes each of its blocks (owners); CP mode {self.name!r} "
                              "computes them elsewhere and would run it unbalanced: use mesh, or a layout without owners "
                              "(megatron_mesh.balanced_layout)")

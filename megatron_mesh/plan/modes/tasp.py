@@ -37,6 +37,7 @@ class TaspMode(Mode):
     name = "tasp"
     Options = TaspOptions
     shorthand = ("ranks_per_node",)
+    burst_rounds = True
     doc = "TASP: ring attention whose KV rotation is split over arc-disjoint Hamiltonian rings"
 
     def resolve(self, world_size: int, shape: AttentionShape, topology: Topology | None, ranks_per_node, options,
@@ -49,7 +50,7 @@ class TaspMode(Mode):
         return build_tasp_plan(p.world_size, shape, causal=mask.causal, ranks_per_node=p.ranks_per_node)
 
     def assignment(self, p: Placement, mask: Mask, layout) -> Assignment:
-        return Assignment(rounds="burst")
+        return Assignment(rounds="burst")  # burst_rounds
 
     def rings(self, p: Placement) -> dict:
         return {"kv": tuple(tuple(r) for r in tasp_rings(p.world_size, p.ranks_per_node)[0])}
