@@ -112,10 +112,7 @@ def validate_args(args, have_te: bool | None = None, *, entry_packs_documents: b
     # at CP 1 the plugin's single-rank attention still runs where a mask needs it (documents, a window)
     single = cp == 1 and bool(documents or problem.window_size is not None and uses_plugin_spec(args))
     unused = _check_applicable(settings, cp, modes, active, single)
-    backend = settings.cp_kernel_backend
-    if active and backend.startswith("torch-") and not have_cuda:
-        raise ValueError(f"--cp-kernel-backend {backend} runs on CUDA devices, and this machine has none; allowed here: "
-                         "auto, torch, math")
+    _check_backend(settings.cp_kernel_backend, active, have_cuda)
     _check_window(args, cp, active)
     if cp == 1 and documents and args.attention_dropout:
         raise ValueError(f"--attention-dropout {args.attention_dropout}: packed documents run the plugin's attention "
@@ -138,6 +135,12 @@ def validate_args(args, have_te: bool | None = None, *, entry_packs_documents: b
     unused += _check_layout(args, settings, problem, cp)
     _warn_per_rank_loss(args, settings, cp)
     return unused
+
+
+def _check_backend(backend: str, active: set, have_cuda: bool) -> None:
+    if active and backend.startswith("torch-") and not have_cuda:
+        raise ValueError(f"--cp-kernel-backend {backend} runs on CUDA devices, and this machine has none; allowed here: "
+                         "auto, torch, math")
 
 
 def _check_applicable(settings: PluginSettings, cp: int, modes, active: set, single: bool) -> list[str]:

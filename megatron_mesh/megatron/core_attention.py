@@ -354,9 +354,8 @@ class PluginCoreAttention(MegatronModule):
                            "batch split and the layer read different settings")
 
     def _sample_attention(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, row, layout) -> Tensor:
-        """One sample's (or several with the same documents) attention: on its layout, with the
-        boundaries unless the layout brings the documents itself (the balanced one), or on
-        Megatron's zigzag with the boundaries."""
+        """One sample's (or several with the same documents) attention on its layout (None: Megatron's
+        zigzag), with the boundaries unless the layout brings the documents itself."""
         if layout is not None and layout.documents() is not None:
             return self._attention(q, k, v, causal, layout=layout)
         return self._attention(q, k, v, causal, cu_seqlens=list(row), layout=layout)
