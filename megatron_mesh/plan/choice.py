@@ -90,8 +90,8 @@ class LayoutCost:
 
 
 def burst_rounds(mode: str) -> bool:
-    """Whether ``mode`` (a registered mode's name) pulls over every link at once (TASP, and its
-    hybrid), rather than one ring shift per round (ring, Mesh): the mode's own ``burst_rounds``."""
+    """Whether ``mode`` (or a hybrid's inner mode) pulls over every link at once (TASP), rather
+    than one ring shift per round (ring, Mesh)."""
     return get_mode(mode).burst_rounds
 
 

@@ -44,11 +44,11 @@ class HybridMode(Mode):
     def __init__(self, inner: Mode):
         self.inner = inner
         self.name = HYBRID_PREFIX + inner.name
+        self.burst_rounds = inner.burst_rounds
         self.Options = _options_type(inner)
         self.doc = f"Ulysses all-to-all over U consecutive ranks x {inner.name} across the P/U groups"
         self.auto_row = HYBRID_PREFIX + inner.auto_row if inner.auto_row else None
         self.planner_rows = "auto" if self.auto_row else "all"  # every U x every tile is too many rows
-        self.burst_rounds = inner.burst_rounds  # the inner plan's rounds
         self.shorthand = ("ulysses_size",) + tuple(s for s in inner.shorthand if s != "ranks_per_node")
 
     def resolve(self, world_size: int, shape: AttentionShape, topology: Topology | None, ranks_per_node, options,

@@ -35,9 +35,9 @@ class TaspOptions:
 
 class TaspMode(Mode):
     name = "tasp"
+    burst_rounds = True
     Options = TaspOptions
     shorthand = ("ranks_per_node",)
-    burst_rounds = True
     doc = "TASP: ring attention whose KV rotation is split over arc-disjoint Hamiltonian rings"
 
     def resolve(self, world_size: int, shape: AttentionShape, topology: Topology | None, ranks_per_node, options,
@@ -50,7 +50,7 @@ class TaspMode(Mode):
         return build_tasp_plan(p.world_size, shape, causal=mask.causal, ranks_per_node=p.ranks_per_node)
 
     def assignment(self, p: Placement, mask: Mask, layout) -> Assignment:
-        return Assignment(rounds="burst")  # burst_rounds
+        return Assignment(rounds="burst")
 
     def rings(self, p: Placement) -> dict:
         return {"kv": tuple(tuple(r) for r in tasp_rings(p.world_size, p.ranks_per_node)[0])}
