@@ -8,19 +8,18 @@ capabilities."""
 from __future__ import annotations
 
 import ast
-import os
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
 
+from helpers import package_comparisons, package_nodes, str_literals
 from megatron_mesh.plan import AttentionShape, Mask, Topology, resolve, validate_plan
 from megatron_mesh.plan.balance import balanced_layout
 from megatron_mesh.plan.layout import Layout, ZigzagLayout, layout_from_text, match_text, register_layout
 from megatron_mesh.plan.layouts import (DEFAULT_LAYOUT, LAYOUTS, LayoutKind, Sample, cp_layout_names, get_layout_kind,
                                         layout_names, register, thd_layout)
 
-PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "megatron_mesh")
 CU = (0, 3, 19, 24, 32)
 
 
@@ -83,12 +82,12 @@ class ContigLayout(Layout):
         return None  # positions only: the documents come with the mask
 
     def text(self) -> str:
-        return f"contig P={self.world_size} S={self.seq_len}"
+        return f"contig {self.seq_len} tokens over {self.world_size} ranks"
 
     @classmethod
     def parse(cls, rest: str) -> "ContigLayout":
-        m = match_text(r"^P=(\d+) S=(\d+)$", rest, "contig P=4 S=32")
-        return cls(int(m.group(1)), int(m.group(2)))
+        tokens, ranks = match_text(r"^(\d+) tokens over (\d+) ranks$", rest, "contig 32 tokens over 4 ranks").groups()
+        return cls(int(ranks), int(tokens))
 
 
 class ContigKind(LayoutKind):
@@ -144,14 +143,6 @@ def test_a_new_layout_is_one_file_and_one_registration(contig, megatron_args):
 
 
 # -- nobody else knows a layout by name ---------------------------------------------------------------------
-def _literals(node) -> list[str]:
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        return [node.value]
-    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-        return [x for e in node.elts for x in _literals(e)]
-    return []
-
-
 # words of other vocabularies too: the auto tile, backward chunks and kernel; Transformer Engine's
 # qkv_format "thd" and the documents of --cp-thd-packing. Compared with these, a layout is meant
 # where an operand is one ("cp_layout", "r.layout", "layouts").
@@ -164,24 +155,11 @@ def test_no_layout_name_is_compared_outside_the_registry():
     planner read the registry (issue 49: 24 such comparisons by this rule, in 7 files)."""
     names = set(LAYOUTS)
     found = []
-    for root, _, files in os.walk(PACKAGE):
-        if os.path.join("plan", "layouts") in root:
-            continue
-        for f in files:
-            if not f.endswith(".py"):
-                continue
-            path = os.path.join(root, f)
-            for node in ast.walk(ast.parse(open(path).read())):
-                if isinstance(node, ast.Compare):
-                    operands = [node.left, *node.comparators]
-                elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") in ("startswith", "endswith"):
-                    operands = [node.func.value, *node.args]
-                else:
-                    continue
-                hits = {x for o in operands for x in _literals(o)} & names
-                about_layouts = "layout" in " ".join(ast.unparse(o) for o in operands).lower()
-                if hits - SHARED_WORDS or hits and about_layouts:
-                    found.append(f"{os.path.relpath(path, PACKAGE)}:{node.lineno} {ast.unparse(node)}")
+    for where, node, operands in package_comparisons("plan/layouts"):
+        hits = {x for o in operands for x in str_literals(o)} & names
+        about_layouts = "layout" in " ".join(ast.unparse(o) for o in operands).lower()
+        if hits - SHARED_WORDS or hits and about_layouts:
+            found.append(f"{where} {ast.unparse(node)}")
     assert not found, "layout names compared outside the registry:\n" + "\n".join(found)
 
 
@@ -191,16 +169,9 @@ def test_no_layout_capability_is_probed():
     probes in plan/hybrid.py, plan/modes/base.py, plan/modes/mesh.py)."""
     members = {n for n in dir(Layout) if not n.startswith("__")} | set(Layout.__annotations__)
     assert {"owners", "owner", "group", "set_tokens", "runs", "documents"} <= members
-    found = []
-    for root, _, files in os.walk(PACKAGE):
-        for f in files:
-            if f.endswith(".py"):
-                path = os.path.join(root, f)
-                for node in ast.walk(ast.parse(open(path).read())):
-                    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
-                            node.func.id in ("getattr", "hasattr") and len(node.args) >= 2 and \
-                            _literals(node.args[1]) and _literals(node.args[1])[0] in members:
-                        found.append(f"{os.path.relpath(path, PACKAGE)}:{node.lineno} {ast.unparse(node)}")
+    found = [f"{where} {ast.unparse(node)}" for where, node in package_nodes()
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+             and len(node.args) >= 2 and str_literals(node.args[1]) and str_literals(node.args[1])[0] in members]
     assert not found, "layout capabilities probed:\n" + "\n".join(found)
 
 
