@@ -443,8 +443,9 @@ def test_search_layout_writes_a_layout_that_mesh_runs_exactly_with_the_planned_b
 def test_compare_cp_modes_long_preset_and_the_zigzag_documents(script, tmp_path, capsys):
     """scripts/compare_cp_modes.py, no run: --long reads the long-context config (>= 8K tokens,
     2K+ per rank at CP 4) with every mask; docs-zigzag trains the docs config under
-    --cp-layout zigzag at CP > 1 (CP 1 has no layout) and reuses the docs baseline; the default
-    job stays the quick one; the GPU prediction's config is read before any run."""
+    --cp-layout zigzag (its CP 1 baseline too, where the start-up accepts it unused; it reuses the
+    docs baseline where there is one); the default job stays the quick one; the GPU prediction's
+    config is read before any run."""
     compare = script("compare_cp_modes")
     args = compare.parse_args(["--long", "--out", str(tmp_path)])
     assert args.config == compare.LONG_CONFIG and args.iters == compare.LONG_ITERS
@@ -457,7 +458,8 @@ def test_compare_cp_modes_long_preset_and_the_zigzag_documents(script, tmp_path,
     assert env["CP"] == "4" and flags[flags.index("--cp-layout") + 1] == "zigzag", flags
     assert flags[flags.index("--train-iters") + 1] == str(compare.LONG_ITERS)
     assert "--cp-layout" not in compare.command("mesh:2x2", args, str(tmp_path / "m"), "docs", docs)[2]
-    assert "--cp-layout" not in compare.command("baseline", args, str(tmp_path / "m"), "docs-zigzag", docs)[2]
+    baseline = compare.command("baseline", args, str(tmp_path / "m"), "docs-zigzag", docs)  # one config for all
+    assert baseline[1]["CP"] == "1" and baseline[2][baseline[2].index("--cp-layout") + 1] == "zigzag"
     window = compare.command("ring", args, str(tmp_path / "m"), "window", args.config)[2]
     assert window[window.index("--window-size") + 1] == f"{args.window},0"
     base = compare.RunResult("baseline", 1, "docs", losses={1: 4.0})
@@ -492,7 +494,12 @@ def test_compare_cp_modes_always_runs_the_baseline_unless_told_not_to(script):
      r"compare_cp_modes: error: baseline: world size NPROC x NNODES = 1 x 1 = 1 is not a multiple of TP x CP = 3 x 1 = 3"),
     (["--modes", "mesh:3x3"], r"mesh:3x3: tile 3x3 does not fit CP size 4: .* allowed tiles: 1x4, 2x2, 4x1"),
     (["--modes", "mesh:2x"], r"mesh:2x: tile shape '2x' must be 'AxB'"),
-    (["--modes", "a2a+mesh:3"], r"a2a\+mesh:3: the all-to-all degree 3 must be an integer >= 2 dividing --cp 4"),
+    (["--modes", "a2a+mesh:3"], r"a2a\+mesh:3: the all-to-all degree 3 must be an integer >= 2 dividing the CP size 4"),
+    # every setting of a mode spec runs by its flag or is refused (tasp:N: test_compare_cp_modes_honours_every_mode_setting)
+    (["--modes", "tasp:3"], r"tasp:3: CP ranks per node \(gpus_per_node\) must be a positive divisor of the CP size 4, "
+                            r"got 3"),
+    (["--modes", "ring:2"], r"ring:2: mode 'ring:2' has 1 settings after the name; ring takes at most 0: ring"),
+    (["--modes", "mesh:2x2:4"], r"mesh:2x2:4: mode 'mesh:2x2:4' has 2 settings after the name; mesh takes at most 1"),
     (["--cp", "0", "--modes", "ring"], r"--cp must be >= 1, got 0"),
     (["--cp", "1", "--modes", "ring"], r"--cp 1: the compared modes \(ring\) split nothing at CP 1"),
     (["--iters", "0"], r"--iters must be >= 1, got 0"),
@@ -516,6 +523,50 @@ def test_compare_cp_modes_refuses_a_bad_command_line_in_one_line(script, capsys,
     compare = script("compare_cp_modes")
     cut = argv.index("--") if "--" in argv else len(argv)  # the extra Megatron flags come last
     refused(capsys, lambda: compare.parse_args([*argv[:cut], "--no-predict", *argv[cut:]]), message)
+
+
+def test_compare_cp_modes_honours_every_mode_setting(script, tmp_path, monkeypatch):
+    """`compare_cp_modes.sh --modes tasp:4` RUNS TASP with 4 CP ranks per node: every setting of a
+    --modes entry is read by the mode registry's parser and reaches the run by its Megatron flag
+    (tasp:N -> --tasp-gpus-per-node N, a hybrid's degree -> --hierarchical-context-parallel-sizes,
+    its tile -> --mesh-tile-shape), which the run's placement then resolves -- the same placement the
+    report plans for it; a setting no flag sets is refused in one line
+    (test_compare_cp_modes_refuses_a_bad_command_line_in_one_line). Until issue 49 the job dropped
+    tasp:4's 4 and ran TASP on torchrun's LOCAL_WORLD_SIZE, while its report planned 4."""
+    from types import SimpleNamespace
+
+    from megatron_mesh.megatron.placement import resolve_placement
+    from megatron_mesh.megatron.settings import flag_dest
+
+    compare = script("compare_cp_modes")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # the launcher's: one node of the job's 4 processes
+    modes = ["tasp:4", "tasp:2", "a2a+mesh:2:1x2", "mesh:auto", "a2a+ring"]
+    args = compare.parse_args(["--modes", *modes, "--no-predict", "--out", str(tmp_path)])
+    want = {"tasp:4": ("tasp", ["--tasp-gpus-per-node", "4"]), "tasp:2": ("tasp", ["--tasp-gpus-per-node", "2"]),
+            "a2a+mesh:2:1x2": ("a2a+mesh", ["--hierarchical-context-parallel-sizes", "2", "2", "--mesh-tile-shape",
+                                            "1x2"]),
+            "mesh:auto": ("mesh", ["--mesh-tile-shape", "auto"]),
+            "a2a+ring": ("a2a+ring", ["--hierarchical-context-parallel-sizes", "2", "2"])}
+    problem = args.cpu_problem
+    for mode, (comm_type, flags) in want.items():
+        _, env, given = compare.command(mode, args, str(tmp_path / "m"))
+        assert env["CP_COMM_TYPE"] == comm_type and given[4:] == flags, (mode, given)
+        # the run's placement (its flags as Megatron parses them) is the one the report plans
+        values = {}
+        for i, token in enumerate(flags):
+            if token.startswith("--"):
+                value = flags[i + 1:i + 3] if token == "--hierarchical-context-parallel-sizes" else flags[i + 1]
+                values[flag_dest(token)] = [int(v) for v in value] if isinstance(value, list) else \
+                    int(value) if value.isdigit() else value
+        ns = SimpleNamespace(context_parallel_size=4, seq_length=problem.seq_len, num_attention_heads=problem.heads,
+                             group_query_attention=True, num_query_groups=problem.kv_heads,
+                             kv_channels=problem.head_dim, **values)
+        run = resolve_placement(comm_type, ns, (0, 1, 2, 3))
+        planned = compare.predict._placement(mode, f"{run.tile[0]}x{run.tile[1]}" if run.tile else "", problem)
+        facts = [(p.mode, p.tile, p.ranks_per_node, p.ulysses, p.transport) for p in (run, planned)]
+        assert facts[0] == facts[1], (mode, facts)
+        if mode == "tasp:2":
+            assert run.ranks_per_node == 2  # two nodes of 2 (LOCAL_WORLD_SIZE would have made one node of 4)
 
 
 def test_compare_cp_modes_refuses_transformer_engine_modes_without_it(script, capsys):

@@ -96,7 +96,7 @@ class MeshMode(Mode):
         its work balance rests on them."""
         a, b = p.options.tile
         contiguous = p.options.contiguous
-        if getattr(layout, "owners", ()):  # the layout names where its blocks are computed
+        if layout.owners:  # the layout names where its blocks are computed
             return Assignment(owners=(("layout", layout.owner),), tile=(a, b), contiguous=contiguous, compete=False)
         if layout.documents() is not None:
             return Assignment(tile=(a, b), contiguous=contiguous)
