@@ -92,10 +92,11 @@ def _nbytes(x) -> int:
 
 
 def count(world: int, seq_local: int, mode: str, docs: str, layout_name: str,
-          seed: int = 0) -> tuple[collections.Counter, collections.Counter]:
+          seed: int = 0, warm: bool = True) -> tuple[collections.Counter, collections.Counter]:
     """The ops of every rank together, for ``mode`` on ``layout_name`` ("zigzag" / "balanced"):
-    the plugin's and the in-process transport's."""
-    counted = run_counted(world, seq_local, mode, docs, layout_name, seed)
+    the plugin's and the in-process transport's; ``warm``: of a step after the plan's first
+    (what every layer's call is once the plan is built: its block masks, arena and views made)."""
+    counted = run_counted(world, seq_local, mode, docs, layout_name, seed, warm=warm)
     return sum((c.ops for c in counted), collections.Counter()), sum((c.transport for c in counted),
                                                                       collections.Counter())
 
@@ -147,6 +148,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--modes", nargs="+", default=["ring", "tasp", "a2a+ring:2"])
     p.add_argument("--layouts", nargs="+", default=["zigzag", "balanced"], choices=["zigzag", "balanced"])
     p.add_argument("--top", type=int, default=8, help="name the most frequent ops (--bytes: the most bytes)")
+    p.add_argument("--first-call", action="store_true",
+                   help="count a plan's first call (it also makes the block masks, the arena's views and the "
+                        "gathers' indices, once per plan) instead of a later one")
     p.add_argument("--bytes", action="store_true",
                    help="count the bytes the non-attention ops read and write per rank instead (meta tensors, "
                         "the sizes below)")
@@ -168,12 +172,14 @@ def main(argv=None) -> list[dict]:
                     f"{args.kv_heads}, {args.head_dim} and {args.hbm}")
         return bytes_rows(args)
     rows = []
-    print(f"ops per rank, forward + backward: P={args.world}, {args.seq_local} tokens per rank, documents {args.docs}")
+    print(f"ops per rank, forward + backward ({'a plan' + chr(39) + 's first call' if args.first_call else 'a later call'}): "
+          f"P={args.world}, {args.seq_local} tokens per rank, documents {args.docs}")
     print(f"{'layout':<10}{'mode':<14}{'ops':>7}{'non-view':>10}{'transport':>11}  most frequent (the plugin's)")
     for layout_name in args.layouts:
         for mode in args.modes:
             try:
-                ops, transport = count(args.world, args.seq_local, mode, args.docs, layout_name)
+                ops, transport = count(args.world, args.seq_local, mode, args.docs, layout_name,
+                                       warm=not args.first_call)
             except ValueError as e:  # a bad --world, --modes or --docs: the message names it
                 raise SystemExit(f"{layout_name} {mode}: {e}") from None
             total = sum(ops.values()) / args.world

@@ -138,7 +138,7 @@ class TorchAttentionKernel:
         buffer of rows and hands each call its rows (``backward(..., rows=...)``)."""
         if out is None:
             return _backward_rows(dout, lse, delta)
-        return out.to(dout.dtype), lse.masked_fill(lse.isneginf(), 0.0)
+        return out.to(dout.dtype), _finite_lse(lse)
 
     def backward(self, dout, q, k, v, lse, delta, *, mask, scale, rows=None):
         causal = mask.causal
@@ -272,7 +272,13 @@ def _cut(x: Tensor, width: int) -> Tensor:
 
 
 def _backward_rows(dout: Tensor, lse: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
-    return stand_in_output(dout, delta), lse.masked_fill(lse.isneginf(), 0.0)
+    return stand_in_output(dout, delta), _finite_lse(lse)
+
+
+def _finite_lse(lse: Tensor) -> Tensor:
+    """lse with 0 for -inf (a row no key reaches: its gradients are 0 either way), in one op;
+    NaN and +inf stay what they are."""
+    return torch.nan_to_num(lse, nan=float("nan"), posinf=float("inf"), neginf=0.0)
 
 
 def _bshd_memory(x: Tensor) -> Tensor:

@@ -392,19 +392,29 @@ def test_first_writes_copy_and_give_bitwise_the_same_results(monkeypatch):
     outputs and gradients bitwise those of filling every new accumulator and merging / adding
     everywhere -- dense, documents and a window on the zigzag, THD padding (rows that attend
     nothing), a Mesh tile, a hybrid. New buffers come back full of NaN here, so a row left
-    unwritten would show; and fewer rows are filled."""
+    unwritten would show (the arena's bytes too, at every call); and fewer rows are filled."""
     from megatron_mesh.plan import Plan
     from megatron_mesh.runtime import executor
 
-    new = executor.Buffers._new
-    monkeypatch.setattr(executor.Buffers, "_new", lambda self, key: tuple(t.fill_(float("nan"))
-                                                                          for t in new(self, key)))
+    from megatron_mesh.runtime import buffers
+
+    own = executor.Buffers.own
+    monkeypatch.setattr(executor.Buffers, "own", lambda self, key: tuple(t.fill_(float("nan"))
+                                                                         for t in own(self, key)))
+    bind = buffers.Scratch.bind
+
+    def nan_arena(self, *args):  # the arena's bytes all 0xff (NaN in every float dtype) at every call
+        views = bind(self, *args)
+        self.arena.fill_(255)
+        return views
+
+    monkeypatch.setattr(buffers.Scratch, "bind", nan_arena)
     filled = [0]
     fill = executor.Buffers.fill
 
-    def counting_fill(key, tensors, rows=None):
+    def counting_fill(key, tensors, rows=None, zeros=None):
         filled[0] += sum(b - a for a, b in (rows if rows is not None else [(0, tensors[0].shape[2])]))
-        fill(key, tensors, rows)
+        fill(key, tensors, rows, zeros)
 
     monkeypatch.setattr(executor.Buffers, "fill", staticmethod(counting_fill))
 
