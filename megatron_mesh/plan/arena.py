@@ -29,13 +29,14 @@ whatever first fit leaves between (``size`` >= :func:`~.memory.buffer_memory`'s 
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 from .accounting import FP32
 from .ir import KINDS, AddGrad, Attend, AttendBackward, Copy, Free, Key, MergeOut, Plan, Post, RankPlan, RowStats, op_keys
 from .shape import AttentionShape
 
-__all__ = ["ScratchLayout", "TensorPlace", "scratch_layout", "copied_only", "tensor_shapes", "ALIGN"]
+__all__ = ["ScratchLayout", "TensorPlace", "scratch_layout", "copied_only", "cut_keys", "tensor_shapes", "ALIGN"]
 
 ALIGN = 256  # bytes: every run of storage starts at a multiple (vectorised loads, the CUDA allocator's own rule)
 
@@ -152,13 +153,19 @@ class _Walk:
         self.places: dict = {}
         self.current: dict[Key, tuple] = {}  # key -> (op index, key) of its live arena buffer
         self.blocks: dict[tuple, list] = {}  # buffer -> [block start, block bytes, live members]
+        self.reads: dict | None = None  # key -> the indices of the ops that read it (made on first use)
 
     def first_read(self, key: Key, start: int) -> int:
-        for j in range(start, len(self.ops)):
-            op = self.ops[j]
-            if type(op) is not Post and key in op.reads():
-                return j
-        return len(self.ops)
+        """The first op from ``start`` on that reads ``key`` (a send aside)."""
+        if self.reads is None:
+            self.reads = {}
+            for j, op in enumerate(self.ops):
+                if type(op) is not Post:
+                    for k in op.reads():
+                        self.reads.setdefault(k, []).append(j)
+        at = self.reads.get(key, ())
+        i = bisect.bisect_left(at, start)
+        return at[i] if i < len(at) else len(self.ops)
 
     def place(self, i: int, keys: list[Key]) -> None:
         """One block for ``keys`` (created together by op ``i``): per kind and tensor, the
@@ -263,9 +270,10 @@ def _nbytes(t: tuple[int, int, int, int]) -> int:
     return tokens * heads * max(width, 1) * item
 
 
-def _cut_keys(rank_plan: RankPlan, direction: str) -> list[Key]:
-    """The inputs the executor copies into the arena: several token ranges, or one head slice
-    that something other than a copy reads (:func:`copied_only`)."""
+def cut_keys(rank_plan: RankPlan, direction: str) -> list[Key]:
+    """The inputs the executor copies: several token ranges, or one head slice that something
+    other than a copy reads (:func:`copied_only`). Those the forward keeps for the backward are
+    copied outside the arena (the backward takes its bytes over)."""
     inputs = rank_plan.forward_inputs if direction == "forward" else rank_plan.backward_inputs
     views = copied_only(rank_plan, direction)
     return [k for k, segs in inputs.items() if len(segs) > 1 or (k.heads >= 0 and k not in views)]
@@ -286,8 +294,9 @@ def _layout(plan: Plan, rank: int, direction: str, shape: AttentionShape) -> Scr
     inputs = rp.forward_inputs if direction == "forward" else rp.backward_inputs
     live = set(inputs) | (set() if direction == "forward" else set(rp.saved))
     cuts = []
-    for group in dict.fromkeys((k.kind, k.heads) for k in _cut_keys(rp, direction)):
-        keys = [k for k in _cut_keys(rp, direction) if (k.kind, k.heads) == group]
+    cut = [k for k in cut_keys(rp, direction) if k not in keep]
+    for group in dict.fromkeys((k.kind, k.heads) for k in cut):
+        keys = [k for k in cut if (k.kind, k.heads) == group]
         walk.place(-1, keys)
         keys = sorted(keys, key=lambda k: walk.places[(-1, k)][0].offset)  # as place() laid them out
         first = walk.places[(-1, keys[0])]

@@ -73,8 +73,8 @@ def wire_of(t: Tensor) -> Tensor:
 
 
 class Scratch:
-    """One rank's arena for one direction on one device, kept from call to call: grown (made
-    anew) when a plan needs more, with the views of each layout's buffers made once."""
+    """One rank's arena on one device, kept from call to call: grown (made anew) when a plan
+    needs more, with the views of each layout's buffers made once."""
 
     def __init__(self):
         self.arena: Tensor | None = None
@@ -96,10 +96,11 @@ _SCRATCH: dict[tuple, Scratch] = {}
 _SCRATCH_LOCK = threading.Lock()
 
 
-def scratch(device: torch.device, rank: int, direction: str) -> Scratch:
-    """The process's arena of ``rank``'s ``direction`` on ``device`` (in-process virtual ranks:
-    one each)."""
-    key = (str(device), rank, direction)
+def scratch(device: torch.device, rank: int) -> Scratch:
+    """The process's arena of ``rank`` on ``device`` (in-process virtual ranks: one each), for
+    both directions: a rank runs one direction at a time, its ops in stream order, so the
+    backward takes over the forward's bytes (and the next layer's forward the backward's)."""
+    key = (str(device), rank)
     with _SCRATCH_LOCK:
         got = _SCRATCH.get(key)
         if got is None:
@@ -119,8 +120,9 @@ class Buffers:
         self.dims = {"qk": shape.head_dim, "v": shape.v_head_dim}
         self.dtype, self.device = dtype, device
         self.acc_dtype = accumulator_dtype(dtype)
+        self.direction = direction
         self.layout = scratch_layout(plan, rank, direction, shape)
-        self.scratch = scratch(device, rank, direction)
+        self.scratch = scratch(device, rank)
         self.views = self.scratch.bind(self.layout, device, (dtype, self.acc_dtype))
         self.arena = self.scratch.arena
         self.at = -1  # the index of the op being run (the layout places buffers by the op that makes them)

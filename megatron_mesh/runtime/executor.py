@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ..comm.base import Communicator, Work
 from ..kernels.base import BlockKernel, head_dim_dense
-from ..plan.arena import copied_only
+from ..plan.arena import copied_only, cut_keys
 from ..plan.sel import union_intervals
 from ..plan.ir import (AddGrad, Attend, AttendBackward, Copy, Free, Key, MergeOut, Plan, Post, RankPlan, RowStats,
                        Wait, op_keys)
@@ -110,6 +110,7 @@ class Executor(BlockOps):
                                                        lambda: _delta_facts(rp, made))
         self._copied_only = plan.memo(("copied only", comm.rank), lambda: {
             d: copied_only(rp, d) for d in ("forward", "backward")})
+        self._cut_keys = plan.memo(("cut keys", comm.rank), lambda: {d: cut_keys(rp, d) for d in ("forward", "backward")})
         self.timer = timer or (lambda what: contextlib.nullcontext())
         self._sink: Tensor | None = None  # the call's softmax_offset in the accumulators' dtype (runtime/sinks.py)
         self.offset_grad: Tensor | None = None  # the last backward's d softmax_offset over the rows it finished
@@ -233,9 +234,15 @@ class Executor(BlockOps):
         copied into their places in the arena, one gather per tensor for each group of them
         (:attr:`~megatron_mesh.plan.arena.ScratchLayout.cuts`)."""
         cut = {key for keys, _ in bufs.layout.cuts for key in keys}
+        copied = set(self._cut_keys[bufs.direction]) - cut  # kept for the backward: copied for the call
         for key, segs in table.items():
             if key not in cut:
-                bufs.put(key, self._cut(bufs, key, segs, sources[key.kind]))
+                tensors = self._cut(bufs, key, segs, sources[key.kind])
+                if key in copied:
+                    own = bufs.own(key)
+                    torch._foreach_copy_(list(own), list(tensors))
+                    tensors = own
+                bufs.put(key, tensors)
                 bufs.read_only.add(key)
         for g, (keys, runs) in enumerate(bufs.layout.cuts):
             self._gather(bufs, g, keys, runs, table, sources[keys[0].kind])
