@@ -14,6 +14,11 @@ transfers on a GPU) are counted apart, in "transport".
 the H100 benchmark's GQA 32/8 of 128 in bf16), on meta tensors -- shapes only, no compute, so
 seconds for 16K tokens per rank -- through the CUDA flash kernel's own plumbing.
 
+It counts a step after the plan's first (``--first-call``: the first, which also makes the block
+masks, the arena's views and the gathers' indices, once per plan), and prints next to the counts
+the planner's model of them ("model": ops / non-view ops per rank, :mod:`megatron_mesh.plan.hostops`,
+as the CPU runs the plan: one kernel call per mask piece; the planner prices a GPU's calls).
+
     python scripts/count_host_ops.py                                  # P = 4, 2K tokens per rank
     python scripts/count_host_ops.py --world 8 --modes ring tasp a2a+ring:2 --top 5
     python scripts/count_host_ops.py --bytes --world 8 --seq-local 16384 --docs lognormal:4096,1.0
@@ -35,6 +40,8 @@ from megatron_mesh.comm import inprocess  # noqa: E402
 from megatron_mesh.comm.inprocess import run_inprocess  # noqa: E402
 from megatron_mesh.kernels.torch_sdpa import TorchAttentionKernel  # noqa: E402
 from megatron_mesh.plan import AttentionShape, balanced_layout, resolve  # noqa: E402
+from megatron_mesh.plan.hostops import step_host_ops  # noqa: E402
+from megatron_mesh.plan.mask import MASK_PIECE  # noqa: E402
 from megatron_mesh.plan.modes.base import parse_mode_spec  # noqa: E402
 from megatron_mesh.runtime.autograd import forward_backward  # noqa: E402
 from megatron_mesh.runtime.inputs import attention_mask  # noqa: E402
@@ -101,6 +108,34 @@ def count(world: int, seq_local: int, mode: str, docs: str, layout_name: str,
                                                                       collections.Counter())
 
 
+def plan_of(world: int, seq_local: int, mode: str, docs: str, layout_name: str, seed: int = 0,
+            heads: int | None = None, kv_heads: int | None = None, head_dim: int = 8,
+            dtype: torch.dtype = torch.float32):
+    """(the plan :func:`run_counted` runs, its per-rank shape)."""
+    name, settings = parse_mode_spec(mode)
+    u = int(settings.get("ulysses_size", 1))
+    heads, kv_heads = 4 * u if heads is None else heads, 2 * u if kv_heads is None else kv_heads
+    shape = AttentionShape(seq_local, 1, heads, kv_heads, head_dim, torch.empty((), dtype=dtype).element_size())
+    placement = resolve(name, world, shape, **settings)
+    bounds = document_bounds(docs, world * seq_local, seed)
+    layout = balanced_layout(bounds, world, group=placement.ulysses) if layout_name == "balanced" else None
+    mask, layout = attention_mask(world, shape, causal=True, cu_seqlens=None if layout else bounds, layout=layout)
+    return placement.build(shape, mask, layout), shape
+
+
+def modelled(plan, shape, world: int) -> tuple[float, float]:
+    """The host-op model's (ops, non-view ops) per rank, forward + backward, as the CPU runs them
+    (no variable-length calls, the CPU's mask piece): :mod:`megatron_mesh.plan.hostops`."""
+    total = launches = 0.0
+    for rank in range(world):
+        for direction in ("forward", "backward"):
+            ops, around = step_host_ops(plan, rank, direction, shape, varlen=False, piece=MASK_PIECE["cpu"])
+            for h in (*ops, around):
+                total += h.launches + h.views
+                launches += h.launches
+    return total / world, launches / world
+
+
 def run_counted(world: int, seq_local: int, mode: str, docs: str, layout_name: str, seed: int = 0,
                 heads: int | None = None, kv_heads: int | None = None, head_dim: int = 8,
                 dtype: torch.dtype = torch.float32, device: str = "cpu", warm: bool = False) -> list[OpCounter]:
@@ -109,15 +144,8 @@ def run_counted(world: int, seq_local: int, mode: str, docs: str, layout_name: s
     count does not depend on the sizes). On the meta device the tensors are shapes only and the
     kernel is the CUDA flash op's plumbing."""
     S = world * seq_local
-    name, settings = parse_mode_spec(mode)
-    u = int(settings.get("ulysses_size", 1))
-    heads, kv_heads = 4 * u if heads is None else heads, 2 * u if kv_heads is None else kv_heads
-    shape = AttentionShape(seq_local, 1, heads, kv_heads, head_dim, torch.empty((), dtype=dtype).element_size())
-    placement = resolve(name, world, shape, **settings)
-    bounds = document_bounds(docs, S, seed)
-    layout = balanced_layout(bounds, world, group=placement.ulysses) if layout_name == "balanced" else None
-    mask, layout = attention_mask(world, shape, causal=True, cu_seqlens=None if layout else bounds, layout=layout)
-    plan = placement.build(shape, mask, layout)
+    plan, shape = plan_of(world, seq_local, mode, docs, layout_name, seed, heads, kv_heads, head_dim, dtype)
+    heads, kv_heads, layout = shape.heads, shape.kv_heads, plan.layout
     if device == "meta":
         inputs = [torch.empty(S, 1, h, head_dim, dtype=dtype, device="meta") for h in (heads, kv_heads, kv_heads, heads)]
         kernel = TorchAttentionKernel("cuda", "flash")
@@ -174,7 +202,8 @@ def main(argv=None) -> list[dict]:
     rows = []
     print(f"ops per rank, forward + backward ({'a plan' + chr(39) + 's first call' if args.first_call else 'a later call'}): "
           f"P={args.world}, {args.seq_local} tokens per rank, documents {args.docs}")
-    print(f"{'layout':<10}{'mode':<14}{'ops':>7}{'non-view':>10}{'transport':>11}  most frequent (the plugin's)")
+    print(f"{'layout':<10}{'mode':<14}{'ops':>7}{'non-view':>10}{'transport':>11}{'model':>13}  "
+          "most frequent (the plugin's)")
     for layout_name in args.layouts:
         for mode in args.modes:
             try:
@@ -186,8 +215,11 @@ def main(argv=None) -> list[dict]:
             kernels = sum(n for op, n in ops.items() if op not in VIEWS) / args.world
             moved = sum(transport.values()) / args.world
             top = ", ".join(f"{op} {n / args.world:.0f}" for op, n in ops.most_common(args.top))
-            print(f"{layout_name:<10}{mode:<14}{total:>7.0f}{kernels:>10.0f}{moved:>11.0f}  {top}")
-            rows.append(dict(layout=layout_name, mode=mode, ops=total, non_view=kernels, transport=moved))
+            model = modelled(*plan_of(args.world, args.seq_local, mode, args.docs, layout_name), args.world)
+            print(f"{layout_name:<10}{mode:<14}{total:>7.0f}{kernels:>10.0f}{moved:>11.0f}"
+                  f"{f'{model[0]:.0f} / {model[1]:.0f}':>13}  {top}")
+            rows.append(dict(layout=layout_name, mode=mode, ops=total, non_view=kernels, transport=moved,
+                             model_ops=model[0], model_non_view=model[1]))
     return rows
 
 

@@ -74,6 +74,8 @@ class ScratchLayout:
       of memory a block's several key/value pieces make together;
     * ``gathers`` -- op index -> (k window, bytes from a k row to its v row, the window rows read)
       where a block's pieces do not follow each other but k and v can be gathered together;
+    * ``grad_spans`` -- op index -> the run of each of dK, dV that a backward block's new gradient
+      partials make together (it writes all their columns: one copy per tensor);
     * ``cuts`` -- the input cuts, per (kind, head slice) group: (keys in order, each tensor's run).
     """
 
@@ -81,6 +83,7 @@ class ScratchLayout:
     places: dict
     spans: dict
     gathers: dict
+    grad_spans: dict
     cuts: tuple
 
     def overlap(self, a: tuple, b: tuple) -> bool:
@@ -303,7 +306,7 @@ def _layout(plan: Plan, rank: int, direction: str, shape: AttentionShape) -> Scr
         runs = tuple(TensorPlace(p.offset, sum(plan.tokens(k) for k in keys), p.batch, p.heads, p.width, p.itemsize)
                      for p in first)
         cuts.append((tuple(keys), runs))
-    spans, gathers = {}, {}
+    spans, gathers, grad_spans = {}, {}, {}
     for i, op in enumerate(ops):
         kind = type(op)
         if kind is Post:
@@ -323,9 +326,22 @@ def _layout(plan: Plan, rank: int, direction: str, shape: AttentionShape) -> Scr
                         spans[i] = got
                     elif (pair := walk.gather(pieces)) is not None:
                         gathers[i] = pair
-            for key in op.writes():
-                if key not in live:
-                    live.add(key)
-                    if key not in own and key not in keep:
+            made = [key for key in dict.fromkeys(op.writes()) if key not in live]
+            live.update(made)
+            placed = [key for key in made if key not in own and key not in keep]
+            if kind is AttendBackward:  # its new dK/dV partials together, in the block's column order
+                grads = [key for key in placed if key in op.dkv]
+                for key in placed:
+                    if key not in grads:
                         walk.place(i, [key])
-    return ScratchLayout(walk.space.high, walk.places, spans, gathers, tuple(cuts))
+                if grads:
+                    walk.place(i, grads)
+                    if grads == list(op.dkv) and all(op.col(j) is None for j in range(len(op.dkv))):
+                        got = walk.span([(walk.places[(i, key)], 0, plan.tokens(key)) for key in grads]) \
+                            if len(grads) > 1 else None
+                        if got is not None:
+                            grad_spans[i] = got
+            else:
+                for key in placed:
+                    walk.place(i, [key])
+    return ScratchLayout(walk.space.high, walk.places, spans, gathers, grad_spans, tuple(cuts))

@@ -138,6 +138,23 @@ class BlockOps:
                     self._queue.put(not first, part_of(acc, 2, s, m), part_of(g, 2, off + s - a, m),
                                     (key, t, s, s + m, 0, heads), dst_id=ident)
 
+    def _grads_whole(self, bufs: Buffers, op: AttendBackward, cols, part, total: int) -> bool:
+        """Where the block's new dK/dV partials lie one after another in the arena
+        (:attr:`~megatron_mesh.plan.arena.ScratchLayout.grad_spans`) and this kernel call's
+        gradients are all their columns, written first: one copy per tensor, queued."""
+        span = bufs.grad_span(self._at)
+        if span is None or part[1] != 0 or part[2] != total or \
+                any(fresh != [[0, acc[0].shape[2]]] for _, acc, _, fresh in cols):
+            return False
+        heads = span[0].shape[1]
+        for t, (acc, g) in enumerate(zip(span, part[3:])):
+            self._queue.put(False, acc, g, (("grads", self._at), t, 0, total, 0, heads))
+        for key, acc, _, fresh in cols:
+            fresh.clear()
+            self._queue.written.add(key)
+            self._queue.arena.add(bufs.ident(key))
+        return True
+
     def _attend_backward(self, op: AttendBackward, bufs: Buffers, pending) -> None:
         (q,) = bufs.get(op.q)
         dout, lse, delta = bufs.get(op.do)
@@ -168,6 +185,8 @@ class BlockOps:
                 if part[0] == "q":
                     self._grad_to(bufs, op.dq, (acc_q,), (part[1], part[2], part[3:]), rows, fresh_q,
                                   acc_q.shape[1])
+                    continue
+                if self._grads_whole(bufs, op, cols, part, start):
                     continue
                 for key, acc, where, fresh in cols:
                     self._grad_to(bufs, key, acc, (part[1], part[2], part[3:]), where, fresh, acc[0].shape[1])

@@ -81,12 +81,13 @@ class Scratch:
         self.views: "weakref.WeakKeyDictionary[ScratchLayout, dict]" = weakref.WeakKeyDictionary()
         self.lock = threading.Lock()
 
-    def bind(self, layout: ScratchLayout, device: torch.device, dtypes: tuple) -> dict:
+    def bind(self, layout: ScratchLayout, device: torch.device, dtypes: tuple, size: int) -> dict:
         """The views cache of ``layout`` with ``dtypes`` (input, accumulator) over an arena of at
-        least ``layout.size`` bytes on ``device``."""
+        least ``size`` bytes on ``device`` (the plan's larger direction's: the other direction then
+        finds it large enough, and the views made stay valid)."""
         with self.lock:
-            if self.arena is None or self.arena.numel() < layout.size or self.arena.device != device:
-                self.arena = torch.empty(max(layout.size, 1), dtype=torch.uint8, device=device)
+            if self.arena is None or self.arena.numel() < size or self.arena.device != device:
+                self.arena = torch.empty(max(size, 1), dtype=torch.uint8, device=device)
                 self.views = weakref.WeakKeyDictionary()
             per_layout = self.views.setdefault(layout, {})
             return per_layout.setdefault(dtypes, {})
@@ -123,7 +124,8 @@ class Buffers:
         self.direction = direction
         self.layout = scratch_layout(plan, rank, direction, shape)
         self.scratch = scratch(device, rank)
-        self.views = self.scratch.bind(self.layout, device, (dtype, self.acc_dtype))
+        size = max(scratch_layout(plan, rank, d, shape).size for d in ("forward", "backward"))
+        self.views = self.scratch.bind(self.layout, device, (dtype, self.acc_dtype), size)
         self.arena = self.scratch.arena
         self.at = -1  # the index of the op being run (the layout places buffers by the op that makes them)
         self.live: dict[Key, tuple[Tensor, ...]] = {}
@@ -158,6 +160,18 @@ class Buffers:
         got = self.views.get(("wire", ident))
         if got is None:
             got = self.views[("wire", ident)] = [wire_of(t) for t in self.view(ident)]
+        return got
+
+    def grad_span(self, i: int) -> tuple[Tensor, ...] | None:
+        """The dK, dV runs backward block ``i``'s new gradient partials make together
+        (:attr:`~megatron_mesh.plan.arena.ScratchLayout.grad_spans`)."""
+        places = self.layout.grad_spans.get(i)
+        if places is None:
+            return None
+        ident = ("grads", i)
+        got = self.views.get(ident)
+        if got is None:
+            got = self.views[ident] = tuple(place_view(self.arena, p, self.acc_dtype) for p in places)
         return got
 
     def span(self, i: int) -> tuple[Tensor, ...] | None:

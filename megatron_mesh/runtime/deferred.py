@@ -30,6 +30,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ..plan.hostops import write_calls
+
 __all__ = ["Deferred", "Write"]
 
 
@@ -41,10 +43,6 @@ class Write(NamedTuple):
     dst: Tensor
     src: Tensor
     where: tuple
-
-
-def _overlap(a: tuple, b: tuple) -> bool:
-    return a[:2] == b[:2] and a[2] < b[3] and b[2] < a[3] and a[4] < b[5] and b[4] < a[5]
 
 
 class Deferred:
@@ -76,14 +74,15 @@ class Deferred:
         return bool(self.writes) and any(k in self.written or k in self.read for k in keys)
 
     def flush(self) -> None:
-        """Issue the queue in as few calls as it allows (see :func:`_calls`)."""
+        """Issue the queue in as few calls as it allows (:func:`~megatron_mesh.plan.hostops.write_calls`:
+        the grouping the planner's host model counts)."""
         if not self.writes:
             return
-        calls = min(_calls(self.writes), _calls(self.writes[::-1])[::-1], key=len)
-        for add, ws in calls:
+        for group in write_calls([(w.add, w.where) for w in self.writes]):
+            ws = [self.writes[i] for i in group]
             if len(ws) == 1:
-                (ws[0].dst.add_ if add else ws[0].dst.copy_)(ws[0].src)
-            elif add:
+                (ws[0].dst.add_ if ws[0].add else ws[0].dst.copy_)(ws[0].src)
+            elif ws[0].add:
                 torch._foreach_add_([w.dst for w in ws], [w.src for w in ws])
             else:
                 torch._foreach_copy_([w.dst for w in ws], [w.src for w in ws])
@@ -91,20 +90,3 @@ class Deferred:
         self.written.clear()
         self.read.clear()
         self.arena.clear()
-
-
-def _calls(writes: list[Write]) -> list[list]:
-    """``writes`` as [add, writes] calls: each write in the first call of its kind after every call
-    holding a write into its rows (reversed writes give each write the *last* such call, read
-    backwards: :meth:`Deferred.flush` takes whichever needs fewer calls). Within a call the writes
-    keep their order."""
-    calls: list[list] = []
-    for w in writes:
-        after = max((j for j, (_, ws) in enumerate(calls) if any(_overlap(w.where, x.where) for x in ws)), default=-1)
-        for j in range(after + 1, len(calls)):
-            if calls[j][0] == w.add:
-                calls[j][1].append(w)
-                break
-        else:
-            calls.append([w.add, [w]])
-    return calls

@@ -129,7 +129,14 @@ def _row(mode: str, c: Candidate, placement: Placement, detail: str = "", extra:
     return ModeResult(mode, c.tile, c.bytes_per_rank, c.intra_node_bytes_per_rank, c.inter_node_bytes_per_rank,
                       c.max_inter_node_bytes, c.rounds, c.peak_buffer_bytes, c.time_s, c.forward_s, c.backward_s,
                       c.compute_s, c.contiguous, detail, ulysses=placement.ulysses,
-                      extra={"saved_bytes": c.saved_bytes, "held_buffer_bytes": c.held_buffer_bytes, **(extra or {})})
+                      extra={"saved_bytes": c.saved_bytes, "held_buffer_bytes": c.held_buffer_bytes, "host_s": c.host_s,
+                             **(extra or {})})
+
+
+def host_bound(r: ModeResult) -> bool:
+    """The row's host needs longer to issue its ops than its device to run them (the simulator's
+    host, :mod:`megatron_mesh.plan.hostops`; rows by formula have none)."""
+    return r.extra.get("host_s", 0.0) > r.compute_s
 
 
 def _breakdown_json(plan, shape: AttentionShape, topo: Topology, sim) -> list[dict]:

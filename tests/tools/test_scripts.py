@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from megatron_mesh.plan import AttentionShape, layout_from_text, plan_bytes
+from megatron_mesh.plan.hostops import TOLERANCE
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
@@ -696,3 +697,24 @@ def test_planner_tables_mesh_table_and_its_headline_agree(script, capsys):
     top, mean = re.search(r"speedup ([\d.]+)x max, ([\d.]+)x average", headline).groups()
     assert float(top) == max(speedups)  # the rows print rounded values: the mean to within rounding
     assert float(mean) == pytest.approx(sum(speedups) / len(speedups), abs=0.006)
+
+
+# -- the planner's host cost model (megatron_mesh/plan/hostops.py) against the ops the executor issues:
+# count_host_ops.py's count of a step on the CPU (one kernel call per mask piece, as the model is told),
+# per rank, forward + backward, within the model's stated tolerance: dense plans of every kind of
+# schedule and packed documents on the balanced layout, torch ops in all (views included: the per-op
+# cost is calibrated on them) and those that run on the device alone
+@pytest.mark.parametrize("docs, layout, modes", [
+    ("fixed:2048", "zigzag", ("ring", "mesh:2x2", "tasp", "a2a+ring:2")),
+    ("lognormal:256,1.0", "balanced", ("ring", "a2a+ring:2")),
+])
+def test_host_op_model_counts_the_executor_s_ops(script, docs, layout, modes):
+    count = script("count_host_ops")
+    world, seq_local = 4, 512
+    for mode in modes:
+        counted = count.run_counted(world, seq_local, mode, docs, layout, warm=True)
+        ops = sum(sum(c.ops.values()) for c in counted) / world
+        launches = sum(n for c in counted for op, n in c.ops.items() if op not in count.VIEWS) / world
+        model_ops, model_launches = count.modelled(*count.plan_of(world, seq_local, mode, docs, layout), world)
+        assert model_ops == pytest.approx(ops, rel=TOLERANCE), (mode, layout, model_ops, ops)
+        assert model_launches == pytest.approx(launches, rel=TOLERANCE), (mode, layout, model_launches, launches)
