@@ -73,7 +73,8 @@ class HostOps(NamedTuple):
 
 def write_calls(writes) -> list[list[int]]:
     """The executor's grouping of queued writes into ``_foreach_*`` calls: ``writes`` as
-    (add, where) pairs -- where: (buffer, tensor, first row, stop row, first head, stop head) --
+    (add, where) pairs -- where: (buffer, tensor, first row, stop row, first head, stop head), or
+    a list of them for a write over several buffers' memory --
     each in the first call of its kind after every call holding a write into its rows, or the
     same read backwards (each write in the *last* such call), whichever needs fewer calls.
     Returns the writes' indices per call, in issue order (a call keeps its writes' order)."""
@@ -92,8 +93,8 @@ def _calls(writes) -> list[list[int]]:
     by_mode: dict[bool, list[int]] = {True: [], False: []}  # the calls of each kind, in order
     placed: dict = {}  # (buffer, tensor) -> [(call, where)]: only writes into one tensor can share rows
     for i, (add, where) in writes:
-        same = placed.setdefault(where[:2], [])
-        after = max((j for j, w in same if _overlap(where, w)), default=-1)
+        wheres = where if isinstance(where, list) else [where]  # a write over several buffers: all of them
+        after = max((j for x in wheres for j, w in placed.get(x[:2], ()) if _overlap(x, w)), default=-1)
         mine = by_mode[add]
         k = bisect.bisect_right(mine, after)
         if k < len(mine):
@@ -104,7 +105,8 @@ def _calls(writes) -> list[list[int]]:
             kinds.append(add)
             mine.append(j)
         calls[j].append(i)
-        same.append((j, where))
+        for x in wheres:
+            placed.setdefault(x[:2], []).append((j, x))
     return calls
 
 

@@ -147,8 +147,9 @@ class BlockOps:
                 any(fresh != [[0, acc[0].shape[2]]] for _, acc, _, fresh in cols):
             return False
         heads = span[0].shape[1]
-        for t, (acc, g) in enumerate(zip(span, part[3:])):
-            self._queue.put(False, acc, g, (("grads", self._at), t, 0, total, 0, heads))
+        for t, (acc, g) in enumerate(zip(span, part[3:])):  # one write over every buffer's rows
+            where = [(key, t, 0, a[0].shape[2], 0, heads) for key, a, _, _ in cols]
+            self._queue.put(False, acc, g, where)
         for key, acc, _, fresh in cols:
             fresh.clear()
             self._queue.written.add(key)

@@ -37,7 +37,8 @@ __all__ = ["Deferred", "Write"]
 
 class Write(NamedTuple):
     """One queued write: ``dst`` (+)= ``src``. ``where``: (buffer key, tensor index, first row,
-    stop row, first head, stop head) of ``dst`` -- what two writes of one call must not share."""
+    stop row, first head, stop head) of ``dst`` -- what two writes of one call must not share --
+    or a list of them (a run of the arena over several buffers)."""
 
     add: bool
     dst: Tensor
@@ -61,10 +62,11 @@ class Deferred:
         """Queue ``dst`` (+)= ``src`` (``where``: see :class:`Write`); ``dst_id`` / ``src_id``:
         the arena buffers written / read, ``src_key``: the buffer read (None: a kernel's output).
         A write that reads what the queue writes, or writes what it reads, issues the queue first."""
-        if (src_key is not None and src_key in self.written) or where[0] in self.read:
+        keys = [w[0] for w in where] if isinstance(where, list) else [where[0]]
+        if (src_key is not None and src_key in self.written) or any(k in self.read for k in keys):
             self.flush()
         self.writes.append(Write(add, dst, src, where))
-        self.written.add(where[0])
+        self.written.update(keys)
         if src_key is not None:
             self.read.add(src_key)
         self.arena.update(i for i in (dst_id, src_id) if i is not None)

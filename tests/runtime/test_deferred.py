@@ -147,3 +147,16 @@ def test_two_layers_share_the_arena_and_keep_what_each_saved():
         for layer in got:
             errors, ratios = cases.compare(p, layer, ref, rank)
             assert max(ratios.values()) <= 1, (rank, errors)
+
+
+def test_a_write_over_several_buffers_orders_the_writes_into_each():
+    """A backward block's new dK partials of two buffers lying one after another are written by one
+    copy over both (where: a list); an add into one of them then comes after it."""
+    run = torch.zeros(8)
+    a, b = run[:4], run[4:]
+    q = Deferred()
+    q.put(False, run, torch.ones(8), [("a", 0, 0, 4, 0, 1), ("b", 0, 0, 4, 0, 1)])
+    q.put(True, b, torch.ones(4), ("b", 0, 0, 4, 0, 1), src_key="b'")
+    q.put(True, torch.zeros(3), torch.ones(3), ("c", 0, 0, 3, 0, 1))
+    q.flush()
+    assert (a == 1).all() and (b == 2).all()
