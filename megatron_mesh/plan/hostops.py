@@ -150,71 +150,89 @@ def host_ops(plan: Plan, rank: int, direction: str, *, varlen: bool = True, piec
     """The host ops of each op of ``rank``'s ``direction`` (in op order) and those issued around
     them (inputs, results, the queue's last calls). ``heads``: (query, key/value heads), for the
     copies of head slices that together fill a buffer (no fill then)."""
-    piece = MASK_PIECE["cuda"] if piece is None else piece
+    walk = _Walk(plan, rank, direction, MASK_PIECE["cuda"] if piece is None else piece, varlen, heads)
+    out = tuple(walk.op(i, op) for i, op in enumerate(walk.ops))
     rp = plan.rank(rank)
-    ops = rp.ops(direction)
-    first = plan.first_writes(rank, direction)
-    fills = plan.creation_fills(rank, direction, *(heads or (None, None)))
-    own = {rp.output} if direction == "forward" else {rp.grad_q, rp.grad_kv}
-    live = set(rp.forward_inputs if direction == "forward" else (*rp.backward_inputs, *rp.saved))
-    own_rows = set(rp.backward_inputs) | {op.dst for op in ops if type(op) is RowStats}
-    made_rows: set = set()
-    came: dict = {k: -1 for k in cut_keys(rp, direction)}  # buffer -> the Post it arrived with (-1: cut inputs)
-    queue = _Queue()
-    out = []
-    for i, op in enumerate(ops):
-        kind = type(op)
-        launches, views, transfers = 0.0, 0.0, 0
-        keys = op.reads() if kind is AttendBackward else op_keys(op)
-        if kind not in (AddGrad, Copy, Free, Wait) and queue.touches(keys):
-            launches += queue.flush()
-        new = [k for k in dict.fromkeys(op.writes()) if k not in live and kind is not Post]
-        live.update(new)
-        launches += sum((2 if k.kind == "o" else 1) for k in new if k in own)  # own allocations (an output: two)
-        if kind is Post:
-            transfers = sum(1 for _ in op.sends) + sum(1 for _ in op.recvs)
-            live.update(t.key for t in op.recvs)
-            came.update((t.key, i) for t in op.recvs)
-        elif kind is Free:
-            live.discard(op.key)
-            came.pop(op.key, None)
-        elif kind is Attend:
-            calls = _calls_of(plan, op, piece, varlen)
-            launches += 2 * calls + _join(op, came) + _fills(fills.get(i, {}))
-            views += (_ATTEND_VIEWS + _PIECED * (op.mask == BlockKind.MASKED)) * calls
-        elif kind is AttendBackward:
-            calls = _calls_of(plan, op, piece, varlen)
-            launches += calls * (1 + (op.mask == BlockKind.MASKED)) + _join(op, came) + \
-                (1 if any(fills.get(i, {}).values()) else 0)
-            if op.do not in made_rows:
-                made_rows.add(op.do)
-                launches += 1 if op.do in own_rows else _STAND_IN
-            views += (_BACKWARD_VIEWS + _PIECED * (op.mask == BlockKind.MASKED)) * calls
-            pieces = sum(len(op.col(j)) if op.col(j) is not None else 1 for j in range(len(op.kv)))
-            if pieces > 1 and any(op.col(j) is not None for j in range(len(op.kv))):
-                views += _PIECE_VIEWS * pieces  # each piece's gradients cut into its buffer's columns
-            fresh = first.get(i, {})
-            queue.put(_add(fresh, op.dq, op.rows, plan.tokens(op.dq)), op.dq, _rows(op.rows, plan.tokens(op.dq)))
-            for j, key in enumerate(op.dkv):
-                queue.put(_add(fresh, key, op.col(j), plan.tokens(key)), key, _rows(op.col(j), plan.tokens(key)))
-        elif kind in (AddGrad, Copy):
-            rows = _rows(op.into, plan.tokens(op.dst))
-            queue.put(kind is AddGrad, op.dst, rows, op.src)
-            tensors = min(len(KINDS[op.src.kind].tensors), len(KINDS[op.dst.kind].tensors))
-            ranges = max(len(rows), len(op.rows) if kind is Copy and op.rows is not None else 1)
-            cut = ranges > 1 or rows != ((0, plan.tokens(op.dst)),)  # a whole buffer is its own view
-            views += tensors * (2 * ranges * cut + (op.heads is not None))
-            if kind is Copy:
-                launches += _fills(fills.get(i, {}))
-        elif kind is MergeOut:
-            launches += len(_rows(op.into, plan.tokens(op.dst)))
-        elif kind is RowStats:
-            launches += 2 * len(_rows(op.rows, plan.tokens(op.dst))) + 1
-        out.append(HostOps(launches, views, transfers))
     fixed_l, fixed_v = _FIXED[direction]
     inputs = rp.forward_inputs if direction == "forward" else rp.backward_inputs
     fixed_v += sum(len(KINDS[k.kind].tensors) * ((k.heads >= 0) + (len(segs) == 1)) for k, segs in inputs.items())
-    return tuple(out), HostOps(fixed_l + queue.flush(), fixed_v, 0)
+    return out, HostOps(fixed_l + walk.queue.flush(), fixed_v, 0)
+
+
+class _Walk:
+    """One rank's direction walked as the executor runs it (what :func:`host_ops` counts)."""
+
+    def __init__(self, plan: Plan, rank: int, direction: str, piece: int, varlen: bool, heads):
+        rp = self.rp = plan.rank(rank)
+        self.plan, self.piece, self.varlen = plan, piece, varlen
+        self.ops = rp.ops(direction)
+        self.first = plan.first_writes(rank, direction)
+        self.fills = plan.creation_fills(rank, direction, *(heads or (None, None)))
+        self.own = {rp.output} if direction == "forward" else {rp.grad_q, rp.grad_kv}
+        self.live = set(rp.forward_inputs if direction == "forward" else (*rp.backward_inputs, *rp.saved))
+        self.own_rows = set(rp.backward_inputs) | {op.dst for op in self.ops if type(op) is RowStats}
+        self.made_rows: set = set()
+        self.came: dict = {k: -1 for k in cut_keys(rp, direction)}  # buffer -> the Post it came with (-1: a cut)
+        self.queue = _Queue()
+
+    def op(self, i: int, op) -> HostOps:
+        kind = type(op)
+        launches = 0.0
+        keys = op.reads() if kind is AttendBackward else op_keys(op)
+        if kind not in (AddGrad, Copy, Free, Wait) and self.queue.touches(keys):
+            launches += self.queue.flush()
+        new = [k for k in dict.fromkeys(op.writes()) if k not in self.live and kind is not Post]
+        self.live.update(new)
+        launches += sum((2 if k.kind == "o" else 1) for k in new if k in self.own)  # own allocations (an output: two)
+        if kind is Post:
+            self.live.update(t.key for t in op.recvs)
+            self.came.update((t.key, i) for t in op.recvs)
+            return HostOps(launches, 0.0, len(op.sends) + len(op.recvs))
+        if kind is Free:
+            self.live.discard(op.key)
+            self.came.pop(op.key, None)
+        elif kind is Attend:
+            calls = _calls_of(self.plan, op, self.piece, self.varlen)
+            launches += 2 * calls + _join(op, self.came) + _fills(self.fills.get(i, {}))
+            return HostOps(launches, (_ATTEND_VIEWS + _PIECED * (op.mask == BlockKind.MASKED)) * calls, 0)
+        elif kind is AttendBackward:
+            got = self.backward_block(i, op)
+            return HostOps(launches + got.launches, got.views, 0)
+        elif kind in (AddGrad, Copy):
+            return HostOps(launches + (_fills(self.fills.get(i, {})) if kind is Copy else 0), self.queued(op), 0)
+        elif kind is MergeOut:
+            launches += len(_rows(op.into, self.plan.tokens(op.dst)))
+        elif kind is RowStats:
+            launches += 2 * len(_rows(op.rows, self.plan.tokens(op.dst))) + 1
+        return HostOps(launches, 0.0, 0)
+
+    def backward_block(self, i: int, op) -> HostOps:
+        plan = self.plan
+        calls = _calls_of(plan, op, self.piece, self.varlen)
+        launches = calls * (1 + (op.mask == BlockKind.MASKED)) + _join(op, self.came) + \
+            (1 if any(self.fills.get(i, {}).values()) else 0)
+        if op.do not in self.made_rows:
+            self.made_rows.add(op.do)
+            launches += 1 if op.do in self.own_rows else _STAND_IN
+        views = (_BACKWARD_VIEWS + _PIECED * (op.mask == BlockKind.MASKED)) * calls
+        pieces = sum(len(op.col(j)) if op.col(j) is not None else 1 for j in range(len(op.kv)))
+        if pieces > 1 and any(op.col(j) is not None for j in range(len(op.kv))):
+            views += _PIECE_VIEWS * pieces  # each piece's gradients cut into its buffer's columns
+        fresh = self.first.get(i, {})
+        self.queue.put(_add(fresh, op.dq, op.rows, plan.tokens(op.dq)), op.dq, _rows(op.rows, plan.tokens(op.dq)))
+        for j, key in enumerate(op.dkv):
+            self.queue.put(_add(fresh, key, op.col(j), plan.tokens(key)), key, _rows(op.col(j), plan.tokens(key)))
+        return HostOps(launches, views, 0)
+
+    def queued(self, op) -> float:
+        """An AddGrad's or Copy's writes into the queue; their views."""
+        kind = type(op)
+        rows = _rows(op.into, self.plan.tokens(op.dst))
+        self.queue.put(kind is AddGrad, op.dst, rows, op.src)
+        tensors = min(len(KINDS[op.src.kind].tensors), len(KINDS[op.dst.kind].tensors))
+        ranges = max(len(rows), len(op.rows) if kind is Copy and op.rows is not None else 1)
+        cut = ranges > 1 or rows != ((0, self.plan.tokens(op.dst)),)  # a whole buffer is its own view
+        return tensors * (2 * ranges * cut + (op.heads is not None))
 
 
 def _join(op, came: dict) -> int:

@@ -7,14 +7,20 @@ accumulate in fp32 buffers that belong to the executor (kernel outputs are only 
 never kept as accumulators), in the order the plan fixes, so results are bitwise reproducible.
 
 Tensors are [B, H, T, D] (heads before tokens) inside the executor, as *views*: the public API
-hands it ``x.permute(1, 2, 0, 3)`` of Megatron's [T, B, H, D] tensors, and the final output and
-gradients are allocated token-major, so neither side copies to change layouts (the kernels take
-strided inputs). A buffer is copied only where it must be contiguous: when it is sent, or cut
-from several token ranges or one head slice that a block reads or that is sent (a head slice
-only copies read stays a view). The one stride the kernels cannot take is a head_dim that is not
+hands it ``x.permute(1, 2, 0, 3)`` of Megatron's [T, B, H, D] tensors, and its own buffers are
+token-major too (:mod:`.buffers`: each at its place in the rank's arena, laid out once per plan,
+:mod:`megatron_mesh.plan.arena`), so neither side copies to change layouts and a transfer moves a
+buffer's storage as it is (a rank's own chunk too). A buffer is copied only where it is cut from
+several token ranges or one head slice that a block reads or that is sent (a head slice only
+copies read stays a view). The one stride the kernels cannot take is a head_dim that is not
 stride 1 (``buf[..., ::2]``, a projection stored [d, h] and transposed, a broadcast head_dim): such
 an input (or dout) is copied once per pass, at entry (:func:`~megatron_mesh.kernels.base.head_dim_dense`),
 instead of once per block that reads it.
+
+Few ops per step (the host's time sets the pace at a few thousand tokens per rank): a merge is one
+op (:mod:`.fused`), copies and gradient adds wait in a queue issued as a few ``_foreach_*`` calls
+(:mod:`.deferred`), a block's key/value pieces are one view where they lie side by side in the
+arena; :mod:`megatron_mesh.plan.hostops` counts what is left, for the planner.
 """
 
 from __future__ import annotations

@@ -273,7 +273,7 @@ def usp_result(world_size: int, shape: AttentionShape, topo: Topology, causal: b
                       a2a.max_inter + ring.max_inter_node_bytes, 4 + ring.rounds,
                       2 * a2a.local + ring.peak_buffer_bytes, fwd + bwd, fwd, bwd, ring.compute_s,
                       detail=f"all-to-all degree {u} x ring {r}", by_formula=True, ulysses=u,
-                      extra={"ulysses_degree": u, "ring_degree": r})
+                      extra={"ulysses_degree": u, "ring_degree": r, "host_s": ring.host_s})
 
 
 _FORMULA = {"ulysses": ulysses_result, "usp": usp_result}
