@@ -165,24 +165,19 @@ class Buffers:
     def grad_span(self, i: int) -> tuple[Tensor, ...] | None:
         """The dK, dV runs backward block ``i``'s new gradient partials make together
         (:attr:`~megatron_mesh.plan.arena.ScratchLayout.grad_spans`)."""
-        places = self.layout.grad_spans.get(i)
-        if places is None:
-            return None
-        ident = ("grads", i)
-        got = self.views.get(ident)
-        if got is None:
-            got = self.views[ident] = tuple(place_view(self.arena, p, self.acc_dtype) for p in places)
-        return got
+        return self._runs("grads", self.layout.grad_spans, i, self.acc_dtype)
 
     def span(self, i: int) -> tuple[Tensor, ...] | None:
         """The key/value tensors op ``i`` reads as one run of the arena (:attr:`ScratchLayout.spans`)."""
-        places = self.layout.spans.get(i)
+        return self._runs("span", self.layout.spans, i, self.dtype)
+
+    def _runs(self, what: str, table: dict, i: int, dtype: torch.dtype) -> tuple[Tensor, ...] | None:
+        places = table.get(i)
         if places is None:
             return None
-        ident = ("span", i)
-        got = self.views.get(ident)
+        got = self.views.get((what, i))
         if got is None:
-            got = self.views[ident] = tuple(place_view(self.arena, p, self.dtype) for p in places)
+            got = self.views[(what, i)] = tuple(place_view(self.arena, p, dtype) for p in places)
         return got
 
     def own(self, key: Key) -> tuple[Tensor, ...]:
