@@ -61,7 +61,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # attention kernels (their memory traffic is the kernel's own, priced with its FLOPs)
 ATTENTION = ("flash", "attention")
 # ops that only write their first argument (it is not read)
-WRITE_ONLY = frozenset({"copy_", "fill_", "zero_"})
+WRITE_ONLY = frozenset({"copy_", "fill_", "zero_", "_foreach_copy_", "_foreach_zero_"})
+# in-place ops that return nothing: what they write, by their arguments (the fused merge: out and lse)
+WRITTEN = {"merge_": slice(0, 2)}
 
 
 class OpCounter(TorchDispatchMode):
@@ -86,7 +88,8 @@ class OpCounter(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if mine and name not in VIEWS and not any(a in name for a in ATTENTION) and not name.startswith("empty"):
             read = args[1:] if name in WRITE_ONLY else args
-            self.bytes[name] += _nbytes(read) + _nbytes(list((kwargs or {}).values())) + _nbytes(out)
+            written = out if out is not None else args[WRITTEN.get(name, slice(0, 1))] if name.endswith("_") else None
+            self.bytes[name] += _nbytes(read) + _nbytes(list((kwargs or {}).values())) + _nbytes(written)
         return out
 
 

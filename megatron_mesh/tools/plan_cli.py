@@ -570,7 +570,7 @@ def _explain(rows, floor: float | None) -> str:
                    + (f" = {best.time_s / floor:.2f}x the compute floor" if floor else ""))
         for b in best.extra["breakdown"]:
             parts = ", ".join(f"{k[:-2]} {b[k] * 1e3:.3f}" for k in ("flops_s", "launches_s", "accumulate_s",
-                                                                      "copies_s", "combine_s", "exposed_s"))
+                                                                      "copies_s", "combine_s", "host_s", "exposed_s"))
             out.append(f"  {b['direction']:8s} {b['time_s'] * 1e3:8.3f} ms on rank {b['rank']}: {parts} ms")
             for w in b["waits"][:3]:
                 out.append(f"           waits {w['seconds'] * 1e3:.3f} ms for round {w['round']} ({w['moves']})")
