@@ -915,7 +915,7 @@ def test_cli_explain(capsys):
     out = capsys.readouterr().out
     assert out.count("where the time goes:") == len(LAYOUTS)
     assert re.search(r"forward +[0-9.]+ ms on rank \d+: flops [0-9.]+, launches [0-9.]+, accumulate [0-9.]+, "
-                     r"copies [0-9.]+, combine [0-9.]+, exposed [0-9.]+ ms", out)
+                     r"copies [0-9.]+, combine [0-9.]+, host [0-9.]+, exposed [0-9.]+ ms", out)
     data = _json(capsys, "--cp", "8", "--seq-len", "65536", "--modes", "ring", "--explain")
     (row,) = data["modes"]
     fwd, bwd = row["breakdown"]
