@@ -49,12 +49,12 @@ def _other_plan_code(other: bool, fn):
 
     if not other:
         return fn()
-    real = agreement._source_digest()
-    agreement._SOURCE_DIGEST[:] = [OTHER_SOURCE]
+    real = agreement._source_digest
+    agreement._source_digest = lambda: OTHER_SOURCE
     try:
         return fn()
     finally:
-        agreement._SOURCE_DIGEST[:] = [real]
+        agreement._source_digest = real
 
 
 def _with_env(here: bool, name: str, value: str, fn):
@@ -97,7 +97,6 @@ def process_settings(rank: int, world: int, q, k, v, want) -> dict:
         "agreement_off_on_one_rank": lambda: _with_env(rank == 2, agreement.ENV, "0", ring),
         "agreement_bad_on_one_rank": lambda: _with_env(rank == 2, agreement.ENV, "yes", ring),
         "mask_piece_bad_on_one_rank": lambda: _with_env(rank == 2, "MEGATRON_MESH_MASK_PIECE", "0", documents),
-        "mask_tile_on_one_rank": lambda: _with_env(rank == 2, "MEGATRON_MESH_MASK_TILE", "64", documents),
         "no_grad_on_one_rank": lambda: _trains(q, k, v, no_grad=rank == 2),
         # every rank without the check: the first call agrees on that, the second runs no check
         "agreement_off_everywhere": lambda: _with_env(True, agreement.ENV, "0", lambda: [
@@ -110,7 +109,7 @@ def disagreements(rank: int, world: int) -> dict:
     name -> (outcome on this rank, seconds). Each must raise on every rank; the "*_agree" calls
     in between must run."""
     from megatron_mesh.comm.torch_dist import TorchDistCommunicator
-    from megatron_mesh.megatron.telemetry import TimedCommunicator
+    from megatron_mesh.megatron.telemetry import TimedCommunicator, Timing
     from megatron_mesh.plan import AttentionShape, resolve
 
     T = 32 // world
@@ -122,7 +121,7 @@ def disagreements(rank: int, world: int) -> dict:
     half = (q.repeat(1, 2, 1, 1), k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1))  # batch 2
     wide = tuple(torch.cat([x, x], dim=-1) for x in (q, k, v))  # head dim 16
     shape = AttentionShape(T, 1, 4, 2, 8, 8)
-    adapter = TimedCommunicator(TorchDistCommunicator(None))  # what core_attention.py hands attention()
+    adapter = TimedCommunicator(TorchDistCommunicator(None), Timing())  # what core_attention.py hands attention()
     placement = resolve("mesh", world, shape, tile=(2, world // 2))
     calls = {
         "documents_agree_A": ring(0, "A", "A"),

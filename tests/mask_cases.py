@@ -301,6 +301,15 @@ def balanced_documents(world: int, T: int, variant: int) -> tuple:
     return tuple(cu)
 
 
+def cpu_problem_samples() -> list[tuple]:
+    """Seeds 0-2 of the CPU problem of docs/performance.md (8 ranks, 64K tokens of
+    lognormal:4096,1.0) scaled by 1/32: 2K tokens of lognormal:128,1.0 (the sizes of a document
+    relative to a rank's tokens are the same)."""
+    from megatron_mesh.tools.plan_cli import document_bounds
+
+    return [tuple(document_bounds("lognormal:128,1.0", 2048, seed)) for seed in range(3)]
+
+
 def balanced_grid(rank: int, world: int, group=None) -> list[Record]:
     """The work-balanced layout (issue 19): every plan-based mode on it -- ring, Mesh (auto and a
     2-row tile), TASP, and at even CP sizes the hybrids on a layout balanced per Ulysses group
@@ -331,6 +340,11 @@ def balanced_grid(rank: int, world: int, group=None) -> list[Record]:
                                   cu_seqlens=balanced_documents(world, T, (4, 7)[seed - 1]), owners=seed * 10 + world),
                        group))
         n += 1
+    if world == 8:  # the CPU problem's samples (scaled), the shape of docs/performance.md: 2 heads of 32, fp32
+        for cu in cpu_problem_samples():
+            for mode in ("ring", "tasp"):
+                out.append(run(rank, Case(8, mode, (), 2, 2, torch.float32, seq_local=256, head_dim=32, cu_seqlens=cu,
+                                          balanced=1), group))
     return out
 
 

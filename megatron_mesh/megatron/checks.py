@@ -297,7 +297,7 @@ def _check_layout(args, cp: int, documents: Optional[str]) -> None:
         raise ValueError(f"--cp-layout {given} applies to packed documents (--reset-attention-mask) at CP > 1, not "
                          f"here ({why}); leave the flag out")
     if getattr(args, "no_cp_layout_lookahead", False) and not (applies and cp_layout(args) != "zigzag"):
-        raise ValueError("--no-cp-layout-lookahead applies to --cp-layout balanced (packed documents, "
+        raise ValueError("--no-cp-layout-lookahead applies to --cp-layout auto and balanced (packed documents, "
                          "--reset-attention-mask, at CP > 1), which this run does not use; leave the flag out")
     if not applies or cp_layout(args) == "zigzag":
         return

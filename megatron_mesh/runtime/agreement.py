@@ -30,7 +30,7 @@ softmax scale, the kernel, whether a backward follows (grad mode on and an input
 a rank under ``torch.no_grad()`` would leave the others waiting in theirs), the check's own
 switch (below), the plan itself (a digest of its structure, computed once per plan object), and
 the code that built it (:func:`plan_code`: the plugin's version, a digest of the plan layer's
-source files and the plan builders' tunable constants). The plan digest names the plan, not each rank's op list (a
+source files and the plan builders' tunables). The plan digest names the plan, not each rank's op list (a
 rank builds only its own); ranks running the same code on the same inputs build matching op
 lists, so the code is what closes that gap: two nodes with different plugin versions, or a
 patched builder, raise here instead of hanging in a transfer one side never posts.
@@ -58,6 +58,7 @@ runtime (the mask piece, ``MEGATRON_MESH_MASK_PIECE``) are read there too.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import weakref
@@ -71,12 +72,12 @@ import torch.distributed as dist
 
 from .. import __version__
 from .. import plan as plan_package
-from ..plan import balance, sparse
 from ..plan.ir import Plan
 from ..plan.mask import Mask
+from ..plan.tunables import TUNABLES
 
-__all__ = ["PlanMismatchError", "Call", "check", "joined_on_error", "enabled", "plan_digest", "plan_code",
-           "mismatch_message", "differences", "ENV", "SWITCH"]
+__all__ = ["PlanMismatchError", "Call", "GroupChecks", "GROUP_CHECKS", "check", "joined_on_error", "enabled",
+           "plan_digest", "plan_code", "mismatch_message", "differences", "ENV", "SWITCH"]
 
 ENV = "MEGATRON_MESH_PLAN_AGREEMENT"
 SWITCH = f"plan check ({ENV})"  # the switch's field in a call's description
@@ -95,41 +96,32 @@ def enabled() -> bool:
     return value == "1"
 
 
-_PLAN_DIGESTS: "weakref.WeakKeyDictionary[Plan, str]" = weakref.WeakKeyDictionary()
-
-
 def plan_digest(plan: Plan) -> str:
     """A digest of the plan's structure (mode, sizes, tile, schedule, mask, layout, rings,
-    options), once per plan object: every batch with documents brings a new plan, but a plan
-    reused by several calls (or layers) is digested once."""
-    d = _PLAN_DIGESTS.get(plan)
-    if d is None:
+    options), once per plan object (kept with the plan): every batch with documents brings a new
+    plan, but a plan reused by several calls (or layers) is digested once."""
+    def digest() -> str:
         text = f"{plan.header()}|{plan.mask.text()}|{plan.layout.text()}|{plan.rings}"
-        d = _PLAN_DIGESTS[plan] = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
-    return d
+        return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+    return plan.memo(("agreement digest",), digest)
 
 
-_SOURCE_DIGEST: list = []  # the plan layer's source files, hashed once per process
-
-
+@functools.cache
 def _source_digest() -> str:
-    if not _SOURCE_DIGEST:
-        root = Path(plan_package.__file__).parent
-        h = hashlib.blake2b(digest_size=6)
-        for path in sorted(root.rglob("*.py")):
-            h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
-        _SOURCE_DIGEST.append(h.hexdigest())
-    return _SOURCE_DIGEST[0]
+    """The plan layer's source files, hashed once per process."""
+    root = Path(plan_package.__file__).parent
+    h = hashlib.blake2b(digest_size=6)
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def plan_code() -> str:
     """The code that builds the plans: the plugin's version, a digest of the plan layer's source
-    files (read once) and the builders' tunable constants as they are now (they are module
-    globals a user or a test may change). Two ranks with different values would build op lists
-    that do not match."""
-    tunables = (sparse.BURST_GROUPS, sparse.GROUP_TOKENS, sparse.OWN_CALL_TOKENS, sparse.KEEP_LIMIT,
-                balance.PIECE_WORK, balance.NODE_PIECE_WORK)
-    return f"{__version__} {_source_digest()} " + ",".join(str(t) for t in tunables)
+    files (read once) and the builders' tunables the runtime builds with (:data:`TUNABLES`, as a
+    whole: every field). Two ranks with different values would build op lists that do not match."""
+    return f"{__version__} {_source_digest()} {TUNABLES!r}"
 
 
 def _kernel_text(kernel) -> str:
@@ -196,9 +188,36 @@ class Call:
 
 
 # -- the collective ----------------------------------------------------------------------------------------
-_DEVICES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # process group -> device of the check
-# process groups whose ranks agreed to run without the check (MEGATRON_MESH_PLAN_AGREEMENT=0 on all)
-_AGREED_OFF: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+class GroupChecks:
+    """What the check remembers of each process group (weakly: a destroyed group goes): the
+    device of its check's tensor, chosen from the group alone, and whether its ranks agreed to run
+    without the check (``MEGATRON_MESH_PLAN_AGREEMENT=0`` on all)."""
+
+    def __init__(self):
+        self._devices: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self._agreed_off: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+    def device(self, group) -> torch.device:
+        """CUDA for an NCCL group, else the CPU -- so every rank picks the same, whatever its inputs."""
+        device = self._devices.get(group)
+        if device is None:
+            nccl = dist.get_backend(group) == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+            self._devices[group] = device
+        return device
+
+    def agreed_off(self, group) -> bool:
+        return group in self._agreed_off
+
+    def agree(self, group, on: bool) -> None:
+        """The group's ranks agreed to run with the check ``on`` (True) or without it."""
+        if on:
+            self._agreed_off.pop(group, None)
+        else:
+            self._agreed_off[group] = True
+
+
+GROUP_CHECKS = GroupChecks()  # the process's: what check and joined_on_error use unless given another
 
 
 def _digest(text: str) -> int:
@@ -213,18 +232,8 @@ def _group(comm):
     return getattr(comm, "process_group", None)
 
 
-def _device(group) -> torch.device:
-    """Where the check's tensor lives: CUDA for an NCCL group, else the CPU -- chosen from the
-    group alone, so every rank picks the same, whatever its inputs."""
-    device = _DEVICES.get(group)
-    if device is None:
-        nccl = dist.get_backend(group) == "nccl"
-        device = _DEVICES[group] = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    return device
-
-
-def _agree(group, world_size: int, digest: int, describe) -> None:
-    t = torch.tensor([digest, -digest], dtype=torch.int64, device=_device(group))
+def _agree(group, world_size: int, digest: int, describe, checks: GroupChecks) -> None:
+    t = torch.tensor([digest, -digest], dtype=torch.int64, device=checks.device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     top, neg_bottom = t.tolist()
     if top == -neg_bottom:  # the same on every rank: they all return, or all gather below
@@ -234,26 +243,26 @@ def _agree(group, world_size: int, digest: int, describe) -> None:
     raise PlanMismatchError(mismatch_message(gathered))
 
 
-def _join_failed(group, world_size: int, error: Exception) -> None:
+def _join_failed(group, world_size: int, error: Exception, checks: GroupChecks) -> None:
     """Take part in the group's check described by this rank's ``error`` (the others raise
     PlanMismatchError naming it); the caller raises the error itself."""
     what = f"raised {type(error).__name__}: {error}"
     try:
-        _agree(group, world_size, _digest(what), lambda: {"input": what})
+        _agree(group, world_size, _digest(what), lambda: {"input": what}, checks)
     except PlanMismatchError:
         pass  # this rank's own error says more; the others raise theirs
 
 
-def _skips(group) -> bool:
+def _skips(group, checks: GroupChecks) -> bool:
     """Whether this rank runs no collective on ``group`` now: its check is off and the group's
     ranks agreed to that (a bad switch still joins)."""
     try:
-        return not enabled() and group in _AGREED_OFF
+        return not enabled() and checks.agreed_off(group)
     except ValueError:
         return False
 
 
-def check(comm, call: Call) -> None:
+def check(comm, call: Call, checks: GroupChecks = GROUP_CHECKS) -> None:
     """Raise :class:`PlanMismatchError` on every rank of ``comm``'s group unless all ranks make
     the same ``call`` (one small all-reduce; see the module docstring, also for the switch)."""
     group = _group(comm)
@@ -262,19 +271,16 @@ def check(comm, call: Call) -> None:
     try:
         on = enabled()
     except ValueError as e:  # read where this rank still joins the check: the others name its error
-        _join_failed(group, comm.world_size, e)
+        _join_failed(group, comm.world_size, e, checks)
         raise
-    if not on and group in _AGREED_OFF:
+    if not on and checks.agreed_off(group):
         return
-    _agree(group, comm.world_size, call.digest(on), lambda: call.describe(on))
-    if on:
-        _AGREED_OFF.pop(group, None)
-    else:
-        _AGREED_OFF[group] = True
+    _agree(group, comm.world_size, call.digest(on), lambda: call.describe(on), checks)
+    checks.agree(group, on)
 
 
 @contextmanager
-def joined_on_error(comm) -> Iterator[None]:
+def joined_on_error(comm, checks: GroupChecks = GROUP_CHECKS) -> Iterator[None]:
     """Run the block; if it raises on this rank, join the group's check first, described by the
     error (so the ranks that did not fail raise PlanMismatchError naming it instead of hanging),
     then re-raise it here."""
@@ -282,8 +288,8 @@ def joined_on_error(comm) -> Iterator[None]:
         yield
     except Exception as e:
         group = _group(comm)
-        if group is not None and not _skips(group):
-            _join_failed(group, comm.world_size, e)
+        if group is not None and not _skips(group, checks):
+            _join_failed(group, comm.world_size, e, checks)
         raise
 
 

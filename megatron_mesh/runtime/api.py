@@ -19,6 +19,7 @@ asks.
 from __future__ import annotations
 
 import os
+import textwrap
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -34,7 +35,9 @@ from ..comm.torch_dist import TorchDistCommunicator
 from ..kernels import BlockKernel, check_head_dims, get_kernel
 from ..plan.ir import Plan
 from ..plan.mask import Mask
-from ..plan.modes import HYBRID_PREFIX, MODES, TRANSPORTS, Placement, resolve
+from ..plan.modes import HYBRID_PREFIX, MODES, TRANSPORTS, Placement, option_specs, resolve
+from ..plan.modes.mesh import MeshOptions, RingOptions
+from ..plan.modes.tasp import TaspOptions
 from ..plan.shape import AttentionShape
 from ..plan.validate import validate_plan
 from . import agreement
@@ -81,38 +84,49 @@ def _plan(placement: Placement, shape: AttentionShape, mask: Mask, layout) -> Pl
     return plan
 
 
-# Calls made on a layout with documents of its own (the balanced layout of a packed sample): the
-# (placement, shape, causal, window, rank) that :func:`prebuild` plans again for the next samples'
-# layouts. Newest last; a few per model (one per distinct attention setting, not per layer).
-_LAYOUT_CALLS: "OrderedDict[tuple, None]" = OrderedDict()
-_LAYOUT_CALLS_KEPT = 16
-_LAYOUT_CALLS_LOCK = threading.Lock()
+class LayoutCalls:
+    """The prebuild memory: the attention calls recently made on a layout with documents of its
+    own (the balanced layout of a packed sample), as the (placement, shape, causal, window, rank)
+    that :func:`prebuild` plans again for the next samples' layouts. Newest last, at most
+    :attr:`KEPT` (a few per model: one per distinct attention setting, not per layer); the step
+    adds while the lookahead thread reads, so under a lock."""
+
+    KEPT = 16
+
+    def __init__(self):
+        self._calls: "OrderedDict[tuple, None]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def remember(self, placement: Placement, shape: AttentionShape, causal: bool, window, rank: int) -> None:
+        key = (placement, shape, causal, window, rank)
+        with self._lock:
+            self._calls[key] = None
+            self._calls.move_to_end(key)
+            while len(self._calls) > self.KEPT:
+                self._calls.popitem(last=False)
+
+    def recent(self) -> list[tuple]:
+        with self._lock:
+            return list(self._calls)
 
 
-def _remember_layout_call(placement: Placement, shape: AttentionShape, causal: bool, window, rank: int) -> None:
-    key = (placement, shape, causal, window, rank)
-    with _LAYOUT_CALLS_LOCK:
-        _LAYOUT_CALLS[key] = None
-        _LAYOUT_CALLS.move_to_end(key)
-        while len(_LAYOUT_CALLS) > _LAYOUT_CALLS_KEPT:
-            _LAYOUT_CALLS.popitem(last=False)
+LAYOUT_CALLS = LayoutCalls()  # the process's: what prepare remembers and prebuild reads by default
 
 
-def prebuild(layout) -> int:
+def prebuild(layout, calls: LayoutCalls = LAYOUT_CALLS) -> int:
     """Build, now, the plans the coming calls on ``layout`` will need: for every attention call
     recently made on another layout of the same CP size and tokens per rank (same placement,
-    shape, causal, window, rank), this rank's plan of ``layout`` goes into the plan cache that
-    :func:`prepare` reads. What a background thread runs for the next micro-batch's layouts
-    (:mod:`megatron_mesh.megatron.batch_layout`), so that the step finds its plans built. Returns
-    how many plans it built (0 before the first call on a layout).
+    shape, causal, window, rank; ``calls``: the process's memory of them), this rank's plan of
+    ``layout`` goes into the plan cache that :func:`prepare` reads. What a background thread runs
+    for the next micro-batch's layouts (:mod:`megatron_mesh.megatron.batch_layout`), so that the
+    step finds its plans built. Returns how many plans it built (0 before the first call on a
+    layout).
 
     Example: after a step of ``attention(q, k, v, mode="tasp", layout=L1)`` on rank 3,
     ``prebuild(L2)`` builds rank 3's TASP plan of L2; the next step's call with ``layout=L2``
     finds it (no plan build on the step's critical path)."""
-    with _LAYOUT_CALLS_LOCK:
-        calls = list(_LAYOUT_CALLS)
     built = 0
-    for placement, shape, causal, window, rank in calls:
+    for placement, shape, causal, window, rank in calls.recent():
         if placement.world_size != layout.world_size or shape.seq_local != layout.seq_local:
             continue
         mask, normal = attention_mask(layout.world_size, shape, causal=causal, window=window, layout=layout)
@@ -164,7 +178,7 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None, 
             raise ValueError(f"placement for {placement.world_size} ranks used on a CP group of {P}")
         plan = _plan(placement, shape, mask, layout)
         if layout.documents() is not None:  # a packed sample's layout: the next samples' plans can be built ahead
-            _remember_layout_call(placement, shape, mask.causal, None if window is None else tuple(window), own.rank)
+            LAYOUT_CALLS.remember(placement, shape, mask.causal, None if window is None else tuple(window), own.rank)
     if comm is None:
         comm = own if placement.transport == "p2p" else group_communicator(group, placement.transport)
     scale = scale_of(shape, softmax_scale)
@@ -250,73 +264,77 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None
     return PlanAttention.apply(q, k, v, call.executor(timer), softmax_offset)
 
 
-def mesh_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, tile="auto", causal: bool = True,
-                   window=None, cu_seqlens=None, layout=None, softmax_scale: float | None = None,
-                   softmax_offset: Tensor | None = None, schedule: str = "greedy", backward_chunks: str = "auto",
-                   contiguous: str = "auto", gpus_per_node: int | None = None, kernel: "str | BlockKernel" = "auto",
-                   comm: Communicator | None = None) -> Tensor:
-    """Mesh-Attention (see :func:`attention` for the common arguments).
+def _options_doc(options_type: type, names: tuple[str, ...]) -> str:
+    """The ``Args`` lines of a wrapper's mode options, from the mode's Options (their one owner)."""
+    helps = {s.name: s.help for s in option_specs(options_type)}
+    return "\n".join(textwrap.fill(f"{name}: {helps[name]}", 100, initial_indent=" " * 8,
+                                    subsequent_indent=" " * 12) for name in names)
 
-    Args:
-        tile: (a, b) with a * b == CP size -- a query chunks by b key/value chunks per rank; "AxB"
-            strings and "auto" (the tile the planner's simulator predicts fastest on nodes of
-            ``gpus_per_node`` CP ranks, one node when None; ties within
-            :data:`~megatron_mesh.plan.autotile.TIME_TOLERANCE` go to fewer inter-node bytes).
-            (1, P) is ring attention.
-        schedule: "greedy" (pull order by unlocked compute per byte) or "lockstep".
-        backward_chunks: "refetch" (re-communicate Q/KV chunks in the backward, ring attention's
-            memory), "keep" (keep the forward's chunks: fewer bytes, more activation memory) or
-            "auto" (under a mask or document layout, keep them on each rank where they are at most
-            its own Q, K and V; dense plans refetch).
-        contiguous: which group is made of consecutive CP ranks, i.e. shares a node when the CP
-            group spans nodes: "q" (Q rings), "kv" (KV rings) or "auto" (with the tile).
-    """
+
+def _takes_options(options_type: type, *names: str):
+    """The wrapper takes ``names``, options of ``options_type`` (their defaults are the Options'
+    own, read in the signature); their help goes into its docstring."""
+    def wrap(fn):
+        fn.mode_options = (options_type, names)
+        fn.__doc__ = fn.__doc__.rstrip() + "\n\n    Mode options (:class:`~megatron_mesh.plan.modes." + \
+            f"{options_type.__module__.rsplit('.', 1)[-1]}.{options_type.__name__}`):\n" + \
+            _options_doc(options_type, names) + "\n"
+        return fn
+    return wrap
+
+
+@_takes_options(MeshOptions, "tile", "contiguous", "schedule", "backward_chunks")
+def mesh_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, tile=MeshOptions.tile, causal: bool = True,
+                   window=None, cu_seqlens=None, layout=None, softmax_scale: float | None = None,
+                   softmax_offset: Tensor | None = None, schedule: str = MeshOptions.schedule,
+                   backward_chunks: str = MeshOptions.backward_chunks, contiguous: str = MeshOptions.contiguous,
+                   gpus_per_node: int | None = None, kernel: "str | BlockKernel" = "auto",
+                   comm: Communicator | None = None) -> Tensor:
+    """Mesh-Attention (see :func:`attention` for the common arguments). ``tile`` is (a, b) with
+    a * b == CP size, an "AxB" string or "auto" (chosen for nodes of ``gpus_per_node`` CP ranks,
+    one node when None); (1, P) is ring attention."""
     return attention(q, k, v, mode="mesh", group=group, causal=causal, window=window, cu_seqlens=cu_seqlens,
                      layout=layout, softmax_scale=softmax_scale, softmax_offset=softmax_offset, kernel=kernel,
                      comm=comm, tile=tile, schedule=schedule, backward_chunks=backward_chunks, contiguous=contiguous,
                      ranks_per_node=gpus_per_node)
 
 
+@_takes_options(RingOptions, "backward_chunks")
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool = True, window=None,
                    cu_seqlens=None, layout=None, softmax_scale: float | None = None,
-                   softmax_offset: Tensor | None = None, backward_chunks: str = "auto",
+                   softmax_offset: Tensor | None = None, backward_chunks: str = RingOptions.backward_chunks,
                    kernel: "str | BlockKernel" = "auto", comm: Communicator | None = None) -> Tensor:
     """Ring attention (zigzag, as Transformer Engine's ``p2p``): Mesh-Attention with tile (1, P).
-    Same arguments and layout as :func:`attention`; ``backward_chunks`` as :func:`mesh_attention`'s."""
+    Same arguments and layout as :func:`attention`."""
     return attention(q, k, v, mode="ring", group=group, causal=causal, window=window, cu_seqlens=cu_seqlens,
                      layout=layout, softmax_scale=softmax_scale, softmax_offset=softmax_offset, kernel=kernel,
                      comm=comm, backward_chunks=backward_chunks)
 
 
+@_takes_options(TaspOptions, "transport", "backward_chunks")
 def tasp_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool = True, window=None,
                    cu_seqlens=None, layout=None, softmax_scale: float | None = None,
-                   softmax_offset: Tensor | None = None, gpus_per_node: int | None = None, transport: str = "p2p",
-                   backward_chunks: str = "auto", kernel: "str | BlockKernel" = "auto",
-                   comm: Communicator | None = None) -> Tensor:
+                   softmax_offset: Tensor | None = None, gpus_per_node: int | None = None,
+                   transport: str = TaspOptions.transport, backward_chunks: str = TaspOptions.backward_chunks,
+                   kernel: "str | BlockKernel" = "auto", comm: Communicator | None = None) -> Tensor:
     """TASP attention (see :func:`attention` for the common arguments).
 
-    Args:
-        gpus_per_node: None -- one Hamiltonian decomposition over the whole group (one node);
-            m -- the group spans nodes of m consecutive CP ranks: m rings chained over the nodes,
-            one inter-node send per rank per step. Must divide the CP size; m = 3 and 5 are
-            impossible (no Hamiltonian path decomposition exists) and raise ValueError.
-        transport: "p2p" (batched isend/irecv per round) or "alltoall" (one all_to_all_single
-            per round); ignored when ``comm`` is given.
-        backward_chunks: under a mask or document layout, "refetch" pulls the K/V pieces again
-            in the backward, "keep" keeps the forward's, "auto" keeps them on each rank where
-            they are at most its own Q, K and V. The dense plan always refetches.
+    ``gpus_per_node``: None -- one Hamiltonian decomposition over the whole group (one node); m --
+    the group spans nodes of m consecutive CP ranks: m rings chained over the nodes, one
+    inter-node send per rank per step. Must divide the CP size; m = 3 and 5 are impossible (no
+    Hamiltonian path decomposition exists) and raise ValueError. ``transport`` is ignored when
+    ``comm`` is given.
 
     Each rank's local sequence must hold at least one token per ring in each zigzag half
     (s_local >= 2 * rings; on one node rings = CP size - 1, except CP sizes 4 and 6, which have
-    no Hamiltonian decomposition and use 2 and 4 rings).
-    """
+    no Hamiltonian decomposition and use 2 and 4 rings)."""
     return attention(q, k, v, mode="tasp", group=group, causal=causal, window=window, cu_seqlens=cu_seqlens,
                      layout=layout, softmax_scale=softmax_scale, softmax_offset=softmax_offset, kernel=kernel,
                      comm=comm, ranks_per_node=gpus_per_node, transport=transport, backward_chunks=backward_chunks)
 
 
 def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, ulysses_size: int, inner: str = "mesh",
-                     tile="auto", gpus_per_node: int | None = None, causal: bool = True, window=None,
+                     gpus_per_node: int | None = None, causal: bool = True, window=None,
                      cu_seqlens=None, layout=None, softmax_scale: float | None = None,
                      softmax_offset: Tensor | None = None, kernel: "str | BlockKernel" = "auto",
                      comm: Communicator | None = None, **inner_settings) -> Tensor:
@@ -325,9 +343,10 @@ def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, ulysses_siz
     runs across the CP size / ulysses_size groups on that head slice; the reverse all-to-all
     brings the output back. Same input layout as the other modes (this rank's chunk over the
     whole CP group). Query heads must divide by ``ulysses_size``; KV heads must divide by it or
-    divide it (then they are replicated). ``tile`` is the inner Mesh tile; ``gpus_per_node`` the
-    CP ranks per node; ``inner_settings`` go to the inner mode (e.g. ``schedule``). The inner rings
-    run point-to-point: inner="tasp" with ``transport="alltoall"`` raises ValueError.
+    divide it (then they are replicated). ``gpus_per_node`` is the CP ranks per node;
+    ``inner_settings`` are the inner mode's options, as its wrapper takes them (e.g. ``tile``,
+    ``schedule``; their defaults are the inner mode's). The inner rings run point-to-point:
+    inner="tasp" with ``transport="alltoall"`` raises ValueError.
     """
     mode = HYBRID_PREFIX + str(inner)
     # checked where a rank that fails still joins the agreement check, as prepare's checks are: its
@@ -337,12 +356,10 @@ def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, ulysses_siz
             raise ValueError(f"inner must be a mode with a Ulysses hybrid, one of "
                              f"{', '.join(m[len(HYBRID_PREFIX):] for m in MODES if m.startswith(HYBRID_PREFIX))}; "
                              f"got {inner!r}")
-    settings = dict(inner_settings, ulysses_size=ulysses_size, ranks_per_node=gpus_per_node)
-    if tile != "auto":  # a setting of the inner mode: resolve names a mode that has no tile
-        settings["tile"] = tile
     return attention(q, k, v, mode=mode, group=group, causal=causal, window=window,
                      cu_seqlens=cu_seqlens, layout=layout, softmax_scale=softmax_scale, softmax_offset=softmax_offset,
-                     kernel=kernel, comm=comm, **settings)
+                     kernel=kernel, comm=comm, ulysses_size=ulysses_size, ranks_per_node=gpus_per_node,
+                     **inner_settings)
 
 
 def plan_attention(q: Tensor, k: Tensor, v: Tensor, plan: Plan, *, comm: Communicator,

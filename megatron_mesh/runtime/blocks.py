@@ -49,7 +49,7 @@ def _fresh(first: dict, key) -> list[list[int]]:
 
 
 def _split_fresh(fresh: list[list[int]], a: int, n: int):
-    """Rows [a, a + n) as (start, length, first) pieces: ``first`` where they lie in ``fresh``
+    """Rows [a, a + n) as (start, length, first) runs: ``first`` where they lie in ``fresh``
     (sorted [start, stop) ranges not written yet), which then drops them."""
     pos, end = a, a + n
     for f in fresh:

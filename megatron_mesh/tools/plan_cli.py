@@ -47,6 +47,7 @@ import math
 import random
 
 from ..plan.autotile import TIE_RULE
+from ..plan.bound import BUDGET, placement_bound, query_owner_bound
 from ..plan.hostcost import HOST_OP_SOURCE, host_op_us
 from ..plan.layout import layout_from_text
 from ..plan.mask import Mask
@@ -92,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--no-causal", dest="causal", action="store_false", help="full (non-causal) attention (default: causal)")
     g.add_argument("--backward-chunks", choices=BACKWARD_CHUNKS, default="auto",
                    help="re-communicate Q/KV chunks in the backward ('refetch'), keep them from the forward ('keep'), "
-                        "or keep them where a mask-aware plan's pieces are at most a rank's own Q, K, V ('auto'; "
+                        "or keep them where a mask-aware plan's pulled tokens are at most a rank's own Q, K, V ('auto'; "
                         "dense plans refetch; TE's rows always refetch, as TE does)")
     g.add_argument("--schedule", choices=("greedy", "lockstep"), default="greedy", help="Mesh intra-tile schedule")
     g.add_argument("--modes", default=",".join(default_modes()), help="comma-separated subset of "
@@ -115,12 +116,12 @@ def _parser() -> argparse.ArgumentParser:
                         f"many such samples can expect, where one sample can mislead; at most {MAX_SAMPLES:,}; not "
                         "with --explain")
     g.add_argument("--layout", default=None, choices=LAYOUTS + ("all",),
-                   help="the sequence layout under --docs: Megatron's zigzag, Transformer Engine's THD (each document "
-                        "padded to 2 x CP; TE's own p2p and a2a+p2p on it too), the plugin's balanced layout, the "
-                        "same with the Ulysses groups' first and last documents set apart (balanced-hide: the "
-                        "hybrids only), or all side by side (above 64 ranks the plugin's modes are not planned on THD "
-                        "then, too many pieces: --layout thd plans them) (default: all with --docs, zigzag without: "
-                        "the other layouts place documents)")
+                   help="the sequence layout under --docs: Megatron's zigzag, TE's THD (documents padded to 2 x CP; "
+                        "TE's p2p and a2a+p2p too), the balanced layout, balanced-hide (its Ulysses groups' first and "
+                        "last documents set apart: the hybrids only), auto (Megatron's default: per mode the zigzag's "
+                        "or the balanced row, as --cp-layout auto picks), or all side by side (not THD above 64 ranks: "
+                        "--layout thd plans it) (default: all with --docs, zigzag without: the other layouts place "
+                        "documents)")
     g.add_argument("--layout-file", default=None, metavar="F",
                    help="also plan the layout in F for the same --docs and --seed (one sample; its text line, as "
                         "scripts/search_layout.py --out writes it), as the rows of layout 'file'; no Megatron flag "
@@ -319,7 +320,7 @@ def _host_text(r: ModeResult) -> str:
     return f"{r.extra['host_s'] * 1e3:.2f}" + ("!" if host_bound(r) else "")
 
 
-def _table(rows: list[ModeResult], skipped: list[dict], floor: float | None = None) -> str:
+def _table(rows: list[ModeResult], skipped: list[dict], floor: float | None = None, bound: float | None = None) -> str:
     ring = next((r for r in rows if r.mode == REFERENCE_MODE), None)
     work = any("forward_work_max_over_mean" in r.extra for r in rows)
     sampled = any("time_s_max" in r.extra for r in rows)  # rows averaged over samples (mean_rows)
@@ -328,7 +329,7 @@ def _table(rows: list[ModeResult], skipped: list[dict], floor: float | None = No
         ["mode", "a2a", "tile", "order", "bytes max", "vs ring", "intra mean", "inter mean", "inter max", "rounds",
          "peak buf", "fwd ms", "bwd ms", "time ms"] + (["time max"] if sampled else []) + \
         ["exposed ms", "host ms", "speedup"] + (["work max/mean"] if work else []) + \
-        (["x floor"] if floor else [])
+        (["x floor"] if floor else []) + (["x bound"] if bound else [])
     lines = [head]
     for r in rows:
         tile = f"{r.tile[0]}x{r.tile[1]}" if r.tile else "-"
@@ -346,6 +347,8 @@ def _table(rows: list[ModeResult], skipped: list[dict], floor: float | None = No
             row.append("-" if w is None else f"{w:.2f}")
         if floor:
             row.append(f"{r.time_s / floor:.2f}")
+        if bound:  # the busiest rank's bytes over the sample's query-owner bound (plan/bound.py)
+            row.append(f"{r.bytes_per_rank / bound:.2f}")
         lines.append(row)
     widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
     left = 4 + layouts
@@ -380,7 +383,8 @@ def _row_name(r: ModeResult) -> str:
 
 # the Megatron flag that puts the tokens in each planned layout (docs/megatron.md)
 MEGATRON_LAYOUT_FLAGS = {"zigzag": "--cp-layout zigzag", "balanced": "--cp-layout balanced",
-                         "balanced-hide": "--cp-layout balanced-hide", "thd": "--cp-thd-packing"}
+                         "balanced-hide": "--cp-layout balanced-hide", "auto": "--cp-layout auto",
+                         "thd": "--cp-thd-packing"}
 
 
 def megatron_flags(r: ModeResult, world_size: int) -> str | None:
@@ -601,9 +605,10 @@ def _seeds(args) -> list[int]:
 
 
 def _plan_sample(args, modes, shape: AttentionShape, topo: Topology, mask: Mask | None, seed: int, layouts,
-                 pool, file_layout=None) -> tuple[list[ModeResult], list[dict], float | None]:
-    """The rows, the rows left out and the compute floor of one sample of --docs (seed ``seed``), and
-    the rows of ``file_layout`` (--layout-file) as layout "file"."""
+                 pool, file_layout=None) -> tuple[list[ModeResult], list[dict], float | None, tuple | None]:
+    """The rows, the rows left out, the compute floor and the bounds on the busiest rank's bytes
+    (:func:`_bounds`) of one sample of --docs (seed ``seed``), and the rows of ``file_layout``
+    (--layout-file) as layout "file"."""
     docs = None if args.docs is None else document_bounds(args.docs, args.seq_len, seed)
     # the mask's window, None for none: the layouts that place the documents take it apart from them
     window = None if mask is None or mask.window == (None, 0 if args.causal else None) else mask.window
@@ -624,7 +629,39 @@ def _plan_sample(args, modes, shape: AttentionShape, topo: Topology, mask: Mask 
         skipped = skipped + [{**s, "mode": f"{s['mode']} (file)"} for s in skip]
     # the documents as given (one document over the whole sequence is plain causal)
     floor = None if docs is None else compute_floor(allowed_pairs(docs, args.causal, mask.window), args.cp, shape, topo)
-    return rows, skipped, floor
+    return rows, skipped, floor, _bounds(args, docs, window, shape)
+
+
+def _mean_samples(planned) -> tuple:
+    """Several samples' (rows, skipped, floor, bounds) as one: each row's mean over the samples
+    (:func:`mean_rows`), per row left out the first sample's reason (they differ in counts only)
+    and what some sample could not plan, the mean floor and bounds."""
+    rows, missing = mean_rows([r for r, _, _, _ in planned])
+    first: dict[str, dict] = {}
+    for _, skipped, _, _ in planned:
+        for x in skipped:
+            first.setdefault(x["mode"], x)
+    n = len(planned)
+    bounds = None if planned[0][3] is None else tuple(sum(p[3][i] for p in planned) / n for i in range(3))
+    return rows, list(first.values()) + missing, sum(p[2] for p in planned) / n, bounds
+
+
+def _bounds_line(bounds, samples: int) -> str:
+    """The sample's bounds on the busiest rank's bytes, as the planner prints them."""
+    return (f"busiest rank's bytes, lower bounds (plan/bound.py, work at most {BUDGET}x the mean): "
+            f"{format_bytes(bounds[0])} when every pair is computed by its query's owner ('x bound'; "
+            f"b max(sqrt(L^2 - 2B), L - T): {format_bytes(bounds[1])}), {format_bytes(bounds[2])} wherever blocks "
+            "are computed" + ("; the means over the samples" if samples > 1 else "") + "\n")
+
+
+def _bounds(args, docs, window, shape: AttentionShape) -> tuple[float, float, float] | None:
+    """(query-owner bound, its b x max(sqrt(L^2 - 2B), L - T) form, any-placement bound) on the
+    busiest rank's bytes (:mod:`megatron_mesh.plan.bound`), for causal documents without a
+    window and one sample per batch (None otherwise: the bounds are derived for that case)."""
+    if docs is None or not args.causal or window is not None or shape.batch != 1:
+        return None
+    q = query_owner_bound(docs, args.cp, shape)
+    return q.bytes, q.simple, placement_bound(docs, args.cp, shape).bytes
 
 
 def read_layout_file(path: str, world_size: int, documents, world_flag: str = "--cp"):
@@ -697,15 +734,7 @@ def _main(args) -> int:
         with worker_pool(args.jobs) as pool:  # one pool for every sample, the table and the plot
             planned = [_plan_sample(args, modes, shape, topo, mask if seed == args.seed else _mask(args, seed), seed,
                                     layouts, pool, file_layout) for seed in seeds]
-            rows, skipped, floor = planned[0]
-            if len(planned) > 1:  # the mean over the samples; what any sample could not plan
-                rows, missing = mean_rows([r for r, _, _ in planned])
-                first: dict[str, dict] = {}  # per row, the first sample's reason (they differ in counts only)
-                for _, sk, _ in planned:
-                    for x in sk:
-                        first.setdefault(x["mode"], x)
-                skipped = list(first.values()) + missing
-                floor = sum(f for _, _, f in planned) / len(planned)
+            rows, skipped, floor, bounds = planned[0] if len(planned) == 1 else _mean_samples(planned)
             elapsed = time.perf_counter() - start
             plot_s = None  # the plot plans every CP size again and draws: often longer than the table
             if args.plot:
@@ -727,7 +756,9 @@ def _main(args) -> int:
                           "problem": {"cp": args.cp, "seq_len": args.seq_len, **vars(shape), "causal": args.causal,
                                       "mask": mask.text() if mask is not None else None},
                           "topology": {k: v for k, v in vars(topo).items() if k != "node_of"},
-                          "compute_floor_s": floor, "samples": len(seeds), "seeds": seeds if args.docs else None,
+                          "compute_floor_s": floor, "bounds": None if bounds is None else dict(
+                              zip(("query_owner_bytes", "query_owner_simple_bytes", "any_placement_bytes"), bounds)),
+                          "samples": len(seeds), "seeds": seeds if args.docs else None,
                           "planner_seconds": elapsed, "plot_seconds": plot_s}, indent=1))
     else:
         print(_header(args, args.cp, shape, topo, mask, layouts))
@@ -739,7 +770,9 @@ def _main(args) -> int:
             print(f"compute floor: {floor * 1e3:.2f} ms (every allowed pair spread evenly over the ranks, forward + "
                   f"{BACKWARD_FLOPS}x backward at {topo.attention_flops / 1e12:g} TFLOP/s; no communication, no "
                   "kernel launches" + ("; the mean over the samples" if len(seeds) > 1 else "") + ")\n")
-        print(_table(rows, skipped, floor))
+        if bounds:
+            print(_bounds_line(bounds, len(seeds)))
+        print(_table(rows, skipped, floor, bounds[0] if bounds else None))
         best = _best(rows, floor, args.cp)
         if best:
             print("\n" + best)

@@ -50,6 +50,7 @@ from ..plan.problem import normalize
 from ..plan.shape import AttentionShape
 from ..plan.simulate import simulate, time_breakdown
 from ..plan.topology import Topology
+from .default_layout import AUTO_LAYOUT, auto_rows
 
 __all__ = ["all_modes", "default_modes", "derived_modes", "ModeResult", "evaluate", "plan_modes", "ulysses_result",
            "usp_result", "TIME_TOLERANCE", "TIE_RULE", "FORMULAS", "LAYOUTS", "TE_ROWS", "layout_rows", "thd_layout",
@@ -499,13 +500,15 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: boo
 
 # -- layouts: the zigzag, Transformer Engine's THD, the balanced one --------------------------------------
 # "balanced-hide": the balanced layout whose Ulysses groups set apart documents they run first and
-# last (balanced_layout(hide=True)); it differs from "balanced" only for the hybrids
-LAYOUTS = ("zigzag", "thd", "balanced", "balanced-hide")
+# last (balanced_layout(hide=True)); it differs from "balanced" only for the hybrids; "auto": per
+# mode the zigzag's or the balanced layout's row, as Megatron's default --cp-layout auto picks
+# (tools/default_layout.py)
+LAYOUTS = ("zigzag", "thd", "balanced", "balanced-hide", AUTO_LAYOUT)
 
 # Transformer Engine's own runs on its THD layout: p2p (every KV chunk around the ring), a2a+p2p (USP)
 TE_ROWS = ("te-p2p", "te-a2a+p2p")
 # the most ranks at which a comparison of every layout plans the plugin's modes on THD: there each
-# rank holds two pieces of every document, so a plan's blocks grow as ranks^2 x documents (1M tokens
+# rank holds two halves of every document, so a plan's blocks grow as ranks^2 x documents (1M tokens
 # of 4K documents on this project's build machine: 44 s at 64 ranks, minutes at 128, hours at 256)
 THD_PLAN_RANKS = 64
 
@@ -625,6 +628,8 @@ def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, modes, lay
     rows, skipped = [], [{"mode": m, "reason": "priced by formula for dense attention only, not under documents"}
                          for m in given if m in FORMULAS]
     for name in layouts:
+        if name == AUTO_LAYOUT:  # from the zigzag's and the balanced layout's rows, below
+            continue
         if name == "zigzag":
             got, skip = evaluate(world_size, shape, topo, modes=modes, backward_chunks=backward_chunks,
                                  schedule=schedule, mask=Mask.from_cu_seqlens(cu, S, causal, window), explain=explain,
@@ -652,7 +657,7 @@ def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, modes, lay
             padded = replace(shape, seq_local=thd.seq_local)
             if plan_thd is False or plan_thd is None and world_size > THD_PLAN_RANKS:
                 got, skip = [], [{"mode": m, "reason": f"not planned on THD at CP {world_size}: every rank holds two "
-                                  f"pieces of each of the {len(cu) - 1} documents, too many blocks to plan in "
+                                  f"halves of each of the {len(cu) - 1} documents, too many blocks to plan in "
                                   f"reasonable time above {THD_PLAN_RANKS} ranks (plan them with --layout thd)"}
                                  for m in modes]
             else:
@@ -662,4 +667,9 @@ def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, modes, lay
             got += _te_rows(world_size, padded, topo, Mask(causal, window), thd, skip)
         rows += [replace(r, layout=name) for r in got]
         skipped += [{**s, "mode": f"{s['mode']} ({name})"} for s in skip]
+    if AUTO_LAYOUT in layouts:
+        missing = tuple(name for name in ("zigzag", "balanced") if name not in layouts)
+        both = rows + (_layout_rows(world_size, shape, topo, cu, causal, window, modes, missing, backward_chunks,
+                                    schedule, explain, plan_thd, executor)[0] if missing else [])
+        rows += auto_rows(both, cu, world_size, shape, topo, causal, window, _node_ranks(world_size, topo))
     return rows, skipped

@@ -277,14 +277,14 @@ def test_every_mode_runs_exactly_on_the_balanced_layout(P, data):
     (lambda: balanced_layout([0, 8, 16], 2, window=3), r"window must be \(left, right\) .* got 3"),
     # attention needs an even token count per rank: 3 per rank would pass here and fail there
     (lambda: balanced_layout([0, 3, 6], 2), r"the sequence of 6 tokens .* S divisible by 2 x the CP size \(4\)"),
-    (lambda: balanced_layout([0, 8, 16], 2, piece_work=0), r"piece_work must be a positive number .* got 0"),
+    (lambda: balanced_layout([0, 8, 16], 2, portion_work=0), r"portion_work must be a positive number .* got 0"),
     (lambda: balanced_layout([0, 8, 16], 2, group=2, hide=1), r"hide must be True or False, got 1"),
     # BalancedLayout refuses it too: dropping the hide asked for would change the layout silently
     (lambda: balanced_layout([0, 4, 8], 2, hide=True), r"hide applies to the Ulysses groups .* got group 1"),
-    (lambda: balanced_layout([0, 8, 16], 2, piece_work=float("nan")), r"piece_work must be a positive number"),
-    (lambda: balanced_layout([0, 8, 16], 2, piece_work="x"), r"piece_work must be a positive number .* got 'x'"),
-    (lambda: balanced_layout([0, 8, 16], 4, ranks_per_node=2, node_piece_work=-5),
-     r"node_piece_work must be a positive number .* got -5"),
+    (lambda: balanced_layout([0, 8, 16], 2, portion_work=float("nan")), r"portion_work must be a positive number"),
+    (lambda: balanced_layout([0, 8, 16], 2, portion_work="x"), r"portion_work must be a positive number .* got 'x'"),
+    (lambda: balanced_layout([0, 8, 16], 4, ranks_per_node=2, node_portion_work=-5),
+     r"node_portion_work must be a positive number .* got -5"),
     # a generator is read once: its values are checked, not what is left of it
     (lambda: balanced_layout((c for c in [0, True, 8]), 1), r"cu_seqlens must hold integers, got \[0, True, 8\]"),
     # a layout made by hand: the documents must be the runs' sequence, the group must divide P
@@ -339,7 +339,7 @@ def test_generator_and_array_boundaries_give_the_same_layout():
 def test_block_owners_balance_the_worked_example_under_mesh_and_the_other_modes_refuse_them():
     """BalancedLayout's worked example: one document of 12 tokens, [4r, 4r + 4) on rank r. The
     query owner gives the ranks 10, 26 and 42 pairs; owners ((2, 0, 0),) give 26 each under every
-    Mesh tile, each rank sending one piece per block it takes part in (rank 0 its K/V to rank 1
+    Mesh tile, each rank sending one portion per block it takes part in (rank 0 its K/V to rank 1
     and rank 2's output and dQ back, rank 1 its K/V to rank 2, rank 2 its Q and dO to rank 0 and
     rank 1's dK/dV back). Modes that compute blocks elsewhere refuse the layout."""
     runs = tuple(((4 * r, 4),) for r in range(3))

@@ -1,8 +1,6 @@
 """Public API on one process (no process group: CP size 1): exactness, layout helpers, and every
 bad argument raising an error that names the value and what is allowed."""
 
-import weakref
-
 import pytest
 import torch
 
@@ -323,6 +321,30 @@ def test_settings_take_numpy_integers_and_the_wrappers_names():
                        mm.hybrid_attention(q, k, v, ulysses_size=1, tile=(1, 1)))
 
 
+def test_the_wrappers_take_their_options_defaults_and_help_from_the_modes():
+    """One owner: each wrapper's mode options are its mode's Options -- every option a user sets
+    (``tile_auto`` is set by resolution) with the Options' default and its help in the
+    docstring. hybrid_attention passes the inner mode's options on, so their defaults are that
+    mode's."""
+    import inspect
+
+    from megatron_mesh.plan.modes import get_mode, option_specs
+
+    for fn, mode in ((mm.mesh_attention, "mesh"), (mm.ring_attention, "ring"), (mm.tasp_attention, "tasp")):
+        options_type, names = fn.mode_options
+        assert options_type is get_mode(mode).Options
+        specs = {s.name: s for s in option_specs(options_type)}
+        params = inspect.signature(fn).parameters
+        assert set(names) == set(specs) - {"tile_auto"} == set(specs) & set(params), mode
+        doc = " ".join(fn.__doc__.split())
+        for name in names:
+            assert params[name].default == specs[name].default, (mode, name)
+            assert " ".join(specs[name].help.split()) in doc, (mode, name)
+    hybrid = inspect.signature(mm.hybrid_attention).parameters
+    inner_options = {s.name for m in ("mesh", "ring", "tasp") for s in option_specs(get_mode(m).Options)}
+    assert not inner_options & set(hybrid) and "inner_settings" in hybrid
+
+
 def test_a_refused_setting_stays_refused_after_an_equal_valid_one():
     """The placement cache must not serve 1.0 or True the plan that 1 left there: lru_cache takes
     them for one key, resolve accepts only the int."""
@@ -381,8 +403,8 @@ def collectives(monkeypatch):
     monkeypatch.setattr(agreement.dist, "all_reduce", all_reduce)
     monkeypatch.setattr(agreement.dist, "all_gather_object", all_gather_object)
     monkeypatch.setattr(agreement.dist, "get_backend", lambda group=None: "gloo")
-    # the groups agreed to run without the check: none yet (_Comm's group is shared by the tests)
-    monkeypatch.setattr(agreement, "_AGREED_OFF", weakref.WeakKeyDictionary(), raising=False)
+    # a group of this test's own: the check remembers groups (whether their ranks agreed to run without it)
+    monkeypatch.setattr(_Comm, "process_group", _Group())
     return seen
 
 
@@ -432,7 +454,6 @@ def test_the_check_can_be_turned_off_once_the_ranks_agree_to_it(collectives, mon
 
 @pytest.mark.parametrize("env, value, error", [
     ("MEGATRON_MESH_MASK_PIECE", "0", r"MEGATRON_MESH_MASK_PIECE must be a positive integer, got '0'"),
-    ("MEGATRON_MESH_MASK_TILE", "64", r"MEGATRON_MESH_MASK_TILE was renamed MEGATRON_MESH_MASK_PIECE"),
 ])
 def test_a_bad_mask_piece_setting_is_read_where_the_rank_still_joins_the_check(collectives, monkeypatch, env, value,
                                                                              error):

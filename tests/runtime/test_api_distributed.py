@@ -102,8 +102,6 @@ def test_agreeing_calls_between_the_disagreements_run(results):
     ("agreement_bad_on_one_rank", "ValueError: MEGATRON_MESH_PLAN_AGREEMENT must be 1 (check every attention call, "
                                   "the default) or 0 (no check), got 'yes'"),
     ("mask_piece_bad_on_one_rank", "ValueError: MEGATRON_MESH_MASK_PIECE must be a positive integer, got '0'"),
-    ("mask_tile_on_one_rank", "ValueError: MEGATRON_MESH_MASK_TILE was renamed MEGATRON_MESH_MASK_PIECE (a mask piece "
-                              "is not a Mesh tile); set that instead"),
 ])
 def test_a_rank_with_bad_input_raises_it_and_the_others_name_it(results, call, error):
     """One rank's bad argument -- to attention() or to a wrapper (hybrid_attention's inner) -- or

@@ -256,22 +256,22 @@ def test_hybrid_inner_mesh_auto_tile_under_documents():
 
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("groups", ["few", "many"])
-def test_backward_chunks_under_a_mask_match_the_dense_reference(mode, groups, monkeypatch):
+def test_backward_chunks_under_a_mask_match_the_dense_reference(mode, groups):
     """backward_chunks "refetch", "keep" and "auto" on a mask-aware plan of every mode (hybrids
     included): outputs and gradients exact, bytes the plan's. One causal document of 46 of the 48
     tokens, P = 4: under "auto" the ranks reading most of it refetch, the others keep (a plan
     whose ranks disagree on purpose: senders must send exactly what each receiver pulls again).
-    "many": TASP pulls and returns in a group per remote piece (sparse.GROUP_TOKENS = 1), its
-    returns posted while later groups compute."""
-    from megatron_mesh.plan import sparse
-    if groups == "many":
-        monkeypatch.setattr(sparse, "GROUP_TOKENS", 1)
+    "many": TASP pulls and returns in a group per slot (group_tokens = 1), its returns posted
+    while later groups compute."""
+    from megatron_mesh.plan.tunables import TUNABLES, Tunables
+    tunables = Tunables(group_tokens=1) if groups == "many" else TUNABLES
     world = 4
     p = cases.Problem(world, 4, 2, True, torch.float32, seq_local=12, cu_seqlens=(0, 46, 48))
     ref = cases.dense_reference(p)
     settings = _mode_settings(mode, world)
     for backward_chunks in ("refetch", "keep", "auto"):
-        plan = resolve(mode, world, p.shape, backward_chunks=backward_chunks, **settings).build(p.shape, p.mask)
+        plan = resolve(mode, world, p.shape, backward_chunks=backward_chunks, **settings).build(p.shape, p.mask,
+                                                                                               tunables=tunables)
         check(run_case(p, plan, ref=ref, label=f"{mode} {settings} backward_chunks={backward_chunks}"))
 
 

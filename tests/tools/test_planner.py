@@ -240,6 +240,27 @@ def test_cli_table_of_one_layout_says_which(capsys):
         assert head.endswith(f"8 documents of mean 512 tokens; every row on the {layout} layout"), head
 
 
+def test_cli_puts_the_busiest_rank_bytes_next_to_their_bound(capsys):
+    """With causal documents the planner gives the sample's bounds on the busiest rank's bytes
+    (plan/bound.py) and each row's bytes over the query-owner one; the plain modes' plans are at or
+    above it. A window leaves them out (the bounds are derived without one)."""
+    from megatron_mesh.plan.bound import placement_bound, query_owner_bound
+    from megatron_mesh.tools.plan_cli import document_bounds
+
+    argv = ["--cp", "8", "--seq-len", "16384", "--docs", "lognormal:1024,1", "--modes", "ring,tasp", "--layout",
+            "balanced"]
+    data = _json(capsys, *argv)
+    cu, shape = document_bounds("lognormal:1024,1", 16384), AttentionShape(2048, 1, 32, 32, 128, 2)
+    bounds = data["bounds"]
+    assert bounds["query_owner_bytes"] == query_owner_bound(cu, 8, shape).bytes > 0
+    assert bounds["any_placement_bytes"] == placement_bound(cu, 8, shape).bytes < bounds["query_owner_bytes"]
+    assert all(r["bytes_per_rank"] >= bounds["query_owner_bytes"] for r in data["modes"])
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "x bound" in out and "when every pair is computed by its query's owner" in out
+    assert _json(capsys, *argv, "--window", "512")["bounds"] is None
+
+
 def test_cli_says_which_rows_a_layout_leaves_out(capsys):
     """balanced-hide with only plain modes (or the formulas, which price dense attention) is no
     empty table: every row left out is named, once per reason."""
@@ -696,7 +717,7 @@ def test_layout_rows_plan_thd_only_when_asked_above_the_limit(monkeypatch):
     assert not any(r.layout == "thd" and r.mode in ("ring", "auto") for r in rows)
     assert [s["mode"] for s in skipped] == ["ring (thd)", "auto (thd)", "ring (balanced-hide)"]
     assert "the plain modes run on the balanced one (--layout balanced)" in skipped[2]["reason"]
-    assert "not planned on THD at CP 4: every rank holds two pieces of each of the 3 documents" in skipped[0]["reason"]
+    assert "not planned on THD at CP 4: every rank holds two halves of each of the 3 documents" in skipped[0]["reason"]
     assert "(plan them with --layout thd)" in skipped[0]["reason"]
     rows, skipped = layout_rows(4, shape, Topology(), cu, modes=("ring",), layouts=("thd",), plan_thd=True)
     assert ("thd", "ring") in {(r.layout, r.mode) for r in rows} and not skipped

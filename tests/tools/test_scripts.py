@@ -619,6 +619,10 @@ def test_compare_cp_modes_refuses_a_report_directory_it_cannot_make(script, caps
     ("search_layout", ["--world", "2", "--seq-len", "64", "--heads", "3", "--kv-heads", "2"],
      r"heads \(3\) must be divisible by kv_heads \(2\)"),
     ("search_layout", ["--world", "2", "--seq-len", "64", "--docs", "fixed:0"], r"fixed:0"),
+    ("layout_tables", ["--cp", "3", "--seq-len", "64"], r"--cp 3 must be >= 1 and split --seq-len 64 into 2 x CP halves"),
+    ("layout_tables", ["--cp", "4", "--seq-len", "64", "--docs", "fixed:0"], r"fixed:0"),
+    ("layout_tables", ["--cp", "16", "--nodes", "1", "--seq-len", "1024", "--docs", "fixed:64"],
+     r"a CP group of 16 ranks does not fit 1 nodes"),
     ("count_host_ops", ["--world", "2", "--seq-local", "64"],
      r"--docs 'lognormal:512,1.0' over --world x --seq-local = 128 tokens"),
     ("count_host_ops", ["--world", "2", "--seq-local", "64", "--docs", "fixed:16", "--top", "-1"],
@@ -632,6 +636,25 @@ def test_scripts_refuse_bad_input_by_name(script, capsys, name, argv, message):
         script(name).main(argv)
     assert exit_.value.code == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_layout_tables_print_each_seed_and_the_criteria(script, capsys, tmp_path):
+    """Per seed the zigzag's, the balanced layout's and the default's rows with the bound, then
+    the criteria over the seeds; --json keeps every sample's rows."""
+    import json
+
+    rows = tmp_path / "rows.jsonl"
+    script("layout_tables").main(["--cp", "4", "--seq-len", "4096", "--docs", "lognormal:512,1.0", "--seeds", "0", "1",
+                                  "--modes", "ring,a2a+tasp", "--json", str(rows)])
+    out = capsys.readouterr().out
+    assert out.count("\nseed ") == 2 and "over 2 samples: fastest mode on the default layout" in out
+    assert "slower on the default layout than on the zigzag: none" in out
+    samples = [json.loads(line) for line in rows.read_text().splitlines()]
+    assert [s["seed"] for s in samples] == [0, 1]
+    for s in samples:
+        assert {(r["mode"], r["U"]) for r in s["rows"]} == {("ring", 1), ("a2a+tasp", 2), ("a2a+tasp", 4)}
+        assert all(r["pick"] in ("balanced", "zigzag") and r["balanced"]["bytes"] >= s["bound"] for r in s["rows"]
+                   if r["U"] == 1)
 
 
 def test_compare_attention_kv_heads_follow_heads(script, capsys):
