@@ -28,7 +28,7 @@ from ..plan.ir import KINDS, Key, Plan
 from ..plan.shape import AttentionShape
 from .merge import part_of
 
-__all__ = ["Buffers", "Scratch", "scratch", "accumulator_dtype", "parts", "wire_of", "place_view", "zero"]
+__all__ = ["Buffers", "Scratch", "Arenas", "ARENAS", "scratch", "accumulator_dtype", "parts", "wire_of", "place_view", "zero"]
 
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -93,20 +93,30 @@ class Scratch:
             return per_layout.setdefault(dtypes, {})
 
 
-_SCRATCH: dict[tuple, Scratch] = {}
-_SCRATCH_LOCK = threading.Lock()
+class Arenas:
+    """A process's arenas: one :class:`Scratch` per device and rank (in-process virtual ranks: one
+    each), for both directions -- a rank runs one direction at a time, its ops in stream order, so
+    the backward takes over the forward's bytes (and the next layer's forward the backward's)."""
+
+    def __init__(self):
+        self.by: dict[tuple, Scratch] = {}
+        self.lock = threading.Lock()
+
+    def get(self, device: torch.device, rank: int) -> Scratch:
+        key = (str(device), rank)
+        with self.lock:
+            got = self.by.get(key)
+            if got is None:
+                got = self.by[key] = Scratch()
+            return got
 
 
-def scratch(device: torch.device, rank: int) -> Scratch:
-    """The process's arena of ``rank`` on ``device`` (in-process virtual ranks: one each), for
-    both directions: a rank runs one direction at a time, its ops in stream order, so the
-    backward takes over the forward's bytes (and the next layer's forward the backward's)."""
-    key = (str(device), rank)
-    with _SCRATCH_LOCK:
-        got = _SCRATCH.get(key)
-        if got is None:
-            got = _SCRATCH[key] = Scratch()
-        return got
+ARENAS = Arenas()  # the process's: what executors use unless given another
+
+
+def scratch(device: torch.device, rank: int, arenas: Arenas = ARENAS) -> Scratch:
+    """The arena of ``rank`` on ``device`` in ``arenas``."""
+    return arenas.get(device, rank)
 
 
 class Buffers:
@@ -114,7 +124,7 @@ class Buffers:
     (:meth:`create`), else allocated for the call (:meth:`own`)."""
 
     def __init__(self, plan: Plan, rank: int, direction: str, shape: AttentionShape, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, arenas: Arenas = ARENAS):
         self.plan = plan
         self.heads, self.kv_heads, self.batch = shape.heads, shape.kv_heads, shape.batch
         self.shape = shape
@@ -123,7 +133,7 @@ class Buffers:
         self.acc_dtype = accumulator_dtype(dtype)
         self.direction = direction
         self.layout = scratch_layout(plan, rank, direction, shape)
-        self.scratch = scratch(device, rank)
+        self.scratch = scratch(device, rank, arenas)
         size = max(scratch_layout(plan, rank, d, shape).size for d in ("forward", "backward"))
         self.views = self.scratch.bind(self.layout, device, (dtype, self.acc_dtype), size)
         self.arena = self.scratch.arena

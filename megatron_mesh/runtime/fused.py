@@ -21,6 +21,8 @@ deterministic (no atomics): results never depend on timing. The CUDA tier compar
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -36,43 +38,39 @@ try:  # one registration per process (a reloaded module finds the op defined)
 except RuntimeError:  # pragma: no cover -- already defined in this process
     _LIB = None
 
-_TRITON: dict = {}  # the compiled kernel, made on the first CUDA merge ("kernel": None without Triton)
-
-
+@functools.lru_cache(maxsize=None)
 def _kernel():
-    if "kernel" not in _TRITON:
-        try:
-            import triton
-            import triton.language as tl
-        except Exception:  # no Triton: the torch ops
-            _TRITON["kernel"] = None
-            return None
+    """(triton, the merge kernel), made on the first CUDA merge; None without Triton."""
+    try:
+        import triton
+        import triton.language as tl
+    except Exception:  # no Triton: the torch ops
+        return None
 
-        @triton.jit
-        def merge_rows(out, lse, bo, bl, H, T, D, so_b, so_h, so_t, sl_b, sl_h, sl_t, sb_b, sb_h, sb_t,
-                       sc_b, sc_h, sc_t, BLOCK: tl.constexpr):
-            row = tl.program_id(0)
-            t = row % T
-            h = (row // T) % H
-            b = row // (T * H)
-            l_ptr = lse + b * sl_b + h * sl_h + t * sl_t
-            old = tl.load(l_ptr)
-            new = tl.load(bl + b * sc_b + h * sc_h + t * sc_t).to(tl.float32)
-            w = tl.sigmoid(new - tl.maximum(old, -1e30))
-            cols = tl.arange(0, BLOCK)
-            keep = cols < D
-            o_ptr = out + b * so_b + h * so_h + t * so_t + cols
-            o = tl.load(o_ptr, mask=keep, other=0.0)
-            x = tl.load(bo + b * sb_b + h * sb_h + t * sb_t + cols, mask=keep, other=0.0).to(tl.float32)
-            diff = x - o
-            o = tl.where(w < 0.5, o + w * diff, x - diff * (1.0 - w))  # torch's lerp
-            tl.store(o_ptr, o, mask=keep)
-            m = tl.maximum(old, new)
-            both = tl.where(m < -3.0e38, m, m + tl.log(tl.exp(old - m) + tl.exp(new - m)))  # -inf with -inf: -inf
-            tl.store(l_ptr, both)
+    @triton.jit
+    def merge_rows(out, lse, bo, bl, H, T, D, so_b, so_h, so_t, sl_b, sl_h, sl_t, sb_b, sb_h, sb_t,
+                   sc_b, sc_h, sc_t, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        t = row % T
+        h = (row // T) % H
+        b = row // (T * H)
+        l_ptr = lse + b * sl_b + h * sl_h + t * sl_t
+        old = tl.load(l_ptr)
+        new = tl.load(bl + b * sc_b + h * sc_h + t * sc_t).to(tl.float32)
+        w = tl.sigmoid(new - tl.maximum(old, -1e30))
+        cols = tl.arange(0, BLOCK)
+        keep = cols < D
+        o_ptr = out + b * so_b + h * so_h + t * so_t + cols
+        o = tl.load(o_ptr, mask=keep, other=0.0)
+        x = tl.load(bo + b * sb_b + h * sb_h + t * sb_t + cols, mask=keep, other=0.0).to(tl.float32)
+        diff = x - o
+        o = tl.where(w < 0.5, o + w * diff, x - diff * (1.0 - w))  # torch's lerp
+        tl.store(o_ptr, o, mask=keep)
+        m = tl.maximum(old, new)
+        both = tl.where(m < -3.0e38, m, m + tl.log(tl.exp(old - m) + tl.exp(new - m)))  # -inf with -inf: -inf
+        tl.store(l_ptr, both)
 
-        _TRITON["kernel"] = (triton, merge_rows)
-    return _TRITON["kernel"]
+    return triton, merge_rows
 
 
 def triton_merge_available() -> bool:
