@@ -25,7 +25,7 @@ behind -- with the counts this module reads off the plan, as the executor
 Kernel calls are counted as the runtime makes them (:func:`~.mask.mask_pieces` with the device's
 piece, grouped by :func:`~.mask.call_groups`): ``varlen=False`` counts a kernel without
 variable-length calls (torch's CPU op: one call per piece), which is what
-``scripts/count_host_ops.py`` counts on a CPU. ``tests/plan/test_hostops.py`` holds the model to
+``scripts/count_host_ops.py`` counts on a CPU. ``tests/tools/test_scripts.py`` holds the model to
 that count within :data:`TOLERANCE` on dense and masked plans of every mode.
 
 Worked example (ring, P = 8, rank 3, one causal document): the forward's 8 blocks are 8 kernel
@@ -47,7 +47,7 @@ from .sel import sel_len
 
 __all__ = ["HostOps", "host_ops", "step_host_ops", "write_calls", "TOLERANCE"]
 
-TOLERANCE = 0.25  # the model's ops per rank and direction against count_host_ops.py's (tests/plan/test_hostops.py)
+TOLERANCE = 0.25  # the model's ops per rank and direction against count_host_ops.py's (tests/tools/test_scripts.py)
 
 # views per kernel call, per block of a direction (measured on the CPU: their Python is the same on a GPU)
 _ATTEND_VIEWS, _BACKWARD_VIEWS = 2.5, 6
