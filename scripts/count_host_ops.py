@@ -14,6 +14,11 @@ transfers on a GPU) are counted apart, in "transport".
 the H100 benchmark's GQA 32/8 of 128 in bf16), on meta tensors -- shapes only, no compute, so
 seconds for 16K tokens per rank -- through the CUDA flash kernel's own plumbing.
 
+``--meta`` counts the ops of the CUDA kernel's path instead (flash in 16-bit, its
+variable-length calls, CUDA's mask piece, the casts of 16-bit inputs) on meta tensors of
+``--dtype``: what a GPU's host issues, where the CPU's fp32 run has no casts and one kernel call
+per mask piece.
+
 It counts a step after the plan's first (``--first-call``: the first, which also makes the block
 masks, the arena's views and the gathers' indices, once per plan), and prints next to the counts
 the planner's model of them ("model": ops / non-view ops per rank, :mod:`megatron_mesh.plan.hostops`,
@@ -102,11 +107,14 @@ def _nbytes(x) -> int:
 
 
 def count(world: int, seq_local: int, mode: str, docs: str, layout_name: str,
-          seed: int = 0, warm: bool = True) -> tuple[collections.Counter, collections.Counter]:
+          seed: int = 0, warm: bool = True, meta_dtype: torch.dtype | None = None
+          ) -> tuple[collections.Counter, collections.Counter]:
     """The ops of every rank together, for ``mode`` on ``layout_name`` ("zigzag" / "balanced"):
     the plugin's and the in-process transport's; ``warm``: of a step after the plan's first
-    (what every layer's call is once the plan is built: its block masks, arena and views made)."""
-    counted = run_counted(world, seq_local, mode, docs, layout_name, seed, warm=warm)
+    (what every layer's call is once the plan is built: its block masks, arena and views made);
+    ``meta_dtype``: the CUDA kernel's path on meta tensors of that dtype instead of the CPU's."""
+    where = dict(device="cpu") if meta_dtype is None else dict(device="meta", dtype=meta_dtype)
+    counted = run_counted(world, seq_local, mode, docs, layout_name, seed, warm=warm, **where)
     return sum((c.ops for c in counted), collections.Counter()), sum((c.transport for c in counted),
                                                                       collections.Counter())
 
@@ -126,13 +134,15 @@ def plan_of(world: int, seq_local: int, mode: str, docs: str, layout_name: str, 
     return placement.build(shape, mask, layout), shape
 
 
-def modelled(plan, shape, world: int) -> tuple[float, float]:
+def modelled(plan, shape, world: int, cuda: bool = False) -> tuple[float, float]:
     """The host-op model's (ops, non-view ops) per rank, forward + backward, as the CPU runs them
-    (no variable-length calls, the CPU's mask piece): :mod:`megatron_mesh.plan.hostops`."""
+    (no variable-length calls, the CPU's mask piece; ``cuda``: as CUDA flash does, with
+    variable-length calls and CUDA's piece): :mod:`megatron_mesh.plan.hostops`."""
+    device = "cuda" if cuda else "cpu"
     total = launches = 0.0
     for rank in range(world):
         for direction in ("forward", "backward"):
-            ops, around = step_host_ops(plan, rank, direction, shape, varlen=False, piece=MASK_PIECE["cpu"])
+            ops, around = step_host_ops(plan, rank, direction, shape, varlen=cuda, piece=MASK_PIECE[device])
             for h in (*ops, around):
                 total += h.launches + h.views
                 launches += h.launches
@@ -185,10 +195,13 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--bytes", action="store_true",
                    help="count the bytes the non-attention ops read and write per rank instead (meta tensors, "
                         "the sizes below)")
+    p.add_argument("--meta", action="store_true",
+                   help="count the ops of the CUDA kernel's path (flash, variable-length calls, CUDA's mask piece) "
+                        "on meta tensors of --dtype, as a GPU's host issues them, instead of the CPU's")
     p.add_argument("--heads", type=int, default=32, help="--bytes: query heads")
     p.add_argument("--kv-heads", type=int, default=8, help="--bytes: key/value heads")
     p.add_argument("--head-dim", type=int, default=128, help="--bytes: head dimension")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="--bytes: the inputs' dtype")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="--bytes, --meta: the inputs' dtype")
     p.add_argument("--hbm", type=float, default=3.35, help="--bytes: TB/s for the time those bytes take")
     args = p.parse_args(argv)
     if args.world < 1 or args.seq_local < 1 or args.top < 0:
@@ -203,7 +216,8 @@ def main(argv=None) -> list[dict]:
                     f"{args.kv_heads}, {args.head_dim} and {args.hbm}")
         return bytes_rows(args)
     rows = []
-    print(f"ops per rank, forward + backward ({'a plan' + chr(39) + 's first call' if args.first_call else 'a later call'}): "
+    print(f"ops per rank, forward + backward ({'a plan' + chr(39) + 's first call' if args.first_call else 'a later call'}"
+          f"{f'; the CUDA path on meta tensors, {args.dtype}' if args.meta else ''}): "
           f"P={args.world}, {args.seq_local} tokens per rank, documents {args.docs}")
     print(f"{'layout':<10}{'mode':<14}{'ops':>7}{'non-view':>10}{'transport':>11}{'model':>13}  "
           "most frequent (the plugin's)")
@@ -211,14 +225,14 @@ def main(argv=None) -> list[dict]:
         for mode in args.modes:
             try:
                 ops, transport = count(args.world, args.seq_local, mode, args.docs, layout_name,
-                                       warm=not args.first_call)
+                                       warm=not args.first_call, meta_dtype=DTYPES[args.dtype] if args.meta else None)
             except ValueError as e:  # a bad --world, --modes or --docs: the message names it
                 raise SystemExit(f"{layout_name} {mode}: {e}") from None
             total = sum(ops.values()) / args.world
             kernels = sum(n for op, n in ops.items() if op not in VIEWS) / args.world
             moved = sum(transport.values()) / args.world
             top = ", ".join(f"{op} {n / args.world:.0f}" for op, n in ops.most_common(args.top))
-            model = modelled(*plan_of(args.world, args.seq_local, mode, args.docs, layout_name), args.world)
+            model = modelled(*plan_of(args.world, args.seq_local, mode, args.docs, layout_name), args.world, args.meta)
             print(f"{layout_name:<10}{mode:<14}{total:>7.0f}{kernels:>10.0f}{moved:>11.0f}"
                   f"{f'{model[0]:.0f} / {model[1]:.0f}':>13}  {top}")
             rows.append(dict(layout=layout_name, mode=mode, ops=total, non_view=kernels, transport=moved,

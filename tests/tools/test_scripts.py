@@ -101,6 +101,21 @@ def test_count_host_ops_counts_every_rank_s_ops(capsys, script):
     assert "zigzag    ring" in capsys.readouterr().out
 
 
+def test_count_host_ops_meta_counts_the_cuda_path(capsys, script):
+    """--meta: the CUDA kernel's ops on meta tensors -- flash's ops where the CPU run has its own,
+    and the 16-bit inputs' casts the CPU's fp32 run does not make -- the table saying so."""
+    count = script("count_host_ops")
+    args = ["--world", "3", "--seq-local", "32", "--docs", "fixed:96", "--layouts", "zigzag", "--modes", "ring",
+            "--top", "30"]
+    cpu, meta = count.main(args), count.main([*args, "--meta"])
+    out = capsys.readouterr().out.split("\n")
+    cpu_line, meta_line = (line for line in out if line.startswith("zigzag"))
+    assert "_scaled_dot_product_flash_attention_for_cpu " in cpu_line and "_to_copy" not in cpu_line
+    assert "_scaled_dot_product_flash_attention " in meta_line and "_to_copy" in meta_line
+    assert any("the CUDA path on meta tensors, bf16" in line for line in out)
+    assert meta[0]["non_view"] > cpu[0]["non_view"] > 0
+
+
 def test_count_host_ops_bytes_on_meta_tensors(capsys, script):
     """--bytes: a row per layout and mode with each rank's bytes (meta tensors, the CUDA flash
     kernel's plumbing), proportional to the heads (every pass is over [tokens, heads, dim]
