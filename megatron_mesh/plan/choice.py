@@ -52,6 +52,7 @@ from .accounting import buffer_bytes
 from .balance import BalancedLayout, document_work
 from .hybrid import inner_shape
 from .layout import Layout, ZigzagLayout
+from .modes import get_mode
 from .shape import AttentionShape
 from .simulate import BACKWARD_FLOPS
 from .tunables import TUNABLES
@@ -91,7 +92,7 @@ class LayoutCost:
 def burst_rounds(mode: str) -> bool:
     """Whether ``mode`` (or a hybrid's inner mode) pulls over every link at once (TASP), rather
     than one ring shift per round (ring, Mesh)."""
-    return mode.split("+")[-1] == "tasp"
+    return get_mode(mode).burst_rounds
 
 
 def _portions(layout: Layout, units: int, span: int, docs) -> dict[int, dict[int, list[tuple[int, int]]]]:

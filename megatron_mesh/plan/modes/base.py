@@ -176,6 +176,7 @@ class Mode:
     planner_rows: ClassVar[str] = "all"  # what the planner shows by default: "all" candidates, or its "auto" row
     shorthand: ClassVar[tuple[str, ...]] = ()  # settings given positionally in "mode:a:b" (see parse_mode_spec)
     uses_nodes: ClassVar[bool] = True  # its placement depends on the CP ranks per node
+    burst_rounds: ClassVar[bool] = False  # pulls over every link at once each round (TASP), not one ring shift
     takes_block_owners: ClassVar[bool] = False  # computes blocks where a layout's ``owners`` name (Mesh)
 
     def options(self, **values) -> Any:

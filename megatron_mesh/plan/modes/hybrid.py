@@ -44,6 +44,7 @@ class HybridMode(Mode):
     def __init__(self, inner: Mode):
         self.inner = inner
         self.name = HYBRID_PREFIX + inner.name
+        self.burst_rounds = inner.burst_rounds
         self.Options = _options_type(inner)
         self.doc = f"Ulysses all-to-all over U consecutive ranks x {inner.name} across the P/U groups"
         self.auto_row = HYBRID_PREFIX + inner.auto_row if inner.auto_row else None

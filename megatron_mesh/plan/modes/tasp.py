@@ -35,6 +35,7 @@ class TaspOptions:
 
 class TaspMode(Mode):
     name = "tasp"
+    burst_rounds = True
     Options = TaspOptions
     shorthand = ("ranks_per_node",)
     doc = "TASP: ring attention whose KV rotation is split over arc-disjoint Hamiltonian rings"
