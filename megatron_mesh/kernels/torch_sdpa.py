@@ -170,7 +170,7 @@ class TorchAttentionKernel:
             pad = (-sq) % 32
             if pad:
                 lse_p = torch.nn.functional.pad(lse, (0, pad))
-            seed = torch.zeros((), dtype=torch.int64, device=q.device)
+            seed = _no_dropout_seed(q.device)
             bias = self._bias(q, mask)
             # the op reads dout, q, k, v and out as [B, S, H, D] memory (it transposes them and
             # assumes the heads of a token lie together): in any other layout -- a contiguous
@@ -293,6 +293,13 @@ def _no_dropout_state(device) -> tuple[Tensor, Tensor]:
     """The (rng state, unused) pair flash's backward takes; with no dropout it is never read, so
     one pair per device serves every call (two ops per backward call less for the host, issue 52)."""
     return torch.zeros(2, dtype=torch.uint64, device=device), torch.empty(0, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def _no_dropout_seed(device) -> Tensor:
+    """The philox seed and offset the efficient kernel's backward takes: never read without
+    dropout, so one per device (not an op per call)."""
+    return torch.zeros((), dtype=torch.int64, device=device)
 
 
 _CU: dict = {}  # (seqs, batch, device) -> offsets: a plan's calls repeat every step, and a host-to-device
