@@ -346,7 +346,7 @@ def _mutated_module_state(path: str, name: str, set_from_outside: set[str]) -> l
 
 def test_mutable_module_state_in_the_adapter_and_the_runtime():
     """State lives in objects the layers, specs and builders hold (Telemetry, CPGroups,
-    LayoutCalls, GroupChecks, ProcessState; per-plan memos in the plan), not in module globals.
+    LayoutCalls, GroupChecks, ProcessState, Arenas; per-plan memos in the plan), not in module globals.
     What megatron/ and runtime/ keep at module level: the process's default objects, which a
     test replaces by passing its own, and batch_layout's channel from get_batch to the layers.
     ``functools`` caches (memos of pure functions) are not state."""
@@ -364,6 +364,7 @@ def test_mutable_module_state_in_the_adapter_and_the_runtime():
         "megatron_mesh.megatron.process.PROCESS",  # the process's start-up and exit state
         "megatron_mesh.runtime.agreement.GROUP_CHECKS",  # what the plan check remembers per process group
         "megatron_mesh.runtime.api.LAYOUT_CALLS",  # the prebuild memory
+        "megatron_mesh.runtime.buffers.ARENAS",  # the process's arenas: each rank's buffers, kept from call to call
     ], found
 
 

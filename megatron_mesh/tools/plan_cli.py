@@ -48,6 +48,7 @@ import random
 
 from ..plan.autotile import TIE_RULE
 from ..plan.bound import BUDGET, placement_bound, query_owner_bound
+from ..plan.hostcost import HOST_OP_SOURCE, host_op_us
 from ..plan.layout import layout_from_text
 from ..plan.mask import Mask
 from ..plan.mesh import BACKWARD_CHUNKS
@@ -59,7 +60,7 @@ from ..plan.units import format_bytes
 from ..plan.layouts import LAYOUTS, REFERENCE_LAYOUT, layout_names
 from .layout_rows import layout_rows
 from .planner import (AUTO, FORMULAS, REGISTRY, ModeResult, all_modes, allowed_pairs, compute_floor, default_modes,
-                      derived_modes, evaluate, mean_rows, worker_pool)
+                      derived_modes, evaluate, host_bound, mean_rows, worker_pool)
 
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 PLOT_CP = "8,16,32,64,128,256,512,1024"  # --plot's CP sizes unless --plot-cp says
@@ -136,6 +137,10 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--tflops", type=float, default=d.attention_flops / 1e12, help="attention TFLOP/s per GPU")
     t.add_argument("--kernel-latency", type=float, default=d.kernel_latency * 1e6, help="us per attention kernel")
     t.add_argument("--hbm", type=float, default=d.memory_bandwidth / 1e12, help="HBM TB/s (merges)")
+    t.add_argument("--host-op-us", default=None, metavar="US|FILE",
+                   help="the host's us per torch op the executor issues (0: no host), or a JSON file that holds it: "
+                        "scripts/gpu_check.sh's host_cost.json, or a bench_kernels.py / bench_masks.py --json result "
+                        f"(default: {d.host_op_time * 1e6:g} us, {HOST_OP_SOURCE})")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print JSON instead of a table")
     o.add_argument("--explain", action="store_true",
@@ -171,6 +176,11 @@ def _topology(args, world_size: int) -> Topology:
                  intra_latency=args.intra_latency * 1e-6, inter_latency=args.inter_latency * 1e-6,
                  attention_flops=args.tflops * 1e12, kernel_latency=args.kernel_latency * 1e-6,
                  memory_bandwidth=args.hbm * 1e12)
+    if args.host_op_us is not None:
+        try:
+            links["host_op_time"] = host_op_us(args.host_op_us)[0] * 1e-6
+        except ValueError as e:
+            raise ValueError(f"--host-op-us: {e}") from None
     if args.nodes is None:
         return Topology.for_cp(world_size, gpn, **links)
     return Topology(nodes=args.nodes, gpus_per_node=gpn, **links)
@@ -304,6 +314,13 @@ def _modes(text: str) -> tuple[str, ...]:
     return modes
 
 
+def _host_text(r: ModeResult) -> str:
+    """A row's host ms (the slowest rank's, issuing its ops), "!" where it is behind the device."""
+    if "host_s" not in r.extra:
+        return "-"
+    return f"{r.extra['host_s'] * 1e3:.2f}" + ("!" if host_bound(r) else "")
+
+
 def _table(rows: list[ModeResult], skipped: list[dict], floor: float | None = None, bound: float | None = None) -> str:
     ring = next((r for r in rows if r.mode == REFERENCE_MODE), None)
     work = any("forward_work_max_over_mean" in r.extra for r in rows)
@@ -312,7 +329,7 @@ def _table(rows: list[ModeResult], skipped: list[dict], floor: float | None = No
     head = (["layout"] if layouts else []) + \
         ["mode", "a2a", "tile", "order", "bytes max", "vs ring", "intra mean", "inter mean", "inter max", "rounds",
          "peak buf", "fwd ms", "bwd ms", "time ms"] + (["time max"] if sampled else []) + \
-        ["exposed ms", "speedup"] + (["work max/mean"] if work else []) + \
+        ["exposed ms", "host ms", "speedup"] + (["work max/mean"] if work else []) + \
         (["x floor"] if floor else []) + (["x bound"] if bound else [])
     lines = [head]
     for r in rows:
@@ -325,7 +342,7 @@ def _table(rows: list[ModeResult], skipped: list[dict], floor: float | None = No
                format_bytes(r.inter_node_bytes_per_rank), format_bytes(r.max_inter_node_bytes), str(r.rounds),
                format_bytes(r.peak_buffer_bytes), f"{r.forward_s * 1e3:.2f}", f"{r.backward_s * 1e3:.2f}",
                f"{r.time_s * 1e3:.2f}"] + ([f"{r.extra['time_s_max'] * 1e3:.2f}"] if sampled else []) + \
-            [f"{r.exposed_comm_s * 1e3:.2f}", speed]
+            [f"{r.exposed_comm_s * 1e3:.2f}", _host_text(r), speed]
         if work:
             w = r.extra.get("forward_work_max_over_mean")
             row.append("-" if w is None else f"{w:.2f}")
@@ -350,6 +367,9 @@ def _table(rows: list[ModeResult], skipped: list[dict], floor: float | None = No
                    f"{TIE_RULE}")
     if any(r.by_formula for r in rows):
         out.append("* by formula (no plan): Ulysses all-to-alls priced analytically; USP's ring part is simulated")
+    if any(host_bound(r) for r in rows):
+        out.append("! host-bound: the host needs longer to issue the step's torch ops than the device to run them "
+                   "(--host-op-us per op; CUDA graphs would take most of it away: docs/performance.md)")
     reasons: dict[str, list[str]] = {}  # one line per reason, naming the rows it leaves out
     for s in skipped:
         reasons.setdefault(s["reason"], []).append(s["mode"])
@@ -550,7 +570,7 @@ def _explain(rows, floor: float | None) -> str:
                    + (f" = {best.time_s / floor:.2f}x the compute floor" if floor else ""))
         for b in best.extra["breakdown"]:
             parts = ", ".join(f"{k[:-2]} {b[k] * 1e3:.3f}" for k in ("flops_s", "launches_s", "accumulate_s",
-                                                                      "copies_s", "combine_s", "exposed_s"))
+                                                                      "copies_s", "combine_s", "host_s", "exposed_s"))
             out.append(f"  {b['direction']:8s} {b['time_s'] * 1e3:8.3f} ms on rank {b['rank']}: {parts} ms")
             for w in b["waits"][:3]:
                 out.append(f"           waits {w['seconds'] * 1e3:.3f} ms for round {w['round']} ({w['moves']})")

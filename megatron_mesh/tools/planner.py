@@ -124,7 +124,14 @@ def _row(mode: str, c: Candidate, placement: Placement, detail: str = "", extra:
     return ModeResult(mode, c.tile, c.bytes_per_rank, c.intra_node_bytes_per_rank, c.inter_node_bytes_per_rank,
                       c.max_inter_node_bytes, c.rounds, c.peak_buffer_bytes, c.time_s, c.forward_s, c.backward_s,
                       c.compute_s, c.contiguous, detail, ulysses=placement.ulysses,
-                      extra={"saved_bytes": c.saved_bytes, "held_buffer_bytes": c.held_buffer_bytes, **(extra or {})})
+                      extra={"saved_bytes": c.saved_bytes, "held_buffer_bytes": c.held_buffer_bytes, "host_s": c.host_s,
+                             **(extra or {})})
+
+
+def host_bound(r: ModeResult) -> bool:
+    """The row's host needs longer to issue its ops than its device to run them (the simulator's
+    host, :mod:`megatron_mesh.plan.hostops`; rows by formula have none)."""
+    return r.extra.get("host_s", 0.0) > r.compute_s
 
 
 def _breakdown_json(plan, shape: AttentionShape, topo: Topology, sim) -> list[dict]:
@@ -261,7 +268,7 @@ def usp_result(world_size: int, shape: AttentionShape, topo: Topology, causal: b
                       a2a.max_inter + ring.max_inter_node_bytes, 4 + ring.rounds,
                       2 * a2a.local + ring.peak_buffer_bytes, fwd + bwd, fwd, bwd, ring.compute_s,
                       detail=f"all-to-all degree {u} x ring {r}", by_formula=True, ulysses=u,
-                      extra={"ulysses_degree": u, "ring_degree": r})
+                      extra={"ulysses_degree": u, "ring_degree": r, "host_s": ring.host_s})
 
 
 _FORMULA = {"ulysses": ulysses_result, "usp": usp_result}

@@ -252,7 +252,8 @@ def prediction_section(path: str = DEFAULT_CONFIG, topo: Topology | None = None)
              f"NVLink {topo.intra_bandwidth / 1e9:g} GB/s and {topo.intra_latency * 1e6:g} us inside a node, network "
              f"{topo.inter_bandwidth / 1e9:g} GB/s and {topo.inter_latency * 1e6:g} us between nodes (per GPU per "
              f"direction); attention {topo.attention_flops / 1e12:g} TFLOP/s per GPU (backward {BACKWARD_FLOPS}x the "
-             f"forward's FLOPs), {topo.kernel_latency * 1e6:g} us per kernel launch. Other machines: "
+             f"forward's FLOPs), {topo.kernel_latency * 1e6:g} us per kernel launch, the host "
+             f"{topo.host_op_time * 1e6:g} us per torch op the executor issues. Other machines: "
              "`megatron-mesh-plan --help` (e.g. --inter-bandwidth, --tflops).", "",
              f"Compute floor: **{floor * 1e3:.2f} ms** per layer (every allowed query-key pair spread evenly over the "
              "CP ranks at that throughput, forward + backward; no mode beats it).", ""]

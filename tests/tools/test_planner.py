@@ -19,7 +19,7 @@ from megatron_mesh.plan import (AttentionShape, buffer_bytes, build_mesh_plan, b
                                 tile_shapes)
 from megatron_mesh.plan.autotile import choose_tile, rank_tiles
 from megatron_mesh.plan.memory import buffer_memory
-from megatron_mesh.plan.simulate import round_traffic, simulate
+from megatron_mesh.plan.simulate import round_traffic, simulate, time_breakdown
 from megatron_mesh.plan.topology import Topology
 from megatron_mesh.tools.plan_cli import document_bounds, main
 
@@ -32,8 +32,8 @@ from megatron_mesh.tools.planner import (TIME_TOLERANCE, allowed_pairs, compute_
 
 GQA = AttentionShape(seq_local=16384, heads=32, kv_heads=8, head_dim=128)
 MHA = AttentionShape(seq_local=4096, heads=32, kv_heads=32, head_dim=128)
-NO_NETWORK = dict(intra_bandwidth=1e30, inter_bandwidth=1e30, intra_latency=0.0, inter_latency=0.0)
-NO_COMPUTE = dict(attention_flops=1e30, kernel_latency=0.0, memory_bandwidth=1e30)
+NO_NETWORK = dict(intra_bandwidth=1e30, inter_bandwidth=1e30, intra_latency=0.0, inter_latency=0.0, host_op_time=0.0)
+NO_COMPUTE = dict(attention_flops=1e30, kernel_latency=0.0, memory_bandwidth=1e30, host_op_time=0.0)
 
 
 def _json(capsys, *argv) -> dict:
@@ -773,7 +773,7 @@ def test_keys_and_values_are_counted_at_their_own_head_dims(capsys):
 # -- simulator -------------------------------------------------------------------------------------------
 def test_worked_example_ring_of_two():
     shape = AttentionShape(seq_local=4096, heads=8, kv_heads=8, head_dim=128)
-    topo = Topology(nodes=1, gpus_per_node=2, kernel_latency=0.0, memory_bandwidth=1e30)
+    topo = Topology(nodes=1, gpus_per_node=2, kernel_latency=0.0, memory_bandwidth=1e30, host_op_time=0.0)
     plan = build_ring_plan(2, shape)
     res = simulate(plan, shape, topo)
     n, flops = 4096, 4 * 8 * 128
@@ -781,6 +781,33 @@ def test_worked_example_ring_of_two():
     m = topo.intra_latency + buffer_bytes("kv", n, shape) / topo.intra_bandwidth
     assert res.forward.time == pytest.approx(max(diagonal, m) + half)
     assert res.forward.rounds == 1 and res.forward.bytes_sent == buffer_bytes("kv", n, shape)
+
+
+def test_the_host_sets_the_pace_where_it_is_behind():
+    """Each rank's host issues its ops at Topology.host_op_time per torch op (plan.hostops counts
+    them): with no host the time is the device's; at 2K tokens per rank on the default machine
+    the host is behind (the rows say host-bound) and sets the time; a host a hundred times slower
+    makes the step its host's issue time (the device waits), which the breakdown names; at 16K
+    tokens per rank the default host keeps ahead."""
+    from megatron_mesh.plan.hostops import step_host_ops
+
+    shape = AttentionShape(seq_local=2048, heads=32, kv_heads=8, head_dim=128)
+    plan = build_ring_plan(8, shape)
+    none = simulate(plan, shape, Topology.for_cp(8, host_op_time=0.0))
+    default = simulate(plan, shape, Topology.for_cp(8))
+    assert none.host == 0 and not none.host_bound
+    assert default.host_bound and default.time > none.time and default.time >= default.host
+    slow = Topology.for_cp(8, host_op_time=100 * Topology().host_op_time)
+    res = simulate(plan, shape, slow, timeline=True)
+    for phase, direction in ((res.forward, "forward"), (res.backward, "backward")):
+        ops, around = step_host_ops(plan, 7, direction, shape, piece=slow.mask_piece)
+        issue = sum(h.total for h in (*ops, around)) * slow.host_op_time
+        assert phase.host == pytest.approx(issue, rel=0.02)  # the slowest rank's (ranks 0 and 7 differ little)
+        assert phase.time == pytest.approx(phase.host, rel=0.02) and phase.host_bound
+    parts = time_breakdown(plan, shape, slow, res)
+    assert all(b.parts["host"] > 0.9 * b.time for b in parts)
+    big = AttentionShape(seq_local=16384, heads=32, kv_heads=8, head_dim=128)
+    assert not simulate(build_ring_plan(8, big), big, Topology.for_cp(8)).host_bound
 
 
 @pytest.mark.parametrize("tile", [(1, 64), (2, 32), (8, 8), (16, 4)])
@@ -905,7 +932,7 @@ def test_cli_explain(capsys):
     out = capsys.readouterr().out
     assert out.count("where the time goes:") == len(layout_names())
     assert re.search(r"forward +[0-9.]+ ms on rank \d+: flops [0-9.]+, launches [0-9.]+, accumulate [0-9.]+, "
-                     r"copies [0-9.]+, combine [0-9.]+, exposed [0-9.]+ ms", out)
+                     r"copies [0-9.]+, combine [0-9.]+, host [0-9.]+, exposed [0-9.]+ ms", out)
     data = _json(capsys, "--cp", "8", "--seq-len", "65536", "--modes", "ring", "--explain")
     (row,) = data["modes"]
     fwd, bwd = row["breakdown"]
@@ -990,7 +1017,8 @@ def test_usp_keeps_its_all_to_all_inside_nodes():
     P, shape = 32, AttentionShape(seq_local=1024, heads=32, kv_heads=8, head_dim=128)
     topo = Topology.for_cp(P)
     row = usp_result(P, shape, topo)
-    assert row.extra == {"ulysses_degree": 8, "ring_degree": 4}
+    assert {k: v for k, v in row.extra.items() if k != "host_s"} == {"ulysses_degree": 8, "ring_degree": 4}
+    assert row.extra["host_s"] > 0  # its ring part's host (the all-to-alls by formula have none)
     sub = AttentionShape(seq_local=8 * 1024, heads=4, kv_heads=1, head_dim=128)
     ring_part = mesh_bytes_formula(4, (1, 4), sub).sent
     assert row.inter_node_bytes_per_rank == pytest.approx(ring_part)  # only the ring crosses nodes
