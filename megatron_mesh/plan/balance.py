@@ -452,7 +452,9 @@ def balanced_layout(cu_seqlens, world_size: int, *, causal: bool = True, window=
     S = bounds[-1][1]
     units = world_size // group  # the balanced units: ranks, or Ulysses groups of ``group`` ranks
     nodes = _check_nodes(world_size, group, ranks_per_node)
-    docs = [_Portion(d, a, b - a, [(0, b - a)], mask) for d, (a, b) in enumerate(bounds)]
+    # a document's groups (chunked attention's chunks) are independent units: a portion never
+    # has to carry a group's neighbours to keep its work
+    docs = [_Portion(d, a, b - a, [g], mask) for d, (a, b) in enumerate(bounds) for g in mask.group_spans(b - a)]
     if nodes in (1, units):
         filled = _balance(docs, units, S // units, mask, portion_work)
     else:  # nodes first (a document stays inside one node when its work fits), then the units of each node

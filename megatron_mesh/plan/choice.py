@@ -238,14 +238,17 @@ def layout_cost(layout: Layout, docs, shape: AttentionShape, topo: Topology, mod
 
 
 def choose_layout(balanced: BalancedLayout, shape: AttentionShape, topo: Topology, mode: str,
-                  ulysses: int = 1) -> tuple[str, LayoutCost, LayoutCost]:
+                  ulysses: int = 1, documents=None) -> tuple[str, LayoutCost, LayoutCost]:
     """"balanced" or "zigzag" for one sample: the balanced layout ``balanced`` (its documents the
     sample's, causal without a window) unless the zigzag costs less for ``mode`` (a tie keeps
     the balanced layout); with both prices (balanced, zigzag). A Ulysses degree equal to the CP
     size leaves one group, which computes every token of its heads whatever the layout: the
-    zigzag then (the all-to-all's own order, no document sets)."""
+    zigzag then (the all-to-all's own order, no document sets). ``documents``: the causal
+    documents to price ((start, stop), ...; default the layout's) -- a mask that is causal inside
+    groups of its documents (chunked attention's chunks: ``MaskKind.causal_groups``) is priced as
+    those groups."""
     P = balanced.world_size
-    docs = balanced.documents()
+    docs = balanced.documents() if documents is None else list(documents)
     mine = layout_cost(balanced, docs, shape, topo, mode, ulysses)
     theirs = layout_cost(ZigzagLayout(P, balanced.seq_len), docs, shape, topo, mode, ulysses)
     # a step whose busiest rank computes for less than a few launches' time is bound by launches

@@ -100,6 +100,34 @@ class MaskKind:
             return self.with_documents(None)
         return self
 
+    def group_spans(self, doc_len: int) -> list[tuple[int, int]]:
+        """Document-relative [a, b) of each group of a document of ``doc_len`` tokens, in order:
+        no query of one group attends a key of another, so the balanced layout places each as a
+        unit of its own (``chunked(4)`` on 10 tokens: [0, 4), [4, 8), [8, 10)). Groups whose
+        extents overlap (a kind whose groups interleave) give the whole document."""
+        spans: dict = {}
+        for a, b, g, _ in self.parts(doc_len, 0, doc_len):
+            lo, hi = spans.get(g, (a, b))
+            spans[g] = (min(lo, a), max(hi, b))
+        out = sorted(spans.values())
+        if any(x[1] > y[0] for x, y in zip(out, out[1:])):
+            return [(0, doc_len)]
+        return out
+
+    def causal_groups(self, bounds) -> list[tuple[int, int]] | None:
+        """The mask as causal documents, where it is one: the groups ((start, stop) of global
+        positions) of the documents ``bounds`` when every allowed pair of a group is exactly
+        causal (band [0, inf) between all its parts) -- the band kind without a window gives the
+        documents, ``chunked(c)`` each document's chunks; None for any other mask (a window,
+        full attention, a prefix). What the layout choice prices (:mod:`..choice`)."""
+        out = []
+        for start, stop in bounds:
+            parts = {p for *_, p in self.parts(stop - start, 0, stop - start)}
+            if any(self.pair_band(q, k) != (0, INF) for q in parts for k in parts):
+                return None
+            out += [(start + a, start + b) for a, b in self.group_spans(stop - start)]
+        return out
+
     def longest(self, seq_len: int) -> int:
         return seq_len if self.documents is None else max((b - a for a, b in self.documents), default=0)
 
