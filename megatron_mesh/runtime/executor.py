@@ -40,7 +40,7 @@ from ..plan.ir import (AddGrad, Attend, AttendBackward, Copy, Free, Key, MergeOu
                        Wait, op_keys)
 from ..plan.shape import AttentionShape
 from .blocks import BlockOps, take as _take
-from .buffers import ARENAS, Arenas, Buffers, accumulator_dtype, parts as _parts, place_view, wire_of
+from .buffers import Arenas, Buffers, accumulator_dtype, parts as _parts, place_view, wire_of
 from .deferred import Deferred
 from .fused import merge_
 from .merge import part_of
@@ -98,7 +98,7 @@ class Executor(BlockOps):
     timers)."""
 
     def __init__(self, plan: Plan, comm: Communicator, kernel: BlockKernel, scale: float,
-                 timer: Callable[[str], ContextManager] | None = None, arenas: Arenas = ARENAS):
+                 timer: Callable[[str], ContextManager] | None = None, arenas: Arenas | None = None):
         if comm.world_size != plan.world_size:
             raise ValueError(f"communicator spans {comm.world_size} ranks but the plan {plan.world_size}")
         self.plan = plan
@@ -118,7 +118,7 @@ class Executor(BlockOps):
             d: copied_only(rp, d) for d in ("forward", "backward")})
         self._cut_keys = plan.memo(("cut keys", comm.rank), lambda: {d: cut_keys(rp, d) for d in ("forward", "backward")})
         self.timer = timer or (lambda what: contextlib.nullcontext())
-        self.arenas = arenas  # where its buffers live (runtime/buffers.py: the process's, unless given)
+        self.arenas = arenas  # where its buffers live (None: the process's, runtime/state.py RUNTIME.arenas)
         self._sink: Tensor | None = None  # the call's softmax_offset in the accumulators' dtype (runtime/sinks.py)
         self.offset_grad: Tensor | None = None  # the last backward's d softmax_offset over the rows it finished
 
