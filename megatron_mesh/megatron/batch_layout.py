@@ -203,16 +203,16 @@ def follow_layout(model, process: ProcessState = PROCESS) -> int:
                 raise ValueError(f"{type(module).__name__}: --cp-layout balanced supports RoPE ('rope'), learned "
                                  "absolute positions and none; pass --cp-layout zigzag")
             if module not in process.following:
-                module.register_forward_hook(_gather_rope, with_kwargs=True)
+                module.register_forward_hook(functools.partial(_gather_rope, process=process), with_kwargs=True)
                 process.following.add(module)
             hooked += 1
     return hooked
 
 
-def _gather_rope(module, args, kwargs, output):
+def _gather_rope(module, args, kwargs, output, process: ProcessState = PROCESS):
     """RotaryEmbedding.forward(max_seq_len, offset=0, packed_seq=False, cp_group=None) returned this
-    rank's zigzag chunks; return the embedding at the current batch's positions instead."""
-    batch = current()
+    rank's zigzag chunks; return the embedding at the positions of ``process``'s current batch instead."""
+    batch = current(process)
     if batch is None:
         raise RuntimeError("megatron_mesh: the rotary embedding follows the batch's CP layout (--cp-layout balanced), "
                            "but no batch layout is set for this forward: feed the model through megatron_mesh's "
@@ -259,9 +259,9 @@ def check_rope_follows(args, process: ProcessState = PROCESS) -> None:
 def split_batch(batch: dict, source: str, args, cp_group, eod: Optional[int] = None,
                 settings: Optional[PluginSettings] = None, process: ProcessState = PROCESS) -> BatchLayout:
     """The documents of the full micro-batch ``batch`` (from ``source``, see :func:`document_rows`)
-    and their layouts (under ``args`` and its plugin ``settings``), made current in ``process``; returns them
-    (:meth:`BatchLayout.shard` splits the batch). Stops a balanced batch for a RoPE model whose
-    rotary embedding does not follow the layout."""
+    and their layouts (under ``args`` and its plugin ``settings``), made current in ``process``;
+    returns them (:meth:`BatchLayout.shard` splits the batch). Stops a balanced batch for a RoPE
+    model whose rotary embedding does not follow the layout."""
     rank = cp_group.rank() if cp_group is not None else 0
     layout = BatchLayout.of(document_rows(batch, source, eod), args, rank, settings)
     if layout.balanced:
