@@ -281,9 +281,6 @@ def test_monkeypatches_of_package_state():
                 if hit and _is_package_state(*hit):
                     found.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}: {hit[0]}.{hit[1]}")
     remaining = {
-        # run_script's flag, read by batch_layout.py's get_batch (its own issue): a ProcessState
-        # field once it reads it from there
-        "megatron_mesh.megatron.bootstrap.BATCH_DOCUMENTS",
         # the checkout a data-file check resolves paths against
         "megatron_mesh.megatron.checks.ROOT",
         # the planner's limit for planning the modes on THD: the tests lower it to reach the refusal on small problems
@@ -346,25 +343,23 @@ def _mutated_module_state(path: str, name: str, set_from_outside: set[str]) -> l
 
 def test_mutable_module_state_in_the_adapter_and_the_runtime():
     """State lives in objects the layers, specs and builders hold (Telemetry, CPGroups,
-    LayoutCalls, GroupChecks, ProcessState, Arenas; per-plan memos in the plan), not in module globals.
-    What megatron/ and runtime/ keep at module level: the process's default objects, which a
-    test replaces by passing its own, and batch_layout's channel from get_batch to the layers.
-    ``functools`` caches (memos of pure functions) are not state."""
+    ProcessState, RuntimeState; per-plan memos in the plan), not in module globals. What
+    megatron/ and runtime/ keep at module level: the process's default objects -- at most 3 --,
+    which a test replaces by passing its own. ``functools`` caches (memos of pure functions) are
+    not state."""
     modules = _modules()
     outside = _set_from_outside(modules)
     found = sorted(s for name, path in modules.items()
                    if name.startswith(("megatron_mesh.megatron", "megatron_mesh.runtime"))
                    for s in _mutated_module_state(path, name, outside))
     assert found == [
-        "megatron_mesh.megatron.batch_layout._CURRENT",  # the batch's layout, from get_batch to the layers' forward
-        "megatron_mesh.megatron.batch_layout._FOLLOWING",  # the rotary embeddings that follow the layout
-        "megatron_mesh.megatron.bootstrap.BATCH_DOCUMENTS",  # set by the entry scripts, read by batch_layout
-        "megatron_mesh.megatron.bootstrap.ENTRY_PACKS_DOCUMENTS",
-        "megatron_mesh.megatron.groups.PROCESS_GROUPS",  # the process's process groups
-        "megatron_mesh.megatron.process.PROCESS",  # the process's start-up and exit state
-        "megatron_mesh.runtime.agreement.GROUP_CHECKS",  # what the plan check remembers per process group
-        "megatron_mesh.runtime.api.LAYOUT_CALLS",  # the prebuild memory
-        "megatron_mesh.runtime.buffers.ARENAS",  # the process's arenas: each rank's buffers, kept from call to call
+        # the process's CP groups, made with torch (process.py runs before torch's import)
+        "megatron_mesh.megatron.groups.PROCESS_GROUPS",
+        # start-up and exit state, the entry scripts' document flags, the batch's layout from
+        # get_batch to the layers and the rotary embeddings that follow it
+        "megatron_mesh.megatron.process.PROCESS",
+        # the plan check's memory per process group, the prebuild memory, each rank's arena
+        "megatron_mesh.runtime.state.RUNTIME",
     ], found
 
 

@@ -309,17 +309,8 @@ def run_inprocess(fn: Callable[..., Any], world_size: int, *args: Any, timeout: 
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if not timeout > 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
-    dev = torch.device(device) if device is not None else None
-    if dev is not None and dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())  # threads start on device 0: name it
-    if streams and (dev is None or dev.type != "cuda"):
-        raise ValueError(f"streams=True needs a CUDA device, got device={device!r}")
-    if mailbox is None:
-        mailbox = Mailbox(world_size)
-    elif mailbox.world_size != world_size or mailbox.posted or mailbox.finished:
-        used = "already used" if mailbox.posted or mailbox.finished else "unused"
-        raise ValueError(f"mailbox must be a fresh Mailbox of {world_size} ranks, got an {used} one of "
-                         f"{mailbox.world_size} ranks")
+    dev = _threads_device(device, streams)
+    mailbox = _fresh_mailbox(mailbox, world_size)
     mailbox.serial = serial
     results: list[Any] = [None] * world_size
     errors: dict[int, BaseException] = {}
@@ -355,6 +346,28 @@ def run_inprocess(fn: Callable[..., Any], world_size: int, *args: Any, timeout: 
         t.join(max(0.0, deadline - time.monotonic()))
     _raise_failures(getattr(fn, "__name__", repr(fn)), world_size, timeout, threads, mailbox, errors, tracebacks)
     return results
+
+
+def _threads_device(device: "str | torch.device | None", streams: bool) -> "torch.device | None":
+    """The device the ranks' threads make current (a CUDA device gets its index: threads start on
+    device 0); ValueError for ``streams=True`` without a CUDA device."""
+    dev = torch.device(device) if device is not None else None
+    if dev is not None and dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())  # threads start on device 0: name it
+    if streams and (dev is None or dev.type != "cuda"):
+        raise ValueError(f"streams=True needs a CUDA device, got device={device!r}")
+    return dev
+
+
+def _fresh_mailbox(mailbox: Mailbox | None, world_size: int) -> Mailbox:
+    """``mailbox``, checked to be a fresh one of ``world_size`` ranks, or a new one (None)."""
+    if mailbox is None:
+        return Mailbox(world_size)
+    if mailbox.world_size != world_size or mailbox.posted or mailbox.finished:
+        used = "already used" if mailbox.posted or mailbox.finished else "unused"
+        raise ValueError(f"mailbox must be a fresh Mailbox of {world_size} ranks, got an {used} one of "
+                         f"{mailbox.world_size} ranks")
+    return mailbox
 
 
 def _raise_failures(name: str, world_size: int, timeout: float, threads: list[threading.Thread], mailbox: Mailbox,

@@ -46,7 +46,6 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -55,6 +54,7 @@ from torch import Tensor
 
 from ..plan.layout import Layout, ZigzagLayout, positions
 from .layout_decision import sample_layout, uses_balanced_layout
+from .process import PROCESS, ProcessState
 from .settings import BATCH_DOCUMENTS, PluginSettings
 
 __all__ = ["sample_layout", "uses_balanced_layout", "eod_starts", "position_starts", "document_rows",
@@ -173,30 +173,25 @@ def _megatron_zigzag():
     return split.__wrapped__ if getattr(split, "megatron_mesh", False) else split
 
 
-_CURRENT: Optional[BatchLayout] = None
-
-
-def set_current(batch: Optional[BatchLayout]) -> None:
+def set_current(batch: Optional[BatchLayout], process: ProcessState = PROCESS) -> None:
     """The micro-batch about to be fed to the model (``get_batch`` sets it; Megatron's schedules
-    run its forward -- and any recomputation -- before the next ``get_batch``)."""
-    global _CURRENT
-    _CURRENT = batch
+    run its forward -- and any recomputation -- before the next ``get_batch``), kept in
+    ``process`` (:attr:`.process.ProcessState.batch`)."""
+    process.batch = batch
 
 
-def current() -> Optional[BatchLayout]:
-    return _CURRENT
+def current(process: ProcessState = PROCESS) -> Optional[BatchLayout]:
+    return process.batch
 
 
 # -- RoPE ---------------------------------------------------------------------------------------------------
-_FOLLOWING: "weakref.WeakSet" = weakref.WeakSet()  # the rotary embeddings that follow the layout
-
-
-def follow_layout(model) -> int:
+def follow_layout(model, process: ProcessState = PROCESS) -> int:
     """Make the rotary embeddings in ``model`` (a GPTModel, or a list of pipeline stages) follow
     the current batch's layout: a forward hook replaces Megatron's zigzag slice of the embedding by
     the full embedding at each local token's global position. Returns how many it hooked (0:
     the model has no RoPE -- learned absolute positions follow the split position ids by
-    themselves). ValueError for YaRN (its own slicing; not supported with the balanced layout)."""
+    themselves). ValueError for YaRN (its own slicing; not supported with the balanced layout).
+    ``process`` remembers the hooked ones (:attr:`.process.ProcessState.following`)."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     hooked = 0
@@ -207,17 +202,17 @@ def follow_layout(model) -> int:
             if type(module) is not RotaryEmbedding:
                 raise ValueError(f"{type(module).__name__}: --cp-layout balanced supports RoPE ('rope'), learned "
                                  "absolute positions and none; pass --cp-layout zigzag")
-            if module not in _FOLLOWING:
-                module.register_forward_hook(_gather_rope, with_kwargs=True)
-                _FOLLOWING.add(module)
+            if module not in process.following:
+                module.register_forward_hook(functools.partial(_gather_rope, process=process), with_kwargs=True)
+                process.following.add(module)
             hooked += 1
     return hooked
 
 
-def _gather_rope(module, args, kwargs, output):
+def _gather_rope(module, args, kwargs, output, process: ProcessState = PROCESS):
     """RotaryEmbedding.forward(max_seq_len, offset=0, packed_seq=False, cp_group=None) returned this
-    rank's zigzag chunks; return the embedding at the current batch's positions instead."""
-    batch = current()
+    rank's zigzag chunks; return the embedding at the positions of ``process``'s current batch instead."""
+    batch = current(process)
     if batch is None:
         raise RuntimeError("megatron_mesh: the rotary embedding follows the batch's CP layout (--cp-layout balanced), "
                            "but no batch layout is set for this forward: feed the model through megatron_mesh's "
@@ -251,10 +246,10 @@ def _pre_wrap(models):
     return models
 
 
-def check_rope_follows(args) -> None:
+def check_rope_follows(args, process: ProcessState = PROCESS) -> None:
     """A balanced batch for a RoPE model none of whose rotary embeddings follows the layout would
     train with the zigzag's positions: stop instead."""
-    if getattr(args, "position_embedding_type", None) == "rope" and not _FOLLOWING:
+    if getattr(args, "position_embedding_type", None) == "rope" and not process.following:
         raise RuntimeError("megatron_mesh: --cp-layout balanced, but the model's rotary embedding does not follow the "
                            "layout (the spec function adds the hook to GPTModelConfig.pre_wrap_hooks; a model built "
                            "another way needs megatron_mesh.megatron.batch_layout.follow_layout(model))")
@@ -262,23 +257,23 @@ def check_rope_follows(args) -> None:
 
 # -- get_batch: the plugin's entry script, and Megatron-LM's own scripts -------------------------------------
 def split_batch(batch: dict, source: str, args, cp_group, eod: Optional[int] = None,
-                settings: Optional[PluginSettings] = None) -> BatchLayout:
+                settings: Optional[PluginSettings] = None, process: ProcessState = PROCESS) -> BatchLayout:
     """The documents of the full micro-batch ``batch`` (from ``source``, see :func:`document_rows`)
-    and their layouts (under ``args`` and its plugin ``settings``), made current; returns them
-    (:meth:`BatchLayout.shard` splits the batch). Stops a balanced batch for a RoPE model whose
-    rotary embedding does not follow the layout."""
+    and their layouts (under ``args`` and its plugin ``settings``), made current in ``process``;
+    returns them (:meth:`BatchLayout.shard` splits the batch). Stops a balanced batch for a RoPE
+    model whose rotary embedding does not follow the layout."""
     rank = cp_group.rank() if cp_group is not None else 0
     layout = BatchLayout.of(document_rows(batch, source, eod), args, rank, settings)
     if layout.balanced:
-        check_rope_follows(args)
-    set_current(layout)
+        check_rope_follows(args, process)
+    set_current(layout, process)
     return layout
 
 
-def install() -> None:
+def install(process: ProcessState = PROCESS) -> None:
     """Replace ``megatron.core.utils.get_batch_on_this_cp_rank`` -- before the script imports it --
-    by :func:`get_batch_on_this_cp_rank`, which Megatron's own function serves wherever the batches
-    carry no documents for the plugin layers."""
+    by :func:`get_batch_on_this_cp_rank` in ``process`` (its flags, its current batch), which
+    Megatron's own function serves wherever the batches carry no documents for the plugin layers."""
     from megatron.core import utils
 
     megatrons = utils.get_batch_on_this_cp_rank
@@ -286,23 +281,25 @@ def install() -> None:
         return
 
     def substitute(batch, is_hybrid_cp=False, cp_group=None, *rest, **kwargs):
-        return get_batch_on_this_cp_rank(batch, is_hybrid_cp, cp_group, *rest, **kwargs)
+        return get_batch_on_this_cp_rank(batch, is_hybrid_cp, cp_group, *rest, process=process, **kwargs)
 
     functools.update_wrapper(substitute, megatrons)  # __wrapped__: Megatron's, for _megatron_zigzag
     substitute.megatron_mesh = True
     utils.get_batch_on_this_cp_rank = substitute
 
 
-def get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=None, *rest, **kwargs):
+def get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=None, *rest, process: ProcessState = PROCESS,
+                              **kwargs):
     """Megatron's ``get_batch_on_this_cp_rank`` where documents reach the plugin layers from the
     batch (``--reset-attention-mask`` through ``run_script``; see :func:`~megatron_mesh.plan.megatron_problem.documents_of`):
     this micro-batch's documents become current and it is split by its layout. Otherwise, or for
-    batches Megatron packs itself (``cu_seqlens``, refused at start-up), Megatron's own."""
+    batches Megatron packs itself (``cu_seqlens``, refused at start-up), Megatron's own. ``process``:
+    whose flags say where the documents come from and whose current batch it sets."""
     from . import bootstrap
 
     original = _megatron_zigzag()
     args = bootstrap.megatron_args()
-    settings = PluginSettings.from_args(args, batch_documents=bootstrap.BATCH_DOCUMENTS) if args is not None else None
+    settings = PluginSettings.from_args(args, batch_documents=process.batch_documents) if args is not None else None
     source = settings.documents if settings is not None else None
     if source not in BATCH_DOCUMENTS or is_hybrid_cp or batch.get("cu_seqlens") is not None \
             or batch.get("tokens") is None:
@@ -312,7 +309,7 @@ def get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=None, *rest, *
         from megatron.training import get_tokenizer
 
         eod = get_tokenizer().eod
-    return split_batch(batch, source, args, cp_group, eod, settings).shard(batch, cp_group)
+    return split_batch(batch, source, args, cp_group, eod, settings, process).shard(batch, cp_group)
 
 
 # -- ahead of the step ------------------------------------------------------------------------------------
@@ -418,12 +415,12 @@ def _ahead(iterator, warm):
     return iterator
 
 
-def install_lookahead() -> None:
+def install_lookahead(process: ProcessState = PROCESS) -> None:
     """Make Megatron's ``pretrain`` build its data iterators with a :class:`Lookahead` below each
     replay buffer when the balanced layout applies (documents from the batch at CP > 1,
     ``--cp-layout balanced``) and ``--no-cp-layout-lookahead`` is not given. ``pretrain`` looks
     the builder up in its module at call time; the entry script and ``run_script`` call this
-    before it."""
+    before it. ``process``: whose flags say where the documents come from."""
     from megatron.training import training
 
     build = training.build_train_valid_test_data_iterators
@@ -437,8 +434,8 @@ def install_lookahead() -> None:
         args = bootstrap.megatron_args()
         if args is None or args.context_parallel_size == 1:
             return iterators
-        settings = PluginSettings.from_args(args, entry_packs_documents=bootstrap.ENTRY_PACKS_DOCUMENTS,
-                                            batch_documents=bootstrap.BATCH_DOCUMENTS)
+        settings = PluginSettings.from_args(args, entry_packs_documents=process.entry_packs_documents,
+                                            batch_documents=process.batch_documents)
         if settings.no_cp_layout_lookahead or not settings.layout.per_sample or settings.documents not in BATCH_DOCUMENTS:
             return iterators
         eod = None

@@ -35,12 +35,6 @@ from .process import PROCESS
 __all__ = ["die_with_parent", "forked_children_die_with_this_process", "quiet_interrupt", "prepare_runtime", "check_args", "fail", "entry_run", "install_argument_hook", "megatron_args",
            "pause_gc", "resume_gc", "freeze_gc"]
 
-# True in megatron_mesh's own entry script, whose batches carry document boundaries to the plugin
-# layers (--reset-attention-mask, --cp-thd-packing); other scripts' batches do not
-ENTRY_PACKS_DOCUMENTS = False
-# True under run_script: batch_layout takes the documents of --reset-attention-mask from the
-# script's batches (position ids or end-of-document tokens) for the layers
-BATCH_DOCUMENTS = False
 _PARENT_AT_START = os.getppid()  # before the launcher could have died: the reference for die_with_parent
 LAUNCHER_PID_ENV = "MEGATRON_MESH_LAUNCHER_PID"
 
@@ -227,7 +221,8 @@ def check_args(args) -> None:
     from .checks import check_data_files, validate_args
 
     try:
-        unused = validate_args(args, entry_packs_documents=ENTRY_PACKS_DOCUMENTS, batch_documents=BATCH_DOCUMENTS)
+        unused = validate_args(args, entry_packs_documents=PROCESS.entry_packs_documents,
+                               batch_documents=PROCESS.batch_documents)
         check_data_files(args)
     except ValueError as e:
         fail(str(e))

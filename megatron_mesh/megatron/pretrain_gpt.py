@@ -21,6 +21,7 @@ import sys
 from functools import partial
 
 from . import bootstrap
+from .process import PROCESS
 
 if __name__ == "__main__":
     bootstrap.quiet_interrupt()  # first: Ctrl-C while torch loads is quiet too
@@ -44,7 +45,7 @@ def parse_args(argv=None):
         argv = ["--spec", *DEFAULT_SPEC, *argv]
     sys.argv = [sys.argv[0], *argv]
     bootstrap.install_argument_hook()
-    bootstrap.ENTRY_PACKS_DOCUMENTS = True  # get_batch below hands the plugin layers their documents
+    PROCESS.entry_packs_documents = True  # get_batch below hands the plugin layers their documents
     args = arguments.parse_and_validate_args(extra_args_provider=add_args, args_defaults=ARGS_DEFAULTS)
     _check_data_args(args)
     return args
@@ -244,7 +245,7 @@ def build_config(args):
 
     config = core_transformer_config_from_args(args, config_class=MeshTransformerConfig)
     # also where Megatron forces MLATransformerConfig (no plugin fields)
-    apply_args(args, config, entry_packs_documents=bootstrap.ENTRY_PACKS_DOCUMENTS)
+    apply_args(args, config, entry_packs_documents=PROCESS.entry_packs_documents)
     return gpt_config_from_args(args, config=config)
 
 

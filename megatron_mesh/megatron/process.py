@@ -1,24 +1,32 @@
-"""What one plugin process remembers of its own start and end, in one object: :data:`PROCESS`.
+"""What one plugin process remembers of its own run, in one object: :data:`PROCESS`.
 
-Start-up (:mod:`.bootstrap`) and the error paths (:mod:`.errors`) read and set it: whether
-start-up paused the garbage collector, the forking process while forked children must die with
-it, the argument namespaces already checked, and whether the process is stopping with its own
-message or has finished its run (the watcher of the other nodes reads those two). The functions
+Start-up (:mod:`.bootstrap`), the entry scripts and the error paths (:mod:`.errors`) set it, the
+batch split and the layers (:mod:`.batch_layout`) read it: whether start-up paused the garbage
+collector, the forking process while forked children must die with it, the argument namespaces
+already checked, whether the process is stopping with its own message or has finished its run
+(the watcher of the other nodes reads those two), where the running script's batches carry the
+documents (the entry scripts' flags) and the channel from ``get_batch`` to the layers (the
+micro-batch being fed to the model, the rotary embeddings that follow its layout). The functions
 that test code drives take a :class:`ProcessState` (default :data:`PROCESS`), so a test passes its
 own instead of patching these. Nothing here imports torch: it runs before the first import.
+
+(The process's CP groups are :data:`.groups.PROCESS_GROUPS`: made with torch, which this module
+must not import.)
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, field
+from typing import Optional
 
 __all__ = ["ProcessState", "PROCESS"]
 
 
 @dataclass
 class ProcessState:
-    """One process's start-up and exit state (see the module docstring)."""
+    """One process's start-up, exit and batch state (see the module docstring)."""
 
     gc_paused: bool = False  # pause_gc turned the collector off (resume_gc turns it on again, once)
     fork_parent: list[int] = field(default_factory=list)  # inside forked_children_die_with_this_process
@@ -26,6 +34,18 @@ class ProcessState:
     checked: set[int] = field(default_factory=set)  # id() of the argument namespaces already checked
     failing: threading.Event = field(default_factory=threading.Event)  # stopping with its own message: it wins
     exiting: threading.Event = field(default_factory=threading.Event)  # its run has finished: the watcher stops
+    # True in megatron_mesh's own entry script, whose batches carry document boundaries to the
+    # plugin layers (--reset-attention-mask, --cp-thd-packing); other scripts' batches do not
+    entry_packs_documents: bool = False
+    # True under run_script: batch_layout takes the documents of --reset-attention-mask from the
+    # script's batches (position ids or end-of-document tokens) for the layers
+    batch_documents: bool = False
+    # the micro-batch about to be fed to the model, a batch_layout.BatchLayout (not imported here:
+    # it imports torch) -- batch_layout.set_current / current: get_batch sets it; Megatron's
+    # schedules run its forward -- and any recomputation -- before the next one
+    batch: Optional[object] = None
+    # the rotary embeddings that follow the batch's layout (batch_layout.follow_layout), weakly
+    following: "weakref.WeakSet" = field(default_factory=weakref.WeakSet)
 
 
 PROCESS = ProcessState()

@@ -43,6 +43,7 @@ def main(argv=None) -> None:
     if not os.path.isfile(script):
         raise SystemExit(f"megatron_mesh: error: no such script: {argv[0]}")
     from . import bootstrap
+    from .process import PROCESS
 
     bootstrap.quiet_interrupt()  # Ctrl-C (forwarded by torchrun): exit 130 without a traceback per rank
     bootstrap.pause_gc()  # while the script imports torch and Megatron (resumed when it parses its arguments)
@@ -58,7 +59,7 @@ def main(argv=None) -> None:
 
         batch_layout.install()  # before the script imports get_batch_on_this_cp_rank
         batch_layout.install_lookahead()
-        bootstrap.BATCH_DOCUMENTS = True
+        PROCESS.batch_documents = True
         sys.argv = [script, *argv[1:]]
         runpy.run_path(script, run_name="__main__")
     bootstrap.freeze_gc()  # a quicker exit

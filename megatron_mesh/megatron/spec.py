@@ -35,6 +35,7 @@ from .args import apply_args
 from .checks import have_transformer_engine
 from .core_attention import core_attention_spec
 from .groups import PROCESS_GROUPS
+from .process import PROCESS
 
 __all__ = ["gpt_layer_spec", "gpt_te_layer_spec", "gpt_local_layer_spec", "patch_spec"]
 
@@ -50,8 +51,8 @@ def _transformer_config(model_config):
     args = bootstrap.megatron_args()
     if args is not None:
         bootstrap.check_args(args)  # no-op when the entry script's argument hook already checked them
-        apply_args(args, t, entry_packs_documents=bootstrap.ENTRY_PACKS_DOCUMENTS,
-                   batch_documents=bootstrap.BATCH_DOCUMENTS)
+        apply_args(args, t, entry_packs_documents=PROCESS.entry_packs_documents,
+                   batch_documents=PROCESS.batch_documents)
     telemetry = install(args) if args is not None else Telemetry()
     batch_layout.add_rope_hook(model_config, t)  # RoPE follows the balanced layout (Megatron's builder runs it)
     return t, core_attention_spec(telemetry, PROCESS_GROUPS)

@@ -89,6 +89,76 @@ def pull_rounds(a: int, b: int, schedule: str, q_cost: float, kv_cost: float,
     return rounds
 
 
+class _Template:
+    """The template being built (see :func:`build_template`): the ops so far, the rounds posted
+    and not yet waited, the blocks unlocked, and per ring which accumulators have left."""
+
+    def __init__(self, a: int, b: int, acc_rings: tuple[str, ...], q_have: int, kv_have: int):
+        self.acc_rings = acc_rings
+        self.size = {"q": a, "kv": b}
+        self.have = {"q": list(range(q_have)), "kv": list(range(kv_have))}
+        # blocks unlocked but not computed yet; a new Q (KV) offset unlocks one block per KV (Q) offset held
+        self.ready: list[tuple[int, int]] = [(u, v) for u in self.have["q"] for v in self.have["kv"]]
+        self.left = {"q": [b] * a, "kv": [a] * b}  # blocks still to compute per Q offset (row) / KV offset (column)
+        self.next_acc = {ring: 1 for ring in acc_rings}  # next offset whose accumulator leaves, per ring
+        self.acc_round: dict[tuple[str, int], int] = {}  # (ring, k) -> round that sent offset k (and brought k+1)
+        self.ops: list[tuple] = []
+        self.posted: list[int] = []  # rounds posted and not yet waited, in posting order
+        self.rounds = 0
+
+    def post(self, items: list) -> int:
+        self.rounds += 1
+        self.ops.append(("post", self.rounds, tuple(items)))
+        self.posted.append(self.rounds)
+        return self.rounds
+
+    def wait_through(self, t: int) -> None:
+        # rounds complete in posting order on every transport (NCCL runs them on one stream)
+        while self.posted and self.posted[0] <= t:
+            self.ops.append(("wait", self.posted.pop(0)))
+
+    def send_accumulators(self) -> None:
+        """Post the accumulator of every offset whose blocks are all done, in offset order per ring."""
+        for ring in self.acc_rings:
+            k = self.next_acc[ring]
+            while k < self.size[ring] and self.left[ring][k] == 0:
+                if k >= 2:  # fold in what the previous rank sent for this offset
+                    self.wait_through(self.acc_round[(ring, k - 1)])
+                    self.ops.append(("merge", ring, k))
+                self.acc_round[(ring, k)] = self.post([("acc", ring, k)])
+                k += 1
+            self.next_acc[ring] = k
+
+    def compute_ready(self) -> None:
+        """Compute the unlocked blocks, each accumulator leaving as soon as its blocks are done."""
+        # remote rows first, in ring order (their accumulators leave first); local row last
+        self.ready.sort(key=lambda uv: (uv[0] == 0, uv[0], uv[1] == 0, uv[1]))
+        for u, v in self.ready:
+            self.ops.append(("block", u, v))
+            self.left["q"][u] -= 1
+            self.left["kv"][v] -= 1
+            self.send_accumulators()
+        self.ready.clear()
+
+    def arrived(self, items) -> None:
+        """The pulled offsets of a waited round are here: each unlocks its blocks with the other ring's."""
+        for _, ring, k in items:
+            other = "kv" if ring == "q" else "q"
+            self.ready.extend((k, o) if ring == "q" else (o, k) for o in self.have[other])
+            self.have[ring].append(k)
+
+    def finish(self) -> list[tuple]:
+        """The last blocks and accumulators, the merges of this rank's own totals, every wait."""
+        self.compute_ready()
+        self.send_accumulators()
+        for ring in self.acc_rings:
+            if self.size[ring] > 1:  # the last accumulator round brought my own total
+                self.wait_through(self.acc_round[(ring, self.size[ring] - 1)])
+                self.ops.append(("merge", ring, 0))
+        self.wait_through(self.rounds)
+        return self.ops
+
+
 def build_template(a: int, b: int, rounds: list[list[tuple[str, str, int]]], acc_rings: Iterable[str],
                    q_have: int = 1, kv_have: int = 1) -> list[tuple]:
     """Interleave the pull rounds with block computes and accumulator returns (see module doc).
@@ -96,66 +166,13 @@ def build_template(a: int, b: int, rounds: list[list[tuple[str, str, int]]], acc
     ``acc_rings``: the rings whose accumulators travel home -- ("q",) in the forward (partial
     outputs), ("q", "kv") in the backward (dQ and dK/dV).
     """
-    acc_rings = tuple(acc_rings)
-    size = {"q": a, "kv": b}
-    have = {"q": list(range(q_have)), "kv": list(range(kv_have))}
-    # blocks unlocked but not computed yet; a new Q (KV) offset unlocks one block per KV (Q) offset held
-    ready: list[tuple[int, int]] = [(u, v) for u in have["q"] for v in have["kv"]]
-    left = {"q": [b] * a, "kv": [a] * b}  # blocks still to compute per Q offset (row) / KV offset (column)
-    next_acc = {ring: 1 for ring in acc_rings}  # next offset whose accumulator leaves, per ring
-    acc_round = {}  # (ring, k) -> round that sent offset k (and brought offset k+1)
-    ops: list[tuple] = []
-    posted: list[int] = []  # rounds posted and not yet waited, in posting order
-    counter = [0]
-
-    def post(items: list) -> int:
-        counter[0] += 1
-        ops.append(("post", counter[0], tuple(items)))
-        posted.append(counter[0])
-        return counter[0]
-
-    def wait_through(t: int) -> None:
-        # rounds complete in posting order on every transport (NCCL runs them on one stream)
-        while posted and posted[0] <= t:
-            ops.append(("wait", posted.pop(0)))
-
-    def send_accumulators() -> None:
-        for ring in acc_rings:
-            k = next_acc[ring]
-            while k < size[ring] and left[ring][k] == 0:
-                if k >= 2:  # fold in what the previous rank sent for this offset
-                    wait_through(acc_round[(ring, k - 1)])
-                    ops.append(("merge", ring, k))
-                acc_round[(ring, k)] = post([("acc", ring, k)])
-                k += 1
-            next_acc[ring] = k
-
-    def compute_ready() -> None:
-        # remote rows first, in ring order (their accumulators leave first); local row last
-        ready.sort(key=lambda uv: (uv[0] == 0, uv[0], uv[1] == 0, uv[1]))
-        for u, v in ready:
-            ops.append(("block", u, v))
-            left["q"][u] -= 1
-            left["kv"][v] -= 1
-            send_accumulators()
-        ready.clear()
-
+    template = _Template(a, b, tuple(acc_rings), q_have, kv_have)
     for items in rounds:
-        t = post(items)
-        compute_ready()
-        wait_through(t)
-        for _, ring, k in items:
-            other = "kv" if ring == "q" else "q"
-            ready.extend((k, o) if ring == "q" else (o, k) for o in have[other])
-            have[ring].append(k)
-    compute_ready()
-    send_accumulators()
-    for ring in acc_rings:
-        if size[ring] > 1:  # the last accumulator round brought my own total
-            wait_through(acc_round[(ring, size[ring] - 1)])
-            ops.append(("merge", ring, 0))
-    wait_through(counter[0])
-    return ops
+        t = template.post(items)
+        template.compute_ready()
+        template.wait_through(t)
+        template.arrived(items)
+    return template.finish()
 
 
 def template_text(ops: list[tuple]) -> str:

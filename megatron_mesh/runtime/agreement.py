@@ -61,7 +61,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,8 +73,9 @@ from .. import __version__
 from .. import plan as plan_package
 from ..plan.ir import Plan
 from ..plan.tunables import TUNABLES
+from .state import RUNTIME, GroupChecks
 
-__all__ = ["PlanMismatchError", "Call", "GroupChecks", "GROUP_CHECKS", "check", "joined_on_error", "enabled",
+__all__ = ["PlanMismatchError", "Call", "GroupChecks", "check", "joined_on_error", "enabled",
            "plan_digest", "plan_code", "mismatch_message", "differences", "ENV", "SWITCH"]
 
 ENV = "MEGATRON_MESH_PLAN_AGREEMENT"
@@ -186,39 +186,7 @@ class Call:
         }
 
 
-# -- the collective ----------------------------------------------------------------------------------------
-class GroupChecks:
-    """What the check remembers of each process group (weakly: a destroyed group goes): the
-    device of its check's tensor, chosen from the group alone, and whether its ranks agreed to run
-    without the check (``MEGATRON_MESH_PLAN_AGREEMENT=0`` on all)."""
-
-    def __init__(self):
-        self._devices: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-        self._agreed_off: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-    def device(self, group) -> torch.device:
-        """CUDA for an NCCL group, else the CPU -- so every rank picks the same, whatever its inputs."""
-        device = self._devices.get(group)
-        if device is None:
-            nccl = dist.get_backend(group) == "nccl"
-            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-            self._devices[group] = device
-        return device
-
-    def agreed_off(self, group) -> bool:
-        return group in self._agreed_off
-
-    def agree(self, group, on: bool) -> None:
-        """The group's ranks agreed to run with the check ``on`` (True) or without it."""
-        if on:
-            self._agreed_off.pop(group, None)
-        else:
-            self._agreed_off[group] = True
-
-
-GROUP_CHECKS = GroupChecks()  # the process's: what check and joined_on_error use unless given another
-
-
+# -- the collective (its memory of each group: state.GroupChecks) -----------------------------------------
 def _digest(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
@@ -261,9 +229,11 @@ def _skips(group, checks: GroupChecks) -> bool:
         return False
 
 
-def check(comm, call: Call, checks: GroupChecks = GROUP_CHECKS) -> None:
+def check(comm, call: Call, checks: GroupChecks | None = None) -> None:
     """Raise :class:`PlanMismatchError` on every rank of ``comm``'s group unless all ranks make
-    the same ``call`` (one small all-reduce; see the module docstring, also for the switch)."""
+    the same ``call`` (one small all-reduce; see the module docstring, also for the switch).
+    ``checks``: what the check remembers per group (None: the process's, ``RUNTIME.checks``)."""
+    checks = RUNTIME.checks if checks is None else checks
     group = _group(comm)
     if group is None:
         return
@@ -279,10 +249,11 @@ def check(comm, call: Call, checks: GroupChecks = GROUP_CHECKS) -> None:
 
 
 @contextmanager
-def joined_on_error(comm, checks: GroupChecks = GROUP_CHECKS) -> Iterator[None]:
+def joined_on_error(comm, checks: GroupChecks | None = None) -> Iterator[None]:
     """Run the block; if it raises on this rank, join the group's check first, described by the
     error (so the ranks that did not fail raise PlanMismatchError naming it instead of hanging),
-    then re-raise it here."""
+    then re-raise it here. ``checks`` as for :func:`check`."""
+    checks = RUNTIME.checks if checks is None else checks
     try:
         yield
     except Exception as e:

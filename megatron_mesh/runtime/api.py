@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import os
 import textwrap
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -49,6 +47,7 @@ from .inputs import attention_mask, attention_shape, check_scale, integer_scalar
 from .masks import mask_piece
 from .sinks import check_offset, sink_kind
 from .sharding import layout_shard, layout_unshard, thd_shard, thd_unshard, zigzag_shard, zigzag_unshard
+from .state import RUNTIME, LayoutCalls
 
 __all__ = ["attention", "mesh_attention", "ring_attention", "tasp_attention", "hybrid_attention", "plan_attention",
            "forward_backward", "zigzag_shard", "zigzag_unshard", "thd_shard", "thd_unshard", "layout_shard",
@@ -85,48 +84,19 @@ def _plan(placement: Placement, shape: AttentionShape, mask: Mask, layout) -> Pl
     return plan
 
 
-class LayoutCalls:
-    """The prebuild memory: the attention calls recently made on a layout with documents of its
-    own (the balanced layout of a packed sample), as the (placement, shape, mask, rank)
-    that :func:`prebuild` plans again for the next samples' layouts (the mask without its documents:
-    the next layout brings its own). Newest last, at most
-    :attr:`KEPT` (a few per model: one per distinct attention setting, not per layer); the step
-    adds while the lookahead thread reads, so under a lock."""
-
-    KEPT = 16
-
-    def __init__(self):
-        self._calls: "OrderedDict[tuple, None]" = OrderedDict()
-        self._lock = threading.Lock()
-
-    def remember(self, placement: Placement, shape: AttentionShape, mask: MaskKind, rank: int) -> None:
-        key = (placement, shape, mask, rank)
-        with self._lock:
-            self._calls[key] = None
-            self._calls.move_to_end(key)
-            while len(self._calls) > self.KEPT:
-                self._calls.popitem(last=False)
-
-    def recent(self) -> list[tuple]:
-        with self._lock:
-            return list(self._calls)
-
-
-LAYOUT_CALLS = LayoutCalls()  # the process's: what prepare remembers and prebuild reads by default
-
-
-def prebuild(layout, calls: LayoutCalls = LAYOUT_CALLS) -> int:
+def prebuild(layout, calls: LayoutCalls | None = None) -> int:
     """Build, now, the plans the coming calls on ``layout`` will need: for every attention call
     recently made on another layout of the same CP size and tokens per rank (same placement,
-    shape, mask, rank; ``calls``: the process's memory of them), this rank's plan of
-    ``layout`` goes into the plan cache that :func:`prepare` reads. What a background thread runs
-    for the next micro-batch's layouts (:mod:`megatron_mesh.megatron.batch_layout`), so that the
-    step finds its plans built. Returns how many plans it built (0 before the first call on a
-    layout).
+    shape, mask, rank; ``calls``: the memory of them, None: the process's, ``RUNTIME.calls``),
+    this rank's plan of ``layout`` goes into the plan cache that :func:`prepare` reads. What a
+    background thread runs for the next micro-batch's layouts
+    (:mod:`megatron_mesh.megatron.batch_layout`), so that the step finds its plans built. Returns
+    how many plans it built (0 before the first call on a layout).
 
     Example: after a step of ``attention(q, k, v, mode="tasp", layout=L1)`` on rank 3,
     ``prebuild(L2)`` builds rank 3's TASP plan of L2; the next step's call with ``layout=L2``
     finds it (no plan build on the step's critical path)."""
+    calls = RUNTIME.calls if calls is None else calls
     built = 0
     for placement, shape, head, rank in calls.recent():
         if placement.world_size != layout.world_size or shape.seq_local != layout.seq_local:
@@ -181,7 +151,7 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None, 
             raise ValueError(f"placement for {placement.world_size} ranks used on a CP group of {P}")
         plan = _plan(placement, shape, mask, layout)
         if layout.documents() is not None:  # a packed sample's layout: the next samples' plans can be built ahead
-            LAYOUT_CALLS.remember(placement, shape, mask.without_documents(), own.rank)
+            RUNTIME.calls.remember(placement, shape, mask.without_documents(), own.rank)
     if comm is None:
         comm = own if placement.transport == "p2p" else group_communicator(group, placement.transport)
     scale = scale_of(shape, softmax_scale)

@@ -2,7 +2,7 @@
 
 Most live in the rank's **arena** (:mod:`megatron_mesh.plan.arena`: one block of bytes per
 direction, laid out once per plan and shape, where each buffer the plan creates has a fixed
-place): :class:`Scratch` keeps it, and the views of every buffer in it, from call to call, so a
+place): :class:`~.state.Scratch` keeps it, and the views of every buffer in it, from call to call, so a
 step allocates nothing there and issues no view ops for it -- and a CUDA graph finds the same
 addresses every replay. What the call returns (the rank's output and gradients, token-major as
 Megatron reads them) and what outlives it (the buffers the forward keeps for the backward) are
@@ -16,19 +16,18 @@ the caller's [T, B, H, D] tensor is sent as it is.
 
 from __future__ import annotations
 
-import threading
-import weakref
 from typing import Callable
 
 import torch
 from torch import Tensor
 
-from ..plan.arena import ScratchLayout, TensorPlace, scratch_layout
+from ..plan.arena import TensorPlace, scratch_layout
 from ..plan.ir import KINDS, Key, Plan
 from ..plan.shape import AttentionShape
 from .merge import part_of
+from .state import RUNTIME, Arenas, Scratch
 
-__all__ = ["Buffers", "Scratch", "Arenas", "ARENAS", "scratch", "accumulator_dtype", "parts", "wire_of", "place_view", "zero"]
+__all__ = ["Buffers", "Scratch", "Arenas", "scratch", "accumulator_dtype", "parts", "wire_of", "place_view", "zero"]
 
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -72,51 +71,9 @@ def wire_of(t: Tensor) -> Tensor:
     return w if w.is_contiguous() else w.contiguous()
 
 
-class Scratch:
-    """One rank's arena on one device, kept from call to call: grown (made anew) when a plan
-    needs more, with the views of each layout's buffers made once."""
-
-    def __init__(self):
-        self.arena: Tensor | None = None
-        self.views: "weakref.WeakKeyDictionary[ScratchLayout, dict]" = weakref.WeakKeyDictionary()
-        self.lock = threading.Lock()
-
-    def bind(self, layout: ScratchLayout, device: torch.device, dtypes: tuple, size: int) -> dict:
-        """The views cache of ``layout`` with ``dtypes`` (input, accumulator) over an arena of at
-        least ``size`` bytes on ``device`` (the plan's larger direction's: the other direction then
-        finds it large enough, and the views made stay valid)."""
-        with self.lock:
-            if self.arena is None or self.arena.numel() < size or self.arena.device != device:
-                self.arena = torch.empty(max(size, 1), dtype=torch.uint8, device=device)
-                self.views = weakref.WeakKeyDictionary()
-            per_layout = self.views.setdefault(layout, {})
-            return per_layout.setdefault(dtypes, {})
-
-
-class Arenas:
-    """A process's arenas: one :class:`Scratch` per device and rank (in-process virtual ranks: one
-    each), for both directions -- a rank runs one direction at a time, its ops in stream order, so
-    the backward takes over the forward's bytes (and the next layer's forward the backward's)."""
-
-    def __init__(self):
-        self.by: dict[tuple, Scratch] = {}
-        self.lock = threading.Lock()
-
-    def get(self, device: torch.device, rank: int) -> Scratch:
-        key = (str(device), rank)
-        with self.lock:
-            got = self.by.get(key)
-            if got is None:
-                got = self.by[key] = Scratch()
-            return got
-
-
-ARENAS = Arenas()  # the process's: what executors use unless given another
-
-
-def scratch(device: torch.device, rank: int, arenas: Arenas = ARENAS) -> Scratch:
-    """The arena of ``rank`` on ``device`` in ``arenas``."""
-    return arenas.get(device, rank)
+def scratch(device: torch.device, rank: int, arenas: Arenas | None = None) -> Scratch:
+    """The arena of ``rank`` on ``device`` in ``arenas`` (None: the process's, ``RUNTIME.arenas``)."""
+    return (RUNTIME.arenas if arenas is None else arenas).get(device, rank)
 
 
 class Buffers:
@@ -124,7 +81,7 @@ class Buffers:
     (:meth:`create`), else allocated for the call (:meth:`own`)."""
 
     def __init__(self, plan: Plan, rank: int, direction: str, shape: AttentionShape, dtype: torch.dtype,
-                 device: torch.device, arenas: Arenas = ARENAS):
+                 device: torch.device, arenas: Arenas | None = None):
         self.plan = plan
         self.heads, self.kv_heads, self.batch = shape.heads, shape.kv_heads, shape.batch
         self.shape = shape

@@ -2,9 +2,12 @@
 
 There is no rank logic here: which buffers exist, what is computed with which mask, what goes
 to whom and in which round all come from the :class:`~megatron_mesh.plan.RankPlan`. The op
-types dispatch through one table (:data:`Executor.HANDLERS`). Partial outputs and gradients
-accumulate in fp32 buffers that belong to the executor (kernel outputs are only ever read,
-never kept as accumulators), in the order the plan fixes, so results are bitwise reproducible.
+types dispatch through one table (:data:`Executor.HANDLERS`), whose handlers are mixins: the
+blocks' in :mod:`.blocks`, the transfers', merges', copies', adds' and row statistics' in
+:mod:`.moves`; the input buffers are cut from the local tensors by :mod:`.cuts`. Partial outputs
+and gradients accumulate in fp32 buffers that belong to the executor (kernel outputs are only
+ever read, never kept as accumulators), in the order the plan fixes, so results are bitwise
+reproducible.
 
 Tensors are [B, H, T, D] (heads before tokens) inside the executor, as *views*: the public API
 hands it ``x.permute(1, 2, 0, 3)`` of Megatron's [T, B, H, D] tensors, and its own buffers are
@@ -39,11 +42,12 @@ from ..plan.sel import union_intervals
 from ..plan.ir import (AddGrad, Attend, AttendBackward, Copy, Free, Key, MergeOut, Plan, Post, RankPlan, RowStats,
                        Wait, op_keys)
 from ..plan.shape import AttentionShape
-from .blocks import BlockOps, take as _take
-from .buffers import ARENAS, Arenas, Buffers, accumulator_dtype, parts as _parts, place_view, wire_of
+from .blocks import BlockOps
+from .buffers import Arenas, Buffers, accumulator_dtype, parts as _parts
+from .cuts import InputCuts
 from .deferred import Deferred
-from .fused import merge_
 from .merge import part_of
+from .moves import MoveOps
 from .sinks import add_sink_grad_, apply_sink_
 
 __all__ = ["Executor", "ForwardResult", "accumulator_dtype", "Buffers"]
@@ -90,7 +94,7 @@ def _delta_reads(rank_plan: RankPlan, own_rows_made: bool) -> set[Key]:
     return reads
 
 
-class Executor(BlockOps):
+class Executor(InputCuts, BlockOps, MoveOps):
     """Runs ``plan.rank(comm.rank)`` with ``comm`` and ``kernel``.
 
     ``timer``, when given, is called as ``timer("compute")`` / ``timer("wait")`` and must return
@@ -98,7 +102,7 @@ class Executor(BlockOps):
     timers)."""
 
     def __init__(self, plan: Plan, comm: Communicator, kernel: BlockKernel, scale: float,
-                 timer: Callable[[str], ContextManager] | None = None, arenas: Arenas = ARENAS):
+                 timer: Callable[[str], ContextManager] | None = None, arenas: Arenas | None = None):
         if comm.world_size != plan.world_size:
             raise ValueError(f"communicator spans {comm.world_size} ranks but the plan {plan.world_size}")
         self.plan = plan
@@ -118,7 +122,7 @@ class Executor(BlockOps):
             d: copied_only(rp, d) for d in ("forward", "backward")})
         self._cut_keys = plan.memo(("cut keys", comm.rank), lambda: {d: cut_keys(rp, d) for d in ("forward", "backward")})
         self.timer = timer or (lambda what: contextlib.nullcontext())
-        self.arenas = arenas  # where its buffers live (runtime/buffers.py: the process's, unless given)
+        self.arenas = arenas  # where its buffers live (None: the process's, runtime/state.py RUNTIME.arenas)
         self._sink: Tensor | None = None  # the call's softmax_offset in the accumulators' dtype (runtime/sinks.py)
         self.offset_grad: Tensor | None = None  # the last backward's d softmax_offset over the rows it finished
 
@@ -236,68 +240,6 @@ class Executor(BlockOps):
         heads = self.plan.head_range(key, self._sink.shape[0], 1)
         return slice(None) if heads is None else slice(*heads)
 
-    def _inputs(self, bufs: Buffers, table: dict, sources: dict, views: frozenset = frozenset()) -> None:
-        """Cut the rank plan's input buffers from the local tensors: one token range of all heads
-        is a view, and so is a head slice in ``views`` (read by copies alone,
-        :func:`~megatron_mesh.plan.arena.copied_only`); several ranges or another head slice are
-        copied into their places in the arena, one gather per tensor for each group of them
-        (:attr:`~megatron_mesh.plan.arena.ScratchLayout.cuts`)."""
-        cut = {key for keys, _ in bufs.layout.cuts for key in keys}
-        copied = set(self._cut_keys[bufs.direction]) - cut  # kept for the backward: copied for the call
-        for key, segs in table.items():
-            if key not in cut:
-                tensors = self._cut(bufs, key, segs, sources[key.kind])
-                if key in copied:
-                    own = bufs.own(key)
-                    torch._foreach_copy_(list(own), list(tensors))
-                    tensors = own
-                bufs.put(key, tensors)
-                bufs.read_only.add(key)
-        for g, (keys, runs) in enumerate(bufs.layout.cuts):
-            self._gather(bufs, g, keys, runs, table, sources[keys[0].kind])
-            for key in keys:
-                bufs.put(key, bufs.view((-1, key)), (-1, key))
-                bufs.read_only.add(key)
-
-    def _gather(self, bufs: Buffers, g: int, keys, runs, table: dict, tensors) -> None:
-        """Fill input cut group ``g`` (``keys``, laid out one after another per tensor in ``runs``)
-        from the local ``tensors``: per tensor one copy (one token range) or one gather."""
-        heads = self.plan.head_range(keys[0], bufs.heads, bufs.kv_heads) if keys[0].heads >= 0 else None
-        segs = [seg for key in keys for seg in table[key]]
-        index = None
-        for t, (x, run) in enumerate(zip(tensors, runs)):
-            if heads is not None:
-                x = x.narrow(1, heads[0], heads[1] - heads[0])
-            if not run.width:  # a row statistic, [B, H, T]: each buffer on its own
-                for key in keys:
-                    (dst,) = (bufs.view((-1, key))[t],)
-                    dst.copy_(_take(x, table[key]))
-                continue
-            dst = bufs.views.get(("cut", g, t))
-            if dst is None:
-                dst = bufs.views[("cut", g, t)] = wire_of(place_view(bufs.arena, run, bufs.dtype))
-            src = x.permute(2, 0, 1, 3)
-            if len(segs) == 1:
-                dst.copy_(src[segs[0][0]:segs[0][1]])
-                continue
-            if index is None:
-                index = bufs.views.get(("index", g))
-                if index is None:
-                    index = bufs.views[("index", g)] = torch.tensor(
-                        [i for a, b in segs for i in range(a, b)], dtype=torch.long, device=x.device)
-            torch.index_select(src, 0, index, out=dst)
-
-    def _cut(self, bufs: Buffers, key: Key, segs, tensors) -> tuple[Tensor, ...]:
-        """The view of input buffer ``key`` (one token range ``segs``, its head slice) of the
-        local ``tensors``."""
-        heads = self.plan.head_range(key, bufs.heads, bufs.kv_heads) if key.heads >= 0 else None
-        out = []
-        for t in tensors:
-            if heads is not None and t is not None:
-                t = t.narrow(1, heads[0], heads[1] - heads[0])
-            out.append(_take(t, segs))
-        return tuple(out)
-
     # -- the loop ----------------------------------------------------------------------------------
     def _run(self, direction: str, bufs: Buffers) -> None:
         pending: dict[int, tuple[Work, list, list]] = {}
@@ -319,87 +261,9 @@ class Executor(BlockOps):
         if pending:
             raise RuntimeError(f"plan left rounds {sorted(pending)} unwaited")
 
-    def _post(self, op: Post, bufs: Buffers, pending) -> None:
-        # a transport reads a send until its round completes: keep the (contiguous) tensors alive
-        sends = [(t.peer, x) for t in op.sends for x in bufs.wire(t.key)]
-        arriving = []
-        for t in op.recvs:
-            tensors = bufs.create(t.key)
-            arriving.append((t.key, tensors, bufs.made))
-        recvs = [(t.peer, x) for t, (key, ts, ident) in zip(op.recvs, arriving) for x in bufs.wire(key, ts, ident)]
-        pending[op.round] = (self.comm.start(sends, recvs), arriving, sends)
-
-    def _wait(self, op: Wait, bufs: Buffers, pending) -> None:
-        work, arriving, _ = pending.pop(op.round)
-        with self.timer("wait"):
-            work.wait()
-        for key, tensors, ident in arriving:
-            bufs.put(key, tensors, ident)
-
-    def _merge(self, op: MergeOut, bufs: Buffers, pending) -> None:
-        src_out, src_lse = bufs.get(op.src)
-        out, lse = bufs.accumulator(op.dst)
-        for a, pos, n in _parts(op.into, out.shape[2]):
-            merge_(part_of(out, 2, a, n), part_of(lse, 2, a, n), part_of(src_out, 2, pos, n),
-                   part_of(src_lse, 2, pos, n))
-
-    def _add(self, op: AddGrad, bufs: Buffers, pending) -> None:
-        src, dst = bufs.get(op.src), bufs.accumulator(op.dst)
-        self._queue_parts(bufs, op, True, src, dst, [(a, pos, n, pos, n) for a, pos, n in
-                                                     _parts(op.into, dst[0].shape[2])])
-
-    def _queue_parts(self, bufs: Buffers, op, add: bool, src, dst, ranges) -> None:
-        """Queue ``dst`` rows (+)= ``src`` rows (``ranges``: (dst start, _, length, src start, _))
-        per tensor, on ``op.heads`` of ``dst`` (None: all)."""
-        h0, h1 = op.heads if op.heads is not None else (0, dst[0].shape[1])
-        dst_id, src_id = bufs.ident(op.dst), bufs.ident(op.src)
-        for t, (d, s) in enumerate(zip(dst, src)):  # a cast to a finished kind keeps the leading tensors
-            if op.heads is not None:
-                d = d.narrow(1, h0, h1 - h0)
-            for a, _, n, pos, _ in ranges:
-                self._queue.put(add, part_of(d, 2, a, n), part_of(s, 2, pos, n), (op.dst, t, a, a + n, h0, h1),
-                                dst_id=dst_id, src_key=op.src, src_id=src_id)
-
-    def _copy(self, op: Copy, bufs: Buffers, pending) -> None:
-        src, dst = bufs.get(op.src), self._created(bufs, op.dst)
-        if op.src.kind == "o" and op.dst.kind == "y":  # these rows are finished (a Ulysses group's output)
-            if self._queue.touches((op.src,)):
-                self._queue.flush()
-            self._finish_rows(op.src, *src, op.rows)
-        # range by range: gathering the source rows first (_take) would copy them twice
-        rows = list(_parts(op.rows, src[0].shape[2]))
-        ranges = [(a + off, None, m, start, None) for a, pos, n in _parts(op.into, dst[0].shape[2])
-                  for start, off, m in _overlaps_rows(rows, pos, pos + n)]
-        self._queue_parts(bufs, op, False, src, dst, ranges)
-
-    def _rowstats(self, op: RowStats, bufs: Buffers, pending) -> None:
-        (dout,) = bufs.get(op.dout)
-        out, lse = bufs.get(op.out)
-        d_out, d_lse, d_delta = bufs.accumulator(op.dst, filled=op.rows is not None)
-        for a, _, n in _parts(op.rows, d_out.shape[2]):
-            o = part_of(out, 2, a, n)
-            torch._foreach_copy_([part_of(d_out, 2, a, n), part_of(d_lse, 2, a, n)],
-                                 [part_of(dout, 2, a, n), part_of(lse, 2, a, n)])
-            if op.dst in self._delta_keys:  # in fp32 (fp64 for fp64), out being kept in the inputs' dtype
-                acc = d_delta.dtype
-                torch.sum(part_of(dout, 2, a, n).to(acc) * o.to(acc), dim=-1, out=part_of(d_delta, 2, a, n))
-            else:  # nothing reads these rows' delta (:meth:`_delta`): the kernel takes their output
-                part_of(d_delta, 2, a, n).fill_(float("nan"))
-            if self.offset_grad is not None:  # rows this rank finished in the forward (its group's head slice)
-                heads = self._sink_heads(op.dst)
-                add_sink_grad_(self.offset_grad[heads], part_of(dout, 2, a, n), o, part_of(lse, 2, a, n),
-                               self._sink[heads])
-        make = self.backward_rows
-        if make is not None:  # these rows' output is here: the kernel may take it instead of a stand-in
-            # (``out`` is a saved forward buffer: never recycled while the backward runs); the
-            # rows of a later RowStats make it again
-            bufs.derived[op.dst] = make(d_out, d_lse, d_delta, out=out)
-
-    def _free(self, op: Free, bufs: Buffers, pending) -> None:
-        bufs.free(op.key)
-
-    HANDLERS = {Post: _post, Wait: _wait, Attend: BlockOps._attend, AttendBackward: BlockOps._attend_backward,
-                MergeOut: _merge, AddGrad: _add, Copy: _copy, RowStats: _rowstats, Free: _free}
+    HANDLERS = {Post: MoveOps._post, Wait: MoveOps._wait, Attend: BlockOps._attend,
+                AttendBackward: BlockOps._attend_backward, MergeOut: MoveOps._merge, AddGrad: MoveOps._add,
+                Copy: MoveOps._copy, RowStats: MoveOps._rowstats, Free: MoveOps._free}
 
 
 # ops that queue their writes (the queue orders them itself) or touch no tensor
@@ -410,11 +274,3 @@ def _reads_of(op) -> tuple[Key, ...]:
     """The buffers an op reads or sends, and those it writes outside the queue (a backward
     block's gradients go to the queue)."""
     return op.reads() if type(op) is AttendBackward else op_keys(op)
-
-
-def _overlaps_rows(rows, r0: int, r1: int):
-    """(source start, offset in [r0, r1), length) of source ``rows`` parts overlapping [r0, r1)."""
-    for a, pos, n in rows:
-        lo, hi = max(r0, pos), min(r1, pos + n)
-        if lo < hi:
-            yield a + lo - pos, lo - r0, hi - lo

@@ -128,24 +128,8 @@ def loss_fig(runs: list[RunResult], baseline: str | None = "baseline"):
             ax.set_xlabel("iteration")
         ax.grid(alpha=0.3)
         if nrows == 2:
-            ax = axes[1][col]
-            base = bases.get(mask)
-            for r in mine:
-                if base is None or r is base:
-                    continue
-                its = [i for i in sorted(r.losses) if i in base.losses]
-                devs = [abs(r.losses[i] - base.losses[i]) for i in its]
-                floored |= any(d < DEVIATION_FLOOR for d in devs)
-                (line,) = ax.plot(its, [max(d, DEVIATION_FLOOR) for d in devs], color=colors[r.mode], label=r.mode,
-                                  lw=1.0, **style[r.mode])
-                handles.setdefault(r.mode, line)
-            ax.set_yscale("log")
-            ax.set_ylim(DEVIATION_FLOOR / 3, 1.0)
-            ax.set_xlabel("iteration")
-            ax.set_ylabel("|loss - baseline loss|" if col == 0 else "")
-            ax.grid(alpha=0.3, which="major")
-            if base is None:
-                ax.set_title("(no baseline run)", fontsize=9)
+            floored |= _deviation_panel(axes[1][col], mine, bases.get(mask), colors, style, handles)
+            axes[1][col].set_ylabel("|loss - baseline loss|" if col == 0 else "")
     for ax in axes.flat:
         ax.xaxis.get_major_locator().set_params(integer=True)
     fig.suptitle("Loss per mask (top) and |loss - baseline| (bottom, log)" if nrows == 2 else "Loss per mask")
@@ -153,6 +137,30 @@ def loss_fig(runs: list[RunResult], baseline: str | None = "baseline"):
     fig.legend(list(handles.values()), list(handles), loc="outside lower center", ncols=min(len(handles), 6),
                title="mode" + note)
     return fig
+
+
+def _deviation_panel(ax, mine: list[RunResult], base: RunResult | None, colors: dict, style: dict,
+                     handles: dict) -> bool:
+    """One mask's |loss - baseline loss| per iteration of each of its runs (``mine``) on a log axis;
+    adds each mode's first line to ``handles``. Returns whether a deviation under
+    :data:`DEVIATION_FLOOR` was drawn at the floor."""
+    floored = False
+    for r in mine:
+        if base is None or r is base:
+            continue
+        its = [i for i in sorted(r.losses) if i in base.losses]
+        devs = [abs(r.losses[i] - base.losses[i]) for i in its]
+        floored |= any(d < DEVIATION_FLOOR for d in devs)
+        (line,) = ax.plot(its, [max(d, DEVIATION_FLOOR) for d in devs], color=colors[r.mode], label=r.mode,
+                          lw=1.0, **style[r.mode])
+        handles.setdefault(r.mode, line)
+    ax.set_yscale("log")
+    ax.set_ylim(DEVIATION_FLOOR / 3, 1.0)
+    ax.set_xlabel("iteration")
+    ax.grid(alpha=0.3, which="major")
+    if base is None:
+        ax.set_title("(no baseline run)", fontsize=9)
+    return floored
 
 
 def loss_figure(runs: list[RunResult], out_dir: str, baseline: str | None = "baseline") -> list[str]:

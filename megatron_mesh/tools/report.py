@@ -209,20 +209,8 @@ def write_report(runs: list[RunResult], out_dir: str, title: str, baseline: str 
     for mask in masks:
         if mask.endswith(ZIGZAG_SUFFIX) and mask[:-len(ZIGZAG_SUFFIX)] in masks:
             lines += _layout_table(runs, mask[:-len(ZIGZAG_SUFFIX)], mask, deviation)
-    if iters:  # no run logged a loss (every one failed): no table to draw
-        lines += ["", "Loss per iteration:", "", "| run | " + " | ".join(str(i) for i in iters) + " |",
-                  "|---|" + "---|" * len(iters)]
-        for r in runs:
-            lines.append(f"| {label(r)} | " + " | ".join(f"{r.losses[i]:.6f}" if i in r.losses else "-" for i in iters)
-                         + " |")
-    kinds = {r.memory_kind for r in runs if r.memory_kind}
-    lines += ["", f"Peak memory is the {', '.join(sorted(kinds)) or 'peak memory (max RSS on CPU, the CUDA allocator on GPUs)'} "
-              "of the largest rank; time per iteration is the slowest rank's Megatron train_step, the first iteration "
-              "left out where there are others; bytes are the plugin's attention traffic (all layers, forward "
-              "and backward) measured by comm_counter; each run's loss deviation and ratio to ring are against the "
-              "baseline and ring runs of its own mask. Work max/mean and bytes max/mean: the busiest CP rank's "
-              "attention work (scores its kernel calls computed in the forward, from the plans the layers ran) and "
-              "bytes sent over the mean of the ranks (1.00: balanced).", *notes, ""]
+    lines += _loss_table(runs, iters)
+    lines += ["", _measures_text(runs), *notes, ""]
     failed = [r for r in runs if not r.ok]
     for r in failed:
         lines.append(f"**{label(r)} failed**: {r.error}")
@@ -246,6 +234,30 @@ def write_report(runs: list[RunResult], out_dir: str, title: str, baseline: str 
     if not drawn:  # no run finished: nothing to draw, and no legend of figures that are not there
         return write(["", "Figures: none (no run finished)."])
     return write(["", *_FIGURE_TEXT, ""] + [f"![{name}]({name})" for name in drawn])
+
+
+def _loss_table(runs: list[RunResult], iters: list[int]) -> list[str]:
+    """The loss of every run at every iteration (none where no run logged a loss: every one failed)."""
+    if not iters:
+        return []
+    lines = ["", "Loss per iteration:", "", "| run | " + " | ".join(str(i) for i in iters) + " |",
+             "|---|" + "---|" * len(iters)]
+    for r in runs:
+        lines.append(f"| {label(r)} | " + " | ".join(f"{r.losses[i]:.6f}" if i in r.losses else "-" for i in iters)
+                     + " |")
+    return lines
+
+
+def _measures_text(runs: list[RunResult]) -> str:
+    """What the tables' measures are: which peak memory, which time, which bytes, against what."""
+    kinds = {r.memory_kind for r in runs if r.memory_kind}
+    return (f"Peak memory is the {', '.join(sorted(kinds)) or 'peak memory (max RSS on CPU, the CUDA allocator on GPUs)'} "
+            "of the largest rank; time per iteration is the slowest rank's Megatron train_step, the first iteration "
+            "left out where there are others; bytes are the plugin's attention traffic (all layers, forward "
+            "and backward) measured by comm_counter; each run's loss deviation and ratio to ring are against the "
+            "baseline and ring runs of its own mask. Work max/mean and bytes max/mean: the busiest CP rank's "
+            "attention work (scores its kernel calls computed in the forward, from the plans the layers ran) and "
+            "bytes sent over the mean of the ranks (1.00: balanced).")
 
 
 ZIGZAG_SUFFIX = "-zigzag"

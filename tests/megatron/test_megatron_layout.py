@@ -257,11 +257,13 @@ def test_megatron_scripts_get_the_layout_split(monkeypatch):
 
     from megatron_mesh.megatron import bootstrap
     from megatron_mesh.megatron.pretrain_gpt import document_params
+    from megatron_mesh.megatron.process import ProcessState
 
     monkeypatch.setattr(utils, "get_batch_on_this_cp_rank", utils.get_batch_on_this_cp_rank)
     megatrons = utils.get_batch_on_this_cp_rank
-    batch_layout.install()
-    batch_layout.install()
+    process = ProcessState(batch_documents=True)  # this test's own, as under run_script
+    batch_layout.install(process)
+    batch_layout.install(process)
     assert utils.get_batch_on_this_cp_rank.__wrapped__ is megatrons
     tokens = _tokens()
     pos = torch.stack([torch.tensor(sum((list(range(b - a)) for a, b in zip(r, r[1:])), []))
@@ -269,10 +271,9 @@ def test_megatron_scripts_get_the_layout_split(monkeypatch):
     args = SimpleNamespace(**vars(config()), reset_attention_mask=True, reset_position_ids=True,
                            position_embedding_type="learned_absolute")
     monkeypatch.setattr(bootstrap, "megatron_args", lambda: args)
-    monkeypatch.setattr(bootstrap, "BATCH_DOCUMENTS", True)
     full = dict(tokens=tokens, labels=tokens, loss_mask=torch.ones(2, S), position_ids=pos, attention_mask=None)
     local = utils.get_batch_on_this_cp_rank(dict(full), is_hybrid_cp=False, cp_group=FakeGroup(P, 2))
-    current = batch_layout.current()
+    current = batch_layout.current(process)
     assert current.rows == batch_layout.document_rows({"tokens": tokens}, "eod", EOD) and current.rank == 2
     assert torch.equal(local["tokens"], current.shard(full, FakeGroup(P, 2))["tokens"])
     assert document_params(tokens, EOD).cu_seqlens_q.tolist() == current.packed_seq_params().cu_seqlens_q.tolist()

@@ -99,7 +99,8 @@ def test_pretrain_builds_its_iterators_with_the_lookahead_where_it_applies(monke
     documents from the batch at CP > 1, unless --no-cp-layout-lookahead -- and nothing else."""
     import argparse
 
-    from megatron_mesh.megatron import batch_layout, bootstrap, ensure_typing_override
+    from megatron_mesh.megatron import batch_layout, ensure_typing_override
+    from megatron_mesh.megatron.process import ProcessState
 
     ensure_typing_override()  # megatron.training needs typing.override (Python 3.12) on 3.11
     from megatron.core.rerun_state_machine import RerunDataIterator
@@ -110,8 +111,7 @@ def test_pretrain_builds_its_iterators_with_the_lookahead_where_it_applies(monke
     args = argparse.Namespace(context_parallel_size=2, cp_layout=layout, reset_attention_mask=True,
                               reset_position_ids=True, no_cp_layout_lookahead=off, cp_thd_packing=False)
     monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
-    monkeypatch.setattr(bootstrap, "BATCH_DOCUMENTS", True)  # run_script: documents from the position ids
-    batch_layout.install_lookahead()
+    batch_layout.install_lookahead(ProcessState(batch_documents=True))  # run_script's: documents from the position ids
     train, valid, test = training.build_train_valid_test_data_iterators(None)
     assert test is None
     assert isinstance(train.iterable, Lookahead) is wrapped and isinstance(valid[0].iterable, Lookahead) is wrapped

@@ -1,0 +1,142 @@
+"""What the runtime keeps of a process between attention calls, in one object: :data:`RUNTIME`.
+
+Three memories, each a small class here with the call sites that read it:
+
+* :class:`GroupChecks` -- the plan agreement check's memory of each process group
+  (:mod:`.agreement`: the device of its check's tensor, whether its ranks agreed to run without it);
+* :class:`LayoutCalls` -- the prebuild memory: the recent attention calls on a layout with
+  documents of its own, which :func:`~megatron_mesh.runtime.api.prebuild` plans again for the next
+  samples' layouts (:mod:`.api`);
+* :class:`Arenas` -- each rank's arena (:class:`Scratch`), kept from call to call so a step
+  allocates nothing there (:mod:`.buffers`).
+
+The functions and classes that use them take the one they need (``checks=``, ``calls=``,
+``arenas=``; None: the process's, read from :data:`RUNTIME` at call time), so a test passes its
+own instead of patching these.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..plan.arena import ScratchLayout
+from ..plan.maskkinds import MaskKind
+from ..plan.modes import Placement
+from ..plan.shape import AttentionShape
+
+__all__ = ["GroupChecks", "LayoutCalls", "Scratch", "Arenas", "RuntimeState", "RUNTIME"]
+
+
+class GroupChecks:
+    """What the check remembers of each process group (weakly: a destroyed group goes): the
+    device of its check's tensor, chosen from the group alone, and whether its ranks agreed to run
+    without the check (``MEGATRON_MESH_PLAN_AGREEMENT=0`` on all)."""
+
+    def __init__(self):
+        self._devices: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self._agreed_off: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+    def device(self, group) -> torch.device:
+        """CUDA for an NCCL group, else the CPU -- so every rank picks the same, whatever its inputs."""
+        device = self._devices.get(group)
+        if device is None:
+            nccl = dist.get_backend(group) == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+            self._devices[group] = device
+        return device
+
+    def agreed_off(self, group) -> bool:
+        return group in self._agreed_off
+
+    def agree(self, group, on: bool) -> None:
+        """The group's ranks agreed to run with the check ``on`` (True) or without it."""
+        if on:
+            self._agreed_off.pop(group, None)
+        else:
+            self._agreed_off[group] = True
+
+
+class LayoutCalls:
+    """The prebuild memory: the attention calls recently made on a layout with documents of its
+    own (the balanced layout of a packed sample), as the (placement, shape, mask, rank) that
+    :func:`~megatron_mesh.runtime.api.prebuild` plans again for the next samples' layouts (the
+    mask without its documents: the next layout brings its own). Newest last, at most
+    :attr:`KEPT` (a few per model: one per distinct attention setting, not per layer); the step
+    adds while the lookahead thread reads, so under a lock."""
+
+    KEPT = 16
+
+    def __init__(self):
+        self._calls: "OrderedDict[tuple, None]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def remember(self, placement: Placement, shape: AttentionShape, mask: MaskKind, rank: int) -> None:
+        key = (placement, shape, mask, rank)
+        with self._lock:
+            self._calls[key] = None
+            self._calls.move_to_end(key)
+            while len(self._calls) > self.KEPT:
+                self._calls.popitem(last=False)
+
+    def recent(self) -> list[tuple]:
+        with self._lock:
+            return list(self._calls)
+
+
+class Scratch:
+    """One rank's arena on one device, kept from call to call: grown (made anew) when a plan
+    needs more, with the views of each layout's buffers made once."""
+
+    def __init__(self):
+        self.arena: Tensor | None = None
+        self.views: "weakref.WeakKeyDictionary[ScratchLayout, dict]" = weakref.WeakKeyDictionary()
+        self.lock = threading.Lock()
+
+    def bind(self, layout: ScratchLayout, device: torch.device, dtypes: tuple, size: int) -> dict:
+        """The views cache of ``layout`` with ``dtypes`` (input, accumulator) over an arena of at
+        least ``size`` bytes on ``device`` (the plan's larger direction's: the other direction then
+        finds it large enough, and the views made stay valid)."""
+        with self.lock:
+            if self.arena is None or self.arena.numel() < size or self.arena.device != device:
+                self.arena = torch.empty(max(size, 1), dtype=torch.uint8, device=device)
+                self.views = weakref.WeakKeyDictionary()
+            per_layout = self.views.setdefault(layout, {})
+            return per_layout.setdefault(dtypes, {})
+
+
+class Arenas:
+    """A process's arenas: one :class:`Scratch` per device and rank (in-process virtual ranks: one
+    each), for both directions -- a rank runs one direction at a time, its ops in stream order, so
+    the backward takes over the forward's bytes (and the next layer's forward the backward's)."""
+
+    def __init__(self):
+        self.by: dict[tuple, Scratch] = {}
+        self.lock = threading.Lock()
+
+    def get(self, device: torch.device, rank: int) -> Scratch:
+        key = (str(device), rank)
+        with self.lock:
+            got = self.by.get(key)
+            if got is None:
+                got = self.by[key] = Scratch()
+            return got
+
+
+@dataclass
+class RuntimeState:
+    """One process's runtime memories (see the module docstring); each field is what the
+    functions taking it use when given None."""
+
+    checks: GroupChecks = field(default_factory=GroupChecks)  # the plan check's memory per process group
+    calls: LayoutCalls = field(default_factory=LayoutCalls)  # the prebuild memory
+    arenas: Arenas = field(default_factory=Arenas)  # each rank's buffers, kept from call to call
+
+
+RUNTIME = RuntimeState()  # the process's
