@@ -158,20 +158,21 @@ def _plain_config():
 
 def test_spec_configures_a_plain_config_from_megatrons_arguments(arguments, monkeypatch):
     """The settings reach the layers whatever config class the script built, and 'auto' plans for
-    the real sequence length: this GQA model at CP 4 and 64 tokens gets the 2x2 tile, where the
-    made-up default length would give the ring-equivalent 1x4."""
+    the real sequence length: this GQA model at CP 4 and 256K tokens gets the 2x2 tile, where the
+    made-up default length (8K tokens per rank) would give the ring-equivalent 1x4. (With the host's
+    cost per op priced, short sequences keep 1x4 too: 256K tokens is where this head shape needs 2x2.)"""
     from megatron_mesh.megatron import spec
     from megatron_mesh.megatron.args import add_args
     from megatron_mesh.megatron.settings import plugin_settings
     from megatron_mesh.megatron.placement import resolve_placement
 
     args = _parse(arguments, monkeypatch, [*PLUGIN_SPEC, "--context-parallel-size", "4", "--cp-comm-type", "mesh",
-                                           "--mesh-schedule", "lockstep", "--seq-length", "64",
+                                           "--mesh-schedule", "lockstep", "--seq-length", "262144",
                                            "--attention-dropout", "0"], add_args)
     monkeypatch.setattr(bootstrap, "megatron_args", lambda: args)
     assert resolve_placement("mesh", _plain_config(), (0, 1, 2, 3)).tile == (1, 4)  # without the arguments' sequence length
     config, _ = spec._transformer_config(_plain_config())
-    assert plugin_settings(config).options("mesh")["schedule"] == "lockstep" and config.cp_settings.seq_length == 64
+    assert plugin_settings(config).options("mesh")["schedule"] == "lockstep" and config.cp_settings.seq_length == 262144
     p = resolve_placement("mesh", config, (0, 1, 2, 3))
     assert (p.tile, p.options.contiguous) == ((2, 2), "q")
 
