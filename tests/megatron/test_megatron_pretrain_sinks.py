@@ -18,8 +18,6 @@ their gradient missed Megatron's gradient reduction over the data-parallel x CP 
 
 import glob
 import os
-import subprocess
-import sys
 
 import pytest
 from helpers import MEGATRON_LM_SCRIPT, ROOT, assert_losses_equal, losses, run_all, run_config, run_ok
@@ -34,14 +32,6 @@ CONFIG = os.path.join(ROOT, "configs", "gpt_oss_tiny_cpu.yaml")
 HCP = ("--hierarchical-context-parallel-sizes", "2", "2")
 ZIGZAG_MODES = "mesh tasp ring a2a+mesh"
 BALANCED_MODES = "tasp mesh a2a+mesh ring"
-
-
-@pytest.fixture(scope="module")
-def doc_data(tmp_path_factory):
-    prefix = str(tmp_path_factory.mktemp("docs") / "tiny_docs")
-    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_doc_dataset.py"), prefix], check=True,
-                   capture_output=True, timeout=120)
-    return prefix
 
 
 @pytest.fixture(scope="module")

@@ -19,19 +19,19 @@ pytestmark = pytest.mark.megatron
 LAYOUTS = [(1, 4), (2, 2)]  # (TP, CP)
 RTOL = 1e-5
 
-MEGATRON_CASES = {"gpt_sinks_equivalence": LAYOUTS}  # run in the one spawn shared with the other model tests
+# run in the one spawn shared with the other model tests; per rank, one record per case
+MEGATRON_CASES = {"gpt_sinks_equivalence": LAYOUTS}
 
 
 @pytest.fixture(scope="module")
 def records(megatron_models):
-    per_rank = megatron_models["gpt_sinks_equivalence"]
-    assert per_rank[0], "no cases ran"
-    return per_rank
+    assert megatron_models["gpt_sinks_equivalence"][0], "no cases ran"
+    return megatron_models["gpt_sinks_equivalence"]
 
 
 def test_sinks_with_alternating_windows_match_cp1(records):
-    failures = megatron_cases.model_failures(records, RTOL, RTOL)
-    assert not failures, "\n".join(failures)
+    """Loss and every parameter gradient (the sinks' included) of every case = its CP 1 reference."""
+    assert not megatron_cases.model_failures(records, RTOL, RTOL), megatron_cases.model_failures(records, RTOL, RTOL)
 
 
 def test_every_mode_layout_and_sink_kind_ran(records):
