@@ -32,8 +32,9 @@ def _modes(cp: int, what: str) -> list:
     if cp != 4:
         return [("mesh 2x1", "mesh", None), ("ring", "ring", None)]
     out = [("mesh", "mesh", None), ("tasp", "tasp", None), ("ring", "ring", None), ("a2a+mesh", "a2a+mesh", HCP)]
-    if what == "plain":
-        out.append(("a2a+mesh / ring per layer", ["a2a+mesh", "ring"], HCP))
+    if what == "plain":  # the other hybrids, and a per-layer list
+        out += [("a2a+tasp", "a2a+tasp", HCP), ("a2a+ring", "a2a+ring", HCP),
+                ("a2a+mesh / ring per layer", ["a2a+mesh", "ring"], HCP)]
     return out
 
 

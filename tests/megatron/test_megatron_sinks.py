@@ -1,7 +1,7 @@
 """gpt-oss-style layers through Megatron: a tiny GPTModel whose layers have attention sinks
 (``softmax_type`` learnable / off-by-one, Megatron's ``softmax_offset``) and alternate a sliding
 window with full attention, GQA, with and without end-of-document documents (Megatron's zigzag and
-the balanced layout), at CP 4 (mesh, tasp, ring, a2a+mesh, a per-layer list) and TP 2 x CP 2,
+the balanced layout), at CP 4 (mesh, tasp, ring, the three Ulysses hybrids, a per-layer list) and TP 2 x CP 2,
 matches CP 1 -- Megatron's own DotProductAttention where it applies the mask -- in loss and in
 every parameter gradient, the sinks' included (tests/megatron_sink_cases.py, in the shared
 Megatron spawn). The learnable sinks are Megatron's parameter: the same name, shape, local heads
@@ -41,7 +41,8 @@ def test_every_mode_layout_and_sink_kind_ran(records):
             assert (1, 4, "learnable", what, label) in got
         for label in ("mesh 2x1", "ring"):
             assert (2, 2, "learnable", what, label) in got
-    assert (1, 4, "learnable", "plain", "a2a+mesh / ring per layer") in got
+    for label in ("a2a+tasp", "a2a+ring", "a2a+mesh / ring per layer"):
+        assert (1, 4, "learnable", "plain", label) in got
     for what in ("plain", "zigzag"):
         assert (1, 4, "off-by-one", what, "tasp") in got
     for r in records[0]:
