@@ -393,8 +393,10 @@ def _thd_dense_mask(packed):
 def run_cases(rank: int, world: int, cases: dict) -> dict:
     """{name: records} of each case function of this module named in ``cases`` ({name: its
     layouts}), one after the other in the same process group (tests/conftest.megatron_models)."""
+    from megatron_mla_cases import gpt_mla_equivalence
     from megatron_sink_cases import gpt_sinks_equivalence
 
     runners = {"gpt_equivalence": gpt_equivalence, "gpt_masked_equivalence": gpt_masked_equivalence,
-               "gpt_mask_refusals": gpt_mask_refusals, "gpt_sinks_equivalence": gpt_sinks_equivalence}
+               "gpt_mask_refusals": gpt_mask_refusals, "gpt_sinks_equivalence": gpt_sinks_equivalence,
+               "gpt_mla_equivalence": gpt_mla_equivalence}
     return {name: runners[name](rank, world, layouts) for name, layouts in cases.items()}

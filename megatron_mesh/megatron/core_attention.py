@@ -54,7 +54,7 @@ from torch import Tensor
 
 from ..plan.modes import DEFAULT_MODE
 from ..plan.window import megatron_window
-from . import TE_MODES, batch_layout, plugin_modes, sinks
+from . import TE_MODES, batch_layout, mla, plugin_modes, sinks
 from .checks import have_transformer_engine
 from .groups import PROCESS_GROUPS, CPGroups, cp_ranks
 from .settings import BATCH_DOCUMENTS, cp_layout, plugin_settings
@@ -88,8 +88,10 @@ class CPCoreAttention:
         common = dict(config=config, layer_number=layer_number, attn_mask_type=attn_mask_type,
                       attention_type=attention_type, softmax_scale=softmax_scale, pg_collection=pg_collection)
         plugin = dict(telemetry=telemetry, groups=groups)
+        if mla.replaced_by_mla(config, kwargs):
+            return mla.ReplacedByMLA()
         if _cp_size(config, pg_collection) == 1:
-            if not _needs_plugin_mask(config, layer_number):
+            if not _needs_plugin_mask(config, layer_number) and not mla.local_mla(config, kwargs):
                 return _megatron_attention(config, common, kwargs)
             return PluginCoreAttention(cp_comm_type=DEFAULT_MODE, **common, **plugin, **kwargs)
         if cp_comm_type in plugin_modes():
@@ -172,8 +174,7 @@ class PluginCoreAttention(MegatronModule):
         self.telemetry = telemetry if telemetry is not None else Telemetry()
         self.layer_number = layer_number
         where = f"layer {layer_number} (cp_comm_type {cp_comm_type!r})"
-        _check_config(config, where, layer_number, attention_type, attn_mask_type, attention_dropout,
-                      k_channels, v_channels)
+        _check_config(config, where, layer_number, attention_type, attn_mask_type, attention_dropout)
         self.attn_mask_type = attn_mask_type
         sinks.attach(self, config, pg_collection, where)  # softmax_offset: Megatron's, by its name and shape
         head_dim = k_channels or config.kv_channels
@@ -389,7 +390,7 @@ def _causal(mask_type: AttnMaskType, where: str) -> bool:
 
 
 def _check_config(config, where: str, layer_number: int, attention_type: str, attn_mask_type: AttnMaskType,
-                  attention_dropout, k_channels, v_channels) -> None:
+                  attention_dropout) -> None:
     if attention_type != "self":
         raise ValueError(f"{where}: attention_type {attention_type!r} is not supported (allowed: 'self')")
     _causal(attn_mask_type, where)
@@ -397,9 +398,6 @@ def _check_config(config, where: str, layer_number: int, attention_type: str, at
     if dropout:
         raise ValueError(f"{where}: attention dropout {dropout} is not supported (allowed: 0; "
                          "pass --attention-dropout 0)")
-    if k_channels is not None and v_channels is not None and k_channels != v_channels:
-        raise ValueError(f"{where}: key head dim {k_channels} != value head dim {v_channels} (MLA); "
-                         "the plugin's Megatron layers need equal dims for now (mm.attention takes them)")
     window = _layer_window(config, layer_number)
     if window is not None and window[1] not in (None, 0) and _CAUSAL.get(attn_mask_type, False):
         raise ValueError(f"{where}: window_size {config.window_size} on a causal layer: the right side must be 0 "
