@@ -1,4 +1,6 @@
-"""gpt-oss-style layers through Megatron's real pretrain() loop (configs/gpt_oss_tiny_cpu.yaml:
+"""Today's models' attention through Megatron's real pretrain() loop, gloo on CPU, fp32.
+
+gpt-oss-style layers (configs/gpt_oss_tiny_cpu.yaml:
 learnable attention sinks, a 5-token window on layers 1 and 3 alternating with full attention on
 layers 2 and 4, GQA, documents cut at end-of-document tokens), gloo on CPU, fp32:
 
@@ -14,6 +16,10 @@ Each logs the CP 1 losses to 1e-5 relative; the learnable sinks (Megatron's ``so
 its checkpoint entry) after three steps equal CP 1's -- which they would not if a CP rank's share of
 their gradient missed Megatron's gradient reduction over the data-parallel x CP group
 (tests/megatron/test_megatron_sinks.py compares the gradients themselves).
+
+DeepSeek-style layers (configs/deepseek_tiny_cpu.yaml: multi-latent attention, query/key head dim
+24, value head dim 12, YaRN, EOD documents) at CP 4 on Megatron's zigzag, one layer per mode (mesh,
+tasp, ring, a2a+mesh), log the CP 1 losses to 1e-5 (the balanced layout refuses MLA at start-up).
 """
 
 import glob
@@ -29,6 +35,7 @@ pytestmark = [pytest.mark.megatron, pytest.mark.slow, pytest.mark.timeout(900)]
 ITERS = 3
 RTOL = 1e-5
 CONFIG = os.path.join(ROOT, "configs", "gpt_oss_tiny_cpu.yaml")
+MLA_CONFIG = os.path.join(ROOT, "configs", "deepseek_tiny_cpu.yaml")
 HCP = ("--hierarchical-context-parallel-sizes", "2", "2")
 ZIGZAG_MODES = "mesh tasp ring a2a+mesh"
 BALANCED_MODES = "tasp mesh a2a+mesh ring"
@@ -42,8 +49,9 @@ def ckpts(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(doc_data, ckpts):
     def run(script, nproc, cp, modes, *flags):
-        return run_config(CONFIG, nproc, cp, modes, "--train-iters", str(ITERS), *flags, script=script,
-                          env={"DOC_DATA": doc_data}, timeout=300)
+        config = MLA_CONFIG if script == "mla" else CONFIG
+        return run_config(config, nproc, cp, modes, "--train-iters", str(ITERS), *flags,
+                          script=() if script == "mla" else script, env={"DOC_DATA": doc_data}, timeout=300)
 
     plan = {
         "cp1": ((), 1, 1, "mesh", "--save", ckpts["cp1"], "--save-interval", str(ITERS)),
@@ -52,8 +60,10 @@ def runs(doc_data, ckpts):
         "balanced_cp4": ((), 4, 4, BALANCED_MODES, *HCP, "--cp-layout", "balanced"),
         "mlm_balanced_cp4": ((MEGATRON_LM_SCRIPT,), 4, 4, BALANCED_MODES, *HCP, "--cp-layout", "balanced"),
         "resume_cp2": ((), 2, 2, "ring", "--cp-layout", "balanced", "--load", ckpts["zigzag"], "--ckpt-step", "2"),
+        "mla_cp1": ("mla", 1, 1, "mesh"),
+        "mla_zigzag_cp4": ("mla", 4, 4, ZIGZAG_MODES, *HCP, "--cp-layout", "zigzag"),
     }
-    return run_all(lambda *spec: run(*spec), plan, together=("cp1",), then_together=("resume_cp2",))
+    return run_all(lambda *spec: run(*spec), plan, together=("cp1", "mla_cp1"), then_together=("resume_cp2",))
 
 
 def _summary(text: str) -> str:
@@ -116,3 +126,13 @@ def test_checkpoint_resumes_at_cp2_under_another_mode_and_layout(runs):
     assert_losses_equal(losses(text), losses(run_ok(runs, "cp1")), iterations=[3], rel=RTOL)
     assert "layers 1-4: ring (CP 2" in text or "layer 1: ring (CP 2" in text, text[-3000:]
     assert "sinks learnable, window 5,0, documents eod, layout balanced)" in _summary(text)
+
+
+def test_mla_with_yarn_cp4_on_the_zigzag_matches_cp1(runs):
+    want = losses(run_ok(runs, "mla_cp1"))
+    assert sorted(want) == list(range(1, ITERS + 1))
+    assert_losses_equal(losses(run_ok(runs, "mla_zigzag_cp4")), want, rel=RTOL)
+    summary = _summary(run_ok(runs, "mla_zigzag_cp4"))
+    for i, mode in enumerate(ZIGZAG_MODES.split(), 1):
+        assert f"layer {i}: {mode} (CP 4" in summary, summary
+    assert summary.count("documents eod, layout zigzag)") == 4, summary
