@@ -365,7 +365,6 @@ def test_unknown_mode_raises():
     (dict(config=dict(attention_dropout=0.1)), "attention dropout 0.1 is not supported (allowed: 0"),
     (dict(config=dict(window_size=(128, 64))), "window_size (128, 64) on a causal layer: the right side must be 0"),
     (dict(config=dict(softmax_type="sink")), "softmax_type 'sink' is not one of 'vanilla', 'off-by-one', 'learnable'"),
-    (dict(build=dict(k_channels=192, v_channels=128)), "key head dim 192 != value head dim 128 (MLA)"),
     (dict(build=dict(attention_type="cross")), "attention_type 'cross' is not supported (allowed: 'self')"),
     (dict(build=dict(attn_mask_type="padding")), "attention mask type 'padding' is not supported"),
 ])
@@ -435,6 +434,31 @@ def test_cp1_is_plain_attention_and_forward_checks(one_rank):
     assert math.isclose(PluginCoreAttention(config=_config(context_parallel_size=1, kv_channels=16), layer_number=1,
                                             attn_mask_type=M.causal, attention_type="self",
                                             pg_collection=one_rank).softmax_scale, 16 ** -0.5)
+
+
+def test_mla_core_attention(one_rank):
+    """MLA's own core attention (k_channels != v_channels) at CP 1 without Transformer Engine is the
+    plugin's single-rank attention (Megatron's DotProductAttention takes no head dims): exact
+    against the reference with d_v 12 != d_qk 24; the one MLA's base class builds first (no head
+    dims) is a stand-in MLA replaces, whatever the CP size."""
+    from megatron_mesh.kernels import reference_attention
+    from megatron_mesh.megatron.core_attention import PluginCoreAttention
+    from megatron_mesh.megatron.mla import ReplacedByMLA
+
+    pgs = types.SimpleNamespace(cp=one_rank.cp, tp=one_rank.cp)
+    module = _build(_config(context_parallel_size=1, multi_latent_attention=True), "mesh", pg_collection=pgs,
+                    k_channels=24, v_channels=12, softmax_scale=0.3)
+    assert type(module) is PluginCoreAttention
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(12, 2, 4, 24, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(12, 2, 4, 12, generator=g, dtype=torch.float64)
+    want = reference_attention(q, k, v, causal=True, softmax_scale=0.3)
+    torch.testing.assert_close(module(q, k, v, None), want.reshape(12, 2, 48), rtol=1e-10, atol=1e-10)
+    for cp in (1, 4):
+        stand_in = _build(_config(context_parallel_size=cp, multi_latent_attention=True), None, pg_collection=pgs)
+        assert type(stand_in) is ReplacedByMLA
+        with pytest.raises(RuntimeError, match="replaced by MLA's own"):
+            stand_in(q, k, v, None)
 
 
 def test_cp1_builder_hands_over_to_megatrons_attention(one_rank):
