@@ -161,8 +161,9 @@ class PluginCoreAttention(MegatronModule):
     """Attention over the CP group with this package's engine (any plugin mode).
 
     Supported: self-attention with a causal mask or none, sliding windows, packed documents (THD
-    or boundaries per sample), MHA/GQA/MQA, any softmax scale, attention sinks (``softmax_type``,
-    Megatron's ``softmax_offset``: :mod:`.sinks`). Anything else raises ValueError
+    or boundaries per sample), MHA/GQA/MQA, MLA's value head dim (``v_channels`` may differ from
+    ``k_channels``: :mod:`.mla`), any softmax scale, attention sinks (``softmax_type``, Megatron's
+    ``softmax_offset``: :mod:`.sinks`). Anything else raises ValueError
     naming the value and what is allowed; nothing falls back to another mode.
     """
 
