@@ -361,6 +361,23 @@ def gpt_mask_refusals(rank: int, world: int, layouts) -> list[dict]:
     return records
 
 
+def over_layouts(rank: int, world: int, layouts):
+    """For each (tp, cp) of ``layouts``, Megatron's parallel state set up (and torn down after):
+    yields (tp, cp, its process groups, the same with this rank alone as the CP group -- the CP 1
+    reference --, the CP group, the two samples of documents of :func:`_doc_batch`)."""
+    _setup_megatron()
+    from megatron.core import parallel_state as ps
+
+    from megatron_mesh.megatron.groups import PROCESS_GROUPS
+
+    singles = [dist.new_group([r]) for r in range(world)]  # collective: every rank makes every group
+    for tp, cp in layouts:
+        pgc, single_pgc, cp_group = _parallel_layout(tp, cp, singles[rank])
+        yield tp, cp, pgc, single_pgc, cp_group, _doc_batch(11)
+        PROCESS_GROUPS.destroy()
+        ps.destroy_model_parallel()
+
+
 def _build_len(config, spec, pgc, position):
     from megatron.core.models.gpt import GPTModel
 

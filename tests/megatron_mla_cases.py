@@ -60,16 +60,8 @@ def _run(tp, cp, mode, what, hcp, full, pgc, cp_group):
 def gpt_mla_equivalence(rank: int, world: int, layouts) -> list[dict]:
     """For each (tp, cp) of ``layouts``: every mode of :func:`_modes`, whole sequences and EOD
     documents, against CP 1; one record per run."""
-    mc._setup_megatron()
-    from megatron.core import parallel_state as ps
-
-    from megatron_mesh.megatron.groups import PROCESS_GROUPS
-
-    singles = [torch.distributed.new_group([r]) for r in range(world)]
     records = []
-    for tp, cp in layouts:
-        pgc, single_pgc, cp_group = mc._parallel_layout(tp, cp, singles[rank])
-        full = mc._doc_batch(11)
+    for tp, cp, pgc, single_pgc, cp_group, full in mc.over_layouts(rank, world, layouts):
         for what in ("whole", "documents"):
             ref_loss, ref_grads, _ = _run(tp, 1, None, what, None, full, single_pgc, None)
             for label, mode, hcp in _modes(cp):
@@ -78,6 +70,4 @@ def gpt_mla_equivalence(rank: int, world: int, layouts) -> list[dict]:
                 rec.update(label=label, what=what, tp=tp, cp=cp, modes=[a.mode for a in attn],
                            kinds=sorted({type(a).__name__ for a in attn}))
                 records.append(rec)
-        PROCESS_GROUPS.destroy()
-        ps.destroy_model_parallel()
     return records

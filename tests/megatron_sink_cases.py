@@ -19,8 +19,6 @@ the CP 1 reference (:func:`megatron_cases._compare`).
 
 from __future__ import annotations
 
-import torch
-
 import megatron_cases as mc
 
 SINK_LAYERS = dict(window_size=(5, 0), window_attn_skip_freq=2)
@@ -92,17 +90,10 @@ def _local_batch(what, full, config, model, cp_group):
 def gpt_sinks_equivalence(rank: int, world: int, layouts) -> list[dict]:
     """For each (tp, cp) of ``layouts``: learnable sinks in every case and mode, off-by-one on the
     plain and zigzag cases; one record per run (loss, gradient error, the sinks' gradient)."""
-    mc._setup_megatron()
-    from megatron.core import parallel_state as ps
-
     from megatron_mesh.megatron import batch_layout
-    from megatron_mesh.megatron.groups import PROCESS_GROUPS
 
-    singles = [torch.distributed.new_group([r]) for r in range(world)]
     records = []
-    for tp, cp in layouts:
-        pgc, single_pgc, cp_group = mc._parallel_layout(tp, cp, singles[rank])
-        full = mc._doc_batch(11)
+    for tp, cp, pgc, single_pgc, cp_group, full in mc.over_layouts(rank, world, layouts):
         for softmax_type in ("learnable", "off-by-one"):
             for what in ("plain", "zigzag", "balanced"):
                 if softmax_type == "off-by-one" and what == "balanced":
@@ -124,6 +115,4 @@ def gpt_sinks_equivalence(rank: int, world: int, layouts) -> list[dict]:
                                offsets=[None if a.softmax_offset is None else list(a.softmax_offset.shape) for a in attn],
                                entries=_sink_entries(model), ref_entries=ref_entries)
                     records.append(rec)
-        PROCESS_GROUPS.destroy()
-        ps.destroy_model_parallel()
     return records
