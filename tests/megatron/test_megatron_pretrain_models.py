@@ -19,7 +19,8 @@ their gradient missed Megatron's gradient reduction over the data-parallel x CP 
 
 DeepSeek-style layers (configs/deepseek_tiny_cpu.yaml: multi-latent attention, query/key head dim
 24, value head dim 12, YaRN, EOD documents) at CP 4 on Megatron's zigzag, one layer per mode (mesh,
-tasp, ring, a2a+mesh), log the CP 1 losses to 1e-5 (the balanced layout refuses MLA at start-up).
+tasp, ring, a2a+mesh), through both entry scripts, log the CP 1 losses to 1e-5 (the balanced
+layout refuses MLA at start-up).
 """
 
 import glob
@@ -48,20 +49,22 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(doc_data, ckpts):
-    def run(script, nproc, cp, modes, *flags):
-        config = MLA_CONFIG if script == "mla" else CONFIG
-        return run_config(config, nproc, cp, modes, "--train-iters", str(ITERS), *flags,
-                          script=() if script == "mla" else script, env={"DOC_DATA": doc_data}, timeout=300)
+    def run(config, script, nproc, cp, modes, *flags):
+        return run_config(config, nproc, cp, modes, "--train-iters", str(ITERS), *flags, script=script,
+                          env={"DOC_DATA": doc_data}, timeout=300)
+
+    mlm = (MEGATRON_LM_SCRIPT,)
 
     plan = {
-        "cp1": ((), 1, 1, "mesh", "--save", ckpts["cp1"], "--save-interval", str(ITERS)),
-        "zigzag_cp4": ((), 4, 4, ZIGZAG_MODES, *HCP, "--cp-layout", "zigzag", "--save", ckpts["zigzag"],
+        "cp1": (CONFIG, (), 1, 1, "mesh", "--save", ckpts["cp1"], "--save-interval", str(ITERS)),
+        "zigzag_cp4": (CONFIG, (), 4, 4, ZIGZAG_MODES, *HCP, "--cp-layout", "zigzag", "--save", ckpts["zigzag"],
                        "--save-interval", "2"),
-        "balanced_cp4": ((), 4, 4, BALANCED_MODES, *HCP, "--cp-layout", "balanced"),
-        "mlm_balanced_cp4": ((MEGATRON_LM_SCRIPT,), 4, 4, BALANCED_MODES, *HCP, "--cp-layout", "balanced"),
-        "resume_cp2": ((), 2, 2, "ring", "--cp-layout", "balanced", "--load", ckpts["zigzag"], "--ckpt-step", "2"),
-        "mla_cp1": ("mla", 1, 1, "mesh"),
-        "mla_zigzag_cp4": ("mla", 4, 4, ZIGZAG_MODES, *HCP, "--cp-layout", "zigzag"),
+        "balanced_cp4": (CONFIG, (), 4, 4, BALANCED_MODES, *HCP, "--cp-layout", "balanced"),
+        "mlm_balanced_cp4": (CONFIG, mlm, 4, 4, BALANCED_MODES, *HCP, "--cp-layout", "balanced"),
+        "resume_cp2": (CONFIG, (), 2, 2, "ring", "--cp-layout", "balanced", "--load", ckpts["zigzag"], "--ckpt-step", "2"),
+        "mla_cp1": (MLA_CONFIG, (), 1, 1, "mesh"),
+        "mla_zigzag_cp4": (MLA_CONFIG, (), 4, 4, ZIGZAG_MODES, *HCP, "--cp-layout", "zigzag"),
+        "mlm_mla_zigzag_cp4": (MLA_CONFIG, mlm, 4, 4, BALANCED_MODES, *HCP, "--cp-layout", "zigzag"),
     }
     return run_all(lambda *spec: run(*spec), plan, together=("cp1", "mla_cp1"), then_together=("resume_cp2",))
 
@@ -128,11 +131,15 @@ def test_checkpoint_resumes_at_cp2_under_another_mode_and_layout(runs):
     assert "sinks learnable, window 5,0, documents eod, layout balanced)" in _summary(text)
 
 
-def test_mla_with_yarn_cp4_on_the_zigzag_matches_cp1(runs):
+@pytest.mark.parametrize("name, modes, documents", [
+    ("mla_zigzag_cp4", ZIGZAG_MODES, "eod"),
+    ("mlm_mla_zigzag_cp4", BALANCED_MODES, "positions"),  # Megatron-LM's script: from the position ids
+])
+def test_mla_with_yarn_cp4_on_the_zigzag_matches_cp1(runs, name, modes, documents):
     want = losses(run_ok(runs, "mla_cp1"))
     assert sorted(want) == list(range(1, ITERS + 1))
-    assert_losses_equal(losses(run_ok(runs, "mla_zigzag_cp4")), want, rel=RTOL)
-    summary = _summary(run_ok(runs, "mla_zigzag_cp4"))
-    for i, mode in enumerate(ZIGZAG_MODES.split(), 1):
+    assert_losses_equal(losses(run_ok(runs, name)), want, rel=RTOL)
+    summary = _summary(run_ok(runs, name))
+    for i, mode in enumerate(modes.split(), 1):
         assert f"layer {i}: {mode} (CP 4" in summary, summary
-    assert summary.count("documents eod, layout zigzag)") == 4, summary
+    assert summary.count(f"documents {documents}, layout zigzag)") == 4, summary
