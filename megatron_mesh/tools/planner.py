@@ -34,27 +34,21 @@ import signal
 from concurrent.futures import Executor, ProcessPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
-from functools import partial
 
-from ..plan.accounting import owner_work, rank_work
+from ..plan.accounting import rank_work
 from ..plan.autotile import TIE_RULE, TIME_TOLERANCE, Candidate, evaluate_plan, pick_best
-from ..plan.balance import balanced_layout, document_work
+from ..plan.balance import document_work
 from ..plan.costs import pair_flops
-from ..plan.hybrid import build_hybrid_plan
-from ..plan.layout import ThdLayout
 from ..plan.mask import Mask
-from ..plan.mesh import build_mesh_plan, build_rotation_plan
+from ..plan.mesh import build_mesh_plan
 from ..plan.modes import MODES as REGISTRY, Placement
-from ..plan.modes.hybrid import HybridMode
-from ..plan.problem import normalize
 from ..plan.shape import AttentionShape
 from ..plan.simulate import simulate, time_breakdown
 from ..plan.topology import Topology
-from .default_layout import AUTO_LAYOUT, auto_rows
 
 __all__ = ["all_modes", "default_modes", "derived_modes", "ModeResult", "evaluate", "plan_modes", "ulysses_result",
-           "usp_result", "TIME_TOLERANCE", "TIE_RULE", "FORMULAS", "LAYOUTS", "TE_ROWS", "layout_rows", "thd_layout",
-           "compute_floor", "allowed_pairs", "check_jobs", "worker_pool", "mean_rows"]
+           "usp_result", "TIME_TOLERANCE", "TIE_RULE", "FORMULAS", "compute_floor", "allowed_pairs", "check_jobs",
+           "worker_pool", "mean_rows"]
 
 # rows beyond the registry: the fastest plan of all, and the formulas
 AUTO = "auto"
@@ -130,7 +124,14 @@ def _row(mode: str, c: Candidate, placement: Placement, detail: str = "", extra:
     return ModeResult(mode, c.tile, c.bytes_per_rank, c.intra_node_bytes_per_rank, c.inter_node_bytes_per_rank,
                       c.max_inter_node_bytes, c.rounds, c.peak_buffer_bytes, c.time_s, c.forward_s, c.backward_s,
                       c.compute_s, c.contiguous, detail, ulysses=placement.ulysses,
-                      extra={"saved_bytes": c.saved_bytes, "held_buffer_bytes": c.held_buffer_bytes, **(extra or {})})
+                      extra={"saved_bytes": c.saved_bytes, "held_buffer_bytes": c.held_buffer_bytes, "host_s": c.host_s,
+                             **(extra or {})})
+
+
+def host_bound(r: ModeResult) -> bool:
+    """The row's host needs longer to issue its ops than its device to run them (the simulator's
+    host, :mod:`megatron_mesh.plan.hostops`; rows by formula have none)."""
+    return r.extra.get("host_s", 0.0) > r.compute_s
 
 
 def _breakdown_json(plan, shape: AttentionShape, topo: Topology, sim) -> list[dict]:
@@ -267,7 +268,7 @@ def usp_result(world_size: int, shape: AttentionShape, topo: Topology, causal: b
                       a2a.max_inter + ring.max_inter_node_bytes, 4 + ring.rounds,
                       2 * a2a.local + ring.peak_buffer_bytes, fwd + bwd, fwd, bwd, ring.compute_s,
                       detail=f"all-to-all degree {u} x ring {r}", by_formula=True, ulysses=u,
-                      extra={"ulysses_degree": u, "ring_degree": r})
+                      extra={"ulysses_degree": u, "ring_degree": r, "host_s": ring.host_s})
 
 
 _FORMULA = {"ulysses": ulysses_result, "usp": usp_result}
@@ -430,13 +431,13 @@ def _auto_row(pool: list[ModeResult]) -> ModeResult:
                    extra={**best.extra, "pick": _pick_name(best)})
 
 
-def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: bool = True, modes=None,
-             backward_chunks: str = "auto", schedule: str = "greedy", mask: Mask | None = None, layout=None,
-             work: bool = False, explain: bool = False, jobs: int = 1,
+def evaluate(world_size: int, shape: AttentionShape, topo: Topology, modes=None, *, mask: Mask | None = None,
+             layout=None, backward_chunks: str = "auto", schedule: str = "greedy", work: bool = False,
+             explain: bool = False, jobs: int = 1,
              executor: Executor | None = None) -> tuple[list[ModeResult], list[dict]]:
     """Rows for ``modes`` (see :data:`MODES`) and the modes that cannot run, with the reason.
 
-    ``mask`` (default: causal or full by ``causal``) and ``layout`` (a layout, or a function of the
+    ``mask`` (default: causal; ``Mask(False)`` full attention) and ``layout`` (a layout, or a function of the
     placement giving one -- a layout balanced per Ulysses group) build the plan-based modes
     mask-aware; the formula rows (ulysses, usp) assume dense attention and are left out then.
     ``work``: give every plan-based row its per-rank work max / mean (masked rows always have it);
@@ -454,9 +455,8 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: boo
     if unknown:
         raise ValueError(f"unknown modes {unknown}; allowed: {', '.join(allowed)}")
     topo.check(world_size)
-    if mask is not None and mask.causal != causal:
-        causal = mask.causal
-    masked = (mask is not None and not mask.normalized(world_size * shape.seq_local).is_dense) or layout is not None
+    mask = Mask() if mask is None else mask
+    masked = not mask.normalized(world_size * shape.seq_local).is_dense or layout is not None
     rows: list[ModeResult] = []
     skipped: list[dict] = []
     wanted = set(modes)
@@ -467,8 +467,8 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: boo
     if AUTO in wanted:
         wanted |= set(plan_modes())
     with nullcontext(executor) if executor is not None else worker_pool(jobs) as pool:
-        evaluated = _evaluate_modes(wanted, world_size, shape, topo, mask if mask is not None else Mask(causal),
-                                    layout, backward_chunks, schedule, skipped, work, explain, pool)
+        evaluated = _evaluate_modes(wanted, world_size, shape, topo, mask, layout, backward_chunks, schedule, skipped,
+                                    work, explain, pool)
     for mode in modes:
         if mode in REGISTRY:
             rows.extend(evaluated.get(mode, []))
@@ -485,52 +485,13 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: boo
             skipped.append({"mode": mode, "reason": "priced by formula for dense attention only"})
         else:
             try:
-                rows.append(_FORMULA[mode](world_size, shape, topo, causal))
+                rows.append(_FORMULA[mode](world_size, shape, topo, mask.causal))
             except ValueError as e:
                 skipped.append({"mode": mode, "reason": str(e)})
     return rows, skipped
 
 
-# -- layouts: the zigzag, Transformer Engine's THD, the balanced one --------------------------------------
-# "balanced-hide": the balanced layout whose Ulysses groups set apart documents they run first and
-# last (balanced_layout(hide=True)); it differs from "balanced" only for the hybrids; "auto": per
-# mode the zigzag's or the balanced layout's row, as Megatron's default --cp-layout auto picks
-# (tools/default_layout.py)
-LAYOUTS = ("zigzag", "thd", "balanced", "balanced-hide", AUTO_LAYOUT)
-
-# Transformer Engine's own runs on its THD layout: p2p (every KV chunk around the ring), a2a+p2p (USP)
-TE_ROWS = ("te-p2p", "te-a2a+p2p")
-# the most ranks at which a comparison of every layout plans the plugin's modes on THD: there each
-# rank holds two halves of every document, so a plan's blocks grow as ranks^2 x documents (1M tokens
-# of 4K documents on this project's build machine: 44 s at 64 ranks, minutes at 128, hours at 256)
-THD_PLAN_RANKS = 64
-
-
-def _hybrid_names() -> list[str]:
-    """The registered Ulysses hybrid modes (a2a+...), read at call time."""
-    return [name for name, m in REGISTRY.items() if isinstance(m, HybridMode)]
-
-
-def _hybrid_modes(modes) -> list[str]:
-    """Of ``modes``, those a Ulysses hybrid runs: hybrid modes and their fastest-candidate rows
-    (every hybrid mode when ``auto`` is asked)."""
-    hybrid = _hybrid_names()
-    rows = {m.auto_row for name, m in REGISTRY.items() if name in hybrid and m.auto_row}
-    asked = [m for m in modes if m in hybrid or m in rows]
-    return asked + [m for m in hybrid if m not in asked] if AUTO in modes else asked
-
-
-def thd_layout(cu_seqlens, world_size: int) -> ThdLayout:
-    """Transformer Engine's THD layout of the documents: each padded to a multiple of 2 * CP and
-    zigzag-split on its own (the padding tokens attend nothing)."""
-    lens = [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]
-    step = 2 * world_size
-    padded = [0]
-    for n in lens:
-        padded.append(padded[-1] + -(-n // step) * step)
-    return ThdLayout(world_size, tuple(padded), tuple(lens))
-
-
+# -- the documents' work -------------------------------------------------------------------------------
 def allowed_pairs(cu_seqlens, causal: bool = True, window=None) -> int:
     """(query, key) pairs the mask of these documents allows (the whole sequence's work)."""
     w = (None, 0 if causal else None) if window is None else (window[0], 0 if causal else window[1])
@@ -542,127 +503,3 @@ def compute_floor(pairs: int, world_size: int, shape: AttentionShape, topo: Topo
     else: the bound no layout or mode beats on this machine."""
     flops = (pair_flops(shape, shape.heads) + pair_flops(shape, shape.heads, backward=True)) * pairs / world_size
     return flops / topo.attention_flops
-
-
-def _te_rows(world_size: int, shape: AttentionShape, topo: Topology, mask: Mask, thd: ThdLayout,
-             skipped: list[dict]) -> list[ModeResult]:
-    """Transformer Engine as it runs THD: p2p (the ring schedule, whole KV chunks every step, the
-    documents' blocks) and a2a+p2p (USP: the all-to-all over the largest node-local degree, then p2p)."""
-    mask, layout = normalize(world_size, shape, mask, thd)
-    plans = {"te-p2p": lambda: build_rotation_plan(world_size, shape, mask, layout, "te-p2p")}
-    u = _usp_degree(world_size, shape, topo)
-    if u is not None:
-        plans["te-a2a+p2p"] = lambda: build_hybrid_plan(
-            "te-a2a+p2p", world_size, u, lambda sub, m, lay: build_rotation_plan(world_size // u, sub, m, lay),
-            shape, mask, layout)
-    else:
-        skipped.append({"mode": "te-a2a+p2p", "reason": "no all-to-all degree fits the node and the heads"})
-    rows = []
-    for name, build in plans.items():
-        plan = build()
-        c = evaluate_plan(plan, shape, topo)
-        # each row's pairs are computed where it lives (its group's, for the hybrid): the layout
-        # says how many, without building all P ranks' blocks (minutes at 256 ranks)
-        w = owner_work(mask, layout, 1 if name == "te-p2p" else u)
-        rows.append(ModeResult(name, None, c.bytes_per_rank, c.intra_node_bytes_per_rank, c.inter_node_bytes_per_rank,
-                               c.max_inter_node_bytes, c.rounds, c.peak_buffer_bytes, c.time_s, c.forward_s,
-                               c.backward_s, c.compute_s, detail="Transformer Engine on its THD layout: " +
-                               ("every KV chunk around the ring" if name == "te-p2p" else
-                                f"all-to-all degree {u} x every KV chunk around the ring"),
-                               by_formula=False, ulysses=u if name != "te-p2p" else 1,
-                               extra={"forward_work_max_over_mean": max(w) * len(w) / max(1, sum(w))}, layout="thd"))
-    return rows
-
-
-def _node_ranks(world_size: int, topo: Topology) -> int | None:
-    """The balanced layout's node level: CP ranks per node when the group spans nodes of
-    consecutive ranks (None: one node, or an explicit rank-to-node map)."""
-    m = topo.gpus_per_node
-    return m if topo.node_of is None and world_size > m and world_size % m == 0 else None
-
-
-def layout_rows(world_size: int, shape: AttentionShape, topo: Topology, cu_seqlens, *, causal: bool = True,
-                window=None, modes=None, layouts=LAYOUTS, backward_chunks: str = "auto",
-                schedule: str = "greedy", explain: bool = False,
-                plan_thd: bool | None = None, jobs: int = 1,
-                executor: Executor | None = None) -> tuple[list[ModeResult], list[dict]]:
-    """Every mode of ``modes`` on each of ``layouts`` for these packed documents: Megatron's zigzag,
-    Transformer Engine's THD (each document padded to 2 * CP; our modes on it, and TE's own p2p and
-    a2a+p2p as it runs them: :data:`TE_ROWS`) and the balanced layout (nodes first when the group
-    spans nodes; per Ulysses group for the hybrids). Rows carry their ``layout``; the THD rows'
-    shape is the padded one. ``plan_thd``: plan the plugin's modes on THD (None: up to :data:`THD_PLAN_RANKS` ranks; above, they are
-    listed as skipped, with the reason, and TE's own rows are priced). ``jobs``: processes that plan
-    and simulate the placements of every layout in parallel, or ``executor`` (:func:`evaluate`)."""
-    jobs = check_jobs(jobs)
-    with nullcontext(executor) if executor is not None else worker_pool(jobs) as pool:
-        return _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, modes, layouts, backward_chunks,
-                            schedule, explain, plan_thd, pool)
-
-
-def _balanced_for(cu, world_size: int, causal: bool, window, hide: bool, ranks_per_node, p: Placement):
-    """The balanced layout a placement runs on (per its Ulysses group): a module-level function, so
-    that a worker process can be sent it."""
-    # "balanced-hide" is the balanced layout for the plain modes (no Ulysses groups to hide in)
-    return balanced_layout(cu, world_size, causal=causal, window=window, group=p.ulysses,
-                           hide=hide and p.ulysses > 1, ranks_per_node=ranks_per_node)
-
-
-def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, modes, layouts, backward_chunks, schedule,
-                 explain, plan_thd, executor) -> tuple[list[ModeResult], list[dict]]:
-    unknown = [name for name in layouts if name not in LAYOUTS]
-    if unknown:
-        raise ValueError(f"unknown layouts {unknown}; allowed: {', '.join(LAYOUTS)}")
-    cu = [int(c) for c in cu_seqlens]
-    S = world_size * shape.seq_local
-    if cu[-1] != S:
-        raise ValueError(f"the documents cover {cu[-1]} tokens, the sequence {S}")
-    given = all_modes() if modes is None else modes
-    modes = [m for m in given if m not in FORMULAS]
-    rows, skipped = [], [{"mode": m, "reason": "priced by formula for dense attention only, not under documents"}
-                         for m in given if m in FORMULAS]
-    for name in layouts:
-        if name == AUTO_LAYOUT:  # from the zigzag's and the balanced layout's rows, below
-            continue
-        if name == "zigzag":
-            got, skip = evaluate(world_size, shape, topo, modes=modes, backward_chunks=backward_chunks,
-                                 schedule=schedule, mask=Mask.from_cu_seqlens(cu, S, causal, window), explain=explain,
-                                 executor=executor)
-        elif name in ("balanced", "balanced-hide"):
-            hide = name == "balanced-hide"
-            asked = _hybrid_modes(modes) if hide else modes  # hide changes only the Ulysses groups' layouts
-            got, skip = evaluate(world_size, shape, topo, modes=asked, backward_chunks=backward_chunks,
-                                 schedule=schedule, mask=Mask(causal, window), explain=explain, executor=executor,
-                                 layout=partial(_balanced_for, cu, world_size, causal, window, hide,
-                                                _node_ranks(world_size, topo)))
-            if hide:  # the fastest of the hybrids on it, then the rows asked for
-                pool = [r for r in got if r.mode in REGISTRY]
-                got = [r for r in got if r.mode in modes]
-                if AUTO in modes and pool:
-                    got.append(_auto_row(pool))
-                elif AUTO in modes:
-                    skip.append({"mode": AUTO, "reason": "no Ulysses hybrid runs here (their rows say why)"})
-                hybrids = ", ".join(_hybrid_names())
-                skip += [{"mode": m, "reason": f"balanced-hide changes only the Ulysses groups' layouts ({hybrids}); "
-                          "the plain modes run on the balanced one (--layout balanced)"}
-                         for m in modes if m not in asked and m != AUTO]
-        else:
-            thd = thd_layout(cu, world_size)
-            padded = replace(shape, seq_local=thd.seq_local)
-            if plan_thd is False or plan_thd is None and world_size > THD_PLAN_RANKS:
-                got, skip = [], [{"mode": m, "reason": f"not planned on THD at CP {world_size}: every rank holds two "
-                                  f"halves of each of the {len(cu) - 1} documents, too many blocks to plan in "
-                                  f"reasonable time above {THD_PLAN_RANKS} ranks (plan them with --layout thd)"}
-                                 for m in modes]
-            else:
-                got, skip = evaluate(world_size, padded, topo, modes=modes, backward_chunks=backward_chunks,
-                                     schedule=schedule, mask=Mask(causal, window), layout=thd, explain=explain,
-                                     executor=executor)
-            got += _te_rows(world_size, padded, topo, Mask(causal, window), thd, skip)
-        rows += [replace(r, layout=name) for r in got]
-        skipped += [{**s, "mode": f"{s['mode']} ({name})"} for s in skip]
-    if AUTO_LAYOUT in layouts:
-        missing = tuple(name for name in ("zigzag", "balanced") if name not in layouts)
-        both = rows + (_layout_rows(world_size, shape, topo, cu, causal, window, modes, missing, backward_chunks,
-                                    schedule, explain, plan_thd, executor)[0] if missing else [])
-        rows += auto_rows(both, cu, world_size, shape, topo, causal, window, _node_ranks(world_size, topo))
-    return rows, skipped
