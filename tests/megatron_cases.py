@@ -25,8 +25,9 @@ def _setup_megatron():
     cpu_compat.install_model_patches()
 
 
-def _config(tp: int, cp: int, heads: tuple[int, int], cp_comm_type, window_size=None, **plugin):
-    """A model config; ``plugin``: its plugin settings by flag dest (and seq_length, documents)."""
+def _config(tp: int, cp: int, heads: tuple[int, int], cp_comm_type, window_size=None, model=None, **plugin):
+    """A model config; ``plugin``: its plugin settings by flag dest (and seq_length, documents);
+    ``model``: more TransformerConfig fields (e.g. softmax_type)."""
     from megatron_mesh.megatron.args import MeshTransformerConfig
     from megatron_mesh.megatron.settings import PluginSettings
 
@@ -34,7 +35,8 @@ def _config(tp: int, cp: int, heads: tuple[int, int], cp_comm_type, window_size=
         num_layers=2, hidden_size=64, num_attention_heads=heads[0], num_query_groups=heads[1], ffn_hidden_size=128,
         tensor_model_parallel_size=tp, context_parallel_size=cp, cp_comm_type=cp_comm_type if cp > 1 else None,
         use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
-        attention_dropout=0.0, hidden_dropout=0.0, window_size=window_size, cp_settings=PluginSettings.of(**plugin))
+        attention_dropout=0.0, hidden_dropout=0.0, window_size=window_size, cp_settings=PluginSettings.of(**plugin),
+        **(model or {}))
 
 
 def _build(config, spec, pgc, position):

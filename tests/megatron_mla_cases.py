@@ -24,6 +24,8 @@ HCP = [2, 2]
 def _mla_config(tp: int, cp: int, mode, documents, hcp):
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
+    from megatron_mesh.megatron.settings import PluginSettings
+
     config = MLATransformerConfig(
         num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, tensor_model_parallel_size=tp,
         context_parallel_size=cp, cp_comm_type=mode if cp > 1 else None, use_cpu_initialization=True,
@@ -32,7 +34,7 @@ def _mla_config(tp: int, cp: int, mode, documents, hcp):
         rotary_scaling_factor=4.0, original_max_position_embeddings=16, mscale=1.0, mscale_all_dim=1.0,
         apply_rope_fusion=False, transformer_impl="local")
     config.hierarchical_context_parallel_sizes = hcp
-    config.cp_seq_length, config.cp_documents, config.cp_layout = mc.SEQ_M, documents, "zigzag"
+    config.cp_settings = PluginSettings.of(seq_length=mc.SEQ_M, documents=documents, cp_layout="zigzag")
     return config
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import megatron_cases as mc
 
-SINK_LAYERS = dict(window_size=(5, 0), window_attn_skip_freq=2)
+WINDOW = (5, 0)  # on layer 1; layer 2 full (window_attn_skip_freq 2)
 HCP = [2, 2]
 
 
@@ -39,10 +39,14 @@ def _modes(cp: int, what: str) -> list:
 def _model(tp, cp, mode, softmax_type, documents, layout, hcp, pgc):
     from megatron_mesh.megatron.spec import gpt_local_layer_spec
 
-    config = mc._config(tp, cp, (4, 2), mode, softmax_type=softmax_type, **SINK_LAYERS)
+    config = mc._config(tp, cp, (4, 2), mode, WINDOW, _model_fields(softmax_type), seq_length=mc.SEQ_M,
+                        documents=documents, cp_layout=layout)
     config.hierarchical_context_parallel_sizes = hcp
-    config.cp_seq_length, config.cp_documents, config.cp_layout = mc.SEQ_M, documents, layout
     return mc._build_len(config, gpt_local_layer_spec(config), pgc, "rope"), config
+
+
+def _model_fields(softmax_type: str) -> dict:
+    return dict(softmax_type=softmax_type, window_attn_skip_freq=2)
 
 
 def _reference(tp, softmax_type, what, full, single_pgc):
@@ -53,7 +57,7 @@ def _reference(tp, softmax_type, what, full, single_pgc):
     from megatron_mesh.megatron.pretrain_gpt import document_params
 
     if what == "plain":
-        config = mc._config(tp, 1, (4, 2), None, softmax_type=softmax_type, **SINK_LAYERS)
+        config = mc._config(tp, 1, (4, 2), None, WINDOW, _model_fields(softmax_type))
         model = mc._build_len(config, get_gpt_layer_local_spec(), single_pgc, "rope")
         return (*mc._run_masked(model, full), _sink_entries(model))
     model, _ = _model(tp, 1, None, softmax_type, "eod", None, None, single_pgc)
