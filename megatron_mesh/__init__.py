@@ -7,6 +7,7 @@ Public API (layout: Megatron's [s_local, batch, heads, head_dim], zigzag CP chun
     out = tasp_attention(q, k, v, group=cp_group, gpus_per_node=8)
     out = hybrid_attention(q, k, v, group=cp_group, ulysses_size=8, inner="mesh")
     out = mesh_attention(q, k, v, group=cp_group, cu_seqlens=docs, window=(4096, 0))   # packed docs, window
+    out = tasp_attention(q, k, v, group=cp_group, mask=masks.documents(docs) & masks.chunked(8192))
 
 The plan layer (:mod:`megatron_mesh.plan`) is pure Python and importable without torch, so the
 top-level names below are resolved lazily; the Megatron adapter (:mod:`megatron_mesh.megatron`)
@@ -36,6 +37,7 @@ _EXPORTS = {
     "PlanMismatchError": "megatron_mesh.runtime.agreement",
     "ThdLayout": "megatron_mesh.plan.layout",
     "Mask": "megatron_mesh.plan.mask",
+    "masks": None,  # the module megatron_mesh.masks
     "comm_counter": "megatron_mesh.comm.base",
     "CommCount": "megatron_mesh.comm.base",
 }
@@ -44,9 +46,11 @@ __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
+    if name not in _EXPORTS:
         raise AttributeError(f"module 'megatron_mesh' has no attribute {name!r}")
+    module = _EXPORTS[name]
+    if module is None:
+        return importlib.import_module(f"megatron_mesh.{name}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

@@ -136,6 +136,11 @@ def disagreements(rank: int, world: int) -> dict:
         "local_shape": lambda: mm.mesh_attention(*(half if rank == 0 else wide if rank == 1 else (q, k, v)),
                                                  tile=(2, world // 2)),
         "window": lambda: mm.mesh_attention(q, k, v, tile=(2, world // 2), window=(3 if rank == 0 else 4, 0)),
+        # mask kinds: another chunk size on rank 0, another prefix length on rank 4
+        "chunk_size": lambda: mm.ring_attention(q, k, v, mask=mm.masks.chunked(3 if rank == 0 else 5)),
+        "prefix_length": lambda: mm.mesh_attention(q, k, v, tile=(2, world // 2), mask=mm.masks.documents(DOCS["A"]) &
+                                                   mm.masks.prefix(2 if rank == 4 else 3)),
+        "chunked_agree": lambda: mm.tasp_attention(q, k, v, mask=mm.masks.documents(DOCS["A"]) & mm.masks.chunked(5)),
         "hybrid_agree": lambda: mm.hybrid_attention(q, k, v, ulysses_size=2, tile=(1, world // 2), window=(3, 0)),
         "hybrid_window": lambda: mm.hybrid_attention(q, k, v, ulysses_size=2, tile=(1, world // 2),
                                                      window=(4 if rank == world - 3 else 3, 0)),

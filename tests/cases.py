@@ -16,6 +16,7 @@ sequence with the same :class:`~megatron_mesh.plan.Mask`.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import itertools
 from dataclasses import dataclass
@@ -56,9 +57,14 @@ class Problem:
     thd: tuple | None = None
     v_head_dim: int | None = None  # None: head_dim (MLA's differ)
     sink: bool = False  # learnable attention sinks (softmax_offset), one random logit per query head
+    kind: object = None  # a mask kind without documents (megatron_mesh.masks), passed as mask= instead of causal/window
+    balanced: bool = False  # the work-balanced layout of cu_seqlens under the mask instead of the zigzag
 
-    @property
-    def layout(self) -> ThdLayout | None:
+    @functools.cached_property
+    def layout(self):
+        if self.balanced:
+            work = dict(mask=self.kind) if self.kind is not None else dict(causal=self.causal, window=self.window)
+            return mm.balanced_layout(self.cu_seqlens, self.world, **work)
         return None if self.thd is None else ThdLayout(self.world, *self.thd)
 
     @property
@@ -72,6 +78,12 @@ class Problem:
     @property
     def mask(self) -> Mask:
         """The mask the public arguments mean (what the dense reference applies)."""
+        if self.kind is not None:
+            docs = self.layout.documents() if self.layout is not None else \
+                None if self.cu_seqlens is None else tuple(zip(self.cu_seqlens, self.cu_seqlens[1:]))
+            return self.kind.with_documents(docs)
+        if self.balanced:
+            return Mask.from_cu_seqlens(self.cu_seqlens, self.seq_len, self.causal, self.window)
         if self.thd is not None:
             return Mask(self.causal, self.window, self.layout.documents())
         if self.cu_seqlens is not None:
@@ -84,13 +96,19 @@ class Problem:
                               torch.tensor([], dtype=self.dtype).element_size(), self.v_head_dim)
 
     def mask_args(self) -> dict:
-        """The mask arguments of the public API (``causal``, ``window``, ``cu_seqlens``, ``layout``)."""
+        """The mask arguments of the public API (``causal``, ``window``, ``cu_seqlens``, ``layout``;
+        or ``mask`` and ``layout``)."""
+        if self.kind is not None:
+            docs = self.cu_seqlens is not None and self.layout is None
+            return dict(mask=self.kind & mm.masks.documents(self.cu_seqlens) if docs else self.kind, layout=self.layout)
+        if self.balanced:
+            return dict(causal=self.causal, window=self.window, layout=self.layout)
         return dict(causal=self.causal, window=self.window, cu_seqlens=self.cu_seqlens, layout=self.layout)
 
     def shard(self, x: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank ``rank``'s tokens of a global [S, ...] tensor in this problem's layout."""
-        if self.thd is not None:
-            return mm.thd_shard(x, rank, self.layout)
+        if self.thd is not None or self.balanced:
+            return mm.layout_shard(x, rank, self.layout)
         return mm.zigzag_shard(x, rank, self.world)
 
 
@@ -250,6 +268,7 @@ PARTS = {
     "bytes": ("bytes_cases:measure_group", (2, 3, 4, 5, 6, 7, 8)),
     "gloo_outputs": ("cases:gloo_outputs", (4,)),
     "strides": ("mask_cases:strides_grid", (5, 6)),
+    "mask_kinds": ("mask_cases:kinds_grid", (3, 4, 8)),
 }
 # run after the phases on the whole default group (they make their own subgroups, and their hostile
 # API cases destroy and re-create the default group): name -> "module:function(rank, world)"

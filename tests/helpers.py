@@ -146,6 +146,33 @@ def assert_losses_equal(got: dict, want: dict, rel: float, iterations=None) -> N
         assert got[it] == pytest.approx(want[it], rel=rel), (it, got[it], want[it])
 
 
+def assert_blocks_exact(mask, layout) -> None:
+    """Every block (query chunk i x key chunk j of ``layout``) classified under ``mask``: the kept
+    rows and columns hold every allowed pair, the kind's pattern on them is exactly the mask."""
+    from megatron_mesh.plan import classify_block
+
+    P = layout.world_size
+    pos = [[a + t for _, a, n in layout.runs(r) for t in range(n)] for r in range(P)]
+    for i in range(P):
+        for j in range(P):
+            c = classify_block(mask, tuple((a, n) for _, a, n in layout.runs(i)),
+                               (tuple((a, n) for _, a, n in layout.runs(j)),))
+            allowed = {(x, y) for x in pos[i] for y in pos[j] if mask.allows(x, y)}
+            if c is None:
+                assert not allowed, (i, j, mask)
+                continue
+            rows = [pos[i][t] for a, b in c.rows for t in range(a, b)]
+            cols = [pos[j][t] for a, b in c.cols[0] for t in range(a, b)]
+            if c.kind == "full":
+                computed = {(x, y) for x in rows for y in cols}
+            elif c.kind == "causal":
+                assert rows == cols
+                computed = {(x, y) for r, x in enumerate(rows) for y in cols[:r + 1]}
+            else:
+                computed = {(x, y) for x in rows for y in cols if mask.allows(x, y)}
+            assert computed == allowed and c.pairs == len(allowed), (i, j, c, mask)
+
+
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatron_mesh")
 
 

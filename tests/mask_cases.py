@@ -424,3 +424,44 @@ def all_cases(rank: int, world: int) -> dict:
            "sinks": in_subgroups(rank, world, sink_grid, phases=((8,), (7, 1), (6, 2), (5, 3), (4,)))}
     out["hostile"] = api_cases.hostile(rank, world)
     return out
+
+
+# -- mask kinds (chunked, prefix) ----------------------------------------------------------------------
+def kinds(T: int) -> list:
+    """chunked smaller than, equal to and larger than a rank's chunk of T tokens; prefix."""
+    return [mm.masks.chunked(T // 2 + 1), mm.masks.chunked(T), mm.masks.chunked(2 * T + 1), mm.masks.prefix(T + 1)]
+
+
+def kind_settings(mode: str, world: int) -> dict:
+    """Every mode at any P: a 2-row Mesh tile where P is even, hybrids of degree 2 at even P > 2
+    (1 otherwise: the inner mode over every rank)."""
+    U = 2 if world % 2 == 0 and world > 2 else 1
+    return {"mesh": dict(tile=(2, world // 2)) if world % 2 == 0 else {},
+            "a2a+mesh": dict(ulysses_size=U, tile=(world // U, 1)), "a2a+ring": dict(ulysses_size=U),
+            "a2a+tasp": dict(ulysses_size=U)}.get(mode, {})
+
+
+def kind_problem(world: int, T: int, kind, heads: str, balanced: bool, seed: int = 0, dtype=torch.float32):
+    """A problem of ``kind`` with three documents (one crossing ranks) on the zigzag or balanced layout."""
+    import cases
+    S = world * T
+    return cases.Problem(world, *cases.HEADS[heads], True, dtype, seq_local=T, cu_seqlens=(0, 5, S // 2 + 3, S),
+                         seed=seed, kind=kind, balanced=balanced)
+
+
+def kinds_grid(rank: int, world: int, group=None) -> list:
+    """Chunked and prefix with documents on a real gloo group: every mode, zigzag and balanced,
+    rotating the kinds and MHA / GQA / MQA (the in-process breadth: test_mask_kinds_numerics.py)."""
+    import cases
+    from megatron_mesh.plan import MODES, resolve
+    T, out = 12, []
+    for i, mode in enumerate(MODES):
+        for balanced in (False, True):
+            kind = kinds(T)[(i + balanced + world) % 4]
+            p = kind_problem(world, T, kind, ("MHA", "GQA", "MQA")[(i + world) % 3], balanced, seed=i)
+            settings = kind_settings(mode, world)
+            plan = resolve(mode, world, p.shape, **settings).build(p.shape, p.mask if p.layout is None else p.kind,
+                                                                   p.layout)
+            out.append(cases.measure(rank, p, f"{mode} {kind.head_text()} balanced={balanced}", lambda q, k, v: mm.attention(
+                q, k, v, mode=mode, group=group, **p.mask_args(), **settings), plan=plan))
+    return out

@@ -255,7 +255,7 @@ class PluginCoreAttention(MegatronModule):
         this rank's zigzag positions (Megatron's dataloader mask), or that and the layer's window --
         or a ValueError says it would be ignored. E.g. a non-causal document or padding mask built
         in Python for a model at CP > 1."""
-        from ..plan import ZigzagLayout
+        from ..plan import Mask, ZigzagLayout
 
         self._mask_checked = True
         sq, S = query.shape[0], attention_mask.shape[-1]
@@ -268,19 +268,13 @@ class PluginCoreAttention(MegatronModule):
         pos = torch.cat([torch.arange(start, start + n, device=device)
                          for _, start, n in ZigzagLayout(self.cp_size, S).runs(rank)])
         keys = torch.arange(S, device=device)
-        allowed = torch.ones(sq, S, dtype=torch.bool, device=device)
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-        if _causal(mask_type, where):
-            allowed &= keys[None, :] <= pos[:, None]
+        causal = _causal(mask_type, where)
         masked = attention_mask.to(torch.bool)
-        same = not bool((masked == allowed).any())  # True = masked: equal to allowed is a difference
-        left, right = self.window if self.window is not None else (None, None)
-        if not same and (left is not None or right is not None):  # the window applied by the mask too
-            if left is not None:
-                allowed &= keys[None, :] >= pos[:, None] - left
-            if right is not None:
-                allowed &= keys[None, :] <= pos[:, None] + right
-            same = not bool((masked == allowed).any())
+        # True = masked: equal to the mask's allowed matrix is a difference
+        same = not bool((masked == Mask(causal).allowed(pos, keys)).any())
+        if not same and self.window is not None:  # the window applied by the mask too
+            same = not bool((masked == Mask(causal, tuple(self.window)).allowed(pos, keys)).any())
         if not same:
             raise ValueError(f"{where}: attention_mask masks other (query, key) pairs than this layer applies (causal "
                              "structure and window at the zigzag positions); the plugin modes do not read a dense mask: "

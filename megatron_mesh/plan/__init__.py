@@ -18,6 +18,7 @@ from .ir import (KINDS, OP_TYPES, AddGrad, Attend, AttendBackward, Copy, Free, K
 from .layout import (Layout, SpanLayout, ThdLayout, ZigzagLayout, head_slice, layout_from_text, positions,
                      slot_segments, split_evenly)
 from .mask import BlockClass, BlockKind, Mask, classify_block
+from .maskkinds import Chunked, MaskKind, Prefix, register_mask_kind
 from .memory import BufferMemory, buffer_memory
 from .mesh import BACKWARD_CHUNKS, CONTIGUOUS, TileMap, best_tile, build_mesh_plan, build_ring_plan, parse_tile, tile_shapes
 from .modes import HYBRID_PREFIX, MODES, TRANSPORTS, Mode, Placement, get_mode, register, resolve, setting
@@ -36,7 +37,8 @@ __all__ = [
     "plan_bytes", "tasp_bytes_formula", "block_pairs", "block_area", "rank_work",
     "KINDS", "OP_TYPES", "AddGrad", "Attend", "AttendBackward", "Copy", "Free", "Key", "MergeOut", "Plan", "Post",
     "RankPlan", "RowStats", "Segment", "Transfer", "Wait", "format_op", "parse_op",
-    "Mask", "BlockClass", "BlockKind", "classify_block", "normalize", "is_dense",
+    "Mask", "MaskKind", "Chunked", "Prefix", "register_mask_kind", "BlockClass", "BlockKind", "classify_block",
+    "normalize", "is_dense",
     "Layout", "ZigzagLayout", "ThdLayout", "SpanLayout", "BalancedLayout", "balanced_layout", "layout_from_text", "positions", "head_slice",
     "slot_segments", "split_evenly",
     "BACKWARD_CHUNKS", "CONTIGUOUS", "TileMap", "best_tile", "build_mesh_plan", "build_ring_plan", "parse_tile",

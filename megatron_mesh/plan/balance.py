@@ -71,7 +71,7 @@ from operator import index
 
 from .docwork import document_work, max_work, zigzag_runs
 from .layout import Layout, match_text, register_layout, split_evenly
-from .mask import Mask
+from .maskkinds import work_mask
 from .sel import merge_runs
 from .tunables import TUNABLES
 
@@ -97,16 +97,16 @@ class _Portion:
 
     __slots__ = ("doc", "start", "length", "runs", "tokens", "work")
 
-    def __init__(self, doc: int, start: int, length: int, runs, causal: bool, window):
+    def __init__(self, doc: int, start: int, length: int, runs, mask):
         self.doc, self.start, self.length, self.runs = doc, start, length, runs
         self.tokens = sum(b - a for a, b in runs)
-        self.work = sum(document_work(a, b, length, causal, window) for a, b in runs)
+        self.work = sum(mask.span_work(a, b, length) for a, b in runs)
 
     @property
     def density(self) -> float:
         return self.work / self.tokens
 
-    def cut(self, x: int, causal: bool, window) -> tuple["_Portion", "_Portion"]:
+    def cut(self, x: int, mask) -> tuple["_Portion", "_Portion"]:
         """The first ``x`` tokens, taken from every run in proportion (a zigzag portion keeps its
         density), and the rest."""
         sizes = [b - a for a, b in self.runs]
@@ -118,8 +118,8 @@ class _Portion:
             left -= more
         first = [(a, a + t) for (a, b), t in zip(self.runs, take) if t]
         rest = [(a + t, b) for (a, b), t in zip(self.runs, take) if a + t < b]
-        return (_Portion(self.doc, self.start, self.length, first, causal, window),
-                _Portion(self.doc, self.start, self.length, rest, causal, window))
+        return (_Portion(self.doc, self.start, self.length, first, mask),
+                _Portion(self.doc, self.start, self.length, rest, mask))
 
 
 def _take(runs, lo: int, hi: int) -> list[tuple[int, int]]:
@@ -133,14 +133,14 @@ def _take(runs, lo: int, hi: int) -> list[tuple[int, int]]:
     return out
 
 
-def _zigzag(p: _Portion, k: int, causal: bool, window) -> list[_Portion]:
+def _zigzag(p: _Portion, k: int, mask) -> list[_Portion]:
     """``p`` as k zigzag portions: its tokens (in position order) cut into 2k equal parts, portion i
     = parts i and 2k-1-i -- a causal document's light front paired with its dense back, so the
     portions have (nearly) the same work. A whole document gives its halves i and 2k-1-i."""
     runs = sorted(p.runs)
     h = split_evenly(p.tokens, 2 * k)
     return [_Portion(p.doc, p.start, p.length, _take(runs, h[i], h[i + 1]) + _take(runs, h[2 * k - 1 - i], h[2 * k - i]),
-                   causal, window) for i in range(k)]
+                   mask) for i in range(k)]
 
 
 class _Pool:
@@ -192,16 +192,16 @@ class _Pool:
         return w
 
 
-def _split_heavy(portions, work_cap: float, token_cap: int, causal: bool, window) -> list[_Portion]:
+def _split_heavy(portions, work_cap: float, token_cap: int, mask) -> list[_Portion]:
     """Every portion above ``work_cap`` work or ``token_cap`` tokens as zigzag portions below both."""
     out = []
     for p in portions:
         k = min(max(1, math.ceil(p.work / work_cap), math.ceil(p.tokens / token_cap)), max(1, p.tokens // 2))
-        out += [p] if k == 1 else _zigzag(p, k, causal, window)
+        out += [p] if k == 1 else _zigzag(p, k, mask)
     return out
 
 
-def _fill(pool: _Pool, tokens: int, target: float, causal: bool, window) -> list[_Portion]:
+def _fill(pool: _Pool, tokens: int, target: float, mask) -> list[_Portion]:
     """One bin: exactly ``tokens`` tokens with work close to ``target`` (see the module docstring)."""
     got: list[_Portion] = []
     t = w = 0
@@ -231,7 +231,7 @@ def _fill(pool: _Pool, tokens: int, target: float, causal: bool, window) -> list
             else:
                 hi = mid - 1
         if lo > 0:
-            first, rest = p.cut(lo, causal, window)
+            first, rest = p.cut(lo, mask)
             pool.put(rest)
             take(first)
         else:
@@ -239,14 +239,14 @@ def _fill(pool: _Pool, tokens: int, target: float, causal: bool, window) -> list
     while t < tokens:  # the tokens, with the portions closest to the density still needed
         p = pool.take(pool.closest((target - w) / (tokens - t)))
         if p.tokens > tokens - t:
-            first, rest = p.cut(tokens - t, causal, window)
+            first, rest = p.cut(tokens - t, mask)
             pool.put(rest)
             p = first
         take(p)
     return got
 
 
-def _even_out(bins: list[list[_Portion]], causal: bool, window, tolerance: float = 0.01) -> None:
+def _even_out(bins: list[list[_Portion]], mask, tolerance: float = 0.01) -> None:
     """Swap tokens between the busiest and the idlest bin -- the same number each way, the denser
     ones to the idler bin -- until they are within ``tolerance`` of the mean (the greedy fill's
     last bins take what is left)."""
@@ -265,8 +265,8 @@ def _even_out(bins: list[list[_Portion]], causal: bool, window, tolerance: float
         m = min(round(gap / 2 / (ph.density - pl.density)), ph.tokens, pl.tokens)
         if m < 1:
             return
-        moved_h, kept_h = ph.cut(m, causal, window) if m < ph.tokens else (ph, None)
-        moved_l, kept_l = pl.cut(m, causal, window) if m < pl.tokens else (pl, None)
+        moved_h, kept_h = ph.cut(m, mask) if m < ph.tokens else (ph, None)
+        moved_l, kept_l = pl.cut(m, mask) if m < pl.tokens else (pl, None)
         bins[h].remove(ph)
         bins[lo].remove(pl)
         bins[h] += [x for x in (kept_h, moved_l) if x is not None]
@@ -396,17 +396,17 @@ def _check_bounds(cu_seqlens, world_size: int, group: int) -> tuple[tuple[int, i
     return tuple(zip(cu, cu[1:]))
 
 
-def _balance(portions, bins: int, capacity: int, causal: bool, window, portion_work: float) -> list[list[_Portion]]:
+def _balance(portions, bins: int, capacity: int, mask, portion_work: float) -> list[list[_Portion]]:
     """``portions`` into ``bins`` bins of exactly ``capacity`` tokens each, work balanced: heavy
     portions cut into zigzag portions, the greedy fill, the even-out (the module docstring)."""
     total = sum(p.work for p in portions)
-    pool = _Pool(_split_heavy(portions, max(1.0, portion_work * total / bins), capacity, causal, window))
+    pool = _Pool(_split_heavy(portions, max(1.0, portion_work * total / bins), capacity, mask))
     filled, left = [], total
     for b in range(bins):
-        got = _fill(pool, capacity, left / (bins - b), causal, window)
+        got = _fill(pool, capacity, left / (bins - b), mask)
         left -= sum(p.work for p in got)
         filled.append(got)
-    _even_out(filled, causal, window)
+    _even_out(filled, mask)
     return filled
 
 
@@ -421,14 +421,15 @@ def _check_nodes(world_size: int, group: int, ranks_per_node) -> int:
     return world_size // ranks_per_node
 
 
-def balanced_layout(cu_seqlens, world_size: int, *, causal: bool = True, window=None, group: int = 1,
+def balanced_layout(cu_seqlens, world_size: int, *, causal: bool = True, window=None, mask=None, group: int = 1,
                     ranks_per_node: int | None = None, portion_work: float = TUNABLES.portion_work,
                     node_portion_work: float | None = None, hide: bool = False) -> "BalancedLayout":
     """The work-balanced, document-aware layout of the documents ``cu_seqlens`` (0 = c0 < c1 <
     ... < cn = S, S divisible by the CP size ``world_size``) under a causal (or full) mask with
-    ``window`` (left, right) -- see the module docstring. ``group``: balance over world_size /
-    group groups of ranks (a Ulysses hybrid of that degree). ``ranks_per_node``: the CP group spans
-    nodes of that many consecutive ranks -- balance the nodes first, then the ranks (groups) inside
+    ``window`` (left, right), or under ``mask`` (any mask kind, e.g. ``masks.chunked(8192)``: its work
+    is what the layout balances; its documents, if any, must be these) -- see the module docstring.
+    ``group``: balance over world_size / group groups of ranks (a Ulysses hybrid of that degree).
+    ``ranks_per_node``: the CP group spans nodes of that many consecutive ranks -- balance the nodes first, then the ranks (groups) inside
     each node, so a document whose work fits a node's portions stays inside one (its transfers stay on
     the node's links). ``portion_work`` / ``node_portion_work``: the largest portion, in units of a rank's
     (group's) / a node's mean work (default :class:`~.tunables.Tunables`' ``portion_work``; for the
@@ -441,9 +442,7 @@ def balanced_layout(cu_seqlens, world_size: int, *, causal: bool = True, window=
         raise ValueError(f"hide must be True or False, got {hide!r}")
     if hide and group == 1:  # as BalancedLayout: a hide asked for and not given would be a silent change
         raise ValueError("hide applies to the Ulysses groups of a layout balanced per group (group > 1), got group 1")
-    if isinstance(window, list):
-        window = tuple(window)
-    window = Mask(causal, window).window  # attention's rules: ints >= 0 or None, right 0 when causal
+    mask = work_mask(mask, causal, window, bounds)
     given = {"portion_work": portion_work,
              **({} if node_portion_work is None else {"node_portion_work": node_portion_work})}
     for name, v in given.items():
@@ -453,17 +452,17 @@ def balanced_layout(cu_seqlens, world_size: int, *, causal: bool = True, window=
     S = bounds[-1][1]
     units = world_size // group  # the balanced units: ranks, or Ulysses groups of ``group`` ranks
     nodes = _check_nodes(world_size, group, ranks_per_node)
-    docs = [_Portion(d, a, b - a, [(0, b - a)], causal, window) for d, (a, b) in enumerate(bounds)]
+    docs = [_Portion(d, a, b - a, [(0, b - a)], mask) for d, (a, b) in enumerate(bounds)]
     if nodes in (1, units):
-        filled = _balance(docs, units, S // units, causal, window, portion_work)
+        filled = _balance(docs, units, S // units, mask, portion_work)
     else:  # nodes first (a document stays inside one node when its work fits), then the units of each node
         node_work = node_portion_work if node_portion_work is not None else \
             TUNABLES.node_portion_work if group == 1 else portion_work
-        filled = [unit for node in _balance(docs, nodes, S // nodes, causal, window, node_work)
-                  for unit in _balance(node, units // nodes, S // units, causal, window, portion_work)]
+        filled = [unit for node in _balance(docs, nodes, S // nodes, mask, node_work)
+                  for unit in _balance(node, units // nodes, S // units, mask, portion_work)]
     per_bin = [_runs(got) for got in filled]
     zigzag = zigzag_runs(S, units)
-    if max_work(zigzag, bounds, causal, window) < max_work(per_bin, bounds, causal, window):
+    if max_work(zigzag, bounds, mask) < max_work(per_bin, bounds, mask):
         per_bin = zigzag  # a few tokens per unit: the fill could not cut finely enough (module docstring)
     ranks: list[tuple[tuple[int, int], ...]] = []
     local = S // world_size

@@ -43,9 +43,10 @@ def zigzag_runs(S: int, units: int) -> list[tuple[tuple[int, int], ...]]:
     return [tuple(merge_runs([(u * h, h), ((2 * units - 1 - u) * h, h)])) for u in range(units)]
 
 
-def max_work(units, bounds, causal: bool = True, window=(None, None)) -> int:
+def max_work(units, bounds, mask=None) -> int:
     """The largest work of ``units`` (each a sequence of (global start, length) runs) over the
-    documents ``bounds`` ((start, end), ... covering the sequence in order)."""
+    documents ``bounds`` ((start, end), ... covering the sequence in order) under ``mask`` (any
+    mask kind's :meth:`~.maskkinds.MaskKind.span_work`; None: causal)."""
     starts = [a for a, _ in bounds]
 
     def work(s: int, n: int) -> int:
@@ -53,7 +54,7 @@ def max_work(units, bounds, causal: bool = True, window=(None, None)) -> int:
         while p < s + n:  # the run cut at document boundaries
             a, b = bounds[bisect.bisect_right(starts, p) - 1]
             e = min(b, s + n)
-            total += document_work(p - a, e - a, b - a, causal, window)
+            total += document_work(p - a, e - a, b - a) if mask is None else mask.span_work(p - a, e - a, b - a)
             p = e
         return total
 

@@ -1,22 +1,14 @@
-"""The attention mask, defined once: documents, causality and a sliding window over the global
-sequence -- and the classification of a block (some query tokens x some key tokens) under it.
+"""Blocks under a mask: the classification of a block (some query tokens x some key tokens), and
+how a masked block runs as kernel calls (mask pieces).
 
-A token of the global (unsharded) sequence has a position and belongs to at most one
-*document*. Query token i may attend key token j iff both are in the same document, j <= i when
-``causal``, and i - j <= left and j - i <= right for a window (left, right) (flash-attn /
-Megatron convention; None = unlimited). Dense causal attention is the special case "one
-document, no window". Tokens in no document (the padding of Transformer Engine's THD layout)
-attend nothing and are attended by nothing: their output is 0.
-
-The rule is :meth:`Mask.allows` (one pair) / :meth:`Mask.allowed` (vectorised over position
-arrays: the runtime's masked kernel calls and the dense reference are built from it). What the
-planner adds is an optimisation of the same rule: because a document is an interval and the
-window bounds i - j on both sides, the keys a query may attend form one interval
-(:meth:`Mask.key_intervals`) -- which is what makes blocks cheap to classify:
-cut the query and key tokens of a block into runs of consecutive positions inside one document;
-a pair of runs (q positions [qa, qa+n), k positions [ka, ka+m), same document) allows exactly
-the pairs with i - j in the band [lo, hi] (lo = 0 if causal else -right, hi = left), so the band keeps
-none, all or some of its pairs, decided from its corners (:func:`band_relation`).
+The mask itself is a *mask kind* (:mod:`.maskkinds`): :class:`Mask` -- documents, causality and a
+sliding window, re-exported here -- or chunked, prefix, or a kind registered elsewhere. Tokens in
+no document (the padding of Transformer Engine's THD layout) attend nothing and are attended by
+nothing: their output is 0. Every kind cuts a buffer's position runs into pieces (same group,
+same part: :meth:`~.maskkinds.MaskKind.split`); a pair of pieces of one group (q positions
+[qa, qa+n), k positions [ka, ka+m)) allows exactly the pairs with i - j in the pair's band
+[lo, hi] (the band mask: lo = 0 if causal else -right, hi = left), so it keeps none, all or some
+of its pairs, decided from its corners (:func:`band_relation`).
 
 Worked example (S = 16, documents [0, 6) and [6, 16), causal, window (3, None)); rank 1 of the
 zigzag over P = 4 holds positions [2, 3, 12, 13]::
@@ -38,10 +30,13 @@ from enum import StrEnum
 from functools import lru_cache
 from typing import NamedTuple
 
+from .maskkinds import INF, MaskKind
+from .maskkinds.band import Mask, documents_of
+from .maskkinds.pairs import band_pairs, band_relation
 from .sel import Segment, first_at, merge_runs, union_intervals
 
 __all__ = ["Mask", "BlockKind", "BlockClass", "classify_block", "band_relation", "band_pairs", "CAUSAL", "FULL",
-           "union_intervals", "split_by_document", "INF", "MASK_PIECE", "cut_runs", "mask_pieces", "call_groups",
+           "union_intervals", "documents_of", "INF", "MASK_PIECE", "cut_runs", "mask_pieces", "call_groups",
            "KERNEL_CALLS"]
 
 
@@ -53,197 +48,6 @@ class BlockKind(StrEnum):
     CAUSAL = "causal"  # top-left causal on identical query and key tokens
     MASKED = "masked"  # the plan's Mask, applied to the tokens' global positions
 
-INF = float("inf")
-
-
-@dataclass(frozen=True)
-class Mask:
-    """See the module docstring. ``documents``: sorted, disjoint (start, stop) intervals of global
-    positions (None: the whole sequence is one document); ``window``: (left, right), each an int
-    >= 0 or None (unlimited)."""
-
-    causal: bool = True
-    window: tuple = (None, None)
-    documents: tuple | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.causal, bool):
-            raise ValueError(f"causal must be True or False, got {self.causal!r}")
-        w = self.window
-        if w is None:
-            object.__setattr__(self, "window", (None, None))
-            w = self.window
-        if not isinstance(w, tuple) or len(w) != 2:
-            raise ValueError(f"window must be (left, right) with ints >= 0 or None, got {w!r}")
-        for side, v in zip(("left", "right"), w):
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-                raise ValueError(f"window {side} must be an int >= 0 or None (unlimited), got {v!r}")
-        if self.causal and w[1] not in (None, 0):
-            raise ValueError(f"window right {w[1]} > 0 with causal attention: a causal query never sees a later "
-                             "key, so right must be 0 or None")
-        if self.causal and w[1] is None:
-            object.__setattr__(self, "window", (w[0], 0))
-        if self.documents is not None:
-            docs = tuple((int(a), int(b)) for a, b in self.documents)
-            prev = None
-            for a, b in docs:
-                if not a < b or (prev is not None and a < prev):
-                    raise ValueError(f"documents must be sorted, non-empty, disjoint (start, stop) intervals, "
-                                     f"got {self.documents!r}")
-                prev = b
-            object.__setattr__(self, "documents", docs)
-
-    def __hash__(self) -> int:
-        # masks key the planner's caches (a block's classification, the block index): with
-        # thousands of documents, hashing the tuple on every lookup would dominate, so once
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = hash((self.causal, self.window, self.documents))
-            object.__setattr__(self, "_hash", h)
-        return h
-
-    def __reduce__(self):  # the cached hash stays in this process (hash(None) differs between processes)
-        return (Mask, (self.causal, self.window, self.documents))
-
-    # -- construction ----------------------------------------------------------------------------
-    @classmethod
-    def from_cu_seqlens(cls, cu_seqlens, seq_len: int, causal: bool = True, window=None) -> "Mask":
-        """Documents of a packed sequence of ``seq_len`` tokens from their boundaries
-        (``cu_seqlens``: 0 = c0 < c1 < ... < cn = seq_len; Megatron's global zigzag layout)."""
-        cu = [int(c) for c in cu_seqlens]
-        if len(cu) < 2 or cu[0] != 0 or cu[-1] != seq_len or any(b <= a for a, b in zip(cu, cu[1:])):
-            raise ValueError(f"cu_seqlens must be strictly increasing from 0 to the global sequence length "
-                             f"{seq_len}, got {cu_seqlens!r}")
-        return cls(causal, window, tuple(zip(cu, cu[1:]))).normalized(seq_len)
-
-    def normalized(self, seq_len: int) -> "Mask":
-        """The same mask in its simplest form over a sequence of ``seq_len`` tokens: one document
-        covering everything is no document; a window that cannot bite is no window."""
-        docs = self.documents
-        if docs is not None and docs == ((0, seq_len),):
-            docs = None
-        left, right = self.window
-        longest = seq_len if docs is None else max((b - a for a, b in docs), default=0)
-        if left is not None and left >= longest - 1:
-            left = None
-        if right is not None and not self.causal and right >= longest - 1:
-            right = None
-        if self.causal:
-            right = 0
-        m = Mask(self.causal, (left, right), docs)
-        return m
-
-    @property
-    def is_dense(self) -> bool:
-        """Plain causal or full attention (no documents, no window): the zigzag rule applies."""
-        return self.documents is None and self.window[0] is None and (self.causal or self.window[1] is None)
-
-    # -- the rule ----------------------------------------------------------------------------------
-    def band(self) -> tuple[float, float]:
-        """Allowed range of i - j inside one document: [lo, hi]."""
-        left, right = self.window
-        lo = 0 if self.causal else (-right if right is not None else -INF)
-        hi = left if left is not None else INF
-        return lo, hi
-
-    def document(self, pos: int) -> tuple[int, int] | None:
-        """The (start, stop) of the document holding ``pos`` (None: padding)."""
-        if self.documents is None:
-            return (0, INF)  # type: ignore[return-value]
-        i = bisect_right(self.documents, (pos, INF)) - 1
-        if i >= 0 and self.documents[i][0] <= pos < self.documents[i][1]:
-            return self.documents[i]
-        return None
-
-    def key_intervals(self, i: int, seq_len: int) -> tuple[tuple[int, int], ...]:
-        """The keys query ``i`` may attend, as sorted disjoint [lo, hi) intervals (empty: none).
-        A document and a window make this one interval; exact cover is checked against the
-        intervals, so a mask kind with holes fits the same check."""
-        doc = self.document(i)
-        if doc is None:
-            return ()
-        lo_d, hi_d = self.band()
-        lo = max(doc[0], 0, i - hi_d)
-        hi = min(doc[1], seq_len, i - lo_d + 1)
-        return ((int(lo), int(hi)),) if lo < hi else ()
-
-    def allows(self, i: int, j: int) -> bool:
-        """The rule for one pair: query ``i`` attends key ``j``."""
-        doc = self.document(i)
-        if doc is None or not doc[0] <= j < doc[1]:
-            return False
-        lo, hi = self.band()
-        return lo <= i - j <= hi
-
-    def allowed(self, q_pos, k_pos):
-        """The rule, vectorised: [len(q_pos), len(k_pos)] booleans, entry (a, b) = query
-        ``q_pos[a]`` attends key ``k_pos[b]``. ``q_pos`` / ``k_pos`` are 1-D integer arrays of any
-        array library with broadcasting arithmetic and comparisons (torch tensors, numpy arrays):
-        this module stays free of both. Agrees with :meth:`allows` on every pair (tested); the
-        runtime's masked kernel calls and the dense reference are built from it."""
-        d = q_pos[:, None] - k_pos[None, :]
-        lo, hi = self.band()
-        ok = (d >= lo) & (d <= hi)
-        if self.documents is not None:
-            qd, kd = self._document_ids(q_pos), self._document_ids(k_pos)
-            ok = ok & (qd[:, None] == kd[None, :]) & (qd[:, None] >= 0)
-        return ok
-
-    def _document_ids(self, pos):
-        """Per position, the index of its document, -1 for padding (array arithmetic only: the
-        documents the positions' range overlaps, found by bisection, each add their id)."""
-        first = bisect_right(self._stops, int(pos.min())) if len(pos) else 0
-        last = bisect_left(self._starts, int(pos.max()) + 1) if len(pos) else 0
-        ids = pos * 0 - 1
-        for i in range(first, last):
-            a, b = self.documents[i]
-            ids = ids + ((pos >= a) & (pos < b)) * (i + 1)
-        return ids
-
-    @property
-    def _starts(self) -> list[int]:
-        return _bounds(self)[0]
-
-    @property
-    def _stops(self) -> list[int]:
-        return _bounds(self)[1]
-
-    # -- text --------------------------------------------------------------------------------------
-    def text(self) -> str:
-        """Compact text, e.g. ``causal``, ``full``, ``causal,window=128:0,docs=0:6:16``."""
-        parts = ["causal" if self.causal else "full"]
-        if self.window != (None, 0 if self.causal else None):
-            l, r = self.window
-            parts.append(f"window={'-' if l is None else l}:{'-' if r is None else r}")
-        if self.documents is not None:
-            parts.append("docs=" + ";".join(f"{a}:{b}" for a, b in self.documents))
-        return ",".join(parts)
-
-    def summary(self) -> str:
-        """Short human text: the text form, with documents counted instead of listed."""
-        if self.documents is None or len(self.documents) <= 4:
-            return self.text()
-        lens = [b - a for a, b in self.documents]
-        head = Mask(self.causal, self.window).text()
-        return f"{head},{len(lens)} documents of {min(lens)}-{max(lens)} (mean {sum(lens) / len(lens):.0f}) tokens"
-
-    @classmethod
-    def from_text(cls, text: str) -> "Mask":
-        parts = text.split(",")
-        if parts[0] not in ("causal", "full"):
-            raise ValueError(f"mask text {text!r} must start with 'causal' or 'full'")
-        causal, window, docs = parts[0] == "causal", None, None
-        for p in parts[1:]:
-            name, _, val = p.partition("=")
-            if name == "window":
-                l, r = val.split(":")
-                window = (None if l == "-" else int(l), None if r == "-" else int(r))
-            elif name == "docs":
-                docs = tuple(tuple(int(x) for x in d.split(":")) for d in val.split(";"))
-            else:
-                raise ValueError(f"unknown mask field {name!r} in {text!r}")
-        return cls(causal, window, docs)
-
 
 CAUSAL = Mask(True)
 FULL = Mask(False)
@@ -253,53 +57,6 @@ FULL = Mask(False)
 def _bounds(mask: Mask) -> tuple[list[int], list[int]]:
     """The documents' starts and stops as plain lists (bisection over them)."""
     return [a for a, _ in mask.documents], [b for _, b in mask.documents]
-
-
-# -- pairs of runs --------------------------------------------------------------------------------
-def band_relation(qa: int, n: int, ka: int, m: int, lo: float, hi: float) -> str:
-    """Which pairs of queries [qa, qa+n) x keys [ka, ka+m) (one document) the band
-    lo <= i - j <= hi keeps: "none", "all" or "some" (decided from the corners)."""
-    dmin, dmax = qa - (ka + m - 1), qa + n - 1 - ka
-    if dmax < lo or dmin > hi or lo > hi:
-        return "none"
-    if dmin >= lo and dmax <= hi:
-        return "all"
-    return "some"
-
-
-def band_pairs(qa: int, n: int, ka: int, m: int, lo: float, hi: float) -> int:
-    """How many (i, j) with i in [qa, qa+n), j in [ka, ka+m) have lo <= i - j <= hi.
-
-    Closed form: query x sees keys [A(x), B(x)] with A = max(ka, x - hi), B = min(ka + m - 1,
-    x - lo); the count B - A + 1 (clamped at 0) is linear with slope -1, 0 or 1 between the
-    points where A or B switch sides, so each part is an arithmetic series."""
-    if n <= 0 or m <= 0:
-        return 0
-    big = 4 * (n + m + abs(qa - ka)) + 4  # a band edge beyond this never binds
-    lo_i = -big if lo == -INF else max(-big, min(big, int(lo)))
-    hi_i = big if hi == INF else max(-big, min(big, int(hi)))
-
-    def f(x: int) -> int:
-        return min(ka + m - 1, x - lo_i) - max(ka, x - hi_i) + 1
-
-    cuts = sorted({qa, qa + n} | {c for c in (ka + hi_i, ka + m - 1 + lo_i) if qa < c < qa + n})
-    total = 0
-    for x0, x1 in zip(cuts, cuts[1:]):
-        f0, last = f(x0), x1 - 1
-        slope = f(last) - f0 if last > x0 else 0
-        slope = (slope > 0) - (slope < 0)
-        if slope == 0:
-            total += (x1 - x0) * max(0, f0)
-            continue
-        if slope > 0:  # positive from x0 + max(0, 1 - f0) on
-            a = x0 + max(0, 1 - f0)
-            b = last
-        else:  # positive up to x0 + f0 - 1
-            a = x0
-            b = min(last, x0 + f0 - 1)
-        if a <= b:
-            total += (f(a) + f(b)) * (b - a + 1) // 2
-    return total
 
 
 # -- blocks ----------------------------------------------------------------------------------------
@@ -314,55 +71,6 @@ class BlockClass(NamedTuple):
     pairs: int
 
 
-def split_by_document(runs, mask: Mask) -> list[tuple[int, int, int, int]]:
-    """(local offset, global start, length, document index) of layout runs (local offset, global
-    start, length) cut at document edges; padding (no document) is left out. Without documents
-    every run is document 0."""
-    out = []
-    docs = mask.documents
-    starts = _bounds(mask)[0] if docs is not None else None
-    for local, start, length in runs:
-        pos, end = start, start + length
-        while pos < end:
-            if docs is None:
-                out.append((local + pos - start, pos, end - pos, 0))
-                break
-            i = bisect_right(starts, pos) - 1
-            if i >= 0 and pos < docs[i][1]:
-                stop = min(end, docs[i][1])
-                out.append((local + pos - start, pos, stop - pos, i))
-            else:  # padding up to the next document
-                stop = min(end, docs[i + 1][0]) if i + 1 < len(docs) else end
-            pos = stop
-    return out
-
-
-def _split(runs, mask: Mask) -> list[tuple[int, int, int, object]]:
-    """(local offset, global start, length, document) sub-runs of position runs cut at document
-    boundaries; ``runs`` are (start, length) in buffer order; padding sub-runs have document None."""
-    out = []
-    local = 0
-    docs = mask.documents
-    for start, length in runs:
-        pos, end = start, start + length
-        while pos < end:
-            if docs is None:
-                out.append((local, pos, end - pos, 0))
-                local += end - pos
-                break
-            i = bisect_right(docs, (pos, INF)) - 1
-            if i >= 0 and docs[i][0] <= pos < docs[i][1]:
-                stop = min(end, docs[i][1])
-                doc = i
-            else:  # padding up to the next document
-                nxt = docs[i + 1][0] if i + 1 < len(docs) else end
-                stop, doc = min(end, nxt), None
-            out.append((local, pos, stop - pos, doc))
-            local += stop - pos
-            pos = stop
-    return out
-
-
 @lru_cache(maxsize=65536)
 def classify_block(mask: Mask, q_runs: tuple, kv_runs: tuple) -> BlockClass | None:
     """The part of block (query tokens ``q_runs`` x key tokens ``kv_runs[i]`` of the i-th key/value
@@ -373,28 +81,30 @@ def classify_block(mask: Mask, q_runs: tuple, kv_runs: tuple) -> BlockClass | No
     when every remaining pair is allowed, "causal" when the remaining query and key tokens are
     the same positions in increasing order inside one document and the band does not cut within
     them (top-left causal on the block), else "masked" (the kernel masks by position)."""
-    lo, hi = mask.band()
-    qs = _split(q_runs, mask)
-    kvs = [_split(r, mask) for r in kv_runs]
+    qs = mask.split(q_runs)
+    kvs = [mask.split(r) for r in kv_runs]
     rows: list[tuple[int, int]] = []
     cols: list[list[tuple[int, int]]] = [[] for _ in kvs]
     pairs = 0
     kinds = set()
-    by_doc: list[dict] = []  # per key/value buffer: document -> its sub-runs (pairs of one document only)
+    causal_only = True  # every pair kept lies on or below the diagonal (i >= j)
+    by_group: list[dict] = []  # per key/value buffer: group -> its pieces (pairs of one group only)
     for ks in kvs:
         d: dict = {}
         for run in ks:
             d.setdefault(run[3], []).append(run)
-        by_doc.append(d)
-    for ql, qa, n, qd in qs:
-        if qd is None:
+        by_group.append(d)
+    for ql, qa, n, qg, qp in qs:
+        if qg is None:
             continue
-        for b, ks in enumerate(by_doc):
-            for kl, ka, m, kd in ks.get(qd, ()):
+        for b, ks in enumerate(by_group):
+            for kl, ka, m, _, kp in ks.get(qg, ()):
+                lo, hi = mask.pair_band(qp, kp)
                 kind = band_relation(qa, n, ka, m, lo, hi)
                 if kind == "none":
                     continue
                 kinds.add(kind)
+                causal_only &= lo >= 0
                 if kind == "all":
                     rows.append((ql, ql + n))
                     cols[b].append((kl, kl + m))
@@ -412,18 +122,18 @@ def classify_block(mask: Mask, q_runs: tuple, kv_runs: tuple) -> BlockClass | No
         return None
     row_sel = union_intervals(rows)
     col_sels = tuple(union_intervals(c) for c in cols)
-    kind = _kernel_kind(mask, kinds, qs, kvs, row_sel, col_sels, pairs)
+    kind = _kernel_kind(causal_only, kinds, qs, kvs, row_sel, col_sels, pairs)
     return BlockClass(kind, row_sel, col_sels, pairs)
 
 
 def _positions(subruns, sel: tuple[Segment, ...]) -> list[tuple[int, int, object]]:
-    """(global start, length, doc) runs of the selected local tokens of a split buffer (sub-runs
+    """(global start, length, group) runs of the selected local tokens of a split buffer (pieces
     in local order: a bisection finds a segment's first one)."""
     out = []
     offsets = [local for local, *_ in subruns]
     for s in sel:
         for n in range(first_at(offsets, s.start), len(subruns)):
-            local, start, length, doc = subruns[n]
+            local, start, length, doc, _ = subruns[n]
             if local >= s.stop:
                 break
             a, b = max(s.start, local), min(s.stop, local + length)
@@ -432,23 +142,21 @@ def _positions(subruns, sel: tuple[Segment, ...]) -> list[tuple[int, int, object
     return out
 
 
-def _kernel_kind(mask: Mask, kinds: set, qs, kvs, rows, cols, pairs: int) -> str:
+def _kernel_kind(causal_only: bool, kinds: set, qs, kvs, rows, cols, pairs: int) -> str:
     nrows = sum(s.stop - s.start for s in rows)
     ncols = sum(s.stop - s.start for sel in cols for s in sel)
     if kinds == {"all"} and pairs == nrows * ncols:
         return BlockKind.FULL
-    # causal: the kept query and key tokens are the same positions, increasing, in one document,
-    # and every i >= j among them is allowed (the band's upper edge does not cut inside)
+    # causal: the kept query and key tokens are the same positions, increasing, in one group, every
+    # kept pair has i >= j and there are n (n + 1) / 2 of them: so every i >= j is allowed
     used = [b for b, sel in enumerate(cols) if sel]
-    if mask.causal and len(used) == 1 and nrows == ncols:
+    if causal_only and len(used) == 1 and nrows == ncols:
         qp = _positions(qs, rows)
         kp = _positions(kvs[used[0]], cols[used[0]])
         flat_q = [(s, l) for s, l, _ in qp]
         if merge_runs(flat_q) == merge_runs([(s, l) for s, l, _ in kp]) and len({d for *_, d in qp}) == 1:
             increasing = all(a[0] + a[1] <= b[0] for a, b in zip(flat_q, flat_q[1:]))
-            span = flat_q[-1][0] + flat_q[-1][1] - 1 - flat_q[0][0]
-            _, hi = mask.band()
-            if increasing and hi >= span and pairs == nrows * (nrows + 1) // 2:
+            if increasing and pairs == nrows * (nrows + 1) // 2:
                 return BlockKind.CAUSAL
     return BlockKind.MASKED
 

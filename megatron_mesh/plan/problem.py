@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from .layout import Layout, SpanLayout, ZigzagLayout
 from .mask import Mask
+from .maskkinds import MaskKind
 from .sel import merge_runs
 from .shape import AttentionShape
 
@@ -31,8 +32,9 @@ def normalize(world_size: int, shape: AttentionShape, mask: Mask | None = None, 
     """(mask, layout) of one call, checked against the group and the shape (see the module
     docstring); ValueError names what does not fit."""
     mask = Mask() if mask is None else mask
-    if not isinstance(mask, Mask):
-        raise ValueError(f"mask must be a megatron_mesh.plan.Mask, got {type(mask).__name__}")
+    if not isinstance(mask, MaskKind):
+        raise ValueError(f"mask must be a mask kind (megatron_mesh.masks, megatron_mesh.plan.maskkinds), got "
+                         f"{type(mask).__name__}")
     if layout is None or (isinstance(layout, SpanLayout) and type(layout.base) is ZigzagLayout):
         layout = ZigzagLayout(world_size, world_size * shape.seq_local)
     if not isinstance(layout, Layout):
@@ -46,7 +48,7 @@ def normalize(world_size: int, shape: AttentionShape, mask: Mask | None = None, 
         if mask.documents is not None and mask.documents != tuple(documents):
             raise ValueError("the layout defines the documents; the mask brings others: pass the documents once "
                              "(the layout's)")
-        mask = Mask(mask.causal, mask.window, tuple(documents))
+        mask = mask.with_documents(tuple(documents))
     mask = mask.normalized(layout.seq_len)
     if mask.is_dense and not isinstance(layout, ZigzagLayout) and _is_zigzag(layout):
         layout = ZigzagLayout(world_size, layout.seq_len)  # e.g. the balanced layout of one document

@@ -77,7 +77,7 @@ from typing import Callable
 from .accounting import buffer_bytes
 from .ir import AddGrad, Attend, AttendBackward, Key, MergeOut, Op, Plan, Post, RankPlan, Transfer, Wait
 from .layout import Layout
-from .mask import INF, BlockClass, BlockKind, Mask, band_pairs, split_by_document
+from .mask import INF, BlockClass, BlockKind, Mask, band_pairs
 from .passes import insert_frees
 from .sel import Segment, relative_selection, union_intervals
 from .shape import AttentionShape
@@ -157,16 +157,16 @@ class _Blocks:
 
     def __init__(self, P: int, mask: Mask, layout: Layout, own_call_tokens: int):
         self.P, self.mask, self.layout, self.own_call_tokens = P, mask, layout, own_call_tokens
-        self.lo, self.hi = mask.band()
-        self.holders: dict[int, dict[int, list]] = {}  # document -> rank -> its runs (local, start, n)
-        self.docs_of: list[list[int]] = [[] for _ in range(P)]  # rank -> documents it holds
+        self.band, self.fixed = mask.pair_band, mask.band() if mask.is_band else None  # fixed: one band for all
+        self.holders: dict[int, dict[int, list]] = {}  # group -> rank -> its pieces (local, start, n, part)
+        self.docs_of: list[list[int]] = [[] for _ in range(P)]  # rank -> groups (documents, chunks) it holds
         for g in range(P):
-            for local, start, n, doc in split_by_document(layout.runs(g), mask):
+            for local, start, n, doc, part in mask.split_layout(layout.runs(g)):
                 holders = self.holders.setdefault(doc, {})
                 if g not in holders:
                     holders[g] = []
                     self.docs_of[g].append(doc)
-                holders[g].append((local, start, n))
+                holders[g].append((local, start, n, part))
         self._parts: dict[tuple[int, int], tuple[BlockClass, ...] | None] = {}
         self._sharing: dict[int, tuple[int, ...]] = {}
 
@@ -182,18 +182,18 @@ class _Blocks:
         ij = (i, j)
         if ij in self._parts:
             return self._parts[ij]
-        lo, hi = self.lo, self.hi
+        band, fixed = self.band, self.fixed
         sums: list[_BlockSum] = []
         for doc in self.docs_of[i]:
             k_runs = self.holders[doc].get(j)
             if k_runs is None:
                 continue
             e = None
-            for ql, qa, n in self.holders[doc][i]:
+            for ql, qa, n, qp in self.holders[doc][i]:
                 q_end = qa + n - 1
-                for kl, ka, m in k_runs:
-                    dmin, dmax = qa - ka - m + 1, q_end - ka  # band_relation, inlined: the hot loop
-                    if dmax < lo or dmin > hi:
+                for kl, ka, m, kp in k_runs:
+                    (lo, hi), dmin, dmax = fixed or band(qp, kp), qa - ka - m + 1, q_end - ka  # band_relation, inlined
+                    if dmax < lo or dmin > hi or lo > hi:
                         continue
                     if e is None:
                         e = _BlockSum()
@@ -234,12 +234,12 @@ def _join(parts: tuple[BlockClass, ...], mask: Mask, layout: Layout, ij: tuple[i
 class _BlockSum:
     """The allowed pairs of one block (or of one document in it), summed over its pairs of runs."""
 
-    __slots__ = ("rows", "cols", "pairs", "relations", "documents", "rows_sorted", "cols_sorted")
+    __slots__ = ("rows", "cols", "pairs", "relations", "documents", "rows_sorted", "cols_sorted", "causal_only")
 
     def __init__(self):
         self.rows: list[tuple[int, int]] = []
         self.cols: list[tuple[int, int]] = []
-        self.pairs, self.relations, self.documents = 0, set(), 1
+        self.pairs, self.relations, self.documents, self.causal_only = 0, set(), 1, True
         self.rows_sorted = self.cols_sorted = True
 
     @property
@@ -262,6 +262,7 @@ class _BlockSum:
 
     def add(self, relation: str, ql: int, qa: int, n: int, kl: int, ka: int, m: int, lo: float, hi: float) -> None:
         self.relations.add(relation)
+        self.causal_only &= lo >= 0  # every pair added on or below the diagonal (i >= j): a causal call can run it
         if relation == "all":
             r0, r1, c0, c1 = ql, ql + n, kl, kl + m
             self.pairs += n * m
@@ -281,7 +282,7 @@ class _BlockSum:
         ncols = sum(b - a for a, b in cols)
         if self.relations == {"all"} and self.pairs == nrows * ncols:
             kind = BlockKind.FULL
-        elif diagonal_runs and self.documents == 1 and rows == cols and mask.causal and \
+        elif diagonal_runs and self.documents == 1 and rows == cols and self.causal_only and \
                 self.pairs == nrows * (nrows + 1) // 2 and _increasing(diagonal_runs, rows):
             kind = BlockKind.CAUSAL  # one document's own tokens, in order, the band not cutting inside
         else:

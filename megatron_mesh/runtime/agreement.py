@@ -73,7 +73,6 @@ import torch.distributed as dist
 from .. import __version__
 from .. import plan as plan_package
 from ..plan.ir import Plan
-from ..plan.mask import Mask
 from ..plan.tunables import TUNABLES
 
 __all__ = ["PlanMismatchError", "Call", "GroupChecks", "GROUP_CHECKS", "check", "joined_on_error", "enabled",
@@ -171,7 +170,7 @@ class Call:
             "input": "valid",
             "mode": mode,
             "settings": repr(p) if p is not None else "explicit plan",
-            "mask": Mask(mask.causal, mask.window).text(),
+            "mask": mask.head_text(),
             "documents": tuple(f"{a}:{b}" for a, b in mask.documents) if mask.documents is not None else "none",
             "local shape [s_local, batch, heads, head_dim]": f"q {list(self.q_shape)}, k/v {list(self.kv_shape)}"
             + (f", v head dim {self._v_head_dim}" if self._v_head_dim != self.kv_shape[-1] else ""),

@@ -35,6 +35,7 @@ from ..comm.torch_dist import TorchDistCommunicator
 from ..kernels import BlockKernel, check_head_dims, get_kernel
 from ..plan.ir import Plan
 from ..plan.mask import Mask
+from ..plan.maskkinds import MaskKind
 from ..plan.modes import HYBRID_PREFIX, MODES, TRANSPORTS, Placement, option_specs, resolve
 from ..plan.modes.mesh import MeshOptions, RingOptions
 from ..plan.modes.tasp import TaspOptions
@@ -86,8 +87,9 @@ def _plan(placement: Placement, shape: AttentionShape, mask: Mask, layout) -> Pl
 
 class LayoutCalls:
     """The prebuild memory: the attention calls recently made on a layout with documents of its
-    own (the balanced layout of a packed sample), as the (placement, shape, causal, window, rank)
-    that :func:`prebuild` plans again for the next samples' layouts. Newest last, at most
+    own (the balanced layout of a packed sample), as the (placement, shape, mask, rank)
+    that :func:`prebuild` plans again for the next samples' layouts (the mask without its documents:
+    the next layout brings its own). Newest last, at most
     :attr:`KEPT` (a few per model: one per distinct attention setting, not per layer); the step
     adds while the lookahead thread reads, so under a lock."""
 
@@ -97,8 +99,8 @@ class LayoutCalls:
         self._calls: "OrderedDict[tuple, None]" = OrderedDict()
         self._lock = threading.Lock()
 
-    def remember(self, placement: Placement, shape: AttentionShape, causal: bool, window, rank: int) -> None:
-        key = (placement, shape, causal, window, rank)
+    def remember(self, placement: Placement, shape: AttentionShape, mask: MaskKind, rank: int) -> None:
+        key = (placement, shape, mask, rank)
         with self._lock:
             self._calls[key] = None
             self._calls.move_to_end(key)
@@ -116,7 +118,7 @@ LAYOUT_CALLS = LayoutCalls()  # the process's: what prepare remembers and prebui
 def prebuild(layout, calls: LayoutCalls = LAYOUT_CALLS) -> int:
     """Build, now, the plans the coming calls on ``layout`` will need: for every attention call
     recently made on another layout of the same CP size and tokens per rank (same placement,
-    shape, causal, window, rank; ``calls``: the process's memory of them), this rank's plan of
+    shape, mask, rank; ``calls``: the process's memory of them), this rank's plan of
     ``layout`` goes into the plan cache that :func:`prepare` reads. What a background thread runs
     for the next micro-batch's layouts (:mod:`megatron_mesh.megatron.batch_layout`), so that the
     step finds its plans built. Returns how many plans it built (0 before the first call on a
@@ -126,10 +128,10 @@ def prebuild(layout, calls: LayoutCalls = LAYOUT_CALLS) -> int:
     ``prebuild(L2)`` builds rank 3's TASP plan of L2; the next step's call with ``layout=L2``
     finds it (no plan build on the step's critical path)."""
     built = 0
-    for placement, shape, causal, window, rank in calls.recent():
+    for placement, shape, head, rank in calls.recent():
         if placement.world_size != layout.world_size or shape.seq_local != layout.seq_local:
             continue
-        mask, normal = attention_mask(layout.world_size, shape, causal=causal, window=window, layout=layout)
+        mask, normal = attention_mask(layout.world_size, shape, mask=head, layout=layout)
         _plan(placement, shape, mask, normal).rank(rank)
         built += 1
     return built
@@ -150,9 +152,9 @@ class Prepared:
 
 
 def prepare(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None, comm: Communicator | None = None,
-            causal: bool = True, window=None, cu_seqlens=None, layout=None, softmax_scale: float | None = None,
+            causal: bool | None = None, window=None, cu_seqlens=None, layout=None, softmax_scale: float | None = None,
             kernel: "str | BlockKernel" = "auto", placement: Placement | None = None, softmax_offset=None,
-            **settings) -> Prepared:
+            mask: MaskKind | None = None, **settings) -> Prepared:
     """Check everything and build (or fetch) the plan of one call; ``settings`` go to the mode
     (see :func:`megatron_mesh.plan.resolve`). ``placement`` skips the resolution (the
     Megatron adapter resolves it once per layer). ``softmax_offset`` is checked and agreed on;
@@ -166,7 +168,8 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None, 
         mask_piece(q.device)  # this process's setting, read here: a bad one fails before the check, not after
         check_head_dims(kern, shape.head_dim, shape.v_head_dim)
         P = own.world_size
-        mask, layout = attention_mask(P, shape, causal=causal, window=window, cu_seqlens=cu_seqlens, layout=layout)
+        mask, layout = attention_mask(P, shape, causal=causal, window=window, cu_seqlens=cu_seqlens, layout=layout,
+                                      mask=mask)
         if "gpus_per_node" in settings:  # the wrappers' (and their docs') name for the plan's ranks_per_node
             if "ranks_per_node" in settings:
                 raise ValueError("pass gpus_per_node or ranks_per_node (the same setting), not both")
@@ -178,7 +181,7 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None, 
             raise ValueError(f"placement for {placement.world_size} ranks used on a CP group of {P}")
         plan = _plan(placement, shape, mask, layout)
         if layout.documents() is not None:  # a packed sample's layout: the next samples' plans can be built ahead
-            LAYOUT_CALLS.remember(placement, shape, mask.causal, None if window is None else tuple(window), own.rank)
+            LAYOUT_CALLS.remember(placement, shape, mask.without_documents(), own.rank)
     if comm is None:
         comm = own if placement.transport == "p2p" else group_communicator(group, placement.transport)
     scale = scale_of(shape, softmax_scale)
@@ -218,10 +221,11 @@ def _setting(name: str, v):
     return v
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None, causal: bool = True,
-              window=None, cu_seqlens=None, layout=None, softmax_scale: float | None = None,
-              softmax_offset: Tensor | None = None, kernel: "str | BlockKernel" = "auto",
-              comm: Communicator | None = None, timer=None, **settings) -> Tensor:
+def attention(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None, mask: MaskKind | None = None,
+              causal: bool | None = None, window=None, cu_seqlens=None, layout=None,
+              softmax_scale: float | None = None, softmax_offset: Tensor | None = None,
+              kernel: "str | BlockKernel" = "auto", comm: Communicator | None = None, timer=None,
+              **settings) -> Tensor:
     """Context-parallel attention over the CP group ``group`` (None: the default process group)
     with CP mode ``mode`` (``"mesh"``, ``"ring"``, ``"tasp"``, ``"a2a+mesh"``, ``"a2a+tasp"``,
     ``"a2a+ring"``; ``settings`` are the mode's, see the wrappers below).
@@ -232,7 +236,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None
             heads % kv_heads == 0 (GQA / MQA); v_head_dim may differ from head_dim (MLA: 192 and
             128), the output then has v's head dim (CPU: every kernel; CUDA: see
             :func:`megatron_mesh.kernels.get_kernel`).
-        causal: causal (True) or full (False) attention over the global sequence.
+        mask: which (query, key) pairs attend, a mask of :mod:`megatron_mesh.masks` (e.g.
+            ``masks.documents(cu) & masks.chunked(8192)``); or, instead of it (not both), the loose
+            arguments below that build one.
+        causal: causal (True, the default) or full (False) attention over the global sequence.
         window: (left, right) sliding window (None = unlimited on that side; right must be 0 or
             None when causal): query i attends key j only if i - j <= left and j - i <= right.
         cu_seqlens: packed documents -- their boundaries over the global (unsharded) sequence,
@@ -260,7 +267,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None
     are computed and only the tokens they need are sent.
     """
     call = prepare(q, k, v, mode=mode, group=group, comm=comm, causal=causal, window=window, cu_seqlens=cu_seqlens,
-                   layout=layout, softmax_scale=softmax_scale, kernel=kernel, softmax_offset=softmax_offset, **settings)
+                   layout=layout, softmax_scale=softmax_scale, kernel=kernel, softmax_offset=softmax_offset, mask=mask,
+                   **settings)
     return PlanAttention.apply(q, k, v, call.executor(timer), softmax_offset)
 
 
@@ -284,7 +292,8 @@ def _takes_options(options_type: type, *names: str):
 
 
 @_takes_options(MeshOptions, "tile", "contiguous", "schedule", "backward_chunks")
-def mesh_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, tile=MeshOptions.tile, causal: bool = True,
+def mesh_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, tile=MeshOptions.tile, mask: MaskKind | None = None,
+                   causal: bool | None = None,
                    window=None, cu_seqlens=None, layout=None, softmax_scale: float | None = None,
                    softmax_offset: Tensor | None = None, schedule: str = MeshOptions.schedule,
                    backward_chunks: str = MeshOptions.backward_chunks, contiguous: str = MeshOptions.contiguous,
@@ -293,26 +302,28 @@ def mesh_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, tile=MeshOpti
     """Mesh-Attention (see :func:`attention` for the common arguments). ``tile`` is (a, b) with
     a * b == CP size, an "AxB" string or "auto" (chosen for nodes of ``gpus_per_node`` CP ranks,
     one node when None); (1, P) is ring attention."""
-    return attention(q, k, v, mode="mesh", group=group, causal=causal, window=window, cu_seqlens=cu_seqlens,
+    return attention(q, k, v, mode="mesh", group=group, mask=mask, causal=causal, window=window, cu_seqlens=cu_seqlens,
                      layout=layout, softmax_scale=softmax_scale, softmax_offset=softmax_offset, kernel=kernel,
                      comm=comm, tile=tile, schedule=schedule, backward_chunks=backward_chunks, contiguous=contiguous,
                      ranks_per_node=gpus_per_node)
 
 
 @_takes_options(RingOptions, "backward_chunks")
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool = True, window=None,
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, mask: MaskKind | None = None,
+                   causal: bool | None = None, window=None,
                    cu_seqlens=None, layout=None, softmax_scale: float | None = None,
                    softmax_offset: Tensor | None = None, backward_chunks: str = RingOptions.backward_chunks,
                    kernel: "str | BlockKernel" = "auto", comm: Communicator | None = None) -> Tensor:
     """Ring attention (zigzag, as Transformer Engine's ``p2p``): Mesh-Attention with tile (1, P).
     Same arguments and layout as :func:`attention`."""
-    return attention(q, k, v, mode="ring", group=group, causal=causal, window=window, cu_seqlens=cu_seqlens,
+    return attention(q, k, v, mode="ring", group=group, mask=mask, causal=causal, window=window, cu_seqlens=cu_seqlens,
                      layout=layout, softmax_scale=softmax_scale, softmax_offset=softmax_offset, kernel=kernel,
                      comm=comm, backward_chunks=backward_chunks)
 
 
 @_takes_options(TaspOptions, "transport", "backward_chunks")
-def tasp_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool = True, window=None,
+def tasp_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, mask: MaskKind | None = None,
+                   causal: bool | None = None, window=None,
                    cu_seqlens=None, layout=None, softmax_scale: float | None = None,
                    softmax_offset: Tensor | None = None, gpus_per_node: int | None = None,
                    transport: str = TaspOptions.transport, backward_chunks: str = TaspOptions.backward_chunks,
@@ -328,13 +339,14 @@ def tasp_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool 
     Each rank's local sequence must hold at least one token per ring in each zigzag half
     (s_local >= 2 * rings; on one node rings = CP size - 1, except CP sizes 4 and 6, which have
     no Hamiltonian decomposition and use 2 and 4 rings)."""
-    return attention(q, k, v, mode="tasp", group=group, causal=causal, window=window, cu_seqlens=cu_seqlens,
+    return attention(q, k, v, mode="tasp", group=group, mask=mask, causal=causal, window=window, cu_seqlens=cu_seqlens,
                      layout=layout, softmax_scale=softmax_scale, softmax_offset=softmax_offset, kernel=kernel,
                      comm=comm, ranks_per_node=gpus_per_node, transport=transport, backward_chunks=backward_chunks)
 
 
 def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, ulysses_size: int, inner: str = "mesh",
-                     gpus_per_node: int | None = None, causal: bool = True, window=None,
+                     gpus_per_node: int | None = None, mask: MaskKind | None = None, causal: bool | None = None,
+                     window=None,
                      cu_seqlens=None, layout=None, softmax_scale: float | None = None,
                      softmax_offset: Tensor | None = None, kernel: "str | BlockKernel" = "auto",
                      comm: Communicator | None = None, **inner_settings) -> Tensor:
@@ -356,7 +368,7 @@ def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, ulysses_siz
             raise ValueError(f"inner must be a mode with a Ulysses hybrid, one of "
                              f"{', '.join(m[len(HYBRID_PREFIX):] for m in MODES if m.startswith(HYBRID_PREFIX))}; "
                              f"got {inner!r}")
-    return attention(q, k, v, mode=mode, group=group, causal=causal, window=window,
+    return attention(q, k, v, mode=mode, group=group, mask=mask, causal=causal, window=window,
                      cu_seqlens=cu_seqlens, layout=layout, softmax_scale=softmax_scale, softmax_offset=softmax_offset,
                      kernel=kernel, comm=comm, ulysses_size=ulysses_size, ranks_per_node=gpus_per_node,
                      **inner_settings)

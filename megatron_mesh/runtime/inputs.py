@@ -18,6 +18,7 @@ from torch import Tensor
 
 from ..plan.layout import Layout
 from ..plan.mask import Mask
+from ..plan.maskkinds import MaskKind
 from ..plan.units import as_int
 from ..plan.problem import normalize
 from ..plan.shape import AttentionShape
@@ -85,13 +86,23 @@ def integer_scalar(v):
     return v if got is None else got
 
 
-def attention_mask(world_size: int, shape: AttentionShape, *, causal: bool = True, window=None, cu_seqlens=None,
-                   layout=None) -> tuple[Mask, Layout]:
-    """The plan's (mask, layout) from the public arguments, checked: ``window`` (left, right) with
-    ints >= 0 or None; ``cu_seqlens`` the document boundaries of the global sequence (on
-    Megatron's zigzag); ``layout`` a layout that defines its own documents (:class:`BalancedLayout`:
-    its documents; :class:`ThdLayout`: its sequences; cu_seqlens must then be None). Normalised by
+def attention_mask(world_size: int, shape: AttentionShape, *, causal: bool | None = None, window=None,
+                   cu_seqlens=None, layout=None, mask: MaskKind | None = None) -> tuple[MaskKind, Layout]:
+    """The plan's (mask, layout) from the public arguments, checked: ``mask`` (a mask of
+    :mod:`megatron_mesh.masks`; its documents cover the global sequence) or the loose arguments
+    that build one -- ``causal`` (default True), ``window`` (left, right) with ints >= 0 or None,
+    ``cu_seqlens`` the document boundaries of the global sequence (on Megatron's zigzag) -- not
+    both; ``layout`` a layout that defines its own documents (:class:`BalancedLayout`: its
+    documents; :class:`ThdLayout`: its sequences; the mask then brings none). Normalised by
     :func:`megatron_mesh.plan.normalize`."""
+    if mask is not None:
+        loose = {k: v for k, v in (("causal", causal), ("window", window), ("cu_seqlens", cu_seqlens)) if v is not None}
+        if loose:
+            raise ValueError(f"pass mask= or the loose causal/window/cu_seqlens arguments, not both: got mask "
+                             f"{mask.summary() if isinstance(mask, MaskKind) else repr(mask)} and {', '.join(f'{k}={v!r}' for k, v in loose.items())}")
+        if not isinstance(mask, MaskKind):
+            raise ValueError(f"mask must be a mask of megatron_mesh.masks (e.g. masks.causal()), got {mask!r}")
+    causal = True if causal is None else causal
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, got {causal!r}")
     if window is not None:
@@ -101,27 +112,40 @@ def attention_mask(world_size: int, shape: AttentionShape, *, causal: bool = Tru
     if layout is not None and not isinstance(layout, Layout):
         raise ValueError("layout must be None (Megatron's zigzag) or a megatron_mesh layout (BalancedLayout from "
                          f"balanced_layout(), ThdLayout), got {type(layout).__name__}")
-    if layout is not None and layout.documents() is not None and cu_seqlens is not None:
-        raise ValueError(f"cu_seqlens and a {type(layout).__name__} both give documents: the layout's documents are "
-                         "the ones attention sees, pass cu_seqlens=None")
+    documents = cu_seqlens if mask is None else mask.documents
+    if layout is not None and layout.documents() is not None and documents is not None:
+        raise ValueError(f"{'cu_seqlens' if mask is None else 'the mask'} and a {type(layout).__name__} both give "
+                         f"documents: the layout's documents are the ones attention sees, pass "
+                         f"{'cu_seqlens=None' if mask is None else 'a mask without documents'}")
     if layout is not None and (layout.world_size != world_size or layout.seq_local != shape.seq_local):
         raise ValueError(f"{type(layout).__name__} over {layout.world_size} ranks x {layout.seq_local} tokens per rank "
                          f"does not match the CP size {world_size} and the local tensors' {shape.seq_local} tokens")
-    mask = Mask(causal, window)
-    if cu_seqlens is not None:
-        if isinstance(cu_seqlens, Tensor):
-            if cu_seqlens.device.type == "meta":
-                raise ValueError(f"cu_seqlens is on the {cu_seqlens.device} device, which holds no values: pass the "
-                                 "document boundaries on the CPU or the inputs' device")
-            if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
-                raise ValueError(f"cu_seqlens must be a 1-D integer tensor or sequence, got {cu_seqlens!r}")
-            cu_seqlens = cu_seqlens.tolist()
-        else:
-            try:
-                cu_seqlens = list(cu_seqlens)  # once: a generator is read one time only
-            except TypeError:
-                raise ValueError(f"cu_seqlens must be a 1-D integer tensor or sequence, got {cu_seqlens!r}") from None
-        if not all(isinstance(c, numbers.Integral) and not isinstance(c, bool) for c in cu_seqlens):
-            raise ValueError(f"cu_seqlens must hold integers, got {cu_seqlens!r}")
-        mask = Mask.from_cu_seqlens(cu_seqlens, world_size * shape.seq_local, causal, window)
+    S = world_size * shape.seq_local
+    if mask is not None:
+        if mask.documents is not None and mask.documents[-1][1] != S:
+            raise ValueError(f"the mask's documents {mask.summary()!r} end at {mask.documents[-1][1]}, not at the "
+                             f"global sequence length {S}")
+    elif cu_seqlens is not None:
+        mask = Mask.from_cu_seqlens(_boundaries(cu_seqlens), S, causal, window)
+    else:
+        mask = Mask(causal, window)
     return normalize(world_size, shape, mask, layout)
+
+
+def _boundaries(cu_seqlens) -> list:
+    """``cu_seqlens`` (a 1-D integer tensor or sequence) as a list of ints, checked."""
+    if isinstance(cu_seqlens, Tensor):
+        if cu_seqlens.device.type == "meta":
+            raise ValueError(f"cu_seqlens is on the {cu_seqlens.device} device, which holds no values: pass the "
+                             "document boundaries on the CPU or the inputs' device")
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
+            raise ValueError(f"cu_seqlens must be a 1-D integer tensor or sequence, got {cu_seqlens!r}")
+        cu_seqlens = cu_seqlens.tolist()
+    else:
+        try:
+            cu_seqlens = list(cu_seqlens)  # once: a generator is read one time only
+        except TypeError:
+            raise ValueError(f"cu_seqlens must be a 1-D integer tensor or sequence, got {cu_seqlens!r}") from None
+    if not all(isinstance(c, numbers.Integral) and not isinstance(c, bool) for c in cu_seqlens):
+        raise ValueError(f"cu_seqlens must hold integers, got {cu_seqlens!r}")
+    return cu_seqlens

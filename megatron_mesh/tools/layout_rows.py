@@ -20,7 +20,7 @@ from ..plan.autotile import evaluate_plan
 from ..plan.hybrid import build_hybrid_plan
 from ..plan.layout import Layout
 from ..plan.layouts import Sample, get_layout_kind, layout_names
-from ..plan.mask import Mask
+from ..plan.mask import Mask, documents_of
 from ..plan.mesh import build_rotation_plan
 from ..plan.modes import MODES as REGISTRY, Placement
 from ..plan.modes.hybrid import HybridMode
@@ -92,17 +92,19 @@ def layout_rows(world_size: int, shape: AttentionShape, topo: Topology, cu_seqle
                 window=None, modes=None, layouts=None, backward_chunks: str = "auto",
                 schedule: str = "greedy", explain: bool = False,
                 plan_all: bool = False, jobs: int = 1,
-                executor: Executor | None = None) -> tuple[list[ModeResult], list[dict]]:
+                executor: Executor | None = None, kind=None) -> tuple[list[ModeResult], list[dict]]:
     """Every mode of ``modes`` on each of ``layouts`` (default: every registered layout, in the
     registry's order) for these packed documents, each built as Megatron builds it for the
     placement's Ulysses group and nodes. Rows carry their ``layout``; a layout that pads the
     sequence (THD) gives rows of its padded shape. ``plan_all``: True plans the plugin's modes also
     on a layout whose kind says that takes too long at this size (THD above 64 ranks); else they
     are listed there as skipped, with the reason (TE's own rows are priced). ``jobs``: processes that plan and simulate the
-    placements of every layout in parallel, or ``executor`` (:func:`evaluate`)."""
+    placements of every layout in parallel, or ``executor`` (:func:`evaluate`). ``kind``: a mask kind
+    without documents (chunked, prefix: ``megatron_mesh.masks``) instead of ``causal`` / ``window``, applied
+    inside each document; the layouts are built for its work, Transformer Engine's rows left out."""
     jobs = check_jobs(jobs)
     with nullcontext(executor) if executor is not None else worker_pool(jobs) as pool:
-        return _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, modes,
+        return _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, kind, modes,
                             layout_names() if layouts is None else tuple(layouts), backward_chunks, schedule,
                             explain, plan_all, pool)
 
@@ -113,8 +115,8 @@ def _kind_layout(name: str, sample: Sample, p: Placement):
     return get_layout_kind(name).build(replace(sample, group=p.ulysses, mode=p.mode))
 
 
-def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, modes, layouts, backward_chunks, schedule,
-                 explain, plan_all, executor) -> tuple[list[ModeResult], list[dict]]:
+def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, kind, modes, layouts, backward_chunks,
+                 schedule, explain, plan_all, executor) -> tuple[list[ModeResult], list[dict]]:
     kinds = [get_layout_kind(name) for name in layouts]  # ValueError naming an unknown one
     cu = [int(c) for c in cu_seqlens]
     S = world_size * shape.seq_local
@@ -125,21 +127,21 @@ def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, modes, lay
     rows, skipped = [], [{"mode": m, "reason": "priced by formula for dense attention only, not under documents"}
                          for m in given if m in FORMULAS]
     sample = Sample(tuple(cu), world_size, causal, window, ranks_per_node=_node_ranks(world_size, topo), shape=shape,
-                    topology=topo)
+                    topology=topo, mask=kind)
     plan = dict(backward_chunks=backward_chunks, schedule=schedule, explain=explain, executor=executor)
-    for kind in kinds:
-        if kind.derived_from:  # from the rows of the kinds it picks between, below
+    for lk in kinds:
+        if lk.derived_from:  # from the rows of the kinds it picks between, below
             continue
-        got, skip = _kind_rows(kind, sample, shape, topo, modes, plan, plan_all)
-        rows += [replace(r, layout=kind.name) for r in got]
-        skipped += [{**s, "mode": f"{s['mode']} ({kind.name})"} for s in skip]
-    for kind in kinds:
-        if not kind.derived_from:
+        got, skip = _kind_rows(lk, sample, shape, topo, modes, plan, plan_all)
+        rows += [replace(r, layout=lk.name) for r in got]
+        skipped += [{**s, "mode": f"{s['mode']} ({lk.name})"} for s in skip]
+    for lk in kinds:
+        if not lk.derived_from:
             continue
-        missing = tuple(name for name in kind.derived_from if name not in layouts)
-        both = rows + (_layout_rows(world_size, shape, topo, cu, causal, window, modes, missing, backward_chunks,
-                                    schedule, explain, plan_all, executor)[0] if missing else [])
-        rows += derived_rows(kind, both, sample)
+        missing = tuple(name for name in lk.derived_from if name not in layouts)
+        both = rows + (_layout_rows(world_size, shape, topo, cu, causal, window, kind, modes, missing,
+                                    backward_chunks, schedule, explain, plan_all, executor)[0] if missing else [])
+        rows += derived_rows(lk, both, sample)
     return rows, skipped
 
 
@@ -151,8 +153,9 @@ def _kind_rows(kind, sample: Sample, shape: AttentionShape, topo: Topology, mode
     if first is not None:
         shape = replace(shape, seq_local=first.seq_local)
     # the layout's own documents, or (the zigzag, a layout of positions only) the mask's
-    mask = Mask(sample.causal, sample.window) if first is not None and first.documents() is not None else \
-        Mask.from_cu_seqlens(sample.cu_seqlens, P * shape.seq_local, sample.causal, sample.window)
+    S = P * shape.seq_local
+    mask = sample.head if first is not None and first.documents() is not None else \
+        sample.head.with_documents(documents_of(sample.cu_seqlens, S)).normalized(S)
     layout = None if first is None else partial(_kind_layout, kind.name, sample)
     asked = _hybrid_modes(modes) if kind.varies else modes  # it changes only the Ulysses groups' layouts
     too_large = None if plan_all else kind.too_large(sample)
@@ -170,6 +173,8 @@ def _kind_rows(kind, sample: Sample, shape: AttentionShape, topo: Topology, mode
         hybrids = ", ".join(_hybrid_names())
         skip += [{"mode": m, "reason": f"{kind.name} changes only the Ulysses groups' layouts ({hybrids}); the plain "
                   f"modes run on the {kind.varies} one (--layout {kind.varies})"} for m in modes if m not in asked and m != AUTO]
-    if kind.transformer_engine_rows:
-        got += _te_rows(P, shape, topo, Mask(sample.causal, sample.window), first, skip)
+    if kind.transformer_engine_rows and sample.head.is_band:
+        got += _te_rows(P, shape, topo, sample.head, first, skip)
+    elif kind.transformer_engine_rows:  # TE has no such mask
+        skip += [{"mode": m, "reason": f"Transformer Engine has no {sample.head.kind} mask"} for m in TE_ROWS]
     return got, skip

@@ -50,7 +50,7 @@ from ..plan.autotile import TIE_RULE
 from ..plan.bound import BUDGET, placement_bound, query_owner_bound
 from ..plan.hostcost import HOST_OP_SOURCE, host_op_us
 from ..plan.layout import layout_from_text
-from ..plan.mask import Mask
+from ..plan.mask import Mask, documents_of
 from ..plan.mesh import BACKWARD_CHUNKS
 from ..plan.modes import REFERENCE_MODE, option_specs
 from ..plan.shape import AttentionShape
@@ -59,6 +59,7 @@ from ..plan.topology import Topology
 from ..plan.units import format_bytes
 from ..plan.layouts import LAYOUTS, REFERENCE_LAYOUT, layout_names
 from .layout_rows import layout_rows
+from .mask_spec import HELP as MASK_HELP, cli_kind
 from .planner import (AUTO, FORMULAS, REGISTRY, ModeResult, all_modes, allowed_pairs, compute_floor, default_modes,
                       derived_modes, evaluate, host_bound, mean_rows, worker_pool)
 
@@ -106,6 +107,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="sliding window: a query attends keys at most L tokens before it and, with --no-causal, at "
                         "most R after it (R left out: no bound with --no-causal; 0, or left out, when causal) "
                         "(default: no window)")
+    g.add_argument("--mask", default=None, metavar="KIND:N", help=MASK_HELP)
     g.add_argument("--docs", default=None, metavar="SPEC",
                    help="packed documents: fixed:N (every document N tokens) or lognormal:MEAN,SIGMA (lengths "
                         "drawn with mean MEAN tokens), after any one:N+ parts (one document of N tokens each, e.g. "
@@ -216,15 +218,13 @@ def window_of(text: str, causal: bool, full_flag: str = "--no-causal") -> tuple[
 
 
 def _mask(args, seed: int | None = None) -> Mask | None:
-    """The mask of --window / --docs drawn with ``seed`` (default --seed; None: plain causal or
-    full attention)."""
-    window = None if args.window is None else window_of(args.window, args.causal)
-    docs = None if args.docs is None else document_bounds(args.docs, args.seq_len,
-                                                          args.seed if seed is None else seed)
-    if window is None and docs is None:
+    """The mask of --window / --mask / --docs drawn with ``seed`` (default --seed; None: none)."""
+    window, kind = None if args.window is None else window_of(args.window, args.causal), cli_kind(args)
+    docs = None if args.docs is None else document_bounds(args.docs, args.seq_len, args.seed if seed is None else seed)
+    if window is None and docs is None and kind is None:
         return None
-    mask = Mask(args.causal, window) if docs is None else Mask.from_cu_seqlens(docs, args.seq_len, args.causal, window)
-    return mask.normalized(args.seq_len)
+    head = Mask(args.causal, window) if kind is None else kind
+    return head.with_documents(None if docs is None else documents_of(docs, args.seq_len)).normalized(args.seq_len)
 
 
 def document_bounds(spec: str, seq_len: int, seed: int = 0) -> list[int]:
@@ -438,7 +438,7 @@ def _header(args, world_size: int, shape: AttentionShape, topo: Topology, mask: 
 def _plot_sizes(args, modes: tuple[str, ...]) -> list[int]:
     """--plot's CP sizes, checked before any planning (ValueError naming the option): the plot
     draws unmasked attention for the modes of PLOT_MODES, into a PNG file that can be written."""
-    if args.window is not None or args.docs is not None:
+    if args.window is not None or args.docs is not None or args.mask is not None:
         raise ValueError("--plot draws unmasked attention against the CP size; it does not take --window or --docs "
                          "(plot without them, or leave --plot out)")
     if not any(m in PLOT_MODES for m in modes):
@@ -607,24 +607,25 @@ def _plan_sample(args, modes, shape: AttentionShape, topo: Topology, mask: Mask 
     (--layout-file) as layout "file"."""
     docs = None if args.docs is None else document_bounds(args.docs, args.seq_len, seed)
     # the mask's window, None for none: the layouts that place the documents take it apart from them
-    window = None if mask is None or mask.window == (None, 0 if args.causal else None) else mask.window
+    window = None if mask is None or args.mask or mask.window == (None, 0 if args.causal else None) else mask.window
+    head = (kind := cli_kind(args)) or Mask(args.causal, window)
     if layouts == (REFERENCE_LAYOUT,):
         rows, skipped = evaluate(args.cp, shape, topo, modes, mask=mask if mask is not None else Mask(args.causal),
                                  backward_chunks=args.backward_chunks, schedule=args.schedule, explain=args.explain,
                                  executor=pool)
     else:
-        rows, skipped = layout_rows(args.cp, shape, topo, docs, causal=args.causal, window=window, modes=modes,
+        rows, skipped = layout_rows(args.cp, shape, topo, docs, causal=args.causal, window=window, kind=kind, modes=modes,
                                     layouts=layouts, backward_chunks=args.backward_chunks, schedule=args.schedule,
                                     explain=args.explain, plan_all=args.layout not in (None, "all"), executor=pool)
     if file_layout is not None:  # one more layout of the same documents, as given
         got, skip = evaluate(args.cp, shape, topo, modes=[m for m in modes if m not in FORMULAS],
                              backward_chunks=args.backward_chunks, schedule=args.schedule,
-                             mask=Mask(args.causal, window), layout=file_layout, explain=args.explain, executor=pool)
+                             mask=head, layout=file_layout, explain=args.explain, executor=pool)
         rows = rows + [replace(r, layout="file") for r in got]
         skipped = skipped + [{**s, "mode": f"{s['mode']} (file)"} for s in skip]
     # the documents as given (one document over the whole sequence is plain causal)
-    floor = None if docs is None else compute_floor(allowed_pairs(docs, args.causal, mask.window), args.cp, shape, topo)
-    return rows, skipped, floor, _bounds(args, docs, window, shape)
+    floor = None if docs is None else compute_floor(allowed_pairs(docs, mask=head), args.cp, shape, topo)
+    return rows, skipped, floor, _bounds(args, docs, window if kind is None else kind, shape)
 
 
 def _mean_samples(planned) -> tuple:

@@ -37,9 +37,9 @@ from dataclasses import asdict, dataclass, field, replace
 
 from ..plan.accounting import rank_work
 from ..plan.autotile import TIE_RULE, TIME_TOLERANCE, Candidate, evaluate_plan, pick_best
-from ..plan.balance import document_work
 from ..plan.costs import pair_flops
 from ..plan.mask import Mask
+from ..plan.maskkinds import work_mask
 from ..plan.mesh import build_mesh_plan
 from ..plan.modes import MODES as REGISTRY, Placement
 from ..plan.shape import AttentionShape
@@ -492,10 +492,10 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, modes=None,
 
 
 # -- the documents' work -------------------------------------------------------------------------------
-def allowed_pairs(cu_seqlens, causal: bool = True, window=None) -> int:
-    """(query, key) pairs the mask of these documents allows (the whole sequence's work)."""
-    w = (None, 0 if causal else None) if window is None else (window[0], 0 if causal else window[1])
-    return sum(document_work(0, b - a, b - a, causal, w) for a, b in zip(cu_seqlens, cu_seqlens[1:]))
+def allowed_pairs(cu_seqlens, causal: bool = True, window=None, mask=None) -> int:
+    """(query, key) pairs the mask (``mask``, or causal / window) of these documents allows."""
+    head = work_mask(mask, causal, None if window is None else (window[0], 0 if causal else window[1]))
+    return sum(head.span_work(0, b - a, b - a) for a, b in zip(cu_seqlens, cu_seqlens[1:]))
 
 
 def compute_floor(pairs: int, world_size: int, shape: AttentionShape, topo: Topology) -> float:

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import numpy as np
+from helpers import assert_blocks_exact
 
 from megatron_mesh.plan import (Mask, SpanLayout, ThdLayout, ZigzagLayout, classify_block, head_slice, layout_from_text,
                                 positions, slot_segments)
@@ -102,26 +103,7 @@ def test_block_classification_is_exactly_the_mask(P, half, data):
     left = data.draw(st.one_of(st.none(), st.integers(0, S)))
     right = 0 if causal else data.draw(st.one_of(st.none(), st.integers(0, S)))
     mask = Mask.from_cu_seqlens([0, *cuts, S], S, causal, (left, right))
-    layout = ZigzagLayout(P, S)
-    pos = [positions(layout, r) for r in range(P)]
-    for i in range(P):
-        for j in range(P):
-            c = classify_block(mask, tuple((a, n) for _, a, n in layout.runs(i)),
-                               (tuple((a, n) for _, a, n in layout.runs(j)),))
-            allowed = {(x, y) for x in pos[i] for y in pos[j] if mask.allows(x, y)}
-            if c is None:
-                assert not allowed
-                continue
-            rows = [pos[i][t] for a, b in c.rows for t in range(a, b)]
-            cols = [pos[j][t] for a, b in c.cols[0] for t in range(a, b)]
-            if c.kind == "full":
-                computed = {(x, y) for x in rows for y in cols}
-            elif c.kind == "causal":
-                assert rows == cols
-                computed = {(x, y) for r, x in enumerate(rows) for y in cols[:r + 1]}
-            else:
-                computed = {(x, y) for x in rows for y in cols if mask.allows(x, y)}
-            assert computed == allowed and c.pairs == len(allowed), (i, j, c)
+    assert_blocks_exact(mask, ZigzagLayout(P, S))
 
 
 @pytest.mark.parametrize("P", [1, 2, 3, 5, 8])

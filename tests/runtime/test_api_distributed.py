@@ -50,6 +50,8 @@ DIFFERENCES = {
                    "q [4, 1, 4, 16], k/v [4, 1, 2, 16], ranks 2-7: q [4, 1, 4, 8], k/v [4, 1, 2, 8]; softmax_scale: "
                    "ranks 0, 2-7: 0.35355339059327373, rank 1: 0.25",
     "window": "mask: rank 0: causal,window=3:0, ranks 1-7: causal,window=4:0",
+    "chunk_size": "mask: rank 0: chunked=3, ranks 1-7: chunked=5",
+    "prefix_length": "mask: ranks 0-3, 5-7: prefix=3, rank 4: prefix=2",
     "hybrid_window": "mask: ranks 0-4, 6-7: causal,window=3:0, rank 5: causal,window=4:0",
     "adapter": f"documents: rank 0: {_docs('B')}, ranks 1-7: {_docs('A')}",
     # rank 1's layout sets apart the hybrid's first and last documents (its span chunks' order)
@@ -84,8 +86,8 @@ def test_every_rank_raises_naming_the_difference(results, call):
 def test_agreeing_calls_between_the_disagreements_run(results):
     for r in results:
         d = r["disagreements"]
-        assert [d[name][0] for name in ("documents_agree_A", "documents_agree_B", "hybrid_agree", "sinks_agree")] == \
-            ["ok"] * 4
+        assert [d[name][0] for name in ("documents_agree_A", "documents_agree_B", "hybrid_agree", "sinks_agree",
+                                        "chunked_agree")] == ["ok"] * 5
         assert d["agreement_off_everywhere"][0] == "ok"  # every rank without the check: right, no hang
         assert d["after"][0] < 1e-12  # the group is still usable and right after every disagreement
 

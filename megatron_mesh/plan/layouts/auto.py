@@ -1,6 +1,6 @@
 """Megatron's default CP layout: per sample the balanced layout, unless Megatron's zigzag is
-priced faster for the mode that runs it (:func:`~..choice.choose_layout`; under a window or full
-attention, where the choice is not priced, the balanced layout)."""
+priced faster for the mode that runs it (:func:`~..choice.choose_layout`; under a window, full
+attention or another mask kind (chunked, prefix), where the choice is not priced, the balanced layout)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class AutoKind(LayoutKind):
     def _choose(self, sample: Sample) -> tuple[str, Layout | None]:
         balanced, zigzag = (get_layout_kind(name) for name in self.derived_from)
         layout = balanced.build(sample)
-        if not sample.causal or sample.window is not None:
+        if not sample.causal or sample.window is not None or sample.mask is not None:
             return balanced.name, layout
         if sample.shape is None:
             raise ValueError(f"--cp-layout {self.name} prices each sample for its mode: give the per-rank shape")

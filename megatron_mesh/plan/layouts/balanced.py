@@ -20,6 +20,5 @@ class BalancedKind(LayoutKind):
         """Balanced per Ulysses group of the sample's mode, nodes first where the nodes hold whole
         groups (else the group level decides alone)."""
         n = sample.ranks_per_node
-        return balanced_layout(sample.cu_seqlens, sample.world_size, causal=sample.causal, window=sample.window,
-                               group=sample.group, ranks_per_node=n if n and n % sample.group == 0 else None,
+        return balanced_layout(sample.cu_seqlens, sample.world_size, mask=sample.head, group=sample.group, ranks_per_node=n if n and n % sample.group == 0 else None,
                                hide=self.hide and sample.group > 1)
