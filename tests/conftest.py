@@ -102,3 +102,18 @@ def our_entry():
     """Keyword arguments of the checks (and apply_args) as megatron_mesh's entry script calls them: it
     hands the layers document boundaries."""
     return {"entry_packs_documents": True}
+
+
+# -- documents for the pretrain() tests (test_megatron_pretrain_masks.py, _sinks.py) -------------------------
+@pytest.fixture(scope="session")
+def doc_data(tmp_path_factory):
+    """Prefix of the documents dataset scripts/make_doc_dataset.py writes (its defaults: the same
+    documents every time), made once per session for the pretrain() tests that train on documents."""
+    import subprocess
+
+    from helpers import ROOT
+
+    prefix = str(tmp_path_factory.mktemp("docs") / "tiny_docs")
+    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_doc_dataset.py"), prefix], check=True,
+                   capture_output=True, timeout=120)
+    return prefix

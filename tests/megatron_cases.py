@@ -25,8 +25,9 @@ def _setup_megatron():
     cpu_compat.install_model_patches()
 
 
-def _config(tp: int, cp: int, heads: tuple[int, int], cp_comm_type, window_size=None, **plugin):
-    """A model config; ``plugin``: its plugin settings by flag dest (and seq_length, documents)."""
+def _config(tp: int, cp: int, heads: tuple[int, int], cp_comm_type, window_size=None, model=None, **plugin):
+    """A model config; ``plugin``: its plugin settings by flag dest (and seq_length, documents);
+    ``model``: more TransformerConfig fields (e.g. softmax_type)."""
     from megatron_mesh.megatron.args import MeshTransformerConfig
     from megatron_mesh.megatron.settings import PluginSettings
 
@@ -34,7 +35,8 @@ def _config(tp: int, cp: int, heads: tuple[int, int], cp_comm_type, window_size=
         num_layers=2, hidden_size=64, num_attention_heads=heads[0], num_query_groups=heads[1], ffn_hidden_size=128,
         tensor_model_parallel_size=tp, context_parallel_size=cp, cp_comm_type=cp_comm_type if cp > 1 else None,
         use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
-        attention_dropout=0.0, hidden_dropout=0.0, window_size=window_size, cp_settings=PluginSettings.of(**plugin))
+        attention_dropout=0.0, hidden_dropout=0.0, window_size=window_size, cp_settings=PluginSettings.of(**plugin),
+        **(model or {}))
 
 
 def _build(config, spec, pgc, position):
@@ -361,6 +363,23 @@ def gpt_mask_refusals(rank: int, world: int, layouts) -> list[dict]:
     return records
 
 
+def over_layouts(rank: int, world: int, layouts):
+    """For each (tp, cp) of ``layouts``, Megatron's parallel state set up (and torn down after):
+    yields (tp, cp, its process groups, the same with this rank alone as the CP group -- the CP 1
+    reference --, the CP group, the two samples of documents of :func:`_doc_batch`)."""
+    _setup_megatron()
+    from megatron.core import parallel_state as ps
+
+    from megatron_mesh.megatron.groups import PROCESS_GROUPS
+
+    singles = [dist.new_group([r]) for r in range(world)]  # collective: every rank makes every group
+    for tp, cp in layouts:
+        pgc, single_pgc, cp_group = _parallel_layout(tp, cp, singles[rank])
+        yield tp, cp, pgc, single_pgc, cp_group, _doc_batch(11)
+        PROCESS_GROUPS.destroy()
+        ps.destroy_model_parallel()
+
+
 def _build_len(config, spec, pgc, position):
     from megatron.core.models.gpt import GPTModel
 
@@ -393,6 +412,10 @@ def _thd_dense_mask(packed):
 def run_cases(rank: int, world: int, cases: dict) -> dict:
     """{name: records} of each case function of this module named in ``cases`` ({name: its
     layouts}), one after the other in the same process group (tests/conftest.megatron_models)."""
+    from megatron_mla_cases import gpt_mla_equivalence
+    from megatron_sink_cases import gpt_sinks_equivalence
+
     runners = {"gpt_equivalence": gpt_equivalence, "gpt_masked_equivalence": gpt_masked_equivalence,
-               "gpt_mask_refusals": gpt_mask_refusals}
+               "gpt_mask_refusals": gpt_mask_refusals, "gpt_sinks_equivalence": gpt_sinks_equivalence,
+               "gpt_mla_equivalence": gpt_mla_equivalence}
     return {name: runners[name](rank, world, layouts) for name, layouts in cases.items()}

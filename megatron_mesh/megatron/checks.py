@@ -348,10 +348,6 @@ def _check_plugin_layers(args, settings: PluginSettings, cp: int, active: set, p
         raise ValueError(f"--attention-backend {getattr(backend, 'name', backend)}: the {plugin} layers run the plugin's "
                          "own kernels (choose them with --cp-kernel-backend); --attention-backend selects Transformer "
                          "Engine's or Megatron's attention, which these layers do not use: leave it at auto")
-    softmax = getattr(args, "softmax_type", "vanilla")
-    if softmax != "vanilla":
-        raise ValueError(f"--softmax-type {softmax}: the plugin's Megatron layers support only vanilla for now "
-                         "(mm.attention takes sinks as softmax_offset)")
     for flag in ("sft", "hybrid_context_parallel", "dataloader_inter_document_masking"):
         if getattr(args, flag, False):
             raise ValueError(f"--{flag.replace('_', '-')}: Megatron's {flag.replace('_', ' ')} batches are not supported by "

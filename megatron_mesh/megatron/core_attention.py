@@ -54,7 +54,7 @@ from torch import Tensor
 
 from ..plan.modes import DEFAULT_MODE
 from ..plan.window import megatron_window
-from . import TE_MODES, batch_layout, plugin_modes
+from . import TE_MODES, batch_layout, mla, plugin_modes, sinks
 from .checks import have_transformer_engine
 from .groups import PROCESS_GROUPS, CPGroups, cp_ranks
 from .settings import BATCH_DOCUMENTS, plugin_settings
@@ -88,8 +88,10 @@ class CPCoreAttention:
         common = dict(config=config, layer_number=layer_number, attn_mask_type=attn_mask_type,
                       attention_type=attention_type, softmax_scale=softmax_scale, pg_collection=pg_collection)
         plugin = dict(telemetry=telemetry, groups=groups)
+        if mla.replaced_by_mla(config, kwargs):
+            return mla.ReplacedByMLA()
         if _cp_size(config, pg_collection) == 1:
-            if not _needs_plugin_mask(config, layer_number):
+            if not _needs_plugin_mask(config, layer_number) and not mla.local_mla(config, kwargs):
                 return _megatron_attention(config, common, kwargs)
             return PluginCoreAttention(cp_comm_type=DEFAULT_MODE, **common, **plugin, **kwargs)
         if cp_comm_type in plugin_modes():
@@ -159,7 +161,9 @@ class PluginCoreAttention(MegatronModule):
     """Attention over the CP group with this package's engine (any plugin mode).
 
     Supported: self-attention with a causal mask or none, sliding windows, packed documents (THD
-    or boundaries per sample), MHA/GQA/MQA, any softmax scale. Anything else raises ValueError
+    or boundaries per sample), MHA/GQA/MQA, MLA's value head dim (``v_channels`` may differ from
+    ``k_channels``: :mod:`.mla`), any softmax scale, attention sinks (``softmax_type``, Megatron's
+    ``softmax_offset``: :mod:`.sinks`). Anything else raises ValueError
     naming the value and what is allowed; nothing falls back to another mode.
     """
 
@@ -171,9 +175,9 @@ class PluginCoreAttention(MegatronModule):
         self.telemetry = telemetry if telemetry is not None else Telemetry()
         self.layer_number = layer_number
         where = f"layer {layer_number} (cp_comm_type {cp_comm_type!r})"
-        _check_config(config, where, layer_number, attention_type, attn_mask_type, attention_dropout,
-                      k_channels, v_channels)
+        _check_config(config, where, layer_number, attention_type, attn_mask_type, attention_dropout)
         self.attn_mask_type = attn_mask_type
+        sinks.attach(self, config, pg_collection, where)  # softmax_offset: Megatron's, by its name and shape
         head_dim = k_channels or config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         if pg_collection is not None and getattr(pg_collection, "cp", None) is not None:
@@ -208,7 +212,7 @@ class PluginCoreAttention(MegatronModule):
             what = "single-rank attention (CP 1"
         else:
             what = self.placement.describe()[:-1]
-        extras = [f"kernel {self.settings.kernel}"]
+        extras = [f"kernel {self.settings.kernel}", *sinks.describe(self.config)]
         if self.window:
             extras.append(f"window {self.window[0] if self.window[0] is not None else '-'},"
                           f"{self.window[1] if self.window[1] is not None else '-'}")
@@ -361,12 +365,16 @@ class PluginCoreAttention(MegatronModule):
         # runtime.api.attention's two steps, with the plan in hand for the metrics' attention work
         call = prepare(q, k, v, mode=self.placement.mode, placement=self.placement, comm=self.comm, causal=causal,
                        window=self.window, cu_seqlens=cu_seqlens, layout=layout, softmax_scale=self.softmax_scale,
-                       kernel=self.settings.kernel)
+                       kernel=self.settings.kernel, softmax_offset=self.softmax_offset)
         self.telemetry.summary.on_plan(self.layer_number, self.placement.tile, call.plan)
         if self.telemetry.records.metrics is not None:  # nothing to work out per call without --cp-metrics-dir
             self.telemetry.records.on_attention(call.plan, call.comm.rank, attention_shape(q, k, v),
                                    torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
-        return PlanAttention.apply(q, k, v, call.executor())
+        return PlanAttention.apply(q, k, v, call.executor(), self.softmax_offset)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """The learnable sinks' checkpoint entry, as Megatron's DotProductAttention writes it."""
+        return sinks.sharded_state_dict(self, self.tp_group, prefix, sharded_offsets, metadata)
 
 
 def _causal(mask_type: AttnMaskType, where: str) -> bool:
@@ -377,7 +385,7 @@ def _causal(mask_type: AttnMaskType, where: str) -> bool:
 
 
 def _check_config(config, where: str, layer_number: int, attention_type: str, attn_mask_type: AttnMaskType,
-                  attention_dropout, k_channels, v_channels) -> None:
+                  attention_dropout) -> None:
     if attention_type != "self":
         raise ValueError(f"{where}: attention_type {attention_type!r} is not supported (allowed: 'self')")
     _causal(attn_mask_type, where)
@@ -385,16 +393,10 @@ def _check_config(config, where: str, layer_number: int, attention_type: str, at
     if dropout:
         raise ValueError(f"{where}: attention dropout {dropout} is not supported (allowed: 0; "
                          "pass --attention-dropout 0)")
-    if k_channels is not None and v_channels is not None and k_channels != v_channels:
-        raise ValueError(f"{where}: key head dim {k_channels} != value head dim {v_channels} (MLA); "
-                         "the plugin's Megatron layers need equal dims for now (mm.attention takes them)")
     window = _layer_window(config, layer_number)
     if window is not None and window[1] not in (None, 0) and _CAUSAL.get(attn_mask_type, False):
         raise ValueError(f"{where}: window_size {config.window_size} on a causal layer: the right side must be 0 "
                          "(or -1, unlimited)")
-    softmax_type = getattr(config, "softmax_type", "vanilla")
-    if softmax_type != "vanilla":
-        raise ValueError(f"{where}: softmax_type {softmax_type!r} is not supported (allowed: 'vanilla')")
 
 
 def _logs_for_its_stage(cp_group) -> bool:

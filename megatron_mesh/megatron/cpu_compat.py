@@ -156,8 +156,9 @@ def _current_device() -> None:
 def _rope_cp_slice() -> None:
     # rope_utils.get_pos_emb_on_this_cp_rank builds its index with pin_memory=True and .cuda().
     # Same zigzag selection (chunks r and 2*cp-1-r), on the embedding's device. rotary_pos_embedding
-    # imported the function by name, so both modules get the replacement.
-    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+    # and yarn_rotary_pos_embedding (MLA's YaRN) imported the function by name, so they get the
+    # replacement too.
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
 
     def get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
         if cp_group is None:
@@ -170,6 +171,7 @@ def _rope_cp_slice() -> None:
 
     rope_utils.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
     rotary_pos_embedding.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
+    yarn_rotary_pos_embedding.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
 
 
 @functools.cache  # each patch once per process

@@ -104,7 +104,9 @@ def get_batch(data_iterator, vp_stage=None):
                                  cp_group.size(), cp_group.rank())
     elif args.reset_attention_mask:  # each sample by its own layout (tokens, labels, loss mask, positions)
         split = batch_layout.split_batch(batch, "eod", args, cp_group, _eod(), settings)
-        packed = split.packed_seq_params(batch["tokens"].device)
+        # MLA reads any packed_seq_params as THD (it squeezes the batch axis): its layers take the
+        # boundaries from the current batch layout instead, as under Megatron-LM's own script
+        packed = None if args.multi_latent_attention else split.packed_seq_params(batch["tokens"].device)
         batch = split.shard(batch, cp_group)
     else:
         batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)

@@ -38,6 +38,10 @@ def _validate(args, have_te=False, entry_packs_documents=False, have_cuda=False)
     ["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--tasp-gpus-per-node", "2"],  # Mesh's node layout
     ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "ring", "--hierarchical-context-parallel-sizes",
      "2", "2"],
+    ["--context-parallel-size", "4", "--cp-comm-type", "mesh", "tasp", "--softmax-type", "learnable",  # gpt-oss
+     "--window-size", "128,0", "--window-attn-skip-freq", "2"],
+    ["--context-parallel-size", "4", "--cp-comm-type", "a2a+ring", "--softmax-type", "off-by-one",
+     "--hierarchical-context-parallel-sizes", "2", "2", "--num-attention-heads", "4"],
 ])
 def test_valid_flags(megatron_args, argv):
     spec = ["--spec", "megatron_mesh.megatron.spec", "gpt_layer_spec", "--transformer-impl", "local"]
@@ -173,7 +177,8 @@ def test_te_modes_detected_as_unusable_without_te(megatron_args):
 
 @pytest.mark.parametrize("argv", [["--mesh-schedule", "fastest"], ["--mesh-backward-chunks", "never"],
                                   ["--mesh-contiguous", "rows"], ["--tasp-transport", "rdma"],
-                                  ["--tasp-backward-chunks", "always"], ["--cp-kernel-backend", "cudnn9"]])
+                                  ["--tasp-backward-chunks", "always"], ["--cp-kernel-backend", "cudnn9"],
+                                  ["--softmax-type", "sink"]])  # Megatron's own flag (from TransformerConfig)
 def test_unknown_choices_are_argparse_errors(megatron_args, argv, capsys):
     """One line (rank 0's) and status 2, as the plugin's own checks: not argparse's usage of every
     Megatron flag, from every rank."""
@@ -222,6 +227,22 @@ def test_flags_ride_on_the_transformer_config(megatron_args):
     assert plugin_settings(plain) == PluginSettings.of()  # a plain config gets the defaults
     apply_args(args, plain)  # what the spec function does to any entry script's config
     assert plugin_settings(plain) == settings
+
+
+@pytest.mark.parametrize("softmax_type", ["vanilla", "off-by-one", "learnable"])
+def test_softmax_type_flag_reaches_the_config(megatron_args, softmax_type):
+    """Megatron-Core 0.19 makes --softmax-type from TransformerConfig's field (its argument group
+    generated from the dataclass), and core_transformer_config_from_args -- what every entry
+    script builds its config with -- carries it: the plugin adds no flag of its own."""
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    argv = ["--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64", "--max-position-embeddings",
+            "64", "--micro-batch-size", "1"]
+    args = megatron_args(argv + (["--softmax-type", softmax_type] if softmax_type != "vanilla" else []))
+    from megatron.training.arguments import validate_args
+
+    validate_args(args, {})
+    assert core_transformer_config_from_args(args).softmax_type == softmax_type
 
 
 def test_settings_every_rank_must_share_compare_as_they_apply(monkeypatch):
@@ -386,8 +407,7 @@ def test_unknown_mode_raises():
 @pytest.mark.parametrize("change, message", [
     (dict(config=dict(attention_dropout=0.1)), "attention dropout 0.1 is not supported (allowed: 0"),
     (dict(config=dict(window_size=(128, 64))), "window_size (128, 64) on a causal layer: the right side must be 0"),
-    (dict(config=dict(softmax_type="learnable")), "softmax_type 'learnable' is not supported"),
-    (dict(build=dict(k_channels=192, v_channels=128)), "key head dim 192 != value head dim 128 (MLA)"),
+    (dict(config=dict(softmax_type="sink")), "softmax_type 'sink' is not one of 'vanilla', 'off-by-one', 'learnable'"),
     (dict(build=dict(attention_type="cross")), "attention_type 'cross' is not supported (allowed: 'self')"),
     (dict(build=dict(attn_mask_type="padding")), "attention mask type 'padding' is not supported"),
 ])
@@ -457,6 +477,31 @@ def test_cp1_is_plain_attention_and_forward_checks(one_rank):
     assert math.isclose(PluginCoreAttention(config=_config(context_parallel_size=1, kv_channels=16), layer_number=1,
                                             attn_mask_type=M.causal, attention_type="self",
                                             pg_collection=one_rank).softmax_scale, 16 ** -0.5)
+
+
+def test_mla_core_attention(one_rank):
+    """MLA's own core attention (k_channels != v_channels) at CP 1 without Transformer Engine is the
+    plugin's single-rank attention (Megatron's DotProductAttention takes no head dims): exact
+    against the reference with d_v 12 != d_qk 24; the one MLA's base class builds first (no head
+    dims) is a stand-in MLA replaces, whatever the CP size."""
+    from megatron_mesh.kernels import reference_attention
+    from megatron_mesh.megatron.core_attention import PluginCoreAttention
+    from megatron_mesh.megatron.mla import ReplacedByMLA
+
+    pgs = types.SimpleNamespace(cp=one_rank.cp, tp=one_rank.cp)
+    module = _build(_config(context_parallel_size=1, multi_latent_attention=True), "mesh", pg_collection=pgs,
+                    k_channels=24, v_channels=12, softmax_scale=0.3)
+    assert type(module) is PluginCoreAttention
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(12, 2, 4, 24, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(12, 2, 4, 12, generator=g, dtype=torch.float64)
+    want = reference_attention(q, k, v, causal=True, softmax_scale=0.3)
+    torch.testing.assert_close(module(q, k, v, None), want.reshape(12, 2, 48), rtol=1e-10, atol=1e-10)
+    for cp in (1, 4):
+        stand_in = _build(_config(context_parallel_size=cp, multi_latent_attention=True), None, pg_collection=pgs)
+        assert type(stand_in) is ReplacedByMLA
+        with pytest.raises(RuntimeError, match="replaced by MLA's own"):
+            stand_in(q, k, v, None)
 
 
 def test_cp1_builder_hands_over_to_megatrons_attention(one_rank):

@@ -31,8 +31,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import time
 
 import psutil
@@ -51,14 +49,6 @@ HCP = ("--hierarchical-context-parallel-sizes", "2", "2")
 
 def config(name: str) -> str:
     return os.path.join(ROOT, "configs", f"gpt_tiny_cpu_{name}.yaml")
-
-
-@pytest.fixture(scope="module")
-def doc_data(tmp_path_factory):
-    prefix = str(tmp_path_factory.mktemp("docs") / "tiny_docs")
-    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_doc_dataset.py"), prefix], check=True,
-                   capture_output=True, timeout=120)
-    return prefix
 
 
 def masked_run(doc_data, name: str, nproc: int, cp: int, modes: str, *flags: str) -> tuple[int, str]:

@@ -1,0 +1,145 @@
+"""Today's models' attention through Megatron's real pretrain() loop, gloo on CPU, fp32.
+
+gpt-oss-style layers (configs/gpt_oss_tiny_cpu.yaml:
+learnable attention sinks, a 5-token window on layers 1 and 3 alternating with full attention on
+layers 2 and 4, GQA, documents cut at end-of-document tokens), gloo on CPU, fp32:
+
+* CP 4 on Megatron's zigzag, one layer per mode (mesh, tasp, ring, a2a+mesh with
+  ``--hierarchical-context-parallel-sizes 2 2``), through the plugin's entry script, saving a
+  checkpoint at iterations 2 and 3;
+* CP 4 on the balanced layout, the modes in another order (so each mode runs a window layer in one
+  run and a full layer in the other), through the plugin's entry script and through Megatron-LM's
+  pretrain_gpt.py run by scripts/run_megatron_script.sh (documents from its position ids);
+* the zigzag run's iteration-2 checkpoint resumed at CP 2 under ring on the balanced layout.
+
+Each logs the CP 1 losses to 1e-5 relative; the learnable sinks (Megatron's ``softmax_offset``,
+its checkpoint entry) after three steps equal CP 1's -- which they would not if a CP rank's share of
+their gradient missed Megatron's gradient reduction over the data-parallel x CP group
+(tests/megatron/test_megatron_sinks.py compares the gradients themselves).
+
+DeepSeek-style layers (configs/deepseek_tiny_cpu.yaml: multi-latent attention, query/key head dim
+24, value head dim 12, YaRN, EOD documents) at CP 4 on Megatron's zigzag, one layer per mode (mesh,
+tasp, ring, a2a+mesh), through both entry scripts, log the CP 1 losses to 1e-5 (the balanced
+layout refuses MLA at start-up).
+"""
+
+import glob
+import os
+
+import pytest
+from helpers import MEGATRON_LM_SCRIPT, ROOT, assert_losses_equal, losses, run_all, run_config, run_ok
+
+pytest.importorskip("megatron.core", reason="needs megatron-core (scripts/setup_env.sh installs it)")
+
+pytestmark = [pytest.mark.megatron, pytest.mark.slow, pytest.mark.timeout(900)]
+
+ITERS = 3
+RTOL = 1e-5
+CONFIG = os.path.join(ROOT, "configs", "gpt_oss_tiny_cpu.yaml")
+MLA_CONFIG = os.path.join(ROOT, "configs", "deepseek_tiny_cpu.yaml")
+HCP = ("--hierarchical-context-parallel-sizes", "2", "2")
+ZIGZAG_MODES = "mesh tasp ring a2a+mesh"
+BALANCED_MODES = "tasp mesh a2a+mesh ring"
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    return {name: str(tmp_path_factory.mktemp(name)) for name in ("cp1", "zigzag")}
+
+
+@pytest.fixture(scope="module")
+def runs(doc_data, ckpts):
+    def run(config, script, nproc, cp, modes, *flags):
+        return run_config(config, nproc, cp, modes, "--train-iters", str(ITERS), *flags, script=script,
+                          env={"DOC_DATA": doc_data}, timeout=300)
+
+    mlm = (MEGATRON_LM_SCRIPT,)
+
+    plan = {
+        "cp1": (CONFIG, (), 1, 1, "mesh", "--save", ckpts["cp1"], "--save-interval", str(ITERS)),
+        "zigzag_cp4": (CONFIG, (), 4, 4, ZIGZAG_MODES, *HCP, "--cp-layout", "zigzag", "--save", ckpts["zigzag"],
+                       "--save-interval", "2"),
+        "balanced_cp4": (CONFIG, (), 4, 4, BALANCED_MODES, *HCP, "--cp-layout", "balanced"),
+        "mlm_balanced_cp4": (CONFIG, mlm, 4, 4, BALANCED_MODES, *HCP, "--cp-layout", "balanced"),
+        "resume_cp2": (CONFIG, (), 2, 2, "ring", "--cp-layout", "balanced", "--load", ckpts["zigzag"], "--ckpt-step", "2"),
+        "mla_cp1": (MLA_CONFIG, (), 1, 1, "mesh"),
+        "mla_zigzag_cp4": (MLA_CONFIG, (), 4, 4, ZIGZAG_MODES, *HCP, "--cp-layout", "zigzag"),
+        "mlm_mla_zigzag_cp4": (MLA_CONFIG, mlm, 4, 4, BALANCED_MODES, *HCP, "--cp-layout", "zigzag"),
+    }
+    return run_all(lambda *spec: run(*spec), plan, together=("cp1", "mla_cp1"), then_together=("resume_cp2",))
+
+
+def _summary(text: str) -> str:
+    summary = [line for line in text.splitlines() if "megatron_mesh: pipeline stage" in line]
+    assert len(summary) == 1, summary
+    return summary[0]
+
+
+@pytest.mark.parametrize("name, modes, layout, documents", [
+    ("zigzag_cp4", ZIGZAG_MODES, "zigzag", "eod"),
+    ("balanced_cp4", BALANCED_MODES, "balanced", "eod"),
+    ("mlm_balanced_cp4", BALANCED_MODES, "balanced", "positions"),  # Megatron-LM's script: from the position ids
+])
+def test_gpt_oss_layers_cp4_match_cp1(runs, name, modes, layout, documents):
+    want = losses(run_ok(runs, "cp1"))
+    assert sorted(want) == list(range(1, ITERS + 1))
+    assert_losses_equal(losses(run_ok(runs, name)), want, rel=RTOL)
+    summary = _summary(run_ok(runs, name))
+    for i, mode in enumerate(modes.split(), 1):
+        window = ", window 5,0" if i % 2 else ""  # --window-attn-skip-freq 2: layers 2 and 4 are full
+        part = f"layer {i}: {mode} (CP 4"
+        assert part in summary, (part, summary)
+        tail = f"sinks learnable{window}, documents {documents}, layout {layout})"
+        assert tail in summary.split(part, 1)[1].split("; layer")[0], (tail, summary)
+
+
+def _sinks(ckpt_dir: str, tmp_path) -> dict:
+    """{checkpoint key: tensor} of the sinks in the last checkpoint of ``ckpt_dir`` (Megatron's
+    torch_dist format, read back into one state dict)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    (last,) = sorted(glob.glob(os.path.join(ckpt_dir, "iter_0000003")))
+    out = str(tmp_path / f"{os.path.basename(ckpt_dir)}.pt")
+    dcp_to_torch_save(last, out)
+    state = torch.load(out, weights_only=False)
+    return {k: v for k, v in state.items() if k.endswith("softmax_offset")}
+
+
+def test_learnable_sinks_and_their_gradients_equal_cp1(runs, ckpts, tmp_path):
+    """Megatron's checkpoint entries of the sinks (one [layers, heads] tensor, as its own module
+    writes it) after three steps of Adam at CP 4 (four plugin modes) equal CP 1's: the parameter,
+    and Adam's moments -- exp_avg is a running mean of the reduced gradients themselves (scale
+    included), exp_avg_sq of their squares."""
+    import torch
+
+    run_ok(runs, "cp1"), run_ok(runs, "zigzag_cp4")
+    want, got = _sinks(ckpts["cp1"], tmp_path), _sinks(ckpts["zigzag"], tmp_path)
+    key = "decoder.layers.self_attention.core_attention.softmax_offset"
+    assert sorted(want) == [key, f"optimizer.state.exp_avg.{key}", f"optimizer.state.exp_avg_sq.{key}"], list(want)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert want[name].shape == (4, 4)  # 4 layers x 4 heads
+        assert want[name].abs().min() > 0, name  # every head trained
+        torch.testing.assert_close(got[name], want[name], rtol=RTOL, atol=RTOL * want[name].abs().max().item(), msg=name)
+
+
+def test_checkpoint_resumes_at_cp2_under_another_mode_and_layout(runs):
+    text = run_ok(runs, "resume_cp2")
+    assert_losses_equal(losses(text), losses(run_ok(runs, "cp1")), iterations=[3], rel=RTOL)
+    assert "layers 1-4: ring (CP 2" in text or "layer 1: ring (CP 2" in text, text[-3000:]
+    assert "sinks learnable, window 5,0, documents eod, layout balanced)" in _summary(text)
+
+
+@pytest.mark.parametrize("name, modes, documents", [
+    ("mla_zigzag_cp4", ZIGZAG_MODES, "eod"),
+    ("mlm_mla_zigzag_cp4", BALANCED_MODES, "positions"),  # Megatron-LM's script: from the position ids
+])
+def test_mla_with_yarn_cp4_on_the_zigzag_matches_cp1(runs, name, modes, documents):
+    want = losses(run_ok(runs, "mla_cp1"))
+    assert sorted(want) == list(range(1, ITERS + 1))
+    assert_losses_equal(losses(run_ok(runs, name)), want, rel=RTOL)
+    summary = _summary(run_ok(runs, name))
+    for i, mode in enumerate(modes.split(), 1):
+        assert f"layer {i}: {mode} (CP 4" in summary, summary
+    assert summary.count(f"documents {documents}, layout zigzag)") == 4, summary

@@ -1,0 +1,75 @@
+"""DeepSeek-style layers through a Python-built GPTModel on Megatron's zigzag layout, run inside
+the shared Megatron spawn (tests/conftest.megatron_models, :func:`megatron_cases.run_cases`).
+
+Multi-latent attention (``MLATransformerConfig``): query/key head dim 16 + 8 (``qk_head_dim`` +
+``qk_pos_emb_head_dim``), value head dim 12, low-rank q and kv projections, YaRN rotary
+(``rope_type="yarn"``, scaling 4 over 16 original positions, so the 48-token samples use it), which
+MLA applies itself at this rank's zigzag positions. Per case, at CP 4 (mesh, tasp, ring, a2a+mesh)
+and TP 2 x CP 2 (mesh 2x1, ring), whole sequences and end-of-document documents on the zigzag,
+the loss summed over the CP group and every parameter gradient all-reduced over it equal the same
+model at CP 1 -- where the plugin's single-rank attention runs (Megatron's local DotProductAttention
+takes no separate value head dim; the single-rank attention with d_v != d_qk is checked against the
+dense reference in tests/runtime/test_sinks.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import megatron_cases as mc
+
+HCP = [2, 2]
+
+
+def _mla_config(tp: int, cp: int, mode, documents, hcp):
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from megatron_mesh.megatron.settings import PluginSettings
+
+    config = MLATransformerConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, tensor_model_parallel_size=tp,
+        context_parallel_size=cp, cp_comm_type=mode if cp > 1 else None, use_cpu_initialization=True,
+        params_dtype=torch.float32, pipeline_dtype=torch.float32, attention_dropout=0.0, hidden_dropout=0.0,
+        q_lora_rank=32, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=12, rope_type="yarn",
+        rotary_scaling_factor=4.0, original_max_position_embeddings=16, mscale=1.0, mscale_all_dim=1.0,
+        apply_rope_fusion=False, transformer_impl="local")
+    config.hierarchical_context_parallel_sizes = hcp
+    config.cp_settings = PluginSettings.of(seq_length=mc.SEQ_M, documents=documents, cp_layout="zigzag")
+    return config
+
+
+def _modes(cp: int) -> list:
+    if cp != 4:
+        return [("mesh 2x1", "mesh", None), ("ring", "ring", None)]
+    return [("mesh", "mesh", None), ("tasp", "tasp", None), ("ring", "ring", None), ("a2a+mesh", "a2a+mesh", HCP)]
+
+
+def _run(tp, cp, mode, what, hcp, full, pgc, cp_group):
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from megatron_mesh.megatron.pretrain_gpt import document_params
+    from megatron_mesh.megatron.spec import gpt_local_layer_spec
+
+    config = _mla_config(tp, cp, mode, "eod" if what == "documents" else None, hcp)
+    model = mc._build_len(config, gpt_local_layer_spec(config), pgc, "rope")
+    packed = document_params(full["tokens"], mc.VOCAB - 1) if what == "documents" else None
+    batch = full if cp == 1 else get_batch_on_this_cp_rank(dict(full), is_hybrid_cp=False, cp_group=cp_group)
+    loss, grads = mc._run_masked(model, batch, packed)
+    attn = [layer.self_attention.core_attention for layer in model.decoder.layers]
+    return loss, grads, attn
+
+
+def gpt_mla_equivalence(rank: int, world: int, layouts) -> list[dict]:
+    """For each (tp, cp) of ``layouts``: every mode of :func:`_modes`, whole sequences and EOD
+    documents, against CP 1; one record per run."""
+    records = []
+    for tp, cp, pgc, single_pgc, cp_group, full in mc.over_layouts(rank, world, layouts):
+        for what in ("whole", "documents"):
+            ref_loss, ref_grads, _ = _run(tp, 1, None, what, None, full, single_pgc, None)
+            for label, mode, hcp in _modes(cp):
+                loss, grads, attn = _run(tp, cp, mode, what, hcp, full, pgc, cp_group)
+                rec = mc._compare(f"TP={tp} CP={cp} MLA {what} {label}", loss, grads, ref_loss, ref_grads, cp_group)
+                rec.update(label=label, what=what, tp=tp, cp=cp, modes=[a.mode for a in attn],
+                           kinds=sorted({type(a).__name__ for a in attn}))
+                records.append(rec)
+    return records
