@@ -102,6 +102,22 @@ class Mask:
             object.__setattr__(self, "_hash", h)
         return h
 
+    def __eq__(self, other) -> bool:
+        # equal masks built apart hold equal, distinct document tuples, and each cache lookup
+        # compared them element by element (a million 1-token documents: seconds per plan); once
+        # found equal they share one tuple, so the next comparison is an identity check
+        if self is other:
+            return True
+        if type(other) is not Mask:
+            return NotImplemented
+        if hash(self) != hash(other) or self.causal != other.causal or self.window != other.window:
+            return False
+        if self.documents is not other.documents:
+            if self.documents != other.documents:
+                return False
+            object.__setattr__(other, "documents", self.documents)
+        return True
+
     def __reduce__(self):  # the cached hash stays in this process (hash(None) differs between processes)
         return (Mask, (self.causal, self.window, self.documents))
 

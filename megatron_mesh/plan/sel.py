@@ -134,13 +134,19 @@ def map_runs(runs, segs: Sel) -> tuple[tuple[int, int], ...]:
 
 def union_intervals(intervals) -> tuple[Segment, ...]:
     """Sorted, merged segments covering ``intervals`` ((start, stop) pairs)."""
+    items = sorted(intervals)
+    if not items:
+        return ()
     out: list[Segment] = []
-    for a, b in sorted(intervals):
-        if out and a <= out[-1].stop:
-            if b > out[-1].stop:
-                out[-1] = Segment(out[-1].start, b)
+    start, stop = items[0]
+    for a, b in items:  # one Segment per merged interval (thousands of documents' rows join into few)
+        if a <= stop:
+            if b > stop:
+                stop = b
         else:
-            out.append(Segment(a, b))
+            out.append(Segment(start, stop))
+            start, stop = a, b
+    out.append(Segment(start, stop))
     return tuple(out)
 
 

@@ -5,6 +5,8 @@ the executor (it fills only those)."""
 
 from __future__ import annotations
 
+from bisect import bisect_right
+
 from ..sel import Segment, Sel, union_intervals
 from .ops import AddGrad, Attend, AttendBackward, Copy, Free, Key, MergeOut, op_keys
 
@@ -12,15 +14,18 @@ __all__ = ["first_writes", "creation_fills"]
 
 
 def _minus(segs: list[Segment], cut: list[Segment]) -> list[Segment]:
-    """The parts of ``segs`` outside ``cut`` (both sorted, disjoint)."""
+    """The parts of ``segs`` outside ``cut`` (disjoint; ``cut`` sorted: a bisection finds the first
+    of it a segment meets, so thousands of documents' rows cost O(n log n), not O(n^2))."""
     out = []
+    stops = [d for _, d in cut]
     for a, b in segs:
-        for c, d in cut:
-            if d <= a or c >= b:
-                continue
+        for i in range(bisect_right(stops, a), len(cut)):
+            c, d = cut[i]
+            if c >= b:
+                break
             if c > a:
                 out.append(Segment(a, c))
-            a = max(a, d)
+            a = d
             if a >= b:
                 break
         if a < b:
