@@ -34,7 +34,7 @@ import signal
 from concurrent.futures import Executor, ProcessPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
-from functools import partial
+from functools import lru_cache, partial
 
 from ..plan.accounting import owner_work, rank_work
 from ..plan.autotile import TIE_RULE, TIME_TOLERANCE, Candidate, evaluate_plan, pick_best
@@ -49,6 +49,7 @@ from ..plan.problem import normalize
 from ..plan.shape import AttentionShape
 from ..plan.simulate import BACKWARD_FLOPS, simulate, time_breakdown
 from ..plan.topology import Topology
+from .plan_budget import BUDGET_REASON, Budget, Rows, balanced_size, problem_size, set_planning_gc
 
 __all__ = ["all_modes", "default_modes", "derived_modes", "ModeResult", "evaluate", "plan_modes", "ulysses_result",
            "usp_result", "TIME_TOLERANCE", "TIE_RULE", "FORMULAS", "LAYOUTS", "TE_ROWS", "layout_rows", "thd_layout",
@@ -148,6 +149,11 @@ def _evaluate_placement(name: str, p: Placement, shape: AttentionShape, topo: To
         extra["breakdown"] = _breakdown_json(plan, shape, topo, sim)
     if work or mask is not None and not mask.is_dense or layout is not None:
         for direction in ("forward", "backward"):
+            if layout is None and plan.mask.is_dense:
+                # the zigzag gives every rank the same dense work in every mode (a test checks each
+                # one): no need to build all P plans of ranks (P^2 blocks, minutes at 4096 ranks)
+                extra[f"{direction}_work_max_over_mean"] = 1.0
+                continue
             w = rank_work(plan, direction)
             extra[f"{direction}_work_max_over_mean"] = max(w) * len(w) / max(1, sum(w))
     detail = "; ".join(plan.notes)
@@ -273,14 +279,10 @@ _FORMULA = {"ulysses": ulysses_result, "usp": usp_result}
 
 
 # -- everything -----------------------------------------------------------------------------------------
-def _evaluate_modes(wanted: set, world_size: int, shape: AttentionShape, topo: Topology, mask: Mask, layout,
-                    backward_chunks: str, schedule: str, skipped: list[dict], work: bool = False,
-                    explain: bool = False, executor: Executor | None = None) -> dict[str, list[ModeResult]]:
-    """Every candidate placement of each registered mode in ``wanted``, simulated under ``mask``;
-    a mode or placement that cannot run is appended to ``skipped`` with the reason. ``executor``:
-    the placements are planned and simulated there, in parallel (the rows and their order are the
-    same as in this process)."""
-    evaluated: dict[str, list[ModeResult]] = {}
+def _mode_tasks(wanted: set, world_size: int, shape: AttentionShape, topo: Topology, backward_chunks: str,
+                schedule: str, skipped: list[dict]) -> list[tuple[str, Placement]]:
+    """Every candidate placement of each registered mode in ``wanted``, in the registry's order; a
+    mode that cannot run is appended to ``skipped`` with the reason."""
     tasks: list[tuple[str, Placement]] = []
     for name in plan_modes():
         if name not in wanted:
@@ -293,8 +295,18 @@ def _evaluate_modes(wanted: set, world_size: int, shape: AttentionShape, topo: T
         except ValueError as e:
             skipped.append({"mode": name, "reason": str(e)})
             continue
-        evaluated[name] = []
         tasks += [(name, p.with_options(backward_chunks=backward_chunks, schedule=schedule)) for p in candidates]
+    return tasks
+
+
+def _evaluate_modes(tasks: list[tuple[str, Placement]], shape: AttentionShape, topo: Topology, mask: Mask, layout,
+                    skipped: list[dict], work: bool = False, explain: bool = False,
+                    executor: Executor | None = None) -> dict[str, list[ModeResult]]:
+    """The rows of ``tasks`` (:func:`_mode_tasks`), simulated under ``mask``; a placement that
+    cannot run is appended to ``skipped`` with the reason. ``executor``: the placements are
+    planned and simulated there, in parallel (the rows and their order are the same as in this
+    process)."""
+    evaluated: dict[str, list[ModeResult]] = {name: [] for name, _ in tasks}
     args = (shape, topo, mask, layout, work, explain)
     if executor is None:
         results = [_attempt(name, p, *args) for name, p in tasks]
@@ -306,6 +318,20 @@ def _evaluate_modes(wanted: set, world_size: int, shape: AttentionShape, topo: T
         else:
             skipped.append({"mode": p.describe(), "reason": got})  # "ring (CP 2, ...)": it names the mode
     return evaluated
+
+
+def _budget_rows(name: str, tasks, world_size: int, shape: AttentionShape, mask: Mask, layout) -> Rows:
+    """A layout's rows as the budget prices them (:class:`~.plan_budget.Rows`); a balanced layout
+    given as a function of the placement is estimated from the documents, not built."""
+    if isinstance(layout, partial) and layout.func is _balanced_for:
+        cu = layout.args[0]
+        size = balanced_size(world_size, tuple(zip(cu, cu[1:])), mask.causal, mask.window[0])
+        return Rows(name, "balanced", tuple((m, p, p.ulysses) for m, p in tasks), size)
+    kind = "zigzag" if layout is None else "thd" if isinstance(layout, ThdLayout) else "balanced"
+    if callable(layout):
+        layout = layout(tasks[0][1]) if tasks else None
+    size = problem_size(world_size, world_size * shape.seq_local, mask, layout)
+    return Rows(name, kind, tuple((m, p, p.ulysses) for m, p in tasks), size)
 
 
 def _attempt(name: str, p: Placement, *args) -> ModeResult | str:
@@ -339,7 +365,7 @@ def worker_pool(jobs: int):
     if jobs == 1:
         yield None
         return
-    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
+    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=set_planning_gc)
     try:
         yield pool
     except BaseException:  # Ctrl-C, SIGTERM, a dead worker: drop the rows not started, stop the running ones
@@ -429,10 +455,23 @@ def _auto_row(pool: list[ModeResult]) -> ModeResult:
                    extra={**best.extra, "pick": _pick_name(best)})
 
 
+def _wanted(modes) -> set:
+    """The registered modes ``modes`` need planned: the modes, the candidates of their derived rows
+    (``mesh-auto``: Mesh's and ring's), every mode for ``auto``."""
+    wanted = set(modes)
+    for m in REGISTRY.values():
+        if m.auto_row and m.auto_row in wanted:
+            wanted |= {m.name, *m.auto_pool}
+    if AUTO in wanted:
+        wanted |= set(plan_modes())
+    return wanted
+
+
 def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: bool = True, modes=None,
              backward_chunks: str = "auto", schedule: str = "greedy", mask: Mask | None = None, layout=None,
              work: bool = False, explain: bool = False, jobs: int = 1,
-             executor: Executor | None = None) -> tuple[list[ModeResult], list[dict]]:
+             executor: Executor | None = None, budget: Budget | None = None,
+             keep: list[bool] | None = None) -> tuple[list[ModeResult], list[dict]]:
     """Rows for ``modes`` (see :data:`MODES`) and the modes that cannot run, with the reason.
 
     ``mask`` (default: causal or full by ``causal``) and ``layout`` (a layout, or a function of the
@@ -445,7 +484,11 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: boo
     (a layout, or a module-level function or ``functools.partial`` of one), and a mode registered
     at run time rather than on import is unknown to the spawned workers (they import the calling
     script, as multiprocessing's spawn does: a script needs the ``if __name__ == "__main__":``
-    guard). ``executor``: an executor to use instead (jobs is then ignored)."""
+    guard). ``executor``: an executor to use instead (jobs is then ignored). ``budget``: a
+    :class:`~.plan_budget.Budget` of estimated planning seconds; the mask-aware rows past it are
+    left out up front and named in the skipped list (None: every row). ``keep``: instead, which
+    placements to plan, in the order of the modes' candidates (what :func:`layout_rows` admitted
+    over several layouts)."""
     jobs = check_jobs(jobs)
     allowed = all_modes()
     modes = allowed if modes is None else modes
@@ -458,16 +501,17 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: boo
     masked = (mask is not None and not mask.normalized(world_size * shape.seq_local).is_dense) or layout is not None
     rows: list[ModeResult] = []
     skipped: list[dict] = []
-    wanted = set(modes)
+    wanted = _wanted(modes)
     auto_rows = {m.auto_row: (m.name, *m.auto_pool) for m in REGISTRY.values() if m.auto_row}
-    for row, pool in auto_rows.items():
-        if row in wanted:
-            wanted |= set(pool)
-    if AUTO in wanted:
-        wanted |= set(plan_modes())
+    mask = mask if mask is not None else Mask(causal)
+    tasks = _mode_tasks(wanted, world_size, shape, topo, backward_chunks, schedule, skipped)
+    if keep is None and budget is not None and budget.limited:
+        keep = budget.admit([_budget_rows("layout", tasks, world_size, shape, mask, layout)])["layout"]
+    if keep is not None:
+        skipped += Budget.skipped(tasks, keep)
+        tasks = [t for t, kept in zip(tasks, keep) if kept]
     with nullcontext(executor) if executor is not None else worker_pool(jobs) as pool:
-        evaluated = _evaluate_modes(wanted, world_size, shape, topo, mask if mask is not None else Mask(causal),
-                                    layout, backward_chunks, schedule, skipped, work, explain, pool)
+        evaluated = _evaluate_modes(tasks, shape, topo, mask, layout, skipped, work, explain, pool)
     for mode in modes:
         if mode in REGISTRY:
             rows.extend(evaluated.get(mode, []))
@@ -542,9 +586,10 @@ def compute_floor(pairs: int, world_size: int, shape: AttentionShape, topo: Topo
 
 
 def _te_rows(world_size: int, shape: AttentionShape, topo: Topology, mask: Mask, thd: ThdLayout,
-             skipped: list[dict]) -> list[ModeResult]:
+             skipped: list[dict], keep: list[bool] | None = None) -> list[ModeResult]:
     """Transformer Engine as it runs THD: p2p (the ring schedule, whole KV chunks every step, the
-    documents' blocks) and a2a+p2p (USP: the all-to-all over the largest node-local degree, then p2p)."""
+    documents' blocks) and a2a+p2p (USP: the all-to-all over the largest node-local degree, then
+    p2p); ``keep``: which of them the planning budget admitted (:func:`_admit`)."""
     mask, layout = normalize(world_size, shape, mask, thd)
     plans = {"te-p2p": lambda: build_rotation_plan(world_size, shape, mask, layout, "te-p2p")}
     u = _usp_degree(world_size, shape, topo)
@@ -555,7 +600,10 @@ def _te_rows(world_size: int, shape: AttentionShape, topo: Topology, mask: Mask,
     else:
         skipped.append({"mode": "te-a2a+p2p", "reason": "no all-to-all degree fits the node and the heads"})
     rows = []
-    for name, build in plans.items():
+    for k, (name, build) in enumerate(plans.items()):
+        if keep is not None and not keep[k]:  # past the planning budget (plan_budget)
+            skipped.append({"mode": name, "reason": BUDGET_REASON})
+            continue
         plan = build()
         c = evaluate_plan(plan, shape, topo)
         # each row's pairs are computed where it lives (its group's, for the hybrid): the layout
@@ -581,31 +629,59 @@ def _node_ranks(world_size: int, topo: Topology) -> int | None:
 def layout_rows(world_size: int, shape: AttentionShape, topo: Topology, cu_seqlens, *, causal: bool = True,
                 window=None, modes=None, layouts=LAYOUTS, backward_chunks: str = "auto",
                 schedule: str = "greedy", explain: bool = False,
-                plan_thd: bool | None = None, jobs: int = 1,
-                executor: Executor | None = None) -> tuple[list[ModeResult], list[dict]]:
+                plan_thd: bool | None = None, jobs: int = 1, executor: Executor | None = None,
+                budget: Budget | None = None) -> tuple[list[ModeResult], list[dict]]:
     """Every mode of ``modes`` on each of ``layouts`` for these packed documents: Megatron's zigzag,
     Transformer Engine's THD (each document padded to 2 * CP; our modes on it, and TE's own p2p and
     a2a+p2p as it runs them: :data:`TE_ROWS`) and the balanced layout (nodes first when the group
     spans nodes; per Ulysses group for the hybrids). Rows carry their ``layout``; the THD rows'
     shape is the padded one. ``plan_thd``: plan the plugin's modes on THD (None: up to :data:`THD_PLAN_RANKS` ranks; above, they are
     listed as skipped, with the reason, and TE's own rows are priced). ``jobs``: processes that plan
-    and simulate the placements of every layout in parallel, or ``executor`` (:func:`evaluate`)."""
+    and simulate the placements of every layout in parallel, or ``executor`` (:func:`evaluate`).
+    ``budget``: a :class:`~.plan_budget.Budget` the rows of every layout share, each layout's likeliest
+    placements first (:func:`evaluate`)."""
     jobs = check_jobs(jobs)
     with nullcontext(executor) if executor is not None else worker_pool(jobs) as pool:
         return _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, modes, layouts, backward_chunks,
-                            schedule, explain, plan_thd, pool)
+                            schedule, explain, plan_thd, pool, budget)
 
 
 def _balanced_for(cu, world_size: int, causal: bool, window, hide: bool, ranks_per_node, p: Placement):
     """The balanced layout a placement runs on (per its Ulysses group): a module-level function, so
     that a worker process can be sent it."""
     # "balanced-hide" is the balanced layout for the plain modes (no Ulysses groups to hide in)
-    return balanced_layout(cu, world_size, causal=causal, window=window, group=p.ulysses,
-                           hide=hide and p.ulysses > 1, ranks_per_node=ranks_per_node)
+    return _balanced(tuple(cu), world_size, causal, window, p.ulysses, hide and p.ulysses > 1, ranks_per_node)
+
+
+@lru_cache(maxsize=8)
+def _balanced(cu: tuple, world_size: int, causal: bool, window, group: int, hide: bool, ranks_per_node):
+    """One balanced layout, built once for every placement that runs on it (every plain mode's
+    placements share one; each Ulysses degree its own): its plans' caches are keyed by it."""
+    return balanced_layout(cu, world_size, causal=causal, window=window, group=group, hide=hide,
+                           ranks_per_node=ranks_per_node)
+
+
+def _admit(planned, world_size: int, topo: Topology, backward_chunks: str, schedule: str,
+           budget: Budget) -> dict[str, list[bool]]:
+    """Which rows of every layout of ``planned`` the planning budget admits (:meth:`Budget.admit`:
+    every layout's likeliest placements first), per layout in the order of its modes' candidates
+    (then, on THD, Transformer Engine's own rows)."""
+    if not budget.limited:
+        return {}
+    priced = []
+    for name, asked, shp, mask, lay in planned:
+        tasks = _mode_tasks(_wanted(asked), world_size, shp, topo, backward_chunks, schedule, [])
+        rows = _budget_rows(name, tasks, world_size, shp, mask, lay)
+        if isinstance(lay, ThdLayout):  # and Transformer Engine's own rows (the hybrid: USP's degree)
+            u = _usp_degree(world_size, shp, topo)
+            te = (("te-p2p", None, 1),) + ((("te-a2a+p2p", None, u),) if u is not None else ())
+            rows = replace(rows, tasks=rows.tasks + te, size=problem_size(world_size, 0, mask, lay))
+        priced.append(rows)
+    return budget.admit(priced)
 
 
 def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, modes, layouts, backward_chunks, schedule,
-                 explain, plan_thd, executor) -> tuple[list[ModeResult], list[dict]]:
+                 explain, plan_thd, executor, budget=None) -> tuple[list[ModeResult], list[dict]]:
     unknown = [name for name in layouts if name not in LAYOUTS]
     if unknown:
         raise ValueError(f"unknown layouts {unknown}; allowed: {', '.join(LAYOUTS)}")
@@ -617,42 +693,45 @@ def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, modes, lay
     modes = [m for m in given if m not in FORMULAS]
     rows, skipped = [], [{"mode": m, "reason": "priced by formula for dense attention only, not under documents"}
                          for m in given if m in FORMULAS]
+    planned = []  # per layout: (name, modes planned on it, shape, mask, layout)
     for name in layouts:
         if name == "zigzag":
-            got, skip = evaluate(world_size, shape, topo, modes=modes, backward_chunks=backward_chunks,
-                                 schedule=schedule, mask=Mask.from_cu_seqlens(cu, S, causal, window), explain=explain,
-                                 executor=executor)
+            planned.append((name, modes, shape, Mask.from_cu_seqlens(cu, S, causal, window), None))
         elif name in ("balanced", "balanced-hide"):
-            hide = name == "balanced-hide"
-            asked = _hybrid_modes(modes) if hide else modes  # hide changes only the Ulysses groups' layouts
-            got, skip = evaluate(world_size, shape, topo, modes=asked, backward_chunks=backward_chunks,
-                                 schedule=schedule, mask=Mask(causal, window), explain=explain, executor=executor,
-                                 layout=partial(_balanced_for, cu, world_size, causal, window, hide,
-                                                _node_ranks(world_size, topo)))
-            if hide:  # the fastest of the hybrids on it, then the rows asked for
-                pool = [r for r in got if r.mode in REGISTRY]
-                got = [r for r in got if r.mode in modes]
-                if AUTO in modes and pool:
-                    got.append(_auto_row(pool))
-                elif AUTO in modes:
-                    skip.append({"mode": AUTO, "reason": "no Ulysses hybrid runs here (their rows say why)"})
-                hybrids = ", ".join(_hybrid_names())
-                skip += [{"mode": m, "reason": f"balanced-hide changes only the Ulysses groups' layouts ({hybrids}); "
-                          "the plain modes run on the balanced one (--layout balanced)"}
-                         for m in modes if m not in asked and m != AUTO]
+            hide = name == "balanced-hide"  # hide changes only the Ulysses groups' layouts
+            planned.append((name, _hybrid_modes(modes) if hide else modes, shape, Mask(causal, window),
+                            partial(_balanced_for, cu, world_size, causal, window, hide, _node_ranks(world_size, topo))))
         else:
             thd = thd_layout(cu, world_size)
-            padded = replace(shape, seq_local=thd.seq_local)
-            if plan_thd is False or plan_thd is None and world_size > THD_PLAN_RANKS:
-                got, skip = [], [{"mode": m, "reason": f"not planned on THD at CP {world_size}: every rank holds two "
-                                  f"pieces of each of the {len(cu) - 1} documents, too many blocks to plan in "
-                                  f"reasonable time above {THD_PLAN_RANKS} ranks (plan them with --layout thd)"}
-                                 for m in modes]
-            else:
-                got, skip = evaluate(world_size, padded, topo, modes=modes, backward_chunks=backward_chunks,
-                                     schedule=schedule, mask=Mask(causal, window), layout=thd, explain=explain,
-                                     executor=executor)
-            got += _te_rows(world_size, padded, topo, Mask(causal, window), thd, skip)
+            on_thd = not (plan_thd is False or plan_thd is None and world_size > THD_PLAN_RANKS)
+            planned.append((name, modes if on_thd else [], replace(shape, seq_local=thd.seq_local),
+                            Mask(causal, window), thd))
+    keep = _admit(planned, world_size, topo, backward_chunks, schedule, budget) if budget is not None else {}
+    for name, asked, shp, mask, lay in planned:
+        kept = keep.get(name)
+        if name != "thd" or asked:
+            n = len(_mode_tasks(_wanted(asked), world_size, shp, topo, backward_chunks, schedule, [])) if kept else 0
+            got, skip = evaluate(world_size, shp, topo, modes=asked, backward_chunks=backward_chunks, schedule=schedule,
+                                 mask=mask, explain=explain, executor=executor, layout=lay,
+                                 keep=kept[:n] if kept else None)
+        else:
+            n, got, skip = 0, [], [{"mode": m, "reason": f"not planned on THD at CP {world_size}: every rank holds two "
+                                    f"pieces of each of the {len(cu) - 1} documents, too many blocks to plan in "
+                                    f"reasonable time above {THD_PLAN_RANKS} ranks (plan them with --layout thd)"}
+                                   for m in modes]
+        if name == "balanced-hide":  # the fastest of the hybrids on it, then the rows asked for
+            pool = [r for r in got if r.mode in REGISTRY]
+            got = [r for r in got if r.mode in modes]
+            if AUTO in modes and pool:
+                got.append(_auto_row(pool))
+            elif AUTO in modes:
+                skip.append({"mode": AUTO, "reason": "no Ulysses hybrid runs here (their rows say why)"})
+            hybrids = ", ".join(_hybrid_names())
+            skip += [{"mode": m, "reason": f"balanced-hide changes only the Ulysses groups' layouts ({hybrids}); "
+                      "the plain modes run on the balanced one (--layout balanced)"}
+                     for m in modes if m not in asked and m != AUTO]
+        if name == "thd":
+            got += _te_rows(world_size, shp, topo, mask, lay, skip, kept[n:] if kept else None)
         rows += [replace(r, layout=name) for r in got]
         skipped += [{**s, "mode": f"{s['mode']} ({name})"} for s in skip]
     return rows, skipped
