@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import math
+import time
 from bisect import bisect_right
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from ..plan.balance import document_work
 from ..plan.layout import ThdLayout, ZigzagLayout
 
 __all__ = ["planning_gc", "set_planning_gc", "LayoutSize", "layout_size", "thd_size", "problem_size", "row_seconds",
-           "balanced_size", "Rows", "Budget", "BUDGET_S", "BUDGET_REASON"]
+           "balanced_size", "Rows", "Budget", "BUDGET_S", "BUDGET_REASON", "LATE_REASON", "DEADLINE_SLACK_S"]
 
 # the collector's first threshold while planning: plans and the caches shared between rows are
 # millions of small objects, and with the default (700) its passes over them took a fifth of the
@@ -172,14 +173,25 @@ class Rows:
 
 class Budget:
     """The estimated planning seconds a run may still spend (None: no limit): :meth:`admit` takes
-    rows from it, :meth:`portion` sets part of it aside for one sample."""
+    rows from it, :meth:`portion` sets part of it aside for one sample. The estimates are a
+    machine's (docs/performance.md); on a slower or busier one a clock backs them up: once the
+    budget's seconds and :data:`DEADLINE_SLACK_S` more have passed since it was made, :meth:`late`
+    says so, and the rows not yet planned are left out (``clock``: seconds, monotonic; a test's own)."""
 
-    def __init__(self, seconds: float | None, parent: "Budget | None" = None):
+    def __init__(self, seconds: float | None, parent: "Budget | None" = None, clock=time.monotonic):
         if seconds is not None and not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0):
             raise ValueError(f"the planning budget must be a finite number of seconds >= 0 (0: no limit), got "
                              f"{seconds!r}")
         self.left = float(seconds) if seconds else None
         self.parent = parent
+        self.clock = clock if parent is None else parent.clock
+        # the time after which nothing more is planned: the whole run's (a sample's share keeps it)
+        self.deadline = (parent.deadline if parent is not None else
+                         None if self.left is None else clock() + self.left + DEADLINE_SLACK_S)
+
+    def late(self) -> bool:
+        """Whether the run is past its deadline (rows not yet planned are then left out)."""
+        return self.deadline is not None and self.clock() >= self.deadline
 
     @property
     def limited(self) -> bool:
@@ -188,7 +200,7 @@ class Budget:
     def portion(self, parts: int) -> "Budget":
         """1/``parts`` of what is left, for one of ``parts`` samples planned one after another
         (what one leaves goes to the next); what it spends is spent here too."""
-        return Budget(None if self.left is None else self.left / max(1, parts), self)
+        return Budget(None if self.left is None else self.left / max(1, parts) or 1e-9, self)
 
     def spend(self, seconds: float) -> None:
         if self.left is not None:
@@ -224,22 +236,27 @@ class Budget:
         return keep
 
     @staticmethod
-    def skipped(tasks, keep: list[bool]) -> list[dict]:
+    def skipped(tasks, keep: list[bool], reason: str = "") -> list[dict]:
         """The planner's "not available" entries for the ``tasks`` (mode name first) :meth:`admit`
-        left out: one per mode, with how many of its placements, and one reason for all (the table
-        prints it once)."""
+        (or :meth:`late`) left out: one per mode, with how many of its placements, and one reason
+        for all (the table prints it once; default :data:`BUDGET_REASON`)."""
         out: dict[str, list[int]] = {}
         for task, kept in zip(tasks, keep):
             counts = out.setdefault(task[0], [0, 0])
             counts[0] += not kept
             counts[1] += 1
-        return [{"mode": f"{name} ({k} of {n} placements)" if n > 1 else name, "reason": BUDGET_REASON}
+        return [{"mode": f"{name} ({k} of {n} placements)" if n > 1 else name, "reason": reason or BUDGET_REASON}
                 for name, (k, n) in out.items() if k]
 
 
 BUDGET_REASON = ("left out up front, past the planning budget (the planner estimates each row's time from the ranks, "
                  "the documents' pieces and the ranks sharing a document, and plans every mode's likeliest placements "
                  "first); --plan-budget 0 plans every row")
+# the clock's backstop: rows admitted but not planned when the run is its budget and this many
+# seconds old are left out (the default: 50 s, and what follows the rows fits in the minute)
+DEADLINE_SLACK_S = 10.0
+LATE_REASON = (f"left out: the run passed its planning budget and {DEADLINE_SLACK_S:g} s more before planning it (this "
+               "machine is slower or busier than the estimates assume); --plan-budget 0 plans every row")
 
 
 def balanced_size(world_size: int, bounds, causal: bool = True, window=None) -> LayoutSize:

@@ -49,7 +49,7 @@ from ..plan.problem import normalize
 from ..plan.shape import AttentionShape
 from ..plan.simulate import BACKWARD_FLOPS, simulate, time_breakdown
 from ..plan.topology import Topology
-from .plan_budget import BUDGET_REASON, Budget, Rows, balanced_size, problem_size, set_planning_gc
+from .plan_budget import BUDGET_REASON, LATE_REASON, Budget, Rows, balanced_size, problem_size, set_planning_gc
 
 __all__ = ["all_modes", "default_modes", "derived_modes", "ModeResult", "evaluate", "plan_modes", "ulysses_result",
            "usp_result", "TIME_TOLERANCE", "TIE_RULE", "FORMULAS", "LAYOUTS", "TE_ROWS", "layout_rows", "thd_layout",
@@ -301,22 +301,28 @@ def _mode_tasks(wanted: set, world_size: int, shape: AttentionShape, topo: Topol
 
 def _evaluate_modes(tasks: list[tuple[str, Placement]], shape: AttentionShape, topo: Topology, mask: Mask, layout,
                     skipped: list[dict], work: bool = False, explain: bool = False,
-                    executor: Executor | None = None) -> dict[str, list[ModeResult]]:
+                    executor: Executor | None = None, budget: Budget | None = None) -> dict[str, list[ModeResult]]:
     """The rows of ``tasks`` (:func:`_mode_tasks`), simulated under ``mask``; a placement that
-    cannot run is appended to ``skipped`` with the reason. ``executor``: the placements are
-    planned and simulated there, in parallel (the rows and their order are the same as in this
+    cannot run is appended to ``skipped`` with the reason, and so are those not planned when the
+    ``budget``'s clock runs out (:meth:`~.plan_budget.Budget.late`). ``executor``: the placements
+    are planned and simulated there, in parallel (the rows and their order are the same as in this
     process)."""
     evaluated: dict[str, list[ModeResult]] = {name: [] for name, _ in tasks}
     args = (shape, topo, mask, layout, work, explain)
+    late = (lambda: False) if budget is None else budget.late
     if executor is None:
-        results = [_attempt(name, p, *args) for name, p in tasks]
+        results = [None if late() else _attempt(name, p, *args) for name, p in tasks]
     else:
-        results = [f.result() for f in [executor.submit(_attempt, name, p, *args) for name, p in tasks]]
+        futures = [executor.submit(_attempt, name, p, *args) for name, p in tasks]
+        results = []
+        for f in futures:  # past the deadline, the rows not started are dropped (the running ones end)
+            results.append(None if late() and f.cancel() else f.result())
     for (name, p), got in zip(tasks, results):
         if isinstance(got, ModeResult):
             evaluated[name].append(got)
-        else:
+        elif got is not None:
             skipped.append({"mode": p.describe(), "reason": got})  # "ring (CP 2, ...)": it names the mode
+    skipped += Budget.skipped(tasks, [got is not None for got in results], LATE_REASON)
     return evaluated
 
 
@@ -467,6 +473,10 @@ def _wanted(modes) -> set:
     return wanted
 
 
+# a derived row (mesh-auto, auto...) none of whose candidates has a row
+NO_CANDIDATE = "none of its candidates was planned (their own rows say why)"
+
+
 def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: bool = True, modes=None,
              backward_chunks: str = "auto", schedule: str = "greedy", mask: Mask | None = None, layout=None,
              work: bool = False, explain: bool = False, jobs: int = 1,
@@ -486,7 +496,8 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: boo
     script, as multiprocessing's spawn does: a script needs the ``if __name__ == "__main__":``
     guard). ``executor``: an executor to use instead (jobs is then ignored). ``budget``: a
     :class:`~.plan_budget.Budget` of estimated planning seconds; the mask-aware rows past it are
-    left out up front and named in the skipped list (None: every row). ``keep``: instead, which
+    left out up front and named in the skipped list (None: every row), and those its clock finds
+    late for (:meth:`~.plan_budget.Budget.late`). ``keep``: instead of its estimates, which
     placements to plan, in the order of the modes' candidates (what :func:`layout_rows` admitted
     over several layouts)."""
     jobs = check_jobs(jobs)
@@ -511,7 +522,7 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: boo
         skipped += Budget.skipped(tasks, keep)
         tasks = [t for t, kept in zip(tasks, keep) if kept]
     with nullcontext(executor) if executor is not None else worker_pool(jobs) as pool:
-        evaluated = _evaluate_modes(tasks, shape, topo, mask, layout, skipped, work, explain, pool)
+        evaluated = _evaluate_modes(tasks, shape, topo, mask, layout, skipped, work, explain, pool, budget)
     for mode in modes:
         if mode in REGISTRY:
             rows.extend(evaluated.get(mode, []))
@@ -520,10 +531,14 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: boo
             if pool:
                 best = pick_best(pool)
                 rows.append(replace(best, mode=mode, extra={**best.extra, "pick": _pick_name(best)}))
+            else:
+                skipped.append({"mode": mode, "reason": NO_CANDIDATE})
         elif mode == AUTO:
             pool = [r for name in plan_modes() for r in evaluated.get(name, [])]
             if pool:
                 rows.append(_auto_row(pool))
+            else:
+                skipped.append({"mode": mode, "reason": NO_CANDIDATE})
         elif masked:
             skipped.append({"mode": mode, "reason": "priced by formula for dense attention only"})
         else:
@@ -586,10 +601,11 @@ def compute_floor(pairs: int, world_size: int, shape: AttentionShape, topo: Topo
 
 
 def _te_rows(world_size: int, shape: AttentionShape, topo: Topology, mask: Mask, thd: ThdLayout,
-             skipped: list[dict], keep: list[bool] | None = None) -> list[ModeResult]:
+             skipped: list[dict], keep: list[bool] | None = None, budget: Budget | None = None) -> list[ModeResult]:
     """Transformer Engine as it runs THD: p2p (the ring schedule, whole KV chunks every step, the
     documents' blocks) and a2a+p2p (USP: the all-to-all over the largest node-local degree, then
-    p2p); ``keep``: which of them the planning budget admitted (:func:`_admit`)."""
+    p2p); ``keep``: which of them the planning budget admitted (:func:`_admit`), ``budget``: whose
+    clock may leave them out (:meth:`~.plan_budget.Budget.late`)."""
     mask, layout = normalize(world_size, shape, mask, thd)
     plans = {"te-p2p": lambda: build_rotation_plan(world_size, shape, mask, layout, "te-p2p")}
     u = _usp_degree(world_size, shape, topo)
@@ -603,6 +619,9 @@ def _te_rows(world_size: int, shape: AttentionShape, topo: Topology, mask: Mask,
     for k, (name, build) in enumerate(plans.items()):
         if keep is not None and not keep[k]:  # past the planning budget (plan_budget)
             skipped.append({"mode": name, "reason": BUDGET_REASON})
+            continue
+        if budget is not None and budget.late():
+            skipped.append({"mode": name, "reason": LATE_REASON})
             continue
         plan = build()
         c = evaluate_plan(plan, shape, topo)
@@ -713,7 +732,7 @@ def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, modes, lay
             n = len(_mode_tasks(_wanted(asked), world_size, shp, topo, backward_chunks, schedule, [])) if kept else 0
             got, skip = evaluate(world_size, shp, topo, modes=asked, backward_chunks=backward_chunks, schedule=schedule,
                                  mask=mask, explain=explain, executor=executor, layout=lay,
-                                 keep=kept[:n] if kept else None)
+                                 keep=kept[:n] if kept else None, budget=budget)
         else:
             n, got, skip = 0, [], [{"mode": m, "reason": f"not planned on THD at CP {world_size}: every rank holds two "
                                     f"pieces of each of the {len(cu) - 1} documents, too many blocks to plan in "
@@ -731,7 +750,7 @@ def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, modes, lay
                       "the plain modes run on the balanced one (--layout balanced)"}
                      for m in modes if m not in asked and m != AUTO]
         if name == "thd":
-            got += _te_rows(world_size, shp, topo, mask, lay, skip, kept[n:] if kept else None)
+            got += _te_rows(world_size, shp, topo, mask, lay, skip, kept[n:] if kept else None, budget)
         rows += [replace(r, layout=name) for r in got]
         skipped += [{**s, "mode": f"{s['mode']} ({name})"} for s in skip]
     return rows, skipped

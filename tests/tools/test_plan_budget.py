@@ -14,9 +14,9 @@ from megatron_mesh.plan import AttentionShape, Mask, balanced_layout, rank_work
 from megatron_mesh.plan import balance, costs
 from megatron_mesh.plan.ir.plan import Plan
 from megatron_mesh.plan.topology import Topology
-from megatron_mesh.tools import planner
-from megatron_mesh.tools.plan_budget import (BUDGET_REASON, BUDGET_S, Budget, LayoutSize, layout_size, row_seconds,
-                                             thd_size)
+from megatron_mesh.tools import plan_budget, planner
+from megatron_mesh.tools.plan_budget import (BUDGET_REASON, BUDGET_S, LATE_REASON, Budget, LayoutSize, layout_size,
+                                             row_seconds, thd_size)
 from megatron_mesh.tools.plan_cli import document_bounds, main
 
 SHAPE = AttentionShape(seq_local=512, batch=1, heads=8, kv_heads=4, head_dim=16)
@@ -27,7 +27,8 @@ def _json(capsys, *argv) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def test_rows_past_the_budget_are_left_out_up_front_in_one_line(capsys):
+def test_rows_past_the_budget_are_left_out_up_front_in_one_line(capsys, monkeypatch):
+    monkeypatch.setattr(plan_budget, "DEADLINE_SLACK_S", 1e6)  # the estimates decide here, not this machine's clock
     argv = ["--cp", "8", "--seq-len", "8192", "--heads", "8", "--docs", "lognormal:512,1", "--layout", "zigzag",
             "--modes", ",".join(planner.REGISTRY)]
     every = _json(capsys, *argv, "--plan-budget", "0")
@@ -48,6 +49,46 @@ def test_rows_past_the_budget_are_left_out_up_front_in_one_line(capsys):
     assert main(argv + ["--plan-budget", "0.075"]) == 0
     lines = [x for x in capsys.readouterr().out.splitlines() if BUDGET_REASON in x]
     assert len(lines) == 1 and lines[0].startswith("not available: ") and "of 3 placements" in lines[0]
+
+
+class _Clock:
+    """A clock that moves ``step`` seconds each time it is read."""
+
+    def __init__(self, step: float):
+        self.now, self.step = 0.0, step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def test_rows_not_planned_by_the_deadline_are_left_out_in_one_line(capsys):
+    """The clock backs the estimates up: once the budget and DEADLINE_SLACK_S more have passed,
+    the rows not yet planned are named (every one: a row or a reason), never planned late."""
+    P, S = 4, 4 * 256
+    shape = AttentionShape(seq_local=256, batch=1, heads=8, kv_heads=4, head_dim=16)
+    mask = Mask.from_cu_seqlens(document_bounds("lognormal:40,1", S), S)
+    topo = Topology.for_cp(P, 4)
+    every, _ = planner.evaluate(P, shape, topo, modes=["ring", "mesh", "mesh-auto"], mask=mask)
+    clock = _Clock(step=plan_budget.DEADLINE_SLACK_S / 2)  # the budget made at 0.5 x slack: late at the 3rd read
+    budget = Budget(1e6, clock=clock)
+    budget.left = 1e-9  # nothing admitted by estimate would be left out: only the clock decides
+    budget.deadline = clock.now + plan_budget.DEADLINE_SLACK_S
+    planned = [r for r in every if r.mode != "mesh-auto"]  # ring, every Mesh tile: one placement each
+    rows, skipped = planner.evaluate(P, shape, topo, modes=["ring", "mesh", "mesh-auto"], mask=mask,
+                                     budget=budget, keep=[True] * len(planned))
+    late = [s for s in skipped if s["reason"] == LATE_REASON]
+    own = [r for r in rows if r.mode != "mesh-auto"]
+    assert own and late and len(own) < len(planned)
+    assert own == planned[:len(own)]  # the rows planned in time, in order, are the same numbers
+    n_late = sum(int(s["mode"].split("(")[1].split(" of")[0]) if "placements" in s["mode"] else 1 for s in late)
+    assert len(own) + n_late == len(planned)  # every placement: a row or the reason, in one entry per mode
+    # a derived row whose candidates all came too late says so too
+    clock.now, budget.deadline = 0.0, 0.0
+    rows, skipped = planner.evaluate(P, shape, topo, modes=["ring", "mesh", "mesh-auto"], mask=mask, budget=budget,
+                                     keep=[True] * len(planned))
+    assert not rows and {s["mode"] for s in skipped} >= {"ring", "mesh-auto"}
+    assert next(s for s in skipped if s["mode"] == "mesh-auto")["reason"] == planner.NO_CANDIDATE
 
 
 def test_plan_budget_flag_is_checked(capsys):
