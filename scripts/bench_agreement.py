@@ -39,7 +39,7 @@ def _bench(rank: int, world: int, iters: int, burst: int, shapes) -> list[dict]:
 
     import megatron_mesh as mm
     from megatron_mesh.runtime import agreement
-    from megatron_mesh.runtime.api import prepare
+    from megatron_mesh.runtime.api import backward_follows, prepare
 
     out = []
     for label, s, b, h, g, d, mode in shapes:
@@ -47,7 +47,8 @@ def _bench(rank: int, world: int, iters: int, burst: int, shapes) -> list[dict]:
         q, k, v = (torch.randn(s, b, n, d, generator=gen, requires_grad=True) for n in (h, g, g))
         kw = dict(mode=mode, cu_seqlens=None) if mode == "ring" else dict(mode=mode, tile="auto")
         p = prepare(q.detach(), k.detach(), v.detach(), **kw)
-        call = agreement.Call(p.plan, p.placement, tuple(q.shape), tuple(k.shape), q.dtype, p.scale, p.kernel)
+        call = agreement.Call(p.plan, p.placement, tuple(q.shape), tuple(k.shape), q.dtype, p.scale, p.kernel,
+                              backward_follows(q, k, v))
         times: dict = {"check": [], "fwd on": [], "fwd off": [], "fwd+bwd": []}
         outputs = {}
         for i in range(iters + 2):  # two warm-up iterations
@@ -58,6 +59,9 @@ def _bench(rank: int, world: int, iters: int, burst: int, shapes) -> list[dict]:
             times["check"].append((time.perf_counter() - t) / burst)
             for name, env in (("fwd on", "1"), ("fwd off", "0")):
                 os.environ[agreement.ENV] = env
+                if env == "0":  # the first call without the check agrees on that (one all-reduce): untimed
+                    with torch.no_grad():
+                        mm.attention(q, k, v, **kw)
                 dist.barrier()
                 t = time.perf_counter()
                 with torch.no_grad():

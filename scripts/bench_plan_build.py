@@ -2,7 +2,9 @@
 """How long one batch's layout and plan take to build (the data loader builds them per sample).
 
 For each CP size and document set: the balanced layout (:func:`megatron_mesh.balanced_layout`),
-then each mode's mask-aware plan on the zigzag and on the balanced layout -- building every
+the default layout's choice for each mode (``--cp-layout auto``: the balanced layout and the zigzag
+priced, :func:`megatron_mesh.plan.choice.choose_layout`; "auto ms"), then each mode's mask-aware
+plan on the zigzag and on the balanced layout -- building every
 rank's op lists, as the ranks of a real run do together (each rank builds only its own; the
 maximum over ranks is printed as "per rank"). Pure Python, no torch::
 
@@ -22,8 +24,9 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megatron_mesh.plan import AttentionShape, Mask, balanced_layout, get_mode, resolve, tile_shapes  # noqa: E402
+from megatron_mesh.plan import AttentionShape, Mask, Topology, balanced_layout, get_mode, resolve, tile_shapes  # noqa: E402
 from megatron_mesh.plan import sparse  # noqa: E402
+from megatron_mesh.plan.choice import choose_layout  # noqa: E402
 from megatron_mesh.tools.plan_cli import document_bounds  # noqa: E402
 
 
@@ -38,9 +41,14 @@ def measure(P: int, S: int, spec: str, modes: list[str], seed: int = 0) -> list[
     shape = AttentionShape(seq_local=S // P, batch=1, heads=32, kv_heads=8, head_dim=128)
     out = []
     t0 = time.perf_counter()
-    layout = balanced_layout(cu, P)
+    nodes = 8 if P > 8 and P % 8 == 0 else None  # the default machine's nodes of 8 GPUs
+    layout = balanced_layout(cu, P, ranks_per_node=nodes)
     layout_s = time.perf_counter() - t0
+    topo = Topology(nodes=P // nodes if nodes else 1, gpus_per_node=nodes or P)
     for mode in modes:
+        t0 = time.perf_counter()
+        choose_layout(layout, shape, topo, mode)
+        choice_s = time.perf_counter() - t0
         for name, lay, mask in (("zigzag", None, Mask.from_cu_seqlens(cu, S)), ("balanced", layout, Mask())):
             _clear()
             square = min(tile_shapes(P), key=lambda t: (abs(t[0] - t[1]), t))  # a fixed tile: no 'auto' search
@@ -56,7 +64,8 @@ def measure(P: int, S: int, spec: str, modes: list[str], seed: int = 0) -> list[
                 plan.rank(r)
                 per_rank = max(per_rank, time.perf_counter() - t1)
             out.append(dict(P=P, S=S, docs=len(cu) - 1, mode=mode, layout=name,
-                            layout_s=layout_s if name == "balanced" else 0.0, plan_s=first,
+                            layout_s=layout_s if name == "balanced" else 0.0,
+                            choice_s=choice_s if name == "balanced" else 0.0, plan_s=first,
                             all_ranks_s=time.perf_counter() - t0, per_rank_s=per_rank))
     return out
 
@@ -86,11 +95,12 @@ def main(argv=None) -> None:
     except ValueError as e:
         ap.error(str(e) + ("" if given else f" (--docs {DEFAULT_DOCS} is the default: give --docs for a --seq-len this "
                                               "short)"))
-    print(f"{'P':>5} {'docs':>6} {'mode':<6} {'layout':<9} {'layout ms':>10} {'plan ms':>9} {'all ranks s':>12}")
+    print(f"{'P':>5} {'docs':>6} {'mode':<6} {'layout':<9} {'layout ms':>10} {'auto ms':>8} {'plan ms':>9} "
+          f"{'all ranks s':>12}")
     for P in args.cp:
         for row in measure(P, args.seq_len, args.docs, args.modes):
             print(f"{row['P']:>5} {row['docs']:>6} {row['mode']:<6} {row['layout']:<9} {row['layout_s'] * 1e3:>10.1f} "
-                  f"{row['plan_s'] * 1e3:>9.1f} {row['all_ranks_s']:>12.2f}")
+                  f"{row['choice_s'] * 1e3:>8.1f} {row['plan_s'] * 1e3:>9.1f} {row['all_ranks_s']:>12.2f}")
 
 
 if __name__ == "__main__":

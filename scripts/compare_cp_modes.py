@@ -37,6 +37,7 @@ its own CP = 1 baseline):
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import shutil
@@ -105,9 +106,12 @@ def reused_baseline(runs: list[RunResult], mode: str, mask: str) -> RunResult | 
     return replace(same, mask=mask)
 
 
-def _have_te() -> bool:
-    probe = "import transformer_engine.pytorch"  # TE raises RuntimeError without CUDA: any failure means no
-    return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
+@functools.lru_cache(maxsize=1)
+def _have_te() -> tuple[bool, str]:
+    """(Transformer Engine usable, why not): TE raises RuntimeError without CUDA, so any failure means no."""
+    probe = subprocess.run([sys.executable, "-c", "import transformer_engine.pytorch"], capture_output=True, text=True)
+    lines = probe.stderr.strip().splitlines()
+    return probe.returncode == 0, lines[-1] if lines else f"exit status {probe.returncode}"
 
 
 def default_modes(cp: int) -> list[str]:
@@ -118,9 +122,44 @@ def default_modes(cp: int) -> list[str]:
     modes.append("tasp")
     if cp >= 4 and cp % 2 == 0:
         modes.append("a2a+mesh:2")
-    if _have_te():
+    if _have_te()[0]:
         modes += list(TE_MODES)
     return modes
+
+
+def check_te_modes(modes: list[str]) -> None:
+    """Transformer Engine's modes named where it is not usable: refused now, not in each of their runs."""
+    te = [m for m in modes if m.partition(":")[0] in TE_MODES]
+    usable, why = _have_te() if te else (True, "")
+    if not usable:
+        refuse(f"--modes {', '.join(te)}: Transformer Engine's modes, and Transformer Engine is not usable here "
+               f"({why}); the plugin's ring is p2p's algorithm (zigzag ring attention)")
+
+
+def check_doc_data(prefix: str | None, masks: list[str]) -> None:
+    """--doc-data names a dataset the documents runs can read (else every one of them fails at start-up)."""
+    if prefix is None or not set(masks) & set(DOC_MASKS):
+        return
+    missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+    if missing:
+        refuse(f"--doc-data {prefix}: no dataset there, {', '.join(missing)} not found; give the prefix of a Megatron "
+               "indexed dataset (PREFIX.bin + PREFIX.idx, e.g. written by scripts/make_doc_dataset.py), or leave it "
+               "out (the job writes its documents)")
+
+
+def check_megatron_flags(flags: list[str]) -> None:
+    """The Megatron flags after ``--``, parsed by Megatron's parser with the plugin's flags
+    (:func:`megatron_mesh.megatron.args.parse_flags`, in a process of its own: it imports Megatron,
+    ~10 s, so only when there are such flags): an unknown flag or a bad value stops the job now,
+    not every run at its start-up."""
+    if not flags:
+        return
+    proc = subprocess.run([sys.executable, "-m", "megatron_mesh.megatron.args", *flags], capture_output=True,
+                          text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines()
+        said = [line.split("error: ", 1)[1] for line in lines if line.startswith("megatron_mesh: error: ")]
+        refuse(f"the Megatron flags after --: {said[0] if said else lines[-1] if lines else proc.returncode}")
 
 
 def _seq_length(config: str) -> int:
@@ -327,8 +366,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.cp < 1:
         refuse(f"--cp must be >= 1, got {args.cp}")
-    if args.run_timeout is not None and not args.run_timeout > 0:  # NaN too
-        refuse(f"--run-timeout must be a number of seconds > 0, got {args.run_timeout:g} (leave it out for no limit)")
+    if args.run_timeout is not None and not 0 < args.run_timeout <= threading.TIMEOUT_MAX:  # NaN too
+        refuse(f"--run-timeout must be a number of seconds > 0 and at most {threading.TIMEOUT_MAX:.0f}, got "
+               f"{args.run_timeout:g} (leave it out for no limit)")
     preset(args)
     if args.megatron_args and args.megatron_args[0] == "--":
         args.megatron_args = args.megatron_args[1:]
@@ -353,15 +393,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.no_predict and args.predict:
         refuse("--predict and --no-predict exclude each other")
     args.predict_configs = [] if args.no_predict else (args.predict or [predict.DEFAULT_CONFIG])
+    check_before_runs(args)
+    return args
+
+
+def check_before_runs(args) -> None:
+    """What would fail in the runs (or in the report, after them), refused now: every mode's
+    command, Transformer Engine's modes, the documents' data, every config the report plans for
+    (``cpu_problem``: the job's own), the Megatron flags after ``--``."""
     for mode in args.modes:  # each mode's command once, before the first training: a bad one fails now
         command(mode, args, os.devnull)
+    check_te_modes(args.modes)
+    check_doc_data(args.doc_data, args.masks)
     try:  # read every config before the first training: a bad one fails in seconds, not after the runs
         for path in args.predict_configs:
             predict.read_config(path)
         args.cpu_problem = predict.read_config(args.config, cp=args.cp) if args.cp > 1 else None
     except ValueError as e:
         refuse(str(e))
-    return args
+    check_megatron_flags(args.megatron_args)  # last: the only check that takes seconds
 
 
 def report_directory(out: str | None) -> str:

@@ -8,21 +8,21 @@ The family searched (found on issue 19's CPU sample, 8 ranks, 64K tokens of logn
 for causal attention over packed documents (no window):
 
 * a *long* document -- work above the mean per-rank work, or more tokens than a rank holds -- is
-  poured in contiguous pieces into the tokens the others leave, along an order of the ranks
+  poured in contiguous portions into the tokens the others leave, along an order of the ranks
   (the longest first);
 * every other document stays whole on one rank (no traffic);
-* the block of rank i's queries against rank j's keys (where a long document's pieces meet) is
+* the block of rank i's queries against rank j's keys (where a long document's portions meet) is
   computed on one rank, i or j or another (``BalancedLayout.owners``).
 
-Contiguous pieces of a document meet in one block per pair of ranks, where zigzag pieces meet in
+Contiguous portions of a document meet in one block per pair of ranks, where zigzag portions meet in
 two, and a block computed at either end lets work go where there is room. Worked example
 (``BalancedLayout``'s): one document of 12 tokens on 3 ranks, [4r, 4r + 4) on rank r -- the
 query owner gives the ranks 10, 26 and 42 pairs; computing block (2, 0) on rank 0 gives 26 each,
-and each rank sends one piece per block it takes part in.
+and each rank sends one portion per block it takes part in.
 
 The search: simulated annealing from a seeded random start (moves: a short document to another
 rank, two swapped, two ranks swapped in the pouring order, a block to another rank), scored by
-the busiest rank's bytes sent (forward + backward, counted as the plan counts them, pieces kept
+the busiest rank's bytes sent (forward + backward, counted as the plan counts them, portions kept
 for the backward where :class:`~megatron_mesh.plan.sparse._Keeps` keeps them), with a penalty on
 work max/mean above ``--max-balance``. The best state is then built by the planner -- Mesh's plan
 on the ``BalancedLayout`` with its owners -- and that plan's bytes and work are printed (they
@@ -47,7 +47,7 @@ from megatron_mesh.plan import AttentionShape, Mask, plan_bytes, rank_work, reso
 from megatron_mesh.plan.accounting import buffer_bytes
 from megatron_mesh.plan.balance import BalancedLayout, document_work
 from megatron_mesh.plan.layout import ZigzagLayout
-from megatron_mesh.plan.sparse import KEEP_LIMIT
+from megatron_mesh.plan.tunables import TUNABLES
 from megatron_mesh.tools.plan_cli import document_bounds
 
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
@@ -71,7 +71,7 @@ class Problem:
                            key=lambda d: (-lengths[d], d))
         self.short = [d for d in range(len(lengths)) if d not in self.long]
 
-    def pieces(self, state) -> list[list[tuple[int, int, int]]] | None:
+    def portions(self, state) -> list[list[tuple[int, int, int]]] | None:
         """Each rank's (document, start, end): the short documents at their homes, then the long
         ones poured in order into what is left, rank by rank along ``state.order``; None where the
         homes overfill a rank."""
@@ -96,9 +96,9 @@ class Problem:
         return ranks
 
     def score(self, state):
-        """(busiest rank's bytes sent, work max/mean, sent per rank, work per rank, pieces), or
+        """(busiest rank's bytes sent, work max/mean, sent per rank, work per rank, portions), or
         None for a state that overfills a rank."""
-        ranks = self.pieces(state)
+        ranks = self.portions(state)
         if ranks is None:
             return None
         P, tb = self.P, self.token
@@ -112,22 +112,22 @@ class Problem:
         for d, pcs in where.items():
             for i, a, b in pcs:
                 for j, c, e in pcs:
-                    if i != j and e <= a:  # j's piece comes first: i's rows see all of it
+                    if i != j and e <= a:  # j's portion comes first: i's rows see all of it
                         h = state.owner(i, j)
                         work[h] += (b - a) * (e - c)
                         if h != i:
                             rows.setdefault((h, i), set()).add(d)
                         if h != j:
                             cols.setdefault((h, j), set()).add(d)
-        piece = {(r, d): b - a for r, pcs in enumerate(ranks) for d, a, b in pcs}
-        row_n = {k: sum(piece[k[1], d] for d in ds) for k, ds in rows.items()}
-        col_n = {k: sum(piece[k[1], d] for d in ds) for k, ds in cols.items()}
+        portion = {(r, d): b - a for r, pcs in enumerate(ranks) for d, a, b in pcs}
+        row_n = {k: sum(portion[k[1], d] for d in ds) for k, ds in rows.items()}
+        col_n = {k: sum(portion[k[1], d] for d in ds) for k, ds in cols.items()}
         pulled = [0] * P
         for (h, _), n in row_n.items():
             pulled[h] += n * tb["q"]
         for (h, _), n in col_n.items():
             pulled[h] += n * tb["kv"]
-        keeps = [pulled[h] <= KEEP_LIMIT * self.T * (tb["q"] + tb["kv"]) for h in range(P)]
+        keeps = [pulled[h] <= TUNABLES.keep_limit * self.T * (tb["q"] + tb["kv"]) for h in range(P)]
         sent = [0] * P
         for (h, i), n in row_n.items():
             sent[i] += n * (tb["q"] * (1 if keeps[h] else 2) + tb["do"])
@@ -216,7 +216,7 @@ def anneal(problem: Problem, seed: int, iters: int, max_balance: float, temp: fl
 
 
 def layout_of(problem: Problem, bounds: list[int], state: State, ranks) -> BalancedLayout:
-    """The BalancedLayout of ``ranks``' pieces (each rank's runs in position order), with the
+    """The BalancedLayout of ``ranks``' portions (each rank's runs in position order), with the
     owners of the blocks that exist and are not their query owner's."""
     runs = tuple(tuple(sorted((bounds[d] + a, b - a) for d, a, b in pcs)) for pcs in ranks)
     docs_of = [{d for d, _, _ in pcs} for pcs in ranks]
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> dict:
     plan_balance = max(work) / (sum(work) / len(work))
     print(f"{len(problem.lengths)} documents, {len(problem.long)} long ({', '.join(str(problem.lengths[d]) for d in problem.long)} "
           f"tokens); best: busiest rank {max(planned) / 1e6:.3f} MB sent (the plan's), work max/mean {plan_balance:.4f}")
-    print("rank  pieces (document tokens [start, end))" + " " * 30 + "sent MB  work/mean")
+    print("rank  portions (document tokens [start, end))" + " " * 30 + "sent MB  work/mean")
     for r, pcs in enumerate(ranks):
         text = ", ".join(f"{problem.lengths[d]}[{a}:{b})" if d in problem.long else str(problem.lengths[d])
                          for d, a, b in sorted(pcs, key=lambda p: bounds[p[0]] + p[1]))

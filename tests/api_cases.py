@@ -1,7 +1,8 @@
 """Hostile distributed calls, run on the whole default group of the shared spawn (see
 test_api_distributed.py): ranks that disagree on the plan (mode, documents with a cached plan on
 some ranks and a new one on others, same-shape plans, softmax scale, dtype, local shape, window,
-a hybrid, the Megatron adapter's wrapped communicator, one rank's bad input), a rank calling with a
+a hybrid, the Megatron adapter's wrapped communicator, one rank's bad input, one rank's own process
+settings -- the check's switch, the mask piece -- and grad mode), a rank calling with a
 group it is not in, and a process group destroyed and re-created with the ranks swapped."""
 
 from __future__ import annotations
@@ -48,12 +49,59 @@ def _other_plan_code(other: bool, fn):
 
     if not other:
         return fn()
-    real = agreement._source_digest()
-    agreement._SOURCE_DIGEST[:] = [OTHER_SOURCE]
+    real = agreement._source_digest
+    agreement._source_digest = lambda: OTHER_SOURCE
     try:
         return fn()
     finally:
-        agreement._SOURCE_DIGEST[:] = [real]
+        agreement._source_digest = real
+
+
+def _with_env(here: bool, name: str, value: str, fn):
+    """Run ``fn`` with the environment variable ``name`` set to ``value`` on this rank (``here``)."""
+    if not here:
+        return fn()
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return fn()
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
+def _trains(q, k, v, no_grad: bool):
+    """Rank 2's view of a training step with ``no_grad``: the forward only (torch.no_grad()), the
+    others' forward and backward."""
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    if no_grad:
+        with torch.no_grad():
+            return mm.ring_attention(q, k, v)
+    mm.ring_attention(q, k, v).sum().backward()
+
+
+def _matches(out, want):
+    assert (out - want).abs().max().item() < 1e-12
+
+
+def process_settings(rank: int, world: int, q, k, v, want) -> dict:
+    """One rank's own process settings and grad mode: the check's switch, the mask piece (and its
+    old name), torch.no_grad(): name -> call (see disagreements)."""
+    from megatron_mesh.runtime import agreement
+
+    ring = lambda: mm.ring_attention(q, k, v)  # noqa: E731
+    documents = lambda: mm.ring_attention(q, k, v, cu_seqlens=DOCS["A"])  # noqa: E731 -- masked blocks: mask pieces
+    return {
+        "agreement_off_on_one_rank": lambda: _with_env(rank == 2, agreement.ENV, "0", ring),
+        "agreement_bad_on_one_rank": lambda: _with_env(rank == 2, agreement.ENV, "yes", ring),
+        "mask_piece_bad_on_one_rank": lambda: _with_env(rank == 2, "MEGATRON_MESH_MASK_PIECE", "0", documents),
+        "no_grad_on_one_rank": lambda: _trains(q, k, v, no_grad=rank == 2),
+        # every rank without the check: the first call agrees on that, the second runs no check
+        "agreement_off_everywhere": lambda: _with_env(True, agreement.ENV, "0", lambda: [
+            _matches(mm.ring_attention(q, k, v), want) for _ in range(2)]),
+    }
 
 
 def disagreements(rank: int, world: int) -> dict:
@@ -61,11 +109,11 @@ def disagreements(rank: int, world: int) -> dict:
     name -> (outcome on this rank, seconds). Each must raise on every rank; the "*_agree" calls
     in between must run."""
     from megatron_mesh.comm.torch_dist import TorchDistCommunicator
-    from megatron_mesh.megatron.telemetry import TimedCommunicator
+    from megatron_mesh.megatron.telemetry import TimedCommunicator, Timing
     from megatron_mesh.plan import AttentionShape, resolve
 
     T = 32 // world
-    (q, k, v), _ = _inputs(world, rank, T=T)
+    (q, k, v), want = _inputs(world, rank, T=T)
 
     def ring(odd: int, theirs: str, rest: str):  # rank `odd` passes documents `theirs`, the others `rest`
         return lambda: mm.ring_attention(q, k, v, cu_seqlens=DOCS[theirs if rank == odd else rest])
@@ -73,7 +121,7 @@ def disagreements(rank: int, world: int) -> dict:
     half = (q.repeat(1, 2, 1, 1), k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1))  # batch 2
     wide = tuple(torch.cat([x, x], dim=-1) for x in (q, k, v))  # head dim 16
     shape = AttentionShape(T, 1, 4, 2, 8, 8)
-    adapter = TimedCommunicator(TorchDistCommunicator(None))  # what core_attention.py hands attention()
+    adapter = TimedCommunicator(TorchDistCommunicator(None), Timing())  # what core_attention.py hands attention()
     placement = resolve("mesh", world, shape, tile=(2, world // 2))
     calls = {
         "documents_agree_A": ring(0, "A", "A"),
@@ -103,6 +151,17 @@ def disagreements(rank: int, world: int) -> dict:
                                                      layout=mm.balanced_layout(DOCS["A"], world, group=2,
                                                                                hide=rank == 1)),
         "plan_code": lambda: _other_plan_code(rank == 0, lambda: mm.ring_attention(q, k, v)),
+        # attention sinks: learnable on rank 1, off-by-one (fixed zeros) on the others (every rank trains: a
+        # backward follows everywhere); none on rank 2
+        "sinks": lambda: mm.ring_attention(*(x.detach().requires_grad_() for x in (q, k, v)),
+                                           softmax_offset=torch.zeros(4, dtype=q.dtype).requires_grad_(rank == 1)),
+        "sinks_on_some_ranks": lambda: mm.hybrid_attention(q, k, v, ulysses_size=2, inner="ring",
+                                                           softmax_offset=None if rank == 2 else torch.zeros(4)),
+        # MLA on rank 0 (values of head dim 6), the others' values of q's and k's head dim 8
+        "value_head_dim": lambda: mm.ring_attention(q, k, v[..., :6] if rank == 0 else v),
+        "sinks_agree": lambda: mm.mesh_attention(q, k, v[..., :6], tile=(2, world // 2), softmax_offset=torch.zeros(4)),
+        "bad_offset_on_one_rank": lambda: mm.ring_attention(q, k, v, softmax_offset=torch.zeros(3 if rank == 2 else 4)),
+        **process_settings(rank, world, q, k, v, want),
     }
     out = {}
     for name, fn in calls.items():

@@ -54,6 +54,8 @@ class Problem:
     window: tuple | None = None
     cu_seqlens: tuple | None = None
     thd: tuple | None = None
+    v_head_dim: int | None = None  # None: head_dim (MLA's differ)
+    sink: bool = False  # learnable attention sinks (softmax_offset), one random logit per query head
 
     @property
     def layout(self) -> ThdLayout | None:
@@ -79,7 +81,7 @@ class Problem:
     @property
     def shape(self) -> AttentionShape:
         return AttentionShape(self.local_len, self.batch, self.heads, self.kv_heads, self.head_dim,
-                              torch.tensor([], dtype=self.dtype).element_size())
+                              torch.tensor([], dtype=self.dtype).element_size(), self.v_head_dim)
 
     def mask_args(self) -> dict:
         """The mask arguments of the public API (``causal``, ``window``, ``cu_seqlens``, ``layout``)."""
@@ -95,28 +97,50 @@ class Problem:
 def make_inputs(p: Problem):
     """Global fp64 q, k, v and dout of ``p`` (the same on every rank)."""
     g = torch.Generator().manual_seed(p.seed)
-    S, f64 = p.seq_len, torch.float64
+    S, f64, dv = p.seq_len, torch.float64, p.v_head_dim or p.head_dim
     Q = torch.randn(S, p.batch, p.heads, p.head_dim, generator=g, dtype=f64)
     K = torch.randn(S, p.batch, p.kv_heads, p.head_dim, generator=g, dtype=f64)
-    V = torch.randn(S, p.batch, p.kv_heads, p.head_dim, generator=g, dtype=f64)
-    dO = torch.randn(S, p.batch, p.heads, p.head_dim, generator=g, dtype=f64)
+    V = torch.randn(S, p.batch, p.kv_heads, dv, generator=g, dtype=f64)
+    dO = torch.randn(S, p.batch, p.heads, dv, generator=g, dtype=f64)
     return Q, K, V, dO
+
+
+def sink_logits(p: Problem) -> torch.Tensor | None:
+    """The fp64 softmax_offset of ``p`` (None without sinks): one logit per query head."""
+    return torch.randn(p.heads, generator=torch.Generator().manual_seed(p.seed + 1), dtype=torch.float64) \
+        if p.sink else None
 
 
 @dataclass(frozen=True)
 class Reference:
-    """Global inputs and the dense fp64 output and gradients of one problem."""
+    """Global inputs and the dense fp64 output and gradients of one problem (and the sinks'
+    logits and their gradient, with sinks)."""
 
     inputs: tuple  # Q, K, V, dO
     wanted: tuple  # out, dQ, dK, dV
+    offset: torch.Tensor | None = None
+    offset_grad: torch.Tensor | None = None
 
 
 def dense_reference(p: Problem, softmax_scale: float | None = None) -> Reference:
     Q, K, V, dO = make_inputs(p)
     Qr, Kr, Vr = (x.clone().requires_grad_() for x in (Q, K, V))
-    out = reference_attention(Qr, Kr, Vr, softmax_scale=softmax_scale, mask=p.mask)
+    offset = sink_logits(p)
+    sink = None if offset is None else offset.clone().requires_grad_()
+    out = reference_attention(Qr, Kr, Vr, softmax_scale=softmax_scale, mask=p.mask, softmax_offset=sink)
     out.backward(dO)
-    return Reference((Q, K, V, dO), (out.detach(), Qr.grad, Kr.grad, Vr.grad))
+    return Reference((Q, K, V, dO), (out.detach(), Qr.grad, Kr.grad, Vr.grad), offset,
+                     None if sink is None else sink.grad)
+
+
+def assert_offset_grad(p: Problem, shares, ref: Reference, what: str = "") -> None:
+    """The ranks' shares of d softmax_offset sum to the dense reference's gradient (within the
+    problem's tolerance, as the other gradients)."""
+    atol, rtol = tolerance(p.dtype, p.heads, p.kv_heads)
+    got = sum(s.double().cpu() for s in shares)
+    err = (got - ref.offset_grad).abs()
+    assert (err <= atol + rtol * ref.offset_grad.abs()).all(), \
+        f"{what}: d softmax_offset {got.tolist()} != {ref.offset_grad.tolist()} (max error {err.max().item():.2e})"
 
 
 @dataclass(frozen=True)
@@ -225,6 +249,7 @@ PARTS = {
     "tasp_variants": ("tasp_cases:tasp_variants", (3, 4)),
     "bytes": ("bytes_cases:measure_group", (2, 3, 4, 5, 6, 7, 8)),
     "gloo_outputs": ("cases:gloo_outputs", (4,)),
+    "strides": ("mask_cases:strides_grid", (5, 6)),
 }
 # run after the phases on the whole default group (they make their own subgroups, and their hostile
 # API cases destroy and re-create the default group): name -> "module:function(rank, world)"

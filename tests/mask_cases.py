@@ -43,6 +43,9 @@ class Case:
     seq_local: int = 8
     batch: int = 1
     head_dim: int = 16
+    v_head_dim: int | None = None  # None: head_dim (MLA's differ)
+    sink: str = ""  # attention sinks: "" none, "fixed" (off-by-one: zeros), "learnable" (their gradient checked)
+    memory: tuple = ()  # the memory layouts (MEMORY) of q, k, v and dout; () all contiguous
 
     def label(self) -> str:
         st = " ".join(f"{k}={v}" for k, v in self.settings)
@@ -57,6 +60,12 @@ class Case:
             mask += f" balanced (group {self.balanced}{', hide' if self.hide else ''})"
         if self.owners:
             mask += f" contiguous ranks, block owners of seed {self.owners}"
+        if self.v_head_dim not in (None, self.head_dim):
+            mask += f" head dims {self.head_dim}/{self.v_head_dim}"
+        if self.sink:
+            mask += f" {self.sink} sinks"
+        if self.memory:
+            mask += " memory " + "/".join(self.memory)
         return (f"P={self.world} {self.mode} {st} heads={self.heads}/{self.kv_heads} {str(self.dtype)[6:]} "
                 f"{mask}").replace("  ", " ")
 
@@ -70,6 +79,44 @@ class Record:
     received: int = 0
     planned: tuple = (0, 0)
     dtype: str = ""
+    offset_grad: tuple = ()  # this rank's share of d softmax_offset (learnable sinks)
+    offset_grad_want: tuple = ()  # the dense reference's whole gradient
+    inputs_written: bool = False  # the call wrote into the caller's q, k, v or dout
+
+
+# -- memory layouts of an input (the strides sweep): the same [s, b, h, d] values in other memory ---------
+def _fused_qkv(x: torch.Tensor) -> torch.Tensor:
+    """x as the middle third of a fused [s, b, h, 3, d] projection (a QKV split view: head_dim stride 1)."""
+    buf = x.new_zeros(*x.shape[:-1], 3, x.shape[-1])
+    buf[..., 1, :] = x
+    return buf[..., 1, :]
+
+
+def _every_other(x: torch.Tensor) -> torch.Tensor:
+    """x as every other element of a buffer twice as wide (``buf[..., ::2]``: head_dim stride 2)."""
+    buf = x.new_zeros(*x.shape[:-1], 2 * x.shape[-1])
+    buf[..., ::2] = x
+    return buf[..., ::2]
+
+
+def _stored(*order: int):
+    """x stored with its dims in ``order`` (outermost first), seen as [s, b, h, d] again."""
+    back = tuple(order.index(i) for i in range(4))
+    return lambda x: x.permute(*order).contiguous().permute(*back)
+
+
+# name -> (what the global values become (None: unchanged), the local tensor in this memory). The
+# expanded ones repeat one head / one element of head_dim with stride 0, so their values repeat too.
+MEMORY = {
+    "contiguous": (None, lambda x: x),
+    "fused-qkv": (None, _fused_qkv),
+    "bhsd": (None, _stored(1, 2, 0, 3)),  # a [b, h, s, d] tensor permuted to [s, b, h, d]
+    "step-2": (None, _every_other),
+    "sbdh": (None, _stored(0, 1, 3, 2)),  # a projection stored [d, h]: x.view(s, b, d, h).transpose(2, 3)
+    "dhbs": (None, _stored(3, 2, 1, 0)),  # every dim permuted
+    "expand-heads": (lambda x: x[:, :, :1].expand_as(x), lambda x: x[:, :, :1].expand(x.shape)),
+    "expand-dim": (lambda x: x[..., :1].expand_as(x), lambda x: x[..., :1].expand(x.shape)),
+}
 
 
 def _layout(c: Case):
@@ -96,32 +143,48 @@ def _mask(c: Case, seq_len: int) -> Mask:
     return Mask(c.causal, c.window).normalized(seq_len)
 
 
-def run(rank: int, c: Case, group) -> Record:
+def run(rank: int, c: Case, group, comm=None) -> Record:
+    """Case ``c`` on this rank of ``group`` (or of the communicator ``comm``: in-process ranks)."""
     layout = _layout(c)
     S = c.world * c.seq_local if layout is None else layout.seq_len
     g = torch.Generator().manual_seed(S * 31 + c.heads)
-    f64 = torch.float64
+    f64, dv = torch.float64, c.v_head_dim or c.head_dim
     Q = torch.randn(S, c.batch, c.heads, c.head_dim, generator=g, dtype=f64)
     K = torch.randn(S, c.batch, c.kv_heads, c.head_dim, generator=g, dtype=f64)
-    V = torch.randn(S, c.batch, c.kv_heads, c.head_dim, generator=g, dtype=f64)
-    dO = torch.randn(S, c.batch, c.heads, c.head_dim, generator=g, dtype=f64)
+    V = torch.randn(S, c.batch, c.kv_heads, dv, generator=g, dtype=f64)
+    dO = torch.randn(S, c.batch, c.heads, dv, generator=g, dtype=f64)
+    sink = None if not c.sink else torch.zeros(c.heads, dtype=f64) if c.sink == "fixed" else \
+        torch.randn(c.heads, generator=g, dtype=f64).requires_grad_()
+    memory = [MEMORY[name] for name in c.memory] or [MEMORY["contiguous"]] * 4
+    raw = (Q, K, V, dO)
+    Q, K, V, dO = (x if values is None else values(x).contiguous() for x, (values, _) in zip(raw, memory))
     Qr, Kr, Vr = (x.clone().requires_grad_() for x in (Q, K, V))
-    ref = reference_attention(Qr, Kr, Vr, mask=_mask(c, S))
+    ref = reference_attention(Qr, Kr, Vr, mask=_mask(c, S), softmax_offset=sink)
     ref.backward(dO)
     shard = (lambda x: mm.zigzag_shard(x, rank, c.world)) if layout is None else (
         lambda x: mm.layout_shard(x, rank, layout))
-    q, k, v = (shard(x).to(c.dtype).requires_grad_() for x in (Q, K, V))
+    # the caller's tensors as they lie in memory (detached: the call gets exactly these strides); an
+    # expanded one is a view of the raw values, whose neighbours in memory differ from what it repeats
+    q, k, v, do = (lay(shard(x).to(c.dtype)).detach() for x, (_, lay) in zip(raw, memory))
+    for x in (q, k, v):
+        x.requires_grad_()
+    offset = None if sink is None else sink.detach().to(c.dtype).requires_grad_(c.sink == "learnable")
+    versions = [x._version for x in (q, k, v, do)]
     documents = list(c.cu_seqlens) if c.cu_seqlens and not (c.balanced or c.owners) else None  # the layout's own
-    kw = dict(causal=c.causal, window=c.window, cu_seqlens=documents, layout=layout, **dict(c.settings))
+    kw = dict(causal=c.causal, window=c.window, cu_seqlens=documents, layout=layout, comm=comm, **dict(c.settings))
     with mm.comm_counter() as counter:
-        out = mm.attention(q, k, v, mode=c.mode, group=group, **kw)
-        out.backward(shard(dO).to(c.dtype))
+        out = mm.attention(q, k, v, mode=c.mode, group=group, softmax_offset=offset, **kw)
+        out.backward(do)
+    # the bytes of the same call's plan without sinks: a sink adds none
     plan = prepare(q.detach(), k.detach(), v.detach(), mode=c.mode, group=group, **kw).plan
-    shape = AttentionShape(q.shape[0], c.batch, c.heads, c.kv_heads, c.head_dim, q.element_size())
+    shape = AttentionShape(q.shape[0], c.batch, c.heads, c.kv_heads, c.head_dim, q.element_size(), dv)
     planned = plan_bytes(plan, shape)[rank]
     atol, rtol = tolerance(c.dtype, c.heads, c.kv_heads)
     rec = Record(c.label(), sent=counter.bytes_sent, received=counter.bytes_received,
-                 planned=(planned.sent, planned.received), dtype=str(c.dtype))
+                 planned=(planned.sent, planned.received), dtype=str(c.dtype),
+                 inputs_written=[x._version for x in (q, k, v, do)] != versions)
+    if c.sink == "learnable":
+        rec.offset_grad, rec.offset_grad_want = tuple(offset.grad.double().tolist()), tuple(sink.grad.tolist())
     for name, got, want in (("out", out, ref.detach()), ("dq", q.grad, Qr.grad), ("dk", k.grad, Kr.grad),
                             ("dv", v.grad, Vr.grad)):
         want = shard(want)
@@ -238,6 +301,15 @@ def balanced_documents(world: int, T: int, variant: int) -> tuple:
     return tuple(cu)
 
 
+def cpu_problem_samples() -> list[tuple]:
+    """Seeds 0-2 of the CPU problem of docs/performance.md (8 ranks, 64K tokens of
+    lognormal:4096,1.0) scaled by 1/32: 2K tokens of lognormal:128,1.0 (the sizes of a document
+    relative to a rank's tokens are the same)."""
+    from megatron_mesh.tools.plan_cli import document_bounds
+
+    return [tuple(document_bounds("lognormal:128,1.0", 2048, seed)) for seed in range(3)]
+
+
 def balanced_grid(rank: int, world: int, group=None) -> list[Record]:
     """The work-balanced layout (issue 19): every plan-based mode on it -- ring, Mesh (auto and a
     2-row tile), TASP, and at even CP sizes the hybrids on a layout balanced per Ulysses group
@@ -268,6 +340,73 @@ def balanced_grid(rank: int, world: int, group=None) -> list[Record]:
                                   cu_seqlens=balanced_documents(world, T, (4, 7)[seed - 1]), owners=seed * 10 + world),
                        group))
         n += 1
+    if world == 8:  # the CPU problem's samples (scaled), the shape of docs/performance.md: 2 heads of 32, fp32
+        for cu in cpu_problem_samples():
+            for mode in ("ring", "tasp"):
+                out.append(run(rank, Case(8, mode, (), 2, 2, torch.float32, seq_local=256, head_dim=32, cu_seqlens=cu,
+                                          balanced=1), group))
+    return out
+
+
+def strides_cases(world: int, memories: int = len(MEMORY)) -> list[Case]:
+    """The strides sweep: ring, every Mesh tile, TASP and (at even P > 2) the three hybrids, each
+    without documents, with documents on Megatron's zigzag and on the balanced layout, its inputs in
+    ``memories`` of the memory layouts (:data:`MEMORY`): case i gives q the i-th, k the next, v the
+    one after and dout the one after that, so that over len(MEMORY) cases each input meets each
+    layout; fewer ``memories`` start each mode and mask at another layout. Heads (MHA / GQA / MQA)
+    and dtype (fp64 / fp32 / bf16) rotate."""
+    T = 2 * max(world, 3)
+    names, combos = list(MEMORY), [(4, 4, torch.float64), (4, 2, torch.float32), (4, 1, torch.bfloat16)]
+    modes = [("ring", (), 1), ("tasp", (), 1)]
+    modes += [("mesh", (("tile", t),), 1) for t in tile_shapes(world) if t != (1, world)]
+    if world % 2 == 0 and world > 2:
+        modes += [(f"a2a+{inner}", (("ulysses_size", 2),), 2) for inner in ("ring", "mesh", "tasp")]
+    docs = balanced_documents(world, T, 3)
+    out, n = [], 0
+    for mode, settings, group_size in modes:
+        for masked in ({}, dict(cu_seqlens=docs), dict(cu_seqlens=docs, balanced=group_size)):
+            for i in range(memories):
+                memory = tuple(names[(n + i + j) % len(names)] for j in range(4))
+                heads, kv, dtype = combos[(n + i) % len(combos)]
+                out.append(Case(world, mode, settings, heads, kv, dtype, seq_local=T, memory=memory, **masked))
+            n += 1
+    return out
+
+
+def strides_grid(rank: int, world: int, group=None) -> list[Record]:
+    """The strides sweep (:func:`strides_cases`) on a gloo group: one set of memory layouts per mode
+    and mask, each input in another (the in-process test runs every layout on every input)."""
+    return [run(rank, c, group) for c in strides_cases(world, memories=1)]
+
+
+def sink_grid(rank: int, world: int, group=None) -> list[Record]:
+    """Attention sinks (learnable: each rank's share of the offset's gradient, summed over the
+    group on the pytest side; off-by-one: fixed zeros) and value head dims other than the
+    query/key one (12 / 8: MLA's 192 / 128 scaled down) in every mode -- ring, a Mesh tile (2-D
+    where P has one), TASP and, at even CP sizes, the three hybrids (U = 2) -- one case each,
+    rotating over the CP sizes the mask (none, a window, documents with a window on the balanced
+    layout, full attention over documents), MHA / GQA / MQA, fp32 / bf16, the sink kind and the
+    head dims, so that across the sizes every mode meets each of them."""
+    T = 2 * max(world, 3)
+    S = world * T
+    docs = tuple(sorted({0, S} | {x for x in (3, T + 1, S - 2) if 0 < x < S}))
+    tile = next((t for t in tile_shapes(world) if 1 < t[0] < world), (1, world))
+    modes = [("ring", ()), ("mesh", (("tile", tile),)), ("tasp", ())]
+    if world % 2 == 0:
+        modes += [(m, (("ulysses_size", 2),)) for m in ("a2a+ring", "a2a+mesh", "a2a+tasp")]
+    masks = [{}, dict(window=(3, 0)), dict(cu_seqlens=docs, window=(T, 0), balanced=1),
+             dict(causal=False, cu_seqlens=docs)]
+    out = []
+    for i, (mode, settings) in enumerate(modes):
+        n = world + i
+        mask = dict(masks[(n + world // 2) % len(masks)])
+        if mask.get("balanced") and mode.startswith("a2a"):  # balanced per Ulysses group; from P = 4 its first and
+            mask.update(balanced=2, hide=world > 2)  # last documents apart: rows finished (and sunk) at two times
+        kv = (4, 2, 1)[(world // 2 + i) % 3]  # MHA, GQA, MQA
+        dtype = (torch.float32, torch.bfloat16)[(world + i + world // 2 + i // 3) % 2]
+        dims = dict(head_dim=12, v_head_dim=8) if (world // 2 + i) % 2 else {}
+        out.append(run(rank, Case(world, mode, settings, 4, kv, dtype, seq_local=T, batch=2,
+                                  sink="fixed" if n % 3 == 0 else "learnable", **dims, **mask), group))
     return out
 
 
@@ -280,6 +419,8 @@ def all_cases(rank: int, world: int) -> dict:
     out = {"masked": in_subgroups(rank, world, masked_grid),
            "halo": in_subgroups(rank, world, halo_cases, phases=((8,),)),
            "hybrid": in_subgroups(rank, world, hybrid_grid, phases=((8,), (6, 2), (4, 4))),
-           "balanced": in_subgroups(rank, world, balanced_grid)}
+           "balanced": in_subgroups(rank, world, balanced_grid),
+           # one group per CP size (the group's ranks' shares of the sinks' gradient are summed)
+           "sinks": in_subgroups(rank, world, sink_grid, phases=((8,), (7, 1), (6, 2), (5, 3), (4,)))}
     out["hostile"] = api_cases.hostile(rank, world)
     return out

@@ -114,7 +114,7 @@ def gpt_equivalence(rank: int, world: int, layouts) -> list[dict]:
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    from megatron_mesh.megatron import groups
+    from megatron_mesh.megatron.groups import PROCESS_GROUPS
     from megatron_mesh.megatron.spec import gpt_local_layer_spec
 
     singles = [dist.new_group([r]) for r in range(world)]  # collective: every rank makes every group
@@ -128,31 +128,44 @@ def gpt_equivalence(rank: int, world: int, layouts) -> list[dict]:
                 config = _config(tp, cp, heads, mode, **plugin)
                 model = _build(config, gpt_local_layer_spec(config), pgc, position)
                 kinds = sorted({type(l.self_attention.core_attention).__name__ for l in model.decoder.layers})
+                strided = _watch_strides(model)
                 loss, grads = _run(model, local)
                 rec = _compare(f"TP={tp} CP={cp} {position} heads={heads} {label}", loss, grads,
                                ref_loss, ref_grads, cp_group)
-                rec.update(label=label, tp=tp, cp=cp, attention_modules=kinds)
+                rec.update(label=label, tp=tp, cp=cp, attention_modules=kinds, strided_inputs=sorted(strided))
                 rec["modes"] = [l.self_attention.core_attention.mode for l in model.decoder.layers]
                 records.append(rec)
         if cp == 4:
             records.append(_routing(rank, cp_group, _config(tp, cp, (4, 2), "mesh", mesh_tile_shape="2x2")))
-        groups.destroy_groups()
+        PROCESS_GROUPS.destroy()
         ps.destroy_model_parallel()
     return records
+
+
+def _watch_strides(model) -> set:
+    """Filled, as the model runs, with the names (q, k, v) of the core attention inputs that are
+    not contiguous (Megatron's QKV split hands views of its fused projection)."""
+    seen: set = set()
+
+    def hook(module, args):
+        seen.update(name for name, t in zip("qkv", args[:3]) if not t.is_contiguous())
+
+    for layer in model.decoder.layers:
+        layer.self_attention.core_attention.register_forward_pre_hook(hook)
+    return seen
 
 
 def _routing(rank, cp_group, config) -> dict:
     """Mesh through the Q/KV ring sub-groups vs everything over the CP group: same output and
     gradients bit for bit, and the same bytes counted."""
     import megatron_mesh as mm
-    from megatron_mesh.megatron import groups
-
     from megatron_mesh.comm.torch_dist import TorchDistCommunicator
+    from megatron_mesh.megatron.groups import PROCESS_GROUPS, cp_ranks
     from megatron_mesh.megatron.placement import resolve_placement
 
-    placement = resolve_placement("mesh", config, groups.cp_ranks(cp_group))  # the groups were built for it
+    placement = resolve_placement("mesh", config, cp_ranks(cp_group))  # the groups were built for it
     tile, contiguous = placement.tile, placement.options.contiguous
-    routed = groups.communicator(config, cp_group, placement)
+    routed = PROCESS_GROUPS.communicator(config, cp_group, placement)
     flat = TorchDistCommunicator(cp_group)
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(8, 2, h, 16, generator=g) for h in (4, 2, 2))
@@ -235,7 +248,8 @@ def gpt_masked_equivalence(rank: int, world: int, layouts) -> list[dict]:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    from megatron_mesh.megatron import batch_layout, groups
+    from megatron_mesh.megatron import batch_layout
+    from megatron_mesh.megatron.groups import PROCESS_GROUPS
     from megatron_mesh.megatron.pretrain_gpt import document_params, pack_thd
     from megatron_mesh.megatron.spec import gpt_local_layer_spec
 
@@ -297,14 +311,14 @@ def gpt_masked_equivalence(rank: int, world: int, layouts) -> list[dict]:
                            mask_effect=mask_effect,
                            modes=[l.self_attention.core_attention.mode for l in model.decoder.layers])
                 records.append(rec)
-        groups.destroy_groups()
+        PROCESS_GROUPS.destroy()
         ps.destroy_model_parallel()
     return records
 
 
 def gpt_mask_refusals(rank: int, world: int, layouts) -> list[dict]:
     """What a Python user of Megatron-Core gets wrong, at CP 4 (mesh): documents on a batch that
-    Megatron's get_batch_on_this_cp_rank split while the layer's layout is the balanced default,
+    Megatron's get_batch_on_this_cp_rank split while the layer's layout is the balanced one,
     and a dense attention_mask that is not the causal one (both ran silently with a wrong loss);
     the causal mask of the zigzag positions, which Megatron's dataloader makes, still runs. One
     record per case: the error's text, or the loss and the same model's loss without a mask."""
@@ -312,7 +326,7 @@ def gpt_mask_refusals(rank: int, world: int, layouts) -> list[dict]:
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    from megatron_mesh.megatron import groups
+    from megatron_mesh.megatron.groups import PROCESS_GROUPS
     from megatron_mesh.megatron.pretrain_gpt import document_params
     from megatron_mesh.megatron.spec import gpt_local_layer_spec
 
@@ -322,7 +336,7 @@ def gpt_mask_refusals(rank: int, world: int, layouts) -> list[dict]:
         pgc, _, cp_group = _parallel_layout(tp, cp, single)
         full = _doc_batch(11)
         causal = ~torch.tril(torch.ones(BATCH, SEQ_M, SEQ_M)).bool().unsqueeze(1)
-        cases = [("balanced default, zigzag split", "eod", dict(full), document_params(full["tokens"], VOCAB - 1)),
+        cases = [("balanced layout, zigzag split", "eod", dict(full), document_params(full["tokens"], VOCAB - 1)),
                  ("document mask, no documents", None, dict(full, attention_mask=_dense_doc_mask(full["tokens"])), None),
                  ("causal mask", None, dict(full, attention_mask=causal), None),
                  ("no mask", None, dict(full), None),
@@ -332,7 +346,8 @@ def gpt_mask_refusals(rank: int, world: int, layouts) -> list[dict]:
                  ("window, no mask", None, dict(full), None)]
         for name, documents, batch, packed in cases:
             config = _config(tp, cp, (4, 2), "mesh", **(dict(window_size=(5, 0)) if "window" in name else {}))
-            config.cp_seq_length, config.cp_documents = SEQ_M, documents  # cp_layout unset: balanced with documents
+            config.cp_seq_length, config.cp_documents = SEQ_M, documents
+            config.cp_layout = "balanced"  # every sample on its balanced layout (auto may keep the zigzag)
             model = _build_len(config, gpt_local_layer_spec(config), pgc, "rope")
             local = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
             try:
@@ -341,7 +356,7 @@ def gpt_mask_refusals(rank: int, world: int, layouts) -> list[dict]:
                 records.append(dict(case=name, loss=loss.item()))
             except ValueError as e:
                 records.append(dict(case=name, error=str(e)))
-        groups.destroy_groups()
+        PROCESS_GROUPS.destroy()
         ps.destroy_model_parallel()
     return records
 

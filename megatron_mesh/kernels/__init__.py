@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from .base import CAUSAL, FULL, BlockKernel, BlockMask
+from .base import CAUSAL, FULL, BlockKernel, BlockMask, check_head_dims
 from .reference import MathKernel, dense_mask, reference_attention
 from .torch_sdpa import CUDA_OPS, TorchAttentionKernel
 
-__all__ = ["BlockKernel", "BlockMask", "FULL", "CAUSAL", "MathKernel", "TorchAttentionKernel", "reference_attention",
-           "dense_mask", "get_kernel", "KERNEL_BACKENDS"]
+__all__ = ["BlockKernel", "BlockMask", "FULL", "CAUSAL", "check_head_dims", "MathKernel", "TorchAttentionKernel",
+           "reference_attention", "dense_mask", "get_kernel", "KERNEL_BACKENDS"]
 
 KERNEL_BACKENDS = ("auto", "torch", "math") + tuple(f"torch-{op}" for op in CUDA_OPS)
 
@@ -20,6 +20,11 @@ def get_kernel(backend: "str | BlockKernel", device: torch.device) -> BlockKerne
     "auto"/"torch": torch's fused op for the device (CPU flash kernel, or CUDA flash);
     "torch-flash" / "torch-efficient" / "torch-cudnn": a specific CUDA op; "math": plain matmuls
     (any dtype, slow). A :class:`BlockKernel` instance is returned as is.
+
+    A value head dim other than the query/key head dim (MLA) runs on "math", on the CPU op (it
+    pads the smaller dim with zeros: exact), on "torch-efficient" and on "auto" on CUDA (which
+    then takes the efficient kernel); "torch-flash" and "torch-cudnn" raise ValueError naming
+    themselves (:func:`check_head_dims`).
     """
     if not isinstance(backend, str):
         if not isinstance(backend, BlockKernel):

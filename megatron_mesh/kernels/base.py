@@ -16,8 +16,21 @@ from torch import Tensor
 
 from ..plan.mask import BlockKind
 
-__all__ = ["BlockKernel", "BlockMask", "FULL", "CAUSAL", "varlen_forward", "varlen_backward", "loop_varlen_forward",
-           "loop_varlen_backward", "rows_of"]
+__all__ = ["BlockKernel", "BlockMask", "FULL", "CAUSAL", "check_head_dims", "varlen_forward", "varlen_backward",
+           "loop_varlen_forward", "loop_varlen_backward", "rows_of", "head_dim_dense"]
+
+
+def head_dim_dense(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """``tensors`` with their last axis (head_dim) of stride 1: each as it is where it already is --
+    any other strides, 0 included, the kernels read as they are -- else a copy.
+
+    torch's fused attention ops read head_dim as if its stride were 1: the CPU op gives wrong
+    numbers without an error on ``k = buf[..., ::2]``, a projection stored [d, h] and transposed or
+    a broadcast head_dim (it reads memory the view does not cover); the CUDA ops refuse such
+    inputs. A copy, as torch's own ops make one, rather than an error: the values are what the
+    caller means, and only these rare layouts pay the pass over the tensor. The caller's tensor is
+    never written."""
+    return tuple(x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous() for x in tensors)
 
 
 @dataclass(eq=False)
@@ -83,6 +96,15 @@ FULL = BlockMask(BlockKind.FULL)
 CAUSAL = BlockMask(BlockKind.CAUSAL)
 
 
+def check_head_dims(kernel, head_dim: int, v_head_dim: int) -> None:
+    """Raise ValueError, naming the kernel, where ``kernel`` cannot take values of ``v_head_dim``
+    with queries and keys of ``head_dim`` (its optional ``check_head_dims``; a kernel without one
+    takes any)."""
+    check = getattr(kernel, "check_head_dims", None)
+    if v_head_dim != head_dim and check is not None:
+        check(head_dim, v_head_dim)
+
+
 def rows_of(rows: tuple[Tensor, ...] | None, start: int, n: int) -> dict:
     """``backward(..., **rows_of(rows, start, n))``: rows [start, start + n) of what a kernel's
     ``backward_rows`` made (nothing when it made nothing)."""
@@ -95,15 +117,20 @@ def rows_of(rows: tuple[Tensor, ...] | None, start: int, n: int) -> dict:
 class BlockKernel(Protocol):
     """Attention of one block.
 
-    Layout: ``q`` [B, H, Sq, D]; ``k``, ``v`` [B, Hkv, Sk, D] with H % Hkv == 0 (grouped-query
-    attention: query head h uses KV head h // (H / Hkv)). Inputs may be strided views (slices of
-    a chunk along the sequence, or of a [S, B, H, D] tensor), with the head_dim axis contiguous.
+    Layout: ``q`` [B, H, Sq, D]; ``k`` [B, Hkv, Sk, D], ``v`` [B, Hkv, Sk, Dv] with H % Hkv == 0
+    (grouped-query attention: query head h uses KV head h // (H / Hkv)); Dv may differ from D
+    (MLA) where the kernel takes it: a kernel that cannot defines ``check_head_dims(d, dv)``,
+    raising ValueError naming itself (:func:`check_head_dims`). The output and dout have Dv.
+    Inputs may be strided views (slices of a chunk along the sequence, or of a [S, B, H, D]
+    tensor); the executor hands them with head_dim of stride 1 (:func:`head_dim_dense`), and a
+    kernel called with any other strides must give the same result (torch's kernel copies such
+    inputs).
     """
 
     name: str
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, mask: BlockMask, scale: float) -> tuple[Tensor, Tensor]:
-        """Returns ``out`` [B, H, Sq, D] (any float dtype) and ``lse`` [B, H, Sq] (fp32, or fp64
+        """Returns ``out`` [B, H, Sq, Dv] (any float dtype) and ``lse`` [B, H, Sq] (fp32, or fp64
         for fp64 inputs), the log-sum-exp of the scaled scores of each row over this block's
         allowed keys (-inf for a row with none)."""
 

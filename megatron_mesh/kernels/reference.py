@@ -74,9 +74,9 @@ class MathKernel:
         dk = torch.matmul(ds.transpose(-1, -2), q_) * scale
         dv = torch.matmul(p.transpose(-1, -2), do)
         if groups > 1:
-            b, h, sk, d = dk.shape
-            dk = dk.view(b, h // groups, groups, sk, d).sum(2)
-            dv = dv.view(b, h // groups, groups, sk, d).sum(2)
+            b, h, sk = dk.shape[:3]
+            dk = dk.view(b, h // groups, groups, sk, dk.shape[-1]).sum(2)
+            dv = dv.view(b, h // groups, groups, sk, dv.shape[-1]).sum(2)
         return dq, dk, dv
 
 
@@ -90,11 +90,13 @@ def dense_mask(mask, seq_len: int, device=None) -> Tensor:
 
 
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
-                        softmax_scale: float | None = None, mask=None) -> Tensor:
-    """Dense attention over the full sequence in Megatron's layout [S, B, H, D] (k, v: [S, B, Hkv,
-    D]), differentiable, computed in q's dtype with plain matmuls (use fp64 inputs for a
-    reference). ``mask`` (a :class:`megatron_mesh.plan.Mask`) overrides ``causal``; a query with
-    no allowed key (padding) gets output 0."""
+                        softmax_scale: float | None = None, mask=None, softmax_offset: Tensor | None = None) -> Tensor:
+    """Dense attention over the full sequence in Megatron's layout [S, B, H, D] (k: [S, B, Hkv, D],
+    v: [S, B, Hkv, Dv]), differentiable, computed in q's dtype with plain matmuls (use fp64 inputs
+    for a reference). ``mask`` (a :class:`megatron_mesh.plan.Mask`) overrides ``causal``; a query
+    with no allowed key (padding) gets output 0. ``softmax_offset`` [H]: attention sinks as
+    Megatron's ``SoftmaxOne`` applies them -- one more (unscaled) logit per row, of no value --
+    differentiable too."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     qb, kb, vb = (x.permute(1, 2, 0, 3) for x in (q, k, v))
     groups = qb.shape[1] // kb.shape[1]
@@ -106,6 +108,11 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
     else:
         allowed = dense_mask(mask, S, q.device)
     s = _scores(qb, kb, allowed, scale)
-    p, _ = _softmax(s)
+    if softmax_offset is not None:  # the sink's column, dropped after the softmax
+        sink = softmax_offset.to(s.dtype).view(1, -1, 1, 1).expand(*s.shape[:3], 1)
+        p, _ = _softmax(torch.cat([s, sink], dim=-1))
+        p = p[..., :-1]
+    else:
+        p, _ = _softmax(s)
     out = torch.matmul(p, vb)
     return out.permute(2, 0, 1, 3)

@@ -6,6 +6,12 @@
   ``..._efficient_attention`` or ``..._cudnn_attention`` (these two get K/V repeated to the query
   heads), chosen by the ``op`` argument ("auto": flash for 16-bit inputs, else efficient).
 
+Value head dims other than the query/key head dim (MLA): the CPU op wants equal dims, so the
+smaller side is padded with zeros to the larger (zero columns of q and k add nothing to a score,
+zero columns of v give zero output columns: exact) and the result cut back; on CUDA the efficient
+op takes them as they are ("auto" picks it for them), flash and cuDNN refuse them up front
+(:meth:`TorchAttentionKernel.check_head_dims`).
+
 Masks: "full" and "causal" blocks use the ops' own ``is_causal``; a "masked" block passes the
 additive mask (0 / -inf in the inputs' dtype) -- the CPU op's ``attn_mask``, or the efficient
 kernel's ``attn_bias`` on CUDA (flash and cuDNN take no arbitrary mask). Rows with no allowed key
@@ -25,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ..plan.mask import BlockKind
-from .base import loop_varlen_backward, loop_varlen_forward
+from .base import head_dim_dense, loop_varlen_backward, loop_varlen_forward
 
 __all__ = ["TorchAttentionKernel", "CUDA_OPS", "stand_in_output", "flash_varlen_forward", "flash_varlen_backward"]
 
@@ -75,16 +81,24 @@ class TorchAttentionKernel:
         # op has none, so there the runtime calls it once per piece
         self.varlen = device_type == "cuda" and self.op == "flash"
 
-    def _op(self, q: Tensor) -> str:
-        """The op for these inputs: "auto" takes flash for 16-bit inputs and the efficient kernel
-        otherwise (flash has no fp32/fp64 kernel). ``name`` says which one ran last."""
-        op = "efficient" if self.auto and q.dtype not in (torch.float16, torch.bfloat16) else self.op
+    def _op(self, q: Tensor, v: Tensor) -> str:
+        """The op for these inputs: "auto" takes flash for 16-bit inputs of equal head dims and
+        the efficient kernel otherwise (flash has no fp32/fp64 kernel and wants V's head dim to
+        be Q's). ``name`` says which one ran last."""
+        op = "efficient" if self.auto and not _flash_takes(q, v) else self.op
         self.name = f"torch-{op}"
         return op
 
+    def check_head_dims(self, head_dim: int, v_head_dim: int) -> None:
+        """Flash and cuDNN (asked for by name) take no value head dim other than the query/key one."""
+        if head_dim != v_head_dim and not self.auto and self.op in ("flash", "cudnn"):
+            raise ValueError(f"kernel backend torch-{self.op} cannot take a value head dim ({v_head_dim}) other than "
+                             f"the query/key head dim ({head_dim}); use 'auto' or 'torch-efficient' on CUDA "
+                             "(or 'math')")
+
     # -- forward -------------------------------------------------------------------------------
     def forward(self, q, k, v, *, mask, scale):
-        out, lse = self._forward(q, k, v, mask, scale)
+        out, lse = self._forward(*head_dim_dense(q, k, v), mask, scale)
         empty = mask.empty_rows()
         if empty is not None:  # the ops report lse 0 for a row with no allowed key
             lse = lse.masked_fill(empty, float("-inf"))
@@ -94,9 +108,11 @@ class TorchAttentionKernel:
         causal = mask.causal
         if self.op == "cpu":
             bias = mask.bias(q.dtype) if mask.kind == BlockKind.MASKED else None
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias,
-                                                                              scale=scale)
-        op = "efficient" if mask.kind == BlockKind.MASKED else self._op(q)
+            dv = v.shape[-1]
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*_same_dims(q, k, v), 0.0, causal,
+                                                                                  attn_mask=bias, scale=scale)[:2]
+            return _cut(out, dv), lse
+        op = "efficient" if mask.kind == BlockKind.MASKED else self._op(q, v)
         if mask.kind == BlockKind.MASKED:
             self.name = "torch-efficient"
         sq = q.shape[2]
@@ -127,13 +143,16 @@ class TorchAttentionKernel:
     def backward(self, dout, q, k, v, lse, delta, *, mask, scale, rows=None):
         causal = mask.causal
         out, lse = _backward_rows(dout, lse, delta) if rows is None else rows
+        dout, q, k, v, out = head_dim_dense(dout, q, k, v, out)
         if self.op == "cpu":
             # the CPU op wants lse in fp32 (fp64 for fp64 inputs)
             lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
             bias = mask.bias(q.dtype) if mask.kind == BlockKind.MASKED else None
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
-        op = "efficient" if mask.kind == BlockKind.MASKED else self._op(q)
+            d, dv = q.shape[-1], v.shape[-1]
+            gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                *_same_dims(dout, q, k, v, out), lse, 0.0, causal, attn_mask=bias, scale=scale)
+            return _cut(gq, d), _cut(gk, d), _cut(gv, dv)
+        op = "efficient" if mask.kind == BlockKind.MASKED else self._op(q, v)
         lse = lse.contiguous()  # the executor passes row slices (delta: the ops form it from out)
         ke, ve = (k, v) if op == "flash" else self._expand_kv(q, k, v)
         groups = ke.shape[1] // k.shape[1]  # 1 for flash: it sums dK/dV over each KV head's query heads
@@ -165,27 +184,29 @@ class TorchAttentionKernel:
                 dout, q, ke, ve, out, lse.unsqueeze(-1), empty, empty, None, None, None, sq, sk, 0.0, causal,
                 scale=scale)
         if groups > 1:  # fold the gradients of the repeated KV heads back onto the shared heads
-            b, h, _, d = dk.shape
-            dk = dk.view(b, h // groups, groups, sk, d).sum(2, dtype=torch.float32)
-            dv = dv.view(b, h // groups, groups, sk, d).sum(2, dtype=torch.float32)
+            b, h = dk.shape[:2]
+            dk = dk.view(b, h // groups, groups, sk, dk.shape[-1]).sum(2, dtype=torch.float32)
+            dv = dv.view(b, h // groups, groups, sk, dv.shape[-1]).sum(2, dtype=torch.float32)
         return dq, dk, dv
 
     # -- variable-length calls (CUDA flash; see kernels.base) -----------------------------------
     def forward_varlen(self, q, k, v, seqs, *, causal, scale):
-        if q.dtype not in (torch.float16, torch.bfloat16):  # flash takes 16-bit inputs only
+        if not _flash_takes(q, v):  # flash takes 16-bit inputs of equal head dims only
             return loop_varlen_forward(self, q, k, v, seqs, causal=causal, scale=scale)
         self.name = "torch-flash"
+        q, k, v = head_dim_dense(q, k, v)
         b, h, tq, d = q.shape
         cu_q, cu_k, max_q, max_k = _cu_seqlens(seqs, b, q.device)
         out, lse = flash_varlen_forward(_tokens(q), _tokens(k), _tokens(v), cu_q, cu_k, max_q, max_k, causal, scale)
         return _heads(out, b), lse.reshape(h, b, tq).permute(1, 0, 2)
 
     def backward_varlen(self, dout, q, k, v, lse, delta, seqs, *, causal, scale, rows=None):
-        if q.dtype not in (torch.float16, torch.bfloat16):
+        if not _flash_takes(q, v):
             return loop_varlen_backward(self, dout, q, k, v, lse, delta, seqs, causal=causal, scale=scale, rows=rows)
         b, h, tq, d = q.shape
         cu_q, cu_k, max_q, max_k = _cu_seqlens(seqs, b, q.device)
         out = stand_in_output(dout, delta) if rows is None else rows[0]
+        dout, q, k, v, out = head_dim_dense(dout, q, k, v, out)
         lse = lse.float().permute(1, 0, 2).reshape(h, b * tq).contiguous()
         dq, dk, dv = flash_varlen_backward(_tokens(dout), _tokens(q), _tokens(k), _tokens(v), _tokens(out), lse,
                                            cu_q, cu_k, max_q, max_k, causal, scale)
@@ -231,6 +252,23 @@ def flash_varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
     rng, unused = _no_dropout_state(q.device)
     return torch.ops.aten._flash_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal,
                                                     rng, unused, scale=scale)
+
+
+def _flash_takes(q: Tensor, v: Tensor) -> bool:
+    """Whether flash's kernels take these inputs: 16-bit, values of the queries' head dim."""
+    return q.dtype in (torch.float16, torch.bfloat16) and v.shape[-1] == q.shape[-1]
+
+
+def _same_dims(*xs: Tensor) -> tuple[Tensor, ...]:
+    """``xs`` with their last dim padded with zeros to the largest (the CPU op's equal head dims);
+    as they are where the dims agree."""
+    width = max(x.shape[-1] for x in xs)
+    return tuple(x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1])) for x in xs)
+
+
+def _cut(x: Tensor, width: int) -> Tensor:
+    """The first ``width`` columns of ``x`` (what :func:`_same_dims` padded), ``x`` where that is all."""
+    return x if x.shape[-1] == width else x[..., :width]
 
 
 def _backward_rows(dout: Tensor, lse: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:

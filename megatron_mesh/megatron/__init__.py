@@ -8,7 +8,7 @@
 * :mod:`.groups` -- Mesh Q/KV ring and TASP node process groups built from Megatron's CP groups;
 * :mod:`.telemetry` / :mod:`.metrics` -- summary line, timers and bytes in Megatron's log; JSON lines;
 * :mod:`.pretrain_gpt` -- the plugin's pretraining entry script (``megatron.training.pretrain``);
-* :mod:`.batch_layout` -- the CP layout of packed documents (``--cp-layout balanced|zigzag``): the
+* :mod:`.batch_layout` -- the CP layout of packed documents (``--cp-layout auto|balanced|zigzag``): the
   per-sample decision, the batch split, RoPE at the layout's positions, Megatron-LM's scripts;
 * :mod:`.run_script` -- runs any Megatron script (Megatron-LM's ``pretrain_gpt.py``) with the plugin;
 * :mod:`.bootstrap` -- process start-up shared by the two;

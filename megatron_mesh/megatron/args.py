@@ -16,11 +16,14 @@ Example (CP 4, 4 layers: Mesh tile 2x2 for the first two, TASP for the last two)
 
 from __future__ import annotations
 
+import argparse
+import sys
+
 from .checks import documents_of
 from .errors import fail
 from .settings import MeshTransformerConfig, flags
 
-__all__ = ["add_args", "apply_args", "MeshTransformerConfig"]
+__all__ = ["add_args", "apply_args", "parse_flags", "MeshTransformerConfig"]
 
 
 def add_args(parser):
@@ -48,6 +51,18 @@ def _one_line_error(message: str):
     fail(f"{message} (the flags: --help)")
 
 
+def parse_flags(argv) -> argparse.Namespace:
+    """``argv`` parsed by Megatron's argument parser with the plugin's flags -- the parser a run
+    starts with -- and nothing else (no validation, no process state): an unknown flag or a value
+    the parser refuses is the run's own one line and status 2, without training.
+    ``python -m megatron_mesh.megatron.args FLAGS...`` runs it (scripts/compare_cp_modes.py, on
+    the flags after its ``--``, before its first run)."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)  # as Megatron's
+    return add_args(add_megatron_arguments(parser)).parse_args(list(argv))
+
+
 def apply_args(args, config, *, entry_packs_documents: bool = False, batch_documents: bool = False) -> None:
     """Put the plugin settings of Megatron's parsed ``args`` (defaults for flags it lacks) and the
     global sequence length on ``config`` -- a plain TransformerConfig too: what any entry script
@@ -58,3 +73,13 @@ def apply_args(args, config, *, entry_packs_documents: bool = False, batch_docum
         setattr(config, f.dest, getattr(args, f.dest, None))
     config.cp_seq_length = getattr(args, "seq_length", None)
     config.cp_documents = documents_of(args, entry_packs_documents, batch_documents)
+
+
+if __name__ == "__main__":
+    import gc
+
+    from . import ensure_typing_override
+
+    gc.disable()  # a process that only parses: the collector's passes over Megatron's import are waste
+    ensure_typing_override()
+    parse_flags(sys.argv[1:])

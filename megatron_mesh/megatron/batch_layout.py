@@ -3,14 +3,17 @@
 Megatron's layout is the global zigzag (``get_batch_on_this_cp_rank``: chunks r and 2*CP-1-r of
 every sequence), and three places of Megatron assume it: the batch split, RoPE
 (``get_pos_emb_on_this_cp_rank`` slices the same chunks of the position embedding) and the layers.
-With packed documents (``--reset-attention-mask``) ``--cp-layout balanced`` (the default) replaces
-it with :func:`megatron_mesh.balanced_layout`: per sample, work balanced over the CP ranks and
-short documents kept whole on one rank. This module is everything that makes Megatron follow it:
+With packed documents (``--reset-attention-mask``) ``--cp-layout balanced`` replaces it with
+:func:`megatron_mesh.balanced_layout`: per sample, work balanced over the CP ranks and short
+documents kept whole on one rank; ``--cp-layout auto`` (the default) does so for each sample
+where that is not predicted slower than the zigzag for the layers' mode
+(:func:`megatron_mesh.plan.choice.choose_layout`) and keeps the zigzag for the others. This
+module is everything that makes Megatron follow it:
 
-* :func:`sample_layout` -- THE decision: a sample's layout from its document boundaries and the
-  config (CP size, the Ulysses degree U as ``group``, the window when every layer has it). The
-  batch split and the core attention both call it, so they cannot disagree (the core attention
-  also checks that its layouts are the batch's);
+* :func:`sample_layout` (:mod:`.layout_decision`) -- THE decision: a sample's layout from its
+  document boundaries and the config (CP size, the mode, the Ulysses degree U as ``group``, the
+  window when every layer has it). The batch split and the core attention both call it, so they
+  cannot disagree (the core attention also checks that its layouts are the batch's);
 * :class:`BatchLayout` -- one micro-batch: per sample its boundaries and layout; it splits the
   batch (every tensor with a sequence dimension, each sample by its own layout: S/P tokens per
   rank per sample), gives the layers their boundaries (``packed_seq_params`` sbhd, ``cu_seqlens``
@@ -33,8 +36,9 @@ short documents kept whole on one rank. This module is everything that makes Meg
   (the zigzag for ``--cp-layout zigzag``), so no dense [s, s] mask is needed.
 
 Example (CP 2, one sample of 16 tokens, documents [0, 8), [8, 12), [12, 16)): the zigzag gives
-rank 1 positions 4-11 (work 36 of 56); :func:`sample_layout` gives rank 0 [0, 1, 6, 7, 8-11] and
-rank 1 [2-5, 12-15] (work 28 each), and RoPE on rank 1 uses the embedding rows 2, 3, 4, 5, 12, ...
+rank 1 positions 4-11 (work 36 of 56); :func:`sample_layout` under ``--cp-layout balanced`` gives
+rank 0 [0, 1, 6, 7, 8-11] and rank 1 [2-5, 12-15] (work 28 each), and RoPE on rank 1 uses the
+embedding rows 2, 3, 4, 5, 12, ...
 """
 
 from __future__ import annotations
@@ -49,10 +53,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..plan.balance import BalancedLayout, balanced_layout
-from ..plan.layout import positions
-from .placement import ranks_per_node
-from .settings import BATCH_DOCUMENTS, cp_layout, megatron_window, plugin_settings
+from ..plan.balance import BalancedLayout
+from ..plan.layout import ZigzagLayout, positions
+from .layout_decision import sample_layout, uses_balanced_layout
+from .settings import BATCH_DOCUMENTS, cp_layout
 
 __all__ = ["sample_layout", "uses_balanced_layout", "eod_starts", "position_starts", "document_rows",
            "boundary_params", "BatchLayout", "split_batch", "set_current", "current",
@@ -62,68 +66,6 @@ logger = logging.getLogger(__name__)
 
 # batch entries that carry no sequence dimension (Megatron's get_batch_on_this_cp_rank skips them too)
 _METADATA_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "local_cp_size", "hybrid_cp_group")
-
-
-# -- the decision ---------------------------------------------------------------------------------------
-def uses_balanced_layout(config) -> bool:
-    """Whether batches under ``config`` (a transformer config carrying the plugin settings) are
-    split by the balanced layout: documents from the batch at CP > 1 under ``--cp-layout
-    balanced``."""
-    return (getattr(config, "cp_documents", None) in BATCH_DOCUMENTS and config.context_parallel_size > 1
-            and cp_layout(config) != "zigzag")
-
-
-def _uniform_window(config):
-    """The plugin window (left, right) when every layer has it, else None (the layout then
-    balances the unwindowed work: the layers without a window dominate it)."""
-    from megatron.core.transformer.utils import is_layer_window_attention
-
-    size = getattr(config, "window_size", None)
-    if not size:
-        return None
-    skip = getattr(config, "window_attn_skip_freq", None)
-    if all(is_layer_window_attention(size, skip, n) for n in range(1, config.num_layers + 1)):
-        return megatron_window(size)
-    return None
-
-
-def sample_layout(cu_seqlens, config) -> Optional[BalancedLayout]:
-    """The CP layout of one sample with document boundaries ``cu_seqlens`` (0 = c0 < ... < cn = S)
-    under ``config`` -- Megatron's parsed arguments or the transformer config, which carry the same
-    fields: None for Megatron's zigzag (``--cp-layout zigzag``, or CP 1), else the balanced layout
-    over ``context_parallel_size`` ranks, balanced per Ulysses group of U ranks (U from
-    ``--hierarchical-context-parallel-sizes U M``), nodes first when the CP group spans nodes, for
-    causal attention with the window when every layer has one. Cached: the batch split and every layer get the same object.
-
-    Example: ``sample_layout([0, 8, 12, 16], args)`` at CP 2 -> rank 0 holds [0, 2) + [6, 12),
-    rank 1 [2, 6) + [12, 16)."""
-    cp = config.context_parallel_size
-    if cp == 1 or cp_layout(config) == "zigzag":
-        return None
-    hcp = getattr(config, "hierarchical_context_parallel_sizes", None)
-    group = int(hcp[0]) if hcp else 1
-    window = _uniform_window(config)
-    return _balanced(tuple(int(c) for c in cu_seqlens), cp, group, None if window is None else tuple(window),
-                     _nodes(config, group), cp_layout(config) == "balanced-hide")
-
-
-def _nodes(config, group: int) -> Optional[int]:
-    """CP ranks per node when the CP group spans nodes (the layout balances nodes first, keeping
-    documents on a node's links), from the CP group's global ranks and the GPUs per node
-    (``--tasp-gpus-per-node`` or torchrun's LOCAL_WORLD_SIZE); None: one node, no process groups
-    yet, or nodes that do not hold whole Ulysses groups (the group level then decides alone)."""
-    from megatron.core import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        return None
-    cp_ranks = tuple(parallel_state.get_context_parallel_global_ranks())
-    n = ranks_per_node(cp_ranks, plugin_settings(config).gpus_per_node)
-    return n if n is not None and n % group == 0 else None
-
-
-@functools.lru_cache(maxsize=512)
-def _balanced(cu: tuple, cp: int, group: int, window, nodes: Optional[int], hide: bool) -> BalancedLayout:
-    return balanced_layout(cu, cp, causal=True, window=window, group=group, ranks_per_node=nodes, hide=hide)
 
 
 # -- documents from a batch -----------------------------------------------------------------------------
@@ -171,26 +113,31 @@ def boundary_params(rows, device=None):
 @dataclass(frozen=True)
 class BatchLayout:
     """One micro-batch: per sample its document boundaries over the global sequence (``rows``,
-    0 ... S) and its layout (None: Megatron's zigzag), and this CP rank."""
+    0 ... S) and its layout (None: Megatron's zigzag), this CP rank and the CP size ``cp`` (the
+    zigzag's, for samples that keep it next to balanced ones under ``--cp-layout auto``)."""
 
     rows: tuple[tuple[int, ...], ...]
     layouts: tuple[Optional[BalancedLayout], ...]
     rank: int
+    cp: int = 1
 
     @classmethod
     def of(cls, rows, config, rank: int) -> "BatchLayout":
         """Each sample's layout by :func:`sample_layout`."""
         rows = tuple(tuple(int(c) for c in r) for r in rows)
-        return cls(rows, tuple(sample_layout(r, config) for r in rows), rank)
+        return cls(rows, tuple(sample_layout(r, config) for r in rows), rank, config.context_parallel_size)
 
     @property
     def balanced(self) -> bool:
-        return self.layouts[0] is not None
+        """Whether any sample runs on a balanced layout (else the batch is Megatron's zigzag split)."""
+        return any(layout is not None for layout in self.layouts)
 
     @functools.cached_property
     def index(self) -> Tensor:
-        """[b, s_local] global positions of this rank's tokens of each sample, in local order."""
-        return torch.tensor([positions(layout, self.rank) for layout in self.layouts], dtype=torch.long)
+        """[b, s_local] global positions of this rank's tokens of each sample, in local order (a
+        sample on the zigzag: the zigzag's, as Megatron's split takes them)."""
+        return torch.tensor([positions(layout if layout is not None else ZigzagLayout(self.cp, row[-1]), self.rank)
+                             for layout, row in zip(self.layouts, self.rows)], dtype=torch.long)
 
     def rope_positions(self) -> Tensor:
         """[s_local, b] (or [s_local, 1] when every sample has the same layout): the global

@@ -29,18 +29,17 @@ from typing import Iterator, NoReturn
 
 from . import ensure_typing_override
 from .errors import entry_run, fail  # bootstrap.fail: also the entry scripts' way to stop a start-up
+from .process import PROCESS
 
 __all__ = ["die_with_parent", "forked_children_die_with_this_process", "quiet_interrupt", "prepare_runtime", "check_args", "fail", "entry_run", "install_argument_hook", "megatron_args",
            "pause_gc", "resume_gc", "freeze_gc"]
 
-_CHECKED: set[int] = set()  # id() of the argument namespaces already checked (Megatron keeps one for the run)
 # True in megatron_mesh's own entry script, whose batches carry document boundaries to the plugin
 # layers (--reset-attention-mask, --cp-thd-packing); other scripts' batches do not
 ENTRY_PACKS_DOCUMENTS = False
 # True under run_script: batch_layout takes the documents of --reset-attention-mask from the
 # script's batches (position ids or end-of-document tokens) for the layers
 BATCH_DOCUMENTS = False
-_GC_PAUSED = False  # pause_gc turned the collector off (resume_gc turns it on again, once)
 _PARENT_AT_START = os.getppid()  # before the launcher could have died: the reference for die_with_parent
 LAUNCHER_PID_ENV = "MEGATRON_MESH_LAUNCHER_PID"
 
@@ -52,10 +51,9 @@ def pause_gc() -> None:
     load: 1.2 s of a 5.5-7 s import (torch, megatron.core and megatron.training on this
     project's CPU machines, Python 3.11), in every rank. Only the entry scripts call it, as
     ``__main__`` (importing them as modules changes nothing)."""
-    global _GC_PAUSED
     if gc.isenabled():
         gc.disable()
-        _GC_PAUSED = True
+        PROCESS.gc_paused = True
 
 
 def resume_gc() -> None:
@@ -67,9 +65,8 @@ def resume_gc() -> None:
     exit anyway), and collection resumes for what training makes -- with Megatron's
     ``--manual-gc`` on its own schedule. A no-op unless :func:`pause_gc` turned the collector
     off; the launcher calls it itself once torch is loaded."""
-    global _GC_PAUSED
-    if _GC_PAUSED:
-        _GC_PAUSED = False
+    if PROCESS.gc_paused:
+        PROCESS.gc_paused = False
         gc.freeze()
         gc.enable()
 
@@ -108,13 +105,9 @@ def _sigkill_when_parent_dies(expected_parent: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-_FORK_PARENT: list[int] = []  # inside forked_children_die_with_this_process: the forking process
-_AT_FORK_REGISTERED: list[bool] = []
-
-
 def _after_fork_in_child() -> None:
-    if _FORK_PARENT:
-        parent = _FORK_PARENT.pop()
+    if PROCESS.fork_parent:
+        parent = PROCESS.fork_parent.pop()
         _sigkill_when_parent_dies(parent)
 
 
@@ -127,14 +120,14 @@ def forked_children_die_with_this_process() -> Iterator[None]:
     if not sys.platform.startswith("linux"):
         yield
         return
-    if not _AT_FORK_REGISTERED:
+    if not PROCESS.at_fork_registered:
         os.register_at_fork(after_in_child=_after_fork_in_child)
-        _AT_FORK_REGISTERED.append(True)
-    _FORK_PARENT.append(os.getpid())
+        PROCESS.at_fork_registered = True
+    PROCESS.fork_parent.append(os.getpid())
     try:
         yield
     finally:
-        _FORK_PARENT.clear()
+        PROCESS.fork_parent.clear()
 
 
 def quiet_interrupt() -> None:
@@ -228,7 +221,7 @@ def check_args(args) -> None:
     """:func:`.checks.validate_args` and :func:`.checks.check_data_files` (the datasets the flags
     name exist) on Megatron's parsed arguments, once per arguments object; a bad setting stops the
     process through :func:`fail`."""
-    if id(args) in _CHECKED:
+    if id(args) in PROCESS.checked:
         return
     from .checks import check_data_files, validate_args
 
@@ -237,7 +230,7 @@ def check_args(args) -> None:
         check_data_files(args)
     except ValueError as e:
         fail(str(e))
-    _CHECKED.add(id(args))
+    PROCESS.checked.add(id(args))
 
 
 def megatron_args():

@@ -20,6 +20,7 @@ import warnings
 from typing import Optional
 
 from ..plan.modes import HYBRID_PREFIX, get_mode
+from ..plan.window import megatron_window
 from . import TE_MODES, cp_modes, plugin_modes
 from .placement import layer_shape, resolve_placement
 from .settings import BATCH_DOCUMENTS, PluginSettings, cp_layout, flags, layer_modes, plugin_modes_of
@@ -211,24 +212,18 @@ def _warn_per_rank_loss(args, cp: int) -> None:
 
 
 def _check_window(args, cp: int, active: set) -> None:
-    """--window-size LEFT,RIGHT (token counts >= 0, -1 unlimited) and --window-attn-skip-freq
-    (N >= 1: every N-th layer full attention; or a 0/1 list with one entry per layer), checked at
-    start-up naming the flag instead of failing while the model is built or training silently
-    with a misread window. Where the plugin's layers apply the window -- plugin modes at CP > 1,
-    and at CP 1 under the plugin's spec (Megatron's own attention has no window mask there) --
-    they are causal, so RIGHT must be 0 or -1, and attention dropout must be 0."""
+    """--window-size LEFT,RIGHT (token counts >= 0, -1 unlimited: :func:`megatron_mesh.plan.window.megatron_window`)
+    and --window-attn-skip-freq (N >= 1: every N-th layer full attention; or a 0/1 list with one
+    entry per layer), checked at start-up naming the flag instead of failing while the model is
+    built or training silently with a misread window. Where the plugin's layers apply the window --
+    plugin modes at CP > 1, and at CP 1 under the plugin's spec (Megatron's own attention has no
+    window mask there) -- they are causal, so RIGHT must be 0 or -1, and attention dropout must be 0."""
     window = getattr(args, "window_size", None)
     skip = getattr(args, "window_attn_skip_freq", None)
     if window is None:
         return  # Megatron ignores --window-attn-skip-freq then
-    text = ",".join(str(w) for w in window)
-    if len(window) != 2:
-        raise ValueError(f"--window-size {text}: give two values LEFT,RIGHT (keys before and after a query; -1: "
-                         "unlimited), e.g. --window-size 4096,0")
-    for side, value in zip(("LEFT", "RIGHT"), window):
-        if value < -1:
-            raise ValueError(f"--window-size {text}: {side} {value} is not allowed; each side is a number of tokens "
-                             ">= 0, or -1 (unlimited)")
+    plugin = (cp > 1 and active & set(plugin_modes())) or (cp == 1 and uses_plugin_spec(args))
+    megatron_window(window, causal=bool(plugin))  # the values: the check the planner's prediction runs too
     if isinstance(skip, int) and skip < 1:
         raise ValueError(f"--window-attn-skip-freq {skip}: an integer N must be >= 1 (every N-th layer runs full "
                          "attention), or give a list of 0/1 per layer, e.g. '[1,1,1,0]'")
@@ -239,10 +234,6 @@ def _check_window(args, cp: int, active: set) -> None:
         if any(v not in (0, 1) or isinstance(v, bool) for v in skip):
             raise ValueError(f"--window-attn-skip-freq {skip}: entries must be 1 (sliding window) or 0 (full "
                              "attention)")
-    plugin = (cp > 1 and active & set(plugin_modes())) or (cp == 1 and uses_plugin_spec(args))
-    if plugin and window[1] not in (-1, 0):  # GPT layers are causal: no later key is attended anyway
-        raise ValueError(f"--window-size {text}: the plugin's causal layers attend no later key, so the right side "
-                         "must be 0 (or -1, unlimited)")
     if cp == 1 and plugin and args.attention_dropout:
         raise ValueError(f"--attention-dropout {args.attention_dropout}: a sliding window runs the plugin's attention "
                          "also at CP 1 (Megatron's own has no window mask there), which supports only 0 (pass "
@@ -306,7 +297,7 @@ def _check_layout(args, cp: int, documents: Optional[str]) -> None:
         raise ValueError(f"--cp-layout {given} applies to packed documents (--reset-attention-mask) at CP > 1, not "
                          f"here ({why}); leave the flag out")
     if getattr(args, "no_cp_layout_lookahead", False) and not (applies and cp_layout(args) != "zigzag"):
-        raise ValueError("--no-cp-layout-lookahead applies to --cp-layout balanced (packed documents, "
+        raise ValueError("--no-cp-layout-lookahead applies to --cp-layout auto and balanced (packed documents, "
                          "--reset-attention-mask, at CP > 1), which this run does not use; leave the flag out")
     if not applies or cp_layout(args) == "zigzag":
         return
@@ -375,7 +366,8 @@ def _check_plugin_layers(args, cp: int, active: set, passes_documents: bool) -> 
                          "Engine's or Megatron's attention, which these layers do not use: leave it at auto")
     softmax = getattr(args, "softmax_type", "vanilla")
     if softmax != "vanilla":
-        raise ValueError(f"--softmax-type {softmax}: the plugin modes support only vanilla")
+        raise ValueError(f"--softmax-type {softmax}: the plugin's Megatron layers support only vanilla for now "
+                         "(mm.attention takes sinks as softmax_offset)")
     for flag in ("sft", "hybrid_context_parallel", "dataloader_inter_document_masking"):
         if getattr(args, flag, False):
             raise ValueError(f"--{flag.replace('_', '-')}: Megatron's {flag.replace('_', ' ')} batches are not supported by "

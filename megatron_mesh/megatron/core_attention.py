@@ -31,7 +31,8 @@ layout, ``cu_seqlens_q`` / ``_padded``; ``sbhd`` with ``cu_seqlens_q`` [batch, k
 boundaries per sample, which megatron_mesh's entry script derives from end-of-document tokens --
 or, when the model call carries none, those :mod:`.batch_layout` took from the current batch).
 With such documents each sample runs on its CP layout (:func:`.batch_layout.sample_layout`: the
-balanced layout of ``--cp-layout balanced``, or Megatron's zigzag), the one its batch was split by.
+balanced layout of ``--cp-layout balanced`` or ``auto``, or Megatron's zigzag), the one its batch was
+split by.
 
 Example (CP 4, 2 layers): ``--cp-comm-type mesh tasp`` gives layer 1 Mesh-Attention (tile from
 ``--mesh-tile-shape``) and layer 2 TASP, both inside the same model.
@@ -40,22 +41,27 @@ Example (CP 4, 2 layers): ``--cp-comm-type mesh tasp`` gives layer 1 Mesh-Attent
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.utils import is_layer_window_attention
 from torch import Tensor
 
 from ..plan.modes import DEFAULT_MODE
-from . import TE_MODES, batch_layout, plugin_modes, telemetry
+from ..plan.window import megatron_window
+from . import TE_MODES, batch_layout, plugin_modes
 from .checks import have_transformer_engine
-from .settings import BATCH_DOCUMENTS, cp_layout, megatron_window, plugin_settings
+from .groups import PROCESS_GROUPS, CPGroups, cp_ranks
+from .settings import BATCH_DOCUMENTS, cp_layout, plugin_settings
 from .placement import resolve_placement
+from .telemetry import Telemetry
 
-__all__ = ["CPCoreAttention", "PluginCoreAttention"]
+__all__ = ["CPCoreAttention", "PluginCoreAttention", "CoreAttentionSpec", "core_attention_spec"]
 
 # Causal, or no mask at all; causal_bottom_right equals causal for self-attention (sq == sk).
 _CAUSAL = {AttnMaskType.causal: True, AttnMaskType.causal_bottom_right: True, AttnMaskType.no_mask: False}
@@ -70,26 +76,49 @@ class CPCoreAttention:
     """Core-attention builder: returns the module for this layer's ``cp_comm_type``.
 
     A class (not a function): MLA builds core attention through ``build_module``, which returns
-    plain functions uncalled. ``ModuleSpec(module=CPCoreAttention, params=...)`` works too.
+    plain functions uncalled. ``telemetry`` and ``groups`` go to the plugin's layers: the spec
+    functions pass theirs (:func:`core_attention_spec`); None -- a telemetry of the layer's own
+    and the process's groups.
     """
 
     def __new__(cls, *, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
                 cp_comm_type: Optional[str] = None, softmax_scale: Optional[float] = None,
-                pg_collection=None, **kwargs):
+                pg_collection=None, telemetry: Optional[Telemetry] = None, groups: Optional[CPGroups] = None,
+                **kwargs):
         common = dict(config=config, layer_number=layer_number, attn_mask_type=attn_mask_type,
                       attention_type=attention_type, softmax_scale=softmax_scale, pg_collection=pg_collection)
+        plugin = dict(telemetry=telemetry, groups=groups)
         if _cp_size(config, pg_collection) == 1:
             if not _needs_plugin_mask(config, layer_number):
                 return _megatron_attention(config, common, kwargs)
-            return PluginCoreAttention(cp_comm_type=DEFAULT_MODE, **common, **kwargs)
+            return PluginCoreAttention(cp_comm_type=DEFAULT_MODE, **common, **plugin, **kwargs)
         if cp_comm_type in plugin_modes():
-            return PluginCoreAttention(cp_comm_type=cp_comm_type, **common, **kwargs)
+            return PluginCoreAttention(cp_comm_type=cp_comm_type, **common, **plugin, **kwargs)
         mode = "p2p" if cp_comm_type is None else cp_comm_type  # TE's default for None
         if mode not in TE_MODES:
             raise ValueError(f"layer {layer_number}: cp_comm_type {cp_comm_type!r} is not a context-parallel mode; "
                              f"allowed: {', '.join(plugin_modes())} (megatron_mesh) or {', '.join(TE_MODES)} "
                              "(Transformer Engine)")
         return _te_attention(mode, common, kwargs)
+
+
+@dataclass
+class CoreAttentionSpec(ModuleSpec):
+    """``ModuleSpec(CPCoreAttention, params=dict(telemetry=..., groups=...))`` that can also be
+    called like the class: Megatron's self-attention calls its ``core_attention`` submodule
+    directly, MLA builds it with ``build_module``; both reach CPCoreAttention with the params."""
+
+    def __call__(self, **kwargs):
+        return build_module(self, **kwargs)
+
+
+def core_attention_spec(telemetry: Optional[Telemetry] = None, groups: Optional[CPGroups] = None) -> CoreAttentionSpec:
+    """The core attention of a plugin layer spec: every layer built from it reports to
+    ``telemetry`` (None: a new one, the summary line only) and routes its transfers through
+    ``groups`` (None: the process's, :data:`~.groups.PROCESS_GROUPS`)."""
+    return CoreAttentionSpec(module=CPCoreAttention, params={
+        "telemetry": telemetry if telemetry is not None else Telemetry(),
+        "groups": groups if groups is not None else PROCESS_GROUPS})
 
 
 def _layer_window(config, layer_number: int):
@@ -137,8 +166,9 @@ class PluginCoreAttention(MegatronModule):
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
                  k_channels: Optional[int] = None, v_channels: Optional[int] = None,
-                 cp_comm_type: Optional[str] = None, pg_collection=None):
+                 cp_comm_type: Optional[str] = None, pg_collection=None, telemetry=None, groups=None):
         super().__init__(config=config)
+        self.telemetry = telemetry if telemetry is not None else Telemetry()
         self.layer_number = layer_number
         where = f"layer {layer_number} (cp_comm_type {cp_comm_type!r})"
         _check_config(config, where, layer_number, attention_type, attn_mask_type, attention_dropout,
@@ -161,13 +191,12 @@ class PluginCoreAttention(MegatronModule):
         self.documents = getattr(config, "cp_documents", None)
         # the CP layout of each sample's tokens, where documents come from the batch (batch_layout)
         self.layout = cp_layout(config) if self.documents in BATCH_DOCUMENTS and self.cp_size > 1 else None
-        from . import groups
-
-        self.placement = resolve_placement(self.mode, config, groups.cp_ranks(self.cp_group))
-        self.comm = telemetry.timed_communicator(groups.communicator(config, self.cp_group, self.placement))
+        self.placement = resolve_placement(self.mode, config, cp_ranks(self.cp_group))
+        self.comm = self.telemetry.timing.communicator((groups or PROCESS_GROUPS).communicator(config, self.cp_group,
+                                                                                               self.placement))
         p = self.placement
         tile = f"{p.tile[0]}x{p.tile[1]}" if p.tile else None
-        telemetry.register_layer(layer_number, self.describe(),
+        self.telemetry.summary.register_layer(layer_number, self.describe(),
                                  dict(mode=self.mode, cp=self.cp_size, tile=tile, ulysses=p.ulysses,
                                       window=list(self.window) if self.window else None, documents=self.documents,
                                       layout=self.layout),
@@ -207,9 +236,9 @@ class PluginCoreAttention(MegatronModule):
             raise ValueError(f"{where}: attention_bias is not supported by the plugin modes (allowed: None)")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         causal = _causal(mask_type, where)
-        telemetry.on_forward()
-        (query, key, value), mark_output = telemetry.mark_backward((query, key, value))
-        with telemetry.compute_phase():
+        self.telemetry.on_forward()
+        (query, key, value), mark_output = self.telemetry.timing.mark_backward((query, key, value))
+        with self.telemetry.timing.compute_phase():
             out = self._with_documents(query, key, value, causal, packed_seq_params, where)
         out = mark_output(out)
         return out.reshape(out.shape[0], out.shape[1], -1)
@@ -312,7 +341,7 @@ class PluginCoreAttention(MegatronModule):
             if any(layout is not None for layout in layouts):  # tokens split another way: a wrong result, silently
                 raise ValueError(
                     f"{where}: the samples' CP layout is the balanced one (cp_layout "
-                    f"{getattr(self.config, 'cp_layout', None) or 'balanced'!r}, the default with documents at CP > 1), "
+                    f"{cp_layout(self.config)!r}; 'auto', the default with documents at CP > 1, chooses it per sample), "
                     "but this batch was not split by it (no megatron_mesh.megatron.batch_layout.BatchLayout of these "
                     "documents is current): split the batch with BatchLayout and set_current as the entry scripts' "
                     "get_batch does, or set cp_layout='zigzag' to keep Megatron's get_batch_on_this_cp_rank split")
@@ -339,9 +368,9 @@ class PluginCoreAttention(MegatronModule):
         call = prepare(q, k, v, mode=self.placement.mode, placement=self.placement, comm=self.comm, causal=causal,
                        window=self.window, cu_seqlens=cu_seqlens, layout=layout, softmax_scale=self.softmax_scale,
                        kernel=self.settings.kernel)
-        telemetry.on_plan(self.layer_number, self.placement.tile, call.plan)
-        if telemetry.records_attention():  # nothing to work out per call without --cp-metrics-dir
-            telemetry.on_attention(call.plan, call.comm.rank, attention_shape(q, k, v),
+        self.telemetry.summary.on_plan(self.layer_number, self.placement.tile, call.plan)
+        if self.telemetry.records.metrics is not None:  # nothing to work out per call without --cp-metrics-dir
+            self.telemetry.records.on_attention(call.plan, call.comm.rank, attention_shape(q, k, v),
                                    torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
         return PlanAttention.apply(q, k, v, call.executor())
 
@@ -364,7 +393,7 @@ def _check_config(config, where: str, layer_number: int, attention_type: str, at
                          "pass --attention-dropout 0)")
     if k_channels is not None and v_channels is not None and k_channels != v_channels:
         raise ValueError(f"{where}: key head dim {k_channels} != value head dim {v_channels} (MLA); "
-                         "the plugin modes need equal dims")
+                         "the plugin's Megatron layers need equal dims for now (mm.attention takes them)")
     window = _layer_window(config, layer_number)
     if window is not None and window[1] not in (None, 0) and _CAUSAL.get(attn_mask_type, False):
         raise ValueError(f"{where}: window_size {config.window_size} on a causal layer: the right side must be 0 "

@@ -23,6 +23,8 @@ import sys
 import threading
 from typing import Iterator, NamedTuple, NoReturn
 
+from .process import PROCESS, ProcessState
+
 __all__ = ["fail", "one_line_for", "watch_other_nodes", "crash_stops_other_nodes", "tell_other_nodes_from_launcher",
            "entry_run", "SettingsMismatchError", "FAIL_GRACE_S", "STARTUP_ERROR_STATUS"]
 
@@ -38,8 +40,6 @@ STARTUP_ERROR_STATUS = 2
 FAIL_GRACE_S = 10.0  # how long the other ranks of a failed start-up wait for their node's first rank to print
 
 
-_FAILING = threading.Event()  # this process is stopping with its own message (fail, a crash): it wins
-_EXITING = threading.Event()  # this process has finished its run, or exits: the watcher stops
 WATCH_POLL_S = 1.0
 WATCH_STORE_TIMEOUT_S = 5.0  # a store call that hangs longer (node 0 gone from the network) ends the watcher
 # how long a node that failed keeps its processes (and so, on node 0, torchrun's store) alive for the
@@ -164,7 +164,7 @@ def tell_other_nodes_from_launcher(message: str, *, node: int, nodes: int, local
         _Job(str(node), nodes, node * local, local, addr, port, run_id).tell(message, at_start_up=False)
 
 
-def watch_other_nodes() -> None:
+def watch_other_nodes(process: ProcessState = PROCESS) -> None:
     """In a job of several nodes, stop this node -- one line, status 2 -- as soon as another node
     stops (:func:`fail`, :func:`crash_stops_other_nodes` or, for a rank killed by a signal, its
     launcher -- :func:`tell_other_nodes_from_launcher` -- writes its message into torchrun's
@@ -181,9 +181,9 @@ def watch_other_nodes() -> None:
         try:
             job = _Job.of_worker()
             store = job.store(WATCH_STORE_TIMEOUT_S)
-            while not _EXITING.is_set():
+            while not process.exiting.is_set():
                 if store.check([job.key]):
-                    if _FAILING.is_set():  # this rank stops with its own message
+                    if process.failing.is_set():  # this rank stops with its own message
                         return
                     writer, text = store.get(job.key).decode().split("|", 1)
                     if writer == job.node:  # another rank of this node, or its launcher: it stops by itself
@@ -194,7 +194,7 @@ def watch_other_nodes() -> None:
                         job.wait_until_read(store, writer)
                     finally:
                         _exit_now()
-                _EXITING.wait(WATCH_POLL_S)
+                process.exiting.wait(WATCH_POLL_S)
         except Exception:  # noqa: BLE001 -- the store is gone (node 0 has ended): the job is ending anyway
             return
 
@@ -203,21 +203,22 @@ def watch_other_nodes() -> None:
     thread = threading.Thread(target=watch, name="megatron_mesh-watch-other-nodes", daemon=True)
 
     def stop() -> None:  # before the interpreter goes: a daemon thread inside a store call could abort it
-        _EXITING.set()
+        process.exiting.set()
         thread.join(timeout=2 * WATCH_POLL_S)
 
     atexit.register(stop)
     thread.start()
 
 
-def fail(message: str, *, at_once: bool = False, tell: bool = True) -> NoReturn:
+def fail(message: str, *, at_once: bool = False, tell: bool = True, process: ProcessState = PROCESS) -> NoReturn:
     """Stop a (possibly distributed) start-up: the first rank of each node (rank 0 on one node)
     prints ``message`` once -- every node's log says why --, every rank exits
     :data:`STARTUP_ERROR_STATUS` (2); in a job of several nodes the others are told (``tell``;
     False for an error every rank raises alike). ``at_once``: exit without Python's shutdown
     (``os._exit``), for a process that has started its process groups: their threads, torn down by
-    the shutdown, can abort it ("terminate called without an active exception", status 134)."""
-    _FAILING.set()
+    the shutdown, can abort it ("terminate called without an active exception", status 134).
+    ``process``: whose state says it is failing (the process's own; a test passes another)."""
+    process.failing.set()
     if _first_rank_of_node():
         print(f"megatron_mesh: error: {message}", file=sys.stderr, flush=True)
     if tell and _multi_node_job():  # from any rank that fails: the first rank may not
@@ -269,7 +270,7 @@ def _tells(error: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def crash_stops_other_nodes() -> Iterator[None]:
+def crash_stops_other_nodes(process: ProcessState = PROCESS) -> Iterator[None]:
     """Around an entry script's whole run: an error that ends this rank -- Megatron's own, at
     start-up (an argument check, a missing file) or later, or an interrupt -- is told to the other
     nodes first (:func:`watch_other_nodes` stops them, naming this node and the error) and then
@@ -279,20 +280,20 @@ def crash_stops_other_nodes() -> Iterator[None]:
     try:
         yield
     except BaseException as e:
-        if not _FAILING.is_set() and _multi_node_job() and _another_node_stopped():
+        if not process.failing.is_set() and _multi_node_job() and _another_node_stopped():
             # that node's failure ended this rank too (gloo's collectives see its ranks go): this
             # node's first rank says so in one line (its watcher); no traceback of the consequence
             if _first_rank_of_node():
-                _EXITING.wait(3 * WATCH_POLL_S)  # the watcher prints and exits within a poll
+                process.exiting.wait(3 * WATCH_POLL_S)  # the watcher prints and exits within a poll
             _exit_now()
-        if _tells(e) and not _FAILING.is_set() and _multi_node_job():
-            _FAILING.set()
+        if _tells(e) and not process.failing.is_set() and _multi_node_job():
+            process.failing.set()
             try:
                 _tell_other_nodes(_describe(e))
             except Exception:  # noqa: BLE001 -- an error whose text cannot be made: the error itself matters
                 pass
         raise
-    _EXITING.set()  # finished: another node's failure from now on is not this node's
+    process.exiting.set()  # finished: another node's failure from now on is not this node's
 
 
 def _another_node_stopped() -> bool:

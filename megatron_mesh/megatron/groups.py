@@ -6,12 +6,13 @@ its inner rings); this module creates them for every CP group of the world and r
 through the smallest one holding both ranks. Nothing here knows a mode by name.
 
 ``torch.distributed.new_group`` is collective over the whole world: every rank must create every
-group, in the same order, even groups it is not in. :func:`initialize_groups` therefore walks
+group, in the same order, even groups it is not in. :meth:`CPGroups.initialize` therefore walks
 every CP group of the world (gathered once with ``all_gather_object``, so any rank order --
 tp-cp-ep-dp-pp or with TP/DP/PP > 1 -- is handled) and every plugin mode of the config in one
-fixed order, and caches the result. The spec functions call it on every rank at the same point;
-core-attention modules only look groups up (creating them there too if nobody did, which is safe
-when every rank builds its layers at the same time, i.e. without pipeline parallelism).
+fixed order, and keeps the result in a :class:`CPGroups` object: the process's own is
+:data:`PROCESS_GROUPS`, which the spec functions fill on every rank at the same point and hand to
+every plugin layer they build (a test may make its own). Core-attention modules only look groups up (creating them there too if nobody did, which is
+safe when every rank builds its layers at the same time, i.e. without pipeline parallelism).
 
 Worked example: world 8 = TP 2 x CP 4, Mesh tile 2x2 (contiguous="q"). Megatron's CP groups are
 the global ranks [0, 2, 4, 6] and [1, 3, 5, 7] (stride = TP size). For the first, CP ranks
@@ -35,15 +36,7 @@ from .errors import SettingsMismatchError
 from .settings import flags, layer_modes, plugin_modes_of, plugin_settings
 from .placement import resolve_placement
 
-__all__ = ["initialize_groups", "destroy_groups", "communicator", "cp_ranks", "SettingsMismatchError"]
-
-
-
-_CP_GROUPS: dict[tuple[int, ...], list[tuple[int, ...]]] = {}  # my CP ranks -> every CP group
-_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}  # global members -> the group made for them
-_DONE: set = set()  # (my CP ranks, placement) whose groups exist (a mode's tile may change between models)
-_OWNED: list[dist.ProcessGroup] = []  # groups made here (for destroy_groups)
-_COMMS: dict[tuple, "TorchDistCommunicator | AllToAllCommunicator"] = {}
+__all__ = ["CPGroups", "PROCESS_GROUPS", "cp_ranks", "SettingsMismatchError"]
 
 
 def cp_ranks(group) -> tuple[int, ...]:
@@ -56,16 +49,6 @@ def _cp_group(cp_group=None):
     from megatron.core import parallel_state
 
     return parallel_state.get_context_parallel_group()
-
-
-def _all_cp_groups(cp_group) -> list[tuple[int, ...]]:
-    """Every CP group of the world (sorted), gathered once; collective on the first call."""
-    mine = cp_ranks(cp_group)
-    if mine not in _CP_GROUPS:
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
-        _CP_GROUPS[mine] = sorted(set(gathered))
-    return _CP_GROUPS[mine]
 
 
 # plugin flags that only change what one rank writes or when it works, never a collective: a rank
@@ -119,45 +102,6 @@ def check_settings_agree(config) -> None:
                                     "otherwise they wait for each other for ever): " + "; ".join(parts))
 
 
-def initialize_groups(config, cp_group=None) -> None:
-    """Create, once and on every rank, the sub-groups ``config``'s plugin layers need (collective
-    over the world: call it on all ranks at the same point, e.g. from the spec function, as
-    Megatron builds every rank's layers). First every rank checks that all share the
-    context-parallel settings (:func:`check_settings_agree`; also at CP 1, where a node started
-    with another CP size would otherwise skip it)."""
-    if cp_group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        check_settings_agree(config)
-    if cp_group is None and config.context_parallel_size == 1:
-        return
-    modes = sorted(plugin_modes_of(layer_modes(config.cp_comm_type)))
-    if not modes:
-        return
-    cp_group = _cp_group(cp_group)
-    if dist.get_world_size(cp_group) == 1:
-        return
-    mine = cp_ranks(cp_group)
-    todo = [m for m in modes if (mine, resolve_placement(m, config, mine)) not in _DONE]
-    if not todo:
-        return
-    from megatron.core import parallel_state
-
-    me, made = dist.get_rank(), []
-    for ranks in _all_cp_groups(cp_group):
-        for mode in todo:
-            for members in resolve_placement(mode, config, ranks).groups():
-                glob = tuple(sorted(ranks[i] for i in members))
-                if glob in _GROUPS:
-                    continue
-                group = parallel_state.create_group(list(glob), pg_options=parallel_state.get_nccl_options("cp", {}),
-                                                    group_desc="MEGATRON_MESH_CP_SUBGROUP")
-                _GROUPS[glob] = group
-                _OWNED.append(group)
-                if me in glob:
-                    made.append(group)
-    _warm_up(made)
-    _DONE.update((mine, resolve_placement(m, config, mine)) for m in todo)
-
-
 def _warm_up(groups: Iterable[dist.ProcessGroup]) -> None:
     # NCCL creates a communicator at its first operation, which all members must join; a round
     # need not involve every member of a group, so run one all-reduce per group up front. Every
@@ -168,46 +112,110 @@ def _warm_up(groups: Iterable[dist.ProcessGroup]) -> None:
             dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())), group=group)
 
 
-def communicator(config, cp_group, placement: Placement):
-    """The transport of ``placement`` over ``cp_group``: P2P with each peer routed through the
-    smallest sub-group holding both ranks (the whole CP group otherwise), or one all-to-all
-    collective per round for TASP's ``alltoall`` transport."""
-    ranks = cp_ranks(cp_group)
-    if placement.transport == "alltoall":
-        key = ("alltoall", ranks)
-        if key not in _COMMS:
-            _COMMS[key] = AllToAllCommunicator(cp_group)
-        return _COMMS[key]
-    if placement.world_size > 1 and (ranks, placement) not in _DONE:
-        initialize_groups(config, cp_group)
-    me = ranks.index(dist.get_rank())
-    routes: dict[int, tuple] = {}
-    for members in placement.groups():
-        if me not in members:
-            continue
-        glob = tuple(sorted(ranks[i] for i in members))
-        for peer in members:
-            if peer != me and (peer not in routes or len(glob) < len(routes[peer])):
-                routes[peer] = glob
-    missing = [g for g in routes.values() if g not in _GROUPS]
-    if missing:
-        raise RuntimeError(f"no process group for CP ranks {missing[0]}: initialize_groups(config) did not make the "
-                           f"groups of {placement.describe()}")
-    key = (ranks, tuple(sorted(routes.items())))
-    if key not in _COMMS:
-        _COMMS[key] = TorchDistCommunicator(cp_group, routes={p: _GROUPS[g] for p, g in routes.items()})
-    return _COMMS[key]
+class CPGroups:
+    """The sub-groups made for the plugin's layers and the communicators routed through them.
+    Process groups are the process's: a copy of a layer spec (Megatron deep-copies some) shares
+    this object."""
+
+    def __init__(self):
+        self.cp_groups: dict[tuple[int, ...], list[tuple[int, ...]]] = {}  # my CP ranks -> every CP group
+        self.groups: dict[tuple[int, ...], dist.ProcessGroup] = {}  # global members -> the group made for them
+        self.done: set = set()  # (my CP ranks, placement) whose groups exist (a mode's tile may change between models)
+        self.owned: list[dist.ProcessGroup] = []  # groups made here (for destroy)
+        self.comms: dict[tuple, "TorchDistCommunicator | AllToAllCommunicator"] = {}
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def _all_cp_groups(self, cp_group) -> list[tuple[int, ...]]:
+        """Every CP group of the world (sorted), gathered once; collective on the first call."""
+        mine = cp_ranks(cp_group)
+        if mine not in self.cp_groups:
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine)
+            self.cp_groups[mine] = sorted(set(gathered))
+        return self.cp_groups[mine]
+
+    def initialize(self, config, cp_group=None) -> None:
+        """Create, once and on every rank, the sub-groups ``config``'s plugin layers need
+        (collective over the world: call it on all ranks at the same point, e.g. from the spec
+        function, as Megatron builds every rank's layers). First every rank checks that all share
+        the context-parallel settings (:func:`check_settings_agree`; also at CP 1, where a node
+        started with another CP size would otherwise skip it)."""
+        if cp_group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            check_settings_agree(config)
+        if cp_group is None and config.context_parallel_size == 1:
+            return
+        modes = sorted(plugin_modes_of(layer_modes(config.cp_comm_type)))
+        if not modes:
+            return
+        cp_group = _cp_group(cp_group)
+        if dist.get_world_size(cp_group) == 1:
+            return
+        mine = cp_ranks(cp_group)
+        todo = [m for m in modes if (mine, resolve_placement(m, config, mine)) not in self.done]
+        if not todo:
+            return
+        from megatron.core import parallel_state
+
+        me, made = dist.get_rank(), []
+        for ranks in self._all_cp_groups(cp_group):
+            for mode in todo:
+                for members in resolve_placement(mode, config, ranks).groups():
+                    glob = tuple(sorted(ranks[i] for i in members))
+                    if glob in self.groups:
+                        continue
+                    group = parallel_state.create_group(list(glob),
+                                                        pg_options=parallel_state.get_nccl_options("cp", {}),
+                                                        group_desc="MEGATRON_MESH_CP_SUBGROUP")
+                    self.groups[glob] = group
+                    self.owned.append(group)
+                    if me in glob:
+                        made.append(group)
+        _warm_up(made)
+        self.done.update((mine, resolve_placement(m, config, mine)) for m in todo)
+
+    def communicator(self, config, cp_group, placement: Placement):
+        """The transport of ``placement`` over ``cp_group``: P2P with each peer routed through the
+        smallest sub-group holding both ranks (the whole CP group otherwise), or one all-to-all
+        collective per round for TASP's ``alltoall`` transport."""
+        ranks = cp_ranks(cp_group)
+        if placement.transport == "alltoall":
+            key = ("alltoall", ranks)
+            if key not in self.comms:
+                self.comms[key] = AllToAllCommunicator(cp_group)
+            return self.comms[key]
+        if placement.world_size > 1 and (ranks, placement) not in self.done:
+            self.initialize(config, cp_group)
+        me = ranks.index(dist.get_rank())
+        routes: dict[int, tuple] = {}
+        for members in placement.groups():
+            if me not in members:
+                continue
+            glob = tuple(sorted(ranks[i] for i in members))
+            for peer in members:
+                if peer != me and (peer not in routes or len(glob) < len(routes[peer])):
+                    routes[peer] = glob
+        missing = [g for g in routes.values() if g not in self.groups]
+        if missing:
+            raise RuntimeError(f"no process group for CP ranks {missing[0]}: CPGroups.initialize(config) did not make "
+                               f"the groups of {placement.describe()}")
+        key = (ranks, tuple(sorted(routes.items())))
+        if key not in self.comms:
+            self.comms[key] = TorchDistCommunicator(cp_group, routes={p: self.groups[g] for p, g in routes.items()})
+        return self.comms[key]
+
+    def destroy(self) -> None:
+        """Forget (and destroy) every group made here -- for tests that re-initialise parallel state."""
+        for group in self.owned:
+            try:
+                dist.destroy_process_group(group)
+            except Exception:  # noqa: BLE001 -- already gone with the default group
+                pass
+        self.__init__()
 
 
-def destroy_groups() -> None:
-    """Forget (and destroy) every group made here -- for tests that re-initialise parallel state."""
-    for group in _OWNED:
-        try:
-            dist.destroy_process_group(group)
-        except Exception:  # noqa: BLE001 -- already gone with the default group
-            pass
-    _OWNED.clear()
-    _GROUPS.clear()
-    _DONE.clear()
-    _CP_GROUPS.clear()
-    _COMMS.clear()
+PROCESS_GROUPS = CPGroups()  # the process's groups: what the spec functions create and hand to the layers

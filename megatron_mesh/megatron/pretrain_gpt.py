@@ -66,7 +66,7 @@ def get_batch(data_iterator, vp_stage=None):
     """This rank's micro-batch: TP rank 0 reads it, broadcasts it over the TP group, and every
     rank keeps its CP share -- the zigzag chunk (chunks r and 2*CP-1-r of each sequence); with
     --reset-attention-mask each sample's tokens of its own CP layout (:mod:`.batch_layout`:
-    ``--cp-layout balanced``, the default, or the zigzag); with --cp-thd-packing its tokens of
+    ``--cp-layout auto``, the default, ``balanced``, or the zigzag); with --cp-thd-packing its tokens of
     Transformer Engine's THD layout. With documents their boundaries travel as
     ``packed_seq_params`` (the last item)."""
     from megatron.core import parallel_state as mpu

@@ -22,16 +22,17 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..kernels import KERNEL_BACKENDS
 from ..plan.modes import MODES, get_mode, option_specs
-from . import TE_MODES, plugin_modes
+from . import plugin_modes
 
 __all__ = ["Flag", "flags", "flag_dest", "PluginSettings", "plugin_settings", "MeshTransformerConfig", "layer_modes",
-           "plugin_modes_of", "megatron_window", "ALL_PLUGIN_MODES", "NODE_AWARE", "CP_LAYOUTS",
+           "plugin_modes_of", "ALL_PLUGIN_MODES", "NODE_AWARE", "CP_LAYOUTS",
            "BATCH_DOCUMENTS", "cp_layout"]
 
 # --cp-layout's values, the default first (why: docs/megatron.md, "Packed documents: the CP layout");
-# "balanced-hide": the balanced layout whose Ulysses groups run some inside documents first and last
-# (balanced_layout(hide=True), where the planner finds it pays)
-CP_LAYOUTS = ("balanced", "zigzag", "balanced-hide")
+# "auto": per sample the balanced layout unless the zigzag is priced faster for the layers' mode
+# (plan/choice.py); "balanced-hide": the balanced layout whose Ulysses groups run some inside
+# documents first and last (balanced_layout(hide=True), where the planner finds it pays)
+CP_LAYOUTS = ("auto", "balanced", "zigzag", "balanced-hide")
 # config.cp_documents values whose documents come from each sample of the batch (end-of-document
 # tokens, position-id resets) and so get a CP layout per sample; "thd" is a layout of its own
 BATCH_DOCUMENTS = ("eod", "positions")
@@ -88,14 +89,17 @@ GENERAL = (
               "loss, time, attention bytes and peak memory per iteration"),
     Flag("--cp-layout", CP_LAYOUTS[0], choices=CP_LAYOUTS,
          help="which CP rank holds which tokens of a sample of packed documents (--reset-attention-mask; megatron_mesh's "
-              "entry script, or any script through scripts/run_megatron_script.sh) at CP > 1: 'balanced' -- each "
+              "entry script, or any script through scripts/run_megatron_script.sh) at CP > 1: 'auto' -- per sample "
+              "the balanced layout, unless Megatron's zigzag is priced faster for the layers' mode (the plain modes "
+              "across nodes, mostly; megatron_mesh/plan/choice.py) -- 'balanced' -- each "
               "sample's own work-balanced, document-aware layout (short documents whole on one rank, long ones in "
-              "zigzag pieces over a few ranks; needs --calculate-per-token-loss) -- 'balanced-hide', the same whose "
+              "zigzag portions over a few ranks; needs --calculate-per-token-loss, as auto does) -- 'balanced-hide', "
+              "the same whose "
               "Ulysses groups (a2a+*) run some documents first and last to hide the all-to-all (megatron-mesh-plan "
               "--layout all says when it pays) -- or 'zigzag', Megatron's global zigzag"),
     Flag("--no-cp-layout-lookahead", False, store_true=True,
-         help="--cp-layout balanced: work out each micro-batch's layouts and this rank's plans of them on the step's "
-              "critical path, instead of on a background thread while the step before trains (the default)"),
+         help="--cp-layout balanced or auto: work out each micro-batch's layouts and this rank's plans of them on "
+              "the step's critical path, instead of on a background thread while the step before trains (the default)"),
     Flag("--cp-thd-packing", False, store_true=True,
          help="megatron_mesh's entry script: pack each sample's end-of-document-delimited documents into Transformer "
               "Engine's THD layout (packed_seq_params, qkv_format thd), every document padded to a multiple of "
@@ -208,20 +212,7 @@ def plugin_modes_of(modes) -> set:
     return {m for m in modes if m in plugin_modes()}
 
 
-def te_modes_of(modes) -> set:
-    return {m for m in modes if m in TE_MODES}
-
-
 def cp_layout(config) -> str:
     """``--cp-layout`` of ``config`` (Megatron's parsed arguments or a transformer config carrying
     the plugin settings); its default when not given."""
     return getattr(config, "cp_layout", None) or CP_LAYOUTS[0]
-
-
-def megatron_window(window_size) -> tuple | None:
-    """Megatron's ``window_size`` (left, right), -1 meaning unlimited, as the plugin's window
-    ((left, right), None meaning unlimited), or None for no window."""
-    if window_size is None:
-        return None
-    left, right = window_size
-    return (None if left < 0 else int(left), None if right < 0 else int(right))

@@ -19,11 +19,15 @@
   also the bytes this rank sent to each CP peer and the attention work of its kernel calls
   (:func:`on_attention`, called by every plugin attention call with the plan it runs).
 
-The spec functions call :func:`install` with Megatron's parsed arguments; it wraps
-``megatron.training.training.training_log`` (called once per iteration on every rank, after
-Megatron's own log line) and ``train_step`` (timed for the metrics) -- only when timers, bytes or
-metrics are asked for. Outside Megatron's training loop (Megatron-Core used from Python) only the
-summary line is produced.
+All of it is one :class:`Telemetry` object -- the layers' summary (:class:`LayerSummary`), the
+timers (:class:`Timing`) and the per-iteration records (:class:`Records`) -- that the layer spec
+hands to every plugin layer it builds (:mod:`.spec`). The spec functions get the run's object from
+:func:`install` with Megatron's parsed arguments; it wraps ``megatron.training.training.training_log``
+(called once per iteration on every rank, after Megatron's own log line) and ``train_step``
+(timed for the metrics), and the wrapper holds the run's telemetry, so every spec call of the run
+(one per model chunk) gets the same one. Outside Megatron's training loop (Megatron-Core used
+from Python) each spec makes its own, and only the summary line is produced. Tests make their
+own objects (with their own timers and TensorBoard writer).
 """
 
 from __future__ import annotations
@@ -32,16 +36,17 @@ import contextlib
 import logging
 import sys
 import time
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..comm.base import Communicator, total_bytes, total_sent_to
 from ..plan.units import format_bytes
+from . import ensure_typing_override
 
-__all__ = ["install", "register_layer", "on_forward", "on_plan", "on_attention", "timed_communicator", "compute_phase", "mark_backward",
-           "TIMER_COMPUTE", "TIMER_COMM", "TIMER_LOG_LEVEL"]
+__all__ = ["Telemetry", "LayerSummary", "Timing", "Records", "install", "TimedCommunicator", "TIMER_COMPUTE",
+           "TIMER_COMM", "TIMER_LOG_LEVEL"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,59 +55,71 @@ TIMER_COMM = "cp-attention-comm"
 TIMER_LOG_LEVEL = 2
 
 
-class _State:
-    args = None  # Megatron's parsed arguments, once installed
-    timing = False  # the level-2 timers are on
-    metrics = None  # MetricsWriter
-    layers: dict = {}  # layer number -> (description, record) of this process's plugin layers
-    summarized = False
-    placements_said: set = set()  # (layer description, tile, assignment) already logged by on_plan
-    depth = {TIMER_COMPUTE: 0, TIMER_COMM: 0}
-    step_ms: Optional[float] = None
-    bytes_at_record = (0, 0)
-    sent_to_at_record: dict = {}  # peer -> bytes sent so far, at the last iteration record
-    work = 0  # attention work of this rank's kernel calls since the last iteration record
-    cp_rank: Optional[int] = None  # this rank's rank in its CP group (the peers' numbering)
-    planned_sent = 0  # bytes this rank's plans send, since the last iteration record
-    plan_costs: dict = {}  # id(plan) -> (plan, (rank, shape), work, forward bytes, backward bytes): once per plan
-    bytes_at_log = (0, 0)
-    iterations_since_log = 0
+class _Shared:
+    """A process-wide sink: a copy of a layer spec (Megatron deep-copies some) shares it."""
 
+    def __copy__(self):
+        return self
 
-def install(args) -> None:
-    """Turn on what ``args`` asks for (idempotent; the spec functions call it on every rank)."""
-    if _State.args is args:
-        return
-    _State.args = args
-    _State.timing = getattr(args, "timing_log_level", 0) >= TIMER_LOG_LEVEL
-    metrics_dir = getattr(args, "cp_metrics_dir", None)
-    if metrics_dir and _State.metrics is None:
-        from .metrics import MetricsWriter
-
-        _State.metrics = MetricsWriter(metrics_dir, dist.get_rank() if dist.is_initialized() else 0)
-    if _State.timing or metrics_dir or getattr(args, "log_cp_attention_bytes", False):
-        _wrap_training_loop()
+    def __deepcopy__(self, memo):
+        return self
 
 
 # -- the summary line and the per-layer records ----------------------------------------------------------
-def register_layer(layer_number: int, description: str, record: dict, logs: bool) -> None:
-    """A plugin layer was built; ``logs``: this rank speaks for its pipeline stage."""
-    if _State.summarized:  # a new model (tests build several in one process): summarise it anew
-        _State.layers, _State.summarized = {}, False
-    _State.layers[layer_number] = (description, dict(record, layer=layer_number, description=description), logs)
+class LayerSummary(_Shared):
+    """The plugin layers built for one model (by layer number) and the lines said about them."""
 
+    def __init__(self):
+        self.layers: dict = {}  # layer number -> (description, record, logs) of this process's plugin layers
+        self.summarized = False
+        self.placements_said: set = set()  # (layer description, tile, assignment) already logged by on_plan
 
-def on_forward() -> None:
-    """Called by every plugin layer's forward; the first call summarises the layers built so far."""
-    if _State.summarized:
-        return
-    _State.summarized = True
-    layers = sorted(_State.layers.items())
-    if layers and any(logs for _, (_, _, logs) in layers):
-        logger.info("megatron_mesh: %s%s", _stage(), "; ".join(_groups(layers)))
-    if _State.metrics is not None:
-        for _, (_, record, _) in layers:
-            _State.metrics.write({"kind": "layer", **record})
+    def register_layer(self, layer_number: int, description: str, record: dict, logs: bool) -> None:
+        """A plugin layer was built; ``logs``: this rank speaks for its pipeline stage."""
+        if self.summarized:  # a new model (tests build several in one process): summarise it anew
+            self.layers, self.summarized = {}, False
+        self.layers[layer_number] = (description, dict(record, layer=layer_number, description=description), logs)
+
+    def on_forward(self, metrics=None) -> None:
+        """Called by every plugin layer's forward; the first call summarises the layers built so
+        far (and writes their records to ``metrics``)."""
+        if self.summarized:
+            return
+        self.summarized = True
+        layers = sorted(self.layers.items())
+        if layers and any(logs for _, (_, _, logs) in layers):
+            logger.info("megatron_mesh: %s%s", _stage(), "; ".join(layer_runs(layers)))
+        if metrics is not None:
+            for _, (_, record, _) in layers:
+                metrics.write({"kind": "layer", **record})
+
+    def on_plan(self, layer_number: int, planned_tile, plan) -> None:
+        """A plugin layer runs ``plan``; its summary line named ``planned_tile`` (the placement's
+        tile, chosen for dense attention; None for modes without one). Under a batch's documents
+        or window a Mesh plan may place its blocks otherwise -- another tile map, or every block
+        at its query chunk's owner, whichever moves the fewest bytes on the busiest rank -- and
+        then this logs one line saying so, once for each layer description and placement (plans
+        are per batch; the check is one set lookup), e.g. ``megatron_mesh: layers with mesh (CP 8,
+        tile 2x4, ...): under this batch's mask the plan runs tile 4x2 (...)``."""
+        if planned_tile is None:
+            return
+        assignment = plan.assignment or "tile"
+        if plan.tile == tuple(planned_tile) and (assignment == "tile" or planned_tile[0] == 1):
+            return  # as summarised (a 1 x P tile is the query owner's placement)
+        entry = self.layers.get(layer_number)
+        if entry is None or not entry[2]:
+            return
+        key = (entry[0], plan.tile, assignment)
+        if key in self.placements_said:
+            return
+        self.placements_said.add(key)
+        if assignment == "tile":
+            what = (f"tile {plan.tile[0]}x{plan.tile[1]} (of the tile maps and the query owner, the fewest bytes on "
+                    "the busiest rank under this mask)")
+        else:
+            what = (f"every block at its query chunk's owner ({assignment}: under this mask no tile map moves fewer "
+                    "bytes on the busiest rank)")
+        logger.info("megatron_mesh: layers with %s: under this batch's mask the plan runs %s", entry[0], what)
 
 
 def _stage() -> str:
@@ -114,7 +131,7 @@ def _stage() -> str:
         return ""
 
 
-def _groups(layers) -> list[str]:
+def layer_runs(layers) -> list[str]:
     """'layers 1-2: mesh (...)' for each run of consecutive layers with the same description."""
     runs: list[list] = []  # [first, last, description]
     for n, (desc, _, _) in layers:
@@ -125,125 +142,147 @@ def _groups(layers) -> list[str]:
     return [f"{f'layer {a}' if a == b else f'layers {a}-{b}'}: {desc}" for a, b, desc in runs]
 
 
-def on_plan(layer_number: int, planned_tile, plan) -> None:
-    """A plugin layer runs ``plan``; its summary line named ``planned_tile`` (the placement's tile,
-    chosen for dense attention; None for modes without one). Under a batch's documents or window
-    a Mesh plan may place its blocks otherwise -- another tile map, or every block at its query
-    chunk's owner, whichever moves the fewest bytes on the busiest rank -- and then this logs one
-    line saying so, once for each layer description and placement (plans are per batch; the
-    check is one set lookup), e.g. ``megatron_mesh: layers with mesh (CP 8, tile 2x4, ...): under
-    this batch's mask the plan runs tile 4x2 (...)``."""
-    if planned_tile is None:
-        return
-    assignment = plan.assignment or "tile"
-    if plan.tile == tuple(planned_tile) and (assignment == "tile" or planned_tile[0] == 1):
-        return  # as summarised (a 1 x P tile is the query owner's placement)
-    entry = _State.layers.get(layer_number)
-    if entry is None or not entry[2]:
-        return
-    key = (entry[0], plan.tile, assignment)
-    if key in _State.placements_said:
-        return
-    _State.placements_said.add(key)
-    if assignment == "tile":
-        what = (f"tile {plan.tile[0]}x{plan.tile[1]} (of the tile maps and the query owner, the fewest bytes on the "
-                "busiest rank under this mask)")
-    else:
-        what = (f"every block at its query chunk's owner ({assignment}: under this mask no tile map moves fewer bytes "
-                "on the busiest rank)")
-    logger.info("megatron_mesh: layers with %s: under this batch's mask the plan runs %s", entry[0], what)
+# -- attention work and bytes per iteration ----------------------------------------------------------------
+class Records(_Shared):
+    """The per-iteration records of ``--cp-metrics-dir`` (``metrics``: a MetricsWriter, or None)."""
+
+    def __init__(self, metrics=None):
+        self.metrics = metrics
+        self.step_ms: Optional[float] = None
+        self.bytes_at_record = total_bytes()
+        self.sent_to_at_record: dict = total_sent_to()  # peer -> bytes sent so far, at the last record
+        self.work = 0  # attention work of this rank's kernel calls since the last iteration record
+        self.cp_rank: Optional[int] = None  # this rank's rank in its CP group (the peers' numbering)
+        self.planned_sent = 0  # bytes this rank's plans send, since the last iteration record
+        self.plan_costs: dict = {}  # id(plan) -> (plan, (rank, shape), work, forward bytes, backward bytes)
+
+    def on_attention(self, plan, rank: int, shape, backward: bool) -> None:
+        """A plugin attention call on this rank (its CP group rank ``rank``) runs ``plan`` for the
+        problem ``shape`` (an AttentionShape: batch, heads, kv heads, head dim, element size);
+        its backward will run when ``backward``. Credits, for the metrics:
+
+        * the forward work of its kernel calls -- the (query, key) pairs the mask allows, times
+          the query heads of each block and the batch, i.e. the attention scores actually
+          computed (a Ulysses rank's blocks hold its head slice);
+        * the bytes its plan says this rank sends: the forward's, and the backward's when it will
+          run (an activation-recompute forward runs without it, then again with it) -- so the
+          planned bytes of an iteration equal the measured ones when the run moves what it plans,
+          documents included (each batch's own plan).
+
+        Only with ``--cp-metrics-dir``; both are computed once per plan (the runtime caches
+        plans, so the same object comes back every step)."""
+        if self.metrics is None:
+            return
+        self.cp_rank = rank
+        key = (rank, shape)
+        entry = self.plan_costs.get(id(plan))
+        if entry is None or entry[0] is not plan or entry[1] != key:
+            from ..plan.accounting import block_pairs, plan_bytes
+
+            work = sum(block_pairs(plan, op) * plan.head_counts(op.q, shape.heads, shape.kv_heads)[0]
+                       for op in plan.rank(rank).blocks("forward")) * shape.batch
+            sent = plan_bytes(plan, shape)[rank]
+            if len(self.plan_costs) > 256:  # documents give a plan per batch: keep the table small
+                self.plan_costs.clear()
+            # holding the plan keeps id(plan) its own
+            entry = self.plan_costs[id(plan)] = (plan, key, work, sent.forward_sent, sent.backward_sent)
+        self.work += entry[2]
+        self.planned_sent += entry[3] + (entry[4] if backward else 0)
+
+    def write_iteration(self, loss_dict: dict, iteration: int) -> None:
+        """The iteration's record: its losses, time, bytes (per peer too), memory and work."""
+        sent, received = total_bytes()
+        sent_to = total_sent_to()
+        before = self.sent_to_at_record
+        peak, kind = _peak_memory()
+        self.metrics.write({
+            "kind": "iteration", "iteration": iteration,
+            "losses": {k: float(v.float().mean()) if torch.is_tensor(v) else float(v) for k, v in loss_dict.items()},
+            "time_ms": self.step_ms, "bytes_sent": sent - self.bytes_at_record[0],
+            "bytes_received": received - self.bytes_at_record[1], "peak_memory": peak, "memory_kind": kind,
+            "cp_rank": self.cp_rank,
+            "bytes_sent_to": {str(p): n - before.get(p, 0) for p, n in sorted(sent_to.items()) if n != before.get(p, 0)},
+            "attention_work": self.work, "planned_bytes_sent": self.planned_sent})
+        self.bytes_at_record, self.sent_to_at_record, self.work = (sent, received), sent_to, 0
+        self.planned_sent = 0
 
 
-# -- attention work ------------------------------------------------------------------------------------
-def records_attention() -> bool:
-    """Whether :func:`on_attention` records anything (``--cp-metrics-dir``): the layer skips
-    working out its arguments otherwise."""
-    return _State.metrics is not None
+def _peak_memory():
+    from .metrics import peak_memory
 
-
-def on_attention(plan, rank: int, shape, backward: bool) -> None:
-    """A plugin attention call on this rank (its CP group rank ``rank``) runs ``plan`` for the
-    problem ``shape`` (an AttentionShape: batch, heads, kv heads, head dim, element size); its
-    backward will run when ``backward``. Credits, for the metrics:
-
-    * the forward work of its kernel calls -- the (query, key) pairs the mask allows, times the
-      query heads of each block and the batch, i.e. the attention scores actually computed (a
-      Ulysses rank's blocks hold its head slice);
-    * the bytes its plan says this rank sends: the forward's, and the backward's when it will run
-      (an activation-recompute forward runs without it, then again with it) -- so the planned
-      bytes of an iteration equal the measured ones when the run moves what it plans, documents
-      included (each batch's own plan).
-
-    Only with ``--cp-metrics-dir``; both are computed once per plan (the runtime caches plans, so
-    the same object comes back every step)."""
-    if _State.metrics is None:
-        return
-    _State.cp_rank = rank
-    key = (rank, shape)
-    entry = _State.plan_costs.get(id(plan))
-    if entry is None or entry[0] is not plan or entry[1] != key:
-        from ..plan.accounting import block_pairs, plan_bytes
-
-        work = sum(block_pairs(plan, op) * plan.head_counts(op.q, shape.heads, shape.kv_heads)[0]
-                   for op in plan.rank(rank).blocks("forward")) * shape.batch
-        sent = plan_bytes(plan, shape)[rank]
-        if len(_State.plan_costs) > 256:  # documents give a plan per batch: keep the table small
-            _State.plan_costs.clear()
-        entry = _State.plan_costs[id(plan)] = (plan, key, work, sent.forward_sent, sent.backward_sent)  # holding plan keeps id(plan) its own
-    _State.work += entry[2]
-    _State.planned_sent += entry[3] + (entry[4] if backward else 0)
+    return peak_memory()
 
 
 # -- timers ----------------------------------------------------------------------------------------------
-def _timers():
+def megatron_timers():
+    """Megatron's timers, once its training script has made them (else None)."""
     global_vars = sys.modules.get("megatron.training.global_vars")
     return getattr(global_vars, "_GLOBAL_TIMERS", None) if global_vars is not None else None
 
 
-def _enter(name: str) -> None:
-    _State.depth[name] += 1
-    if _State.depth[name] == 1:
-        _timers()(name, log_level=TIMER_LOG_LEVEL).start()
+class Timing(_Shared):
+    """The compute and communication timers of the plugin layers (``on``: the level-2 timers are
+    asked for; ``timers``: returns Megatron's timers, or None before they exist)."""
 
+    def __init__(self, on: bool = False, timers: Callable = megatron_timers):
+        self.on, self.timers = on, timers
+        self.depth = {TIMER_COMPUTE: 0, TIMER_COMM: 0}
 
-def _leave(name: str) -> None:
-    _State.depth[name] -= 1
-    if _State.depth[name] == 0:
-        _timers()(name, log_level=TIMER_LOG_LEVEL).stop()
+    def _running(self) -> bool:
+        return self.on and self.timers() is not None
 
+    def _enter(self, name: str) -> None:
+        self.depth[name] += 1
+        if self.depth[name] == 1:
+            self.timers()(name, log_level=TIMER_LOG_LEVEL).start()
 
-def _on() -> bool:
-    return _State.timing and _timers() is not None
+    def _leave(self, name: str) -> None:
+        self.depth[name] -= 1
+        if self.depth[name] == 0:
+            self.timers()(name, log_level=TIMER_LOG_LEVEL).stop()
 
+    @contextlib.contextmanager
+    def compute_phase(self) -> Iterator[None]:
+        """Around a plugin layer's forward (the compute timer runs; transfers pause it)."""
+        if not self._running():
+            yield
+            return
+        self._enter(TIMER_COMPUTE)
+        try:
+            yield
+        finally:
+            self._leave(TIMER_COMPUTE)
 
-@contextlib.contextmanager
-def compute_phase() -> Iterator[None]:
-    """Around a plugin layer's forward (the compute timer runs; transfers pause it)."""
-    if not _on():
-        yield
-        return
-    _enter(TIMER_COMPUTE)
-    try:
-        yield
-    finally:
-        _leave(TIMER_COMPUTE)
-
-
-@contextlib.contextmanager
-def _comm_phase() -> Iterator[None]:
-    if not _on():
-        yield
-        return
-    paused = _State.depth[TIMER_COMPUTE] > 0
-    if paused:
-        _timers()(TIMER_COMPUTE, log_level=TIMER_LOG_LEVEL).stop()
-    _enter(TIMER_COMM)
-    try:
-        yield
-    finally:
-        _leave(TIMER_COMM)
+    @contextlib.contextmanager
+    def comm_phase(self) -> Iterator[None]:
+        """Around a transfer's start or wait (the compute timer pauses)."""
+        if not self._running():
+            yield
+            return
+        paused = self.depth[TIMER_COMPUTE] > 0
         if paused:
-            _timers()(TIMER_COMPUTE, log_level=TIMER_LOG_LEVEL).start()
+            self.timers()(TIMER_COMPUTE, log_level=TIMER_LOG_LEVEL).stop()
+        self._enter(TIMER_COMM)
+        try:
+            yield
+        finally:
+            self._leave(TIMER_COMM)
+            if paused:
+                self.timers()(TIMER_COMPUTE, log_level=TIMER_LOG_LEVEL).start()
+
+    def mark_backward(self, inputs: tuple):
+        """(inputs, wrap): ``inputs`` marked so that the compute timer stops when the layer's
+        backward has produced their gradients; ``wrap(output)`` marks the output so that it starts
+        when the backward reaches the layer. Identity (and free) when the timers are off or
+        nothing needs grad."""
+        if not self._running() or not torch.is_grad_enabled() or not any(t.requires_grad for t in inputs):
+            return inputs, lambda out: out
+        marked = _Mark.apply(lambda: self._leave(TIMER_COMPUTE), *inputs)
+        return marked, lambda out: _Mark.apply(lambda: self._enter(TIMER_COMPUTE), out)[0]
+
+    def communicator(self, comm: Optional[Communicator]) -> Optional[Communicator]:
+        """``comm`` on the communication timer when the timers are on, else ``comm`` itself."""
+        return TimedCommunicator(comm, self) if comm is not None and self.on else comm
 
 
 class _Mark(torch.autograd.Function):
@@ -260,35 +299,25 @@ class _Mark(torch.autograd.Function):
         return (None, *grads)
 
 
-def mark_backward(inputs: tuple):
-    """(inputs, wrap): ``inputs`` marked so that the compute timer stops when the layer's backward
-    has produced their gradients; ``wrap(output)`` marks the output so that it starts when the
-    backward reaches the layer. Identity (and free) when the timers are off or nothing needs grad."""
-    if not _on() or not torch.is_grad_enabled() or not any(t.requires_grad for t in inputs):
-        return inputs, lambda out: out
-    marked = _Mark.apply(lambda: _leave(TIMER_COMPUTE), *inputs)
-    return marked, lambda out: _Mark.apply(lambda: _enter(TIMER_COMPUTE), out)[0]
-
-
 class _TimedWork:
-    def __init__(self, work):
-        self.work = work
+    def __init__(self, work, timing: Timing):
+        self.work, self.timing = work, timing
 
     def wait(self) -> None:
-        with _comm_phase():
+        with self.timing.comm_phase():
             self.work.wait()
 
 
 class TimedCommunicator(Communicator):
-    """``inner`` with its rounds (start and wait) on the communication timer."""
+    """``inner`` with its rounds (start and wait) on ``timing``'s communication timer."""
 
-    def __init__(self, inner: Communicator):
-        self.inner, self.rank, self.world_size = inner, inner.rank, inner.world_size
+    def __init__(self, inner: Communicator, timing: Timing):
+        self.inner, self.rank, self.world_size, self.timing = inner, inner.rank, inner.world_size, timing
 
     def start(self, sends, recvs):
-        with _comm_phase():
+        with self.timing.comm_phase():
             work = self.inner.start(sends, recvs)  # inner counts the bytes
-        return _TimedWork(work)
+        return _TimedWork(work, self.timing)
 
     def _start(self, sends, recvs):
         return self.inner._start(sends, recvs)
@@ -297,96 +326,119 @@ class TimedCommunicator(Communicator):
         return getattr(self.inner, name)
 
 
-def timed_communicator(comm: Optional[Communicator]) -> Optional[Communicator]:
-    """``comm`` on the communication timer when the timers are on, else ``comm`` itself."""
-    return TimedCommunicator(comm) if comm is not None and _State.timing else comm
+# -- one run's telemetry, and Megatron's training loop -------------------------------------------------------
+class Telemetry(_Shared):
+    """What the plugin layers of one run report (see the module docstring): ``args`` are
+    Megatron's parsed arguments (None outside a training script: the summary line only);
+    ``timers`` and ``writer`` return Megatron's timers and TensorBoard writer (tests pass fakes)."""
 
+    def __init__(self, args=None, metrics=None, timers: Callable = megatron_timers,
+                 writer: Optional[Callable] = None):
+        self.args = args
+        self.summary = LayerSummary()
+        self.timing = Timing(getattr(args, "timing_log_level", 0) >= TIMER_LOG_LEVEL, timers)
+        self.records = Records(metrics)
+        self.writer = writer if writer is not None else _tensorboard_writer
+        self.bytes_at_log = total_bytes()
+        self.iterations_since_log = 0
 
-# -- the training loop: timers, bytes and metrics per iteration -------------------------------------------
-def _wrap_training_loop() -> None:
-    from megatron.training import training
+    @property
+    def log_bytes(self) -> bool:
+        return bool(getattr(self.args, "log_cp_attention_bytes", False))
 
-    if getattr(training.training_log, "megatron_mesh_hook", False):
-        return
-    training_log, train_step = training.training_log, training.train_step
+    def on_forward(self) -> None:
+        """Called by every plugin layer's forward (the first one summarises the layers)."""
+        self.summary.on_forward(self.records.metrics)
 
-    def train_step_timed(*args, **kwargs):
-        start = time.perf_counter()
-        out = train_step(*args, **kwargs)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        _State.step_ms = (time.perf_counter() - start) * 1e3
-        return out
+    def after_iteration(self, loss_dict: dict, iteration: int, is_first: bool) -> None:
+        """After Megatron's ``training_log`` of ``iteration``: the metrics record, and at each
+        ``--log-interval`` (and the first iteration) the timers and the bytes."""
+        args = self.args
+        self.iterations_since_log += 1
+        if self.records.metrics is not None:
+            self.records.write_iteration(loss_dict, iteration)
+        if not (iteration % args.log_interval == 0 or is_first):
+            return
+        if self.timing.on:  # like training_log: the first iteration is logged without resetting
+            timers, names = self.timing.timers(), [TIMER_COMPUTE, TIMER_COMM]
+            if getattr(args, "log_timers_to_tensorboard", False):
+                timers.write(names, self.writer(), iteration, normalizer=args.log_interval, reset=False)
+            timers.log(names, normalizer=args.log_interval, reset=not is_first)
+        if self.log_bytes:
+            self._log_bytes(iteration, reset=not is_first)
 
-    def training_log_then_plugin(loss_dict, total_loss_dict, learning_rate, iteration, *args, **kwargs):
-        out = training_log(loss_dict, total_loss_dict, learning_rate, iteration, *args, **kwargs)
-        _after_iteration(loss_dict, iteration, bool(kwargs.get("is_first_iteration", False)))
-        return out
-
-    training_log_then_plugin.megatron_mesh_hook = True
-    training.training_log, training.train_step = training_log_then_plugin, train_step_timed
-
-
-def _after_iteration(loss_dict: dict, iteration: int, is_first: bool) -> None:
-    args = _State.args
-    _State.iterations_since_log += 1
-    if _State.metrics is not None:
+    def _log_bytes(self, iteration: int, reset: bool) -> None:
+        """Bytes per iteration since the last log, min and max over all ranks (collective: every
+        rank runs training_log)."""
         sent, received = total_bytes()
-        sent_to = total_sent_to()
-        before = _State.sent_to_at_record
-        peak, kind = _peak_memory()
-        _State.metrics.write({
-            "kind": "iteration", "iteration": iteration,
-            "losses": {k: float(v.float().mean()) if torch.is_tensor(v) else float(v) for k, v in loss_dict.items()},
-            "time_ms": _State.step_ms, "bytes_sent": sent - _State.bytes_at_record[0],
-            "bytes_received": received - _State.bytes_at_record[1], "peak_memory": peak, "memory_kind": kind,
-            "cp_rank": _State.cp_rank,
-            "bytes_sent_to": {str(p): n - before.get(p, 0) for p, n in sorted(sent_to.items()) if n != before.get(p, 0)},
-            "attention_work": _State.work, "planned_bytes_sent": _State.planned_sent})
-        _State.bytes_at_record, _State.sent_to_at_record, _State.work = (sent, received), sent_to, 0
-        _State.planned_sent = 0
-    if not (iteration % args.log_interval == 0 or is_first):
-        return
-    if _State.timing:  # like training_log: the first iteration is logged without resetting
-        timers, names = _timers(), [TIMER_COMPUTE, TIMER_COMM]
-        if getattr(args, "log_timers_to_tensorboard", False):
-            timers.write(names, _writer(), iteration, normalizer=args.log_interval, reset=False)
-        timers.log(names, normalizer=args.log_interval, reset=not is_first)
-    if getattr(args, "log_cp_attention_bytes", False):
-        _log_bytes(iteration, reset=not is_first)
+        n = max(1, self.iterations_since_log)
+        mine = [(sent - self.bytes_at_log[0]) / n, (received - self.bytes_at_log[1]) / n]
+        if reset:
+            self.bytes_at_log, self.iterations_since_log = (sent, received), 0
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        t = torch.tensor(mine + [-x for x in mine], dtype=torch.float64, device=device)
+        if dist.is_initialized():
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        hi_sent, hi_recv, lo_sent, lo_recv = t[0].item(), t[1].item(), -t[2].item(), -t[3].item()
+        if not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1:  # where Megatron logs
+            logger.info("cp attention bytes per iteration (min, max) across ranks: sent (%s, %s) | received (%s, %s)",
+                        format_bytes(lo_sent), format_bytes(hi_sent), format_bytes(lo_recv), format_bytes(hi_recv))
+            writer = self.writer()
+            if writer is not None:
+                writer.add_scalar("cp-attention-bytes-sent", hi_sent, iteration)
+                writer.add_scalar("cp-attention-bytes-received", hi_recv, iteration)
 
 
-def _peak_memory():
-    from .metrics import peak_memory
-
-    return peak_memory()
-
-
-def _writer():
+def _tensorboard_writer():
     from megatron.training import get_tensorboard_writer
 
     return get_tensorboard_writer()
 
 
-def _log_bytes(iteration: int, reset: bool) -> None:
-    """Bytes per iteration since the last log, min and max over all ranks (collective: every
-    rank runs training_log)."""
-    sent, received = total_bytes()
-    n = max(1, _State.iterations_since_log)
-    mine = [(sent - _State.bytes_at_log[0]) / n, (received - _State.bytes_at_log[1]) / n]
-    if reset:
-        _State.bytes_at_log, _State.iterations_since_log = (sent, received), 0
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    t = torch.tensor(mine + [-x for x in mine], dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    hi_sent, hi_recv, lo_sent, lo_recv = t[0].item(), t[1].item(), -t[2].item(), -t[3].item()
-    if not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1:  # where Megatron logs
-        logger.info("cp attention bytes per iteration (min, max) across ranks: sent (%s, %s) | received (%s, %s)",
-                    format_bytes(lo_sent), format_bytes(hi_sent), format_bytes(lo_recv), format_bytes(hi_recv))
-        writer = _writer()
-        if writer is not None:
-            writer.add_scalar("cp-attention-bytes-sent", hi_sent, iteration)
-            writer.add_scalar("cp-attention-bytes-received", hi_recv, iteration)
+def install(args) -> Telemetry:
+    """The telemetry of the run of ``args`` (Megatron's parsed arguments; the spec functions call
+    this on every rank, once per model chunk): the one Megatron's wrapped ``training_log`` holds
+    when it was made for these arguments, else a new one that the wrapper holds from now on (the
+    metrics file stays open: a run writes one)."""
+    ensure_typing_override()
+    from megatron.training import training
+
+    held = getattr(training.training_log, "megatron_mesh_telemetry", None)
+    if held is not None and held.args is args:
+        return held
+    metrics = held.records.metrics if held is not None else None
+    metrics_dir = getattr(args, "cp_metrics_dir", None)
+    if metrics_dir and metrics is None:
+        from .metrics import MetricsWriter
+
+        metrics = MetricsWriter(metrics_dir, dist.get_rank() if dist.is_initialized() else 0)
+    telemetry = Telemetry(args, metrics if metrics_dir else None)
+    if held is None:
+        _wrap_training_loop(training)
+    training.training_log.megatron_mesh_telemetry = telemetry
+    return telemetry
 
 
+def _wrap_training_loop(training) -> None:
+    """Wrap Megatron's ``training_log`` and ``train_step``; the wrapper's
+    ``megatron_mesh_telemetry`` is the run's :class:`Telemetry`."""
+    training_log, train_step = training.training_log, training.train_step
+
+    def train_step_timed(*args, **kwargs):
+        telemetry = training_log_then_plugin.megatron_mesh_telemetry
+        if not (telemetry.timing.on or telemetry.records.metrics is not None or telemetry.log_bytes):
+            return train_step(*args, **kwargs)
+        start = time.perf_counter()
+        out = train_step(*args, **kwargs)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        telemetry.records.step_ms = (time.perf_counter() - start) * 1e3
+        return out
+
+    def training_log_then_plugin(loss_dict, total_loss_dict, learning_rate, iteration, *args, **kwargs):
+        out = training_log(loss_dict, total_loss_dict, learning_rate, iteration, *args, **kwargs)
+        training_log_then_plugin.megatron_mesh_telemetry.after_iteration(
+            loss_dict, iteration, bool(kwargs.get("is_first_iteration", False)))
+        return out
+
+    training.training_log, training.train_step = training_log_then_plugin, train_step_timed

@@ -45,8 +45,8 @@ def buffer_bytes(kind: str, tokens: int, shape: AttentionShape, heads: int | Non
     g = shape.kv_heads if kv_heads is None else kv_heads
     acc = max(FP32, shape.itemsize)  # accumulators are fp32 (fp64 for fp64 inputs)
     total = 0
-    for side, has_dim, dtype in spec.tensors:
-        n = shape.batch * (h if side == "q" else g) * tokens * (shape.head_dim if has_dim else 1)
+    for side, dim, dtype in spec.tensors:  # each tensor at its own last dim (K and V may differ: MLA)
+        n = shape.batch * (h if side == "q" else g) * tokens * shape.dim(dim)
         total += n * (shape.itemsize if dtype == "input" else acc)
     return total
 

@@ -8,35 +8,39 @@ assigns every token to a rank from the documents themselves:
 * per-rank work -- the (query, key) pairs the mask allows to the rank's query tokens, window
   included -- is balanced;
 * a document that fits is kept whole on one rank: it needs no CP traffic at all; a long one is cut
-  into *zigzag pieces* (piece i = its halves i and 2k-1-i of 2k, so every piece has the same work),
-  and pieces go to consecutive ranks (inside a node where they fit), so the modes' own algorithms
+  into *zigzag portions* (portion i = its halves i and 2k-1-i of 2k, so every portion has the same work),
+  and portions go to consecutive ranks (inside a node where they fit), so the modes' own algorithms
   run over the few ranks that share it;
 * it is deterministic: every rank derives the same layout from the same boundaries.
 
-Algorithm (one pass, O(pieces log pieces)): pieces -- whole documents and the zigzag pieces of the
-long ones (work above ``piece_work`` x the mean per rank) -- are ordered by *density* (work per
+Algorithm (one pass, O(portions log portions)): portions -- whole documents and the zigzag portions of the
+long ones (work above ``portion_work`` x the mean per rank) -- are ordered by *density* (work per
 token). Ranks are filled one after another, each to exactly S / P tokens and a work target of
-(work left) / (ranks left): first the densest pieces whole while the rest of the rank can still be
-filled below the target with the lightest pieces, then one cut of the next densest piece to reach
-the target, then the tokens are filled with the pieces closest to the density still needed, the
-last one cut to fit. A cut piece goes back to the pool (the next rank usually takes the rest), so
-at most a few pieces per rank are cut.
+(work left) / (ranks left): first the densest portions whole while the rest of the rank can still be
+filled below the target with the lightest portions, then one cut of the next densest portion to reach
+the target, then the tokens are filled with the portions closest to the density still needed, the
+last one cut to fit. A cut portion goes back to the pool (the next rank usually takes the rest), so
+at most a few portions per rank are cut. Where Megatron's zigzag gives the busiest rank (Ulysses
+group) less work, the layout is the zigzag's tokens instead: at a few tokens per rank the portions
+cannot be cut finely enough (documents [0, 31) and [31, 32) on 8 ranks of 4 tokens: the fill's
+busiest rank does 1.22x the mean, the zigzag's 1.06x), and with one document over nearly the whole
+sequence the zigzag is the better cut of it (1.004x against 1.01-1.02x, at any length).
 
 Worked example (P = 2, 16 tokens, causal, documents [0, 8), [8, 12), [12, 16): work 36, 10 and
 10, mean 28 per rank). Megatron's zigzag gives rank 0 positions 0-3 and 12-15 (work 20) and rank 1
 4-11 (work 36: 1.29x the mean). Here the first document (work 36 > 0.25 x 28) is cut into two
-zigzag pieces, its quarters {0, 1} + {6, 7} and {2, 3} + {4, 5} (work 18 each), the short ones
+zigzag portions, its quarters {0, 1} + {6, 7} and {2, 3} + {4, 5} (work 18 each), the short ones
 stay whole::
 
     rank 0: [0, 1, 6, 7, 8, 9, 10, 11]     work 18 + 10 = 28
     rank 1: [2, 3, 4, 5, 12, 13, 14, 15]   work 18 + 10 = 28
 
-(``tests/plan/test_balance.py`` pins it); only the first document's pieces meet in an attention block.
+(``tests/plan/test_balance.py`` pins it); only the first document's portions meet in an attention block.
 
 With ``ranks_per_node`` M (a CP group over nodes of M consecutive ranks) the same fill runs
-twice: over the P / M nodes (M * S / P tokens each; for the plain modes in pieces of at most
-:data:`NODE_PIECE_WORK` of a node's work), then over the ranks of each node with that node's
-pieces -- a document whose work fits a node's pieces (half a node's work for the plain modes,
+twice: over the P / M nodes (M * S / P tokens each; for the plain modes in portions of at most
+``node_portion_work`` of a node's work: :mod:`.tunables`), then over the ranks of each node with
+that node's portions -- a document whose work fits a node's portions (half a node's work for the plain modes,
 a whole node's for the Ulysses groups) stays inside one node, so its transfers use the node's
 fast links (at 256 GPUs, 32 x 8, 1M tokens of lognormal documents of mean 4096: 50 of 266
 documents cross a node instead of 169).
@@ -65,22 +69,14 @@ from collections import deque
 from dataclasses import dataclass
 from operator import index
 
+from .docwork import document_work, max_work, zigzag_runs
 from .layout import match_text, register_layout, split_evenly
 from .mask import Mask
 from .sel import merge_runs
+from .tunables import TUNABLES
 
-__all__ = ["BalancedLayout", "balanced_layout", "document_work", "FIRST_PAIRS", "LAST_PAIRS", "NODE_PIECE_WORK",
-           "PIECE_WORK", "SETS"]
+__all__ = ["BalancedLayout", "balanced_layout", "document_work", "FIRST_PAIRS", "LAST_PAIRS", "SETS"]
 
-# a document whose work is above this fraction of the mean per-rank work is cut into zigzag pieces
-# of at most this much work each (smaller pieces pack better; fewer move less)
-PIECE_WORK = 1.0
-# the same, per node, in the nodes-first pass of a layout for the plain modes (group 1): pieces of
-# at most half a node's work. Measured with the planner at 256 GPUs (32 x 8, 1M tokens of
-# lognormal:4096,1 documents, seeds 0-3): TASP 19.0 -> 12.8, 22.2 -> 15.5, 14.4 -> 14.1 and 18.7
-# -> 18.7 ms, ring 27.9 -> 16.7 ms (seed 0); lognormal:16384: TASP 58.7 -> 55.9 ms. The Ulysses
-# groups keep PIECE_WORK (their node pass moved a2a+tasp U 4 by -1 % to +4 %)
-NODE_PIECE_WORK = 0.5
 # a Ulysses group's all-to-all sets (_group_sets), in the order its span chunk holds them: the
 # documents that cross into another group; the documents wholly inside it run first (while the
 # crossing ones' round arrives), the other inside ones, and those run last (while the crossing
@@ -96,26 +92,7 @@ FIRST_PAIRS = 580
 LAST_PAIRS = 400
 
 
-def _sum_min(n: int, c: int | None) -> int:
-    """sum_{t=0}^{n-1} min(t, c) (c None: unlimited)."""
-    if n <= 0:
-        return 0
-    if c is None or n <= c + 1:
-        return n * (n - 1) // 2
-    return c * (c + 1) // 2 + (n - c - 1) * c
-
-
-def document_work(a: int, b: int, length: int, causal: bool = True, window=(None, None)) -> int:
-    """Allowed keys of the queries at positions [a, b) of a document of ``length`` tokens:
-    query t sees min(t, left) keys before it, itself, and (non-causal) min(length-1-t, right)
-    after it. E.g. document_work(0, 4, 4) == 10 (1 + 2 + 3 + 4)."""
-    left, right = window
-    before = _sum_min(b, left) - _sum_min(a, left)
-    after = 0 if causal else _sum_min(length - a, right) - _sum_min(length - b, right)
-    return (b - a) + before + after
-
-
-class _Piece:
+class _Portion:
     """Runs (document-relative [a, b)) of one document that go to one rank together."""
 
     __slots__ = ("doc", "start", "length", "runs", "tokens", "work")
@@ -129,8 +106,8 @@ class _Piece:
     def density(self) -> float:
         return self.work / self.tokens
 
-    def cut(self, x: int, causal: bool, window) -> tuple["_Piece", "_Piece"]:
-        """The first ``x`` tokens, taken from every run in proportion (a zigzag piece keeps its
+    def cut(self, x: int, causal: bool, window) -> tuple["_Portion", "_Portion"]:
+        """The first ``x`` tokens, taken from every run in proportion (a zigzag portion keeps its
         density), and the rest."""
         sizes = [b - a for a, b in self.runs]
         take = [s * x // self.tokens for s in sizes]
@@ -141,8 +118,8 @@ class _Piece:
             left -= more
         first = [(a, a + t) for (a, b), t in zip(self.runs, take) if t]
         rest = [(a + t, b) for (a, b), t in zip(self.runs, take) if a + t < b]
-        return (_Piece(self.doc, self.start, self.length, first, causal, window),
-                _Piece(self.doc, self.start, self.length, rest, causal, window))
+        return (_Portion(self.doc, self.start, self.length, first, causal, window),
+                _Portion(self.doc, self.start, self.length, rest, causal, window))
 
 
 def _take(runs, lo: int, hi: int) -> list[tuple[int, int]]:
@@ -156,29 +133,29 @@ def _take(runs, lo: int, hi: int) -> list[tuple[int, int]]:
     return out
 
 
-def _zigzag(p: _Piece, k: int, causal: bool, window) -> list[_Piece]:
-    """``p`` as k zigzag pieces: its tokens (in position order) cut into 2k equal parts, piece i
+def _zigzag(p: _Portion, k: int, causal: bool, window) -> list[_Portion]:
+    """``p`` as k zigzag portions: its tokens (in position order) cut into 2k equal parts, portion i
     = parts i and 2k-1-i -- a causal document's light front paired with its dense back, so the
-    pieces have (nearly) the same work. A whole document gives its halves i and 2k-1-i."""
+    portions have (nearly) the same work. A whole document gives its halves i and 2k-1-i."""
     runs = sorted(p.runs)
     h = split_evenly(p.tokens, 2 * k)
-    return [_Piece(p.doc, p.start, p.length, _take(runs, h[i], h[i + 1]) + _take(runs, h[2 * k - 1 - i], h[2 * k - i]),
+    return [_Portion(p.doc, p.start, p.length, _take(runs, h[i], h[i + 1]) + _take(runs, h[2 * k - 1 - i], h[2 * k - i]),
                    causal, window) for i in range(k)]
 
 
 class _Pool:
-    """Pieces by density: the densest, the lightest, the one closest to a density."""
+    """Portions by density: the densest, the lightest, the one closest to a density."""
 
-    def __init__(self, pieces):
+    def __init__(self, portions):
         self.by: dict[float, deque] = {}
-        for p in sorted(pieces, key=lambda p: (p.density, p.doc, p.runs[0][0])):
+        for p in sorted(portions, key=lambda p: (p.density, p.doc, p.runs[0][0])):
             self.by.setdefault(p.density, deque()).append(p)
         self.keys = sorted(self.by)
 
     def __len__(self) -> int:
         return len(self.keys)
 
-    def take(self, i: int) -> _Piece:
+    def take(self, i: int) -> _Portion:
         k = self.keys[i]
         q = self.by[k]
         p = q.popleft()
@@ -187,7 +164,7 @@ class _Pool:
             self.keys.pop(i)
         return p
 
-    def peek(self, i: int) -> _Piece:
+    def peek(self, i: int) -> _Portion:
         return self.by[self.keys[i]][0]
 
     def closest(self, density: float) -> int:
@@ -196,7 +173,7 @@ class _Pool:
             i -= 1
         return i
 
-    def put(self, p: _Piece) -> None:
+    def put(self, p: _Portion) -> None:
         q = self.by.get(p.density)
         if q is None:
             q = self.by[p.density] = deque()
@@ -204,7 +181,7 @@ class _Pool:
         q.appendleft(p)
 
     def lightest_fill(self, tokens: int) -> float:
-        """Work of the lightest pieces holding ``tokens`` tokens (the least any fill can add)."""
+        """Work of the lightest portions holding ``tokens`` tokens (the least any fill can add)."""
         w = 0.0
         for k in self.keys:
             for p in self.by[k]:
@@ -215,27 +192,27 @@ class _Pool:
         return w
 
 
-def _split_heavy(pieces, work_cap: float, token_cap: int, causal: bool, window) -> list[_Piece]:
-    """Every piece above ``work_cap`` work or ``token_cap`` tokens as zigzag pieces below both."""
+def _split_heavy(portions, work_cap: float, token_cap: int, causal: bool, window) -> list[_Portion]:
+    """Every portion above ``work_cap`` work or ``token_cap`` tokens as zigzag portions below both."""
     out = []
-    for p in pieces:
+    for p in portions:
         k = min(max(1, math.ceil(p.work / work_cap), math.ceil(p.tokens / token_cap)), max(1, p.tokens // 2))
         out += [p] if k == 1 else _zigzag(p, k, causal, window)
     return out
 
 
-def _fill(pool: _Pool, tokens: int, target: float, causal: bool, window) -> list[_Piece]:
+def _fill(pool: _Pool, tokens: int, target: float, causal: bool, window) -> list[_Portion]:
     """One bin: exactly ``tokens`` tokens with work close to ``target`` (see the module docstring)."""
-    got: list[_Piece] = []
+    got: list[_Portion] = []
     t = w = 0
 
-    def take(p: _Piece) -> None:
+    def take(p: _Portion) -> None:
         nonlocal t, w
         got.append(p)
         t += p.tokens
         w += p.work
 
-    while len(pool) > 1:  # the densest pieces whole, while the rest can still be filled below the target
+    while len(pool) > 1:  # the densest portions whole, while the rest can still be filled below the target
         p = pool.peek(len(pool) - 1)
         if p.tokens > tokens - t:
             break
@@ -244,7 +221,7 @@ def _fill(pool: _Pool, tokens: int, target: float, causal: bool, window) -> list
             pool.put(p)
             break
         take(p)
-    if len(pool) > 1 and t < tokens:  # one cut of the densest piece: as much as keeps the rest fillable
+    if len(pool) > 1 and t < tokens:  # one cut of the densest portion: as much as keeps the rest fillable
         p = pool.take(len(pool) - 1)
         lo, hi = 0, min(tokens - t, p.tokens - 1)
         while lo < hi:
@@ -259,7 +236,7 @@ def _fill(pool: _Pool, tokens: int, target: float, causal: bool, window) -> list
             take(first)
         else:
             pool.put(p)
-    while t < tokens:  # the tokens, with the pieces closest to the density still needed
+    while t < tokens:  # the tokens, with the portions closest to the density still needed
         p = pool.take(pool.closest((target - w) / (tokens - t)))
         if p.tokens > tokens - t:
             first, rest = p.cut(tokens - t, causal, window)
@@ -269,7 +246,7 @@ def _fill(pool: _Pool, tokens: int, target: float, causal: bool, window) -> list
     return got
 
 
-def _even_out(bins: list[list[_Piece]], causal: bool, window, tolerance: float = 0.01) -> None:
+def _even_out(bins: list[list[_Portion]], causal: bool, window, tolerance: float = 0.01) -> None:
     """Swap tokens between the busiest and the idlest bin -- the same number each way, the denser
     ones to the idler bin -- until they are within ``tolerance`` of the mean (the greedy fill's
     last bins take what is left)."""
@@ -297,9 +274,9 @@ def _even_out(bins: list[list[_Piece]], causal: bool, window, tolerance: float =
         works[h], works[lo] = sum(p.work for p in bins[h]), sum(p.work for p in bins[lo])
 
 
-def _runs(pieces) -> tuple[tuple[int, int], ...]:
-    """(global start, length) of the pieces' tokens, sorted and joined."""
-    return tuple(merge_runs((s, e - s) for s, e in sorted((p.start + a, p.start + b) for p in pieces
+def _runs(portions) -> tuple[tuple[int, int], ...]:
+    """(global start, length) of the portions' tokens, sorted and joined."""
+    return tuple(merge_runs((s, e - s) for s, e in sorted((p.start + a, p.start + b) for p in portions
                                                           for a, b in p.runs)))
 
 
@@ -399,6 +376,9 @@ def _check_bounds(cu_seqlens, world_size: int, group: int) -> tuple[tuple[int, i
         cu = [index(c) for c in given]
     except TypeError:
         raise ValueError(f"cu_seqlens must hold integers, got {given!r}") from None
+    except RuntimeError as e:  # a tensor whose values cannot be read: on the meta device (shapes only)
+        raise ValueError(f"cu_seqlens must hold integers that can be read here, got {cu_seqlens!r} ({e}): pass the "
+                         "document boundaries on the CPU or a device that holds their values") from None
     if any(isinstance(c, bool) for c in given):
         raise ValueError(f"cu_seqlens must hold integers, got {given!r}")
     if len(cu) < 2 or cu[0] != 0 or any(b <= a for a, b in zip(cu, cu[1:])):
@@ -416,11 +396,11 @@ def _check_bounds(cu_seqlens, world_size: int, group: int) -> tuple[tuple[int, i
     return tuple(zip(cu, cu[1:]))
 
 
-def _balance(pieces, bins: int, capacity: int, causal: bool, window, piece_work: float) -> list[list[_Piece]]:
-    """``pieces`` into ``bins`` bins of exactly ``capacity`` tokens each, work balanced: heavy
-    pieces cut into zigzag pieces, the greedy fill, the even-out (the module docstring)."""
-    total = sum(p.work for p in pieces)
-    pool = _Pool(_split_heavy(pieces, max(1.0, piece_work * total / bins), capacity, causal, window))
+def _balance(portions, bins: int, capacity: int, causal: bool, window, portion_work: float) -> list[list[_Portion]]:
+    """``portions`` into ``bins`` bins of exactly ``capacity`` tokens each, work balanced: heavy
+    portions cut into zigzag portions, the greedy fill, the even-out (the module docstring)."""
+    total = sum(p.work for p in portions)
+    pool = _Pool(_split_heavy(portions, max(1.0, portion_work * total / bins), capacity, causal, window))
     filled, left = [], total
     for b in range(bins):
         got = _fill(pool, capacity, left / (bins - b), causal, window)
@@ -442,17 +422,17 @@ def _check_nodes(world_size: int, group: int, ranks_per_node) -> int:
 
 
 def balanced_layout(cu_seqlens, world_size: int, *, causal: bool = True, window=None, group: int = 1,
-                    ranks_per_node: int | None = None, piece_work: float = PIECE_WORK,
-                    node_piece_work: float | None = None, hide: bool = False) -> "BalancedLayout":
+                    ranks_per_node: int | None = None, portion_work: float = TUNABLES.portion_work,
+                    node_portion_work: float | None = None, hide: bool = False) -> "BalancedLayout":
     """The work-balanced, document-aware layout of the documents ``cu_seqlens`` (0 = c0 < c1 <
     ... < cn = S, S divisible by the CP size ``world_size``) under a causal (or full) mask with
     ``window`` (left, right) -- see the module docstring. ``group``: balance over world_size /
     group groups of ranks (a Ulysses hybrid of that degree). ``ranks_per_node``: the CP group spans
     nodes of that many consecutive ranks -- balance the nodes first, then the ranks (groups) inside
-    each node, so a document whose work fits a node's pieces stays inside one (its transfers stay on
-    the node's links). ``piece_work`` / ``node_piece_work``: the largest piece, in units of a rank's
-    (group's) / a node's mean work (default :data:`PIECE_WORK`; for the node pass
-    :data:`NODE_PIECE_WORK` with group 1, else ``piece_work``). ``hide`` (with ``group`` > 1):
+    each node, so a document whose work fits a node's portions stays inside one (its transfers stay on
+    the node's links). ``portion_work`` / ``node_portion_work``: the largest portion, in units of a rank's
+    (group's) / a node's mean work (default :class:`~.tunables.Tunables`' ``portion_work``; for the
+    node pass its ``node_portion_work`` with group 1, else ``portion_work``). ``hide`` (with ``group`` > 1):
     each group also sets apart documents inside it that its ranks run first and last, hiding the
     all-to-all of the documents that cross into other groups (:func:`_group_sets`, the hybrids'
     four rounds); the planner says where it pays. ValueError names a bad input."""
@@ -464,23 +444,27 @@ def balanced_layout(cu_seqlens, world_size: int, *, causal: bool = True, window=
     if isinstance(window, list):
         window = tuple(window)
     window = Mask(causal, window).window  # attention's rules: ints >= 0 or None, right 0 when causal
-    given = {"piece_work": piece_work, **({} if node_piece_work is None else {"node_piece_work": node_piece_work})}
+    given = {"portion_work": portion_work,
+             **({} if node_portion_work is None else {"node_portion_work": node_portion_work})}
     for name, v in given.items():
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
-            raise ValueError(f"{name} must be a positive number (the largest piece in units of the mean work), "
+            raise ValueError(f"{name} must be a positive number (the largest portion in units of the mean work), "
                              f"got {v!r}")
     S = bounds[-1][1]
     units = world_size // group  # the balanced units: ranks, or Ulysses groups of ``group`` ranks
     nodes = _check_nodes(world_size, group, ranks_per_node)
-    docs = [_Piece(d, a, b - a, [(0, b - a)], causal, window) for d, (a, b) in enumerate(bounds)]
+    docs = [_Portion(d, a, b - a, [(0, b - a)], causal, window) for d, (a, b) in enumerate(bounds)]
     if nodes in (1, units):
-        filled = _balance(docs, units, S // units, causal, window, piece_work)
+        filled = _balance(docs, units, S // units, causal, window, portion_work)
     else:  # nodes first (a document stays inside one node when its work fits), then the units of each node
-        node_work = node_piece_work if node_piece_work is not None else \
-            NODE_PIECE_WORK if group == 1 else piece_work
+        node_work = node_portion_work if node_portion_work is not None else \
+            TUNABLES.node_portion_work if group == 1 else portion_work
         filled = [unit for node in _balance(docs, nodes, S // nodes, causal, window, node_work)
-                  for unit in _balance(node, units // nodes, S // units, causal, window, piece_work)]
+                  for unit in _balance(node, units // nodes, S // units, causal, window, portion_work)]
     per_bin = [_runs(got) for got in filled]
+    zigzag = zigzag_runs(S, units)
+    if max_work(zigzag, bounds, causal, window) < max_work(per_bin, bounds, causal, window):
+        per_bin = zigzag  # a few tokens per unit: the fill could not cut finely enough (module docstring)
     ranks: list[tuple[tuple[int, int], ...]] = []
     local = S // world_size
     starts = [a for a, _ in bounds] if group > 1 else []
@@ -506,13 +490,13 @@ class BalancedLayout:
     ``owners``: ((i, j, h), ...) -- rank h computes the block of rank i's queries and rank j's
     keys (i != j; blocks not named: the query owner i). A layout whose balance rests on where its
     blocks are computed names them here (``scripts/search_layout.py`` finds such layouts: long
-    documents in contiguous pieces, each pair of pieces computed on one of its two ranks); Mesh's
+    documents in contiguous portions, each pair of portions computed on one of its two ranks); Mesh's
     plans compute each block where the layout says, and the other modes, whose identity is the
     query owner (ring, TASP) or a Ulysses group, refuse such a layout instead of running it
     unbalanced. Worked example (P = 3, one document of 12 tokens, rank r holds [4r, 4r + 4)): the
-    query owner gives ranks 0, 1 and 2 the work 10, 26 and 42 (each piece's own 10 pairs, and 16
-    per earlier piece); ``owners=((2, 0, 0),)`` has rank 0 compute rank 2's queries against its own
-    keys -- 26 each, and every rank takes part in two blocks, whose transfers are one piece each
+    query owner gives ranks 0, 1 and 2 the work 10, 26 and 42 (each portion's own 10 pairs, and 16
+    per earlier portion); ``owners=((2, 0, 0),)`` has rank 0 compute rank 2's queries against its own
+    keys -- 26 each, and every rank takes part in two blocks, whose transfers are one portion each
     (rank 0's K/V to rank 1, rank 1's to rank 2, rank 2's Q to rank 0)."""
 
     world_size: int

@@ -1,9 +1,10 @@
 """Seconds a rank's compute stream spends on each op -- the compute half of
 :func:`~.simulate.simulate` (its model is in that module's docstring).
 
-``Attend``: 4 * batch * heads * head_dim FLOPs per (query, key) pair the kernel call computes
-(:func:`~.accounting.block_area`; a masked block runs as the calls of its mask pieces,
-:func:`~.mask.mask_pieces`, as the runtime runs it) at ``attention_flops``, plus ``kernel_latency``
+``Attend``: 2 * batch * heads * (head_dim + v_head_dim) FLOPs (:func:`pair_flops`; 4 * head_dim at
+equal dims) per (query, key) pair the kernel call computes (:func:`~.accounting.block_area`; a
+masked block runs as the calls of its mask pieces, :func:`~.mask.mask_pieces`, as the runtime runs
+it) at ``attention_flops``, plus ``kernel_latency``
 per call, plus the fp32 merge into the accumulator at ``memory_bandwidth``: read and write the
 accumulator, read the kernel's result in the input dtype (a copy -- read the result, write the
 accumulator -- on rows no earlier op wrote, :meth:`~.ir.Plan.first_writes`). ``AttendBackward``:
@@ -31,9 +32,18 @@ from .sel import sel_len, union_intervals
 from .shape import AttentionShape
 from .topology import Topology
 
-__all__ = ["BACKWARD_FLOPS", "block_cost_parts", "compute_cost", "cost_signature", "fresh_rows"]
+__all__ = ["BACKWARD_FLOPS", "pair_flops", "block_cost_parts", "compute_cost", "cost_signature", "fresh_rows"]
 
-BACKWARD_FLOPS = 2.5  # backward FLOPs / forward FLOPs of one block (5 matmuls vs 2)
+BACKWARD_FLOPS = 2.5  # backward FLOPs / forward FLOPs of one block (5 matmuls vs 2) at equal head dims
+
+
+def pair_flops(shape: AttentionShape, heads: int, backward: bool = False) -> float:
+    """FLOPs of one (query, key) pair over ``heads`` query heads and the batch. Forward: the score
+    q.k (2 head_dim) and its share of P V (2 v_head_dim); backward: the score again, dP = dO V^T
+    and dV (2 v_head_dim each), dQ and dK (2 head_dim each) -- :data:`BACKWARD_FLOPS` x the
+    forward where the dims are equal (MLA's 192 / 128: 2.6x)."""
+    d, dv = shape.head_dim, shape.v_head_dim
+    return float(shape.batch * heads * (2 * (3 * d + 2 * dv) if backward else 2 * (d + dv)))
 
 
 def fresh_rows(op, first: dict | None) -> tuple[int, int]:
@@ -68,21 +78,23 @@ def block_cost_parts(plan: Plan, op, shape: AttentionShape, topo: Topology,
     else:
         pairs = block_area(plan, op)
     h, g = plan.head_counts(op.q, shape.heads, shape.kv_heads)
-    d = shape.head_dim
-    flops = 4.0 * shape.batch * h * d * pairs
+    d, dv = shape.head_dim, shape.v_head_dim
+    flops = pair_flops(shape, h, backward=type(op) is not Attend) * pairs
     fresh_q, fresh_kv = min(fresh[0], rows), min(fresh[1], cols)
     # a merge reads and writes the fp32 accumulator and reads the block result, which the kernel
     # returns in the input dtype (torch's attention ops: out, dQ, dK, dV in q's dtype; lse fp32);
     # a first write reads the result and writes the accumulator
-    a = max(FP32, shape.itemsize)  # accumulators are fp32 (fp64 for fp64 inputs)
-    if type(op) is Attend:
-        acc, result = a * (d + 1), shape.itemsize * d + FP32  # out + lse per row and head
-        moved = shape.batch * h * ((rows - fresh_q) * (2 * acc + result) + fresh_q * (acc + result))
-    else:
-        flops *= BACKWARD_FLOPS
-        acc, result = a * d, shape.itemsize * d
-        moved = shape.batch * (h * ((rows - fresh_q) * (2 * acc + result) + fresh_q * (acc + result)) +
-                               2 * g * ((cols - fresh_kv) * (2 * acc + result) + fresh_kv * (acc + result)))
+    a, e = max(FP32, shape.itemsize), shape.itemsize  # accumulators are fp32 (fp64 for fp64 inputs)
+
+    def traffic(n: int, first: int, width: int, stats: int = 0) -> int:
+        """Bytes of ``n`` rows (``first`` of them written first) of ``width`` elements each (+ lse)."""
+        acc, result = a * (width + stats), e * width + FP32 * stats
+        return (n - first) * (2 * acc + result) + first * (acc + result)
+
+    if type(op) is Attend:  # out (the value head dim) + lse per row and head
+        moved = shape.batch * h * traffic(rows, fresh_q, dv, stats=1)
+    else:  # dQ per row; dK and dV per column
+        moved = shape.batch * (h * traffic(rows, fresh_q, d) + g * traffic(cols, fresh_kv, d + dv))
     return flops / topo.attention_flops, calls * topo.kernel_latency, moved / topo.memory_bandwidth
 
 

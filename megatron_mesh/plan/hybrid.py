@@ -29,8 +29,8 @@ Worked example (P = 4, U = 2, inner ring over M = 2, 4 heads): CP rank 1 is (gro
 
     post 1: send q1/h0->0 kv1/h0->0 | recv q0/h1<-0 kv0/h1<-0     # the all-to-all
     wait 1
-    copy q0/h1 -> q0*2/h1[0:2,6:8]          # rank 0's halves: the inner chunk's outer pieces
-    copy q1/h1 -> q0*2/h1[2:6]              # rank 1's halves: its inner pieces
+    copy q0/h1 -> q0*2/h1[0:2,6:8]          # rank 0's halves: the inner chunk's outer segments
+    copy q1/h1 -> q0*2/h1[2:6]              # rank 1's halves: its inner segments
     ... (the same for kv)
     post 2: send kv0*2/h1->3 | recv kv1*2/h1<-3                  # the inner ring over ranks 1, 3
     attend q0*2/h1 x kv0*2/h1 causal -> o0*2/h1
@@ -51,6 +51,7 @@ except dK/dV of a KV head replicated to several ranks, a partial sum (fp32).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from itertools import accumulate
 from typing import Callable
 
@@ -75,7 +76,7 @@ __all__ = ["build_hybrid_plan", "inner_shape", "hybrid_rings"]
 _STRAIGHT = ("y", "gq", "gkv")
 
 
-def _pieces(layout, rank: int, U: int, outer=None) -> tuple[Segment, ...]:
+def _span_segments(layout, rank: int, U: int, outer=None) -> tuple[Segment, ...]:
     """Token ranges of span-U chunk rank // U that rank ``rank``'s tokens occupy, in its local
     order (every run of the rank lies inside one run of the span chunk). ``outer``: the span
     chunk's runs by global start (:func:`_by_start`), when the caller keeps them for its U ranks."""
@@ -110,8 +111,7 @@ def inner_shape(shape: AttentionShape, ulysses: int) -> AttentionShape:
     """The per-rank shape the inner plan sees: U times the tokens, one head slice."""
     check_ulysses_heads(ulysses, shape.heads, shape.kv_heads)
     kv = shape.kv_heads // ulysses if shape.kv_heads >= ulysses else 1
-    return AttentionShape(seq_local=shape.seq_local * ulysses, batch=shape.batch, heads=shape.heads // ulysses,
-                          kv_heads=kv, head_dim=shape.head_dim, itemsize=shape.itemsize)
+    return replace(shape, seq_local=shape.seq_local * ulysses, heads=shape.heads // ulysses, kv_heads=kv)
 
 
 def hybrid_rings(world_size: int, ulysses: int, inner_rings: dict) -> dict[str, tuple[tuple[int, ...], ...]]:
@@ -169,8 +169,8 @@ class _HybridLowering:
         self.grad_kv = "dkv" if shape.kv_heads < U else "gkv"  # replicated KV heads: partial sums (fp32)
         # where rank m*U + p's tokens sit in span chunk m (its runs, in local order): for the zigzag
         # its two halves, for the THD layout its two halves of every sequence
-        self.pieces = [_pieces(layout, m * U + p, U, outer) for m in range(P // U)
-                       for outer in (_by_start(layout, m, U),) for p in range(U)]
+        self.span_segments = [_span_segments(layout, m * U + p, U, outer) for m in range(P // U)
+                              for outer in (_by_start(layout, m, U),) for p in range(U)]
         # the inner plan's last round: the return all-to-all comes after it
         self.last_round = {d: inner.max_round(d) for d in ("forward", "backward")}
         self._keys: list[dict] = [{} for _ in range(U)]  # inner key -> its head-slice-u key (a P=256 plan
@@ -207,7 +207,7 @@ class _HybridLowering:
         got = self._member_sets.get(x)
         if got is None:
             got, local = [([], []) for _ in SETS], 0
-            for seg in self.pieces[x]:
+            for seg in self.span_segments[x]:
                 for j, rows in enumerate(self.set_rows(x // self.U)):
                     for r in rows:
                         a, b = max(seg.start, r.start), min(seg.stop, r.stop)
@@ -279,7 +279,7 @@ class _HybridLowering:
                 for p, x in enumerate(group):
                     src, dst = Key(k, x, heads=u), Key(k, m, heads=u, span=U)
                     if src != dst:  # U = 1: the group's buffer is the rank's own chunk, nothing to assemble
-                        ops.append(Copy(src, dst, into=self.pieces[x]))
+                        ops.append(Copy(src, dst, into=self.span_segments[x]))
             if backward and not self._no_blocks(m):  # the row statistics come from the output this rank kept
                 ops.append(RowStats(Key("dy", m, heads=u, span=U), Key("o", m, heads=u, span=U),
                                     Key("do", m, heads=u, span=U)))
@@ -413,7 +413,7 @@ class _HybridLowering:
         of a finished kind go straight into my chunk's head slice (one copy instead of two); a
         replicated KV head's dK/dV partial is summed in :meth:`_assemble`."""
         U, (m, u) = self.U, divmod(g, self.U)
-        rows = {x: self.pieces[x] if slot < 0 else self.member_sets(x)[slot][1] for x in group}
+        rows = {x: self.span_segments[x] if slot < 0 else self.member_sets(x)[slot][1] for x in group}
         ops: list[Op] = []
         if blocks:
             for acc, k in outs:

@@ -311,7 +311,7 @@ class SpanLayout:
 
 
 def split_evenly(n: int, parts: int) -> list[int]:
-    """Boundaries that cut ``n`` items into ``parts`` contiguous pieces whose sizes differ by at
+    """Boundaries that cut ``n`` items into ``parts`` contiguous parts whose sizes differ by at
     most one (the larger ones last), e.g. split_evenly(10, 4) == [0, 2, 4, 7, 10]."""
     if parts < 1:
         raise ValueError(f"parts must be >= 1, got {parts}")

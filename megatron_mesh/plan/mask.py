@@ -288,7 +288,7 @@ def band_pairs(qa: int, n: int, ka: int, m: int, lo: float, hi: float) -> int:
 
     Closed form: query x sees keys [A(x), B(x)] with A = max(ka, x - hi), B = min(ka + m - 1,
     x - lo); the count B - A + 1 (clamped at 0) is linear with slope -1, 0 or 1 between the
-    points where A or B switch sides, so each piece is an arithmetic series."""
+    points where A or B switch sides, so each part is an arithmetic series."""
     if n <= 0 or m <= 0:
         return 0
     big = 4 * (n + m + abs(qa - ka)) + 4  # a band edge beyond this never binds
@@ -525,7 +525,7 @@ def _document_runs(mask: Mask, runs) -> list[tuple[int, int]]:
 def _segments(runs, piece: int, mask: Mask | None = None) -> list[tuple[int, tuple[tuple[int, int], ...], int]]:
     """A buffer's runs as the segments :func:`mask_pieces` pairs up: runs joined where their
     positions continue and cut where a document ends; a run of at least ``piece // 16`` tokens is
-    a segment of its own (so the empty and full quadrants between two zigzag pieces of a document
+    a segment of its own (so the empty and full quadrants between two zigzag portions of a document
     are never computed densely together, and two documents side by side are two causal calls,
     not one masked rectangle); the shorter runs between them packed into segments of at most
     ``piece`` tokens (:func:`cut_runs`: many short documents make few kernel calls). (block-local
@@ -679,10 +679,10 @@ def mask_pieces(mask: Mask, q_runs, k_runs, piece: int) -> list[tuple[BlockKind,
     joined into one (a full call needs no mask).
     Consecutive segments of one document against consecutive segments of the same document are
     one call when the whole rectangle they make is FULL or CAUSAL (:func:`_whole_documents`):
-    the zigzag pieces of a document against themselves are one causal call, not three.
+    the zigzag portions of a document against themselves are one causal call, not three.
 
-    Worked example (causal, one document [0, 4000) cut into two zigzag pieces, piece 2048): the
-    query piece [0, 1000) + [3000, 4000) against the key piece [1000, 2000) + [2000, 3000) (joined:
+    Worked example (causal, one document [0, 4000) cut into two zigzag portions, piece 2048): the
+    query runs [0, 1000) + [3000, 4000) against the key runs [1000, 2000) + [2000, 3000) (joined:
     one run of 2000). Its front run sees none of those keys, its back run all of them: one FULL
     call of 1000 x 2000 pairs, where one masked call over the whole block computed 2000 x 2000.
     Against itself it is one CAUSAL call of 2000 x 2000: the positions increase along the buffer,

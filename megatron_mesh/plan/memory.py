@@ -114,7 +114,7 @@ def kept_bytes(plan: Plan, key: Key, shape: AttentionShape) -> int:
     n = key_bytes(plan, key, shape)
     if key.kind == "o":
         h, _ = plan.head_counts(key, shape.heads, shape.kv_heads)
-        n -= shape.batch * h * plan.tokens(key) * shape.head_dim * (max(FP32, shape.itemsize) - shape.itemsize)
+        n -= shape.batch * h * plan.tokens(key) * shape.v_head_dim * (max(FP32, shape.itemsize) - shape.itemsize)
     return n
 
 

@@ -48,7 +48,7 @@ __all__ = ["TileMap", "tile_shapes", "parse_tile", "best_tile", "build_mesh_plan
 # "keep":    the forward keeps the pulled chunks for the backward (fewer bytes; a-1 Q and b-1 KV
 #            chunks more memory per layer until its backward runs).
 # "auto":    a mask-aware plan keeps what a rank pulled where that is at most its own Q, K and V
-#            (:data:`~.sparse.KEEP_LIMIT`), rank by rank; a dense plan refetches (its chunks rotate
+#            (``keep_limit``, :mod:`.tunables`), rank by rank; a dense plan refetches (its chunks rotate
 #            behind every step's compute, and keeping them all would hold a-1 Q and b-1 KV chunks).
 BACKWARD_CHUNKS = ("refetch", "keep", "auto")
 

@@ -4,13 +4,7 @@ from __future__ import annotations
 
 from .ir import Free, Key, Op, Post, Wait
 
-__all__ = ["reads_writes", "insert_frees"]
-
-
-def reads_writes(op: Op) -> tuple[tuple[Key, ...], tuple[Key, ...]]:
-    """Buffers an op reads and buffers it writes (a Post's sends count as reads, its receives as
-    writes that land at the matching Wait)."""
-    return op.reads(), op.writes()
+__all__ = ["insert_frees"]
 
 
 def insert_frees(ops: list[Op], keep: set[Key]) -> tuple[Op, ...]:

@@ -4,13 +4,14 @@ predicted forward and backward time of one attention call, and how much communic
 It walks the *same op lists the executor runs* and prices each op (:data:`_COSTS`):
 
 * **Compute stream** (one per rank, in op order). ``Attend``: 4 * batch * heads * head_dim FLOPs
+  (2 * (head_dim + v_head_dim) per head where the value head dim differs: :func:`~.costs.pair_flops`)
   per (query, key) pair the kernel call computes (:func:`~.accounting.block_area`: a causal
   block of n tokens computes n(n+1)/2 pairs, about half; a masked block runs as the calls of its
   mask pieces, :func:`~.mask.mask_pieces`, as the runtime runs it), at ``attention_flops``, plus
   ``kernel_latency`` per call, plus the fp32 merge into
   the accumulator at ``memory_bandwidth`` (a copy on rows no earlier op wrote:
   :meth:`~.ir.Plan.first_writes`, as the runtime does). ``AttendBackward``: 2.5x the forward FLOPs
-  (FlashAttention's backward does 5 matmuls to the forward's 2) plus the dQ/dKV accumulation.
+  at equal head dims (FlashAttention's backward does 5 matmuls to the forward's 2) plus the dQ/dKV accumulation.
   ``MergeOut``/``AddGrad``/``RowStats``: read two buffers, write one, at ``memory_bandwidth``;
   ``Copy``: read and write the rows it moves (a cast of an fp32 accumulator into the input
   dtype reads its values and writes them once, in 16 bits: 1.5x the output's fp32 bytes).

@@ -21,21 +21,21 @@ from the mask itself, for every mode:
    gradients go back only for those tokens and are merged into the owner's rows (``into`` = the
    slot's segments). Rounds: ring and Mesh pull by *shift* -- in round d, rank x receives from
    x - d and sends to x + d, so every round is a permutation and blocks start as soon as their
-   pieces arrive; every pull is posted up front, and the partials of shift d go home in round
+   slots arrive; every pull is posted up front, and the partials of shift d go home in round
    P + d as soon as the blocks writing them ran. TASP pulls over all links at once, in
-   :data:`BURST_GROUPS` rounds (groups of a rank's remote pieces of about equal work), and
-   returns each group's partials in a round of its own while the next group computes (a long
-   document's blocks start before all its pieces are in, and its fp32 dK/dV return hides behind
+   ``burst_groups`` rounds (:class:`~.tunables.Tunables`: groups of a rank's remote slots of
+   about equal work), and returns each group's partials in a round of its own while the next group computes (a long
+   document's blocks start before all its slots are in, and its fp32 dK/dV return hides behind
    the rank's remaining work instead of following its last block).
 4. **Kernel calls.** The rank's own block runs as at most two masked calls over contiguous rows
-   (:meth:`_SparseLowering._own_calls`), each cut into one causal piece per document, which a
+   (:meth:`_SparseLowering._own_calls`), each cut into one causal mask piece per document, which a
    variable-length kernel runs together (:func:`~.mask.call_groups`); the blocks with other
-   ranks' pieces that are ready in the same round are fused per query rows: one call over their
-   columns in position order (pieces of a document that continue each other join into long runs,
+   ranks' slots that are ready in the same round are fused per query rows: one call over their
+   columns in position order (runs of a document that continue each other join into long runs,
    which :func:`~.mask.mask_pieces` runs as a few full calls), and one merge instead of one per
    block. Where a return round follows, the own block is split to hide both transfers: the
    pulls' share of the bytes runs before the pulls' wait, the rest after the return is posted.
-5. **Backward chunks.** Under ``backward_chunks="auto"`` a rank keeps the pieces it pulled for
+5. **Backward chunks.** Under ``backward_chunks="auto"`` a rank keeps the slots it pulled for
    the backward where they are at most its own Q, K and V (:class:`_Keeps`), so its backward
    pulls only dO; rounds in which a rank only sends are posted before its compute.
 
@@ -54,7 +54,7 @@ positions [2, 3, 12, 13]): its rows [2, 3] need keys [0, 1] of rank 0's front ha
     wait 3
     attend q1[2:4] x kv2.5 masked -> o1
 
-moving 2 of the 12 tokens ring attention would move. Its backward (the pieces kept) returns each
+moving 2 of the 12 tokens ring attention would move. Its backward (the slots kept) returns each
 dK/dV partial in its shift's return round, and its own block runs while they travel::
 
     attend_bwd q1[0:2] do1 x kv0.5 masked -> dq1 | dkv0.5
@@ -81,8 +81,9 @@ from .mask import INF, BlockClass, BlockKind, Mask, band_pairs, split_by_documen
 from .passes import insert_frees
 from .sel import Segment, relative_selection, selection_index, union_intervals
 from .shape import AttentionShape
+from .tunables import TUNABLES, Tunables
 
-__all__ = ["build_sparse_plan", "block_table", "block_parts", "Assignment", "QUERY_OWNER", "OWN_CALL_TOKENS"]
+__all__ = ["build_sparse_plan", "block_table", "block_parts", "Assignment", "QUERY_OWNER"]
 
 QUERY_OWNER = "query owner"
 
@@ -95,8 +96,8 @@ class Assignment:
       whose busiest rank moves the fewest bytes, the query owner (ship K/V, keep Q home) always
       among them (ring, TASP: only it; Mesh: its tile map too);
     * ``rounds``: "shift" (round d: receive from rank - d, send to rank + d: every round a
-      permutation, blocks start as their pieces arrive) or "burst" (each group of a rank's pieces
-      in one round over every link at once, TASP's way: :data:`BURST_GROUPS`);
+      permutation, blocks start as their slots arrive) or "burst" (each group of a rank's slots
+      in one round over every link at once, TASP's way: ``burst_groups``);
     * ``tile`` / ``contiguous``: the Mesh tile map the "tile" owner comes from (plan facts);
     * ``tiles``: where several tile maps compete (Mesh's ``auto`` tile under a mask), the
       (tile, contiguous) of each owner map, in the order of ``owners``: the plan's tile facts are
@@ -123,29 +124,24 @@ class Assignment:
                              f"got {self.tiles!r}")
 
 
-# a document with fewer query tokens than this in a block shares one masked kernel call with the
-# block's other small documents (the runtime cuts that call into mask pieces); a larger one gets a
-# call of its own, causal or full where it can -- a kernel call costs about as much as the causal
-# block of a ~500-token document on an H100, so small documents are not worth a call each
-OWN_CALL_TOKENS = 128
-
-
 @lru_cache(maxsize=16)
-def block_table(P: int, mask: Mask, layout: Layout) -> dict[tuple[int, int], BlockClass]:
+def block_table(P: int, mask: Mask, layout: Layout,
+                own_call_tokens: int = TUNABLES.own_call_tokens) -> dict[tuple[int, int], BlockClass]:
     """{(i, j): BlockClass} of every block with allowed pairs (shared by every mode's plan of
     this mask: the planner builds dozens). The result is :func:`~.mask.classify_block` of every
     block (a test checks they agree); :func:`block_parts` splits each into its kernel calls."""
-    return {ij: _join(parts, mask, layout, ij) for ij, parts in block_parts(P, mask, layout).items()}
+    return {ij: _join(parts, mask, layout, ij) for ij, parts in block_parts(P, mask, layout, own_call_tokens).items()}
 
 
-def block_parts(P: int, mask: Mask, layout: Layout) -> dict[tuple[int, int], tuple[BlockClass, ...]]:
+def block_parts(P: int, mask: Mask, layout: Layout,
+                own_call_tokens: int = TUNABLES.own_call_tokens) -> dict[tuple[int, int], tuple[BlockClass, ...]]:
     """{(i, j): kernel calls} of every block with allowed pairs (see :class:`_Blocks`)."""
-    return _blocks(P, mask, layout).all()
+    return _blocks(P, mask, layout, own_call_tokens).all()
 
 
 @lru_cache(maxsize=16)
-def _blocks(P: int, mask: Mask, layout: Layout) -> "_Blocks":
-    return _Blocks(P, mask, layout)
+def _blocks(P: int, mask: Mask, layout: Layout, own_call_tokens: int) -> "_Blocks":
+    return _Blocks(P, mask, layout, own_call_tokens)
 
 
 class _Blocks:
@@ -153,14 +149,14 @@ class _Blocks:
 
     An index first -- each rank's runs cut at document edges, and for each document the ranks
     holding it (linear in the layout's runs) -- then the kernel calls of a block when asked: one
-    call per document with at least :data:`OWN_CALL_TOKENS` query tokens in the block (causal or
+    call per document with at least ``own_call_tokens`` (:class:`~.tunables.Tunables`) query tokens in the block (causal or
     full where it is), the block's smaller documents together in one masked call. Only the runs of
     one document on the ranks that hold it are paired. A rank's own plan asks for its row and
     column of blocks only (ranks sharing a document with it), so every rank builds its plan in
     time proportional to its own documents' holders, not to P^2."""
 
-    def __init__(self, P: int, mask: Mask, layout: Layout):
-        self.P, self.mask, self.layout = P, mask, layout
+    def __init__(self, P: int, mask: Mask, layout: Layout, own_call_tokens: int):
+        self.P, self.mask, self.layout, self.own_call_tokens = P, mask, layout, own_call_tokens
         self.lo, self.hi = mask.band()
         self.holders: dict[int, dict[int, list]] = {}  # document -> rank -> its runs (local, start, n)
         self.docs_of: list[list[int]] = [[] for _ in range(P)]  # rank -> documents it holds
@@ -204,8 +200,8 @@ class _Blocks:
                         sums.append(e)
                     e.add("all" if dmin >= lo and dmax <= hi else "some", ql, qa, n, kl, ka, m, lo, hi)
         diagonal = self.layout.runs(i) if i == j else ()
-        own = [e.result(self.mask, diagonal) for e in sums if e.pairs and e.nrows >= OWN_CALL_TOKENS]
-        small = [e for e in sums if e.pairs and e.nrows < OWN_CALL_TOKENS]
+        own = [e.result(self.mask, diagonal) for e in sums if e.pairs and e.nrows >= self.own_call_tokens]
+        small = [e for e in sums if e.pairs and e.nrows < self.own_call_tokens]
         if small:
             own.append(_BlockSum.merged(small).result(self.mask, diagonal))
         out = self._parts[ij] = tuple(sorted(own, key=lambda c: c.rows[0])) if own else None
@@ -437,11 +433,13 @@ class _Slots:
 
 
 def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layout: Layout, assignment: Assignment,
-                      *, backward_chunks: str = "refetch", ranks_per_node: int | None = None) -> Plan:
+                      *, backward_chunks: str = "refetch", ranks_per_node: int | None = None,
+                      tunables: Tunables = TUNABLES) -> Plan:
     """The mask-aware plan of ``mode`` (its name) placed by ``assignment`` -- see the module
     docstring. ``mask`` and ``layout`` are normalised (:func:`~.problem.normalize`)."""
     T = shape.seq_local
-    index = _blocks(P, mask, layout)
+    own_calls = tunables.own_call_tokens
+    index = _blocks(P, mask, layout, own_calls)
     if backward_chunks not in ("refetch", "keep", "auto"):
         raise ValueError(f"backward_chunks must be one of refetch, keep, auto, got {backward_chunks!r}")
     notes: list[str] = []
@@ -451,14 +449,15 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
     token_bytes = {k: buffer_bytes(k, 1, shape) for k in ("q", "kv", "do", "o", "dq", "dkv")}
     if not assignment.compete:  # the map is the layout's: its work balance rests on it
         assigned, owner = assignment.owners[0]
-        needs = _Needs(P, block_table(P, mask, layout), owner)
+        needs = _Needs(P, block_table(P, mask, layout, own_calls), owner)
         notes.append(f"every block is computed where the {assigned} map names (the layout's balance rests on it)")
     elif assignment.owners:  # compare the mode's maps with the query owner by the busiest rank's bytes
-        table = block_table(P, mask, layout)
+        table = block_table(P, mask, layout, own_calls)
         candidates = [(QUERY_OWNER, _Needs(P, table, lambda i, j: i))]
         candidates += [(name, _Needs(P, table, owner)) for name, owner in assignment.owners]
-        # each map with the ranks that would keep their pieces under it ("auto" decides per map)
-        costs = [max(n.bytes_per_rank(shape, _Keeps(backward_chunks, n, T, token_bytes))) for _, n in candidates]
+        # each map with the ranks that would keep their slots under it ("auto" decides per map)
+        costs = [max(n.bytes_per_rank(shape, _Keeps(backward_chunks, n, T, token_bytes, tunables.keep_limit)))
+                 for _, n in candidates]
         best = min(range(len(candidates)), key=lambda k: (costs[k], -k))  # ties: the mode's own map (last)
         assigned, needs = candidates[best]
         if assigned == QUERY_OWNER:
@@ -470,8 +469,8 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
             notes.append(f"tile {tile[0]}x{tile[1]} (contiguous {contiguous}): of the {len(assignment.tiles)} tile "
                          "maps and the query owner, the fewest bytes on the busiest rank under this mask")
     burst = assignment.rounds == "burst"
-    keeps = _Keeps(backward_chunks, needs, T, token_bytes)
-    lowering = _SparseLowering(P, T, needs, index, keeps, burst, token_bytes)
+    keeps = _Keeps(backward_chunks, needs, T, token_bytes, tunables.keep_limit)
+    lowering = _SparseLowering(P, T, needs, index, keeps, burst, token_bytes, tunables)
     notes.append(f"mask {mask.summary()}: each rank computes only the blocks with allowed pairs and receives only the "
                  f"tokens they read, from their owner ({'over all links at once, in groups' if burst else 'one round per shift'})")
     return Plan(mode=mode, world_size=P, seq_local=T, mask=mask, layout=layout, build_rank=lowering.rank_plan,
@@ -480,40 +479,18 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
                 last_round=lowering.final_round, ranks_per_node=ranks_per_node, notes=tuple(notes))
 
 
-# a burst plan (TASP) pulls a rank's remote pieces in up to this many groups of about equal work,
-# in shift order, each one round over all links, and returns each group's partials in a round of
-# its own: a group's blocks start once its pieces are in, and its dK/dV partials travel while the
-# next group computes -- instead of every block waiting for the whole pull and every partial for
-# the last block. Each group costs a round's latency, a kernel call and a merge of its rows, so a
-# rank makes one group per GROUP_TOKENS pulled tokens (a rank reading little keeps one fused call).
-# Planner, 256 GPUs (32 x 8), 1M tokens, GQA 32/8, a2a+tasp U 8 on the balanced layout:
-# lognormal:16384 documents 15.44 ms with one pull and one return round -> 13.73 with 8 return
-# groups -> 13.39 with 8 pull groups too (4 return groups: 14.27; 16: 13.79); one 512K document
-# + lognormal:4096 98.3 -> 81.6 ms; lognormal:4096 3.31 -> 3.34 ms (its ranks pull little);
-# TASP alone: lognormal:16384 55.9 -> 44.8 ms, lognormal:4096 12.8 -> 12.5 ms. The simulated
-# times move by a few % either way with GROUP_TOKENS (4,096: TASP on lognormal:4096 13.9 ms;
-# 16,384: a2a+tasp on lognormal:16384 14.1 ms)
-BURST_GROUPS = 8
-GROUP_TOKENS = 1024
-
-# backward_chunks="auto" keeps a rank's pulled pieces for the backward when they hold at most this
-# many times the bytes of its own Q, K and V chunk -- the inputs the backward saves anyway -- so
-# keeping at most doubles them; above it (a rank reading most of a long document) the rank refetches
-KEEP_LIMIT = 1.0
-
-
 class _Keeps:
-    """Which ranks keep the pieces they pulled in the forward for the backward (no second pull
+    """Which ranks keep the slots they pulled in the forward for the backward (no second pull
     of Q / K / V; only dO and the returns move): every rank ("keep"), none ("refetch"), or each
-    rank whose pulled rows and columns take at most :data:`KEEP_LIMIT` x its own chunk's Q + K + V
+    rank whose pulled rows and columns take at most ``keep_limit`` (:class:`~.tunables.Tunables`) x its own chunk's Q + K + V
     bytes ("auto", decided per rank from the needs, so sender and receiver agree).
 
     Example: rank x of a query-owner plan reads 3,000 columns of K/V from other ranks and holds
     T = 4,096 tokens of its own: 3,000 x kv <= 4,096 x (q + kv) -> it keeps them; a rank reading
     20,000 columns of a long document refetches them in the backward instead."""
 
-    def __init__(self, policy: str, needs, T: int, token_bytes: dict):
-        self.policy, self.needs, self.T, self.token_bytes = policy, needs, T, token_bytes
+    def __init__(self, policy: str, needs, T: int, token_bytes: dict, limit: float):
+        self.policy, self.needs, self.T, self.token_bytes, self.limit = policy, needs, T, token_bytes, limit
         self._memo: dict[int, bool] = {}
 
     def __call__(self, x: int) -> bool:
@@ -524,24 +501,24 @@ class _Keeps:
             tb = self.token_bytes
             rows = sum(s.stop - s.start for sel in self.needs.rows(x).values() for s in sel)
             cols = sum(s.stop - s.start for sel in self.needs.cols(x).values() for s in sel)
-            got = self._memo[x] = rows * tb["q"] + cols * tb["kv"] <= KEEP_LIMIT * self.T * (tb["q"] + tb["kv"])
+            got = self._memo[x] = rows * tb["q"] + cols * tb["kv"] <= self.limit * self.T * (tb["q"] + tb["kv"])
         return got
 
 
 class _SparseLowering:
-    def __init__(self, P: int, T: int, needs, index: _Blocks, keeps: _Keeps, burst: bool, token_bytes: dict):
+    def __init__(self, P: int, T: int, needs, index: _Blocks, keeps: _Keeps, burst: bool, token_bytes: dict,
+                 tunables: Tunables):
         self.P, self.T, self.needs, self.index, self.keeps, self.burst = P, T, needs, index, keeps, burst
-        self.token_bytes = token_bytes  # kind -> bytes per token
+        self.token_bytes, self.group_tokens = token_bytes, tunables.group_tokens  # kind -> bytes per token
         self.slots = _Slots(needs, P)
         # burst: pulls in rounds 1 .. G, returns in G+1 .. 2G (one per group, :meth:`_groups`);
         # shifts: pulls in rounds 1 .. P-1, returns in P+1 .. 2P-1 (one per shift)
-        self.groups = BURST_GROUPS if burst else 1
-        self.final_round = 2 * self.groups if burst else 2 * P - 1
+        self.groups, self.final_round = (tunables.burst_groups, 2 * tunables.burst_groups) if burst else (1, 2 * P - 1)
         self._group_memo: dict[int, dict[int, int]] = {}
         self._moves_memo: dict[str, bool] = {}
         self._pairs: dict[Op, int] = {}  # allowed pairs of each block op (where to cut the local work)
 
-    # -- keys: my own chunk's buffers are whole; a remote piece is the slot made for me -------------
+    # -- keys: my own chunk's buffers are whole; a remote chunk's tokens are the slot made for me -------------
     def qkey(self, kind: str, chunk: int, x: int, incoming: bool = False) -> Key:
         return Key(kind, chunk) if chunk == x and not incoming else Key(kind, chunk, x, incoming)
 
@@ -591,7 +568,7 @@ class _SparseLowering:
 
     def _groups(self, x: int) -> dict[int, int]:
         """Burst mode: the group (0 .. groups-1) of each chunk rank x computes blocks of (other
-        than its own) -- the round its pieces come in and its partials go home: chunks by shift
+        than its own) -- the round its slots come in and its partials go home: chunks by shift
         (x - c) mod P, cut into groups of about equal work (allowed pairs of their blocks). Both
         sides of a transfer derive it from the needs."""
         got = self._group_memo.get(x)
@@ -601,11 +578,11 @@ class _SparseLowering:
                 pairs = sum(c.pairs for c in self.index.parts(i, j))
                 for c in {i, j} - {x}:
                     work[c] = work.get(c, 0) + pairs
-            # groups of at least GROUP_TOKENS pulled tokens: a round's latency and a call's merge
+            # groups of at least group_tokens pulled tokens: a round's latency and a call's merge
             # are then small against the transfer and the compute they overlap
             pulled = sum(b - a for sel in self.needs.rows(x).values() for a, b in sel) + \
                 sum(b - a for sel in self.needs.cols(x).values() for a, b in sel)
-            n = max(1, min(self.groups, pulled // GROUP_TOKENS))
+            n = max(1, min(self.groups, pulled // self.group_tokens))
             chunks = sorted(work, key=lambda c: (x - c) % self.P)
             total, acc, got = sum(work.values()), 0, {}
             for c in chunks:  # a chunk's group: where the work before it (and half its own) falls
@@ -680,37 +657,37 @@ class _SparseLowering:
 
     def _fused(self, x: int, i: int, parts: list[tuple[int, BlockClass]], backward: bool) -> Op:
         """The kernel calls ``parts`` -- (key/value chunk j, a call of block (i, j)), all with the
-        same query rows of chunk i (one document's, or the same small documents'), all pieces on
+        same query rows of chunk i (one document's, or the same small documents'), all slots on
         rank x -- as one call: the columns of every j, in the order of their global positions (a
-        buffer's columns split where another's come between), against those rows. Pieces that
+        buffer's columns split where another's come between), against those rows. Runs that
         continue each other then join into long runs, and :func:`~.mask.mask_pieces` runs it as
         a few full or causal calls; the rank merges one partial result instead of one per block.
         No pair is added: the rows are one document's (or the small documents') rows with keys in
         each j, and a block's call for them holds all their allowed pairs in j.
 
-        Example: rank x holds the zigzag piece [0, 1000) + [3000, 4000) of a document; ranks y and
+        Example: rank x holds the zigzag portion [0, 1000) + [3000, 4000) of a document; ranks y and
         z hold [1000, 2000) and [2000, 3000). Rows [3000, 4000) see both; when one round
         brings both, the call is q_x[back] x (kv_y, kv_z): one FULL call over the joined run
         [1000, 3000), one merge -- instead of two blocks, two calls, two merges."""
         layout = self.index.layout
-        pieces = []  # (global start, chunk j, local start, local stop)
+        runs = []  # (global start, chunk j, local start, local stop)
         for j, c in parts:
-            runs = layout.runs(j)
+            held = layout.runs(j)
             k = 0
             # both in local order: one pass over each (a THD chunk holds two runs of every document)
             for a, b in c.cols[0]:
-                while k < len(runs) and runs[k][0] + runs[k][2] <= a:
+                while k < len(held) and held[k][0] + held[k][2] <= a:
                     k += 1
-                for m in range(k, len(runs)):
-                    local, start, n = runs[m]
+                for m in range(k, len(held)):
+                    local, start, n = held[m]
                     if local >= b:
                         break
                     lo, hi = max(a, local), min(b, local + n)
                     if lo < hi:
-                        pieces.append((start + lo - local, j, lo, hi))
-        pieces.sort()
-        entries: list[list] = []  # [chunk, [Segment, ...]]: consecutive pieces of one chunk share an entry
-        for _, j, lo, hi in pieces:
+                        runs.append((start + lo - local, j, lo, hi))
+        runs.sort()
+        entries: list[list] = []  # [chunk, [Segment, ...]]: consecutive runs of one chunk share an entry
+        for _, j, lo, hi in runs:
             if entries and entries[-1][0] == j:
                 segs = entries[-1][1]
                 if segs[-1].stop == lo:
@@ -751,14 +728,14 @@ class _SparseLowering:
     def _own_calls(self, x: int, before: list[Op], after: list[Op], backward: bool) -> tuple[list[Op], list[Op]]:
         """The own block's calls (one per document, in row order; ``before`` the return round is
         posted, then ``after``) as at most two calls: the rows up to the first of ``after``, and
-        the rest, each against all the chunk's keys under the mask. Their documents' pieces then
+        the rest, each against all the chunk's keys under the mask. Their documents' runs then
         run as a few variable-length kernel calls (:func:`~.mask.call_groups`) instead of a call
         each, with no copy: each call's rows are one range of the chunk. Exact because the
         documents' rows are disjoint: every allowed pair of a row is in the call holding the row.
 
         Example: a chunk of 2,970 tokens holding documents of 900, 40, 30 and 2,000 tokens, calls
         900 / 40 + 30 (the small ones share one) / 2,000, the first two before the return: rows
-        [0, 970) and [970, 2970), each a MASKED call whose pieces (causal 900 and masked 40 + 30;
+        [0, 970) and [970, 2970), each a MASKED call whose mask pieces (causal 900 and masked 40 + 30;
         causal 2,000) run as two kernel calls and one."""
         ops = before + after
         if len(ops) < 2 or any(op.rows is None for op in ops):
@@ -802,11 +779,11 @@ class _SparseLowering:
         backward = direction == "backward"
         pulls = self._pulls(x, direction)
         if self.burst and self._moves(direction):  # every rank posts every pull round, empty or not: TASP's
-            for g in range(self.groups):  # all-to-all transport is a collective, and ranks keeping their pieces pull nothing
+            for g in range(self.groups):  # all-to-all transport is a collective, and ranks keeping their slots pull nothing
                 pulls.setdefault(1 + g, ([], []))
         order = sorted(pulls)
         mine = sorted(self.needs.blocks(x), key=lambda b: (b != (x, x), b))
-        # a block is ready once the rounds bringing its remote pieces have completed (rows always
+        # a block is ready once the rounds bringing its remote slots have completed (rows always
         # travel: q and/or do; columns not in a backward that kept them from the forward)
         def ready_round(b: tuple[int, int]) -> int:
             i, j = b
@@ -878,7 +855,7 @@ class _SparseLowering:
         for t in order:
             ops.append(Wait(t))
             run(t)
-        for r in sorted({k[0] for k in by_step}):  # blocks whose pieces came in rounds with nothing else
+        for r in sorted({k[0] for k in by_step}):  # blocks whose slots came in rounds with nothing else
             run(r)
         post_returns(final=True)
         ops.extend(later)

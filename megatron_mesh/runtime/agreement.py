@@ -24,28 +24,41 @@ raises::
 What a call's digest covers: the mode and every placement setting (tile, schedule, backward
 chunks, rank order, ranks per node, transport, all-to-all degree, the inner placement), the mask
 (causal, window, documents), the layout (zigzag, or THD's padded sequences), the local shape
-(s_local, batch, heads, kv heads, head dim), the dtype, the softmax scale, the kernel, the
-plan itself (a digest of its structure, computed once per plan object), and the code that built
-it (:func:`plan_code`: the plugin's version, a digest of the plan layer's source files and the
-plan builders' tunable constants). The plan digest names the plan, not each rank's op list (a
+(s_local, batch, heads, kv heads, head dim, value head dim), the attention sinks' kind (none,
+fixed or learnable: not their values, which would cost a host read per call), the dtype, the
+softmax scale, the kernel, whether a backward follows (grad mode on and an input requiring grad:
+a rank under ``torch.no_grad()`` would leave the others waiting in theirs), the check's own
+switch (below), the plan itself (a digest of its structure, computed once per plan object), and
+the code that built it (:func:`plan_code`: the plugin's version, a digest of the plan layer's
+source files and the plan builders' tunables). The plan digest names the plan, not each rank's op list (a
 rank builds only its own); ranks running the same code on the same inputs build matching op
 lists, so the code is what closes that gap: two nodes with different plugin versions, or a
 patched builder, raise here instead of hanging in a transfer one side never posts.
 
 Cost: one 16-byte all-reduce per call, on the group backend's device (CPU for gloo; for NCCL a
 CUDA tensor whose result the host reads: one stream synchronisation per call). Measured on CPU
-with ``scripts/bench_agreement.py`` (docs/performance.md). ``MEGATRON_MESH_PLAN_AGREEMENT=0``
-turns the check off (no collective at all; ranks that disagree then hang or return wrong
-results); ``1`` (the default) checks every call. Communicators without a ``process_group``
-(in-process test transports) and single-rank groups are not checked.
+with ``scripts/bench_agreement.py`` (docs/performance.md). Communicators without a
+``process_group`` (in-process test transports) and single-rank groups are not checked.
+
+The switch, ``MEGATRON_MESH_PLAN_AGREEMENT``: ``1`` (the default) checks every call; ``0`` turns
+the check off once the ranks agree to that. A rank with it off cannot skip the collective on its
+own: the ranks with it on would wait for it in their all-reduce. So a rank with the check off
+still takes part in the check of a group's first call (and of the first call after it was on
+again), its digest covering the switch; where every rank has it off they agree and no collective
+runs on that group any more; where some have it on, every rank raises PlanMismatchError naming the
+switch. (A rank that turns the check back on later, alone, after its group agreed to run without
+it is not seen: nothing runs to see it.) A value other than 0 or 1 raises ValueError on its rank,
+after joining the check described by that error, as a bad input does.
 
 A rank whose own input checks fail still joins the check, describing itself by its error
 (:func:`joined_on_error`), before raising that error: the other ranks raise PlanMismatchError
-naming it instead of waiting for that rank in their first transfer.
+naming it instead of waiting for that rank in their first transfer. The process settings of the
+runtime (the mask piece, ``MEGATRON_MESH_MASK_PIECE``) are read there too.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import weakref
@@ -59,14 +72,15 @@ import torch.distributed as dist
 
 from .. import __version__
 from .. import plan as plan_package
-from ..plan import balance, sparse
 from ..plan.ir import Plan
 from ..plan.mask import Mask
+from ..plan.tunables import TUNABLES
 
-__all__ = ["PlanMismatchError", "Call", "check", "joined_on_error", "enabled", "plan_digest", "plan_code",
-           "mismatch_message", "differences", "ENV"]
+__all__ = ["PlanMismatchError", "Call", "GroupChecks", "GROUP_CHECKS", "check", "joined_on_error", "enabled",
+           "plan_digest", "plan_code", "mismatch_message", "differences", "ENV", "SWITCH"]
 
 ENV = "MEGATRON_MESH_PLAN_AGREEMENT"
+SWITCH = f"plan check ({ENV})"  # the switch's field in a call's description
 
 
 class PlanMismatchError(RuntimeError):
@@ -82,45 +96,32 @@ def enabled() -> bool:
     return value == "1"
 
 
-_PLAN_DIGESTS: "weakref.WeakKeyDictionary[Plan, str]" = weakref.WeakKeyDictionary()
-
-
 def plan_digest(plan: Plan) -> str:
     """A digest of the plan's structure (mode, sizes, tile, schedule, mask, layout, rings,
-    options), once per plan object: every batch with documents brings a new plan, but a plan
-    reused by several calls (or layers) is digested once."""
-    d = _PLAN_DIGESTS.get(plan)
-    if d is None:
+    options), once per plan object (kept with the plan): every batch with documents brings a new
+    plan, but a plan reused by several calls (or layers) is digested once."""
+    def digest() -> str:
         text = f"{plan.header()}|{plan.mask.text()}|{plan.layout.text()}|{plan.rings}"
-        d = _PLAN_DIGESTS[plan] = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
-    return d
+        return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+    return plan.memo(("agreement digest",), digest)
 
 
-_SOURCE_DIGEST: list = []  # the plan layer's source files, hashed once per process
-
-
+@functools.cache
 def _source_digest() -> str:
-    if not _SOURCE_DIGEST:
-        root = Path(plan_package.__file__).parent
-        h = hashlib.blake2b(digest_size=6)
-        for path in sorted(root.rglob("*.py")):
-            h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
-        _SOURCE_DIGEST.append(h.hexdigest())
-    return _SOURCE_DIGEST[0]
+    """The plan layer's source files, hashed once per process."""
+    root = Path(plan_package.__file__).parent
+    h = hashlib.blake2b(digest_size=6)
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def plan_code() -> str:
     """The code that builds the plans: the plugin's version, a digest of the plan layer's source
-    files (read once) and the builders' tunable constants as they are now (they are module
-    globals a user or a test may change). Two ranks with different values would build op lists
-    that do not match."""
-    tunables = (sparse.BURST_GROUPS, sparse.GROUP_TOKENS, sparse.OWN_CALL_TOKENS, sparse.KEEP_LIMIT,
-                balance.PIECE_WORK, balance.NODE_PIECE_WORK)
-    return f"{__version__} {_source_digest()} " + ",".join(str(t) for t in tunables)
-
-
-def _short(text: str, limit: int = 300) -> str:
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+    files (read once) and the builders' tunables the runtime builds with (:data:`TUNABLES`, as a
+    whole: every field). Two ranks with different values would build op lists that do not match."""
+    return f"{__version__} {_source_digest()} {TUNABLES!r}"
 
 
 def _kernel_text(kernel) -> str:
@@ -142,14 +143,22 @@ class Call:
     dtype: torch.dtype
     scale: float
     kernel: object
+    backward: bool  # one will follow: grad mode on and an input requiring grad
+    v_head_dim: int | None = None  # None: k's head dim
+    sink: str = "none"  # the softmax offset's kind (runtime.sinks.sink_kind): none, fixed or learnable
 
-    def digest(self) -> int:
-        """63 bits (so that the negated digest is an int64 too)."""
+    def digest(self, checked: bool = True) -> int:
+        """63 bits (so that the negated digest is an int64 too); ``checked``: the switch's value."""
         key = (plan_digest(self.plan), repr(self.placement), self.q_shape, self.kv_shape, str(self.dtype),
-               repr(float(self.scale)), _kernel_text(self.kernel), plan_code())
-        return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "little") >> 1
+               repr(float(self.scale)), _kernel_text(self.kernel), self.backward, checked, plan_code(),
+               self._v_head_dim, self.sink)
+        return _digest(repr(key))
 
-    def describe(self) -> dict:
+    @property
+    def _v_head_dim(self) -> int:
+        return self.kv_shape[-1] if self.v_head_dim is None else self.v_head_dim
+
+    def describe(self, checked: bool = True) -> dict:
         """Field -> value, for naming what differs (built only when the ranks disagree)."""
         plan, p = self.plan, self.placement
         if p is not None:
@@ -164,40 +173,67 @@ class Call:
             "settings": repr(p) if p is not None else "explicit plan",
             "mask": Mask(mask.causal, mask.window).text(),
             "documents": tuple(f"{a}:{b}" for a, b in mask.documents) if mask.documents is not None else "none",
-            "local shape [s_local, batch, heads, head_dim]": f"q {list(self.q_shape)}, k/v {list(self.kv_shape)}",
-            "layout": _short(layout.text()),
+            "local shape [s_local, batch, heads, head_dim]": f"q {list(self.q_shape)}, k/v {list(self.kv_shape)}"
+            + (f", v head dim {self._v_head_dim}" if self._v_head_dim != self.kv_shape[-1] else ""),
+            "layout": layout.text(),
             "dtype": str(self.dtype).replace("torch.", ""),
             "softmax_scale": repr(float(self.scale)),
             "kernel": _kernel_text(self.kernel),
+            "softmax offset (sinks)": self.sink,
+            "backward": "yes" if self.backward else "no (grad mode off, or no input requires grad)",
+            SWITCH: "1 (every call)" if checked else "0 (off)",
             "plan": f"{plan.mode} over {plan.world_size} ranks x {plan.seq_local} tokens, digest {plan_digest(plan)}",
             "plan code (version, source digest, tunables)": plan_code(),
         }
 
 
 # -- the collective ----------------------------------------------------------------------------------------
-_DEVICES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # process group -> device of the check
+class GroupChecks:
+    """What the check remembers of each process group (weakly: a destroyed group goes): the
+    device of its check's tensor, chosen from the group alone, and whether its ranks agreed to run
+    without the check (``MEGATRON_MESH_PLAN_AGREEMENT=0`` on all)."""
+
+    def __init__(self):
+        self._devices: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self._agreed_off: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+    def device(self, group) -> torch.device:
+        """CUDA for an NCCL group, else the CPU -- so every rank picks the same, whatever its inputs."""
+        device = self._devices.get(group)
+        if device is None:
+            nccl = dist.get_backend(group) == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+            self._devices[group] = device
+        return device
+
+    def agreed_off(self, group) -> bool:
+        return group in self._agreed_off
+
+    def agree(self, group, on: bool) -> None:
+        """The group's ranks agreed to run with the check ``on`` (True) or without it."""
+        if on:
+            self._agreed_off.pop(group, None)
+        else:
+            self._agreed_off[group] = True
+
+
+GROUP_CHECKS = GroupChecks()  # the process's: what check and joined_on_error use unless given another
+
+
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
 def _group(comm):
     """The live process group of ``comm`` (a wrapper such as Megatron's timed communicator
     forwards the attribute), or None where the check does not apply."""
-    if comm.world_size == 1 or not enabled():
+    if comm.world_size == 1:
         return None
     return getattr(comm, "process_group", None)
 
 
-def _device(group) -> torch.device:
-    """Where the check's tensor lives: CUDA for an NCCL group, else the CPU -- chosen from the
-    group alone, so every rank picks the same, whatever its inputs."""
-    device = _DEVICES.get(group)
-    if device is None:
-        nccl = dist.get_backend(group) == "nccl"
-        device = _DEVICES[group] = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    return device
-
-
-def _agree(group, world_size: int, digest: int, describe) -> None:
-    t = torch.tensor([digest, -digest], dtype=torch.int64, device=_device(group))
+def _agree(group, world_size: int, digest: int, describe, checks: GroupChecks) -> None:
+    t = torch.tensor([digest, -digest], dtype=torch.int64, device=checks.device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     top, neg_bottom = t.tolist()
     if top == -neg_bottom:  # the same on every rank: they all return, or all gather below
@@ -207,16 +243,44 @@ def _agree(group, world_size: int, digest: int, describe) -> None:
     raise PlanMismatchError(mismatch_message(gathered))
 
 
-def check(comm, call: Call) -> None:
+def _join_failed(group, world_size: int, error: Exception, checks: GroupChecks) -> None:
+    """Take part in the group's check described by this rank's ``error`` (the others raise
+    PlanMismatchError naming it); the caller raises the error itself."""
+    what = f"raised {type(error).__name__}: {error}"
+    try:
+        _agree(group, world_size, _digest(what), lambda: {"input": what}, checks)
+    except PlanMismatchError:
+        pass  # this rank's own error says more; the others raise theirs
+
+
+def _skips(group, checks: GroupChecks) -> bool:
+    """Whether this rank runs no collective on ``group`` now: its check is off and the group's
+    ranks agreed to that (a bad switch still joins)."""
+    try:
+        return not enabled() and checks.agreed_off(group)
+    except ValueError:
+        return False
+
+
+def check(comm, call: Call, checks: GroupChecks = GROUP_CHECKS) -> None:
     """Raise :class:`PlanMismatchError` on every rank of ``comm``'s group unless all ranks make
-    the same ``call`` (one small all-reduce; see the module docstring)."""
+    the same ``call`` (one small all-reduce; see the module docstring, also for the switch)."""
     group = _group(comm)
-    if group is not None:
-        _agree(group, comm.world_size, call.digest(), call.describe)
+    if group is None:
+        return
+    try:
+        on = enabled()
+    except ValueError as e:  # read where this rank still joins the check: the others name its error
+        _join_failed(group, comm.world_size, e, checks)
+        raise
+    if not on and checks.agreed_off(group):
+        return
+    _agree(group, comm.world_size, call.digest(on), lambda: call.describe(on), checks)
+    checks.agree(group, on)
 
 
 @contextmanager
-def joined_on_error(comm) -> Iterator[None]:
+def joined_on_error(comm, checks: GroupChecks = GROUP_CHECKS) -> Iterator[None]:
     """Run the block; if it raises on this rank, join the group's check first, described by the
     error (so the ranks that did not fail raise PlanMismatchError naming it instead of hanging),
     then re-raise it here."""
@@ -224,13 +288,8 @@ def joined_on_error(comm) -> Iterator[None]:
         yield
     except Exception as e:
         group = _group(comm)
-        if group is not None:
-            what = f"raised {type(e).__name__}: {e}"
-            try:
-                _agree(group, comm.world_size, int.from_bytes(hashlib.blake2b(what.encode(), digest_size=8).digest(),
-                                                              "little") >> 1, lambda: {"input": what})
-            except PlanMismatchError:
-                pass  # this rank's own error says more; the others raise theirs
+        if group is not None and not _skips(group, checks):
+            _join_failed(group, comm.world_size, e, checks)
         raise
 
 
@@ -264,6 +323,52 @@ def _first_difference(values: list) -> int:
     return next((i for i in range(n) if len({s[i] for s in seqs}) > 1), n)
 
 
+LONG_TEXT = 300  # characters: a layout's text longer than this is named by where it differs
+_TEXT_FIELDS = ("layout",)  # fields holding a layout's text (Layout.text())
+
+
+def _text_parts(text: str) -> list[tuple[str, tuple[str, ...]]]:
+    """A layout's text as (name, items): each plain word as itself, each KEY=VALUE as its
+    comma-separated items, one list per ';'-separated group (a balanced layout's runs: one
+    group per rank), e.g. 'balanced P=2 U=1 cu=0,5,8 runs=0+2,6+2;2+4' -> ('balanced', ()),
+    ('P', ('2',)), ('U', ('1',)), ('cu', ('0', '5', '8')), ('runs of rank 0', ('0+2', '6+2')),
+    ('runs of rank 1', ('2+4',))."""
+    parts: list[tuple[str, tuple[str, ...]]] = []
+    for word in text.split(" "):
+        key, eq, value = word.partition("=")
+        groups = value.split(";") if eq else []
+        parts += [(key if len(groups) == 1 else f"{key} of rank {g}", tuple(group.split(",")))
+                  for g, group in enumerate(groups)] or [(word, ())]
+    return parts
+
+
+def _long_texts(values: list[str]) -> dict[str, str]:
+    """Each of the different layout texts ``values`` (some over :data:`LONG_TEXT` characters) as
+    its head -- the words before its first list -- its length and the part where the values first
+    differ, with the items around the first different one, e.g. ``balanced P=8 U=1 (1729
+    characters), runs of rank 3: 17 [... (#2) 20+2 22+1 29+3 ...]``."""
+    heads = {v: _head(v) for v in values}
+    parsed = {v: _text_parts(v) for v in values}
+    lists = list(parsed.values())
+    n = min(len(p) for p in lists)
+    at = next((i for i in range(n) if len({p[i] for p in lists}) > 1), n)
+    out = {}
+    for v, parts in parsed.items():
+        detail = ""
+        if len(set(heads.values())) == 1 and at < len(parts):  # the heads say nothing: the part that differs
+            name, items = parts[at]
+            same = [p[at][1] for p in lists if at < len(p) and p[at][0] == name]
+            detail = f", {name}" + (f": {_items(items, _first_difference(same))}" if items else "")
+        out[v] = f"{heads[v]} ({len(v)} characters){detail}"
+    return out
+
+
+def _head(text: str) -> str:
+    """The words of a layout's text before its first list ('balanced P=8 U=1')."""
+    cut = min((i for i in (text.find(","), text.find(";")) if i >= 0), default=len(text))
+    return text[:text.rfind(" ", 0, cut)] if " " in text[:cut] else text[:cut]
+
+
 def differences(descriptions: list[dict], skip=()) -> list[str]:
     """Every field (but ``skip``) on which the ranks' descriptions differ, each as its values and
     the ranks holding them (a list of ranks' descriptions, rank order), e.g.
@@ -281,9 +386,14 @@ def differences(descriptions: list[dict], skip=()) -> list[str]:
         holders: dict = {}
         for r, v in enumerate(values):
             holders.setdefault(v, []).append(r)
-        first = _first_difference(values) if any(isinstance(v, tuple) for v in values) else 0
-        parts.append(f"{f}: " + ", ".join(f"{_ranks(rs)}: {_items(v, first) if isinstance(v, tuple) else v}"
-                                          for v, rs in holders.items()))
+        if any(isinstance(v, tuple) for v in values):
+            first = _first_difference(values)
+            shown = {v: _items(v, first) if isinstance(v, tuple) else v for v in holders}
+        elif f in _TEXT_FIELDS and any(len(v) > LONG_TEXT for v in holders):
+            shown = _long_texts(list(holders))
+        else:
+            shown = {v: v for v in holders}
+        parts.append(f"{f}: " + ", ".join(f"{_ranks(rs)}: {shown[v]}" for v, rs in holders.items()))
     return parts
 
 
@@ -304,5 +414,5 @@ def mismatch_message(descriptions: list[dict]) -> str:
     if "plan" in differ and len(differ) > 1:
         skip.add("plan")
     return ("the ranks of this CP group disagree on the attention plan (each must pass the same mode, settings, "
-            "mask, layout, dtype, local shape, softmax scale and kernel; running it would hang or return a wrong "
-            "result): " + "; ".join(differences(descriptions, skip)))
+            "mask, layout, dtype, local shape, softmax scale and kernel, in the same grad mode and with the same "
+            f"{ENV}; running it would hang or return a wrong result): " + "; ".join(differences(descriptions, skip)))

@@ -3,7 +3,7 @@
 layout helpers (shard / unshard under any layout).
 
 Layout is Megatron's: q [s_local, batch, heads, head_dim], k/v [s_local, batch, kv_heads,
-head_dim], each rank holding its chunk of the global sequence: Megatron's zigzag by default
+head_dim] (v's head dim may differ: MLA), each rank holding its chunk of the global sequence: Megatron's zigzag by default
 (:class:`megatron_mesh.plan.ZigzagLayout`), or a layout that places documents (``layout=``):
 the work-balanced :class:`megatron_mesh.BalancedLayout` (:func:`megatron_mesh.balanced_layout`)
 or Transformer Engine's THD layout (:class:`megatron_mesh.plan.ThdLayout`). Every mode takes the
@@ -19,21 +19,25 @@ asks.
 from __future__ import annotations
 
 import os
+import textwrap
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from ..comm.alltoall import AllToAllCommunicator
 from ..comm.base import Communicator
 from ..comm.torch_dist import TorchDistCommunicator
-from ..kernels import BlockKernel, get_kernel
+from ..kernels import BlockKernel, check_head_dims, get_kernel
 from ..plan.ir import Plan
 from ..plan.mask import Mask
-from ..plan.modes import HYBRID_PREFIX, MODES, TRANSPORTS, Placement, resolve
+from ..plan.modes import HYBRID_PREFIX, MODES, TRANSPORTS, Placement, option_specs, resolve
+from ..plan.modes.mesh import MeshOptions, RingOptions
+from ..plan.modes.tasp import TaspOptions
 from ..plan.shape import AttentionShape
 from ..plan.validate import validate_plan
 from . import agreement
@@ -41,6 +45,8 @@ from .agreement import PlanMismatchError
 from .autograd import PlanAttention, forward_backward
 from .executor import Executor
 from .inputs import attention_mask, attention_shape, check_scale, integer_scalar, scale_of
+from .masks import mask_piece
+from .sinks import check_offset, sink_kind
 from .sharding import layout_shard, layout_unshard, thd_shard, thd_unshard, zigzag_shard, zigzag_unshard
 
 __all__ = ["attention", "mesh_attention", "ring_attention", "tasp_attention", "hybrid_attention", "plan_attention",
@@ -78,38 +84,49 @@ def _plan(placement: Placement, shape: AttentionShape, mask: Mask, layout) -> Pl
     return plan
 
 
-# Calls made on a layout with documents of its own (the balanced layout of a packed sample): the
-# (placement, shape, causal, window, rank) that :func:`prebuild` plans again for the next samples'
-# layouts. Newest last; a few per model (one per distinct attention setting, not per layer).
-_LAYOUT_CALLS: "OrderedDict[tuple, None]" = OrderedDict()
-_LAYOUT_CALLS_KEPT = 16
-_LAYOUT_CALLS_LOCK = threading.Lock()
+class LayoutCalls:
+    """The prebuild memory: the attention calls recently made on a layout with documents of its
+    own (the balanced layout of a packed sample), as the (placement, shape, causal, window, rank)
+    that :func:`prebuild` plans again for the next samples' layouts. Newest last, at most
+    :attr:`KEPT` (a few per model: one per distinct attention setting, not per layer); the step
+    adds while the lookahead thread reads, so under a lock."""
+
+    KEPT = 16
+
+    def __init__(self):
+        self._calls: "OrderedDict[tuple, None]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def remember(self, placement: Placement, shape: AttentionShape, causal: bool, window, rank: int) -> None:
+        key = (placement, shape, causal, window, rank)
+        with self._lock:
+            self._calls[key] = None
+            self._calls.move_to_end(key)
+            while len(self._calls) > self.KEPT:
+                self._calls.popitem(last=False)
+
+    def recent(self) -> list[tuple]:
+        with self._lock:
+            return list(self._calls)
 
 
-def _remember_layout_call(placement: Placement, shape: AttentionShape, causal: bool, window, rank: int) -> None:
-    key = (placement, shape, causal, window, rank)
-    with _LAYOUT_CALLS_LOCK:
-        _LAYOUT_CALLS[key] = None
-        _LAYOUT_CALLS.move_to_end(key)
-        while len(_LAYOUT_CALLS) > _LAYOUT_CALLS_KEPT:
-            _LAYOUT_CALLS.popitem(last=False)
+LAYOUT_CALLS = LayoutCalls()  # the process's: what prepare remembers and prebuild reads by default
 
 
-def prebuild(layout) -> int:
+def prebuild(layout, calls: LayoutCalls = LAYOUT_CALLS) -> int:
     """Build, now, the plans the coming calls on ``layout`` will need: for every attention call
     recently made on another layout of the same CP size and tokens per rank (same placement,
-    shape, causal, window, rank), this rank's plan of ``layout`` goes into the plan cache that
-    :func:`prepare` reads. What a background thread runs for the next micro-batch's layouts
-    (:mod:`megatron_mesh.megatron.batch_layout`), so that the step finds its plans built. Returns
-    how many plans it built (0 before the first call on a layout).
+    shape, causal, window, rank; ``calls``: the process's memory of them), this rank's plan of
+    ``layout`` goes into the plan cache that :func:`prepare` reads. What a background thread runs
+    for the next micro-batch's layouts (:mod:`megatron_mesh.megatron.batch_layout`), so that the
+    step finds its plans built. Returns how many plans it built (0 before the first call on a
+    layout).
 
     Example: after a step of ``attention(q, k, v, mode="tasp", layout=L1)`` on rank 3,
     ``prebuild(L2)`` builds rank 3's TASP plan of L2; the next step's call with ``layout=L2``
     finds it (no plan build on the step's critical path)."""
-    with _LAYOUT_CALLS_LOCK:
-        calls = list(_LAYOUT_CALLS)
     built = 0
-    for placement, shape, causal, window, rank in calls:
+    for placement, shape, causal, window, rank in calls.recent():
         if placement.world_size != layout.world_size or shape.seq_local != layout.seq_local:
             continue
         mask, normal = attention_mask(layout.world_size, shape, causal=causal, window=window, layout=layout)
@@ -134,15 +151,20 @@ class Prepared:
 
 def prepare(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None, comm: Communicator | None = None,
             causal: bool = True, window=None, cu_seqlens=None, layout=None, softmax_scale: float | None = None,
-            kernel: "str | BlockKernel" = "auto", placement: Placement | None = None, **settings) -> Prepared:
+            kernel: "str | BlockKernel" = "auto", placement: Placement | None = None, softmax_offset=None,
+            **settings) -> Prepared:
     """Check everything and build (or fetch) the plan of one call; ``settings`` go to the mode
     (see :func:`megatron_mesh.plan.resolve`). ``placement`` skips the resolution (the
-    Megatron adapter resolves it once per layer)."""
+    Megatron adapter resolves it once per layer). ``softmax_offset`` is checked and agreed on;
+    the plan does not depend on it (a sink adds no bytes: :mod:`.sinks`)."""
     own = group_communicator(group) if comm is None else comm  # also checks this rank is in the group
     with agreement.joined_on_error(own):  # a rank whose input fails still joins the check: no rank waits for it
         shape = attention_shape(q, k, v)
         check_scale(softmax_scale)
+        check_offset(softmax_offset, shape.heads, q.device)
         kern = get_kernel(kernel, q.device)
+        mask_piece(q.device)  # this process's setting, read here: a bad one fails before the check, not after
+        check_head_dims(kern, shape.head_dim, shape.v_head_dim)
         P = own.world_size
         mask, layout = attention_mask(P, shape, causal=causal, window=window, cu_seqlens=cu_seqlens, layout=layout)
         if "gpus_per_node" in settings:  # the wrappers' (and their docs') name for the plan's ranks_per_node
@@ -156,12 +178,19 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None, 
             raise ValueError(f"placement for {placement.world_size} ranks used on a CP group of {P}")
         plan = _plan(placement, shape, mask, layout)
         if layout.documents() is not None:  # a packed sample's layout: the next samples' plans can be built ahead
-            _remember_layout_call(placement, shape, mask.causal, None if window is None else tuple(window), own.rank)
+            LAYOUT_CALLS.remember(placement, shape, mask.causal, None if window is None else tuple(window), own.rank)
     if comm is None:
         comm = own if placement.transport == "p2p" else group_communicator(group, placement.transport)
     scale = scale_of(shape, softmax_scale)
-    agreement.check(comm, agreement.Call(plan, placement, tuple(q.shape), tuple(k.shape), q.dtype, scale, kern))
+    agreement.check(comm, agreement.Call(plan, placement, tuple(q.shape), tuple(k.shape), q.dtype, scale, kern,
+                                         backward_follows(q, k, v, softmax_offset), shape.v_head_dim,
+                                         sink_kind(softmax_offset)))
     return Prepared(plan, placement, comm, kern, scale)
+
+
+def backward_follows(q: Tensor, k: Tensor, v: Tensor, softmax_offset: Tensor | None = None) -> bool:
+    """Whether autograd records this call, so that a backward (with its own transfers) follows it."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, softmax_offset))
 
 
 @lru_cache(maxsize=256)
@@ -191,14 +220,18 @@ def _setting(name: str, v):
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None, causal: bool = True,
               window=None, cu_seqlens=None, layout=None, softmax_scale: float | None = None,
-              kernel: "str | BlockKernel" = "auto", comm: Communicator | None = None, timer=None, **settings) -> Tensor:
+              softmax_offset: Tensor | None = None, kernel: "str | BlockKernel" = "auto",
+              comm: Communicator | None = None, timer=None, **settings) -> Tensor:
     """Context-parallel attention over the CP group ``group`` (None: the default process group)
     with CP mode ``mode`` (``"mesh"``, ``"ring"``, ``"tasp"``, ``"a2a+mesh"``, ``"a2a+tasp"``,
     ``"a2a+ring"``; ``settings`` are the mode's, see the wrappers below).
 
     Args:
         q: [s_local, batch, heads, head_dim], this rank's chunk of the global sequence.
-        k, v: [s_local, batch, kv_heads, head_dim]; heads % kv_heads == 0 (GQA / MQA).
+        k, v: [s_local, batch, kv_heads, head_dim] and [s_local, batch, kv_heads, v_head_dim];
+            heads % kv_heads == 0 (GQA / MQA); v_head_dim may differ from head_dim (MLA: 192 and
+            128), the output then has v's head dim (CPU: every kernel; CUDA: see
+            :func:`megatron_mesh.kernels.get_kernel`).
         causal: causal (True) or full (False) attention over the global sequence.
         window: (left, right) sliding window (None = unlimited on that side; right must be 0 or
             None when causal): query i attends key j only if i - j <= left and j - i <= right.
@@ -211,96 +244,109 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None
             documents). Either gives the documents: cu_seqlens must then be None. See
             :func:`layout_shard`.
         softmax_scale: defaults to 1 / sqrt(head_dim).
+        softmax_offset: attention sinks (Megatron's ``softmax_offset``, ``softmax_type``
+            "off-by-one": zeros, "learnable": a parameter): a tensor [heads], one logit per query
+            head added to every row's softmax denominator (not scaled). Applied once where the
+            rows' partial results are merged: no extra bytes. Where it requires grad, its
+            gradient on each rank is the sum over the rows that rank finished, so the CP group's
+            sum (Megatron's gradient reduction) is the whole gradient.
         kernel: block kernel backend ("auto", "torch", "math", "torch-flash", ...) or an instance.
         comm: an explicit communicator (tests, in-process transports).
         timer: ``timer("compute")`` / ``timer("wait")`` context managers around kernel calls and
             waits (e.g. Megatron's timers).
 
-    Returns the attention output, shaped and typed like q; differentiable w.r.t. q, k, v (one
-    backward). Only the (query, key) pairs the mask allows are computed and only the tokens they
-    need are sent.
+    Returns the attention output, [s_local, batch, heads, v_head_dim] in q's dtype; differentiable
+    w.r.t. q, k, v and softmax_offset (one backward). Only the (query, key) pairs the mask allows
+    are computed and only the tokens they need are sent.
     """
     call = prepare(q, k, v, mode=mode, group=group, comm=comm, causal=causal, window=window, cu_seqlens=cu_seqlens,
-                   layout=layout, softmax_scale=softmax_scale, kernel=kernel, **settings)
-    return PlanAttention.apply(q, k, v, call.executor(timer))
+                   layout=layout, softmax_scale=softmax_scale, kernel=kernel, softmax_offset=softmax_offset, **settings)
+    return PlanAttention.apply(q, k, v, call.executor(timer), softmax_offset)
 
 
-def mesh_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, tile="auto", causal: bool = True,
+def _options_doc(options_type: type, names: tuple[str, ...]) -> str:
+    """The ``Args`` lines of a wrapper's mode options, from the mode's Options (their one owner)."""
+    helps = {s.name: s.help for s in option_specs(options_type)}
+    return "\n".join(textwrap.fill(f"{name}: {helps[name]}", 100, initial_indent=" " * 8,
+                                    subsequent_indent=" " * 12) for name in names)
+
+
+def _takes_options(options_type: type, *names: str):
+    """The wrapper takes ``names``, options of ``options_type`` (their defaults are the Options'
+    own, read in the signature); their help goes into its docstring."""
+    def wrap(fn):
+        fn.mode_options = (options_type, names)
+        fn.__doc__ = fn.__doc__.rstrip() + "\n\n    Mode options (:class:`~megatron_mesh.plan.modes." + \
+            f"{options_type.__module__.rsplit('.', 1)[-1]}.{options_type.__name__}`):\n" + \
+            _options_doc(options_type, names) + "\n"
+        return fn
+    return wrap
+
+
+@_takes_options(MeshOptions, "tile", "contiguous", "schedule", "backward_chunks")
+def mesh_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, tile=MeshOptions.tile, causal: bool = True,
                    window=None, cu_seqlens=None, layout=None, softmax_scale: float | None = None,
-                   schedule: str = "greedy", backward_chunks: str = "auto", contiguous: str = "auto",
+                   softmax_offset: Tensor | None = None, schedule: str = MeshOptions.schedule,
+                   backward_chunks: str = MeshOptions.backward_chunks, contiguous: str = MeshOptions.contiguous,
                    gpus_per_node: int | None = None, kernel: "str | BlockKernel" = "auto",
                    comm: Communicator | None = None) -> Tensor:
-    """Mesh-Attention (see :func:`attention` for the common arguments).
-
-    Args:
-        tile: (a, b) with a * b == CP size -- a query chunks by b key/value chunks per rank; "AxB"
-            strings and "auto" (the tile the planner's simulator predicts fastest on nodes of
-            ``gpus_per_node`` CP ranks, one node when None; ties within
-            :data:`~megatron_mesh.plan.autotile.TIME_TOLERANCE` go to fewer inter-node bytes).
-            (1, P) is ring attention.
-        schedule: "greedy" (pull order by unlocked compute per byte) or "lockstep".
-        backward_chunks: "refetch" (re-communicate Q/KV chunks in the backward, ring attention's
-            memory), "keep" (keep the forward's chunks: fewer bytes, more activation memory) or
-            "auto" (under a mask or document layout, keep them on each rank where they are at most
-            its own Q, K and V; dense plans refetch).
-        contiguous: which group is made of consecutive CP ranks, i.e. shares a node when the CP
-            group spans nodes: "q" (Q rings), "kv" (KV rings) or "auto" (with the tile).
-    """
+    """Mesh-Attention (see :func:`attention` for the common arguments). ``tile`` is (a, b) with
+    a * b == CP size, an "AxB" string or "auto" (chosen for nodes of ``gpus_per_node`` CP ranks,
+    one node when None); (1, P) is ring attention."""
     return attention(q, k, v, mode="mesh", group=group, causal=causal, window=window, cu_seqlens=cu_seqlens,
-                     layout=layout, softmax_scale=softmax_scale, kernel=kernel, comm=comm, tile=tile,
-                     schedule=schedule, backward_chunks=backward_chunks, contiguous=contiguous,
+                     layout=layout, softmax_scale=softmax_scale, softmax_offset=softmax_offset, kernel=kernel,
+                     comm=comm, tile=tile, schedule=schedule, backward_chunks=backward_chunks, contiguous=contiguous,
                      ranks_per_node=gpus_per_node)
 
 
+@_takes_options(RingOptions, "backward_chunks")
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool = True, window=None,
                    cu_seqlens=None, layout=None, softmax_scale: float | None = None,
-                   backward_chunks: str = "auto", kernel: "str | BlockKernel" = "auto",
-                   comm: Communicator | None = None) -> Tensor:
+                   softmax_offset: Tensor | None = None, backward_chunks: str = RingOptions.backward_chunks,
+                   kernel: "str | BlockKernel" = "auto", comm: Communicator | None = None) -> Tensor:
     """Ring attention (zigzag, as Transformer Engine's ``p2p``): Mesh-Attention with tile (1, P).
-    Same arguments and layout as :func:`attention`; ``backward_chunks`` as :func:`mesh_attention`'s."""
+    Same arguments and layout as :func:`attention`."""
     return attention(q, k, v, mode="ring", group=group, causal=causal, window=window, cu_seqlens=cu_seqlens,
-                     layout=layout, softmax_scale=softmax_scale, kernel=kernel, comm=comm,
-                     backward_chunks=backward_chunks)
+                     layout=layout, softmax_scale=softmax_scale, softmax_offset=softmax_offset, kernel=kernel,
+                     comm=comm, backward_chunks=backward_chunks)
 
 
+@_takes_options(TaspOptions, "transport", "backward_chunks")
 def tasp_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, causal: bool = True, window=None,
                    cu_seqlens=None, layout=None, softmax_scale: float | None = None,
-                   gpus_per_node: int | None = None, transport: str = "p2p", backward_chunks: str = "auto",
+                   softmax_offset: Tensor | None = None, gpus_per_node: int | None = None,
+                   transport: str = TaspOptions.transport, backward_chunks: str = TaspOptions.backward_chunks,
                    kernel: "str | BlockKernel" = "auto", comm: Communicator | None = None) -> Tensor:
     """TASP attention (see :func:`attention` for the common arguments).
 
-    Args:
-        gpus_per_node: None -- one Hamiltonian decomposition over the whole group (one node);
-            m -- the group spans nodes of m consecutive CP ranks: m rings chained over the nodes,
-            one inter-node send per rank per step. Must divide the CP size; m = 3 and 5 are
-            impossible (no Hamiltonian path decomposition exists) and raise ValueError.
-        transport: "p2p" (batched isend/irecv per round) or "alltoall" (one all_to_all_single
-            per round); ignored when ``comm`` is given.
-        backward_chunks: under a mask or document layout, "refetch" pulls the K/V pieces again
-            in the backward, "keep" keeps the forward's, "auto" keeps them on each rank where
-            they are at most its own Q, K and V. The dense plan always refetches.
+    ``gpus_per_node``: None -- one Hamiltonian decomposition over the whole group (one node); m --
+    the group spans nodes of m consecutive CP ranks: m rings chained over the nodes, one
+    inter-node send per rank per step. Must divide the CP size; m = 3 and 5 are impossible (no
+    Hamiltonian path decomposition exists) and raise ValueError. ``transport`` is ignored when
+    ``comm`` is given.
 
     Each rank's local sequence must hold at least one token per ring in each zigzag half
     (s_local >= 2 * rings; on one node rings = CP size - 1, except CP sizes 4 and 6, which have
-    no Hamiltonian decomposition and use 2 and 4 rings).
-    """
+    no Hamiltonian decomposition and use 2 and 4 rings)."""
     return attention(q, k, v, mode="tasp", group=group, causal=causal, window=window, cu_seqlens=cu_seqlens,
-                     layout=layout, softmax_scale=softmax_scale, kernel=kernel, comm=comm,
-                     ranks_per_node=gpus_per_node, transport=transport, backward_chunks=backward_chunks)
+                     layout=layout, softmax_scale=softmax_scale, softmax_offset=softmax_offset, kernel=kernel,
+                     comm=comm, ranks_per_node=gpus_per_node, transport=transport, backward_chunks=backward_chunks)
 
 
 def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, ulysses_size: int, inner: str = "mesh",
-                     tile="auto", gpus_per_node: int | None = None, causal: bool = True, window=None,
+                     gpus_per_node: int | None = None, causal: bool = True, window=None,
                      cu_seqlens=None, layout=None, softmax_scale: float | None = None,
-                     kernel: "str | BlockKernel" = "auto", comm: Communicator | None = None, **inner_settings) -> Tensor:
+                     softmax_offset: Tensor | None = None, kernel: "str | BlockKernel" = "auto",
+                     comm: Communicator | None = None, **inner_settings) -> Tensor:
     """Ulysses x Mesh / TASP / ring: an all-to-all over ``ulysses_size`` consecutive CP ranks
     (inside a node) scatters heads and gathers tokens, then ``inner`` ("mesh", "tasp" or "ring")
     runs across the CP size / ulysses_size groups on that head slice; the reverse all-to-all
     brings the output back. Same input layout as the other modes (this rank's chunk over the
     whole CP group). Query heads must divide by ``ulysses_size``; KV heads must divide by it or
-    divide it (then they are replicated). ``tile`` is the inner Mesh tile; ``gpus_per_node`` the
-    CP ranks per node; ``inner_settings`` go to the inner mode (e.g. ``schedule``). The inner rings
-    run point-to-point: inner="tasp" with ``transport="alltoall"`` raises ValueError.
+    divide it (then they are replicated). ``gpus_per_node`` is the CP ranks per node;
+    ``inner_settings`` are the inner mode's options, as its wrapper takes them (e.g. ``tile``,
+    ``schedule``; their defaults are the inner mode's). The inner rings run point-to-point:
+    inner="tasp" with ``transport="alltoall"`` raises ValueError.
     """
     mode = HYBRID_PREFIX + str(inner)
     # checked where a rank that fails still joins the agreement check, as prepare's checks are: its
@@ -310,16 +356,15 @@ def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, ulysses_siz
             raise ValueError(f"inner must be a mode with a Ulysses hybrid, one of "
                              f"{', '.join(m[len(HYBRID_PREFIX):] for m in MODES if m.startswith(HYBRID_PREFIX))}; "
                              f"got {inner!r}")
-    settings = dict(inner_settings, ulysses_size=ulysses_size, ranks_per_node=gpus_per_node)
-    if tile != "auto":  # a setting of the inner mode: resolve names a mode that has no tile
-        settings["tile"] = tile
     return attention(q, k, v, mode=mode, group=group, causal=causal, window=window,
-                     cu_seqlens=cu_seqlens, layout=layout, softmax_scale=softmax_scale, kernel=kernel, comm=comm,
-                     **settings)
+                     cu_seqlens=cu_seqlens, layout=layout, softmax_scale=softmax_scale, softmax_offset=softmax_offset,
+                     kernel=kernel, comm=comm, ulysses_size=ulysses_size, ranks_per_node=gpus_per_node,
+                     **inner_settings)
 
 
 def plan_attention(q: Tensor, k: Tensor, v: Tensor, plan: Plan, *, comm: Communicator,
-                   softmax_scale: float | None = None, kernel: "str | BlockKernel" = "auto", timer=None) -> Tensor:
+                   softmax_scale: float | None = None, kernel: "str | BlockKernel" = "auto", timer=None,
+                   softmax_offset: Tensor | None = None) -> Tensor:
     """Run an explicit ``plan`` (e.g. one parsed from text with :meth:`Plan.from_text`) on this
     rank, differentiably. The plan must match the tensors' shape and the communicator; the ranks of
     the communicator's group must pass the same plan, scale, dtype, shapes and kernel (checked on
@@ -327,11 +372,16 @@ def plan_attention(q: Tensor, k: Tensor, v: Tensor, plan: Plan, *, comm: Communi
     with agreement.joined_on_error(comm):
         shape = attention_shape(q, k, v)
         check_scale(softmax_scale)
+        check_offset(softmax_offset, shape.heads, q.device)
         if plan.seq_local != shape.seq_local or plan.world_size != comm.world_size:
             raise ValueError(f"plan for {plan.world_size} ranks x {plan.seq_local} tokens does not fit "
                              f"{comm.world_size} ranks x {shape.seq_local} tokens")
         kern = get_kernel(kernel, q.device)
+        mask_piece(q.device)
+        check_head_dims(kern, shape.head_dim, shape.v_head_dim)
     scale = scale_of(shape, softmax_scale)
-    agreement.check(comm, agreement.Call(plan, None, tuple(q.shape), tuple(k.shape), q.dtype, scale, kern))
+    agreement.check(comm, agreement.Call(plan, None, tuple(q.shape), tuple(k.shape), q.dtype, scale, kern,
+                                         backward_follows(q, k, v, softmax_offset), shape.v_head_dim,
+                                         sink_kind(softmax_offset)))
     executor = Executor(plan, comm, kern, scale, timer)
-    return PlanAttention.apply(q, k, v, executor)
+    return PlanAttention.apply(q, k, v, executor, softmax_offset)

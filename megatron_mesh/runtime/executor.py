@@ -11,7 +11,10 @@ hands it ``x.permute(1, 2, 0, 3)`` of Megatron's [T, B, H, D] tensors, and the f
 gradients are allocated token-major, so neither side copies to change layouts (the kernels take
 strided inputs). A buffer is copied only where it must be contiguous: when it is sent, or cut
 from several token ranges or one head slice that a block reads or that is sent (a head slice
-only copies read stays a view).
+only copies read stays a view). The one stride the kernels cannot take is a head_dim that is not
+stride 1 (``buf[..., ::2]``, a projection stored [d, h] and transposed, a broadcast head_dim): such
+an input (or dout) is copied once per pass, at entry (:func:`~megatron_mesh.kernels.base.head_dim_dense`),
+instead of once per block that reads it.
 """
 
 from __future__ import annotations
@@ -24,14 +27,16 @@ import torch
 from torch import Tensor
 
 from ..comm.base import Communicator, Work
-from ..kernels.base import BlockKernel
+from ..kernels.base import BlockKernel, head_dim_dense
 from ..plan.sel import union_intervals
-from ..plan.ir import (KINDS, AddGrad, Attend, AttendBackward, Copy, Free, Key, MergeOut, Plan, Post, RankPlan,
-                       RowStats, Wait, op_keys)
+from ..plan.ir import (AddGrad, Attend, AttendBackward, Copy, Free, Key, MergeOut, Plan, Post, RankPlan, RowStats,
+                       Wait, op_keys)
+from .buffers import Buffers, accumulator_dtype, parts as _parts
 from .masks import backward_partials, block_mask, forward_partials
 from .merge import merge_partial_, part_of
+from .sinks import add_sink_grad_, apply_sink_
 
-__all__ = ["Executor", "ForwardResult", "accumulator_dtype"]
+__all__ = ["Executor", "ForwardResult", "accumulator_dtype", "Buffers"]
 
 
 @dataclass
@@ -39,15 +44,6 @@ class ForwardResult:
     out: Tensor  # [B, H, T, D] accumulator dtype (fp32; fp64 for fp64 inputs), token-major storage
     lse: Tensor  # [B, H, T] accumulator dtype
     saved: dict[Key, tuple[Tensor, ...]]  # forward buffers the backward reads
-
-
-def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32, or fp64 for fp64 inputs: partial outputs and gradients never accumulate in 16 bits."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _segments(sel, n: int):
-    return ((0, n),) if sel is None else sel
 
 
 def _take(t: Tensor, sel, dim: int = 2) -> Tensor:
@@ -58,14 +54,6 @@ def _take(t: Tensor, sel, dim: int = 2) -> Tensor:
         a, b = sel[0]
         return part_of(t, dim, a, b - a)
     return torch.cat([t.narrow(dim, a, b - a) for a, b in sel], dim=dim)
-
-
-def _parts(sel, total: int):
-    """(start in the buffer, offset in the selection, length) of each range of ``sel``."""
-    pos = 0
-    for a, b in _segments(sel, total):
-        yield a, pos, b - a
-        pos += b - a
 
 
 def _overlaps(parts, r0: int, r1: int):
@@ -91,7 +79,7 @@ def _fresh(first: dict, key) -> list[list[int]]:
 
 
 def _split_fresh(fresh: list[list[int]], a: int, n: int):
-    """Rows [a, a + n) as (start, length, first) pieces: ``first`` where they lie in ``fresh``
+    """Rows [a, a + n) as (start, length, first) runs: ``first`` where they lie in ``fresh``
     (sorted [start, stop) ranges not written yet), which then drops them."""
     pos, end = a, a + n
     for f in fresh:
@@ -114,98 +102,51 @@ def _without(f: list[int], a: int, b: int) -> list[list[int]]:
     return [r for r in ([f[0], min(f[1], a)], [max(f[0], b), f[1]]) if r[0] < r[1]]
 
 
-class _Buffers:
-    """Named buffers of one rank plus a pool that recycles freed ones (steady state: no new
-    allocations from one step to the next)."""
+def _delta_facts(rank_plan: RankPlan, own_rows_made: bool) -> tuple:
+    """(the rows of this rank's delta to compute, None for all; the ``do`` buffers whose
+    delta is read): see :func:`_delta_reads`."""
+    reads = _delta_reads(rank_plan, own_rows_made)
+    if not own_rows_made:
+        return None, reads
+    return union_intervals(seg for key, segs in rank_plan.backward_inputs.items() if key in reads
+                           for seg in segs), reads
 
-    def __init__(self, plan: Plan, heads: int, kv_heads: int, batch: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, token_major: set[Key]):
-        self.plan = plan
-        self.heads, self.kv_heads, self.batch, self.head_dim = heads, kv_heads, batch, head_dim
-        self.dtype, self.device = dtype, device
-        self.acc_dtype = accumulator_dtype(dtype)
-        self.token_major = token_major
-        self.live: dict[Key, tuple[Tensor, ...]] = {}
-        self.derived: dict[Key, tuple] = {}  # what a kernel makes of a live buffer once (backward_rows)
-        self.owned: set[Key] = set()  # pool-allocated (user inputs are never recycled)
-        # the caller's tensors (a cut may be a view of them) and the forward's saved buffers: no op
-        # may write them (the validator proves it of a plan; this guards a plan never validated)
-        self.read_only: set[Key] = set()
-        self.pool: dict[tuple, list[tuple[Tensor, ...]]] = {}
-        self.allocations = 0  # buffers created (not recycled): constant per call in steady state
 
-    def _shape(self, key: Key) -> tuple:
-        return (key.kind, self.plan.tokens(key), self.plan.head_counts(key, self.heads, self.kv_heads))
+def _delta_reads(rank_plan: RankPlan, own_rows_made: bool) -> set[Key]:
+    """The ``do`` buffers whose delta something reads: those sent to another rank (its blocks
+    get a stand-in output made from delta), those a block reads without its rows' output --
+    every one when the kernel has no ``backward_rows`` (``own_rows_made`` False), else all
+    but this rank's own rows (the backward inputs, whose output is here) and RowStats'
+    results -- and the sources of copies into either, found walking the ops backwards."""
+    ops = rank_plan.ops("backward")
+    made = set(rank_plan.backward_inputs) if own_rows_made else set()
+    # an input buffer's name that a receive or copy makes again holds rows that are not this
+    # rank's own (no builder does this; a safe answer if one ever did)
+    made -= {t.key for op in ops if isinstance(op, Post) for t in op.recvs}
+    made -= {op.dst for op in ops if isinstance(op, Copy)}
+    made |= {op.dst for op in ops if isinstance(op, RowStats)} if own_rows_made else set()
+    reads: set[Key] = set()
+    for op in reversed(ops):
+        if isinstance(op, Post):
+            reads |= {t.key for t in op.sends if t.key.kind == "do"}
+        elif isinstance(op, AttendBackward) and op.do not in made:
+            reads.add(op.do)
+        elif isinstance(op, Copy) and op.dst in reads and op.src.kind == "do":
+            reads.add(op.src)
+    return reads
 
-    def _new(self, key: Key) -> tuple[Tensor, ...]:
-        self.allocations += 1
-        kind, tokens, (h, g) = self._shape(key)
-        out = []
-        for side, has_dim, dtype in KINDS[kind].tensors:
-            heads = h if side == "q" else g
-            dt = self.dtype if dtype == "input" else self.acc_dtype
-            if has_dim and key in self.token_major:  # the caller's [T, B, H, D] layout, seen as [B, H, T, D]
-                t = torch.empty(tokens, self.batch, heads, self.head_dim, dtype=dt, device=self.device)
-                out.append(t.permute(1, 2, 0, 3))
-            elif has_dim:
-                out.append(torch.empty(self.batch, heads, tokens, self.head_dim, dtype=dt, device=self.device))
-            else:
-                out.append(torch.empty(self.batch, heads, tokens, dtype=dt, device=self.device))
-        return tuple(out)
 
-    def alloc(self, key: Key) -> tuple[Tensor, ...]:
-        if key in self.token_major:
-            return self._new(key)
-        free = self.pool.get(self._shape(key))
-        return free.pop() if free else self._new(key)
-
-    def put(self, key: Key, tensors: tuple[Tensor, ...], owned: bool) -> None:
-        self.live[key] = tensors
-        self.derived.pop(key, None)
-        if owned:
-            self.owned.add(key)
-
-    def get(self, key: Key) -> tuple[Tensor, ...]:
-        return self.live[key]
-
-    def accumulator(self, key: Key, filled: bool = True, rows=None) -> tuple[Tensor, ...]:
-        """The buffer ``key``, created on first use with its initial values (out = 0, lse = -inf;
-        gradients and copies 0) in ``rows`` (None: all of them; the plan's ``creation_fills``
-        name the rows its creator and later blocks do not write before anything reads them); not
-        ``filled``: as allocated, for ops that write all of it first."""
-        acc = self.live.get(key)
-        if key in self.read_only:
-            raise RuntimeError(f"the plan writes into {key}, an input or saved buffer (the caller's tensors or "
-                               "what autograd keeps): a plan builder's defect")
-        if acc is None:
-            acc = self.alloc(key)
-            if filled:
-                self.fill(key, acc, rows)
-            self.put(key, acc, owned=key not in self.token_major)
-        return acc
-
-    @staticmethod
-    def fill(key: Key, tensors: tuple[Tensor, ...], rows=None) -> None:
-        """Set ``rows`` (None: all) of ``tensors``, buffer ``key``, to its kind's initial values."""
-        for i, t in enumerate(tensors):
-            value = KINDS[key.kind].initial(i)
-            for a, _, n in _parts(rows, t.shape[2]):
-                part_of(t, 2, a, n).fill_(value)
-
-    def derive(self, key: Key, make: Callable[[], tuple]) -> tuple:
-        """``make()`` of the live buffer ``key``, made once while it lives (many blocks read it)."""
-        got = self.derived.get(key)
-        if got is None:
-            got = self.derived[key] = make()
-        return got
-
-    def free(self, key: Key) -> None:
-        tensors = self.live.pop(key)
-        self.derived.pop(key, None)
-        self.read_only.discard(key)  # a later buffer of that name is a new one
-        if key in self.owned:
-            self.owned.discard(key)
-            self.pool.setdefault(self._shape(key), []).append(tensors)
+def _copy_sources(rank_plan: RankPlan, direction: str) -> frozenset:
+    """The input buffers of ``direction`` that only :class:`Copy` ops read (a Ulysses group
+    member's own head slice, copied into the group's tokens): cutting them as a contiguous
+    copy first would move their bytes twice. A buffer that is sent or that a block reads
+    stays contiguous (a send needs it; kernels read it many times)."""
+    inputs = rank_plan.forward_inputs if direction == "forward" else rank_plan.backward_inputs
+    ops = rank_plan.ops(direction)
+    others = {key for op in ops if type(op) is not Copy for key in op_keys(op)}
+    others |= {op.dst for op in ops if type(op) is Copy}  # a view must never be written into
+    copied = {op.src for op in ops if type(op) is Copy}
+    return frozenset(key for key in inputs if key in copied and key not in others)
 
 
 class Executor:
@@ -231,21 +172,28 @@ class Executor:
         # copies read
         rp, made = self.rank_plan, self.backward_rows is not None
         self._delta_rows, self._delta_keys = plan.memo(("delta", comm.rank, made),
-                                                       lambda: self._delta_facts(rp, made))
+                                                       lambda: _delta_facts(rp, made))
         self._copied_only = plan.memo(("copied only", comm.rank), lambda: {
-            d: self._copy_sources(rp, d) for d in ("forward", "backward")})
+            d: _copy_sources(rp, d) for d in ("forward", "backward")})
         self.timer = timer or (lambda what: contextlib.nullcontext())
+        self._sink: Tensor | None = None  # the call's softmax_offset in the accumulators' dtype (runtime/sinks.py)
+        self.offset_grad: Tensor | None = None  # the last backward's d softmax_offset over the rows it finished
 
     # -- public ----------------------------------------------------------------------------------
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> ForwardResult:
-        """q [B, H, T, D], k/v [B, Hkv, T, D] (views of any strides, head_dim contiguous).
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, softmax_offset: Tensor | None = None) -> ForwardResult:
+        """q [B, H, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv] (views of any strides);
+        ``softmax_offset`` [H]: attention sinks, applied where rows are finished (:mod:`.sinks`).
         Returns the fp32 out (token-major storage) and lse."""
+        q, k, v = head_dim_dense(q, k, v)
         rp = self.rank_plan
-        bufs = self._buffers(q, k, {rp.output})
+        self._set_sink(softmax_offset, q.dtype)
+        bufs = self._buffers(q, k, v, {rp.output})
         self._inputs(bufs, rp.forward_inputs, {"q": (q,), "kv": (k, v)}, self._copied_only["forward"])
         self._run("forward", bufs)
         final = bufs.accumulator(rp.output)
         out, lse = final if len(final) == 2 else (final[0], None)  # a finished output ("y") has no lse
+        if lse is not None:  # the rank's own rows, all merged (a Ulysses plan's are finished by its casts)
+            self._finish_rows(rp.output, out, lse, None)
         saved = {key: self._kept(key, bufs.get(key), q.dtype) for key in rp.saved}
         return ForwardResult(out, lse, saved)
 
@@ -262,12 +210,23 @@ class Executor:
         return tensors
 
     def backward(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor | None, dout: Tensor,
-                 saved: dict[Key, tuple[Tensor, ...]]) -> tuple[Tensor, Tensor, Tensor]:
+                 saved: dict[Key, tuple[Tensor, ...]], softmax_offset: Tensor | None = None,
+                 offset_grad: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         """Gradients (fp32 or the input dtype, token-major storage) of q, k, v given the
-        forward's final ``out`` (q's dtype or fp32) and ``lse`` and the incoming ``dout``
-        [B, H, T, D]."""
+        forward's final ``out`` (q's dtype or fp32) and ``lse`` (with the forward's
+        ``softmax_offset`` in them) and the incoming ``dout`` [B, H, T, Dv] (views of any strides).
+        The inputs are copied again where the forward copied them (:func:`head_dim_dense`): keeping
+        the forward's copies would hold that memory in between. ``offset_grad``: also sum d
+        softmax_offset over the rows this rank finished, into :attr:`offset_grad` [H]."""
+        q, k, v, dout = head_dim_dense(q, k, v, dout)
         rp = self.rank_plan
-        bufs = self._buffers(q, k, {rp.grad_q, rp.grad_kv})
+        self._set_sink(softmax_offset, q.dtype)
+        self.offset_grad = None
+        if offset_grad and self._sink is not None:
+            self.offset_grad = torch.zeros_like(self._sink)
+            if lse is not None:  # the rank's own rows (a Ulysses plan's rows are its RowStats')
+                add_sink_grad_(self.offset_grad, dout, out, lse, self._sink)
+        bufs = self._buffers(q, k, v, {rp.grad_q, rp.grad_kv})
         sources = {"q": (q,), "kv": (k, v), "dy": (dout,)}
         if any(key.kind == "do" for key in rp.backward_inputs):
             sources["do"] = (dout, lse, self._delta(dout, out, lse))
@@ -289,7 +248,7 @@ class Executor:
     # -- setup -------------------------------------------------------------------------------------
     def _delta(self, dout: Tensor, out: Tensor, lse: Tensor) -> Tensor:
         """delta = rowsum(dout * out) (fp32) of this rank's rows, where anything reads it
-        (:meth:`_delta_reads`); NaN elsewhere, so a read the analysis missed cannot pass unnoticed.
+        (:func:`_delta_reads`); NaN elsewhere, so a read the analysis missed cannot pass unnoticed.
 
         Its fp32 casts, product and sum are the largest elementwise pass of a backward (~28 bytes
         of memory traffic per element in bf16: 1.9 GB per rank at 16K tokens, 32 heads of 128),
@@ -305,48 +264,32 @@ class Executor:
                       out=delta.narrow(2, a, b - a))
         return delta
 
-    @classmethod
-    def _delta_facts(cls, rank_plan: RankPlan, own_rows_made: bool) -> tuple:
-        """(the rows of this rank's delta to compute, None for all; the ``do`` buffers whose
-        delta is read): see :meth:`_delta_reads`."""
-        reads = cls._delta_reads(rank_plan, own_rows_made)
-        if not own_rows_made:
-            return None, reads
-        return union_intervals(seg for key, segs in rank_plan.backward_inputs.items() if key in reads
-                               for seg in segs), reads
-
-    @staticmethod
-    def _delta_reads(rank_plan: RankPlan, own_rows_made: bool) -> set[Key]:
-        """The ``do`` buffers whose delta something reads: those sent to another rank (its blocks
-        get a stand-in output made from delta), those a block reads without its rows' output --
-        every one when the kernel has no ``backward_rows`` (``own_rows_made`` False), else all
-        but this rank's own rows (the backward inputs, whose output is here) and RowStats'
-        results -- and the sources of copies into either, found walking the ops backwards."""
-        ops = rank_plan.ops("backward")
-        made = set(rank_plan.backward_inputs) if own_rows_made else set()
-        # an input buffer's name that a receive or copy makes again holds rows that are not this
-        # rank's own (no builder does this; a safe answer if one ever did)
-        made -= {t.key for op in ops if isinstance(op, Post) for t in op.recvs}
-        made -= {op.dst for op in ops if isinstance(op, Copy)}
-        made |= {op.dst for op in ops if isinstance(op, RowStats)} if own_rows_made else set()
-        reads: set[Key] = set()
-        for op in reversed(ops):
-            if isinstance(op, Post):
-                reads |= {t.key for t in op.sends if t.key.kind == "do"}
-            elif isinstance(op, AttendBackward) and op.do not in made:
-                reads.add(op.do)
-            elif isinstance(op, Copy) and op.dst in reads and op.src.kind == "do":
-                reads.add(op.src)
-        return reads
-
-    def _buffers(self, q: Tensor, k: Tensor, token_major: set[Key]) -> _Buffers:
+    def _buffers(self, q: Tensor, k: Tensor, v: Tensor, token_major: set[Key]) -> Buffers:
         b, h, _, d = q.shape
-        return _Buffers(self.plan, h, k.shape[1], b, d, q.dtype, q.device, token_major)
+        return Buffers(self.plan, h, k.shape[1], b, {"qk": d, "v": v.shape[-1]}, q.dtype, q.device, token_major)
 
-    def _inputs(self, bufs: _Buffers, table: dict, sources: dict, views: frozenset = frozenset()) -> None:
+    def _set_sink(self, offset: Tensor | None, dtype: torch.dtype) -> None:
+        self._sink = None if offset is None else offset.detach().to(accumulator_dtype(dtype))
+
+    def _finish_rows(self, key: Key, out: Tensor, lse: Tensor, rows) -> None:
+        """Rows ``rows`` (None: all) of the merged output ``key`` are final: add the sink (once per
+        row: each is finished once, by the end of the forward or the cast that sends it home),
+        sliced to the buffer's heads."""
+        if self._sink is None:
+            return
+        offset = self._sink[self._sink_heads(key)]
+        for a, _, n in _parts(rows, out.shape[2]):
+            apply_sink_(part_of(out, 2, a, n), part_of(lse, 2, a, n), offset)
+
+    def _sink_heads(self, key: Key) -> slice:
+        """The query heads buffer ``key`` holds (a Ulysses head slice), as the sink's index."""
+        heads = self.plan.head_range(key, self._sink.shape[0], 1)
+        return slice(None) if heads is None else slice(*heads)
+
+    def _inputs(self, bufs: Buffers, table: dict, sources: dict, views: frozenset = frozenset()) -> None:
         """Cut the rank plan's input buffers from the local tensors: one token range of all heads
         is a view; several ranges or one head slice are copied (once per distinct cut), except a
-        head slice in ``views`` (read by copies alone, :meth:`_copy_sources`): a view too."""
+        head slice in ``views`` (read by copies alone, :func:`_copy_sources`): a view too."""
         cuts: dict = {}
         for key, segs in table.items():
             ck = (key.kind, tuple(segs), key.heads, key in views)
@@ -356,7 +299,7 @@ class Executor:
             bufs.put(key, tensors, owned=False)
             bufs.read_only.add(key)
 
-    def _cut(self, bufs: _Buffers, key: Key, segs, tensors, view: bool = False) -> tuple[Tensor, ...]:
+    def _cut(self, bufs: Buffers, key: Key, segs, tensors, view: bool = False) -> tuple[Tensor, ...]:
         """The input buffer ``key``'s cut (token ranges ``segs``, its head slice) of the local
         ``tensors``: a view for one range of all heads (or of a head slice, with ``view``), else a
         copy."""
@@ -369,21 +312,8 @@ class Executor:
         copied = (heads is not None and not view) or len(segs) > 1
         return tuple(p.contiguous() if copied else p for p in parts)
 
-    @staticmethod
-    def _copy_sources(rank_plan: RankPlan, direction: str) -> frozenset:
-        """The input buffers of ``direction`` that only :class:`Copy` ops read (a Ulysses group
-        member's own head slice, copied into the group's tokens): cutting them as a contiguous
-        copy first would move their bytes twice. A buffer that is sent or that a block reads
-        stays contiguous (a send needs it; kernels read it many times)."""
-        inputs = rank_plan.forward_inputs if direction == "forward" else rank_plan.backward_inputs
-        ops = rank_plan.ops(direction)
-        others = {key for op in ops if type(op) is not Copy for key in op_keys(op)}
-        others |= {op.dst for op in ops if type(op) is Copy}  # a view must never be written into
-        copied = {op.src for op in ops if type(op) is Copy}
-        return frozenset(key for key in inputs if key in copied and key not in others)
-
     # -- the loop ----------------------------------------------------------------------------------
-    def _run(self, direction: str, bufs: _Buffers) -> None:
+    def _run(self, direction: str, bufs: Buffers) -> None:
         pending: dict[int, tuple[Work, list, list]] = {}
         handlers = self.HANDLERS
         first = self.plan.first_writes(self.comm.rank, direction)
@@ -398,21 +328,21 @@ class Executor:
         if pending:
             raise RuntimeError(f"plan left rounds {sorted(pending)} unwaited")
 
-    def _post(self, op: Post, bufs: _Buffers, pending) -> None:
+    def _post(self, op: Post, bufs: Buffers, pending) -> None:
         # a transport reads a send until its round completes: keep the (contiguous) tensors alive
         sends = [(t.peer, x if x.is_contiguous() else x.contiguous()) for t in op.sends for x in bufs.get(t.key)]
         arriving = [(t.key, bufs.alloc(t.key)) for t in op.recvs]
         recvs = [(t.peer, x) for t, (_, ts) in zip(op.recvs, arriving) for x in ts]
         pending[op.round] = (self.comm.start(sends, recvs), arriving, sends)
 
-    def _wait(self, op: Wait, bufs: _Buffers, pending) -> None:
+    def _wait(self, op: Wait, bufs: Buffers, pending) -> None:
         work, arriving, _ = pending.pop(op.round)
         with self.timer("wait"):
             work.wait()
         for key, tensors in arriving:
             bufs.put(key, tensors, owned=True)
 
-    def _kv(self, op, bufs: _Buffers) -> tuple[Tensor, Tensor, list[int]]:
+    def _kv(self, op, bufs: Buffers) -> tuple[Tensor, Tensor, list[int]]:
         parts = []
         for i, key in enumerate(op.kv):
             k, v = bufs.get(key)
@@ -423,20 +353,20 @@ class Executor:
         return (torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts], dim=2),
                 [p[0].shape[2] for p in parts])
 
-    def _created(self, bufs: _Buffers, key: Key) -> tuple[Tensor, ...]:
+    def _created(self, bufs: Buffers, key: Key) -> tuple[Tensor, ...]:
         """Accumulator ``key`` of a block or copy: where this op creates it, filled only in the rows
         the plan says no block or whole copy writes before they are read (``creation_fills``;
         all of them where the plan names none)."""
         return bufs.accumulator(key, rows=self._fills.get(key))
 
     @staticmethod
-    def _fill_unwritten(bufs: _Buffers, key: Key, fresh: list[list[int]]) -> None:
+    def _fill_unwritten(bufs: Buffers, key: Key, fresh: list[list[int]]) -> None:
         """Rows a block was to write first but whose kernel calls left them out (a masked block's
         rows without an allowed key in it): their initial values, as later ops add into them."""
         if fresh:
             bufs.fill(key, bufs.get(key), [tuple(f) for f in fresh])
 
-    def _attend(self, op: Attend, bufs: _Buffers, pending) -> None:
+    def _attend(self, op: Attend, bufs: Buffers, pending) -> None:
         (q,) = bufs.get(op.q)
         k, v, _ = self._kv(op, bufs)
         mask = block_mask(self.plan, op, q.device)
@@ -459,7 +389,7 @@ class Executor:
                             merge_partial_(dst_o, dst_l, src_o, src_l)
             self._fill_unwritten(bufs, op.out, fresh)
 
-    def _attend_backward(self, op: AttendBackward, bufs: _Buffers, pending) -> None:
+    def _attend_backward(self, op: AttendBackward, bufs: Buffers, pending) -> None:
         (q,) = bufs.get(op.q)
         dout, lse, delta = bufs.get(op.do)
         k, v, lengths = self._kv(op, bufs)
@@ -500,14 +430,14 @@ class Executor:
             for key, fresh in fresh_kv.items():
                 self._fill_unwritten(bufs, key, fresh)
 
-    def _merge(self, op: MergeOut, bufs: _Buffers, pending) -> None:
+    def _merge(self, op: MergeOut, bufs: Buffers, pending) -> None:
         src_out, src_lse = bufs.get(op.src)
         out, lse = bufs.accumulator(op.dst)
         for a, pos, n in _parts(op.into, out.shape[2]):
             merge_partial_(part_of(out, 2, a, n), part_of(lse, 2, a, n), part_of(src_out, 2, pos, n),
                            part_of(src_lse, 2, pos, n))
 
-    def _add(self, op: AddGrad, bufs: _Buffers, pending) -> None:
+    def _add(self, op: AddGrad, bufs: Buffers, pending) -> None:
         src, dst = bufs.get(op.src), bufs.accumulator(op.dst)
         for d, s in zip(dst, src):
             if op.heads is not None:
@@ -515,8 +445,10 @@ class Executor:
             for a, pos, n in _parts(op.into, d.shape[2]):
                 part_of(d, 2, a, n).add_(part_of(s, 2, pos, n))
 
-    def _copy(self, op: Copy, bufs: _Buffers, pending) -> None:
+    def _copy(self, op: Copy, bufs: Buffers, pending) -> None:
         src, dst = bufs.get(op.src), self._created(bufs, op.dst)
+        if op.src.kind == "o" and op.dst.kind == "y":  # these rows are finished (a Ulysses group's output)
+            self._finish_rows(op.src, *src, op.rows)
         # range by range: gathering the source rows first (_take) would copy them twice
         rows = list(_parts(op.rows, src[0].shape[2]))
         for d, s in zip(dst, src):  # a cast to a finished kind keeps the leading tensors (out, not lse)
@@ -526,7 +458,7 @@ class Executor:
                 for start, off, m in _overlaps(rows, pos, pos + n):
                     part_of(d, 2, a + off, m).copy_(part_of(s, 2, start, m))
 
-    def _rowstats(self, op: RowStats, bufs: _Buffers, pending) -> None:
+    def _rowstats(self, op: RowStats, bufs: Buffers, pending) -> None:
         (dout,) = bufs.get(op.dout)
         out, lse = bufs.get(op.out)
         d_out, d_lse, d_delta = bufs.accumulator(op.dst, filled=op.rows is not None)
@@ -539,13 +471,17 @@ class Executor:
                 torch.sum(part_of(dout, 2, a, n).to(acc) * o.to(acc), dim=-1, out=part_of(d_delta, 2, a, n))
             else:  # nothing reads these rows' delta (:meth:`_delta`): the kernel takes their output
                 part_of(d_delta, 2, a, n).fill_(float("nan"))
+            if self.offset_grad is not None:  # rows this rank finished in the forward (its group's head slice)
+                heads = self._sink_heads(op.dst)
+                add_sink_grad_(self.offset_grad[heads], part_of(dout, 2, a, n), o, part_of(lse, 2, a, n),
+                               self._sink[heads])
         make = self.backward_rows
         if make is not None:  # these rows' output is here: the kernel may take it instead of a stand-in
             # (``out`` is a saved forward buffer: never recycled while the backward runs); the
             # rows of a later RowStats make it again
             bufs.derived[op.dst] = make(d_out, d_lse, d_delta, out=out)
 
-    def _free(self, op: Free, bufs: _Buffers, pending) -> None:
+    def _free(self, op: Free, bufs: Buffers, pending) -> None:
         bufs.free(op.key)
 
     HANDLERS = {Post: _post, Wait: _wait, Attend: _attend, AttendBackward: _attend_backward, MergeOut: _merge,

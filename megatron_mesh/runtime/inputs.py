@@ -4,7 +4,8 @@ the mask + layout of one call (errors name the value and what is allowed).
 Worked example: q [8, 2, 4, 16] and k/v [8, 2, 2, 16] on 4 ranks are a GQA problem of 8 tokens per
 rank (two zigzag halves of 4), batch 2, 4 query heads over 2 KV heads of 16: ``attention_shape``
 returns AttentionShape(seq_local=8, batch=2, heads=4, kv_heads=2, head_dim=16); q [7, ...] raises
-(s_local must be even).
+(s_local must be even); v [8, 2, 2, 12] gives values (and the output) of head dim 12
+(``v_head_dim=12``, MLA's kind).
 """
 
 from __future__ import annotations
@@ -38,11 +39,12 @@ def attention_shape(q: Tensor, k: Tensor, v: Tensor) -> AttentionShape:
                              f"got shape {tuple(x.shape)}")
         if 0 in x.shape[1:]:
             raise ValueError(f"{name} must have batch, heads and head_dim >= 1, got shape {tuple(x.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:  # the head dims may differ (MLA: 192 for q and k, 128 for v)
+        raise ValueError(f"k and v must agree in s_local, batch and kv heads, got k {tuple(k.shape)} and v "
+                         f"{tuple(v.shape)}")
     s, b, h, d = q.shape
     if (k.shape[0], k.shape[1], k.shape[3]) != (s, b, d):
-        raise ValueError(f"q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree in s_local, batch and head_dim")
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in s_local, batch and head_dim")
     if h % k.shape[2]:
         raise ValueError(f"query heads ({h}) must be divisible by kv heads ({k.shape[2]}) "
                          "for grouped-query / multi-query attention")
@@ -55,7 +57,8 @@ def attention_shape(q: Tensor, k: Tensor, v: Tensor) -> AttentionShape:
     if s % 2 or s == 0:
         raise ValueError(f"s_local ({s}) must be even and > 0: each rank holds two equal zigzag halves "
                          "(the global sequence must be divisible by 2 * CP size)")
-    return AttentionShape(seq_local=s, batch=b, heads=h, kv_heads=k.shape[2], head_dim=d, itemsize=q.element_size())
+    return AttentionShape(seq_local=s, batch=b, heads=h, kv_heads=k.shape[2], head_dim=d, itemsize=q.element_size(),
+                          v_head_dim=v.shape[3])
 
 
 def check_scale(softmax_scale) -> float | None:

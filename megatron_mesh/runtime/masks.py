@@ -25,7 +25,6 @@ first, which follow each other, are one call: 15 kernel calls.
 from __future__ import annotations
 
 import os
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -44,9 +43,6 @@ PIECE_ENV = "MEGATRON_MESH_MASK_PIECE"
 
 def mask_piece(device: torch.device) -> int:
     """Tokens per side of a mask piece on ``device`` (``MEGATRON_MESH_MASK_PIECE`` overrides)."""
-    if os.environ.get("MEGATRON_MESH_MASK_TILE"):
-        raise ValueError(f"MEGATRON_MESH_MASK_TILE was renamed {PIECE_ENV} (a mask piece is not a Mesh tile); "
-                         "set that instead")
     env = os.environ.get(PIECE_ENV)
     if env:
         try:
@@ -81,9 +77,6 @@ class PiecedMask:
         return [tuple(self.pieces[i] for i in g) for g in call_groups(cut, kernel_calls)]
 
 
-_CACHE: "weakref.WeakKeyDictionary[Plan, dict]" = weakref.WeakKeyDictionary()
-
-
 def _positions(runs, device) -> torch.Tensor:
     return torch.cat([torch.arange(a, a + n, device=device) for a, n in runs]) if runs else \
         torch.empty(0, dtype=torch.long, device=device)
@@ -96,25 +89,21 @@ def block_mask(plan: Plan, op, device: torch.device, piece: int | None = None) -
         return FULL
     if op.mask == BlockKind.CAUSAL:
         return CAUSAL
-    per_plan = _CACHE.get(plan)
-    if per_plan is None:
-        per_plan = _CACHE[plan] = {}
     piece = mask_piece(device) if piece is None else piece
-    ck = (op.q, op.rows, op.kv, op.cols, device, piece)
-    m = per_plan.get(ck)
-    if m is None and device.type == "meta":  # shapes only: made on the CPU, where its values exist
-        m = per_plan[ck] = _on(block_mask(plan, op, torch.device("cpu"), piece), device)
-    if m is None:
-        q_runs = tuple(plan.positions(op.q, op.rows))
-        k_runs = tuple(run for i, k in enumerate(op.kv) for run in plan.positions(k, op.col(i)))
-        sq, sk = sum(n for _, n in q_runs), sum(n for _, n in k_runs)
-        cut = mask_pieces(plan.mask, q_runs, k_runs, piece)  # the calls the simulator prices
-        if cut == [(BlockKind.MASKED, (0, sq), (0, sk))]:
-            m = BlockMask(BlockKind.MASKED, plan.mask.allowed(_positions(q_runs, device), _positions(k_runs, device)))
-        else:
-            m = _pieced(plan.mask, q_runs, k_runs, piece, device, cut)
-        per_plan[ck] = m
-    return m
+    return plan.memo(("block mask", op.q, op.rows, op.kv, op.cols, device, piece),
+                     lambda: _block_mask(plan, op, device, piece))  # once per plan, block and device
+
+
+def _block_mask(plan: Plan, op, device: torch.device, piece: int) -> "BlockMask | PiecedMask":
+    if device.type == "meta":  # shapes only: made on the CPU, where its values exist
+        return _on(block_mask(plan, op, torch.device("cpu"), piece), device)
+    q_runs = tuple(plan.positions(op.q, op.rows))
+    k_runs = tuple(run for i, k in enumerate(op.kv) for run in plan.positions(k, op.col(i)))
+    sq, sk = sum(n for _, n in q_runs), sum(n for _, n in k_runs)
+    cut = mask_pieces(plan.mask, q_runs, k_runs, piece)  # the calls the simulator prices
+    if cut == [(BlockKind.MASKED, (0, sq), (0, sk))]:
+        return BlockMask(BlockKind.MASKED, plan.mask.allowed(_positions(q_runs, device), _positions(k_runs, device)))
+    return _pieced(plan.mask, q_runs, k_runs, piece, device, cut)
 
 
 def _on(m: "BlockMask | PiecedMask", device: torch.device) -> "BlockMask | PiecedMask":
@@ -229,8 +218,8 @@ def block_forward(kernel: BlockKernel, q: Tensor, k: Tensor, v: Tensor, mask, sc
     """(out, lse) of one block: one kernel call, or its calls' partials merged in ``acc_dtype``."""
     if not isinstance(mask, PiecedMask):
         return kernel.forward(q, k, v, mask=mask, scale=scale)
-    b, h, sq, d = q.shape
-    out = torch.zeros(b, h, sq, d, dtype=acc_dtype, device=q.device)
+    b, h, sq = q.shape[:3]
+    out = torch.zeros(b, h, sq, v.shape[-1], dtype=acc_dtype, device=q.device)
     lse = torch.full((b, h, sq), float("-inf"), dtype=acc_dtype, device=q.device)
     for r0, r1, o, l in forward_partials(kernel, q, k, v, mask, scale, kernel_calls):
         merge_partial_(out[:, :, r0:r1], lse[:, :, r0:r1], o, l)

@@ -58,11 +58,11 @@ def layout_unshard(chunks: list[Tensor], layout: Layout, dim: int = 0) -> Tensor
         raise ValueError(f"the ranks' chunks must have one dtype, got {[str(c.dtype) for c in chunks]}")
     if len({c.device for c in chunks}) > 1:  # gathered from ranks: move them to one device first
         raise ValueError(f"the ranks' chunks must be on one device, got {[str(c.device) for c in chunks]}")
-    pieces = []
+    parts = []
     for r, c in enumerate(chunks):
         for local, start, n in layout.runs(r):
-            pieces.append((start, c.narrow(dim, local, n)))
-    return torch.cat([p for _, p in sorted(pieces, key=lambda t: t[0])], dim=dim)
+            parts.append((start, c.narrow(dim, local, n)))
+    return torch.cat([p for _, p in sorted(parts, key=lambda t: t[0])], dim=dim)
 
 
 def _check_dim(x, dim: int, name: str) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 
-from .runs import RunResult, imbalance, mean_time, timed_iterations
+from .runs import RunResult, imbalance, mean_time, timed_iterations, timed_steps
 
 __all__ = ["FIGURES", "DEVIATION_FLOOR", "loss_figure", "measure_figure", "ranks_figure", "heatmap_figure",
            "write_figures", "loss_fig", "measure_fig", "ranks_fig", "heatmap_fig", "MEASURES"]
@@ -34,10 +34,12 @@ DPI = 110
 DEVIATION_FLOOR = 1e-12
 # measure -> (file name, y label ({unit}: see _unit), value of a run, kind of unit, CP 1 runs drawn)
 MEASURES = {
-    "bytes": ("bytes.png", "attention bytes sent\nper rank per step ({unit})", lambda r: r.bytes_per_step, "bytes",
-              False),  # CP 1 sends nothing: no bar
+    # bytes and memory: the busiest rank's (RunResult's max over ranks)
+    "bytes": ("bytes.png", "attention bytes sent per step\nby the busiest rank ({unit})", lambda r: r.bytes_per_step,
+              "bytes", False),  # CP 1 sends nothing: no bar
     "time": ("time.png", "time per iteration ({unit})", mean_time, "ms", True),
-    "memory": ("memory.png", "peak memory per rank ({unit})", lambda r: r.peak_memory, "bytes", True),
+    "memory": ("memory.png", "peak memory, the largest\nof the ranks ({unit})", lambda r: r.peak_memory, "bytes",
+               True),
 }
 
 
@@ -192,13 +194,9 @@ def measure_fig(runs: list[RunResult], measure: str, baseline: str | None = "bas
             ax.errorbar(xs, ys, yerr=[[y - lo for y, (lo, _) in zip(ys, spans)], [hi - y for y, (_, hi) in zip(ys, spans)]],
                         fmt="none", ecolor="black", elinewidth=0.8, capsize=2)
     if measure == "time":
-        counts = sorted({len(timed_iterations(r)) for r in runs if r.ok and r.times_ms})
-        warm_up = all(len(r.times_ms) > 1 for r in runs if r.ok and r.times_ms)  # one iteration: it is the one timed
         # three short lines: the title stays clear of the legend beside the plot
-        ax.set_title(f"mean of {'/'.join(map(str, counts))} iteration{'s' if counts != [1] else ''}"
-                     f"{' (the first left out)' if warm_up else ''}, whiskers: min-max;\ndifferences inside the "
-                     "whiskers are noise; on CPU the ranks share\nthe cores, so these times say nothing of GPU speed",
-                     fontsize=8)
+        ax.set_title(f"{_timed_text(runs)}, whiskers: min-max;\ndifferences inside the whiskers are noise; on CPU "
+                     "the ranks share\nthe cores, so these times say nothing of GPU speed", fontsize=8)
     elif measure == "memory" and "max RSS" in kinds:
         ax.set_title("max RSS per process: mostly torch and Megatron themselves, not attention buffers", fontsize=8)
     ax.set_xticks(range(len(masks)), [f"mask: {m}" for m in masks])
@@ -208,6 +206,21 @@ def measure_fig(runs: list[RunResult], measure: str, baseline: str | None = "bas
     ax.set_axisbelow(True)
     fig.legend(loc="outside right upper", title="mode")
     return fig
+
+
+def _timed_text(runs: list[RunResult]) -> str:
+    """Which iterations the time bars are: "time of iteration 2 (the first left out)" (a job of
+    two), "mean of iterations 2-10 (the first left out)", runs of different lengths joined by "/"."""
+    spans = sorted({(s[0], s[-1], len(s), len(r.times_ms) > 1) for r in runs if r.ok and r.times_ms
+                    for s in [timed_steps(r)]})
+    if not spans:
+        return "no iteration timed"
+    text = "/".join(str(a) if n == 1 else f"{a}-{b}" for a, b, n, _ in spans)
+    one = all(n == 1 for _, _, n, _ in spans)
+    warm_up = {w for *_, w in spans}
+    why = {frozenset({True}): "the first left out", frozenset({False}): "the only one"}.get(
+        frozenset(warm_up), "the first left out where there are others")
+    return f"{'time of iteration' if one else 'mean of iterations'} {text} ({why})"
 
 
 def measure_figure(runs: list[RunResult], out_dir: str, measure: str, baseline: str | None = "baseline") -> list[str]:

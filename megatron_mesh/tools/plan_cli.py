@@ -47,6 +47,7 @@ import math
 import random
 
 from ..plan.autotile import TIE_RULE
+from ..plan.bound import BUDGET, placement_bound, query_owner_bound
 from ..plan.layout import layout_from_text
 from ..plan.mask import Mask
 from ..plan.mesh import BACKWARD_CHUNKS
@@ -61,6 +62,7 @@ from .planner import (AUTO, FORMULAS, LAYOUTS, REGISTRY, ModeResult, all_modes, 
 
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 PLOT_CP = "8,16,32,64,128,256,512,1024"  # --plot's CP sizes unless --plot-cp says
+MAX_SAMPLES = 10_000  # --samples: each sample plans every row again, and its rows are kept for the mean
 # the lines of --plot (one per mode: rows with one placement per CP size)
 PLOT_MODES = ("ring", "mesh-auto", "tasp", "a2a+mesh-auto", "usp", "ulysses")
 
@@ -83,14 +85,15 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--cp", type=int, default=8, help="context-parallel size P")
     g.add_argument("--heads", type=int, default=32, help="query heads H")
     g.add_argument("--kv-heads", type=int, default=None, help="key/value heads G (default: H, i.e. MHA)")
-    g.add_argument("--head-dim", type=int, default=128, help="head dimension D")
+    g.add_argument("--head-dim", type=int, default=128, help="head dimension D (of queries and keys)")
+    g.add_argument("--v-head-dim", type=int, default=None, help="value head dimension (default: D; MLA: e.g. 128)")
     g.add_argument("--seq-len", type=int, default=131072, help="global sequence length S (divisible by 2P)")
     g.add_argument("--batch", type=int, default=1, help="micro-batch size")
     g.add_argument("--dtype", choices=sorted(ITEMSIZE), default="bf16", help="activation dtype of q, k, v")
     g.add_argument("--no-causal", dest="causal", action="store_false", help="full (non-causal) attention (default: causal)")
     g.add_argument("--backward-chunks", choices=BACKWARD_CHUNKS, default="auto",
                    help="re-communicate Q/KV chunks in the backward ('refetch'), keep them from the forward ('keep'), "
-                        "or keep them where a mask-aware plan's pieces are at most a rank's own Q, K, V ('auto'; "
+                        "or keep them where a mask-aware plan's pulled tokens are at most a rank's own Q, K, V ('auto'; "
                         "dense plans refetch; TE's rows always refetch, as TE does)")
     g.add_argument("--schedule", choices=("greedy", "lockstep"), default="greedy", help="Mesh intra-tile schedule")
     g.add_argument("--modes", default=",".join(default_modes()), help="comma-separated subset of "
@@ -110,14 +113,15 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--samples", type=int, default=1, metavar="N",
                    help="plan N samples of --docs lognormal (seeds --seed .. --seed+N-1) and give each row's mean "
                         "over them (buffer memory: the largest; 'time max': the slowest sample): what a run over "
-                        "many such samples can expect, where one sample can mislead; not with --explain")
+                        f"many such samples can expect, where one sample can mislead; at most {MAX_SAMPLES:,}; not "
+                        "with --explain")
     g.add_argument("--layout", default=None, choices=LAYOUTS + ("all",),
-                   help="the sequence layout under --docs: Megatron's zigzag, Transformer Engine's THD (each document "
-                        "padded to 2 x CP; TE's own p2p and a2a+p2p on it too), the plugin's balanced layout, the "
-                        "same with the Ulysses groups' first and last documents set apart (balanced-hide: the "
-                        "hybrids only), or all side by side (above 64 ranks the plugin's modes are not planned on THD "
-                        "then, too many pieces: --layout thd plans them) (default: all with --docs, zigzag without: "
-                        "the other layouts place documents)")
+                   help="the sequence layout under --docs: Megatron's zigzag, TE's THD (documents padded to 2 x CP; "
+                        "TE's p2p and a2a+p2p too), the balanced layout, balanced-hide (its Ulysses groups' first and "
+                        "last documents set apart: the hybrids only), auto (Megatron's default: per mode the zigzag's "
+                        "or the balanced row, as --cp-layout auto picks), or all side by side (not THD above 64 ranks: "
+                        "--layout thd plans it) (default: all with --docs, zigzag without: the other layouts place "
+                        "documents)")
     g.add_argument("--layout-file", default=None, metavar="F",
                    help="also plan the layout in F for the same --docs and --seed (one sample; its text line, as "
                         "scripts/search_layout.py --out writes it), as the rows of layout 'file'; no Megatron flag "
@@ -138,9 +142,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="also say where the fastest plan's time goes (per layout): on its slowest rank, FLOPs, "
                         "kernel launches, fp32 accumulation, copies, merges and exposed communication, with the "
                         "rounds it waits for (JSON: every row's 'breakdown'); one sample's plans, so not with --samples N > 1")
-    o.add_argument("--plot", metavar="FILE.png",
-                   help="also draw bytes, time and time relative to ring versus CP size (unmasked: not with "
-                        "--window or --docs)")
+    o.add_argument("--plot", metavar="FILE.png", help="also draw bytes, time and time relative to ring versus CP "
+                   "size (unmasked: not with --window or --docs)")
     o.add_argument("--plot-cp", default=None, help=f"CP sizes of the plot (with --plot; default {PLOT_CP})")
     o.add_argument("--plan-budget", type=float, default=BUDGET_S, metavar="S",
                    help="with --docs or --window, plan the rows whose estimated planning time fits in S seconds (one "
@@ -179,16 +182,16 @@ def _topology(args, world_size: int) -> Topology:
 
 
 def _shape(args, world_size: int) -> AttentionShape:
-    if world_size < 1:
-        raise ValueError(f"--cp must be >= 1, got {world_size}")
-    if args.seq_len < 1:
-        raise ValueError(f"--seq-len must be >= 1, got {args.seq_len}")
+    kv, dv = (x if x is not None else y for x, y in ((args.kv_heads, args.heads), (args.v_head_dim, args.head_dim)))
+    for flag, value in (("--cp", world_size), ("--seq-len", args.seq_len), ("--heads", args.heads), ("--kv-heads", kv),
+                        ("--head-dim", args.head_dim), ("--v-head-dim", dv), ("--batch", args.batch)):
+        if value < 1:  # named by its flag, not by the shape's field
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     if args.seq_len % (2 * world_size):
         raise ValueError(f"--seq-len {args.seq_len} must be divisible by 2 * CP size = {2 * world_size} "
                          "(Megatron's zigzag layout cuts the sequence into 2P halves)")
-    kv = args.kv_heads if args.kv_heads is not None else args.heads
     return AttentionShape(seq_local=args.seq_len // world_size, batch=args.batch, heads=args.heads, kv_heads=kv,
-                          head_dim=args.head_dim, itemsize=ITEMSIZE[args.dtype])
+                          head_dim=args.head_dim, itemsize=ITEMSIZE[args.dtype], v_head_dim=dv)
 
 
 def window_of(text: str, causal: bool, full_flag: str = "--no-causal") -> tuple[int, int | None]:
@@ -306,7 +309,7 @@ def _modes(text: str) -> tuple[str, ...]:
     return modes
 
 
-def _table(rows: list[ModeResult], skipped: list[dict], floor: float | None = None) -> str:
+def _table(rows: list[ModeResult], skipped: list[dict], floor: float | None = None, bound: float | None = None) -> str:
     ring = next((r for r in rows if r.mode == REFERENCE_MODE), None)
     work = any("forward_work_max_over_mean" in r.extra for r in rows)
     sampled = any("time_s_max" in r.extra for r in rows)  # rows averaged over samples (mean_rows)
@@ -315,7 +318,7 @@ def _table(rows: list[ModeResult], skipped: list[dict], floor: float | None = No
         ["mode", "a2a", "tile", "order", "bytes max", "vs ring", "intra mean", "inter mean", "inter max", "rounds",
          "peak buf", "fwd ms", "bwd ms", "time ms"] + (["time max"] if sampled else []) + \
         ["exposed ms", "speedup"] + (["work max/mean"] if work else []) + \
-        (["x floor"] if floor else [])
+        (["x floor"] if floor else []) + (["x bound"] if bound else [])
     lines = [head]
     for r in rows:
         tile = f"{r.tile[0]}x{r.tile[1]}" if r.tile else "-"
@@ -333,6 +336,8 @@ def _table(rows: list[ModeResult], skipped: list[dict], floor: float | None = No
             row.append("-" if w is None else f"{w:.2f}")
         if floor:
             row.append(f"{r.time_s / floor:.2f}")
+        if bound:  # the busiest rank's bytes over the sample's query-owner bound (plan/bound.py)
+            row.append(f"{r.bytes_per_rank / bound:.2f}")
         lines.append(row)
     widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
     left = 4 + layouts
@@ -364,7 +369,8 @@ def _row_name(r: ModeResult) -> str:
 
 # the Megatron flag that puts the tokens in each planned layout (docs/megatron.md)
 MEGATRON_LAYOUT_FLAGS = {"zigzag": "--cp-layout zigzag", "balanced": "--cp-layout balanced",
-                         "balanced-hide": "--cp-layout balanced-hide", "thd": "--cp-thd-packing"}
+                         "balanced-hide": "--cp-layout balanced-hide", "auto": "--cp-layout auto",
+                         "thd": "--cp-thd-packing"}
 
 
 def megatron_flags(r: ModeResult, world_size: int) -> str | None:
@@ -402,14 +408,17 @@ def _best(rows: list[ModeResult], floor: float | None = None, world_size: int | 
             f"fewest bytes sent by the busiest rank: {_row_name(light)}, {mean}{format_bytes(light.bytes_per_rank)}")
 
 
-def _header(args, world_size: int, shape: AttentionShape, topo: Topology, mask: Mask | None = None) -> str:
+def _header(args, world_size: int, shape: AttentionShape, topo: Topology, mask: Mask | None = None,
+            layouts: tuple[str, ...] = ("zigzag",)) -> str:
     what = mask.text() if mask is not None else ("causal" if args.causal else "full")
     if mask is not None and mask.documents is not None:
         lens = [b - a for a, b in mask.documents]
         what = what.split(",docs=")[0] + f", {len(lens)} documents of mean {sum(lens) / len(lens):,.0f} tokens"
+        if len(layouts) == 1:  # the table has a layout column only when it compares several
+            what += f"; every row on the {layouts[0]} layout"
     return (f"CP {world_size} on {topo.nodes_used(world_size)} node(s) x {topo.gpus_per_node} GPUs; sequence "
             f"{args.seq_len:,} tokens ({shape.seq_local:,} per rank), batch {shape.batch}, heads {shape.heads}/"
-            f"{shape.kv_heads}, head dim {shape.head_dim}, {args.dtype}, {what}\n"
+            f"{shape.kv_heads}, {shape.dims_text}, {args.dtype}, {what}\n"
             f"machine: {topo.describe()}\n"
             "bytes: sent per rank, forward + backward, one attention layer -- 'max': the busiest rank's, 'mean': the "
             "mean over the ranks (intra mean + inter mean = the mean rank's bytes, at most bytes max); time: "
@@ -524,7 +533,7 @@ def _plot(args, modes: tuple[str, ...], path: str, sizes: list[int], pool) -> No
     import matplotlib.pyplot as plt
 
     kv = args.kv_heads if args.kv_heads is not None else args.heads
-    title = (f"S = {args.seq_len:,} tokens, heads {args.heads}/{kv}, head dim {args.head_dim}, {args.dtype}, "
+    title = (f"S = {args.seq_len:,} tokens, heads {args.heads}/{kv}, {_shape(args, 1).dims_text}, {args.dtype}, "
              f"{'causal' if args.causal else 'full'}, one attention layer (megatron-mesh-plan)")
     fig = plot_fig(_plot_series(args, modes, sizes, pool), title, args.gpus_per_node)
     try:
@@ -568,6 +577,9 @@ def _seeds(args) -> list[int]:
     n = args.samples
     if n < 1:
         raise ValueError(f"--samples {n}: must be >= 1")
+    if n > MAX_SAMPLES:
+        raise ValueError(f"--samples {n}: at most {MAX_SAMPLES:,} (each sample plans every row again, and its rows are "
+                         "kept for the mean)")
     if n > 1:
         if not _random_docs(args.docs):
             raise ValueError(f"--samples {n} draws --docs with seeds {args.seed}..{args.seed + n - 1}: give --docs a "
@@ -579,10 +591,12 @@ def _seeds(args) -> list[int]:
 
 
 def _plan_sample(args, modes, shape: AttentionShape, topo: Topology, mask: Mask | None, seed: int, layouts,
-                 pool, file_layout=None, budget: Budget | None = None) -> tuple[list[ModeResult], list[dict], float | None]:
-    """The rows, the rows left out and the compute floor of one sample of --docs (seed ``seed``), and
-    the rows of ``file_layout`` (--layout-file) as layout "file"; ``budget``: this sample's share
-    of --plan-budget (the layout file's rows get a part of it as one more layout)."""
+                 pool, file_layout=None, budget: Budget | None = None
+                 ) -> tuple[list[ModeResult], list[dict], float | None, tuple | None]:
+    """The rows, the rows left out, the compute floor and the bounds on the busiest rank's bytes
+    (:func:`_bounds`) of one sample of --docs (seed ``seed``), and the rows of ``file_layout``
+    (--layout-file) as layout "file"; ``budget``: this sample's share of --plan-budget (the layout
+    file's rows get a part of it as one more layout)."""
     part = None if budget is None else budget.portion(2) if file_layout is not None else budget
     docs = None if args.docs is None else document_bounds(args.docs, args.seq_len, seed)
     # the mask's window, None for none: the layouts that place the documents take it apart from them
@@ -605,7 +619,39 @@ def _plan_sample(args, modes, shape: AttentionShape, topo: Topology, mask: Mask 
         skipped = skipped + [{**s, "mode": f"{s['mode']} (file)"} for s in skip]
     # the documents as given (one document over the whole sequence is plain causal)
     floor = None if docs is None else compute_floor(allowed_pairs(docs, args.causal, mask.window), args.cp, shape, topo)
-    return rows, skipped, floor
+    return rows, skipped, floor, _bounds(args, docs, window, shape)
+
+
+def _mean_samples(planned) -> tuple:
+    """Several samples' (rows, skipped, floor, bounds) as one: each row's mean over the samples
+    (:func:`mean_rows`), per row left out the first sample's reason (they differ in counts only)
+    and what some sample could not plan, the mean floor and bounds."""
+    rows, missing = mean_rows([r for r, _, _, _ in planned])
+    first: dict[str, dict] = {}
+    for _, skipped, _, _ in planned:
+        for x in skipped:
+            first.setdefault(x["mode"], x)
+    n = len(planned)
+    bounds = None if planned[0][3] is None else tuple(sum(p[3][i] for p in planned) / n for i in range(3))
+    return rows, list(first.values()) + missing, sum(p[2] for p in planned) / n, bounds
+
+
+def _bounds_line(bounds, samples: int) -> str:
+    """The sample's bounds on the busiest rank's bytes, as the planner prints them."""
+    return (f"busiest rank's bytes, lower bounds (plan/bound.py, work at most {BUDGET}x the mean): "
+            f"{format_bytes(bounds[0])} when every pair is computed by its query's owner ('x bound'; "
+            f"b max(sqrt(L^2 - 2B), L - T): {format_bytes(bounds[1])}), {format_bytes(bounds[2])} wherever blocks "
+            "are computed" + ("; the means over the samples" if samples > 1 else "") + "\n")
+
+
+def _bounds(args, docs, window, shape: AttentionShape) -> tuple[float, float, float] | None:
+    """(query-owner bound, its b x max(sqrt(L^2 - 2B), L - T) form, any-placement bound) on the
+    busiest rank's bytes (:mod:`megatron_mesh.plan.bound`), for causal documents without a
+    window and one sample per batch (None otherwise: the bounds are derived for that case)."""
+    if docs is None or not args.causal or window is not None or shape.batch != 1:
+        return None
+    q = query_owner_bound(docs, args.cp, shape)
+    return q.bytes, q.simple, placement_bound(docs, args.cp, shape).bytes
 
 
 def read_layout_file(path: str, world_size: int, documents, world_flag: str = "--cp"):
@@ -689,15 +735,7 @@ def _main(args) -> int:
             planned = [_plan_sample(args, modes, shape, topo, mask if seed == args.seed else _mask(args, seed), seed,
                                     layouts, pool, file_layout, budget.portion(len(seeds) - k))
                        for k, seed in enumerate(seeds)]
-            rows, skipped, floor = planned[0]
-            if len(planned) > 1:  # the mean over the samples; what any sample could not plan
-                rows, missing = mean_rows([r for r, _, _ in planned])
-                first: dict[str, dict] = {}  # per row, the first sample's reason (they differ in counts only)
-                for _, sk, _ in planned:
-                    for x in sk:
-                        first.setdefault(x["mode"], x)
-                skipped = list(first.values()) + missing
-                floor = sum(f for _, _, f in planned) / len(planned)
+            rows, skipped, floor, bounds = planned[0] if len(planned) == 1 else _mean_samples(planned)
             elapsed = time.perf_counter() - start
             plot_s = None  # the plot plans every CP size again and draws: often longer than the table
             if args.plot:
@@ -719,10 +757,12 @@ def _main(args) -> int:
                           "problem": {"cp": args.cp, "seq_len": args.seq_len, **vars(shape), "causal": args.causal,
                                       "mask": mask.text() if mask is not None else None},
                           "topology": {k: v for k, v in vars(topo).items() if k != "node_of"},
-                          "compute_floor_s": floor, "samples": len(seeds), "seeds": seeds if args.docs else None,
+                          "compute_floor_s": floor, "bounds": None if bounds is None else dict(
+                              zip(("query_owner_bytes", "query_owner_simple_bytes", "any_placement_bytes"), bounds)),
+                          "samples": len(seeds), "seeds": seeds if args.docs else None,
                           "planner_seconds": elapsed, "plot_seconds": plot_s}, indent=1))
     else:
-        print(_header(args, args.cp, shape, topo, mask))
+        print(_header(args, args.cp, shape, topo, mask, layouts))
         if len(seeds) > 1:
             print(f"samples: {len(seeds)} of --docs {args.docs} (--seed {seeds[0]}..{seeds[-1]}); every number is the "
                   "mean over them (buffer memory: the largest; time max: the slowest sample); the documents above "
@@ -731,7 +771,9 @@ def _main(args) -> int:
             print(f"compute floor: {floor * 1e3:.2f} ms (every allowed pair spread evenly over the ranks, forward + "
                   f"{BACKWARD_FLOPS}x backward at {topo.attention_flops / 1e12:g} TFLOP/s; no communication, no "
                   "kernel launches" + ("; the mean over the samples" if len(seeds) > 1 else "") + ")\n")
-        print(_table(rows, skipped, floor))
+        if bounds:
+            print(_bounds_line(bounds, len(seeds)))
+        print(_table(rows, skipped, floor, bounds[0] if bounds else None))
         best = _best(rows, floor, args.cp)
         if best:
             print("\n" + best)

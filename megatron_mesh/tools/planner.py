@@ -39,6 +39,7 @@ from functools import lru_cache, partial
 from ..plan.accounting import owner_work, rank_work
 from ..plan.autotile import TIE_RULE, TIME_TOLERANCE, Candidate, evaluate_plan, pick_best
 from ..plan.balance import balanced_layout, document_work
+from ..plan.costs import pair_flops
 from ..plan.hybrid import build_hybrid_plan
 from ..plan.layout import ThdLayout
 from ..plan.mask import Mask
@@ -47,8 +48,9 @@ from ..plan.modes import MODES as REGISTRY, Placement
 from ..plan.modes.hybrid import HybridMode
 from ..plan.problem import normalize
 from ..plan.shape import AttentionShape
-from ..plan.simulate import BACKWARD_FLOPS, simulate, time_breakdown
+from ..plan.simulate import simulate, time_breakdown
 from ..plan.topology import Topology
+from .default_layout import AUTO_LAYOUT, auto_rows
 from .plan_budget import BUDGET_REASON, LATE_REASON, Budget, Rows, balanced_size, problem_size, set_planning_gc
 
 __all__ = ["all_modes", "default_modes", "derived_modes", "ModeResult", "evaluate", "plan_modes", "ulysses_result",
@@ -207,10 +209,10 @@ class _AllToAlls:
 
     @classmethod
     def price(cls, world_size: int, u: int, shape: AttentionShape, kv_heads: int, topo: Topology) -> "_AllToAlls":
-        e, B, n, D = shape.itemsize, shape.batch, shape.seq_local, shape.head_dim
-        q, kv = B * n * shape.heads * D * e, 2 * B * n * kv_heads * D * e
+        e, B, n, D, Dv = shape.itemsize, shape.batch, shape.seq_local, shape.head_dim, shape.v_head_dim
+        q, kv, out = B * n * shape.heads * D * e, B * n * kv_heads * (D + Dv) * e, B * n * shape.heads * Dv * e
         acc = cls(local=q + kv)
-        for direction, sizes in (("forward", (q + kv, q)), ("backward", (q, q + kv))):
+        for direction, sizes in (("forward", (q + kv, out)), ("backward", (out, q + kv))):
             acc.time[direction] = 0.0
             for nbytes in sizes:
                 i, x, mx, dt = _a2a(world_size, u, nbytes, topo)
@@ -222,7 +224,7 @@ class _AllToAlls:
 
 def _attention_time(seq_len: int, heads: int, shape: AttentionShape, topo: Topology, causal: bool) -> float:
     pairs = seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
-    return 4.0 * shape.batch * heads * shape.head_dim * pairs / topo.attention_flops + topo.kernel_latency
+    return pair_flops(shape, heads) * pairs / topo.attention_flops + topo.kernel_latency
 
 
 def ulysses_result(world_size: int, shape: AttentionShape, topo: Topology, causal: bool = True) -> ModeResult:
@@ -234,10 +236,10 @@ def ulysses_result(world_size: int, shape: AttentionShape, topo: Topology, causa
                          f"({shape.kv_heads}) divisible by, or a divisor of, {u}")
     a2a = _AllToAlls.price(world_size, u, shape, kv_heads, topo)
     fwd_compute = _attention_time(shape.seq_local * u, shape.heads // u, shape, topo, causal)
-    bwd_compute = fwd_compute * BACKWARD_FLOPS
+    bwd_compute = fwd_compute * pair_flops(shape, 1, backward=True) / pair_flops(shape, 1)  # BACKWARD_FLOPS, any dims
     fwd, bwd = a2a.time["forward"] + fwd_compute, a2a.time["backward"] + bwd_compute
     # head-sharded q, k, v, out kept for the backward, then dout and the gradients
-    peak = 2 * a2a.local + shape.batch * shape.seq_local * shape.heads * shape.head_dim * shape.itemsize
+    peak = 2 * a2a.local + shape.batch * shape.seq_local * shape.heads * shape.v_head_dim * shape.itemsize
     return ModeResult("ulysses", None, round(a2a.bytes_sent), a2a.intra, a2a.inter, a2a.max_inter, 4, peak,
                       fwd + bwd, fwd, bwd, fwd_compute + bwd_compute, detail=f"all-to-all degree {u}",
                       by_formula=True, ulysses=u, extra={"ulysses_degree": u})
@@ -261,8 +263,7 @@ def usp_result(world_size: int, shape: AttentionShape, topo: Topology, causal: b
                          f"node, dividing the CP size and the heads ({shape.heads}/{shape.kv_heads})")
     r = world_size // u
     kv_heads = _ulysses_kv_heads(u, shape)
-    sub = AttentionShape(seq_local=shape.seq_local * u, batch=shape.batch, heads=shape.heads // u,
-                         kv_heads=max(1, kv_heads // u), head_dim=shape.head_dim, itemsize=shape.itemsize)
+    sub = replace(shape, seq_local=shape.seq_local * u, heads=shape.heads // u, kv_heads=max(1, kv_heads // u))
     ring_topo = replace(topo, node_of=tuple(topo.node(j * u) for j in range(r)))
     ring = evaluate_plan(build_mesh_plan(r, (1, r), sub, causal=causal), sub, ring_topo)
     a2a = _AllToAlls.price(world_size, u, shape, kv_heads, topo)
@@ -551,13 +552,15 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: boo
 
 # -- layouts: the zigzag, Transformer Engine's THD, the balanced one --------------------------------------
 # "balanced-hide": the balanced layout whose Ulysses groups set apart documents they run first and
-# last (balanced_layout(hide=True)); it differs from "balanced" only for the hybrids
-LAYOUTS = ("zigzag", "thd", "balanced", "balanced-hide")
+# last (balanced_layout(hide=True)); it differs from "balanced" only for the hybrids; "auto": per
+# mode the zigzag's or the balanced layout's row, as Megatron's default --cp-layout auto picks
+# (tools/default_layout.py)
+LAYOUTS = ("zigzag", "thd", "balanced", "balanced-hide", AUTO_LAYOUT)
 
 # Transformer Engine's own runs on its THD layout: p2p (every KV chunk around the ring), a2a+p2p (USP)
 TE_ROWS = ("te-p2p", "te-a2a+p2p")
 # the most ranks at which a comparison of every layout plans the plugin's modes on THD: there each
-# rank holds two pieces of every document, so a plan's blocks grow as ranks^2 x documents (1M tokens
+# rank holds two halves of every document, so a plan's blocks grow as ranks^2 x documents (1M tokens
 # of 4K documents on this project's build machine: 44 s at 64 ranks, minutes at 128, hours at 256)
 THD_PLAN_RANKS = 64
 
@@ -596,8 +599,8 @@ def allowed_pairs(cu_seqlens, causal: bool = True, window=None) -> int:
 def compute_floor(pairs: int, world_size: int, shape: AttentionShape, topo: Topology) -> float:
     """Seconds of forward + backward attention per rank with every pair spread evenly and nothing
     else: the bound no layout or mode beats on this machine."""
-    flops = 4.0 * shape.batch * shape.heads * shape.head_dim * pairs / world_size
-    return flops * (1 + BACKWARD_FLOPS) / topo.attention_flops
+    flops = (pair_flops(shape, shape.heads) + pair_flops(shape, shape.heads, backward=True)) * pairs / world_size
+    return flops / topo.attention_flops
 
 
 def _te_rows(world_size: int, shape: AttentionShape, topo: Topology, mask: Mask, thd: ThdLayout,
@@ -714,6 +717,8 @@ def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, modes, lay
                          for m in given if m in FORMULAS]
     planned = []  # per layout: (name, modes planned on it, shape, mask, layout)
     for name in layouts:
+        if name == AUTO_LAYOUT:  # from the zigzag's and the balanced layout's rows, below
+            continue
         if name == "zigzag":
             planned.append((name, modes, shape, Mask.from_cu_seqlens(cu, S, causal, window), None))
         elif name in ("balanced", "balanced-hide"):
@@ -735,7 +740,7 @@ def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, modes, lay
                                  keep=kept[:n] if kept else None, budget=budget)
         else:
             n, got, skip = 0, [], [{"mode": m, "reason": f"not planned on THD at CP {world_size}: every rank holds two "
-                                    f"pieces of each of the {len(cu) - 1} documents, too many blocks to plan in "
+                                    f"halves of each of the {len(cu) - 1} documents, too many blocks to plan in "
                                     f"reasonable time above {THD_PLAN_RANKS} ranks (plan them with --layout thd)"}
                                    for m in modes]
         if name == "balanced-hide":  # the fastest of the hybrids on it, then the rows asked for
@@ -753,4 +758,14 @@ def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, modes, lay
             got += _te_rows(world_size, shp, topo, mask, lay, skip, kept[n:] if kept else None, budget)
         rows += [replace(r, layout=name) for r in got]
         skipped += [{**s, "mode": f"{s['mode']} ({name})"} for s in skip]
+    if AUTO_LAYOUT in layouts:
+        missing = tuple(name for name in ("zigzag", "balanced") if name not in layouts)
+        both = rows + (_layout_rows(world_size, shape, topo, cu, causal, window, modes, missing, backward_chunks,
+                                    schedule, explain, plan_thd, executor, budget)[0] if missing else [])
+        got = auto_rows(both, cu, world_size, shape, topo, causal, window, _node_ranks(world_size, topo))
+        rows += got
+        # a mode whose zigzag or balanced row was not planned (past the budget, say) has no auto row
+        have = {r.mode for r in got}
+        skipped += [{"mode": f"{m} ({AUTO_LAYOUT})", "reason": "its zigzag or balanced row was not planned (that row, "
+                     "or its mode's, says why)"} for m in modes if m not in have]
     return rows, skipped

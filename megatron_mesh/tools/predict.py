@@ -26,6 +26,7 @@ import dataclasses
 import os
 import struct
 from dataclasses import dataclass
+from typing import Iterable, Iterator
 
 from ..megatron import yaml_args
 from ..plan.autotile import TIE_RULE, evaluate_plan
@@ -36,6 +37,7 @@ from ..plan.shape import AttentionShape
 from ..plan.simulate import BACKWARD_FLOPS
 from ..plan.topology import Topology
 from ..plan.units import format_bytes
+from ..plan.window import megatron_window
 from .plan_cli import document_bounds
 from .planner import ModeResult, allowed_pairs, compute_floor, evaluate, layout_rows
 
@@ -149,26 +151,36 @@ def _is_number(text: str) -> bool:
         return False
 
 
-def document_lengths(prefix: str) -> list[int]:
+HEADER = 34  # bytes of an index's header: magic (9), version (8), dtype code (1), sequences (8), documents (8)
+LENGTHS_READ = 1 << 16  # sequence lengths read at a time: a sample needs the first few
+
+
+def document_lengths(prefix: str) -> Iterator[int]:
     """Sequence lengths of a Megatron indexed dataset (PREFIX.idx, the format of Megatron-LM's
-    tools/preprocess_data.py and scripts/make_doc_dataset.py), read without Megatron."""
+    tools/preprocess_data.py and scripts/make_doc_dataset.py), read without Megatron, in order and
+    only as far as they are asked for. ValueError naming the file when it is no index, or holds
+    fewer lengths than its header announces (checked against its size before any is read)."""
     path = prefix + ".idx"
     try:
-        with open(path, "rb") as f:
-            head = f.read(34)
-            if len(head) < 34 or head[:9] != b"MMIDIDX\x00\x00":
-                raise ValueError(f"{path}: not a Megatron indexed dataset index (no MMIDIDX header)")
-            (count,) = struct.unpack("<Q", head[18:26])
-            raw = f.read(4 * count)
+        f = open(path, "rb")
     except OSError as e:
         raise ValueError(f"documents: cannot read {path!r} ({e.strerror}); write it with scripts/make_doc_dataset.py "
                          "or give the config's --data-path") from None
-    if len(raw) != 4 * count:
-        raise ValueError(f"{path}: truncated ({count} sequence lengths announced)")
-    return list(struct.unpack(f"<{count}i", raw))
+    with f:
+        head = f.read(HEADER)
+        if len(head) < HEADER or head[:9] != b"MMIDIDX\x00\x00":
+            raise ValueError(f"{path}: not a Megatron indexed dataset index (no MMIDIDX header)")
+        (count,) = struct.unpack("<Q", head[18:26])
+        held = (os.fstat(f.fileno()).st_size - HEADER) // 4
+        if held < count:
+            raise ValueError(f"{path}: announces {count} sequences, but holds the lengths of {held} (4 bytes each): "
+                             "truncated, or not an index")
+        for start in range(0, count, LENGTHS_READ):
+            n = min(LENGTHS_READ, count - start)
+            yield from struct.unpack(f"<{n}i", f.read(4 * n))
 
 
-def _sample_bounds(lengths: list[int], seq_len: int) -> tuple[int, ...]:
+def _sample_bounds(lengths: Iterable[int], seq_len: int) -> tuple[int, ...]:
     """cu_seqlens of the first sample: the documents in order, the last one cut at the sequence end
     (Megatron's GPTDataset concatenates documents the same way, in a shuffled order)."""
     cu = [0]
@@ -178,6 +190,24 @@ def _sample_bounds(lengths: list[int], seq_len: int) -> tuple[int, ...]:
         if cu[-1] == seq_len:
             return tuple(cu)
     raise ValueError(f"documents: {cu[-1]} tokens in all, fewer than one sample of --seq-length {seq_len}")
+
+
+def _window(flags: dict, path: str) -> tuple | None:
+    """--window-size as Megatron parses it ('L,R' or '(L,R)'), checked as the training start-up
+    checks it (:func:`~megatron_mesh.plan.window.megatron_window`, causal layers); None for no
+    window, or for an unlimited left side (causal attention then is the whole window)."""
+    if "--window-size" not in flags:
+        return None
+    text = flags["--window-size"]
+    try:
+        values = tuple(int(x) for x in str(text).strip("()").split(","))
+    except ValueError:
+        raise ValueError(f"config {path!r}: --window-size {text!r} must be LEFT,RIGHT (integers)") from None
+    try:
+        left, _ = megatron_window(values, causal=True)
+    except ValueError as e:
+        raise ValueError(f"config {path!r}: {e}") from None
+    return None if left is None else (left, 0)  # causal: nothing to the right
 
 
 def read_config(path: str, cp: int | None = None) -> Problem:
@@ -191,6 +221,9 @@ def read_config(path: str, cp: int | None = None) -> Problem:
         raise ValueError(f"config {path!r}: MODEL_ARGS lacks {', '.join(missing)} (needed to plan its attention)")
     heads = _int(flags, "--num-attention-heads", path)
     kv = _int(flags, "--num-query-groups", path, heads) if flags.get("--group-query-attention") else heads
+    if heads % kv:
+        raise ValueError(f"config {path!r}: --num-query-groups {kv} must divide --num-attention-heads {heads} (each "
+                         "KV head serves the same number of query heads)")
     if "--kv-channels" in flags:
         head_dim = _int(flags, "--kv-channels", path)
     else:
@@ -209,17 +242,13 @@ def read_config(path: str, cp: int | None = None) -> Problem:
     if heads % tp or GPUS_PER_NODE % tp:
         raise ValueError(f"config {path!r}: --tensor-model-parallel-size {tp} must divide the heads ({heads}) and "
                          f"the {GPUS_PER_NODE} GPUs of a node")
+    if kv % tp and tp % kv:  # Megatron's rule: each TP rank holds whole KV heads, or shares one
+        raise ValueError(f"config {path!r}: --num-query-groups {kv} must be a multiple or a divisor of "
+                         f"--tensor-model-parallel-size {tp}")
     micro = _int(flags, "--micro-batch-size", path, 1)
     global_batch = _int(flags, "--global-batch-size", path, micro)
     dtype = "bf16" if flags.get("--bf16") else "fp16" if flags.get("--fp16") else "fp32"
-    window = None
-    if "--window-size" in flags:
-        text = flags["--window-size"]
-        try:
-            left, right = (int(x) for x in str(text).split(","))
-        except ValueError:
-            raise ValueError(f"config {path!r}: --window-size {text!r} must be LEFT,RIGHT (integers)") from None
-        window = (None if left < 0 else left, 0)  # GPT attention is causal: nothing to the right
+    window = _window(flags, path)
     documents = None
     if flags.get("--reset-attention-mask"):
         documents = _sample_bounds(document_lengths(_data_prefix(flags, path)), seq)

@@ -30,10 +30,16 @@ class RunResult:
     bytes_matrix: list[list[float]] = field(default_factory=list)  # [sender][receiver]
 
 
-def timed_iterations(r: RunResult) -> list[float]:
-    """The iteration times (ms) a run's time is made of: the first (warm-up) iteration left out
+def timed_steps(r: RunResult) -> list[int]:
+    """The iterations a run's time is made of, in order: the first (warm-up) iteration left out
     when there are others."""
-    return [t for i, t in sorted(r.times_ms.items()) if i > min(r.times_ms)] or list(r.times_ms.values())
+    steps = sorted(r.times_ms)
+    return steps[1:] or steps
+
+
+def timed_iterations(r: RunResult) -> list[float]:
+    """The iteration times (ms) a run's time is made of (:func:`timed_steps`)."""
+    return [r.times_ms[i] for i in timed_steps(r)]
 
 
 def mean_time(r: RunResult) -> float | None:

@@ -201,7 +201,7 @@ def test_settings_every_rank_must_share_compare_as_they_apply(monkeypatch):
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     base = settings_of(config(hierarchical_context_parallel_sizes=[2, 2]))
-    same = settings_of(config(hierarchical_context_parallel_sizes=(2, 2), cp_layout="balanced",
+    same = settings_of(config(hierarchical_context_parallel_sizes=(2, 2), cp_layout="auto",
                               cp_metrics_dir="/scratch/node1"))
     assert differences([base, same]) == []
     tiled = settings_of(config(hierarchical_context_parallel_sizes=[2, 2], mesh_tile_shape=(4, 1)))
@@ -249,14 +249,19 @@ def _config(**kw):
 def test_local_spec_replaces_only_core_attention():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_mesh.megatron.core_attention import CPCoreAttention
+    from megatron_mesh.megatron.core_attention import CPCoreAttention, CoreAttentionSpec
+    from megatron_mesh.megatron.groups import PROCESS_GROUPS
     from megatron_mesh.megatron.spec import gpt_layer_spec, gpt_local_layer_spec
+    from megatron_mesh.megatron.telemetry import Telemetry
 
     stock = get_gpt_layer_local_spec()
     stock_attention = stock.submodules.self_attention.submodules.core_attention
-    stock.submodules.self_attention.submodules.core_attention = CPCoreAttention
     for spec in (gpt_local_layer_spec(_config()), gpt_layer_spec(_config())):
-        assert spec.submodules.self_attention.submodules.core_attention is CPCoreAttention
+        core = spec.submodules.self_attention.submodules.core_attention
+        assert type(core) is CoreAttentionSpec and core.module is CPCoreAttention
+        # the spec's own telemetry (no training script here) and the process's groups, for every layer
+        assert type(core.params["telemetry"]) is Telemetry and core.params["groups"] is PROCESS_GROUPS
+        stock.submodules.self_attention.submodules.core_attention = core
         assert repr(spec) == repr(stock)  # everything else is Megatron's own spec
     assert stock_attention is not CPCoreAttention
 
@@ -270,7 +275,9 @@ def test_moe_block_spec_patches_every_layer():
     config = _config(num_moe_experts=2, moe_router_topk=2, num_layers=3)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, pp_rank=0)
     assert patch_spec(block) is block and len(block.layer_specs) == 3
-    assert all(s.submodules.self_attention.submodules.core_attention is CPCoreAttention for s in block.layer_specs)
+    cores = [s.submodules.self_attention.submodules.core_attention for s in block.layer_specs]
+    assert all(c.module is CPCoreAttention for c in cores)
+    assert len({id(c.params["telemetry"]) for c in cores}) == 1  # one summary for the block's layers
 
 
 def test_patch_spec_rejects_specs_without_attention():
@@ -357,9 +364,9 @@ def test_unsupported_features_raise(change, message):
 def one_rank(tmp_path):
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     yield types.SimpleNamespace(cp=dist.group.WORLD)
-    from megatron_mesh.megatron import groups
+    from megatron_mesh.megatron.groups import PROCESS_GROUPS
 
-    groups.destroy_groups()
+    PROCESS_GROUPS.destroy()
     dist.destroy_process_group()
 
 

@@ -131,19 +131,20 @@ def test_masks_and_hybrids_valid(megatron_args, our_entry, argv, documents):
      "--cp-layout balanced applies to packed documents (--reset-attention-mask) at CP > 1, not here "
      "(--cp-thd-packing (Transformer Engine's THD layout))"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask"],
-     "--cp-layout balanced (the default with packed documents at CP > 1) needs --calculate-per-token-loss: the ranks "
+     "--cp-layout auto (the default with packed documents at CP > 1) needs --calculate-per-token-loss: the ranks "
      "hold different documents"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--no-cp-layout-lookahead"],
-     "--no-cp-layout-lookahead applies to --cp-layout balanced (packed documents, --reset-attention-mask, at CP > 1), "
+     "--no-cp-layout-lookahead applies to --cp-layout auto and balanced (packed documents, --reset-attention-mask, at "
+     "CP > 1), "
      "which this run does not use; leave the flag out"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask", PER_TOKEN,
       "--cp-layout", "zigzag", "--no-cp-layout-lookahead"],
-     "--no-cp-layout-lookahead applies to --cp-layout balanced"),
+     "--no-cp-layout-lookahead applies to --cp-layout auto and balanced"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask", "--cp-layout", "balanced"],
      "--cp-layout balanced needs --calculate-per-token-loss"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask", PER_TOKEN,
       "--position-embedding-type", "yarn"],
-     "--cp-layout balanced (the default with packed documents at CP > 1) with --position-embedding-type yarn: "
+     "--cp-layout auto (the default with packed documents at CP > 1) with --position-embedding-type yarn: "
      "supported are rope, learned_absolute and none"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask", PER_TOKEN,
       "--mtp-num-layers", "1"], "with --mtp-num-layers 1: it assumes Megatron's zigzag layout"),
@@ -190,7 +191,7 @@ def test_cp_layout_value_is_checked(megatron_args, our_entry):
     args = megatron_args(PLUGIN + ["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask",
                                    PER_TOKEN])
     args.cp_layout = "diagonal"
-    with pytest.raises(ValueError, match="--cp-layout 'diagonal': allowed balanced, zigzag"):
+    with pytest.raises(ValueError, match="--cp-layout 'diagonal': allowed auto, balanced, zigzag"):
         validate_args(args, **our_entry)
 
 
@@ -209,7 +210,7 @@ def test_documents_of_megatron_lm_scripts_through_run_script(megatron_args, rese
         config = MeshTransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4)
         apply_args(args, config, batch_documents=True)
         assert config.cp_documents == documents
-        assert (config.cp_layout or "balanced") == (extra[-1] if extra else "balanced")
+        assert (config.cp_layout or "auto") == (extra[-1] if extra else "auto")
     with pytest.raises(ValueError, match="--reset-attention-mask: this entry script passes the documents as a dense "
                                          r"\[s, s\] attention mask, .* or run this script through "
                                          "scripts/run_megatron_script.sh"):
@@ -270,5 +271,5 @@ def test_planners_megatron_flags_pass_the_start_up_checks(megatron_args, our_ent
             assert args.mesh_tile_shape == (f"{r.tile[0]}x{r.tile[1]}" if r.tile else None), (r.mode, r.layout)
         assert args.cp_thd_packing if r.layout == "thd" else args.cp_layout == r.layout
         seen.add((r.layout, r.ulysses > 1))
-    assert seen == {(layout, hybrid) for layout in ("zigzag", "thd", "balanced") for hybrid in (False, True)} | \
+    assert seen == {(layout, hybrid) for layout in ("zigzag", "thd", "balanced", "auto") for hybrid in (False, True)} | \
         {("balanced-hide", True)}

@@ -21,6 +21,7 @@ from helpers import MEGATRON_LM_SCRIPT, PRETRAIN, ROOT, RUN_SCRIPT
 pytest.importorskip("megatron.core", reason="needs megatron-core (scripts/setup_env.sh installs it)")
 
 from megatron_mesh.megatron import bootstrap, ensure_typing_override  # noqa: E402
+from megatron_mesh.megatron.process import ProcessState  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 PLUGIN_SPEC = ["--spec", "megatron_mesh.megatron.spec", "gpt_layer_spec", "--transformer-impl", "local"]
@@ -105,12 +106,11 @@ def test_a_crash_is_told_to_other_nodes_in_one_line(monkeypatch):
 
     told = []
     monkeypatch.setattr(errors, "_tell_other_nodes", told.append)
-    monkeypatch.setattr(errors, "_FAILING", type(errors._FAILING)())  # this test's own: fail() sets the process's
-    monkeypatch.setattr(errors, "_EXITING", type(errors._EXITING)())
+    process = ProcessState()  # this test's own: fail() sets the process's failing
 
     def run(error):
         with pytest.raises(type(error)) as got:
-            with errors.crash_stops_other_nodes():
+            with errors.crash_stops_other_nodes(process):
                 raise error
         assert got.value is error  # raised as it was
 
@@ -122,24 +122,24 @@ def test_a_crash_is_told_to_other_nodes_in_one_line(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
     for planned in (SystemExit(0), SystemExit(None), SystemExit(16), SystemExit(2)):
         run(planned)
-    assert told == [] and not errors._FAILING.is_set()
+    assert told == [] and not process.failing.is_set()
     monkeypatch.setenv("RANK", "3")  # not the node's first rank: fail() does not wait for it to print
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     with pytest.raises(SystemExit):
-        with errors.crash_stops_other_nodes():
-            errors.fail("bad flag")  # tells once, as itself
+        with errors.crash_stops_other_nodes(process):
+            errors.fail("bad flag", process=process)  # tells once, as itself
     assert told == ["bad flag"]
-    monkeypatch.setattr(errors, "_FAILING", type(errors._FAILING)())
+    process = ProcessState()
     run(KeyboardInterrupt())
     assert told[-1] == "interrupted"
-    monkeypatch.setattr(errors, "_FAILING", type(errors._FAILING)())
+    process = ProcessState()
     run(Unprintable())  # an error whose text fails still comes out as itself
-    monkeypatch.setattr(errors, "_FAILING", type(errors._FAILING)())
-    with errors.crash_stops_other_nodes():
+    process = ProcessState()
+    with errors.crash_stops_other_nodes(process):
         pass
-    assert errors._EXITING.is_set()  # finished: it stops watching
+    assert process.exiting.is_set()  # finished: it stops watching
     with pytest.raises(SystemExit):
-        errors.fail("every rank alike", tell=False)  # each node says it itself: nothing told
+        errors.fail("every rank alike", tell=False, process=process)  # each node says it itself: nothing told
     assert told == ["bad flag", "interrupted"]
     failed = []
     monkeypatch.setattr(errors, "fail", lambda message, **how: failed.append((message, how)))
@@ -170,7 +170,7 @@ def test_spec_configures_a_plain_config_from_megatrons_arguments(arguments, monk
                                            "--attention-dropout", "0"], add_args)
     monkeypatch.setattr(bootstrap, "megatron_args", lambda: args)
     assert resolve_placement("mesh", _plain_config(), (0, 1, 2, 3)).tile == (1, 4)  # without the arguments' sequence length
-    config = spec._transformer_config(_plain_config())
+    config, _ = spec._transformer_config(_plain_config())
     assert plugin_settings(config).options("mesh")["schedule"] == "lockstep" and config.cp_seq_length == 64
     p = resolve_placement("mesh", config, (0, 1, 2, 3))
     assert (p.tile, p.options.contiguous) == ((2, 2), "q")
@@ -289,9 +289,9 @@ def test_start_up_pauses_the_garbage_collector_and_gives_it_back(arguments, monk
         bootstrap.resume_gc()
         assert not gc.isenabled()
     finally:  # this process's collector as it was
+        bootstrap.resume_gc()  # where a failed check left it paused
         gc.unfreeze()
         gc.enable()
-        monkeypatch.setattr(bootstrap, "_GC_PAUSED", False)
 
 
 # the shape of Megatron-LM's megatron/core/datasets/Makefile: `python3` and `python3-config` on PATH

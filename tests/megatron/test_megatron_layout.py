@@ -73,7 +73,7 @@ def test_sample_layout_is_the_one_decision():
     assert batch_layout.sample_layout(cu, config(cp_layout="zigzag")) is None
     assert batch_layout.sample_layout(cu, config(context_parallel_size=1)) is None
     layout = batch_layout.sample_layout(cu, config())
-    assert layout is batch_layout.sample_layout(list(cu), config(cp_layout=None))  # the default, one cached object
+    assert layout is batch_layout.sample_layout(list(cu), config())  # one cached object
     assert layout.documents() == ((0, 3), (3, 19), (19, 24), (24, 32))
     assert {sum(n for _, n in r) for r in layout.rank_runs} == {S // P}
     hybrid = batch_layout.sample_layout(cu, config(hierarchical_context_parallel_sizes=[2, 2]))
@@ -87,6 +87,42 @@ def test_sample_layout_is_the_one_decision():
     # a window on every layer changes the work to balance (here, the layout); on some layers only, not
     assert batch_layout.sample_layout(cu, config(window_size=(3, 0))) != layout
     assert batch_layout.sample_layout(cu, config(window_size=(3, 0), window_attn_skip_freq=2)) is layout
+
+
+# the layers' mode and shape that --cp-layout auto prices a sample for (32/8 heads of 128 in bf16)
+PRICED = dict(cp_comm_type="ring", num_attention_heads=32, num_query_groups=8, kv_channels=128,
+              tensor_model_parallel_size=1, params_dtype=torch.bfloat16)
+
+
+def test_auto_keeps_the_zigzag_where_it_is_priced_faster():
+    """--cp-layout auto (the default): per sample the balanced layout unless the zigzag is priced
+    faster for the layers' mode (plan/choice.py) -- 16K tokens at CP 4, one node: documents of 4403,
+    2068, 8359 and 1554 tokens cost 2.06 ms on the balanced layout and 3.16 on the zigzag, those of
+    7497, 3350 and 5537 tokens 2.19 and 2.13 -- and a batch with one sample of each splits each by
+    its own: the zigzag one as Megatron's split takes it."""
+    from megatron_mesh.megatron.settings import cp_layout
+    from megatron_mesh.plan import AttentionShape, Topology
+    from megatron_mesh.plan.choice import choose_layout
+    from megatron_mesh.plan.layout import ZigzagLayout
+
+    n = 16384
+    auto = config(cp_layout="auto", **PRICED)
+    assert cp_layout(config(cp_layout=None)) == "auto"
+    shape, topo = AttentionShape(n // P, 1, 32, 8, 128, 2), Topology(nodes=1, gpus_per_node=P)
+    kept, dropped = (0, 4403, 6471, 14830, n), (0, 7497, 10847, n)
+    for cu, want in ((kept, "balanced"), (dropped, "zigzag")):
+        assert choose_layout(balanced_layout(cu, P), shape, topo, "ring")[0] == want
+    assert batch_layout.sample_layout(kept, auto) == balanced_layout(kept, P)
+    assert batch_layout.sample_layout(dropped, auto) is None
+    assert batch_layout.sample_layout(dropped, config(**PRICED)) == balanced_layout(dropped, P)  # balanced: always
+    full = dict(tokens=torch.arange(2 * n).view(2, n), attention_mask=None)
+    for rank in range(P):
+        split = batch_layout.BatchLayout.of((kept, dropped), auto, rank)
+        assert split.balanced and split.layouts[1] is None
+        local = split.shard(full, FakeGroup(P, rank))
+        want = [positions(balanced_layout(kept, P), rank), positions(ZigzagLayout(P, n), rank)]
+        assert local["tokens"].tolist() == [[i * n + p for p in want[i]] for i in range(2)]
+        assert split.rope_positions().t().tolist() == want
 
 
 def test_sample_layout_balances_nodes_first_when_the_group_spans_nodes(monkeypatch):

@@ -62,13 +62,13 @@ def test_every_mode_and_mask_ran(records):
 
 def test_masks_the_layers_would_not_apply_are_errors_not_wrong_losses(megatron_models):
     """A Python user's GPTModel at CP 4: documents on a batch split by Megatron's
-    get_batch_on_this_cp_rank while the layers' layout is the balanced default, and a dense
+    get_batch_on_this_cp_rank while the layers' layout is the balanced one, and a dense
     document mask without documents, stop with an error naming what to do (both ran with a wrong
     loss); Megatron's causal mask at the zigzag positions runs, with the mask-free loss."""
     for recs in megatron_models["gpt_mask_refusals"]:
         got = {r["case"]: r for r in recs}
-        assert "this batch was not split by it" in got["balanced default, zigzag split"]["error"]
-        assert "cp_layout='zigzag'" in got["balanced default, zigzag split"]["error"]
+        assert "this batch was not split by it" in got["balanced layout, zigzag split"]["error"]
+        assert "cp_layout='zigzag'" in got["balanced layout, zigzag split"]["error"]
         assert "attention_mask masks other (query, key) pairs" in got["document mask, no documents"]["error"]
         assert got["causal mask"]["loss"] == got["no mask"]["loss"]
         assert got["window, causal mask"]["loss"] == got["window, no mask"]["loss"] != got["no mask"]["loss"]

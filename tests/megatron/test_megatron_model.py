@@ -50,6 +50,14 @@ def test_every_mode_ran_through_the_plugin(records):
         assert rec["modes"] == expected, (rec["case"], rec["modes"])
 
 
+def test_megatron_qkv_split_views_reach_the_plugin(records):
+    """Megatron's QKV split hands core attention views of its fused projection (k and v of GQA
+    without rotary positions: strided, head_dim stride 1); the model equivalence above holds with them."""
+    recs = [rec for rec in _model_records(records)[0] if "learned_absolute heads=(4, 2)" in rec["case"]]
+    assert recs and all({"k", "v"} <= set(rec["strided_inputs"]) for rec in recs), [
+        (rec["case"], rec["strided_inputs"]) for rec in recs]
+
+
 def test_mesh_rings_route_through_their_own_groups(records):
     """Tile 2x2 on CP ranks 0..3: Q rings {0, 1}, {2, 3}; KV rings {0, 2}, {1, 3} (global ranks,
     TP 1). Routing through them changes neither results nor counted bytes."""

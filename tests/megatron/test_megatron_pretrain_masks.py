@@ -11,7 +11,8 @@ tokens and most samples hold documents that cross, start and end inside halves.
   zigzag``) together with ``--window-size 5,0`` (a window shorter than a half) at CP 4, one layer
   per mode: Mesh with the tile 4x1, TASP, ring, with selective recompute; that run writes a
   checkpoint which resumes under ring at CP 2 on the balanced layout with the same next loss;
-* the same documents and window on the balanced layout (the default) at CP 4 with two samples per
+* the same documents and window on the balanced layout (``--cp-layout balanced``; ``auto``, the
+  default, keeps it under a window) at CP 4 with two samples per
   micro-batch, one layer per mode (mesh, tasp, ring, a2a+mesh with
   ``--hierarchical-context-parallel-sizes 2 2``), through the plugin's entry script (documents from
   EOD tokens) and through Megatron-LM's pretrain_gpt.py run by scripts/run_megatron_script.sh
@@ -74,7 +75,7 @@ def runs(doc_data, tmp_path_factory):
     balanced_ckpt = str(tmp_path_factory.mktemp("balanced_ckpt"))
     # the balanced layout: one layer per mode, the Ulysses hybrid's U = 2 as the balancing group,
     # the window on every layer, two samples (two layouts) per micro-batch
-    balanced = ("mesh tasp ring a2a+mesh", *WINDOW, *HCP, "--micro-batch-size", "2")
+    balanced = ("mesh tasp ring a2a+mesh", *WINDOW, *HCP, "--micro-batch-size", "2", "--cp-layout", "balanced")
     plan = {
         "docs_cp1": ("docs", 1, 1, "mesh", *WINDOW),
         "docs_cp4": ("docs", 4, 4, "mesh tasp ring mesh", *WINDOW, "--mesh-tile-shape", "4x1", "--cp-layout", "zigzag",
@@ -217,7 +218,7 @@ def test_checkpoint_under_zigzag_resumes_under_balanced(runs):
     want = losses(run_ok(runs, "docs_cp1"))
     text = run_ok(runs, "docs_resume")
     assert_losses_equal(losses(text), want, iterations=[3], rel=RTOL)
-    assert "layers 1-4: ring (CP 2, zigzag ring, kernel auto, window 5,0, documents eod, layout balanced)" in text
+    assert "layers 1-4: ring (CP 2, zigzag ring, kernel auto, window 5,0, documents eod, layout auto)" in text
 
 
 @pytest.mark.parametrize("entry, cp1, cp4, documents", [
@@ -225,7 +226,7 @@ def test_checkpoint_under_zigzag_resumes_under_balanced(runs):
     ("Megatron-LM", "mlm_docs_cp1", "mlm_balanced_cp4", "positions"),  # position ids: --reset-position-ids
 ])
 def test_balanced_layout_cp4_matches_cp1(runs, entry, cp1, cp4, documents):
-    """The balanced layout (the default) through both entry scripts: each sample of a micro-batch
+    """The balanced layout through both entry scripts: each sample of a micro-batch
     of two split by its own layout, RoPE at the layout's positions, Mesh / TASP / ring / a2a+mesh
     layers on it -- the losses of CP 1."""
     want = losses(run_ok(runs, cp1))

@@ -17,24 +17,22 @@ from megatron_mesh.megatron import telemetry  # noqa: E402
 from megatron_mesh.megatron.metrics import MetricsWriter  # noqa: E402
 
 pytestmark = pytest.mark.megatron
-T = telemetry._State
 
 
 def test_summary_names_runs_of_layers():
     layers = [(1, ("mesh (CP 4, tile 2x2)", {}, True)), (2, ("mesh (CP 4, tile 2x2)", {}, True)),
               (3, ("tasp (CP 4)", {}, True)), (5, ("tasp (CP 4)", {}, True))]
-    assert telemetry._groups(layers) == ["layers 1-2: mesh (CP 4, tile 2x2)", "layer 3: tasp (CP 4)",
-                                         "layer 5: tasp (CP 4)"]
+    assert telemetry.layer_runs(layers) == ["layers 1-2: mesh (CP 4, tile 2x2)", "layer 3: tasp (CP 4)",
+                                            "layer 5: tasp (CP 4)"]
 
 
-def test_summary_is_logged_once_at_the_first_forward(monkeypatch, caplog):
-    monkeypatch.setattr(T, "layers", {})
-    monkeypatch.setattr(T, "summarized", False)
-    telemetry.register_layer(1, "ring (CP 2, zigzag ring, kernel auto)", {"mode": "ring"}, logs=True)
-    telemetry.register_layer(2, "ring (CP 2, zigzag ring, kernel auto)", {"mode": "ring"}, logs=True)
+def test_summary_is_logged_once_at_the_first_forward(caplog):
+    tel = telemetry.Telemetry()
+    tel.summary.register_layer(1, "ring (CP 2, zigzag ring, kernel auto)", {"mode": "ring"}, logs=True)
+    tel.summary.register_layer(2, "ring (CP 2, zigzag ring, kernel auto)", {"mode": "ring"}, logs=True)
     with caplog.at_level(logging.INFO, logger=telemetry.__name__):
-        telemetry.on_forward()
-        telemetry.on_forward()
+        tel.on_forward()
+        tel.on_forward()
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["megatron_mesh: layers 1-2: ring (CP 2, zigzag ring, kernel auto)"]  # no parallel state here
 
@@ -58,16 +56,14 @@ class _Comm(Communicator):
         return DONE
 
 
-def test_transfers_pause_the_compute_timer_forward_and_backward(monkeypatch):
+def test_transfers_pause_the_compute_timer_forward_and_backward():
     timers = _Timers()
-    monkeypatch.setattr(telemetry, "_timers", lambda: timers)
-    monkeypatch.setattr(T, "timing", True)
-    monkeypatch.setattr(T, "depth", {telemetry.TIMER_COMPUTE: 0, telemetry.TIMER_COMM: 0})
-    comm = telemetry.timed_communicator(_Comm())
+    timing = telemetry.Timing(on=True, timers=lambda: timers)
+    comm = timing.communicator(_Comm())
     assert isinstance(comm, telemetry.TimedCommunicator)
     q = torch.randn(4, requires_grad=True)
-    (qm,), mark_output = telemetry.mark_backward((q,))
-    with telemetry.compute_phase():  # a layer's forward: compute, one round (start + wait), compute
+    (qm,), mark_output = timing.mark_backward((q,))
+    with timing.compute_phase():  # a layer's forward: compute, one round (start + wait), compute
         comm.start([(1, torch.zeros(2))], []).wait()
         out = mark_output(qm * 2)
     C, M = telemetry.TIMER_COMPUTE, telemetry.TIMER_COMM
@@ -78,31 +74,25 @@ def test_transfers_pause_the_compute_timer_forward_and_backward(monkeypatch):
     assert timers.events == [f"{C} start", f"{C} stop"] and torch.equal(q.grad, torch.full((4,), 2.0))
 
 
-def test_timers_off_changes_nothing(monkeypatch):
-    monkeypatch.setattr(T, "timing", False)
+def test_timers_off_changes_nothing():
+    timing = telemetry.Telemetry(types.SimpleNamespace(timing_log_level=1)).timing  # below the plugin timers' level
     comm = _Comm()
-    assert telemetry.timed_communicator(comm) is comm
+    assert timing.communicator(comm) is comm
     q = torch.randn(3, requires_grad=True)
-    (qm,), mark_output = telemetry.mark_backward((q,))
+    (qm,), mark_output = timing.mark_backward((q,))
     assert qm is q and mark_output(q) is q
 
 
-def test_iteration_records_and_bytes_in_the_log_and_tensorboard(monkeypatch, tmp_path, caplog):
+def test_iteration_records_and_bytes_in_the_log_and_tensorboard(tmp_path, caplog):
     scalars = []
     writer = types.SimpleNamespace(add_scalar=lambda name, value, it: scalars.append((name, value, it)))
-    monkeypatch.setattr(telemetry, "_writer", lambda: writer)
-    monkeypatch.setattr(T, "args", types.SimpleNamespace(log_interval=2, log_cp_attention_bytes=True))
-    monkeypatch.setattr(T, "timing", False)
-    monkeypatch.setattr(T, "metrics", MetricsWriter(str(tmp_path), 0))
-    monkeypatch.setattr(T, "step_ms", 12.5)
-    base = telemetry.total_bytes()
-    monkeypatch.setattr(T, "bytes_at_record", base)
-    monkeypatch.setattr(T, "bytes_at_log", base)
-    monkeypatch.setattr(T, "iterations_since_log", 0)
+    tel = telemetry.Telemetry(types.SimpleNamespace(log_interval=2, log_cp_attention_bytes=True),
+                              MetricsWriter(str(tmp_path), 0), writer=lambda: writer)
+    tel.records.step_ms = 12.5
     with caplog.at_level(logging.INFO, logger=telemetry.__name__):
         for it, (sent, loss) in enumerate([(1000, 4.5), (3000, 4.25)], start=1):
             record_bytes(sent, 2 * sent)
-            telemetry._after_iteration({"lm loss": torch.tensor(loss)}, it, is_first=False)
+            tel.after_iteration({"lm loss": torch.tensor(loss)}, it, is_first=False)
     run, *recs = [json.loads(line) for line in (tmp_path / "rank0.jsonl").read_text().splitlines()]
     assert run == {"kind": "run"}  # a run opens its records (a directory used again holds several)
     assert [(r["iteration"], r["losses"], r["bytes_sent"], r["bytes_received"], r["time_ms"]) for r in recs] == \
@@ -121,23 +111,16 @@ class _Comm4(Communicator):
         return DONE
 
 
-def test_iteration_records_bytes_per_peer_and_attention_work(monkeypatch, tmp_path):
+def test_iteration_records_bytes_per_peer_and_attention_work(tmp_path):
     """Each iteration record splits bytes_sent by receiver (CP group ranks; they sum to bytes_sent)
     and carries the forward attention work of the plans the layers ran: summed over a CP group's
     ranks it is every causal (query, key) pair x heads x samples, for a plain and a head-sliced plan;
     and the bytes its plans send (the backward's only for a call whose backward runs)."""
     from megatron_mesh.plan import AttentionShape, Mask, plan_bytes, resolve
 
-    monkeypatch.setattr(T, "args", types.SimpleNamespace(log_interval=100))
-    monkeypatch.setattr(T, "timing", False)
-    monkeypatch.setattr(T, "metrics", MetricsWriter(str(tmp_path), 1))
-    monkeypatch.setattr(T, "step_ms", 1.0)
-    monkeypatch.setattr(T, "bytes_at_record", telemetry.total_bytes())
-    monkeypatch.setattr(T, "sent_to_at_record", telemetry.total_sent_to())
-    monkeypatch.setattr(T, "work", 0)
-    monkeypatch.setattr(T, "plan_costs", {})
-    monkeypatch.setattr(T, "planned_sent", 0)
-    monkeypatch.setattr(T, "cp_rank", None)
+    tel = telemetry.Telemetry(types.SimpleNamespace(log_interval=100), MetricsWriter(str(tmp_path), 1))
+    records = tel.records
+    records.step_ms = 1.0
     comm = _Comm4()
     f32 = torch.float32
     comm.start([(0, torch.zeros(10, dtype=f32)), (2, torch.zeros(3, dtype=f32)), (0, torch.zeros(1, dtype=f32))],
@@ -150,17 +133,17 @@ def test_iteration_records_bytes_per_peer_and_attention_work(monkeypatch, tmp_pa
         plan = resolve(mode, 4, shape, **settings).build(shape, Mask(causal=True))
         works = []
         for rank in range(4):
-            before = T.work
+            before = records.work
             for _ in range(2):  # a second call of the same plan (next micro-batch) adds the same work again
-                telemetry.on_attention(plan, rank, shape, backward=True)
-            works.append((T.work - before) // 2)
+                records.on_attention(plan, rank, shape, backward=True)
+            works.append((records.work - before) // 2)
         assert sum(works) == causal_scores, (mode, works)
-    T.planned_sent = 0
+    records.planned_sent = 0
     planned = plan_bytes(plan, shape)[1]
-    telemetry.on_attention(plan, 1, shape, backward=False)  # this process is CP rank 1; a recompute forward
-    telemetry.on_attention(plan, 1, shape, backward=True)  # ... then the forward whose backward runs
-    telemetry._after_iteration({"lm loss": torch.tensor(4.0)}, 1, is_first=False)
-    telemetry._after_iteration({"lm loss": torch.tensor(3.9)}, 2, is_first=False)
+    records.on_attention(plan, 1, shape, backward=False)  # this process is CP rank 1; a recompute forward
+    records.on_attention(plan, 1, shape, backward=True)  # ... then the forward whose backward runs
+    tel.after_iteration({"lm loss": torch.tensor(4.0)}, 1, is_first=False)
+    tel.after_iteration({"lm loss": torch.tensor(3.9)}, 2, is_first=False)
     _, first, second = [json.loads(line) for line in (tmp_path / "rank1.jsonl").read_text().splitlines()]
     assert first["bytes_sent_to"] == {"0": 44, "2": 12, "3": 40} and first["bytes_sent"] == 96 == 4 * 11 + 12 + 40
     assert first["cp_rank"] == 1 and first["attention_work"] == 4 * causal_scores + 2 * works[1]
@@ -179,14 +162,12 @@ def test_comm_counter_counts_bytes_per_peer():
         record_bytes(6, 0, 1, {0: 5})
 
 
-def test_a_plan_placed_otherwise_than_the_summary_is_logged_once(monkeypatch, caplog):
+def test_a_plan_placed_otherwise_than_the_summary_is_logged_once(caplog):
     """mesh:auto picks its tile for dense attention (the summary line); under documents the
     mask-aware plan takes another tile map, or the query owner: one line says so per placement."""
     from megatron_mesh.plan import AttentionShape, Mask, resolve
 
-    monkeypatch.setattr(T, "layers", {})
-    monkeypatch.setattr(T, "summarized", False)
-    monkeypatch.setattr(T, "placements_said", set())
+    summary = telemetry.LayerSummary()
     shape = AttentionShape(seq_local=1024, batch=1, heads=4, kv_heads=4, head_dim=8, itemsize=4)
     placement = resolve("mesh", 8, shape, tile="auto")
     assert placement.tile == (2, 4)
@@ -196,26 +177,46 @@ def test_a_plan_placed_otherwise_than_the_summary_is_logged_once(monkeypatch, ca
     dense = placement.build(shape, None, None)
     desc = placement.describe()[:-1] + ", kernel auto)"
     for n in (1, 2):
-        telemetry.register_layer(n, desc, {"mode": "mesh"}, logs=True)
-    telemetry.register_layer(3, "tasp (CP 8, kernel auto)", {"mode": "tasp"}, logs=True)
+        summary.register_layer(n, desc, {"mode": "mesh"}, logs=True)
+    summary.register_layer(3, "tasp (CP 8, kernel auto)", {"mode": "tasp"}, logs=True)
     with caplog.at_level(logging.INFO, logger=telemetry.__name__):
-        telemetry.on_plan(1, placement.tile, dense)  # as summarised: nothing
+        summary.on_plan(1, placement.tile, dense)  # as summarised: nothing
         for _ in range(3):  # every batch, two layers: said once
-            telemetry.on_plan(1, placement.tile, plan)
-            telemetry.on_plan(2, placement.tile, plan)
-        telemetry.on_plan(3, None, plan)  # no tile summarised: nothing to correct
+            summary.on_plan(1, placement.tile, plan)
+            summary.on_plan(2, placement.tile, plan)
+        summary.on_plan(3, None, plan)  # no tile summarised: nothing to correct
         owner = types.SimpleNamespace(tile=(2, 4), assignment="query owner")
-        telemetry.on_plan(2, placement.tile, owner)
-        telemetry.on_plan(1, (1, 8), types.SimpleNamespace(tile=(1, 8), assignment="query owner"))  # a ring tile
+        summary.on_plan(2, placement.tile, owner)
+        summary.on_plan(1, (1, 8), types.SimpleNamespace(tile=(1, 8), assignment="query owner"))  # a ring tile
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [f"megatron_mesh: layers with {desc}: under this batch's mask the plan runs tile 4x2 (of the tile "
                      "maps and the query owner, the fewest bytes on the busiest rank under this mask)",
                      f"megatron_mesh: layers with {desc}: under this batch's mask the plan runs every block at its "
                      "query chunk's owner (query owner: under this mask no tile map moves fewer bytes on the busiest "
                      "rank)"]
-    monkeypatch.setattr(T, "placements_said", set())
-    telemetry.register_layer(4, desc, {"mode": "mesh"}, logs=False)  # a rank that does not speak for its stage
+    summary = telemetry.LayerSummary()
+    summary.register_layer(4, desc, {"mode": "mesh"}, logs=False)  # a rank that does not speak for its stage
     with caplog.at_level(logging.INFO, logger=telemetry.__name__):
         caplog.clear()
-        telemetry.on_plan(4, placement.tile, plan)
+        summary.on_plan(4, placement.tile, plan)
     assert caplog.records == []
+
+
+def test_install_gives_every_spec_call_of_a_run_the_same_telemetry(monkeypatch, tmp_path):
+    """The spec functions call install once per model chunk: Megatron's wrapped training_log
+    holds the run's telemetry, so they all get it; new arguments (another run in the process) get
+    a new one, writing to the metrics file already open."""
+    from megatron_mesh.megatron import ensure_typing_override
+
+    ensure_typing_override()
+    from megatron.training import training
+
+    monkeypatch.setattr(training, "training_log", training.training_log)  # Megatron's, as it was, after the test
+    monkeypatch.setattr(training, "train_step", training.train_step)
+    args = types.SimpleNamespace(log_interval=1, cp_metrics_dir=str(tmp_path))
+    first = telemetry.install(args)
+    assert telemetry.install(args) is first and training.training_log.megatron_mesh_telemetry is first
+    again = telemetry.install(types.SimpleNamespace(log_interval=1, cp_metrics_dir=str(tmp_path)))
+    assert again is not first and again.records.metrics is first.records.metrics
+    assert training.training_log.megatron_mesh_telemetry is again
+    assert telemetry.install(types.SimpleNamespace(log_interval=1)).records.metrics is None  # no --cp-metrics-dir

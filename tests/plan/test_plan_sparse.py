@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 from megatron_mesh.plan import (ZigzagLayout, Attend, AttendBackward, AttentionShape, Mask, ThdLayout, plan_bytes, rank_work,
                                 resolve, tile_shapes, validate_plan)
 from megatron_mesh.plan.ir import MergeOut, AddGrad
+from megatron_mesh.plan.tunables import TUNABLES, Tunables
 
 SHAPE = dict(batch=1, heads=4, kv_heads=2, head_dim=8, itemsize=2)
 
@@ -40,17 +41,15 @@ def masks(S: int, T: int):
 
 @pytest.mark.parametrize("P", [1, 2, 3, 4, 5, 6, 7, 8])
 @pytest.mark.parametrize("groups", ["few", "many"])
-def test_masked_plans_validate_for_every_mode(P, groups, monkeypatch):
+def test_masked_plans_validate_for_every_mode(P, groups):
     """Every mode's plan under every mask validates; "many": TASP pulls and returns in as many
-    groups as it can (sparse.GROUP_TOKENS = 1: every pulled token may open a group)."""
-    from megatron_mesh.plan import sparse
-    if groups == "many":
-        monkeypatch.setattr(sparse, "GROUP_TOKENS", 1)
+    groups as it can (group_tokens = 1: every pulled token may open a group)."""
+    tunables = Tunables(group_tokens=1) if groups == "many" else TUNABLES
     T = 2 * max(P - 1, 2)  # TASP's rings fit
     shape = AttentionShape(seq_local=T, **SHAPE)
     for mask in masks(P * T, T):
         for placement in placements(P, shape):
-            plan = placement.build(shape, mask)
+            plan = placement.build(shape, mask, tunables=tunables)
             validate_plan(plan)
 
 
@@ -215,24 +214,22 @@ def test_block_table_is_the_classification_of_every_block(P, data):
         assert block_table.__wrapped__(P, mask, layout) == want, type(layout).__name__
 
 
-def test_a_documents_remote_blocks_are_fused_per_query_rows(monkeypatch):
+def test_a_documents_remote_blocks_are_fused_per_query_rows():
     """TASP on the balanced layout (a 44-token document cut over 4 ranks of 16, three short ones),
-    pulling in one group (sparse.BURST_GROUPS = 1): in its single round every rank receives all it
-    needs, and the blocks with other ranks' pieces of one document become one kernel call per
+    pulling in one group (burst_groups = 1): in its single round every rank receives all it
+    needs, and the blocks with other ranks' slots of one document become one kernel call per
     query rows -- fewer calls than blocks -- with the columns in the order of their positions (a
-    chunk's columns split where another's come between, so pieces that continue each other join).
+    chunk's columns split where another's come between, so runs that continue each other join).
     Ring pulls one shift per round: one call per block. Both plans validate: every allowed pair
-    exactly once. (With more groups the pieces of one group are fused the same way.)"""
+    exactly once. (With more groups the slots of one group are fused the same way.)"""
     import megatron_mesh as mm
-    from megatron_mesh.plan import sparse
     from megatron_mesh.plan.sparse import block_table
-    monkeypatch.setattr(sparse, "BURST_GROUPS", 1)
     P, T = 4, 16
     layout = mm.balanced_layout([0, 44, 50, 56, 64], P)
     shape = AttentionShape(seq_local=T, **SHAPE)
     calls = {}
     for mode in ("tasp", "ring"):
-        plan = resolve(mode, P, shape).build(shape, Mask(True), layout)
+        plan = resolve(mode, P, shape).build(shape, Mask(True), layout, tunables=Tunables(burst_groups=1))
         validate_plan(plan)
         remote = [op for x in range(P) for op in plan.rank(x).forward
                   if type(op) is Attend and any(k.chunk != x for k in op.kv)]
@@ -248,7 +245,7 @@ def test_a_documents_remote_blocks_are_fused_per_query_rows(monkeypatch):
 
 def test_module_docstring_worked_example():
     """The window example of plan/sparse.py's docstring, forward and backward, is what the
-    builder makes for rank 1 (ring, P = 4, S = 16, window (2, 0), the pieces kept)."""
+    builder makes for rank 1 (ring, P = 4, S = 16, window (2, 0), the slots kept)."""
     import re
 
     from megatron_mesh.plan import sparse
@@ -263,32 +260,30 @@ def test_module_docstring_worked_example():
     assert got == want
 
 
-def test_partials_go_home_as_soon_as_the_blocks_writing_them_ran(monkeypatch):
-    """A rank returns each piece's partial (here dK/dV) in a round of its own right after the
+def test_partials_go_home_as_soon_as_the_blocks_writing_them_ran():
+    """A rank returns each slot's partial (here dK/dV) in a round of its own right after the
     blocks that write it, while its other blocks still compute -- ring: round P + d for shift d,
-    every pull posted up front; TASP: a pull and a return round per group of remote pieces
-    (sparse.BURST_GROUPS; every rank posts all of them: its all-to-all transport is a collective). P = 4, T = 12, one causal
+    every pull posted up front; TASP: a pull and a return round per group of remote slots
+    (burst_groups; every rank posts all of them: its all-to-all transport is a collective). P = 4, T = 12, one causal
     document of 46 tokens on the zigzag, backward refetching: rank 0 reads K/V of ranks 3, 2, 1
     (pull rounds 1-3) and returns dkv3, dkv2, dkv1 in rounds 5, 6, 7 (ring)."""
-    from megatron_mesh.plan import sparse
     from megatron_mesh.plan.ir import Free, Post, Wait
-    from megatron_mesh.plan.sparse import BURST_GROUPS
 
-    monkeypatch.setattr(sparse, "GROUP_TOKENS", 1)  # a group per piece even for these few tokens
+    tunables = Tunables(group_tokens=1)  # a group per slot even for these few tokens
     P, T = 4, 12
     shape = AttentionShape(seq_local=T, **SHAPE)
     mask = Mask.from_cu_seqlens([0, 46, 48], P * T)
     for mode in ("ring", "tasp"):
-        plan = resolve(mode, P, shape, backward_chunks="refetch").build(shape, mask)
+        plan = resolve(mode, P, shape, backward_chunks="refetch").build(shape, mask, tunables=tunables)
         validate_plan(plan)
         for r in range(P):
             ops = [op for op in plan.rank(r).backward if type(op) is not Free]
             posts = {op.round: op for op in ops if type(op) is Post}
             returns = [t for t, op in posts.items() if any(x.key.kind == "dkv" for x in op.sends + op.recvs)]
             if mode == "tasp":
-                assert sorted(posts) == list(range(1, 1 + 2 * BURST_GROUPS))  # every rank, every round
+                assert sorted(posts) == list(range(1, 1 + 2 * tunables.burst_groups))  # every rank, every round
             for n, op in enumerate(ops):
-                if type(op) is AttendBackward and op.kv[0].slot >= 0:  # a remote piece's block
+                if type(op) is AttendBackward and op.kv[0].slot >= 0:  # a remote slot's block
                     nxt = next(o for o in ops[n + 1:] if type(o) is not Post or o.sends or o.recvs)
                     assert type(nxt) is Post and any(x.key == op.dkv[0] for x in nxt.sends), (mode, r, op, nxt)
             # the returns' waits come after the last block: the rank computes while they fly
@@ -299,15 +294,14 @@ def test_partials_go_home_as_soon_as_the_blocks_writing_them_ran(monkeypatch):
                 assert [x.peer for t in (5, 6, 7) for x in posts[t].sends] == [3, 2, 1]
 
 
-def test_tasp_groups_overlap_pulls_and_returns_with_compute(monkeypatch):
-    """TASP pulling and returning in BURST_GROUPS groups instead of one round each: on 16 ranks
+def test_tasp_groups_overlap_pulls_and_returns_with_compute():
+    """TASP pulling and returning in burst_groups groups instead of one round each: on 16 ranks
     over 2 nodes with a 48K-token document cut over 12 ranks (and short ones), the simulated
-    forward starts its remote blocks before all pieces are in and the backward's dK/dV returns
+    forward starts its remote blocks before all slots are in and the backward's dK/dV returns
     travel while later groups compute -- both directions faster than with one group, the same
     bytes (a deterministic model property, not a timing; validity: the "many" groups case of
     test_masked_plans_validate_for_every_mode)."""
     import megatron_mesh as mm
-    from megatron_mesh.plan import sparse
     from megatron_mesh.plan.simulate import simulate
     from megatron_mesh.plan.topology import Topology
 
@@ -317,25 +311,24 @@ def test_tasp_groups_overlap_pulls_and_returns_with_compute(monkeypatch):
     layout = mm.balanced_layout(cu, P, ranks_per_node=8)
     topo = Topology(nodes=2, gpus_per_node=8)
     got = {}
-    for groups in (1, sparse.BURST_GROUPS):
-        monkeypatch.setattr(sparse, "BURST_GROUPS", groups)
-        plan = resolve("tasp", P, shape, ranks_per_node=8, backward_chunks="refetch").build(shape, Mask(True), layout)
+    for groups in (1, TUNABLES.burst_groups):
+        plan = resolve("tasp", P, shape, ranks_per_node=8, backward_chunks="refetch").build(
+            shape, Mask(True), layout, tunables=Tunables(burst_groups=groups))
         got[groups] = simulate(plan, shape, topo)
-    one, many = got[1], got[sparse.BURST_GROUPS]
+    one, many = got[1], got[TUNABLES.burst_groups]
     assert many.bytes_sent == one.bytes_sent
     assert many.forward.time < one.forward.time and many.backward.time < one.backward.time, \
         (one.forward.time, many.forward.time, one.backward.time, many.backward.time)
 
 
 def test_backward_chunks_auto_keeps_on_the_ranks_whose_pulls_fit_their_own_chunk():
-    """backward_chunks="auto" under a mask: a rank keeps the pieces it pulled in the forward
+    """backward_chunks="auto" under a mask: a rank keeps the slots it pulled in the forward
     (nothing of Q / K / V moves to it in the backward) exactly where they hold at most the bytes
-    of its own Q, K and V chunk (sparse.KEEP_LIMIT), else it pulls them again; its senders agree.
+    of its own Q, K and V chunk (keep_limit), else it pulls them again; its senders agree.
     P = 4, T = 12, one causal document of 46 tokens on the zigzag: ranks 0 and 1 read 36 and 30
     of its columns (more than their 12 tokens' Q + K + V: refetch), ranks 2 and 3 read 24 and 18
     (keep). "keep" / "refetch" apply to every rank; a dense plan refetches under "auto"."""
     from megatron_mesh.plan.accounting import buffer_bytes
-    from megatron_mesh.plan.sparse import KEEP_LIMIT
 
     P, T = 4, 12
     shape = AttentionShape(seq_local=T, **SHAPE)
@@ -355,7 +348,7 @@ def test_backward_chunks_auto_keeps_on_the_ranks_whose_pulls_fit_their_own_chunk
                 kept.append(bool(rp.saved))
                 assert kept[-1] == ("kv" not in moved_in), (mode, bc, r, moved_in)
                 if bc == "auto" and pulled is not None:
-                    assert pulled * per["kv"] <= KEEP_LIMIT * T * (per["q"] + per["kv"])
+                    assert pulled * per["kv"] <= TUNABLES.keep_limit * T * (per["q"] + per["kv"])
             want = {"keep": [True] * P, "refetch": [False] * P, "auto": [False, False, True, True]}[bc]
             assert kept == want, (mode, bc, kept)
             sent[mode, bc] = sum(b.sent for b in plan_bytes(plan, shape))

@@ -155,7 +155,8 @@ def test_bad_tensors_raise_naming_the_value():
         mm.mesh_attention(q, k[:, :, :0], v[:, :, :0])
     with pytest.raises(ValueError, match="same dtype"):
         mm.mesh_attention(q, k.double(), v)
-    with pytest.raises(ValueError, match="same shape"):
+    with pytest.raises(ValueError, match=r"k and v must agree in s_local, batch and kv heads, got k \(8, 2, 2, 8\) and "
+                                         r"v \(8, 1, 2, 8\)"):
         mm.mesh_attention(q, k, v[:, :1])
     with pytest.raises(ValueError, match="must agree in s_local, batch and head_dim"):
         mm.mesh_attention(q, k[:4], v[:4])
@@ -170,6 +171,45 @@ def test_bad_tensors_raise_naming_the_value():
         mm.mesh_attention(*(x.to(torch.complex64) for x in (q, k, v)))
     with pytest.raises(ValueError, match=r"same device, got cpu, meta, cpu"):
         mm.mesh_attention(q, k.to("meta"), v)
+
+
+def test_bad_softmax_offsets_and_value_head_dims_raise_naming_the_value():
+    """Attention sinks: an offset of the wrong type, shape, dtype or device is refused naming it
+    and what is allowed; values of another head dim than q and k run (the output has v's), but a
+    kernel that cannot take them refuses by name, before anything runs."""
+    from megatron_mesh.kernels import TorchAttentionKernel
+
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"softmax_offset must be None or a tensor of shape \[4\] \(one logit per "
+                                         r"query head\), got list"):
+        mm.ring_attention(q, k, v, softmax_offset=[0.0] * 4)
+    with pytest.raises(ValueError, match=r"softmax_offset must have shape \[4\] \(one logit per query head of q\), "
+                                         r"got \[2\]"):
+        mm.mesh_attention(q, k, v, softmax_offset=torch.zeros(2))
+    with pytest.raises(ValueError, match=r"softmax_offset must have shape \[4\].*got \[1, 4\]"):
+        mm.tasp_attention(q, k, v, softmax_offset=torch.zeros(1, 4))
+    with pytest.raises(ValueError, match=r"softmax_offset must be one of torch.float16, torch.bfloat16, torch.float32, "
+                                         r"torch.float64, got torch.int64"):
+        mm.attention(q, k, v, softmax_offset=torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"softmax_offset must be on the inputs' device cpu, got meta"):
+        mm.hybrid_attention(q, k, v, ulysses_size=1, softmax_offset=torch.zeros(4, device="meta"))
+    out = mm.ring_attention(q, k, v[..., :6], softmax_offset=torch.zeros(4, dtype=torch.bfloat16))
+    assert out.shape == (8, 2, 4, 6) and out.dtype == q.dtype
+    for op in ("flash", "cudnn"):
+        with pytest.raises(ValueError, match=rf"kernel backend torch-{op} cannot take a value head dim \(6\) other "
+                                             r"than the query/key head dim \(8\)"):
+            mm.ring_attention(q, k, v[..., :6], kernel=TorchAttentionKernel("cuda", op))
+
+
+def test_balanced_layout_takes_boundaries_in_a_tensor_and_refuses_the_meta_device():
+    """A tensor of boundaries gives the list's layout; one on the meta device (no values) is a
+    ValueError naming it, not torch's RuntimeError from deep inside (issue 48)."""
+    want = mm.balanced_layout([0, 5, 16], 2)
+    assert mm.balanced_layout(torch.tensor([0, 5, 16]), 2) == want
+    for cu in (torch.tensor([0, 5, 16], device="meta"), [0, torch.tensor(5, device="meta"), 16]):
+        with pytest.raises(ValueError, match=r"cu_seqlens must hold integers that can be read here, got .*"
+                                             r"device='meta'.*: pass the document boundaries on the CPU"):
+            mm.balanced_layout(cu, 2)
 
 
 def test_double_backward_says_it_is_unsupported():
@@ -281,6 +321,30 @@ def test_settings_take_numpy_integers_and_the_wrappers_names():
                        mm.hybrid_attention(q, k, v, ulysses_size=1, tile=(1, 1)))
 
 
+def test_the_wrappers_take_their_options_defaults_and_help_from_the_modes():
+    """One owner: each wrapper's mode options are its mode's Options -- every option a user sets
+    (``tile_auto`` is set by resolution) with the Options' default and its help in the
+    docstring. hybrid_attention passes the inner mode's options on, so their defaults are that
+    mode's."""
+    import inspect
+
+    from megatron_mesh.plan.modes import get_mode, option_specs
+
+    for fn, mode in ((mm.mesh_attention, "mesh"), (mm.ring_attention, "ring"), (mm.tasp_attention, "tasp")):
+        options_type, names = fn.mode_options
+        assert options_type is get_mode(mode).Options
+        specs = {s.name: s for s in option_specs(options_type)}
+        params = inspect.signature(fn).parameters
+        assert set(names) == set(specs) - {"tile_auto"} == set(specs) & set(params), mode
+        doc = " ".join(fn.__doc__.split())
+        for name in names:
+            assert params[name].default == specs[name].default, (mode, name)
+            assert " ".join(specs[name].help.split()) in doc, (mode, name)
+    hybrid = inspect.signature(mm.hybrid_attention).parameters
+    inner_options = {s.name for m in ("mesh", "ring", "tasp") for s in option_specs(get_mode(m).Options)}
+    assert not inner_options & set(hybrid) and "inner_settings" in hybrid
+
+
 def test_a_refused_setting_stays_refused_after_an_equal_valid_one():
     """The placement cache must not serve 1.0 or True the plan that 1 left there: lru_cache takes
     them for one key, resolve accepts only the int."""
@@ -339,18 +403,21 @@ def collectives(monkeypatch):
     monkeypatch.setattr(agreement.dist, "all_reduce", all_reduce)
     monkeypatch.setattr(agreement.dist, "all_gather_object", all_gather_object)
     monkeypatch.setattr(agreement.dist, "get_backend", lambda group=None: "gloo")
+    # a group of this test's own: the check remembers groups (whether their ranks agreed to run without it)
+    monkeypatch.setattr(_Comm, "process_group", _Group())
     return seen
 
 
 def _call(tensors=None, **kw):
     """The agreement.Call that rank 0 of a 2-rank group makes (ring attention unless ``mode``)."""
     from megatron_mesh.runtime import agreement
-    from megatron_mesh.runtime.api import prepare
+    from megatron_mesh.runtime.api import backward_follows, prepare
 
     q, k, v = tensors if tensors is not None else qkv(s=4)
     kw.setdefault("mode", "ring")
     p = prepare(q, k, v, comm=_Comm(), **kw)
-    return agreement.Call(p.plan, p.placement, tuple(q.shape), tuple(k.shape), q.dtype, p.scale, p.kernel)
+    return agreement.Call(p.plan, p.placement, tuple(q.shape), tuple(k.shape), q.dtype, p.scale, p.kernel,
+                          backward_follows(q, k, v))
 
 
 def test_every_call_is_checked_with_one_small_all_reduce(collectives):
@@ -361,16 +428,55 @@ def test_every_call_is_checked_with_one_small_all_reduce(collectives):
     assert collectives == [("all_reduce", torch.int64, 2, "cpu")] * 3
 
 
-def test_the_check_can_be_turned_off(collectives, monkeypatch):
+def test_the_check_can_be_turned_off_once_the_ranks_agree_to_it(collectives, monkeypatch):
+    """With MEGATRON_MESH_PLAN_AGREEMENT=0 a group's first call still takes part in one check, so
+    that a rank with the check off meets the ranks with it on (which would otherwise wait for it in
+    their all-reduce); once the group agreed to run without it, no collective runs. A bad value
+    joins the check described by its error (the others name it), then raises here."""
     from megatron_mesh.runtime import agreement
 
     monkeypatch.setenv(agreement.ENV, "0")
+    for _ in range(3):
+        _call()
+    assert collectives == [("all_reduce", torch.int64, 2, "cpu")]
+    monkeypatch.setenv(agreement.ENV, "1")  # back on: every call is checked again, and off again agreed again
     _call()
-    assert collectives == []
+    monkeypatch.setenv(agreement.ENV, "0")
+    _call()
+    _call()
+    assert collectives == [("all_reduce", torch.int64, 2, "cpu")] * 3
     monkeypatch.setenv(agreement.ENV, "yes")
     with pytest.raises(ValueError, match=r"MEGATRON_MESH_PLAN_AGREEMENT must be 1 \(check every attention call, the "
                                          r"default\) or 0 \(no check\), got 'yes'"):
         _call()
+    assert collectives == [("all_reduce", torch.int64, 2, "cpu")] * 4  # it joined the check before raising
+
+
+@pytest.mark.parametrize("env, value, error", [
+    ("MEGATRON_MESH_MASK_PIECE", "0", r"MEGATRON_MESH_MASK_PIECE must be a positive integer, got '0'"),
+])
+def test_a_bad_mask_piece_setting_is_read_where_the_rank_still_joins_the_check(collectives, monkeypatch, env, value,
+                                                                             error):
+    """Read before the check, even for a call without a masked block: this rank joins the check
+    described by its error (its peers raise naming it) instead of failing in the forward, after it."""
+    monkeypatch.setenv(env, value)
+    with pytest.raises(ValueError, match=error):
+        _call()
+    assert collectives == [("all_reduce", torch.int64, 2, "cpu")]
+
+
+def test_the_fingerprint_covers_whether_a_backward_follows(collectives):
+    """A rank calling under torch.no_grad() (or with inputs that need no gradient) while the others
+    train would leave them waiting in the backward: whether one follows is part of the call."""
+    from megatron_mesh.runtime import agreement
+
+    train = _call(tensors=tuple(x.requires_grad_() for x in qkv(s=4)))
+    with torch.no_grad():
+        no_grad = _call(tensors=tuple(x.requires_grad_() for x in qkv(s=4)))
+    frozen = _call()
+    assert train.digest() != no_grad.digest() and no_grad.digest() == frozen.digest()
+    msg = agreement.mismatch_message([train.describe(), no_grad.describe()])
+    assert msg.endswith("result): backward: rank 0: yes, rank 1: no (grad mode off, or no input requires grad)"), msg
 
 
 @pytest.mark.parametrize("change, field", [
@@ -412,6 +518,34 @@ def test_the_fingerprint_tells_layouts_apart_but_not_the_zigzag_from_itself(coll
     assert zigzag.digest() != thd.digest()
     assert "result): layout: rank 0: " in agreement.mismatch_message([zigzag.describe(), thd.describe()])
     assert _call().digest() == _call(layout=ThdLayout(2, (0, 8))).digest()
+
+
+def test_mismatch_message_names_the_first_differing_run_of_long_layouts(collectives):
+    """Real layouts are kilobytes: two that differ only after their first 300 characters are named
+    by the part where they first differ -- a rank's runs, with the runs around the first difference
+    -- as documents are, not by the plan's digest alone."""
+    import random
+
+    from megatron_mesh.runtime import agreement
+
+    rng = random.Random(1)
+    cu = [0]
+    while cu[-1] < 4096:
+        cu.append(min(4096, cu[-1] + rng.randint(1, 100)))
+    mine, theirs = mm.balanced_layout(cu, 2), mm.balanced_layout(cu, 2, window=(64, 0))  # same documents
+    a, b = mine.text(), theirs.text()
+    first = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert first > 300 and a != b
+    tensors = qkv(s=2048, b=1, h=2, g=1, d=4)
+    msg = agreement.mismatch_message([_call(tensors, layout=mine).describe(), _call(tensors, layout=theirs).describe()])
+    runs = [r.split(",") for r in a.split("runs=")[1].split(";")], [r.split(",") for r in b.split("runs=")[1].split(";")]
+    rank = next(r for r in range(2) if runs[0][r] != runs[1][r])
+    at = next(i for i, (x, y) in enumerate(zip(*(rs[rank] for rs in runs))) if x != y)
+    assert f"layout: rank 0: balanced P=2 U=1 ({len(a)} characters), runs of rank {rank}: {len(runs[0][rank])} [" in msg
+    assert f"rank 1: balanced P=2 U=1 ({len(b)} characters), runs of rank {rank}: {len(runs[1][rank])} [" in msg
+    for rs in runs:
+        assert f" {rs[rank][at]} " in msg.split("layout: ")[1] or f"[{rs[rank][at]} " in msg, (rs[rank][at], msg)
+    assert "digest" not in msg and len(msg) < 800, msg
 
 
 def test_mismatch_message_names_ranks_and_the_first_differing_documents():

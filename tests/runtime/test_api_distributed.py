@@ -2,7 +2,9 @@
 conftest.dist_results): ranks that disagree on the call -- mode, documents (a cached plan on some
 ranks and a new one on others, or two cached plans whose transfers have the same shapes), softmax
 scale, dtype, local shape, window, a hybrid's window, through the Megatron adapter's wrapped
-communicator, one rank's bad input, one rank with another plugin version -- fail at once on every
+communicator, one rank's bad input, one rank with another plugin version, one rank's own process
+settings (the check off or bad, a bad mask piece) or grad mode (torch.no_grad()), the attention
+sinks' kind, the value head dim -- fail at once on every
 rank naming the difference, instead of hanging or returning a wrong result; a rank passing a group
 it is not in gets an error naming the group; after destroy_process_group() and a new init with the
 ranks swapped, group=None means the new group."""
@@ -53,10 +55,17 @@ DIFFERENCES = {
     # rank 1's layout sets apart the hybrid's first and last documents (its span chunks' order)
     "balanced_hide": f"layout: ranks 0, 2-7: {mm.balanced_layout(api_cases.DOCS['A'], 8, group=2).text()}, rank 1: "
                      f"{mm.balanced_layout(api_cases.DOCS['A'], 8, group=2, hide=True).text()}",
+    "sinks": "softmax offset (sinks): ranks 0, 2-7: fixed, rank 1: learnable",
+    "sinks_on_some_ranks": "softmax offset (sinks): ranks 0-1, 3-7: fixed, rank 2: none",
+    "value_head_dim": "local shape [s_local, batch, heads, head_dim]: rank 0: q [4, 1, 4, 8], k/v [4, 1, 2, 8], v head "
+                      "dim 6, ranks 1-7: q [4, 1, 4, 8], k/v [4, 1, 2, 8]",
     # another plugin version on one node: same inputs, same plan digest, other plan code
     "plan_code": "plan code (version, source digest, tunables): rank 0: "
                  f"{agreement.plan_code().replace(agreement._source_digest(), api_cases.OTHER_SOURCE)}, ranks 1-7: "
                  f"{agreement.plan_code()}",
+    # one rank's own process: the check off (it still joins the group's first check), torch.no_grad()
+    "agreement_off_on_one_rank": f"{agreement.SWITCH}: ranks 0-1, 3-7: 1 (every call), rank 2: 0 (off)",
+    "no_grad_on_one_rank": "backward: ranks 0-1, 3-7: yes, rank 2: no (grad mode off, or no input requires grad)",
 }
 
 
@@ -75,7 +84,9 @@ def test_every_rank_raises_naming_the_difference(results, call):
 def test_agreeing_calls_between_the_disagreements_run(results):
     for r in results:
         d = r["disagreements"]
-        assert [d[name][0] for name in ("documents_agree_A", "documents_agree_B", "hybrid_agree")] == ["ok"] * 3
+        assert [d[name][0] for name in ("documents_agree_A", "documents_agree_B", "hybrid_agree", "sinks_agree")] == \
+            ["ok"] * 4
+        assert d["agreement_off_everywhere"][0] == "ok"  # every rank without the check: right, no hang
         assert d["after"][0] < 1e-12  # the group is still usable and right after every disagreement
 
 
@@ -85,17 +96,25 @@ def test_agreeing_calls_between_the_disagreements_run(results):
                               "got 'bogus'"),
     ("bad_gpus_per_node_on_one_rank", "ValueError: CP ranks per node (gpus_per_node) must be a positive divisor of "
                                       "the CP size 8, got 0"),
+    ("bad_offset_on_one_rank", "ValueError: softmax_offset must have shape [4] (one logit per query head of q), "
+                               "got [3]"),
+    # one rank's own process settings, read where it still joins the check (they failed after it)
+    ("agreement_bad_on_one_rank", "ValueError: MEGATRON_MESH_PLAN_AGREEMENT must be 1 (check every attention call, "
+                                  "the default) or 0 (no check), got 'yes'"),
+    ("mask_piece_bad_on_one_rank", "ValueError: MEGATRON_MESH_MASK_PIECE must be a positive integer, got '0'"),
 ])
 def test_a_rank_with_bad_input_raises_it_and_the_others_name_it(results, call, error):
-    """One rank's bad argument -- to attention() or to a wrapper (hybrid_attention's inner) -- raises
-    there and, within seconds, a PlanMismatchError naming it on the others: none waits for it."""
+    """One rank's bad argument -- to attention() or to a wrapper (hybrid_attention's inner) -- or
+    bad process setting raises there and, within seconds, a PlanMismatchError naming it on the
+    others: none waits for it."""
     for rank, r in enumerate(results):
         outcome, seconds = r["disagreements"][call]
         if rank == 2:
             assert outcome == error
         else:
             assert outcome == f"{MISMATCH} (each must pass the same mode, settings, mask, layout, dtype, local shape, " \
-                              f"softmax scale and kernel; running it would hang or return a wrong result): input: " \
+                              f"softmax scale and kernel, in the same grad mode and with the same " \
+                              f"MEGATRON_MESH_PLAN_AGREEMENT; running it would hang or return a wrong result): input: " \
                               f"ranks 0-1, 3-7: valid, rank 2: raised {error}"
         assert seconds < 10
 

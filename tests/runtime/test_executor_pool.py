@@ -26,12 +26,12 @@ def allocations(monkeypatch, world: int, tile) -> list[collections.Counter]:
     lock = threading.Lock()
     calls = itertools.count()
     new_buffers = executor_module.Executor._buffers
-    new_tensors = executor_module._Buffers._new
+    new_tensors = executor_module.Buffers._new
 
     def buffers(self, *args, **kwargs):
         bufs = new_buffers(self, *args, **kwargs)
         with lock:
-            bufs.call = next(calls)  # one _Buffers per forward / backward call
+            bufs.call = next(calls)  # one Buffers per forward / backward call
             per_call[bufs.call] = collections.Counter()
         return bufs
 
@@ -41,7 +41,7 @@ def allocations(monkeypatch, world: int, tile) -> list[collections.Counter]:
         return new_tensors(self, key)
 
     monkeypatch.setattr(executor_module.Executor, "_buffers", buffers)
-    monkeypatch.setattr(executor_module._Buffers, "_new", counting_new)
+    monkeypatch.setattr(executor_module.Buffers, "_new", counting_new)
     p = cases.Problem(world, 4, 2, True, torch.float32)
     Q, K, V, dO = cases.make_inputs(p)
     plan = build_mesh_plan(world, tile, p.shape)

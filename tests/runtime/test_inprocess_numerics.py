@@ -29,18 +29,22 @@ def run_case(p: cases.Problem, plan, *, device="cpu", kernel="auto", softmax_sca
     ref = ref if ref is not None else cases.dense_reference(p, softmax_scale)
     planned = plan_bytes(plan, p.shape)
     Q, K, V, dO = ref.inputs
+    offset = None if ref.offset is None else ref.offset.to(device=device, dtype=p.dtype)
 
     def rank_fn(rank, comm):
         q, k, v, do = (p.shard(x, rank).to(device=device, dtype=p.dtype) for x in (Q, K, V, dO))
         with mm.comm_counter() as c:
             got = forward_backward(q, k, v, do, plan, comm=comm, kernel=kernel(rank) if callable(kernel) else kernel,
-                                   softmax_scale=softmax_scale)
+                                   softmax_scale=softmax_scale, softmax_offset=offset)
         got = tuple(g.cpu() for g in got)
         errors, ratios = cases.compare(p, got, ref, rank)
         return cases.Result(label, p, errors, ratios, c.bytes_sent, c.bytes_received,
                             (("plan", (planned[rank].sent, planned[rank].received)),), outputs=got)
 
-    return run_inprocess(rank_fn, p.world, timeout=120, serial=serial, device=device, streams=streams)
+    results = run_inprocess(rank_fn, p.world, timeout=120, serial=serial, device=device, streams=streams)
+    if offset is not None:  # (out, dq, dk, dv, this rank's share of d softmax_offset)
+        cases.assert_offset_grad(p, [r.outputs[4] for r in results], ref, label)
+    return results
 
 
 def check(results: list[cases.Result]) -> None:
@@ -245,22 +249,22 @@ def test_hybrid_inner_mesh_auto_tile_under_documents():
 
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("groups", ["few", "many"])
-def test_backward_chunks_under_a_mask_match_the_dense_reference(mode, groups, monkeypatch):
+def test_backward_chunks_under_a_mask_match_the_dense_reference(mode, groups):
     """backward_chunks "refetch", "keep" and "auto" on a mask-aware plan of every mode (hybrids
     included): outputs and gradients exact, bytes the plan's. One causal document of 46 of the 48
     tokens, P = 4: under "auto" the ranks reading most of it refetch, the others keep (a plan
     whose ranks disagree on purpose: senders must send exactly what each receiver pulls again).
-    "many": TASP pulls and returns in a group per remote piece (sparse.GROUP_TOKENS = 1), its
-    returns posted while later groups compute."""
-    from megatron_mesh.plan import sparse
-    if groups == "many":
-        monkeypatch.setattr(sparse, "GROUP_TOKENS", 1)
+    "many": TASP pulls and returns in a group per slot (group_tokens = 1), its returns posted
+    while later groups compute."""
+    from megatron_mesh.plan.tunables import TUNABLES, Tunables
+    tunables = Tunables(group_tokens=1) if groups == "many" else TUNABLES
     world = 4
     p = cases.Problem(world, 4, 2, True, torch.float32, seq_local=12, cu_seqlens=(0, 46, 48))
     ref = cases.dense_reference(p)
     settings = _mode_settings(mode, world)
     for backward_chunks in ("refetch", "keep", "auto"):
-        plan = resolve(mode, world, p.shape, backward_chunks=backward_chunks, **settings).build(p.shape, p.mask)
+        plan = resolve(mode, world, p.shape, backward_chunks=backward_chunks, **settings).build(p.shape, p.mask,
+                                                                                               tunables=tunables)
         check(run_case(p, plan, ref=ref, label=f"{mode} {settings} backward_chunks={backward_chunks}"))
 
 
@@ -392,17 +396,17 @@ def test_first_writes_copy_and_give_bitwise_the_same_results(monkeypatch):
     from megatron_mesh.plan import Plan
     from megatron_mesh.runtime import executor
 
-    new = executor._Buffers._new
-    monkeypatch.setattr(executor._Buffers, "_new", lambda self, key: tuple(t.fill_(float("nan"))
+    new = executor.Buffers._new
+    monkeypatch.setattr(executor.Buffers, "_new", lambda self, key: tuple(t.fill_(float("nan"))
                                                                           for t in new(self, key)))
     filled = [0]
-    fill = executor._Buffers.fill
+    fill = executor.Buffers.fill
 
     def counting_fill(key, tensors, rows=None):
         filled[0] += sum(b - a for a, b in (rows if rows is not None else [(0, tensors[0].shape[2])]))
         fill(key, tensors, rows)
 
-    monkeypatch.setattr(executor._Buffers, "fill", staticmethod(counting_fill))
+    monkeypatch.setattr(executor.Buffers, "fill", staticmethod(counting_fill))
 
     problems = [("ring", {}, cases.Problem(4, 4, 2, True, torch.float32, seq_local=16)),
                 ("ring", {}, cases.Problem(4, 4, 2, True, torch.float32, seq_local=16, cu_seqlens=(0, 5, 21, 40, 64),
@@ -549,6 +553,23 @@ def test_cuda_every_mode_under_masks(mode):
               cases.Problem(world, 4, 1, False, torch.bfloat16, seq_local=T, head_dim=64, window=(20, 9))):
         plan = resolve(mode, world, p.shape, **settings).build(p.shape, p.mask)
         check(run_case(p, plan, device="cuda", label=f"CUDA {mode} {p.mask.text()}"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", list(MODES))
+def test_cuda_sinks_and_value_head_dims(mode):
+    """Learnable sinks (their gradient summed over the ranks) with values of another head dim than
+    queries and keys (MLA's 192 / 128 halved) and with equal ones, documents and a window, on
+    CUDA: bf16 through "auto" (flash for equal dims, the efficient op for the others) and fp32
+    through the efficient op, P = 4."""
+    world, T = 4, 128
+    settings = _mode_settings(mode, world)
+    for dtype, kernel, dv in ((torch.bfloat16, "auto", 48), (torch.bfloat16, "auto", None),
+                              (torch.float32, "torch-efficient", 48)):
+        p = cases.Problem(world, 4, 2, True, dtype, seq_local=T, head_dim=96, v_head_dim=dv, sink=True,
+                          cu_seqlens=(0, 37, world * T // 2 + 5, world * T), window=(50, 0))
+        plan = resolve(mode, world, p.shape, **settings).build(p.shape, p.mask)
+        check(run_case(p, plan, device="cuda", kernel=kernel, label=f"CUDA {mode} sinks dv={dv} {dtype}"))
 
 
 @pytest.mark.gpu

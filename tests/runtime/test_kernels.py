@@ -51,10 +51,11 @@ def dense(q, k, v, mask: BlockMask, scale):
     return torch.einsum("bhqk,bhkd->bhqd", p, v), lse
 
 
-def inputs(heads, kv_heads, sq, sk, dtype, device="cpu", d=16, batch=2, seed=0):
+def inputs(heads, kv_heads, sq, sk, dtype, device="cpu", d=16, batch=2, seed=0, dv=None):
+    """q, k, v, dout; v and dout of head dim ``dv`` (None: ``d``)."""
     g = torch.Generator().manual_seed(seed)
-    mk = lambda h, s: torch.randn(batch, h, s, d, generator=g).to(device=device, dtype=dtype)  # noqa: E731
-    return mk(heads, sq), mk(kv_heads, sk), mk(kv_heads, sk), mk(heads, sq)  # q, k, v, dout
+    mk = lambda h, s, w=d: torch.randn(batch, h, s, w, generator=g).to(device=device, dtype=dtype)  # noqa: E731
+    return mk(heads, sq), mk(kv_heads, sk), mk(kv_heads, sk, dv or d), mk(heads, sq, dv or d)
 
 
 def random_allowed(sq: int, sk: int, seed: int, empty_rows=(), device="cpu") -> torch.Tensor:
@@ -75,16 +76,16 @@ def assert_close(got, want, dtype, heads=4, kv_heads=4, what=""):
     assert ratio <= 1.0, f"{what}: max error {err.max().item():.2e} is {ratio:.2f}x the tolerance ({dtype})"
 
 
-def check_forward(kernel, dtype, mask: BlockMask, heads, device="cpu", sq=24, sk=40, d=16):
+def check_forward(kernel, dtype, mask: BlockMask, heads, device="cpu", sq=24, sk=40, d=16, dv=None):
     h, g = HEADS[heads]
     sk = sq if mask.causal else sk  # causal blocks are diagonal: the plan only uses them on square blocks
     if mask.kind == "masked":
         sq, sk = mask.allowed.shape
-    q, k, v, _ = inputs(h, g, sq, sk, dtype, device, d)
+    q, k, v, dout = inputs(h, g, sq, sk, dtype, device, d, dv=dv)
     scale = 1 / math.sqrt(d)
     out, lse = kernel.forward(q, k, v, mask=mask, scale=scale)
     want_out, want_lse = dense(q, k, v, mask, scale)  # the reference sees the same rounded inputs
-    assert out.shape == q.shape and lse.shape == q.shape[:3]
+    assert out.shape == dout.shape and lse.shape == q.shape[:3]
     assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32), lse.dtype
     assert_close(out, want_out, dtype, h, g, f"{kernel.name} out")
     assert_close(lse, want_lse, dtype, h, g, f"{kernel.name} lse")
@@ -121,12 +122,12 @@ def full_allowed(t: int, parts) -> torch.Tensor:
     return allowed
 
 
-def check_backward_from_global_stats(kernel, dtype, kind: str, heads, device="cpu", t=32, d=16):
+def check_backward_from_global_stats(kernel, dtype, kind: str, heads, device="cpu", t=32, d=16, dv=None):
     """Block gradients given the global lse / delta sum to the full attention's gradients, and
     LSE-merging the block outputs gives the full output (rows without any key: out 0, lse -inf,
-    gradients 0)."""
+    gradients 0). ``dv``: the value head dim (None: ``d``)."""
     h, g = HEADS[heads]
-    q, k, v, dout = inputs(h, g, t, t, dtype, device, d, seed=1)
+    q, k, v, dout = inputs(h, g, t, t, dtype, device, d, seed=1, dv=dv)
     scale = 1 / math.sqrt(d)
     parts = blocks(t, kind, device=device)
     whole = BlockMask("masked", full_allowed(t, parts).to(device))
@@ -137,14 +138,14 @@ def check_backward_from_global_stats(kernel, dtype, kind: str, heads, device="cp
     delta = (dout.double() * out.detach()).sum(-1)
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=device) for x in (q, k, v))
-    m_out = torch.zeros(q.shape, dtype=acc, device=device)
+    m_out = torch.zeros(dout.shape, dtype=acc, device=device)
     m_lse = torch.full(q.shape[:3], NEG_INF, dtype=acc, device=device)
     for rows, cols, mask in parts:
         b_out, b_lse = kernel.forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], mask=mask, scale=scale)
         merge_partial_(m_out[:, :, rows], m_lse[:, :, rows], b_out, b_lse)
         gq, gk, gv = kernel.backward(dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols],
                                      lse[:, :, rows].to(acc), delta[:, :, rows].to(acc), mask=mask, scale=scale)
-        assert gq.shape == q[:, :, rows].shape and gk.shape == gv.shape == k[:, :, cols].shape
+        assert gq.shape == q[:, :, rows].shape and gk.shape == k[:, :, cols].shape and gv.shape == v[:, :, cols].shape
         dq[:, :, rows] += gq
         dk[:, :, cols] += gk
         dv[:, :, cols] += gv
@@ -175,6 +176,55 @@ def test_forward_matches_dense(name, dtype, kind, heads):
 @pytest.mark.parametrize("heads", ["MHA", "GQA"])
 def test_backward_from_global_stats_sums_to_full_gradient(name, dtype, kind, heads):
     check_backward_from_global_stats(CPU_KERNELS[name](), dtype, kind, heads)
+
+
+@pytest.mark.parametrize("name", CPU_KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dv", [8, 24])
+def test_value_head_dim_other_than_the_query_key_one(name, dtype, dv):
+    """MLA's head dims (192 / 128 scaled down: values of 8 against queries and keys of 16; and
+    values wider than keys, 24): forward and the backward from global statistics of causal, full
+    and masked blocks, GQA and MQA, against fp64 math -- within 1e-10 in fp64. The CPU op takes
+    equal dims only: the kernel pads the narrower side with zeros and cuts the result back."""
+    kernel = CPU_KERNELS[name]()
+    for kind in ("causal", "full", "masked"):
+        check_backward_from_global_stats(kernel, dtype, kind, "GQA", dv=dv)
+    for mask in (CAUSAL, FULL):
+        check_forward(kernel, dtype, mask, "MQA", dv=dv)
+
+
+def test_kernels_that_cannot_take_a_value_head_dim_say_so():
+    """On CUDA flash and cuDNN (asked for by name) refuse values of another head dim, naming
+    themselves; "auto" and the efficient op take them (auto picks efficient), as do the CPU op
+    and the math kernel."""
+    from megatron_mesh.kernels import check_head_dims
+
+    for op in ("flash", "cudnn"):
+        with pytest.raises(ValueError, match=rf"kernel backend torch-{op} cannot take a value head dim \(128\) other "
+                                             r"than the query/key head dim \(192\); use 'auto' or 'torch-efficient'"):
+            check_head_dims(TorchAttentionKernel("cuda", op), 192, 128)
+        check_head_dims(TorchAttentionKernel("cuda", op), 128, 128)
+    for kernel in (TorchAttentionKernel("cuda"), TorchAttentionKernel("cuda", "efficient"), TorchAttentionKernel("cpu"),
+                   MathKernel()):
+        check_head_dims(kernel, 192, 128)
+    q = torch.empty(2, 4, 40, 64, device="meta", dtype=torch.bfloat16)
+    v = torch.empty(2, 2, 40, 32, device="meta", dtype=torch.bfloat16)
+    auto = TorchAttentionKernel("cuda")
+    assert auto._op(q, v) == "efficient" and auto._op(q, q) == "flash"
+
+
+def test_cuda_efficient_op_plumbing_with_a_value_head_dim_on_meta_tensors():
+    """The efficient op (and "auto", which takes it) with values of another head dim: output and
+    gradients shaped like v (GQA folded back), on torch's meta implementations."""
+    q = torch.empty(2, 4, 40, 64, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(2, 2, 40, 64, device="meta", dtype=torch.bfloat16)
+    v = torch.empty(2, 2, 40, 32, device="meta", dtype=torch.bfloat16)
+    lse = torch.empty(2, 4, 40, device="meta")
+    for kernel in (TorchAttentionKernel("cuda"), TorchAttentionKernel("cuda", "efficient")):
+        out, lse = kernel.forward(q, k, v, mask=CAUSAL, scale=0.125)
+        assert out.shape == (2, 4, 40, 32) and kernel.name == "torch-efficient"
+        dq, dk, dv = kernel.backward(out, q, k, v, lse, lse, mask=CAUSAL, scale=0.125)
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
 
 
 # -- masked blocks -----------------------------------------------------------------------------------------
@@ -602,3 +652,14 @@ def test_cuda_strided_block_inputs():
             want_out, want_lse = dense(q, k, v, mask, 128 ** -0.5)
             assert_close(out, want_out, torch.bfloat16, what=f"{op} strided {mask.kind} out")
             assert_close(lse, want_lse, torch.bfloat16, what=f"{op} strided {mask.kind} lse")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_cuda_value_head_dim(dtype):
+    """MLA's head dims (192 for queries and keys, 128 for values) on the ops that take them: "auto"
+    (the efficient op for these) and "torch-efficient", causal, full and masked blocks, GQA."""
+    for kernel in (get_kernel("auto", torch.device("cuda")), TorchAttentionKernel("cuda", "efficient")):
+        for kind in ("causal", "full", "masked"):
+            check_backward_from_global_stats(kernel, dtype, kind, "GQA", device="cuda", t=256, d=192, dv=128)
+        check_forward(kernel, dtype, CAUSAL, "MQA", device="cuda", sq=136, d=192, dv=128)

@@ -202,7 +202,8 @@ def test_bad_arguments_raise_value_error():
     with pytest.raises(ValueError, match="transfers need contiguous tensors"):
         InProcessCommunicator(Mailbox(2), 0).start([(1, torch.ones(2, 2).t())], [])
     q = torch.zeros(4, 1, 2, 8)
-    with pytest.raises(ValueError, match=r"dout must be shaped like q \(4, 1, 2, 8\), got \(2, 1, 2, 8\)"):
+    with pytest.raises(ValueError, match=r"dout must be shaped like the output \(4, 1, 2, 8\) \(q's heads, v's head dim\), "
+                                         r"got \(2, 1, 2, 8\)"):
         forward_backward(q, q, q, q[:2], lambda P, shape: build_mesh_plan(P, (1, 1), shape),
                          comm=InProcessCommunicator(Mailbox(1), 0))
 

@@ -133,7 +133,6 @@ def test_pieces_cut_the_buffer_across_runs():
 
 def test_piece_setting(monkeypatch):
     monkeypatch.delenv(PIECE_ENV, raising=False)
-    monkeypatch.delenv("MEGATRON_MESH_MASK_TILE", raising=False)
     assert mask_piece(CPU) == 512 and mask_piece(torch.device("cuda", 0)) == 2048
     monkeypatch.setenv(PIECE_ENV, "64")
     assert mask_piece(CPU) == 64
@@ -141,14 +140,11 @@ def test_piece_setting(monkeypatch):
         monkeypatch.setenv(PIECE_ENV, bad)
         with pytest.raises(ValueError, match=f"{PIECE_ENV} must be a positive integer, got '{bad}'"):
             mask_piece(CPU)
-    monkeypatch.setenv("MEGATRON_MESH_MASK_TILE", "64")  # the old name is refused, naming the new one
-    with pytest.raises(ValueError, match=f"MEGATRON_MESH_MASK_TILE was renamed {PIECE_ENV}"):
-        mask_piece(CPU)
 
 
 def test_worked_example_of_mask_pieces():
-    """mask_pieces' docstring: the zigzag piece [0, 1000) + [3000, 4000) of a document against the
-    piece [1000, 3000) is one FULL call of 1000 x 2000 (the front run sees none of it); against
+    """mask_pieces' docstring: the zigzag portion [0, 1000) + [3000, 4000) of a document against the
+    runs [1000, 3000) is one FULL call of 1000 x 2000 (the front run sees none of it); against
     itself one CAUSAL call of 2000 x 2000 (positions increase along the buffer: the lower triangle
     is exactly the allowed pairs), where cutting by runs made three (causal front, full back x
     front, causal back). A window that cuts inside the rectangle keeps the three (a causal call
@@ -157,7 +153,7 @@ def test_worked_example_of_mask_pieces():
     q = ((0, 1000), (3000, 1000))
     assert mask_pieces(mask, q, ((1000, 1000), (2000, 1000)), 2048) == [(BlockKind.FULL, (1000, 2000), (0, 2000))]
     assert mask_pieces(mask, q, q, 2048) == [(BlockKind.CAUSAL, (0, 2000), (0, 2000))]
-    # two documents side by side, each of two zigzag pieces: one causal call each, packed together
+    # two documents side by side, each of two zigzag portions: one causal call each, packed together
     # by a variable-length call (call_groups)
     two = Mask(True, None, ((0, 4000), (4000, 8000))).normalized(8000)
     q2 = q + ((4000, 1000), (7000, 1000))

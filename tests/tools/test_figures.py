@@ -130,8 +130,9 @@ def test_measure_figures_group_the_modes_by_mask(measure):
     assert [t.get_text() for t in ax.get_xticklabels()] == [f"mask: {m}" for m in MASKS]
     assert [t.get_text() for t in fig.legends[0].get_texts()] == modes
     assert ax.get_ylabel()
-    if measure == "bytes":  # a group's bars are the modes' bytes of that mask, in KiB
-        assert "KiB" in ax.get_ylabel()
+    if measure == "bytes":  # a group's bars are the modes' bytes of that mask, in KiB: the busiest rank's
+        assert "KiB" in ax.get_ylabel() and "by the busiest rank" in ax.get_ylabel()
+        assert "per rank" not in ax.get_ylabel()
         heights = [p.get_height() for p in ax.patches]
         by = {(r.mode, r.mask): r.bytes_per_step / KIB for r in runs}
         expect = [by[mode, mask] for mode in modes for mask in MASKS]
@@ -139,9 +140,10 @@ def test_measure_figures_group_the_modes_by_mask(measure):
     if measure == "time":  # whiskers span the timed iterations (2 and 3; the first is the warm-up)
         spans = sorted(tuple(sorted(seg[:, 1])) for c in ax.collections for seg in c.get_segments())
         assert spans == sorted((300.0 + 10 * j, 310.0 + 10 * j) for j in range(len(MODES)) for _ in MASKS)
-        assert "mean of 2 iterations" in ax.get_title() and "noise" in ax.get_title()
+        assert "mean of iterations 2-3 (the first left out" in ax.get_title() and "noise" in ax.get_title()
     if measure == "memory":
-        assert "max RSS per process" in ax.get_title()
+        label = ax.get_ylabel().replace("\n", " ")
+        assert "max RSS per process" in ax.get_title() and "the largest of the ranks" in label
     _check_layout(fig)
     for r in runs:  # a failed run has no bar; a mode with none left has no legend entry
         if r.mode == runs[2].mode:
@@ -151,6 +153,21 @@ def test_measure_figures_group_the_modes_by_mask(measure):
     assert len(_panels(fig)[0].patches) == (len(modes) - 1) * len(MASKS)
     with pytest.raises(ValueError, match="unknown measure 'speed'; allowed: bytes, time, memory"):
         figures.measure_fig(runs, "speed")
+
+
+@pytest.mark.parametrize("times, says", [
+    ({1: 900.0, 2: 300.0}, "time of iteration 2 (the first left out"),  # a 2-iteration job: one timed
+    ({1: 900.0}, "time of iteration 1 (the only one"),
+    ({5: 900.0, 6: 300.0, 7: 310.0, 8: 320.0}, "mean of iterations 6-8 (the first left out"),
+])
+def test_time_figure_names_the_iterations_it_times(times, says):
+    """The time figure's title says which iterations its bars are (issue 48: a 2-iteration job said
+    "mean of 1 iteration")."""
+    runs = _runs(masks=["none"], modes=MODES[:2])
+    for r in runs:
+        r.times_ms = dict(times)
+    title = _panels(figures.measure_fig(runs, "time"))[0].get_title()
+    assert says in title and "mean of 1 " not in title, title
 
 
 def test_ranks_figure_shows_every_rank_and_the_imbalance():

@@ -159,10 +159,18 @@ def test_plot_figure_shows_every_line_and_the_time_relative_to_ring():
     (["--cp", "4", "--seed", "5", "--samples", "3"], "--samples 3 draws --docs with seeds 5..7: .*got None"),
     (["--cp", "4", "--seq-len", "4096", "--docs", "lognormal:100,1", "--samples", "2", "--explain"],
      "--explain breaks down one sample's plans: leave out --samples 2 or --explain"),
+    # issue 48: a count that would not fit in memory, and the shape's numbers named by their flags
+    (["--cp", "4", "--seq-len", "4096", "--docs", "lognormal:100,1", "--samples", "1000000000"],
+     "--samples 1000000000: at most 10,000 \\(each sample plans every row again"),
+    (["--cp", "4", "--heads", "0"], "--heads must be >= 1, got 0"),
+    (["--cp", "4", "--kv-heads", "-2"], "--kv-heads must be >= 1, got -2"),
+    (["--cp", "4", "--head-dim", "0"], "--head-dim must be >= 1, got 0"),
+    (["--cp", "4", "--batch", "0"], "--batch must be >= 1, got 0"),
 ])
 def test_cli_rejects_bad_input(capsys, argv, message):
     assert main(argv) == 2
-    assert re.search(message, capsys.readouterr().err)
+    err = capsys.readouterr().err
+    assert re.search(message, err) and len(err.strip().splitlines()) == 1, err
 
 
 def test_cli_output_into_a_closed_pipe_is_not_an_error(tmp_path):
@@ -221,6 +229,36 @@ def test_cli_layouts_side_by_side(capsys):
     with pytest.raises(SystemExit):
         main(["--cp", "4", "--docs", "fixed:4", "--layout", "bogus"])
     assert "invalid choice: 'bogus'" in capsys.readouterr().err
+
+
+def test_cli_table_of_one_layout_says_which(capsys):
+    """A table of one layout has no layout column: its header names the layout (issue 48)."""
+    for layout in ("balanced", "zigzag", "thd"):
+        assert main(["--cp", "4", "--seq-len", "4096", "--docs", "fixed:512", "--modes", "ring", "--layout",
+                     layout]) == 0
+        head = capsys.readouterr().out.splitlines()[0]
+        assert head.endswith(f"8 documents of mean 512 tokens; every row on the {layout} layout"), head
+
+
+def test_cli_puts_the_busiest_rank_bytes_next_to_their_bound(capsys):
+    """With causal documents the planner gives the sample's bounds on the busiest rank's bytes
+    (plan/bound.py) and each row's bytes over the query-owner one; the plain modes' plans are at or
+    above it. A window leaves them out (the bounds are derived without one)."""
+    from megatron_mesh.plan.bound import placement_bound, query_owner_bound
+    from megatron_mesh.tools.plan_cli import document_bounds
+
+    argv = ["--cp", "8", "--seq-len", "16384", "--docs", "lognormal:1024,1", "--modes", "ring,tasp", "--layout",
+            "balanced"]
+    data = _json(capsys, *argv)
+    cu, shape = document_bounds("lognormal:1024,1", 16384), AttentionShape(2048, 1, 32, 32, 128, 2)
+    bounds = data["bounds"]
+    assert bounds["query_owner_bytes"] == query_owner_bound(cu, 8, shape).bytes > 0
+    assert bounds["any_placement_bytes"] == placement_bound(cu, 8, shape).bytes < bounds["query_owner_bytes"]
+    assert all(r["bytes_per_rank"] >= bounds["query_owner_bytes"] for r in data["modes"])
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "x bound" in out and "when every pair is computed by its query's owner" in out
+    assert _json(capsys, *argv, "--window", "512")["bounds"] is None
 
 
 def test_cli_says_which_rows_a_layout_leaves_out(capsys):
@@ -679,7 +717,7 @@ def test_layout_rows_plan_thd_only_when_asked_above_the_limit(monkeypatch):
     assert not any(r.layout == "thd" and r.mode in ("ring", "auto") for r in rows)
     assert [s["mode"] for s in skipped] == ["ring (thd)", "auto (thd)", "ring (balanced-hide)"]
     assert "the plain modes run on the balanced one (--layout balanced)" in skipped[2]["reason"]
-    assert "not planned on THD at CP 4: every rank holds two pieces of each of the 3 documents" in skipped[0]["reason"]
+    assert "not planned on THD at CP 4: every rank holds two halves of each of the 3 documents" in skipped[0]["reason"]
     assert "(plan them with --layout thd)" in skipped[0]["reason"]
     rows, skipped = layout_rows(4, shape, Topology(), cu, modes=("ring",), layouts=("thd",), plan_thd=True)
     assert ("thd", "ring") in {(r.layout, r.mode) for r in rows} and not skipped
@@ -705,6 +743,35 @@ def test_planner_at_1024_ranks_is_fast(capsys):
     assert tiles == set(tile_shapes(1024)) - {(1, 1024)}
     # a few seconds on an idle core; the bound leaves room for a loaded 2-core CI machine
     assert elapsed < 30, f"planner took {elapsed:.1f} s at P=1024"
+
+
+def test_keys_and_values_are_counted_at_their_own_head_dims(capsys):
+    """--v-head-dim (MLA: queries and keys of 192, values of 128): every buffer kind has its tensors
+    at their own dims (plan.ir.KINDS), the planner's ring and Mesh rows move the closed form's
+    bytes at those dims, the memory walk's ring forward peak is one K + V chunk, the FLOPs per pair
+    are 2 (192 + 128) forward and 2 (3 x 192 + 2 x 128) backward, the table's header names both
+    dims, and a bad value is refused naming the flag."""
+    from megatron_mesh.plan.costs import pair_flops
+
+    shape = AttentionShape(seq_local=2048, batch=1, heads=8, kv_heads=2, head_dim=192, itemsize=2, v_head_dim=128)
+    T = 4
+    sizes = {"q": 8 * 192 * 2, "kv": 2 * (192 + 128) * 2, "o": 8 * (128 + 1) * 4, "do": 8 * (128 * 2 + 4 + 4),
+             "dq": 8 * 192 * 4, "dkv": 2 * (192 + 128) * 4, "y": 8 * 128 * 2, "dy": 8 * 128 * 2, "gq": 8 * 192 * 2,
+             "gkv": 2 * (192 + 128) * 2}
+    assert {kind: buffer_bytes(kind, T, shape) for kind in sizes} == {kind: n * T for kind, n in sizes.items()}
+    rows = _json(capsys, "--cp", "8", "--heads", "8", "--kv-heads", "2", "--seq-len", "16384", "--head-dim", "192",
+                 "--v-head-dim", "128", "--modes", "ring,mesh")["modes"]
+    assert {r["mode"] for r in rows} == {"ring", "mesh"}
+    for r in rows:
+        assert r["bytes_per_rank"] == mesh_bytes_formula(8, tuple(r["tile"]), shape).sent, r
+    assert buffer_memory(build_ring_plan(2, shape), shape).forward_peak == buffer_bytes("kv", 2048, shape)
+    assert pair_flops(shape, 8) == 8 * 2 * 320 and pair_flops(shape, 8, backward=True) == 8 * 2 * (576 + 256)
+    equal = dataclasses.replace(shape, v_head_dim=192)
+    assert pair_flops(equal, 8, backward=True) == BACKWARD_FLOPS * pair_flops(equal, 8)
+    assert main(["--cp", "8", "--seq-len", "16384", "--head-dim", "192", "--v-head-dim", "128", "--modes", "ring"]) == 0
+    assert "head dim 192 (values 128)" in capsys.readouterr().out
+    assert main(["--cp", "8", "--v-head-dim", "0"]) == 2
+    assert "--v-head-dim must be >= 1, got 0" in capsys.readouterr().err
 
 
 # -- simulator -------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ CPU run, on synthetic runs (pure Python, no training: seconds)."""
 
 from __future__ import annotations
 
+import re
 import struct
 
 import pytest
@@ -130,3 +131,78 @@ def test_measured_vs_planned_puts_the_planners_bytes_next_to_the_measured(tmp_pa
     with pytest.raises(ValueError, match=r"planning the window runs needs the window's width"):
         predict.measured_vs_planned_section(runs, problem, window=None, doc_mean=16)
     assert Topology.for_cp(4, 4).nodes_used(4) == 1  # the CPU run's machine: one node
+
+
+def _config(tmp_path, **flags) -> str:
+    """A small config (4 heads of dim 16, 64 tokens at CP 4) with ``flags`` (--window-size as
+    window_size) added to its MODEL_ARGS."""
+    args = {"--num-layers": 2, "--num-attention-heads": 4, "--hidden-size": 64, "--seq-length": 64,
+            "--context-parallel-size": 4, **{f"--{k.replace('_', '-')}": v for k, v in flags.items()}}
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("MODEL_ARGS:\n" + "".join(f"  {k}: {v}\n" for k, v in args.items()))
+    return str(cfg)
+
+
+@pytest.mark.parametrize("window, error", [
+    ("-5,0", "--window-size -5,0: LEFT -5 is not allowed; each side is a number of tokens >= 0, or -1 (unlimited)"),
+    ("16,4", "--window-size 16,4: the plugin's causal layers attend no later key, so the right side must be 0 (or -1, "
+             "unlimited)"),
+    ("16,-2", "--window-size 16,-2: RIGHT -2 is not allowed"),
+    ("5,0,0", "--window-size 5,0,0: give two values LEFT,RIGHT"),
+    ("a,0", "--window-size 'a,0' must be LEFT,RIGHT (integers)"),
+])
+def test_a_window_the_training_refuses_is_refused_by_the_prediction(tmp_path, window, error):
+    """The prediction runs the training start-up's check of --window-size (one function, in plan/):
+    -5,0 was predicted as 'window None tokens' and 16,4 as a causal 16-token window."""
+    from megatron_mesh.plan.window import megatron_window
+
+    with pytest.raises(ValueError, match="config '.*c.yaml': " + re.escape(error)):
+        predict.read_config(_config(tmp_path, window_size=f'"{window}"'))
+    if window != "a,0":  # what the start-up check of a training run says about the same window
+        with pytest.raises(ValueError, match=re.escape(error)):
+            megatron_window(tuple(int(x) for x in window.split(",")), causal=True)
+
+
+@pytest.mark.parametrize("window, planned, text", [
+    ("16,0", (16, 0), "causal, window 16 tokens"), ("(16,0)", (16, 0), "causal, window 16 tokens"),
+    ("16,-1", (16, 0), "causal, window 16 tokens"), ("-1,0", None, "causal,"), ("-1,-1", None, "causal,"),
+])
+def test_the_prediction_reads_a_window_as_megatron_does(tmp_path, window, planned, text):
+    p = predict.read_config(_config(tmp_path, window_size=f'"{window}"'))
+    assert p.window == planned and f"{p.dtype}, {text}" in p.describe() + ",", p.describe()
+
+
+@pytest.mark.parametrize("flags, error", [
+    (dict(num_attention_heads=6, hidden_size=96, group_query_attention="true", num_query_groups=4),
+     "--num-query-groups 4 must divide --num-attention-heads 6"),
+    (dict(num_attention_heads=32, hidden_size=1024, group_query_attention="true", num_query_groups=64),
+     "--num-query-groups 64 must divide --num-attention-heads 32"),
+    (dict(num_attention_heads=8, hidden_size=256, group_query_attention="true", num_query_groups=4,
+          tensor_model_parallel_size=8), None),  # 4 groups for TP 8: each replicated on 2 TP ranks
+    (dict(num_attention_heads=24, hidden_size=768, group_query_attention="true", num_query_groups=6,
+          tensor_model_parallel_size=4),
+     "--num-query-groups 6 must be a multiple or a divisor of --tensor-model-parallel-size 4"),
+])
+def test_heads_that_cannot_be_split_are_refused_when_the_config_is_read(tmp_path, flags, error):
+    """Read before any run of the main job (they failed in the prediction, after every run had trained)."""
+    path = _config(tmp_path, **flags)
+    if error is None:
+        p = predict.read_config(path)
+        assert (p.shape.heads, p.shape.kv_heads) == (1, 1)
+        return
+    with pytest.raises(ValueError, match="config '.*c.yaml': " + re.escape(error)):
+        predict.read_config(path)
+
+
+def test_an_index_announcing_more_sequences_than_it_holds_is_refused_in_one_line(tmp_path):
+    """2^40 announced sequences: a MemoryError before; one ValueError naming the file now. Only the
+    lengths of the first sample are read."""
+    header = b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 8, 2 ** 40, 2 ** 40 + 1)
+    (tmp_path / "d.idx").write_bytes(header + struct.pack("<3i", 10, 30, 24))
+    cfg = _config(tmp_path, reset_attention_mask="true", data_path=str(tmp_path / "d"))
+    with pytest.raises(ValueError, match=r"d.idx: announces 1099511627776 sequences, but holds the lengths of 3 "
+                                         r"\(4 bytes each\): truncated, or not an index"):
+        predict.read_config(cfg)
+    header = b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 8, 3, 4)
+    (tmp_path / "d.idx").write_bytes(header + struct.pack("<3i", 10, 30, 24))
+    assert predict.read_config(cfg).documents == (0, 10, 40, 64)

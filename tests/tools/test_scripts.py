@@ -498,9 +498,17 @@ def test_compare_cp_modes_always_runs_the_baseline_unless_told_not_to(script):
     (["--iters", "0"], r"--iters must be >= 1, got 0"),
     (["--window", "0"], r"--window must be >= 1 token, got 0"),
     (["--masks", "window", "--window", "100000"], r"--window 100000 reaches across the whole sequence of \d+ tokens"),
-    (["--run-timeout", "-1"], r"--run-timeout must be a number of seconds > 0, got -1"),
-    (["--run-timeout", "0"], r"--run-timeout must be a number of seconds > 0, got 0 \(leave it out for no limit\)"),
+    (["--run-timeout", "-1"], r"--run-timeout must be a number of seconds > 0 and at most \d+, got -1"),
+    (["--run-timeout", "0"], r"--run-timeout must be a number of seconds > 0 and at most \d+, got 0 \(leave it out for "
+                             r"no limit\)"),
     (["--config", "configs/../README.md"], r"--config configs/../README.md: cannot read its MODEL_ARGS' --seq-length"),
+    # a timer thread cannot wait that long (an OverflowError there, then no limit at all)
+    (["--run-timeout", "inf"], r"--run-timeout must be a number of seconds > 0 and at most \d+, got inf \(leave it "
+                               r"out for no limit\)$"),
+    (["--run-timeout", "1e12"], r"--run-timeout must be a number of seconds > 0 and at most \d+, got 1e\+12"),
+    # what failed only in the runs, after the baselines had trained
+    (["--masks", "docs", "--doc-data", "no/such/docs"], r"--doc-data no/such/docs: no dataset there, "
+                                                        r"no/such/docs.bin, no/such/docs.idx not found"),
 ])
 def test_compare_cp_modes_refuses_a_bad_command_line_in_one_line(script, capsys, argv, message):
     """Before any training, status 2, one line (as the plugin's other tools; they exited 1, some with
@@ -508,6 +516,41 @@ def test_compare_cp_modes_refuses_a_bad_command_line_in_one_line(script, capsys,
     compare = script("compare_cp_modes")
     cut = argv.index("--") if "--" in argv else len(argv)  # the extra Megatron flags come last
     refused(capsys, lambda: compare.parse_args([*argv[:cut], "--no-predict", *argv[cut:]]), message)
+
+
+def test_compare_cp_modes_refuses_transformer_engine_modes_without_it(script, capsys):
+    compare = script("compare_cp_modes")
+    if compare._have_te()[0]:
+        pytest.skip("Transformer Engine is usable here")
+    refused(capsys, lambda: compare.parse_args(["--modes", "ring", "p2p", "a2a", "--no-predict"]),
+            r"--modes p2p, a2a: Transformer Engine's modes, and Transformer Engine is not usable here \(.+\); the "
+            r"plugin's ring is p2p's algorithm \(zigzag ring attention\)$")
+
+
+def test_compare_cp_modes_parses_the_megatron_flags_before_any_run(script, capsys):
+    """The flags after -- go through Megatron's parser with the plugin's flags (one process that
+    imports Megatron, no training): an unknown one stops the job at once (it failed every run)."""
+    compare = script("compare_cp_modes")
+    refused(capsys, lambda: compare.parse_args(["--modes", "ring", "--no-predict", "--", "--num-layers", "2",
+                                                "--no-such-flag", "3"]),
+            r"compare_cp_modes: error: the Megatron flags after --: unrecognized arguments: --no-such-flag 3")
+    flags = ["--lr", "0.001", "--seed", "7"]
+    assert compare.parse_args(["--modes", "ring", "--no-predict", "--", *flags]).megatron_args == flags
+
+
+def test_compare_cp_modes_reads_the_predicted_configs_before_any_run(script, capsys, tmp_path):
+    """A --predict config whose heads cannot be split, or whose window the training refuses, stops
+    the job before its first run (it failed in the report, after every run had trained)."""
+    compare = script("compare_cp_modes")
+    base = "MODEL_ARGS:\n  --num-layers: 2\n  --seq-length: 64\n  --context-parallel-size: 4\n"
+    for name, extra, message in (
+            ("gqa", "--num-attention-heads: 6\n  --hidden-size: 96\n  --group-query-attention: true\n"
+                    "  --num-query-groups: 4\n", r"--num-query-groups 4 must divide --num-attention-heads 6"),
+            ("window", "--num-attention-heads: 4\n  --hidden-size: 64\n  --window-size: 16,4\n",
+             r"--window-size 16,4: the plugin's causal layers attend no later key")):
+        (tmp_path / f"{name}.yaml").write_text(base + "  " + extra)
+        refused(capsys, lambda: compare.parse_args(["--predict", str(tmp_path / f"{name}.yaml")]),
+                rf"compare_cp_modes: error: config '.*{name}.yaml': {message}")
 
 
 def test_compare_cp_modes_refuses_a_report_directory_it_cannot_make(script, capsys, tmp_path):
@@ -565,6 +608,10 @@ def test_compare_cp_modes_refuses_a_report_directory_it_cannot_make(script, caps
     ("search_layout", ["--world", "2", "--seq-len", "64", "--heads", "3", "--kv-heads", "2"],
      r"heads \(3\) must be divisible by kv_heads \(2\)"),
     ("search_layout", ["--world", "2", "--seq-len", "64", "--docs", "fixed:0"], r"fixed:0"),
+    ("layout_tables", ["--cp", "3", "--seq-len", "64"], r"--cp 3 must be >= 1 and split --seq-len 64 into 2 x CP halves"),
+    ("layout_tables", ["--cp", "4", "--seq-len", "64", "--docs", "fixed:0"], r"fixed:0"),
+    ("layout_tables", ["--cp", "16", "--nodes", "1", "--seq-len", "1024", "--docs", "fixed:64"],
+     r"a CP group of 16 ranks does not fit 1 nodes"),
     ("count_host_ops", ["--world", "2", "--seq-local", "64"],
      r"--docs 'lognormal:512,1.0' over --world x --seq-local = 128 tokens"),
     ("count_host_ops", ["--world", "2", "--seq-local", "64", "--docs", "fixed:16", "--top", "-1"],
@@ -578,6 +625,25 @@ def test_scripts_refuse_bad_input_by_name(script, capsys, name, argv, message):
         script(name).main(argv)
     assert exit_.value.code == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_layout_tables_print_each_seed_and_the_criteria(script, capsys, tmp_path):
+    """Per seed the zigzag's, the balanced layout's and the default's rows with the bound, then
+    the criteria over the seeds; --json keeps every sample's rows."""
+    import json
+
+    rows = tmp_path / "rows.jsonl"
+    script("layout_tables").main(["--cp", "4", "--seq-len", "4096", "--docs", "lognormal:512,1.0", "--seeds", "0", "1",
+                                  "--modes", "ring,a2a+tasp", "--json", str(rows)])
+    out = capsys.readouterr().out
+    assert out.count("\nseed ") == 2 and "over 2 samples: fastest mode on the default layout" in out
+    assert "slower on the default layout than on the zigzag: none" in out
+    samples = [json.loads(line) for line in rows.read_text().splitlines()]
+    assert [s["seed"] for s in samples] == [0, 1]
+    for s in samples:
+        assert {(r["mode"], r["U"]) for r in s["rows"]} == {("ring", 1), ("a2a+tasp", 2), ("a2a+tasp", 4)}
+        assert all(r["pick"] in ("balanced", "zigzag") and r["balanced"]["bytes"] >= s["bound"] for r in s["rows"]
+                   if r["U"] == 1)
 
 
 def test_compare_attention_kv_heads_follow_heads(script, capsys):

@@ -6,22 +6,24 @@ are those of the glossary in docs/design.md.
 
 Buffer kinds (:data:`KINDS`; the one table the executor allocates from and the accounting prices):
 
-==========  ==========================================  =========================
-kind        tensors                                     dtype
-==========  ==========================================  =========================
-``q``       (q,)            [B, H, T, D]                input
-``kv``      (k, v)          [B, Hkv, T, D] each         input
-``o``       (out, lse)      [B, H, T, D], [B, H, T]     acc (partial output)
-``do``      (dout, lse, delta) [B,H,T,D], [B,H,T] x2    input, acc, acc
-``dq``      (dq,)           [B, H, T, D]                acc (gradient partial)
-``dkv``     (dk, dv)        [B, Hkv, T, D] each         acc (gradient partial)
-``y``       (out,)          [B, H, T, D]                input (a finished output)
-``dy``      (dout,)         [B, H, T, D]                input
-``gq``      (dq,)           [B, H, T, D]                input (a finished gradient)
-``gkv``     (dk, dv)        [B, Hkv, T, D] each         input (finished gradients)
-==========  ==========================================  =========================
+==========  ==============================================  =========================
+kind        tensors                                         dtype
+==========  ==============================================  =========================
+``q``       (q,)            [B, H, T, D]                    input
+``kv``      (k, v)          [B, Hkv, T, D], [B, Hkv, T, Dv] input
+``o``       (out, lse)      [B, H, T, Dv], [B, H, T]        acc (partial output)
+``do``      (dout, lse, delta) [B,H,T,Dv], [B,H,T] x2       input, acc, acc
+``dq``      (dq,)           [B, H, T, D]                    acc (gradient partial)
+``dkv``     (dk, dv)        [B, Hkv, T, D], [B, Hkv, T, Dv] acc (gradient partial)
+``y``       (out,)          [B, H, T, Dv]                   input (a finished output)
+``dy``      (dout,)         [B, H, T, Dv]                   input
+``gq``      (dq,)           [B, H, T, D]                    input (a finished gradient)
+``gkv``     (dk, dv)        [B, Hkv, T, D], [B, Hkv, T, Dv] input (finished gradients)
+==========  ==============================================  =========================
 
 "acc" is fp32 (fp64 when the inputs are fp64): partial results are never accumulated in bf16.
+D is the query/key head dim, Dv the value head dim (:meth:`~..shape.AttentionShape.dim`; equal
+but under MLA).
 T is the buffer's token count (:meth:`~.plan.Plan.tokens`); H / Hkv are the heads of one head
 slice when the key names one.
 
@@ -59,11 +61,12 @@ __all__ = [
 # -- buffer kinds --------------------------------------------------------------------------------
 class Kind(NamedTuple):
     """One buffer kind: per tensor, whether it has query heads ("q") or key/value heads ("kv"),
-    whether it has the head_dim axis, and whether it is in the input dtype or the accumulator's;
-    ``start``: per tensor, the value an accumulator starts from (0 unless given: the lse of a
-    row that has seen no key is -inf)."""
+    its last axis ("qk": the query/key head dim, "v": the value head dim, "": none -- a row
+    statistic; :meth:`~..shape.AttentionShape.dim`), and whether it is in the input dtype or the
+    accumulator's; ``start``: per tensor, the value an accumulator starts from (0 unless given:
+    the lse of a row that has seen no key is -inf)."""
 
-    tensors: tuple[tuple[str, bool, str], ...]
+    tensors: tuple[tuple[str, str, str], ...]
     start: tuple[float, ...] = ()
 
     def initial(self, i: int) -> float:
@@ -81,17 +84,17 @@ class Kind(NamedTuple):
 
 
 KINDS: dict[str, Kind] = {
-    "q": Kind((("q", True, "input"),)),
-    "kv": Kind((("kv", True, "input"), ("kv", True, "input"))),
-    "o": Kind((("q", True, "acc"), ("q", False, "acc")), start=(0.0, float("-inf"))),
-    "do": Kind((("q", True, "input"), ("q", False, "acc"), ("q", False, "acc"))),
-    "dq": Kind((("q", True, "acc"),)),
-    "dkv": Kind((("kv", True, "acc"), ("kv", True, "acc"))),
+    "q": Kind((("q", "qk", "input"),)),
+    "kv": Kind((("kv", "qk", "input"), ("kv", "v", "input"))),
+    "o": Kind((("q", "v", "acc"), ("q", "", "acc")), start=(0.0, float("-inf"))),
+    "do": Kind((("q", "v", "input"), ("q", "", "acc"), ("q", "", "acc"))),
+    "dq": Kind((("q", "qk", "acc"),)),
+    "dkv": Kind((("kv", "qk", "acc"), ("kv", "v", "acc"))),
     # finished results in the input dtype, as a Ulysses all-to-all moves them home
-    "y": Kind((("q", True, "input"),)),
-    "dy": Kind((("q", True, "input"),)),
-    "gq": Kind((("q", True, "input"),)),
-    "gkv": Kind((("kv", True, "input"), ("kv", True, "input"))),
+    "y": Kind((("q", "v", "input"),)),
+    "dy": Kind((("q", "v", "input"),)),
+    "gq": Kind((("q", "qk", "input"),)),
+    "gkv": Kind((("kv", "qk", "input"), ("kv", "v", "input"))),
 }
 # Copy may change the kind only to finish an accumulator: (from, to); it takes the leading tensors
 CASTS = {("o", "y"), ("dq", "gq"), ("dkv", "gkv")}

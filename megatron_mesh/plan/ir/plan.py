@@ -108,7 +108,7 @@ class Plan:
     * ``tile`` -- the Mesh tile the blocks were assigned by (ring: (1, P)); None for other modes;
     * ``schedule`` -- how the rounds are ordered: "greedy" / "lockstep" (Mesh's pull order),
       "rings" (TASP's ring steps), "shift" / "burst" (a mask-aware plan: one round per rank
-      distance, or each group of a rank's pieces in one round over all links);
+      distance, or each group of a rank's slots in one round over all links);
     * ``backward_chunks`` -- "refetch", "keep" (the forward keeps what the backward reads) or
       "auto" (a mask-aware plan: each rank keeps where that is at most its own Q, K and V);
     * ``contiguous`` -- which Mesh ring holds consecutive ranks ("q" / "kv"; None otherwise);

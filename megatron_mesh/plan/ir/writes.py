@@ -126,12 +126,12 @@ def creation_fills(ops, tokens, live=(), tensor_counts=None, first=None, heads_o
 
     def slice_cover(key: Key, rows, heads) -> list[Segment]:
         """The rows whose every head the head-slice copies into ``key`` so far have written."""
-        pieces = slices.setdefault(key, [])
-        pieces.append((list(rows), heads))
-        cuts = sorted({x for r, _ in pieces for seg in r for x in seg})
+        parts = slices.setdefault(key, [])
+        parts.append((list(rows), heads))
+        cuts = sorted({x for r, _ in parts for seg in r for x in seg})
         done = []
         for a, b in zip(cuts, cuts[1:]):
-            hs = sorted(h for r, h in pieces if any(s <= a and b <= e for s, e in r))
+            hs = sorted(h for r, h in parts if any(s <= a and b <= e for s, e in r))
             reach = 0
             for h0, h1 in hs:
                 if h0 > reach:

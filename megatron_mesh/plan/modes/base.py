@@ -32,6 +32,7 @@ from ..problem import is_dense, normalize
 from ..shape import AttentionShape
 from ..sparse import Assignment, build_sparse_plan
 from ..topology import Topology
+from ..tunables import TUNABLES, Tunables
 
 __all__ = ["Mode", "Placement", "MODES", "register", "get_mode", "resolve", "parse_mode_spec", "setting", "option_specs",
            "OptionSpec", "HYBRID_PREFIX", "topology_for", "check_ranks_per_node"]
@@ -110,10 +111,11 @@ class Placement:
     def spec(self) -> "Mode":
         return get_mode(self.mode)
 
-    def build(self, shape: AttentionShape, mask: Mask | None = None, layout: Layout | None = None) -> Plan:
+    def build(self, shape: AttentionShape, mask: Mask | None = None, layout: Layout | None = None,
+              tunables: Tunables = TUNABLES) -> Plan:
         """The plan of this placement for ``shape`` (per rank), ``mask`` (default causal) and
-        ``layout`` (default Megatron's zigzag)."""
-        return self.spec.build(self, shape, mask, layout)
+        ``layout`` (default Megatron's zigzag), with the builders' ``tunables``."""
+        return self.spec.build(self, shape, mask, layout, tunables)
 
     def rings(self) -> dict[str, tuple[tuple[int, ...], ...]]:
         """The rings (CP-rank tuples in ring order) the dense plan of this placement moves data on:
@@ -174,6 +176,7 @@ class Mode:
     planner_rows: ClassVar[str] = "all"  # what the planner shows by default: "all" candidates, or its "auto" row
     shorthand: ClassVar[tuple[str, ...]] = ()  # settings given positionally in "mode:a:b" (see parse_mode_spec)
     uses_nodes: ClassVar[bool] = True  # its placement depends on the CP ranks per node
+    burst_rounds: ClassVar[bool] = False  # pulls over every link at once each round (TASP), not one ring shift
     takes_block_owners: ClassVar[bool] = False  # computes blocks where a layout's ``owners`` name (Mesh)
 
     def options(self, **values) -> Any:
@@ -185,14 +188,15 @@ class Mode:
         """The placement for this group (``auto`` options chosen for ``shape``, ``topology`` and ``mask``)."""
         return Placement(self.name, world_size, options, ranks_per_node)
 
-    def build(self, p: Placement, shape: AttentionShape, mask: Mask | None, layout: Layout | None) -> Plan:
+    def build(self, p: Placement, shape: AttentionShape, mask: Mask | None, layout: Layout | None,
+              tunables: Tunables = TUNABLES) -> Plan:
         mask, layout = normalize(p.world_size, shape, mask, layout)
         self.check_layout(layout)
         if is_dense(mask, layout):
             return self.build_dense(p, shape, mask)
         return build_sparse_plan(self.name, p.world_size, shape, mask, layout, self.assignment(p, mask, layout),
                                  backward_chunks=getattr(p.options, "backward_chunks", "auto"),
-                                 ranks_per_node=p.ranks_per_node)
+                                 ranks_per_node=p.ranks_per_node, tunables=tunables)
 
     def check_layout(self, layout: Layout) -> None:
         """ValueError for a layout that names its blocks' owners (its work balance rests on them)

@@ -5,6 +5,7 @@ slice; the plan is :mod:`..hybrid`'s). A mode registered later gets its hybrid t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from dataclasses import dataclass, replace
 
@@ -13,6 +14,7 @@ from ..mask import Mask
 from ..problem import normalize
 from ..shape import AttentionShape
 from ..topology import Topology
+from ..tunables import TUNABLES, Tunables
 from .base import HYBRID_PREFIX, Mode, Placement, check_ranks_per_node, option_specs, register, setting
 
 __all__ = ["HybridMode", "UlyssesOptions", "register_hybrid"]
@@ -42,6 +44,7 @@ class HybridMode(Mode):
     def __init__(self, inner: Mode):
         self.inner = inner
         self.name = HYBRID_PREFIX + inner.name
+        self.burst_rounds = inner.burst_rounds
         self.Options = _options_type(inner)
         self.doc = f"Ulysses all-to-all over U consecutive ranks x {inner.name} across the P/U groups"
         self.auto_row = HYBRID_PREFIX + inner.auto_row if inner.auto_row else None
@@ -76,10 +79,11 @@ class HybridMode(Mode):
                              f"{self.inner.name} over {M} ranks: {e}") from None
         return Placement(self.name, world_size, UlyssesOptions(U), ranks_per_node, inner)
 
-    def build(self, p: Placement, shape: AttentionShape, mask, layout):
+    def build(self, p: Placement, shape: AttentionShape, mask, layout, tunables: Tunables = TUNABLES):
         mask, layout = normalize(p.world_size, shape, mask, layout)
         self.check_layout(layout)
-        return build_hybrid_plan(self.name, p.world_size, p.ulysses, p.inner.build, shape, mask, layout)
+        return build_hybrid_plan(self.name, p.world_size, p.ulysses, functools.partial(p.inner.build, tunables=tunables),
+                                 shape, mask, layout)
 
     def rings(self, p: Placement) -> dict:
         return hybrid_rings(p.world_size, p.ulysses, p.inner.rings())

@@ -27,7 +27,7 @@ class TaspOptions:
                                                   "collectives ('alltoall')")
     backward_chunks: Literal[BACKWARD_CHUNKS] = setting(
         "auto", flag="--tasp-backward-chunks",
-        help="under documents, windows or a document layout: 'refetch' pulls the K/V pieces again in the backward, "
+        help="under documents, windows or a document layout: 'refetch' pulls the K/V tokens again in the backward, "
              "'keep' keeps the forward's (fewer bytes, more activation memory), 'auto' keeps them on each rank "
              "where they are at most its own Q, K and V; the dense TASP plan refetches under every setting (its "
              "rotation would have to keep all P-1 chunks)")
@@ -35,6 +35,7 @@ class TaspOptions:
 
 class TaspMode(Mode):
     name = "tasp"
+    burst_rounds = True
     Options = TaspOptions
     shorthand = ("ranks_per_node",)
     doc = "TASP: ring attention whose KV rotation is split over arc-disjoint Hamiltonian rings"

@@ -1,0 +1,259 @@
+"""The default CP layout of one sample of packed documents: the balanced layout, unless Megatron's
+zigzag is predicted faster for the mode that runs it (``--cp-layout auto``; ``choose_layout``).
+
+The balanced layout (:mod:`.balance`) balances each rank's work, but cuts a long document into
+portions over several ranks, and each portion reads the keys of the portions before it. Where the
+transfers decide the step -- the plain modes over many nodes: at 256 GPUs ring sends 448 MiB
+per layer from the busiest rank on it against 321 MiB on the zigzag, 13.9 against 10.5 ms --
+the balanced layout is a trap; where the work decides it (one node, the Ulysses hybrids), it
+is 1.3-2.5x faster. This module prices both layouts for the mode in microseconds of pure Python
+and keeps the cheaper, so a user never gets a slower step than Megatron's own layout would give.
+
+**The price** (:func:`layout_cost`), per direction, on the machine of ``topo``: the slower of
+
+* compute: the busiest unit's allowed pairs at the machine's attention rate (a unit is a rank,
+  or a Ulysses group of U ranks for a hybrid, whose ranks each compute 1/U of the heads);
+* communication: the busiest unit's rounds -- the pulls the mask-aware plans make (:mod:`.sparse`:
+  every unit receives, from each holder, the tokens of a document before its last row there; K/V
+  in the forward, kept for the backward where they are at most its own Q, K and V, else pulled
+  again; dK/dV partials back): for ring and Mesh one round per shift of the ring, in which a unit
+  sends to one peer and receives from another, each transfer its link's latency + bytes /
+  bandwidth; for TASP, which pulls from every peer at once, per link class the latency of up to
+  ``TUNABLES.burst_groups`` (:mod:`.tunables`) rounds + the busier direction's bytes / bandwidth.
+
+It leaves out what both layouts pay alike (the hybrids' all-to-all) and prices what a plan adds
+on top only roughly (a kernel call per mask piece of its remote blocks, the merge of their partial
+results, :mod:`.costs`' rates): it ranks the two layouts, it does not predict the simulator's
+time; where transfers set the balanced layout's price, it keeps it only :data:`COMM_MARGIN`
+cheaper. At 256 GPUs (lognormal:4096, seed 0) it gives ring 10.4 ms on the zigzag and 13.8 on the
+balanced layout (the simulator: 10.5 and 13.9), TASP 9.9 and 10.6 (10.7 and 12.5), a2a+tasp U 8
+7.1 and 3.0 (7.3 and 3.0). It takes 3-110 ms of Python at 256 ranks (1M tokens; the plain modes
+on 16K-token documents, whose portions pull from the most peers, the longest). Where a rank's attention takes less than
+:data:`MIN_COMPUTE_LAUNCHES` kernel launches the zigzag is kept: such a step is bound by launches
+and latencies, which the price leaves out.
+
+Worked example (P = 2 ranks of one node, 32/8 heads of 128 in bf16, documents of 32K, 16K and 16K
+tokens): the zigzag gives rank 0 the first 16K tokens and the last document (268M pairs), rank 1
+the middle (537M pairs: 1.33x the mean), the balanced layout each rank 403M pairs -- the first
+document in two zigzag portions, the others whole. Both pull 8-16K tokens of the first document
+over NVLink (0.15 ms forward), so the compute decides: 16.9 + 41.7 ms against 22.5 + 55.6 ms,
+and the balanced layout is kept (``tests/plan/test_choice.py``).
+
+The choice is a function of the sample's documents and the settings every rank shares (CP
+size, mode, Ulysses degree, heads, dtype, machine), so all ranks make the same one.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from .accounting import buffer_bytes
+from .balance import BalancedLayout, document_work
+from .hybrid import inner_shape
+from .layout import Layout, ZigzagLayout
+from .modes import get_mode
+from .shape import AttentionShape
+from .simulate import BACKWARD_FLOPS
+from .tunables import TUNABLES
+from .topology import Topology
+
+__all__ = ["LayoutCost", "layout_cost", "choose_layout", "burst_rounds", "MIN_COMPUTE_LAUNCHES", "COMM_MARGIN"]
+
+# the zigzag keeps a sample whose busiest rank's forward attention on it takes less than this many
+# kernel launches (100 us on the default machine): such a step is bound by launches and round
+# latencies -- the CPU problem priced on H100s (8 ranks, 64K tokens, 2 heads of 32: 18-90 us), where
+# the balanced layout's extra kernel calls made ring 1-60 % slower than on the zigzag
+MIN_COMPUTE_LAUNCHES = 20
+# a balanced layout priced by its transfers (communication above compute in a direction) is kept
+# only where it is priced this much below the zigzag: at 256 GPUs TASP on 16K-token documents
+# (seed 3) was priced 8 % cheaper on it and simulated 14 % slower; the rows it keeps at 256 GPUs
+# were priced 16-20 % cheaper and simulated 3-15 % faster
+COMM_MARGIN = 0.10
+
+
+@dataclass(frozen=True)
+class LayoutCost:
+    """A layout's price for one mode (seconds): per direction the busiest unit's compute and
+    communication, and the total, each direction the slower of the two; ``attention``: the
+    busiest unit's forward attention alone (its pairs at the machine's rate)."""
+
+    forward_compute: float
+    backward_compute: float
+    forward_comm: float
+    backward_comm: float
+    attention: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return max(self.forward_compute, self.forward_comm) + max(self.backward_compute, self.backward_comm)
+
+
+def burst_rounds(mode: str) -> bool:
+    """Whether ``mode`` (or a hybrid's inner mode) pulls over every link at once (TASP), rather
+    than one ring shift per round (ring, Mesh)."""
+    return get_mode(mode).burst_rounds
+
+
+def _portions(layout: Layout, units: int, span: int, docs) -> dict[int, dict[int, list[tuple[int, int]]]]:
+    """document -> unit -> its (start, stop) intervals, document-relative."""
+    starts = [a for a, _ in docs]
+    out: dict[int, dict[int, list[tuple[int, int]]]] = {}
+    for u in range(units):
+        for _, s, n in layout.runs(u, span):
+            pos, end = s, s + n
+            while pos < end:
+                d = bisect.bisect_right(starts, pos) - 1
+                a, b = docs[d]
+                stop = min(end, b)
+                out.setdefault(d, {}).setdefault(u, []).append((pos - a, stop - a))
+                pos = stop
+    return out
+
+
+def _work_and_pulls(portions, docs, units: int) -> tuple[list[int], dict[tuple[int, int], tuple[int, int]]]:
+    """Each unit's allowed pairs (causal documents), and per (h, g) what unit g pulls from unit h:
+    (h's tokens of a document before g's last row of it, g's rows of it after h's first token --
+    the rows that read them and merge the result)."""
+    work = [0] * units
+    pulls: dict[tuple[int, int], tuple[int, int]] = {}
+    for d, holders in portions.items():
+        length = docs[d][1] - docs[d][0]
+        span = {}  # unit -> (first token, last token + 1, tokens)
+        for u, runs in holders.items():
+            work[u] += sum(document_work(a, b, length) for a, b in runs)
+            span[u] = (min(a for a, _ in runs), max(b for _, b in runs), sum(b - a for a, b in runs))
+        if len(holders) < 2:
+            continue
+        for h, runs in holders.items():
+            h_first, h_end, h_tokens = span[h]
+            for g, (g_first, g_end, g_tokens) in span.items():
+                y = g_end - 1  # g's last row reads h's tokens before it
+                if g == h or y <= h_first:
+                    continue
+                n = h_tokens if y >= h_end else sum(max(0, min(b, y) - a) for a, b in runs)
+                rows = g_tokens if g_first > h_first else sum(max(0, b - max(a, h_first + 1)) for a, b in holders[g])
+                cols, rs = pulls.get((h, g), (0, 0))
+                pulls[h, g] = (cols + n, rs + rows)
+    return work, pulls
+
+
+def _overheads(pulls, units: int, shape: AttentionShape, topo: Topology) -> tuple[list[float], list[float]]:
+    """Per unit, forward and backward seconds its remote blocks add to the compute stream: their
+    kernel calls (one per piece of at most ``topo.mask_piece`` rows and columns); the merge of their partial outputs into its rows (fp32
+    accumulator read and written, the result read), of dQ, the copy of the pulled columns' dK/dV
+    partials; on the holder, the add of the partials it gets back (:mod:`.costs` prices the same)."""
+    acc, e, d = max(4, shape.itemsize), shape.itemsize, shape.head_dim
+    h, g = shape.batch * shape.heads, shape.batch * shape.kv_heads
+    row_f = h * (2 * acc * (d + 1) + e * d + 4) / topo.memory_bandwidth
+    row_b = h * (2 * acc * d + e * d) / topo.memory_bandwidth
+    col_puller, col_holder = 2 * g * (acc + e) * d / topo.memory_bandwidth, 3 * 2 * g * acc * d / topo.memory_bandwidth
+    forward, backward = [0.0] * units, [0.0] * units
+    for (src, dst), (cols, rows) in pulls.items():
+        # a masked block runs as kernel calls on pieces of at most mask_piece x mask_piece tokens
+        calls = -(-max(rows, 1) // topo.mask_piece) * -(-cols // topo.mask_piece)
+        forward[dst] += calls * topo.kernel_latency + rows * row_f
+        backward[dst] += calls * topo.kernel_latency + rows * row_b + cols * col_puller
+        backward[src] += cols * col_holder
+    return forward, backward
+
+
+def _comm(pulls, units: int, shape: AttentionShape, topo: Topology, span: int, burst: bool) -> tuple[float, float]:
+    """The busiest unit's forward and backward communication (module docstring): the forward pulls
+    K/V; the backward returns dK/dV partials and pulls K/V again where they are not kept."""
+    kv, dkv, q = (buffer_bytes(k, 1, shape) for k in ("kv", "dkv", "q"))
+    pulled = [0] * units
+    for (_, g), (n, _) in pulls.items():
+        pulled[g] += n
+    keeps = [n * kv <= TUNABLES.keep_limit * shape.seq_local * (q + kv) for n in pulled]
+    node = [topo.node(u * span) for u in range(units)]
+    link = [(topo.latency(c), topo.bandwidth(c)) for c in ("intra", "inter")]
+    # transfers (sender, receiver) -> bytes, per kind of round
+    forward = {(h, g): n * kv for (h, g), (n, _) in pulls.items()}
+    returns = {(g, h): n * dkv for (h, g), (n, _) in pulls.items()}
+    again = {(h, g): n * kv for (h, g), (n, _) in pulls.items() if not keeps[g]}
+    out = []
+    for kinds in ((forward,), (returns, again)):
+        per = [0.0] * units
+        for moves in kinds:
+            rounds = _burst_rounds(moves, units, node, link) if burst else _shift_rounds(moves, units, node, link)
+            per = [a + b for a, b in zip(per, rounds)]
+        out.append(max(per, default=0.0))
+    return out[0], out[1]
+
+
+def _shift_rounds(moves: dict, units: int, node, link) -> list[float]:
+    """Each unit's seconds in ring-shift rounds: in the round of shift d it sends to u + d and
+    receives from u - d at once; each transfer takes its link's latency + bytes / bandwidth."""
+    per = [0.0] * units
+    for (src, dst), nbytes in moves.items():
+        d = (dst - src) % units
+        lat, bw = link[node[src] != node[dst]]
+        t = lat + nbytes / bw
+        back = ((src - d) % units, src)  # what src receives in the same round
+        other = moves.get(back)
+        if other is not None:
+            lat2, bw2 = link[node[back[0]] != node[src]]
+            t = max(t, lat2 + other / bw2)
+        per[src] += t
+        if (dst, (dst + d) % units) not in moves:  # dst sends nothing that round: it only receives
+            per[dst] += lat + nbytes / bw
+    return per
+
+
+def _burst_rounds(moves: dict, units: int, node, link) -> list[float]:
+    """Each unit's seconds in TASP's rounds: every peer at once, in up to ``TUNABLES.burst_groups``
+    groups, the busier direction of each link class deciding."""
+    sent = [[0, 0] for _ in range(units)]
+    received = [[0, 0] for _ in range(units)]
+    peers = [[0, 0] for _ in range(units)]
+    for (src, dst), nbytes in moves.items():
+        c = int(node[src] != node[dst])
+        sent[src][c] += nbytes
+        received[dst][c] += nbytes
+        peers[src][c] += 1
+        peers[dst][c] += 1
+    per = [0.0] * units
+    for u in range(units):
+        per[u] = max((link[c][0] * min(TUNABLES.burst_groups, peers[u][c]) + max(sent[u][c], received[u][c]) / link[c][1]
+                      for c in (0, 1) if peers[u][c]), default=0.0)
+    return per
+
+
+def layout_cost(layout: Layout, docs, shape: AttentionShape, topo: Topology, mode: str,
+                ulysses: int = 1) -> LayoutCost:
+    """The price (module docstring) of running ``mode`` (a registered mode's name; a hybrid
+    ``a2a+...`` with all-to-all degree ``ulysses``) on ``layout`` for the causal documents
+    ``docs`` ((start, stop), ...), ``shape`` per rank."""
+    P = layout.world_size
+    units = P // ulysses
+    sub = inner_shape(shape, ulysses) if ulysses > 1 else shape
+    work, pulls = _work_and_pulls(_portions(layout, units, ulysses, docs), docs, units)
+    pair = 4.0 * sub.batch * sub.heads * sub.head_dim / topo.attention_flops
+    extra_f, extra_b = _overheads(pulls, units, sub, topo)
+    forward, backward = _comm(pulls, units, sub, topo, ulysses, burst_rounds(mode))
+    return LayoutCost(max(w * pair + x for w, x in zip(work, extra_f)),
+                      max(w * pair * BACKWARD_FLOPS + x for w, x in zip(work, extra_b)), forward, backward,
+                      max(work) * pair)
+
+
+def choose_layout(balanced: BalancedLayout, shape: AttentionShape, topo: Topology, mode: str,
+                  ulysses: int = 1) -> tuple[str, LayoutCost, LayoutCost]:
+    """"balanced" or "zigzag" for one sample: the balanced layout ``balanced`` (its documents the
+    sample's, causal without a window) unless the zigzag costs less for ``mode`` (a tie keeps
+    the balanced layout); with both prices (balanced, zigzag). A Ulysses degree equal to the CP
+    size leaves one group, which computes every token of its heads whatever the layout: the
+    zigzag then (the all-to-all's own order, no document sets)."""
+    P = balanced.world_size
+    docs = balanced.documents()
+    mine = layout_cost(balanced, docs, shape, topo, mode, ulysses)
+    theirs = layout_cost(ZigzagLayout(P, balanced.seq_len), docs, shape, topo, mode, ulysses)
+    # a step whose busiest rank computes for less than a few launches' time is bound by launches
+    # and latencies, which the price leaves to the plan: balance buys nothing there
+    small = theirs.attention < MIN_COMPUTE_LAUNCHES * topo.kernel_latency
+    # where its transfers set the balanced layout's price, the price is least sure (the plans'
+    # rounds wait on their peers): it has to win by COMM_MARGIN
+    bound = mine.forward_comm > mine.forward_compute or mine.backward_comm > mine.backward_compute
+    cheaper = mine.total <= theirs.total * (1 - COMM_MARGIN if bound else 1)
+    pick = "balanced" if ulysses < P and not small and cheaper else "zigzag"
+    return pick, mine, theirs

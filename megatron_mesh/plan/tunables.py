@@ -1,0 +1,64 @@
+"""The plan builders' tunable constants, in one frozen record.
+
+The builders take a :class:`Tunables` (default :data:`TUNABLES`) instead of reading module
+globals: a test or a user passes another one (``placement.build(shape, mask,
+tunables=Tunables(burst_groups=1))``) rather than patching a module, and the plan check digests
+the runtime's record as a whole (:func:`megatron_mesh.runtime.agreement.plan_code`), so a field
+added here is covered without another edit. Ranks that built with different values would make op
+lists that do not match.
+
+The values, and why:
+
+* ``own_call_tokens`` (128): a document with fewer query tokens than this in a block shares one
+  masked kernel call with the block's other small documents (the runtime cuts that call into
+  mask pieces); a larger one gets a call of its own, causal or full where it can -- a kernel call
+  costs about as much as the causal block of a ~500-token document on an H100, so small
+  documents are not worth a call each.
+* ``burst_groups`` (8) and ``group_tokens`` (1,024): a burst plan (TASP) pulls a rank's remote
+  K/V in up to ``burst_groups`` groups of about equal work, in shift order, each one round over
+  all links, and returns each group's partials in a round of its own: a group's blocks start
+  once its tokens are in, and its dK/dV partials travel while the next group computes. Each
+  group costs a round's latency, a kernel call and a merge of its rows, so a rank makes one
+  group per ``group_tokens`` pulled tokens (a rank reading little keeps one fused call).
+  Planner, 256 GPUs (32 x 8), 1M tokens, GQA 32/8, a2a+tasp U 8 on the balanced layout:
+  lognormal:16384 documents 15.44 ms with one pull and one return round -> 13.73 with 8 return
+  groups -> 13.39 with 8 pull groups too (4 return groups: 14.27; 16: 13.79); one 512K document
+  + lognormal:4096 98.3 -> 81.6 ms; lognormal:4096 3.31 -> 3.34 ms (its ranks pull little);
+  TASP alone: lognormal:16384 55.9 -> 44.8 ms, lognormal:4096 12.8 -> 12.5 ms. The simulated
+  times move by a few % either way with ``group_tokens`` (4,096: TASP on lognormal:4096
+  13.9 ms; 16,384: a2a+tasp on lognormal:16384 14.1 ms).
+* ``keep_limit`` (1.0): ``backward_chunks="auto"`` keeps the K/V and Q tokens a rank pulled for
+  the backward when they hold at most this many times the bytes of its own Q, K and V chunk --
+  the inputs the backward saves anyway -- so keeping at most doubles them; above it (a rank
+  reading most of a long document) the rank pulls them again.
+* ``portion_work`` (1.0) and ``node_portion_work`` (0.5): the balanced layout cuts a document
+  whose work is above this fraction of the mean per-rank (per-node, in the nodes-first pass of a
+  layout for the plain modes) work into zigzag portions of at most this much work each (smaller
+  portions pack better; fewer move less). Measured with the planner at 256 GPUs (32 x 8, 1M
+  tokens of lognormal:4096,1 documents, seeds 0-3), half a node's work per portion in the node
+  pass: TASP 19.0 -> 12.8, 22.2 -> 15.5, 14.4 -> 14.1 and 18.7 -> 18.7 ms, ring 27.9 -> 16.7 ms
+  (seed 0); lognormal:16384: TASP 58.7 -> 55.9 ms. The Ulysses groups keep ``portion_work``
+  (their node pass moved a2a+tasp U 4 by -1 % to +4 %). :func:`~.balance.balanced_layout` takes
+  both as arguments too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Tunables", "TUNABLES"]
+
+
+@dataclass(frozen=True)
+class Tunables:
+    """The plan builders' tunable constants (see the module docstring for each one's why)."""
+
+    own_call_tokens: int = 128
+    burst_groups: int = 8
+    group_tokens: int = 1024
+    keep_limit: float = 1.0
+    portion_work: float = 1.0
+    node_portion_work: float = 0.5
+
+
+TUNABLES = Tunables()  # what the builders and the runtime use unless given another
