@@ -17,8 +17,12 @@ For each local sequence length and each plan (ring 1xP, Mesh tiles, TASP), causa
     computes exactly what it computed in (b), with nothing between its ops but its own host work
     (launches, the executor's Python). Its host runs ahead of the device as on a real GPU of a
     P-GPU job: "alone ms" is its wall time per step (sync at the end of the loop only), "host ms"
-    the time the host took to issue one step. Host ms close to alone ms: the host sets the pace;
-    well below it: the device does. The communication itself is left out (it overlaps the blocks).
+    the time the host took to issue one step, "ops" the torch ops it issued (one more step, counted
+    with count_host_ops.py's counter; their mean host time per op is the JSON's
+    ``meta.host_op_us``, the planner's ``--host-op-us``). Host ms close to alone ms: the host sets
+    the pace; well below it: the device does. With ``--graphs`` each direction is also captured as
+    a CUDA graph and replayed ("graph ms"): the host's cost then no longer grows with the plan's
+    ops. The communication itself is left out (it overlaps the blocks).
 
 Both modes do the same useful FLOPs (the plan covers the causal matrix exactly once): forward
 4*B*H*S^2*D/2, backward 2.5x that (flash-attention's convention). Efficiency = time(a) / time(b)
@@ -81,6 +85,9 @@ class Row:
     alone_ms: float | None = None  # its wall ms per step, the host free-running
     alone_host_ms: float | None = None  # the host's ms to issue one step
     alone_efficiency: float | None = None  # fused ms per rank / alone ms
+    alone_ops: float | None = None  # torch ops the rank's host issues per step (views included)
+    graph_ms: float | None = None  # --graphs: its wall ms per step replaying the step's CUDA graph
+    graph_efficiency: float | None = None  # fused ms per rank / graph ms
 
 
 def attention_flops(batch, heads, seq, head_dim, direction):
@@ -194,11 +201,12 @@ def free_running(sync, step, iters: int, warmup: int) -> tuple[float, float]:
     return (time.perf_counter() - t0) / iters, issued / iters
 
 
-def bench_alone(dev, plan, kernel, shards, scale, iters, warmup) -> dict:
+def bench_alone(dev, plan, kernel, shards, scale, iters, warmup, graphs: bool = False) -> dict:
     """(c): the busiest rank (by the plan's forward work; the lowest such rank): record the messages
     it receives in one in-process step of all ranks, then run it alone with them replayed,
     ``iters`` steps per direction after ``warmup``: its rank, and per direction (wall seconds per
-    step, host seconds to issue one step)."""
+    step, host seconds to issue one step, torch ops issued per step, and with ``graphs`` wall
+    seconds per step replaying the direction's CUDA graph: :mod:`megatron_mesh.runtime.graphs`)."""
     world = plan.world_size
     work = rank_work(plan)
     rank = work.index(max(work))
@@ -225,14 +233,24 @@ def bench_alone(dev, plan, kernel, shards, scale, iters, warmup) -> dict:
     del saved
     q, k, v, dout = shards[rank]
     result = {"rank": rank}
-    fwd = Executor(plan, ReplayCommunicator(rank, world, recorded["forward"]), kernel, scale)
-    bwd = Executor(plan, ReplayCommunicator(rank, world, recorded["backward"]), kernel, scale)
+    comm = lambda d: ReplayCommunicator(rank, world, recorded[d])  # noqa: E731
+    fwd, bwd = Executor(plan, comm("forward"), kernel, scale), Executor(plan, comm("backward"), kernel, scale)
     res = fwd.forward(q, k, v)
     out = res.out.to(q.dtype)
     steps = {"forward": lambda: fwd.forward(q, k, v),
              "backward": lambda: bwd.backward(q, k, v, out, res.lse, dout, res.saved)}
+    from count_host_ops import OpCounter  # scripts/ is on the path of a script and of its tests
     for direction, step in steps.items():
-        result[direction] = free_running(dev.sync, step, iters, warmup)
+        wall, host = free_running(dev.sync, step, iters, warmup)
+        with OpCounter() as counter:
+            step()
+        result[direction] = [wall, host, float(sum(counter.ops.values()) + sum(counter.transport.values())), None]
+    if graphs and dev.cuda:
+        from megatron_mesh.runtime.graphs import PlanGraphs
+        captured = PlanGraphs(Executor(plan, comm("forward"), kernel, scale),
+                              Executor(plan, comm("backward"), kernel, scale), q, k, v, dout)
+        for direction, step in (("forward", captured.forward), ("backward", captured.backward)):
+            result[direction][3] = free_running(dev.sync, step, iters, warmup)[0]
     return result
 
 
@@ -259,7 +277,9 @@ def run(args) -> tuple[list[Row], dict]:
         scale = 1 / math.sqrt(args.head_dim)
         fused = bench_fused(dev, kernel, q, k, v, dout, scale, args.iters, args.warmup)
         shape = AttentionShape(s_local, args.batch, args.heads, args.kv_heads, args.head_dim, q.element_size())
-        shards = [tuple(zigzag_shard(x, r, P, dim=2).contiguous() for x in (q, k, v, dout)) for r in range(P)]
+        # [B, H, T, D] views of token-major [T, B, H, D] shards: what Megatron's layers hand the executor
+        shards = [tuple(zigzag_shard(x, r, P, dim=2).permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+                        for x in (q, k, v, dout)) for r in range(P)]
         for direction, (t, peak, _) in zip(("forward", "backward"), fused):
             flops = attention_flops(args.batch, args.heads, S, args.head_dim, direction) / P
             rows.append(Row(s_local, "fused", direction, 1e3 * t / P, flops / (t / P) / 1e12, 1.0, 1e3 * t / P, 1.0,
@@ -267,22 +287,37 @@ def run(args) -> tuple[list[Row], dict]:
         for tile in args.tiles:
             plan, mode = build_plan(tile, P, shape)
             tiled = bench_tiled(dev, plan, kernel, shards, scale, args.iters, args.warmup)
-            alone = bench_alone(dev, plan, kernel, shards, scale, args.iters, args.warmup)
+            alone = bench_alone(dev, plan, kernel, shards, scale, args.iters, args.warmup, args.graphs)
             errors = max_errors(fused[0][2][0], fused[1][2], tiled)
             for i, direction in enumerate(("forward", "backward")):
                 t_all, copy_s, peak = tiled[direction]
                 t, tc, tf = t_all / P, (t_all - copy_s) / P, fused[i][0] / P
                 flops = attention_flops(args.batch, args.heads, S, args.head_dim, direction) / P
                 err = {n: errors[n] for n in (("out",) if direction == "forward" else ("dq", "dk", "dv"))}
-                wall, host = alone[direction]
+                wall, host, ops, graph = alone[direction]
                 rows.append(Row(s_local, mode, direction, 1e3 * t, flops / t / 1e12, tf / t, 1e3 * tc, tf / tc,
                                 peak, peak / P if peak is not None else None, err, alone["rank"], 1e3 * wall,
-                                1e3 * host, tf / wall))
+                                1e3 * host, tf / wall, ops, None if graph is None else 1e3 * graph,
+                                None if graph is None else tf / graph))
         del q, k, v, dout, shards
     meta = dict(device=describe(dev.device), kernel=kernel.name, dtype=args.dtype, world=P, heads=args.heads,
                 kv_heads=args.kv_heads, head_dim=args.head_dim, batch=args.batch, iters=args.iters,
-                torch=torch.__version__, threads=torch.get_num_threads(), calibration=calibration(rows))
+                torch=torch.__version__, threads=torch.get_num_threads(), calibration=calibration(rows),
+                **host_cost(rows, describe(dev.device)))
     return rows, meta
+
+
+def host_cost(rows: list[Row], device: str) -> dict:
+    """The host's us per torch op over the runs alone (host ms to issue a step / the ops it
+    issued, mean over the rows): what the planner's ``--host-op-us`` reads from this file, and
+    ``scripts/gpu_check.sh`` writes as ``host_cost.json`` (the planner's default when copied to
+    megatron_mesh/plan/host_cost.json)."""
+    per_op = [1e3 * r.alone_host_ms / r.alone_ops for r in rows if r.alone_ops]
+    if not per_op:
+        return {}
+    return dict(host_op_us=sum(per_op) / len(per_op),
+                host_op_source=f"{device}, torch {torch.__version__}: scripts/bench_kernels.py, one rank alone, "
+                               f"host ms per step / torch ops per step (views included), mean of {len(per_op)} runs")
 
 
 def calibration(rows: list[Row]) -> dict:
@@ -314,14 +349,18 @@ def markdown(rows: list[Row], meta: dict) -> str:
              f"heads {meta['heads']}/{meta['kv_heads']}, head_dim {meta['head_dim']}, batch {meta['batch']}, causal",
              "",
              "| s_local | mode | dir | ms/rank | TFLOP/s | efficiency | compute-only ms | compute-only eff. "
-             "| peak MiB/rank | max abs err vs fused | alone: rank | alone ms | host ms | alone eff. |",
-             "|---:|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+             "| peak MiB/rank | max abs err vs fused | alone: rank | alone ms | host ms | ops | alone eff. | graph ms "
+             "| graph eff. |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         err = ", ".join(f"{k} {v:.1e}" for k, v in r.max_abs_err.items()) if r.max_abs_err else "-"
         lines.append(f"| {r.seq_local} | {r.mode} | {DIR[r.direction]} | {r.ms_per_rank:.3f} | {r.tflops:.3f} | "
                      f"{r.efficiency:.3f} | {r.compute_ms_per_rank:.3f} | {r.compute_efficiency:.3f} | "
                      f"{fmt(r.peak_mib_per_rank, '.1f')} | {err} | {fmt(r.alone_rank, 'd')} | "
-                     f"{fmt(r.alone_ms, '.3f')} | {fmt(r.alone_host_ms, '.3f')} | {fmt(r.alone_efficiency, '.3f')} |")
+                     f"{fmt(r.alone_ms, '.3f')} | {fmt(r.alone_host_ms, '.3f')} | {fmt(r.alone_ops, '.0f')} | "
+                     f"{fmt(r.alone_efficiency, '.3f')} | {fmt(r.graph_ms, '.3f')} | {fmt(r.graph_efficiency, '.3f')} |")
+    if meta.get("host_op_us") is not None:
+        lines.append(f"\nhost per torch op: {meta['host_op_us']:.1f} us ({meta['host_op_source']})")
     return "\n".join(lines)
 
 
@@ -356,6 +395,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=sorted(DTYPES))
     p.add_argument("--kernel", default="auto", help="block kernel backend (see megatron_mesh.kernels.get_kernel)")
     p.add_argument("--json", default="-", help="write the results as JSON to this file ('-': print them)")
+    p.add_argument("--graphs", action="store_true",
+                   help="(c) also replays each direction of the rank alone as a CUDA graph (CUDA only; "
+                        "megatron_mesh.runtime.graphs): 'graph ms', 'graph eff.'")
     args = with_device_defaults(p.parse_args(argv), DEFAULTS)
     for s in args.seq_local:
         if s < 2 or s % 2:

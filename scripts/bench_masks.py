@@ -319,11 +319,11 @@ def calls_markdown(title: str, summary: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def alone(device, plan, kernel, shards, rank, iters, warmup) -> tuple[float, float]:
+def alone(device, plan, kernel, shards, rank, iters, warmup) -> tuple[float, float, float]:
     """``rank`` of ``plan`` alone on ``device``: the messages it received in one in-process step
     replayed (:class:`ReplayCommunicator`), ``iters`` forward + backward steps after ``warmup``,
     the device synchronised only after the loop: (wall seconds per step, host seconds to issue
-    one)."""
+    one, torch ops it issues per step: one more step, counted)."""
     P = plan.world_size
     recorded = []  # only this rank's received messages (every rank's can be GBs)
 
@@ -336,7 +336,12 @@ def alone(device, plan, kernel, shards, rank, iters, warmup) -> tuple[float, flo
     run_inprocess(record, P, serial=True, device=device, timeout=600)
     comm = ReplayCommunicator(rank, P, recorded)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    return free_running(sync, lambda: forward_backward(*shards[rank], plan, comm=comm, kernel=kernel), iters, warmup)
+    step = lambda: forward_backward(*shards[rank], plan, comm=comm, kernel=kernel)  # noqa: E731
+    wall, host = free_running(sync, step, iters, warmup)
+    from count_host_ops import OpCounter  # scripts/ is on the path of a script and of its tests
+    with OpCounter() as counter:
+        step()
+    return wall, host, float(sum(counter.ops.values()) + sum(counter.transport.values()))
 
 
 def run(args) -> tuple[list[dict], dict]:
@@ -365,7 +370,7 @@ def run(args) -> tuple[list[dict], dict]:
     want = {"out": ref_out, "dq": ref_grads[0], "dk": ref_grads[1], "dv": ref_grads[2]}
     rows = [dict(layout="-", mode="fused", calls="varlen" if kernel.varlen else "loop", ms_per_rank=1e3 * t_fused / P,
                  busiest_ms=1e3 * t_fused / P, efficiency=1.0, step_efficiency=1.0, work_max_mean=1.0, errors={},
-                 alone_rank=None, alone_ms=None, alone_host_ms=None, alone_efficiency=None)]
+                 alone_rank=None, alone_ms=None, alone_host_ms=None, alone_efficiency=None, alone_ops=None)]
     if args.profile:
         rows[0].update(profile_row(device, lambda: fused(kernel, bhsd(Q), bhsd(K), bhsd(V), bhsd(dO), seqs, scale),
                                    P, "fused", profiles))
@@ -412,12 +417,12 @@ def run(args) -> tuple[list[dict], dict]:
                     whole = bhsd(layout_unshard([r[i] for r in got], layout, dim=0))
                     errors[name] = (whole.double() - want[name].double()).abs().max().item()
                 rank = work.index(max(work))
-                wall, host = alone(device, plan, kern, shards, rank, args.iters, args.warmup)
+                wall, host, ops = alone(device, plan, kern, shards, rank, args.iters, args.warmup)
                 rows.append(dict(layout=layout_name, mode=mode, calls=calls, ms_per_rank=1e3 * t / P,
                                  busiest_ms=1e3 * busiest, efficiency=t_fused / t,
                                  step_efficiency=t_fused / P / busiest, work_max_mean=max(work) / (sum(work) / P),
                                  errors=errors, alone_rank=rank, alone_ms=1e3 * wall, alone_host_ms=1e3 * host,
-                                 alone_efficiency=t_fused / P / wall))
+                                 alone_efficiency=t_fused / P / wall, alone_ops=ops))
                 if args.profile:
                     marks = MarkedTurns(P, device) if device.type == "cuda" else None
                     rows[-1].update(profile_row(device, lambda: run_inprocess(rank_fn, P, 1, serial=True, device=device,
@@ -433,6 +438,11 @@ def run(args) -> tuple[list[dict], dict]:
                 dtype=args.dtype, world=P, seq_len=S, docs=args.docs, seed=args.seed, documents=len(seqs),
                 heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, iters=args.iters,
                 torch=torch.__version__)
+    per_op = [1e3 * r["alone_host_ms"] / r["alone_ops"] for r in rows if r.get("alone_ops")]
+    if per_op:  # what the planner's --host-op-us reads from this file
+        meta.update(host_op_us=sum(per_op) / len(per_op),
+                    host_op_source=f"{meta['device']}, torch {torch.__version__}: scripts/bench_masks.py, one rank "
+                                   f"alone, host ms per step / torch ops per step, mean of {len(per_op)} runs")
     if args.profile:
         Path(args.profile).write_text("\n".join(profiles))
     if args.calls:

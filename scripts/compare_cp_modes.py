@@ -9,10 +9,14 @@ JSON lines (``--cp-metrics-dir``), which the report reads:
 
 * ``baseline``  -- CP = 1 on one process (the reference loss curve; always run, first, unless
   ``--no-baseline``),
-* ``ring``, ``tasp``, ``mesh:auto``, ``mesh:AxB`` -- the plugin's modes at CP = --cp,
+* ``ring``, ``tasp``, ``mesh:auto``, ``mesh:AxB`` -- the plugin's modes at CP = --cp, with their
+  settings as the mode registry reads them (:func:`megatron_mesh.plan.modes.parse_mode_spec`:
+  ``mesh:AxB`` the tile, ``tasp:N`` N CP ranks per node), each run by its Megatron flag
+  (``--mesh-tile-shape AxB``, ``--tasp-gpus-per-node N``: :func:`megatron_mesh.megatron.settings.mode_flags`);
+  a setting no flag sets is refused, never dropped,
 * ``a2a+mesh[:U]``, ``a2a+tasp[:U]``, ``a2a+ring[:U]`` -- the Ulysses hybrids (all-to-all over U
   ranks, default 2, x the inner mode over CP / U; in the defaults when CP >= 4),
-* ``p2p``, ``a2a``, ``all_gather``, ``a2a+p2p`` -- Transformer Engine's modes (GPU + TE only).
+* ``p2p``, ``a2a``, ``all_gather``, ``a2a+p2p[:U]`` -- Transformer Engine's modes (GPU + TE only).
 
 and each mode under each mask of ``--masks`` (the report puts them side by side, every mask with
 its own CP = 1 baseline):
@@ -50,11 +54,11 @@ from dataclasses import replace
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_mesh.megatron import yaml_args  # noqa: E402
+from megatron_mesh.tools import yaml_args  # noqa: E402
 from megatron_mesh.megatron.launch import free_port, kill_process_tree, training_command  # noqa: E402
 from megatron_mesh.megatron import TE_MODES, plugin_modes  # noqa: E402 -- does not import Megatron
-from megatron_mesh.plan.mesh import parse_tile  # noqa: E402
-from megatron_mesh.plan.modes import HYBRID_PREFIX  # noqa: E402
+from megatron_mesh.megatron.settings import HIERARCHY_FLAG, mode_flags  # noqa: E402 -- nor does this
+from megatron_mesh.plan.modes import HYBRID_PREFIX, get_mode, option_specs, parse_mode_spec, resolve  # noqa: E402
 from megatron_mesh.tools import predict  # noqa: E402 -- pure Python: the planner
 from megatron_mesh.tools.report import RunResult, read_metrics, write_report  # noqa: E402
 
@@ -206,34 +210,74 @@ def make_doc_data(args, out_dir: str) -> str:
     return prefix
 
 
+DEFAULT_ULYSSES = 2  # a hybrid's all-to-all degree where its mode spec names none
+
+
+def mode_settings(mode: str) -> tuple[str, dict]:
+    """(mode name, settings) of a plugin --modes entry, read by the mode registry's parser
+    (``tasp:4`` -> ranks_per_node 4, ``a2a+mesh:2:1x2`` -> ulysses_size 2, tile 1x2; a hybrid's
+    degree defaults to 2)."""
+    try:
+        name, settings = parse_mode_spec(mode)
+    except ValueError as e:
+        refuse(f"{mode}: {e}")
+    if "ulysses_size" in {o.name for o in option_specs(get_mode(name).Options)}:
+        settings.setdefault("ulysses_size", DEFAULT_ULYSSES)
+    return name, settings
+
+
+def _mode_flags(mode: str, cp: int) -> tuple[str | None, list[str]]:
+    """(cp_comm_type (None: the baseline), the Megatron flags that run a --modes entry at CP
+    ``cp``): a plugin mode's settings each by its own flag (:func:`mode_settings`,
+    :func:`~megatron_mesh.megatron.settings.mode_flags`), Transformer Engine's a2a+p2p degree U;
+    any other setting is refused in one line, never dropped."""
+    name, _, option = mode.partition(":")
+    if name in plugin_modes():
+        name, settings = mode_settings(mode)
+        try:
+            return name, mode_flags(name, settings, cp)
+        except ValueError as e:
+            refuse(f"{mode}: {e}")
+    if name != "baseline" and name not in TE_MODES:
+        refuse(f"unknown mode {mode!r}; allowed: baseline, {', '.join(plugin_modes())} (settings after ':' as "
+               f"megatron-mesh-plan takes them: mesh:AxB, tasp:N, a2a+mesh:U:AxB, ...), {', '.join(TE_MODES)}")
+    if not name.startswith(HYBRID_PREFIX):  # the baseline, Transformer Engine's p2p, a2a, all_gather
+        if option:
+            refuse(f"{mode}: {name} takes no settings after its name")
+        return (None if name == "baseline" else name), []
+    ulysses = int(option or DEFAULT_ULYSSES) if (option or "2").isdigit() else 0  # Transformer Engine's a2a+p2p
+    if ulysses < 2 or cp % ulysses:
+        refuse(f"{mode}: the all-to-all degree {option or DEFAULT_ULYSSES} must be an integer >= 2 dividing the CP "
+               f"size {cp}")
+    return name, [HIERARCHY_FLAG, str(ulysses), str(cp // ulysses)]
+
+
+def check_placement(mode: str, args) -> None:
+    """A plugin mode's settings resolved as its runs will resolve them, for the job's model at --cp
+    (a tile that does not fit, ranks per node that do not divide the CP size, a degree the heads
+    refuse): refused now, not in every run after the baselines have trained."""
+    name, settings = mode_settings(mode)
+    rpn = settings.pop("ranks_per_node", None)
+    try:
+        resolve(name, args.cp, args.cpu_problem.shape, ranks_per_node=rpn, **settings)
+    except ValueError as e:
+        refuse(f"{mode}: {e}")
+
+
 def command(mode: str, args, metrics: str, mask: str = "none", config: str | None = None
             ) -> tuple[list[str], dict[str, str], list[str]]:
     """The torchrun command, environment and the flags added to the config's for one mode's run
     under ``mask`` (``config``: the mask's config, default --config)."""
-    name, _, option = mode.partition(":")
-    if name != "baseline" and name not in plugin_modes() + TE_MODES:
-        refuse(f"unknown mode {mode!r}; allowed: baseline, ring, tasp, mesh[:auto|:AxB], "
-               f"a2a+mesh[:U], a2a+tasp[:U], a2a+ring[:U], {', '.join(TE_MODES)}")
-    cp = 1 if name == "baseline" else args.cp
+    cp = 1 if mode == "baseline" else args.cp
+    comm_type, mode_args = _mode_flags(mode, cp)
     environ = dict(os.environ, CP=str(cp), NPROC=str(cp), MASTER_PORT=str(free_port()))
     environ.pop("CP_COMM_TYPE", None)
-    flags = ["--train-iters", str(args.iters), "--cp-metrics-dir", metrics]
-    if name != "baseline":
-        environ["CP_COMM_TYPE"] = name
-    if name == "mesh" and option not in ("", "auto"):
-        try:  # here, not in every rank after the baselines have trained
-            parse_tile(option, cp)
-        except ValueError as e:
-            refuse(f"{mode}: {e}")
-        flags += ["--mesh-tile-shape", option]
-    if name.startswith(HYBRID_PREFIX):  # the plugin's hybrids and Transformer Engine's a2a+p2p
-        ulysses = int(option or 2) if (option or "2").isdigit() else 0
-        if ulysses < 2 or cp % ulysses:
-            refuse(f"{mode}: the all-to-all degree {option or 2} must be an integer >= 2 dividing --cp {cp}")
-        flags += ["--hierarchical-context-parallel-sizes", str(ulysses), str(cp // ulysses)]
+    flags = ["--train-iters", str(args.iters), "--cp-metrics-dir", metrics] + mode_args
+    if comm_type is not None:
+        environ["CP_COMM_TYPE"] = comm_type
     if mask == "window":
         flags += ["--window-size", f"{args.window},0"]
-    if mask == "docs-zigzag" and cp > 1:  # Megatron refuses a layout at CP 1: there is nothing to split
+    if mask == "docs-zigzag":  # at CP 1 too: one config for the baseline and the CP runs (CP 1 leaves it unused)
         flags += ["--cp-layout", "zigzag"]
     flags += args.megatron_args
     try:
@@ -411,6 +455,9 @@ def check_before_runs(args) -> None:
         args.cpu_problem = predict.read_config(args.config, cp=args.cp) if args.cp > 1 else None
     except ValueError as e:
         refuse(str(e))
+    for mode in args.modes:
+        if mode.partition(":")[0] in plugin_modes():
+            check_placement(mode, args)
     check_megatron_flags(args.megatron_args)  # last: the only check that takes seconds
 
 

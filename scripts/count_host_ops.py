@@ -14,6 +14,16 @@ transfers on a GPU) are counted apart, in "transport".
 the H100 benchmark's GQA 32/8 of 128 in bf16), on meta tensors -- shapes only, no compute, so
 seconds for 16K tokens per rank -- through the CUDA flash kernel's own plumbing.
 
+``--meta`` counts the ops of the CUDA kernel's path instead (flash in 16-bit, its
+variable-length calls, CUDA's mask piece, the casts of 16-bit inputs) on meta tensors of
+``--dtype``: what a GPU's host issues, where the CPU's fp32 run has no casts and one kernel call
+per mask piece.
+
+It counts a step after the plan's first (``--first-call``: the first, which also makes the block
+masks, the arena's views and the gathers' indices, once per plan), and prints next to the counts
+the planner's model of them ("model": ops / non-view ops per rank, :mod:`megatron_mesh.plan.hostops`,
+as the CPU runs the plan: one kernel call per mask piece; the planner prices a GPU's calls).
+
     python scripts/count_host_ops.py                                  # P = 4, 2K tokens per rank
     python scripts/count_host_ops.py --world 8 --modes ring tasp a2a+ring:2 --top 5
     python scripts/count_host_ops.py --bytes --world 8 --seq-local 16384 --docs lognormal:4096,1.0
@@ -35,6 +45,8 @@ from megatron_mesh.comm import inprocess  # noqa: E402
 from megatron_mesh.comm.inprocess import run_inprocess  # noqa: E402
 from megatron_mesh.kernels.torch_sdpa import TorchAttentionKernel  # noqa: E402
 from megatron_mesh.plan import AttentionShape, balanced_layout, resolve  # noqa: E402
+from megatron_mesh.plan.hostops import step_host_ops  # noqa: E402
+from megatron_mesh.plan.mask import MASK_PIECE  # noqa: E402
 from megatron_mesh.plan.modes.base import parse_mode_spec  # noqa: E402
 from megatron_mesh.runtime.autograd import forward_backward  # noqa: E402
 from megatron_mesh.runtime.inputs import attention_mask  # noqa: E402
@@ -54,7 +66,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # attention kernels (their memory traffic is the kernel's own, priced with its FLOPs)
 ATTENTION = ("flash", "attention")
 # ops that only write their first argument (it is not read)
-WRITE_ONLY = frozenset({"copy_", "fill_", "zero_"})
+WRITE_ONLY = frozenset({"copy_", "fill_", "zero_", "_foreach_copy_", "_foreach_zero_"})
+# in-place ops that return nothing: what they write, by their arguments (the fused merge: out and lse)
+WRITTEN = {"merge_": slice(0, 2)}
 
 
 class OpCounter(TorchDispatchMode):
@@ -79,7 +93,8 @@ class OpCounter(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if mine and name not in VIEWS and not any(a in name for a in ATTENTION) and not name.startswith("empty"):
             read = args[1:] if name in WRITE_ONLY else args
-            self.bytes[name] += _nbytes(read) + _nbytes(list((kwargs or {}).values())) + _nbytes(out)
+            written = out if out is not None else args[WRITTEN.get(name, slice(0, 1))] if name.endswith("_") else None
+            self.bytes[name] += _nbytes(read) + _nbytes(list((kwargs or {}).values())) + _nbytes(written)
         return out
 
 
@@ -92,12 +107,46 @@ def _nbytes(x) -> int:
 
 
 def count(world: int, seq_local: int, mode: str, docs: str, layout_name: str,
-          seed: int = 0) -> tuple[collections.Counter, collections.Counter]:
+          seed: int = 0, warm: bool = True, meta_dtype: torch.dtype | None = None
+          ) -> tuple[collections.Counter, collections.Counter]:
     """The ops of every rank together, for ``mode`` on ``layout_name`` ("zigzag" / "balanced"):
-    the plugin's and the in-process transport's."""
-    counted = run_counted(world, seq_local, mode, docs, layout_name, seed)
+    the plugin's and the in-process transport's; ``warm``: of a step after the plan's first
+    (what every layer's call is once the plan is built: its block masks, arena and views made);
+    ``meta_dtype``: the CUDA kernel's path on meta tensors of that dtype instead of the CPU's."""
+    where = dict(device="cpu") if meta_dtype is None else dict(device="meta", dtype=meta_dtype)
+    counted = run_counted(world, seq_local, mode, docs, layout_name, seed, warm=warm, **where)
     return sum((c.ops for c in counted), collections.Counter()), sum((c.transport for c in counted),
                                                                       collections.Counter())
+
+
+def plan_of(world: int, seq_local: int, mode: str, docs: str, layout_name: str, seed: int = 0,
+            heads: int | None = None, kv_heads: int | None = None, head_dim: int = 8,
+            dtype: torch.dtype = torch.float32):
+    """(the plan :func:`run_counted` runs, its per-rank shape)."""
+    name, settings = parse_mode_spec(mode)
+    u = int(settings.get("ulysses_size", 1))
+    heads, kv_heads = 4 * u if heads is None else heads, 2 * u if kv_heads is None else kv_heads
+    shape = AttentionShape(seq_local, 1, heads, kv_heads, head_dim, torch.empty((), dtype=dtype).element_size())
+    placement = resolve(name, world, shape, **settings)
+    bounds = document_bounds(docs, world * seq_local, seed)
+    layout = balanced_layout(bounds, world, group=placement.ulysses) if layout_name == "balanced" else None
+    mask, layout = attention_mask(world, shape, causal=True, cu_seqlens=None if layout else bounds, layout=layout)
+    return placement.build(shape, mask, layout), shape
+
+
+def modelled(plan, shape, world: int, cuda: bool = False) -> tuple[float, float]:
+    """The host-op model's (ops, non-view ops) per rank, forward + backward, as the CPU runs them
+    (no variable-length calls, the CPU's mask piece; ``cuda``: as CUDA flash does, with
+    variable-length calls and CUDA's piece): :mod:`megatron_mesh.plan.hostops`."""
+    device = "cuda" if cuda else "cpu"
+    total = launches = 0.0
+    for rank in range(world):
+        for direction in ("forward", "backward"):
+            ops, around = step_host_ops(plan, rank, direction, shape, varlen=cuda, piece=MASK_PIECE[device])
+            for h in (*ops, around):
+                total += h.launches + h.views
+                launches += h.launches
+    return total / world, launches / world
 
 
 def run_counted(world: int, seq_local: int, mode: str, docs: str, layout_name: str, seed: int = 0,
@@ -108,15 +157,8 @@ def run_counted(world: int, seq_local: int, mode: str, docs: str, layout_name: s
     count does not depend on the sizes). On the meta device the tensors are shapes only and the
     kernel is the CUDA flash op's plumbing."""
     S = world * seq_local
-    name, settings = parse_mode_spec(mode)
-    u = int(settings.get("ulysses_size", 1))
-    heads, kv_heads = 4 * u if heads is None else heads, 2 * u if kv_heads is None else kv_heads
-    shape = AttentionShape(seq_local, 1, heads, kv_heads, head_dim, torch.empty((), dtype=dtype).element_size())
-    placement = resolve(name, world, shape, **settings)
-    bounds = document_bounds(docs, S, seed)
-    layout = balanced_layout(bounds, world, group=placement.ulysses) if layout_name == "balanced" else None
-    mask, layout = attention_mask(world, shape, causal=True, cu_seqlens=None if layout else bounds, layout=layout)
-    plan = placement.build(shape, mask, layout)
+    plan, shape = plan_of(world, seq_local, mode, docs, layout_name, seed, heads, kv_heads, head_dim, dtype)
+    heads, kv_heads, layout = shape.heads, shape.kv_heads, plan.layout
     if device == "meta":
         inputs = [torch.empty(S, 1, h, head_dim, dtype=dtype, device="meta") for h in (heads, kv_heads, kv_heads, heads)]
         kernel = TorchAttentionKernel("cuda", "flash")
@@ -147,13 +189,19 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--modes", nargs="+", default=["ring", "tasp", "a2a+ring:2"])
     p.add_argument("--layouts", nargs="+", default=["zigzag", "balanced"], choices=["zigzag", "balanced"])
     p.add_argument("--top", type=int, default=8, help="name the most frequent ops (--bytes: the most bytes)")
+    p.add_argument("--first-call", action="store_true",
+                   help="count a plan's first call (it also makes the block masks, the arena's views and the "
+                        "gathers' indices, once per plan) instead of a later one")
     p.add_argument("--bytes", action="store_true",
                    help="count the bytes the non-attention ops read and write per rank instead (meta tensors, "
                         "the sizes below)")
+    p.add_argument("--meta", action="store_true",
+                   help="count the ops of the CUDA kernel's path (flash, variable-length calls, CUDA's mask piece) "
+                        "on meta tensors of --dtype, as a GPU's host issues them, instead of the CPU's")
     p.add_argument("--heads", type=int, default=32, help="--bytes: query heads")
     p.add_argument("--kv-heads", type=int, default=8, help="--bytes: key/value heads")
     p.add_argument("--head-dim", type=int, default=128, help="--bytes: head dimension")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="--bytes: the inputs' dtype")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="--bytes, --meta: the inputs' dtype")
     p.add_argument("--hbm", type=float, default=3.35, help="--bytes: TB/s for the time those bytes take")
     args = p.parse_args(argv)
     if args.world < 1 or args.seq_local < 1 or args.top < 0:
@@ -168,20 +216,27 @@ def main(argv=None) -> list[dict]:
                     f"{args.kv_heads}, {args.head_dim} and {args.hbm}")
         return bytes_rows(args)
     rows = []
-    print(f"ops per rank, forward + backward: P={args.world}, {args.seq_local} tokens per rank, documents {args.docs}")
-    print(f"{'layout':<10}{'mode':<14}{'ops':>7}{'non-view':>10}{'transport':>11}  most frequent (the plugin's)")
+    print(f"ops per rank, forward + backward ({'a plan' + chr(39) + 's first call' if args.first_call else 'a later call'}"
+          f"{f'; the CUDA path on meta tensors, {args.dtype}' if args.meta else ''}): "
+          f"P={args.world}, {args.seq_local} tokens per rank, documents {args.docs}")
+    print(f"{'layout':<10}{'mode':<14}{'ops':>7}{'non-view':>10}{'transport':>11}{'model':>13}  "
+          "most frequent (the plugin's)")
     for layout_name in args.layouts:
         for mode in args.modes:
             try:
-                ops, transport = count(args.world, args.seq_local, mode, args.docs, layout_name)
+                ops, transport = count(args.world, args.seq_local, mode, args.docs, layout_name,
+                                       warm=not args.first_call, meta_dtype=DTYPES[args.dtype] if args.meta else None)
             except ValueError as e:  # a bad --world, --modes or --docs: the message names it
                 raise SystemExit(f"{layout_name} {mode}: {e}") from None
             total = sum(ops.values()) / args.world
             kernels = sum(n for op, n in ops.items() if op not in VIEWS) / args.world
             moved = sum(transport.values()) / args.world
             top = ", ".join(f"{op} {n / args.world:.0f}" for op, n in ops.most_common(args.top))
-            print(f"{layout_name:<10}{mode:<14}{total:>7.0f}{kernels:>10.0f}{moved:>11.0f}  {top}")
-            rows.append(dict(layout=layout_name, mode=mode, ops=total, non_view=kernels, transport=moved))
+            model = modelled(*plan_of(args.world, args.seq_local, mode, args.docs, layout_name), args.world, args.meta)
+            print(f"{layout_name:<10}{mode:<14}{total:>7.0f}{kernels:>10.0f}{moved:>11.0f}"
+                  f"{f'{model[0]:.0f} / {model[1]:.0f}':>13}  {top}")
+            rows.append(dict(layout=layout_name, mode=mode, ops=total, non_view=kernels, transport=moved,
+                             model_ops=model[0], model_non_view=model[1]))
     return rows
 
 

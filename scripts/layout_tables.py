@@ -11,7 +11,7 @@ compute floor, the work max/mean -- and the issue's criteria over the seeds. Pur
     python scripts/layout_tables.py --cp 8 --seq-len 65536 --heads 2 --kv-heads 2 --head-dim 32 --dtype fp32 \\
         --modes ring,mesh-auto,tasp --seeds 0 1 2 3 4 5 6 7 8 9
 
-The rows are the planner's (:func:`megatron_mesh.tools.planner.layout_rows`, as ``megatron-mesh-plan
+The rows are the planner's (:func:`megatron_mesh.tools.layout_rows.layout_rows`, as ``megatron-mesh-plan
 --layout zigzag`` / ``balanced`` / ``auto`` print them): the default layout's row is the zigzag's or
 the balanced one's, as ``--cp-layout auto`` picks -- what Megatron runs by default.
 """
@@ -30,7 +30,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from megatron_mesh.plan import AttentionShape, Topology  # noqa: E402
 from megatron_mesh.plan.bound import query_owner_bound  # noqa: E402
 from megatron_mesh.tools.plan_cli import ITEMSIZE, document_bounds  # noqa: E402
-from megatron_mesh.tools.planner import allowed_pairs, compute_floor, layout_rows, worker_pool  # noqa: E402
+from megatron_mesh.tools.layout_rows import layout_rows  # noqa: E402
+from megatron_mesh.tools.planner import allowed_pairs, compute_floor, worker_pool  # noqa: E402
 
 PLAIN = ("ring", "mesh-auto", "tasp")  # the plain modes the issue asks to be never slower on the default layout
 

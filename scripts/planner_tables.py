@@ -9,6 +9,7 @@ and its headline numbers).
     python scripts/planner_tables.py --tflops 800         # twice the attention throughput
     python scripts/planner_tables.py --inter-bandwidth 25 # half the network
     python scripts/planner_tables.py --table mesh         # Mesh vs ring
+    python scripts/planner_tables.py --host-op-us 0       # the host left out (the model before issue 52)
 
 Columns: ring attention, the fastest Mesh tile, USP by formula (its ring part simulated from the
 ring plan; no reorder copies counted) and simulated from its plan (``a2a+ring``), the fastest
@@ -28,6 +29,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_mesh.plan import AttentionShape, Topology  # noqa: E402
+from megatron_mesh.plan.hostcost import host_op_us  # noqa: E402
 from megatron_mesh.plan.mesh import best_tile  # noqa: E402
 from megatron_mesh.plan.simulate import BACKWARD_FLOPS  # noqa: E402
 from megatron_mesh.tools.planner import evaluate  # noqa: E402
@@ -89,11 +91,18 @@ def main(argv=None) -> int:
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--tflops", type=float, default=d.attention_flops / 1e12)
     p.add_argument("--inter-bandwidth", type=float, default=d.inter_bandwidth / 1e9, help="GB/s per GPU")
+    p.add_argument("--host-op-us", default=None, metavar="US|FILE",
+                   help=f"the host's us per torch op, or a file holding it, as megatron-mesh-plan takes it (0: no "
+                        f"host; default {d.host_op_time * 1e6:g})")
     p.add_argument("--table", choices=("usp", "mesh"), default="usp",
                    help="usp: every mode against USP (default); mesh: Mesh-Attention against ring attention")
     a = p.parse_args(argv)
+    try:
+        host = d.host_op_time if a.host_op_us is None else host_op_us(a.host_op_us)[0] * 1e-6
+    except ValueError as e:
+        p.error(f"--host-op-us: {e}")
     topo = Topology.for_cp(a.cp, a.gpus_per_node, attention_flops=a.tflops * 1e12,
-                           inter_bandwidth=a.inter_bandwidth * 1e9)
+                           inter_bandwidth=a.inter_bandwidth * 1e9, host_op_time=host)
     if a.table == "mesh":
         return mesh_table(a.cp, topo)
     print("| heads q/kv | S | ring ms | mesh-auto ms | USP ms (formula) | a2a+ring ms (USP plan) | best a2a+mesh "

@@ -4,7 +4,7 @@
 #   [NPROC=4] [CP=4] [CP_COMM_TYPE="mesh"] scripts/pretrain_gpt.sh CONFIG.yaml [more Megatron flags]
 #
 # CONFIG.yaml: Megatron functional-test shape (ENV_VARS, MODEL_ARGS with literal `--flag: value`
-# keys; see megatron_mesh/megatron/yaml_args.py). Flags come in this order, later ones winning:
+# keys; see megatron_mesh/tools/yaml_args.py). Flags come in this order, later ones winning:
 #   the config's MODEL_ARGS < --distributed-backend < CP / CP_COMM_TYPE < the extra flags given here.
 #
 # Environment:

@@ -144,3 +144,44 @@ def assert_losses_equal(got: dict, want: dict, rel: float, iterations=None) -> N
     assert sorted(got) == list(iterations), (got, want)
     for it in iterations:
         assert got[it] == pytest.approx(want[it], rel=rel), (it, got[it], want[it])
+
+
+PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatron_mesh")
+
+
+def str_literals(node) -> list[str]:
+    """The string constants of an AST node that is one, or a tuple / list / set of them."""
+    import ast
+
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [x for e in node.elts for x in str_literals(e)]
+    return []
+
+
+def package_nodes(outside: str | None = None):
+    """Every AST node of the package's files outside the folder ``outside`` (e.g. ``plan/modes``;
+    None: all of them), with its ``path:line``."""
+    import ast
+
+    for root, _, files in os.walk(PACKAGE):
+        if outside is not None and os.path.join(*outside.split("/")) in root:
+            continue
+        for f in sorted(x for x in files if x.endswith(".py")):
+            path = os.path.join(root, f)
+            for node in ast.walk(ast.parse(open(path).read())):
+                yield f"{os.path.relpath(path, PACKAGE)}:{getattr(node, 'lineno', 0)}", node
+
+
+def package_comparisons(outside: str):
+    """Every comparison (``==``, ``in``, ...) and ``startswith`` / ``endswith`` call outside the
+    folder ``outside`` (:func:`package_nodes`): (``path:line``, node, operands) -- what a registry
+    test searches for names compared outside their owner's files."""
+    import ast
+
+    for where, node in package_nodes(outside):
+        if isinstance(node, ast.Compare):
+            yield where, node, [node.left, *node.comparators]
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") in ("startswith", "endswith"):
+            yield where, node, [node.func.value, *node.args]

@@ -25,14 +25,16 @@ def _setup_megatron():
     cpu_compat.install_model_patches()
 
 
-def _config(tp: int, cp: int, heads: tuple[int, int], cp_comm_type, **plugin):
-    from megatron_mesh.megatron.settings import MeshTransformerConfig
+def _config(tp: int, cp: int, heads: tuple[int, int], cp_comm_type, window_size=None, **plugin):
+    """A model config; ``plugin``: its plugin settings by flag dest (and seq_length, documents)."""
+    from megatron_mesh.megatron.args import MeshTransformerConfig
+    from megatron_mesh.megatron.settings import PluginSettings
 
     return MeshTransformerConfig(
         num_layers=2, hidden_size=64, num_attention_heads=heads[0], num_query_groups=heads[1], ffn_hidden_size=128,
         tensor_model_parallel_size=tp, context_parallel_size=cp, cp_comm_type=cp_comm_type if cp > 1 else None,
         use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
-        attention_dropout=0.0, hidden_dropout=0.0, **plugin)
+        attention_dropout=0.0, hidden_dropout=0.0, window_size=window_size, cp_settings=PluginSettings.of(**plugin))
 
 
 def _build(config, spec, pgc, position):
@@ -260,8 +262,7 @@ def gpt_masked_equivalence(rank: int, world: int, layouts) -> list[dict]:
         full = _doc_batch(11)
         for what in ("window", "documents", "balanced", "thd"):
             extra = dict(window_size=(5, 0)) if what == "window" else {}
-            ref_cfg = _config(tp, 1, (4, 2), None, **extra)
-            ref_cfg.cp_documents = None
+            ref_cfg = _config(tp, 1, (4, 2), None, **extra)  # no documents: the reference reads the dense mask
             position = "rope"
             ref_model = _build_len(ref_cfg, get_gpt_layer_local_spec(), single_pgc, position)
             if what == "thd":
@@ -282,14 +283,13 @@ def gpt_masked_equivalence(rank: int, world: int, layouts) -> list[dict]:
             for label, mode, plugin in _masked_cases(cp):
                 plugin = dict(plugin)
                 hcp = plugin.pop("hierarchical_context_parallel_sizes", None)
-                config = _config(tp, cp, (4, 2), mode, **extra, **plugin)
-                if hcp:
-                    config.hierarchical_context_parallel_sizes = hcp
-                config.cp_seq_length = SEQ_M
-                config.cp_documents = {"window": None, "documents": "eod", "balanced": "eod", "thd": "thd"}[what]
                 # the hybrids on the balanced layout with their first and last documents set apart
                 # (pretrain() runs them on the plain balanced layout)
-                config.cp_layout = ("balanced-hide" if hcp else "balanced") if what == "balanced" else "zigzag"
+                config = _config(tp, cp, (4, 2), mode, **extra, **plugin, seq_length=SEQ_M,
+                                 documents={"window": None, "documents": "eod", "balanced": "eod", "thd": "thd"}[what],
+                                 cp_layout=("balanced-hide" if hcp else "balanced") if what == "balanced" else "zigzag")
+                if hcp:
+                    config.hierarchical_context_parallel_sizes = hcp
                 model = _build_len(config, gpt_local_layer_spec(config), pgc, position)
                 if what == "balanced":  # each sample split by its own layout; RoPE follows it
                     split = batch_layout.BatchLayout.of(batch_layout.document_rows(full, "eod", VOCAB - 1), config,
@@ -345,9 +345,9 @@ def gpt_mask_refusals(rank: int, world: int, layouts) -> list[dict]:
                  ("window, causal mask", None, dict(full, attention_mask=causal), None),
                  ("window, no mask", None, dict(full), None)]
         for name, documents, batch, packed in cases:
-            config = _config(tp, cp, (4, 2), "mesh", **(dict(window_size=(5, 0)) if "window" in name else {}))
-            config.cp_seq_length, config.cp_documents = SEQ_M, documents
-            config.cp_layout = "balanced"  # every sample on its balanced layout (auto may keep the zigzag)
+            # every sample on its balanced layout (auto may keep the zigzag)
+            config = _config(tp, cp, (4, 2), "mesh", **(dict(window_size=(5, 0)) if "window" in name else {}),
+                             seq_length=SEQ_M, documents=documents, cp_layout="balanced")
             model = _build_len(config, gpt_local_layer_spec(config), pgc, "rope")
             local = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
             try:

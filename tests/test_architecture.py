@@ -1,7 +1,8 @@
 """The package's shape, checked: no import cycle (module-level and function-level imports alike),
 the layers' dependency direction (plan/ never imports torch, only megatron/ imports Megatron,
-nothing below megatron/ imports it), state held by objects (the module-level state of megatron/
-and runtime/, the tests' patches of package state) and no function nothing uses."""
+nothing below megatron/ imports it, tools/ sit on plan/ alone), settings read through their typed
+object, state held by objects (the module-level state of megatron/ and runtime/, the tests'
+patches of package state) and no function nothing uses."""
 
 from __future__ import annotations
 
@@ -104,6 +105,49 @@ def test_only_the_adapter_imports_megatron():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
             found += [f"{name}: {m}" for m in mods if m == "megatron" or m.startswith("megatron.")]
     assert not found, found
+
+
+def test_tools_sit_on_the_plan_layer_only():
+    """tools/ (the planner, its CLI, the prediction for a config, the report, the YAML reader) import
+    the plan layer and each other, never megatron/, runtime/, comm/ or kernels/ (issue 49: predict.py
+    read YAML through megatron/)."""
+    found = [f"{name}: {target}" for name, path in _modules().items() if name.startswith("megatron_mesh.tools")
+             for target in _imports(name, path, _modules())
+             if not target.startswith(("megatron_mesh.plan", "megatron_mesh.tools"))]
+    assert not found, found
+
+
+def _plugin_dests() -> set[str]:
+    from megatron_mesh.megatron.settings import flags
+
+    return {f.dest for f in flags()} | {"cp_seq_length", "cp_documents"}  # and the config fields they once had
+
+
+def test_settings_are_read_through_the_typed_object():
+    """Outside the settings module nothing reads a plugin flag off Megatron's arguments or a config --
+    neither ``getattr(args|config, "<dest>")`` (the issue's grep: ``getattr\((args|config),
+    *"(cp_|tasp_|mesh_|log_cp|no_cp)``) nor ``args.<dest>``: they read the typed, frozen
+    PluginSettings made from them (issue 49: 24 such reads in 8 files); and the Ulysses degree
+    (``--hierarchical-context-parallel-sizes``) is read in one place, plan/megatron_problem.py
+    (issue 49: 7 reads in 4 files)."""
+    dests, prefix = _plugin_dests(), re.compile(r"(cp_|tasp_|mesh_|log_cp|no_cp)")
+    receiver = re.compile(r"(self\.)?(args|config|cfg)")
+    raw, ulysses = [], []
+    for name, path in _modules().items():
+        for node in ast.walk(_tree(path)):
+            where = f"{name}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr") \
+                    and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant):
+                text, key = ast.unparse(node.args[0]), node.args[1].value
+                if receiver.fullmatch(text) and prefix.match(str(key)) or key in dests:
+                    raw.append(f"{where} {ast.unparse(node)}")
+            elif isinstance(node, ast.Attribute) and node.attr in dests and receiver.fullmatch(ast.unparse(node.value)):
+                raw.append(f"{where} {ast.unparse(node)}")
+            if isinstance(node, ast.Attribute) and node.attr == "hierarchical_context_parallel_sizes" or \
+                    isinstance(node, ast.Constant) and node.value == "hierarchical_context_parallel_sizes":
+                ulysses.append(where)
+    assert [r for r in raw if not r.startswith("megatron_mesh.megatron.settings:")] == [], raw
+    assert [u.split(":")[0] for u in ulysses] == ["megatron_mesh.plan.megatron_problem"], ulysses
 
 
 def test_plan_package_never_imports_torch():
@@ -243,7 +287,7 @@ def test_monkeypatches_of_package_state():
         # the checkout a data-file check resolves paths against
         "megatron_mesh.megatron.checks.ROOT",
         # the planner's limit for planning the modes on THD: the tests lower it to reach the refusal on small problems
-        "megatron_mesh.tools.planner.THD_PLAN_RANKS",
+        "megatron_mesh.plan.layouts.thd.ThdKind.plan_ranks",
     }
     assert len(found) <= 5 and {f.split(": ")[1] for f in found} <= remaining, found
 
@@ -302,7 +346,7 @@ def _mutated_module_state(path: str, name: str, set_from_outside: set[str]) -> l
 
 def test_mutable_module_state_in_the_adapter_and_the_runtime():
     """State lives in objects the layers, specs and builders hold (Telemetry, CPGroups,
-    LayoutCalls, GroupChecks, ProcessState; per-plan memos in the plan), not in module globals.
+    LayoutCalls, GroupChecks, ProcessState, Arenas; per-plan memos in the plan), not in module globals.
     What megatron/ and runtime/ keep at module level: the process's default objects, which a
     test replaces by passing its own, and batch_layout's channel from get_batch to the layers.
     ``functools`` caches (memos of pure functions) are not state."""
@@ -320,6 +364,7 @@ def test_mutable_module_state_in_the_adapter_and_the_runtime():
         "megatron_mesh.megatron.process.PROCESS",  # the process's start-up and exit state
         "megatron_mesh.runtime.agreement.GROUP_CHECKS",  # what the plan check remembers per process group
         "megatron_mesh.runtime.api.LAYOUT_CALLS",  # the prebuild memory
+        "megatron_mesh.runtime.buffers.ARENAS",  # the process's arenas: each rank's buffers, kept from call to call
     ], found
 
 

@@ -209,7 +209,8 @@ def loop_varlen_backward(kernel: BlockKernel, dout: Tensor, q: Tensor, k: Tensor
     mask = CAUSAL if causal else FULL
     for n, m in seqs:
         gq, gk, gv = kernel.backward(dout.narrow(2, qo, n), q.narrow(2, qo, n), k.narrow(2, ko, m), v.narrow(2, ko, m),
-                                     lse.narrow(-1, qo, n), delta.narrow(-1, qo, n), mask=mask, scale=scale,
+                                     lse.narrow(-1, qo, n), None if delta is None else delta.narrow(-1, qo, n),
+                                     mask=mask, scale=scale,
                                      **rows_of(rows, qo, n))
         dqs.append(gq)
         dks.append(gk)

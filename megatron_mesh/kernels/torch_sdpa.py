@@ -27,6 +27,8 @@ statistics.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -138,7 +140,7 @@ class TorchAttentionKernel:
         buffer of rows and hands each call its rows (``backward(..., rows=...)``)."""
         if out is None:
             return _backward_rows(dout, lse, delta)
-        return out.to(dout.dtype), lse.masked_fill(lse.isneginf(), 0.0)
+        return out.to(dout.dtype), _finite_lse(lse)
 
     def backward(self, dout, q, k, v, lse, delta, *, mask, scale, rows=None):
         causal = mask.causal
@@ -168,7 +170,7 @@ class TorchAttentionKernel:
             pad = (-sq) % 32
             if pad:
                 lse_p = torch.nn.functional.pad(lse, (0, pad))
-            seed = torch.zeros((), dtype=torch.int64, device=q.device)
+            seed = _no_dropout_seed(q.device)
             bias = self._bias(q, mask)
             # the op reads dout, q, k, v and out as [B, S, H, D] memory (it transposes them and
             # assumes the heads of a token lie together): in any other layout -- a contiguous
@@ -272,7 +274,13 @@ def _cut(x: Tensor, width: int) -> Tensor:
 
 
 def _backward_rows(dout: Tensor, lse: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
-    return stand_in_output(dout, delta), lse.masked_fill(lse.isneginf(), 0.0)
+    return stand_in_output(dout, delta), _finite_lse(lse)
+
+
+def _finite_lse(lse: Tensor) -> Tensor:
+    """lse with 0 for -inf (a row no key reaches: its gradients are 0 either way), in one op;
+    NaN and +inf stay what they are."""
+    return torch.nan_to_num(lse, nan=float("nan"), posinf=float("inf"), neginf=0.0)
 
 
 def _bshd_memory(x: Tensor) -> Tensor:
@@ -280,9 +288,18 @@ def _bshd_memory(x: Tensor) -> Tensor:
     return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
+@functools.lru_cache(maxsize=None)
 def _no_dropout_state(device) -> tuple[Tensor, Tensor]:
-    """The (rng state, unused) pair flash's backward takes; with no dropout it is never read."""
+    """The (rng state, unused) pair flash's backward takes; with no dropout it is never read, so
+    one pair per device serves every call (two ops per backward call less for the host, issue 52)."""
     return torch.zeros(2, dtype=torch.uint64, device=device), torch.empty(0, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def _no_dropout_seed(device) -> Tensor:
+    """The philox seed and offset the efficient kernel's backward takes: never read without
+    dropout, so one per device (not an op per call)."""
+    return torch.zeros((), dtype=torch.int64, device=device)
 
 
 _CU: dict = {}  # (seqs, batch, device) -> offsets: a plan's calls repeat every step, and a host-to-device

@@ -1,13 +1,15 @@
-"""The plugin's command-line flags in Megatron's parser, and the settings they put on the model
-config -- both generated from the settings schema (:mod:`.settings`).
+"""The plugin's command-line flags in Megatron's parser, and the typed settings they put on the
+model config -- both generated from the settings schema (:mod:`.settings`).
 
 Flags are added through Megatron's ``extra_args_provider`` hook (:func:`add_args`) and checked at
 start-up by :func:`.checks.validate_args`. Whatever the entry script, the spec functions put the
-settings and the real sequence length from Megatron's parsed arguments on the transformer config
-(:func:`apply_args`), which the layers read with :func:`.settings.plugin_settings`.
+settings of Megatron's parsed arguments -- one frozen :class:`~.settings.PluginSettings` with the
+real sequence length and where documents come from -- on the transformer config
+(:func:`apply_args`: ``config.cp_settings``), which the layers read with
+:func:`.settings.plugin_settings`.
 
 A plugin flag left out is ``None`` on the arguments (so a flag given but unable to apply -- a Mesh
-flag without a Mesh layer -- is an error) and its default on the config.
+flag without a Mesh layer -- is an error) and its default on the settings.
 
 Example (CP 4, 4 layers: Mesh tile 2x2 for the first two, TASP for the last two)::
 
@@ -18,12 +20,23 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
+from typing import Optional
 
-from .checks import documents_of
+from megatron.core.transformer.transformer_config import TransformerConfig
+
 from .errors import fail
-from .settings import MeshTransformerConfig, flags
+from .settings import PluginSettings, flags
 
 __all__ = ["add_args", "apply_args", "parse_flags", "MeshTransformerConfig"]
+
+
+@dataclass
+class MeshTransformerConfig(TransformerConfig):
+    """TransformerConfig plus the plugin's settings (:class:`~.settings.PluginSettings`, None: the
+    defaults), e.g. ``MeshTransformerConfig(..., cp_settings=PluginSettings.of(mesh_tile_shape="2x2"))``."""
+
+    cp_settings: Optional[PluginSettings] = None
 
 
 def add_args(parser):
@@ -64,15 +77,14 @@ def parse_flags(argv) -> argparse.Namespace:
 
 
 def apply_args(args, config, *, entry_packs_documents: bool = False, batch_documents: bool = False) -> None:
-    """Put the plugin settings of Megatron's parsed ``args`` (defaults for flags it lacks) and the
-    global sequence length on ``config`` -- a plain TransformerConfig too: what any entry script
-    builds with ``core_transformer_config_from_args(args)``. ``entry_packs_documents``: whether
-    the entry script hands the layers document boundaries (megatron_mesh's own);
-    ``batch_documents``: whether :mod:`.batch_layout` takes them from its batches (``run_script``)."""
-    for f in flags():
-        setattr(config, f.dest, getattr(args, f.dest, None))
-    config.cp_seq_length = getattr(args, "seq_length", None)
-    config.cp_documents = documents_of(args, entry_packs_documents, batch_documents)
+    """Put the plugin settings of Megatron's parsed ``args`` (defaults for flags it lacks, the
+    global sequence length, where documents come from) on ``config`` as ``config.cp_settings`` --
+    a plain TransformerConfig too: what any entry script builds with
+    ``core_transformer_config_from_args(args)``. ``entry_packs_documents``: whether the entry
+    script hands the layers document boundaries (megatron_mesh's own); ``batch_documents``:
+    whether :mod:`.batch_layout` takes them from its batches (``run_script``)."""
+    config.cp_settings = PluginSettings.from_args(args, entry_packs_documents=entry_packs_documents,
+                                                  batch_documents=batch_documents)
 
 
 if __name__ == "__main__":

@@ -53,10 +53,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..plan.balance import BalancedLayout
-from ..plan.layout import ZigzagLayout, positions
+from ..plan.layout import Layout, ZigzagLayout, positions
 from .layout_decision import sample_layout, uses_balanced_layout
-from .settings import BATCH_DOCUMENTS, cp_layout
+from .settings import BATCH_DOCUMENTS, PluginSettings
 
 __all__ = ["sample_layout", "uses_balanced_layout", "eod_starts", "position_starts", "document_rows",
            "boundary_params", "BatchLayout", "split_batch", "set_current", "current",
@@ -117,19 +116,20 @@ class BatchLayout:
     zigzag's, for samples that keep it next to balanced ones under ``--cp-layout auto``)."""
 
     rows: tuple[tuple[int, ...], ...]
-    layouts: tuple[Optional[BalancedLayout], ...]
+    layouts: tuple[Optional[Layout], ...]
     rank: int
     cp: int = 1
 
     @classmethod
-    def of(cls, rows, config, rank: int) -> "BatchLayout":
-        """Each sample's layout by :func:`sample_layout`."""
+    def of(cls, rows, config, rank: int, settings: Optional[PluginSettings] = None) -> "BatchLayout":
+        """Each sample's layout by :func:`sample_layout` (``settings``: the plugin settings of
+        ``config``, when the caller has them)."""
         rows = tuple(tuple(int(c) for c in r) for r in rows)
-        return cls(rows, tuple(sample_layout(r, config) for r in rows), rank, config.context_parallel_size)
+        return cls(rows, tuple(sample_layout(r, config, settings) for r in rows), rank, config.context_parallel_size)
 
     @property
     def balanced(self) -> bool:
-        """Whether any sample runs on a balanced layout (else the batch is Megatron's zigzag split)."""
+        """Whether any sample runs on a layout of its own (else the batch is Megatron's zigzag split)."""
         return any(layout is not None for layout in self.layouts)
 
     @functools.cached_property
@@ -261,12 +261,14 @@ def check_rope_follows(args) -> None:
 
 
 # -- get_batch: the plugin's entry script, and Megatron-LM's own scripts -------------------------------------
-def split_batch(batch: dict, source: str, args, cp_group, eod: Optional[int] = None) -> BatchLayout:
+def split_batch(batch: dict, source: str, args, cp_group, eod: Optional[int] = None,
+                settings: Optional[PluginSettings] = None) -> BatchLayout:
     """The documents of the full micro-batch ``batch`` (from ``source``, see :func:`document_rows`)
-    and their layouts, made current; returns them (:meth:`BatchLayout.shard` splits the batch).
-    Stops a balanced batch for a RoPE model whose rotary embedding does not follow the layout."""
+    and their layouts (under ``args`` and its plugin ``settings``), made current; returns them
+    (:meth:`BatchLayout.shard` splits the batch). Stops a balanced batch for a RoPE model whose
+    rotary embedding does not follow the layout."""
     rank = cp_group.rank() if cp_group is not None else 0
-    layout = BatchLayout.of(document_rows(batch, source, eod), args, rank)
+    layout = BatchLayout.of(document_rows(batch, source, eod), args, rank, settings)
     if layout.balanced:
         check_rope_follows(args)
     set_current(layout)
@@ -293,15 +295,15 @@ def install() -> None:
 
 def get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=None, *rest, **kwargs):
     """Megatron's ``get_batch_on_this_cp_rank`` where documents reach the plugin layers from the
-    batch (``--reset-attention-mask`` through ``run_script``; see :func:`.checks.documents_of`):
+    batch (``--reset-attention-mask`` through ``run_script``; see :func:`~megatron_mesh.plan.megatron_problem.documents_of`):
     this micro-batch's documents become current and it is split by its layout. Otherwise, or for
     batches Megatron packs itself (``cu_seqlens``, refused at start-up), Megatron's own."""
     from . import bootstrap
-    from .checks import documents_of
 
     original = _megatron_zigzag()
     args = bootstrap.megatron_args()
-    source = documents_of(args, False, batch_documents=bootstrap.BATCH_DOCUMENTS) if args is not None else None
+    settings = PluginSettings.from_args(args, batch_documents=bootstrap.BATCH_DOCUMENTS) if args is not None else None
+    source = settings.documents if settings is not None else None
     if source not in BATCH_DOCUMENTS or is_hybrid_cp or batch.get("cu_seqlens") is not None \
             or batch.get("tokens") is None:
         return original(batch, is_hybrid_cp, cp_group, *rest, **kwargs)
@@ -310,7 +312,7 @@ def get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=None, *rest, *
         from megatron.training import get_tokenizer
 
         eod = get_tokenizer().eod
-    return split_batch(batch, source, args, cp_group, eod).shard(batch, cp_group)
+    return split_batch(batch, source, args, cp_group, eod, settings).shard(batch, cp_group)
 
 
 # -- ahead of the step ------------------------------------------------------------------------------------
@@ -379,7 +381,7 @@ class Lookahead:
         return item
 
 
-def _warm_layouts(args, source: str, eod: Optional[int]):
+def _warm_layouts(args, settings: PluginSettings, eod: Optional[int]):
     """The warm-up of one full micro-batch (as the data loader gives it, before any split): its
     samples' layouts (cached: ``get_batch`` finds them) and this rank's plans of each layout."""
     from ..runtime.api import prebuild
@@ -388,7 +390,7 @@ def _warm_layouts(args, source: str, eod: Optional[int]):
 
     def warm(batch) -> None:
         seen, plans = set(), 0
-        for layout in BatchLayout.of(document_rows(batch, source, eod), args, 0).layouts:
+        for layout in BatchLayout.of(document_rows(batch, settings.documents, eod), args, 0, settings).layouts:
             if layout is not None and id(layout) not in seen:
                 seen.add(id(layout))
                 plans += prebuild(layout)
@@ -431,21 +433,20 @@ def install_lookahead() -> None:
     def substitute(*a, **kw):
         iterators = build(*a, **kw)
         from . import bootstrap
-        from .checks import documents_of
 
         args = bootstrap.megatron_args()
-        if args is None or getattr(args, "no_cp_layout_lookahead", False) or cp_layout(args) == "zigzag" or \
-                args.context_parallel_size == 1:
+        if args is None or args.context_parallel_size == 1:
             return iterators
-        source = documents_of(args, bootstrap.ENTRY_PACKS_DOCUMENTS, bootstrap.BATCH_DOCUMENTS)
-        if source not in BATCH_DOCUMENTS:
+        settings = PluginSettings.from_args(args, entry_packs_documents=bootstrap.ENTRY_PACKS_DOCUMENTS,
+                                            batch_documents=bootstrap.BATCH_DOCUMENTS)
+        if settings.no_cp_layout_lookahead or not settings.layout.per_sample or settings.documents not in BATCH_DOCUMENTS:
             return iterators
         eod = None
-        if source == "eod":
+        if settings.documents == "eod":
             from megatron.training import get_tokenizer
 
             eod = get_tokenizer().eod
-        warm = _warm_layouts(args, source, eod)
+        warm = _warm_layouts(args, settings, eod)
         return tuple(_ahead(it, warm) for it in iterators)
 
     functools.update_wrapper(substitute, build)

@@ -22,6 +22,7 @@ from (a Megatron-LM checkout next to the script shadows the wheel) before the fi
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import sys
 from contextlib import contextmanager
@@ -226,11 +227,15 @@ def check_args(args) -> None:
     from .checks import check_data_files, validate_args
 
     try:
-        validate_args(args, entry_packs_documents=ENTRY_PACKS_DOCUMENTS, batch_documents=BATCH_DOCUMENTS)
+        unused = validate_args(args, entry_packs_documents=ENTRY_PACKS_DOCUMENTS, batch_documents=BATCH_DOCUMENTS)
         check_data_files(args)
     except ValueError as e:
         fail(str(e))
     PROCESS.checked.add(id(args))
+    if unused and int(os.environ.get("RANK", "0")) == 0:  # once per run: the same arguments on every rank
+        logging.getLogger(__name__).warning(
+            "megatron_mesh: %s: only used at CP > 1, unused at --context-parallel-size 1 (accepted, so that one "
+            "config serves the CP 1 baseline and the CP runs)", ", ".join(unused))
 
 
 def megatron_args():

@@ -9,7 +9,15 @@ need as parameters -- whether the entry script hands the layers document boundar
 directory).
 
 Example: ``--cp-comm-type ring --mesh-tile-shape 2x2`` fails with "--mesh-tile-shape 2x2 is given,
-but no layer runs mesh or a2a+mesh at CP > 1 (--cp-comm-type ring); leave the flag out".
+but no layer runs mesh or a2a+mesh at CP > 1 (--cp-comm-type ring); leave the flag out". A setting
+that matters only at CP > 1 is accepted at CP 1, so one config serves the CP 1 baseline and the CP
+runs: ``--context-parallel-size 1 --cp-comm-type mesh --mesh-tile-shape 2x2`` passes, and
+:func:`validate_args` returns "--mesh-tile-shape 2x2" among the settings unused there (the
+start-up logs them once).
+
+The plugin's settings are read from the arguments once (:class:`~.settings.PluginSettings`, which
+checks their values) and the run's attention problem with them (:func:`~.settings.problem_of`:
+heads, sizes, Ulysses degree, window); the checks read those, and Megatron's other flags.
 """
 
 from __future__ import annotations
@@ -19,14 +27,16 @@ import os
 import warnings
 from typing import Optional
 
+from ..plan.layouts import LAYOUTS, REFERENCE_LAYOUT, cp_layout_names
+from ..plan.megatron_problem import THD_DOCUMENTS, MegatronProblem
 from ..plan.modes import HYBRID_PREFIX, get_mode
 from ..plan.window import megatron_window
 from . import TE_MODES, cp_modes, plugin_modes
-from .placement import layer_shape, resolve_placement
-from .settings import BATCH_DOCUMENTS, PluginSettings, cp_layout, flags, layer_modes, plugin_modes_of
+from .placement import resolve_placement
+from .settings import (ALL_PLUGIN_MODES, BATCH_DOCUMENTS, HIERARCHY_FLAG, NODES_FLAG, PluginSettings, flags,
+                       layer_modes, plugin_modes_of, problem_of)
 
-__all__ = ["validate_args", "check_modes", "check_data_files", "have_transformer_engine", "uses_plugin_spec",
-           "documents_of"]
+__all__ = ["validate_args", "check_modes", "check_data_files", "have_transformer_engine", "uses_plugin_spec"]
 
 
 def have_transformer_engine() -> tuple[bool, str]:
@@ -67,20 +77,16 @@ def uses_plugin_spec(args) -> bool:
     return bool(args.spec) and str(args.spec[0]).startswith("megatron_mesh.")
 
 
-def _given(args, name: str) -> bool:
-    value = getattr(args, name, None)
-    return value is not None and value is not False
-
-
 def validate_args(args, have_te: bool | None = None, *, entry_packs_documents: bool = False,
-                  batch_documents: bool = False, have_cuda: bool | None = None) -> None:
+                  batch_documents: bool = False, have_cuda: bool | None = None) -> list[str]:
     """Check the plugin flags and the Megatron flags they depend on, as parsed by Megatron (before
     its own validation); ValueError names the value and what is allowed. ``have_te``: None detects
     Transformer Engine; ``entry_packs_documents``: the entry script hands the layers document
     boundaries (megatron_mesh's own does); ``batch_documents``: :mod:`.batch_layout` takes them from
     the script's batches (``run_script``: Megatron-LM's own scripts); ``have_cuda``: None asks
     torch (the run's tensors are on CUDA devices where it has them). Works on arguments without
-    the plugin's flags too."""
+    the plugin's flags too. Returns the settings given that matter only at CP > 1, at CP 1 (e.g.
+    ``["--cp-layout zigzag"]``): accepted, for the caller to say once that they go unused."""
     te_reason = ""
     if have_te is None:
         have_te, te_reason = have_transformer_engine()
@@ -98,113 +104,97 @@ def validate_args(args, have_te: bool | None = None, *, entry_packs_documents: b
     if uses_plugin_spec(args) and args.transformer_impl == "transformer_engine" and not have_te:
         raise ValueError("--transformer-impl transformer_engine (Megatron's default) needs Transformer Engine, which "
                          f"is not usable here ({te_reason or 'not installed'}); pass --transformer-impl local")
+    settings = PluginSettings.from_args(args, entry_packs_documents=entry_packs_documents,
+                                        batch_documents=batch_documents)  # ValueError: a value no flag takes
+    problem = problem_of(args, settings)
+    documents = settings.documents
     active = set(modes) if cp > 1 else set()  # CP 1: Megatron's own attention, whatever the mode
-    _check_applicable(args, cp, modes, active)
-    _check_choices(args)
-    backend = getattr(args, "cp_kernel_backend", None)
-    if active and isinstance(backend, str) and backend.startswith("torch-") and not have_cuda:
-        raise ValueError(f"--cp-kernel-backend {backend} runs on CUDA devices, and this machine has none; allowed here: "
-                         "auto, torch, math")
+    # at CP 1 the plugin's single-rank attention still runs where a mask needs it (documents, a window)
+    single = cp == 1 and bool(documents or problem.window_size is not None and uses_plugin_spec(args))
+    unused = _check_applicable(settings, cp, modes, active, single)
+    _check_backend(settings.cp_kernel_backend, active, have_cuda)
     _check_window(args, cp, active)
-    documents = documents_of(args, entry_packs_documents, batch_documents)
     if cp == 1 and documents and args.attention_dropout:
         raise ValueError(f"--attention-dropout {args.attention_dropout}: packed documents run the plugin's attention "
                          "also at CP 1 (Megatron's own has no document mask without a dense [s, s] mask), which "
                          "supports only 0 (pass --attention-dropout 0)")
     if documents:  # at CP 1 too: documents run the plugin's attention there as well
         _no_pipeline_with_documents(args)
-    _check_hierarchy(args, cp, active)
+    _check_hierarchy(problem, cp, active)
     for mode in sorted(plugin_modes_of(active)):
-        _check_placement(args, cp, mode)
+        _check_placement(args, settings, problem, mode)
     if active & set(plugin_modes()):
-        _check_plugin_layers(args, cp, active, entry_packs_documents or batch_documents)
-    _check_thd_flags(args, cp, entry_packs_documents)
+        _check_plugin_layers(args, settings, cp, active, entry_packs_documents or batch_documents)
+    _check_thd_flags(args, settings, cp, entry_packs_documents)
     te_layers = sorted(active & set(TE_MODES))
     if documents == "eod" and te_layers:
         raise ValueError(f"--reset-attention-mask with Transformer Engine layers (--cp-comm-type {te_layers[0]}): "
                          "megatron_mesh's entry script hands the layers end-of-document boundaries per sample, which "
                          "only the plugin modes read; run plugin modes on every layer, or pack the documents for "
                          "Transformer Engine with --cp-thd-packing")
-    _check_layout(args, cp, documents)
-    _warn_per_rank_loss(args, cp)
+    unused += _check_layout(args, settings, problem, cp)
+    _warn_per_rank_loss(args, settings, cp)
+    return unused
 
 
-def _check_applicable(args, cp: int, modes, active: set) -> None:
-    """A flag given where no layer runs a mode it applies to is an error (never silently unused)."""
+def _check_backend(backend: str, active: set, have_cuda: bool) -> None:
+    if active and backend.startswith("torch-") and not have_cuda:
+        raise ValueError(f"--cp-kernel-backend {backend} runs on CUDA devices, and this machine has none; allowed here: "
+                         "auto, torch, math")
+
+
+def _check_applicable(settings: PluginSettings, cp: int, modes, active: set, single: bool) -> list[str]:
+    """A flag given where no layer runs a mode it applies to is an error (never silently unused),
+    unless it would apply at CP > 1: at CP 1 it is accepted and returned (the CP 1 baseline of
+    the CP runs' config). ``single``: the plugin's single-rank attention runs at CP 1 (the
+    general flags of every plugin mode apply to it)."""
+    unused = []
     for f in flags():
         applies_to = f.modes()
-        if applies_to is None or not _given(args, f.dest) or active & set(applies_to):
+        if applies_to is None or f.dest not in settings.given or active & set(applies_to):
             continue
-        value = "" if getattr(args, f.dest) is True else f" {getattr(args, f.dest)}"
+        if single and f.applies_to == ALL_PLUGIN_MODES:
+            continue
+        if cp == 1 and set(modes) & set(applies_to):
+            unused.append(settings.shown(f))
+            continue
         runs = f"--context-parallel-size {cp}" if cp == 1 else f"--cp-comm-type {' '.join(modes)}"
         which = (f"a plugin mode ({', '.join(applies_to)})" if set(applies_to) == set(plugin_modes())
                  else " or ".join(applies_to))
-        raise ValueError(f"{f.name}{value} is given, but no layer runs {which} at CP > 1 ({runs}); leave the flag out")
+        raise ValueError(f"{settings.shown(f)} is given, but no layer runs {which} at CP > 1 ({runs}); leave the flag "
+                         "out")
+    return unused
 
 
-def _check_choices(args) -> None:
-    """The flags' own values (argparse checks choices too; this covers arguments built elsewhere)."""
-    for f in flags():
-        value = getattr(args, f.dest, None)
-        if value is None or f.store_true:
-            continue
-        if f.choices is not None and value not in f.choices:
-            raise ValueError(f"{f.name} {value!r}: allowed {', '.join(map(str, f.choices))}")
-        if f.type is int and (not isinstance(value, int) or value < 1):
-            raise ValueError(f"{f.name} must be a positive integer, got {value!r}")
-
-
-def _check_placement(args, cp: int, mode: str) -> None:
+def _check_placement(args, settings: PluginSettings, problem: MegatronProblem, mode: str) -> None:
     """The mode's own start-up check: resolve (and build) its placement for these arguments -- the
     sequence length, the heads per tensor-parallel rank, the node layout, its options -- so a
     setting the mode refuses stops the run here, naming the flags, not at the first layer."""
-    settings = PluginSettings.of(**{f.dest: getattr(args, f.dest, None) for f in flags()})
-    config = _ArgsConfig(args, settings)
-    tp = args.tensor_model_parallel_size
-    given = [f"{f.name} {getattr(args, f.dest)}" for f in flags()
-             if f.option is not None and mode in (f.modes() or ()) and _given(args, f.dest)]
-    hcp = getattr(args, "hierarchical_context_parallel_sizes", None)
-    if hcp and mode.startswith(HYBRID_PREFIX):  # the errors name its all-to-all degree (ulysses_size): say whence
-        given.append(f"--hierarchical-context-parallel-sizes {' '.join(str(x) for x in hcp)}")
-    if getattr(args, "tasp_gpus_per_node", None) is not None and get_mode(mode).uses_nodes:
-        given.append(f"--tasp-gpus-per-node {args.tasp_gpus_per_node}")
+    cp = problem.cp
+    given = [settings.shown(f) for f in flags()
+             if f.option is not None and mode in (f.modes() or ()) and f.dest in settings.given]
+    if problem.hierarchy and mode.startswith(HYBRID_PREFIX):  # the errors name its all-to-all degree: say whence
+        given.append(f"{HIERARCHY_FLAG} {' '.join(str(x) for x in problem.hierarchy)}")
+    if settings.tasp_gpus_per_node is not None and get_mode(mode).uses_nodes:
+        given.append(f"{NODES_FLAG} {settings.tasp_gpus_per_node}")
     try:
-        placement = resolve_placement(mode, config, tuple(i * tp for i in range(cp)))
-        if getattr(args, "seq_length", None):
-            placement.build(layer_shape(config, cp))
+        placement = resolve_placement(mode, args, tuple(i * problem.tp for i in range(cp)))
+        if problem.seq_len:
+            placement.build(problem.shape(cp))
     except ValueError as e:
-        if "per node" in str(e) and "--tasp-gpus-per-node" not in " ".join(given) and os.environ.get("LOCAL_WORLD_SIZE"):
+        if "per node" in str(e) and NODES_FLAG not in " ".join(given) and os.environ.get("LOCAL_WORLD_SIZE"):
             given.append(f"{os.environ['LOCAL_WORLD_SIZE']} processes per node")  # where the nodes come from
         setup = f"--cp-comm-type {mode} at --context-parallel-size {cp}" + (f" with {', '.join(given)}" if given else "")
         raise ValueError(f"{setup}: {e}") from None
 
 
-class _ArgsConfig:
-    """What the placement reads from a transformer config, taken from the parsed arguments (the
-    checks run before Megatron builds the config)."""
-
-    def __init__(self, args, settings: PluginSettings):
-        for f in flags():
-            setattr(self, f.dest, settings[f.dest])
-        self.tensor_model_parallel_size = args.tensor_model_parallel_size
-        # arguments that leave the model out (Megatron fails on them later) are checked on one head
-        self.num_attention_heads = getattr(args, "num_attention_heads", None) or 1
-        self.num_query_groups = args.num_query_groups if getattr(args, "group_query_attention", False) else None
-        hidden = getattr(args, "hidden_size", None)
-        self.kv_channels = getattr(args, "kv_channels", None) or (hidden // self.num_attention_heads if hidden else 1)
-        self.params_dtype = "torch.float32" if not (getattr(args, "bf16", False) or getattr(args, "fp16", False)) \
-            else "torch.bfloat16"
-        self.cp_seq_length = getattr(args, "seq_length", None)
-        self.hierarchical_context_parallel_sizes = getattr(args, "hierarchical_context_parallel_sizes", None)
-
-
-def _warn_per_rank_loss(args, cp: int) -> None:
+def _warn_per_rank_loss(args, settings: PluginSettings, cp: int) -> None:
     """Warn when Megatron's loss normalisation makes CP > 1 train differently from CP 1: without
     --calculate-per-token-loss each CP rank divides its loss by its own unmasked tokens, which
     differ between ranks when the loss mask does (--eod-mask-loss, THD padding), so the
     gradients weight the ranks' tokens unequally (any CP mode, Transformer Engine's too)."""
-    uneven = [flag for flag, name in (("--eod-mask-loss", "eod_mask_loss"), ("--cp-thd-packing", "cp_thd_packing"))
-              if getattr(args, name, False)]
+    uneven = [flag for flag, on in (("--eod-mask-loss", getattr(args, "eod_mask_loss", False)),
+                                    ("--cp-thd-packing", settings.cp_thd_packing)) if on]
     if cp > 1 and uneven and not getattr(args, "calculate_per_token_loss", False):
         warnings.warn(f"{' and '.join(uneven)} at --context-parallel-size {cp} without --calculate-per-token-loss: "
                       "each CP rank divides its loss by its own token count, so the gradients differ from CP 1's "
@@ -240,12 +230,12 @@ def _check_window(args, cp: int, active: set) -> None:
                          "--attention-dropout 0)")
 
 
-def _check_hierarchy(args, cp: int, active: set) -> None:
+def _check_hierarchy(problem: MegatronProblem, cp: int, active: set) -> None:
     """--hierarchical-context-parallel-sizes U M: the all-to-all x inner split of Transformer
     Engine's a2a+p2p and of the plugin's Ulysses hybrids; given where nothing uses it, or missing
     where a layer needs it, is an error (never CP silently off). The hybrid's own constraints
     (heads, U inside a node) are its placement's check."""
-    hcp = getattr(args, "hierarchical_context_parallel_sizes", None)
+    hcp = problem.hierarchy
     hybrids = sorted(m for m in active if m.startswith(HYBRID_PREFIX))
     if hcp and not hybrids:
         raise ValueError(f"--hierarchical-context-parallel-sizes {' '.join(map(str, hcp))} applies only to the "
@@ -262,55 +252,49 @@ def _check_hierarchy(args, cp: int, active: set) -> None:
         raise ValueError(f"--hierarchical-context-parallel-sizes {U} {M}: U * M must equal --context-parallel-size {cp}")
 
 
-def documents_of(args, entry_packs_documents: bool, batch_documents: bool = False) -> Optional[str]:
-    """Where the plugin layers' documents come from: "thd" (--cp-thd-packing), "eod" (the
-    end-of-document tokens of --reset-attention-mask, under an entry script that passes the
-    boundaries or through :mod:`.batch_layout`), "positions" (the position-id resets of
-    --reset-position-ids, through :mod:`.batch_layout`: exactly where --reset-attention-mask cuts),
-    or None. Another script's --reset-attention-mask is a dense mask: Megatron's own attention
-    reads it at CP 1, and the plugin modes refuse it at CP > 1 (see _check_plugin_layers)."""
-    if getattr(args, "cp_thd_packing", False):
-        return "thd"
-    if not getattr(args, "reset_attention_mask", False):
-        return None
-    if entry_packs_documents:
-        return "eod"
-    if batch_documents:
-        return "positions" if getattr(args, "reset_position_ids", False) else "eod"
-    return None
-
-
-def _check_layout(args, cp: int, documents: Optional[str]) -> None:
-    """--cp-layout (and --no-cp-layout-lookahead, for the balanced one) applies where a layout is
-    chosen per sample: documents from the batch (--reset-attention-mask) reaching plugin layers at
-    CP > 1. The balanced layout (the default)
-    needs --calculate-per-token-loss, and what else follows Megatron's zigzag refuses it: RoPE
-    other than 'rope' (YaRN, mRoPE, MLA's own), multi-token prediction (its roll assumes the
-    zigzag), and fused RoPE over micro-batches of several samples (Transformer Engine's kernel
-    takes one [s, 1, 1, d] table; each sample has its own layout)."""
-    given = getattr(args, "cp_layout", None)
-    applies = cp > 1 and documents in BATCH_DOCUMENTS
-    if given is not None and not applies:
-        why = (f"--context-parallel-size {cp}" if cp == 1 else
-               "--cp-thd-packing (Transformer Engine's THD layout)" if documents == "thd" else
-               "no --reset-attention-mask")
-        raise ValueError(f"--cp-layout {given} applies to packed documents (--reset-attention-mask) at CP > 1, not "
-                         f"here ({why}); leave the flag out")
-    if getattr(args, "no_cp_layout_lookahead", False) and not (applies and cp_layout(args) != "zigzag"):
-        raise ValueError("--no-cp-layout-lookahead applies to --cp-layout auto and balanced (packed documents, "
-                         "--reset-attention-mask, at CP > 1), which this run does not use; leave the flag out")
-    if not applies or cp_layout(args) == "zigzag":
-        return
-    which = f"--cp-layout {cp_layout(args)}" + ("" if given else " (the default with packed documents at CP > 1)")
-    zigzag = "or pass --cp-layout zigzag (Megatron's global zigzag)"
-    hcp = getattr(args, "hierarchical_context_parallel_sizes", None)
-    if cp_layout(args) == "balanced-hide" and not (hcp and int(hcp[0]) > 1):
-        sizes = f"--hierarchical-context-parallel-sizes {' '.join(map(str, hcp))}" if hcp else \
-            "no --hierarchical-context-parallel-sizes"
+def _check_layout(args, settings: PluginSettings, problem: MegatronProblem, cp: int) -> list[str]:
+    """--cp-layout (and --no-cp-layout-lookahead, for a layout of each sample) applies where a
+    layout is chosen per sample: documents from the batch (--reset-attention-mask) reaching plugin
+    layers at CP > 1; at CP 1 with such documents it is accepted and returned as unused. A layout
+    other than Megatron's zigzag (the default ``auto`` too) needs --calculate-per-token-loss, and
+    what else follows Megatron's zigzag refuses it: RoPE other than 'rope' (YaRN, mRoPE, MLA's
+    own), multi-token prediction (its roll assumes the zigzag), and fused RoPE over micro-batches
+    of several samples (Transformer Engine's kernel takes one [s, 1, 1, d] table; each sample has
+    its own layout). A layout that differs from another only for Ulysses groups needs them."""
+    kind, documents, unused = settings.layout, settings.documents, []
+    batch = documents in BATCH_DOCUMENTS
+    applies = cp > 1 and batch
+    if "cp_layout" in settings.given and not applies:
+        if not batch:  # wrong at every CP size
+            why = ("--cp-thd-packing (Transformer Engine's THD layout)" if documents == THD_DOCUMENTS else
+                   "no --reset-attention-mask")
+            raise ValueError(f"--cp-layout {kind.name} applies to packed documents (--reset-attention-mask) at CP > 1, "
+                             f"not here ({why}); leave the flag out")
+        unused.append(f"--cp-layout {kind.name}")
+    if "no_cp_layout_lookahead" in settings.given and not (applies and kind.per_sample):
+        if not (cp == 1 and batch and kind.per_sample):
+            sample = " and ".join(", ".join(n for n in cp_layout_names() if LAYOUTS[n].per_sample).rsplit(", ", 1))
+            raise ValueError(f"--no-cp-layout-lookahead applies to --cp-layout {sample} (packed documents, "
+                             "--reset-attention-mask, at CP > 1), which this run does not use; leave the flag out")
+        unused.append("--no-cp-layout-lookahead")
+    if not applies or not kind.per_sample:
+        return unused
+    which = f"--cp-layout {kind.name}" + ("" if "cp_layout" in settings.given else
+                                         " (the default with packed documents at CP > 1)")
+    zigzag = f"or pass --cp-layout {REFERENCE_LAYOUT} (Megatron's global zigzag)"
+    if kind.varies and problem.ulysses < 2:
+        sizes = f"{HIERARCHY_FLAG} {' '.join(map(str, problem.hierarchy))}" if problem.hierarchy else \
+            f"no {HIERARCHY_FLAG}"
         hybrids = ", ".join(m for m in plugin_modes() if m.startswith(HYBRID_PREFIX))
-        raise ValueError("--cp-layout balanced-hide sets apart the documents that the Ulysses groups of the all-to-all "
-                         f"modes ({hybrids}) run first and last, and this run has no such group ({sizes}); use "
-                         "--cp-layout balanced, the same layout without them")
+        raise ValueError(f"--cp-layout {kind.name} changes only the layouts of the Ulysses groups of the all-to-all modes "
+                         f"({hybrids}), and this run has no such group ({sizes}); use --cp-layout {kind.varies}, the "
+                         "same layout without them")
+    _check_sample_layouts(args, which, zigzag)
+    return unused
+
+
+def _check_sample_layouts(args, which: str, zigzag: str) -> None:
+    """What a layout of each sample needs from Megatron's other flags (:func:`_check_layout`)."""
     if not getattr(args, "calculate_per_token_loss", False):
         raise ValueError(f"{which} needs --calculate-per-token-loss: the ranks hold different documents, so each "
                          "would divide its loss by its own token count; add --calculate-per-token-loss (the loss "
@@ -331,15 +315,15 @@ def _check_layout(args, cp: int, documents: Optional[str]) -> None:
                          f"[s, 1, 1, d] table per batch; pass --no-rope-fusion or --micro-batch-size 1, {zigzag}")
 
 
-def _check_thd_flags(args, cp: int, entry_packs_documents: bool) -> None:
-    if getattr(args, "cp_thd_pad_multiple", None) is not None and not getattr(args, "cp_thd_packing", False):
-        raise ValueError(f"--cp-thd-pad-multiple {args.cp_thd_pad_multiple} applies to --cp-thd-packing, which is "
+def _check_thd_flags(args, settings: PluginSettings, cp: int, entry_packs_documents: bool) -> None:
+    if settings.cp_thd_pad_multiple is not None and not settings.cp_thd_packing:
+        raise ValueError(f"--cp-thd-pad-multiple {settings.cp_thd_pad_multiple} applies to --cp-thd-packing, which is "
                          "not given: leave it out")
-    if getattr(args, "cp_thd_packing", False):
+    if settings.cp_thd_packing:
         if not entry_packs_documents:
             raise ValueError("--cp-thd-packing is an option of megatron_mesh's entry script (scripts/pretrain_gpt.sh); "
                              "this script builds its own batches")
-        m = args.cp_thd_pad_multiple or 2 * cp
+        m = settings.cp_thd_pad_multiple or 2 * cp
         if m % (2 * cp) or args.seq_length % m:
             raise ValueError(f"--cp-thd-pad-multiple {m} must be a multiple of 2 x --context-parallel-size = {2 * cp} "
                              f"and divide --seq-length {args.seq_length} (Transformer Engine's THD layout pads every "
@@ -349,7 +333,7 @@ def _check_thd_flags(args, cp: int, entry_packs_documents: bool) -> None:
                              f"{args.micro_batch_size}")
 
 
-def _check_plugin_layers(args, cp: int, active: set, passes_documents: bool) -> None:
+def _check_plugin_layers(args, settings: PluginSettings, cp: int, active: set, passes_documents: bool) -> None:
     """What layers running a plugin mode at CP > 1 need from the rest of the command line
     (``passes_documents``: the entry hands them document boundaries)."""
     plugin = ", ".join(m for m in plugin_modes() if m in active)
@@ -374,7 +358,7 @@ def _check_plugin_layers(args, cp: int, active: set, passes_documents: bool) -> 
                              "the plugin modes; pack documents with megatron_mesh's entry script instead "
                              "(--reset-attention-mask: documents at end-of-document tokens, or --cp-thd-packing: "
                              "Transformer Engine's THD layout)")
-    if getattr(args, "reset_attention_mask", False) or getattr(args, "cp_thd_packing", False):
+    if getattr(args, "reset_attention_mask", False) or settings.cp_thd_packing:
         _no_pipeline_with_documents(args)
     if getattr(args, "reset_attention_mask", False) and not passes_documents:
         raise ValueError("--reset-attention-mask: this entry script passes the documents as a dense [s, s] attention mask, "
@@ -451,7 +435,7 @@ def check_data_files(args) -> None:
     paths (``s3://``, ``msc://``), and --dataloader-fast-cache-load (Megatron's cached indices may
     stand in for the files). Also --cp-metrics-dir: a path that exists must be a directory (every
     rank would fail to create it, after initialising)."""
-    metrics_dir = getattr(args, "cp_metrics_dir", None)
+    metrics_dir = PluginSettings.from_args(args).cp_metrics_dir
     if metrics_dir and os.path.exists(metrics_dir) and not os.path.isdir(metrics_dir):
         raise ValueError(f"--cp-metrics-dir {metrics_dir}: that is a file, not a directory; name a directory (it is "
                          "created if missing)")

@@ -57,7 +57,7 @@ from ..plan.window import megatron_window
 from . import TE_MODES, batch_layout, plugin_modes
 from .checks import have_transformer_engine
 from .groups import PROCESS_GROUPS, CPGroups, cp_ranks
-from .settings import BATCH_DOCUMENTS, cp_layout, plugin_settings
+from .settings import BATCH_DOCUMENTS, plugin_settings
 from .placement import resolve_placement
 from .telemetry import Telemetry
 
@@ -131,7 +131,7 @@ def _layer_window(config, layer_number: int):
 def _needs_plugin_mask(config, layer_number: int) -> bool:
     """At CP 1: whether this layer's mask is one Megatron's own attention cannot apply here (a
     window, or documents carried as boundaries instead of a dense mask)."""
-    return getattr(config, "cp_documents", None) is not None or _layer_window(config, layer_number) is not None
+    return plugin_settings(config).documents is not None or _layer_window(config, layer_number) is not None
 
 
 def _megatron_attention(config, common: dict, kwargs: dict):
@@ -188,9 +188,9 @@ class PluginCoreAttention(MegatronModule):
         if self.mode not in plugin_modes():
             raise ValueError(f"{where}: PluginCoreAttention runs {', '.join(plugin_modes())}, not {cp_comm_type!r}")
         self.window = _layer_window(config, layer_number)
-        self.documents = getattr(config, "cp_documents", None)
+        self.documents = self.settings.documents
         # the CP layout of each sample's tokens, where documents come from the batch (batch_layout)
-        self.layout = cp_layout(config) if self.documents in BATCH_DOCUMENTS and self.cp_size > 1 else None
+        self.layout = self.settings.cp_layout if self.documents in BATCH_DOCUMENTS and self.cp_size > 1 else None
         self.placement = resolve_placement(self.mode, config, cp_ranks(self.cp_group))
         self.comm = self.telemetry.timing.communicator((groups or PROCESS_GROUPS).communicator(config, self.cp_group,
                                                                                                self.placement))
@@ -307,7 +307,7 @@ class PluginCoreAttention(MegatronModule):
             raise ValueError(f"{where}: {len(rows)} rows of document boundaries for a batch of {q.shape[1]}")
         # each sample's layout, by the decision the batch split made (the same cached object);
         # samples with the same documents share one call
-        layouts = [batch_layout.sample_layout(r, self.config) for r in rows]
+        layouts = [batch_layout.sample_layout(r, self.config, self.settings) for r in rows]
         self._check_batch_split(rows, layouts, where)
         if len(set(rows)) == 1:
             return self._sample_attention(q, k, v, causal, rows[0], layouts[0])
@@ -340,8 +340,8 @@ class PluginCoreAttention(MegatronModule):
         if batch is None or list(batch.rows) != list(rows):
             if any(layout is not None for layout in layouts):  # tokens split another way: a wrong result, silently
                 raise ValueError(
-                    f"{where}: the samples' CP layout is the balanced one (cp_layout "
-                    f"{cp_layout(self.config)!r}; 'auto', the default with documents at CP > 1, chooses it per sample), "
+                    f"{where}: the samples' CP layout is one of their own (cp_layout "
+                    f"{self.settings.cp_layout!r}; 'auto', the default with documents at CP > 1, chooses it per sample), "
                     "but this batch was not split by it (no megatron_mesh.megatron.batch_layout.BatchLayout of these "
                     "documents is current): split the batch with BatchLayout and set_current as the entry scripts' "
                     "get_batch does, or set cp_layout='zigzag' to keep Megatron's get_batch_on_this_cp_rank split")
@@ -354,11 +354,11 @@ class PluginCoreAttention(MegatronModule):
                            "batch split and the layer read different settings")
 
     def _sample_attention(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, row, layout) -> Tensor:
-        """One sample's (or several with the same documents) attention: on its balanced layout,
-        whose documents are the layout's, or on Megatron's zigzag with the boundaries."""
-        if layout is not None:
+        """One sample's (or several with the same documents) attention on its layout (None: Megatron's
+        zigzag), with the boundaries unless the layout brings the documents itself."""
+        if layout is not None and layout.documents() is not None:
             return self._attention(q, k, v, causal, layout=layout)
-        return self._attention(q, k, v, causal, cu_seqlens=list(row))
+        return self._attention(q, k, v, causal, cu_seqlens=list(row), layout=layout)
 
     def _attention(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, cu_seqlens=None, layout=None) -> Tensor:
         from ..runtime.api import attention_shape, prepare

@@ -33,7 +33,7 @@ from ..comm.torch_dist import TorchDistCommunicator
 from ..plan.modes import Placement
 from ..runtime.agreement import differences
 from .errors import SettingsMismatchError
-from .settings import flags, layer_modes, plugin_modes_of, plugin_settings
+from .settings import HIERARCHY_FLAG, flags, layer_modes, plugin_modes_of, plugin_settings, problem_of
 from .placement import resolve_placement
 
 __all__ = ["CPGroups", "PROCESS_GROUPS", "cp_ranks", "SettingsMismatchError"]
@@ -63,23 +63,21 @@ def settings_of(config) -> dict:
     layout follow the nodes) and what the 'auto' choices are made for (the sequence length, heads,
     head size, parameter dtype and TP size: ranks that differ there could pick different tiles)."""
     modes = layer_modes(config.cp_comm_type)
+    settings = plugin_settings(config)  # as they apply: a flag left out and one given its default agree
+    problem = problem_of(config, settings)
     out = {"--context-parallel-size": config.context_parallel_size,
            "--cp-comm-type": " ".join(modes),
-           "--hierarchical-context-parallel-sizes": getattr(config, "hierarchical_context_parallel_sizes", None)}
-    settings = plugin_settings(config)  # as they apply: a flag left out and one given its default agree
+           HIERARCHY_FLAG: problem.hierarchy}
     for f in flags():
         if f.name not in LOCAL_FLAGS:
-            out[f.name] = settings[f.dest]
+            out[f.name] = getattr(settings, f.dest)
     if plugin_modes_of(modes):
         out["processes (GPUs) per node (--tasp-gpus-per-node, else torchrun's LOCAL_WORLD_SIZE)"] = \
             settings.gpus_per_node
-        for name, dest in (("--seq-length", "cp_seq_length"), ("--num-attention-heads", "num_attention_heads"),
-                           ("--num-query-groups", "num_query_groups"), ("--kv-channels", "kv_channels"),
-                           ("--tensor-model-parallel-size", "tensor_model_parallel_size"),
-                           ("parameter dtype (--bf16, --fp16)", "params_dtype")):
-            out[name] = getattr(config, dest, None)
-    out["documents (--reset-attention-mask, --reset-position-ids, --cp-thd-packing)"] = getattr(config, "cp_documents",
-                                                                                                None)
+        out.update({"--seq-length": problem.seq_len, "--num-attention-heads": problem.heads,
+                    "--num-query-groups": problem.kv_heads, "--kv-channels": problem.head_dim,
+                    "--tensor-model-parallel-size": problem.tp, "parameter dtype (--bf16, --fp16)": problem.dtype})
+    out["documents (--reset-attention-mask, --reset-position-ids, --cp-thd-packing)"] = settings.documents
     # plain values as they are; anything else as its repr -- hashable and printable by the report,
     # whatever a Python user put on the config -- a list as the tuple it equals (Megatron's parser
     # gives lists, a config built in Python may hold tuples)

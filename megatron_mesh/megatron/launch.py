@@ -92,7 +92,7 @@ def training_command(entry: str, args: Sequence[str], environ: Mapping[str, str]
     (or after ``python -m torch.distributed.run``); the environment is ``environ`` (default
     os.environ) plus the config's ENV_VARS and what the workers need. See the module docstring for
     the variables read."""
-    from . import yaml_args
+    from ..tools import yaml_args
 
     env = dict(os.environ if environ is None else environ)
     env.pop("MEGATRON_MESH_LAUNCHER_PID", None)  # main() sets its own; a subprocess' parent is torchrun itself

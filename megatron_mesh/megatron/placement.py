@@ -1,7 +1,8 @@
 """Each plugin layer's :class:`~megatron_mesh.plan.Placement`, resolved once from the config.
 
 The one place that turns Megatron's settings into a mode's placement: the per-rank attention
-shape (heads per tensor-parallel rank, the real ``--seq-length`` per CP rank), the node layout of
+shape (:meth:`~megatron_mesh.plan.megatron_problem.MegatronProblem.shape`: heads per tensor-parallel
+rank, the real ``--seq-length`` per CP rank), the node layout of
 the CP group (consecutive CP ranks per node: ``--tasp-gpus-per-node`` or torchrun's
 ``LOCAL_WORLD_SIZE`` over the CP group's global ranks), the Ulysses degree of a hybrid
 (``--hierarchical-context-parallel-sizes U M``) and the mode's own flags. The process groups
@@ -22,13 +23,9 @@ from typing import Optional
 
 from ..plan import AttentionShape
 from ..plan.modes import Placement, get_mode, option_specs, resolve
-from .settings import plugin_settings
+from .settings import HIERARCHY_FLAG, plugin_settings, problem_of
 
-__all__ = ["layer_shape", "resolve_placement", "node_blocks", "ranks_per_node"]
-
-# A sequence length per rank for configs built outside an entry script that set none (Megatron-Core
-# from Python): the fastest tile depends on it mildly.
-DEFAULT_SEQ_LOCAL = 8192
+__all__ = ["resolve_placement", "node_blocks", "ranks_per_node"]
 
 
 def node_blocks(cp_ranks: tuple[int, ...], gpus: Optional[int]) -> list[tuple[int, ...]]:
@@ -54,26 +51,14 @@ def ranks_per_node(cp_ranks: tuple[int, ...], gpus: Optional[int]) -> Optional[i
     return n
 
 
-def layer_shape(config, cp_size: int) -> AttentionShape:
-    """Per-rank attention shape of ``config``: heads per tensor-parallel rank, the real global
-    sequence length (``--seq-length``, put on the config by the spec hook) over the CP size."""
-    tp = config.tensor_model_parallel_size
-    heads = max(1, config.num_attention_heads // tp)
-    groups = config.num_query_groups or config.num_attention_heads
-    kv_heads = max(1, groups // tp)
-    itemsize = 4 if str(config.params_dtype) == "torch.float32" else 2
-    seq = getattr(config, "cp_seq_length", None)
-    seq_local = seq // cp_size if seq else DEFAULT_SEQ_LOCAL
-    return AttentionShape(seq_local=max(2, seq_local - seq_local % 2), batch=1, heads=heads, kv_heads=kv_heads,
-                          head_dim=config.kv_channels, itemsize=itemsize)
-
-
 def resolve_placement(mode: str, config, cp_ranks: tuple[int, ...]) -> Placement:
-    """The placement of layers running ``mode`` over the CP group of global ``cp_ranks``."""
+    """The placement of layers running ``mode`` over the CP group of global ``cp_ranks``, under
+    ``config`` (a transformer config carrying the plugin settings, or Megatron's parsed arguments:
+    the start-up check resolves it before the config exists)."""
     s = plugin_settings(config)
-    hcp = getattr(config, "hierarchical_context_parallel_sizes", None)
-    return _resolve(mode, tuple(cp_ranks), layer_shape(config, len(cp_ranks)), s.gpus_per_node,
-                    tuple(sorted(s.options(mode).items())), tuple(hcp) if hcp else None)
+    problem = problem_of(config, s)
+    return _resolve(mode, tuple(cp_ranks), problem.shape(len(cp_ranks)), s.gpus_per_node,
+                    tuple(sorted(s.options(mode).items())), problem.hierarchy)
 
 
 @lru_cache(maxsize=64)
@@ -83,7 +68,7 @@ def _resolve(mode: str, cp_ranks: tuple[int, ...], shape: AttentionShape, gpus: 
     kw = dict(options)
     if "ulysses_size" in {s.name for s in option_specs(get_mode(mode).Options)}:  # a Ulysses hybrid
         if not hcp or len(hcp) != 2:
-            raise ValueError(f"--cp-comm-type {mode} needs --hierarchical-context-parallel-sizes U M (the all-to-all "
-                             f"degree U and the inner CP size M, U * M = {cp}), got {hcp}")
+            raise ValueError(f"--cp-comm-type {mode} needs {HIERARCHY_FLAG} U M (the all-to-all degree U and the "
+                             f"inner CP size M, U * M = {cp}), got {hcp}")
         kw["ulysses_size"] = hcp[0]
     return resolve(mode, cp, shape, ranks_per_node=ranks_per_node(cp_ranks, gpus), **kw)

@@ -75,6 +75,7 @@ def get_batch(data_iterator, vp_stage=None):
     from megatron.training.utils import is_first_or_last_pipeline_stage
 
     from . import batch_layout
+    from .settings import PluginSettings
 
     if not is_first_or_last_pipeline_stage(vp_stage):
         return (None,) * (len(_BATCH_KEYS) + 1)
@@ -96,11 +97,12 @@ def get_batch(data_iterator, vp_stage=None):
         is_pipeline_first_stage=mpu.is_pipeline_first_stage(), is_pipeline_last_stage=last)
     packed = None
     cp_group = mpu.get_context_parallel_group()
-    if args.cp_thd_packing:  # every TP rank packs the same broadcast tokens: nothing more to send
-        batch, packed = pack_thd(batch, _eod(), args.cp_thd_pad_multiple or 2 * args.context_parallel_size,
+    settings = PluginSettings.from_args(args, entry_packs_documents=True)
+    if settings.cp_thd_packing:  # every TP rank packs the same broadcast tokens: nothing more to send
+        batch, packed = pack_thd(batch, _eod(), settings.cp_thd_pad_multiple or 2 * args.context_parallel_size,
                                  cp_group.size(), cp_group.rank())
     elif args.reset_attention_mask:  # each sample by its own layout (tokens, labels, loss mask, positions)
-        split = batch_layout.split_batch(batch, "eod", args, cp_group, _eod())
+        split = batch_layout.split_batch(batch, "eod", args, cp_group, _eod(), settings)
         packed = split.packed_seq_params(batch["tokens"].device)
         batch = split.shard(batch, cp_group)
     else:

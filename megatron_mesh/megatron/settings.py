@@ -1,44 +1,54 @@
-"""The plugin's Megatron settings, as one schema: every command-line flag with its type, choices,
-default, help and the layer modes it applies to -- generated from the mode registry (each mode
-option that names a Megatron flag, see :func:`megatron_mesh.plan.setting`) plus the plugin's
-general flags below. The argparse flags (:func:`.args.add_args`), the config fields
-(:class:`MeshTransformerConfig`), the settings a layer reads (:func:`plugin_settings`) and the
-applicability checks (:mod:`.checks`) are all made from :func:`flags` -- nothing restates them.
+"""The plugin's Megatron settings: one schema, and one typed object read where the settings are used.
+
+The schema (:func:`flags`) is every command-line flag with its type, choices, default, help and
+the layer modes it applies to -- generated from the mode registry (each mode option that names a
+Megatron flag, see :func:`megatron_mesh.plan.setting`), the layout registry (``--cp-layout``'s
+values, :mod:`megatron_mesh.plan.layouts`) and the plugin's general flags below. The argparse
+flags (:func:`.args.add_args`), the typed settings object (:class:`PluginSettings`) and the
+applicability checks (:mod:`.checks`) are made from it -- nothing restates them.
+
+:class:`PluginSettings` is frozen and typed (one attribute per flag: ``cp_layout: str``,
+``cp_thd_packing: bool``, ``tasp_gpus_per_node: int | None`` ...; a mode or layout registered
+later brings its own), made once from Megatron's parsed arguments (:meth:`PluginSettings.from_args`,
+the one reader of the plugin's flags) and carried on the transformer config (``cp_settings``);
+the layers, the checks and the batch split read its attributes. With it the problem of the run
+(:func:`problem_of`: heads, shape, Ulysses degree, window, documents), from
+:class:`megatron_mesh.plan.megatron_problem.MegatronProblem`.
 
 Example: MeshMode's option ``tile = setting("auto", flag="--mesh-tile-shape", help=...)`` gives
-the flag ``--mesh-tile-shape`` (default None = not given), the config field ``mesh_tile_shape``, and
-the rule that it applies to layers running ``mesh`` or ``a2a+mesh``; ``plugin_settings(config)
-.options("a2a+mesh")`` returns ``{"tile": ..., "contiguous": ..., ...}`` for the hybrid's inner Mesh.
+the flag ``--mesh-tile-shape`` (left out: None on the arguments), the attribute
+``settings.mesh_tile_shape`` ("auto" when left out), and the rule that it applies to layers
+running ``mesh`` or ``a2a+mesh``; ``settings.options("a2a+mesh")`` returns ``{"tile": ...,
+"contiguous": ..., ...}`` for the hybrid's inner Mesh.
+
+Importing this module imports neither Megatron nor torch (the comparison job maps its mode specs
+to flags here, :func:`mode_flags`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+import typing
 from typing import Any, Optional
 
-from megatron.core.transformer.transformer_config import TransformerConfig
-
-from ..kernels import KERNEL_BACKENDS
+from ..plan.layouts import DEFAULT_LAYOUT, LAYOUTS, LayoutKind, cp_layout_names, get_layout_kind
+from ..plan.megatron_problem import BATCH_DOCUMENTS, MegatronProblem, documents_of
 from ..plan.modes import MODES, get_mode, option_specs
 from . import plugin_modes
 
-__all__ = ["Flag", "flags", "flag_dest", "PluginSettings", "plugin_settings", "MeshTransformerConfig", "layer_modes",
-           "plugin_modes_of", "ALL_PLUGIN_MODES", "NODE_AWARE", "CP_LAYOUTS",
-           "BATCH_DOCUMENTS", "cp_layout"]
+__all__ = ["Flag", "flags", "flag_dest", "PluginSettings", "plugin_settings", "problem_of", "layer_modes",
+           "plugin_modes_of", "mode_flags", "ALL_PLUGIN_MODES", "NODE_AWARE", "BATCH_DOCUMENTS", "NODES_FLAG",
+           "HIERARCHY_FLAG"]
 
-# --cp-layout's values, the default first (why: docs/megatron.md, "Packed documents: the CP layout");
-# "auto": per sample the balanced layout unless the zigzag is priced faster for the layers' mode
-# (plan/choice.py); "balanced-hide": the balanced layout whose Ulysses groups run some inside
-# documents first and last (balanced_layout(hide=True), where the planner finds it pays)
-CP_LAYOUTS = ("auto", "balanced", "zigzag", "balanced-hide")
-# config.cp_documents values whose documents come from each sample of the batch (end-of-document
-# tokens, position-id resets) and so get a CP layout per sample; "thd" is a layout of its own
-BATCH_DOCUMENTS = ("eod", "positions")
 # applies_to markers of the general flags (resolved against the registry when asked)
 ALL_PLUGIN_MODES = "every plugin mode"
 NODE_AWARE = "every plugin mode that uses the node layout"
+# where a placement's CP ranks per node and a hybrid's all-to-all degree come from in Megatron
+NODES_FLAG = "--tasp-gpus-per-node"
+HIERARCHY_FLAG = "--hierarchical-context-parallel-sizes"  # Megatron's own: U M
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,13 @@ class Flag:
     def dest(self) -> str:
         return flag_dest(self.name)
 
+    @property
+    def value_type(self) -> Any:
+        """The type of the setting's attribute on :class:`PluginSettings`."""
+        if self.store_true:
+            return bool
+        return self.type if self.default is not None else Optional[self.type]
+
     def modes(self) -> tuple[str, ...] | None:
         """The layer modes this flag applies to, read from the registry now."""
         if self.applies_to == ALL_PLUGIN_MODES:
@@ -75,44 +92,48 @@ def flag_dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 
 
-GENERAL = (
-    Flag("--tasp-gpus-per-node", None, type=int, applies_to=NODE_AWARE,
-         help="GPUs per node: TASP's node-aware rings, the node layout the 'auto' choices are simulated on, the "
-              "Ulysses groups (default: torchrun's LOCAL_WORLD_SIZE)"),
-    Flag("--cp-kernel-backend", "auto", choices=KERNEL_BACKENDS, applies_to=ALL_PLUGIN_MODES,
-         help="block attention kernel of the plugin modes"),
-    Flag("--log-cp-attention-bytes", False, store_true=True, applies_to=ALL_PLUGIN_MODES,
-         help="log the plugin's attention bytes per iteration (min and max over ranks) at every --log-interval, and "
-              "write them to TensorBoard when a writer is set up"),
-    Flag("--cp-metrics-dir", None,
-         help="write per-rank JSON lines (rank<R>.jsonl) to this directory: the mode and tile of every layer, then "
-              "loss, time, attention bytes and peak memory per iteration"),
-    Flag("--cp-layout", CP_LAYOUTS[0], choices=CP_LAYOUTS,
-         help="which CP rank holds which tokens of a sample of packed documents (--reset-attention-mask; megatron_mesh's "
-              "entry script, or any script through scripts/run_megatron_script.sh) at CP > 1: 'auto' -- per sample "
-              "the balanced layout, unless Megatron's zigzag is priced faster for the layers' mode (the plain modes "
-              "across nodes, mostly; megatron_mesh/plan/choice.py) -- 'balanced' -- each "
-              "sample's own work-balanced, document-aware layout (short documents whole on one rank, long ones in "
-              "zigzag portions over a few ranks; needs --calculate-per-token-loss, as auto does) -- 'balanced-hide', "
-              "the same whose "
-              "Ulysses groups (a2a+*) run some documents first and last to hide the all-to-all (megatron-mesh-plan "
-              "--layout all says when it pays) -- or 'zigzag', Megatron's global zigzag"),
-    Flag("--no-cp-layout-lookahead", False, store_true=True,
-         help="--cp-layout balanced or auto: work out each micro-batch's layouts and this rank's plans of them on "
-              "the step's critical path, instead of on a background thread while the step before trains (the default)"),
-    Flag("--cp-thd-packing", False, store_true=True,
-         help="megatron_mesh's entry script: pack each sample's end-of-document-delimited documents into Transformer "
-              "Engine's THD layout (packed_seq_params, qkv_format thd), every document padded to a multiple of "
-              "--cp-thd-pad-multiple; needs --micro-batch-size 1"),
-    Flag("--cp-thd-pad-multiple", None, type=int,
-         help="padding multiple of --cp-thd-packing (a multiple of 2 x CP size; default 2 x CP size)"),
-)
+def _layout_help() -> str:
+    kinds = [LAYOUTS[name] for name in cp_layout_names()]
+    return ("which CP rank holds which tokens of a sample of packed documents (--reset-attention-mask; megatron_mesh's "
+            "entry script, or any script through scripts/run_megatron_script.sh) at CP > 1: " +
+            "; ".join(f"'{k.name}' -- {k.help}" for k in kinds) + ". Every layout but Megatron's own zigzag needs "
+            "--calculate-per-token-loss (the ranks hold different documents)")
+
+
+def _general() -> tuple[Flag, ...]:
+    """The plugin's general flags (read now: --cp-layout's values from the layout registry)."""
+    from ..kernels import KERNEL_BACKENDS  # torch: only where flags are made, not where this module is imported
+
+    return (
+        Flag(NODES_FLAG, None, type=int, applies_to=NODE_AWARE,
+             help="GPUs per node: TASP's node-aware rings, the node layout the 'auto' choices are simulated on, the "
+                  "Ulysses groups (default: torchrun's LOCAL_WORLD_SIZE)"),
+        Flag("--cp-kernel-backend", "auto", choices=KERNEL_BACKENDS, applies_to=ALL_PLUGIN_MODES,
+             help="block attention kernel of the plugin modes"),
+        Flag("--log-cp-attention-bytes", False, store_true=True, applies_to=ALL_PLUGIN_MODES,
+             help="log the plugin's attention bytes per iteration (min and max over ranks) at every --log-interval, "
+                  "and write them to TensorBoard when a writer is set up"),
+        Flag("--cp-metrics-dir", None,
+             help="write per-rank JSON lines (rank<R>.jsonl) to this directory: the mode and tile of every layer, "
+                  "then loss, time, attention bytes and peak memory per iteration"),
+        Flag("--cp-layout", DEFAULT_LAYOUT, choices=cp_layout_names(), help=_layout_help()),
+        Flag("--no-cp-layout-lookahead", False, store_true=True,
+             help="a --cp-layout other than zigzag: work out each micro-batch's layouts and this rank's plans of them "
+                  "on the step's critical path, instead of on a background thread while the step before trains (the "
+                  "default)"),
+        Flag("--cp-thd-packing", False, store_true=True,
+             help="megatron_mesh's entry script: pack each sample's end-of-document-delimited documents into "
+                  "Transformer Engine's THD layout (packed_seq_params, qkv_format thd), every document padded to a "
+                  "multiple of --cp-thd-pad-multiple; needs --micro-batch-size 1"),
+        Flag("--cp-thd-pad-multiple", None, type=int,
+             help="padding multiple of --cp-thd-packing (a multiple of 2 x CP size; default 2 x CP size)"),
+    )
 
 
 def flags() -> tuple[Flag, ...]:
     """Every plugin flag: the general ones, then one per mode option that names a flag (a flag
     several modes share -- a hybrid and its inner mode -- applies to all of them). Read from the
-    registry at call time, so a mode registered later brings its flags."""
+    registries at call time, so a mode or layout registered later brings its flag or value."""
     by_name: dict[str, Flag] = {}
     for mode in MODES.values():
         for spec in option_specs(mode.Options):
@@ -125,37 +146,81 @@ def flags() -> tuple[Flag, ...]:
             kind = type(spec.default) if spec.default is not None and spec.parse is None else str
             by_name[spec.flag] = Flag(spec.flag, spec.default, spec.help, spec.choices, kind,
                                       applies_to=(mode.name,), option=spec.name)
-    return GENERAL + tuple(by_name.values())
+    return _general() + tuple(by_name.values())
 
 
+# -- the typed settings -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PluginSettings:
-    """The plugin settings a config carries: every flag's value (its default when not given)."""
+    """The plugin's settings, typed (see the module docstring): one attribute per flag, named by
+    its dest (its default when the flag is left out), which flags were ``given``, and what the
+    plugin reads of Megatron's arguments beside them: the global sequence length and where the
+    documents come from. The attributes of the flags are a subclass's, made from :func:`flags`
+    (:meth:`of`); every value is checked when the object is made (ValueError naming the flag)."""
 
-    values: tuple[tuple[str, Any], ...] = ()
+    given: frozenset = frozenset()
+    seq_length: Optional[int] = None
+    documents: Optional[str] = None
+    _schema: typing.ClassVar[tuple] = ()  # the flags whose attributes the made type has
 
     @classmethod
-    def of(cls, **given) -> "PluginSettings":
-        """Settings from keyword values by flag dest (e.g. ``mesh_tile_shape="2x2"``); the rest default."""
-        unknown = sorted(set(given) - {f.dest for f in flags()})
+    def of(cls, **values) -> "PluginSettings":
+        """Settings from keyword values by flag dest (e.g. ``mesh_tile_shape="2x2"``), ``given``,
+        ``seq_length`` and ``documents``; a flag left out or None takes its default."""
+        known = {f.dest: f for f in flags()}
+        unknown = sorted(set(values) - set(known) - {f.name for f in dataclasses.fields(PluginSettings)})
         if unknown:
-            raise ValueError(f"unknown plugin settings {unknown}; known: {', '.join(f.dest for f in flags())}")
-        return cls(tuple((f.dest, given[f.dest] if given.get(f.dest) is not None else f.default) for f in flags()))
+            raise ValueError(f"unknown plugin settings {unknown}; known: {', '.join(known)}")
+        values = {k: v for k, v in values.items() if v is not None or k not in known}
+        return _settings_type(tuple(known.values()))(**values)
 
-    def __getitem__(self, dest: str) -> Any:
-        for k, v in self.values:
-            if k == dest:
-                return v
-        raise KeyError(f"no plugin setting {dest!r}")
+    @classmethod
+    def from_args(cls, args, *, entry_packs_documents: bool = False, batch_documents: bool = False
+                  ) -> "PluginSettings":
+        """The settings of Megatron's parsed ``args`` (or any object with the flags' dests: a
+        flag it lacks, or holds None or False for, is left out). ``entry_packs_documents``: the
+        entry script hands the layers document boundaries (megatron_mesh's own);
+        ``batch_documents``: the batch split of Megatron-LM's scripts takes them from the batches."""
+        values = {f.dest: getattr(args, f.dest, None) for f in flags()}
+        given = frozenset(dest for dest, v in values.items() if v is not None and v is not False)
+        thd = bool(values.get("cp_thd_packing"))
+        return cls.of(**values, given=given, seq_length=getattr(args, "seq_length", None),
+                      documents=documents_of(args, thd_packing=thd, entry_packs_documents=entry_packs_documents,
+                                             batch_documents=batch_documents))
+
+    def __post_init__(self) -> None:
+        for f in self._schema:
+            value = getattr(self, f.dest)
+            if f.store_true:
+                if not isinstance(value, bool):
+                    raise ValueError(f"{f.name} is on or off (True or False), got {value!r}")
+            elif f.choices is not None and value not in f.choices:
+                raise ValueError(f"{f.name} {value!r}: allowed {', '.join(map(str, f.choices))}")
+            elif f.type is int and value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                                          or value < 1):
+                raise ValueError(f"{f.name} must be a positive integer, got {value!r}")
+
+    def __reduce__(self):  # the type is made at run time: rebuild it by value (copy, pickle)
+        return _rebuild, ({f.name: getattr(self, f.name) for f in dataclasses.fields(self)},)
+
+    def shown(self, f: Flag) -> str:
+        """The flag as given, e.g. ``--mesh-tile-shape 2x2`` (a switch: its name)."""
+        value = getattr(self, f.dest)
+        return f.name if value is True else f"{f.name} {value}"
 
     @property
     def kernel(self) -> str:
-        return self["cp_kernel_backend"]
+        return self.cp_kernel_backend
+
+    @property
+    def layout(self) -> LayoutKind:
+        """The kind of ``--cp-layout`` (:mod:`megatron_mesh.plan.layouts`)."""
+        return get_layout_kind(self.cp_layout)
 
     @property
     def gpus_per_node(self) -> Optional[int]:
         """GPUs per node: ``--tasp-gpus-per-node``, else torchrun's LOCAL_WORLD_SIZE, else None (one node)."""
-        given = self["tasp_gpus_per_node"]
+        given = self.tasp_gpus_per_node
         if given is not None:
             return given
         local = os.environ.get("LOCAL_WORLD_SIZE")
@@ -167,36 +232,39 @@ class PluginSettings:
         out = {}
         for spec in option_specs(get_mode(mode).Options):
             if spec.flag is not None:
-                value = self[flag_dest(spec.flag)]
+                value = getattr(self, flag_dest(spec.flag))
                 out[spec.name] = spec.parse(value) if spec.parse is not None and isinstance(value, str) else value
         return out
 
 
+@functools.lru_cache(maxsize=None)
+def _settings_type(schema: tuple[Flag, ...]) -> type:
+    """The frozen dataclass with one typed attribute per flag of ``schema`` (one per registry state)."""
+    fields = [(f.dest, f.value_type, dataclasses.field(default=f.default, metadata={"flag": f.name, "help": f.help}))
+              for f in schema]
+    return dataclasses.make_dataclass("PluginSettings", fields, bases=(PluginSettings,), frozen=True,
+                                      namespace={"__module__": __name__, "__doc__": PluginSettings.__doc__,
+                                                 "_schema": schema})
+
+
+def _rebuild(values: dict) -> PluginSettings:
+    return PluginSettings.of(**values)
+
+
 def plugin_settings(config) -> PluginSettings:
-    """The plugin settings carried by ``config`` (a MeshTransformerConfig, or any config
-    :func:`.args.apply_args` put them on; defaults for what it lacks or leaves None)."""
-    return PluginSettings.of(**{f.dest: getattr(config, f.dest, None) for f in flags()})
+    """The plugin settings of ``config``: the object it carries (``cp_settings``, put there by
+    :func:`.args.apply_args`), else -- Megatron's parsed arguments, a config built without it --
+    made from the flags' dests it holds (defaults for what it lacks)."""
+    carried = getattr(config, "cp_settings", None)
+    return carried if carried is not None else PluginSettings.from_args(config)
 
 
-def _config_fields() -> list:
-    out = [(f.dest, Optional[Any], field(default=None, metadata={"help": f.help})) for f in flags()]
-    out.append(("cp_seq_length", Optional[int],
-                field(default=None, metadata={"help": "global sequence length (from --seq-length), for the time "
-                                                      "model behind the 'auto' choices"})))
-    out.append(("cp_documents", Optional[str],
-                field(default=None, metadata={"help": "where the layers' document boundaries come from: 'eod' "
-                                                      "(end-of-document tokens, --reset-attention-mask), 'positions' "
-                                                      "(position-id resets, --reset-position-ids too, through "
-                                                      "run_megatron_script.sh), 'thd' (packed sequences) or None "
-                                                      "(whole sequences)"})))
-    return out
-
-
-MeshTransformerConfig = dataclasses.make_dataclass(
-    "MeshTransformerConfig", _config_fields(), bases=(TransformerConfig,),
-    namespace={"__doc__": "TransformerConfig plus the plugin's settings: one field per plugin flag (None: not "
-                          "given), the global sequence length and where documents come from.",
-               "__module__": __name__})
+def problem_of(config, settings: PluginSettings | None = None) -> MegatronProblem:
+    """The run's attention problem (:class:`~megatron_mesh.plan.megatron_problem.MegatronProblem`)
+    of Megatron's arguments or a transformer config, with the sequence length and documents its
+    ``settings`` carry (default: :func:`plugin_settings` of it)."""
+    settings = plugin_settings(config) if settings is None else settings
+    return MegatronProblem.from_namespace(config, seq_len=settings.seq_length, documents=settings.documents)
 
 
 # -- the layers' modes -------------------------------------------------------------------------------------
@@ -212,7 +280,25 @@ def plugin_modes_of(modes) -> set:
     return {m for m in modes if m in plugin_modes()}
 
 
-def cp_layout(config) -> str:
-    """``--cp-layout`` of ``config`` (Megatron's parsed arguments or a transformer config carrying
-    the plugin settings); its default when not given."""
-    return getattr(config, "cp_layout", None) or CP_LAYOUTS[0]
+def mode_flags(mode: str, settings: dict, cp: int) -> list[str]:
+    """The Megatron flags that run ``mode`` at CP size ``cp`` with ``settings`` (its options and
+    shorthand settings by name, as :func:`megatron_mesh.plan.modes.parse_mode_spec` gives them):
+    each option's own flag, the CP ranks per node as --tasp-gpus-per-node, a hybrid's all-to-all
+    degree U as --hierarchical-context-parallel-sizes U CP/U. ValueError naming a setting no
+    Megatron flag sets (never dropped)."""
+    flag_of = {s.name: s.flag for s in option_specs(get_mode(mode).Options)}
+    out: list[str] = []
+    for name, value in settings.items():
+        if name == "ranks_per_node":
+            out += [NODES_FLAG, str(value)]
+        elif name == "ulysses_size":
+            if not isinstance(value, int) or isinstance(value, bool) or value < 2 or cp % value:
+                raise ValueError(f"the all-to-all degree {value} must be an integer >= 2 dividing the CP size {cp}")
+            out += [HIERARCHY_FLAG, str(value), str(cp // value)]
+        elif flag_of.get(name):
+            out += [flag_of[name], str(value)]
+        else:
+            raise ValueError(f"CP mode {mode!r}: its setting {name} has no Megatron flag (its flags: "
+                             f"{', '.join(f for f in flag_of.values() if f) or 'none'})")
+    return out
+

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from ..comm.base import Communicator, total_bytes, total_sent_to
 from ..plan.units import format_bytes
 from . import ensure_typing_override
+from .settings import plugin_settings
 
 __all__ = ["Telemetry", "LayerSummary", "Timing", "Records", "install", "TimedCommunicator", "TIMER_COMPUTE",
            "TIMER_COMM", "TIMER_LOG_LEVEL"]
@@ -344,7 +345,7 @@ class Telemetry(_Shared):
 
     @property
     def log_bytes(self) -> bool:
-        return bool(getattr(self.args, "log_cp_attention_bytes", False))
+        return plugin_settings(self.args).log_cp_attention_bytes
 
     def on_forward(self) -> None:
         """Called by every plugin layer's forward (the first one summarises the layers)."""
@@ -407,7 +408,7 @@ def install(args) -> Telemetry:
     if held is not None and held.args is args:
         return held
     metrics = held.records.metrics if held is not None else None
-    metrics_dir = getattr(args, "cp_metrics_dir", None)
+    metrics_dir = plugin_settings(args).cp_metrics_dir
     if metrics_dir and metrics is None:
         from .metrics import MetricsWriter
 

@@ -1,7 +1,8 @@
 """The one Mesh tile chooser: which tile (a x b = P) and rank order to run, by predicted time or
 by bytes.
 
-``objective="time"`` (what ``tile="auto"`` means everywhere) simulates every allowed tile -- with
+``objective="time"`` (what ``tile="auto"`` means everywhere) simulates every allowed tile (its
+host's time issuing the executor's ops included, ``Topology.host_op_time``) -- with
 both rank orders when the CP group spans nodes: Q rings on consecutive ranks (``contiguous="q"``)
 or KV rings (``"kv"``), i.e. which ring's hops stay inside a node -- and keeps the fastest, ties
 (within :data:`TIME_TOLERANCE`) going to fewer inter-node bytes, then fewer bytes, then less
@@ -60,6 +61,7 @@ class Candidate:
     peak_buffer_bytes: int
     saved_bytes: int
     held_buffer_bytes: int
+    host_s: float = 0.0  # the slowest rank's host issuing its ops, forward + backward (Topology.host_op_time)
 
 
 def evaluate_plan(plan: Plan, shape: AttentionShape, topo: Topology, contiguous: str | None = None,
@@ -69,7 +71,7 @@ def evaluate_plan(plan: Plan, shape: AttentionShape, topo: Topology, contiguous:
     mem = buffer_memory(plan, shape)
     return Candidate(plan.tile, contiguous, sim.time, sim.forward.time, sim.backward.time, sim.compute,
                      sim.bytes_sent, sim.intra_bytes, sim.inter_bytes, sim.max_inter_bytes, sim.rounds, mem.peak,
-                     mem.saved, mem.held)
+                     mem.saved, mem.held, sim.host)
 
 
 def pick_best(candidates):

@@ -70,7 +70,7 @@ from dataclasses import dataclass
 from operator import index
 
 from .docwork import document_work, max_work, zigzag_runs
-from .layout import match_text, register_layout, split_evenly
+from .layout import Layout, match_text, register_layout, split_evenly
 from .mask import Mask
 from .sel import merge_runs
 from .tunables import TUNABLES
@@ -482,7 +482,7 @@ def balanced_layout(cu_seqlens, world_size: int, *, causal: bool = True, window=
 
 @register_layout("balanced")
 @dataclass(frozen=True)
-class BalancedLayout:
+class BalancedLayout(Layout):
     """A layout given by each rank's runs of global positions (in local order) and the documents
     -- what :func:`balanced_layout` computes. ``group``: the Ulysses degree it was balanced for
     (span-``group`` chunks are its balanced units; any span works).

@@ -178,7 +178,7 @@ class _HybridLowering:
         self._early: dict[int, bool] = {}  # inner rank -> dQ goes home before dK/dV
         self._empty: dict[int, bool] = {}  # inner rank -> it computes nothing (THD padding alone)
         # the all-to-all in rounds by document (a layout balanced for this group: see _lower_sets)
-        self.sets = U > 1 and getattr(layout, "group", 1) == U and hasattr(layout, "set_tokens")
+        self.sets = U > 1 and layout.group == U
         self._set_rows: dict[int, tuple[Sel, ...]] = {}
         self._member_sets: dict[int, list] = {}
         self.layout = layout

@@ -30,12 +30,15 @@ sequence k occupies [cu_padded[k], cu_padded[k+1]) of the packed tensor, padded 
 of 2P; it is zigzag-split on its own, and rank r's local tokens are, sequence after sequence,
 its two halves of each. The padding tokens belong to no document (see :class:`~.mask.Mask`).
 
-Every layout implements :class:`Layout`: :meth:`~Layout.runs` -- (local offset, global start,
+Every layout subclasses :class:`Layout`: :meth:`~Layout.runs` -- (local offset, global start,
 length) of the runs of consecutive positions that make up a (span) chunk, in local order --,
 :meth:`~Layout.documents` (the documents the layout itself defines, None when the mask brings
-them), and a one-line :meth:`~Layout.text` that :func:`layout_from_text` reads back. Plans,
-the validator, the simulator, the byte accounting and the executor read layouts only through
-this protocol, so a new layout is one more class here.
+them), a one-line :meth:`~Layout.text` that :func:`layout_from_text` reads back, and what it may
+also declare, with defaults (:attr:`~Layout.owners`, :attr:`~Layout.group` and
+:meth:`~Layout.set_tokens`). Plans, the validator, the simulator, the byte accounting and the
+executor read layouts only through this protocol, so a new layout is one more class; how users
+choose one by name (Megatron's ``--cp-layout``, the planner's ``--layout``) is its kind in
+:mod:`.layouts`.
 """
 
 from __future__ import annotations
@@ -56,14 +59,8 @@ class Layout(Protocol):
     """Which global positions each CP rank holds (see the module docstring)."""
 
     world_size: int
-
-    @property
-    def seq_len(self) -> int:
-        """Tokens of the global sequence (padding included)."""
-
-    @property
-    def seq_local(self) -> int:
-        """Tokens each rank holds (the same on every rank: Megatron shards activations evenly)."""
+    seq_len: int  # tokens of the global sequence (padding included)
+    seq_local: int  # tokens each rank holds (the same on every rank: Megatron shards activations evenly)
 
     def runs(self, chunk: int, span: int = 1) -> tuple[tuple[int, int, int], ...]:
         """(local offset, global start, length), in local order, of chunk ``chunk`` of this layout
@@ -75,6 +72,26 @@ class Layout(Protocol):
 
     def text(self) -> str:
         """One line that :func:`layout_from_text` turns back into an equal layout."""
+
+    # What a layout may also declare, with the defaults most have (a layout subclasses Layout to
+    # get them; the builders read these members, never probe for them).
+    group: int = 1
+    """The Ulysses degree whose groups this layout holds in all-to-all set order (:meth:`set_tokens`);
+    1: none (the hybrids then run their all-to-all as one round)."""
+
+    owners: tuple[tuple[int, int, int], ...] = ()
+    """((i, j, h), ...): rank h computes the block of rank i's queries and rank j's keys -- a layout
+    whose work balance rests on where its blocks are computed names them (Mesh computes them there,
+    every other mode refuses the layout: ``Mode.check_layout``); (): every block on its query owner."""
+
+    def owner(self, i: int, j: int) -> int:
+        """The rank that computes the block of rank i's queries and rank j's keys (:attr:`owners`, else i)."""
+        return i
+
+    def set_tokens(self, chunk: int) -> tuple[int, ...]:
+        """Tokens of Ulysses group ``chunk`` (span :attr:`group`) in each all-to-all round, in the order
+        its span chunk holds them; only for a layout whose :attr:`group` is above 1."""
+        raise ValueError(f"{type(self).__name__} holds no Ulysses group in all-to-all set order (group {self.group})")
 
 
 def positions(layout: Layout, rank: int, span: int = 1) -> list[int]:
@@ -116,7 +133,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 @register_layout("zigzag")
 @dataclass(frozen=True)
-class ZigzagLayout:
+class ZigzagLayout(Layout):
     """Megatron's zigzag CP layout of a sequence of ``seq_len`` tokens over ``world_size`` ranks.
 
     The one owner of this permutation: :meth:`positions` / :meth:`runs` give rank r's tokens, and
@@ -183,7 +200,7 @@ def _integers(name: str, values) -> tuple[int, ...]:
 
 @register_layout("thd")
 @dataclass(frozen=True)
-class ThdLayout:
+class ThdLayout(Layout):
     """Transformer Engine's THD CP layout (see the module docstring).
 
     ``cu_seqlens_padded``: 0 = c0 < c1 < ... < cn, every length c(k+1) - ck divisible by 2P
@@ -271,7 +288,7 @@ _RUNS_KEPT = 128
 
 @register_layout("span")
 @dataclass(frozen=True)
-class SpanLayout:
+class SpanLayout(Layout):
     """A layout seen by the inner plan of a Ulysses group: its P/span chunks are the span-``span``
     chunks of ``base`` (see the module docstring), so an inner plan built over it computes on the
     same global positions."""

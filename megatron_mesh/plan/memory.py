@@ -20,16 +20,20 @@ tensors of T tokens x Hkv heads), the accumulator of the own output is an output
 peak is one KV chunk; the backward receives KV and then the incoming dK/dV (fp32), and holds the
 dK/dV partial of the remote chunk while it travels: peak KV + 2 dKV.
 
-The executor's pool keeps freed buffers for reuse, so what it holds is the per-kind high-water
-mark (``held``), which is at least the live peak.
+The executor holds its buffers in an arena per rank, laid out once per plan
+(:func:`~.arena.scratch_layout`: each buffer at a fixed place, freed places taken again) and kept
+from call to call, one for both directions: ``held`` is the larger direction's arena (at least its
+live peak, plus whatever its first-fit placement leaves between), held by the process between
+calls too (the largest plan's seen on that rank), plus the buffers the forward keeps for the
+backward while a step runs.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 from .accounting import FP32, key_bytes
+from .arena import scratch_layout
 from .shape import AttentionShape
 from .ir import AddGrad, Attend, AttendBackward, Copy, Free, Key, MergeOut, Plan, Post, RowStats, Wait
 
@@ -44,7 +48,7 @@ class BufferMemory:
     backward_peak: int
     saved: int
     outputs: int
-    held: int  # what the executor's buffer pool holds at most (per-kind high-water marks)
+    held: int  # what the executor holds: its arena (the larger direction's) + the saved buffers
 
     @property
     def peak(self) -> int:
@@ -56,41 +60,24 @@ class _Walk:
         self.plan, self.shape, self.exclude = plan, shape, set(exclude)
         self.live: dict = {}
         self.total = self.peak = 0
-        self.count: Counter = Counter()
-        self.high: Counter = Counter()
-        self.size_of: dict = {}
 
     def bytes(self, key) -> int:
         return key_bytes(self.plan, key, self.shape)
 
-    def add(self, key, pooled: bool = True, n: int | None = None) -> None:
+    def add(self, key, n: int | None = None) -> None:
         if key in self.live or key in self.exclude:
             return
         n = self.bytes(key) if n is None else n
         self.total += n
         self.peak = max(self.peak, self.total)
-        kind = (key.kind, self.plan.tokens(key), self.plan.head_counts(key, self.shape.heads, self.shape.kv_heads)) \
-            if pooled else None
-        self.live[key] = (n, kind)
-        if kind is not None:
-            self.size_of[kind] = n
-            self.count[kind] += 1
-            self.high[kind] = max(self.high[kind], self.count[kind])
+        self.live[key] = n
 
     def free(self, key) -> None:
-        entry = self.live.pop(key, None)
-        if entry is not None:
-            n, kind = entry
-            self.total -= n
-            if kind is not None:
-                self.count[kind] -= 1
+        self.total -= self.live.pop(key, 0)
 
     def run(self, ops) -> None:
         for op in ops:
             _WALK[type(op)](self, op)
-
-    def held(self) -> int:
-        return sum(self.size_of[k] * n for k, n in self.high.items())
 
 
 # what each op type allocates or releases (a test checks every op type has an entry)
@@ -136,9 +123,10 @@ def buffer_memory(plan: Plan, shape: AttentionShape, rank: int = 0) -> BufferMem
 
     bwd = _Walk(plan, shape, outputs)
     for key, n in kept.items():
-        bwd.add(key, pooled=False, n=n)  # the forward's buffers, handed over (not pooled by the backward)
+        bwd.add(key, n=n)  # the forward's buffers, handed over
     for key, segs in rp.backward_inputs.items():
         if len(segs) > 1 or key.heads >= 0:
             bwd.add(key)
     bwd.run(rp.backward)
-    return BufferMemory(fwd.peak, bwd.peak, saved, out_bytes, max(fwd.held(), bwd.held() + saved))
+    arena = max(scratch_layout(plan, rank, d, shape).size for d in ("forward", "backward"))
+    return BufferMemory(fwd.peak, bwd.peak, saved, out_bytes, arena + saved)

@@ -36,8 +36,8 @@ def normalize(world_size: int, shape: AttentionShape, mask: Mask | None = None, 
     if layout is None or (isinstance(layout, SpanLayout) and type(layout.base) is ZigzagLayout):
         layout = ZigzagLayout(world_size, world_size * shape.seq_local)
     if not isinstance(layout, Layout):
-        raise ValueError(f"layout must implement megatron_mesh.plan.Layout (runs, documents, text), got "
-                         f"{type(layout).__name__}")
+        raise ValueError(f"layout must be a megatron_mesh.plan.Layout (a subclass: runs, documents, text, and the "
+                         f"members it declares with defaults), got {type(layout).__name__}")
     if layout.world_size != world_size or layout.seq_local != shape.seq_local:
         raise ValueError(f"layout over {layout.world_size} ranks x {layout.seq_local} tokens does not match the "
                          f"CP size {world_size} and local sequence length {shape.seq_local}")

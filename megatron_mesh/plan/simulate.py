@@ -42,9 +42,13 @@ Approximations (say them with every number):
    is assumed to move the same bytes to its own neighbours on the same rings, which gives each
    rank's link classes in O(P) instead of building P op lists (rank P-1's real rounds are checked
    against the prediction; ``exact=True`` reads every rank's rounds instead).
-4. Not modelled: contention between communication and compute for SMs or HBM, NCCL protocol
-   and chunking effects, network congestion beyond one NIC per GPU, CPU launch overhead, the
-   copy that joins the key/value buffers of one kernel call over several of them (dense Mesh and
+4. **The host** issues a rank's torch ops in order at ``Topology.host_op_time`` each, its
+   ops counted from the plan (:mod:`.hostops`, held within 25 % of the executor's count on the
+   CPU); the device waits where the host is behind (:mod:`.timeline`). One cost for every op
+   (views included: the measured average), the same on every rank; CUDA graphs (which would
+   take most of it away) are not modelled.
+5. Not modelled: contention between communication and compute for SMs or HBM, NCCL protocol
+   and chunking effects, network congestion beyond one NIC per GPU, the copy that joins the key/value buffers of one kernel call over several of them (dense Mesh and
    TASP steps, fused document calls: at most the call's K/V bytes, read and written once), and
    with a micro-batch of more than one sample the copy that folds the batch into the tokens of a
    variable-length call. Kernel calls are those of the CUDA flash kernel on 16-bit inputs
@@ -92,10 +96,16 @@ class PhaseResult:
     timeline: tuple[Event, ...] = ()
     sent_per_rank: tuple[int, ...] | None = None  # when every rank's rounds were read
     inter_per_rank: tuple[int, ...] | None = None  # the same, across nodes
+    host: float = 0.0  # the slowest rank's host: seconds issuing its torch ops (Topology.host_op_time)
 
     @property
     def exposed_comm(self) -> float:
         return max(0.0, self.time - self.compute)
+
+    @property
+    def host_bound(self) -> bool:
+        """The host needs longer to issue the direction's ops than the device to run them."""
+        return self.host > self.compute
 
 
 @dataclass(frozen=True)
@@ -119,6 +129,16 @@ class SimResult:
     @property
     def rounds(self) -> int:
         return self.forward.rounds + self.backward.rounds
+
+    @property
+    def host(self) -> float:
+        return self.forward.host + self.backward.host
+
+    @property
+    def host_bound(self) -> bool:
+        """The host needs longer to issue the call's ops (forward + backward) than the device to
+        run them: the device waits for it (the planner marks such rows)."""
+        return self.host > self.compute
 
     @property
     def bytes_sent(self) -> int:
@@ -173,12 +193,12 @@ def simulate(plan: Plan, shape: AttentionShape, topology: Topology | None = None
     for direction in _DIRECTIONS:
         traffic = round_traffic(plan, shape, topo, direction, exact=exact)
         if traffic.per_rank is not None and len(sim_ranks) == plan.world_size:
-            time, busy, rounds, events = run_pairwise(plan, shape, topo, direction, traffic.per_rank, timeline)
+            time, busy, rounds, events, host = run_pairwise(plan, shape, topo, direction, traffic.per_rank, timeline)
         else:
-            time, busy, rounds, events = run_lockstep(plan, shape, topo, direction, sim_ranks, traffic.duration,
-                                                       timeline)
+            time, busy, rounds, events, host = run_lockstep(plan, shape, topo, direction, sim_ranks,
+                                                             traffic.duration, timeline)
         phases.append(PhaseResult(time, busy, rounds, traffic.bytes_sent, traffic.mean_intra, traffic.mean_inter,
-                                  traffic.max_inter, tuple(events), traffic.sent, traffic.inter))
+                                  traffic.max_inter, tuple(events), traffic.sent, traffic.inter, host))
     return SimResult(*phases, exact=exact)
 
 
@@ -188,8 +208,9 @@ class TimeBreakdown:
     of the ranks the simulator steps: every rank of a mask-aware plan, 0 and P-1 otherwise):
     ``parts`` in seconds -- "flops" (the kernel calls' pairs at peak), "launches", "accumulate"
     (fp32 merges of the calls' results), "copies" (Copy ops: the Ulysses reorder, slot cuts, casts),
-    "combine" (merges, gradient adds, row statistics of received partials) and "exposed" (the
-    rest: waiting for communication) -- and ``waits``: (round, seconds, what it moves) of each
+    "combine" (merges, gradient adds, row statistics of received partials), "host" (the device
+    waiting for its host to issue ops) and "exposed" (the rest: waiting for communication) -- and
+    ``waits``: (round, seconds, what it moves) of each
     round the rank's compute stream waited for, longest first."""
 
     direction: str
@@ -236,6 +257,8 @@ def time_breakdown(plan: Plan, shape: AttentionShape, topology: Topology | None 
                 posts[op.round] = op
             else:
                 parts["combine"] += compute_cost(plan, op, shape, topo)
+        parts["host"] = sum(e.end - e.start for e in phase.timeline
+                            if e.rank == rank and e.stream == "compute" and e.what == "host")
         parts["exposed"] = max(0.0, phase.time - sum(parts.values()))
         waits = []
         for e in phase.timeline:

@@ -4,6 +4,13 @@ round t once the compute issued before it has finished and the rank's previous r
 completed (NCCL runs a rank's rounds in posting order); ``Wait(t)`` stalls the compute stream until
 round t has completed.
 
+Each rank also has a **host** that issues its ops in order, each at its torch ops'
+``Topology.host_op_time`` (:mod:`.hostops` counts them): an op's device work starts once the host
+has issued its first torch op (and the stream is free) and ends no sooner than its last is
+issued; a round starts no sooner than its ``Post`` is issued. The host never waits for the device
+(NCCL's waits are the stream's), so where it is slower the device idles -- a timeline's "host"
+events -- and the direction ends no sooner than the host's last work.
+
 Two ways to step: :func:`run_lockstep` (round t lasts as long as on the slowest rank of the group:
 the steady state of ring-shaped plans) and :func:`run_pairwise` (every rank on its own: a
 round waits for its own peers only, as point-to-point transfers do; mask-aware plans).
@@ -22,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from .costs import compute_cost, cost_signature, fresh_rows
+from .hostops import step_host_ops
 from .ir import Free, Plan, Post, Wait
 from .shape import AttentionShape
 from .topology import Topology
@@ -44,25 +52,66 @@ class _Rank:
     rank: int
     ops: tuple
     first: dict = field(default_factory=dict)  # op index -> {accumulator: rows it writes first} (Plan.first_writes)
+    issue: tuple = ()  # op index -> the host's seconds issuing it (empty: no host modelled)
+    around: float = 0.0  # the host's seconds around the ops (inputs, results, the last queued writes)
     pc: int = 0
     clock: float = 0.0  # compute stream
+    host: float = 0.0  # the host: when it has issued everything so far
     busy: float = 0.0
     events: list = field(default_factory=list)
 
     def compute(self, op, seconds: float, timeline: bool) -> None:
-        """Run ``op`` on the compute stream."""
+        """Run ``op`` on the compute stream: it starts once the host has issued its first torch op
+        and the stream is free, and ends no sooner than the host has issued its last."""
+        issue = self.issue[self.pc] if self.issue else 0.0
+        start, ready = self.clock, self.host + min(issue, self.first_op)
+        self.host += issue
+        if ready > start:
+            if timeline:
+                self.events.append(Event(self.rank, "compute", start, ready, "host"))
+            start = ready
+        done = start + seconds
+        end = max(done, self.host)  # its last torch op issued
         if timeline:
-            self.events.append(Event(self.rank, "compute", self.clock, self.clock + seconds, type(op).__name__))
-        self.clock += seconds
+            self.events.append(Event(self.rank, "compute", start, done, type(op).__name__))
+            if end > done:
+                self.events.append(Event(self.rank, "compute", done, end, "host"))
+        self.clock = end
         self.busy += seconds
+
+    def post(self) -> float:
+        """The host issues a Post (its transfers' calls): when its round may start."""
+        if self.issue:
+            self.host += self.issue[self.pc]
+        return max(self.clock, self.host)
+
+    def finish(self, timeline: bool = False) -> None:
+        """The host's work after the last op (results, the last queued writes): the direction
+        ends no sooner."""
+        self.host += self.around
+        if timeline and self.host > self.clock:
+            self.events.append(Event(self.rank, "compute", self.clock, self.host, "host"))
+        self.clock = max(self.clock, self.host)
+
+    first_op: float = 0.0  # the host's seconds per torch op (an op's device work starts after its first)
 
 
 class _Costs:
     """Compute seconds per op, priced once per :func:`~.costs.cost_signature` (ops of a dense plan
-    repeat a handful)."""
+    repeat a handful); and the host's seconds issuing each op of a rank (:mod:`.hostops`)."""
 
     def __init__(self, plan: Plan, shape: AttentionShape, topo: Topology):
         self.plan, self.shape, self.topo, self.seen = plan, shape, topo, {}
+
+    def rank(self, r: int, direction: str) -> _Rank:
+        """Rank ``r``'s state for stepping ``direction``, with its host's seconds per op."""
+        st = _Rank(r, self.plan.rank(r).ops(direction), self.plan.first_writes(r, direction))
+        per_op = self.topo.host_op_time
+        if per_op > 0:
+            ops, around = step_host_ops(self.plan, r, direction, self.shape, piece=self.topo.mask_piece)
+            st.issue = tuple(h.total * per_op for h in ops)
+            st.around, st.first_op = around.total * per_op, per_op
+        return st
 
     def __call__(self, op, first=None) -> float:
         """``first``: the accumulator rows ``op`` (a block) writes first -- copied, not merged / added."""
@@ -74,9 +123,12 @@ class _Costs:
         return c
 
 
-def _finished(states: list[_Rank], moved: bool, direction: str) -> bool:
-    """Every simulated rank has run its last op; a pass that moved nothing is a deadlock."""
+def _finished(states: list[_Rank], moved: bool, direction: str, timeline: bool = False) -> bool:
+    """Every simulated rank has run its last op (then its host's last work); a pass that moved
+    nothing is a deadlock."""
     if all(st.pc == len(st.ops) for st in states):
+        for st in states:
+            st.finish(timeline)
         return True
     if not moved:
         stuck = {st.rank: str(st.ops[st.pc]) for st in states if st.pc < len(st.ops)}
@@ -84,21 +136,23 @@ def _finished(states: list[_Rank], moved: bool, direction: str) -> bool:
     return False
 
 
-def _result(states: list[_Rank], comm_end: float, timeline: bool) -> tuple[float, float, int, list[Event]]:
-    """(time, compute of the slowest rank, rounds of the busiest rank, events)."""
+def _result(states: list[_Rank], comm_end: float, timeline: bool) -> tuple[float, float, int, list[Event], float]:
+    """(time, compute of the slowest rank, rounds of the busiest rank, events, the slowest rank's
+    host seconds)."""
     slowest = max(states, key=lambda s: s.clock)
     rounds = max(sum(1 for op in st.ops if type(op) is Post) for st in states)
     events = sorted((e for st in states for e in st.events), key=lambda e: (e.rank, e.start)) if timeline else []
-    return max(slowest.clock, comm_end), slowest.busy, rounds, events
+    return max(slowest.clock, comm_end), slowest.busy, rounds, events, slowest.host
 
 
 def run_lockstep(plan: Plan, shape: AttentionShape, topo: Topology, direction: str, ranks: list[int],
-                  duration: dict[int, float], timeline: bool) -> tuple[float, float, int, list[Event]]:
+                  duration: dict[int, float], timeline: bool) -> tuple[float, float, int, list[Event], float]:
     """Step the simulated ranks together; round t starts once every simulated rank that posts it
     has posted it and each of them has finished its previous rounds (a rank's rounds run in
     posting order; approximation 1). Returns (time, compute of the slowest rank, rounds of the
-    busiest rank, events)."""
-    states = [_Rank(r, plan.rank(r).ops(direction), plan.first_writes(r, direction)) for r in ranks]
+    busiest rank, events, the slowest rank's host seconds)."""
+    costs = _Costs(plan, shape, topo)
+    states = [costs.rank(r, direction) for r in ranks]
     posters: dict[int, int] = {}  # round -> how many simulated ranks post it
     for st in states:
         for op in st.ops:
@@ -108,7 +162,6 @@ def run_lockstep(plan: Plan, shape: AttentionShape, topo: Topology, direction: s
     ready: list[int] = []  # rounds every poster has posted, not yet resolved
     done: dict[int, float] = {}
     comm_free = {st.rank: 0.0 for st in states}
-    costs = _Costs(plan, shape, topo)
     while True:
         moved = False
         for st in states:
@@ -124,7 +177,7 @@ def run_lockstep(plan: Plan, shape: AttentionShape, topo: Topology, direction: s
                     st.clock = max(st.clock, done[op.round])
                 elif kind is Post:
                     entries = posted.setdefault(op.round, [])
-                    entries.append((st.clock, st))
+                    entries.append((st.post(), st))
                     if len(entries) == posters[op.round]:
                         ready.append(op.round)
                 elif kind is not Free:
@@ -141,26 +194,25 @@ def run_lockstep(plan: Plan, shape: AttentionShape, topo: Topology, direction: s
                     st.events.append(Event(st.rank, "comm", start, done[t], f"round {t}"))
             moved = True
         ready.clear()
-        if _finished(states, moved, direction):
+        if _finished(states, moved, direction, timeline):
             break
     return _result(states, max(comm_free.values()), timeline)
 
 
 def run_pairwise(plan: Plan, shape: AttentionShape, topo: Topology, direction: str,
-                  per_rank: dict[tuple[int, int], float], timeline: bool) -> tuple[float, float, int, list[Event]]:
+                  per_rank: dict[tuple[int, int], float], timeline: bool) -> tuple[float, float, int, list[Event], float]:
     """Every rank stepped on its own (a mask-aware plan, whose ranks post different rounds to
     different peers): rank r's round t starts once r and each of its peers in that round have
     posted t and r's previous round is done, and lasts r's own duration -- transfers between two
     ranks wait for those two only, as point-to-point transfers do (the lockstep model would make
     every rank wait for the slowest poster of the whole group)."""
-    states = [_Rank(r, plan.rank(r).ops(direction), plan.first_writes(r, direction))
-              for r in range(plan.world_size)]
+    costs = _Costs(plan, shape, topo)
+    states = [costs.rank(r, direction) for r in range(plan.world_size)]
     posted: dict[tuple[int, int], float] = {}  # (rank, round) -> post time
     peers: dict[tuple[int, int], tuple[int, ...]] = {}
     queue: list[list[int]] = [[] for _ in states]  # each rank's posted, unresolved rounds, in order
     done: dict[tuple[int, int], float] = {}
     comm_free = [0.0] * len(states)
-    costs = _Costs(plan, shape, topo)
     while True:
         moved = False
         for st in states:
@@ -176,7 +228,7 @@ def run_pairwise(plan: Plan, shape: AttentionShape, topo: Topology, direction: s
                         st.events.append(Event(r, "compute", st.clock, end, f"wait {op.round}"))
                     st.clock = max(st.clock, end)
                 elif kind is Post:
-                    posted[(r, op.round)] = st.clock
+                    posted[(r, op.round)] = st.post()
                     peers[(r, op.round)] = tuple({t.peer for t in op.sends + op.recvs})
                     queue[r].append(op.round)
                 elif kind is not Free:
@@ -195,6 +247,6 @@ def run_pairwise(plan: Plan, shape: AttentionShape, topo: Topology, direction: s
                     states[r].events.append(Event(r, "comm", start, done[(r, t)], f"round {t}"))
                 pending.pop(0)
                 moved = True
-        if _finished(states, moved, direction):
+        if _finished(states, moved, direction, timeline):
             break
     return _result(states, max(comm_free), timeline)

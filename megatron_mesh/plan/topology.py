@@ -35,6 +35,11 @@ measured values):
 * ``kernel_latency`` 5 us: fixed cost per attention kernel call (launch and tail effects).
 * ``memory_bandwidth`` 3.35e12 B/s: H100 SXM5 HBM3 (datasheet); prices the element-wise
   merges of partial outputs and gradient accumulators.
+* ``host_op_time`` 23 us: the host's time per torch op the executor issues (Python, dispatch,
+  launch; views included), each rank's host issuing its ops in order and its GPU waiting where
+  the host is behind (:mod:`.hostops` counts the ops, :mod:`.hostcost` says where the number
+  comes from: one H200 rank alone, docs/performance.md); 0 leaves the host out (the model before
+  issue 52).
 * ``mask_piece`` 2048 tokens: a masked block runs as kernel calls on pieces of at most this many
   query x key tokens (the runtime's default on CUDA, :data:`~.mask.MASK_PIECE`): empty pieces are
   skipped, whole-document pieces run the causal / full fast path, the rest are computed densely
@@ -47,6 +52,7 @@ import math
 
 from dataclasses import dataclass
 
+from .hostcost import HOST_OP_TIME
 from .mask import MASK_PIECE
 
 __all__ = ["Topology", "LINK_CLASSES"]
@@ -73,6 +79,7 @@ class Topology:
     memory_bandwidth: float = 3.35e12
     node_of: tuple[int, ...] | None = None
     mask_piece: int = MASK_PIECE["cuda"]
+    host_op_time: float = HOST_OP_TIME
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node"):
@@ -81,7 +88,7 @@ class Topology:
         for name in ("intra_bandwidth", "inter_bandwidth", "attention_flops", "memory_bandwidth"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be finite and > 0, got {getattr(self, name)!r}")
-        for name in ("intra_latency", "inter_latency", "kernel_latency"):
+        for name in ("intra_latency", "inter_latency", "kernel_latency", "host_op_time"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be finite and >= 0, got {getattr(self, name)!r}")
         if self.node_of is not None:
@@ -147,4 +154,4 @@ class Topology:
                 f"{self.intra_latency * 1e6:g} us, inter {self.inter_bandwidth / 1e9:g} GB/s "
                 f"{self.inter_latency * 1e6:g} us per GPU per direction; attention "
                 f"{self.attention_flops / 1e12:g} TFLOP/s, {self.kernel_latency * 1e6:g} us per kernel, "
-                f"HBM {self.memory_bandwidth / 1e12:g} TB/s")
+                f"HBM {self.memory_bandwidth / 1e12:g} TB/s; host {self.host_op_time * 1e6:g} us per torch op")

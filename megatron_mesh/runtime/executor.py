@@ -7,14 +7,20 @@ accumulate in fp32 buffers that belong to the executor (kernel outputs are only 
 never kept as accumulators), in the order the plan fixes, so results are bitwise reproducible.
 
 Tensors are [B, H, T, D] (heads before tokens) inside the executor, as *views*: the public API
-hands it ``x.permute(1, 2, 0, 3)`` of Megatron's [T, B, H, D] tensors, and the final output and
-gradients are allocated token-major, so neither side copies to change layouts (the kernels take
-strided inputs). A buffer is copied only where it must be contiguous: when it is sent, or cut
-from several token ranges or one head slice that a block reads or that is sent (a head slice
-only copies read stays a view). The one stride the kernels cannot take is a head_dim that is not
+hands it ``x.permute(1, 2, 0, 3)`` of Megatron's [T, B, H, D] tensors, and its own buffers are
+token-major too (:mod:`.buffers`: each at its place in the rank's arena, laid out once per plan,
+:mod:`megatron_mesh.plan.arena`), so neither side copies to change layouts and a transfer moves a
+buffer's storage as it is (a rank's own chunk too). A buffer is copied only where it is cut from
+several token ranges or one head slice that a block reads or that is sent (a head slice only
+copies read stays a view). The one stride the kernels cannot take is a head_dim that is not
 stride 1 (``buf[..., ::2]``, a projection stored [d, h] and transposed, a broadcast head_dim): such
 an input (or dout) is copied once per pass, at entry (:func:`~megatron_mesh.kernels.base.head_dim_dense`),
 instead of once per block that reads it.
+
+Few ops per step (the host's time sets the pace at a few thousand tokens per rank): a merge is one
+op (:mod:`.fused`), copies and gradient adds wait in a queue issued as a few ``_foreach_*`` calls
+(:mod:`.deferred`), a block's key/value pieces are one view where they lie side by side in the
+arena; :mod:`megatron_mesh.plan.hostops` counts what is left, for the planner.
 """
 
 from __future__ import annotations
@@ -28,12 +34,16 @@ from torch import Tensor
 
 from ..comm.base import Communicator, Work
 from ..kernels.base import BlockKernel, head_dim_dense
+from ..plan.arena import copied_only, cut_keys
 from ..plan.sel import union_intervals
 from ..plan.ir import (AddGrad, Attend, AttendBackward, Copy, Free, Key, MergeOut, Plan, Post, RankPlan, RowStats,
                        Wait, op_keys)
-from .buffers import Buffers, accumulator_dtype, parts as _parts
-from .masks import backward_partials, block_mask, forward_partials
-from .merge import merge_partial_, part_of
+from ..plan.shape import AttentionShape
+from .blocks import BlockOps, take as _take
+from .buffers import ARENAS, Arenas, Buffers, accumulator_dtype, parts as _parts, place_view, wire_of
+from .deferred import Deferred
+from .fused import merge_
+from .merge import part_of
 from .sinks import add_sink_grad_, apply_sink_
 
 __all__ = ["Executor", "ForwardResult", "accumulator_dtype", "Buffers"]
@@ -44,62 +54,6 @@ class ForwardResult:
     out: Tensor  # [B, H, T, D] accumulator dtype (fp32; fp64 for fp64 inputs), token-major storage
     lse: Tensor  # [B, H, T] accumulator dtype
     saved: dict[Key, tuple[Tensor, ...]]  # forward buffers the backward reads
-
-
-def _take(t: Tensor, sel, dim: int = 2) -> Tensor:
-    """Tokens ``sel`` of ``t`` along ``dim``: a view for one range, a copy for several."""
-    if sel is None:
-        return t
-    if len(sel) == 1:
-        a, b = sel[0]
-        return part_of(t, dim, a, b - a)
-    return torch.cat([t.narrow(dim, a, b - a) for a, b in sel], dim=dim)
-
-
-def _overlaps(parts, r0: int, r1: int):
-    """Where block rows [r0, r1) go: (buffer start, offset in [r0, r1), length) for each range of
-    ``parts`` (:func:`_parts`) they overlap."""
-    for a, pos, n in parts:
-        lo, hi = max(r0, pos), min(r1, pos + n)
-        if lo < hi:
-            yield a + lo - pos, lo - r0, hi - lo
-
-
-def _add_or_copy(acc: Tensor, part: Tensor, first: bool) -> None:
-    """acc += part, or acc <- part where acc still holds its initial zeros (the same values)."""
-    if first:
-        acc.copy_(part)
-    else:
-        acc.add_(part)
-
-
-def _fresh(first: dict, key) -> list[list[int]]:
-    """The rows of accumulator ``key`` an op writes first (mutable: :func:`_split_fresh` uses them up)."""
-    return [list(s) for s in first.get(key, ())]
-
-
-def _split_fresh(fresh: list[list[int]], a: int, n: int):
-    """Rows [a, a + n) as (start, length, first) runs: ``first`` where they lie in ``fresh``
-    (sorted [start, stop) ranges not written yet), which then drops them."""
-    pos, end = a, a + n
-    for f in fresh:
-        if pos >= end:
-            break
-        lo, hi = max(pos, f[0]), min(end, f[1])
-        if lo >= hi:
-            continue
-        if lo > pos:
-            yield pos, lo - pos, False
-        yield lo, hi - lo, True
-        pos = hi
-    if pos < end:
-        yield pos, end - pos, False
-    if fresh:  # what was just written is no longer fresh
-        fresh[:] = [r for f in fresh for r in _without(f, a, end)]
-
-
-def _without(f: list[int], a: int, b: int) -> list[list[int]]:
-    return [r for r in ([f[0], min(f[1], a)], [max(f[0], b), f[1]]) if r[0] < r[1]]
 
 
 def _delta_facts(rank_plan: RankPlan, own_rows_made: bool) -> tuple:
@@ -136,20 +90,7 @@ def _delta_reads(rank_plan: RankPlan, own_rows_made: bool) -> set[Key]:
     return reads
 
 
-def _copy_sources(rank_plan: RankPlan, direction: str) -> frozenset:
-    """The input buffers of ``direction`` that only :class:`Copy` ops read (a Ulysses group
-    member's own head slice, copied into the group's tokens): cutting them as a contiguous
-    copy first would move their bytes twice. A buffer that is sent or that a block reads
-    stays contiguous (a send needs it; kernels read it many times)."""
-    inputs = rank_plan.forward_inputs if direction == "forward" else rank_plan.backward_inputs
-    ops = rank_plan.ops(direction)
-    others = {key for op in ops if type(op) is not Copy for key in op_keys(op)}
-    others |= {op.dst for op in ops if type(op) is Copy}  # a view must never be written into
-    copied = {op.src for op in ops if type(op) is Copy}
-    return frozenset(key for key in inputs if key in copied and key not in others)
-
-
-class Executor:
+class Executor(BlockOps):
     """Runs ``plan.rank(comm.rank)`` with ``comm`` and ``kernel``.
 
     ``timer``, when given, is called as ``timer("compute")`` / ``timer("wait")`` and must return
@@ -157,7 +98,7 @@ class Executor:
     timers)."""
 
     def __init__(self, plan: Plan, comm: Communicator, kernel: BlockKernel, scale: float,
-                 timer: Callable[[str], ContextManager] | None = None):
+                 timer: Callable[[str], ContextManager] | None = None, arenas: Arenas = ARENAS):
         if comm.world_size != plan.world_size:
             raise ValueError(f"communicator spans {comm.world_size} ranks but the plan {plan.world_size}")
         self.plan = plan
@@ -174,8 +115,10 @@ class Executor:
         self._delta_rows, self._delta_keys = plan.memo(("delta", comm.rank, made),
                                                        lambda: _delta_facts(rp, made))
         self._copied_only = plan.memo(("copied only", comm.rank), lambda: {
-            d: _copy_sources(rp, d) for d in ("forward", "backward")})
+            d: copied_only(rp, d) for d in ("forward", "backward")})
+        self._cut_keys = plan.memo(("cut keys", comm.rank), lambda: {d: cut_keys(rp, d) for d in ("forward", "backward")})
         self.timer = timer or (lambda what: contextlib.nullcontext())
+        self.arenas = arenas  # where its buffers live (runtime/buffers.py: the process's, unless given)
         self._sink: Tensor | None = None  # the call's softmax_offset in the accumulators' dtype (runtime/sinks.py)
         self.offset_grad: Tensor | None = None  # the last backward's d softmax_offset over the rows it finished
 
@@ -187,7 +130,7 @@ class Executor:
         q, k, v = head_dim_dense(q, k, v)
         rp = self.rank_plan
         self._set_sink(softmax_offset, q.dtype)
-        bufs = self._buffers(q, k, v, {rp.output})
+        bufs = self._buffers(q, k, v, "forward")
         self._inputs(bufs, rp.forward_inputs, {"q": (q,), "kv": (k, v)}, self._copied_only["forward"])
         self._run("forward", bufs)
         final = bufs.accumulator(rp.output)
@@ -226,7 +169,7 @@ class Executor:
             self.offset_grad = torch.zeros_like(self._sink)
             if lse is not None:  # the rank's own rows (a Ulysses plan's rows are its RowStats')
                 add_sink_grad_(self.offset_grad, dout, out, lse, self._sink)
-        bufs = self._buffers(q, k, v, {rp.grad_q, rp.grad_kv})
+        bufs = self._buffers(q, k, v, "backward")
         sources = {"q": (q,), "kv": (k, v), "dy": (dout,)}
         if any(key.kind == "do" for key in rp.backward_inputs):
             sources["do"] = (dout, lse, self._delta(dout, out, lse))
@@ -238,7 +181,7 @@ class Executor:
                     (o,) = self._cut(bufs, key, segs, (out,))
                     bufs.derive(key, lambda: make(*bufs.get(key), out=o))
         for key, tensors in saved.items():
-            bufs.put(key, tensors, owned=False)
+            bufs.put(key, tensors)
             bufs.read_only.add(key)
         self._run("backward", bufs)
         (dq,) = bufs.accumulator(rp.grad_q)
@@ -256,17 +199,24 @@ class Executor:
         compute blocks of need it -- the fused backward forms delta itself from dout and out."""
         acc = accumulator_dtype(dout.dtype)
         rows = self._delta_rows
+        # one cast: the product of an fp32 tensor and a 16-bit one is formed in fp32, the 16-bit
+        # operand widened exactly -- the same values as casting both
         if rows is None:
-            return (dout.to(acc) * out.to(acc)).sum(-1)
+            return (dout.to(acc) * out).sum(-1)
+        if not rows:  # nothing reads it: none (a read would fail as loudly as NaN would)
+            return None
         delta = torch.full(lse.shape, float("nan"), dtype=acc, device=lse.device)
         for a, b in rows:
-            torch.sum(dout.narrow(2, a, b - a).to(acc) * out.narrow(2, a, b - a).to(acc), dim=-1,
+            torch.sum(dout.narrow(2, a, b - a).to(acc) * out.narrow(2, a, b - a), dim=-1,
                       out=delta.narrow(2, a, b - a))
         return delta
 
-    def _buffers(self, q: Tensor, k: Tensor, v: Tensor, token_major: set[Key]) -> Buffers:
-        b, h, _, d = q.shape
-        return Buffers(self.plan, h, k.shape[1], b, {"qk": d, "v": v.shape[-1]}, q.dtype, q.device, token_major)
+    def _buffers(self, q: Tensor, k: Tensor, v: Tensor, direction: str) -> Buffers:
+        b, h, t, d = q.shape
+        shape = AttentionShape(t, b, h, k.shape[1], d, q.element_size(), v.shape[-1])
+        bufs = Buffers(self.plan, self.comm.rank, direction, shape, q.dtype, q.device, self.arenas)
+        self._queue = bufs.queue = Deferred()
+        return bufs
 
     def _set_sink(self, offset: Tensor | None, dtype: torch.dtype) -> None:
         self._sink = None if offset is None else offset.detach().to(accumulator_dtype(dtype))
@@ -288,29 +238,65 @@ class Executor:
 
     def _inputs(self, bufs: Buffers, table: dict, sources: dict, views: frozenset = frozenset()) -> None:
         """Cut the rank plan's input buffers from the local tensors: one token range of all heads
-        is a view; several ranges or one head slice are copied (once per distinct cut), except a
-        head slice in ``views`` (read by copies alone, :func:`_copy_sources`): a view too."""
-        cuts: dict = {}
+        is a view, and so is a head slice in ``views`` (read by copies alone,
+        :func:`~megatron_mesh.plan.arena.copied_only`); several ranges or another head slice are
+        copied into their places in the arena, one gather per tensor for each group of them
+        (:attr:`~megatron_mesh.plan.arena.ScratchLayout.cuts`)."""
+        cut = {key for keys, _ in bufs.layout.cuts for key in keys}
+        copied = set(self._cut_keys[bufs.direction]) - cut  # kept for the backward: copied for the call
         for key, segs in table.items():
-            ck = (key.kind, tuple(segs), key.heads, key in views)
-            tensors = cuts.get(ck)
-            if tensors is None:
-                tensors = cuts[ck] = self._cut(bufs, key, segs, sources[key.kind], view=key in views)
-            bufs.put(key, tensors, owned=False)
-            bufs.read_only.add(key)
+            if key not in cut:
+                tensors = self._cut(bufs, key, segs, sources[key.kind])
+                if key in copied:
+                    own = bufs.own(key)
+                    torch._foreach_copy_(list(own), list(tensors))
+                    tensors = own
+                bufs.put(key, tensors)
+                bufs.read_only.add(key)
+        for g, (keys, runs) in enumerate(bufs.layout.cuts):
+            self._gather(bufs, g, keys, runs, table, sources[keys[0].kind])
+            for key in keys:
+                bufs.put(key, bufs.view((-1, key)), (-1, key))
+                bufs.read_only.add(key)
 
-    def _cut(self, bufs: Buffers, key: Key, segs, tensors, view: bool = False) -> tuple[Tensor, ...]:
-        """The input buffer ``key``'s cut (token ranges ``segs``, its head slice) of the local
-        ``tensors``: a view for one range of all heads (or of a head slice, with ``view``), else a
-        copy."""
-        heads = self.plan.head_range(key, bufs.heads, bufs.kv_heads) if key.heads >= 0 else None
-        parts = []
-        for t in tensors:
+    def _gather(self, bufs: Buffers, g: int, keys, runs, table: dict, tensors) -> None:
+        """Fill input cut group ``g`` (``keys``, laid out one after another per tensor in ``runs``)
+        from the local ``tensors``: per tensor one copy (one token range) or one gather."""
+        heads = self.plan.head_range(keys[0], bufs.heads, bufs.kv_heads) if keys[0].heads >= 0 else None
+        segs = [seg for key in keys for seg in table[key]]
+        index = None
+        for t, (x, run) in enumerate(zip(tensors, runs)):
             if heads is not None:
+                x = x.narrow(1, heads[0], heads[1] - heads[0])
+            if not run.width:  # a row statistic, [B, H, T]: each buffer on its own
+                for key in keys:
+                    (dst,) = (bufs.view((-1, key))[t],)
+                    dst.copy_(_take(x, table[key]))
+                continue
+            dst = bufs.views.get(("cut", g, t))
+            if dst is None:
+                dst = bufs.views[("cut", g, t)] = wire_of(place_view(bufs.arena, run, bufs.dtype))
+            src = x.permute(2, 0, 1, 3)
+            if len(segs) == 1:
+                dst.copy_(src[segs[0][0]:segs[0][1]])
+                continue
+            if index is None:
+                index = bufs.views.get(("index", g))
+                if index is None:
+                    index = bufs.views[("index", g)] = torch.tensor(
+                        [i for a, b in segs for i in range(a, b)], dtype=torch.long, device=x.device)
+            torch.index_select(src, 0, index, out=dst)
+
+    def _cut(self, bufs: Buffers, key: Key, segs, tensors) -> tuple[Tensor, ...]:
+        """The view of input buffer ``key`` (one token range ``segs``, its head slice) of the
+        local ``tensors``."""
+        heads = self.plan.head_range(key, bufs.heads, bufs.kv_heads) if key.heads >= 0 else None
+        out = []
+        for t in tensors:
+            if heads is not None and t is not None:
                 t = t.narrow(1, heads[0], heads[1] - heads[0])
-            parts.append(_take(t, segs))
-        copied = (heads is not None and not view) or len(segs) > 1
-        return tuple(p.contiguous() if copied else p for p in parts)
+            out.append(_take(t, segs))
+        return tuple(out)
 
     # -- the loop ----------------------------------------------------------------------------------
     def _run(self, direction: str, bufs: Buffers) -> None:
@@ -318,145 +304,73 @@ class Executor:
         handlers = self.HANDLERS
         first = self.plan.first_writes(self.comm.rank, direction)
         fills = self.plan.creation_fills(self.comm.rank, direction, bufs.heads, bufs.kv_heads)
+        queue = self._queue
         for i, op in enumerate(self.rank_plan.ops(direction)):
             handler = handlers.get(type(op))
             if handler is None:
                 raise TypeError(f"unknown plan op {op!r}")
+            bufs.at = self._at = i
             self._first = first.get(i, {})  # a block's accumulator rows no earlier op wrote (plan.first_writes)
             self._fills = fills.get(i, {})  # what to fill of an accumulator this op creates (plan.creation_fills)
+            if queue and type(op) not in _QUEUED and queue.touches(_reads_of(op)):
+                queue.flush()  # what the op reads or sends is written by a queued copy or add
             handler(self, op, bufs, pending)
+        queue.flush()
         if pending:
             raise RuntimeError(f"plan left rounds {sorted(pending)} unwaited")
 
     def _post(self, op: Post, bufs: Buffers, pending) -> None:
         # a transport reads a send until its round completes: keep the (contiguous) tensors alive
-        sends = [(t.peer, x if x.is_contiguous() else x.contiguous()) for t in op.sends for x in bufs.get(t.key)]
-        arriving = [(t.key, bufs.alloc(t.key)) for t in op.recvs]
-        recvs = [(t.peer, x) for t, (_, ts) in zip(op.recvs, arriving) for x in ts]
+        sends = [(t.peer, x) for t in op.sends for x in bufs.wire(t.key)]
+        arriving = []
+        for t in op.recvs:
+            tensors = bufs.create(t.key)
+            arriving.append((t.key, tensors, bufs.made))
+        recvs = [(t.peer, x) for t, (key, ts, ident) in zip(op.recvs, arriving) for x in bufs.wire(key, ts, ident)]
         pending[op.round] = (self.comm.start(sends, recvs), arriving, sends)
 
     def _wait(self, op: Wait, bufs: Buffers, pending) -> None:
         work, arriving, _ = pending.pop(op.round)
         with self.timer("wait"):
             work.wait()
-        for key, tensors in arriving:
-            bufs.put(key, tensors, owned=True)
-
-    def _kv(self, op, bufs: Buffers) -> tuple[Tensor, Tensor, list[int]]:
-        parts = []
-        for i, key in enumerate(op.kv):
-            k, v = bufs.get(key)
-            sel = op.col(i)
-            parts.append((_take(k, sel), _take(v, sel)))
-        if len(parts) == 1:
-            return parts[0][0], parts[0][1], [parts[0][0].shape[2]]
-        return (torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts], dim=2),
-                [p[0].shape[2] for p in parts])
-
-    def _created(self, bufs: Buffers, key: Key) -> tuple[Tensor, ...]:
-        """Accumulator ``key`` of a block or copy: where this op creates it, filled only in the rows
-        the plan says no block or whole copy writes before they are read (``creation_fills``;
-        all of them where the plan names none)."""
-        return bufs.accumulator(key, rows=self._fills.get(key))
-
-    @staticmethod
-    def _fill_unwritten(bufs: Buffers, key: Key, fresh: list[list[int]]) -> None:
-        """Rows a block was to write first but whose kernel calls left them out (a masked block's
-        rows without an allowed key in it): their initial values, as later ops add into them."""
-        if fresh:
-            bufs.fill(key, bufs.get(key), [tuple(f) for f in fresh])
-
-    def _attend(self, op: Attend, bufs: Buffers, pending) -> None:
-        (q,) = bufs.get(op.q)
-        k, v, _ = self._kv(op, bufs)
-        mask = block_mask(self.plan, op, q.device)
-        with self.timer("compute"):
-            out, lse = self._created(bufs, op.out)
-            rows = list(_parts(op.rows, out.shape[2]))
-            fresh = _fresh(self._first, op.out)
-            # each kernel call's partial result merges straight into the rows' accumulator; on rows
-            # nothing has written yet (still 0, -inf) a copy gives the same values
-            for r0, r1, o, l in forward_partials(self.kernel, _take(q, op.rows), k, v, mask, self.scale,
-                                                 self.plan.kernel_calls):
-                for a, off, n in _overlaps(rows, r0, r1):
-                    for s, m, first in _split_fresh(fresh, a, n):
-                        dst_o, dst_l = part_of(out, 2, s, m), part_of(lse, 2, s, m)
-                        src_o, src_l = part_of(o, 2, off + s - a, m), part_of(l, 2, off + s - a, m)
-                        if first:
-                            dst_o.copy_(src_o)
-                            dst_l.copy_(src_l)
-                        else:
-                            merge_partial_(dst_o, dst_l, src_o, src_l)
-            self._fill_unwritten(bufs, op.out, fresh)
-
-    def _attend_backward(self, op: AttendBackward, bufs: Buffers, pending) -> None:
-        (q,) = bufs.get(op.q)
-        dout, lse, delta = bufs.get(op.do)
-        k, v, lengths = self._kv(op, bufs)
-        mask = block_mask(self.plan, op, q.device)
-        with self.timer("compute"):
-            make = self.backward_rows  # once per buffer of rows, not per block
-            made = None if make is None else tuple(_take(t, op.rows) for t in
-                                                   bufs.derive(op.do, lambda: make(dout, lse, delta)))
-            (acc_q,) = self._created(bufs, op.dq)
-            rows = list(_parts(op.rows, acc_q.shape[2]))
-            fresh_q = _fresh(self._first, op.dq)  # rows still 0: a copy instead of an add
-            cols, start = [], 0  # each key buffer's accumulators, where its block columns go, its fresh rows
-            fresh_kv: dict[Key, list[list[int]]] = {}  # one list per buffer: a block may name it for several ranges
-            for i, (key, n_cols) in enumerate(zip(op.dkv, lengths)):
-                acc_k, acc_v = self._created(bufs, key)
-                fresh = fresh_kv.get(key)
-                if fresh is None:
-                    fresh = fresh_kv[key] = _fresh(self._first, key)
-                cols.append((acc_k, acc_v, [(a, start + pos, n) for a, pos, n in _parts(op.col(i), acc_k.shape[2])],
-                             fresh))
-                start += n_cols
-            for part in backward_partials(self.kernel, _take(dout, op.rows), _take(q, op.rows), k, v,
-                                          _take(lse, op.rows), _take(delta, op.rows), mask, self.scale,
-                                          self.plan.kernel_calls, rows=made):
-                if part[0] == "q":
-                    _, r0, r1, dq = part
-                    for a, off, n in _overlaps(rows, r0, r1):
-                        for s, m, first in _split_fresh(fresh_q, a, n):
-                            _add_or_copy(part_of(acc_q, 2, s, m), part_of(dq, 2, off + s - a, m), first)
-                    continue
-                _, c0, c1, dk, dv = part
-                for acc_k, acc_v, parts, fresh in cols:
-                    for a, off, n in _overlaps(parts, c0, c1):
-                        for s, m, first in _split_fresh(fresh, a, n):
-                            _add_or_copy(part_of(acc_k, 2, s, m), part_of(dk, 2, off + s - a, m), first)
-                            _add_or_copy(part_of(acc_v, 2, s, m), part_of(dv, 2, off + s - a, m), first)
-            self._fill_unwritten(bufs, op.dq, fresh_q)
-            for key, fresh in fresh_kv.items():
-                self._fill_unwritten(bufs, key, fresh)
+        for key, tensors, ident in arriving:
+            bufs.put(key, tensors, ident)
 
     def _merge(self, op: MergeOut, bufs: Buffers, pending) -> None:
         src_out, src_lse = bufs.get(op.src)
         out, lse = bufs.accumulator(op.dst)
         for a, pos, n in _parts(op.into, out.shape[2]):
-            merge_partial_(part_of(out, 2, a, n), part_of(lse, 2, a, n), part_of(src_out, 2, pos, n),
-                           part_of(src_lse, 2, pos, n))
+            merge_(part_of(out, 2, a, n), part_of(lse, 2, a, n), part_of(src_out, 2, pos, n),
+                   part_of(src_lse, 2, pos, n))
 
     def _add(self, op: AddGrad, bufs: Buffers, pending) -> None:
         src, dst = bufs.get(op.src), bufs.accumulator(op.dst)
-        for d, s in zip(dst, src):
+        self._queue_parts(bufs, op, True, src, dst, [(a, pos, n, pos, n) for a, pos, n in
+                                                     _parts(op.into, dst[0].shape[2])])
+
+    def _queue_parts(self, bufs: Buffers, op, add: bool, src, dst, ranges) -> None:
+        """Queue ``dst`` rows (+)= ``src`` rows (``ranges``: (dst start, _, length, src start, _))
+        per tensor, on ``op.heads`` of ``dst`` (None: all)."""
+        h0, h1 = op.heads if op.heads is not None else (0, dst[0].shape[1])
+        dst_id, src_id = bufs.ident(op.dst), bufs.ident(op.src)
+        for t, (d, s) in enumerate(zip(dst, src)):  # a cast to a finished kind keeps the leading tensors
             if op.heads is not None:
-                d = d.narrow(1, op.heads[0], op.heads[1] - op.heads[0])
-            for a, pos, n in _parts(op.into, d.shape[2]):
-                part_of(d, 2, a, n).add_(part_of(s, 2, pos, n))
+                d = d.narrow(1, h0, h1 - h0)
+            for a, _, n, pos, _ in ranges:
+                self._queue.put(add, part_of(d, 2, a, n), part_of(s, 2, pos, n), (op.dst, t, a, a + n, h0, h1),
+                                dst_id=dst_id, src_key=op.src, src_id=src_id)
 
     def _copy(self, op: Copy, bufs: Buffers, pending) -> None:
         src, dst = bufs.get(op.src), self._created(bufs, op.dst)
         if op.src.kind == "o" and op.dst.kind == "y":  # these rows are finished (a Ulysses group's output)
+            if self._queue.touches((op.src,)):
+                self._queue.flush()
             self._finish_rows(op.src, *src, op.rows)
         # range by range: gathering the source rows first (_take) would copy them twice
         rows = list(_parts(op.rows, src[0].shape[2]))
-        for d, s in zip(dst, src):  # a cast to a finished kind keeps the leading tensors (out, not lse)
-            if op.heads is not None:
-                d = d.narrow(1, op.heads[0], op.heads[1] - op.heads[0])
-            for a, pos, n in _parts(op.into, d.shape[2]):
-                for start, off, m in _overlaps(rows, pos, pos + n):
-                    part_of(d, 2, a + off, m).copy_(part_of(s, 2, start, m))
+        ranges = [(a + off, None, m, start, None) for a, pos, n in _parts(op.into, dst[0].shape[2])
+                  for start, off, m in _overlaps_rows(rows, pos, pos + n)]
+        self._queue_parts(bufs, op, False, src, dst, ranges)
 
     def _rowstats(self, op: RowStats, bufs: Buffers, pending) -> None:
         (dout,) = bufs.get(op.dout)
@@ -464,8 +378,8 @@ class Executor:
         d_out, d_lse, d_delta = bufs.accumulator(op.dst, filled=op.rows is not None)
         for a, _, n in _parts(op.rows, d_out.shape[2]):
             o = part_of(out, 2, a, n)
-            part_of(d_out, 2, a, n).copy_(part_of(dout, 2, a, n))
-            part_of(d_lse, 2, a, n).copy_(part_of(lse, 2, a, n))
+            torch._foreach_copy_([part_of(d_out, 2, a, n), part_of(d_lse, 2, a, n)],
+                                 [part_of(dout, 2, a, n), part_of(lse, 2, a, n)])
             if op.dst in self._delta_keys:  # in fp32 (fp64 for fp64), out being kept in the inputs' dtype
                 acc = d_delta.dtype
                 torch.sum(part_of(dout, 2, a, n).to(acc) * o.to(acc), dim=-1, out=part_of(d_delta, 2, a, n))
@@ -484,6 +398,23 @@ class Executor:
     def _free(self, op: Free, bufs: Buffers, pending) -> None:
         bufs.free(op.key)
 
-    HANDLERS = {Post: _post, Wait: _wait, Attend: _attend, AttendBackward: _attend_backward, MergeOut: _merge,
-                AddGrad: _add, Copy: _copy, RowStats: _rowstats, Free: _free}
+    HANDLERS = {Post: _post, Wait: _wait, Attend: BlockOps._attend, AttendBackward: BlockOps._attend_backward,
+                MergeOut: _merge, AddGrad: _add, Copy: _copy, RowStats: _rowstats, Free: _free}
 
+
+# ops that queue their writes (the queue orders them itself) or touch no tensor
+_QUEUED = frozenset({AddGrad, Copy, Free, Wait})
+
+
+def _reads_of(op) -> tuple[Key, ...]:
+    """The buffers an op reads or sends, and those it writes outside the queue (a backward
+    block's gradients go to the queue)."""
+    return op.reads() if type(op) is AttendBackward else op_keys(op)
+
+
+def _overlaps_rows(rows, r0: int, r1: int):
+    """(source start, offset in [r0, r1), length) of source ``rows`` parts overlapping [r0, r1)."""
+    for a, pos, n in rows:
+        lo, hi = max(r0, pos), min(r1, pos + n)
+        if lo < hi:
+            yield a + lo - pos, lo - r0, hi - lo

@@ -149,6 +149,12 @@ def _varlen(kernel: BlockKernel, group) -> bool:
             and all(p.rows[1] == t.rows[0] and p.cols[1] == t.cols[0] for p, t in zip(group, group[1:])))
 
 
+def _rows(t: Tensor | None, r0: int, r1: int) -> Tensor | None:
+    """Rows [r0, r1) of a row statistic; None stays None (a delta nothing reads: the kernel
+    takes the rows' output instead)."""
+    return None if t is None else t[..., r0:r1]
+
+
 def forward_partials(kernel: BlockKernel, q: Tensor, k: Tensor, v: Tensor, mask, scale: float,
                      kernel_calls: str = "varlen"):
     """The kernel calls of one block, as partial results: yields (r0, r1, out, lse) -- block rows
@@ -195,13 +201,14 @@ def backward_partials(kernel: BlockKernel, dout: Tensor, q: Tensor, k: Tensor, v
             for t in group:
                 (r0, r1), (c0, c1) = t.rows, t.cols
                 gq, gk, gv = kernel.backward(dout[:, :, r0:r1], q[:, :, r0:r1], k[:, :, c0:c1], v[:, :, c0:c1],
-                                             lse[..., r0:r1], delta[..., r0:r1], mask=t.mask, scale=scale,
+                                             lse[..., r0:r1], _rows(delta, r0, r1), mask=t.mask, scale=scale,
                                              **rows_of(rows, r0, r1 - r0))
                 yield "q", r0, r1, gq
                 yield "kv", c0, c1, gk, gv
             continue
         gq, gk, gv = varlen_backward(kernel, _span(dout, group, 0), _span(q, group, 0), _span(k, group, 1),
-                                     _span(v, group, 1), _span(lse, group, 0, -1), _span(delta, group, 0, -1),
+                                     _span(v, group, 1), _span(lse, group, 0, -1),
+                                     None if delta is None else _span(delta, group, 0, -1),
                                      [(t.rows[1] - t.rows[0], t.cols[1] - t.cols[0]) for t in group],
                                      causal=group[0].mask.causal, scale=scale,
                                      rows=None if rows is None else tuple(_span(t, group, 0) for t in rows))

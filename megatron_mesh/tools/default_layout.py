@@ -1,7 +1,8 @@
-"""The planner's rows of layout "auto": what Megatron's default ``--cp-layout auto`` runs -- per
-sample and mode the balanced layout's row or the zigzag's, as
-:func:`megatron_mesh.plan.choice.choose_layout` picks them (the balanced layout under a window
-or full attention, where the choice is not priced).
+"""The planner's rows of a derived CP layout (``auto``, Megatron's default ``--cp-layout``): per
+sample and mode the row of the layout the kind picks (:meth:`~megatron_mesh.plan.layouts.LayoutKind.pick`:
+``auto`` prices the balanced layout against the zigzag for the mode with
+:func:`megatron_mesh.plan.choice.choose_layout`; the balanced layout under a window or full
+attention, where the choice is not priced).
 
 Example: at 256 GPUs (lognormal:4096 documents, seed 0) the "auto" rows of ring and TASP are the
 zigzag's (10.47 and 10.73 ms) and that of ``a2a+tasp`` U 8 the balanced layout's (3.04 ms).
@@ -11,13 +12,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..plan.balance import balanced_layout
-from ..plan.choice import choose_layout
 from ..plan.modes import MODES as REGISTRY
 
-__all__ = ["AUTO_LAYOUT", "auto_rows"]
-
-AUTO_LAYOUT = "auto"
+__all__ = ["derived_rows"]
 
 
 def _mode_of(row) -> str:
@@ -29,25 +26,23 @@ def _mode_of(row) -> str:
     return row.extra["pick"].split()[0]
 
 
-def auto_rows(rows, cu_seqlens, world_size: int, shape, topo, causal: bool, window, ranks_per_node) -> list:
-    """Rows of layout "auto" from ``rows`` (the zigzag's and the balanced layout's rows of one
-    sample; a row of either missing in the other is left out): each the balanced row or the
-    zigzag's of the same mode and all-to-all degree, as ``--cp-layout auto`` chooses for that
-    mode; ``extra["auto_pick"]`` says which."""
-    zigzag = {(r.mode, r.ulysses): r for r in rows if r.layout == "zigzag"}
-    zigzag_by_mode = {r.mode: r for r in rows if r.layout == "zigzag"}
+def derived_rows(kind, rows, sample) -> list:
+    """Rows of the derived layout ``kind`` from ``rows`` (the rows of the kinds it picks between,
+    :attr:`~megatron_mesh.plan.layouts.LayoutKind.derived_from`, of one ``sample``; a row missing
+    from one of them is left out): per row of the first kind, the row of the same mode and
+    all-to-all degree on the kind ``kind.pick`` names for that mode; ``extra["auto_pick"]`` says which."""
+    first = kind.derived_from[0]
+    by_name = {name: ({(r.mode, r.ulysses): r for r in rows if r.layout == name},
+                      {r.mode: r for r in rows if r.layout == name}) for name in kind.derived_from}
     out = []
     for r in rows:
-        if r.layout != "balanced":
+        if r.layout != first:
             continue
-        z = zigzag.get((r.mode, r.ulysses), zigzag_by_mode.get(r.mode))
-        if z is None:
+        same = {name: r if name == first else exact.get((r.mode, r.ulysses), by_mode.get(r.mode))
+                for name, (exact, by_mode) in by_name.items()}
+        if any(row is None for row in same.values()):
             continue
-        pick = "balanced"
-        if causal and window is None:  # a window keeps the balanced layout (as in Megatron)
-            nodes = ranks_per_node if ranks_per_node and ranks_per_node % r.ulysses == 0 else None
-            layout = balanced_layout(cu_seqlens, world_size, group=r.ulysses, ranks_per_node=nodes)
-            pick = choose_layout(layout, shape, topo, _mode_of(r), r.ulysses)[0]
-        row = r if pick == "balanced" else z
-        out.append(replace(row, layout=AUTO_LAYOUT, extra={**row.extra, "auto_pick": pick}))
+        pick = kind.pick(replace(sample, group=r.ulysses, mode=_mode_of(r)))
+        row = same[pick]
+        out.append(replace(row, layout=kind.name, extra={**row.extra, "auto_pick": pick}))
     return out

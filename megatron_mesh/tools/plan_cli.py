@@ -48,6 +48,7 @@ import random
 
 from ..plan.autotile import TIE_RULE
 from ..plan.bound import BUDGET, placement_bound, query_owner_bound
+from ..plan.hostcost import HOST_OP_SOURCE, host_op_us
 from ..plan.layout import layout_from_text
 from ..plan.mask import Mask
 from ..plan.mesh import BACKWARD_CHUNKS
@@ -56,9 +57,11 @@ from ..plan.shape import AttentionShape
 from ..plan.simulate import BACKWARD_FLOPS
 from ..plan.topology import Topology
 from ..plan.units import format_bytes
+from ..plan.layouts import LAYOUTS, REFERENCE_LAYOUT, layout_names
+from .layout_rows import layout_rows
 from .plan_budget import BUDGET_S, Budget, planning_gc
-from .planner import (AUTO, FORMULAS, LAYOUTS, REGISTRY, ModeResult, all_modes, allowed_pairs, compute_floor,
-                      default_modes, derived_modes, evaluate, layout_rows, mean_rows, worker_pool)
+from .planner import (AUTO, FORMULAS, REGISTRY, ModeResult, all_modes, allowed_pairs, compute_floor, default_modes,
+                      derived_modes, evaluate, host_bound, mean_rows, worker_pool)
 
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 PLOT_CP = "8,16,32,64,128,256,512,1024"  # --plot's CP sizes unless --plot-cp says
@@ -115,13 +118,12 @@ def _parser() -> argparse.ArgumentParser:
                         "over them (buffer memory: the largest; 'time max': the slowest sample): what a run over "
                         f"many such samples can expect, where one sample can mislead; at most {MAX_SAMPLES:,}; not "
                         "with --explain")
-    g.add_argument("--layout", default=None, choices=LAYOUTS + ("all",),
-                   help="the sequence layout under --docs: Megatron's zigzag, TE's THD (documents padded to 2 x CP; "
-                        "TE's p2p and a2a+p2p too), the balanced layout, balanced-hide (its Ulysses groups' first and "
-                        "last documents set apart: the hybrids only), auto (Megatron's default: per mode the zigzag's "
-                        "or the balanced row, as --cp-layout auto picks), or all side by side (not THD above 64 ranks: "
-                        "--layout thd plans it) (default: all with --docs, zigzag without: the other layouts place "
-                        "documents)")
+    g.add_argument("--layout", default=None, choices=layout_names() + ("all",),
+                   help="the sequence layout under --docs (Megatron runs each with the flag the 'in Megatron' line "
+                        "names): " + "; ".join(f"{k.name}: {k.help}" for k in LAYOUTS.values()) + "; or all side by "
+                        "side (a layout that would take too long to plan at this CP size, e.g. THD above 64 ranks, "
+                        f"planned only when named alone) (default: all with --docs, {REFERENCE_LAYOUT} without: the "
+                        "other layouts place documents)")
     g.add_argument("--layout-file", default=None, metavar="F",
                    help="also plan the layout in F for the same --docs and --seed (one sample; its text line, as "
                         "scripts/search_layout.py --out writes it), as the rows of layout 'file'; no Megatron flag "
@@ -136,6 +138,10 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--tflops", type=float, default=d.attention_flops / 1e12, help="attention TFLOP/s per GPU")
     t.add_argument("--kernel-latency", type=float, default=d.kernel_latency * 1e6, help="us per attention kernel")
     t.add_argument("--hbm", type=float, default=d.memory_bandwidth / 1e12, help="HBM TB/s (merges)")
+    t.add_argument("--host-op-us", default=None, metavar="US|FILE",
+                   help="the host's us per torch op the executor issues (0: no host), or a JSON file that holds it: "
+                        "scripts/gpu_check.sh's host_cost.json, or a bench_kernels.py / bench_masks.py --json result "
+                        f"(default: {d.host_op_time * 1e6:g} us, {HOST_OP_SOURCE})")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print JSON instead of a table")
     o.add_argument("--explain", action="store_true",
@@ -176,6 +182,11 @@ def _topology(args, world_size: int) -> Topology:
                  intra_latency=args.intra_latency * 1e-6, inter_latency=args.inter_latency * 1e-6,
                  attention_flops=args.tflops * 1e12, kernel_latency=args.kernel_latency * 1e-6,
                  memory_bandwidth=args.hbm * 1e12)
+    if args.host_op_us is not None:
+        try:
+            links["host_op_time"] = host_op_us(args.host_op_us)[0] * 1e-6
+        except ValueError as e:
+            raise ValueError(f"--host-op-us: {e}") from None
     if args.nodes is None:
         return Topology.for_cp(world_size, gpn, **links)
     return Topology(nodes=args.nodes, gpus_per_node=gpn, **links)
@@ -286,13 +297,13 @@ def _length_draw(kind: str, val: str, seq_len: int, seed: int):
 
 
 def _layouts(args) -> tuple[str, ...]:
-    """The layouts to compare: --layout, or all of them when --docs gives documents (zigzag alone
-    otherwise: the THD and balanced layouts place documents)."""
+    """The layouts to compare: --layout, or all of them when --docs gives documents (Megatron's
+    zigzag alone otherwise: the others place documents)."""
     if args.layout is None:
-        return LAYOUTS if args.docs is not None else ("zigzag",)
-    if args.layout != "zigzag" and args.docs is None:
+        return layout_names() if args.docs is not None else (REFERENCE_LAYOUT,)
+    if args.layout != REFERENCE_LAYOUT and args.docs is None:
         raise ValueError(f"--layout {args.layout} places documents: give them with --docs (e.g. lognormal:4096,1)")
-    return LAYOUTS if args.layout == "all" else (args.layout,)
+    return layout_names() if args.layout == "all" else (args.layout,)
 
 
 def _modes(text: str) -> tuple[str, ...]:
@@ -309,6 +320,13 @@ def _modes(text: str) -> tuple[str, ...]:
     return modes
 
 
+def _host_text(r: ModeResult) -> str:
+    """A row's host ms (the slowest rank's, issuing its ops), "!" where it is behind the device."""
+    if "host_s" not in r.extra:
+        return "-"
+    return f"{r.extra['host_s'] * 1e3:.2f}" + ("!" if host_bound(r) else "")
+
+
 def _table(rows: list[ModeResult], skipped: list[dict], floor: float | None = None, bound: float | None = None) -> str:
     ring = next((r for r in rows if r.mode == REFERENCE_MODE), None)
     work = any("forward_work_max_over_mean" in r.extra for r in rows)
@@ -317,7 +335,7 @@ def _table(rows: list[ModeResult], skipped: list[dict], floor: float | None = No
     head = (["layout"] if layouts else []) + \
         ["mode", "a2a", "tile", "order", "bytes max", "vs ring", "intra mean", "inter mean", "inter max", "rounds",
          "peak buf", "fwd ms", "bwd ms", "time ms"] + (["time max"] if sampled else []) + \
-        ["exposed ms", "speedup"] + (["work max/mean"] if work else []) + \
+        ["exposed ms", "host ms", "speedup"] + (["work max/mean"] if work else []) + \
         (["x floor"] if floor else []) + (["x bound"] if bound else [])
     lines = [head]
     for r in rows:
@@ -330,7 +348,7 @@ def _table(rows: list[ModeResult], skipped: list[dict], floor: float | None = No
                format_bytes(r.inter_node_bytes_per_rank), format_bytes(r.max_inter_node_bytes), str(r.rounds),
                format_bytes(r.peak_buffer_bytes), f"{r.forward_s * 1e3:.2f}", f"{r.backward_s * 1e3:.2f}",
                f"{r.time_s * 1e3:.2f}"] + ([f"{r.extra['time_s_max'] * 1e3:.2f}"] if sampled else []) + \
-            [f"{r.exposed_comm_s * 1e3:.2f}", speed]
+            [f"{r.exposed_comm_s * 1e3:.2f}", _host_text(r), speed]
         if work:
             w = r.extra.get("forward_work_max_over_mean")
             row.append("-" if w is None else f"{w:.2f}")
@@ -355,6 +373,9 @@ def _table(rows: list[ModeResult], skipped: list[dict], floor: float | None = No
                    f"{TIE_RULE}")
     if any(r.by_formula for r in rows):
         out.append("* by formula (no plan): Ulysses all-to-alls priced analytically; USP's ring part is simulated")
+    if any(host_bound(r) for r in rows):
+        out.append("! host-bound: the host needs longer to issue the step's torch ops than the device to run them "
+                   "(--host-op-us per op; CUDA graphs would take most of it away: docs/performance.md)")
     reasons: dict[str, list[str]] = {}  # one line per reason, naming the rows it leaves out
     for s in skipped:
         reasons.setdefault(s["reason"], []).append(s["mode"])
@@ -367,18 +388,13 @@ def _row_name(r: ModeResult) -> str:
     return " ".join(parts) + f" on {r.layout}"
 
 
-# the Megatron flag that puts the tokens in each planned layout (docs/megatron.md)
-MEGATRON_LAYOUT_FLAGS = {"zigzag": "--cp-layout zigzag", "balanced": "--cp-layout balanced",
-                         "balanced-hide": "--cp-layout balanced-hide", "auto": "--cp-layout auto",
-                         "thd": "--cp-thd-packing"}
-
-
 def megatron_flags(r: ModeResult, world_size: int) -> str | None:
     """The plugin's Megatron flags that run row ``r`` (None for Transformer Engine's own rows, the
     formulas and a layout read from a file): ``--cp-comm-type``, the all-to-all degree, Mesh's tile
     and the layout."""
     mode = next((name for name, m in REGISTRY.items() if r.mode in (name, m.auto_row)), None)
-    if mode is None or r.layout not in MEGATRON_LAYOUT_FLAGS:  # TE's rows, the formulas; a layout from a file
+    kind = LAYOUTS.get(r.layout)  # None: a layout from a file
+    if mode is None or kind is None or kind.flag is None:  # TE's rows, the formulas; no Megatron flag
         return None
     flags = [f"--cp-comm-type {mode}"]
     if r.ulysses > 1:
@@ -386,7 +402,7 @@ def megatron_flags(r: ModeResult, world_size: int) -> str | None:
     tile = next((o.flag for o in option_specs(REGISTRY[mode].Options) if o.name == "tile"), None)
     if r.tile and tile:  # the mode's own tile option (Mesh's, inner or not)
         flags.append(f"{tile} {r.tile[0]}x{r.tile[1]}")
-    flags.append(MEGATRON_LAYOUT_FLAGS[r.layout])
+    flags.append(kind.flag)
     return " ".join(flags)
 
 
@@ -469,7 +485,7 @@ def _plot_series(args, modes: tuple[str, ...], sizes: list[int], pool) -> dict[s
     series: dict[str, list[tuple[int, ModeResult]]] = {m: [] for m in PLOT_MODES if m in modes}
     for P in sizes:
         rows, _ = evaluate(P, _shape(args, P), _topology(argparse.Namespace(**{**vars(args), "nodes": None}), P),
-                           causal=args.causal, modes=list(series), backward_chunks=args.backward_chunks,
+                           modes=list(series), mask=Mask(args.causal), backward_chunks=args.backward_chunks,
                            schedule=args.schedule, executor=pool)
         for r in rows:
             series[r.mode].append((P, r))
@@ -555,12 +571,12 @@ def _explain(rows, floor: float | None) -> str:
         name = f"auto = {best.detail.split(':')[0]}" if best.mode == "auto" and best.detail else best.mode
         what = name + (f", all-to-all {best.ulysses}" if best.ulysses > 1 else "") + \
             (f", tile {best.tile[0]}x{best.tile[1]}" if best.tile and best.tile[0] > 1 else "")
-        where = f" on the {layout} layout" if len({r.layout for r in rows}) > 1 or layout != "zigzag" else ""
+        where = f" on the {layout} layout" if len({r.layout for r in rows}) > 1 or layout != REFERENCE_LAYOUT else ""
         out.append(f"\nwhere the time goes: {what}{where}, {best.time_s * 1e3:.2f} ms"
                    + (f" = {best.time_s / floor:.2f}x the compute floor" if floor else ""))
         for b in best.extra["breakdown"]:
             parts = ", ".join(f"{k[:-2]} {b[k] * 1e3:.3f}" for k in ("flops_s", "launches_s", "accumulate_s",
-                                                                      "copies_s", "combine_s", "exposed_s"))
+                                                                      "copies_s", "combine_s", "host_s", "exposed_s"))
             out.append(f"  {b['direction']:8s} {b['time_s'] * 1e3:8.3f} ms on rank {b['rank']}: {parts} ms")
             for w in b["waits"][:3]:
                 out.append(f"           waits {w['seconds'] * 1e3:.3f} ms for round {w['round']} ({w['moves']})")
@@ -601,17 +617,17 @@ def _plan_sample(args, modes, shape: AttentionShape, topo: Topology, mask: Mask 
     docs = None if args.docs is None else document_bounds(args.docs, args.seq_len, seed)
     # the mask's window, None for none: the layouts that place the documents take it apart from them
     window = None if mask is None or mask.window == (None, 0 if args.causal else None) else mask.window
-    if layouts == ("zigzag",):
-        rows, skipped = evaluate(args.cp, shape, topo, causal=args.causal, modes=modes,
-                                 backward_chunks=args.backward_chunks, schedule=args.schedule, mask=mask,
-                                 explain=args.explain, executor=pool, budget=part)
+    if layouts == (REFERENCE_LAYOUT,):
+        rows, skipped = evaluate(args.cp, shape, topo, modes, mask=mask if mask is not None else Mask(args.causal),
+                                 backward_chunks=args.backward_chunks, schedule=args.schedule, explain=args.explain,
+                                 executor=pool, budget=part)
     else:
         rows, skipped = layout_rows(args.cp, shape, topo, docs, causal=args.causal, window=window, modes=modes,
                                     layouts=layouts, backward_chunks=args.backward_chunks, schedule=args.schedule,
-                                    explain=args.explain, plan_thd=True if args.layout == "thd" else None,
-                                    executor=pool, budget=part)
+                                    explain=args.explain, plan_all=args.layout not in (None, "all"), executor=pool,
+                                    budget=part)
     if file_layout is not None:  # one more layout of the same documents, as given
-        got, skip = evaluate(args.cp, shape, topo, causal=args.causal, modes=[m for m in modes if m not in FORMULAS],
+        got, skip = evaluate(args.cp, shape, topo, modes=[m for m in modes if m not in FORMULAS],
                              backward_chunks=args.backward_chunks, schedule=args.schedule,
                              mask=Mask(args.causal, window), layout=file_layout, explain=args.explain, executor=pool,
                              budget=budget)

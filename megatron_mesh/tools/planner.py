@@ -34,28 +34,23 @@ import signal
 from concurrent.futures import Executor, ProcessPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
-from functools import lru_cache, partial
 
-from ..plan.accounting import owner_work, rank_work
+from ..plan.accounting import rank_work
 from ..plan.autotile import TIE_RULE, TIME_TOLERANCE, Candidate, evaluate_plan, pick_best
-from ..plan.balance import balanced_layout, document_work
+from ..plan.balance import document_work
 from ..plan.costs import pair_flops
-from ..plan.hybrid import build_hybrid_plan
 from ..plan.layout import ThdLayout
 from ..plan.mask import Mask
-from ..plan.mesh import build_mesh_plan, build_rotation_plan
+from ..plan.mesh import build_mesh_plan
 from ..plan.modes import MODES as REGISTRY, Placement
-from ..plan.modes.hybrid import HybridMode
-from ..plan.problem import normalize
 from ..plan.shape import AttentionShape
 from ..plan.simulate import simulate, time_breakdown
 from ..plan.topology import Topology
-from .default_layout import AUTO_LAYOUT, auto_rows
-from .plan_budget import BUDGET_REASON, LATE_REASON, Budget, Rows, balanced_size, problem_size, set_planning_gc
+from .plan_budget import LATE_REASON, Budget, LayoutSize, Rows, problem_size, set_planning_gc
 
 __all__ = ["all_modes", "default_modes", "derived_modes", "ModeResult", "evaluate", "plan_modes", "ulysses_result",
-           "usp_result", "TIME_TOLERANCE", "TIE_RULE", "FORMULAS", "LAYOUTS", "TE_ROWS", "layout_rows", "thd_layout",
-           "compute_floor", "allowed_pairs", "check_jobs", "worker_pool", "mean_rows"]
+           "usp_result", "TIME_TOLERANCE", "TIE_RULE", "FORMULAS", "compute_floor", "allowed_pairs", "check_jobs",
+           "worker_pool", "mean_rows"]
 
 # rows beyond the registry: the fastest plan of all, and the formulas
 AUTO = "auto"
@@ -131,7 +126,14 @@ def _row(mode: str, c: Candidate, placement: Placement, detail: str = "", extra:
     return ModeResult(mode, c.tile, c.bytes_per_rank, c.intra_node_bytes_per_rank, c.inter_node_bytes_per_rank,
                       c.max_inter_node_bytes, c.rounds, c.peak_buffer_bytes, c.time_s, c.forward_s, c.backward_s,
                       c.compute_s, c.contiguous, detail, ulysses=placement.ulysses,
-                      extra={"saved_bytes": c.saved_bytes, "held_buffer_bytes": c.held_buffer_bytes, **(extra or {})})
+                      extra={"saved_bytes": c.saved_bytes, "held_buffer_bytes": c.held_buffer_bytes, "host_s": c.host_s,
+                             **(extra or {})})
+
+
+def host_bound(r: ModeResult) -> bool:
+    """The row's host needs longer to issue its ops than its device to run them (the simulator's
+    host, :mod:`megatron_mesh.plan.hostops`; rows by formula have none)."""
+    return r.extra.get("host_s", 0.0) > r.compute_s
 
 
 def _breakdown_json(plan, shape: AttentionShape, topo: Topology, sim) -> list[dict]:
@@ -273,7 +275,7 @@ def usp_result(world_size: int, shape: AttentionShape, topo: Topology, causal: b
                       a2a.max_inter + ring.max_inter_node_bytes, 4 + ring.rounds,
                       2 * a2a.local + ring.peak_buffer_bytes, fwd + bwd, fwd, bwd, ring.compute_s,
                       detail=f"all-to-all degree {u} x ring {r}", by_formula=True, ulysses=u,
-                      extra={"ulysses_degree": u, "ring_degree": r})
+                      extra={"ulysses_degree": u, "ring_degree": r, "host_s": ring.host_s})
 
 
 _FORMULA = {"ulysses": ulysses_result, "usp": usp_result}
@@ -327,17 +329,18 @@ def _evaluate_modes(tasks: list[tuple[str, Placement]], shape: AttentionShape, t
     return evaluated
 
 
-def _budget_rows(name: str, tasks, world_size: int, shape: AttentionShape, mask: Mask, layout) -> Rows:
-    """A layout's rows as the budget prices them (:class:`~.plan_budget.Rows`); a balanced layout
-    given as a function of the placement is estimated from the documents, not built."""
-    if isinstance(layout, partial) and layout.func is _balanced_for:
-        cu = layout.args[0]
-        size = balanced_size(world_size, tuple(zip(cu, cu[1:])), mask.causal, mask.window[0])
-        return Rows(name, "balanced", tuple((m, p, p.ulysses) for m, p in tasks), size)
-    kind = "zigzag" if layout is None else "thd" if isinstance(layout, ThdLayout) else "balanced"
+def _budget_rows(name: str, tasks, world_size: int, shape: AttentionShape, mask: Mask, layout,
+                 kind: str | None = None, size: LayoutSize | None = None) -> Rows:
+    """A layout's rows as the budget prices them (:class:`~.plan_budget.Rows`): ``kind`` (the
+    costs per unit: zigzag, balanced or thd) and ``size`` when the caller knows them (a balanced
+    layout's size is estimated from the documents, :func:`~.plan_budget.balanced_size`), else
+    from ``layout`` (None: the zigzag; a function of the placement: its first placement's)."""
     if callable(layout):
         layout = layout(tasks[0][1]) if tasks else None
-    size = problem_size(world_size, world_size * shape.seq_local, mask, layout)
+    if kind is None:
+        kind = "zigzag" if layout is None else "thd" if isinstance(layout, ThdLayout) else "balanced"
+    if size is None:
+        size = problem_size(world_size, world_size * shape.seq_local, mask, layout)
     return Rows(name, kind, tuple((m, p, p.ulysses) for m, p in tasks), size)
 
 
@@ -478,14 +481,13 @@ def _wanted(modes) -> set:
 NO_CANDIDATE = "none of its candidates was planned (their own rows say why)"
 
 
-def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: bool = True, modes=None,
-             backward_chunks: str = "auto", schedule: str = "greedy", mask: Mask | None = None, layout=None,
-             work: bool = False, explain: bool = False, jobs: int = 1,
-             executor: Executor | None = None, budget: Budget | None = None,
+def evaluate(world_size: int, shape: AttentionShape, topo: Topology, modes=None, *, mask: Mask | None = None,
+             layout=None, backward_chunks: str = "auto", schedule: str = "greedy", work: bool = False,
+             explain: bool = False, jobs: int = 1, executor: Executor | None = None, budget: Budget | None = None,
              keep: list[bool] | None = None) -> tuple[list[ModeResult], list[dict]]:
     """Rows for ``modes`` (see :data:`MODES`) and the modes that cannot run, with the reason.
 
-    ``mask`` (default: causal or full by ``causal``) and ``layout`` (a layout, or a function of the
+    ``mask`` (default: causal; ``Mask(False)`` full attention) and ``layout`` (a layout, or a function of the
     placement giving one -- a layout balanced per Ulysses group) build the plan-based modes
     mask-aware; the formula rows (ulysses, usp) assume dense attention and are left out then.
     ``work``: give every plan-based row its per-rank work max / mean (masked rows always have it);
@@ -508,14 +510,12 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: boo
     if unknown:
         raise ValueError(f"unknown modes {unknown}; allowed: {', '.join(allowed)}")
     topo.check(world_size)
-    if mask is not None and mask.causal != causal:
-        causal = mask.causal
-    masked = (mask is not None and not mask.normalized(world_size * shape.seq_local).is_dense) or layout is not None
+    mask = Mask() if mask is None else mask
+    masked = not mask.normalized(world_size * shape.seq_local).is_dense or layout is not None
     rows: list[ModeResult] = []
     skipped: list[dict] = []
     wanted = _wanted(modes)
     auto_rows = {m.auto_row: (m.name, *m.auto_pool) for m in REGISTRY.values() if m.auto_row}
-    mask = mask if mask is not None else Mask(causal)
     tasks = _mode_tasks(wanted, world_size, shape, topo, backward_chunks, schedule, skipped)
     if keep is None and budget is not None and budget.limited:
         keep = budget.admit([_budget_rows("layout", tasks, world_size, shape, mask, layout)])["layout"]
@@ -544,52 +544,13 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, causal: boo
             skipped.append({"mode": mode, "reason": "priced by formula for dense attention only"})
         else:
             try:
-                rows.append(_FORMULA[mode](world_size, shape, topo, causal))
+                rows.append(_FORMULA[mode](world_size, shape, topo, mask.causal))
             except ValueError as e:
                 skipped.append({"mode": mode, "reason": str(e)})
     return rows, skipped
 
 
-# -- layouts: the zigzag, Transformer Engine's THD, the balanced one --------------------------------------
-# "balanced-hide": the balanced layout whose Ulysses groups set apart documents they run first and
-# last (balanced_layout(hide=True)); it differs from "balanced" only for the hybrids; "auto": per
-# mode the zigzag's or the balanced layout's row, as Megatron's default --cp-layout auto picks
-# (tools/default_layout.py)
-LAYOUTS = ("zigzag", "thd", "balanced", "balanced-hide", AUTO_LAYOUT)
-
-# Transformer Engine's own runs on its THD layout: p2p (every KV chunk around the ring), a2a+p2p (USP)
-TE_ROWS = ("te-p2p", "te-a2a+p2p")
-# the most ranks at which a comparison of every layout plans the plugin's modes on THD: there each
-# rank holds two halves of every document, so a plan's blocks grow as ranks^2 x documents (1M tokens
-# of 4K documents on this project's build machine: 44 s at 64 ranks, minutes at 128, hours at 256)
-THD_PLAN_RANKS = 64
-
-
-def _hybrid_names() -> list[str]:
-    """The registered Ulysses hybrid modes (a2a+...), read at call time."""
-    return [name for name, m in REGISTRY.items() if isinstance(m, HybridMode)]
-
-
-def _hybrid_modes(modes) -> list[str]:
-    """Of ``modes``, those a Ulysses hybrid runs: hybrid modes and their fastest-candidate rows
-    (every hybrid mode when ``auto`` is asked)."""
-    hybrid = _hybrid_names()
-    rows = {m.auto_row for name, m in REGISTRY.items() if name in hybrid and m.auto_row}
-    asked = [m for m in modes if m in hybrid or m in rows]
-    return asked + [m for m in hybrid if m not in asked] if AUTO in modes else asked
-
-
-def thd_layout(cu_seqlens, world_size: int) -> ThdLayout:
-    """Transformer Engine's THD layout of the documents: each padded to a multiple of 2 * CP and
-    zigzag-split on its own (the padding tokens attend nothing)."""
-    lens = [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]
-    step = 2 * world_size
-    padded = [0]
-    for n in lens:
-        padded.append(padded[-1] + -(-n // step) * step)
-    return ThdLayout(world_size, tuple(padded), tuple(lens))
-
-
+# -- the documents' work -------------------------------------------------------------------------------
 def allowed_pairs(cu_seqlens, causal: bool = True, window=None) -> int:
     """(query, key) pairs the mask of these documents allows (the whole sequence's work)."""
     w = (None, 0 if causal else None) if window is None else (window[0], 0 if causal else window[1])
@@ -601,171 +562,3 @@ def compute_floor(pairs: int, world_size: int, shape: AttentionShape, topo: Topo
     else: the bound no layout or mode beats on this machine."""
     flops = (pair_flops(shape, shape.heads) + pair_flops(shape, shape.heads, backward=True)) * pairs / world_size
     return flops / topo.attention_flops
-
-
-def _te_rows(world_size: int, shape: AttentionShape, topo: Topology, mask: Mask, thd: ThdLayout,
-             skipped: list[dict], keep: list[bool] | None = None, budget: Budget | None = None) -> list[ModeResult]:
-    """Transformer Engine as it runs THD: p2p (the ring schedule, whole KV chunks every step, the
-    documents' blocks) and a2a+p2p (USP: the all-to-all over the largest node-local degree, then
-    p2p); ``keep``: which of them the planning budget admitted (:func:`_admit`), ``budget``: whose
-    clock may leave them out (:meth:`~.plan_budget.Budget.late`)."""
-    mask, layout = normalize(world_size, shape, mask, thd)
-    plans = {"te-p2p": lambda: build_rotation_plan(world_size, shape, mask, layout, "te-p2p")}
-    u = _usp_degree(world_size, shape, topo)
-    if u is not None:
-        plans["te-a2a+p2p"] = lambda: build_hybrid_plan(
-            "te-a2a+p2p", world_size, u, lambda sub, m, lay: build_rotation_plan(world_size // u, sub, m, lay),
-            shape, mask, layout)
-    else:
-        skipped.append({"mode": "te-a2a+p2p", "reason": "no all-to-all degree fits the node and the heads"})
-    rows = []
-    for k, (name, build) in enumerate(plans.items()):
-        if keep is not None and not keep[k]:  # past the planning budget (plan_budget)
-            skipped.append({"mode": name, "reason": BUDGET_REASON})
-            continue
-        if budget is not None and budget.late():
-            skipped.append({"mode": name, "reason": LATE_REASON})
-            continue
-        plan = build()
-        c = evaluate_plan(plan, shape, topo)
-        # each row's pairs are computed where it lives (its group's, for the hybrid): the layout
-        # says how many, without building all P ranks' blocks (minutes at 256 ranks)
-        w = owner_work(mask, layout, 1 if name == "te-p2p" else u)
-        rows.append(ModeResult(name, None, c.bytes_per_rank, c.intra_node_bytes_per_rank, c.inter_node_bytes_per_rank,
-                               c.max_inter_node_bytes, c.rounds, c.peak_buffer_bytes, c.time_s, c.forward_s,
-                               c.backward_s, c.compute_s, detail="Transformer Engine on its THD layout: " +
-                               ("every KV chunk around the ring" if name == "te-p2p" else
-                                f"all-to-all degree {u} x every KV chunk around the ring"),
-                               by_formula=False, ulysses=u if name != "te-p2p" else 1,
-                               extra={"forward_work_max_over_mean": max(w) * len(w) / max(1, sum(w))}, layout="thd"))
-    return rows
-
-
-def _node_ranks(world_size: int, topo: Topology) -> int | None:
-    """The balanced layout's node level: CP ranks per node when the group spans nodes of
-    consecutive ranks (None: one node, or an explicit rank-to-node map)."""
-    m = topo.gpus_per_node
-    return m if topo.node_of is None and world_size > m and world_size % m == 0 else None
-
-
-def layout_rows(world_size: int, shape: AttentionShape, topo: Topology, cu_seqlens, *, causal: bool = True,
-                window=None, modes=None, layouts=LAYOUTS, backward_chunks: str = "auto",
-                schedule: str = "greedy", explain: bool = False,
-                plan_thd: bool | None = None, jobs: int = 1, executor: Executor | None = None,
-                budget: Budget | None = None) -> tuple[list[ModeResult], list[dict]]:
-    """Every mode of ``modes`` on each of ``layouts`` for these packed documents: Megatron's zigzag,
-    Transformer Engine's THD (each document padded to 2 * CP; our modes on it, and TE's own p2p and
-    a2a+p2p as it runs them: :data:`TE_ROWS`) and the balanced layout (nodes first when the group
-    spans nodes; per Ulysses group for the hybrids). Rows carry their ``layout``; the THD rows'
-    shape is the padded one. ``plan_thd``: plan the plugin's modes on THD (None: up to :data:`THD_PLAN_RANKS` ranks; above, they are
-    listed as skipped, with the reason, and TE's own rows are priced). ``jobs``: processes that plan
-    and simulate the placements of every layout in parallel, or ``executor`` (:func:`evaluate`).
-    ``budget``: a :class:`~.plan_budget.Budget` the rows of every layout share, each layout's likeliest
-    placements first (:func:`evaluate`)."""
-    jobs = check_jobs(jobs)
-    with nullcontext(executor) if executor is not None else worker_pool(jobs) as pool:
-        return _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, modes, layouts, backward_chunks,
-                            schedule, explain, plan_thd, pool, budget)
-
-
-def _balanced_for(cu, world_size: int, causal: bool, window, hide: bool, ranks_per_node, p: Placement):
-    """The balanced layout a placement runs on (per its Ulysses group): a module-level function, so
-    that a worker process can be sent it."""
-    # "balanced-hide" is the balanced layout for the plain modes (no Ulysses groups to hide in)
-    return _balanced(tuple(cu), world_size, causal, window, p.ulysses, hide and p.ulysses > 1, ranks_per_node)
-
-
-@lru_cache(maxsize=8)
-def _balanced(cu: tuple, world_size: int, causal: bool, window, group: int, hide: bool, ranks_per_node):
-    """One balanced layout, built once for every placement that runs on it (every plain mode's
-    placements share one; each Ulysses degree its own): its plans' caches are keyed by it."""
-    return balanced_layout(cu, world_size, causal=causal, window=window, group=group, hide=hide,
-                           ranks_per_node=ranks_per_node)
-
-
-def _admit(planned, world_size: int, topo: Topology, backward_chunks: str, schedule: str,
-           budget: Budget) -> dict[str, list[bool]]:
-    """Which rows of every layout of ``planned`` the planning budget admits (:meth:`Budget.admit`:
-    every layout's likeliest placements first), per layout in the order of its modes' candidates
-    (then, on THD, Transformer Engine's own rows)."""
-    if not budget.limited:
-        return {}
-    priced = []
-    for name, asked, shp, mask, lay in planned:
-        tasks = _mode_tasks(_wanted(asked), world_size, shp, topo, backward_chunks, schedule, [])
-        rows = _budget_rows(name, tasks, world_size, shp, mask, lay)
-        if isinstance(lay, ThdLayout):  # and Transformer Engine's own rows (the hybrid: USP's degree)
-            u = _usp_degree(world_size, shp, topo)
-            te = (("te-p2p", None, 1),) + ((("te-a2a+p2p", None, u),) if u is not None else ())
-            rows = replace(rows, tasks=rows.tasks + te, size=problem_size(world_size, 0, mask, lay))
-        priced.append(rows)
-    return budget.admit(priced)
-
-
-def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, modes, layouts, backward_chunks, schedule,
-                 explain, plan_thd, executor, budget=None) -> tuple[list[ModeResult], list[dict]]:
-    unknown = [name for name in layouts if name not in LAYOUTS]
-    if unknown:
-        raise ValueError(f"unknown layouts {unknown}; allowed: {', '.join(LAYOUTS)}")
-    cu = [int(c) for c in cu_seqlens]
-    S = world_size * shape.seq_local
-    if cu[-1] != S:
-        raise ValueError(f"the documents cover {cu[-1]} tokens, the sequence {S}")
-    given = all_modes() if modes is None else modes
-    modes = [m for m in given if m not in FORMULAS]
-    rows, skipped = [], [{"mode": m, "reason": "priced by formula for dense attention only, not under documents"}
-                         for m in given if m in FORMULAS]
-    planned = []  # per layout: (name, modes planned on it, shape, mask, layout)
-    for name in layouts:
-        if name == AUTO_LAYOUT:  # from the zigzag's and the balanced layout's rows, below
-            continue
-        if name == "zigzag":
-            planned.append((name, modes, shape, Mask.from_cu_seqlens(cu, S, causal, window), None))
-        elif name in ("balanced", "balanced-hide"):
-            hide = name == "balanced-hide"  # hide changes only the Ulysses groups' layouts
-            planned.append((name, _hybrid_modes(modes) if hide else modes, shape, Mask(causal, window),
-                            partial(_balanced_for, cu, world_size, causal, window, hide, _node_ranks(world_size, topo))))
-        else:
-            thd = thd_layout(cu, world_size)
-            on_thd = not (plan_thd is False or plan_thd is None and world_size > THD_PLAN_RANKS)
-            planned.append((name, modes if on_thd else [], replace(shape, seq_local=thd.seq_local),
-                            Mask(causal, window), thd))
-    keep = _admit(planned, world_size, topo, backward_chunks, schedule, budget) if budget is not None else {}
-    for name, asked, shp, mask, lay in planned:
-        kept = keep.get(name)
-        if name != "thd" or asked:
-            n = len(_mode_tasks(_wanted(asked), world_size, shp, topo, backward_chunks, schedule, [])) if kept else 0
-            got, skip = evaluate(world_size, shp, topo, modes=asked, backward_chunks=backward_chunks, schedule=schedule,
-                                 mask=mask, explain=explain, executor=executor, layout=lay,
-                                 keep=kept[:n] if kept else None, budget=budget)
-        else:
-            n, got, skip = 0, [], [{"mode": m, "reason": f"not planned on THD at CP {world_size}: every rank holds two "
-                                    f"halves of each of the {len(cu) - 1} documents, too many blocks to plan in "
-                                    f"reasonable time above {THD_PLAN_RANKS} ranks (plan them with --layout thd)"}
-                                   for m in modes]
-        if name == "balanced-hide":  # the fastest of the hybrids on it, then the rows asked for
-            pool = [r for r in got if r.mode in REGISTRY]
-            got = [r for r in got if r.mode in modes]
-            if AUTO in modes and pool:
-                got.append(_auto_row(pool))
-            elif AUTO in modes:
-                skip.append({"mode": AUTO, "reason": "no Ulysses hybrid runs here (their rows say why)"})
-            hybrids = ", ".join(_hybrid_names())
-            skip += [{"mode": m, "reason": f"balanced-hide changes only the Ulysses groups' layouts ({hybrids}); "
-                      "the plain modes run on the balanced one (--layout balanced)"}
-                     for m in modes if m not in asked and m != AUTO]
-        if name == "thd":
-            got += _te_rows(world_size, shp, topo, mask, lay, skip, kept[n:] if kept else None, budget)
-        rows += [replace(r, layout=name) for r in got]
-        skipped += [{**s, "mode": f"{s['mode']} ({name})"} for s in skip]
-    if AUTO_LAYOUT in layouts:
-        missing = tuple(name for name in ("zigzag", "balanced") if name not in layouts)
-        both = rows + (_layout_rows(world_size, shape, topo, cu, causal, window, modes, missing, backward_chunks,
-                                    schedule, explain, plan_thd, executor, budget)[0] if missing else [])
-        got = auto_rows(both, cu, world_size, shape, topo, causal, window, _node_ranks(world_size, topo))
-        rows += got
-        # a mode whose zigzag or balanced row was not planned (past the budget, say) has no auto row
-        have = {r.mode for r in got}
-        skipped += [{"mode": f"{m} ({AUTO_LAYOUT})", "reason": "its zigzag or balanced row was not planned (that row, "
-                     "or its mode's, says why)"} for m in modes if m not in have]
-    return rows, skipped

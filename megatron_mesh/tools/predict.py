@@ -25,21 +25,22 @@ from __future__ import annotations
 import dataclasses
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Iterator
 
-from ..megatron import yaml_args
 from ..plan.autotile import TIE_RULE, evaluate_plan
 from ..plan.balance import balanced_layout
 from ..plan.mask import Mask
+from ..plan.megatron_problem import MegatronProblem
 from ..plan.modes import REFERENCE_MODE, get_mode, parse_mode_spec, resolve
 from ..plan.shape import AttentionShape
 from ..plan.simulate import BACKWARD_FLOPS
 from ..plan.topology import Topology
 from ..plan.units import format_bytes
-from ..plan.window import megatron_window
+from . import yaml_args
 from .plan_cli import document_bounds
-from .planner import ModeResult, allowed_pairs, compute_floor, evaluate, layout_rows
+from .layout_rows import layout_rows
+from .planner import ModeResult, allowed_pairs, compute_floor, evaluate
 
 __all__ = ["Problem", "read_config", "machine", "predict", "prediction_section", "measured_vs_planned_section",
            "PREDICT_MODES", "DEFAULT_CONFIG"]
@@ -49,37 +50,47 @@ DEFAULT_CONFIG = os.path.join(ROOT, "configs", "llama3_8b_128k_cp16.yaml")
 # the rows of the prediction: each mode's fastest placement, the hybrids per all-to-all degree,
 # Ulysses and USP by formula (dense attention only), and auto
 PREDICT_MODES = ("ring", "mesh-auto", "tasp", "a2a+ring", "a2a+mesh-auto", "a2a+tasp", "ulysses", "usp", "auto")
-ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 # Megatron's default rank order puts tensor parallelism innermost: a CP group's neighbours are TP
 # ranks apart, so a node of GPUS_PER_NODE GPUs holds GPUS_PER_NODE / TP ranks of each CP group
 GPUS_PER_NODE = Topology().gpus_per_node
-REQUIRED = ("--num-layers", "--num-attention-heads", "--seq-length")
 
 
 @dataclass(frozen=True)
 class Problem:
-    """The attention of one Megatron config as the planner sees it (per CP rank)."""
+    """The attention of one Megatron config as the planner sees it (per CP rank): the run's
+    :class:`~megatron_mesh.plan.megatron_problem.MegatronProblem` (the one derivation, shared with
+    the training's start-up and layers), named, with one sample's documents."""
 
     name: str
-    layers: int
-    heads: int  # query heads of the model (all TP ranks)
-    kv_heads: int
-    head_dim: int
-    seq_len: int
-    cp: int
-    tp: int = 1
-    micro_batch: int = 1
-    micro_batches: int = 1  # per step with data parallelism 1 (global batch / micro-batch)
-    dtype: str = "fp32"
-    window: tuple | None = None  # the plugin's (left, right); None: no window
+    run: MegatronProblem
     documents: tuple[int, ...] | None = None  # cu_seqlens of one sample; None: one sequence
+
+    layers = property(lambda self: self.run.layers)
+    heads = property(lambda self: self.run.heads, doc="query heads of the model (all TP ranks)")
+    kv_heads = property(lambda self: self.run.kv_heads)
+    head_dim = property(lambda self: self.run.head_dim)
+    seq_len = property(lambda self: self.run.seq_len)
+    cp = property(lambda self: self.run.cp)
+    tp = property(lambda self: self.run.tp)
+    micro_batch = property(lambda self: self.run.micro_batch)
+    dtype = property(lambda self: self.run.dtype)
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per step with data parallelism 1 (global batch / micro-batch)."""
+        return max(1, (self.run.global_batch or self.micro_batch) // self.micro_batch)
+
+    @property
+    def window(self) -> tuple | None:
+        """The plugin's (left, right) on the causal layers; None: no window, or an unlimited left
+        side (causal attention then is the whole window)."""
+        window = self.run.window(causal=True)
+        return None if window is None or window[0] is None else (window[0], 0)
 
     @property
     def shape(self) -> AttentionShape:
         """One CP rank's attention: its TP rank's heads (KV heads replicated when fewer than TP)."""
-        return AttentionShape(seq_local=self.seq_len // self.cp, batch=self.micro_batch, heads=self.heads // self.tp,
-                              kv_heads=max(1, self.kv_heads // self.tp), head_dim=self.head_dim,
-                              itemsize=ITEMSIZE[self.dtype])
+        return self.run.shape(batch=self.micro_batch)
 
     @property
     def cu_seqlens(self) -> list[int]:
@@ -120,17 +131,6 @@ def _flags(path: str) -> dict[str, object]:
             old = flags[key]
             flags[key] = token if old is True else (old + [token] if isinstance(old, list) else [old, token])
     return flags
-
-
-def _int(flags: dict, flag: str, path: str, default: int | None = None) -> int:
-    value = flags.get(flag, default)
-    try:
-        number = int(value)
-        if number < 1 or isinstance(value, bool):
-            raise ValueError
-    except (TypeError, ValueError):
-        raise ValueError(f"config {path!r}: {flag} {value!r} must be an integer >= 1") from None
-    return number
 
 
 def _data_prefix(flags: dict, path: str) -> str:
@@ -192,69 +192,26 @@ def _sample_bounds(lengths: Iterable[int], seq_len: int) -> tuple[int, ...]:
     raise ValueError(f"documents: {cu[-1]} tokens in all, fewer than one sample of --seq-length {seq_len}")
 
 
-def _window(flags: dict, path: str) -> tuple | None:
-    """--window-size as Megatron parses it ('L,R' or '(L,R)'), checked as the training start-up
-    checks it (:func:`~megatron_mesh.plan.window.megatron_window`, causal layers); None for no
-    window, or for an unlimited left side (causal attention then is the whole window)."""
-    if "--window-size" not in flags:
-        return None
-    text = flags["--window-size"]
+def read_config(path: str, cp: int | None = None) -> Problem:
+    """The planner's problem of a Megatron YAML config (``cp`` overrides --context-parallel-size):
+    its attention by :meth:`MegatronProblem.from_flags` and checked as a run would be, at CP >= 2 on
+    the planner's nodes; the first sample's documents where it resets attention at end-of-document
+    tokens. ValueError naming the config and the flag when one is missing or unusable."""
+    flags = _flags(path)
     try:
-        values = tuple(int(x) for x in str(text).strip("()").split(","))
-    except ValueError:
-        raise ValueError(f"config {path!r}: --window-size {text!r} must be LEFT,RIGHT (integers)") from None
-    try:
-        left, _ = megatron_window(values, causal=True)
+        run = MegatronProblem.from_flags(flags)
+        run = replace(run, cp=cp) if cp is not None else run
+        if run.cp < 2:
+            raise ValueError(f"context-parallel size {run.cp}: the CP modes need --context-parallel-size >= 2")
+        run.check()
+        if GPUS_PER_NODE % run.tp:
+            raise ValueError(f"--tensor-model-parallel-size {run.tp} must divide the {GPUS_PER_NODE} GPUs of a node")
     except ValueError as e:
         raise ValueError(f"config {path!r}: {e}") from None
-    return None if left is None else (left, 0)  # causal: nothing to the right
-
-
-def read_config(path: str, cp: int | None = None) -> Problem:
-    """The planner's problem of a Megatron YAML config (``cp`` overrides --context-parallel-size).
-    ValueError naming the config and the flag when one is missing or unusable."""
-    flags = _flags(path)
-    missing = [f for f in REQUIRED if f not in flags]
-    if "--kv-channels" not in flags and "--hidden-size" not in flags:
-        missing.append("--hidden-size (or --kv-channels)")
-    if missing:
-        raise ValueError(f"config {path!r}: MODEL_ARGS lacks {', '.join(missing)} (needed to plan its attention)")
-    heads = _int(flags, "--num-attention-heads", path)
-    kv = _int(flags, "--num-query-groups", path, heads) if flags.get("--group-query-attention") else heads
-    if heads % kv:
-        raise ValueError(f"config {path!r}: --num-query-groups {kv} must divide --num-attention-heads {heads} (each "
-                         "KV head serves the same number of query heads)")
-    if "--kv-channels" in flags:
-        head_dim = _int(flags, "--kv-channels", path)
-    else:
-        hidden = _int(flags, "--hidden-size", path)
-        if hidden % heads:
-            raise ValueError(f"config {path!r}: --hidden-size {hidden} is not a multiple of --num-attention-heads "
-                             f"{heads}; give --kv-channels")
-        head_dim = hidden // heads
-    cp = _int(flags, "--context-parallel-size", path, 1) if cp is None else cp
-    if cp < 2:
-        raise ValueError(f"config {path!r}: context-parallel size {cp}: the CP modes need --context-parallel-size >= 2")
-    seq = _int(flags, "--seq-length", path)
-    if seq % (2 * cp):
-        raise ValueError(f"config {path!r}: --seq-length {seq} must be divisible by 2 x CP = {2 * cp}")
-    tp = _int(flags, "--tensor-model-parallel-size", path, 1)
-    if heads % tp or GPUS_PER_NODE % tp:
-        raise ValueError(f"config {path!r}: --tensor-model-parallel-size {tp} must divide the heads ({heads}) and "
-                         f"the {GPUS_PER_NODE} GPUs of a node")
-    if kv % tp and tp % kv:  # Megatron's rule: each TP rank holds whole KV heads, or shares one
-        raise ValueError(f"config {path!r}: --num-query-groups {kv} must be a multiple or a divisor of "
-                         f"--tensor-model-parallel-size {tp}")
-    micro = _int(flags, "--micro-batch-size", path, 1)
-    global_batch = _int(flags, "--global-batch-size", path, micro)
-    dtype = "bf16" if flags.get("--bf16") else "fp16" if flags.get("--fp16") else "fp32"
-    window = _window(flags, path)
     documents = None
-    if flags.get("--reset-attention-mask"):
-        documents = _sample_bounds(document_lengths(_data_prefix(flags, path)), seq)
-    return Problem(name=os.path.basename(path), layers=_int(flags, "--num-layers", path), heads=heads, kv_heads=kv,
-                   head_dim=head_dim, seq_len=seq, cp=cp, tp=tp, micro_batch=micro,
-                   micro_batches=max(1, global_batch // micro), dtype=dtype, window=window, documents=documents)
+    if run.documents is not None:
+        documents = _sample_bounds(document_lengths(_data_prefix(flags, path)), run.seq_len)
+    return Problem(name=os.path.basename(path), run=run, documents=documents)
 
 
 def machine(problem: Problem, gpus_per_node: int = GPUS_PER_NODE, **links) -> Topology:
@@ -295,7 +252,8 @@ def prediction_section(path: str = DEFAULT_CONFIG, topo: Topology | None = None)
              f"NVLink {topo.intra_bandwidth / 1e9:g} GB/s and {topo.intra_latency * 1e6:g} us inside a node, network "
              f"{topo.inter_bandwidth / 1e9:g} GB/s and {topo.inter_latency * 1e6:g} us between nodes (per GPU per "
              f"direction); attention {topo.attention_flops / 1e12:g} TFLOP/s per GPU (backward {BACKWARD_FLOPS}x the "
-             f"forward's FLOPs), {topo.kernel_latency * 1e6:g} us per kernel launch. Other machines: "
+             f"forward's FLOPs), {topo.kernel_latency * 1e6:g} us per kernel launch, the host "
+             f"{topo.host_op_time * 1e6:g} us per torch op the executor issues. Other machines: "
              "`megatron-mesh-plan --help` (e.g. --inter-bandwidth, --tflops).", "",
              f"Compute floor: **{floor * 1e3:.2f} ms** per layer (every allowed query-key pair spread evenly over the "
              "CP ranks at that throughput, forward + backward; no mode beats it).", ""]

@@ -4,6 +4,7 @@ Engine), the YAML -> flags translation, spec patching, unsupported features rais
 CP size 1 behaving as plain attention."""
 
 import copy
+import dataclasses
 import math
 import os
 import types
@@ -22,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def _validate(args, have_te=False, entry_packs_documents=False, have_cuda=False):
     from megatron_mesh.megatron.checks import validate_args
 
-    validate_args(args, have_te=have_te, entry_packs_documents=entry_packs_documents, have_cuda=have_cuda)
+    return validate_args(args, have_te=have_te, entry_packs_documents=entry_packs_documents, have_cuda=have_cuda)
 
 
 @pytest.mark.parametrize("argv", [
@@ -69,7 +70,7 @@ def test_valid_flags(megatron_args, argv):
     (["--context-parallel-size", "4", "--cp-comm-type", "ring", "--mesh-tile-shape", "2x2", "--attention-dropout", "0"],
      "--mesh-tile-shape 2x2 is given, but no layer runs mesh or a2a+mesh at CP > 1 (--cp-comm-type ring); leave the "
      "flag out"),
-    (["--context-parallel-size", "1", "--cp-comm-type", "mesh", "--mesh-schedule", "lockstep"],
+    (["--context-parallel-size", "1", "--cp-comm-type", "ring", "--mesh-schedule", "lockstep"],  # not at any CP size
      "--mesh-schedule lockstep is given, but no layer runs mesh or a2a+mesh at CP > 1 (--context-parallel-size 1)"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--tasp-transport", "alltoall",
       "--attention-dropout", "0"], "--tasp-transport alltoall is given, but no layer runs tasp or a2a+tasp at CP > 1"),
@@ -110,6 +111,31 @@ def test_invalid_flags_name_the_value(megatron_args, argv, message):
     with pytest.raises(ValueError) as e:
         _validate(args)
     assert message in str(e.value)
+
+
+def test_cp1_accepts_the_settings_of_the_cp_runs_and_names_them_unused(megatron_args, caplog):
+    """One config serves the CP 1 baseline and the CP runs: a plugin setting that would apply at CP > 1
+    to a layer's mode is accepted at CP 1 (until issue 49 it stopped the run: "leave the flag out")
+    and named among the settings unused there, which the start-up logs once; a setting no layer's
+    mode takes at any CP size is still an error (test_invalid_flags_name_the_value)."""
+    from megatron_mesh.megatron import bootstrap
+
+    cp1 = ["--spec", "megatron_mesh.megatron.spec", "gpt_layer_spec", "--transformer-impl", "local",
+           "--context-parallel-size", "1"]
+    args = megatron_args(cp1 + ["--cp-comm-type", "mesh", "--mesh-tile-shape", "2x2", "--mesh-schedule", "lockstep",
+                                "--tasp-gpus-per-node", "8", "--log-cp-attention-bytes"])
+    assert _validate(args) == ["--tasp-gpus-per-node 8", "--log-cp-attention-bytes", "--mesh-tile-shape 2x2",
+                               "--mesh-schedule lockstep"]
+    assert _validate(megatron_args(cp1 + ["--cp-comm-type", "ring"])) == []
+    with pytest.raises(ValueError, match="--tasp-gpus-per-node 8 is given, but no layer runs mesh or tasp"):
+        _validate(megatron_args(cp1 + ["--cp-comm-type", "ring", "--tasp-gpus-per-node", "8"]))  # ring: at no CP size
+    caplog.set_level("WARNING")
+    bootstrap.check_args(args)
+    bootstrap.check_args(args)  # once per arguments object
+    said = [r.getMessage() for r in caplog.records if "unused at --context-parallel-size 1" in r.getMessage()]
+    assert said == ["megatron_mesh: --tasp-gpus-per-node 8, --log-cp-attention-bytes, --mesh-tile-shape 2x2, "
+                    "--mesh-schedule lockstep: only used at CP > 1, unused at --context-parallel-size 1 (accepted, so "
+                    "that one config serves the CP 1 baseline and the CP runs)"], said
 
 
 def test_cuda_kernel_backends_pass_where_cuda_is(megatron_args):
@@ -163,7 +189,8 @@ def test_flags_ride_on_the_transformer_config(megatron_args):
     from megatron.core.transformer import TransformerConfig
     from megatron.training.argument_utils import core_transformer_config_from_args
 
-    from megatron_mesh.megatron.settings import MeshTransformerConfig, PluginSettings, plugin_settings
+    from megatron_mesh.megatron.args import MeshTransformerConfig, apply_args
+    from megatron_mesh.megatron.settings import PluginSettings, plugin_settings
 
     args = megatron_args(["--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
                           "--max-position-embeddings", "64", "--micro-batch-size", "1",
@@ -174,10 +201,18 @@ def test_flags_ride_on_the_transformer_config(megatron_args):
 
     validate_args(args, {})
     config = core_transformer_config_from_args(args, config_class=MeshTransformerConfig)
+    apply_args(args, config)
     settings = plugin_settings(config)
-    assert settings == PluginSettings.of(mesh_tile_shape="2x2", mesh_schedule="lockstep", mesh_contiguous="kv",
-                                         tasp_gpus_per_node=8, tasp_transport="alltoall", tasp_backward_chunks="keep",
-                                         cp_kernel_backend="math")
+    given = dict(mesh_tile_shape="2x2", mesh_schedule="lockstep", mesh_contiguous="kv", tasp_gpus_per_node=8,
+                 tasp_transport="alltoall", tasp_backward_chunks="keep", cp_kernel_backend="math")
+    assert settings is config.cp_settings and settings == PluginSettings.of(**given, given=frozenset(given),
+                                                                              seq_length=64)
+    # typed and frozen: a bool for a switch, an int for a count, the registry's --cp-layout values
+    assert (settings.cp_thd_packing, settings.tasp_gpus_per_node, settings.cp_layout) == (False, 8, "auto")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.cp_layout = "zigzag"
+    with pytest.raises(ValueError, match="--cp-thd-packing is on or off"):
+        PluginSettings.of(cp_thd_packing="yes")
     assert settings.options("mesh") == {"tile": "2x2", "contiguous": "kv", "schedule": "lockstep",
                                         "backward_chunks": "auto"}  # the default
     assert settings.options("ring") == {"backward_chunks": "auto"}  # ring is Mesh 1 x CP: it shares the flag
@@ -185,6 +220,8 @@ def test_flags_ride_on_the_transformer_config(megatron_args):
     assert settings.kernel == "math"
     plain = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4)
     assert plugin_settings(plain) == PluginSettings.of()  # a plain config gets the defaults
+    apply_args(args, plain)  # what the spec function does to any entry script's config
+    assert plugin_settings(plain) == settings
 
 
 def test_settings_every_rank_must_share_compare_as_they_apply(monkeypatch):
@@ -192,28 +229,33 @@ def test_settings_every_rank_must_share_compare_as_they_apply(monkeypatch):
     apply (a default given or left out, a list or the equal tuple agree), not the per-rank output
     directory; a tile that differs is named with the ranks holding each value, tuples included."""
     from megatron_mesh.megatron.groups import settings_of
-    from megatron_mesh.megatron.settings import MeshTransformerConfig
+    from megatron_mesh.megatron.args import MeshTransformerConfig
+    from megatron_mesh.megatron.settings import PluginSettings
     from megatron_mesh.runtime.agreement import differences
 
-    def config(**kw):
+    def config(hierarchical_context_parallel_sizes, **kw):
         return MeshTransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, context_parallel_size=4,
-                                     cp_comm_type=["mesh", "tasp"], **kw)
+                                     cp_comm_type=["mesh", "tasp"], cp_settings=PluginSettings.of(**kw),
+                                     hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes)
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     base = settings_of(config(hierarchical_context_parallel_sizes=[2, 2]))
     same = settings_of(config(hierarchical_context_parallel_sizes=(2, 2), cp_layout="auto",
                               cp_metrics_dir="/scratch/node1"))
     assert differences([base, same]) == []
-    tiled = settings_of(config(hierarchical_context_parallel_sizes=[2, 2], mesh_tile_shape=(4, 1)))
-    assert differences([base, base, tiled, tiled]) == ["--mesh-tile-shape: ranks 0-1: auto, ranks 2-3: (4, 1)"]
+    tiled = settings_of(config(hierarchical_context_parallel_sizes=[2, 2], mesh_tile_shape="4x1"))
+    assert differences([base, base, tiled, tiled]) == ["--mesh-tile-shape: ranks 0-1: auto, ranks 2-3: 4x1"]
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # another node with more processes: TASP's rings would differ
     assert differences([base, settings_of(config(hierarchical_context_parallel_sizes=[2, 2]))]) == [
         "processes (GPUs) per node (--tasp-gpus-per-node, else torchrun's LOCAL_WORLD_SIZE): rank 0: 2, rank 1: 4"]
 
 
 def test_auto_tile_is_the_planners_choice(monkeypatch):
-    from megatron_mesh.megatron.settings import MeshTransformerConfig
-    from megatron_mesh.megatron.placement import layer_shape, resolve_placement
+    from dataclasses import replace
+
+    from megatron_mesh.megatron.args import MeshTransformerConfig
+    from megatron_mesh.megatron.placement import resolve_placement
+    from megatron_mesh.megatron.settings import PluginSettings, problem_of
     from megatron_mesh.plan import AttentionShape, Topology, choose_tile
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
@@ -222,24 +264,25 @@ def test_auto_tile_is_the_planners_choice(monkeypatch):
         for per_node in (None, 8):
             config = MeshTransformerConfig(num_layers=2, hidden_size=4096, num_attention_heads=heads,
                                            num_query_groups=groups, context_parallel_size=16,
-                                           tasp_gpus_per_node=per_node, cp_seq_length=16 * 4096)
-            s = layer_shape(config, 16)
+                                           cp_settings=PluginSettings.of(tasp_gpus_per_node=per_node,
+                                                                         seq_length=16 * 4096))
+            s = problem_of(config).shape(16)
             assert (s.heads, s.kv_heads, s.head_dim, s.seq_local) == (heads, groups, 128, 4096)
             shape = AttentionShape(4096, 1, heads, groups, 128, s.itemsize)
             topo = Topology(nodes=16 // (per_node or 16), gpus_per_node=per_node or 16)
             p = resolve_placement("mesh", config, ranks)
             assert (p.tile, p.options.contiguous) == choose_tile(16, shape, topo)
-    config.mesh_tile_shape = "8x2"
+    config.cp_settings = replace(config.cp_settings, mesh_tile_shape="8x2")
     p = resolve_placement("mesh", config, ranks)
     assert p.tile == (8, 2) and p.options.contiguous in ("q", "kv")
-    config.mesh_contiguous = "kv"
+    config.cp_settings = replace(config.cp_settings, mesh_contiguous="kv")
     p = resolve_placement("mesh", config, ranks)
     assert (p.tile, p.options.contiguous) == ((8, 2), "kv")
 
 
 # -- layer specs ------------------------------------------------------------------------------------------
 def _config(**kw):
-    from megatron_mesh.megatron.settings import MeshTransformerConfig
+    from megatron_mesh.megatron.args import MeshTransformerConfig
 
     base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, attention_dropout=0.0, hidden_dropout=0.0,
                 use_cpu_initialization=True, transformer_impl="local")
@@ -427,7 +470,7 @@ def test_cp1_builder_hands_over_to_megatrons_attention(one_rank):
 
 # -- YAML -> flags --------------------------------------------------------------------------------------
 def _yaml_to_args():
-    from megatron_mesh.megatron import yaml_args
+    from megatron_mesh.tools import yaml_args
 
     return yaml_args
 

@@ -15,9 +15,9 @@ pytestmark = pytest.mark.megatron
 
 
 def validate_args(args, have_te: bool = False, entry_packs_documents: bool = False,
-                  batch_documents: bool = False) -> None:
+                  batch_documents: bool = False) -> list[str]:
     """The plugin's start-up check; Transformer Engine counts as absent unless ``have_te``."""
-    _validate_args(args, have_te=have_te, entry_packs_documents=entry_packs_documents,
+    return _validate_args(args, have_te=have_te, entry_packs_documents=entry_packs_documents,
                    batch_documents=batch_documents)
 
 
@@ -45,6 +45,9 @@ PER_TOKEN = "--calculate-per-token-loss"  # the balanced layout (the default wit
     (["--context-parallel-size", "8", "--cp-comm-type", "a2a+tasp", "a2a+ring", "--hierarchical-context-parallel-sizes",
       "2", "4", *HEADS], None),
     (["--context-parallel-size", "1", "--reset-attention-mask", "--cp-comm-type", "mesh"], "eod"),
+    # the CP runs' layout at CP 1: accepted, unused there (test_cp1_accepts_the_layout_of_the_cp_runs)
+    (["--context-parallel-size", "1", "--reset-attention-mask", "--cp-comm-type", "mesh", "--cp-layout", "zigzag"],
+     "eod"),
     (["--context-parallel-size", "1", "--window-size", "16,-1", "--num-layers", "4", "--window-attn-skip-freq",
       "[1,0,1,0]"], None),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--window-size=-1,0", "--window-attn-skip-freq",
@@ -57,7 +60,7 @@ def test_masks_and_hybrids_valid(megatron_args, our_entry, argv, documents):
     validate_args(args, **our_entry)
     config = MeshTransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4)
     apply_args(args, config, **our_entry)
-    assert config.cp_documents == documents
+    assert config.cp_settings.documents == documents
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -119,10 +122,10 @@ def test_masks_and_hybrids_valid(megatron_args, our_entry, argv, documents):
      "--pipeline-model-parallel-size 4 with packed documents (--reset-attention-mask / --cp-thd-packing)"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--sft"],
      "--sft: Megatron's sft batches are not supported by the plugin modes"),
-    # --cp-layout: where it applies, and what the balanced layout needs
-    (["--context-parallel-size", "1", "--reset-attention-mask", "--cp-layout", "balanced"],
+    # --cp-layout: where it applies (at no CP size without documents), and what the balanced layout needs
+    (["--context-parallel-size", "1", "--cp-layout", "balanced"],
      "--cp-layout balanced applies to packed documents (--reset-attention-mask) at CP > 1, not here "
-     "(--context-parallel-size 1); leave the flag out"),
+     "(no --reset-attention-mask); leave the flag out"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--cp-layout", "zigzag"],
      "--cp-layout zigzag applies to packed documents (--reset-attention-mask) at CP > 1, not here (no "
      "--reset-attention-mask)"),
@@ -134,12 +137,11 @@ def test_masks_and_hybrids_valid(megatron_args, our_entry, argv, documents):
      "--cp-layout auto (the default with packed documents at CP > 1) needs --calculate-per-token-loss: the ranks "
      "hold different documents"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--no-cp-layout-lookahead"],
-     "--no-cp-layout-lookahead applies to --cp-layout auto and balanced (packed documents, --reset-attention-mask, at "
-     "CP > 1), "
-     "which this run does not use; leave the flag out"),
+     "--no-cp-layout-lookahead applies to --cp-layout auto, balanced and balanced-hide (packed documents, "
+     "--reset-attention-mask, at CP > 1), which this run does not use; leave the flag out"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask", PER_TOKEN,
       "--cp-layout", "zigzag", "--no-cp-layout-lookahead"],
-     "--no-cp-layout-lookahead applies to --cp-layout auto and balanced"),
+     "--no-cp-layout-lookahead applies to --cp-layout auto, balanced and balanced-hide"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask", "--cp-layout", "balanced"],
      "--cp-layout balanced needs --calculate-per-token-loss"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask", PER_TOKEN,
@@ -155,8 +157,8 @@ def test_masks_and_hybrids_valid(megatron_args, our_entry, argv, documents):
      "--micro-batch-size 1, or pass --cp-layout zigzag"),
     # balanced-hide without a Ulysses group would be the balanced layout, silently
     (["--context-parallel-size", "4", "--cp-comm-type", "ring", "--reset-attention-mask", PER_TOKEN, "--cp-layout",
-      "balanced-hide"], "--cp-layout balanced-hide sets apart the documents that the Ulysses groups of the all-to-all "
-     "modes (a2a+mesh, a2a+tasp, a2a+ring) run first and last, and this run has no such group (no "
+      "balanced-hide"], "--cp-layout balanced-hide changes only the layouts of the Ulysses groups of the all-to-all "
+     "modes (a2a+mesh, a2a+tasp, a2a+ring), and this run has no such group (no "
      "--hierarchical-context-parallel-sizes); use --cp-layout balanced, the same layout without them"),
     (["--context-parallel-size", "4", "--cp-comm-type", "a2a+mesh", "--hierarchical-context-parallel-sizes", "1", "4",
       "--reset-attention-mask", PER_TOKEN, "--cp-layout", "balanced-hide"],
@@ -180,10 +182,21 @@ def test_dense_document_masks_of_other_scripts(megatron_args):
     validate_args(args)
     config = MeshTransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4)
     apply_args(args, config)
-    assert config.cp_documents is None
+    assert config.cp_settings.documents is None
     with pytest.raises(ValueError, match="--cp-thd-packing is an option of megatron_mesh's entry script"):
         validate_args(megatron_args(PLUGIN + ["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--cp-thd-packing",
                                           "--seq-length", "64"]))
+
+
+def test_cp1_accepts_the_layout_of_the_cp_runs(megatron_args, our_entry):
+    """One config for the CP 1 baseline and the CP runs of packed documents: --cp-layout and
+    --no-cp-layout-lookahead matter only at CP > 1, so CP 1 accepts them and names them unused
+    (until issue 49 --cp-layout zigzag stopped the CP 1 run: "leave the flag out")."""
+    argv = PLUGIN + ["--context-parallel-size", "1", "--reset-attention-mask", "--cp-comm-type", "mesh"]
+    assert validate_args(megatron_args(argv + ["--cp-layout", "zigzag"]), **our_entry) == ["--cp-layout zigzag"]
+    assert validate_args(megatron_args(argv + ["--no-cp-layout-lookahead"]), **our_entry) == \
+        ["--no-cp-layout-lookahead"]
+    assert validate_args(megatron_args(argv), **our_entry) == []
 
 
 def test_cp_layout_value_is_checked(megatron_args, our_entry):
@@ -191,7 +204,7 @@ def test_cp_layout_value_is_checked(megatron_args, our_entry):
     args = megatron_args(PLUGIN + ["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask",
                                    PER_TOKEN])
     args.cp_layout = "diagonal"
-    with pytest.raises(ValueError, match="--cp-layout 'diagonal': allowed auto, balanced, zigzag"):
+    with pytest.raises(ValueError, match="--cp-layout 'diagonal': allowed auto, zigzag, balanced, balanced-hide"):
         validate_args(args, **our_entry)
 
 
@@ -209,8 +222,8 @@ def test_documents_of_megatron_lm_scripts_through_run_script(megatron_args, rese
         validate_args(args, batch_documents=True)
         config = MeshTransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4)
         apply_args(args, config, batch_documents=True)
-        assert config.cp_documents == documents
-        assert (config.cp_layout or "auto") == (extra[-1] if extra else "auto")
+        assert config.cp_settings.documents == documents
+        assert config.cp_settings.cp_layout == (extra[-1] if extra else "auto")
     with pytest.raises(ValueError, match="--reset-attention-mask: this entry script passes the documents as a dense "
                                          r"\[s, s\] attention mask, .* or run this script through "
                                          "scripts/run_megatron_script.sh"):
@@ -245,12 +258,14 @@ def test_planners_megatron_flags_pass_the_start_up_checks(megatron_args, our_ent
     """Every plugin row the planner compares side by side names flags that Megatron's start-up
     checks accept under our entry script (with the documents of --reset-attention-mask, or THD
     packing for the THD rows), and that select that row's mode, degree, tile and layout."""
-    from megatron_mesh.megatron.settings import CP_LAYOUTS
+    from megatron_mesh.megatron.settings import flags
     from megatron_mesh.plan import AttentionShape, Topology
-    from megatron_mesh.tools.plan_cli import MEGATRON_LAYOUT_FLAGS, megatron_flags
-    from megatron_mesh.tools.planner import layout_rows
+    from megatron_mesh.plan.layouts import LAYOUTS
+    from megatron_mesh.tools.plan_cli import megatron_flags
+    from megatron_mesh.tools.layout_rows import layout_rows
 
-    assert {f.split()[-1] for f in MEGATRON_LAYOUT_FLAGS.values() if f.startswith("--cp-layout ")} == set(CP_LAYOUTS)
+    cp_layout = next(f for f in flags() if f.name == "--cp-layout")
+    assert {k.flag.split()[-1] for k in LAYOUTS.values() if k.flag.startswith("--cp-layout ")} == set(cp_layout.choices)
     shape = AttentionShape(batch=1, heads=4, kv_heads=2, head_dim=16, seq_local=32, itemsize=2)
     rows, _ = layout_rows(4, shape, Topology(nodes=1, gpus_per_node=4), [0, 20, 50, 128],
                           modes=["ring", "mesh", "mesh-auto", "tasp", "a2a+mesh", "a2a+tasp", "a2a+ring"])
@@ -269,7 +284,7 @@ def test_planners_megatron_flags_pass_the_start_up_checks(megatron_args, our_ent
         assert (args.hierarchical_context_parallel_sizes or [1, 4]) == [r.ulysses, 4 // r.ulysses]
         if "mesh" in r.mode:  # no tile: the mask leaves every tile the query owner's plan (the default auto)
             assert args.mesh_tile_shape == (f"{r.tile[0]}x{r.tile[1]}" if r.tile else None), (r.mode, r.layout)
-        assert args.cp_thd_packing if r.layout == "thd" else args.cp_layout == r.layout
+        assert LAYOUTS[r.layout].flag in " ".join(argv)
         seen.add((r.layout, r.ulysses > 1))
     assert seen == {(layout, hybrid) for layout in ("zigzag", "thd", "balanced", "auto") for hybrid in (False, True)} | \
         {("balanced-hide", True)}

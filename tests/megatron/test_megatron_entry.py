@@ -171,7 +171,7 @@ def test_spec_configures_a_plain_config_from_megatrons_arguments(arguments, monk
     monkeypatch.setattr(bootstrap, "megatron_args", lambda: args)
     assert resolve_placement("mesh", _plain_config(), (0, 1, 2, 3)).tile == (1, 4)  # without the arguments' sequence length
     config, _ = spec._transformer_config(_plain_config())
-    assert plugin_settings(config).options("mesh")["schedule"] == "lockstep" and config.cp_seq_length == 64
+    assert plugin_settings(config).options("mesh")["schedule"] == "lockstep" and config.cp_settings.seq_length == 64
     p = resolve_placement("mesh", config, (0, 1, 2, 3))
     assert (p.tile, p.options.contiguous) == ((2, 2), "q")
 

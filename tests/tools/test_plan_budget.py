@@ -6,7 +6,6 @@ dense plans' rank work) is done once, not once per row, group or rank."""
 from __future__ import annotations
 
 import json
-from functools import partial
 
 import pytest
 
@@ -14,7 +13,8 @@ from megatron_mesh.plan import AttentionShape, Mask, balanced_layout, rank_work
 from megatron_mesh.plan import balance, costs
 from megatron_mesh.plan.ir.plan import Plan
 from megatron_mesh.plan.topology import Topology
-from megatron_mesh.tools import plan_budget, planner
+from megatron_mesh.plan.layouts import Sample, get_layout_kind
+from megatron_mesh.tools import layout_rows, plan_budget, planner
 from megatron_mesh.tools.plan_budget import (BUDGET_REASON, BUDGET_S, LATE_REASON, Budget, LayoutSize, layout_size,
                                              row_seconds, thd_size)
 from megatron_mesh.tools.plan_cli import document_bounds, main
@@ -126,10 +126,11 @@ def test_the_default_budget_bounds_the_rows_at_1024_ranks():
     topo = Topology.for_cp(P, 8)
     cu = document_bounds("lognormal:256,1", S)
     modes = [m for m in planner.default_modes() if m not in planner.FORMULAS]
-    planned = [("zigzag", modes, shape, Mask.from_cu_seqlens(cu, S), None),
-               ("balanced", modes, shape, Mask(), partial(planner._balanced_for, cu, P, True, None, False, 8))]
+    sample = Sample(tuple(cu), P, ranks_per_node=8, shape=shape, topology=topo)
+    setups = [layout_rows._kind_setup(get_layout_kind(name), sample, shape, modes, False)
+              for name in ("zigzag", "balanced")]
     budget = Budget(BUDGET_S)
-    keep = planner._admit(planned, P, topo, "auto", "greedy", budget)
+    keep = layout_rows._admit(setups, sample, topo, "auto", "greedy", budget)
     assert 0 <= budget.left < BUDGET_S
     for name in ("zigzag", "balanced"):
         tasks = planner._mode_tasks(planner._wanted(modes), P, shape, topo, "auto", "greedy", [])

@@ -19,19 +19,21 @@ from megatron_mesh.plan import (AttentionShape, buffer_bytes, build_mesh_plan, b
                                 tile_shapes)
 from megatron_mesh.plan.autotile import choose_tile, rank_tiles
 from megatron_mesh.plan.memory import buffer_memory
-from megatron_mesh.plan.simulate import round_traffic, simulate
+from megatron_mesh.plan.simulate import round_traffic, simulate, time_breakdown
 from megatron_mesh.plan.topology import Topology
 from megatron_mesh.tools.plan_cli import document_bounds, main
 
 from helpers import png_size
 from megatron_mesh.plan.simulate import BACKWARD_FLOPS
-from megatron_mesh.tools.planner import (LAYOUTS, TE_ROWS, TIME_TOLERANCE, allowed_pairs, compute_floor, evaluate,
-                                        layout_rows, mean_rows, ulysses_result, usp_result)
+from megatron_mesh.plan.layouts import ThdKind, layout_names, thd_layout
+from megatron_mesh.tools.layout_rows import TE_ROWS, layout_rows
+from megatron_mesh.tools.planner import (TIME_TOLERANCE, allowed_pairs, compute_floor, evaluate, mean_rows,
+                                        ulysses_result, usp_result)
 
 GQA = AttentionShape(seq_local=16384, heads=32, kv_heads=8, head_dim=128)
 MHA = AttentionShape(seq_local=4096, heads=32, kv_heads=32, head_dim=128)
-NO_NETWORK = dict(intra_bandwidth=1e30, inter_bandwidth=1e30, intra_latency=0.0, inter_latency=0.0)
-NO_COMPUTE = dict(attention_flops=1e30, kernel_latency=0.0, memory_bandwidth=1e30)
+NO_NETWORK = dict(intra_bandwidth=1e30, inter_bandwidth=1e30, intra_latency=0.0, inter_latency=0.0, host_op_time=0.0)
+NO_COMPUTE = dict(attention_flops=1e30, kernel_latency=0.0, memory_bandwidth=1e30, host_op_time=0.0)
 
 
 def _json(capsys, *argv) -> dict:
@@ -214,7 +216,7 @@ def test_cli_layouts_side_by_side(capsys):
     floor = data["compute_floor_s"]
     assert floor > 0
     by = {(r["layout"], r["mode"]): r for r in data["modes"]}
-    assert {layout for layout, _ in by} == set(LAYOUTS)
+    assert {layout for layout, _ in by} == set(layout_names())
     assert {mode for layout, mode in by if layout == "balanced-hide"} == {"a2a+tasp"}
     assert {("thd", m) for m in TE_ROWS} <= set(by)
     assert all(r["time_s"] >= floor for r in data["modes"])
@@ -379,7 +381,6 @@ def test_te_rows_run_a_blocks_documents_in_one_kernel_call():
     from megatron_mesh.plan.mask import BlockKind, mask_pieces
     from megatron_mesh.plan.mesh import build_rotation_plan
     from megatron_mesh.plan.problem import normalize
-    from megatron_mesh.tools.planner import thd_layout
 
     P, shape, topo = 4, AttentionShape(seq_local=5120, heads=8, kv_heads=2, head_dim=64), Topology(nodes=1)
     cu = [0, 3000, 7000, 12000, 20480]  # every document's halves of >= 128 tokens: full and causal pieces
@@ -476,7 +477,7 @@ def test_compute_floor_worked_example():
 
 def test_layout_rows_rejects_bad_input():
     shape = AttentionShape(seq_local=8, heads=2, kv_heads=2, head_dim=4)
-    with pytest.raises(ValueError, match="unknown layouts \\['ragged'\\]; allowed: zigzag, thd, balanced"):
+    with pytest.raises(ValueError, match="unknown CP layout .ragged.; allowed: zigzag, thd, balanced"):
         layout_rows(2, shape, Topology(), [0, 16], layouts=("ragged",))
     with pytest.raises(ValueError, match="the documents cover 10 tokens, the sequence 16"):
         layout_rows(2, shape, Topology(), [0, 10])
@@ -493,7 +494,6 @@ def test_owner_work_is_the_te_plans_rank_work(P, S, window, u):
     from megatron_mesh.plan.mesh import build_rotation_plan
     from megatron_mesh.plan.problem import normalize
     from megatron_mesh.tools.plan_cli import document_bounds
-    from megatron_mesh.tools.planner import thd_layout
 
     assert owner_work(Mask.from_cu_seqlens([0, 4, 8], 8), ZigzagLayout(2, 8)) == [10, 10]  # the docstring's
     thd = thd_layout(document_bounds("lognormal:700,1.0", S, 1), P)
@@ -515,7 +515,7 @@ def test_jobs_plan_the_same_rows_in_parallel(capsys, tmp_path):
     one = layout_rows(8, shape, Topology(nodes=2, gpus_per_node=4), cu, modes=modes)
     two = layout_rows(8, shape, Topology(nodes=2, gpus_per_node=4), cu, modes=modes, jobs=2)
     assert one == two and [r.extra for r in one[0]] == [r.extra for r in two[0]]  # extra: not in ==
-    assert {r.layout for r in one[0]} == set(LAYOUTS) and one[1]
+    assert {r.layout for r in one[0]} == set(layout_names()) and one[1]
     assert evaluate(4, shape, Topology(), modes=("ring", "mesh", "auto"), jobs=2) == \
         evaluate(4, shape, Topology(), modes=("ring", "mesh", "auto"))
     argv = ["--cp", "4", "--seq-len", "4096", "--docs", "lognormal:500,1", "--modes", "ring,tasp,a2a+ring,auto"]
@@ -543,7 +543,7 @@ def test_cli_samples_give_each_rows_mean_over_the_samples(capsys, monkeypatch):
     assert mean["compute_floor_s"] == pytest.approx(sum(d["compute_floor_s"] for d in each) / 3)
     key = lambda r: (r["layout"], r["mode"], r["ulysses"], str(r["tile"]))  # noqa: E731
     fixed = {key(r): r for r in mean["modes"] if r["mode"] in ("ring", "tasp", "a2a+ring", "te-p2p", "te-a2a+p2p")}
-    assert {k[0] for k in fixed} == set(LAYOUTS) and len(fixed) >= 8
+    assert {k[0] for k in fixed} == set(layout_names()) and len(fixed) >= 8
     for k, row in fixed.items():
         rows = [next(r for r in d["modes"] if key(r) == k) for d in each]
         for field in ("time_s", "forward_s", "backward_s", "forward_work_max_over_mean"):
@@ -554,9 +554,7 @@ def test_cli_samples_give_each_rows_mean_over_the_samples(capsys, monkeypatch):
     assert main(base + ["--samples", "3"]) == 0
     out = capsys.readouterr().out
     assert "samples: 3 of --docs lognormal:700,1.2 (--seed 2..4); every number is the mean over them" in out
-    import megatron_mesh.tools.planner as planner
-
-    monkeypatch.setattr(planner, "THD_PLAN_RANKS", 2)  # THD's reason names each sample's document count
+    monkeypatch.setattr(ThdKind, "plan_ranks", 2)  # THD's reason names each sample's document count
     names = [x["mode"] for x in _json(capsys, *base, "--samples", "3")["skipped"]]
     assert "ring (balanced-hide)" in names and "ring (thd)" in names and len(set(names)) == len(names)
     assert " time max " in out.splitlines()[next(i for i, x in enumerate(out.splitlines()) if x.startswith("layout"))]
@@ -704,14 +702,12 @@ def test_jobs_must_be_a_whole_number(jobs):
 
 
 def test_layout_rows_plan_thd_only_when_asked_above_the_limit(monkeypatch):
-    """Above THD_PLAN_RANKS a comparison of every layout lists the plugin's modes on THD as not
+    """Above ThdKind.plan_ranks a comparison of every layout lists the plugin's modes on THD as not
     planned, saying why and how to plan them; TE's own THD rows and the other layouts are priced.
-    Asked for (``plan_thd=True``, the CLI's ``--layout thd``) they are planned."""
-    import megatron_mesh.tools.planner as planner
-
+    Asked for (``plan_all=True``, the CLI's ``--layout thd``) they are planned."""
     shape = AttentionShape(seq_local=64, heads=2, kv_heads=2, head_dim=4)
     cu = [0, 40, 100, 256]
-    monkeypatch.setattr(planner, "THD_PLAN_RANKS", 2)
+    monkeypatch.setattr(ThdKind, "plan_ranks", 2)
     rows, skipped = layout_rows(4, shape, Topology(), cu, modes=("ring", "auto"))
     assert {(r.layout, r.mode) for r in rows} >= {("zigzag", "ring"), ("balanced", "ring"), ("thd", "te-p2p")}
     assert not any(r.layout == "thd" and r.mode in ("ring", "auto") for r in rows)
@@ -719,7 +715,7 @@ def test_layout_rows_plan_thd_only_when_asked_above_the_limit(monkeypatch):
     assert "the plain modes run on the balanced one (--layout balanced)" in skipped[2]["reason"]
     assert "not planned on THD at CP 4: every rank holds two halves of each of the 3 documents" in skipped[0]["reason"]
     assert "(plan them with --layout thd)" in skipped[0]["reason"]
-    rows, skipped = layout_rows(4, shape, Topology(), cu, modes=("ring",), layouts=("thd",), plan_thd=True)
+    rows, skipped = layout_rows(4, shape, Topology(), cu, modes=("ring",), layouts=("thd",), plan_all=True)
     assert ("thd", "ring") in {(r.layout, r.mode) for r in rows} and not skipped
 
 
@@ -777,7 +773,7 @@ def test_keys_and_values_are_counted_at_their_own_head_dims(capsys):
 # -- simulator -------------------------------------------------------------------------------------------
 def test_worked_example_ring_of_two():
     shape = AttentionShape(seq_local=4096, heads=8, kv_heads=8, head_dim=128)
-    topo = Topology(nodes=1, gpus_per_node=2, kernel_latency=0.0, memory_bandwidth=1e30)
+    topo = Topology(nodes=1, gpus_per_node=2, kernel_latency=0.0, memory_bandwidth=1e30, host_op_time=0.0)
     plan = build_ring_plan(2, shape)
     res = simulate(plan, shape, topo)
     n, flops = 4096, 4 * 8 * 128
@@ -785,6 +781,33 @@ def test_worked_example_ring_of_two():
     m = topo.intra_latency + buffer_bytes("kv", n, shape) / topo.intra_bandwidth
     assert res.forward.time == pytest.approx(max(diagonal, m) + half)
     assert res.forward.rounds == 1 and res.forward.bytes_sent == buffer_bytes("kv", n, shape)
+
+
+def test_the_host_sets_the_pace_where_it_is_behind():
+    """Each rank's host issues its ops at Topology.host_op_time per torch op (plan.hostops counts
+    them): with no host the time is the device's; at 2K tokens per rank on the default machine
+    the host is behind (the rows say host-bound) and sets the time; a host a hundred times slower
+    makes the step its host's issue time (the device waits), which the breakdown names; at 16K
+    tokens per rank the default host keeps ahead."""
+    from megatron_mesh.plan.hostops import step_host_ops
+
+    shape = AttentionShape(seq_local=2048, heads=32, kv_heads=8, head_dim=128)
+    plan = build_ring_plan(8, shape)
+    none = simulate(plan, shape, Topology.for_cp(8, host_op_time=0.0))
+    default = simulate(plan, shape, Topology.for_cp(8))
+    assert none.host == 0 and not none.host_bound
+    assert default.host_bound and default.time > none.time and default.time >= default.host
+    slow = Topology.for_cp(8, host_op_time=100 * Topology().host_op_time)
+    res = simulate(plan, shape, slow, timeline=True)
+    for phase, direction in ((res.forward, "forward"), (res.backward, "backward")):
+        ops, around = step_host_ops(plan, 7, direction, shape, piece=slow.mask_piece)
+        issue = sum(h.total for h in (*ops, around)) * slow.host_op_time
+        assert phase.host == pytest.approx(issue, rel=0.02)  # the slowest rank's (ranks 0 and 7 differ little)
+        assert phase.time == pytest.approx(phase.host, rel=0.02) and phase.host_bound
+    parts = time_breakdown(plan, shape, slow, res)
+    assert all(b.parts["host"] > 0.9 * b.time for b in parts)
+    big = AttentionShape(seq_local=16384, heads=32, kv_heads=8, head_dim=128)
+    assert not simulate(build_ring_plan(8, big), big, Topology.for_cp(8)).host_bound
 
 
 @pytest.mark.parametrize("tile", [(1, 64), (2, 32), (8, 8), (16, 4)])
@@ -907,9 +930,9 @@ def test_cli_explain(capsys):
     assert main(["--cp", "8", "--seq-len", "16384", "--docs", "lognormal:1024,1", "--modes", "ring,a2a+tasp,auto",
                  "--explain"]) == 0
     out = capsys.readouterr().out
-    assert out.count("where the time goes:") == len(LAYOUTS)
+    assert out.count("where the time goes:") == len(layout_names())
     assert re.search(r"forward +[0-9.]+ ms on rank \d+: flops [0-9.]+, launches [0-9.]+, accumulate [0-9.]+, "
-                     r"copies [0-9.]+, combine [0-9.]+, exposed [0-9.]+ ms", out)
+                     r"copies [0-9.]+, combine [0-9.]+, host [0-9.]+, exposed [0-9.]+ ms", out)
     data = _json(capsys, "--cp", "8", "--seq-len", "65536", "--modes", "ring", "--explain")
     (row,) = data["modes"]
     fwd, bwd = row["breakdown"]
@@ -994,7 +1017,8 @@ def test_usp_keeps_its_all_to_all_inside_nodes():
     P, shape = 32, AttentionShape(seq_local=1024, heads=32, kv_heads=8, head_dim=128)
     topo = Topology.for_cp(P)
     row = usp_result(P, shape, topo)
-    assert row.extra == {"ulysses_degree": 8, "ring_degree": 4}
+    assert {k: v for k, v in row.extra.items() if k != "host_s"} == {"ulysses_degree": 8, "ring_degree": 4}
+    assert row.extra["host_s"] > 0  # its ring part's host (the all-to-alls by formula have none)
     sub = AttentionShape(seq_local=8 * 1024, heads=4, kv_heads=1, head_dim=128)
     ring_part = mesh_bytes_formula(4, (1, 4), sub).sent
     assert row.inter_node_bytes_per_rank == pytest.approx(ring_part)  # only the ring crosses nodes

@@ -201,7 +201,7 @@ class Mode:
     def check_layout(self, layout: Layout) -> None:
         """ValueError for a layout that names its blocks' owners (its work balance rests on them)
         where this mode computes blocks elsewhere -- not a silently unbalanced run."""
-        if getattr(layout, "owners", ()) and not self.takes_block_owners:
+        if layout.owners and not self.takes_block_owners:
             raise ValueError(f"this layout names the rank that computes each of its blocks (owners); CP mode {self.name!r} "
                              "computes them elsewhere and would run it unbalanced: use mesh, or a layout without owners "
                              "(megatron_mesh.balanced_layout)")

@@ -87,7 +87,8 @@ class MeshMode(Mode):
         With the ``auto`` tile, every tile map of the group competes (each rank order where it
         differs), each with its own keep decisions: the dense choice knows nothing of the mask.
         Worked example: 8 ranks, 19 documents of 245-13,321 tokens in 64K, heads 2/2 of 32
-        (docs/performance.md, "Masks measured on CPU"). The dense choice is 4x2. With refetched
+        (docs/performance.md, "Masks measured on CPU"). The dense choice is 2x4 (4x2 with the host
+        left out, ``Topology(host_op_time=0)``: so small a problem is the host's). With refetched
         backward chunks the 8x1 map's busiest rank moves 29.4 MB sent + received against 4x2's
         29.8 MB, so the plan takes 8x1 (its notes say so); with the default "auto" backward
         chunks 4x2 stays the fewest (23.1 MB).
@@ -96,7 +97,7 @@ class MeshMode(Mode):
         its work balance rests on them."""
         a, b = p.options.tile
         contiguous = p.options.contiguous
-        if getattr(layout, "owners", ()):  # the layout names where its blocks are computed
+        if layout.owners:  # the layout names where its blocks are computed
             return Assignment(owners=(("layout", layout.owner),), tile=(a, b), contiguous=contiguous, compete=False)
         if layout.documents() is not None:
             return Assignment(tile=(a, b), contiguous=contiguous)

@@ -18,7 +18,8 @@ Variables already set in the environment win over ENV_VARS (the config gives def
     env = environment(doc)                         # {"CUDA_DEVICE_MAX_CONNECTIONS": "1", ...}
     argv = model_args(doc, {**os.environ, **env})  # ["--num-layers", "2", ...]
 
-Standard library and PyYAML only (the launcher uses it before any worker starts).
+Standard library and PyYAML only: the launcher (``megatron/launch.py``) reads it before any worker
+starts, the planner's prediction for a config (:mod:`.predict`) and the comparison job read it too.
 """
 
 from __future__ import annotations

@@ -1,0 +1,56 @@
+"""The host's time per torch op the simulator prices (``Topology.host_op_time``), and where the
+number comes from.
+
+The default is read from ``host_cost.json`` next to this module: written from a GPU measurement
+(``scripts/gpu_check.sh`` writes one of the same form, ``host_cost.json`` in its output folder,
+from ``scripts/bench_kernels.py``'s one-rank-alone runs: host time over the torch ops the rank
+dispatched; copy it here to make it the planner's default). Without the file (an install that
+left it out) the number below, from the same measurement. ``megatron-mesh-plan --host-op-us``
+overrides it with a number or a result file (:func:`host_op_us`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+__all__ = ["HOST_OP_TIME", "HOST_OP_SOURCE", "host_op_us", "DEFAULT_FILE"]
+
+DEFAULT_FILE = Path(__file__).with_name("host_cost.json")
+_BUILT_IN = (23.0, "H200, docs/performance.md stop 46: ring 1x8 forward at 4K tokens per rank, 2.93 ms / 129 ops")
+
+
+def host_op_us(source) -> tuple[float, str]:
+    """(us per torch op, where it comes from) of ``source``: a number, or a JSON file -- a
+    ``host_cost.json``, or a ``bench_kernels.py`` / ``bench_masks.py`` result (``--json``), whose
+    ``meta.host_op_us`` its one-rank-alone runs measured. ValueError naming the value otherwise."""
+    try:
+        value = float(source)
+    except (TypeError, ValueError):
+        value = None
+    if value is not None:
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"host cost per op must be a finite number of us >= 0 or a result file, got {source!r}")
+        return value, "given"
+    path = Path(source)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"host cost per op: {source!r} is neither a number of us nor a readable JSON file ({e})") \
+            from None
+    found = data.get("host_op_us", (data.get("meta") or {}).get("host_op_us")) if isinstance(data, dict) else None
+    if not isinstance(found, (int, float)) or not math.isfinite(found) or found < 0:
+        raise ValueError(f"host cost per op: {source!r} has no 'host_op_us' (top level, or under 'meta' in a "
+                         f"bench_kernels.py / bench_masks.py result): got {found!r}")
+    return float(found), str(data.get("source") or (data.get("meta") or {}).get("host_op_source") or path)
+
+
+def _default() -> tuple[float, str]:
+    if DEFAULT_FILE.exists():
+        return host_op_us(DEFAULT_FILE)
+    return _BUILT_IN
+
+
+_US, HOST_OP_SOURCE = _default()
+HOST_OP_TIME = _US * 1e-6  # seconds per torch op

@@ -1,0 +1,274 @@
+"""How many torch ops a rank's host issues for each op of its plan: the executor's per-op cost model.
+
+On a GPU every torch op costs the host its Python and dispatch time (~23 us on the H200 of
+docs/performance.md, views included), whatever the device does; at a few thousand tokens per rank
+that is the step's pace. The simulator (:mod:`.timeline`) gives each rank a host that issues its
+ops in order at ``Topology.host_op_time`` per torch op, the device waiting where the host is
+behind -- with the counts this module reads off the plan, as the executor
+(:mod:`megatron_mesh.runtime.executor`) issues them in a step after the plan's first:
+
+* ``Attend``: per kernel call one op and one merge (or the copy of a first write), about two
+  views each; its key/value pieces joined by one gather (two concatenations where k and v are
+  not side by side; none where they follow each other in the arena); a new accumulator outside
+  the arena (the rank's output) two allocations;
+* ``AttendBackward``: per kernel call one op (two for a masked piece's) and about six views; the pieces as above; one op
+  zeroing its new accumulators' unwritten rows; the rows' statistics once per ``do`` buffer (one
+  op for a rank's own rows, a dozen for a stand-in output); its gradients go to the executor's
+  queue, as do ``AddGrad`` and ``Copy``: the queue is issued in as few ``_foreach_*`` calls as its
+  writes allow (:func:`write_calls`, the same grouping the runtime uses) where something reads
+  what it writes and at the end of a direction;
+* ``MergeOut``: one op per token range; ``RowStats``: about four per range;
+* ``Post``: one host call per tensor it sends or receives (``transfers``: NCCL's point-to-point
+  calls; no torch op, the buffers' views being made once);
+* per direction, the inputs' and results' views and casts (a few ops).
+
+Kernel calls are counted as the runtime makes them (:func:`~.mask.mask_pieces` with the device's
+piece, grouped by :func:`~.mask.call_groups`): ``varlen=False`` counts a kernel without
+variable-length calls (torch's CPU op: one call per piece), which is what
+``scripts/count_host_ops.py`` counts on a CPU. ``tests/tools/test_scripts.py`` holds the model to
+that count within :data:`TOLERANCE` on dense and masked plans of every mode.
+
+Worked example (ring, P = 8, rank 3, one causal document): the forward's 8 blocks are 8 kernel
+calls and 8 merges or copies (16 ops, ~20 views) plus the output's 2 allocations; the backward's
+8 kernel calls, 3 zero fills, the own rows' lse (1), the gradients' queue issued as 15
+``_foreach_*`` calls, 2 allocations: about 48 ops and ~80 views per layer -- 124 before this
+model's executor (issue 52).
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import NamedTuple
+
+from .arena import cut_keys
+from .ir import KINDS, AddGrad, Attend, AttendBackward, Copy, Free, MergeOut, Plan, Post, RowStats, Wait, op_keys
+from .mask import MASK_PIECE, BlockKind, call_groups, mask_pieces
+from .sel import sel_len
+
+__all__ = ["HostOps", "host_ops", "step_host_ops", "write_calls", "TOLERANCE"]
+
+TOLERANCE = 0.25  # the model's ops per rank and direction against count_host_ops.py's (tests/tools/test_scripts.py)
+
+# views per kernel call, per block of a direction (measured on the CPU: their Python is the same on a GPU)
+_ATTEND_VIEWS, _BACKWARD_VIEWS = 2.5, 6
+_PIECE_VIEWS = 5  # per key/value piece of a backward block whose pieces are parts of their buffers
+_PIECED = 5  # more views per kernel call of a masked block: each call's rows and columns cut from it
+_STAND_IN = 12  # ops of a stand-in output for rows computed for another rank (kernels/torch_sdpa.py)
+_FIXED = {"forward": (1, 4), "backward": (2, 7)}  # per direction: (launches, views) of inputs and results
+
+
+class HostOps(NamedTuple):
+    """Torch ops of one plan op on the host: ``launches`` (ops that run on the device; on a CPU the
+    non-view ops), ``views`` (views made, no device work) and ``transfers`` (tensors a round sends
+    or receives: one point-to-point call each)."""
+
+    launches: float
+    views: float
+    transfers: int
+
+    @property
+    def total(self) -> float:
+        return self.launches + self.views + self.transfers
+
+
+def write_calls(writes) -> list[list[int]]:
+    """The executor's grouping of queued writes into ``_foreach_*`` calls: ``writes`` as
+    (add, where) pairs -- where: (buffer, tensor, first row, stop row, first head, stop head), or
+    a list of them for a write over several buffers' memory --
+    each in the first call of its kind after every call holding a write into its rows, or the
+    same read backwards (each write in the *last* such call), whichever needs fewer calls.
+    Returns the writes' indices per call, in issue order (a call keeps its writes' order)."""
+    forward = _calls(list(enumerate(writes)))
+    backward = [c[::-1] for c in _calls(list(enumerate(writes))[::-1])[::-1]]
+    return min(forward, backward, key=len)
+
+
+def _overlap(a: tuple, b: tuple) -> bool:
+    return a[:2] == b[:2] and a[2] < b[3] and b[2] < a[3] and a[4] < b[5] and b[4] < a[5]
+
+
+def _calls(writes) -> list[list[int]]:
+    calls: list[list[int]] = []
+    kinds: list[bool] = []
+    by_mode: dict[bool, list[int]] = {True: [], False: []}  # the calls of each kind, in order
+    placed: dict = {}  # (buffer, tensor) -> [(call, where)]: only writes into one tensor can share rows
+    for i, (add, where) in writes:
+        wheres = where if isinstance(where, list) else [where]  # a write over several buffers: all of them
+        after = max((j for x in wheres for j, w in placed.get(x[:2], ()) if _overlap(x, w)), default=-1)
+        mine = by_mode[add]
+        k = bisect.bisect_right(mine, after)
+        if k < len(mine):
+            j = mine[k]
+        else:
+            j = len(calls)
+            calls.append([])
+            kinds.append(add)
+            mine.append(j)
+        calls[j].append(i)
+        for x in wheres:
+            placed.setdefault(x[:2], []).append((j, x))
+    return calls
+
+
+class _Queue:
+    """The executor's queue of copies and adds, by keys and rows only (its calls counted)."""
+
+    def __init__(self):
+        self.writes: list = []
+        self.written: set = set()
+        self.read: set = set()
+        self.calls = 0
+
+    def put(self, add: bool, key, rows, src=None) -> None:
+        if (src is not None and src in self.written) or key in self.read:
+            self.flush()
+        for a, b in rows:
+            self.writes.append((add, (key, 0, a, b, 0, 1)))
+        self.written.add(key)
+        if src is not None:
+            self.read.add(src)
+
+    def touches(self, keys) -> bool:
+        return bool(self.writes) and any(k in self.written or k in self.read for k in keys)
+
+    def flush(self) -> int:
+        n = len(write_calls(self.writes)) if self.writes else 0
+        self.writes, self.written, self.read = [], set(), set()
+        return n
+
+
+def _calls_of(plan: Plan, op, piece: int, varlen: bool) -> int:
+    if op.mask != BlockKind.MASKED:
+        return 1
+    pieces = mask_pieces(plan.mask, plan.positions(op.q, op.rows),
+                         tuple(r for i, k in enumerate(op.kv) for r in plan.positions(k, op.col(i))), piece)
+    return max(1, len(call_groups(pieces, plan.kernel_calls if varlen else "piece")))
+
+
+def host_ops(plan: Plan, rank: int, direction: str, *, varlen: bool = True, piece: int | None = None,
+             heads: tuple[int, int] | None = None) -> tuple[tuple[HostOps, ...], HostOps]:
+    """The host ops of each op of ``rank``'s ``direction`` (in op order) and those issued around
+    them (inputs, results, the queue's last calls). ``heads``: (query, key/value heads), for the
+    copies of head slices that together fill a buffer (no fill then)."""
+    walk = _Walk(plan, rank, direction, MASK_PIECE["cuda"] if piece is None else piece, varlen, heads)
+    out = tuple(walk.op(i, op) for i, op in enumerate(walk.ops))
+    rp = plan.rank(rank)
+    fixed_l, fixed_v = _FIXED[direction]
+    inputs = rp.forward_inputs if direction == "forward" else rp.backward_inputs
+    fixed_v += sum(len(KINDS[k.kind].tensors) * ((k.heads >= 0) + (len(segs) == 1)) for k, segs in inputs.items())
+    return out, HostOps(fixed_l + walk.queue.flush(), fixed_v, 0)
+
+
+class _Walk:
+    """One rank's direction walked as the executor runs it (what :func:`host_ops` counts)."""
+
+    def __init__(self, plan: Plan, rank: int, direction: str, piece: int, varlen: bool, heads):
+        rp = self.rp = plan.rank(rank)
+        self.plan, self.piece, self.varlen = plan, piece, varlen
+        self.ops = rp.ops(direction)
+        self.first = plan.first_writes(rank, direction)
+        self.fills = plan.creation_fills(rank, direction, *(heads or (None, None)))
+        self.own = {rp.output} if direction == "forward" else {rp.grad_q, rp.grad_kv}
+        self.live = set(rp.forward_inputs if direction == "forward" else (*rp.backward_inputs, *rp.saved))
+        self.own_rows = set(rp.backward_inputs) | {op.dst for op in self.ops if type(op) is RowStats}
+        self.made_rows: set = set()
+        self.came: dict = {k: -1 for k in cut_keys(rp, direction)}  # buffer -> the Post it came with (-1: a cut)
+        self.queue = _Queue()
+
+    def op(self, i: int, op) -> HostOps:
+        kind = type(op)
+        launches = 0.0
+        keys = op.reads() if kind is AttendBackward else op_keys(op)
+        if kind not in (AddGrad, Copy, Free, Wait) and self.queue.touches(keys):
+            launches += self.queue.flush()
+        new = [k for k in dict.fromkeys(op.writes()) if k not in self.live and kind is not Post]
+        self.live.update(new)
+        launches += sum((2 if k.kind == "o" else 1) for k in new if k in self.own)  # own allocations (an output: two)
+        if kind is Post:
+            self.live.update(t.key for t in op.recvs)
+            self.came.update((t.key, i) for t in op.recvs)
+            return HostOps(launches, 0.0, len(op.sends) + len(op.recvs))
+        if kind is Free:
+            self.live.discard(op.key)
+            self.came.pop(op.key, None)
+        elif kind is Attend:
+            calls = _calls_of(self.plan, op, self.piece, self.varlen)
+            launches += 2 * calls + _join(op, self.came) + _fills(self.fills.get(i, {}))
+            return HostOps(launches, (_ATTEND_VIEWS + _PIECED * (op.mask == BlockKind.MASKED)) * calls, 0)
+        elif kind is AttendBackward:
+            got = self.backward_block(i, op)
+            return HostOps(launches + got.launches, got.views, 0)
+        elif kind in (AddGrad, Copy):
+            return HostOps(launches + (_fills(self.fills.get(i, {})) if kind is Copy else 0), self.queued(op), 0)
+        elif kind is MergeOut:
+            launches += len(_rows(op.into, self.plan.tokens(op.dst)))
+        elif kind is RowStats:
+            launches += 2 * len(_rows(op.rows, self.plan.tokens(op.dst))) + 1
+        return HostOps(launches, 0.0, 0)
+
+    def backward_block(self, i: int, op) -> HostOps:
+        plan = self.plan
+        calls = _calls_of(plan, op, self.piece, self.varlen)
+        launches = calls * (1 + (op.mask == BlockKind.MASKED)) + _join(op, self.came) + \
+            (1 if any(self.fills.get(i, {}).values()) else 0)
+        if op.do not in self.made_rows:
+            self.made_rows.add(op.do)
+            launches += 1 if op.do in self.own_rows else _STAND_IN
+        views = (_BACKWARD_VIEWS + _PIECED * (op.mask == BlockKind.MASKED)) * calls
+        pieces = sum(len(op.col(j)) if op.col(j) is not None else 1 for j in range(len(op.kv)))
+        if pieces > 1 and any(op.col(j) is not None for j in range(len(op.kv))):
+            views += _PIECE_VIEWS * pieces  # each piece's gradients cut into its buffer's columns
+        fresh = self.first.get(i, {})
+        self.queue.put(_add(fresh, op.dq, op.rows, plan.tokens(op.dq)), op.dq, _rows(op.rows, plan.tokens(op.dq)))
+        for j, key in enumerate(op.dkv):
+            self.queue.put(_add(fresh, key, op.col(j), plan.tokens(key)), key, _rows(op.col(j), plan.tokens(key)))
+        return HostOps(launches, views, 0)
+
+    def queued(self, op) -> float:
+        """An AddGrad's or Copy's writes into the queue; their views."""
+        kind = type(op)
+        rows = _rows(op.into, self.plan.tokens(op.dst))
+        self.queue.put(kind is AddGrad, op.dst, rows, op.src)
+        tensors = min(len(KINDS[op.src.kind].tensors), len(KINDS[op.dst.kind].tensors))
+        ranges = max(len(rows), len(op.rows) if kind is Copy and op.rows is not None else 1)
+        cut = ranges > 1 or rows != ((0, self.plan.tokens(op.dst)),)  # a whole buffer is its own view
+        return tensors * (2 * ranges * cut + (op.heads is not None))
+
+
+def _join(op, came: dict) -> int:
+    """Launches joining a block's key/value pieces (the arena's layout, :mod:`.arena`, in short):
+    none for one piece, or for whole buffers that arrived in one round (they lie one after
+    another); one gather (k and v together) for parts of such buffers; else a concatenation of
+    k and of v. ``came``: the round (Post index) each buffer arrived in."""
+    pieces = sum(len(op.col(j)) if op.col(j) is not None else 1 for j in range(len(op.kv)))
+    if pieces < 2:
+        return 0
+    rounds = {came.get(k) for k in op.kv}
+    if len(rounds) > 1 or None in rounds:
+        return 2
+    return 0 if all(op.col(j) is None for j in range(len(op.kv))) else 1
+
+
+def _fills(fills: dict) -> int:
+    """Ops filling new accumulators' rows (their zeros in one op, each other value one)."""
+    if not fills:
+        return 0
+    return 2 if any(rows for rows in fills.values()) else 0
+
+
+def _rows(sel, tokens: int):
+    return tuple(sel) if sel is not None else ((0, tokens),)
+
+
+def _add(fresh: dict, key, sel, tokens: int) -> bool:
+    """Whether a block's write into ``key`` adds (some rows written before) or copies."""
+    return sel_len(fresh.get(key), tokens) < sel_len(sel, tokens) if key in fresh else True
+
+
+def step_host_ops(plan: Plan, rank: int, direction: str, shape=None, *, varlen: bool = True,
+                  piece: int | None = None) -> tuple[tuple[HostOps, ...], HostOps]:
+    """:func:`host_ops`, made once per plan (``shape``: the heads, for copies of head slices)."""
+    def make():
+        heads = None if shape is None else (shape.heads, shape.kv_heads)
+        return host_ops(plan, rank, direction, varlen=varlen, piece=piece, heads=heads)
+    return plan.memo(("host ops", rank, direction, shape, varlen, piece), make)

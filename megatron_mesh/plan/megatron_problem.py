@@ -1,0 +1,192 @@
+"""The attention of a Megatron run as the plugin plans it, derived in one place from Megatron's
+parsed arguments, a transformer config, or the MODEL_ARGS of a YAML config (pure Python: the
+start-up checks, the layers and the per-sample layout decision read it from Megatron's objects,
+the planner's prediction from a YAML file).
+
+It reads Megatron's own settings only: heads and KV heads (``--num-attention-heads``,
+``--group-query-attention --num-query-groups``), the head dims (``--kv-channels`` or hidden /
+heads; MLA: ``--qk-head-dim`` + ``--qk-pos-emb-head-dim`` and ``--v-head-dim``), the dtype
+(``--bf16`` / ``--fp16``, or a config's ``params_dtype``), ``--seq-length``, the CP, TP and
+Ulysses sizes (``--hierarchical-context-parallel-sizes U M``: read here and nowhere else), the
+window (``--window-size``, ``--window-attn-skip-freq``) and where documents come from
+(:func:`documents_of`). The plugin's own flags are :mod:`megatron_mesh.megatron.settings`'s.
+
+Example: Llama-3 8B at CP 16, TP 2 (32 / 8 heads of 128, bf16, 128K tokens) -> per CP rank
+``shape() == AttentionShape(8192, 1, 16, 4, 128, 2)``; ``ulysses`` 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from .shape import AttentionShape
+from .units import as_int
+from .window import megatron_window
+
+__all__ = ["MegatronProblem", "documents_of", "BATCH_DOCUMENTS", "THD_DOCUMENTS", "DEFAULT_SEQ_LOCAL"]
+
+# where the layers' documents come from: each sample of the batch (end-of-document tokens,
+# position-id resets; such samples get a CP layout each) or Transformer Engine's THD packing
+BATCH_DOCUMENTS = ("eod", "positions")
+THD_DOCUMENTS = "thd"
+# tokens per rank for configs built outside an entry script that set no sequence length
+# (Megatron-Core from Python): the fastest tile depends on it mildly
+DEFAULT_SEQ_LOCAL = 8192
+_ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def documents_of(ns, *, thd_packing: bool = False, entry_packs_documents: bool = False,
+                 batch_documents: bool = False) -> str | None:
+    """Where the plugin layers' documents come from: "thd" (``thd_packing``, the plugin's
+    ``--cp-thd-packing``), "eod" (the end-of-document tokens of --reset-attention-mask, under an
+    entry script that passes the boundaries or through the batch split of Megatron-LM's scripts),
+    "positions" (the position-id resets of --reset-position-ids, through that batch split:
+    exactly where --reset-attention-mask cuts), or None. Another script's --reset-attention-mask
+    is a dense mask: Megatron's own attention reads it at CP 1, the plugin modes refuse it."""
+    if thd_packing:
+        return THD_DOCUMENTS
+    if not getattr(ns, "reset_attention_mask", False):
+        return None
+    if entry_packs_documents:
+        return "eod"
+    if batch_documents:
+        return "positions" if getattr(ns, "reset_position_ids", False) else "eod"
+    return None
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _int(ns, dest: str, default=None, low: int = 1):
+    """Megatron's integer setting ``dest`` (an int, or its text in a YAML config); ValueError
+    naming the flag for anything else."""
+    value = getattr(ns, dest, None)
+    if value is None:
+        return default
+    number = as_int(value) if not isinstance(value, str) else int(value) if value.strip().lstrip("-").isdigit() \
+        else None
+    if number is None or number < low:
+        raise ValueError(f"{_flag(dest)} {value!r} must be an integer >= {low}")
+    return number
+
+
+def _ints(ns, dest: str, form: str = "integers"):
+    """A tuple of integers (``--window-size 4096,0`` as text or a tuple; ``--hierarchical-context-
+    parallel-sizes 2 4`` as a list); None when not given."""
+    value = getattr(ns, dest, None)
+    if value is None or value is False:
+        return None
+    items = str(value).strip("()[]").replace(",", " ").split() if isinstance(value, str) else list(value)
+    try:
+        return tuple(int(x) for x in items)
+    except (TypeError, ValueError):
+        raise ValueError(f"{_flag(dest)} {value!r} must be {form}") from None
+
+
+@dataclass(frozen=True)
+class MegatronProblem:
+    """A Megatron run's attention (see the module docstring): the model's heads (every TP rank),
+    head dims, the global sequence length (None: not known), sizes, dtype, Ulysses split, window
+    and documents."""
+
+    heads: int = 1
+    kv_heads: int = 1
+    head_dim: int = 1
+    v_head_dim: int | None = None
+    seq_len: int | None = None
+    cp: int = 1
+    tp: int = 1
+    micro_batch: int = 1
+    global_batch: int | None = None
+    layers: int = 1
+    dtype: str = "fp32"
+    hierarchy: tuple[int, ...] | None = None  # --hierarchical-context-parallel-sizes as given
+    window_size: tuple | None = None  # --window-size as given (LEFT, RIGHT; -1 unlimited), None: no window
+    documents: str | None = None  # documents_of
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self.dtype]
+
+    @property
+    def ulysses(self) -> int:
+        """The Ulysses all-to-all degree U of ``--hierarchical-context-parallel-sizes U M`` (1: none)."""
+        return self.hierarchy[0] if self.hierarchy else 1
+
+    def shape(self, cp: int | None = None, batch: int = 1) -> AttentionShape:
+        """One CP rank's attention over ``cp`` ranks (default the run's): its TP rank's heads (KV
+        heads replicated when fewer than TP), the sequence over the CP ranks (an even count; a
+        default where the length is not known), ``batch`` sequences."""
+        cp = self.cp if cp is None else cp
+        seq_local = self.seq_len // cp if self.seq_len else DEFAULT_SEQ_LOCAL
+        return AttentionShape(seq_local=max(2, seq_local - seq_local % 2), batch=batch,
+                              heads=max(1, self.heads // self.tp), kv_heads=max(1, self.kv_heads // self.tp),
+                              head_dim=self.head_dim, itemsize=self.itemsize, v_head_dim=self.v_head_dim)
+
+    def window(self, causal: bool = True) -> tuple | None:
+        """The plugin's window ((left, right), None unlimited) of ``--window-size``; None: none."""
+        return megatron_window(self.window_size, causal=causal)
+
+    def check(self) -> None:
+        """ValueError naming the flags where the model's sizes do not fit together (what Megatron
+        would refuse later, said before any training): KV heads dividing the heads, the sequence
+        split in 2 x CP halves, TP dividing the heads and sharing or splitting the KV heads."""
+        if self.heads % self.kv_heads:
+            raise ValueError(f"--num-query-groups {self.kv_heads} must divide --num-attention-heads {self.heads} "
+                             "(each KV head serves the same number of query heads)")
+        if self.seq_len is not None and self.seq_len % (2 * self.cp):
+            raise ValueError(f"--seq-length {self.seq_len} must be divisible by 2 x CP = {2 * self.cp}")
+        if self.heads % self.tp:
+            raise ValueError(f"--tensor-model-parallel-size {self.tp} must divide the heads ({self.heads})")
+        if self.kv_heads % self.tp and self.tp % self.kv_heads:  # each TP rank holds whole KV heads, or shares one
+            raise ValueError(f"--num-query-groups {self.kv_heads} must be a multiple or a divisor of "
+                             f"--tensor-model-parallel-size {self.tp}")
+
+    @classmethod
+    def from_namespace(cls, ns, *, seq_len: int | None = None, documents: str | None = None) -> "MegatronProblem":
+        """The problem of Megatron's parsed arguments or a transformer config (``seq_len``: the
+        global sequence length where ``ns`` carries none, as a config does; ``documents``: where
+        they come from, :func:`documents_of`). Arguments checked before Megatron's own validation
+        may leave the model out: they read as one head."""
+        heads = _int(ns, "num_attention_heads", 1)
+        gqa = getattr(ns, "group_query_attention", None)  # arguments; a config has num_query_groups alone
+        kv = _int(ns, "num_query_groups", heads) if gqa or gqa is None else heads
+        if getattr(ns, "multi_latent_attention", False):
+            head_dim = _int(ns, "qk_head_dim", 128) + _int(ns, "qk_pos_emb_head_dim", 64, low=0)
+            v_head_dim = _int(ns, "v_head_dim", 128)
+        else:
+            hidden = _int(ns, "hidden_size")
+            head_dim = _int(ns, "kv_channels") or (hidden // heads if hidden and hidden >= heads else 1)
+            v_head_dim = None
+        dtype = getattr(ns, "params_dtype", None)
+        dtype = "bf16" if getattr(ns, "bf16", False) else "fp16" if getattr(ns, "fp16", False) else \
+            {2: "bf16", 4: "fp32"}.get(getattr(dtype, "itemsize", 4), "fp32")
+        seq = _int(ns, "seq_length") if seq_len is None else seq_len
+        micro = _int(ns, "micro_batch_size", 1)
+        return cls(heads=heads, kv_heads=kv, head_dim=head_dim, v_head_dim=v_head_dim, seq_len=seq,
+                   cp=_int(ns, "context_parallel_size", 1), tp=_int(ns, "tensor_model_parallel_size", 1),
+                   micro_batch=micro, global_batch=_int(ns, "global_batch_size"), layers=_int(ns, "num_layers", 1),
+                   dtype=dtype, hierarchy=_ints(ns, "hierarchical_context_parallel_sizes"),
+                   window_size=_ints(ns, "window_size", "LEFT,RIGHT (integers)"), documents=documents)
+
+    @classmethod
+    def from_flags(cls, flags: dict) -> "MegatronProblem":
+        """The problem of a YAML config's MODEL_ARGS (flag -> text, True for a bare flag, a list
+        for several values; ``${VAR}`` expanded), run by the plugin's entry script (documents at
+        end-of-document tokens under --reset-attention-mask). ValueError names a flag that is
+        missing or unusable."""
+        missing = [f for f in ("--num-layers", "--num-attention-heads", "--seq-length") if f not in flags]
+        if "--kv-channels" not in flags and "--hidden-size" not in flags:
+            missing.append("--hidden-size (or --kv-channels)")
+        if missing:
+            raise ValueError(f"MODEL_ARGS lacks {', '.join(missing)} (needed to plan its attention)")
+        ns = SimpleNamespace(**{"group_query_attention": False, **{f.lstrip("-").replace("-", "_"): v
+                                                                   for f, v in flags.items()}})
+        problem = cls.from_namespace(ns, documents=documents_of(ns, entry_packs_documents=True))
+        if "--kv-channels" not in flags and _int(ns, "hidden_size") % problem.heads:
+            raise ValueError(f"--hidden-size {ns.hidden_size} is not a multiple of --num-attention-heads "
+                             f"{problem.heads}; give --kv-channels")
+        problem.window(causal=True)  # the window checked as the training start-up checks it
+        return problem

@@ -1,0 +1,100 @@
+#!/usr/bin/env python
+"""Issue 52's GPU targets, read off ``scripts/gpu_check.sh``'s results, and the host's cost per
+torch op written where the planner reads it.
+
+Targets (one rank alone: its host free-running, its messages replayed; "eff." = the fused kernel's
+share of the same work / the rank's time per step):
+
+* dense plans, ring and Mesh at P = 4 (``kernels.json``) and P = 8 (``kernels8.json``), each
+  direction, replayed as CUDA graphs (``--graphs``; eager where no graph was captured): eff. >=
+  0.90 at 4K tokens per rank, >= 0.75 at 2K;
+* packed documents at P = 8, 16K tokens per rank, the balanced layout (``masks8.json``), ring and
+  Mesh 2x4 (eager: each sample brings its own plan): eff. >= 0.95 (the other modes are listed).
+
+It writes ``host_cost.json`` (the mean of the result files' ``meta.host_op_us``: the host's time
+per torch op of the runs alone, views included) in the results folder: copy it to
+``megatron_mesh/plan/host_cost.json`` to make it the planner's default. Exit status 1 if a target
+is missed or a result file is absent.
+
+    python scripts/gpu_targets.py DIR
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+DENSE = {2048: 0.75, 4096: 0.90}  # tokens per rank -> the eff. a rank alone must reach
+DOCUMENTS = 0.95
+DOCUMENT_MODES = ("ring", "mesh:2x4")
+
+
+def _load(folder: Path, name: str) -> dict | None:
+    path = folder / name
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def dense_lines(result: dict, name: str) -> tuple[list[str], bool]:
+    lines, ok = [], True
+    for r in result["rows"]:
+        want = DENSE.get(r["seq_local"])
+        if want is None or r["mode"] == "fused" or not r["mode"].startswith(("ring", "mesh")):
+            continue
+        eff = r.get("graph_efficiency") or r["alone_efficiency"]
+        how = "graph" if r.get("graph_efficiency") else "eager"
+        good = eff >= want
+        ok &= good
+        lines.append(f"{'PASS' if good else 'FAIL'}  {name} P={result['meta']['world']} {r['seq_local']} tokens/rank "
+                     f"{r['mode']} {r['direction']}: {how} eff. {eff:.3f} (>= {want}); eager {r['alone_efficiency']:.3f}, "
+                     f"host {r['alone_host_ms']:.3f} ms for {r.get('alone_ops') or 0:.0f} ops")
+    return lines, ok
+
+
+def document_lines(result: dict) -> tuple[list[str], bool]:
+    lines, ok = [], True
+    meta = result["meta"]
+    for r in result["rows"]:
+        if r["layout"] != "balanced":
+            continue
+        target = r["mode"] in DOCUMENT_MODES and meta["world"] == 8
+        good = r["alone_efficiency"] >= DOCUMENTS
+        ok &= good or not target
+        verdict = ("PASS" if good else "FAIL") if target else "info"
+        lines.append(f"{verdict}  documents P={meta['world']} {meta['seq_len'] // meta['world']} tokens/rank balanced "
+                     f"{r['mode']} ({r['calls']}): eff. {r['alone_efficiency']:.3f}" + (f" (>= {DOCUMENTS})" if target
+                                                                                        else ""))
+    return lines, ok
+
+
+def main(argv=None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or not Path(args[0]).is_dir():
+        print(f"usage: gpu_targets.py DIR (scripts/gpu_check.sh's results folder), got {args}", file=sys.stderr)
+        return 2
+    folder = Path(args[0])
+    ok, lines, per_op = True, [], []
+    for name in ("kernels.json", "kernels8.json", "masks8.json"):
+        result = _load(folder, name)
+        if result is None:
+            lines.append(f"FAIL  {name}: absent (its step did not finish)")
+            ok = False
+            continue
+        got, good = document_lines(result) if name.startswith("masks") else dense_lines(result, name)
+        lines += got
+        ok &= good
+        if result["meta"].get("host_op_us"):
+            per_op.append((result["meta"]["host_op_us"], result["meta"]["host_op_source"]))
+    if per_op:
+        us = sum(x for x, _ in per_op) / len(per_op)
+        cost = {"host_op_us": round(us, 2), "source": "; ".join(src for _, src in per_op) +
+                f" (mean of {len(per_op)} files, scripts/gpu_targets.py)"}
+        (folder / "host_cost.json").write_text(json.dumps(cost, indent=1) + "\n")
+        lines.append(f"host per torch op: {us:.1f} us -> {folder / 'host_cost.json'} "
+                     "(copy to megatron_mesh/plan/host_cost.json for the planner's default)")
+    print("\n".join(lines))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
