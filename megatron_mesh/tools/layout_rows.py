@@ -28,9 +28,9 @@ from ..plan.problem import normalize
 from ..plan.shape import AttentionShape
 from ..plan.topology import Topology
 from .default_layout import derived_rows
-from .plan_budget import BUDGET_REASON, LATE_REASON, Budget, balanced_size, problem_size
-from .planner import (AUTO, FORMULAS, ModeResult, _auto_row, _budget_rows, _mode_tasks, _usp_degree, _wanted, all_modes,
-                      check_jobs, evaluate, worker_pool)
+from .plan_budget import BUDGET_REASON, LATE_REASON, Budget, balanced_size, budget_rows, problem_size
+from .planner import AUTO, FORMULAS, ModeResult, _auto_row, _mode_tasks, _usp_degree, _wanted, all_modes, evaluate
+from .workers import check_jobs, worker_pool
 
 __all__ = ["TE_ROWS", "layout_rows"]
 
@@ -209,7 +209,7 @@ def _admit(setups: list[_Setup], sample: Sample, topo: Topology, backward_chunks
             # a balanced layout per Ulysses degree: its size estimated from the documents, not built
             cu = sample.cu_seqlens
             kind, size = "balanced", balanced_size(P, tuple(zip(cu, cu[1:])), sample.causal, st.mask.window[0])
-        rows = _budget_rows(st.kind.name, tasks, P, st.shape, st.mask, st.first if size is None else None,
+        rows = budget_rows(st.kind.name, tasks, P, st.shape, st.mask, st.first if size is None else None,
                             kind, size)
         if st.kind.transformer_engine_rows:  # and TE's own rows (the hybrid: USP's degree)
             u = _usp_degree(P, st.shape, topo)

@@ -26,7 +26,7 @@ from ..plan.balance import document_work
 from ..plan.layout import ThdLayout, ZigzagLayout
 
 __all__ = ["planning_gc", "set_planning_gc", "LayoutSize", "layout_size", "thd_size", "problem_size", "row_seconds",
-           "balanced_size", "Rows", "Budget", "BUDGET_S", "BUDGET_REASON", "LATE_REASON", "DEADLINE_SLACK_S"]
+           "balanced_size", "Rows", "budget_rows", "Budget", "BUDGET_S", "BUDGET_REASON", "LATE_REASON", "DEADLINE_SLACK_S"]
 
 # the collector's first threshold while planning: plans and the caches shared between rows are
 # millions of small objects, and with the default (700) its passes over them took a fifth of the
@@ -169,6 +169,21 @@ class Rows:
     kind: str  # zigzag, balanced or thd: which costs per unit apply
     tasks: tuple
     size: LayoutSize | None
+
+
+def budget_rows(name: str, tasks, world_size: int, shape, mask, layout, kind: str | None = None,
+                size: LayoutSize | None = None) -> Rows:
+    """Layout ``name``'s rows ``tasks`` ((mode name, placement), ...) as the budget prices them:
+    ``kind`` (the costs per unit: zigzag, balanced or thd) and ``size`` when the caller knows them
+    (a balanced layout's size is estimated from the documents, :func:`balanced_size`), else from
+    ``layout`` (None: the zigzag; a function of the placement: its first placement's)."""
+    if callable(layout):
+        layout = layout(tasks[0][1]) if tasks else None
+    if kind is None:
+        kind = "zigzag" if layout is None else "thd" if isinstance(layout, ThdLayout) else "balanced"
+    if size is None:
+        size = problem_size(world_size, world_size * shape.seq_local, mask, layout)
+    return Rows(name, kind, tuple((m, p, p.ulysses) for m, p in tasks), size)
 
 
 class Budget:

@@ -28,25 +28,22 @@ Numbers are per rank and per attention call (one layer), forward + backward.
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import signal
-from concurrent.futures import Executor, ProcessPoolExecutor
-from contextlib import contextmanager, nullcontext
+from concurrent.futures import Executor
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 
 from ..plan.accounting import rank_work
 from ..plan.autotile import TIE_RULE, TIME_TOLERANCE, Candidate, evaluate_plan, pick_best
 from ..plan.balance import document_work
 from ..plan.costs import pair_flops
-from ..plan.layout import ThdLayout
 from ..plan.mask import Mask
 from ..plan.mesh import build_mesh_plan
 from ..plan.modes import MODES as REGISTRY, Placement
 from ..plan.shape import AttentionShape
 from ..plan.simulate import simulate, time_breakdown
 from ..plan.topology import Topology
-from .plan_budget import LATE_REASON, Budget, LayoutSize, Rows, problem_size, set_planning_gc
+from .plan_budget import LATE_REASON, Budget, budget_rows
+from .workers import check_jobs, worker_pool
 
 __all__ = ["all_modes", "default_modes", "derived_modes", "ModeResult", "evaluate", "plan_modes", "ulysses_result",
            "usp_result", "TIME_TOLERANCE", "TIE_RULE", "FORMULAS", "compute_floor", "allowed_pairs", "check_jobs",
@@ -329,65 +326,12 @@ def _evaluate_modes(tasks: list[tuple[str, Placement]], shape: AttentionShape, t
     return evaluated
 
 
-def _budget_rows(name: str, tasks, world_size: int, shape: AttentionShape, mask: Mask, layout,
-                 kind: str | None = None, size: LayoutSize | None = None) -> Rows:
-    """A layout's rows as the budget prices them (:class:`~.plan_budget.Rows`): ``kind`` (the
-    costs per unit: zigzag, balanced or thd) and ``size`` when the caller knows them (a balanced
-    layout's size is estimated from the documents, :func:`~.plan_budget.balanced_size`), else
-    from ``layout`` (None: the zigzag; a function of the placement: its first placement's)."""
-    if callable(layout):
-        layout = layout(tasks[0][1]) if tasks else None
-    if kind is None:
-        kind = "zigzag" if layout is None else "thd" if isinstance(layout, ThdLayout) else "balanced"
-    if size is None:
-        size = problem_size(world_size, world_size * shape.seq_local, mask, layout)
-    return Rows(name, kind, tuple((m, p, p.ulysses) for m, p in tasks), size)
-
-
 def _attempt(name: str, p: Placement, *args) -> ModeResult | str:
     """One placement's row, or why it cannot run (a worker's task: the reason travels back as text)."""
     try:
         return _evaluate_placement(name, p, *args)
     except ValueError as e:
         return str(e)
-
-
-def check_jobs(jobs) -> int:
-    """The number of processes ``jobs`` asks for: a positive integer, or 0 for one per CPU core this
-    process may run on. ValueError names anything else."""
-    if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 0:
-        raise ValueError(f"jobs must be a whole number >= 0 (0: one process per CPU core), got {jobs!r}")
-    if jobs:
-        return jobs
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-@contextmanager
-def worker_pool(jobs: int):
-    """A pool of ``jobs`` worker processes (:func:`check_jobs`; None for one: plan here) to pass as
-    ``executor`` to several :func:`evaluate` / :func:`layout_rows` calls. Spawned, not forked: the
-    planner may run inside a process that holds threads (torch, a test runner), which a fork copies
-    in whatever state they are."""
-    jobs = check_jobs(jobs)
-    if jobs == 1:
-        yield None
-        return
-    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=set_planning_gc)
-    try:
-        yield pool
-    except BaseException:  # Ctrl-C, SIGTERM, a dead worker: drop the rows not started, stop the running ones
-        workers = list(getattr(pool, "_processes", None) or {})  # pids; the executor has no public handle
-        pool.shutdown(wait=False, cancel_futures=True)
-        for pid in workers:
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except OSError:  # already gone
-                pass
-        raise
-    pool.shutdown()
 
 
 # the numbers of a row that are memory: over several samples the largest counts (a buffer has to
@@ -481,6 +425,19 @@ def _wanted(modes) -> set:
 NO_CANDIDATE = "none of its candidates was planned (their own rows say why)"
 
 
+def _derived_row(mode: str, evaluated: dict, pools: dict) -> ModeResult | None:
+    """Derived row ``mode`` (``auto``, or a mode's fastest-candidate row of ``pools``) from the
+    ``evaluated`` rows of its candidates; None when none of them has a row."""
+    if mode == AUTO:
+        pool = [r for name in plan_modes() for r in evaluated.get(name, [])]
+        return _auto_row(pool) if pool else None
+    pool = [r for name in pools[mode] for r in evaluated.get(name, [])]
+    if not pool:
+        return None
+    best = pick_best(pool)
+    return replace(best, mode=mode, extra={**best.extra, "pick": _pick_name(best)})
+
+
 def evaluate(world_size: int, shape: AttentionShape, topo: Topology, modes=None, *, mask: Mask | None = None,
              layout=None, backward_chunks: str = "auto", schedule: str = "greedy", work: bool = False,
              explain: bool = False, jobs: int = 1, executor: Executor | None = None, budget: Budget | None = None,
@@ -518,7 +475,7 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, modes=None,
     auto_rows = {m.auto_row: (m.name, *m.auto_pool) for m in REGISTRY.values() if m.auto_row}
     tasks = _mode_tasks(wanted, world_size, shape, topo, backward_chunks, schedule, skipped)
     if keep is None and budget is not None and budget.limited:
-        keep = budget.admit([_budget_rows("layout", tasks, world_size, shape, mask, layout)])["layout"]
+        keep = budget.admit([budget_rows("layout", tasks, world_size, shape, mask, layout)])["layout"]
     if keep is not None:
         skipped += Budget.skipped(tasks, keep)
         tasks = [t for t, kept in zip(tasks, keep) if kept]
@@ -527,19 +484,10 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, modes=None,
     for mode in modes:
         if mode in REGISTRY:
             rows.extend(evaluated.get(mode, []))
-        elif mode in auto_rows:
-            pool = [r for name in auto_rows[mode] for r in evaluated.get(name, [])]
-            if pool:
-                best = pick_best(pool)
-                rows.append(replace(best, mode=mode, extra={**best.extra, "pick": _pick_name(best)}))
-            else:
-                skipped.append({"mode": mode, "reason": NO_CANDIDATE})
-        elif mode == AUTO:
-            pool = [r for name in plan_modes() for r in evaluated.get(name, [])]
-            if pool:
-                rows.append(_auto_row(pool))
-            else:
-                skipped.append({"mode": mode, "reason": NO_CANDIDATE})
+        elif mode in auto_rows or mode == AUTO:
+            row = _derived_row(mode, evaluated, auto_rows)
+            rows += [row] if row else []
+            skipped += [] if row else [{"mode": mode, "reason": NO_CANDIDATE}]
         elif masked:
             skipped.append({"mode": mode, "reason": "priced by formula for dense attention only"})
         else:

@@ -102,7 +102,7 @@ def test_budget_admits_likeliest_placements_round_robin_and_spends_once():
     topo = Topology.for_cp(64, 8)
     tasks = planner._mode_tasks(planner._wanted(["mesh", "a2a+ring"]), 64, SHAPE, topo, "auto", "greedy", [])
     size = LayoutSize(ranks=64, pieces=1000, pairs=500)
-    rows = planner.Rows("zigzag", "zigzag", tuple((m, p, p.ulysses) for m, p in tasks), size)
+    rows = plan_budget.Rows("zigzag", "zigzag", tuple((m, p, p.ulysses) for m, p in tasks), size)
     first = row_seconds(size, "zigzag", 1)
     later = row_seconds(size, "zigzag", 1, first=False)
     assert later < first  # the per-document work of a layout is paid by its first row
