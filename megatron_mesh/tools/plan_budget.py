@@ -268,8 +268,9 @@ BUDGET_REASON = ("left out up front, past the planning budget (the planner estim
                  "the documents' pieces and the ranks sharing a document, and plans every mode's likeliest placements "
                  "first); --plan-budget 0 plans every row")
 # the clock's backstop: rows admitted but not planned when the run is its budget and this many
-# seconds old are left out (the default: 50 s, and what follows the rows fits in the minute)
-DEADLINE_SLACK_S = 10.0
+# seconds old are left out (the default: 45 s, so that the row in progress and what follows the rows --
+# the auto layout's picks, the table -- fit in the minute on a busy machine too)
+DEADLINE_SLACK_S = 5.0
 LATE_REASON = (f"left out: the run passed its planning budget and {DEADLINE_SLACK_S:g} s more before planning it (this "
                "machine is slower or busier than the estimates assume); --plan-budget 0 plans every row")
 

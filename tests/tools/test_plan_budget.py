@@ -28,7 +28,7 @@ def _json(capsys, *argv) -> dict:
 
 
 def test_rows_past_the_budget_are_left_out_up_front_in_one_line(capsys):
-    # (the clock's backstop, 10 s past the budget, is far: these rows take about a second)
+    # (the clock's backstop, 5 s past the budget, is far: these rows take about a second)
     argv = ["--cp", "8", "--seq-len", "8192", "--heads", "8", "--docs", "lognormal:512,1", "--layout", "zigzag",
             "--modes", ",".join(planner.REGISTRY)]
     every = _json(capsys, *argv, "--plan-budget", "0")
