@@ -127,8 +127,10 @@ PER_RANK_S = 8e-4
 PER_PAIR_S = {"zigzag": 8e-5, "balanced": 4.5e-4, "thd": 2.3e-4, "te": 0.0}
 PER_PIECE_S = {"zigzag": 2e-5, "balanced": 3e-5, "thd": 2e-5, "te": 1.6e-5}
 # and per piece in every row of the plugin's modes (its rank's own calls, their writes and their
-# simulation): 1M 1-token documents cost about 9 s a row at 1024 ranks
-PER_ROW_PIECE_S = 8e-6
+# simulation): 1M 1-token documents cost about 9 s a row at 1024 ranks on the zigzag. On THD far
+# more: each document padded to 2P tokens, a ring row of 16,384 1-token documents at 8 ranks
+# (262,144 pieces) ran over 99 s of CPU unfinished -- priced so that it is left out
+PER_ROW_PIECE_S = {"zigzag": 8e-6, "balanced": 8e-6, "thd": 1.5e-4, "te": 0.0}
 
 
 def row_seconds(size: LayoutSize, layout: str, ulysses: int = 1, first: bool = True) -> float:
@@ -138,7 +140,7 @@ def row_seconds(size: LayoutSize, layout: str, ulysses: int = 1, first: bool = T
     degree ``ulysses``, which builds what the others reuse. A hybrid's inner plan runs over
     fewer, longer chunks: its pairs cost about 1/sqrt(U) of a plain mode's."""
     s = PER_RANK_S * size.ranks + PER_PAIR_S[layout] * size.pairs / math.sqrt(ulysses)
-    s += PER_ROW_PIECE_S * size.pieces if layout != "te" else 0.0
+    s += PER_ROW_PIECE_S[layout] * size.pieces
     return s + (PER_PIECE_S[layout] * size.pieces if first else 0.0)
 
 
@@ -193,11 +195,13 @@ def budget_rows(name: str, tasks, world_size: int, shape, mask, layout, kind: st
 class Budget:
     """The estimated planning seconds a run may still spend (None: no limit): :meth:`admit` takes
     rows from it, :meth:`portion` sets part of it aside for one sample. The estimates are a
-    machine's (docs/performance.md); on a slower or busier one a clock backs them up: once the
+    machine's (docs/performance.md); where they are wrong a clock backs them up: once the
     budget's seconds and :data:`DEADLINE_SLACK_S` more have passed since it was made, :meth:`late`
-    says so, and the rows not yet planned are left out (``clock``: seconds, monotonic; a test's own)."""
+    says so, and the rows not yet planned are left out. ``clock``: seconds, monotonic -- by default
+    this process's CPU time, so that a busy machine stretches the run but leaves out the same rows
+    (with worker processes, wall time: the caller's CPU waits); a test's own."""
 
-    def __init__(self, seconds: float | None, parent: "Budget | None" = None, clock=time.monotonic):
+    def __init__(self, seconds: float | None, parent: "Budget | None" = None, clock=time.process_time):
         if seconds is not None and not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0):
             raise ValueError(f"the planning budget must be a finite number of seconds >= 0 (0: no limit), got "
                              f"{seconds!r}")
@@ -275,8 +279,9 @@ BUDGET_REASON = ("left out up front, past the planning budget (the planner estim
 # seconds old are left out (the default: 45 s, so that the row in progress and what follows the rows --
 # the auto layout's picks, the table -- fit in the minute on a busy machine too)
 DEADLINE_SLACK_S = 5.0
-LATE_REASON = (f"left out: the run passed its planning budget and {DEADLINE_SLACK_S:g} s more before planning it (this "
-               "machine is slower or busier than the estimates assume); --plan-budget 0 plans every row")
+LATE_REASON = (f"left out: the run spent its planning budget and {DEADLINE_SLACK_S:g} s more (CPU seconds; wall seconds "
+               "with --jobs) before planning it, the estimates being low for this machine; --plan-budget 0 plans "
+               "every row")
 
 
 def balanced_size(world_size: int, bounds, causal: bool = True, window=None) -> LayoutSize:

@@ -703,9 +703,10 @@ def _layout_file(args):
 
 
 def _budget(args) -> Budget:
-    """The --plan-budget (ValueError in the flag's terms)."""
+    """The --plan-budget (ValueError in the flag's terms); its clock is this process's CPU time, or
+    wall time when worker processes plan (--jobs)."""
     try:
-        return Budget(args.plan_budget)
+        return Budget(args.plan_budget, clock=time.process_time if args.jobs == 1 else time.monotonic)
     except ValueError:
         raise ValueError(f"--plan-budget {args.plan_budget:g} must be a finite number of seconds >= 0 (0: plan every "
                          "row)") from None
