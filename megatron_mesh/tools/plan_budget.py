@@ -125,11 +125,12 @@ PER_RANK_S = 8e-4
 # (the balanced layout's counts are estimated, :func:`balanced_size`: about half its pairs).
 # Transformer Engine's own rows on THD ("te") simulate two ranks of a ring: their pieces, every row
 PER_PAIR_S = {"zigzag": 8e-5, "balanced": 4.5e-4, "thd": 2.3e-4, "te": 0.0}
-PER_PIECE_S = {"zigzag": 2e-5, "balanced": 3e-5, "thd": 2e-5, "te": 1.6e-5}
+PER_PIECE_S = {"zigzag": 2e-5, "balanced": 3e-5, "thd": 2e-5, "te": 1.5e-4}
 # and per piece in every row of the plugin's modes (its rank's own calls, their writes and their
 # simulation): 1M 1-token documents cost about 9 s a row at 1024 ranks on the zigzag. On THD far
 # more: each document padded to 2P tokens, a ring row of 16,384 1-token documents at 8 ranks
-# (262,144 pieces) ran over 99 s of CPU unfinished -- priced so that it is left out
+# (262,144 pieces) ran over 99 s of CPU unfinished -- priced so that it is left out; TE's own rows
+# there alike (every TE row pays its pieces: they share nothing)
 PER_ROW_PIECE_S = {"zigzag": 8e-6, "balanced": 8e-6, "thd": 1.5e-4, "te": 0.0}
 
 
