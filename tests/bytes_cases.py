@@ -3,8 +3,10 @@ its settings, dense and masked -- and the part of the one gloo spawn that measur
 
 A case is run through the public API (``megatron_mesh.attention(mode=..., **settings)``) and its
 plan is rebuilt on the pytest side from the same placement (``resolve(mode, P, shape,
-**settings).build(shape, mask)``), so the bytes the simulator reads from the plan are compared
-with the bytes the runtime moved.
+**settings).build(shape, mask, layout)``), so the bytes the simulator reads from the plan are
+compared with the bytes the runtime moved. Documents run on Megatron's zigzag and on the balanced
+layout (``layout="balanced"``: :func:`megatron_mesh.plan.balanced_layout` of the same documents,
+per Ulysses group for the hybrids), where ranks' rounds differ most.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_mesh.plan import AttentionShape, Mask, Plan, resolve, tile_shapes
+from megatron_mesh.plan import AttentionShape, Mask, Plan, balanced_layout, normalize, resolve, tile_shapes
 
 SEQ_LOCAL, BATCH, HEADS, KV_HEADS, HEAD_DIM = 16, 1, 4, 2, 8
 SHAPE = AttentionShape(SEQ_LOCAL, BATCH, HEADS, KV_HEADS, HEAD_DIM, itemsize=2)  # bf16
@@ -30,25 +32,38 @@ class Case:
     causal: bool = True
     window: tuple | None = None
     cu_seqlens: tuple | None = None
+    layout: str = "zigzag"  # or "balanced": the documents' balanced layout (per Ulysses group for a hybrid)
 
     def mask(self, world: int) -> Mask:
         S = world * SEQ_LOCAL
-        if self.cu_seqlens is not None:
+        if self.cu_seqlens is not None and self.layout == "zigzag":
             return Mask.from_cu_seqlens(self.cu_seqlens, S, self.causal, self.window)
         return Mask(self.causal, self.window)
+
+    def api_layout(self, world: int):
+        """The ``layout=`` of the call (None: Megatron's zigzag, ``cu_seqlens`` gives the documents)."""
+        if self.layout == "zigzag":
+            return None
+        group = self.settings.get("ulysses_size", 1)
+        return balanced_layout(self.cu_seqlens, world, causal=self.causal, window=self.window, group=group)
+
+    def api_cu_seqlens(self):
+        return self.cu_seqlens if self.layout == "zigzag" else None
 
     @property
     def masked(self) -> bool:
         return self.window is not None or self.cu_seqlens is not None
 
     def plan(self, world: int) -> Plan:
-        return resolve(self.mode, world, SHAPE, **self.settings).build(SHAPE, self.mask(world))
+        mask, layout = normalize(world, SHAPE, self.mask(world), self.api_layout(world))
+        return resolve(self.mode, world, SHAPE, **self.settings).build(SHAPE, mask, layout)
 
 
 def cases(world: int) -> list[Case]:
     """Every plan-based mode at this CP size: ring, every Mesh tile with both rank orders and both
-    backward modes, TASP on one node and over emulated nodes, the Ulysses hybrids, and documents /
-    a window on ring, a Mesh tile and TASP."""
+    backward modes, TASP on one node and over emulated nodes, the Ulysses hybrids; documents on
+    every mode (a Mesh tile of two rows), on Megatron's zigzag and on the balanced layout; a window
+    on ring, a Mesh tile and TASP."""
     # the mask changes which rows a block computes, never what travels: one non-causal dense case suffices
     out = [Case("ring refetch causal=False", "ring", {}, causal=False)]
     for a, b in tile_shapes(world):
@@ -79,13 +94,20 @@ def cases(world: int) -> list[Case]:
     masked = [("ring", {}), ("tasp", {})] + ([("mesh", dict(tile=two_rows, contiguous="q"))] if two_rows else [])
     for mode, settings in masked:
         label = mode + (f" {two_rows[0]}x{two_rows[1]}" if mode == "mesh" else "")
-        out.append(Case(f"{label} documents {docs}", mode, settings, cu_seqlens=docs))
+        for layout in ("zigzag", "balanced"):
+            out.append(Case(f"{label} documents {docs} {layout}", mode, settings, cu_seqlens=docs, layout=layout))
         out.append(Case(f"{label} window (3, 0)", mode, settings, window=(3, 0)))
+    # the hybrids' ranks differ in all-to-all and inner bytes once documents make rounds uneven
+    for case in [c for c in out if c.mode.startswith("a2a+") and c.settings["ulysses_size"] == 2]:
+        for layout in ("zigzag", "balanced"):
+            out.append(Case(f"{case.name} documents {docs} {layout}", case.mode, case.settings, cu_seqlens=docs,
+                            layout=layout))
     return out
 
 
-def measure_group(rank: int, world: int, group=None) -> list[tuple[int, int]]:
-    """(In a spawned rank.) Bytes sent / received by this rank around forward + backward of each case."""
+def measure_group(rank: int, world: int, group=None) -> list[tuple[int, int, dict]]:
+    """(In a spawned rank.) Bytes sent / received by this rank around forward + backward of each
+    case, and the sent bytes per peer (group rank)."""
     import megatron_mesh as mm
 
     g = torch.Generator().manual_seed(rank)
@@ -96,7 +118,7 @@ def measure_group(rank: int, world: int, group=None) -> list[tuple[int, int]]:
                 for _ in range(2))
         with mm.comm_counter() as c:
             o = mm.attention(q, k, v, mode=case.mode, group=group, causal=case.causal, window=case.window,
-                             cu_seqlens=case.cu_seqlens, **case.settings)
+                             cu_seqlens=case.api_cu_seqlens(), layout=case.api_layout(world), **case.settings)
             o.float().sum().backward()
-        out.append((c.bytes_sent, c.bytes_received))
+        out.append((c.bytes_sent, c.bytes_received, dict(c.sent_to)))
     return out

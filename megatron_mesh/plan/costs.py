@@ -23,9 +23,11 @@ accumulator and its lse read and written, the bf16 result and its fp32 lse read)
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from .accounting import FP32, block_area, buffer_bytes, key_bytes
 from .ir import AddGrad, Attend, AttendBackward, Copy, MergeOut, Op, Plan, RowStats
-from .mask import BlockKind, call_groups, mask_pieces
+from .mask import BlockKind, Mask, call_groups, mask_pieces
 from .sel import sel_len, union_intervals
 from .shape import AttentionShape
 from .topology import Topology
@@ -69,16 +71,10 @@ def block_cost_parts(plan: Plan, op, shape: AttentionShape, topo: Topology,
     rows = sel_len(op.rows, plan.tokens(op.q))
     cols = sum(sel_len(op.col(i), plan.tokens(k)) for i, k in enumerate(op.kv))
     if op.mask == BlockKind.MASKED:
-        pieces = mask_pieces(plan.mask, plan.positions(op.q, op.rows),
-                             tuple(r for i, k in enumerate(op.kv) for r in plan.positions(k, op.col(i))), topo.mask_piece)
-        pairs = sum((r1 - r0) * (r1 - r0 + 1) // 2 if kind == BlockKind.CAUSAL else (r1 - r0) * (c1 - c0)
-                    for kind, (r0, r1), (c0, c1) in pieces)
-        # a variable-length call's pieces follow each other in the block: packed as a view
-        calls = max(1, len(call_groups(pieces, plan.kernel_calls)))
-        # the accumulators a masked block touches are its pieces' rows and columns (the
-        # runtime merges and adds each call's partial where it belongs), not its whole buffers
-        rows = sum(b - a for a, b in union_intervals([r for _, r, _ in pieces]))
-        cols = sum(b - a for a, b in union_intervals([c for _, _, c in pieces]))
+        pairs, calls, rows, cols = _masked_block(
+            plan.mask, plan.positions(op.q, op.rows),
+            tuple(r for i, k in enumerate(op.kv) for r in plan.positions(k, op.col(i))), topo.mask_piece,
+            plan.kernel_calls)
     else:
         pairs = block_area(plan, op)
     h, g = plan.head_counts(op.q, shape.heads, shape.kv_heads)
@@ -100,6 +96,23 @@ def block_cost_parts(plan: Plan, op, shape: AttentionShape, topo: Topology,
     else:  # dQ per row; dK and dV per column
         moved = shape.batch * (h * traffic(rows, fresh_q, d) + g * traffic(cols, fresh_kv, d + dv))
     return flops / topo.attention_flops, calls * topo.kernel_latency, moved / topo.memory_bandwidth
+
+
+@lru_cache(maxsize=4096)
+def _masked_block(mask: Mask, q_runs, k_runs, piece: int, kernel_calls: str) -> tuple[int, int, int, int]:
+    """A masked block's (pairs, kernel calls, rows, columns) as its mask pieces run it. Cached: the
+    placements of one problem compute the same blocks (every mode's own block of a rank), and
+    cutting a block of thousands of short documents into its pieces takes a while."""
+    pieces = mask_pieces(mask, q_runs, k_runs, piece)
+    pairs = sum((r1 - r0) * (r1 - r0 + 1) // 2 if kind == BlockKind.CAUSAL else (r1 - r0) * (c1 - c0)
+                for kind, (r0, r1), (c0, c1) in pieces)
+    # a variable-length call's pieces follow each other in the block: packed as a view
+    calls = max(1, len(call_groups(pieces, kernel_calls)))
+    # the accumulators a masked block touches are its pieces' rows and columns (the runtime
+    # merges and adds each call's partial where it belongs), not its whole buffers
+    rows = sum(b - a for a, b in union_intervals([r for _, r, _ in pieces]))
+    cols = sum(b - a for a, b in union_intervals([c for _, _, c in pieces]))
+    return pairs, calls, rows, cols
 
 
 def _block_cost(plan: Plan, op, shape: AttentionShape, topo: Topology, fresh=(0, 0)) -> float:

@@ -76,15 +76,18 @@ __all__ = ["build_hybrid_plan", "inner_shape", "hybrid_rings"]
 _STRAIGHT = ("y", "gq", "gkv")
 
 
-def _span_segments(layout, rank: int, U: int) -> tuple[Segment, ...]:
+def _span_segments(layout, rank: int, U: int, outer=None) -> tuple[Segment, ...]:
     """Token ranges of span-U chunk rank // U that rank ``rank``'s tokens occupy, in its local
-    order (every run of the rank lies inside one run of the span chunk)."""
-    outer = sorted(layout.runs(rank // U, U), key=lambda r: r[1])  # by global start: a bisection finds a run's
-    starts = [s0 for _, s0, _ in outer]                             # home (THD has thousands of runs)
+    order (every run of the rank lies inside one run of the span chunk). ``outer``: the span
+    chunk's runs by global start (:func:`_by_start`), when the caller keeps them for its U ranks."""
+    outer, starts = _by_start(layout, rank // U, U) if outer is None else outer
     out: list[Segment] = []
+    at = 0  # the span chunk's run the last one lay in: a rank's runs mostly follow each other
     for _, start, n in layout.runs(rank):
         while n:  # a run may continue in the next run of the span chunk (the balanced layout's sets)
-            local, s0, sn = outer[first_at(starts, start)]
+            if not outer[at][1] <= start < outer[at][1] + outer[at][2]:
+                at = first_at(starts, start)
+            local, s0, sn = outer[at]
             if not s0 <= start < s0 + sn:
                 raise ValueError(f"rank {rank}'s tokens {start}..{start + n} are not in its Ulysses group's chunk")
             take = min(n, s0 + sn - start)
@@ -95,6 +98,13 @@ def _span_segments(layout, rank: int, U: int) -> tuple[Segment, ...]:
                 out.append(Segment(a, a + take))
             start, n = start + take, n - take
     return tuple(out)
+
+
+def _by_start(layout, chunk: int, U: int) -> tuple[list, list[int]]:
+    """Span-U chunk ``chunk``'s runs by global start, and their starts: a bisection finds a run's
+    home (THD has thousands of runs)."""
+    outer = sorted(layout.runs(chunk, U), key=lambda r: r[1])
+    return outer, [s0 for _, s0, _ in outer]
 
 
 def inner_shape(shape: AttentionShape, ulysses: int) -> AttentionShape:
@@ -159,7 +169,8 @@ class _HybridLowering:
         self.grad_kv = "dkv" if shape.kv_heads < U else "gkv"  # replicated KV heads: partial sums (fp32)
         # where rank m*U + p's tokens sit in span chunk m (its runs, in local order): for the zigzag
         # its two halves, for the THD layout its two halves of every sequence
-        self.span_segments = [_span_segments(layout, m * U + p, U) for m in range(P // U) for p in range(U)]
+        self.span_segments = [_span_segments(layout, m * U + p, U, outer) for m in range(P // U)
+                              for outer in (_by_start(layout, m, U),) for p in range(U)]
         # the inner plan's last round: the return all-to-all comes after it
         self.last_round = {d: inner.max_round(d) for d in ("forward", "backward")}
         self._keys: list[dict] = [{} for _ in range(U)]  # inner key -> its head-slice-u key (a P=256 plan

@@ -248,6 +248,19 @@ class ThdLayout(Layout):
         return tuple((a, a + n) for a, n in zip(self.cu_seqlens_padded, self.seq_lens) if n > 0)
 
     def runs(self, chunk: int, span: int = 1) -> tuple[tuple[int, int, int], ...]:
+        # kept: a plan asks for a chunk's runs per block, and a chunk holds two of every sequence
+        cache = self.__dict__.setdefault("_runs", {})
+        got = cache.get((chunk, span))
+        if got is None:
+            if len(cache) >= _RUNS_KEPT:
+                cache.pop(next(iter(cache)))
+            got = cache[chunk, span] = self._chunk_runs(chunk, span)
+        return got
+
+    def __getstate__(self) -> dict:  # a worker process is sent the layout, not the runs it kept
+        return {k: v for k, v in self.__dict__.items() if k != "_runs"}
+
+    def _chunk_runs(self, chunk: int, span: int) -> tuple[tuple[int, int, int], ...]:
         P = self.world_size // span
         if span < 1 or self.world_size % span or not 0 <= chunk < P:
             raise ValueError(f"chunk {chunk} of span {span} does not exist over CP size {self.world_size}")
@@ -267,6 +280,10 @@ class ThdLayout(Layout):
     def parse(cls, rest: str) -> "ThdLayout":
         m = match_text(r"^P=(\d+) cu=(\d+(?:,\d+)*) lens=(\d+(?:,\d+)*)$", rest, "thd P=2 cu=0,4,8 lens=3,4")
         return cls(int(m.group(1)), _ints(m.group(2)), _ints(m.group(3)))
+
+
+# chunks whose runs a THD layout keeps (every chunk of a comparison's THD plans, up to 64 ranks)
+_RUNS_KEPT = 128
 
 
 @register_layout("span")

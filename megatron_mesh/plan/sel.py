@@ -21,8 +21,8 @@ from bisect import bisect_right
 from itertools import accumulate
 from typing import NamedTuple
 
-__all__ = ["Segment", "Sel", "sel_len", "sel_text", "parse_sel", "sub_selection", "relative_selection", "map_runs",
-           "union_intervals", "merge_runs", "first_at"]
+__all__ = ["Segment", "Sel", "sel_len", "sel_text", "parse_sel", "sub_selection", "segment_begins",
+           "relative_selection", "selection_index", "map_runs", "union_intervals", "merge_runs", "first_at"]
 
 
 class Segment(NamedTuple):
@@ -68,14 +68,20 @@ def _append(out: list[Segment], seg: Segment) -> None:
         out.append(seg)
 
 
-def sub_selection(segments: Sel, sel: Sel | None) -> Sel:
+def segment_begins(segments: Sel) -> list[int]:
+    """Where each of ``segments`` begins in their concatenation (and, last, its length)."""
+    return list(accumulate((s1 - s0 for s0, s1 in segments), initial=0))
+
+
+def sub_selection(segments: Sel, sel: Sel | None, begins: list[int] | None = None) -> Sel:
     """Compose: the tokens ``sel`` (indices into the concatenation of ``segments``) as ranges of
-    the space ``segments`` index into (see the module docstring)."""
+    the space ``segments`` index into (see the module docstring). ``begins``:
+    :func:`segment_begins` of ``segments``, when the caller keeps it for many selections."""
     if sel is None:
         return tuple(segments)
     # where each segment begins in the concatenation: a bisection finds a range's first segment,
     # so a buffer of thousands of documents' runs costs O(n log n), not O(n^2)
-    begins = list(accumulate((s1 - s0 for s0, s1 in segments), initial=0))
+    begins = segment_begins(segments) if begins is None else begins
     out: list[Segment] = []
     for lo, hi in sel:
         for n in range(first_at(begins, lo), len(segments)):
@@ -89,13 +95,20 @@ def sub_selection(segments: Sel, sel: Sel | None) -> Sel:
     return tuple(out)
 
 
-def relative_selection(sel: Sel, within: Sel) -> Sel:
-    """Inverse of :func:`sub_selection`: the ranges ``sel`` (inside ``within``) as indices into
-    the concatenation of ``within``."""
+def selection_index(within: Sel) -> tuple[list[int], list[int], bool]:
+    """What :func:`relative_selection` reads of ``within`` for every selection inside it: where
+    each range begins in the concatenation, the ranges' starts, and whether they ascend."""
     begins = list(accumulate((w1 - w0 for w0, w1 in within), initial=0))
-    # ``within`` in ascending order (a chunk's runs are) lets a bisection find the first overlap
     ordered = all(a.stop <= b.start for a, b in zip(within, within[1:]))
-    starts = [w0 for w0, _ in within]
+    return begins, [w0 for w0, _ in within], ordered
+
+
+def relative_selection(sel: Sel, within: Sel, index: tuple | None = None) -> Sel:
+    """Inverse of :func:`sub_selection`: the ranges ``sel`` (inside ``within``) as indices into
+    the concatenation of ``within``. ``index``: :func:`selection_index` of ``within``, when the
+    caller keeps it for many selections (a buffer of thousands of documents' ranges)."""
+    # ``within`` in ascending order (a chunk's runs are) lets a bisection find the first overlap
+    begins, starts, ordered = selection_index(within) if index is None else index
     out: list[Segment] = []
     for lo, hi in sel:
         first = first_at(starts, lo) if ordered else 0
@@ -111,11 +124,12 @@ def relative_selection(sel: Sel, within: Sel) -> Sel:
     return tuple(out)
 
 
-def map_runs(runs, segs: Sel) -> tuple[tuple[int, int], ...]:
+def map_runs(runs, segs: Sel, locals_: list[int] | None = None) -> tuple[tuple[int, int], ...]:
     """Global position runs (start, length) of the local ``segs`` of a chunk whose tokens are
-    ``runs`` (local offset, global start, length; in local order, as layouts give them)."""
+    ``runs`` (local offset, global start, length; in local order, as layouts give them);
+    ``locals_``: their local offsets, when the caller keeps them for many selections."""
     runs = tuple(runs)
-    locals_ = [local for local, _, _ in runs]
+    locals_ = [local for local, _, _ in runs] if locals_ is None else locals_
     out: list[tuple[int, int]] = []
     for s in segs:
         for n in range(first_at(locals_, s.start), len(runs)):
@@ -134,13 +148,19 @@ def map_runs(runs, segs: Sel) -> tuple[tuple[int, int], ...]:
 
 def union_intervals(intervals) -> tuple[Segment, ...]:
     """Sorted, merged segments covering ``intervals`` ((start, stop) pairs)."""
+    items = sorted(intervals)
+    if not items:
+        return ()
     out: list[Segment] = []
-    for a, b in sorted(intervals):
-        if out and a <= out[-1].stop:
-            if b > out[-1].stop:
-                out[-1] = Segment(out[-1].start, b)
+    start, stop = items[0]
+    for a, b in items:  # one Segment per merged interval (thousands of documents' rows join into few)
+        if a <= stop:
+            if b > stop:
+                stop = b
         else:
-            out.append(Segment(a, b))
+            out.append(Segment(start, stop))
+            start, stop = a, b
+    out.append(Segment(start, stop))
     return tuple(out)
 
 

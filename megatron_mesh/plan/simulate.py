@@ -95,6 +95,7 @@ class PhaseResult:
     max_inter_bytes: int  # the rank that sends the most across nodes
     timeline: tuple[Event, ...] = ()
     sent_per_rank: tuple[int, ...] | None = None  # when every rank's rounds were read
+    inter_per_rank: tuple[int, ...] | None = None  # the same, across nodes
     host: float = 0.0  # the slowest rank's host: seconds issuing its torch ops (Topology.host_op_time)
 
     @property
@@ -157,6 +158,10 @@ class SimResult:
 
     @property
     def max_inter_bytes(self) -> int:
+        """Forward + backward bytes across nodes of the rank that sends the most across nodes."""
+        f, b = self.forward.inter_per_rank, self.backward.inter_per_rank
+        if f is not None and b is not None:
+            return max(x + y for x, y in zip(f, b))
         return self.forward.max_inter_bytes + self.backward.max_inter_bytes
 
 
@@ -193,7 +198,7 @@ def simulate(plan: Plan, shape: AttentionShape, topology: Topology | None = None
             time, busy, rounds, events, host = run_lockstep(plan, shape, topo, direction, sim_ranks,
                                                              traffic.duration, timeline)
         phases.append(PhaseResult(time, busy, rounds, traffic.bytes_sent, traffic.mean_intra, traffic.mean_inter,
-                                  traffic.max_inter, tuple(events), traffic.sent, host))
+                                  traffic.max_inter, tuple(events), traffic.sent, traffic.inter, host))
     return SimResult(*phases, exact=exact)
 
 

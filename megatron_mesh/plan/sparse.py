@@ -79,7 +79,7 @@ from .ir import AddGrad, Attend, AttendBackward, Key, MergeOut, Op, Plan, Post, 
 from .layout import Layout
 from .mask import INF, BlockClass, BlockKind, Mask, band_pairs
 from .passes import insert_frees
-from .sel import Segment, relative_selection, union_intervals
+from .sel import Segment, relative_selection, selection_index, union_intervals
 from .shape import AttentionShape
 from .tunables import TUNABLES, Tunables
 
@@ -673,8 +673,16 @@ class _SparseLowering:
         layout = self.index.layout
         runs = []  # (global start, chunk j, local start, local stop)
         for j, c in parts:
-            for local, start, n in layout.runs(j):
-                for a, b in c.cols[0]:
+            held = layout.runs(j)
+            k = 0
+            # both in local order: one pass over each (a THD chunk holds two runs of every document)
+            for a, b in c.cols[0]:
+                while k < len(held) and held[k][0] + held[k][2] <= a:
+                    k += 1
+                for m in range(k, len(held)):
+                    local, start, n = held[m]
+                    if local >= b:
+                        break
                     lo, hi = max(a, local), min(b, local + n)
                     if lo < hi:
                         runs.append((start + lo - local, j, lo, hi))
@@ -761,8 +769,12 @@ class _SparseLowering:
         if chunk == x:
             return None if sel == (Segment(0, self.T),) else sel
         within = self.slots(Key("q", slot[1], slot[2]))
-        local = relative_selection(sel, within)
-        return None if local == (Segment(0, sum(s.stop - s.start for s in within)),) else local
+        known = self.__dict__.setdefault("_within", {})  # per slot: asked once per block it holds
+        index = known.get(slot[1:])
+        if index is None:
+            index = known[slot[1:]] = (selection_index(within), sum(s.stop - s.start for s in within))
+        local = relative_selection(sel, within, index[0])
+        return None if local == (Segment(0, index[1]),) else local
 
     def lower(self, x: int, direction: str, blocks: bool = True) -> list[Op]:
         backward = direction == "backward"

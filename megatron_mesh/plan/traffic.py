@@ -129,33 +129,52 @@ def _composed_traffic(plan: Plan, shape: AttentionShape, topo: Topology, directi
     m * U; every slice's group sits on the same nodes) with its rounds shifted by the all-to-all
     rounds before them (one, or one per set of a layout balanced for the groups). The all-to-all
     is priced per rank where the inner plan is (its rounds' sizes differ by group on a balanced
-    layout), else on rank 0 and rank P-1 (Megatron's zigzag: the same on every rank)."""
+    layout), else on rank 0 and rank P-1 (Megatron's zigzag: the same on every rank).
+
+    Where every rank is read, CP rank r's bytes are its own all-to-all bytes plus inner rank
+    r // U's, and the busiest rank is the maximum of those totals: once documents make rounds
+    uneven, the rank with the most all-to-all bytes is not the one with the most inner bytes."""
     U = plan.ulysses
     inner = plan.inner
     sub = inner_shape(shape, U)
     inner_topo = replace(topo, node_of=tuple(topo.node(m * U) for m in range(inner.world_size)))
     t = round_traffic(inner, sub, inner_topo, direction)
-    cache: dict = {}
     shift = _inner_shift(plan, direction)
     duration = {r + shift: d for r, d in t.duration.items()}
     per_rank = None
     if t.per_rank is not None:  # every head slice's inner group runs the same rounds on its own ranks
         per_rank = {(m * U + u, rnd + shift): d for (m, rnd), d in t.per_rank.items() for u in range(U)}
-    a2a_sent = a2a_inter = 0
-    for r in (range(plan.world_size) if per_rank is not None else (0, plan.world_size - 1)):
-        sent = inter = 0
-        for op in plan.round_ops(r, direction):
-            if type(op) is not Post or not any(x.key.span == 1 for x in op.sends + op.recvs):
-                continue
-            loads, out, across, _ = _post_loads(plan, r, op, shape, topo, cache)
-            sent, inter = sent + out, inter + across
-            took = _round_time(loads, topo)
-            duration[op.round] = max(duration.get(op.round, 0.0), took)
-            if per_rank is not None:
-                per_rank[(r, op.round)] = took
-        a2a_sent, a2a_inter = max(a2a_sent, sent), max(a2a_inter, inter)
-    return RoundTraffic(duration, t.bytes_sent + a2a_sent, t.mean_intra + a2a_sent - a2a_inter,
-                        t.mean_inter + a2a_inter, t.max_inter + a2a_inter, per_rank=per_rank)
+    ranks = range(plan.world_size) if per_rank is not None else (0, plan.world_size - 1)
+    cache: dict = {}
+    a2a = [_a2a_rank(plan, r, shape, topo, direction, duration, per_rank, cache) for r in ranks]
+    if per_rank is None or t.sent is None:  # the same all-to-all and inner bytes on every rank
+        a2a_sent, a2a_inter = max(x[0] for x in a2a), max(x[1] for x in a2a)
+        return RoundTraffic(duration, t.bytes_sent + a2a_sent, t.mean_intra + a2a_sent - a2a_inter,
+                            t.mean_inter + a2a_inter, t.max_inter + a2a_inter, per_rank=per_rank)
+    P = plan.world_size
+    sent = tuple(t.sent[r // U] + a2a[r][0] for r in ranks)
+    inter = tuple(t.inter[r // U] + a2a[r][1] for r in ranks)
+    received = tuple(t.received[r // U] + a2a[r][2] for r in ranks)
+    a2a_inter = sum(x[1] for x in a2a) / P
+    return RoundTraffic(duration, max(sent), t.mean_intra + sum(x[0] for x in a2a) / P - a2a_inter,
+                        t.mean_inter + a2a_inter, max(inter), sent, received, inter, per_rank)
+
+
+def _a2a_rank(plan: Plan, r: int, shape: AttentionShape, topo: Topology, direction: str, duration: dict,
+              per_rank: dict | None, cache: dict) -> tuple[int, int, int]:
+    """CP rank r's all-to-all rounds of a hybrid: their durations go into ``duration`` (the slowest
+    rank's) and ``per_rank``; returns r's all-to-all bytes sent, sent across nodes and received."""
+    sent = inter = received = 0
+    for op in plan.round_ops(r, direction):
+        if type(op) is not Post or not any(x.key.span == 1 for x in op.sends + op.recvs):
+            continue
+        loads, out, across, got = _post_loads(plan, r, op, shape, topo, cache)
+        sent, inter, received = sent + out, inter + across, received + got
+        took = _round_time(loads, topo)
+        duration[op.round] = max(duration.get(op.round, 0.0), took)
+        if per_rank is not None:
+            per_rank[(r, op.round)] = took
+    return sent, inter, received
 
 
 def _exact_traffic(plan: Plan, shape: AttentionShape, topo: Topology, direction: str) -> RoundTraffic:

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from concurrent.futures import Executor
 from contextlib import nullcontext
-from dataclasses import replace
-from functools import partial
+from dataclasses import dataclass, replace
+from functools import lru_cache, partial
 
 from ..plan.accounting import owner_work
 from ..plan.autotile import evaluate_plan
 from ..plan.hybrid import build_hybrid_plan
-from ..plan.layout import Layout
+from ..plan.layout import Layout, ThdLayout
 from ..plan.layouts import Sample, get_layout_kind, layout_names
 from ..plan.mask import Mask, documents_of
 from ..plan.mesh import build_rotation_plan
@@ -28,7 +28,9 @@ from ..plan.problem import normalize
 from ..plan.shape import AttentionShape
 from ..plan.topology import Topology
 from .default_layout import derived_rows
-from .planner import AUTO, FORMULAS, ModeResult, _auto_row, _usp_degree, all_modes, check_jobs, evaluate, worker_pool
+from .plan_budget import BUDGET_REASON, LATE_REASON, Budget, balanced_size, budget_rows, problem_size
+from .planner import AUTO, FORMULAS, ModeResult, _auto_row, _mode_tasks, _usp_degree, _wanted, all_modes, evaluate
+from .workers import check_jobs, worker_pool
 
 __all__ = ["TE_ROWS", "layout_rows"]
 
@@ -51,10 +53,11 @@ def _hybrid_modes(modes) -> list[str]:
 
 
 def _te_rows(world_size: int, shape: AttentionShape, topo: Topology, mask: Mask, layout: Layout,
-             skipped: list[dict]) -> list[ModeResult]:
+             skipped: list[dict], keep: list[bool] | None = None, budget: Budget | None = None) -> list[ModeResult]:
     """Transformer Engine as it runs on ``layout`` (THD): p2p (the ring schedule, whole KV chunks
     every step, the documents' blocks) and a2a+p2p (USP: the all-to-all over the largest node-local
-    degree, then p2p)."""
+    degree, then p2p); ``keep``: which of them the planning budget admitted (:func:`_admit`),
+    ``budget``: whose clock may leave them out (:meth:`~.plan_budget.Budget.late`)."""
     mask, layout = normalize(world_size, shape, mask, layout)
     plans = {"te-p2p": lambda: build_rotation_plan(world_size, shape, mask, layout, "te-p2p")}
     u = _usp_degree(world_size, shape, topo)
@@ -65,7 +68,10 @@ def _te_rows(world_size: int, shape: AttentionShape, topo: Topology, mask: Mask,
     else:
         skipped.append({"mode": "te-a2a+p2p", "reason": "no all-to-all degree fits the node and the heads"})
     rows = []
-    for name, build in plans.items():
+    for k, (name, build) in enumerate(plans.items()):
+        if keep is not None and not keep[k] or budget is not None and budget.late():
+            skipped.append({"mode": name, "reason": BUDGET_REASON if keep is not None and not keep[k] else LATE_REASON})
+            continue
         plan = build()
         c = evaluate_plan(plan, shape, topo)
         # each row's pairs are computed where it lives (its group's, for the hybrid): the layout
@@ -91,8 +97,8 @@ def _node_ranks(world_size: int, topo: Topology) -> int | None:
 def layout_rows(world_size: int, shape: AttentionShape, topo: Topology, cu_seqlens, *, causal: bool = True,
                 window=None, modes=None, layouts=None, backward_chunks: str = "auto",
                 schedule: str = "greedy", explain: bool = False,
-                plan_all: bool = False, jobs: int = 1,
-                executor: Executor | None = None, kind=None) -> tuple[list[ModeResult], list[dict]]:
+                plan_all: bool = False, jobs: int = 1, executor: Executor | None = None, kind=None,
+                budget: Budget | None = None) -> tuple[list[ModeResult], list[dict]]:
     """Every mode of ``modes`` on each of ``layouts`` (default: every registered layout, in the
     registry's order) for these packed documents, each built as Megatron builds it for the
     placement's Ulysses group and nodes. Rows carry their ``layout``; a layout that pads the
@@ -101,22 +107,31 @@ def layout_rows(world_size: int, shape: AttentionShape, topo: Topology, cu_seqle
     are listed there as skipped, with the reason (TE's own rows are priced). ``jobs``: processes that plan and simulate the
     placements of every layout in parallel, or ``executor`` (:func:`evaluate`). ``kind``: a mask kind
     without documents (chunked, prefix: ``megatron_mesh.masks``) instead of ``causal`` / ``window``, applied
-    inside each document; the layouts are built for its work, Transformer Engine's rows left out."""
+    inside each document; the layouts are built for its work, Transformer Engine's rows left out. ``budget``: a
+    :class:`~.plan_budget.Budget` the rows of every layout share, each layout's likeliest placements
+    first (:func:`_admit`); the rest are named in the skipped list."""
     jobs = check_jobs(jobs)
     with nullcontext(executor) if executor is not None else worker_pool(jobs) as pool:
         return _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, kind, modes,
                             layout_names() if layouts is None else tuple(layouts), backward_chunks, schedule,
-                            explain, plan_all, pool)
+                            explain, plan_all, pool, budget)
 
 
 def _kind_layout(name: str, sample: Sample, p: Placement):
     """Layout ``name`` of ``sample`` for a placement (its Ulysses group and mode): a module-level
     function, so that a worker process can be sent it."""
-    return get_layout_kind(name).build(replace(sample, group=p.ulysses, mode=p.mode))
+    return _built(name, replace(sample, group=p.ulysses, mode=p.mode))
+
+
+@lru_cache(maxsize=8)
+def _built(name: str, sample: Sample):
+    """One layout, built once for every placement that runs on it (a mode's tiles share one; a
+    balanced layout of a million documents takes seconds): its plans' caches are keyed by it."""
+    return get_layout_kind(name).build(sample)
 
 
 def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, kind, modes, layouts, backward_chunks,
-                 schedule, explain, plan_all, executor) -> tuple[list[ModeResult], list[dict]]:
+                 schedule, explain, plan_all, executor, budget=None) -> tuple[list[ModeResult], list[dict]]:
     kinds = [get_layout_kind(name) for name in layouts]  # ValueError naming an unknown one
     cu = [int(c) for c in cu_seqlens]
     S = world_size * shape.seq_local
@@ -129,27 +144,45 @@ def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, kind, mode
     sample = Sample(tuple(cu), world_size, causal, window, ranks_per_node=_node_ranks(world_size, topo), shape=shape,
                     topology=topo, mask=kind)
     plan = dict(backward_chunks=backward_chunks, schedule=schedule, explain=explain, executor=executor)
-    for lk in kinds:
-        if lk.derived_from:  # from the rows of the kinds it picks between, below
-            continue
-        got, skip = _kind_rows(lk, sample, shape, topo, modes, plan, plan_all)
-        rows += [replace(r, layout=lk.name) for r in got]
-        skipped += [{**s, "mode": f"{s['mode']} ({lk.name})"} for s in skip]
+    setups = [_kind_setup(lk, sample, shape, modes, plan_all) for lk in kinds if not lk.derived_from]
+    keep = _admit(setups, sample, topo, backward_chunks, schedule, budget) if budget is not None else {}
+    for setup in setups:
+        got, skip = _kind_rows(setup, sample, topo, modes, plan, keep.get(setup.kind.name), budget)
+        rows += [replace(r, layout=setup.kind.name) for r in got]
+        skipped += [{**s, "mode": f"{s['mode']} ({setup.kind.name})"} for s in skip]
     for lk in kinds:
         if not lk.derived_from:
             continue
         missing = tuple(name for name in lk.derived_from if name not in layouts)
-        both = rows + (_layout_rows(world_size, shape, topo, cu, causal, window, kind, modes, missing,
-                                    backward_chunks, schedule, explain, plan_all, executor)[0] if missing else [])
-        rows += derived_rows(lk, both, sample)
+        both = rows + (_layout_rows(world_size, shape, topo, cu, causal, window, kind, modes, missing, backward_chunks,
+                                    schedule, explain, plan_all, executor, budget)[0] if missing else [])
+        got = derived_rows(lk, both, sample)
+        rows += got
+        # a mode whose rows on the kinds it picks between were not all planned (past the budget, say)
+        have = {r.mode for r in got}
+        skipped += [{"mode": f"{m} ({lk.name})", "reason": f"its {' or '.join(lk.derived_from)} row was not "
+                     "planned (that row, or its mode's, says why)"} for m in modes if m not in have]
     return rows, skipped
 
 
-def _kind_rows(kind, sample: Sample, shape: AttentionShape, topo: Topology, modes, plan: dict, plan_all
-               ) -> tuple[list[ModeResult], list[dict]]:
-    """The rows of one (not derived) layout kind, and the modes left out with the reason."""
+@dataclass(frozen=True)
+class _Setup:
+    """One (not derived) layout kind as its rows are planned: the modes asked on it, its rows'
+    shape and mask, the layout (a function of the placement; None: the zigzag), the plain modes'
+    layout (``first``), and why its modes are not planned at this size (None: they are)."""
+
+    kind: object
+    asked: list
+    shape: AttentionShape
+    mask: Mask
+    layout: object
+    first: Layout | None
+    too_large: str | None
+
+
+def _kind_setup(kind, sample: Sample, shape: AttentionShape, modes, plan_all) -> _Setup:
     P = sample.world_size
-    first = kind.build(sample)  # the plain modes' layout: its tokens per rank, and whether it brings the documents
+    first = _built(kind.name, sample)  # the plain modes' layout: its tokens per rank, and whether it brings the documents
     if first is not None:
         shape = replace(shape, seq_local=first.seq_local)
     # the layout's own documents, or (the zigzag, a layout of positions only) the mask's
@@ -158,23 +191,62 @@ def _kind_rows(kind, sample: Sample, shape: AttentionShape, topo: Topology, mode
         sample.head.with_documents(documents_of(sample.cu_seqlens, S)).normalized(S)
     layout = None if first is None else partial(_kind_layout, kind.name, sample)
     asked = _hybrid_modes(modes) if kind.varies else modes  # it changes only the Ulysses groups' layouts
-    too_large = None if plan_all else kind.too_large(sample)
-    if too_large:
-        got, skip = [], [{"mode": m, "reason": f"{too_large} (plan them with --layout {kind.name})"} for m in asked]
+    return _Setup(kind, asked, shape, mask, layout, first, None if plan_all else kind.too_large(sample))
+
+
+def _admit(setups: list[_Setup], sample: Sample, topo: Topology, backward_chunks: str, schedule: str,
+           budget: Budget) -> dict[str, list[bool]]:
+    """Which rows of every layout the planning budget admits (:meth:`~.plan_budget.Budget.admit`:
+    every layout's likeliest placements first), per layout in the order of its modes' candidates,
+    then Transformer Engine's own rows."""
+    if not budget.limited:
+        return {}
+    P, priced = sample.world_size, []
+    for st in setups:
+        asked = [] if st.too_large else st.asked
+        tasks = _mode_tasks(_wanted(asked), P, st.shape, topo, backward_chunks, schedule, [])
+        kind, size = None, None
+        if isinstance(st.first, ThdLayout):
+            kind = "thd"
+        elif st.first is not None and st.first.documents() is not None and not isinstance(st.first, ThdLayout):
+            # a balanced layout per Ulysses degree: its size estimated from the documents, not built
+            cu = sample.cu_seqlens
+            kind, size = "balanced", balanced_size(P, tuple(zip(cu, cu[1:])), sample.causal, st.mask.window[0])
+        rows = budget_rows(st.kind.name, tasks, P, st.shape, st.mask, st.first if size is None else None,
+                            kind, size)
+        if st.kind.transformer_engine_rows:  # and TE's own rows (the hybrid: USP's degree)
+            u = _usp_degree(P, st.shape, topo)
+            te = (("te-p2p", None, 1),) + ((("te-a2a+p2p", None, u),) if u is not None else ())
+            rows = replace(rows, tasks=rows.tasks + te, size=problem_size(P, 0, st.mask, st.first))
+        priced.append(rows)
+    return budget.admit(priced)
+
+
+def _kind_rows(st: _Setup, sample: Sample, topo: Topology, modes, plan: dict, kept: list[bool] | None,
+               budget: Budget | None) -> tuple[list[ModeResult], list[dict]]:
+    """The rows of one (not derived) layout kind, and the modes left out with the reason; ``kept``:
+    which of its rows the planning budget admitted (:func:`_admit`), ``budget``: its clock."""
+    P, kind, asked = sample.world_size, st.kind, st.asked
+    n = 0
+    if st.too_large:
+        got, skip = [], [{"mode": m, "reason": f"{st.too_large} (plan them with --layout {kind.name})"} for m in asked]
     else:
-        got, skip = evaluate(P, shape, topo, modes=asked, mask=mask, layout=layout, **plan)
+        n = len(_mode_tasks(_wanted(asked), P, st.shape, topo, plan["backward_chunks"], plan["schedule"], [])) \
+            if kept else 0
+        got, skip = evaluate(P, st.shape, topo, modes=asked, mask=st.mask, layout=st.layout,
+                             keep=kept[:n] if kept else None, budget=budget, **plan)
     if kind.varies:  # the fastest of the hybrids on it, then the rows asked for
         pool = [r for r in got if r.mode in REGISTRY]
         got = [r for r in got if r.mode in modes]
         if AUTO in modes and pool:
             got.append(_auto_row(pool))
-        elif AUTO in modes and not too_large:
+        elif AUTO in modes and not st.too_large:
             skip.append({"mode": AUTO, "reason": "no Ulysses hybrid runs here (their rows say why)"})
         hybrids = ", ".join(_hybrid_names())
         skip += [{"mode": m, "reason": f"{kind.name} changes only the Ulysses groups' layouts ({hybrids}); the plain "
                   f"modes run on the {kind.varies} one (--layout {kind.varies})"} for m in modes if m not in asked and m != AUTO]
     if kind.transformer_engine_rows and sample.head.is_band:
-        got += _te_rows(P, shape, topo, sample.head, first, skip)
+        got += _te_rows(P, st.shape, topo, sample.head, st.first, skip, kept[n:] if kept else None, budget)
     elif kind.transformer_engine_rows:  # TE has no such mask
         skip += [{"mode": m, "reason": f"Transformer Engine has no {sample.head.kind} mask"} for m in TE_ROWS]
     return got, skip

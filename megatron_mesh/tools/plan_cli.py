@@ -60,6 +60,7 @@ from ..plan.units import format_bytes
 from ..plan.layouts import LAYOUTS, REFERENCE_LAYOUT, layout_names
 from .layout_rows import layout_rows
 from .mask_spec import HELP as MASK_HELP, cli_kind
+from .plan_budget import BUDGET_S, Budget, planning_gc
 from .planner import (AUTO, FORMULAS, REGISTRY, ModeResult, all_modes, allowed_pairs, compute_floor, default_modes,
                       derived_modes, evaluate, host_bound, mean_rows, worker_pool)
 
@@ -152,6 +153,11 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--plot", metavar="FILE.png", help="also draw bytes, time and time relative to ring versus CP "
                    "size (unmasked: not with --window or --docs)")
     o.add_argument("--plot-cp", default=None, help=f"CP sizes of the plot (with --plot; default {PLOT_CP})")
+    o.add_argument("--plan-budget", type=float, default=BUDGET_S, metavar="S",
+                   help="with --docs or --window, plan the rows whose estimated planning time fits in S seconds (one "
+                        "core of a build machine), each mode's likeliest placements first (the squarest tile, the "
+                        "smallest all-to-all degree), shared by the layouts and samples; the rest are left out, named "
+                        "in one line (0: plan every row, however long it takes)")
     o.add_argument("--jobs", type=int, default=1, metavar="N",
                    help="plan and simulate the rows in N processes (0: one per CPU core); the same table, sooner "
                         "(every row is one plan and one simulation: 1M tokens at 256 ranks with --layout all takes "
@@ -601,10 +607,13 @@ def _seeds(args) -> list[int]:
 
 
 def _plan_sample(args, modes, shape: AttentionShape, topo: Topology, mask: Mask | None, seed: int, layouts,
-                 pool, file_layout=None) -> tuple[list[ModeResult], list[dict], float | None, tuple | None]:
+                 pool, file_layout=None, budget: Budget | None = None
+                 ) -> tuple[list[ModeResult], list[dict], float | None, tuple | None]:
     """The rows, the rows left out, the compute floor and the bounds on the busiest rank's bytes
     (:func:`_bounds`) of one sample of --docs (seed ``seed``), and the rows of ``file_layout``
-    (--layout-file) as layout "file"."""
+    (--layout-file) as layout "file"; ``budget``: this sample's share of --plan-budget (the layout
+    file's rows get a part of it as one more layout)."""
+    part = None if budget is None else budget.portion(2) if file_layout is not None else budget
     docs = None if args.docs is None else document_bounds(args.docs, args.seq_len, seed)
     # the mask's window, None for none: the layouts that place the documents take it apart from them
     window = None if mask is None or args.mask or mask.window == (None, 0 if args.causal else None) else mask.window
@@ -612,15 +621,16 @@ def _plan_sample(args, modes, shape: AttentionShape, topo: Topology, mask: Mask 
     if layouts == (REFERENCE_LAYOUT,):
         rows, skipped = evaluate(args.cp, shape, topo, modes, mask=mask if mask is not None else Mask(args.causal),
                                  backward_chunks=args.backward_chunks, schedule=args.schedule, explain=args.explain,
-                                 executor=pool)
+                                 executor=pool, budget=part)
     else:
         rows, skipped = layout_rows(args.cp, shape, topo, docs, causal=args.causal, window=window, kind=kind, modes=modes,
                                     layouts=layouts, backward_chunks=args.backward_chunks, schedule=args.schedule,
-                                    explain=args.explain, plan_all=args.layout not in (None, "all"), executor=pool)
+                                    explain=args.explain, plan_all=args.layout not in (None, "all"), executor=pool,
+                                    budget=part)
     if file_layout is not None:  # one more layout of the same documents, as given
         got, skip = evaluate(args.cp, shape, topo, modes=[m for m in modes if m not in FORMULAS],
                              backward_chunks=args.backward_chunks, schedule=args.schedule,
-                             mask=head, layout=file_layout, explain=args.explain, executor=pool)
+                             mask=head, layout=file_layout, explain=args.explain, executor=pool, budget=budget)
         rows = rows + [replace(r, layout="file") for r in got]
         skipped = skipped + [{**s, "mode": f"{s['mode']} (file)"} for s in skip]
     # the documents as given (one document over the whole sequence is plain causal)
@@ -692,6 +702,16 @@ def _layout_file(args):
     return read_layout_file(args.layout_file, args.cp, tuple(zip(bounds, bounds[1:])))
 
 
+def _budget(args) -> Budget:
+    """The --plan-budget (ValueError in the flag's terms); its clock is this process's CPU time, or
+    wall time when worker processes plan (--jobs)."""
+    try:
+        return Budget(args.plan_budget, clock=time.process_time if args.jobs == 1 else time.monotonic)
+    except ValueError:
+        raise ValueError(f"--plan-budget {args.plan_budget:g} must be a finite number of seconds >= 0 (0: plan every "
+                         "row)") from None
+
+
 def _terminated(signum, frame):
     raise SystemExit(128 + signum)
 
@@ -723,13 +743,15 @@ def _main(args) -> int:
         seeds = _seeds(args)
         layouts = _layouts(args)
         file_layout = _layout_file(args)
+        budget = _budget(args)
         if args.plot_cp is not None and not args.plot:
             raise ValueError(f"--plot-cp {args.plot_cp} sets the CP sizes of --plot FILE.png, which is not given")
         plot_sizes = _plot_sizes(args, modes) if args.plot else None
         start = time.perf_counter()
-        with worker_pool(args.jobs) as pool:  # one pool for every sample, the table and the plot
+        with planning_gc(), worker_pool(args.jobs) as pool:  # one pool for every sample, the table and the plot
             planned = [_plan_sample(args, modes, shape, topo, mask if seed == args.seed else _mask(args, seed), seed,
-                                    layouts, pool, file_layout) for seed in seeds]
+                                    layouts, pool, file_layout, budget.portion(len(seeds) - k))
+                       for k, seed in enumerate(seeds)]
             rows, skipped, floor, bounds = planned[0] if len(planned) == 1 else _mean_samples(planned)
             elapsed = time.perf_counter() - start
             plot_s = None  # the plot plans every CP size again and draws: often longer than the table

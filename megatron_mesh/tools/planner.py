@@ -28,11 +28,8 @@ Numbers are per rank and per attention call (one layer), forward + backward.
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import signal
-from concurrent.futures import Executor, ProcessPoolExecutor
-from contextlib import contextmanager, nullcontext
+from concurrent.futures import Executor
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 
 from ..plan.accounting import rank_work
@@ -45,6 +42,8 @@ from ..plan.modes import MODES as REGISTRY, Placement
 from ..plan.shape import AttentionShape
 from ..plan.simulate import simulate, time_breakdown
 from ..plan.topology import Topology
+from .plan_budget import LATE_REASON, Budget, budget_rows
+from .workers import check_jobs, worker_pool
 
 __all__ = ["all_modes", "default_modes", "derived_modes", "ModeResult", "evaluate", "plan_modes", "ulysses_result",
            "usp_result", "TIME_TOLERANCE", "TIE_RULE", "FORMULAS", "compute_floor", "allowed_pairs", "check_jobs",
@@ -151,6 +150,11 @@ def _evaluate_placement(name: str, p: Placement, shape: AttentionShape, topo: To
         extra["breakdown"] = _breakdown_json(plan, shape, topo, sim)
     if work or mask is not None and not mask.is_dense or layout is not None:
         for direction in ("forward", "backward"):
+            if layout is None and plan.mask.is_dense:
+                # the zigzag gives every rank the same dense work in every mode (a test checks each
+                # one): no need to build all P plans of ranks (P^2 blocks, minutes at 4096 ranks)
+                extra[f"{direction}_work_max_over_mean"] = 1.0
+                continue
             w = rank_work(plan, direction)
             extra[f"{direction}_work_max_over_mean"] = max(w) * len(w) / max(1, sum(w))
     detail = "; ".join(plan.notes)
@@ -275,14 +279,10 @@ _FORMULA = {"ulysses": ulysses_result, "usp": usp_result}
 
 
 # -- everything -----------------------------------------------------------------------------------------
-def _evaluate_modes(wanted: set, world_size: int, shape: AttentionShape, topo: Topology, mask: Mask, layout,
-                    backward_chunks: str, schedule: str, skipped: list[dict], work: bool = False,
-                    explain: bool = False, executor: Executor | None = None) -> dict[str, list[ModeResult]]:
-    """Every candidate placement of each registered mode in ``wanted``, simulated under ``mask``;
-    a mode or placement that cannot run is appended to ``skipped`` with the reason. ``executor``:
-    the placements are planned and simulated there, in parallel (the rows and their order are the
-    same as in this process)."""
-    evaluated: dict[str, list[ModeResult]] = {}
+def _mode_tasks(wanted: set, world_size: int, shape: AttentionShape, topo: Topology, backward_chunks: str,
+                schedule: str, skipped: list[dict]) -> list[tuple[str, Placement]]:
+    """Every candidate placement of each registered mode in ``wanted``, in the registry's order; a
+    mode that cannot run is appended to ``skipped`` with the reason."""
     tasks: list[tuple[str, Placement]] = []
     for name in plan_modes():
         if name not in wanted:
@@ -295,18 +295,34 @@ def _evaluate_modes(wanted: set, world_size: int, shape: AttentionShape, topo: T
         except ValueError as e:
             skipped.append({"mode": name, "reason": str(e)})
             continue
-        evaluated[name] = []
         tasks += [(name, p.with_options(backward_chunks=backward_chunks, schedule=schedule)) for p in candidates]
+    return tasks
+
+
+def _evaluate_modes(tasks: list[tuple[str, Placement]], shape: AttentionShape, topo: Topology, mask: Mask, layout,
+                    skipped: list[dict], work: bool = False, explain: bool = False,
+                    executor: Executor | None = None, budget: Budget | None = None) -> dict[str, list[ModeResult]]:
+    """The rows of ``tasks`` (:func:`_mode_tasks`), simulated under ``mask``; a placement that
+    cannot run is appended to ``skipped`` with the reason, and so are those not planned when the
+    ``budget``'s clock runs out (:meth:`~.plan_budget.Budget.late`). ``executor``: the placements
+    are planned and simulated there, in parallel (the rows and their order are the same as in this
+    process)."""
+    evaluated: dict[str, list[ModeResult]] = {name: [] for name, _ in tasks}
     args = (shape, topo, mask, layout, work, explain)
+    late = (lambda: False) if budget is None else budget.late
     if executor is None:
-        results = [_attempt(name, p, *args) for name, p in tasks]
+        results = [None if late() else _attempt(name, p, *args) for name, p in tasks]
     else:
-        results = [f.result() for f in [executor.submit(_attempt, name, p, *args) for name, p in tasks]]
+        futures = [executor.submit(_attempt, name, p, *args) for name, p in tasks]
+        results = []
+        for f in futures:  # past the deadline, the rows not started are dropped (the running ones end)
+            results.append(None if late() and f.cancel() else f.result())
     for (name, p), got in zip(tasks, results):
         if isinstance(got, ModeResult):
             evaluated[name].append(got)
-        else:
+        elif got is not None:
             skipped.append({"mode": p.describe(), "reason": got})  # "ring (CP 2, ...)": it names the mode
+    skipped += Budget.skipped(tasks, [got is not None for got in results], LATE_REASON)
     return evaluated
 
 
@@ -316,44 +332,6 @@ def _attempt(name: str, p: Placement, *args) -> ModeResult | str:
         return _evaluate_placement(name, p, *args)
     except ValueError as e:
         return str(e)
-
-
-def check_jobs(jobs) -> int:
-    """The number of processes ``jobs`` asks for: a positive integer, or 0 for one per CPU core this
-    process may run on. ValueError names anything else."""
-    if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 0:
-        raise ValueError(f"jobs must be a whole number >= 0 (0: one process per CPU core), got {jobs!r}")
-    if jobs:
-        return jobs
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-@contextmanager
-def worker_pool(jobs: int):
-    """A pool of ``jobs`` worker processes (:func:`check_jobs`; None for one: plan here) to pass as
-    ``executor`` to several :func:`evaluate` / :func:`layout_rows` calls. Spawned, not forked: the
-    planner may run inside a process that holds threads (torch, a test runner), which a fork copies
-    in whatever state they are."""
-    jobs = check_jobs(jobs)
-    if jobs == 1:
-        yield None
-        return
-    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
-    try:
-        yield pool
-    except BaseException:  # Ctrl-C, SIGTERM, a dead worker: drop the rows not started, stop the running ones
-        workers = list(getattr(pool, "_processes", None) or {})  # pids; the executor has no public handle
-        pool.shutdown(wait=False, cancel_futures=True)
-        for pid in workers:
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except OSError:  # already gone
-                pass
-        raise
-    pool.shutdown()
 
 
 # the numbers of a row that are memory: over several samples the largest counts (a buffer has to
@@ -431,10 +409,39 @@ def _auto_row(pool: list[ModeResult]) -> ModeResult:
                    extra={**best.extra, "pick": _pick_name(best)})
 
 
+def _wanted(modes) -> set:
+    """The registered modes ``modes`` need planned: the modes, the candidates of their derived rows
+    (``mesh-auto``: Mesh's and ring's), every mode for ``auto``."""
+    wanted = set(modes)
+    for m in REGISTRY.values():
+        if m.auto_row and m.auto_row in wanted:
+            wanted |= {m.name, *m.auto_pool}
+    if AUTO in wanted:
+        wanted |= set(plan_modes())
+    return wanted
+
+
+# a derived row (mesh-auto, auto...) none of whose candidates has a row
+NO_CANDIDATE = "none of its candidates was planned (their own rows say why)"
+
+
+def _derived_row(mode: str, evaluated: dict, pools: dict) -> ModeResult | None:
+    """Derived row ``mode`` (``auto``, or a mode's fastest-candidate row of ``pools``) from the
+    ``evaluated`` rows of its candidates; None when none of them has a row."""
+    if mode == AUTO:
+        pool = [r for name in plan_modes() for r in evaluated.get(name, [])]
+        return _auto_row(pool) if pool else None
+    pool = [r for name in pools[mode] for r in evaluated.get(name, [])]
+    if not pool:
+        return None
+    best = pick_best(pool)
+    return replace(best, mode=mode, extra={**best.extra, "pick": _pick_name(best)})
+
+
 def evaluate(world_size: int, shape: AttentionShape, topo: Topology, modes=None, *, mask: Mask | None = None,
              layout=None, backward_chunks: str = "auto", schedule: str = "greedy", work: bool = False,
-             explain: bool = False, jobs: int = 1,
-             executor: Executor | None = None) -> tuple[list[ModeResult], list[dict]]:
+             explain: bool = False, jobs: int = 1, executor: Executor | None = None, budget: Budget | None = None,
+             keep: list[bool] | None = None) -> tuple[list[ModeResult], list[dict]]:
     """Rows for ``modes`` (see :data:`MODES`) and the modes that cannot run, with the reason.
 
     ``mask`` (default: causal; ``Mask(False)`` full attention) and ``layout`` (a layout, or a function of the
@@ -447,7 +454,12 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, modes=None,
     (a layout, or a module-level function or ``functools.partial`` of one), and a mode registered
     at run time rather than on import is unknown to the spawned workers (they import the calling
     script, as multiprocessing's spawn does: a script needs the ``if __name__ == "__main__":``
-    guard). ``executor``: an executor to use instead (jobs is then ignored)."""
+    guard). ``executor``: an executor to use instead (jobs is then ignored). ``budget``: a
+    :class:`~.plan_budget.Budget` of estimated planning seconds; the mask-aware rows past it are
+    left out up front and named in the skipped list (None: every row), and those its clock finds
+    late for (:meth:`~.plan_budget.Budget.late`). ``keep``: instead of its estimates, which
+    placements to plan, in the order of the modes' candidates (what :func:`layout_rows` admitted
+    over several layouts)."""
     jobs = check_jobs(jobs)
     allowed = all_modes()
     modes = allowed if modes is None else modes
@@ -459,28 +471,23 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, modes=None,
     masked = not mask.normalized(world_size * shape.seq_local).is_dense or layout is not None
     rows: list[ModeResult] = []
     skipped: list[dict] = []
-    wanted = set(modes)
+    wanted = _wanted(modes)
     auto_rows = {m.auto_row: (m.name, *m.auto_pool) for m in REGISTRY.values() if m.auto_row}
-    for row, pool in auto_rows.items():
-        if row in wanted:
-            wanted |= set(pool)
-    if AUTO in wanted:
-        wanted |= set(plan_modes())
+    tasks = _mode_tasks(wanted, world_size, shape, topo, backward_chunks, schedule, skipped)
+    if keep is None and budget is not None and budget.limited:
+        keep = budget.admit([budget_rows("layout", tasks, world_size, shape, mask, layout)])["layout"]
+    if keep is not None:
+        skipped += Budget.skipped(tasks, keep)
+        tasks = [t for t, kept in zip(tasks, keep) if kept]
     with nullcontext(executor) if executor is not None else worker_pool(jobs) as pool:
-        evaluated = _evaluate_modes(wanted, world_size, shape, topo, mask, layout, backward_chunks, schedule, skipped,
-                                    work, explain, pool)
+        evaluated = _evaluate_modes(tasks, shape, topo, mask, layout, skipped, work, explain, pool, budget)
     for mode in modes:
         if mode in REGISTRY:
             rows.extend(evaluated.get(mode, []))
-        elif mode in auto_rows:
-            pool = [r for name in auto_rows[mode] for r in evaluated.get(name, [])]
-            if pool:
-                best = pick_best(pool)
-                rows.append(replace(best, mode=mode, extra={**best.extra, "pick": _pick_name(best)}))
-        elif mode == AUTO:
-            pool = [r for name in plan_modes() for r in evaluated.get(name, [])]
-            if pool:
-                rows.append(_auto_row(pool))
+        elif mode in auto_rows or mode == AUTO:
+            row = _derived_row(mode, evaluated, auto_rows)
+            rows += [row] if row else []
+            skipped += [] if row else [{"mode": mode, "reason": NO_CANDIDATE}]
         elif masked:
             skipped.append({"mode": mode, "reason": "priced by formula for dense attention only"})
         else:

@@ -40,6 +40,7 @@ from ..plan.units import format_bytes
 from . import yaml_args
 from .plan_cli import document_bounds
 from .layout_rows import layout_rows
+from .plan_budget import BUDGET_S, Budget
 from .planner import ModeResult, allowed_pairs, compute_floor, evaluate
 
 __all__ = ["Problem", "read_config", "machine", "predict", "prediction_section", "measured_vs_planned_section",
@@ -224,13 +225,15 @@ def predict(problem: Problem, topo: Topology, modes=PREDICT_MODES
             ) -> tuple[list[ModeResult], list[dict], float]:
     """The planner's rows for ``problem`` on ``topo`` (one attention layer, forward + backward),
     the modes that cannot run, and the compute floor in seconds. Documents: the plugin's
-    balanced layout (its default for packed documents)."""
+    balanced layout (its default for packed documents). The rows share the planner's default
+    planning budget (:data:`~.plan_budget.BUDGET_S`): those past it are left out, named."""
     shape = problem.shape
+    budget = Budget(BUDGET_S)
     if problem.documents is None:
-        rows, skipped = evaluate(problem.cp, shape, topo, modes=modes, mask=problem.mask(), work=True)
+        rows, skipped = evaluate(problem.cp, shape, topo, modes=modes, mask=problem.mask(), work=True, budget=budget)
     else:
         rows, skipped = layout_rows(problem.cp, shape, topo, problem.cu_seqlens, window=problem.window, modes=modes,
-                                    layouts=("balanced",))
+                                    layouts=("balanced",), budget=budget)
     floor = compute_floor(allowed_pairs(problem.cu_seqlens, True, problem.window), problem.cp, shape, topo)
     return rows, skipped, floor
 

@@ -36,7 +36,7 @@ from typing import Callable, Iterable, Iterator
 
 from ..layout import Layout, ZigzagLayout, head_slice, layout_from_text
 from ..mask import Mask
-from ..sel import Segment, Sel, map_runs, parse_sel, sel_text, sub_selection
+from ..sel import Segment, Sel, map_runs, parse_sel, segment_begins, sel_text, sub_selection
 from .ops import KINDS, Attend, AttendBackward, Free, Key, Op, Post, Wait, _parse_keys, op_keys, parse_op
 from .writes import creation_fills, first_writes
 
@@ -262,7 +262,11 @@ class Plan:
         """Token count of buffer ``key``."""
         if key.slot < 0:
             return self.seq_local * key.span
-        return sum(s.stop - s.start for s in self.segments(key))
+        ck = ("tokens", key.span, key.chunk, key.slot)  # a slot of thousands of documents' segments
+        n = self._cache.get(ck)
+        if n is None:
+            n = self._cache[ck] = sum(s.stop - s.start for s in self.segments(key))
+        return n
 
     def positions(self, key: Key, sel: Sel | None = None) -> tuple[tuple[int, int], ...]:
         """Global position runs (start, length) of buffer ``key``'s tokens (``sel`` of them), in
@@ -270,8 +274,15 @@ class Plan:
         ck = ("pos", key.span, key.chunk, key.slot, sel)
         hit = self._cache.get(ck)
         if hit is None:
-            runs = self.layout.runs(key.chunk, key.span)
-            hit = self._cache[ck] = map_runs(runs, sub_selection(self.segments(key), sel))
+            # the buffer's segments and its chunk's runs, indexed once per buffer (not once per
+            # selection: a THD chunk holds two runs of every document, and each block selects some)
+            bk = ("pos-index", key.span, key.chunk, key.slot)
+            index = self._cache.get(bk)
+            if index is None:
+                segs, runs = self.segments(key), tuple(self.layout.runs(key.chunk, key.span))
+                index = self._cache[bk] = (segs, segment_begins(segs), runs, [local for local, _, _ in runs])
+            segs, begins, runs, locals_ = index
+            hit = self._cache[ck] = map_runs(runs, sub_selection(segs, sel, begins), locals_)
         return hit
 
     def head_range(self, key: Key, heads: int, kv_heads: int) -> tuple[int, int] | None:

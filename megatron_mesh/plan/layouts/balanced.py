@@ -4,6 +4,8 @@ first when the CP group spans nodes."""
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from ..balance import BalancedLayout, balanced_layout
 from .base import LayoutKind, Sample
 
@@ -20,5 +22,13 @@ class BalancedKind(LayoutKind):
         """Balanced per Ulysses group of the sample's mode, nodes first where the nodes hold whole
         groups (else the group level decides alone)."""
         n = sample.ranks_per_node
-        return balanced_layout(sample.cu_seqlens, sample.world_size, mask=sample.head, group=sample.group, ranks_per_node=n if n and n % sample.group == 0 else None,
-                               hide=self.hide and sample.group > 1)
+        return _balanced(sample.cu_seqlens, sample.world_size, sample.head, sample.group,
+                         n if n and n % sample.group == 0 else None, self.hide and sample.group > 1)
+
+
+@lru_cache(maxsize=4)
+def _balanced(cu_seqlens: tuple, world_size: int, head, group: int, ranks_per_node, hide: bool):
+    """One balanced layout, built once for the modes that run on it (the planner prices every mode of
+    a sample, and ``auto`` each mode's choice, on it: a million 1-token documents take seconds);
+    ``head``: the sample's mask without documents (:attr:`Sample.head`)."""
+    return balanced_layout(cu_seqlens, world_size, mask=head, group=group, ranks_per_node=ranks_per_node, hide=hide)

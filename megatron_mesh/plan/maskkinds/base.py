@@ -298,6 +298,25 @@ def cached_hash(self) -> int:
     return h
 
 
+def shared_eq(self, other) -> bool:
+    """Equal masks built apart hold equal, distinct document tuples, and every cache lookup compared
+    them element by element (a million 1-token documents: seconds per plan); once found equal they
+    share one tuple, so the next comparison is an identity check."""
+    if self is other:
+        return True
+    if type(other) is not type(self):
+        return NotImplemented
+    if hash(self) != hash(other):
+        return False
+    if any(getattr(self, f.name) != getattr(other, f.name) for f in dataclasses.fields(self) if f.name != "documents"):
+        return False
+    if self.documents is not other.documents:
+        if self.documents != other.documents:
+            return False
+        object.__setattr__(other, "documents", self.documents)
+    return True
+
+
 def reduce_mask(self):
     """Pickles without the cached hash (hash(None) differs between processes)."""
     return (type(self), tuple(getattr(self, f.name) for f in dataclasses.fields(self)))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import MaskKind, cached_hash, reduce_mask
+from .base import MaskKind, cached_hash, reduce_mask, shared_eq
 
 __all__ = ["MASK_KINDS", "register_mask_kind", "mask_from_text"]
 
@@ -22,6 +22,7 @@ def register_mask_kind(*words: str):
             MASK_KINDS[w] = cls
         cls.kind = cls.kind or (words or ("",))[0]
         cls.__hash__ = cached_hash
+        cls.__eq__ = shared_eq
         cls.__reduce__ = reduce_mask
         return cls
     return wrap

@@ -1,0 +1,53 @@
+"""The planner's worker processes: ``--jobs N`` plans and simulates the rows in N spawned
+processes (:func:`worker_pool`), each collecting garbage as the planner does
+(:func:`~.plan_budget.set_planning_gc`)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
+
+from .plan_budget import set_planning_gc
+
+__all__ = ["check_jobs", "worker_pool"]
+
+
+def check_jobs(jobs) -> int:
+    """The number of processes ``jobs`` asks for: a positive integer, or 0 for one per CPU core this
+    process may run on. ValueError names anything else."""
+    if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 0:
+        raise ValueError(f"jobs must be a whole number >= 0 (0: one process per CPU core), got {jobs!r}")
+    if jobs:
+        return jobs
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+@contextmanager
+def worker_pool(jobs: int):
+    """A pool of ``jobs`` worker processes (:func:`check_jobs`; None for one: plan here) to pass as
+    ``executor`` to several :func:`~.planner.evaluate` / :func:`~.layout_rows.layout_rows` calls. Spawned, not forked: the
+    planner may run inside a process that holds threads (torch, a test runner), which a fork copies
+    in whatever state they are."""
+    jobs = check_jobs(jobs)
+    if jobs == 1:
+        yield None
+        return
+    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=set_planning_gc)
+    try:
+        yield pool
+    except BaseException:  # Ctrl-C, SIGTERM, a dead worker: drop the rows not started, stop the running ones
+        workers = list(getattr(pool, "_processes", None) or {})  # pids; the executor has no public handle
+        pool.shutdown(wait=False, cancel_futures=True)
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except OSError:  # already gone
+                pass
+        raise
+    pool.shutdown()
