@@ -26,9 +26,9 @@ from megatron_mesh.tools.plan_cli import document_bounds, main
 from helpers import png_size
 from megatron_mesh.plan.simulate import BACKWARD_FLOPS
 from megatron_mesh.plan.layouts import ThdKind, layout_names, thd_layout
+from megatron_mesh.tools.formulas import ulysses_result, usp_result
 from megatron_mesh.tools.layout_rows import TE_ROWS, layout_rows
-from megatron_mesh.tools.planner import (TIME_TOLERANCE, allowed_pairs, compute_floor, evaluate, mean_rows,
-                                        ulysses_result, usp_result)
+from megatron_mesh.tools.planner import TIME_TOLERANCE, allowed_pairs, compute_floor, evaluate, mean_rows
 
 GQA = AttentionShape(seq_local=16384, heads=32, kv_heads=8, head_dim=128)
 MHA = AttentionShape(seq_local=4096, heads=32, kv_heads=32, head_dim=128)
