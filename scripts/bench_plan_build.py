@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from megatron_mesh.plan import AttentionShape, Mask, Topology, balanced_layout, get_mode, resolve, tile_shapes  # noqa: E402
 from megatron_mesh.plan import sparse  # noqa: E402
 from megatron_mesh.plan.choice import choose_layout  # noqa: E402
-from megatron_mesh.tools.plan_cli import document_bounds  # noqa: E402
+from megatron_mesh.tools.plan_args import document_bounds  # noqa: E402
 
 
 def _clear() -> None:

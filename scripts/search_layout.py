@@ -48,7 +48,7 @@ from megatron_mesh.plan.accounting import buffer_bytes
 from megatron_mesh.plan.balance import BalancedLayout, document_work
 from megatron_mesh.plan.layout import ZigzagLayout
 from megatron_mesh.plan.tunables import TUNABLES
-from megatron_mesh.tools.plan_cli import document_bounds
+from megatron_mesh.tools.plan_args import document_bounds
 
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 

@@ -17,9 +17,10 @@ bin (the same number each way, the denser ones to the idler bin) while that narr
 Worked example (2 bins of 8 tokens, causal, documents [0, 12) and [12, 16): work 78 and 10, mean
 44 a bin). The first document is above the mean, so it is cut into 2 zigzag portions, its
 quarters 0 and 3, 1 and 2: [0, 3) + [9, 12) and [3, 6) + [6, 9), work 39 each (density 6.5); the
-second stays whole (density 2.5). Bin 0 (target 44) takes one zigzag portion whole (39, and its 2 tokens left can be filled with 5 more); cutting the other one would
-overshoot (39 + 6.5 + 2.5 > 44), so the 2 tokens come from the portion closest to the density
-still needed, 5 / 2: the short document, cut to its first 2 tokens (work 3). Bin 1 takes the rest::
+second stays whole (density 2.5). Bin 0 (target 44) takes one zigzag portion whole (39, and its 2
+tokens left can be filled with 5 more); cutting the other one would overshoot (39 + 6.5 + 2.5 >
+44), so the 2 tokens come from the portion closest to the density still needed, 5 / 2: the short
+document, cut to its first 2 tokens (work 3). Bin 1 takes the rest::
 
     bin 0: [0, 3) + [9, 12) + [12, 14)    work 39 + 3 = 42
     bin 1: [3, 9) + [14, 16)              work 39 + 7 = 46

@@ -157,7 +157,7 @@ def test_mesh_auto_tile_takes_another_tile_where_the_mask_favours_it():
     8K tokens of 2 heads of 32 per rank the host's ops decide); under the mask with refetched
     backward chunks the 8x1 map's busiest rank moves fewer bytes (29.4 against 29.8 MB sent +
     received; 16.0 against 17.9 MB sent), and the plan takes it, saying so."""
-    from megatron_mesh.tools.plan_cli import document_bounds
+    from megatron_mesh.tools.plan_args import document_bounds
 
     P, S = 8, 65536
     shape = AttentionShape(seq_local=S // P, batch=1, heads=2, kv_heads=2, head_dim=32, itemsize=4)
