@@ -23,7 +23,7 @@ and each rank sends one portion per block it takes part in.
 The search: simulated annealing from a seeded random start (moves: a short document to another
 rank, two swapped, two ranks swapped in the pouring order, a block to another rank), scored by
 the busiest rank's bytes sent (forward + backward, counted as the plan counts them, portions kept
-for the backward where :class:`~megatron_mesh.plan.sparse._Keeps` keeps them), with a penalty on
+for the backward where :class:`~megatron_mesh.plan.sparse_needs.Keeps` keeps them), with a penalty on
 work max/mean above ``--max-balance``. The best state is then built by the planner -- Mesh's plan
 on the ``BalancedLayout`` with its owners -- and that plan's bytes and work are printed (they
 equal the model's: a difference exits non-zero). ``--out`` writes the layout's text line, which
