@@ -453,7 +453,6 @@ OVER_LIMIT = {
     "plan/ir/writes.py:creation_fills": 106,
     "plan/ir/plan.py:_Parser.plan": 71,
     "plan/hybrid.py:_HybridLowering": 331,
-    "plan/maskkinds/base.py:MaskKind": 217,
     "plan/ir/plan.py:Plan": 252,
     "megatron/core_attention.py:PluginCoreAttention": 218,
 }
