@@ -73,7 +73,7 @@ from megatron_mesh.plan.accounting import rank_work  # noqa: E402
 from megatron_mesh.runtime.autograd import forward_backward  # noqa: E402
 from megatron_mesh.runtime.inputs import attention_mask  # noqa: E402
 from megatron_mesh.runtime.sharding import layout_shard, layout_unshard  # noqa: E402
-from megatron_mesh.tools.plan_cli import document_bounds  # noqa: E402
+from megatron_mesh.tools.plan_args import document_bounds  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULTS = {  # realistic on a GPU; seconds on a CPU

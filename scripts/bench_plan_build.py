@@ -25,15 +25,15 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megatron_mesh.plan import AttentionShape, Mask, Topology, balanced_layout, get_mode, resolve, tile_shapes  # noqa: E402
-from megatron_mesh.plan import sparse  # noqa: E402
+from megatron_mesh.plan import sparse_blocks  # noqa: E402
 from megatron_mesh.plan.choice import choose_layout  # noqa: E402
-from megatron_mesh.tools.plan_cli import document_bounds  # noqa: E402
+from megatron_mesh.tools.plan_args import document_bounds  # noqa: E402
 
 
 def _clear() -> None:
     """Forget every cached block table: each sample is a new batch."""
-    sparse.block_table.cache_clear()
-    sparse._blocks.cache_clear()
+    sparse_blocks.block_table.cache_clear()
+    sparse_blocks.blocks_of.cache_clear()
 
 
 def measure(P: int, S: int, spec: str, modes: list[str], seed: int = 0) -> list[dict]:

@@ -44,7 +44,7 @@ from megatron_mesh.comm.spawn import spawn
 from megatron_mesh.plan import AttentionShape, Mask, plan_bytes, resolve
 from megatron_mesh.plan.modes import REFERENCE_MODE, parse_mode_spec
 from megatron_mesh.plan.accounting import rank_work
-from megatron_mesh.tools.plan_cli import document_bounds, read_layout_file, window_of
+from megatron_mesh.tools.plan_args import document_bounds, read_layout_file, window_of
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 

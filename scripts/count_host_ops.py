@@ -51,7 +51,7 @@ from megatron_mesh.plan.modes.base import parse_mode_spec  # noqa: E402
 from megatron_mesh.runtime.autograd import forward_backward  # noqa: E402
 from megatron_mesh.runtime.inputs import attention_mask  # noqa: E402
 from megatron_mesh.runtime.sharding import layout_shard  # noqa: E402
-from megatron_mesh.tools.plan_cli import document_bounds  # noqa: E402
+from megatron_mesh.tools.plan_args import document_bounds  # noqa: E402
 
 # ops that make a view: no kernel on a GPU, but a dispatch on the host
 VIEWS = frozenset({"slice", "unsqueeze", "squeeze", "view", "permute", "expand", "transpose", "select", "alias",

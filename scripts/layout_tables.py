@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from megatron_mesh.plan import AttentionShape, Topology  # noqa: E402
 from megatron_mesh.plan.bound import query_owner_bound  # noqa: E402
-from megatron_mesh.tools.plan_cli import ITEMSIZE, document_bounds  # noqa: E402
+from megatron_mesh.tools.plan_args import ITEMSIZE, document_bounds  # noqa: E402
 from megatron_mesh.tools.layout_rows import layout_rows  # noqa: E402
 from megatron_mesh.tools.planner import allowed_pairs, compute_floor, worker_pool  # noqa: E402
 

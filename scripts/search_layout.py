@@ -23,7 +23,7 @@ and each rank sends one portion per block it takes part in.
 The search: simulated annealing from a seeded random start (moves: a short document to another
 rank, two swapped, two ranks swapped in the pouring order, a block to another rank), scored by
 the busiest rank's bytes sent (forward + backward, counted as the plan counts them, portions kept
-for the backward where :class:`~megatron_mesh.plan.sparse._Keeps` keeps them), with a penalty on
+for the backward where :class:`~megatron_mesh.plan.sparse_needs.Keeps` keeps them), with a penalty on
 work max/mean above ``--max-balance``. The best state is then built by the planner -- Mesh's plan
 on the ``BalancedLayout`` with its owners -- and that plan's bytes and work are printed (they
 equal the model's: a difference exits non-zero). ``--out`` writes the layout's text line, which
@@ -48,7 +48,7 @@ from megatron_mesh.plan.accounting import buffer_bytes
 from megatron_mesh.plan.balance import BalancedLayout, document_work
 from megatron_mesh.plan.layout import ZigzagLayout
 from megatron_mesh.plan.tunables import TUNABLES
-from megatron_mesh.tools.plan_cli import document_bounds
+from megatron_mesh.tools.plan_args import document_bounds
 
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 

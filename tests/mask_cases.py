@@ -305,7 +305,7 @@ def cpu_problem_samples() -> list[tuple]:
     """Seeds 0-2 of the CPU problem of docs/performance.md (8 ranks, 64K tokens of
     lognormal:4096,1.0) scaled by 1/32: 2K tokens of lognormal:128,1.0 (the sizes of a document
     relative to a rank's tokens are the same)."""
-    from megatron_mesh.tools.plan_cli import document_bounds
+    from megatron_mesh.tools.plan_args import document_bounds
 
     return [tuple(document_bounds("lognormal:128,1.0", 2048, seed)) for seed in range(3)]
 

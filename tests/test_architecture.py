@@ -2,7 +2,7 @@
 the layers' dependency direction (plan/ never imports torch, only megatron/ imports Megatron,
 nothing below megatron/ imports it, tools/ sit on plan/ alone), settings read through their typed
 object, state held by objects (the module-level state of megatron/ and runtime/, the tests'
-patches of package state) and no function nothing uses."""
+patches of package state), no function nothing uses, and the sizes of files, functions and classes."""
 
 from __future__ import annotations
 
@@ -442,3 +442,47 @@ def test_the_glossary_that_the_docs_point_to_defines_their_words():
     assert listed and set(listed.group(1).replace("\n", " ").split(", ")) <= words, (listed, words)
     assert "(docs/design.md#glossary)" in open(os.path.join(ROOT, "README.md")).read()
     assert [w for w in words if "piece" in w] == ["mask piece"]
+
+
+# -- size: files, functions and classes stay small -----------------------------------------------------------
+MAX_FILE_LINES, MAX_FUNCTION_LINES, MAX_CLASS_LINES = 500, 60, 200
+# what is over its limit today, with its size: it may only shrink (and leave the list once under)
+OVER_LIMIT = {
+    "plan/ir/plan.py:_Parser.plan": 71,
+    "plan/ir/plan.py:Plan": 252,
+    "megatron/core_attention.py:PluginCoreAttention": 218,
+}
+
+
+def _sizes_over_limits() -> dict[str, int]:
+    """'file' or 'file:Class.function' -> lines, for every package file over MAX_FILE_LINES and
+    every function or class over its limit (nested ones too, named by their path)."""
+    out = {}
+
+    def walk(node, rel: str, prefix: str) -> None:
+        for c in ast.iter_child_nodes(node):
+            if isinstance(c, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                limit = MAX_CLASS_LINES if isinstance(c, ast.ClassDef) else MAX_FUNCTION_LINES
+                if c.end_lineno - c.lineno + 1 > limit:
+                    out[f"{rel}:{prefix}{c.name}"] = c.end_lineno - c.lineno + 1
+                walk(c, rel, f"{prefix}{c.name}.")
+            else:
+                walk(c, rel, prefix)
+    for path in _modules().values():
+        rel = os.path.relpath(path, PACKAGE).replace(os.sep, "/")
+        with open(path) as f:
+            lines = len(f.read().splitlines())
+        if lines > MAX_FILE_LINES:
+            out[rel] = lines
+        walk(_tree(path), rel, "")
+    return out
+
+
+def test_files_functions_and_classes_stay_under_their_sizes():
+    """No package file over 500 lines, function over 60, class over 200 -- except the ones listed
+    in OVER_LIMIT, each no larger than listed; one that got under its limit leaves the list."""
+    over = _sizes_over_limits()
+    grown = {k: (n, OVER_LIMIT.get(k)) for k, n in over.items() if n > OVER_LIMIT.get(k, 0)}
+    assert not grown, f"over the size limits (lines, allowed): {grown}: split along a seam"
+    stale = sorted(set(OVER_LIMIT) - set(over))
+    assert not stale, f"now under their limits: remove {stale} from OVER_LIMIT"

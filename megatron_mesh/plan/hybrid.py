@@ -11,7 +11,7 @@ GQA: with fewer KV heads than U, each KV head is replicated to U / kv_heads rank
 DeepSpeed-Ulysses does; the bytes count the copies) and their dK/dV partials are summed at home.
 
 On a layout balanced for these groups (:func:`~.balance.balanced_layout` with ``group`` U) the
-all-to-all runs in rounds by document (:meth:`_HybridLowering._lower_sets`): the tokens of
+all-to-all runs in rounds by document (:mod:`.hybrid_sets`): the tokens of
 documents that cross into another group, then the documents inside the group, each rank sending
 1/U of each. The own block runs in parts, the inside documents' while the crossing ones' blocks
 with other groups' keys are pending, and the inside rows go home before the rest: only the
@@ -52,22 +52,17 @@ except dK/dV of a KV head replicated to several ranks, a partial sum (fp32).
 from __future__ import annotations
 
 from dataclasses import replace
-from itertools import accumulate
 from typing import Callable
 
 from .balance import SETS
-from .ir import (KINDS, AddGrad, Attend, AttendBackward, Copy, Free, Key, Op, Plan, Post, RankPlan, RowStats, Transfer,
-                 Wait)
+from .hybrid_sets import SET_ROUNDS, SetLowering, SetRows
+from .ir import KINDS, AddGrad, Attend, Copy, Free, Key, Op, Plan, Post, RankPlan, RowStats, Transfer, Wait
 from .layout import Layout, SpanLayout, check_ulysses_heads, head_slice
-from .mask import BlockKind, Mask
+from .mask import Mask
 from .passes import insert_frees
-from .sel import Segment, Sel, first_at
+from .sel import Segment, first_at
 from .shape import AttentionShape
 from .units import count
-
-# the rounds before a hybrid's inner plan on a layout balanced for its groups (_lower_sets): the
-# all-to-all's four gather rounds, one per set, and the first documents' return
-_SET_ROUNDS = len(SETS) + 1
 
 __all__ = ["build_hybrid_plan", "inner_shape", "hybrid_rings"]
 
@@ -146,20 +141,53 @@ def build_hybrid_plan(mode: str, world_size: int, ulysses: int, build_inner: Cal
                 heads=(shape.heads, shape.kv_heads), rings=hybrid_rings(P, U, inner.rings), notes=notes, inner=inner)
 
 
-def _restrict(op, rows: Sel):
-    """The part of an own block (its chunk's rows against its chunk's keys) whose rows and columns
-    both lie in ``rows`` (None: nothing there). Exact only when no allowed pair joins ``rows`` to
-    the rest: ``rows`` is whole documents."""
-    def cut(sel):
+class _HeadSlices:
+    """The inner plan's ops and keys relabelled to head slice u of a Ulysses group (cached: a P=256
+    plan relabels ~10^6 of them); the inner rounds come ``shift`` rounds after the all-to-all's."""
+
+    def __init__(self, U: int, inner: Plan, shift: int):
+        self.U, self.inner, self.shift = U, inner, shift
+        self._keys: list[dict] = [{} for _ in range(U)]  # inner key -> its head-slice-u key
+        self._transfers: list[dict] = [{} for _ in range(U)]
+
+    def key(self, key: Key, u: int) -> Key:
+        cache = self._keys[u]
+        k = cache.get(key)
+        if k is None:
+            k = cache[key] = Key(key.kind, key.chunk, key.slot, key.incoming, u, self.U)
+        return k
+
+    def transfer(self, t: Transfer, u: int) -> Transfer:
+        cache = self._transfers[u]
+        x = cache.get(t)
+        if x is None:
+            x = cache[t] = Transfer(t.peer * self.U + u, self.key(t.key, u))
+        return x
+
+    def ops(self, m: int, u: int, direction: str, blocks: bool) -> list[Op]:
+        """The inner plan's ops of inner rank m, relabelled to head slice u; its rounds follow the
+        all-to-all's (``shift``: one round, or :data:`~.hybrid_sets.SET_ROUNDS` by document)."""
+        shift = self.shift
+        src = self.inner.rank(m).ops(direction) if blocks else self.inner.round_ops(m, direction)
         out = []
-        for a, b in (sel if sel is not None else ((0, 1 << 62),)):
-            out += [Segment(max(a, r.start), min(b, r.stop)) for r in rows if max(a, r.start) < min(b, r.stop)]
-        return tuple(out)
-    mine = cut(op.rows)
-    cols = tuple(cut(op.col(i)) for i in range(len(op.kv)))
-    if not mine or not all(cols):
-        return None
-    return op._replace(rows=mine, cols=cols, mask=BlockKind.MASKED)
+        for op in src:
+            t = type(op)
+            if t is Free:  # the combined list gets its own Frees
+                continue
+            if t is Post:
+                out.append(Post(op.round + shift, tuple(self.transfer(x, u) for x in op.sends),
+                                tuple(self.transfer(x, u) for x in op.recvs)))
+            elif t is Wait:
+                out.append(Wait(op.round + shift))
+            else:
+                fields = {}
+                for name, v in zip(op._fields, op):
+                    if isinstance(v, Key):
+                        fields[name] = self.key(v, u)
+                    elif isinstance(v, tuple) and v and isinstance(v[0], Key):
+                        fields[name] = tuple(self.key(k, u) for k in v)
+                out.append(op._replace(**fields))
+        return out
 
 
 class _HybridLowering:
@@ -173,96 +201,26 @@ class _HybridLowering:
                               for outer in (_by_start(layout, m, U),) for p in range(U)]
         # the inner plan's last round: the return all-to-all comes after it
         self.last_round = {d: inner.max_round(d) for d in ("forward", "backward")}
-        self._keys: list[dict] = [{} for _ in range(U)]  # inner key -> its head-slice-u key (a P=256 plan
-        self._transfers: list[dict] = [{} for _ in range(U)]  # relabels ~10^6 of them)
         self._early: dict[int, bool] = {}  # inner rank -> dQ goes home before dK/dV
         self._empty: dict[int, bool] = {}  # inner rank -> it computes nothing (THD padding alone)
-        # the all-to-all in rounds by document (a layout balanced for this group: see _lower_sets)
+        # the all-to-all in rounds by document (a layout balanced for this group: :mod:`.hybrid_sets`)
         self.sets = U > 1 and layout.group == U
-        self._set_rows: dict[int, tuple[Sel, ...]] = {}
-        self._member_sets: dict[int, list] = {}
-        self.layout = layout
+        self.set_rows = SetRows(layout, U, self.span_segments)
+        self.head_slices = _HeadSlices(U, inner, SET_ROUNDS if self.sets else 1)
 
     def segments(self, key: Key):
         if key.span == self.U:
             return self.inner.segments(key._replace(heads=-1, span=1))
         if self.sets and key.span == 1 and 0 <= key.slot < len(SETS):  # a rank's rows of one all-to-all round
-            return self.member_sets(key.chunk)[key.slot][0]
+            return self.set_rows.member_sets(key.chunk)[key.slot][0]
         raise KeyError(f"hybrid plan has no slot {key}")
-
-    # -- the all-to-all in rounds by document -----------------------------------------------------
-    def set_rows(self, m: int) -> tuple[Sel, ...]:
-        """Span chunk m's rows of each all-to-all round (:data:`~.balance.SETS`, in the chunk in
-        that order, :meth:`~.balance.BalancedLayout.runs`): the documents that cross into another
-        group, then those inside it run first, the others, those run last (the first and last
-        empty without ``hide``)."""
-        got = self._set_rows.get(m)
-        if got is None:
-            ends = list(accumulate(self.layout.set_tokens(m), initial=0))
-            got = self._set_rows[m] = tuple((Segment(x, y),) if x < y else () for x, y in zip(ends, ends[1:]))
-        return got
-
-    def member_sets(self, x: int) -> list[tuple[Sel, Sel]]:
-        """For each round: (rank x's local rows in it, where they go in its span chunk)."""
-        got = self._member_sets.get(x)
-        if got is None:
-            got, local = [([], []) for _ in SETS], 0
-            for seg in self.span_segments[x]:
-                for j, rows in enumerate(self.set_rows(x // self.U)):
-                    for r in rows:
-                        a, b = max(seg.start, r.start), min(seg.stop, r.stop)
-                        if a < b:
-                            got[j][0].append(Segment(local + a - seg.start, local + b - seg.start))
-                            got[j][1].append(Segment(a, b))
-                local += seg.stop - seg.start
-            got = self._member_sets[x] = [(tuple(a), tuple(b)) for a, b in got]
-        return got
-
-    def relabel(self, key: Key, u: int) -> Key:
-        cache = self._keys[u]
-        k = cache.get(key)
-        if k is None:
-            k = cache[key] = Key(key.kind, key.chunk, key.slot, key.incoming, u, self.U)
-        return k
-
-    def _transfer(self, t: Transfer, u: int) -> Transfer:
-        cache = self._transfers[u]
-        x = cache.get(t)
-        if x is None:
-            x = cache[t] = Transfer(t.peer * self.U + u, self.relabel(t.key, u))
-        return x
-
-    def inner_ops(self, m: int, u: int, direction: str, blocks: bool) -> list[Op]:
-        """The inner plan's ops of inner rank m, relabelled to head slice u; its rounds follow the
-        all-to-all's (one round, or :data:`_SET_ROUNDS` with :attr:`sets`)."""
-        shift = _SET_ROUNDS if self.sets else 1
-        src = self.inner.rank(m).ops(direction) if blocks else self.inner.round_ops(m, direction)
-        out = []
-        for op in src:
-            t = type(op)
-            if t is Free:  # the combined list gets its own Frees
-                continue
-            if t is Post:
-                out.append(Post(op.round + shift, tuple(self._transfer(x, u) for x in op.sends),
-                                tuple(self._transfer(x, u) for x in op.recvs)))
-            elif t is Wait:
-                out.append(Wait(op.round + shift))
-            else:
-                fields = {}
-                for name, v in zip(op._fields, op):
-                    if isinstance(v, Key):
-                        fields[name] = self.relabel(v, u)
-                    elif isinstance(v, tuple) and v and isinstance(v[0], Key):
-                        fields[name] = tuple(self.relabel(k, u) for k in v)
-                out.append(op._replace(**fields))
-        return out
 
     def heads(self, side: str, p: int) -> tuple[int, int]:
         return head_slice(side, p, self.U, self.shape.heads, self.shape.kv_heads)
 
     def lower(self, g: int, direction: str, blocks: bool = True) -> list[Op]:
         if self.sets:
-            ops = self._lower_sets(g, direction)
+            ops = SetLowering(self, g, direction).ops()
             return ops if blocks else [op for op in ops if type(op) in (Post, Wait)]
         U, backward = self.U, direction == "backward"
         m, u = divmod(g, U)
@@ -287,8 +245,8 @@ class _HybridLowering:
             rp = self.inner.rank(m)
             for key, segs in (rp.backward_inputs if backward else rp.forward_inputs).items():
                 if key.slot >= 0:
-                    ops.append(Copy(self.relabel(key._replace(slot=-1), u), self.relabel(key, u), rows=segs))
-        inner = self.inner_ops(m, u, direction, blocks)
+                    ops.append(Copy(self.head_slices.key(key._replace(slot=-1), u), self.head_slices.key(key, u), rows=segs))
+        inner = self.head_slices.ops(m, u, direction, blocks)
         # finished results go home in the input dtype, as Ulysses sends them; dK/dV of a KV head
         # replicated to several ranks is still a partial sum there: it travels in fp32
         outs = (("dq", "gq"), ("dkv", self.grad_kv)) if backward else (("o", "y"),)
@@ -319,93 +277,6 @@ class _HybridLowering:
             ops.extend(self._assemble(g, outs, [(-1, None)]))
         return ops
 
-    def _lower_sets(self, g: int, direction: str) -> list[Op]:
-        """The all-to-all in four rounds, by document (:data:`~.balance.SETS`; each rank holds 1/U
-        of each, :func:`~.balance.balanced_layout`): A the tokens of the documents that cross into
-        another group, then three of documents inside the group: F run first, B, L run last.
-        Blocks never mix the sets (a document's tokens are in one), so the inner plan's own block
-        runs in four parts, each once its round is in. F's part hides round A (the layout gives it
-        the pairs to), A's part and B's hide the inner plan's rounds, B's rows -- no other group's
-        keys reach them -- go home while the A rows' blocks with other groups' keys run (forward)
-        or the A part runs (backward), and L's part hides A's rows going home. What stays exposed
-        is F's gather and L's return (the layout keeps them small).
-
-        Forward: gather F, A, B, L | wait F | own block on F | F home | wait A | own block on A |
-        wait B | own block on B | the inner plan's blocks with other groups' keys | B home | A home
-        | wait L | own block on L | L home. Backward: the same, with the blocks with other groups'
-        keys (A rows: their keys kept from the forward) before B's part and A's part after it, A's
-        rows going home once the dK/dV partials of other groups are added."""
-        U, backward = self.U, direction == "backward"
-        m, u = divmod(g, U)
-        group = [m * U + p for p in range(U)]
-        peers = [x for x in group if x != g]
-        sets = {x: self.member_sets(x) for x in group}
-        in_kinds = ("dy",) if backward else ("q", "kv")
-        span = {k: Key(k, m, heads=u, span=U) for k in ("q", "kv", "o", "dy", "do")}
-        A, F, B, L = range(len(SETS))
-        gathered = (F, A, B, L)  # rounds 1-4, in this order; F home is round 5
-        last = self.last_round[direction] + _SET_ROUNDS + 1  # the first round after the inner plan's
-        home_round = {F: len(gathered) + 1, B: last, A: last + 1, L: last + 2}
-
-        def gather(j: int) -> Post:
-            return Post(1 + gathered.index(j), tuple(Transfer(x, Key(k, g, slot=j, heads=x - m * U))
-                                                     for x in peers for k in in_kinds if sets[g][j][0]),
-                        tuple(Transfer(x, Key(k, x, slot=j, heads=u)) for x in peers for k in in_kinds if sets[x][j][0]))
-
-        def arrive(j: int) -> list[Op]:
-            ops: list[Op] = [Wait(1 + gathered.index(j))]
-            for k in in_kinds:
-                ops += [Copy(Key(k, x, slot=j, heads=u), span[k], into=sets[x][j][1]) for x in group if sets[x][j][0]]
-            rows = self.set_rows(m)[j]
-            if backward and rows:  # the row statistics come from the output this rank kept
-                ops.append(RowStats(span["dy"], span["o"], span["do"], rows=rows))
-            return ops
-
-        outs = (("dq", "gq"), ("dkv", self.grad_kv)) if backward else (("o", "y"),)
-
-        def home(j: int) -> list[Op]:  # round j's rows, finished, to their ranks
-            return self._home(g, group, outs, home_round[j], True, slot=j)
-
-        inner = self.inner_ops(m, u, direction, True)
-        own = [i for i, op in enumerate(inner) if type(op) in (Attend, AttendBackward) and op.q == span["q"]
-               and op.kv == (span["kv"],)]
-        if not own:
-            raise ValueError(f"inner rank {m}'s plan has no own block to split over the all-to-all rounds")
-        part = {j: [p for i in own if (p := _restrict(inner[i], rows)) is not None]
-                for j, rows in enumerate(self.set_rows(m))}
-        ops: list[Op] = [gather(j) for j in gathered]
-        ops += arrive(F) + part[F] + home(F) + arrive(A)
-        rp = self.inner.rank(m)  # the inner plan's own input cuts (its slots) come from round A's tokens
-        for key, segs in (rp.backward_inputs if backward else rp.forward_inputs).items():
-            if key.slot >= 0:
-                ops.append(Copy(self.relabel(key._replace(slot=-1), u), self.relabel(key, u), rows=segs))
-        before, after = inner[:own[0]], inner[own[-1] + 1:]
-        # what the inner plan runs between the calls of its own block (its rounds), in order
-        middle = [op for i, op in enumerate(inner[own[0]:own[-1] + 1], own[0]) if i not in own]
-        if backward:
-            # the inner plan's blocks that wait for nothing (other groups' keys kept from the
-            # forward, on A rows) while round B arrives, then B's part, then the rest
-            first_wait = next((i for i, op in enumerate(before) if type(op) is Wait), len(before))
-            seq = before[:first_wait] + arrive(B) + part[B]
-            b_end = len(seq)
-            seq += before[first_wait:] + middle + part[A] + after
-        else:
-            seq = before + part[A] + middle + arrive(B) + part[B]
-            b_end = len(seq)
-            seq += after
-        # B home once its part ran and after the inner plan's last post (rounds are posted in order)
-        at = max(b_end, max((i + 1 for i, op in enumerate(seq) if type(op) is Post), default=0))
-        ops += seq[:at] + home(B) + seq[at:]
-        # F's and B's rows went home while A's ran: their buffers go before A's are made; A's rows
-        # go home while L's part runs
-        ops += [Wait(home_round[F]), Wait(home_round[B]), *home(A), *arrive(L), *part[L], *home(L),
-                Wait(home_round[A]), Wait(home_round[L])]
-        # a round that moves nothing for this rank (an empty set: no first or last documents without
-        # hide, no crossing ones) is not posted; the others keep their numbers
-        idle = {op.round for op in ops if type(op) is Post and not op.sends and not op.recvs}
-        ops = [op for op in ops if type(op) not in (Post, Wait) or op.round not in idle]
-        return ops + self._assemble(g, outs, [(j, rows) for j, (rows, _) in enumerate(sets[g]) if rows])
-
     def _home(self, g: int, group: list[int], outs, round_: int, blocks: bool, slot: int = -1) -> list[Op]:
         """The copies of ``outs`` ((accumulator, finished kind) pairs) into each group member's
         buffer, then the round that sends them home (the last op). ``slot`` j >= 0: only the rows
@@ -413,7 +284,7 @@ class _HybridLowering:
         of a finished kind go straight into my chunk's head slice (one copy instead of two); a
         replicated KV head's dK/dV partial is summed in :meth:`_assemble`."""
         U, (m, u) = self.U, divmod(g, self.U)
-        rows = {x: self.span_segments[x] if slot < 0 else self.member_sets(x)[slot][1] for x in group}
+        rows = {x: self.span_segments[x] if slot < 0 else self.set_rows.member_sets(x)[slot][1] for x in group}
         ops: list[Op] = []
         if blocks:
             for acc, k in outs:
@@ -421,7 +292,7 @@ class _HybridLowering:
                     if not rows[x]:
                         continue
                     if x == g and k in _STRAIGHT:  # my own rows of my head slice: straight into my chunk's buffer
-                        into = None if slot < 0 else self.member_sets(g)[slot][0]
+                        into = None if slot < 0 else self.set_rows.member_sets(g)[slot][0]
                         ops.append(Copy(Key(acc, m, heads=u, span=U), Key(k, g), rows=rows[g], into=into,
                                         heads=self.heads(KINDS[k].side, u)))
                     else:
@@ -480,12 +351,12 @@ class _HybridLowering:
         inner = self.inner.rank(m)
         # the inner tokens and output (none where the group computes nothing)
         kept = {Key(k, m, heads=u, span=U) for k in ("q", "kv") + (() if self._no_blocks(m) else ("o",))}
-        saved = tuple(sorted(kept | {self.relabel(k, u) for k in inner.saved}))
+        saved = tuple(sorted(kept | {self.head_slices.key(k, u) for k in inner.saved}))
         output, grad_q, grad_kv = Key("y", g), Key("gq", g), Key(self.grad_kv, g)
         forward = insert_frees(self.lower(g, "forward"), keep={output, *saved})
         backward = insert_frees(self.lower(g, "backward"), keep={grad_q, grad_kv})
         if self.sets:  # my rows of each all-to-all round, per head slice
-            cuts = [(j, rows) for j, (rows, _) in enumerate(self.member_sets(g)) if rows]
+            cuts = [(j, rows) for j, (rows, _) in enumerate(self.set_rows.member_sets(g)) if rows]
             fwd_in = {Key(k, g, slot=j, heads=p): rows for k in ("q", "kv") for p in range(U) for j, rows in cuts}
             bwd_in = {Key("dy", g, slot=j, heads=p): rows for p in range(U) for j, rows in cuts}
         else:

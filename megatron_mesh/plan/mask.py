@@ -381,18 +381,6 @@ def mask_pieces(mask: Mask, q_runs, k_runs, piece: int) -> list[tuple[BlockKind,
     so "key position <= query position" is the lower triangle (front x back is empty, back x
     front full), and a causal kernel skips the empty half as it does for one run."""
     out: list = []
-
-    def add(kind: BlockKind, rows: tuple[int, int], cols: tuple[int, int]) -> None:
-        last = out[-1] if out else None  # full calls side by side (or one above the other) are one call
-        if kind == BlockKind.FULL and last is not None and last[0] == BlockKind.FULL and last[1] == rows and \
-                last[2][1] == cols[0]:
-            out[-1] = (kind, rows, (last[2][0], cols[1]))
-        elif kind == BlockKind.FULL and last is not None and last[0] == BlockKind.FULL and last[2] == cols and \
-                last[1][1] == rows[0]:
-            out[-1] = (kind, (last[1][0], rows[1]), cols)
-        else:
-            out.append((kind, rows, cols))
-
     cols = _segments(k_runs, piece, mask)
     rows = _segments(q_runs, piece, mask)
     # each segment's documents, found once (the partners and the whole-document calls use them)
@@ -406,21 +394,43 @@ def mask_pieces(mask: Mask, q_runs, k_runs, piece: int) -> list[tuple[BlockKind,
             joined = documents.get((q_group[qi], k_group[ki]))
             if joined is not None:  # one call for the documents' rectangle, at its first pair
                 if joined:
-                    add(*joined)
+                    _add_call(out, *joined)
                     documents[q_group[qi], k_group[ki]] = ()
                 continue
-            c = classify_block(mask, qr, (kr,))
-            if c is None:
-                continue
-            if c.kind != BlockKind.MASKED and c.rows == ((0, n),) and c.cols[0] == ((0, m),):
-                add(c.kind, (r0, r0 + n), (c0, c0 + m))
-                continue
-            for r1, qp, n1 in cut_runs(qr, piece):
-                for c1, kp, m1 in cut_runs(kr, piece):
-                    cp = classify_block(mask, qp, (kp,))
-                    if cp is None:
-                        continue
-                    whole = cp.rows == ((0, n1),) and cp.cols[0] == ((0, m1),)
-                    kind = cp.kind if whole and cp.kind != BlockKind.MASKED else BlockKind.MASKED
-                    add(kind, (r0 + r1, r0 + r1 + n1), (c0 + c1, c0 + c1 + m1))
+            for call in _segment_calls(mask, (r0, qr, n), (c0, kr, m), piece):
+                _add_call(out, *call)
     return out
+
+
+def _add_call(out: list, kind: BlockKind, rows: tuple[int, int], cols: tuple[int, int]) -> None:
+    """Append a call to ``out``; full calls side by side (or one above the other) are one call."""
+    last = out[-1] if out else None
+    if kind == BlockKind.FULL and last is not None and last[0] == BlockKind.FULL and last[1] == rows and \
+            last[2][1] == cols[0]:
+        out[-1] = (kind, rows, (last[2][0], cols[1]))
+    elif kind == BlockKind.FULL and last is not None and last[0] == BlockKind.FULL and last[2] == cols and \
+            last[1][1] == rows[0]:
+        out[-1] = (kind, (last[1][0], rows[1]), cols)
+    else:
+        out.append((kind, rows, cols))
+
+
+def _segment_calls(mask: Mask, row, col, piece: int):
+    """The calls of one pair of segments (block-local offset, global runs, tokens): one FULL or
+    CAUSAL call when the whole pair is, else its pieces of at most ``piece`` tokens a side with
+    an allowed pair (:func:`mask_pieces`)."""
+    (r0, qr, n), (c0, kr, m) = row, col
+    c = classify_block(mask, qr, (kr,))
+    if c is None:
+        return
+    if c.kind != BlockKind.MASKED and c.rows == ((0, n),) and c.cols[0] == ((0, m),):
+        yield c.kind, (r0, r0 + n), (c0, c0 + m)
+        return
+    for r1, qp, n1 in cut_runs(qr, piece):
+        for c1, kp, m1 in cut_runs(kr, piece):
+            cp = classify_block(mask, qp, (kp,))
+            if cp is None:
+                continue
+            whole = cp.rows == ((0, n1),) and cp.cols[0] == ((0, m1),)
+            kind = cp.kind if whole and cp.kind != BlockKind.MASKED else BlockKind.MASKED
+            yield kind, (r0 + r1, r0 + r1 + n1), (c0 + c1, c0 + c1 + m1)

@@ -28,8 +28,9 @@ from ..plan.problem import normalize
 from ..plan.shape import AttentionShape
 from ..plan.topology import Topology
 from .default_layout import derived_rows
+from .formulas import usp_degree
 from .plan_budget import BUDGET_REASON, LATE_REASON, Budget, balanced_size, budget_rows, problem_size
-from .planner import AUTO, FORMULAS, ModeResult, _auto_row, _mode_tasks, _usp_degree, _wanted, all_modes, evaluate
+from .planner import AUTO, FORMULAS, ModeResult, _auto_row, _mode_tasks, _wanted, all_modes, evaluate
 from .workers import check_jobs, worker_pool
 
 __all__ = ["TE_ROWS", "layout_rows"]
@@ -60,7 +61,7 @@ def _te_rows(world_size: int, shape: AttentionShape, topo: Topology, mask: Mask,
     ``budget``: whose clock may leave them out (:meth:`~.plan_budget.Budget.late`)."""
     mask, layout = normalize(world_size, shape, mask, layout)
     plans = {"te-p2p": lambda: build_rotation_plan(world_size, shape, mask, layout, "te-p2p")}
-    u = _usp_degree(world_size, shape, topo)
+    u = usp_degree(world_size, shape, topo)
     if u is not None:
         plans["te-a2a+p2p"] = lambda: build_hybrid_plan(
             "te-a2a+p2p", world_size, u, lambda sub, m, lay: build_rotation_plan(world_size // u, sub, m, lay),
@@ -215,7 +216,7 @@ def _admit(setups: list[_Setup], sample: Sample, topo: Topology, backward_chunks
         rows = budget_rows(st.kind.name, tasks, P, st.shape, st.mask, st.first if size is None else None,
                             kind, size)
         if st.kind.transformer_engine_rows:  # and TE's own rows (the hybrid: USP's degree)
-            u = _usp_degree(P, st.shape, topo)
+            u = usp_degree(P, st.shape, topo)
             te = (("te-p2p", None, 1),) + ((("te-a2a+p2p", None, u),) if u is not None else ())
             rows = replace(rows, tasks=rows.tasks + te, size=problem_size(P, 0, st.mask, st.first))
         priced.append(rows)

@@ -38,7 +38,7 @@ from ..plan.simulate import BACKWARD_FLOPS
 from ..plan.topology import Topology
 from ..plan.units import format_bytes
 from . import yaml_args
-from .plan_cli import document_bounds
+from .plan_args import document_bounds
 from .layout_rows import layout_rows
 from .plan_budget import BUDGET_S, Budget
 from .planner import ModeResult, allowed_pairs, compute_floor, evaluate

@@ -41,6 +41,18 @@ def test_worked_example_of_the_module_docstring():
     assert layout.documents() == ((0, 8), (8, 12), (12, 16))
 
 
+def test_fill_worked_example():
+    from megatron_mesh.plan.fill import Portion, fill_bins, portion_runs
+    from megatron_mesh.plan.maskkinds import work_mask
+
+    bounds = ((0, 12), (12, 16))
+    mask = work_mask(None, True, None, bounds)
+    docs = [Portion(d, a, b - a, [(0, b - a)], mask) for d, (a, b) in enumerate(bounds)]
+    bins = fill_bins(docs, 2, 8, mask, 1.0)
+    assert [portion_runs(b) for b in bins] == [((0, 3), (9, 5)), ((3, 6), (14, 2))]
+    assert [sum(p.work for p in b) for b in bins] == [42, 46]
+
+
 def test_docwork_worked_example():
     from megatron_mesh.plan.docwork import max_work, zigzag_runs
 

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_mesh.plan import AttentionShape, Mask, Topology, ZigzagLayout, balanced_layout
 from megatron_mesh.plan.choice import MIN_COMPUTE_LAUNCHES, _portions, _work_and_pulls, choose_layout, layout_cost
-from megatron_mesh.tools.plan_cli import document_bounds
+from megatron_mesh.tools.plan_args import document_bounds
 from megatron_mesh.tools.planner import evaluate
 
 K = 1024

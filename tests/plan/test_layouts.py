@@ -112,7 +112,7 @@ def test_a_new_layout_is_one_file_and_one_registration(contig, megatron_args):
     from megatron_mesh.megatron import batch_layout
     from megatron_mesh.megatron.checks import validate_args
     from megatron_mesh.megatron.settings import PluginSettings, flags
-    from megatron_mesh.tools import plan_cli
+    from megatron_mesh.tools import plan_args, plan_cli
     from megatron_mesh.tools.layout_rows import layout_rows
 
     assert "contig" in next(f for f in flags() if f.name == "--cp-layout").choices
@@ -137,7 +137,7 @@ def test_a_new_layout_is_one_file_and_one_registration(contig, megatron_args):
                                 layouts=("contig",))
     assert [(r.layout, r.mode) for r in rows] == [("contig", "ring"), ("contig", "tasp")] and not skipped
     assert plan_cli.megatron_flags(rows[0], 4) == "--cp-comm-type ring --cp-layout contig"
-    assert "contig" in next(a for a in plan_cli._parser()._actions if a.dest == "layout").choices
+    assert "contig" in next(a for a in plan_args.parser()._actions if a.dest == "layout").choices
     assert plan_cli.main(["--cp", "4", "--heads", "4", "--kv-heads", "2", "--head-dim", "4", "--seq-len", "32",
                           "--docs", "fixed:5", "--layout", "contig", "--modes", "ring"]) == 0
 

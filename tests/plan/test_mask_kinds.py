@@ -207,3 +207,11 @@ def test_the_planner_takes_mask_specs(capsys):
         assert main(argv) == 2  # one line, exit status 2
         err = capsys.readouterr().err
         assert match in err and err.count("\n") == 1, err
+
+
+def test_vectorised_worked_example():
+    """plan/maskkinds/vectorised.py's example: prefix(2) over one document of 4 tokens."""
+    pos = np.arange(4)
+    got = masks.prefix(2).allowed(pos, pos)
+    assert got.tolist() == [[True, True, False, False], [True, True, False, False],
+                            [True, True, True, False], [True, True, True, True]]

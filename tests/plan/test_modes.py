@@ -160,6 +160,19 @@ def test_a_new_mode_is_one_file_and_one_registration(ring2, megatron_args):
     assert [r.mode for r in rows] == ["ring2"] and not skipped
 
 
+def test_a_new_modes_dense_plan_says_its_own_name(ring2):
+    """Mode.build stamps the plan with the mode's name: a toy mode whose dense plan is ring's
+    builder's says "ring2", not "ring" (as its mask-aware plan does), and so does its hybrid's."""
+    plan = resolve("ring2", 4, SHAPE).build(SHAPE)
+    assert plan.mode == "ring2" and not plan.direct
+    validate_plan(plan)
+    assert plan.to_text().splitlines()[0] == resolve("ring", 4, SHAPE).build(SHAPE).to_text().splitlines()[0].replace(
+        "ring", "ring2", 1)
+    hybrid = resolve("a2a+ring2", 4, SHAPE, ulysses_size=2).build(SHAPE)
+    assert hybrid.mode == "a2a+ring2"
+    validate_plan(hybrid)
+
+
 # -- nobody else knows a mode by name --------------------------------------------------------------------
 def test_no_mode_name_is_compared_outside_the_registry():
     """No ``== "mesh"`` / ``in ("tasp", ...)`` ladders outside a mode's own file and the registry

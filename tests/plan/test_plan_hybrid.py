@@ -256,3 +256,16 @@ def test_composed_traffic_of_a_hybrid_equals_every_rank(mode):
             if fast.per_rank is not None:
                 assert moving(fast.per_rank) == pytest.approx(moving(exact.per_rank)), (d, layout is None)
             assert fast.bytes_sent == exact.bytes_sent
+
+
+def test_set_rows_worked_example():
+    """plan/hybrid_sets.py's example: a span chunk of 6 crossing tokens and 10 others, no hide."""
+    from types import SimpleNamespace
+
+    from megatron_mesh.plan.hybrid_sets import SetRows
+    from megatron_mesh.plan.sel import Segment
+
+    layout = SimpleNamespace(set_tokens=lambda m: (6, 0, 10, 0))
+    rows = SetRows(layout, 2, [(Segment(0, 8),), (Segment(8, 16),)])
+    assert rows.chunk_rows(0) == ((Segment(0, 6),), (), (Segment(6, 16),), ())
+    assert rows.member_sets(1) == [((), ()), ((), ()), ((Segment(0, 8),), (Segment(8, 16),)), ((), ())]

@@ -157,7 +157,7 @@ def test_mesh_auto_tile_takes_another_tile_where_the_mask_favours_it():
     8K tokens of 2 heads of 32 per rank the host's ops decide); under the mask with refetched
     backward chunks the 8x1 map's busiest rank moves fewer bytes (29.4 against 29.8 MB sent +
     received; 16.0 against 17.9 MB sent), and the plan takes it, saying so."""
-    from megatron_mesh.tools.plan_cli import document_bounds
+    from megatron_mesh.tools.plan_args import document_bounds
 
     P, S = 8, 65536
     shape = AttentionShape(seq_local=S // P, batch=1, heads=2, kv_heads=2, head_dim=32, itemsize=4)
@@ -189,7 +189,7 @@ def test_block_table_is_the_classification_of_every_block(P, data):
     classify_block of every (query chunk, key chunk) pair, on zigzag, THD and balanced layouts."""
     from megatron_mesh.plan.balance import balanced_layout
     from megatron_mesh.plan.mask import classify_block
-    from megatron_mesh.plan.sparse import block_table
+    from megatron_mesh.plan.sparse_blocks import block_table
 
     T = 2 * data.draw(st.integers(1, 6))
     S = P * T
@@ -225,7 +225,7 @@ def test_a_documents_remote_blocks_are_fused_per_query_rows():
     Ring pulls one shift per round: one call per block. Both plans validate: every allowed pair
     exactly once. (With more groups the slots of one group are fused the same way.)"""
     import megatron_mesh as mm
-    from megatron_mesh.plan.sparse import block_table
+    from megatron_mesh.plan.sparse_blocks import block_table
     P, T = 4, 16
     layout = mm.balanced_layout([0, 44, 50, 56, 64], P)
     shape = AttentionShape(seq_local=T, **SHAPE)
@@ -358,3 +358,22 @@ def test_backward_chunks_auto_keeps_on_the_ranks_whose_pulls_fit_their_own_chunk
     dense = resolve("ring", P, shape).build(shape, Mask(True))
     assert dense.backward_chunks == "refetch" and not any(dense.rank(r).saved for r in range(P))
     assert resolve("tasp", P, shape, backward_chunks="keep").build(shape, Mask(True)).backward_chunks == "refetch"
+
+
+def test_sparse_blocks_worked_example():
+    """plan/sparse_blocks.py's docstring example: the blocks of one causal document of 8 tokens on
+    2 zigzag ranks; and plan/sparse_needs.py's: rank 1's columns under the window example."""
+    from megatron_mesh.plan.mask import BlockKind
+    from megatron_mesh.plan.sel import Segment
+    from megatron_mesh.plan.sparse_blocks import block_table, blocks_of
+    from megatron_mesh.plan.sparse_needs import QueryOwnerNeeds
+
+    table = block_table(2, Mask(True).normalized(8), ZigzagLayout(2, 8))
+    got = {ij: (c.kind, tuple(c.rows), tuple(c.cols[0])) for ij, c in table.items()}
+    assert got == {(0, 0): (BlockKind.CAUSAL, (Segment(0, 4),), (Segment(0, 4),)),
+                   (0, 1): (BlockKind.FULL, (Segment(2, 4),), (Segment(0, 4),)),
+                   (1, 0): (BlockKind.FULL, (Segment(0, 4),), (Segment(0, 2),)),
+                   (1, 1): (BlockKind.CAUSAL, (Segment(0, 4),), (Segment(0, 4),))}
+    needs = QueryOwnerNeeds(blocks_of(4, Mask(True, (2, 0)).normalized(16), ZigzagLayout(4, 16), 1))
+    assert needs.cols(1) == {0: (Segment(0, 2),), 2: (Segment(2, 4),)} and needs.rows(1) == {}
+    assert needs.col_needers(1) == [0, 2]

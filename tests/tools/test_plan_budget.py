@@ -17,7 +17,8 @@ from megatron_mesh.plan.layouts import Sample, get_layout_kind
 from megatron_mesh.tools import layout_rows, plan_budget, planner
 from megatron_mesh.tools.plan_budget import (BUDGET_REASON, BUDGET_S, LATE_REASON, Budget, LayoutSize, layout_size,
                                              row_seconds, thd_size)
-from megatron_mesh.tools.plan_cli import document_bounds, main
+from megatron_mesh.tools.plan_args import document_bounds
+from megatron_mesh.tools.plan_cli import main
 
 SHAPE = AttentionShape(seq_local=512, batch=1, heads=8, kv_heads=4, head_dim=16)
 

@@ -21,14 +21,15 @@ from megatron_mesh.plan.autotile import choose_tile, rank_tiles
 from megatron_mesh.plan.memory import buffer_memory
 from megatron_mesh.plan.simulate import round_traffic, simulate, time_breakdown
 from megatron_mesh.plan.topology import Topology
-from megatron_mesh.tools.plan_cli import document_bounds, main
+from megatron_mesh.tools.plan_args import document_bounds
+from megatron_mesh.tools.plan_cli import main
 
 from helpers import png_size
 from megatron_mesh.plan.simulate import BACKWARD_FLOPS
 from megatron_mesh.plan.layouts import ThdKind, layout_names, thd_layout
+from megatron_mesh.tools.formulas import ulysses_result, usp_result
 from megatron_mesh.tools.layout_rows import TE_ROWS, layout_rows
-from megatron_mesh.tools.planner import (TIME_TOLERANCE, allowed_pairs, compute_floor, evaluate, mean_rows,
-                                        ulysses_result, usp_result)
+from megatron_mesh.tools.planner import TIME_TOLERANCE, allowed_pairs, compute_floor, evaluate, mean_rows
 
 GQA = AttentionShape(seq_local=16384, heads=32, kv_heads=8, head_dim=128)
 MHA = AttentionShape(seq_local=4096, heads=32, kv_heads=32, head_dim=128)
@@ -85,7 +86,7 @@ def test_plot_figure_shows_every_line_and_the_time_relative_to_ring():
     """Every mode in each panel with its own line style and marker (tasp moves ring's bytes: both
     still show), a linear panel of time / ring's time, one legend below the panels, off the data."""
     pytest.importorskip("matplotlib")
-    from megatron_mesh.tools.plan_cli import PLOT_MODES, plot_fig
+    from megatron_mesh.tools.plan_plot import PLOT_MODES, plot_fig
 
     shape = AttentionShape(seq_local=4096, heads=32, kv_heads=8, head_dim=128)
     series = {}
@@ -247,7 +248,7 @@ def test_cli_puts_the_busiest_rank_bytes_next_to_their_bound(capsys):
     (plan/bound.py) and each row's bytes over the query-owner one; the plain modes' plans are at or
     above it. A window leaves them out (the bounds are derived without one)."""
     from megatron_mesh.plan.bound import placement_bound, query_owner_bound
-    from megatron_mesh.tools.plan_cli import document_bounds
+    from megatron_mesh.tools.plan_args import document_bounds
 
     argv = ["--cp", "8", "--seq-len", "16384", "--docs", "lognormal:1024,1", "--modes", "ring,tasp", "--layout",
             "balanced"]
@@ -493,7 +494,7 @@ def test_owner_work_is_the_te_plans_rank_work(P, S, window, u):
     from megatron_mesh.plan.layout import ZigzagLayout
     from megatron_mesh.plan.mesh import build_rotation_plan
     from megatron_mesh.plan.problem import normalize
-    from megatron_mesh.tools.plan_cli import document_bounds
+    from megatron_mesh.tools.plan_args import document_bounds
 
     assert owner_work(Mask.from_cu_seqlens([0, 4, 8], 8), ZigzagLayout(2, 8)) == [10, 10]  # the docstring's
     thd = thd_layout(document_bounds("lognormal:700,1.0", S, 1), P)

@@ -116,17 +116,29 @@ def creation_fills(ops, tokens, live=(), tensor_counts=None, first=None, heads_o
     Example: ``attend q1 x kv1 causal -> o1`` writes all 4 rows of o1 first, ``post 3: send
     o1->0`` reads them: ``{0: {o1: ()}}`` (nothing to fill). Had the block been ``attend q1[0:2]
     x kv1 ...``, rows [2, 4) would be filled: ``{0: {o1: ((2, 4),)}}``."""
-    first = first_writes(ops, tokens) if first is None else first
-    live = set(live)
-    # a buffer a block or copy created, while it lives: [creating op, rows covered, rows read first]
-    open_: dict[Key, list] = {}
-    out: dict[int, dict[Key, Sel]] = {}
+    fills = _Fills(tokens, live, tensor_counts, first_writes(ops, tokens) if first is None else first, heads_of)
+    for i, op in enumerate(ops):
+        fills.step(i, op)
+    for key in list(fills.open):
+        fills.close(key)
+    return fills.out
 
-    slices: dict[Key, list] = {}  # head-slice copies into an open buffer: (rows, (first head, stop))
 
-    def slice_cover(key: Key, rows, heads) -> list[Segment]:
+class _Fills:
+    """:func:`creation_fills`' walk: the buffers a block or copy created, while they live, with
+    [creating op, rows covered, rows read first]; each closed into ``out`` (op -> buffer -> rows
+    to fill) when freed, read whole or at the end."""
+
+    def __init__(self, tokens, live, tensor_counts, first, heads_of):
+        self.tokens, self.live, self.tensor_counts, self.first = tokens, set(live), tensor_counts, first
+        self.heads_of = heads_of
+        self.open: dict[Key, list] = {}
+        self.out: dict[int, dict[Key, Sel]] = {}
+        self.slices: dict[Key, list] = {}  # head-slice copies into an open buffer: (rows, (first head, stop))
+
+    def slice_cover(self, key: Key, rows, heads) -> list[Segment]:
         """The rows whose every head the head-slice copies into ``key`` so far have written."""
-        parts = slices.setdefault(key, [])
+        parts = self.slices.setdefault(key, [])
         parts.append((list(rows), heads))
         cuts = sorted({x for r, _ in parts for seg in r for x in seg})
         done = []
@@ -137,67 +149,70 @@ def creation_fills(ops, tokens, live=(), tensor_counts=None, first=None, heads_o
                 if h0 > reach:
                     break
                 reach = max(reach, h1)
-            if reach >= heads_of(key):
+            if reach >= self.heads_of(key):
                 done.append(Segment(a, b))
         return done
 
-    def every(key: Key) -> list[Segment]:
-        return [Segment(0, tokens(key))]
+    def every(self, key: Key) -> list[Segment]:
+        return [Segment(0, self.tokens(key))]
 
-    def close(key: Key) -> None:
-        i, covered, read = open_.pop(key)
-        slices.pop(key, None)
-        out.setdefault(i, {})[key] = tuple(union_intervals([*read, *_minus(every(key), covered)]))
+    def close(self, key: Key) -> None:
+        i, covered, read = self.open.pop(key)
+        self.slices.pop(key, None)
+        self.out.setdefault(i, {})[key] = tuple(union_intervals([*read, *_minus(self.every(key), covered)]))
 
-    def create(i: int, key: Key) -> None:
-        if key not in live:
-            live.add(key)
-            open_[key] = [i, [], []]
+    def create(self, i: int, key: Key) -> None:
+        if key not in self.live:
+            self.live.add(key)
+            self.open[key] = [i, [], []]
 
-    def cover(key: Key, rows) -> None:
-        state = open_[key]
+    def cover(self, key: Key, rows) -> None:
+        state = self.open[key]
         state[1] = list(union_intervals([*state[1], *rows]))
 
-    def read(key: Key, rows) -> None:  # rows something reads (or adds into) before they may be covered
-        state = open_.get(key)
+    def read(self, key: Key, rows) -> None:
+        """Rows something reads (or adds into) before they may be covered; None: the whole
+        buffer (what is not covered now is filled)."""
+        state = self.open.get(key)
         if state is None:
             return
-        if rows is None:  # the whole buffer: what is not covered now is filled
-            close(key)
+        if rows is None:
+            self.close(key)
         else:
             state[2] = list(union_intervals([*state[2], *_minus(list(rows), state[1])]))
 
-    for i, op in enumerate(ops):
+    def step(self, i: int, op) -> None:
         kind = type(op)
         if kind in (Attend, AttendBackward):
             written = (op.out,) if kind is Attend else (op.dq, *op.dkv)
             reads = [(op.q, op.rows), *((k, op.col(j)) for j, k in enumerate(op.kv))]
             for key, rows in reads + ([(op.do, op.rows)] if kind is AttendBackward else []):
                 if key not in written:
-                    read(key, rows)  # its rows and columns (a buffer assembled in rounds: the rows in so far)
+                    self.read(key, rows)  # its rows and columns (a buffer assembled in rounds: the rows in so far)
             for key in written:
-                create(i, key)
-                if key in open_:
-                    cover(key, first.get(i, {}).get(key, ()))
+                self.create(i, key)
+                if key in self.open:
+                    self.cover(key, self.first.get(i, {}).get(key, ()))
         elif kind is Copy:
-            read(op.src, op.rows)
-            create(i, op.dst)
-            if op.dst in open_ and (tensor_counts is None or tensor_counts(op.src) >= tensor_counts(op.dst)):
-                rows = op.into if op.into is not None else every(op.dst)
-                if op.heads is None:
-                    cover(op.dst, rows)
-                elif heads_of is not None:  # the rows all of whose heads such copies have written
-                    cover(op.dst, slice_cover(op.dst, rows, tuple(op.heads)))
+            self.copy(i, op)
         elif kind in (MergeOut, AddGrad):
-            read(op.src, None)
-            read(op.dst, op.into)  # merged or added into: those rows must hold their initial values
+            self.read(op.src, None)
+            self.read(op.dst, op.into)  # merged or added into: those rows must hold their initial values
         elif kind is Free:
-            read(op.key, None)
-            live.discard(op.key)
+            self.read(op.key, None)
+            self.live.discard(op.key)
         else:  # sends, receives, row statistics: the whole buffer
             for key in op_keys(op):
-                read(key, None)
-            live.update(op.writes())
-    for key in list(open_):
-        close(key)
-    return out
+                self.read(key, None)
+            self.live.update(op.writes())
+
+    def copy(self, i: int, op: Copy) -> None:
+        self.read(op.src, op.rows)
+        self.create(i, op.dst)
+        counts = self.tensor_counts
+        if op.dst in self.open and (counts is None or counts(op.src) >= counts(op.dst)):
+            rows = op.into if op.into is not None else self.every(op.dst)
+            if op.heads is None:
+                self.cover(op.dst, rows)
+            elif self.heads_of is not None:  # the rows all of whose heads such copies have written
+                self.cover(op.dst, self.slice_cover(op.dst, rows, tuple(op.heads)))

@@ -34,6 +34,7 @@ from typing import ClassVar, Iterable
 
 from ..sel import union_intervals
 from .pairs import INF, band_pairs
+from .vectorised import allowed
 
 NONE_BAND = (1, 0)  # lo > hi: no pair of the two pieces attends
 
@@ -202,38 +203,8 @@ class MaskKind:
     def allowed(self, q_pos, k_pos):
         """The rule, vectorised: [len(q_pos), len(k_pos)] booleans, entry (a, b) = query
         ``q_pos[a]`` attends key ``k_pos[b]``, for 1-D integer arrays of any library with
-        broadcasting arithmetic and comparisons (torch, numpy: this module imports neither)."""
-        qg, qp, q_parts = self._ids(q_pos)
-        kg, kp, k_parts = self._ids(k_pos)
-        d = q_pos[:, None] - k_pos[None, :]
-        ok = None
-        for a in q_parts:
-            for b in k_parts:
-                lo, hi = self.pair_band(a, b)
-                if lo > hi:
-                    continue
-                both = (d >= lo) & (d <= hi)
-                if len(q_parts) > 1 or len(k_parts) > 1:
-                    both = both & (qp[:, None] == a) & (kp[None, :] == b)
-                ok = both if ok is None else ok | both
-        same = (qg[:, None] == kg[None, :]) & (qg[:, None] >= 0)
-        return same & (d != d) if ok is None else same & ok
-
-    def _ids(self, pos):
-        """Per position, its group id (-1: padding) and part, and the parts present (array
-        arithmetic only: the pieces of the positions' range, each adds its ids)."""
-        groups, parts = pos * 0 - 1, pos * 0
-        present: set = set()
-        if len(pos):
-            lo, hi = int(pos.min()), int(pos.max()) + 1
-            for _, a, n, g, part in self.split([(lo, hi - lo)]):
-                if g is None:
-                    continue
-                inside = (pos >= a) & (pos < a + n)
-                groups = groups + inside * (g + 1)
-                parts = parts + inside * part
-                present.add(part)
-        return groups, parts, sorted(present)
+        broadcasting arithmetic and comparisons (:func:`.vectorised.allowed`)."""
+        return allowed(self, q_pos, k_pos)
 
     # -- text ------------------------------------------------------------------------------------
     def text(self) -> str:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, ClassVar
 
 from ..ir import Plan
@@ -192,8 +192,9 @@ class Mode:
               tunables: Tunables = TUNABLES) -> Plan:
         mask, layout = normalize(p.world_size, shape, mask, layout)
         self.check_layout(layout)
-        if is_dense(mask, layout):
-            return self.build_dense(p, shape, mask)
+        if is_dense(mask, layout):  # the builders name their own algorithm; the plan is this mode's
+            plan = self.build_dense(p, shape, mask)
+            return plan if plan.mode == self.name else replace(plan, mode=self.name, _cache={})
         return build_sparse_plan(self.name, p.world_size, shape, mask, layout, self.assignment(p, mask, layout),
                                  backward_chunks=getattr(p.options, "backward_chunks", "auto"),
                                  ranks_per_node=p.ranks_per_node, tunables=tunables)
@@ -207,6 +208,8 @@ class Mode:
                              "(megatron_mesh.balanced_layout)")
 
     def build_dense(self, p: Placement, shape: AttentionShape, mask: Mask) -> Plan:
+        """The plan under a causal or full mask on Megatron's zigzag (any builder's: :meth:`build`
+        names it after this mode)."""
         raise NotImplementedError(f"CP mode {self.name!r} has no dense plan")
 
     def assignment(self, p: Placement, mask: Mask, layout: Layout) -> Assignment:

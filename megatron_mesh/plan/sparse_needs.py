@@ -1,0 +1,162 @@
+"""What each rank of a mask-aware plan reads from the others (:mod:`.sparse`, step 3): for one
+assignment of blocks to ranks, the rows and columns of each chunk a rank's blocks use
+(:class:`Needs` for any owner map, :class:`QueryOwnerNeeds` rank by rank for the query owner), the
+slots they travel in (:class:`Slots`), and which ranks keep their pulled slots for the backward
+(:class:`Keeps`, step 5).
+
+Example (the window example of :mod:`.sparse`: P = 4, causal, window (2, 0), S = 16, the query
+owner): rank 1 reads columns [0:2) of chunk 0 and [2:4) of chunk 2 (``cols(1) == {0: [0:2), 2:
+[2:4)}``), nothing of anyone's rows; ``col_needers(1) == [0, 2]``: ranks 0 and 2 read its columns.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .accounting import buffer_bytes
+from .ir import Key
+from .sel import Segment, union_intervals
+from .shape import AttentionShape
+from .sparse_blocks import Blocks
+
+__all__ = ["Keeps", "Needs", "QueryOwnerNeeds", "Slots"]
+
+
+def _union(sels) -> tuple[Segment, ...]:
+    return union_intervals([tuple(seg) for sel in sels for seg in sel])
+
+
+class Needs:
+    """For one assignment: which rows / columns of which chunk each rank reads from others, and
+    which blocks it computes -- computed for every rank at once from the whole block table (an
+    assignment other than the query owner: the bytes of every rank decide between them)."""
+
+    def __init__(self, P: int, table: dict, owner):
+        self.P = P
+        self._blocks: list[list[tuple[int, int]]] = [[] for _ in range(P)]
+        rows: dict[tuple[int, int], list] = {}  # (needer, chunk) -> row selections
+        cols: dict[tuple[int, int], list] = {}
+        for (i, j), c in table.items():
+            x = owner(i, j)
+            self._blocks[x].append((i, j))
+            if i != x:
+                rows.setdefault((x, i), []).append(c.rows)
+            if j != x:
+                cols.setdefault((x, j), []).append(c.cols[0])
+        self._rows = [dict() for _ in range(P)]
+        self._cols = [dict() for _ in range(P)]
+        self._row_needers: list[list[int]] = [[] for _ in range(P)]
+        self._col_needers: list[list[int]] = [[] for _ in range(P)]
+        for (x, c), sels in sorted(rows.items()):
+            self._rows[x][c] = _union(sels)
+            self._row_needers[c].append(x)
+        for (x, c), sels in sorted(cols.items()):
+            self._cols[x][c] = _union(sels)
+            self._col_needers[c].append(x)
+
+    def blocks(self, x: int) -> list[tuple[int, int]]:
+        return self._blocks[x]
+
+    def rows(self, x: int) -> dict[int, tuple[Segment, ...]]:
+        """Chunk -> the rows of it rank x reads (chunks other than x's own)."""
+        return self._rows[x]
+
+    def cols(self, x: int) -> dict[int, tuple[Segment, ...]]:
+        return self._cols[x]
+
+    def row_needers(self, c: int) -> list[int]:
+        """The ranks that read rows of chunk c (sorted)."""
+        return self._row_needers[c]
+
+    def col_needers(self, c: int) -> list[int]:
+        return self._col_needers[c]
+
+    def bytes_per_rank(self, shape: AttentionShape, keeps: Callable[[int], bool]) -> list[int]:
+        """Sent + received bytes of each rank, forward and backward; ``keeps(x)``: whether rank x
+        keeps what it pulled for the backward (:class:`Keeps`)."""
+        per_row = {k: buffer_bytes(k, 1, shape) for k in ("q", "kv", "o", "do", "dq", "dkv")}
+        # forward: pull q / kv, return o; backward: pull (q,) do / (kv), return dq / dkv
+        kinds = {(table, keep): base + (() if keep else again)
+                 for table, base, again in (("rows", ("q", "o", "do", "dq"), ("q",)), ("cols", ("kv", "dkv"), ("kv",)))
+                 for keep in (False, True)}
+        traffic = [0] * self.P
+        for name, table in (("rows", self._rows), ("cols", self._cols)):
+            for x, needs in enumerate(table):
+                row_bytes = sum(per_row[k] for k in kinds[name, keeps(x)])
+                for c, sel in needs.items():
+                    b = sum(s.stop - s.start for s in sel) * row_bytes
+                    traffic[x] += b
+                    traffic[c] += b
+        return traffic
+
+
+class QueryOwnerNeeds:
+    """The query owner's needs (every block computed where its queries live), rank by rank on
+    demand from the block index: a rank's plan reads only its own row and column of blocks."""
+
+    def __init__(self, blocks: Blocks):
+        self.index, self.P = blocks, blocks.P
+        self._cols: dict[int, dict] = {}
+
+    def blocks(self, x: int) -> list[tuple[int, int]]:
+        return [(x, j) for j in self.index.sharing(x) if self.index.parts(x, j)]
+
+    def rows(self, x: int) -> dict:
+        return {}
+
+    def cols(self, x: int) -> dict[int, tuple[Segment, ...]]:
+        out = self._cols.get(x)
+        if out is None:
+            out = self._cols[x] = {j: union_intervals([tuple(seg) for c in parts for seg in c.cols[0]])
+                                   for j in self.index.sharing(x) if j != x
+                                   for parts in (self.index.parts(x, j),) if parts}
+        return out
+
+    def row_needers(self, c: int) -> list[int]:
+        return []
+
+    def col_needers(self, c: int) -> list[int]:
+        return [i for i in self.index.sharing(c) if i != c and self.index.parts(i, c)]
+
+
+class Slots:
+    """Slot key -> its segments: ``q{c}.{x}`` the rows of chunk c rank x reads, ``kv{c}.{P+x}`` the
+    columns. The segments differ per chunk (sizes are not cached by slot alone: ``vary``)."""
+
+    vary = True
+
+    def __init__(self, needs, P: int):
+        self.needs, self.P = needs, P
+
+    def __call__(self, key: Key):
+        if key.span != 1:
+            return None
+        if key.slot < self.P:
+            return self.needs.rows(key.slot).get(key.chunk)
+        return self.needs.cols(key.slot - self.P).get(key.chunk)
+
+
+class Keeps:
+    """Which ranks keep the slots they pulled in the forward for the backward (no second pull
+    of Q / K / V; only dO and the returns move): every rank ("keep"), none ("refetch"), or each
+    rank whose pulled rows and columns take at most ``keep_limit`` (:class:`~.tunables.Tunables`) x its own chunk's Q + K + V
+    bytes ("auto", decided per rank from the needs, so sender and receiver agree).
+
+    Example: rank x of a query-owner plan reads 3,000 columns of K/V from other ranks and holds
+    T = 4,096 tokens of its own: 3,000 x kv <= 4,096 x (q + kv) -> it keeps them; a rank reading
+    20,000 columns of a long document refetches them in the backward instead."""
+
+    def __init__(self, policy: str, needs, T: int, token_bytes: dict, limit: float):
+        self.policy, self.needs, self.T, self.token_bytes, self.limit = policy, needs, T, token_bytes, limit
+        self._memo: dict[int, bool] = {}
+
+    def __call__(self, x: int) -> bool:
+        if self.policy != "auto":
+            return self.policy == "keep"
+        got = self._memo.get(x)
+        if got is None:
+            tb = self.token_bytes
+            rows = sum(s.stop - s.start for sel in self.needs.rows(x).values() for s in sel)
+            cols = sum(s.stop - s.start for sel in self.needs.cols(x).values() for s in sel)
+            got = self._memo[x] = rows * tb["q"] + cols * tb["kv"] <= self.limit * self.T * (tb["q"] + tb["kv"])
+        return got
