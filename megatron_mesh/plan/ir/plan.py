@@ -400,7 +400,8 @@ class _Parser:
         facts = {name: parse(head[name]) for name, (_, parse) in _HEADER.items() if name in head}
         mask, layout, rings, notes, slots = Mask(), None, {}, [], {}
         ranks: dict[int, dict] = {}
-        cur = direction = inner = None
+        section: dict = {"rank": None, "direction": None}  # the rank section and direction being read
+        inner = None
         while self.i < len(self.lines):
             ln = self.lines[self.i]
             s = ln.strip()
@@ -428,28 +429,8 @@ class _Parser:
                 if m is None:
                     raise ValueError(f"bad slot line {ln!r} (e.g. 'slot 3.1[0:2,6:8]')")
                 slots[(int(m.group(2) or 1), int(m.group(1)), int(m.group(3)))] = parse_sel(m.group(4))
-            elif s.startswith("rank "):
-                m = re.match(r"^rank (\d+): output (\S+) grad_q (\S+) grad_kv (\S+)$", s)
-                if m is None:
-                    raise ValueError(f"bad rank line {ln!r}")
-                cur = ranks[int(m.group(1))] = dict(output=Key.parse(m.group(2)), grad_q=Key.parse(m.group(3)),
-                                                    grad_kv=Key.parse(m.group(4)), forward=[], backward=[],
-                                                    forward_inputs={}, backward_inputs={}, saved=[])
-                direction = None
-            elif cur is None:
-                raise ValueError(f"line {ln!r} comes before any 'rank N:' line")
-            elif s in ("forward:", "backward:"):
-                direction = s[:-1]
-            elif s.startswith(("forward_input ", "backward_input ")):
-                word, rest = s.split(" ", 1)
-                (k,), (sel,) = _parse_keys(rest)
-                cur[word + "s"][k] = sel if sel is not None else (Segment(0, T * k.span),)
-            elif s.startswith("saved "):
-                cur["saved"].append(Key.parse(s.split(" ", 1)[1]))
-            elif direction is None:
-                raise ValueError(f"op {ln!r} outside a 'forward:' / 'backward:' section")
             else:
-                cur[direction].append(parse_op(s))
+                _rank_line(s, ln, ranks, section, T)
         if sorted(ranks) != list(range(P)):
             raise ValueError(f"plan text for P={P} ranks has rank sections {sorted(ranks)}")
         built = {r: RankPlan(r, T, tuple(d["forward"]), tuple(d["backward"]), d["forward_inputs"],
@@ -457,3 +438,31 @@ class _Parser:
                  for r, d in ranks.items()}
         return Plan(mode=words[1], world_size=P, seq_local=T, build_rank=built.__getitem__, mask=mask, layout=layout,
                     slots=slots, rings=rings, notes=tuple(notes), inner=inner, **facts)
+
+
+def _rank_line(s: str, ln: str, ranks: dict[int, dict], section: dict, T: int) -> None:
+    """One line of a rank's section of the plan text: its header, a direction, an input, a saved
+    buffer or an op (``section``: the rank and direction being read, updated here)."""
+    cur = section["rank"]
+    if s.startswith("rank "):
+        m = re.match(r"^rank (\d+): output (\S+) grad_q (\S+) grad_kv (\S+)$", s)
+        if m is None:
+            raise ValueError(f"bad rank line {ln!r}")
+        section["rank"] = ranks[int(m.group(1))] = dict(
+            output=Key.parse(m.group(2)), grad_q=Key.parse(m.group(3)), grad_kv=Key.parse(m.group(4)), forward=[],
+            backward=[], forward_inputs={}, backward_inputs={}, saved=[])
+        section["direction"] = None
+    elif cur is None:
+        raise ValueError(f"line {ln!r} comes before any 'rank N:' line")
+    elif s in ("forward:", "backward:"):
+        section["direction"] = s[:-1]
+    elif s.startswith(("forward_input ", "backward_input ")):
+        word, rest = s.split(" ", 1)
+        (k,), (sel,) = _parse_keys(rest)
+        cur[word + "s"][k] = sel if sel is not None else (Segment(0, T * k.span),)
+    elif s.startswith("saved "):
+        cur["saved"].append(Key.parse(s.split(" ", 1)[1]))
+    elif section["direction"] is None:
+        raise ValueError(f"op {ln!r} outside a 'forward:' / 'backward:' section")
+    else:
+        cur[section["direction"]].append(parse_op(s))
