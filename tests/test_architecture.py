@@ -448,7 +448,6 @@ def test_the_glossary_that_the_docs_point_to_defines_their_words():
 MAX_FILE_LINES, MAX_FUNCTION_LINES, MAX_CLASS_LINES = 500, 60, 200
 # what is over its limit today, with its size: it may only shrink (and leave the list once under)
 OVER_LIMIT = {
-    "plan/ir/plan.py:Plan": 252,
     "megatron/core_attention.py:PluginCoreAttention": 218,
 }
 

@@ -89,8 +89,10 @@ class MeshFacts(Facts):
     def from_header(cls, head: dict[str, str], inner) -> "MeshFacts":
         if head["tile"] == "-":
             raise ValueError(f"a Mesh plan (schedule {head['schedule']}) names its tile, e.g. tile=2x2")
-        return cls(parse_tile_text(head["tile"]), choice("contiguous", head["contiguous"], Contiguous),
-                   choice("schedule", head["schedule"], Schedule))
+        contiguous, schedule = head["contiguous"], head["schedule"]  # "-": a hand-written header left them out
+        return cls(parse_tile_text(head["tile"]),
+                   choice("contiguous", "q" if contiguous == "-" else contiguous, Contiguous),
+                   choice("schedule", "greedy" if schedule == "-" else schedule, Schedule))
 
 
 @dataclass(frozen=True)

@@ -174,7 +174,8 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
     lowering = _SparseLowering(P, T, needs, index, keeps, burst, token_bytes, tunables)
     notes.append(f"mask {mask.summary()}: each rank computes only the blocks with allowed pairs and receives only the "
                  f"tokens they read, from their owner ({'over all links at once, in groups' if burst else 'one round per shift'})")
-    facts = MaskAwareFacts(assignment.rounds, assigned, tile, contiguous, lowering.rounds.final_round, ranks_per_node)
+    facts = MaskAwareFacts(assignment.rounds, assigned, tile, contiguous, lowering.rounds.final_round,
+                           ranks_per_node)
     return Plan(mode=mode, world_size=P, seq_local=T, mask=mask, layout=layout, build_rank=lowering.rank_plan,
                 build_rounds=lowering.round_ops, slots=lowering.slots, facts=facts, backward_chunks=backward_chunks,
                 notes=tuple(notes))

@@ -173,7 +173,7 @@ def test_a_plan_placed_otherwise_than_the_summary_is_logged_once(caplog):
     assert placement.tile == (2, 4)
     documents = Mask.from_cu_seqlens([0, 3000, 4000, 4100, 8192], 8192, True, None)
     plan = placement.build(shape, documents, None)
-    assert (plan.tile, plan.assignment) == ((4, 2), "tile")
+    assert (plan.facts.tile, plan.facts.assignment) == ((4, 2), "tile")
     dense = placement.build(shape, None, None)
     desc = placement.describe()[:-1] + ", kernel auto)"
     for n in (1, 2):

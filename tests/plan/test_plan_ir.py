@@ -67,7 +67,7 @@ BUILDS = {
 
 
 def _shape_of(plan: Plan) -> AttentionShape:
-    return SHAPE if plan.seq_local == SHAPE.seq_local and plan.heads in (None, (4, 2)) else \
+    return SHAPE if plan.seq_local == SHAPE.seq_local and plan.facts.heads in (None, (4, 2)) else \
         AttentionShape(seq_local=plan.seq_local, heads=4, kv_heads=2, head_dim=8)
 
 
@@ -90,11 +90,16 @@ def test_plan_text_is_lossless(name):
     assert buffer_memory(again, shape) == buffer_memory(plan, shape)
     for direction in ("forward", "backward"):
         assert rank_work(again, direction) == rank_work(plan, direction)
-    for field in ("mode", "mask", "tile", "schedule", "backward_chunks", "contiguous", "assignment", "direct",
-                  "ulysses", "heads", "rings", "notes", "ranks_per_node"):
+    for field in ("mode", "mask", "backward_chunks", "kernel_calls", "rings", "notes"):
         assert getattr(again, field) == getattr(plan, field), field
+    assert type(again.facts) is type(plan.facts) and again.facts.header() == plan.facts.header()
+    for fact in ("tile", "contiguous", "assignment", "direct", "last_round", "ranks_per_node", "ulysses", "heads",
+                 "tile_placed"):
+        assert getattr(again.facts, fact) == getattr(plan.facts, fact), fact
     assert again.layout.text() == plan.layout.text()
-    assert (again.inner is None) == (plan.inner is None)
+    assert (again.facts.inner is None) == (plan.facts.inner is None)
+    if plan.facts.inner is not None:  # a hybrid's inner plan: its own typed facts
+        assert again.facts.inner.facts == plan.facts.inner.facts
 
 
 def test_the_op_docstring_example_is_the_builders_plan():

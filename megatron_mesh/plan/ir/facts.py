@@ -21,17 +21,18 @@ in its builder's file. Example: the header of a dense 2x2 Mesh plan::
 from __future__ import annotations
 
 import typing
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import ClassVar, Literal
 
-if TYPE_CHECKING:  # a Ulysses plan's inner plan
-    from .plan import Plan
+__all__ = ["Facts", "BackwardChunks", "KernelCalls", "Contiguous", "HEADER", "register_facts", "facts_of_header",
+           "FAMILIES", "INNER", "tile_text", "parse_tile_text", "optional_int", "choice"]
 
-__all__ = ["Facts", "BackwardChunks", "KernelCalls", "Contiguous", "HEADER", "register_facts", "facts_of_header", "FAMILIES", "INNER",
-           "tile_text", "parse_tile_text", "optional_int", "choice"]
-
-# which chunks the backward reads: pulled again, kept from the forward, or kept where that is cheap
+# what the backward reads: "refetch" pulls the chunks again, "keep" keeps the forward's, "auto" (a
+# mask-aware plan) keeps them on each rank where that is at most its own Q, K and V
 BackwardChunks = Literal["refetch", "keep", "auto"]
-# how a masked block's mask pieces run as kernel calls (:func:`~..mask.call_groups`)
+# how a masked block's mask pieces (:func:`~..mask.mask_pieces`) run as kernel calls
+# (:func:`~..mask.call_groups`): "varlen" (this package's kernels: the full pieces in one
+# variable-length call, the causal ones in another, each masked piece alone), "piece" (one call
+# each) or "block" (one call for all: Transformer Engine's THD attention, the planner's TE rows)
 KernelCalls = Literal["varlen", "piece", "block"]
 # which ring of a Mesh tile holds consecutive ranks
 Contiguous = Literal["q", "kv"]
@@ -75,7 +76,9 @@ class Facts:
     ranks_per_node: int | None = None  # the consecutive CP ranks per node the rings were built for
     ulysses: int = 1  # the number of head slices keys may name
     heads: tuple[int, int] | None = None  # the (query, key/value) head counts the slices were cut from
-    inner: "Plan | None" = None  # a hybrid's inner plan (the traffic the simulator prices)
+    # a hybrid's inner plan (the traffic the simulator prices; a :class:`~.plan.Plan`, named not
+    # imported: the plan module imports this one)
+    inner: "Plan | None" = None
 
     @property
     def tile_placed(self) -> tuple[int, int] | None:
@@ -117,19 +120,31 @@ def register_facts(family: type[Facts]) -> type[Facts]:
     return family
 
 
-def facts_of_header(head: dict[str, str], inner: "Plan | None") -> Facts:
-    """The typed facts of a plan text's header (``head``: every :data:`HEADER` key): the family its
-    ``schedule`` names, or the one holding an inner plan where the text has one; a header the
-    family would print otherwise is a ValueError naming the keys that differ."""
-    key = INNER if inner is not None else head["schedule"]
-    family = FAMILIES.get(key)
-    if family is None:
-        known = ", ".join(k for k in FAMILIES if k != INNER)
-        raise ValueError(f"no plan facts family for {key!r} (the header's schedule; known: {known})")
-    facts = family.from_header(head, inner)
-    printed = {**HEADER, **facts.header()}
-    wrong = [k for k in HEADER if k not in ("backward_chunks", "kernel_calls") and printed[k] != head[k]]
-    if wrong:
-        raise ValueError(f"plan header {', '.join(f'{k}={head[k]}' for k in wrong)}: a {family.__name__} plan "
-                         f"says {', '.join(f'{k}={printed[k]}' for k in wrong)}")
-    return facts
+def facts_of_header(given: dict[str, str], inner: "Plan | None") -> Facts:
+    """The typed facts of a plan text's header (``given``: the keys the text states): the family
+    its ``schedule`` names, the one holding an inner plan where the text has one, or -- a
+    hand-written header without a schedule -- the first family that prints the keys it states
+    (none stated: :class:`Facts`). A header the family would print otherwise is a ValueError
+    naming the keys that differ."""
+    if inner is not None or "schedule" in given:
+        key = INNER if inner is not None else given["schedule"]
+        if key not in FAMILIES:
+            known = ", ".join(k for k in FAMILIES if k != INNER)
+            raise ValueError(f"no plan facts family for {key!r} (the header's schedule; known: {known})")
+        candidates = [FAMILIES[key]]
+    else:
+        candidates = list(dict.fromkeys(f for k, f in FAMILIES.items() if k != INNER))
+    error = None
+    for family in candidates:
+        try:
+            facts = family.from_header({**HEADER, **given}, inner)
+        except ValueError as e:
+            error = e
+            continue
+        printed = {**HEADER, **facts.header()}
+        wrong = [k for k in given if k not in ("backward_chunks", "kernel_calls") and printed[k] != given[k]]
+        if not wrong:
+            return facts
+        error = ValueError(f"plan header {', '.join(f'{k}={given[k]}' for k in wrong)}: a {family.__name__} plan "
+                           f"says {', '.join(f'{k}={printed[k]}' for k in wrong)}")
+    raise error

@@ -6,7 +6,7 @@ byte and memory accounting read without torch. Everything rank-dependent -- whic
 rank holds, which blocks it computes with which mask, whom it sends what -- is decided by the
 builder that made the plan, so the executor contains no rank logic.
 
-Text form. :meth:`Plan.to_text` prints *everything* a consumer reads -- the facts of the header
+Text form (:mod:`.plan_text`). :meth:`Plan.to_text` prints *everything* a consumer reads -- the facts of the header
 (mode, sizes, tile, schedule, assignment, Ulysses degree, ...), the mask, the layout, the rings,
 the notes, the slots, every rank's inputs and ops, and a hybrid's inner plan -- and
 :meth:`Plan.from_text` reads it back, so a parsed plan validates and simulates exactly like the
@@ -42,7 +42,7 @@ from .plan_text import describe_plan, parse_plan, plan_header, plan_text
 from .rank import RankPlan
 from .writes import creation_fills, first_writes
 
-__all__ = ["RankPlan", "Plan", "SlotTable", "Facts"]
+__all__ = ["Plan", "SlotTable"]
 
 # (span, chunk, slot) -> token segments of that slot within its chunk; or a function of the key
 SlotTable = dict | Callable[[Key], Sel] | None
@@ -63,13 +63,9 @@ class Plan:
 
     * ``facts`` -- what the builder decided, typed per mode family (:mod:`.facts`): the Mesh tile
       and its rank order, the schedule, who computes a block, a Ulysses degree and inner plan, ...;
-    * ``backward_chunks`` -- "refetch", "keep" (the forward keeps what the backward reads) or
-      "auto" (a mask-aware plan: each rank keeps where that is at most its own Q, K and V);
-    * ``kernel_calls`` -- how a masked block's mask pieces (:func:`~..mask.mask_pieces`) run as
-      kernel calls (:func:`~..mask.call_groups`): "varlen" (this package's kernels: its full
-      pieces in one variable-length call, its causal ones in another, each masked piece alone),
-      "piece" (one call each) or "block" (one call for all: Transformer Engine's THD attention,
-      which the planner's TE rows model);
+    * ``backward_chunks``, ``kernel_calls`` -- every plan's: what its backward reads again or keeps,
+      how a masked block's pieces run as kernel calls (:data:`~.facts.BackwardChunks`,
+      :data:`~.facts.KernelCalls`);
     * ``rings`` -- the rings the plan moves data on (family -> rank tuples in ring order);
       ``notes`` -- human-readable facts.
 

@@ -91,10 +91,11 @@ class _Parser:
         if unknown:
             raise ValueError(f"unknown plan header fields {sorted(unknown)} in {' '.join(words)!r}; known: "
                              f"P, seq_local, {', '.join(HEADER)}")
-        return words[1], int(head.pop("P")), int(head.pop("seq_local")), {**HEADER, **head}
+        return words[1], int(head.pop("P")), int(head.pop("seq_local")), head
 
     def plan(self):
-        mode, P, T, head = self.header()
+        mode, P, T, given = self.header()
+        head = {**HEADER, **given}
         mask, layout, rings, notes, slots = Mask(), None, {}, [], {}
         ranks: dict[int, dict] = {}
         section: dict = {"rank": None, "direction": None}  # the rank section and direction being read
@@ -134,7 +135,7 @@ class _Parser:
                              d["backward_inputs"], d["output"], d["grad_q"], d["grad_kv"], tuple(d["saved"]))
                  for r, d in ranks.items()}
         return self.make(mode=mode, world_size=P, seq_local=T, build_rank=built.__getitem__, mask=mask, layout=layout,
-                         slots=slots, rings=rings, notes=tuple(notes), facts=facts_of_header(head, inner),
+                         slots=slots, rings=rings, notes=tuple(notes), facts=facts_of_header(given, inner),
                          backward_chunks=choice("backward_chunks", head["backward_chunks"], BackwardChunks),
                          kernel_calls=choice("kernel_calls", head["kernel_calls"], KernelCalls))
 
