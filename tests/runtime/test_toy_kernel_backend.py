@@ -87,6 +87,7 @@ def test_a_toy_kernel_backend_matches_the_dense_reference_in_every_mode(P):
     assert ToyKernel.name not in KERNEL_BACKENDS  # no package file knows it
     for i, (mode, kw) in enumerate(itertools.product(MODES, problems)):
         heads = ("MHA", "GQA", "MQA")[i % 3]
+        kw = dict(kw)
         p = cases.Problem(P, *cases.HEADS[heads], kw.pop("causal"), torch.float32, seq_local=T, seed=i, **kw)
         settings = _settings(mode, P)
         ref = cases.dense_reference(p)

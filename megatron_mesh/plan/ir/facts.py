@@ -9,7 +9,8 @@ Each family lives with its builder and owns its part of the header of the plan t
 and says what every consumer may ask of any plan: a family overrides the answers it knows.
 
 The header prints the same keys for every plan (:data:`HEADER`), each family the keys it owns and
-the others their default, so a plan text reads the same whatever the family. Reading it back, the
+the others their default, so a plan text reads the same whatever the family (a family with a
+fact no key names adds its own key, printed after them). Reading it back, the
 ``schedule`` value names the family (each registers the values it prints: :func:`register_facts`)
 and a plan with an inner plan is a Ulysses hybrid. A new mode family is one such class, registered
 in its builder's file. Example: the header of a dense 2x2 Mesh plan::
@@ -86,7 +87,8 @@ class Facts:
         return None
 
     def header(self) -> dict[str, str]:
-        """The header keys this family sets (the others print their :data:`HEADER` default)."""
+        """The header keys this family sets (the others print their :data:`HEADER` default; keys
+        not in it are the family's own, printed after them)."""
         return {}
 
     @classmethod
@@ -134,17 +136,21 @@ def facts_of_header(given: dict[str, str], inner: "Plan | None") -> Facts:
         candidates = [FAMILIES[key]]
     else:
         candidates = list(dict.fromkeys(f for k, f in FAMILIES.items() if k != INNER))
-    error = None
+    errors = {}  # family name -> why it does not read this header
     for family in candidates:
         try:
             facts = family.from_header({**HEADER, **given}, inner)
         except ValueError as e:
-            error = e
+            errors[family.__name__] = str(e)
             continue
         printed = {**HEADER, **facts.header()}
-        wrong = [k for k in given if k not in ("backward_chunks", "kernel_calls") and printed[k] != given[k]]
+        wrong = [k for k in given if k not in ("backward_chunks", "kernel_calls") and printed.get(k) != given[k]]
         if not wrong:
             return facts
-        error = ValueError(f"plan header {', '.join(f'{k}={given[k]}' for k in wrong)}: a {family.__name__} plan "
-                           f"says {', '.join(f'{k}={printed[k]}' for k in wrong)}")
-    raise error
+        says = ", ".join(f"{k}={printed[k]}" if k in printed else f"no {k}" for k in wrong)
+        errors[family.__name__] = (f"plan header {', '.join(f'{k}={given[k]}' for k in wrong)}: a {family.__name__} "
+                                   f"plan says {says} (its keys: {', '.join(printed)})")
+    if len(errors) == 1:
+        raise ValueError(*errors.values())
+    raise ValueError("no family of plan facts prints this header (it names no schedule): " +
+                     "; ".join(f"{name}: {why}" for name, why in errors.items()))
