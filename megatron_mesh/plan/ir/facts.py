@@ -24,17 +24,12 @@ from __future__ import annotations
 import typing
 from typing import ClassVar, Literal
 
-__all__ = ["Facts", "BackwardChunks", "KernelCalls", "Contiguous", "HEADER", "register_facts", "facts_of_header",
+__all__ = ["Facts", "BackwardChunks", "Contiguous", "HEADER", "register_facts", "facts_of_header",
            "FAMILIES", "INNER", "tile_text", "parse_tile_text", "optional_int", "choice"]
 
 # what the backward reads: "refetch" pulls the chunks again, "keep" keeps the forward's, "auto" (a
 # mask-aware plan) keeps them on each rank where that is at most its own Q, K and V
 BackwardChunks = Literal["refetch", "keep", "auto"]
-# how a masked block's mask pieces (:func:`~..mask.mask_pieces`) run as kernel calls
-# (:func:`~..mask.call_groups`): "varlen" (this package's kernels: the full pieces in one
-# variable-length call, the causal ones in another, each masked piece alone), "piece" (one call
-# each) or "block" (one call for all: Transformer Engine's THD attention, the planner's TE rows)
-KernelCalls = Literal["varlen", "piece", "block"]
 # which ring of a Mesh tile holds consecutive ranks
 Contiguous = Literal["q", "kv"]
 

@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from ..layout import Layout, ZigzagLayout, head_slice
-from ..mask import Mask
+from ..mask import KernelCalls, Mask
 from ..sel import Segment, Sel, map_runs, segment_begins, sub_selection
-from .facts import BackwardChunks, Facts, KernelCalls
+from .facts import BackwardChunks, Facts
 from .ops import KINDS, Key, Op, Post, Wait
 from .plan_text import describe_plan, parse_plan, plan_header, plan_text
 from .rank import RankPlan
@@ -65,7 +65,7 @@ class Plan:
       and its rank order, the schedule, who computes a block, a Ulysses degree and inner plan, ...;
     * ``backward_chunks``, ``kernel_calls`` -- every plan's: what its backward reads again or keeps,
       how a masked block's pieces run as kernel calls (:data:`~.facts.BackwardChunks`,
-      :data:`~.facts.KernelCalls`);
+      :data:`~..mask.KernelCalls`, :func:`~..mask.call_groups`);
     * ``rings`` -- the rings the plan moves data on (family -> rank tuples in ring order);
       ``notes`` -- human-readable facts.
 

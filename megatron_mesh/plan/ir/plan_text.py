@@ -14,9 +14,9 @@ import re
 from typing import Callable, Iterable
 
 from ..layout import layout_from_text
-from ..mask import Mask
+from ..mask import KernelCalls, Mask
 from ..sel import Segment, parse_sel, sel_text
-from .facts import HEADER, choice, facts_of_header, BackwardChunks, KernelCalls
+from .facts import HEADER, BackwardChunks, choice, facts_of_header
 from .ops import Free, Key, _parse_keys, op_keys, parse_op
 from .rank import RankPlan
 
