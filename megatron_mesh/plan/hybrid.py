@@ -57,7 +57,7 @@ from typing import Callable
 from .balance import SETS
 from .hybrid_sets import SET_ROUNDS, SetLowering, SetRows
 from .ir import KINDS, AddGrad, Attend, Copy, Free, Key, Op, Plan, Post, RankPlan, RowStats, Transfer, Wait
-from .ir.facts import Facts, register_facts
+from .ir.facts import Contiguous, Facts, register_facts
 from .layout import Layout, SpanLayout, check_ulysses_heads, head_slice
 from .mask import Mask
 from .passes import insert_frees
@@ -159,7 +159,7 @@ class UlyssesFacts(Facts):
         return self.inner.facts.tile
 
     @property
-    def contiguous(self):
+    def contiguous(self) -> Contiguous | None:
         return self.inner.facts.contiguous
 
     @property

@@ -71,13 +71,13 @@ dK/dV partial in its shift's return round, and its own block runs while they tra
 from __future__ import annotations
 
 import typing
-
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
 from .accounting import buffer_bytes
 from .ir import Key, Op, Plan, Post, RankPlan, Wait
-from .ir.facts import Contiguous, Facts, choice, optional_int, parse_tile_text, register_facts, tile_text
+from .ir.facts import (Contiguous, Facts, choice, optional_int, optional_text, parse_tile_text, register_facts,
+                       tile_text)
 from .layout import Layout
 from .mask import Mask
 from .passes import insert_frees
@@ -206,8 +206,7 @@ class MaskAwareFacts(Facts):
     def header(self) -> dict[str, str]:
         return {"tile": tile_text(self.tile), "schedule": self.rounds, "contiguous": self.contiguous or "-",
                 "assignment": self.assignment.replace(" ", "_") or "-", "direct": "yes",
-                "last_round": "-" if self.last_round is None else str(self.last_round),
-                "ranks_per_node": "-" if self.ranks_per_node is None else str(self.ranks_per_node)}
+                "last_round": optional_text(self.last_round), "ranks_per_node": optional_text(self.ranks_per_node)}
 
     @classmethod
     def from_header(cls, head: dict[str, str], inner) -> "MaskAwareFacts":

@@ -60,7 +60,7 @@ from .blocks import block_ops
 from .hamiltonian import (NO_DECOMPOSITION, chained_rings, hamiltonian_decomposition,
                           max_disjoint_hamiltonian_cycles)
 from .ir import AddGrad, Attend, AttendBackward, Key, Op, Plan, Post, RankPlan, Transfer, Wait
-from .ir.facts import Facts, optional_int, register_facts
+from .ir.facts import Facts, optional_int, optional_text, register_facts
 from .layout import ZigzagLayout, slot_segments
 from .mask import BlockKind, Mask, classify_block
 from .passes import insert_frees
@@ -147,7 +147,7 @@ class TaspFacts(Facts):
 
     def header(self) -> dict[str, str]:
         return {"schedule": "rings", "assignment": self.assignment,
-                "ranks_per_node": "-" if self.ranks_per_node is None else str(self.ranks_per_node)}
+                "ranks_per_node": optional_text(self.ranks_per_node)}
 
     @classmethod
     def from_header(cls, head: dict[str, str], inner) -> "TaspFacts":

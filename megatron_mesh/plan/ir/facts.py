@@ -25,7 +25,8 @@ import typing
 from typing import ClassVar, Literal
 
 __all__ = ["Facts", "BackwardChunks", "Contiguous", "HEADER", "register_facts", "facts_of_header",
-           "FAMILIES", "INNER", "tile_text", "parse_tile_text", "optional_int", "choice"]
+           "FAMILIES", "INNER", "tile_text", "parse_tile_text", "optional_int", "optional_text",
+           "choice"]
 
 # what the backward reads: "refetch" pulls the chunks again, "keep" keeps the forward's, "auto" (a
 # mask-aware plan) keeps them on each rank where that is at most its own Q, K and V
@@ -57,6 +58,10 @@ def parse_tile_text(text: str) -> tuple[int, int] | None:
 
 def optional_int(text: str) -> int | None:
     return None if text == "-" else int(text)
+
+
+def optional_text(value: int | None) -> str:
+    return "-" if value is None else str(value)
 
 
 class Facts:
