@@ -85,7 +85,7 @@ class MaskStack:
         return got[0] if all(g is not None and g == got[0] for g in got) else None
 
     def head_text(self) -> str:
-        """E.g. ``causal*12+causal,window=4096,0*12`` (each mask's text and its layers)."""
+        """E.g. ``causal,window=4096:0*6+causal*6`` (each mask's text and its layers)."""
         return "+".join(f"{mask.head_text()}*{count}" for mask, count in self.layers)
 
     text = summary = head_text
