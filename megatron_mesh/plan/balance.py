@@ -6,7 +6,8 @@ assigns every token to a rank from the documents themselves:
 
 * every rank holds exactly S / P tokens (Megatron shards activations evenly);
 * per-rank work -- the (query, key) pairs the mask allows to the rank's query tokens, window
-  included -- is balanced;
+  included; for layers with different masks sharing the layout, their sum
+  (:class:`~.maskkinds.MaskStack`) -- is balanced;
 * a document that fits is kept whole on one rank: it needs no CP traffic at all; a long one is cut
   into *zigzag portions* (portion i = its halves i and 2k-1-i of 2k, so every portion has the same work),
   and portions go to consecutive ranks (inside a node where they fit), so the modes' own algorithms
