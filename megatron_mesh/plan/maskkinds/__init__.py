@@ -20,7 +20,7 @@ __all__ = ["MaskKind", "MASK_KINDS", "register_mask_kind", "mask_from_text", "IN
            "Chunked", "Prefix", "MaskStack", "work_mask"]
 
 
-def work_mask(mask, causal: bool = True, window=None, documents=None) -> MaskKind:
+def work_mask(mask, causal: bool = True, window=None, documents=None) -> "MaskKind | MaskStack":
     """The mask whose work a layout balances: ``mask`` (any kind; its documents, if any, must be
     ``documents``; or the layers' :class:`MaskStack`) or the band of ``causal`` / ``window`` (the
     loose arguments; not both)."""
