@@ -49,14 +49,13 @@ import torch.distributed as dist
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
-from megatron.core.transformer.utils import is_layer_window_attention
 from torch import Tensor
 
 from ..plan.modes import DEFAULT_MODE
-from ..plan.window import megatron_window
 from . import TE_MODES, batch_layout, mla, plugin_modes, sinks
 from .checks import have_transformer_engine
 from .groups import PROCESS_GROUPS, CPGroups, cp_ranks
+from .layout_decision import layer_window
 from .settings import BATCH_DOCUMENTS, plugin_settings
 from .placement import resolve_placement
 from .telemetry import Telemetry
@@ -124,10 +123,8 @@ def core_attention_spec(telemetry: Optional[Telemetry] = None, groups: Optional[
 
 
 def _layer_window(config, layer_number: int):
-    """The plugin window (left, right) of this layer, or None."""
-    if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
-        return megatron_window(config.window_size)
-    return None
+    """The plugin window (left, right) of this layer, or None (:func:`.layout_decision.layer_window`)."""
+    return layer_window(config.window_size, config.window_attn_skip_freq, layer_number)
 
 
 def _needs_plugin_mask(config, layer_number: int) -> bool:

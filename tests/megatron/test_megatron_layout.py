@@ -27,6 +27,7 @@ pytest.importorskip("megatron.core", reason="needs megatron-core (scripts/setup_
 from megatron_mesh.megatron import batch_layout  # noqa: E402
 from megatron_mesh.plan.balance import balanced_layout  # noqa: E402
 from megatron_mesh.plan.layout import positions  # noqa: E402
+from megatron_mesh.plan.maskkinds import Mask, MaskStack  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 
@@ -94,9 +95,15 @@ def test_sample_layout_is_the_one_decision():
     assert hidden == balanced_layout(cu, P, group=2, hide=True)
     assert batch_layout.uses_balanced_layout(config(cp_layout="balanced-hide", documents="eod"))
     assert not batch_layout.uses_balanced_layout(config(cp_layout="zigzag", documents="eod"))
-    # a window on every layer changes the work to balance (here, the layout); on some layers only, not
-    assert batch_layout.sample_layout(cu, config(window_size=(3, 0))) != layout
-    assert batch_layout.sample_layout(cu, config(window_size=(3, 0), window_attn_skip_freq=2)) is layout
+    # a window on every layer changes the work to balance (here, the layout); on some layers only,
+    # the layers' summed work: layer 1 windowed, layer 2 full (--window-attn-skip-freq 2)
+    windowed = batch_layout.sample_layout(cu, config(window_size=(3, 0)))
+    assert windowed != layout
+    stacked = batch_layout.sample_layout(cu, config(window_size=(3, 0), window_attn_skip_freq=2))
+    stack = MaskStack.of([Mask(True, (3, 0)), Mask(True)])
+    assert stacked == balanced_layout(cu, P, mask=stack) and stacked not in (layout, windowed)
+    # a 0/1 list with every layer windowed is the window's layout
+    assert batch_layout.sample_layout(cu, config(window_size=(3, 0), window_attn_skip_freq=[1, 1])) is windowed
 
 
 # the layers' mode and shape that --cp-layout auto prices a sample for (32/8 heads of 128 in bf16)
