@@ -179,8 +179,8 @@ class MegatronProblem:
         skip = self.window_skip
         if isinstance(skip, tuple):
             if len(skip) != self.layers or set(skip) - {0, 1}:
-                raise ValueError(f"--window-attn-skip-freq {list(skip)}: give one entry per layer ({self.layers} layers, "
-                                 "--num-layers), each 1 (sliding window) or 0 (full attention)")
+                raise ValueError(f"--window-attn-skip-freq {list(skip)}: give one entry per layer ({self.layers} "
+                                 "layers, --num-layers), each 1 (sliding window) or 0 (full attention)")
             return tuple(window if on else None for on in skip)
         if skip is not None and skip < 1:
             raise ValueError(f"--window-attn-skip-freq {skip}: an integer N must be >= 1 (every N-th layer runs full "

@@ -128,13 +128,11 @@ class Problem:
     def describe(self) -> str:
         sh = self.shape
         tp = f", TP {self.tp} -> {sh.heads} / {sh.kv_heads} per rank" if self.tp > 1 else ""
-        dims = f"query/key dim {self.head_dim}, value dim {sh.v_head_dim} (MLA)" if sh.v_head_dim != self.head_dim \
-            else f"dim {self.head_dim}"
         what = "causal" + ("" if self.layer_kinds == [(None, self.layers)] else f", {self.layers_text()}")
         if self.documents is not None:
             n = len(self.documents) - 1
             what += f", {n} documents of mean {self.seq_len / n:,.0f} tokens (the first sample of its data)"
-        return (f"{self.layers} layers, {self.heads} query / {self.kv_heads} KV heads of {dims}{tp}; "
+        return (f"{self.layers} layers, {self.heads} query / {self.kv_heads} KV heads, {sh.dims_text}{tp}; "
                 f"{self.seq_len:,} tokens at CP {self.cp} ({sh.seq_local:,} per rank), micro-batch "
                 f"{self.micro_batch}, {self.dtype}, {what}")
 
@@ -270,9 +268,10 @@ def predict(problem: Problem, topo: Topology, modes=PREDICT_MODES, window=_EVERY
 
 
 def _machine_line(problem: Problem, topo: Topology) -> str:
-    return (f"Assumed machine (the planner's defaults, megatron_mesh.plan.topology.Topology): {topo.gpus_per_node * problem.tp} "
-            f"GPUs per node" + (f", TP {problem.tp} inside a node, so {topo.gpus_per_node} CP ranks per node" if
-                                problem.tp > 1 else "") + f": CP {problem.cp} spans {topo.nodes_used(problem.cp)} node(s); "
+    tp = f", TP {problem.tp} inside a node, so {topo.gpus_per_node} CP ranks per node" if problem.tp > 1 else ""
+    return (f"Assumed machine (the planner's defaults, megatron_mesh.plan.topology.Topology): "
+            f"{topo.gpus_per_node * problem.tp} GPUs per node{tp}: CP {problem.cp} spans {topo.nodes_used(problem.cp)} "
+            "node(s); "
             f"NVLink {topo.intra_bandwidth / 1e9:g} GB/s and {topo.intra_latency * 1e6:g} us inside a node, network "
             f"{topo.inter_bandwidth / 1e9:g} GB/s and {topo.inter_latency * 1e6:g} us between nodes (per GPU per "
             f"direction); attention {topo.attention_flops / 1e12:g} TFLOP/s per GPU (backward {BACKWARD_FLOPS}x the "
@@ -319,8 +318,8 @@ def prediction_section(path: str = DEFAULT_CONFIG, topo: Topology | None = None)
     for window, layers in kinds:
         rows, skipped, floor = predict(problem, topo, window=window)
         if len(kinds) > 1:
-            lines += [f"### The {layers} layers with {'full attention' if window is None else f'a {window[0]}-token window'}",
-                      ""]
+            what = "full attention" if window is None else f"a {window[0]}-token window"
+            lines += [f"### The {layers} layers with {what}", ""]
         lines += _kind_lines(rows, skipped, floor) + [""]
         auto = next((r for r in rows if r.mode == "auto"), None)
         stack.append(None if auto is None else layers * auto.time_s)
@@ -377,6 +376,20 @@ def _planned_bytes(placement, problem: Problem, mask: str, window: int | None, c
     return total
 
 
+def _planned_text(problem: Problem, draws: int, doc_mean: int | None) -> str:
+    """What the measured-vs-planned table's planned bytes are."""
+    sh = problem.shape
+    own = " (or the first sample of the config's own documents)" if problem.documents is not None else ""
+    return (f"Planned: the planner's bytes for the busiest rank of the run's own plan (its mode, all-to-all degree "
+            f"and tile; {sh.heads} / {sh.kv_heads} heads, {sh.dims_text}, {sh.seq_local} tokens per rank at CP "
+            f"{problem.cp}, {problem.dtype}), summed over the {problem.layers} layers, each with its own mask "
+            f"({problem.layers_text()}), x {problem.micro_batches} micro-batch(es) per step, forward + backward; "
+            "measured: comm_counter's bytes of the busiest rank, mean over the iterations. Documents change from "
+            "sample to sample (and the bytes with them): the documents runs are compared with the bytes of the plans "
+            "their calls ran (the metrics record them), or, for metrics without them, planned for "
+            f"{draws} draws of the job's length distribution (lognormal, mean {doc_mean} tokens){own}: an estimate.")
+
+
 def measured_vs_planned_section(runs, problem: Problem, window: int | None = None, doc_mean: int | None = None,
                                 draws: int = 8) -> str:
     """Markdown: for each CP run (``runs``: the report's RunResults -- mode, mask, cp, tile,
@@ -397,18 +410,8 @@ def measured_vs_planned_section(runs, problem: Problem, window: int | None = Non
         raise ValueError("planning the window runs needs the window's width (window)")
     draws_cu = [document_bounds(f"lognormal:{doc_mean},1", problem.seq_len, seed) for seed in range(draws)] \
         if doc_mean is not None else []
-    sh = problem.shape
-    dims = f"dim {sh.head_dim}" if sh.v_head_dim == sh.head_dim else f"query/key dim {sh.head_dim}, value dim {sh.v_head_dim}"
-    lines = ["## Measured vs planned bytes (this CPU run)", "",
-             f"Planned: the planner's bytes for the busiest rank of the run's own plan (its mode, all-to-all degree "
-             f"and tile; {sh.heads} / {sh.kv_heads} heads of {dims}, {sh.seq_local} tokens per rank at CP "
-             f"{problem.cp}, {problem.dtype}), summed over the {problem.layers} layers, each with its own mask "
-             f"({problem.layers_text()}), x {problem.micro_batches} micro-batch(es) per step, forward + backward; measured: comm_counter's "
-             "bytes of the busiest rank, mean over the iterations. Documents change from sample to sample (and the "
-             "bytes with them): the documents runs are compared with the bytes of the plans their calls ran (the "
-             "metrics record them), or, for metrics without them, planned for "
-             f"{draws} draws of the job's length distribution (lognormal, mean {doc_mean} tokens): an estimate.",
-             "", "| run | planned bytes per rank per step | measured | measured / planned | note |",
+    lines = ["## Measured vs planned bytes (this CPU run)", "", _planned_text(problem, draws, doc_mean), "",
+             "| run | planned bytes per rank per step | measured | measured / planned | note |",
              "|---|---|---|---|---|"]
     for r in runs:
         label = r.mode if r.mask == "none" else f"{r.mode} [{r.mask}]"

@@ -101,9 +101,9 @@ def test_the_main_job_runs_the_gpt_oss_and_deepseek_configs(tmp_path, doc_data, 
         assert "### The 12 layers with a 127-token window" in gpt_oss and "### The 12 layers with full" in gpt_oss
         assert "The stack: **" in gpt_oss and gpt_oss.count("`auto` picks **") == 2
         deepseek = report.split("## Prediction for deepseek_v3_128k_cp16.yaml on GPUs")[1]
-        assert "query/key dim 192, value dim 128 (MLA)" in deepseek and "`auto` picks **" in deepseek
+        assert "head dim 192 (values 128)" in deepseek and "`auto` picks **" in deepseek
     else:
-        assert "heads of query/key dim 24, value dim 12" in checked and "## Prediction" not in report
+        assert "heads, head dim 24 (values 12)" in checked and "## Prediction" not in report
 
 
 def _check_per_rank_figures(out, rows):

@@ -209,14 +209,15 @@ def test_the_planned_bytes_of_mla_move_values_of_their_own_dim(doc_data, monkeyp
     problem = predict.read_config("configs/deepseek_tiny_cpu.yaml", cp=4)
     shape = problem.shape
     assert (shape.head_dim, shape.v_head_dim, shape.heads, shape.kv_heads) == (24, 12, 4, 4)
-    assert "4 query / 4 KV heads of query/key dim 24, value dim 12 (MLA)" in problem.describe()
+    assert "4 query / 4 KV heads, head dim 24 (values 12);" in problem.describe()
     square = AttentionShape(seq_local=16, batch=1, heads=4, kv_heads=4, head_dim=24, itemsize=4)
     mask = Mask.from_cu_seqlens(list(problem.documents), 64, True)
     assert _busiest(shape, "ring", mask) < _busiest(square, "ring", mask)
     runs = [RunResult("ring", 4, "docs-zigzag", bytes_per_step=1000.0, planned_bytes_per_step=1000.0),
             RunResult("ring", 4, bytes_per_step=4 * 2 * _busiest(shape, "ring", Mask(True), layout(problem)))]
     rows = _rows(predict.measured_vs_planned_section(runs, problem, doc_mean=16))
-    assert rows["ring [docs-zigzag]"][0][3] == "1.000" and "each batch's own documents" in rows["ring [docs-zigzag]"][0][4]
+    docs = rows["ring [docs-zigzag]"][0]
+    assert docs[3] == "1.000" and "each batch's own documents" in docs[4], docs
     assert rows["ring"][0][3] == "1.000" and rows["ring"][0][4] == "estimate: the first sample of the config's data"
 
 
@@ -249,7 +250,7 @@ def test_the_gpu_configs_of_gpt_oss_20b_and_deepseek_v3(tmp_path):
     with pytest.raises(ValueError, match="its layers run different masks"):
         predict.predict(oss, topo)
     deepseek = predict.prediction_section(predict.DEFAULT_CONFIGS[2])
-    assert "## Prediction for deepseek_v3_128k_cp16.yaml" in deepseek and "query/key dim 192, value dim 128" in deepseek
+    assert "## Prediction for deepseek_v3_128k_cp16.yaml" in deepseek and "head dim 192 (values 128)" in deepseek
     assert "`auto` picks **" in deepseek and "###" not in deepseek
 
 
