@@ -201,12 +201,16 @@ def test_the_planned_bytes_price_each_layer_with_its_own_mask(tmp_path):
         predict.read_config(_config(tmp_path, window_size='"3,0"', window_attn_skip_freq='"[1,0,1]"'))
 
 
-def test_the_planned_bytes_of_mla_move_values_of_their_own_dim(doc_data, monkeypatch):
+def test_the_planned_bytes_of_mla_move_values_of_their_own_dim(tmp_path, monkeypatch):
     """configs/deepseek_tiny_cpu.yaml at CP 4 (MLA: query/key dim 16 + 8, value dim 12; its own EOD
     documents): the plan's V, output and their gradients are 12 wide -- a run whose metrics lack
     the plans is estimated on the config's first sample, with those dims."""
-    monkeypatch.setenv("DOC_DATA", doc_data)
+    lengths = (8, 6, 14, 8, 4, 10, 30)  # an index as scripts/make_doc_dataset.py writes: its lengths are all read
+    header = b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 8, len(lengths), len(lengths) + 1)
+    (tmp_path / "d.idx").write_bytes(header + struct.pack(f"<{len(lengths)}i", *lengths))
+    monkeypatch.setenv("DOC_DATA", str(tmp_path / "d"))
     problem = predict.read_config("configs/deepseek_tiny_cpu.yaml", cp=4)
+    assert problem.documents == (0, 8, 14, 28, 36, 40, 50, 64)
     shape = problem.shape
     assert (shape.head_dim, shape.v_head_dim, shape.heads, shape.kv_heads) == (24, 12, 4, 4)
     assert "4 query / 4 KV heads, head dim 24 (values 12);" in problem.describe()
