@@ -95,7 +95,7 @@ def test_the_main_job_runs_the_gpt_oss_and_deepseek_configs(tmp_path, doc_data, 
     row = next(line for line in checked.splitlines() if line.startswith(f"| {mode} |"))
     assert "| 1.000 | the plans the run's calls ran" in row, row
     if config.startswith("gpt_oss"):
-        assert "summed over the 4 layers, each with its own mask (2 of 4 layers window 5 tokens, 2 of 4 layers full)" \
+        assert "summed over the 4 layers, each with its own mask (2 of 4 layers window 5 tokens, 2 of 4 layers full;" \
             in checked, checked
         gpt_oss = report.split("## Prediction for gpt_oss_20b_128k_cp16.yaml on GPUs")[1].split("\n## ")[0]
         assert "### The 12 layers with a 127-token window" in gpt_oss and "### The 12 layers with full" in gpt_oss
