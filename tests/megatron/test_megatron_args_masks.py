@@ -315,3 +315,18 @@ def test_the_layers_windows_are_megatrons(megatron_args, argv):
     flags = {"--num-layers": "6", "--num-attention-heads": "4", "--hidden-size": "64", "--seq-length": "64",
              **dict(zip(given[::2], given[1::2]))}
     assert MegatronProblem.from_flags(flags).layer_windows() == megatron, argv
+
+
+def test_the_main_jobs_gpu_configs_pass_the_start_up_checks(megatron_args, our_entry):
+    """The configs the main job predicts for (Llama-3-8B, gpt-oss-20b with sinks and alternating
+    128-token windows, DeepSeek-V3's MLA with YaRN; each at 128K tokens, CP 16 x TP 2) are flags
+    Megatron parses and the plugin's start-up accepts with Transformer Engine, as a GPU run would."""
+    import os
+
+    from megatron_mesh.tools import predict, yaml_args
+
+    for path in predict.DEFAULT_CONFIGS:
+        doc = yaml_args.load(path)
+        args = megatron_args(yaml_args.model_args(doc, {**os.environ, **yaml_args.environment(doc)}))
+        validate_args(args, have_te=True, **our_entry)
+        assert (args.context_parallel_size, args.tensor_model_parallel_size, args.seq_length) == (16, 2, 131072), path
