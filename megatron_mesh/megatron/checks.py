@@ -257,10 +257,10 @@ def _check_layout(args, settings: PluginSettings, problem: MegatronProblem, cp: 
     layout is chosen per sample: documents from the batch (--reset-attention-mask) reaching plugin
     layers at CP > 1; at CP 1 with such documents it is accepted and returned as unused. A layout
     other than Megatron's zigzag (the default ``auto`` too) needs --calculate-per-token-loss, and
-    what else follows Megatron's zigzag refuses it: RoPE other than 'rope' (YaRN, mRoPE, MLA's
-    own), multi-token prediction (its roll assumes the zigzag), and fused RoPE over micro-batches
-    of several samples (Transformer Engine's kernel takes one [s, 1, 1, d] table; each sample has
-    its own layout). A layout that differs from another only for Ulysses groups needs them."""
+    what else follows Megatron's zigzag refuses it: the model's RoPE other than 'rope' (YaRN,
+    mRoPE; MLA's own rotary, 'rope' or YaRN, follows the layout unfused), multi-token prediction
+    (its roll assumes the zigzag), and fused RoPE over micro-batches of several samples (Transformer
+    Engine's kernel takes one [s, 1, 1, d] table; each sample has its own layout). A layout that differs from another only for Ulysses groups needs them."""
     kind, documents, unused = settings.layout, settings.documents, []
     batch = documents in BATCH_DOCUMENTS
     applies = cp > 1 and batch
@@ -303,11 +303,15 @@ def _check_sample_layouts(args, which: str, zigzag: str) -> None:
     if position not in ("rope", "learned_absolute", "none"):
         raise ValueError(f"{which} with --position-embedding-type {position}: supported are rope, learned_absolute "
                          f"and none (their positions follow the layout); {zigzag}")
-    for flag, name in (("--multi-latent-attention", "multi_latent_attention"), ("--mtp-num-layers", "mtp_num_layers")):
-        value = getattr(args, name, None)
-        if value:
-            raise ValueError(f"{which} with {flag}{'' if value is True else f' {value}'}: it assumes Megatron's "
-                             f"zigzag layout (MLA's own RoPE slicing, multi-token prediction's roll); {zigzag}")
+    mtp = getattr(args, "mtp_num_layers", None)
+    if mtp:
+        raise ValueError(f"{which} with --mtp-num-layers {mtp}: multi-token prediction rolls the tokens, labels and "
+                         "loss mask one position along the sequence, and Megatron's roll passes one boundary token "
+                         "between the zigzag's neighbouring chunks, while on this layout a token's successor may be on "
+                         f"any CP rank (allowed: no --mtp-num-layers), {zigzag}")
+    if getattr(args, "multi_latent_attention", False) and getattr(args, "apply_rope_fusion", False):
+        raise ValueError(f"{which} with --multi-latent-attention and fused RoPE: MLA's fused RoPE kernels rotate "
+                         f"each rank's zigzag positions; pass --no-rope-fusion (the layout's positions), {zigzag}")
     micro = getattr(args, "micro_batch_size", None) or 1
     if position == "rope" and getattr(args, "apply_rope_fusion", False) and micro > 1:
         raise ValueError(f"{which} with fused RoPE and --micro-batch-size {micro}: each sample has its "
