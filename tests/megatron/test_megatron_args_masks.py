@@ -155,10 +155,13 @@ def test_masks_and_hybrids_valid(megatron_args, our_entry, argv, documents):
      "--cp-layout auto (the default with packed documents at CP > 1) with --position-embedding-type yarn: "
      "supported are rope, learned_absolute and none"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask", PER_TOKEN,
-      "--mtp-num-layers", "1"], "--cp-layout auto (the default with packed documents at CP > 1) with --mtp-num-layers 1: "
-     "multi-token prediction rolls the tokens, labels and loss mask one position along the sequence, and Megatron's "
-     "roll passes one boundary token between the zigzag's neighbouring chunks, while on this layout a token's "
-     "successor may be on any CP rank (allowed: no --mtp-num-layers), or pass --cp-layout zigzag"),
+      "--mtp-num-layers", "1"], "--mtp-num-layers 1 with --cp-comm-type mesh at CP 4: Megatron-Core builds the "
+     "multi-token prediction layers from its own layer spec (Megatron's attention, not the plugin's), and its roll of "
+     "the tokens, labels and loss mask one position along the sequence passes one token between the zigzag's "
+     "neighbouring chunks (on the balanced layout a token's successor may be on any CP rank); allowed: "
+     "--mtp-num-layers at CP 1 or with Transformer Engine's modes"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "ring", "--mtp-num-layers", "2"],  # no documents, any layout
+     "--mtp-num-layers 2 with --cp-comm-type ring at CP 2: Megatron-Core builds the multi-token prediction layers"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask", PER_TOKEN, *MLA,
       "--cp-layout", "balanced"],
      "--cp-layout balanced with --multi-latent-attention and fused RoPE: MLA's fused RoPE kernels rotate each "
