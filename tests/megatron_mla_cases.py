@@ -10,9 +10,10 @@ MLA applies itself at this rank's positions: the zigzag's, or on the balanced la
 token's global one (``batch_layout.follow_layout`` hooks MLA's own rotary). Per case, at CP 4
 (mesh, tasp, ring, a2a+mesh) on both layouts and TP 2 x CP 2 (mesh 2x1, ring) on the zigzag, whole
 sequences and end-of-document documents, the loss summed over the CP group and every parameter
-gradient all-reduced over it equal the same model at CP 1 -- where the plugin's single-rank attention runs (Megatron's local DotProductAttention
-takes no separate value head dim; the single-rank attention with d_v != d_qk is checked against the
-dense reference in tests/runtime/test_sinks.py).
+gradient all-reduced over it equal the same model at CP 1 -- where the plugin's single-rank
+attention runs (Megatron's local DotProductAttention takes no separate value head dim; the
+single-rank attention with d_v != d_qk is checked against the dense reference in
+tests/runtime/test_sinks.py).
 """
 
 from __future__ import annotations

@@ -260,7 +260,8 @@ def _check_layout(args, settings: PluginSettings, problem: MegatronProblem, cp: 
     what else follows Megatron's zigzag refuses it: the model's RoPE other than 'rope' (YaRN,
     mRoPE; MLA's own rotary, 'rope' or YaRN, follows the layout unfused) and fused RoPE over
     micro-batches of several samples (Transformer Engine's kernel takes one [s, 1, 1, d] table;
-    each sample has its own layout) or with MLA (its fused kernels rotate the zigzag's positions). A layout that differs from another only for Ulysses groups needs them."""
+    each sample has its own layout) or with MLA (its fused kernels rotate the zigzag's positions).
+    A layout that differs from another only for Ulysses groups needs them."""
     kind, documents, unused = settings.layout, settings.documents, []
     batch = documents in BATCH_DOCUMENTS
     applies = cp > 1 and batch
@@ -348,11 +349,12 @@ def _check_plugin_layers(args, settings: PluginSettings, cp: int, active: set, p
                          "Engine's or Megatron's attention, which these layers do not use: leave it at auto")
     mtp = getattr(args, "mtp_num_layers", None)
     if mtp:
-        raise ValueError(f"--mtp-num-layers {mtp} with --cp-comm-type {plugin} at CP {cp}: Megatron-Core builds the "
-                         "multi-token prediction layers from its own layer spec (Megatron's attention, not the plugin's), "
-                         "and its roll of the tokens, labels and loss mask one position along the sequence passes one "
-                         "token between the zigzag's neighbouring chunks (on the balanced layout a token's successor may "
-                         "be on any CP rank); allowed: --mtp-num-layers at CP 1 or with Transformer Engine's modes")
+        raise ValueError(f"--mtp-num-layers {mtp} with --cp-comm-type {plugin} at CP {cp}: Megatron-Core builds "
+                         "the multi-token prediction layers from its own layer spec (Megatron's attention, not the "
+                         "plugin's), and its roll of the tokens, labels and loss mask one position along the sequence "
+                         "passes one token between the zigzag's neighbouring chunks (on the balanced layout a token's "
+                         "successor may be on any CP rank); allowed: --mtp-num-layers at CP 1 or with Transformer "
+                         "Engine's modes")
     for flag in ("sft", "hybrid_context_parallel", "dataloader_inter_document_masking"):
         if getattr(args, flag, False):
             raise ValueError(f"--{flag.replace('_', '-')}: Megatron's {flag.replace('_', ' ')} batches are not supported by "
