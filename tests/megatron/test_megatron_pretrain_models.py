@@ -20,11 +20,12 @@ their gradient missed Megatron's gradient reduction over the data-parallel x CP 
 DeepSeek-style layers (configs/deepseek_tiny_cpu.yaml: multi-latent attention, query/key head dim
 24, value head dim 12, YaRN, EOD documents), one layer per mode, as the gpt-oss runs:
 
-* CP 4 on Megatron's zigzag (mesh, tasp, ring, a2a+mesh) through the plugin's entry script, saving a
-  checkpoint at iteration 2;
+* CP 4 on Megatron's zigzag (mesh, tasp, ring, a2a+mesh) through the plugin's entry script;
 * CP 4 on the balanced layout (tasp, mesh, a2a+mesh, ring), where MLA rotates each token at its
-  global position, through the plugin's entry script and Megatron-LM's pretrain_gpt.py;
-* the zigzag run's iteration-2 checkpoint resumed at CP 2 under tasp on the balanced layout.
+  global position, through the plugin's entry script (saving a checkpoint at iteration 2) and
+  Megatron-LM's pretrain_gpt.py;
+* the balanced run's iteration-2 checkpoint resumed at CP 2 under ring on the zigzag through
+  Megatron-LM's pretrain_gpt.py.
 
 Each logs the CP 1 losses to 1e-5 relative.
 """
@@ -50,7 +51,7 @@ BALANCED_MODES = "tasp mesh a2a+mesh ring"
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    return {name: str(tmp_path_factory.mktemp(name)) for name in ("cp1", "zigzag", "mla_zigzag")}
+    return {name: str(tmp_path_factory.mktemp(name)) for name in ("cp1", "zigzag", "mla_balanced")}
 
 
 @pytest.fixture(scope="module")
@@ -69,15 +70,16 @@ def runs(doc_data, ckpts):
         "mlm_balanced_cp4": (CONFIG, mlm, 4, 4, BALANCED_MODES, *HCP, "--cp-layout", "balanced"),
         "resume_cp2": (CONFIG, (), 2, 2, "ring", "--cp-layout", "balanced", "--load", ckpts["zigzag"], "--ckpt-step", "2"),
         "mla_cp1": (MLA_CONFIG, (), 1, 1, "mesh"),
-        "mla_zigzag_cp4": (MLA_CONFIG, (), 4, 4, ZIGZAG_MODES, *HCP, "--cp-layout", "zigzag", "--save",
-                           ckpts["mla_zigzag"], "--save-interval", "2"),
-        "mla_balanced_cp4": (MLA_CONFIG, (), 4, 4, BALANCED_MODES, *HCP, "--cp-layout", "balanced"),
+        "mla_zigzag_cp4": (MLA_CONFIG, (), 4, 4, ZIGZAG_MODES, *HCP, "--cp-layout", "zigzag"),
+        "mla_balanced_cp4": (MLA_CONFIG, (), 4, 4, BALANCED_MODES, *HCP, "--cp-layout", "balanced", "--save",
+                             ckpts["mla_balanced"], "--save-interval", "2"),
         "mlm_mla_balanced_cp4": (MLA_CONFIG, mlm, 4, 4, BALANCED_MODES, *HCP, "--cp-layout", "balanced"),
-        "mla_resume_cp2": (MLA_CONFIG, (), 2, 2, "tasp", "--cp-layout", "balanced", "--load", ckpts["mla_zigzag"],
-                           "--ckpt-step", "2"),
+        # Megatron-LM's script on the zigzag, resuming the balanced run's checkpoint
+        "mlm_mla_resume_cp2": (MLA_CONFIG, mlm, 2, 2, "ring", "--cp-layout", "zigzag", "--load",
+                               ckpts["mla_balanced"], "--ckpt-step", "2"),
     }
     return run_all(lambda *spec: run(*spec), plan, together=("cp1", "mla_cp1"),
-                   then_together=("resume_cp2", "mla_resume_cp2"))
+                   then_together=("resume_cp2", "mlm_mla_resume_cp2"))
 
 
 def _summary(text: str) -> str:
@@ -157,8 +159,9 @@ def test_mla_with_yarn_cp4_matches_cp1(runs, name, modes, layout, documents):
     assert summary.count(f"documents {documents}, layout {layout})") == 4, summary
 
 
-def test_mla_checkpoint_resumes_at_cp2_under_another_mode_and_layout(runs):
-    text = run_ok(runs, "mla_resume_cp2")
+def test_mla_checkpoint_resumes_at_cp2_under_another_mode_layout_and_script(runs):
+    """The balanced CP 4 run's checkpoint through Megatron-LM's script at CP 2, ring, on the zigzag."""
+    text = run_ok(runs, "mlm_mla_resume_cp2")
     assert_losses_equal(losses(text), losses(run_ok(runs, "mla_cp1")), iterations=[3], rel=RTOL)
-    assert "layers 1-4: tasp (CP 2" in text or "layer 1: tasp (CP 2" in text, text[-3000:]
-    assert _summary(text).count("documents eod, layout balanced)") >= 1, _summary(text)
+    assert "layers 1-4: ring (CP 2" in text or "layer 1: ring (CP 2" in text, text[-3000:]
+    assert _summary(text).count("documents positions, layout zigzag)") >= 1, _summary(text)
