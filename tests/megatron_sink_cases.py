@@ -91,6 +91,19 @@ def _local_batch(what, full, config, model, cp_group):
     return get_batch_on_this_cp_rank(dict(full), is_hybrid_cp=False, cp_group=cp_group), packed
 
 
+def _stacked(batch, cp: int, hcp) -> list[list[str]]:
+    """Per sample the masks whose balanced layout is the one the batch ran on: "stack" (the
+    layers' summed work: layer 1 windowed, layer 2 full), "full" (the full mask alone: what the
+    layout decision balanced before) or "window" (the window alone)."""
+    from megatron_mesh.plan.balance import balanced_layout
+    from megatron_mesh.plan.maskkinds import Mask, MaskStack
+
+    masks = {"stack": MaskStack.of([Mask(True, WINDOW), Mask(True)]), "full": Mask(True), "window": Mask(True, WINDOW)}
+    group = hcp[0] if hcp else 1
+    return [[name for name, m in masks.items() if balanced_layout(row, cp, mask=m, group=group) == layout]
+            for row, layout in zip(batch.rows, batch.layouts)]
+
+
 def gpt_sinks_equivalence(rank: int, world: int, layouts) -> list[dict]:
     """For each (tp, cp) of ``layouts``: learnable sinks in every case and mode, off-by-one on the
     plain and zigzag cases; one record per run (loss, gradient error, the sinks' gradient)."""
@@ -109,12 +122,13 @@ def gpt_sinks_equivalence(rank: int, world: int, layouts) -> list[dict]:
                     model, config = _model(tp, cp, mode, softmax_type, documents, layout, hcp, pgc)
                     local, packed = _local_batch(what, full, config, model, cp_group)
                     loss, grads = mc._run_masked(model, local, packed)
+                    stacked = _stacked(batch_layout.current(), cp, hcp) if what == "balanced" else None
                     batch_layout.set_current(None)
                     rec = mc._compare(f"TP={tp} CP={cp} {softmax_type} {what} {label}", loss, grads, ref_loss,
                                       ref_grads, cp_group)
                     attn = [layer.self_attention.core_attention for layer in model.decoder.layers]
                     rec.update(label=label, what=what, tp=tp, cp=cp, softmax_type=softmax_type,
-                               modes=[a.mode for a in attn], windows=[a.window for a in attn],
+                               modes=[a.mode for a in attn], windows=[a.window for a in attn], stacked=stacked,
                                sink_grad=[g.tolist() for n, g in ref_grads.items() if n.endswith("softmax_offset")],
                                offsets=[None if a.softmax_offset is None else list(a.softmax_offset.shape) for a in attn],
                                entries=_sink_entries(model), ref_entries=ref_entries)

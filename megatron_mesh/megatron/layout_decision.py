@@ -16,12 +16,13 @@ from typing import Optional
 
 from ..plan.layout import Layout
 from ..plan.layouts import Sample, get_layout_kind
-from ..plan.megatron_problem import MegatronProblem
+from ..plan.maskkinds import Mask, MaskStack
+from ..plan.megatron_problem import MegatronProblem, layer_window
 from ..plan.modes import DEFAULT_MODE
 from .placement import ranks_per_node
 from .settings import BATCH_DOCUMENTS, PluginSettings, layer_modes, plugin_modes_of, plugin_settings, problem_of
 
-__all__ = ["sample_layout", "uses_balanced_layout"]
+__all__ = ["sample_layout", "uses_balanced_layout", "layer_window", "layer_masks"]
 
 
 def uses_balanced_layout(config) -> bool:
@@ -32,17 +33,17 @@ def uses_balanced_layout(config) -> bool:
     return s.documents in BATCH_DOCUMENTS and config.context_parallel_size > 1 and s.layout.per_sample
 
 
-def _uniform_window(config, problem: MegatronProblem):
-    """The plugin window (left, right) when every layer has it, else None (the layout then
-    balances the unwindowed work: the layers without a window dominate it)."""
-    from megatron.core.transformer.utils import is_layer_window_attention
-
-    if not problem.window_size:
-        return None
+def layer_masks(config, problem: MegatronProblem):
+    """What the layout of a sample balances for the model's layers: (window, None) when every
+    layer has the same window (None: none) -- the layout of that one mask -- else (None, the
+    :class:`~megatron_mesh.plan.maskkinds.MaskStack` of the layers' masks: e.g. windowed layers
+    alternating with full ones, ``--window-attn-skip-freq``), whose summed work one layout for
+    every layer balances."""
     skip = getattr(config, "window_attn_skip_freq", None)
-    if all(is_layer_window_attention(problem.window_size, skip, n) for n in range(1, problem.layers + 1)):
-        return problem.window(causal=False)  # as given: the layers check the causal side
-    return None
+    windows = [layer_window(problem.window_size, skip, n) for n in range(1, problem.layers + 1)]
+    if len(set(windows)) == 1:
+        return windows[0], None
+    return None, MaskStack.of(Mask(True, w) for w in windows)
 
 
 def sample_layout(cu_seqlens, config, settings: PluginSettings | None = None) -> Optional[Layout]:
@@ -52,8 +53,9 @@ def sample_layout(cu_seqlens, config, settings: PluginSettings | None = None) ->
     1, or a sample ``--cp-layout`` leaves on it), else the layout its kind builds over
     ``context_parallel_size`` ranks, per Ulysses group of U ranks (U from
     ``--hierarchical-context-parallel-sizes U M``), nodes first when the CP group spans nodes,
-    for causal attention with the window when every layer has one, priced (``auto``) for the
-    layers' mode and shape. Cached: the batch split and every layer get the same object.
+    for causal attention with the window when every layer has one (layers with different masks:
+    their summed work, :func:`layer_masks`), priced (``auto``) for the layers' mode and shape.
+    Cached: the batch split and every layer get the same object.
 
     Example: ``sample_layout([0, 8, 12, 16], args)`` at CP 2 under ``--cp-layout balanced`` -> rank
     0 holds [0, 2) + [6, 12), rank 1 [2, 6) + [12, 16); under ``auto`` None (16 tokens: a
@@ -67,8 +69,9 @@ def sample_layout(cu_seqlens, config, settings: PluginSettings | None = None) ->
     modes = layer_modes(config.cp_comm_type)
     plugin = plugin_modes_of(modes)
     mode = next((m for m in modes if m in plugin), DEFAULT_MODE)  # what auto prices: the layers' first plugin mode
-    sample = Sample(cu, cp, True, _uniform_window(config, problem), problem.ulysses, _nodes(s), mode,
-                    replace(problem.shape(cp), seq_local=cu[-1] // cp))
+    window, stack = layer_masks(config, problem)
+    sample = Sample(cu, cp, True, window, problem.ulysses, _nodes(s), mode,
+                    replace(problem.shape(cp), seq_local=cu[-1] // cp), mask=stack)
     return _decide(s.cp_layout, sample)
 
 

@@ -6,7 +6,8 @@ assigns every token to a rank from the documents themselves:
 
 * every rank holds exactly S / P tokens (Megatron shards activations evenly);
 * per-rank work -- the (query, key) pairs the mask allows to the rank's query tokens, window
-  included -- is balanced;
+  included; for layers with different masks sharing the layout, their sum
+  (:class:`~.maskkinds.MaskStack`) -- is balanced;
 * a document that fits is kept whole on one rank: it needs no CP traffic at all; a long one is cut
   into *zigzag portions* (portion i = its halves i and 2k-1-i of 2k, so every portion has the same work),
   and portions go to consecutive ranks (inside a node where they fit), so the modes' own algorithms
@@ -220,7 +221,8 @@ def balanced_layout(cu_seqlens, world_size: int, *, causal: bool = True, window=
     """The work-balanced, document-aware layout of the documents ``cu_seqlens`` (0 = c0 < c1 <
     ... < cn = S, S divisible by the CP size ``world_size``) under a causal (or full) mask with
     ``window`` (left, right), or under ``mask`` (any mask kind, e.g. ``masks.chunked(8192)``: its work
-    is what the layout balances; its documents, if any, must be these) -- see the module docstring.
+    is what the layout balances; its documents, if any, must be these; or a
+    :class:`~.maskkinds.MaskStack` of the layers' masks: their summed work) -- see the module docstring.
     ``group``: balance over world_size / group groups of ranks (a Ulysses hybrid of that degree).
     ``ranks_per_node``: the CP group spans nodes of that many consecutive ranks -- balance the nodes first, then the ranks (groups) inside
     each node, so a document whose work fits a node's portions stays inside one (its transfers stay on

@@ -30,7 +30,7 @@ from .shape import AttentionShape
 from .units import as_int
 from .window import megatron_window
 
-__all__ = ["MegatronProblem", "documents_of", "BATCH_DOCUMENTS", "THD_DOCUMENTS", "DEFAULT_SEQ_LOCAL"]
+__all__ = ["MegatronProblem", "layer_window", "documents_of", "BATCH_DOCUMENTS", "THD_DOCUMENTS", "DEFAULT_SEQ_LOCAL"]
 
 # where the layers' documents come from: each sample of the batch (end-of-document tokens,
 # position-id resets; such samples get a CP layout each) or Transformer Engine's THD packing
@@ -112,6 +112,21 @@ def _skip_freq(ns):
     return _pattern(text, "--window-attn-skip-freq") if "[" in text else _int(ns, "window_attn_skip_freq")
 
 
+def layer_window(window_size, skip, layer_number: int, causal: bool = False):
+    """The plugin window (left, right) of layer ``layer_number`` (from 1), or None: Megatron's
+    ``--window-size`` on the layers ``--window-attn-skip-freq`` ``skip`` leaves windowed, by
+    Megatron's own rule (``is_layer_window_attention``: no skip, every layer; N, all but each N-th;
+    a 0/1 list, where it says 1). The one owner of a layer's mask: the layers apply it
+    (megatron/core_attention.py), the layout balances the layers' (megatron/layout_decision.py),
+    the report's plans and the prediction price them (:meth:`MegatronProblem.layer_windows`)."""
+    if not window_size:
+        return None
+    listed = isinstance(skip, (list, tuple))
+    if skip is not None and (not skip[layer_number - 1] if listed else layer_number % skip == 0):
+        return None
+    return megatron_window(window_size, causal=causal)
+
+
 def _ints(ns, dest: str, form: str = "integers"):
     """A tuple of integers (``--window-size 4096,0`` as text or a tuple; ``--hierarchical-context-
     parallel-sizes 2 4`` as a list); None when not given."""
@@ -175,18 +190,15 @@ class MegatronProblem:
         (``is_layer_window_attention``, layer numbers from 1): no --window-size, none; no
         --window-attn-skip-freq, every layer; N, every layer but each N-th; a list, 1 where a
         layer has the window. ValueError naming the flag for a list of another length or values."""
-        window = self.window(causal)
+        self.window(causal)  # the values checked, with or without a layer that has the window
         skip = self.window_skip
-        if isinstance(skip, tuple):
-            if len(skip) != self.layers or set(skip) - {0, 1}:
-                raise ValueError(f"--window-attn-skip-freq {list(skip)}: give one entry per layer ({self.layers} "
-                                 "layers, --num-layers), each 1 (sliding window) or 0 (full attention)")
-            return tuple(window if on else None for on in skip)
-        if skip is not None and skip < 1:
+        if isinstance(skip, tuple) and (len(skip) != self.layers or set(skip) - {0, 1}):
+            raise ValueError(f"--window-attn-skip-freq {list(skip)}: give one entry per layer ({self.layers} "
+                             "layers, --num-layers), each 1 (sliding window) or 0 (full attention)")
+        if not isinstance(skip, tuple) and skip is not None and skip < 1:
             raise ValueError(f"--window-attn-skip-freq {skip}: an integer N must be >= 1 (every N-th layer runs full "
                              "attention)")
-        return tuple(None if window is None or (skip and n % skip == 0) else window
-                     for n in range(1, self.layers + 1))
+        return tuple(layer_window(self.window_size, skip, n, causal) for n in range(1, self.layers + 1))
 
     def check(self) -> None:
         """ValueError naming the flags where the model's sizes do not fit together (what Megatron

@@ -27,6 +27,9 @@ PLUGIN = ["--spec", "megatron_mesh.megatron.spec", "gpt_layer_spec", "--transfor
 
 
 PER_TOKEN = "--calculate-per-token-loss"  # the balanced layout (the default with documents at CP > 1) needs it
+# DeepSeek-style attention: MLA, q/k head dim 16 + 8, v head dim 12, YaRN (configs/deepseek_tiny_cpu.yaml)
+MLA = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "32", "--qk-head-dim", "16",
+       "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12", "--rope-type", "yarn", "--position-embedding-type", "rope"]
 
 
 @pytest.mark.parametrize("argv, documents", [
@@ -40,6 +43,9 @@ PER_TOKEN = "--calculate-per-token-loss"  # the balanced layout (the default wit
       PER_TOKEN, "--position-embedding-type", "rope", "--no-rope-fusion", "--micro-batch-size", "2"], "eod"),
     (["--context-parallel-size", "4", "--cp-comm-type", "ring", "--reset-attention-mask", PER_TOKEN,
       "--position-embedding-type", "rope", "--micro-batch-size", "1", "--cp-layout", "balanced"], "eod"),
+    # MLA with YaRN on the balanced layout: its own rotary follows the layout (unfused)
+    (["--context-parallel-size", "4", "--cp-comm-type", "ring", "--reset-attention-mask", PER_TOKEN, *MLA,
+      "--no-rope-fusion", "--cp-layout", "balanced"], "eod"),
     (["--context-parallel-size", "4", "--cp-comm-type", "a2a+mesh", "--hierarchical-context-parallel-sizes", "2", "2",
       "--mesh-tile-shape", "2x1", *HEADS], None),
     (["--context-parallel-size", "8", "--cp-comm-type", "a2a+tasp", "a2a+ring", "--hierarchical-context-parallel-sizes",
@@ -149,7 +155,17 @@ def test_masks_and_hybrids_valid(megatron_args, our_entry, argv, documents):
      "--cp-layout auto (the default with packed documents at CP > 1) with --position-embedding-type yarn: "
      "supported are rope, learned_absolute and none"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask", PER_TOKEN,
-      "--mtp-num-layers", "1"], "with --mtp-num-layers 1: it assumes Megatron's zigzag layout"),
+      "--mtp-num-layers", "1"], "--mtp-num-layers 1 with --cp-comm-type mesh at CP 4: Megatron-Core builds the "
+     "multi-token prediction layers from its own layer spec (Megatron's attention, not the plugin's), and its roll of "
+     "the tokens, labels and loss mask one position along the sequence passes one token between the zigzag's "
+     "neighbouring chunks (on the balanced layout a token's successor may be on any CP rank); allowed: "
+     "--mtp-num-layers at CP 1 or with Transformer Engine's modes"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "ring", "--mtp-num-layers", "2"],  # no documents, any layout
+     "--mtp-num-layers 2 with --cp-comm-type ring at CP 2: Megatron-Core builds the multi-token prediction layers"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask", PER_TOKEN, *MLA,
+      "--cp-layout", "balanced"],
+     "--cp-layout balanced with --multi-latent-attention and fused RoPE: MLA's fused RoPE kernels rotate each "
+     "rank's zigzag positions; pass --no-rope-fusion (the layout's positions), or pass --cp-layout zigzag"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask", PER_TOKEN,
       "--position-embedding-type", "rope", "--micro-batch-size", "2"],
      "with fused RoPE and --micro-batch-size 2: each sample has its own layout, so its own rotary positions, and "

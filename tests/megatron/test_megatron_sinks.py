@@ -49,6 +49,9 @@ def test_every_mode_layout_and_sink_kind_ran(records):
         assert r["windows"] == [(5, 0), None], r["case"]  # layer 1 windowed, layer 2 full (skip frequency 2)
         if r["label"].endswith("per layer"):
             assert r["modes"] == ["a2a+mesh", "ring"]
+        if r["what"] == "balanced":  # one layout per sample for both layers, balancing their summed work
+            assert r["stacked"] and all("stack" in names for names in r["stacked"]), (r["case"], r["stacked"])
+            assert any("full" not in names for names in r["stacked"]), (r["case"], r["stacked"])
 
 
 def test_learnable_sinks_are_megatrons_parameter(records):

@@ -1,7 +1,8 @@
 """Megatron's default CP layout: per sample the balanced layout, unless Megatron's zigzag is
 priced faster for the mode that runs it (:func:`~..choice.choose_layout`; a mask causal inside
 groups of its documents -- chunked attention -- is priced as those groups; under a window, full
-attention or a prefix, where the choice is not priced, the balanced layout)."""
+attention, a prefix or layers of different masks (a ``MaskStack``), where the choice is not
+priced, the balanced layout)."""
 
 from __future__ import annotations
 

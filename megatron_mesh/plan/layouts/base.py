@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ..layout import Layout
-from ..maskkinds import MaskKind, work_mask
+from ..maskkinds import MaskKind, MaskStack, work_mask
 from ..shape import AttentionShape
 from ..topology import Topology
 
@@ -41,8 +41,9 @@ REFERENCE_LAYOUT = "zigzag"
 class Sample:
     """One sample of packed documents (boundaries ``cu_seqlens``, 0 = c0 < ... < cn = S) over a CP
     group of ``world_size`` ranks, and what its layout is built for: the mask (``causal``,
-    ``window``, or a ``mask`` kind such as chunked), the Ulysses degree ``group`` of the mode that runs it (1: none), the CP ranks
-    per node (None: one node), and -- for a kind that prices its choice (``auto``) -- the
+    ``window``, a ``mask`` kind such as chunked, or the layers' :class:`~..maskkinds.MaskStack`),
+    the Ulysses degree ``group`` of the mode that runs it (1: none), the CP ranks per node (None:
+    one node), and -- for a kind that prices its choice (``auto``) -- the
     ``mode`` that runs it, the per-rank ``shape`` and the machine (``topology``; None: nodes of
     ``ranks_per_node`` with the default links)."""
 
@@ -55,7 +56,9 @@ class Sample:
     mode: str = "ring"
     shape: AttentionShape | None = None
     topology: Topology | None = None
-    mask: MaskKind | None = None  # a mask kind without documents (chunked, prefix) instead of causal / window
+    # a mask kind without documents (chunked, prefix), or the layers' masks (a MaskStack: layers with
+    # different masks share the layout), instead of causal / window
+    mask: MaskKind | MaskStack | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cu_seqlens", tuple(int(c) for c in self.cu_seqlens))

@@ -14,18 +14,20 @@ from .registry import MASK_KINDS, mask_from_text, register_mask_kind
 from .band import Mask
 from .chunked import Chunked
 from .prefix import Prefix
+from .stack import MaskStack
 
 __all__ = ["MaskKind", "MASK_KINDS", "register_mask_kind", "mask_from_text", "INF", "check_documents", "Mask",
-           "Chunked", "Prefix", "work_mask"]
+           "Chunked", "Prefix", "MaskStack", "work_mask"]
 
 
-def work_mask(mask, causal: bool = True, window=None, documents=None) -> MaskKind:
+def work_mask(mask, causal: bool = True, window=None, documents=None) -> "MaskKind | MaskStack":
     """The mask whose work a layout balances: ``mask`` (any kind; its documents, if any, must be
-    ``documents``) or the band of ``causal`` / ``window`` (the loose arguments; not both)."""
+    ``documents``; or the layers' :class:`MaskStack`) or the band of ``causal`` / ``window`` (the
+    loose arguments; not both)."""
     if mask is None:
         return Mask(causal, tuple(window) if isinstance(window, list) else window)
-    if not isinstance(mask, MaskKind):
-        raise ValueError(f"mask must be a mask (megatron_mesh.masks), got {mask!r}")
+    if not isinstance(mask, (MaskKind, MaskStack)):
+        raise ValueError(f"mask must be a mask (megatron_mesh.masks) or the layers' MaskStack, got {mask!r}")
     if causal is not True or window is not None:
         raise ValueError(f"pass mask= or causal/window, not both: got mask {mask.text()!r} and causal={causal!r}, "
                          f"window={window!r}")
