@@ -71,8 +71,7 @@ def test_compare_cp_modes_writes_the_report_with_masks(tmp_path):
 
 @pytest.mark.parametrize("config, mode, extra", [
     ("gpt_oss_tiny_cpu.yaml", "mesh:auto", []),
-    # MLA on Megatron's zigzag: the balanced layout (--cp-layout auto, the default with documents) refuses MLA
-    ("deepseek_tiny_cpu.yaml", "ring", ["--no-predict", "--", "--cp-layout", "zigzag"]),
+    ("deepseek_tiny_cpu.yaml", "ring", ["--no-predict", "--", "--cp-layout", "balanced"]),  # MLA on the balanced layout
 ])
 def test_the_main_job_runs_the_gpt_oss_and_deepseek_configs(tmp_path, doc_data, config, mode, extra):
     """The main job on configs/gpt_oss_tiny_cpu.yaml (learnable sinks, 5-token windows on layers 1
