@@ -304,3 +304,45 @@ def test_planners_megatron_flags_pass_the_start_up_checks(megatron_args, our_ent
         seen.add((r.layout, r.ulysses > 1))
     assert seen == {(layout, hybrid) for layout in ("zigzag", "thd", "balanced", "auto") for hybrid in (False, True)} | \
         {("balanced-hide", True)}
+
+
+@pytest.mark.parametrize("argv", [
+    ["--window-size", "5,0", "--window-attn-skip-freq", "2"], ["--window-size", "5,0", "--window-attn-skip-freq", "3"],
+    ["--window-size", "5,0"], ["--window-size", "5,0", "--window-attn-skip-freq", "1"], [],
+    ["--window-size", "5,0", "--window-attn-skip-freq", "([1]*2+[0])*2"],
+    ["--window-size=-1,0", "--window-attn-skip-freq", "2"],
+])
+def test_the_layers_windows_are_megatrons(megatron_args, argv):
+    """MegatronProblem.layer_windows (pure Python: the report's plans and the GPU prediction read
+    a config's per-layer masks there) names the layers Megatron's own is_layer_window_attention
+    gives a window -- the rule the layers run -- for Megatron's parsed arguments, and for the same
+    flags as a YAML config's text (MegatronProblem.from_flags)."""
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    from megatron_mesh.plan.megatron_problem import MegatronProblem
+    from megatron_mesh.plan.window import megatron_window
+
+    args = megatron_args(["--num-layers", "6", "--num-attention-heads", "4", "--hidden-size", "64", *argv])
+    megatron = tuple(megatron_window(args.window_size, causal=True)
+                     if is_layer_window_attention(args.window_size, args.window_attn_skip_freq, n) else None
+                     for n in range(1, 7))
+    assert MegatronProblem.from_namespace(args).layer_windows() == megatron, argv
+    given = [part for a in argv for part in a.split("=", 1)]  # --window-size=-1,0 as flag and value
+    flags = {"--num-layers": "6", "--num-attention-heads": "4", "--hidden-size": "64", "--seq-length": "64",
+             **dict(zip(given[::2], given[1::2]))}
+    assert MegatronProblem.from_flags(flags).layer_windows() == megatron, argv
+
+
+def test_the_main_jobs_gpu_configs_pass_the_start_up_checks(megatron_args, our_entry):
+    """The configs the main job predicts for (Llama-3-8B, gpt-oss-20b with sinks and alternating
+    128-token windows, DeepSeek-V3's MLA with YaRN; each at 128K tokens, CP 16 x TP 2) are flags
+    Megatron parses and the plugin's start-up accepts with Transformer Engine, as a GPU run would."""
+    import os
+
+    from megatron_mesh.tools import predict, yaml_args
+
+    for path in predict.DEFAULT_CONFIGS:
+        doc = yaml_args.load(path)
+        args = megatron_args(yaml_args.model_args(doc, {**os.environ, **yaml_args.environment(doc)}))
+        validate_args(args, have_te=True, **our_entry)
+        assert (args.context_parallel_size, args.tensor_model_parallel_size, args.seq_length) == (16, 2, 131072), path
