@@ -263,7 +263,8 @@ def split_batch(batch: dict, source: str, args, cp_group, eod: Optional[int] = N
     returns them (:meth:`BatchLayout.shard` splits the batch). Stops a balanced batch for a RoPE
     model whose rotary embedding does not follow the layout."""
     rank = cp_group.rank() if cp_group is not None else 0
-    layout = BatchLayout.of(document_rows(batch, source, eod), args, rank, settings)
+    rows = process.pipeline_rows  # at PP > 1 the stages share them (.pipeline): this stage's batch may lack tokens
+    layout = BatchLayout.of(document_rows(batch, source, eod) if rows is None else rows, args, rank, settings)
     if layout.balanced:
         check_rope_follows(args, process)
     set_current(layout, process)
@@ -302,7 +303,7 @@ def get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=None, *rest, p
     settings = PluginSettings.from_args(args, batch_documents=process.batch_documents) if args is not None else None
     source = settings.documents if settings is not None else None
     if source not in BATCH_DOCUMENTS or is_hybrid_cp or batch.get("cu_seqlens") is not None \
-            or batch.get("tokens") is None:
+            or batch.get("tokens") is None and process.pipeline_rows is None:
         return original(batch, is_hybrid_cp, cp_group, *rest, **kwargs)
     eod = None
     if source == "eod":

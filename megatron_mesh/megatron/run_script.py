@@ -55,10 +55,11 @@ def main(argv=None) -> None:
     bootstrap.prepare_runtime()
     with bootstrap.entry_run():  # after torch's import: a node that stops stops the others, and back
         bootstrap.install_argument_hook()
-        from . import batch_layout
+        from . import batch_layout, pipeline
 
         batch_layout.install()  # before the script imports get_batch_on_this_cp_rank
         batch_layout.install_lookahead()
+        pipeline.install()  # at PP > 1 every stage learns each micro-batch's documents
         PROCESS.batch_documents = True
         sys.argv = [script, *argv[1:]]
         runpy.run_path(script, run_name="__main__")
