@@ -56,26 +56,26 @@ def install(process: ProcessState = PROCESS) -> None:
     before it). ``process``: whose flags say where the documents come from."""
     from megatron.training import training
 
-    get = training.get_forward_backward_func
-    if getattr(get, "megatron_mesh", False):
-        return
+    from . import bootstrap
 
-    def substitute(*a, **kw):
-        schedule = get(*a, **kw)
-        from . import bootstrap
+    bootstrap.substitute(training, "get_forward_backward_func",
+                         lambda get: functools.partial(_schedule, get, process))
 
-        args = bootstrap.megatron_args()
-        if args is None:
-            return schedule
-        settings = PluginSettings.from_args(args, entry_packs_documents=process.entry_packs_documents,
-                                            batch_documents=process.batch_documents)
-        if not shares_documents(args, settings):
-            return schedule
-        return functools.wraps(schedule)(functools.partial(_share_documents, schedule, args, settings, process))
 
-    functools.update_wrapper(substitute, get)
-    substitute.megatron_mesh = True
-    training.get_forward_backward_func = substitute
+def _schedule(get, process: ProcessState, *a, **kw):
+    """Megatron's ``get_forward_backward_func`` (``get``), its schedule wrapped by
+    :func:`_share_documents` where the stages share documents."""
+    from . import bootstrap
+
+    schedule = get(*a, **kw)
+    args = bootstrap.megatron_args()
+    if args is None:
+        return schedule
+    settings = PluginSettings.from_args(args, entry_packs_documents=process.entry_packs_documents,
+                                        batch_documents=process.batch_documents)
+    if not shares_documents(args, settings):
+        return schedule
+    return functools.wraps(schedule)(functools.partial(_share_documents, schedule, args, settings, process))
 
 
 def _share_documents(schedule, args, settings: PluginSettings, process: ProcessState, *a, **kw):

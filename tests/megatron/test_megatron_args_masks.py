@@ -26,6 +26,7 @@ PLUGIN = ["--spec", "megatron_mesh.megatron.spec", "gpt_layer_spec", "--transfor
           "--attention-dropout", "0"]
 
 
+PP_DOCUMENTS = "--pipeline-model-parallel-size {} with packed documents (--reset-attention-mask / --cp-thd-packing) and "
 PER_TOKEN = "--calculate-per-token-loss"  # the balanced layout (the default with documents at CP > 1) needs it
 
 
@@ -120,17 +121,13 @@ def test_masks_and_hybrids_valid(megatron_args, our_entry, argv, documents):
     # documents for its forward step, not for a recomputation in the backward pass or a virtual pipeline
     (["--context-parallel-size", "2", "--cp-comm-type", "mesh", "--reset-attention-mask", PER_TOKEN,
       "--pipeline-model-parallel-size", "2", "--recompute-granularity", "selective"],
-     "--pipeline-model-parallel-size 2 with packed documents (--reset-attention-mask / --cp-thd-packing) and "
-     "--recompute-granularity selective: a recomputed layer runs in the backward pass"),
+     PP_DOCUMENTS.format(2) + "--recompute-granularity selective: a recomputed layer runs in the backward pass"),
     # at CP 1 too: the documents run the plugin's attention there as well
     (["--context-parallel-size", "1", "--reset-attention-mask", PER_TOKEN, "--pipeline-model-parallel-size", "2",
-      "--recompute-granularity", "full", "--recompute-method", "uniform"],
-     "--pipeline-model-parallel-size 2 with packed documents (--reset-attention-mask / --cp-thd-packing) and "
-     "--recompute-granularity full"),
+      "--recompute-granularity", "full", "--recompute-method", "uniform"], PP_DOCUMENTS.format(2) + "--recompute"),
     (["--context-parallel-size", "1", "--cp-thd-packing", "--seq-length", "64", "--pipeline-model-parallel-size", "4",
       "--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "1"],
-     "--pipeline-model-parallel-size 4 with packed documents (--reset-attention-mask / --cp-thd-packing) and a "
-     "virtual pipeline (--num-layers-per-virtual-pipeline-stage)"),
+     PP_DOCUMENTS.format(4) + "a virtual pipeline (--num-layers-per-virtual-pipeline-stage)"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--sft"],
      "--sft: Megatron's sft batches are not supported by the plugin modes"),
     # --cp-layout: where it applies (at no CP size without documents), and what the balanced layout needs
