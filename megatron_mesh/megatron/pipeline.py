@@ -75,7 +75,32 @@ def _schedule(get, process: ProcessState, *a, **kw):
                                         batch_documents=process.batch_documents)
     if not shares_documents(args, settings):
         return schedule
+    if settings.documents in BATCH_DOCUMENTS and settings.layout.per_sample and args.context_parallel_size > 1:
+        _check_stages_nodes(settings)
     return functools.wraps(schedule)(functools.partial(_share_documents, schedule, args, settings, process))
+
+
+def _check_stages_nodes(settings: PluginSettings) -> None:
+    """The one input of a sample's layout (:func:`.layout_decision.sample_layout`) that depends on
+    the stage: the CP ranks per node, from the CP group's global ranks. Stages that see different
+    ones would split the same micro-batch differently and hand each other hidden states in
+    another token order: stop every rank, one line (each calls this when the loop gets its schedule).
+    E.g. PP 3 x CP 2 on nodes of 3 GPUs: stage 2's CP group (ranks 2, 3) spans two nodes, the others
+    one."""
+    from megatron.core import parallel_state as mpu
+
+    from .placement import ranks_per_node
+
+    mine = ranks_per_node(tuple(mpu.get_context_parallel_global_ranks()), settings.gpus_per_node)
+    every = [None] * mpu.get_pipeline_model_parallel_world_size()
+    torch.distributed.all_gather_object(every, mine, group=mpu.get_pipeline_model_parallel_group())
+    if len(set(every)) > 1:
+        seen = ", ".join(f"stage {i + 1}: {n or 'one node'}" for i, n in enumerate(every))
+        from . import bootstrap
+
+        bootstrap.fail(f"the pipeline stages' CP groups span nodes differently (CP ranks per node: {seen}), so a "
+                       "sample's layout would differ between stages; place every stage's CP group alike (nodes of a "
+                       "multiple of a stage's ranks), or pass --cp-layout zigzag", at_once=True, tell=False)
 
 
 def _share_documents(schedule, args, settings: PluginSettings, process: ProcessState, *a, **kw):
