@@ -115,8 +115,11 @@ def _share_documents(schedule, args, settings: PluginSettings, process: ProcessS
         from megatron.training import get_tokenizer
 
         eod = get_tokenizer().eod
-    kw["forward_step_func"] = _each_microbatch(kw["forward_step_func"], source, args, settings, eod, process)
-    return schedule(*a, **kw)
+    kw["forward_step_func"] = _each_microbatch(kw["forward_step_func"], source.cpu(), args, settings, eod, process)
+    try:
+        return schedule(*a, **kw)
+    finally:
+        process.pipeline_rows = None  # the step's: a batch split outside it reads its own batch
 
 
 def _step_sources(data_iterator, n: int, args, key: str) -> tuple[Optional[list], torch.Tensor]:

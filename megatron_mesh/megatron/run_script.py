@@ -18,7 +18,9 @@ Megatron-LM checkout's ``megatron/`` is the one imported):
 * :func:`.batch_layout.install`: with ``--reset-attention-mask`` the script's
   ``get_batch_on_this_cp_rank`` takes each sample's documents from its position ids (or
   end-of-document tokens) and splits the batch by its CP layout (``--cp-layout``), so the plugin
-  layers get the document boundaries instead of a dense [s, s] mask (GPUs too).
+  layers get the document boundaries instead of a dense [s, s] mask (GPUs too);
+* :func:`.pipeline.install`: with documents at pipeline parallelism > 1 every stage -- the middle
+  ones, whose ``get_batch`` returns nothing, too -- learns each micro-batch's documents.
 
 Processes the script spawns (the checkpoint writer's ``multiprocessing`` manager re-imports the
 script, without this module) get the same through ``_site/sitecustomize.py``, which this module
