@@ -69,7 +69,8 @@ def get_batch(data_iterator, vp_stage=None):
     --reset-attention-mask each sample's tokens of its own CP layout (:mod:`.batch_layout`:
     ``--cp-layout auto``, the default, ``balanced``, or the zigzag); with --cp-thd-packing its tokens of
     Transformer Engine's THD layout. With documents their boundaries travel as
-    ``packed_seq_params`` (the last item)."""
+    ``packed_seq_params`` (the last item) -- at PP > 1 those the stages share (:mod:`.pipeline`),
+    on a middle stage alone (no batch there)."""
     from megatron.core import parallel_state as mpu
     from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
     from megatron.training import get_args
