@@ -266,12 +266,14 @@ def check_rope_follows(args, process: ProcessState = PROCESS) -> None:
 # -- get_batch: the plugin's entry script, and Megatron-LM's own scripts -------------------------------------
 def split_batch(batch: dict, source: str, args, cp_group, eod: Optional[int] = None,
                 settings: Optional[PluginSettings] = None, process: ProcessState = PROCESS) -> BatchLayout:
-    """The documents of the full micro-batch ``batch`` (from ``source``, see :func:`document_rows`)
+    """The documents of the full micro-batch ``batch`` (from ``source``, see :func:`document_rows`;
+    at PP > 1 those the stages share, :mod:`.pipeline`: a stage's batch may lack the tokens)
     and their layouts (under ``args`` and its plugin ``settings``), made current in ``process``;
     returns them (:meth:`BatchLayout.shard` splits the batch). Stops a balanced batch for a RoPE
     model whose rotary embedding does not follow the layout."""
     rank = cp_group.rank() if cp_group is not None else 0
-    layout = BatchLayout.of(document_rows(batch, source, eod), args, rank, settings)
+    rows = process.pipeline_rows
+    layout = BatchLayout.of(document_rows(batch, source, eod) if rows is None else rows, args, rank, settings)
     if layout.balanced:
         check_rope_follows(args, process)
     set_current(layout, process)
@@ -310,7 +312,7 @@ def get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=None, *rest, p
     settings = PluginSettings.from_args(args, batch_documents=process.batch_documents) if args is not None else None
     source = settings.documents if settings is not None else None
     if source not in BATCH_DOCUMENTS or is_hybrid_cp or batch.get("cu_seqlens") is not None \
-            or batch.get("tokens") is None:
+            or batch.get("tokens") is None and process.pipeline_rows is None:
         return original(batch, is_hybrid_cp, cp_group, *rest, **kwargs)
     eod = None
     if source == "eod":
@@ -431,29 +433,28 @@ def install_lookahead(process: ProcessState = PROCESS) -> None:
     before it. ``process``: whose flags say where the documents come from."""
     from megatron.training import training
 
-    build = training.build_train_valid_test_data_iterators
-    if getattr(build, "megatron_mesh", False):
-        return
+    from . import bootstrap
 
-    def substitute(*a, **kw):
-        iterators = build(*a, **kw)
-        from . import bootstrap
+    bootstrap.substitute(training, "build_train_valid_test_data_iterators",
+                         lambda build: functools.partial(_build_ahead, build, process))
 
-        args = bootstrap.megatron_args()
-        if args is None or args.context_parallel_size == 1:
-            return iterators
-        settings = PluginSettings.from_args(args, entry_packs_documents=process.entry_packs_documents,
-                                            batch_documents=process.batch_documents)
-        if settings.no_cp_layout_lookahead or not settings.layout.per_sample or settings.documents not in BATCH_DOCUMENTS:
-            return iterators
-        eod = None
-        if settings.documents == "eod":
-            from megatron.training import get_tokenizer
 
-            eod = get_tokenizer().eod
-        warm = _warm_layouts(args, settings, eod)
-        return tuple(_ahead(it, warm) for it in iterators)
+def _build_ahead(build, process: ProcessState, *a, **kw):
+    """Megatron's data iterators (``build``) with the lookahead where it applies (:func:`install_lookahead`)."""
+    from . import bootstrap
 
-    functools.update_wrapper(substitute, build)
-    substitute.megatron_mesh = True
-    training.build_train_valid_test_data_iterators = substitute
+    iterators = build(*a, **kw)
+    args = bootstrap.megatron_args()
+    if args is None or args.context_parallel_size == 1:
+        return iterators
+    settings = PluginSettings.from_args(args, entry_packs_documents=process.entry_packs_documents,
+                                        batch_documents=process.batch_documents)
+    if settings.no_cp_layout_lookahead or not settings.layout.per_sample or settings.documents not in BATCH_DOCUMENTS:
+        return iterators
+    eod = None
+    if settings.documents == "eod":
+        from megatron.training import get_tokenizer
+
+        eod = get_tokenizer().eod
+    warm = _warm_layouts(args, settings, eod)
+    return tuple(_ahead(it, warm) for it in iterators)

@@ -371,10 +371,22 @@ def _check_plugin_layers(args, settings: PluginSettings, cp: int, active: set, p
 
 
 def _no_pipeline_with_documents(args) -> None:
-    if args.pipeline_model_parallel_size > 1:
-        raise ValueError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} with packed documents "
-                         "(--reset-attention-mask / --cp-thd-packing): the document boundaries reach only the first and "
-                         "last pipeline stages' batches; use pipeline parallelism 1")
+    """Packed documents at PP > 1: every stage learns each micro-batch's documents at the start of
+    its step (:mod:`.pipeline`), for the forward steps in order -- not for a virtual pipeline's
+    model chunks, nor for a recomputation in the backward pass, which runs after later
+    micro-batches' forward steps."""
+    if args.pipeline_model_parallel_size == 1:
+        return
+    what = (f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} with packed documents "
+            "(--reset-attention-mask / --cp-thd-packing)")
+    if any(getattr(args, a, None) for a in ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
+                                            "virtual_pipeline_model_parallel_size")):
+        raise ValueError(f"{what} and a virtual pipeline (--num-layers-per-virtual-pipeline-stage): the stages share "
+                         "each micro-batch's documents for one model chunk per stage; leave the virtual pipeline out")
+    if getattr(args, "recompute_granularity", None):
+        raise ValueError(f"{what} and --recompute-granularity {args.recompute_granularity}: a recomputed layer runs "
+                         "in the backward pass, after later micro-batches' forward steps replaced its documents; "
+                         "leave recomputation out")
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout

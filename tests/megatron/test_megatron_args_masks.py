@@ -26,6 +26,7 @@ PLUGIN = ["--spec", "megatron_mesh.megatron.spec", "gpt_layer_spec", "--transfor
           "--attention-dropout", "0"]
 
 
+PP_DOCUMENTS = "--pipeline-model-parallel-size {} with packed documents (--reset-attention-mask / --cp-thd-packing) and "
 PER_TOKEN = "--calculate-per-token-loss"  # the balanced layout (the default with documents at CP > 1) needs it
 # DeepSeek-style attention: MLA, q/k head dim 16 + 8, v head dim 12, YaRN (configs/deepseek_tiny_cpu.yaml)
 MLA = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "32", "--qk-head-dim", "16",
@@ -39,6 +40,10 @@ MLA = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "32"
     (["--context-parallel-size", "4", "--cp-comm-type", "tasp", "--cp-thd-packing", "--cp-thd-pad-multiple", "16",
       "--seq-length", "64", "--micro-batch-size", "1"], "thd"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--window-size", "16,0"], None),
+    (["--context-parallel-size", "2", "--cp-comm-type", "mesh", "--reset-attention-mask", PER_TOKEN,
+      "--pipeline-model-parallel-size", "2"], "eod"),
+    (["--context-parallel-size", "1", "--cp-thd-packing", "--seq-length", "64", "--pipeline-model-parallel-size", "3",
+      "--num-layers", "3", "--micro-batch-size", "1"], "thd"),
     (["--context-parallel-size", "4", "--cp-comm-type", "ring", "--window-size", "16,-1", "--reset-attention-mask",
       PER_TOKEN, "--position-embedding-type", "rope", "--no-rope-fusion", "--micro-batch-size", "2"], "eod"),
     (["--context-parallel-size", "4", "--cp-comm-type", "ring", "--reset-attention-mask", PER_TOKEN,
@@ -118,14 +123,17 @@ def test_masks_and_hybrids_valid(megatron_args, our_entry, argv, documents):
       "--seq-length", "64"], "--cp-thd-pad-multiple must be a positive integer, got -8"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--cp-thd-packing", "--cp-thd-pad-multiple", "0",
       "--seq-length", "64"], "--cp-thd-pad-multiple must be a positive integer, got 0"),
-    (["--context-parallel-size", "2", "--cp-comm-type", "mesh", "--reset-attention-mask",
-      "--pipeline-model-parallel-size", "2"],
-     "--pipeline-model-parallel-size 2 with packed documents (--reset-attention-mask / --cp-thd-packing)"),
-    # at CP 1 too: the documents run the plugin's attention there as well (it crashed mid-step)
-    (["--context-parallel-size", "1", "--reset-attention-mask", PER_TOKEN, "--pipeline-model-parallel-size", "2"],
-     "--pipeline-model-parallel-size 2 with packed documents (--reset-attention-mask / --cp-thd-packing)"),
-    (["--context-parallel-size", "1", "--cp-thd-packing", "--seq-length", "64", "--pipeline-model-parallel-size", "4"],
-     "--pipeline-model-parallel-size 4 with packed documents (--reset-attention-mask / --cp-thd-packing)"),
+    # documents at PP > 1 (test_megatron_pretrain_pipeline.py): the stages share each micro-batch's
+    # documents for its forward step, not for a recomputation in the backward pass or a virtual pipeline
+    (["--context-parallel-size", "2", "--cp-comm-type", "mesh", "--reset-attention-mask", PER_TOKEN,
+      "--pipeline-model-parallel-size", "2", "--recompute-granularity", "selective"],
+     PP_DOCUMENTS.format(2) + "--recompute-granularity selective: a recomputed layer runs in the backward pass"),
+    # at CP 1 too: the documents run the plugin's attention there as well
+    (["--context-parallel-size", "1", "--reset-attention-mask", PER_TOKEN, "--pipeline-model-parallel-size", "2",
+      "--recompute-granularity", "full", "--recompute-method", "uniform"], PP_DOCUMENTS.format(2) + "--recompute"),
+    (["--context-parallel-size", "1", "--cp-thd-packing", "--seq-length", "64", "--pipeline-model-parallel-size", "4",
+      "--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "1"],
+     PP_DOCUMENTS.format(4) + "a virtual pipeline (--num-layers-per-virtual-pipeline-stage)"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--sft"],
      "--sft: Megatron's sft batches are not supported by the plugin modes"),
     # --cp-layout: where it applies (at no CP size without documents), and what the balanced layout needs
