@@ -20,7 +20,8 @@ module is everything that makes Megatron follow it:
   [b, k]) and RoPE its positions. The batch being fed to the model is the *current* one
   (:func:`set_current` / :func:`current`), for RoPE and for the layers of scripts whose model call
   carries no ``packed_seq_params``;
-* :func:`follow_layout` -- RoPE: a forward hook on the model's ``RotaryEmbedding`` replaces its
+* :func:`follow_layout` -- RoPE: a forward hook on the model's ``RotaryEmbedding`` (and on the
+  one -- plain or YaRN -- each multi-latent attention layer owns and applies itself) replaces its
   zigzag slice with the full embedding gathered at each local token's global position, [s_local,
   b, 1, d] (one row per sample; [s_local, 1, 1, d] when the samples share their layout). The spec
   function installs it through ``GPTModelConfig.pre_wrap_hooks``; Python users call it on their
@@ -190,18 +191,21 @@ def follow_layout(model, process: ProcessState = PROCESS) -> int:
     the current batch's layout: a forward hook replaces Megatron's zigzag slice of the embedding by
     the full embedding at each local token's global position. Returns how many it hooked (0:
     the model has no RoPE -- learned absolute positions follow the split position ids by
-    themselves). ValueError for YaRN (its own slicing; not supported with the balanced layout).
+    themselves). The rotaries are the GPTModel's and those multi-latent attention layers build for
+    themselves (``MLASelfAttention.rotary_pos_emb``: RoPE or YaRN, whose YaRN scale the hook keeps);
+    ValueError for any other kind (mRoPE).
     ``process`` remembers the hooked ones (:attr:`.process.ProcessState.following`)."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 
     hooked = 0
     for stage in model if isinstance(model, (list, tuple)) else [model]:
         for module in stage.modules():
             if not isinstance(module, RotaryEmbedding):
                 continue
-            if type(module) is not RotaryEmbedding:
-                raise ValueError(f"{type(module).__name__}: --cp-layout balanced supports RoPE ('rope'), learned "
-                                 "absolute positions and none; pass --cp-layout zigzag")
+            if type(module) not in (RotaryEmbedding, YarnRotaryEmbedding):
+                raise ValueError(f"{type(module).__name__}: --cp-layout balanced supports RoPE ('rope', and MLA's "
+                                 "own RoPE or YaRN), learned absolute positions and none; pass --cp-layout zigzag")
             if module not in process.following:
                 module.register_forward_hook(functools.partial(_gather_rope, process=process), with_kwargs=True)
                 process.following.add(module)
@@ -211,7 +215,8 @@ def follow_layout(model, process: ProcessState = PROCESS) -> int:
 
 def _gather_rope(module, args, kwargs, output, process: ProcessState = PROCESS):
     """RotaryEmbedding.forward(max_seq_len, offset=0, packed_seq=False, cp_group=None) returned this
-    rank's zigzag chunks; return the embedding at the positions of ``process``'s current batch instead."""
+    rank's zigzag chunks (YaRN's: with its scale, (emb, mscale)); return the embedding at the
+    positions of ``process``'s current batch instead (the scale as it was)."""
     batch = current(process)
     if batch is None:
         raise RuntimeError("megatron_mesh: the rotary embedding follows the batch's CP layout (--cp-layout balanced), "
@@ -226,8 +231,10 @@ def _gather_rope(module, args, kwargs, output, process: ProcessState = PROCESS):
         raise RuntimeError(f"megatron_mesh: RoPE for {seq_len} tokens, but the current batch layout covers "
                            f"{batch.rows[0][-1]}")
     full = module.forward(seq_len, offset, packed_seq=True)  # [S, 1, 1, d], not sliced (Megatron caches it)
+    full, scale = full if isinstance(full, tuple) else (full, None)
     pos = batch.rope_positions().to(full.device)
-    return full[:, 0, 0][pos].unsqueeze(2)  # [s_local, b or 1, 1, d]
+    local = full[:, 0, 0][pos].unsqueeze(2)  # [s_local, b or 1, 1, d]
+    return local if scale is None else (local, scale)
 
 
 def add_rope_hook(model_config, config) -> None:
@@ -249,7 +256,8 @@ def _pre_wrap(models):
 def check_rope_follows(args, process: ProcessState = PROCESS) -> None:
     """A balanced batch for a RoPE model none of whose rotary embeddings follows the layout would
     train with the zigzag's positions: stop instead."""
-    if getattr(args, "position_embedding_type", None) == "rope" and not process.following:
+    rotary = getattr(args, "position_embedding_type", None) == "rope" or getattr(args, "multi_latent_attention", False)
+    if rotary and not process.following:
         raise RuntimeError("megatron_mesh: --cp-layout balanced, but the model's rotary embedding does not follow the "
                            "layout (the spec function adds the hook to GPTModelConfig.pre_wrap_hooks; a model built "
                            "another way needs megatron_mesh.megatron.batch_layout.follow_layout(model))")
@@ -258,12 +266,14 @@ def check_rope_follows(args, process: ProcessState = PROCESS) -> None:
 # -- get_batch: the plugin's entry script, and Megatron-LM's own scripts -------------------------------------
 def split_batch(batch: dict, source: str, args, cp_group, eod: Optional[int] = None,
                 settings: Optional[PluginSettings] = None, process: ProcessState = PROCESS) -> BatchLayout:
-    """The documents of the full micro-batch ``batch`` (from ``source``, see :func:`document_rows`)
+    """The documents of the full micro-batch ``batch`` (from ``source``, see :func:`document_rows`;
+    at PP > 1 those the stages share, :mod:`.pipeline`: a stage's batch may lack the tokens)
     and their layouts (under ``args`` and its plugin ``settings``), made current in ``process``;
     returns them (:meth:`BatchLayout.shard` splits the batch). Stops a balanced batch for a RoPE
     model whose rotary embedding does not follow the layout."""
     rank = cp_group.rank() if cp_group is not None else 0
-    layout = BatchLayout.of(document_rows(batch, source, eod), args, rank, settings)
+    rows = process.pipeline_rows
+    layout = BatchLayout.of(document_rows(batch, source, eod) if rows is None else rows, args, rank, settings)
     if layout.balanced:
         check_rope_follows(args, process)
     set_current(layout, process)
@@ -302,7 +312,7 @@ def get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=None, *rest, p
     settings = PluginSettings.from_args(args, batch_documents=process.batch_documents) if args is not None else None
     source = settings.documents if settings is not None else None
     if source not in BATCH_DOCUMENTS or is_hybrid_cp or batch.get("cu_seqlens") is not None \
-            or batch.get("tokens") is None:
+            or batch.get("tokens") is None and process.pipeline_rows is None:
         return original(batch, is_hybrid_cp, cp_group, *rest, **kwargs)
     eod = None
     if source == "eod":
@@ -423,29 +433,28 @@ def install_lookahead(process: ProcessState = PROCESS) -> None:
     before it. ``process``: whose flags say where the documents come from."""
     from megatron.training import training
 
-    build = training.build_train_valid_test_data_iterators
-    if getattr(build, "megatron_mesh", False):
-        return
+    from . import bootstrap
 
-    def substitute(*a, **kw):
-        iterators = build(*a, **kw)
-        from . import bootstrap
+    bootstrap.substitute(training, "build_train_valid_test_data_iterators",
+                         lambda build: functools.partial(_build_ahead, build, process))
 
-        args = bootstrap.megatron_args()
-        if args is None or args.context_parallel_size == 1:
-            return iterators
-        settings = PluginSettings.from_args(args, entry_packs_documents=process.entry_packs_documents,
-                                            batch_documents=process.batch_documents)
-        if settings.no_cp_layout_lookahead or not settings.layout.per_sample or settings.documents not in BATCH_DOCUMENTS:
-            return iterators
-        eod = None
-        if settings.documents == "eod":
-            from megatron.training import get_tokenizer
 
-            eod = get_tokenizer().eod
-        warm = _warm_layouts(args, settings, eod)
-        return tuple(_ahead(it, warm) for it in iterators)
+def _build_ahead(build, process: ProcessState, *a, **kw):
+    """Megatron's data iterators (``build``) with the lookahead where it applies (:func:`install_lookahead`)."""
+    from . import bootstrap
 
-    functools.update_wrapper(substitute, build)
-    substitute.megatron_mesh = True
-    training.build_train_valid_test_data_iterators = substitute
+    iterators = build(*a, **kw)
+    args = bootstrap.megatron_args()
+    if args is None or args.context_parallel_size == 1:
+        return iterators
+    settings = PluginSettings.from_args(args, entry_packs_documents=process.entry_packs_documents,
+                                        batch_documents=process.batch_documents)
+    if settings.no_cp_layout_lookahead or not settings.layout.per_sample or settings.documents not in BATCH_DOCUMENTS:
+        return iterators
+    eod = None
+    if settings.documents == "eod":
+        from megatron.training import get_tokenizer
+
+        eod = get_tokenizer().eod
+    warm = _warm_layouts(args, settings, eod)
+    return tuple(_ahead(it, warm) for it in iterators)

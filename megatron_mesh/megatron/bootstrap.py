@@ -21,6 +21,7 @@ from (a Megatron-LM checkout next to the script shadows the wheel) before the fi
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import os
@@ -33,7 +34,7 @@ from .errors import entry_run, fail  # bootstrap.fail: also the entry scripts' w
 from .process import PROCESS
 
 __all__ = ["die_with_parent", "forked_children_die_with_this_process", "quiet_interrupt", "prepare_runtime", "check_args", "fail", "entry_run", "install_argument_hook", "megatron_args",
-           "pause_gc", "resume_gc", "freeze_gc"]
+           "substitute", "pause_gc", "resume_gc", "freeze_gc"]
 
 _PARENT_AT_START = os.getppid()  # before the launcher could have died: the reference for die_with_parent
 LAUNCHER_PID_ENV = "MEGATRON_MESH_LAUNCHER_PID"
@@ -238,6 +239,19 @@ def megatron_args():
     only at modules already imported: Python users of Megatron-Core never import megatron.training."""
     global_vars = sys.modules.get("megatron.training.global_vars")
     return getattr(global_vars, "_GLOBAL_ARGS", None) if global_vars is not None else None
+
+
+def substitute(module, name: str, make) -> None:
+    """Replace Megatron's function ``module.name`` -- which Megatron looks up in ``module`` at call
+    time -- by ``make(original)``, once: the substitute is marked (``megatron_mesh``) and keeps the
+    original's name, signature and ``__wrapped__``. E.g. ``substitute(training,
+    "get_forward_backward_func", wrap)``."""
+    original = getattr(module, name)
+    if getattr(original, "megatron_mesh", False):
+        return
+    replacement = functools.update_wrapper(make(original), original)
+    replacement.megatron_mesh = True
+    setattr(module, name, replacement)
 
 
 def install_argument_hook() -> None:

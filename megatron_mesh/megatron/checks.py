@@ -257,10 +257,11 @@ def _check_layout(args, settings: PluginSettings, problem: MegatronProblem, cp: 
     layout is chosen per sample: documents from the batch (--reset-attention-mask) reaching plugin
     layers at CP > 1; at CP 1 with such documents it is accepted and returned as unused. A layout
     other than Megatron's zigzag (the default ``auto`` too) needs --calculate-per-token-loss, and
-    what else follows Megatron's zigzag refuses it: RoPE other than 'rope' (YaRN, mRoPE, MLA's
-    own), multi-token prediction (its roll assumes the zigzag), and fused RoPE over micro-batches
-    of several samples (Transformer Engine's kernel takes one [s, 1, 1, d] table; each sample has
-    its own layout). A layout that differs from another only for Ulysses groups needs them."""
+    what else follows Megatron's zigzag refuses it: the model's RoPE other than 'rope' (YaRN,
+    mRoPE; MLA's own rotary, 'rope' or YaRN, follows the layout unfused) and fused RoPE over
+    micro-batches of several samples (Transformer Engine's kernel takes one [s, 1, 1, d] table;
+    each sample has its own layout) or with MLA (its fused kernels rotate the zigzag's positions).
+    A layout that differs from another only for Ulysses groups needs them."""
     kind, documents, unused = settings.layout, settings.documents, []
     batch = documents in BATCH_DOCUMENTS
     applies = cp > 1 and batch
@@ -303,11 +304,9 @@ def _check_sample_layouts(args, which: str, zigzag: str) -> None:
     if position not in ("rope", "learned_absolute", "none"):
         raise ValueError(f"{which} with --position-embedding-type {position}: supported are rope, learned_absolute "
                          f"and none (their positions follow the layout); {zigzag}")
-    for flag, name in (("--multi-latent-attention", "multi_latent_attention"), ("--mtp-num-layers", "mtp_num_layers")):
-        value = getattr(args, name, None)
-        if value:
-            raise ValueError(f"{which} with {flag}{'' if value is True else f' {value}'}: it assumes Megatron's "
-                             f"zigzag layout (MLA's own RoPE slicing, multi-token prediction's roll); {zigzag}")
+    if getattr(args, "multi_latent_attention", False) and getattr(args, "apply_rope_fusion", False):
+        raise ValueError(f"{which} with --multi-latent-attention and fused RoPE: MLA's fused RoPE kernels rotate "
+                         f"each rank's zigzag positions; pass --no-rope-fusion (the layout's positions), {zigzag}")
     micro = getattr(args, "micro_batch_size", None) or 1
     if position == "rope" and getattr(args, "apply_rope_fusion", False) and micro > 1:
         raise ValueError(f"{which} with fused RoPE and --micro-batch-size {micro}: each sample has its "
@@ -348,6 +347,14 @@ def _check_plugin_layers(args, settings: PluginSettings, cp: int, active: set, p
         raise ValueError(f"--attention-backend {getattr(backend, 'name', backend)}: the {plugin} layers run the plugin's "
                          "own kernels (choose them with --cp-kernel-backend); --attention-backend selects Transformer "
                          "Engine's or Megatron's attention, which these layers do not use: leave it at auto")
+    mtp = getattr(args, "mtp_num_layers", None)
+    if mtp:
+        raise ValueError(f"--mtp-num-layers {mtp} with --cp-comm-type {plugin} at CP {cp}: Megatron-Core builds "
+                         "the multi-token prediction layers from its own layer spec (Megatron's attention, not the "
+                         "plugin's), and its roll of the tokens, labels and loss mask one position along the sequence "
+                         "passes one token between the zigzag's neighbouring chunks (on the balanced layout a token's "
+                         "successor may be on any CP rank); allowed: --mtp-num-layers at CP 1 or with Transformer "
+                         "Engine's modes")
     for flag in ("sft", "hybrid_context_parallel", "dataloader_inter_document_masking"):
         if getattr(args, flag, False):
             raise ValueError(f"--{flag.replace('_', '-')}: Megatron's {flag.replace('_', ' ')} batches are not supported by "
@@ -364,10 +371,22 @@ def _check_plugin_layers(args, settings: PluginSettings, cp: int, active: set, p
 
 
 def _no_pipeline_with_documents(args) -> None:
-    if args.pipeline_model_parallel_size > 1:
-        raise ValueError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} with packed documents "
-                         "(--reset-attention-mask / --cp-thd-packing): the document boundaries reach only the first and "
-                         "last pipeline stages' batches; use pipeline parallelism 1")
+    """Packed documents at PP > 1: every stage learns each micro-batch's documents at the start of
+    its step (:mod:`.pipeline`), for the forward steps in order -- not for a virtual pipeline's
+    model chunks, nor for a recomputation in the backward pass, which runs after later
+    micro-batches' forward steps."""
+    if args.pipeline_model_parallel_size == 1:
+        return
+    what = (f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} with packed documents "
+            "(--reset-attention-mask / --cp-thd-packing)")
+    if any(getattr(args, a, None) for a in ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
+                                            "virtual_pipeline_model_parallel_size")):
+        raise ValueError(f"{what} and a virtual pipeline (--num-layers-per-virtual-pipeline-stage): the stages share "
+                         "each micro-batch's documents for one model chunk per stage; leave the virtual pipeline out")
+    if getattr(args, "recompute_granularity", None):
+        raise ValueError(f"{what} and --recompute-granularity {args.recompute_granularity}: a recomputed layer runs "
+                         "in the backward pass, after later micro-batches' forward steps replaced its documents; "
+                         "leave recomputation out")
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout

@@ -231,12 +231,13 @@ class PluginCoreAttention(MegatronModule):
         not silently dropped (checked at the layer's first call without documents: the check
         reads the whole mask and waits for the device)."""
         where = f"layer {self.layer_number} ({self.mode})"
+        causal = _causal(attn_mask_type if attn_mask_type is not None else self.attn_mask_type, where)
         if attention_mask is not None and packed_seq_params is None and not self.documents and not self._mask_checked:
-            self._check_dense_mask(attention_mask, query, attn_mask_type, where)
+            self._mask_checked = True  # once: the check reads the whole mask and waits for the device
+            check_dense_mask(attention_mask, query.shape[0], causal, self.window, self.cp_size, self.cp_group.rank(),
+                             where)
         if attention_bias is not None:
             raise ValueError(f"{where}: attention_bias is not supported by the plugin modes (allowed: None)")
-        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-        causal = _causal(mask_type, where)
         self.telemetry.on_forward()
         (query, key, value), mark_output = self.telemetry.timing.mark_backward((query, key, value))
         with self.telemetry.timing.compute_phase():
@@ -245,38 +246,6 @@ class PluginCoreAttention(MegatronModule):
         return out.reshape(out.shape[0], out.shape[1], -1)
 
     _mask_checked = False
-
-    def _check_dense_mask(self, attention_mask: Tensor, query: Tensor, attn_mask_type, where: str) -> None:
-        """``attention_mask`` (Megatron's: True = masked, [b or 1, 1, this rank's queries, S] after
-        get_batch_on_this_cp_rank) masks what this layer masks without it -- the causal structure at
-        this rank's zigzag positions (Megatron's dataloader mask), or that and the layer's window --
-        or a ValueError says it would be ignored. E.g. a non-causal document or padding mask built
-        in Python for a model at CP > 1."""
-        from ..plan import Mask, ZigzagLayout
-
-        self._mask_checked = True
-        sq, S = query.shape[0], attention_mask.shape[-1]
-        if attention_mask.dim() != 4 or attention_mask.shape[-2] != sq or S != sq * self.cp_size:
-            raise ValueError(f"{where}: attention_mask of shape {tuple(attention_mask.shape)} is not Megatron's "
-                             f"[b, 1, {sq}, {sq * self.cp_size}] for this rank's queries; the plugin modes do not read "
-                             "a dense mask: pass documents as packed_seq_params boundaries, or no mask")
-        device = attention_mask.device
-        rank = self.cp_group.rank()
-        pos = torch.cat([torch.arange(start, start + n, device=device)
-                         for _, start, n in ZigzagLayout(self.cp_size, S).runs(rank)])
-        keys = torch.arange(S, device=device)
-        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-        causal = _causal(mask_type, where)
-        masked = attention_mask.to(torch.bool)
-        # True = masked: equal to the mask's allowed matrix is a difference
-        same = not bool((masked == Mask(causal).allowed(pos, keys)).any())
-        if not same and self.window is not None:  # the window applied by the mask too
-            same = not bool((masked == Mask(causal, tuple(self.window)).allowed(pos, keys)).any())
-        if not same:
-            raise ValueError(f"{where}: attention_mask masks other (query, key) pairs than this layer applies (causal "
-                             "structure and window at the zigzag positions); the plugin modes do not read a dense mask: "
-                             "pass documents as packed_seq_params boundaries (megatron_mesh.megatron.pretrain_gpt."
-                             "document_params), or no mask")
 
     def _with_documents(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, packed, where: str) -> Tensor:
         fmt = getattr(packed, "qkv_format", None) if packed is not None else None
@@ -372,6 +341,36 @@ class PluginCoreAttention(MegatronModule):
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """The learnable sinks' checkpoint entry, as Megatron's DotProductAttention writes it."""
         return sinks.sharded_state_dict(self, self.tp_group, prefix, sharded_offsets, metadata)
+
+
+def check_dense_mask(attention_mask: Tensor, sq: int, causal: bool, window, cp_size: int, rank: int,
+                     where: str) -> None:
+    """``attention_mask`` (Megatron's: True = masked, [b or 1, 1, this rank's ``sq`` queries, S] after
+    get_batch_on_this_cp_rank) masks what a layer masks without it -- the causal structure at
+    ``rank``'s zigzag positions (Megatron's dataloader mask), or that and the layer's ``window`` --
+    or a ValueError says it would be ignored. E.g. a non-causal document or padding mask built
+    in Python for a model at CP > 1."""
+    from ..plan import Mask, ZigzagLayout
+
+    S = attention_mask.shape[-1]
+    if attention_mask.dim() != 4 or attention_mask.shape[-2] != sq or S != sq * cp_size:
+        raise ValueError(f"{where}: attention_mask of shape {tuple(attention_mask.shape)} is not Megatron's "
+                         f"[b, 1, {sq}, {sq * cp_size}] for this rank's queries; the plugin modes do not read "
+                         "a dense mask: pass documents as packed_seq_params boundaries, or no mask")
+    device = attention_mask.device
+    pos = torch.cat([torch.arange(start, start + n, device=device)
+                     for _, start, n in ZigzagLayout(cp_size, S).runs(rank)])
+    keys = torch.arange(S, device=device)
+    masked = attention_mask.to(torch.bool)
+    # True = masked: equal to the mask's allowed matrix is a difference
+    same = not bool((masked == Mask(causal).allowed(pos, keys)).any())
+    if not same and window is not None:  # the window applied by the mask too
+        same = not bool((masked == Mask(causal, tuple(window)).allowed(pos, keys)).any())
+    if not same:
+        raise ValueError(f"{where}: attention_mask masks other (query, key) pairs than this layer applies (causal "
+                         "structure and window at the zigzag positions); the plugin modes do not read a dense mask: "
+                         "pass documents as packed_seq_params boundaries (megatron_mesh.megatron.pretrain_gpt."
+                         "document_params), or no mask")
 
 
 def _causal(mask_type: AttnMaskType, where: str) -> bool:

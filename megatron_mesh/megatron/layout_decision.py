@@ -17,9 +17,8 @@ from typing import Optional
 from ..plan.layout import Layout
 from ..plan.layouts import Sample, get_layout_kind
 from ..plan.maskkinds import Mask, MaskStack
-from ..plan.megatron_problem import MegatronProblem
+from ..plan.megatron_problem import MegatronProblem, layer_window
 from ..plan.modes import DEFAULT_MODE
-from ..plan.window import megatron_window
 from .placement import ranks_per_node
 from .settings import BATCH_DOCUMENTS, PluginSettings, layer_modes, plugin_modes_of, plugin_settings, problem_of
 
@@ -32,18 +31,6 @@ def uses_balanced_layout(config) -> bool:
     CP > 1 under a ``--cp-layout`` other than Megatron's zigzag (``auto``, the default, too)."""
     s = plugin_settings(config)
     return s.documents in BATCH_DOCUMENTS and config.context_parallel_size > 1 and s.layout.per_sample
-
-
-def layer_window(window_size, skip, layer_number: int):
-    """The plugin window (left, right) of layer ``layer_number`` (1-based), or None: Megatron's
-    ``--window-size`` on the layers ``--window-attn-skip-freq`` ``skip`` leaves windowed
-    (Megatron's own rule). The one owner of a layer's mask: the layers apply it
-    (:mod:`.core_attention`), the layout balances the layers' (:func:`layer_masks`)."""
-    from megatron.core.transformer.utils import is_layer_window_attention
-
-    if is_layer_window_attention(window_size, skip, layer_number):
-        return megatron_window(window_size)  # as given: the layers check the causal side
-    return None
 
 
 def layer_masks(config, problem: MegatronProblem):

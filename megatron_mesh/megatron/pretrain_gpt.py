@@ -69,7 +69,8 @@ def get_batch(data_iterator, vp_stage=None):
     --reset-attention-mask each sample's tokens of its own CP layout (:mod:`.batch_layout`:
     ``--cp-layout auto``, the default, ``balanced``, or the zigzag); with --cp-thd-packing its tokens of
     Transformer Engine's THD layout. With documents their boundaries travel as
-    ``packed_seq_params`` (the last item)."""
+    ``packed_seq_params`` (the last item) -- at PP > 1 those the stages share (:mod:`.pipeline`),
+    on a middle stage alone (no batch there)."""
     from megatron.core import parallel_state as mpu
     from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
     from megatron.training import get_args
@@ -78,9 +79,10 @@ def get_batch(data_iterator, vp_stage=None):
     from . import batch_layout
     from .settings import PluginSettings
 
-    if not is_first_or_last_pipeline_stage(vp_stage):
-        return (None,) * (len(_BATCH_KEYS) + 1)
     args = get_args()
+    settings = PluginSettings.from_args(args, entry_packs_documents=True)
+    if not is_first_or_last_pipeline_stage(vp_stage):  # no batch: the documents the stages share (.pipeline)
+        return (None,) * len(_BATCH_KEYS) + (_stage_documents(args, settings),)
     tp_rank = mpu.get_tensor_model_parallel_rank()
     batch = {}
     if tp_rank == 0:
@@ -98,19 +100,41 @@ def get_batch(data_iterator, vp_stage=None):
         is_pipeline_first_stage=mpu.is_pipeline_first_stage(), is_pipeline_last_stage=last)
     packed = None
     cp_group = mpu.get_context_parallel_group()
-    settings = PluginSettings.from_args(args, entry_packs_documents=True)
     if settings.cp_thd_packing:  # every TP rank packs the same broadcast tokens: nothing more to send
-        batch, packed = pack_thd(batch, _eod(), settings.cp_thd_pad_multiple or 2 * args.context_parallel_size,
-                                 cp_group.size(), cp_group.rank())
+        batch, packed = pack_thd(batch, _eod(), _thd_multiple(args, settings), cp_group.size(), cp_group.rank(),
+                                 PROCESS.pipeline_rows)
     elif args.reset_attention_mask:  # each sample by its own layout (tokens, labels, loss mask, positions)
         split = batch_layout.split_batch(batch, "eod", args, cp_group, _eod(), settings)
         # MLA reads any packed_seq_params as THD (it squeezes the batch axis): its layers take the
         # boundaries from the current batch layout instead, as under Megatron-LM's own script
-        packed = None if args.multi_latent_attention else split.packed_seq_params(batch["tokens"].device)
+        packed = None if args.multi_latent_attention else split.packed_seq_params(_device())
         batch = split.shard(batch, cp_group)
     else:
         batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
     return tuple(batch.get(k) for k in _BATCH_KEYS) + (packed,)
+
+
+def _stage_documents(args, settings):
+    """A pipeline stage between the first and the last: the packed_seq_params of the micro-batch
+    whose documents the stages share (:mod:`.pipeline`), which are current -- THD's, or the
+    boundaries of --reset-attention-mask (none for MLA: see get_batch) -- else None."""
+    from . import batch_layout
+
+    if settings.cp_thd_packing:
+        return thd_params(PROCESS.pipeline_rows[0], args.seq_length, _thd_multiple(args, settings),
+                          args.context_parallel_size, _device())[1]
+    current = batch_layout.current()
+    if not args.reset_attention_mask or args.multi_latent_attention or current is None:
+        return None
+    return current.packed_seq_params(_device())
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _thd_multiple(args, settings) -> int:
+    return settings.cp_thd_pad_multiple or 2 * args.context_parallel_size
 
 
 def _eod() -> int:
@@ -128,50 +152,62 @@ def document_params(tokens: torch.Tensor, eod: int):
     return boundary_params(document_rows({"tokens": tokens}, "eod", eod), tokens.device)
 
 
-def pack_thd(batch: dict, eod: int, multiple: int, cp_size: int, cp_rank: int):
-    """One sample's documents in Transformer Engine's THD CP layout: each document (cut at end-of-
-    document tokens) padded to a multiple of ``multiple`` (a multiple of 2 x CP size), packed in
-    order into the sample's S tokens (the last one cut to fit; padding has loss mask 0), then this
-    rank's tokens of every sequence (megatron_mesh.thd_shard, what TE's thd_get_partitioned_indices
-    selects). Returns the sharded batch and its PackedSeqParams (global cu_seqlens, real and
-    padded)."""
+def thd_params(row, S: int, multiple: int, cp_size: int, device):
+    """One sample's documents (boundaries ``row``: 0, starts..., S) packed for Transformer Engine's
+    THD CP layout: each document padded to a multiple of ``multiple`` (a multiple of 2 x CP size),
+    packed in order into the sample's S tokens (the last one cut to fit; the rest of the sample one
+    sequence of padding). Returns ((source start, packed start, length) of each document, the
+    PackedSeqParams: global cu_seqlens, real and padded) -- the same on every pipeline stage.
+    E.g. row (0, 3, 8), multiple 4, S 8 -> documents (0, 0, 3), (3, 4, 4): cu_seqlens [0, 3, 7],
+    padded [0, 4, 8]."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from ..plan import ThdLayout
-    from ..runtime.api import thd_shard
-    from .batch_layout import eod_starts
-
-    tokens = batch["tokens"]
-    if tokens.shape[0] != 1:
-        raise ValueError(f"--cp-thd-packing packs one sample per micro-batch, got a batch of {tokens.shape[0]}")
-    S = tokens.shape[1]
-    starts = eod_starts(tokens[0], eod) + [S]
-    out = {k: torch.zeros_like(batch[k]) for k in ("tokens", "labels", "loss_mask", "position_ids") if k in batch}
-    cu_real, cu_pad, pos = [0], [0], 0
-    for a, b in zip(starts, starts[1:]):
+    spans, cu_real, cu_pad, pos = [], [0], [0], 0
+    for a, b in zip(row, row[1:]):
         if pos >= S:
             break
         n = min(b - a, S - pos)
-        padded = min(-(-n // multiple) * multiple, S - pos)
-        for k in ("tokens", "labels", "loss_mask"):
-            if k in out:
-                out[k][0, pos:pos + n] = batch[k][0, a:a + n]
-        if "position_ids" in out:
-            out["position_ids"][0, pos:pos + n] = torch.arange(n, device=tokens.device)
-        pos += padded
+        spans.append((a, pos, n))
+        pos += min(-(-n // multiple) * multiple, S - pos)
         cu_real.append(cu_real[-1] + n)
         cu_pad.append(pos)
     if pos < S:  # the rest of the sample: one sequence of padding only
         cu_real.append(cu_real[-1])
         cu_pad.append(S)
-    layout = ThdLayout(cp_size, tuple(cu_pad), tuple(b - a for a, b in zip(cu_real, cu_real[1:])))
-    sharded = {k: thd_shard(v, cp_rank, layout, dim=1) for k, v in out.items()}
-    dev = tokens.device
-    real = torch.tensor(cu_real, dtype=torch.int32, device=dev)
-    padded = torch.tensor(cu_pad, dtype=torch.int32, device=dev)
+    real = torch.tensor(cu_real, dtype=torch.int32, device=device)
+    padded = torch.tensor(cu_pad, dtype=torch.int32, device=device)
     longest = max(b - a for a, b in zip(cu_pad, cu_pad[1:]))
-    return sharded, PackedSeqParams(qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real, cu_seqlens_q_padded=padded,
-                                    cu_seqlens_kv_padded=padded, max_seqlen_q=longest, max_seqlen_kv=longest)
+    return spans, PackedSeqParams(qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real, cu_seqlens_q_padded=padded,
+                                  cu_seqlens_kv_padded=padded, max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
+def pack_thd(batch: dict, eod: int, multiple: int, cp_size: int, cp_rank: int, rows=None):
+    """One sample's documents (cut at end-of-document tokens, or ``rows``: the boundaries the
+    pipeline stages share, for a batch that may lack tokens) in Transformer Engine's THD CP layout
+    (:func:`thd_params`; padding has loss mask 0), then this rank's tokens of every sequence
+    (megatron_mesh.thd_shard, what TE's thd_get_partitioned_indices selects). Returns the sharded
+    batch and its PackedSeqParams."""
+    from ..plan import ThdLayout
+    from ..runtime.api import thd_shard
+    from .batch_layout import eod_starts
+
+    present = {k: batch[k] for k in ("tokens", "labels", "loss_mask", "position_ids") if batch.get(k) is not None}
+    some = next(iter(present.values()))
+    if some.shape[0] != 1:
+        raise ValueError(f"--cp-thd-packing packs one sample per micro-batch, got a batch of {some.shape[0]}")
+    S = some.shape[1]
+    row = rows[0] if rows is not None else tuple(eod_starts(batch["tokens"][0], eod)) + (S,)
+    spans, packed = thd_params(row, S, multiple, cp_size, some.device)
+    out = {k: torch.zeros_like(v) for k, v in present.items()}
+    for a, pos, n in spans:
+        for k in ("tokens", "labels", "loss_mask"):
+            if k in out:
+                out[k][0, pos:pos + n] = present[k][0, a:a + n]
+        if "position_ids" in out:
+            out["position_ids"][0, pos:pos + n] = torch.arange(n, device=some.device)
+    cu_pad, cu_real = packed.cu_seqlens_q_padded.tolist(), packed.cu_seqlens_q.tolist()
+    layout = ThdLayout(cp_size, tuple(cu_pad), tuple(b - a for a, b in zip(cu_real, cu_real[1:])))
+    return {k: thd_shard(v, cp_rank, layout, dim=1) for k, v in out.items()}, packed
 
 
 def loss_func(loss_mask, output_tensor):
@@ -273,9 +309,10 @@ def _train(argv) -> None:
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
-    from . import batch_layout
+    from . import batch_layout, pipeline
 
     batch_layout.install_lookahead()
+    pipeline.install()
     model_config = build_config(args)
     pretrain(pretrain_cfg_container_from_args(args, model_config), train_valid_test_datasets_provider,
              ModelType.encoder_or_decoder, forward_step)

@@ -44,6 +44,10 @@ class ProcessState:
     # it imports torch) -- batch_layout.set_current / current: get_batch sets it; Megatron's
     # schedules run its forward -- and any recomputation -- before the next one
     batch: Optional[object] = None
+    # at pipeline parallelism > 1: the document boundaries of the micro-batch whose forward step
+    # runs, as the first stage shared them with every stage (pipeline.py); the batch split takes
+    # them (a stage's batch may carry no tokens), the stages without a batch their layout
+    pipeline_rows: Optional[tuple] = None
     # the rotary embeddings that follow the batch's layout (batch_layout.follow_layout), weakly
     following: "weakref.WeakSet" = field(default_factory=weakref.WeakSet)
 

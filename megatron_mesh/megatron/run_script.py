@@ -18,7 +18,9 @@ Megatron-LM checkout's ``megatron/`` is the one imported):
 * :func:`.batch_layout.install`: with ``--reset-attention-mask`` the script's
   ``get_batch_on_this_cp_rank`` takes each sample's documents from its position ids (or
   end-of-document tokens) and splits the batch by its CP layout (``--cp-layout``), so the plugin
-  layers get the document boundaries instead of a dense [s, s] mask (GPUs too).
+  layers get the document boundaries instead of a dense [s, s] mask (GPUs too);
+* :func:`.pipeline.install`: with documents at pipeline parallelism > 1 every stage -- the middle
+  ones, whose ``get_batch`` returns nothing, too -- learns each micro-batch's documents.
 
 Processes the script spawns (the checkpoint writer's ``multiprocessing`` manager re-imports the
 script, without this module) get the same through ``_site/sitecustomize.py``, which this module
@@ -55,10 +57,11 @@ def main(argv=None) -> None:
     bootstrap.prepare_runtime()
     with bootstrap.entry_run():  # after torch's import: a node that stops stops the others, and back
         bootstrap.install_argument_hook()
-        from . import batch_layout
+        from . import batch_layout, pipeline
 
         batch_layout.install()  # before the script imports get_batch_on_this_cp_rank
         batch_layout.install_lookahead()
+        pipeline.install()  # at PP > 1 every stage learns each micro-batch's documents
         PROCESS.batch_documents = True
         sys.argv = [script, *argv[1:]]
         runpy.run_path(script, run_name="__main__")

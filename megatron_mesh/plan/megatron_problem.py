@@ -8,15 +8,21 @@ It reads Megatron's own settings only: heads and KV heads (``--num-attention-hea
 heads; MLA: ``--qk-head-dim`` + ``--qk-pos-emb-head-dim`` and ``--v-head-dim``), the dtype
 (``--bf16`` / ``--fp16``, or a config's ``params_dtype``), ``--seq-length``, the CP, TP and
 Ulysses sizes (``--hierarchical-context-parallel-sizes U M``: read here and nowhere else), the
-window (``--window-size``, ``--window-attn-skip-freq``) and where documents come from
-(:func:`documents_of`). The plugin's own flags are :mod:`megatron_mesh.megatron.settings`'s.
+window (``--window-size``) and which layers run it (``--window-attn-skip-freq``: :meth:`MegatronProblem.
+layer_windows`, the one reading of the per-layer masks that the report's plans and the prediction share)
+and where documents come from (:func:`documents_of`). The plugin's own flags are
+:mod:`megatron_mesh.megatron.settings`'s. Sinks (``--softmax-type``) change no plan: each rank adds its
+heads' sink logits once after the merge, nothing more is sent.
 
 Example: Llama-3 8B at CP 16, TP 2 (32 / 8 heads of 128, bf16, 128K tokens) -> per CP rank
-``shape() == AttentionShape(8192, 1, 16, 4, 128, 2)``; ``ulysses`` 1.
+``shape() == AttentionShape(8192, 1, 16, 4, 128, 2)``; ``ulysses`` 1. gpt-oss-20b's layers
+(``--window-size 127,0 --window-attn-skip-freq 2``, 24 layers) -> ``layer_windows()`` = ((127, 0), None,
+(127, 0), None, ...): a window on the odd layers, full attention on the even ones.
 """
 
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -24,7 +30,7 @@ from .shape import AttentionShape
 from .units import as_int
 from .window import megatron_window
 
-__all__ = ["MegatronProblem", "documents_of", "BATCH_DOCUMENTS", "THD_DOCUMENTS", "DEFAULT_SEQ_LOCAL"]
+__all__ = ["MegatronProblem", "layer_window", "documents_of", "BATCH_DOCUMENTS", "THD_DOCUMENTS", "DEFAULT_SEQ_LOCAL"]
 
 # where the layers' documents come from: each sample of the batch (end-of-document tokens,
 # position-id resets; such samples get a CP layout each) or Transformer Engine's THD packing
@@ -72,6 +78,55 @@ def _int(ns, dest: str, default=None, low: int = 1):
     return number
 
 
+def _pattern(text: str, flag: str) -> tuple[int, ...]:
+    """Megatron's layer pattern text (``[1,1,0]``, ``([1]*3+[0])*2``: lists, integers, + and *),
+    evaluated without eval; ValueError naming ``flag`` for anything else."""
+    def value(node):
+        if isinstance(node, ast.List):
+            return [value(e) for e in node.elts]
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            a, b = value(node.left), value(node.right)
+            return a + b if isinstance(node.op, ast.Add) else a * b
+        raise ValueError
+    try:
+        layers = value(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        layers = None
+    if not isinstance(layers, list) or not all(type(v) is int for v in layers):
+        raise ValueError(f"{flag} {text!r} must be an integer N or a list pattern of 0/1 per layer, e.g. '[1,1,0]' "
+                         "or '([1]*3+[0])*2'")
+    return tuple(layers)
+
+
+def _skip_freq(ns):
+    """``--window-attn-skip-freq`` as Megatron reads it: an int N, a tuple of 0/1 per layer (its
+    pattern text evaluated), or None."""
+    value = getattr(ns, "window_attn_skip_freq", None)
+    if value is None or isinstance(value, int):
+        return value
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    text = str(value)
+    return _pattern(text, "--window-attn-skip-freq") if "[" in text else _int(ns, "window_attn_skip_freq")
+
+
+def layer_window(window_size, skip, layer_number: int, causal: bool = False):
+    """The plugin window (left, right) of layer ``layer_number`` (from 1), or None: Megatron's
+    ``--window-size`` on the layers ``--window-attn-skip-freq`` ``skip`` leaves windowed, by
+    Megatron's own rule (``is_layer_window_attention``: no skip, every layer; N, all but each N-th;
+    a 0/1 list, where it says 1). The one owner of a layer's mask: the layers apply it
+    (megatron/core_attention.py), the layout balances the layers' (megatron/layout_decision.py),
+    the report's plans and the prediction price them (:meth:`MegatronProblem.layer_windows`)."""
+    if not window_size:
+        return None
+    listed = isinstance(skip, (list, tuple))
+    if skip is not None and (not skip[layer_number - 1] if listed else layer_number % skip == 0):
+        return None
+    return megatron_window(window_size, causal=causal)
+
+
 def _ints(ns, dest: str, form: str = "integers"):
     """A tuple of integers (``--window-size 4096,0`` as text or a tuple; ``--hierarchical-context-
     parallel-sizes 2 4`` as a list); None when not given."""
@@ -104,6 +159,7 @@ class MegatronProblem:
     dtype: str = "fp32"
     hierarchy: tuple[int, ...] | None = None  # --hierarchical-context-parallel-sizes as given
     window_size: tuple | None = None  # --window-size as given (LEFT, RIGHT; -1 unlimited), None: no window
+    window_skip: int | tuple | None = None  # --window-attn-skip-freq: N, or 0/1 per layer; None: every layer
     documents: str | None = None  # documents_of
 
     @property
@@ -128,6 +184,21 @@ class MegatronProblem:
     def window(self, causal: bool = True) -> tuple | None:
         """The plugin's window ((left, right), None unlimited) of ``--window-size``; None: none."""
         return megatron_window(self.window_size, causal=causal)
+
+    def layer_windows(self, causal: bool = True) -> tuple:
+        """The plugin window of each layer in order (None: full attention), by Megatron's rule
+        (``is_layer_window_attention``, layer numbers from 1): no --window-size, none; no
+        --window-attn-skip-freq, every layer; N, every layer but each N-th; a list, 1 where a
+        layer has the window. ValueError naming the flag for a list of another length or values."""
+        self.window(causal)  # the values checked, with or without a layer that has the window
+        skip = self.window_skip
+        if isinstance(skip, tuple) and (len(skip) != self.layers or set(skip) - {0, 1}):
+            raise ValueError(f"--window-attn-skip-freq {list(skip)}: give one entry per layer ({self.layers} "
+                             "layers, --num-layers), each 1 (sliding window) or 0 (full attention)")
+        if not isinstance(skip, tuple) and skip is not None and skip < 1:
+            raise ValueError(f"--window-attn-skip-freq {skip}: an integer N must be >= 1 (every N-th layer runs full "
+                             "attention)")
+        return tuple(layer_window(self.window_size, skip, n, causal) for n in range(1, self.layers + 1))
 
     def check(self) -> None:
         """ValueError naming the flags where the model's sizes do not fit together (what Megatron
@@ -169,7 +240,8 @@ class MegatronProblem:
                    cp=_int(ns, "context_parallel_size", 1), tp=_int(ns, "tensor_model_parallel_size", 1),
                    micro_batch=micro, global_batch=_int(ns, "global_batch_size"), layers=_int(ns, "num_layers", 1),
                    dtype=dtype, hierarchy=_ints(ns, "hierarchical_context_parallel_sizes"),
-                   window_size=_ints(ns, "window_size", "LEFT,RIGHT (integers)"), documents=documents)
+                   window_size=_ints(ns, "window_size", "LEFT,RIGHT (integers)"), window_skip=_skip_freq(ns),
+                   documents=documents)
 
     @classmethod
     def from_flags(cls, flags: dict) -> "MegatronProblem":
@@ -188,5 +260,5 @@ class MegatronProblem:
         if "--kv-channels" not in flags and _int(ns, "hidden_size") % problem.heads:
             raise ValueError(f"--hidden-size {ns.hidden_size} is not a multiple of --num-attention-heads "
                              f"{problem.heads}; give --kv-channels")
-        problem.window(causal=True)  # the window checked as the training start-up checks it
+        problem.layer_windows(causal=True)  # the window checked as the training start-up checks it
         return problem

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import struct
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Iterable, Iterator
 
@@ -44,16 +45,21 @@ from .plan_budget import BUDGET_S, Budget
 from .planner import ModeResult, allowed_pairs, compute_floor, evaluate
 
 __all__ = ["Problem", "read_config", "machine", "predict", "prediction_section", "measured_vs_planned_section",
-           "PREDICT_MODES", "DEFAULT_CONFIG"]
+           "PREDICT_MODES", "DEFAULT_CONFIG", "DEFAULT_CONFIGS"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_CONFIG = os.path.join(ROOT, "configs", "llama3_8b_128k_cp16.yaml")
+# the main job's predictions: Llama-3-8B, gpt-oss-20b (sinks, 128-token windows alternating with full
+# layers) and DeepSeek-V3's attention (MLA: query/key dim 192, value dim 128), each at 128K tokens
+DEFAULT_CONFIGS = tuple(os.path.join(ROOT, "configs", f"{name}_128k_cp16.yaml")
+                        for name in ("llama3_8b", "gpt_oss_20b", "deepseek_v3"))
 # the rows of the prediction: each mode's fastest placement, the hybrids per all-to-all degree,
 # Ulysses and USP by formula (dense attention only), and auto
 PREDICT_MODES = ("ring", "mesh-auto", "tasp", "a2a+ring", "a2a+mesh-auto", "a2a+tasp", "ulysses", "usp", "auto")
 # Megatron's default rank order puts tensor parallelism innermost: a CP group's neighbours are TP
 # ranks apart, so a node of GPUS_PER_NODE GPUs holds GPUS_PER_NODE / TP ranks of each CP group
 GPUS_PER_NODE = Topology().gpus_per_node
+_EVERY_LAYER = object()  # predict()'s default window: the one every layer of the config has
 
 
 @dataclass(frozen=True)
@@ -82,36 +88,51 @@ class Problem:
         return max(1, (self.run.global_batch or self.micro_batch) // self.micro_batch)
 
     @property
-    def window(self) -> tuple | None:
-        """The plugin's (left, right) on the causal layers; None: no window, or an unlimited left
-        side (causal attention then is the whole window)."""
-        window = self.run.window(causal=True)
-        return None if window is None or window[0] is None else (window[0], 0)
+    def layer_windows(self) -> tuple:
+        """Each layer's window (left, 0) on the causal layers, None for full attention (no window,
+        or an unlimited left side): :meth:`MegatronProblem.layer_windows`, the one reading of
+        --window-size and --window-attn-skip-freq."""
+        return tuple(None if w is None or w[0] is None else (w[0], 0) for w in self.run.layer_windows(causal=True))
+
+    @property
+    def layer_kinds(self) -> list[tuple[tuple | None, int]]:
+        """(window, layers with it) of each different layer mask, in the order the layers first
+        run it: gpt-oss-20b's [((127, 0), 12), (None, 12)]; a uniform stack one entry."""
+        return list(Counter(self.layer_windows).items())
 
     @property
     def shape(self) -> AttentionShape:
-        """One CP rank's attention: its TP rank's heads (KV heads replicated when fewer than TP)."""
+        """One CP rank's attention: its TP rank's heads (KV heads replicated when fewer than TP),
+        query/key and value head dims (MLA's differ: K and V move different bytes)."""
         return self.run.shape(batch=self.micro_batch)
 
     @property
     def cu_seqlens(self) -> list[int]:
         return list(self.documents) if self.documents is not None else [0, self.seq_len]
 
-    def mask(self, documents: bool = True) -> Mask:
+    def mask(self, window=None, documents: bool = True) -> Mask:
+        """The causal mask of the layers with ``window`` (one of :attr:`layer_kinds`')."""
         if documents and self.documents is not None:
-            return Mask.from_cu_seqlens(self.cu_seqlens, self.seq_len, True, self.window).normalized(self.seq_len)
-        return Mask(True, self.window).normalized(self.seq_len)
+            return Mask.from_cu_seqlens(self.cu_seqlens, self.seq_len, True, window).normalized(self.seq_len)
+        return Mask(True, window).normalized(self.seq_len)
+
+    def layers_text(self) -> str:
+        """The layers' masks in words: 'window 16 tokens' (every layer the same), '12 of 24 layers
+        window 127 tokens, 12 of 24 layers full'."""
+        def what(window):
+            return "full" if window is None else f"window {window[0]} tokens"
+        if len(self.layer_kinds) == 1:
+            return what(self.layer_kinds[0][0])
+        return ", ".join(f"{n} of {self.layers} layers {what(w)}" for w, n in self.layer_kinds)
 
     def describe(self) -> str:
         sh = self.shape
         tp = f", TP {self.tp} -> {sh.heads} / {sh.kv_heads} per rank" if self.tp > 1 else ""
-        what = "causal"
-        if self.window is not None:
-            what += f", window {self.window[0]} tokens"
+        what = "causal" + ("" if self.layer_kinds == [(None, self.layers)] else f", {self.layers_text()}")
         if self.documents is not None:
             n = len(self.documents) - 1
             what += f", {n} documents of mean {self.seq_len / n:,.0f} tokens (the first sample of its data)"
-        return (f"{self.layers} layers, {self.heads} query / {self.kv_heads} KV heads of dim {self.head_dim}{tp}; "
+        return (f"{self.layers} layers, {self.heads} query / {self.kv_heads} KV heads, {sh.dims_text}{tp}; "
                 f"{self.seq_len:,} tokens at CP {self.cp} ({sh.seq_local:,} per rank), micro-batch "
                 f"{self.micro_batch}, {self.dtype}, {what}")
 
@@ -221,44 +242,49 @@ def machine(problem: Problem, gpus_per_node: int = GPUS_PER_NODE, **links) -> To
     return Topology.for_cp(problem.cp, max(1, gpus_per_node // problem.tp), **links)
 
 
-def predict(problem: Problem, topo: Topology, modes=PREDICT_MODES
+def predict(problem: Problem, topo: Topology, modes=PREDICT_MODES, window=_EVERY_LAYER
             ) -> tuple[list[ModeResult], list[dict], float]:
-    """The planner's rows for ``problem`` on ``topo`` (one attention layer, forward + backward),
-    the modes that cannot run, and the compute floor in seconds. Documents: the plugin's
-    balanced layout (its default for packed documents). The rows share the planner's default
-    planning budget (:data:`~.plan_budget.BUDGET_S`): those past it are left out, named."""
+    """The planner's rows for the layers of ``problem`` with ``window`` (one of its
+    :attr:`~Problem.layer_kinds`; default: the one every layer has -- ValueError where the layers'
+    masks differ) on ``topo`` (one attention layer, forward + backward), the modes that cannot
+    run, and the compute floor in seconds. Documents: the plugin's balanced layout (its default
+    for packed documents). The rows share the planner's default planning budget
+    (:data:`~.plan_budget.BUDGET_S`): those past it are left out, named."""
+    if window is _EVERY_LAYER:
+        (window, _), *others = problem.layer_kinds
+        if others:
+            raise ValueError(f"{problem.name}: its layers run different masks ({problem.describe()}); predict each "
+                             "with window= (Problem.layer_kinds)")
     shape = problem.shape
     budget = Budget(BUDGET_S)
     if problem.documents is None:
-        rows, skipped = evaluate(problem.cp, shape, topo, modes=modes, mask=problem.mask(), work=True, budget=budget)
+        rows, skipped = evaluate(problem.cp, shape, topo, modes=modes, mask=problem.mask(window), work=True,
+                                 budget=budget)
     else:
-        rows, skipped = layout_rows(problem.cp, shape, topo, problem.cu_seqlens, window=problem.window, modes=modes,
+        rows, skipped = layout_rows(problem.cp, shape, topo, problem.cu_seqlens, window=window, modes=modes,
                                     layouts=("balanced",), budget=budget)
-    floor = compute_floor(allowed_pairs(problem.cu_seqlens, True, problem.window), problem.cp, shape, topo)
+    floor = compute_floor(allowed_pairs(problem.cu_seqlens, True, window), problem.cp, shape, topo)
     return rows, skipped, floor
 
 
-def prediction_section(path: str = DEFAULT_CONFIG, topo: Topology | None = None) -> str:
-    """Markdown: the planner's prediction for the Megatron config at ``path`` on the assumed GPU
-    machine (default :func:`machine`), assumptions first."""
-    problem = read_config(path)
-    topo = topo or machine(problem)
-    rows, skipped, floor = predict(problem, topo)
+def _machine_line(problem: Problem, topo: Topology) -> str:
+    tp = f", TP {problem.tp} inside a node, so {topo.gpus_per_node} CP ranks per node" if problem.tp > 1 else ""
+    return (f"Assumed machine (the planner's defaults, megatron_mesh.plan.topology.Topology): "
+            f"{topo.gpus_per_node * problem.tp} GPUs per node{tp}: CP {problem.cp} spans {topo.nodes_used(problem.cp)} "
+            "node(s); "
+            f"NVLink {topo.intra_bandwidth / 1e9:g} GB/s and {topo.intra_latency * 1e6:g} us inside a node, network "
+            f"{topo.inter_bandwidth / 1e9:g} GB/s and {topo.inter_latency * 1e6:g} us between nodes (per GPU per "
+            f"direction); attention {topo.attention_flops / 1e12:g} TFLOP/s per GPU (backward {BACKWARD_FLOPS}x the "
+            f"forward's FLOPs), {topo.kernel_latency * 1e6:g} us per kernel launch, the host "
+            f"{topo.host_op_time * 1e6:g} us per torch op the executor issues. Other machines: "
+            "`megatron-mesh-plan --help` (e.g. --inter-bandwidth, --tflops).")
+
+
+def _kind_lines(rows: list[ModeResult], skipped: list[dict], floor: float) -> list[str]:
+    """The floor, auto's pick and the table of one layer mask's rows."""
     ring = next((r for r in rows if r.mode == REFERENCE_MODE), None)
     auto = next((r for r in rows if r.mode == "auto"), None)
-    nodes = topo.nodes_used(problem.cp)
-    lines = [f"## Prediction for {problem.name} on GPUs (the planner)", "",
-             f"Model: {problem.describe()}.", "",
-             f"Assumed machine (the planner's defaults, megatron_mesh.plan.topology.Topology): {topo.gpus_per_node * problem.tp} "
-             f"GPUs per node" + (f", TP {problem.tp} inside a node, so {topo.gpus_per_node} CP ranks per node" if
-                                 problem.tp > 1 else "") + f": CP {problem.cp} spans {nodes} node(s); "
-             f"NVLink {topo.intra_bandwidth / 1e9:g} GB/s and {topo.intra_latency * 1e6:g} us inside a node, network "
-             f"{topo.inter_bandwidth / 1e9:g} GB/s and {topo.inter_latency * 1e6:g} us between nodes (per GPU per "
-             f"direction); attention {topo.attention_flops / 1e12:g} TFLOP/s per GPU (backward {BACKWARD_FLOPS}x the "
-             f"forward's FLOPs), {topo.kernel_latency * 1e6:g} us per kernel launch, the host "
-             f"{topo.host_op_time * 1e6:g} us per torch op the executor issues. Other machines: "
-             "`megatron-mesh-plan --help` (e.g. --inter-bandwidth, --tflops).", "",
-             f"Compute floor: **{floor * 1e3:.2f} ms** per layer (every allowed query-key pair spread evenly over the "
+    lines = [f"Compute floor: **{floor * 1e3:.2f} ms** per layer (every allowed query-key pair spread evenly over the "
              "CP ranks at that throughput, forward + backward; no mode beats it).", ""]
     if auto is not None:
         lines += [f"`auto` picks **{auto.detail.split(':')[0]}**" + (f" (all-to-all {auto.ulysses})" if auto.ulysses > 1
@@ -276,10 +302,34 @@ def prediction_section(path: str = DEFAULT_CONFIG, topo: Topology | None = None)
                      f"{f'{r.tile[0]}x{r.tile[1]}' if r.tile else '-'} | {format_bytes(r.bytes_per_rank)} | {vs} | "
                      f"{r.time_s * 1e3:.2f} | {r.exposed_comm_s * 1e3:.2f} | {r.time_s / floor:.2f} | "
                      f"{'-' if work is None else f'{work:.2f}'} |")
-    lines += ["", f"Per step a rank sends {problem.layers} layers x its micro-batches x these bytes (more with "
-              "activation recompute, which repeats the forward). Work max/mean: the busiest rank's attention work "
-              "over the mean (1.00 = balanced); the formula rows (Ulysses and USP priced analytically) have none."]
-    lines += [f"Not available: {s['mode']}: {s['reason']}" for s in skipped]
+    return lines + ([""] if skipped else []) + [f"Not available: {s['mode']}: {s['reason']}" for s in skipped]
+
+
+def prediction_section(path: str = DEFAULT_CONFIG, topo: Topology | None = None) -> str:
+    """Markdown: the planner's prediction for the Megatron config at ``path`` on the assumed GPU
+    machine (default :func:`machine`), assumptions first; one table per layer mask where the
+    layers' masks differ (alternating window / full layers), with the stack's total."""
+    problem = read_config(path)
+    topo = topo or machine(problem)
+    kinds = problem.layer_kinds
+    lines = [f"## Prediction for {problem.name} on GPUs (the planner)", "", f"Model: {problem.describe()}.", "",
+             _machine_line(problem, topo), ""]
+    stack = []
+    for window, layers in kinds:
+        rows, skipped, floor = predict(problem, topo, window=window)
+        if len(kinds) > 1:
+            what = "full attention" if window is None else f"a {window[0]}-token window"
+            lines += [f"### The {layers} layers with {what}", ""]
+        lines += _kind_lines(rows, skipped, floor) + [""]
+        auto = next((r for r in rows if r.mode == "auto"), None)
+        stack.append(None if auto is None else layers * auto.time_s)
+    if len(kinds) > 1 and None not in stack:
+        lines += [f"The stack: **{sum(stack) * 1e3:.2f} ms** of attention per micro-batch, forward + backward, with "
+                  "`auto`'s pick on each kind of layer (`--cp-comm-type` takes one mode per layer).", ""]
+    lines += [f"Per step a rank sends each layer's bytes ({problem.layers} layers) x its micro-batches (more with "
+              "activation recompute, which repeats the forward); sinks (--softmax-type) add no bytes. Work max/mean: "
+              "the busiest rank's attention work over the mean (1.00 = balanced); the formula rows (Ulysses and USP "
+              "priced analytically) have none."]
     return "\n".join(lines)
 
 
@@ -307,52 +357,62 @@ def _placement(mode: str, tile: str, problem: Problem):
 
 
 def _planned_bytes(placement, problem: Problem, mask: str, window: int | None, cu_seqlens) -> int:
-    """The planner's bytes (busiest rank, one layer, forward + backward) of ``placement`` under the
-    run's ``mask``: documents under the balanced layout (docs; per Ulysses group, as the runtime
-    balances them) or Megatron's zigzag (docs-zigzag)."""
+    """The planner's bytes (busiest rank, one micro-batch, forward + backward) of ``placement`` under
+    the run's ``mask``, summed over the layers, each with its own window (:attr:`Problem.layer_kinds`:
+    the 'window' mask replaces --window-size, as the run's flag does, and keeps the layers that run
+    it); documents (``cu_seqlens``) under Megatron's zigzag (docs-zigzag) or else the balanced layout
+    (per Ulysses group, as the runtime balances them)."""
     topo = Topology.for_cp(problem.cp, problem.cp)  # one machine: every rank on one "node", as the gloo run
+    if mask == "window":
+        problem = replace(problem, run=replace(problem.run, window_size=(window, 0)))
     shape, layout = problem.shape, None
-    if mask == "none":
-        m = Mask(True)
-    elif mask == "window":
-        m = Mask(True, (window, 0))
-    elif mask == "docs-zigzag":
-        m = Mask.from_cu_seqlens(cu_seqlens, problem.seq_len, True)
-    else:
-        m, layout = Mask(True), balanced_layout(cu_seqlens, problem.cp, group=placement.ulysses)
-    return evaluate_plan(placement.build(shape, m, layout), shape, topo).bytes_per_rank
+    if cu_seqlens is not None and mask != "docs-zigzag":
+        layout = balanced_layout(cu_seqlens, problem.cp, group=placement.ulysses)
+    total = 0
+    for w, layers in problem.layer_kinds:
+        m = Mask(True, w) if cu_seqlens is None or layout is not None else \
+            Mask.from_cu_seqlens(cu_seqlens, problem.seq_len, True, w)
+        total += layers * evaluate_plan(placement.build(shape, m, layout), shape, topo).bytes_per_rank
+    return total
+
+
+def _planned_text(problem: Problem, draws: int, doc_mean: int | None) -> str:
+    """What the measured-vs-planned table's planned bytes are."""
+    sh = problem.shape
+    own = " (or the first sample of the config's own documents)" if problem.documents is not None else ""
+    return (f"Planned: the planner's bytes for the busiest rank of the run's own plan (its mode, all-to-all degree "
+            f"and tile; {sh.heads} / {sh.kv_heads} heads, {sh.dims_text}, {sh.seq_local} tokens per rank at CP "
+            f"{problem.cp}, {problem.dtype}), summed over the {problem.layers} layers, each with its own mask "
+            f"({problem.layers_text()}; the window runs: their width on the same layers), x {problem.micro_batches} "
+            "micro-batch(es) per step, forward + backward; "
+            "measured: comm_counter's bytes of the busiest rank, mean over the iterations. Documents change from "
+            "sample to sample (and the bytes with them): the documents runs are compared with the bytes of the plans "
+            "their calls ran (the metrics record them), or, for metrics without them, planned for "
+            f"{draws} draws of the job's length distribution (lognormal, mean {doc_mean} tokens){own}: an estimate.")
 
 
 def measured_vs_planned_section(runs, problem: Problem, window: int | None = None, doc_mean: int | None = None,
                                 draws: int = 8) -> str:
     """Markdown: for each CP run (``runs``: the report's RunResults -- mode, mask, cp, tile,
     bytes_per_step), the planner's bytes per rank per step for ``problem`` (the CPU job's config
-    at its CP size) next to the measured ones. Unmasked and windowed runs are planned here from the
-    config, independently of the run; documents differ from sample to sample, so a documents run is
+    at its CP size) next to the measured ones, each layer planned with its own mask. Runs on one
+    sequence are planned here from the config, independently of the run; documents differ from
+    sample to sample, so a documents run (the docs masks, or a config with its own documents) is
     compared with the bytes of the plans its calls ran (``planned_bytes_per_step``, from the
     metrics), or -- metrics without them -- planned for ``draws`` draws of the job's length
-    distribution (lognormal, mean ``doc_mean``, sigma 1): an estimate."""
+    distribution (lognormal, mean ``doc_mean``, sigma 1) or the config's first sample: an estimate."""
     runs = [r for r in runs if r.cp > 1 and r.ok and r.bytes_per_step is not None]
     if not runs:  # every CP run failed: a heading over nothing would read as a missing table
         return ("## Measured vs planned bytes (this CPU run)\n\nNo CP run finished, so there is nothing measured to "
                 "set beside the plans.")
-    per_step = problem.layers * problem.micro_batches
     if any(r.mask in ("docs", "docs-zigzag") for r in runs) and doc_mean is None:
         raise ValueError("planning the documents runs needs their mean length (doc_mean)")
     if any(r.mask == "window" for r in runs) and window is None:
         raise ValueError("planning the window runs needs the window's width (window)")
     draws_cu = [document_bounds(f"lognormal:{doc_mean},1", problem.seq_len, seed) for seed in range(draws)] \
         if doc_mean is not None else []
-    lines = ["## Measured vs planned bytes (this CPU run)", "",
-             f"Planned: the planner's bytes for the busiest rank of the run's own plan (its mode, all-to-all degree "
-             f"and tile; {problem.shape.heads} / {problem.shape.kv_heads} heads of dim {problem.head_dim}, "
-             f"{problem.shape.seq_local} tokens per rank at CP {problem.cp}, {problem.dtype}) x {problem.layers} layers "
-             f"x {problem.micro_batches} micro-batch(es) per step, forward + backward; measured: comm_counter's bytes "
-             "of the busiest rank, mean over the iterations. Documents change from sample to sample (and the bytes "
-             "with them): the documents runs are compared with the bytes of the plans their calls ran (the "
-             "metrics record them), or, for metrics without them, planned for "
-             f"{draws} draws of the job's length distribution (lognormal, mean {doc_mean} tokens): an estimate.",
-             "", "| run | planned bytes per rank per step | measured | measured / planned | note |",
+    lines = ["## Measured vs planned bytes (this CPU run)", "", _planned_text(problem, draws, doc_mean), "",
+             "| run | planned bytes per rank per step | measured | measured / planned | note |",
              "|---|---|---|---|---|"]
     for r in runs:
         label = r.mode if r.mask == "none" else f"{r.mode} [{r.mask}]"
@@ -361,13 +421,17 @@ def measured_vs_planned_section(runs, problem: Problem, window: int | None = Non
             lines.append(f"| {label} | - | {format_bytes(r.bytes_per_step)} | - | no single Mesh tile reported "
                          f"({r.tile or 'none'}) |")
             continue
-        if r.mask in ("docs", "docs-zigzag") and r.planned_bytes_per_step is not None:
+        samples = draws_cu if r.mask in ("docs", "docs-zigzag") else \
+            [problem.documents] if problem.documents is not None else None
+        if samples is not None and r.planned_bytes_per_step is not None:
             plan, note = r.planned_bytes_per_step, "the plans the run's calls ran: each batch's own documents"
-        elif r.mask in ("docs", "docs-zigzag"):
-            one = [_planned_bytes(placement, problem, r.mask, window, cu) for cu in draws_cu]
-            plan, note = per_step * sum(one) / len(one), f"estimate: mean of {len(one)} document draws"
+        elif samples is not None:
+            one = [_planned_bytes(placement, problem, r.mask, window, cu) for cu in samples]
+            plan = problem.micro_batches * sum(one) / len(one)
+            note = f"estimate: mean of {len(one)} document draws" if len(one) > 1 else \
+                "estimate: the first sample of the config's data"
         else:
-            plan = per_step * _planned_bytes(placement, problem, r.mask, window, None)
+            plan = problem.micro_batches * _planned_bytes(placement, problem, r.mask, window, None)
             note = "the run's own plan: equal when the run moves what it plans"
         ratio = f"{r.bytes_per_step / plan:.3f}" if plan else "-"
         lines.append(f"| {label} | {format_bytes(plan)} | {format_bytes(r.bytes_per_step)} | {ratio} | {note} |")

@@ -26,7 +26,11 @@ PLUGIN = ["--spec", "megatron_mesh.megatron.spec", "gpt_layer_spec", "--transfor
           "--attention-dropout", "0"]
 
 
+PP_DOCUMENTS = "--pipeline-model-parallel-size {} with packed documents (--reset-attention-mask / --cp-thd-packing) and "
 PER_TOKEN = "--calculate-per-token-loss"  # the balanced layout (the default with documents at CP > 1) needs it
+# DeepSeek-style attention: MLA, q/k head dim 16 + 8, v head dim 12, YaRN (configs/deepseek_tiny_cpu.yaml)
+MLA = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "32", "--qk-head-dim", "16",
+       "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12", "--rope-type", "yarn", "--position-embedding-type", "rope"]
 
 
 @pytest.mark.parametrize("argv, documents", [
@@ -36,10 +40,17 @@ PER_TOKEN = "--calculate-per-token-loss"  # the balanced layout (the default wit
     (["--context-parallel-size", "4", "--cp-comm-type", "tasp", "--cp-thd-packing", "--cp-thd-pad-multiple", "16",
       "--seq-length", "64", "--micro-batch-size", "1"], "thd"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--window-size", "16,0"], None),
+    (["--context-parallel-size", "2", "--cp-comm-type", "mesh", "--reset-attention-mask", PER_TOKEN,
+      "--pipeline-model-parallel-size", "2"], "eod"),
+    (["--context-parallel-size", "1", "--cp-thd-packing", "--seq-length", "64", "--pipeline-model-parallel-size", "3",
+      "--num-layers", "3", "--micro-batch-size", "1"], "thd"),
     (["--context-parallel-size", "4", "--cp-comm-type", "ring", "--window-size", "16,-1", "--reset-attention-mask",
       PER_TOKEN, "--position-embedding-type", "rope", "--no-rope-fusion", "--micro-batch-size", "2"], "eod"),
     (["--context-parallel-size", "4", "--cp-comm-type", "ring", "--reset-attention-mask", PER_TOKEN,
       "--position-embedding-type", "rope", "--micro-batch-size", "1", "--cp-layout", "balanced"], "eod"),
+    # MLA with YaRN on the balanced layout: its own rotary follows the layout (unfused)
+    (["--context-parallel-size", "4", "--cp-comm-type", "ring", "--reset-attention-mask", PER_TOKEN, *MLA,
+      "--no-rope-fusion", "--cp-layout", "balanced"], "eod"),
     (["--context-parallel-size", "4", "--cp-comm-type", "a2a+mesh", "--hierarchical-context-parallel-sizes", "2", "2",
       "--mesh-tile-shape", "2x1", *HEADS], None),
     (["--context-parallel-size", "8", "--cp-comm-type", "a2a+tasp", "a2a+ring", "--hierarchical-context-parallel-sizes",
@@ -112,14 +123,17 @@ def test_masks_and_hybrids_valid(megatron_args, our_entry, argv, documents):
       "--seq-length", "64"], "--cp-thd-pad-multiple must be a positive integer, got -8"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--cp-thd-packing", "--cp-thd-pad-multiple", "0",
       "--seq-length", "64"], "--cp-thd-pad-multiple must be a positive integer, got 0"),
-    (["--context-parallel-size", "2", "--cp-comm-type", "mesh", "--reset-attention-mask",
-      "--pipeline-model-parallel-size", "2"],
-     "--pipeline-model-parallel-size 2 with packed documents (--reset-attention-mask / --cp-thd-packing)"),
-    # at CP 1 too: the documents run the plugin's attention there as well (it crashed mid-step)
-    (["--context-parallel-size", "1", "--reset-attention-mask", PER_TOKEN, "--pipeline-model-parallel-size", "2"],
-     "--pipeline-model-parallel-size 2 with packed documents (--reset-attention-mask / --cp-thd-packing)"),
-    (["--context-parallel-size", "1", "--cp-thd-packing", "--seq-length", "64", "--pipeline-model-parallel-size", "4"],
-     "--pipeline-model-parallel-size 4 with packed documents (--reset-attention-mask / --cp-thd-packing)"),
+    # documents at PP > 1 (test_megatron_pretrain_pipeline.py): the stages share each micro-batch's
+    # documents for its forward step, not for a recomputation in the backward pass or a virtual pipeline
+    (["--context-parallel-size", "2", "--cp-comm-type", "mesh", "--reset-attention-mask", PER_TOKEN,
+      "--pipeline-model-parallel-size", "2", "--recompute-granularity", "selective"],
+     PP_DOCUMENTS.format(2) + "--recompute-granularity selective: a recomputed layer runs in the backward pass"),
+    # at CP 1 too: the documents run the plugin's attention there as well
+    (["--context-parallel-size", "1", "--reset-attention-mask", PER_TOKEN, "--pipeline-model-parallel-size", "2",
+      "--recompute-granularity", "full", "--recompute-method", "uniform"], PP_DOCUMENTS.format(2) + "--recompute"),
+    (["--context-parallel-size", "1", "--cp-thd-packing", "--seq-length", "64", "--pipeline-model-parallel-size", "4",
+      "--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "1"],
+     PP_DOCUMENTS.format(4) + "a virtual pipeline (--num-layers-per-virtual-pipeline-stage)"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--sft"],
      "--sft: Megatron's sft batches are not supported by the plugin modes"),
     # --cp-layout: where it applies (at no CP size without documents), and what the balanced layout needs
@@ -149,7 +163,17 @@ def test_masks_and_hybrids_valid(megatron_args, our_entry, argv, documents):
      "--cp-layout auto (the default with packed documents at CP > 1) with --position-embedding-type yarn: "
      "supported are rope, learned_absolute and none"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask", PER_TOKEN,
-      "--mtp-num-layers", "1"], "with --mtp-num-layers 1: it assumes Megatron's zigzag layout"),
+      "--mtp-num-layers", "1"], "--mtp-num-layers 1 with --cp-comm-type mesh at CP 4: Megatron-Core builds the "
+     "multi-token prediction layers from its own layer spec (Megatron's attention, not the plugin's), and its roll of "
+     "the tokens, labels and loss mask one position along the sequence passes one token between the zigzag's "
+     "neighbouring chunks (on the balanced layout a token's successor may be on any CP rank); allowed: "
+     "--mtp-num-layers at CP 1 or with Transformer Engine's modes"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "ring", "--mtp-num-layers", "2"],  # no documents, any layout
+     "--mtp-num-layers 2 with --cp-comm-type ring at CP 2: Megatron-Core builds the multi-token prediction layers"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask", PER_TOKEN, *MLA,
+      "--cp-layout", "balanced"],
+     "--cp-layout balanced with --multi-latent-attention and fused RoPE: MLA's fused RoPE kernels rotate each "
+     "rank's zigzag positions; pass --no-rope-fusion (the layout's positions), or pass --cp-layout zigzag"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask", PER_TOKEN,
       "--position-embedding-type", "rope", "--micro-batch-size", "2"],
      "with fused RoPE and --micro-batch-size 2: each sample has its own layout, so its own rotary positions, and "
@@ -288,3 +312,45 @@ def test_planners_megatron_flags_pass_the_start_up_checks(megatron_args, our_ent
         seen.add((r.layout, r.ulysses > 1))
     assert seen == {(layout, hybrid) for layout in ("zigzag", "thd", "balanced", "auto") for hybrid in (False, True)} | \
         {("balanced-hide", True)}
+
+
+@pytest.mark.parametrize("argv", [
+    ["--window-size", "5,0", "--window-attn-skip-freq", "2"], ["--window-size", "5,0", "--window-attn-skip-freq", "3"],
+    ["--window-size", "5,0"], ["--window-size", "5,0", "--window-attn-skip-freq", "1"], [],
+    ["--window-size", "5,0", "--window-attn-skip-freq", "([1]*2+[0])*2"],
+    ["--window-size=-1,0", "--window-attn-skip-freq", "2"],
+])
+def test_the_layers_windows_are_megatrons(megatron_args, argv):
+    """MegatronProblem.layer_windows (pure Python: the report's plans and the GPU prediction read
+    a config's per-layer masks there) names the layers Megatron's own is_layer_window_attention
+    gives a window -- the rule the layers run -- for Megatron's parsed arguments, and for the same
+    flags as a YAML config's text (MegatronProblem.from_flags)."""
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    from megatron_mesh.plan.megatron_problem import MegatronProblem
+    from megatron_mesh.plan.window import megatron_window
+
+    args = megatron_args(["--num-layers", "6", "--num-attention-heads", "4", "--hidden-size", "64", *argv])
+    megatron = tuple(megatron_window(args.window_size, causal=True)
+                     if is_layer_window_attention(args.window_size, args.window_attn_skip_freq, n) else None
+                     for n in range(1, 7))
+    assert MegatronProblem.from_namespace(args).layer_windows() == megatron, argv
+    given = [part for a in argv for part in a.split("=", 1)]  # --window-size=-1,0 as flag and value
+    flags = {"--num-layers": "6", "--num-attention-heads": "4", "--hidden-size": "64", "--seq-length": "64",
+             **dict(zip(given[::2], given[1::2]))}
+    assert MegatronProblem.from_flags(flags).layer_windows() == megatron, argv
+
+
+def test_the_main_jobs_gpu_configs_pass_the_start_up_checks(megatron_args, our_entry):
+    """The configs the main job predicts for (Llama-3-8B, gpt-oss-20b with sinks and alternating
+    128-token windows, DeepSeek-V3's MLA with YaRN; each at 128K tokens, CP 16 x TP 2) are flags
+    Megatron parses and the plugin's start-up accepts with Transformer Engine, as a GPU run would."""
+    import os
+
+    from megatron_mesh.tools import predict, yaml_args
+
+    for path in predict.DEFAULT_CONFIGS:
+        doc = yaml_args.load(path)
+        args = megatron_args(yaml_args.model_args(doc, {**os.environ, **yaml_args.environment(doc)}))
+        validate_args(args, have_te=True, **our_entry)
+        assert (args.context_parallel_size, args.tensor_model_parallel_size, args.seq_length) == (16, 2, 131072), path

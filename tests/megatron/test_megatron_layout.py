@@ -17,6 +17,7 @@ The losses through ``pretrain()``: tests/megatron/test_megatron_pretrain_masks.p
 Megatron's attention with a dense mask: tests/megatron/test_megatron_masks.py.
 """
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -195,56 +196,72 @@ def test_batch_split_gives_each_sample_its_own_layout():
     assert bool((seen == 1).all())  # every token on exactly one rank
 
 
-def _rotary(group):
+def _rotary(group, kind: str = "rope"):
+    """Megatron's RoPE, or YaRN as MLA builds it (scaling 4 over 8 original positions; its scale 1.14)."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 
+    if kind == "yarn":
+        return YarnRotaryEmbedding(kv_channels=16, use_cpu_initialization=True, scaling_factor=4.0,
+                                   original_max_position_embeddings=8, mscale=1.0, mscale_all_dim=0.0, cp_group=group)
     return RotaryEmbedding(kv_channels=16, rotary_percent=1.0, use_cpu_initialization=True, cp_group=group)
 
 
-def test_rope_follows_the_layout():
-    """Every CP rank's hooked embedding is the full one at its tokens' global positions, and
-    rotating its queries with it equals rotating the full sequence and splitting it."""
+@pytest.mark.parametrize("kind", ["rope", "yarn"])
+def test_rope_follows_the_layout(kind):
+    """Every CP rank's hooked embedding (RoPE, or YaRN -- MLA's own rotary -- with its scale) is the
+    full one at its tokens' global positions, and rotating its queries with it equals rotating the
+    full sequence and splitting it."""
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
     from megatron_mesh.megatron import cpu_compat
 
     cpu_compat.install_model_patches()
     tokens = _tokens()
-    full_emb = _rotary(None)(S)  # [S, 1, 1, d]
+    full_emb, scale = _emb(_rotary(None, kind)(S))  # [S, 1, 1, d]
     q = torch.randn(S, 2, 3, 16, generator=torch.Generator().manual_seed(1))
-    rotated = _apply_rotary_pos_emb_bshd(q, full_emb)
+    rotated = _apply_rotary_pos_emb_bshd(q, full_emb, mscale=scale)
     for same in (False, True):
         rows = batch_layout.document_rows({"tokens": tokens[:1].repeat(2, 1) if same else tokens}, "eod", EOD)
         for rank in range(P):
-            rope = _rotary(FakeGroup(P, rank))
+            rope = _rotary(FakeGroup(P, rank), kind)
             zigzag = rope(S)
             assert batch_layout.follow_layout(torch.nn.ModuleList([rope])) == 1
             split = batch_layout.BatchLayout.of(rows, config(), rank)
             batch_layout.set_current(split)
-            emb = rope(S)
-            assert emb.shape == (S // P, 1 if same else 2, 1, 16)
+            emb, got_scale = _emb(rope(S))
+            assert emb.shape == (S // P, 1 if same else 2, 1, 16) and got_scale == scale
+            assert scale == (1.0 if kind == "rope" else pytest.approx(1 + 0.1 * math.log(4)))  # YaRN's, kept
             index = split.index  # [b, s_local]
             for i in range(2):
                 assert torch.equal(emb[:, 0 if same else i], full_emb[index[i], 0]), (rank, i)
             local_q = torch.stack([q[index[i], i] for i in range(2)], dim=1)
             want = torch.stack([rotated[index[i], i] for i in range(2)], dim=1)
-            assert torch.equal(_apply_rotary_pos_emb_bshd(local_q, emb), want)
+            assert torch.equal(_apply_rotary_pos_emb_bshd(local_q, emb, mscale=scale), want)
             batch_layout.set_current(batch_layout.BatchLayout.of(rows, config(cp_layout="zigzag"), rank))
-            assert torch.equal(rope(S), zigzag)  # the zigzag: Megatron's own slice
+            assert torch.equal(_emb(rope(S))[0], _emb(zigzag)[0])  # the zigzag: Megatron's own slice
     batch_layout.set_current(None)
     with pytest.raises(RuntimeError, match="no batch layout is set for this forward"):
         rope(S)
 
 
-def test_rope_hook_refuses_yarn_and_missing_hooks():
-    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+def _emb(output):
+    """(embedding, scale) of a rotary's output: YaRN returns both, RoPE the embedding (scale 1)."""
+    return output if isinstance(output, tuple) else (output, 1.0)
+
+
+def test_rope_hook_refuses_other_rotaries_and_missing_hooks():
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     from megatron_mesh.megatron import cpu_compat
 
+    class OtherRotary(RotaryEmbedding):  # a rotary with its own positions (as mRoPE's): its slicing unknown
+        pass
+
     cpu_compat.install_model_patches()
-    yarn = YarnRotaryEmbedding(kv_channels=16, rotary_percent=1.0, use_cpu_initialization=True)
-    with pytest.raises(ValueError, match="YarnRotaryEmbedding: --cp-layout balanced supports RoPE"):
-        batch_layout.follow_layout(torch.nn.ModuleList([yarn]))
+    other = OtherRotary(kv_channels=16, rotary_percent=1.0, use_cpu_initialization=True)
+    with pytest.raises(ValueError, match="OtherRotary: --cp-layout balanced supports RoPE"):
+        batch_layout.follow_layout(torch.nn.ModuleList([other]))
     assert batch_layout.follow_layout(torch.nn.Linear(2, 2)) == 0
     hooks = []
     model_config = SimpleNamespace(pre_wrap_hooks=hooks)

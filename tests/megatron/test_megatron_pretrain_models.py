@@ -18,9 +18,16 @@ their gradient missed Megatron's gradient reduction over the data-parallel x CP 
 (tests/megatron/test_megatron_sinks.py compares the gradients themselves).
 
 DeepSeek-style layers (configs/deepseek_tiny_cpu.yaml: multi-latent attention, query/key head dim
-24, value head dim 12, YaRN, EOD documents) at CP 4 on Megatron's zigzag, one layer per mode (mesh,
-tasp, ring, a2a+mesh), through both entry scripts, log the CP 1 losses to 1e-5 (the balanced
-layout refuses MLA at start-up).
+24, value head dim 12, YaRN, EOD documents), one layer per mode, as the gpt-oss runs:
+
+* CP 4 on Megatron's zigzag (mesh, tasp, ring, a2a+mesh) through the plugin's entry script;
+* CP 4 on the balanced layout (tasp, mesh, a2a+mesh, ring), where MLA rotates each token at its
+  global position, through the plugin's entry script (saving a checkpoint at iteration 2) and
+  Megatron-LM's pretrain_gpt.py;
+* the balanced run's iteration-2 checkpoint resumed at CP 2 under ring on the zigzag through
+  Megatron-LM's pretrain_gpt.py.
+
+Each logs the CP 1 losses to 1e-5 relative.
 """
 
 import glob
@@ -44,7 +51,7 @@ BALANCED_MODES = "tasp mesh a2a+mesh ring"
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    return {name: str(tmp_path_factory.mktemp(name)) for name in ("cp1", "zigzag")}
+    return {name: str(tmp_path_factory.mktemp(name)) for name in ("cp1", "zigzag", "mla_balanced")}
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +71,15 @@ def runs(doc_data, ckpts):
         "resume_cp2": (CONFIG, (), 2, 2, "ring", "--cp-layout", "balanced", "--load", ckpts["zigzag"], "--ckpt-step", "2"),
         "mla_cp1": (MLA_CONFIG, (), 1, 1, "mesh"),
         "mla_zigzag_cp4": (MLA_CONFIG, (), 4, 4, ZIGZAG_MODES, *HCP, "--cp-layout", "zigzag"),
-        "mlm_mla_zigzag_cp4": (MLA_CONFIG, mlm, 4, 4, BALANCED_MODES, *HCP, "--cp-layout", "zigzag"),
+        "mla_balanced_cp4": (MLA_CONFIG, (), 4, 4, BALANCED_MODES, *HCP, "--cp-layout", "balanced", "--save",
+                             ckpts["mla_balanced"], "--save-interval", "2"),
+        "mlm_mla_balanced_cp4": (MLA_CONFIG, mlm, 4, 4, BALANCED_MODES, *HCP, "--cp-layout", "balanced"),
+        # Megatron-LM's script on the zigzag, resuming the balanced run's checkpoint
+        "mlm_mla_resume_cp2": (MLA_CONFIG, mlm, 2, 2, "ring", "--cp-layout", "zigzag", "--load",
+                               ckpts["mla_balanced"], "--ckpt-step", "2"),
     }
-    return run_all(lambda *spec: run(*spec), plan, together=("cp1", "mla_cp1"), then_together=("resume_cp2",))
+    return run_all(lambda *spec: run(*spec), plan, together=("cp1", "mla_cp1"),
+                   then_together=("resume_cp2", "mlm_mla_resume_cp2"))
 
 
 def _summary(text: str) -> str:
@@ -131,15 +144,24 @@ def test_checkpoint_resumes_at_cp2_under_another_mode_and_layout(runs):
     assert "sinks learnable, window 5,0, documents eod, layout balanced)" in _summary(text)
 
 
-@pytest.mark.parametrize("name, modes, documents", [
-    ("mla_zigzag_cp4", ZIGZAG_MODES, "eod"),
-    ("mlm_mla_zigzag_cp4", BALANCED_MODES, "positions"),  # Megatron-LM's script: from the position ids
+@pytest.mark.parametrize("name, modes, layout, documents", [
+    ("mla_zigzag_cp4", ZIGZAG_MODES, "zigzag", "eod"),
+    ("mla_balanced_cp4", BALANCED_MODES, "balanced", "eod"),
+    ("mlm_mla_balanced_cp4", BALANCED_MODES, "balanced", "positions"),  # Megatron-LM's script: from the position ids
 ])
-def test_mla_with_yarn_cp4_on_the_zigzag_matches_cp1(runs, name, modes, documents):
+def test_mla_with_yarn_cp4_matches_cp1(runs, name, modes, layout, documents):
     want = losses(run_ok(runs, "mla_cp1"))
     assert sorted(want) == list(range(1, ITERS + 1))
     assert_losses_equal(losses(run_ok(runs, name)), want, rel=RTOL)
     summary = _summary(run_ok(runs, name))
     for i, mode in enumerate(modes.split(), 1):
         assert f"layer {i}: {mode} (CP 4" in summary, summary
-    assert summary.count(f"documents {documents}, layout zigzag)") == 4, summary
+    assert summary.count(f"documents {documents}, layout {layout})") == 4, summary
+
+
+def test_mla_checkpoint_resumes_at_cp2_under_another_mode_layout_and_script(runs):
+    """The balanced CP 4 run's checkpoint through Megatron-LM's script at CP 2, ring, on the zigzag."""
+    text = run_ok(runs, "mlm_mla_resume_cp2")
+    assert_losses_equal(losses(text), losses(run_ok(runs, "mla_cp1")), iterations=[3], rel=RTOL)
+    assert "layers 1-4: ring (CP 2" in text or "layer 1: ring (CP 2" in text, text[-3000:]
+    assert _summary(text).count("documents positions, layout zigzag)") >= 1, _summary(text)

@@ -6,7 +6,8 @@ measured) -- from the runs' metrics JSON lines, not their logs -- whose losses m
 baseline, whose documents' loss falls as the unmasked one does, whose unmasked attention bytes per
 step equal what the plan predicts (and the report's measured-vs-planned section says so), whose
 masked runs move fewer bytes, and which ends with the planner's prediction for the Llama-3 128K
-config on GPUs."""
+config on GPUs. Then the job on the tiny gpt-oss- and DeepSeek-style configs (one small run each),
+with the predictions for gpt-oss-20b and DeepSeek-V3 at 128K."""
 
 import csv
 import os
@@ -66,6 +67,42 @@ def test_compare_cp_modes_writes_the_report_with_masks(tmp_path):
     assert "| 1.000 | the plans the run's calls ran" in docs_row, docs_row  # each batch's own documents, exactly
     assert "## Prediction for llama3_8b_128k_cp16.yaml on GPUs" in report and "`auto` picks **" in report
     _check_per_rank_figures(out, rows)
+
+
+@pytest.mark.parametrize("config, mode, extra", [
+    ("gpt_oss_tiny_cpu.yaml", "mesh:auto", []),
+    ("deepseek_tiny_cpu.yaml", "ring", ["--no-predict", "--", "--cp-layout", "balanced"]),  # MLA on the balanced layout
+])
+def test_the_main_job_runs_the_gpt_oss_and_deepseek_configs(tmp_path, doc_data, config, mode, extra):
+    """The main job on configs/gpt_oss_tiny_cpu.yaml (learnable sinks, 5-token windows on layers 1
+    and 3, GQA, its EOD documents) and configs/deepseek_tiny_cpu.yaml (MLA: query/key dim 24, value
+    dim 12, YaRN, its EOD documents): one small run each (CP 2, 2 iterations, one mode next to the
+    baseline) whose loss is CP 1's, whose bytes are the plans' the layers ran, and -- the gpt-oss
+    job, with the default --predict -- whose report ends with the GPU predictions of gpt-oss-20b (a
+    table for its window layers and one for its full layers) and DeepSeek-V3 at 128K tokens."""
+    out = tmp_path / "report"
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()),
+               DOC_DATA=doc_data)
+    rc, text = run_script([sys.executable, "scripts/compare_cp_modes.py", "--config", f"configs/{config}", "--cp", "2",
+                           "--iters", "2", "--modes", "baseline", mode, "--masks", "none", "--run-timeout", "200",
+                           "--out", str(out), *extra], env, timeout=400)
+    assert rc == 0, text[-6000:]
+    rows = {r["mode"]: r for r in csv.DictReader(open(out / "report.csv"))}
+    assert float(rows[mode]["max_loss_deviation"]) <= 1e-5 and rows[mode]["status"] == "ok", rows
+    report = (out / "report.md").read_text()
+    checked = report.split("## Measured vs planned")[1].split("\n## ")[0]
+    row = next(line for line in checked.splitlines() if line.startswith(f"| {mode} |"))
+    assert "| 1.000 | the plans the run's calls ran" in row, row
+    if config.startswith("gpt_oss"):
+        assert "summed over the 4 layers, each with its own mask (2 of 4 layers window 5 tokens, 2 of 4 layers full;" \
+            in checked, checked
+        gpt_oss = report.split("## Prediction for gpt_oss_20b_128k_cp16.yaml on GPUs")[1].split("\n## ")[0]
+        assert "### The 12 layers with a 127-token window" in gpt_oss and "### The 12 layers with full" in gpt_oss
+        assert "The stack: **" in gpt_oss and gpt_oss.count("`auto` picks **") == 2
+        deepseek = report.split("## Prediction for deepseek_v3_128k_cp16.yaml on GPUs")[1]
+        assert "head dim 192 (values 128)" in deepseek and "`auto` picks **" in deepseek
+    else:
+        assert "heads, head dim 24 (values 12)" in checked and "## Prediction" not in report
 
 
 def _check_per_rank_figures(out, rows):

@@ -169,7 +169,93 @@ def test_a_window_the_training_refuses_is_refused_by_the_prediction(tmp_path, wi
 ])
 def test_the_prediction_reads_a_window_as_megatron_does(tmp_path, window, planned, text):
     p = predict.read_config(_config(tmp_path, window_size=f'"{window}"'))
-    assert p.window == planned and f"{p.dtype}, {text}" in p.describe() + ",", p.describe()
+    assert p.layer_windows == (planned, planned) and f"{p.dtype}, {text}" in p.describe() + ",", p.describe()
+
+
+def _busiest(shape, mode, mask, layout=None, **settings) -> int:
+    """The busiest rank's bytes of one layer's plan (forward + backward) at CP 4."""
+    return max(b.sent for b in plan_bytes(resolve(mode, 4, shape, **settings).build(shape, mask, layout), shape))
+
+
+def test_the_planned_bytes_price_each_layer_with_its_own_mask(tmp_path):
+    """Layers alternating a 3-token window with full attention (--window-size 3,0
+    --window-attn-skip-freq 2, 4 layers, as gpt-oss) at CP 4: a run's planned bytes are two window
+    layers' plans plus two full layers' -- before, every layer was planned as full attention (ring:
+    measured / planned 0.54); the 'window' run keeps the alternation with its own width."""
+    path = _config(tmp_path, num_layers=4, window_size='"3,0"', window_attn_skip_freq=2)
+    shape = AttentionShape(seq_local=16, batch=1, heads=4, kv_heads=4, head_dim=16, itemsize=4)
+    full, window3, window5 = (_busiest(shape, "ring", m) for m in (Mask(True), Mask(True, (3, 0)), Mask(True, (5, 0))))
+    assert window3 < window5 < full
+    mesh = _busiest(shape, "mesh", Mask(True), tile=(2, 2)) + _busiest(shape, "mesh", Mask(True, (5, 0)), tile=(2, 2))
+    runs = [RunResult("ring", 4, bytes_per_step=2 * (window3 + full)),
+            RunResult("mesh:2x2", 4, "window", tile="2x2", bytes_per_step=2 * mesh)]
+    problem = predict.read_config(path)
+    rows = _rows(predict.measured_vs_planned_section(runs, problem, window=5))
+    assert rows["ring"][0][3] == rows["mesh:2x2 [window]"][0][3] == "1.000", rows
+    assert problem.layer_windows == ((3, 0), None, (3, 0), None) and problem.shape == shape
+    assert "2 of 4 layers window 3 tokens, 2 of 4 layers full" in problem.describe()
+    with pytest.raises(ValueError, match=re.escape("must be an integer N or a list pattern of 0/1 per layer")):
+        predict.read_config(_config(tmp_path, window_size='"3,0"', window_attn_skip_freq='"[1]*x"'))
+    with pytest.raises(ValueError, match=re.escape("--window-attn-skip-freq [1, 0, 1]: give one entry per layer (2 "
+                                                   "layers, --num-layers), each 1 (sliding window) or 0")):
+        predict.read_config(_config(tmp_path, window_size='"3,0"', window_attn_skip_freq='"[1,0,1]"'))
+
+
+def test_the_planned_bytes_of_mla_move_values_of_their_own_dim(tmp_path, monkeypatch):
+    """configs/deepseek_tiny_cpu.yaml at CP 4 (MLA: query/key dim 16 + 8, value dim 12; its own EOD
+    documents): the plan's V, output and their gradients are 12 wide -- a run whose metrics lack
+    the plans is estimated on the config's first sample, with those dims."""
+    lengths = (8, 6, 14, 8, 4, 10, 30)  # an index as scripts/make_doc_dataset.py writes: its lengths are all read
+    header = b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 8, len(lengths), len(lengths) + 1)
+    (tmp_path / "d.idx").write_bytes(header + struct.pack(f"<{len(lengths)}i", *lengths))
+    monkeypatch.setenv("DOC_DATA", str(tmp_path / "d"))
+    problem = predict.read_config("configs/deepseek_tiny_cpu.yaml", cp=4)
+    assert problem.documents == (0, 8, 14, 28, 36, 40, 50, 64)
+    shape = problem.shape
+    assert (shape.head_dim, shape.v_head_dim, shape.heads, shape.kv_heads) == (24, 12, 4, 4)
+    assert "4 query / 4 KV heads, head dim 24 (values 12);" in problem.describe()
+    square = AttentionShape(seq_local=16, batch=1, heads=4, kv_heads=4, head_dim=24, itemsize=4)
+    mask = Mask.from_cu_seqlens(list(problem.documents), 64, True)
+    assert _busiest(shape, "ring", mask) < _busiest(square, "ring", mask)
+    runs = [RunResult("ring", 4, "docs-zigzag", bytes_per_step=1000.0, planned_bytes_per_step=1000.0),
+            RunResult("ring", 4, bytes_per_step=4 * 2 * _busiest(shape, "ring", Mask(True), layout(problem)))]
+    rows = _rows(predict.measured_vs_planned_section(runs, problem, doc_mean=16))
+    docs = rows["ring [docs-zigzag]"][0]
+    assert docs[3] == "1.000" and "each batch's own documents" in docs[4], docs
+    assert rows["ring"][0][3] == "1.000" and rows["ring"][0][4] == "estimate: the first sample of the config's data"
+
+
+def layout(problem):
+    from megatron_mesh.plan.balance import balanced_layout
+
+    return balanced_layout(list(problem.documents), 4, group=1)
+
+
+def test_the_gpu_configs_of_gpt_oss_20b_and_deepseek_v3(tmp_path):
+    """The main job's GPU predictions (its default --predict): gpt-oss-20b's 12 window layers (127
+    tokens back + the query: its 128-token window) and 12 full layers priced each, with the stack's
+    total under auto's per-layer pick; DeepSeek-V3's MLA heads (192 query/key, 128 value)."""
+    oss, ds = (predict.read_config(p) for p in predict.DEFAULT_CONFIGS[1:])
+    assert oss.layer_kinds == [((127, 0), 12), (None, 12)] and oss.layer_windows[:3] == ((127, 0), None, (127, 0))
+    assert oss.shape == AttentionShape(seq_local=8192, batch=1, heads=32, kv_heads=4, head_dim=64, itemsize=2)
+    assert ds.layer_kinds == [(None, 61)]
+    assert ds.shape == AttentionShape(seq_local=8192, batch=1, heads=64, kv_heads=64, head_dim=192, itemsize=2,
+                                      v_head_dim=128)
+    section = predict.prediction_section(predict.DEFAULT_CONFIGS[1])
+    window, full = section.split("### The 12 layers with a 127-token window")[1].split("### The 12 layers with full")
+    topo = predict.machine(oss)
+    stack = 0.0
+    for w, part in (((127, 0), window), (None, full)):
+        rows, _, floor = predict.predict(oss, topo, window=w)
+        auto = next(r for r in rows if r.mode == "auto")
+        assert f"Compute floor: **{floor * 1e3:.2f} ms**" in part and f"{auto.time_s * 1e3:.2f} ms per layer" in part
+        stack += 12 * auto.time_s
+    assert f"The stack: **{stack * 1e3:.2f} ms** of attention per micro-batch" in full
+    with pytest.raises(ValueError, match="its layers run different masks"):
+        predict.predict(oss, topo)
+    deepseek = predict.prediction_section(predict.DEFAULT_CONFIGS[2])
+    assert "## Prediction for deepseek_v3_128k_cp16.yaml" in deepseek and "head dim 192 (values 128)" in deepseek
+    assert "`auto` picks **" in deepseek and "###" not in deepseek
 
 
 @pytest.mark.parametrize("flags, error", [

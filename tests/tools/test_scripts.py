@@ -477,7 +477,8 @@ def test_compare_cp_modes_long_preset_and_the_zigzag_documents(script, tmp_path,
     assert args.config == compare.LONG_CONFIG and args.iters == compare.LONG_ITERS
     assert args.masks == ["none", "docs", "docs-zigzag", "window"] and "a2a+mesh:2" in args.modes
     assert args.cpu_problem.seq_len >= 8192 and args.cpu_problem.shape.seq_local >= 2048
-    assert args.window == args.cpu_problem.seq_len // 32 and args.predict_configs == [compare.predict.DEFAULT_CONFIG]
+    assert args.window == args.cpu_problem.seq_len // 32
+    assert args.predict_configs == list(compare.predict.DEFAULT_CONFIGS)
     docs = compare.mask_config(args.config, "docs-zigzag", str(tmp_path / "d"), str(tmp_path))
     assert docs == compare.mask_config(args.config, "docs", str(tmp_path / "d"), str(tmp_path))
     _, env, flags = compare.command("mesh:2x2", args, str(tmp_path / "m"), "docs-zigzag", docs)
