@@ -465,6 +465,7 @@ def test_plan_facts_are_read_typed():
              and any(text(s) for s in (node.left, *node.comparators))]
     assert found == [], found
 
+
 # -- size: files, functions and classes stay small -----------------------------------------------------------
 MAX_FILE_LINES, MAX_FUNCTION_LINES, MAX_CLASS_LINES = 500, 60, 200
 # what is over its limit today, with its size: it may only shrink (and leave the list once under)
