@@ -240,7 +240,7 @@ def _report(args, shape: AttentionShape, variants: list, plans: dict, results: l
             ratio = f"{sent / ring_bytes:.2f}" if ring_bytes else "-"
             # the tile the plan runs: under a mask a Mesh plan may take another tile map than the
             # placement's dense choice ("auto"), or none (every block at its query's owner: "-")
-            tile = plan.tile if placement.tile and plan.assignment == "tile" else None
+            tile = plan.facts.tile_placed if placement.tile else None
             tile_s = f"{tile[0]}x{tile[1]}" if tile else "-"
             err = max(r["err"] for r in rows)
             work = [f + b for f, b in zip(rank_work(plan, "forward"), rank_work(plan, "backward"))]

@@ -104,22 +104,23 @@ class LayerSummary(_Shared):
         tile 2x4, ...): under this batch's mask the plan runs tile 4x2 (...)``."""
         if planned_tile is None:
             return
-        assignment = plan.assignment or "tile"
-        if plan.tile == tuple(planned_tile) and (assignment == "tile" or planned_tile[0] == 1):
+        facts = plan.facts
+        placed = facts.tile_placed  # the tile whose map computed the blocks (None: another assignment did)
+        if facts.tile == tuple(planned_tile) and (placed is not None or planned_tile[0] == 1):
             return  # as summarised (a 1 x P tile is the query owner's placement)
         entry = self.layers.get(layer_number)
         if entry is None or not entry[2]:
             return
-        key = (entry[0], plan.tile, assignment)
+        key = (entry[0], facts.tile, facts.assignment)
         if key in self.placements_said:
             return
         self.placements_said.add(key)
-        if assignment == "tile":
-            what = (f"tile {plan.tile[0]}x{plan.tile[1]} (of the tile maps and the query owner, the fewest bytes on "
+        if placed is not None:
+            what = (f"tile {placed[0]}x{placed[1]} (of the tile maps and the query owner, the fewest bytes on "
                     "the busiest rank under this mask)")
         else:
-            what = (f"every block at its query chunk's owner ({assignment}: under this mask no tile map moves fewer "
-                    "bytes on the busiest rank)")
+            what = (f"every block at its query chunk's owner ({facts.assignment}: under this mask no tile map moves "
+                    "fewer bytes on the busiest rank)")
         logger.info("megatron_mesh: layers with %s: under this batch's mask the plan runs %s", entry[0], what)
 
 

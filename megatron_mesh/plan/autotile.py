@@ -69,7 +69,7 @@ def evaluate_plan(plan: Plan, shape: AttentionShape, topo: Topology, contiguous:
     """Simulate ``plan`` on ``topo`` (or take ``sim``, its simulation) and read its buffer memory."""
     sim = sim if sim is not None else simulate(plan, shape, topo)
     mem = buffer_memory(plan, shape)
-    return Candidate(plan.tile, contiguous, sim.time, sim.forward.time, sim.backward.time, sim.compute,
+    return Candidate(plan.facts.tile, contiguous, sim.time, sim.forward.time, sim.backward.time, sim.compute,
                      sim.bytes_sent, sim.intra_bytes, sim.inter_bytes, sim.max_inter_bytes, sim.rounds, mem.peak,
                      mem.saved, mem.held, sim.host)
 

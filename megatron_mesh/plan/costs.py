@@ -27,7 +27,7 @@ from functools import lru_cache
 
 from .accounting import FP32, block_area, buffer_bytes, key_bytes
 from .ir import AddGrad, Attend, AttendBackward, Copy, MergeOut, Op, Plan, RowStats
-from .mask import BlockKind, Mask, call_groups, mask_pieces
+from .mask import BlockKind, KernelCalls, Mask, call_groups, mask_pieces
 from .sel import sel_len, union_intervals
 from .shape import AttentionShape
 from .topology import Topology
@@ -99,7 +99,7 @@ def block_cost_parts(plan: Plan, op, shape: AttentionShape, topo: Topology,
 
 
 @lru_cache(maxsize=4096)
-def _masked_block(mask: Mask, q_runs, k_runs, piece: int, kernel_calls: str) -> tuple[int, int, int, int]:
+def _masked_block(mask: Mask, q_runs, k_runs, piece: int, kernel_calls: KernelCalls) -> tuple[int, int, int, int]:
     """A masked block's (pairs, kernel calls, rows, columns) as its mask pieces run it. Cached: the
     placements of one problem compute the same blocks (every mode's own block of a rank), and
     cutting a block of thousands of short documents into its pieces takes a while."""

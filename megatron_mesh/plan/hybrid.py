@@ -51,12 +51,13 @@ except dK/dV of a KV head replicated to several ranks, a partial sum (fp32).
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from .balance import SETS
 from .hybrid_sets import SET_ROUNDS, SetLowering, SetRows
 from .ir import KINDS, AddGrad, Attend, Copy, Free, Key, Op, Plan, Post, RankPlan, RowStats, Transfer, Wait
+from .ir.facts import Contiguous, Facts, register_facts
 from .layout import Layout, SpanLayout, check_ulysses_heads, head_slice
 from .mask import Mask
 from .passes import insert_frees
@@ -64,7 +65,7 @@ from .sel import Segment, first_at
 from .shape import AttentionShape
 from .units import count
 
-__all__ = ["build_hybrid_plan", "inner_shape", "hybrid_rings"]
+__all__ = ["build_hybrid_plan", "inner_shape", "hybrid_rings", "UlyssesFacts"]
 
 # the finished kinds a rank's own rows go home as: their head slice is copied straight into the
 # chunk's buffer; "dkv" (a replicated KV head's partial) is summed there instead
@@ -135,10 +136,55 @@ def build_hybrid_plan(mode: str, world_size: int, ulysses: int, build_inner: Cal
              f"then {inner.mode} over {count(P // U, 'rank')}", *inner.notes)
     return Plan(mode=mode, world_size=P, seq_local=shape.seq_local, mask=inner.mask, layout=layout,
                 build_rank=lowering.rank_plan, build_rounds=lowering.round_ops, slots=lowering.segments,
-                tile=inner.tile, schedule=inner.schedule, backward_chunks=inner.backward_chunks,
-                contiguous=inner.contiguous, assignment=inner.assignment, direct=inner.direct,
-                ulysses=U, kernel_calls=inner.kernel_calls,
-                heads=(shape.heads, shape.kv_heads), rings=hybrid_rings(P, U, inner.rings), notes=notes, inner=inner)
+                facts=UlyssesFacts(U, (shape.heads, shape.kv_heads), inner), backward_chunks=inner.backward_chunks,
+                kernel_calls=inner.kernel_calls, rings=hybrid_rings(P, U, inner.rings), notes=notes)
+
+
+@register_facts
+@dataclass(frozen=True)
+class UlyssesFacts(Facts):
+    """A Ulysses hybrid's facts: its all-to-all degree ``ulysses`` (the head slices keys may name),
+    the (query, key/value) ``heads`` the slices were cut from, and its ``inner`` plan over
+    world_size / ulysses ranks (whose traffic the simulator prices). How its blocks are placed and
+    its rounds ordered are the inner plan's facts; its last round is its own (the return
+    all-to-all's, after the inner plan's), so it states none."""
+
+    holds_inner = True
+    ulysses: int = field()  # field(): required (without it a Facts default would be taken)
+    heads: tuple[int, int] | None = field()
+    inner: Plan = field(repr=False)
+
+    @property
+    def tile(self) -> tuple[int, int] | None:
+        return self.inner.facts.tile
+
+    @property
+    def contiguous(self) -> Contiguous | None:
+        return self.inner.facts.contiguous
+
+    @property
+    def assignment(self) -> str:
+        return self.inner.facts.assignment
+
+    @property
+    def direct(self) -> bool:
+        return self.inner.facts.direct
+
+    @property
+    def tile_placed(self) -> tuple[int, int] | None:
+        return self.inner.facts.tile_placed
+
+    def header(self) -> dict[str, str]:
+        inner = self.inner.facts.header()
+        inner.pop("last_round", None)
+        inner.pop("ranks_per_node", None)
+        heads = "-" if self.heads is None else f"{self.heads[0]}/{self.heads[1]}"
+        return {**inner, "ulysses": str(self.ulysses), "heads": heads}
+
+    @classmethod
+    def from_header(cls, head: dict[str, str], inner: Plan) -> "UlyssesFacts":
+        heads = None if head["heads"] == "-" else tuple(int(x) for x in head["heads"].split("/"))
+        return cls(int(head["ulysses"]), heads, inner)  # type: ignore[arg-type]
 
 
 class _HeadSlices:
@@ -337,7 +383,7 @@ class _HybridLowering:
         got = self._early.get(m)
         if got is None:
             inner = self.inner
-            got = self._early[m] = bool(inner.direct and inner.last_round is not None) and not any(
+            got = self._early[m] = bool(inner.facts.direct and inner.facts.last_round is not None) and not any(
                 t.key.kind == "dq" for op in inner.round_ops(m, "backward") if type(op) is Post for t in op.recvs)
         return got
 

@@ -24,11 +24,12 @@ zigzag over P = 4 holds positions [2, 3, 12, 13]::
 
 from __future__ import annotations
 
+import typing
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from enum import StrEnum
 from functools import lru_cache
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from .maskkinds import INF, MaskKind
 from .maskkinds.band import Mask, documents_of
@@ -37,7 +38,7 @@ from .sel import Segment, first_at, merge_runs, union_intervals
 
 __all__ = ["Mask", "BlockKind", "BlockClass", "classify_block", "band_relation", "band_pairs", "CAUSAL", "FULL",
            "union_intervals", "documents_of", "INF", "MASK_PIECE", "cut_runs", "mask_pieces", "call_groups",
-           "KERNEL_CALLS"]
+           "KERNEL_CALLS", "KernelCalls"]
 
 
 class BlockKind(StrEnum):
@@ -292,10 +293,12 @@ def _whole_documents(mask: Mask, rows, cols, row_docs, col_docs) -> tuple[list[i
     return q_group, k_group, whole
 
 
-KERNEL_CALLS = ("varlen", "piece", "block")
+# how a masked block's pieces run as kernel calls (a plan's ``kernel_calls``; see call_groups)
+KernelCalls = Literal["varlen", "piece", "block"]
+KERNEL_CALLS = typing.get_args(KernelCalls)
 
 
-def call_groups(pieces, kernel_calls: str = "varlen") -> list[tuple[int, ...]]:
+def call_groups(pieces, kernel_calls: KernelCalls = "varlen") -> list[tuple[int, ...]]:
     """Which pieces of a masked block (:func:`mask_pieces`) one kernel call runs together, as
     tuples of their indices, in the order of their first piece:
 

@@ -28,21 +28,23 @@ Ring attention (tile 1xP) gives every rank its whole row; tile Px1 gives every r
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import typing
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from .accounting import buffer_bytes, mesh_bytes_formula
 from .blocks import block_ops
 from .ir import AddGrad, Key, MergeOut, Op, Plan, Post, RankPlan, Transfer, Wait
+from .ir.facts import BackwardChunks, Contiguous, Facts, choice, parse_tile_text, register_facts, tile_text
 from .layout import Layout, ZigzagLayout
 from .mask import BlockKind, Mask, classify_block
 from .passes import insert_frees
-from .schedule import SCHEDULES, build_template, pull_rounds
+from .schedule import SCHEDULES, Schedule, build_template, pull_rounds
 from .sel import Segment
 from .shape import AttentionShape
 
 __all__ = ["TileMap", "tile_shapes", "parse_tile", "best_tile", "build_mesh_plan", "build_ring_plan",
-           "build_rotation_plan", "BACKWARD_CHUNKS", "CONTIGUOUS", "dense_backward_chunks"]
+           "build_rotation_plan", "BACKWARD_CHUNKS", "CONTIGUOUS", "dense_backward_chunks", "MeshFacts"]
 
 # "refetch": the backward pulls Q and KV chunks again (memory of ring attention; more bytes).
 # "keep":    the forward keeps the pulled chunks for the backward (fewer bytes; a-1 Q and b-1 KV
@@ -50,7 +52,7 @@ __all__ = ["TileMap", "tile_shapes", "parse_tile", "best_tile", "build_mesh_plan
 # "auto":    a mask-aware plan keeps what a rank pulled where that is at most its own Q, K and V
 #            (``keep_limit``, :mod:`.tunables`), rank by rank; a dense plan refetches (its chunks rotate
 #            behind every step's compute, and keeping them all would hold a-1 Q and b-1 KV chunks).
-BACKWARD_CHUNKS = ("refetch", "keep", "auto")
+BACKWARD_CHUNKS = typing.get_args(BackwardChunks)
 
 
 def dense_backward_chunks(backward_chunks: str) -> str:
@@ -59,7 +61,38 @@ def dense_backward_chunks(backward_chunks: str) -> str:
         raise ValueError(f"backward_chunks must be one of {', '.join(BACKWARD_CHUNKS)}, got {backward_chunks!r}")
     return "refetch" if backward_chunks == "auto" else backward_chunks
 # Which Mesh group holds consecutive CP ranks (see TileMap).
-CONTIGUOUS = ("q", "kv")
+CONTIGUOUS = typing.get_args(Contiguous)
+
+
+@register_facts
+@dataclass(frozen=True)
+class MeshFacts(Facts):
+    """A dense Mesh plan's facts (ring attention's too: tile (1, P)): its ``tile`` (a, b) computes
+    every block where the tile map says, ``contiguous`` names the ring of consecutive ranks, and
+    ``schedule`` the order a rank pulls its chunks in (:mod:`.schedule`)."""
+
+    schedules = SCHEDULES
+    assignment = "tile"
+    tile: tuple[int, int] = field()  # field(): required (without it Facts's None would be its default)
+    contiguous: Contiguous = field()
+    schedule: Schedule = "greedy"
+
+    @property
+    def tile_placed(self) -> tuple[int, int]:
+        return self.tile
+
+    def header(self) -> dict[str, str]:
+        return {"tile": tile_text(self.tile), "schedule": self.schedule, "contiguous": self.contiguous,
+                "assignment": self.assignment}
+
+    @classmethod
+    def from_header(cls, head: dict[str, str], inner) -> "MeshFacts":
+        if head["tile"] == "-":
+            raise ValueError(f"a Mesh plan (schedule {head['schedule']}) names its tile, e.g. tile=2x2")
+        contiguous, schedule = head["contiguous"], head["schedule"]  # "-": a hand-written header left them out
+        return cls(parse_tile_text(head["tile"]),
+                   choice("contiguous", "q" if contiguous == "-" else contiguous, Contiguous),
+                   choice("schedule", "greedy" if schedule == "-" else schedule, Schedule))
 
 
 @dataclass(frozen=True)
@@ -207,8 +240,8 @@ def _build_mesh_plan(world_size: int, tile: tuple[int, int], shape: AttentionSha
     fwd, bwd = _templates(a, b, schedule, keep, cost("q"), cost("kv"), cost("q", "do"), cost("do"))
     lowering = _MeshLowering(world_size, tiles, T, mask, layout, fwd, bwd, keep)
     return Plan(mode="mesh", world_size=world_size, seq_local=T, mask=mask, layout=layout,
-                build_rank=lowering.rank_plan, build_rounds=lowering.round_ops, tile=tile, schedule=schedule,
-                backward_chunks=backward_chunks, contiguous=contiguous, assignment="tile", rings=tiles.rings())
+                build_rank=lowering.rank_plan, build_rounds=lowering.round_ops,
+                facts=MeshFacts(tile, contiguous, schedule), backward_chunks=backward_chunks, rings=tiles.rings())
 
 
 def build_rotation_plan(world_size: int, shape: AttentionShape, mask: Mask, layout: Layout,

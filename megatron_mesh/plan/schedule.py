@@ -47,11 +47,14 @@ on every rank.
 
 from __future__ import annotations
 
-from typing import Iterable
+import typing
+from typing import Iterable, Literal
 
-__all__ = ["SCHEDULES", "pull_rounds", "build_template", "template_text"]
+__all__ = ["Schedule", "SCHEDULES", "pull_rounds", "build_template", "template_text"]
 
-SCHEDULES = ("greedy", "lockstep")
+# the order a Mesh rank pulls its chunks in (see pull_rounds)
+Schedule = Literal["greedy", "lockstep"]
+SCHEDULES = typing.get_args(Schedule)
 
 
 def pull_rounds(a: int, b: int, schedule: str, q_cost: float, kv_cost: float,

@@ -168,7 +168,7 @@ class SimResult:
 def _default_ranks(plan: Plan) -> list[int]:
     """Ranks 0 and P-1 for plans where every rank posts the same rounds (approximation 2); every
     rank for mask-aware plans, whose ranks differ in work and rounds."""
-    if plan.direct:
+    if plan.facts.direct:
         return list(range(plan.world_size))
     return [0, plan.world_size - 1]
 

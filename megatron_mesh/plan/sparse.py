@@ -70,11 +70,14 @@ dK/dV partial in its shift's return round, and its own block runs while they tra
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+import typing
+from dataclasses import dataclass, field
+from typing import Callable, Literal
 
 from .accounting import buffer_bytes
 from .ir import Key, Op, Plan, Post, RankPlan, Wait
+from .ir.facts import (Contiguous, Facts, choice, optional_int, optional_text, parse_tile_text, register_facts,
+                       tile_text)
 from .layout import Layout
 from .mask import Mask
 from .passes import insert_frees
@@ -86,9 +89,13 @@ from .sparse_needs import Keeps, Needs, QueryOwnerNeeds, Slots
 from .sparse_rounds import Rounds
 from .tunables import TUNABLES, Tunables
 
-__all__ = ["build_sparse_plan", "block_table", "block_parts", "Assignment", "QUERY_OWNER"]
+__all__ = ["build_sparse_plan", "block_table", "block_parts", "Assignment", "QUERY_OWNER", "TILE_MAP", "RoundOrder",
+           "MaskAwareFacts"]
 
-QUERY_OWNER = "query owner"
+QUERY_OWNER = "query owner"  # the assignment every mask-aware plan may take: a block computed by its query's owner
+TILE_MAP = "tile"  # the name of a Mesh tile map's owner map (Assignment.owners)
+# how a mask-aware plan's pulls are ordered: one round per rank distance, or groups over every link
+RoundOrder = Literal["shift", "burst"]
 
 
 @dataclass(frozen=True)
@@ -111,15 +118,14 @@ class Assignment:
     """
 
     owners: tuple[tuple[str, Callable[[int, int], int]], ...] = ()
-    rounds: str = "shift"
+    rounds: RoundOrder = "shift"
     tile: tuple[int, int] | None = None
-    contiguous: str | None = None
-    tiles: tuple[tuple[tuple[int, int], str], ...] = ()
+    contiguous: Contiguous | None = None
+    tiles: tuple[tuple[tuple[int, int], Contiguous], ...] = ()
     compete: bool = True
 
     def __post_init__(self) -> None:
-        if self.rounds not in ("shift", "burst"):
-            raise ValueError(f"rounds must be 'shift' or 'burst', got {self.rounds!r}")
+        choice("rounds", self.rounds, RoundOrder)
         if not self.compete and len(self.owners) != 1:
             raise ValueError(f"compete=False uses one owner map as it is, got {len(self.owners)}")
         if self.tiles and len(self.tiles) != len(self.owners):
@@ -168,10 +174,47 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
     lowering = _SparseLowering(P, T, needs, index, keeps, burst, token_bytes, tunables)
     notes.append(f"mask {mask.summary()}: each rank computes only the blocks with allowed pairs and receives only the "
                  f"tokens they read, from their owner ({'over all links at once, in groups' if burst else 'one round per shift'})")
+    facts = MaskAwareFacts(assignment.rounds, assigned, tile, contiguous, lowering.rounds.final_round,
+                           ranks_per_node)
     return Plan(mode=mode, world_size=P, seq_local=T, mask=mask, layout=layout, build_rank=lowering.rank_plan,
-                build_rounds=lowering.round_ops, slots=lowering.slots, tile=tile, schedule=assignment.rounds,
-                backward_chunks=backward_chunks, contiguous=contiguous, assignment=assigned, direct=True,
-                last_round=lowering.rounds.final_round, ranks_per_node=ranks_per_node, notes=tuple(notes))
+                build_rounds=lowering.round_ops, slots=lowering.slots, facts=facts, backward_chunks=backward_chunks,
+                notes=tuple(notes))
+
+
+@register_facts
+@dataclass(frozen=True)
+class MaskAwareFacts(Facts):
+    """A mask-aware plan's facts (every mode's, under a mask or on another layout): its pulls'
+    ``rounds`` order, the owner map that won (``assignment``: :data:`QUERY_OWNER`, :data:`TILE_MAP`,
+    or a map a mode or layout names, e.g. "layout"), the mode's Mesh ``tile`` / ``contiguous``
+    (None for modes without one), the ``last_round`` any rank posts and the ``ranks_per_node`` it
+    was built for. Its transfers go straight between the ranks that need them (``direct``)."""
+
+    schedules = typing.get_args(RoundOrder)
+    direct = True
+    rounds: RoundOrder = field()  # field(): required (without it a Facts default would be taken)
+    assignment: str = field()
+    tile: tuple[int, int] | None = None
+    contiguous: Contiguous | None = None
+    last_round: int | None = None
+    ranks_per_node: int | None = None
+
+    @property
+    def tile_placed(self) -> tuple[int, int] | None:
+        return self.tile if self.assignment == TILE_MAP else None
+
+    def header(self) -> dict[str, str]:
+        return {"tile": tile_text(self.tile), "schedule": self.rounds, "contiguous": self.contiguous or "-",
+                "assignment": self.assignment.replace(" ", "_") or "-", "direct": "yes",
+                "last_round": optional_text(self.last_round), "ranks_per_node": optional_text(self.ranks_per_node)}
+
+    @classmethod
+    def from_header(cls, head: dict[str, str], inner) -> "MaskAwareFacts":
+        contiguous = None if head["contiguous"] == "-" else choice("contiguous", head["contiguous"], Contiguous)
+        return cls(choice("schedule", head["schedule"], RoundOrder),
+                   "" if head["assignment"] == "-" else head["assignment"].replace("_", " "),
+                   parse_tile_text(head["tile"]), contiguous, optional_int(head["last_round"]),
+                   optional_int(head["ranks_per_node"]))
 
 
 class _SparseLowering:

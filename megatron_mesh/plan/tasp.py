@@ -60,6 +60,7 @@ from .blocks import block_ops
 from .hamiltonian import (NO_DECOMPOSITION, chained_rings, hamiltonian_decomposition,
                           max_disjoint_hamiltonian_cycles)
 from .ir import AddGrad, Attend, AttendBackward, Key, Op, Plan, Post, RankPlan, Transfer, Wait
+from .ir.facts import Facts, optional_int, optional_text, register_facts
 from .layout import ZigzagLayout, slot_segments
 from .mask import BlockKind, Mask, classify_block
 from .passes import insert_frees
@@ -67,7 +68,7 @@ from .sel import Segment, map_runs
 from .shape import AttentionShape
 from .units import count
 
-__all__ = ["tasp_rings", "build_tasp_plan", "LinkLoad", "link_load"]
+__all__ = ["tasp_rings", "build_tasp_plan", "LinkLoad", "link_load", "TaspFacts"]
 
 
 def tasp_rings(world_size: int, ranks_per_node: int | None = None) -> tuple[list[list[int]], tuple[str, ...]]:
@@ -129,8 +130,28 @@ def _build(P: int, rings: tuple[tuple[int, ...], ...], notes: tuple[str, ...], T
     layout = ZigzagLayout(P, P * T)
     lowering = _TaspLowering(P, rings, T, mask, layout, segments)
     return Plan(mode="tasp", world_size=P, seq_local=T, mask=mask, layout=layout, build_rank=lowering.rank_plan,
-                build_rounds=lowering.round_ops, slots=lambda key: segments[key.slot], schedule="rings",
-                assignment="rings", ranks_per_node=ranks_per_node, rings={"kv": rings}, notes=notes)
+                build_rounds=lowering.round_ops, slots=lambda key: segments[key.slot],
+                facts=TaspFacts(ranks_per_node), rings={"kv": rings}, notes=notes)
+
+
+@register_facts
+@dataclass(frozen=True)
+class TaspFacts(Facts):
+    """A dense TASP plan's facts: its rounds are the steps of its Hamiltonian rings (schedule
+    "rings"), each block computed by its query chunk's owner as the KV chunks travel the rings
+    (assignment "rings"), built for ``ranks_per_node`` consecutive CP ranks per node (None: one node)."""
+
+    schedules = ("rings",)
+    assignment = "rings"
+    ranks_per_node: int | None = None
+
+    def header(self) -> dict[str, str]:
+        return {"schedule": "rings", "assignment": self.assignment,
+                "ranks_per_node": optional_text(self.ranks_per_node)}
+
+    @classmethod
+    def from_header(cls, head: dict[str, str], inner) -> "TaspFacts":
+        return cls(optional_int(head["ranks_per_node"]))
 
 
 def _merge(segs) -> tuple[Segment, ...]:

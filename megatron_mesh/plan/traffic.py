@@ -62,7 +62,7 @@ def _posts(ops) -> list[Post]:
 
 def _nbytes(plan: Plan, key, shape: AttentionShape, cache: dict) -> int:
     # slots that differ per chunk: mask-aware plans', and a hybrid's all-to-all rounds by document
-    per_chunk = key.slot >= 0 and (plan.slots_vary or plan.inner is not None and key.span == 1)
+    per_chunk = key.slot >= 0 and (plan.slots_vary or plan.facts.inner is not None and key.span == 1)
     ck = (key.kind, key.slot, key.span, key.heads, key.chunk if per_chunk else 0)
     n = cache.get(ck)
     if n is None:
@@ -99,9 +99,9 @@ def round_traffic(plan: Plan, shape: AttentionShape, topo: Topology, direction: 
     """
     topo.check(plan.world_size)
     if not exact:
-        if plan.inner is not None:
+        if plan.facts.inner is not None:
             return _composed_traffic(plan, shape, topo, direction)
-        if plan.direct:  # ranks move different tokens to different peers: every rank is read
+        if plan.facts.direct:  # ranks move different tokens to different peers: every rank is read
             return _exact_traffic(plan, shape, topo, direction)
         fast = _RingTraffic.build(plan, shape, topo, direction)
         if fast is not None:
@@ -112,9 +112,9 @@ def round_traffic(plan: Plan, shape: AttentionShape, topo: Topology, direction: 
 def _inner_shift(plan: Plan, direction: str) -> int:
     """How far a hybrid shifts its inner plan's rounds (the all-to-all rounds before them): CP rank
     m * U runs inner rank m's rounds, relabelled; the first inner rank that moves anything says."""
-    U = plan.ulysses
-    for m in range(plan.inner.world_size):
-        theirs = next((op.round for op in plan.inner.round_ops(m, direction)
+    U = plan.facts.ulysses
+    for m in range(plan.facts.inner.world_size):
+        theirs = next((op.round for op in plan.facts.inner.round_ops(m, direction)
                        if type(op) is Post and (op.sends or op.recvs)), None)
         ours = next((op.round for op in plan.round_ops(m * U, direction) if type(op) is Post
                      and any(x.key.span == U for x in op.sends + op.recvs)), None) if theirs is not None else None
@@ -134,8 +134,8 @@ def _composed_traffic(plan: Plan, shape: AttentionShape, topo: Topology, directi
     Where every rank is read, CP rank r's bytes are its own all-to-all bytes plus inner rank
     r // U's, and the busiest rank is the maximum of those totals: once documents make rounds
     uneven, the rank with the most all-to-all bytes is not the one with the most inner bytes."""
-    U = plan.ulysses
-    inner = plan.inner
+    U = plan.facts.ulysses
+    inner = plan.facts.inner
     sub = inner_shape(shape, U)
     inner_topo = replace(topo, node_of=tuple(topo.node(m * U) for m in range(inner.world_size)))
     t = round_traffic(inner, sub, inner_topo, direction)

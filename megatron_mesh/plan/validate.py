@@ -200,9 +200,9 @@ class _RankState:
             return
         if dst.heads >= 0 or src.heads < 0:
             self.fail(f"{op}: a head range places one head slice into a buffer of all heads")
-        if self.plan.heads is None:
+        if self.plan.facts.heads is None:
             self.fail(f"{op} places a head slice, but the plan records no head counts to check it against")
-        want = self.plan.head_range(src, *self.plan.heads)
+        want = self.plan.head_range(src, *self.plan.facts.heads)
         if tuple(heads) != want:
             self.fail(f"{op}: head slice {src.heads} of {KINDS[src.kind].side} heads is heads {want}, not "
                       f"{tuple(heads)}")
@@ -342,14 +342,14 @@ def _union(ivs: list[tuple[int, int]]) -> list[tuple[int, int]]:
 def check_cover(plan: Plan, direction: str) -> None:
     """Check 4 of the module docstring (every query token of the global sequence, every head slice)."""
     seq_len = plan.layout.seq_len
-    slices = range(plan.ulysses) if plan.ulysses > 1 else (-1,)
+    slices = range(plan.facts.ulysses) if plan.facts.ulysses > 1 else (-1,)
     got: dict[tuple[int, int], list] = defaultdict(list)  # (slice, query) -> (a, b, rank, op) key intervals
     for rp in plan.ranks:
         for op in rp.blocks(direction):
             qpos = _expand(plan.positions(op.q, op.rows))
             kvpos = [p for i, k in enumerate(op.kv) for p in _expand(plan.positions(k, op.col(i)))]
             # a head slice is one of U; at U = 1 (a hybrid of degree 1) its only slice is all heads
-            heads = list(slices) if op.q.heads < 0 or plan.ulysses == 1 else [op.q.heads]
+            heads = list(slices) if op.q.heads < 0 or plan.facts.ulysses == 1 else [op.q.heads]
             if any(k.heads != op.q.heads for k in op.kv):
                 raise PlanError(f"rank {rp.rank} {direction}: {op} mixes head slices")
             if op.mask == BlockKind.CAUSAL:

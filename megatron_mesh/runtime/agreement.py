@@ -163,7 +163,7 @@ class Call:
         if p is not None:
             mode = p.describe()
         else:
-            mode = f"{plan.mode} plan" + (f" tile {plan.tile[0]}x{plan.tile[1]}" if plan.tile else "")
+            mode = f"{plan.mode} plan" + (f" tile {plan.facts.tile[0]}x{plan.facts.tile[1]}" if plan.facts.tile else "")
         mask = plan.mask
         layout = plan.layout
         return {

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from ..kernels.base import CAUSAL, FULL, BlockKernel, BlockMask, rows_of, varlen_backward, varlen_forward
 from ..plan.ir import Plan
-from ..plan.mask import MASK_PIECE, BlockKind, Mask, call_groups, mask_pieces
+from ..plan.mask import MASK_PIECE, BlockKind, KernelCalls, Mask, call_groups, mask_pieces
 from .merge import merge_partial_, part_of
 
 __all__ = ["block_mask", "PiecedMask", "Piece", "block_forward", "block_backward", "forward_partials", "backward_partials",
@@ -70,7 +70,7 @@ class PiecedMask:
 
     pieces: tuple[Piece, ...]
 
-    def groups(self, kernel_calls: str) -> list[tuple[Piece, ...]]:
+    def groups(self, kernel_calls: KernelCalls) -> list[tuple[Piece, ...]]:
         """The pieces each kernel call runs (:func:`~megatron_mesh.plan.call_groups`, the
         simulator's count of calls)."""
         cut = [(t.mask.kind, t.rows, t.cols) for t in self.pieces]
@@ -156,7 +156,7 @@ def _rows(t: Tensor | None, r0: int, r1: int) -> Tensor | None:
 
 
 def forward_partials(kernel: BlockKernel, q: Tensor, k: Tensor, v: Tensor, mask, scale: float,
-                     kernel_calls: str = "varlen"):
+                     kernel_calls: KernelCalls = "varlen"):
     """The kernel calls of one block, as partial results: yields (r0, r1, out, lse) -- block rows
     [r0, r1) and their (out, lse) over the keys of one call -- for the caller to merge where
     those rows' accumulator is. A pieced block runs as :meth:`PiecedMask.groups`: several full
@@ -184,7 +184,7 @@ def forward_partials(kernel: BlockKernel, q: Tensor, k: Tensor, v: Tensor, mask,
 
 
 def backward_partials(kernel: BlockKernel, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor,
-                      delta: Tensor, mask, scale: float, kernel_calls: str = "varlen",
+                      delta: Tensor, mask, scale: float, kernel_calls: KernelCalls = "varlen",
                       rows: tuple[Tensor, ...] | None = None):
     """The gradients of one block's kernel calls given the rows' global statistics: yields
     ("q", r0, r1, dq) for block rows [r0, r1) and ("kv", c0, c1, dk, dv) for block columns
@@ -221,7 +221,7 @@ def backward_partials(kernel: BlockKernel, dout: Tensor, q: Tensor, k: Tensor, v
 
 
 def block_forward(kernel: BlockKernel, q: Tensor, k: Tensor, v: Tensor, mask, scale: float,
-                  acc_dtype: torch.dtype, kernel_calls: str = "varlen") -> tuple[Tensor, Tensor]:
+                  acc_dtype: torch.dtype, kernel_calls: KernelCalls = "varlen") -> tuple[Tensor, Tensor]:
     """(out, lse) of one block: one kernel call, or its calls' partials merged in ``acc_dtype``."""
     if not isinstance(mask, PiecedMask):
         return kernel.forward(q, k, v, mask=mask, scale=scale)
@@ -235,7 +235,7 @@ def block_forward(kernel: BlockKernel, q: Tensor, k: Tensor, v: Tensor, mask, sc
 
 def block_backward(kernel: BlockKernel, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor,
                    mask, scale: float, acc_dtype: torch.dtype,
-                   kernel_calls: str = "varlen") -> tuple[Tensor, Tensor, Tensor]:
+                   kernel_calls: KernelCalls = "varlen") -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of one block given the rows' global statistics: one kernel call, or its calls'
     gradients summed in ``acc_dtype``."""
     if not isinstance(mask, PiecedMask):

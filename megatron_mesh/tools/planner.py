@@ -100,7 +100,7 @@ def _evaluate_placement(name: str, p: Placement, shape: AttentionShape, topo: To
                         layout, work: bool = False, explain: bool = False) -> ModeResult:
     plan = p.build(shape, mask, layout(p) if callable(layout) else layout)
     sim = simulate(plan, shape, topo, timeline=explain)  # one simulation: the row and its breakdown
-    c = evaluate_plan(plan, shape, topo, contiguous=plan.contiguous if plan.tile and plan.tile[0] > 1 else None,
+    c = evaluate_plan(plan, shape, topo, contiguous=plan.facts.contiguous if plan.facts.tile and plan.facts.tile[0] > 1 else None,
                       sim=sim)
     extra = {}
     if explain:  # where the time goes on the slowest rank (--explain)

@@ -165,7 +165,7 @@ def test_comm_counter_counts_bytes_per_peer():
 def test_a_plan_placed_otherwise_than_the_summary_is_logged_once(caplog):
     """mesh:auto picks its tile for dense attention (the summary line); under documents the
     mask-aware plan takes another tile map, or the query owner: one line says so per placement."""
-    from megatron_mesh.plan import AttentionShape, Mask, resolve
+    from megatron_mesh.plan import AttentionShape, Mask, MaskAwareFacts, resolve
 
     summary = telemetry.LayerSummary()
     shape = AttentionShape(seq_local=1024, batch=1, heads=4, kv_heads=4, head_dim=8, itemsize=4)
@@ -173,7 +173,7 @@ def test_a_plan_placed_otherwise_than_the_summary_is_logged_once(caplog):
     assert placement.tile == (2, 4)
     documents = Mask.from_cu_seqlens([0, 3000, 4000, 4100, 8192], 8192, True, None)
     plan = placement.build(shape, documents, None)
-    assert (plan.tile, plan.assignment) == ((4, 2), "tile")
+    assert (plan.facts.tile, plan.facts.assignment) == ((4, 2), "tile")
     dense = placement.build(shape, None, None)
     desc = placement.describe()[:-1] + ", kernel auto)"
     for n in (1, 2):
@@ -185,9 +185,10 @@ def test_a_plan_placed_otherwise_than_the_summary_is_logged_once(caplog):
             summary.on_plan(1, placement.tile, plan)
             summary.on_plan(2, placement.tile, plan)
         summary.on_plan(3, None, plan)  # no tile summarised: nothing to correct
-        owner = types.SimpleNamespace(tile=(2, 4), assignment="query owner")
+        owner = types.SimpleNamespace(facts=MaskAwareFacts("shift", "query owner", (2, 4), "q"))
         summary.on_plan(2, placement.tile, owner)
-        summary.on_plan(1, (1, 8), types.SimpleNamespace(tile=(1, 8), assignment="query owner"))  # a ring tile
+        ring = types.SimpleNamespace(facts=MaskAwareFacts("shift", "query owner", (1, 8), "q"))
+        summary.on_plan(1, (1, 8), ring)  # a ring tile
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [f"megatron_mesh: layers with {desc}: under this batch's mask the plan runs tile 4x2 (of the tile "
                      "maps and the query owner, the fewest bytes on the busiest rank under this mask)",

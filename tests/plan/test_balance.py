@@ -360,12 +360,12 @@ def test_block_owners_balance_the_worked_example_under_mesh_and_the_other_modes_
     assert (owned.owner(2, 0), owned.owner(1, 0), owned.owner(2, 1)) == (0, 1, 2)
     shape = AttentionShape(4, 1, 2, 2, 8, 4)
     plain = resolve("mesh", 3, shape).build(shape, Mask(True), BalancedLayout(3, runs, ((0, 12),)))
-    assert rank_work(plain) == [10, 26, 42] and plain.assignment == "query owner"
+    assert rank_work(plain) == [10, 26, 42] and plain.facts.assignment == "query owner"
     q, kv = 4 * 2 * 8 * 4, 4 * 2 * 2 * 8 * 4  # bytes of 4 tokens' Q and K/V (2 heads of 8, fp32)
     o, do = q + 4 * 2 * 4, q + 2 * 4 * 2 * 4  # with the lse (o), with the lse and delta (do)
     for tile in ("auto", (3, 1), (1, 3)):
         plan = resolve("mesh", 3, shape, tile=tile).build(shape, Mask(True), owned)
-        assert plan.assignment == "layout" and rank_work(plan) == rank_work(plan, "backward") == [26, 26, 26]
+        assert plan.facts.assignment == "layout" and rank_work(plan) == rank_work(plan, "backward") == [26, 26, 26]
         assert [b.sent for b in plan_bytes(plan, shape)] == [kv + o + q, kv + kv, q + do + kv]
     for mode, options in (("ring", {}), ("tasp", {}), ("a2a+mesh", {"ulysses_size": 3})):
         shape3 = AttentionShape(4, 1, 3, 3, 8, 4)

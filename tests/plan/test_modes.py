@@ -151,7 +151,7 @@ def test_a_new_mode_is_one_file_and_one_registration(ring2, megatron_args):
 
     docs = Mask.from_cu_seqlens([0, 5, 40, 64], 64, True, (9, 0))
     plan = resolve("ring2", 4, SHAPE, backward_chunks="keep").build(SHAPE, docs)
-    assert plan.mode == "ring2" and plan.direct and plan.backward_chunks == "keep"
+    assert plan.mode == "ring2" and plan.facts.direct and plan.backward_chunks == "keep"
     validate_plan(plan)
     validate_plan(resolve("a2a+ring2", 4, SHAPE, ulysses_size=2).build(SHAPE, docs))
 
@@ -164,7 +164,7 @@ def test_a_new_modes_dense_plan_says_its_own_name(ring2):
     """Mode.build stamps the plan with the mode's name: a toy mode whose dense plan is ring's
     builder's says "ring2", not "ring" (as its mask-aware plan does), and so does its hybrid's."""
     plan = resolve("ring2", 4, SHAPE).build(SHAPE)
-    assert plan.mode == "ring2" and not plan.direct
+    assert plan.mode == "ring2" and not plan.facts.direct
     validate_plan(plan)
     assert plan.to_text().splitlines()[0] == resolve("ring", 4, SHAPE).build(SHAPE).to_text().splitlines()[0].replace(
         "ring", "ring2", 1)

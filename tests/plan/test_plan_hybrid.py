@@ -59,14 +59,16 @@ def test_dq_goes_home_before_the_dkv_partials_return():
     mask = Mask.from_cu_seqlens([0, 5, 30, 70, P * T], P * T)
     plan = resolve("a2a+tasp", P, shape, ulysses_size=U).build(shape, mask)
     validate_plan(plan)
+    inner_last = plan.facts.inner.facts.last_round
     for r in range(P):
         ops = plan.rank(r).backward
-        home = [op for op in ops if type(op) is Post and op.round > plan.inner.last_round + 1]
+        home = [op for op in ops if type(op) is Post and op.round > inner_last + 1]
         assert [{t.key.kind for t in op.sends} for op in home] == [{"gq"}, {"gkv"}], r
-        inner_wait = next(i for i, op in enumerate(ops) if type(op) is Wait and op.round == plan.inner.last_round + 1)
+        inner_wait = next(i for i, op in enumerate(ops) if type(op) is Wait and op.round == inner_last + 1)
         assert ops.index(home[0]) < inner_wait < ops.index(home[1])
     dense = resolve("a2a+mesh", P, shape, ulysses_size=U, tile=(2, 2), contiguous="q").build(shape, Mask(True))
-    home = [op for op in dense.rank(0).backward if type(op) is Post and op.round > dense.inner.max_round("backward") + 1]
+    inner_last = dense.facts.inner.max_round("backward")
+    home = [op for op in dense.rank(0).backward if type(op) is Post and op.round > inner_last + 1]
     assert [{t.key.kind for t in op.sends} for op in home] == [{"gq", "gkv"}]
 
 

@@ -1,9 +1,13 @@
 """The plan IR: keys and ops print as text and parse back, a whole plan's text is lossless (the
 parsed plan validates, simulates, counts bytes, memory and work exactly like the original: dense,
-masked, THD and hybrid plans), a hand-written plan validates, every consumer of the op set handles
-every op type, and the plan layer never imports torch."""
+masked, THD and hybrid plans), a plan's facts are typed per mode family (a family of one's own is
+one class), a hand-written plan validates, every consumer of the op set handles every op type, and
+the plan layer never imports torch."""
 
 from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
 
 import pytest
 
@@ -11,6 +15,9 @@ import megatron_mesh.plan.ir.ops as ops_module
 from megatron_mesh.plan import (OP_TYPES, AttentionShape, Key, Mask, Plan, PlanError, ThdLayout, Topology, ZigzagLayout,
                                 buffer_memory, build_mesh_plan, build_tasp_plan, parse_op, plan_bytes, rank_work,
                                 layout_from_text, resolve, simulate, validate_plan)
+from megatron_mesh.plan import Facts, MaskAwareFacts, MeshFacts, TaspFacts, UlyssesFacts
+from megatron_mesh.plan.ir import facts as facts_module
+from megatron_mesh.plan.ir.facts import register_facts
 from megatron_mesh.plan.sel import Segment, relative_selection, sub_selection
 
 SHAPE = AttentionShape(seq_local=4, batch=1, heads=4, kv_heads=2, head_dim=8, itemsize=2)
@@ -67,7 +74,7 @@ BUILDS = {
 
 
 def _shape_of(plan: Plan) -> AttentionShape:
-    return SHAPE if plan.seq_local == SHAPE.seq_local and plan.heads in (None, (4, 2)) else \
+    return SHAPE if plan.seq_local == SHAPE.seq_local and plan.facts.heads in (None, (4, 2)) else \
         AttentionShape(seq_local=plan.seq_local, heads=4, kv_heads=2, head_dim=8)
 
 
@@ -90,11 +97,16 @@ def test_plan_text_is_lossless(name):
     assert buffer_memory(again, shape) == buffer_memory(plan, shape)
     for direction in ("forward", "backward"):
         assert rank_work(again, direction) == rank_work(plan, direction)
-    for field in ("mode", "mask", "tile", "schedule", "backward_chunks", "contiguous", "assignment", "direct",
-                  "ulysses", "heads", "rings", "notes", "ranks_per_node"):
+    for field in ("mode", "mask", "backward_chunks", "kernel_calls", "rings", "notes"):
         assert getattr(again, field) == getattr(plan, field), field
+    assert type(again.facts) is type(plan.facts) and again.facts.header() == plan.facts.header()
+    for fact in ("tile", "contiguous", "assignment", "direct", "last_round", "ranks_per_node", "ulysses", "heads",
+                 "tile_placed"):
+        assert getattr(again.facts, fact) == getattr(plan.facts, fact), fact
     assert again.layout.text() == plan.layout.text()
-    assert (again.inner is None) == (plan.inner is None)
+    assert (again.facts.inner is None) == (plan.facts.inner is None)
+    if plan.facts.inner is not None:  # a hybrid's inner plan: its own typed facts
+        assert again.facts.inner.facts == plan.facts.inner.facts
 
 
 def test_the_op_docstring_example_is_the_builders_plan():
@@ -108,6 +120,66 @@ def test_the_op_docstring_example_is_the_builders_plan():
     assert got == example
     design = open(__file__.replace("tests/plan/test_plan_ir.py", "docs/design.md")).read()
     assert "\n".join(example) in design
+
+
+def test_plan_facts_are_typed_per_mode_family():
+    """Each builder's plan carries its family's facts (typed values, Literal-checked when read
+    back); a hybrid answers with its inner plan's placement; the facts module's example header is
+    the 2x2 Mesh plan's."""
+    docs = Mask.from_cu_seqlens([0, 5, 19, 32], 32, True)
+    mesh = build_mesh_plan(4, (2, 2), SHAPE)
+    masked = resolve("mesh", 4, SHAPE8, tile="2x2").build(SHAPE8, docs)
+    hybrid = resolve("a2a+mesh", 4, SHAPE8, ulysses_size=2, tile=(2, 1)).build(SHAPE8, docs)
+    tasp = build_tasp_plan(4, AttentionShape(seq_local=8), ranks_per_node=2)
+    assert mesh.facts == MeshFacts((2, 2), "q", "greedy") and mesh.facts.tile_placed == (2, 2)
+    assert tasp.facts == TaspFacts(2) and (tasp.facts.tile, tasp.facts.assignment) == (None, "rings")
+    assert type(masked.facts) is MaskAwareFacts and masked.facts.direct and masked.facts.last_round is not None
+    assert masked.facts.tile == (2, 2) and masked.facts.tile_placed in (None, (2, 2))
+    assert type(hybrid.facts) is UlyssesFacts and (hybrid.facts.ulysses, hybrid.facts.heads) == (2, (4, 2))
+    inner = hybrid.facts.inner.facts
+    assert (hybrid.facts.tile, hybrid.facts.direct, hybrid.facts.last_round) == (inner.tile, True, None)
+    example = " ".join(facts_module.__doc__.split("header of a dense 2x2 Mesh plan::")[1].split())
+    assert mesh.header().endswith(example)
+
+
+@pytest.mark.parametrize("header, message", [
+    ("tile=1x2 schedule=greedy direct=yes", r"plan header direct=yes: a MeshFacts plan says direct=no"),
+    ("tile=1x2 schedule=spiral", r"no plan facts family for 'spiral' \(the header's schedule; known: -, greedy, "),
+    ("tile=1x2 contiguous=z", r"contiguous must be one of q, kv, got 'z'"),
+    ("tile=1x2 kernel_calls=bulk", r"kernel_calls must be one of varlen, piece, block, got 'bulk'"),
+    ("tile=1x2 schedule=greedy turns=3", r"plan header turns=3: a MeshFacts plan says no turns"),
+    ("schedule=rings tile=1x2", r"plan header tile=1x2: a TaspFacts plan says tile=-"),
+])
+def test_a_header_its_family_would_not_print_is_refused(header, message):
+    with pytest.raises(ValueError, match=message):
+        Plan.from_text(HAND_WRITTEN.replace("plan mesh P=2 seq_local=4 tile=1x2", f"plan mesh P=2 seq_local=4 {header}"))
+
+
+def test_a_facts_family_of_ones_own_is_one_class():
+    """A family defined here alone (a fact no header key names: ``turns``) prints its keys, reads
+    back to equal facts and the same text; a single rank's plan (rings without a ring) too."""
+
+    @register_facts
+    @dataclass(frozen=True)
+    class SpiralFacts(Facts):
+        schedules = ("toy-spiral",)
+        assignment = "spiral"
+        turns: int = 1
+
+        def header(self):
+            return {"schedule": "toy-spiral", "assignment": self.assignment, "turns": str(self.turns)}
+
+        @classmethod
+        def from_header(cls, head, inner):
+            return cls(int(head["turns"]))
+
+    plan = dataclasses.replace(build_mesh_plan(2, (1, 2), SHAPE), facts=SpiralFacts(3), _cache={})
+    text = plan.to_text()
+    assert " schedule=toy-spiral " in text and text.splitlines()[0].endswith("kernel_calls=varlen turns=3")
+    again = Plan.from_text(text)
+    assert again.facts == SpiralFacts(3) and again.to_text() == text
+    single = build_tasp_plan(1, AttentionShape(seq_local=8))
+    assert "\nring kv \n" in single.to_text() and Plan.from_text(single.to_text()).to_text() == single.to_text()
 
 
 HAND_WRITTEN = """

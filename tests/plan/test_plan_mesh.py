@@ -151,5 +151,5 @@ def test_random_plans_validate(P, data):
                            backward_chunks=data.draw(st.sampled_from(["refetch", "keep"])),
                            contiguous=data.draw(st.sampled_from(["q", "kv"])))
     validate_plan(plan)
-    want = mesh_bytes_formula(P, plan.tile, shape, plan.backward_chunks)
+    want = mesh_bytes_formula(P, plan.facts.tile, shape, plan.backward_chunks)
     assert all(b == want for b in plan_bytes(plan, shape))

@@ -118,9 +118,9 @@ def test_mesh_keeps_its_tile_when_the_mask_is_dense_enough():
     shape = AttentionShape(seq_local=T, batch=1, heads=8, kv_heads=8, head_dim=8)
     long_docs = Mask.from_cu_seqlens([0, P * T // 2 + 3, P * T], P * T)
     plan = resolve("mesh", P, shape, tile=(2, 4), contiguous="q").build(shape, long_docs)
-    assert plan.assignment == "tile"
+    assert plan.facts.assignment == "tile" and plan.facts.tile_placed == (2, 4)
     window = resolve("mesh", P, shape, tile=(2, 4), contiguous="q").build(shape, Mask(True, (2, 0)))
-    assert window.assignment == "query owner" and "nothing to gain" in window.notes[0]
+    assert window.facts.assignment == "query owner" and window.facts.tile_placed is None and "nothing to gain" in window.notes[0]
 
 
 @pytest.mark.parametrize("P", [6, 8])
@@ -144,11 +144,11 @@ def test_mesh_auto_tile_chooses_with_the_mask(P, backward_chunks):
     plan = auto.build(shape, docs)
     validate_plan(plan)
     assert busiest(plan) == min(busiest(p) for p in explicit.values())
-    if plan.assignment == "tile":
-        assert busiest(plan) == busiest(explicit[plan.tile, plan.contiguous])
-        a, b = plan.tile
-        assert plan.notes[0].startswith(f"tile {a}x{b} (contiguous {plan.contiguous}): "), plan.notes
-    assert all(p.tile == t and p.contiguous == c for (t, c), p in explicit.items())  # an explicit tile stays
+    if plan.facts.assignment == "tile":
+        assert busiest(plan) == busiest(explicit[plan.facts.tile, plan.facts.contiguous])
+        a, b = plan.facts.tile
+        assert plan.notes[0].startswith(f"tile {a}x{b} (contiguous {plan.facts.contiguous}): "), plan.notes
+    assert all(p.facts.tile == t and p.facts.contiguous == c for (t, c), p in explicit.items())  # an explicit tile stays
 
 
 def test_mesh_auto_tile_takes_another_tile_where_the_mask_favours_it():
@@ -167,7 +167,7 @@ def test_mesh_auto_tile_takes_another_tile_where_the_mask_favours_it():
     assert choose_tile(P, shape, Topology.for_cp(P, host_op_time=0), backward_chunks="refetch") == ((4, 2), "q")
     plan = auto.build(shape, docs)
     dense_choice = resolve("mesh", P, shape, tile=(4, 2), backward_chunks="refetch").build(shape, docs)
-    assert (plan.tile, plan.contiguous, plan.assignment) == ((8, 1), "q", "tile")
+    assert (plan.facts.tile, plan.facts.contiguous, plan.facts.assignment) == ((8, 1), "q", "tile")
     assert plan.notes[0].startswith("tile 8x1 (contiguous q): of the 5 tile maps and the query owner, the fewest bytes")
     mine, theirs = (max(b.sent + b.received for b in plan_bytes(p, shape)) for p in (plan, dense_choice))
     assert mine < 0.99 * theirs, (mine, theirs)

@@ -150,6 +150,6 @@ def test_errors_name_the_values():
 def test_plan_records_the_node_size():
     """The plan records the node size the rings were built for (a typed fact, printed in its text)."""
     shape = _shape(16)
-    assert build_tasp_plan(8, shape).ranks_per_node is None
-    assert build_tasp_plan(8, shape, ranks_per_node=4).ranks_per_node == 4
+    assert build_tasp_plan(8, shape).facts.ranks_per_node is None
+    assert build_tasp_plan(8, shape, ranks_per_node=4).facts.ranks_per_node == 4
     assert "ranks_per_node=4" in build_tasp_plan(8, shape, ranks_per_node=4).header()

@@ -221,7 +221,7 @@ def test_mesh_auto_tile_under_documents_runs_the_tile_the_mask_favours(world, cu
         assert choose_tile(world, p.shape, Topology.for_cp(world, host_op_time=0), backward_chunks="refetch")[0] == \
             (2, world // 2)
         if heads == kv_heads:  # with GQA the query side is dearer: another map may win
-            assert (plan.tile, plan.contiguous, plan.assignment) == (*chosen, "tile"), plan.notes
+            assert (plan.facts.tile, plan.facts.contiguous, plan.facts.assignment) == (*chosen, "tile"), plan.notes
         ref = cases.dense_reference(p)
         planned = [(b.sent, b.received) for b in plan_bytes(plan, p.shape)]
 
@@ -241,7 +241,7 @@ def test_hybrid_inner_mesh_auto_tile_under_documents():
     p = cases.Problem(8, 4, 4, True, torch.float32, cu_seqlens=(0, 3, 17, 27, 33, 48, 60, 64))
     placement = resolve("a2a+mesh", 8, p.shape, ulysses_size=2)
     plan = placement.build(p.shape, p.mask, p.layout)
-    assert placement.tile in ((2, 2), (1, 4)) and (plan.tile, plan.assignment) == ((4, 1), "tile")
+    assert placement.tile in ((2, 2), (1, 4)) and (plan.facts.tile, plan.facts.assignment) == ((4, 1), "tile")
     ref = cases.dense_reference(p)
     planned = [(b.sent, b.received) for b in plan_bytes(plan, p.shape)]
 

@@ -12,7 +12,7 @@ import torch
 
 import megatron_mesh as mm
 from megatron_mesh.comm.inprocess import InProcessCommunicator, InProcessError, Mailbox, run_inprocess
-from megatron_mesh.plan import Plan, Post, RankPlan, build_mesh_plan, plan_bytes
+from megatron_mesh.plan import MeshFacts, Plan, Post, RankPlan, build_mesh_plan, plan_bytes
 from megatron_mesh.runtime.api import forward_backward
 
 import cases
@@ -131,7 +131,7 @@ def test_plan_whose_peer_never_posts_fails_within_the_timeout():
         return RankPlan(rp.rank, rp.seq_local, strip(rp.forward), strip(rp.backward), rp.forward_inputs,
                         rp.backward_inputs, rp.output, rp.grad_q, rp.grad_kv, rp.saved)
 
-    broken = Plan("mesh", 3, p.seq_local, rank_plan, tile=(1, 3))
+    broken = Plan("mesh", 3, p.seq_local, rank_plan, facts=MeshFacts((1, 3), "q"))
     Q, K, V, dO = cases.make_inputs(p)
 
     def fn(rank, comm):
