@@ -187,36 +187,30 @@ def _comm(pulls, units: int, shape: AttentionShape, topo: Topology, span: int, b
     link = [(topo.latency(c), topo.bandwidth(c)) for c in ("intra", "inter")]
     # each unit's seconds per kind of round: K/V forward, dK/dV partials back, K/V again (the
     # forward's transfers to the units that do not keep them: every unit's, often)
-    forward = _rounds(pulls, kv, False, None, units, node, link, burst)
-    back = _rounds(pulls, dkv, True, None, units, node, link, burst)
-    again = forward if not any(k and n for k, n in zip(keeps, pulled)) else _rounds(pulls, kv, False, keeps, units, node, link, burst)
-    return max(forward, default=0.0), max((a + b for a, b in zip(back, again)), default=0.0)
+    rounds = (lambda m: _burst_rounds(m, units, node, link)) if burst else (lambda m: _shift_rounds(m, units))
+    ahead, back = _transfers(pulls, kv, dkv, node, link, burst)
+    forward = rounds(ahead)
+    again = forward if not any(k and n for k, n in zip(keeps, pulled)) else \
+        rounds({(h, g): x for (h, g), x in ahead.items() if not keeps[g]})
+    return max(forward, default=0.0), max((a + b for a, b in zip(rounds(back), again)), default=0.0)
 
 
-def _rounds(pulls, nbytes: int, back: bool, kept, units: int, node, link, burst: bool) -> list[float]:
-    """Each unit's seconds in the rounds of one kind of transfer (:func:`_transfer_times`)."""
-    if burst:
-        moves = {((g, h) if back else (h, g)): n * nbytes for (h, g), (n, _) in pulls.items()
-                 if kept is None or not kept[g]}
-        return _burst_rounds(moves, units, node, link)
-    return _shift_rounds(_transfer_times(pulls, nbytes, back, kept, node, link), units)
-
-
-def _transfer_times(pulls, nbytes: int, back: bool, kept, node, link) -> dict[tuple[int, int], float]:
-    """(sender, receiver) -> its link's latency + bytes / bandwidth, for each pull's ``nbytes`` per
-    token, sent back to the holder where ``back``, of the pullers that do not keep them (``kept``)."""
-    out = {}
+def _transfers(pulls, kv: int, dkv: int, node, link, burst: bool) -> tuple[dict, dict]:
+    """(sender, receiver) -> each pull's K/V forward and its dK/dV partials back: their bytes
+    (``burst``: TASP's rounds add them up per link), else their link's latency + bytes / bandwidth."""
+    ahead, back = {}, {}
     for (h, g), (n, _) in pulls.items():
-        if kept is not None and kept[g]:
-            continue
-        lat, bw = link[node[h] != node[g]]
-        out[(g, h) if back else (h, g)] = lat + n * nbytes / bw
-    return out
+        if burst:
+            ahead[h, g], back[g, h] = n * kv, n * dkv
+        else:
+            lat, bw = link[node[h] != node[g]]
+            ahead[h, g], back[g, h] = lat + n * kv / bw, lat + n * dkv / bw
+    return ahead, back
 
 
 def _shift_rounds(times: dict, units: int) -> list[float]:
     """Each unit's seconds in ring-shift rounds: in the round of shift d it sends to u + d and
-    receives from u - d at once, each transfer taking its time (:func:`_transfer_times`)."""
+    receives from u - d at once, each transfer taking its time (:func:`_transfers`)."""
     per = [0.0] * units
     get = times.get
     for (src, dst), t in times.items():
