@@ -27,8 +27,10 @@ results, :mod:`.costs`' rates): it ranks the two layouts, it does not predict th
 time; where transfers set the balanced layout's price, it keeps it only :data:`COMM_MARGIN`
 cheaper. At 256 GPUs (lognormal:4096, seed 0) it gives ring 10.4 ms on the zigzag and 13.8 on the
 balanced layout (the simulator: 10.5 and 13.9), TASP 9.9 and 10.6 (10.7 and 12.5), a2a+tasp U 8
-7.1 and 3.0 (7.3 and 3.0). It takes 3-110 ms of Python at 256 ranks (1M tokens; the plain modes
-on 16K-token documents, whose portions pull from the most peers, the longest). Where a rank's attention takes less than
+7.1 and 3.0 (7.3 and 3.0). It takes 2-70 ms of Python at 256 ranks (1M tokens; the plain modes
+on 16K-token documents, whose portions pull from the most peers -- 18K pairs of ranks on the
+balanced layout -- the longest; docs/performance.md, "Build time with the choice"): its loops
+run once per pair of ranks, and the tests check them against their plain forms. Where a rank's attention takes less than
 :data:`MIN_COMPUTE_LAUNCHES` kernel launches the zigzag is kept: such a step is bound by launches
 and latencies, which the price leaves out.
 
