@@ -27,8 +27,10 @@ results, :mod:`.costs`' rates): it ranks the two layouts, it does not predict th
 time; where transfers set the balanced layout's price, it keeps it only :data:`COMM_MARGIN`
 cheaper. At 256 GPUs (lognormal:4096, seed 0) it gives ring 10.4 ms on the zigzag and 13.8 on the
 balanced layout (the simulator: 10.5 and 13.9), TASP 9.9 and 10.6 (10.7 and 12.5), a2a+tasp U 8
-7.1 and 3.0 (7.3 and 3.0). It takes 3-110 ms of Python at 256 ranks (1M tokens; the plain modes
-on 16K-token documents, whose portions pull from the most peers, the longest). Where a rank's attention takes less than
+7.1 and 3.0 (7.3 and 3.0). It takes 2-70 ms of Python at 256 ranks (1M tokens; the plain modes
+on 16K-token documents, whose portions pull from the most peers -- 18K pairs of ranks on the
+balanced layout -- the longest; docs/performance.md, "Build time with the choice"): its loops
+run once per pair of ranks, and the tests check them against their plain forms. Where a rank's attention takes less than
 :data:`MIN_COMPUTE_LAUNCHES` kernel launches the zigzag is kept: such a step is bound by launches
 and latencies, which the price leaves out.
 
@@ -117,25 +119,42 @@ def _work_and_pulls(portions, docs, units: int) -> tuple[list[int], dict[tuple[i
     the rows that read them and merge the result)."""
     work = [0] * units
     pulls: dict[tuple[int, int], tuple[int, int]] = {}
+    get = pulls.get
     for d, holders in portions.items():
         length = docs[d][1] - docs[d][0]
-        span = {}  # unit -> (first token, last token + 1, tokens)
+        span = []  # (unit, first token, last token, tokens, its tokens before a position)
         for u, runs in holders.items():
             work[u] += sum(document_work(a, b, length) for a, b in runs)
-            span[u] = (min(a for a, _ in runs), max(b for _, b in runs), sum(b - a for a, b in runs))
-        if len(holders) < 2:
+            span.append((u, min(a for a, _ in runs), max(b for _, b in runs) - 1, sum(b - a for a, b in runs),
+                         _counter(runs)))
+        if len(span) < 2:
             continue
-        for h, runs in holders.items():
-            h_first, h_end, h_tokens = span[h]
-            for g, (g_first, g_end, g_tokens) in span.items():
-                y = g_end - 1  # g's last row reads h's tokens before it
-                if g == h or y <= h_first:
+        for h, h_first, h_last, h_tokens, h_before in span:
+            for g, g_first, y, g_tokens, g_before in span:  # g's last row y reads h's tokens before it
+                if y <= h_first or g == h:
                     continue
-                n = h_tokens if y >= h_end else sum(max(0, min(b, y) - a) for a, b in runs)
-                rows = g_tokens if g_first > h_first else sum(max(0, b - max(a, h_first + 1)) for a, b in holders[g])
-                cols, rs = pulls.get((h, g), (0, 0))
-                pulls[h, g] = (cols + n, rs + rows)
+                n = h_tokens if y > h_last else h_before(y)
+                rows = g_tokens if g_first > h_first else g_tokens - g_before(h_first + 1)
+                old = get((h, g))
+                pulls[h, g] = (n, rows) if old is None else (old[0] + n, old[1] + rows)
     return work, pulls
+
+
+def _counter(runs):
+    """x -> how many tokens of ``runs`` ((start, stop), ...) lie before x."""
+    if len(runs) == 1:
+        (a, b), = runs
+        return lambda x: min(max(x - a, 0), b - a)
+    ordered = sorted(runs)
+    starts = [a for a, _ in ordered]
+    before = [0]
+    for a, b in ordered:
+        before.append(before[-1] + b - a)
+
+    def count(x: int) -> int:
+        i = bisect.bisect_right(starts, x) - 1
+        return 0 if i < 0 else before[i] + min(x, ordered[i][1]) - starts[i]
+    return count
 
 
 def _overheads(pulls, units: int, shape: AttentionShape, topo: Topology) -> tuple[list[float], list[float]]:
@@ -168,36 +187,40 @@ def _comm(pulls, units: int, shape: AttentionShape, topo: Topology, span: int, b
     keeps = [n * kv <= TUNABLES.keep_limit * shape.seq_local * (q + kv) for n in pulled]
     node = [topo.node(u * span) for u in range(units)]
     link = [(topo.latency(c), topo.bandwidth(c)) for c in ("intra", "inter")]
-    # transfers (sender, receiver) -> bytes, per kind of round
-    forward = {(h, g): n * kv for (h, g), (n, _) in pulls.items()}
-    returns = {(g, h): n * dkv for (h, g), (n, _) in pulls.items()}
-    again = {(h, g): n * kv for (h, g), (n, _) in pulls.items() if not keeps[g]}
-    out = []
-    for kinds in ((forward,), (returns, again)):
-        per = [0.0] * units
-        for moves in kinds:
-            rounds = _burst_rounds(moves, units, node, link) if burst else _shift_rounds(moves, units, node, link)
-            per = [a + b for a, b in zip(per, rounds)]
-        out.append(max(per, default=0.0))
-    return out[0], out[1]
+    # each unit's seconds per kind of round: K/V forward, dK/dV partials back, K/V again (the
+    # forward's transfers to the units that do not keep them: every unit's, often)
+    rounds = (lambda m: _burst_rounds(m, units, node, link)) if burst else (lambda m: _shift_rounds(m, units))
+    ahead, back = _transfers(pulls, kv, dkv, node, link, burst)
+    forward = rounds(ahead)
+    again = forward if not any(k and n for k, n in zip(keeps, pulled)) else \
+        rounds({(h, g): x for (h, g), x in ahead.items() if not keeps[g]})
+    return max(forward, default=0.0), max((a + b for a, b in zip(rounds(back), again)), default=0.0)
 
 
-def _shift_rounds(moves: dict, units: int, node, link) -> list[float]:
+def _transfers(pulls, kv: int, dkv: int, node, link, burst: bool) -> tuple[dict, dict]:
+    """(sender, receiver) -> each pull's K/V forward and its dK/dV partials back: their bytes
+    (``burst``: TASP's rounds add them up per link), else their link's latency + bytes / bandwidth."""
+    ahead, back = {}, {}
+    for (h, g), (n, _) in pulls.items():
+        if burst:
+            ahead[h, g], back[g, h] = n * kv, n * dkv
+        else:
+            lat, bw = link[node[h] != node[g]]
+            ahead[h, g], back[g, h] = lat + n * kv / bw, lat + n * dkv / bw
+    return ahead, back
+
+
+def _shift_rounds(times: dict, units: int) -> list[float]:
     """Each unit's seconds in ring-shift rounds: in the round of shift d it sends to u + d and
-    receives from u - d at once; each transfer takes its link's latency + bytes / bandwidth."""
+    receives from u - d at once, each transfer taking its time (:func:`_transfers`)."""
     per = [0.0] * units
-    for (src, dst), nbytes in moves.items():
-        d = (dst - src) % units
-        lat, bw = link[node[src] != node[dst]]
-        t = lat + nbytes / bw
-        back = ((src - d) % units, src)  # what src receives in the same round
-        other = moves.get(back)
-        if other is not None:
-            lat2, bw2 = link[node[back[0]] != node[src]]
-            t = max(t, lat2 + other / bw2)
-        per[src] += t
-        if (dst, (dst + d) % units) not in moves:  # dst sends nothing that round: it only receives
-            per[dst] += lat + nbytes / bw
+    get = times.get
+    for (src, dst), t in times.items():
+        d = dst - src
+        other = get(((src - d) % units, src))  # what src receives in the same round
+        per[src] += t if other is None or other <= t else other
+        if (dst, (dst + d) % units) not in times:  # dst sends nothing that round: it only receives
+            per[dst] += t
     return per
 
 

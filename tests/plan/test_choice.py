@@ -84,3 +84,74 @@ def test_layout_cost_prices_the_hybrids_per_group():
     grouped = layout_cost(balanced_layout(cu, 8, group=2), docs, shape, topo, "a2a+ring", 2)
     assert grouped.attention == pytest.approx(plain.attention, rel=0.02)  # both balanced: the mean work
     assert 0 < grouped.forward_comm < plain.forward_comm  # 4 groups share the documents, with 1/2 of the heads
+
+
+# --- the fast price against its definitions (plan/choice.py prices 4-18K pairs of ranks per
+# layout at 256 GPUs: its loops are tuned; these are the plain forms they must equal) ---
+
+def _pulls_by_definition(portions, docs, units):
+    """Per (h, g): h's tokens of each shared document before g's last row there, and g's rows
+    after h's first token, summed over the documents, token by token."""
+    pulls = {}
+    for holders in portions.values():
+        tokens = {u: [x for a, b in runs for x in range(a, b)] for u, runs in holders.items()}
+        for h, hx in tokens.items():
+            for g, gx in tokens.items():
+                n = sum(x < max(gx) for x in hx)
+                if g != h and n:
+                    cols, rows = pulls.get((h, g), (0, 0))
+                    pulls[h, g] = (cols + n, rows + sum(x > min(hx) for x in gx))
+    return pulls
+
+
+def _shift_rounds_by_definition(times, units):
+    """Each unit's sum over the ring shifts d of the slower of what it sends to u + d and what
+    it receives from u - d in that round."""
+    return [sum(max(times.get((u, (u + d) % units), 0.0), times.get(((u - d) % units, u), 0.0))
+                for d in range(1, units)) for u in range(units)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_pulls_are_the_documents_tokens_before_each_last_row(seed):
+    from megatron_mesh.plan.choice import _work_and_pulls
+    cu = document_bounds("lognormal:512,1.0", 8 * K, seed)
+    for layout, units, span in ((balanced_layout(cu, 8), 8, 1), (ZigzagLayout(8, 8 * K), 8, 1),
+                                (balanced_layout(cu, 8, group=2), 4, 2)):
+        docs = balanced_layout(cu, 8).documents()
+        portions = _portions(layout, units, span, docs)
+        assert _work_and_pulls(portions, docs, units)[1] == _pulls_by_definition(portions, docs, units)
+
+
+@pytest.mark.parametrize("P, docs, seeds", [(64, "lognormal:4096,1.0", (0, 1, 2)),
+                                             (256, "lognormal:16384,1.0", (1,))])
+def test_the_choice_equals_its_definition(P, docs, seeds, monkeypatch):
+    """The tuned pulls and rounds against the plain forms above: the same prices (to rounding)
+    and the same choice, for the plain modes and a hybrid, at 64 and 256 GPUs."""
+    from megatron_mesh.plan import choice
+
+    def work_and_pulls(portions, docs, units):
+        pulls = {}
+        for holders in portions.values():  # the plain form, by intervals (token by token is slow here)
+            last = {u: max(b for _, b in runs) for u, runs in holders.items()}
+            first = {u: min(a for a, _ in runs) for u, runs in holders.items()}
+            for h, g in ((h, g) for h in holders for g in holders if h != g):
+                n = sum(max(0, min(b, last[g] - 1) - a) for a, b in holders[h])
+                if n:
+                    rows = sum(max(0, b - max(a, first[h] + 1)) for a, b in holders[g])
+                    cols, rs = pulls.get((h, g), (0, 0))
+                    pulls[h, g] = (cols + n, rs + rows)
+        return fast(portions, docs, units)[0], pulls
+
+    shape, topo = AttentionShape((1 << 20) // P, 1, **GQA), Topology(nodes=P // 8, gpus_per_node=8)
+    cases = [(mode, U, document_bounds(docs, 1 << 20, s)) for s in seeds for mode, U in
+             (("ring", 1), ("tasp", 1), ("a2a+tasp", 8))]
+    fast = choice._work_and_pulls
+    tuned = [choose_layout(balanced_layout(cu, P, group=U, ranks_per_node=8), shape, topo, mode, U)
+             for mode, U, cu in cases]
+    monkeypatch.setattr(choice, "_work_and_pulls", work_and_pulls)
+    monkeypatch.setattr(choice, "_shift_rounds", _shift_rounds_by_definition)
+    for (mode, U, cu), got in zip(cases, tuned):
+        want = choose_layout(balanced_layout(cu, P, group=U, ranks_per_node=8), shape, topo, mode, U)
+        assert got[0] == want[0], (mode, U)
+        for a, b in zip(got[1:], want[1:]):
+            assert a.total == pytest.approx(b.total, rel=1e-12) and a.attention == b.attention

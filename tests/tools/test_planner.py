@@ -712,6 +712,8 @@ def test_layout_rows_plan_thd_only_when_asked_above_the_limit(monkeypatch):
     rows, skipped = layout_rows(4, shape, Topology(), cu, modes=("ring", "auto"))
     assert {(r.layout, r.mode) for r in rows} >= {("zigzag", "ring"), ("balanced", "ring"), ("thd", "te-p2p")}
     assert not any(r.layout == "thd" and r.mode in ("ring", "auto") for r in rows)
+    from megatron_mesh.tools.planner import RING_COPY  # Mesh's tiles on the balanced layout: ring's plan
+    skipped = [s for s in skipped if s["reason"] != RING_COPY]
     assert [s["mode"] for s in skipped] == ["ring (thd)", "auto (thd)", "ring (balanced-hide)"]
     assert "the plain modes run on the balanced one (--layout balanced)" in skipped[2]["reason"]
     assert "not planned on THD at CP 4: every rank holds two halves of each of the 3 documents" in skipped[0]["reason"]
@@ -1134,3 +1136,23 @@ def test_table_says_which_bytes_are_the_busiest_ranks_and_which_the_means(capsys
     assert abs(ring["intra_node_bytes_per_rank"] + ring["inter_node_bytes_per_rank"] - ring["bytes_per_rank"]) <= 1
     tasp = rows["tasp"]  # the mean rank never sends more than the busiest
     assert tasp["intra_node_bytes_per_rank"] + tasp["inter_node_bytes_per_rank"] <= tasp["bytes_per_rank"] + 1
+
+
+def test_mesh_auto_skips_the_tiles_whose_plan_is_rings_on_the_balanced_layout():
+    """On a layout that places documents, a Mesh tile computes every block at its query owner,
+    one round per shift: ring's plan, which wins the tie. Asked as ``mesh``, every tile is planned
+    and has ring's numbers; asked only as ``mesh-auto``, none is, and the row is the same."""
+    from megatron_mesh.plan import Mask
+    from megatron_mesh.plan.balance import balanced_layout
+    from megatron_mesh.tools.planner import RING_COPY
+    cu = document_bounds("lognormal:1024,1.0", 16 * 512, 1)
+    shape, topo = AttentionShape(512, 1, 4, 2, 32), Topology(nodes=2, gpus_per_node=8)
+    layout = balanced_layout(cu, 16, ranks_per_node=8)
+    every, _ = evaluate(16, shape, topo, modes=["ring", "mesh", "mesh-auto"], mask=Mask(True), layout=layout)
+    ring = next(r for r in every if r.mode == "ring")
+    numbers = [f.name for f in dataclasses.fields(ring) if f.name not in ("mode", "tile", "contiguous", "detail")]
+    tiles = [r for r in every if r.mode == "mesh"]
+    assert len(tiles) == 7 and all(getattr(r, n) == getattr(ring, n) for r in tiles for n in numbers)
+    rows, skipped = evaluate(16, shape, topo, modes=["mesh-auto"], mask=Mask(True), layout=layout)
+    assert rows == [r for r in every if r.mode == "mesh-auto"] and rows[0].extra["pick"] == "ring"
+    assert [s["reason"] for s in skipped] == [RING_COPY] * 7
