@@ -30,7 +30,6 @@ from typing import Optional
 from ..plan.layouts import LAYOUTS, REFERENCE_LAYOUT, cp_layout_names
 from ..plan.megatron_problem import THD_DOCUMENTS, MegatronProblem
 from ..plan.modes import HYBRID_PREFIX, get_mode
-from ..plan.window import megatron_window
 from . import TE_MODES, cp_modes, plugin_modes
 from .placement import resolve_placement
 from .settings import (ALL_PLUGIN_MODES, BATCH_DOCUMENTS, HIERARCHY_FLAG, NODES_FLAG, PluginSettings, flags,
@@ -113,7 +112,7 @@ def validate_args(args, have_te: bool | None = None, *, entry_packs_documents: b
     single = cp == 1 and bool(documents or problem.window_size is not None and uses_plugin_spec(args))
     unused = _check_applicable(settings, cp, modes, active, single)
     _check_backend(settings.cp_kernel_backend, active, have_cuda)
-    _check_window(args, cp, active)
+    _check_window(args, problem, cp, active)
     if cp == 1 and documents and args.attention_dropout:
         raise ValueError(f"--attention-dropout {args.attention_dropout}: packed documents run the plugin's attention "
                          "also at CP 1 (Megatron's own has no document mask without a dense [s, s] mask), which "
@@ -201,29 +200,18 @@ def _warn_per_rank_loss(args, settings: PluginSettings, cp: int) -> None:
                       "(add --calculate-per-token-loss to train as CP 1 does)", stacklevel=2)
 
 
-def _check_window(args, cp: int, active: set) -> None:
+def _check_window(args, problem, cp: int, active: set) -> None:
     """--window-size LEFT,RIGHT (token counts >= 0, -1 unlimited: :func:`megatron_mesh.plan.window.megatron_window`)
     and --window-attn-skip-freq (N >= 1: every N-th layer full attention; or a 0/1 list with one
     entry per layer), checked at start-up naming the flag instead of failing while the model is
     built or training silently with a misread window. Where the plugin's layers apply the window --
     plugin modes at CP > 1, and at CP 1 under the plugin's spec (Megatron's own attention has no
     window mask there) -- they are causal, so RIGHT must be 0 or -1, and attention dropout must be 0."""
-    window = getattr(args, "window_size", None)
-    skip = getattr(args, "window_attn_skip_freq", None)
-    if window is None:
+    if problem.window_size is None:
         return  # Megatron ignores --window-attn-skip-freq then
     plugin = (cp > 1 and active & set(plugin_modes())) or (cp == 1 and uses_plugin_spec(args))
-    megatron_window(window, causal=bool(plugin))  # the values: the check the planner's prediction runs too
-    if isinstance(skip, int) and skip < 1:
-        raise ValueError(f"--window-attn-skip-freq {skip}: an integer N must be >= 1 (every N-th layer runs full "
-                         "attention), or give a list of 0/1 per layer, e.g. '[1,1,1,0]'")
-    if isinstance(skip, list):
-        if len(skip) != args.num_layers:
-            raise ValueError(f"--window-attn-skip-freq {skip}: the list needs one entry per layer ({args.num_layers} "
-                             f"layers, --num-layers), got {len(skip)}")
-        if any(v not in (0, 1) or isinstance(v, bool) for v in skip):
-            raise ValueError(f"--window-attn-skip-freq {skip}: entries must be 1 (sliding window) or 0 (full "
-                             "attention)")
+    # the values and the layers that run the window: the check the planner's prediction runs too
+    problem.layer_windows(causal=bool(plugin))
     if cp == 1 and plugin and args.attention_dropout:
         raise ValueError(f"--attention-dropout {args.attention_dropout}: a sliding window runs the plugin's attention "
                          "also at CP 1 (Megatron's own has no window mask there), which supports only 0 (pass "

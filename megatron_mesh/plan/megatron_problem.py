@@ -192,12 +192,15 @@ class MegatronProblem:
         layer has the window. ValueError naming the flag for a list of another length or values."""
         self.window(causal)  # the values checked, with or without a layer that has the window
         skip = self.window_skip
-        if isinstance(skip, tuple) and (len(skip) != self.layers or set(skip) - {0, 1}):
-            raise ValueError(f"--window-attn-skip-freq {list(skip)}: give one entry per layer ({self.layers} "
-                             "layers, --num-layers), each 1 (sliding window) or 0 (full attention)")
+        if isinstance(skip, tuple) and len(skip) != self.layers:
+            raise ValueError(f"--window-attn-skip-freq {list(skip)}: the list needs one entry per layer ({self.layers} "
+                             f"layers, --num-layers), got {len(skip)}")
+        if isinstance(skip, tuple) and any(v not in (0, 1) or isinstance(v, bool) for v in skip):
+            raise ValueError(f"--window-attn-skip-freq {list(skip)}: entries must be 1 (sliding window) or 0 (full "
+                             "attention)")
         if not isinstance(skip, tuple) and skip is not None and skip < 1:
             raise ValueError(f"--window-attn-skip-freq {skip}: an integer N must be >= 1 (every N-th layer runs full "
-                             "attention)")
+                             "attention), or give a list of 0/1 per layer, e.g. '[1,1,1,0]'")
         return tuple(layer_window(self.window_size, skip, n, causal) for n in range(1, self.layers + 1))
 
     def check(self) -> None:

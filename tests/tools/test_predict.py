@@ -196,8 +196,8 @@ def test_the_planned_bytes_price_each_layer_with_its_own_mask(tmp_path):
     assert "2 of 4 layers window 3 tokens, 2 of 4 layers full" in problem.describe()
     with pytest.raises(ValueError, match=re.escape("must be an integer N or a list pattern of 0/1 per layer")):
         predict.read_config(_config(tmp_path, window_size='"3,0"', window_attn_skip_freq='"[1]*x"'))
-    with pytest.raises(ValueError, match=re.escape("--window-attn-skip-freq [1, 0, 1]: give one entry per layer (2 "
-                                                   "layers, --num-layers), each 1 (sliding window) or 0")):
+    with pytest.raises(ValueError, match=re.escape("--window-attn-skip-freq [1, 0, 1]: the list needs one entry per "
+                                                   "layer (2 layers, --num-layers), got 3")):
         predict.read_config(_config(tmp_path, window_size='"3,0"', window_attn_skip_freq='"[1,0,1]"'))
 
 
