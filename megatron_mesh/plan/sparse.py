@@ -124,6 +124,13 @@ class Assignment:
     tiles: tuple[tuple[tuple[int, int], Contiguous], ...] = ()
     compete: bool = True
 
+    @property
+    def rings(self) -> bool:
+        """Whether this assignment builds ring's mask-aware plan: no owner map but the query owner's
+        competing, one round per shift (e.g. every Mesh tile on a layout whose blocks it cannot
+        place: the planner need not plan those tiles again)."""
+        return not self.owners and self.rounds == "shift" and self.compete
+
     def __post_init__(self) -> None:
         choice("rounds", self.rounds, RoundOrder)
         if not self.compete and len(self.owners) != 1:

@@ -203,7 +203,7 @@ def _same_plan(p: Placement, ring: Placement, world_size: int, shape: AttentionS
     except ValueError:
         return False  # its own row says why
     mine, theirs = p.spec.assignment(p, m, lay), ring.spec.assignment(ring, m, lay)
-    return not mine.owners and not theirs.owners and mine.rounds == theirs.rounds == "shift" and mine.compete
+    return mine.rings and theirs.rings
 
 
 def _attempt(name: str, p: Placement, *args) -> ModeResult | str:
