@@ -371,8 +371,12 @@ def _no_pipeline_with_documents(args) -> None:
                                             "virtual_pipeline_model_parallel_size")):
         raise ValueError(f"{what} and a virtual pipeline (--num-layers-per-virtual-pipeline-stage): the stages share "
                          "each micro-batch's documents for one model chunk per stage; leave the virtual pipeline out")
-    if getattr(args, "recompute_granularity", None):
-        raise ValueError(f"{what} and --recompute-granularity {args.recompute_granularity}: a recomputed layer runs "
+    # --recompute-activations becomes --recompute-granularity selective only in Megatron's own
+    # validation, which runs after these checks
+    recompute = getattr(args, "recompute_granularity", None) or (
+        "selective (--recompute-activations)" if getattr(args, "recompute_activations", False) else None)
+    if recompute:
+        raise ValueError(f"{what} and --recompute-granularity {recompute}: a recomputed layer runs "
                          "in the backward pass, after later micro-batches' forward steps replaced its documents; "
                          "leave recomputation out")
 

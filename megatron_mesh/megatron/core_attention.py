@@ -51,11 +51,11 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch import Tensor
 
+from ..plan.megatron_problem import layer_window
 from ..plan.modes import DEFAULT_MODE
 from . import TE_MODES, batch_layout, mla, plugin_modes, sinks
 from .checks import have_transformer_engine
 from .groups import PROCESS_GROUPS, CPGroups, cp_ranks
-from .layout_decision import layer_window
 from .settings import BATCH_DOCUMENTS, plugin_settings
 from .placement import resolve_placement
 from .telemetry import Telemetry
@@ -123,7 +123,7 @@ def core_attention_spec(telemetry: Optional[Telemetry] = None, groups: Optional[
 
 
 def _layer_window(config, layer_number: int):
-    """The plugin window (left, right) of this layer, or None (:func:`.layout_decision.layer_window`)."""
+    """The plugin window (left, right) of this layer, or None (:func:`megatron_mesh.plan.megatron_problem.layer_window`)."""
     return layer_window(config.window_size, config.window_attn_skip_freq, layer_number)
 
 

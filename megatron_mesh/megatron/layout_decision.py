@@ -17,12 +17,12 @@ from typing import Optional
 from ..plan.layout import Layout
 from ..plan.layouts import Sample, get_layout_kind
 from ..plan.maskkinds import Mask, MaskStack
-from ..plan.megatron_problem import MegatronProblem, layer_window
+from ..plan.megatron_problem import MegatronProblem
 from ..plan.modes import DEFAULT_MODE
 from .placement import ranks_per_node
 from .settings import BATCH_DOCUMENTS, PluginSettings, layer_modes, plugin_modes_of, plugin_settings, problem_of
 
-__all__ = ["sample_layout", "uses_balanced_layout", "layer_window", "layer_masks"]
+__all__ = ["sample_layout", "uses_balanced_layout", "layer_masks"]
 
 
 def uses_balanced_layout(config) -> bool:
@@ -39,8 +39,7 @@ def layer_masks(config, problem: MegatronProblem):
     :class:`~megatron_mesh.plan.maskkinds.MaskStack` of the layers' masks: e.g. windowed layers
     alternating with full ones, ``--window-attn-skip-freq``), whose summed work one layout for
     every layer balances."""
-    skip = getattr(config, "window_attn_skip_freq", None)
-    windows = [layer_window(problem.window_size, skip, n) for n in range(1, problem.layers + 1)]
+    windows = problem.layer_windows(causal=False)  # as given: the layers check the causal side
     if len(set(windows)) == 1:
         return windows[0], None
     return None, MaskStack.of(Mask(True, w) for w in windows)

@@ -75,8 +75,10 @@ def _schedule(get, process: ProcessState, *a, **kw):
                                         batch_documents=process.batch_documents)
     if not shares_documents(args, settings):
         return schedule
-    if settings.documents in BATCH_DOCUMENTS and settings.layout.per_sample and args.context_parallel_size > 1:
-        _check_stages_nodes(settings)
+    if (settings.documents in BATCH_DOCUMENTS and settings.layout.per_sample and args.context_parallel_size > 1
+            and not process.stages_nodes_checked):
+        _check_stages_nodes(settings)  # once: the placement cannot change during the run
+        process.stages_nodes_checked = True
     return functools.wraps(schedule)(functools.partial(_share_documents, schedule, args, settings, process))
 
 
@@ -84,7 +86,7 @@ def _check_stages_nodes(settings: PluginSettings) -> None:
     """The one input of a sample's layout (:func:`.layout_decision.sample_layout`) that depends on
     the stage: the CP ranks per node, from the CP group's global ranks. Stages that see different
     ones would split the same micro-batch differently and hand each other hidden states in
-    another token order: stop every rank, one line (each calls this when the loop gets its schedule).
+    another token order: stop every rank, one line (each calls this the first time the loop gets its schedule).
     E.g. PP 3 x CP 2 on nodes of 3 GPUs: stage 2's CP group (ranks 2, 3) spans two nodes, the others
     one."""
     from megatron.core import parallel_state as mpu
@@ -107,7 +109,9 @@ def _share_documents(schedule, args, settings: PluginSettings, process: ProcessS
     """One call of Megatron's ``schedule`` (``forward_backward_func``, keyword arguments as
     Megatron passes them) with the step's documents shared first (see the module docstring)."""
     n = kw["num_microbatches"]
-    items, source = _step_sources(kw.get("data_iterator"), n, args, SOURCE_KEY[settings.documents])
+    # the step's batch shape as Megatron passes it: evaluation's --eval-micro-batch-size may differ
+    shape = (n, kw.get("micro_batch_size", args.micro_batch_size), kw.get("seq_length", args.seq_length))
+    items, source = _step_sources(kw.get("data_iterator"), shape, SOURCE_KEY[settings.documents])
     if items is not None:
         kw["data_iterator"] = iter(items)
     eod = None
@@ -122,9 +126,9 @@ def _share_documents(schedule, args, settings: PluginSettings, process: ProcessS
         process.pipeline_rows = None  # the step's: a batch split outside it reads its own batch
 
 
-def _step_sources(data_iterator, n: int, args, key: str) -> tuple[Optional[list], torch.Tensor]:
-    """(the step's ``n`` micro-batches where this rank reads them -- the first stage's TP rank 0 --
-    else None; their ``key`` entries [n, b, S], broadcast to every stage and TP rank)."""
+def _step_sources(data_iterator, shape: tuple[int, int, int], key: str) -> tuple[Optional[list], torch.Tensor]:
+    """(the step's n micro-batches where this rank reads them -- the first stage's TP rank 0 --
+    else None; their ``key`` entries, ``shape`` [n, b, S], broadcast to every stage and TP rank)."""
     from megatron.core import parallel_state as mpu
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -134,10 +138,14 @@ def _step_sources(data_iterator, n: int, args, key: str) -> tuple[Optional[list]
         if data_iterator is None:
             raise RuntimeError("megatron_mesh: the first pipeline stage has no data iterator, but the stages must "
                                "share each micro-batch's documents")
-        items = [next(data_iterator) for _ in range(n)]
+        items = [next(data_iterator) for _ in range(shape[0])]
         source = torch.stack([item[key] for item in items]).to(device=device, dtype=torch.int64)
+        if tuple(source.shape) != shape:  # the other ranks receive this shape: a mismatch would hang NCCL
+            raise RuntimeError(f"megatron_mesh: the step's micro-batches' {key} are {tuple(source.shape)}, not the "
+                               f"[micro-batches, micro-batch size, sequence length] {list(shape)} Megatron's schedule "
+                               "was given")
     else:
-        source = torch.empty((n, args.micro_batch_size, args.seq_length), dtype=torch.int64, device=device)
+        source = torch.empty(shape, dtype=torch.int64, device=device)
     if mpu.get_tensor_model_parallel_rank() == 0:
         torch.distributed.broadcast(source, mpu.get_pipeline_model_parallel_first_rank(),
                                     group=mpu.get_pipeline_model_parallel_group())

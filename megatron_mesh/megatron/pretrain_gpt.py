@@ -121,6 +121,9 @@ def _stage_documents(args, settings):
     from . import batch_layout
 
     if settings.cp_thd_packing:
+        if PROCESS.pipeline_rows is None:
+            raise RuntimeError("megatron_mesh: a middle pipeline stage has no shared documents for this micro-batch: "
+                               "Megatron's schedule must run wrapped by megatron_mesh.megatron.pipeline.install()")
         return thd_params(PROCESS.pipeline_rows[0], args.seq_length, _thd_multiple(args, settings),
                           args.context_parallel_size, _device())[1]
     current = batch_layout.current()

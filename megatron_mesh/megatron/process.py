@@ -48,6 +48,7 @@ class ProcessState:
     # runs, as the first stage shared them with every stage (pipeline.py); the batch split takes
     # them (a stage's batch may carry no tokens), the stages without a batch their layout
     pipeline_rows: Optional[tuple] = None
+    stages_nodes_checked: bool = False  # pipeline.py: the stages' CP groups span nodes alike (checked once)
     # the rotary embeddings that follow the batch's layout (batch_layout.follow_layout), weakly
     following: "weakref.WeakSet" = field(default_factory=weakref.WeakSet)
 

@@ -128,6 +128,10 @@ def test_masks_and_hybrids_valid(megatron_args, our_entry, argv, documents):
     (["--context-parallel-size", "2", "--cp-comm-type", "mesh", "--reset-attention-mask", PER_TOKEN,
       "--pipeline-model-parallel-size", "2", "--recompute-granularity", "selective"],
      PP_DOCUMENTS.format(2) + "--recompute-granularity selective: a recomputed layer runs in the backward pass"),
+    # --recompute-activations: Megatron makes it --recompute-granularity selective after these checks
+    (["--context-parallel-size", "2", "--cp-comm-type", "mesh", "--reset-attention-mask", PER_TOKEN,
+      "--pipeline-model-parallel-size", "2", "--recompute-activations"],
+     PP_DOCUMENTS.format(2) + "--recompute-granularity selective (--recompute-activations): a recomputed layer"),
     # at CP 1 too: the documents run the plugin's attention there as well
     (["--context-parallel-size", "1", "--reset-attention-mask", PER_TOKEN, "--pipeline-model-parallel-size", "2",
       "--recompute-granularity", "full", "--recompute-method", "uniform"], PP_DOCUMENTS.format(2) + "--recompute"),
