@@ -32,6 +32,7 @@ from typing import Iterable, Iterator
 from ..plan.autotile import TIE_RULE, evaluate_plan
 from ..plan.balance import balanced_layout
 from ..plan.mask import Mask
+from ..plan.maskkinds import MaskStack
 from ..plan.megatron_problem import MegatronProblem
 from ..plan.modes import REFERENCE_MODE, get_mode, parse_mode_spec, resolve
 from ..plan.shape import AttentionShape
@@ -361,13 +362,15 @@ def _planned_bytes(placement, problem: Problem, mask: str, window: int | None, c
     the run's ``mask``, summed over the layers, each with its own window (:attr:`Problem.layer_kinds`:
     the 'window' mask replaces --window-size, as the run's flag does, and keeps the layers that run
     it); documents (``cu_seqlens``) under Megatron's zigzag (docs-zigzag) or else the balanced layout
-    (per Ulysses group, as the runtime balances them)."""
+    of the layers' summed work (per Ulysses group, as the runtime balances them:
+    megatron/layout_decision.layer_masks)."""
     topo = Topology.for_cp(problem.cp, problem.cp)  # one machine: every rank on one "node", as the gloo run
     if mask == "window":
         problem = replace(problem, run=replace(problem.run, window_size=(window, 0)))
     shape, layout = problem.shape, None
-    if cu_seqlens is not None and mask != "docs-zigzag":
-        layout = balanced_layout(cu_seqlens, problem.cp, group=placement.ulysses)
+    if cu_seqlens is not None and mask != "docs-zigzag":  # one layout for every layer: their summed work
+        stack = MaskStack.of(Mask(True, w) for w, layers in problem.layer_kinds for _ in range(layers))
+        layout = balanced_layout(cu_seqlens, problem.cp, group=placement.ulysses, mask=stack)
     total = 0
     for w, layers in problem.layer_kinds:
         m = Mask(True, w) if cu_seqlens is None or layout is not None else \
