@@ -30,7 +30,7 @@ from ..plan.autotile import TIE_RULE, TIME_TOLERANCE, Candidate, evaluate_plan, 
 from ..plan.costs import pair_flops
 from ..plan.mask import Mask
 from ..plan.maskkinds import work_mask
-from ..plan.modes import MODES as REGISTRY, Placement
+from ..plan.modes import MODES as REGISTRY, REFERENCE_MODE, Placement
 from ..plan.problem import normalize
 from ..plan.shape import AttentionShape
 from ..plan.simulate import simulate, time_breakdown
@@ -181,12 +181,12 @@ def _drop_ring_copies(tasks, modes, world_size: int, shape: AttentionShape, mask
     layout that places documents (on the balanced layout Mesh's tiles leave a document on the ranks
     that share it). Such a row has ring's numbers and a tile, so ring's row wins every tie
     (:func:`~megatron_mesh.plan.autotile.pick_best`, the flatter tile): at 256 GPUs, 15 Mesh plans
-    of 2 s each per sample."""
-    ring = {p.options.backward_chunks: p for name, p in tasks if name == "ring"}
+    of 2 s each per sample. (Ring is the registry's reference mode, REFERENCE_MODE.)"""
+    ring = {p.options.backward_chunks: p for name, p in tasks if name == REFERENCE_MODE}
     out = []
     for name, p in tasks:
         twin = ring.get(getattr(p.options, "backward_chunks", None))
-        if name in ("ring", *modes) or twin is None or not _same_plan(p, twin, world_size, shape, mask, layout):
+        if name in (REFERENCE_MODE, *modes) or twin is None or not _same_plan(p, twin, world_size, shape, mask, layout):
             out.append((name, p))
         else:
             skipped.append({"mode": p.describe(), "reason": RING_COPY})
