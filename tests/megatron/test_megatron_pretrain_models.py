@@ -88,16 +88,21 @@ def _summary(text: str) -> str:
     return summary[0]
 
 
+def _matches_cp1(runs, baseline: str, name: str) -> str:
+    """Run ``name`` logs its CP 1 ``baseline``'s losses (every iteration, to RTOL); its stage summary."""
+    want = losses(run_ok(runs, baseline))
+    assert sorted(want) == list(range(1, ITERS + 1))
+    assert_losses_equal(losses(run_ok(runs, name)), want, rel=RTOL)
+    return _summary(run_ok(runs, name))
+
+
 @pytest.mark.parametrize("name, modes, layout, documents", [
     ("zigzag_cp4", ZIGZAG_MODES, "zigzag", "eod"),
     ("balanced_cp4", BALANCED_MODES, "balanced", "eod"),
     ("mlm_balanced_cp4", BALANCED_MODES, "balanced", "positions"),  # Megatron-LM's script: from the position ids
 ])
 def test_gpt_oss_layers_cp4_match_cp1(runs, name, modes, layout, documents):
-    want = losses(run_ok(runs, "cp1"))
-    assert sorted(want) == list(range(1, ITERS + 1))
-    assert_losses_equal(losses(run_ok(runs, name)), want, rel=RTOL)
-    summary = _summary(run_ok(runs, name))
+    summary = _matches_cp1(runs, "cp1", name)
     for i, mode in enumerate(modes.split(), 1):
         window = ", window 5,0" if i % 2 else ""  # --window-attn-skip-freq 2: layers 2 and 4 are full
         part = f"layer {i}: {mode} (CP 4"
@@ -150,10 +155,7 @@ def test_checkpoint_resumes_at_cp2_under_another_mode_and_layout(runs):
     ("mlm_mla_balanced_cp4", BALANCED_MODES, "balanced", "positions"),  # Megatron-LM's script: from the position ids
 ])
 def test_mla_with_yarn_cp4_matches_cp1(runs, name, modes, layout, documents):
-    want = losses(run_ok(runs, "mla_cp1"))
-    assert sorted(want) == list(range(1, ITERS + 1))
-    assert_losses_equal(losses(run_ok(runs, name)), want, rel=RTOL)
-    summary = _summary(run_ok(runs, name))
+    summary = _matches_cp1(runs, "mla_cp1", name)
     for i, mode in enumerate(modes.split(), 1):
         assert f"layer {i}: {mode} (CP 4" in summary, summary
     assert summary.count(f"documents {documents}, layout {layout})") == 4, summary
