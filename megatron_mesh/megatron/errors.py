@@ -95,10 +95,13 @@ class _Job(NamedTuple):
         return f"megatron_mesh/node_failure/{self.run_id}"
 
     def store(self, timeout_s: float):
-        """A client of the store."""
+        """A client of the store (torchrun's, at MASTER_ADDR:MASTER_PORT)."""
         from datetime import timedelta
 
         import torch.distributed as dist
+
+        if not self.addr or not self.port:  # not started by torchrun: a client would wait out its timeout
+            raise ConnectionError("no torchrun store: MASTER_ADDR / MASTER_PORT are not set")
 
         return dist.TCPStore(self.addr, self.port, is_master=False, timeout=timedelta(seconds=timeout_s))
 

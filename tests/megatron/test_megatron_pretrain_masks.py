@@ -107,7 +107,7 @@ def test_two_nodes_train_as_one_and_refuse_different_flags(doc_data, runs, tmp_p
     """A job over two "nodes" of 2 processes (two launchers on this machine, NNODES 2, as on two
     machines), CP 4 on the balanced layout, one layer per mode: the CP 1 losses, TASP's rings
     and the balanced layout following the nodes (2 CP ranks per node, from torchrun's
-    LOCAL_WORLD_SIZE). Then the nodes started with different flags (a tile) and different modes:
+    LOCAL_WORLD_SIZE). Then the nodes started with different flags (a tile and a mode, one run):
     every rank stops at start-up, each node's log says why in one line, status 2 -- not ranks
     waiting for each other for ever in the first process group one node creates. And a node that
     stops at start-up by itself stops the other at once, which names it -- so does one whose
@@ -119,19 +119,17 @@ def test_two_nodes_train_as_one_and_refuse_different_flags(doc_data, runs, tmp_p
         assert rc == 0, text[-3000:]
     assert_losses_equal(losses(done[1][1]), losses(run_ok(runs, "docs_cp1")), rel=RTOL)  # the last rank logs them
     assert "tasp (CP 4, transport p2p, CP ranks per node 2" in _summary(done[0][1])
-    for node_flags, named in ((("--mesh-tile-shape", "2x2"), ("--mesh-tile-shape", "4x1")), (("mesh", "tasp"), None)):
-        if named is None:  # the modes differ
-            nodes = [(node_flags[0], ("--train-iters", "1")), (node_flags[1], ("--train-iters", "1"))]
-            want = "--cp-comm-type: ranks 0-1: mesh, ranks 2-3: tasp"
-        else:
-            nodes = [("mesh", ("--train-iters", "1", *node_flags)), ("mesh", ("--train-iters", "1", *named))]
-            want = "--mesh-tile-shape: ranks 0-1: 2x2, ranks 2-3: 4x1"
-        for rc, text in run_nodes(config("docs"), 2, 4, nodes, env={"DOC_DATA": doc_data}, timeout=120):
-            assert rc == 2, text[-3000:]
-            assert text.count("megatron_mesh: error:") == 1, text[-3000:]
-            assert ("megatron_mesh: error: the ranks were started with different context-parallel settings" in text
-                    and want in text), text[-3000:]
-            assert "Traceback" not in text and "iteration        1/" not in text
+    # the nodes started with a different tile and a different mode: one run, both named
+    nodes = [("mesh", ("--train-iters", "1", "--mesh-tile-shape", "2x2")),
+             ("mesh tasp ring mesh", ("--train-iters", "1", "--mesh-tile-shape", "4x1"))]
+    for rc, text in run_nodes(config("docs"), 2, 4, nodes, env={"DOC_DATA": doc_data}, timeout=120):
+        assert rc == 2, text[-3000:]
+        assert text.count("megatron_mesh: error:") == 1, text[-3000:]
+        assert "megatron_mesh: error: the ranks were started with different context-parallel settings" in text, text[-3000:]
+        for want in ("--cp-comm-type: ranks 0-1: mesh, ranks 2-3: mesh tasp ring mesh",
+                     "--mesh-tile-shape: ranks 0-1: 2x2, ranks 2-3: 4x1"):
+            assert want in text, text[-3000:]
+        assert "Traceback" not in text and "iteration        1/" not in text
     # one node without the dataset: it stops at start-up, and the other -- which would wait in its
     # first collective until the distributed timeout (10 min) -- stops within seconds, naming it;
     # also when the node that stops is node 0, whose torchrun holds the store they meet in
