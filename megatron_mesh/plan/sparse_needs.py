@@ -99,7 +99,7 @@ class QueryOwnerNeeds:
         self._cols: dict[int, dict] = {}
 
     def blocks(self, x: int) -> list[tuple[int, int]]:
-        return [(x, j) for j in self.index.sharing(x) if self.index.parts(x, j)]
+        return [(x, j) for j in self.index.sharing(x) if self.index.summary(x, j)[1]]
 
     def rows(self, x: int) -> dict:
         return {}
@@ -107,16 +107,15 @@ class QueryOwnerNeeds:
     def cols(self, x: int) -> dict[int, tuple[Segment, ...]]:
         out = self._cols.get(x)
         if out is None:
-            out = self._cols[x] = {j: union_intervals([tuple(seg) for c in parts for seg in c.cols[0]])
-                                   for j in self.index.sharing(x) if j != x
-                                   for parts in (self.index.parts(x, j),) if parts}
+            out = self._cols[x] = {j: cols for j in self.index.sharing(x) if j != x
+                                   for cols, pairs in (self.index.summary(x, j),) if pairs}
         return out
 
     def row_needers(self, c: int) -> list[int]:
         return []
 
     def col_needers(self, c: int) -> list[int]:
-        return [i for i in self.index.sharing(c) if i != c and self.index.parts(i, c)]
+        return [i for i in self.index.sharing(c) if i != c and self.index.summary(i, c)[1]]
 
 
 class Slots:

@@ -83,7 +83,7 @@ class Rounds:
         if got is None:
             work: dict[int, int] = {}
             for i, j in self.needs.blocks(x):
-                pairs = sum(c.pairs for c in self.index.parts(i, j))
+                pairs = self.index.summary(i, j)[1]
                 for c in {i, j} - {x}:
                     work[c] = work.get(c, 0) + pairs
             # groups of at least group_tokens pulled tokens: a round's latency and a call's merge

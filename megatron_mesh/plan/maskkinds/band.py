@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..docwork import document_work
 from .base import INF, MaskKind, check_documents
 from .registry import mask_from_text, register_mask_kind
 
@@ -95,7 +96,6 @@ class Mask(MaskKind):
         return rel - hi, rel - lo + 1
 
     def span_work(self, a: int, b: int, doc_len: int) -> int:
-        from ..docwork import document_work
         return document_work(a, b, doc_len, self.causal, self.window)
 
     # -- text --------------------------------------------------------------------------------------
