@@ -67,7 +67,7 @@ class Blocks:
                     self.docs_of[g].append(doc)
                 holders[g].append((local, start, n, part))
         self._parts: dict[tuple[int, int], tuple[BlockClass, ...] | None] = {}
-        self._summary: dict[tuple[int, int], tuple[tuple[Segment, ...], int]] = {}
+        self._summary: dict[int, dict[int, tuple[tuple[Segment, ...], int]]] = {}  # i -> j -> summary
         self._sharing: dict[int, tuple[int, ...]] = {}
 
     def sharing(self, x: int) -> tuple[int, ...]:
@@ -111,41 +111,40 @@ class Blocks:
         """(the columns, the allowed pairs) of block (i, j) -- those of its kernel calls (:meth:`parts`)
         together, ((), 0) when nothing is allowed -- without building the calls: a rank's plan
         reads its peers' columns and pairs (what they pull, keep and group), not their calls."""
-        ij = (i, j)
-        got = self._summary.get(ij)
+        return self.row_summary(i).get(j, ((), 0))
+
+    def row_summary(self, i: int) -> dict[int, tuple[tuple[Segment, ...], int]]:
+        """:meth:`summary` of every block of query chunk i with allowed pairs, by key chunk: one
+        pass over i's documents and their holders (the loop of :meth:`parts`, keeping only
+        columns and pairs)."""
+        got = self._summary.get(i)
         if got is not None:
             return got
-        if ij in self._parts:
-            parts = self._parts[ij] or ()
-            got = union_intervals([tuple(seg) for c in parts for seg in c.cols[0]]), sum(c.pairs for c in parts)
-        else:
-            got = self._scan(i, j)
-        self._summary[ij] = got
-        return got
-
-    def _scan(self, i: int, j: int) -> tuple[tuple[Segment, ...], int]:
-        """:meth:`summary` from the runs: the loop of :meth:`parts` keeping only columns and pairs."""
         band, fixed = self.band, self.fixed
-        cols, pairs = [], 0
+        acc: dict[int, list] = {}  # key chunk -> [column intervals, pairs]
         for doc in self.docs_of[i]:
-            k_runs = self.holders[doc].get(j)
-            if k_runs is None:
-                continue
-            for ql, qa, n, qp in self.holders[doc][i]:
-                q_end = qa + n - 1
-                for kl, ka, m, kp in k_runs:
-                    lo, hi = fixed or band(qp, kp)
-                    dmin, dmax = qa - ka - m + 1, q_end - ka
-                    if dmax < lo or dmin > hi or lo > hi:
-                        continue
-                    if dmin >= lo and dmax <= hi:  # every pair (as _BlockSum.add)
-                        cols.append((kl, kl + m))
-                        pairs += n * m
-                    else:
-                        c0 = kl + int(max(ka, qa - hi) if hi != INF else ka) - ka
-                        cols.append((c0, kl + int(min(ka + m, qa + n - lo) if lo != -INF else ka + m) - ka))
-                        pairs += band_pairs(qa, n, ka, m, lo, hi)
-        return union_intervals(cols), pairs
+            holders = self.holders[doc]
+            q_runs = holders[i]
+            for j, k_runs in holders.items():
+                for ql, qa, n, qp in q_runs:
+                    q_end = qa + n - 1
+                    for kl, ka, m, kp in k_runs:
+                        lo, hi = fixed or band(qp, kp)
+                        dmin, dmax = qa - ka - m + 1, q_end - ka
+                        if dmax < lo or dmin > hi or lo > hi:
+                            continue
+                        a = acc.get(j)
+                        if a is None:
+                            a = acc[j] = [[], 0]
+                        if dmin >= lo and dmax <= hi:  # every pair (as _BlockSum.add)
+                            a[0].append((kl, kl + m))
+                            a[1] += n * m
+                        else:
+                            c0 = kl + int(max(ka, qa - hi) if hi != INF else ka) - ka
+                            a[0].append((c0, kl + int(min(ka + m, qa + n - lo) if lo != -INF else ka + m) - ka))
+                            a[1] += band_pairs(qa, n, ka, m, lo, hi)
+        got = self._summary[i] = {j: (union_intervals(cols), pairs) for j, (cols, pairs) in acc.items()}
+        return got
 
     def all(self) -> dict[tuple[int, int], tuple[BlockClass, ...]]:
         out = {}

@@ -644,7 +644,7 @@ def test_compare_cp_modes_refuses_a_report_directory_it_cannot_make(script, caps
     ("bench_plan_build", ["--cp", "4", "--seq-len", "1024"],
      r"--docs 'lognormal:4096,1.0' must be parts joined.* \(--docs lognormal:4096,1.0 is the default: give --docs for a "
      r"--seq-len this short\)"),
-    ("bench_plan_build", ["--cp", "4", "--seq-len", "0"], r"--seq-len must be >= 1, got 0"),
+    ("bench_plan_build", ["--cp", "4", "--seq-len", "0"], r"--seq-len and --repeat must be >= 1, got 0 and 1"),
     ("bench_plan_build", ["--cp", "4", "4", "--seq-len", "1024", "--docs", "fixed:128"], r"name each CP size and mode once"),
     ("bench_plan_build", ["--cp", "4", "--seq-len", "1024", "--docs", "fixed:128", "--modes", "ring", "ring"],
      r"name each CP size and mode once"),
@@ -703,6 +703,28 @@ def test_scripts_refuse_bad_input_by_name(script, capsys, name, argv, message):
         script(name).main(argv)
     assert exit_.value.code == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_bench_plan_build_keeps_the_fastest_run_and_sums_a_sample(script, capsys, monkeypatch):
+    """--repeat N: every time the fastest of N runs; a sample's time is the layout, the choice and
+    the plan of the layout ``auto`` keeps, printed on that row only."""
+    bench = script("bench_plan_build")
+    first = bench.measure(4, 4096, "fixed:512", ["ring"])
+    kept = next(r for r in first if r["kept"])
+    bal = next(r for r in first if r["layout"] == "balanced")
+    assert bench.sample_s(first, kept) == bal["layout_s"] + bal["choice_s"] + kept["plan_s"]
+    assert [bench.sample_s(first, r) for r in first if not r["kept"]] == [None]
+    # three runs whose times differ field by field: each field's minimum, the rest of the row kept
+    runs = iter([[dict(r, **{k: 1.0 + (n + i) % 3 for i, k in enumerate(bench.TIMES)}) for r in first]
+                 for n in range(3)])
+    with monkeypatch.context() as m:
+        m.setattr(bench, "measure", lambda *a, **k: next(runs))
+        rows = bench.fastest(4, 4096, "fixed:512", ["ring"], repeat=3)
+    assert rows == [dict(r, **{k: 1.0 for k in bench.TIMES}) for r in first]
+    bench.main(["--cp", "4", "--seq-len", "4096", "--docs", "fixed:512", "--modes", "ring", "--repeat", "2"])
+    out = capsys.readouterr().out.splitlines()
+    assert "sample ms" in out[0] and len(out) == 3
+    assert sorted(len(line.split()) for line in out[1:]) == [9, 10]  # the kept row has its sample time
 
 
 def test_layout_tables_print_each_seed_and_the_criteria(script, capsys, tmp_path):
