@@ -7,7 +7,7 @@ bytes over the query-owner bound (:mod:`megatron_mesh.plan.bound`), the simulate
 compute floor, the work max/mean -- and the issue's criteria over the seeds. Pure Python::
 
     python scripts/layout_tables.py --cp 256 --nodes 32 --seq-len 1048576 --docs lognormal:4096,1.0 \\
-        --seeds 0 1 2 3 4 5 6 7 8 9 --jobs 2
+        --seeds 0 1 2 3 4 5 6 7 8 9 --jobs 2                # two processes, a seed each at a time
     python scripts/layout_tables.py --cp 8 --seq-len 65536 --heads 2 --kv-heads 2 --head-dim 32 --dtype fp32 \\
         --modes ring,mesh-auto,tasp --seeds 0 1 2 3 4 5 6 7 8 9
 
@@ -55,6 +55,12 @@ def sample(args, shape: AttentionShape, topo: Topology, seed: int, pool) -> dict
             zigzag=dict(bytes=z.bytes_per_rank, time=z.time_s, work=z.extra.get("forward_work_max_over_mean")),
             balanced=dict(bytes=b.bytes_per_rank, time=b.time_s, work=b.extra.get("forward_work_max_over_mean"))))
     return out
+
+
+def _sample_alone(job) -> dict:
+    """:func:`sample` in a worker process (a seed's rows planned there, one after another)."""
+    args, shape, topo, seed = job
+    return sample(args, shape, topo, seed, None)
 
 
 def _name(row) -> str:
@@ -114,7 +120,8 @@ def main(argv=None) -> None:
     ap.add_argument("--docs", default="lognormal:4096,1.0")
     ap.add_argument("--seeds", type=int, nargs="+", default=list(range(10)))
     ap.add_argument("--modes", default="ring,mesh-auto,tasp,a2a+tasp")
-    ap.add_argument("--jobs", type=int, default=1, help="processes that plan and simulate (the planner's --jobs)")
+    ap.add_argument("--jobs", type=int, default=1, help="processes that plan and simulate (the planner's --jobs): "
+                    "with several seeds each plans a seed at a time, with one the seed's rows")
     ap.add_argument("--json", help="also write every sample's rows to this file (JSON lines)")
     args = ap.parse_args(argv)
     if args.cp < 1 or args.seq_len % (2 * args.cp):
@@ -130,8 +137,11 @@ def main(argv=None) -> None:
         ap.error(str(e))
     start, samples = time.perf_counter(), []
     with worker_pool(args.jobs) as pool:
-        for seed in args.seeds:
-            s = sample(args, shape, topo, seed, pool)
+        # several seeds: a seed per worker at a time (no worker waits for another seed's slowest row),
+        # printed in order; one seed: its rows spread over the workers
+        samples_of = pool.map(_sample_alone, [(args, shape, topo, seed) for seed in args.seeds]) \
+            if pool is not None and len(args.seeds) > 1 else (sample(args, shape, topo, seed, pool) for seed in args.seeds)
+        for s in samples_of:
             print_sample(s)
             samples.append(s)
             if args.json:

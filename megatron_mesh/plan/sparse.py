@@ -157,10 +157,10 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
     token_bytes = {k: buffer_bytes(k, 1, shape) for k in ("q", "kv", "do", "o", "dq", "dkv")}
     if not assignment.compete:  # the map is the layout's: its work balance rests on it
         assigned, owner = assignment.owners[0]
-        needs = Needs(P, block_table(P, mask, layout, own_calls), owner)
+        needs = Needs(P, index.spans(), owner)
         notes.append(f"every block is computed where the {assigned} map names (the layout's balance rests on it)")
     elif assignment.owners:  # compare the mode's maps with the query owner by the busiest rank's bytes
-        table = block_table(P, mask, layout, own_calls)
+        table = index.spans()
         candidates = [(QUERY_OWNER, Needs(P, table, lambda i, j: i))]
         candidates += [(name, Needs(P, table, owner)) for name, owner in assignment.owners]
         # each map with the ranks that would keep their slots under it ("auto" decides per map)

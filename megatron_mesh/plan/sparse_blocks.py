@@ -68,6 +68,8 @@ class Blocks:
                 holders[g].append((local, start, n, part))
         self._parts: dict[tuple[int, int], tuple[BlockClass, ...] | None] = {}
         self._summary: dict[int, dict[int, tuple[tuple[Segment, ...], int]]] = {}  # i -> j -> summary
+        self._raw: dict[int, dict[int, list]] = {}  # i -> j -> the runs' rows, columns and pairs
+        self._spans: dict | None = None
         self._sharing: dict[int, tuple[int, ...]] = {}
 
     def sharing(self, x: int) -> tuple[int, ...]:
@@ -114,14 +116,29 @@ class Blocks:
         return self.row_summary(i).get(j, ((), 0))
 
     def row_summary(self, i: int) -> dict[int, tuple[tuple[Segment, ...], int]]:
-        """:meth:`summary` of every block of query chunk i with allowed pairs, by key chunk: one
-        pass over i's documents and their holders (the loop of :meth:`parts`, keeping only
-        columns and pairs)."""
+        """:meth:`summary` of every block of query chunk i with allowed pairs, by key chunk."""
         got = self._summary.get(i)
+        if got is None:
+            got = self._summary[i] = {j: (union_intervals(cols), pairs) for j, (_, cols, pairs) in self._scan(i).items()}
+        return got
+
+    def spans(self) -> dict[tuple[int, int], tuple[tuple[Segment, ...], tuple[Segment, ...]]]:
+        """{(i, j): (rows, columns)} of every block with allowed pairs, in :meth:`all`'s order -- the
+        rows and columns of :func:`block_table`'s blocks, without their kernel calls (what an owner
+        map's needs read, :class:`~.sparse_needs.Needs`)."""
+        if self._spans is None:
+            self._spans = {(i, j): (union_intervals(rows), union_intervals(cols))
+                           for i in range(self.P) for j, (rows, cols, _) in sorted(self._scan(i).items())}
+        return self._spans
+
+    def _scan(self, i: int) -> dict[int, list]:
+        """Key chunk -> [row intervals, column intervals, pairs] of query chunk i's blocks: one pass
+        over i's documents and their holders (the loop of :meth:`parts`, as _BlockSum.add counts)."""
+        got = self._raw.get(i)
         if got is not None:
             return got
         band, fixed = self.band, self.fixed
-        acc: dict[int, list] = {}  # key chunk -> [column intervals, pairs]
+        acc: dict[int, list] = {}
         for doc in self.docs_of[i]:
             holders = self.holders[doc]
             q_runs = holders[i]
@@ -135,16 +152,19 @@ class Blocks:
                             continue
                         a = acc.get(j)
                         if a is None:
-                            a = acc[j] = [[], 0]
-                        if dmin >= lo and dmax <= hi:  # every pair (as _BlockSum.add)
-                            a[0].append((kl, kl + m))
-                            a[1] += n * m
+                            a = acc[j] = [[], [], 0]
+                        if dmin >= lo and dmax <= hi:  # every pair
+                            a[0].append((ql, ql + n))
+                            a[1].append((kl, kl + m))
+                            a[2] += n * m
                         else:
-                            c0 = kl + int(max(ka, qa - hi) if hi != INF else ka) - ka
-                            a[0].append((c0, kl + int(min(ka + m, qa + n - lo) if lo != -INF else ka + m) - ka))
-                            a[1] += band_pairs(qa, n, ka, m, lo, hi)
-        got = self._summary[i] = {j: (union_intervals(cols), pairs) for j, (cols, pairs) in acc.items()}
-        return got
+                            a[0].append((ql + int(max(qa, ka + lo) if lo != -INF else qa) - qa,
+                                         ql + int(min(qa + n, ka + m + hi) if hi != INF else qa + n) - qa))
+                            a[1].append((kl + int(max(ka, qa - hi) if hi != INF else ka) - ka,
+                                         kl + int(min(ka + m, qa + n - lo) if lo != -INF else ka + m) - ka))
+                            a[2] += band_pairs(qa, n, ka, m, lo, hi)
+        self._raw[i] = acc
+        return acc
 
     def all(self) -> dict[tuple[int, int], tuple[BlockClass, ...]]:
         out = {}

@@ -28,21 +28,21 @@ def _union(sels) -> tuple[Segment, ...]:
 
 class Needs:
     """For one assignment: which rows / columns of which chunk each rank reads from others, and
-    which blocks it computes -- computed for every rank at once from the whole block table (an
+    which blocks it computes -- computed for every rank at once from every block's rows and columns (an
     assignment other than the query owner: the bytes of every rank decide between them)."""
 
-    def __init__(self, P: int, table: dict, owner):
+    def __init__(self, P: int, spans: dict, owner):
         self.P = P
         self._blocks: list[list[tuple[int, int]]] = [[] for _ in range(P)]
         rows: dict[tuple[int, int], list] = {}  # (needer, chunk) -> row selections
         cols: dict[tuple[int, int], list] = {}
-        for (i, j), c in table.items():
+        for (i, j), (r, c) in spans.items():  # (rows, columns) of each block (Blocks.spans)
             x = owner(i, j)
             self._blocks[x].append((i, j))
             if i != x:
-                rows.setdefault((x, i), []).append(c.rows)
+                rows.setdefault((x, i), []).append(r)
             if j != x:
-                cols.setdefault((x, j), []).append(c.cols[0])
+                cols.setdefault((x, j), []).append(c)
         self._rows = [dict() for _ in range(P)]
         self._cols = [dict() for _ in range(P)]
         self._row_needers: list[list[int]] = [[] for _ in range(P)]

@@ -746,6 +746,19 @@ def test_layout_tables_print_each_seed_and_the_criteria(script, capsys, tmp_path
                    if r["U"] == 1)
 
 
+def test_layout_tables_jobs_plan_a_seed_per_worker_with_the_same_rows(script, capsys, tmp_path):
+    """--jobs 2 over several seeds: each worker plans whole seeds, the output in seed order and the
+    JSON identical to one process's."""
+    argv = ["--cp", "4", "--seq-len", "4096", "--docs", "lognormal:512,1.0", "--seeds", "2", "0", "1", "--modes", "ring"]
+    tables, printed = script("layout_tables"), []
+    for jobs in ("1", "2"):
+        tables.main(argv + ["--jobs", jobs, "--json", str(tmp_path / f"rows{jobs}.jsonl")])
+        printed.append(capsys.readouterr().out.split("\n\n(3 samples")[0])  # all but the time taken
+    assert printed[1] == printed[0] and printed[0].count("\nseed ") == 3
+    assert (tmp_path / "rows2.jsonl").read_text() == (tmp_path / "rows1.jsonl").read_text()
+    assert [json.loads(line)["seed"] for line in (tmp_path / "rows2.jsonl").read_text().splitlines()] == [2, 0, 1]
+
+
 def test_compare_attention_kv_heads_follow_heads(script, capsys):
     rows = script("compare_attention").main(["--world", "2", "--seq-len", "32", "--heads", "2", "--head-dim", "8",
                                              "--modes", "ring"])
