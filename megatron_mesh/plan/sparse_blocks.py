@@ -68,7 +68,6 @@ class Blocks:
                 holders[g].append((local, start, n, part))
         self._parts: dict[tuple[int, int], tuple[BlockClass, ...] | None] = {}
         self._summary: dict[int, dict[int, tuple[tuple[Segment, ...], int]]] = {}  # i -> j -> summary
-        self._raw: dict[int, dict[int, list]] = {}  # i -> j -> the runs' rows, columns and pairs
         self._spans: dict | None = None
         self._sharing: dict[int, tuple[int, ...]] = {}
 
@@ -119,7 +118,8 @@ class Blocks:
         """:meth:`summary` of every block of query chunk i with allowed pairs, by key chunk."""
         got = self._summary.get(i)
         if got is None:
-            got = self._summary[i] = {j: (union_intervals(cols), pairs) for j, (_, cols, pairs) in self._scan(i).items()}
+            got = self._summary[i] = {j: (union_intervals(cols), pairs)
+                                      for j, (_, cols, pairs) in self._scan(i, rows=False).items()}
         return got
 
     def spans(self) -> dict[tuple[int, int], tuple[tuple[Segment, ...], tuple[Segment, ...]]]:
@@ -128,15 +128,13 @@ class Blocks:
         map's needs read, :class:`~.sparse_needs.Needs`)."""
         if self._spans is None:
             self._spans = {(i, j): (union_intervals(rows), union_intervals(cols))
-                           for i in range(self.P) for j, (rows, cols, _) in sorted(self._scan(i).items())}
+                           for i in range(self.P) for j, (rows, cols, _) in sorted(self._scan(i, rows=True).items())}
         return self._spans
 
-    def _scan(self, i: int) -> dict[int, list]:
-        """Key chunk -> [row intervals, column intervals, pairs] of query chunk i's blocks: one pass
-        over i's documents and their holders (the loop of :meth:`parts`, as _BlockSum.add counts)."""
-        got = self._raw.get(i)
-        if got is not None:
-            return got
+    def _scan(self, i: int, rows: bool) -> dict[int, list]:
+        """Key chunk -> [row intervals (``rows``; else none), column intervals, pairs] of query chunk
+        i's blocks: one pass over i's documents and their holders (the loop of :meth:`parts`, as
+        _BlockSum.add counts). Not kept: a plan of thousands of blocks keeps only their unions."""
         band, fixed = self.band, self.fixed
         acc: dict[int, list] = {}
         for doc in self.docs_of[i]:
@@ -154,16 +152,17 @@ class Blocks:
                         if a is None:
                             a = acc[j] = [[], [], 0]
                         if dmin >= lo and dmax <= hi:  # every pair
-                            a[0].append((ql, ql + n))
+                            if rows:
+                                a[0].append((ql, ql + n))
                             a[1].append((kl, kl + m))
                             a[2] += n * m
                         else:
-                            a[0].append((ql + int(max(qa, ka + lo) if lo != -INF else qa) - qa,
-                                         ql + int(min(qa + n, ka + m + hi) if hi != INF else qa + n) - qa))
+                            if rows:
+                                a[0].append((ql + int(max(qa, ka + lo) if lo != -INF else qa) - qa,
+                                             ql + int(min(qa + n, ka + m + hi) if hi != INF else qa + n) - qa))
                             a[1].append((kl + int(max(ka, qa - hi) if hi != INF else ka) - ka,
                                          kl + int(min(ka + m, qa + n - lo) if lo != -INF else ka + m) - ka))
                             a[2] += band_pairs(qa, n, ka, m, lo, hi)
-        self._raw[i] = acc
         return acc
 
     def all(self) -> dict[tuple[int, int], tuple[BlockClass, ...]]:
