@@ -29,8 +29,9 @@ and are scored by its model, which counts what Mesh's plan of them moves:
 Worked example (P = 3 ranks of 8 tokens, documents of 12, 4, 4 and 4 tokens; work 78 + 3 x 10,
 mean 36): the long document on 2 ranks would give one of them 6 x 6 / 2 + 6 + 36 = 57 pairs, so
 it goes on 3 in portions of 4, each rank beside one short document; each rank computes one of the
-three blocks (16 pairs): 10 + 10 + 16 = 36 pairs each, work max/mean 1.00, and each rank sends 8
-tokens' worth -- one portion for each of its two blocks (``tests/plan/test_balance_owners.py``).
+three blocks (16 pairs): 10 + 10 + 16 = 36 pairs each, work max/mean 1.00 (the query owner: 20,
+36 and 52), and each rank sends one portion of 4 tokens for each of its two blocks -- K/V,
+dK/dV, Q and dO, or O and dQ (``tests/plan/test_balance_owners.py``).
 
 On the CPU problem (8 ranks, 64K tokens of ``lognormal:4096,1.0``, seeds 0-9) the busiest rank
 sends a median 1.27x the query-owner bound (the work-balanced layout: 2.93x) at work max/mean <=

@@ -9,6 +9,7 @@ import statistics
 import pytest
 
 from megatron_mesh.plan import AttentionShape, Mask, Topology, plan_bytes, positions, rank_work, resolve
+from megatron_mesh.plan.accounting import buffer_bytes
 from megatron_mesh.plan.balance_owners import MAX_LONG, MAX_RANKS, owners_layout
 from megatron_mesh.plan.bound import query_owner_bound
 from megatron_mesh.tools.plan_args import document_bounds
@@ -22,7 +23,7 @@ def _mesh(layout, shape):
 
 
 def test_worked_example_of_the_module_docstring():
-    shape = AttentionShape(8, 1, 2, 2, 32, 4)  # 512 bytes of K/V a token, 512 of dK/dV
+    shape = AttentionShape(8, 1, 2, 2, 32, 4)
     layout = owners_layout([0, 12, 16, 20, 24], 3, shape)
     held = [set(positions(layout, r)) for r in range(3)]
     assert all(len(h & set(range(12))) == 4 for h in held)  # the long document in portions of 4
@@ -30,7 +31,10 @@ def test_worked_example_of_the_module_docstring():
     assert sorted(layout.owner(i, j) for i, j in ((1, 0), (2, 0), (2, 1))) == [0, 1, 2]  # one block each
     sent, work = _mesh(layout, shape)
     assert work == [36, 36, 36]
-    assert sent == [8 * 512] * 3  # one portion of 4 tokens for each of its two blocks
+    b = {k: buffer_bytes(k, 4, shape) for k in ("q", "kv", "o", "do", "dq", "dkv")}  # one portion's
+    # rank 0 computes (1, 0): sends O and dQ back, and its K/V to rank 2; rank 1 computes (2, 1) and sends
+    # its Q and dO to rank 0; rank 2 computes (2, 0) and sends its Q and dO to rank 1, dK/dV to rank 0
+    assert sent == [b["o"] + b["dq"] + b["kv"], b["q"] + b["do"] + b["o"] + b["dq"], b["dkv"] + b["q"] + b["do"]]
 
 
 def test_cpu_problem_meets_issue_53():
