@@ -34,11 +34,14 @@ three blocks (16 pairs): 10 + 10 + 16 = 36 pairs each, work max/mean 1.00 (the q
 dK/dV, Q and dO, or O and dQ (``tests/plan/test_balance_owners.py``).
 
 On the CPU problem (8 ranks, 64K tokens of ``lognormal:4096,1.0``, seeds 0-9) the busiest rank
-sends a median 1.27x the query-owner bound (the work-balanced layout: 2.93x) at work max/mean <=
-1.045, in 44-108 ms per sample (docs/performance.md, "What did not work" has the table). Its
-cost grows with the pairs of ranks (one candidate: 0.1 ms at 8 ranks, 27 ms at 256) and its
-choice of k with the long documents, so it refuses more than :data:`MAX_RANKS` ranks or
-:data:`MAX_LONG` long documents; its layouts run on Mesh's plans (ring and TASP refuse owners).
+sends a median 1.24x the query-owner bound (the work-balanced layout: 2.93x) at work max/mean <=
+1.045, in 41-95 ms per sample (docs/performance.md has the table). On seeds 0-39, 5 samples
+would exceed 1.05 (1.05-1.14) -- a block is computed whole on one rank, and a long document's
+portions are set by the whole short documents around them: there it raises, and the
+work-balanced layout (:func:`~.balance.balanced_layout`) is the one to use. Its cost grows with
+the pairs of ranks (one candidate: 0.1 ms at 8 ranks, 27 ms at 256) and its choice of k with the
+long documents, so it refuses more than :data:`MAX_RANKS` ranks or :data:`MAX_LONG` long
+documents; its layouts run on Mesh's plans (ring and TASP refuse owners).
 """
 
 from __future__ import annotations
@@ -329,9 +332,10 @@ def _check(cu_seqlens, world_size: int, shape: AttentionShape) -> Problem:
 def owners_layout(cu_seqlens, world_size: int, shape: AttentionShape, *, max_balance: float = 1.05,
                   evaluations: int = EVALUATIONS, polish: int = POLISH, seed: int = 0) -> BalancedLayout:
     """The layout of the documents ``cu_seqlens`` (causal, no window) over ``world_size`` ranks of
-    ``shape.seq_local`` tokens, with the owner of each block (module docstring). Deterministic
-    for a ``seed``. Work max/mean is what the search reached: at most ``max_balance`` on the
-    samples measured, not guaranteed (``Problem.score`` says)."""
+    ``shape.seq_local`` tokens, with the owner of each block (module docstring); deterministic for
+    a ``seed``. ValueError, naming the value, where it would exceed ``max_balance`` work max/mean
+    (the CPU problem's mix: 5 of seeds 0-39), more than MAX_RANKS ranks or MAX_LONG long documents,
+    or none."""
     problem = _check(cu_seqlens, world_size, shape)
     order = list(range(world_size))
     homes = []
@@ -352,4 +356,7 @@ def owners_layout(cu_seqlens, world_size: int, shape: AttentionShape, *, max_bal
         if best is None or got[0] < best[0]:
             best = got
     _, state, result = best
+    if result[1] > max_balance:  # the family cannot always balance (a block is computed whole on one rank)
+        raise ValueError(f"the owner-choosing builder reached work max/mean {result[1]:.3f} on these documents, above "
+                         f"max_balance {max_balance}; balanced_layout balances them")
     return layout_of(problem, list(cu_seqlens), state, result[4])

@@ -68,3 +68,6 @@ def test_errors_name_the_value():
         owners_layout(list(range(0, 25, 1)), 3, shape)
     with pytest.raises(ValueError, match="cu_seqlens must rise from 0 to world_size x shape.seq_local = 24"):
         owners_layout([0, 12, 20], 3, shape)
+    # one document over both ranks: its block is computed whole on one of them (36 + 64 against 36 pairs)
+    with pytest.raises(ValueError, match=r"reached work max/mean 1\.47.*above max_balance 1\.05; balanced_layout"):
+        owners_layout([0, 16], 2, shape)
