@@ -165,7 +165,7 @@ def _polish_shorts(problem: Problem, home, x, u, tok_weight: float = 4.0, passes
                         best, swap = gain, (e, t, m, v)
             if swap is not None:
                 e, t, m, v = swap
-                st[r] += m - n; sw[r] += v - w; st[t] += n - m; sw[t] += w - v
+                st[r], sw[r], st[t], sw[t] = st[r] + m - n, sw[r] + v - w, st[t] + n - m, sw[t] + w - v
                 home[d] = t
                 if e is not None:
                     home[e] = r
