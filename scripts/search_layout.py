@@ -23,8 +23,8 @@ and each rank sends one portion per block it takes part in.
 The search: simulated annealing from a seeded random start (moves: a short document to another
 rank, two swapped, two ranks swapped in the pouring order, a block to another rank), scored by
 the busiest rank's bytes sent (forward + backward, counted as the plan counts them, portions kept
-for the backward where :class:`~megatron_mesh.plan.sparse_needs.Keeps` keeps them), with a penalty on
-work max/mean above ``--max-balance``. The best state is then built by the planner -- Mesh's plan
+for the backward where :class:`~megatron_mesh.plan.sparse_needs.Keeps` keeps them: the model of
+``megatron_mesh/plan/owner_model.py``), with a penalty on work max/mean above ``--max-balance``. The best state is then built by the planner -- Mesh's plan
 on the ``BalancedLayout`` with its owners -- and that plan's bytes and work are printed (they
 equal the model's: a difference exits non-zero). ``--out`` writes the layout's text line, which
 ``compare_attention.py --layout-file`` runs on N processes against the fp64 reference:
@@ -44,111 +44,17 @@ import sys
 import time
 
 from megatron_mesh.plan import AttentionShape, Mask, plan_bytes, rank_work, resolve
-from megatron_mesh.plan.accounting import buffer_bytes
-from megatron_mesh.plan.balance import BalancedLayout, document_work
 from megatron_mesh.plan.layout import ZigzagLayout
-from megatron_mesh.plan.tunables import TUNABLES
+from megatron_mesh.plan.owner_model import Problem, State, first_homes, layout_of
 from megatron_mesh.tools.plan_args import document_bounds
 
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 
 
-def pairs(n: int) -> int:
-    """Causal (query, key) pairs of n tokens of one document among themselves (the balanced
-    layout's rule: :func:`~megatron_mesh.plan.balance.document_work`)."""
-    return document_work(0, n, n)
+class SearchState(State):
+    """A :class:`~megatron_mesh.plan.owner_model.State` with the search's random moves."""
 
-
-class Problem:
-    """One sample: P ranks of T tokens, the documents' lengths, bytes per token of each buffer."""
-
-    def __init__(self, world: int, lengths: list[int], shape: AttentionShape):
-        self.P, self.T, self.lengths = world, shape.seq_local, lengths
-        self.token = {k: buffer_bytes(k, 1, shape) for k in ("q", "kv", "o", "do", "dq", "dkv")}
-        self.mean = sum(pairs(n) for n in lengths) / world
-        # poured longest first: the longest gets the first ranks' room
-        self.long = sorted((d for d, n in enumerate(lengths) if pairs(n) > self.mean or n > self.T),
-                           key=lambda d: (-lengths[d], d))
-        self.short = [d for d in range(len(lengths)) if d not in self.long]
-
-    def portions(self, state) -> list[list[tuple[int, int, int]]] | None:
-        """Each rank's (document, start, end): the short documents at their homes, then the long
-        ones poured in order into what is left, rank by rank along ``state.order``; None where the
-        homes overfill a rank."""
-        ranks: list[list[tuple[int, int, int]]] = [[] for _ in range(self.P)]
-        left = [self.T] * self.P
-        for d, r in state.home.items():
-            ranks[r].append((d, 0, self.lengths[d]))
-            left[r] -= self.lengths[d]
-        if min(left) < 0:
-            return None
-        at = 0
-        for d in self.long:
-            lo = 0
-            while lo < self.lengths[d]:
-                while left[state.order[at]] == 0:
-                    at += 1
-                r = state.order[at]
-                take = min(left[r], self.lengths[d] - lo)
-                ranks[r].append((d, lo, lo + take))
-                left[r] -= take
-                lo += take
-        return ranks
-
-    def score(self, state):
-        """(busiest rank's bytes sent, work max/mean, sent per rank, work per rank, portions), or
-        None for a state that overfills a rank."""
-        ranks = self.portions(state)
-        if ranks is None:
-            return None
-        P, tb = self.P, self.token
-        work = [sum(pairs(b - a) for _, a, b in pcs) for pcs in ranks]
-        where: dict[int, list[tuple[int, int, int]]] = {}
-        for r, pcs in enumerate(ranks):
-            for d, a, b in pcs:
-                where.setdefault(d, []).append((r, a, b))
-        rows: dict[tuple[int, int], set] = {}  # (computing rank, query rank) -> documents whose rows it reads
-        cols: dict[tuple[int, int], set] = {}
-        for d, pcs in where.items():
-            for i, a, b in pcs:
-                for j, c, e in pcs:
-                    if i != j and e <= a:  # j's portion comes first: i's rows see all of it
-                        h = state.owner(i, j)
-                        work[h] += (b - a) * (e - c)
-                        if h != i:
-                            rows.setdefault((h, i), set()).add(d)
-                        if h != j:
-                            cols.setdefault((h, j), set()).add(d)
-        portion = {(r, d): b - a for r, pcs in enumerate(ranks) for d, a, b in pcs}
-        row_n = {k: sum(portion[k[1], d] for d in ds) for k, ds in rows.items()}
-        col_n = {k: sum(portion[k[1], d] for d in ds) for k, ds in cols.items()}
-        pulled = [0] * P
-        for (h, _), n in row_n.items():
-            pulled[h] += n * tb["q"]
-        for (h, _), n in col_n.items():
-            pulled[h] += n * tb["kv"]
-        keeps = [pulled[h] <= TUNABLES.keep_limit * self.T * (tb["q"] + tb["kv"]) for h in range(P)]
-        sent = [0] * P
-        for (h, i), n in row_n.items():
-            sent[i] += n * (tb["q"] * (1 if keeps[h] else 2) + tb["do"])
-            sent[h] += n * (tb["o"] + tb["dq"])
-        for (h, j), n in col_n.items():
-            sent[j] += n * tb["kv"] * (1 if keeps[h] else 2)
-            sent[h] += n * tb["dkv"]
-        return max(sent), max(work) / self.mean, sent, work, ranks
-
-
-class State:
-    """Where each short document lives, the order the long ones are poured along, and the rank
-    of each block that is not its query owner's."""
-
-    def __init__(self, home: dict[int, int], order: list[int], owners: dict[tuple[int, int], int]):
-        self.home, self.order, self.owners = home, order, owners
-
-    def owner(self, i: int, j: int) -> int:
-        return self.owners.get((i, j), i)
-
-    def moved(self, problem: Problem, rng: random.Random) -> "State":
+    def moved(self, problem: Problem, rng: random.Random) -> "SearchState":
         home, order, owners = dict(self.home), list(self.order), dict(self.owners)
         P, u = problem.P, rng.random()
         if u < 0.2 and problem.short:
@@ -163,27 +69,12 @@ class State:
             i, j = rng.sample(range(P), 2)
             v = rng.random()
             owners[(i, j)] = i if v < 0.35 else j if v < 0.7 else rng.randrange(P)
-        return State(home, order, owners)
+        return SearchState(home, order, owners)
 
 
 def objective(result, max_balance: float) -> float:
     """MB sent by the busiest rank, plus 1,000 per unit of work max/mean above the bound."""
     return math.inf if result is None else result[0] / 1e6 + 1000 * max(0.0, result[1] - max_balance)
-
-
-def first_homes(problem: Problem) -> dict[int, int]:
-    """Each short document, longest first, on the rank with the most room left: a start that
-    overfills no rank wherever the documents allow one (ValueError naming them where not)."""
-    left = [problem.T] * problem.P
-    home = {}
-    for d in sorted(problem.short, key=lambda d: (-problem.lengths[d], d)):
-        r = max(range(problem.P), key=lambda r: (left[r], -r))
-        if problem.lengths[d] > left[r]:
-            raise ValueError(f"the short documents do not fit whole on {problem.P} ranks of {problem.T} tokens "
-                             f"(document {d} of {problem.lengths[d]} tokens finds at most {left[r]} left)")
-        home[d] = r
-        left[r] -= problem.lengths[d]
-    return home
 
 
 def anneal(problem: Problem, seed: int, iters: int, max_balance: float, temp: float = 3.0):
@@ -193,12 +84,12 @@ def anneal(problem: Problem, seed: int, iters: int, max_balance: float, temp: fl
     order = rng.sample(range(P), P)
     # random homes can overfill a rank: a bounded number of draws, then the largest-first start
     for _ in range(100):
-        state = State({d: rng.randrange(P) for d in problem.short}, order, {})
+        state = SearchState({d: rng.randrange(P) for d in problem.short}, order, {})
         result = problem.score(state)
         if result is not None:
             break
     else:
-        state = State(first_homes(problem), order, {})
+        state = SearchState(first_homes(problem), order, {})
         result = problem.score(state)
     cost = objective(result, max_balance)
     best = (cost, state, result)
@@ -213,16 +104,6 @@ def anneal(problem: Problem, seed: int, iters: int, max_balance: float, temp: fl
                 best = (c, nxt, got)
         temp *= decay
     return best
-
-
-def layout_of(problem: Problem, bounds: list[int], state: State, ranks) -> BalancedLayout:
-    """The BalancedLayout of ``ranks``' portions (each rank's runs in position order), with the
-    owners of the blocks that exist and are not their query owner's."""
-    runs = tuple(tuple(sorted((bounds[d] + a, b - a) for d, a, b in pcs)) for pcs in ranks)
-    docs_of = [{d for d, _, _ in pcs} for pcs in ranks]
-    owners = tuple(sorted((i, j, h) for (i, j), h in state.owners.items()
-                          if h != i and docs_of[i] & docs_of[j] & set(problem.long)))
-    return BalancedLayout(problem.P, runs, tuple(zip(bounds, bounds[1:])), owners=owners)
 
 
 def zigzag_best(world: int, bounds: list[int], shape: AttentionShape) -> tuple[int, str]:

@@ -40,6 +40,7 @@ class Case:
     hide: bool = False  # and hide=True: the hybrids' first and last documents (four all-to-all rounds)
     owners: int = 0  # > 0: the documents cu_seqlens on ranks of contiguous tokens, each block computed where a
     # random map of this seed names (BalancedLayout.owners: either of its two ranks or another)
+    built: bool = False  # True: the documents cu_seqlens on the layout plan/balance_owners.owners_layout builds
     seq_local: int = 8
     batch: int = 1
     head_dim: int = 16
@@ -60,6 +61,8 @@ class Case:
             mask += f" balanced (group {self.balanced}{', hide' if self.hide else ''})"
         if self.owners:
             mask += f" contiguous ranks, block owners of seed {self.owners}"
+        if self.built:
+            mask += " owners_layout"
         if self.v_head_dim not in (None, self.head_dim):
             mask += f" head dims {self.head_dim}/{self.v_head_dim}"
         if self.sink:
@@ -120,6 +123,12 @@ MEMORY = {
 
 
 def _layout(c: Case):
+    if c.built:
+        from megatron_mesh.plan.balance_owners import owners_layout
+
+        itemsize = torch.tensor([], dtype=c.dtype).element_size()
+        return owners_layout(c.cu_seqlens, c.world, AttentionShape(c.seq_local, c.batch, c.heads, c.kv_heads,
+                                                                    c.head_dim, itemsize))
     if c.owners:
         import random
 
@@ -170,7 +179,7 @@ def run(rank: int, c: Case, group, comm=None) -> Record:
         x.requires_grad_()
     offset = None if sink is None else sink.detach().to(c.dtype).requires_grad_(c.sink == "learnable")
     versions = [x._version for x in (q, k, v, do)]
-    documents = list(c.cu_seqlens) if c.cu_seqlens and not (c.balanced or c.owners) else None  # the layout's own
+    documents = list(c.cu_seqlens) if c.cu_seqlens and not (c.balanced or c.owners or c.built) else None  # the layout's own
     kw = dict(causal=c.causal, window=c.window, cu_seqlens=documents, layout=layout, comm=comm, **dict(c.settings))
     with mm.comm_counter() as counter:
         out = mm.attention(q, k, v, mode=c.mode, group=group, softmax_offset=offset, **kw)
@@ -316,7 +325,8 @@ def balanced_grid(rank: int, world: int, group=None) -> list[Record]:
     (every other case with its first and last documents set apart: hide) -- under four document
     sets and windows, MHA / GQA / MQA, fp32 and bf16; and Mesh on a layout that names its blocks'
     owners (contiguous ranks, random owners: query rank, key rank or a third; one document over
-    every rank, and documents longer than a rank)."""
+    every rank, and documents longer than a rank); at P = 8 the CPU problem's scaled samples on the
+    balanced layout (ring, TASP) and on the layout plan/balance_owners.py builds (Mesh)."""
     T = 2 * max(world, 3)
     out, n = [], 0
     modes = [("ring", (), 0), ("mesh", (("tile", "auto"),), 0), ("tasp", (), 0)]
@@ -345,6 +355,9 @@ def balanced_grid(rank: int, world: int, group=None) -> list[Record]:
             for mode in ("ring", "tasp"):
                 out.append(run(rank, Case(8, mode, (), 2, 2, torch.float32, seq_local=256, head_dim=32, cu_seqlens=cu,
                                           balanced=1), group))
+            # and Mesh on the layout whose blocks' owners plan/balance_owners.py chose
+            out.append(run(rank, Case(8, "mesh", (), 2, 2, torch.float32, seq_local=256, head_dim=32, cu_seqlens=cu,
+                                      built=True), group))
     return out
 
 

@@ -9,7 +9,8 @@ its scale 1.14 on the rotated part; plain RoPE too on the balanced layout), whic
 MLA applies itself at this rank's positions: the zigzag's, or on the balanced layout each local
 token's global one (``batch_layout.follow_layout`` hooks MLA's own rotary). Per case, at CP 4
 (mesh, tasp, ring, a2a+mesh) on both layouts and TP 2 x CP 2 (mesh 2x1, ring) on the zigzag, whole
-sequences and end-of-document documents, the loss summed over the CP group and every parameter
+sequences and end-of-document documents (and with documents on the balanced layout: a2a+tasp and
+a2a+ring at CP 4, mesh 2x1 at TP 2 x CP 2), the loss summed over the CP group and every parameter
 gradient all-reduced over it equal the same model at CP 1 -- where the plugin's single-rank
 attention runs (Megatron's local DotProductAttention takes no separate value head dim; the
 single-rank attention with d_v != d_qk is checked against the dense reference in
@@ -91,6 +92,16 @@ def gpt_mla_equivalence(rank: int, world: int, layouts) -> list[dict]:
                     rec.update(label=label, what=what, layout=layout, rope="yarn", tp=tp, cp=cp,
                                modes=[a.mode for a in attn], kinds=sorted({type(a).__name__ for a in attn}))
                     records.append(rec)
+        # the other hybrids, and TP 2 x CP 2, with YaRN on the balanced layout: documents
+        extra = [("a2a+tasp", "a2a+tasp", HCP), ("a2a+ring", "a2a+ring", HCP)] if cp == 4 else _modes(cp)[:1]
+        ref_loss, ref_grads, _ = _run(tp, 1, None, "documents", None, full, single_pgc, None)
+        for label, mode, hcp in extra:
+            loss, grads, attn = _run(tp, cp, mode, "documents", hcp, full, pgc, cp_group, "balanced")
+            rec = mc._compare(f"TP={tp} CP={cp} MLA documents balanced {label}", loss, grads, ref_loss, ref_grads,
+                              cp_group)
+            rec.update(label=label, what="documents", layout="balanced", rope="yarn", tp=tp, cp=cp,
+                       modes=[a.mode for a in attn], kinds=sorted({type(a).__name__ for a in attn}))
+            records.append(rec)
         if cp == 4:  # MLA's plain RoPE (rope_type "rope") on the balanced layout: documents, two modes
             ref_loss, ref_grads, _ = _run(tp, 1, None, "documents", None, full, single_pgc, None, rope="rope")
             for label, mode, hcp in _modes(cp)[::3]:

@@ -58,7 +58,7 @@ from .layout_decision import sample_layout, uses_balanced_layout
 from .process import PROCESS, ProcessState
 from .settings import BATCH_DOCUMENTS, PluginSettings
 
-__all__ = ["sample_layout", "uses_balanced_layout", "eod_starts", "position_starts", "document_rows",
+__all__ = ["sample_layout", "uses_balanced_layout", "eod_token", "eod_starts", "position_starts", "document_rows",
            "boundary_params", "BatchLayout", "split_batch", "set_current", "current",
            "follow_layout", "add_rope_hook", "install", "Lookahead", "install_lookahead"]
 
@@ -82,6 +82,16 @@ def position_starts(position_row: Tensor) -> list[int]:
     token, where ``--reset-attention-mask`` cuts the documents). E.g. [0, 1, 2, 0, 1, 0] -> [0, 3, 5]."""
     jumps = (position_row[1:] != position_row[:-1] + 1).nonzero().flatten()
     return [0] + (jumps + 1).tolist()
+
+
+def eod_token(documents: Optional[str]) -> Optional[int]:
+    """The tokenizer's end-of-document token where ``documents`` come from tokens (``"eod"``, THD
+    packing); None where they come from position ids (or there are none)."""
+    if documents in (None, "positions"):
+        return None
+    from megatron.training import get_tokenizer
+
+    return get_tokenizer().eod
 
 
 def document_rows(batch: dict, source: str, eod: Optional[int] = None) -> tuple[tuple[int, ...], ...]:
@@ -314,12 +324,7 @@ def get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=None, *rest, p
     if source not in BATCH_DOCUMENTS or is_hybrid_cp or batch.get("cu_seqlens") is not None \
             or batch.get("tokens") is None and process.pipeline_rows is None:
         return original(batch, is_hybrid_cp, cp_group, *rest, **kwargs)
-    eod = None
-    if source == "eod":
-        from megatron.training import get_tokenizer
-
-        eod = get_tokenizer().eod
-    return split_batch(batch, source, args, cp_group, eod, settings, process).shard(batch, cp_group)
+    return split_batch(batch, source, args, cp_group, eod_token(source), settings, process).shard(batch, cp_group)
 
 
 # -- ahead of the step ------------------------------------------------------------------------------------
@@ -451,10 +456,5 @@ def _build_ahead(build, process: ProcessState, *a, **kw):
                                         batch_documents=process.batch_documents)
     if settings.no_cp_layout_lookahead or not settings.layout.per_sample or settings.documents not in BATCH_DOCUMENTS:
         return iterators
-    eod = None
-    if settings.documents == "eod":
-        from megatron.training import get_tokenizer
-
-        eod = get_tokenizer().eod
-    warm = _warm_layouts(args, settings, eod)
+    warm = _warm_layouts(args, settings, eod_token(settings.documents))
     return tuple(_ahead(it, warm) for it in iterators)

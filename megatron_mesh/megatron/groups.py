@@ -36,7 +36,13 @@ from .errors import SettingsMismatchError
 from .settings import HIERARCHY_FLAG, flags, layer_modes, plugin_modes_of, plugin_settings, problem_of
 from .placement import resolve_placement
 
-__all__ = ["CPGroups", "PROCESS_GROUPS", "cp_ranks", "SettingsMismatchError"]
+__all__ = ["CPGroups", "PROCESS_GROUPS", "cp_ranks", "SettingsMismatchError", "local_device"]
+
+
+def local_device() -> torch.device:
+    """The device this rank's collectives and batch tensors use: its current GPU, else the CPU
+    (gloo on the CPU runs)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def cp_ranks(group) -> tuple[int, ...]:

@@ -108,18 +108,16 @@ def _check_stages_nodes(settings: PluginSettings) -> None:
 def _share_documents(schedule, args, settings: PluginSettings, process: ProcessState, *a, **kw):
     """One call of Megatron's ``schedule`` (``forward_backward_func``, keyword arguments as
     Megatron passes them) with the step's documents shared first (see the module docstring)."""
+    from .batch_layout import eod_token
+
     n = kw["num_microbatches"]
     # the step's batch shape as Megatron passes it: evaluation's --eval-micro-batch-size may differ
     shape = (n, kw.get("micro_batch_size", args.micro_batch_size), kw.get("seq_length", args.seq_length))
     items, source = _step_sources(kw.get("data_iterator"), shape, SOURCE_KEY[settings.documents])
     if items is not None:
         kw["data_iterator"] = iter(items)
-    eod = None
-    if settings.documents != "positions":
-        from megatron.training import get_tokenizer
-
-        eod = get_tokenizer().eod
-    kw["forward_step_func"] = _each_microbatch(kw["forward_step_func"], source.cpu(), args, settings, eod, process)
+    kw["forward_step_func"] = _each_microbatch(kw["forward_step_func"], source.cpu(), args, settings,
+                                               eod_token(settings.documents), process)
     try:
         return schedule(*a, **kw)
     finally:
@@ -131,7 +129,9 @@ def _step_sources(data_iterator, shape: tuple[int, int, int], key: str) -> tuple
     else None; their ``key`` entries, ``shape`` [n, b, S], broadcast to every stage and TP rank)."""
     from megatron.core import parallel_state as mpu
 
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    from .groups import local_device
+
+    device = local_device()
     reads = mpu.is_pipeline_first_stage(ignore_virtual=True) and mpu.get_tensor_model_parallel_rank() == 0
     items = None
     if reads:

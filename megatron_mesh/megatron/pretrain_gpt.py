@@ -77,6 +77,7 @@ def get_batch(data_iterator, vp_stage=None):
     from megatron.training.utils import is_first_or_last_pipeline_stage
 
     from . import batch_layout
+    from .groups import local_device
     from .settings import PluginSettings
 
     args = get_args()
@@ -101,13 +102,13 @@ def get_batch(data_iterator, vp_stage=None):
     packed = None
     cp_group = mpu.get_context_parallel_group()
     if settings.cp_thd_packing:  # every TP rank packs the same broadcast tokens: nothing more to send
-        batch, packed = pack_thd(batch, _eod(), _thd_multiple(args, settings), cp_group.size(), cp_group.rank(),
-                                 PROCESS.pipeline_rows)
+        batch, packed = pack_thd(batch, batch_layout.eod_token("eod"), _thd_multiple(args, settings), cp_group.size(),
+                                 cp_group.rank(), PROCESS.pipeline_rows)
     elif args.reset_attention_mask:  # each sample by its own layout (tokens, labels, loss mask, positions)
-        split = batch_layout.split_batch(batch, "eod", args, cp_group, _eod(), settings)
+        split = batch_layout.split_batch(batch, "eod", args, cp_group, batch_layout.eod_token("eod"), settings)
         # MLA reads any packed_seq_params as THD (it squeezes the batch axis): its layers take the
         # boundaries from the current batch layout instead, as under Megatron-LM's own script
-        packed = None if args.multi_latent_attention else split.packed_seq_params(_device())
+        packed = None if args.multi_latent_attention else split.packed_seq_params(local_device())
         batch = split.shard(batch, cp_group)
     else:
         batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
@@ -119,31 +120,22 @@ def _stage_documents(args, settings):
     whose documents the stages share (:mod:`.pipeline`), which are current -- THD's, or the
     boundaries of --reset-attention-mask (none for MLA: see get_batch) -- else None."""
     from . import batch_layout
+    from .groups import local_device
 
     if settings.cp_thd_packing:
         if PROCESS.pipeline_rows is None:
             raise RuntimeError("megatron_mesh: a middle pipeline stage has no shared documents for this micro-batch: "
                                "Megatron's schedule must run wrapped by megatron_mesh.megatron.pipeline.install()")
         return thd_params(PROCESS.pipeline_rows[0], args.seq_length, _thd_multiple(args, settings),
-                          args.context_parallel_size, _device())[1]
+                          args.context_parallel_size, local_device())[1]
     current = batch_layout.current()
     if not args.reset_attention_mask or args.multi_latent_attention or current is None:
         return None
-    return current.packed_seq_params(_device())
-
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return current.packed_seq_params(local_device())
 
 
 def _thd_multiple(args, settings) -> int:
     return settings.cp_thd_pad_multiple or 2 * args.context_parallel_size
-
-
-def _eod() -> int:
-    from megatron.training import get_tokenizer
-
-    return get_tokenizer().eod
 
 
 def document_params(tokens: torch.Tensor, eod: int):

@@ -377,8 +377,9 @@ class Telemetry(_Shared):
         mine = [(sent - self.bytes_at_log[0]) / n, (received - self.bytes_at_log[1]) / n]
         if reset:
             self.bytes_at_log, self.iterations_since_log = (sent, received), 0
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        t = torch.tensor(mine + [-x for x in mine], dtype=torch.float64, device=device)
+        from .groups import local_device
+
+        t = torch.tensor(mine + [-x for x in mine], dtype=torch.float64, device=local_device())
         if dist.is_initialized():
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
         hi_sent, hi_recv, lo_sent, lo_recv = t[0].item(), t[1].item(), -t[2].item(), -t[3].item()

@@ -285,8 +285,9 @@ class BalancedLayout(Layout):
 
     ``owners``: ((i, j, h), ...) -- rank h computes the block of rank i's queries and rank j's
     keys (i != j; blocks not named: the query owner i). A layout whose balance rests on where its
-    blocks are computed names them here (``scripts/search_layout.py`` finds such layouts: long
-    documents in contiguous portions, each pair of portions computed on one of its two ranks); Mesh's
+    blocks are computed names them here (``scripts/search_layout.py`` finds such layouts, and
+    :func:`~.balance_owners.owners_layout` builds them for up to 8 ranks: long documents in
+    contiguous portions, each pair of portions computed on one of its two ranks); Mesh's
     plans compute each block where the layout says, and the other modes, whose identity is the
     query owner (ring, TASP) or a Ulysses group, refuse such a layout instead of running it
     unbalanced. Worked example (P = 3, one document of 12 tokens, rank r holds [4r, 4r + 4)): the

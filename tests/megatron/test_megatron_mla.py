@@ -29,6 +29,8 @@ def test_mla_with_yarn_on_both_layouts_matches_cp1(megatron_models):
             assert {(1, 4, what, layout, "yarn", m) for m in ("mesh", "tasp", "ring", "a2a+mesh")} <= got, got
         assert {(2, 2, what, "zigzag", "yarn", m) for m in ("mesh 2x1", "ring")} <= got, got
     assert {(1, 4, "documents", "balanced", "rope", m) for m in ("mesh", "a2a+mesh")} <= got, got
+    assert {(1, 4, "documents", "balanced", "yarn", m) for m in ("a2a+tasp", "a2a+ring")} <= got, got
+    assert (2, 2, "documents", "balanced", "yarn", "mesh 2x1") in got, got
     for r in per_rank[0]:
         assert r["kinds"] == ["PluginCoreAttention"], r
         assert r["modes"] == [r["label"].split()[0]] * 2, r
