@@ -322,7 +322,8 @@ def cpu_problem_samples() -> list[tuple]:
 def balanced_grid(rank: int, world: int, group=None) -> list[Record]:
     """The work-balanced layout (issue 19): every plan-based mode on it -- ring, Mesh (auto and a
     2-row tile), TASP, and at even CP sizes the hybrids on a layout balanced per Ulysses group
-    (every other case with its first and last documents set apart: hide) -- under four document
+    (every other case with its first and last documents set apart: hide; at P = 4 also one
+    group of all P ranks) -- under four document
     sets and windows, MHA / GQA / MQA, fp32 and bf16; and Mesh on a layout that names its blocks'
     owners (contiguous ranks, random owners: query rank, key rank or a third; one document over
     every rank, and documents longer than a rank); at P = 8 the CPU problem's scaled samples on the
@@ -336,6 +337,8 @@ def balanced_grid(rank: int, world: int, group=None) -> list[Record]:
     if world % 2 == 0 and world > 2:
         modes += [("a2a+ring", (("ulysses_size", 2),), 2), ("a2a+mesh", (("ulysses_size", 2),), 2),
                   ("a2a+tasp", (("ulysses_size", 2),), 2)]
+    if world == 4:  # one Ulysses group of every rank (`auto` keeps the balanced layout there, host priced)
+        modes.append(("a2a+tasp", (("ulysses_size", world),), world))
     for mode, settings, group_size in modes:
         for _ in range(2):
             heads, kv, dtype = COMBOS[n % len(COMBOS)]
