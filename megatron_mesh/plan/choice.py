@@ -30,8 +30,8 @@ balanced layout (the simulator: 10.5 and 13.9), TASP 9.9 and 10.6 (10.7 and 12.5
 7.1 and 3.0 (7.3 and 3.0). It takes 2-70 ms of Python at 256 ranks (1M tokens; the plain modes
 on 16K-token documents, whose portions pull from the most peers -- 18K pairs of ranks on the
 balanced layout -- the longest; docs/performance.md, "Build time with the choice"): its loops
-run once per pair of ranks, and the tests check them against their plain forms. Where a rank's attention takes less than
-:data:`MIN_COMPUTE_LAUNCHES` kernel launches the zigzag is kept: such a step is bound by launches
+run once per pair of ranks, and the tests check them against their plain forms. Where a rank's
+attention takes less than :data:`MIN_COMPUTE_LAUNCHES` kernel launches the zigzag is kept: such a step is bound by launches
 and latencies, which the price leaves out.
 
 Worked example (P = 2 ranks of one node, 32/8 heads of 128 in bf16, documents of 32K, 16K and 16K
@@ -275,8 +275,12 @@ def choose_layout(balanced: BalancedLayout, shape: AttentionShape, topo: Topolog
     those groups."""
     P = balanced.world_size
     docs = balanced.documents() if documents is None else list(documents)
+    zigzag = ZigzagLayout(P, balanced.seq_len)
     mine = layout_cost(balanced, docs, shape, topo, mode, ulysses)
-    theirs = layout_cost(ZigzagLayout(P, balanced.seq_len), docs, shape, topo, mode, ulysses)
+    theirs = layout_cost(zigzag, docs, shape, topo, mode, ulysses)
+    if ulysses == P:  # one group: the layouts differ only in the kernel calls it makes
+        fewer = _pieces(balanced, P, docs) < _pieces(zigzag, P, docs)
+        return ("balanced" if topo.host_op_time > 0 and fewer else "zigzag"), mine, theirs
     # a step whose busiest rank computes for less than a few launches' time is bound by launches
     # and latencies, which the price leaves to the plan: balance buys nothing there
     small = theirs.attention < MIN_COMPUTE_LAUNCHES * topo.kernel_latency
@@ -284,11 +288,7 @@ def choose_layout(balanced: BalancedLayout, shape: AttentionShape, topo: Topolog
     # rounds wait on their peers): it has to win by COMM_MARGIN
     bound = mine.forward_comm > mine.forward_compute or mine.backward_comm > mine.backward_compute
     cheaper = mine.total <= theirs.total * (1 - COMM_MARGIN if bound else 1)
-    if ulysses == P:  # one group: the layouts differ only in the kernel calls it makes
-        pick = "balanced" if topo.host_op_time > 0 and _pieces(balanced, P, docs) < _pieces(ZigzagLayout(
-            P, balanced.seq_len), P, docs) else "zigzag"
-    else:
-        pick = "balanced" if not small and cheaper else "zigzag"
+    pick = "balanced" if not small and cheaper else "zigzag"
     return pick, mine, theirs
 
 
