@@ -2,14 +2,16 @@
 zigzag is predicted faster for the mode that runs it (``--cp-layout auto``; ``choose_layout``).
 
 The balanced layout (:mod:`.balance`) balances each rank's work, but cuts a long document into
-portions over several ranks, and each portion reads the keys of the portions before it. Where the
-transfers decide the step -- the plain modes over many nodes: at 256 GPUs ring sends 448 MiB
-per layer from the busiest rank on it against 321 MiB on the zigzag, 13.9 against 10.5 ms --
-the balanced layout is a trap; where the work decides it (one node, the Ulysses hybrids), it
-is 1.3-2.5x faster. This module prices both layouts for the mode in microseconds of pure Python
-and keeps the cheaper, so a user never gets a slower step than Megatron's own layout would give.
+portions over several ranks, each portion a few runs, and each portion reads the keys of the
+portions before it. Its plans send more (at 256 GPUs ring sends 448 MiB per layer from the busiest
+rank on it against 321 MiB on the zigzag) and issue more torch ops (every run multiplies the kernel
+calls, merges and row ranges of every block over it: 3-5x the zigzag's at 256 GPUs, 42.37 against
+10.99 ms for ring with the host at 23 us per op). Where the work decides the step (one node, the
+Ulysses hybrids on long documents) it is up to 2.2x faster. This module prices both layouts for the mode in
+microseconds of pure Python and keeps the cheaper, so a user never gets a slower step than
+Megatron's own layout would give.
 
-**The price** (:func:`layout_cost`), per direction, on the machine of ``topo``: the slower of
+**The price** (:func:`layout_cost`), per direction, on the machine of ``topo``: the slowest of
 
 * compute: the busiest unit's allowed pairs at the machine's attention rate (a unit is a rank,
   or a Ulysses group of U ranks for a hybrid, whose ranks each compute 1/U of the heads);
@@ -19,20 +21,27 @@ and keeps the cheaper, so a user never gets a slower step than Megatron's own la
   again; dK/dV partials back): for ring and Mesh one round per shift of the ring, in which a unit
   sends to one peer and receives from another, each transfer its link's latency + bytes /
   bandwidth; for TASP, which pulls from every peer at once, per link class the latency of up to
-  ``TUNABLES.burst_groups`` (:mod:`.tunables`) rounds + the busier direction's bytes / bandwidth.
+  ``TUNABLES.burst_groups`` (:mod:`.tunables`) rounds + the busier direction's bytes / bandwidth;
+* host: the busiest unit's torch ops at ``topo.host_op_time`` each (:func:`_host_ops`: per peer it
+  pulls from and per peer pulling from it, per extra run of a document and per short run, and a
+  hybrid's all-to-all; :data:`HOST_OPS`, fitted to the plans' counts); nothing where the host is
+  free (``host_op_time`` 0).
 
-It leaves out what both layouts pay alike (the hybrids' all-to-all) and prices what a plan adds
-on top only roughly (a kernel call per mask piece of its remote blocks, the merge of their partial
-results, :mod:`.costs`' rates): it ranks the two layouts, it does not predict the simulator's
-time; where transfers set the balanced layout's price, it keeps it only :data:`COMM_MARGIN`
-cheaper. At 256 GPUs (lognormal:4096, seed 0) it gives ring 10.4 ms on the zigzag and 13.8 on the
-balanced layout (the simulator: 10.5 and 13.9), TASP 9.9 and 10.6 (10.7 and 12.5), a2a+tasp U 8
-7.1 and 3.0 (7.3 and 3.0). It takes 2-70 ms of Python at 256 ranks (1M tokens; the plain modes
-on 16K-token documents, whose portions pull from the most peers -- 18K pairs of ranks on the
-balanced layout -- the longest; docs/performance.md, "Build time with the choice"): its loops
-run once per pair of ranks, and the tests check them against their plain forms. Where a rank's
-attention takes less than :data:`MIN_COMPUTE_LAUNCHES` kernel launches the zigzag is kept: such a step is bound by launches
-and latencies, which the price leaves out.
+It prices what a plan adds on top of its pairs only roughly (a kernel call per mask piece of its
+remote blocks, the merge of their partial results, :mod:`.costs`' rates): it ranks the two
+layouts, it does not predict the simulator's time; where transfers set the balanced layout's
+price, it keeps it only :data:`COMM_MARGIN` cheaper. At 256 GPUs (lognormal:4096, seed 0; the
+host priced) it gives ring 10.7 ms on the zigzag and 34.8 on the balanced layout (the simulator:
+11.0 and 42.4), TASP 10.2 and 34.8 (11.7 and 35.6), a2a+tasp U 8 11.6 and 21.9 (12.2 and 21.5);
+on lognormal:16384 a2a+tasp U 8 36.4 and 34.1 (37.1 and 35.3), and keeps the balanced layout.
+Checked against the simulator on 240 rows (seeds 0-9, 8 and 256 GPUs, both host settings at 8)
+the layout it keeps is never slower than the zigzag (docs/performance.md, the per-seed tables).
+It takes 2-70 ms of Python at 256 ranks (1M tokens; the plain modes on 16K-token documents,
+whose portions pull from the most peers -- 18K pairs of ranks on the balanced layout -- the
+longest; docs/performance.md, "Build time with the choice"): its loops run once per pair of
+ranks, and the tests check them against their plain forms. Where a rank's attention takes less
+than :data:`MIN_COMPUTE_LAUNCHES` kernel launches the zigzag is kept: such a step is bound by
+launches and latencies, which the price leaves out.
 
 Worked example (P = 2 ranks of one node, 32/8 heads of 128 in bf16, documents of 32K, 16K and 16K
 tokens): the zigzag gives rank 0 the first 16K tokens and the last document (268M pairs), rank 1
@@ -72,23 +81,58 @@ MIN_COMPUTE_LAUNCHES = 20
 # (seed 3) was priced 8 % cheaper on it and simulated 14 % slower; the rows it keeps at 256 GPUs
 # were priced 16-20 % cheaper and simulated 3-15 % faster
 COMM_MARGIN = 0.10
+# The host's torch ops per unit and direction (forward, backward), read off a layout's portions
+# (:func:`_host_ops`): terms of the executor's op count that :mod:`.hostops` makes of a plan, fitted
+# to that count on ring's plans of 8 and 256 ranks (64K and 1M tokens, ``lognormal:4096``: 288
+# ranks' counts over both layouts). The busiest unit's is within half of its plan's (0.78-1.47x on
+# those samples, ``tests/plan/test_choice.py``), where the layouts differ 2-5x: the balanced layout
+# cuts long documents into portions over many ranks, each portion a few runs, and every run
+# multiplies the kernel calls, merges and row ranges of every block over it. It ranks layouts; the
+# simulator's per-seed rows are the check (240 rows at 8 and 256 GPUs: the layout kept is never
+# slower than the zigzag, docs/performance.md).
+HOST_OPS = {
+    "fixed": (16, 8),     # the inputs' and results' views and casts, the last queued writes
+    "pulled": (5.5, 12),  # per peer the unit pulls from: its block's call and merge, the receive (backward:
+                          # the block's backward call with its views, the queued dQ and dK/dV writes)
+    "pulling": (2.7, 8),  # per peer pulling from the unit: the send (backward: K/V again, the dK/dV
+                          # partials received and added)
+    "split": (22, 31),    # per run of a document beyond its first on the unit (a zigzag portion's front
+                          # and back): the blocks over it in more calls, merges and row ranges
+    "short": (7, 7),      # per run too short to be a segment of its own (mask.py's _segments): packed
+                          # with others into masked calls, each with its allowed matrix and views
+}
+# a Ulysses hybrid's all-to-all, per direction and group member: its copies into and out of the
+# group's buffers and its transfers -- in one round (25 ops) or, on a layout balanced for the groups,
+# in rounds by document set (:mod:`.hybrid_sets`, 40): the plans' counts less the inner plan's terms
+# above, a2a+tasp U 2 / 4 / 8 at 8 and 256 ranks
+A2A_OPS = {False: 25, True: 40}
 
 
 @dataclass(frozen=True)
 class LayoutCost:
-    """A layout's price for one mode (seconds): per direction the busiest unit's compute and
-    communication, and the total, each direction the slower of the two; ``attention``: the
-    busiest unit's forward attention alone (its pairs at the machine's rate)."""
+    """A layout's price for one mode (seconds): per direction the busiest unit's compute,
+    communication and host (its torch ops, :func:`_host_ops`), and the total, each direction the
+    slowest of the three; ``attention``: the busiest unit's forward attention alone (its pairs at
+    the machine's rate)."""
 
     forward_compute: float
     backward_compute: float
     forward_comm: float
     backward_comm: float
     attention: float = 0.0
+    forward_host: float = 0.0
+    backward_host: float = 0.0
 
     @property
     def total(self) -> float:
-        return max(self.forward_compute, self.forward_comm) + max(self.backward_compute, self.backward_comm)
+        return (max(self.forward_compute, self.forward_comm, self.forward_host)
+                + max(self.backward_compute, self.backward_comm, self.backward_host))
+
+    @property
+    def comm_bound(self) -> bool:
+        """Its transfers set the price in a direction (above the compute and the host)."""
+        return (self.forward_comm > max(self.forward_compute, self.forward_host)
+                or self.backward_comm > max(self.backward_compute, self.backward_host))
 
 
 def burst_rounds(mode: str) -> bool:
@@ -178,6 +222,26 @@ def _overheads(pulls, units: int, shape: AttentionShape, topo: Topology) -> tupl
     return forward, backward
 
 
+def _host_ops(portions, pulls, units: int, ulysses: int, sets: bool, short: int) -> tuple[list[float], list[float]]:
+    """Per unit, the torch ops its host issues in the forward and in the backward (:data:`HOST_OPS`,
+    :data:`A2A_OPS`): what the plans of :mod:`.sparse` issue for its pulls, its peers' pulls from
+    it and its runs of documents (runs shorter than ``short`` packed into masked calls); ``sets``:
+    the hybrid's all-to-all goes in rounds by document set (a layout balanced for its groups)."""
+    pulled, pulling = [0] * units, [0] * units
+    for h, g in pulls:
+        pulled[g] += 1
+        pulling[h] += 1
+    split, few = [0] * units, [0] * units
+    for holders in portions.values():
+        for u, runs in holders.items():
+            split[u] += len(runs) - 1
+            few[u] += sum(b - a < short for a, b in runs)
+    a2a = A2A_OPS[sets] * ulysses if ulysses > 1 else 0
+    c = HOST_OPS
+    return tuple([c["fixed"][d] + a2a + c["pulled"][d] * pulled[u] + c["pulling"][d] * pulling[u]
+                  + c["split"][d] * split[u] + c["short"][d] * few[u] for u in range(units)] for d in (0, 1))
+
+
 def _comm(pulls, units: int, shape: AttentionShape, topo: Topology, span: int, burst: bool) -> tuple[float, float]:
     """The busiest unit's forward and backward communication (module docstring): the forward pulls
     K/V; the backward returns dK/dV partials and pulls K/V again where they are not kept."""
@@ -252,13 +316,16 @@ def layout_cost(layout: Layout, docs, shape: AttentionShape, topo: Topology, mod
     P = layout.world_size
     units = P // ulysses
     sub = inner_shape(shape, ulysses) if ulysses > 1 else shape
-    work, pulls = _work_and_pulls(_portions(layout, units, ulysses, docs), docs, units)
+    portions = _portions(layout, units, ulysses, docs)
+    work, pulls = _work_and_pulls(portions, docs, units)
     pair = 4.0 * sub.batch * sub.heads * sub.head_dim / topo.attention_flops
     extra_f, extra_b = _overheads(pulls, units, sub, topo)
     forward, backward = _comm(pulls, units, sub, topo, ulysses, burst_rounds(mode))
+    host_f, host_b = _host_ops(portions, pulls, units, ulysses, ulysses > 1 and layout.group == ulysses,
+                               max(1, topo.mask_piece // 16)) if topo.host_op_time > 0 else ((0.0,), (0.0,))
     return LayoutCost(max(w * pair + x for w, x in zip(work, extra_f)),
                       max(w * pair * BACKWARD_FLOPS + x for w, x in zip(work, extra_b)), forward, backward,
-                      max(work) * pair)
+                      max(work) * pair, max(host_f) * topo.host_op_time, max(host_b) * topo.host_op_time)
 
 
 def choose_layout(balanced: BalancedLayout, shape: AttentionShape, topo: Topology, mode: str,
@@ -286,8 +353,7 @@ def choose_layout(balanced: BalancedLayout, shape: AttentionShape, topo: Topolog
     small = theirs.attention < MIN_COMPUTE_LAUNCHES * topo.kernel_latency
     # where its transfers set the balanced layout's price, the price is least sure (the plans'
     # rounds wait on their peers): it has to win by COMM_MARGIN
-    bound = mine.forward_comm > mine.forward_compute or mine.backward_comm > mine.backward_compute
-    cheaper = mine.total <= theirs.total * (1 - COMM_MARGIN if bound else 1)
+    cheaper = mine.total <= theirs.total * (1 - COMM_MARGIN if mine.comm_bound else 1)
     pick = "balanced" if not small and cheaper else "zigzag"
     return pick, mine, theirs
 
