@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_mesh.plan import AttentionShape, Mask, Topology, ZigzagLayout, balanced_layout
-from megatron_mesh.plan.choice import MIN_COMPUTE_LAUNCHES, _portions, _work_and_pulls, choose_layout, layout_cost
+from megatron_mesh.plan.choice import (MIN_COMPUTE_LAUNCHES, _host_ops, _portions, _work_and_pulls, choose_layout,
+                                       layout_cost)
 from megatron_mesh.tools.plan_args import document_bounds
 from megatron_mesh.tools.planner import evaluate
 
@@ -28,6 +29,13 @@ def test_worked_example_of_the_module_docstring():
     assert pick == "balanced"
     assert mine.forward_comm == theirs.forward_comm < 0.2e-3  # the same pulls over NVLink
     assert round(mine.forward_compute * 1e3, 1) == 16.9 and round(theirs.forward_compute * 1e3, 1) == 22.5
+    # the host's ops (_host_ops' worked example): rank 0 of the balanced layout, rank 1 of the zigzag
+    host = {}
+    for name, lay in (("zigzag", ZigzagLayout(P, cu[-1])), ("balanced", layout)):
+        portions = _portions(lay, P, 1, docs)
+        host[name] = _host_ops(portions, _work_and_pulls(portions, docs, P)[1], P, 1, False, 128)
+    assert host == {"zigzag": ([18.7, 21.5], [16, 20]), "balanced": ([46.2, 24.2], [59, 28])}
+    assert (mine.forward_host, mine.backward_host) == pytest.approx((46.2 * topo.host_op_time, 59 * topo.host_op_time))
 
 
 @pytest.mark.parametrize("docs, seed, mode, U, host, want", [
@@ -111,7 +119,6 @@ def test_the_host_term_follows_the_plans_count():
     against the count :mod:`~megatron_mesh.plan.hostops` makes of the plan, within half, on both
     layouts, for ring and a hybrid: the layouts' counts differ 2-5x here."""
     from megatron_mesh.plan import resolve
-    from megatron_mesh.plan.choice import _host_ops
     from megatron_mesh.plan.hostops import step_host_ops
     shape, topo = AttentionShape(8 * K, 1, **GQA), Topology(nodes=1, gpus_per_node=8)
     for seed in (0, 2, 5):
