@@ -23,9 +23,9 @@ Megatron's own layout would give.
   bandwidth; for TASP, which pulls from every peer at once, per link class the latency of up to
   ``TUNABLES.burst_groups`` (:mod:`.tunables`) rounds + the busier direction's bytes / bandwidth;
 * host: the busiest unit's torch ops at ``topo.host_op_time`` each (:func:`_host_ops`: per peer it
-  pulls from and per peer pulling from it, per extra run of a document and per short run, and a
-  hybrid's all-to-all; :data:`HOST_OPS`, fitted to the plans' counts); nothing where the host is
-  free (``host_op_time`` 0).
+  pulls from and per peer pulling from it, per extra run of a document, per call its short runs
+  are packed into, and a hybrid's all-to-all; :data:`HOST_OPS`, fitted to the plans' counts);
+  nothing where the host is free (``host_op_time`` 0).
 
 It prices what a plan adds on top of its pairs only roughly (a kernel call per mask piece of its
 remote blocks, the merge of their partial results, :mod:`.costs`' rates): it ranks the two
@@ -98,8 +98,10 @@ HOST_OPS = {
                           # partials received and added)
     "split": (22, 31),    # per run of a document beyond its first on the unit (a zigzag portion's front
                           # and back): the blocks over it in more calls, merges and row ranges
-    "short": (7, 7),      # per run too short to be a segment of its own (mask.py's _segments): packed
-                          # with others into masked calls, each with its allowed matrix and views
+    "short": (10, 16),    # per masked call of runs too short to be a segment of their own (mask.py's
+                          # _segments, :func:`_packed_calls`): its allowed matrix and views, and the
+                          # calls with its neighbours -- the counts less the other terms were 7-15 /
+                          # 12-22 per such call on documents of 32-256 tokens at 4 and 8 ranks
 }
 # a Ulysses hybrid's all-to-all, per direction and group member: its copies into and out of the
 # group's buffers and its transfers -- in one round (25 ops) or, on a layout balanced for the groups,
@@ -222,11 +224,37 @@ def _overheads(pulls, units: int, shape: AttentionShape, topo: Topology) -> tupl
     return forward, backward
 
 
-def _host_ops(portions, pulls, units: int, ulysses: int, sets: bool, short: int) -> tuple[list[float], list[float]]:
+def _packed_calls(layout: Layout, units: int, span: int, docs, piece: int) -> list[int]:
+    """Per unit, the masked kernel calls its runs too short to be a segment of their own take: as
+    :func:`~.mask.mask_pieces` cuts a buffer (mask.py's ``_segments``), runs of documents shorter
+    than ``piece // 16`` tokens that follow each other in the unit's buffer are packed into
+    segments of at most ``piece`` tokens, a call each (2,000 documents of ~32 tokens over 8 ranks:
+    4 calls a rank, not 250)."""
+    starts, short = [a for a, _ in docs], max(1, piece // 16)
+    calls = [0] * units
+    for u in range(units):
+        group = 0  # tokens of the short runs since the last long one
+        for _, s, n in layout.runs(u, span):
+            pos, end = s, s + n
+            while pos < end:
+                d = bisect.bisect_right(starts, pos) - 1
+                stop = min(end, docs[d][1])
+                if stop - pos < short:
+                    group += stop - pos
+                elif group:
+                    calls[u] += -(-group // piece)
+                    group = 0
+                pos = stop
+        calls[u] += -(-group // piece)
+    return calls
+
+
+def _host_ops(portions, pulls, units: int, ulysses: int, sets: bool, packed: list[int]) -> tuple[list[float], list[float]]:
     """Per unit, the torch ops its host issues in the forward and in the backward (:data:`HOST_OPS`,
     :data:`A2A_OPS`): what the plans of :mod:`.sparse` issue for its pulls, its peers' pulls from
-    it and its runs of documents (runs shorter than ``short`` packed into masked calls); ``sets``:
-    the hybrid's all-to-all goes in rounds by document set (a layout balanced for its groups).
+    it, its runs of documents and ``packed``, its calls of short runs (:func:`_packed_calls`);
+    ``sets``: the hybrid's all-to-all goes in rounds by document set (a layout balanced for its
+    groups).
 
     Worked example (the module docstring's: P = 2, documents of 32K, 16K and 16K tokens): on the
     balanced layout rank 0 holds the first document's quarters [0, 8K) and [24K, 32K) -- two runs,
@@ -238,15 +266,14 @@ def _host_ops(portions, pulls, units: int, ulysses: int, sets: bool, short: int)
     for h, g in pulls:
         pulled[g] += 1
         pulling[h] += 1
-    split, few = [0] * units, [0] * units
+    split = [0] * units
     for holders in portions.values():
         for u, runs in holders.items():
             split[u] += len(runs) - 1
-            few[u] += sum(b - a < short for a, b in runs)
     a2a = A2A_OPS[sets] * ulysses if ulysses > 1 else 0
     c = HOST_OPS
     return tuple([c["fixed"][d] + a2a + c["pulled"][d] * pulled[u] + c["pulling"][d] * pulling[u]
-                  + c["split"][d] * split[u] + c["short"][d] * few[u] for u in range(units)] for d in (0, 1))
+                  + c["split"][d] * split[u] + c["short"][d] * packed[u] for u in range(units)] for d in (0, 1))
 
 
 def _comm(pulls, units: int, shape: AttentionShape, topo: Topology, span: int, burst: bool) -> tuple[float, float]:
@@ -329,7 +356,8 @@ def layout_cost(layout: Layout, docs, shape: AttentionShape, topo: Topology, mod
     extra_f, extra_b = _overheads(pulls, units, sub, topo)
     forward, backward = _comm(pulls, units, sub, topo, ulysses, burst_rounds(mode))
     host_f, host_b = _host_ops(portions, pulls, units, ulysses, ulysses > 1 and layout.group == ulysses,
-                               max(1, topo.mask_piece // 16)) if topo.host_op_time > 0 else ((0.0,), (0.0,))
+                               _packed_calls(layout, units, ulysses, docs, topo.mask_piece)) \
+        if topo.host_op_time > 0 else ((0.0,), (0.0,))
     return LayoutCost(max(w * pair + x for w, x in zip(work, extra_f)),
                       max(w * pair * BACKWARD_FLOPS + x for w, x in zip(work, extra_b)), forward, backward,
                       max(work) * pair, max(host_f) * topo.host_op_time, max(host_b) * topo.host_op_time)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_mesh.plan import AttentionShape, Mask, Topology, ZigzagLayout, balanced_layout
-from megatron_mesh.plan.choice import (MIN_COMPUTE_LAUNCHES, _host_ops, _portions, _work_and_pulls, choose_layout,
-                                       layout_cost)
+from megatron_mesh.plan.choice import (MIN_COMPUTE_LAUNCHES, _host_ops, _packed_calls, _portions, _work_and_pulls,
+                                       choose_layout, layout_cost)
 from megatron_mesh.tools.plan_args import document_bounds
 from megatron_mesh.tools.planner import evaluate
 
@@ -33,7 +33,9 @@ def test_worked_example_of_the_module_docstring():
     host = {}
     for name, lay in (("zigzag", ZigzagLayout(P, cu[-1])), ("balanced", layout)):
         portions = _portions(lay, P, 1, docs)
-        host[name] = _host_ops(portions, _work_and_pulls(portions, docs, P)[1], P, 1, False, 128)
+        packed = _packed_calls(lay, P, 1, docs, topo.mask_piece)
+        assert packed == [0, 0]  # no document shorter than 128 tokens
+        host[name] = _host_ops(portions, _work_and_pulls(portions, docs, P)[1], P, 1, False, packed)
     assert host == {"zigzag": ([18.7, 21.5], [16, 20]), "balanced": ([46.2, 24.2], [59, 28])}
     assert (mine.forward_host, mine.backward_host) == pytest.approx((46.2 * topo.host_op_time, 59 * topo.host_op_time))
 
@@ -114,6 +116,21 @@ def test_the_kept_layout_is_never_slower_than_the_zigzag(host_op_time):
     assert kept["balanced"] >= 10 and kept["zigzag"] >= 10, kept  # both layouts are kept somewhere
 
 
+def test_short_runs_are_priced_as_the_calls_they_are_packed_into():
+    """Runs of documents shorter than a segment (piece // 16 tokens) that follow each other in a
+    rank's buffer make one masked call per piece of them (mask.py's _segments): 2 ranks of the
+    zigzag, documents [0, 40), [40, 100), [100, 2000), [2000, 2030), [2030, 4096) -- rank 0's 40
+    and 60 tokens one call, rank 1's 30 and 18 (the last document's start, before its chunk ends)
+    one; 2,039 documents of ~32 tokens over 8 ranks of 8,192 tokens: 4 calls a rank, either layout."""
+    cu = [0, 40, 100, 2000, 2030, 4096]
+    assert _packed_calls(ZigzagLayout(2, 4096), 2, 1, list(zip(cu, cu[1:])), 2048) == [1, 1]
+    cu = document_bounds("lognormal:32,0.5", 64 * K, 0)
+    docs = list(zip(cu, cu[1:]))
+    assert len(docs) == 2039
+    for layout in (ZigzagLayout(8, 64 * K), balanced_layout(cu, 8)):
+        assert _packed_calls(layout, 8, 1, docs, 2048) == [4] * 8
+
+
 def test_the_host_term_follows_the_plans_count():
     """The busiest unit's torch ops as the choice reads them off the portions (:data:`HOST_OPS`)
     against the count :mod:`~megatron_mesh.plan.hostops` makes of the plan, within half, on both
@@ -121,22 +138,25 @@ def test_the_host_term_follows_the_plans_count():
     from megatron_mesh.plan import resolve
     from megatron_mesh.plan.hostops import step_host_ops
     shape, topo = AttentionShape(8 * K, 1, **GQA), Topology(nodes=1, gpus_per_node=8)
-    for seed in (0, 2, 5):
-        cu = document_bounds("lognormal:4096,1.0", 64 * K, seed)
+    samples = [("lognormal:4096,1.0", seed, (("ring", 1), ("a2a+tasp", 2), ("a2a+tasp", 4))) for seed in (0, 2, 5)]
+    samples += [("lognormal:256,1.0", 0, (("ring", 1),)), ("lognormal:32,0.5", 0, (("ring", 1),))]  # short documents
+    for spec, seed, modes in samples:
+        cu = document_bounds(spec, 64 * K, seed)
         docs = tuple(zip(cu, cu[1:]))
-        for mode, U in (("ring", 1), ("a2a+tasp", 2), ("a2a+tasp", 4)):
+        for mode, U in modes:
             for layout in (ZigzagLayout(8, 64 * K), balanced_layout(cu, 8, group=U)):
                 units = 8 // U
                 portions = _portions(layout, units, U, docs)
                 pulls = _work_and_pulls(portions, docs, units)[1]
-                priced = _host_ops(portions, pulls, units, U, U > 1 and layout.group == U, topo.mask_piece // 16)
+                priced = _host_ops(portions, pulls, units, U, U > 1 and layout.group == U,
+                                   _packed_calls(layout, units, U, docs, topo.mask_piece))
                 plan = resolve(mode, 8, shape, topo, **({"ulysses_size": U} if U > 1 else {})).build(
                     shape, Mask(True, documents=docs), layout)
                 for d, direction in enumerate(("forward", "backward")):
                     counted = max(sum(h.total for h in ops) + around.total for r in range(8)
                                   for ops, around in (step_host_ops(plan, r, direction, shape, piece=topo.mask_piece),))
-                    assert 0.6 < max(priced[d]) / counted < 1.5, (seed, mode, U, type(layout).__name__, direction,
-                                                                  max(priced[d]), counted)
+                    assert 0.6 < max(priced[d]) / counted < 1.5, (spec, seed, mode, U, type(layout).__name__,
+                                                                  direction, max(priced[d]), counted)
 
 
 def test_layout_cost_prices_the_hybrids_per_group():
