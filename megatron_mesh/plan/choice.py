@@ -32,7 +32,7 @@ remote blocks, the merge of their partial results, :mod:`.costs`' rates): it ran
 layouts, it does not predict the simulator's time; where transfers set the balanced layout's
 price, it keeps it only :data:`COMM_MARGIN` cheaper. At 256 GPUs (lognormal:4096, seed 0; the
 host priced) it gives ring 10.7 ms on the zigzag and 34.8 on the balanced layout (the simulator:
-11.0 and 42.4), TASP 10.2 and 34.8 (11.7 and 35.6), a2a+tasp U 8 11.6 and 21.9 (12.2 and 21.5);
+11.0 and 42.4), TASP 10.2 and 34.8 (11.7 and 35.6), a2a+tasp U 8 11.7 and 21.9 (12.2 and 21.5);
 on lognormal:16384 a2a+tasp U 8 36.4 and 34.1 (37.1 and 35.3), and keeps the balanced layout.
 Checked against the simulator on 240 rows (seeds 0-9, 8 and 256 GPUs, both host settings at 8)
 the layout it keeps is never slower than the zigzag (docs/performance.md, the per-seed tables).
@@ -84,7 +84,7 @@ COMM_MARGIN = 0.10
 # The host's torch ops per unit and direction (forward, backward), read off a layout's portions
 # (:func:`_host_ops`): terms of the executor's op count that :mod:`.hostops` makes of a plan, fitted
 # to that count on ring's plans of 8 and 256 ranks (64K and 1M tokens, ``lognormal:4096``: 288
-# ranks' counts over both layouts). The busiest unit's is within half of its plan's (0.78-1.47x on
+# ranks' counts over both layouts). The busiest unit's is within half of its plan's (0.76-1.44x on
 # those samples, ``tests/plan/test_choice.py``), where the layouts differ 2-5x: the balanced layout
 # cuts long documents into portions over many ranks, each portion a few runs, and every run
 # multiplies the kernel calls, merges and row ranges of every block over it. It ranks layouts; the
