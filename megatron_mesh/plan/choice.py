@@ -148,15 +148,22 @@ def _portions(layout: Layout, units: int, span: int, docs) -> dict[int, dict[int
     starts = [a for a, _ in docs]
     out: dict[int, dict[int, list[tuple[int, int]]]] = {}
     for u in range(units):
-        for _, s, n in layout.runs(u, span):
-            pos, end = s, s + n
-            while pos < end:
-                d = bisect.bisect_right(starts, pos) - 1
-                a, b = docs[d]
-                stop = min(end, b)
-                out.setdefault(d, {}).setdefault(u, []).append((pos - a, stop - a))
-                pos = stop
+        for d, pos, stop in _document_pieces(layout, u, span, docs, starts):
+            a = docs[d][0]
+            out.setdefault(d, {}).setdefault(u, []).append((pos - a, stop - a))
     return out
+
+
+def _document_pieces(layout: Layout, unit: int, span: int, docs, starts):
+    """Unit ``unit``'s runs in its buffer's order, cut where a document of ``docs`` ends: (document,
+    start, stop) in global positions (``starts``: the documents' starts)."""
+    for _, s, n in layout.runs(unit, span):
+        pos, end = s, s + n
+        while pos < end:
+            d = bisect.bisect_right(starts, pos) - 1
+            stop = min(end, docs[d][1])
+            yield d, pos, stop
+            pos = stop
 
 
 def _work_and_pulls(portions, docs, units: int) -> tuple[list[int], dict[tuple[int, int], tuple[int, int]]]:
@@ -234,17 +241,12 @@ def _packed_calls(layout: Layout, units: int, span: int, docs, piece: int) -> li
     calls = [0] * units
     for u in range(units):
         group = 0  # tokens of the short runs since the last long one
-        for _, s, n in layout.runs(u, span):
-            pos, end = s, s + n
-            while pos < end:
-                d = bisect.bisect_right(starts, pos) - 1
-                stop = min(end, docs[d][1])
-                if stop - pos < short:
-                    group += stop - pos
-                elif group:
-                    calls[u] += -(-group // piece)
-                    group = 0
-                pos = stop
+        for _, pos, stop in _document_pieces(layout, u, span, docs, starts):
+            if stop - pos < short:
+                group += stop - pos
+            elif group:
+                calls[u] += -(-group // piece)
+                group = 0
         calls[u] += -(-group // piece)
     return calls
 
