@@ -86,6 +86,7 @@ class Row:
     alone_host_ms: float | None = None  # the host's ms to issue one step
     alone_efficiency: float | None = None  # fused ms per rank / alone ms
     alone_ops: float | None = None  # torch ops the rank's host issues per step (views included)
+    alone_views: float | None = None  # views among them
     graph_ms: float | None = None  # --graphs: its wall ms per step replaying the step's CUDA graph
     graph_efficiency: float | None = None  # fused ms per rank / graph ms
 
@@ -244,7 +245,7 @@ def bench_alone(dev, plan, kernel, shards, scale, iters, warmup, graphs: bool = 
         wall, host = free_running(dev.sync, step, iters, warmup)
         with OpCounter() as counter:
             step()
-        result[direction] = [wall, host, float(sum(counter.ops.values()) + sum(counter.transport.values())), None]
+        result[direction] = [wall, host, *counter.issued, None]
     if graphs and dev.cuda:
         from megatron_mesh.runtime.graphs import PlanGraphs
         captured = PlanGraphs(Executor(plan, comm("forward"), kernel, scale),
@@ -294,10 +295,10 @@ def run(args) -> tuple[list[Row], dict]:
                 t, tc, tf = t_all / P, (t_all - copy_s) / P, fused[i][0] / P
                 flops = attention_flops(args.batch, args.heads, S, args.head_dim, direction) / P
                 err = {n: errors[n] for n in (("out",) if direction == "forward" else ("dq", "dk", "dv"))}
-                wall, host, ops, graph = alone[direction]
+                wall, host, ops, views, graph = alone[direction]
                 rows.append(Row(s_local, mode, direction, 1e3 * t, flops / t / 1e12, tf / t, 1e3 * tc, tf / tc,
                                 peak, peak / P if peak is not None else None, err, alone["rank"], 1e3 * wall,
-                                1e3 * host, tf / wall, ops, None if graph is None else 1e3 * graph,
+                                1e3 * host, tf / wall, ops, views, None if graph is None else 1e3 * graph,
                                 None if graph is None else tf / graph))
         del q, k, v, dout, shards
     meta = dict(device=describe(dev.device), kernel=kernel.name, dtype=args.dtype, world=P, heads=args.heads,
@@ -312,12 +313,15 @@ def host_cost(rows: list[Row], device: str) -> dict:
     issued, mean over the rows): what the planner's ``--host-op-us`` reads from this file, and
     ``scripts/gpu_check.sh`` writes as ``host_cost.json`` (the planner's default when copied to
     megatron_mesh/plan/host_cost.json)."""
-    per_op = [1e3 * r.alone_host_ms / r.alone_ops for r in rows if r.alone_ops]
+    from count_host_ops import host_op_us  # scripts/ is on the path of a script and of its tests
+    per_op = [x for r in rows if r.alone_ops for x in (host_op_us(r.alone_host_ms, r.alone_ops, r.alone_views),)
+              if x is not None]
     if not per_op:
         return {}
     return dict(host_op_us=sum(per_op) / len(per_op),
                 host_op_source=f"{device}, torch {torch.__version__}: scripts/bench_kernels.py, one rank alone, "
-                               f"host ms per step / torch ops per step (views included), mean of {len(per_op)} runs")
+                               f"host ms per step less its views' (the planner's us per view) / its other torch "
+                               f"ops, mean of {len(per_op)} runs")
 
 
 def calibration(rows: list[Row]) -> dict:

@@ -319,11 +319,11 @@ def calls_markdown(title: str, summary: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def alone(device, plan, kernel, shards, rank, iters, warmup) -> tuple[float, float, float]:
+def alone(device, plan, kernel, shards, rank, iters, warmup) -> tuple[float, float, float, float]:
     """``rank`` of ``plan`` alone on ``device``: the messages it received in one in-process step
     replayed (:class:`ReplayCommunicator`), ``iters`` forward + backward steps after ``warmup``,
     the device synchronised only after the loop: (wall seconds per step, host seconds to issue
-    one, torch ops it issues per step: one more step, counted)."""
+    one, torch ops it issues per step and the views among them: one more step, counted)."""
     P = plan.world_size
     recorded = []  # only this rank's received messages (every rank's can be GBs)
 
@@ -341,7 +341,7 @@ def alone(device, plan, kernel, shards, rank, iters, warmup) -> tuple[float, flo
     from count_host_ops import OpCounter  # scripts/ is on the path of a script and of its tests
     with OpCounter() as counter:
         step()
-    return wall, host, float(sum(counter.ops.values()) + sum(counter.transport.values()))
+    return (wall, host, *counter.issued)
 
 
 def run(args) -> tuple[list[dict], dict]:
@@ -417,12 +417,12 @@ def run(args) -> tuple[list[dict], dict]:
                     whole = bhsd(layout_unshard([r[i] for r in got], layout, dim=0))
                     errors[name] = (whole.double() - want[name].double()).abs().max().item()
                 rank = work.index(max(work))
-                wall, host, ops = alone(device, plan, kern, shards, rank, args.iters, args.warmup)
+                wall, host, ops, views = alone(device, plan, kern, shards, rank, args.iters, args.warmup)
                 rows.append(dict(layout=layout_name, mode=mode, calls=calls, ms_per_rank=1e3 * t / P,
                                  busiest_ms=1e3 * busiest, efficiency=t_fused / t,
                                  step_efficiency=t_fused / P / busiest, work_max_mean=max(work) / (sum(work) / P),
                                  errors=errors, alone_rank=rank, alone_ms=1e3 * wall, alone_host_ms=1e3 * host,
-                                 alone_efficiency=t_fused / P / wall, alone_ops=ops))
+                                 alone_efficiency=t_fused / P / wall, alone_ops=ops, alone_views=views))
                 if args.profile:
                     marks = MarkedTurns(P, device) if device.type == "cuda" else None
                     rows[-1].update(profile_row(device, lambda: run_inprocess(rank_fn, P, 1, serial=True, device=device,
@@ -438,11 +438,14 @@ def run(args) -> tuple[list[dict], dict]:
                 dtype=args.dtype, world=P, seq_len=S, docs=args.docs, seed=args.seed, documents=len(seqs),
                 heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, iters=args.iters,
                 torch=torch.__version__)
-    per_op = [1e3 * r["alone_host_ms"] / r["alone_ops"] for r in rows if r.get("alone_ops")]
+    from count_host_ops import host_op_us  # scripts/ is on the path of a script and of its tests
+    per_op = [x for r in rows if r.get("alone_ops")
+              for x in (host_op_us(r["alone_host_ms"], r["alone_ops"], r["alone_views"]),) if x is not None]
     if per_op:  # what the planner's --host-op-us reads from this file
         meta.update(host_op_us=sum(per_op) / len(per_op),
                     host_op_source=f"{meta['device']}, torch {torch.__version__}: scripts/bench_masks.py, one rank "
-                                   f"alone, host ms per step / torch ops per step, mean of {len(per_op)} runs")
+                                   f"alone, host ms per step less its views' (the planner's us per view) / its other "
+                                   f"torch ops, mean of {len(per_op)} runs")
     if args.profile:
         Path(args.profile).write_text("\n".join(profiles))
     if args.calls:

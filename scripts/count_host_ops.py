@@ -71,6 +71,17 @@ WRITE_ONLY = frozenset({"copy_", "fill_", "zero_", "_foreach_copy_", "_foreach_z
 WRITTEN = {"merge_": slice(0, 2)}
 
 
+def host_op_us(host_ms: float, ops: float, views: float) -> float | None:
+    """The host's us per torch op that is not a view (and per transport call), from a step's host
+    ms, its ops (views included) and its views, the views priced at the planner's
+    ``Topology.host_view_time`` (:mod:`megatron_mesh.plan.hostcost`): what ``--host-op-us`` means.
+    None where the step issued nothing but views."""
+    from megatron_mesh.plan.hostcost import HOST_VIEW_TIME
+    if ops <= views:
+        return None
+    return max(0.0, 1e3 * host_ms - views * HOST_VIEW_TIME * 1e6) / (ops - views)
+
+
 class OpCounter(TorchDispatchMode):
     """Counts the aten ops dispatched while it is active (on this thread): the plugin's in
     ``ops``, the in-process transport's mailbox copies (what NCCL's transfers are on a GPU) in
@@ -82,6 +93,12 @@ class OpCounter(TorchDispatchMode):
         self.ops: collections.Counter = collections.Counter()
         self.transport: collections.Counter = collections.Counter()
         self.bytes: collections.Counter = collections.Counter()
+
+    @property
+    def issued(self) -> tuple[float, float]:
+        """(torch ops issued, views among them): the plugin's and the transport's."""
+        ops = sum(self.ops.values()) + sum(self.transport.values())
+        return float(ops), float(sum(n for op, n in (*self.ops.items(), *self.transport.items()) if op in VIEWS))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         frame = sys._getframe(1)  # the innermost of the package's frames says whose op it is

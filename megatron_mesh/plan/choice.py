@@ -22,10 +22,11 @@ Megatron's own layout would give.
   sends to one peer and receives from another, each transfer its link's latency + bytes /
   bandwidth; for TASP, which pulls from every peer at once, per link class the latency of up to
   ``TUNABLES.burst_groups`` (:mod:`.tunables`) rounds + the busier direction's bytes / bandwidth;
-* host: the busiest unit's torch ops at ``topo.host_op_time`` each (:func:`_host_ops`: per peer it
-  pulls from and per peer pulling from it, per extra run of a document, per call its short runs
-  are packed into, and a hybrid's all-to-all; :data:`HOST_OPS`, fitted to the plans' counts);
-  nothing where the host is free (``host_op_time`` 0).
+* host: the busiest unit's torch ops at ``topo.host_op_time`` each and its views at
+  ``topo.host_view_time`` (:func:`_host_ops`: per peer it pulls from and per peer pulling from
+  it, per extra run of a document, per call its short runs are packed into, and a hybrid's
+  all-to-all; :data:`HOST_OPS`, fitted to the plans' counts); nothing where the host is free
+  (``host_op_time`` 0).
 
 It prices what a plan adds on top of its pairs only roughly (a kernel call per mask piece of its
 remote blocks, the merge of their partial results, :mod:`.costs`' rates): it ranks the two
@@ -81,40 +82,50 @@ MIN_COMPUTE_LAUNCHES = 20
 # (seed 3) was priced 8 % cheaper on it and simulated 14 % slower; the rows it keeps at 256 GPUs
 # were priced 16-20 % cheaper and simulated 3-15 % faster
 COMM_MARGIN = 0.10
-# The host's torch ops per unit and direction (forward, backward), read off a layout's portions
-# (:func:`_host_ops`): terms of the executor's op count that :mod:`.hostops` makes of a plan, fitted
-# to that count on ring's plans of 8 and 256 ranks (64K and 1M tokens, ``lognormal:4096``: 288
-# ranks' counts over both layouts). The busiest unit's is within half of its plan's (0.76-1.44x on
-# those samples, ``tests/plan/test_choice.py``), where the layouts differ 2-5x: the balanced layout
-# cuts long documents into portions over many ranks, each portion a few runs, and every run
-# multiplies the kernel calls, merges and row ranges of every block over it. It ranks layouts; the
-# simulator's per-seed rows are the check (240 rows at 8 and 256 GPUs: the layout kept is never
+# the share of the lesser of a direction's compute and host time that adds to the slower: the host's
+# ops and the device's work overlap, but not wholly -- a block's calls and merges bunch, and the
+# device waits for them while the host is on average ahead. On the per-seed rows (8 GPUs, and 256
+# GPUs x two mixes; docs/performance.md) with 0 the layout kept was 3-5 % slower than the zigzag
+# on 2 of the 50 rows at 8 GPUs (their host 0.6-1.0x their compute), with 0.2 on none, with 0.25
+# and more it kept the zigzag on more rows where the balanced layout was 5-25 % faster
+HOST_STALL = 0.2
+# The host's torch ops per unit and direction, each as (ops, views) -- the ops a launch or a
+# point-to-point call each (``Topology.host_op_time``), the views far cheaper (``host_view_time``) --
+# read off a layout's portions (:func:`_host_ops`): terms of the executor's count that :mod:`.hostops`
+# makes of a plan, each kind fitted by non-negative least squares to the count of the busiest quarter
+# of the units on both layouts: ring at 8 ranks (64K tokens, ``lognormal:4096`` seeds 0-9; three
+# mixes of short documents) and 256 ranks (1M tokens, seeds 0-1), a2a+tasp U 2 / 4 at 8 ranks and
+# U 2 / 4 / 8 at 256 (each set of plans weighted alike). The busiest unit's priced host time is
+# 0.73-1.56x its plan's (op 23 us, view 3 us; ``tests/plan/test_choice.py``), where the layouts differ
+# 2-5x: the balanced layout cuts long documents into portions over many ranks, each portion a few runs,
+# and every run multiplies the kernel calls, merges and row ranges -- mostly views -- of every block
+# over it. It ranks layouts; the simulator's per-seed rows are the check (the layout kept is never
 # slower than the zigzag, docs/performance.md).
-HOST_OPS = {
-    "fixed": (16, 8),     # the inputs' and results' views and casts, the last queued writes
-    "pulled": (5.5, 12),  # per peer the unit pulls from: its block's call and merge, the receive (backward:
-                          # the block's backward call with its views, the queued dQ and dK/dV writes)
-    "pulling": (2.7, 8),  # per peer pulling from the unit: the send (backward: K/V again, the dK/dV
-                          # partials received and added)
-    "split": (22, 31),    # per run of a document beyond its first on the unit (a zigzag portion's front
-                          # and back): the blocks over it in more calls, merges and row ranges
-    "short": (10, 16),    # per masked call of runs too short to be a segment of their own (mask.py's
-                          # _segments, :func:`_packed_calls`): its allowed matrix and views, and the
-                          # calls with its neighbours -- the counts less the other terms were 7-15 /
-                          # 12-22 per such call on documents of 32-256 tokens at 4 and 8 ranks
+HOST_OPS = {  # term: ((forward ops, views), (backward ops, views))
+    "fixed": ((2.4, 5.2), (0.0, 5.2)),    # the inputs' and results' views and casts, the last queued writes
+    "pulled": ((3.1, 3.0), (5.7, 7.9)),   # per peer the unit pulls from: its block's call and merge, the
+                                          # receive (backward: the block's backward call with its views, the
+                                          # queued dQ and dK/dV writes)
+    "pulling": ((1.0, 2.0), (2.5, 5.5)),  # per peer pulling from the unit: the send (backward: K/V again, the
+                                          # dK/dV partials received and added)
+    "split": ((5.6, 23.6), (3.0, 36.9)),  # per run of a document beyond its first on the unit (a zigzag
+                                          # portion's front and back): the blocks over it in more calls,
+                                          # merges and row ranges
+    "short": ((3.0, 10.9), (2.9, 16.3)),  # per masked call of runs too short to be a segment of their own
+                                          # (mask.py's _segments, :func:`_packed_calls`): its allowed matrix
+                                          # and views, and the calls with its neighbours
 }
-# a Ulysses hybrid's all-to-all, per direction and group member: its copies into and out of the
-# group's buffers and its transfers -- in one round (25 ops) or, on a layout balanced for the groups,
-# in rounds by document set (:mod:`.hybrid_sets`, 40): the plans' counts less the inner plan's terms
-# above, a2a+tasp U 2 / 4 / 8 at 8 and 256 ranks
-A2A_OPS = {False: 25, True: 40}
+# a Ulysses hybrid's all-to-all, per direction and group member, (ops, views): its copies into and out
+# of the group's buffers and its transfers -- in one round or, on a layout balanced for the groups, in
+# rounds by document set (:mod:`.hybrid_sets`): fitted with the terms above
+A2A_OPS = {False: ((6.2, 20.9), (6.3, 18.9)), True: ((10.8, 26.8), (10.1, 24.4))}
 
 
 @dataclass(frozen=True)
 class LayoutCost:
     """A layout's price for one mode (seconds): per direction the busiest unit's compute,
     communication and host (its torch ops, :func:`_host_ops`), and the total, each direction the
-    slowest of the three; ``attention``: the busiest unit's forward attention alone (its pairs at
+    slowest of the three and a share of the lesser of compute and host (:data:`HOST_STALL`); ``attention``: the busiest unit's forward attention alone (its pairs at
     the machine's rate)."""
 
     forward_compute: float
@@ -127,14 +138,20 @@ class LayoutCost:
 
     @property
     def total(self) -> float:
-        return (max(self.forward_compute, self.forward_comm, self.forward_host)
-                + max(self.backward_compute, self.backward_comm, self.backward_host))
+        return (_direction(self.forward_compute, self.forward_comm, self.forward_host)
+                + _direction(self.backward_compute, self.backward_comm, self.backward_host))
 
     @property
     def comm_bound(self) -> bool:
         """Its transfers set the price in a direction (above the compute and the host)."""
         return (self.forward_comm > max(self.forward_compute, self.forward_host)
                 or self.backward_comm > max(self.backward_compute, self.backward_host))
+
+
+def _direction(compute: float, comm: float, host: float) -> float:
+    """A direction's price: the slowest of its compute, communication and host, and
+    :data:`HOST_STALL` of the lesser of compute and host."""
+    return max(compute, comm, host) + HOST_STALL * min(compute, host)
 
 
 def burst_rounds(mode: str) -> bool:
@@ -251,8 +268,9 @@ def _packed_calls(layout: Layout, units: int, span: int, docs, piece: int) -> li
     return calls
 
 
-def _host_ops(portions, pulls, units: int, ulysses: int, sets: bool, packed: list[int]) -> tuple[list[float], list[float]]:
-    """Per unit, the torch ops its host issues in the forward and in the backward (:data:`HOST_OPS`,
+def _host_ops(portions, pulls, units: int, ulysses: int, sets: bool,
+              packed: list[int]) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """Per unit, the (ops, views) its host issues in the forward and in the backward (:data:`HOST_OPS`,
     :data:`A2A_OPS`): what the plans of :mod:`.sparse` issue for its pulls, its peers' pulls from
     it, its runs of documents and ``packed``, its calls of short runs (:func:`_packed_calls`);
     ``sets``: the hybrid's all-to-all goes in rounds by document set (a layout balanced for its
@@ -260,10 +278,10 @@ def _host_ops(portions, pulls, units: int, ulysses: int, sets: bool, packed: lis
 
     Worked example (the module docstring's: P = 2, documents of 32K, 16K and 16K tokens): on the
     balanced layout rank 0 holds the first document's quarters [0, 8K) and [24K, 32K) -- two runs,
-    one beyond the first -- and pulls from rank 1, which pulls from it: 16 + 5.5 + 2.7 + 22 = 46.2
-    ops forward, 8 + 12 + 8 + 31 = 59 backward (2.4 ms at 23 us an op, against 58.6 ms of compute:
-    the compute decides); on the zigzag rank 1 pulls from rank 0, one run each: 21.5 and 20
-    (``tests/plan/test_choice.py``)."""
+    one beyond the first -- and pulls from rank 1, which pulls from it: 2.4 + 3.1 + 1.0 + 5.6 =
+    12.1 ops and 5.2 + 3.0 + 2.0 + 23.6 = 33.8 views forward (0.38 ms at 23 us an op and 3 us a
+    view), 11.2 ops and 55.5 views backward (0.42 ms), against 58.6 ms of compute: the compute
+    decides; on the zigzag rank 1 pulls from rank 0, one run each (``tests/plan/test_choice.py``)."""
     pulled, pulling = [0] * units, [0] * units
     for h, g in pulls:
         pulled[g] += 1
@@ -272,10 +290,19 @@ def _host_ops(portions, pulls, units: int, ulysses: int, sets: bool, packed: lis
     for holders in portions.values():
         for u, runs in holders.items():
             split[u] += len(runs) - 1
-    a2a = A2A_OPS[sets] * ulysses if ulysses > 1 else 0
     c = HOST_OPS
-    return tuple([c["fixed"][d] + a2a + c["pulled"][d] * pulled[u] + c["pulling"][d] * pulling[u]
-                  + c["split"][d] * split[u] + c["short"][d] * packed[u] for u in range(units)] for d in (0, 1))
+    counts = {"pulled": pulled, "pulling": pulling, "split": split, "short": packed}
+
+    def direction(d: int) -> list[tuple[float, float]]:
+        a2a = A2A_OPS[sets][d] if ulysses > 1 else (0.0, 0.0)
+        return [tuple(c["fixed"][d][k] + a2a[k] * ulysses + sum(c[t][d][k] * n[u] for t, n in counts.items())
+                      for k in (0, 1)) for u in range(units)]
+    return direction(0), direction(1)
+
+
+def _host_seconds(per_unit, topo: Topology) -> float:
+    """The busiest unit's host time: its ops at ``topo.host_op_time``, its views at ``host_view_time``."""
+    return max(ops * topo.host_op_time + views * topo.host_view_time for ops, views in per_unit)
 
 
 def _comm(pulls, units: int, shape: AttentionShape, topo: Topology, span: int, burst: bool) -> tuple[float, float]:
@@ -357,12 +384,12 @@ def layout_cost(layout: Layout, docs, shape: AttentionShape, topo: Topology, mod
     pair = 4.0 * sub.batch * sub.heads * sub.head_dim / topo.attention_flops
     extra_f, extra_b = _overheads(pulls, units, sub, topo)
     forward, backward = _comm(pulls, units, sub, topo, ulysses, burst_rounds(mode))
-    host_f, host_b = _host_ops(portions, pulls, units, ulysses, ulysses > 1 and layout.group == ulysses,
-                               _packed_calls(layout, units, ulysses, docs, topo.mask_piece)) \
-        if topo.host_op_time > 0 else ((0.0,), (0.0,))
+    host_f, host_b = (_host_seconds(d, topo) for d in _host_ops(
+        portions, pulls, units, ulysses, ulysses > 1 and layout.group == ulysses,
+        _packed_calls(layout, units, ulysses, docs, topo.mask_piece))) if topo.host_priced else (0.0, 0.0)
     return LayoutCost(max(w * pair + x for w, x in zip(work, extra_f)),
                       max(w * pair * BACKWARD_FLOPS + x for w, x in zip(work, extra_b)), forward, backward,
-                      max(work) * pair, max(host_f) * topo.host_op_time, max(host_b) * topo.host_op_time)
+                      max(work) * pair, host_f, host_b)
 
 
 def choose_layout(balanced: BalancedLayout, shape: AttentionShape, topo: Topology, mode: str,
@@ -384,7 +411,7 @@ def choose_layout(balanced: BalancedLayout, shape: AttentionShape, topo: Topolog
     theirs = layout_cost(zigzag, docs, shape, topo, mode, ulysses)
     if ulysses == P:  # one group: the layouts differ only in the kernel calls it makes
         fewer = _pieces(balanced, P, docs) < _pieces(zigzag, P, docs)
-        return ("balanced" if topo.host_op_time > 0 and fewer else "zigzag"), mine, theirs
+        return ("balanced" if topo.host_priced and fewer else "zigzag"), mine, theirs
     # a step whose busiest rank computes for less than a few launches' time is bound by launches
     # and latencies, which the price leaves to the plan: balance buys nothing there
     small = theirs.attention < MIN_COMPUTE_LAUNCHES * topo.kernel_latency

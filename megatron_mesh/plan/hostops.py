@@ -1,9 +1,10 @@
 """How many torch ops a rank's host issues for each op of its plan: the executor's per-op cost model.
 
 On a GPU every torch op costs the host its Python and dispatch time (~23 us on the H200 of
-docs/performance.md, views included), whatever the device does; at a few thousand tokens per rank
-that is the step's pace. The simulator (:mod:`.timeline`) gives each rank a host that issues its
-ops in order at ``Topology.host_op_time`` per torch op, the device waiting where the host is
+docs/performance.md; a view, which launches nothing, ~3 us), whatever the device does; at a few
+thousand tokens per rank that is the step's pace. The simulator (:mod:`.timeline`) gives each
+rank a host that issues its ops in order at ``Topology.host_op_time`` per launch and
+point-to-point call and ``Topology.host_view_time`` per view, the device waiting where the host is
 behind -- with the counts this module reads off the plan, as the executor
 (:mod:`megatron_mesh.runtime.executor`) issues them in a step after the plan's first:
 
@@ -69,6 +70,11 @@ class HostOps(NamedTuple):
     @property
     def total(self) -> float:
         return self.launches + self.views + self.transfers
+
+    def seconds(self, op_time: float, view_time: float) -> float:
+        """The host's time issuing them: ``op_time`` per launch and per point-to-point call,
+        ``view_time`` per view (``Topology.host_op_time``, ``host_view_time``)."""
+        return (self.launches + self.transfers) * op_time + self.views * view_time
 
 
 def write_calls(writes) -> list[list[int]]:

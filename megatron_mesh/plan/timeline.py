@@ -5,7 +5,7 @@ completed (NCCL runs a rank's rounds in posting order); ``Wait(t)`` stalls the c
 round t has completed.
 
 Each rank also has a **host** that issues its ops in order, each at its torch ops'
-``Topology.host_op_time`` (:mod:`.hostops` counts them): an op's device work starts once the host
+``Topology.host_op_time`` (a view's ``host_view_time``; :mod:`.hostops` counts them): an op's device work starts once the host
 has issued its first torch op (and the stream is free) and ends no sooner than its last is
 issued; a round starts no sooner than its ``Post`` is issued. The host never waits for the device
 (NCCL's waits are the stream's), so where it is slower the device idles -- a timeline's "host"
@@ -106,11 +106,12 @@ class _Costs:
     def rank(self, r: int, direction: str) -> _Rank:
         """Rank ``r``'s state for stepping ``direction``, with its host's seconds per op."""
         st = _Rank(r, self.plan.rank(r).ops(direction), self.plan.first_writes(r, direction))
-        per_op = self.topo.host_op_time
-        if per_op > 0:
-            ops, around = step_host_ops(self.plan, r, direction, self.shape, piece=self.topo.mask_piece)
-            st.issue = tuple(h.total * per_op for h in ops)
-            st.around, st.first_op = around.total * per_op, per_op
+        topo = self.topo
+        if topo.host_priced:
+            ops, around = step_host_ops(self.plan, r, direction, self.shape, piece=topo.mask_piece)
+            per_op, per_view = topo.host_op_time, topo.host_view_time
+            st.issue = tuple(h.seconds(per_op, per_view) for h in ops)
+            st.around, st.first_op = around.seconds(per_op, per_view), per_op
         return st
 
     def __call__(self, op, first=None) -> float:

@@ -35,11 +35,13 @@ measured values):
 * ``kernel_latency`` 5 us: fixed cost per attention kernel call (launch and tail effects).
 * ``memory_bandwidth`` 3.35e12 B/s: H100 SXM5 HBM3 (datasheet); prices the element-wise
   merges of partial outputs and gradient accumulators.
-* ``host_op_time`` 23 us: the host's time per torch op the executor issues (Python, dispatch,
-  launch; views included), each rank's host issuing its ops in order and its GPU waiting where
-  the host is behind (:mod:`.hostops` counts the ops, :mod:`.hostcost` says where the number
-  comes from: one H200 rank alone, docs/performance.md); 0 leaves the host out (the model before
-  issue 52).
+* ``host_op_time`` 23 us: the host's time per torch op the executor issues that is not a view
+  (Python, dispatch, launch) and per point-to-point call, each rank's host issuing its ops in
+  order and its GPU waiting where the host is behind (:mod:`.hostops` counts the ops,
+  :mod:`.hostcost` says where the number comes from: one H200 rank alone, docs/performance.md);
+  0 leaves the host out (the model before issue 52).
+* ``host_view_time`` 3 us: the host's time per view the executor makes (a slice, no device
+  work; fitted with ``host_op_time`` on the same H200 runs, :mod:`.hostcost`).
 * ``mask_piece`` 2048 tokens: a masked block runs as kernel calls on pieces of at most this many
   query x key tokens (the runtime's default on CUDA, :data:`~.mask.MASK_PIECE`): empty pieces are
   skipped, whole-document pieces run the causal / full fast path, the rest are computed densely
@@ -52,7 +54,7 @@ import math
 
 from dataclasses import dataclass
 
-from .hostcost import HOST_OP_TIME
+from .hostcost import HOST_OP_TIME, HOST_VIEW_TIME
 from .mask import MASK_PIECE
 
 __all__ = ["Topology", "LINK_CLASSES"]
@@ -80,6 +82,7 @@ class Topology:
     node_of: tuple[int, ...] | None = None
     mask_piece: int = MASK_PIECE["cuda"]
     host_op_time: float = HOST_OP_TIME
+    host_view_time: float = HOST_VIEW_TIME
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node"):
@@ -88,7 +91,7 @@ class Topology:
         for name in ("intra_bandwidth", "inter_bandwidth", "attention_flops", "memory_bandwidth"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be finite and > 0, got {getattr(self, name)!r}")
-        for name in ("intra_latency", "inter_latency", "kernel_latency", "host_op_time"):
+        for name in ("intra_latency", "inter_latency", "kernel_latency", "host_op_time", "host_view_time"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be finite and >= 0, got {getattr(self, name)!r}")
         if self.node_of is not None:
@@ -154,4 +157,10 @@ class Topology:
                 f"{self.intra_latency * 1e6:g} us, inter {self.inter_bandwidth / 1e9:g} GB/s "
                 f"{self.inter_latency * 1e6:g} us per GPU per direction; attention "
                 f"{self.attention_flops / 1e12:g} TFLOP/s, {self.kernel_latency * 1e6:g} us per kernel, "
-                f"HBM {self.memory_bandwidth / 1e12:g} TB/s; host {self.host_op_time * 1e6:g} us per torch op")
+                f"HBM {self.memory_bandwidth / 1e12:g} TB/s; host {self.host_op_time * 1e6:g} us per torch op, "
+                f"{self.host_view_time * 1e6:g} per view")
+
+    @property
+    def host_priced(self) -> bool:
+        """Whether the host's time is priced (``host_op_time`` > 0; 0 leaves the host out, views included)."""
+        return self.host_op_time > 0

@@ -122,6 +122,9 @@ def _machine_arguments(t) -> None:
                    help="the host's us per torch op the executor issues (0: no host), or a JSON file that holds it: "
                         "scripts/gpu_check.sh's host_cost.json, or a bench_kernels.py / bench_masks.py --json result "
                         f"(default: {d.host_op_time * 1e6:g} us, {HOST_OP_SOURCE})")
+    t.add_argument("--host-view-us", type=float, default=d.host_view_time * 1e6, metavar="US",
+                   help="the host's us per view the executor makes (a slice: no kernel launch; priced only where "
+                        "--host-op-us is not 0)")
 
 
 def _output_arguments(o) -> None:
@@ -156,13 +159,14 @@ def topology_of(args, world_size: int) -> Topology:
                                  ("--inter-bandwidth", args.inter_bandwidth, False),
                                  ("--intra-latency", args.intra_latency, True),
                                  ("--inter-latency", args.inter_latency, True), ("--tflops", args.tflops, False),
-                                 ("--kernel-latency", args.kernel_latency, True), ("--hbm", args.hbm, False)):
+                                 ("--kernel-latency", args.kernel_latency, True), ("--hbm", args.hbm, False),
+                                 ("--host-view-us", args.host_view_us, True)):
         if not math.isfinite(value) or value < 0 or value == 0 and not zero_ok:
             raise ValueError(f"{flag} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {value:g}")
     links = dict(intra_bandwidth=args.intra_bandwidth * 1e9, inter_bandwidth=args.inter_bandwidth * 1e9,
                  intra_latency=args.intra_latency * 1e-6, inter_latency=args.inter_latency * 1e-6,
                  attention_flops=args.tflops * 1e12, kernel_latency=args.kernel_latency * 1e-6,
-                 memory_bandwidth=args.hbm * 1e12)
+                 memory_bandwidth=args.hbm * 1e12, host_view_time=args.host_view_us * 1e-6)
     if args.host_op_us is not None:
         try:
             links["host_op_time"] = host_op_us(args.host_op_us)[0] * 1e-6

@@ -277,7 +277,8 @@ def _machine_line(problem: Problem, topo: Topology) -> str:
             f"{topo.inter_bandwidth / 1e9:g} GB/s and {topo.inter_latency * 1e6:g} us between nodes (per GPU per "
             f"direction); attention {topo.attention_flops / 1e12:g} TFLOP/s per GPU (backward {BACKWARD_FLOPS}x the "
             f"forward's FLOPs), {topo.kernel_latency * 1e6:g} us per kernel launch, the host "
-            f"{topo.host_op_time * 1e6:g} us per torch op the executor issues. Other machines: "
+            f"{topo.host_op_time * 1e6:g} us per torch op the executor issues ({topo.host_view_time * 1e6:g} per "
+            "view). Other machines: "
             "`megatron-mesh-plan --help` (e.g. --inter-bandwidth, --tflops).")
 
 

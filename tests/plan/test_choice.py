@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_mesh.plan import AttentionShape, Mask, Topology, ZigzagLayout, balanced_layout
-from megatron_mesh.plan.choice import (MIN_COMPUTE_LAUNCHES, _host_ops, _packed_calls, _portions, _work_and_pulls,
-                                       choose_layout, layout_cost)
+from megatron_mesh.plan.choice import (MIN_COMPUTE_LAUNCHES, _host_ops, _host_seconds, _packed_calls, _portions,
+                                       _work_and_pulls, choose_layout, layout_cost)
 from megatron_mesh.tools.plan_args import document_bounds
 from megatron_mesh.tools.planner import evaluate
 
@@ -36,8 +36,11 @@ def test_worked_example_of_the_module_docstring():
         packed = _packed_calls(lay, P, 1, docs, topo.mask_piece)
         assert packed == [0, 0]  # no document shorter than 128 tokens
         host[name] = _host_ops(portions, _work_and_pulls(portions, docs, P)[1], P, 1, False, packed)
-    assert host == {"zigzag": ([18.7, 21.5], [16, 20]), "balanced": ([46.2, 24.2], [59, 28])}
-    assert (mine.forward_host, mine.backward_host) == pytest.approx((46.2 * topo.host_op_time, 59 * topo.host_op_time))
+    rounded = {name: tuple([tuple(round(x, 1) for x in unit) for unit in d] for d in got) for name, got in host.items()}
+    assert rounded == {"zigzag": ([(3.4, 7.2), (5.5, 8.2)], [(2.5, 10.7), (5.7, 13.1)]),  # (ops, views)
+                       "balanced": ([(12.1, 33.8), (6.5, 10.2)], [(11.2, 55.5), (8.2, 18.6)])}
+    at = lambda ops, views: ops * topo.host_op_time + views * topo.host_view_time  # noqa: E731
+    assert (mine.forward_host, mine.backward_host) == pytest.approx((at(12.1, 33.8), at(11.2, 55.5)))
 
 
 @pytest.mark.parametrize("docs, seed, mode, U, host, want", [
@@ -46,12 +49,13 @@ def test_worked_example_of_the_module_docstring():
     ("lognormal:4096,1.0", 1, "tasp", 1, 0.0, "balanced"),  # simulated 13.7 ms on it, 15.5 on the zigzag
     # priced 8 % cheaper on the balanced layout, simulated 14 % slower: not by COMM_MARGIN
     ("lognormal:16384,1.0", 3, "tasp", 1, 0.0, "zigzag"),
-    # the host priced (23 us per torch op): the balanced layout's plans issue 3-5x the ops at 256 ranks
-    ("lognormal:4096,1.0", 0, "ring", 1, 23e-6, "zigzag"),  # 10.99 ms on the zigzag, 42.37 on it
-    ("lognormal:4096,1.0", 1, "tasp", 1, 23e-6, "zigzag"),  # 16.44 against 48.01 (kept before the host term)
-    ("lognormal:4096,1.0", 0, "a2a+tasp", 8, 23e-6, "zigzag"),  # 12.21 against 21.54
-    ("lognormal:16384,1.0", 1, "a2a+tasp", 8, 23e-6, "zigzag"),  # 22.25 against 25.38
-    ("lognormal:16384,1.0", 2, "a2a+tasp", 8, 23e-6, "balanced"),  # 44.28 against 30.51
+    # the host priced (23 us per torch op, 3 per view): the balanced layout's plans issue 3-5x the ops at
+    # 256 ranks
+    ("lognormal:4096,1.0", 0, "ring", 1, 23e-6, "zigzag"),  # 10.89 ms on the zigzag, 16.66 on it
+    ("lognormal:4096,1.0", 1, "tasp", 1, 23e-6, "zigzag"),  # 16.26 against 17.56 (kept before the host term)
+    ("lognormal:4096,1.0", 0, "a2a+tasp", 4, 23e-6, "balanced"),  # 8.97 against 7.04
+    ("lognormal:16384,1.0", 1, "a2a+tasp", 8, 23e-6, "balanced"),  # 19.85 against 11.24
+    ("lognormal:16384,1.0", 2, "a2a+tasp", 8, 23e-6, "balanced"),  # 41.88 against 19.82
 ])
 def test_the_plain_modes_keep_the_zigzag_at_256_gpus(docs, seed, mode, U, host, want):
     """1M tokens on 32 nodes x 8: ring and TASP mostly send more across nodes on the balanced
@@ -97,9 +101,10 @@ def test_one_ulysses_group_keeps_the_layout_with_fewer_pieces_where_the_host_is_
 def test_the_kept_layout_is_never_slower_than_the_zigzag(host_op_time):
     """8 GPUs of one node, 64K tokens (the planner's 8-rank problem), seeds 0-9: for each mode the
     layout ``auto`` keeps (the planner's "auto" rows) simulates no slower than the zigzag, with
-    the host free and priced at 23 us per torch op (issue 52's default). Before the choice priced
-    the host, the balanced layout it kept was 1.11-1.93x slower on 18 of the 30 plain-mode rows
-    and on 32 of the 60 hybrid rows (docs/performance.md, the per-seed tables)."""
+    the host free and priced at 23 us per torch op and 3 us per view (the default). Before the
+    choice priced the host, the balanced layout it kept was 1.11-1.93x slower on 18 of the 30
+    plain-mode rows and on 32 of the 60 hybrid rows (docs/performance.md, the per-seed tables);
+    without :data:`HOST_STALL` 3-5 % slower on 2 of the 50 rows."""
     from megatron_mesh.tools.layout_rows import layout_rows
     shape, topo = AttentionShape(8 * K, 1, **GQA), Topology(nodes=1, gpus_per_node=8, host_op_time=host_op_time)
     kept = {"zigzag": 0, "balanced": 0}
@@ -113,7 +118,7 @@ def test_the_kept_layout_is_never_slower_than_the_zigzag(host_op_time):
                 z = by["zigzag", r.mode, r.ulysses]
                 assert r.time_s <= z.time_s * (1 + 1e-9), (seed, r.mode, r.ulysses, r.extra["auto_pick"], r.time_s, z.time_s)
                 kept[r.extra["auto_pick"]] += 1
-    assert kept["balanced"] >= 10 and kept["zigzag"] >= 10, kept  # both layouts are kept somewhere
+    assert kept["balanced"] >= 5 and kept["zigzag"] >= 5, kept  # both layouts are kept somewhere
 
 
 def test_short_runs_are_priced_as_the_calls_they_are_packed_into():
@@ -132,9 +137,10 @@ def test_short_runs_are_priced_as_the_calls_they_are_packed_into():
 
 
 def test_the_host_term_follows_the_plans_count():
-    """The busiest unit's torch ops as the choice reads them off the portions (:data:`HOST_OPS`)
-    against the count :mod:`~megatron_mesh.plan.hostops` makes of the plan, within half, on both
-    layouts, for ring and a hybrid: the layouts' counts differ 2-5x here."""
+    """The busiest unit's host time as the choice reads its ops and views off the portions
+    (:data:`HOST_OPS`) against the time of the count :mod:`~megatron_mesh.plan.hostops` makes of
+    the plan (ops at ``host_op_time``, views at ``host_view_time``), within half, on both layouts,
+    for ring and a hybrid: the layouts' counts differ 2-5x here."""
     from megatron_mesh.plan import resolve
     from megatron_mesh.plan.hostops import step_host_ops
     shape, topo = AttentionShape(8 * K, 1, **GQA), Topology(nodes=1, gpus_per_node=8)
@@ -148,15 +154,17 @@ def test_the_host_term_follows_the_plans_count():
                 units = 8 // U
                 portions = _portions(layout, units, U, docs)
                 pulls = _work_and_pulls(portions, docs, units)[1]
-                priced = _host_ops(portions, pulls, units, U, U > 1 and layout.group == U,
-                                   _packed_calls(layout, units, U, docs, topo.mask_piece))
+                priced = [_host_seconds(d, topo) for d in _host_ops(
+                    portions, pulls, units, U, U > 1 and layout.group == U,
+                    _packed_calls(layout, units, U, docs, topo.mask_piece))]
                 plan = resolve(mode, 8, shape, topo, **({"ulysses_size": U} if U > 1 else {})).build(
                     shape, Mask(True, documents=docs), layout)
                 for d, direction in enumerate(("forward", "backward")):
-                    counted = max(sum(h.total for h in ops) + around.total for r in range(8)
+                    counted = max(sum(h.seconds(topo.host_op_time, topo.host_view_time) for h in (*ops, around))
+                                  for r in range(8)
                                   for ops, around in (step_host_ops(plan, r, direction, shape, piece=topo.mask_piece),))
-                    assert 0.6 < max(priced[d]) / counted < 1.5, (spec, seed, mode, U, type(layout).__name__,
-                                                                  direction, max(priced[d]), counted)
+                    assert 0.6 < priced[d] / counted < 1.5, (spec, seed, mode, U, type(layout).__name__,
+                                                             direction, priced[d], counted)
 
 
 def test_layout_cost_prices_the_hybrids_per_group():

@@ -140,6 +140,7 @@ def test_plot_figure_shows_every_line_and_the_time_relative_to_ring():
     (["--intra-bandwidth", "-1"], "--intra-bandwidth must be a finite number > 0, got -1"),
     (["--tflops", "nan"], "--tflops must be a finite number > 0, got nan"),
     (["--kernel-latency", "inf", "--json"], "--kernel-latency must be a finite number >= 0, got inf"),
+    (["--host-view-us", "-3"], "--host-view-us must be a finite number >= 0, got -3"),
     # --plot is checked before any planning: a file it can write, modes it draws, CP sizes that fit
     (["--cp", "4", "--seq-len", "4096", "--plot", "/nonexistent/dir/x.png"],
      "--plot '/nonexistent/dir/x.png' must be a PNG file \\(FILE.png\\) in a writable folder"),
@@ -787,28 +788,35 @@ def test_worked_example_ring_of_two():
 
 
 def test_the_host_sets_the_pace_where_it_is_behind():
-    """Each rank's host issues its ops at Topology.host_op_time per torch op (plan.hostops counts
-    them): with no host the time is the device's; at 2K tokens per rank on the default machine
+    """Each rank's host issues its ops at Topology.host_op_time per torch op and host_view_time
+    per view (plan.hostops counts them): with no host the time is the device's; at 1K tokens per rank on the default machine
     the host is behind (the rows say host-bound) and sets the time; a host a hundred times slower
     makes the step its host's issue time (the device waits), which the breakdown names; at 16K
     tokens per rank the default host keeps ahead."""
     from megatron_mesh.plan.hostops import step_host_ops
 
-    shape = AttentionShape(seq_local=2048, heads=32, kv_heads=8, head_dim=128)
+    shape = AttentionShape(seq_local=1024, heads=32, kv_heads=8, head_dim=128)
     plan = build_ring_plan(8, shape)
     none = simulate(plan, shape, Topology.for_cp(8, host_op_time=0.0))
     default = simulate(plan, shape, Topology.for_cp(8))
     assert none.host == 0 and not none.host_bound
     assert default.host_bound and default.time > none.time and default.time >= default.host
-    slow = Topology.for_cp(8, host_op_time=100 * Topology().host_op_time)
+    slow = Topology.for_cp(8, host_op_time=100 * Topology().host_op_time, host_view_time=100 * Topology().host_view_time)
     res = simulate(plan, shape, slow, timeline=True)
     for phase, direction in ((res.forward, "forward"), (res.backward, "backward")):
         ops, around = step_host_ops(plan, 7, direction, shape, piece=slow.mask_piece)
-        issue = sum(h.total for h in (*ops, around)) * slow.host_op_time
+        # every launch and point-to-point call at host_op_time, every view at host_view_time
+        issue = sum((h.launches + h.transfers) * slow.host_op_time + h.views * slow.host_view_time
+                    for h in (*ops, around))
         assert phase.host == pytest.approx(issue, rel=0.02)  # the slowest rank's (ranks 0 and 7 differ little)
         assert phase.time == pytest.approx(phase.host, rel=0.02) and phase.host_bound
     parts = time_breakdown(plan, shape, slow, res)
     assert all(b.parts["host"] > 0.9 * b.time for b in parts)
+    # the planner's --host-view-us sets the views' price: the machine line names it, and free views
+    # leave the launches' share of the host
+    assert "23 us per torch op, 3 per view" in Topology().describe()
+    free_views = simulate(plan, shape, Topology.for_cp(8, host_view_time=0.0))
+    assert 0 < free_views.host < default.host
     big = AttentionShape(seq_local=16384, heads=32, kv_heads=8, head_dim=128)
     assert not simulate(build_ring_plan(8, big), big, Topology.for_cp(8)).host_bound
 

@@ -77,7 +77,11 @@ def test_bench_kernels_runs_on_tiny_shapes(tmp_path, capsys, script):
             assert r["alone_efficiency"] == pytest.approx(f["ms_per_rank"] / r["alone_ms"], rel=1e-9), r
             assert r["alone_ops"] > 0 and r["graph_ms"] is None, r  # graphs: CUDA and --graphs only
     # the host's us per torch op over the runs alone: what --host-op-us reads from this file
-    per_op = [1e3 * r["alone_host_ms"] / r["alone_ops"] for r in rows if r["alone_ops"]]
+    # views priced at the planner's us per view, the rest of the host's time over the other ops
+    from megatron_mesh.plan.hostcost import HOST_VIEW_TIME
+    per_op = [(1e3 * r["alone_host_ms"] - r["alone_views"] * HOST_VIEW_TIME * 1e6) / (r["alone_ops"] - r["alone_views"])
+              for r in rows if r["alone_ops"]]
+    assert all(0 < r["alone_views"] < r["alone_ops"] for r in rows if r["alone_ops"])
     assert result["meta"]["host_op_us"] == pytest.approx(sum(per_op) / len(per_op))
     from megatron_mesh.plan.hostcost import host_op_us
     assert host_op_us(out_json)[0] == pytest.approx(result["meta"]["host_op_us"])
@@ -833,6 +837,8 @@ def test_gpu_targets_reads_the_results_and_writes_the_host_cost(tmp_path, script
     assert "8192" not in out and "fused" not in out  # no target there
     assert "PASS  documents P=8 16384 tokens/rank balanced ring" in out and "info  documents" in out
     assert host_op_us(tmp_path / "host_cost.json")[0] == pytest.approx((20 + 20 + 30) / 3, abs=0.01)
+    from megatron_mesh.plan.hostcost import HOST_VIEW_TIME  # the views' price the files' op costs were net of
+    assert json.loads((tmp_path / "host_cost.json").read_text())["host_view_us"] == pytest.approx(HOST_VIEW_TIME * 1e6)
     (tmp_path / "masks8.json").unlink()
     assert targets.main([str(tmp_path)]) == 1 and "FAIL  masks8.json: absent" in capsys.readouterr().out
 
