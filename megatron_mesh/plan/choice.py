@@ -172,43 +172,48 @@ def _work_and_pulls(portions, docs, units: int) -> tuple[list[int], dict[tuple[i
     the rows that read them and merge the result)."""
     work = [0] * units
     pulls: dict[tuple[int, int], tuple[int, int]] = {}
-    get = pulls.get
+    get, at = pulls.get, bisect.bisect_right
     for d, holders in portions.items():
         length = docs[d][1] - docs[d][0]
-        span = []  # (unit, first token, last token, tokens, its tokens before a position)
+        span = []  # (unit, first token, last token, tokens, its runs' starts, stops and tokens before each)
         for u, runs in holders.items():
             work[u] += sum(document_work(a, b, length) for a, b in runs)
-            span.append((u, min(a for a, _ in runs), max(b for _, b in runs) - 1, sum(b - a for a, b in runs),
-                         _counter(runs)))
+            starts, stops, before = _counts(runs)
+            span.append((u, starts[0], max(stops) - 1, before[-1], starts, stops, before))
         if len(span) < 2:
             continue
-        for h, h_first, h_last, h_tokens, h_before in span:
-            for g, g_first, y, g_tokens, g_before in span:  # g's last row y reads h's tokens before it
+        # a unit's tokens before x, inlined (thousands of pairs of a long document's holders):
+        # before[i] + min(x, stops[i]) - starts[i], i its last run starting at or before x
+        for h, h_first, h_last, h_tokens, h_starts, h_stops, h_before in span:
+            x = h_first + 1
+            for g, g_first, y, g_tokens, g_starts, g_stops, g_before in span:  # g's last row y reads h's tokens before it
                 if y <= h_first or g == h:
                     continue
-                n = h_tokens if y > h_last else h_before(y)
-                rows = g_tokens if g_first > h_first else g_tokens - g_before(h_first + 1)
+                if y > h_last:
+                    n = h_tokens
+                else:
+                    i = at(h_starts, y) - 1
+                    n = h_before[i] + min(y, h_stops[i]) - h_starts[i]
+                if g_first > h_first:
+                    rows = g_tokens
+                else:
+                    i = at(g_starts, x) - 1
+                    rows = g_tokens - (g_before[i] + min(x, g_stops[i]) - g_starts[i])
                 key = (h, g)
                 old = get(key)
                 pulls[key] = (n, rows) if old is None else (old[0] + n, old[1] + rows)
     return work, pulls
 
 
-def _counter(runs):
-    """x -> how many tokens of ``runs`` ((start, stop), ...) lie before x."""
-    if len(runs) == 1:
-        (a, b), = runs
-        return lambda x: min(max(x - a, 0), b - a)
+def _counts(runs) -> tuple[list[int], list[int], list[int]]:
+    """The starts and stops of ``runs`` ((start, stop), ...) in order, and how many of their tokens
+    lie before each (and, last, all of them): x has before[i] + min(x, stops[i]) - starts[i] before
+    it, i the last run starting at or before x."""
     ordered = sorted(runs)
-    starts = [a for a, _ in ordered]
     before = [0]
     for a, b in ordered:
         before.append(before[-1] + b - a)
-
-    def count(x: int) -> int:
-        i = bisect.bisect_right(starts, x) - 1
-        return 0 if i < 0 else before[i] + min(x, ordered[i][1]) - starts[i]
-    return count
+    return [a for a, _ in ordered], [b for _, b in ordered], before
 
 
 def _overheads(pulls, units: int, shape: AttentionShape, topo: Topology) -> tuple[list[float], list[float]]:
@@ -222,11 +227,12 @@ def _overheads(pulls, units: int, shape: AttentionShape, topo: Topology) -> tupl
     row_b = h * (2 * acc * d + e * d) / topo.memory_bandwidth
     col_puller, col_holder = 2 * g * (acc + e) * d / topo.memory_bandwidth, 3 * 2 * g * acc * d / topo.memory_bandwidth
     forward, backward = [0.0] * units, [0.0] * units
+    piece, latency = topo.mask_piece, topo.kernel_latency
     for (src, dst), (cols, rows) in pulls.items():
         # a masked block runs as kernel calls on pieces of at most mask_piece x mask_piece tokens
-        calls = -(-max(rows, 1) // topo.mask_piece) * -(-cols // topo.mask_piece)
-        forward[dst] += calls * topo.kernel_latency + rows * row_f
-        backward[dst] += calls * topo.kernel_latency + rows * row_b + cols * col_puller
+        launches = -(-max(rows, 1) // piece) * -(-cols // piece) * latency
+        forward[dst] += launches + rows * row_f
+        backward[dst] += launches + rows * row_b + cols * col_puller
         backward[src] += cols * col_holder
     return forward, backward
 
@@ -290,39 +296,58 @@ def _comm(pulls, units: int, shape: AttentionShape, topo: Topology, span: int, b
     link = [(topo.latency(c), topo.bandwidth(c)) for c in ("intra", "inter")]
     # each unit's seconds per kind of round: K/V forward, dK/dV partials back, K/V again (the
     # forward's transfers to the units that do not keep them: every unit's, often)
-    rounds = (lambda m: _burst_rounds(m, units, node, link)) if burst else (lambda m: _shift_rounds(m, units))
-    ahead, back = _transfers(pulls, kv, dkv, node, link, burst)
-    forward = rounds(ahead)
-    again = forward if not any(k and n for k, n in zip(keeps, pulled)) else \
-        rounds({(h, g): x for (h, g), x in ahead.items() if not keeps[g]})
-    return max(forward, default=0.0), max((a + b for a, b in zip(rounds(back), again)), default=0.0)
-
-
-def _transfers(pulls, kv: int, dkv: int, node, link, burst: bool) -> tuple[dict, dict]:
-    """(sender, receiver) -> each pull's K/V forward and its dK/dV partials back: their bytes
-    (``burst``: TASP's rounds add them up per link), else their link's latency + bytes / bandwidth."""
     if burst:
-        return ({hg: n * kv for hg, (n, _) in pulls.items()},
-                {(g, h): n * dkv for (h, g), (n, _) in pulls.items()})
-    # one comprehension per direction, each link's (latency, bandwidth) picked per pull (as fast
-    # as a plain loop is not: 18K pulls at 256 ranks)
+        ahead, back = _moves(pulls, kv, dkv)
+        forward = _burst_rounds(ahead, units, node, link)
+        again = forward if not any(k and n for k, n in zip(keeps, pulled)) else \
+            _burst_rounds({(h, g): x for (h, g), x in ahead.items() if not keeps[g]}, units, node, link)
+        back = _burst_rounds(back, units, node, link)
+    else:
+        forward, back, again = _shift_rounds(_transfer_times(pulls, kv, dkv, node, link), units, keeps)
+    return max(forward, default=0.0), max((a + b for a, b in zip(back, again)), default=0.0)
+
+
+def _moves(pulls, kv: int, dkv: int) -> tuple[dict, dict]:
+    """(sender, receiver) -> the bytes of each pull's K/V forward and of its dK/dV partials back
+    (TASP's rounds add them up per link)."""
+    return ({hg: n * kv for hg, (n, _) in pulls.items()}, {(g, h): n * dkv for (h, g), (n, _) in pulls.items()})
+
+
+def _transfer_times(pulls, kv: int, dkv: int, node, link) -> dict:
+    """(sender, receiver) -> (its K/V's time forward, its dK/dV partials' time back): its link's
+    latency + bytes / bandwidth."""
+    # comprehensions, each link's (latency, bandwidth) picked per pull (as fast as a plain loop is
+    # not: 18K pulls at 256 ranks)
     classes = [(link[node[h] != node[g]], n) for (h, g), (n, _) in pulls.items()]
-    return ({hg: lat + n * kv / bw for hg, ((lat, bw), n) in zip(pulls, classes)},
-            {(g, h): lat + n * dkv / bw for (h, g), ((lat, bw), n) in zip(pulls, classes)})
+    return {hg: (lat + n * kv / bw, lat + n * dkv / bw) for hg, ((lat, bw), n) in zip(pulls, classes)}
 
 
-def _shift_rounds(times: dict, units: int) -> list[float]:
-    """Each unit's seconds in ring-shift rounds: in the round of shift d it sends to u + d and
-    receives from u - d at once, each transfer taking its time (:func:`_transfers`)."""
-    per = [0.0] * units
+def _shift_rounds(times: dict, units: int, keeps: list[bool]) -> tuple[list[float], list[float], list[float]]:
+    """Each unit's seconds in ring-shift rounds, per kind of round: the forward's K/V, the dK/dV
+    partials back, K/V again to the units that do not ``keeps`` them (``times``:
+    :func:`_transfer_times`). In the round of shift d a unit sends to u + d and receives from
+    u - d at once, and the slower of the two decides. One pass serves all three kinds: a partial
+    goes back over its pull's pair the other way (shift -d), so what the forward looks up for a pull
+    (src -> dst) -- what src receives that round, what dst sends -- is what the backward needs."""
+    forward, back, again = [0.0] * units, [0.0] * units, [0.0] * units
     get = times.get
-    for (src, dst), t in times.items():
+    for (src, dst), (t, r) in times.items():
         d = dst - src
-        other = get(((src - d) % units, src))  # what src receives in the same round
-        per[src] += t if other is None or other <= t else other
-        if (dst, (dst + d) % units) not in times:  # dst sends nothing that round: it only receives
-            per[dst] += t
-    return per
+        into = get(((src - d) % units, src))  # what src receives in the round it sends this
+        nxt = (dst + d) % units
+        out = get((dst, nxt))  # what dst sends in it (its partial back comes in that pull's return round)
+        forward[src] += t if into is None or into[0] <= t else into[0]
+        if out is None:  # dst sends nothing that round: it only receives
+            forward[dst] += t
+        back[dst] += r if out is None or out[1] <= r else out[1]
+        if into is None:
+            back[src] += r
+        if not keeps[dst]:  # pulled again in the backward: the forward's rounds less the kept pulls
+            other = None if into is None or keeps[src] else into[0]
+            again[src] += t if other is None or other <= t else other
+            if out is None or keeps[nxt]:
+                again[dst] += t
+    return forward, back, again
 
 
 def _burst_rounds(moves: dict, units: int, node, link) -> list[float]:

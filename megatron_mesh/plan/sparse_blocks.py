@@ -125,10 +125,17 @@ class Blocks:
     def spans(self) -> dict[tuple[int, int], tuple[tuple[Segment, ...], tuple[Segment, ...]]]:
         """{(i, j): (rows, columns)} of every block with allowed pairs, in :meth:`all`'s order -- the
         rows and columns of :func:`block_table`'s blocks, without their kernel calls (what an owner
-        map's needs read, :class:`~.sparse_needs.Needs`)."""
+        map's needs read, :class:`~.sparse_needs.Needs`). The same pass keeps every
+        :meth:`row_summary`: the query owner's needs, which compete with the map's, read them."""
         if self._spans is None:
-            self._spans = {(i, j): (union_intervals(rows), union_intervals(cols))
-                           for i in range(self.P) for j, (rows, cols, _) in sorted(self._scan(i, rows=True).items())}
+            self._spans = {}
+            for i in range(self.P):
+                summary = {}
+                for j, (rows, cols, pairs) in sorted(self._scan(i, rows=True).items()):
+                    cols = union_intervals(cols)
+                    summary[j] = (cols, pairs)
+                    self._spans[i, j] = (union_intervals(rows), cols)
+                self._summary.setdefault(i, summary)
         return self._spans
 
     def _scan(self, i: int, rows: bool) -> dict[int, list]:

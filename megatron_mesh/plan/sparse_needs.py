@@ -15,15 +15,53 @@ from typing import Callable
 
 from .accounting import buffer_bytes
 from .ir import Key
-from .sel import Segment, union_intervals
+from .sel import Segment, sel_len, union_intervals
 from .shape import AttentionShape
 from .sparse_blocks import Blocks
 
-__all__ = ["Keeps", "Needs", "QueryOwnerNeeds", "Slots"]
+__all__ = ["Keeps", "Needs", "QueryOwnerNeeds", "Slots", "bytes_per_rank"]
 
 
 def _union(sels) -> tuple[Segment, ...]:
-    return union_intervals([tuple(seg) for sel in sels for seg in sel])
+    """The union of selections that are each a union already (:meth:`~.sparse_blocks.Blocks.spans`):
+    one is its own union (most keys of a map hold one block's rows or columns)."""
+    return sels[0] if len(sels) == 1 else union_intervals([seg for sel in sels for seg in sel])
+
+
+def _tokens(needs: dict) -> dict[int, int]:
+    """Chunk -> how many of its tokens a rank reads (``needs``: chunk -> its selection)."""
+    return {c: sel_len(sel, 0) for c, sel in needs.items()}
+
+
+def _gather(needs: list[dict[int, list]]) -> tuple[list[dict], list[list[int]], list[dict[int, int]]]:
+    """From each rank's selections of each chunk (``needs``): each rank's union of them by chunk,
+    in chunk order; the ranks reading each chunk, in order; each rank's tokens by chunk."""
+    unions = [{c: _union(got[c]) for c in sorted(got)} for got in needs]
+    readers: list[list[int]] = [[] for _ in needs]
+    for x, got in enumerate(unions):
+        for c in got:
+            readers[c].append(x)
+    return unions, readers, [_tokens(got) for got in unions]
+
+
+def bytes_per_rank(needs, shape: AttentionShape, keeps: Callable[[int], bool]) -> list[int]:
+    """Sent + received bytes of each rank under ``needs`` (:class:`Needs` or :class:`QueryOwnerNeeds`),
+    forward and backward; ``keeps(x)``: whether rank x keeps what it pulled for the backward
+    (:class:`Keeps`)."""
+    per_row = {k: buffer_bytes(k, 1, shape) for k in ("q", "kv", "o", "do", "dq", "dkv")}
+    # forward: pull q / kv, return o; backward: pull (q,) do / (kv), return dq / dkv
+    kinds = {(table, keep): base + (() if keep else again)
+             for table, base, again in (("rows", ("q", "o", "do", "dq"), ("q",)), ("cols", ("kv", "dkv"), ("kv",)))
+             for keep in (False, True)}
+    row_bytes = {key: sum(per_row[k] for k in ks) for key, ks in kinds.items()}
+    traffic = [0] * needs.P
+    for name, tokens in (("rows", needs.row_tokens), ("cols", needs.col_tokens)):
+        for x in range(needs.P):
+            per = row_bytes[name, keeps(x)]
+            for c, n in tokens(x).items():
+                traffic[x] += n * per
+                traffic[c] += n * per
+    return traffic
 
 
 class Needs:
@@ -34,25 +72,17 @@ class Needs:
     def __init__(self, P: int, spans: dict, owner):
         self.P = P
         self._blocks: list[list[tuple[int, int]]] = [[] for _ in range(P)]
-        rows: dict[tuple[int, int], list] = {}  # (needer, chunk) -> row selections
-        cols: dict[tuple[int, int], list] = {}
+        rows: list[dict[int, list]] = [{} for _ in range(P)]  # needer -> chunk -> row selections
+        cols: list[dict[int, list]] = [{} for _ in range(P)]
         for (i, j), (r, c) in spans.items():  # (rows, columns) of each block (Blocks.spans)
             x = owner(i, j)
             self._blocks[x].append((i, j))
             if i != x:
-                rows.setdefault((x, i), []).append(r)
+                rows[x].setdefault(i, []).append(r)
             if j != x:
-                cols.setdefault((x, j), []).append(c)
-        self._rows = [dict() for _ in range(P)]
-        self._cols = [dict() for _ in range(P)]
-        self._row_needers: list[list[int]] = [[] for _ in range(P)]
-        self._col_needers: list[list[int]] = [[] for _ in range(P)]
-        for (x, c), sels in sorted(rows.items()):
-            self._rows[x][c] = _union(sels)
-            self._row_needers[c].append(x)
-        for (x, c), sels in sorted(cols.items()):
-            self._cols[x][c] = _union(sels)
-            self._col_needers[c].append(x)
+                cols[x].setdefault(j, []).append(c)
+        self._rows, self._row_needers, self._row_tokens = _gather(rows)
+        self._cols, self._col_needers, self._col_tokens = _gather(cols)
 
     def blocks(self, x: int) -> list[tuple[int, int]]:
         return self._blocks[x]
@@ -71,23 +101,12 @@ class Needs:
     def col_needers(self, c: int) -> list[int]:
         return self._col_needers[c]
 
-    def bytes_per_rank(self, shape: AttentionShape, keeps: Callable[[int], bool]) -> list[int]:
-        """Sent + received bytes of each rank, forward and backward; ``keeps(x)``: whether rank x
-        keeps what it pulled for the backward (:class:`Keeps`)."""
-        per_row = {k: buffer_bytes(k, 1, shape) for k in ("q", "kv", "o", "do", "dq", "dkv")}
-        # forward: pull q / kv, return o; backward: pull (q,) do / (kv), return dq / dkv
-        kinds = {(table, keep): base + (() if keep else again)
-                 for table, base, again in (("rows", ("q", "o", "do", "dq"), ("q",)), ("cols", ("kv", "dkv"), ("kv",)))
-                 for keep in (False, True)}
-        traffic = [0] * self.P
-        for name, table in (("rows", self._rows), ("cols", self._cols)):
-            for x, needs in enumerate(table):
-                row_bytes = sum(per_row[k] for k in kinds[name, keeps(x)])
-                for c, sel in needs.items():
-                    b = sum(s.stop - s.start for s in sel) * row_bytes
-                    traffic[x] += b
-                    traffic[c] += b
-        return traffic
+    def row_tokens(self, x: int) -> dict[int, int]:
+        """Chunk -> how many of its rows rank x reads (:meth:`rows`, counted)."""
+        return self._row_tokens[x]
+
+    def col_tokens(self, x: int) -> dict[int, int]:
+        return self._col_tokens[x]
 
 
 class QueryOwnerNeeds:
@@ -97,6 +116,7 @@ class QueryOwnerNeeds:
     def __init__(self, blocks: Blocks):
         self.index, self.P = blocks, blocks.P
         self._cols: dict[int, dict] = {}
+        self._col_tokens: dict[int, dict[int, int]] = {}
 
     def blocks(self, x: int) -> list[tuple[int, int]]:
         return [(x, j) for j in self.index.sharing(x) if self.index.summary(x, j)[1]]
@@ -109,6 +129,15 @@ class QueryOwnerNeeds:
         if out is None:
             out = self._cols[x] = {j: cols for j in self.index.sharing(x) if j != x
                                    for cols, pairs in (self.index.summary(x, j),) if pairs}
+        return out
+
+    def row_tokens(self, x: int) -> dict[int, int]:
+        return {}
+
+    def col_tokens(self, x: int) -> dict[int, int]:
+        out = self._col_tokens.get(x)
+        if out is None:
+            out = self._col_tokens[x] = _tokens(self.cols(x))
         return out
 
     def row_needers(self, c: int) -> list[int]:
@@ -155,7 +184,6 @@ class Keeps:
         got = self._memo.get(x)
         if got is None:
             tb = self.token_bytes
-            rows = sum(s.stop - s.start for sel in self.needs.rows(x).values() for s in sel)
-            cols = sum(s.stop - s.start for sel in self.needs.cols(x).values() for s in sel)
+            rows, cols = sum(self.needs.row_tokens(x).values()), sum(self.needs.col_tokens(x).values())
             got = self._memo[x] = rows * tb["q"] + cols * tb["kv"] <= self.limit * self.T * (tb["q"] + tb["kv"])
         return got
