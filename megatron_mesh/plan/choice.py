@@ -303,7 +303,7 @@ def _comm(pulls, units: int, shape: AttentionShape, topo: Topology, span: int, b
             _burst_rounds({(h, g): x for (h, g), x in ahead.items() if not keeps[g]}, units, node, link)
         back = _burst_rounds(back, units, node, link)
     else:
-        forward, back, again = _shift_rounds(_transfer_times(pulls, kv, dkv, node, link), units, keeps)
+        forward, back, again = _shift_rounds(pulls, units, kv, dkv, node, link, keeps)
     return max(forward, default=0.0), max((a + b for a, b in zip(back, again)), default=0.0)
 
 
@@ -313,37 +313,36 @@ def _moves(pulls, kv: int, dkv: int) -> tuple[dict, dict]:
     return ({hg: n * kv for hg, (n, _) in pulls.items()}, {(g, h): n * dkv for (h, g), (n, _) in pulls.items()})
 
 
-def _transfer_times(pulls, kv: int, dkv: int, node, link) -> dict:
-    """(sender, receiver) -> (its K/V's time forward, its dK/dV partials' time back): its link's
-    latency + bytes / bandwidth."""
-    # comprehensions, each link's (latency, bandwidth) picked per pull (as fast as a plain loop is
-    # not: 18K pulls at 256 ranks)
-    classes = [(link[node[h] != node[g]], n) for (h, g), (n, _) in pulls.items()]
-    return {hg: (lat + n * kv / bw, lat + n * dkv / bw) for hg, ((lat, bw), n) in zip(pulls, classes)}
-
-
-def _shift_rounds(times: dict, units: int, keeps: list[bool]) -> tuple[list[float], list[float], list[float]]:
+def _shift_rounds(pulls, units: int, kv: int, dkv: int, node, link, keeps: list[bool]) -> tuple[list[float], ...]:
     """Each unit's seconds in ring-shift rounds, per kind of round: the forward's K/V, the dK/dV
-    partials back, K/V again to the units that do not ``keeps`` them (``times``:
-    :func:`_transfer_times`). In the round of shift d a unit sends to u + d and receives from
-    u - d at once, and the slower of the two decides. One pass serves all three kinds: a partial
-    goes back over its pull's pair the other way (shift -d), so what the forward looks up for a pull
-    (src -> dst) -- what src receives that round, what dst sends -- is what the backward needs."""
+    partials back, K/V again to the units that do not ``keeps`` them. In the round of shift d a
+    unit sends to u + d and receives from u - d at once, each transfer its link's latency + bytes /
+    bandwidth, and the slower of the two decides. One pass serves all three kinds: a partial goes
+    back over its pull's pair the other way (shift -d), so what the forward looks up for a pull
+    src -> dst -- what src receives that round, what dst sends -- is what the backward needs."""
     forward, back, again = [0.0] * units, [0.0] * units, [0.0] * units
-    get = times.get
-    for (src, dst), (t, r) in times.items():
+    get = pulls.get
+    for (src, dst), (n, _) in pulls.items():
+        lat, bw = link[node[src] != node[dst]]
+        t, r = lat + n * kv / bw, lat + n * dkv / bw
         d = dst - src
-        into = get(((src - d) % units, src))  # what src receives in the round it sends this
-        nxt = (dst + d) % units
-        out = get((dst, nxt))  # what dst sends in it (its partial back comes in that pull's return round)
-        forward[src] += t if into is None or into[0] <= t else into[0]
+        prev, nxt = (src - d) % units, (dst + d) % units
+        into = get((prev, src))  # what src receives in the round it sends this: its K/V's time
+        if into is not None:
+            lat, bw = link[node[prev] != node[src]]
+            into = lat + into[0] * kv / bw
+        out = get((dst, nxt))  # what dst sends in it: its partials' time back (in this pull's return round)
+        if out is not None:
+            lat, bw = link[node[dst] != node[nxt]]
+            out = lat + out[0] * dkv / bw
+        forward[src] += t if into is None or into <= t else into
         if out is None:  # dst sends nothing that round: it only receives
             forward[dst] += t
-        back[dst] += r if out is None or out[1] <= r else out[1]
+        back[dst] += r if out is None or out <= r else out
         if into is None:
             back[src] += r
         if not keeps[dst]:  # pulled again in the backward: the forward's rounds less the kept pulls
-            other = None if into is None or keeps[src] else into[0]
+            other = None if into is None or keeps[src] else into
             again[src] += t if other is None or other <= t else other
             if out is None or keeps[nxt]:
                 again[dst] += t

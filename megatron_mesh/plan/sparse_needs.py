@@ -74,9 +74,10 @@ class Needs:
         self._blocks: list[list[tuple[int, int]]] = [[] for _ in range(P)]
         rows: list[dict[int, list]] = [{} for _ in range(P)]  # needer -> chunk -> row selections
         cols: list[dict[int, list]] = [{} for _ in range(P)]
-        for (i, j), (r, c) in spans.items():  # (rows, columns) of each block (Blocks.spans)
+        for ij, (r, c) in spans.items():  # (rows, columns) of each block (Blocks.spans)
+            i, j = ij
             x = owner(i, j)
-            self._blocks[x].append((i, j))
+            self._blocks[x].append(ij)
             if i != x:
                 rows[x].setdefault(i, []).append(r)
             if j != x:
@@ -135,9 +136,12 @@ class QueryOwnerNeeds:
         return {}
 
     def col_tokens(self, x: int) -> dict[int, int]:
+        """:meth:`cols`, counted -- straight from the block index (the bytes of every rank read
+        every rank's: their selections need not be gathered)."""
         out = self._col_tokens.get(x)
         if out is None:
-            out = self._col_tokens[x] = _tokens(self.cols(x))
+            out = self._col_tokens[x] = {j: sel_len(cols, 0) for j, (cols, pairs) in self.index.row_summary(x).items()
+                                         if j != x and pairs}
         return out
 
     def row_needers(self, c: int) -> list[int]:

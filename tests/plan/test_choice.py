@@ -188,31 +188,40 @@ def _pulls_by_definition(portions, docs, units):
     return pulls
 
 
-def _shift_rounds_by_definition(times, units, keeps):
+def _shift_rounds_by_definition(pulls, units, kv, dkv, node, link, keeps):
     """Per kind of round -- each pull's K/V forward, its dK/dV partials back (the pull's pair the
     other way), K/V again to the units that do not keep them -- each unit's sum over the ring
-    shifts d of the slower of what it sends to u + d and what it receives from u - d then."""
+    shifts d of the slower of what it sends to u + d and what it receives from u - d then, each
+    transfer its link's latency + bytes / bandwidth."""
+    def time(h, g, n, size):
+        lat, bw = link[node[h] != node[g]]
+        return lat + n * size / bw
+
     def rounds(t):
         return [sum(max(t.get((u, (u + d) % units), 0.0), t.get(((u - d) % units, u), 0.0))
                     for d in range(1, units)) for u in range(units)]
-    return (rounds({hg: t for hg, (t, _) in times.items()}), rounds({(g, h): r for (h, g), (_, r) in times.items()}),
-            rounds({(h, g): t for (h, g), (t, _) in times.items() if not keeps[g]}))
+    return (rounds({(h, g): time(h, g, n, kv) for (h, g), (n, _) in pulls.items()}),
+            rounds({(g, h): time(h, g, n, dkv) for (h, g), (n, _) in pulls.items()}),
+            rounds({(h, g): time(h, g, n, kv) for (h, g), (n, _) in pulls.items() if not keeps[g]}))
 
 
 @pytest.mark.parametrize("units", [2, 3, 5, 8, 13])
 def test_the_shift_rounds_equal_their_definition(units):
     """The one pass over the pulls for all three kinds of round against the plain forms: random
-    pulls (some pairs both ways, some units alone in a round) and units that keep or not."""
+    pulls (some pairs both ways, some units alone in a round) over two nodes, and units that
+    keep or not."""
     import random
 
     from megatron_mesh.plan.choice import _shift_rounds
     rng = random.Random(units)
+    node, link = [u * 2 // units for u in range(units)], [(1.0, 4.0), (3.0, 1.0)]
     for _ in range(20):
-        times = {(h, g): (rng.uniform(1, 9), rng.uniform(1, 9)) for h in range(units) for g in range(units)
+        pulls = {(h, g): (rng.randint(1, 99), 1) for h in range(units) for g in range(units)
                  if h != g and rng.random() < 0.4}
         keeps = [rng.random() < 0.5 for _ in range(units)]
-        for got, want in zip(_shift_rounds(times, units, keeps), _shift_rounds_by_definition(times, units, keeps)):
-            assert got == pytest.approx(want, rel=1e-12)
+        got = _shift_rounds(pulls, units, 2, 5, node, link, keeps)
+        for a, b in zip(got, _shift_rounds_by_definition(pulls, units, 2, 5, node, link, keeps)):
+            assert a == pytest.approx(b, rel=1e-12)
 
 
 @pytest.mark.parametrize("seed", range(4))
