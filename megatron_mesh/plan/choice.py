@@ -172,7 +172,7 @@ def _work_and_pulls(portions, docs, units: int) -> tuple[list[int], dict[tuple[i
     the rows that read them and merge the result)."""
     work = [0] * units
     pulls: dict[tuple[int, int], tuple[int, int]] = {}
-    get, at = pulls.get, bisect.bisect_right
+    keep, at = pulls.setdefault, bisect.bisect_right
     for d, holders in portions.items():
         length = docs[d][1] - docs[d][0]
         span = []  # (unit, first token, last token, tokens, its runs' starts, stops and tokens before each)
@@ -199,9 +199,10 @@ def _work_and_pulls(portions, docs, units: int) -> tuple[list[int], dict[tuple[i
                 else:
                     i = at(g_starts, x) - 1
                     rows = g_tokens - (g_before[i] + min(x, g_stops[i]) - g_starts[i])
-                key = (h, g)
-                old = get(key)
-                pulls[key] = (n, rows) if old is None else (old[0] + n, old[1] + rows)
+                pull = (n, rows)
+                old = keep((h, g), pull)  # one lookup: a pair of units rarely shares two documents
+                if old is not pull:
+                    pulls[h, g] = (old[0] + n, old[1] + rows)
     return work, pulls
 
 
