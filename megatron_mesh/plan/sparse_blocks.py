@@ -142,8 +142,9 @@ class Blocks:
 
     def _scan(self, i: int, rows: bool) -> dict[int, list]:
         """Key chunk -> [row intervals (``rows``; else none), column intervals, pairs] of query chunk
-        i's blocks: one pass over i's documents and their holders (the loop of :meth:`parts`, as
-        _BlockSum.add counts). Not kept: a plan of thousands of blocks keeps only their unions."""
+        i's blocks: one pass over i's documents and the pieces of them in reach (the loop of
+        :meth:`parts`, as _BlockSum.add counts; the intervals in another order, which their unions
+        drop). Not kept: a plan of thousands of blocks keeps only their unions."""
         band, fixed = self.band, self.fixed
         acc: dict[int, list] = {}
         for doc in self.docs_of[i]:

@@ -1,8 +1,9 @@
 """What each rank of a mask-aware plan reads from the others (:mod:`.sparse`, step 3): for one
 assignment of blocks to ranks, the rows and columns of each chunk a rank's blocks use
 (:class:`Needs` for any owner map, :class:`QueryOwnerNeeds` rank by rank for the query owner), the
-slots they travel in (:class:`Slots`), and which ranks keep their pulled slots for the backward
-(:class:`Keeps`, step 5).
+bytes each rank moves under them (:func:`bytes_per_rank`: a Mesh plan's maps compete by the
+busiest rank's), the slots they travel in (:class:`Slots`), and which ranks keep their pulled
+slots for the backward (:class:`Keeps`, step 5).
 
 Example (the window example of :mod:`.sparse`: P = 4, causal, window (2, 0), S = 16, the query
 owner): rank 1 reads columns [0:2) of chunk 0 and [2:4) of chunk 2 (``cols(1) == {0: [0:2), 2:
@@ -112,7 +113,10 @@ class Needs:
 
 class QueryOwnerNeeds:
     """The query owner's needs (every block computed where its queries live), rank by rank on
-    demand from the block index: a rank's plan reads only its own row and column of blocks."""
+    demand from the block index: a rank's plan reads only its own row and column of blocks. Where
+    it competes with a Mesh tile map, the bytes of every rank read only their column tokens (the
+    index's summaries, which :meth:`~.sparse_blocks.Blocks.spans` keeps): the same as
+    :class:`Needs` of the map (i, j) -> i, without gathering every rank's selections."""
 
     def __init__(self, blocks: Blocks):
         self.index, self.P = blocks, blocks.P
