@@ -179,11 +179,12 @@ def _work_and_pulls(portions, docs, units: int) -> tuple[list[int], dict[tuple[i
         for u, runs in holders.items():
             work[u] += sum(document_work(a, b, length) for a, b in runs)
             starts, stops, before = _counts(runs)
-            span.append((u, starts[0], max(stops) - 1, before[-1], starts, stops, before))
+            span.append((u, starts[0], stops[-1] - 1, before[-1], starts, stops, before))  # runs disjoint
         if len(span) < 2:
             continue
-        # a unit's tokens before x, inlined (thousands of pairs of a long document's holders):
-        # before[i] + min(x, stops[i]) - starts[i], i its last run starting at or before x
+        # a unit's tokens before x, written out (thousands of pairs of a long document's holders,
+        # no call but the bisection): before[i] + min(x, stops[i]) - starts[i], i its last run
+        # starting at or before x
         for h, h_first, h_last, h_tokens, h_starts, h_stops, h_before in span:
             x = h_first + 1
             for g, g_first, y, g_tokens, g_starts, g_stops, g_before in span:  # g's last row y reads h's tokens before it
@@ -193,12 +194,14 @@ def _work_and_pulls(portions, docs, units: int) -> tuple[list[int], dict[tuple[i
                     n = h_tokens
                 else:
                     i = at(h_starts, y) - 1
-                    n = h_before[i] + min(y, h_stops[i]) - h_starts[i]
+                    stop = h_stops[i]
+                    n = h_before[i] + (y if y < stop else stop) - h_starts[i]
                 if g_first > h_first:
                     rows = g_tokens
                 else:
                     i = at(g_starts, x) - 1
-                    rows = g_tokens - (g_before[i] + min(x, g_stops[i]) - g_starts[i])
+                    stop = g_stops[i]
+                    rows = g_tokens - (g_before[i] + (x if x < stop else stop) - g_starts[i])
                 pull = (n, rows)
                 old = keep((h, g), pull)  # one lookup: a pair of units rarely shares two documents
                 if old is not pull:
@@ -231,7 +234,8 @@ def _overheads(pulls, units: int, shape: AttentionShape, topo: Topology) -> tupl
     piece, latency = topo.mask_piece, topo.kernel_latency
     for (src, dst), (cols, rows) in pulls.items():
         # a masked block runs as kernel calls on pieces of at most mask_piece x mask_piece tokens
-        launches = -(-max(rows, 1) // piece) * -(-cols // piece) * latency
+        # (ceil(max(rows, 1) / piece) written out: the call to max was a quarter of this loop)
+        launches = ((rows - 1) // piece + 1 if rows > 1 else 1) * -(-cols // piece) * latency
         forward[dst] += launches + rows * row_f
         backward[dst] += launches + rows * row_b + cols * col_puller
         backward[src] += cols * col_holder

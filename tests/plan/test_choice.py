@@ -268,3 +268,20 @@ def test_the_choice_equals_its_definition(P, docs, seeds, monkeypatch):
         assert got[0] == want[0], (mode, U)
         for a, b in zip(got[1:], want[1:]):
             assert a.total == pytest.approx(b.total, rel=1e-12) and a.attention == b.attention
+
+
+def test_a_pulls_blocks_are_priced_a_kernel_call_per_mask_piece():
+    """_overheads' calls written out (no call to max per pull) against their plain form: a block
+    of R rows (at least one) and C columns runs as ceil(R / piece) x ceil(C / piece) calls; the
+    merges left out by a memory too fast to take time."""
+    import math
+
+    from megatron_mesh.plan.choice import _overheads
+    topo = Topology(nodes=1, gpus_per_node=2, memory_bandwidth=1e300)
+    piece, shape = topo.mask_piece, AttentionShape(1024, 1, **GQA)
+    for rows in (0, 1, 2, piece - 1, piece, piece + 1, 3 * piece):
+        for cols in (1, piece, piece + 1):
+            forward, backward = _overheads({(0, 1): (cols, rows)}, 2, shape, topo)
+            calls = math.ceil(max(rows, 1) / piece) * math.ceil(cols / piece)
+            assert forward[1] == pytest.approx(calls * topo.kernel_latency, rel=1e-9), (rows, cols)
+            assert backward[1] == pytest.approx(calls * topo.kernel_latency, rel=1e-9) and forward[0] == 0.0
