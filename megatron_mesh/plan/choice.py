@@ -301,21 +301,8 @@ def _comm(pulls, units: int, shape: AttentionShape, topo: Topology, span: int, b
     link = [(topo.latency(c), topo.bandwidth(c)) for c in ("intra", "inter")]
     # each unit's seconds per kind of round: K/V forward, dK/dV partials back, K/V again (the
     # forward's transfers to the units that do not keep them: every unit's, often)
-    if burst:
-        ahead, back = _moves(pulls, kv, dkv)
-        forward = _burst_rounds(ahead, units, node, link)
-        again = forward if not any(k and n for k, n in zip(keeps, pulled)) else \
-            _burst_rounds({(h, g): x for (h, g), x in ahead.items() if not keeps[g]}, units, node, link)
-        back = _burst_rounds(back, units, node, link)
-    else:
-        forward, back, again = _shift_rounds(pulls, units, kv, dkv, node, link, keeps)
+    forward, back, again = (_burst_rounds if burst else _shift_rounds)(pulls, units, kv, dkv, node, link, keeps)
     return max(forward, default=0.0), max((a + b for a, b in zip(back, again)), default=0.0)
-
-
-def _moves(pulls, kv: int, dkv: int) -> tuple[dict, dict]:
-    """(sender, receiver) -> the bytes of each pull's K/V forward and of its dK/dV partials back
-    (TASP's rounds add them up per link)."""
-    return ({hg: n * kv for hg, (n, _) in pulls.items()}, {(g, h): n * dkv for (h, g), (n, _) in pulls.items()})
 
 
 def _shift_rounds(pulls, units: int, kv: int, dkv: int, node, link, keeps: list[bool]) -> tuple[list[float], ...]:
@@ -354,23 +341,34 @@ def _shift_rounds(pulls, units: int, kv: int, dkv: int, node, link, keeps: list[
     return forward, back, again
 
 
-def _burst_rounds(moves: dict, units: int, node, link) -> list[float]:
-    """Each unit's seconds in TASP's rounds: every peer at once, in up to ``TUNABLES.burst_groups``
-    groups, the busier direction of each link class deciding."""
-    sent = [[0, 0] for _ in range(units)]
-    received = [[0, 0] for _ in range(units)]
-    peers = [[0, 0] for _ in range(units)]
-    for (src, dst), nbytes in moves.items():
-        c = int(node[src] != node[dst])
-        sent[src][c] += nbytes
-        received[dst][c] += nbytes
-        peers[src][c] += 1
-        peers[dst][c] += 1
-    per = [0.0] * units
-    for u in range(units):
-        per[u] = max((link[c][0] * min(TUNABLES.burst_groups, peers[u][c]) + max(sent[u][c], received[u][c]) / link[c][1]
-                      for c in (0, 1) if peers[u][c]), default=0.0)
-    return per
+def _burst_rounds(pulls, units: int, kv: int, dkv: int, node, link, keeps: list[bool]) -> tuple[list[float], ...]:
+    """Each unit's seconds in TASP's rounds, per kind of round (as :func:`_shift_rounds`): every
+    peer at once, in up to ``TUNABLES.burst_groups`` groups, the busier direction of each link
+    class deciding. One pass counts each unit's tokens out and in and its peers per link class, of
+    every pull and of those pulled again: a kind's bytes are its tokens x the K/V's or the
+    partials' bytes a token, the partials going back the way their K/V came."""
+    out, into, peers, out_again, into_again, peers_again = ([[0, 0] for _ in range(units)] for _ in range(6))
+    for (h, g), (n, _) in pulls.items():
+        c = node[h] != node[g]
+        out[h][c] += n
+        into[g][c] += n
+        peers[h][c] += 1
+        peers[g][c] += 1
+        if not keeps[g]:
+            out_again[h][c] += n
+            into_again[g][c] += n
+            peers_again[h][c] += 1
+            peers_again[g][c] += 1
+    return (_burst_seconds(out, into, peers, kv, link), _burst_seconds(into, out, peers, dkv, link),
+            _burst_seconds(out_again, into_again, peers_again, kv, link))
+
+
+def _burst_seconds(sent, received, peers, size: int, link) -> list[float]:
+    """Per unit: per link class its peers' latency (up to ``TUNABLES.burst_groups`` rounds) + the
+    busier direction's bytes (``sent`` / ``received`` tokens x ``size``) / bandwidth; the slower class."""
+    groups = TUNABLES.burst_groups
+    return [max((link[c][0] * min(groups, p[c]) + max(s[c] * size, r[c] * size) / link[c][1] for c in (0, 1) if p[c]),
+                default=0.0) for s, r, p in zip(sent, received, peers)]
 
 
 def layout_cost(layout: Layout, docs, shape: AttentionShape, topo: Topology, mode: str,

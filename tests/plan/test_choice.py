@@ -224,6 +224,45 @@ def test_the_shift_rounds_equal_their_definition(units):
             assert a == pytest.approx(b, rel=1e-12)
 
 
+def _burst_rounds_by_definition(pulls, units, kv, dkv, node, link, keeps):
+    """Per kind of round (as above): each unit's slower link class, a class's peers' latency (up
+    to burst_groups rounds) + the busier direction's bytes / bandwidth, move by move."""
+    from megatron_mesh.plan.tunables import TUNABLES
+
+    def rounds(moves):
+        per = []
+        for u in range(units):
+            times = []
+            for c in (0, 1):
+                mine = [(s, d, b) for (s, d), b in moves.items() if u in (s, d) and int(node[s] != node[d]) == c]
+                if mine:
+                    sent = sum(b for s, _, b in mine if s == u)
+                    received = sum(b for _, d, b in mine if d == u)
+                    times.append(link[c][0] * min(TUNABLES.burst_groups, len(mine)) + max(sent, received) / link[c][1])
+            per.append(max(times, default=0.0))
+        return per
+    return (rounds({(h, g): n * kv for (h, g), (n, _) in pulls.items()}),
+            rounds({(g, h): n * dkv for (h, g), (n, _) in pulls.items()}),
+            rounds({(h, g): n * kv for (h, g), (n, _) in pulls.items() if not keeps[g]}))
+
+
+@pytest.mark.parametrize("units", [2, 3, 5, 8, 13])
+def test_the_burst_rounds_equal_their_definition(units):
+    """TASP's rounds, every kind from one count of tokens per unit and link class, against the
+    plain form move by move: random pulls over two nodes, units that keep or not."""
+    import random
+
+    from megatron_mesh.plan.choice import _burst_rounds
+    rng = random.Random(units)
+    node, link = [u * 2 // units for u in range(units)], [(1.0, 4.0), (3.0, 1.0)]
+    for _ in range(20):
+        pulls = {(h, g): (rng.randint(1, 99), 1) for h in range(units) for g in range(units)
+                 if h != g and rng.random() < 0.4}
+        keeps = [rng.random() < 0.5 for _ in range(units)]
+        got = _burst_rounds(pulls, units, 2, 5, node, link, keeps)
+        assert list(got) == list(_burst_rounds_by_definition(pulls, units, 2, 5, node, link, keeps))
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_the_pulls_are_the_documents_tokens_before_each_last_row(seed):
     from megatron_mesh.plan.choice import _work_and_pulls
