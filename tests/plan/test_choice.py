@@ -205,25 +205,6 @@ def _shift_rounds_by_definition(pulls, units, kv, dkv, node, link, keeps):
             rounds({(h, g): time(h, g, n, kv) for (h, g), (n, _) in pulls.items() if not keeps[g]}))
 
 
-@pytest.mark.parametrize("units", [2, 3, 5, 8, 13])
-def test_the_shift_rounds_equal_their_definition(units):
-    """The one pass over the pulls for all three kinds of round against the plain forms: random
-    pulls (some pairs both ways, some units alone in a round) over two nodes, and units that
-    keep or not."""
-    import random
-
-    from megatron_mesh.plan.choice import _shift_rounds
-    rng = random.Random(units)
-    node, link = [u * 2 // units for u in range(units)], [(1.0, 4.0), (3.0, 1.0)]
-    for _ in range(20):
-        pulls = {(h, g): (rng.randint(1, 99), 1) for h in range(units) for g in range(units)
-                 if h != g and rng.random() < 0.4}
-        keeps = [rng.random() < 0.5 for _ in range(units)]
-        got = _shift_rounds(pulls, units, 2, 5, node, link, keeps)
-        for a, b in zip(got, _shift_rounds_by_definition(pulls, units, 2, 5, node, link, keeps)):
-            assert a == pytest.approx(b, rel=1e-12)
-
-
 def _burst_rounds_by_definition(pulls, units, kv, dkv, node, link, keeps):
     """Per kind of round (as above): each unit's slower link class, a class's peers' latency (up
     to burst_groups rounds) + the busier direction's bytes / bandwidth, move by move."""
@@ -247,20 +228,26 @@ def _burst_rounds_by_definition(pulls, units, kv, dkv, node, link, keeps):
 
 
 @pytest.mark.parametrize("units", [2, 3, 5, 8, 13])
-def test_the_burst_rounds_equal_their_definition(units):
-    """TASP's rounds, every kind from one count of tokens per unit and link class, against the
-    plain form move by move: random pulls over two nodes, units that keep or not."""
+@pytest.mark.parametrize("kind", ["shift", "burst"])
+def test_the_rounds_equal_their_definitions(kind, units):
+    """Ring's and Mesh's shift rounds (all three kinds in one pass over the pulls) and TASP's
+    (all three from one count of tokens per unit and link class) against their plain forms above:
+    random pulls (some pairs both ways, some units alone in a round) over two nodes, units that
+    keep what they pulled or not."""
     import random
 
-    from megatron_mesh.plan.choice import _burst_rounds
+    from megatron_mesh.plan import choice
+    fast, plain = {"shift": (choice._shift_rounds, _shift_rounds_by_definition),
+                   "burst": (choice._burst_rounds, _burst_rounds_by_definition)}[kind]
     rng = random.Random(units)
     node, link = [u * 2 // units for u in range(units)], [(1.0, 4.0), (3.0, 1.0)]
     for _ in range(20):
         pulls = {(h, g): (rng.randint(1, 99), 1) for h in range(units) for g in range(units)
                  if h != g and rng.random() < 0.4}
         keeps = [rng.random() < 0.5 for _ in range(units)]
-        got = _burst_rounds(pulls, units, 2, 5, node, link, keeps)
-        assert list(got) == list(_burst_rounds_by_definition(pulls, units, 2, 5, node, link, keeps))
+        got, want = fast(pulls, units, 2, 5, node, link, keeps), plain(pulls, units, 2, 5, node, link, keeps)
+        for a, b in zip(got, want, strict=True):
+            assert a == pytest.approx(b, rel=1e-12)
 
 
 @pytest.mark.parametrize("seed", range(4))
