@@ -177,7 +177,8 @@ def _work_and_pulls(portions, docs, units: int) -> tuple[list[int], dict[tuple[i
         length = docs[d][1] - docs[d][0]
         span = []  # (unit, first token, last token, tokens, its runs' starts, stops and tokens before each)
         for u, runs in holders.items():
-            work[u] += sum(document_work(a, b, length) for a, b in runs)
+            for a, b in runs:
+                work[u] += document_work(a, b, length)
             starts, stops, before = _counts(runs)
             span.append((u, starts[0], stops[-1] - 1, before[-1], starts, stops, before))  # runs disjoint
         if len(span) < 2:
