@@ -36,7 +36,7 @@ host priced) it gives ring 10.7 ms on the zigzag and 34.8 on the balanced layout
 on lognormal:16384 a2a+tasp U 8 36.4 and 34.1 (37.1 and 35.3), and keeps the balanced layout.
 Checked against the simulator on 240 rows (seeds 0-9, 8 and 256 GPUs, both host settings at 8)
 the layout it keeps is never slower than the zigzag (docs/performance.md, the per-seed tables).
-It takes 2-70 ms of Python at 256 ranks (1M tokens; the plain modes on 16K-token documents,
+It takes 2-45 ms of Python at 256 ranks (1M tokens; the plain modes on 16K-token documents,
 whose portions pull from the most peers -- 18K pairs of ranks on the balanced layout -- the
 longest; docs/performance.md, "Build time with the choice"): its loops run once per pair of
 ranks, and the tests check them against their plain forms. Where a rank's attention takes less
