@@ -37,7 +37,7 @@ host priced) it gives ring 10.7 ms on the zigzag and 34.8 on the balanced layout
 on lognormal:16384 a2a+tasp U 8 36.4 and 34.1 (37.1 and 35.3), and keeps the balanced layout.
 Checked against the simulator on 240 rows (seeds 0-9, 8 and 256 GPUs, both host settings at 8)
 the layout it keeps is never slower than the zigzag (docs/performance.md, the per-seed tables).
-It takes 2-70 ms of Python at 256 ranks (1M tokens; the plain modes on 16K-token documents,
+It takes 2-45 ms of Python at 256 ranks (1M tokens; the plain modes on 16K-token documents,
 whose portions pull from the most peers -- 18K pairs of ranks on the balanced layout -- the
 longest; docs/performance.md, "Build time with the choice"): its loops run once per pair of
 ranks, and the tests check them against their plain forms. Where a rank's attention takes less
@@ -189,43 +189,53 @@ def _work_and_pulls(portions, docs, units: int) -> tuple[list[int], dict[tuple[i
     the rows that read them and merge the result)."""
     work = [0] * units
     pulls: dict[tuple[int, int], tuple[int, int]] = {}
-    get = pulls.get
+    keep, at = pulls.setdefault, bisect.bisect_right
     for d, holders in portions.items():
         length = docs[d][1] - docs[d][0]
-        span = []  # (unit, first token, last token, tokens, its tokens before a position)
+        span = []  # (unit, first token, last token, tokens, its runs' starts, stops and tokens before each)
         for u, runs in holders.items():
-            work[u] += sum(document_work(a, b, length) for a, b in runs)
-            span.append((u, min(a for a, _ in runs), max(b for _, b in runs) - 1, sum(b - a for a, b in runs),
-                         _counter(runs)))
+            for a, b in runs:
+                work[u] += document_work(a, b, length)
+            starts, stops, before = _counts(runs)
+            span.append((u, starts[0], stops[-1] - 1, before[-1], starts, stops, before))  # runs disjoint
         if len(span) < 2:
             continue
-        for h, h_first, h_last, h_tokens, h_before in span:
-            for g, g_first, y, g_tokens, g_before in span:  # g's last row y reads h's tokens before it
+        # a unit's tokens before x, written out (thousands of pairs of a long document's holders,
+        # no call but the bisection): before[i] + min(x, stops[i]) - starts[i], i its last run
+        # starting at or before x
+        for h, h_first, h_last, h_tokens, h_starts, h_stops, h_before in span:
+            x = h_first + 1
+            for g, g_first, y, g_tokens, g_starts, g_stops, g_before in span:  # g's last row y reads h's tokens before it
                 if y <= h_first or g == h:
                     continue
-                n = h_tokens if y > h_last else h_before(y)
-                rows = g_tokens if g_first > h_first else g_tokens - g_before(h_first + 1)
-                key = (h, g)
-                old = get(key)
-                pulls[key] = (n, rows) if old is None else (old[0] + n, old[1] + rows)
+                if y > h_last:
+                    n = h_tokens
+                else:
+                    i = at(h_starts, y) - 1
+                    stop = h_stops[i]
+                    n = h_before[i] + (y if y < stop else stop) - h_starts[i]
+                if g_first > h_first:
+                    rows = g_tokens
+                else:
+                    i = at(g_starts, x) - 1
+                    stop = g_stops[i]
+                    rows = g_tokens - (g_before[i] + (x if x < stop else stop) - g_starts[i])
+                pull = (n, rows)
+                old = keep((h, g), pull)  # one lookup: a pair of units rarely shares two documents
+                if old is not pull:
+                    pulls[h, g] = (old[0] + n, old[1] + rows)
     return work, pulls
 
 
-def _counter(runs):
-    """x -> how many tokens of ``runs`` ((start, stop), ...) lie before x."""
-    if len(runs) == 1:
-        (a, b), = runs
-        return lambda x: min(max(x - a, 0), b - a)
+def _counts(runs) -> tuple[list[int], list[int], list[int]]:
+    """The starts and stops of ``runs`` ((start, stop), ...) in order, and how many of their tokens
+    lie before each (and, last, all of them): x has before[i] + min(x, stops[i]) - starts[i] before
+    it, i the last run starting at or before x."""
     ordered = sorted(runs)
-    starts = [a for a, _ in ordered]
     before = [0]
     for a, b in ordered:
         before.append(before[-1] + b - a)
-
-    def count(x: int) -> int:
-        i = bisect.bisect_right(starts, x) - 1
-        return 0 if i < 0 else before[i] + min(x, ordered[i][1]) - starts[i]
-    return count
+    return [a for a, _ in ordered], [b for _, b in ordered], before
 
 
 def _overheads(pulls, units: int, shape: AttentionShape, topo: Topology) -> tuple[list[float], list[float]]:
@@ -239,11 +249,13 @@ def _overheads(pulls, units: int, shape: AttentionShape, topo: Topology) -> tupl
     row_b = h * (2 * acc * d + e * d) / topo.memory_bandwidth
     col_puller, col_holder = 2 * g * (acc + e) * d / topo.memory_bandwidth, 3 * 2 * g * acc * d / topo.memory_bandwidth
     forward, backward = [0.0] * units, [0.0] * units
+    piece, latency = topo.mask_piece, topo.kernel_latency
     for (src, dst), (cols, rows) in pulls.items():
         # a masked block runs as kernel calls on pieces of at most mask_piece x mask_piece tokens
-        calls = -(-max(rows, 1) // topo.mask_piece) * -(-cols // topo.mask_piece)
-        forward[dst] += calls * topo.kernel_latency + rows * row_f
-        backward[dst] += calls * topo.kernel_latency + rows * row_b + cols * col_puller
+        # (ceil(max(rows, 1) / piece) written out: the call to max was a quarter of this loop)
+        launches = ((rows - 1) // piece + 1 if rows > 1 else 1) * -(-cols // piece) * latency
+        forward[dst] += launches + rows * row_f
+        backward[dst] += launches + rows * row_b + cols * col_puller
         backward[src] += cols * col_holder
     return forward, backward
 
@@ -317,58 +329,74 @@ def _comm(pulls, units: int, shape: AttentionShape, topo: Topology, span: int, b
     link = [(topo.latency(c), topo.bandwidth(c)) for c in ("intra", "inter")]
     # each unit's seconds per kind of round: K/V forward, dK/dV partials back, K/V again (the
     # forward's transfers to the units that do not keep them: every unit's, often)
-    rounds = (lambda m: _burst_rounds(m, units, node, link)) if burst else (lambda m: _shift_rounds(m, units))
-    ahead, back = _transfers(pulls, kv, dkv, node, link, burst)
-    forward = rounds(ahead)
-    again = forward if not any(k and n for k, n in zip(keeps, pulled)) else \
-        rounds({(h, g): x for (h, g), x in ahead.items() if not keeps[g]})
-    return max(forward, default=0.0), max((a + b for a, b in zip(rounds(back), again)), default=0.0)
+    forward, back, again = (_burst_rounds if burst else _shift_rounds)(pulls, units, kv, dkv, node, link, keeps)
+    return max(forward, default=0.0), max((a + b for a, b in zip(back, again)), default=0.0)
 
 
-def _transfers(pulls, kv: int, dkv: int, node, link, burst: bool) -> tuple[dict, dict]:
-    """(sender, receiver) -> each pull's K/V forward and its dK/dV partials back: their bytes
-    (``burst``: TASP's rounds add them up per link), else their link's latency + bytes / bandwidth."""
-    if burst:
-        return ({hg: n * kv for hg, (n, _) in pulls.items()},
-                {(g, h): n * dkv for (h, g), (n, _) in pulls.items()})
-    # one comprehension per direction, each link's (latency, bandwidth) picked per pull (as fast
-    # as a plain loop is not: 18K pulls at 256 ranks)
-    classes = [(link[node[h] != node[g]], n) for (h, g), (n, _) in pulls.items()]
-    return ({hg: lat + n * kv / bw for hg, ((lat, bw), n) in zip(pulls, classes)},
-            {(g, h): lat + n * dkv / bw for (h, g), ((lat, bw), n) in zip(pulls, classes)})
-
-
-def _shift_rounds(times: dict, units: int) -> list[float]:
-    """Each unit's seconds in ring-shift rounds: in the round of shift d it sends to u + d and
-    receives from u - d at once, each transfer taking its time (:func:`_transfers`)."""
-    per = [0.0] * units
-    get = times.get
-    for (src, dst), t in times.items():
+def _shift_rounds(pulls, units: int, kv: int, dkv: int, node, link, keeps: list[bool]) -> tuple[list[float], ...]:
+    """Each unit's seconds in ring-shift rounds, per kind of round: the forward's K/V, the dK/dV
+    partials back, K/V again to the units that do not ``keeps`` them. In the round of shift d a
+    unit sends to u + d and receives from u - d at once, each transfer its link's latency + bytes /
+    bandwidth, and the slower of the two decides. One pass serves all three kinds: a partial goes
+    back over its pull's pair the other way (shift -d), so what the forward looks up for a pull
+    src -> dst -- what src receives that round, what dst sends -- is what the backward needs."""
+    forward, back, again = [0.0] * units, [0.0] * units, [0.0] * units
+    get = pulls.get
+    for (src, dst), (n, _) in pulls.items():
+        lat, bw = link[node[src] != node[dst]]
+        t, r = lat + n * kv / bw, lat + n * dkv / bw
         d = dst - src
-        other = get(((src - d) % units, src))  # what src receives in the same round
-        per[src] += t if other is None or other <= t else other
-        if (dst, (dst + d) % units) not in times:  # dst sends nothing that round: it only receives
-            per[dst] += t
-    return per
+        prev, nxt = (src - d) % units, (dst + d) % units
+        into = get((prev, src))  # what src receives in the round it sends this: its K/V's time
+        if into is not None:
+            lat, bw = link[node[prev] != node[src]]
+            into = lat + into[0] * kv / bw
+        out = get((dst, nxt))  # what dst sends in it: its partials' time back (in this pull's return round)
+        if out is not None:
+            lat, bw = link[node[dst] != node[nxt]]
+            out = lat + out[0] * dkv / bw
+        forward[src] += t if into is None or into <= t else into
+        if out is None:  # dst sends nothing that round: it only receives
+            forward[dst] += t
+        back[dst] += r if out is None or out <= r else out
+        if into is None:
+            back[src] += r
+        if not keeps[dst]:  # pulled again in the backward: the forward's rounds less the kept pulls
+            other = None if into is None or keeps[src] else into
+            again[src] += t if other is None or other <= t else other
+            if out is None or keeps[nxt]:
+                again[dst] += t
+    return forward, back, again
 
 
-def _burst_rounds(moves: dict, units: int, node, link) -> list[float]:
-    """Each unit's seconds in TASP's rounds: every peer at once, in up to ``TUNABLES.burst_groups``
-    groups, the busier direction of each link class deciding."""
-    sent = [[0, 0] for _ in range(units)]
-    received = [[0, 0] for _ in range(units)]
-    peers = [[0, 0] for _ in range(units)]
-    for (src, dst), nbytes in moves.items():
-        c = int(node[src] != node[dst])
-        sent[src][c] += nbytes
-        received[dst][c] += nbytes
-        peers[src][c] += 1
-        peers[dst][c] += 1
-    per = [0.0] * units
-    for u in range(units):
-        per[u] = max((link[c][0] * min(TUNABLES.burst_groups, peers[u][c]) + max(sent[u][c], received[u][c]) / link[c][1]
-                      for c in (0, 1) if peers[u][c]), default=0.0)
-    return per
+def _burst_rounds(pulls, units: int, kv: int, dkv: int, node, link, keeps: list[bool]) -> tuple[list[float], ...]:
+    """Each unit's seconds in TASP's rounds, per kind of round (as :func:`_shift_rounds`): every
+    peer at once, in up to ``TUNABLES.burst_groups`` groups, the busier direction of each link
+    class deciding. One pass counts each unit's tokens out and in and its peers per link class, of
+    every pull and of those pulled again: a kind's bytes are its tokens x the K/V's or the
+    partials' bytes a token, the partials going back the way their K/V came."""
+    out, into, peers, out_again, into_again, peers_again = ([[0, 0] for _ in range(units)] for _ in range(6))
+    for (h, g), (n, _) in pulls.items():
+        c = node[h] != node[g]
+        out[h][c] += n
+        into[g][c] += n
+        peers[h][c] += 1
+        peers[g][c] += 1
+        if not keeps[g]:
+            out_again[h][c] += n
+            into_again[g][c] += n
+            peers_again[h][c] += 1
+            peers_again[g][c] += 1
+    return (_burst_seconds(out, into, peers, kv, link), _burst_seconds(into, out, peers, dkv, link),
+            _burst_seconds(out_again, into_again, peers_again, kv, link))
+
+
+def _burst_seconds(sent, received, peers, size: int, link) -> list[float]:
+    """Per unit: per link class its peers' latency (up to ``TUNABLES.burst_groups`` rounds) + the
+    busier direction's bytes (``sent`` / ``received`` tokens x ``size``) / bandwidth; the slower class."""
+    groups = TUNABLES.burst_groups
+    return [max((link[c][0] * min(groups, p[c]) + max(s[c] * size, r[c] * size) / link[c][1] for c in (0, 1) if p[c]),
+                default=0.0) for s, r, p in zip(sent, received, peers)]
 
 
 def layout_cost(layout: Layout, docs, shape: AttentionShape, topo: Topology, mode: str,

@@ -143,10 +143,12 @@ class TileMap:
         return [(i, j) for i in self.q_group(rank) for j in self.kv_group(rank)]
 
     def owner(self, q_chunk: int, kv_chunk: int) -> int:
-        """The rank that computes block (q_chunk, kv_chunk): Q ring of q_chunk x KV ring of kv_chunk."""
-        r, _ = self.coords(q_chunk)
-        _, c = self.coords(kv_chunk)
-        return self.rank_at(r, c)
+        """The rank that computes block (q_chunk, kv_chunk): Q ring of q_chunk x KV ring of kv_chunk
+        (``rank_at(coords(q_chunk)[0], coords(kv_chunk)[1])``, inlined: an owner map's needs ask
+        it for each of thousands of blocks)."""
+        if self.contiguous == "q":
+            return q_chunk // self.a * self.a + kv_chunk % self.a
+        return kv_chunk // self.b * self.b + q_chunk % self.b
 
     def rings(self) -> dict[str, tuple[tuple[int, ...], ...]]:
         """The b Q rings and the a KV rings (CP ranks in ring order): what the plan moves data on

@@ -37,7 +37,9 @@ Sel = tuple  # tuple[Segment, ...]: token ranges of a buffer, in order
 
 def sel_len(sel: Sel | None, whole: int) -> int:
     """Tokens in selection ``sel`` of a buffer of ``whole`` tokens."""
-    return whole if sel is None else sum(s.stop - s.start for s in sel)
+    if sel is None:
+        return whole
+    return sel[0].stop - sel[0].start if len(sel) == 1 else sum(s.stop - s.start for s in sel)
 
 
 def sel_text(sel: Sel | None) -> str:
@@ -149,8 +151,8 @@ def map_runs(runs, segs: Sel, locals_: list[int] | None = None) -> tuple[tuple[i
 def union_intervals(intervals) -> tuple[Segment, ...]:
     """Sorted, merged segments covering ``intervals`` ((start, stop) pairs)."""
     items = sorted(intervals)
-    if not items:
-        return ()
+    if len(items) < 2:  # most blocks' rows and columns are one interval: no merge to do
+        return (Segment(*items[0]),) if items else ()
     out: list[Segment] = []
     start, stop = items[0]
     for a, b in items:  # one Segment per merged interval (thousands of documents' rows join into few)

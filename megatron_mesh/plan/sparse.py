@@ -85,7 +85,7 @@ from .sel import Segment
 from .shape import AttentionShape
 from .sparse_blocks import block_parts, block_table, blocks_of
 from .sparse_calls import Calls
-from .sparse_needs import Keeps, Needs, QueryOwnerNeeds, Slots
+from .sparse_needs import Keeps, Needs, QueryOwnerNeeds, Slots, bytes_per_rank
 from .sparse_rounds import Rounds
 from .tunables import TUNABLES, Tunables
 
@@ -160,11 +160,11 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
         needs = Needs(P, index.spans(), owner)
         notes.append(f"every block is computed where the {assigned} map names (the layout's balance rests on it)")
     elif assignment.owners:  # compare the mode's maps with the query owner by the busiest rank's bytes
-        table = index.spans()
-        candidates = [(QUERY_OWNER, Needs(P, table, lambda i, j: i))]
+        table = index.spans()  # every block's rows and columns (and the index's column summaries)
+        candidates = [(QUERY_OWNER, needs)]
         candidates += [(name, Needs(P, table, owner)) for name, owner in assignment.owners]
         # each map with the ranks that would keep their slots under it ("auto" decides per map)
-        costs = [max(n.bytes_per_rank(shape, Keeps(backward_chunks, n, T, token_bytes, tunables.keep_limit)))
+        costs = [max(bytes_per_rank(n, shape, Keeps(backward_chunks, n, T, token_bytes, tunables.keep_limit)))
                  for _, n in candidates]
         best = min(range(len(candidates)), key=lambda k: (costs[k], -k))  # ties: the mode's own map (last)
         assigned, needs = candidates[best]

@@ -13,6 +13,7 @@ FULL; block (0, 1) is rank 0's rows [2:4) (positions 6, 7) against all of rank 1
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from functools import lru_cache
 
 from .layout import Layout
@@ -70,6 +71,7 @@ class Blocks:
         self._summary: dict[int, dict[int, tuple[tuple[Segment, ...], int]]] = {}  # i -> j -> summary
         self._spans: dict | None = None
         self._sharing: dict[int, tuple[int, ...]] = {}
+        self._positions: dict[int, tuple[list, list[int], list[int]]] = {}  # group -> _by_position
 
     def sharing(self, x: int) -> tuple[int, ...]:
         """The ranks holding a document rank x holds (x included), sorted."""
@@ -125,45 +127,68 @@ class Blocks:
     def spans(self) -> dict[tuple[int, int], tuple[tuple[Segment, ...], tuple[Segment, ...]]]:
         """{(i, j): (rows, columns)} of every block with allowed pairs, in :meth:`all`'s order -- the
         rows and columns of :func:`block_table`'s blocks, without their kernel calls (what an owner
-        map's needs read, :class:`~.sparse_needs.Needs`)."""
+        map's needs read, :class:`~.sparse_needs.Needs`). The same pass keeps every
+        :meth:`row_summary`: the query owner's needs, which compete with the map's, read them."""
         if self._spans is None:
-            self._spans = {(i, j): (union_intervals(rows), union_intervals(cols))
-                           for i in range(self.P) for j, (rows, cols, _) in sorted(self._scan(i, rows=True).items())}
+            self._spans = {}
+            for i in range(self.P):
+                summary = {}
+                for j, (rows, cols, pairs) in sorted(self._scan(i, rows=True).items()):
+                    cols = _union(cols)
+                    summary[j] = (cols, pairs)
+                    self._spans[i, j] = (_union(rows), cols)
+                self._summary.setdefault(i, summary)
         return self._spans
 
     def _scan(self, i: int, rows: bool) -> dict[int, list]:
         """Key chunk -> [row intervals (``rows``; else none), column intervals, pairs] of query chunk
-        i's blocks: one pass over i's documents and their holders (the loop of :meth:`parts`, as
-        _BlockSum.add counts). Not kept: a plan of thousands of blocks keeps only their unions."""
+        i's blocks: one pass over i's documents and the pieces of them in reach (the loop of
+        :meth:`parts`, as _BlockSum.add counts; the intervals in another order, which their unions
+        drop). Not kept: a plan of thousands of blocks keeps only their unions."""
         band, fixed = self.band, self.fixed
         acc: dict[int, list] = {}
         for doc in self.docs_of[i]:
-            holders = self.holders[doc]
-            q_runs = holders[i]
-            for j, k_runs in holders.items():
-                for ql, qa, n, qp in q_runs:
-                    q_end = qa + n - 1
-                    for kl, ka, m, kp in k_runs:
-                        lo, hi = fixed or band(qp, kp)
-                        dmin, dmax = qa - ka - m + 1, q_end - ka
-                        if dmax < lo or dmin > hi or lo > hi:
-                            continue
-                        a = acc.get(j)
-                        if a is None:
-                            a = acc[j] = [[], [], 0]
-                        if dmin >= lo and dmax <= hi:  # every pair
-                            if rows:
-                                a[0].append((ql, ql + n))
-                            a[1].append((kl, kl + m))
-                            a[2] += n * m
-                        else:
-                            if rows:
-                                a[0].append((ql + int(max(qa, ka + lo) if lo != -INF else qa) - qa,
-                                             ql + int(min(qa + n, ka + m + hi) if hi != INF else qa + n) - qa))
-                            a[1].append((kl + int(max(ka, qa - hi) if hi != INF else ka) - ka,
-                                         kl + int(min(ka + m, qa + n - lo) if lo != -INF else ka + m) - ka))
-                            a[2] += band_pairs(qa, n, ka, m, lo, hi)
+            keys, firsts, lasts = self._by_position(doc)
+            for ql, qa, n, qp in self.holders[doc][i]:
+                q_end = qa + n - 1
+                if fixed:  # one band for all: the key runs it reaches are consecutive in position
+                    lo, hi = fixed
+                    near = keys[bisect_left(lasts, qa - hi):bisect_right(firsts, q_end - lo)]
+                else:
+                    near = keys
+                for j, kl, ka, m, kp in near:
+                    lo, hi = fixed or band(qp, kp)
+                    dmin, dmax = qa - ka - m + 1, q_end - ka
+                    if dmax < lo or dmin > hi or lo > hi:
+                        continue
+                    a = acc.get(j)
+                    if a is None:
+                        a = acc[j] = [[], [], 0]
+                    if dmin >= lo and dmax <= hi:  # every pair
+                        if rows:
+                            a[0].append((ql, ql + n))
+                        a[1].append((kl, kl + m))
+                        a[2] += n * m
+                    else:
+                        if rows:
+                            a[0].append((ql + int(max(qa, ka + lo) if lo != -INF else qa) - qa,
+                                         ql + int(min(qa + n, ka + m + hi) if hi != INF else qa + n) - qa))
+                        a[1].append((kl + int(max(ka, qa - hi) if hi != INF else ka) - ka,
+                                     kl + int(min(ka + m, qa + n - lo) if lo != -INF else ka + m) - ka))
+                        a[2] += band_pairs(qa, n, ka, m, lo, hi)
         return acc
+
+    def _by_position(self, doc: int) -> tuple[list, list[int], list[int]]:
+        """The pieces of document (group) ``doc`` on every rank holding it, in position order --
+        (rank, local, start, n, part) -- with their first and last positions: the pieces a query
+        piece reaches under one band are a slice of them (a causal query piece reaches none after
+        it: half the pairs of a zigzag's long document)."""
+        got = self._positions.get(doc)
+        if got is None:
+            keys = sorted(((j, *piece) for j, pieces in self.holders[doc].items() for piece in pieces),
+                          key=lambda k: k[2])
+            got = self._positions[doc] = (keys, [k[2] for k in keys], [k[2] + k[3] - 1 for k in keys])
+        return got
 
     def all(self) -> dict[tuple[int, int], tuple[BlockClass, ...]]:
         out = {}
@@ -173,6 +198,11 @@ class Blocks:
                 if parts:
                     out[(i, j)] = parts
         return out
+
+
+def _union(intervals: list) -> tuple[Segment, ...]:
+    """:func:`~.sel.union_intervals`, one interval -- most blocks' rows and columns -- without the call."""
+    return (Segment(*intervals[0]),) if len(intervals) == 1 else union_intervals(intervals)
 
 
 def _join(parts: tuple[BlockClass, ...], mask: Mask, layout: Layout, ij: tuple[int, int]) -> BlockClass:

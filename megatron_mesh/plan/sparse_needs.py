@@ -1,8 +1,9 @@
 """What each rank of a mask-aware plan reads from the others (:mod:`.sparse`, step 3): for one
 assignment of blocks to ranks, the rows and columns of each chunk a rank's blocks use
 (:class:`Needs` for any owner map, :class:`QueryOwnerNeeds` rank by rank for the query owner), the
-slots they travel in (:class:`Slots`), and which ranks keep their pulled slots for the backward
-(:class:`Keeps`, step 5).
+bytes each rank moves under them (:func:`bytes_per_rank`: a Mesh plan's maps compete by the
+busiest rank's), the slots they travel in (:class:`Slots`), and which ranks keep their pulled
+slots for the backward (:class:`Keeps`, step 5).
 
 Example (the window example of :mod:`.sparse`: P = 4, causal, window (2, 0), S = 16, the query
 owner): rank 1 reads columns [0:2) of chunk 0 and [2:4) of chunk 2 (``cols(1) == {0: [0:2), 2:
@@ -15,15 +16,53 @@ from typing import Callable
 
 from .accounting import buffer_bytes
 from .ir import Key
-from .sel import Segment, union_intervals
+from .sel import Segment, sel_len, union_intervals
 from .shape import AttentionShape
 from .sparse_blocks import Blocks
 
-__all__ = ["Keeps", "Needs", "QueryOwnerNeeds", "Slots"]
+__all__ = ["Keeps", "Needs", "QueryOwnerNeeds", "Slots", "bytes_per_rank"]
 
 
 def _union(sels) -> tuple[Segment, ...]:
-    return union_intervals([tuple(seg) for sel in sels for seg in sel])
+    """The union of selections that are each a union already (:meth:`~.sparse_blocks.Blocks.spans`):
+    one is its own union (most keys of a map hold one block's rows or columns)."""
+    return sels[0] if len(sels) == 1 else union_intervals([seg for sel in sels for seg in sel])
+
+
+def _tokens(needs: dict) -> dict[int, int]:
+    """Chunk -> how many of its tokens a rank reads (``needs``: chunk -> its selection)."""
+    return {c: sel_len(sel, 0) for c, sel in needs.items()}
+
+
+def _gather(needs: list[dict[int, list]]) -> tuple[list[dict], list[list[int]], list[dict[int, int]]]:
+    """From each rank's selections of each chunk (``needs``): each rank's union of them by chunk,
+    in chunk order; the ranks reading each chunk, in order; each rank's tokens by chunk."""
+    unions = [{c: _union(got[c]) for c in sorted(got)} for got in needs]
+    readers: list[list[int]] = [[] for _ in needs]
+    for x, got in enumerate(unions):
+        for c in got:
+            readers[c].append(x)
+    return unions, readers, [_tokens(got) for got in unions]
+
+
+def bytes_per_rank(needs, shape: AttentionShape, keeps: Callable[[int], bool]) -> list[int]:
+    """Sent + received bytes of each rank under ``needs`` (:class:`Needs` or :class:`QueryOwnerNeeds`),
+    forward and backward; ``keeps(x)``: whether rank x keeps what it pulled for the backward
+    (:class:`Keeps`)."""
+    per_row = {k: buffer_bytes(k, 1, shape) for k in ("q", "kv", "o", "do", "dq", "dkv")}
+    # forward: pull q / kv, return o; backward: pull (q,) do / (kv), return dq / dkv
+    kinds = {(table, keep): base + (() if keep else again)
+             for table, base, again in (("rows", ("q", "o", "do", "dq"), ("q",)), ("cols", ("kv", "dkv"), ("kv",)))
+             for keep in (False, True)}
+    row_bytes = {key: sum(per_row[k] for k in ks) for key, ks in kinds.items()}
+    traffic = [0] * needs.P
+    for name, tokens in (("rows", needs.row_tokens), ("cols", needs.col_tokens)):
+        for x in range(needs.P):
+            per = row_bytes[name, keeps(x)]
+            for c, n in tokens(x).items():
+                traffic[x] += n * per
+                traffic[c] += n * per
+    return traffic
 
 
 class Needs:
@@ -34,25 +73,18 @@ class Needs:
     def __init__(self, P: int, spans: dict, owner):
         self.P = P
         self._blocks: list[list[tuple[int, int]]] = [[] for _ in range(P)]
-        rows: dict[tuple[int, int], list] = {}  # (needer, chunk) -> row selections
-        cols: dict[tuple[int, int], list] = {}
-        for (i, j), (r, c) in spans.items():  # (rows, columns) of each block (Blocks.spans)
+        rows: list[dict[int, list]] = [{} for _ in range(P)]  # needer -> chunk -> row selections
+        cols: list[dict[int, list]] = [{} for _ in range(P)]
+        for ij, (r, c) in spans.items():  # (rows, columns) of each block (Blocks.spans)
+            i, j = ij
             x = owner(i, j)
-            self._blocks[x].append((i, j))
+            self._blocks[x].append(ij)
             if i != x:
-                rows.setdefault((x, i), []).append(r)
+                rows[x].setdefault(i, []).append(r)
             if j != x:
-                cols.setdefault((x, j), []).append(c)
-        self._rows = [dict() for _ in range(P)]
-        self._cols = [dict() for _ in range(P)]
-        self._row_needers: list[list[int]] = [[] for _ in range(P)]
-        self._col_needers: list[list[int]] = [[] for _ in range(P)]
-        for (x, c), sels in sorted(rows.items()):
-            self._rows[x][c] = _union(sels)
-            self._row_needers[c].append(x)
-        for (x, c), sels in sorted(cols.items()):
-            self._cols[x][c] = _union(sels)
-            self._col_needers[c].append(x)
+                cols[x].setdefault(j, []).append(c)
+        self._rows, self._row_needers, self._row_tokens = _gather(rows)
+        self._cols, self._col_needers, self._col_tokens = _gather(cols)
 
     def blocks(self, x: int) -> list[tuple[int, int]]:
         return self._blocks[x]
@@ -71,32 +103,25 @@ class Needs:
     def col_needers(self, c: int) -> list[int]:
         return self._col_needers[c]
 
-    def bytes_per_rank(self, shape: AttentionShape, keeps: Callable[[int], bool]) -> list[int]:
-        """Sent + received bytes of each rank, forward and backward; ``keeps(x)``: whether rank x
-        keeps what it pulled for the backward (:class:`Keeps`)."""
-        per_row = {k: buffer_bytes(k, 1, shape) for k in ("q", "kv", "o", "do", "dq", "dkv")}
-        # forward: pull q / kv, return o; backward: pull (q,) do / (kv), return dq / dkv
-        kinds = {(table, keep): base + (() if keep else again)
-                 for table, base, again in (("rows", ("q", "o", "do", "dq"), ("q",)), ("cols", ("kv", "dkv"), ("kv",)))
-                 for keep in (False, True)}
-        traffic = [0] * self.P
-        for name, table in (("rows", self._rows), ("cols", self._cols)):
-            for x, needs in enumerate(table):
-                row_bytes = sum(per_row[k] for k in kinds[name, keeps(x)])
-                for c, sel in needs.items():
-                    b = sum(s.stop - s.start for s in sel) * row_bytes
-                    traffic[x] += b
-                    traffic[c] += b
-        return traffic
+    def row_tokens(self, x: int) -> dict[int, int]:
+        """Chunk -> how many of its rows rank x reads (:meth:`rows`, counted)."""
+        return self._row_tokens[x]
+
+    def col_tokens(self, x: int) -> dict[int, int]:
+        return self._col_tokens[x]
 
 
 class QueryOwnerNeeds:
     """The query owner's needs (every block computed where its queries live), rank by rank on
-    demand from the block index: a rank's plan reads only its own row and column of blocks."""
+    demand from the block index: a rank's plan reads only its own row and column of blocks. Where
+    it competes with a Mesh tile map, the bytes of every rank read only their column tokens (the
+    index's summaries, which :meth:`~.sparse_blocks.Blocks.spans` keeps): the same as
+    :class:`Needs` of the map (i, j) -> i, without gathering every rank's selections."""
 
     def __init__(self, blocks: Blocks):
         self.index, self.P = blocks, blocks.P
         self._cols: dict[int, dict] = {}
+        self._col_tokens: dict[int, dict[int, int]] = {}
 
     def blocks(self, x: int) -> list[tuple[int, int]]:
         return [(x, j) for j in self.index.sharing(x) if self.index.summary(x, j)[1]]
@@ -109,6 +134,18 @@ class QueryOwnerNeeds:
         if out is None:
             out = self._cols[x] = {j: cols for j in self.index.sharing(x) if j != x
                                    for cols, pairs in (self.index.summary(x, j),) if pairs}
+        return out
+
+    def row_tokens(self, x: int) -> dict[int, int]:
+        return {}
+
+    def col_tokens(self, x: int) -> dict[int, int]:
+        """:meth:`cols`, counted -- straight from the block index (the bytes of every rank read
+        every rank's: their selections need not be gathered)."""
+        out = self._col_tokens.get(x)
+        if out is None:
+            out = self._col_tokens[x] = {j: sel_len(cols, 0) for j, (cols, pairs) in self.index.row_summary(x).items()
+                                         if j != x and pairs}
         return out
 
     def row_needers(self, c: int) -> list[int]:
@@ -155,7 +192,6 @@ class Keeps:
         got = self._memo.get(x)
         if got is None:
             tb = self.token_bytes
-            rows = sum(s.stop - s.start for sel in self.needs.rows(x).values() for s in sel)
-            cols = sum(s.stop - s.start for sel in self.needs.cols(x).values() for s in sel)
+            rows, cols = sum(self.needs.row_tokens(x).values()), sum(self.needs.col_tokens(x).values())
             got = self._memo[x] = rows * tb["q"] + cols * tb["kv"] <= self.limit * self.T * (tb["q"] + tb["kv"])
         return got

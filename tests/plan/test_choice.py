@@ -196,11 +196,66 @@ def _pulls_by_definition(portions, docs, units):
     return pulls
 
 
-def _shift_rounds_by_definition(times, units):
-    """Each unit's sum over the ring shifts d of the slower of what it sends to u + d and what
-    it receives from u - d in that round."""
-    return [sum(max(times.get((u, (u + d) % units), 0.0), times.get(((u - d) % units, u), 0.0))
-                for d in range(1, units)) for u in range(units)]
+def _shift_rounds_by_definition(pulls, units, kv, dkv, node, link, keeps):
+    """Per kind of round -- each pull's K/V forward, its dK/dV partials back (the pull's pair the
+    other way), K/V again to the units that do not keep them -- each unit's sum over the ring
+    shifts d of the slower of what it sends to u + d and what it receives from u - d then, each
+    transfer its link's latency + bytes / bandwidth."""
+    def time(h, g, n, size):
+        lat, bw = link[node[h] != node[g]]
+        return lat + n * size / bw
+
+    def rounds(t):
+        return [sum(max(t.get((u, (u + d) % units), 0.0), t.get(((u - d) % units, u), 0.0))
+                    for d in range(1, units)) for u in range(units)]
+    return (rounds({(h, g): time(h, g, n, kv) for (h, g), (n, _) in pulls.items()}),
+            rounds({(g, h): time(h, g, n, dkv) for (h, g), (n, _) in pulls.items()}),
+            rounds({(h, g): time(h, g, n, kv) for (h, g), (n, _) in pulls.items() if not keeps[g]}))
+
+
+def _burst_rounds_by_definition(pulls, units, kv, dkv, node, link, keeps):
+    """Per kind of round (as above): each unit's slower link class, a class's peers' latency (up
+    to burst_groups rounds) + the busier direction's bytes / bandwidth, move by move."""
+    from megatron_mesh.plan.tunables import TUNABLES
+
+    def rounds(moves):
+        per = []
+        for u in range(units):
+            times = []
+            for c in (0, 1):
+                mine = [(s, d, b) for (s, d), b in moves.items() if u in (s, d) and int(node[s] != node[d]) == c]
+                if mine:
+                    sent = sum(b for s, _, b in mine if s == u)
+                    received = sum(b for _, d, b in mine if d == u)
+                    times.append(link[c][0] * min(TUNABLES.burst_groups, len(mine)) + max(sent, received) / link[c][1])
+            per.append(max(times, default=0.0))
+        return per
+    return (rounds({(h, g): n * kv for (h, g), (n, _) in pulls.items()}),
+            rounds({(g, h): n * dkv for (h, g), (n, _) in pulls.items()}),
+            rounds({(h, g): n * kv for (h, g), (n, _) in pulls.items() if not keeps[g]}))
+
+
+@pytest.mark.parametrize("units", [2, 3, 5, 8, 13])
+@pytest.mark.parametrize("kind", ["shift", "burst"])
+def test_the_rounds_equal_their_definitions(kind, units):
+    """Ring's and Mesh's shift rounds (all three kinds in one pass over the pulls) and TASP's
+    (all three from one count of tokens per unit and link class) against their plain forms above:
+    random pulls (some pairs both ways, some units alone in a round) over two nodes, units that
+    keep what they pulled or not."""
+    import random
+
+    from megatron_mesh.plan import choice
+    fast, plain = {"shift": (choice._shift_rounds, _shift_rounds_by_definition),
+                   "burst": (choice._burst_rounds, _burst_rounds_by_definition)}[kind]
+    rng = random.Random(units)
+    node, link = [u * 2 // units for u in range(units)], [(1.0, 4.0), (3.0, 1.0)]
+    for _ in range(20):
+        pulls = {(h, g): (rng.randint(1, 99), 1) for h in range(units) for g in range(units)
+                 if h != g and rng.random() < 0.4}
+        keeps = [rng.random() < 0.5 for _ in range(units)]
+        got, want = fast(pulls, units, 2, 5, node, link, keeps), plain(pulls, units, 2, 5, node, link, keeps)
+        for a, b in zip(got, want, strict=True):
+            assert a == pytest.approx(b, rel=1e-12)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -247,3 +302,20 @@ def test_the_choice_equals_its_definition(P, docs, seeds, monkeypatch):
         assert got[0] == want[0], (mode, U)
         for a, b in zip(got[1:], want[1:]):
             assert a.total == pytest.approx(b.total, rel=1e-12) and a.attention == b.attention
+
+
+def test_a_pulls_blocks_are_priced_a_kernel_call_per_mask_piece():
+    """_overheads' calls written out (no call to max per pull) against their plain form: a block
+    of R rows (at least one) and C columns runs as ceil(R / piece) x ceil(C / piece) calls; the
+    merges left out by a memory too fast to take time."""
+    import math
+
+    from megatron_mesh.plan.choice import _overheads
+    topo = Topology(nodes=1, gpus_per_node=2, memory_bandwidth=1e300)
+    piece, shape = topo.mask_piece, AttentionShape(1024, 1, **GQA)
+    for rows in (0, 1, 2, piece - 1, piece, piece + 1, 3 * piece):
+        for cols in (1, piece, piece + 1):
+            forward, backward = _overheads({(0, 1): (cols, rows)}, 2, shape, topo)
+            calls = math.ceil(max(rows, 1) / piece) * math.ceil(cols / piece)
+            assert forward[1] == pytest.approx(calls * topo.kernel_latency, rel=1e-9), (rows, cols)
+            assert backward[1] == pytest.approx(calls * topo.kernel_latency, rel=1e-9) and forward[0] == 0.0

@@ -34,6 +34,7 @@ def test_tile_map_exact_cover_and_local_diagonal(P, contiguous):
             for i in qs:
                 for j in ks:
                     seen[i * P + j] += 1
+                    assert t.owner(i, j) == g  # the inlined owner is the rank whose rings cross there
         assert seen == bytearray([1]) * (P * P), (P, a, b)
 
 

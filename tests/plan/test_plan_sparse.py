@@ -377,3 +377,64 @@ def test_sparse_blocks_worked_example():
     needs = QueryOwnerNeeds(blocks_of(4, Mask(True, (2, 0)).normalized(16), ZigzagLayout(4, 16), 1))
     assert needs.cols(1) == {0: (Segment(0, 2),), 2: (Segment(2, 4),)} and needs.rows(1) == {}
     assert needs.col_needers(1) == [0, 2]
+
+
+
+@pytest.mark.parametrize("P", [3, 4, 8])
+def test_the_query_owners_needs_on_demand_equal_the_owner_maps(P):
+    """A Mesh plan's query owner competes with its tile map through QueryOwnerNeeds (each rank's
+    needs read from the block index on demand), not through Needs of the map (i, j) -> i, which
+    computes every rank's at once: the same blocks, columns, readers, tokens and bytes."""
+    from megatron_mesh.plan.balance import balanced_layout
+    from megatron_mesh.plan.sparse_blocks import blocks_of
+    from megatron_mesh.plan.sparse_needs import Keeps, Needs, QueryOwnerNeeds, bytes_per_rank
+    from megatron_mesh.tools.plan_args import document_bounds
+
+    S = 96 * P
+    cu = document_bounds("lognormal:40,1.0", S, P)
+    shape = AttentionShape(seq_local=S // P, batch=1, heads=4, kv_heads=2, head_dim=16)
+    cases = [(Mask(True, (17, 0)), ZigzagLayout(P, S)), (Mask(False, (9, 5)), ZigzagLayout(P, S)),
+             (Mask.from_cu_seqlens(cu, S), ZigzagLayout(P, S)), (Mask(True), balanced_layout(cu, P))]
+    for mask, layout in cases:
+        index = blocks_of(P, mask.normalized(S), layout, 16)
+        plain, fast = Needs(P, index.spans(), lambda i, j: i), QueryOwnerNeeds(index)
+        for x in range(P):
+            assert fast.blocks(x) == plain.blocks(x) and fast.rows(x) == plain.rows(x) == {}
+            assert list(fast.cols(x).items()) == list(plain.cols(x).items())
+            assert fast.col_needers(x) == plain.col_needers(x) and fast.row_needers(x) == plain.row_needers(x) == []
+            assert fast.col_tokens(x) == plain.col_tokens(x) and fast.row_tokens(x) == plain.row_tokens(x)
+        assert any(plain.cols(x) for x in range(P)), mask  # ranks read others' columns
+        for policy in ("refetch", "keep", "auto"):
+            sizes = {k: 2 for k in ("q", "kv", "do", "o", "dq", "dkv")}
+            assert bytes_per_rank(fast, shape, Keeps(policy, fast, S // P, sizes, 0.5)) == \
+                bytes_per_rank(plain, shape, Keeps(policy, plain, S // P, sizes, 0.5))
+
+
+@pytest.mark.parametrize("P", [2, 5, 8])
+def test_the_blocks_spans_and_summaries_are_their_calls_together(P):
+    """Blocks.spans / row_summary (one pass over a rank's documents, for a band only over the key
+    pieces in reach) against the plain form: each block's kernel calls (Blocks.parts), their rows
+    and columns united and their pairs summed -- band masks (causal, full, windows both ways),
+    documents, and the kinds whose band differs per piece (chunked, prefix), on the zigzag and on
+    layouts that place documents."""
+    from megatron_mesh.plan.balance import balanced_layout
+    from megatron_mesh.plan.maskkinds import Chunked, Prefix
+    from megatron_mesh.plan.sel import union_intervals
+    from megatron_mesh.plan.sparse_blocks import Blocks
+    from megatron_mesh.tools.plan_args import document_bounds
+
+    S = 64 * P
+    cu = document_bounds("lognormal:30,1.0", S, P)
+    docs = tuple(zip(cu, cu[1:]))
+    masks = [Mask(True), Mask(False), Mask(True, (11, 0)), Mask(False, (7, 3)), Mask.from_cu_seqlens(cu, S),
+             Mask(True, (5, 0), docs), Chunked(24), Chunked(24, docs), Prefix(9, docs)]
+    for mask in masks:
+        for layout in (ZigzagLayout(P, S), balanced_layout(cu, P)):
+            calls = Blocks(P, mask.normalized(S), layout, 8).all()
+            want = {ij: (union_intervals([tuple(r) for c in parts for r in c.rows]),
+                         union_intervals([tuple(r) for c in parts for r in c.cols[0]]), sum(c.pairs for c in parts))
+                    for ij, parts in calls.items()}
+            index = Blocks(P, mask.normalized(S), layout, 8)
+            assert {ij: (rows, cols, index.summary(*ij)[1]) for ij, (rows, cols) in index.spans().items()} == want
+            fresh = Blocks(P, mask.normalized(S), layout, 8)  # the summaries alone, without the spans
+            assert {(i, j): fresh.summary(i, j) for i, j in want} == {ij: (c, n) for ij, (_, c, n) in want.items()}
