@@ -124,8 +124,9 @@ A2A_OPS = {False: ((6.2, 20.9), (6.3, 18.9)), True: ((10.8, 26.8), (10.1, 24.4))
 @dataclass(frozen=True)
 class LayoutCost:
     """A layout's price for one mode (seconds): per direction the busiest unit's compute,
-    communication and host (its torch ops, :func:`_host_ops`), and the total, each direction the
-    slowest of the three and a share of the lesser of compute and host (:data:`HOST_STALL`); ``attention``: the busiest unit's forward attention alone (its pairs at
+    communication and host (its torch ops and views, :func:`_host_ops`), and the total, each
+    direction the slowest of the three and a share of the lesser of compute and host
+    (:data:`HOST_STALL`); ``attention``: the busiest unit's forward attention alone (its pairs at
     the machine's rate)."""
 
     forward_compute: float

@@ -5,11 +5,11 @@ completed (NCCL runs a rank's rounds in posting order); ``Wait(t)`` stalls the c
 round t has completed.
 
 Each rank also has a **host** that issues its ops in order, each at its torch ops'
-``Topology.host_op_time`` (a view's ``host_view_time``; :mod:`.hostops` counts them): an op's device work starts once the host
-has issued its first torch op (and the stream is free) and ends no sooner than its last is
-issued; a round starts no sooner than its ``Post`` is issued. The host never waits for the device
-(NCCL's waits are the stream's), so where it is slower the device idles -- a timeline's "host"
-events -- and the direction ends no sooner than the host's last work.
+``Topology.host_op_time`` (a view's ``host_view_time``; :mod:`.hostops` counts them): an op's
+device work starts once the host has issued its first torch op (and the stream is free) and ends
+no sooner than its last is issued; a round starts no sooner than its ``Post`` is issued. The host
+never waits for the device (NCCL's waits are the stream's), so where it is slower the device
+idles -- a timeline's "host" events -- and the direction ends no sooner than the host's last work.
 
 Two ways to step: :func:`run_lockstep` (round t lasts as long as on the slowest rank of the group:
 the steady state of ring-shaped plans) and :func:`run_pairwise` (every rank on its own: a

@@ -789,8 +789,8 @@ def test_worked_example_ring_of_two():
 
 def test_the_host_sets_the_pace_where_it_is_behind():
     """Each rank's host issues its ops at Topology.host_op_time per torch op and host_view_time
-    per view (plan.hostops counts them): with no host the time is the device's; at 1K tokens per rank on the default machine
-    the host is behind (the rows say host-bound) and sets the time; a host a hundred times slower
+    per view (plan.hostops counts them): with no host the time is the device's; at 1K tokens per
+    rank on the default machine the host is behind (the rows say host-bound) and sets the time; a host a hundred times slower
     makes the step its host's issue time (the device waits), which the breakdown names; at 16K
     tokens per rank the default host keeps ahead."""
     from megatron_mesh.plan.hostops import step_host_ops
@@ -801,7 +801,8 @@ def test_the_host_sets_the_pace_where_it_is_behind():
     default = simulate(plan, shape, Topology.for_cp(8))
     assert none.host == 0 and not none.host_bound
     assert default.host_bound and default.time > none.time and default.time >= default.host
-    slow = Topology.for_cp(8, host_op_time=100 * Topology().host_op_time, host_view_time=100 * Topology().host_view_time)
+    d = Topology()
+    slow = Topology.for_cp(8, host_op_time=100 * d.host_op_time, host_view_time=100 * d.host_view_time)
     res = simulate(plan, shape, slow, timeline=True)
     for phase, direction in ((res.forward, "forward"), (res.backward, "backward")):
         ops, around = step_host_ops(plan, 7, direction, shape, piece=slow.mask_piece)
