@@ -11,9 +11,11 @@ share of the same work / the rank's time per step):
 * packed documents at P = 8, 16K tokens per rank, the balanced layout (``masks8.json``), ring and
   Mesh 2x4 (eager: each sample brings its own plan): eff. >= 0.95 (the other modes are listed).
 
-It writes ``host_cost.json`` (the mean of the result files' ``meta.host_op_us``: the host's time
-per torch op of the runs alone that is not a view, the views priced at the planner's us per view,
-which it keeps as ``host_view_us``) in the results folder: copy it to
+It writes ``host_cost.json`` in the results folder: the host's us per torch op that is not a view
+and per view, both fitted to the runs alone (:func:`fit_host`: each row's host time against its
+ops and views), or where the rows cannot separate them the mean of the result files'
+``meta.host_op_us`` (their ops' time net of the views at the planner's price, which it keeps as
+``host_view_us``): copy it to
 ``megatron_mesh/plan/host_cost.json`` to make it the planner's default. Exit status 1 if a target
 is missed or a result file is absent.
 
@@ -70,13 +72,38 @@ def document_lines(result: dict) -> tuple[list[str], bool]:
     return lines, ok
 
 
+def fit_host(rows: list[dict]) -> tuple[float, float] | None:
+    """(us per torch op that is not a view, us per view) fitted to the runs alone: each row's host
+    ms per step against its ops and views (``alone_ops``, views included, and ``alone_views``), by
+    least squares relative to each row's time. None where that cannot separate the two prices:
+    fewer than 4 rows, their views' share of the ops spread less than 0.1, or a price < 0."""
+    got = [(r["alone_ops"] - r["alone_views"], r["alone_views"], 1e3 * r["alone_host_ms"]) for r in rows
+           if r.get("alone_ops") and r.get("alone_views") is not None and r.get("alone_host_ms")]
+    if len(got) < 4:
+        return None
+    shares = [v / (n + v) for n, v, _ in got]
+    if max(shares) - min(shares) < 0.1:
+        return None
+    # normal equations of min sum ((a n + b v - t) / t)^2
+    snn = sum(n * n / t / t for n, v, t in got)
+    snv = sum(n * v / t / t for n, v, t in got)
+    svv = sum(v * v / t / t for n, v, t in got)
+    snt = sum(n / t for n, v, t in got)
+    svt = sum(v / t for n, v, t in got)
+    det = snn * svv - snv * snv
+    if det <= 0:
+        return None
+    op, view = (snt * svv - svt * snv) / det, (svt * snn - snt * snv) / det
+    return (op, view) if op > 0 and view >= 0 else None
+
+
 def main(argv=None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1 or not Path(args[0]).is_dir():
         print(f"usage: gpu_targets.py DIR (scripts/gpu_check.sh's results folder), got {args}", file=sys.stderr)
         return 2
     folder = Path(args[0])
-    ok, lines, per_op = True, [], []
+    ok, lines, per_op, alone = True, [], [], []
     for name in ("kernels.json", "kernels8.json", "masks8.json"):
         result = _load(folder, name)
         if result is None:
@@ -88,13 +115,21 @@ def main(argv=None) -> int:
         ok &= good
         if result["meta"].get("host_op_us"):
             per_op.append((result["meta"]["host_op_us"], result["meta"]["host_op_source"]))
-    if per_op:
-        us = sum(x for x, _ in per_op) / len(per_op)
+        alone += result["rows"]
+    fitted = fit_host(alone)
+    if fitted is not None:  # the runs' own views' price: both prices measured here
+        us, view = fitted
+        source = (f"{len(alone)} rows of {', '.join(src for _, src in per_op) or 'the result files'}: both prices "
+                  "fitted by least squares (scripts/gpu_targets.py)")
+    elif per_op:  # one price: the ops' net of the views at the planner's price
         from megatron_mesh.plan.hostcost import HOST_VIEW_TIME
-        cost = {"host_op_us": round(us, 2), "host_view_us": round(HOST_VIEW_TIME * 1e6, 2),
-                "source": "; ".join(src for _, src in per_op) + f" (mean of {len(per_op)} files, scripts/gpu_targets.py)"}
+        us, view = sum(x for x, _ in per_op) / len(per_op), HOST_VIEW_TIME * 1e6
+        source = "; ".join(src for _, src in per_op) + f" (mean of {len(per_op)} files, scripts/gpu_targets.py)"
+    if fitted is not None or per_op:
+        cost = {"host_op_us": round(us, 2), "host_view_us": round(view, 2), "source": source}
         (folder / "host_cost.json").write_text(json.dumps(cost, indent=1) + "\n")
-        lines.append(f"host per torch op: {us:.1f} us -> {folder / 'host_cost.json'} "
+        lines.append(f"host per torch op: {us:.1f} us, per view {view:.1f} us"
+                     f"{' (fitted)' if fitted is not None else ''} -> {folder / 'host_cost.json'} "
                      "(copy to megatron_mesh/plan/host_cost.json for the planner's default)")
     print("\n".join(lines))
     return 0 if ok else 1

@@ -843,6 +843,37 @@ def test_gpu_targets_reads_the_results_and_writes_the_host_cost(tmp_path, script
     assert targets.main([str(tmp_path)]) == 1 and "FAIL  masks8.json: absent" in capsys.readouterr().out
 
 
+def test_gpu_targets_fits_the_hosts_two_prices_where_the_runs_separate_them(tmp_path, script, capsys):
+    """host_cost.json from the runs alone: where their views' share of the ops differs, the op's
+    and the view's price both fitted (rows made at 20 us an op and 2 us a view give them back); rows
+    that cannot separate them (fewer than 4, or one share) leave the view's price the planner's."""
+    from megatron_mesh.plan.hostcost import HOST_VIEW_TIME, host_op_us
+
+    targets = script("gpu_targets")
+    row = lambda ops, views, **kw: dict(alone_ops=ops + views, alone_views=views,  # noqa: E731
+                                        alone_host_ms=(20 * ops + 2 * views) / 1e3, **kw)
+    shares = [(50, 30), (80, 40), (100, 240), (60, 300), (120, 90)]
+    assert targets.fit_host([row(n, v) for n, v in shares]) == pytest.approx((20.0, 2.0))
+    assert targets.fit_host([row(n, v) for n, v in shares[:3]]) is None  # too few
+    assert targets.fit_host([row(10 * k, 10 * k) for k in range(1, 6)]) is None  # one share: not separable
+    dense = {"meta": {"world": 4, "host_op_us": 20.0, "host_op_source": "a"},
+             "rows": [row(n, v, seq_local=4096, mode="ring 1x4", direction="forward", alone_efficiency=0.95,
+                          graph_efficiency=None) for n, v in shares]}
+    docs = {"meta": {"world": 8, "seq_len": 8 * 16384, "host_op_us": 20.0, "host_op_source": "b"},
+            "rows": [dict(layout="balanced", mode="ring", calls="varlen", alone_efficiency=0.96)]}
+    for name, result in (("kernels.json", dense), ("kernels8.json", dense), ("masks8.json", docs)):
+        (tmp_path / name).write_text(json.dumps(result))
+    assert targets.main([str(tmp_path)]) == 0
+    assert "host per torch op: 20.0 us, per view 2.0 us (fitted)" in capsys.readouterr().out
+    cost = json.loads((tmp_path / "host_cost.json").read_text())
+    assert (cost["host_op_us"], cost["host_view_us"]) == (20.0, 2.0) and host_op_us(tmp_path / "host_cost.json")[0] == 20.0
+    dense["rows"] = dense["rows"][:2]  # two rows in all: too few to separate the prices
+    (tmp_path / "kernels.json").write_text(json.dumps(dense))
+    (tmp_path / "kernels8.json").write_text(json.dumps({**dense, "rows": []}))
+    assert targets.main([str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "host_cost.json").read_text())["host_view_us"] == round(HOST_VIEW_TIME * 1e6, 2)
+
+
 def test_bench_masks_marks_each_turn_of_the_serial_run(script):
     """MarkedTurns: one mark per turn, made at the turn's start and recorded with its rank, so
     the device's timeline splits into the ranks' own work (busy_per_rank); a serial run of a
