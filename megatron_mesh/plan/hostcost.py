@@ -23,16 +23,17 @@ import json
 import math
 from pathlib import Path
 
-__all__ = ["HOST_OP_TIME", "HOST_VIEW_TIME", "HOST_OP_SOURCE", "host_op_us", "DEFAULT_FILE"]
+__all__ = ["HOST_OP_TIME", "HOST_VIEW_TIME", "HOST_OP_SOURCE", "host_costs", "host_op_us", "DEFAULT_FILE"]
 
 DEFAULT_FILE = Path(__file__).with_name("host_cost.json")
 _BUILT_IN = (23.0, "H200, docs/performance.md stop 46: ring 1x8 forward at 4K tokens per rank, 2.93 ms / 129 ops")
 _VIEW_US = 3.0  # without the file: a view's host time (the module docstring)
 
 
-def host_op_us(source) -> tuple[float, str]:
-    """(us per torch op, where it comes from) of ``source``: a number, or a JSON file -- a
-    ``host_cost.json``, or a ``bench_kernels.py`` / ``bench_masks.py`` result (``--json``), whose
+def host_costs(source) -> tuple[float, float | None, str]:
+    """(us per torch op, us per view or None, where they come from) of ``source``: a number (the
+    op's alone), or a JSON file -- a ``host_cost.json`` (its ``host_view_us`` too, where it has
+    one), or a ``bench_kernels.py`` / ``bench_masks.py`` result (``--json``), whose
     ``meta.host_op_us`` its one-rank-alone runs measured. ValueError naming the value otherwise."""
     try:
         value = float(source)
@@ -41,7 +42,7 @@ def host_op_us(source) -> tuple[float, str]:
     if value is not None:
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"host cost per op must be a finite number of us >= 0 or a result file, got {source!r}")
-        return value, "given"
+        return value, None, "given"
     path = Path(source)
     try:
         data = json.loads(path.read_text())
@@ -52,15 +53,23 @@ def host_op_us(source) -> tuple[float, str]:
     if not isinstance(found, (int, float)) or not math.isfinite(found) or found < 0:
         raise ValueError(f"host cost per op: {source!r} has no 'host_op_us' (top level, or under 'meta' in a "
                          f"bench_kernels.py / bench_masks.py result): got {found!r}")
-    return float(found), str(data.get("source") or (data.get("meta") or {}).get("host_op_source") or path)
+    view = data.get("host_view_us")
+    if view is not None and (not isinstance(view, (int, float)) or not math.isfinite(view) or view < 0):
+        raise ValueError(f"host cost per view: {source!r} has 'host_view_us' {view!r}, not a finite number of us >= 0")
+    return (float(found), None if view is None else float(view),
+            str(data.get("source") or (data.get("meta") or {}).get("host_op_source") or path))
+
+
+def host_op_us(source) -> tuple[float, str]:
+    """(us per torch op, where it comes from) of ``source`` (:func:`host_costs`)."""
+    op, _, where = host_costs(source)
+    return op, where
 
 
 def _default() -> tuple[float, str, float]:
     if DEFAULT_FILE.exists():
-        view = json.loads(DEFAULT_FILE.read_text()).get("host_view_us", _VIEW_US)
-        if not isinstance(view, (int, float)) or not math.isfinite(view) or view < 0:
-            raise ValueError(f"{DEFAULT_FILE}: host_view_us must be a finite number of us >= 0, got {view!r}")
-        return (*host_op_us(DEFAULT_FILE), float(view))
+        op, view, where = host_costs(DEFAULT_FILE)
+        return op, where, _VIEW_US if view is None else view
     return (*_BUILT_IN, _VIEW_US)
 
 

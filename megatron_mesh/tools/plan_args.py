@@ -13,7 +13,7 @@ import random
 import time
 
 from ..plan.autotile import TIE_RULE
-from ..plan.hostcost import HOST_OP_SOURCE, host_op_us
+from ..plan.hostcost import HOST_OP_SOURCE, host_costs
 from ..plan.layout import layout_from_text
 from ..plan.layouts import LAYOUTS, REFERENCE_LAYOUT, layout_names
 from ..plan.mask import Mask, documents_of
@@ -122,9 +122,10 @@ def _machine_arguments(t) -> None:
                    help="the host's us per torch op the executor issues (0: no host), or a JSON file that holds it: "
                         "scripts/gpu_check.sh's host_cost.json, or a bench_kernels.py / bench_masks.py --json result "
                         f"(default: {d.host_op_time * 1e6:g} us, {HOST_OP_SOURCE})")
-    t.add_argument("--host-view-us", type=float, default=d.host_view_time * 1e6, metavar="US",
+    t.add_argument("--host-view-us", type=float, default=None, metavar="US",
                    help="the host's us per view the executor makes (a slice: no kernel launch; priced only where "
-                        "--host-op-us is not 0)")
+                        "--host-op-us is not 0; default: the --host-op-us file's host_view_us where it has one, "
+                        f"else {d.host_view_time * 1e6:g} us)")
 
 
 def _output_arguments(o) -> None:
@@ -160,18 +161,23 @@ def topology_of(args, world_size: int) -> Topology:
                                  ("--intra-latency", args.intra_latency, True),
                                  ("--inter-latency", args.inter_latency, True), ("--tflops", args.tflops, False),
                                  ("--kernel-latency", args.kernel_latency, True), ("--hbm", args.hbm, False),
-                                 ("--host-view-us", args.host_view_us, True)):
+                                 ("--host-view-us", 0.0 if args.host_view_us is None else args.host_view_us, True)):
         if not math.isfinite(value) or value < 0 or value == 0 and not zero_ok:
             raise ValueError(f"{flag} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {value:g}")
     links = dict(intra_bandwidth=args.intra_bandwidth * 1e9, inter_bandwidth=args.inter_bandwidth * 1e9,
                  intra_latency=args.intra_latency * 1e-6, inter_latency=args.inter_latency * 1e-6,
                  attention_flops=args.tflops * 1e12, kernel_latency=args.kernel_latency * 1e-6,
-                 memory_bandwidth=args.hbm * 1e12, host_view_time=args.host_view_us * 1e-6)
+                 memory_bandwidth=args.hbm * 1e12)
     if args.host_op_us is not None:
         try:
-            links["host_op_time"] = host_op_us(args.host_op_us)[0] * 1e-6
+            op, view, _ = host_costs(args.host_op_us)
         except ValueError as e:
             raise ValueError(f"--host-op-us: {e}") from None
+        links["host_op_time"] = op * 1e-6
+        if view is not None:  # a host_cost.json measured both: its views' price goes with its ops'
+            links["host_view_time"] = view * 1e-6
+    if args.host_view_us is not None:
+        links["host_view_time"] = args.host_view_us * 1e-6
     if args.nodes is None:
         return Topology.for_cp(world_size, gpn, **links)
     return Topology(nodes=args.nodes, gpus_per_node=gpn, **links)

@@ -818,6 +818,26 @@ def test_the_host_sets_the_pace_where_it_is_behind():
     assert "23 us per torch op, 3 per view" in Topology().describe()
     free_views = simulate(plan, shape, Topology.for_cp(8, host_view_time=0.0))
     assert 0 < free_views.host < default.host
+
+
+def test_the_host_prices_come_from_flags_and_files(tmp_path):
+    """--host-op-us takes a number or a file; a host_cost.json's host_view_us goes with its op's
+    price (gpu_targets.py measured both), --host-view-us overrides it; a bad file value is named."""
+    from megatron_mesh.tools.plan_args import parser, topology_of
+
+    def machine(*argv):
+        return topology_of(parser().parse_args(["--cp", "8", *argv]), 8)
+    d = Topology()
+    assert (machine().host_op_time, machine().host_view_time) == (d.host_op_time, d.host_view_time)
+    cost = tmp_path / "host_cost.json"
+    cost.write_text(json.dumps({"host_op_us": 17.0, "host_view_us": 1.5, "source": "x"}))
+    assert machine("--host-op-us", str(cost)).host_op_time == pytest.approx(17e-6)
+    assert machine("--host-op-us", str(cost)).host_view_time == pytest.approx(1.5e-6)
+    assert machine("--host-op-us", str(cost), "--host-view-us", "4").host_view_time == pytest.approx(4e-6)
+    assert machine("--host-op-us", "30").host_view_time == d.host_view_time  # a number is the op's alone
+    cost.write_text(json.dumps({"host_op_us": 17.0, "host_view_us": -1}))
+    with pytest.raises(ValueError, match="--host-op-us: host cost per view: .* 'host_view_us' -1, not a finite number"):
+        machine("--host-op-us", str(cost))
     big = AttentionShape(seq_local=16384, heads=32, kv_heads=8, head_dim=128)
     assert not simulate(build_ring_plan(8, big), big, Topology.for_cp(8)).host_bound
 
