@@ -16,9 +16,11 @@ import torch
 from helpers import tolerance
 
 import megatron_mesh as mm
+from megatron_mesh.comm.torch_dist import TorchDistCommunicator
 from megatron_mesh.kernels import reference_attention
 from megatron_mesh.plan import AttentionShape, Mask, ThdLayout, plan_bytes, tile_shapes
 from megatron_mesh.plan.balance import BalancedLayout
+from megatron_mesh.plan.ir import Post
 from megatron_mesh.runtime.api import prepare
 
 @dataclass(frozen=True)
@@ -85,6 +87,7 @@ class Record:
     offset_grad: tuple = ()  # this rank's share of d softmax_offset (learnable sinks)
     offset_grad_want: tuple = ()  # the dense reference's whole gradient
     inputs_written: bool = False  # the call wrote into the caller's q, k, v or dout
+    collectives: tuple = (0, 0)  # a hybrid's all-to-all rounds: (all_to_all_single calls made, the plan's rounds)
 
 
 # -- memory layouts of an input (the strides sweep): the same [s, b, h, d] values in other memory ---------
@@ -152,6 +155,45 @@ def _mask(c: Case, seq_len: int) -> Mask:
     return Mask(c.causal, c.window).normalized(seq_len)
 
 
+_ULYSSES_GROUPS: dict = {}  # a Ulysses group's global ranks -> its process group (made_ulysses_groups)
+
+
+def make_ulysses_groups(world: int, phases) -> None:
+    """Every Ulysses group (U = 2, 3, 4 consecutive ranks) of every group of ``phases``' CP groups,
+    made by every rank of the spawn in one order before the cases run -- ``new_group`` is
+    collective over the world, and a group made by its members alone would put their group
+    counters out of step with the other ranks'."""
+    import torch.distributed as dist
+
+    for sizes in phases:
+        start = 0
+        for size in sizes:
+            for U in (2, 3, 4):
+                if size % U or size < 3:
+                    continue
+                for first in range(start, start + size, U):
+                    ranks = tuple(range(first, first + U))
+                    if ranks not in _ULYSSES_GROUPS:
+                        _ULYSSES_GROUPS[ranks] = dist.new_group(list(ranks))
+            start += size
+    assert all(max(r) < world for r in _ULYSSES_GROUPS), (world, sorted(_ULYSSES_GROUPS))
+
+
+def ulysses_communicator(group, U: int) -> TorchDistCommunicator:
+    """The transport Megatron's process groups give a hybrid of degree ``U`` over ``group``
+    (:class:`~megatron_mesh.megatron.groups.CPGroups`): each Ulysses peer routed through the
+    process group of its U consecutive CP ranks (made by :func:`make_ulysses_groups`), so an
+    all-to-all round is one collective call."""
+    import torch.distributed as dist
+
+    ranks = tuple(dist.get_process_group_ranks(group))
+    me = ranks.index(dist.get_rank())
+    first = me - me % U
+    members = tuple(ranks[first:first + U])
+    sub = _ULYSSES_GROUPS[members]
+    return TorchDistCommunicator(group, routes={p: sub for p in range(first, first + U) if p != me})
+
+
 def run(rank: int, c: Case, group, comm=None) -> Record:
     """Case ``c`` on this rank of ``group`` (or of the communicator ``comm``: in-process ranks)."""
     layout = _layout(c)
@@ -180,7 +222,15 @@ def run(rank: int, c: Case, group, comm=None) -> Record:
     offset = None if sink is None else sink.detach().to(c.dtype).requires_grad_(c.sink == "learnable")
     versions = [x._version for x in (q, k, v, do)]
     documents = list(c.cu_seqlens) if c.cu_seqlens and not (c.balanced or c.owners or c.built) else None  # the layout's own
+    U = dict(c.settings).get("ulysses_size", 1)
+    if comm is None and group is not None and U == c.world > 1:
+        comm = TorchDistCommunicator(group)  # the API's own transport: a round over its whole group is one collective
+    elif comm is None and group is not None and U > 1 and _ULYSSES_GROUPS:
+        # the transport Megatron's groups give a hybrid (collectives), where this spawn made its groups
+        # (all_cases; the strides part's spawn has none: the API's point-to-point transport)
+        comm = ulysses_communicator(group, U)
     kw = dict(causal=c.causal, window=c.window, cu_seqlens=documents, layout=layout, comm=comm, **dict(c.settings))
+    before = comm.calls["all_to_all_single"] if isinstance(comm, TorchDistCommunicator) else 0
     with mm.comm_counter() as counter:
         out = mm.attention(q, k, v, mode=c.mode, group=group, softmax_offset=offset, **kw)
         out.backward(do)
@@ -192,6 +242,10 @@ def run(rank: int, c: Case, group, comm=None) -> Record:
     rec = Record(c.label(), sent=counter.bytes_sent, received=counter.bytes_received,
                  planned=(planned.sent, planned.received), dtype=str(c.dtype),
                  inputs_written=[x._version for x in (q, k, v, do)] != versions)
+    if isinstance(comm, TorchDistCommunicator):
+        rec.collectives = (comm.calls["all_to_all_single"] - before,
+                           sum(1 for d in ("forward", "backward") for op in plan.round_ops(rank, d)
+                               if type(op) is Post and op.group))
     if c.sink == "learnable":
         rec.offset_grad, rec.offset_grad_want = tuple(offset.grad.double().tolist()), tuple(sink.grad.tolist())
     for name, got, want in (("out", out, ref.detach()), ("dq", q.grad, Qr.grad), ("dk", k.grad, Kr.grad),
@@ -434,6 +488,9 @@ def all_cases(rank: int, world: int) -> dict:
     import api_cases
     from cases import in_subgroups
 
+    from cases import PHASES
+
+    make_ulysses_groups(world, PHASES)  # the hybrids' transport (every phase below uses these groups' sizes)
     out = {"masked": in_subgroups(rank, world, masked_grid),
            "halo": in_subgroups(rank, world, halo_cases, phases=((8,),)),
            "hybrid": in_subgroups(rank, world, hybrid_grid, phases=((8,), (6, 2), (4, 4))),

@@ -21,27 +21,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .base import Communicator, Work
-from .torch_dist import check_member
+from .torch_dist import all_to_all_round, check_member
 
 __all__ = ["AllToAllCommunicator"]
-
-
-def _as_bytes(t: Tensor) -> Tensor:
-    return t.reshape(-1).view(torch.uint8)
-
-
-class _Unpack:
-    """Completes the collective, then scatters the received bytes into the receive tensors."""
-
-    def __init__(self, work, send: Tensor, recv: Tensor, targets: list[tuple[Tensor, int, int]]):
-        # holding ``send`` keeps its memory from being reused while the collective may still read it
-        self.work, self.send, self.recv, self.targets = work, send, recv, targets
-
-    def wait(self) -> None:
-        self.work.wait()
-        for t, start, n in self.targets:
-            _as_bytes(t).copy_(self.recv[start:start + n])
-        self.send = self.recv = None
 
 
 class AllToAllCommunicator(Communicator):
@@ -67,23 +49,5 @@ class AllToAllCommunicator(Communicator):
         return super().start(sends, recvs)
 
     def _start(self, sends: Sequence[tuple[int, Tensor]], recvs: Sequence[tuple[int, Tensor]]) -> Work:
-        W = self.world_size
         device = (sends or recvs)[0][1].device if (sends or recvs) else self.device
-        by_peer: list[list[Tensor]] = [[] for _ in range(W)]
-        for p, t in sends:  # per peer in list order: the receiver unpacks in its own list order
-            by_peer[p].append(_as_bytes(t))
-        in_splits = [sum(x.numel() for x in ts) for ts in by_peer]
-        flat = [x for ts in by_peer for x in ts]
-        send = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8, device=device)
-        out_splits = [0] * W
-        for p, t in recvs:
-            out_splits[p] += t.numel() * t.element_size()
-        offsets = [sum(out_splits[:p]) for p in range(W)]
-        targets = []
-        for p, t in recvs:
-            n = t.numel() * t.element_size()
-            targets.append((t, offsets[p], n))
-            offsets[p] += n
-        recv = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
-        work = dist.all_to_all_single(recv, send, out_splits, in_splits, group=self.group, async_op=True)
-        return _Unpack(work, send, recv, targets)
+        return all_to_all_round(self.group, self.world_size, sends, recvs, device)

@@ -42,18 +42,34 @@ class Communicator(ABC):
 
     def start(self, sends: Sequence[tuple[int, Tensor]], recvs: Sequence[tuple[int, Tensor]]) -> Work:
         """Post every send and receive of a round (in list order per peer) and return a handle."""
+        self._check(sends, recvs)
+        if not sends and not recvs:
+            return DONE
+        self._count(sends, recvs)
+        return self._start(sends, recvs)
+
+    def exchange(self, group: tuple[int, ...], sends: Sequence[tuple[int, Tensor]],
+                 recvs: Sequence[tuple[int, Tensor]]) -> Work:
+        """A round that every rank of ``group`` (group ranks, this one among them) posts, moving
+        data only among them: an all-to-all (a Ulysses group's; the plan's ``Post.group``). A
+        transport with a process group of exactly these ranks moves it in one collective call
+        (:class:`~megatron_mesh.comm.torch_dist.TorchDistCommunicator`); this default moves it as
+        :meth:`start` does -- the same bytes into the same buffers, a call per tensor."""
+        return self.start(sends, recvs)
+
+    def _check(self, sends, recvs) -> None:
         for peer, t in (*sends, *recvs):
             if peer == self.rank or not 0 <= peer < self.world_size:
                 raise ValueError(f"rank {self.rank} cannot transfer with peer {peer} (group of {self.world_size})")
             if not t.is_contiguous():
                 raise ValueError("transfers need contiguous tensors")
-        if not sends and not recvs:
-            return DONE
+
+    @staticmethod
+    def _count(sends, recvs) -> None:
         sent_to: dict[int, int] = {}
         for peer, t in sends:
             sent_to[peer] = sent_to.get(peer, 0) + t.numel() * t.element_size()
         record_bytes(sum(sent_to.values()), sum(t.numel() * t.element_size() for _, t in recvs), len(sends), sent_to)
-        return self._start(sends, recvs)
 
 
 @dataclass

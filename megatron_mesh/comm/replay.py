@@ -56,7 +56,12 @@ class Recorder(Communicator):
         return getattr(self.comm, name)
 
     def start(self, sends, recvs) -> Work:  # the wrapped communicator counts the bytes, once
-        work = self.comm.start(sends, recvs)
+        return self._record(self.comm.start(sends, recvs), recvs)
+
+    def exchange(self, group, sends, recvs) -> Work:  # the wrapped transport's collective, if it has one
+        return self._record(self.comm.exchange(group, sends, recvs), recvs)
+
+    def _record(self, work: Work, recvs) -> Work:
         if not recvs:
             return work
         slot: list = []

@@ -12,6 +12,14 @@ stream, so the transfers of different rings of one round proceed independently. 
 group, issued in a fixed group order; routes are symmetric (both ends of a transfer use the same
 group), so the per-pair posting order -- all that matching depends on -- is unchanged.
 
+All-to-all rounds: a round the plan marks as one all-to-all over a group of ranks (a Ulysses
+group's: ``Post.group``) goes as one ``all_to_all_single`` over the sub-group the routes reach
+those ranks through, where it holds exactly them (:meth:`TorchDistCommunicator.exchange`): 2-4
+host calls instead of a call per tensor and peer (28 for a rank's q/kv round at U = 8); a round
+over every rank of the communicator's group (Ulysses over the whole CP group) over that group.
+Without such a group (a Ulysses group smaller than a bare CP group, the public API's default) it
+goes point to point: the same bytes into the same buffers.
+
 Example: CP group of 4 ranks with Mesh tile 2x2; rank 0's Q ring is {0, 1} and its KV ring {0, 2}::
 
     comm = TorchDistCommunicator(cp_group, routes={1: q_ring_group, 2: kv_ring_group})
@@ -20,14 +28,17 @@ Example: CP group of 4 ranks with Mesh tile 2x2; rank 0's Q ring is {0, 1} and i
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Mapping, Sequence
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .base import Communicator, Work
 
-__all__ = ["TorchDistCommunicator"]
+__all__ = ["TorchDistCommunicator", "all_to_all_round"]
 
 
 class _Works:
@@ -46,6 +57,61 @@ def check_member(group) -> None:
         raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the process group it was asked "
                          "to attend over (torch.distributed.new_group was called without this rank); call attention "
                          "on the ranks of that group only (each rank passes its own CP group)")
+
+
+# a tensor's bytes as one flat uint8 view, made once per tensor: the executor hands a transport the
+# same arena views every step, so a round's packing makes no view per step (weakly keyed by the
+# tensor object: an entry goes with its tensor)
+_BYTES = WeakIdKeyDictionary()
+
+
+def _as_bytes(t: Tensor) -> Tensor:
+    got = _BYTES.get(t)
+    if got is None:
+        got = _BYTES[t] = t.reshape(-1).view(torch.uint8)
+    return got
+
+
+class _Unpack:
+    """Completes the collective, then scatters the received bytes into the receive tensors."""
+
+    def __init__(self, work, send: Tensor, recv: Tensor, targets: list[Tensor], sizes: list[int]):
+        # holding ``send`` keeps its memory from being reused while the collective may still read it
+        self.work, self.send, self.recv, self.targets, self.sizes = work, send, recv, targets, sizes
+
+    def wait(self) -> None:
+        self.work.wait()
+        if self.targets:  # one split and one copy call for every receive of the round
+            torch._foreach_copy_(self.targets, list(self.recv.split(self.sizes)))
+        self.send = self.recv = None
+
+
+def all_to_all_round(group, size: int, sends: Sequence[tuple[int, Tensor]], recvs: Sequence[tuple[int, Tensor]],
+                     device: torch.device) -> Work:
+    """One asynchronous ``all_to_all_single`` over ``group`` (``size`` ranks; peers are ranks of
+    ``group``) moving a round's ``sends`` and ``recvs`` (each peer's in list order) as bytes:
+    the sends packed by peer in one ``cat`` (none where one tensor is all of them), the receives
+    in one buffer, copied into the receive tensors on ``wait()`` by one ``_foreach_copy_`` (none
+    where one tensor is all): 2-4 host calls whatever the number of peers and tensors.
+    Worked example: 3 ranks, rank 0 sends a (4 bytes) to 1 and b (2 bytes) to 2 and receives c
+    from 1 and d from 2: in splits [0, 4, 2], out splits [0, |c|, |d|], one call."""
+    by_peer: list[list[Tensor]] = [[] for _ in range(size)]
+    for p, t in sends:
+        by_peer[p].append(_as_bytes(t))
+    in_splits = [sum(x.numel() for x in ts) for ts in by_peer]
+    flat = [x for ts in by_peer for x in ts]
+    send = flat[0] if len(flat) == 1 else torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8, device=device)
+    into: list[list[Tensor]] = [[] for _ in range(size)]
+    for p, t in recvs:
+        into[p].append(_as_bytes(t))
+    out_splits = [sum(x.numel() for x in ts) for ts in into]
+    targets = [x for ts in into for x in ts]
+    if len(targets) == 1:  # straight into the one receive tensor
+        recv, targets = targets[0], []
+    else:
+        recv = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
+    work = dist.all_to_all_single(recv, send, out_splits, in_splits, group=group, async_op=True)
+    return _Unpack(work, send, recv, targets, [x.numel() for x in targets])
 
 
 class TorchDistCommunicator(Communicator):
@@ -73,6 +139,11 @@ class TorchDistCommunicator(Communicator):
             if me not in members or self.global_ranks[peer] not in members:
                 raise ValueError(f"route for peer {peer}: sub-group {members} must hold global ranks "
                                  f"{me} (this rank) and {self.global_ranks[peer]} (the peer)")
+        self._collectives: dict = {}  # all-to-all group -> (its sub-group, rank map), or False (none)
+        # the calls made, by kind ("batch_isend_irecv": a batch of a round's point-to-point
+        # transfers on one group; "all_to_all_single": an all-to-all round): what a test or a
+        # benchmark reads to see which way the rounds went
+        self.calls: Counter = Counter()
         # fixed issue order of the groups: the main group first, then by first appearance in routes
         self._order = {id(group): 0}
         for sub in self.routes.values():
@@ -82,6 +153,50 @@ class TorchDistCommunicator(Communicator):
     def process_group(self) -> dist.ProcessGroup:
         """The live process group (the default group when ``group`` is None)."""
         return self.group if self.group is not None else dist.distributed_c10d._get_default_group()
+
+    def exchange(self, group: tuple[int, ...], sends: Sequence[tuple[int, Tensor]],
+                 recvs: Sequence[tuple[int, Tensor]]) -> Work:
+        """An all-to-all round over ``group`` (:meth:`Communicator.exchange`): one
+        ``all_to_all_single`` over the sub-group the routes reach ``group``'s ranks through, where
+        it holds exactly them (a hybrid's Ulysses group: ``Placement.groups()``, as
+        :class:`~megatron_mesh.megatron.groups.CPGroups` routes them), or over the communicator's
+        own group where the round spans all of it; even with nothing to move (every member joins);
+        else the round's point-to-point calls (:meth:`start`)."""
+        sub = self._collectives.get(group)
+        if sub is None:
+            sub = self._collectives[group] = self._collective(group)
+        if sub is False:
+            return self.start(sends, recvs)
+        self._check(sends, recvs)
+        for peer, _ in (*sends, *recvs):
+            if peer not in group:
+                raise ValueError(f"rank {self.rank}: a transfer with rank {peer} in an all-to-all over ranks {group}")
+        self._count(sends, recvs)
+        pg, index = sub
+        device = (sends or recvs)[0][1].device if (sends or recvs) else (
+            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pg) == "nccl" else torch.device("cpu"))
+        self.calls["all_to_all_single"] += 1
+        return all_to_all_round(pg, len(group), [(index[p], t) for p, t in sends], [(index[p], t) for p, t in recvs],
+                                device)
+
+    def _collective(self, group: tuple[int, ...]):
+        """(the sub-group, group rank -> its rank there) whose members are exactly ``group``'s
+        ranks and that every peer of ``group`` is routed through -- or the communicator's own
+        group where ``group`` is all of it and no peer is routed elsewhere (Ulysses over the whole
+        CP group); False: none."""
+        peers = [p for p in group if p != self.rank]
+        if not peers or self.rank not in group:
+            return False
+        if len(group) == self.world_size and not any(p in self.routes for p in peers):
+            return self.process_group, {p: p for p in group}
+        subs = {id(self.routes.get(p)) for p in peers}
+        if len(subs) != 1 or peers[0] not in self.routes:
+            return False
+        pg = self.routes[peers[0]]
+        members = dist.get_process_group_ranks(pg)
+        if sorted(members) != sorted(self.global_ranks[p] for p in group):
+            return False
+        return pg, {p: dist.get_group_rank(pg, self.global_ranks[p]) for p in group}
 
     def _start(self, sends: Sequence[tuple[int, Tensor]], recvs: Sequence[tuple[int, Tensor]]) -> Work:
         batches: dict[int, tuple[dist.ProcessGroup | None, list[dist.P2POp]]] = {}
@@ -93,4 +208,5 @@ class TorchDistCommunicator(Communicator):
         works = []
         for key in sorted(batches):
             works.extend(dist.batch_isend_irecv(batches[key][1]))
+        self.calls["batch_isend_irecv"] += len(batches)
         return _Works(works)

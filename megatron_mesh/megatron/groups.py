@@ -184,8 +184,10 @@ class CPGroups:
 
     def communicator(self, config, cp_group, placement: Placement):
         """The transport of ``placement`` over ``cp_group``: P2P with each peer routed through the
-        smallest sub-group holding both ranks (the whole CP group otherwise), or one all-to-all
-        collective per round for TASP's ``alltoall`` transport."""
+        smallest sub-group holding both ranks (the whole CP group otherwise) -- a hybrid's Ulysses
+        peers through their group's, so each all-to-all round is one collective there
+        (:meth:`~megatron_mesh.comm.torch_dist.TorchDistCommunicator.exchange`) -- or one
+        all-to-all collective per round for TASP's ``alltoall`` transport."""
         ranks = cp_ranks(cp_group)
         if placement.transport == "alltoall":
             key = ("alltoall", ranks)

@@ -321,6 +321,11 @@ class TimedCommunicator(Communicator):
             work = self.inner.start(sends, recvs)  # inner counts the bytes
         return _TimedWork(work, self.timing)
 
+    def exchange(self, group, sends, recvs):
+        with self.timing.comm_phase():
+            work = self.inner.exchange(group, sends, recvs)  # the inner transport's collective, if it has one
+        return _TimedWork(work, self.timing)
+
     def _start(self, sends, recvs):
         return self.inner._start(sends, recvs)
 

@@ -32,9 +32,10 @@ It prices what a plan adds on top of its pairs only roughly (a kernel call per m
 remote blocks, the merge of their partial results, :mod:`.costs`' rates): it ranks the two
 layouts, it does not predict the simulator's time; where transfers set the balanced layout's
 price, it keeps it only :data:`COMM_MARGIN` cheaper. At 256 GPUs (lognormal:4096, seed 0; the
-host priced) it gives ring 10.7 ms on the zigzag and 34.8 on the balanced layout (the simulator:
-11.0 and 42.4), TASP 10.2 and 34.8 (11.7 and 35.6), a2a+tasp U 8 11.7 and 21.9 (12.2 and 21.5);
-on lognormal:16384 a2a+tasp U 8 36.4 and 34.1 (37.1 and 35.3), and keeps the balanced layout.
+host priced) it gives ring 11.4 ms on the zigzag and 18.2 on the balanced layout (the simulator:
+10.9 and 16.7), TASP 11.0 and 18.2 (11.5 and 14.0), a2a+tasp U 8 7.7 and 6.4 (7.8 and 5.8); on
+lognormal:16384 ring 50.4 and 73.0 (48.6 and 69.6), a2a+tasp U 8 37.1 and 16.0 (33.9 and 15.9),
+and keeps the balanced layout for the hybrid.
 Checked against the simulator on 240 rows (seeds 0-9, 8 and 256 GPUs, both host settings at 8)
 the layout it keeps is never slower than the zigzag (docs/performance.md, the per-seed tables).
 It takes 2-45 ms of Python at 256 ranks (1M tokens; the plain modes on 16K-token documents,
@@ -115,10 +116,15 @@ HOST_OPS = {  # term: ((forward ops, views), (backward ops, views))
                                           # (mask.py's _segments, :func:`_packed_calls`): its allowed matrix
                                           # and views, and the calls with its neighbours
 }
-# a Ulysses hybrid's all-to-all, per direction and group member, (ops, views): its copies into and out
-# of the group's buffers and its transfers -- in one round or, on a layout balanced for the groups, in
-# rounds by document set (:mod:`.hybrid_sets`): fitted with the terms above
-A2A_OPS = {False: ((6.2, 20.9), (6.3, 18.9)), True: ((10.8, 26.8), (10.1, 24.4))}
+# a Ulysses hybrid's all-to-all, per direction: (ops per unit, views per group member) -- its rounds,
+# one collective call each (``Post.group``), and its copies into and out of the group's buffers, in
+# one round or, on a layout balanced for the groups, in rounds by document set (:mod:`.hybrid_sets`).
+# Fitted, the terms above kept, to what the plans' counts leave over them on the busiest quarter of
+# units (a2a+tasp, U 2 / 4 at 8 ranks, seeds 0-9; each U one point): the calls do not grow with U,
+# the copies' views do. At 256 ranks the terms above overprice the inner plans (what is left over
+# them there is 20-60 ops less), so the all-to-all of a layout balanced for the groups is priced
+# high there, at U 8 by ~10 ops a direction against the zigzag's (docs/performance.md)
+A2A_OPS = {False: ((11.5, 21.0), (16.8, 19.4)), True: ((21.2, 32.7), (29.7, 29.7))}
 
 
 @dataclass(frozen=True)
@@ -307,8 +313,10 @@ def _host_ops(portions, pulls, units: int, ulysses: int, sets: bool,
     counts = {"pulled": pulled, "pulling": pulling, "split": split, "short": packed}
 
     def direction(d: int) -> list[tuple[float, float]]:
-        a2a = A2A_OPS[sets][d] if ulysses > 1 else (0.0, 0.0)
-        return [tuple(c["fixed"][d][k] + a2a[k] * ulysses + sum(c[t][d][k] * n[u] for t, n in counts.items())
+        # the all-to-all: its rounds' calls (one collective each) and copies' launches per unit, its
+        # copies' views per group member
+        a2a = (A2A_OPS[sets][d][0], A2A_OPS[sets][d][1] * ulysses) if ulysses > 1 else (0.0, 0.0)
+        return [tuple(c["fixed"][d][k] + a2a[k] + sum(c[t][d][k] * n[u] for t, n in counts.items())
                       for k in (0, 1)) for u in range(units)]
     return direction(0), direction(1)
 

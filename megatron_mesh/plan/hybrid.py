@@ -20,14 +20,16 @@ documents, 24-58 % of a group's tokens). With ``hide`` the layout also sets apar
 documents run first (hiding the crossing tokens' gather) and last (hiding their return).
 
 Everything is plan ops: the all-to-all is one :class:`~.ir.Post` per direction and way (a rank
-sends one head slice to each of its U - 1 group peers), the token reorder is :class:`~.ir.Copy`
+sends one head slice to each of its U - 1 group peers), marked as one all-to-all over the group
+(``Post.group``: a transport with the group's process group moves it in one collective call,
+not a call per tensor and peer), the token reorder is :class:`~.ir.Copy`
 ops, the inner plan's ops are relabelled (keys get the span-U chunk and head slice u, peers become
 CP ranks, rounds shift by one). So the executor runs it, ``comm_counter()`` counts it, the
 validator checks it (exact cover per head slice) and the simulator times it.
 
 Worked example (P = 4, U = 2, inner ring over M = 2, 4 heads): CP rank 1 is (group 0, slice 1)::
 
-    post 1: send q1/h0->0 kv1/h0->0 | recv q0/h1<-0 kv0/h1<-0     # the all-to-all
+    post 1: send q1/h0->0 kv1/h0->0 | recv q0/h1<-0 kv0/h1<-0 | all-to-all 0,1   # the all-to-all
     wait 1
     copy q0/h1 -> q0*2/h1[0:2,6:8]          # rank 0's halves: the inner chunk's outer segments
     copy q1/h1 -> q0*2/h1[2:6]              # rank 1's halves: its inner segments
@@ -37,7 +39,7 @@ Worked example (P = 4, U = 2, inner ring over M = 2, 4 heads): CP rank 1 is (gro
     ...
     copy o0*2/h1[0:2,6:8] -> y0/h1          # rank 0's rows of my head slice, finished (input dtype)
     copy o0*2/h1[2:6] -> y1{h2:4}           # my own rows of it: straight into my chunk's output
-    post 3: send y0/h1->0 | recv y1/h0<-0
+    post 3: send y0/h1->0 | recv y1/h0<-0 | all-to-all 0,1
     wait 3
     copy y1/h0 -> y1{h0:2}                  # rank 0's slice of my rows: the output assembled
 
@@ -222,7 +224,7 @@ class _HeadSlices:
                 continue
             if t is Post:
                 out.append(Post(op.round + shift, tuple(self.transfer(x, u) for x in op.sends),
-                                tuple(self.transfer(x, u) for x in op.recvs)))
+                                tuple(self.transfer(x, u) for x in op.recvs), tuple(r * self.U + u for r in op.group)))
             elif t is Wait:
                 out.append(Wait(op.round + shift))
             else:
@@ -276,7 +278,7 @@ class _HybridLowering:
         ops: list[Op] = []
         if peers:  # the all-to-all: my chunk's head slice p to rank p, their chunks' slice u to me
             ops.append(Post(1, tuple(Transfer(x, Key(k, g, heads=x - m * U)) for x in peers for k in in_kinds),
-                            tuple(Transfer(x, Key(k, x, heads=u)) for x in peers for k in in_kinds)))
+                            tuple(Transfer(x, Key(k, x, heads=u)) for x in peers for k in in_kinds), tuple(group)))
             ops.append(Wait(1))
         if blocks:
             for k in in_kinds:
@@ -347,7 +349,7 @@ class _HybridLowering:
         ops.append(Post(round_, tuple(Transfer(x, Key(k, x, slot=slot, heads=u)) for x in peers for _, k in outs
                                       if rows[x]),
                         tuple(Transfer(x, Key(k, g, slot=slot, heads=x - m * U)) for x in peers for _, k in outs
-                              if rows[g])))
+                              if rows[g]), tuple(group)))
         return ops
 
     def _assemble(self, g: int, outs, parts) -> list[Op]:

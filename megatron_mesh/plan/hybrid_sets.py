@@ -115,7 +115,8 @@ class SetLowering:
         g, m, u, sets, kinds = self.g, self.m, self.u, self.sets, self.in_kinds
         return Post(1 + self.gathered.index(j), tuple(Transfer(x, Key(k, g, slot=j, heads=x - m * self.h.U))
                                                       for x in self.peers for k in kinds if sets[g][j][0]),
-                    tuple(Transfer(x, Key(k, x, slot=j, heads=u)) for x in self.peers for k in kinds if sets[x][j][0]))
+                    tuple(Transfer(x, Key(k, x, slot=j, heads=u)) for x in self.peers for k in kinds if sets[x][j][0]),
+                    tuple(self.group))
 
     def arrive(self, j: int) -> list[Op]:
         ops: list[Op] = [Wait(1 + self.gathered.index(j))]

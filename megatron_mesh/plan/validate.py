@@ -105,6 +105,14 @@ class _RankState:
         for t in op.sends + op.recvs:
             if t.peer == self.rp.rank or not 0 <= t.peer < self.plan.world_size:
                 self.fail(f"round {op.round} has peer {t.peer} (self or out of range)")
+        if op.group:
+            if self.rp.rank not in op.group or list(op.group) != sorted(set(op.group)) or \
+                    not 0 <= op.group[0] <= op.group[-1] < self.plan.world_size:
+                self.fail(f"round {op.round}'s all-to-all group {op.group} must be sorted distinct ranks holding "
+                          f"this one")
+            outside = sorted({t.peer for t in op.sends + op.recvs} - set(op.group))
+            if outside:
+                self.fail(f"round {op.round} is an all-to-all over {op.group} but moves data with ranks {outside}")
         for t in op.sends:
             self.need(t.key, op)
             if t.key.incoming:
@@ -258,6 +266,18 @@ def check_matching(plan: Plan, direction: str) -> None:
                 sends[(post.round, r, t.peer)].append(t.key.base)
             for t in post.recvs:
                 recvs[(post.round, t.peer, r)].append(t.key.base)
+    # an all-to-all round is one collective: every member of its group posts it, naming that group
+    groups: dict[tuple[int, int], tuple[int, ...]] = {}
+    for r in range(plan.world_size):
+        for post in plan.round_ops(r, direction):
+            if type(post) is Post:
+                groups[(post.round, r)] = post.group
+    for (rnd, r), group in groups.items():
+        for x in group:
+            if groups.get((rnd, x)) != group:
+                raise PlanError(f"{direction} round {rnd}: rank {r} posts it as an all-to-all over ranks {group}, "
+                                f"rank {x} " + ("does not post it" if (rnd, x) not in groups else
+                                                f"as {'one over ' + str(groups[(rnd, x)]) if groups[(rnd, x)] else 'point-to-point'}"))
     for link in sends.keys() | recvs.keys():
         if sends.get(link, []) != recvs.get(link, []):
             rnd, src, dst = link
@@ -296,7 +316,8 @@ def dry_run(plan: Plan, direction: str) -> int:
                 # rounds complete in posting order, each once all its peers have posted it
                 while done_upto[r] < len(order[r]):
                     post = order[r][done_upto[r]]
-                    missing = [t.peer for t in post.sends + post.recvs if post.round not in posted[t.peer]]
+                    missing = [x for x in (*(t.peer for t in post.sends + post.recvs), *post.group)
+                               if post.round not in posted[x]]
                     if missing:
                         for p in missing:
                             waiting_on[p].add(r)

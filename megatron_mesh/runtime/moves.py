@@ -41,7 +41,9 @@ class MoveOps:
             tensors = bufs.create(t.key)
             arriving.append((t.key, tensors, bufs.made))
         recvs = [(t.peer, x) for t, (key, ts, ident) in zip(op.recvs, arriving) for x in bufs.wire(key, ts, ident)]
-        pending[op.round] = (self.comm.start(sends, recvs), arriving, sends)
+        # an all-to-all round (a Ulysses group's) is one collective call where the transport has one
+        work = self.comm.exchange(op.group, sends, recvs) if op.group else self.comm.start(sends, recvs)
+        pending[op.round] = (work, arriving, sends)
 
     def _wait(self, op: Wait, bufs: Buffers, pending) -> None:
         work, arriving, _ = pending.pop(op.round)

@@ -271,3 +271,29 @@ def test_set_rows_worked_example():
     rows = SetRows(layout, 2, [(Segment(0, 8),), (Segment(8, 16),)])
     assert rows.chunk_rows(0) == ((Segment(0, 6),), (), (Segment(6, 16),), ())
     assert rows.member_sets(1) == [((), ()), ((), ()), ((Segment(0, 8),), (Segment(8, 16),)), ((), ())]
+
+
+@pytest.mark.parametrize("U, M", [(2, 2), (4, 2), (8, 1)])
+def test_the_all_to_all_rounds_are_collectives_of_the_ulysses_group(U, M):
+    """Every round of a hybrid that moves data inside a Ulysses group is one all-to-all over it
+    (``Post.group``), the inner plan's rounds point to point; the host prices such a round as its
+    collective's 2-4 calls, not a call per tensor: at U = 8 a rank's forward q/kv round is 4 calls
+    and one view (the receive buffer's split), where point to point it was 28 calls."""
+    from megatron_mesh.plan.hostops import step_host_ops
+    P = U * M
+    shape = _shape(U, 2 * U, U)
+    plan = resolve("a2a+ring", P, shape, ulysses_size=U).build(shape, Mask(True))
+    for g in range(P):
+        group = tuple(range(g - g % U, g - g % U + U))
+        for d in ("forward", "backward"):
+            ops = plan.rank(g).ops(d)
+            posts = [op for op in ops if isinstance(op, Post)]
+            ulysses = [p for p in posts if {t.peer for t in p.sends + p.recvs} <= set(group)]
+            assert ulysses and all(p.group == group for p in ulysses)
+            assert all(p.group == () for p in posts if p not in ulysses)
+            host = step_host_ops(plan, g, d, shape)[0]
+            first = ops.index(ulysses[0])
+            # forward: q, k and v to and from each peer; backward: dy alone (at U = 2 one tensor each way:
+            # straight from and into it, one call)
+            one = d == "backward" and U == 2
+            assert (host[first].transfers, host[first].wire_views) == ((1, 0.0) if one else (4, 1.0))

@@ -177,3 +177,29 @@ def test_validator_rejects_writing_into_an_input_or_a_saved_buffer():
     with pytest.raises(PlanError, match=rf"rank 1 backward: copy {re.escape(str(saved))} -> .* writes .*an input or "
                                         r"saved buffer"):
         validate_plan(_tampered(plan, 1, "backward", into_saved), cover=False)
+
+
+def test_validator_catches_an_all_to_all_round_a_member_posts_otherwise():
+    """An all-to-all round (``Post.group``) is one collective: every member of its group posts it
+    as one over that group, and it moves data with members only."""
+    plan = resolve("a2a+ring", 4, SHAPE, ulysses_size=2).build(SHAPE)
+    assert all(op.group == (0, 1) for op in plan.rank(0).ops("forward") if isinstance(op, Post) and op.group)
+
+    def point_to_point(ops):
+        i = _index(ops, Post)
+        ops[i] = ops[i]._replace(group=())
+    with pytest.raises(PlanError, match=r"forward round 1: rank 0 posts it as an all-to-all over ranks \(0, 1\), "
+                                        "rank 1 as point-to-point"):
+        validate_plan(_tampered(plan, 1, "forward", point_to_point), dataflow=False, cover=False)
+
+    def outside(ops):
+        i = _index(ops, Post)
+        ops[i] = ops[i]._replace(group=(0, 2))
+    with pytest.raises(PlanError, match=r"round 1 is an all-to-all over \(0, 2\) but moves data with ranks \[1\]"):
+        validate_plan(_tampered(plan, 0, "forward", outside), cover=False)
+
+
+def test_an_all_to_all_round_reads_back_from_its_text():
+    post = Post.parse("post 2: send q0/h1->1 kv0/h1->1 | recv q1/h0<-1 kv1/h0<-1 | all-to-all 0,1")
+    assert post.group == (0, 1) and Post.parse(str(post)) == post
+    assert Post.parse("post 1: send kv1->3 | recv kv3<-3").group == ()

@@ -9,7 +9,8 @@ per CP size):
 * skipping is real: a half-chunk window at P = 8 moves at most 0.2x ring attention's unmasked
   bytes in every mode, documents that never cross a rank move nothing -- measured by
   ``comm_counter()`` and equal to the plan's bytes;
-* Ulysses x Mesh (every inner tile) / TASP / ring for (U, M) in (2,2), (2,3), (3,2), (2,4), (4,2).
+* Ulysses x Mesh (every inner tile) / TASP / ring for (U, M) in (2,2), (2,3), (3,2), (2,4), (4,2),
+  each all-to-all round one ``all_to_all_single`` over its Ulysses group (as Megatron's groups route it).
 """
 
 import pytest
@@ -37,6 +38,10 @@ def _check(per_rank_records):
     wrong = [f"group rank {r}: {rec.case}: measured {(rec.sent, rec.received)} != planned {rec.planned}"
              for r, recs in enumerate(per_rank_records) for rec in recs if (rec.sent, rec.received) != rec.planned]
     assert not wrong, "\n".join(wrong[:20])
+    # a hybrid's all-to-all rounds went as one all_to_all_single each (its Ulysses group's sub-group)
+    off = [f"group rank {r}: {rec.case}: {rec.collectives[0]} all-to-all calls, the plan has {rec.collectives[1]}"
+           for r, recs in enumerate(per_rank_records) for rec in recs if rec.collectives[0] != rec.collectives[1]]
+    assert not off, "\n".join(off[:20])
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 6, 7, 8])
@@ -66,7 +71,9 @@ def test_documents_inside_halves_move_nothing(results):
 
 @pytest.mark.parametrize("world", [4, 6, 8])
 def test_hybrid_matches_dense_reference_and_moves_the_planned_bytes(results, world):
+    """Through the transport Megatron's groups give a hybrid: each all-to-all round one collective."""
     _check(results["hybrid"][world])
+    assert all(rec.collectives[1] >= 4 for recs in results["hybrid"][world] for rec in recs)  # q/kv, o, dy, dq/dkv
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 6, 7, 8])

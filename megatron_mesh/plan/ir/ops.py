@@ -181,11 +181,19 @@ class Transfer(NamedTuple):
 
 
 class Post(NamedTuple):
-    """Start round ``round``: post all sends and receives of this rank, asynchronously."""
+    """Start round ``round``: post all sends and receives of this rank, asynchronously.
+
+    ``group`` (plan ranks, sorted; empty: point-to-point) says the round is one all-to-all over
+    those ranks: every member posts it, with transfers only to and from members, so a transport
+    with a process group of exactly them moves it in one collective call instead of a call per
+    tensor (:meth:`~megatron_mesh.comm.base.Communicator.exchange`). A Ulysses group's rounds
+    are: at U = 8 a rank's q/kv round is 28 point-to-point calls, or one ``all_to_all_single``.
+    """
 
     round: int
     sends: tuple[Transfer, ...]
     recvs: tuple[Transfer, ...]
+    group: tuple[int, ...] = ()
 
     def reads(self) -> tuple[Key, ...]:
         return tuple(t.key for t in self.sends)
@@ -196,11 +204,12 @@ class Post(NamedTuple):
     def __str__(self) -> str:
         s = " ".join(f"{t.key}->{t.peer}" for t in self.sends)
         r = " ".join(f"{t.key}<-{t.peer}" for t in self.recvs)
-        return f"post {self.round}: send {s or '-'} | recv {r or '-'}"
+        g = f" | all-to-all {','.join(map(str, self.group))}" if self.group else ""
+        return f"post {self.round}: send {s or '-'} | recv {r or '-'}{g}"
 
     @classmethod
     def parse(cls, text: str) -> "Post":
-        m = re.match(r"^post (\d+): send (.*) \| recv (.*)$", text)
+        m = re.match(r"^post (\d+): send (.*) \| recv (.*?)(?: \| all-to-all ([\d,]+))?$", text)
         if m is None:
             raise ValueError(f"not a post: {text!r} (e.g. 'post 1: send kv1->3 | recv kv3<-3')")
 
@@ -212,7 +221,8 @@ class Post(NamedTuple):
                 k, p = item.rsplit(arrow, 1)
                 out.append(Transfer(int(p), Key.parse(k)))
             return tuple(out)
-        return cls(int(m.group(1)), items(m.group(2), "->"), items(m.group(3), "<-"))
+        group = tuple(int(x) for x in m.group(4).split(",")) if m.group(4) else ()
+        return cls(int(m.group(1)), items(m.group(2), "->"), items(m.group(3), "<-"), group)
 
 
 class Wait(NamedTuple):
