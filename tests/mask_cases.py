@@ -391,7 +391,7 @@ def balanced_grid(rank: int, world: int, group=None) -> list[Record]:
     if world % 2 == 0 and world > 2:
         modes += [("a2a+ring", (("ulysses_size", 2),), 2), ("a2a+mesh", (("ulysses_size", 2),), 2),
                   ("a2a+tasp", (("ulysses_size", 2),), 2)]
-    if world == 4:  # one Ulysses group of every rank (`auto` keeps the balanced layout there, host priced)
+    if world == 4:  # one Ulysses group of every rank (on the balanced layout: `auto` keeps the zigzag there)
         modes.append(("a2a+tasp", (("ulysses_size", world),), world))
     for mode, settings, group_size in modes:
         for _ in range(2):

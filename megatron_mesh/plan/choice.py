@@ -33,8 +33,8 @@ remote blocks, the merge of their partial results, :mod:`.costs`' rates): it ran
 layouts, it does not predict the simulator's time; where transfers set the balanced layout's
 price, it keeps it only :data:`COMM_MARGIN` cheaper. At 256 GPUs (lognormal:4096, seed 0; the
 host priced) it gives ring 11.4 ms on the zigzag and 18.2 on the balanced layout (the simulator:
-10.9 and 16.7), TASP 11.0 and 18.2 (11.5 and 14.0), a2a+tasp U 8 7.7 and 6.4 (7.8 and 5.8); on
-lognormal:16384 ring 50.4 and 73.0 (48.6 and 69.6), a2a+tasp U 8 37.1 and 16.0 (33.9 and 15.9),
+10.9 and 16.7), TASP 11.0 and 18.2 (11.5 and 14.0), a2a+tasp U 8 7.7 and 6.4 (7.9 and 5.8); on
+lognormal:16384 ring 50.4 and 73.0 (48.6 and 69.6), a2a+tasp U 8 37.1 and 16.0 (34.0 and 15.9),
 and keeps the balanced layout for the hybrid.
 Checked against the simulator on 240 rows (seeds 0-9, 8 and 256 GPUs, both host settings at 8)
 the layout it keeps is never slower than the zigzag (docs/performance.md, the per-seed tables).
@@ -435,9 +435,7 @@ def choose_layout(balanced: BalancedLayout, shape: AttentionShape, topo: Topolog
     sample's, causal without a window) unless the zigzag costs less for ``mode`` (a tie keeps
     the balanced layout); with both prices (balanced, zigzag). A Ulysses degree equal to the CP
     size leaves one group, which computes every token of its heads whatever the layout: the
-    layouts then differ only in its kernel calls, and the one with fewer pieces of documents is
-    kept where the host's ops are priced (:func:`_pieces`), else the zigzag (the all-to-all's own
-    order). ``documents``: the causal
+    zigzag is kept there (the all-to-all's own order; see below). ``documents``: the causal
     documents to price ((start, stop), ...; default the layout's) -- a mask that is causal inside
     groups of its documents (chunked attention's chunks: ``MaskKind.causal_groups``) is priced as
     those groups."""
@@ -446,9 +444,13 @@ def choose_layout(balanced: BalancedLayout, shape: AttentionShape, topo: Topolog
     zigzag = ZigzagLayout(P, balanced.seq_len)
     mine = layout_cost(balanced, docs, shape, topo, mode, ulysses)
     theirs = layout_cost(zigzag, docs, shape, topo, mode, ulysses)
-    if ulysses == P:  # one group: the layouts differ only in the kernel calls it makes
-        fewer = _pieces(balanced, P, docs) < _pieces(zigzag, P, docs)
-        return ("balanced" if topo.host_priced and fewer else "zigzag"), mine, theirs
+    if ulysses == P:
+        # one group: the layouts differ only in its kernel calls (the balanced layout keeps its
+        # documents whole: fewer, worth 0.04-0.15 % at 8 GPUs with the host priced) and in its
+        # all-to-all -- the zigzag's sends dQ home while the dK/dV partials are made, the balanced
+        # layout's rounds by document set send both at once, and its return's copies (one
+        # collective call: pack and unpack) then come last: 1-2 % slower (docs/performance.md)
+        return "zigzag", mine, theirs
     # a step whose busiest rank computes for less than a few launches' time is bound by launches
     # and latencies, which the price leaves to the plan: balance buys nothing there
     small = theirs.attention < MIN_COMPUTE_LAUNCHES * topo.kernel_latency
@@ -457,14 +459,3 @@ def choose_layout(balanced: BalancedLayout, shape: AttentionShape, topo: Topolog
     cheaper = mine.total <= theirs.total * (1 - COMM_MARGIN if mine.comm_bound else 1)
     pick = "balanced" if not small and cheaper else "zigzag"
     return pick, mine, theirs
-
-
-def _pieces(layout: Layout, P: int, docs) -> int:
-    """The pieces of documents one Ulysses group of all ``P`` ranks holds in ``layout``'s order --
-    a kernel call each at least: the zigzag cuts documents at its 2P chunks' boundaries, the
-    balanced layout keeps a group's documents whole. With the host priced (its torch ops per
-    call, :mod:`.hostops`) the fewer pieces win: on 8 GPUs (64K tokens, ``lognormal:4096``, seeds
-    0-9) ``a2a+tasp`` U 8 simulates 7.4-17.7 ms on the balanced layout and 10.9-18.9 on the
-    zigzag; with the host free the zigzag's own order is 1-3 % faster (4.3-15.8 ms against
-    4.4-15.9), and is kept."""
-    return sum(len(runs) for holders in _portions(layout, 1, P, docs).values() for runs in holders.values())

@@ -11,6 +11,11 @@ no sooner than its last is issued; a round starts no sooner than its ``Post`` is
 never waits for the device (NCCL's waits are the stream's), so where it is slower the device
 idles -- a timeline's "host" events -- and the direction ends no sooner than the host's last work.
 
+An all-to-all round (``Post.group``: a Ulysses group's, one collective call) starts once every
+member of its group has posted it, and its transport's copies run on the compute stream: the pack
+of its sends before it starts, the unpack of its receives after its wait, each the bytes read and
+written once at ``Topology.memory_bandwidth`` (none where one tensor is all: it goes as it lies).
+
 Two ways to step: :func:`run_lockstep` (round t lasts as long as on the slowest rank of the group:
 the steady state of ring-shaped plans) and :func:`run_pairwise` (every rank on its own: a
 round waits for its own peers only, as point-to-point transfers do; mask-aware plans).
@@ -30,7 +35,8 @@ from typing import NamedTuple
 
 from .costs import compute_cost, cost_signature, fresh_rows
 from .hostops import step_host_ops
-from .ir import Free, Plan, Post, Wait
+from .accounting import key_bytes
+from .ir import KINDS, Free, Plan, Post, Wait
 from .shape import AttentionShape
 from .topology import Topology
 
@@ -59,6 +65,8 @@ class _Rank:
     host: float = 0.0  # the host: when it has issued everything so far
     busy: float = 0.0
     events: list = field(default_factory=list)
+    pack: dict = field(default_factory=dict)  # op index of an all-to-all round's Post -> its pack copy's seconds
+    unpack: dict = field(default_factory=dict)  # such a round -> its unpack copy's seconds
 
     def compute(self, op, seconds: float, timeline: bool) -> None:
         """Run ``op`` on the compute stream: it starts once the host has issued its first torch op
@@ -79,11 +87,31 @@ class _Rank:
         self.clock = end
         self.busy += seconds
 
-    def post(self) -> float:
-        """The host issues a Post (its transfers' calls): when its round may start."""
+    def post(self, timeline: bool = False) -> float:
+        """The host issues a Post (its transfers' calls; an all-to-all round's pack copy runs on
+        the compute stream first): when its round may start."""
+        pack = self.pack.get(self.pc)
+        if pack:
+            self._copy(max(self.clock, self.host), pack, "pack", timeline)
         if self.issue:
             self.host += self.issue[self.pc]
         return max(self.clock, self.host)
+
+    def arrived(self, t: int, done: float, timeline: bool) -> None:
+        """``Wait(t)``: the compute stream stalls until round t is done, then unpacks an
+        all-to-all round's receives."""
+        if timeline and done > self.clock:
+            self.events.append(Event(self.rank, "compute", self.clock, done, f"wait {t}"))
+        self.clock = max(self.clock, done)
+        unpack = self.unpack.get(t)
+        if unpack:
+            self._copy(self.clock, unpack, "unpack", timeline)
+
+    def _copy(self, start: float, seconds: float, what: str, timeline: bool) -> None:
+        if timeline:
+            self.events.append(Event(self.rank, "compute", start, start + seconds, what))
+        self.clock = start + seconds
+        self.busy += seconds
 
     def finish(self, timeline: bool = False) -> None:
         """The host's work after the last op (results, the last queued writes): the direction
@@ -107,6 +135,8 @@ class _Costs:
         """Rank ``r``'s state for stepping ``direction``, with its host's seconds per op."""
         st = _Rank(r, self.plan.rank(r).ops(direction), self.plan.first_writes(r, direction))
         topo = self.topo
+        st.pack, st.unpack = self.plan.memo(("transport copies", r, direction, self.shape, topo.memory_bandwidth),
+                                            lambda: _transport_copies(self.plan, st.ops, self.shape, topo))
         if topo.host_priced:
             ops, around = step_host_ops(self.plan, r, direction, self.shape, piece=topo.mask_piece)
             per_op, per_view = topo.host_op_time, topo.host_view_time
@@ -122,6 +152,20 @@ class _Costs:
         if c is None:
             c = self.seen[sig] = compute_cost(self.plan, op, self.shape, self.topo, fresh)
         return c
+
+
+def _transport_copies(plan: Plan, ops, shape: AttentionShape, topo: Topology) -> tuple[dict, dict]:
+    """Per all-to-all round of ``ops`` (``Post.group``), its transport's pack and unpack copies
+    (:func:`~megatron_mesh.comm.torch_dist.all_to_all_round`): the sends' bytes read and written
+    once (op index -> seconds), the receives' (round -> seconds); none where one tensor is all."""
+    pack, unpack = {}, {}
+    for i, op in enumerate(ops):
+        if type(op) is not Post or not op.group:
+            continue
+        for transfers, into, at in ((op.sends, pack, i), (op.recvs, unpack, op.round)):
+            if sum(len(KINDS[t.key.kind].tensors) for t in transfers) > 1:
+                into[at] = 2 * sum(key_bytes(plan, t.key, shape) for t in transfers) / topo.memory_bandwidth
+    return pack, unpack
 
 
 def _finished(states: list[_Rank], moved: bool, direction: str, timeline: bool = False) -> bool:
@@ -173,12 +217,10 @@ def run_lockstep(plan: Plan, shape: AttentionShape, topo: Topology, direction: s
                 if kind is Wait:
                     if op.round not in done:
                         break
-                    if timeline and done[op.round] > st.clock:
-                        st.events.append(Event(st.rank, "compute", st.clock, done[op.round], f"wait {op.round}"))
-                    st.clock = max(st.clock, done[op.round])
+                    st.arrived(op.round, done[op.round], timeline)
                 elif kind is Post:
                     entries = posted.setdefault(op.round, [])
-                    entries.append((st.post(), st))
+                    entries.append((st.post(timeline), st))
                     if len(entries) == posters[op.round]:
                         ready.append(op.round)
                 elif kind is not Free:
@@ -225,12 +267,12 @@ def run_pairwise(plan: Plan, shape: AttentionShape, topo: Topology, direction: s
                     end = done.get((r, op.round))
                     if end is None:
                         break
-                    if timeline and end > st.clock:
-                        st.events.append(Event(r, "compute", st.clock, end, f"wait {op.round}"))
-                    st.clock = max(st.clock, end)
+                    st.arrived(op.round, end, timeline)
                 elif kind is Post:
-                    posted[(r, op.round)] = st.post()
-                    peers[(r, op.round)] = tuple({t.peer for t in op.sends + op.recvs})
+                    posted[(r, op.round)] = st.post(timeline)
+                    # a collective waits for every member of its group, a point-to-point round for its peers
+                    peers[(r, op.round)] = tuple(x for x in op.group if x != r) if op.group else \
+                        tuple({t.peer for t in op.sends + op.recvs})
                     queue[r].append(op.round)
                 elif kind is not Free:
                     st.compute(op, costs(op, st.first.get(st.pc)), timeline)

@@ -297,3 +297,22 @@ def test_the_all_to_all_rounds_are_collectives_of_the_ulysses_group(U, M):
             # straight from and into it, one call)
             one = d == "backward" and U == 2
             assert (host[first].transfers, host[first].wire_views) == ((1, 0.0) if one else (4, 1.0))
+
+
+def test_the_simulator_runs_an_all_to_all_round_s_copies_on_the_compute_stream():
+    """An all-to-all round's pack (its sends, before it starts) and unpack (its receives, after
+    its wait) are the transport's copies: each its bytes read and written once at the memory
+    bandwidth, on the compute stream (none where one tensor is all: U = 2's dy round)."""
+    from megatron_mesh.plan import Topology, key_bytes
+    from megatron_mesh.plan.simulate import simulate
+    U, T = 4, 64
+    shape = AttentionShape(seq_local=T, batch=1, heads=8, kv_heads=4, head_dim=16, itemsize=2)
+    plan = resolve("a2a+ring", 8, shape, ulysses_size=U).build(shape, Mask(True))
+    topo = Topology(nodes=1, gpus_per_node=8)
+    sim = simulate(plan, shape, topo, timeline=True)
+    first = next(op for op in plan.rank(0).ops("forward") if isinstance(op, Post) and op.group)
+    want = 2 * sum(key_bytes(plan, t.key, shape) for t in first.sends) / topo.memory_bandwidth
+    packs = [e for e in sim.forward.timeline if e.rank == 0 and e.what == "pack"]
+    unpacks = [e for e in sim.forward.timeline if e.rank == 0 and e.what == "unpack"]
+    assert len(packs) == len(unpacks) == 2  # the q/kv round and the output's return
+    assert abs((packs[0].end - packs[0].start) - want) < 1e-15
