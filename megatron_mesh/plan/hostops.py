@@ -46,7 +46,7 @@ from .ir import KINDS, AddGrad, Attend, AttendBackward, Copy, Free, MergeOut, Pl
 from .mask import MASK_PIECE, BlockKind, call_groups, mask_pieces
 from .sel import sel_len
 
-__all__ = ["HostOps", "host_ops", "step_host_ops", "write_calls", "TOLERANCE"]
+__all__ = ["HostOps", "host_ops", "step_host_ops", "write_calls", "wire_tensors", "TOLERANCE"]
 
 TOLERANCE = 0.25  # the model's ops per rank and direction against count_host_ops.py's (tests/tools/test_scripts.py)
 
@@ -80,6 +80,12 @@ class HostOps(NamedTuple):
         return (self.launches + self.transfers) * op_time + (self.views + self.wire_views) * view_time
 
 
+def wire_tensors(transfers) -> int:
+    """The tensors ``transfers`` move (a kv buffer: k and v): where one is all of an all-to-all
+    round's sends or receives, its transport neither packs nor unpacks them."""
+    return sum(len(KINDS[t.key.kind].tensors) for t in transfers)
+
+
 def _collective(op: Post, launches: float) -> HostOps:
     """An all-to-all round (``Post.group``) as :func:`~megatron_mesh.comm.torch_dist.all_to_all_round`
     issues it: one ``all_to_all_single``, its sends packed by one ``cat`` (none where one tensor
@@ -89,8 +95,7 @@ def _collective(op: Post, launches: float) -> HostOps:
     peers and receives as many: 4 calls (the collective, the cat, the buffer, the copy) and one
     view, where the point-to-point round was 12 calls (a call per q or kv buffer); at U = 8, 4
     calls against 28."""
-    sends = sum(len(KINDS[t.key.kind].tensors) for t in op.sends)
-    recvs = sum(len(KINDS[t.key.kind].tensors) for t in op.recvs)
+    sends, recvs = wire_tensors(op.sends), wire_tensors(op.recvs)
     return HostOps(launches, 0.0, 1 + (sends > 1) + 2 * (recvs > 1), float(recvs > 1))
 
 

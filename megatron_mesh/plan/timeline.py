@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from .costs import compute_cost, cost_signature, fresh_rows
-from .hostops import step_host_ops
+from .hostops import step_host_ops, wire_tensors
 from .accounting import key_bytes
-from .ir import KINDS, Free, Plan, Post, Wait
+from .ir import Free, Plan, Post, Wait
 from .shape import AttentionShape
 from .topology import Topology
 
@@ -163,7 +163,7 @@ def _transport_copies(plan: Plan, ops, shape: AttentionShape, topo: Topology) ->
         if type(op) is not Post or not op.group:
             continue
         for transfers, into, at in ((op.sends, pack, i), (op.recvs, unpack, op.round)):
-            if sum(len(KINDS[t.key.kind].tensors) for t in transfers) > 1:
+            if wire_tensors(transfers) > 1:
                 into[at] = 2 * sum(key_bytes(plan, t.key, shape) for t in transfers) / topo.memory_bandwidth
     return pack, unpack
 
