@@ -203,3 +203,7 @@ def test_an_all_to_all_round_reads_back_from_its_text():
     post = Post.parse("post 2: send q0/h1->1 kv0/h1->1 | recv q1/h0<-1 kv1/h0<-1 | all-to-all 0,1")
     assert post.group == (0, 1) and Post.parse(str(post)) == post
     assert Post.parse("post 1: send kv1->3 | recv kv3<-3").group == ()
+    for bad in ("x", "1,,2", "", "3"):
+        with pytest.raises(ValueError, match=rf"an all-to-all names its group's ranks, e.g. '\| all-to-all 0,1', not "
+                                             rf"'{re.escape(bad)}'"):
+            Post.parse(f"post 1: send - | recv - | all-to-all {bad}")

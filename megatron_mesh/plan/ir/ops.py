@@ -209,7 +209,7 @@ class Post(NamedTuple):
 
     @classmethod
     def parse(cls, text: str) -> "Post":
-        m = re.match(r"^post (\d+): send (.*) \| recv (.*?)(?: \| all-to-all ([\d,]+))?$", text)
+        m = re.match(r"^post (\d+): send (.*) \| recv (.*?)(?: \| all-to-all (\S*))?$", text)
         if m is None:
             raise ValueError(f"not a post: {text!r} (e.g. 'post 1: send kv1->3 | recv kv3<-3')")
 
@@ -221,6 +221,9 @@ class Post(NamedTuple):
                 k, p = item.rsplit(arrow, 1)
                 out.append(Transfer(int(p), Key.parse(k)))
             return tuple(out)
+        if m.group(4) is not None and not re.fullmatch(r"\d+(,\d+)+", m.group(4)):
+            raise ValueError(f"not a post: {text!r} -- an all-to-all names its group's ranks, e.g. "
+                             f"'| all-to-all 0,1', not {m.group(4)!r}")
         group = tuple(int(x) for x in m.group(4).split(",")) if m.group(4) else ()
         return cls(int(m.group(1)), items(m.group(2), "->"), items(m.group(3), "<-"), group)
 
