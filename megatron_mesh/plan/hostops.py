@@ -41,7 +41,7 @@ from __future__ import annotations
 import bisect
 from typing import NamedTuple
 
-from .arena import cut_keys
+from .arena import copy_run_candidates, cut_groups, cut_keys
 from .ir import KINDS, AddGrad, Attend, AttendBackward, Copy, Free, MergeOut, Plan, Post, RowStats, Wait, op_keys
 from .mask import MASK_PIECE, BlockKind, call_groups, mask_pieces
 from .sel import sel_len
@@ -180,11 +180,49 @@ def host_ops(plan: Plan, rank: int, direction: str, *, varlen: bool = True, piec
     copies of head slices that together fill a buffer (no fill then)."""
     walk = _Walk(plan, rank, direction, MASK_PIECE["cuda"] if piece is None else piece, varlen, heads)
     out = tuple(walk.op(i, op) for i, op in enumerate(walk.ops))
-    rp = plan.rank(rank)
     fixed_l, fixed_v = _FIXED[direction]
-    inputs = rp.forward_inputs if direction == "forward" else rp.backward_inputs
-    fixed_v += sum(len(KINDS[k.kind].tensors) * ((k.heads >= 0) + (len(segs) == 1)) for k, segs in inputs.items())
-    return out, HostOps(fixed_l + walk.queue.flush(), fixed_v, 0)
+    cut_l, cut_v = _input_cuts(plan, rank, direction, heads)
+    return out, HostOps(fixed_l + cut_l + walk.queue.flush(), fixed_v + cut_v, 0)
+
+
+def _input_cuts(plan: Plan, rank: int, direction: str, heads: tuple[int, int] | None) -> tuple[float, float]:
+    """(launches, views) of a direction's input cuts as :mod:`megatron_mesh.runtime.cuts` makes
+    them: per group of cuts (:func:`~.arena.cut_groups`) and tensor one copy or gather, the group's
+    heads narrowed, the source seen token-major (and split by head slice where it holds several),
+    one range cut by a slice (a row statistic: a copy per buffer); every other input a view (its
+    head slice, its range); those the forward keeps for the backward copied outside the arena
+    (an allocation, a copy per tensor, a concatenation per tensor of several ranges).
+    ``heads``: (query, key/value heads), where head slices may be one group (None: the plan's)."""
+    rp = plan.rank(rank)
+    forward = direction == "forward"
+    inputs = rp.forward_inputs if forward else rp.backward_inputs
+    keep = set(rp.saved) if forward else set()
+    heads = heads or getattr(plan.facts, "heads", None) or (0, 0)
+    groups = cut_groups(plan, rp, direction, heads[0], heads[1], keep) if heads[0] else \
+        [((k,), 1) for k in cut_keys(rp, direction) if k not in keep]
+    launches = views = 0.0
+    grouped = set()
+    for keys, slices in groups:
+        grouped.update(keys)
+        sliced = keys[0].heads >= 0
+        one = sum(len(inputs[k]) for k in keys[:len(keys) // slices]) == 1
+        for _, dim, _ in KINDS[keys[0].kind].tensors:
+            if dim:
+                launches += 1
+                views += sliced + 1 + (slices > 1) + one
+            else:
+                launches += len(keys)
+                views += len(keys) * (sliced + 1)
+    for key, segs in inputs.items():
+        if key in grouped:
+            continue
+        tensors = len(KINDS[key.kind].tensors)
+        whole = len(segs) == 1 and segs[0][0] == 0 and segs[0][1] == plan.tokens(key)
+        views += tensors * ((key.heads >= 0) + (len(segs) == 1 and not whole) + (len(segs) > 1) * len(segs))
+        if key in keep and (len(segs) > 1 or key.heads >= 0):  # kept for the backward: copied for the call
+            launches += 2 + tensors * (len(segs) > 1)
+            views += 3 * tensors
+    return launches, views
 
 
 class _Walk:
@@ -202,6 +240,9 @@ class _Walk:
         self.made_rows: set = set()
         self.came: dict = {k: -1 for k in cut_keys(rp, direction)}  # buffer -> the Post it came with (-1: a cut)
         self.queue = _Queue()
+        # copies issued as one per tensor (arena.CopyRun): op index -> (first op, views per tensor)
+        self.runs = {i: (run[0], 3 if way == "heads" else 1) for way, run in copy_run_candidates(plan, self.ops)
+                     for i in run} if any(type(op) is Copy for op in self.ops) else {}
 
     def op(self, i: int, op) -> HostOps:
         kind = type(op)
@@ -229,7 +270,7 @@ class _Walk:
             got = self.backward_block(i, op)
             return HostOps(launches + got.launches, got.views, 0)
         elif kind in (AddGrad, Copy):
-            return HostOps(launches + (_fills(self.fills.get(i, {})) if kind is Copy else 0), self.queued(op), 0)
+            return HostOps(launches + (_fills(self.fills.get(i, {})) if kind is Copy else 0), self.queued(i, op), 0)
         elif kind is MergeOut:
             launches += len(_rows(op.into, self.plan.tokens(op.dst)))
         elif kind is RowStats:
@@ -254,12 +295,16 @@ class _Walk:
             self.queue.put(_add(fresh, key, op.col(j), plan.tokens(key)), key, _rows(op.col(j), plan.tokens(key)))
         return HostOps(launches, views, 0)
 
-    def queued(self, op) -> float:
-        """An AddGrad's or Copy's writes into the queue; their views."""
+    def queued(self, i: int, op) -> float:
+        """An AddGrad's or Copy's writes into the queue; their views (a run of copies: its views
+        at its first op, the arena's runs being views made once)."""
         kind = type(op)
         rows = _rows(op.into, self.plan.tokens(op.dst))
         self.queue.put(kind is AddGrad, op.dst, rows, op.src)
         tensors = min(len(KINDS[op.src.kind].tensors), len(KINDS[op.dst.kind].tensors))
+        run = self.runs.get(i)
+        if run is not None:
+            return tensors * run[1] if run[0] == i else 0.0
         ranges = max(len(rows), len(op.rows) if kind is Copy and op.rows is not None else 1)
         cut = ranges > 1 or rows != ((0, self.plan.tokens(op.dst)),)  # a whole buffer is its own view
         return tensors * (2 * ranges * cut + (op.heads is not None))

@@ -359,10 +359,12 @@ class _HybridLowering:
         own = g % self.U
         for _, k in outs:
             side = KINDS[k].side
-            for p in range(self.U):
-                if p == own and k in _STRAIGHT:  # copied in straight from the span buffer (_home)
-                    continue
-                for slot, into in parts:
+            # round by round, head slice after head slice: a round's slices lie side by side in
+            # the arena and go into consecutive heads (one copy: :class:`~.arena.CopyRun`)
+            for slot, into in parts:
+                for p in range(self.U):
+                    if p == own and k in _STRAIGHT:  # copied in straight from the span buffer (_home)
+                        continue
                     src, heads = Key(k, g, slot=slot, heads=p), self.heads(side, p)
                     ops.append(AddGrad(src, Key(k, g), into=into, heads=heads) if k == "dkv" else
                                Copy(src, Key(k, g), into=into, heads=heads))

@@ -87,6 +87,7 @@ class Buffers:
         self.shape = shape
         self.dims = {"qk": shape.head_dim, "v": shape.v_head_dim}
         self.dtype, self.device = dtype, device
+        self.rank = rank
         self.acc_dtype = accumulator_dtype(dtype)
         self.direction = direction
         self.layout = scratch_layout(plan, rank, direction, shape)
@@ -145,6 +146,29 @@ class Buffers:
         got = self.views.get((what, i))
         if got is None:
             got = self.views[(what, i)] = tuple(place_view(self.arena, p, dtype) for p in places)
+        return got
+
+    def run(self, i: int, places: tuple, kind: str, side: str = "src") -> tuple[Tensor, ...]:
+        """The tensors of a run of whole buffers of ``kind`` lying side by side (``places``: each
+        tensor's, :class:`~megatron_mesh.plan.arena.CopyRun`), made once per arena: ``side`` and
+        op ``i`` name it."""
+        ident = ("run", side, i)
+        got = self.views.get(ident)
+        if got is None:
+            got = self.views[ident] = tuple(place_view(self.arena, p, self._dtype(kind, t))
+                                            for t, p in enumerate(places))
+        return got
+
+    def run_by_buffer(self, i: int, buffers: int) -> tuple[Tensor, ...]:
+        """The source run of op ``i``'s :class:`~megatron_mesh.plan.arena.CopyRun` as [B, buffers,
+        heads, T, W] per tensor: its ``buffers`` equal buffers side by side (made once per arena)."""
+        ident = ("run by buffer", i)
+        got = self.views.get(ident)
+        if got is None:
+            run = self.layout.copy_runs[i]
+            kind = self.plan.rank(self.rank).ops(self.direction)[i].src.kind
+            got = self.views[ident] = tuple(t.unflatten(2, (buffers, -1)).transpose(1, 2)
+                                            for t in self.run(i, run.src, kind))
         return got
 
     def own(self, key: Key) -> tuple[Tensor, ...]:

@@ -34,7 +34,7 @@ class InputCuts:
         :func:`~megatron_mesh.plan.arena.copied_only`); several ranges or another head slice are
         copied into their places in the arena, one gather per tensor for each group of them
         (:attr:`~megatron_mesh.plan.arena.ScratchLayout.cuts`)."""
-        cut = {key for keys, _ in bufs.layout.cuts for key in keys}
+        cut = {key for keys, *_ in bufs.layout.cuts for key in keys}
         copied = set(self._cut_keys[bufs.direction]) - cut  # kept for the backward: copied for the call
         for key, segs in table.items():
             if key not in cut:
@@ -45,30 +45,41 @@ class InputCuts:
                     tensors = own
                 bufs.put(key, tensors)
                 bufs.read_only.add(key)
-        for g, (keys, runs) in enumerate(bufs.layout.cuts):
-            self._gather(bufs, g, keys, runs, table, sources[keys[0].kind])
+        for g, (keys, runs, slices) in enumerate(bufs.layout.cuts):
+            self._gather(bufs, g, keys, runs, slices, table, sources[keys[0].kind])
             for key in keys:
                 bufs.put(key, bufs.view((-1, key)), (-1, key))
                 bufs.read_only.add(key)
 
-    def _gather(self, bufs: Buffers, g: int, keys, runs, table: dict, tensors) -> None:
-        """Fill input cut group ``g`` (``keys``, laid out one after another per tensor in ``runs``)
-        from the local ``tensors``: per tensor one copy (one token range) or one gather."""
-        heads = self.plan.head_range(keys[0], bufs.heads, bufs.kv_heads) if keys[0].heads >= 0 else None
-        segs = [seg for key in keys for seg in table[key]]
+    def _gather(self, bufs: Buffers, g: int, keys, runs, slices: int, table: dict, tensors) -> None:
+        """Fill input cut group ``g`` (``keys``, laid out one after another per tensor in ``runs``,
+        ``slices`` head slices after each other, :func:`~megatron_mesh.plan.arena.cut_groups`) from
+        the local ``tensors``: per tensor one copy (one token range) or one gather."""
+        first = keys[:len(keys) // slices]  # the first head slice's keys: every slice has their tokens
+        heads = None
+        if keys[0].heads >= 0:
+            heads = (self.plan.head_range(keys[0], bufs.heads, bufs.kv_heads)[0],
+                     self.plan.head_range(keys[-1], bufs.heads, bufs.kv_heads)[1])
+        segs = [seg for key in first for seg in table[key]]
         index = None
         for t, (x, run) in enumerate(zip(tensors, runs)):
-            if heads is not None:
-                x = x.narrow(1, heads[0], heads[1] - heads[0])
             if not run.width:  # a row statistic, [B, H, T]: each buffer on its own
                 for key in keys:
+                    h = self.plan.head_range(key, bufs.heads, bufs.kv_heads)
                     (dst,) = (bufs.view((-1, key))[t],)
-                    dst.copy_(_take(x, table[key]))
+                    dst.copy_(_take(x if h is None else x.narrow(1, h[0], h[1] - h[0]), table[key]))
                 continue
+            if heads is not None:
+                x = x.narrow(1, heads[0], heads[1] - heads[0])
             dst = bufs.views.get(("cut", g, t))
             if dst is None:
-                dst = bufs.views[("cut", g, t)] = wire_of(place_view(bufs.arena, run, bufs.dtype))
+                dst = wire_of(place_view(bufs.arena, run, bufs.dtype))  # [T, B, H, W]
+                if slices > 1:  # slice after slice: [T, B, slices, h, W] over [slices, T, B, h, W]
+                    dst = dst.view(slices, -1, *dst.shape[1:]).permute(1, 2, 0, 3, 4)
+                bufs.views[("cut", g, t)] = dst
             src = x.permute(2, 0, 1, 3)
+            if slices > 1:
+                src = src.unflatten(2, (slices, -1))
             if len(segs) == 1:
                 dst.copy_(src[segs[0][0]:segs[0][1]])
                 continue

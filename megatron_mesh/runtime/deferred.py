@@ -60,16 +60,21 @@ class Deferred:
 
     def put(self, add: bool, dst: Tensor, src: Tensor, where: tuple, dst_id=None, src_key=None, src_id=None) -> None:
         """Queue ``dst`` (+)= ``src`` (``where``: see :class:`Write`); ``dst_id`` / ``src_id``:
-        the arena buffers written / read, ``src_key``: the buffer read (None: a kernel's output).
+        the arena buffers written / read, ``src_key``: the buffer read (None: a kernel's output;
+        a list of them: a run of several, as are then the ids).
         A write that reads what the queue writes, or writes what it reads, issues the queue first."""
         keys = [w[0] for w in where] if isinstance(where, list) else [where[0]]
-        if (src_key is not None and src_key in self.written) or any(k in self.read for k in keys):
+        srcs = src_key if isinstance(src_key, list) else [] if src_key is None else [src_key]
+        if any(k in self.written for k in srcs) or any(k in self.read for k in keys):
             self.flush()
         self.writes.append(Write(add, dst, src, where))
         self.written.update(keys)
-        if src_key is not None:
-            self.read.add(src_key)
-        self.arena.update(i for i in (dst_id, src_id) if i is not None)
+        self.read.update(srcs)
+        for i in (dst_id, src_id):  # a run of several buffers: each of them
+            if isinstance(i, list):
+                self.arena.update(x for x in i if x is not None)
+            elif i is not None:
+                self.arena.add(i)
 
     def touches(self, keys) -> bool:
         """Whether a queued write writes or reads any of ``keys``."""

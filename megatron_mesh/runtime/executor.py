@@ -247,6 +247,7 @@ class Executor(InputCuts, BlockOps, MoveOps):
         first = self.plan.first_writes(self.comm.rank, direction)
         fills = self.plan.creation_fills(self.comm.rank, direction, bufs.heads, bufs.kv_heads)
         queue = self._queue
+        self._all_fills = fills  # a run of copies makes its buffers where their own ops would (moves._copy_run)
         for i, op in enumerate(self.rank_plan.ops(direction)):
             handler = handlers.get(type(op))
             if handler is None:

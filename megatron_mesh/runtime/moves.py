@@ -77,6 +77,11 @@ class MoveOps:
                                 dst_id=dst_id, src_key=op.src, src_id=src_id)
 
     def _copy(self, op: Copy, bufs: Buffers, pending) -> None:
+        run = bufs.layout.copy_runs.get(bufs.at)
+        if run is not None:  # one of consecutive copies between two runs of memory: issued as one
+            if bufs.at == run.ops[0]:
+                self._copy_run(run, bufs)
+            return
         src, dst = bufs.get(op.src), self._created(bufs, op.dst)
         if op.src.kind == "o" and op.dst.kind == "y":  # these rows are finished (a Ulysses group's output)
             if self._queue.touches((op.src,)):
@@ -87,6 +92,52 @@ class MoveOps:
         ranges = [(a + off, None, m, start, None) for a, pos, n in _parts(op.into, dst[0].shape[2])
                   for start, off, m in _overlaps_rows(rows, pos, pos + n)]
         self._queue_parts(bufs, op, False, src, dst, ranges)
+
+    def _copy_run(self, run, bufs: Buffers) -> None:
+        """The copies of ``run`` (:class:`~megatron_mesh.plan.arena.CopyRun`) as one write per
+        tensor, from one run of memory into another: whole arena buffers side by side are one
+        view made once per arena (:meth:`Buffers.run`), consecutive rows (or head slices) of one
+        buffer one view (three)."""
+        ops = self.rank_plan.ops(bufs.direction)
+        first, last = ops[run.ops[0]], ops[run.ops[-1]]
+        srcs = [ops[j].src for j in run.ops]
+        if run.heads is not None:  # whole buffers into consecutive head slices of the same rows
+            src = bufs.run_by_buffer(run.ops[0], len(run.ops))
+        elif run.src is not None:  # whole buffers side by side
+            src = bufs.run(run.ops[0], run.src, first.src.kind)
+        else:  # consecutive rows of one buffer (a Ulysses group's rows going home)
+            a, b = run.src_rows
+            src = bufs.get(first.src)
+            if first.src.kind == "o" and first.dst.kind == "y":  # these rows are finished (their sink)
+                if self._queue.touches((first.src,)):
+                    self._queue.flush()
+                for j in run.ops:  # copy by copy, as each would (the same ranges: the same bits on a CPU too)
+                    self._finish_rows(first.src, *src, ops[j].rows)
+            src = [part_of(t, 2, a, b - a) for t in src]
+        if run.dst is None:  # rows, or head slices of rows, of one buffer
+            made = self._created(bufs, first.dst)
+            a, b = run.dst_rows if run.dst_rows is not None else (0, made[0].shape[2])
+            dst = [part_of(t, 2, a, b - a) for t in made]
+            if run.heads is None:
+                where = [(first.dst, t, a, b, 0, d.shape[1]) for t, d in enumerate(dst)]
+            else:
+                h0, h1 = run.heads
+                dst = [d.narrow(1, h0, h1 - h0).unflatten(1, (len(run.ops), -1)) for d in dst]
+                where = [(first.dst, t, a, b, h0, h1) for t in range(len(dst))]
+            dst_ids = [bufs.ident(first.dst)]
+        else:  # new whole buffers side by side, each made where its own copy would make it
+            at = bufs.at
+            where, dst_ids = [], []
+            for j in run.ops:
+                bufs.at, self._fills = j, self._all_fills.get(j, {})
+                made = self._created(bufs, ops[j].dst)
+                where += [(ops[j].dst, t, 0, made[t].shape[2], 0, made[t].shape[1]) for t in range(len(run.dst))]
+                dst_ids.append(bufs.ident(ops[j].dst))
+            bufs.at, self._fills = at, self._all_fills.get(at, {})
+            dst = bufs.run(run.ops[0], run.dst, last.dst.kind, "dst")
+        src_ids = [bufs.ident(k) for k in srcs]
+        for t, (d, s) in enumerate(zip(dst, src)):
+            self._queue.put(False, d, s, [w for w in where if w[1] == t], dst_id=dst_ids, src_key=srcs, src_id=src_ids)
 
     def _rowstats(self, op: RowStats, bufs: Buffers, pending) -> None:
         (dout,) = bufs.get(op.dout)

@@ -98,5 +98,73 @@ def test_the_arena_holds_at_least_the_live_peak_and_tasp_reads_runs():
     assert multi and set(multi) == set(layout.spans) | set(layout.gathers), (multi, layout.spans, layout.gathers)
     assert layout.spans and layout.gathers
     # its input cuts (the seven slots of its own chunk) are one group per tensor kind
-    assert [(keys[0].kind, len(keys)) for keys, _ in layout.cuts] == [("kv", world - 1)]
+    assert [(keys[0].kind, len(keys)) for keys, *_ in layout.cuts] == [("kv", world - 1)]
     assert sum(1 for op in tasp.rank(3).forward if type(op) is Post) == world - 1
+
+
+def _hybrid_plans():
+    """Ulysses hybrids whose copies make runs: on layouts balanced for their groups (rounds by
+    document set), on the zigzag, with K/V heads replicated over a group (fewer than U)."""
+    cu = (0, 7, 40, 41, 90, 150, 192)
+    docs = Mask(causal=True, documents=tuple(zip(cu, cu[1:])))
+    for mode, world, U, kv in (("a2a+tasp", 8, 2, 2), ("a2a+tasp", 8, 4, 4), ("a2a+ring", 8, 4, 2),
+                               ("a2a+mesh", 8, 8, 8)):
+        shape = AttentionShape(seq_local=24, batch=2, heads=8, kv_heads=kv, head_dim=8, itemsize=2)
+        placement = resolve(mode, world, shape, ulysses_size=U)
+        yield mode, U, kv, shape, placement.build(shape, docs, balanced_layout(cu, world, group=U))
+        yield mode, U, kv, shape, placement.build(shape)
+
+
+def test_copy_runs_are_the_host_model_s_runs_and_lie_side_by_side():
+    """Every run of copies the host model counts as one copy per tensor
+    (:func:`~megatron_mesh.plan.arena.copy_run_candidates`, read off the ops) is one in the arena:
+    its buffers lie side by side in the order of the copies -- all three ways occur (a round's
+    buffers into the group's rows, the group's rows into buffers going home, the buffers come
+    home into head slices)."""
+    from megatron_mesh.plan.arena import copy_run_candidates
+    from megatron_mesh.plan.ir import Copy
+
+    ways = set()
+    for mode, U, kv, shape, plan in _hybrid_plans():
+        for rank in range(plan.world_size):
+            for direction in ("forward", "backward"):
+                ops = plan.rank(rank).ops(direction)
+                layout = scratch_layout(plan, rank, direction, shape)
+                candidates = copy_run_candidates(plan, ops)
+                assert {i for _, run in candidates for i in run} == set(layout.copy_runs), (mode, U, rank, direction)
+                for way, run in candidates:
+                    ways.add(way)
+                    got = layout.copy_runs[run[0]]
+                    assert got.ops == tuple(run) and all(layout.copy_runs[i] is got for i in run)
+                    assert all(type(ops[i]) is Copy for i in run)
+                    arena = got.src if got.src is not None else got.dst
+                    side = [ops[i].src if got.src is not None else ops[i].dst for i in run]
+                    idents = {key: ident for ident in layout.places for key in [ident[1]] if ident[0] <= run[-1]}
+                    for t, p in enumerate(arena):  # the run is the buffers, one after another
+                        starts = [layout.places[idents[k]][t].offset for k in side]
+                        sizes = [layout.places[idents[k]][t].nbytes for k in side]
+                        assert starts[0] == p.offset and p.nbytes == sum(sizes)
+                        assert all(a + n == b for a, n, b in zip(starts, sizes, starts[1:]))
+    assert ways == {"gather", "scatter", "heads"}
+
+
+def test_cuts_of_consecutive_head_slices_are_one_group():
+    """A Ulysses rank's sends of one kind to its peers are one group of cuts (one gather per
+    tensor) where their head slices follow each other; its own slice (a view) splits them, and
+    K/V heads replicated over the group (fewer than U) do not follow each other."""
+    from megatron_mesh.plan.arena import cut_groups
+
+    cu = (0, 7, 40, 41, 90, 150, 192)
+    docs = Mask(causal=True, documents=tuple(zip(cu, cu[1:])))
+    for kv in (4, 2):
+        shape = AttentionShape(seq_local=24, batch=2, heads=8, kv_heads=kv, head_dim=8, itemsize=2)
+        plan = resolve("a2a+tasp", 8, shape, ulysses_size=4).build(shape, docs, balanced_layout(cu, 8, group=4))
+        rp = plan.rank(1)  # head slice 1 of group 0: its peers' slices 0 | 2, 3
+        groups = [([(k.kind, k.heads) for k in keys], slices)
+                  for keys, slices in cut_groups(plan, rp, "forward", shape.heads, shape.kv_heads)]
+        q = [(sorted({h for _, h in keys}), slices) for keys, slices in groups if keys[0][0] == "q"]
+        kvs = [(sorted({h for _, h in keys}), slices) for keys, slices in groups if keys[0][0] == "kv"]
+        assert q == [([0], 1), ([2, 3], 2)], groups
+        assert kvs == ([([0], 1), ([2, 3], 2)] if kv == 4 else [([0], 1), ([2], 1), ([3], 1)]), groups
+        layout = scratch_layout(plan, 1, "forward", shape)
+        assert [slices for *_, slices in layout.cuts] == [slices for _, slices in groups]

@@ -141,8 +141,10 @@ def test_short_runs_are_priced_as_the_calls_they_are_packed_into():
 def test_the_host_term_follows_the_plans_count():
     """The busiest unit's host time as the choice reads its ops and views off the portions
     (:data:`HOST_OPS`) against the time of the count :mod:`~megatron_mesh.plan.hostops` makes of
-    the plan (ops at ``host_op_time``, views at ``host_view_time``), within half, on both layouts,
-    for ring and a hybrid: the layouts' counts differ 2-5x here."""
+    the plan (ops at ``host_op_time``, views at ``host_view_time``), within the fit's range
+    (0.73-1.56x over its samples, plan/choice.py), on both layouts, for ring and a hybrid: the
+    layouts' counts differ 2-5x here. (Here 0.83-1.52x; 1.52 on the zigzag's ring backward of
+    seed 0, whose whole-range inputs the count no longer takes for views since stop 61.)"""
     from megatron_mesh.plan import resolve
     from megatron_mesh.plan.hostops import step_host_ops
     shape, topo = AttentionShape(8 * K, 1, **GQA), Topology(nodes=1, gpus_per_node=8)
@@ -165,7 +167,7 @@ def test_the_host_term_follows_the_plans_count():
                     counted = max(sum(h.seconds(topo.host_op_time, topo.host_view_time) for h in (*ops, around))
                                   for r in range(8)
                                   for ops, around in (step_host_ops(plan, r, direction, shape, piece=topo.mask_piece),))
-                    assert 0.6 < priced[d] / counted < 1.5, (spec, seed, mode, U, type(layout).__name__,
+                    assert 0.65 < priced[d] / counted < 1.6, (spec, seed, mode, U, type(layout).__name__,
                                                              direction, priced[d], counted)
 
 

@@ -448,6 +448,54 @@ def test_first_writes_copy_and_give_bitwise_the_same_results(monkeypatch):
         assert rows_filled < filled[0] - rows_filled, (mode, rows_filled, filled[0] - rows_filled)
 
 
+def test_copy_runs_and_joined_cuts_give_bitwise_the_same_results(monkeypatch):
+    """A Ulysses hybrid's copies issued as runs (plan/arena.py ``CopyRun``: a round's buffers into
+    the group's rows, the group's rows into the buffers going home, those come home into head
+    slices: one copy per tensor each) and its sends cut as one group per kind
+    (``cut_groups``: one gather per tensor, not one per peer): outputs and gradients bitwise
+    those of a copy per op and a cut per head slice, and exact against the fp64 reference --
+    on layouts balanced for the groups (rounds by document set, attention sinks: rows finished
+    as they go home), on the zigzag, with K/V heads replicated over a group."""
+    import dataclasses
+    import functools
+
+    from megatron_mesh.plan import arena
+
+    @dataclasses.dataclass(frozen=True)
+    class GroupProblem(cases.Problem):
+        group: int = 1
+
+        @functools.cached_property
+        def layout(self):
+            return mm.balanced_layout(self.cu_seqlens, self.world, causal=self.causal, group=self.group)
+
+    cu = (0, 7, 40, 41, 90, 150, 192)
+    problems = [("a2a+tasp", 4, GroupProblem(8, 8, 4, True, torch.float32, seq_local=24, cu_seqlens=cu, balanced=True,
+                                             sink=True, group=4)),
+                ("a2a+ring", 4, GroupProblem(8, 8, 2, True, torch.float32, seq_local=24, cu_seqlens=cu, balanced=True,
+                                             group=4)),
+                ("a2a+mesh", 4, cases.Problem(4, 8, 4, False, torch.float32, seq_local=12, sink=True))]
+    joined_cuts = False
+    for mode, U, p in problems:
+        def build():
+            return resolve(mode, p.world, p.shape, ulysses_size=U).build(p.shape, p.mask, p.layout)
+
+        plan = build()
+        runs = [arena.scratch_layout(plan, r, d, p.shape) for r in range(p.world) for d in ("forward", "backward")]
+        assert any(layout.copy_runs for layout in runs), mode
+        joined_cuts = joined_cuts or any(slices > 1 for layout in runs for *_, slices in layout.cuts)
+        joined = run_case(p, plan, serial=True)
+        check(joined)
+        with monkeypatch.context() as m:
+            m.setattr(arena, "_copy_runs", lambda *args: {})
+            m.setattr(arena, "_next_slice", lambda *args: False)
+            apart = run_case(p, build(), serial=True)
+        for a, b in zip(joined, apart):
+            assert all(torch.equal(x, y) for x, y in zip(a.outputs, b.outputs)), (
+                mode, [(x - y).abs().max().item() for x, y in zip(a.outputs, b.outputs)])
+    assert joined_cuts
+
+
 def test_bitwise_equal_to_gloo_and_autograd(gloo):
     """Same inputs, same plan: the in-process transport gives bitwise the outputs and gradients of
     the gloo transport (public autograd API in spawned processes, part "gloo_outputs"), and
