@@ -20,6 +20,7 @@ from megatron_mesh.comm.torch_dist import TorchDistCommunicator
 from megatron_mesh.kernels import reference_attention
 from megatron_mesh.plan import AttentionShape, Mask, ThdLayout, plan_bytes, tile_shapes
 from megatron_mesh.plan.balance import BalancedLayout
+from megatron_mesh.plan.hostops import side_by_side, wire_copies
 from megatron_mesh.plan.ir import Post
 from megatron_mesh.runtime.api import prepare
 
@@ -87,7 +88,9 @@ class Record:
     offset_grad: tuple = ()  # this rank's share of d softmax_offset (learnable sinks)
     offset_grad_want: tuple = ()  # the dense reference's whole gradient
     inputs_written: bool = False  # the call wrote into the caller's q, k, v or dout
-    collectives: tuple = (0, 0)  # a hybrid's all-to-all rounds: (all_to_all_single calls made, the plan's rounds)
+    # a hybrid's all-to-all rounds: (made, planned), each (all_to_all_single calls, rounds that packed
+    # their sends, that unpacked their receives)
+    collectives: tuple = ((0, 0, 0), (0, 0, 0))
 
 
 # -- memory layouts of an input (the strides sweep): the same [s, b, h, d] values in other memory ---------
@@ -230,7 +233,8 @@ def run(rank: int, c: Case, group, comm=None) -> Record:
         # (all_cases; the strides part's spawn has none: the API's point-to-point transport)
         comm = ulysses_communicator(group, U)
     kw = dict(causal=c.causal, window=c.window, cu_seqlens=documents, layout=layout, comm=comm, **dict(c.settings))
-    before = comm.calls["all_to_all_single"] if isinstance(comm, TorchDistCommunicator) else 0
+    kinds = ("all_to_all_single", "all_to_all pack", "all_to_all unpack")
+    before = [comm.calls[k] for k in kinds] if isinstance(comm, TorchDistCommunicator) else None
     with mm.comm_counter() as counter:
         out = mm.attention(q, k, v, mode=c.mode, group=group, softmax_offset=offset, **kw)
         out.backward(do)
@@ -243,9 +247,16 @@ def run(rank: int, c: Case, group, comm=None) -> Record:
                  planned=(planned.sent, planned.received), dtype=str(c.dtype),
                  inputs_written=[x._version for x in (q, k, v, do)] != versions)
     if isinstance(comm, TorchDistCommunicator):
-        rec.collectives = (comm.calls["all_to_all_single"] - before,
-                           sum(1 for d in ("forward", "backward") for op in plan.round_ops(rank, d)
-                               if type(op) is Post and op.group))
+        # (calls, rounds that packed their sends, that unpacked their receives): made and planned
+        # (hostops.wire_copies: the host model's and the simulator's rule)
+        planned = [0, 0, 0]
+        for d in ("forward", "backward"):
+            ops = plan.rank(rank).ops(d)
+            runs = side_by_side(plan, ops)
+            for op in ops:
+                if type(op) is Post and op.group:
+                    planned = [a + b for a, b in zip(planned, (1, *wire_copies(op, runs)))]
+        rec.collectives = (tuple(comm.calls[k] - b for k, b in zip(kinds, before)), tuple(planned))
     if c.sink == "learnable":
         rec.offset_grad, rec.offset_grad_want = tuple(offset.grad.double().tolist()), tuple(sink.grad.tolist())
     for name, got, want in (("out", out, ref.detach()), ("dq", q.grad, Qr.grad), ("dk", k.grad, Kr.grad),

@@ -72,12 +72,37 @@ def _as_bytes(t: Tensor) -> Tensor:
     return got
 
 
+# tensors' bytes that lie one after another in memory, as one view (made once per first tensor and
+# addresses): a round whose sends (or receives) the arena placed side by side in the order the
+# all-to-all moves them is sent from (received into) them as they lie -- no pack, no unpack
+_RUNS = WeakIdKeyDictionary()
+
+
+def _run_of(flat: list[Tensor]) -> Tensor | None:
+    """One uint8 view over byte views ``flat`` where each starts where the one before ends (the
+    same storage), else None."""
+    if len(flat) < 2:
+        return None
+    ptrs = tuple(x.data_ptr() for x in flat)
+    got = _RUNS.get(flat[0])
+    if got is not None and got[0] == ptrs:
+        return got[1]
+    storage = flat[0].untyped_storage().data_ptr()
+    if any(x.untyped_storage().data_ptr() != storage for x in flat) or any(
+            a + x.numel() != b for a, x, b in zip(ptrs, flat, ptrs[1:])):
+        return None
+    run = flat[0].as_strided((sum(x.numel() for x in flat),), (1,))
+    _RUNS[flat[0]] = (ptrs, run)
+    return run
+
+
 class _Unpack:
     """Completes the collective, then scatters the received bytes into the receive tensors."""
 
-    def __init__(self, work, send: Tensor, recv: Tensor, targets: list[Tensor], sizes: list[int]):
+    def __init__(self, work, send: Tensor, recv: Tensor, targets: list[Tensor], sizes: list[int], packed: bool):
         # holding ``send`` keeps its memory from being reused while the collective may still read it
         self.work, self.send, self.recv, self.targets, self.sizes = work, send, recv, targets, sizes
+        self.packed, self.unpacked = packed, bool(targets)  # what the round copied (a test reads it)
 
     def wait(self) -> None:
         self.work.wait()
@@ -90,9 +115,10 @@ def all_to_all_round(group, size: int, sends: Sequence[tuple[int, Tensor]], recv
                      device: torch.device) -> Work:
     """One asynchronous ``all_to_all_single`` over ``group`` (``size`` ranks; peers are ranks of
     ``group``) moving a round's ``sends`` and ``recvs`` (each peer's in list order) as bytes:
-    the sends packed by peer in one ``cat`` (none where one tensor is all of them), the receives
-    in one buffer, copied into the receive tensors on ``wait()`` by one ``_foreach_copy_`` (none
-    where one tensor is all): 2-4 host calls whatever the number of peers and tensors.
+    the sends packed by peer in one ``cat`` (none where one tensor is all of them, or where they
+    lie side by side in that order: :func:`_run_of`), the receives in one buffer, copied into the
+    receive tensors on ``wait()`` by one ``_foreach_copy_`` (none where one tensor is all, or they
+    lie side by side): 1-4 host calls whatever the number of peers and tensors.
     Worked example: 3 ranks, rank 0 sends a (4 bytes) to 1 and b (2 bytes) to 2 and receives c
     from 1 and d from 2: in splits [0, 4, 2], out splits [0, |c|, |d|], one call."""
     by_peer: list[list[Tensor]] = [[] for _ in range(size)]
@@ -100,18 +126,27 @@ def all_to_all_round(group, size: int, sends: Sequence[tuple[int, Tensor]], recv
         by_peer[p].append(_as_bytes(t))
     in_splits = [sum(x.numel() for x in ts) for ts in by_peer]
     flat = [x for ts in by_peer for x in ts]
-    send = flat[0] if len(flat) == 1 else torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8, device=device)
+    packed = False
+    if len(flat) == 1:
+        send = flat[0]
+    elif flat:  # tensors side by side in the order they go: sent as they lie
+        run = _run_of(flat)
+        packed = run is None
+        send = run if run is not None else torch.cat(flat)
+    else:
+        send = torch.empty(0, dtype=torch.uint8, device=device)
     into: list[list[Tensor]] = [[] for _ in range(size)]
     for p, t in recvs:
         into[p].append(_as_bytes(t))
     out_splits = [sum(x.numel() for x in ts) for ts in into]
     targets = [x for ts in into for x in ts]
-    if len(targets) == 1:  # straight into the one receive tensor
-        recv, targets = targets[0], []
+    run = targets[0] if len(targets) == 1 else _run_of(targets)
+    if run is not None:  # straight into the one receive tensor, or into tensors side by side
+        recv, targets = run, []
     else:
         recv = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
     work = dist.all_to_all_single(recv, send, out_splits, in_splits, group=group, async_op=True)
-    return _Unpack(work, send, recv, targets, [x.numel() for x in targets])
+    return _Unpack(work, send, recv, targets, [x.numel() for x in targets], packed)
 
 
 class TorchDistCommunicator(Communicator):
@@ -141,7 +176,8 @@ class TorchDistCommunicator(Communicator):
                                  f"{me} (this rank) and {self.global_ranks[peer]} (the peer)")
         self._collectives: dict = {}  # all-to-all group -> (its sub-group, rank map), or False (none)
         # the calls made, by kind ("batch_isend_irecv": a batch of a round's point-to-point
-        # transfers on one group; "all_to_all_single": an all-to-all round): what a test or a
+        # transfers on one group; "all_to_all_single": an all-to-all round; "all_to_all pack" /
+        # "unpack": one that packed its sends, unpacked its receives): what a test or a
         # benchmark reads to see which way the rounds went
         self.calls: Counter = Counter()
         # fixed issue order of the groups: the main group first, then by first appearance in routes
@@ -176,8 +212,11 @@ class TorchDistCommunicator(Communicator):
         device = (sends or recvs)[0][1].device if (sends or recvs) else (
             torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pg) == "nccl" else torch.device("cpu"))
         self.calls["all_to_all_single"] += 1
-        return all_to_all_round(pg, len(group), [(index[p], t) for p, t in sends], [(index[p], t) for p, t in recvs],
+        work = all_to_all_round(pg, len(group), [(index[p], t) for p, t in sends], [(index[p], t) for p, t in recvs],
                                 device)
+        self.calls["all_to_all pack"] += work.packed
+        self.calls["all_to_all unpack"] += work.unpacked
+        return work
 
     def _collective(self, group: tuple[int, ...]):
         """(the sub-group, group rank -> its rank there) whose members are exactly ``group``'s

@@ -46,7 +46,8 @@ from .ir import KINDS, AddGrad, Attend, AttendBackward, Copy, Free, MergeOut, Pl
 from .mask import MASK_PIECE, BlockKind, call_groups, mask_pieces
 from .sel import sel_len
 
-__all__ = ["HostOps", "host_ops", "step_host_ops", "write_calls", "wire_tensors", "TOLERANCE"]
+__all__ = ["HostOps", "host_ops", "step_host_ops", "write_calls", "wire_tensors", "wire_copies", "side_by_side",
+           "TOLERANCE"]
 
 TOLERANCE = 0.25  # the model's ops per rank and direction against count_host_ops.py's (tests/tools/test_scripts.py)
 
@@ -81,12 +82,58 @@ class HostOps(NamedTuple):
 
 
 def wire_tensors(transfers) -> int:
-    """The tensors ``transfers`` move (a kv buffer: k and v): where one is all of an all-to-all
-    round's sends or receives, its transport neither packs nor unpacks them."""
+    """The tensors ``transfers`` move (a kv buffer: k and v)."""
     return sum(len(KINDS[t.key.kind].tensors) for t in transfers)
 
 
-def _collective(op: Post, launches: float) -> HostOps:
+def side_by_side(plan: Plan, ops, rank_plan=None, direction: str = "forward",
+                 heads: tuple[int, int] | None = None) -> frozenset:
+    """The buffers (tuples of keys, in order) the arena places one after another, one tensor each
+    (:mod:`.arena`): the destinations of a run of copies (:func:`~.arena.copy_run_candidates`) of a
+    one-tensor kind -- a Ulysses group's output rows going home, placed together in the run's
+    order -- the receives of a round of one one-tensor kind that are first read in the order
+    they arrive -- its output coming home into its head slices (a round's receives are placed
+    together, by kind, in the order ops first read them) -- and, given ``rank_plan``'s
+    ``direction`` and the ``heads`` the slices are cut from, a group of input cuts
+    (:func:`~.arena.cut_groups`) of one buffer per head slice: dout going out to the peers."""
+    out = set()
+    for way, run in copy_run_candidates(plan, ops):
+        op = ops[run[0]]
+        if way == "scatter" and len(KINDS[op.dst.kind].tensors) == 1:
+            out.add(tuple(ops[i].dst for i in run))
+    if rank_plan is not None and heads is not None:  # a group of input cuts, one buffer per head slice
+        keep = set(rank_plan.saved) if direction == "forward" else set()
+        for keys, slices in cut_groups(plan, rank_plan, direction, heads[0], heads[1], keep):
+            if slices == len(keys) > 1 and len(KINDS[keys[0].kind].tensors) == 1:
+                out.add(keys)
+    for i, op in enumerate(ops):
+        if type(op) is not Post or not op.group or len(op.recvs) < 2:
+            continue
+        keys = tuple(t.key for t in op.recvs)
+        if len({k.kind for k in keys}) > 1 or len(KINDS[keys[0].kind].tensors) > 1:
+            continue
+        first = {}  # each buffer's first read (a send aside) after it arrived
+        for j in range(i + 1, len(ops)):
+            if type(ops[j]) is not Post:
+                for key in ops[j].reads():
+                    if key in keys:
+                        first.setdefault(key, j)
+            if len(first) == len(keys):
+                break
+        reads = [first.get(k, len(ops)) for k in keys]
+        if reads == sorted(reads):
+            out.add(keys)
+    return frozenset(out)
+
+
+def wire_copies(op: Post, runs: frozenset) -> tuple[bool, bool]:
+    """Whether an all-to-all round's transport packs its sends and unpacks its receives
+    (:func:`~megatron_mesh.comm.torch_dist.all_to_all_round`): not where one tensor is all of
+    them, nor where they lie side by side in the order they go (``runs``: :func:`side_by_side`)."""
+    return tuple(wire_tensors(ts) > 1 and tuple(t.key for t in ts) not in runs for ts in (op.sends, op.recvs))
+
+
+def _collective(op: Post, launches: float, runs: frozenset = frozenset()) -> HostOps:
     """An all-to-all round (``Post.group``) as :func:`~megatron_mesh.comm.torch_dist.all_to_all_round`
     issues it: one ``all_to_all_single``, its sends packed by one ``cat`` (none where one tensor
     is all), its receives into a buffer made for them and split (a view) and copied out by one
@@ -95,8 +142,8 @@ def _collective(op: Post, launches: float) -> HostOps:
     peers and receives as many: 4 calls (the collective, the cat, the buffer, the copy) and one
     view, where the point-to-point round was 12 calls (a call per q or kv buffer); at U = 8, 4
     calls against 28."""
-    sends, recvs = wire_tensors(op.sends), wire_tensors(op.recvs)
-    return HostOps(launches, 0.0, 1 + (sends > 1) + 2 * (recvs > 1), float(recvs > 1))
+    pack, unpack = wire_copies(op, runs)
+    return HostOps(launches, 0.0, 1 + pack + 2 * unpack, float(unpack))
 
 
 def write_calls(writes) -> list[list[int]]:
@@ -241,8 +288,11 @@ class _Walk:
         self.came: dict = {k: -1 for k in cut_keys(rp, direction)}  # buffer -> the Post it came with (-1: a cut)
         self.queue = _Queue()
         # copies issued as one per tensor (arena.CopyRun): op index -> (first op, views per tensor)
+        copies = any(type(op) is Copy for op in self.ops)
         self.runs = {i: (run[0], 3 if way == "heads" else 1) for way, run in copy_run_candidates(plan, self.ops)
-                     for i in run} if any(type(op) is Copy for op in self.ops) else {}
+                     for i in run} if copies else {}
+        self.side_by_side = side_by_side(plan, self.ops, self.rp, direction, heads or getattr(plan.facts, "heads", None)) \
+            if copies else frozenset()
 
     def op(self, i: int, op) -> HostOps:
         kind = type(op)
@@ -257,7 +307,7 @@ class _Walk:
             self.live.update(t.key for t in op.recvs)
             self.came.update((t.key, i) for t in op.recvs)
             if op.group:
-                return _collective(op, launches)
+                return _collective(op, launches, self.side_by_side)
             return HostOps(launches, 0.0, len(op.sends) + len(op.recvs))
         if kind is Free:
             self.live.discard(op.key)

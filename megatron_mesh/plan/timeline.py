@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from .costs import compute_cost, cost_signature, fresh_rows
-from .hostops import step_host_ops, wire_tensors
+from .hostops import side_by_side, step_host_ops, wire_copies
 from .accounting import key_bytes
 from .ir import Free, Plan, Post, Wait
 from .shape import AttentionShape
@@ -136,7 +136,7 @@ class _Costs:
         st = _Rank(r, self.plan.rank(r).ops(direction), self.plan.first_writes(r, direction))
         topo = self.topo
         st.pack, st.unpack = self.plan.memo(("transport copies", r, direction, self.shape, topo.memory_bandwidth),
-                                            lambda: _transport_copies(self.plan, st.ops, self.shape, topo))
+                                            lambda: _transport_copies(self.plan, r, direction, self.shape, topo))
         if topo.host_priced:
             ops, around = step_host_ops(self.plan, r, direction, self.shape, piece=topo.mask_piece)
             per_op, per_view = topo.host_op_time, topo.host_view_time
@@ -154,16 +154,23 @@ class _Costs:
         return c
 
 
-def _transport_copies(plan: Plan, ops, shape: AttentionShape, topo: Topology) -> tuple[dict, dict]:
-    """Per all-to-all round of ``ops`` (``Post.group``), its transport's pack and unpack copies
+def _transport_copies(plan: Plan, rank: int, direction: str, shape: AttentionShape,
+                      topo: Topology) -> tuple[dict, dict]:
+    """Per all-to-all round of ``rank``'s ``direction`` (``Post.group``), its transport's pack and unpack copies
     (:func:`~megatron_mesh.comm.torch_dist.all_to_all_round`): the sends' bytes read and written
-    once (op index -> seconds), the receives' (round -> seconds); none where one tensor is all."""
+    once (op index -> seconds), the receives' (round -> seconds); none where one tensor is all or
+    they lie side by side in the order they go (:func:`~.hostops.wire_copies`)."""
     pack, unpack = {}, {}
+    runs = None
+    ops = plan.rank(rank).ops(direction)
     for i, op in enumerate(ops):
         if type(op) is not Post or not op.group:
             continue
-        for transfers, into, at in ((op.sends, pack, i), (op.recvs, unpack, op.round)):
-            if wire_tensors(transfers) > 1:
+        if runs is None:
+            runs = side_by_side(plan, ops, plan.rank(rank), direction, (shape.heads, shape.kv_heads))
+        for transfers, into, at, copied in zip((op.sends, op.recvs), (pack, unpack), (i, op.round),
+                                               wire_copies(op, runs)):
+            if copied:
                 into[at] = 2 * sum(key_bytes(plan, t.key, shape) for t in transfers) / topo.memory_bandwidth
     return pack, unpack
 
