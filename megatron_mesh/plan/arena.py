@@ -30,15 +30,16 @@ whatever first fit leaves between (``size`` >= :func:`~.memory.buffer_memory`'s 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, replace
-from typing import NamedTuple
+from dataclasses import dataclass
 
 from .accounting import FP32
-from .ir import KINDS, AddGrad, Attend, AttendBackward, Copy, Free, Key, MergeOut, Plan, Post, RankPlan, RowStats, op_keys
+from .ir import KINDS, AddGrad, Attend, AttendBackward, Copy, Free, Key, MergeOut, Plan, Post, RowStats
+from . import arena_runs
+from .arena_runs import CopyRun, copied_only, copy_run_candidates, cut_groups, cut_keys  # noqa: F401 (re-exported)
 from .shape import AttentionShape
 
-__all__ = ["ScratchLayout", "TensorPlace", "CopyRun", "copy_run_candidates", "cut_groups", "scratch_layout", "copied_only", "cut_keys", "tensor_shapes",
-           "ALIGN"]
+__all__ = ["ScratchLayout", "TensorPlace", "CopyRun", "copy_run_candidates", "cut_groups", "scratch_layout", "copied_only",
+           "cut_keys", "tensor_shapes", "ALIGN"]
 
 ALIGN = 256  # bytes: every run of storage starts at a multiple (vectorised loads, the CUDA allocator's own rule)
 
@@ -63,38 +64,6 @@ class TensorPlace:
     @property
     def nbytes(self) -> int:
         return self.tokens * self.row
-
-
-class CopyRun(NamedTuple):
-    """Consecutive :class:`~.ir.Copy` ops (``ops``: their indices; only ``Free`` ops between) that
-    move one run of memory into another, issued as one copy per tensor at the first of them.
-
-    Either side is a run of whole arena buffers lying one after another (``src`` / ``dst``: each
-    tensor's :class:`TensorPlace` of the run) or consecutive rows of one buffer (``src_rows`` /
-    ``dst_rows``: (first, stop), the buffer being the first op's). Worked example (a Ulysses
-    group of 4, rank 0's round j): ``copy q1.j/h0 -> q0*4/h0[10:20]``, ``copy q2.j/h0 ->
-    q0*4/h0[20:30]``, ``copy q3.j/h0 -> q0*4/h0[30:40]`` -- the three received buffers lie one
-    after another in the round's block of the arena -- are one copy of that block into rows
-    [10, 40) of the group's buffer: two views instead of six, one write queued instead of three.
-    The return is the mirror: ``copy o0*4/h0[10:20] -> y1.j/h0``, ... into buffers the arena places
-    together, which the all-to-all then sends as they lie. And the output
-    assembled from the members' head slices, ``copy y0.j/h1 -> y0[rows]{h2:4}``, ``copy y0.j/h2
-    -> y0[rows]{h4:6}``, ..., is one copy of their round's block into heads 2.. of those rows.
-    """
-
-    ops: tuple[int, ...]
-    src: tuple | None
-    src_rows: tuple[int, int] | None
-    dst: tuple | None
-    dst_rows: tuple[int, int] | None
-    heads: tuple[int, int] | None = None  # copies of whole buffers into consecutive head slices of one
-
-    @property
-    def views(self) -> int:
-        """Views per tensor the executor makes for it in a step (the runs of the arena once per
-        arena): a range of one buffer one, a range of its head slices three (its rows, its heads,
-        the heads split by buffer)."""
-        return 3 if self.heads is not None else 1
 
 
 @dataclass(frozen=True, eq=False)
@@ -136,19 +105,6 @@ def tensor_shapes(plan: Plan, key: Key, shape: AttentionShape) -> tuple[tuple[in
     acc = max(FP32, shape.itemsize)
     return tuple((tokens, h if side == "q" else g, shape.dim(dim) if dim else 0,
                   shape.itemsize if dtype == "input" else acc) for side, dim, dtype in KINDS[key.kind].tensors)
-
-
-def copied_only(rank_plan: RankPlan, direction: str) -> frozenset:
-    """The input buffers of ``direction`` that only :class:`Copy` ops read (a Ulysses group
-    member's own head slice, copied into the group's tokens): cutting them as a contiguous
-    copy first would move their bytes twice. A buffer that is sent or that a block reads
-    stays contiguous (a send needs it; kernels read it many times)."""
-    inputs = rank_plan.forward_inputs if direction == "forward" else rank_plan.backward_inputs
-    ops = rank_plan.ops(direction)
-    others = {key for op in ops if type(op) is not Copy for key in op_keys(op)}
-    others |= {op.dst for op in ops if type(op) is Copy}  # a view must never be written into
-    copied = {op.src for op in ops if type(op) is Copy}
-    return frozenset(key for key in inputs if key in copied and key not in others)
 
 
 class _Space:
@@ -312,56 +268,6 @@ def _nbytes(t: tuple[int, int, int, int]) -> int:
     return tokens * heads * max(width, 1) * item
 
 
-def cut_keys(rank_plan: RankPlan, direction: str) -> list[Key]:
-    """The inputs the executor copies: several token ranges, or one head slice that something
-    other than a copy reads (:func:`copied_only`). Those the forward keeps for the backward are
-    copied outside the arena (the backward takes its bytes over)."""
-    inputs = rank_plan.forward_inputs if direction == "forward" else rank_plan.backward_inputs
-    views = copied_only(rank_plan, direction)
-    return [k for k, segs in inputs.items() if len(segs) > 1 or (k.heads >= 0 and k not in views)]
-
-
-def cut_groups(plan: Plan, rank_plan: RankPlan, direction: str, heads: int, kv_heads: int, keep=(),
-               order=None) -> list[tuple[tuple[Key, ...], int]]:
-    """The input cuts the executor makes together, one copy or gather per tensor: (their keys in
-    the arena's order, the head slices among them). A group is the cuts of one kind and head
-    slice (``order``: their order in it, a sort key; default as the plan lists them), and
-    consecutive head slices of one kind whose heads follow each other, with the same tokens in
-    the same order, are one group laid out slice after slice (a Ulysses rank's sends of q, k
-    and v: one gather per tensor, not one per peer). ``keep``: cuts made outside the arena.
-
-    Worked example (U = 4, rank 1 of its group, q cut into two rounds' rows for each peer):
-    q1.0/h0 q1.2/h0 | q1.0/h2 q1.2/h2 q1.0/h3 q1.2/h3 -- head slice 1 is its own (a view, not a
-    cut), so slices 2 and 3 make one group of two slices and slice 0 one of its own."""
-    inputs = rank_plan.forward_inputs if direction == "forward" else rank_plan.backward_inputs
-    cut = [k for k in cut_keys(rank_plan, direction) if k not in keep]
-    out: list[tuple[tuple[Key, ...], int]] = []
-    for kind, h in dict.fromkeys((k.kind, k.heads) for k in cut):
-        keys = [k for k in cut if (k.kind, k.heads) == (kind, h)]
-        if order is not None:
-            keys = sorted(keys, key=order)
-        if out and _next_slice(plan, inputs, out[-1], keys, heads, kv_heads):
-            out[-1] = (out[-1][0] + tuple(keys), out[-1][1] + 1)
-        else:
-            out.append((tuple(keys), 1))
-    return out
-
-
-def _next_slice(plan: Plan, inputs: dict, group: tuple, keys: list[Key], heads: int, kv_heads: int) -> bool:
-    """Whether cuts ``keys`` (one kind and head slice) continue ``group`` as its next head slice."""
-    have, slices = group
-    n = len(have) // slices
-    last = have[-n:]
-    if len(keys) != n or keys[0].heads < 0 or keys[0].kind != last[0].kind or keys[0].heads != last[0].heads + 1:
-        return False
-    if any(k != x._replace(heads=k.heads) or inputs[k] != inputs[x] for k, x in zip(keys, last)):
-        return False
-    a, b = plan.head_range(last[0], heads, kv_heads), plan.head_range(keys[0], heads, kv_heads)
-    if a is None or b is None:
-        return False
-    return a[1] == b[0] and a[1] - a[0] == b[1] - b[0]
-
-
 def scratch_layout(plan: Plan, rank: int, direction: str, shape: AttentionShape) -> ScratchLayout:
     """The arena of ``rank``'s ``direction`` of ``plan`` for ``shape`` (made once per plan and
     shape: the executor and :func:`~.memory.buffer_memory` read the same one)."""
@@ -376,26 +282,19 @@ def _layout(plan: Plan, rank: int, direction: str, shape: AttentionShape) -> Scr
     keep = set(rp.saved) if direction == "forward" else set()  # they outlive the call: made per call
     inputs = rp.forward_inputs if direction == "forward" else rp.backward_inputs
     live = set(inputs) | (set() if direction == "forward" else set(rp.saved))
-    cuts = []
-    for keys, slices in cut_groups(plan, rp, direction, shape.heads, shape.kv_heads, keep,
-                                   order=lambda k: walk.first_read(k, 0)):
-        walk.place(-1, list(keys), ordered=True)
-        first = walk.places[(-1, keys[0])]
-        runs = tuple(TensorPlace(p.offset, sum(plan.tokens(k) for k in keys), p.batch, p.heads, p.width, p.itemsize)
-                     for p in first)
-        cuts.append((keys, runs, slices))
+    cuts = _place_cuts(walk, plan, rp, direction, shape, keep)
     spans, gathers, grad_spans = {}, {}, {}
-    candidates = copy_run_candidates(plan, ops)
+    candidates = arena_runs.copy_run_candidates(plan, ops)
     scatters = {run[0]: run for way, run in candidates if way == "scatter"}
     copies: dict[int, tuple] = {}  # Copy op index -> (its source's places, its destination's) in the arena, or None
     for i, op in enumerate(ops):
         kind = type(op)
-        if kind is Copy and i in scatters:  # the buffers a run of copies makes, placed together in its order
-            new = {ops[j].dst: j for j in scatters[i]}
-            if not any(k in live or k in own or k in keep for k in new):
-                walk.place(i, list(new), at=new, ordered=True)
-                live.update(new)
         if kind is Copy:
+            if i in scatters:  # the buffers a run of copies makes, placed together in its order
+                new = {ops[j].dst: j for j in scatters[i]}
+                if not any(k in live or k in own or k in keep for k in new):
+                    walk.place(i, list(new), at=new, ordered=True)
+                    live.update(new)
             src = walk.current.get(op.src)
             copies[i] = (walk.places[src] if src is not None else None, None)
         if kind is Post:
@@ -408,156 +307,59 @@ def _layout(plan: Plan, rank: int, direction: str, shape: AttentionShape) -> Scr
             live.discard(op.key)
         elif kind in (Attend, AttendBackward, MergeOut, AddGrad, Copy, RowStats):
             if kind in (Attend, AttendBackward):
-                pieces = walk.pieces(op)
-                if pieces is not None and len(pieces) > 1:
-                    got = walk.span(pieces)
-                    if got is not None:
-                        spans[i] = got
-                    elif (pair := walk.gather(pieces)) is not None:
-                        gathers[i] = pair
+                _block_pieces(walk, i, op, spans, gathers)
             made = [key for key in dict.fromkeys(op.writes()) if key not in live]
             live.update(made)
             placed = [key for key in made if key not in own and key not in keep]
-            if kind is AttendBackward:  # its new dK/dV partials together, in the block's column order
-                grads = [key for key in placed if key in op.dkv]
-                for key in placed:
-                    if key not in grads:
-                        walk.place(i, [key])
-                if grads:
-                    walk.place(i, grads)
-                    if grads == list(op.dkv) and all(op.col(j) is None for j in range(len(op.dkv))):
-                        got = walk.span([(walk.places[(i, key)], 0, plan.tokens(key)) for key in grads]) \
-                            if len(grads) > 1 else None
-                        if got is not None:
-                            grad_spans[i] = got
+            if kind is AttendBackward:
+                _place_grads(walk, plan, i, op, placed, grad_spans)
             else:
                 for key in placed:
                     walk.place(i, [key])
             if kind is Copy:
                 dst = walk.current.get(op.dst)
                 copies[i] = (copies[i][0], walk.places[dst] if dst is not None else None)
-    return ScratchLayout(walk.space.high, walk.places, spans, gathers, grad_spans, tuple(cuts),
-                         _copy_runs(plan, ops, candidates, copies))
+    return ScratchLayout(walk.space.high, walk.places, spans, gathers, grad_spans, cuts,
+                         arena_runs.copy_runs(plan, ops, candidates, copies))
 
 
-def _one(sel) -> tuple[int, int] | None:
-    """The one range of a selection (None where it has several)."""
-    return (sel[0][0], sel[0][1]) if sel is not None and len(sel) == 1 else None
+def _place_cuts(walk: _Walk, plan: Plan, rp, direction: str, shape: AttentionShape, keep: set) -> tuple:
+    """The input cuts' places, group by group (:func:`~.arena_runs.cut_groups`): (keys, each
+    tensor's run, head slices) per group."""
+    cuts = []
+    for keys, slices in arena_runs.cut_groups(plan, rp, direction, shape.heads, shape.kv_heads, keep,
+                                              order=lambda k: walk.first_read(k, 0)):
+        walk.place(-1, list(keys), ordered=True)
+        first = walk.places[(-1, keys[0])]
+        runs = tuple(TensorPlace(p.offset, sum(plan.tokens(k) for k in keys), p.batch, p.heads, p.width, p.itemsize)
+                     for p in first)
+        cuts.append((keys, runs, slices))
+    return tuple(cuts)
 
 
-def _copied(op) -> int:
-    """The tensors a copy moves (a cast to a finished kind keeps the leading ones)."""
-    return min(len(KINDS[op.src.kind].tensors), len(KINDS[op.dst.kind].tensors))
+def _block_pieces(walk: _Walk, i: int, op, spans: dict, gathers: dict) -> None:
+    """Where block ``i``'s key/value pieces are one run of the arena (``spans``) or gathered
+    together (``gathers``)."""
+    pieces = walk.pieces(op)
+    if pieces is not None and len(pieces) > 1:
+        got = walk.span(pieces)
+        if got is not None:
+            spans[i] = got
+        elif (pair := walk.gather(pieces)) is not None:
+            gathers[i] = pair
 
 
-def _way(op, came: dict, made: set) -> str | None:
-    """How a copy may join a run (:func:`copy_run_candidates`): "gather" (a whole buffer that
-    arrived in a round into one range of rows), "heads" (the same into head slices), "scatter"
-    (one range of rows into a new whole buffer), or None. A row statistic (lse, delta: [B, H, T]
-    in memory) of several buffers is no run: only token-major tensors join."""
-    if any(not dim for _, dim, _ in KINDS[op.dst.kind].tensors[:_copied(op)]):
-        return None
-    if op.heads is not None:
-        return "heads" if op.rows is None and came.get(op.src) is not None and (op.into is None or _one(op.into)) \
-            else None
-    if op.rows is None and came.get(op.src) is not None and _one(op.into) is not None:
-        return "gather"
-    if op.into is None and _one(op.rows) is not None and op.dst not in made:
-        return "scatter"
-    return None
-
-
-def _joins(plan: Plan, way: str, prev, op, rounds: tuple) -> bool:
-    """Whether copy ``op`` continues a run of ``way`` whose last copy is ``prev`` (``rounds``:
-    the rounds their sources arrived in)."""
-    if (op.src.kind, op.dst.kind) != (prev.src.kind, prev.dst.kind):
-        return False
-    if way == "gather":
-        return op.dst == prev.dst and rounds[0] == rounds[1] and _one(prev.into)[1] == _one(op.into)[0]
-    if way == "heads":
-        return (op.dst == prev.dst and rounds[0] == rounds[1] and op.into == prev.into
-                and prev.heads[1] == op.heads[0] and op.heads[1] - op.heads[0] == prev.heads[1] - prev.heads[0]
-                and plan.tokens(op.src) == plan.tokens(prev.src))
-    return op.src == prev.src and _one(prev.rows)[1] == _one(op.rows)[0]
-
-
-def copy_run_candidates(plan: Plan, ops) -> list[tuple[str, list[int]]]:
-    """Runs of consecutive copies (``Free`` ops between) that one copy per tensor can do, read off
-    the ops alone: (way, op indices) -- whole buffers that arrived in one round (the arena puts
-    them side by side, in the order they are first read) into consecutive rows or head slices
-    of one buffer, or consecutive rows of one buffer into new buffers (the arena places them
-    together). :func:`_copy_runs` keeps the parts whose buffers do lie side by side; the host
-    model (:mod:`.hostops`) counts these (``tests/plan/test_arena.py`` holds the two equal on
-    the hybrids' plans)."""
-    out: list[tuple[str, list[int]]] = []
-    came: dict = {}  # buffer -> the Post it arrived with
-    made: set = set()  # buffers an op of the direction made
-    arrived: dict[int, int | None] = {}  # copy index -> the Post its source arrived with
-    run: list[int] = []
-    way = None
-
-    def close():
-        if len(run) > 1:
-            out.append((way, list(run)))
-        run.clear()
-
-    for i, op in enumerate(ops):
-        kind = type(op)
-        if kind is Free:
-            came.pop(op.key, None)
-            continue
-        k = _way(op, came, made) if kind is Copy else None
-        if k is not None:
-            arrived[i] = came.get(op.src)
-        if not (run and k is not None and k == way and _joins(plan, way, ops[run[-1]], op, (arrived[run[-1]], arrived[i]))
-                and (way != "scatter" or op.dst not in {ops[j].dst for j in run})):
-            close()
-            way = k
-        if k is not None:
-            run.append(i)
-        if kind is Post:
-            came.update((t.key, i) for t in op.recvs)
-            made.update(t.key for t in op.recvs)
-        else:
-            made.update(op.writes())
-    close()
-    return out
-
-
-def _follows(a: tuple, b: tuple, tensors: int) -> bool:
-    """Whether the first ``tensors`` tensors of buffer ``b`` each start where ``a``'s end, in rows
-    of one kind (None: a buffer outside the arena)."""
-    return a is not None and b is not None and all(
-        q.offset == p.offset + p.nbytes and (q.batch, q.heads, q.width, q.itemsize) ==
-        (p.batch, p.heads, p.width, p.itemsize) for p, q in zip(a[:tensors], b[:tensors]))
-
-
-def _copy_runs(plan: Plan, ops, candidates, copies: dict[int, tuple]) -> dict[int, CopyRun]:
-    """The :class:`CopyRun` of each op of a run: the parts of each candidate
-    (:func:`copy_run_candidates`) whose arena buffers lie side by side (``copies``: each copy's
-    source's and destination's places in the arena)."""
-    out: dict[int, CopyRun] = {}
-    for way, cand in candidates:
-        side = 1 if way == "scatter" else 0
-        parts = [[cand[0]]]
-        for i in cand[1:]:
-            prev = parts[-1][-1]
-            if _follows(copies[prev][side], copies[i][side], _copied(ops[i])):
-                parts[-1].append(i)
-            else:
-                parts.append([i])
-        for run in parts:
-            if len(run) < 2:
-                continue
-            first, last = ops[run[0]], ops[run[-1]]
-            n = _copied(first)
-            size = sum(plan.tokens(ops[j].dst if way == "scatter" else ops[j].src) for j in run)
-            places = tuple(replace(p, tokens=size) for p in copies[run[0]][side][:n])
-            if way == "scatter":
-                got = CopyRun(tuple(run), None, (_one(first.rows)[0], _one(last.rows)[1]), places, None)
-            elif way == "gather":
-                got = CopyRun(tuple(run), places, None, None, (_one(first.into)[0], _one(last.into)[1]))
-            else:
-                got = CopyRun(tuple(run), places, None, None, _one(first.into), (first.heads[0], last.heads[1]))
-            out.update((j, got) for j in run)
-    return out
+def _place_grads(walk: _Walk, plan: Plan, i: int, op, placed: list, grad_spans: dict) -> None:
+    """A backward block's new buffers: its new dK/dV partials together, in the block's column order
+    (one run where they are all its columns: ``grad_spans``), the others each on its own."""
+    grads = [key for key in placed if key in op.dkv]
+    for key in placed:
+        if key not in grads:
+            walk.place(i, [key])
+    if grads:
+        walk.place(i, grads)
+        if grads == list(op.dkv) and all(op.col(j) is None for j in range(len(op.dkv))):
+            got = walk.span([(walk.places[(i, key)], 0, plan.tokens(key)) for key in grads]) \
+                if len(grads) > 1 else None
+            if got is not None:
+                grad_spans[i] = got

@@ -41,7 +41,7 @@ from __future__ import annotations
 import bisect
 from typing import NamedTuple
 
-from .arena import copy_run_candidates, cut_groups, cut_keys
+from .arena_runs import copy_run_candidates, cut_groups, cut_keys
 from .ir import KINDS, AddGrad, Attend, AttendBackward, Copy, Free, MergeOut, Plan, Post, RowStats, Wait, op_keys
 from .mask import MASK_PIECE, BlockKind, call_groups, mask_pieces
 from .sel import sel_len
@@ -89,13 +89,13 @@ def wire_tensors(transfers) -> int:
 def side_by_side(plan: Plan, ops, rank_plan=None, direction: str = "forward",
                  heads: tuple[int, int] | None = None) -> frozenset:
     """The buffers (tuples of keys, in order) the arena places one after another, one tensor each
-    (:mod:`.arena`): the destinations of a run of copies (:func:`~.arena.copy_run_candidates`) of a
+    (:mod:`.arena`): the destinations of a run of copies (:func:`~.arena_runs.copy_run_candidates`) of a
     one-tensor kind -- a Ulysses group's output rows going home, placed together in the run's
     order -- the receives of a round of one one-tensor kind that are first read in the order
     they arrive -- its output coming home into its head slices (a round's receives are placed
     together, by kind, in the order ops first read them) -- and, given ``rank_plan``'s
     ``direction`` and the ``heads`` the slices are cut from, a group of input cuts
-    (:func:`~.arena.cut_groups`) of one buffer per head slice: dout going out to the peers."""
+    (:func:`~.arena_runs.cut_groups`) of one buffer per head slice: dout going out to the peers."""
     out = set()
     for way, run in copy_run_candidates(plan, ops):
         op = ops[run[0]]
@@ -234,7 +234,7 @@ def host_ops(plan: Plan, rank: int, direction: str, *, varlen: bool = True, piec
 
 def _input_cuts(plan: Plan, rank: int, direction: str, heads: tuple[int, int] | None) -> tuple[float, float]:
     """(launches, views) of a direction's input cuts as :mod:`megatron_mesh.runtime.cuts` makes
-    them: per group of cuts (:func:`~.arena.cut_groups`) and tensor one copy or gather, the group's
+    them: per group of cuts (:func:`~.arena_runs.cut_groups`) and tensor one copy or gather, the group's
     heads narrowed, the source seen token-major (and split by head slice where it holds several),
     one range cut by a slice (a row statistic: a copy per buffer); every other input a view (its
     head slice, its range); those the forward keeps for the backward copied outside the arena
@@ -287,7 +287,7 @@ class _Walk:
         self.made_rows: set = set()
         self.came: dict = {k: -1 for k in cut_keys(rp, direction)}  # buffer -> the Post it came with (-1: a cut)
         self.queue = _Queue()
-        # copies issued as one per tensor (arena.CopyRun): op index -> (first op, views per tensor)
+        # copies issued as one per tensor (arena_runs.CopyRun): op index -> (first op, views per tensor)
         copies = any(type(op) is Copy for op in self.ops)
         self.runs = {i: (run[0], 3 if way == "heads" else 1) for way, run in copy_run_candidates(plan, self.ops)
                      for i in run} if copies else {}

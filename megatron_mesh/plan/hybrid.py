@@ -360,7 +360,7 @@ class _HybridLowering:
         for _, k in outs:
             side = KINDS[k].side
             # round by round, head slice after head slice: a round's slices lie side by side in
-            # the arena and go into consecutive heads (one copy: :class:`~.arena.CopyRun`)
+            # the arena and go into consecutive heads (one copy: :class:`~.arena_runs.CopyRun`)
             for slot, into in parts:
                 for p in range(self.U):
                     if p == own and k in _STRAIGHT:  # copied in straight from the span buffer (_home)

@@ -27,7 +27,8 @@ from ..plan.shape import AttentionShape
 from .merge import part_of
 from .state import RUNTIME, Arenas, Scratch
 
-__all__ = ["Buffers", "Scratch", "Arenas", "scratch", "accumulator_dtype", "parts", "wire_of", "place_view", "zero"]
+__all__ = ["Buffers", "Scratch", "Arenas", "scratch", "accumulator_dtype", "parts", "wire_of", "place_view", "zero",
+           "arena_run", "arena_run_by_buffer"]
 
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -146,29 +147,6 @@ class Buffers:
         got = self.views.get((what, i))
         if got is None:
             got = self.views[(what, i)] = tuple(place_view(self.arena, p, dtype) for p in places)
-        return got
-
-    def run(self, i: int, places: tuple, kind: str, side: str = "src") -> tuple[Tensor, ...]:
-        """The tensors of a run of whole buffers of ``kind`` lying side by side (``places``: each
-        tensor's, :class:`~megatron_mesh.plan.arena.CopyRun`), made once per arena: ``side`` and
-        op ``i`` name it."""
-        ident = ("run", side, i)
-        got = self.views.get(ident)
-        if got is None:
-            got = self.views[ident] = tuple(place_view(self.arena, p, self._dtype(kind, t))
-                                            for t, p in enumerate(places))
-        return got
-
-    def run_by_buffer(self, i: int, buffers: int) -> tuple[Tensor, ...]:
-        """The source run of op ``i``'s :class:`~megatron_mesh.plan.arena.CopyRun` as [B, buffers,
-        heads, T, W] per tensor: its ``buffers`` equal buffers side by side (made once per arena)."""
-        ident = ("run by buffer", i)
-        got = self.views.get(ident)
-        if got is None:
-            run = self.layout.copy_runs[i]
-            kind = self.plan.rank(self.rank).ops(self.direction)[i].src.kind
-            got = self.views[ident] = tuple(t.unflatten(2, (buffers, -1)).transpose(1, 2)
-                                            for t in self.run(i, run.src, kind))
         return got
 
     def own(self, key: Key) -> tuple[Tensor, ...]:
@@ -295,3 +273,27 @@ def zero(tensors: list[Tensor]) -> None:
         torch._foreach_zero_(tensors)
     elif tensors:
         tensors[0].zero_()
+
+
+def arena_run(bufs: Buffers, i: int, places: tuple, kind: str, side: str = "src") -> tuple[Tensor, ...]:
+    """The tensors of a run of whole buffers of ``kind`` lying side by side in ``bufs``' arena
+    (``places``: each tensor's, :class:`~megatron_mesh.plan.arena_runs.CopyRun`), made once per
+    arena: ``side`` and op ``i`` name it."""
+    ident = ("run", side, i)
+    got = bufs.views.get(ident)
+    if got is None:
+        got = bufs.views[ident] = tuple(place_view(bufs.arena, p, bufs._dtype(kind, t)) for t, p in enumerate(places))
+    return got
+
+
+def arena_run_by_buffer(bufs: Buffers, i: int, buffers: int) -> tuple[Tensor, ...]:
+    """The source run of op ``i``'s :class:`~megatron_mesh.plan.arena_runs.CopyRun` as [B, buffers,
+    heads, T, W] per tensor: its ``buffers`` equal buffers side by side (made once per arena)."""
+    ident = ("run by buffer", i)
+    got = bufs.views.get(ident)
+    if got is None:
+        run = bufs.layout.copy_runs[i]
+        kind = bufs.plan.rank(bufs.rank).ops(bufs.direction)[i].src.kind
+        got = bufs.views[ident] = tuple(t.unflatten(2, (buffers, -1)).transpose(1, 2)
+                                        for t in arena_run(bufs, i, run.src, kind))
+    return got

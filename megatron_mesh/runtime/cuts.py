@@ -53,7 +53,7 @@ class InputCuts:
 
     def _gather(self, bufs: Buffers, g: int, keys, runs, slices: int, table: dict, tensors) -> None:
         """Fill input cut group ``g`` (``keys``, laid out one after another per tensor in ``runs``,
-        ``slices`` head slices after each other, :func:`~megatron_mesh.plan.arena.cut_groups`) from
+        ``slices`` head slices after each other, :func:`~megatron_mesh.plan.arena_runs.cut_groups`) from
         the local ``tensors``: per tensor one copy (one token range) or one gather."""
         first = keys[:len(keys) // slices]  # the first head slice's keys: every slice has their tokens
         heads = None

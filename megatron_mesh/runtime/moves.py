@@ -22,7 +22,7 @@ import torch
 
 from ..plan.ir import AddGrad, Copy, Free, MergeOut, Post, RowStats, Wait
 from .blocks import _overlaps as _overlaps_rows
-from .buffers import Buffers, parts as _parts
+from .buffers import Buffers, arena_run, arena_run_by_buffer, parts as _parts
 from .fused import merge_
 from .merge import part_of
 from .sinks import add_sink_grad_
@@ -94,17 +94,17 @@ class MoveOps:
         self._queue_parts(bufs, op, False, src, dst, ranges)
 
     def _copy_run(self, run, bufs: Buffers) -> None:
-        """The copies of ``run`` (:class:`~megatron_mesh.plan.arena.CopyRun`) as one write per
+        """The copies of ``run`` (:class:`~megatron_mesh.plan.arena_runs.CopyRun`) as one write per
         tensor, from one run of memory into another: whole arena buffers side by side are one
-        view made once per arena (:meth:`Buffers.run`), consecutive rows (or head slices) of one
+        view made once per arena (:func:`~.buffers.arena_run`), consecutive rows (or head slices) of one
         buffer one view (three)."""
         ops = self.rank_plan.ops(bufs.direction)
         first, last = ops[run.ops[0]], ops[run.ops[-1]]
         srcs = [ops[j].src for j in run.ops]
         if run.heads is not None:  # whole buffers into consecutive head slices of the same rows
-            src = bufs.run_by_buffer(run.ops[0], len(run.ops))
+            src = arena_run_by_buffer(bufs, run.ops[0], len(run.ops))
         elif run.src is not None:  # whole buffers side by side
-            src = bufs.run(run.ops[0], run.src, first.src.kind)
+            src = arena_run(bufs, run.ops[0], run.src, first.src.kind)
         else:  # consecutive rows of one buffer (a Ulysses group's rows going home)
             a, b = run.src_rows
             src = bufs.get(first.src)
@@ -134,7 +134,7 @@ class MoveOps:
                 where += [(ops[j].dst, t, 0, made[t].shape[2], 0, made[t].shape[1]) for t in range(len(run.dst))]
                 dst_ids.append(bufs.ident(ops[j].dst))
             bufs.at, self._fills = at, self._all_fills.get(at, {})
-            dst = bufs.run(run.ops[0], run.dst, last.dst.kind, "dst")
+            dst = arena_run(bufs, run.ops[0], run.dst, last.dst.kind, "dst")
         src_ids = [bufs.ident(k) for k in srcs]
         for t, (d, s) in enumerate(zip(dst, src)):
             self._queue.put(False, d, s, [w for w in where if w[1] == t], dst_id=dst_ids, src_key=srcs, src_id=src_ids)

@@ -117,11 +117,11 @@ def _hybrid_plans():
 
 def test_copy_runs_are_the_host_model_s_runs_and_lie_side_by_side():
     """Every run of copies the host model counts as one copy per tensor
-    (:func:`~megatron_mesh.plan.arena.copy_run_candidates`, read off the ops) is one in the arena:
+    (:func:`~megatron_mesh.plan.arena_runs.copy_run_candidates`, read off the ops) is one in the arena:
     its buffers lie side by side in the order of the copies -- all three ways occur (a round's
     buffers into the group's rows, the group's rows into buffers going home, the buffers come
     home into head slices)."""
-    from megatron_mesh.plan.arena import copy_run_candidates
+    from megatron_mesh.plan.arena_runs import copy_run_candidates
     from megatron_mesh.plan.ir import Copy
 
     ways = set()
@@ -152,7 +152,7 @@ def test_cuts_of_consecutive_head_slices_are_one_group():
     """A Ulysses rank's sends of one kind to its peers are one group of cuts (one gather per
     tensor) where their head slices follow each other; its own slice (a view) splits them, and
     K/V heads replicated over the group (fewer than U) do not follow each other."""
-    from megatron_mesh.plan.arena import cut_groups
+    from megatron_mesh.plan.arena_runs import cut_groups
 
     cu = (0, 7, 40, 41, 90, 150, 192)
     docs = Mask(causal=True, documents=tuple(zip(cu, cu[1:])))

@@ -449,7 +449,7 @@ def test_first_writes_copy_and_give_bitwise_the_same_results(monkeypatch):
 
 
 def test_copy_runs_and_joined_cuts_give_bitwise_the_same_results(monkeypatch):
-    """A Ulysses hybrid's copies issued as runs (plan/arena.py ``CopyRun``: a round's buffers into
+    """A Ulysses hybrid's copies issued as runs (plan/arena_runs.py ``CopyRun``: a round's buffers into
     the group's rows, the group's rows into the buffers going home, those come home into head
     slices: one copy per tensor each) and its sends cut as one group per kind
     (``cut_groups``: one gather per tensor, not one per peer): outputs and gradients bitwise
@@ -459,7 +459,7 @@ def test_copy_runs_and_joined_cuts_give_bitwise_the_same_results(monkeypatch):
     import dataclasses
     import functools
 
-    from megatron_mesh.plan import arena
+    from megatron_mesh.plan import arena, arena_runs
 
     @dataclasses.dataclass(frozen=True)
     class GroupProblem(cases.Problem):
@@ -487,8 +487,8 @@ def test_copy_runs_and_joined_cuts_give_bitwise_the_same_results(monkeypatch):
         joined = run_case(p, plan, serial=True)
         check(joined)
         with monkeypatch.context() as m:
-            m.setattr(arena, "_copy_runs", lambda *args: {})
-            m.setattr(arena, "_next_slice", lambda *args: False)
+            m.setattr(arena_runs, "copy_runs", lambda *args: {})
+            m.setattr(arena_runs, "_next_slice", lambda *args: False)
             apart = run_case(p, build(), serial=True)
         for a, b in zip(joined, apart):
             assert all(torch.equal(x, y) for x, y in zip(a.outputs, b.outputs)), (
