@@ -72,8 +72,8 @@ def _as_bytes(t: Tensor) -> Tensor:
     return got
 
 
-# tensors' bytes that lie one after another in memory, as one view (made once per first tensor and
-# addresses): a round whose sends (or receives) the arena placed side by side in the order the
+# tensors' bytes that lie one after another in memory, as one view (made once per first tensor,
+# addresses and sizes): a round whose sends (or receives) the arena placed side by side in the order the
 # all-to-all moves them is sent from (received into) them as they lie -- no pack, no unpack
 _RUNS = WeakIdKeyDictionary()
 
@@ -83,13 +83,13 @@ def _run_of(flat: list[Tensor]) -> Tensor | None:
     same storage), else None."""
     if len(flat) < 2:
         return None
-    ptrs = tuple(x.data_ptr() for x in flat)
+    ptrs = tuple((x.data_ptr(), x.numel()) for x in flat)  # addresses and sizes: the run's identity
     got = _RUNS.get(flat[0])
     if got is not None and got[0] == ptrs:
         return got[1]
     storage = flat[0].untyped_storage().data_ptr()
     if any(x.untyped_storage().data_ptr() != storage for x in flat) or any(
-            a + x.numel() != b for a, x, b in zip(ptrs, flat, ptrs[1:])):
+            a + n != b for (a, n), (b, _) in zip(ptrs, ptrs[1:])):
         return None
     run = flat[0].as_strided((sum(x.numel() for x in flat),), (1,))
     _RUNS[flat[0]] = (ptrs, run)

@@ -30,7 +30,7 @@ whatever first fit leaves between (``size`` >= :func:`~.memory.buffer_memory`'s 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .accounting import FP32
 from .ir import KINDS, AddGrad, Attend, AttendBackward, Copy, Free, Key, MergeOut, Plan, Post, RowStats
@@ -90,7 +90,7 @@ class ScratchLayout:
     gathers: dict
     grad_spans: dict
     cuts: tuple
-    copy_runs: dict = None  # type: ignore[assignment]
+    copy_runs: dict = field(default_factory=dict)
 
     def overlap(self, a: tuple, b: tuple) -> bool:
         """Whether buffers ``a`` and ``b`` ((op index, key) of :attr:`places`) share bytes."""

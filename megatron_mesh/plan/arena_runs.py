@@ -23,7 +23,12 @@ from typing import NamedTuple
 
 from .ir import KINDS, Copy, Free, Key, Plan, Post, RankPlan, op_keys
 
-__all__ = ["CopyRun", "copied_only", "cut_keys", "cut_groups", "copy_run_candidates", "copy_runs"]
+__all__ = ["CopyRun", "RUN_VIEWS", "copied_only", "cut_keys", "cut_groups", "copy_run_candidates", "copy_runs"]
+
+# views per tensor the executor makes for a run of copies in a step, by way (the runs of the arena
+# are views made once per arena): a range of one buffer one, a range of its head slices three (its
+# rows, its heads, the heads split by buffer) -- what the host model counts (:mod:`.hostops`)
+RUN_VIEWS = {"gather": 1, "scatter": 1, "heads": 3}
 
 
 class CopyRun(NamedTuple):
@@ -31,7 +36,7 @@ class CopyRun(NamedTuple):
     move one run of memory into another, issued as one copy per tensor at the first of them.
 
     Either side is a run of whole arena buffers lying one after another (``src`` / ``dst``: each
-    tensor's :class:`TensorPlace` of the run) or consecutive rows of one buffer (``src_rows`` /
+    tensor's :class:`~.arena.TensorPlace` of the run) or consecutive rows of one buffer (``src_rows`` /
     ``dst_rows``: (first, stop), the buffer being the first op's). Worked example (a Ulysses
     group of 4, rank 0's round j): ``copy q1.j/h0 -> q0*4/h0[10:20]``, ``copy q2.j/h0 ->
     q0*4/h0[20:30]``, ``copy q3.j/h0 -> q0*4/h0[30:40]`` -- the three received buffers lie one
@@ -49,13 +54,6 @@ class CopyRun(NamedTuple):
     dst: tuple | None
     dst_rows: tuple[int, int] | None
     heads: tuple[int, int] | None = None  # copies of whole buffers into consecutive head slices of one
-
-    @property
-    def views(self) -> int:
-        """Views per tensor the executor makes for it in a step (the runs of the arena once per
-        arena): a range of one buffer one, a range of its head slices three (its rows, its heads,
-        the heads split by buffer)."""
-        return 3 if self.heads is not None else 1
 
 
 def copied_only(rank_plan: RankPlan, direction: str) -> frozenset:
@@ -135,13 +133,18 @@ def _way(op, came: dict, made: set) -> str | None:
     """How a copy may join a run (:func:`copy_run_candidates`): "gather" (a whole buffer that
     arrived in a round into one range of rows), "heads" (the same into head slices), "scatter"
     (one range of rows into a new whole buffer), or None. A row statistic (lse, delta: [B, H, T]
-    in memory) of several buffers is no run: only token-major tensors join."""
+    in memory) of several buffers is no run: only token-major tensors join; a copy finishing an
+    output (``o`` -> ``y``, its rows' sink added on the way) joins only a scatter, the one way
+    :func:`~megatron_mesh.runtime.moves.MoveOps._copy_run` finishes rows in."""
     if any(not dim for _, dim, _ in KINDS[op.dst.kind].tensors[:_copied(op)]):
         return None
+    finishing = op.src.kind == "o" and op.dst.kind == "y"  # its rows' sink is added as they go: runtime/moves.py
     if op.heads is not None:
+        if finishing:
+            return None
         return "heads" if op.rows is None and came.get(op.src) is not None and (op.into is None or _one(op.into)) \
             else None
-    if op.rows is None and came.get(op.src) is not None and _one(op.into) is not None:
+    if op.rows is None and came.get(op.src) is not None and _one(op.into) is not None and not finishing:
         return "gather"
     if op.into is None and _one(op.rows) is not None and op.dst not in made:
         return "scatter"

@@ -41,7 +41,7 @@ from __future__ import annotations
 import bisect
 from typing import NamedTuple
 
-from .arena_runs import copy_run_candidates, cut_groups, cut_keys
+from .arena_runs import RUN_VIEWS, copy_run_candidates, cut_groups, cut_keys
 from .ir import KINDS, AddGrad, Attend, AttendBackward, Copy, Free, MergeOut, Plan, Post, RowStats, Wait, op_keys
 from .mask import MASK_PIECE, BlockKind, call_groups, mask_pieces
 from .sel import sel_len
@@ -289,7 +289,7 @@ class _Walk:
         self.queue = _Queue()
         # copies issued as one per tensor (arena_runs.CopyRun): op index -> (first op, views per tensor)
         copies = any(type(op) is Copy for op in self.ops)
-        self.runs = {i: (run[0], 3 if way == "heads" else 1) for way, run in copy_run_candidates(plan, self.ops)
+        self.runs = {i: (run[0], RUN_VIEWS[way]) for way, run in copy_run_candidates(plan, self.ops)
                      for i in run} if copies else {}
         self.side_by_side = side_by_side(plan, self.ops, self.rp, direction, heads or getattr(plan.facts, "heads", None)) \
             if copies else frozenset()

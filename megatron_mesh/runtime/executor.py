@@ -124,6 +124,7 @@ class Executor(InputCuts, BlockOps, MoveOps):
         self.timer = timer or (lambda what: contextlib.nullcontext())
         self.arenas = arenas  # where its buffers live (None: the process's, runtime/state.py RUNTIME.arenas)
         self._sink: Tensor | None = None  # the call's softmax_offset in the accumulators' dtype (runtime/sinks.py)
+        self._all_fills: dict = {}  # the direction's creation fills by op (a run of copies reads its ops')
         self.offset_grad: Tensor | None = None  # the last backward's d softmax_offset over the rows it finished
 
     # -- public ----------------------------------------------------------------------------------

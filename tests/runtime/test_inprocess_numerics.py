@@ -489,7 +489,11 @@ def test_copy_runs_and_joined_cuts_give_bitwise_the_same_results(monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(arena_runs, "copy_runs", lambda *args: {})
             m.setattr(arena_runs, "_next_slice", lambda *args: False)
-            apart = run_case(p, build(), serial=True)
+            plain = build()
+            layouts = [arena.scratch_layout(plain, r, d, p.shape) for r in range(p.world) for d in ("forward", "backward")]
+            assert not any(layout.copy_runs for layout in layouts)  # the baseline is one copy per op, a cut per slice
+            assert all(slices == 1 for layout in layouts for *_, slices in layout.cuts)
+            apart = run_case(p, plain, serial=True)
         for a, b in zip(joined, apart):
             assert all(torch.equal(x, y) for x, y in zip(a.outputs, b.outputs)), (
                 mode, [(x - y).abs().max().item() for x, y in zip(a.outputs, b.outputs)])

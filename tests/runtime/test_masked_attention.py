@@ -130,7 +130,10 @@ def test_a_round_taking_rows_home_is_sent_and_received_as_it_lies(results):
     for rec in recs:
         made, planned = rec.collectives
         assert made[1] <= planned[1] and made[2] <= planned[2], rec.case
-    zigzag = [rec.collectives[1] for rec in recs if "balanced" not in rec.case]
-    balanced = [rec.collectives[1] for rec in recs if "balanced" in rec.case]
-    assert zigzag and all(unpacked < rounds for rounds, _, unpacked in zigzag)  # the output's round
-    assert balanced and any(packed < rounds and unpacked < rounds for rounds, packed, unpacked in balanced)
+    zigzag = [rec.collectives for rec in recs if "balanced" not in rec.case]
+    balanced = [rec.collectives for rec in recs if "balanced" in rec.case]
+    # measured: on the zigzag the output's return round unpacks nothing on every rank; on the
+    # balanced layout some rounds neither pack nor unpack
+    assert zigzag and all(made[2] < made[0] and planned[2] < planned[0] for made, planned in zigzag)
+    assert balanced and any(made[1] < made[0] and made[2] < made[0] and planned[1] < planned[0]
+                            for made, planned in balanced)
