@@ -49,6 +49,25 @@ def test_every_memory_layout_of_every_input_in_every_mode(world):
     assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:20])
 
 
+def test_every_memory_layout_where_a_rank_cuts_several_head_slices_at_once():
+    """A Ulysses group of 4: a rank's sends to its peers are one cut of several head slices (one
+    gather per tensor into [T, B, slices, heads, D], plan/arena_runs.py ``cut_groups``), from inputs
+    in every memory layout -- on the zigzag (``a2a+ring``, P = 4) and on a layout balanced for the
+    groups (``a2a+tasp``, P = 8, rounds by document set) -- exact, with the planned bytes."""
+    names, failures = list(mask_cases.MEMORY), []
+    for mode, world, balanced in (("a2a+ring", 4, 0), ("a2a+tasp", 8, 4)):
+        T = 2 * max(world, 3)
+        masked = dict(cu_seqlens=mask_cases.balanced_documents(world, T, 3), balanced=balanced) if balanced else {}
+        for i in range(len(names)):
+            memory = tuple(names[(i + j) % len(names)] for j in range(4))
+            heads, kv, dtype = ((8, 4, torch.float64), (8, 8, torch.float32))[i % 2]
+            c = mask_cases.Case(world, mode, (("ulysses_size", 4),), heads, kv, dtype, seq_local=T, memory=memory,
+                                **masked)
+            per_rank = run_inprocess(lambda rank, comm: [mask_cases.run(rank, c, None, comm=comm)], world, timeout=120)
+            failures += _failures(per_rank)
+    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:20])
+
+
 @pytest.mark.parametrize("world", [5, 6])
 def test_memory_layouts_on_gloo_groups(gloo, world):
     per_rank = gloo["strides"][world]
