@@ -252,7 +252,7 @@ def run(rank: int, c: Case, group, comm=None) -> Record:
         planned = [0, 0, 0]
         for d in ("forward", "backward"):
             ops = plan.rank(rank).ops(d)
-            runs = side_by_side(plan, ops, plan.rank(rank), d, (c.heads, c.kv_heads))
+            runs = side_by_side(plan, rank, d, (c.heads, c.kv_heads))
             for op in ops:
                 if type(op) is Post and op.group:
                     planned = [a + b for a, b in zip(planned, (1, *wire_copies(op, runs)))]

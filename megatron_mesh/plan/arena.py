@@ -284,7 +284,7 @@ def _layout(plan: Plan, rank: int, direction: str, shape: AttentionShape) -> Scr
     live = set(inputs) | (set() if direction == "forward" else set(rp.saved))
     cuts = _place_cuts(walk, plan, rp, direction, shape, keep)
     spans, gathers, grad_spans = {}, {}, {}
-    candidates = arena_runs.copy_run_candidates(plan, ops)
+    candidates = arena_runs.rank_copy_runs(plan, rank, direction)
     scatters = {run[0]: run for way, run in candidates if way == "scatter"}
     copies: dict[int, tuple] = {}  # Copy op index -> (its source's places, its destination's) in the arena, or None
     for i, op in enumerate(ops):

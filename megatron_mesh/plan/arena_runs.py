@@ -23,7 +23,8 @@ from typing import NamedTuple
 
 from .ir import KINDS, Copy, Free, Key, Plan, Post, RankPlan, op_keys
 
-__all__ = ["CopyRun", "RUN_VIEWS", "copied_only", "cut_keys", "cut_groups", "copy_run_candidates", "copy_runs"]
+__all__ = ["CopyRun", "RUN_VIEWS", "copied_only", "cut_keys", "cut_groups", "copy_run_candidates", "rank_copy_runs",
+           "copy_runs"]
 
 # views per tensor the executor makes for a run of copies in a step, by way (the runs of the arena
 # are views made once per arena): a range of one buffer one, a range of its head slices three (its
@@ -206,6 +207,13 @@ def copy_run_candidates(plan: Plan, ops) -> list[tuple[str, list[int]]]:
             made.update(op.writes())
     close()
     return out
+
+
+def rank_copy_runs(plan: Plan, rank: int, direction: str) -> list[tuple[str, list[int]]]:
+    """:func:`copy_run_candidates` of ``rank``'s ``direction``, made once per plan: the arena, the
+    host model and the simulator all read them."""
+    return plan.memo(("copy run candidates", rank, direction),
+                     lambda: copy_run_candidates(plan, plan.rank(rank).ops(direction)))
 
 
 def _follows(a: tuple, b: tuple, tensors: int) -> bool:

@@ -41,7 +41,7 @@ from __future__ import annotations
 import bisect
 from typing import NamedTuple
 
-from .arena_runs import RUN_VIEWS, copy_run_candidates, cut_groups, cut_keys
+from .arena_runs import RUN_VIEWS, cut_groups, cut_keys, rank_copy_runs
 from .ir import KINDS, AddGrad, Attend, AttendBackward, Copy, Free, MergeOut, Plan, Post, RowStats, Wait, op_keys
 from .mask import MASK_PIECE, BlockKind, call_groups, mask_pieces
 from .sel import sel_len
@@ -86,22 +86,29 @@ def wire_tensors(transfers) -> int:
     return sum(len(KINDS[t.key.kind].tensors) for t in transfers)
 
 
-def side_by_side(plan: Plan, ops, rank_plan=None, direction: str = "forward",
-                 heads: tuple[int, int] | None = None) -> frozenset:
+def side_by_side(plan: Plan, rank: int, direction: str, heads: tuple[int, int] | None = None) -> frozenset:
+    """:func:`_side_by_side` of ``rank``'s ``direction``, made once per plan (the host model and
+    the simulator read it)."""
+    return plan.memo(("side by side", rank, direction, heads), lambda: _side_by_side(plan, rank, direction, heads))
+
+
+def _side_by_side(plan: Plan, rank: int, direction: str, heads: tuple[int, int] | None) -> frozenset:
     """The buffers (tuples of keys, in order) the arena places one after another, one tensor each
     (:mod:`.arena`): the destinations of a run of copies (:func:`~.arena_runs.copy_run_candidates`) of a
     one-tensor kind -- a Ulysses group's output rows going home, placed together in the run's
     order -- the receives of a round of one one-tensor kind that are first read in the order
     they arrive -- its output coming home into its head slices (a round's receives are placed
-    together, by kind, in the order ops first read them) -- and, given ``rank_plan``'s
-    ``direction`` and the ``heads`` the slices are cut from, a group of input cuts
+    together, by kind, in the order ops first read them) -- and, given the ``heads`` the slices
+    are cut from, a group of input cuts
     (:func:`~.arena_runs.cut_groups`) of one buffer per head slice: dout going out to the peers."""
+    rank_plan = plan.rank(rank)
+    ops = rank_plan.ops(direction)
     out = set()
-    for way, run in copy_run_candidates(plan, ops):
+    for way, run in rank_copy_runs(plan, rank, direction):
         op = ops[run[0]]
         if way == "scatter" and len(KINDS[op.dst.kind].tensors) == 1:
             out.add(tuple(ops[i].dst for i in run))
-    if rank_plan is not None and heads is not None:  # a group of input cuts, one buffer per head slice
+    if heads is not None:  # a group of input cuts, one buffer per head slice
         keep = set(rank_plan.saved) if direction == "forward" else set()
         for keys, slices in cut_groups(plan, rank_plan, direction, heads[0], heads[1], keep):
             if slices == len(keys) > 1 and len(KINDS[keys[0].kind].tensors) == 1:
@@ -289,9 +296,9 @@ class _Walk:
         self.queue = _Queue()
         # copies issued as one per tensor (arena_runs.CopyRun): op index -> (first op, views per tensor)
         copies = any(type(op) is Copy for op in self.ops)
-        self.runs = {i: (run[0], RUN_VIEWS[way]) for way, run in copy_run_candidates(plan, self.ops)
+        self.runs = {i: (run[0], RUN_VIEWS[way]) for way, run in rank_copy_runs(plan, rank, direction)
                      for i in run} if copies else {}
-        self.side_by_side = side_by_side(plan, self.ops, self.rp, direction, heads or getattr(plan.facts, "heads", None)) \
+        self.side_by_side = side_by_side(plan, rank, direction, heads or getattr(plan.facts, "heads", None)) \
             if copies else frozenset()
 
     def op(self, i: int, op) -> HostOps:

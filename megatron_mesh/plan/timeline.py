@@ -167,7 +167,7 @@ def _transport_copies(plan: Plan, rank: int, direction: str, shape: AttentionSha
         if type(op) is not Post or not op.group:
             continue
         if runs is None:
-            runs = side_by_side(plan, ops, plan.rank(rank), direction, (shape.heads, shape.kv_heads))
+            runs = side_by_side(plan, rank, direction, (shape.heads, shape.kv_heads))
         for transfers, into, at, copied in zip((op.sends, op.recvs), (pack, unpack), (i, op.round),
                                                wire_copies(op, runs)):
             if copied:
