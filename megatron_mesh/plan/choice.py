@@ -68,6 +68,7 @@ from .layout import Layout, ZigzagLayout
 from .modes import get_mode
 from .shape import AttentionShape
 from .simulate import BACKWARD_FLOPS
+from .sparse_needs import kept_chunks
 from .tunables import TUNABLES
 from .topology import Topology
 
@@ -330,10 +331,12 @@ def _comm(pulls, units: int, shape: AttentionShape, topo: Topology, span: int, b
     """The busiest unit's forward and backward communication (module docstring): the forward pulls
     K/V; the backward returns dK/dV partials and pulls K/V again where they are not kept."""
     kv, dkv, q = (buffer_bytes(k, 1, shape) for k in ("kv", "dkv", "q"))
-    pulled = [0] * units
-    for (_, g), (n, _) in pulls.items():
-        pulled[g] += n
-    keeps = [n * kv <= TUNABLES.keep_limit * shape.seq_local * (q + kv) for n in pulled]
+    pulled: list[dict[int, int]] = [{} for _ in range(units)]  # unit -> the unit it pulls from -> bytes
+    for (h, g), (n, _) in pulls.items():
+        pulled[g][h] = n * kv
+    budget = TUNABLES.keep_limit * shape.seq_local * (q + kv)
+    kept = [kept_chunks(g, units, pulled[g], budget) for g in range(units)]
+    keeps = {pull: pull[0] in kept[pull[1]] for pull in pulls}  # (from, to) -> whether ``to`` keeps it
     node = [topo.node(u * span) for u in range(units)]
     link = [(topo.latency(c), topo.bandwidth(c)) for c in ("intra", "inter")]
     # each unit's seconds per kind of round: K/V forward, dK/dV partials back, K/V again (the
@@ -342,7 +345,7 @@ def _comm(pulls, units: int, shape: AttentionShape, topo: Topology, span: int, b
     return max(forward, default=0.0), max((a + b for a, b in zip(back, again)), default=0.0)
 
 
-def _shift_rounds(pulls, units: int, kv: int, dkv: int, node, link, keeps: list[bool]) -> tuple[list[float], ...]:
+def _shift_rounds(pulls, units: int, kv: int, dkv: int, node, link, keeps: dict) -> tuple[list[float], ...]:
     """Each unit's seconds in ring-shift rounds, per kind of round: the forward's K/V, the dK/dV
     partials back, K/V again to the units that do not ``keeps`` them. In the round of shift d a
     unit sends to u + d and receives from u - d at once, each transfer its link's latency + bytes /
@@ -370,15 +373,15 @@ def _shift_rounds(pulls, units: int, kv: int, dkv: int, node, link, keeps: list[
         back[dst] += r if out is None or out <= r else out
         if into is None:
             back[src] += r
-        if not keeps[dst]:  # pulled again in the backward: the forward's rounds less the kept pulls
-            other = None if into is None or keeps[src] else into
+        if not keeps[src, dst]:  # pulled again in the backward: the forward's rounds less the kept pulls
+            other = None if into is None or keeps[prev, src] else into
             again[src] += t if other is None or other <= t else other
-            if out is None or keeps[nxt]:
+            if out is None or keeps[dst, nxt]:
                 again[dst] += t
     return forward, back, again
 
 
-def _burst_rounds(pulls, units: int, kv: int, dkv: int, node, link, keeps: list[bool]) -> tuple[list[float], ...]:
+def _burst_rounds(pulls, units: int, kv: int, dkv: int, node, link, keeps: dict) -> tuple[list[float], ...]:
     """Each unit's seconds in TASP's rounds, per kind of round (as :func:`_shift_rounds`): every
     peer at once, in up to ``TUNABLES.burst_groups`` groups, the busier direction of each link
     class deciding. One pass counts each unit's tokens out and in and its peers per link class, of
@@ -391,7 +394,7 @@ def _burst_rounds(pulls, units: int, kv: int, dkv: int, node, link, keeps: list[
         into[g][c] += n
         peers[h][c] += 1
         peers[g][c] += 1
-        if not keeps[g]:
+        if not keeps[h, g]:
             out_again[h][c] += n
             into_again[g][c] += n
             peers_again[h][c] += 1

@@ -21,6 +21,7 @@ from .accounting import buffer_bytes
 from .balance import BalancedLayout
 from .docwork import document_work
 from .shape import AttentionShape
+from .sparse_needs import kept_chunks
 from .tunables import TUNABLES
 
 __all__ = ["Problem", "State", "pairs", "first_homes", "layout_of"]
@@ -107,18 +108,19 @@ class Problem:
         portion = {(r, d): b - a for r, pcs in enumerate(ranks) for d, a, b in pcs}
         row_n = {k: sum(portion[k[1], d] for d in ds) for k, ds in rows.items()}
         col_n = {k: sum(portion[k[1], d] for d in ds) for k, ds in cols.items()}
-        pulled = [0] * P
-        for (h, _), n in row_n.items():
-            pulled[h] += n * tb["q"]
-        for (h, _), n in col_n.items():
-            pulled[h] += n * tb["kv"]
-        keeps = [pulled[h] <= TUNABLES.keep_limit * self.T * (tb["q"] + tb["kv"]) for h in range(P)]
+        pulled: list[dict[int, int]] = [{} for _ in range(P)]  # rank -> chunk -> bytes it pulled of it
+        for (h, i), n in row_n.items():
+            pulled[h][i] = pulled[h].get(i, 0) + n * tb["q"]
+        for (h, j), n in col_n.items():
+            pulled[h][j] = pulled[h].get(j, 0) + n * tb["kv"]
+        budget = TUNABLES.keep_limit * self.T * (tb["q"] + tb["kv"])
+        kept = [kept_chunks(h, P, pulled[h], budget) for h in range(P)]
         sent = [0] * P
         for (h, i), n in row_n.items():
-            sent[i] += n * (tb["q"] * (1 if keeps[h] else 2) + tb["do"])
+            sent[i] += n * (tb["q"] * (1 if i in kept[h] else 2) + tb["do"])
             sent[h] += n * (tb["o"] + tb["dq"])
         for (h, j), n in col_n.items():
-            sent[j] += n * tb["kv"] * (1 if keeps[h] else 2)
+            sent[j] += n * tb["kv"] * (1 if j in kept[h] else 2)
             sent[h] += n * tb["dkv"]
         return max(sent), max(work) / self.mean, sent, work, ranks
 

@@ -35,9 +35,11 @@ from the mask itself, for every mode:
    which :func:`~.mask.mask_pieces` runs as a few full calls), and one merge instead of one per
    block. Where a return round follows, the own block is split to hide both transfers: the
    pulls' share of the bytes runs before the pulls' wait, the rest after the return is posted.
-5. **Backward chunks.** Under ``backward_chunks="auto"`` a rank keeps the slots it pulled for
-   the backward where they are at most its own Q, K and V (:class:`~.sparse_needs.Keeps`), so its backward
-   pulls only dO; rounds in which a rank only sends are posted before its compute.
+5. **Backward chunks.** Under ``backward_chunks="auto"`` a rank keeps what it pulled of each
+   chunk for the backward, in the order its backward reads them, while it fits in its own Q, K
+   and V (:class:`~.sparse_needs.Keeps`, :func:`~.sparse_needs.kept_chunks`): its backward pulls
+   dO and only the chunks it did not keep; rounds in which a rank only sends are posted before its
+   compute.
 
 Slot names: ``q{x}.{y}`` are the rows of chunk x rank y needs (also ``do``, ``o``, ``dq`` of those
 rows), ``kv{x}.{P+y}`` the columns (also ``dkv``).
@@ -261,7 +263,7 @@ class _SparseLowering:
         def step(b: tuple[int, int]) -> tuple[int, int]:
             i, j = b
             r = shift(x, i, False) if i != x else 0
-            if j != x and not (backward and self.keeps(x)):
+            if j != x and not (backward and self.keeps(x, j)):
                 r = max(r, shift(x, j, False))
             return r, self.rounds.block_group(x, b) if grouped else 0
         return step
@@ -363,17 +365,15 @@ class _SparseLowering:
             rows = self.needs.rows(y)[x]
             fwd_in[Key("q", x, y)] = rows
             bwd_in[Key("do", x, y)] = rows
-            if not self.keeps(y):
+            if not self.keeps(y, x):
                 bwd_in[Key("q", x, y)] = rows
         for y in self.needs.col_needers(x):
             cols = self.needs.cols(y)[x]
             fwd_in[Key("kv", x, P + y)] = cols
-            if not self.keeps(y):
+            if not self.keeps(y, x):
                 bwd_in[Key("kv", x, P + y)] = cols
-        saved: tuple[Key, ...] = ()
-        if self.keeps(x):
-            saved = tuple(Key("q", c, x) for c in sorted(self.needs.rows(x))) + \
-                tuple(Key("kv", c, P + x) for c in sorted(self.needs.cols(x)))
+        saved = tuple(Key("q", c, x) for c in sorted(self.needs.rows(x)) if self.keeps(x, c)) + \
+            tuple(Key("kv", c, P + x) for c in sorted(self.needs.cols(x)) if self.keeps(x, c))
         output, grad_q, grad_kv = Key("o", x), Key("dq", x), Key("dkv", x)
         forward = insert_frees(self.lower(x, "forward"), keep={output, q, kv, *saved})
         backward = insert_frees(self.lower(x, "backward"), keep={grad_q, grad_kv})

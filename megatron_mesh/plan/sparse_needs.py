@@ -20,7 +20,7 @@ from .sel import Segment, sel_len, union_intervals
 from .shape import AttentionShape
 from .sparse_blocks import Blocks
 
-__all__ = ["Keeps", "Needs", "QueryOwnerNeeds", "Slots", "bytes_per_rank"]
+__all__ = ["Keeps", "Needs", "QueryOwnerNeeds", "Slots", "bytes_per_rank", "kept_chunks"]
 
 
 def _union(sels) -> tuple[Segment, ...]:
@@ -45,10 +45,10 @@ def _gather(needs: list[dict[int, list]]) -> tuple[list[dict], list[list[int]], 
     return unions, readers, [_tokens(got) for got in unions]
 
 
-def bytes_per_rank(needs, shape: AttentionShape, keeps: Callable[[int], bool]) -> list[int]:
+def bytes_per_rank(needs, shape: AttentionShape, keeps: Callable[[int, int], bool]) -> list[int]:
     """Sent + received bytes of each rank under ``needs`` (:class:`Needs` or :class:`QueryOwnerNeeds`),
-    forward and backward; ``keeps(x)``: whether rank x keeps what it pulled for the backward
-    (:class:`Keeps`)."""
+    forward and backward; ``keeps(x, c)``: whether rank x keeps what it pulled of chunk c for the
+    backward (:class:`Keeps`)."""
     per_row = {k: buffer_bytes(k, 1, shape) for k in ("q", "kv", "o", "do", "dq", "dkv")}
     # forward: pull q / kv, return o; backward: pull (q,) do / (kv), return dq / dkv
     kinds = {(table, keep): base + (() if keep else again)
@@ -58,8 +58,8 @@ def bytes_per_rank(needs, shape: AttentionShape, keeps: Callable[[int], bool]) -
     traffic = [0] * needs.P
     for name, tokens in (("rows", needs.row_tokens), ("cols", needs.col_tokens)):
         for x in range(needs.P):
-            per = row_bytes[name, keeps(x)]
             for c, n in tokens(x).items():
+                per = row_bytes[name, keeps(x, c)]
                 traffic[x] += n * per
                 traffic[c] += n * per
     return traffic
@@ -172,26 +172,59 @@ class Slots:
         return self.needs.cols(key.slot - self.P).get(key.chunk)
 
 
+def kept_chunks(x: int, P: int, pulled: dict[int, int], budget: float) -> frozenset:
+    """The chunks whose pulled bytes rank ``x`` keeps for the backward (``pulled``: chunk -> its
+    bytes): in the order the backward reads them -- by shift, (x - c) mod P, the order of the
+    pull rounds and burst groups -- each that still fits in ``budget`` bytes. So a rank keeps
+    what fits and pulls again only the rest: the chunks its backward reaches first need no
+    round at all, the later ones come in while those compute.
+
+    Example: P = 4, rank 0 pulled 3,000 bytes of chunk 3, 2,000 of chunk 2 and 500 of chunk 1,
+    budget 4,000: shift order 3, 2, 1 -- chunk 3 fits (3,000), chunk 2 does not (5,000), chunk 1
+    does (3,500): it keeps chunks 3 and 1 and pulls chunk 2 again."""
+    kept, used = [], 0
+    for c in sorted(pulled, key=lambda c: (x - c) % P):
+        if used + pulled[c] <= budget:
+            used += pulled[c]
+            kept.append(c)
+    return frozenset(kept)
+
+
 class Keeps:
-    """Which ranks keep the slots they pulled in the forward for the backward (no second pull
-    of Q / K / V; only dO and the returns move): every rank ("keep"), none ("refetch"), or each
-    rank whose pulled rows and columns take at most ``keep_limit`` (:class:`~.tunables.Tunables`) x its own chunk's Q + K + V
-    bytes ("auto", decided per rank from the needs, so sender and receiver agree).
+    """What each rank keeps of the slots it pulled in the forward for the backward (no second
+    pull of their Q / K / V; only dO and the returns move): everything ("keep"), nothing
+    ("refetch"), or per rank what fits in ``keep_limit`` (:class:`~.tunables.Tunables`) x its own
+    chunk's Q + K + V bytes ("auto", :func:`kept_chunks`: chunk by chunk in the order its backward
+    reads them), decided from the needs, so sender and receiver agree. ``keeps(x, c)``: whether
+    rank x keeps what it pulled of chunk c.
 
     Example: rank x of a query-owner plan reads 3,000 columns of K/V from other ranks and holds
-    T = 4,096 tokens of its own: 3,000 x kv <= 4,096 x (q + kv) -> it keeps them; a rank reading
-    20,000 columns of a long document refetches them in the backward instead."""
+    T = 4,096 tokens of its own: 3,000 x kv <= 4,096 x (q + kv) -> it keeps them all; a rank reading
+    20,000 columns of a long document keeps the chunks its backward reads first, up to 4,096 x
+    (q + kv) bytes, and pulls the rest again."""
 
     def __init__(self, policy: str, needs, T: int, token_bytes: dict, limit: float):
         self.policy, self.needs, self.T, self.token_bytes, self.limit = policy, needs, T, token_bytes, limit
-        self._memo: dict[int, bool] = {}
+        self._memo: dict[int, frozenset] = {}
 
-    def __call__(self, x: int) -> bool:
+    def __call__(self, x: int, c: int) -> bool:
         if self.policy != "auto":
             return self.policy == "keep"
+        return c in self.kept(x)
+
+    def kept(self, x: int) -> frozenset:
+        """The chunks rank x keeps what it pulled of ("auto"; every chunk it pulls from under "keep")."""
         got = self._memo.get(x)
         if got is None:
             tb = self.token_bytes
-            rows, cols = sum(self.needs.row_tokens(x).values()), sum(self.needs.col_tokens(x).values())
-            got = self._memo[x] = rows * tb["q"] + cols * tb["kv"] <= self.limit * self.T * (tb["q"] + tb["kv"])
+            pulled: dict[int, int] = {}
+            for c, n in self.needs.row_tokens(x).items():
+                pulled[c] = pulled.get(c, 0) + n * tb["q"]
+            for c, n in self.needs.col_tokens(x).items():
+                pulled[c] = pulled.get(c, 0) + n * tb["kv"]
+            if self.policy == "auto":
+                got = kept_chunks(x, self.needs.P, pulled, self.limit * self.T * (tb["q"] + tb["kv"]))
+            else:
+                got = frozenset(pulled) if self.policy == "keep" else frozenset()
+            self._memo[x] = got
         return got

@@ -54,23 +54,23 @@ class Rounds:
         """Round -> (sends, recvs) of the pulls of ``direction``."""
         backward = direction == "backward"
 
-        def row_kinds(reader: int) -> tuple[str, ...]:  # what moves of the rows ``reader`` needs
-            return (("do",) if self.keeps(reader) else ("q", "do")) if backward else ("q",)
+        def row_kinds(reader: int, chunk: int) -> tuple[str, ...]:  # what moves of ``chunk``'s rows ``reader`` needs
+            return (("do",) if self.keeps(reader, chunk) else ("q", "do")) if backward else ("q",)
 
-        def col_kinds(reader: int) -> tuple[str, ...]:
-            return (() if self.keeps(reader) else ("kv",)) if backward else ("kv",)
+        def col_kinds(reader: int, chunk: int) -> tuple[str, ...]:
+            return (() if self.keeps(reader, chunk) else ("kv",)) if backward else ("kv",)
         rounds: dict[int, tuple[list, list]] = {}
         for y in self.needs.row_needers(x):  # my rows others need
-            for kind in row_kinds(y):
+            for kind in row_kinds(y, x):
                 rounds.setdefault(self.shift(x, y, True), ([], []))[0].append(Transfer(y, Key(kind, x, y)))
         for y in self.needs.col_needers(x):
-            for kind in col_kinds(y):
+            for kind in col_kinds(y, x):
                 rounds.setdefault(self.shift(x, y, True), ([], []))[0].append(Transfer(y, Key(kind, x, self.P + y)))
         for c in sorted(self.needs.rows(x)):
-            for kind in row_kinds(x):
+            for kind in row_kinds(x, c):
                 rounds.setdefault(self.shift(x, c, False), ([], []))[1].append(Transfer(c, Key(kind, c, x)))
         for c in sorted(self.needs.cols(x)):
-            for kind in col_kinds(x):
+            for kind in col_kinds(x, c):
                 rounds.setdefault(self.shift(x, c, False), ([], []))[1].append(Transfer(c, Key(kind, c, self.P + x)))
         return rounds
 

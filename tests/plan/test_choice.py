@@ -214,7 +214,7 @@ def _shift_rounds_by_definition(pulls, units, kv, dkv, node, link, keeps):
                     for d in range(1, units)) for u in range(units)]
     return (rounds({(h, g): time(h, g, n, kv) for (h, g), (n, _) in pulls.items()}),
             rounds({(g, h): time(h, g, n, dkv) for (h, g), (n, _) in pulls.items()}),
-            rounds({(h, g): time(h, g, n, kv) for (h, g), (n, _) in pulls.items() if not keeps[g]}))
+            rounds({(h, g): time(h, g, n, kv) for (h, g), (n, _) in pulls.items() if not keeps[h, g]}))
 
 
 def _burst_rounds_by_definition(pulls, units, kv, dkv, node, link, keeps):
@@ -236,7 +236,7 @@ def _burst_rounds_by_definition(pulls, units, kv, dkv, node, link, keeps):
         return per
     return (rounds({(h, g): n * kv for (h, g), (n, _) in pulls.items()}),
             rounds({(g, h): n * dkv for (h, g), (n, _) in pulls.items()}),
-            rounds({(h, g): n * kv for (h, g), (n, _) in pulls.items() if not keeps[g]}))
+            rounds({(h, g): n * kv for (h, g), (n, _) in pulls.items() if not keeps[h, g]}))
 
 
 @pytest.mark.parametrize("units", [2, 3, 5, 8, 13])
@@ -245,7 +245,7 @@ def test_the_rounds_equal_their_definitions(kind, units):
     """Ring's and Mesh's shift rounds (all three kinds in one pass over the pulls) and TASP's
     (all three from one count of tokens per unit and link class) against their plain forms above:
     random pulls (some pairs both ways, some units alone in a round) over two nodes, units that
-    keep what they pulled or not."""
+    keep each pull or not."""
     import random
 
     from megatron_mesh.plan import choice
@@ -256,7 +256,7 @@ def test_the_rounds_equal_their_definitions(kind, units):
     for _ in range(20):
         pulls = {(h, g): (rng.randint(1, 99), 1) for h in range(units) for g in range(units)
                  if h != g and rng.random() < 0.4}
-        keeps = [rng.random() < 0.5 for _ in range(units)]
+        keeps = {pull: rng.random() < 0.5 for pull in pulls}  # each pull kept by its puller or not
         got, want = fast(pulls, units, 2, 5, node, link, keeps), plain(pulls, units, 2, 5, node, link, keeps)
         for a, b in zip(got, want, strict=True):
             assert a == pytest.approx(b, rel=1e-12)

@@ -323,41 +323,75 @@ def test_tasp_groups_overlap_pulls_and_returns_with_compute():
         (one.forward.time, many.forward.time, one.backward.time, many.backward.time)
 
 
-def test_backward_chunks_auto_keeps_on_the_ranks_whose_pulls_fit_their_own_chunk():
-    """backward_chunks="auto" under a mask: a rank keeps the slots it pulled in the forward
-    (nothing of Q / K / V moves to it in the backward) exactly where they hold at most the bytes
-    of its own Q, K and V chunk (keep_limit), else it pulls them again; its senders agree.
-    P = 4, T = 12, one causal document of 46 tokens on the zigzag: ranks 0 and 1 read 36 and 30
-    of its columns (more than their 12 tokens' Q + K + V: refetch), ranks 2 and 3 read 24 and 18
-    (keep). "keep" / "refetch" apply to every rank; a dense plan refetches under "auto"."""
+def test_backward_chunks_auto_keeps_what_fits_in_the_rank_s_own_chunk():
+    """backward_chunks="auto" under a mask: each rank keeps what it pulled in the forward of the
+    chunks its backward reads first (shift order), each that still fits in the bytes of its own
+    Q, K and V chunk (keep_limit), and pulls only the rest again; its senders agree (they send
+    again exactly what it does not keep). P = 4, T = 12, one causal document of 46 tokens on the
+    zigzag: rank 0 reads 36 columns (12 of each other chunk: it keeps chunks 3 and 2, the first two
+    by shift), rank 1 30 (keeps chunks 0 and 3), ranks 2 and 3 read 24 and 18 (all kept). "keep" / "refetch" apply to every chunk; a dense
+    plan refetches under "auto"."""
     from megatron_mesh.plan.accounting import buffer_bytes
+    from megatron_mesh.plan.ir import Post
 
     P, T = 4, 12
     shape = AttentionShape(seq_local=T, **SHAPE)
     mask = Mask.from_cu_seqlens([0, 46, 48], P * T)
     per = {k: buffer_bytes(k, 1, shape) for k in ("q", "kv")}
+    budget = TUNABLES.keep_limit * T * (per["q"] + per["kv"])
     sent = {}
     for mode in ("ring", "tasp", "mesh"):
         for bc in ("refetch", "keep", "auto"):
             settings = dict(tile=(1, 4)) if mode == "mesh" else {}
             plan = resolve(mode, P, shape, backward_chunks=bc, **settings).build(shape, mask)
             validate_plan(plan)
-            kept = []
+            kept_all = []
             for r in range(P):
                 rp = plan.rank(r)
-                pulled = sum(b - a for k in rp.saved for a, b in plan.slots(k)) if rp.saved else None
-                moved_in = {t.key.kind for op in rp.backward if type(op).__name__ == "Post" for t in op.recvs}
-                kept.append(bool(rp.saved))
-                assert kept[-1] == ("kv" not in moved_in), (mode, bc, r, moved_in)
-                if bc == "auto" and pulled is not None:
-                    assert pulled * per["kv"] <= TUNABLES.keep_limit * T * (per["q"] + per["kv"])
-            want = {"keep": [True] * P, "refetch": [False] * P, "auto": [False, False, True, True]}[bc]
-            assert kept == want, (mode, bc, kept)
+                pulled = {}  # chunk -> bytes of Q / K / V this rank pulled of it in the forward
+                for op in rp.forward:
+                    if type(op) is Post and not op.group:
+                        for t in op.recvs:
+                            if t.key.kind in ("q", "kv"):
+                                n = sum(b - a for a, b in plan.slots(t.key))
+                                pulled[t.key.chunk] = pulled.get(t.key.chunk, 0) + n * per[t.key.kind]
+                want, used = set(), 0  # the rule, by hand: shift order, each chunk that still fits
+                for c in sorted(pulled, key=lambda c: (r - c) % P):
+                    if bc == "keep" or (bc == "auto" and used + pulled[c] <= budget):
+                        used += pulled[c]
+                        want.add(c)
+                kept = {k.chunk for k in rp.saved}
+                again = {t.key.chunk for op in rp.backward if type(op) is Post for t in op.recvs
+                         if t.key.kind in ("q", "kv")}
+                assert kept == want and again == set(pulled) - want, (mode, bc, r, kept, again, pulled)
+                if bc == "auto":
+                    assert sum(pulled[c] for c in kept) <= budget
+                kept_all.append(len(kept) == len(pulled))
+            # every sender sends again exactly what its reader does not keep
+            for r in range(P):
+                for op in plan.rank(r).backward:
+                    if type(op) is Post:
+                        for t in op.sends:
+                            if t.key.kind in ("q", "kv"):
+                                assert t.key.chunk == r and r not in {k.chunk for k in plan.rank(t.peer).saved}
+            if bc == "auto":  # docs/algorithms/mesh.md's worked example
+                assert [{k.chunk for k in plan.rank(r).saved} for r in range(P)] == [{2, 3}, {0, 3}, {0, 1, 3}, {0, 1, 2}]
+            want_all = {"keep": [True] * P, "refetch": [False] * P, "auto": [False, False, True, True]}[bc]
+            assert kept_all == want_all, (mode, bc, kept_all)
             sent[mode, bc] = sum(b.sent for b in plan_bytes(plan, shape))
         assert sent[mode, "keep"] < sent[mode, "auto"] < sent[mode, "refetch"], mode
     dense = resolve("ring", P, shape).build(shape, Mask(True))
     assert dense.backward_chunks == "refetch" and not any(dense.rank(r).saved for r in range(P))
     assert resolve("tasp", P, shape, backward_chunks="keep").build(shape, Mask(True)).backward_chunks == "refetch"
+
+
+def test_kept_chunks_worked_example():
+    """plan/sparse_needs.py's kept_chunks example: P = 4, rank 0, budget 4,000 bytes."""
+    from megatron_mesh.plan.sparse_needs import kept_chunks
+
+    assert kept_chunks(0, 4, {3: 3000, 2: 2000, 1: 500}, 4000) == {3, 1}
+    assert kept_chunks(0, 4, {3: 3000, 2: 2000, 1: 500}, 10**6) == {1, 2, 3}
+    assert kept_chunks(0, 4, {3: 3000, 2: 2000, 1: 500}, 0) == set()
 
 
 def test_sparse_blocks_worked_example():

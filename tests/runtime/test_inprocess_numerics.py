@@ -259,8 +259,9 @@ def test_hybrid_inner_mesh_auto_tile_under_documents():
 def test_backward_chunks_under_a_mask_match_the_dense_reference(mode, groups):
     """backward_chunks "refetch", "keep" and "auto" on a mask-aware plan of every mode (hybrids
     included): outputs and gradients exact, bytes the plan's. One causal document of 46 of the 48
-    tokens, P = 4: under "auto" the ranks reading most of it refetch, the others keep (a plan
-    whose ranks disagree on purpose: senders must send exactly what each receiver pulls again).
+    tokens, P = 4: under "auto" the ranks reading most of it keep what fits of it and pull the
+    rest again, the others keep all (a plan whose ranks differ on purpose: senders must send
+    exactly what each receiver pulls again).
     "many": TASP pulls and returns in a group per slot (group_tokens = 1), its returns posted
     while later groups compute."""
     from megatron_mesh.plan.tunables import TUNABLES, Tunables
@@ -272,6 +273,11 @@ def test_backward_chunks_under_a_mask_match_the_dense_reference(mode, groups):
     for backward_chunks in ("refetch", "keep", "auto"):
         plan = resolve(mode, world, p.shape, backward_chunks=backward_chunks, **settings).build(p.shape, p.mask,
                                                                                                tunables=tunables)
+        inner = getattr(plan.facts, "inner", None) or plan
+        if backward_chunks == "auto" and inner.world_size == world:  # some rank keeps part of what it pulled
+            assert any(inner.rank(r).saved and any(t.key.kind == "kv" for op in inner.rank(r).backward
+                                                   if type(op).__name__ == "Post" for t in op.recvs)
+                       for r in range(world)), mode
         check(run_case(p, plan, ref=ref, label=f"{mode} {settings} backward_chunks={backward_chunks}"))
 
 
