@@ -259,13 +259,23 @@ class _SparseLowering:
         the rounds bringing its remote slots have completed (rows always travel: q and/or do;
         columns not in a backward that kept them from the forward)."""
         shift = self.rounds.shift
+        # a rank that keeps part of its pulls runs the blocks over kept columns one shift at a time
+        partly = backward and not self.keeps.all(x)
 
         def step(b: tuple[int, int]) -> tuple[int, int]:
             i, j = b
             r = shift(x, i, False) if i != x else 0
-            if j != x and not (backward and self.keeps(x, j)):
+            kept = j != x and backward and self.keeps(x, j)
+            if j != x and not kept:
                 r = max(r, shift(x, j, False))
-            return r, self.rounds.block_group(x, b) if grouped else 0
+            if grouped:
+                return r, self.rounds.block_group(x, b)
+            # blocks over kept columns are ready at once; on a rank that pulls the rest again they
+            # still run one shift at a time, in the order their columns came in, so each shift's
+            # partials go home as soon as they are made (one call for all of them would hold every
+            # return round back until its end, the next pulls' blocks behind it); a rank keeping
+            # all runs them in one call per query rows (fewer kernel calls, its returns the last)
+            return r, shift(x, j, False) if kept and partly and r == 0 else 0
         return step
 
     def _own(self, x: int, own: list[Op], pulls, returns, backward: bool) -> tuple[list[Op], list[Op]]:

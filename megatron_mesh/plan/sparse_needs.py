@@ -212,6 +212,10 @@ class Keeps:
             return self.policy == "keep"
         return c in self.kept(x)
 
+    def all(self, x: int) -> bool:
+        """Whether rank x keeps all it pulled (its backward pulls nothing of Q / K / V)."""
+        return len(self.kept(x)) == len(set(self.needs.row_tokens(x)) | set(self.needs.col_tokens(x)))
+
     def kept(self, x: int) -> frozenset:
         """The chunks rank x keeps what it pulled of ("auto"; every chunk it pulls from under "keep")."""
         got = self._memo.get(x)

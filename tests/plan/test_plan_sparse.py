@@ -376,6 +376,15 @@ def test_backward_chunks_auto_keeps_what_fits_in_the_rank_s_own_chunk():
                                 assert t.key.chunk == r and r not in {k.chunk for k in plan.rank(t.peer).saved}
             if bc == "auto":  # docs/algorithms/mesh.md's worked example
                 assert [{k.chunk for k in plan.rank(r).saved} for r in range(P)] == [{2, 3}, {0, 3}, {0, 1, 3}, {0, 1, 2}]
+            if bc == "auto" and mode == "ring":
+                # rank 0 keeps chunks 3 and 2 and pulls chunk 1 again: its blocks over the kept
+                # ones run one shift at a time, each shift's partials going home before the next
+                # block; rank 2 keeps all: its blocks over chunks 0 and 1 (the same rows) in one call
+                text = [str(op) for op in plan.rank(0).backward if type(op).__name__ != "Free"]
+                first = next(i for i, t in enumerate(text) if "x kv3.4" in t)
+                assert text[first + 1].startswith("post ") and "dkv3.4->3" in text[first + 1], text
+                assert any("x kv2.4 " in t for t in text[first + 2:]), text
+                assert any("x kv0.6,kv1.6 " in str(op) for op in plan.rank(2).backward), plan.rank(2).backward
             want_all = {"keep": [True] * P, "refetch": [False] * P, "auto": [False, False, True, True]}[bc]
             assert kept_all == want_all, (mode, bc, kept_all)
             sent[mode, bc] = sum(b.sent for b in plan_bytes(plan, shape))
