@@ -281,6 +281,31 @@ def test_backward_chunks_under_a_mask_match_the_dense_reference(mode, groups):
         check(run_case(p, plan, ref=ref, label=f"{mode} {settings} backward_chunks={backward_chunks}"))
 
 
+@pytest.mark.parametrize("world", [3, 5, 6, 7])
+def test_keeping_part_of_the_pulls_matches_the_dense_reference_at_odd_cp_sizes(world):
+    """backward_chunks "auto" where ranks read more of one long document than they hold: each
+    keeps what fits of its pulls and pulls the rest again (sparse_needs.kept_chunks), its blocks
+    over the kept columns one shift at a time. Ring, TASP and Mesh on the zigzag and on the
+    balanced layout, MHA / GQA / MQA by layout: outputs and gradients exact against the fp64
+    reference, bytes the plan's; at P >= 5 every mode has a rank that keeps part (asserted)."""
+    S = world * 12
+    partial = set()
+    for heads, balanced in (("MHA", False), ("GQA", True), ("MQA", False)):
+        p = cases.Problem(world, *cases.HEADS[heads], True, torch.float32, seq_local=12,
+                          cu_seqlens=(0, S - 5, S), balanced=balanced)
+        ref = cases.dense_reference(p)
+        for mode in ("ring", "tasp", "mesh"):
+            plan = resolve(mode, world, p.shape).build(p.shape, p.mask, p.layout)
+            assert plan.backward_chunks == "auto"
+            if any(plan.rank(r).saved and any(t.key.kind == "kv" for op in plan.rank(r).backward
+                                              if type(op).__name__ == "Post" for t in op.recvs)
+                   for r in range(world)):
+                partial.add(mode)
+            check(run_case(p, plan, ref=ref, label=f"{mode} {heads} balanced={balanced} P={world}"))
+    if world >= 5:
+        assert partial == {"ring", "tasp", "mesh"}, partial
+
+
 # -- identical to gloo and to the public autograd path ------------------------------------------------------
 class FakeComm:
     """Just what an Executor reads of its communicator when it is made."""
