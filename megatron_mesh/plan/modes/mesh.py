@@ -22,9 +22,9 @@ from .base import Mode, Placement, setting, topology_for
 __all__ = ["MeshMode", "RingMode", "MeshOptions", "RingOptions"]
 
 _BACKWARD_HELP = ("'refetch' re-communicates Q/KV chunks in the backward (ring attention's memory); 'keep' keeps "
-                  "the forward's (fewer bytes, more activation memory); 'auto' keeps them under documents, "
-                  "windows or a document layout on each rank where they are at most its own Q, K and V, and "
-                  "refetches otherwise and in dense plans")
+                  "the forward's (fewer bytes, more activation memory); 'auto', under documents, windows or a "
+                  "document layout, keeps on each rank as many of the chunks it pulled as fit in its own Q, K "
+                  "and V (those its backward reads first) and refetches the rest; dense plans refetch")
 
 
 @dataclass(frozen=True)

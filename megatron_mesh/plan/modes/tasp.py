@@ -28,8 +28,9 @@ class TaspOptions:
     backward_chunks: Literal[BACKWARD_CHUNKS] = setting(
         "auto", flag="--tasp-backward-chunks",
         help="under documents, windows or a document layout: 'refetch' pulls the K/V tokens again in the backward, "
-             "'keep' keeps the forward's (fewer bytes, more activation memory), 'auto' keeps them on each rank "
-             "where they are at most its own Q, K and V; the dense TASP plan refetches under every setting (its "
+             "'keep' keeps the forward's (fewer bytes, more activation memory), 'auto' keeps on each rank as "
+             "many of them as fit in its own Q, K and V and pulls the rest again; the dense TASP plan refetches "
+             "under every setting (its "
              "rotation would have to keep all P-1 chunks)")
 
 
