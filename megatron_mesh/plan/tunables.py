@@ -26,7 +26,12 @@ The values, and why:
   + lognormal:4096 98.3 -> 81.6 ms; lognormal:4096 3.31 -> 3.34 ms (its ranks pull little);
   TASP alone: lognormal:16384 55.9 -> 44.8 ms, lognormal:4096 12.8 -> 12.5 ms. The simulated
   times move by a few % either way with ``group_tokens`` (4,096: TASP on lognormal:4096
-  13.9 ms; 16,384: a2a+tasp on lognormal:16384 14.1 ms).
+  13.9 ms; 16,384: a2a+tasp on lognormal:16384 14.1 ms). Those were measured with the host free;
+  with the host priced (stop 62, seeds 0-2 of each mix) fewer groups suit a2a+tasp U 8 on
+  lognormal:4096 (one group per 12,000 pulled tokens: 5 % faster) and not lognormal:16384 (up to 2 %
+  slower), and a count by work (pairs x query heads, one group per 1.2e8) instead of tokens gave
+  U 8 on lognormal:4096 5-7 % but U 4 up to 6 % and plain TASP on a balanced layout up to 7 %
+  slower: kept as it is (docs/performance.md, "What did not work").
 * ``keep_limit`` (1.0): ``backward_chunks="auto"`` keeps the K/V and Q tokens a rank pulled for
   the backward up to this many times the bytes of its own Q, K and V chunk -- the inputs the
   backward saves anyway -- so keeping at most doubles them: chunk by chunk in the order its
