@@ -205,19 +205,20 @@ class Keeps:
 
     def __init__(self, policy: str, needs, T: int, token_bytes: dict, limit: float):
         self.policy, self.needs, self.T, self.token_bytes, self.limit = policy, needs, T, token_bytes, limit
-        self._memo: dict[int, frozenset] = {}
+        self._memo: dict[int, tuple[frozenset, bool]] = {}  # rank -> (chunks kept, whether that is all it pulled)
 
     def __call__(self, x: int, c: int) -> bool:
-        if self.policy != "auto":
-            return self.policy == "keep"
         return c in self.kept(x)
 
     def all(self, x: int) -> bool:
         """Whether rank x keeps all it pulled (its backward pulls nothing of Q / K / V)."""
-        return len(self.kept(x)) == len(set(self.needs.row_tokens(x)) | set(self.needs.col_tokens(x)))
+        return self._kept(x)[1]
 
     def kept(self, x: int) -> frozenset:
-        """The chunks rank x keeps what it pulled of ("auto"; every chunk it pulls from under "keep")."""
+        """The chunks rank x keeps what it pulled of (under "keep" every one, under "refetch" none)."""
+        return self._kept(x)[0]
+
+    def _kept(self, x: int) -> tuple[frozenset, bool]:
         got = self._memo.get(x)
         if got is None:
             tb = self.token_bytes
@@ -227,8 +228,8 @@ class Keeps:
             for c, n in self.needs.col_tokens(x).items():
                 pulled[c] = pulled.get(c, 0) + n * tb["kv"]
             if self.policy == "auto":
-                got = kept_chunks(x, self.needs.P, pulled, self.limit * self.T * (tb["q"] + tb["kv"]))
+                kept = kept_chunks(x, self.needs.P, pulled, self.limit * self.T * (tb["q"] + tb["kv"]))
             else:
-                got = frozenset(pulled) if self.policy == "keep" else frozenset()
-            self._memo[x] = got
+                kept = frozenset(pulled) if self.policy == "keep" else frozenset()
+            got = self._memo[x] = (kept, len(kept) == len(pulled))
         return got
