@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from megatron_mesh.plan import AttentionShape, Topology  # noqa: E402
 from megatron_mesh.plan.bound import query_owner_bound  # noqa: E402
+from megatron_mesh.plan.sparse_needs import KEEP_LIMIT, check_keep_limit  # noqa: E402
 from megatron_mesh.tools.plan_args import ITEMSIZE, document_bounds  # noqa: E402
 from megatron_mesh.tools.layout_rows import layout_rows  # noqa: E402
 from megatron_mesh.tools.planner import allowed_pairs, compute_floor, worker_pool  # noqa: E402
@@ -40,7 +41,7 @@ def sample(args, shape: AttentionShape, topo: Topology, seed: int, pool) -> dict
     """One seed's rows: per (mode, U) the zigzag's, the balanced layout's and the default's pick."""
     cu = document_bounds(args.docs, args.seq_len, seed)
     rows, _ = layout_rows(args.cp, shape, topo, cu, modes=args.modes.split(","),
-                          layouts=("zigzag", "balanced", "auto"), executor=pool)
+                          layouts=("zigzag", "balanced", "auto"), keep_limit=args.backward_keep_limit, executor=pool)
     bound = query_owner_bound(cu, args.cp, shape)
     out = dict(seed=seed, documents=len(cu) - 1, longest=max(b - a for a, b in zip(cu, cu[1:])),
                floor=compute_floor(allowed_pairs(cu), args.cp, shape, topo), bound=bound.bytes, simple=bound.simple,
@@ -123,6 +124,9 @@ def main(argv=None) -> None:
     ap.add_argument("--jobs", type=int, default=1, help="processes that plan and simulate (the planner's --jobs): "
                     "with several seeds each plans a seed at a time, with one the seed's rows")
     ap.add_argument("--json", help="also write every sample's rows to this file (JSON lines)")
+    ap.add_argument("--backward-keep-limit", type=float, default=KEEP_LIMIT, metavar="X",
+                    help="what a rank's backward keeps of what it pulled, x its own Q, K and V (the modes' "
+                         f"backward_keep_limit; default {KEEP_LIMIT})")
     args = ap.parse_args(argv)
     if args.cp < 1 or args.seq_len % (2 * args.cp):
         ap.error(f"--cp {args.cp} must be >= 1 and split --seq-len {args.seq_len} into 2 x CP halves")
@@ -133,6 +137,7 @@ def main(argv=None) -> None:
                         gpus_per_node=args.gpus_per_node)
         topo.check(args.cp)
         document_bounds(args.docs, args.seq_len)
+        check_keep_limit("--backward-keep-limit", args.backward_keep_limit)
     except ValueError as e:
         ap.error(str(e))
     start, samples = time.perf_counter(), []

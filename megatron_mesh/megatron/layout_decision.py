@@ -19,6 +19,7 @@ from ..plan.layouts import Sample, get_layout_kind
 from ..plan.maskkinds import Mask, MaskStack
 from ..plan.megatron_problem import MegatronProblem
 from ..plan.modes import DEFAULT_MODE
+from ..plan.sparse_needs import KEEP_LIMIT, keep_limit_of
 from .placement import ranks_per_node
 from .settings import BATCH_DOCUMENTS, PluginSettings, layer_modes, plugin_modes_of, plugin_settings, problem_of
 
@@ -53,7 +54,8 @@ def sample_layout(cu_seqlens, config, settings: PluginSettings | None = None) ->
     ``context_parallel_size`` ranks, per Ulysses group of U ranks (U from
     ``--hierarchical-context-parallel-sizes U M``), nodes first when the CP group spans nodes,
     for causal attention with the window when every layer has one (layers with different masks:
-    their summed work, :func:`layer_masks`), priced (``auto``) for the layers' mode and shape.
+    their summed work, :func:`layer_masks`), priced (``auto``) for the layers' mode, shape and
+    what its backward keeps (``--mesh-backward-chunks`` / ``--mesh-backward-keep-limit``, TASP's).
     Cached: the batch split and every layer get the same object.
 
     Example: ``sample_layout([0, 8, 12, 16], args)`` at CP 2 under ``--cp-layout balanced`` -> rank
@@ -69,8 +71,10 @@ def sample_layout(cu_seqlens, config, settings: PluginSettings | None = None) ->
     plugin = plugin_modes_of(modes)
     mode = next((m for m in modes if m in plugin), DEFAULT_MODE)  # what auto prices: the layers' first plugin mode
     window, stack = layer_masks(config, problem)
+    options = s.options(mode)
+    keeps = keep_limit_of(options.get("backward_chunks", "auto"), options.get("backward_keep_limit", KEEP_LIMIT))
     sample = Sample(cu, cp, True, window, problem.ulysses, _nodes(s), mode,
-                    replace(problem.shape(cp), seq_local=cu[-1] // cp), mask=stack)
+                    replace(problem.shape(cp), seq_local=cu[-1] // cp), mask=stack, keep_limit=keeps)
     return _decide(s.cp_layout, sample)
 
 

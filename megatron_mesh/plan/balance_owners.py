@@ -52,6 +52,7 @@ import random
 
 from .balance import BalancedLayout
 from .owner_model import Problem, State, layout_of, pairs
+from .sparse_needs import KEEP_LIMIT, check_keep_limit
 from .shape import AttentionShape
 
 __all__ = ["owners_layout", "MAX_RANKS", "MAX_LONG"]
@@ -314,7 +315,7 @@ def _steepest(problem: Problem, state: State, result, budget: int, max_balance: 
     return cost, state, result
 
 
-def _check(cu_seqlens, world_size: int, shape: AttentionShape) -> Problem:
+def _check(cu_seqlens, world_size: int, shape: AttentionShape, keep_limit: float) -> Problem:
     if not isinstance(world_size, int) or not 2 <= world_size <= MAX_RANKS:
         raise ValueError(f"world_size must be an integer from 2 to {MAX_RANKS} (MAX_RANKS: the builder's cost grows "
                          f"with the pairs of ranks), got {world_size!r}")
@@ -322,7 +323,7 @@ def _check(cu_seqlens, world_size: int, shape: AttentionShape) -> Problem:
     if cu[:1] != [0] or any(b <= a for a, b in zip(cu, cu[1:])) or cu[-1] != world_size * shape.seq_local:
         raise ValueError(f"cu_seqlens must rise from 0 to world_size x shape.seq_local = "
                          f"{world_size * shape.seq_local}, got {cu[:4]}...{cu[-2:]}")
-    problem = Problem(world_size, [b - a for a, b in zip(cu, cu[1:])], shape)
+    problem = Problem(world_size, [b - a for a, b in zip(cu, cu[1:])], shape, keep_limit)
     if not 1 <= len(problem.long) <= MAX_LONG:
         raise ValueError(f"the builder needs 1 to {MAX_LONG} long documents (work above the mean per rank, or more "
                          f"than {shape.seq_local} tokens), got {len(problem.long)}; balanced_layout lays out the others")
@@ -330,13 +331,16 @@ def _check(cu_seqlens, world_size: int, shape: AttentionShape) -> Problem:
 
 
 def owners_layout(cu_seqlens, world_size: int, shape: AttentionShape, *, max_balance: float = 1.05,
-                  evaluations: int = EVALUATIONS, polish: int = POLISH, seed: int = 0) -> BalancedLayout:
+                  evaluations: int = EVALUATIONS, polish: int = POLISH, seed: int = 0,
+                  keep_limit: float = KEEP_LIMIT) -> BalancedLayout:
     """The layout of the documents ``cu_seqlens`` (causal, no window) over ``world_size`` ranks of
     ``shape.seq_local`` tokens, with the owner of each block (module docstring); deterministic for
     a ``seed``. ValueError, naming the value, where it would exceed ``max_balance`` work max/mean
     (the CPU problem's mix: 5 of seeds 0-39), more than MAX_RANKS ranks or MAX_LONG long documents,
-    or none."""
-    problem = _check(cu_seqlens, world_size, shape)
+    or none. ``keep_limit``: what Mesh's backward will keep (``backward_keep_limit``), which the
+    bytes it minimises count."""
+    check_keep_limit("keep_limit", keep_limit)
+    problem = _check(cu_seqlens, world_size, shape, keep_limit)
     order = list(range(world_size))
     homes = []
     for ks in _k_choices(problem):

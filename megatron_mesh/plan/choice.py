@@ -68,7 +68,7 @@ from .layout import Layout, ZigzagLayout
 from .modes import get_mode
 from .shape import AttentionShape
 from .simulate import BACKWARD_FLOPS
-from .sparse_needs import kept_chunks
+from .sparse_needs import KEEP_LIMIT, kept_chunks
 from .tunables import TUNABLES
 from .topology import Topology
 
@@ -327,14 +327,16 @@ def _host_seconds(per_unit, topo: Topology) -> float:
     return max(ops * topo.host_op_time + views * topo.host_view_time for ops, views in per_unit)
 
 
-def _comm(pulls, units: int, shape: AttentionShape, topo: Topology, span: int, burst: bool) -> tuple[float, float]:
+def _comm(pulls, units: int, shape: AttentionShape, topo: Topology, span: int, burst: bool,
+          keep_limit: float) -> tuple[float, float]:
     """The busiest unit's forward and backward communication (module docstring): the forward pulls
-    K/V; the backward returns dK/dV partials and pulls K/V again where they are not kept."""
+    K/V; the backward returns dK/dV partials and pulls K/V again where they are not kept (what fits
+    in ``keep_limit`` x a unit's own Q, K and V is)."""
     kv, dkv, q = (buffer_bytes(k, 1, shape) for k in ("kv", "dkv", "q"))
     pulled: list[dict[int, int]] = [{} for _ in range(units)]  # unit -> the unit it pulls from -> bytes
     for (h, g), (n, _) in pulls.items():
         pulled[g][h] = n * kv
-    budget = TUNABLES.keep_limit * shape.seq_local * (q + kv)
+    budget = keep_limit * shape.seq_local * (q + kv)
     kept = [kept_chunks(g, units, pulled[g], budget) for g in range(units)]
     keeps = {pull: pull[0] in kept[pull[1]] for pull in pulls}  # (from, to) -> whether ``to`` keeps it
     node = [topo.node(u * span) for u in range(units)]
@@ -412,10 +414,11 @@ def _burst_seconds(sent, received, peers, size: int, link) -> list[float]:
 
 
 def layout_cost(layout: Layout, docs, shape: AttentionShape, topo: Topology, mode: str,
-                ulysses: int = 1) -> LayoutCost:
+                ulysses: int = 1, keep_limit: float = KEEP_LIMIT) -> LayoutCost:
     """The price (module docstring) of running ``mode`` (a registered mode's name; a hybrid
     ``a2a+...`` with all-to-all degree ``ulysses``) on ``layout`` for the causal documents
-    ``docs`` ((start, stop), ...), ``shape`` per rank."""
+    ``docs`` ((start, stop), ...), ``shape`` per rank, its ranks keeping what they pulled for the
+    backward up to ``keep_limit`` x their own Q, K and V (:func:`~.sparse_needs.keep_limit_of`)."""
     P = layout.world_size
     units = P // ulysses
     sub = inner_shape(shape, ulysses) if ulysses > 1 else shape
@@ -423,7 +426,7 @@ def layout_cost(layout: Layout, docs, shape: AttentionShape, topo: Topology, mod
     work, pulls = _work_and_pulls(portions, docs, units)
     pair = 4.0 * sub.batch * sub.heads * sub.head_dim / topo.attention_flops
     extra_f, extra_b = _overheads(pulls, units, sub, topo)
-    forward, backward = _comm(pulls, units, sub, topo, ulysses, burst_rounds(mode))
+    forward, backward = _comm(pulls, units, sub, topo, ulysses, burst_rounds(mode), keep_limit)
     host_f, host_b = (_host_seconds(d, topo) for d in _host_ops(
         portions, pulls, units, ulysses, ulysses > 1 and layout.group == ulysses,
         _packed_calls(layout, units, ulysses, docs, topo.mask_piece))) if topo.host_priced else (0.0, 0.0)
@@ -433,7 +436,8 @@ def layout_cost(layout: Layout, docs, shape: AttentionShape, topo: Topology, mod
 
 
 def choose_layout(balanced: BalancedLayout, shape: AttentionShape, topo: Topology, mode: str,
-                  ulysses: int = 1, documents=None) -> tuple[str, LayoutCost, LayoutCost]:
+                  ulysses: int = 1, documents=None, keep_limit: float = KEEP_LIMIT
+                  ) -> tuple[str, LayoutCost, LayoutCost]:
     """"balanced" or "zigzag" for one sample: the balanced layout ``balanced`` (its documents the
     sample's, causal without a window) unless the zigzag costs less for ``mode`` (a tie keeps
     the balanced layout); with both prices (balanced, zigzag). A Ulysses degree equal to the CP
@@ -441,12 +445,12 @@ def choose_layout(balanced: BalancedLayout, shape: AttentionShape, topo: Topolog
     zigzag is kept there (the all-to-all's own order; see below). ``documents``: the causal
     documents to price ((start, stop), ...; default the layout's) -- a mask that is causal inside
     groups of its documents (chunked attention's chunks: ``MaskKind.causal_groups``) is priced as
-    those groups."""
+    those groups. ``keep_limit``: what the mode's backward keeps (:func:`layout_cost`)."""
     P = balanced.world_size
     docs = balanced.documents() if documents is None else list(documents)
     zigzag = ZigzagLayout(P, balanced.seq_len)
-    mine = layout_cost(balanced, docs, shape, topo, mode, ulysses)
-    theirs = layout_cost(zigzag, docs, shape, topo, mode, ulysses)
+    mine = layout_cost(balanced, docs, shape, topo, mode, ulysses, keep_limit)
+    theirs = layout_cost(zigzag, docs, shape, topo, mode, ulysses, keep_limit)
     if ulysses == P:
         # one group: the layouts differ only in its kernel calls (the balanced layout keeps its
         # documents whole: fewer, worth 0.04-0.15 % at 8 GPUs with the host priced) and in its

@@ -21,8 +21,7 @@ from .accounting import buffer_bytes
 from .balance import BalancedLayout
 from .docwork import document_work
 from .shape import AttentionShape
-from .sparse_needs import kept_chunks
-from .tunables import TUNABLES
+from .sparse_needs import KEEP_LIMIT, kept_chunks
 
 __all__ = ["Problem", "State", "pairs", "first_homes", "layout_of"]
 
@@ -45,10 +44,11 @@ class State:
 
 
 class Problem:
-    """One sample: P ranks of T tokens, the documents' lengths, bytes per token of each buffer."""
+    """One sample: P ranks of T tokens, the documents' lengths, bytes per token of each buffer, and
+    what a rank keeps for the backward of what it pulled (``keep_limit`` x its own Q, K and V)."""
 
-    def __init__(self, world: int, lengths: list[int], shape: AttentionShape):
-        self.P, self.T, self.lengths = world, shape.seq_local, lengths
+    def __init__(self, world: int, lengths: list[int], shape: AttentionShape, keep_limit: float = KEEP_LIMIT):
+        self.P, self.T, self.lengths, self.keep_limit = world, shape.seq_local, lengths, keep_limit
         self.token = {k: buffer_bytes(k, 1, shape) for k in ("q", "kv", "o", "do", "dq", "dkv")}
         self.mean = sum(pairs(n) for n in lengths) / world
         # poured longest first: the longest gets the first ranks' room
@@ -113,7 +113,7 @@ class Problem:
             pulled[h][i] = pulled[h].get(i, 0) + n * tb["q"]
         for (h, j), n in col_n.items():
             pulled[h][j] = pulled[h].get(j, 0) + n * tb["kv"]
-        budget = TUNABLES.keep_limit * self.T * (tb["q"] + tb["kv"])
+        budget = self.keep_limit * self.T * (tb["q"] + tb["kv"])
         kept = [kept_chunks(h, P, pulled[h], budget) for h in range(P)]
         sent = [0] * P
         for (h, i), n in row_n.items():

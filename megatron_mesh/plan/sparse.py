@@ -87,7 +87,7 @@ from .sel import Segment
 from .shape import AttentionShape
 from .sparse_blocks import block_parts, block_table, blocks_of
 from .sparse_calls import Calls
-from .sparse_needs import Keeps, Needs, QueryOwnerNeeds, Slots, bytes_per_rank
+from .sparse_needs import KEEP_LIMIT, Keeps, Needs, QueryOwnerNeeds, Slots, bytes_per_rank, check_keep_limit
 from .sparse_rounds import Rounds
 from .tunables import TUNABLES, Tunables
 
@@ -144,14 +144,17 @@ class Assignment:
 
 def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layout: Layout, assignment: Assignment,
                       *, backward_chunks: str = "refetch", ranks_per_node: int | None = None,
-                      tunables: Tunables = TUNABLES) -> Plan:
+                      keep_limit: float = KEEP_LIMIT, tunables: Tunables = TUNABLES) -> Plan:
     """The mask-aware plan of ``mode`` (its name) placed by ``assignment`` -- see the module
-    docstring. ``mask`` and ``layout`` are normalised (:func:`~.problem.normalize`)."""
+    docstring. ``mask`` and ``layout`` are normalised (:func:`~.problem.normalize`); under
+    ``backward_chunks="auto"`` a rank keeps what it pulled up to ``keep_limit`` x its own Q, K and V
+    bytes (:class:`~.sparse_needs.Keeps`)."""
     T = shape.seq_local
     own_calls = tunables.own_call_tokens
     index = blocks_of(P, mask, layout, own_calls)
     if backward_chunks not in ("refetch", "keep", "auto"):
         raise ValueError(f"backward_chunks must be one of refetch, keep, auto, got {backward_chunks!r}")
+    check_keep_limit("keep_limit", keep_limit)
     notes: list[str] = []
     needs: object = QueryOwnerNeeds(index)
     assigned = QUERY_OWNER
@@ -166,7 +169,7 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
         candidates = [(QUERY_OWNER, needs)]
         candidates += [(name, Needs(P, table, owner)) for name, owner in assignment.owners]
         # each map with the ranks that would keep their slots under it ("auto" decides per map)
-        costs = [max(bytes_per_rank(n, shape, Keeps(backward_chunks, n, T, token_bytes, tunables.keep_limit)))
+        costs = [max(bytes_per_rank(n, shape, Keeps(backward_chunks, n, T, token_bytes, keep_limit)))
                  for _, n in candidates]
         best = min(range(len(candidates)), key=lambda k: (costs[k], -k))  # ties: the mode's own map (last)
         assigned, needs = candidates[best]
@@ -179,7 +182,7 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
             notes.append(f"tile {tile[0]}x{tile[1]} (contiguous {contiguous}): of the {len(assignment.tiles)} tile "
                          "maps and the query owner, the fewest bytes on the busiest rank under this mask")
     burst = assignment.rounds == "burst"
-    keeps = Keeps(backward_chunks, needs, T, token_bytes, tunables.keep_limit)
+    keeps = Keeps(backward_chunks, needs, T, token_bytes, keep_limit)
     lowering = _SparseLowering(P, T, needs, index, keeps, burst, token_bytes, tunables)
     notes.append(f"mask {mask.summary()}: each rank computes only the blocks with allowed pairs and receives only the "
                  f"tokens they read, from their owner ({'over all links at once, in groups' if burst else 'one round per shift'})")

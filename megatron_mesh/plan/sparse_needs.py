@@ -12,6 +12,7 @@ owner): rank 1 reads columns [0:2) of chunk 0 and [2:4) of chunk 2 (``cols(1) ==
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 from .accounting import buffer_bytes
@@ -20,7 +21,32 @@ from .sel import Segment, sel_len, union_intervals
 from .shape import AttentionShape
 from .sparse_blocks import Blocks
 
-__all__ = ["Keeps", "Needs", "QueryOwnerNeeds", "Slots", "bytes_per_rank", "kept_chunks"]
+__all__ = ["Keeps", "Needs", "QueryOwnerNeeds", "Slots", "bytes_per_rank", "kept_chunks", "KEEP_LIMIT",
+           "check_keep_limit", "keep_limit_of"]
+
+# ``backward_chunks="auto"``: a rank keeps pulled chunks for the backward up to this many times the
+# bytes of its own Q, K and V chunk -- the inputs its backward saves anyway -- so keeping at most
+# doubles them. Planner, 256 GPUs (32 x 8), 1M tokens, GQA 32/8, ``a2a+tasp`` U 8 on the balanced
+# layout, ``lognormal:16384`` seeds 0-2: keeping all or nothing per rank 15.66 / 9.59 / 18.72 ms,
+# keeping what fits 14.38 / 9.59 / 16.07 (the same bound on memory); a limit of 2.0 gives 13.62 /
+# 9.59 / 15.69 ms for up to 20 % more saved memory on the busiest rank (seed 0: 128 -> 154 MiB per
+# layer). A memory-for-time choice, so a user setting (the modes' ``backward_keep_limit``, Megatron's
+# ``--mesh-backward-keep-limit`` / ``--tasp-backward-keep-limit``); this is its default.
+KEEP_LIMIT = 1.0
+
+
+def check_keep_limit(name: str, value) -> None:
+    """ValueError naming ``value`` unless it is a keep limit: a number >= 0 (0 keeps nothing, like
+    "refetch"; ``math.inf`` keeps everything, like "keep")."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
+        raise ValueError(f"{name} must be a number >= 0 (times the bytes of a rank's own Q, K and V chunk it may "
+                         f"keep of what it pulled; 0 keeps nothing, inf everything), got {value!r}")
+
+
+def keep_limit_of(backward_chunks: str, keep_limit: float = KEEP_LIMIT) -> float:
+    """The keep limit a plan with ``backward_chunks`` acts by: ``keep_limit`` under "auto",
+    everything under "keep" (inf), nothing under "refetch" (0) -- what a price of the backward reads."""
+    return {"keep": math.inf, "refetch": 0.0}.get(backward_chunks, keep_limit)
 
 
 def _union(sels) -> tuple[Segment, ...]:
@@ -193,7 +219,8 @@ def kept_chunks(x: int, P: int, pulled: dict[int, int], budget: float) -> frozen
 class Keeps:
     """What each rank keeps of the slots it pulled in the forward for the backward (no second
     pull of their Q / K / V; only dO and the returns move): everything ("keep"), nothing
-    ("refetch"), or per rank what fits in ``keep_limit`` (:class:`~.tunables.Tunables`) x its own
+    ("refetch"), or per rank what fits in ``limit`` (:data:`KEEP_LIMIT` unless the mode's
+    ``backward_keep_limit`` says otherwise) x its own
     chunk's Q + K + V bytes ("auto", :func:`kept_chunks`: chunk by chunk in the order its backward
     reads them), decided from the needs, so sender and receiver agree. ``keeps(x, c)``: whether
     rank x keeps what it pulled of chunk c.

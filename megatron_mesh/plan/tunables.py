@@ -32,15 +32,6 @@ The values, and why:
   slower), and a count by work (pairs x query heads, one group per 1.2e8) instead of tokens gave
   U 8 on lognormal:4096 5-7 % but U 4 up to 6 % and plain TASP on a balanced layout up to 7 %
   slower: kept as it is (docs/performance.md, "What did not work").
-* ``keep_limit`` (1.0): ``backward_chunks="auto"`` keeps the K/V and Q tokens a rank pulled for
-  the backward up to this many times the bytes of its own Q, K and V chunk -- the inputs the
-  backward saves anyway -- so keeping at most doubles them: chunk by chunk in the order its
-  backward reads them (:func:`~.sparse_needs.kept_chunks`), each that still fits; the rest (a rank
-  reading most of a long document) it pulls again. Planner, 256 GPUs (32 x 8), 1M tokens, GQA
-  32/8, ``a2a+tasp`` U 8 on the balanced layout, ``lognormal:16384`` seeds 0-2: keeping all or
-  nothing per rank 15.66 / 9.59 / 18.72 ms, keeping what fits 14.38 / 9.59 / 16.07 (the same
-  bound on memory); a limit of 2.0 would give 13.62 / 9.59 / 15.69 ms for up to 20 % more saved
-  memory on the busiest rank (seed 0: 128 -> 154 MiB per layer).
 * ``portion_work`` (1.0) and ``node_portion_work`` (0.5): the balanced layout cuts a document
   whose work is above this fraction of the mean per-rank (per-node, in the nodes-first pass of a
   layout for the plain modes) work into zigzag portions of at most this much work each (smaller
@@ -66,7 +57,6 @@ class Tunables:
     own_call_tokens: int = 128
     burst_groups: int = 8
     group_tokens: int = 1024
-    keep_limit: float = 1.0
     portion_work: float = 1.0
     node_portion_work: float = 0.5
 

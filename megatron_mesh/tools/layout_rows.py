@@ -26,11 +26,12 @@ from ..plan.modes import MODES as REGISTRY, Placement
 from ..plan.modes.hybrid import HybridMode
 from ..plan.problem import normalize
 from ..plan.shape import AttentionShape
+from ..plan.sparse_needs import KEEP_LIMIT, keep_limit_of
 from ..plan.topology import Topology
 from .default_layout import derived_rows
 from .formulas import usp_degree
 from .plan_budget import BUDGET_REASON, LATE_REASON, Budget, balanced_size, budget_rows, problem_size
-from .planner import AUTO, FORMULAS, ModeResult, _auto_row, _mode_tasks, _wanted, all_modes, evaluate
+from .planner import AUTO, FORMULAS, ModeResult, _auto_row, _mode_tasks, _wanted, all_modes, evaluate, plan_settings
 from .workers import check_jobs, worker_pool
 
 __all__ = ["TE_ROWS", "layout_rows"]
@@ -97,7 +98,7 @@ def _node_ranks(world_size: int, topo: Topology) -> int | None:
 
 def layout_rows(world_size: int, shape: AttentionShape, topo: Topology, cu_seqlens, *, causal: bool = True,
                 window=None, modes=None, layouts=None, backward_chunks: str = "auto",
-                schedule: str = "greedy", explain: bool = False,
+                schedule: str = "greedy", keep_limit: float = KEEP_LIMIT, explain: bool = False,
                 plan_all: bool = False, jobs: int = 1, executor: Executor | None = None, kind=None,
                 budget: Budget | None = None) -> tuple[list[ModeResult], list[dict]]:
     """Every mode of ``modes`` on each of ``layouts`` (default: every registered layout, in the
@@ -110,12 +111,14 @@ def layout_rows(world_size: int, shape: AttentionShape, topo: Topology, cu_seqle
     without documents (chunked, prefix: ``megatron_mesh.masks``) instead of ``causal`` / ``window``, applied
     inside each document; the layouts are built for its work, Transformer Engine's rows left out. ``budget``: a
     :class:`~.plan_budget.Budget` the rows of every layout share, each layout's likeliest placements
-    first (:func:`_admit`); the rest are named in the skipped list."""
+    first (:func:`_admit`); the rest are named in the skipped list. ``backward_chunks``, ``schedule``,
+    ``keep_limit``: :func:`~.planner.evaluate`'s (the ``auto`` layout prices the backward they keep)."""
     jobs = check_jobs(jobs)
+    settings = plan_settings(backward_chunks, schedule, keep_limit)
     with nullcontext(executor) if executor is not None else worker_pool(jobs) as pool:
         return _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, kind, modes,
-                            layout_names() if layouts is None else tuple(layouts), backward_chunks, schedule,
-                            explain, plan_all, pool, budget)
+                            layout_names() if layouts is None else tuple(layouts), settings, explain, plan_all,
+                            pool, budget)
 
 
 def _kind_layout(name: str, sample: Sample, p: Placement):
@@ -131,8 +134,8 @@ def _built(name: str, sample: Sample):
     return get_layout_kind(name).build(sample)
 
 
-def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, kind, modes, layouts, backward_chunks,
-                 schedule, explain, plan_all, executor, budget=None) -> tuple[list[ModeResult], list[dict]]:
+def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, kind, modes, layouts, settings: dict,
+                 explain, plan_all, executor, budget=None) -> tuple[list[ModeResult], list[dict]]:
     kinds = [get_layout_kind(name) for name in layouts]  # ValueError naming an unknown one
     cu = [int(c) for c in cu_seqlens]
     S = world_size * shape.seq_local
@@ -143,10 +146,12 @@ def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, kind, mode
     rows, skipped = [], [{"mode": m, "reason": "priced by formula for dense attention only, not under documents"}
                          for m in given if m in FORMULAS]
     sample = Sample(tuple(cu), world_size, causal, window, ranks_per_node=_node_ranks(world_size, topo), shape=shape,
-                    topology=topo, mask=kind)
-    plan = dict(backward_chunks=backward_chunks, schedule=schedule, explain=explain, executor=executor)
+                    topology=topo, mask=kind,
+                    keep_limit=keep_limit_of(settings["backward_chunks"], settings["backward_keep_limit"]))
+    plan = dict(backward_chunks=settings["backward_chunks"], schedule=settings["schedule"],
+                keep_limit=settings["backward_keep_limit"], explain=explain, executor=executor)
     setups = [_kind_setup(lk, sample, shape, modes, plan_all) for lk in kinds if not lk.derived_from]
-    keep = _admit(setups, sample, topo, backward_chunks, schedule, budget) if budget is not None else {}
+    keep = _admit(setups, sample, topo, settings, budget) if budget is not None else {}
     for setup in setups:
         got, skip = _kind_rows(setup, sample, topo, modes, plan, keep.get(setup.kind.name), budget)
         rows += [replace(r, layout=setup.kind.name) for r in got]
@@ -155,8 +160,8 @@ def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, kind, mode
         if not lk.derived_from:
             continue
         missing = tuple(name for name in lk.derived_from if name not in layouts)
-        both = rows + (_layout_rows(world_size, shape, topo, cu, causal, window, kind, modes, missing, backward_chunks,
-                                    schedule, explain, plan_all, executor, budget)[0] if missing else [])
+        both = rows + (_layout_rows(world_size, shape, topo, cu, causal, window, kind, modes, missing, settings,
+                                    explain, plan_all, executor, budget)[0] if missing else [])
         got = derived_rows(lk, both, sample)
         rows += got
         # a mode whose rows on the kinds it picks between were not all planned (past the budget, say)
@@ -195,7 +200,7 @@ def _kind_setup(kind, sample: Sample, shape: AttentionShape, modes, plan_all) ->
     return _Setup(kind, asked, shape, mask, layout, first, None if plan_all else kind.too_large(sample))
 
 
-def _admit(setups: list[_Setup], sample: Sample, topo: Topology, backward_chunks: str, schedule: str,
+def _admit(setups: list[_Setup], sample: Sample, topo: Topology, settings: dict,
            budget: Budget) -> dict[str, list[bool]]:
     """Which rows of every layout the planning budget admits (:meth:`~.plan_budget.Budget.admit`:
     every layout's likeliest placements first), per layout in the order of its modes' candidates,
@@ -205,7 +210,7 @@ def _admit(setups: list[_Setup], sample: Sample, topo: Topology, backward_chunks
     P, priced = sample.world_size, []
     for st in setups:
         asked = [] if st.too_large else st.asked
-        tasks = _mode_tasks(_wanted(asked), P, st.shape, topo, backward_chunks, schedule, [])
+        tasks = _mode_tasks(_wanted(asked), P, st.shape, topo, settings, [])
         kind, size = None, None
         if isinstance(st.first, ThdLayout):
             kind = "thd"
@@ -232,7 +237,8 @@ def _kind_rows(st: _Setup, sample: Sample, topo: Topology, modes, plan: dict, ke
     if st.too_large:
         got, skip = [], [{"mode": m, "reason": f"{st.too_large} (plan them with --layout {kind.name})"} for m in asked]
     else:
-        n = len(_mode_tasks(_wanted(asked), P, st.shape, topo, plan["backward_chunks"], plan["schedule"], [])) \
+        settings = plan_settings(plan["backward_chunks"], plan["schedule"], plan["keep_limit"])
+        n = len(_mode_tasks(_wanted(asked), P, st.shape, topo, settings, [])) \
             if kept else 0
         got, skip = evaluate(P, st.shape, topo, modes=asked, mask=st.mask, layout=st.layout,
                              keep=kept[:n] if kept else None, budget=budget, **plan)

@@ -19,6 +19,7 @@ from ..plan.layouts import LAYOUTS, REFERENCE_LAYOUT, layout_names
 from ..plan.mask import Mask, documents_of
 from ..plan.mesh import BACKWARD_CHUNKS
 from ..plan.shape import AttentionShape
+from ..plan.sparse_needs import KEEP_LIMIT
 from ..plan.topology import Topology
 from .mask_spec import HELP as MASK_HELP, cli_kind
 from .plan_budget import BUDGET_S, Budget
@@ -69,8 +70,12 @@ def _problem_arguments(g) -> None:
     g.add_argument("--no-causal", dest="causal", action="store_false", help="full (non-causal) attention (default: causal)")
     g.add_argument("--backward-chunks", choices=BACKWARD_CHUNKS, default="auto",
                    help="re-communicate Q/KV chunks in the backward ('refetch'), keep them from the forward ('keep'), "
-                        "or keep them where a mask-aware plan's pulled tokens are at most a rank's own Q, K, V ('auto'; "
+                        "or keep what of a mask-aware plan's pulled tokens fits in a rank's own Q, K, V ('auto'; "
                         "dense plans refetch; TE's rows always refetch, as TE does)")
+    g.add_argument("--backward-keep-limit", type=float, default=KEEP_LIMIT, metavar="X",
+                   help="under --backward-chunks auto: a rank keeps what it pulled up to X times the bytes of its own "
+                        f"Q, K and V chunk and pulls the rest again (default {KEEP_LIMIT}; Megatron: "
+                        "--mesh-backward-keep-limit / --tasp-backward-keep-limit)")
     g.add_argument("--schedule", choices=("greedy", "lockstep"), default="greedy", help="Mesh intra-tile schedule")
     g.add_argument("--modes", default=",".join(default_modes()), help="comma-separated subset of "
                    f"{','.join(all_modes())} "

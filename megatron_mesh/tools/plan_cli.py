@@ -49,6 +49,7 @@ from ..plan.mask import Mask
 from ..plan.modes import REFERENCE_MODE, option_specs
 from ..plan.shape import AttentionShape
 from ..plan.simulate import BACKWARD_FLOPS
+from ..plan.sparse_needs import check_keep_limit
 from ..plan.topology import Topology
 from ..plan.units import format_bytes
 from .layout_rows import layout_rows
@@ -58,7 +59,7 @@ from .plan_args import (budget_of, document_bounds, layout_file_of, layouts_of, 
 from .plan_budget import Budget, planning_gc
 from .plan_plot import draw_plot, plot_sizes
 from .planner import (AUTO, FORMULAS, REGISTRY, ModeResult, allowed_pairs, compute_floor, derived_modes, evaluate,
-                      host_bound, mean_rows, worker_pool)
+                      host_bound, mean_rows, plan_settings, worker_pool)
 
 
 def _host_text(r: ModeResult) -> str:
@@ -219,16 +220,19 @@ def _plan_sample(args, modes, shape: AttentionShape, topo: Topology, mask: Mask 
     head = (kind := cli_kind(args)) or Mask(args.causal, window)
     if layouts == (REFERENCE_LAYOUT,):
         rows, skipped = evaluate(args.cp, shape, topo, modes, mask=mask if mask is not None else Mask(args.causal),
-                                 backward_chunks=args.backward_chunks, schedule=args.schedule, explain=args.explain,
+                                 backward_chunks=args.backward_chunks, schedule=args.schedule,
+                                 keep_limit=args.backward_keep_limit, explain=args.explain,
                                  executor=pool, budget=part)
     else:
         rows, skipped = layout_rows(args.cp, shape, topo, docs, causal=args.causal, window=window, kind=kind, modes=modes,
                                     layouts=layouts, backward_chunks=args.backward_chunks, schedule=args.schedule,
+                                    keep_limit=args.backward_keep_limit,
                                     explain=args.explain, plan_all=args.layout not in (None, "all"), executor=pool,
                                     budget=part)
     if file_layout is not None:  # one more layout of the same documents, as given
         got, skip = evaluate(args.cp, shape, topo, modes=[m for m in modes if m not in FORMULAS],
                              backward_chunks=args.backward_chunks, schedule=args.schedule,
+                             keep_limit=args.backward_keep_limit,
                              mask=head, layout=file_layout, explain=args.explain, executor=pool, budget=budget)
         rows = rows + [replace(r, layout="file") for r in got]
         skipped = skipped + [{**s, "mode": f"{s['mode']} (file)"} for s in skip]
@@ -315,6 +319,8 @@ def _plan(args) -> _Planned:
         raise ValueError(f"--jobs {args.jobs}: must be >= 0 (N processes; 0: one per CPU core)")
     shape, topo, mask = shape_of(args, args.cp), topology_of(args, args.cp), mask_of(args)
     seeds, layouts, file_layout, budget = seeds_of(args), layouts_of(args), layout_file_of(args), budget_of(args)
+    check_keep_limit("--backward-keep-limit", args.backward_keep_limit)
+    plan_settings(args.backward_chunks, args.schedule, args.backward_keep_limit)  # and with --backward-chunks
     if args.plot_cp is not None and not args.plot:
         raise ValueError(f"--plot-cp {args.plot_cp} sets the CP sizes of --plot FILE.png, which is not given")
     sizes = plot_sizes(args, modes) if args.plot else None

@@ -67,7 +67,7 @@ def _plot_series(args, modes: tuple[str, ...], sizes: list[int], pool) -> dict[s
     for P in sizes:
         rows, _ = evaluate(P, shape_of(args, P), topology_of(argparse.Namespace(**{**vars(args), "nodes": None}), P),
                            modes=list(series), mask=Mask(args.causal), backward_chunks=args.backward_chunks,
-                           schedule=args.schedule, executor=pool)
+                           schedule=args.schedule, keep_limit=args.backward_keep_limit, executor=pool)
         for r in rows:
             series[r.mode].append((P, r))
     return {m: pts for m, pts in series.items() if pts}

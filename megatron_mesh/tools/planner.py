@@ -34,6 +34,7 @@ from ..plan.modes import MODES as REGISTRY, REFERENCE_MODE, Placement
 from ..plan.problem import normalize
 from ..plan.shape import AttentionShape
 from ..plan.simulate import simulate, time_breakdown
+from ..plan.sparse_needs import KEEP_LIMIT, check_keep_limit
 from ..plan.topology import Topology
 from .formulas import FORMULA, ulysses_result, usp_result
 from .mode_result import ModeResult
@@ -122,9 +123,20 @@ def _evaluate_placement(name: str, p: Placement, shape: AttentionShape, topo: To
 
 
 # -- everything -----------------------------------------------------------------------------------------
-def _mode_tasks(wanted: set, world_size: int, shape: AttentionShape, topo: Topology, backward_chunks: str,
-                schedule: str, skipped: list[dict]) -> list[tuple[str, Placement]]:
-    """Every candidate placement of each registered mode in ``wanted``, in the registry's order; a
+def plan_settings(backward_chunks: str = "auto", schedule: str = "greedy", keep_limit: float = KEEP_LIMIT) -> dict:
+    """The options the planner sets on every candidate placement that has them (a keep limit away
+    from its default with backward chunks other than "auto": ValueError, as the modes raise)."""
+    check_keep_limit("keep_limit", keep_limit)
+    if keep_limit != KEEP_LIMIT and backward_chunks != "auto":
+        raise ValueError(f"a keep limit ({keep_limit}) applies only with backward chunks 'auto', got "
+                         f"{backward_chunks!r}")
+    return dict(backward_chunks=backward_chunks, schedule=schedule, backward_keep_limit=keep_limit)
+
+
+def _mode_tasks(wanted: set, world_size: int, shape: AttentionShape, topo: Topology, settings: dict,
+                skipped: list[dict]) -> list[tuple[str, Placement]]:
+    """Every candidate placement of each registered mode in ``wanted``, in the registry's order, with
+    the ``settings`` (options by name: backward chunks, keep limit, schedule) where it has them; a
     mode that cannot run is appended to ``skipped`` with the reason."""
     tasks: list[tuple[str, Placement]] = []
     for name in plan_modes():
@@ -138,7 +150,7 @@ def _mode_tasks(wanted: set, world_size: int, shape: AttentionShape, topo: Topol
         except ValueError as e:
             skipped.append({"mode": name, "reason": str(e)})
             continue
-        tasks += [(name, p.with_options(backward_chunks=backward_chunks, schedule=schedule)) for p in candidates]
+        tasks += [(name, p.with_options(**settings)) for p in candidates]
     return tasks
 
 
@@ -319,9 +331,9 @@ def _derived_row(mode: str, evaluated: dict, pools: dict) -> ModeResult | None:
 
 
 def evaluate(world_size: int, shape: AttentionShape, topo: Topology, modes=None, *, mask: Mask | None = None,
-             layout=None, backward_chunks: str = "auto", schedule: str = "greedy", work: bool = False,
-             explain: bool = False, jobs: int = 1, executor: Executor | None = None, budget: Budget | None = None,
-             keep: list[bool] | None = None) -> tuple[list[ModeResult], list[dict]]:
+             layout=None, backward_chunks: str = "auto", schedule: str = "greedy", keep_limit: float = KEEP_LIMIT,
+             work: bool = False, explain: bool = False, jobs: int = 1, executor: Executor | None = None,
+             budget: Budget | None = None, keep: list[bool] | None = None) -> tuple[list[ModeResult], list[dict]]:
     """Rows for ``modes`` (see :data:`MODES`) and the modes that cannot run, with the reason.
 
     ``mask`` (default: causal; ``Mask(False)`` full attention) and ``layout`` (a layout, or a function of the
@@ -329,6 +341,7 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, modes=None,
     mask-aware; the formula rows (ulysses, usp) assume dense attention and are left out then.
     ``work``: give every plan-based row its per-rank work max / mean (masked rows always have it);
     ``explain``: and where its time goes (``extra["breakdown"]``, :func:`~..plan.simulate.time_breakdown`).
+    ``backward_chunks``, ``schedule``, ``keep_limit`` (``backward_keep_limit``): on every placement (:func:`plan_settings`).
     ``jobs``: processes that plan and simulate the placements in parallel (1: this one; 0: one per
     CPU core; :func:`check_jobs`) -- the same rows, in the same order; ``layout`` must then pickle
     (a layout, or a module-level function or ``functools.partial`` of one), and a mode registered
@@ -353,7 +366,7 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, modes=None,
     skipped: list[dict] = []
     wanted = _wanted(modes)
     auto_rows = {m.auto_row: (m.name, *m.auto_pool) for m in REGISTRY.values() if m.auto_row}
-    tasks = _mode_tasks(wanted, world_size, shape, topo, backward_chunks, schedule, skipped)
+    tasks = _mode_tasks(wanted, world_size, shape, topo, plan_settings(backward_chunks, schedule, keep_limit), skipped)
     if keep is None and budget is not None and budget.limited:
         keep = budget.admit([budget_rows("layout", tasks, world_size, shape, mask, layout)])["layout"]
     if keep is not None:

@@ -112,6 +112,23 @@ PRICED = dict(cp_comm_type="ring", num_attention_heads=32, num_query_groups=8, k
               tensor_model_parallel_size=1, params_dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("mode, flags, want", [
+    ("ring", {}, 1.0), ("ring", dict(mesh_backward_keep_limit=2.0), 2.0),
+    ("tasp", dict(tasp_backward_keep_limit=0.5), 0.5), ("tasp", dict(tasp_backward_chunks="keep"), math.inf),
+    ("mesh", dict(mesh_backward_chunks="refetch"), 0.0)])
+def test_auto_prices_the_backward_the_layers_keep(monkeypatch, mode, flags, want):
+    """--cp-layout auto prices a sample for what the layers' backward keeps of what a rank pulled:
+    --mesh-backward-keep-limit / --tasp-backward-keep-limit under backward chunks 'auto', all of it
+    under 'keep', none under 'refetch' (plan.sparse_needs.keep_limit_of)."""
+    from megatron_mesh.megatron import layout_decision
+
+    seen = []
+    monkeypatch.setattr(layout_decision, "_decide", lambda name, sample: seen.append(sample))
+    batch_layout.sample_layout((0, 3, 19, 24, 32), config(cp_layout="auto", **{**PRICED, "cp_comm_type": mode},
+                                                          **flags))
+    assert [(sample.mode, sample.keep_limit) for sample in seen] == [(mode, want)]
+
+
 def test_auto_keeps_the_zigzag_where_it_is_priced_faster():
     """--cp-layout auto (the default): per sample the balanced layout unless the zigzag is priced
     faster for the layers' mode (plan/choice.py) -- 32K tokens at CP 4, one node, the host priced:

@@ -323,3 +323,36 @@ def test_a_pulls_blocks_are_priced_a_kernel_call_per_mask_piece():
             calls = math.ceil(max(rows, 1) / piece) * math.ceil(cols / piece)
             assert forward[1] == pytest.approx(calls * topo.kernel_latency, rel=1e-9), (rows, cols)
             assert backward[1] == pytest.approx(calls * topo.kernel_latency, rel=1e-9) and forward[0] == 0.0
+
+
+def test_the_price_reads_what_the_backward_keeps():
+    """``keep_limit`` (the modes' ``backward_keep_limit``; keep_limit_of: 0 for "refetch", inf for
+    "keep"): the forward's price is the same at every limit, the backward's communication falls
+    as more is kept (8 ranks of 8K tokens, lognormal:16384 documents, seed 0, the balanced layout:
+    some rank reads more than it holds), and choose_layout and the ``auto`` layout kind price with
+    the limit they are given."""
+    import math
+    from dataclasses import replace as replaced
+
+    from megatron_mesh.plan.layouts import Sample, get_layout_kind
+    from megatron_mesh.plan.sparse_needs import keep_limit_of
+
+    P, S = 8, 64 * K
+    cu = document_bounds("lognormal:16384,1.0", S, 0)
+    shape, topo = AttentionShape(S // P, 1, **GQA), Topology(nodes=1, gpus_per_node=P)
+    layout = balanced_layout(cu, P)
+    docs = layout.documents()
+    for mode in ("ring", "tasp"):
+        cost = {x: layout_cost(layout, docs, shape, topo, mode, keep_limit=x) for x in (0.0, 1.0, 2.0, math.inf)}
+        assert len({c.forward_comm for c in cost.values()}) == 1, mode
+        back = [cost[x].backward_comm for x in (0.0, 1.0, 2.0, math.inf)]
+        assert back == sorted(back, reverse=True) and back[-1] < back[0], (mode, back)
+        assert cost[0.0] == layout_cost(layout, docs, shape, topo, mode, keep_limit=keep_limit_of("refetch"))
+        assert cost[math.inf] == layout_cost(layout, docs, shape, topo, mode, keep_limit=keep_limit_of("keep"))
+        for x in (0.0, math.inf):
+            assert choose_layout(layout, shape, topo, mode, keep_limit=x)[1] == cost[x]
+    sample = Sample(tuple(cu), P, ranks_per_node=P, mode="tasp", shape=shape, topology=topo)
+    auto = get_layout_kind("auto")
+    picks = {x: auto.pick(replaced(sample, keep_limit=x)) for x in (0.0, 1.0, math.inf)}
+    want = {x: choose_layout(layout, shape, topo, "tasp", keep_limit=x)[0] for x in picks}
+    assert picks == want, (picks, want)

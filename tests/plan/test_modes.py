@@ -38,6 +38,15 @@ def test_registry_holds_every_mode():
      r"transport 'alltoall': CP mode 'a2a\+tasp' runs its all-to-all and the inner tasp rounds point-to-point"),
     (lambda: parse_mode_spec("mesh:2x2:q"), r"mode 'mesh:2x2:q' has 2 settings after the name; mesh takes at most 1: "
                                             r"mesh:TILE"),
+    # the backward's keep limit: a number >= 0, and only where backward chunks are "auto"
+    (lambda: resolve("ring", 4, SHAPE, backward_keep_limit=-1), r"backward_keep_limit must be a number >= 0 .*got -1"),
+    (lambda: resolve("mesh", 4, SHAPE, backward_keep_limit=float("nan")), r"backward_keep_limit .*got nan"),
+    (lambda: resolve("tasp", 4, SHAPE, backward_keep_limit="2"), r"backward_keep_limit .*got '2'"),
+    (lambda: resolve("a2a+tasp", 4, SHAPE, ulysses_size=2, backward_keep_limit=True), r"backward_keep_limit .*got True"),
+    (lambda: resolve("ring", 4, SHAPE, backward_chunks="refetch", backward_keep_limit=2.0),
+     r"backward_keep_limit 2.0 applies only with backward_chunks='auto', got backward_chunks='refetch'"),
+    (lambda: resolve("mesh", 4, SHAPE, backward_keep_limit=2.0).with_options(backward_chunks="keep"),
+     r"backward_keep_limit 2.0 applies only with backward_chunks='auto', got backward_chunks='keep'"),
 ])
 def test_bad_settings_name_the_value(call, match):
     with pytest.raises(ValueError, match=match):
@@ -69,6 +78,12 @@ def test_tasp_placement_routes_same_node_peers():
                             "plan refetches))")
     assert resolve("tasp", 8, SHAPE, backward_chunks="refetch").describe() == (
         "tasp (CP 8, transport p2p, CP ranks per node 8)")
+    # a keep limit away from its default says so, in every mode's words
+    assert "backward auto, keep limit 2.0 under masks" in resolve("tasp", 8, SHAPE, backward_keep_limit=2.0).describe()
+    assert resolve("ring", 4, SHAPE, backward_keep_limit=0.5).describe() == \
+        "ring (CP 4, zigzag ring, backward auto, keep limit 0.5)"
+    assert "backward auto, keep limit inf," in resolve("mesh", 4, SHAPE, backward_keep_limit=float("inf")).describe()
+    assert resolve("ring", 4, SHAPE, backward_chunks="refetch", backward_keep_limit=1.0).options.backward_keep_limit == 1.0
 
 
 def test_hybrid_placement_has_ulysses_groups_and_mapped_inner_rings():

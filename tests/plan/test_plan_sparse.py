@@ -329,8 +329,11 @@ def test_backward_chunks_auto_keeps_what_fits_in_the_rank_s_own_chunk():
     Q, K and V chunk (keep_limit), and pulls only the rest again; its senders agree (they send
     again exactly what it does not keep). P = 4, T = 12, one causal document of 46 tokens on the
     zigzag: rank 0 reads 36 columns (12 of each other chunk: it keeps chunks 3 and 2, the first two
-    by shift), rank 1 30 (keeps chunks 0 and 3), ranks 2 and 3 read 24 and 18 (all kept). "keep" / "refetch" apply to every chunk; a dense
-    plan refetches under "auto"."""
+    by shift), rank 1 30 (keeps chunks 0 and 3), ranks 2 and 3 read 24 and 18 (all kept). "keep" /
+    "refetch" apply to every chunk; a dense plan refetches under "auto". The mode option
+    ``backward_keep_limit`` scales the budget: at 2.0 every rank keeps all it pulled here, at 0 the
+    plan is "refetch"'s op for op, at inf "keep"'s."""
+    import math
     from megatron_mesh.plan.accounting import buffer_bytes
     from megatron_mesh.plan.ir import Post
 
@@ -338,12 +341,13 @@ def test_backward_chunks_auto_keeps_what_fits_in_the_rank_s_own_chunk():
     shape = AttentionShape(seq_local=T, **SHAPE)
     mask = Mask.from_cu_seqlens([0, 46, 48], P * T)
     per = {k: buffer_bytes(k, 1, shape) for k in ("q", "kv")}
-    budget = TUNABLES.keep_limit * T * (per["q"] + per["kv"])
-    sent = {}
+    sent, ops = {}, {}
     for mode in ("ring", "tasp", "mesh"):
-        for bc in ("refetch", "keep", "auto"):
+        for bc, limit in (("refetch", 1.0), ("keep", 1.0), ("auto", 1.0), ("auto", 2.0), ("auto", 0.0),
+                          ("auto", math.inf)):
+            budget = limit * T * (per["q"] + per["kv"])
             settings = dict(tile=(1, 4)) if mode == "mesh" else {}
-            plan = resolve(mode, P, shape, backward_chunks=bc, **settings).build(shape, mask)
+            plan = resolve(mode, P, shape, backward_chunks=bc, backward_keep_limit=limit, **settings).build(shape, mask)
             validate_plan(plan)
             kept_all = []
             for r in range(P):
@@ -374,9 +378,9 @@ def test_backward_chunks_auto_keeps_what_fits_in_the_rank_s_own_chunk():
                         for t in op.sends:
                             if t.key.kind in ("q", "kv"):
                                 assert t.key.chunk == r and r not in {k.chunk for k in plan.rank(t.peer).saved}
-            if bc == "auto":  # docs/algorithms/mesh.md's worked example
+            if (bc, limit) == ("auto", 1.0):  # docs/algorithms/mesh.md's worked example
                 assert [{k.chunk for k in plan.rank(r).saved} for r in range(P)] == [{2, 3}, {0, 3}, {0, 1, 3}, {0, 1, 2}]
-            if bc == "auto" and mode == "ring":
+            if (bc, limit) == ("auto", 1.0) and mode == "ring":
                 # rank 0 keeps chunks 3 and 2 and pulls chunk 1 again: its blocks over the kept
                 # ones run one shift at a time, each shift's partials going home before the next
                 # block; rank 2 keeps all: its blocks over chunks 0 and 1 (the same rows) in one call
@@ -385,10 +389,13 @@ def test_backward_chunks_auto_keeps_what_fits_in_the_rank_s_own_chunk():
                 assert text[first + 1].startswith("post ") and "dkv3.4->3" in text[first + 1], text
                 assert any("x kv2.4 " in t for t in text[first + 2:]), text
                 assert any("x kv0.6,kv1.6 " in str(op) for op in plan.rank(2).backward), plan.rank(2).backward
-            want_all = {"keep": [True] * P, "refetch": [False] * P, "auto": [False, False, True, True]}[bc]
-            assert kept_all == want_all, (mode, bc, kept_all)
-            sent[mode, bc] = sum(b.sent for b in plan_bytes(plan, shape))
-        assert sent[mode, "keep"] < sent[mode, "auto"] < sent[mode, "refetch"], mode
+            want_all = {("keep", 1.0): [True] * P, ("refetch", 1.0): [False] * P, ("auto", 1.0): [False, False, True, True],
+                        ("auto", 2.0): [True] * P, ("auto", 0.0): [False] * P, ("auto", math.inf): [True] * P}
+            assert kept_all == want_all[bc, limit], (mode, bc, limit, kept_all)
+            sent[bc, limit] = sum(b.sent for b in plan_bytes(plan, shape))
+            ops[bc, limit] = [[str(op) for op in (*plan.rank(r).forward, *plan.rank(r).backward)] for r in range(P)]
+        assert sent["keep", 1.0] == sent["auto", 2.0] < sent["auto", 1.0] < sent["refetch", 1.0], mode
+        assert ops["auto", 0.0] == ops["refetch", 1.0] and ops["auto", math.inf] == ops["keep", 1.0], mode
     dense = resolve("ring", P, shape).build(shape, Mask(True))
     assert dense.backward_chunks == "refetch" and not any(dense.rank(r).saved for r in range(P))
     assert resolve("tasp", P, shape, backward_chunks="keep").build(shape, Mask(True)).backward_chunks == "refetch"

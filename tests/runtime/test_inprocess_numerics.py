@@ -287,23 +287,31 @@ def test_keeping_part_of_the_pulls_matches_the_dense_reference_at_odd_cp_sizes(w
     keeps what fits of its pulls and pulls the rest again (sparse_needs.kept_chunks), its blocks
     over the kept columns one shift at a time. Ring, TASP and Mesh on the zigzag and on the
     balanced layout, MHA / GQA / MQA by layout: outputs and gradients exact against the fp64
-    reference, bytes the plan's; at P >= 5 every mode has a rank that keeps part (asserted)."""
+    reference, bytes the plan's; at P >= 5 every mode has a rank that keeps part (asserted). On the
+    GQA problem the modes' ``backward_keep_limit`` away from its default too (0.5: less kept, 2.0:
+    more; some rank keeps other chunks than by default, asserted at P >= 5)."""
     S = world * 12
-    partial = set()
+    partial, other = set(), set()
     for heads, balanced in (("MHA", False), ("GQA", True), ("MQA", False)):
         p = cases.Problem(world, *cases.HEADS[heads], True, torch.float32, seq_local=12,
                           cu_seqlens=(0, S - 5, S), balanced=balanced)
         ref = cases.dense_reference(p)
+        limits = (1.0, 0.5, 2.0) if heads == "GQA" else (1.0,)
         for mode in ("ring", "tasp", "mesh"):
-            plan = resolve(mode, world, p.shape).build(p.shape, p.mask, p.layout)
-            assert plan.backward_chunks == "auto"
-            if any(plan.rank(r).saved and any(t.key.kind == "kv" for op in plan.rank(r).backward
-                                              if type(op).__name__ == "Post" for t in op.recvs)
-                   for r in range(world)):
-                partial.add(mode)
-            check(run_case(p, plan, ref=ref, label=f"{mode} {heads} balanced={balanced} P={world}"))
+            kept = {}
+            for limit in limits:
+                plan = resolve(mode, world, p.shape, backward_keep_limit=limit).build(p.shape, p.mask, p.layout)
+                assert plan.backward_chunks == "auto"
+                kept[limit] = [{k.chunk for k in plan.rank(r).saved} for r in range(world)]
+                if limit == 1.0 and any(plan.rank(r).saved and any(
+                        t.key.kind == "kv" for op in plan.rank(r).backward if type(op).__name__ == "Post"
+                        for t in op.recvs) for r in range(world)):
+                    partial.add(mode)
+                check(run_case(p, plan, ref=ref, label=f"{mode} {heads} balanced={balanced} P={world} keep {limit}"))
+            if any(kept[x] != kept[1.0] for x in limits):
+                other.add(mode)
     if world >= 5:
-        assert partial == {"ring", "tasp", "mesh"}, partial
+        assert partial == {"ring", "tasp", "mesh"} and other == partial, (partial, other)
 
 
 # -- identical to gloo and to the public autograd path ------------------------------------------------------

@@ -101,7 +101,7 @@ def test_plan_budget_flag_is_checked(capsys):
 
 def test_budget_admits_likeliest_placements_round_robin_and_spends_once():
     topo = Topology.for_cp(64, 8)
-    tasks = planner._mode_tasks(planner._wanted(["mesh", "a2a+ring"]), 64, SHAPE, topo, "auto", "greedy", [])
+    tasks = planner._mode_tasks(planner._wanted(["mesh", "a2a+ring"]), 64, SHAPE, topo, planner.plan_settings(), [])
     size = LayoutSize(ranks=64, pieces=1000, pairs=500)
     rows = plan_budget.Rows("zigzag", "zigzag", tuple((m, p, p.ulysses) for m, p in tasks), size)
     first = row_seconds(size, "zigzag", 1)
@@ -131,10 +131,10 @@ def test_the_default_budget_bounds_the_rows_at_1024_ranks():
     setups = [layout_rows._kind_setup(get_layout_kind(name), sample, shape, modes, False)
               for name in ("zigzag", "balanced")]
     budget = Budget(BUDGET_S)
-    keep = layout_rows._admit(setups, sample, topo, "auto", "greedy", budget)
+    keep = layout_rows._admit(setups, sample, topo, planner.plan_settings(), budget)
     assert 0 <= budget.left < BUDGET_S
     for name in ("zigzag", "balanced"):
-        tasks = planner._mode_tasks(planner._wanted(modes), P, shape, topo, "auto", "greedy", [])
+        tasks = planner._mode_tasks(planner._wanted(modes), P, shape, topo, planner.plan_settings(), [])
         assert len(keep[name]) == len(tasks) and 0 < sum(keep[name]) < len(tasks)
         assert any(k for (m, _), k in zip(tasks, keep[name]) if m == "ring")
 

@@ -1185,3 +1185,20 @@ def test_mesh_auto_skips_the_tiles_whose_plan_is_rings_on_the_balanced_layout():
     rows, skipped = evaluate(16, shape, topo, modes=["mesh-auto"], mask=Mask(True), layout=layout)
     assert rows == [r for r in every if r.mode == "mesh-auto"] and rows[0].extra["pick"] == "ring"
     assert [s["reason"] for s in skipped] == [RING_COPY] * 7
+
+
+def test_cli_backward_keep_limit(capsys):
+    """--backward-keep-limit X sets the modes' backward_keep_limit on every row: under documents a
+    larger limit keeps more of what the ranks pulled, so the busiest rank moves no more bytes (8
+    ranks, lognormal:16384 documents, seed 0, the balanced layout); a bad value, or a limit with
+    backward chunks other than 'auto', is an error naming it."""
+    argv = ["--cp", "8", "--seq-len", "65536", "--docs", "lognormal:16384,1.0", "--layout", "balanced",
+            "--modes", "ring,tasp"]
+    got = {x: {r["mode"]: r["bytes_per_rank"] for r in _json(capsys, *argv, "--backward-keep-limit", x)["modes"]}
+           for x in ("0", "1", "inf")}
+    for mode in ("ring", "tasp"):
+        assert got["inf"][mode] <= got["1"][mode] <= got["0"][mode] and got["inf"][mode] < got["0"][mode], got
+    assert main([*argv, "--backward-keep-limit", "-0.5"]) == 2
+    assert "--backward-keep-limit must be a number >= 0" in capsys.readouterr().err
+    assert main([*argv, "--backward-keep-limit", "2", "--backward-chunks", "refetch"]) == 2
+    assert "a keep limit (2.0) applies only with backward chunks 'auto', got 'refetch'" in capsys.readouterr().err

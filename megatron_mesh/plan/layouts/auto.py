@@ -31,7 +31,8 @@ class AutoKind(LayoutKind):
             return balanced.name, layout
         if sample.shape is None:
             raise ValueError(f"--cp-layout {self.name} prices each sample for its mode: give the per-rank shape")
-        pick = choose_layout(layout, sample.shape, sample.machine, sample.mode, sample.group, groups)[0]
+        pick = choose_layout(layout, sample.shape, sample.machine, sample.mode, sample.group, groups,
+                             sample.keep_limit)[0]
         return (balanced.name, layout) if pick == balanced.name else (zigzag.name, zigzag.build(sample))
 
     def build(self, sample: Sample) -> Layout | None:

@@ -25,6 +25,7 @@ from typing import ClassVar
 from ..layout import Layout
 from ..maskkinds import MaskKind, MaskStack, work_mask
 from ..shape import AttentionShape
+from ..sparse_needs import KEEP_LIMIT
 from ..topology import Topology
 
 __all__ = ["LayoutKind", "Sample", "LAYOUTS", "register", "get_layout_kind", "layout_names", "cp_layout_names",
@@ -44,8 +45,8 @@ class Sample:
     ``window``, a ``mask`` kind such as chunked, or the layers' :class:`~..maskkinds.MaskStack`),
     the Ulysses degree ``group`` of the mode that runs it (1: none), the CP ranks per node (None:
     one node), and -- for a kind that prices its choice (``auto``) -- the
-    ``mode`` that runs it, the per-rank ``shape`` and the machine (``topology``; None: nodes of
-    ``ranks_per_node`` with the default links)."""
+    ``mode`` that runs it, the per-rank ``shape``, the machine (``topology``; None: nodes of
+    ``ranks_per_node`` with the default links) and what its backward keeps (``keep_limit``)."""
 
     cu_seqlens: tuple[int, ...]
     world_size: int
@@ -59,6 +60,9 @@ class Sample:
     # a mask kind without documents (chunked, prefix), or the layers' masks (a MaskStack: layers with
     # different masks share the layout), instead of causal / window
     mask: MaskKind | MaskStack | None = None
+    # what the mode's backward keeps of what a rank pulled, x its own Q, K and V (a priced choice
+    # reads it: :func:`~..sparse_needs.keep_limit_of` of the mode's backward_chunks and keep limit)
+    keep_limit: float = KEEP_LIMIT
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cu_seqlens", tuple(int(c) for c in self.cu_seqlens))

@@ -31,6 +31,7 @@ from ..mask import Mask
 from ..problem import is_dense, normalize
 from ..shape import AttentionShape
 from ..sparse import Assignment, build_sparse_plan
+from ..sparse_needs import KEEP_LIMIT
 from ..topology import Topology
 from ..tunables import TUNABLES, Tunables
 
@@ -41,11 +42,16 @@ HYBRID_PREFIX = "a2a+"
 
 
 # -- options ----------------------------------------------------------------------------------------------
-def setting(default: Any, *, help: str, flag: str | None = None, parse: Callable[[str], Any] | None = None):
+def setting(default: Any, *, help: str, flag: str | None = None, parse: Callable[[str], Any] | None = None,
+            check: Callable[[str, Any], None] | None = None, only_with: tuple[str, Any] | None = None):
     """A mode option: a dataclass field with its help text and, when users set it on Megatron's
     command line, its ``flag`` (e.g. ``--mesh-tile-shape``); ``parse`` turns the flag's text into
-    the value (default: as given). Allowed values come from the field's ``Literal`` type."""
-    return field(default=default, metadata={"help": help, "flag": flag, "parse": parse})
+    the value (default: as given). Allowed values come from the field's ``Literal`` type, or
+    ``check(name, value)`` (ValueError naming the value); ``only_with=(option, value)``: a value
+    other than the default means something only where that other option has that value, so
+    elsewhere it is an error, not a setting silently ignored."""
+    return field(default=default, metadata={"help": help, "flag": flag, "parse": parse, "check": check,
+                                            "only_with": only_with})
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,8 @@ class OptionSpec:
     help: str
     flag: str | None
     parse: Callable[[str], Any] | None
+    check: Callable[[str, Any], None] | None = None
+    only_with: tuple[str, Any] | None = None
 
 
 def option_specs(options_type: type) -> tuple[OptionSpec, ...]:
@@ -67,7 +75,7 @@ def option_specs(options_type: type) -> tuple[OptionSpec, ...]:
     for f in dataclasses.fields(options_type):
         choices = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is typing.Literal else None
         out.append(OptionSpec(f.name, f.default, choices, f.metadata.get("help", ""), f.metadata.get("flag"),
-                              f.metadata.get("parse")))
+                              f.metadata.get("parse"), f.metadata.get("check"), f.metadata.get("only_with")))
     return tuple(out)
 
 
@@ -86,7 +94,23 @@ def check_options(mode: str, options_type: type, values: dict) -> Any:
             raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}")
         if hints[name] is bool and not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False, got {value!r}")
+        if specs[name].check is not None:
+            specs[name].check(name, value)
+        _check_only_with(specs, name, value, values)
     return options_type(**values)
+
+
+def _check_only_with(specs: dict, name: str, value, values: dict) -> None:
+    """ValueError where ``name`` is set away from its default while the option it goes with
+    (:func:`setting`'s ``only_with``) has another value than the one it needs."""
+    need = specs[name].only_with
+    if need is None or value == specs[name].default:
+        return
+    other, wanted = need
+    got = values.get(other, specs[other].default)
+    if got != wanted:
+        raise ValueError(f"{name} {value!r} applies only with {other}={wanted!r}, got {other}={got!r}: set "
+                         f"{other} to {wanted!r} or leave {name} at its default {specs[name].default!r}")
 
 
 @dataclass(frozen=True)
@@ -139,8 +163,9 @@ class Placement:
     def with_options(self, **values) -> "Placement":
         """A copy with the given options replaced where this placement's mode (or its inner
         mode's) has them, e.g. ``backward_chunks="keep"`` for every Mesh-like placement."""
-        names = {f.name for f in dataclasses.fields(self.options)}
-        options = dataclasses.replace(self.options, **{k: v for k, v in values.items() if k in names})
+        names = [f.name for f in dataclasses.fields(self.options)]
+        merged = {**{k: getattr(self.options, k) for k in names}, **{k: v for k, v in values.items() if k in names}}
+        options = check_options(self.mode, type(self.options), merged)  # checked as the mode's options() checks
         inner = self.inner.with_options(**values) if self.inner is not None else None
         return dataclasses.replace(self, options=options, inner=inner)
 
@@ -197,6 +222,7 @@ class Mode:
             return plan if plan.mode == self.name else replace(plan, mode=self.name, _cache={})
         return build_sparse_plan(self.name, p.world_size, shape, mask, layout, self.assignment(p, mask, layout),
                                  backward_chunks=getattr(p.options, "backward_chunks", "auto"),
+                                 keep_limit=getattr(p.options, "backward_keep_limit", KEEP_LIMIT),
                                  ranks_per_node=p.ranks_per_node, tunables=tunables)
 
     def check_layout(self, layout: Layout) -> None:

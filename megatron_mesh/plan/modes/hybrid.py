@@ -34,7 +34,8 @@ def _options_type(inner: Mode) -> type:
                setting(None, help="the all-to-all degree U (a divisor of the CP size; Megatron: "
                                   "--hierarchical-context-parallel-sizes U M)"))]
     for s in option_specs(inner.Options):
-        fields.append((s.name, hints[s.name], setting(s.default, help=s.help, flag=s.flag, parse=s.parse)))
+        fields.append((s.name, hints[s.name], setting(s.default, help=s.help, flag=s.flag, parse=s.parse, check=s.check,
+                                                           only_with=s.only_with)))
     return dataclasses.make_dataclass(f"{type(inner).__name__}HybridOptions", fields, frozen=True)
 
 

@@ -16,15 +16,34 @@ from ..mesh import BACKWARD_CHUNKS, CONTIGUOUS, TileMap, build_mesh_plan, build_
 from ..schedule import SCHEDULES
 from ..shape import AttentionShape
 from ..sparse import TILE_MAP, Assignment
+from ..sparse_needs import KEEP_LIMIT, check_keep_limit
 from ..topology import Topology
 from .base import Mode, Placement, setting, topology_for
 
-__all__ = ["MeshMode", "RingMode", "MeshOptions", "RingOptions"]
+__all__ = ["MeshMode", "RingMode", "MeshOptions", "RingOptions", "keep_limit_setting", "backward_words"]
 
 _BACKWARD_HELP = ("'refetch' re-communicates Q/KV chunks in the backward (ring attention's memory); 'keep' keeps "
                   "the forward's (fewer bytes, more activation memory); 'auto', under documents, windows or a "
                   "document layout, keeps on each rank as many of the chunks it pulled as fit in its own Q, K "
-                  "and V (those its backward reads first) and refetches the rest; dense plans refetch")
+                  "and V (those its backward reads first; --mesh-backward-keep-limit) and refetches the rest; dense "
+                  "plans refetch")
+
+
+def backward_words(options) -> str:
+    """What a placement's backward keeps, in words: its backward chunks, with the keep limit where
+    it is not the default (e.g. "auto, keep limit 2.0")."""
+    limit = options.backward_keep_limit
+    return options.backward_chunks + (f", keep limit {limit}" if limit != KEEP_LIMIT else "")
+
+
+def keep_limit_setting(flag: str):
+    """The ``backward_keep_limit`` option (its Megatron ``flag``): ring's, Mesh's and TASP's."""
+    return setting(KEEP_LIMIT, flag=flag, check=check_keep_limit, only_with=("backward_chunks", "auto"),
+                   help="under backward chunks 'auto' (documents, windows or a document layout): a rank keeps for "
+                        "the backward what it pulled in the forward up to this many times the bytes of its own Q, K "
+                        "and V chunk, and pulls the rest again -- more keeps fewer bytes and rounds for more "
+                        f"activation memory (default {KEEP_LIMIT}: at most one more Q + K + V chunk per layer; 0 "
+                        "keeps nothing, inf everything)")
 
 
 @dataclass(frozen=True)
@@ -43,6 +62,7 @@ class MeshOptions:
                                            help="order of the Mesh pulls: 'greedy' (compute unlocked per byte) or "
                                                 "'lockstep'")
     backward_chunks: Literal[BACKWARD_CHUNKS] = setting("auto", flag="--mesh-backward-chunks", help=_BACKWARD_HELP)
+    backward_keep_limit: float = keep_limit_setting("--mesh-backward-keep-limit")
     tile_auto: bool = setting(False, help="set by resolution: the tile was 'auto', so under a mask on Megatron's "
                                           "zigzag every tile's block map competes, not only the dense choice")
 
@@ -50,6 +70,7 @@ class MeshOptions:
 @dataclass(frozen=True)
 class RingOptions:
     backward_chunks: Literal[BACKWARD_CHUNKS] = setting("auto", flag="--mesh-backward-chunks", help=_BACKWARD_HELP)
+    backward_keep_limit: float = keep_limit_setting("--mesh-backward-keep-limit")
 
 
 class MeshMode(Mode):
@@ -128,7 +149,7 @@ class MeshMode(Mode):
     def describe(self, p: Placement) -> str:
         o = p.options
         return (f"mesh (CP {p.world_size}, tile {o.tile[0]}x{o.tile[1]}, schedule {o.schedule}, backward "
-                f"{o.backward_chunks}, contiguous {o.contiguous})")
+                f"{backward_words(o)}, contiguous {o.contiguous})")
 
 
 class RingMode(Mode):
@@ -144,4 +165,7 @@ class RingMode(Mode):
         return TileMap(1, p.world_size).rings()
 
     def describe(self, p: Placement) -> str:
-        return f"ring (CP {p.world_size}, zigzag ring)"
+        o = p.options
+        backward = "" if (o.backward_chunks, o.backward_keep_limit) == ("auto", KEEP_LIMIT) else \
+            f", backward {backward_words(o)}"
+        return f"ring (CP {p.world_size}, zigzag ring{backward})"

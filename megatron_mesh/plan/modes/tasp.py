@@ -13,6 +13,7 @@ from ..sparse import Assignment
 from ..tasp import build_tasp_plan, tasp_rings
 from ..topology import Topology
 from .base import Mode, Placement, setting
+from .mesh import backward_words, keep_limit_setting
 
 __all__ = ["TaspMode", "TaspOptions", "TRANSPORTS"]
 
@@ -29,9 +30,9 @@ class TaspOptions:
         "auto", flag="--tasp-backward-chunks",
         help="under documents, windows or a document layout: 'refetch' pulls the K/V tokens again in the backward, "
              "'keep' keeps the forward's (fewer bytes, more activation memory), 'auto' keeps on each rank as "
-             "many of them as fit in its own Q, K and V and pulls the rest again; the dense TASP plan refetches "
-             "under every setting (its "
-             "rotation would have to keep all P-1 chunks)")
+             "many of them as fit in its own Q, K and V (--tasp-backward-keep-limit) and pulls the rest again; the "
+             "dense TASP plan refetches under every setting (its rotation would have to keep all P-1 chunks)")
+    backward_keep_limit: float = keep_limit_setting("--tasp-backward-keep-limit")
 
 
 class TaspMode(Mode):
@@ -63,6 +64,7 @@ class TaspMode(Mode):
     def describe(self, p: Placement) -> str:
         # said where it shows (start-up log, telemetry): 'keep' changes only the mask-aware plans
         chunks = p.options.backward_chunks
-        backward = "" if chunks == "refetch" else f", backward {chunks} under masks (the dense plan refetches)"
+        backward = "" if chunks == "refetch" else \
+            f", backward {backward_words(p.options)} under masks (the dense plan refetches)"
         return (f"tasp (CP {p.world_size}, transport {p.options.transport}, CP ranks per node "
                 f"{p.ranks_per_node or p.world_size}{backward})")
