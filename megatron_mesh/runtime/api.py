@@ -246,7 +246,7 @@ def _options_doc(options_type: type, names: tuple[str, ...]) -> str:
     """The ``Args`` lines of a wrapper's mode options, from the mode's Options (their one owner)."""
     helps = {s.name: s.help for s in option_specs(options_type)}
     return "\n".join(textwrap.fill(f"{name}: {helps[name]}", 100, initial_indent=" " * 8,
-                                    subsequent_indent=" " * 12) for name in names)
+                                    subsequent_indent=" " * 12, break_on_hyphens=False) for name in names)
 
 
 def _takes_options(options_type: type, *names: str):
@@ -261,12 +261,13 @@ def _takes_options(options_type: type, *names: str):
     return wrap
 
 
-@_takes_options(MeshOptions, "tile", "contiguous", "schedule", "backward_chunks")
+@_takes_options(MeshOptions, "tile", "contiguous", "schedule", "backward_chunks", "backward_keep_limit")
 def mesh_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, tile=MeshOptions.tile, mask: MaskKind | None = None,
                    causal: bool | None = None,
                    window=None, cu_seqlens=None, layout=None, softmax_scale: float | None = None,
                    softmax_offset: Tensor | None = None, schedule: str = MeshOptions.schedule,
                    backward_chunks: str = MeshOptions.backward_chunks, contiguous: str = MeshOptions.contiguous,
+                   backward_keep_limit: float = MeshOptions.backward_keep_limit,
                    gpus_per_node: int | None = None, kernel: "str | BlockKernel" = "auto",
                    comm: Communicator | None = None) -> Tensor:
     """Mesh-Attention (see :func:`attention` for the common arguments). ``tile`` is (a, b) with
@@ -275,28 +276,30 @@ def mesh_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, tile=MeshOpti
     return attention(q, k, v, mode="mesh", group=group, mask=mask, causal=causal, window=window, cu_seqlens=cu_seqlens,
                      layout=layout, softmax_scale=softmax_scale, softmax_offset=softmax_offset, kernel=kernel,
                      comm=comm, tile=tile, schedule=schedule, backward_chunks=backward_chunks, contiguous=contiguous,
-                     ranks_per_node=gpus_per_node)
+                     backward_keep_limit=backward_keep_limit, ranks_per_node=gpus_per_node)
 
 
-@_takes_options(RingOptions, "backward_chunks")
+@_takes_options(RingOptions, "backward_chunks", "backward_keep_limit")
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, mask: MaskKind | None = None,
                    causal: bool | None = None, window=None,
                    cu_seqlens=None, layout=None, softmax_scale: float | None = None,
                    softmax_offset: Tensor | None = None, backward_chunks: str = RingOptions.backward_chunks,
+                   backward_keep_limit: float = RingOptions.backward_keep_limit,
                    kernel: "str | BlockKernel" = "auto", comm: Communicator | None = None) -> Tensor:
     """Ring attention (zigzag, as Transformer Engine's ``p2p``): Mesh-Attention with tile (1, P).
     Same arguments and layout as :func:`attention`."""
     return attention(q, k, v, mode="ring", group=group, mask=mask, causal=causal, window=window, cu_seqlens=cu_seqlens,
                      layout=layout, softmax_scale=softmax_scale, softmax_offset=softmax_offset, kernel=kernel,
-                     comm=comm, backward_chunks=backward_chunks)
+                     comm=comm, backward_chunks=backward_chunks, backward_keep_limit=backward_keep_limit)
 
 
-@_takes_options(TaspOptions, "transport", "backward_chunks")
+@_takes_options(TaspOptions, "transport", "backward_chunks", "backward_keep_limit")
 def tasp_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, mask: MaskKind | None = None,
                    causal: bool | None = None, window=None,
                    cu_seqlens=None, layout=None, softmax_scale: float | None = None,
                    softmax_offset: Tensor | None = None, gpus_per_node: int | None = None,
                    transport: str = TaspOptions.transport, backward_chunks: str = TaspOptions.backward_chunks,
+                   backward_keep_limit: float = TaspOptions.backward_keep_limit,
                    kernel: "str | BlockKernel" = "auto", comm: Communicator | None = None) -> Tensor:
     """TASP attention (see :func:`attention` for the common arguments).
 
@@ -311,7 +314,8 @@ def tasp_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, mask: MaskKin
     no Hamiltonian decomposition and use 2 and 4 rings)."""
     return attention(q, k, v, mode="tasp", group=group, mask=mask, causal=causal, window=window, cu_seqlens=cu_seqlens,
                      layout=layout, softmax_scale=softmax_scale, softmax_offset=softmax_offset, kernel=kernel,
-                     comm=comm, ranks_per_node=gpus_per_node, transport=transport, backward_chunks=backward_chunks)
+                     comm=comm, ranks_per_node=gpus_per_node, transport=transport, backward_chunks=backward_chunks,
+                     backward_keep_limit=backward_keep_limit)
 
 
 def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, ulysses_size: int, inner: str = "mesh",

@@ -482,7 +482,8 @@ def test_the_fingerprint_covers_whether_a_backward_follows(collectives):
 @pytest.mark.parametrize("change, field", [
     (dict(mode="mesh", tile=(2, 1)), "mode"),
     (dict(mode="mesh", tile=(1, 2), schedule="lockstep"), "mode"),
-    (dict(backward_chunks="keep"), "settings"),
+    (dict(backward_chunks="keep"), "mode"),  # the description says what the backward keeps
+    (dict(backward_keep_limit=2.0), "mode"),
     (dict(mode="tasp"), "mode"),
     (dict(mode="tasp", transport="alltoall"), "mode"),
     (dict(causal=False), "mask"),
