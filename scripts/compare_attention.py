@@ -43,6 +43,7 @@ from megatron_mesh.kernels import reference_attention
 from megatron_mesh.comm.spawn import spawn
 from megatron_mesh.plan import AttentionShape, Mask, plan_bytes, resolve
 from megatron_mesh.plan.modes import REFERENCE_MODE, parse_mode_spec
+from megatron_mesh.plan.sparse_needs import KEEP_LIMIT, check_keep_limit
 from megatron_mesh.plan.accounting import rank_work
 from megatron_mesh.tools.plan_args import document_bounds, read_layout_file, window_of
 
@@ -58,12 +59,19 @@ def mask_of(args) -> Mask:
                                 window).normalized(args.seq_len)
 
 
-def planned(mode: str, world: int, shape: AttentionShape, mask: Mask, layout: str = "zigzag", given=None):
-    """(placement, plan, layout) the runtime runs for ``mode`` (the same placement: settings, auto
-    tile, mask); ``layout`` "balanced" / "balanced-hide": the documents of ``mask`` on the balanced
-    layout of the mode's Ulysses group size, with ``hide`` for the latter; "file": the layout
-    ``given`` (layout None: Megatron's zigzag)."""
+def mode_settings(mode: str, keep_limit: float = KEEP_LIMIT) -> tuple[str, dict]:
+    """(name, settings) of a command-line ``mode``, with --backward-keep-limit where it is not the default."""
     name, settings = parse_mode_spec(mode)
+    return name, {**settings, "backward_keep_limit": keep_limit} if keep_limit != KEEP_LIMIT else settings
+
+
+def planned(mode: str, world: int, shape: AttentionShape, mask: Mask, layout: str = "zigzag", given=None,
+            keep_limit: float = KEEP_LIMIT):
+    """(placement, plan, layout) the runtime runs for ``mode`` (the same placement: settings, auto
+    tile, mask, ``keep_limit``); ``layout`` "balanced" / "balanced-hide": the documents of ``mask``
+    on the balanced layout of the mode's Ulysses group size, with ``hide`` for the latter; "file":
+    the layout ``given`` (layout None: Megatron's zigzag)."""
+    name, settings = mode_settings(mode, keep_limit)
     # 'auto' choices are made for causal / full attention, as the runtime does
     placement = resolve(name, world, shape, mask=Mask(mask.causal), **settings)
     if layout == "zigzag":
@@ -124,7 +132,7 @@ def run_rank(rank: int, world: int, args, runs) -> list[dict]:
             refs[mask] = [ref.detach()] + [x.grad for x in ref_in]
         want = refs.get(mask)
         for mode, layout in zip(args.modes, layouts):
-            name, settings = parse_mode_spec(mode)
+            name, settings = mode_settings(mode, args.backward_keep_limit)
             shard = ((lambda x: mm.zigzag_shard(x, rank, world)) if layout is None  # noqa: E731
                      else (lambda x, layout=layout: mm.layout_shard(x, rank, layout)))
             best = None
@@ -171,11 +179,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                           "(BalancedLayout.text(), as scripts/search_layout.py writes it)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per mode; the time is the best (default 1)")
     ap.add_argument("--no-check", action="store_true", help="skip the dense fp64 reference (long sequences)")
+    ap.add_argument("--backward-keep-limit", type=float, default=KEEP_LIMIT, metavar="X",
+                    help="every mode's backward_keep_limit: under documents or a window a rank keeps what it pulled "
+                         f"up to X times its own Q, K and V for the backward (default {KEEP_LIMIT})")
     args = ap.parse_args(argv)
     if args.kv_heads is None:
         args.kv_heads = args.heads
     if args.world < 1 or args.repeat < 1:
         ap.error(f"--world and --repeat must be >= 1, got {args.world} and {args.repeat}")
+    try:
+        check_keep_limit("--backward-keep-limit", args.backward_keep_limit)
+    except ValueError as e:
+        ap.error(str(e))
     if args.seq_len < 2 * args.world or args.seq_len % (2 * args.world):  # 0 too: each rank holds two halves
         ap.error(f"--seq-len {args.seq_len} must be a positive multiple of 2 * --world = {2 * args.world}")
     if not args.no_check:  # every process builds the dense reference: say so before they are killed
@@ -210,7 +225,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for v in variants:
         for mode in args.modes:
             try:
-                plans[v, mode] = planned(mode, args.world, shape, *v, given=given)
+                plans[v, mode] = planned(mode, args.world, shape, *v, given=given, keep_limit=args.backward_keep_limit)
             except ValueError as e:
                 # the API's setting names, as the mode spec spells them (mode:U for the all-to-all degree)
                 ap.error(f"--modes {mode}: " + str(e).replace("ulysses_size ", "the all-to-all degree U = "))

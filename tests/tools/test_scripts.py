@@ -413,13 +413,19 @@ def test_compare_attention_runs_documents_on_both_layouts(script, capsys):
     assert max(r["balance"] for r in rows if r["layout"] == "zigzag") > 1.1, rows  # what the layout is for
     refused(capsys, lambda: compare.main(["--world", "4", "--layout", "balanced"]),
             "--layout balanced lays out documents: give --docs", one_line=False)
-    # the hybrid on balanced-hide (its first and last documents set apart): exact, the plan's bytes
+    # the hybrid on balanced-hide (its first and last documents set apart), keeping less of what
+    # it pulled than by default (--backward-keep-limit): exact, the plan's bytes -- more of them
     rows = compare.main(["--world", "4", "--seq-len", "256", "--heads", "4", "--kv-heads", "1", "--head-dim", "8",
                          "--docs", "lognormal:40,1.0", "--seed", "3", "--layout", "balanced-hide",
-                         "--modes", "a2a+mesh:2", "a2a+tasp:2"])
+                         "--modes", "a2a+mesh:2", "a2a+tasp:2", "--backward-keep-limit", "0.25"])
     assert "layout: balanced-hide" in capsys.readouterr().out
     assert [r["layout"] for r in rows] == ["balanced-hide"] * 2, rows
     assert all(r["err"] < 1e-5 and r["sent"] == r["planned"] and r["balance"] <= 1.05 for r in rows), rows
+    shape = AttentionShape(64, 1, 4, 1, 8, 4)
+    mask = compare.mask_of(argparse.Namespace(window=None, docs="lognormal:40,1.0", full=False, seq_len=256, seed=3))
+    sent = {x: sum(b.sent for b in plan_bytes(compare.planned("a2a+tasp:2", 4, shape, mask, "balanced-hide",
+                                                                keep_limit=x)[1], shape)) for x in (0.25, 1.0)}
+    assert sent[0.25] > sent[1.0], sent
 
 
 def test_search_layout_starts_where_random_homes_rarely_fit(script, capsys):
@@ -657,6 +663,8 @@ def test_compare_cp_modes_refuses_a_report_directory_it_cannot_make(script, caps
     ("bench_plan_build", ["--cp", "4", "--seq-len", "1024", "--docs", "fixed:128", "--modes", "foo"],
      r"unknown CP mode 'foo'; allowed: ring"),
     ("compare_attention", ["--world", "0"], r"--world and --repeat must be >= 1, got 0 and 1"),
+    ("compare_attention", ["--world", "2", "--seq-len", "64", "--backward-keep-limit", "-1"],
+     r"--backward-keep-limit must be a number >= 0 .*got -1.0"),
     ("compare_attention", ["--world", "2", "--seq-len", "64", "--repeat", "0"], r"got 2 and 0"),
     ("compare_attention", ["--world", "2", "--seq-len", "64", "--docs", "fixed:8", "--window", "abc"],
      r"--window 'abc' must be L or L,R \(integers >= 0\)"),
