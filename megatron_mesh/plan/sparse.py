@@ -183,7 +183,7 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
                          "maps and the query owner, the fewest bytes on the busiest rank under this mask")
     burst = assignment.rounds == "burst"
     keeps = Keeps(backward_chunks, needs, T, token_bytes, keep_limit)
-    lowering = _SparseLowering(P, T, needs, index, keeps, burst, token_bytes, tunables, ranks_per_node)
+    lowering = _SparseLowering(P, T, needs, index, keeps, burst, token_bytes, tunables)
     notes.append(f"mask {mask.summary()}: each rank computes only the blocks with allowed pairs and receives only the "
                  f"tokens they read, from their owner ({'over all links at once, in groups' if burst else 'one round per shift'})")
     facts = MaskAwareFacts(assignment.rounds, assigned, tile, contiguous, lowering.rounds.final_round,
@@ -235,9 +235,8 @@ class _SparseLowering:
     arrive, each return round posted once the blocks writing it ran (the module docstring)."""
 
     def __init__(self, P: int, T: int, needs, index, keeps: Keeps, burst: bool, token_bytes: dict,
-                 tunables: Tunables, ranks_per_node: int | None = None):
+                 tunables: Tunables):
         self.P, self.T, self.needs, self.keeps, self.burst = P, T, needs, keeps, burst
-        self.ranks_per_node = ranks_per_node  # consecutive ranks per node (None: one node)
         self.token_bytes = token_bytes  # kind -> bytes per token
         self.slots = Slots(needs, P)
         self.rounds = Rounds(P, needs, index, keeps, burst, tunables)
@@ -263,9 +262,8 @@ class _SparseLowering:
         the rounds bringing its remote slots have completed (rows always travel: q and/or do;
         columns not in a backward that kept them from the forward)."""
         shift = self.rounds.shift
-        # a rank that keeps part of its pulls, or sends partials of kept chunks off its node, runs
-        # the blocks over kept columns one shift at a time
-        partly = backward and (not self.keeps.all(x) or self._kept_off_node(x))
+        # a rank that keeps part of its pulls runs the blocks over kept columns one shift at a time
+        partly = backward and not self.keeps.all(x)
 
         def step(b: tuple[int, int]) -> tuple[int, int]:
             i, j = b
@@ -279,19 +277,9 @@ class _SparseLowering:
             # still run one shift at a time, in the order their columns came in, so each shift's
             # partials go home as soon as they are made (one call for all of them would hold every
             # return round back until its end, the next pulls' blocks behind it); a rank keeping
-            # all of chunks on its own node runs them in one call per query rows (fewer kernel
-            # calls, its returns the last: over NVLink they come home fast, and the host's calls
-            # are what it waits for -- 8 GPUs, ring, seed 9 of lognormal:4096: 3.56 ms, one call
-            # per shift 4.29); across nodes the returns are slow and its peers' rounds wait on them
-            # (256 GPUs, ring on the zigzag, keep limit 2, seed 0: one call 13.15 ms, per shift 10.21)
+            # all runs them in one call per query rows (fewer kernel calls, its returns the last)
             return r, shift(x, j, False) if kept and partly and r == 0 else 0
         return step
-
-    def _kept_off_node(self, x: int) -> bool:
-        """Whether rank x keeps pulled slots of a chunk whose owner is on another node (its dK/dV
-        partials of them cross nodes)."""
-        n = self.ranks_per_node
-        return n is not None and any(c // n != x // n for c in self.keeps.kept(x))
 
     def _own(self, x: int, own: list[Op], pulls, returns, backward: bool) -> tuple[list[Op], list[Op]]:
         """The own block's calls before the pulls' wait and after the returns are posted: where

@@ -32,6 +32,9 @@ The values, and why:
   slower), and a count by work (pairs x query heads, one group per 1.2e8) instead of tokens gave
   U 8 on lognormal:4096 5-7 % but U 4 up to 6 % and plain TASP on a balanced layout up to 7 %
   slower: kept as it is (docs/performance.md, "What did not work").
+* (``keep_limit``, the budget of what ``backward_chunks="auto"`` keeps, was one until stop 63; it
+  is the modes' ``backward_keep_limit`` now, a user's memory-for-time setting:
+  :data:`~.sparse_needs.KEEP_LIMIT`.)
 * ``portion_work`` (1.0) and ``node_portion_work`` (0.5): the balanced layout cuts a document
   whose work is above this fraction of the mean per-rank (per-node, in the nodes-first pass of a
   layout for the plain modes) work into zigzag portions of at most this much work each (smaller

@@ -22,7 +22,7 @@ raises::
     softmax_scale: rank 0: 0.5, ranks 1-3: 0.17677669529663687
 
 What a call's digest covers: the mode and every placement setting (tile, schedule, backward
-chunks, rank order, ranks per node, transport, all-to-all degree, the inner placement), the mask
+chunks and keep limit, rank order, ranks per node, transport, all-to-all degree, the inner placement), the mask
 (causal, window, documents), the layout (zigzag, or THD's padded sequences), the local shape
 (s_local, batch, heads, kv heads, head dim, value head dim), the attention sinks' kind (none,
 fixed or learnable: not their values, which would cost a host read per call), the dtype, the

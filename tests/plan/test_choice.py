@@ -356,3 +356,6 @@ def test_the_price_reads_what_the_backward_keeps():
     picks = {x: auto.pick(replaced(sample, keep_limit=x)) for x in (0.0, 1.0, math.inf)}
     want = {x: choose_layout(layout, shape, topo, "tasp", keep_limit=x)[0] for x in picks}
     assert picks == want, (picks, want)
+    for bad in (-1.0, math.nan):
+        with pytest.raises(ValueError, match="keep_limit must be a number >= 0"):
+            replaced(sample, keep_limit=bad)

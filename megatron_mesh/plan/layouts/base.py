@@ -25,7 +25,7 @@ from typing import ClassVar
 from ..layout import Layout
 from ..maskkinds import MaskKind, MaskStack, work_mask
 from ..shape import AttentionShape
-from ..sparse_needs import KEEP_LIMIT
+from ..sparse_needs import KEEP_LIMIT, check_keep_limit
 from ..topology import Topology
 
 __all__ = ["LayoutKind", "Sample", "LAYOUTS", "register", "get_layout_kind", "layout_names", "cp_layout_names",
@@ -65,6 +65,7 @@ class Sample:
     keep_limit: float = KEEP_LIMIT
 
     def __post_init__(self) -> None:
+        check_keep_limit("keep_limit", self.keep_limit)
         object.__setattr__(self, "cu_seqlens", tuple(int(c) for c in self.cu_seqlens))
         if self.window is not None:
             object.__setattr__(self, "window", tuple(self.window))
