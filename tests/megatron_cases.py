@@ -200,6 +200,17 @@ def _doc_batch(seed: int):
                 position_ids=torch.arange(SEQ_M).expand(BATCH, SEQ_M).contiguous(), attention_mask=None)
 
 
+def _owners_batch(seed: int):
+    """Two samples of SEQ_M tokens whose documents Mesh's owners layout lays out at CP 4 (it names
+    other ranks than the query's owner for 5 and 3 blocks; it refuses :func:`_doc_batch`'s)."""
+    batch = _doc_batch(seed)
+    tokens = batch["tokens"]
+    tokens[tokens == VOCAB - 1] = 0
+    tokens[0, [7, 21, 23, 28, 36]] = VOCAB - 1
+    tokens[1, [10, 17, 36, 43, 45]] = VOCAB - 1
+    return dict(batch, labels=torch.roll(tokens, -1, 1))
+
+
 def _dense_doc_mask(tokens):
     """Megatron's --reset-attention-mask mask ([b, 1, s, s], True = masked): causal, and no token
     sees tokens at or before an end-of-document token that precedes it."""
@@ -261,8 +272,8 @@ def gpt_masked_equivalence(rank: int, world: int, layouts) -> list[dict]:
     records = []
     for tp, cp in layouts:
         pgc, single_pgc, cp_group = _parallel_layout(tp, cp, singles[rank])
-        full = _doc_batch(11)
-        for what in ("window", "documents", "balanced", "thd"):
+        for what in ("window", "documents", "balanced", "thd") + (("owners",) if (tp, cp) == (1, 4) else ()):
+            full = _owners_batch(11) if what == "owners" else _doc_batch(11)
             extra = dict(window_size=(5, 0)) if what == "window" else {}
             ref_cfg = _config(tp, 1, (4, 2), None, **extra)  # no documents: the reference reads the dense mask
             position = "rope"
@@ -273,7 +284,7 @@ def gpt_masked_equivalence(rank: int, world: int, layouts) -> list[dict]:
                 ref_batch = dict(packed_full)
                 ref_batch["attention_mask"] = _thd_dense_mask(packed_full)
             else:
-                documents = what in ("documents", "balanced")
+                documents = what in ("documents", "balanced", "owners")
                 ref_batch = dict(full, attention_mask=_dense_doc_mask(full["tokens"]) if documents else None)
             ref_loss, ref_grads = _run_masked(ref_model, ref_batch)
             # the mask must matter: the same model and batch with the plain causal mask differ
@@ -283,22 +294,27 @@ def gpt_masked_equivalence(rank: int, world: int, layouts) -> list[dict]:
             mask_effect = max(((unmasked_grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item()
                               for n, g in ref_grads.items())
             for label, mode, plugin in _masked_cases(cp):
+                if what == "owners" and mode != "mesh":  # only Mesh computes blocks where a layout names
+                    continue
                 plugin = dict(plugin)
                 hcp = plugin.pop("hierarchical_context_parallel_sizes", None)
                 # the hybrids on the balanced layout with their first and last documents set apart
                 # (pretrain() runs them on the plain balanced layout)
                 config = _config(tp, cp, (4, 2), mode, **extra, **plugin, seq_length=SEQ_M,
-                                 documents={"window": None, "documents": "eod", "balanced": "eod", "thd": "thd"}[what],
-                                 cp_layout=("balanced-hide" if hcp else "balanced") if what == "balanced" else "zigzag")
+                                 documents={"window": None, "thd": "thd"}.get(what, "eod"),
+                                 cp_layout={"balanced": "balanced-hide" if hcp else "balanced",
+                                            "owners": "owners"}.get(what, "zigzag"))
                 if hcp:
                     config.hierarchical_context_parallel_sizes = hcp
                 model = _build_len(config, gpt_local_layer_spec(config), pgc, position)
-                if what == "balanced":  # each sample split by its own layout; RoPE follows it
+                owners = []
+                if what in ("balanced", "owners"):  # each sample split by its own layout; RoPE follows it
                     split = batch_layout.BatchLayout.of(batch_layout.document_rows(full, "eod", VOCAB - 1), config,
                                                         cp_group.rank())
                     batch_layout.set_current(split)
                     assert batch_layout.follow_layout(model) == 1
                     packed, local = split.packed_seq_params(), split.shard(dict(full), cp_group)
+                    owners = [len(layout.owners) for layout in split.layouts]
                 elif what == "thd":
                     local, packed = pack_thd({k: v[:1] for k, v in full.items() if v is not None}
                                              | {"loss_mask": torch.ones(1, SEQ_M)}, VOCAB - 1, 8, cp_group.size(),
@@ -310,7 +326,7 @@ def gpt_masked_equivalence(rank: int, world: int, layouts) -> list[dict]:
                 batch_layout.set_current(None)
                 rec = _compare(f"TP={tp} CP={cp} {what} {label}", loss, grads, ref_loss, ref_grads, cp_group)
                 rec.update(label=label, what=what, tp=tp, cp=cp, unmasked_ref_loss=unmasked_loss.item(),
-                           mask_effect=mask_effect,
+                           mask_effect=mask_effect, owners=owners,
                            modes=[l.self_attention.core_attention.mode for l in model.decoder.layers])
                 records.append(rec)
         PROCESS_GROUPS.destroy()

@@ -27,10 +27,11 @@ import os
 import warnings
 from typing import Optional
 
-from ..plan.layouts import LAYOUTS, REFERENCE_LAYOUT, cp_layout_names
+from ..plan.layouts import DEFAULT_LAYOUT, LAYOUTS, REFERENCE_LAYOUT, cp_layout_names
 from ..plan.megatron_problem import THD_DOCUMENTS, MegatronProblem
 from ..plan.modes import HYBRID_PREFIX, get_mode
 from . import TE_MODES, cp_modes, plugin_modes
+from .layout_decision import layout_sample
 from .placement import resolve_placement
 from .settings import (ALL_PLUGIN_MODES, BATCH_DOCUMENTS, HIERARCHY_FLAG, NODES_FLAG, PluginSettings, flags,
                        layer_modes, plugin_modes_of, problem_of)
@@ -279,6 +280,13 @@ def _check_layout(args, settings: PluginSettings, problem: MegatronProblem, cp: 
                          f"({hybrids}), and this run has no such group ({sizes}); use --cp-layout {kind.varies}, the "
                          "same layout without them")
     _check_sample_layouts(args, which, zigzag)
+    seq = getattr(args, "seq_length", None)
+    probe = layout_sample((0, seq if isinstance(seq, int) else 2 * cp), args, settings)  # its documents aside
+    why = next((w for m in probe.layer_modes if (w := kind.runs(m)) is not None), None) or \
+        kind.refuses(probe, build=False)
+    if why is not None:
+        raise ValueError(f"{which}: {why}; pass --cp-layout {DEFAULT_LAYOUT} (the default: it runs each sample "
+                         f"on the fastest layout its layers' modes run), {zigzag}")
     return unused
 
 

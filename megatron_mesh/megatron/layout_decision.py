@@ -61,10 +61,16 @@ def sample_layout(cu_seqlens, config, settings: PluginSettings | None = None) ->
     Example: ``sample_layout([0, 8, 12, 16], args)`` at CP 2 under ``--cp-layout balanced`` -> rank
     0 holds [0, 2) + [6, 12), rank 1 [2, 6) + [12, 16); under ``auto`` None (16 tokens: a
     launch-bound step keeps the zigzag)."""
-    cp = config.context_parallel_size
     s = plugin_settings(config) if settings is None else settings
-    if cp == 1 or not s.layout.per_sample:
+    if config.context_parallel_size == 1 or not s.layout.per_sample:
         return None
+    return _decide(s.cp_layout, layout_sample(cu_seqlens, config, s))
+
+
+def layout_sample(cu_seqlens, config, settings: PluginSettings) -> Sample:
+    """What a layout of the sample with boundaries ``cu_seqlens`` is built for under ``config``
+    (:func:`sample_layout`; the start-up check asks a kind about it, documents aside)."""
+    cp, s = config.context_parallel_size, settings
     problem = problem_of(config, s)
     cu = tuple(int(c) for c in cu_seqlens)
     modes = layer_modes(config.cp_comm_type)
@@ -73,9 +79,9 @@ def sample_layout(cu_seqlens, config, settings: PluginSettings | None = None) ->
     window, stack = layer_masks(config, problem)
     options = s.options(mode)
     keeps = keep_limit_of(options.get("backward_chunks", "auto"), options.get("backward_keep_limit", KEEP_LIMIT))
-    sample = Sample(cu, cp, True, window, problem.ulysses, _nodes(s), mode,
-                    replace(problem.shape(cp), seq_local=cu[-1] // cp), mask=stack, keep_limit=keeps)
-    return _decide(s.cp_layout, sample)
+    return Sample(cu, cp, True, window, problem.ulysses, _nodes(s), mode,
+                  replace(problem.shape(cp), seq_local=cu[-1] // cp), mask=stack, keep_limit=keeps,
+                  layer_modes=tuple(dict.fromkeys(modes)))
 
 
 @functools.lru_cache(maxsize=512)

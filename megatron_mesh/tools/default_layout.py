@@ -1,8 +1,9 @@
 """The planner's rows of a derived CP layout (``auto``, Megatron's default ``--cp-layout``): per
 sample and mode the row of the layout the kind picks (:meth:`~megatron_mesh.plan.layouts.LayoutKind.pick`:
 ``auto`` prices the balanced layout against the zigzag for the mode with
-:func:`megatron_mesh.plan.choice.choose_layout`; the balanced layout under a window or full
-attention, where the choice is not priced).
+:func:`megatron_mesh.plan.choice.choose_layout`, and for Mesh on up to 8 ranks simulates the owners
+layout against that; the balanced layout under a window or full attention, where the choice is not
+priced).
 
 Example: at 256 GPUs (lognormal:4096 documents, seed 0) the "auto" rows of ring and TASP are the
 zigzag's (10.47 and 10.73 ms) and that of ``a2a+tasp`` U 8 the balanced layout's (3.04 ms).
@@ -13,36 +14,38 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..plan.modes import MODES as REGISTRY
+from .planner import AUTO, _auto_row
 
-__all__ = ["derived_rows"]
+__all__ = ["derived_rows", "registered_mode"]
 
 
-def _mode_of(row) -> str:
-    """The registered mode a row runs: its own, a derived row's (e.g. mesh-auto: mesh), or the
-    pick of the fastest-of-all row (``extra["pick"]``, e.g. "a2a+tasp U 8")."""
-    for name, m in REGISTRY.items():
-        if row.mode in (name, m.auto_row):
-            return name
-    return row.extra["pick"].split()[0]
+def registered_mode(mode: str) -> str:
+    """The registered mode a planner row of ``mode`` runs: itself, or a derived row's (e.g. mesh-auto:
+    mesh); ``mode`` itself where none does (the fastest of every mode, Transformer Engine's)."""
+    return next((name for name, m in REGISTRY.items() if mode in (name, m.auto_row)), mode)
 
 
 def derived_rows(kind, rows, sample) -> list:
     """Rows of the derived layout ``kind`` from ``rows`` (the rows of the kinds it picks between,
-    :attr:`~megatron_mesh.plan.layouts.LayoutKind.derived_from`, of one ``sample``; a row missing
-    from one of them is left out): per row of the first kind, the row of the same mode and
-    all-to-all degree on the kind ``kind.pick`` names for that mode; ``extra["auto_pick"]`` says which."""
+    :attr:`~megatron_mesh.plan.layouts.LayoutKind.derived_from`, of one ``sample``): per row of the
+    first kind, the row of the same mode and all-to-all degree on the kind ``kind.pick`` names for
+    that mode (left out where that row is missing); ``extra["auto_pick"]`` says which. The fastest
+    of every mode (``auto``, where the first kind has that row) is the fastest of these rows: each
+    mode may run on another layout."""
     first = kind.derived_from[0]
     by_name = {name: ({(r.mode, r.ulysses): r for r in rows if r.layout == name},
                       {r.mode: r for r in rows if r.layout == name}) for name in kind.derived_from}
-    out = []
+    out, fastest = [], False
     for r in rows:
         if r.layout != first:
             continue
-        same = {name: r if name == first else exact.get((r.mode, r.ulysses), by_mode.get(r.mode))
-                for name, (exact, by_mode) in by_name.items()}
-        if any(row is None for row in same.values()):
+        if r.mode == AUTO:
+            fastest = True
             continue
-        pick = kind.pick(replace(sample, group=r.ulysses, mode=_mode_of(r)))
-        row = same[pick]
+        pick = kind.pick(replace(sample, group=r.ulysses, mode=registered_mode(r.mode)))
+        exact, by_mode = by_name[pick]
+        row = r if pick == first else exact.get((r.mode, r.ulysses), by_mode.get(r.mode))
+        if row is None:
+            continue
         out.append(replace(row, layout=kind.name, extra={**row.extra, "auto_pick": pick}))
-    return out
+    return out + ([_auto_row(out)] if fastest and out else [])

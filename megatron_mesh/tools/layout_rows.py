@@ -28,7 +28,7 @@ from ..plan.problem import normalize
 from ..plan.shape import AttentionShape
 from ..plan.sparse_needs import KEEP_LIMIT, keep_limit_of
 from ..plan.topology import Topology
-from .default_layout import derived_rows
+from .default_layout import derived_rows, registered_mode
 from .formulas import usp_degree
 from .plan_budget import BUDGET_REASON, LATE_REASON, Budget, balanced_size, budget_rows, problem_size
 from .planner import AUTO, FORMULAS, ModeResult, _auto_row, _mode_tasks, _wanted, all_modes, evaluate, plan_settings
@@ -184,10 +184,19 @@ class _Setup:
     layout: object
     first: Layout | None
     too_large: str | None
+    skipped: tuple = ()  # the modes asked that the kind does not run here, with the reason
 
 
 def _kind_setup(kind, sample: Sample, shape: AttentionShape, modes, plan_all) -> _Setup:
     P = sample.world_size
+    asked = _hybrid_modes(modes) if kind.varies else modes  # it changes only the Ulysses groups' layouts
+    runs = {m: kind.runs(registered_mode(m)) for m in asked}
+    skipped = tuple({"mode": m, "reason": why} for m, why in runs.items() if why is not None)
+    asked = [m for m in asked if runs[m] is None]
+    refused = kind.refuses(sample) if asked else None
+    if refused is not None or skipped and not asked:  # no layout of this kind for the sample, or none asked
+        return _Setup(kind, [], shape, None, None, None, None, skipped + tuple(
+            {"mode": m, "reason": f"no {kind.name} layout of this sample: {refused}"} for m in asked))
     first = _built(kind.name, sample)  # the plain modes' layout: its tokens per rank, and whether it brings the documents
     if first is not None:
         shape = replace(shape, seq_local=first.seq_local)
@@ -196,8 +205,7 @@ def _kind_setup(kind, sample: Sample, shape: AttentionShape, modes, plan_all) ->
     mask = sample.head if first is not None and first.documents() is not None else \
         sample.head.with_documents(documents_of(sample.cu_seqlens, S)).normalized(S)
     layout = None if first is None else partial(_kind_layout, kind.name, sample)
-    asked = _hybrid_modes(modes) if kind.varies else modes  # it changes only the Ulysses groups' layouts
-    return _Setup(kind, asked, shape, mask, layout, first, None if plan_all else kind.too_large(sample))
+    return _Setup(kind, asked, shape, mask, layout, first, None if plan_all else kind.too_large(sample), skipped)
 
 
 def _admit(setups: list[_Setup], sample: Sample, topo: Topology, settings: dict,
@@ -209,6 +217,8 @@ def _admit(setups: list[_Setup], sample: Sample, topo: Topology, settings: dict,
         return {}
     P, priced = sample.world_size, []
     for st in setups:
+        if st.mask is None:  # the kind lays this sample out not at all (:meth:`LayoutKind.refuses`)
+            continue
         asked = [] if st.too_large else st.asked
         tasks = _mode_tasks(_wanted(asked), P, st.shape, topo, settings, [])
         kind, size = None, None
@@ -234,7 +244,9 @@ def _kind_rows(st: _Setup, sample: Sample, topo: Topology, modes, plan: dict, ke
     which of its rows the planning budget admitted (:func:`_admit`), ``budget``: its clock."""
     P, kind, asked = sample.world_size, st.kind, st.asked
     n = 0
-    if st.too_large:
+    if not asked:
+        got, skip = [], []
+    elif st.too_large:
         got, skip = [], [{"mode": m, "reason": f"{st.too_large} (plan them with --layout {kind.name})"} for m in asked]
     else:
         settings = plan_settings(plan["backward_chunks"], plan["schedule"], plan["keep_limit"])
@@ -242,6 +254,8 @@ def _kind_rows(st: _Setup, sample: Sample, topo: Topology, modes, plan: dict, ke
             if kept else 0
         got, skip = evaluate(P, st.shape, topo, modes=asked, mask=st.mask, layout=st.layout,
                              keep=kept[:n] if kept else None, budget=budget, **plan)
+        # a derived row's candidates the kind does not run (mesh-auto's ring on the owners layout)
+        skip = [s for s in skip if kind.runs(registered_mode(s["mode"].split()[0])) is None]
     if kind.varies:  # the fastest of the hybrids on it, then the rows asked for
         pool = [r for r in got if r.mode in REGISTRY]
         got = [r for r in got if r.mode in modes]
@@ -252,6 +266,7 @@ def _kind_rows(st: _Setup, sample: Sample, topo: Topology, modes, plan: dict, ke
         hybrids = ", ".join(_hybrid_names())
         skip += [{"mode": m, "reason": f"{kind.name} changes only the Ulysses groups' layouts ({hybrids}); the plain "
                   f"modes run on the {kind.varies} one (--layout {kind.varies})"} for m in modes if m not in asked and m != AUTO]
+    skip += list(st.skipped)
     if kind.transformer_engine_rows and sample.head.is_band:
         got += _te_rows(P, st.shape, topo, sample.head, st.first, skip, kept[n:] if kept else None, budget)
     elif kind.transformer_engine_rows:  # TE has no such mask

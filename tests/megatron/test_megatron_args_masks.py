@@ -48,6 +48,9 @@ MLA = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "32"
       PER_TOKEN, "--position-embedding-type", "rope", "--no-rope-fusion", "--micro-batch-size", "2"], "eod"),
     (["--context-parallel-size", "4", "--cp-comm-type", "ring", "--reset-attention-mask", PER_TOKEN,
       "--position-embedding-type", "rope", "--micro-batch-size", "1", "--cp-layout", "balanced"], "eod"),
+    # Mesh on its owners layout on every layer (the layout is built per sample; auto offers it too)
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask", PER_TOKEN,
+      "--cp-layout", "owners"], "eod"),
     # MLA with YaRN on the balanced layout: its own rotary follows the layout (unfused)
     (["--context-parallel-size", "4", "--cp-comm-type", "ring", "--reset-attention-mask", PER_TOKEN, *MLA,
       "--no-rope-fusion", "--cp-layout", "balanced"], "eod"),
@@ -155,11 +158,11 @@ def test_masks_and_hybrids_valid(megatron_args, our_entry, argv, documents):
      "--cp-layout auto (the default with packed documents at CP > 1) needs --calculate-per-token-loss: the ranks "
      "hold different documents"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--no-cp-layout-lookahead"],
-     "--no-cp-layout-lookahead applies to --cp-layout auto, balanced and balanced-hide (packed documents, "
+     "--no-cp-layout-lookahead applies to --cp-layout auto, balanced, balanced-hide and owners (packed documents, "
      "--reset-attention-mask, at CP > 1), which this run does not use; leave the flag out"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask", PER_TOKEN,
       "--cp-layout", "zigzag", "--no-cp-layout-lookahead"],
-     "--no-cp-layout-lookahead applies to --cp-layout auto, balanced and balanced-hide"),
+     "--no-cp-layout-lookahead applies to --cp-layout auto, balanced, balanced-hide and owners"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask", "--cp-layout", "balanced"],
      "--cp-layout balanced needs --calculate-per-token-loss"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask", PER_TOKEN,
@@ -183,6 +186,20 @@ def test_masks_and_hybrids_valid(megatron_args, our_entry, argv, documents):
      "with fused RoPE and --micro-batch-size 2: each sample has its own layout, so its own rotary positions, and "
      "Transformer Engine's fused RoPE takes one [s, 1, 1, d] table per batch; pass --no-rope-fusion or "
      "--micro-batch-size 1, or pass --cp-layout zigzag"),
+    # the owners layout: only where every layer is Mesh, on up to 8 ranks, without Ulysses groups or a window
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "ring", "--num-layers", "2", "--reset-attention-mask",
+      PER_TOKEN, "--cp-layout", "owners"],
+     "--cp-layout owners: the owners layout names other ranks than the query's owner for some blocks: mesh computes "
+     "them there, not ring; pass --cp-layout auto (the default: it runs each sample on the fastest layout its "
+     "layers' modes run), or pass --cp-layout zigzag"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+mesh", "--hierarchical-context-parallel-sizes", "2", "2",
+      "--reset-attention-mask", PER_TOKEN, "--cp-layout", "owners", *HEADS], "mesh computes them there, not a2a+mesh"),
+    (["--context-parallel-size", "16", "--cp-comm-type", "mesh", "--reset-attention-mask", PER_TOKEN,
+      "--cp-layout", "owners"], "--cp-layout owners: built for 2 to 8 CP ranks (its cost grows with the pairs of "
+     "ranks), got 16; pass --cp-layout auto"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask", PER_TOKEN,
+      "--window-size", "16,0", "--cp-layout", "owners"],
+     "--cp-layout owners: built for causal documents without a window or another mask kind"),
     # balanced-hide without a Ulysses group would be the balanced layout, silently
     (["--context-parallel-size", "4", "--cp-comm-type", "ring", "--reset-attention-mask", PER_TOKEN, "--cp-layout",
       "balanced-hide"], "--cp-layout balanced-hide changes only the layouts of the Ulysses groups of the all-to-all "

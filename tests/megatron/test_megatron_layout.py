@@ -129,6 +129,19 @@ def test_auto_prices_the_backward_the_layers_keep(monkeypatch, mode, flags, want
     assert [(sample.mode, sample.keep_limit) for sample in seen] == [(mode, want)]
 
 
+@pytest.mark.parametrize("modes, want", [("mesh", ("mesh",)), (["mesh", "ring"], ("mesh", "ring")),
+                                         (["mesh", "mesh"], ("mesh",))])
+def test_auto_knows_every_layer_s_mode(monkeypatch, modes, want):
+    """--cp-layout auto offers Mesh's owners layout only where every layer runs Mesh: the sample
+    carries the layers' modes (a per-layer list), each once."""
+    from megatron_mesh.megatron import layout_decision
+
+    seen = []
+    monkeypatch.setattr(layout_decision, "_decide", lambda name, sample: seen.append(sample))
+    batch_layout.sample_layout((0, 3, 19, 24, 32), config(cp_layout="auto", **{**PRICED, "cp_comm_type": modes}))
+    assert [(sample.mode, sample.layer_modes) for sample in seen] == [("mesh", want)]
+
+
 def test_auto_keeps_the_zigzag_where_it_is_priced_faster():
     """--cp-layout auto (the default): per sample the balanced layout unless the zigzag is priced
     faster for the layers' mode (plan/choice.py) -- 32K tokens at CP 4, one node, the host priced:

@@ -4,7 +4,8 @@ with per-sample document starts) on Megatron's zigzag and on each sample's balan
 (``--cp-layout balanced``: the batch split by :mod:`megatron_mesh.megatron.batch_layout`, RoPE
 gathered at the layout's positions), and THD packing (TE's per-sequence CP layout,
 ``cu_seqlens`` real and padded) through every plugin mode -- Mesh (a tile and ``auto``), TASP,
-ring, the Ulysses x Mesh hybrid and a per-layer mix -- matches the same model at CP 1 with
+ring, the Ulysses x Mesh hybrid and a per-layer mix -- and Mesh on its owners layout
+(``--cp-layout owners``: blocks computed where the layout names) matches the same model at CP 1 with
 Megatron's own attention and the equivalent dense mask: loss and every parameter gradient, rotary
 positions."""
 
@@ -53,6 +54,8 @@ def test_every_mode_and_mask_ran(records):
             assert (1, 4, what, label) in got
         for label in ("mesh 2x1", "ring"):
             assert (2, 2, what, label) in got
+    # Mesh on its owners layout (--cp-layout owners): each sample's blocks computed where it names
+    assert {r["label"]: r["owners"] for r in recs if r["what"] == "owners"} == {"mesh 2x2": [5, 3], "mesh auto": [5, 3]}
     for r in recs:
         if r["label"].startswith("a2a+mesh /"):
             assert r["modes"] == ["a2a+mesh", "mesh"]

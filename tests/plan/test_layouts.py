@@ -24,11 +24,11 @@ CU = (0, 3, 19, 24, 32)
 
 
 def test_registry_holds_every_layout_and_what_runs_it():
-    assert layout_names() == ("zigzag", "thd", "balanced", "balanced-hide", "auto")
-    assert cp_layout_names() == ("auto", "zigzag", "balanced", "balanced-hide") and DEFAULT_LAYOUT == "auto"
+    assert layout_names() == ("zigzag", "thd", "balanced", "balanced-hide", "owners", "auto")
+    assert cp_layout_names() == ("auto", "zigzag", "balanced", "balanced-hide", "owners") and DEFAULT_LAYOUT == "auto"
     assert [LAYOUTS[n].flag for n in layout_names()] == ["--cp-layout zigzag", "--cp-thd-packing",
                                                          "--cp-layout balanced", "--cp-layout balanced-hide",
-                                                         "--cp-layout auto"]
+                                                         "--cp-layout owners", "--cp-layout auto"]
     with pytest.raises(ValueError, match="unknown CP layout 'ragged'; allowed: zigzag, thd, balanced"):
         get_layout_kind("ragged")
 

@@ -63,9 +63,13 @@ class Sample:
     # what the mode's backward keeps of what a rank pulled, x its own Q, K and V (a priced choice
     # reads it: :func:`~..sparse_needs.keep_limit_of` of the mode's backward_chunks and keep limit)
     keep_limit: float = KEEP_LIMIT
+    # every mode that runs on the layout where it is more than ``mode`` (Megatron's per-layer list,
+    # TE's modes included): a priced choice offers only a layout each of them runs (:meth:`LayoutKind.runs`)
+    layer_modes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_keep_limit("keep_limit", self.keep_limit)
+        object.__setattr__(self, "layer_modes", tuple(self.layer_modes))
         object.__setattr__(self, "cu_seqlens", tuple(int(c) for c in self.cu_seqlens))
         if self.window is not None:
             object.__setattr__(self, "window", tuple(self.window))
@@ -111,6 +115,19 @@ class LayoutKind:
     def pick(self, sample: Sample) -> str:
         """A derived kind (:attr:`derived_from`): the kind whose layout ``sample`` runs on."""
         raise NotImplementedError(f"CP layout {self.name!r} is not picked from other layouts")
+
+    def runs(self, mode: str) -> str | None:
+        """Why CP mode ``mode`` cannot run on this kind's layouts (the planner lists its rows as
+        skipped with it, ``auto`` offers the layout only where every layer's mode runs on it);
+        None: it can."""
+        return None
+
+    def refuses(self, sample: Sample, *, build: bool = True) -> str | None:
+        """Why this kind gives ``sample`` no layout (the planner lists its rows as skipped with it,
+        ``auto`` leaves it out, Megatron's start-up check names it); None: :meth:`build` lays it
+        out. ``build=False``: only what does not depend on the sample's documents (the start-up
+        check, before any sample)."""
+        return None
 
     def too_large(self, sample: Sample) -> str | None:
         """Why a comparison of every layout leaves the plugin's modes out on this one for ``sample``
