@@ -81,7 +81,12 @@ def layout_sample(cu_seqlens, config, settings: PluginSettings) -> Sample:
     keeps = keep_limit_of(options.get("backward_chunks", "auto"), options.get("backward_keep_limit", KEEP_LIMIT))
     return Sample(cu, cp, True, window, problem.ulysses, _nodes(s), mode,
                   replace(problem.shape(cp), seq_local=cu[-1] // cp), mask=stack, keep_limit=keeps,
-                  layer_modes=tuple(dict.fromkeys(modes)))
+                  layer_modes=tuple(dict.fromkeys(modes)), options=_hashable(options))
+
+
+def _hashable(options: dict) -> tuple:
+    """The mode's options as a Sample carries them (lists as tuples)."""
+    return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in options.items())
 
 
 @functools.lru_cache(maxsize=512)

@@ -30,8 +30,9 @@ def derived_rows(kind, rows, sample) -> list:
     :attr:`~megatron_mesh.plan.layouts.LayoutKind.derived_from`, of one ``sample``): per row of the
     first kind, the row of the same mode and all-to-all degree on the kind ``kind.pick`` names for
     that mode (left out where that row is missing); ``extra["auto_pick"]`` says which. The fastest
-    of every mode (``auto``, where the first kind has that row) is the fastest of these rows: each
-    mode may run on another layout."""
+    of every mode (``auto``, where the first kind has that row) is the fastest of these rows (of
+    the registered modes' where there are some): each mode may run on another layout, so ``rows``
+    should hold every mode's (:func:`~.layout_rows.layout_rows` plans them all for it)."""
     first = kind.derived_from[0]
     by_name = {name: ({(r.mode, r.ulysses): r for r in rows if r.layout == name},
                       {r.mode: r for r in rows if r.layout == name}) for name in kind.derived_from}
@@ -48,4 +49,5 @@ def derived_rows(kind, rows, sample) -> list:
         if row is None:
             continue
         out.append(replace(row, layout=kind.name, extra={**row.extra, "auto_pick": pick}))
-    return out + ([_auto_row(out)] if fastest and out else [])
+    pool = [r for r in out if r.mode in REGISTRY] or out  # the modes' own rows (mesh-auto is one of them)
+    return out + ([_auto_row(pool)] if fastest and pool else [])

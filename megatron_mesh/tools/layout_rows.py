@@ -31,7 +31,8 @@ from ..plan.topology import Topology
 from .default_layout import derived_rows, registered_mode
 from .formulas import usp_degree
 from .plan_budget import BUDGET_REASON, LATE_REASON, Budget, balanced_size, budget_rows, problem_size
-from .planner import AUTO, FORMULAS, ModeResult, _auto_row, _mode_tasks, _wanted, all_modes, evaluate, plan_settings
+from .planner import (AUTO, FORMULAS, ModeResult, _auto_row, _mode_tasks, _wanted, all_modes, evaluate, plan_modes,
+                      plan_settings)
 from .workers import check_jobs, worker_pool
 
 __all__ = ["TE_ROWS", "layout_rows"]
@@ -142,18 +143,23 @@ def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, kind, mode
     if cu[-1] != S:
         raise ValueError(f"the documents cover {cu[-1]} tokens, the sequence {S}")
     given = all_modes() if modes is None else modes
-    modes = [m for m in given if m not in FORMULAS]
+    shown = [m for m in given if m not in FORMULAS]
+    # a derived layout's fastest row is over every mode, each on the layout picked for it: every mode's
+    # rows are planned anyway for the fastest ones (auto's candidates); kept here for the derivation
+    fastest = AUTO in shown and any(lk.derived_from for lk in kinds)
+    modes = list(dict.fromkeys([*shown, *plan_modes()])) if fastest else shown
     rows, skipped = [], [{"mode": m, "reason": "priced by formula for dense attention only, not under documents"}
                          for m in given if m in FORMULAS]
     sample = Sample(tuple(cu), world_size, causal, window, ranks_per_node=_node_ranks(world_size, topo), shape=shape,
                     topology=topo, mask=kind,
-                    keep_limit=keep_limit_of(settings["backward_chunks"], settings["backward_keep_limit"]))
+                    keep_limit=keep_limit_of(settings["backward_chunks"], settings["backward_keep_limit"]),
+                    options=tuple(settings.items()))
     plan = dict(backward_chunks=settings["backward_chunks"], schedule=settings["schedule"],
                 keep_limit=settings["backward_keep_limit"], explain=explain, executor=executor)
     setups = [_kind_setup(lk, sample, shape, modes, plan_all) for lk in kinds if not lk.derived_from]
     keep = _admit(setups, sample, topo, settings, budget) if budget is not None else {}
     for setup in setups:
-        got, skip = _kind_rows(setup, sample, topo, modes, plan, keep.get(setup.kind.name), budget)
+        got, skip = _kind_rows(setup, sample, topo, shown, plan, keep.get(setup.kind.name), budget)
         rows += [replace(r, layout=setup.kind.name) for r in got]
         skipped += [{**s, "mode": f"{s['mode']} ({setup.kind.name})"} for s in skip]
     for lk in kinds:
@@ -167,8 +173,9 @@ def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, kind, mode
         # a mode whose rows on the kinds it picks between were not all planned (past the budget, say)
         have = {r.mode for r in got}
         skipped += [{"mode": f"{m} ({lk.name})", "reason": f"its {' or '.join(lk.derived_from)} row was not "
-                     "planned (that row, or its mode's, says why)"} for m in modes if m not in have]
-    return rows, skipped
+                     "planned (that row, or its mode's, says why)"} for m in shown if m not in have]
+    extra = set(modes) - set(shown)  # planned only for the derived layout's fastest row
+    return [r for r in rows if r.mode not in extra], skipped
 
 
 @dataclass(frozen=True)
@@ -185,18 +192,22 @@ class _Setup:
     first: Layout | None
     too_large: str | None
     skipped: tuple = ()  # the modes asked that the kind does not run here, with the reason
+    leave_out: frozenset = frozenset()  # the registered modes it does not run (not planned as candidates either)
 
 
 def _kind_setup(kind, sample: Sample, shape: AttentionShape, modes, plan_all) -> _Setup:
     P = sample.world_size
     asked = _hybrid_modes(modes) if kind.varies else modes  # it changes only the Ulysses groups' layouts
-    runs = {m: kind.runs(registered_mode(m)) for m in asked}
+    leave_out = frozenset(m for m in plan_modes() if kind.runs(m) is not None)
+    # the fastest of every mode: of those it runs
+    runs = {m: None if m == AUTO and len(leave_out) < len(plan_modes()) else kind.runs(registered_mode(m))
+            for m in asked}
     skipped = tuple({"mode": m, "reason": why} for m, why in runs.items() if why is not None)
     asked = [m for m in asked if runs[m] is None]
     refused = kind.refuses(sample) if asked else None
     if refused is not None or skipped and not asked:  # no layout of this kind for the sample, or none asked
         return _Setup(kind, [], shape, None, None, None, None, skipped + tuple(
-            {"mode": m, "reason": f"no {kind.name} layout of this sample: {refused}"} for m in asked))
+            {"mode": m, "reason": f"no {kind.name} layout of this sample: {refused}"} for m in asked), leave_out)
     first = _built(kind.name, sample)  # the plain modes' layout: its tokens per rank, and whether it brings the documents
     if first is not None:
         shape = replace(shape, seq_local=first.seq_local)
@@ -205,7 +216,8 @@ def _kind_setup(kind, sample: Sample, shape: AttentionShape, modes, plan_all) ->
     mask = sample.head if first is not None and first.documents() is not None else \
         sample.head.with_documents(documents_of(sample.cu_seqlens, S)).normalized(S)
     layout = None if first is None else partial(_kind_layout, kind.name, sample)
-    return _Setup(kind, asked, shape, mask, layout, first, None if plan_all else kind.too_large(sample), skipped)
+    return _Setup(kind, asked, shape, mask, layout, first, None if plan_all else kind.too_large(sample), skipped,
+                  leave_out)
 
 
 def _admit(setups: list[_Setup], sample: Sample, topo: Topology, settings: dict,
@@ -220,7 +232,7 @@ def _admit(setups: list[_Setup], sample: Sample, topo: Topology, settings: dict,
         if st.mask is None:  # the kind lays this sample out not at all (:meth:`LayoutKind.refuses`)
             continue
         asked = [] if st.too_large else st.asked
-        tasks = _mode_tasks(_wanted(asked), P, st.shape, topo, settings, [])
+        tasks = _mode_tasks(_wanted(asked) - st.leave_out, P, st.shape, topo, settings, [])
         kind, size = None, None
         if isinstance(st.first, ThdLayout):
             kind = "thd"
@@ -247,15 +259,14 @@ def _kind_rows(st: _Setup, sample: Sample, topo: Topology, modes, plan: dict, ke
     if not asked:
         got, skip = [], []
     elif st.too_large:
-        got, skip = [], [{"mode": m, "reason": f"{st.too_large} (plan them with --layout {kind.name})"} for m in asked]
+        got, skip = [], [{"mode": m, "reason": f"{st.too_large} (plan them with --layout {kind.name})"} for m in asked
+                         if m in modes]
     else:
         settings = plan_settings(plan["backward_chunks"], plan["schedule"], plan["keep_limit"])
-        n = len(_mode_tasks(_wanted(asked), P, st.shape, topo, settings, [])) \
+        n = len(_mode_tasks(_wanted(asked) - st.leave_out, P, st.shape, topo, settings, [])) \
             if kept else 0
         got, skip = evaluate(P, st.shape, topo, modes=asked, mask=st.mask, layout=st.layout,
-                             keep=kept[:n] if kept else None, budget=budget, **plan)
-        # a derived row's candidates the kind does not run (mesh-auto's ring on the owners layout)
-        skip = [s for s in skip if kind.runs(registered_mode(s["mode"].split()[0])) is None]
+                             keep=kept[:n] if kept else None, budget=budget, leave_out=st.leave_out, **plan)
     if kind.varies:  # the fastest of the hybrids on it, then the rows asked for
         pool = [r for r in got if r.mode in REGISTRY]
         got = [r for r in got if r.mode in modes]
@@ -266,7 +277,7 @@ def _kind_rows(st: _Setup, sample: Sample, topo: Topology, modes, plan: dict, ke
         hybrids = ", ".join(_hybrid_names())
         skip += [{"mode": m, "reason": f"{kind.name} changes only the Ulysses groups' layouts ({hybrids}); the plain "
                   f"modes run on the {kind.varies} one (--layout {kind.varies})"} for m in modes if m not in asked and m != AUTO]
-    skip += list(st.skipped)
+    skip += [s for s in st.skipped if s["mode"] in modes]  # of the modes shown (not those planned for auto)
     if kind.transformer_engine_rows and sample.head.is_band:
         got += _te_rows(P, st.shape, topo, sample.head, st.first, skip, kept[n:] if kept else None, budget)
     elif kind.transformer_engine_rows:  # TE has no such mask

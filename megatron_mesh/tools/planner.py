@@ -333,14 +333,15 @@ def _derived_row(mode: str, evaluated: dict, pools: dict) -> ModeResult | None:
 def evaluate(world_size: int, shape: AttentionShape, topo: Topology, modes=None, *, mask: Mask | None = None,
              layout=None, backward_chunks: str = "auto", schedule: str = "greedy", keep_limit: float = KEEP_LIMIT,
              work: bool = False, explain: bool = False, jobs: int = 1, executor: Executor | None = None,
-             budget: Budget | None = None, keep: list[bool] | None = None) -> tuple[list[ModeResult], list[dict]]:
+             budget: Budget | None = None, keep: list[bool] | None = None,
+             leave_out: frozenset = frozenset()) -> tuple[list[ModeResult], list[dict]]:
     """Rows for ``modes`` (see :data:`MODES`) and the modes that cannot run, with the reason.
 
     ``mask`` (default: causal; ``Mask(False)`` full attention) and ``layout`` (a layout, or a function of the
     placement giving one -- a layout balanced per Ulysses group) build the plan-based modes
     mask-aware; the formula rows (ulysses, usp) assume dense attention and are left out then.
     ``work``: give every plan-based row its per-rank work max / mean (masked rows always have it);
-    ``explain``: and where its time goes (``extra["breakdown"]``, :func:`~..plan.simulate.time_breakdown`).
+    ``explain``: and where its time goes (``extra["breakdown"]``, :func:`~..plan.simulate.time_breakdown`);
     ``backward_chunks``, ``schedule``, ``keep_limit`` (``backward_keep_limit``): on every placement (:func:`plan_settings`).
     ``jobs``: processes that plan and simulate the placements in parallel (1: this one; 0: one per
     CPU core; :func:`check_jobs`) -- the same rows, in the same order; ``layout`` must then pickle
@@ -352,7 +353,7 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, modes=None,
     left out up front and named in the skipped list (None: every row), and those its clock finds
     late for (:meth:`~.plan_budget.Budget.late`). ``keep``: instead of its estimates, which
     placements to plan, in the order of the modes' candidates (what :func:`layout_rows` admitted
-    over several layouts)."""
+    over several layouts). ``leave_out``: modes the layout cannot run, not planned as candidates."""
     jobs = check_jobs(jobs)
     allowed = all_modes()
     modes = allowed if modes is None else modes
@@ -362,9 +363,8 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, modes=None,
     topo.check(world_size)
     mask = Mask() if mask is None else mask
     masked = not mask.normalized(world_size * shape.seq_local).is_dense or layout is not None
-    rows: list[ModeResult] = []
     skipped: list[dict] = []
-    wanted = _wanted(modes)
+    wanted = _wanted(modes) - set(leave_out)
     auto_rows = {m.auto_row: (m.name, *m.auto_pool) for m in REGISTRY.values() if m.auto_row}
     tasks = _mode_tasks(wanted, world_size, shape, topo, plan_settings(backward_chunks, schedule, keep_limit), skipped)
     if keep is None and budget is not None and budget.limited:
@@ -375,6 +375,14 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, modes=None,
     tasks = _drop_ring_copies(tasks, modes, world_size, shape, mask, layout, skipped)
     with nullcontext(executor) if executor is not None else worker_pool(jobs) as pool:
         evaluated = _evaluate_modes(tasks, shape, topo, mask, layout, skipped, work, explain, pool, budget)
+    return _rows_of(modes, evaluated, auto_rows, None if masked else mask, world_size, shape, topo, skipped), skipped
+
+
+def _rows_of(modes, evaluated: dict, auto_rows: dict, dense: Mask | None, world_size: int, shape: AttentionShape,
+             topo: Topology, skipped: list[dict]) -> list[ModeResult]:
+    """:func:`evaluate`'s rows of ``modes`` from the placements ``evaluated``: the modes', the derived
+    rows of ``auto_rows``, the formulas' (only where the mask is ``dense``, None otherwise)."""
+    rows: list[ModeResult] = []
     for mode in modes:
         if mode in REGISTRY:
             rows.extend(evaluated.get(mode, []))
@@ -382,14 +390,14 @@ def evaluate(world_size: int, shape: AttentionShape, topo: Topology, modes=None,
             row = _derived_row(mode, evaluated, auto_rows)
             rows += [row] if row else []
             skipped += [] if row else [{"mode": mode, "reason": NO_CANDIDATE}]
-        elif masked:
+        elif dense is None:
             skipped.append({"mode": mode, "reason": "priced by formula for dense attention only"})
         else:
             try:
-                rows.append(FORMULA[mode](world_size, shape, topo, mask.causal))
+                rows.append(FORMULA[mode](world_size, shape, topo, dense.causal))
             except ValueError as e:
                 skipped.append({"mode": mode, "reason": str(e)})
-    return rows, skipped
+    return rows
 
 
 # -- the documents' work -------------------------------------------------------------------------------

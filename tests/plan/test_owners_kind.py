@@ -72,7 +72,7 @@ def _eight_gpus(seed: int, mode: str, **kw) -> Sample:
 
 def test_auto_keeps_the_owners_layout_for_mesh_where_it_simulates_faster():
     """8 GPUs, 32/8 heads of 128 in bf16: on seed 0 Mesh runs 4.81 ms on the owners layout against
-    5.21 on the balanced layout the model picks, on seed 4 16.59 against 16.07 (docs/performance.md,
+    5.21 on the balanced layout the model picks, on seed 4 16.59 against 16.08 (docs/performance.md,
     "Mesh's own layout"); ring, a per-layer list with ring, and Transformer Engine's p2p never get it."""
     auto = get_layout_kind("auto")
     balanced = get_layout_kind("balanced")
@@ -82,7 +82,22 @@ def test_auto_keeps_the_owners_layout_for_mesh_where_it_simulates_faster():
         assert (mine < theirs) == (want == "owners") and auto.pick(sample) == want
         assert auto.build(sample) == (OWNERS if want == "owners" else balanced).build(sample)
     sample = _eight_gpus(0, "mesh")
-    assert step_time(sample, auto.build(sample)) == pytest.approx(4.807e-3, rel=2e-3)
+    assert step_time(sample, auto.build(sample)) == min(step_time(sample, OWNERS.build(sample)),
+                                                       step_time(sample, balanced.build(sample)))
+    # where the price keeps the zigzag (seed 1) the owners layout is not offered: beside the zigzag
+    # the planner's mesh-auto row is the fastest of Mesh's tiles and ring's plan (plan/layouts/auto.py)
+    assert auto.pick(_eight_gpus(1, "mesh")) == "zigzag"
     for other in (_eight_gpus(0, "ring"), _eight_gpus(0, "mesh", layer_modes=("mesh", "ring")),
                   _eight_gpus(0, "mesh", layer_modes=("mesh", "p2p"))):
         assert auto.pick(other) == "balanced" and auto.build(other) == balanced_layout(other.cu_seqlens, 8)
+
+
+def test_the_price_plans_with_the_layers_options():
+    """step_time plans the mode with the options the layers set (Sample.options; those the mode
+    takes): Mesh refetching its backward's chunks is the plan of keep limit 0, slower here."""
+    sample = _eight_gpus(0, "mesh")
+    layout = OWNERS.build(sample)
+    refetch = step_time(replace(sample, options=(("backward_chunks", "refetch"), ("tasp_only", 1))), layout)
+    assert refetch == step_time(replace(sample, keep_limit=0.0), layout) > step_time(sample, layout)
+    with pytest.raises(ValueError, match="layer_modes must be a sequence of mode names, got 'mesh'"):
+        Sample(CU, 3, layer_modes="mesh")

@@ -56,7 +56,7 @@ def _choose(sample: Sample) -> tuple[str, Layout | None]:
                          sample.keep_limit)[0]
     if pick != balanced.name:
         return zigzag.name, zigzag.build(sample)
-    if any(owners.runs(m) for m in sample.layer_modes or (sample.mode,)) or owners.refuses(sample):
+    if any(owners.runs(m) for m in {sample.mode, *sample.layer_modes}) or owners.refuses(sample):
         return balanced.name, layout
     # Mesh on a few ranks where balance pays: the owners layout where the mode's plan on it simulates
     # faster than on the balanced layout -- priced by the simulator, not choose_layout's model, which

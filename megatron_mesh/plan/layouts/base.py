@@ -66,10 +66,16 @@ class Sample:
     # every mode that runs on the layout where it is more than ``mode`` (Megatron's per-layer list,
     # TE's modes included): a priced choice offers only a layout each of them runs (:meth:`LayoutKind.runs`)
     layer_modes: tuple[str, ...] = ()
+    # the mode's options as the layers set them, (name, value) pairs (a priced choice that plans the
+    # mode plans it with them: Mesh's schedule, tile, ...; the mode's defaults for the others)
+    options: tuple[tuple[str, object], ...] = ()
 
     def __post_init__(self) -> None:
         check_keep_limit("keep_limit", self.keep_limit)
+        if isinstance(self.layer_modes, str) or not all(isinstance(m, str) for m in self.layer_modes):
+            raise ValueError(f"layer_modes must be a sequence of mode names, got {self.layer_modes!r}")
         object.__setattr__(self, "layer_modes", tuple(self.layer_modes))
+        object.__setattr__(self, "options", tuple(sorted((str(k), v) for k, v in dict(self.options).items())))
         object.__setattr__(self, "cu_seqlens", tuple(int(c) for c in self.cu_seqlens))
         if self.window is not None:
             object.__setattr__(self, "window", tuple(self.window))

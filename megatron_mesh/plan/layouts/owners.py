@@ -20,7 +20,7 @@ where the query owner computes 20, 36 and 52.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import fields, replace
 from functools import lru_cache
 
 from ..autotile import evaluate_plan
@@ -28,7 +28,7 @@ from ..balance import BalancedLayout
 from ..balance_owners import MAX_RANKS, owners_layout
 from ..layout import Layout
 from ..mask import documents_of
-from ..modes import MODES, resolve
+from ..modes import MODES, get_mode, resolve
 from ..shape import AttentionShape
 from .base import LayoutKind, Sample
 
@@ -81,7 +81,9 @@ def _unfit(sample: Sample) -> str | None:
     if sample.group != 1:
         return f"names the ranks of plain modes' blocks, not of Ulysses groups (U {sample.group})"
     if sample.mask is not None or not sample.causal or sample.window is not None:
-        return "built for causal documents without a window or another mask kind"
+        got = f"mask {sample.mask.head_text()}" if sample.mask is not None else \
+            f"causal {sample.causal}, window {sample.window}"
+        return f"built for causal documents without a window or another mask kind, got {got}"
     if sample.shape is None:
         return "needs the per-rank shape (its bytes decide the layout)"
     if S % P:
@@ -102,15 +104,18 @@ def _owners(cu_seqlens: tuple, world_size: int, shape: AttentionShape, keep_limi
 
 def step_time(sample: Sample, layout: Layout | None) -> float:
     """Simulated forward + backward seconds of ``sample.mode``'s plan of ``sample`` on ``layout``
-    (None: Megatron's zigzag) on the sample's machine, its backward keeping what the sample's
-    ``keep_limit`` says -- what the planner's rows report."""
+    (None: Megatron's zigzag) on the sample's machine, with the sample's ``options`` (those the mode
+    takes), else its backward keeping what the sample's ``keep_limit`` says -- what the planner's
+    rows report."""
     P = sample.world_size
     S = sample.cu_seqlens[-1]
     shape = replace(sample.shape, seq_local=S // P)
     keeps = dict(backward_chunks="keep") if math.isinf(sample.keep_limit) else \
         dict(backward_chunks="auto", backward_keep_limit=sample.keep_limit)
+    takes = {f.name for f in fields(get_mode(sample.mode).Options)}
+    settings = {k: v for k, v in {**keeps, **dict(sample.options)}.items() if k in takes}
     topo = sample.machine
-    placement = resolve(sample.mode, P, shape, topo, ranks_per_node=sample.ranks_per_node, **keeps)
+    placement = resolve(sample.mode, P, shape, topo, ranks_per_node=sample.ranks_per_node, **settings)
     mask = sample.head
     if layout is None or layout.documents() is None:
         mask = mask.with_documents(documents_of(sample.cu_seqlens, S)).normalized(S)
