@@ -43,11 +43,16 @@ def worker_pool(jobs: int):
         yield pool
     except BaseException:  # Ctrl-C, SIGTERM, a dead worker: drop the rows not started, stop the running ones
         workers = list(getattr(pool, "_processes", None) or {})  # pids; the executor has no public handle
+        # its thread, joined once the workers are gone: at exit CPython 3.11 wakes a pool's thread
+        # through a pipe that thread closes as it ends, and a race of the two printed a traceback
+        manager = getattr(pool, "_executor_manager_thread", None)
         pool.shutdown(wait=False, cancel_futures=True)
         for pid in workers:
             try:
                 os.kill(pid, signal.SIGTERM)
             except OSError:  # already gone
                 pass
+        if manager is not None:
+            manager.join(timeout=30)
         raise
     pool.shutdown()
