@@ -148,6 +148,23 @@ def megatron_flags(r: ModeResult, world_size: int) -> str | None:
     return " ".join(flags)
 
 
+def _advice(fast: ModeResult, rows: list[ModeResult], world_size: int) -> str | None:
+    """The Megatron flags that run row ``fast``; on a layout that cannot lay out every sample (Mesh's
+    owners layout), those of the derived layout (``auto``) whose row this sample is, where there is
+    one: a run on the layout itself stops at the first sample it refuses."""
+    flags = megatron_flags(fast, world_size)
+    kind = LAYOUTS.get(fast.layout)
+    if flags is None or kind is None or kind.every_sample:
+        return flags
+    key = (fast.mode, fast.ulysses, fast.tile, fast.time_s)
+    same = next((r for r in rows if LAYOUTS.get(r.layout) is not None and LAYOUTS[r.layout].derived_from
+                 and (r.mode, r.ulysses, r.tile, r.time_s) == key), None)
+    if same is not None:
+        return (f"{megatron_flags(same, world_size)} (it runs this sample on {fast.layout}; {kind.flag} stops at a "
+                "sample it cannot lay out)")
+    return f"{flags} (stops at a sample it cannot lay out, naming it)"
+
+
 def _best(rows: list[ModeResult], floor: float | None = None, world_size: int | None = None) -> str:
     """Under several layouts: the fastest row and the row whose busiest rank sends the fewest
     bytes, over every layout (the auto rows repeat a row, so they are left out)."""
@@ -160,7 +177,7 @@ def _best(rows: list[ModeResult], floor: float | None = None, world_size: int | 
     light = min(pool, key=lambda r: r.bytes_per_rank)
     vs = f" ({fast.time_s / floor:.2f}x the compute floor)" if floor else ""
     mean = f"mean over {samples} samples " if samples > 1 else ""
-    flags = megatron_flags(fast, world_size) if world_size else None
+    flags = _advice(fast, rows, world_size) if world_size else None
     return (f"fastest over the layouts: {_row_name(fast)}, {mean}{fast.time_s * 1e3:.2f} ms{vs}\n" +
             (f"  in Megatron: {flags}\n" if flags else "") +
             f"fewest bytes sent by the busiest rank: {_row_name(light)}, {mean}{format_bytes(light.bytes_per_rank)}")

@@ -112,6 +112,9 @@ class LayoutKind:
     derived_from: ClassVar[tuple[str, ...]] = ()
     # Transformer Engine's own modes run on it: the planner adds their rows (te-p2p, te-a2a+p2p)
     transformer_engine_rows: ClassVar[bool] = False
+    # it lays out every sample it is built for (False: some it refuses, naming why -- a run on it stops
+    # there; the planner's advice names the derived kind that runs it where it can)
+    every_sample: ClassVar[bool] = True
 
     def build(self, sample: Sample) -> Layout | None:
         """The layout of ``sample``; None: Megatron's zigzag over the whole sequence (the documents

@@ -40,6 +40,7 @@ class OwnersKind(LayoutKind):
     help = (f"Mesh only, up to {MAX_RANKS} ranks, causal documents: the balanced layout that also names the rank "
             "computing each block (fewer bytes than the query owner); raises on a sample it cannot balance -- auto "
             "uses it where it can and is faster")
+    every_sample = False  # the builder cannot balance every sample (module docstring)
 
     def runs(self, mode: str) -> str | None:
         m = MODES.get(mode)
