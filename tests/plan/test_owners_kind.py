@@ -97,7 +97,8 @@ def test_the_price_plans_with_the_layers_options():
     takes): Mesh refetching its backward's chunks is the plan of keep limit 0, slower here."""
     sample = _eight_gpus(0, "mesh")
     layout = OWNERS.build(sample)
-    refetch = step_time(replace(sample, options=(("backward_chunks", "refetch"), ("tasp_only", 1))), layout)
+    refetch = step_time(replace(sample, keep_limit=0.0, options=(("backward_chunks", "refetch"), ("transport", "p2p"))),
+                        layout)
     assert refetch == step_time(replace(sample, keep_limit=0.0), layout) > step_time(sample, layout)
     with pytest.raises(ValueError, match="layer_modes must be a sequence of mode names, got 'mesh'"):
         Sample(CU, 3, layer_modes="mesh")

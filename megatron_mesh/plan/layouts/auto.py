@@ -60,7 +60,7 @@ def _choose(sample: Sample) -> tuple[str, Layout | None]:
         return balanced.name, layout
     # Mesh on a few ranks where balance pays: the owners layout where the mode's plan on it simulates
     # faster than on the balanced layout -- priced by the simulator, not choose_layout's model, which
-    # prices the query owner's pulls (50-110 ms for the layout and 10-35 ms per plan at 8 ranks, in
+    # prices the query owner's pulls (50-110 ms for the layout and 10-20 ms per plan at 8 ranks, in
     # the look-ahead thread). Not against the zigzag: there Mesh's tiles compete by bytes, and the
     # planner's mesh-auto row by time, with ring's plan too -- a launch-bound step (the CPU problem
     # priced on H100s) would get the owners layout against a faster plan of the zigzag's

@@ -23,13 +23,13 @@ import math
 from dataclasses import fields, replace
 from functools import lru_cache
 
-from ..autotile import evaluate_plan
 from ..balance import BalancedLayout
 from ..balance_owners import MAX_RANKS, owners_layout
 from ..layout import Layout
 from ..mask import documents_of
 from ..modes import MODES, get_mode, resolve
 from ..shape import AttentionShape
+from ..simulate import simulate
 from .base import LayoutKind, Sample
 
 __all__ = ["OwnersKind", "step_time"]
@@ -106,18 +106,18 @@ def _owners(cu_seqlens: tuple, world_size: int, shape: AttentionShape, keep_limi
 def step_time(sample: Sample, layout: Layout | None) -> float:
     """Simulated forward + backward seconds of ``sample.mode``'s plan of ``sample`` on ``layout``
     (None: Megatron's zigzag) on the sample's machine, with the sample's ``options`` (those the mode
-    takes), else its backward keeping what the sample's ``keep_limit`` says -- what the planner's
-    rows report."""
+    takes; without any, its backward keeping what the sample's ``keep_limit`` says) -- what the
+    planner's rows report."""
     P = sample.world_size
     S = sample.cu_seqlens[-1]
     shape = replace(sample.shape, seq_local=S // P)
     keeps = dict(backward_chunks="keep") if math.isinf(sample.keep_limit) else \
         dict(backward_chunks="auto", backward_keep_limit=sample.keep_limit)
     takes = {f.name for f in fields(get_mode(sample.mode).Options)}
-    settings = {k: v for k, v in {**keeps, **dict(sample.options)}.items() if k in takes}
+    settings = {k: v for k, v in (dict(sample.options) or keeps).items() if k in takes}
     topo = sample.machine
     placement = resolve(sample.mode, P, shape, topo, ranks_per_node=sample.ranks_per_node, **settings)
     mask = sample.head
     if layout is None or layout.documents() is None:
         mask = mask.with_documents(documents_of(sample.cu_seqlens, S)).normalized(S)
-    return evaluate_plan(placement.build(shape, mask, layout), shape, topo).time_s
+    return simulate(placement.build(shape, mask, layout), shape, topo).time
