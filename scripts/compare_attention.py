@@ -10,14 +10,15 @@ computed, max / mean over ranks: 1.00 is perfect balance).
 
 Masks: ``--docs fixed:N|lognormal:MEAN,SIGMA`` packs documents into the sequence (``cu_seqlens``,
 Megatron's global zigzag layout), ``--window L[,R]`` adds a sliding window; ``--unmasked`` also runs
-every mode without the mask, so each row shows masked / unmasked bytes and time. ``--layout
-balanced`` (or ``both``) runs the documents on the plugin's balanced layout
-(``megatron_mesh.balanced_layout``, one per Ulysses group size for the hybrids) instead of (or
-next to) the zigzag; ``balanced-hide`` (or ``all``) on the same with the hybrids' first and last
-documents set apart (``hide=True``; the plain modes' layout is the balanced one). ``--layout-file
-F`` adds a layout given as its text line (``BalancedLayout.text()``), e.g. one that
-``scripts/search_layout.py`` found for the same documents; a layout that names its blocks' owners
-runs under Mesh only (the other modes refuse it).
+every mode without the mask, so each row shows masked / unmasked bytes and time. ``--layout K``
+runs the documents on a layout of the registry (Megatron's ``--cp-layout`` values), built for each
+mode as Megatron builds it: ``balanced`` (or ``both``: and the zigzag) the plugin's balanced layout
+(one per Ulysses group size for the hybrids); ``balanced-hide`` (or ``all``: the zigzag, balanced
+and this) the same with the hybrids' first and last documents set apart; ``owners`` Mesh's own
+(Mesh only; a sample it cannot lay out is an error); ``auto`` the default's pick per mode.
+``--layout-file F`` adds a layout given as its text line (``BalancedLayout.text()``), e.g. one
+that ``scripts/search_layout.py`` found for the same documents; a layout that names its blocks'
+owners runs under Mesh only (the other modes refuse it).
 
     python scripts/compare_attention.py --world 4 --modes ring mesh:auto mesh:2x2 mesh:4x1 tasp a2a+ring:2
     python scripts/compare_attention.py --world 8 --seq-len 65536 --heads 2 --kv-heads 2 --head-dim 32 \
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import fields
 import os
 import time
 
@@ -43,7 +45,8 @@ from megatron_mesh.kernels import reference_attention
 from megatron_mesh.comm.spawn import spawn
 from megatron_mesh.plan import AttentionShape, Mask, plan_bytes, resolve
 from megatron_mesh.plan.modes import REFERENCE_MODE, parse_mode_spec
-from megatron_mesh.plan.sparse_needs import KEEP_LIMIT, check_keep_limit
+from megatron_mesh.plan.layouts import LAYOUTS, Sample, cp_layout_names, get_layout_kind
+from megatron_mesh.plan.sparse_needs import KEEP_LIMIT, check_keep_limit, keep_limit_of
 from megatron_mesh.plan.accounting import rank_work
 from megatron_mesh.tools.plan_args import document_bounds, read_layout_file, window_of
 
@@ -59,6 +62,10 @@ def mask_of(args) -> Mask:
                                 window).normalized(args.seq_len)
 
 
+# --layout values that run several layouts side by side
+SETS = {"both": ("zigzag", "balanced"), "all": ("zigzag", "balanced", "balanced-hide")}
+
+
 def mode_settings(mode: str, keep_limit: float = KEEP_LIMIT) -> tuple[str, dict]:
     """(name, settings) of a command-line ``mode``, with --backward-keep-limit where it is not the default."""
     name, settings = parse_mode_spec(mode)
@@ -68,21 +75,32 @@ def mode_settings(mode: str, keep_limit: float = KEEP_LIMIT) -> tuple[str, dict]
 def planned(mode: str, world: int, shape: AttentionShape, mask: Mask, layout: str = "zigzag", given=None,
             keep_limit: float = KEEP_LIMIT):
     """(placement, plan, layout) the runtime runs for ``mode`` (the same placement: settings, auto
-    tile, mask, ``keep_limit``); ``layout`` "balanced" / "balanced-hide": the documents of ``mask``
-    on the balanced layout of the mode's Ulysses group size, with ``hide`` for the latter; "file":
-    the layout ``given`` (layout None: Megatron's zigzag)."""
+    tile, mask, ``keep_limit``); ``layout``: a CP layout of the registry built for the documents of
+    ``mask`` as Megatron builds it for the mode (its Ulysses group, shape and backward; None:
+    Megatron's zigzag), or "file": the layout ``given``. ValueError where the mode cannot run on
+    it (the layout kind's reason)."""
     name, settings = mode_settings(mode, keep_limit)
     # 'auto' choices are made for causal / full attention, as the runtime does
     placement = resolve(name, world, shape, mask=Mask(mask.causal), **settings)
-    if layout == "zigzag":
-        return placement, placement.build(shape, mask), None
     if layout == "file":
-        layout = given
+        built = given
+    elif mask.documents is None:  # nothing to lay out: Megatron's zigzag (--layout other than zigzag needs --docs)
+        built = None
     else:
-        layout = mm.balanced_layout(_cu_seqlens(mask), world, causal=mask.causal, window=_window(mask),
-                                    hide=layout == "balanced-hide" and placement.ulysses > 1, group=placement.ulysses)
+        kind = get_layout_kind(layout)
+        why = kind.runs(name)
+        if why is not None:
+            raise ValueError(why)
+        window = None if mask.window in ((None, None), (None, 0)) else mask.window  # (None, 0): causal, no window
+        sample = Sample(tuple(_cu_seqlens(mask)), world, mask.causal, window, placement.ulysses, mode=name,
+                        shape=shape, keep_limit=keep_limit_of(getattr(placement.options, "backward_chunks", "auto"),
+                                                              getattr(placement.options, "backward_keep_limit", KEEP_LIMIT)),
+                        options=tuple((f.name, getattr(placement.options, f.name)) for f in fields(placement.options)))
+        built = kind.build(sample)
+    if built is None:
+        return placement, placement.build(shape, mask), None
     plain = Mask(mask.causal, _window(mask))
-    return placement, placement.build(shape, plain, layout), layout
+    return placement, placement.build(shape, plain, built), built
 
 
 def _layout_file(path: str, world: int, mask: Mask):
@@ -171,10 +189,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--seed", type=int, default=0, help="random seed of --docs lognormal")
     ap.add_argument("--window", help="sliding window L or L,R (R defaults to 0 when causal)")
     ap.add_argument("--unmasked", action="store_true", help="also run every mode without --docs / --window")
-    ap.add_argument("--layout", choices=("zigzag", "balanced", "balanced-hide", "both", "all"), default="zigzag",
-                    help="the layout of --docs: Megatron's zigzag, the plugin's balanced layout, the same with the "
-                         "Ulysses groups' first and last documents set apart (hide), zigzag and balanced (both) or "
-                         "all three (default zigzag)")
+    ap.add_argument("--layout", choices=(*cp_layout_names(), *SETS), default="zigzag",
+                    help="the layout of --docs, as Megatron's --cp-layout builds it for each mode: " +
+                         "; ".join(f"{n}: {LAYOUTS[n].help}" for n in cp_layout_names()) +
+                         "; " + "; ".join(f"{k}: {' and '.join(v)}" for k, v in SETS.items()) + " (default zigzag)")
     ap.add_argument("--layout-file", help="also run --docs on the layout in this file: its text line "
                                           "(BalancedLayout.text(), as scripts/search_layout.py writes it)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per mode; the time is the best (default 1)")
@@ -205,8 +223,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ap.error(str(e))
     if args.layout != "zigzag" and mask.documents is None:
         ap.error(f"--layout {args.layout} lays out documents: give --docs")
-    names = {"both": ("zigzag", "balanced"), "all": ("zigzag", "balanced", "balanced-hide")}
-    variants = [(mask, name) for name in names.get(args.layout, (args.layout,))]
+    variants = [(mask, name) for name in SETS.get(args.layout, (args.layout,))]
     given = None
     if args.layout_file:
         try:

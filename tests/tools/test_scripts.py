@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_mesh.plan import AttentionShape, layout_from_text, plan_bytes
+from megatron_mesh.plan import AttentionShape, Mask, balanced_layout, layout_from_text, plan_bytes
 from megatron_mesh.plan.hostops import TOLERANCE
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
@@ -426,6 +426,21 @@ def test_compare_attention_runs_documents_on_both_layouts(script, capsys):
     sent = {x: sum(b.sent for b in plan_bytes(compare.planned("a2a+tasp:2", 4, shape, mask, "balanced-hide",
                                                                 keep_limit=x)[1], shape)) for x in (0.25, 1.0)}
     assert sent[0.25] > sent[1.0], sent
+
+
+def test_compare_attention_builds_the_registry_s_layouts(script):
+    """--layout names a layout of the registry, built for each mode as Megatron builds it: Mesh on
+    its owners layout (balance_owners' worked example: 3 ranks, documents of 12, 4, 4, 4), auto's
+    pick per mode; a mode that cannot run on a layout is refused with the kind's reason."""
+    compare = script("compare_attention")
+    shape = AttentionShape(8, 1, 2, 2, 32, 4)
+    mask = Mask(True).with_documents(((0, 12), (12, 16), (16, 20), (20, 24)))
+    placement, plan, layout = compare.planned("mesh", 3, shape, mask, "owners")
+    assert layout.owners and plan.facts.assignment == "layout" and placement.mode == "mesh"
+    assert compare.planned("ring", 3, shape, mask, "auto")[2] is None  # 24 tokens: a launch-bound step, the zigzag
+    assert compare.planned("ring", 3, shape, mask, "balanced")[2] == balanced_layout([0, 12, 16, 20, 24], 3)
+    with pytest.raises(ValueError, match="mesh computes them there, not ring"):
+        compare.planned("ring", 3, shape, mask, "owners")
 
 
 def test_search_layout_starts_where_random_homes_rarely_fit(script, capsys):
