@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -38,15 +39,41 @@ def png_size(path) -> tuple[int, int]:
 
 def run_script(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int, str]:
     """(exit status, stdout + stderr) of ``cmd`` run from the repository root; fails the test,
-    with the output's tail, if it runs longer than ``timeout`` seconds."""
+    with the output's tail, if it runs longer than ``timeout`` seconds -- and with where each of its
+    processes waited: every Python process in it prints its threads' stacks first
+    (:func:`dump_stacks`)."""
+    env = dict(env, PYTHONFAULTHANDLER="1")
     with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
         try:
             out, _ = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            dump_stacks(p.pid)
             kill_process_tree(p.pid)
             out, _ = p.communicate()
-            pytest.fail(f"{' '.join(cmd)} did not finish in {timeout:g} s:\n{out[-4000:]}")
+            pytest.fail(f"{' '.join(cmd)} did not finish in {timeout:g} s (each process's stacks at the end):\n"
+                        f"{out[-60000:]}")
     return p.returncode, out
+
+
+def dump_stacks(pid: int, wait: float = 3.0) -> None:
+    """SIGABRT to every Python process below ``pid`` (a training run's launcher, ranks and their
+    data-loader workers; ``pid`` itself where it has none): under PYTHONFAULTHANDLER each prints
+    every thread's Python stack to its stderr as it dies, so a hung run says where each rank waits
+    (a collective, a receive, a lock)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = root.children(recursive=True) or [root]
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        try:
+            if "python" in proc.name().lower() or proc is root:
+                proc.send_signal(signal.SIGABRT)
+        except psutil.NoSuchProcess:
+            pass
+    time.sleep(wait)
 
 
 PRETRAIN = os.path.join(ROOT, "scripts", "pretrain_gpt.sh")

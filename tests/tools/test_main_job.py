@@ -186,3 +186,13 @@ def test_an_interrupted_job_stops_its_run_and_still_writes_the_report(tmp_path, 
     left = [(p.info["pid"], " ".join(p.info["cmdline"])[:120]) for p in psutil.process_iter(["pid", "cmdline"])
             if any(str(out) in part for part in p.info["cmdline"] or ())]
     assert not left, left
+
+
+def test_a_hung_run_fails_saying_where_each_process_waits():
+    """Every training-run test runs under run_script's timeout: a run that hangs fails the test with
+    each process's Python stack (faulthandler, on the SIGABRT the timeout sends), not only the log."""
+    code = "import threading\nlock = threading.Lock()\nlock.acquire()\ndef wait_here():\n    lock.acquire()\nwait_here()\n"
+    with pytest.raises(pytest.fail.Exception) as e:
+        run_script(["bash", "-c", f'"{sys.executable}" -c "$CODE"'], dict(os.environ, CODE=code), timeout=3)
+    assert "did not finish in 3 s (each process's stacks at the end)" in str(e.value)
+    assert 'File "<string>", line 5 in wait_here' in str(e.value), str(e.value)[-2000:]
