@@ -52,6 +52,7 @@ from ..plan.simulate import BACKWARD_FLOPS
 from ..plan.sparse_needs import check_keep_limit
 from ..plan.topology import Topology
 from ..plan.units import format_bytes
+from .default_layout import registered_mode
 from .layout_rows import layout_rows
 from .mask_spec import cli_kind
 from .plan_args import (budget_of, document_bounds, layout_file_of, layouts_of, mask_of, modes_of, parser, random_docs,
@@ -134,9 +135,9 @@ def megatron_flags(r: ModeResult, world_size: int) -> str | None:
     """The plugin's Megatron flags that run row ``r`` (None for Transformer Engine's own rows, the
     formulas and a layout read from a file): ``--cp-comm-type``, the all-to-all degree, Mesh's tile
     and the layout."""
-    mode = next((name for name, m in REGISTRY.items() if r.mode in (name, m.auto_row)), None)
+    mode = registered_mode(r.mode)
     kind = LAYOUTS.get(r.layout)  # None: a layout from a file
-    if mode is None or kind is None or kind.flag is None:  # TE's rows, the formulas; no Megatron flag
+    if mode not in REGISTRY or kind is None or kind.flag is None:  # TE's rows, the formulas; no Megatron flag
         return None
     flags = [f"--cp-comm-type {mode}"]
     if r.ulysses > 1:
