@@ -2,9 +2,10 @@
 priced faster for the mode that runs it (:func:`~..choice.choose_layout`; a mask causal inside
 groups of its documents -- chunked attention -- is priced as those groups; under a window, full
 attention, a prefix or layers of different masks (a ``MaskStack``), where the choice is not
-priced, the balanced layout). Where it keeps the balanced layout and every layer's mode computes
-blocks where a layout names (Mesh) on up to 8 ranks, the owners layout (:mod:`.owners`) instead
-where the simulator finds the mode's plan on it faster.
+priced, the balanced layout). Where every layer's mode computes blocks where a layout names (Mesh)
+on up to 8 ranks, the owners layout (:mod:`.owners`) instead where the simulator finds the mode's
+plan on it faster than on the balanced layout kept -- or, where the zigzag is kept, faster than
+every plan the mode could run on it (:func:`~.owners.beats_the_zigzag`).
 
 Example (8 GPUs of one node, 64K tokens of ``lognormal:4096,1.0``, 32/8 heads of 128 in bf16):
 for ring, seed 0, the balanced layout (5.21 ms simulated against the zigzag's 8.63); for Mesh the
@@ -18,7 +19,7 @@ from functools import lru_cache
 from ..choice import choose_layout
 from ..layout import Layout
 from .base import DEFAULT_LAYOUT, LayoutKind, Sample, get_layout_kind
-from .owners import step_time
+from .owners import beats_the_zigzag, step_time
 
 __all__ = ["AutoKind"]
 
@@ -54,15 +55,15 @@ def _choose(sample: Sample) -> tuple[str, Layout | None]:
         raise ValueError(f"--cp-layout {DEFAULT_LAYOUT} prices each sample for its mode: give the per-rank shape")
     pick = choose_layout(layout, sample.shape, sample.machine, sample.mode, sample.group, groups,
                          sample.keep_limit)[0]
-    if pick != balanced.name:
-        return zigzag.name, zigzag.build(sample)
+    kept = (balanced.name, layout) if pick == balanced.name else (zigzag.name, zigzag.build(sample))
     if any(owners.runs(m) for m in {sample.mode, *sample.layer_modes}) or owners.refuses(sample):
-        return balanced.name, layout
-    # Mesh on a few ranks where balance pays: the owners layout where the mode's plan on it simulates
-    # faster than on the balanced layout -- priced by the simulator, not choose_layout's model, which
-    # prices the query owner's pulls (50-110 ms for the layout and 10-20 ms per plan at 8 ranks, in
-    # the look-ahead thread). Not against the zigzag: there Mesh's tiles compete by bytes, and the
-    # planner's mesh-auto row by time, with ring's plan too -- a launch-bound step (the CPU problem
-    # priced on H100s) would get the owners layout against a faster plan of the zigzag's
+        return kept
+    # Mesh on a few ranks: the owners layout where the mode's plan on it simulates faster than on the
+    # layout kept -- priced by the simulator, not choose_layout's model, which prices the query
+    # owner's pulls (50-110 ms for the layout and 10-20 ms per plan at 8 ranks, in the look-ahead
+    # thread). Against the zigzag, faster than every plan the mode could run there (beats_the_zigzag:
+    # Mesh's tiles compete by bytes, the planner's mesh-auto row by time, ring's plan among them)
     theirs = owners.build(sample)
-    return (owners.name, theirs) if step_time(sample, theirs) < step_time(sample, layout) else (balanced.name, layout)
+    seconds = step_time(sample, theirs)
+    faster = seconds < step_time(sample, layout) if pick == balanced.name else beats_the_zigzag(sample, seconds)
+    return (owners.name, theirs) if faster else kept

@@ -32,7 +32,7 @@ from ..shape import AttentionShape
 from ..simulate import simulate
 from .base import LayoutKind, Sample
 
-__all__ = ["OwnersKind", "step_time"]
+__all__ = ["OwnersKind", "step_time", "beats_the_zigzag"]
 
 
 class OwnersKind(LayoutKind):
@@ -103,6 +103,15 @@ def _owners(cu_seqlens: tuple, world_size: int, shape: AttentionShape, keep_limi
     return owners_layout(cu_seqlens, world_size, shape, keep_limit=keep_limit)
 
 
+def _options(sample: Sample) -> dict:
+    """The options a sample's mode is planned with: the layers' (``sample.options``), else a
+    backward keeping what the sample's ``keep_limit`` says."""
+    if sample.options:
+        return dict(sample.options)
+    return dict(backward_chunks="keep") if math.isinf(sample.keep_limit) else \
+        dict(backward_chunks="auto", backward_keep_limit=sample.keep_limit)
+
+
 def step_time(sample: Sample, layout: Layout | None) -> float:
     """Simulated forward + backward seconds of ``sample.mode``'s plan of ``sample`` on ``layout``
     (None: Megatron's zigzag) on the sample's machine, with the sample's ``options`` (those the mode
@@ -111,13 +120,33 @@ def step_time(sample: Sample, layout: Layout | None) -> float:
     P = sample.world_size
     S = sample.cu_seqlens[-1]
     shape = replace(sample.shape, seq_local=S // P)
-    keeps = dict(backward_chunks="keep") if math.isinf(sample.keep_limit) else \
-        dict(backward_chunks="auto", backward_keep_limit=sample.keep_limit)
     takes = {f.name for f in fields(get_mode(sample.mode).Options)}
-    settings = {k: v for k, v in (dict(sample.options) or keeps).items() if k in takes}
+    settings = {k: v for k, v in _options(sample).items() if k in takes}
     topo = sample.machine
     placement = resolve(sample.mode, P, shape, topo, ranks_per_node=sample.ranks_per_node, **settings)
     mask = sample.head
     if layout is None or layout.documents() is None:
         mask = mask.with_documents(documents_of(sample.cu_seqlens, S)).normalized(S)
     return simulate(placement.build(shape, mask, layout), shape, topo).time
+
+
+def beats_the_zigzag(sample: Sample, seconds: float) -> bool:
+    """Whether a plan of ``seconds`` is faster than every plan ``sample.mode`` could run on Megatron's
+    zigzag: its planner candidates (Mesh: each tile) and those of the modes competing for its planner
+    row (ring's query-owner plan), each with the sample's options and the candidate's own (its tile).
+    The query owner's first -- the fastest on most samples -- each simulated in turn (10-20 ms at 8
+    ranks), stopping at the first that is not slower. Conservative on purpose: Megatron runs one of
+    them (Mesh's ``auto`` tile picks by bytes), and a layout faster than all is faster than it and
+    than the planner's fastest row of the zigzag, which then agrees with the choice."""
+    mode = get_mode(sample.mode)
+    P, shape, topo = sample.world_size, sample.shape, sample.machine
+    for name in (*mode.auto_pool, mode.name):
+        m = get_mode(name)
+        defaults = m.Options()
+        for p in m.candidates(P, replace(shape, seq_local=sample.cu_seqlens[-1] // P), topo):
+            own = {f.name: getattr(p.options, f.name) for f in fields(p.options)
+                   if getattr(p.options, f.name) != getattr(defaults, f.name)}
+            options = {**_options(sample), **own}
+            if step_time(replace(sample, mode=name, options=tuple(options.items())), None) <= seconds:
+                return False
+    return True
