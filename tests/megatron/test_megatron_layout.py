@@ -146,7 +146,7 @@ def test_auto_runs_mesh_on_its_owners_layout_where_it_simulates_faster():
     """--cp-layout auto with mesh on every layer at CP 8 (one node, 64K tokens, 32/8 heads of 128 in
     bf16): seed 0 of lognormal:4096 runs on Mesh's owners layout (4.81 ms simulated against 5.21 on
     the balanced layout), ring and a per-layer list with ring on the balanced layout; the sample
-    carries the layers' Mesh options (what the price plans with)."""
+    carries the layers' Mesh options (what the price plans with); seed 1 on it beside the zigzag."""
     from megatron_mesh.megatron import layout_decision
     from megatron_mesh.megatron.settings import plugin_settings
     from megatron_mesh.plan.layouts import get_layout_kind
@@ -162,6 +162,14 @@ def test_auto_runs_mesh_on_its_owners_layout_where_it_simulates_faster():
     for modes in ("ring", ["mesh", "ring"]):
         other = config(cp_layout="auto", **{**PRICED, "cp_comm_type": modes}, context_parallel_size=8)
         assert batch_layout.sample_layout(cu, other) == balanced_layout(cu, 8)
+    # seed 1: the zigzag priced faster, and Mesh's owners layout faster than every plan of the zigzag
+    # (4.87 ms against 5.38 at best): Mesh runs on it, ring on the zigzag
+    cu = tuple(document_bounds("lognormal:4096,1.0", n, 1))
+    got = batch_layout.sample_layout(cu, mesh)
+    assert got.owners and got == get_layout_kind("owners").build(layout_decision.layout_sample(cu, mesh,
+                                                                                              plugin_settings(mesh)))
+    ring = config(cp_layout="auto", **PRICED, context_parallel_size=8)
+    assert batch_layout.sample_layout(cu, ring) is None
 
 
 def test_auto_keeps_the_zigzag_where_it_is_priced_faster():
