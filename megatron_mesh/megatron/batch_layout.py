@@ -54,7 +54,7 @@ import torch
 from torch import Tensor
 
 from ..plan.layout import Layout, ZigzagLayout, positions
-from .layout_decision import sample_layout, uses_balanced_layout
+from .layout_decision import sample_kind, sample_layout, uses_balanced_layout
 from .process import PROCESS, ProcessState
 from .settings import BATCH_DOCUMENTS, PluginSettings
 
@@ -284,6 +284,7 @@ def split_batch(batch: dict, source: str, args, cp_group, eod: Optional[int] = N
     rank = cp_group.rank() if cp_group is not None else 0
     rows = process.pipeline_rows
     layout = BatchLayout.of(document_rows(batch, source, eod) if rows is None else rows, args, rank, settings)
+    process.layout_kinds.update(sample_kind(r, args, settings) for r in layout.rows)
     if layout.balanced:
         check_rope_follows(args, process)
     set_current(layout, process)

@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Optional
 
 from ..plan.layout import Layout
-from ..plan.layouts import Sample, get_layout_kind
+from ..plan.layouts import REFERENCE_LAYOUT, Sample, get_layout_kind
 from ..plan.maskkinds import Mask, MaskStack
 from ..plan.megatron_problem import MegatronProblem
 from ..plan.modes import DEFAULT_MODE
@@ -23,7 +23,7 @@ from ..plan.sparse_needs import KEEP_LIMIT, keep_limit_of
 from .placement import ranks_per_node
 from .settings import BATCH_DOCUMENTS, PluginSettings, layer_modes, plugin_modes_of, plugin_settings, problem_of
 
-__all__ = ["sample_layout", "uses_balanced_layout", "layer_masks"]
+__all__ = ["sample_layout", "sample_kind", "uses_balanced_layout", "layer_masks"]
 
 
 def uses_balanced_layout(config) -> bool:
@@ -65,6 +65,18 @@ def sample_layout(cu_seqlens, config, settings: PluginSettings | None = None) ->
     if config.context_parallel_size == 1 or not s.layout.per_sample:
         return None
     return _decide(s.cp_layout, layout_sample(cu_seqlens, config, s))
+
+
+def sample_kind(cu_seqlens, config, settings: PluginSettings | None = None) -> str:
+    """The name of the layout kind the sample with boundaries ``cu_seqlens`` runs on (what
+    :func:`sample_layout` built): ``--cp-layout``'s, or for a kind picked per sample (``auto``) the
+    one it picked -- ``zigzag``, ``balanced`` or ``owners``; Megatron's zigzag at CP 1. Cached with
+    the choice (the batch split asks it of every sample, for the log and the metrics)."""
+    s = plugin_settings(config) if settings is None else settings
+    if config.context_parallel_size == 1 or not s.layout.per_sample:
+        return REFERENCE_LAYOUT
+    kind = get_layout_kind(s.cp_layout)
+    return kind.pick(layout_sample(cu_seqlens, config, s)) if kind.derived_from else kind.name
 
 
 def layout_sample(cu_seqlens, config, settings: PluginSettings) -> Sample:

@@ -15,7 +15,8 @@ Every rank appends to ``DIR/rank<R>.jsonl`` (written by :mod:`.telemetry`):
   plugin attention ran), ``bytes_sent_to`` (``bytes_sent`` split by receiver: ``{"<peer CP rank>":
   bytes}``, peers with nothing left out) and ``attention_work`` (the attention scores its plugin
   kernel calls computed in the forward: allowed (query, key) pairs x query heads x samples, from
-  the plans the layers ran).
+  the plans the layers ran) and ``layouts`` (``{"<layout kind>": samples}`` of the iteration's
+  samples where the batch split laid out documents: under ``--cp-layout auto`` the kinds it picked).
 
 ``megatron_mesh.tools.report.read_metrics`` reads them back.
 """

@@ -6,7 +6,8 @@ collector, the forking process while forked children must die with it, the argum
 already checked, whether the process is stopping with its own message or has finished its run
 (the watcher of the other nodes reads those two), where the running script's batches carry the
 documents (the entry scripts' flags) and the channel from ``get_batch`` to the layers (the
-micro-batch being fed to the model, the rotary embeddings that follow its layout). The functions
+micro-batch being fed to the model, the rotary embeddings that follow its layout, the layouts its
+samples ran on). The functions
 that test code drives take a :class:`ProcessState` (default :data:`PROCESS`), so a test passes its
 own instead of patching these. Nothing here imports torch: it runs before the first import.
 
@@ -16,6 +17,7 @@ must not import.)
 
 from __future__ import annotations
 
+import collections
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -49,6 +51,9 @@ class ProcessState:
     # them (a stage's batch may carry no tokens), the stages without a batch their layout
     pipeline_rows: Optional[tuple] = None
     stages_nodes_checked: bool = False  # pipeline.py: the stages' CP groups span nodes alike (checked once)
+    # the layout kinds the samples split since telemetry last read them ran on, {name: samples}
+    # (batch_layout.split_batch counts, telemetry.Telemetry.after_iteration logs and records them)
+    layout_kinds: collections.Counter = field(default_factory=collections.Counter)
     # the rotary embeddings that follow the batch's layout (batch_layout.follow_layout), weakly
     following: "weakref.WeakSet" = field(default_factory=weakref.WeakSet)
 

@@ -15,9 +15,13 @@
 * **Bytes** (``--log-cp-attention-bytes``): at every ``--log-interval`` the attention bytes each
   rank sent and received per iteration, min and max over ranks, as a log line and as TensorBoard
   scalars ``cp-attention-bytes-sent`` / ``-received`` (max over ranks).
+* **Layouts** (``--cp-layout auto``, the default under documents): at every ``--log-interval``
+  which layouts this rank's samples ran on since the last log, e.g. ``megatron_mesh: --cp-layout
+  auto ran this rank's 8 samples since the last log on: balanced 5, owners 2, zigzag 1``.
 * **Metrics** (``--cp-metrics-dir DIR``): per-rank JSON lines, see :mod:`.metrics`: per iteration
-  also the bytes this rank sent to each CP peer and the attention work of its kernel calls
-  (:func:`on_attention`, called by every plugin attention call with the plan it runs).
+  also the bytes this rank sent to each CP peer, the attention work of its kernel calls
+  (:func:`on_attention`, called by every plugin attention call with the plan it runs) and the
+  layouts its samples ran on (``layouts``).
 
 All of it is one :class:`Telemetry` object -- the layers' summary (:class:`LayerSummary`), the
 timers (:class:`Timing`) and the per-iteration records (:class:`Records`) -- that the layer spec
@@ -32,6 +36,7 @@ own objects (with their own timers and TensorBoard writer).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import sys
@@ -44,6 +49,7 @@ import torch.distributed as dist
 from ..comm.base import Communicator, total_bytes, total_sent_to
 from ..plan.units import format_bytes
 from . import ensure_typing_override
+from .process import PROCESS, ProcessState
 from .settings import plugin_settings
 
 __all__ = ["Telemetry", "LayerSummary", "Timing", "Records", "install", "TimedCommunicator", "TIMER_COMPUTE",
@@ -191,8 +197,9 @@ class Records(_Shared):
         self.work += entry[2]
         self.planned_sent += entry[3] + (entry[4] if backward else 0)
 
-    def write_iteration(self, loss_dict: dict, iteration: int) -> None:
-        """The iteration's record: its losses, time, bytes (per peer too), memory and work."""
+    def write_iteration(self, loss_dict: dict, iteration: int, layouts: Optional[dict] = None) -> None:
+        """The iteration's record: its losses, time, bytes (per peer too), memory and work, and the
+        layout kinds its samples ran on (``layouts``, {name: samples}; where documents were split)."""
         sent, received = total_bytes()
         sent_to = total_sent_to()
         before = self.sent_to_at_record
@@ -204,7 +211,7 @@ class Records(_Shared):
             "bytes_received": received - self.bytes_at_record[1], "peak_memory": peak, "memory_kind": kind,
             "cp_rank": self.cp_rank,
             "bytes_sent_to": {str(p): n - before.get(p, 0) for p, n in sorted(sent_to.items()) if n != before.get(p, 0)},
-            "attention_work": self.work, "planned_bytes_sent": self.planned_sent})
+            "attention_work": self.work, "planned_bytes_sent": self.planned_sent, "layouts": dict(layouts or {})})
         self.bytes_at_record, self.sent_to_at_record, self.work = (sent, received), sent_to, 0
         self.planned_sent = 0
 
@@ -340,8 +347,10 @@ class Telemetry(_Shared):
     ``timers`` and ``writer`` return Megatron's timers and TensorBoard writer (tests pass fakes)."""
 
     def __init__(self, args=None, metrics=None, timers: Callable = megatron_timers,
-                 writer: Optional[Callable] = None):
+                 writer: Optional[Callable] = None, process: Optional[ProcessState] = None):
         self.args = args
+        self.process = PROCESS if process is None else process  # whose batch split counts the layouts
+        self.layouts_since_log: collections.Counter = collections.Counter()
         self.summary = LayerSummary()
         self.timing = Timing(getattr(args, "timing_log_level", 0) >= TIMER_LOG_LEVEL, timers)
         self.records = Records(metrics)
@@ -362,10 +371,14 @@ class Telemetry(_Shared):
         ``--log-interval`` (and the first iteration) the timers and the bytes."""
         args = self.args
         self.iterations_since_log += 1
+        layouts = dict(self.process.layout_kinds)  # the layouts of the samples this iteration split
+        self.process.layout_kinds.clear()
+        self.layouts_since_log.update(layouts)
         if self.records.metrics is not None:
-            self.records.write_iteration(loss_dict, iteration)
+            self.records.write_iteration(loss_dict, iteration, layouts)
         if not (iteration % args.log_interval == 0 or is_first):
             return
+        self._log_layouts()
         if self.timing.on:  # like training_log: the first iteration is logged without resetting
             timers, names = self.timing.timers(), [TIMER_COMPUTE, TIMER_COMM]
             if getattr(args, "log_timers_to_tensorboard", False):
@@ -373,6 +386,18 @@ class Telemetry(_Shared):
             timers.log(names, normalizer=args.log_interval, reset=not is_first)
         if self.log_bytes:
             self._log_bytes(iteration, reset=not is_first)
+
+    def _log_layouts(self) -> None:
+        """Under a layout picked per sample (``--cp-layout auto``), on the rank where Megatron logs:
+        which layouts this rank's samples ran on since the last log -- the ranks of a CP group split
+        the same samples; a data-parallel replica its own."""
+        counts, self.layouts_since_log = self.layouts_since_log, collections.Counter()
+        if not counts or not plugin_settings(self.args).layout.derived_from:
+            return
+        if not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1:
+            ran = ", ".join(f"{name} {n}" for name, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+            logger.info("megatron_mesh: --cp-layout %s ran this rank's %d samples since the last log on: %s",
+                        plugin_settings(self.args).cp_layout, sum(counts.values()), ran)
 
     def _log_bytes(self, iteration: int, reset: bool) -> None:
         """Bytes per iteration since the last log, min and max over all ranks (collective: every

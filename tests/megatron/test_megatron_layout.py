@@ -170,6 +170,11 @@ def test_auto_runs_mesh_on_its_owners_layout_where_it_simulates_faster():
                                                                                               plugin_settings(mesh)))
     ring = config(cp_layout="auto", **PRICED, context_parallel_size=8)
     assert batch_layout.sample_layout(cu, ring) is None
+    # the kind each sample ran on (the log's and the metrics'): what auto picked
+    assert layout_decision.sample_kind(cu, mesh) == "owners" and layout_decision.sample_kind(cu, ring) == "zigzag"
+    assert layout_decision.sample_kind(tuple(document_bounds("lognormal:4096,1.0", n, 0)), ring) == "balanced"
+    assert layout_decision.sample_kind(cu, config(cp_layout="balanced", **PRICED, context_parallel_size=8)) == "balanced"
+    assert layout_decision.sample_kind(cu, config(cp_layout="auto", **PRICED, context_parallel_size=1)) == "zigzag"
 
 
 def test_auto_keeps_the_zigzag_where_it_is_priced_faster():
@@ -362,6 +367,7 @@ def test_megatron_scripts_get_the_layout_split(monkeypatch):
     local = utils.get_batch_on_this_cp_rank(dict(full), is_hybrid_cp=False, cp_group=FakeGroup(P, 2))
     current = batch_layout.current(process)
     assert current.rows == batch_layout.document_rows({"tokens": tokens}, "eod", EOD) and current.rank == 2
+    assert process.layout_kinds == {"balanced": 2}  # for the log and the metrics (telemetry takes them)
     assert torch.equal(local["tokens"], current.shard(full, FakeGroup(P, 2))["tokens"])
     assert document_params(tokens, EOD).cu_seqlens_q.tolist() == current.packed_seq_params().cu_seqlens_q.tolist()
     calls = []

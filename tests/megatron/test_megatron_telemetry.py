@@ -15,6 +15,7 @@ import torch  # noqa: E402
 from megatron_mesh.comm.base import DONE, Communicator, record_bytes  # noqa: E402
 from megatron_mesh.megatron import telemetry  # noqa: E402
 from megatron_mesh.megatron.metrics import MetricsWriter  # noqa: E402
+from megatron_mesh.megatron.process import ProcessState  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 
@@ -87,7 +88,7 @@ def test_iteration_records_and_bytes_in_the_log_and_tensorboard(tmp_path, caplog
     scalars = []
     writer = types.SimpleNamespace(add_scalar=lambda name, value, it: scalars.append((name, value, it)))
     tel = telemetry.Telemetry(types.SimpleNamespace(log_interval=2, log_cp_attention_bytes=True),
-                              MetricsWriter(str(tmp_path), 0), writer=lambda: writer)
+                              MetricsWriter(str(tmp_path), 0), writer=lambda: writer, process=ProcessState())
     tel.records.step_ms = 12.5
     with caplog.at_level(logging.INFO, logger=telemetry.__name__):
         for it, (sent, loss) in enumerate([(1000, 4.5), (3000, 4.25)], start=1):
@@ -118,7 +119,8 @@ def test_iteration_records_bytes_per_peer_and_attention_work(tmp_path):
     and the bytes its plans send (the backward's only for a call whose backward runs)."""
     from megatron_mesh.plan import AttentionShape, Mask, plan_bytes, resolve
 
-    tel = telemetry.Telemetry(types.SimpleNamespace(log_interval=100), MetricsWriter(str(tmp_path), 1))
+    tel = telemetry.Telemetry(types.SimpleNamespace(log_interval=100), MetricsWriter(str(tmp_path), 1),
+                              process=ProcessState())
     records = tel.records
     records.step_ms = 1.0
     comm = _Comm4()
@@ -150,6 +152,29 @@ def test_iteration_records_bytes_per_peer_and_attention_work(tmp_path):
     assert first["planned_bytes_sent"] == 2 * planned.forward_sent + planned.backward_sent > 0
     assert (second["bytes_sent"], second["bytes_sent_to"], second["attention_work"]) == (0, {}, 0)
     assert second["planned_bytes_sent"] == 0
+
+
+def test_the_layouts_samples_ran_on_in_the_log_and_the_records(tmp_path, caplog):
+    """Under --cp-layout auto, at each --log-interval, which layouts this rank's samples ran on since
+    the last log (the batch split counts them in the process state); every iteration's record holds
+    its own; under a layout of one kind the records only."""
+    for layout, logged in (("auto", True), ("balanced", False)):
+        process = ProcessState()
+        out = tmp_path / layout
+        tel = telemetry.Telemetry(types.SimpleNamespace(log_interval=2, cp_layout=layout), MetricsWriter(str(out), 0),
+                                  process=process)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger=telemetry.__name__):
+            for it, kinds in enumerate(({"balanced": 1, "owners": 1}, {"zigzag": 2}, {}, {"owners": 1}), 1):
+                process.layout_kinds.update(kinds)
+                tel.after_iteration({"lm loss": torch.tensor(4.0)}, it, is_first=False)
+        assert not process.layout_kinds  # taken
+        records = [json.loads(line) for line in (out / "rank0.jsonl").read_text().splitlines()][1:]
+        assert [r["layouts"] for r in records] == [{"balanced": 1, "owners": 1}, {"zigzag": 2}, {}, {"owners": 1}]
+        lines = [r.getMessage() for r in caplog.records]
+        want = ["megatron_mesh: --cp-layout auto ran this rank's 4 samples since the last log on: zigzag 2, balanced 1, "
+                "owners 1", "megatron_mesh: --cp-layout auto ran this rank's 1 samples since the last log on: owners 1"]
+        assert lines == (want if logged else []), lines
 
 
 def test_comm_counter_counts_bytes_per_peer():
