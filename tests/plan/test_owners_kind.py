@@ -72,8 +72,8 @@ def _eight_gpus(seed: int, mode: str, **kw) -> Sample:
 
 
 def test_auto_keeps_the_owners_layout_for_mesh_where_it_simulates_faster():
-    """8 GPUs, 32/8 heads of 128 in bf16: on seed 0 Mesh runs 4.81 ms on the owners layout against
-    5.21 on the balanced layout the model picks, on seed 4 16.59 against 16.08 (docs/performance.md,
+    """8 GPUs, 32/8 heads of 128 in bf16: on seed 0 Mesh runs 4.75 ms on the owners layout against
+    5.21 on the balanced layout the model picks, on seed 4 16.33 against 16.08 (docs/performance.md,
     "Mesh's own layout"); ring, a per-layer list with ring, and Transformer Engine's p2p never get it."""
     auto = get_layout_kind("auto")
     balanced = get_layout_kind("balanced")

@@ -9,7 +9,7 @@ every plan the mode could run on it (:func:`~.owners.beats_the_zigzag`).
 
 Example (8 GPUs of one node, 64K tokens of ``lognormal:4096,1.0``, 32/8 heads of 128 in bf16):
 for ring, seed 0, the balanced layout (5.21 ms simulated against the zigzag's 8.63); for Mesh the
-owners layout (4.81 ms) -- on 7 of seeds 0-9 (docs/performance.md, "Mesh's own layout").
+owners layout (4.75 ms) -- on 8 of seeds 0-9 (docs/performance.md, "Mesh's own layout").
 """
 
 from __future__ import annotations
