@@ -22,7 +22,8 @@ from the mask itself, for every mode:
    slot's segments). Rounds: ring and Mesh pull by *shift* -- in round d, rank x receives from
    x - d and sends to x + d, so every round is a permutation and blocks start as soon as their
    slots arrive; every pull is posted up front, and the partials of shift d go home in round
-   P + d as soon as the blocks writing them ran. TASP pulls over all links at once, in
+   P + d as soon as the blocks writing them ran -- which a rank runs before its own rows' blocks
+   (its peers wait for them, :meth:`_SparseLowering._schedule`). TASP pulls over all links at once, in
    ``burst_groups`` rounds (:class:`~.tunables.Tunables`: groups of a rank's remote slots of
    about equal work), and returns each group's partials in a round of its own while the next group computes (a long
    document's blocks start before all its slots are in, and its fp32 dK/dV return hides behind
@@ -232,7 +233,8 @@ class MaskAwareFacts(Facts):
 class _SparseLowering:
     """Each rank's ops of one mask-aware plan: its pull rounds (:class:`~.sparse_rounds.Rounds`)
     posted up front, its blocks' calls (:class:`~.sparse_calls.Calls`) step by step as their slots
-    arrive, each return round posted once the blocks writing it ran (the module docstring)."""
+    arrive -- those whose partials go home first --, each return round posted once the blocks
+    writing it ran (the module docstring)."""
 
     def __init__(self, P: int, T: int, needs, index, keeps: Keeps, burst: bool, token_bytes: dict,
                  tunables: Tunables):
