@@ -392,12 +392,13 @@ class Telemetry(_Shared):
         which layouts this rank's samples ran on since the last log -- the ranks of a CP group split
         the same samples; a data-parallel replica its own."""
         counts, self.layouts_since_log = self.layouts_since_log, collections.Counter()
-        if not counts or not plugin_settings(self.args).layout.derived_from:
+        settings = plugin_settings(self.args) if counts else None
+        if settings is None or not settings.layout.derived_from:
             return
         if not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1:
             ran = ", ".join(f"{name} {n}" for name, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
             logger.info("megatron_mesh: --cp-layout %s ran this rank's %d samples since the last log on: %s",
-                        plugin_settings(self.args).cp_layout, sum(counts.values()), ran)
+                        settings.cp_layout, sum(counts.values()), ran)
 
     def _log_bytes(self, iteration: int, reset: bool) -> None:
         """Bytes per iteration since the last log, min and max over all ranks (collective: every
