@@ -54,7 +54,7 @@ import torch
 from torch import Tensor
 
 from ..plan.layout import Layout, ZigzagLayout, positions
-from .layout_decision import sample_kind, sample_layout, uses_balanced_layout
+from .layout_decision import sample_choice, sample_layout, uses_balanced_layout
 from .process import PROCESS, ProcessState
 from .settings import BATCH_DOCUMENTS, PluginSettings
 
@@ -130,13 +130,15 @@ class BatchLayout:
     layouts: tuple[Optional[Layout], ...]
     rank: int
     cp: int = 1
+    kinds: tuple[str, ...] = ()  # per sample the name of its layout's kind (:func:`.layout_decision.sample_kind`)
 
     @classmethod
     def of(cls, rows, config, rank: int, settings: Optional[PluginSettings] = None) -> "BatchLayout":
-        """Each sample's layout by :func:`sample_layout` (``settings``: the plugin settings of
-        ``config``, when the caller has them)."""
+        """Each sample's layout and the name of its kind by :func:`.layout_decision.sample_choice`
+        (``settings``: the plugin settings of ``config``, when the caller has them)."""
         rows = tuple(tuple(int(c) for c in r) for r in rows)
-        return cls(rows, tuple(sample_layout(r, config, settings) for r in rows), rank, config.context_parallel_size)
+        choices = [sample_choice(r, config, settings) for r in rows]
+        return cls(rows, tuple(c[0] for c in choices), rank, config.context_parallel_size, tuple(c[1] for c in choices))
 
     @property
     def balanced(self) -> bool:
@@ -284,7 +286,7 @@ def split_batch(batch: dict, source: str, args, cp_group, eod: Optional[int] = N
     rank = cp_group.rank() if cp_group is not None else 0
     rows = process.pipeline_rows
     layout = BatchLayout.of(document_rows(batch, source, eod) if rows is None else rows, args, rank, settings)
-    process.layout_kinds.update(sample_kind(r, args, settings) for r in layout.rows)
+    process.layout_kinds.update(layout.kinds)
     if layout.balanced:
         check_rope_follows(args, process)
     set_current(layout, process)

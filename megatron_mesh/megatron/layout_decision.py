@@ -23,7 +23,7 @@ from ..plan.sparse_needs import KEEP_LIMIT, keep_limit_of
 from .placement import ranks_per_node
 from .settings import BATCH_DOCUMENTS, PluginSettings, layer_modes, plugin_modes_of, plugin_settings, problem_of
 
-__all__ = ["sample_layout", "sample_kind", "uses_balanced_layout", "layer_masks"]
+__all__ = ["sample_layout", "sample_kind", "sample_choice", "uses_balanced_layout", "layer_masks"]
 
 
 def uses_balanced_layout(config) -> bool:
@@ -71,12 +71,19 @@ def sample_kind(cu_seqlens, config, settings: PluginSettings | None = None) -> s
     """The name of the layout kind the sample with boundaries ``cu_seqlens`` runs on (what
     :func:`sample_layout` built): ``--cp-layout``'s, or for a kind picked per sample (``auto``) the
     one it picked -- ``zigzag``, ``balanced`` or ``owners``; Megatron's zigzag at CP 1. Cached with
-    the choice (the batch split asks it of every sample, for the log and the metrics)."""
+    the choice."""
+    return sample_choice(cu_seqlens, config, settings)[1]
+
+
+def sample_choice(cu_seqlens, config, settings: PluginSettings | None = None) -> tuple[Optional[Layout], str]:
+    """:func:`sample_layout` and :func:`sample_kind` of one sample, what it is built for
+    (:func:`layout_sample`) worked out once: the batch split asks both of every sample, the
+    layout to split by, the kind for the log and the metrics."""
     s = plugin_settings(config) if settings is None else settings
     if config.context_parallel_size == 1 or not s.layout.per_sample:
-        return REFERENCE_LAYOUT
-    kind = get_layout_kind(s.cp_layout)
-    return kind.pick(layout_sample(cu_seqlens, config, s)) if kind.derived_from else kind.name
+        return None, REFERENCE_LAYOUT
+    sample, kind = layout_sample(cu_seqlens, config, s), get_layout_kind(s.cp_layout)
+    return _decide(s.cp_layout, sample), kind.pick(sample) if kind.derived_from else kind.name
 
 
 def layout_sample(cu_seqlens, config, settings: PluginSettings) -> Sample:

@@ -175,6 +175,13 @@ def test_auto_runs_mesh_on_its_owners_layout_where_it_simulates_faster():
     assert layout_decision.sample_kind(tuple(document_bounds("lognormal:4096,1.0", n, 0)), ring) == "balanced"
     assert layout_decision.sample_kind(cu, config(cp_layout="balanced", **PRICED, context_parallel_size=8)) == "balanced"
     assert layout_decision.sample_kind(cu, config(cp_layout="auto", **PRICED, context_parallel_size=1)) == "zigzag"
+    # the batch split works each sample's layout and kind out at once, as the two calls give them
+    rows = (cu, tuple(document_bounds("lognormal:4096,1.0", n, 0)))
+    for cfg in (mesh, ring):
+        split = batch_layout.BatchLayout.of(rows, cfg, 0)
+        assert split.layouts == tuple(batch_layout.sample_layout(r, cfg) for r in rows)
+        assert split.kinds == tuple(layout_decision.sample_kind(r, cfg) for r in rows)
+    assert batch_layout.BatchLayout.of(rows, ring, 0).kinds == ("zigzag", "balanced")
 
 
 def test_auto_keeps_the_zigzag_where_it_is_priced_faster():

@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import dataclasses
 import typing
 from dataclasses import dataclass, field, replace
@@ -68,15 +69,22 @@ class OptionSpec:
     only_with: tuple[str, Any] | None = None
 
 
+@functools.cache
 def option_specs(options_type: type) -> tuple[OptionSpec, ...]:
-    """The options of an options dataclass, in field order."""
-    hints = typing.get_type_hints(options_type)
+    """The options of an options dataclass, in field order (cached: the batch split asks for
+    them per sample, and resolving the type hints is most of a sample's layout lookup)."""
+    hints = _hints(options_type)
     out = []
     for f in dataclasses.fields(options_type):
         choices = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is typing.Literal else None
         out.append(OptionSpec(f.name, f.default, choices, f.metadata.get("help", ""), f.metadata.get("flag"),
                               f.metadata.get("parse"), f.metadata.get("check"), f.metadata.get("only_with")))
     return tuple(out)
+
+
+@functools.cache
+def _hints(options_type: type) -> dict:
+    return typing.get_type_hints(options_type)
 
 
 def check_options(mode: str, options_type: type, values: dict) -> Any:
@@ -87,7 +95,7 @@ def check_options(mode: str, options_type: type, values: dict) -> Any:
     if extra:
         raise ValueError(f"CP mode {mode!r} takes no setting {', '.join(extra)}; its settings: "
                          f"{', '.join(specs) or 'none'}")
-    hints = typing.get_type_hints(options_type)
+    hints = _hints(options_type)
     for name, value in values.items():
         choices = specs[name].choices
         if choices is not None and value not in choices:
