@@ -76,7 +76,7 @@ from .topology import Topology
 from .traffic import RoundTraffic, round_traffic
 
 # the simulator's parts (traffic, costs, timeline) re-exported where callers look for them
-__all__ = ["Event", "PhaseResult", "SimResult", "simulate", "RoundTraffic", "round_traffic", "BACKWARD_FLOPS",
+__all__ = ["Event", "PhaseResult", "SimResult", "simulate", "simulate_direction", "RoundTraffic", "round_traffic", "BACKWARD_FLOPS",
            "TimeBreakdown", "time_breakdown"]
 
 _DIRECTIONS = ("forward", "backward")
@@ -189,17 +189,27 @@ def simulate(plan: Plan, shape: AttentionShape, topology: Topology | None = None
         raise ValueError(f"ranks {ranks} must be a non-empty subset of 0..{plan.world_size - 1}")
     for r in sim_ranks:  # build the simulated ranks first: their rounds are then read off their ops
         plan.rank(r)
-    phases = []
-    for direction in _DIRECTIONS:
-        traffic = round_traffic(plan, shape, topo, direction, exact=exact)
-        if traffic.per_rank is not None and len(sim_ranks) == plan.world_size:
-            time, busy, rounds, events, host = run_pairwise(plan, shape, topo, direction, traffic.per_rank, timeline)
-        else:
-            time, busy, rounds, events, host = run_lockstep(plan, shape, topo, direction, sim_ranks,
-                                                             traffic.duration, timeline)
-        phases.append(PhaseResult(time, busy, rounds, traffic.bytes_sent, traffic.mean_intra, traffic.mean_inter,
-                                  traffic.max_inter, tuple(events), traffic.sent, traffic.inter, host))
-    return SimResult(*phases, exact=exact)
+    return SimResult(*(_phase(plan, shape, topo, direction, sim_ranks, exact, timeline) for direction in _DIRECTIONS),
+                     exact=exact)
+
+
+def simulate_direction(plan: Plan, shape: AttentionShape, topology: Topology, direction: str, *,
+                       timeline: bool = False) -> PhaseResult:
+    """One direction of :func:`simulate` (every rank of a mask-aware plan): what a choice that
+    changes only that direction's ops compares (:mod:`.polish`)."""
+    return _phase(plan, shape, topology, direction, sorted(set(_default_ranks(plan))), False, timeline)
+
+
+def _phase(plan: Plan, shape: AttentionShape, topo: Topology, direction: str, sim_ranks: list[int], exact: bool,
+           timeline: bool) -> PhaseResult:
+    traffic = round_traffic(plan, shape, topo, direction, exact=exact)
+    if traffic.per_rank is not None and len(sim_ranks) == plan.world_size:
+        time, busy, rounds, events, host = run_pairwise(plan, shape, topo, direction, traffic.per_rank, timeline)
+    else:
+        time, busy, rounds, events, host = run_lockstep(plan, shape, topo, direction, sim_ranks,
+                                                         traffic.duration, timeline)
+    return PhaseResult(time, busy, rounds, traffic.bytes_sent, traffic.mean_intra, traffic.mean_inter,
+                       traffic.max_inter, tuple(events), traffic.sent, traffic.inter, host)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,9 @@ from the mask itself, for every mode:
    columns in position order (runs of a document that continue each other join into long runs,
    which :func:`~.mask.mask_pieces` runs as a few full calls), and one merge instead of one per
    block. Where a return round follows, the own block is split to hide both transfers: the
-   pulls' share of the bytes runs before the pulls' wait, the rest after the return is posted.
+   pulls' share of the bytes runs before the pulls' wait, the rest after the return is posted --
+   or all of it first, or last, where the plan's ``own_first`` choices say (:mod:`.polish` makes
+   them by simulation for plans of a few ranks).
 5. **Backward chunks.** Under ``backward_chunks="auto"`` a rank keeps what it pulled of each
    chunk for the backward, in the order its backward reads them, while it fits in its own Q, K
    and V (:class:`~.sparse_needs.Keeps`, :func:`~.sparse_needs.kept_chunks`): its backward pulls
@@ -73,8 +75,9 @@ dK/dV partial in its shift's return round, and its own block runs while they tra
 
 from __future__ import annotations
 
+import copy
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Literal
 
 from .accounting import buffer_bytes
@@ -92,7 +95,7 @@ from .sparse_needs import KEEP_LIMIT, Keeps, Needs, QueryOwnerNeeds, Slots, byte
 from .sparse_rounds import Rounds
 from .tunables import TUNABLES, Tunables
 
-__all__ = ["build_sparse_plan", "block_table", "block_parts", "Assignment", "QUERY_OWNER", "TILE_MAP", "RoundOrder",
+__all__ = ["build_sparse_plan", "reordered", "block_table", "block_parts", "Assignment", "QUERY_OWNER", "TILE_MAP", "RoundOrder",
            "MaskAwareFacts"]
 
 QUERY_OWNER = "query owner"  # the assignment every mask-aware plan may take: a block computed by its query's owner
@@ -145,11 +148,15 @@ class Assignment:
 
 def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layout: Layout, assignment: Assignment,
                       *, backward_chunks: str = "refetch", ranks_per_node: int | None = None,
-                      keep_limit: float = KEEP_LIMIT, tunables: Tunables = TUNABLES) -> Plan:
+                      keep_limit: float = KEEP_LIMIT, tunables: Tunables = TUNABLES,
+                      own_first: tuple[tuple[int, str, bool], ...] = ()) -> Plan:
     """The mask-aware plan of ``mode`` (its name) placed by ``assignment`` -- see the module
     docstring. ``mask`` and ``layout`` are normalised (:func:`~.problem.normalize`); under
     ``backward_chunks="auto"`` a rank keeps what it pulled up to ``keep_limit`` x its own Q, K and V
-    bytes (:class:`~.sparse_needs.Keeps`)."""
+    bytes (:class:`~.sparse_needs.Keeps`). ``own_first``: (rank, direction, first) -- that rank
+    runs its own block in that direction before (True) or after (False) its other blocks,
+    instead of the share the transfers' bytes give (what :mod:`.polish` chooses by simulation)."""
+    own_first = _own_first(P, own_first)
     T = shape.seq_local
     own_calls = tunables.own_call_tokens
     index = blocks_of(P, mask, layout, own_calls)
@@ -184,14 +191,55 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
                          "maps and the query owner, the fewest bytes on the busiest rank under this mask")
     burst = assignment.rounds == "burst"
     keeps = Keeps(backward_chunks, needs, T, token_bytes, keep_limit)
-    lowering = _SparseLowering(P, T, needs, index, keeps, burst, token_bytes, tunables)
+    lowering = _SparseLowering(P, T, needs, index, keeps, burst, token_bytes, tunables,
+                               {(x, d == "backward"): first for x, d, first in own_first})
     notes.append(f"mask {mask.summary()}: each rank computes only the blocks with allowed pairs and receives only the "
                  f"tokens they read, from their owner ({'over all links at once, in groups' if burst else 'one round per shift'})")
     facts = MaskAwareFacts(assignment.rounds, assigned, tile, contiguous, lowering.rounds.final_round,
-                           ranks_per_node)
+                           ranks_per_node, own_first)
     return Plan(mode=mode, world_size=P, seq_local=T, mask=mask, layout=layout, build_rank=lowering.rank_plan,
                 build_rounds=lowering.round_ops, slots=lowering.slots, facts=facts, backward_chunks=backward_chunks,
                 notes=tuple(notes))
+
+
+def reordered(plan: Plan, own_first: tuple) -> Plan:
+    """``plan`` (a mask-aware plan of :func:`build_sparse_plan`) with the ranks' ``own_first``
+    choices instead of its own: its blocks, slots and rounds shared, its ranks built anew as they
+    are asked for (the trials of :mod:`.polish`: a rebuild would redo the blocks and rounds)."""
+    lowering = getattr(plan.build_rank, "__self__", None)
+    if not isinstance(lowering, _SparseLowering):
+        raise ValueError(f"only a mask-aware plan (build_sparse_plan's) takes own_first choices, not a {plan.mode} "
+                         f"plan with {type(plan.facts).__name__}")
+    own_first = _own_first(plan.world_size, own_first)
+    new = copy.copy(lowering)
+    new.own_first = {(x, d == "backward"): first for x, d, first in own_first}
+    return replace(plan, build_rank=new.rank_plan, build_rounds=new.round_ops,
+                   facts=replace(plan.facts, own_first=own_first), _cache={})
+
+
+def _own_first(P: int, given) -> tuple[tuple[int, str, bool], ...]:
+    """``given`` (rank, direction, first) entries, checked and sorted (one per rank and direction)."""
+    out = {}
+    for entry in given:
+        x, direction, first = entry
+        if not (isinstance(x, int) and 0 <= x < P) or direction not in ("forward", "backward") or \
+                not isinstance(first, bool) or (x, direction) in out:
+            raise ValueError(f"own_first entries are (rank 0..{P - 1}, 'forward' or 'backward', True or False), one "
+                             f"per rank and direction; got {entry!r} in {tuple(given)!r}")
+        out[x, direction] = first
+    return tuple((x, d, f) for (x, d), f in sorted(out.items()))
+
+
+def own_first_text(own_first: tuple) -> str:
+    """The header's text of a plan's ``own_first``: ``3b1,7f0`` (rank 3's backward runs its own
+    block first, rank 7's forward last); ``-`` for none."""
+    return ",".join(f"{x}{d[0]}{int(f)}" for x, d, f in own_first) or "-"
+
+
+def _parse_own_first(text: str) -> tuple:
+    if text == "-":
+        return ()
+    return tuple((int(e[:-2]), {"f": "forward", "b": "backward"}[e[-2]], e[-1] == "1") for e in text.split(","))
 
 
 @register_facts
@@ -211,6 +259,7 @@ class MaskAwareFacts(Facts):
     contiguous: Contiguous | None = None
     last_round: int | None = None
     ranks_per_node: int | None = None
+    own_first: tuple = ()  # (rank, direction, first): where its own block runs (:mod:`.polish`)
 
     @property
     def tile_placed(self) -> tuple[int, int] | None:
@@ -219,7 +268,8 @@ class MaskAwareFacts(Facts):
     def header(self) -> dict[str, str]:
         return {"tile": tile_text(self.tile), "schedule": self.rounds, "contiguous": self.contiguous or "-",
                 "assignment": self.assignment.replace(" ", "_") or "-", "direct": "yes",
-                "last_round": optional_text(self.last_round), "ranks_per_node": optional_text(self.ranks_per_node)}
+                "last_round": optional_text(self.last_round), "ranks_per_node": optional_text(self.ranks_per_node),
+                **({"own_first": own_first_text(self.own_first)} if self.own_first else {})}
 
     @classmethod
     def from_header(cls, head: dict[str, str], inner) -> "MaskAwareFacts":
@@ -227,7 +277,7 @@ class MaskAwareFacts(Facts):
         return cls(choice("schedule", head["schedule"], RoundOrder),
                    "" if head["assignment"] == "-" else head["assignment"].replace("_", " "),
                    parse_tile_text(head["tile"]), contiguous, optional_int(head["last_round"]),
-                   optional_int(head["ranks_per_node"]))
+                   optional_int(head["ranks_per_node"]), _parse_own_first(head.get("own_first", "-")))
 
 
 class _SparseLowering:
@@ -237,8 +287,9 @@ class _SparseLowering:
     writing it ran (the module docstring)."""
 
     def __init__(self, P: int, T: int, needs, index, keeps: Keeps, burst: bool, token_bytes: dict,
-                 tunables: Tunables):
+                 tunables: Tunables, own_first: dict | None = None):
         self.P, self.T, self.needs, self.keeps, self.burst = P, T, needs, keeps, burst
+        self.own_first = own_first or {}  # (rank, backward) -> its own block first (True) or last
         self.token_bytes = token_bytes  # kind -> bytes per token
         self.slots = Slots(needs, P)
         self.rounds = Rounds(P, needs, index, keeps, burst, tunables)
@@ -287,9 +338,12 @@ class _SparseLowering:
         """The own block's calls before the pulls' wait and after the returns are posted: where
         anything moves, the own block hides both transfers -- the share of its calls (by pairs)
         that runs first is the pulls' share of the bytes (a backward pulls K/V in bf16 and returns
-        dK/dV in fp32: a third before)."""
+        dK/dV in fp32: a third before) -- unless the plan says where (``own_first``)."""
         later: list[Op] = []
-        if any(r[0] or r[1] for r in returns.values()):
+        first = self.own_first.get((x, backward))
+        if first is not None:
+            own, later = (own, []) if first else ([], own)
+        elif any(r[0] or r[1] for r in returns.values()):
             pulled = self._bytes(t for ts in pulls.values() for tr in ts for t in tr)
             returned = self._bytes(t for sends, recvs, _, _ in returns.values() for t in (*sends, *recvs))
             share = pulled / max(1, pulled + returned)

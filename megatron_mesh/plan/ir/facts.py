@@ -77,6 +77,7 @@ class Facts:
     ranks_per_node: int | None = None  # the consecutive CP ranks per node the rings were built for
     ulysses: int = 1  # the number of head slices keys may name
     heads: tuple[int, int] | None = None  # the (query, key/value) head counts the slices were cut from
+    own_first: tuple = ()  # (rank, direction, first): where a rank runs its own block (mask-aware, ..polish)
     # a hybrid's inner plan (the traffic the simulator prices; a :class:`~.plan.Plan`, named not
     # imported: the plan module imports this one)
     inner: "Plan | None" = None

@@ -29,9 +29,10 @@ from typing import Any, Callable, ClassVar
 from ..ir import Plan
 from ..layout import Layout
 from ..mask import Mask
+from ..polish import polish, polishes
 from ..problem import is_dense, normalize
 from ..shape import AttentionShape
-from ..sparse import Assignment, build_sparse_plan
+from ..sparse import Assignment, build_sparse_plan, reordered
 from ..sparse_needs import KEEP_LIMIT
 from ..topology import Topology
 from ..tunables import TUNABLES, Tunables
@@ -144,10 +145,12 @@ class Placement:
         return get_mode(self.mode)
 
     def build(self, shape: AttentionShape, mask: Mask | None = None, layout: Layout | None = None,
-              tunables: Tunables = TUNABLES) -> Plan:
+              tunables: Tunables = TUNABLES, own_first: tuple | None = None) -> Plan:
         """The plan of this placement for ``shape`` (per rank), ``mask`` (default causal) and
-        ``layout`` (default Megatron's zigzag), with the builders' ``tunables``."""
-        return self.spec.build(self, shape, mask, layout, tunables)
+        ``layout`` (default Megatron's zigzag), with the builders' ``tunables``; a mask-aware
+        plan with the ranks' ``own_first`` choices (:func:`~..sparse.build_sparse_plan`; None:
+        those :mod:`..polish` finds, where it polishes)."""
+        return self.spec.build(self, shape, mask, layout, tunables, own_first)
 
     def rings(self) -> dict[str, tuple[tuple[int, ...], ...]]:
         """The rings (CP-rank tuples in ring order) the dense plan of this placement moves data on:
@@ -222,16 +225,20 @@ class Mode:
         return Placement(self.name, world_size, options, ranks_per_node)
 
     def build(self, p: Placement, shape: AttentionShape, mask: Mask | None, layout: Layout | None,
-              tunables: Tunables = TUNABLES) -> Plan:
+              tunables: Tunables = TUNABLES, own_first: tuple | None = None) -> Plan:
         mask, layout = normalize(p.world_size, shape, mask, layout)
         self.check_layout(layout)
         if is_dense(mask, layout):  # the builders name their own algorithm; the plan is this mode's
             plan = self.build_dense(p, shape, mask)
             return plan if plan.mode == self.name else replace(plan, mode=self.name, _cache={})
-        return build_sparse_plan(self.name, p.world_size, shape, mask, layout, self.assignment(p, mask, layout),
+        plan = build_sparse_plan(self.name, p.world_size, shape, mask, layout, self.assignment(p, mask, layout),
                                  backward_chunks=getattr(p.options, "backward_chunks", "auto"),
                                  keep_limit=getattr(p.options, "backward_keep_limit", KEEP_LIMIT),
-                                 ranks_per_node=p.ranks_per_node, tunables=tunables)
+                                 ranks_per_node=p.ranks_per_node, tunables=tunables, own_first=own_first or ())
+        if own_first is None and polishes(p.world_size, shape.seq_local, tunables):  # on auto's machine
+            return polish(lambda choices: reordered(plan, choices), shape,
+                          topology_for(p.world_size, p.ranks_per_node), tunables, first=plan)
+        return plan
 
     def check_layout(self, layout: Layout) -> None:
         """ValueError for a layout that names its blocks' owners (its work balance rests on them)

@@ -10,12 +10,15 @@ import typing
 from dataclasses import dataclass, replace
 
 from ..hybrid import build_hybrid_plan, hybrid_rings, inner_shape
+from ..ir import Plan
 from ..mask import Mask
+from ..polish import polish, polishes
 from ..problem import normalize
+from ..sparse import MaskAwareFacts, reordered
 from ..shape import AttentionShape
 from ..topology import Topology
 from ..tunables import TUNABLES, Tunables
-from .base import HYBRID_PREFIX, Mode, Placement, check_ranks_per_node, option_specs, register, setting
+from .base import HYBRID_PREFIX, Mode, Placement, check_ranks_per_node, option_specs, register, setting, topology_for
 
 __all__ = ["HybridMode", "UlyssesOptions", "register_hybrid"]
 
@@ -80,11 +83,27 @@ class HybridMode(Mode):
                              f"{self.inner.name} over {M} ranks: {e}") from None
         return Placement(self.name, world_size, UlyssesOptions(U), ranks_per_node, inner)
 
-    def build(self, p: Placement, shape: AttentionShape, mask, layout, tunables: Tunables = TUNABLES):
+    def build(self, p: Placement, shape: AttentionShape, mask, layout, tunables: Tunables = TUNABLES,
+              own_first: tuple | None = None):
+        """The hybrid plan; a mask-aware inner plan polished as part of it (:mod:`..polish`: the
+        inner ranks' choices tried on the hybrid plan, inner rank m standing for ranks m U ... m U +
+        U - 1), or with the inner ranks' ``own_first`` choices."""
         mask, layout = normalize(p.world_size, shape, mask, layout)
         self.check_layout(layout)
-        return build_hybrid_plan(self.name, p.world_size, p.ulysses, functools.partial(p.inner.build, tunables=tunables),
-                                 shape, mask, layout)
+
+        plan = build_hybrid_plan(self.name, p.world_size, p.ulysses, functools.partial(
+            p.inner.build, tunables=tunables, own_first=own_first or ()), shape, mask, layout)
+        inner = plan.facts.inner
+        if own_first is None and polishes(p.world_size, shape.seq_local, tunables) and \
+                isinstance(inner.facts, MaskAwareFacts):
+            U = p.ulysses
+
+            def plan_of(choices: tuple) -> Plan:
+                return build_hybrid_plan(self.name, p.world_size, U, lambda *_: reordered(inner, choices),
+                                         shape, mask, layout)
+            return polish(plan_of, shape, topology_for(p.world_size, p.ranks_per_node), tunables,
+                          rank_of=lambda g: g // U, first=plan)
+        return plan
 
     def rings(self, p: Placement) -> dict:
         return hybrid_rings(p.world_size, p.ulysses, p.inner.rings())

@@ -1,0 +1,112 @@
+"""Polishing a mask-aware plan by simulation: where each rank runs its own block.
+
+A rank of a mask-aware plan (:mod:`.sparse`) runs its own block -- its rows against its own keys,
+which nobody waits for -- partly before its other blocks, to hide the transfers they wait for,
+and the rest after: the share is the pulls' share of the bytes. That rule knows neither the
+peers nor the host, and both can matter more than the bytes:
+
+* **Peers waiting.** A rank computing blocks of another rank's rows (Mesh on its owners layout)
+  sends partials home; running a long own block first makes the owner wait for them at the end.
+* **The host.** Where a rank's other blocks are many small kernel calls, its host issues them more
+  slowly than the device runs them; a long own call first lets the host run ahead while the
+  device is busy.
+
+So a plan of a few ranks (up to ``Tunables.polish_ranks``, with at least
+``Tunables.polish_tokens`` tokens per rank: below that a step takes microseconds) is polished:
+per direction, the rank that finishes last -- and the ranks it waited for longest -- try their
+own block first, then last, in the plan rebuilt with that choice and simulated on the machine
+its choices are made for; the first change that shortens the direction is kept, and the search
+starts again from the new finisher, within ``Tunables.polish_sims`` simulations a direction. A
+trial shares the plan's blocks, slots and rounds (:func:`~.sparse.reordered`) and what it made of
+the other ranks' ops (:func:`~.ir.plan.carry`). The choices are the plan's ``own_first`` fact (the
+header's ``own_first=6b0,7b0``); every rank building the same plan makes the same choices (the
+search is deterministic), and ranks that chose differently would still match: only the order of
+a rank's calls changes, not its rounds.
+
+Worked example (8 GPUs, 64K tokens of ``lognormal:4096,1.0`` seed 6, Mesh on its owners layout,
+the 8-GPU problem of docs/performance.md, "Polished by simulation"): in the backward rank 7
+finishes last. Its own block last lets it post its send of rank 4's dK/dV partial -- and behind it,
+in round order, its receives of the dQ partials rank 5 and 6 compute -- before its 3 ms own call
+instead of after (4.52 -> 4.46 ms); then rank 6's own block last: the block of rank 7's rows it
+ran after its own (one 2.35 ms call) runs first, and its dQ partial travels while rank 6 computes
+its own rows (4.33 ms); then rank 3's (4.32). With the forward's two choices the step goes
+6.58 -> 6.29 ms: ``own_first=3b0,4f1,6b0,6f0,7b0``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .ir import Plan, Post
+from .ir.plan import carry
+from .shape import AttentionShape
+from .simulate import PhaseResult, simulate_direction
+from .topology import Topology
+from .tunables import TUNABLES, Tunables
+
+__all__ = ["polishes", "polish"]
+
+DIRECTIONS = ("forward", "backward")
+
+
+def polishes(world_size: int, tokens: int, tunables: Tunables = TUNABLES) -> bool:
+    """Whether a mask-aware plan of ``world_size`` ranks and ``tokens`` per rank is polished."""
+    return tunables.polish_sims > 1 and 1 < world_size <= tunables.polish_ranks and tokens >= tunables.polish_tokens
+
+
+def polish(plan_of: Callable[[tuple], Plan], shape: AttentionShape, topology: Topology,
+           tunables: Tunables = TUNABLES, *, rank_of: Callable[[int], int] = int, first: Plan | None = None) -> Plan:
+    """The plan ``plan_of(own_first)`` with the ``own_first`` choices the search keeps (the module
+    docstring): ``plan_of(())`` (``first``, where the caller has it) where no choice shortens it.
+    ``rank_of``: the rank of a choice that a rank of the plan runs by (a Ulysses hybrid's plan
+    ranks g run inner rank g // U's choices)."""
+    plan = plan_of(()) if first is None else first
+    chosen: dict[tuple[int, str], bool] = {}
+    for direction in DIRECTIONS:  # a choice changes one direction's ops: each is searched on its own
+        phase = simulate_direction(plan, shape, topology, direction, timeline=True)
+        sims = 1
+        tried: set = set()
+        improved = True
+        while improved and sims < tunables.polish_sims:
+            improved = False
+            for x, first_ in _trials(plan, phase, direction, rank_of, chosen, tried):
+                if sims >= tunables.polish_sims:
+                    break
+                tried.add((x, first_))
+                trial = {**chosen, (x, direction): first_}
+                candidate = plan_of(tuple((r, d, f) for (r, d), f in trial.items()))
+                ranks = [g for g in range(plan.world_size) if rank_of(g) == x]
+                carry(candidate, plan, ranks)
+                if all(candidate.rank(g).ops(direction) == plan.rank(g).ops(direction) for g in ranks):
+                    continue  # the choice the rank made already: the same plan
+                got = simulate_direction(candidate, shape, topology, direction, timeline=True)
+                sims += 1
+                if got.time < phase.time * (1 - 1e-9):
+                    chosen, plan, phase, improved = trial, candidate, got, True
+                    break
+    return plan
+
+
+def _trials(plan: Plan, phase: PhaseResult, direction: str, rank_of: Callable[[int], int], chosen: dict,
+            tried: set) -> list[tuple[int, bool]]:
+    """(rank, own block first) to try, in order: the rank finishing ``direction`` last, then the
+    peers of the two rounds it waited for longest (each as ``rank_of`` it); each both ways, less
+    what is chosen or tried."""
+    ends: dict[int, float] = {}
+    waits: list[tuple[float, int]] = []
+    for e in phase.timeline:
+        if e.stream == "compute":
+            ends[e.rank] = max(ends.get(e.rank, 0.0), e.end)
+    last = max(sorted(ends), key=lambda r: ends[r])
+    for e in phase.timeline:
+        if e.rank == last and e.stream == "compute" and e.what.startswith("wait "):
+            waits.append((e.end - e.start, int(e.what.split()[1])))
+    ranks = [last]
+    rounds = [t for _, t in sorted(waits, key=lambda w: (-w[0], w[1]))[:2]]
+    for t in rounds:
+        for op in plan.rank(last).ops(direction):
+            if type(op) is Post and op.round == t:
+                ranks += [p for p in dict.fromkeys(tr.peer for tr in op.sends + op.recvs) if p not in ranks]
+    choices = dict.fromkeys(rank_of(r) for r in ranks)
+    return [(x, first) for x in choices for first in (True, False)
+            if (x, first) not in tried and chosen.get((x, direction)) != first]

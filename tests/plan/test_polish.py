@@ -1,0 +1,181 @@
+"""Polishing mask-aware plans by simulation (:mod:`megatron_mesh.plan.polish`): where each rank runs
+its own block, chosen per rank and direction on the 8-GPU problem of docs/performance.md; the
+choices as plan facts (the header, errors); the trial plans (:func:`~megatron_mesh.plan.sparse.reordered`,
+:func:`~megatron_mesh.plan.ir.plan.carry`) equal to plans built from scratch; small polished plans
+valid; the plans too small to polish untouched. The numerics of plans with such choices:
+tests/runtime/test_inprocess_numerics.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_mesh.plan import (AttentionShape, Mask, Topology, balanced_layout, inner_shape, resolve, simulate,
+                                validate_plan)
+from megatron_mesh.plan.ir import Plan
+from megatron_mesh.plan.ir.plan import carry
+from megatron_mesh.plan.layouts.base import get_layout_kind
+from megatron_mesh.plan.polish import polishes
+from megatron_mesh.plan.simulate import simulate_direction
+from megatron_mesh.plan.sparse import build_sparse_plan, reordered
+from megatron_mesh.plan.tunables import Tunables
+from megatron_mesh.tools.plan_args import document_bounds
+
+from test_owners_kind import _eight_gpus
+
+OFF = Tunables(polish_sims=1)
+
+
+def _built(seed: int, kind: str, mode: str, **settings):
+    sample = _eight_gpus(seed, "mesh" if mode == "mesh" else "tasp")
+    layout = get_layout_kind(kind).build(sample) if kind != "groups" else \
+        balanced_layout(sample.cu_seqlens, 8, group=settings["ulysses_size"])
+    placement = resolve(mode, 8, sample.shape, sample.topology, ranks_per_node=8, **settings)
+    return sample, placement, layout
+
+
+def test_the_worked_example_mesh_on_its_owners_layout():
+    """The module docstring's example: 8 GPUs, seed 6, Mesh on its owners layout -- rank 6's
+    backward runs its own block last (rank 7 waited for its dQ partial), with four other choices
+    the search found; the step 6.58 -> 6.29 ms, both directions shorter; the plan validates."""
+    sample, placement, layout = _built(6, "owners", "mesh")
+    plain = placement.build(sample.shape, sample.head, layout, tunables=OFF)
+    polished = placement.build(sample.shape, sample.head, layout)
+    assert plain.facts.own_first == ()
+    assert polished.facts.own_first == ((3, "backward", False), (4, "forward", True), (6, "backward", False),
+                                        (6, "forward", False), (7, "backward", False))
+    before, after = (simulate(p, sample.shape, sample.topology) for p in (plain, polished))
+    assert round(before.time * 1e3, 2) == 6.58 and round(after.time * 1e3, 2) == 6.29
+    assert after.forward.time < before.forward.time and after.backward.time < before.backward.time
+    # (validate_plan proves such a plan in ~5 minutes at this size: test_small_plans_polished_validate)
+    # the same bytes moved and the same blocks computed, in another order: the own block's rows in
+    # one call or two (cut where its first part ends), every other op as it was
+    assert after.bytes_sent == before.bytes_sent
+    for r in range(8):
+        for d in ("forward", "backward"):
+            mine, theirs = (_split_own(p.rank(r).ops(d), r) for p in (polished, plain))
+            assert mine[0] == theirs[0] and mine[1] == theirs[1] == [(0, 8192)], (r, d)
+
+
+def _split_own(ops, r: int) -> tuple[list[str], list[tuple[int, int]]]:
+    """(every op but the own block's calls, sorted; the rows of those calls, joined)."""
+    rest, rows = [], []
+    for op in ops:
+        if type(op).__name__ in ("Attend", "AttendBackward") and op.q.chunk == r and op.q.slot < 0 and \
+                [(k.chunk, k.slot) for k in op.kv] == [(r, -1)]:
+            rows += [(s.start, s.stop) for s in op.rows] if op.rows is not None else [(0, 8192)]
+        else:
+            rest.append(str(op))
+    rows.sort()
+    joined = rows[:1]
+    for a, b in rows[1:]:
+        joined[-1:] = [(joined[-1][0], b)] if a == joined[-1][1] else [joined[-1], (a, b)]
+    return sorted(rest), joined
+
+
+def test_tasp_on_the_balanced_layout_lets_its_host_run_ahead():
+    """Seed 9, TASP on the balanced layout: the backward keeps every pulled chunk, so by the bytes
+    no own call runs first; three ranks whose other blocks are many small calls run their own
+    block first (the host issues them while the device runs it): backward 2.70 -> 2.17 ms."""
+    sample, placement, layout = _built(9, "balanced", "tasp")
+    plain = placement.build(sample.shape, sample.head, layout, tunables=OFF)
+    polished = placement.build(sample.shape, sample.head, layout)
+    assert polished.facts.own_first == ((0, "backward", True), (2, "backward", True), (3, "backward", True))
+    before, after = (simulate(p, sample.shape, sample.topology) for p in (plain, polished))
+    assert (round(before.backward.time * 1e3, 2), round(after.backward.time * 1e3, 2)) == (2.7, 2.17)
+    assert after.forward.time == before.forward.time
+
+
+def test_a_hybrid_is_polished_as_a_whole():
+    """a2a+tasp U 2 (seed 0, the balanced layout of its groups): the inner plan's ranks' choices
+    are tried on the hybrid plan (inner rank m runs on ranks 2m and 2m + 1) and kept where the
+    hybrid's step is shorter; the inner plan is built with them, not polished on its own."""
+    sample, placement, layout = _built(0, "groups", "a2a+tasp", ulysses_size=2)
+    plain = placement.build(sample.shape, sample.head, layout, tunables=OFF)
+    polished = placement.build(sample.shape, sample.head, layout)
+    assert polished.facts.inner.facts.own_first == ((0, "backward", True), (2, "backward", True))
+    before, after = (simulate(p, sample.shape, sample.topology).time for p in (plain, polished))
+    assert after < before * 0.96
+    inner = placement.inner.build(inner_shape(sample.shape, 2), polished.facts.inner.mask,
+                                  polished.facts.inner.layout, own_first=polished.facts.inner.facts.own_first)
+    assert all(inner.rank(m).ops(d) == polished.facts.inner.rank(m).ops(d) for m in range(4)
+               for d in ("forward", "backward"))
+
+
+def test_trial_plans_equal_plans_built_from_scratch():
+    """A trial (the plan's lowering with other choices, :func:`reordered`, and what the plan made
+    of its other ranks' ops carried over, :func:`~megatron_mesh.plan.ir.plan.carry`) has the ops and the simulated time of
+    the plan built with those choices from scratch."""
+    sample, placement, layout = _built(6, "owners", "mesh")
+    base = placement.build(sample.shape, sample.head, layout, tunables=OFF)
+    simulate(base, sample.shape, sample.topology, timeline=True)  # its ranks' derived facts made
+    choices = ((6, "backward", False), (4, "forward", True))
+    trial = reordered(base, choices)
+    carry(trial, base, [4, 6])
+    fresh = placement.build(sample.shape, sample.head, layout, own_first=choices)
+    assert trial.facts == fresh.facts and trial.facts.own_first == tuple(sorted(choices))
+    for d in ("forward", "backward"):
+        assert all(trial.rank(r).ops(d) == fresh.rank(r).ops(d) for r in range(8))
+        assert simulate_direction(trial, sample.shape, sample.topology, d).time == \
+            simulate_direction(fresh, sample.shape, sample.topology, d).time
+    assert trial.rank(6).backward != base.rank(6).backward and trial.rank(0) is base.rank(0)
+
+
+def test_the_choices_are_plan_facts():
+    """The header says them (``own_first=6b0,7f1``) and reads them back; entries that name no rank
+    or direction, or a rank and direction twice, are errors naming them; a dense plan takes none."""
+    shape = AttentionShape(16, 1, 4, 2, 8, 4)
+    mask = Mask.from_cu_seqlens((0, 20, 64), 64, True)
+    placement = resolve("ring", 4, shape)
+    plan = placement.build(shape, mask, own_first=((2, "forward", True), (1, "backward", False)))
+    header = plan.to_text().splitlines()[0]
+    assert "own_first=1b0,2f1" in header
+    assert Plan.from_text(plan.to_text()).facts == plan.facts
+    assert "own_first" not in placement.build(shape, mask).to_text().splitlines()[0]
+    for bad in (((4, "forward", True),), ((0, "sideways", True),), ((0, "forward", 1),),
+                ((0, "forward", True), (0, "forward", False))):
+        with pytest.raises(ValueError, match="own_first entries are") as e:
+            placement.build(shape, mask, own_first=bad)
+        assert repr(bad[-1]) in str(e.value)
+    with pytest.raises(ValueError, match="only a mask-aware plan"):
+        reordered(placement.build(shape, Mask()), ((0, "forward", True),))
+    assert build_sparse_plan  # the builder takes them too (what Mode.build passes on)
+
+
+def test_small_plans_are_not_polished():
+    """Below ``polish_tokens`` tokens per rank, above ``polish_ranks`` ranks, or with
+    ``polish_sims`` 1, the plan is the builder's: no search, no choices."""
+    assert polishes(8, 8192) and not polishes(8, 512) and not polishes(32, 8192) and not polishes(1, 8192)
+    assert not polishes(8, 8192, OFF)
+    P, S = 4, 4 * 512
+    shape = AttentionShape(S // P, 1, 4, 2, 16, 2)
+    cu = document_bounds("lognormal:256,1.0", S, 0)
+    plan = resolve("ring", P, shape, Topology(nodes=1, gpus_per_node=P)).build(
+        shape, Mask.from_cu_seqlens(cu, S, True))
+    assert plan.facts.own_first == ()
+
+
+@pytest.mark.parametrize("mode, settings", [("ring", {}), ("tasp", {}), ("mesh", {}), ("a2a+ring", {"ulysses_size": 2})])
+def test_small_polished_plans_validate(mode, settings):
+    """Polished at 6 ranks of 48 tokens (``polish_tokens`` lowered to 16; 8,192 query heads, so a
+    block's compute weighs against the host and the links as at thousands of tokens, and the
+    search finds choices on plans the validator proves in a second): each plan -- and the plans
+    with every rank's own block first, or last, in both directions -- validates (exact cover,
+    rounds that match, no deadlock); some of them carry choices the search kept."""
+    P, T = 6, 48
+    shape = AttentionShape(T, 1, 8192, 2048, 128, 2)
+    low = Tunables(polish_tokens=16)
+    chosen = 0
+    for seed in range(4):
+        cu = document_bounds("lognormal:48,1.0", P * T, seed)
+        mask = Mask.from_cu_seqlens(cu, P * T, True)
+        placement = resolve(mode, P, shape, Topology(nodes=1, gpus_per_node=P), **settings)
+        layout = balanced_layout(cu, P, group=settings.get("ulysses_size", 1)) if seed % 2 else None
+        plan = placement.build(shape, mask, layout, tunables=low)
+        facts = plan.facts.inner.facts if plan.facts.inner is not None else plan.facts
+        chosen += bool(facts.own_first)
+        validate_plan(plan)
+        inner = P // settings.get("ulysses_size", 1)
+        for first in (True, False):
+            forced = tuple((x, d, first) for x in range(inner) for d in ("forward", "backward"))
+            validate_plan(placement.build(shape, mask, layout, own_first=forced))
+    assert chosen, mode
