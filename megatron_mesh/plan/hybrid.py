@@ -169,6 +169,11 @@ class UlyssesFacts(Facts):
         return self.inner.facts.assignment
 
     @property
+    def own_first(self) -> tuple:
+        """The inner plan's choices (its ranks: inner rank m runs on ranks m U ... m U + U - 1)."""
+        return self.inner.facts.own_first
+
+    @property
     def direct(self) -> bool:
         return self.inner.facts.direct
 

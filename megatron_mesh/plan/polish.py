@@ -15,7 +15,7 @@ So a plan of a few ranks (up to ``Tunables.polish_ranks``, with at least
 ``Tunables.polish_tokens`` tokens per rank: below that a step takes microseconds) is polished:
 per direction, the rank that finishes last -- and the ranks it waited for longest -- try their
 own block first, then last, in the plan rebuilt with that choice and simulated on the machine
-its choices are made for; the first change that shortens the direction is kept, and the search
+the plan is priced on (``Placement.build``'s ``topology``); the first change that shortens the direction is kept, and the search
 starts again from the new finisher, within ``Tunables.polish_sims`` simulations a direction. A
 trial shares the plan's blocks, slots and rounds (:func:`~.sparse.reordered`) and what it made of
 the other ranks' ops (:func:`~.ir.plan.carry`). The choices are the plan's ``own_first`` fact (the

@@ -197,7 +197,10 @@ def simulate_direction(plan: Plan, shape: AttentionShape, topology: Topology, di
                        timeline: bool = False) -> PhaseResult:
     """One direction of :func:`simulate` (every rank of a mask-aware plan): what a choice that
     changes only that direction's ops compares (:mod:`.polish`)."""
-    return _phase(plan, shape, topology, direction, sorted(set(_default_ranks(plan))), False, timeline)
+    sim_ranks = sorted(set(_default_ranks(plan)))
+    for r in sim_ranks:  # as simulate: built first, their rounds are read off their ops
+        plan.rank(r)
+    return _phase(plan, shape, topology, direction, sim_ranks, False, timeline)
 
 
 def _phase(plan: Plan, shape: AttentionShape, topo: Topology, direction: str, sim_ranks: list[int], exact: bool,

@@ -237,9 +237,18 @@ def own_first_text(own_first: tuple) -> str:
 
 
 def _parse_own_first(text: str) -> tuple:
+    """:func:`own_first_text` read back (ValueError naming an entry that is not rank, f or b, 0 or 1)."""
     if text == "-":
         return ()
-    return tuple((int(e[:-2]), {"f": "forward", "b": "backward"}[e[-2]], e[-1] == "1") for e in text.split(","))
+    out = []
+    for e in text.split(","):
+        if len(e) < 3 or not e[:-2].isdigit() or e[-2] not in "fb" or e[-1] not in "01":
+            raise ValueError(f"plan header own_first={text}: entry {e!r} is not a rank, f or b, and 0 or 1 "
+                             "(e.g. 3b1: rank 3's backward runs its own block first)")
+        out.append((int(e[:-2]), "forward" if e[-2] == "f" else "backward", e[-1] == "1"))
+    if len({(x, d) for x, d, _ in out}) < len(out):
+        raise ValueError(f"plan header own_first={text}: a rank and direction twice")
+    return tuple(sorted(out))
 
 
 @register_facts

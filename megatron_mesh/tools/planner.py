@@ -100,7 +100,7 @@ def _breakdown_json(plan, shape: AttentionShape, topo: Topology, sim) -> list[di
 
 def _evaluate_placement(name: str, p: Placement, shape: AttentionShape, topo: Topology, mask: Mask | None,
                         layout, work: bool = False, explain: bool = False) -> ModeResult:
-    plan = p.build(shape, mask, layout(p) if callable(layout) else layout)
+    plan = p.build(shape, mask, layout(p) if callable(layout) else layout, topology=topo)
     sim = simulate(plan, shape, topo, timeline=explain)  # one simulation: the row and its breakdown
     c = evaluate_plan(plan, shape, topo, contiguous=plan.facts.contiguous if plan.facts.tile and plan.facts.tile[0] > 1 else None,
                       sim=sim)

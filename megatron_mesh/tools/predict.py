@@ -376,7 +376,7 @@ def _planned_bytes(placement, problem: Problem, mask: str, window: int | None, c
     for w, layers in problem.layer_kinds:
         m = Mask(True, w) if cu_seqlens is None or layout is not None else \
             Mask.from_cu_seqlens(cu_seqlens, problem.seq_len, True, w)
-        total += layers * evaluate_plan(placement.build(shape, m, layout), shape, topo).bytes_per_rank
+        total += layers * evaluate_plan(placement.build(shape, m, layout, topology=topo), shape, topo).bytes_per_rank
     return total
 
 

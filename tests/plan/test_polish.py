@@ -118,6 +118,44 @@ def test_trial_plans_equal_plans_built_from_scratch():
         assert simulate_direction(trial, sample.shape, sample.topology, d).time == \
             simulate_direction(fresh, sample.shape, sample.topology, d).time
     assert trial.rank(6).backward != base.rank(6).backward and trial.rank(0) is base.rank(0)
+    # what is not one rank's is made again: a digest of the whole plan (its header says the choices)
+    base.memo(("agreement digest",), lambda: "base's")
+    carry(trial, base, [4, 6])
+    assert trial.memo(("agreement digest",), lambda: "the trial's") == "the trial's"
+
+
+def test_a_hybrid_trial_equals_the_hybrid_built_from_scratch():
+    """a2a+tasp U 2: the hybrid built on the inner plan's lowering with other choices has the ops
+    and the time of the hybrid built with them (``own_first`` in the inner plan's ranks)."""
+    from megatron_mesh.plan import build_hybrid_plan
+
+    sample, placement, layout = _built(0, "groups", "a2a+tasp", ulysses_size=2)
+    base = placement.build(sample.shape, sample.head, layout, tunables=OFF)
+    choices = ((1, "forward", True), (2, "backward", True))
+    trial = build_hybrid_plan("a2a+tasp", 8, 2, lambda *_: reordered(base.facts.inner, choices), sample.shape,
+                              base.mask, layout)
+    fresh = placement.build(sample.shape, sample.head, layout, own_first=choices)
+    assert fresh.facts.own_first == trial.facts.own_first == choices
+    for d in ("forward", "backward"):
+        assert all(trial.rank(g).ops(d) == fresh.rank(g).ops(d) for g in range(8))
+        assert simulate_direction(trial, sample.shape, sample.topology, d).time == \
+            simulate_direction(fresh, sample.shape, sample.topology, d).time
+
+
+def test_plans_are_polished_for_the_machine_they_are_simulated_on():
+    """Seed 1, TASP on the balanced layout, on the planner's machine with the host free: the
+    choices made for the default machine (host at 23 us an op) make the plan slower there
+    (4.72 -> 4.86 ms); made for that machine (``topology``, as the planner and ``auto`` pass it),
+    it is no slower than the plan without choices."""
+    from dataclasses import replace
+
+    sample, placement, layout = _built(1, "balanced", "tasp")
+    free = replace(sample.topology, host_op_time=0.0, host_view_time=0.0)
+    plain = placement.build(sample.shape, sample.head, layout, tunables=OFF)
+    default, own = (placement.build(sample.shape, sample.head, layout, topology=t) for t in (None, free))
+    times = [simulate(p, sample.shape, free).time for p in (plain, default, own)]
+    assert default.facts.own_first != own.facts.own_first
+    assert times[1] > times[0] >= times[2], times
 
 
 def test_the_choices_are_plan_facts():
@@ -138,6 +176,12 @@ def test_the_choices_are_plan_facts():
         assert repr(bad[-1]) in str(e.value)
     with pytest.raises(ValueError, match="only a mask-aware plan"):
         reordered(placement.build(shape, Mask()), ((0, "forward", True),))
+    with pytest.raises(ValueError, match=r"own_first choices \(\(0, 'forward', True\),\) apply to mask-aware plans"):
+        placement.build(shape, Mask(), own_first=((0, "forward", True),))  # dense: no own block to move
+    text = plan.to_text()
+    for bad, why in (("own_first=1b0,2x1", "entry '2x1' is not"), ("own_first=1b0,1b1", "a rank and direction twice")):
+        with pytest.raises(ValueError, match=why):
+            Plan.from_text(text.replace("own_first=1b0,2f1", bad, 1))
     assert build_sparse_plan  # the builder takes them too (what Mode.build passes on)
 
 

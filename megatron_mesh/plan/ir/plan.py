@@ -255,19 +255,23 @@ def carry(plan: Plan, other: Plan, ranks: Iterable[int]) -> None:
     """Give ``plan`` what ``other`` has made of its ranks' ops -- rank plans, the facts derived
     from them, the buffers' tokens and positions -- except what is about ``ranks``: for a plan that
     differs from ``other`` only in those ranks' ops (:mod:`..polish` tries one rank's change at a
-    time, and the rest of a plan's ~10 ms of derived facts at 8 ranks is the same)."""
+    time, and the rest of a plan's ~10 ms of derived facts at 8 ranks is the same). Only entries
+    known to be one rank's, or the buffers', are carried; anything else is made again."""
     ranks = set(ranks)
     for key, value in other._cache.items():
-        if key not in plan._cache and not _about(key, ranks):
+        if key not in plan._cache and _carries(key, ranks):
             plan._cache[key] = value
 
 
-def _about(key, ranks: set) -> bool:
-    """Whether the plan cache's entry ``key`` is derived from the ops of one of ``ranks``: a rank
-    plan (its rank), a rank's first writes, fills, rounds (rank second) or memo (rank third, after
-    what it is); the buffers' tokens and positions are the plan's, whatever its ops."""
+def _carries(key, ranks: set) -> bool:
+    """Whether the plan cache's entry ``key`` holds for a plan whose ops differ only on ``ranks``:
+    a rank plan, a rank's first writes, fills or rounds (rank second) or memo (rank third, after
+    what it is) of another rank; the buffers' tokens and positions (the plan's slots and layout,
+    whatever its ops). Not: a memo without a rank there (a digest of the whole plan)."""
     if isinstance(key, int):
-        return key in ranks
+        return key not in ranks
+    if key[0] in ("first", "fills", "rounds"):
+        return key[1] not in ranks
     if key[0] == "memo":
-        return key[2] in ranks
-    return key[0] in ("first", "fills", "rounds") and key[1] in ranks
+        return len(key) > 2 and type(key[2]) is int and key[2] not in ranks
+    return key[0] in ("tokens", "pos", "pos-index")

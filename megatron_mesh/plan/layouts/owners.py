@@ -127,7 +127,7 @@ def step_time(sample: Sample, layout: Layout | None) -> float:
     mask = sample.head
     if layout is None or layout.documents() is None:
         mask = mask.with_documents(documents_of(sample.cu_seqlens, S)).normalized(S)
-    return simulate(placement.build(shape, mask, layout), shape, topo).time
+    return simulate(placement.build(shape, mask, layout, topology=topo), shape, topo).time
 
 
 def beats_the_zigzag(sample: Sample, seconds: float) -> bool:

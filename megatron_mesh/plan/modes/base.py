@@ -38,7 +38,7 @@ from ..topology import Topology
 from ..tunables import TUNABLES, Tunables
 
 __all__ = ["Mode", "Placement", "MODES", "register", "get_mode", "resolve", "parse_mode_spec", "setting", "option_specs",
-           "OptionSpec", "HYBRID_PREFIX", "topology_for", "check_ranks_per_node"]
+           "OptionSpec", "HYBRID_PREFIX", "topology_for", "check_ranks_per_node", "check_no_choices"]
 
 HYBRID_PREFIX = "a2a+"
 
@@ -145,12 +145,13 @@ class Placement:
         return get_mode(self.mode)
 
     def build(self, shape: AttentionShape, mask: Mask | None = None, layout: Layout | None = None,
-              tunables: Tunables = TUNABLES, own_first: tuple | None = None) -> Plan:
+              tunables: Tunables = TUNABLES, own_first: tuple | None = None, topology: Topology | None = None) -> Plan:
         """The plan of this placement for ``shape`` (per rank), ``mask`` (default causal) and
         ``layout`` (default Megatron's zigzag), with the builders' ``tunables``; a mask-aware
-        plan with the ranks' ``own_first`` choices (:func:`~..sparse.build_sparse_plan`; None:
-        those :mod:`..polish` finds, where it polishes)."""
-        return self.spec.build(self, shape, mask, layout, tunables, own_first)
+        plan with the ranks' ``own_first`` choices (:func:`~..sparse.build_sparse_plan`; a Ulysses
+        hybrid's: its inner plan's ranks'; None: those :mod:`..polish` finds, where it polishes, on
+        ``topology``: the machine the plan will be simulated on, default :func:`topology_for`'s)."""
+        return self.spec.build(self, shape, mask, layout, tunables, own_first, topology)
 
     def rings(self) -> dict[str, tuple[tuple[int, ...], ...]]:
         """The rings (CP-rank tuples in ring order) the dense plan of this placement moves data on:
@@ -225,19 +226,20 @@ class Mode:
         return Placement(self.name, world_size, options, ranks_per_node)
 
     def build(self, p: Placement, shape: AttentionShape, mask: Mask | None, layout: Layout | None,
-              tunables: Tunables = TUNABLES, own_first: tuple | None = None) -> Plan:
+              tunables: Tunables = TUNABLES, own_first: tuple | None = None, topology: Topology | None = None) -> Plan:
         mask, layout = normalize(p.world_size, shape, mask, layout)
         self.check_layout(layout)
         if is_dense(mask, layout):  # the builders name their own algorithm; the plan is this mode's
+            check_no_choices(own_first)
             plan = self.build_dense(p, shape, mask)
             return plan if plan.mode == self.name else replace(plan, mode=self.name, _cache={})
         plan = build_sparse_plan(self.name, p.world_size, shape, mask, layout, self.assignment(p, mask, layout),
                                  backward_chunks=getattr(p.options, "backward_chunks", "auto"),
                                  keep_limit=getattr(p.options, "backward_keep_limit", KEEP_LIMIT),
                                  ranks_per_node=p.ranks_per_node, tunables=tunables, own_first=own_first or ())
-        if own_first is None and polishes(p.world_size, shape.seq_local, tunables):  # on auto's machine
+        if own_first is None and polishes(p.world_size, shape.seq_local, tunables):
             return polish(lambda choices: reordered(plan, choices), shape,
-                          topology_for(p.world_size, p.ranks_per_node), tunables, first=plan)
+                          topology_for(p.world_size, p.ranks_per_node, topology), tunables, first=plan)
         return plan
 
     def check_layout(self, layout: Layout) -> None:
@@ -296,6 +298,13 @@ def get_mode(name: str) -> Mode:
     if mode is None:
         raise ValueError(f"unknown CP mode {name!r}; allowed: {', '.join(MODES)}")
     return mode
+
+
+def check_no_choices(own_first: tuple | None) -> None:
+    """ValueError for ``own_first`` choices given where the plan is dense (no own block to move)."""
+    if own_first:
+        raise ValueError(f"own_first choices {tuple(own_first)!r} apply to mask-aware plans (documents, a window, "
+                         "another layout than the zigzag); this plan is dense")
 
 
 def topology_for(world_size: int, ranks_per_node: int | None, topology: Topology | None = None) -> Topology:

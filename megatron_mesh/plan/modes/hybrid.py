@@ -84,7 +84,7 @@ class HybridMode(Mode):
         return Placement(self.name, world_size, UlyssesOptions(U), ranks_per_node, inner)
 
     def build(self, p: Placement, shape: AttentionShape, mask, layout, tunables: Tunables = TUNABLES,
-              own_first: tuple | None = None):
+              own_first: tuple | None = None, topology: Topology | None = None):
         """The hybrid plan; a mask-aware inner plan polished as part of it (:mod:`..polish`: the
         inner ranks' choices tried on the hybrid plan, inner rank m standing for ranks m U ... m U +
         U - 1), or with the inner ranks' ``own_first`` choices."""
@@ -101,7 +101,7 @@ class HybridMode(Mode):
             def plan_of(choices: tuple) -> Plan:
                 return build_hybrid_plan(self.name, p.world_size, U, lambda *_: reordered(inner, choices),
                                          shape, mask, layout)
-            return polish(plan_of, shape, topology_for(p.world_size, p.ranks_per_node), tunables,
+            return polish(plan_of, shape, topology_for(p.world_size, p.ranks_per_node, topology), tunables,
                           rank_of=lambda g: g // U, first=plan)
         return plan
 
