@@ -345,6 +345,34 @@ def test_own_blocks_first_or_last_match_the_dense_reference(world):
             check(run_case(p, plan, ref=ref, label=f"{spec} {heads} balanced={balanced} causal={causal} P={world}"))
 
 
+def test_plans_the_polish_chose_match_the_dense_reference():
+    """Plans polished by the search itself (:mod:`megatron_mesh.plan.polish`; ``polish_tokens``
+    lowered to 16 and the machine slowed -- compute, memory and links -- so that 48 tokens per rank
+    weigh as thousands do and the search finds choices): P = 5, 6, 7, ring, TASP, Mesh, documents
+    on the zigzag and the balanced layout: exact against the fp64 reference, forward and
+    backward, bytes the plan's; at least four of the plans carry choices (asserted)."""
+    from megatron_mesh.plan.tunables import Tunables
+
+    chosen = 0
+    for world in (5, 6, 7):
+        S = world * 48
+        slow = Topology(nodes=1, gpus_per_node=world, attention_flops=4e6, memory_bandwidth=3.35e4,
+                        intra_bandwidth=4.5e3)
+        for heads, balanced in (("MHA", False), ("GQA", True)):
+            p = cases.Problem(world, *cases.HEADS[heads], True, torch.float32, seq_local=48,
+                              cu_seqlens=(0, 7, 100, S - 30, S), balanced=balanced)
+            ref = cases.dense_reference(p)
+            for mode in ("ring", "tasp", "mesh"):
+                plan = resolve(mode, world, p.shape).build(p.shape, p.mask, p.layout, topology=slow,
+                                                          tunables=Tunables(polish_tokens=16))
+                if not plan.facts.own_first:
+                    continue
+                chosen += 1
+                check(run_case(p, plan, ref=ref, label=f"{mode} {heads} balanced={balanced} P={world} "
+                                                        f"{plan.facts.own_first}"))
+    assert chosen >= 4, chosen
+
+
 # -- identical to gloo and to the public autograd path ------------------------------------------------------
 class FakeComm:
     """Just what an Executor reads of its communicator when it is made."""
