@@ -1,4 +1,4 @@
-"""Polishing a mask-aware plan by simulation: where each rank runs its own block.
+"""Polishing a mask-aware plan by simulation: how much of its own block each rank runs first.
 
 A rank of a mask-aware plan (:mod:`.sparse`) runs its own block -- its rows against its own keys,
 which nobody waits for -- partly before its other blocks, to hide the transfers they wait for,
@@ -13,24 +13,25 @@ peers nor the host, and both can matter more than the bytes:
 
 So a plan of a few ranks (up to ``Tunables.polish_ranks``, with at least
 ``Tunables.polish_tokens`` tokens per rank: below that a step takes microseconds) is polished:
-per direction, the rank that finishes last -- and the ranks it waited for longest -- try their
-own block first, then last, in the plan rebuilt with that choice and simulated on the machine
+per direction, the rank that finishes last -- and the ranks it waited for longest -- try running
+all of their own block's calls (one per document, in row order) before their other blocks, none,
+then each count in between, in the plan rebuilt with that choice and simulated on the machine
 the plan is priced on (``Placement.build``'s ``topology``); the first change that shortens the direction is kept, and the search
 starts again from the new finisher, within ``Tunables.polish_sims`` simulations a direction. A
 trial shares the plan's blocks, slots and rounds (:func:`~.sparse.reordered`) and what it made of
 the other ranks' ops (:func:`~.ir.plan.carry`). The choices are the plan's ``own_first`` fact (the
-header's ``own_first=6b0,7b0``); every rank building the same plan makes the same choices (the
+header's ``own_first=3b0,4f3``: rank 3's backward none, rank 4's forward 3); every rank building the same plan makes the same choices (the
 search is deterministic), and ranks that chose differently would still match: only the order of
 a rank's calls changes, not its rounds.
 
 Worked example (8 GPUs, 64K tokens of ``lognormal:4096,1.0`` seed 6, Mesh on its owners layout,
 the 8-GPU problem of docs/performance.md, "Polished by simulation"): in the backward rank 7
-finishes last. Its own block last lets it post its send of rank 4's dK/dV partial -- and behind it,
+finishes last. None of its own calls first lets it post its send of rank 4's dK/dV partial -- and behind it,
 in round order, its receives of the dQ partials rank 5 and 6 compute -- before its 3 ms own call
-instead of after (4.52 -> 4.46 ms); then rank 6's own block last: the block of rank 7's rows it
+instead of after (4.52 -> 4.46 ms); then none of rank 6's: the block of rank 7's rows it
 ran after its own (one 2.35 ms call) runs first, and its dQ partial travels while rank 6 computes
 its own rows (4.33 ms); then rank 3's (4.32). With the forward's two choices the step goes
-6.58 -> 6.29 ms: ``own_first=3b0,4f1,6b0,6f0,7b0``.
+6.58 -> 6.29 ms: ``own_first=3b0,4f3,6b0,6f0,7b0``.
 """
 
 from __future__ import annotations
@@ -54,12 +55,14 @@ def polishes(world_size: int, tokens: int, tunables: Tunables = TUNABLES) -> boo
     return tunables.polish_sims > 1 and 1 < world_size <= tunables.polish_ranks and tokens >= tunables.polish_tokens
 
 
-def polish(plan_of: Callable[[tuple], Plan], shape: AttentionShape, topology: Topology,
-           tunables: Tunables = TUNABLES, *, rank_of: Callable[[int], int] = int, first: Plan | None = None) -> Plan:
+def polish(plan_of: Callable[[tuple], Plan], calls_of: Callable[[int, str], int], shape: AttentionShape,
+           topology: Topology, tunables: Tunables = TUNABLES, *, rank_of: Callable[[int], int] = int,
+           first: Plan | None = None) -> Plan:
     """The plan ``plan_of(own_first)`` with the ``own_first`` choices the search keeps (the module
     docstring): ``plan_of(())`` (``first``, where the caller has it) where no choice shortens it.
-    ``rank_of``: the rank of a choice that a rank of the plan runs by (a Ulysses hybrid's plan
-    ranks g run inner rank g // U's choices)."""
+    ``calls_of(x, direction)``: the calls of rank x's own block there (the choices are 0 ... that
+    many first: :func:`~.sparse.own_calls`); ``rank_of``: the rank of a choice that a rank of the
+    plan runs by (a Ulysses hybrid's plan ranks g run inner rank g // U's choices)."""
     plan = plan_of(()) if first is None else first
     chosen: dict[tuple[int, str], bool] = {}
     for direction in DIRECTIONS:  # a choice changes one direction's ops: each is searched on its own
@@ -69,11 +72,11 @@ def polish(plan_of: Callable[[tuple], Plan], shape: AttentionShape, topology: To
         improved = True
         while improved and sims < tunables.polish_sims:
             improved = False
-            for x, first_ in _trials(plan, phase, direction, rank_of, chosen, tried):
+            for x, k in _trials(plan, phase, direction, rank_of, calls_of, chosen, tried):
                 if sims >= tunables.polish_sims:
                     break
-                tried.add((x, first_))
-                trial = {**chosen, (x, direction): first_}
+                tried.add((x, k))
+                trial = {**chosen, (x, direction): k}
                 candidate = plan_of(tuple((r, d, f) for (r, d), f in trial.items()))
                 ranks = [g for g in range(plan.world_size) if rank_of(g) == x]
                 carry(candidate, plan, ranks)
@@ -87,11 +90,11 @@ def polish(plan_of: Callable[[tuple], Plan], shape: AttentionShape, topology: To
     return plan
 
 
-def _trials(plan: Plan, phase: PhaseResult, direction: str, rank_of: Callable[[int], int], chosen: dict,
-            tried: set) -> list[tuple[int, bool]]:
-    """(rank, own block first) to try, in order: the rank finishing ``direction`` last, then the
-    peers of the two rounds it waited for longest (each as ``rank_of`` it); each both ways, less
-    what is chosen or tried."""
+def _trials(plan: Plan, phase: PhaseResult, direction: str, rank_of: Callable[[int], int],
+            calls_of: Callable[[int, str], int], chosen: dict, tried: set) -> list[tuple[int, int]]:
+    """(rank, own calls first) to try, in order: the rank finishing ``direction`` last, then the
+    peers of the two rounds it waited for longest (each as ``rank_of`` it); each with all its own
+    calls first, none, then 1 ... n - 1; less what is chosen or tried."""
     ends: dict[int, float] = {}
     waits: list[tuple[float, int]] = []
     for e in phase.timeline:
@@ -107,6 +110,9 @@ def _trials(plan: Plan, phase: PhaseResult, direction: str, rank_of: Callable[[i
         for op in plan.rank(last).ops(direction):
             if type(op) is Post and op.round == t:
                 ranks += [p for p in dict.fromkeys(tr.peer for tr in op.sends + op.recvs) if p not in ranks]
-    choices = dict.fromkeys(rank_of(r) for r in ranks)
-    return [(x, first) for x in choices for first in (True, False)
-            if (x, first) not in tried and chosen.get((x, direction)) != first]
+    out = []
+    for x in dict.fromkeys(rank_of(r) for r in ranks):
+        n = calls_of(x, direction)
+        out += [(x, k) for k in dict.fromkeys((n, 0, *range(1, n)))
+                if (x, k) not in tried and chosen.get((x, direction)) != k]
+    return out

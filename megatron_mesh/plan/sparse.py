@@ -36,8 +36,8 @@ from the mask itself, for every mode:
    which :func:`~.mask.mask_pieces` runs as a few full calls), and one merge instead of one per
    block. Where a return round follows, the own block is split to hide both transfers: the
    pulls' share of the bytes runs before the pulls' wait, the rest after the return is posted --
-   or all of it first, or last, where the plan's ``own_first`` choices say (:mod:`.polish` makes
-   them by simulation for plans of a few ranks).
+   or its first k calls (documents, in row order) first, where the plan's ``own_first`` choices
+   say (:mod:`.polish` makes them by simulation for plans of a few ranks).
 5. **Backward chunks.** Under ``backward_chunks="auto"`` a rank keeps what it pulled of each
    chunk for the backward, in the order its backward reads them, while it fits in its own Q, K
    and V (:class:`~.sparse_needs.Keeps`, :func:`~.sparse_needs.kept_chunks`): its backward pulls
@@ -86,6 +86,7 @@ from .ir.facts import (Contiguous, Facts, choice, optional_int, optional_text, p
                        tile_text)
 from .layout import Layout
 from .mask import Mask
+from .own_first import check_own_first, own_first_text, parse_own_first
 from .passes import insert_frees
 from .sel import Segment
 from .shape import AttentionShape
@@ -95,7 +96,7 @@ from .sparse_needs import KEEP_LIMIT, Keeps, Needs, QueryOwnerNeeds, Slots, byte
 from .sparse_rounds import Rounds
 from .tunables import TUNABLES, Tunables
 
-__all__ = ["build_sparse_plan", "reordered", "block_table", "block_parts", "Assignment", "QUERY_OWNER", "TILE_MAP", "RoundOrder",
+__all__ = ["build_sparse_plan", "reordered", "own_calls", "block_table", "block_parts", "Assignment", "QUERY_OWNER", "TILE_MAP", "RoundOrder",
            "MaskAwareFacts"]
 
 QUERY_OWNER = "query owner"  # the assignment every mask-aware plan may take: a block computed by its query's owner
@@ -149,14 +150,15 @@ class Assignment:
 def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layout: Layout, assignment: Assignment,
                       *, backward_chunks: str = "refetch", ranks_per_node: int | None = None,
                       keep_limit: float = KEEP_LIMIT, tunables: Tunables = TUNABLES,
-                      own_first: tuple[tuple[int, str, bool], ...] = ()) -> Plan:
+                      own_first: tuple[tuple[int, str, int], ...] = ()) -> Plan:
     """The mask-aware plan of ``mode`` (its name) placed by ``assignment`` -- see the module
     docstring. ``mask`` and ``layout`` are normalised (:func:`~.problem.normalize`); under
     ``backward_chunks="auto"`` a rank keeps what it pulled up to ``keep_limit`` x its own Q, K and V
-    bytes (:class:`~.sparse_needs.Keeps`). ``own_first``: (rank, direction, first) -- that rank
-    runs its own block in that direction before (True) or after (False) its other blocks,
-    instead of the share the transfers' bytes give (what :mod:`.polish` chooses by simulation)."""
-    own_first = _own_first(P, own_first)
+    bytes (:class:`~.sparse_needs.Keeps`). ``own_first``: (rank, direction, k) -- that rank runs
+    the first k calls of its own block (:func:`own_calls` of them, one per document in row order)
+    in that direction before its other blocks and the rest after, instead of the share the
+    transfers' bytes give (what :mod:`.polish` chooses by simulation)."""
+    own_first = check_own_first(P, own_first)
     T = shape.seq_local
     own_calls = tunables.own_call_tokens
     index = blocks_of(P, mask, layout, own_calls)
@@ -192,7 +194,8 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
     burst = assignment.rounds == "burst"
     keeps = Keeps(backward_chunks, needs, T, token_bytes, keep_limit)
     lowering = _SparseLowering(P, T, needs, index, keeps, burst, token_bytes, tunables,
-                               {(x, d == "backward"): first for x, d, first in own_first})
+                               {(x, d == "backward"): k for x, d, k in own_first})
+    lowering.check_choices()
     notes.append(f"mask {mask.summary()}: each rank computes only the blocks with allowed pairs and receives only the "
                  f"tokens they read, from their owner ({'over all links at once, in groups' if burst else 'one round per shift'})")
     facts = MaskAwareFacts(assignment.rounds, assigned, tile, contiguous, lowering.rounds.final_round,
@@ -206,49 +209,27 @@ def reordered(plan: Plan, own_first: tuple) -> Plan:
     """``plan`` (a mask-aware plan of :func:`build_sparse_plan`) with the ranks' ``own_first``
     choices instead of its own: its blocks, slots and rounds shared, its ranks built anew as they
     are asked for (the trials of :mod:`.polish`: a rebuild would redo the blocks and rounds)."""
-    lowering = getattr(plan.build_rank, "__self__", None)
-    if not isinstance(lowering, _SparseLowering):
-        raise ValueError(f"only a mask-aware plan (build_sparse_plan's) takes own_first choices, not a {plan.mode} "
-                         f"plan with {type(plan.facts).__name__}")
-    own_first = _own_first(plan.world_size, own_first)
+    lowering = _lowering(plan)
+    own_first = check_own_first(plan.world_size, own_first)
     new = copy.copy(lowering)
-    new.own_first = {(x, d == "backward"): first for x, d, first in own_first}
+    new.own_first = {(x, d == "backward"): k for x, d, k in own_first}
+    new.check_choices()
     return replace(plan, build_rank=new.rank_plan, build_rounds=new.round_ops,
                    facts=replace(plan.facts, own_first=own_first), _cache={})
 
 
-def _own_first(P: int, given) -> tuple[tuple[int, str, bool], ...]:
-    """``given`` (rank, direction, first) entries, checked and sorted (one per rank and direction)."""
-    out = {}
-    for entry in given:
-        x, direction, first = entry
-        if not (isinstance(x, int) and 0 <= x < P) or direction not in ("forward", "backward") or \
-                not isinstance(first, bool) or (x, direction) in out:
-            raise ValueError(f"own_first entries are (rank 0..{P - 1}, 'forward' or 'backward', True or False), one "
-                             f"per rank and direction; got {entry!r} in {tuple(given)!r}")
-        out[x, direction] = first
-    return tuple((x, d, f) for (x, d), f in sorted(out.items()))
+def own_calls(plan: Plan, x: int, direction: str) -> int:
+    """How many calls rank x's own block makes in ``direction`` of a mask-aware ``plan`` (one per
+    document with enough rows, in row order): the choices ``own_first`` has for it are 0 ... that."""
+    return _lowering(plan).own_count(x, direction == "backward")
 
 
-def own_first_text(own_first: tuple) -> str:
-    """The header's text of a plan's ``own_first``: ``3b1,7f0`` (rank 3's backward runs its own
-    block first, rank 7's forward last); ``-`` for none."""
-    return ",".join(f"{x}{d[0]}{int(f)}" for x, d, f in own_first) or "-"
-
-
-def _parse_own_first(text: str) -> tuple:
-    """:func:`own_first_text` read back (ValueError naming an entry that is not rank, f or b, 0 or 1)."""
-    if text == "-":
-        return ()
-    out = []
-    for e in text.split(","):
-        if len(e) < 3 or not e[:-2].isdigit() or e[-2] not in "fb" or e[-1] not in "01":
-            raise ValueError(f"plan header own_first={text}: entry {e!r} is not a rank, f or b, and 0 or 1 "
-                             "(e.g. 3b1: rank 3's backward runs its own block first)")
-        out.append((int(e[:-2]), "forward" if e[-2] == "f" else "backward", e[-1] == "1"))
-    if len({(x, d) for x, d, _ in out}) < len(out):
-        raise ValueError(f"plan header own_first={text}: a rank and direction twice")
-    return tuple(sorted(out))
+def _lowering(plan: Plan) -> "_SparseLowering":
+    lowering = getattr(plan.build_rank, "__self__", None)
+    if not isinstance(lowering, _SparseLowering):
+        raise ValueError(f"only a mask-aware plan (build_sparse_plan's) takes own_first choices, not a {plan.mode} "
+                         f"plan with {type(plan.facts).__name__}")
+    return lowering
 
 
 @register_facts
@@ -268,7 +249,7 @@ class MaskAwareFacts(Facts):
     contiguous: Contiguous | None = None
     last_round: int | None = None
     ranks_per_node: int | None = None
-    own_first: tuple = ()  # (rank, direction, first): where its own block runs (:mod:`.polish`)
+    own_first: tuple = ()  # (rank, direction, k): its own block's first k calls run first (:mod:`.polish`)
 
     @property
     def tile_placed(self) -> tuple[int, int] | None:
@@ -286,7 +267,7 @@ class MaskAwareFacts(Facts):
         return cls(choice("schedule", head["schedule"], RoundOrder),
                    "" if head["assignment"] == "-" else head["assignment"].replace("_", " "),
                    parse_tile_text(head["tile"]), contiguous, optional_int(head["last_round"]),
-                   optional_int(head["ranks_per_node"]), _parse_own_first(head.get("own_first", "-")))
+                   optional_int(head["ranks_per_node"]), parse_own_first(head.get("own_first", "-")))
 
 
 class _SparseLowering:
@@ -298,11 +279,23 @@ class _SparseLowering:
     def __init__(self, P: int, T: int, needs, index, keeps: Keeps, burst: bool, token_bytes: dict,
                  tunables: Tunables, own_first: dict | None = None):
         self.P, self.T, self.needs, self.keeps, self.burst = P, T, needs, keeps, burst
-        self.own_first = own_first or {}  # (rank, backward) -> its own block first (True) or last
+        self.own_first = own_first or {}  # (rank, backward) -> how many of its own block's calls run first
         self.token_bytes = token_bytes  # kind -> bytes per token
         self.slots = Slots(needs, P)
         self.rounds = Rounds(P, needs, index, keeps, burst, tunables)
         self.calls = Calls(P, T, index, self.slots)
+
+    def own_count(self, x: int, backward: bool) -> int:
+        """The calls of rank x's own block (none where it has no allowed pair)."""
+        return len(self.calls.block(x, x, x, backward)) if (x, x) in self.needs.blocks(x) else 0
+
+    def check_choices(self) -> None:
+        """ValueError for a choice of more own calls than the rank's own block makes."""
+        for (x, backward), k in self.own_first.items():
+            n = self.own_count(x, backward)
+            if k > n:
+                raise ValueError(f"own_first: rank {x}'s own block makes {n} call{'s' * (n != 1)} in the "
+                                 f"{'backward' if backward else 'forward'}, got {k} to run first")
 
     def _bytes(self, transfers) -> int:
         """Bytes of ``transfers`` (their slots' tokens x the bytes per token of their kind)."""
@@ -347,11 +340,11 @@ class _SparseLowering:
         """The own block's calls before the pulls' wait and after the returns are posted: where
         anything moves, the own block hides both transfers -- the share of its calls (by pairs)
         that runs first is the pulls' share of the bytes (a backward pulls K/V in bf16 and returns
-        dK/dV in fp32: a third before) -- unless the plan says where (``own_first``)."""
+        dK/dV in fp32: a third before) -- unless the plan says how many calls (``own_first``)."""
         later: list[Op] = []
-        first = self.own_first.get((x, backward))
-        if first is not None:
-            own, later = (own, []) if first else ([], own)
+        k = self.own_first.get((x, backward))
+        if k is not None:
+            own, later = own[:k], own[k:]
         elif any(r[0] or r[1] for r in returns.values()):
             pulled = self._bytes(t for ts in pulls.values() for tr in ts for t in tr)
             returned = self._bytes(t for sends, recvs, _, _ in returns.values() for t in (*sends, *recvs))

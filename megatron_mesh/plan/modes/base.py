@@ -32,7 +32,7 @@ from ..mask import Mask
 from ..polish import polish, polishes
 from ..problem import is_dense, normalize
 from ..shape import AttentionShape
-from ..sparse import Assignment, build_sparse_plan, reordered
+from ..sparse import Assignment, build_sparse_plan, own_calls, reordered
 from ..sparse_needs import KEEP_LIMIT
 from ..topology import Topology
 from ..tunables import TUNABLES, Tunables
@@ -238,7 +238,7 @@ class Mode:
                                  keep_limit=getattr(p.options, "backward_keep_limit", KEEP_LIMIT),
                                  ranks_per_node=p.ranks_per_node, tunables=tunables, own_first=own_first or ())
         if own_first is None and polishes(p.world_size, shape.seq_local, tunables):
-            return polish(lambda choices: reordered(plan, choices), shape,
+            return polish(lambda choices: reordered(plan, choices), lambda x, d: own_calls(plan, x, d), shape,
                           topology_for(p.world_size, p.ranks_per_node, topology), tunables, first=plan)
         return plan
 

@@ -14,7 +14,7 @@ from ..ir import Plan
 from ..mask import Mask
 from ..polish import polish, polishes
 from ..problem import normalize
-from ..sparse import MaskAwareFacts, reordered
+from ..sparse import MaskAwareFacts, own_calls, reordered
 from ..shape import AttentionShape
 from ..topology import Topology
 from ..tunables import TUNABLES, Tunables
@@ -95,14 +95,15 @@ class HybridMode(Mode):
             p.inner.build, tunables=tunables, own_first=own_first or ()), shape, mask, layout)
         inner = plan.facts.inner
         if own_first is None and polishes(p.world_size, shape.seq_local, tunables) and \
-                isinstance(inner.facts, MaskAwareFacts):
+                isinstance(inner.facts, MaskAwareFacts) and inner.world_size > 1:  # one inner rank: no other block
             U = p.ulysses
 
             def plan_of(choices: tuple) -> Plan:
                 return build_hybrid_plan(self.name, p.world_size, U, lambda *_: reordered(inner, choices),
                                          shape, mask, layout)
-            return polish(plan_of, shape, topology_for(p.world_size, p.ranks_per_node, topology), tunables,
-                          rank_of=lambda g: g // U, first=plan)
+            return polish(plan_of, lambda m, d: own_calls(inner, m, d), shape,
+                          topology_for(p.world_size, p.ranks_per_node, topology), tunables, rank_of=lambda g: g // U,
+                          first=plan)
         return plan
 
     def rings(self, p: Placement) -> dict:
