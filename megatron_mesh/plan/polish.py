@@ -16,22 +16,23 @@ So a plan of a few ranks (up to ``Tunables.polish_ranks``, with at least
 per direction, the rank that finishes last -- and the ranks it waited for longest -- try running
 all of their own block's calls (one per document, in row order) before their other blocks, none,
 then each count in between, in the plan rebuilt with that choice and simulated on the machine
-the plan is priced on (``Placement.build``'s ``topology``); the first change that shortens the direction is kept, and the search
-starts again from the new finisher, within ``Tunables.polish_sims`` simulations a direction. A
-trial shares the plan's blocks, slots and rounds (:func:`~.sparse.reordered`) and what it made of
-the other ranks' ops (:func:`~.ir.plan.carry`). The choices are the plan's ``own_first`` fact (the
-header's ``own_first=3b0,4f3``: rank 3's backward none, rank 4's forward 3); every rank building the same plan makes the same choices (the
-search is deterministic), and ranks that chose differently would still match: only the order of
-a rank's calls changes, not its rounds.
+the plan is priced on (``Placement.build``'s ``topology``); the first change that shortens the
+direction is kept, and the search starts again from the new finisher, within
+``Tunables.polish_sims`` simulations a direction. A trial shares the plan's blocks, slots and
+rounds (:func:`~.sparse.reordered`) and what it made of the other ranks' ops
+(:func:`~.ir.plan.carry`). The choices are the plan's ``own_first`` fact (the header's
+``own_first=3b0,4f3``: rank 3's backward none, rank 4's forward 3); every rank building the same
+plan makes the same choices (the search is deterministic), and ranks that chose differently would
+still match: only the order of a rank's calls changes, not its rounds.
 
 Worked example (8 GPUs, 64K tokens of ``lognormal:4096,1.0`` seed 6, Mesh on its owners layout,
 the 8-GPU problem of docs/performance.md, "Polished by simulation"): in the backward rank 7
-finishes last. None of its own calls first lets it post its send of rank 4's dK/dV partial -- and behind it,
-in round order, its receives of the dQ partials rank 5 and 6 compute -- before its 3 ms own call
-instead of after (4.52 -> 4.46 ms); then none of rank 6's: the block of rank 7's rows it
-ran after its own (one 2.35 ms call) runs first, and its dQ partial travels while rank 6 computes
-its own rows (4.33 ms); then rank 3's (4.32). With the forward's two choices the step goes
-6.58 -> 6.29 ms: ``own_first=3b0,4f3,6b0,6f0,7b0``.
+finishes last. None of its own calls first lets it post its send of rank 4's dK/dV partial -- and
+behind it, in round order, its receives of the dQ partials ranks 5 and 6 compute -- before its
+3 ms own call instead of after (4.52 -> 4.46 ms); then none of rank 6's: the block of rank 7's
+rows it ran after its own (one 2.35 ms call) runs first, and its dQ partial travels while rank 6
+computes its own rows (4.33 ms); then rank 3's (4.32). With the forward's two choices the step
+goes 6.58 -> 6.29 ms: ``own_first=3b0,4f3,6b0,6f0,7b0``.
 """
 
 from __future__ import annotations

@@ -76,8 +76,8 @@ from .topology import Topology
 from .traffic import RoundTraffic, round_traffic
 
 # the simulator's parts (traffic, costs, timeline) re-exported where callers look for them
-__all__ = ["Event", "PhaseResult", "SimResult", "simulate", "simulate_direction", "RoundTraffic", "round_traffic", "BACKWARD_FLOPS",
-           "TimeBreakdown", "time_breakdown"]
+__all__ = ["Event", "PhaseResult", "SimResult", "simulate", "simulate_direction", "RoundTraffic", "round_traffic",
+           "BACKWARD_FLOPS", "TimeBreakdown", "time_breakdown"]
 
 _DIRECTIONS = ("forward", "backward")
 

@@ -96,8 +96,8 @@ from .sparse_needs import KEEP_LIMIT, Keeps, Needs, QueryOwnerNeeds, Slots, byte
 from .sparse_rounds import Rounds
 from .tunables import TUNABLES, Tunables
 
-__all__ = ["build_sparse_plan", "reordered", "own_calls", "block_table", "block_parts", "Assignment", "QUERY_OWNER", "TILE_MAP", "RoundOrder",
-           "MaskAwareFacts"]
+__all__ = ["build_sparse_plan", "reordered", "own_calls", "block_table", "block_parts", "Assignment", "QUERY_OWNER",
+           "TILE_MAP", "RoundOrder", "MaskAwareFacts"]
 
 QUERY_OWNER = "query owner"  # the assignment every mask-aware plan may take: a block computed by its query's owner
 TILE_MAP = "tile"  # the name of a Mesh tile map's owner map (Assignment.owners)
@@ -160,8 +160,7 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
     transfers' bytes give (what :mod:`.polish` chooses by simulation)."""
     own_first = check_own_first(P, own_first)
     T = shape.seq_local
-    own_calls = tunables.own_call_tokens
-    index = blocks_of(P, mask, layout, own_calls)
+    index = blocks_of(P, mask, layout, tunables.own_call_tokens)
     if backward_chunks not in ("refetch", "keep", "auto"):
         raise ValueError(f"backward_chunks must be one of refetch, keep, auto, got {backward_chunks!r}")
     check_keep_limit("keep_limit", keep_limit)

@@ -20,8 +20,8 @@ Example::
 
 from __future__ import annotations
 
-import functools
 import dataclasses
+import functools
 import typing
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, ClassVar

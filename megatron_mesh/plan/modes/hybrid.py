@@ -90,7 +90,6 @@ class HybridMode(Mode):
         U - 1), or with the inner ranks' ``own_first`` choices."""
         mask, layout = normalize(p.world_size, shape, mask, layout)
         self.check_layout(layout)
-
         plan = build_hybrid_plan(self.name, p.world_size, p.ulysses, functools.partial(
             p.inner.build, tunables=tunables, own_first=own_first or ()), shape, mask, layout)
         inner = plan.facts.inner
