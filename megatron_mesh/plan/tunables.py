@@ -44,17 +44,20 @@ The values, and why:
   (seed 0); lognormal:16384: TASP 58.7 -> 55.9 ms. The Ulysses groups keep ``portion_work``
   (their node pass moved a2a+tasp U 4 by -1 % to +4 %). :func:`~.balance.balanced_layout` takes
   both as arguments too.
-* ``polish_ranks`` (16), ``polish_tokens`` (1,024) and ``polish_sims`` (12): a mask-aware plan of
+* ``polish_ranks`` (16), ``polish_tokens`` (4,096) and ``polish_sims`` (12): a mask-aware plan of
   at most ``polish_ranks`` ranks with at least ``polish_tokens`` tokens per rank is polished by
   simulation (:mod:`.polish`: how many of its own block's calls each rank runs first), within
   ``polish_sims`` simulations of each direction (the first one included; 1 turns it off). A
-  simulation of an 8-rank plan of 8K tokens per rank costs 2-18 ms here, one of 256 ranks
-  seconds: hence the rank limit; below ~1K tokens per rank a step takes microseconds and is not
-  worth the build time. Planner, 8 GPUs, 64K tokens of lognormal:4096,1.0, seeds 0-9
-  (docs/performance.md, "Polished by simulation"), Mesh on its owners layout / ring / TASP on the
-  balanced layout, x the compute floor on average: 1.231 / 1.313 / 1.348 unpolished; 1.212 / 1.285
-  / 1.279 with 8 simulations, 1.211 / 1.272 / 1.273 with 12, 1.210 / 1.270 / 1.273 with 16 (a
-  fifth more build time than 12); an exhaustive search 1.210 / 1.269 / 1.282.
+  simulation of an 8-rank plan of 8K tokens per rank costs 2-18 ms here and a polished plan
+  30-100 ms, one simulation of 256 ranks seconds: hence the rank limit. Below ~4K tokens per rank
+  an attention layer takes a millisecond or two, and a search that costs as much as the micro-
+  batch's attention -- on a thread that shares the GIL with the host issuing the step's kernels --
+  is not worth its few percent (it also kept the test suite 40 s shorter than at 1,024). Planner, 8
+  GPUs, 64K tokens of lognormal:4096,1.0, seeds 0-9 (docs/performance.md, "Polished by
+  simulation"), Mesh on its owners layout / ring / TASP on the balanced layout, x the compute floor
+  on average: 1.231 / 1.313 / 1.348 unpolished; 1.212 / 1.285 / 1.279 with 8 simulations, 1.211 /
+  1.272 / 1.273 with 12, 1.210 / 1.270 / 1.273 with 16 (a fifth more build time than 12); an
+  exhaustive search 1.210 / 1.269 / 1.282.
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ class Tunables:
     portion_work: float = 1.0
     node_portion_work: float = 0.5
     polish_ranks: int = 16
-    polish_tokens: int = 1024
+    polish_tokens: int = 4096
     polish_sims: int = 12
 
 

@@ -197,7 +197,8 @@ def test_the_choices_are_plan_facts():
 def test_small_plans_are_not_polished():
     """Below ``polish_tokens`` tokens per rank, above ``polish_ranks`` ranks, or with
     ``polish_sims`` 1, the plan is the builder's: no search, no choices."""
-    assert polishes(8, 8192) and not polishes(8, 512) and not polishes(32, 8192) and not polishes(1, 8192)
+    assert polishes(8, 8192) and polishes(16, 4096) and not polishes(8, 2048) and not polishes(32, 8192)
+    assert not polishes(1, 8192)
     assert not polishes(8, 8192, OFF)
     P, S = 4, 4 * 512
     shape = AttentionShape(S // P, 1, 4, 2, 16, 2)
