@@ -558,3 +558,17 @@ def test_mismatch_message_names_ranks_and_the_first_differing_documents():
     assert msg.endswith("documents: ranks 0, 2-3: 1000 [... (#497) 497:498 498:499 499:500 500:501 501:502 502:503 "
                         "503:504 ...], rank 1: 999 [... (#497) 497:498 498:499 499:500 500:502 502:503 503:504 "
                         "504:505 ...]"), msg
+
+
+def test_ranks_whose_own_block_choices_differ_do_not_agree():
+    """Two ranks that made different ``own_first`` choices (:mod:`megatron_mesh.plan.polish`) for
+    the same call: their plans' digests differ (the plan header says the choices), so the
+    agreement check raises instead of running them; the same choices give the same digest, on a
+    plan built again too."""
+    from megatron_mesh.plan import AttentionShape, Mask, resolve
+    from megatron_mesh.runtime.agreement import plan_digest
+
+    shape, mask = AttentionShape(16, 1, 4, 2, 8, 4), Mask.from_cu_seqlens((0, 20, 64), 64, True)
+    placement = resolve("ring", 4, shape)
+    one, none, again = (placement.build(shape, mask, own_first=((2, "forward", k),)) for k in (1, 0, 1))
+    assert plan_digest(one) != plan_digest(none) and plan_digest(one) == plan_digest(again)
