@@ -32,7 +32,8 @@ from .sel import sel_len, union_intervals
 from .shape import AttentionShape
 from .topology import Topology
 
-__all__ = ["BACKWARD_FLOPS", "pair_flops", "block_cost_parts", "compute_cost", "cost_signature", "fresh_rows"]
+__all__ = ["BACKWARD_FLOPS", "pair_flops", "block_cost_parts", "compute_cost", "cost_signature", "fresh_rows",
+           "masked_block"]
 
 BACKWARD_FLOPS = 2.5  # backward FLOPs / forward FLOPs of one block (5 matmuls vs 2) at equal head dims
 
@@ -71,7 +72,7 @@ def block_cost_parts(plan: Plan, op, shape: AttentionShape, topo: Topology,
     rows = sel_len(op.rows, plan.tokens(op.q))
     cols = sum(sel_len(op.col(i), plan.tokens(k)) for i, k in enumerate(op.kv))
     if op.mask == BlockKind.MASKED:
-        pairs, calls, rows, cols = _masked_block(
+        pairs, calls, rows, cols = masked_block(
             plan.mask, plan.positions(op.q, op.rows),
             tuple(r for i, k in enumerate(op.kv) for r in plan.positions(k, op.col(i))), topo.mask_piece,
             plan.kernel_calls)
@@ -99,7 +100,7 @@ def block_cost_parts(plan: Plan, op, shape: AttentionShape, topo: Topology,
 
 
 @lru_cache(maxsize=4096)
-def _masked_block(mask: Mask, q_runs, k_runs, piece: int, kernel_calls: KernelCalls) -> tuple[int, int, int, int]:
+def masked_block(mask: Mask, q_runs, k_runs, piece: int, kernel_calls: KernelCalls) -> tuple[int, int, int, int]:
     """A masked block's (pairs, kernel calls, rows, columns) as its mask pieces run it. Cached: the
     placements of one problem compute the same blocks (every mode's own block of a rank), and
     cutting a block of thousands of short documents into its pieces takes a while."""

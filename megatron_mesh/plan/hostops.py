@@ -43,7 +43,8 @@ from typing import NamedTuple
 
 from .arena_runs import RUN_VIEWS, cut_groups, cut_keys, rank_copy_runs
 from .ir import KINDS, AddGrad, Attend, AttendBackward, Copy, Free, MergeOut, Plan, Post, RowStats, Wait, op_keys
-from .mask import MASK_PIECE, BlockKind, call_groups, mask_pieces
+from .costs import masked_block
+from .mask import MASK_PIECE, BlockKind
 from .sel import sel_len
 
 __all__ = ["HostOps", "host_ops", "step_host_ops", "write_calls", "wire_tensors", "wire_copies", "side_by_side",
@@ -220,11 +221,13 @@ class _Queue:
 
 
 def _calls_of(plan: Plan, op, piece: int, varlen: bool) -> int:
+    """A block's kernel calls: the simulator's count (:func:`~.costs.masked_block`, cached per
+    mask and positions: a polished plan's trials walk the same blocks again)."""
     if op.mask != BlockKind.MASKED:
         return 1
-    pieces = mask_pieces(plan.mask, plan.positions(op.q, op.rows),
-                         tuple(r for i, k in enumerate(op.kv) for r in plan.positions(k, op.col(i))), piece)
-    return max(1, len(call_groups(pieces, plan.kernel_calls if varlen else "piece")))
+    return masked_block(plan.mask, plan.positions(op.q, op.rows),
+                        tuple(r for i, k in enumerate(op.kv) for r in plan.positions(k, op.col(i))), piece,
+                        plan.kernel_calls if varlen else "piece")[1]
 
 
 def host_ops(plan: Plan, rank: int, direction: str, *, varlen: bool = True, piece: int | None = None,

@@ -1,12 +1,14 @@
 """Polishing a mask-aware plan by simulation: how much of its own block each rank runs first.
 
 A rank of a mask-aware plan (:mod:`.sparse`) runs its own block -- its rows against its own keys,
-which nobody waits for -- partly before its other blocks, to hide the transfers they wait for,
-and the rest after: the share is the pulls' share of the bytes. That rule knows neither the
-peers nor the host, and both can matter more than the bytes:
+which nobody waits for -- where it hides a transfer: all of it first where no partial moves
+(hiding the pulls), all of it after the return rounds where the rank sends partials home or
+receives them (what it sends travels while it computes, and its peers wait for it at their
+step's end). That rule knows neither the pulls a rank still waits for nor the host, and both can
+matter:
 
-* **Peers waiting.** A rank computing blocks of another rank's rows (Mesh on its owners layout)
-  sends partials home; running a long own block first makes the owner wait for them at the end.
+* **Pulls waited for.** A rank with return rounds may still wait for its pulls at the start (Mesh
+  on its owners layout, the forward): some own calls first hide them.
 * **The host.** Where a rank's other blocks are many small kernel calls, its host issues them more
   slowly than the device runs them; a long own call first lets the host run ahead while the
   device is busy.
@@ -19,20 +21,22 @@ then each count in between, in the plan rebuilt with that choice and simulated o
 the plan is priced on (``Placement.build``'s ``topology``); the first change that shortens the
 direction is kept, and the search starts again from the new finisher, within
 ``Tunables.polish_sims`` simulations a direction. A trial shares the plan's blocks, slots and
-rounds (:func:`~.sparse.reordered`) and what it made of the other ranks' ops
-(:func:`~.ir.plan.carry`). The choices are the plan's ``own_first`` fact (the header's
-``own_first=3b0,4f3``: rank 3's backward none, rank 4's forward 3); every rank building the same
-plan makes the same choices (the search is deterministic), and ranks that chose differently would
-still match: only the order of a rank's calls changes, not its rounds.
+rounds (:func:`~.sparse.reordered`), so the rounds' traffic, and what it made of the other ranks'
+ops (:func:`~.ir.plan.carry`: their rank plans, host ops and compute seconds). The choices are the
+plan's ``own_first`` fact (the header's ``own_first=3b0,4f3``: rank 3's backward none, rank 4's
+forward 3); every rank building the same plan makes the same choices (the search is
+deterministic), and ranks that chose differently would still match: only the order of a rank's
+calls changes, not its rounds.
 
 Worked example (8 GPUs, 64K tokens of ``lognormal:4096,1.0`` seed 6, Mesh on its owners layout,
-the 8-GPU problem of docs/performance.md, "Polished by simulation"): in the backward rank 7
-finishes last. None of its own calls first lets it post its send of rank 4's dK/dV partial -- and
-behind it, in round order, its receives of the dQ partials ranks 5 and 6 compute -- before its
-3 ms own call instead of after (4.52 -> 4.46 ms); then none of rank 6's: the block of rank 7's
-rows it ran after its own (one 2.35 ms call) runs first, and its dQ partial travels while rank 6
-computes its own rows (4.33 ms); then rank 3's (4.32). With the forward's two choices the step
-goes 6.58 -> 6.29 ms: ``own_first=3b0,4f3,6b0,6f0,7b0``.
+the 8-GPU problem of docs/performance.md, "Polished by simulation"): blocks computed at their
+keys' holder send partials home, and by the rule the ranks they go to and come from run their
+own block last (the step 6.39 ms). In the forward rank 3 finishes last, 0.24 ms of it waiting for
+the pulls of rounds 3, 6 and 7; its 3 own calls first hide them (the forward 2.07 -> 2.02 ms),
+then rank 4's, the new last (1.97 ms); the backward's finisher has no better choice. The step goes
+6.39 -> 6.29 ms: ``own_first=3f3,4f3``. (Under stop 66's rule, the pulls' share of the bytes
+first, the same search went 6.58 -> 6.29 ms with five choices, three of them "none first" in the
+backward: what the rule now does.)
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from typing import Callable
 from .ir import Plan, Post
 from .ir.plan import carry
 from .shape import AttentionShape
-from .simulate import PhaseResult, simulate_direction
+from .simulate import PhaseResult, round_traffic, simulate_direction
 from .topology import Topology
 from .tunables import TUNABLES, Tunables
 
@@ -67,7 +71,9 @@ def polish(plan_of: Callable[[tuple], Plan], calls_of: Callable[[int, str], int]
     plan = plan_of(()) if first is None else first
     chosen: dict[tuple[int, str], bool] = {}
     for direction in DIRECTIONS:  # a choice changes one direction's ops: each is searched on its own
-        phase = simulate_direction(plan, shape, topology, direction, timeline=True)
+        # a choice reorders a rank's calls, not its rounds: every trial moves the plan's traffic
+        traffic = round_traffic(plan, shape, topology, direction)
+        phase = simulate_direction(plan, shape, topology, direction, timeline=True, traffic=traffic)
         sims = 1
         tried: set = set()
         improved = True
@@ -83,7 +89,7 @@ def polish(plan_of: Callable[[tuple], Plan], calls_of: Callable[[int, str], int]
                 carry(candidate, plan, ranks)
                 if all(candidate.rank(g).ops(direction) == plan.rank(g).ops(direction) for g in ranks):
                     continue  # the choice the rank made already: the same plan
-                got = simulate_direction(candidate, shape, topology, direction, timeline=True)
+                got = simulate_direction(candidate, shape, topology, direction, timeline=True, traffic=traffic)
                 sims += 1
                 if got.time < phase.time * (1 - 1e-9):
                     chosen, plan, phase, improved = trial, candidate, got, True

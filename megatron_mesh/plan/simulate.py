@@ -194,18 +194,20 @@ def simulate(plan: Plan, shape: AttentionShape, topology: Topology | None = None
 
 
 def simulate_direction(plan: Plan, shape: AttentionShape, topology: Topology, direction: str, *,
-                       timeline: bool = False) -> PhaseResult:
+                       timeline: bool = False, traffic: RoundTraffic | None = None) -> PhaseResult:
     """One direction of :func:`simulate` (every rank of a mask-aware plan): what a choice that
-    changes only that direction's ops compares (:mod:`.polish`)."""
+    changes only that direction's ops compares (:mod:`.polish`). ``traffic``: the direction's
+    :func:`~.traffic.round_traffic`, where the caller knows it (a plan whose rounds are another's)."""
     sim_ranks = sorted(set(_default_ranks(plan)))
     for r in sim_ranks:  # as simulate: built first, their rounds are read off their ops
         plan.rank(r)
-    return _phase(plan, shape, topology, direction, sim_ranks, False, timeline)
+    return _phase(plan, shape, topology, direction, sim_ranks, False, timeline, traffic)
 
 
 def _phase(plan: Plan, shape: AttentionShape, topo: Topology, direction: str, sim_ranks: list[int], exact: bool,
-           timeline: bool) -> PhaseResult:
-    traffic = round_traffic(plan, shape, topo, direction, exact=exact)
+           timeline: bool, traffic: RoundTraffic | None = None) -> PhaseResult:
+    if traffic is None:
+        traffic = round_traffic(plan, shape, topo, direction, exact=exact)
     if traffic.per_rank is not None and len(sim_ranks) == plan.world_size:
         time, busy, rounds, events, host = run_pairwise(plan, shape, topo, direction, traffic.per_rank, timeline)
     else:

@@ -34,8 +34,8 @@ from the mask itself, for every mode:
    ranks' slots that are ready in the same round are fused per query rows: one call over their
    columns in position order (runs of a document that continue each other join into long runs,
    which :func:`~.mask.mask_pieces` runs as a few full calls), and one merge instead of one per
-   block. Where a return round follows, the own block is split to hide both transfers: the
-   pulls' share of the bytes runs before the pulls' wait, the rest after the return is posted --
+   block. Where nothing returns the own block runs first, hiding the pulls; where the rank sends
+   partials home, after the return rounds are posted (the partials travel while it computes) --
    or its first k calls (documents, in row order) first, where the plan's ``own_first`` choices
    say (:mod:`.polish` makes them by simulation for plans of a few ranks).
 5. **Backward chunks.** Under ``backward_chunks="auto"`` a rank keeps what it pulled of each
@@ -192,7 +192,7 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
                          "maps and the query owner, the fewest bytes on the busiest rank under this mask")
     burst = assignment.rounds == "burst"
     keeps = Keeps(backward_chunks, needs, T, token_bytes, keep_limit)
-    lowering = _SparseLowering(P, T, needs, index, keeps, burst, token_bytes, tunables,
+    lowering = _SparseLowering(P, T, needs, index, keeps, burst, tunables,
                                {(x, d == "backward"): k for x, d, k in own_first})
     lowering.check_choices()
     notes.append(f"mask {mask.summary()}: each rank computes only the blocks with allowed pairs and receives only the "
@@ -275,11 +275,10 @@ class _SparseLowering:
     arrive -- those whose partials go home first --, each return round posted once the blocks
     writing it ran (the module docstring)."""
 
-    def __init__(self, P: int, T: int, needs, index, keeps: Keeps, burst: bool, token_bytes: dict,
-                 tunables: Tunables, own_first: dict | None = None):
+    def __init__(self, P: int, T: int, needs, index, keeps: Keeps, burst: bool, tunables: Tunables,
+                 own_first: dict | None = None):
         self.P, self.T, self.needs, self.keeps, self.burst = P, T, needs, keeps, burst
         self.own_first = own_first or {}  # (rank, backward) -> how many of its own block's calls run first
-        self.token_bytes = token_bytes  # kind -> bytes per token
         self.slots = Slots(needs, P)
         self.rounds = Rounds(P, needs, index, keeps, burst, tunables)
         self.calls = Calls(P, T, index, self.slots)
@@ -295,11 +294,6 @@ class _SparseLowering:
             if k > n:
                 raise ValueError(f"own_first: rank {x}'s own block makes {n} call{'s' * (n != 1)} in the "
                                  f"{'backward' if backward else 'forward'}, got {k} to run first")
-
-    def _bytes(self, transfers) -> int:
-        """Bytes of ``transfers`` (their slots' tokens x the bytes per token of their kind)."""
-        return sum(self.token_bytes[t.key.kind] * sum(b - a for a, b in self.slots(t.key))
-                   for t in transfers)
 
     def _pulls(self, x: int, direction: str) -> dict[int, tuple[list, list]]:
         """Round -> (sends, recvs) of the pulls; in burst mode every rank posts every pull round,
@@ -335,26 +329,21 @@ class _SparseLowering:
             return r, shift(x, j, False) if kept and partly and r == 0 else 0
         return step
 
-    def _own(self, x: int, own: list[Op], pulls, returns, backward: bool) -> tuple[list[Op], list[Op]]:
-        """The own block's calls before the pulls' wait and after the returns are posted: where
-        anything moves, the own block hides both transfers -- the share of its calls (by pairs)
-        that runs first is the pulls' share of the bytes (a backward pulls K/V in bf16 and returns
-        dK/dV in fp32: a third before) -- unless the plan says how many calls (``own_first``)."""
-        later: list[Op] = []
+    def _own(self, x: int, own: list[Op], returns, backward: bool) -> tuple[list[Op], list[Op]]:
+        """The own block's calls before the pulls' wait and after the returns are posted: where this
+        rank has a return round, none first -- partials it sends travel while the own block
+        computes (its peers wait for them at the end of their step), and a round in which it
+        receives them is posted before the block, so the senders' transfers, which complete only
+        once both ends posted them, need not wait for it; where no partial moves (a query owner's
+        forward), all first, hiding the pulls -- unless the plan says how many calls
+        (``own_first``, which :mod:`.polish` chooses by simulation for plans of a few ranks).
+        Until stop 67 the pulls' share of the bytes ran first (a third in the backward);
+        none is faster on the 56 rows it changed at 32 GPUs and on 207 of 225 at 256 (docs/performance.md,
+        "The own block after the returns")."""
         k = self.own_first.get((x, backward))
-        if k is not None:
-            own, later = own[:k], own[k:]
-        elif any(r[0] or r[1] for r in returns.values()):
-            pulled = self._bytes(t for ts in pulls.values() for tr in ts for t in tr)
-            returned = self._bytes(t for sends, recvs, _, _ in returns.values() for t in (*sends, *recvs))
-            share = pulled / max(1, pulled + returned)
-            pairs = self.calls.pairs
-            total, acc = sum(pairs[op] for op in own), 0
-            own, later = [], own
-            while later and acc < share * total:
-                acc += pairs[later[0]]
-                own.append(later.pop(0))
-        return self.calls.own_calls(x, own, later, backward)
+        if k is None:
+            k = 0 if any(r[0] or r[1] for r in returns.values()) else len(own)
+        return self.calls.own_calls(x, own[:k], own[k:], backward)
 
     def lower(self, x: int, direction: str, blocks: bool = True) -> list[Op]:
         backward = direction == "backward"
@@ -371,7 +360,7 @@ class _SparseLowering:
             if b != (x, x):
                 by_step.setdefault(step(b), []).append(b)
         own = self.calls.block(x, x, x, backward) if blocks and (x, x) in mine else []
-        own, later = self._own(x, own, pulls, returns, backward)
+        own, later = self._own(x, own, returns, backward)
         if self.burst and self.rounds.moves(direction):  # every rank posts every return round (a collective)
             for g in range(self.rounds.groups):
                 returns.setdefault(1 + self.rounds.groups + g, ([], [], [], set()))

@@ -20,13 +20,14 @@ __all__ = ["Calls"]
 
 
 class Calls:
-    """The kernel calls of every rank of one mask-aware plan (module docstring); ``pairs``: the
-    allowed pairs of each call made (where the lowering cuts the own block's work)."""
+    """The kernel calls of every rank of one mask-aware plan (module docstring)."""
 
     def __init__(self, P: int, T: int, index: Blocks, slots: Slots):
         self.P, self.T, self.index, self.slots = P, T, index, slots
-        self.pairs: dict[Op, int] = {}
         self._within: dict[tuple, tuple] = {}  # slot -> (its selection index, its tokens)
+        # (rank, blocks, backward) -> their calls: a polished plan's trials (:func:`~.sparse.reordered`,
+        # which shares these Calls) lower the same blocks again in another order of the own block
+        self._computed: dict[tuple, tuple[Op, ...]] = {}
 
     # -- keys: my own chunk's buffers are whole; a remote chunk's tokens are the slot made for me -------------
     def qkey(self, kind: str, chunk: int, x: int, incoming: bool = False) -> Key:
@@ -49,7 +50,6 @@ class Calls:
                                     rows, cols, c.kind)
             else:
                 op = Attend(q, (kv,), self.qkey("o", i, x), rows, cols, c.kind)
-            self.pairs[op] = c.pairs
             ops.append(op)
         return ops
 
@@ -106,12 +106,18 @@ class Calls:
                                 tuple(self.kvkey("dkv", j, x) for j, _ in entries), rows, cols, kind)
         else:
             op = Attend(q, kvs, self.qkey("o", i, x), rows, cols, kind)
-        self.pairs[op] = sum(c.pairs for _, c in parts)
         return op
 
     def compute(self, x: int, blocks, backward: bool) -> list[Op]:
         """The kernel calls of ``blocks`` on rank x: the own block (x, x) as its calls (one causal
         call per document); the others' calls fused by query chunk and rows (:meth:`fused`)."""
+        key = (x, tuple(blocks), backward)
+        made = self._computed.get(key)
+        if made is None:
+            made = self._computed[key] = tuple(self._compute(x, blocks, backward))
+        return list(made)
+
+    def _compute(self, x: int, blocks, backward: bool) -> list[Op]:
         ops: list[Op] = []
         groups: dict[tuple, list] = {}
         for i, j in blocks:

@@ -53,12 +53,16 @@ class Event(NamedTuple):
     what: str
 
 
+_UNPRICED = (Free, Post, Wait)  # ops that take no compute-stream time of their own
+
+
 @dataclass
 class _Rank:
     rank: int
     ops: tuple
     first: dict = field(default_factory=dict)  # op index -> {accumulator: rows it writes first} (Plan.first_writes)
     issue: tuple = ()  # op index -> the host's seconds issuing it (empty: no host modelled)
+    seconds: tuple = ()  # op index -> its compute seconds (0 for posts, waits and frees)
     around: float = 0.0  # the host's seconds around the ops (inputs, results, the last queued writes)
     pc: int = 0
     clock: float = 0.0  # compute stream
@@ -137,6 +141,11 @@ class _Costs:
         topo = self.topo
         st.pack, st.unpack = self.plan.memo(("transport copies", r, direction, self.shape, topo.memory_bandwidth),
                                             lambda: _transport_copies(self.plan, r, direction, self.shape, topo))
+        # each op's compute seconds, kept with the plan per rank: a polished plan's trials
+        # (:func:`~.ir.plan.carry`) price again only the rank whose ops they change
+        st.seconds = self.plan.memo(("op seconds", r, direction, self.shape, topo),
+                                    lambda: tuple(0.0 if type(op) in _UNPRICED else self(op, st.first.get(i))
+                                                  for i, op in enumerate(st.ops)))
         if topo.host_priced:
             ops, around = step_host_ops(self.plan, r, direction, self.shape, piece=topo.mask_piece)
             per_op, per_view = topo.host_op_time, topo.host_view_time
@@ -231,7 +240,7 @@ def run_lockstep(plan: Plan, shape: AttentionShape, topo: Topology, direction: s
                     if len(entries) == posters[op.round]:
                         ready.append(op.round)
                 elif kind is not Free:
-                    st.compute(op, costs(op, st.first.get(st.pc)), timeline)
+                    st.compute(op, st.seconds[st.pc], timeline)
                 st.pc += 1
                 moved = True
         for t in ready:
@@ -282,7 +291,7 @@ def run_pairwise(plan: Plan, shape: AttentionShape, topo: Topology, direction: s
                         tuple({t.peer for t in op.sends + op.recvs})
                     queue[r].append(op.round)
                 elif kind is not Free:
-                    st.compute(op, costs(op, st.first.get(st.pc)), timeline)
+                    st.compute(op, st.seconds[st.pc], timeline)
                 st.pc += 1
                 moved = True
         for r, pending in enumerate(queue):  # resolve rounds whose peers have all posted them

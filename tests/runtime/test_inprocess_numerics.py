@@ -367,8 +367,8 @@ def test_plans_the_polish_chose_match_the_dense_reference():
     chosen = 0
     for world in (5, 6, 7):
         S = world * 48
-        slow = Topology(nodes=1, gpus_per_node=world, attention_flops=4e6, memory_bandwidth=3.35e4,
-                        intra_bandwidth=4.5e3)
+        slow = Topology(nodes=1, gpus_per_node=world, attention_flops=1.6e7, memory_bandwidth=3.35e4,
+                        intra_bandwidth=1.35e4)
         for heads, balanced in (("MHA", False), ("GQA", True)):
             p = cases.Problem(world, *cases.HEADS[heads], True, torch.float32, seq_local=48,
                               cu_seqlens=(0, 7, 100, S - 30, S), balanced=balanced)

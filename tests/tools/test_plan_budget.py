@@ -163,7 +163,7 @@ def test_a_masked_block_is_cut_into_mask_pieces_once_for_every_placement(monkeyp
     calls = []
     real = costs.mask_pieces
     monkeypatch.setattr(costs, "mask_pieces", lambda *a: calls.append(a[1:3]) or real(*a))
-    costs._masked_block.cache_clear()
+    costs.masked_block.cache_clear()
     P, S = 8, 8 * 64
     shape = AttentionShape(seq_local=64, batch=1, heads=8, kv_heads=4, head_dim=16)
     mask = Mask.from_cu_seqlens(document_bounds("lognormal:24,1", S), S)
