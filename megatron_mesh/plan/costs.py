@@ -33,7 +33,7 @@ from .shape import AttentionShape
 from .topology import Topology
 
 __all__ = ["BACKWARD_FLOPS", "pair_flops", "block_cost_parts", "compute_cost", "cost_signature", "fresh_rows",
-           "masked_block"]
+           "masked_block", "result_casts"]
 
 BACKWARD_FLOPS = 2.5  # backward FLOPs / forward FLOPs of one block (5 matmuls vs 2) at equal head dims
 
@@ -136,6 +136,27 @@ def _combine_cost(plan: Plan, op, shape: AttentionShape, topo: Topology, fresh=(
         return 3 * key_bytes(plan, op.dout, shape) * sel_len(op.rows, plan.tokens(op.dout)) / \
             plan.tokens(op.dout) / topo.memory_bandwidth
     return 3 * key_bytes(plan, op.src, shape) / topo.memory_bandwidth
+
+
+_CAST_TO = {"o": "y", "dq": "gq", "dkv": "gkv"}  # an fp32 accumulator's kind -> its result's in the input dtype
+
+
+def result_casts(plan: Plan, rank: int, direction: str, shape: AttentionShape, topo: Topology) -> float:
+    """Seconds the compute stream spends after ``rank``'s ``direction`` casting the results the plan
+    leaves in fp32 accumulators -- a plain plan's output ``o`` and gradients ``dq`` / ``dkv``, which
+    its caller casts into the input dtype (``runtime/autograd.py``) -- priced as a plan's own cast
+    (a hybrid's ``Copy o -> y``): read the values, write them once. 0 where the plan casts inside
+    (its results are ``y`` / ``gq`` / ``gkv``) or the inputs are fp32 or fp64 (no cast)."""
+    acc = max(FP32, shape.itemsize)
+    if acc == shape.itemsize:
+        return 0.0
+    rp = plan.rank(rank)
+    moved = 0.0
+    for key in (rp.output,) if direction == "forward" else (rp.grad_q, rp.grad_kv):
+        if key.kind in _CAST_TO:
+            h, g = plan.head_counts(key, shape.heads, shape.kv_heads)
+            moved += buffer_bytes(_CAST_TO[key.kind], plan.tokens(key), shape, h, g) * (1 + acc / shape.itemsize)
+    return moved / topo.memory_bandwidth
 
 
 # seconds the compute stream spends on each op type (communication ops are timed by their rounds)

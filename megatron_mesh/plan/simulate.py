@@ -15,7 +15,9 @@ It walks the *same op lists the executor runs* and prices each op (:data:`_COSTS
   ``MergeOut``/``AddGrad``/``RowStats``: read two buffers, write one, at ``memory_bandwidth``;
   ``Copy``: read and write the rows it moves (a cast of an fp32 accumulator into the input
   dtype reads its values and writes them once, in 16 bits: 1.5x the output's fp32 bytes).
-  ``Free`` costs nothing.
+  ``Free`` costs nothing. After a direction's last op, the casts of the results a plan leaves in
+  fp32 accumulators (a plain plan's output and gradients, which its caller casts into the input
+  dtype; :func:`~.costs.result_casts`), priced as a ``Copy`` cast (since stop 67).
 * **Communication stream** (one per rank; NCCL runs a rank's rounds in posting order). ``Post(t)``
   starts round t once the compute issued before it has finished (the NCCL stream waits on the
   compute stream at the call, as PyTorch's ProcessGroupNCCL does) and the rank's previous round
@@ -68,7 +70,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .costs import BACKWARD_FLOPS, block_cost_parts, compute_cost, fresh_rows
+from .costs import BACKWARD_FLOPS, block_cost_parts, compute_cost, fresh_rows, result_casts
 from .ir import Attend, AttendBackward, Copy, Plan, Post
 from .shape import AttentionShape
 from .timeline import Event, run_lockstep, run_pairwise
@@ -272,6 +274,7 @@ def time_breakdown(plan: Plan, shape: AttentionShape, topology: Topology | None 
                 posts[op.round] = op
             else:
                 parts["combine"] += compute_cost(plan, op, shape, topo)
+        parts["copies"] += result_casts(plan, rank, direction, shape, topo)  # the caller's casts, after the ops
         parts["host"] = sum(e.end - e.start for e in phase.timeline
                             if e.rank == rank and e.stream == "compute" and e.what == "host")
         parts["exposed"] = max(0.0, phase.time - sum(parts.values()))

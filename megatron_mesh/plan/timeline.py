@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from .costs import compute_cost, cost_signature, fresh_rows
+from .costs import compute_cost, cost_signature, fresh_rows, result_casts
 from .hostops import side_by_side, step_host_ops, wire_copies
 from .accounting import key_bytes
 from .ir import Free, Plan, Post, Wait
@@ -63,6 +63,7 @@ class _Rank:
     first: dict = field(default_factory=dict)  # op index -> {accumulator: rows it writes first} (Plan.first_writes)
     issue: tuple = ()  # op index -> the host's seconds issuing it (empty: no host modelled)
     seconds: tuple = ()  # op index -> its compute seconds (0 for posts, waits and frees)
+    cast: float = 0.0  # seconds casting the results the caller casts (costs.result_casts)
     around: float = 0.0  # the host's seconds around the ops (inputs, results, the last queued writes)
     pc: int = 0
     clock: float = 0.0  # compute stream
@@ -119,11 +120,13 @@ class _Rank:
 
     def finish(self, timeline: bool = False) -> None:
         """The host's work after the last op (results, the last queued writes): the direction
-        ends no sooner."""
+        ends no sooner; then the results' casts, where the caller casts them (``cast``)."""
         self.host += self.around
         if timeline and self.host > self.clock:
             self.events.append(Event(self.rank, "compute", self.clock, self.host, "host"))
         self.clock = max(self.clock, self.host)
+        if self.cast:
+            self._copy(self.clock, self.cast, "cast", timeline)
 
     first_op: float = 0.0  # the host's seconds per torch op (an op's device work starts after its first)
 
@@ -146,6 +149,7 @@ class _Costs:
         st.seconds = self.plan.memo(("op seconds", r, direction, self.shape, topo),
                                     lambda: tuple(0.0 if type(op) in _UNPRICED else self(op, st.first.get(i))
                                                   for i, op in enumerate(st.ops)))
+        st.cast = result_casts(self.plan, r, direction, self.shape, topo)
         if topo.host_priced:
             ops, around = step_host_ops(self.plan, r, direction, self.shape, piece=topo.mask_piece)
             per_op, per_view = topo.host_op_time, topo.host_view_time

@@ -962,6 +962,32 @@ def test_time_breakdown_adds_up_and_names_the_rounds_it_waits_for():
     assert sum(w for _, w, _ in fwd.waits) <= fwd.parts["exposed"] + 1e-12
 
 
+def test_the_results_casts_are_priced_where_the_caller_makes_them():
+    """A plain plan leaves its output and gradients in fp32 accumulators and its caller casts them
+    into the input dtype (runtime/autograd.py): after each direction the simulator runs those casts
+    on the compute stream (read the fp32 values, write them in bf16: the output's heads x v_head_dim
+    x 6 bytes per token forward; dQ's and dK/dV's backward); a Ulysses hybrid casts inside its plan
+    (Copy ops, priced as ops); fp32 inputs need no cast."""
+    from megatron_mesh.plan.costs import result_casts
+    from megatron_mesh.plan.modes import MODES
+    topo = Topology.for_cp(8)
+    shape = AttentionShape(seq_local=1024, heads=8, kv_heads=2, head_dim=64)
+    ring = build_ring_plan(8, shape)
+    T, bw = shape.seq_local, topo.memory_bandwidth
+    assert result_casts(ring, 0, "forward", shape, topo) == pytest.approx(T * 8 * 64 * 6 / bw)
+    assert result_casts(ring, 0, "backward", shape, topo) == pytest.approx(T * (8 + 2 * 2) * 64 * 6 / bw)
+    priced = simulate(ring, shape, topo, timeline=True)
+    casts = [e for e in priced.forward.timeline if e.what == "cast"]
+    assert len(casts) == 2 and all(e.end - e.start == pytest.approx(T * 8 * 64 * 6 / bw) for e in casts)
+    for b in time_breakdown(ring, shape, topo, priced):
+        assert sum(b.parts.values()) == pytest.approx(b.time)
+        assert b.parts["copies"] == pytest.approx(result_casts(ring, b.rank, b.direction, shape, topo))
+    hybrid = next(c for c in MODES["a2a+ring"].candidates(8, shape, topo) if c.ulysses == 2).build(shape)
+    assert result_casts(hybrid, 0, "forward", shape, topo) == result_casts(hybrid, 0, "backward", shape, topo) == 0
+    fp32 = dataclasses.replace(shape, itemsize=4)
+    assert result_casts(build_ring_plan(8, fp32), 0, "forward", fp32, topo) == 0
+
+
 def test_cli_explain(capsys):
     """--explain says where the fastest plan of each layout spends its time; --json carries it on every row."""
     assert main(["--cp", "8", "--seq-len", "16384", "--docs", "lognormal:1024,1", "--modes", "ring,a2a+tasp,auto",
