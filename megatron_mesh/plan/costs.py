@@ -127,11 +127,7 @@ def _combine_cost(plan: Plan, op, shape: AttentionShape, topo: Topology, fresh=(
         share = sel_len(op.rows, plan.tokens(op.src)) / plan.tokens(op.src)
         if op.src.kind == op.dst.kind:
             return 2 * key_bytes(plan, op.src, shape) * share / topo.memory_bandwidth
-        # a cast (o -> y, dq -> gq, dkv -> gkv) reads the accumulator's values -- not an output's
-        # row statistics -- and writes them once in the input dtype
-        h, g = plan.head_counts(op.src, shape.heads, shape.kv_heads)
-        written = buffer_bytes(op.dst.kind, plan.tokens(op.src), shape, h, g)
-        return written * (1 + max(FP32, shape.itemsize) / shape.itemsize) * share / topo.memory_bandwidth
+        return _cast_bytes(plan, op.src, op.dst.kind, shape) * share / topo.memory_bandwidth
     if type(op) is RowStats:
         return 3 * key_bytes(plan, op.dout, shape) * sel_len(op.rows, plan.tokens(op.dout)) / \
             plan.tokens(op.dout) / topo.memory_bandwidth
@@ -141,21 +137,27 @@ def _combine_cost(plan: Plan, op, shape: AttentionShape, topo: Topology, fresh=(
 _CAST_TO = {"o": "y", "dq": "gq", "dkv": "gkv"}  # an fp32 accumulator's kind -> its result's in the input dtype
 
 
+def _cast_bytes(plan: Plan, src, kind: str, shape: AttentionShape) -> float:
+    """Bytes a cast of accumulator ``src`` into a ``kind`` buffer (o -> y, dq -> gq, dkv -> gkv) moves:
+    it reads the accumulator's values -- not an output's row statistics -- and writes them once in
+    the input dtype."""
+    h, g = plan.head_counts(src, shape.heads, shape.kv_heads)
+    return buffer_bytes(kind, plan.tokens(src), shape, h, g) * (1 + max(FP32, shape.itemsize) / shape.itemsize)
+
+
 def result_casts(plan: Plan, rank: int, direction: str, shape: AttentionShape, topo: Topology) -> float:
     """Seconds the compute stream spends after ``rank``'s ``direction`` casting the results the plan
     leaves in fp32 accumulators -- a plain plan's output ``o`` and gradients ``dq`` / ``dkv``, which
     its caller casts into the input dtype (``runtime/autograd.py``) -- priced as a plan's own cast
     (a hybrid's ``Copy o -> y``): read the values, write them once. 0 where the plan casts inside
     (its results are ``y`` / ``gq`` / ``gkv``) or the inputs are fp32 or fp64 (no cast)."""
-    acc = max(FP32, shape.itemsize)
-    if acc == shape.itemsize:
+    if max(FP32, shape.itemsize) == shape.itemsize:
         return 0.0
     rp = plan.rank(rank)
     moved = 0.0
     for key in (rp.output,) if direction == "forward" else (rp.grad_q, rp.grad_kv):
         if key.kind in _CAST_TO:
-            h, g = plan.head_counts(key, shape.heads, shape.kv_heads)
-            moved += buffer_bytes(_CAST_TO[key.kind], plan.tokens(key), shape, h, g) * (1 + acc / shape.itemsize)
+            moved += _cast_bytes(plan, key, _CAST_TO[key.kind], shape)
     return moved / topo.memory_bandwidth
 
 
