@@ -149,8 +149,7 @@ def _layout(c: Case):
     return None if c.thd is None else ThdLayout(c.world, c.thd[0], c.thd[1])
 
 
-def _mask(c: Case, seq_len: int) -> Mask:
-    layout = _layout(c)
+def _mask(c: Case, seq_len: int, layout) -> Mask:
     if layout is not None:
         return Mask(c.causal, c.window, layout.documents()).normalized(seq_len)
     if c.cu_seqlens is not None:
@@ -197,6 +196,31 @@ def ulysses_communicator(group, U: int) -> TorchDistCommunicator:
     return TorchDistCommunicator(group, routes={p: sub for p in range(first, first + U) if p != me})
 
 
+def _reference(c: Case, S: int, layout, inputs, sink, group) -> tuple:
+    """(out, dQ, dK, dV, d sink or None) of dense fp64 attention over the whole sequence. Every rank
+    of a group has the same inputs (one seed), so the group's first rank computes it and the others
+    receive it (exact: fp64 values copied): on 2 cores, eight ranks each computing an S x S
+    reference (the CPU problem's 2,048 tokens) cost more than the cases' own calls."""
+    import torch.distributed as dist
+
+    shared = group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
+    Q, K, V, dO = inputs
+    out_shape = (*Q.shape[:3], V.shape[-1])
+    if not shared or dist.get_rank(group) == 0:
+        Qr, Kr, Vr = (x.clone().requires_grad_() for x in (Q, K, V))
+        ref = reference_attention(Qr, Kr, Vr, mask=_mask(c, S, layout), softmax_offset=sink)
+        ref.backward(dO)
+        grads = [Qr.grad, Kr.grad, Vr.grad] + ([sink.grad] if c.sink == "learnable" else [])
+        got = [t.contiguous() for t in (ref.detach(), *grads)]
+    else:
+        shapes = [out_shape, Q.shape, K.shape, V.shape] + ([sink.shape] if c.sink == "learnable" else [])
+        got = [torch.empty(shape, dtype=torch.float64) for shape in shapes]
+    if shared:
+        for t in got:
+            dist.broadcast(t, group_src=0, group=group)
+    return (*got[:4], got[4] if len(got) > 4 else None)
+
+
 def run(rank: int, c: Case, group, comm=None) -> Record:
     """Case ``c`` on this rank of ``group`` (or of the communicator ``comm``: in-process ranks)."""
     layout = _layout(c)
@@ -212,9 +236,7 @@ def run(rank: int, c: Case, group, comm=None) -> Record:
     memory = [MEMORY[name] for name in c.memory] or [MEMORY["contiguous"]] * 4
     raw = (Q, K, V, dO)
     Q, K, V, dO = (x if values is None else values(x).contiguous() for x, (values, _) in zip(raw, memory))
-    Qr, Kr, Vr = (x.clone().requires_grad_() for x in (Q, K, V))
-    ref = reference_attention(Qr, Kr, Vr, mask=_mask(c, S), softmax_offset=sink)
-    ref.backward(dO)
+    ref, dQ, dK, dV, d_sink = _reference(c, S, layout, (Q, K, V, dO), sink, group)
     shard = (lambda x: mm.zigzag_shard(x, rank, c.world)) if layout is None else (
         lambda x: mm.layout_shard(x, rank, layout))
     # the caller's tensors as they lie in memory (detached: the call gets exactly these strides); an
@@ -258,9 +280,8 @@ def run(rank: int, c: Case, group, comm=None) -> Record:
                     planned = [a + b for a, b in zip(planned, (1, *wire_copies(op, runs)))]
         rec.collectives = (tuple(comm.calls[k] - b for k, b in zip(kinds, before)), tuple(planned))
     if c.sink == "learnable":
-        rec.offset_grad, rec.offset_grad_want = tuple(offset.grad.double().tolist()), tuple(sink.grad.tolist())
-    for name, got, want in (("out", out, ref.detach()), ("dq", q.grad, Qr.grad), ("dk", k.grad, Kr.grad),
-                            ("dv", v.grad, Vr.grad)):
+        rec.offset_grad, rec.offset_grad_want = tuple(offset.grad.double().tolist()), tuple(d_sink.tolist())
+    for name, got, want in (("out", out, ref), ("dq", q.grad, dQ), ("dk", k.grad, dK), ("dv", v.grad, dV)):
         want = shard(want)
         if got.shape != want.shape or got.dtype != c.dtype:
             raise AssertionError(f"{c.label()}: {name} is {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)}")
