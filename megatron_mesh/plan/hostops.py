@@ -46,6 +46,7 @@ from .ir import KINDS, AddGrad, Attend, AttendBackward, Copy, Free, MergeOut, Pl
 from .costs import masked_block
 from .mask import MASK_PIECE, BlockKind
 from .sel import sel_len
+from .single_writes import cast_rows
 
 __all__ = ["HostOps", "host_ops", "step_host_ops", "write_calls", "wire_tensors", "wire_copies", "side_by_side",
            "TOLERANCE"]
@@ -231,15 +232,22 @@ def _calls_of(plan: Plan, op, piece: int, varlen: bool) -> int:
 
 
 def host_ops(plan: Plan, rank: int, direction: str, *, varlen: bool = True, piece: int | None = None,
-             heads: tuple[int, int] | None = None) -> tuple[tuple[HostOps, ...], HostOps]:
+             heads: tuple[int, int] | None = None, narrow: bool = False) -> tuple[tuple[HostOps, ...], HostOps]:
     """The host ops of each op of ``rank``'s ``direction`` (in op order) and those issued around
     them (inputs, results, the queue's last calls). ``heads``: (query, key/value heads), for the
-    copies of head slices that together fill a buffer (no fill then)."""
+    copies of head slices that together fill a buffer (no fill then); ``narrow``: inputs narrower
+    than the fp32 accumulators, whose results some rows are written into straight
+    (:func:`~.single_writes.cast_rows`: the rest is cast in as one op of two views per range and tensor,
+    where a plain cast of the whole accumulator took one)."""
     walk = _Walk(plan, rank, direction, MASK_PIECE["cuda"] if piece is None else piece, varlen, heads)
     out = tuple(walk.op(i, op) for i, op in enumerate(walk.ops))
     fixed_l, fixed_v = _FIXED[direction]
     cut_l, cut_v = _input_cuts(plan, rank, direction, heads)
-    return out, HostOps(fixed_l + cut_l + walk.queue.flush(), fixed_v + cut_v, 0)
+    rest_v = 0
+    if narrow:
+        for key, rest in cast_rows(plan, rank, direction, walk.piece).items():
+            rest_v += 2 * len(rest) * sum(1 for _, dim, _ in KINDS[key.kind].tensors if dim)
+    return out, HostOps(fixed_l + cut_l + walk.queue.flush(), fixed_v + cut_v + rest_v, 0)
 
 
 def _input_cuts(plan: Plan, rank: int, direction: str, heads: tuple[int, int] | None) -> tuple[float, float]:
@@ -405,5 +413,6 @@ def step_host_ops(plan: Plan, rank: int, direction: str, shape=None, *, varlen: 
     """:func:`host_ops`, made once per plan (``shape``: the heads, for copies of head slices)."""
     def make():
         heads = None if shape is None else (shape.heads, shape.kv_heads)
-        return host_ops(plan, rank, direction, varlen=varlen, piece=piece, heads=heads)
+        narrow = shape is not None and shape.itemsize < 4
+        return host_ops(plan, rank, direction, varlen=varlen, piece=piece, heads=heads, narrow=narrow)
     return plan.memo(("host ops", rank, direction, shape, varlen, piece), make)

@@ -37,7 +37,7 @@ from .maskkinds.pairs import band_pairs, band_relation
 from .sel import Segment, first_at, merge_runs, union_intervals
 
 __all__ = ["Mask", "BlockKind", "BlockClass", "classify_block", "band_relation", "band_pairs", "CAUSAL", "FULL",
-           "union_intervals", "documents_of", "INF", "MASK_PIECE", "cut_runs", "mask_pieces", "call_groups",
+           "union_intervals", "documents_of", "INF", "MASK_PIECE", "cut_runs", "mask_pieces", "block_pieces", "call_groups",
            "KERNEL_CALLS", "KernelCalls"]
 
 
@@ -403,6 +403,14 @@ def mask_pieces(mask: Mask, q_runs, k_runs, piece: int) -> list[tuple[BlockKind,
             for call in _segment_calls(mask, (r0, qr, n), (c0, kr, m), piece):
                 _add_call(out, *call)
     return out
+
+
+@lru_cache(maxsize=4096)
+def block_pieces(mask: Mask, q_runs: tuple, k_runs: tuple, piece: int) -> tuple:
+    """:func:`mask_pieces` of a block, made once: the simulator prices a block's calls
+    (:func:`~.costs.masked_block`) and finds the rows two of them write
+    (:func:`~.single_writes.single_writes`) from the same pieces."""
+    return tuple(mask_pieces(mask, q_runs, k_runs, piece))
 
 
 def _add_call(out: list, kind: BlockKind, rows: tuple[int, int], cols: tuple[int, int]) -> None:

@@ -31,12 +31,12 @@ calls changes, not its rounds.
 Worked example (8 GPUs, 64K tokens of ``lognormal:4096,1.0`` seed 6, Mesh on its owners layout,
 the 8-GPU problem of docs/performance.md, "Polished by simulation"): blocks computed at their
 keys' holder send partials home, and by the rule the ranks they go to and come from run their
-own block last (the step 6.54 ms). In the forward rank 3 finishes last, 0.24 ms of it waiting for
-the pulls of rounds 3, 6 and 7; its 3 own calls first hide them (the forward 2.13 -> 2.08 ms),
-then rank 4's, the new last (2.03 ms); the backward's finisher has no better choice. The step goes
-6.54 -> 6.44 ms: ``own_first=3f3,4f3``. (Under stop 66's rule, the pulls' share of the bytes
-first, the same search went 6.58 -> 6.29 ms -- the results' casts not priced then -- with five
-choices, three of them "none first" in the backward: what the rule now does.)
+own block last (the step 6.44 ms). In the forward rank 3 finishes last, waiting for the pulls
+of rounds 3, 6 and 7; its 3 own calls first hide them, then rank 4's, the new last (the forward
+2.09 -> 2.00 ms); the backward's finisher has no better choice. The step goes 6.44 -> 6.35 ms:
+``own_first=3f3,4f3``. (Under stop 66's rule, the pulls' share of the bytes first, the same
+search went 6.58 -> 6.29 ms -- the results' casts not priced then -- with five choices, three of
+them "none first" in the backward: what the rule now does.)
 """
 
 from __future__ import annotations

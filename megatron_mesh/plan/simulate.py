@@ -16,8 +16,10 @@ It walks the *same op lists the executor runs* and prices each op (:data:`_COSTS
   ``Copy``: read and write the rows it moves (a cast of an fp32 accumulator into the input
   dtype reads its values and writes them once, in 16 bits: 1.5x the output's fp32 bytes).
   ``Free`` costs nothing. After a direction's last op, the casts of the results a plan leaves in
-  fp32 accumulators (a plain plan's output and gradients, which its caller casts into the input
-  dtype; :func:`~.costs.result_casts`), priced as a ``Copy`` cast (since stop 67).
+  fp32 accumulators (a plain plan's output and gradients, cast into the input dtype at the end;
+  :func:`~.costs.result_casts`), priced as a ``Copy`` cast (since stop 67) -- less the rows one
+  kernel call wrote straight into the result in the input dtype, which a block prices as a copy
+  in that dtype instead (:mod:`.single_writes`, since stop 68).
 * **Communication stream** (one per rank; NCCL runs a rank's rounds in posting order). ``Post(t)``
   starts round t once the compute issued before it has finished (the NCCL stream waits on the
   compute stream at the call, as PyTorch's ProcessGroupNCCL does) and the rank's previous round
@@ -71,6 +73,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .costs import BACKWARD_FLOPS, block_cost_parts, compute_cost, fresh_rows, result_casts
+from .single_writes import single_writes
 from .ir import Attend, AttendBackward, Copy, Plan, Post
 from .shape import AttentionShape
 from .timeline import Event, run_lockstep, run_pairwise
@@ -261,10 +264,12 @@ def time_breakdown(plan: Plan, shape: AttentionShape, topology: Topology | None 
         parts = dict.fromkeys(("flops", "launches", "accumulate", "copies", "combine"), 0.0)
         posts = {}
         first = plan.first_writes(rank, direction)
+        single = single_writes(plan, rank, direction, topo.mask_piece)
         for i, op in enumerate(plan.rank(rank).ops(direction)):
             kind = type(op)
             if kind is Attend or kind is AttendBackward:
-                flops, launches, acc = block_cost_parts(plan, op, shape, topo, fresh_rows(op, first.get(i)))
+                flops, launches, acc = block_cost_parts(plan, op, shape, topo,
+                                                        fresh_rows(op, first.get(i), single.get(i)))
                 parts["flops"] += flops
                 parts["launches"] += launches
                 parts["accumulate"] += acc

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from .costs import compute_cost, cost_signature, fresh_rows, result_casts
+from .single_writes import single_writes
 from .hostops import side_by_side, step_host_ops, wire_copies
 from .accounting import key_bytes
 from .ir import Free, Plan, Post, Wait
@@ -146,8 +147,10 @@ class _Costs:
                                             lambda: _transport_copies(self.plan, r, direction, self.shape, topo))
         # each op's compute seconds, kept with the plan per rank: a polished plan's trials
         # (:func:`~.ir.plan.carry`) price again only the rank whose ops they change
+        single = single_writes(self.plan, r, direction, topo.mask_piece)
         st.seconds = self.plan.memo(("op seconds", r, direction, self.shape, topo),
-                                    lambda: tuple(0.0 if type(op) in _UNPRICED else self(op, st.first.get(i))
+                                    lambda: tuple(0.0 if type(op) in _UNPRICED else
+                                                  self(op, st.first.get(i), single.get(i))
                                                   for i, op in enumerate(st.ops)))
         st.cast = result_casts(self.plan, r, direction, self.shape, topo)
         if topo.host_priced:
@@ -157,9 +160,10 @@ class _Costs:
             st.around, st.first_op = around.seconds(per_op, per_view), per_op
         return st
 
-    def __call__(self, op, first=None) -> float:
-        """``first``: the accumulator rows ``op`` (a block) writes first -- copied, not merged / added."""
-        fresh = fresh_rows(op, first)
+    def __call__(self, op, first=None, single=None) -> float:
+        """``first``: the accumulator rows ``op`` (a block) writes first -- copied, not merged / added;
+        ``single``: those it writes into the result itself (:func:`~.single_writes.single_writes`)."""
+        fresh = fresh_rows(op, first, single)
         sig = (cost_signature(self.plan, op), fresh)
         c = self.seen.get(sig)
         if c is None:

@@ -113,30 +113,40 @@ class BlockOps:
             out, lse = self._created(bufs, op.out)
             rows = list(_parts(op.rows, out.shape[2]))
             fresh = _fresh(self._first, op.out)
+            result = bufs.results.get(op.out)  # (runtime/results.py)
+            single = _fresh(self._single, op.out) if result is not None else []
             # each kernel call's partial result merges straight into the rows' accumulator; on rows
-            # nothing has written yet (still 0, -inf) a copy gives the same values
+            # nothing has written yet (still 0, -inf) a copy gives the same values, and on rows
+            # nothing else writes the copy goes into the result itself (its lse into the accumulator)
             for r0, r1, o, l in forward_partials(self.kernel, take(q, op.rows), k, v, mask, self.scale,
                                                  self.plan.kernel_calls):
+                dsts, srcs = [], []  # the call's copies, as one op
                 for a, off, n in _overlaps(rows, r0, r1):
                     for s, m, first in _split_fresh(fresh, a, n):
-                        dst_o, dst_l = part_of(out, 2, s, m), part_of(lse, 2, s, m)
                         src_o, src_l = part_of(o, 2, off + s - a, m), part_of(l, 2, off + s - a, m)
-                        if first:
-                            torch._foreach_copy_([dst_o, dst_l], [src_o, src_l])
-                        else:
-                            merge_(dst_o, dst_l, src_o, src_l)
+                        if not first:
+                            merge_(part_of(out, 2, s, m), part_of(lse, 2, s, m), src_o, src_l)
+                            continue
+                        for s2, m2, into in _split_fresh(single, s, m):
+                            dsts += [part_of(result[0] if into else out, 2, s2, m2), part_of(lse, 2, s2, m2)]
+                            srcs += [part_of(src_o, 2, s2 - s, m2), part_of(src_l, 2, s2 - s, m2)]
+                if dsts:
+                    torch._foreach_copy_(dsts, srcs)
             self._fill_unwritten(bufs, op.out, fresh)
 
-    def _grad_to(self, bufs: Buffers, key: Key, tensors, part, rows, fresh, heads: int) -> None:
+    def _grad_to(self, bufs: Buffers, key: Key, tensors, part, rows, fresh, heads: int, single=()) -> None:
         """Queue block gradient ``part`` (per tensor, its rows [r0, r1) of the block) into ``rows``
-        (:func:`_overlaps` parts) of accumulator ``key``: a copy where no op wrote them yet."""
+        (:func:`_overlaps` parts) of accumulator ``key``: a copy where no op wrote them yet, into
+        the result itself on rows ``single`` (:func:`_fresh` of the block's single writes)."""
         r0, r1, grads = part
         ident = bufs.ident(key)
+        result = bufs.results.get(key)
         for a, off, n in _overlaps(rows, r0, r1):
             for s, m, first in _split_fresh(fresh, a, n):
-                for t, (acc, g) in enumerate(zip(tensors, grads)):
-                    self._queue.put(not first, part_of(acc, 2, s, m), part_of(g, 2, off + s - a, m),
-                                    (key, t, s, s + m, 0, heads), dst_id=ident)
+                for s2, m2, into in _split_fresh(single, s, m) if first else ((s, m, False),):
+                    for t, (acc, g) in enumerate(zip(result if into else tensors, grads)):
+                        self._queue.put(not first, part_of(acc, 2, s2, m2), part_of(g, 2, off + s2 - a, m2),
+                                        (key, t, s2, s2 + m2, 0, heads), dst_id=None if into else ident)
 
     def _grads_whole(self, bufs: Buffers, op: AttendBackward, cols, part, total: int) -> bool:
         """Where the block's new dK/dV partials lie one after another in the arena
@@ -144,7 +154,7 @@ class BlockOps:
         gradients are all their columns, written first: one copy per tensor, queued."""
         span = bufs.grad_span(self._at)
         if span is None or part[1] != 0 or part[2] != total or \
-                any(fresh != [[0, acc[0].shape[2]]] for _, acc, _, fresh in cols):
+                any(fresh != [[0, acc[0].shape[2]]] or self._single.get(key) for key, acc, _, fresh in cols):
             return False
         heads = span[0].shape[1]
         for t, (acc, g) in enumerate(zip(span, part[3:])):  # one write over every buffer's rows
@@ -169,6 +179,7 @@ class BlockOps:
             (acc_q,) = self._created(bufs, op.dq, zeros)
             rows = list(_parts(op.rows, acc_q.shape[2]))
             fresh_q = _fresh(self._first, op.dq)  # rows still 0: a copy instead of an add
+            single = {key: _fresh(self._single, key) for key in (op.dq, *op.dkv) if key in bufs.results}
             cols, start = [], 0  # each key buffer's accumulators, where its block columns go, its fresh rows
             fresh_kv: dict[Key, list[list[int]]] = {}  # one list per buffer: a block may name it for several ranges
             for i, (key, n_cols) in enumerate(zip(op.dkv, lengths)):
@@ -185,12 +196,13 @@ class BlockOps:
                                           self.plan.kernel_calls, rows=made):
                 if part[0] == "q":
                     self._grad_to(bufs, op.dq, (acc_q,), (part[1], part[2], part[3:]), rows, fresh_q,
-                                  acc_q.shape[1])
+                                  acc_q.shape[1], single.get(op.dq, ()))
                     continue
                 if self._grads_whole(bufs, op, cols, part, start):
                     continue
                 for key, acc, where, fresh in cols:
-                    self._grad_to(bufs, key, acc, (part[1], part[2], part[3:]), where, fresh, acc[0].shape[1])
+                    self._grad_to(bufs, key, acc, (part[1], part[2], part[3:]), where, fresh, acc[0].shape[1],
+                                  single.get(key, ()))
             self._fill_unwritten(bufs, op.dq, fresh_q)
             for key, fresh in fresh_kv.items():
                 self._fill_unwritten(bufs, key, fresh)

@@ -106,6 +106,7 @@ class Buffers:
         self.read_only: set[Key] = set()
         self.allocations = 0  # buffers allocated for the call (outputs, kept buffers)
         self.queue = None  # the executor's queue of copies and adds (:mod:`.deferred`)
+        self.results: dict[Key, tuple[Tensor, ...]] = {}  # results in the inputs' dtype (results.py)
 
     def _dtype(self, kind: str, i: int) -> torch.dtype:
         return self.dtype if KINDS[kind].tensors[i][2] == "input" else self.acc_dtype

@@ -48,6 +48,7 @@ from .cuts import InputCuts
 from .deferred import Deferred
 from .merge import part_of
 from .moves import MoveOps
+from .results import finish_result, straight_results
 from .sinks import add_sink_grad_, apply_sink_
 
 __all__ = ["Executor", "ForwardResult", "accumulator_dtype", "Buffers"]
@@ -55,7 +56,8 @@ __all__ = ["Executor", "ForwardResult", "accumulator_dtype", "Buffers"]
 
 @dataclass
 class ForwardResult:
-    out: Tensor  # [B, H, T, D] accumulator dtype (fp32; fp64 for fp64 inputs), token-major storage
+    out: Tensor  # [B, H, T, D] accumulator dtype (fp32; fp64 for fp64 inputs) or, where rows went
+    # straight into it (runtime/results.py), the inputs' dtype; token-major storage
     lse: Tensor  # [B, H, T] accumulator dtype
     saved: dict[Key, tuple[Tensor, ...]]  # forward buffers the backward reads
 
@@ -126,22 +128,27 @@ class Executor(InputCuts, BlockOps, MoveOps):
         self._sink: Tensor | None = None  # the call's softmax_offset in the accumulators' dtype (runtime/sinks.py)
         self._all_fills: dict = {}  # the direction's creation fills by op (a run of copies reads its ops')
         self.offset_grad: Tensor | None = None  # the last backward's d softmax_offset over the rows it finished
+        self._singles: dict = {}  # the direction's single writes by op (results.py)
 
     # -- public ----------------------------------------------------------------------------------
     def forward(self, q: Tensor, k: Tensor, v: Tensor, softmax_offset: Tensor | None = None) -> ForwardResult:
         """q [B, H, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv] (views of any strides);
         ``softmax_offset`` [H]: attention sinks, applied where rows are finished (:mod:`.sinks`).
-        Returns the fp32 out (token-major storage) and lse."""
+        Returns the out (fp32, or q's dtype where rows went straight into it: :mod:`.results`;
+        token-major storage) and the fp32 lse."""
         q, k, v = head_dim_dense(q, k, v)
         rp = self.rank_plan
         self._set_sink(softmax_offset, q.dtype)
         bufs = self._buffers(q, k, v, "forward")
+        # a sink is added to finished rows in fp32 (_finish_rows): no row goes straight to the result
+        self._singles = straight_results(self.plan, self.comm.rank, bufs, self._sink is None)
         self._inputs(bufs, rp.forward_inputs, {"q": (q,), "kv": (k, v)}, self._copied_only["forward"])
         self._run("forward", bufs)
         final = bufs.accumulator(rp.output)
         out, lse = final if len(final) == 2 else (final[0], None)  # a finished output ("y") has no lse
         if lse is not None:  # the rank's own rows, all merged (a Ulysses plan's are finished by its casts)
             self._finish_rows(rp.output, out, lse, None)
+        (out,) = finish_result(self.plan, self.comm.rank, bufs, rp.output, (out,))
         saved = {key: self._kept(key, bufs.get(key), q.dtype) for key in rp.saved}
         return ForwardResult(out, lse, saved)
 
@@ -175,6 +182,7 @@ class Executor(InputCuts, BlockOps, MoveOps):
             if lse is not None:  # the rank's own rows (a Ulysses plan's rows are its RowStats')
                 add_sink_grad_(self.offset_grad, dout, out, lse, self._sink)
         bufs = self._buffers(q, k, v, "backward")
+        self._singles = straight_results(self.plan, self.comm.rank, bufs, True)
         sources = {"q": (q,), "kv": (k, v), "dy": (dout,)}
         if any(key.kind == "do" for key in rp.backward_inputs):
             sources["do"] = (dout, lse, self._delta(dout, out, lse))
@@ -189,8 +197,8 @@ class Executor(InputCuts, BlockOps, MoveOps):
             bufs.put(key, tensors)
             bufs.read_only.add(key)
         self._run("backward", bufs)
-        (dq,) = bufs.accumulator(rp.grad_q)
-        dk, dv = bufs.accumulator(rp.grad_kv)
+        (dq,) = finish_result(self.plan, self.comm.rank, bufs, rp.grad_q, bufs.accumulator(rp.grad_q))
+        dk, dv = finish_result(self.plan, self.comm.rank, bufs, rp.grad_kv, bufs.accumulator(rp.grad_kv))
         return dq, dk, dv
 
     # -- setup -------------------------------------------------------------------------------------
@@ -246,6 +254,7 @@ class Executor(InputCuts, BlockOps, MoveOps):
         pending: dict[int, tuple[Work, list, list]] = {}
         handlers = self.HANDLERS
         first = self.plan.first_writes(self.comm.rank, direction)
+        singles = self._singles
         fills = self.plan.creation_fills(self.comm.rank, direction, bufs.heads, bufs.kv_heads)
         queue = self._queue
         self._all_fills = fills  # a run of copies makes its buffers where their own ops would (moves._copy_run)
@@ -255,6 +264,7 @@ class Executor(InputCuts, BlockOps, MoveOps):
                 raise TypeError(f"unknown plan op {op!r}")
             bufs.at = self._at = i
             self._first = first.get(i, {})  # a block's accumulator rows no earlier op wrote (plan.first_writes)
+            self._single = singles.get(i, {})  # those it writes into the result itself (results.py)
             self._fills = fills.get(i, {})  # what to fill of an accumulator this op creates (plan.creation_fills)
             if queue and type(op) not in _QUEUED and queue.touches(_reads_of(op)):
                 queue.flush()  # what the op reads or sends is written by a queued copy or add

@@ -72,13 +72,14 @@ def _eight_gpus(seed: int, mode: str, **kw) -> Sample:
 
 
 def test_auto_keeps_the_owners_layout_for_mesh_where_it_simulates_faster():
-    """8 GPUs, 32/8 heads of 128 in bf16: on seed 0 Mesh runs 4.72 ms on the owners layout against
-    5.21 on the balanced layout the model picks, on seed 26 4.55 against 4.47 (docs/performance.md,
-    "Mesh's own layout"; seed 4, 16.33 against 16.08 before the plans were polished, is 15.80
-    against 16.01 since); ring, a per-layer list with ring, and Transformer Engine's p2p never get it."""
+    """8 GPUs, 32/8 heads of 128 in bf16: on seed 0 Mesh runs 4.68 ms on the owners layout against
+    5.07 on the balanced layout the model picks, on seed 7 4.20 against 4.07 (docs/performance.md,
+    "Mesh's own layout"; seed 26, the balanced layout's until the results' single writes were
+    priced, 4.49 against 4.61 since); ring, a per-layer list with ring, and Transformer Engine's p2p
+    never get it."""
     auto = get_layout_kind("auto")
     balanced = get_layout_kind("balanced")
-    for seed, want in ((0, "owners"), (26, "balanced")):
+    for seed, want in ((0, "owners"), (7, "balanced")):
         sample = _eight_gpus(seed, "mesh")
         mine, theirs = step_time(sample, OWNERS.build(sample)), step_time(sample, balanced.build(sample))
         assert (mine < theirs) == (want == "owners") and auto.pick(sample) == want
