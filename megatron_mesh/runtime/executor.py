@@ -48,7 +48,7 @@ from .cuts import InputCuts
 from .deferred import Deferred
 from .merge import part_of
 from .moves import MoveOps
-from .results import finish_result, straight_results
+from .results import finish_result, sink_straight_rows, straight_results
 from .sinks import add_sink_grad_, apply_sink_
 
 __all__ = ["Executor", "ForwardResult", "accumulator_dtype", "Buffers"]
@@ -140,13 +140,15 @@ class Executor(InputCuts, BlockOps, MoveOps):
         rp = self.rank_plan
         self._set_sink(softmax_offset, q.dtype)
         bufs = self._buffers(q, k, v, "forward")
-        # a sink is added to finished rows in fp32 (_finish_rows): no row goes straight to the result
-        self._singles = straight_results(self.plan, self.comm.rank, bufs, self._sink is None)
+        self._singles = straight_results(self.plan, self.comm.rank, bufs)
         self._inputs(bufs, rp.forward_inputs, {"q": (q,), "kv": (k, v)}, self._copied_only["forward"])
         self._run("forward", bufs)
         final = bufs.accumulator(rp.output)
         out, lse = final if len(final) == 2 else (final[0], None)  # a finished output ("y") has no lse
         if lse is not None:  # the rank's own rows, all merged (a Ulysses plan's are finished by its casts)
+            if self._sink is not None:  # (the rows that went straight to the result: results.py)
+                sink_straight_rows(self.plan, self.comm.rank, bufs, rp.output, lse,
+                                   self._sink[self._sink_heads(rp.output)])
             self._finish_rows(rp.output, out, lse, None)
         (out,) = finish_result(self.plan, self.comm.rank, bufs, rp.output, (out,))
         saved = {key: self._kept(key, bufs.get(key), q.dtype) for key in rp.saved}
@@ -182,7 +184,7 @@ class Executor(InputCuts, BlockOps, MoveOps):
             if lse is not None:  # the rank's own rows (a Ulysses plan's rows are its RowStats')
                 add_sink_grad_(self.offset_grad, dout, out, lse, self._sink)
         bufs = self._buffers(q, k, v, "backward")
-        self._singles = straight_results(self.plan, self.comm.rank, bufs, True)
+        self._singles = straight_results(self.plan, self.comm.rank, bufs)
         sources = {"q": (q,), "kv": (k, v), "dy": (dout,)}
         if any(key.kind == "do" for key in rp.backward_inputs):
             sources["do"] = (dout, lse, self._delta(dout, out, lse))

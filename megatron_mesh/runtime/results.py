@@ -24,16 +24,16 @@ from ..plan.single_writes import cast_rows, single_writes
 from .buffers import Buffers
 from .masks import mask_piece
 from .merge import part_of
+from .sinks import sink_weight
 
-__all__ = ["straight_results", "finish_result"]
+__all__ = ["straight_results", "finish_result", "sink_straight_rows"]
 
 
-def straight_results(plan: Plan, rank: int, bufs: Buffers, allowed: bool) -> dict:
-    """Where the inputs are narrower than the accumulators (and ``allowed``: a forward with
-    attention sinks adds them to finished rows in fp32, so none go straight), make the results
-    with single writes in the inputs' dtype (``bufs.results``) and return the direction's single
-    writes by op index for the blocks; else {}."""
-    if not allowed or bufs.acc_dtype == bufs.dtype:
+def straight_results(plan: Plan, rank: int, bufs: Buffers) -> dict:
+    """Where the inputs are narrower than the accumulators, make the results with single writes
+    in the inputs' dtype (``bufs.results``) and return the direction's single writes by op index
+    for the blocks; else {}."""
+    if bufs.acc_dtype == bufs.dtype:
         return {}
     piece = mask_piece(bufs.device)
     singles = single_writes(plan, rank, bufs.direction, piece)
@@ -71,3 +71,19 @@ def finish_result(plan: Plan, rank: int, bufs: Buffers, key: Key, acc: tuple[Ten
     if pairs:
         torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
     return res
+
+
+def sink_straight_rows(plan: Plan, rank: int, bufs: Buffers, key: Key, lse: Tensor, offset: Tensor) -> None:
+    """With attention sinks (:mod:`.sinks`): scale the rows of output ``key`` that went straight
+    into the result by sigmoid(lse - o) -- computed in fp32 and rounded once into the inputs' dtype,
+    as the accumulator's rows are scaled and then cast: the same bits. Before the lse takes the
+    sink (:func:`~.sinks.apply_sink_`, which scales the accumulator's other rows)."""
+    res = bufs.results.get(key)
+    if res is None:
+        return
+    rest = cast_rows(plan, rank, bufs.direction, mask_piece(bufs.device))[key]
+    ends = [0, *(x for seg in rest for x in seg), plan.tokens(key)]
+    for a, b in zip(ends[::2], ends[1::2]):  # the gaps between the rest's ranges went straight
+        if a < b:
+            part = part_of(res[0], 2, a, b - a)
+            torch.mul(part, sink_weight(part_of(lse, 2, a, b - a), offset), out=part)

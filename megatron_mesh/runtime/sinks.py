@@ -34,7 +34,7 @@ from torch import Tensor
 
 from .inputs import INPUT_DTYPES
 
-__all__ = ["check_offset", "sink_kind", "apply_sink_", "add_sink_grad_"]
+__all__ = ["check_offset", "sink_kind", "apply_sink_", "sink_weight", "add_sink_grad_"]
 
 _FLOOR = -1e30  # a row no key reached (lse -inf) against an offset of -inf: sigmoid(+inf) = 1, not NaN
 
@@ -69,8 +69,15 @@ def apply_sink_(out: Tensor, lse: Tensor, offset: Tensor) -> None:
     """In place on merged rows: out [B, H, T, Dv] *= sigmoid(lse - o), lse [B, H, T] <-
     logaddexp(lse, o), with ``offset`` o [H] in the accumulators' dtype."""
     o = offset.view(1, -1, 1)
-    out.mul_((lse.clamp_min(_FLOOR) - o).sigmoid_().unsqueeze(-1))
+    out.mul_(sink_weight(lse, offset))
     torch.logaddexp(lse, o.expand_as(lse), out=lse)
+
+
+def sink_weight(lse: Tensor, offset: Tensor) -> Tensor:
+    """sigmoid(lse - o) [B, H, T, 1]: what a row's output is scaled by (before its lse takes the
+    sink). A result row in the inputs' dtype (runtime/results.py) is scaled by it in the
+    accumulators' dtype and rounded once, as an accumulator row is and then cast: the same bits."""
+    return (lse.clamp_min(_FLOOR) - offset.view(1, -1, 1)).sigmoid_().unsqueeze(-1)
 
 
 def add_sink_grad_(grad: Tensor, dout: Tensor, out: Tensor, lse: Tensor, offset: Tensor) -> None:

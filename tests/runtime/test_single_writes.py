@@ -6,6 +6,7 @@ prices them and the casts they save."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -116,12 +117,15 @@ def _no_single_writes(monkeypatch) -> None:
 @pytest.mark.parametrize("world", [3, 5, 6, 7])
 def test_results_written_straight_match_the_reference_and_the_fp32_path(world, monkeypatch):
     """bf16, ring / TASP / Mesh on documents (zigzag and balanced, causal and not, a window,
-    MHA / GQA / MQA), mask pieces of 4 tokens: outputs and gradients within tolerance of the fp64
-    reference, bytes the plan's, and bitwise equal to the same run with every row accumulated in
-    fp32 and cast at the end; some rank wrote rows straight into its results."""
+    MHA / GQA / MQA; and with learnable attention sinks), mask pieces of 4 tokens: outputs and
+    gradients (the sinks' too) within tolerance of the fp64 reference, bytes the plan's, and bitwise
+    equal to the same run with every row accumulated in fp32 and cast at the end; some rank wrote
+    rows straight into its results."""
     monkeypatch.setenv("MEGATRON_MESH_MASK_PIECE", "4")
     straight = 0
-    for (heads, p), mode in itertools.product(_problems(world), ("ring", "tasp", "mesh")):
+    problems = [*_problems(world)]
+    problems.append(("GQA sinks", dataclasses.replace(problems[0][1], kv_heads=2, sink=True)))
+    for (heads, p), mode in itertools.product(problems, ("ring", "tasp", "mesh")):
         plan = resolve(mode, world, p.shape).build(p.shape, p.mask, p.layout)
         straight += sum(bool(single_writes(plan, r, d, 4)) for r in range(world) for d in ("forward", "backward"))
         ref = cases.dense_reference(p)
