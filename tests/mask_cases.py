@@ -217,7 +217,7 @@ def _reference(c: Case, S: int, layout, inputs, sink, group) -> tuple:
         got = [torch.empty(shape, dtype=torch.float64) for shape in shapes]
     if shared:
         for t in got:
-            dist.broadcast(t, group_src=0, group=group)
+            dist.broadcast(t, src=dist.get_global_rank(group, 0), group=group)
     return (*got[:4], got[4] if len(got) > 4 else None)
 
 

@@ -46,7 +46,7 @@ from .ir import KINDS, AddGrad, Attend, AttendBackward, Copy, Free, MergeOut, Pl
 from .costs import masked_block
 from .mask import MASK_PIECE, BlockKind
 from .sel import sel_len
-from .single_writes import cast_rows
+from .single_writes import cast_rows, single_writes
 
 __all__ = ["HostOps", "host_ops", "step_host_ops", "write_calls", "wire_tensors", "wire_copies", "side_by_side",
            "TOLERANCE"]
@@ -157,8 +157,10 @@ def _collective(op: Post, launches: float, runs: frozenset = frozenset()) -> Hos
 
 def write_calls(writes) -> list[list[int]]:
     """The executor's grouping of queued writes into ``_foreach_*`` calls: ``writes`` as
-    (add, where) pairs -- where: (buffer, tensor, first row, stop row, first head, stop head), or
-    a list of them for a write over several buffers' memory --
+    (kind, where) pairs -- kind: whether it adds, and what it writes into (a copy into a result in
+    the inputs' dtype is a call of its own kind: one ``_foreach_copy_`` writes one dtype, see
+    :mod:`~megatron_mesh.runtime.results`); where: (buffer, tensor, first row, stop row, first head,
+    stop head), or a list of them for a write over several buffers' memory --
     each in the first call of its kind after every call holding a write into its rows, or the
     same read backwards (each write in the *last* such call), whichever needs fewer calls.
     Returns the writes' indices per call, in issue order (a call keeps its writes' order)."""
@@ -173,20 +175,18 @@ def _overlap(a: tuple, b: tuple) -> bool:
 
 def _calls(writes) -> list[list[int]]:
     calls: list[list[int]] = []
-    kinds: list[bool] = []
-    by_mode: dict[bool, list[int]] = {True: [], False: []}  # the calls of each kind, in order
+    by_mode: dict = {}  # the calls of each kind, in order
     placed: dict = {}  # (buffer, tensor) -> [(call, where)]: only writes into one tensor can share rows
-    for i, (add, where) in writes:
+    for i, (kind, where) in writes:
         wheres = where if isinstance(where, list) else [where]  # a write over several buffers: all of them
         after = max((j for x in wheres for j, w in placed.get(x[:2], ()) if _overlap(x, w)), default=-1)
-        mine = by_mode[add]
+        mine = by_mode.setdefault(kind, [])
         k = bisect.bisect_right(mine, after)
         if k < len(mine):
             j = mine[k]
         else:
             j = len(calls)
             calls.append([])
-            kinds.append(add)
             mine.append(j)
         calls[j].append(i)
         for x in wheres:
@@ -239,7 +239,7 @@ def host_ops(plan: Plan, rank: int, direction: str, *, varlen: bool = True, piec
     than the fp32 accumulators, whose results some rows are written into straight
     (:func:`~.single_writes.cast_rows`: the rest is cast in as one op of two views per range and tensor,
     where a plain cast of the whole accumulator took one)."""
-    walk = _Walk(plan, rank, direction, MASK_PIECE["cuda"] if piece is None else piece, varlen, heads)
+    walk = _Walk(plan, rank, direction, MASK_PIECE["cuda"] if piece is None else piece, varlen, heads, narrow)
     out = tuple(walk.op(i, op) for i, op in enumerate(walk.ops))
     fixed_l, fixed_v = _FIXED[direction]
     cut_l, cut_v = _input_cuts(plan, rank, direction, heads)
@@ -293,13 +293,14 @@ def _input_cuts(plan: Plan, rank: int, direction: str, heads: tuple[int, int] | 
 class _Walk:
     """One rank's direction walked as the executor runs it (what :func:`host_ops` counts)."""
 
-    def __init__(self, plan: Plan, rank: int, direction: str, piece: int, varlen: bool, heads):
+    def __init__(self, plan: Plan, rank: int, direction: str, piece: int, varlen: bool, heads, narrow: bool = False):
         rp = self.rp = plan.rank(rank)
         self.plan, self.piece, self.varlen = plan, piece, varlen
         self.ops = rp.ops(direction)
         self.first = plan.first_writes(rank, direction)
         self.fills = plan.creation_fills(rank, direction, *(heads or (None, None)))
         self.own = {rp.output} if direction == "forward" else {rp.grad_q, rp.grad_kv}
+        self.singles = single_writes(plan, rank, direction, piece) if narrow else {}  # (runtime/results.py)
         self.live = set(rp.forward_inputs if direction == "forward" else (*rp.backward_inputs, *rp.saved))
         self.own_rows = set(rp.backward_inputs) | {op.dst for op in self.ops if type(op) is RowStats}
         self.made_rows: set = set()
@@ -357,10 +358,14 @@ class _Walk:
         pieces = sum(len(op.col(j)) if op.col(j) is not None else 1 for j in range(len(op.kv)))
         if pieces > 1 and any(op.col(j) is not None for j in range(len(op.kv))):
             views += _PIECE_VIEWS * pieces  # each piece's gradients cut into its buffer's columns
-        fresh = self.first.get(i, {})
-        self.queue.put(_add(fresh, op.dq, op.rows, plan.tokens(op.dq)), op.dq, _rows(op.rows, plan.tokens(op.dq)))
-        for j, key in enumerate(op.dkv):
-            self.queue.put(_add(fresh, key, op.col(j), plan.tokens(key)), key, _rows(op.col(j), plan.tokens(key)))
+        fresh, single = self.first.get(i, {}), self.singles.get(i, {})
+        for key, sel in ((op.dq, op.rows), *((key, op.col(j)) for j, key in enumerate(op.dkv))):
+            rows = _rows(sel, plan.tokens(key))
+            if single.get(key):  # rows written straight into the result: a call of their own kind
+                self.queue.put("result", key, single[key])
+                rows = _without_rows(rows, single[key])
+            if rows:
+                self.queue.put(_add(fresh, key, sel, plan.tokens(key)), key, rows)
         return HostOps(launches, views, 0)
 
     def queued(self, i: int, op) -> float:
@@ -401,6 +406,21 @@ def _fills(fills: dict) -> int:
 
 def _rows(sel, tokens: int):
     return tuple(sel) if sel is not None else ((0, tokens),)
+
+
+def _without_rows(rows, cut) -> list[tuple[int, int]]:
+    """The parts of ranges ``rows`` outside the sorted, disjoint ranges ``cut``."""
+    out = []
+    for a, b in rows:
+        for c, d in cut:
+            if c >= b or d <= a:
+                continue
+            if c > a:
+                out.append((a, c))
+            a = max(a, d)
+        if a < b:
+            out.append((a, b))
+    return out
 
 
 def _add(fresh: dict, key, sel, tokens: int) -> bool:

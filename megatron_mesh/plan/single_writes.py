@@ -13,7 +13,7 @@ are the same bits: a bf16 value copied into fp32 and cast back is itself.
 A block runs as one kernel call over all its rows and columns unless it is masked, when it runs
 as the calls of its mask pieces (:func:`~.mask.mask_pieces`, with the device's piece size): a row
 that two pieces cover is written twice (merged). A result that any op reads -- sends, copies
-from, frees -- is left out whole: its accumulator must hold every row.
+from -- is left out whole: its accumulator must hold every row.
 
 Worked example (ring, 2 ranks, causal, documents [0, 3) and [3, 8) on the zigzag; rank 0 holds
 positions 0-1 and 6-7): its own block is masked -- document 0's rows 0-1 against themselves, one
@@ -76,7 +76,7 @@ def _single(plan: Plan, rank: int, direction: str, piece: int) -> dict[int, dict
     rp = plan.rank(rank)
     ops = rp.ops(direction)
     results = set(result_keys(plan, rank, direction)) - set(rp.saved)  # (a kept buffer is read whole)
-    for op in ops:  # a result read as a source (sent, copied, freed) keeps every row in fp32
+    for op in ops:  # a result read as a source (sent, copied from) keeps every row in fp32
         results -= {k for k in op.reads() if k not in op.writes()}
     if not results:
         return {}

@@ -20,6 +20,7 @@ from .buffers import Buffers, parts as _parts, zero
 from .fused import merge_
 from .masks import backward_partials, block_mask, forward_partials
 from .merge import part_of
+from .sinks import sink_weight
 
 __all__ = ["BlockOps", "take"]
 
@@ -74,7 +75,8 @@ def _without(f: list[int], a: int, b: int) -> list[list[int]]:
 
 class BlockOps:
     """Attend / AttendBackward handlers; the executor supplies ``plan``, ``kernel``, ``scale``,
-    ``timer``, ``backward_rows`` and, per op, ``_at`` (its index), ``_first``, ``_fills``, ``_queue``."""
+    ``timer``, ``backward_rows``, ``_sink`` (and ``_sink_heads``) and, per op, ``_at`` (its index),
+    ``_first``, ``_single``, ``_fills``, ``_queue``."""
 
     def _kv(self, op, bufs: Buffers) -> tuple[Tensor, Tensor, list[int]]:
         lengths = [sel_len(op.col(i), self.plan.tokens(key)) for i, key in enumerate(op.kv)]
@@ -115,6 +117,8 @@ class BlockOps:
             fresh = _fresh(self._first, op.out)
             result = bufs.results.get(op.out)  # (runtime/results.py)
             single = _fresh(self._single, op.out) if result is not None else []
+            # with attention sinks a row going straight is scaled as it goes: in fp32, rounded once
+            sink = None if result is None or self._sink is None else self._sink[self._sink_heads(op.out)]
             # each kernel call's partial result merges straight into the rows' accumulator; on rows
             # nothing has written yet (still 0, -inf) a copy gives the same values, and on rows
             # nothing else writes the copy goes into the result itself (its lse into the accumulator)
@@ -128,8 +132,14 @@ class BlockOps:
                             merge_(part_of(out, 2, s, m), part_of(lse, 2, s, m), src_o, src_l)
                             continue
                         for s2, m2, into in _split_fresh(single, s, m):
+                            o2, l2 = part_of(src_o, 2, s2 - s, m2), part_of(src_l, 2, s2 - s, m2)
+                            if into and sink is not None:
+                                torch.mul(o2, sink_weight(l2, sink), out=part_of(result[0], 2, s2, m2))
+                                dsts.append(part_of(lse, 2, s2, m2))
+                                srcs.append(l2)
+                                continue
                             dsts += [part_of(result[0] if into else out, 2, s2, m2), part_of(lse, 2, s2, m2)]
-                            srcs += [part_of(src_o, 2, s2 - s, m2), part_of(src_l, 2, s2 - s, m2)]
+                            srcs += [o2, l2]
                 if dsts:
                     torch._foreach_copy_(dsts, srcs)
             self._fill_unwritten(bufs, op.out, fresh)
@@ -146,7 +156,7 @@ class BlockOps:
                 for s2, m2, into in _split_fresh(single, s, m) if first else ((s, m, False),):
                     for t, (acc, g) in enumerate(zip(result if into else tensors, grads)):
                         self._queue.put(not first, part_of(acc, 2, s2, m2), part_of(g, 2, off + s2 - a, m2),
-                                        (key, t, s2, s2 + m2, 0, heads), dst_id=None if into else ident)
+                                        (key, t, s2, s2 + m2, 0, heads), dst_id=None if into else ident, straight=into)
 
     def _grads_whole(self, bufs: Buffers, op: AttendBackward, cols, part, total: int) -> bool:
         """Where the block's new dK/dV partials lie one after another in the arena

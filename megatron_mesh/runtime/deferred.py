@@ -44,6 +44,7 @@ class Write(NamedTuple):
     dst: Tensor
     src: Tensor
     where: tuple
+    straight: bool = False  # a copy into a result in the inputs' dtype (runtime/results.py)
 
 
 class Deferred:
@@ -58,7 +59,8 @@ class Deferred:
     def __bool__(self) -> bool:
         return bool(self.writes)
 
-    def put(self, add: bool, dst: Tensor, src: Tensor, where: tuple, dst_id=None, src_key=None, src_id=None) -> None:
+    def put(self, add: bool, dst: Tensor, src: Tensor, where: tuple, dst_id=None, src_key=None, src_id=None,
+            straight: bool = False) -> None:
         """Queue ``dst`` (+)= ``src`` (``where``: see :class:`Write`); ``dst_id`` / ``src_id``:
         the arena buffers written / read, ``src_key``: the buffer read (None: a kernel's output;
         a list of them: a run of several, as are then the ids).
@@ -67,7 +69,7 @@ class Deferred:
         srcs = src_key if isinstance(src_key, list) else [] if src_key is None else [src_key]
         if any(k in self.written for k in srcs) or any(k in self.read for k in keys):
             self.flush()
-        self.writes.append(Write(add, dst, src, where))
+        self.writes.append(Write(add, dst, src, where, straight))
         self.written.update(keys)
         self.read.update(srcs)
         for i in (dst_id, src_id):  # a run of several buffers: each of them
@@ -85,7 +87,9 @@ class Deferred:
         the grouping the planner's host model counts)."""
         if not self.writes:
             return
-        for group in write_calls([(w.add, w.where) for w in self.writes]):
+        # one call writes one dtype: a copy into a result in the inputs' dtype (runtime/results.py)
+        # is a call of its own (a _foreach_copy_ of mixed destinations runs as a copy per tensor)
+        for group in write_calls([(w.add or ("result" if w.straight else False), w.where) for w in self.writes]):
             ws = [self.writes[i] for i in group]
             if len(ws) == 1:
                 (ws[0].dst.add_ if ws[0].add else ws[0].dst.copy_)(ws[0].src)

@@ -48,7 +48,7 @@ from .cuts import InputCuts
 from .deferred import Deferred
 from .merge import part_of
 from .moves import MoveOps
-from .results import finish_result, sink_straight_rows, straight_results
+from .results import finish_result, straight_results
 from .sinks import add_sink_grad_, apply_sink_
 
 __all__ = ["Executor", "ForwardResult", "accumulator_dtype", "Buffers"]
@@ -146,9 +146,6 @@ class Executor(InputCuts, BlockOps, MoveOps):
         final = bufs.accumulator(rp.output)
         out, lse = final if len(final) == 2 else (final[0], None)  # a finished output ("y") has no lse
         if lse is not None:  # the rank's own rows, all merged (a Ulysses plan's are finished by its casts)
-            if self._sink is not None:  # (the rows that went straight to the result: results.py)
-                sink_straight_rows(self.plan, self.comm.rank, bufs, rp.output, lse,
-                                   self._sink[self._sink_heads(rp.output)])
             self._finish_rows(rp.output, out, lse, None)
         (out,) = finish_result(self.plan, self.comm.rank, bufs, rp.output, (out,))
         saved = {key: self._kept(key, bufs.get(key), q.dtype) for key in rp.saved}

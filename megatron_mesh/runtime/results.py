@@ -7,7 +7,9 @@ keys no peer computes with) are final as the kernel returns them: where the inpu
 fp16 the blocks copy those rows into the result itself (:mod:`.blocks`), and at the end of the
 direction the accumulator's other rows are cast into it (:func:`finish_result`) -- the same values
 as copying every row into fp32 and casting the whole accumulator, two passes over those rows fewer
-(in bf16, 4 bytes an element instead of 12). The simulator prices it so
+(in bf16, 4 bytes an element instead of 12; with attention sinks such a row is scaled as it is
+copied, in fp32, and rounded once, as an accumulator's row is scaled and then cast). The
+simulator prices it so
 (:func:`~megatron_mesh.plan.costs.block_cost_parts`, :func:`~megatron_mesh.plan.costs.result_casts`).
 
 Worked example: the module docstring of :mod:`megatron_mesh.plan.single_writes` (ring, 2 ranks:
@@ -24,9 +26,8 @@ from ..plan.single_writes import cast_rows, single_writes
 from .buffers import Buffers
 from .masks import mask_piece
 from .merge import part_of
-from .sinks import sink_weight
 
-__all__ = ["straight_results", "finish_result", "sink_straight_rows"]
+__all__ = ["straight_results", "finish_result"]
 
 
 def straight_results(plan: Plan, rank: int, bufs: Buffers) -> dict:
@@ -72,18 +73,3 @@ def finish_result(plan: Plan, rank: int, bufs: Buffers, key: Key, acc: tuple[Ten
         torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
     return res
 
-
-def sink_straight_rows(plan: Plan, rank: int, bufs: Buffers, key: Key, lse: Tensor, offset: Tensor) -> None:
-    """With attention sinks (:mod:`.sinks`): scale the rows of output ``key`` that went straight
-    into the result by sigmoid(lse - o) -- computed in fp32 and rounded once into the inputs' dtype,
-    as the accumulator's rows are scaled and then cast: the same bits. Before the lse takes the
-    sink (:func:`~.sinks.apply_sink_`, which scales the accumulator's other rows)."""
-    res = bufs.results.get(key)
-    if res is None:
-        return
-    rest = cast_rows(plan, rank, bufs.direction, mask_piece(bufs.device))[key]
-    ends = [0, *(x for seg in rest for x in seg), plan.tokens(key)]
-    for a, b in zip(ends[::2], ends[1::2]):  # the gaps between the rest's ranges went straight
-        if a < b:
-            part = part_of(res[0], 2, a, b - a)
-            torch.mul(part, sink_weight(part_of(lse, 2, a, b - a), offset), out=part)

@@ -117,23 +117,34 @@ def _no_single_writes(monkeypatch) -> None:
 @pytest.mark.parametrize("world", [3, 5, 6, 7])
 def test_results_written_straight_match_the_reference_and_the_fp32_path(world, monkeypatch):
     """bf16, ring / TASP / Mesh on documents (zigzag and balanced, causal and not, a window,
-    MHA / GQA / MQA; and with learnable attention sinks), mask pieces of 4 tokens: outputs and
+    MHA / GQA / MQA; and with learnable attention sinks, also through the math kernel, whose results
+    are fp32), mask pieces of 4 tokens: outputs and
     gradients (the sinks' too) within tolerance of the fp64 reference, bytes the plan's, and bitwise
     equal to the same run with every row accumulated in fp32 and cast at the end; some rank wrote
     rows straight into its results."""
     monkeypatch.setenv("MEGATRON_MESH_MASK_PIECE", "4")
     straight = 0
-    problems = [*_problems(world)]
-    problems.append(("GQA sinks", dataclasses.replace(problems[0][1], kv_heads=2, sink=True)))
-    for (heads, p), mode in itertools.product(problems, ("ring", "tasp", "mesh")):
+    made = []  # the results the runtime made in the inputs' dtype (it wrote rows straight into them)
+    own = results_module._own_result
+    monkeypatch.setattr(results_module, "_own_result", lambda bufs, key: made.append(key) or own(bufs, key))
+    problems = [(heads, p, "auto") for heads, p in _problems(world)]
+    sinks = dataclasses.replace(problems[0][1], kv_heads=2, sink=True)
+    # (the math kernel returns fp32 results of bf16 inputs: a sink's scaling must not round twice)
+    problems += [("GQA sinks", sinks, "auto"), ("GQA sinks", sinks, "math")]
+    for (heads, p, kernel), mode in itertools.product(problems, ("ring", "tasp", "mesh")):
         plan = resolve(mode, world, p.shape).build(p.shape, p.mask, p.layout)
         straight += sum(bool(single_writes(plan, r, d, 4)) for r in range(world) for d in ("forward", "backward"))
         ref = cases.dense_reference(p)
-        got = run_case(p, plan, ref=ref, label=f"{mode} {heads} P={world}")
+        made.clear()
+        got = run_case(p, plan, ref=ref, kernel=kernel, label=f"{mode} {heads} {kernel} P={world}")
         check(got)
+        went = len(made)
         with monkeypatch.context() as m:
             _no_single_writes(m)
-            fp32 = run_case(p, plan, ref=ref, label=f"{mode} {heads} P={world} (fp32 path)")
+            fp32 = run_case(p, plan, ref=ref, kernel=kernel, label=f"{mode} {heads} {kernel} P={world} (fp32 path)")
+        assert len(made) == went  # none made on the fp32 path
+        # a rank with rows one call writes made its results in bf16 (forward and backward)
+        assert went == sum(len(cast_rows(plan, r, d, 4)) for r in range(world) for d in ("forward", "backward"))
         for a, b in zip(got, fp32):
             for x, y in zip(a.outputs, b.outputs):
                 assert x.dtype == y.dtype == torch.bfloat16 and torch.equal(x, y), (mode, heads)
