@@ -45,7 +45,7 @@ from .arena_runs import RUN_VIEWS, cut_groups, cut_keys, rank_copy_runs
 from .ir import KINDS, AddGrad, Attend, AttendBackward, Copy, Free, MergeOut, Plan, Post, RowStats, Wait, op_keys
 from .costs import masked_block
 from .mask import MASK_PIECE, BlockKind
-from .sel import sel_len
+from .sel import minus_intervals, sel_len
 from .single_writes import cast_rows, single_writes
 
 __all__ = ["HostOps", "host_ops", "step_host_ops", "write_calls", "wire_tensors", "wire_copies", "side_by_side",
@@ -363,7 +363,7 @@ class _Walk:
             rows = _rows(sel, plan.tokens(key))
             if single.get(key):  # rows written straight into the result: a call of their own kind
                 self.queue.put("result", key, single[key])
-                rows = _without_rows(rows, single[key])
+                rows = minus_intervals(rows, single[key])
             if rows:
                 self.queue.put(_add(fresh, key, sel, plan.tokens(key)), key, rows)
         return HostOps(launches, views, 0)
@@ -406,21 +406,6 @@ def _fills(fills: dict) -> int:
 
 def _rows(sel, tokens: int):
     return tuple(sel) if sel is not None else ((0, tokens),)
-
-
-def _without_rows(rows, cut) -> list[tuple[int, int]]:
-    """The parts of ranges ``rows`` outside the sorted, disjoint ranges ``cut``."""
-    out = []
-    for a, b in rows:
-        for c, d in cut:
-            if c >= b or d <= a:
-                continue
-            if c > a:
-                out.append((a, c))
-            a = max(a, d)
-        if a < b:
-            out.append((a, b))
-    return out
 
 
 def _add(fresh: dict, key, sel, tokens: int) -> bool:

@@ -17,11 +17,11 @@ selection ((2, 6),) of that buffer::
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from itertools import accumulate
 from typing import NamedTuple
 
-__all__ = ["Segment", "Sel", "sel_len", "sel_text", "parse_sel", "sub_selection", "segment_begins",
+__all__ = ["Segment", "Sel", "minus_intervals", "sel_len", "sel_text", "parse_sel", "sub_selection", "segment_begins",
            "relative_selection", "selection_index", "map_runs", "union_intervals", "merge_runs", "first_at"]
 
 
@@ -174,4 +174,27 @@ def merge_runs(runs) -> list[tuple[int, int]]:
             out[-1] = (out[-1][0], out[-1][1] + n)
         else:
             out.append((s, n))
+    return out
+
+
+def minus_intervals(segs: list[Segment], cut: list[Segment]) -> list[Segment]:
+    """The parts of ``segs`` outside ``cut`` (disjoint; ``cut`` sorted: a bisection finds the first
+    of it a segment meets, so thousands of documents' rows cost O(n log n), not O(n^2)).
+    Example: ``minus_intervals([(0, 10)], [(2, 4), (6, 7)])`` is ``[(0, 2), (4, 6), (7, 10)]``."""
+    out = []
+    for a, b in segs:
+        i = bisect_left(cut, (a,))  # the first piece of cut starting at a or later, or the one before it
+        if i and cut[i - 1][1] > a:
+            i -= 1
+        for i in range(i, len(cut)):
+            c, d = cut[i]
+            if c >= b:
+                break
+            if c > a:
+                out.append(Segment(a, c))
+            a = max(a, d)
+            if a >= b:
+                break
+        if a < b:
+            out.append(Segment(a, b))
     return out

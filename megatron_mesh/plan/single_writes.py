@@ -28,7 +28,7 @@ from functools import lru_cache
 
 from .ir import Attend, AttendBackward, Key, Plan
 from .mask import BlockKind, Mask, block_pieces
-from .sel import Sel
+from .sel import Sel, minus_intervals, union_intervals
 
 __all__ = ["single_writes", "cast_rows", "result_keys", "CAST_KINDS"]
 
@@ -58,17 +58,7 @@ def cast_rows(plan: Plan, rank: int, direction: str, piece: int) -> dict[Key, tu
         for writes in single_writes(plan, rank, direction, piece).values():
             for key, sel in writes.items():
                 done.setdefault(key, []).extend(sel)
-        out = {}
-        for key, sel in done.items():
-            rest, pos = [], 0
-            for a, b in sorted(sel):
-                if a > pos:
-                    rest.append((pos, a))
-                pos = max(pos, b)
-            if pos < plan.tokens(key):
-                rest.append((pos, plan.tokens(key)))
-            out[key] = tuple(rest)
-        return out
+        return {key: tuple(minus_intervals([(0, plan.tokens(key))], union_intervals(sel))) for key, sel in done.items()}
     return plan.memo(("cast rows", rank, direction, piece), make)
 
 

@@ -7,32 +7,10 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
-from ..sel import Segment, Sel, union_intervals
+from ..sel import Segment, Sel, minus_intervals, union_intervals
 from .ops import AddGrad, Attend, AttendBackward, Copy, Free, Key, MergeOut, op_keys
 
 __all__ = ["first_writes", "creation_fills"]
-
-
-def _minus(segs: list[Segment], cut: list[Segment]) -> list[Segment]:
-    """The parts of ``segs`` outside ``cut`` (disjoint; ``cut`` sorted: a bisection finds the first
-    of it a segment meets, so thousands of documents' rows cost O(n log n), not O(n^2))."""
-    out = []
-    for a, b in segs:
-        i = bisect_left(cut, (a,))  # the first piece of cut starting at a or later, or the one before it
-        if i and cut[i - 1][1] > a:
-            i -= 1
-        for i in range(i, len(cut)):
-            c, d = cut[i]
-            if c >= b:
-                break
-            if c > a:
-                out.append(Segment(a, c))
-            a = max(a, d)
-            if a >= b:
-                break
-        if a < b:
-            out.append(Segment(a, b))
-    return out
 
 
 def _cover(segs: list[Segment], rows) -> None:
@@ -71,7 +49,7 @@ def first_writes(ops, tokens) -> dict[int, dict[Key, Sel]]:
 
     def block(i: int, key: Key, sel) -> None:
         rows = list(sel) if sel is not None else [Segment(0, tokens(key))]
-        fresh = _minus(rows, written.get(key, []))
+        fresh = minus_intervals(rows, written.get(key, []))
         if fresh:  # (a block may name one key/value buffer for several of its column ranges)
             mine = out.setdefault(i, {})
             mine[key] = tuple(union_intervals([*mine.get(key, ()), *fresh]))
@@ -159,7 +137,7 @@ class _Fills:
     def close(self, key: Key) -> None:
         i, covered, read = self.open.pop(key)
         self.slices.pop(key, None)
-        self.out.setdefault(i, {})[key] = tuple(union_intervals([*read, *_minus(self.every(key), covered)]))
+        self.out.setdefault(i, {})[key] = tuple(union_intervals([*read, *minus_intervals(self.every(key), covered)]))
 
     def create(self, i: int, key: Key) -> None:
         if key not in self.live:
@@ -179,7 +157,7 @@ class _Fills:
         if rows is None:
             self.close(key)
         else:
-            state[2] = list(union_intervals([*state[2], *_minus(list(rows), state[1])]))
+            state[2] = list(union_intervals([*state[2], *minus_intervals(list(rows), state[1])]))
 
     def step(self, i: int, op) -> None:
         kind = type(op)
