@@ -160,10 +160,16 @@ def test_equal_masks_share_their_documents_once_compared():
 
 
 def test_a_masked_block_is_cut_into_mask_pieces_once_for_every_placement(monkeypatch):
+    """... and once for both what prices it (costs.masked_block) and what finds the rows its calls
+    write once (single_writes, bf16: the results' rows written straight)."""
+    import megatron_mesh.plan.mask as mask_module
+    import megatron_mesh.plan.single_writes as single_writes
+
     calls = []
-    real = costs.mask_pieces
-    monkeypatch.setattr(costs, "mask_pieces", lambda *a: calls.append(a[1:3]) or real(*a))
-    costs.masked_block.cache_clear()
+    real = mask_module.mask_pieces
+    monkeypatch.setattr(mask_module, "mask_pieces", lambda *a: calls.append(a[1:3]) or real(*a))
+    for cached in (costs.masked_block, mask_module.block_pieces, single_writes._coverage):
+        cached.cache_clear()
     P, S = 8, 8 * 64
     shape = AttentionShape(seq_local=64, batch=1, heads=8, kv_heads=4, head_dim=16)
     mask = Mask.from_cu_seqlens(document_bounds("lognormal:24,1", S), S)
