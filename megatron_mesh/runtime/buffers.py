@@ -28,7 +28,7 @@ from .merge import part_of
 from .state import RUNTIME, Arenas, Scratch
 
 __all__ = ["Buffers", "Scratch", "Arenas", "scratch", "accumulator_dtype", "parts", "wire_of", "place_view", "zero",
-           "arena_run", "arena_run_by_buffer"]
+           "one_allocation", "arena_run", "arena_run_by_buffer"]
 
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -163,14 +163,8 @@ class Buffers:
             specs.append(((tokens, self.batch, heads, self.dims[dim]) if dim else (self.batch, heads, tokens), dt))
         if key.kind == "o" or len({dt for _, dt in specs}) > 1:
             flats = [torch.empty(shape, dtype=dt, device=self.device) for shape, dt in specs]
-        else:
-            dt = specs[0][1]
-            whole = torch.empty(sum(_numel(shape) for shape, _ in specs), dtype=dt, device=self.device)
-            flats, pos = [], 0
-            for shape, _ in specs:
-                flats.append(whole[pos:pos + _numel(shape)].view(shape))
-                pos += _numel(shape)
-        return tuple(f.permute(1, 2, 0, 3) if f.dim() == 4 else f for f in flats)
+            return tuple(f.permute(1, 2, 0, 3) if f.dim() == 4 else f for f in flats)
+        return one_allocation([shape for shape, _ in specs], specs[0][1], self.device)
 
     def gather(self, i: int) -> tuple[Tensor, Tensor] | None:
         """K and V of op ``i``'s pieces, gathered together by one op where the layout says so
@@ -266,6 +260,18 @@ class Buffers:
         self.ids.pop(key, None)
         self.derived.pop(key, None)
         self.read_only.discard(key)  # a later buffer of that name is a new one
+
+
+def one_allocation(shapes, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, ...]:
+    """Tensors of ``shapes`` (token-major [T, B, H, W], or a row statistic's [B, H, T]) in one
+    allocation, one after another, each seen as the executor sees it ([B, H, T, W])."""
+    whole = torch.empty(sum(_numel(shape) for shape in shapes), dtype=dtype, device=device)
+    out, pos = [], 0
+    for shape in shapes:
+        flat = whole[pos:pos + _numel(shape)].view(shape)
+        out.append(flat.permute(1, 2, 0, 3) if flat.dim() == 4 else flat)
+        pos += _numel(shape)
+    return tuple(out)
 
 
 def zero(tensors: list[Tensor]) -> None:

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ..plan.ir import KINDS, Key, Plan
 from ..plan.single_writes import cast_rows, single_writes
-from .buffers import Buffers
+from .buffers import Buffers, one_allocation
 from .masks import mask_piece
 from .merge import part_of
 
@@ -52,13 +52,7 @@ def _own_result(bufs: Buffers, key: Key) -> tuple[Tensor, ...]:
     h, g = bufs.plan.head_counts(key, bufs.heads, bufs.kv_heads)
     shapes = [(tokens, bufs.batch, h if side == "q" else g, bufs.dims[dim])
               for side, dim, _ in KINDS[key.kind].tensors if dim]
-    whole = torch.empty(sum(a * b * c * d for a, b, c, d in shapes), dtype=bufs.dtype, device=bufs.device)
-    out, pos = [], 0
-    for shape in shapes:
-        n = shape[0] * shape[1] * shape[2] * shape[3]
-        out.append(whole[pos:pos + n].view(shape).permute(1, 2, 0, 3))
-        pos += n
-    return tuple(out)
+    return one_allocation(shapes, bufs.dtype, bufs.device)
 
 
 def finish_result(plan: Plan, rank: int, bufs: Buffers, key: Key, acc: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
