@@ -17,8 +17,8 @@ Megatron's own layout would give.
   or a Ulysses group of U ranks for a hybrid, whose ranks each compute 1/U of the heads);
 * communication: the busiest unit's rounds -- the pulls the mask-aware plans make (:mod:`.sparse`:
   every unit receives, from each holder, the tokens of a document before its last row there; K/V
-  in the forward, kept for the backward as far as they fit in its own Q, K and V (the pulls it
-  reads first), the rest pulled again; dK/dV partials back): for ring and Mesh one round per shift of the ring, in which a unit
+  in the forward, kept for the backward as far as they fit in the keep limit x its own Q, K and V
+  (the pulls it reads first), the rest pulled again; dK/dV partials back): for ring and Mesh one round per shift of the ring, in which a unit
   sends to one peer and receives from another, each transfer its link's latency + bytes /
   bandwidth; for TASP, which pulls from every peer at once, per link class the latency of up to
   ``TUNABLES.burst_groups`` (:mod:`.tunables`) rounds + the busier direction's bytes / bandwidth;

@@ -50,7 +50,7 @@ __all__ = ["TileMap", "tile_shapes", "parse_tile", "best_tile", "build_mesh_plan
 # "keep":    the forward keeps the pulled chunks for the backward (fewer bytes; a-1 Q and b-1 KV
 #            chunks more memory per layer until its backward runs).
 # "auto":    a mask-aware plan keeps what a rank pulled as far as it fits in its own Q, K and V
-#            (x the modes' ``backward_keep_limit``; :func:`.sparse_needs.kept_chunks`); a dense plan refetches (its chunks rotate
+#            x the modes' ``backward_keep_limit`` (default 2; :func:`.sparse_needs.kept_chunks`); a dense plan refetches (its chunks rotate
 #            behind every step's compute, and keeping them all would hold a-1 Q and b-1 KV chunks).
 BACKWARD_CHUNKS = typing.get_args(BackwardChunks)
 

@@ -39,10 +39,13 @@ from the mask itself, for every mode:
    or its first k calls (documents, in row order) first, where the plan's ``own_first`` choices
    say (:mod:`.polish` makes them by simulation for plans of a few ranks).
 5. **Backward chunks.** Under ``backward_chunks="auto"`` a rank keeps what it pulled of each
-   chunk for the backward, in the order its backward reads them, while it fits in its own Q, K
-   and V (:class:`~.sparse_needs.Keeps`, :func:`~.sparse_needs.kept_chunks`): its backward pulls
-   dO and only the chunks it did not keep; rounds in which a rank only sends are posted before its
-   compute.
+   chunk for the backward, in the order its backward reads them, while it fits in the keep limit
+   (2 by default) x its own Q, K and V (:class:`~.sparse_needs.Keeps`,
+   :func:`~.sparse_needs.kept_chunks`): its backward pulls dO and only the chunks it did not keep;
+   rounds in which a rank only sends are posted before its compute. Its blocks over kept columns
+   run one shift at a time, each shift's partials going home before the next, unless it keeps all
+   it pulled and that is at most its own chunk's worth: then one call per query rows
+   (:meth:`~.sparse_needs.Keeps.one_call`).
 
 Slot names: ``q{x}.{y}`` are the rows of chunk x rank y needs (also ``do``, ``o``, ``dq`` of those
 rows), ``kv{x}.{P+y}`` the columns (also ``dkv``).
@@ -92,7 +95,8 @@ from .sel import Segment
 from .shape import AttentionShape
 from .sparse_blocks import block_parts, block_table, blocks_of
 from .sparse_calls import Calls
-from .sparse_needs import KEEP_LIMIT, Keeps, Needs, QueryOwnerNeeds, Slots, bytes_per_rank, check_keep_limit
+from .sparse_needs import (ASSIGNMENT_KEEP_LIMIT, KEEP_LIMIT, Keeps, Needs, QueryOwnerNeeds, Slots, bytes_per_rank,
+                           check_keep_limit)
 from .sparse_rounds import Rounds
 from .tunables import TUNABLES, Tunables
 
@@ -177,8 +181,10 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
         table = index.spans()  # every block's rows and columns (and the index's column summaries)
         candidates = [(QUERY_OWNER, needs)]
         candidates += [(name, Needs(P, table, owner)) for name, owner in assignment.owners]
-        # each map with the ranks that would keep their slots under it ("auto" decides per map)
-        costs = [max(bytes_per_rank(n, shape, Keeps(backward_chunks, n, T, token_bytes, keep_limit)))
+        # each map with the ranks that would keep their slots under it ("auto" decides per map), at
+        # most ASSIGNMENT_KEEP_LIMIT's worth: the bytes are blind to the work
+        limit = min(keep_limit, ASSIGNMENT_KEEP_LIMIT)
+        costs = [max(bytes_per_rank(n, shape, Keeps(backward_chunks, n, T, token_bytes, limit)))
                  for _, n in candidates]
         best = min(range(len(candidates)), key=lambda k: (costs[k], -k))  # ties: the mode's own map (last)
         assigned, needs = candidates[best]
@@ -310,8 +316,9 @@ class _SparseLowering:
         the rounds bringing its remote slots have completed (rows always travel: q and/or do;
         columns not in a backward that kept them from the forward)."""
         shift = self.rounds.shift
-        # a rank that keeps part of its pulls runs the blocks over kept columns one shift at a time
-        partly = backward and not self.keeps.all(x)
+        # a rank that keeps part of its pulls, or more than its own chunk's worth, runs the blocks
+        # over kept columns one shift at a time (Keeps.one_call)
+        partly = backward and not self.keeps.one_call(x)
 
         def step(b: tuple[int, int]) -> tuple[int, int]:
             i, j = b
@@ -325,7 +332,8 @@ class _SparseLowering:
             # still run one shift at a time, in the order their columns came in, so each shift's
             # partials go home as soon as they are made (one call for all of them would hold every
             # return round back until its end, the next pulls' blocks behind it); a rank keeping
-            # all runs them in one call per query rows (fewer kernel calls, its returns the last)
+            # all, at most its own chunk's worth, runs them in one call per query rows (fewer
+            # kernel calls, its returns the last)
             return r, shift(x, j, False) if kept and partly and r == 0 else 0
         return step
 

@@ -22,17 +22,32 @@ from .shape import AttentionShape
 from .sparse_blocks import Blocks
 
 __all__ = ["Keeps", "Needs", "QueryOwnerNeeds", "Slots", "bytes_per_rank", "kept_chunks", "KEEP_LIMIT",
+           "ONE_CALL_LIMIT", "ASSIGNMENT_KEEP_LIMIT",
            "check_keep_limit", "keep_limit_of"]
 
 # ``backward_chunks="auto"``: a rank keeps pulled chunks for the backward up to this many times the
 # bytes of its own Q, K and V chunk -- the inputs its backward saves anyway -- so keeping at most
-# doubles them. Planner, 256 GPUs (32 x 8), 1M tokens, GQA 32/8, ``a2a+tasp`` U 8 on the balanced
+# triples them. Planner, 256 GPUs (32 x 8), 1M tokens, GQA 32/8, ``a2a+tasp`` U 8 on the balanced
 # layout, ``lognormal:16384`` seeds 0-2: keeping all or nothing per rank 15.66 / 9.59 / 18.72 ms,
-# keeping what fits 14.38 / 9.59 / 16.07 (the same bound on memory); a limit of 2.0 gives 13.62 /
-# 9.59 / 15.69 ms for up to 20 % more saved memory on the busiest rank (seed 0: 128 -> 154 MiB per
-# layer). A memory-for-time choice, so a user setting (the modes' ``backward_keep_limit``, Megatron's
-# ``--mesh-backward-keep-limit`` / ``--tasp-backward-keep-limit``); this is its default.
-KEEP_LIMIT = 1.0
+# keeping what fits of one chunk's worth 14.38 / 9.59 / 16.07, of two 13.62 / 9.59 / 15.69 ms, for up
+# to 20 % more saved memory on the busiest rank (seed 0: 128 -> 154 MiB per layer). 1.0 until stop
+# 69, when a rank keeping more than a chunk's worth stopped running those blocks as one call
+# (ONE_CALL_LIMIT) and Mesh stopped choosing its assignment by what a larger limit keeps
+# (ASSIGNMENT_KEEP_LIMIT): with both, 2.0 is as fast or faster than 1.0 on every row of the tables
+# but a few by <= 0.3 % (docs/performance.md, "Keeping two chunks' worth by default"). A
+# memory-for-time choice, so a user setting (the modes' ``backward_keep_limit``, Megatron's
+# ``--mesh-backward-keep-limit`` / ``--tasp-backward-keep-limit``: 1 keeps at most one chunk's
+# worth, 0 nothing); this is its default.
+KEEP_LIMIT = 2.0
+# a rank keeping all it pulled runs the blocks over them as one call per query rows only where that is
+# at most this many times its own Q, K and V (:meth:`Keeps.one_call`); else one call per shift
+ONE_CALL_LIMIT = 1.0
+# Mesh compares its tile maps with the query owner by the busiest rank's bytes as kept under at most
+# this limit (:func:`~.sparse.build_sparse_plan`): the bytes say nothing of the work, and what a larger
+# limit keeps favours the query owner, whose work on the zigzag is less even -- 16 GPUs, seed 2 of
+# ``lognormal:4096``: at 2.0 compared as kept, Mesh took the query owner, 6.6 % slower than its 4x4
+# tile, which it keeps when compared at 1.0 (then as fast as at 1.0)
+ASSIGNMENT_KEEP_LIMIT = 1.0
 
 
 def check_keep_limit(name: str, value) -> None:
@@ -225,27 +240,36 @@ class Keeps:
     reads them), decided from the needs, so sender and receiver agree. ``keeps(x, c)``: whether
     rank x keeps what it pulled of chunk c.
 
-    Example: rank x of a query-owner plan reads 3,000 columns of K/V from other ranks and holds
-    T = 4,096 tokens of its own: 3,000 x kv <= 4,096 x (q + kv) -> it keeps them all; a rank reading
-    20,000 columns of a long document keeps the chunks its backward reads first, up to 4,096 x
-    (q + kv) bytes, and pulls the rest again."""
+    Example (limit 1): rank x of a query-owner plan reads 3,000 columns of K/V from other ranks and
+    holds T = 4,096 tokens of its own: 3,000 x kv <= 4,096 x (q + kv) -> it keeps them all (and runs
+    those blocks as one call: :meth:`one_call`); a rank reading 20,000 columns of a long document
+    keeps the chunks its backward reads first, up to 4,096 x (q + kv) bytes, and pulls the rest
+    again (at the default limit, 2, up to twice that)."""
 
     def __init__(self, policy: str, needs, T: int, token_bytes: dict, limit: float):
         self.policy, self.needs, self.T, self.token_bytes, self.limit = policy, needs, T, token_bytes, limit
-        self._memo: dict[int, tuple[frozenset, bool]] = {}  # rank -> (chunks kept, whether that is all it pulled)
+        # rank -> (chunks kept, whether that is all it pulled, the bytes it pulled)
+        self._memo: dict[int, tuple[frozenset, bool, int]] = {}
 
     def __call__(self, x: int, c: int) -> bool:
         return c in self.kept(x)
 
-    def all(self, x: int) -> bool:
-        """Whether rank x keeps all it pulled (its backward pulls nothing of Q / K / V)."""
-        return self._kept(x)[1]
+    def one_call(self, x: int) -> bool:
+        """Whether rank x's backward runs its blocks over kept columns as one call per query rows:
+        where it keeps all it pulled and that is at most its own chunk's Q + K + V
+        (:data:`ONE_CALL_LIMIT`). One call holds every return round of those blocks back until its
+        end, while the ranks the partials go to wait for them; that costs little where the kept
+        blocks are at most a chunk's worth, and more the more they are -- with a keep limit above
+        1 a rank keeping two chunks' worth in one call made ring 27 % slower at 256 GPUs
+        (docs/performance.md, "A keep limit of the user's"). Else one call per shift."""
+        _, every, pulled = self._kept(x)
+        return every and pulled <= ONE_CALL_LIMIT * self.T * (self.token_bytes["q"] + self.token_bytes["kv"])
 
     def kept(self, x: int) -> frozenset:
         """The chunks rank x keeps what it pulled of (under "keep" every one, under "refetch" none)."""
         return self._kept(x)[0]
 
-    def _kept(self, x: int) -> tuple[frozenset, bool]:
+    def _kept(self, x: int) -> tuple[frozenset, bool, int]:
         got = self._memo.get(x)
         if got is None:
             tb = self.token_bytes
@@ -258,5 +282,5 @@ class Keeps:
                 kept = kept_chunks(x, self.needs.P, pulled, self.limit * self.T * (tb["q"] + tb["kv"]))
             else:
                 kept = frozenset(pulled) if self.policy == "keep" else frozenset()
-            got = self._memo[x] = (kept, len(kept) == len(pulled))
+            got = self._memo[x] = (kept, len(kept) == len(pulled), sum(pulled.values()))
         return got

@@ -70,7 +70,8 @@ def _problem_arguments(g) -> None:
     g.add_argument("--no-causal", dest="causal", action="store_false", help="full (non-causal) attention (default: causal)")
     g.add_argument("--backward-chunks", choices=BACKWARD_CHUNKS, default="auto",
                    help="re-communicate Q/KV chunks in the backward ('refetch'), keep them from the forward ('keep'), "
-                        "or keep what of a mask-aware plan's pulled tokens fits in a rank's own Q, K, V ('auto'; "
+                        "or keep what of a mask-aware plan's pulled tokens fits in --backward-keep-limit x a rank's own "
+                        "Q, K, V ('auto'; "
                         "dense plans refetch; TE's rows always refetch, as TE does)")
     g.add_argument("--backward-keep-limit", type=float, default=KEEP_LIMIT, metavar="X",
                    help="under --backward-chunks auto: a rank keeps what it pulled up to X times the bytes of its own "

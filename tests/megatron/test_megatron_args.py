@@ -110,10 +110,10 @@ def test_valid_flags(megatron_args, argv):
     (["--context-parallel-size", "4", "--cp-comm-type", "tasp", "--attention-dropout", "0",
       "--tasp-backward-keep-limit", "nan"], "got nan"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--attention-dropout", "0",
-      "--mesh-backward-chunks", "refetch", "--mesh-backward-keep-limit", "2"],
-     "backward_keep_limit 2.0 applies only with backward_chunks='auto', got backward_chunks='refetch'"),
+      "--mesh-backward-chunks", "refetch", "--mesh-backward-keep-limit", "3"],
+     "backward_keep_limit 3.0 applies only with backward_chunks='auto', got backward_chunks='refetch'"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--attention-dropout", "0",
-      "--tasp-backward-keep-limit", "2"], "--tasp-backward-keep-limit 2.0 is given, but no layer runs tasp or a2a+tasp"),
+      "--tasp-backward-keep-limit", "3"], "--tasp-backward-keep-limit 3.0 is given, but no layer runs tasp or a2a+tasp"),
     # the kernel fails only at the first forward, on every rank
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--attention-dropout", "0", "--cp-kernel-backend",
       "torch-flash"], "--cp-kernel-backend torch-flash runs on CUDA devices, and this machine has none; allowed here: "
@@ -211,7 +211,7 @@ def test_flags_ride_on_the_transformer_config(megatron_args):
                           "--max-position-embeddings", "64", "--micro-batch-size", "1",
                           "--mesh-tile-shape", "2x2", "--mesh-schedule", "lockstep", "--mesh-contiguous", "kv",
                           "--tasp-gpus-per-node", "8", "--tasp-transport", "alltoall", "--tasp-backward-chunks", "keep",
-                          "--mesh-backward-keep-limit", "2", "--cp-kernel-backend", "math"])
+                          "--mesh-backward-keep-limit", "3", "--cp-kernel-backend", "math"])
     from megatron.training.arguments import validate_args
 
     validate_args(args, {})
@@ -219,7 +219,7 @@ def test_flags_ride_on_the_transformer_config(megatron_args):
     apply_args(args, config)
     settings = plugin_settings(config)
     given = dict(mesh_tile_shape="2x2", mesh_schedule="lockstep", mesh_contiguous="kv", tasp_gpus_per_node=8,
-                 tasp_transport="alltoall", tasp_backward_chunks="keep", mesh_backward_keep_limit=2.0,
+                 tasp_transport="alltoall", tasp_backward_chunks="keep", mesh_backward_keep_limit=3.0,
                  cp_kernel_backend="math")
     assert settings is config.cp_settings and settings == PluginSettings.of(**given, given=frozenset(given),
                                                                               seq_length=64)
@@ -230,11 +230,11 @@ def test_flags_ride_on_the_transformer_config(megatron_args):
     with pytest.raises(ValueError, match="--cp-thd-packing is on or off"):
         PluginSettings.of(cp_thd_packing="yes")
     assert settings.options("mesh") == {"tile": "2x2", "contiguous": "kv", "schedule": "lockstep",
-                                        "backward_chunks": "auto", "backward_keep_limit": 2.0}  # chunks: the default
+                                        "backward_chunks": "auto", "backward_keep_limit": 3.0}  # chunks: the default
     # ring is Mesh 1 x CP: it shares the flags
-    assert settings.options("ring") == {"backward_chunks": "auto", "backward_keep_limit": 2.0}
+    assert settings.options("ring") == {"backward_chunks": "auto", "backward_keep_limit": 3.0}
     assert settings.options("a2a+tasp") == {"transport": "alltoall", "backward_chunks": "keep",
-                                            "backward_keep_limit": 1.0}  # the default
+                                            "backward_keep_limit": 2.0}  # the default
     assert settings.kernel == "math"
     plain = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4)
     assert plugin_settings(plain) == PluginSettings.of()  # a plain config gets the defaults

@@ -113,7 +113,7 @@ PRICED = dict(cp_comm_type="ring", num_attention_heads=32, num_query_groups=8, k
 
 
 @pytest.mark.parametrize("mode, flags, want", [
-    ("ring", {}, 1.0), ("ring", dict(mesh_backward_keep_limit=2.0), 2.0),
+    ("ring", {}, 2.0), ("ring", dict(mesh_backward_keep_limit=3.0), 3.0),
     ("tasp", dict(tasp_backward_keep_limit=0.5), 0.5), ("tasp", dict(tasp_backward_chunks="keep"), math.inf),
     ("mesh", dict(mesh_backward_chunks="refetch"), 0.0)])
 def test_auto_prices_the_backward_the_layers_keep(monkeypatch, mode, flags, want):

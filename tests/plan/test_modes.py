@@ -43,10 +43,10 @@ def test_registry_holds_every_mode():
     (lambda: resolve("mesh", 4, SHAPE, backward_keep_limit=float("nan")), r"backward_keep_limit .*got nan"),
     (lambda: resolve("tasp", 4, SHAPE, backward_keep_limit="2"), r"backward_keep_limit .*got '2'"),
     (lambda: resolve("a2a+tasp", 4, SHAPE, ulysses_size=2, backward_keep_limit=True), r"backward_keep_limit .*got True"),
-    (lambda: resolve("ring", 4, SHAPE, backward_chunks="refetch", backward_keep_limit=2.0),
-     r"backward_keep_limit 2.0 applies only with backward_chunks='auto', got backward_chunks='refetch'"),
-    (lambda: resolve("mesh", 4, SHAPE, backward_keep_limit=2.0).with_options(backward_chunks="keep"),
-     r"backward_keep_limit 2.0 applies only with backward_chunks='auto', got backward_chunks='keep'"),
+    (lambda: resolve("ring", 4, SHAPE, backward_chunks="refetch", backward_keep_limit=3.0),
+     r"backward_keep_limit 3.0 applies only with backward_chunks='auto', got backward_chunks='refetch'"),
+    (lambda: resolve("mesh", 4, SHAPE, backward_keep_limit=3.0).with_options(backward_chunks="keep"),
+     r"backward_keep_limit 3.0 applies only with backward_chunks='auto', got backward_chunks='keep'"),
 ])
 def test_bad_settings_name_the_value(call, match):
     with pytest.raises(ValueError, match=match):
@@ -79,11 +79,11 @@ def test_tasp_placement_routes_same_node_peers():
     assert resolve("tasp", 8, SHAPE, backward_chunks="refetch").describe() == (
         "tasp (CP 8, transport p2p, CP ranks per node 8)")
     # a keep limit away from its default says so, in every mode's words
-    assert "backward auto, keep limit 2.0 under masks" in resolve("tasp", 8, SHAPE, backward_keep_limit=2.0).describe()
+    assert "backward auto, keep limit 3.0 under masks" in resolve("tasp", 8, SHAPE, backward_keep_limit=3.0).describe()
     assert resolve("ring", 4, SHAPE, backward_keep_limit=0.5).describe() == \
         "ring (CP 4, zigzag ring, backward auto, keep limit 0.5)"
     assert "backward auto, keep limit inf," in resolve("mesh", 4, SHAPE, backward_keep_limit=float("inf")).describe()
-    assert resolve("ring", 4, SHAPE, backward_chunks="refetch", backward_keep_limit=1.0).options.backward_keep_limit == 1.0
+    assert resolve("ring", 4, SHAPE, backward_chunks="refetch", backward_keep_limit=2.0).options.backward_keep_limit == 2.0
 
 
 def test_hybrid_placement_has_ulysses_groups_and_mapped_inner_rings():

@@ -129,7 +129,9 @@ def test_mesh_auto_tile_chooses_with_the_mask(P, backward_chunks):
     """Under documents on Megatron's zigzag, Mesh's ``auto`` tile lets every tile map of the
     group (each rank order) compete with the query owner, with each map's own keep decisions:
     its busiest rank moves exactly the fewest bytes of all the explicit tiles' plans, and the plan
-    names the tile it took. An explicit tile keeps competing with the query owner alone."""
+    names the tile it took. An explicit tile keeps competing with the query owner alone. Under
+    "auto" the maps compete by what one chunk's worth keeps (ASSIGNMENT_KEEP_LIMIT): the fewest
+    bytes at keep limit 1, and at the default (2) the same map, keeping more."""
     shape = AttentionShape(seq_local=64, batch=1, heads=2, kv_heads=2, head_dim=8, itemsize=4)  # MHA: tiles pay
     S = P * shape.seq_local
     docs = Mask.from_cu_seqlens([0, 7, 40, 41, 150, 151, 200, S // 2 + 9, S - 30, S], S)
@@ -137,12 +139,18 @@ def test_mesh_auto_tile_chooses_with_the_mask(P, backward_chunks):
     def busiest(plan):
         return max(b.sent + b.received for b in plan_bytes(plan, shape))
 
-    explicit = {(t, c): resolve("mesh", P, shape, tile=t, contiguous=c, backward_chunks=backward_chunks)
+    limit = dict(backward_keep_limit=1.0) if backward_chunks == "auto" else {}
+    explicit = {(t, c): resolve("mesh", P, shape, tile=t, contiguous=c, backward_chunks=backward_chunks, **limit)
                 .build(shape, docs) for t in tile_shapes(P) for c in ("q", "kv")}
-    auto = resolve("mesh", P, shape, backward_chunks=backward_chunks)
+    auto = resolve("mesh", P, shape, backward_chunks=backward_chunks, **limit)
     assert auto.options.tile_auto and not resolve("mesh", P, shape, tile=(2, P // 2)).options.tile_auto
     plan = auto.build(shape, docs)
     validate_plan(plan)
+    if limit:  # the default keep limit: the same map, at most the bytes
+        default = resolve("mesh", P, shape).build(shape, docs)
+        assert (default.facts.assignment, default.facts.tile, default.facts.contiguous) == \
+            (plan.facts.assignment, plan.facts.tile, plan.facts.contiguous)
+        assert busiest(default) <= busiest(plan)
     assert busiest(plan) == min(busiest(p) for p in explicit.values())
     if plan.facts.assignment == "tile":
         assert busiest(plan) == busiest(explicit[plan.facts.tile, plan.facts.contiguous])
@@ -332,10 +340,13 @@ def test_backward_chunks_auto_keeps_what_fits_in_the_rank_s_own_chunk():
     by shift), rank 1 30 (keeps chunks 0 and 3), ranks 2 and 3 read 24 and 18 (all kept). "keep" /
     "refetch" apply to every chunk; a dense plan refetches under "auto". The mode option
     ``backward_keep_limit`` scales the budget: at 2.0 every rank keeps all it pulled here, at 0 the
-    plan is "refetch"'s op for op, at inf "keep"'s."""
+    plan is "refetch"'s op for op, at inf "keep"'s. A rank keeping all runs its blocks over the kept
+    columns as one call only where they are at most its own chunk's worth (rank 2), else one shift
+    at a time (rank 0 at 2.0 and under "keep")."""
     import math
     from megatron_mesh.plan.accounting import buffer_bytes
     from megatron_mesh.plan.ir import Post
+    from megatron_mesh.plan.sparse_needs import KEEP_LIMIT as D  # "refetch" / "keep" take the default limit
 
     P, T = 4, 12
     shape = AttentionShape(seq_local=T, **SHAPE)
@@ -343,7 +354,7 @@ def test_backward_chunks_auto_keeps_what_fits_in_the_rank_s_own_chunk():
     per = {k: buffer_bytes(k, 1, shape) for k in ("q", "kv")}
     sent, ops = {}, {}
     for mode in ("ring", "tasp", "mesh"):
-        for bc, limit in (("refetch", 1.0), ("keep", 1.0), ("auto", 1.0), ("auto", 2.0), ("auto", 0.0),
+        for bc, limit in (("refetch", D), ("keep", D), ("auto", 1.0), ("auto", 2.0), ("auto", 0.0),
                           ("auto", math.inf)):
             budget = limit * T * (per["q"] + per["kv"])
             settings = dict(tile=(1, 4)) if mode == "mesh" else {}
@@ -389,16 +400,52 @@ def test_backward_chunks_auto_keeps_what_fits_in_the_rank_s_own_chunk():
                 assert text[first + 1].startswith("post ") and "dkv3.4->3" in text[first + 1], text
                 assert any("x kv2.4 " in t for t in text[first + 2:]), text
                 assert any("x kv0.6,kv1.6 " in str(op) for op in plan.rank(2).backward), plan.rank(2).backward
-            want_all = {("keep", 1.0): [True] * P, ("refetch", 1.0): [False] * P, ("auto", 1.0): [False, False, True, True],
+            if (bc, limit) in (("auto", 2.0), ("keep", D)) and mode == "ring":
+                # rank 0 now keeps all of its 36 columns, more than its own chunk's worth (24 x kv
+                # here): its kept blocks still run one shift at a time, each shift's partials home
+                # before the next (Keeps.one_call); rank 2 keeps its 24, a chunk's worth: one call
+                text = [str(op) for op in plan.rank(0).backward if type(op).__name__ != "Free"]
+                first = next(i for i, t in enumerate(text) if "x kv3.4" in t)
+                assert text[first + 1].startswith("post ") and "dkv3.4->3" in text[first + 1], text
+                assert not any(type(op).__name__ == "Post" and t.key.kind == "kv" for op in plan.rank(0).backward
+                               for t in getattr(op, "recvs", ())), "rank 0 pulls nothing again"
+                assert any("x kv0.6,kv1.6 " in str(op) for op in plan.rank(2).backward), plan.rank(2).backward
+            want_all = {("keep", D): [True] * P, ("refetch", D): [False] * P, ("auto", 1.0): [False, False, True, True],
                         ("auto", 2.0): [True] * P, ("auto", 0.0): [False] * P, ("auto", math.inf): [True] * P}
             assert kept_all == want_all[bc, limit], (mode, bc, limit, kept_all)
             sent[bc, limit] = sum(b.sent for b in plan_bytes(plan, shape))
             ops[bc, limit] = [[str(op) for op in (*plan.rank(r).forward, *plan.rank(r).backward)] for r in range(P)]
-        assert sent["keep", 1.0] == sent["auto", 2.0] < sent["auto", 1.0] < sent["refetch", 1.0], mode
-        assert ops["auto", 0.0] == ops["refetch", 1.0] and ops["auto", math.inf] == ops["keep", 1.0], mode
+        assert sent["keep", D] == sent["auto", 2.0] < sent["auto", 1.0] < sent["refetch", D], mode
+        assert ops["auto", 0.0] == ops["refetch", D] and ops["auto", math.inf] == ops["keep", D], mode
     dense = resolve("ring", P, shape).build(shape, Mask(True))
     assert dense.backward_chunks == "refetch" and not any(dense.rank(r).saved for r in range(P))
     assert resolve("tasp", P, shape, backward_chunks="keep").build(shape, Mask(True)).backward_chunks == "refetch"
+
+
+def test_mesh_compares_its_assignments_by_the_bytes_a_chunk_s_worth_keeps(monkeypatch):
+    """Mesh takes its tile map or the query owner by the busiest rank's bytes, as kept under at most
+    ASSIGNMENT_KEEP_LIMIT (one chunk's worth): the bytes are blind to the work, and what a larger
+    limit keeps favours the query owner. P = 6, T = 8, documents [0, 6) and [6, 48): at keep limit 1
+    and 2 the tile map (2 x 3), where comparing as kept at 2 took the query owner; at 2 every rank
+    keeps at least what it keeps at 1, and the plans validate."""
+    import megatron_mesh.plan.sparse as sparse
+
+    P, T = 6, 8
+    shape = AttentionShape(seq_local=T, **SHAPE)
+    mask = Mask.from_cu_seqlens([0, 6, P * T], P * T)
+
+    def build(limit):
+        plan = resolve("mesh", P, shape, backward_keep_limit=limit).build(shape, mask)
+        validate_plan(plan)
+        return plan
+
+    one, two = build(1.0), build(2.0)
+    assert one.facts.assignment == two.facts.assignment == "tile" and two.facts.tile == (2, 3)
+    for r in range(P):
+        assert {k.chunk for k in one.rank(r).saved} <= {k.chunk for k in two.rank(r).saved}
+    assert sum(b.sent for b in plan_bytes(two, shape)) <= sum(b.sent for b in plan_bytes(one, shape))
+    monkeypatch.setattr(sparse, "ASSIGNMENT_KEEP_LIMIT", float("inf"))  # compared as kept: the query owner
+    assert build(2.0).facts.assignment == "query owner" and build(1.0).facts.assignment == "tile"
 
 
 def test_kept_chunks_worked_example():

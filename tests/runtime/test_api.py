@@ -483,7 +483,7 @@ def test_the_fingerprint_covers_whether_a_backward_follows(collectives):
     (dict(mode="mesh", tile=(2, 1)), "mode"),
     (dict(mode="mesh", tile=(1, 2), schedule="lockstep"), "mode"),
     (dict(backward_chunks="keep"), "mode"),  # the description says what the backward keeps
-    (dict(backward_keep_limit=2.0), "mode"),
+    (dict(backward_keep_limit=3.0), "mode"),
     (dict(mode="tasp"), "mode"),
     (dict(mode="tasp", transport="alltoall"), "mode"),
     (dict(causal=False), "mask"),

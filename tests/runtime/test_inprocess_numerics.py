@@ -260,9 +260,10 @@ def test_hybrid_inner_mesh_auto_tile_under_documents():
 def test_backward_chunks_under_a_mask_match_the_dense_reference(mode, groups):
     """backward_chunks "refetch", "keep" and "auto" on a mask-aware plan of every mode (hybrids
     included): outputs and gradients exact, bytes the plan's. One causal document of 46 of the 48
-    tokens, P = 4: under "auto" the ranks reading most of it keep what fits of it and pull the
-    rest again, the others keep all (a plan whose ranks differ on purpose: senders must send
-    exactly what each receiver pulls again).
+    tokens, P = 4: under "auto" at keep limit 1 the ranks reading most of it keep what fits of it
+    and pull the rest again, the others keep all (a plan whose ranks differ on purpose: senders
+    must send exactly what each receiver pulls again); at the default, 2, every rank keeps all,
+    rank 0 more than its own chunk's worth (its kept blocks one shift at a time).
     "many": TASP pulls and returns in a group per slot (group_tokens = 1), its returns posted
     while later groups compute."""
     from megatron_mesh.plan.tunables import TUNABLES, Tunables
@@ -271,15 +272,15 @@ def test_backward_chunks_under_a_mask_match_the_dense_reference(mode, groups):
     p = cases.Problem(world, 4, 2, True, torch.float32, seq_local=12, cu_seqlens=(0, 46, 48))
     ref = cases.dense_reference(p)
     settings = _mode_settings(mode, world)
-    for backward_chunks in ("refetch", "keep", "auto"):
-        plan = resolve(mode, world, p.shape, backward_chunks=backward_chunks, **settings).build(p.shape, p.mask,
-                                                                                               tunables=tunables)
+    for backward_chunks, limit in (("refetch", {}), ("keep", {}), ("auto", dict(backward_keep_limit=1.0)), ("auto", {})):
+        plan = resolve(mode, world, p.shape, backward_chunks=backward_chunks, **limit, **settings).build(
+            p.shape, p.mask, tunables=tunables)
         inner = getattr(plan.facts, "inner", None) or plan
-        if backward_chunks == "auto" and inner.world_size == world:  # some rank keeps part of what it pulled
+        if limit and inner.world_size == world:  # some rank keeps part of what it pulled
             assert any(inner.rank(r).saved and any(t.key.kind == "kv" for op in inner.rank(r).backward
                                                    if type(op).__name__ == "Post" for t in op.recvs)
                        for r in range(world)), mode
-        check(run_case(p, plan, ref=ref, label=f"{mode} {settings} backward_chunks={backward_chunks}"))
+        check(run_case(p, plan, ref=ref, label=f"{mode} {settings} backward_chunks={backward_chunks} {limit}"))
 
 
 @pytest.mark.parametrize("world", [3, 5, 6, 7])
@@ -290,9 +291,11 @@ def test_keeping_part_of_the_pulls_matches_the_dense_reference_at_odd_cp_sizes(w
     balanced layout, MHA / GQA / MQA by layout: outputs and gradients exact against the fp64
     reference, bytes the plan's; at P >= 5 every mode has a rank that keeps part (asserted). On the
     GQA problem the modes' ``backward_keep_limit`` away from its default too (0.5: less kept, 2.0:
-    more; some rank keeps other chunks than by default, asserted at P >= 5)."""
+    more; some rank keeps other chunks than at 1.0, asserted at P >= 5; at 2.0 some rank of ring and
+    Mesh keeps all it pulled, more than its own chunk's worth, and runs those blocks one shift at a
+    time, asserted at P >= 5)."""
     S = world * 12
-    partial, other = set(), set()
+    partial, other, more = set(), set(), set()
     for heads, balanced in (("MHA", False), ("GQA", True), ("MQA", False)):
         p = cases.Problem(world, *cases.HEADS[heads], True, torch.float32, seq_local=12,
                           cu_seqlens=(0, S - 5, S), balanced=balanced)
@@ -308,11 +311,26 @@ def test_keeping_part_of_the_pulls_matches_the_dense_reference_at_odd_cp_sizes(w
                         t.key.kind == "kv" for op in plan.rank(r).backward if type(op).__name__ == "Post"
                         for t in op.recvs) for r in range(world)):
                     partial.add(mode)
+                if limit == 2.0 and any(_keeps_more_than_its_chunk(plan, p.shape, r) for r in range(world)):
+                    more.add(mode)  # its kept blocks one shift at a time (sparse_needs.Keeps.one_call)
                 check(run_case(p, plan, ref=ref, label=f"{mode} {heads} balanced={balanced} P={world} keep {limit}"))
             if any(kept[x] != kept[1.0] for x in limits):
                 other.add(mode)
     if world >= 5:
         assert partial == {"ring", "tasp", "mesh"} and other == partial, (partial, other)
+        assert {"ring", "mesh"} <= more, more
+
+
+def _keeps_more_than_its_chunk(plan, shape, r: int) -> bool:
+    """Whether rank r keeps all it pulled (its backward pulls no Q / K / V again) and that is more
+    than its own Q, K and V chunk's bytes."""
+    from megatron_mesh.plan.accounting import buffer_bytes
+
+    rp = plan.rank(r)
+    again = any(t.key.kind in ("q", "kv") for op in rp.backward if type(op).__name__ == "Post" for t in op.recvs)
+    kept = sum(sum(b - a for a, b in plan.slots(k)) * buffer_bytes(k.kind, 1, shape) for k in rp.saved
+               if k.kind in ("q", "kv"))
+    return not again and kept > plan.seq_local * (buffer_bytes("q", 1, shape) + buffer_bytes("kv", 1, shape))
 
 
 @pytest.mark.parametrize("world", [3, 5, 6, 7])
@@ -360,8 +378,9 @@ def test_plans_the_polish_chose_match_the_dense_reference():
     """Plans polished by the search itself (:mod:`megatron_mesh.plan.polish`; ``polish_tokens``
     lowered to 16 and the machine slowed -- compute, memory and links -- so that 48 tokens per rank
     weigh as thousands do and the search finds choices): P = 5, 6, 7, ring, TASP, Mesh, documents
-    on the zigzag and the balanced layout: exact against the fp64 reference, forward and
-    backward, bytes the plan's; at least four of the plans carry choices (asserted)."""
+    on the zigzag and the balanced layout, keep limits 2 (the default) and 1: exact against the
+    fp64 reference, forward and backward, bytes the plan's; at least six of the plans carry choices
+    (asserted)."""
     from megatron_mesh.plan.tunables import Tunables
 
     chosen = 0
@@ -373,15 +392,15 @@ def test_plans_the_polish_chose_match_the_dense_reference():
             p = cases.Problem(world, *cases.HEADS[heads], True, torch.float32, seq_local=48,
                               cu_seqlens=(0, 7, 100, S - 30, S), balanced=balanced)
             ref = cases.dense_reference(p)
-            for mode in ("ring", "tasp", "mesh"):
-                plan = resolve(mode, world, p.shape).build(p.shape, p.mask, p.layout, topology=slow,
-                                                          tunables=Tunables(polish_tokens=16))
+            for mode, limit in itertools.product(("ring", "tasp", "mesh"), (2.0, 1.0)):
+                plan = resolve(mode, world, p.shape, backward_keep_limit=limit).build(
+                    p.shape, p.mask, p.layout, topology=slow, tunables=Tunables(polish_tokens=16))
                 if not plan.facts.own_first:
                     continue
                 chosen += 1
                 check(run_case(p, plan, ref=ref, label=f"{mode} {heads} balanced={balanced} P={world} "
-                                                        f"{plan.facts.own_first}"))
-    assert chosen >= 4, chosen
+                                                        f"keep {limit} {plan.facts.own_first}"))
+    assert chosen >= 6, chosen
 
 
 # -- identical to gloo and to the public autograd path ------------------------------------------------------

@@ -1236,5 +1236,5 @@ def test_cli_backward_keep_limit(capsys):
         assert got["inf"][mode] <= got["1"][mode] <= got["0"][mode] and got["inf"][mode] < got["0"][mode], got
     assert main([*argv, "--backward-keep-limit", "-0.5"]) == 2
     assert "--backward-keep-limit must be a number >= 0" in capsys.readouterr().err
-    assert main([*argv, "--backward-keep-limit", "2", "--backward-chunks", "refetch"]) == 2
-    assert "a keep limit (2.0) applies only with backward chunks 'auto', got 'refetch'" in capsys.readouterr().err
+    assert main([*argv, "--backward-keep-limit", "3", "--backward-chunks", "refetch"]) == 2
+    assert "a keep limit (3.0) applies only with backward chunks 'auto', got 'refetch'" in capsys.readouterr().err

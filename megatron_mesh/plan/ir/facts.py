@@ -29,7 +29,7 @@ __all__ = ["Facts", "BackwardChunks", "Contiguous", "HEADER", "register_facts", 
            "choice"]
 
 # what the backward reads: "refetch" pulls the chunks again, "keep" keeps the forward's, "auto" (a
-# mask-aware plan) keeps on each rank what fits in its own Q, K and V and pulls the rest again
+# mask-aware plan) keeps on each rank what fits in the keep limit x its own Q, K and V and pulls the rest again
 BackwardChunks = Literal["refetch", "keep", "auto"]
 # which ring of a Mesh tile holds consecutive ranks
 Contiguous = Literal["q", "kv"]

@@ -24,8 +24,8 @@ __all__ = ["MeshMode", "RingMode", "MeshOptions", "RingOptions", "keep_limit_set
 
 _BACKWARD_HELP = ("'refetch' re-communicates Q/KV chunks in the backward (ring attention's memory); 'keep' keeps "
                   "the forward's (fewer bytes, more activation memory); 'auto', under documents, windows or a "
-                  "document layout, keeps on each rank as many of the chunks it pulled as fit in its own Q, K "
-                  "and V (those its backward reads first; --mesh-backward-keep-limit) and refetches the rest; dense "
+                  "document layout, keeps on each rank as many of the chunks it pulled as fit in twice its own Q, "
+                  "K and V (those its backward reads first; --mesh-backward-keep-limit) and refetches the rest; dense "
                   "plans refetch")
 
 
@@ -42,8 +42,8 @@ def keep_limit_setting(flag: str):
                    help="under backward chunks 'auto' (documents, windows or a document layout): a rank keeps for "
                         "the backward what it pulled in the forward up to this many times the bytes of its own Q, K "
                         "and V chunk, and pulls the rest again -- more keeps fewer bytes and rounds for more "
-                        f"activation memory (default {KEEP_LIMIT}: at most one more Q + K + V chunk per layer; 0 "
-                        "keeps nothing, inf everything)")
+                        f"activation memory (default {KEEP_LIMIT}: at most {KEEP_LIMIT:g} more Q + K + V chunks' bytes per "
+                        "layer; 1 at most one, 0 keeps nothing, inf everything)")
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ class TaspOptions:
         "auto", flag="--tasp-backward-chunks",
         help="under documents, windows or a document layout: 'refetch' pulls the K/V tokens again in the backward, "
              "'keep' keeps the forward's (fewer bytes, more activation memory), 'auto' keeps on each rank as "
-             "many of them as fit in its own Q, K and V (--tasp-backward-keep-limit) and pulls the rest again; the "
+             "many of them as fit in twice its own Q, K and V (--tasp-backward-keep-limit) and pulls the rest again; the "
              "dense TASP plan refetches under every setting (its rotation would have to keep all P-1 chunks)")
     backward_keep_limit: float = keep_limit_setting("--tasp-backward-keep-limit")
 
