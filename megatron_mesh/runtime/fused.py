@@ -16,7 +16,8 @@ Both keep the merge's exact cases: a row no key has reached (lse = -inf, out = 0
 row a block reaches first becomes the block's (w = 1). The Triton kernel's rounding may differ
 from the torch ops' in the last bit (another order of the same fp32 operations); each is
 deterministic (no atomics): results never depend on timing. The CUDA tier compares the two
-(``tests/runtime/test_cuda.py``).
+(``tests/runtime/test_graphs.py``), and so does every CPU run, the kernel executed by Triton's
+interpreter (``tests/runtime/test_fused_interpreted.py``).
 """
 
 from __future__ import annotations
@@ -87,11 +88,18 @@ def _triton_merge(out: Tensor, lse: Tensor, blk_out: Tensor, blk_lse: Tensor) ->
     got = _kernel()
     if got is None:
         return False
+    _launch(got, out, lse, blk_out, blk_lse)
+    return True
+
+
+def _launch(got, out: Tensor, lse: Tensor, blk_out: Tensor, blk_lse: Tensor) -> None:
+    """Run the merge kernel of ``got`` (:func:`_kernel`'s) over every row of ``out`` [B, H, T, D]
+    (a program per row). Also what the CPU tests launch through Triton's interpreter
+    (``TRITON_INTERPRET=1``: ``tests/runtime/test_fused_interpreted.py``)."""
     triton, kernel = got
     b, h, t, d = out.shape
     kernel[(b * h * t,)](out, lse, blk_out, blk_lse, h, t, d, *out.stride()[:3], *lse.stride(),
                          *blk_out.stride()[:3], *blk_lse.stride(), BLOCK=triton.next_power_of_2(d))
-    return True
 
 
 def _merge_impl(out: Tensor, lse: Tensor, blk_out: Tensor, blk_lse: Tensor) -> None:
