@@ -33,8 +33,9 @@ __all__ = ["Keeps", "Needs", "QueryOwnerNeeds", "Slots", "bytes_per_rank", "kept
 # to 20 % more saved memory on the busiest rank (seed 0: 128 -> 154 MiB per layer). 1.0 until stop
 # 69, when a rank keeping more than a chunk's worth stopped running those blocks as one call
 # (ONE_CALL_LIMIT) and Mesh stopped choosing its assignment by what a larger limit keeps
-# (ASSIGNMENT_KEEP_LIMIT): with both, 2.0 is as fast or faster than 1.0 on every row of the tables
-# but a few by <= 0.3 % (docs/performance.md, "Keeping two chunks' worth by default"). A
+# (ASSIGNMENT_KEEP_LIMIT): with both, 2.0 is as fast or faster than 1.0 on every row of the 8-, 16-
+# and 256-GPU tables but two per 256-GPU mix, by <= 0.3 % (the CPU problem's: six balanced-layout
+# rows by <= 1.4 %; docs/performance.md, "Keeping two chunks' worth by default"). A
 # memory-for-time choice, so a user setting (the modes' ``backward_keep_limit``, Megatron's
 # ``--mesh-backward-keep-limit`` / ``--tasp-backward-keep-limit``: 1 keeps at most one chunk's
 # worth, 0 nothing); this is its default.
