@@ -22,8 +22,8 @@ echo "setting up $VENV (one-time, a few minutes) ..." >&2
 PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 "${PIP[@]}" "$TORCH_SPEC"
 # pybind11: a Megatron-LM checkout's dataset helpers are built with it at start-up (the wheel ships them built)
-"${PIP[@]}" "numpy<2.5" einops packaging pyyaml psutil typing_extensions pytest pytest-timeout hypothesis matplotlib \
-  pybind11
+"${PIP[@]}" "numpy<2.5" einops packaging pyyaml psutil typing_extensions pytest pytest-timeout pytest-xdist hypothesis \
+  matplotlib pybind11
 # megatron-core 0.19.2 declares Python >= 3.12 but runs on 3.11; `import megatron.core` needs triton
 # (a CPU-importable wheel). See docs/megatron.md.
 "${PIP[@]}" "triton==3.8.0"

@@ -9,11 +9,16 @@ cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 if [ -n "${TEST_PYTHON:-}" ]; then
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-  exec "$TEST_PYTHON" -m pytest -q -ra tests "$@"
+  exec "$TEST_PYTHON" -m pytest -q -ra "$@"  # no paths given: pyproject.toml's testpaths (tests)
 fi
 scripts/setup_env.sh
 # The tests start ~150 Python processes (ranks, training runs); where PYTHONDONTWRITEBYTECODE is set
 # (as on this project's machines) each would compile the package's sources again: compile them once.
 # (only a speed-up: a file it cannot compile or write is left to pytest to report)
 .venv/bin/python -m compileall -q megatron_mesh tests scripts > /dev/null || true
-exec .venv/bin/python -m pytest -q -ra tests "$@"
+# Two pytest-xdist workers (TEST_WORKERS; 0: none): one runs the tests that start several processes
+# (they use both cores), the other the single-process tests beside them (tests/conftest.py)
+workers=${TEST_WORKERS:-2}
+xdist=()
+[ "$workers" = 0 ] || xdist=(-n "$workers")
+exec .venv/bin/python -m pytest -q -ra "${xdist[@]}" "$@"

@@ -23,6 +23,78 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
+    _check_process_modules(items)
+    _processes_first(items)
+
+
+# The test modules that start several processes at a time: the shared spawns' readers (the 8-rank
+# gloo spawn, the 4-rank Megatron spawn), the Megatron training runs, the scripts' jobs. Under
+# pytest-xdist one worker runs them one after the other (:func:`pytest_xdist_make_scheduler`);
+# collection fails naming a module that should be here and is not (:func:`_check_process_modules`).
+PROCESS_MODULES = (
+    "tests/megatron/test_megatron_masks.py", "tests/megatron/test_megatron_mla.py",
+    "tests/megatron/test_megatron_model.py", "tests/megatron/test_megatron_pretrain.py",
+    "tests/megatron/test_megatron_pretrain_masks.py", "tests/megatron/test_megatron_pretrain_models.py",
+    "tests/megatron/test_megatron_pretrain_pipeline.py", "tests/megatron/test_megatron_sinks.py",
+    "tests/runtime/test_api_distributed.py", "tests/runtime/test_inprocess_numerics.py",
+    "tests/runtime/test_mask_kinds_numerics.py", "tests/runtime/test_masked_attention.py",
+    "tests/runtime/test_mesh_attention.py", "tests/runtime/test_plan_bytes_vs_measured.py",
+    "tests/runtime/test_sinks.py", "tests/runtime/test_strides.py", "tests/runtime/test_tasp_attention.py",
+    "tests/tools/test_main_job.py", "tests/tools/test_scripts.py",
+)
+SHARED_SPAWNS = ("gloo", "dist_results", "megatron_models")
+
+
+def _check_process_modules(items) -> None:
+    missing = sorted({i.nodeid.split("::")[0] for i in items
+                      if ("slow" in i.keywords or any(f in i.fixturenames for f in SHARED_SPAWNS))}
+                     - set(PROCESS_MODULES))
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py: add {', '.join(missing)} to PROCESS_MODULES (its tests read a "
+                                "shared spawn or are marked slow: under pytest-xdist they must run on the worker "
+                                "that runs the other multi-process tests)")
+
+
+def _processes_first(items) -> None:
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in PROCESS_MODULES)  # stable: order kept within
+
+
+PROCESS_WORKER = "gw0"  # the pytest-xdist worker that runs PROCESS_MODULES
+
+
+def pytest_configure(config):
+    # the other workers run at a lower priority: they take the cores the multi-process tests leave
+    # idle (start-up, waits) instead of slowing them down (tests/README.md, "Two workers")
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is not None and worker != PROCESS_WORKER:
+        os.nice(10)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist (``scripts/test.sh`` runs ``-n 2``): each worker takes whole scopes -- a
+    module (its module-scoped fixtures, a Megatron module's training runs, run once) -- and
+    :data:`PROCESS_WORKER` first takes one scope of every module in :data:`PROCESS_MODULES`, which
+    it runs one after the other (they keep both cores busy, and the shared spawns start once),
+    while the other worker runs the single-process tests beside them at a lower priority
+    (:func:`pytest_configure`). Two multi-process tests at once would put 8-12 processes on the
+    2 cores (tests/README.md)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ProcessesInARow(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::")[0]
+            return "processes" if module in PROCESS_MODULES else module
+
+        def _assign_work_unit(self, node) -> None:
+            queue = self.workqueue
+            if node.gateway.id == PROCESS_WORKER and "processes" in queue:
+                queue.move_to_end("processes", last=False)
+            elif next(iter(queue)) == "processes" and len(queue) > 1:
+                queue.move_to_end("processes", last=True)
+            super()._assign_work_unit(node)
+
+    return ProcessesInARow(config, log)
 
 
 def pytest_addoption(parser):
