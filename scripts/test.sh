@@ -7,6 +7,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+workers=${TEST_WORKERS:-2}
+if ! [[ "$workers" =~ ^[0-9]+$ ]]; then
+  echo "scripts/test.sh: TEST_WORKERS must be a whole number of pytest-xdist workers (0: one process), got '$workers'" >&2
+  exit 2
+fi
 if [ -n "${TEST_PYTHON:-}" ]; then
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   exec "$TEST_PYTHON" -m pytest -q -ra "$@"  # no paths given: pyproject.toml's testpaths (tests)
@@ -18,7 +23,6 @@ scripts/setup_env.sh
 .venv/bin/python -m compileall -q megatron_mesh tests scripts > /dev/null || true
 # Two pytest-xdist workers (TEST_WORKERS; 0: none): one runs the tests that start several processes
 # (they use both cores), the other the single-process tests beside them (tests/conftest.py)
-workers=${TEST_WORKERS:-2}
 xdist=()
 [ "$workers" = 0 ] || xdist=(-n "$workers")
 exec .venv/bin/python -m pytest -q -ra "${xdist[@]}" "$@"

@@ -968,3 +968,22 @@ def test_issue_52_host_op_targets(script, mode, most):
     count = script("count_host_ops")
     ops, _ = count.count(8, 64, mode, "fixed:512", "zigzag")
     assert sum(n for op, n in ops.items() if op not in count.VIEWS) / 8 <= most
+
+
+def test_test_sh_runs_the_paths_it_is_given_and_refuses_a_bad_worker_count(tmp_path):
+    """scripts/test.sh (with a stand-in interpreter that records its arguments): a path given runs
+    alone (pytest's testpaths add `tests` only where no path is named), and a TEST_WORKERS that
+    is not a whole number stops it at once naming the value."""
+    import subprocess
+    fake = tmp_path / "python"
+    fake.write_text('#!/usr/bin/env bash\necho "args: $*"\n')
+    fake.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "TEST_PYTHON": str(fake)}
+    run = subprocess.run(["bash", str(SCRIPTS / "test.sh"), "tests/plan/test_bound.py", "-x"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == "args: -m pytest -q -ra tests/plan/test_bound.py -x", run
+    run = subprocess.run(["bash", str(SCRIPTS / "test.sh")], env=dict(env, TEST_WORKERS="two"), capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 2 and run.stdout == "", run
+    assert run.stderr.strip() == ("scripts/test.sh: TEST_WORKERS must be a whole number of pytest-xdist workers "
+                                  "(0: one process), got 'two'")
