@@ -24,7 +24,6 @@ def pytest_collection_modifyitems(config, items):
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
     _check_process_modules(items)
-    _processes_first(items)
 
 
 # The test modules that start several processes at a time: the shared spawns' readers (the 8-rank
@@ -45,18 +44,18 @@ PROCESS_MODULES = (
 SHARED_SPAWNS = ("gloo", "dist_results", "megatron_models")
 
 
+def _module(nodeid: str) -> str:
+    return nodeid.split("::")[0]
+
+
 def _check_process_modules(items) -> None:
-    missing = sorted({i.nodeid.split("::")[0] for i in items
+    missing = sorted({_module(i.nodeid) for i in items
                       if ("slow" in i.keywords or any(f in i.fixturenames for f in SHARED_SPAWNS))}
                      - set(PROCESS_MODULES))
     if missing:
         raise pytest.UsageError(f"tests/conftest.py: add {', '.join(missing)} to PROCESS_MODULES (its tests read a "
                                 "shared spawn or are marked slow: under pytest-xdist they must run on the worker "
                                 "that runs the other multi-process tests)")
-
-
-def _processes_first(items) -> None:
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in PROCESS_MODULES)  # stable: order kept within
 
 
 PROCESS_WORKER = "gw0"  # the pytest-xdist worker that runs PROCESS_MODULES
@@ -83,7 +82,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class ProcessesInARow(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::")[0]
+            module = _module(nodeid)
             return "processes" if module in PROCESS_MODULES else module
 
         def _assign_work_unit(self, node) -> None:
