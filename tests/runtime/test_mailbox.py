@@ -166,8 +166,10 @@ def test_timed_mailbox_counts_every_copied_byte():
 def test_serial_run_times_each_rank_s_own_work():
     """In a serial run each rank's turn time is its own work, waits excluded: a ring of 3 ranks,
     each working before and after an exchange (rank 1 ten times longer); the turns add up to the
-    wall time, and a parallel run records none."""
-    work = {0: (0.01, 0.02), 1: (0.1, 0.2), 2: (0.02, 0.01)}
+    wall time, and a parallel run records none. The margins (a tenth of a second per rank and in
+    all) hold on a loaded CI machine, where this runs at nice 10 beside the multi-process tests, and
+    are still half the 0.3 s of rank 1's work that a wait counted as work would add."""
+    work = {0: (0.03, 0.06), 1: (0.3, 0.6), 2: (0.06, 0.03)}
 
     def fn(rank, comm):
         time.sleep(work[rank][0])
@@ -181,8 +183,8 @@ def test_serial_run_times_each_rank_s_own_work():
     assert run_inprocess(fn, 3, serial=True, mailbox=box) == [2.0, 0.0, 1.0]
     wall = time.perf_counter() - start
     for rank, (before, after) in work.items():
-        assert before + after <= box.busy[rank] < before + after + 0.05, (rank, box.busy)
-    assert sum(box.busy) <= wall < sum(box.busy) + 0.1
+        assert before + after <= box.busy[rank] < before + after + 0.15, (rank, box.busy)
+    assert sum(box.busy) <= wall < sum(box.busy) + 0.25
     parallel = Mailbox(3, turns=True)
     run_inprocess(fn, 3, mailbox=parallel)
     assert parallel.busy == [0.0] * 3
