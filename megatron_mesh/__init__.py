@@ -35,6 +35,7 @@ _EXPORTS = {
     "balanced_layout": "megatron_mesh.plan.balance",
     "BalancedLayout": "megatron_mesh.plan.balance",
     "PlanMismatchError": "megatron_mesh.runtime.agreement",
+    "check_plans_over": "megatron_mesh.runtime.agreement",
     "ThdLayout": "megatron_mesh.plan.layout",
     "Mask": "megatron_mesh.plan.mask",
     "masks": None,  # the module megatron_mesh.masks

@@ -141,6 +141,7 @@ def gpt_equivalence(rank: int, world: int, layouts) -> list[dict]:
                 records.append(rec)
         if cp == 4:
             records.append(_routing(rank, cp_group, _config(tp, cp, (4, 2), "mesh", mesh_tile_shape="2x2")))
+            records.append(_cpu_check(rank, cp_group, _config(tp, cp, (4, 2), "mesh", mesh_tile_shape="2x2")))
         PROCESS_GROUPS.destroy()
         ps.destroy_model_parallel()
     return records
@@ -184,6 +185,59 @@ def _routing(rank, cp_group, config) -> dict:
     return dict(case="routing", label="routing", tp=1, cp=4, routes=sorted(routed.routes), flat_routes=flat.routes,
                 identical=all(torch.equal(x, y) for x, y in zip(a, b)), bytes=(bytes_a, bytes_b),
                 route_ranks={p: sorted(dist.get_process_group_ranks(grp)) for p, grp in routed.routes.items()})
+
+
+def _cpu_check(rank, cp_group, config) -> dict:
+    """The plan check of an NCCL CP group runs over a gloo twin of it (gloo stands in for NCCL here:
+    ``needs_cpu_check_group`` answers yes): CPGroups makes the twin, the layers' communicator's
+    calls are checked there -- the check's all-reduce goes to the twin, never to the CP group --,
+    the result is unchanged, ranks that disagree still all raise PlanMismatchError, and destroy
+    gives the check back to the CP group."""
+    import megatron_mesh as mm
+    from megatron_mesh.comm.torch_dist import TorchDistCommunicator
+    from megatron_mesh.megatron import groups
+    from megatron_mesh.megatron.placement import resolve_placement
+    from megatron_mesh.runtime.state import RUNTIME
+
+    own, real = groups.CPGroups(), groups.needs_cpu_check_group
+    groups.needs_cpu_check_group = lambda group: True
+    try:
+        own.initialize(config, cp_group)
+        placement = resolve_placement("mesh", config, groups.cp_ranks(cp_group))
+        comm = own.communicator(config, cp_group, placement)
+    finally:
+        groups.needs_cpu_check_group = real
+    twin = RUNTIME.checks.check_group(cp_group)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(8, 2, h, 16, generator=g) for h in (4, 2, 2))
+    seen, all_reduce = [], dist.all_reduce
+
+    def spy(tensor, *args, group=None, **kwargs):
+        seen.append("twin" if group is twin else "cp group" if group is cp_group else "other")
+        return all_reduce(tensor, *args, group=group, **kwargs)
+
+    dist.all_reduce = spy
+    try:
+        outs = [mm.mesh_attention(q, k, v, tile=placement.tile, comm=c) for c in (comm, TorchDistCommunicator(cp_group))]
+        try:
+            mm.mesh_attention(q, k, v, tile=placement.tile, comm=comm, softmax_scale=0.5 if rank == 0 else None)
+            mismatch = None
+        except mm.PlanMismatchError as e:
+            mismatch = str(e)
+    finally:
+        dist.all_reduce = all_reduce
+    ring = next(iter(comm.routes.values()))  # a sub-group of 2 of the CP group's ranks: not a twin of it
+    try:
+        RUNTIME.checks.use_cpu_group(cp_group, ring)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    rec = dict(case="cpu_check", label="cpu_check", tp=1, cp=4, twin_backend=dist.get_backend(twin),
+               twin_ranks=dist.get_process_group_ranks(twin), cp_ranks=dist.get_process_group_ranks(cp_group),
+               is_cp_group=twin is cp_group, checked_on=seen, identical=torch.equal(outs[0], outs[1]),
+               mismatch=mismatch, refused=refused)
+    own.destroy()
+    return dict(rec, after=RUNTIME.checks.check_group(cp_group) is cp_group)
 
 
 # -- masks and hybrids at the model level -----------------------------------------------------------------

@@ -53,6 +53,7 @@ from torch import Tensor
 
 from ..plan.megatron_problem import layer_window
 from ..plan.modes import DEFAULT_MODE
+from ..runtime.inputs import host_values
 from . import TE_MODES, batch_layout, mla, plugin_modes, sinks
 from .checks import have_transformer_engine
 from .groups import PROCESS_GROUPS, CPGroups, cp_ranks
@@ -255,8 +256,9 @@ class PluginCoreAttention(MegatronModule):
             if q.dim() != 3:
                 raise ValueError(f"{where}: THD inputs must be [t, heads, head_dim], got {tuple(q.shape)}")
             cu_pad = packed.cu_seqlens_q_padded if packed.cu_seqlens_q_padded is not None else packed.cu_seqlens_q
-            lens = (packed.cu_seqlens_q[1:] - packed.cu_seqlens_q[:-1]).tolist()
-            layout = ThdLayout(self.cp_size, tuple(cu_pad.tolist()), tuple(lens))
+            cu = host_values(packed.cu_seqlens_q)
+            lens = [b - a for a, b in zip(cu, cu[1:])]
+            layout = ThdLayout(self.cp_size, tuple(host_values(cu_pad)), tuple(lens))
             out = self._attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), causal, layout=layout)
             return out
         if fmt not in (None, "sbhd"):
@@ -288,7 +290,8 @@ class PluginCoreAttention(MegatronModule):
         if cu is not None and (cu.is_floating_point() or cu.is_complex() or cu.dtype == torch.bool):
             raise ValueError(f"{where}: packed_seq_params.cu_seqlens_q must be an integer tensor, got {cu.dtype}")
         if cu is not None:
-            return [tuple(sorted(set(r.tolist()))) for r in (cu if cu.dim() == 2 else cu.unsqueeze(0))]
+            values = host_values(cu)  # once per step: every layer gets this tensor
+            return [tuple(sorted(set(r))) for r in (values if cu.dim() == 2 else [values])]
         if self.documents is None:
             return None
         batch = batch_layout.current()

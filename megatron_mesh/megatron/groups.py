@@ -32,11 +32,12 @@ from ..comm.alltoall import AllToAllCommunicator
 from ..comm.torch_dist import TorchDistCommunicator
 from ..plan.modes import Placement
 from ..runtime.agreement import differences
+from ..runtime.state import RUNTIME
 from .errors import SettingsMismatchError
 from .settings import HIERARCHY_FLAG, flags, layer_modes, plugin_modes_of, plugin_settings, problem_of
 from .placement import resolve_placement
 
-__all__ = ["CPGroups", "PROCESS_GROUPS", "cp_ranks", "SettingsMismatchError", "local_device"]
+__all__ = ["CPGroups", "PROCESS_GROUPS", "cp_ranks", "SettingsMismatchError", "local_device", "needs_cpu_check_group"]
 
 
 def local_device() -> torch.device:
@@ -47,6 +48,13 @@ def local_device() -> torch.device:
 
 def cp_ranks(group) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
+
+
+def needs_cpu_check_group(group) -> bool:
+    """Whether the plan check of calls on ``group`` runs over a gloo twin of it: on an NCCL group
+    the check's result, read by the host, would wait for the GPU's queue once per call
+    (:mod:`megatron_mesh.runtime.agreement`)."""
+    return dist.get_backend(group) == "nccl"
 
 
 def _cp_group(cp_group=None):
@@ -127,6 +135,8 @@ class CPGroups:
         self.done: set = set()  # (my CP ranks, placement) whose groups exist (a mode's tile may change between models)
         self.owned: list[dist.ProcessGroup] = []  # groups made here (for destroy)
         self.comms: dict[tuple, "TorchDistCommunicator | AllToAllCommunicator"] = {}
+        self.cpu_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}  # CP ranks -> the gloo twin its check runs on
+        self.checked: list = []  # the CP groups whose check was moved to a twin (for destroy)
 
     def __copy__(self):
         return self
@@ -160,6 +170,7 @@ class CPGroups:
         if dist.get_world_size(cp_group) == 1:
             return
         mine = cp_ranks(cp_group)
+        self._check_groups(cp_group)
         todo = [m for m in modes if (mine, resolve_placement(m, config, mine)) not in self.done]
         if not todo:
             return
@@ -182,6 +193,28 @@ class CPGroups:
         _warm_up(made)
         self.done.update((mine, resolve_placement(m, config, mine)) for m in todo)
 
+    def _check_groups(self, cp_group) -> None:
+        """On an NCCL CP group, a gloo twin of every CP group of the world, made once on every rank
+        (collective over the world, like the sub-groups), and this rank's group's plan check moved
+        onto its twin (:meth:`~megatron_mesh.runtime.state.GroupChecks.use_cpu_group`): the hosts
+        agree on each call without waiting for the GPU. Nothing on gloo (the CPU runs)."""
+        if not needs_cpu_check_group(cp_group):
+            return
+        from megatron.core import parallel_state
+
+        for ranks in self._all_cp_groups(cp_group):
+            if ranks not in self.cpu_groups:
+                group = parallel_state.create_group(list(ranks), backend="gloo", group_desc="MEGATRON_MESH_CP_CHECK")
+                self.cpu_groups[ranks] = group
+                self.owned.append(group)
+        self._check_over_twin(cp_group)
+
+    def _check_over_twin(self, cp_group) -> None:
+        twin = self.cpu_groups.get(cp_ranks(cp_group))
+        if twin is not None and RUNTIME.checks.check_group(cp_group) is not twin:
+            RUNTIME.checks.use_cpu_group(cp_group, twin)
+            self.checked.append(cp_group)
+
     def communicator(self, config, cp_group, placement: Placement):
         """The transport of ``placement`` over ``cp_group``: P2P with each peer routed through the
         smallest sub-group holding both ranks (the whole CP group otherwise) -- a hybrid's Ulysses
@@ -189,6 +222,7 @@ class CPGroups:
         (:meth:`~megatron_mesh.comm.torch_dist.TorchDistCommunicator.exchange`) -- or one
         all-to-all collective per round for TASP's ``alltoall`` transport."""
         ranks = cp_ranks(cp_group)
+        self._check_over_twin(cp_group)  # the layers' group object may be another than initialize's
         if placement.transport == "alltoall":
             key = ("alltoall", ranks)
             if key not in self.comms:
@@ -216,6 +250,8 @@ class CPGroups:
 
     def destroy(self) -> None:
         """Forget (and destroy) every group made here -- for tests that re-initialise parallel state."""
+        for group in self.checked:
+            RUNTIME.checks.forget_cpu_group(group)
         for group in self.owned:
             try:
                 dist.destroy_process_group(group)

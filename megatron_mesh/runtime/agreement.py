@@ -36,9 +36,13 @@ lists, so the code is what closes that gap: two nodes with different plugin vers
 patched builder, raise here instead of hanging in a transfer one side never posts.
 
 Cost: one 16-byte all-reduce per call, on the group backend's device (CPU for gloo; for NCCL a
-CUDA tensor whose result the host reads: one stream synchronisation per call). Measured on CPU
-with ``scripts/bench_agreement.py`` (docs/performance.md). Communicators without a
-``process_group`` (in-process test transports) and single-rank groups are not checked.
+CUDA tensor whose result the host reads: one stream synchronisation per call, which drains the
+GPU's queue and with it the lead the host gained while the GPU ran the layer's other work). So an
+NCCL group is checked over a gloo group of the same ranks where one is given
+(:meth:`GroupChecks.use_cpu_group`; the Megatron adapter makes one per CP group): the hosts agree
+among themselves, and the GPU's queue is left alone. Measured on CPU with
+``scripts/bench_agreement.py`` (docs/performance.md). Communicators without a ``process_group``
+(in-process test transports) and single-rank groups are not checked.
 
 The switch, ``MEGATRON_MESH_PLAN_AGREEMENT``: ``1`` (the default) checks every call; ``0`` turns
 the check off once the ranks agree to that. A rank with it off cannot skip the collective on its
@@ -75,7 +79,7 @@ from ..plan.ir import Plan
 from ..plan.tunables import TUNABLES
 from .state import RUNTIME, GroupChecks
 
-__all__ = ["PlanMismatchError", "Call", "GroupChecks", "check", "joined_on_error", "enabled",
+__all__ = ["PlanMismatchError", "Call", "GroupChecks", "check", "check_plans_over", "joined_on_error", "enabled",
            "plan_digest", "plan_code", "mismatch_message", "differences", "ENV", "SWITCH"]
 
 ENV = "MEGATRON_MESH_PLAN_AGREEMENT"
@@ -191,12 +195,14 @@ def _digest(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
-def _group(comm):
-    """The live process group of ``comm`` (a wrapper such as Megatron's timed communicator
-    forwards the attribute), or None where the check does not apply."""
+def _group(comm, checks: GroupChecks):
+    """The group the check of ``comm``'s calls runs on -- its live process group (a wrapper such as
+    Megatron's timed communicator forwards the attribute), or the CPU group given for it
+    (:meth:`GroupChecks.use_cpu_group`) --, or None where the check does not apply."""
     if comm.world_size == 1:
         return None
-    return getattr(comm, "process_group", None)
+    group = getattr(comm, "process_group", None)
+    return None if group is None else checks.check_group(group)
 
 
 def _agree(group, world_size: int, digest: int, describe, checks: GroupChecks) -> None:
@@ -229,12 +235,24 @@ def _skips(group, checks: GroupChecks) -> bool:
         return False
 
 
+def check_plans_over(group, cpu_group, checks: GroupChecks | None = None) -> None:
+    """Check the calls on ``group`` (an NCCL CP group) over ``cpu_group``, a gloo group of the same
+    ranks in the same order, so that the check does not synchronise the host with the GPU once per
+    call (the module docstring). Every rank of the group must give it: the others would wait for
+    their check on ``group`` itself. ``checks`` as for :func:`check`. Example::
+
+        cp = dist.new_group(ranks)                        # NCCL
+        megatron_mesh.check_plans_over(cp, dist.new_group(ranks, backend="gloo"))
+    """
+    (RUNTIME.checks if checks is None else checks).use_cpu_group(group, cpu_group)
+
+
 def check(comm, call: Call, checks: GroupChecks | None = None) -> None:
     """Raise :class:`PlanMismatchError` on every rank of ``comm``'s group unless all ranks make
     the same ``call`` (one small all-reduce; see the module docstring, also for the switch).
     ``checks``: what the check remembers per group (None: the process's, ``RUNTIME.checks``)."""
     checks = RUNTIME.checks if checks is None else checks
-    group = _group(comm)
+    group = _group(comm, checks)
     if group is None:
         return
     try:
@@ -257,7 +275,7 @@ def joined_on_error(comm, checks: GroupChecks | None = None) -> Iterator[None]:
     try:
         yield
     except Exception as e:
-        group = _group(comm)
+        group = _group(comm, checks)
         if group is not None and not _skips(group, checks):
             _join_failed(group, comm.world_size, e, checks)
         raise

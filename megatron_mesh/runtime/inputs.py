@@ -15,6 +15,7 @@ import numbers
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..plan.layout import Layout
 from ..plan.mask import Mask
@@ -22,11 +23,32 @@ from ..plan.maskkinds import MaskKind
 from ..plan.units import as_int
 from ..plan.problem import normalize
 from ..plan.shape import AttentionShape
+from .state import RUNTIME
 
 # the inputs' dtypes the kernels take (fp32 accumulators for the halves, fp64 for fp64)
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-__all__ = ["INPUT_DTYPES", "attention_shape", "check_scale", "scale_of", "attention_mask", "integer_scalar"]
+__all__ = ["INPUT_DTYPES", "attention_shape", "check_scale", "scale_of", "attention_mask", "integer_scalar",
+           "host_values"]
+
+def host_values(t: Tensor, values: WeakIdKeyDictionary | None = None) -> list:
+    """``t.tolist()``, read once per tensor and version. Document boundaries reach every layer of
+    a model as the same tensor (Megatron's ``packed_seq_params``), often on the GPU, where each read
+    waits for the queued work: once per step instead of once per layer. An in-place change (a new
+    version) is read again; a tensor without a version counter (made under inference mode) is
+    read every time. The list is shared: callers copy what they change. ``values``: the memory
+    of what was read (None: the process's, ``RUNTIME.values``)."""
+    values = RUNTIME.values if values is None else values
+    try:
+        version = t._version
+    except RuntimeError:  # an inference tensor
+        return t.tolist()
+    got = values.get(t)
+    if got is not None and got[0] == version:
+        return got[1]
+    read = t.tolist()
+    values[t] = (version, read)
+    return read
 
 
 def attention_shape(q: Tensor, k: Tensor, v: Tensor) -> AttentionShape:
@@ -140,7 +162,7 @@ def _boundaries(cu_seqlens) -> list:
                              "document boundaries on the CPU or the inputs' device")
         if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
             raise ValueError(f"cu_seqlens must be a 1-D integer tensor or sequence, got {cu_seqlens!r}")
-        cu_seqlens = cu_seqlens.tolist()
+        cu_seqlens = list(host_values(cu_seqlens))
     else:
         try:
             cu_seqlens = list(cu_seqlens)  # once: a generator is read one time only

@@ -1,14 +1,17 @@
 """What the runtime keeps of a process between attention calls, in one object: :data:`RUNTIME`.
 
-Three memories, each a small class here with the call sites that read it:
+Four memories, three of them a small class here with the call sites that read it:
 
 * :class:`GroupChecks` -- the plan agreement check's memory of each process group
-  (:mod:`.agreement`: the device of its check's tensor, whether its ranks agreed to run without it);
+  (:mod:`.agreement`: the device of its check's tensor, whether its ranks agreed to run without it,
+  the CPU group it runs on instead of an NCCL group);
 * :class:`LayoutCalls` -- the prebuild memory: the recent attention calls on a layout with
   documents of its own, which :func:`~megatron_mesh.runtime.api.prebuild` plans again for the next
   samples' layouts (:mod:`.api`);
 * :class:`Arenas` -- each rank's arena (:class:`Scratch`), kept from call to call so a step
-  allocates nothing there (:mod:`.buffers`).
+  allocates nothing there (:mod:`.buffers`);
+* ``values`` -- the document boundaries read on the host, per tensor and version
+  (:func:`~.inputs.host_values`: once per step, not once per layer).
 
 The functions and classes that use them take the one they need (``checks=``, ``calls=``,
 ``arenas=``; None: the process's, read from :data:`RUNTIME` at call time), so a test passes its
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..plan.arena import ScratchLayout
 from ..plan.maskkinds import MaskKind
@@ -36,12 +40,14 @@ __all__ = ["GroupChecks", "LayoutCalls", "Scratch", "Arenas", "RuntimeState", "R
 
 class GroupChecks:
     """What the check remembers of each process group (weakly: a destroyed group goes): the
-    device of its check's tensor, chosen from the group alone, and whether its ranks agreed to run
-    without the check (``MEGATRON_MESH_PLAN_AGREEMENT=0`` on all)."""
+    device of its check's tensor, chosen from the group alone, whether its ranks agreed to run
+    without the check (``MEGATRON_MESH_PLAN_AGREEMENT=0`` on all), and the CPU group with the same
+    ranks its check runs on instead, where one was given (:meth:`use_cpu_group`)."""
 
     def __init__(self):
         self._devices: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._agreed_off: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self._cpu: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
     def device(self, group) -> torch.device:
         """CUDA for an NCCL group, else the CPU -- so every rank picks the same, whatever its inputs."""
@@ -51,6 +57,28 @@ class GroupChecks:
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
             self._devices[group] = device
         return device
+
+    def use_cpu_group(self, group, cpu_group) -> None:
+        """Check the calls on ``group`` over ``cpu_group`` (gloo, the same ranks in the same order):
+        the check's all-reduce then runs between the hosts, and the host, which must read its
+        result, need not wait for the GPU's queued work -- on an NCCL group it would, once per call,
+        losing the lead the host gains while the GPU runs the layer's other work. ValueError for a
+        group that is not gloo or holds other ranks."""
+        backend = dist.get_backend(cpu_group)
+        if backend != "gloo":
+            raise ValueError(f"the plan check's CPU group must be a gloo group, got a {backend} group")
+        ranks, cpu_ranks = dist.get_process_group_ranks(group), dist.get_process_group_ranks(cpu_group)
+        if list(ranks) != list(cpu_ranks):
+            raise ValueError(f"the plan check's CPU group must hold the ranks of its group in the same order, "
+                             f"{list(ranks)}; got {list(cpu_ranks)}")
+        self._cpu[group] = cpu_group
+
+    def forget_cpu_group(self, group) -> None:
+        self._cpu.pop(group, None)
+
+    def check_group(self, group):
+        """The group a call on ``group`` is checked over: its CPU group where one was given, else itself."""
+        return self._cpu.get(group, group)
 
     def agreed_off(self, group) -> bool:
         return group in self._agreed_off
@@ -137,6 +165,9 @@ class RuntimeState:
     checks: GroupChecks = field(default_factory=GroupChecks)  # the plan check's memory per process group
     calls: LayoutCalls = field(default_factory=LayoutCalls)  # the prebuild memory
     arenas: Arenas = field(default_factory=Arenas)  # each rank's buffers, kept from call to call
+    # tensor -> (its version, its values) of the document boundaries read on the host (weakly: a
+    # freed tensor goes; :func:`~.inputs.host_values`)
+    values: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
 
 
 RUNTIME = RuntimeState()  # the process's

@@ -30,7 +30,7 @@ def records(megatron_models):
 
 
 def _model_records(records):
-    return [[rec for rec in recs if rec["label"] != "routing"] for recs in records]
+    return [[rec for rec in recs if rec["label"] not in ("routing", "cpu_check")] for recs in records]
 
 
 def test_cp_model_matches_cp1_reference(records):
@@ -71,3 +71,19 @@ def test_mesh_rings_route_through_their_own_groups(records):
                                       kv_peer[rank]: sorted([rank, kv_peer[rank]])}
         assert rec["identical"], f"rank {rank}: routed and unrouted Mesh-Attention differ"
         assert rec["bytes"][0] == rec["bytes"][1] and rec["bytes"][0][0] > 0
+
+
+def test_an_nccl_cp_group_is_checked_over_its_gloo_twin(records):
+    """The plan check's all-reduce, read by the host, would wait for the GPU's queue once per call on
+    an NCCL group; CPGroups gives each CP group a gloo twin of the same ranks and the check runs
+    there (tests/megatron_cases._cpu_check, gloo standing in for NCCL): three calls, three checks,
+    each on the twin; the same result; a rank with another softmax scale makes every rank raise."""
+    for rank, recs in enumerate(records):
+        (rec,) = [r for r in recs if r["label"] == "cpu_check"]
+        assert not rec["is_cp_group"] and rec["twin_backend"] == "gloo"
+        assert rec["twin_ranks"] == rec["cp_ranks"] == [0, 1, 2, 3]
+        assert rec["checked_on"] == ["twin"] * 3, (rank, rec["checked_on"])
+        assert rec["identical"]
+        assert rec["mismatch"] and "softmax_scale: rank 0: 0.5" in rec["mismatch"], (rank, rec["mismatch"])
+        assert rec["refused"] and "must hold the ranks of its group in the same order, [0, 1, 2, 3]" in rec["refused"]
+        assert rec["after"], "destroy left the check on the twin"

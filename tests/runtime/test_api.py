@@ -572,3 +572,22 @@ def test_ranks_whose_own_block_choices_differ_do_not_agree():
     placement = resolve("ring", 4, shape)
     one, none, again = (placement.build(shape, mask, own_first=((2, "forward", k),)) for k in (1, 0, 1))
     assert plan_digest(one) != plan_digest(none) and plan_digest(one) == plan_digest(again)
+
+
+def test_document_boundaries_are_read_once_per_tensor_and_version(monkeypatch):
+    """Every layer of a model gets the same cu_seqlens tensor, on a GPU each read of it waits for
+    the queued work: host_values reads it once (a second call, another layer's, reads nothing),
+    again after an in-place change, and every time for an inference tensor (no version counter)."""
+    from megatron_mesh.runtime.inputs import host_values
+
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or tolist(self))
+    cu = torch.tensor([0, 5, 16])
+    assert host_values(cu) == [0, 5, 16] and host_values(cu) == [0, 5, 16] and len(reads) == 1
+    cu[1] = 7
+    assert host_values(cu) == [0, 7, 16] and len(reads) == 2
+    assert host_values(torch.tensor([[0, 5, 16], [0, 9, 16]])) == [[0, 5, 16], [0, 9, 16]] and len(reads) == 3
+    with torch.inference_mode():
+        frozen = torch.tensor([0, 3, 16])
+    assert host_values(frozen) == [0, 3, 16] and host_values(frozen) == [0, 3, 16] and len(reads) == 5
