@@ -134,6 +134,9 @@ def main(argv=None) -> None:
     ap.add_argument("--backward-keep-limit", type=float, default=KEEP_LIMIT, metavar="X",
                     help="what a rank's backward keeps of what it pulled, x its own Q, K and V (the modes' "
                          f"backward_keep_limit; default {KEEP_LIMIT})")
+    ap.add_argument("--host-lead-us", type=float, default=0.0, metavar="US",
+                    help="how far the host is ahead of its GPU when a direction starts (the planner's --host-lead-us; "
+                         "default 0: it starts with the GPU)")
     args = ap.parse_args(argv)
     if args.cp < 1 or args.seq_len % (2 * args.cp):
         ap.error(f"--cp {args.cp} must be >= 1 and split --seq-len {args.seq_len} into 2 x CP halves")
@@ -141,7 +144,7 @@ def main(argv=None) -> None:
         shape = AttentionShape(args.seq_len // args.cp, 1, args.heads, args.kv_heads, args.head_dim,
                                ITEMSIZE[args.dtype])
         topo = Topology(nodes=args.nodes or max(1, -(-args.cp // args.gpus_per_node)),
-                        gpus_per_node=args.gpus_per_node)
+                        gpus_per_node=args.gpus_per_node, host_lead=args.host_lead_us * 1e-6)
         topo.check(args.cp)
         document_bounds(args.docs, args.seq_len)
         check_keep_limit("--backward-keep-limit", args.backward_keep_limit)

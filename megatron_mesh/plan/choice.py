@@ -323,8 +323,10 @@ def _host_ops(portions, pulls, units: int, ulysses: int, sets: bool,
 
 
 def _host_seconds(per_unit, topo: Topology) -> float:
-    """The busiest unit's host time: its ops at ``topo.host_op_time``, its views at ``host_view_time``."""
-    return max(ops * topo.host_op_time + views * topo.host_view_time for ops, views in per_unit)
+    """The busiest unit's host time: its ops at ``topo.host_op_time``, its views at ``host_view_time``,
+    less the host's lead (``topo.host_lead``: what it issued before the direction began)."""
+    busiest = max(ops * topo.host_op_time + views * topo.host_view_time for ops, views in per_unit)
+    return max(0.0, busiest - topo.host_lead)
 
 
 def _comm(pulls, units: int, shape: AttentionShape, topo: Topology, span: int, burst: bool,

@@ -316,8 +316,8 @@ class _Walk:
     def op(self, i: int, op) -> HostOps:
         kind = type(op)
         launches = 0.0
-        keys = op.reads() if kind is AttendBackward else op_keys(op)
-        if kind not in (AddGrad, Copy, Free, Wait) and self.queue.touches(keys):
+        if kind not in (AddGrad, Copy, Free, Wait) and self.queue.writes and \
+                self.queue.touches(op.reads() if kind is AttendBackward else op_keys(op)):
             launches += self.queue.flush()
         new = [k for k in dict.fromkeys(op.writes()) if k not in self.live and kind is not Post]
         self.live.update(new)

@@ -69,6 +69,7 @@ class _Rank:
     pc: int = 0
     clock: float = 0.0  # compute stream
     host: float = 0.0  # the host: when it has issued everything so far
+    lead: float = 0.0  # how far ahead of the device the host started (Topology.host_lead)
     busy: float = 0.0
     events: list = field(default_factory=list)
     pack: dict = field(default_factory=dict)  # op index of an all-to-all round's Post -> its pack copy's seconds
@@ -158,6 +159,8 @@ class _Costs:
             per_op, per_view = topo.host_op_time, topo.host_view_time
             st.issue = tuple(h.seconds(per_op, per_view) for h in ops)
             st.around, st.first_op = around.seconds(per_op, per_view), per_op
+            st.lead = topo.host_lead
+            st.host = -st.lead  # what it issued before the device started is already queued
         return st
 
     def __call__(self, op, first=None, single=None) -> float:
@@ -211,7 +214,7 @@ def _result(states: list[_Rank], comm_end: float, timeline: bool) -> tuple[float
     slowest = max(states, key=lambda s: s.clock)
     rounds = max(sum(1 for op in st.ops if type(op) is Post) for st in states)
     events = sorted((e for st in states for e in st.events), key=lambda e: (e.rank, e.start)) if timeline else []
-    return max(slowest.clock, comm_end), slowest.busy, rounds, events, slowest.host
+    return max(slowest.clock, comm_end), slowest.busy, rounds, events, slowest.host + slowest.lead
 
 
 def run_lockstep(plan: Plan, shape: AttentionShape, topo: Topology, direction: str, ranks: list[int],

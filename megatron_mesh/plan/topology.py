@@ -42,6 +42,13 @@ measured values):
   0 leaves the host out (the model before issue 52).
 * ``host_view_time`` 3 us: the host's time per view the executor makes (a slice, no device
   work; fitted with ``host_op_time`` on the same H200 runs, :mod:`.hostcost`).
+* ``host_lead`` 0 us: how far the host is ahead of its GPU when a direction of the attention starts
+  -- the layer's other work (projections, MLP: long GEMMs, few ops) lets the host queue ops
+  before the GPU reaches them, unless something makes the host wait for the GPU before each call.
+  0, the default, prices that worst case (until stop 71 the plan check's all-reduce on an NCCL
+  group did, once per call; it now runs over a gloo twin of the group). A Llama-3-8B-like layer
+  (hidden 4096, FFN 14336) at 4K tokens per rank gives its host about 2 ms forward, more
+  backward (docs/performance.md, "The host's lead").
 * ``mask_piece`` 2048 tokens: a masked block runs as kernel calls on pieces of at most this many
   query x key tokens (the runtime's default on CUDA, :data:`~.mask.MASK_PIECE`): empty pieces are
   skipped, whole-document pieces run the causal / full fast path, the rest are computed densely
@@ -83,6 +90,7 @@ class Topology:
     mask_piece: int = MASK_PIECE["cuda"]
     host_op_time: float = HOST_OP_TIME
     host_view_time: float = HOST_VIEW_TIME
+    host_lead: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node"):
@@ -91,7 +99,8 @@ class Topology:
         for name in ("intra_bandwidth", "inter_bandwidth", "attention_flops", "memory_bandwidth"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be finite and > 0, got {getattr(self, name)!r}")
-        for name in ("intra_latency", "inter_latency", "kernel_latency", "host_op_time", "host_view_time"):
+        for name in ("intra_latency", "inter_latency", "kernel_latency", "host_op_time", "host_view_time",
+                     "host_lead"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be finite and >= 0, got {getattr(self, name)!r}")
         if self.node_of is not None:
@@ -158,7 +167,8 @@ class Topology:
                 f"{self.inter_latency * 1e6:g} us per GPU per direction; attention "
                 f"{self.attention_flops / 1e12:g} TFLOP/s, {self.kernel_latency * 1e6:g} us per kernel, "
                 f"HBM {self.memory_bandwidth / 1e12:g} TB/s; host {self.host_op_time * 1e6:g} us per torch op, "
-                f"{self.host_view_time * 1e6:g} per view")
+                f"{self.host_view_time * 1e6:g} per view"
+                + (f", {self.host_lead * 1e6:g} us ahead" if self.host_lead and self.host_priced else ""))
 
     @property
     def host_priced(self) -> bool:

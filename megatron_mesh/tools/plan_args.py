@@ -132,6 +132,10 @@ def _machine_arguments(t) -> None:
                    help="the host's us per view the executor makes (a slice: no kernel launch; priced only where "
                         "--host-op-us is not 0; default: the --host-op-us file's host_view_us where it has one, "
                         f"else {d.host_view_time * 1e6:g} us)")
+    t.add_argument("--host-lead-us", type=float, default=d.host_lead * 1e6, metavar="US",
+                   help="how far the host is ahead of its GPU when the attention's forward or backward starts: the "
+                        "layer's other work lets it queue ops early (0: it starts with the GPU, the worst case; a "
+                        "Llama-3-8B-like layer at 4K tokens per rank gives about 2000; default %(default)g)")
 
 
 def _output_arguments(o) -> None:
@@ -167,13 +171,14 @@ def topology_of(args, world_size: int) -> Topology:
                                  ("--intra-latency", args.intra_latency, True),
                                  ("--inter-latency", args.inter_latency, True), ("--tflops", args.tflops, False),
                                  ("--kernel-latency", args.kernel_latency, True), ("--hbm", args.hbm, False),
-                                 ("--host-view-us", 0.0 if args.host_view_us is None else args.host_view_us, True)):
+                                 ("--host-view-us", 0.0 if args.host_view_us is None else args.host_view_us, True),
+                                 ("--host-lead-us", args.host_lead_us, True)):
         if not math.isfinite(value) or value < 0 or value == 0 and not zero_ok:
             raise ValueError(f"{flag} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {value:g}")
     links = dict(intra_bandwidth=args.intra_bandwidth * 1e9, inter_bandwidth=args.inter_bandwidth * 1e9,
                  intra_latency=args.intra_latency * 1e-6, inter_latency=args.inter_latency * 1e-6,
                  attention_flops=args.tflops * 1e12, kernel_latency=args.kernel_latency * 1e-6,
-                 memory_bandwidth=args.hbm * 1e12)
+                 memory_bandwidth=args.hbm * 1e12, host_lead=args.host_lead_us * 1e-6)
     if args.host_op_us is not None:
         try:
             op, view, _ = host_costs(args.host_op_us)

@@ -823,6 +823,39 @@ def test_the_host_sets_the_pace_where_it_is_behind():
     assert 0 < free_views.host < default.host
 
 
+def test_a_host_ahead_of_its_gpu_hides_its_ops(tmp_path):
+    """Topology.host_lead: the host starts that far ahead of the GPU in each direction (what the
+    layer's other work gave it once nothing syncs them per call). At 1K tokens per rank the ring
+    plan's host is behind from its first op: the time falls with the lead -- never below the
+    device's own (host free) time, which a lead of the host's whole issue time reaches --, the host
+    seconds reported stay its issue time, the layout choice's host price falls by the lead, the
+    machine line names it, and --host-lead-us sets it (a negative one is refused, naming it)."""
+    from megatron_mesh.plan.choice import _host_seconds
+    from megatron_mesh.tools.plan_args import parser, topology_of
+
+    shape = AttentionShape(seq_local=1024, heads=32, kv_heads=8, head_dim=128)
+    plan = build_ring_plan(8, shape)
+    free = simulate(plan, shape, Topology.for_cp(8, host_op_time=0.0))
+    times, hosts = [], []
+    for lead in (0.0, 1e-4, 5e-4, 1.0):
+        res = simulate(plan, shape, Topology.for_cp(8, host_lead=lead))
+        times.append(res.time)
+        hosts.append(res.host)
+    assert times[0] > times[1] > times[2] >= times[3] >= free.time * (1 - 1e-9)
+    assert times[3] == pytest.approx(free.time, rel=1e-6)
+    assert hosts == pytest.approx([hosts[0]] * 4, rel=0.01)  # the slowest rank's (0 or 7: they differ a little)
+    topo = Topology.for_cp(8, host_lead=2e-4)
+    assert _host_seconds([(100, 10)], topo) == pytest.approx(100 * topo.host_op_time + 10 * topo.host_view_time - 2e-4)
+    assert _host_seconds([(1, 0)], topo) == 0.0
+    assert topo.describe().endswith("3 per view, 200 us ahead") and "ahead" not in Topology().describe()
+    with pytest.raises(ValueError, match="host_lead must be finite and >= 0, got -1"):
+        Topology(host_lead=-1)
+    args = parser().parse_args(["--cp", "8", "--host-lead-us", "1500"])
+    assert topology_of(args, 8).host_lead == pytest.approx(1.5e-3)
+    with pytest.raises(ValueError, match="--host-lead-us must be a finite number >= 0, got -2"):
+        topology_of(parser().parse_args(["--cp", "8", "--host-lead-us", "-2"]), 8)
+
+
 def test_the_host_prices_come_from_flags_and_files(tmp_path):
     """--host-op-us takes a number or a file; a host_cost.json's host_view_us goes with its op's
     price (gpu_targets.py measured both), --host-view-us overrides it; a bad file value is named."""
