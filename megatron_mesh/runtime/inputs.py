@@ -31,13 +31,21 @@ INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 __all__ = ["INPUT_DTYPES", "attention_shape", "check_scale", "scale_of", "attention_mask", "integer_scalar",
            "host_values"]
 
-def host_values(t: Tensor, values: WeakIdKeyDictionary | None = None) -> list:
+# devices whose tensors host_values reads once per version: a read from them waits for the queued
+# work; a CPU tensor is read every time (cheap, and numpy can change it without a new version)
+CACHED_DEVICES = ("cuda",)
+
+
+def host_values(t: Tensor, values: WeakIdKeyDictionary | None = None, devices: tuple = CACHED_DEVICES) -> list:
     """``t.tolist()``, read once per tensor and version. Document boundaries reach every layer of
     a model as the same tensor (Megatron's ``packed_seq_params``), often on the GPU, where each read
     waits for the queued work: once per step instead of once per layer. An in-place change (a new
-    version) is read again; a tensor without a version counter (made under inference mode) is
-    read every time. The list is shared: callers copy what they change. ``values``: the memory
-    of what was read (None: the process's, ``RUNTIME.values``)."""
+    version) is read again; a tensor without a version counter (made under inference mode), or
+    on another device than ``devices`` (:data:`CACHED_DEVICES`: a CPU read saves no wait), is read
+    every time. The list is shared: callers copy what they change. ``values``: the memory of what
+    was read (None: the process's, ``RUNTIME.values``)."""
+    if t.device.type not in devices:
+        return t.tolist()
     values = RUNTIME.values if values is None else values
     try:
         version = t._version

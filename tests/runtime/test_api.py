@@ -577,12 +577,22 @@ def test_ranks_whose_own_block_choices_differ_do_not_agree():
 def test_document_boundaries_are_read_once_per_tensor_and_version(monkeypatch):
     """Every layer of a model gets the same cu_seqlens tensor, on a GPU each read of it waits for
     the queued work: host_values reads it once (a second call, another layer's, reads nothing),
-    again after an in-place change, and every time for an inference tensor (no version counter)."""
-    from megatron_mesh.runtime.inputs import host_values
+    again after an in-place change, and every time for an inference tensor (no version counter);
+    a CPU tensor, which numpy may change without a new version, every time -- then the CPU
+    stands in for CUDA (``devices``)."""
+    from functools import partial
+
+    from megatron_mesh.runtime.inputs import host_values as read
 
     reads = []
     tolist = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or tolist(self))
+    cpu = torch.tensor([0, 5, 16])
+    assert read(cpu) == [0, 5, 16] and read(cpu) == [0, 5, 16] and len(reads) == 2
+    cpu.numpy()[1] = 6  # no new version
+    assert read(cpu) == [0, 6, 16]
+    reads.clear()
+    host_values = partial(read, devices=("cpu",))
     cu = torch.tensor([0, 5, 16])
     assert host_values(cu) == [0, 5, 16] and host_values(cu) == [0, 5, 16] and len(reads) == 1
     cu[1] = 7
