@@ -367,26 +367,26 @@ def _check_plugin_layers(args, settings: PluginSettings, cp: int, active: set, p
 
 
 def _no_pipeline_with_documents(args) -> None:
-    """Packed documents at PP > 1: every stage learns each micro-batch's documents at the start of
-    its step (:mod:`.pipeline`), for the forward steps in order -- not for a virtual pipeline's
-    model chunks, nor for a recomputation in the backward pass, which runs after later
-    micro-batches' forward steps."""
-    if args.pipeline_model_parallel_size == 1:
+    """Packed documents: each forward and backward step makes its micro-batch's documents current
+    (:mod:`.pipeline` at PP > 1; at PP 1 ``get_batch`` before each forward, whose backward --
+    and any recomputation -- runs before the next). Megatron's combined 1F1B schedule
+    (``--overlap-moe-expert-parallel-comm``) runs a micro-batch's forward together with another's
+    backward, in steps of its own: a recomputed layer (any PP), or a stage without batches (PP > 1),
+    would read another micro-batch's documents."""
+    if not getattr(args, "overlap_moe_expert_parallel_comm", False):
         return
-    what = (f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} with packed documents "
-            "(--reset-attention-mask / --cp-thd-packing)")
-    if any(getattr(args, a, None) for a in ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
-                                            "virtual_pipeline_model_parallel_size")):
-        raise ValueError(f"{what} and a virtual pipeline (--num-layers-per-virtual-pipeline-stage): the stages share "
-                         "each micro-batch's documents for one model chunk per stage; leave the virtual pipeline out")
     # --recompute-activations becomes --recompute-granularity selective only in Megatron's own
     # validation, which runs after these checks
     recompute = getattr(args, "recompute_granularity", None) or (
         "selective (--recompute-activations)" if getattr(args, "recompute_activations", False) else None)
-    if recompute:
-        raise ValueError(f"{what} and --recompute-granularity {recompute}: a recomputed layer runs "
-                         "in the backward pass, after later micro-batches' forward steps replaced its documents; "
-                         "leave recomputation out")
+    pp = args.pipeline_model_parallel_size
+    if pp > 1 or recompute:
+        why = f"--pipeline-model-parallel-size {pp}" if pp > 1 else f"--recompute-granularity {recompute}"
+        raise ValueError(f"--overlap-moe-expert-parallel-comm with packed documents (--reset-attention-mask / "
+                         f"--cp-thd-packing) and {why}: its combined 1F1B schedule runs one micro-batch's forward "
+                         "together with another's backward, so a layer could read the other micro-batch's documents; "
+                         "leave out --overlap-moe-expert-parallel-comm, or "
+                         + ("pipeline parallelism" if pp > 1 else "recomputation"))
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout

@@ -14,10 +14,17 @@ starts (no stage is waiting on another's activations then), :func:`install` make
    source -- tokens (``--reset-attention-mask``, ``--cp-thd-packing``) or position ids
    (``--reset-position-ids`` through ``run_script``), [micro-batches, b, S] -- over its pipeline
    group, then on every stage over the TP group;
-2. before each micro-batch's forward step, make its boundaries current on every rank
-   (:attr:`.process.ProcessState.pipeline_rows`, and :func:`.batch_layout.set_current` of their
-   :class:`~.batch_layout.BatchLayout`): the batch split on the first and last stages splits by
-   them, the layers and RoPE of the stages in between read them.
+2. before each micro-batch's forward step -- and before its backward step, where a recomputed layer
+   runs its forward again after later micro-batches' forward steps -- make its boundaries current
+   on every rank (:attr:`.process.ProcessState.pipeline_rows`, and :func:`.batch_layout.set_current`
+   of their :class:`~.batch_layout.BatchLayout`): the batch split on the first and last stages
+   splits by them, the layers and RoPE of the stages in between read them. Which micro-batch a
+   step runs comes from Megatron's schedule itself: its ``forward_step`` is told
+   (``current_microbatch``), and its ``backward_step`` gets the output that forward step returned
+   (:class:`_Step` remembers whose it was). So the order of the steps does not matter: 1F1B, a
+   virtual pipeline's model chunks (stage 0 of PP 2 with two chunks of one layer runs the forward
+   steps chunk 0 mb 0, chunk 0 mb 1, chunk 1 mb 0, ... and the backward steps in yet another
+   order), activation recompute (full or selective) all see each micro-batch's own documents.
 
 The batch split and the layers decide each sample's layout from its boundaries alone
 (:func:`.layout_decision.sample_layout`), so the same boundaries give the same layout on every
@@ -53,13 +60,18 @@ def install(process: ProcessState = PROCESS) -> None:
     """Make Megatron's training and evaluation loops run each step's schedule through
     :func:`_share_documents` where :func:`shares_documents` (``pretrain`` looks
     ``get_forward_backward_func`` up in its module at call time; both entry scripts call this
-    before it). ``process``: whose flags say where the documents come from."""
+    before it), and the schedules' forward and backward steps make their micro-batch's documents
+    current while a step shares them (the schedules look ``forward_step`` / ``backward_step`` up
+    in their module at call time). ``process``: whose flags say where the documents come from."""
+    from megatron.core.pipeline_parallel import schedules
     from megatron.training import training
 
     from . import bootstrap
 
     bootstrap.substitute(training, "get_forward_backward_func",
                          lambda get: functools.partial(_schedule, get, process))
+    bootstrap.substitute(schedules, "forward_step", lambda step: functools.partial(_forward_step, step, process))
+    bootstrap.substitute(schedules, "backward_step", lambda step: functools.partial(_backward_step, step, process))
 
 
 def _schedule(get, process: ProcessState, *a, **kw):
@@ -113,14 +125,17 @@ def _share_documents(schedule, args, settings: PluginSettings, process: ProcessS
     n = kw["num_microbatches"]
     # the step's batch shape as Megatron passes it: evaluation's --eval-micro-batch-size may differ
     shape = (n, kw.get("micro_batch_size", args.micro_batch_size), kw.get("seq_length", args.seq_length))
-    items, source = _step_sources(kw.get("data_iterator"), shape, SOURCE_KEY[settings.documents])
+    data = kw.get("data_iterator")
+    # a virtual pipeline passes one iterator per model chunk: the first chunk's reads the batches
+    first = data[0] if isinstance(data, list) else data
+    items, source = _step_sources(first, shape, SOURCE_KEY[settings.documents])
     if items is not None:
-        kw["data_iterator"] = iter(items)
-    kw["forward_step_func"] = _each_microbatch(kw["forward_step_func"], source.cpu(), args, settings,
-                                               eod_token(settings.documents), process)
+        kw["data_iterator"] = [iter(items), *data[1:]] if isinstance(data, list) else iter(items)
+    process.pipeline_step = _Step(source.cpu(), args, settings, eod_token(settings.documents), process)
     try:
         return schedule(*a, **kw)
     finally:
+        process.pipeline_step = None
         process.pipeline_rows = None  # the step's: a batch split outside it reads its own batch
 
 
@@ -155,25 +170,65 @@ def _step_sources(data_iterator, shape: tuple[int, int, int], key: str) -> tuple
     return items, source
 
 
-def _each_microbatch(forward_step, source: torch.Tensor, args, settings: PluginSettings, eod: Optional[int],
-                     process: ProcessState):
-    """``forward_step`` (Megatron inspects its signature: kept) with micro-batch i's boundaries
-    made current before its i-th call -- the schedules run the micro-batches' forward steps in
-    order on every stage."""
-    from megatron.core import parallel_state as mpu
+class _Step:
+    """The documents of one step's micro-batches (``source`` [n, b, S], see :data:`SOURCE_KEY`),
+    made current by index; and which forward step's output was whose, for the backward steps."""
 
-    from .batch_layout import BatchLayout, document_rows, set_current
+    def __init__(self, source: torch.Tensor, args, settings: PluginSettings, eod: Optional[int],
+                 process: ProcessState):
+        self.source, self.args, self.settings, self.eod, self.process = source, args, settings, eod, process
+        self.made: dict[int, tuple] = {}  # micro-batch -> (its rows, its BatchLayout or None), made once
+        self.outputs: dict[int, int] = {}  # id() of a forward step's output -> its micro-batch
 
-    calls = iter(range(source.shape[0]))
-    source_name = "positions" if settings.documents == "positions" else "eod"
+    def activate(self, i: int) -> None:
+        """Make micro-batch ``i``'s documents current (its boundaries, and their layouts where the
+        batches carry the documents)."""
+        from megatron.core import parallel_state as mpu
 
-    @functools.wraps(forward_step)
-    def step(*a, **kw):
-        i = next(calls)
-        rows = document_rows({SOURCE_KEY[settings.documents]: source[i]}, source_name, eod)
-        process.pipeline_rows = rows
-        if settings.documents in BATCH_DOCUMENTS:
-            set_current(BatchLayout.of(rows, args, mpu.get_context_parallel_rank(), settings), process)
-        return forward_step(*a, **kw)
+        from .batch_layout import BatchLayout, document_rows, set_current
 
-    return step
+        if not 0 <= i < self.source.shape[0]:
+            raise RuntimeError(f"megatron_mesh: Megatron's schedule ran micro-batch {i} of a step of "
+                               f"{self.source.shape[0]}")
+        got = self.made.get(i)
+        if got is None:
+            name = "positions" if self.settings.documents == "positions" else "eod"
+            rows = document_rows({SOURCE_KEY[self.settings.documents]: self.source[i]}, name, self.eod)
+            layout = (BatchLayout.of(rows, self.args, mpu.get_context_parallel_rank(), self.settings)
+                      if self.settings.documents in BATCH_DOCUMENTS else None)
+            got = self.made[i] = (rows, layout)
+        self.process.pipeline_rows = got[0]
+        if got[1] is not None:
+            set_current(got[1], self.process)
+
+
+def _forward_step(original, process: ProcessState, *a, **kw):
+    """Megatron's ``schedules.forward_step`` (``original``) with its micro-batch's documents made
+    current first, while a step shares them; the output it returns is remembered as that
+    micro-batch's, for its backward step."""
+    step = process.pipeline_step
+    if step is None:
+        return original(*a, **kw)
+    i = kw.get("current_microbatch")
+    if i is None:
+        raise RuntimeError("megatron_mesh: Megatron's schedule ran a forward step without naming its micro-batch "
+                           "(current_microbatch), so the pipeline stages cannot tell whose documents it runs")
+    step.activate(i)
+    out = original(*a, **kw)
+    step.outputs[id(out[0])] = i
+    return out
+
+
+def _backward_step(original, process: ProcessState, *a, **kw):
+    """Megatron's ``schedules.backward_step`` (``original``; arguments input_tensor,
+    output_tensor, ...) with the documents of the micro-batch whose output it back-propagates made
+    current first -- what a recomputed layer's forward reads -- while a step shares them."""
+    step = process.pipeline_step
+    if step is not None:
+        output = a[1] if len(a) > 1 else kw["output_tensor"]
+        i = step.outputs.pop(id(output), None)
+        if i is None:
+            raise RuntimeError("megatron_mesh: Megatron's schedule ran a backward step for an output no forward step "
+                               "of this step returned, so the pipeline stages cannot tell whose documents it runs")
+        step.activate(i)
+    return original(*a, **kw)

@@ -50,6 +50,9 @@ class ProcessState:
     # runs, as the first stage shared them with every stage (pipeline.py); the batch split takes
     # them (a stage's batch may carry no tokens), the stages without a batch their layout
     pipeline_rows: Optional[tuple] = None
+    # pipeline.py: the step whose documents the stages share (its micro-batches' documents and which
+    # forward step's output was whose), while its schedule runs; None outside
+    pipeline_step: Optional[object] = None
     stages_nodes_checked: bool = False  # pipeline.py: the stages' CP groups span nodes alike (checked once)
     # the layout kinds the samples split since telemetry last read them ran on, {name: samples}
     # (batch_layout.split_batch counts, telemetry.Telemetry.after_iteration logs and records them)

@@ -26,7 +26,6 @@ PLUGIN = ["--spec", "megatron_mesh.megatron.spec", "gpt_layer_spec", "--transfor
           "--attention-dropout", "0"]
 
 
-PP_DOCUMENTS = "--pipeline-model-parallel-size {} with packed documents (--reset-attention-mask / --cp-thd-packing) and "
 PER_TOKEN = "--calculate-per-token-loss"  # the balanced layout (the default with documents at CP > 1) needs it
 # DeepSeek-style attention: MLA, q/k head dim 16 + 8, v head dim 12, YaRN (configs/deepseek_tiny_cpu.yaml)
 MLA = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "32", "--qk-head-dim", "16",
@@ -126,21 +125,22 @@ def test_masks_and_hybrids_valid(megatron_args, our_entry, argv, documents):
       "--seq-length", "64"], "--cp-thd-pad-multiple must be a positive integer, got -8"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--cp-thd-packing", "--cp-thd-pad-multiple", "0",
       "--seq-length", "64"], "--cp-thd-pad-multiple must be a positive integer, got 0"),
-    # documents at PP > 1 (test_megatron_pretrain_pipeline.py): the stages share each micro-batch's
-    # documents for its forward step, not for a recomputation in the backward pass or a virtual pipeline
+    # documents with Megatron's combined 1F1B schedule (one micro-batch's forward beside another's
+    # backward): refused at PP > 1 and with recompute (test_megatron_pretrain_pipeline.py runs
+    # documents with recompute and a virtual pipeline at PP 2)
     (["--context-parallel-size", "2", "--cp-comm-type", "mesh", "--reset-attention-mask", PER_TOKEN,
-      "--pipeline-model-parallel-size", "2", "--recompute-granularity", "selective"],
-     PP_DOCUMENTS.format(2) + "--recompute-granularity selective: a recomputed layer runs in the backward pass"),
+      "--pipeline-model-parallel-size", "2", "--overlap-moe-expert-parallel-comm"],
+     "--overlap-moe-expert-parallel-comm with packed documents (--reset-attention-mask / --cp-thd-packing) and "
+     "--pipeline-model-parallel-size 2: its combined 1F1B schedule runs one micro-batch's forward together with "
+     "another's backward"),
     # --recompute-activations: Megatron makes it --recompute-granularity selective after these checks
     (["--context-parallel-size", "2", "--cp-comm-type", "mesh", "--reset-attention-mask", PER_TOKEN,
-      "--pipeline-model-parallel-size", "2", "--recompute-activations"],
-     PP_DOCUMENTS.format(2) + "--recompute-granularity selective (--recompute-activations): a recomputed layer"),
+      "--recompute-activations", "--overlap-moe-expert-parallel-comm"],
+     "and --recompute-granularity selective (--recompute-activations): its combined 1F1B schedule"),
     # at CP 1 too: the documents run the plugin's attention there as well
-    (["--context-parallel-size", "1", "--reset-attention-mask", PER_TOKEN, "--pipeline-model-parallel-size", "2",
-      "--recompute-granularity", "full", "--recompute-method", "uniform"], PP_DOCUMENTS.format(2) + "--recompute"),
-    (["--context-parallel-size", "1", "--cp-thd-packing", "--seq-length", "64", "--pipeline-model-parallel-size", "4",
-      "--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "1"],
-     PP_DOCUMENTS.format(4) + "a virtual pipeline (--num-layers-per-virtual-pipeline-stage)"),
+    (["--context-parallel-size", "1", "--cp-thd-packing", "--seq-length", "64", "--recompute-granularity", "full",
+      "--recompute-method", "uniform", "--overlap-moe-expert-parallel-comm"],
+     "and --recompute-granularity full: its combined 1F1B schedule"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--sft"],
      "--sft: Megatron's sft batches are not supported by the plugin modes"),
     # --cp-layout: where it applies (at no CP size without documents), and what the balanced layout needs

@@ -4,17 +4,27 @@ fp32): every pipeline stage's layers run each micro-batch on its documents and i
 (Megatron-Bridge #2952: documents contaminated each other in the middle stages).
 
 configs/gpt_tiny_cpu_docs.yaml (EOD documents of 1 to ~150 tokens, samples of 64), two
-micro-batches per step (1F1B: stage 0 runs micro-batch 1's forward before micro-batch 0's backward):
+micro-batches per step (1F1B: stage 0 runs micro-batch 1's forward before micro-batch 0's backward,
+so a recomputed layer runs micro-batch 0's forward again after micro-batch 1's):
 
-* through the plugin's entry script, one layer per mode: PP 2 x CP 2 (mesh, tasp, ring, mesh) on
-  Megatron's zigzag, and PP 2 x CP 4 (a2a+mesh with --hierarchical-context-parallel-sizes 2 2,
-  tasp, ring, a2a+mesh; 8 processes) on the balanced layout, log the PP 2 x CP 1 losses;
+* through the plugin's entry script, one layer per mode, on a virtual pipeline (two model chunks
+  of one layer per stage: stage 1 runs layers 1 and 3, and each chunk's forward and backward
+  steps interleave with the other's): PP 2 x CP 2 (mesh, tasp, ring, mesh) on Megatron's zigzag
+  with full recompute, and PP 2 x CP 4 (a2a+mesh with --hierarchical-context-parallel-sizes 2 2,
+  tasp, ring, a2a+mesh; 8 processes) on the balanced layout with selective recompute, log the
+  PP 2 x CP 1 losses (the same virtual pipeline: it initialises the layers in another order);
 * PP 3 x CP 2 with 3 layers (ring, mesh, tasp: Mesh in the middle stage) on the balanced layout
-  through Megatron-LM's pretrain_gpt.py run by scripts/run_megatron_script.sh (documents from the
-  position ids; its get_batch gives the middle stage nothing at all) logs the PP 3 x CP 1 losses;
-* THD packing (configs/gpt_tiny_cpu_thd.yaml) at PP 3 x CP 2 (tasp, ring, mesh) through the plugin's
-  entry script (whose middle stage hands its layers the shared documents as packed_seq_params)
-  logs PP 3 x CP 1's.
+  with selective recompute through Megatron-LM's pretrain_gpt.py run by
+  scripts/run_megatron_script.sh (documents from the position ids; its get_batch gives the middle
+  stage nothing at all) logs the PP 3 x CP 1 losses;
+* THD packing (configs/gpt_tiny_cpu_thd.yaml) at PP 3 x CP 2 (tasp, ring, mesh) with full recompute
+  through the plugin's entry script (whose middle stage hands its layers the shared documents as
+  packed_seq_params) logs PP 3 x CP 1's.
+
+Before the stages made each step's own micro-batch current (megatron_mesh/megatron/pipeline.py) a
+virtual pipeline stopped at its first step, and a recomputed layer on the balanced layout found
+another micro-batch's layout current and stopped (on the zigzag it would have read that
+micro-batch's documents); both were refused at start-up.
 
 All to 1e-5 relative. (The entry script's EOD documents on the balanced layout at PP 3 x CP 2 take
 the paths of these two middle stages together: left out for time.) Before the stages shared the
@@ -40,6 +50,9 @@ PP2_MODES = "mesh tasp ring mesh"
 HYBRID_MODES = "a2a+mesh tasp ring a2a+mesh"
 HCP = ("--hierarchical-context-parallel-sizes", "2", "2")
 PP3_MODES = "ring mesh tasp"
+VPP = ("--num-layers-per-virtual-pipeline-stage", "1")  # PP 2 with 4 layers: two model chunks per stage
+FULL = ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
+SELECTIVE = ("--recompute-granularity", "selective")
 THD_MODES = "tasp ring mesh"
 
 
@@ -55,13 +68,13 @@ def runs(doc_data):
 
     mlm = (MEGATRON_LM_SCRIPT,)
     plan = {
-        "pp2_cp1": ("docs", (), 2, 1, "mesh", *PP2),
+        "pp2_cp1": ("docs", (), 2, 1, "mesh", *PP2, *VPP),
         "pp3_cp1": ("docs", (), 3, 1, "mesh", *PP3),
         "thd_pp3_cp1": ("thd", (), 3, 1, "mesh", *PP3),
-        "pp2_zigzag_cp2": ("docs", (), 4, 2, PP2_MODES, *PP2, "--cp-layout", "zigzag"),
-        "pp2_balanced_cp4": ("docs", (), 8, 4, HYBRID_MODES, *PP2, *HCP, "--cp-layout", "balanced"),
-        "mlm_pp3_balanced_cp2": ("docs", mlm, 6, 2, PP3_MODES, *PP3, "--cp-layout", "balanced"),
-        "thd_pp3_cp2": ("thd", (), 6, 2, THD_MODES, *PP3),
+        "pp2_zigzag_cp2": ("docs", (), 4, 2, PP2_MODES, *PP2, *VPP, *FULL, "--cp-layout", "zigzag"),
+        "pp2_balanced_cp4": ("docs", (), 8, 4, HYBRID_MODES, *PP2, *VPP, *SELECTIVE, *HCP, "--cp-layout", "balanced"),
+        "mlm_pp3_balanced_cp2": ("docs", mlm, 6, 2, PP3_MODES, *PP3, *SELECTIVE, "--cp-layout", "balanced"),
+        "thd_pp3_cp2": ("thd", (), 6, 2, THD_MODES, *PP3, *FULL),
     }
     return run_all(lambda *spec: run(*spec), plan, together=("pp2_cp1", "pp3_cp1", "thd_pp3_cp1"))
 
@@ -86,10 +99,11 @@ def test_documents_with_pipeline_match_cp1(runs, name, reference, modes, tail):
     stages = _stages(text)
     pp, cp = (3, 2) if "pp3" in name else (2, int(name[-1]))
     assert len(stages) == pp, stages  # one line per stage: every stage ran its plugin layers
-    per_stage = len(modes.split()) // pp
+    per_chunk = 1 if "pp2" in name else len(modes.split()) // pp  # layers of a model chunk (virtual stage)
     for i, mode in enumerate(modes.split()):
-        stage = stages[i // per_stage]
-        assert stage.startswith(f"pipeline stage {i // per_stage + 1}/{pp}: "), stages
+        at = i // per_chunk % pp  # the stages take the chunks in turn: PP 2's stage 1 runs layers 1 and 3
+        stage = stages[at]
+        assert stage.startswith(f"pipeline stage {at + 1}/{pp}: "), stages
         part = f"layer {i + 1}: {mode} (CP {cp}"
         assert part in stage, (part, stage)
         assert tail in stage.split(part, 1)[1].split("; layer")[0], (tail, stage)
