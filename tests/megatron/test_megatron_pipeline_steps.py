@@ -14,9 +14,11 @@ import types
 import pytest
 import torch
 
-from megatron_mesh.megatron.pipeline import _backward_step, _forward_step, _Step
-from megatron_mesh.megatron.process import ProcessState
-from megatron_mesh.plan.megatron_problem import THD_DOCUMENTS
+pytest.importorskip("megatron.core", reason="needs megatron-core (scripts/setup_env.sh installs it)")
+
+from megatron_mesh.megatron.pipeline import _backward_step, _forward_step, _Step  # noqa: E402
+from megatron_mesh.megatron.process import ProcessState  # noqa: E402
+from megatron_mesh.plan.megatron_problem import THD_DOCUMENTS  # noqa: E402
 
 EOD = 9
 
