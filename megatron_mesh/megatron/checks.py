@@ -119,7 +119,7 @@ def validate_args(args, have_te: bool | None = None, *, entry_packs_documents: b
                          "also at CP 1 (Megatron's own has no document mask without a dense [s, s] mask), which "
                          "supports only 0 (pass --attention-dropout 0)")
     if documents:  # at CP 1 too: documents run the plugin's attention there as well
-        _no_pipeline_with_documents(args)
+        _check_schedule_with_documents(args)
     _check_hierarchy(problem, cp, active)
     for mode in sorted(plugin_modes_of(active)):
         _check_placement(args, settings, problem, mode)
@@ -358,7 +358,7 @@ def _check_plugin_layers(args, settings: PluginSettings, cp: int, active: set, p
                              "(--reset-attention-mask: documents at end-of-document tokens, or --cp-thd-packing: "
                              "Transformer Engine's THD layout)")
     if getattr(args, "reset_attention_mask", False) or settings.cp_thd_packing:
-        _no_pipeline_with_documents(args)
+        _check_schedule_with_documents(args)
     if getattr(args, "reset_attention_mask", False) and not passes_documents:
         raise ValueError("--reset-attention-mask: this entry script passes the documents as a dense [s, s] attention mask, "
                          "which the plugin modes do not read; use megatron_mesh's entry script (scripts/pretrain_gpt.sh), "
@@ -366,7 +366,7 @@ def _check_plugin_layers(args, settings: PluginSettings, cp: int, active: set, p
                          "boundaries")
 
 
-def _no_pipeline_with_documents(args) -> None:
+def _check_schedule_with_documents(args) -> None:
     """Packed documents: each forward and backward step makes its micro-batch's documents current
     (:mod:`.pipeline` at PP > 1; at PP 1 ``get_batch`` before each forward, whose backward --
     and any recomputation -- runs before the next). Megatron's combined 1F1B schedule

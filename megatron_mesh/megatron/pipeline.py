@@ -71,7 +71,9 @@ def install(process: ProcessState = PROCESS) -> None:
     bootstrap.substitute(training, "get_forward_backward_func",
                          lambda get: functools.partial(_schedule, get, process))
     bootstrap.substitute(schedules, "forward_step", lambda step: functools.partial(_forward_step, step, process))
-    bootstrap.substitute(schedules, "backward_step", lambda step: functools.partial(_backward_step, step, process))
+    # the multi-module schedule's backward (MIMO models) takes its arguments in the same order
+    for name in ("backward_step", "backward_step_multimodule"):
+        bootstrap.substitute(schedules, name, lambda step: functools.partial(_backward_step, step, process))
 
 
 def _schedule(get, process: ProcessState, *a, **kw):
@@ -225,7 +227,7 @@ def _backward_step(original, process: ProcessState, *a, **kw):
     current first -- what a recomputed layer's forward reads -- while a step shares them."""
     step = process.pipeline_step
     if step is not None:
-        output = a[1] if len(a) > 1 else kw["output_tensor"]
+        output = a[1] if len(a) > 1 else kw.get("output_tensor")
         i = step.outputs.pop(id(output), None)
         if i is None:
             raise RuntimeError("megatron_mesh: Megatron's schedule ran a backward step for an output no forward step "

@@ -84,6 +84,8 @@ def test_a_step_it_cannot_place_stops_naming_why():
     for stranger in (out, [object()]):
         with pytest.raises(RuntimeError, match="an output no forward step of this step returned"):
             _backward_step(lambda *a: None, process, None, stranger, None, None)
+    with pytest.raises(RuntimeError, match="an output no forward step of this step returned"):  # none given
+        _backward_step(lambda *a, **kw: None, process, None, output_tensor_grad=None)
 
 
 def test_outside_a_shared_step_the_steps_are_megatron_s_own():
