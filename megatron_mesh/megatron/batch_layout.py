@@ -285,7 +285,12 @@ def split_batch(batch: dict, source: str, args, cp_group, eod: Optional[int] = N
     model whose rotary embedding does not follow the layout."""
     rank = cp_group.rank() if cp_group is not None else 0
     rows = process.pipeline_rows
-    layout = BatchLayout.of(document_rows(batch, source, eod) if rows is None else rows, args, rank, settings)
+    shared = process.batch  # at PP > 1 the step made this micro-batch's layout current (.pipeline): reuse it
+    if rows is not None and shared is not None and shared.rows == rows and shared.rank == rank \
+            and shared.cp == args.context_parallel_size:
+        layout = shared
+    else:
+        layout = BatchLayout.of(document_rows(batch, source, eod) if rows is None else rows, args, rank, settings)
     process.layout_kinds.update(layout.kinds)
     if layout.balanced:
         check_rope_follows(args, process)
