@@ -64,9 +64,11 @@ def copied_only(rank_plan: RankPlan, direction: str) -> frozenset:
     stays contiguous (a send needs it; kernels read it many times)."""
     inputs = rank_plan.forward_inputs if direction == "forward" else rank_plan.backward_inputs
     ops = rank_plan.ops(direction)
+    copied = {op.src for op in ops if type(op) is Copy}.intersection(inputs)
+    if not copied:  # (most plans copy no input: no need to walk every op's keys)
+        return frozenset()
     others = {key for op in ops if type(op) is not Copy for key in op_keys(op)}
     others |= {op.dst for op in ops if type(op) is Copy}  # a view must never be written into
-    copied = {op.src for op in ops if type(op) is Copy}
     return frozenset(key for key in inputs if key in copied and key not in others)
 
 

@@ -155,6 +155,9 @@ def _collective(op: Post, launches: float, runs: frozenset = frozenset()) -> Hos
     return HostOps(launches, 0.0, 1 + pack + 2 * unpack, float(unpack))
 
 
+_NOTHING = HostOps(0.0, 0.0, 0)  # an op that issues nothing (a Wait, a Free)
+
+
 def write_calls(writes) -> list[list[int]]:
     """The executor's grouping of queued writes into ``_foreach_*`` calls: ``writes`` as
     (kind, where) pairs -- kind: whether it adds, and what it writes into (a copy into a result in
@@ -170,16 +173,24 @@ def write_calls(writes) -> list[list[int]]:
 
 
 def _overlap(a: tuple, b: tuple) -> bool:
+    """Whether two writes' (buffer, tensor, first row, stop row, first head, stop head) share memory."""
     return a[:2] == b[:2] and a[2] < b[3] and b[2] < a[3] and a[4] < b[5] and b[4] < a[5]
 
 
 def _calls(writes) -> list[list[int]]:
     calls: list[list[int]] = []
     by_mode: dict = {}  # the calls of each kind, in order
-    placed: dict = {}  # (buffer, tensor) -> [(call, where)]: only writes into one tensor can share rows
+    # (buffer, tensor) -> [(call, first row, stop row, first head, stop head)]: only writes into one
+    # tensor can share rows (the overlap test inlined: the simulator walks millions of writes)
+    placed: dict = {}
     for i, (kind, where) in writes:
         wheres = where if isinstance(where, list) else [where]  # a write over several buffers: all of them
-        after = max((j for x in wheres for j, w in placed.get(x[:2], ()) if _overlap(x, w)), default=-1)
+        after = -1  # the last call holding a write into its rows
+        for x in wheres:
+            _, _, a, b, h0, h1 = x
+            for j, c, d, g0, g1 in placed.get(x[:2], ()):
+                if j > after and a < d and c < b and h0 < g1 and g0 < h1:
+                    after = j
         mine = by_mode.setdefault(kind, [])
         k = bisect.bisect_right(mine, after)
         if k < len(mine):
@@ -190,7 +201,7 @@ def _calls(writes) -> list[list[int]]:
             mine.append(j)
         calls[j].append(i)
         for x in wheres:
-            placed.setdefault(x[:2], []).append((j, x))
+            placed.setdefault(x[:2], []).append((j, *x[2:]))
     return calls
 
 
@@ -213,7 +224,7 @@ class _Queue:
             self.read.add(src)
 
     def touches(self, keys) -> bool:
-        return bool(self.writes) and any(k in self.written or k in self.read for k in keys)
+        return bool(self.writes) and not (self.written.isdisjoint(keys) and self.read.isdisjoint(keys))
 
     def flush(self) -> int:
         n = len(write_calls(self.writes)) if self.writes else 0
@@ -315,23 +326,28 @@ class _Walk:
 
     def op(self, i: int, op) -> HostOps:
         kind = type(op)
+        if kind is Wait:  # (a third of a plan's ops: nothing issued, nothing written)
+            return _NOTHING
+        if kind is Free:
+            self.live.discard(op.key)
+            self.came.pop(op.key, None)
+            return _NOTHING
         launches = 0.0
-        if kind not in (AddGrad, Copy, Free, Wait) and self.queue.writes and \
+        if kind is not AddGrad and kind is not Copy and self.queue.writes and \
                 self.queue.touches(op.reads() if kind is AttendBackward else op_keys(op)):
             launches += self.queue.flush()
-        new = [k for k in dict.fromkeys(op.writes()) if k not in self.live and kind is not Post]
-        self.live.update(new)
-        launches += sum((2 if k.kind == "o" else 1) for k in new if k in self.own)  # own allocations (an output: two)
-        if kind is Post:
+        if kind is not Post:
+            new = [k for k in dict.fromkeys(op.writes()) if k not in self.live]
+            if new:
+                self.live.update(new)
+                launches += sum((2 if k.kind == "o" else 1) for k in new if k in self.own)  # own allocations (an output: two)
+        else:
             self.live.update(t.key for t in op.recvs)
             self.came.update((t.key, i) for t in op.recvs)
             if op.group:
                 return _collective(op, launches, self.side_by_side)
             return HostOps(launches, 0.0, len(op.sends) + len(op.recvs))
-        if kind is Free:
-            self.live.discard(op.key)
-            self.came.pop(op.key, None)
-        elif kind is Attend:
+        if kind is Attend:
             calls = _calls_of(self.plan, op, self.piece, self.varlen)
             launches += 2 * calls + _join(op, self.came) + _fills(self.fills.get(i, {}))
             return HostOps(launches, (_ATTEND_VIEWS + _PIECED * (op.mask == BlockKind.MASKED)) * calls, 0)

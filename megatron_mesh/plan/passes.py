@@ -34,5 +34,7 @@ def insert_frees(ops: list[Op], keep: set[Key]) -> tuple[Op, ...]:
     out: list[Op] = []
     for i, op in enumerate(ops):
         out.append(op)
-        out.extend(Free(k) for k in sorted(frees_after.get(i, ())))
+        freed = frees_after.get(i)
+        if freed:
+            out.extend(Free(k) for k in sorted(freed))
     return tuple(out)

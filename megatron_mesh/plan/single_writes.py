@@ -67,7 +67,11 @@ def _single(plan: Plan, rank: int, direction: str, piece: int) -> dict[int, dict
     ops = rp.ops(direction)
     results = set(result_keys(plan, rank, direction)) - set(rp.saved)  # (a kept buffer is read whole)
     for op in ops:  # a result read as a source (sent, copied from) keeps every row in fp32
-        results -= {k for k in op.reads() if k not in op.writes()}
+        for k in op.reads():
+            if k in results and k not in op.writes():
+                results.discard(k)
+        if not results:
+            return {}
     if not results:
         return {}
     writes: dict[Key, list] = {k: [] for k in results}  # key -> [(start, stop, weight, op index)]

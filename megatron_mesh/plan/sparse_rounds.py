@@ -122,7 +122,10 @@ class Rounds:
         rounds: dict[int, tuple[list, list, list, set]] = {}
 
         def at(t: int) -> tuple[list, list, list, set]:
-            return rounds.setdefault(t, ([], [], [], set()))
+            r = rounds.get(t)  # (not setdefault: it would build the four containers at every call)
+            if r is None:
+                r = rounds[t] = ([], [], [], set())
+            return r
         for c in sorted(self.needs.rows(x)):
             r = at(self.return_round(x, c))
             r[0].append(Transfer(c, Key(kind, c, x)))

@@ -8,7 +8,7 @@ from __future__ import annotations
 from bisect import bisect_left
 
 from ..sel import Segment, Sel, minus_intervals, union_intervals
-from .ops import AddGrad, Attend, AttendBackward, Copy, Free, Key, MergeOut, op_keys
+from .ops import AddGrad, Attend, AttendBackward, Copy, Free, Key, MergeOut, Wait, op_keys
 
 __all__ = ["first_writes", "creation_fills"]
 
@@ -161,6 +161,8 @@ class _Fills:
 
     def step(self, i: int, op) -> None:
         kind = type(op)
+        if kind is Wait:  # (reads and writes nothing)
+            return
         if kind in (Attend, AttendBackward):
             written = (op.out,) if kind is Attend else (op.dq, *op.dkv)
             reads = [(op.q, op.rows), *((k, op.col(j)) for j, k in enumerate(op.kv))]
