@@ -24,7 +24,7 @@ class Calls:
 
     def __init__(self, P: int, T: int, index: Blocks, slots: Slots):
         self.P, self.T, self.index, self.slots = P, T, index, slots
-        self._within: dict[tuple, tuple] = {}  # slot -> (its selection index, its tokens)
+        self._within: dict[tuple, tuple] = {}  # slot -> (its selection, its index, its tokens)
         # (rank, blocks, backward) -> their calls: a polished plan's trials (:func:`~.sparse.reordered`,
         # which shares these Calls) lower the same blocks again in another order of the own block
         self._computed: dict[tuple, tuple[Op, ...]] = {}
@@ -166,9 +166,9 @@ class Calls:
         """A chunk-local selection in the coordinates of the buffer x holds (None: all of it)."""
         if chunk == x:
             return None if sel == (Segment(0, self.T),) else sel
-        within = self.slots(Key("q", slot[1], slot[2]))
         index = self._within.get(slot[1:])  # per slot: asked once per block it holds
         if index is None:
-            index = self._within[slot[1:]] = (selection_index(within), sum(s.stop - s.start for s in within))
-        local = relative_selection(sel, within, index[0])
-        return None if local == (Segment(0, index[1]),) else local
+            within = self.slots(Key("q", slot[1], slot[2]))
+            index = self._within[slot[1:]] = (within, selection_index(within), sum(s.stop - s.start for s in within))
+        local = relative_selection(sel, index[0], index[1])
+        return None if local == (Segment(0, index[2]),) else local
