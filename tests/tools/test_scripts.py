@@ -789,6 +789,30 @@ def test_layout_tables_jobs_plan_a_seed_per_worker_with_the_same_rows(script, ca
     assert [json.loads(line)["seed"] for line in (tmp_path / "rows2.jsonl").read_text().splitlines()] == [2, 0, 1]
 
 
+def test_layout_tables_start_the_largest_seed_first_and_print_in_seed_order(script):
+    """Workers take the seeds with the most causal pairs first (a long document's seed plans for
+    longest: started last it would run alone at the end), and the samples come back in the seeds'
+    order."""
+    import argparse
+    from concurrent.futures import Future
+
+    tables = script("layout_tables")
+    started = []
+
+    class Pool:  # runs each job at once, recording the order it was given them in
+        def submit(self, fn, job):
+            started.append(job[3])
+            done = Future()
+            done.set_result({"seed": job[3]})
+            return done
+
+    args = argparse.Namespace(docs="lognormal:16384,1.0", seq_len=1 << 20, seeds=list(range(10)))
+    pairs = {seed: tables.pairs_of(args, seed) for seed in args.seeds}
+    assert [s["seed"] for s in tables._in_order(Pool(), args, None, None)] == list(range(10))
+    assert [pairs[seed] for seed in started] == sorted(pairs.values(), reverse=True)
+    assert started[0] == 8  # its longest document: 329,405 of the 1M tokens
+
+
 def test_compare_attention_kv_heads_follow_heads(script, capsys):
     rows = script("compare_attention").main(["--world", "2", "--seq-len", "32", "--heads", "2", "--head-dim", "8",
                                              "--modes", "ring"])
