@@ -35,6 +35,7 @@ from megatron_mesh.plan.sparse_needs import KEEP_LIMIT, check_keep_limit  # noqa
 from megatron_mesh.tools.plan_args import ITEMSIZE, document_bounds  # noqa: E402
 from megatron_mesh.tools.layout_rows import layout_rows  # noqa: E402
 from megatron_mesh.tools.planner import allowed_pairs, compute_floor, worker_pool  # noqa: E402
+from megatron_mesh.tools.workers import sigterm_as_exit  # noqa: E402
 
 PLAIN = ("ring", "mesh-auto", "tasp")  # the plain modes the issue asks to be never slower on the default layout
 
@@ -168,7 +169,7 @@ def main(argv=None) -> None:
     except ValueError as e:
         ap.error(str(e))
     start, samples = time.perf_counter(), []
-    with worker_pool(args.jobs) as pool:
+    with sigterm_as_exit(), worker_pool(args.jobs) as pool:  # a killed run stops its workers too
         # several seeds: a seed per worker at a time (no worker waits for another seed's slowest row),
         # printed in order; one seed: its rows spread over the workers
         samples_of = _in_order(pool, args, shape, topo) if pool is not None and len(args.seeds) > 1 \

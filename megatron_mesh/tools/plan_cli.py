@@ -35,9 +35,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
-import threading
 import time
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
@@ -61,6 +59,7 @@ from .plan_budget import Budget, planning_gc
 from .plan_plot import draw_plot, plot_sizes
 from .planner import (AUTO, FORMULAS, REGISTRY, ModeResult, allowed_pairs, compute_floor, derived_modes, evaluate,
                       host_bound, mean_rows, plan_settings, worker_pool)
+from .workers import sigterm_as_exit
 
 
 def _host_text(r: ModeResult) -> str:
@@ -291,24 +290,14 @@ def _bounds(args, docs, window, shape: AttentionShape) -> tuple[float, float, fl
     return q.bytes, q.simple, placement_bound(docs, args.cp, shape).bytes
 
 
-def _terminated(signum, frame):
-    raise SystemExit(128 + signum)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    # SIGTERM (a job's time limit, kill) as an exception, so that the worker pool stops its workers
-    # on the way out instead of leaving them to init; the caller's handler comes back at the end
-    main_thread = threading.current_thread() is threading.main_thread()  # where signal handlers can be set
-    handler = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     try:
-        return _main(args)
+        with sigterm_as_exit():  # a killed run stops its workers too
+            return _main(args)
     except BrokenPipeError:  # `megatron-mesh-plan ... | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush would raise again
         return 0
-    finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if handler is None else handler)
 
 
 @dataclass

@@ -7,12 +7,13 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import threading
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 
 from .plan_budget import set_planning_gc
 
-__all__ = ["check_jobs", "worker_pool"]
+__all__ = ["check_jobs", "sigterm_as_exit", "worker_pool"]
 
 
 def check_jobs(jobs) -> int:
@@ -26,6 +27,26 @@ def check_jobs(jobs) -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+@contextmanager
+def sigterm_as_exit():
+    """Inside: SIGTERM (a job's time limit, ``kill``) raised as ``SystemExit(143)``, so that a
+    :func:`worker_pool` stops its workers on the way out instead of leaving them to init, planning
+    for minutes; the caller's handler comes back at the end. Only the main thread can set a
+    handler: elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 @contextmanager

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -662,19 +663,14 @@ def test_cli_says_when_a_worker_is_killed():
     assert "Traceback" not in err
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the worker processes in /proc")
-@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
-def test_cli_stops_its_workers_when_interrupted(how):
-    """Ctrl-C (SIGINT to the terminal's process group: the CLI and its workers) or SIGTERM to the
-    CLI alone (a job's time limit, kill) ends a parallel run at once, its workers with it -- the
-    rows not started are dropped, not planned first (this run takes minutes)."""
+def _interrupt(argv: list[str], how: str) -> tuple[subprocess.Popen, str, str, list[int]]:
+    """Run ``argv`` in a process group of its own, wait for its pool workers, then Ctrl-C the group
+    or SIGTERM the process alone; (the process, its stdout, stderr, its workers' pids)."""
     def interruptible():  # a shell's background job ignores SIGINT; a terminal's foreground one does not
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.setpgrp()
 
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_mesh.tools.plan_cli", "--cp", "64", "--seq-len", "262144",
-                             "--docs", "lognormal:4096,1", "--layout", "all", "--jobs", "2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)
     try:
         deadline = time.monotonic() + 60
         while not (kids := _workers(proc.pid)) and proc.poll() is None and time.monotonic() < deadline:
@@ -691,11 +687,33 @@ def test_cli_stops_its_workers_when_interrupted(how):
             time.sleep(0.05)
     finally:
         proc.kill()
+    return proc, out, err, kids
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the worker processes in /proc")
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_cli_stops_its_workers_when_interrupted(how):
+    """Ctrl-C (SIGINT to the terminal's process group: the CLI and its workers) or SIGTERM to the
+    CLI alone (a job's time limit, kill) ends a parallel run at once, its workers with it -- the
+    rows not started are dropped, not planned first (this run takes minutes)."""
+    proc, out, err, kids = _interrupt([sys.executable, "-m", "megatron_mesh.tools.plan_cli", "--cp", "64", "--seq-len",
+                                       "262144", "--docs", "lognormal:4096,1", "--layout", "all", "--jobs", "2"], how)
     assert out == "" and not any(os.path.exists(f"/proc/{k}") for k in kids), "a worker outlived the run"
     if how == "ctrl-c":
         assert proc.returncode == 130 and err.endswith("megatron-mesh-plan: interrupted\n")
     else:
         assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the worker processes in /proc")
+def test_layout_tables_stop_their_workers_when_killed():
+    """SIGTERM to ``scripts/layout_tables.py --jobs 2`` (a job's time limit, kill) ends it at once
+    and its workers with it: they used to go on planning their seeds for minutes, orphaned."""
+    script = Path(__file__).resolve().parents[2] / "scripts" / "layout_tables.py"
+    proc, out, err, kids = _interrupt([sys.executable, str(script), "--cp", "64", "--seq-len", "262144", "--docs",
+                                       "lognormal:4096,1", "--jobs", "2", "--seeds", "0", "1", "2"], "sigterm")
+    assert not any(os.path.exists(f"/proc/{k}") for k in kids), "a worker outlived the run"
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err
 
 
 @pytest.mark.parametrize("jobs", [-1, 1.5, True, "2", None])
