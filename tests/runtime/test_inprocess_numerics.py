@@ -1,8 +1,8 @@
 """The in-process transport (all P ranks of a plan as threads of one process) against the dense
 fp64 reference: every Mesh tile of P = 1..8, schedules and kernels, TASP (one node and two), every
 registered mode under masks (documents, windows, THD) through the public API; bytes equal to the
-plan's; results bitwise equal to the gloo transport and to the public autograd path; and the
-same on CUDA (``-m gpu``), where masked blocks and hybrids run the CUDA kernels."""
+plan's; results bitwise equal to the public autograd path (and to the gloo transport:
+test_mesh_attention.py); and the same on CUDA (``-m gpu``), where masked blocks and hybrids run the CUDA kernels."""
 
 from __future__ import annotations
 
@@ -20,9 +20,6 @@ from megatron_mesh.plan.sparse import own_calls
 from megatron_mesh.runtime.api import forward_backward
 
 import cases
-
-GLOO_PARTS = ("gloo_outputs",)
-
 
 def run_case(p: cases.Problem, plan, *, device="cpu", kernel="auto", softmax_scale=None, serial=False,
              streams=False, ref=None, label="") -> list[cases.Result]:
@@ -403,7 +400,7 @@ def test_plans_the_polish_chose_match_the_dense_reference():
     assert chosen >= 6, chosen
 
 
-# -- identical to gloo and to the public autograd path ------------------------------------------------------
+# -- bitwise the same on other code paths (the gloo transport: test_mesh_attention.py) ---------------------------------------------------
 class FakeComm:
     """Just what an Executor reads of its communicator when it is made."""
 
@@ -626,31 +623,6 @@ def test_copy_runs_and_joined_cuts_give_bitwise_the_same_results(monkeypatch):
             assert all(torch.equal(x, y) for x, y in zip(a.outputs, b.outputs)), (
                 mode, [(x - y).abs().max().item() for x, y in zip(a.outputs, b.outputs)])
     assert joined_cuts
-
-
-def test_bitwise_equal_to_gloo_and_autograd(gloo):
-    """Same inputs, same plan: the in-process transport gives bitwise the outputs and gradients of
-    the gloo transport (public autograd API in spawned processes, part "gloo_outputs"), and
-    forward_backward gives bitwise what the public autograd API gives on the same virtual ranks."""
-    world = 4
-    gloo_runs = gloo["gloo_outputs"][world]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the spawned ranks run with one thread: same kernels, same sums
-    try:
-        for i, (tile, causal, heads, dtype) in enumerate(cases.GLOO_CASES):
-            p = cases.Problem(world, *cases.HEADS[heads], causal, dtype)
-            ref = cases.dense_reference(p)
-            mine = run_case(p, build_mesh_plan(world, tile, p.shape, causal=causal), ref=ref)
-            autograd = run_inprocess(lambda rank, comm: cases.measure(
-                rank, p, "", lambda q, k, v: mm.mesh_attention(q, k, v, tile=tile, causal=causal, comm=comm), ref,
-                keep_outputs=True).outputs, world, timeout=120)
-            for r in range(world):
-                assert gloo_runs[r][i].tile == tile and len(gloo_runs[r][i].outputs) == 4
-                for name, a, b, c in zip(cases.NAMES, mine[r].outputs, gloo_runs[r][i].outputs, autograd[r]):
-                    assert torch.equal(a, b), f"{tile} {heads} {dtype} rank {r} {name}: in-process != gloo"
-                    assert torch.equal(a, c), f"{tile} {heads} {dtype} rank {r} {name}: driver != autograd"
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_serial_mode_gives_the_same_results():

@@ -10,12 +10,21 @@ per CP size):
   bytes in every mode, documents that never cross a rank move nothing -- measured by
   ``comm_counter()`` and equal to the plan's bytes;
 * Ulysses x Mesh (every inner tile) / TASP / ring for (U, M) in (2,2), (2,3), (3,2), (2,4), (4,2),
-  each all-to-all round one ``all_to_all_single`` over its Ulysses group (as Megatron's groups route it).
+  each all-to-all round one ``all_to_all_single`` over its Ulysses group (as Megatron's groups route it);
+* chunked and prefix attention with documents in every mode, zigzag and balanced, at P = 3, 4, 8
+  (part "mask_kinds"; their in-process breadth: test_mask_kinds_numerics.py);
+* inputs in any memory layout at P = 5, 6 (part "strides"; the in-process breadth: test_strides.py).
 """
 
 import pytest
 
-from megatron_mesh.plan import AttentionShape, mesh_bytes_formula
+from megatron_mesh.plan import MODES, AttentionShape, mesh_bytes_formula
+
+import cases
+import mask_cases
+from test_strides import record_failures
+
+GLOO_PARTS = ("mask_kinds", "strides")
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +146,21 @@ def test_a_round_taking_rows_home_is_sent_and_received_as_it_lies(results):
     assert zigzag and all(made[2] < made[0] and planned[2] < planned[0] for made, planned in zigzag)
     assert balanced and any(made[1] < made[0] and made[2] < made[0] and planned[1] < planned[0]
                             for made, planned in balanced)
+
+
+@pytest.mark.parametrize("world", [3, 4, 8])
+def test_chunked_and_prefix_on_gloo_match_the_reference_and_move_the_planned_bytes(gloo, world):
+    """The real distributed path (mask_cases.kinds_grid in the shared spawn): every mode, zigzag and
+    balanced, each rank's outputs and gradients exact, its measured bytes the plan's."""
+    per_rank = gloo["mask_kinds"][world]
+    cases.assert_accurate(per_rank)
+    cases.assert_bytes_as_expected(per_rank)
+    assert len(per_rank[0]) == 2 * len(MODES) and all(rec.expected_bytes for rec in per_rank[0])
+
+
+@pytest.mark.parametrize("world", [5, 6])
+def test_memory_layouts_on_gloo_groups(gloo, world):
+    per_rank = gloo["strides"][world]
+    assert len(per_rank) == world and all(len(recs) == len(mask_cases.strides_cases(world, 1)) for recs in per_rank)
+    failures = record_failures(per_rank)
+    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:20])

@@ -1,17 +1,24 @@
 """Mesh-Attention and ring attention on CPU/gloo: forward and all gradients against a dense fp64
 reference for every tile shape of P = 1..8, causal and full, MHA/GQA/MQA, fp32 and bf16; bytes
 measured by comm_counter() equal the plan's bytes and the closed-form formula; schedules,
-backward modes, kernels, rank orders and bitwise run-to-run determinism at P = 4 and 6.
+backward modes, kernels, rank orders and bitwise run-to-run determinism at P = 4 and 6; the
+gloo transport bitwise equal to the in-process one and to the public autograd path at P = 4.
 
-Parts "mesh" and "mesh_variants" of the one 8-process spawn (cases.run_gloo)."""
+Parts "mesh", "mesh_variants" and "gloo_outputs" of the one 8-process spawn (cases.run_gloo).
+(The in-process transport's own breadth is test_inprocess_numerics.py's, which starts no process:
+it runs beside this module under pytest-xdist, tests/conftest.py.)"""
 
 import pytest
+import torch
 
-from megatron_mesh.plan import best_tile, tile_shapes
+import megatron_mesh as mm
+from megatron_mesh.comm.inprocess import run_inprocess
+from megatron_mesh.plan import best_tile, build_mesh_plan, tile_shapes
 
 import cases
+from test_inprocess_numerics import run_case
 
-GLOO_PARTS = ("mesh", "mesh_variants")
+GLOO_PARTS = ("mesh", "mesh_variants", "gloo_outputs")
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 6, 7, 8])
@@ -65,3 +72,27 @@ def test_best_tile_moves_fewer_bytes_than_ring(gloo, world, record_property):
     mha = [r for k, r in ratios.items() if k.startswith("4/4")]
     assert mha and all(r < 0.8 for r in mha), ratios  # MHA gains most
 
+
+def test_bitwise_equal_to_gloo_and_autograd(gloo):
+    """Same inputs, same plan: the in-process transport gives bitwise the outputs and gradients of
+    the gloo transport (public autograd API in spawned processes, part "gloo_outputs"), and
+    forward_backward gives bitwise what the public autograd API gives on the same virtual ranks."""
+    world = 4
+    gloo_runs = gloo["gloo_outputs"][world]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the spawned ranks run with one thread: same kernels, same sums
+    try:
+        for i, (tile, causal, heads, dtype) in enumerate(cases.GLOO_CASES):
+            p = cases.Problem(world, *cases.HEADS[heads], causal, dtype)
+            ref = cases.dense_reference(p)
+            mine = run_case(p, build_mesh_plan(world, tile, p.shape, causal=causal), ref=ref)
+            autograd = run_inprocess(lambda rank, comm: cases.measure(
+                rank, p, "", lambda q, k, v: mm.mesh_attention(q, k, v, tile=tile, causal=causal, comm=comm), ref,
+                keep_outputs=True).outputs, world, timeout=120)
+            for r in range(world):
+                assert gloo_runs[r][i].tile == tile and len(gloo_runs[r][i].outputs) == 4
+                for name, a, b, c in zip(cases.NAMES, mine[r].outputs, gloo_runs[r][i].outputs, autograd[r]):
+                    assert torch.equal(a, b), f"{tile} {heads} {dtype} rank {r} {name}: in-process != gloo"
+                    assert torch.equal(a, c), f"{tile} {heads} {dtype} rank {r} {name}: driver != autograd"
+    finally:
+        torch.set_num_threads(threads)

@@ -7,8 +7,9 @@ a projection stored [d, h] and transposed, every dim permuted, a head or a head_
 broadcast with stride 0. Every mode -- ring, each Mesh tile, TASP, the Ulysses hybrids -- without
 documents, with documents on Megatron's zigzag and on the balanced layout, forward and backward,
 on in-process ranks (P = 3, 4: every layout on every input) and on gloo groups (P = 5, 6, the
-shared spawn's part "strides"); the caller's tensors are never written, and the bytes moved are
-the plan's.
+shared spawn's part "strides": test_masked_attention.py); the caller's tensors are never written,
+and the bytes moved are the plan's. This module starts no process (it runs beside the
+multi-process ones under pytest-xdist, tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -20,10 +21,7 @@ import mask_cases
 from megatron_mesh.comm.inprocess import run_inprocess
 from megatron_mesh.kernels import CAUSAL, FULL, get_kernel
 
-GLOO_PARTS = ("strides",)
-
-
-def _failures(per_rank: list[list[mask_cases.Record]]) -> list[str]:
+def record_failures(per_rank: list[list[mask_cases.Record]]) -> list[str]:
     """What is wrong in these records (one list per group rank): an error over the tolerance,
     bytes other than the plan's, a caller's tensor written."""
     out = []
@@ -45,7 +43,7 @@ def test_every_memory_layout_of_every_input_in_every_mode(world):
     failures = []
     for c in cases:
         per_rank = run_inprocess(lambda rank, comm: [mask_cases.run(rank, c, None, comm=comm)], world, timeout=120)
-        failures += _failures(per_rank)
+        failures += record_failures(per_rank)
     assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:20])
 
 
@@ -64,15 +62,7 @@ def test_every_memory_layout_where_a_rank_cuts_several_head_slices_at_once():
             c = mask_cases.Case(world, mode, (("ulysses_size", 4),), heads, kv, dtype, seq_local=T, memory=memory,
                                 **masked)
             per_rank = run_inprocess(lambda rank, comm: [mask_cases.run(rank, c, None, comm=comm)], world, timeout=120)
-            failures += _failures(per_rank)
-    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:20])
-
-
-@pytest.mark.parametrize("world", [5, 6])
-def test_memory_layouts_on_gloo_groups(gloo, world):
-    per_rank = gloo["strides"][world]
-    assert len(per_rank) == world and all(len(recs) == len(mask_cases.strides_cases(world, 1)) for recs in per_rank)
-    failures = _failures(per_rank)
+            failures += record_failures(per_rank)
     assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:20])
 
 
