@@ -112,8 +112,18 @@ def training_command(entry: str, args: Sequence[str], environ: Mapping[str, str]
         env_vars = yaml_args.environment(doc, env)
         env.update(env_vars)
         config_args = yaml_args.model_args(doc, env)
-    backend = env.get("BACKEND") or ("nccl" if _have_cuda() else "gloo")
     run_args = []
+    if env.get("CP"):
+        if not env["CP"].isdigit() or int(env["CP"]) < 1:  # torchrun would take CP=four for its NPROC and fail in 29 lines
+            raise ValueError(f"CP (--context-parallel-size) must be a positive integer, got {env['CP']!r}")
+        run_args += ["--context-parallel-size", env["CP"]]
+    if env.get("CP_COMM_TYPE"):
+        run_args += ["--cp-comm-type", *env["CP_COMM_TYPE"].split()]
+    nproc = env.get("NPROC") or env.get("CP") or "1"
+    # before the backend: finding out whether CUDA is there imports torch (1.5 s on 2 cores), which
+    # a command line refused here need not wait for
+    _check_world_size(nproc, env.get("NNODES", "1"), [*config_args, *run_args, *args])
+    backend = env.get("BACKEND") or ("nccl" if _have_cuda() else "gloo")
     # the plugin's entry always names the backend; another script gets only what it lacks (gloo).
     # One --distributed-backend reaches the command, the one that wins by the order above: the
     # launcher's replaces the config's, a flag on the command line replaces both.
@@ -122,18 +132,10 @@ def training_command(entry: str, args: Sequence[str], environ: Mapping[str, str]
     if launcher_backend or given:
         config_args = _without_flag(config_args, BACKEND_FLAG)
     if launcher_backend and not given:
-        run_args += [BACKEND_FLAG, backend]
-    if env.get("CP"):
-        if not env["CP"].isdigit() or int(env["CP"]) < 1:  # torchrun would take CP=four for its NPROC and fail in 29 lines
-            raise ValueError(f"CP (--context-parallel-size) must be a positive integer, got {env['CP']!r}")
-        run_args += ["--context-parallel-size", env["CP"]]
-    if env.get("CP_COMM_TYPE"):
-        run_args += ["--cp-comm-type", *env["CP_COMM_TYPE"].split()]
+        run_args = [BACKEND_FLAG, backend, *run_args]
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron requires it with TP/CP > 1
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    nproc = env.get("NPROC") or env.get("CP") or "1"
     flags = [*config_args, *run_args, *args]
-    _check_world_size(nproc, env.get("NNODES", "1"), flags)
     torchrun = ["--nproc-per-node", nproc, "--nnodes", env.get("NNODES", "1"), "--node-rank", env.get("NODE_RANK", "0"),
                 "--master-addr", env.get("MASTER_ADDR", "127.0.0.1"), "--master-port", env.get("MASTER_PORT", "29500")]
     return [*torchrun, *target, *flags], env

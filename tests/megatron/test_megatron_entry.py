@@ -405,6 +405,29 @@ def test_launcher_checks_the_world_size_against_tp_pp_cp_from_the_flags():
         command(4, "--context-parallel-size", "8", CP="2")
 
 
+def test_launcher_refuses_a_world_size_before_it_imports_torch():
+    """The launcher refuses NPROC x NNODES against TP x PP x CP, and CP=four, before it finds the
+    backend (whether CUDA is there: torch's import, 1.5 s on 2 cores); the error comes at once."""
+    code = textwrap.dedent(f"""
+        import sys
+        from megatron_mesh.megatron.launch import training_command
+        for env in ({{"NPROC": "3", "CP": "2"}}, {{"CP": "four"}}):
+            try:
+                training_command("pretrain", [{CONFIG!r}], env)
+            except ValueError as e:
+                print(e)
+            else:
+                raise SystemExit("not refused: " + repr(env))
+        print("torch imported" if "torch" in sys.modules else "torch not imported")
+    """)
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == [
+        "world size NPROC x NNODES = 3 x 1 = 3 is not a multiple of CP = 2 (--context-parallel-size); "
+        "make NPROC x NNODES a multiple of 2",
+        "CP (--context-parallel-size) must be a positive integer, got 'four'", "torch not imported"], run.stdout
+
+
 def test_launcher_passes_the_backend_once():
     """The config names --distributed-backend gloo and the launcher names the backend too: the
     command carries one, the one that wins by the documented order (config < launcher < flags)."""
