@@ -21,6 +21,7 @@ from megatron_mesh.runtime.api import forward_backward
 
 import cases
 
+
 def run_case(p: cases.Problem, plan, *, device="cpu", kernel="auto", softmax_scale=None, serial=False,
              streams=False, ref=None, label="") -> list[cases.Result]:
     """Forward + backward of ``plan`` on P virtual ranks (executor calls, no autograd); per rank a

@@ -21,6 +21,7 @@ from megatron_mesh.plan import MODES, plan_bytes, resolve
 import cases
 import mask_cases
 
+
 def _check(p: cases.Problem, mode: str, settings: dict) -> None:
     ref = cases.dense_reference(p)
     plan = resolve(mode, p.world, p.shape, **settings).build(p.shape, p.mask if p.layout is None else p.kind, p.layout)

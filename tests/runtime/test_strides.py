@@ -21,6 +21,7 @@ import mask_cases
 from megatron_mesh.comm.inprocess import run_inprocess
 from megatron_mesh.kernels import CAUSAL, FULL, get_kernel
 
+
 def record_failures(per_rank: list[list[mask_cases.Record]]) -> list[str]:
     """What is wrong in these records (one list per group rank): an error over the tolerance,
     bytes other than the plan's, a caller's tensor written."""
