@@ -95,8 +95,8 @@ from .sel import Segment
 from .shape import AttentionShape
 from .sparse_blocks import block_parts, block_table, blocks_of
 from .sparse_calls import Calls
-from .sparse_needs import (ASSIGNMENT_KEEP_LIMIT, KEEP_LIMIT, Keeps, Needs, QueryOwnerNeeds, Slots, bytes_per_rank,
-                           check_keep_limit)
+from .sparse_compete import compete
+from .sparse_needs import ASSIGNMENT_KEEP_LIMIT, KEEP_LIMIT, Keeps, Needs, QueryOwnerNeeds, Slots, check_keep_limit
 from .sparse_rounds import Rounds
 from .tunables import TUNABLES, Tunables
 
@@ -178,16 +178,11 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
         needs = Needs(P, index.spans(), owner)
         notes.append(f"every block is computed where the {assigned} map names (the layout's balance rests on it)")
     elif assignment.owners:  # compare the mode's maps with the query owner by the busiest rank's bytes
-        table = index.spans()  # every block's rows and columns (and the index's column summaries)
-        candidates = [(QUERY_OWNER, needs)]
-        candidates += [(name, Needs(P, table, owner)) for name, owner in assignment.owners]
         # each map with the ranks that would keep their slots under it ("auto" decides per map), at
         # most ASSIGNMENT_KEEP_LIMIT's worth: the bytes are blind to the work
-        limit = min(keep_limit, ASSIGNMENT_KEEP_LIMIT)
-        costs = [max(bytes_per_rank(n, shape, Keeps(backward_chunks, n, T, token_bytes, limit)))
-                 for _, n in candidates]
-        best = min(range(len(candidates)), key=lambda k: (costs[k], -k))  # ties: the mode's own map (last)
-        assigned, needs = candidates[best]
+        best, needs = compete(index, assignment.owners, shape, token_bytes, backward_chunks,
+                              min(keep_limit, ASSIGNMENT_KEEP_LIMIT))
+        assigned = QUERY_OWNER if best == 0 else assignment.owners[best - 1][0]
         if assigned == QUERY_OWNER:
             names = ", ".join(dict.fromkeys(n for n, _ in assignment.owners))
             notes.append(f"the mask leaves the {names} assignment nothing to gain: every block is computed by its "

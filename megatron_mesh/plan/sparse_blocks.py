@@ -70,6 +70,7 @@ class Blocks:
         self._parts: dict[tuple[int, int], tuple[BlockClass, ...] | None] = {}
         self._summary: dict[int, dict[int, tuple[tuple[Segment, ...], int]]] = {}  # i -> j -> summary
         self._spans: dict | None = None
+        self._row_spans: dict[int, dict] = {}  # i -> row_spans(i)
         self._sharing: dict[int, tuple[int, ...]] = {}
         self._positions: dict[int, tuple[list, list[int], list[int]]] = {}  # group -> _by_position
 
@@ -127,18 +128,26 @@ class Blocks:
     def spans(self) -> dict[tuple[int, int], tuple[tuple[Segment, ...], tuple[Segment, ...]]]:
         """{(i, j): (rows, columns)} of every block with allowed pairs, in :meth:`all`'s order -- the
         rows and columns of :func:`block_table`'s blocks, without their kernel calls (what an owner
-        map's needs read, :class:`~.sparse_needs.Needs`). The same pass keeps every
-        :meth:`row_summary`: the query owner's needs, which compete with the map's, read them."""
+        map's needs read, :class:`~.sparse_needs.Needs`): every :meth:`row_spans`."""
         if self._spans is None:
-            self._spans = {}
-            for i in range(self.P):
-                summary = {}
-                for j, (rows, cols, pairs) in sorted(self._scan(i, rows=True).items()):
-                    cols = _union(cols)
-                    summary[j] = (cols, pairs)
-                    self._spans[i, j] = (_union(rows), cols)
-                self._summary.setdefault(i, summary)
+            self._spans = {(i, j): span for i in range(self.P) for j, span in self.row_spans(i).items()}
         return self._spans
+
+    def row_spans(self, i: int) -> dict[int, tuple[tuple[Segment, ...], tuple[Segment, ...]]]:
+        """{j: (rows, columns)} of query chunk i's blocks with allowed pairs, by key chunk in order
+        (one row of :meth:`spans`: what a floor under an owner map's bytes reads of a few ranks,
+        :mod:`.sparse_compete`). The same pass keeps i's :meth:`row_summary`: the query owner's
+        needs, which compete with the maps, read them."""
+        got = self._row_spans.get(i)
+        if got is None:
+            summary, got = {}, {}
+            for j, (rows, cols, pairs) in sorted(self._scan(i, rows=True).items()):
+                cols = _union(cols)
+                summary[j] = (cols, pairs)
+                got[j] = (_union(rows), cols)
+            self._summary.setdefault(i, summary)
+            self._row_spans[i] = got
+        return got
 
     def _scan(self, i: int, rows: bool) -> dict[int, list]:
         """Key chunk -> [row intervals (``rows``; else none), column intervals, pairs] of query chunk

@@ -13,7 +13,6 @@ owner): rank 1 reads columns [0:2) of chunk 0 and [2:4) of chunk 2 (``cols(1) ==
 from __future__ import annotations
 
 import math
-from typing import Callable
 
 from .accounting import buffer_bytes
 from .ir import Key
@@ -87,10 +86,10 @@ def _gather(needs: list[dict[int, list]]) -> tuple[list[dict], list[list[int]], 
     return unions, readers, [_tokens(got) for got in unions]
 
 
-def bytes_per_rank(needs, shape: AttentionShape, keeps: Callable[[int, int], bool]) -> list[int]:
+def bytes_per_rank(needs, shape: AttentionShape, keeps: "Keeps") -> list[int]:
     """Sent + received bytes of each rank under ``needs`` (:class:`Needs` or :class:`QueryOwnerNeeds`),
-    forward and backward; ``keeps(x, c)``: whether rank x keeps what it pulled of chunk c for the
-    backward (:class:`Keeps`)."""
+    forward and backward; ``keeps``: what each rank keeps of what it pulled for the backward
+    (:class:`Keeps`)."""
     per_row = {k: buffer_bytes(k, 1, shape) for k in ("q", "kv", "o", "do", "dq", "dkv")}
     # forward: pull q / kv, return o; backward: pull (q,) do / (kv), return dq / dkv
     kinds = {(table, keep): base + (() if keep else again)
@@ -98,12 +97,14 @@ def bytes_per_rank(needs, shape: AttentionShape, keeps: Callable[[int, int], boo
              for keep in (False, True)}
     row_bytes = {key: sum(per_row[k] for k in ks) for key, ks in kinds.items()}
     traffic = [0] * needs.P
-    for name, tokens in (("rows", needs.row_tokens), ("cols", needs.col_tokens)):
-        for x in range(needs.P):
-            for c, n in tokens(x).items():
-                per = row_bytes[name, keeps(x, c)]
-                traffic[x] += n * per
-                traffic[c] += n * per
+    for x in range(needs.P):
+        kept = keeps.kept(x)
+        for name, tokens in (("rows", needs.row_tokens(x)), ("cols", needs.col_tokens(x))):
+            kept_bytes, again_bytes = row_bytes[name, True], row_bytes[name, False]
+            for c, n in tokens.items():
+                moved = n * (kept_bytes if c in kept else again_bytes)
+                traffic[x] += moved
+                traffic[c] += moved
     return traffic
 
 
