@@ -38,12 +38,12 @@ lognormal:16384 ring 50.4 and 73.0 (48.6 and 69.6), a2a+tasp U 8 37.1 and 16.0 (
 and keeps the balanced layout for the hybrid.
 Checked against the simulator on 240 rows (seeds 0-9, 8 and 256 GPUs, both host settings at 8)
 the layout it keeps is never slower than the zigzag (docs/performance.md, the per-seed tables).
-It takes 2-45 ms of Python at 256 ranks (1M tokens; the plain modes on 16K-token documents,
-whose portions pull from the most peers -- 18K pairs of ranks on the balanced layout -- the
-longest; docs/performance.md, "Build time with the choice"): its loops run once per pair of
-ranks, and the tests check them against their plain forms. Where a rank's attention takes less
-than :data:`MIN_COMPUTE_LAUNCHES` kernel launches the zigzag is kept: such a step is bound by
-launches and latencies, which the price leaves out.
+:func:`pick_layout` (the data loader's) makes the same pick without pricing what cannot change it:
+at 256 ranks (1M tokens) 20-60 ms of Python, the balanced layout's pulls on 16K-token documents
+(18K pairs of ranks) the most (docs/performance.md, "Build time with the choice"); its loops run
+once per pair of ranks, and the tests check them against their plain forms. Where a rank's
+attention takes less than :data:`MIN_COMPUTE_LAUNCHES` kernel launches the zigzag is kept: such a
+step is bound by launches and latencies, which the price leaves out.
 
 Worked example (P = 2 ranks of one node, 32/8 heads of 128 in bf16, documents of 32K, 16K and 16K
 tokens): the zigzag gives rank 0 the first 16K tokens and the last document (268M pairs), rank 1
@@ -59,7 +59,8 @@ size, mode, Ulysses degree, heads, dtype, machine), so all ranks make the same o
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Callable
 
 from .accounting import buffer_bytes
 from .balance import BalancedLayout, document_work
@@ -72,7 +73,7 @@ from .sparse_needs import KEEP_LIMIT, kept_chunks
 from .tunables import TUNABLES
 from .topology import Topology
 
-__all__ = ["LayoutCost", "layout_cost", "choose_layout", "burst_rounds", "MIN_COMPUTE_LAUNCHES", "COMM_MARGIN"]
+__all__ = ["LayoutCost", "layout_cost", "choose_layout", "pick_layout", "burst_rounds", "MIN_COMPUTE_LAUNCHES", "COMM_MARGIN"]
 
 # the zigzag keeps a sample whose busiest rank's forward attention on it takes less than this many
 # kernel launches (100 us on the default machine): such a step is bound by launches and round
@@ -421,20 +422,30 @@ def layout_cost(layout: Layout, docs, shape: AttentionShape, topo: Topology, mod
     ``a2a+...`` with all-to-all degree ``ulysses``) on ``layout`` for the causal documents
     ``docs`` ((start, stop), ...), ``shape`` per rank, its ranks keeping what they pulled for the
     backward up to ``keep_limit`` x their own Q, K and V (:func:`~.sparse_needs.keep_limit_of`)."""
-    P = layout.world_size
-    units = P // ulysses
+    return _priced(layout, docs, shape, topo, mode, ulysses, keep_limit)[1]()
+
+
+def _priced(layout: Layout, docs, shape: AttentionShape, topo: Topology, mode: str, ulysses: int,
+            keep_limit: float) -> tuple[LayoutCost, Callable[[], LayoutCost]]:
+    """(:func:`layout_cost` with the communication at 0 -- a floor under the price, without its
+    most costly part --, a function giving the whole price)."""
+    units = layout.world_size // ulysses
     sub = inner_shape(shape, ulysses) if ulysses > 1 else shape
     portions = _portions(layout, units, ulysses, docs)
     work, pulls = _work_and_pulls(portions, docs, units)
     pair = 4.0 * sub.batch * sub.heads * sub.head_dim / topo.attention_flops
     extra_f, extra_b = _overheads(pulls, units, sub, topo)
-    forward, backward = _comm(pulls, units, sub, topo, ulysses, burst_rounds(mode), keep_limit)
     host_f, host_b = (_host_seconds(d, topo) for d in _host_ops(
         portions, pulls, units, ulysses, ulysses > 1 and layout.group == ulysses,
         _packed_calls(layout, units, ulysses, docs, topo.mask_piece))) if topo.host_priced else (0.0, 0.0)
-    return LayoutCost(max(w * pair + x for w, x in zip(work, extra_f)),
-                      max(w * pair * BACKWARD_FLOPS + x for w, x in zip(work, extra_b)), forward, backward,
-                      max(work) * pair, host_f, host_b)
+    floor = LayoutCost(max(w * pair + x for w, x in zip(work, extra_f)),
+                       max(w * pair * BACKWARD_FLOPS + x for w, x in zip(work, extra_b)), 0.0, 0.0,
+                       max(work) * pair, host_f, host_b)
+
+    def whole() -> LayoutCost:
+        forward, backward = _comm(pulls, units, sub, topo, ulysses, burst_rounds(mode), keep_limit)
+        return replace(floor, forward_comm=forward, backward_comm=backward)
+    return floor, whole
 
 
 def choose_layout(balanced: BalancedLayout, shape: AttentionShape, topo: Topology, mode: str,
@@ -442,29 +453,48 @@ def choose_layout(balanced: BalancedLayout, shape: AttentionShape, topo: Topolog
                   ) -> tuple[str, LayoutCost, LayoutCost]:
     """"balanced" or "zigzag" for one sample: the balanced layout ``balanced`` (its documents the
     sample's, causal without a window) unless the zigzag costs less for ``mode`` (a tie keeps
-    the balanced layout); with both prices (balanced, zigzag). A Ulysses degree equal to the CP
-    size leaves one group, which computes every token of its heads whatever the layout: the
-    zigzag is kept there (the all-to-all's own order; see below). ``documents``: the causal
-    documents to price ((start, stop), ...; default the layout's) -- a mask that is causal inside
-    groups of its documents (chunked attention's chunks: ``MaskKind.causal_groups``) is priced as
-    those groups. ``keep_limit``: what the mode's backward keeps (:func:`layout_cost`)."""
-    P = balanced.world_size
+    the balanced layout); with both prices (balanced, zigzag). One Ulysses group over the CP group
+    computes every token of its heads whatever the layout: the zigzag is kept there. ``documents``:
+    the causal documents to price ((start, stop), ...; default the layout's; chunked attention's
+    chunks: ``MaskKind.causal_groups``). ``keep_limit``: what the mode's backward keeps
+    (:func:`layout_cost`). :func:`pick_layout` makes the same pick without the prices, sooner."""
     docs = balanced.documents() if documents is None else list(documents)
-    zigzag = ZigzagLayout(P, balanced.seq_len)
+    zigzag = ZigzagLayout(balanced.world_size, balanced.seq_len)
     mine = layout_cost(balanced, docs, shape, topo, mode, ulysses, keep_limit)
     theirs = layout_cost(zigzag, docs, shape, topo, mode, ulysses, keep_limit)
+    return _pick(mine, theirs, topo, ulysses == balanced.world_size), mine, theirs
+
+
+def pick_layout(balanced: BalancedLayout, shape: AttentionShape, topo: Topology, mode: str,
+                ulysses: int = 1, documents=None, keep_limit: float = KEEP_LIMIT) -> str:
+    """:func:`choose_layout`'s pick (the data loader's, per sample) without pricing what cannot change
+    it: the zigzag first; the balanced layout's transfers (its costliest part: 3-4x the zigzag's pairs
+    of ranks at 256) only where its compute and host alone do not cost more than the zigzag already
+    (``tests/plan/test_choice.py`` checks the pick against :func:`choose_layout`'s)."""
+    P = balanced.world_size
     if ulysses == P:
-        # one group: the layouts differ only in its kernel calls (the balanced layout keeps its
-        # documents whole: fewer, worth 0.04-0.15 % at 8 GPUs with the host priced) and in its
-        # all-to-all -- the zigzag's sends dQ home while the dK/dV partials are made, the balanced
-        # layout's rounds by document set send both at once, and its return's copies (one
-        # collective call: pack and unpack) then come last: 1-2 % slower (docs/performance.md)
-        return "zigzag", mine, theirs
-    # a step whose busiest rank computes for less than a few launches' time is bound by launches
-    # and latencies, which the price leaves to the plan: balance buys nothing there
-    small = theirs.attention < MIN_COMPUTE_LAUNCHES * topo.kernel_latency
+        return "zigzag"
+    docs = balanced.documents() if documents is None else list(documents)
+    theirs = layout_cost(ZigzagLayout(P, balanced.seq_len), docs, shape, topo, mode, ulysses, keep_limit)
+    if _small(theirs, topo):
+        return "zigzag"
+    floor, whole = _priced(balanced, docs, shape, topo, mode, ulysses, keep_limit)
+    return "zigzag" if floor.total > theirs.total else _pick(whole(), theirs, topo, False)
+
+
+def _small(theirs: LayoutCost, topo: Topology) -> bool:
+    """The busiest rank computes for less than a few launches (module docstring): balance buys nothing."""
+    return theirs.attention < MIN_COMPUTE_LAUNCHES * topo.kernel_latency
+
+
+def _pick(mine: LayoutCost, theirs: LayoutCost, topo: Topology, one_group: bool) -> str:
+    """The layout kept, from the balanced layout's price ``mine`` and the zigzag's ``theirs``."""
+    if one_group:
+        # one Ulysses group: the layouts differ only in its kernel calls (the balanced layout's fewer: 0.04-0.15 %
+        # at 8 GPUs) and its all-to-all -- the zigzag's sends dQ home while the dK/dV partials are made, the
+        # balanced layout's sends both at once and copies last: 1-2 % slower (docs/performance.md)
+        return "zigzag"
     # where its transfers set the balanced layout's price, the price is least sure (the plans'
     # rounds wait on their peers): it has to win by COMM_MARGIN
     cheaper = mine.total <= theirs.total * (1 - COMM_MARGIN if mine.comm_bound else 1)
-    pick = "balanced" if not small and cheaper else "zigzag"
-    return pick, mine, theirs
+    return "balanced" if not _small(theirs, topo) and cheaper else "zigzag"

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_mesh.plan import AttentionShape, Mask, Topology, ZigzagLayout, balanced_layout
 from megatron_mesh.plan.choice import (MIN_COMPUTE_LAUNCHES, _host_ops, _host_seconds, _packed_calls, _portions,
-                                       _work_and_pulls, choose_layout, layout_cost)
+                                       _priced, _work_and_pulls, choose_layout, layout_cost, pick_layout)
 from megatron_mesh.tools.plan_args import document_bounds
 from megatron_mesh.tools.planner import evaluate
 
@@ -359,3 +359,38 @@ def test_the_price_reads_what_the_backward_keeps():
     for bad in (-1.0, math.nan):
         with pytest.raises(ValueError, match="keep_limit must be a number >= 0"):
             replaced(sample, keep_limit=bad)
+
+
+def test_pick_layout_picks_what_choose_layout_picks():
+    """pick_layout (the data loader's) against choose_layout's prices: the same pick on every sample
+    -- one node and 256 GPUs, plain modes and hybrids (one group over all ranks included), chunked
+    groups, keep limits, the host free -- and it skips the balanced layout's transfers on some of
+    them (its compute and host alone above the zigzag's whole price), not on all."""
+    skipped, cases = 0, 0
+    runs = [(8, 1 << 16, "lognormal:4096,1.0", range(10), {}), (8, 1 << 16, "lognormal:1024,1.0", range(3), {}),
+            (256, 1 << 20, "lognormal:16384,1.0", range(2), {}), (256, 1 << 20, "lognormal:4096,1.0", range(1), {}),
+            (8, 1 << 16, "lognormal:4096,1.0", range(3), dict(host_op_time=0.0, host_view_time=0.0))]
+    for P, S, spec, seeds, machine in runs:
+        topo = Topology(nodes=max(1, P // 8), gpus_per_node=min(8, P), **machine)
+        for seed in seeds:
+            cu = document_bounds(spec, S, seed)
+            for mode, U, limit in (("ring", 1, 2.0), ("tasp", 1, 0.0), ("mesh", 1, float("inf")), ("a2a+tasp", 2, 2.0),
+                                   ("a2a+ring", 8, 2.0)):
+                if P == 256 and mode == "mesh":
+                    continue  # ring's price: Mesh's is the same
+                layout = balanced_layout(cu, P, group=U, ranks_per_node=8 if P > 8 else None)
+                shape = AttentionShape(S // P, 1, **GQA)
+                groups = None if seed % 2 else _chunks(layout.documents(), 2048)  # chunked attention's groups
+                want = choose_layout(layout, shape, topo, mode, U, groups, limit)
+                assert pick_layout(layout, shape, topo, mode, U, groups, limit) == want[0], (P, spec, seed, mode)
+                if U < P and want[2].attention >= MIN_COMPUTE_LAUNCHES * topo.kernel_latency:
+                    docs = layout.documents() if groups is None else groups
+                    floor = _priced(layout, docs, shape, topo, mode, U, limit)[0]
+                    skipped += floor.total > want[2].total
+                    cases += 1
+    assert 0 < skipped < cases, (skipped, cases)
+
+
+def _chunks(documents, size):
+    """Chunked attention's groups: each document cut into chunks of ``size`` tokens."""
+    return [(s, min(b, s + size)) for a, b in documents for s in range(a, b, size)]

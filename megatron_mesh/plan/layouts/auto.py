@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from ..choice import choose_layout
+from ..choice import pick_layout
 from ..layout import Layout
 from .base import DEFAULT_LAYOUT, LayoutKind, Sample, get_layout_kind
 from .owners import beats_the_zigzag, step_time
@@ -53,8 +53,8 @@ def _choose(sample: Sample) -> tuple[str, Layout | None]:
         return balanced.name, layout
     if sample.shape is None:
         raise ValueError(f"--cp-layout {DEFAULT_LAYOUT} prices each sample for its mode: give the per-rank shape")
-    pick = choose_layout(layout, sample.shape, sample.machine, sample.mode, sample.group, groups,
-                         sample.keep_limit)[0]
+    pick = pick_layout(layout, sample.shape, sample.machine, sample.mode, sample.group, groups,
+                         sample.keep_limit)
     kept = (balanced.name, layout) if pick == balanced.name else (zigzag.name, zigzag.build(sample))
     if any(owners.runs(m) for m in {sample.mode, *sample.layer_modes}) or owners.refuses(sample):
         return kept
