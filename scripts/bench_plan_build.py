@@ -3,7 +3,7 @@
 
 For each CP size and document set: the balanced layout (:func:`megatron_mesh.balanced_layout`),
 the default layout's choice for each mode (``--cp-layout auto``: the balanced layout and the zigzag
-priced, :func:`megatron_mesh.plan.choice.choose_layout`; "auto ms"), then each mode's mask-aware
+priced, :func:`megatron_mesh.plan.choice.pick_layout` as the data loader does; "auto ms"), then each mode's mask-aware
 plan on the zigzag and on the balanced layout -- building every
 rank's op lists, as the ranks of a real run do together (each rank builds only its own; the
 maximum over ranks is printed as "per rank"). Pure Python, no torch::
@@ -11,11 +11,15 @@ maximum over ranks is printed as "per rank"). Pure Python, no torch::
     python scripts/bench_plan_build.py                                   # P = 64, 256, 1024; 1M tokens
     python scripts/bench_plan_build.py --cp 8 --seq-len 131072 --docs lognormal:12,1 --modes ring
     python scripts/bench_plan_build.py --cp 256 --seeds 0 1 2 --cpu --repeat 3 --modes ring tasp  # CPU time, per seed
+    python scripts/bench_plan_build.py --cp 256 --modes mesh --mesh-tile square    # a fixed tile (stops 56-74)
 
 The plan's block table is built once per batch and shared by every layer (and mode) of that
 batch; "plan" is the time to the first rank's op list, "all ranks" to every rank's; "sample" is
 one rank's whole time for a sample (the layout, the choice, the plan of the layout kept).
-Every mode is resolved as Megatron resolves it, with the machine's CP ranks per node.
+Every mode is resolved as Megatron resolves it, with the machine's CP ranks per node -- Mesh's tile
+``auto`` (``--mesh-tile-shape``'s default: on the zigzag under documents every tile map of the group
+competes with the query owner, :mod:`megatron_mesh.plan.sparse_compete`) unless ``--mesh-tile``
+fixes one ("square": the squarest tile of each CP size, which stops 56-74 measured).
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from megatron_mesh.plan import AttentionShape, Mask, Topology, balanced_layout, get_mode, resolve, tile_shapes  # noqa: E402
 from megatron_mesh.plan import sparse_blocks  # noqa: E402
-from megatron_mesh.plan.choice import choose_layout  # noqa: E402
+from megatron_mesh.plan.mesh import parse_tile  # noqa: E402
+from megatron_mesh.plan.choice import pick_layout  # noqa: E402
 from megatron_mesh.tools.plan_args import document_bounds  # noqa: E402
 
 
@@ -42,8 +47,10 @@ def _clear() -> None:
     gc.collect()
 
 
-def measure(P: int, S: int, spec: str, modes: list[str], seed: int = 0, clock=time.perf_counter) -> list[dict]:
-    """One sample's rows (``clock``: the wall clock, or ``time.process_time`` on a shared machine)."""
+def measure(P: int, S: int, spec: str, modes: list[str], seed: int = 0, clock=time.perf_counter,
+            mesh_tile: str = "auto") -> list[dict]:
+    """One sample's rows (``clock``: the wall clock, or ``time.process_time`` on a shared machine;
+    ``mesh_tile``: Mesh's tile, "auto", "AxB" or "square")."""
     cu = document_bounds(spec, S, seed)
     shape = AttentionShape(seq_local=S // P, batch=1, heads=32, kv_heads=8, head_dim=128)
     out = []
@@ -56,14 +63,12 @@ def measure(P: int, S: int, spec: str, modes: list[str], seed: int = 0, clock=ti
     for mode in modes:
         gc.collect()
         t0 = clock()
-        pick = choose_layout(layout, shape, topo, mode)[0]
+        pick = pick_layout(layout, shape, topo, mode)
         choice_s = clock() - t0
         for name, lay, mask in (("zigzag", None, Mask.from_cu_seqlens(cu, S)), ("balanced", layout, Mask())):
             _clear()
-            square = min(tile_shapes(P), key=lambda t: (abs(t[0] - t[1]), t))  # a fixed tile: no 'auto' search
             # the placement Megatron resolves: its CP ranks per node (TASP's rings follow the nodes)
-            placement = resolve(mode, P, shape, tile=square, ranks_per_node=nodes) \
-                if "tile" in get_mode(mode).Options.__dataclass_fields__ else resolve(mode, P, shape, ranks_per_node=nodes)
+            placement = resolve(mode, P, shape, ranks_per_node=nodes, **_tile(mode, P, mesh_tile))
             t0 = clock()
             plan = placement.build(shape, mask, lay)
             plan.rank(0)
@@ -81,14 +86,23 @@ def measure(P: int, S: int, spec: str, modes: list[str], seed: int = 0, clock=ti
     return out
 
 
+def _tile(mode: str, P: int, mesh_tile: str) -> dict:
+    """The tile setting of ``mode`` (none for a mode without one)."""
+    if "tile" not in get_mode(mode).Options.__dataclass_fields__:
+        return {}
+    if mesh_tile == "square":
+        return {"tile": min(tile_shapes(P), key=lambda t: (abs(t[0] - t[1]), t))}
+    return {"tile": mesh_tile}
+
+
 TIMES = ("layout_s", "choice_s", "plan_s", "all_ranks_s", "per_rank_s")
 
 
 def fastest(P: int, S: int, spec: str, modes: list[str], seed: int = 0, clock=time.perf_counter,
-            repeat: int = 1) -> list[dict]:
+            repeat: int = 1, mesh_tile: str = "auto") -> list[dict]:
     """:func:`measure` ``repeat`` times, each time the fastest of the runs (a shared machine's
     other jobs only ever slow a run down)."""
-    runs = [measure(P, S, spec, modes, seed, clock) for _ in range(repeat)]
+    runs = [measure(P, S, spec, modes, seed, clock, mesh_tile) for _ in range(repeat)]
     return [dict(rows[0], **{k: min(r[k] for r in rows) for k in TIMES}) for rows in zip(*runs)]
 
 
@@ -114,6 +128,8 @@ def main(argv=None) -> None:
     ap.add_argument("--cpu", action="store_true", help="CPU time of this process instead of the wall clock (a "
                     "shared machine)")
     ap.add_argument("--repeat", type=int, default=1, help="runs of each sample; every time the fastest (default 1)")
+    ap.add_argument("--mesh-tile", default="auto", help="Mesh's tile: 'auto' (Megatron's default; under documents "
+                    "every tile map competes), AxB, or 'square' (the squarest tile of each CP size)")
     args = ap.parse_args(argv)
     if args.seq_len < 1 or args.repeat < 1:
         ap.error(f"--seq-len and --repeat must be >= 1, got {args.seq_len} and {args.repeat}")
@@ -122,6 +138,11 @@ def main(argv=None) -> None:
     bad = [P for P in args.cp if P < 1 or args.seq_len % (2 * P)]
     if bad:
         ap.error(f"--cp {bad or args.cp}: every CP size must be >= 1 and split --seq-len {args.seq_len} into 2 x CP halves")
+    try:
+        for P in args.cp if args.mesh_tile != "square" else ():
+            parse_tile(args.mesh_tile, P)
+    except ValueError as e:
+        ap.error(f"--mesh-tile: {e} (or 'square': the squarest tile of each CP size)")
     given, args.docs = args.docs, args.docs or DEFAULT_DOCS
     try:  # the documents and the modes, before the first measurement
         document_bounds(args.docs, args.seq_len)
@@ -135,7 +156,7 @@ def main(argv=None) -> None:
     for P in args.cp:
         for seed in args.seeds:
             rows = fastest(P, args.seq_len, args.docs, args.modes, seed,
-                           time.process_time if args.cpu else time.perf_counter, args.repeat)
+                           time.process_time if args.cpu else time.perf_counter, args.repeat, args.mesh_tile)
             for row in rows:
                 total = sample_s(rows, row)
                 print(f"{row['P']:>5} {row['seed']:>4} {row['docs']:>6} {row['mode']:<6} "

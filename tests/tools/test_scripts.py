@@ -677,6 +677,11 @@ def test_compare_cp_modes_refuses_a_report_directory_it_cannot_make(script, caps
      r"--cp \[0, 3\]: every CP size must be >= 1 and split --seq-len 1024 into 2 x CP halves"),
     ("bench_plan_build", ["--cp", "4", "--seq-len", "1024", "--docs", "fixed:128", "--modes", "foo"],
      r"unknown CP mode 'foo'; allowed: ring"),
+    ("bench_plan_build", ["--cp", "4", "8", "--seq-len", "1024", "--docs", "fixed:128", "--mesh-tile", "2x2"],
+     r"--mesh-tile: tile 2x2 does not fit CP size 8: .*allowed tiles: 1x8, 2x4, 4x2, 8x1 \(or 'square': the squarest "
+     r"tile of each CP size\)"),
+    ("bench_plan_build", ["--cp", "4", "--seq-len", "1024", "--mesh-tile", "big"],
+     r"--mesh-tile: tile shape 'big' must be 'AxB' \(e.g. '4x2'\) or 'auto'"),
     ("compare_attention", ["--world", "0"], r"--world and --repeat must be >= 1, got 0 and 1"),
     ("compare_attention", ["--world", "2", "--seq-len", "64", "--backward-keep-limit", "-1"],
      r"--backward-keep-limit must be a number >= 0 .*got -1.0"),
@@ -755,6 +760,10 @@ def test_bench_plan_build_keeps_the_fastest_run_and_sums_a_sample(script, capsys
     out = capsys.readouterr().out.splitlines()
     assert "sample ms" in out[0] and len(out) == 3
     assert sorted(len(line.split()) for line in out[1:]) == [9, 10]  # the kept row has its sample time
+    # Mesh's tile as Megatron resolves it ("auto"), or fixed; modes without a tile take none
+    assert bench._tile("mesh", 8, "auto") == {"tile": "auto"} and bench._tile("mesh", 8, "2x4") == {"tile": "2x4"}
+    assert bench._tile("mesh", 16, "square") == {"tile": (4, 4)} and bench._tile("mesh", 8, "square") == {"tile": (2, 4)}
+    assert bench._tile("ring", 8, "square") == {} and bench._tile("tasp", 8, "auto") == {}
 
 
 def test_layout_tables_print_each_seed_and_the_criteria(script, capsys, tmp_path):
