@@ -422,13 +422,13 @@ def layout_cost(layout: Layout, docs, shape: AttentionShape, topo: Topology, mod
     ``a2a+...`` with all-to-all degree ``ulysses``) on ``layout`` for the causal documents
     ``docs`` ((start, stop), ...), ``shape`` per rank, its ranks keeping what they pulled for the
     backward up to ``keep_limit`` x their own Q, K and V (:func:`~.sparse_needs.keep_limit_of`)."""
-    return _priced(layout, docs, shape, topo, mode, ulysses, keep_limit)[1]()
+    return _price_parts(layout, docs, shape, topo, mode, ulysses, keep_limit)[1]()
 
 
-def _priced(layout: Layout, docs, shape: AttentionShape, topo: Topology, mode: str, ulysses: int,
+def _price_parts(layout: Layout, docs, shape: AttentionShape, topo: Topology, mode: str, ulysses: int,
             keep_limit: float) -> tuple[LayoutCost, Callable[[], LayoutCost]]:
-    """(:func:`layout_cost` with the communication at 0 -- a floor under the price, without its
-    most costly part --, a function giving the whole price)."""
+    """(:func:`layout_cost` with the communication at 0 -- a floor under the price's ``total``, without
+    its most costly part; its ``comm_bound`` means nothing --, a function giving the whole price)."""
     units = layout.world_size // ulysses
     sub = inner_shape(shape, ulysses) if ulysses > 1 else shape
     portions = _portions(layout, units, ulysses, docs)
@@ -455,9 +455,8 @@ def choose_layout(balanced: BalancedLayout, shape: AttentionShape, topo: Topolog
     sample's, causal without a window) unless the zigzag costs less for ``mode`` (a tie keeps
     the balanced layout); with both prices (balanced, zigzag). One Ulysses group over the CP group
     computes every token of its heads whatever the layout: the zigzag is kept there. ``documents``:
-    the causal documents to price ((start, stop), ...; default the layout's; chunked attention's
-    chunks: ``MaskKind.causal_groups``). ``keep_limit``: what the mode's backward keeps
-    (:func:`layout_cost`). :func:`pick_layout` makes the same pick without the prices, sooner."""
+    the causal documents to price (default the layout's; chunked attention's: ``MaskKind.causal_groups``).
+    ``keep_limit``: what the backward keeps. :func:`pick_layout`: the same pick, sooner."""
     docs = balanced.documents() if documents is None else list(documents)
     zigzag = ZigzagLayout(balanced.world_size, balanced.seq_len)
     mine = layout_cost(balanced, docs, shape, topo, mode, ulysses, keep_limit)
@@ -473,12 +472,13 @@ def pick_layout(balanced: BalancedLayout, shape: AttentionShape, topo: Topology,
     (``tests/plan/test_choice.py`` checks the pick against :func:`choose_layout`'s)."""
     P = balanced.world_size
     if ulysses == P:
+        burst_rounds(mode), inner_shape(shape, ulysses)  # what the prices would refuse, refused
         return "zigzag"
     docs = balanced.documents() if documents is None else list(documents)
     theirs = layout_cost(ZigzagLayout(P, balanced.seq_len), docs, shape, topo, mode, ulysses, keep_limit)
     if _small(theirs, topo):
         return "zigzag"
-    floor, whole = _priced(balanced, docs, shape, topo, mode, ulysses, keep_limit)
+    floor, whole = _price_parts(balanced, docs, shape, topo, mode, ulysses, keep_limit)
     return "zigzag" if floor.total > theirs.total else _pick(whole(), theirs, topo, False)
 
 

@@ -150,6 +150,10 @@ class TileMap:
             return q_chunk // self.a * self.a + kv_chunk % self.a
         return kv_chunk // self.b * self.b + q_chunk % self.b
 
+    # a tile map is its owner map (a mask-aware plan's Assignment.owners take it as one, and knowing it
+    # is a tile map, :mod:`.sparse_compete` walks a rank's blocks without asking every block)
+    __call__ = owner
+
     def rings(self) -> dict[str, tuple[tuple[int, ...], ...]]:
         """The b Q rings and the a KV rings (CP ranks in ring order): what the plan moves data on
         and the process sub-groups a transport routes through."""

@@ -115,7 +115,7 @@ class Assignment:
 
     * ``owners``: candidate maps (name, owner(q_chunk, kv_chunk) -> rank); the plan takes the one
       whose busiest rank moves the fewest bytes, the query owner (ship K/V, keep Q home) always
-      among them (ring, TASP: only it; Mesh: its tile map too);
+      among them (ring, TASP: only it; Mesh: its tile maps too, each a :class:`~.mesh.TileMap`);
     * ``rounds``: "shift" (round d: receive from rank - d, send to rank + d: every round a
       permutation, blocks start as their slots arrive) or "burst" (each group of a rank's slots
       in one round over every link at once, TASP's way: ``burst_groups``);
@@ -180,8 +180,7 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
     elif assignment.owners:  # compare the mode's maps with the query owner by the busiest rank's bytes
         # each map with the ranks that would keep their slots under it ("auto" decides per map), at
         # most ASSIGNMENT_KEEP_LIMIT's worth: the bytes are blind to the work
-        best, needs = compete(index, assignment.owners, shape, token_bytes, backward_chunks,
-                              min(keep_limit, ASSIGNMENT_KEEP_LIMIT))
+        best, needs = compete(index, assignment.owners, shape, backward_chunks, min(keep_limit, ASSIGNMENT_KEEP_LIMIT))
         assigned = QUERY_OWNER if best == 0 else assignment.owners[best - 1][0]
         if assigned == QUERY_OWNER:
             names = ", ".join(dict.fromkeys(n for n, _ in assignment.owners))

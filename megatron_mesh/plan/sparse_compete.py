@@ -4,21 +4,22 @@ to the last map (the mode's own) -- decided without building every map's selecti
 
 Mesh's ``auto`` tile on a document mask at 256 ranks puts 15 tile maps against the query owner;
 building each map's :class:`~.sparse_needs.Needs` (every rank's row and column selections, gathered
-and sorted) took ~15 ms a map: Mesh's plan of a sample took 213-267 ms (1M tokens of
-``lognormal:16384``, seeds 0-2; 67-81 ms on ``lognormal:4096``), 52-79 ms (27-37) now, the same
-plans (docs/performance.md, "Build time with the choice"). The bytes only read how many tokens each
+and sorted) took ~15 ms a map: Mesh's plan of a sample (1M tokens, seeds 0-2) took 213-267 ms
+on ``lognormal:16384`` and 67-81 ms on ``lognormal:4096``; 52-79 and 27-37 ms now, the same plans
+(docs/performance.md, "Build time with the choice"). The bytes only read how many tokens each
 rank reads of each chunk, so :func:`compete` goes in three steps, each exact in what it decides:
 
 1. **The query owner's bytes**, from the block index's column summaries
    (:class:`~.sparse_needs.QueryOwnerNeeds`).
-2. **A floor under each map's busiest rank** (:func:`traffic_floor`): a rank sends, of its own
-   chunk, the rows and the columns of each block of its row and its column of blocks that the map
-   computes on another rank, to that rank; under a tile map it reads the rows and columns of its
-   own blocks' other chunks -- each at least what a token costs when everything is kept (Q, O, dO
-   and dQ a row; K/V and dK/dV a column). Priced on the :data:`FLOOR_RANKS` ranks busiest under the
-   query owner (those holding long documents, which every map must ship somewhere), what they send
-   first (a few dozen blocks each), what they read where that does not decide; a map whose floor is
-   above the fewest bytes found so far cannot win and is not counted.
+2. **A floor under each map's busiest rank**: a rank sends, of its own chunk, the rows and the
+   columns of each block of its row and its column of blocks that the map computes on another
+   rank, to that rank (:func:`sent_tokens`); under a tile map it reads the rows and columns of its
+   own blocks' other chunks (:func:`read_tokens`) -- each token at least what it costs when
+   everything is kept (Q, O, dO and dQ a row; K/V and dK/dV a column). Priced on the
+   :data:`FLOOR_RANKS` ranks busiest under the query owner (those holding long documents, which
+   every map must ship somewhere), what they send first (a few dozen blocks each), what they read
+   where that does not decide; a map whose floor is above the fewest bytes found so far cannot win
+   and is not counted.
 3. **The maps left, counted** in the order of their floors (:class:`NeedCounts`: each block's rows
    and columns as bit sets, united per rank and chunk -- one ``|`` per block); the winner alone gets
    its selections built.
@@ -28,27 +29,30 @@ holds positions [8, 16) and [48, 56)), causal, documents [0, 24) and [24, 64), G
 in bf16 -- a row moves at least 49,536 bytes (Q, O, dO, dQ), a column 12,288 (K/V, dK/dV). Under
 the query owner every rank moves 589,824 bytes. Mesh's 2x2 tile map (contiguous q) computes blocks
 (1, 0) and (1, 2) on rank 0, which reads all 16 of rank 1's rows, and (2, 1) on rank 3, which reads 8
-of its columns: rank 1's floor is 16 x 49,536 + 8 x 12,288 = 890,880 bytes, above 589,824, so the
-map is never counted (its busiest rank would move 1,483,776) and the query owner wins.
+of its columns: what rank 1 sends alone floors the map at 16 x 49,536 + 8 x 12,288 = 890,880 bytes,
+above 589,824, so the map is never counted (what rank 1 reads as well makes 1,483,776, the map's
+busiest rank's bytes) and the query owner wins.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
+from .accounting import buffer_bytes
 from .mesh import TileMap
 from .sel import union_intervals
 from .shape import AttentionShape
 from .sparse_blocks import Blocks
 from .sparse_needs import Keeps, Needs, QueryOwnerNeeds, bytes_per_rank
 
-__all__ = ["compete", "traffic_floor", "NeedCounts", "span_bits", "FLOOR_RANKS"]
+__all__ = ["compete", "sent_tokens", "read_tokens", "NeedCounts", "span_bits", "FLOOR_RANKS"]
 
 # the ranks whose bytes floor each map: the busiest under the query owner. At 256 ranks (Mesh's 15
-# maps, lognormal:16384 seeds 0-2 and lognormal:4096 seeds 0-1) the floor on the 8 busiest is
-# 0.16-2.45x the query owner's bytes where the map's own are 0.68-4.90x: it rules out the maps that
-# ship every long document's rows far (the tall tiles) before they are counted; on every rank the
-# floors were 1-2x these (a floor reads only what a rank sends of its own chunk)
+# maps, lognormal:16384 seeds 0-2 and lognormal:4096 seeds 0-1) what the 8 busiest send floors a map
+# at 0.16-2.45x the query owner's bytes where the map's own are 0.68-4.90x -- it rules out the maps
+# that ship every long document's rows far (the tall tiles) --, and with what they read 2-6 of the
+# 15 maps are left to count (seeds 0-9 of both mixes); 16 ranks left 10 % fewer, for more time
+KINDS = ("q", "kv", "do", "o", "dq", "dkv")
 FLOOR_RANKS = 8
 
 
@@ -93,31 +97,10 @@ class NeedCounts:
         return self._col_tokens[x]
 
 
-def traffic_floor(index: Blocks, owner: Callable[[int, int], int], ranks, row_bytes: int, col_bytes: int,
-                  reads: bool = True) -> int:
-    """A floor under the busiest rank's bytes when ``owner`` places the blocks of ``index``: the
-    most that one of ``ranks`` moves (module docstring, step 2) -- what it sends of its own chunk
-    and, where ``owner`` is a Mesh tile map's and ``reads``, what it reads of the others' --, at
-    ``row_bytes`` a row and ``col_bytes`` a column of the union each rank reads of each chunk."""
-    tiles = _tile_map(owner) if reads else None
-    prices = (row_bytes, col_bytes)
-    return max((_priced(_sent(index, owner, h), prices) + (_priced(_read(index, tiles, h), prices) if tiles else 0)
-                for h in ranks), default=0)
-
-
-def _tile_map(owner) -> TileMap | None:
-    """The tile map whose owner ``owner`` is (its blocks are known per rank), else None."""
-    tiles = getattr(owner, "__self__", None)
-    return tiles if isinstance(tiles, TileMap) else None
-
-
-def _priced(tokens: tuple[int, int], prices: tuple[int, int]) -> int:
-    return tokens[0] * prices[0] + tokens[1] * prices[1]
-
-
-def _sent(index: Blocks, owner, h: int) -> tuple[int, int]:
-    """(rows, columns) of rank h's chunk the other ranks read: for each rank computing blocks of
-    h's row (column), the union of their rows (columns)."""
+def sent_tokens(index: Blocks, owner: Callable[[int, int], int], h: int) -> tuple[int, int]:
+    """(rows, columns) of rank h's chunk that the other ranks read when ``owner`` places the blocks
+    of ``index`` -- for each rank computing blocks of h's row (column), the union of their rows
+    (columns): what :class:`~.sparse_needs.Needs` of the map counts as h's chunk read by others."""
     rows: dict[int, list] = {}  # the rank computing blocks of h's row -> their rows of h's chunk
     for j, (r, _) in index.row_spans(h).items():
         y = owner(h, j)
@@ -132,10 +115,11 @@ def _sent(index: Blocks, owner, h: int) -> tuple[int, int]:
     return sum(map(_length, rows.values())), sum(map(_length, cols.values()))
 
 
-def _read(index: Blocks, tiles: TileMap, h: int) -> tuple[int, int]:
-    """(rows, columns) rank h reads of the other chunks under tile map ``tiles``: its blocks are its
-    Q group's chunks x its KV group's (:meth:`~.mesh.TileMap.blocks`), walked from the shorter side
-    (a 2 x 128 tile: the blocks of 2 query chunks' rows, not of 128 columns)."""
+def read_tokens(index: Blocks, tiles: TileMap, h: int) -> tuple[int, int]:
+    """(rows, columns) rank h reads of the other chunks under tile map ``tiles`` -- its
+    :class:`~.sparse_needs.Needs` row and column tokens, summed: its blocks are its Q group's chunks x
+    its KV group's (:meth:`~.mesh.TileMap.blocks`), walked from the shorter side (a 2 x 128 tile: the
+    blocks of 2 query chunks' rows, not of 128 columns)."""
     qs, ks = set(tiles.q_group(h)), set(tiles.kv_group(h))
     rows: dict[int, list] = {}  # chunk -> the rows of it rank h's blocks read
     cols: dict[int, list] = {}
@@ -157,36 +141,36 @@ def _length(segments: list) -> int:
     return sum(s.stop - s.start for s in (segments if len(segments) == 1 else union_intervals(segments)))
 
 
-def compete(index: Blocks, owners, shape: AttentionShape, token_bytes: dict, backward_chunks: str,
-            limit: float) -> tuple[int, object]:
-    """(k, needs): of the query owner (k = 0) and ``owners`` ((name, owner(i, j) -> rank), k = 1 ...),
-    the map whose busiest rank moves the fewest bytes, each rank keeping what
-    ``backward_chunks`` / ``limit`` keep (:class:`~.sparse_needs.Keeps`); ties to the last map;
-    with its needs (module docstring)."""
+def compete(index: Blocks, owners, shape: AttentionShape, backward_chunks: str, limit: float) -> tuple[int, object]:
+    """(k, needs): of the query owner (k = 0) and ``owners`` ((name, owner(i, j) -> rank), k = 1 ...;
+    a :class:`~.mesh.TileMap` is floored by what its ranks read too), the map whose busiest rank
+    moves the fewest bytes, each rank keeping what ``backward_chunks`` / ``limit`` keep
+    (:class:`~.sparse_needs.Keeps`); ties to the last map; with its needs (module docstring)."""
     T = shape.seq_local
+    tb = {k: buffer_bytes(k, 1, shape) for k in KINDS}  # what bytes_per_rank prices a token at
 
     def busiest(needs) -> int:
-        return max(bytes_per_rank(needs, shape, Keeps(backward_chunks, needs, T, token_bytes, limit)))
+        return max(bytes_per_rank(needs, shape, Keeps(backward_chunks, needs, T, tb, limit)))
+
+    def priced(tokens: tuple[int, int]) -> int:  # at the least a row and a column cost: everything kept
+        return tokens[0] * (tb["q"] + tb["o"] + tb["do"] + tb["dq"]) + tokens[1] * (tb["kv"] + tb["dkv"])
 
     if len(owners) > 1:
-        index.spans()  # several maps: some will be counted -- one pass for their spans and the summaries
+        index.spans()  # several maps, most likely some counted: one pass for their spans and the summaries
     query_owner = QueryOwnerNeeds(index)
-    traffic = bytes_per_rank(query_owner, shape, Keeps(backward_chunks, query_owner, T, token_bytes, limit))
+    traffic = bytes_per_rank(query_owner, shape, Keeps(backward_chunks, query_owner, T, tb, limit))
     best, fewest = 0, max(traffic)
     ranks = sorted(range(index.P), key=lambda x: (-traffic[x], x))[:FLOOR_RANKS]
-    tb = token_bytes
     # each map's floor from what the ranks send (cheap), then, for the maps it does not rule out,
     # from what they read too; the maps left counted in the order of their first floors
-    prices = (tb["q"] + tb["o"] + tb["do"] + tb["dq"], tb["kv"] + tb["dkv"])
-    sent = {k: [_priced(_sent(index, owner, h), prices) for h in ranks] for k, (_, owner) in enumerate(owners, 1)}
+    sent = {k: [priced(sent_tokens(index, owner, h)) for h in ranks] for k, (_, owner) in enumerate(owners, 1)}
     bits = None
     for floor, k in sorted((max(v, default=0), k) for k, v in sent.items()):
         if floor > fewest:
             break  # this map and every one after it move more than the fewest on one of ``ranks``
         owner = owners[k - 1][1]
-        tiles = _tile_map(owner)
-        if tiles is not None and \
-                max(v + _priced(_read(index, tiles, h), prices) for v, h in zip(sent[k], ranks)) > fewest:
+        if isinstance(owner, TileMap) and \
+                max(v + priced(read_tokens(index, owner, h)) for v, h in zip(sent[k], ranks)) > fewest:
             continue  # what the ranks read as well
         if bits is None:
             bits = span_bits(index.spans())

@@ -86,7 +86,7 @@ def _gather(needs: list[dict[int, list]]) -> tuple[list[dict], list[list[int]], 
     return unions, readers, [_tokens(got) for got in unions]
 
 
-def bytes_per_rank(needs, shape: AttentionShape, keeps: "Keeps") -> list[int]:
+def bytes_per_rank(needs, shape: AttentionShape, keeps: Keeps) -> list[int]:
     """Sent + received bytes of each rank under ``needs`` (:class:`Needs` or :class:`QueryOwnerNeeds`),
     forward and backward; ``keeps``: what each rank keeps of what it pulled for the backward
     (:class:`Keeps`)."""

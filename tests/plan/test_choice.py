@@ -9,7 +9,7 @@ import pytest
 
 from megatron_mesh.plan import AttentionShape, Mask, Topology, ZigzagLayout, balanced_layout
 from megatron_mesh.plan.choice import (MIN_COMPUTE_LAUNCHES, _host_ops, _host_seconds, _packed_calls, _portions,
-                                       _priced, _work_and_pulls, choose_layout, layout_cost, pick_layout)
+                                       _price_parts, _work_and_pulls, choose_layout, layout_cost, pick_layout)
 from megatron_mesh.tools.plan_args import document_bounds
 from megatron_mesh.tools.planner import evaluate
 
@@ -385,10 +385,17 @@ def test_pick_layout_picks_what_choose_layout_picks():
                 assert pick_layout(layout, shape, topo, mode, U, groups, limit) == want[0], (P, spec, seed, mode)
                 if U < P and want[2].attention >= MIN_COMPUTE_LAUNCHES * topo.kernel_latency:
                     docs = layout.documents() if groups is None else groups
-                    floor = _priced(layout, docs, shape, topo, mode, U, limit)[0]
+                    floor = _price_parts(layout, docs, shape, topo, mode, U, limit)[0]
                     skipped += floor.total > want[2].total
                     cases += 1
     assert 0 < skipped < cases, (skipped, cases)
+    # one Ulysses group over all ranks keeps the zigzag unpriced, and still refuses what the price refuses
+    layout, topo = balanced_layout([0, 4096, 8192], 2), Topology(nodes=1, gpus_per_node=2)
+    for mode, heads, match in (("nope", 4, "unknown CP mode 'nope'"), ("a2a+ring", 3, r"query heads \(3\) must be divisible")):
+        shape = AttentionShape(4096, 1, heads=heads, kv_heads=1, head_dim=64)
+        for choose in (pick_layout, choose_layout):
+            with pytest.raises(ValueError, match=match):
+                choose(layout, shape, topo, mode, 2)
 
 
 def _chunks(documents, size):

@@ -53,8 +53,7 @@ def _choose(sample: Sample) -> tuple[str, Layout | None]:
         return balanced.name, layout
     if sample.shape is None:
         raise ValueError(f"--cp-layout {DEFAULT_LAYOUT} prices each sample for its mode: give the per-rank shape")
-    pick = pick_layout(layout, sample.shape, sample.machine, sample.mode, sample.group, groups,
-                         sample.keep_limit)
+    pick = pick_layout(layout, sample.shape, sample.machine, sample.mode, sample.group, groups, sample.keep_limit)
     kept = (balanced.name, layout) if pick == balanced.name else (zigzag.name, zigzag.build(sample))
     if any(owners.runs(m) for m in {sample.mode, *sample.layer_modes}) or owners.refuses(sample):
         return kept

@@ -123,13 +123,13 @@ class MeshMode(Mode):
         if layout.documents() is not None:
             return Assignment(tile=(a, b), contiguous=contiguous)
         if not p.options.tile_auto:
-            return Assignment(owners=((TILE_MAP, TileMap(a, b, contiguous).owner),) if a > 1 else (), tile=(a, b),
+            return Assignment(owners=((TILE_MAP, TileMap(a, b, contiguous)),) if a > 1 else (), tile=(a, b),
                               contiguous=contiguous)
         # the dense choice last: the builder breaks ties towards the last map
         maps = [((x, y), c) for x, y in tile_shapes(p.world_size) if x > 1 for c in (CONTIGUOUS if y > 1 else ("q",))
                 if ((x, y), c) != ((a, b), contiguous)]
         maps += [((a, b), contiguous)] if a > 1 else []
-        return Assignment(owners=tuple((TILE_MAP, TileMap(*t, c).owner) for t, c in maps), tile=(a, b),
+        return Assignment(owners=tuple((TILE_MAP, TileMap(*t, c)) for t, c in maps), tile=(a, b),
                           contiguous=contiguous, tiles=tuple(maps))
 
     def rings(self, p: Placement) -> dict:
