@@ -3,15 +3,15 @@
 
 For each CP size and document set: the balanced layout (:func:`megatron_mesh.balanced_layout`),
 the default layout's choice for each mode (``--cp-layout auto``: the balanced layout and the zigzag
-priced, :func:`megatron_mesh.plan.choice.pick_layout` as the data loader does; "auto ms"), then each mode's mask-aware
-plan on the zigzag and on the balanced layout -- building every
-rank's op lists, as the ranks of a real run do together (each rank builds only its own; the
-maximum over ranks is printed as "per rank"). Pure Python, no torch::
+priced, :func:`megatron_mesh.plan.choice.pick_layout` as the data loader calls it; "auto ms"), then
+each mode's mask-aware plan on the zigzag and on the balanced layout -- building every rank's op
+lists, as the ranks of a real run do together (each rank builds only its own; the maximum over
+ranks is printed as "per rank"). Pure Python, no torch::
 
     python scripts/bench_plan_build.py                                   # P = 64, 256, 1024; 1M tokens
     python scripts/bench_plan_build.py --cp 8 --seq-len 131072 --docs lognormal:12,1 --modes ring
     python scripts/bench_plan_build.py --cp 256 --seeds 0 1 2 --cpu --repeat 3 --modes ring tasp  # CPU time, per seed
-    python scripts/bench_plan_build.py --cp 256 --modes mesh --mesh-tile square    # a fixed tile (stops 56-74)
+    python scripts/bench_plan_build.py --cp 256 --modes mesh --mesh-tile square    # a fixed tile: 16x16
 
 The plan's block table is built once per batch and shared by every layer (and mode) of that
 batch; "plan" is the time to the first rank's op list, "all ranks" to every rank's; "sample" is
@@ -19,7 +19,8 @@ one rank's whole time for a sample (the layout, the choice, the plan of the layo
 Every mode is resolved as Megatron resolves it, with the machine's CP ranks per node -- Mesh's tile
 ``auto`` (``--mesh-tile-shape``'s default: on the zigzag under documents every tile map of the group
 competes with the query owner, :mod:`megatron_mesh.plan.sparse_compete`) unless ``--mesh-tile``
-fixes one ("square": the squarest tile of each CP size, which stops 56-74 measured).
+fixes one ("square": the squarest tile of each CP size, which docs/performance.md's build times
+before stop 75 measured).
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from megatron_mesh.plan import AttentionShape, Mask, Topology, balanced_layout, get_mode, resolve, tile_shapes  # noqa: E402
 from megatron_mesh.plan import sparse_blocks  # noqa: E402
-from megatron_mesh.plan.mesh import parse_tile  # noqa: E402
 from megatron_mesh.plan.choice import pick_layout  # noqa: E402
+from megatron_mesh.plan.mesh import parse_tile  # noqa: E402
 from megatron_mesh.tools.plan_args import document_bounds  # noqa: E402
 
 
@@ -86,9 +87,13 @@ def measure(P: int, S: int, spec: str, modes: list[str], seed: int = 0, clock=ti
     return out
 
 
+def _takes_tile(mode: str) -> bool:
+    return "tile" in get_mode(mode).Options.__dataclass_fields__
+
+
 def _tile(mode: str, P: int, mesh_tile: str) -> dict:
     """The tile setting of ``mode`` (none for a mode without one)."""
-    if "tile" not in get_mode(mode).Options.__dataclass_fields__:
+    if not _takes_tile(mode):
         return {}
     if mesh_tile == "square":
         return {"tile": min(tile_shapes(P), key=lambda t: (abs(t[0] - t[1]), t))}
@@ -138,11 +143,6 @@ def main(argv=None) -> None:
     bad = [P for P in args.cp if P < 1 or args.seq_len % (2 * P)]
     if bad:
         ap.error(f"--cp {bad or args.cp}: every CP size must be >= 1 and split --seq-len {args.seq_len} into 2 x CP halves")
-    try:
-        for P in args.cp if args.mesh_tile != "square" else ():
-            parse_tile(args.mesh_tile, P)
-    except ValueError as e:
-        ap.error(f"--mesh-tile: {e} (or 'square': the squarest tile of each CP size)")
     given, args.docs = args.docs, args.docs or DEFAULT_DOCS
     try:  # the documents and the modes, before the first measurement
         document_bounds(args.docs, args.seq_len)
@@ -151,8 +151,14 @@ def main(argv=None) -> None:
     except ValueError as e:
         ap.error(str(e) + ("" if given else f" (--docs {DEFAULT_DOCS} is the default: give --docs for a --seq-len this "
                                               "short)"))
+    try:  # Mesh's tile, for every CP size, where a mode takes one
+        for P in args.cp if args.mesh_tile != "square" and any(map(_takes_tile, args.modes)) else ():
+            parse_tile(args.mesh_tile, P)
+    except ValueError as e:
+        ap.error(f"--mesh-tile: {e} (or 'square': the squarest tile of each CP size)")
     print(f"{'P':>5} {'seed':>4} {'docs':>6} {'mode':<6} {'layout':<9} {'layout ms':>10} {'auto ms':>8} {'plan ms':>9} "
-          f"{'all ranks s':>12} {'sample ms':>10}  (* the layout auto keeps; sample: layout + auto + its plan)")
+          f"{'all ranks s':>12} {'sample ms':>10}  (* the layout auto keeps; sample: layout + auto + its plan; Mesh's "
+          f"tile {args.mesh_tile})")
     for P in args.cp:
         for seed in args.seeds:
             rows = fastest(P, args.seq_len, args.docs, args.modes, seed,

@@ -680,7 +680,7 @@ def test_compare_cp_modes_refuses_a_report_directory_it_cannot_make(script, caps
     ("bench_plan_build", ["--cp", "4", "8", "--seq-len", "1024", "--docs", "fixed:128", "--mesh-tile", "2x2"],
      r"--mesh-tile: tile 2x2 does not fit CP size 8: .*allowed tiles: 1x8, 2x4, 4x2, 8x1 \(or 'square': the squarest "
      r"tile of each CP size\)"),
-    ("bench_plan_build", ["--cp", "4", "--seq-len", "1024", "--mesh-tile", "big"],
+    ("bench_plan_build", ["--cp", "4", "--seq-len", "1024", "--docs", "fixed:128", "--mesh-tile", "big"],
      r"--mesh-tile: tile shape 'big' must be 'AxB' \(e.g. '4x2'\) or 'auto'"),
     ("compare_attention", ["--world", "0"], r"--world and --repeat must be >= 1, got 0 and 1"),
     ("compare_attention", ["--world", "2", "--seq-len", "64", "--backward-keep-limit", "-1"],
