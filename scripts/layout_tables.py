@@ -2,7 +2,7 @@
 """Per-sample tables of the layouts of packed documents against the bounds (docs/performance.md,
 "The balanced layout against its bound"): for each seed of ``--docs``, every mode of ``--modes``
 on Megatron's zigzag, on the balanced layout and on the default (``--cp-layout auto``: per sample
-and mode the one :func:`megatron_mesh.plan.choice.choose_layout` keeps, or Mesh's owners layout
+and mode the one :func:`megatron_mesh.plan.choice.pick_layout` keeps, or Mesh's owners layout
 where simulated faster) -- the busiest rank's
 bytes over the query-owner bound (:mod:`megatron_mesh.plan.bound`), the simulated time over the
 compute floor, the work max/mean -- and the issue's criteria over the seeds. Pure Python::

@@ -7,7 +7,7 @@ With packed documents (``--reset-attention-mask``) ``--cp-layout balanced`` repl
 :func:`megatron_mesh.balanced_layout`: per sample, work balanced over the CP ranks and short
 documents kept whole on one rank; ``--cp-layout auto`` (the default) does so for each sample
 where that is not predicted slower than the zigzag for the layers' mode
-(:func:`megatron_mesh.plan.choice.choose_layout`) and keeps the zigzag for the others. This
+(:func:`megatron_mesh.plan.choice.pick_layout`) and keeps the zigzag for the others. This
 module is everything that makes Megatron follow it:
 
 * :func:`sample_layout` (:mod:`.layout_decision`) -- THE decision: a sample's layout from its

@@ -1,7 +1,7 @@
 """THE decision of :mod:`.batch_layout`: which CP layout one sample of packed documents runs on in
 Megatron (:func:`sample_layout`) -- the one ``--cp-layout`` names, built for the sample by its
 kind in the layout registry (:mod:`megatron_mesh.plan.layouts`: Megatron's zigzag, the balanced
-layout, or per sample the one ``auto`` keeps, :func:`megatron_mesh.plan.choice.choose_layout`).
+layout, or per sample the one ``auto`` keeps, :func:`megatron_mesh.plan.choice.pick_layout`).
 The batch split and the core attention both call it, so they cannot disagree.
 
 Example: ``sample_layout([0, 8, 12, 16], args)`` at CP 2 under ``--cp-layout balanced`` -> rank 0

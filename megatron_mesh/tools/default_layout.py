@@ -1,7 +1,7 @@
 """The planner's rows of a derived CP layout (``auto``, Megatron's default ``--cp-layout``): per
 sample and mode the row of the layout the kind picks (:meth:`~megatron_mesh.plan.layouts.LayoutKind.pick`:
 ``auto`` prices the balanced layout against the zigzag for the mode with
-:func:`megatron_mesh.plan.choice.choose_layout`, and for Mesh on up to 8 ranks simulates the owners
+:func:`megatron_mesh.plan.choice.pick_layout`, and for Mesh on up to 8 ranks simulates the owners
 layout against that; the balanced layout under a window or full attention, where the choice is not
 priced).
 

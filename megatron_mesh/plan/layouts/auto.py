@@ -1,5 +1,5 @@
 """Megatron's default CP layout: per sample the balanced layout, unless Megatron's zigzag is
-priced faster for the mode that runs it (:func:`~..choice.choose_layout`; a mask causal inside
+priced faster for the mode that runs it (:func:`~..choice.pick_layout`; a mask causal inside
 groups of its documents -- chunked attention -- is priced as those groups; under a window, full
 attention, a prefix or layers of different masks (a ``MaskStack``), where the choice is not
 priced, the balanced layout). Where every layer's mode computes blocks where a layout names (Mesh)
