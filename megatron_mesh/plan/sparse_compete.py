@@ -58,15 +58,17 @@ FLOOR_RANKS = 8
 
 def span_bits(spans: dict) -> list[tuple[int, int, int, int]]:
     """(i, j, rows, columns) of every block of ``spans`` (:meth:`~.sparse_blocks.Blocks.spans`), its
-    rows and columns as bit sets (bit t: local token t): what :class:`NeedCounts` unites."""
-    return [(i, j, _bits(r), _bits(c)) for (i, j), (r, c) in spans.items()]
+    rows and columns as bit sets (bit t: local token t): what :class:`NeedCounts` unites. Each
+    selection made once: blocks share few (on the zigzag most are a chunk's halves; seed 2 of
+    ``lognormal:16384`` at 256 ranks: 106 of 11,940, 11 -> 3.5 ms)."""
+    made: dict[tuple, int] = {}
 
-
-def _bits(sel) -> int:
-    out = 0
-    for s in sel:
-        out |= ((1 << (s.stop - s.start)) - 1) << s.start
-    return out
+    def bits(sel) -> int:
+        got = made.get(sel)
+        if got is None:
+            got = made[sel] = sum(((1 << (s.stop - s.start)) - 1) << s.start for s in sel)  # disjoint: | is +
+        return got
+    return [(i, j, bits(r), bits(c)) for (i, j), (r, c) in spans.items()]
 
 
 class NeedCounts:
