@@ -426,7 +426,7 @@ def layout_cost(layout: Layout, docs, shape: AttentionShape, topo: Topology, mod
 
 
 def _price_parts(layout: Layout, docs, shape: AttentionShape, topo: Topology, mode: str, ulysses: int,
-            keep_limit: float) -> tuple[LayoutCost, Callable[[], LayoutCost]]:
+                 keep_limit: float) -> tuple[LayoutCost, Callable[[], LayoutCost]]:
     """(:func:`layout_cost` with the communication at 0 -- a floor under the price's ``total``, without
     its most costly part; its ``comm_bound`` means nothing --, a function giving the whole price)."""
     units = layout.world_size // ulysses
