@@ -17,11 +17,10 @@ takes part in (``tests/plan/test_balance_owners.py`` checks the model against th
 
 from __future__ import annotations
 
-from .accounting import buffer_bytes
 from .balance import BalancedLayout
 from .docwork import document_work
 from .shape import AttentionShape
-from .sparse_needs import KEEP_LIMIT, kept_chunks
+from .sparse_needs import KEEP_LIMIT, kept_chunks, token_bytes
 
 __all__ = ["Problem", "State", "pairs", "first_homes", "layout_of"]
 
@@ -49,7 +48,7 @@ class Problem:
 
     def __init__(self, world: int, lengths: list[int], shape: AttentionShape, keep_limit: float = KEEP_LIMIT):
         self.P, self.T, self.lengths, self.keep_limit = world, shape.seq_local, lengths, keep_limit
-        self.token = {k: buffer_bytes(k, 1, shape) for k in ("q", "kv", "o", "do", "dq", "dkv")}
+        self.token = token_bytes(shape)
         self.mean = sum(pairs(n) for n in lengths) / world
         # poured longest first: the longest gets the first ranks' room
         self.long = sorted((d for d, n in enumerate(lengths) if pairs(n) > self.mean or n > self.T),

@@ -83,7 +83,6 @@ import typing
 from dataclasses import dataclass, field, replace
 from typing import Callable, Literal
 
-from .accounting import buffer_bytes
 from .ir import Key, Op, Plan, Post, RankPlan, Wait
 from .ir.facts import (Contiguous, Facts, choice, optional_int, optional_text, parse_tile_text, register_facts,
                        tile_text)
@@ -96,7 +95,8 @@ from .shape import AttentionShape
 from .sparse_blocks import block_parts, block_table, blocks_of
 from .sparse_calls import Calls
 from .sparse_compete import compete
-from .sparse_needs import ASSIGNMENT_KEEP_LIMIT, KEEP_LIMIT, Keeps, Needs, QueryOwnerNeeds, Slots, check_keep_limit
+from .sparse_needs import (ASSIGNMENT_KEEP_LIMIT, KEEP_LIMIT, Keeps, Needs, QueryOwnerNeeds, Slots, check_keep_limit,
+                           token_bytes)
 from .sparse_rounds import Rounds
 from .tunables import TUNABLES, Tunables
 
@@ -172,7 +172,6 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
     needs: object = QueryOwnerNeeds(index)
     assigned = QUERY_OWNER
     tile, contiguous = assignment.tile, assignment.contiguous
-    token_bytes = {k: buffer_bytes(k, 1, shape) for k in ("q", "kv", "do", "o", "dq", "dkv")}
     if not assignment.compete:  # the map is the layout's: its work balance rests on it
         assigned, owner = assignment.owners[0]
         needs = Needs(P, index.spans(), owner)
@@ -191,7 +190,7 @@ def build_sparse_plan(mode: str, P: int, shape: AttentionShape, mask: Mask, layo
             notes.append(f"tile {tile[0]}x{tile[1]} (contiguous {contiguous}): of the {len(assignment.tiles)} tile "
                          "maps and the query owner, the fewest bytes on the busiest rank under this mask")
     burst = assignment.rounds == "burst"
-    keeps = Keeps(backward_chunks, needs, T, token_bytes, keep_limit)
+    keeps = Keeps(backward_chunks, needs, T, token_bytes(shape), keep_limit)
     lowering = _SparseLowering(P, T, needs, index, keeps, burst, tunables,
                                {(x, d == "backward"): k for x, d, k in own_first})
     lowering.check_choices()

@@ -38,12 +38,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .accounting import buffer_bytes
 from .mesh import TileMap
 from .sel import union_intervals
 from .shape import AttentionShape
 from .sparse_blocks import Blocks
-from .sparse_needs import Keeps, Needs, QueryOwnerNeeds, bytes_per_rank
+from .sparse_needs import Keeps, Needs, QueryOwnerNeeds, bytes_per_rank, token_bytes
 
 __all__ = ["compete", "sent_tokens", "read_tokens", "NeedCounts", "span_bits", "FLOOR_RANKS"]
 
@@ -52,7 +51,6 @@ __all__ = ["compete", "sent_tokens", "read_tokens", "NeedCounts", "span_bits", "
 # at 0.16-2.45x the query owner's bytes where the map's own are 0.68-4.90x -- it rules out the maps
 # that ship every long document's rows far (the tall tiles) --, and with what they read 2-6 of the
 # 15 maps are left to count (seeds 0-9 of both mixes); 16 ranks left 10 % fewer, for more time
-KINDS = ("q", "kv", "do", "o", "dq", "dkv")
 FLOOR_RANKS = 8
 
 
@@ -149,7 +147,7 @@ def compete(index: Blocks, owners, shape: AttentionShape, backward_chunks: str, 
     moves the fewest bytes, each rank keeping what ``backward_chunks`` / ``limit`` keep
     (:class:`~.sparse_needs.Keeps`); ties to the last map; with its needs (module docstring)."""
     T = shape.seq_local
-    tb = {k: buffer_bytes(k, 1, shape) for k in KINDS}  # what bytes_per_rank prices a token at
+    tb = token_bytes(shape)  # what bytes_per_rank prices a token at
 
     def busiest(needs) -> int:
         return max(bytes_per_rank(needs, shape, Keeps(backward_chunks, needs, T, tb, limit)))

@@ -20,7 +20,7 @@ from .sel import Segment, sel_len, union_intervals
 from .shape import AttentionShape
 from .sparse_blocks import Blocks
 
-__all__ = ["Keeps", "Needs", "QueryOwnerNeeds", "Slots", "bytes_per_rank", "kept_chunks", "KEEP_LIMIT",
+__all__ = ["Keeps", "Needs", "QueryOwnerNeeds", "Slots", "bytes_per_rank", "token_bytes", "kept_chunks", "KEEP_LIMIT",
            "ONE_CALL_LIMIT", "ASSIGNMENT_KEEP_LIMIT",
            "check_keep_limit", "keep_limit_of"]
 
@@ -86,11 +86,16 @@ def _gather(needs: list[dict[int, list]]) -> tuple[list[dict], list[list[int]], 
     return unions, readers, [_tokens(got) for got in unions]
 
 
+def token_bytes(shape: AttentionShape) -> dict[str, int]:
+    """The bytes of one token of each buffer kind a mask-aware plan moves (q, kv, do, o, dq, dkv)."""
+    return {k: buffer_bytes(k, 1, shape) for k in ("q", "kv", "do", "o", "dq", "dkv")}
+
+
 def bytes_per_rank(needs, shape: AttentionShape, keeps: Keeps) -> list[int]:
     """Sent + received bytes of each rank under ``needs`` (:class:`Needs` or :class:`QueryOwnerNeeds`),
     forward and backward; ``keeps``: what each rank keeps of what it pulled for the backward
     (:class:`Keeps`)."""
-    per_row = {k: buffer_bytes(k, 1, shape) for k in ("q", "kv", "o", "do", "dq", "dkv")}
+    per_row = token_bytes(shape)
     # forward: pull q / kv, return o; backward: pull (q,) do / (kv), return dq / dkv
     kinds = {(table, keep): base + (() if keep else again)
              for table, base, again in (("rows", ("q", "o", "do", "dq"), ("q",)), ("cols", ("kv", "dkv"), ("kv",)))

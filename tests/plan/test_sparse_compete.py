@@ -11,16 +11,11 @@ from hypothesis import given, settings, strategies as st
 import pytest
 
 from megatron_mesh.plan import AttentionShape, Mask, tile_shapes
-from megatron_mesh.plan.accounting import buffer_bytes
 from megatron_mesh.plan.layout import ZigzagLayout
 from megatron_mesh.plan.mesh import CONTIGUOUS, TileMap
 from megatron_mesh.plan.sparse_blocks import Blocks
-from megatron_mesh.plan.sparse_compete import KINDS, NeedCounts, compete, read_tokens, sent_tokens, span_bits
-from megatron_mesh.plan.sparse_needs import Keeps, Needs, QueryOwnerNeeds, bytes_per_rank
-
-
-def _token_bytes(shape):
-    return {k: buffer_bytes(k, 1, shape) for k in KINDS}
+from megatron_mesh.plan.sparse_compete import NeedCounts, compete, read_tokens, sent_tokens, span_bits
+from megatron_mesh.plan.sparse_needs import Keeps, Needs, QueryOwnerNeeds, bytes_per_rank, token_bytes
 
 
 def _floor_prices(tb):
@@ -34,7 +29,7 @@ def test_worked_example():
     890,880 bytes, above the query owner's 589,824 on every rank: the map (1,483,776 on rank 1, what
     it sends and reads) is never counted."""
     shape = AttentionShape(seq_local=16, batch=1, heads=32, kv_heads=8, head_dim=128)
-    tb = _token_bytes(shape)
+    tb = token_bytes(shape)
     row, col = _floor_prices(tb)
     assert (row, col) == (49536, 12288)
     index = Blocks(4, Mask(documents=((0, 24), (24, 64))), ZigzagLayout(4, 64), 128)
@@ -58,7 +53,7 @@ def _maps(P):
 def _brute_force(index, maps, shape, policy, limit):
     """Every map's needs built (the query owner first): the busiest rank's bytes of each, its needs
     and every rank's bytes."""
-    T, tb = shape.seq_local, _token_bytes(shape)
+    T, tb = shape.seq_local, token_bytes(shape)
     out = []
     for needs in [QueryOwnerNeeds(index)] + [Needs(index.P, index.spans(), m) for m in maps]:
         traffic = bytes_per_rank(needs, shape, Keeps(policy, needs, T, tb, limit))
