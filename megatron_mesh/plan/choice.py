@@ -336,57 +336,57 @@ def _comm(pulls, units: int, shape: AttentionShape, topo: Topology, span: int, b
     K/V; the backward returns dK/dV partials and pulls K/V again where they are not kept (what fits
     in ``keep_limit`` x a unit's own Q, K and V is)."""
     kv, dkv, q = (buffer_bytes(k, 1, shape) for k in ("kv", "dkv", "q"))
-    pulled: list[dict[int, int]] = [{} for _ in range(units)]  # unit -> the unit it pulls from -> bytes
+    pulled: list[dict[int, int]] = [{} for _ in range(units)]  # unit -> the unit it pulls from -> tokens
     for (h, g), (n, _) in pulls.items():
-        pulled[g][h] = n * kv
+        pulled[g][h] = n
     budget = keep_limit * shape.seq_local * (q + kv)
-    kept = [kept_chunks(g, units, pulled[g], budget) for g in range(units)]
-    keeps = {pull: pull[0] in kept[pull[1]] for pull in pulls}  # (from, to) -> whether ``to`` keeps it
+    kept = [kept_chunks(g, units, {h: n * kv for h, n in pulled[g].items()}, budget) for g in range(units)]
     node = [topo.node(u * span) for u in range(units)]
     link = [(topo.latency(c), topo.bandwidth(c)) for c in ("intra", "inter")]
     # each unit's seconds per kind of round: K/V forward, dK/dV partials back, K/V again (the
     # forward's transfers to the units that do not keep them: every unit's, often)
-    forward, back, again = (_burst_rounds if burst else _shift_rounds)(pulls, units, kv, dkv, node, link, keeps)
+    forward, back, again = (_burst_rounds if burst else _shift_rounds)(pulls, units, kv, dkv, node, link, kept, pulled)
     return max(forward, default=0.0), max((a + b for a, b in zip(back, again)), default=0.0)
 
 
-def _shift_rounds(pulls, units: int, kv: int, dkv: int, node, link, keeps: dict) -> tuple[list[float], ...]:
+def _shift_rounds(pulls, units: int, kv: int, dkv: int, node, link, kept: list, pulled: list) -> tuple[list[float], ...]:
     """Each unit's seconds in ring-shift rounds, per kind of round: the forward's K/V, the dK/dV
-    partials back, K/V again to the units that do not ``keeps`` them. In the round of shift d a
-    unit sends to u + d and receives from u - d at once, each transfer its link's latency + bytes /
-    bandwidth, and the slower of the two decides. One pass serves all three kinds: a partial goes
-    back over its pull's pair the other way (shift -d), so what the forward looks up for a pull
-    src -> dst -- what src receives that round, what dst sends -- is what the backward needs."""
+    partials back, K/V again to the units that do not keep them (``kept[g]``: the units whose K/V
+    unit g keeps; ``pulled[g]``: unit -> the tokens g pulls from it, looked up by unit, then peer:
+    a pair's tuple as the key cost half the pass). In the round of shift d a unit sends to u + d and
+    receives from u - d at once, each transfer its link's latency + bytes / bandwidth, and the slower
+    of the two decides. One pass serves all three kinds: a partial goes back over its pull's pair the
+    other way (shift -d), so what the forward looks up for a pull src -> dst -- what src receives
+    that round, what dst sends -- is what the backward needs."""
     forward, back, again = [0.0] * units, [0.0] * units, [0.0] * units
-    get = pulls.get
     for (src, dst), (n, _) in pulls.items():
         lat, bw = link[node[src] != node[dst]]
         t, r = lat + n * kv / bw, lat + n * dkv / bw
         d = dst - src
         prev, nxt = (src - d) % units, (dst + d) % units
-        into = get((prev, src))  # what src receives in the round it sends this: its K/V's time
+        into = pulled[src].get(prev)  # what src receives in the round it sends this: its K/V's time
         if into is not None:
             lat, bw = link[node[prev] != node[src]]
-            into = lat + into[0] * kv / bw
-        out = get((dst, nxt))  # what dst sends in it: its partials' time back (in this pull's return round)
+            into = lat + into * kv / bw
+        out = pulled[nxt].get(dst)  # what dst sends in it: its partials' time back (in this pull's return round)
         if out is not None:
             lat, bw = link[node[dst] != node[nxt]]
-            out = lat + out[0] * dkv / bw
+            out = lat + out * dkv / bw
         forward[src] += t if into is None or into <= t else into
         if out is None:  # dst sends nothing that round: it only receives
             forward[dst] += t
         back[dst] += r if out is None or out <= r else out
         if into is None:
             back[src] += r
-        if not keeps[src, dst]:  # pulled again in the backward: the forward's rounds less the kept pulls
-            other = None if into is None or keeps[prev, src] else into
+        if src not in kept[dst]:  # pulled again in the backward: the forward's rounds less the kept pulls
+            other = None if into is None or prev in kept[src] else into
             again[src] += t if other is None or other <= t else other
-            if out is None or keeps[dst, nxt]:
+            if out is None or dst in kept[nxt]:
                 again[dst] += t
     return forward, back, again
 
 
-def _burst_rounds(pulls, units: int, kv: int, dkv: int, node, link, keeps: dict) -> tuple[list[float], ...]:
+def _burst_rounds(pulls, units: int, kv: int, dkv: int, node, link, kept: list, pulled: list) -> tuple[list[float], ...]:
     """Each unit's seconds in TASP's rounds, per kind of round (as :func:`_shift_rounds`): every
     peer at once, in up to ``TUNABLES.burst_groups`` groups, the busier direction of each link
     class deciding. One pass counts each unit's tokens out and in and its peers per link class, of
@@ -399,7 +399,7 @@ def _burst_rounds(pulls, units: int, kv: int, dkv: int, node, link, keeps: dict)
         into[g][c] += n
         peers[h][c] += 1
         peers[g][c] += 1
-        if not keeps[h, g]:
+        if h not in kept[g]:
             out_again[h][c] += n
             into_again[g][c] += n
             peers_again[h][c] += 1

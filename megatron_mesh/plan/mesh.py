@@ -154,6 +154,13 @@ class TileMap:
     # is a tile map, :mod:`.sparse_compete` walks a rank's blocks without asking every block)
     __call__ = owner
 
+    def owner_parts(self, P: int) -> tuple[list[int], list[int]]:
+        """(qs, ks): :meth:`owner` of block (i, j) is qs[i] + ks[j] for chunks < P -- a block's owner
+        by two list lookups, where thousands of blocks are asked at once (:mod:`.sparse_compete`)."""
+        if self.contiguous == "q":
+            return [i // self.a * self.a for i in range(P)], [j % self.a for j in range(P)]
+        return [i % self.b for i in range(P)], [j // self.b * self.b for j in range(P)]
+
     def rings(self) -> dict[str, tuple[tuple[int, ...], ...]]:
         """The b Q rings and the a KV rings (CP ranks in ring order): what the plan moves data on
         and the process sub-groups a transport routes through."""

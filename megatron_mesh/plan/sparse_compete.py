@@ -39,12 +39,12 @@ from __future__ import annotations
 from typing import Callable
 
 from .mesh import TileMap
-from .sel import union_intervals
 from .shape import AttentionShape
 from .sparse_blocks import Blocks
-from .sparse_needs import Keeps, Needs, QueryOwnerNeeds, bytes_per_rank, token_bytes
+from .sel import Segment
+from .sparse_needs import Keeps, Needs, QueryOwnerNeeds, bytes_per_rank, kept_of, read_bytes, read_prices, token_bytes
 
-__all__ = ["compete", "sent_tokens", "read_tokens", "NeedCounts", "span_bits", "FLOOR_RANKS"]
+__all__ = ["compete", "sent_tokens", "read_tokens", "NeedCounts", "BlockBits", "FLOOR_RANKS"]
 
 # the ranks whose bytes floor each map: the busiest under the query owner. At 256 ranks (Mesh's 15
 # maps, lognormal:16384 seeds 0-2 and lognormal:4096 seeds 0-1) what the 8 busiest send floors a map
@@ -54,39 +54,85 @@ __all__ = ["compete", "sent_tokens", "read_tokens", "NeedCounts", "span_bits", "
 FLOOR_RANKS = 8
 
 
-def span_bits(spans: dict) -> list[tuple[int, int, int, int]]:
-    """(i, j, rows, columns) of every block of ``spans`` (:meth:`~.sparse_blocks.Blocks.spans`), its
-    rows and columns as bit sets (bit t: local token t): what :class:`NeedCounts` unites. Each
-    selection made once: blocks share few (on the zigzag most are a chunk's halves; seed 2 of
-    ``lognormal:16384`` at 256 ranks: 106 of 11,940, 11 -> 3.5 ms)."""
-    made: dict[tuple, int] = {}
+class BlockBits:
+    """The blocks of a :class:`~.sparse_blocks.Blocks` (its :meth:`~.sparse_blocks.Blocks.row_spans`)
+    with their rows and columns as bit sets (bit t: local token t), built as asked: ``row(i)`` /
+    ``col(j)``, query chunk i's / key chunk j's blocks, and ``blocks``, every one as (i, j, rows,
+    columns) in :meth:`~.sparse_blocks.Blocks.spans`' order -- what :class:`NeedCounts` unites for a
+    map and the floors for a few ranks (a union's tokens are its bits counted). Each selection made
+    once: blocks share few (on the zigzag most are a chunk's halves; seed 2 of ``lognormal:16384``
+    at 256 ranks: 106 of 11,940, 11 -> 3.5 ms)."""
 
-    def bits(sel) -> int:
-        got = made.get(sel)
+    def __init__(self, index: Blocks):
+        self.index, self.P = index, index.P
+        self._made: dict[tuple, int] = {}  # selection -> its bits
+        self._rows: dict[int, dict[int, tuple[int, int]]] = {}
+        self._cols: list[list] | None = None
+        self._blocks: list[tuple[int, int, int, int]] | None = None
+
+    def _bits(self, sel) -> int:
+        got = self._made.get(sel)
         if got is None:
-            got = made[sel] = sum(((1 << (s.stop - s.start)) - 1) << s.start for s in sel)  # disjoint: | is +
+            got = self._made[sel] = sum(((1 << (s.stop - s.start)) - 1) << s.start for s in sel)  # disjoint: | is +
         return got
-    return [(i, j, bits(r), bits(c)) for (i, j), (r, c) in spans.items()]
+
+    def row(self, i: int) -> dict[int, tuple[int, int]]:
+        """j -> (rows, columns) of query chunk i's blocks."""
+        got = self._rows.get(i)
+        if got is None:
+            bits = self._bits
+            got = self._rows[i] = {j: (bits(r), bits(c)) for j, (r, c) in self.index.row_spans(i).items()}
+        return got
+
+    def blocks(self) -> list[tuple[int, int, int, int]]:
+        if self._blocks is None:
+            self._blocks = [(i, j, r, c) for i in range(self.P) for j, (r, c) in self.row(i).items()]
+        return self._blocks
+
+    def col(self, j: int) -> list[tuple[int, int, int]]:
+        """(i, rows, columns) of key chunk j's blocks: from every block once all are built, else from
+        the rows of the ranks sharing a document with j (a map floored alone: a few ranks' blocks)."""
+        if self._cols is None and self._blocks is not None:
+            self._cols = [[] for _ in range(self.P)]
+            for i, j_, r, c in self._blocks:
+                self._cols[j_].append((i, r, c))
+        if self._cols is not None:
+            return self._cols[j]
+        return [(i, *got) for i in self.index.sharing(j) for got in (self.row(i).get(j),) if got]
 
 
 class NeedCounts:
     """:class:`~.sparse_needs.Needs`' token counts for one owner map -- what
     :func:`~.sparse_needs.bytes_per_rank` and :class:`~.sparse_needs.Keeps` read -- without its
-    selections: every block's rows and columns as bit sets (``bits``: :func:`span_bits`),
-    united per (rank, chunk) and counted."""
+    selections: every block's rows and columns as bit sets (:class:`BlockBits`), united per (rank,
+    chunk) and counted."""
 
-    def __init__(self, P: int, bits: list[tuple[int, int, int, int]], owner: Callable[[int, int], int]):
-        self.P = P
+    def __init__(self, bits: BlockBits, owner: Callable[[int, int], int]):
+        self.P = P = bits.P
         rows: list[dict[int, int]] = [{} for _ in range(P)]  # needer -> chunk -> its rows read, a bit set
         cols: list[dict[int, int]] = [{} for _ in range(P)]
-        for i, j, r, c in bits:
-            x = owner(i, j)
+        # a tile map's owner by two lookups (owner_parts) instead of a call a block
+        qs, ks = owner.owner_parts(P) if isinstance(owner, TileMap) else (None, None)
+        self._bits, self._owner, self._parts = bits, owner, (qs, ks)
+        for i, j, r, c in bits.blocks():
+            x = owner(i, j) if qs is None else qs[i] + ks[j]
+            # a union only where it adds: blocks share their selections' bit sets (BlockBits), and a
+            # union of 4,096-bit sets makes a new one
             if i != x:
                 got = rows[x]
-                got[i] = got.get(i, 0) | r
+                old = got.get(i)
+                if old is None:
+                    got[i] = r
+                elif old is not r:
+                    got[i] = old | r
             if j != x:
                 got = cols[x]
-                got[j] = got.get(j, 0) | c
+                old = got.get(j)
+                if old is None:
+                    got[j] = c
+                elif old is not c:
+                    got[j] = old | c
+        self._rows, self._cols = rows, cols
         self._row_tokens = [{c: s.bit_count() for c, s in got.items()} for got in rows]
         self._col_tokens = [{c: s.bit_count() for c, s in got.items()} for got in cols]
 
@@ -96,49 +142,74 @@ class NeedCounts:
     def col_tokens(self, x: int) -> dict[int, int]:
         return self._col_tokens[x]
 
+    def needs(self) -> Needs:
+        """The map's :class:`~.sparse_needs.Needs`, its selections from the bit sets united here: each
+        distinct set cut into its runs once."""
+        blocks: list[list[tuple[int, int]]] = [[] for _ in range(self.P)]
+        owner, (qs, ks) = self._owner, self._parts
+        for i, j, _, _ in self._bits.blocks():
+            blocks[owner(i, j) if qs is None else qs[i] + ks[j]].append((i, j))
+        made: dict[int, tuple[Segment, ...]] = {}
 
-def sent_tokens(index: Blocks, owner: Callable[[int, int], int], h: int) -> tuple[int, int]:
+        def sel(b: int) -> tuple[Segment, ...]:
+            got = made.get(b)
+            if got is None:
+                got = made[b] = _runs(b)
+            return got
+        return Needs.of(blocks, [{c: sel(b) for c, b in got.items()} for got in self._rows],
+                        [{c: sel(b) for c, b in got.items()} for got in self._cols])
+
+
+def _runs(b: int) -> tuple[Segment, ...]:
+    """The runs of set bits of ``b``, as segments in order (0b1110110: (1, 3), (4, 7)): adding a
+    run's lowest bit carries past its last, whose position is the run's stop."""
+    out = []
+    while b:
+        low = b & -b
+        carried = b + low
+        stop = (carried & -carried).bit_length() - 1
+        out.append(Segment(low.bit_length() - 1, stop))
+        b = carried ^ (1 << stop)
+    return tuple(out)
+
+
+def sent_tokens(bits: BlockBits, owner: Callable[[int, int], int], h: int) -> tuple[int, int]:
     """(rows, columns) of rank h's chunk that the other ranks read when ``owner`` places the blocks
-    of ``index`` -- for each rank computing blocks of h's row (column), the union of their rows
+    (``bits``) -- for each rank computing blocks of h's row (column), the union of their rows
     (columns): what :class:`~.sparse_needs.Needs` of the map counts as h's chunk read by others."""
-    rows: dict[int, list] = {}  # the rank computing blocks of h's row -> their rows of h's chunk
-    for j, (r, _) in index.row_spans(h).items():
+    rows: dict[int, int] = {}  # the rank computing blocks of h's row -> their rows of h's chunk
+    for j, (r, _) in bits.row(h).items():
         y = owner(h, j)
         if y != h:
-            rows.setdefault(y, []).extend(r)
-    cols: dict[int, list] = {}
-    for i in index.sharing(h):
-        c, pairs = index.summary(i, h)
+            old = rows.get(y)
+            rows[y] = r if old is None or old is r else old | r
+    cols: dict[int, int] = {}
+    for i, _, c in bits.col(h):
         y = owner(i, h)
-        if pairs and y != h:
-            cols.setdefault(y, []).extend(c)
-    return sum(map(_length, rows.values())), sum(map(_length, cols.values()))
+        if y != h:
+            old = cols.get(y)
+            cols[y] = c if old is None or old is c else old | c
+    return sum(s.bit_count() for s in rows.values()), sum(s.bit_count() for s in cols.values())
 
 
-def read_tokens(index: Blocks, tiles: TileMap, h: int) -> tuple[int, int]:
-    """(rows, columns) rank h reads of the other chunks under tile map ``tiles`` -- its
-    :class:`~.sparse_needs.Needs` row and column tokens, summed: its blocks are its Q group's chunks x
+def read_tokens(bits: BlockBits, tiles: TileMap, h: int) -> tuple[dict[int, int], dict[int, int]]:
+    """(rows, columns) rank h reads of each other chunk under tile map ``tiles`` (chunk -> tokens) --
+    its :class:`~.sparse_needs.Needs` row and column tokens: its blocks are its Q group's chunks x
     its KV group's (:meth:`~.mesh.TileMap.blocks`), walked from the shorter side (a 2 x 128 tile: the
     blocks of 2 query chunks' rows, not of 128 columns)."""
     qs, ks = set(tiles.q_group(h)), set(tiles.kv_group(h))
-    rows: dict[int, list] = {}  # chunk -> the rows of it rank h's blocks read
-    cols: dict[int, list] = {}
+    rows: dict[int, int] = {}  # chunk -> the rows of it rank h's blocks read
+    cols: dict[int, int] = {}
     if len(qs) <= len(ks):
-        blocks = ((i, j, span) for i in qs for j, span in index.row_spans(i).items() if j in ks)
+        blocks = ((i, j, r, c) for i in qs for j, (r, c) in bits.row(i).items() if j in ks)
     else:
-        blocks = ((i, j, span) for j in ks for i in index.sharing(j) if i in qs
-                  for span in (index.row_spans(i).get(j),) if span)
-    for i, j, (r, c) in blocks:
+        blocks = ((i, j, r, c) for j in ks for i, r, c in bits.col(j) if i in qs)
+    for i, j, r, c in blocks:
         if i != h:
-            rows.setdefault(i, []).extend(r)
+            rows[i] = rows.get(i, 0) | r
         if j != h:
-            cols.setdefault(j, []).extend(c)
-    return sum(map(_length, rows.values())), sum(map(_length, cols.values()))
-
-
-def _length(segments: list) -> int:
-    """Tokens in the union of ``segments``."""
-    return sum(s.stop - s.start for s in (segments if len(segments) == 1 else union_intervals(segments)))
+            cols[j] = cols.get(j, 0) | c
+    return {i: s.bit_count() for i, s in rows.items()}, {j: s.bit_count() for j, s in cols.items()}
 
 
 def compete(index: Blocks, owners, shape: AttentionShape, backward_chunks: str, limit: float) -> tuple[int, object]:
@@ -155,26 +226,32 @@ def compete(index: Blocks, owners, shape: AttentionShape, backward_chunks: str, 
     def priced(tokens: tuple[int, int]) -> int:  # at the least a row and a column cost: everything kept
         return tokens[0] * (tb["q"] + tb["o"] + tb["do"] + tb["dq"]) + tokens[1] * (tb["kv"] + tb["dkv"])
 
+    prices = read_prices(shape)
+
+    def reads(tiles: TileMap, h: int) -> int:  # what rank h's reads move under the map: exactly, as counted
+        rows, cols = read_tokens(bits, tiles, h)
+        return read_bytes(rows, cols, kept_of(h, rows, cols, index.P, tb, backward_chunks, limit * T)[0], prices)
+
+    bits = BlockBits(index)  # the floors count from them, and so does every map counted
     if len(owners) > 1:
-        index.spans()  # several maps, most likely some counted: one pass for their spans and the summaries
+        bits.blocks()  # several maps, most likely some counted: one pass for every block and the summaries
     query_owner = QueryOwnerNeeds(index)
     traffic = bytes_per_rank(query_owner, shape, Keeps(backward_chunks, query_owner, T, tb, limit))
     best, fewest = 0, max(traffic)
     ranks = sorted(range(index.P), key=lambda x: (-traffic[x], x))[:FLOOR_RANKS]
     # each map's floor from what the ranks send (cheap), then, for the maps it does not rule out,
     # from what they read too; the maps left counted in the order of their first floors
-    sent = {k: [priced(sent_tokens(index, owner, h)) for h in ranks] for k, (_, owner) in enumerate(owners, 1)}
-    bits = None
+    sent = {k: [priced(sent_tokens(bits, owner, h)) for h in ranks] for k, (_, owner) in enumerate(owners, 1)}
+    counts = None  # the winning map's
     for floor, k in sorted((max(v, default=0), k) for k, v in sent.items()):
         if floor > fewest:
             break  # this map and every one after it move more than the fewest on one of ``ranks``
         owner = owners[k - 1][1]
         if isinstance(owner, TileMap) and \
-                max(v + priced(read_tokens(index, owner, h)) for v, h in zip(sent[k], ranks)) > fewest:
+                max(v + reads(owner, h) for v, h in zip(sent[k], ranks)) > fewest:
             continue  # what the ranks read as well
-        if bits is None:
-            bits = span_bits(index.spans())
-        cost = busiest(NeedCounts(index.P, bits, owner))
+        counted = NeedCounts(bits, owner)
+        cost = busiest(counted)
         if (cost, -k) < (fewest, -best):
-            best, fewest = k, cost
-    return best, (query_owner if best == 0 else Needs(index.P, index.spans(), owners[best - 1][1]))
+            best, fewest, counts = k, cost, counted
+    return best, (query_owner if best == 0 else counts.needs())

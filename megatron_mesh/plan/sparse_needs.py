@@ -12,6 +12,7 @@ owner): rank 1 reads columns [0:2) of chunk 0 and [2:4) of chunk 2 (``cols(1) ==
 
 from __future__ import annotations
 
+from bisect import bisect_left
 import math
 
 from .accounting import buffer_bytes
@@ -20,7 +21,8 @@ from .sel import Segment, sel_len, union_intervals
 from .shape import AttentionShape
 from .sparse_blocks import Blocks
 
-__all__ = ["Keeps", "Needs", "QueryOwnerNeeds", "Slots", "bytes_per_rank", "token_bytes", "kept_chunks", "KEEP_LIMIT",
+__all__ = ["Keeps", "Needs", "QueryOwnerNeeds", "Slots", "bytes_per_rank", "read_bytes", "read_prices",
+           "token_bytes", "kept_chunks", "kept_of", "KEEP_LIMIT",
            "ONE_CALL_LIMIT", "ASSIGNMENT_KEEP_LIMIT",
            "check_keep_limit", "keep_limit_of"]
 
@@ -78,8 +80,12 @@ def _tokens(needs: dict) -> dict[int, int]:
 def _gather(needs: list[dict[int, list]]) -> tuple[list[dict], list[list[int]], list[dict[int, int]]]:
     """From each rank's selections of each chunk (``needs``): each rank's union of them by chunk,
     in chunk order; the ranks reading each chunk, in order; each rank's tokens by chunk."""
-    unions = [{c: _union(got[c]) for c in sorted(got)} for got in needs]
-    readers: list[list[int]] = [[] for _ in needs]
+    return _indexed([{c: _union(got[c]) for c in sorted(got)} for got in needs])
+
+
+def _indexed(unions: list[dict]) -> tuple[list[dict], list[list[int]], list[dict[int, int]]]:
+    """:func:`_gather` of selections united already (each rank's, in chunk order)."""
+    readers: list[list[int]] = [[] for _ in unions]
     for x, got in enumerate(unions):
         for c in got:
             readers[c].append(x)
@@ -91,25 +97,43 @@ def token_bytes(shape: AttentionShape) -> dict[str, int]:
     return {k: buffer_bytes(k, 1, shape) for k in ("q", "kv", "do", "o", "dq", "dkv")}
 
 
+def read_prices(shape: AttentionShape) -> dict[tuple[str, bool], int]:
+    """The bytes a token a rank reads moves, there and back, forward and backward: ("rows" | "cols",
+    kept) -> bytes. Forward: pull q / kv, return o; backward: pull (q,) do / (kv), return dq / dkv --
+    Q / K / V again unless kept."""
+    per_row = token_bytes(shape)
+    kinds = {(table, keep): base + (() if keep else again)
+             for table, base, again in (("rows", ("q", "o", "do", "dq"), ("q",)), ("cols", ("kv", "dkv"), ("kv",)))
+             for keep in (False, True)}
+    return {key: sum(per_row[k] for k in ks) for key, ks in kinds.items()}
+
+
+def read_bytes(rows: dict[int, int], cols: dict[int, int], kept: frozenset, prices: dict) -> int:
+    """What a rank's reads move (``rows`` / ``cols``: chunk -> tokens; ``kept``: the chunks it keeps;
+    ``prices``: :func:`read_prices`) -- its share of :func:`bytes_per_rank`, and as much again on
+    the ranks it reads from."""
+    out = 0
+    for name, tokens in (("rows", rows), ("cols", cols)):
+        kept_bytes, again_bytes = prices[name, True], prices[name, False]
+        out += sum(n * (kept_bytes if c in kept else again_bytes) for c, n in tokens.items())
+    return out
+
+
 def bytes_per_rank(needs, shape: AttentionShape, keeps: Keeps) -> list[int]:
     """Sent + received bytes of each rank under ``needs`` (:class:`Needs` or :class:`QueryOwnerNeeds`),
     forward and backward; ``keeps``: what each rank keeps of what it pulled for the backward
     (:class:`Keeps`)."""
-    per_row = token_bytes(shape)
-    # forward: pull q / kv, return o; backward: pull (q,) do / (kv), return dq / dkv
-    kinds = {(table, keep): base + (() if keep else again)
-             for table, base, again in (("rows", ("q", "o", "do", "dq"), ("q",)), ("cols", ("kv", "dkv"), ("kv",)))
-             for keep in (False, True)}
-    row_bytes = {key: sum(per_row[k] for k in ks) for key, ks in kinds.items()}
+    prices = read_prices(shape)
     traffic = [0] * needs.P
     for x in range(needs.P):
-        kept = keeps.kept(x)
+        kept, mine = keeps.kept(x), 0
         for name, tokens in (("rows", needs.row_tokens(x)), ("cols", needs.col_tokens(x))):
-            kept_bytes, again_bytes = row_bytes[name, True], row_bytes[name, False]
+            kept_bytes, again_bytes = prices[name, True], prices[name, False]
             for c, n in tokens.items():
                 moved = n * (kept_bytes if c in kept else again_bytes)
-                traffic[x] += moved
+                mine += moved
                 traffic[c] += moved
+        traffic[x] += mine
     return traffic
 
 
@@ -133,6 +157,17 @@ class Needs:
                 cols[x].setdefault(j, []).append(c)
         self._rows, self._row_needers, self._row_tokens = _gather(rows)
         self._cols, self._col_needers, self._col_tokens = _gather(cols)
+
+    @classmethod
+    def of(cls, blocks: list[list[tuple[int, int]]], rows: list[dict], cols: list[dict]) -> "Needs":
+        """The needs whose ranks compute ``blocks`` (rank -> its (i, j), in :meth:`~.sparse_blocks.Blocks.spans`'
+        order) and read ``rows`` / ``cols`` (rank -> chunk -> the selection, united already) -- what
+        :func:`~.sparse_compete.compete` gives its winner from the bit sets it counted."""
+        needs = cls.__new__(cls)
+        needs.P, needs._blocks = len(blocks), blocks
+        needs._rows, needs._row_needers, needs._row_tokens = _indexed([{c: got[c] for c in sorted(got)} for got in rows])
+        needs._cols, needs._col_needers, needs._col_tokens = _indexed([{c: got[c] for c in sorted(got)} for got in cols])
+        return needs
 
     def blocks(self, x: int) -> list[tuple[int, int]]:
         return self._blocks[x]
@@ -230,8 +265,12 @@ def kept_chunks(x: int, P: int, pulled: dict[int, int], budget: float) -> frozen
     Example: P = 4, rank 0 pulled 3,000 bytes of chunk 3, 2,000 of chunk 2 and 500 of chunk 1,
     budget 4,000: shift order 3, 2, 1 -- chunk 3 fits (3,000), chunk 2 does not (5,000), chunk 1
     does (3,500): it keeps chunks 3 and 1 and pulls chunk 2 again."""
+    if sum(pulled.values()) <= budget:  # all of it fits, in any order
+        return frozenset(pulled)
     kept, used = [], 0
-    for c in sorted(pulled, key=lambda c: (x - c) % P):
+    ordered = sorted(pulled)
+    at = bisect_left(ordered, x)  # by shift: the chunks below x downwards, then those above it downwards
+    for c in ordered[at - 1::-1] + ordered[:at - 1:-1] if at else ordered[::-1]:
         if used + pulled[c] <= budget:
             used += pulled[c]
             kept.append(c)
@@ -279,15 +318,23 @@ class Keeps:
     def _kept(self, x: int) -> tuple[frozenset, bool, int]:
         got = self._memo.get(x)
         if got is None:
-            tb = self.token_bytes
-            pulled: dict[int, int] = {}
-            for c, n in self.needs.row_tokens(x).items():
-                pulled[c] = pulled.get(c, 0) + n * tb["q"]
-            for c, n in self.needs.col_tokens(x).items():
-                pulled[c] = pulled.get(c, 0) + n * tb["kv"]
-            if self.policy == "auto":
-                kept = kept_chunks(x, self.needs.P, pulled, self.limit * self.T * (tb["q"] + tb["kv"]))
-            else:
-                kept = frozenset(pulled) if self.policy == "keep" else frozenset()
-            got = self._memo[x] = (kept, len(kept) == len(pulled), sum(pulled.values()))
+            got = self._memo[x] = kept_of(x, self.needs.row_tokens(x), self.needs.col_tokens(x), self.needs.P,
+                                          self.token_bytes, self.policy, self.limit * self.T)
         return got
+
+
+def kept_of(x: int, rows: dict[int, int], cols: dict[int, int], P: int, token_bytes: dict, policy: str,
+            limit_tokens: float) -> tuple[frozenset, bool, int]:
+    """What rank x keeps under ``policy`` (:class:`Keeps`) of the ``rows`` and ``cols`` it reads
+    (chunk -> tokens), its budget ``limit_tokens`` x its own Q + K + V bytes a token: (the chunks
+    kept, whether that is every chunk it pulled, the bytes it pulled). Where everything fits -- most
+    ranks -- no chunk is priced alone."""
+    q, kv = token_bytes["q"], token_bytes["kv"]
+    total = q * sum(rows.values()) + kv * sum(cols.values())
+    if policy == "keep" or (policy == "auto" and total <= limit_tokens * (q + kv)):
+        return frozenset(rows.keys() | cols.keys()), True, total
+    pulled = {c: n * q for c, n in rows.items()}
+    for c, n in cols.items():
+        pulled[c] = pulled[c] + n * kv if c in pulled else n * kv
+    kept = kept_chunks(x, P, pulled, limit_tokens * (q + kv)) if policy == "auto" else frozenset()
+    return kept, len(kept) == len(pulled), total

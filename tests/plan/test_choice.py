@@ -257,7 +257,10 @@ def test_the_rounds_equal_their_definitions(kind, units):
         pulls = {(h, g): (rng.randint(1, 99), 1) for h in range(units) for g in range(units)
                  if h != g and rng.random() < 0.4}
         keeps = {pull: rng.random() < 0.5 for pull in pulls}  # each pull kept by its puller or not
-        got, want = fast(pulls, units, 2, 5, node, link, keeps), plain(pulls, units, 2, 5, node, link, keeps)
+        # what the tuned rounds read: per puller the units it keeps and the tokens it pulls from each
+        kept = [{h for (h, g_), keep in keeps.items() if g_ == g and keep} for g in range(units)]
+        pulled = [{h: n for (h, g_), (n, _) in pulls.items() if g_ == g} for g in range(units)]
+        got, want = fast(pulls, units, 2, 5, node, link, kept, pulled), plain(pulls, units, 2, 5, node, link, keeps)
         for a, b in zip(got, want, strict=True):
             assert a == pytest.approx(b, rel=1e-12)
 
@@ -300,7 +303,9 @@ def test_the_choice_equals_its_definition(P, docs, seeds, monkeypatch):
     tuned = [choose_layout(balanced_layout(cu, P, group=U, ranks_per_node=8), shape, topo, mode, U)
              for mode, U, cu in cases]
     monkeypatch.setattr(choice, "_work_and_pulls", work_and_pulls)
-    monkeypatch.setattr(choice, "_shift_rounds", _shift_rounds_by_definition)
+    monkeypatch.setattr(choice, "_shift_rounds", lambda pulls, units, kv, dkv, node, link, kept, pulled:
+                        _shift_rounds_by_definition(pulls, units, kv, dkv, node, link,
+                                                    {(h, g): h in kept[g] for h, g in pulls}))
     for (mode, U, cu), got in zip(cases, tuned):
         want = choose_layout(balanced_layout(cu, P, group=U, ranks_per_node=8), shape, topo, mode, U)
         assert got[0] == want[0], (mode, U)

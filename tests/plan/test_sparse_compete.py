@@ -14,7 +14,7 @@ from megatron_mesh.plan import AttentionShape, Mask, tile_shapes
 from megatron_mesh.plan.layout import ZigzagLayout
 from megatron_mesh.plan.mesh import CONTIGUOUS, TileMap
 from megatron_mesh.plan.sparse_blocks import Blocks
-from megatron_mesh.plan.sparse_compete import NeedCounts, compete, read_tokens, sent_tokens, span_bits
+from megatron_mesh.plan.sparse_compete import BlockBits, NeedCounts, compete, read_tokens, sent_tokens
 from megatron_mesh.plan.sparse_needs import Keeps, Needs, QueryOwnerNeeds, bytes_per_rank, token_bytes
 
 
@@ -37,8 +37,9 @@ def test_worked_example():
     assert bytes_per_rank(query_owner, shape, Keeps("auto", query_owner, 16, tb, 1.0)) == [589824] * 4
     tiles = TileMap(2, 2, "q")
     assert [tiles(1, j) for j in range(4)] == [0, 1, 0, 1] and tiles(2, 1) == 3
-    assert sent_tokens(index, tiles, 1) == (16, 8) and 16 * row + 8 * col == 890880
-    rows, cols = (a + b for a, b in zip(sent_tokens(index, tiles, 1), read_tokens(index, tiles, 1)))
+    bits = BlockBits(index)
+    assert sent_tokens(bits, tiles, 1) == (16, 8) and 16 * row + 8 * col == 890880
+    rows, cols = (a + sum(b.values()) for a, b in zip(sent_tokens(bits, tiles, 1), read_tokens(bits, tiles, 1)))
     needs = Needs(4, index.spans(), tiles)
     traffic = bytes_per_rank(needs, shape, Keeps("auto", needs, 16, tb, 1.0))
     assert rows * row + cols * col == traffic[1] == max(traffic) == 1483776
@@ -93,18 +94,19 @@ def test_the_pick_is_building_every_maps_needs(P, heads, cuts, window, causal, p
     want = min(range(len(truth)), key=lambda k: (truth[k][0], -k))
     best, needs = compete(Blocks(P, mask, ZigzagLayout(P, S), 128), [("map", m) for m in maps], shape, policy, limit)
     assert best == want
-    bits = span_bits(index.spans())
+    bits, alone = BlockBits(index), BlockBits(index)  # all blocks built first, or only those asked
+    bits.blocks()
     for k, m in enumerate(maps, 1):
         exact = truth[k][1]
-        counts = NeedCounts(P, bits, m)
+        counts = NeedCounts(bits, m)
         assert [counts.row_tokens(x) for x in range(P)] == [exact.row_tokens(x) for x in range(P)]
         assert [counts.col_tokens(x) for x in range(P)] == [exact.col_tokens(x) for x in range(P)]
         for h in range(P):  # the floors' counts are the needs' own: what h's chunk gives, what h reads
-            assert sent_tokens(index, m, h) == (sum(exact.row_tokens(x).get(h, 0) for x in range(P)),
+            for b in (bits, alone):
+                assert sent_tokens(b, m, h) == (sum(exact.row_tokens(x).get(h, 0) for x in range(P)),
                                                 sum(exact.col_tokens(x).get(h, 0) for x in range(P)))
-            if isinstance(m, TileMap):
-                assert read_tokens(index, m, h) == (sum(exact.row_tokens(h).values()),
-                                                    sum(exact.col_tokens(h).values()))
+                if isinstance(m, TileMap):
+                    assert read_tokens(b, m, h) == (exact.row_tokens(h), exact.col_tokens(h))
     if best:  # the winner's selections, built as before
         assert [needs.rows(x) for x in range(P)] == [truth[best][1].rows(x) for x in range(P)]
         assert [needs.cols(x) for x in range(P)] == [truth[best][1].cols(x) for x in range(P)]
@@ -112,13 +114,14 @@ def test_the_pick_is_building_every_maps_needs(P, heads, cuts, window, causal, p
 
 
 class _Counting(TileMap):
-    """A tile map that counts the blocks it is asked about (a map counted is asked about every one)."""
+    """A tile map that notes each time it is counted (every block's owner asked at once: NeedCounts
+    reads a tile map's owner_parts)."""
 
-    calls: list
+    counted: list
 
-    def __call__(self, i, j):
-        self.calls.append(1)
-        return self.owner(i, j)
+    def owner_parts(self, P):
+        self.counted.append(1)
+        return super().owner_parts(P)
 
 
 @pytest.mark.parametrize("docs", ["lognormal:4096,1.0", "lognormal:16384,1.0"])
@@ -134,11 +137,9 @@ def test_at_256_ranks_most_maps_are_never_counted(docs):
     counting = []
     for m in maps:
         counting.append(_Counting(m.a, m.b, m.contiguous))
-        object.__setattr__(counting[-1], "calls", [])
+        object.__setattr__(counting[-1], "counted", [])
     best, _ = compete(index, [("tile", m) for m in counting], shape, "auto", 1.0)
     truth = _brute_force(index, maps, shape, "auto", 1.0)
     assert best == min(range(len(truth)), key=lambda k: (truth[k][0], -k))
-    blocks = len(index.spans())
-    counted = [len(m.calls) >= blocks for m in counting]  # the floors ask about a few ranks' blocks
-    assert all(len(m.calls) < blocks for m, c in zip(counting, counted) if not c)
-    assert 0 < sum(counted) <= 6, counted
+    counted = [len(m.counted) for m in counting]  # the floors ask about a few ranks' blocks, one by one
+    assert max(counted) == 1 and 0 < sum(counted) <= 6, counted
