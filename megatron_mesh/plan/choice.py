@@ -39,9 +39,11 @@ and keeps the balanced layout for the hybrid.
 Checked against the simulator on 240 rows (seeds 0-9, 8 and 256 GPUs, both host settings at 8)
 the layout it keeps is never slower than the zigzag (docs/performance.md, the per-seed tables).
 :func:`pick_layout` (the data loader's) makes the same pick without pricing what cannot change it:
-at 256 ranks (1M tokens) 20-60 ms of Python, the balanced layout's pulls on 16K-token documents
-(18K pairs of ranks) the most (docs/performance.md, "Build time with the choice"); its loops run
-once per pair of ranks, and the tests check them against their plain forms. Where a rank's
+at 256 ranks (1M tokens) 20-40 ms of Python, the balanced layout's pulls on 16K-token documents
+(8-27K pairs of ranks) the most, and 130-160 ms where one document holds a third of the tokens and
+every pair of ranks pulls (docs/performance.md, "Build time with the choice"); the pair-level parts
+(:mod:`.layout_pulls`) loop once per pair of ranks, and the tests check them against their plain
+forms. Where a rank's
 attention takes less than :data:`MIN_COMPUTE_LAUNCHES` kernel launches the zigzag is kept: such a
 step is bound by launches and latencies, which the price leaves out.
 
@@ -58,19 +60,17 @@ size, mode, Ulysses degree, heads, dtype, machine), so all ranks make the same o
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from .accounting import buffer_bytes
-from .balance import BalancedLayout, document_work
+from .balance import BalancedLayout
 from .hybrid import inner_shape
 from .layout import Layout, ZigzagLayout
+from .layout_pulls import _comm, _document_pieces, _overheads, _portions, _work_and_pulls
 from .modes import get_mode
 from .shape import AttentionShape
 from .simulate import BACKWARD_FLOPS
-from .sparse_needs import KEEP_LIMIT, kept_chunks
-from .tunables import TUNABLES
+from .sparse_needs import KEEP_LIMIT
 from .topology import Topology
 
 __all__ = ["LayoutCost", "layout_cost", "choose_layout", "pick_layout", "burst_rounds", "MIN_COMPUTE_LAUNCHES", "COMM_MARGIN"]
@@ -169,106 +169,6 @@ def burst_rounds(mode: str) -> bool:
     return get_mode(mode).burst_rounds
 
 
-def _portions(layout: Layout, units: int, span: int, docs) -> dict[int, dict[int, list[tuple[int, int]]]]:
-    """document -> unit -> its (start, stop) intervals, document-relative."""
-    starts = [a for a, _ in docs]
-    out: dict[int, dict[int, list[tuple[int, int]]]] = {}
-    for u in range(units):
-        for d, pos, stop in _document_pieces(layout, u, span, docs, starts):
-            a = docs[d][0]
-            out.setdefault(d, {}).setdefault(u, []).append((pos - a, stop - a))
-    return out
-
-
-def _document_pieces(layout: Layout, unit: int, span: int, docs, starts):
-    """Unit ``unit``'s runs in its buffer's order, cut where a document of ``docs`` ends: (document,
-    start, stop) in global positions (``starts``: the documents' starts)."""
-    for _, s, n in layout.runs(unit, span):
-        pos, end = s, s + n
-        while pos < end:
-            d = bisect.bisect_right(starts, pos) - 1
-            stop = min(end, docs[d][1])
-            yield d, pos, stop
-            pos = stop
-
-
-def _work_and_pulls(portions, docs, units: int) -> tuple[list[int], dict[tuple[int, int], tuple[int, int]]]:
-    """Each unit's allowed pairs (causal documents), and per (h, g) what unit g pulls from unit h:
-    (h's tokens of a document before g's last row of it, g's rows of it after h's first token --
-    the rows that read them and merge the result)."""
-    work = [0] * units
-    pulls: dict[tuple[int, int], tuple[int, int]] = {}
-    keep, at = pulls.setdefault, bisect.bisect_right
-    for d, holders in portions.items():
-        length = docs[d][1] - docs[d][0]
-        span = []  # (unit, first token, last token, tokens, its runs' starts, stops and tokens before each)
-        for u, runs in holders.items():
-            for a, b in runs:
-                work[u] += document_work(a, b, length)
-            starts, stops, before = _counts(runs)
-            span.append((u, starts[0], stops[-1] - 1, before[-1], starts, stops, before))  # runs disjoint
-        if len(span) < 2:
-            continue
-        # a unit's tokens before x, written out (thousands of pairs of a long document's holders,
-        # no call but the bisection): before[i] + min(x, stops[i]) - starts[i], i its last run
-        # starting at or before x
-        for h, h_first, h_last, h_tokens, h_starts, h_stops, h_before in span:
-            x = h_first + 1
-            for g, g_first, y, g_tokens, g_starts, g_stops, g_before in span:  # g's last row y reads h's tokens before it
-                if y <= h_first or g == h:
-                    continue
-                if y > h_last:
-                    n = h_tokens
-                else:
-                    i = at(h_starts, y) - 1
-                    stop = h_stops[i]
-                    n = h_before[i] + (y if y < stop else stop) - h_starts[i]
-                if g_first > h_first:
-                    rows = g_tokens
-                else:
-                    i = at(g_starts, x) - 1
-                    stop = g_stops[i]
-                    rows = g_tokens - (g_before[i] + (x if x < stop else stop) - g_starts[i])
-                pull = (n, rows)
-                old = keep((h, g), pull)  # one lookup: a pair of units rarely shares two documents
-                if old is not pull:
-                    pulls[h, g] = (old[0] + n, old[1] + rows)
-    return work, pulls
-
-
-def _counts(runs) -> tuple[list[int], list[int], list[int]]:
-    """The starts and stops of ``runs`` ((start, stop), ...) in order, and how many of their tokens
-    lie before each (and, last, all of them): x has before[i] + min(x, stops[i]) - starts[i] before
-    it, i the last run starting at or before x."""
-    ordered = sorted(runs)
-    before = [0]
-    for a, b in ordered:
-        before.append(before[-1] + b - a)
-    return [a for a, _ in ordered], [b for _, b in ordered], before
-
-
-def _overheads(pulls, units: int, shape: AttentionShape, topo: Topology) -> tuple[list[float], list[float]]:
-    """Per unit, forward and backward seconds its remote blocks add to the compute stream: their
-    kernel calls (one per piece of at most ``topo.mask_piece`` rows and columns); the merge of their partial outputs into its rows (fp32
-    accumulator read and written, the result read), of dQ, the copy of the pulled columns' dK/dV
-    partials; on the holder, the add of the partials it gets back (:mod:`.costs` prices the same)."""
-    acc, e, d = max(4, shape.itemsize), shape.itemsize, shape.head_dim
-    h, g = shape.batch * shape.heads, shape.batch * shape.kv_heads
-    row_f = h * (2 * acc * (d + 1) + e * d + 4) / topo.memory_bandwidth
-    row_b = h * (2 * acc * d + e * d) / topo.memory_bandwidth
-    col_puller, col_holder = 2 * g * (acc + e) * d / topo.memory_bandwidth, 3 * 2 * g * acc * d / topo.memory_bandwidth
-    forward, backward = [0.0] * units, [0.0] * units
-    piece, latency = topo.mask_piece, topo.kernel_latency
-    for (src, dst), (cols, rows) in pulls.items():
-        # a masked block runs as kernel calls on pieces of at most mask_piece x mask_piece tokens
-        # (ceil(max(rows, 1) / piece) written out: the call to max was a quarter of this loop)
-        launches = ((rows - 1) // piece + 1 if rows > 1 else 1) * -(-cols // piece) * latency
-        forward[dst] += launches + rows * row_f
-        backward[dst] += launches + rows * row_b + cols * col_puller
-        backward[src] += cols * col_holder
-    return forward, backward
-
-
 def _packed_calls(layout: Layout, units: int, span: int, docs, piece: int) -> list[int]:
     """Per unit, the masked kernel calls its runs too short to be a segment of their own take: as
     :func:`~.mask.mask_pieces` cuts a buffer (mask.py's ``_segments``), runs of documents shorter
@@ -303,10 +203,10 @@ def _host_ops(portions, pulls, units: int, ulysses: int, sets: bool,
     12.1 ops and 5.2 + 3.0 + 2.0 + 23.6 = 33.8 views forward (0.38 ms at 23 us an op and 3 us a
     view), 11.2 ops and 55.5 views backward (0.42 ms), against 58.6 ms of compute: the compute
     decides; on the zigzag rank 1 pulls from rank 0, one run each (``tests/plan/test_choice.py``)."""
-    pulled, pulling = [0] * units, [0] * units
-    for h, g in pulls:
-        pulled[g] += 1
-        pulling[h] += 1
+    pulled, pulling = [len(got) for got in pulls], [0] * units
+    for got in pulls:
+        for h in got:
+            pulling[h] += 1
     split = [0] * units
     for holders in portions.values():
         for u, runs in holders.items():
@@ -328,92 +228,6 @@ def _host_seconds(per_unit, topo: Topology) -> float:
     less the host's lead (``topo.host_lead``: what it issued before the direction began)."""
     busiest = max(ops * topo.host_op_time + views * topo.host_view_time for ops, views in per_unit)
     return max(0.0, busiest - topo.host_lead)
-
-
-def _comm(pulls, units: int, shape: AttentionShape, topo: Topology, span: int, burst: bool,
-          keep_limit: float) -> tuple[float, float]:
-    """The busiest unit's forward and backward communication (module docstring): the forward pulls
-    K/V; the backward returns dK/dV partials and pulls K/V again where they are not kept (what fits
-    in ``keep_limit`` x a unit's own Q, K and V is)."""
-    kv, dkv, q = (buffer_bytes(k, 1, shape) for k in ("kv", "dkv", "q"))
-    pulled: list[dict[int, int]] = [{} for _ in range(units)]  # unit -> the unit it pulls from -> tokens
-    for (h, g), (n, _) in pulls.items():
-        pulled[g][h] = n
-    budget = keep_limit * shape.seq_local * (q + kv)
-    kept = [kept_chunks(g, units, {h: n * kv for h, n in pulled[g].items()}, budget) for g in range(units)]
-    node = [topo.node(u * span) for u in range(units)]
-    link = [(topo.latency(c), topo.bandwidth(c)) for c in ("intra", "inter")]
-    # each unit's seconds per kind of round: K/V forward, dK/dV partials back, K/V again (the
-    # forward's transfers to the units that do not keep them: every unit's, often)
-    forward, back, again = (_burst_rounds if burst else _shift_rounds)(pulls, units, kv, dkv, node, link, kept, pulled)
-    return max(forward, default=0.0), max((a + b for a, b in zip(back, again)), default=0.0)
-
-
-def _shift_rounds(pulls, units: int, kv: int, dkv: int, node, link, kept: list, pulled: list) -> tuple[list[float], ...]:
-    """Each unit's seconds in ring-shift rounds, per kind of round: the forward's K/V, the dK/dV
-    partials back, K/V again to the units that do not keep them (``kept[g]``: the units whose K/V
-    unit g keeps; ``pulled[g]``: unit -> the tokens g pulls from it, looked up by unit, then peer:
-    a pair's tuple as the key cost half the pass). In the round of shift d a unit sends to u + d and
-    receives from u - d at once, each transfer its link's latency + bytes / bandwidth, and the slower
-    of the two decides. One pass serves all three kinds: a partial goes back over its pull's pair the
-    other way (shift -d), so what the forward looks up for a pull src -> dst -- what src receives
-    that round, what dst sends -- is what the backward needs."""
-    forward, back, again = [0.0] * units, [0.0] * units, [0.0] * units
-    for (src, dst), (n, _) in pulls.items():
-        lat, bw = link[node[src] != node[dst]]
-        t, r = lat + n * kv / bw, lat + n * dkv / bw
-        d = dst - src
-        prev, nxt = (src - d) % units, (dst + d) % units
-        into = pulled[src].get(prev)  # what src receives in the round it sends this: its K/V's time
-        if into is not None:
-            lat, bw = link[node[prev] != node[src]]
-            into = lat + into * kv / bw
-        out = pulled[nxt].get(dst)  # what dst sends in it: its partials' time back (in this pull's return round)
-        if out is not None:
-            lat, bw = link[node[dst] != node[nxt]]
-            out = lat + out * dkv / bw
-        forward[src] += t if into is None or into <= t else into
-        if out is None:  # dst sends nothing that round: it only receives
-            forward[dst] += t
-        back[dst] += r if out is None or out <= r else out
-        if into is None:
-            back[src] += r
-        if src not in kept[dst]:  # pulled again in the backward: the forward's rounds less the kept pulls
-            other = None if into is None or prev in kept[src] else into
-            again[src] += t if other is None or other <= t else other
-            if out is None or dst in kept[nxt]:
-                again[dst] += t
-    return forward, back, again
-
-
-def _burst_rounds(pulls, units: int, kv: int, dkv: int, node, link, kept: list, pulled: list) -> tuple[list[float], ...]:
-    """Each unit's seconds in TASP's rounds, per kind of round (as :func:`_shift_rounds`): every
-    peer at once, in up to ``TUNABLES.burst_groups`` groups, the busier direction of each link
-    class deciding. One pass counts each unit's tokens out and in and its peers per link class, of
-    every pull and of those pulled again: a kind's bytes are its tokens x the K/V's or the
-    partials' bytes a token, the partials going back the way their K/V came."""
-    out, into, peers, out_again, into_again, peers_again = ([[0, 0] for _ in range(units)] for _ in range(6))
-    for (h, g), (n, _) in pulls.items():
-        c = node[h] != node[g]
-        out[h][c] += n
-        into[g][c] += n
-        peers[h][c] += 1
-        peers[g][c] += 1
-        if h not in kept[g]:
-            out_again[h][c] += n
-            into_again[g][c] += n
-            peers_again[h][c] += 1
-            peers_again[g][c] += 1
-    return (_burst_seconds(out, into, peers, kv, link), _burst_seconds(into, out, peers, dkv, link),
-            _burst_seconds(out_again, into_again, peers_again, kv, link))
-
-
-def _burst_seconds(sent, received, peers, size: int, link) -> list[float]:
-    """Per unit: per link class its peers' latency (up to ``TUNABLES.burst_groups`` rounds) + the
-    busier direction's bytes (``sent`` / ``received`` tokens x ``size``) / bandwidth; the slower class."""
-    groups = TUNABLES.burst_groups
-    return [max((link[c][0] * min(groups, p[c]) + max(s[c] * size, r[c] * size) / link[c][1] for c in (0, 1) if p[c]),
-                default=0.0) for s, r, p in zip(sent, received, peers)]
 
 
 def layout_cost(layout: Layout, docs, shape: AttentionShape, topo: Topology, mode: str,

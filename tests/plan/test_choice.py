@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 
 from megatron_mesh.plan import AttentionShape, Mask, Topology, ZigzagLayout, balanced_layout
-from megatron_mesh.plan.choice import (MIN_COMPUTE_LAUNCHES, _host_ops, _host_seconds, _packed_calls, _portions,
-                                       _price_parts, _work_and_pulls, choose_layout, layout_cost, pick_layout)
+from megatron_mesh.plan.choice import (MIN_COMPUTE_LAUNCHES, _host_ops, _host_seconds, _packed_calls, _price_parts,
+                                       choose_layout, layout_cost, pick_layout)
+from megatron_mesh.plan.layout_pulls import _portions, _work_and_pulls
 from megatron_mesh.tools.plan_args import document_bounds
 from megatron_mesh.tools.planner import evaluate
 
@@ -182,8 +183,16 @@ def test_layout_cost_prices_the_hybrids_per_group():
     assert 0 < grouped.forward_comm < plain.forward_comm  # 4 groups share the documents, with 1/2 of the heads
 
 
-# --- the fast price against its definitions (plan/choice.py prices 4-18K pairs of ranks per
+# --- the fast price against its definitions (plan/layout_pulls.py prices 4-65K pairs of ranks per
 # layout at 256 GPUs: its loops are tuned; these are the plain forms they must equal) ---
+
+
+def _by_puller(pulls, units):
+    """{(h, g): x} as the tuned loops keep it: per puller g, holder -> x."""
+    out = [{} for _ in range(units)]
+    for (h, g), x in pulls.items():
+        out[g][h] = x
+    return out
 
 def _pulls_by_definition(portions, docs, units):
     """Per (h, g): h's tokens of each shared document before g's last row there, and g's rows
@@ -248,32 +257,30 @@ def test_the_rounds_equal_their_definitions(kind, units):
     keep each pull or not."""
     import random
 
-    from megatron_mesh.plan import choice
-    fast, plain = {"shift": (choice._shift_rounds, _shift_rounds_by_definition),
-                   "burst": (choice._burst_rounds, _burst_rounds_by_definition)}[kind]
+    from megatron_mesh.plan import layout_pulls
+    fast, plain = {"shift": (layout_pulls._shift_rounds, _shift_rounds_by_definition),
+                   "burst": (layout_pulls._burst_rounds, _burst_rounds_by_definition)}[kind]
     rng = random.Random(units)
     node, link = [u * 2 // units for u in range(units)], [(1.0, 4.0), (3.0, 1.0)]
     for _ in range(20):
         pulls = {(h, g): (rng.randint(1, 99), 1) for h in range(units) for g in range(units)
                  if h != g and rng.random() < 0.4}
         keeps = {pull: rng.random() < 0.5 for pull in pulls}  # each pull kept by its puller or not
-        # what the tuned rounds read: per puller the units it keeps and the tokens it pulls from each
-        kept = [{h for (h, g_), keep in keeps.items() if g_ == g and keep} for g in range(units)]
-        pulled = [{h: n for (h, g_), (n, _) in pulls.items() if g_ == g} for g in range(units)]
-        got, want = fast(pulls, units, 2, 5, node, link, kept, pulled), plain(pulls, units, 2, 5, node, link, keeps)
+        kept = [{h for (h, g_), keep in keeps.items() if g_ == g and keep} for g in range(units)]  # per puller
+        got = fast(_by_puller(pulls, units), units, 2, 5, node, link, kept)
+        want = plain(pulls, units, 2, 5, node, link, keeps)
         for a, b in zip(got, want, strict=True):
             assert a == pytest.approx(b, rel=1e-12)
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_the_pulls_are_the_documents_tokens_before_each_last_row(seed):
-    from megatron_mesh.plan.choice import _work_and_pulls
     cu = document_bounds("lognormal:512,1.0", 8 * K, seed)
     for layout, units, span in ((balanced_layout(cu, 8), 8, 1), (ZigzagLayout(8, 8 * K), 8, 1),
                                 (balanced_layout(cu, 8, group=2), 4, 2)):
         docs = balanced_layout(cu, 8).documents()
         portions = _portions(layout, units, span, docs)
-        assert _work_and_pulls(portions, docs, units)[1] == _pulls_by_definition(portions, docs, units)
+        assert _work_and_pulls(portions, docs, units)[1] == _by_puller(_pulls_by_definition(portions, docs, units), units)
 
 
 @pytest.mark.parametrize("P, docs, seeds", [(64, "lognormal:4096,1.0", (0, 1, 2)),
@@ -281,7 +288,7 @@ def test_the_pulls_are_the_documents_tokens_before_each_last_row(seed):
 def test_the_choice_equals_its_definition(P, docs, seeds, monkeypatch):
     """The tuned pulls and rounds against the plain forms above: the same prices (to rounding)
     and the same choice, for the plain modes and a hybrid, at 64 and 256 GPUs."""
-    from megatron_mesh.plan import choice
+    from megatron_mesh.plan import choice, layout_pulls
 
     def work_and_pulls(portions, docs, units):
         pulls = {}
@@ -294,7 +301,7 @@ def test_the_choice_equals_its_definition(P, docs, seeds, monkeypatch):
                     rows = sum(max(0, b - max(a, first[h] + 1)) for a, b in holders[g])
                     cols, rs = pulls.get((h, g), (0, 0))
                     pulls[h, g] = (cols + n, rs + rows)
-        return fast(portions, docs, units)[0], pulls
+        return fast(portions, docs, units)[0], _by_puller(pulls, units)
 
     shape, topo = AttentionShape((1 << 20) // P, 1, **GQA), Topology(nodes=P // 8, gpus_per_node=8)
     cases = [(mode, U, document_bounds(docs, 1 << 20, s)) for s in seeds for mode, U in
@@ -303,9 +310,10 @@ def test_the_choice_equals_its_definition(P, docs, seeds, monkeypatch):
     tuned = [choose_layout(balanced_layout(cu, P, group=U, ranks_per_node=8), shape, topo, mode, U)
              for mode, U, cu in cases]
     monkeypatch.setattr(choice, "_work_and_pulls", work_and_pulls)
-    monkeypatch.setattr(choice, "_shift_rounds", lambda pulls, units, kv, dkv, node, link, kept, pulled:
-                        _shift_rounds_by_definition(pulls, units, kv, dkv, node, link,
-                                                    {(h, g): h in kept[g] for h, g in pulls}))
+    monkeypatch.setattr(layout_pulls, "_shift_rounds", lambda pulls, units, kv, dkv, node, link, kept:
+                        _shift_rounds_by_definition({(h, g): x for g, got in enumerate(pulls) for h, x in got.items()},
+                                                    units, kv, dkv, node, link,
+                                                    {(h, g): h in kept[g] for g, got in enumerate(pulls) for h in got}))
     for (mode, U, cu), got in zip(cases, tuned):
         want = choose_layout(balanced_layout(cu, P, group=U, ranks_per_node=8), shape, topo, mode, U)
         assert got[0] == want[0], (mode, U)
@@ -319,12 +327,12 @@ def test_a_pulls_blocks_are_priced_a_kernel_call_per_mask_piece():
     merges left out by a memory too fast to take time."""
     import math
 
-    from megatron_mesh.plan.choice import _overheads
+    from megatron_mesh.plan.layout_pulls import _overheads
     topo = Topology(nodes=1, gpus_per_node=2, memory_bandwidth=1e300)
     piece, shape = topo.mask_piece, AttentionShape(1024, 1, **GQA)
     for rows in (0, 1, 2, piece - 1, piece, piece + 1, 3 * piece):
         for cols in (1, piece, piece + 1):
-            forward, backward = _overheads({(0, 1): (cols, rows)}, 2, shape, topo)
+            forward, backward = _overheads([{}, {0: (cols, rows)}], 2, shape, topo)  # unit 1 pulls from unit 0
             calls = math.ceil(max(rows, 1) / piece) * math.ceil(cols / piece)
             assert forward[1] == pytest.approx(calls * topo.kernel_latency, rel=1e-9), (rows, cols)
             assert backward[1] == pytest.approx(calls * topo.kernel_latency, rel=1e-9) and forward[0] == 0.0
