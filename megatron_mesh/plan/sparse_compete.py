@@ -5,24 +5,25 @@ to the last map (the mode's own) -- decided without building every map's selecti
 Mesh's ``auto`` tile on a document mask at 256 ranks puts 15 tile maps against the query owner;
 building each map's :class:`~.sparse_needs.Needs` (every rank's row and column selections, gathered
 and sorted) took ~15 ms a map: Mesh's plan of a sample (1M tokens, seeds 0-2) took 213-267 ms
-on ``lognormal:16384`` and 67-81 ms on ``lognormal:4096``; 52-79 and 27-37 ms now, the same plans
-(docs/performance.md, "Build time with the choice"). The bytes only read how many tokens each
+on ``lognormal:16384`` and 67-81 ms on ``lognormal:4096``; 28-52 and 19-30 ms now over seeds 0-9
+(81 on seed 8 of ``lognormal:16384``, whose one 329K-token document has every pair of ranks share
+blocks), the same plans (docs/performance.md, "Build time with the choice"). The bytes only read how many tokens each
 rank reads of each chunk, so :func:`compete` goes in three steps, each exact in what it decides:
 
 1. **The query owner's bytes**, from the block index's column summaries
    (:class:`~.sparse_needs.QueryOwnerNeeds`).
 2. **A floor under each map's busiest rank**: a rank sends, of its own chunk, the rows and the
    columns of each block of its row and its column of blocks that the map computes on another
-   rank, to that rank (:func:`sent_tokens`); under a tile map it reads the rows and columns of its
-   own blocks' other chunks (:func:`read_tokens`) -- each token at least what it costs when
-   everything is kept (Q, O, dO and dQ a row; K/V and dK/dV a column). Priced on the
-   :data:`FLOOR_RANKS` ranks busiest under the query owner (those holding long documents, which
-   every map must ship somewhere), what they send first (a few dozen blocks each), what they read
-   where that does not decide; a map whose floor is above the fewest bytes found so far cannot win
-   and is not counted.
-3. **The maps left, counted** in the order of their floors (:class:`NeedCounts`: each block's rows
-   and columns as bit sets, united per rank and chunk -- one ``|`` per block); the winner alone gets
-   its selections built.
+   rank, to that rank (:func:`sent_tokens`), each token at least what it costs when everything is
+   kept (Q, O, dO and dQ a row; K/V and dK/dV a column); under a tile map it reads the rows and
+   columns of its own blocks' other chunks (:func:`read_tokens`), priced exactly as the map's count
+   would (what it keeps is decided by what it reads alone). Priced on the :data:`FLOOR_RANKS` ranks
+   busiest under the query owner (those holding long documents, which every map must ship
+   somewhere), what they send first (a few dozen blocks each), what they read where that does not
+   decide; a map whose floor is above the fewest bytes found so far cannot win and is not counted.
+3. **The maps left, counted** in the order of their first floors (:class:`NeedCounts`: each block's
+   rows and columns as bit sets, :class:`BlockBits`, united per rank and chunk -- a ``|`` only where
+   a block adds to what its rank reads); the winner's selections are its bit sets cut into runs.
 
 Worked example (``tests/plan/test_sparse_compete.py``): 4 ranks of the zigzag, 64 tokens (rank 1
 holds positions [8, 16) and [48, 56)), causal, documents [0, 24) and [24, 64), GQA 32/8 heads of 128
@@ -40,8 +41,8 @@ from typing import Callable
 
 from .mesh import TileMap
 from .shape import AttentionShape
-from .sparse_blocks import Blocks
 from .sel import Segment
+from .sparse_blocks import Blocks
 from .sparse_needs import Keeps, Needs, QueryOwnerNeeds, bytes_per_rank, kept_of, read_bytes, read_prices, token_bytes
 
 __all__ = ["compete", "sent_tokens", "read_tokens", "NeedCounts", "BlockBits", "FLOOR_RANKS"]
@@ -49,8 +50,10 @@ __all__ = ["compete", "sent_tokens", "read_tokens", "NeedCounts", "BlockBits", "
 # the ranks whose bytes floor each map: the busiest under the query owner. At 256 ranks (Mesh's 15
 # maps, lognormal:16384 seeds 0-2 and lognormal:4096 seeds 0-1) what the 8 busiest send floors a map
 # at 0.16-2.45x the query owner's bytes where the map's own are 0.68-4.90x -- it rules out the maps
-# that ship every long document's rows far (the tall tiles) --, and with what they read 2-6 of the
-# 15 maps are left to count (seeds 0-9 of both mixes); 16 ranks left 10 % fewer, for more time
+# that ship every long document's rows far (the tall tiles) --, and with what they read 1-5 of the
+# 15 maps are left to count (seeds 0-9 of both mixes, 3 on average; 2-6 with those reads priced at
+# the least, stop 75); 16 ranks left 10 % fewer, for more time, and adding the busiest ranks of
+# each map counted none (the maps left are within a few per cent of the winner)
 FLOOR_RANKS = 8
 
 

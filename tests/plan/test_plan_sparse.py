@@ -457,6 +457,27 @@ def test_kept_chunks_worked_example():
     assert kept_chunks(0, 4, {3: 3000, 2: 2000, 1: 500}, 0) == set()
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_kept_chunks_keeps_in_shift_order_what_fits(data):
+    """kept_chunks against its definition: the chunks in the order the backward reads them, by
+    shift (x - c) mod P, each kept that still fits in the budget (the code walks the chunks below
+    x downwards, then those above it, without a key per chunk)."""
+    from megatron_mesh.plan.sparse_needs import kept_chunks
+
+    P = data.draw(st.integers(1, 12))
+    x = data.draw(st.integers(0, P - 1))
+    chunks = data.draw(st.sets(st.integers(0, P - 1).filter(lambda c: c != x)))
+    pulled = {c: data.draw(st.integers(1, 50)) for c in chunks}
+    budget = data.draw(st.integers(0, 200))
+    kept, used = set(), 0
+    for c in sorted(pulled, key=lambda c: (x - c) % P):
+        if used + pulled[c] <= budget:
+            used += pulled[c]
+            kept.add(c)
+    assert kept_chunks(x, P, pulled, budget) == kept
+
+
 def test_sparse_blocks_worked_example():
     """plan/sparse_blocks.py's docstring example: the blocks of one causal document of 8 tokens on
     2 zigzag ranks; and plan/sparse_needs.py's: rank 1's columns under the window example."""

@@ -47,6 +47,22 @@ def test_worked_example():
     assert best == 0 and type(chosen) is QueryOwnerNeeds
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 300), st.integers(1, 40)), max_size=6))
+def test_a_bit_sets_runs_are_the_union_of_its_intervals(intervals):
+    """The winner's selections are its counted bit sets cut into runs (0b1110110: [1, 3), [4, 7)):
+    the union of the intervals that made them, at any offset, including the top bit of a chunk."""
+    from megatron_mesh.plan.sel import union_intervals
+    from megatron_mesh.plan.sparse_compete import _runs
+
+    spans = [(a, a + n) for a, n in intervals]
+    bits = 0
+    for a, b in spans:
+        bits |= ((1 << (b - a)) - 1) << a
+    assert _runs(bits) == union_intervals(spans)
+    assert _runs(0b1110110) == union_intervals([(1, 3), (4, 7)])
+
+
 def _maps(P):
     return [TileMap(a, b, c) for a, b in tile_shapes(P) if a > 1 for c in (CONTIGUOUS if b > 1 else ("q",))]
 
