@@ -92,6 +92,14 @@ class BlockBits:
             self._blocks = [(i, j, r, c) for i in range(self.P) for j, (r, c) in self.row(i).items()]
         return self._blocks
 
+    def col_columns(self, j: int) -> list[tuple[int, int]]:
+        """(i, columns) of key chunk j's blocks: where not every block is built (a map floored alone),
+        from the summaries of the ranks sharing a document with j -- their columns, not their rows."""
+        if self._blocks is not None:
+            return [(i, c) for i, _, c in self.col(j)]
+        bits, index = self._bits, self.index
+        return [(i, bits(cols)) for i in index.sharing(j) for cols, pairs in (index.summary(i, j),) if pairs]
+
     def col(self, j: int) -> list[tuple[int, int, int]]:
         """(i, rows, columns) of key chunk j's blocks: from every block once all are built, else from
         the rows of the ranks sharing a document with j (a map floored alone: a few ranks' blocks)."""
@@ -187,7 +195,7 @@ def sent_tokens(bits: BlockBits, owner: Callable[[int, int], int], h: int) -> tu
             old = rows.get(y)
             rows[y] = r if old is None or old is r else old | r
     cols: dict[int, int] = {}
-    for i, _, c in bits.col(h):
+    for i, c in bits.col_columns(h):
         y = owner(i, h)
         if y != h:
             old = cols.get(y)

@@ -160,13 +160,15 @@ class Needs:
 
     @classmethod
     def of(cls, blocks: list[list[tuple[int, int]]], rows: list[dict], cols: list[dict]) -> "Needs":
-        """The needs whose ranks compute ``blocks`` (rank -> its (i, j), in :meth:`~.sparse_blocks.Blocks.spans`'
-        order) and read ``rows`` / ``cols`` (rank -> chunk -> the selection, united already) -- what
-        :func:`~.sparse_compete.compete` gives its winner from the bit sets it counted."""
+        """The needs whose ranks compute ``blocks`` (rank -> its (i, j), in the order of
+        :meth:`~.sparse_blocks.Blocks.spans`) and read ``rows`` / ``cols`` (rank -> chunk -> the
+        selection, united already) -- what :func:`~.sparse_compete.compete` gives its winner from
+        the bit sets it counted."""
         needs = cls.__new__(cls)
         needs.P, needs._blocks = len(blocks), blocks
-        needs._rows, needs._row_needers, needs._row_tokens = _indexed([{c: got[c] for c in sorted(got)} for got in rows])
-        needs._cols, needs._col_needers, needs._col_tokens = _indexed([{c: got[c] for c in sorted(got)} for got in cols])
+        in_order = [[{c: got[c] for c in sorted(got)} for got in table] for table in (rows, cols)]
+        needs._rows, needs._row_needers, needs._row_tokens = _indexed(in_order[0])
+        needs._cols, needs._col_needers, needs._col_tokens = _indexed(in_order[1])
         return needs
 
     def blocks(self, x: int) -> list[tuple[int, int]]:
@@ -327,8 +329,8 @@ def kept_of(x: int, rows: dict[int, int], cols: dict[int, int], P: int, token_by
             limit_tokens: float) -> tuple[frozenset, bool, int]:
     """What rank x keeps under ``policy`` (:class:`Keeps`) of the ``rows`` and ``cols`` it reads
     (chunk -> tokens), its budget ``limit_tokens`` x its own Q + K + V bytes a token: (the chunks
-    kept, whether that is every chunk it pulled, the bytes it pulled). Where everything fits -- most
-    ranks -- no chunk is priced alone."""
+    kept, whether that is every chunk it pulled, the bytes it pulled). Where everything fits no
+    chunk is priced alone."""
     q, kv = token_bytes["q"], token_bytes["kv"]
     total = q * sum(rows.values()) + kv * sum(cols.values())
     if policy == "keep" or (policy == "auto" and total <= limit_tokens * (q + kv)):
