@@ -7,7 +7,7 @@ compute (:func:`_overheads`), and the rounds that move them (:func:`_comm`).
 ``pulls[g]``: unit -> (tokens, rows) -- what unit g pulls from each unit it reads (K/V of a
 document's tokens before g's last row of it, and g's rows of the document after the holder's
 first token). Looked up by puller, then holder: at 256 ranks the balanced layout's pulls run to
-18K pairs of units on 16K-token documents and to every pair (65,280) where one document holds a
+8-27K pairs of units on 16K-token documents and to every pair (65,280) where one document holds a
 third of the tokens (seed 8 of ``lognormal:16384``); a pair's tuple as a dictionary key cost a
 fifth of each pass. Every loop here runs once per pair; ``tests/plan/test_choice.py`` checks each
 against its plain form.

@@ -71,9 +71,9 @@ class Blocks:
         self._summary: dict[int, dict[int, tuple[tuple[Segment, ...], int]]] = {}  # i -> j -> summary
         self._spans: dict | None = None
         self._row_spans: dict[int, dict] = {}  # i -> row_spans(i)
-        # intervals -> their union, made once: blocks share few selections (seed 2 of lognormal:16384
-        # at 256 ranks: 106 of 11,940), and a Segment costs more than the lookup
-        self._sels: dict = {}
+        # a one-interval selection, made once: blocks have few distinct ones (seed 2 of lognormal:16384
+        # at 256 ranks: 106 among 11,940 rows and columns), and a Segment costs more than the lookup
+        self._sels: dict[tuple[int, int], tuple[Segment, ...]] = {}
         self._sharing: dict[int, tuple[int, ...]] = {}
         self._positions: dict[int, tuple[list, list[int], list[int]]] = {}  # group -> _by_position
 
@@ -146,14 +146,12 @@ class Blocks:
             summary, got = {}, {}
             sels = self._sels
             for j, (rows, cols, pairs) in sorted(self._scan(i, rows=True).items()):
-                key = cols[0] if len(cols) == 1 else tuple(cols)
-                c = sels.get(key)
+                c = sels.get(cols[0]) if len(cols) == 1 else union_intervals(cols)
                 if c is None:
-                    c = sels[key] = _union(cols)
-                key = rows[0] if len(rows) == 1 else tuple(rows)
-                r = sels.get(key)
+                    c = sels[cols[0]] = (Segment(*cols[0]),)
+                r = sels.get(rows[0]) if len(rows) == 1 else union_intervals(rows)
                 if r is None:
-                    r = sels[key] = _union(rows)
+                    r = sels[rows[0]] = (Segment(*rows[0]),)
                 summary[j] = (c, pairs)
                 got[j] = (r, c)
             self._summary.setdefault(i, summary)
@@ -218,11 +216,6 @@ class Blocks:
                 if parts:
                     out[(i, j)] = parts
         return out
-
-
-def _union(intervals: list) -> tuple[Segment, ...]:
-    """:func:`~.sel.union_intervals`, one interval -- most blocks' rows and columns -- without the call."""
-    return (Segment(*intervals[0]),) if len(intervals) == 1 else union_intervals(intervals)
 
 
 def _join(parts: tuple[BlockClass, ...], mask: Mask, layout: Layout, ij: tuple[int, int]) -> BlockClass:

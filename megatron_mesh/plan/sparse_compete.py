@@ -23,7 +23,8 @@ rank reads of each chunk, so :func:`compete` goes in three steps, each exact in 
    decide; a map whose floor is above the fewest bytes found so far cannot win and is not counted.
 3. **The maps left, counted** in the order of their first floors (:class:`NeedCounts`: each block's
    rows and columns as bit sets, :class:`BlockBits`, united per rank and chunk -- a ``|`` only where
-   a block adds to what its rank reads); the winner's selections are its bit sets cut into runs.
+   the block's set is not the one its rank holds already); the winner's selections are its bit sets
+   cut into runs.
 
 Worked example (``tests/plan/test_sparse_compete.py``): 4 ranks of the zigzag, 64 tokens (rank 1
 holds positions [8, 16) and [48, 56)), causal, documents [0, 24) and [24, 64), GQA 32/8 heads of 128
@@ -62,9 +63,9 @@ class BlockBits:
     with their rows and columns as bit sets (bit t: local token t), built as asked: ``row(i)`` /
     ``col(j)``, query chunk i's / key chunk j's blocks, and ``blocks``, every one as (i, j, rows,
     columns) in :meth:`~.sparse_blocks.Blocks.spans`' order -- what :class:`NeedCounts` unites for a
-    map and the floors for a few ranks (a union's tokens are its bits counted). Each selection made
-    once: blocks share few (on the zigzag most are a chunk's halves; seed 2 of ``lognormal:16384``
-    at 256 ranks: 106 of 11,940, 11 -> 3.5 ms)."""
+    map and the floors for a few ranks (a union's tokens are its bits counted). Each selection's bits
+    made once: blocks have few distinct selections (on the zigzag most are a chunk's halves; seed 2
+    of ``lognormal:16384`` at 256 ranks: 106 among 11,940 rows and columns, 11 -> 3.5 ms)."""
 
     def __init__(self, index: Blocks):
         self.index, self.P = index, index.P
@@ -127,8 +128,8 @@ class NeedCounts:
         self._bits, self._owner, self._parts = bits, owner, (qs, ks)
         for i, j, r, c in bits.blocks():
             x = owner(i, j) if qs is None else qs[i] + ks[j]
-            # a union only where it adds: blocks share their selections' bit sets (BlockBits), and a
-            # union of 4,096-bit sets makes a new one
+            # a union only where the block's set is not the one held already: blocks share their
+            # selections' bit sets (BlockBits), and a union of 4,096-bit sets makes a new one
             if i != x:
                 got = rows[x]
                 old = got.get(i)
@@ -169,6 +170,21 @@ class NeedCounts:
             return got
         return Needs.of(blocks, [{c: sel(b) for c, b in got.items()} for got in self._rows],
                         [{c: sel(b) for c, b in got.items()} for got in self._cols])
+
+
+class _QueryOwnerCounts:
+    """:class:`~.sparse_needs.QueryOwnerNeeds`' token counts from the bit sets: a rank reads the
+    columns of its row of blocks (every block of :class:`BlockBits` has allowed pairs)."""
+
+    def __init__(self, bits: BlockBits):
+        self.P = bits.P
+        self._col_tokens = [{j: c.bit_count() for j, (_, c) in bits.row(x).items() if j != x} for x in range(bits.P)]
+
+    def row_tokens(self, x: int) -> dict[int, int]:
+        return {}
+
+    def col_tokens(self, x: int) -> dict[int, int]:
+        return self._col_tokens[x]
 
 
 def _runs(b: int) -> tuple[Segment, ...]:
@@ -244,10 +260,12 @@ def compete(index: Blocks, owners, shape: AttentionShape, backward_chunks: str, 
         return read_bytes(rows, cols, kept_of(h, rows, cols, index.P, tb, backward_chunks, limit * T)[0], prices)
 
     bits = BlockBits(index)  # the floors count from them, and so does every map counted
-    if len(owners) > 1:
-        bits.blocks()  # several maps, most likely some counted: one pass for every block and the summaries
     query_owner = QueryOwnerNeeds(index)
-    traffic = bytes_per_rank(query_owner, shape, Keeps(backward_chunks, query_owner, T, tb, limit))
+    counted = query_owner
+    if len(owners) > 1:  # several maps, most likely some counted: one pass for every block and the summaries
+        bits.blocks()
+        counted = _QueryOwnerCounts(bits)  # its columns' bits counted, not their segments
+    traffic = bytes_per_rank(counted, shape, Keeps(backward_chunks, counted, T, tb, limit))
     best, fewest = 0, max(traffic)
     ranks = sorted(range(index.P), key=lambda x: (-traffic[x], x))[:FLOOR_RANKS]
     # each map's floor from what the ranks send (cheap), then, for the maps it does not rule out,

@@ -12,7 +12,7 @@ owner): rank 1 reads columns [0:2) of chunk 0 and [2:4) of chunk 2 (``cols(1) ==
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_right
 import math
 
 from .accounting import buffer_bytes
@@ -271,8 +271,8 @@ def kept_chunks(x: int, P: int, pulled: dict[int, int], budget: float) -> frozen
         return frozenset(pulled)
     kept, used = [], 0
     ordered = sorted(pulled)
-    at = bisect_left(ordered, x)  # by shift: the chunks below x downwards, then those above it downwards
-    for c in ordered[at - 1::-1] + ordered[:at - 1:-1] if at else ordered[::-1]:
+    at = bisect_right(ordered, x)  # by shift: the chunks up to x downwards, then those above it downwards
+    for c in ordered[at - 1::-1] + ordered[:at - 1:-1]:
         if used + pulled[c] <= budget:
             used += pulled[c]
             kept.append(c)
@@ -325,13 +325,14 @@ class Keeps:
         return got
 
 
-def kept_of(x: int, rows: dict[int, int], cols: dict[int, int], P: int, token_bytes: dict, policy: str,
+def kept_of(x: int, rows: dict[int, int], cols: dict[int, int], P: int, per_token: dict, policy: str,
             limit_tokens: float) -> tuple[frozenset, bool, int]:
     """What rank x keeps under ``policy`` (:class:`Keeps`) of the ``rows`` and ``cols`` it reads
-    (chunk -> tokens), its budget ``limit_tokens`` x its own Q + K + V bytes a token: (the chunks
+    (chunk -> tokens; ``per_token``: :func:`token_bytes`), its budget ``limit_tokens`` x its own Q + K
+    + V bytes a token: (the chunks
     kept, whether that is every chunk it pulled, the bytes it pulled). Where everything fits no
     chunk is priced alone."""
-    q, kv = token_bytes["q"], token_bytes["kv"]
+    q, kv = per_token["q"], per_token["kv"]
     total = q * sum(rows.values()) + kv * sum(cols.values())
     if policy == "keep" or (policy == "auto" and total <= limit_tokens * (q + kv)):
         return frozenset(rows.keys() | cols.keys()), True, total

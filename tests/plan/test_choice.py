@@ -188,11 +188,12 @@ def test_layout_cost_prices_the_hybrids_per_group():
 
 
 def _by_puller(pulls, units):
-    """{(h, g): x} as the tuned loops keep it: per puller g, holder -> x."""
+    """``pulls`` ({(h, g): x}) kept as the tuned loops keep them: per puller g, holder h -> x."""
     out = [{} for _ in range(units)]
     for (h, g), x in pulls.items():
         out[g][h] = x
     return out
+
 
 def _pulls_by_definition(portions, docs, units):
     """Per (h, g): h's tokens of each shared document before g's last row there, and g's rows

@@ -15,7 +15,8 @@ from megatron_mesh.plan.layout import ZigzagLayout
 from megatron_mesh.plan.mesh import CONTIGUOUS, TileMap
 from megatron_mesh.plan.sparse_blocks import Blocks
 from megatron_mesh.plan.sparse_compete import BlockBits, NeedCounts, compete, read_tokens, sent_tokens
-from megatron_mesh.plan.sparse_needs import Keeps, Needs, QueryOwnerNeeds, bytes_per_rank, token_bytes
+from megatron_mesh.plan.sparse_needs import (Keeps, Needs, QueryOwnerNeeds, bytes_per_rank, kept_of, read_bytes,
+                                             read_prices, token_bytes)
 
 
 def _floor_prices(tb):
@@ -61,6 +62,15 @@ def test_a_bit_sets_runs_are_the_union_of_its_intervals(intervals):
         bits |= ((1 << (b - a)) - 1) << a
     assert _runs(bits) == union_intervals(spans)
     assert _runs(0b1110110) == union_intervals([(1, 3), (4, 7)])
+
+
+@pytest.mark.parametrize("P", [6, 12, 256])
+def test_a_tile_maps_owner_parts_are_its_owner(P):
+    """NeedCounts asks a tile map for owner_parts (two lookups a block) instead of owner (a call a
+    block): the same rank for every block, either ring contiguous."""
+    for tiles in _maps(P):
+        qs, ks = tiles.owner_parts(P)
+        assert all(qs[i] + ks[j] == tiles.owner(i, j) for i in range(P) for j in range(0, P, max(1, P // 16)))
 
 
 def _maps(P):
@@ -110,23 +120,35 @@ def test_the_pick_is_building_every_maps_needs(P, heads, cuts, window, causal, p
     want = min(range(len(truth)), key=lambda k: (truth[k][0], -k))
     best, needs = compete(Blocks(P, mask, ZigzagLayout(P, S), 128), [("map", m) for m in maps], shape, policy, limit)
     assert best == want
-    bits, alone = BlockBits(index), BlockBits(index)  # all blocks built first, or only those asked
+    # every block built first (several maps), or only the blocks asked (a map floored alone: on a fresh
+    # index whose summaries the query owner's bytes made first, as compete's are)
+    bits, fresh = BlockBits(index), Blocks(P, mask, ZigzagLayout(P, S), 128)
     bits.blocks()
+    from megatron_mesh.plan.sparse_compete import _QueryOwnerCounts  # the query owner's counts off the bits
+    assert [_QueryOwnerCounts(bits).col_tokens(x) for x in range(P)] == [truth[0][1].col_tokens(x) for x in range(P)]
+    bytes_per_rank(QueryOwnerNeeds(fresh), shape, Keeps(policy, QueryOwnerNeeds(fresh), T, token_bytes(shape), limit))
+    alone, tb, prices = BlockBits(fresh), token_bytes(shape), read_prices(shape)
+    row, col = _floor_prices(tb)
     for k, m in enumerate(maps, 1):
-        exact = truth[k][1]
+        exact, traffic = truth[k][1], truth[k][2]
         counts = NeedCounts(bits, m)
         assert [counts.row_tokens(x) for x in range(P)] == [exact.row_tokens(x) for x in range(P)]
         assert [counts.col_tokens(x) for x in range(P)] == [exact.col_tokens(x) for x in range(P)]
         for h in range(P):  # the floors' counts are the needs' own: what h's chunk gives, what h reads
             for b in (bits, alone):
-                assert sent_tokens(b, m, h) == (sum(exact.row_tokens(x).get(h, 0) for x in range(P)),
-                                                sum(exact.col_tokens(x).get(h, 0) for x in range(P)))
+                sent = sent_tokens(b, m, h)
+                assert sent == (sum(exact.row_tokens(x).get(h, 0) for x in range(P)),
+                                sum(exact.col_tokens(x).get(h, 0) for x in range(P)))
                 if isinstance(m, TileMap):
-                    assert read_tokens(b, m, h) == (exact.row_tokens(h), exact.col_tokens(h))
-    if best:  # the winner's selections, built as before
-        assert [needs.rows(x) for x in range(P)] == [truth[best][1].rows(x) for x in range(P)]
-        assert [needs.cols(x) for x in range(P)] == [truth[best][1].cols(x) for x in range(P)]
-        assert [needs.blocks(x) for x in range(P)] == [truth[best][1].blocks(x) for x in range(P)]
+                    rows, cols = read_tokens(b, m, h)
+                    assert (rows, cols) == (exact.row_tokens(h), exact.col_tokens(h))
+                    # the floor compete prices: what h sends at the least, what it reads exactly
+                    kept = kept_of(h, rows, cols, P, tb, policy, limit * T)[0]
+                    assert kept == Keeps(policy, exact, T, tb, limit).kept(h)
+                    assert sent[0] * row + sent[1] * col + read_bytes(rows, cols, kept, prices) <= traffic[h]
+    if best:  # the winner's needs, built as before
+        for part in ("rows", "cols", "blocks", "row_needers", "col_needers", "row_tokens", "col_tokens"):
+            assert [getattr(needs, part)(x) for x in range(P)] == [getattr(truth[best][1], part)(x) for x in range(P)]
 
 
 class _Counting(TileMap):
