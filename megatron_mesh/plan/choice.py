@@ -39,13 +39,12 @@ and keeps the balanced layout for the hybrid.
 Checked against the simulator on 240 rows (seeds 0-9, 8 and 256 GPUs, both host settings at 8)
 the layout it keeps is never slower than the zigzag (docs/performance.md, the per-seed tables).
 :func:`pick_layout` (the data loader's) makes the same pick without pricing what cannot change it:
-at 256 ranks (1M tokens) 20-40 ms of Python, the balanced layout's pulls on 16K-token documents
-(8-27K pairs of ranks) the most, and 130-160 ms where one document holds a third of the tokens and
+at 256 ranks (1M tokens) 13-38 ms of Python, the balanced layout's pulls on 16K-token documents
+(8-27K pairs of ranks) the most, and 126-154 ms where one document holds a third of the tokens and
 every pair of ranks pulls (docs/performance.md, "Build time with the choice"); the pair-level parts
 (:mod:`.layout_pulls`) loop once per pair of ranks, and the tests check them against their plain
-forms. Where a rank's
-attention takes less than :data:`MIN_COMPUTE_LAUNCHES` kernel launches the zigzag is kept: such a
-step is bound by launches and latencies, which the price leaves out.
+forms. Where a rank's attention takes less than :data:`MIN_COMPUTE_LAUNCHES` kernel launches the
+zigzag is kept: such a step is bound by launches and latencies, which the price leaves out.
 
 Worked example (P = 2 ranks of one node, 32/8 heads of 128 in bf16, documents of 32K, 16K and 16K
 tokens): the zigzag gives rank 0 the first 16K tokens and the last document (268M pairs), rank 1

@@ -5,10 +5,11 @@ to the last map (the mode's own) -- decided without building every map's selecti
 Mesh's ``auto`` tile on a document mask at 256 ranks puts 15 tile maps against the query owner;
 building each map's :class:`~.sparse_needs.Needs` (every rank's row and column selections, gathered
 and sorted) took ~15 ms a map: Mesh's plan of a sample (1M tokens, seeds 0-2) took 213-267 ms
-on ``lognormal:16384`` and 67-81 ms on ``lognormal:4096``; 28-52 and 19-30 ms now over seeds 0-9
-(81 on seed 8 of ``lognormal:16384``, whose one 329K-token document has every pair of ranks share
-blocks), the same plans (docs/performance.md, "Build time with the choice"). The bytes only read how many tokens each
-rank reads of each chunk, so :func:`compete` goes in three steps, each exact in what it decides:
+on ``lognormal:16384`` and 67-81 ms on ``lognormal:4096``; 28-53 and 19-30 ms now over seeds 0-9
+(81-87 on seed 8 of ``lognormal:16384``, whose one 329K-token document has every pair of ranks share
+blocks), the same plans (docs/performance.md, "Build time with the choice"). The bytes only read
+how many tokens each rank reads of each chunk, so :func:`compete` goes in three steps, each exact
+in what it decides:
 
 1. **The query owner's bytes**, from the block index's column summaries
    (:class:`~.sparse_needs.QueryOwnerNeeds`).
