@@ -134,17 +134,11 @@ class NeedCounts:
             if i != x:
                 got = rows[x]
                 old = got.get(i)
-                if old is None:
-                    got[i] = r
-                elif old is not r:
-                    got[i] = old | r
+                got[i] = r if old is None or old is r else old | r
             if j != x:
                 got = cols[x]
                 old = got.get(j)
-                if old is None:
-                    got[j] = c
-                elif old is not c:
-                    got[j] = old | c
+                got[j] = c if old is None or old is c else old | c
         self._rows, self._cols = rows, cols
         self._row_tokens = [{c: s.bit_count() for c, s in got.items()} for got in rows]
         self._col_tokens = [{c: s.bit_count() for c, s in got.items()} for got in cols]
@@ -234,9 +228,11 @@ def read_tokens(bits: BlockBits, tiles: TileMap, h: int) -> tuple[dict[int, int]
         blocks = ((i, j, r, c) for j in ks for i, r, c in bits.col(j) if i in qs)
     for i, j, r, c in blocks:
         if i != h:
-            rows[i] = rows.get(i, 0) | r
+            old = rows.get(i)
+            rows[i] = r if old is None or old is r else old | r
         if j != h:
-            cols[j] = cols.get(j, 0) | c
+            old = cols.get(j)
+            cols[j] = c if old is None or old is c else old | c
     return {i: s.bit_count() for i, s in rows.items()}, {j: s.bit_count() for j, s in cols.items()}
 
 
