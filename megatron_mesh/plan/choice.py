@@ -39,9 +39,10 @@ and keeps the balanced layout for the hybrid.
 Checked against the simulator on 240 rows (seeds 0-9, 8 and 256 GPUs, both host settings at 8)
 the layout it keeps is never slower than the zigzag (docs/performance.md, the per-seed tables).
 :func:`pick_layout` (the data loader's) makes the same pick without pricing what cannot change it:
-at 256 ranks (1M tokens) 13-38 ms of Python, the balanced layout's pulls on 16K-token documents
-(8-27K pairs of ranks) the most, and 126-154 ms where one document holds a third of the tokens and
-every pair of ranks pulls (docs/performance.md, "Build time with the choice"); the pair-level parts
+at 256 ranks (1M tokens) 13-32 ms of Python, the balanced layout's pulls on 16K-token documents
+(8-27K pairs of ranks) the most, and 66-85 ms where one document holds a third of the tokens and
+every pair of ranks pulls -- there a lower bound of the ring shifts' rounds decides without walking
+them (docs/performance.md, "Build time with the choice"); the pair-level parts
 (:mod:`.layout_pulls`) loop once per pair of ranks, and the tests check them against their plain
 forms. Where a rank's attention takes less than :data:`MIN_COMPUTE_LAUNCHES` kernel launches the
 zigzag is kept: such a step is bound by launches and latencies, which the price leaves out.
@@ -65,7 +66,7 @@ from typing import Callable
 from .balance import BalancedLayout
 from .hybrid import inner_shape
 from .layout import Layout, ZigzagLayout
-from .layout_pulls import _comm, _document_pieces, _overheads, _portions, _work_and_pulls
+from .layout_pulls import _document_pieces, _overheads, _portions, _Rounds, _sums_of, _work_and_pulls
 from .modes import get_mode
 from .shape import AttentionShape
 from .simulate import BACKWARD_FLOPS
@@ -188,11 +189,12 @@ def _packed_calls(layout: Layout, units: int, span: int, docs, piece: int) -> li
     return calls
 
 
-def _host_ops(portions, pulls, units: int, ulysses: int, sets: bool,
+def _host_ops(portions, pulled: list[int], pulling: list[int], units: int, ulysses: int, sets: bool,
               packed: list[int]) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
     """Per unit, the (ops, views) its host issues in the forward and in the backward (:data:`HOST_OPS`,
-    :data:`A2A_OPS`): what the plans of :mod:`.sparse` issue for its pulls, its peers' pulls from
-    it, its runs of documents and ``packed``, its calls of short runs (:func:`_packed_calls`);
+    :data:`A2A_OPS`): what the plans of :mod:`.sparse` issue for its pulls (``pulled``: how many
+    units it pulls from), its peers' pulls from it (``pulling``: how many pull from it), its runs of
+    documents and ``packed``, its calls of short runs (:func:`_packed_calls`);
     ``sets``: the hybrid's all-to-all goes in rounds by document set (a layout balanced for its
     groups).
 
@@ -202,10 +204,6 @@ def _host_ops(portions, pulls, units: int, ulysses: int, sets: bool,
     12.1 ops and 5.2 + 3.0 + 2.0 + 23.6 = 33.8 views forward (0.38 ms at 23 us an op and 3 us a
     view), 11.2 ops and 55.5 views backward (0.42 ms), against 58.6 ms of compute: the compute
     decides; on the zigzag rank 1 pulls from rank 0, one run each (``tests/plan/test_choice.py``)."""
-    pulled, pulling = [len(got) for got in pulls], [0] * units
-    for got in pulls:
-        for h in got:
-            pulling[h] += 1
     split = [0] * units
     for holders in portions.values():
         for u, runs in holders.items():
@@ -239,26 +237,31 @@ def layout_cost(layout: Layout, docs, shape: AttentionShape, topo: Topology, mod
 
 
 def _price_parts(layout: Layout, docs, shape: AttentionShape, topo: Topology, mode: str, ulysses: int,
-                 keep_limit: float) -> tuple[LayoutCost, Callable[[], LayoutCost]]:
+                 keep_limit: float) -> tuple[LayoutCost, Callable[[bool], LayoutCost]]:
     """(:func:`layout_cost` with the communication at 0 -- a floor under the price's ``total``, without
-    its most costly part; its ``comm_bound`` means nothing --, a function giving the whole price)."""
+    its most costly part; its ``comm_bound`` means nothing --, a function giving the whole price, or
+    with ``False`` the price with the communication at a lower bound of it: :meth:`~.layout_pulls._Rounds.bound`)."""
     units = layout.world_size // ulysses
     sub = inner_shape(shape, ulysses) if ulysses > 1 else shape
     portions = _portions(layout, units, ulysses, docs)
     work, pulls = _work_and_pulls(portions, docs, units)
     pair = 4.0 * sub.batch * sub.heads * sub.head_dim / topo.attention_flops
-    extra_f, extra_b = _overheads(pulls, units, sub, topo)
+    sums = _sums_of(pulls, units, sub, topo, ulysses, keep_limit)
+    extra_f, extra_b = _overheads(sums, sub, topo)
     host_f, host_b = (_host_seconds(d, topo) for d in _host_ops(
-        portions, pulls, units, ulysses, ulysses > 1 and layout.group == ulysses,
+        portions, sums.peers_pulled, sums.peers_pulling, units, ulysses, ulysses > 1 and layout.group == ulysses,
         _packed_calls(layout, units, ulysses, docs, topo.mask_piece))) if topo.host_priced else (0.0, 0.0)
     floor = LayoutCost(max(w * pair + x for w, x in zip(work, extra_f)),
                        max(w * pair * BACKWARD_FLOPS + x for w, x in zip(work, extra_b)), 0.0, 0.0,
                        max(work) * pair, host_f, host_b)
+    rounds = []  # made on the first call: what the transfers need of the sums is counted then
 
-    def whole() -> LayoutCost:
-        forward, backward = _comm(pulls, units, sub, topo, ulysses, burst_rounds(mode), keep_limit)
+    def priced(exact: bool = True) -> LayoutCost:
+        if not rounds:
+            rounds.append(_Rounds(pulls, sums, units, sub, topo, ulysses, burst_rounds(mode)))
+        forward, backward = rounds[0].exact() if exact else rounds[0].bound()
         return replace(floor, forward_comm=forward, backward_comm=backward)
-    return floor, whole
+    return floor, priced
 
 
 def choose_layout(balanced: BalancedLayout, shape: AttentionShape, topo: Topology, mode: str,
@@ -280,8 +283,10 @@ def choose_layout(balanced: BalancedLayout, shape: AttentionShape, topo: Topolog
 def pick_layout(balanced: BalancedLayout, shape: AttentionShape, topo: Topology, mode: str,
                 ulysses: int = 1, documents=None, keep_limit: float = KEEP_LIMIT) -> str:
     """:func:`choose_layout`'s pick (the data loader's, per sample) without pricing what cannot change
-    it: the zigzag first; the balanced layout's transfers (its costliest part: 3-4x the zigzag's pairs
-    of ranks at 256) only where its compute and host alone do not cost more than the zigzag already
+    it: the zigzag first; then the balanced layout's compute and host, and its transfers at a lower
+    bound (per unit sums, :meth:`~.layout_pulls._Rounds.bound`: for TASP the price itself); its ring
+    shifts' rounds walked (its costliest part: 3-4x the zigzag's pairs of ranks at 256, every pair
+    where one document lies on every rank) only where neither already costs more than the zigzag
     (``tests/plan/test_choice.py`` checks the pick against :func:`choose_layout`'s)."""
     P = balanced.world_size
     if ulysses == P:
@@ -291,8 +296,10 @@ def pick_layout(balanced: BalancedLayout, shape: AttentionShape, topo: Topology,
     theirs = layout_cost(ZigzagLayout(P, balanced.seq_len), docs, shape, topo, mode, ulysses, keep_limit)
     if _small(theirs, topo):
         return "zigzag"
-    floor, whole = _price_parts(balanced, docs, shape, topo, mode, ulysses, keep_limit)
-    return "zigzag" if floor.total > theirs.total else _pick(whole(), theirs, topo, False)
+    floor, priced = _price_parts(balanced, docs, shape, topo, mode, ulysses, keep_limit)
+    if floor.total > theirs.total or not _balanced_may_win(priced(False), theirs, topo, False, lower=True):
+        return "zigzag"
+    return _pick(priced(), theirs, topo, False)
 
 
 def _small(theirs: LayoutCost, topo: Topology) -> bool:
@@ -302,12 +309,20 @@ def _small(theirs: LayoutCost, topo: Topology) -> bool:
 
 def _pick(mine: LayoutCost, theirs: LayoutCost, topo: Topology, one_group: bool) -> str:
     """The layout kept, from the balanced layout's price ``mine`` and the zigzag's ``theirs``."""
+    return "balanced" if _balanced_may_win(mine, theirs, topo, one_group) else "zigzag"
+
+
+def _balanced_may_win(mine: LayoutCost, theirs: LayoutCost, topo: Topology, one_group: bool,
+                      lower: bool = False) -> bool:
+    """Whether the balanced layout, priced ``mine``, is kept against the zigzag's ``theirs``;
+    ``lower``: ``mine`` is a lower bound of its price (its sums added in another order), and False
+    means the balanced layout loses by more than rounding."""
     if one_group:
         # one Ulysses group: the layouts differ only in its kernel calls (the balanced layout's fewer: 0.04-0.15 %
         # at 8 GPUs) and its all-to-all -- the zigzag's sends dQ home while the dK/dV partials are made, the
         # balanced layout's sends both at once and copies last: 1-2 % slower (docs/performance.md)
-        return "zigzag"
+        return False
     # where its transfers set the balanced layout's price, the price is least sure (the plans'
     # rounds wait on their peers): it has to win by COMM_MARGIN
-    cheaper = mine.total <= theirs.total * (1 - COMM_MARGIN if mine.comm_bound else 1)
-    return "balanced" if not _small(theirs, topo) and cheaper else "zigzag"
+    cheaper = mine.total <= theirs.total * (1 - COMM_MARGIN if mine.comm_bound else 1) * (1 + 1e-9 if lower else 1)
+    return not _small(theirs, topo) and cheaper

@@ -36,7 +36,7 @@ def test_worked_example_of_the_module_docstring():
         portions = _portions(lay, P, 1, docs)
         packed = _packed_calls(lay, P, 1, docs, topo.mask_piece)
         assert packed == [0, 0]  # no document shorter than 128 tokens
-        host[name] = _host_ops(portions, _work_and_pulls(portions, docs, P)[1], P, 1, False, packed)
+        host[name] = _host_ops(portions, *_peers(_work_and_pulls(portions, docs, P)[1], P), P, 1, False, packed)
     rounded = {name: tuple([tuple(round(x, 1) for x in unit) for unit in d] for d in got) for name, got in host.items()}
     assert rounded == {"zigzag": ([(3.4, 7.2), (5.5, 8.2)], [(2.5, 10.7), (5.7, 13.1)]),  # (ops, views)
                        "balanced": ([(12.1, 33.8), (6.5, 10.2)], [(11.2, 55.5), (8.2, 18.6)])}
@@ -160,7 +160,7 @@ def test_the_host_term_follows_the_plans_count():
                 portions = _portions(layout, units, U, docs)
                 pulls = _work_and_pulls(portions, docs, units)[1]
                 priced = [_host_seconds(d, topo) for d in _host_ops(
-                    portions, pulls, units, U, U > 1 and layout.group == U,
+                    portions, *_peers(pulls, units), units, U, U > 1 and layout.group == U,
                     _packed_calls(layout, units, U, docs, topo.mask_piece))]
                 plan = resolve(mode, 8, shape, topo, **({"ulysses_size": U} if U > 1 else {})).build(
                     shape, Mask(True, documents=docs), layout)
@@ -181,6 +181,11 @@ def test_layout_cost_prices_the_hybrids_per_group():
     grouped = layout_cost(balanced_layout(cu, 8, group=2), docs, shape, topo, "a2a+ring", 2)
     assert grouped.attention == pytest.approx(plain.attention, rel=0.02)  # both balanced: the mean work
     assert 0 < grouped.forward_comm < plain.forward_comm  # 4 groups share the documents, with 1/2 of the heads
+
+
+def _peers(pulls, units):
+    """Per unit, how many units it pulls from and how many pull from it."""
+    return [len(got) for got in pulls], [sum(u in got for got in pulls) for u in range(units)]
 
 
 # --- the fast price against its definitions (plan/layout_pulls.py prices 4-65K pairs of ranks per
@@ -328,12 +333,13 @@ def test_a_pulls_blocks_are_priced_a_kernel_call_per_mask_piece():
     merges left out by a memory too fast to take time."""
     import math
 
-    from megatron_mesh.plan.layout_pulls import _overheads
+    from megatron_mesh.plan.layout_pulls import _overheads, _sums_of
     topo = Topology(nodes=1, gpus_per_node=2, memory_bandwidth=1e300)
     piece, shape = topo.mask_piece, AttentionShape(1024, 1, **GQA)
     for rows in (0, 1, 2, piece - 1, piece, piece + 1, 3 * piece):
         for cols in (1, piece, piece + 1):
-            forward, backward = _overheads([{}, {0: (cols, rows)}], 2, shape, topo)  # unit 1 pulls from unit 0
+            pulls = [{}, {0: (cols, rows)}]  # unit 1 pulls from unit 0
+            forward, backward = _overheads(_sums_of(pulls, 2, shape, topo, 1, 2.0), shape, topo)
             calls = math.ceil(max(rows, 1) / piece) * math.ceil(cols / piece)
             assert forward[1] == pytest.approx(calls * topo.kernel_latency, rel=1e-9), (rows, cols)
             assert backward[1] == pytest.approx(calls * topo.kernel_latency, rel=1e-9) and forward[0] == 0.0
