@@ -240,19 +240,18 @@ class _Rounds:
     """The rounds that move a layout's pulls (:func:`~.choice.layout_cost`'s communication;
     ``sums``: theirs, :func:`_sums_of`): the busiest unit's forward seconds (K/V) and backward
     seconds (dK/dV partials back, K/V again where not kept). :meth:`exact` walks the rounds;
-    :meth:`bound` is a lower bound of it from the sums -- where every pair of units pulls (seed 8
-    of ``lognormal:16384`` at 256 ranks: 65,280 pulls) free, within 1-3 % of it there -- and for
-    TASP's rounds, which are priced from the sums, the same as :meth:`exact`."""
+    :meth:`bound` is a lower bound of it from the sums, without another pass over the pulls --
+    where every pair of units pulls (seed 8 of ``lognormal:16384`` at 256 ranks: 65,280 pulls)
+    within 1-3 % of the walk -- and for TASP's rounds, which are priced from the sums, the same
+    as :meth:`exact`."""
 
-    def __init__(self, pulls, sums: _PullSums, units: int, shape: AttentionShape, topo: Topology, span: int,
-                 burst: bool):
+    def __init__(self, pulls, sums: _PullSums, units: int, shape: AttentionShape, topo: Topology, burst: bool):
         self.pulls, self.sums, self.units, self.burst = pulls, sums.linked(), units, burst
         self.kv, self.dkv = buffer_bytes("kv", 1, shape), buffer_bytes("dkv", 1, shape)
-        self.node = [topo.node(u * span) for u in range(units)]
-        self.link = [(topo.latency(c), topo.bandwidth(c)) for c in ("intra", "inter")]
+        self.node, self.link = self.sums.node, [(topo.latency(c), topo.bandwidth(c)) for c in ("intra", "inter")]
 
     def exact(self) -> tuple[float, float]:
-        """The busiest unit's forward and backward seconds (:func:`_shift_rounds`, :func:`_burst_rounds`)."""
+        """The busiest unit's forward and backward seconds (:func:`_shift_rounds`, :func:`_burst_of`)."""
         if self.burst:
             return self.bound()
         return _busiest(_shift_rounds(self.pulls, self.units, self.kv, self.dkv, self.node, self.link, self.sums.kept))
@@ -352,18 +351,12 @@ def _shift_rounds(pulls, units: int, kv: int, dkv: int, node, link, kept: list) 
     return forward, back, again
 
 
-def _burst_rounds(pulls, units: int, kv: int, dkv: int, node, link, kept: list) -> tuple[list[float], ...]:
+def _burst_of(s: _PullSums, kv: int, dkv: int, link) -> tuple[list[float], ...]:
     """Each unit's seconds in TASP's rounds, per kind of round (as :func:`_shift_rounds`): every
     peer at once, in up to ``TUNABLES.burst_groups`` groups, the busier direction of each link
-    class deciding -- priced from each unit's tokens out and in and its peers per link class, of
-    every pull and of those pulled again (:func:`_pull_sums`): a kind's bytes are its tokens x the
-    K/V's or the partials' bytes a token, the partials going back the way their K/V came."""
-    sums = _pull_sums(pulls, node, 1, lambda g, tokens: len(kept[g]) == len(pulls[g]), lambda g, got, sizes: kept[g])
-    return _burst_of(sums.linked(), kv, dkv, link)
-
-
-def _burst_of(s: _PullSums, kv: int, dkv: int, link) -> tuple[list[float], ...]:
-    """:func:`_burst_rounds` from the sums ``s``."""
+    class deciding -- priced from the linked sums ``s``, each unit's tokens out and in and its
+    peers per link class, of every pull and of those pulled again: a kind's bytes are its tokens x
+    the K/V's or the partials' bytes a token, the partials going back the way their K/V came."""
     def peers(a, b):
         return [[x[0] + y[0], x[1] + y[1]] for x, y in zip(a, b)]
     every, again = peers(s.n_into, s.n_out), peers(s.n_again_into, s.n_again_out)
