@@ -18,13 +18,13 @@ from per-unit sums does not already decide the choice (:meth:`_Rounds.bound`).
 from __future__ import annotations
 
 import bisect
-import itertools
 import operator
 
 from .accounting import buffer_bytes
 from .docwork import document_work
 from .layout import Layout
 from .shape import AttentionShape
+from .sparse_needs import first_fits
 from .topology import Topology
 from .tunables import TUNABLES
 
@@ -290,10 +290,9 @@ def _busiest(rounds) -> tuple[float, float]:
 def _kept(g: int, got: dict, sizes: list[int], kv: int, budget: float) -> frozenset:
     """The units whose K/V unit g keeps for the backward of its pulls ``got`` (``sizes``: their
     tokens, in ``got``'s order): :func:`~.sparse_needs.kept_chunks` of them (n tokens x ``kv``
-    bytes each) within ``budget`` bytes, written out in tokens (n x kv <= budget exactly where n
-    <= floor(budget) // kv) -- 255 pulls where one document lies on every rank of 256: the run of
-    pulls that fit in shift order found by bisection of their running sums, then the rest walked
-    while some pull could still fit."""
+    bytes each) within ``budget`` bytes, in tokens (n x kv <= budget exactly where n <=
+    floor(budget) // kv) -- no dict of bytes for each of 256 units' 255 pulls where one document
+    lies on every rank of 256."""
     if sum(sizes) * kv <= budget:  # all of it fits
         return frozenset(got)
     order = list(got)
@@ -301,17 +300,7 @@ def _kept(g: int, got: dict, sizes: list[int], kv: int, budget: float) -> frozen
         order = sorted(order)
         sizes = [got[h][0] for h in order]
     at = bisect.bisect_right(order, g)  # by shift: (g - h) mod units, the units below g first
-    order, sizes = order[at - 1::-1] + order[:at - 1:-1], sizes[at - 1::-1] + sizes[:at - 1:-1]
-    cap = int(budget) // kv
-    first = bisect.bisect_right(list(itertools.accumulate(sizes)), cap)  # the first pull that does not fit
-    kept, left, smallest = order[:first], cap - sum(sizes[:first]), min(sizes)
-    for i in range(first + 1, len(order)):
-        if left < smallest:
-            break
-        if sizes[i] <= left:
-            left -= sizes[i]
-            kept.append(order[i])
-    return frozenset(kept)
+    return first_fits(order[at - 1::-1] + order[:at - 1:-1], sizes[at - 1::-1] + sizes[:at - 1:-1], int(budget) // kv)
 
 
 def _shift_rounds(pulls, units: int, kv: int, dkv: int, node, link, kept: list) -> tuple[list[float], ...]:

@@ -13,6 +13,7 @@ owner): rank 1 reads columns [0:2) of chunk 0 and [2:4) of chunk 2 (``cols(1) ==
 from __future__ import annotations
 
 from bisect import bisect_right
+from itertools import accumulate
 import math
 
 from .accounting import buffer_bytes
@@ -269,13 +270,24 @@ def kept_chunks(x: int, P: int, pulled: dict[int, int], budget: float) -> frozen
     does (3,500): it keeps chunks 3 and 1 and pulls chunk 2 again."""
     if sum(pulled.values()) <= budget:  # all of it fits, in any order
         return frozenset(pulled)
-    kept, used = [], 0
     ordered = sorted(pulled)
     at = bisect_right(ordered, x)  # by shift: the chunks up to x downwards, then those above it downwards
-    for c in ordered[at - 1::-1] + ordered[:at - 1:-1]:
-        if used + pulled[c] <= budget:
-            used += pulled[c]
-            kept.append(c)
+    order = ordered[at - 1::-1] + ordered[:at - 1:-1]
+    return first_fits(order, [pulled[c] for c in order], math.floor(budget))  # whole bytes fit where <= its floor
+
+
+def first_fits(order: list, sizes: list[int], cap: int) -> frozenset:
+    """The items of ``order`` (``sizes``: theirs) kept in turn where each still fits in ``cap``
+    beside those kept before it, all whole numbers -- :func:`kept_chunks`' walk: the run that fits
+    found by bisecting the running sums, then the rest walked while the smallest item could still fit."""
+    first = bisect_right(list(accumulate(sizes)), cap)  # the first item that does not fit
+    kept, left, smallest = order[:first], cap - sum(sizes[:first]), min(sizes, default=0)
+    for i in range(first + 1, len(order)):
+        if left < smallest:
+            break
+        if sizes[i] <= left:
+            left -= sizes[i]
+            kept.append(order[i])
     return frozenset(kept)
 
 
