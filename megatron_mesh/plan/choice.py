@@ -258,7 +258,7 @@ def _price_parts(layout: Layout, docs, shape: AttentionShape, topo: Topology, mo
 
     def priced(exact: bool = True) -> LayoutCost:
         if not rounds:
-            rounds.append(_Rounds(pulls, sums, units, sub, topo, burst_rounds(mode)))
+            rounds.append(_Rounds(sums, sub, topo, burst_rounds(mode)))
         forward, backward = rounds[0].exact() if exact else rounds[0].bound()
         return replace(floor, forward_comm=forward, backward_comm=backward)
     return floor, priced

@@ -136,7 +136,7 @@ class _PullSums:
         if name not in _PullSums.classed or not self.done:
             raise AttributeError(name)
         if not self.near_done:  # counted on the first look: the ring shifts' walk reads none of it
-            _count_near(self, self.pulls, len(self.pulls), self.node)
+            _count_near(self)
             self.near_done = True
         return [[a, b - a] for a, b in zip(self.near[name], self.every[name])]
 
@@ -192,13 +192,13 @@ def _pull_sums(pulls, node, piece: int, fits, keeps) -> _PullSums:
     return s
 
 
-def _count_near(s: _PullSums, pulls, units: int, node) -> None:
+def _count_near(s: _PullSums) -> None:
     """The pulls between node mates, counted into ``s.near``."""
-    mates: dict[int, list[int]] = {}
-    for u in range(units):
+    node, mates = s.node, {}
+    for u in range(len(s.pulls)):
         mates.setdefault(node[u], []).append(u)
     near = s.near
-    for g, got in enumerate(pulls):
+    for g, got in enumerate(s.pulls):
         keep = s.kept[g]
         for h in mates[node[g]]:
             pull = got.get(h)
@@ -245,8 +245,9 @@ class _Rounds:
     within 1-3 % of the walk -- and for TASP's rounds, which are priced from the sums, the same
     as :meth:`exact`."""
 
-    def __init__(self, pulls, sums: _PullSums, units: int, shape: AttentionShape, topo: Topology, burst: bool):
-        self.pulls, self.sums, self.units, self.burst = pulls, sums.linked(), units, burst
+    def __init__(self, sums: _PullSums, shape: AttentionShape, topo: Topology, burst: bool):
+        self.sums, self.burst = sums.linked(), burst
+        self.pulls, self.units = sums.pulls, len(sums.pulls)
         self.kv, self.dkv = buffer_bytes("kv", 1, shape), buffer_bytes("dkv", 1, shape)
         self.node, self.link = self.sums.node, [(topo.latency(c), topo.bandwidth(c)) for c in ("intra", "inter")]
 

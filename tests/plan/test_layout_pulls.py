@@ -88,7 +88,7 @@ def test_the_bound_is_at_most_the_rounds(units, per_node):
         for limit in (0.0, 0.3, 2.0, math.inf):
             pulls = _random_pulls(rng, units, density, big=200)
             sums = _sums_of(pulls, units, shape, topo, 1, limit)
-            ring, tasp = (_Rounds(pulls, sums, units, shape, topo, burst) for burst in (False, True))
+            ring, tasp = (_Rounds(sums, shape, topo, burst) for burst in (False, True))
             for low, exact in zip(ring.bound(), ring.exact(), strict=True):
                 assert low <= exact * (1 + 1e-12), (density, limit)
                 assert low > 0 or exact == 0, (density, limit)
@@ -125,6 +125,6 @@ def test_worked_example_of_the_bound():
     shape, topo = AttentionShape(64, 1, **GQA), Topology(nodes=1, gpus_per_node=3)
     pulls = [{1: (20, 1)}, {0: (5, 1)}, {}]
     l, b = topo.intra_latency, buffer_bytes("kv", 1, shape) / topo.intra_bandwidth
-    rounds = _Rounds(pulls, _sums_of(pulls, 3, shape, topo, 1, 2.0), 3, shape, topo, False)
+    rounds = _Rounds(_sums_of(pulls, 3, shape, topo, 1, 2.0), shape, topo, False)
     assert rounds.exact()[0] == pytest.approx(2 * l + 25 * b, rel=1e-12)
     assert rounds.bound()[0] == pytest.approx(l + 20 * b, rel=1e-12)
