@@ -61,6 +61,9 @@ def add_args(parser):
 
 
 def _one_line_error(message: str):
+    if message.endswith("expected one argument"):
+        # argparse takes a value that starts with '-' (--window-size -1,0) for another flag
+        message += " (a value starting with '-' is written --flag=VALUE, e.g. --window-size=-1,0)"
     fail(f"{message} (the flags: --help)")
 
 

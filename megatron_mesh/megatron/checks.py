@@ -448,12 +448,19 @@ def check_data_files(args) -> None:
     document configs' DOC_DATA (configs/gpt_tiny_cpu_docs.yaml's data/tiny_docs) gets the
     command that writes it. Not checked: --mock-data (Megatron makes its tokens up), object-store
     paths (``s3://``, ``msc://``), and --dataloader-fast-cache-load (Megatron's cached indices may
-    stand in for the files). Also --cp-metrics-dir: a path that exists must be a directory (every
-    rank would fail to create it, after initialising)."""
+    stand in for the files). Also --cp-metrics-dir: a directory, made here where it is missing --
+    every rank would otherwise fail to make it while Megatron builds the model, a traceback each
+    (a file on its path, a folder it may not write in)."""
     metrics_dir = PluginSettings.from_args(args).cp_metrics_dir
-    if metrics_dir and os.path.exists(metrics_dir) and not os.path.isdir(metrics_dir):
-        raise ValueError(f"--cp-metrics-dir {metrics_dir}: that is a file, not a directory; name a directory (it is "
-                         "created if missing)")
+    if metrics_dir:
+        if os.path.exists(metrics_dir) and not os.path.isdir(metrics_dir):
+            raise ValueError(f"--cp-metrics-dir {metrics_dir}: that is a file, not a directory; name a directory (it "
+                             "is created if missing)")
+        try:
+            os.makedirs(metrics_dir, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--cp-metrics-dir {metrics_dir}: cannot make that directory ({e.strerror}); name a "
+                             "directory this process may write in") from None
     if getattr(args, "mock_data", False) or getattr(args, "dataloader_fast_cache_load", False):
         return
     for given, prefixes in _blends(args):

@@ -17,8 +17,12 @@ whole process tree.
   ``--distributed-backend`` < CP / CP_COMM_TYPE < the flags on the command line (one
   ``--distributed-backend`` reaches the command: the winner).
 
-  Before torchrun starts it refuses, in one line with status 2, a SCRIPT.py that is not there and a
-  world size NPROC x NNODES that is not a multiple of TP x PP x CP (as the flags give them).
+  Before torchrun starts it refuses, in one line with status 2, a SCRIPT.py that is not there, a
+  world size NPROC x NNODES that is not a multiple of TP x PP x CP (as the flags give them), and
+  torchrun settings it could not start with (:func:`_check_torchrun_settings`: NPROC 0, NNODES 0,
+  a NODE_RANK outside 0..NNODES-1 -- torchrun would wait for ever for the nodes before it --, a
+  MASTER_PORT that is no TCP port); a MASTER_PORT another job listens on is one line too, once
+  torchrun finds it taken.
   Ctrl-C / SIGTERM: torchrun stops every rank, the launcher says so in one line and exits 128 + the
   signal (130 / 143). Failed ranks: their exit status when they agree (2: a start-up error, or
   another node stopped the job), else 1;
@@ -122,6 +126,7 @@ def training_command(entry: str, args: Sequence[str], environ: Mapping[str, str]
     nproc = env.get("NPROC") or env.get("CP") or "1"
     # before the backend: finding out whether CUDA is there imports torch (1.5 s on 2 cores), which
     # a command line refused here need not wait for
+    _check_torchrun_settings(nproc, env)
     _check_world_size(nproc, env.get("NNODES", "1"), [*config_args, *run_args, *args])
     backend = env.get("BACKEND") or ("nccl" if _have_cuda() else "gloo")
     # the plugin's entry always names the backend; another script gets only what it lacks (gloo).
@@ -171,6 +176,34 @@ def _without_flag(argv: Sequence[str], flag: str) -> list[str]:
     return out
 
 
+NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")  # torchrun's --nproc-per-node words (its processes per device)
+
+
+def _check_torchrun_settings(nproc: str, env: Mapping[str, str]) -> None:
+    """ValueError naming the variable where torchrun could not start the job: NPROC not an integer
+    >= 1 nor one of :data:`NPROC_WORDS` (torchrun: a bare AssertionError or ValueError, 20-49 lines
+    of traceback); NNODES not an integer >= 1 nor an elastic MIN:MAX; NODE_RANK outside 0 ..
+    NNODES - 1 (torchrun starts, and waits without a word for the nodes below it, which never come:
+    a NODE_RANK left in the shell, or a scheduler's); MASTER_PORT not a TCP port 1..65535.
+
+    Example: ``NNODES=2 NODE_RANK=2`` -> "NODE_RANK must be an integer in 0..1 (NNODES=2), got '2'"."""
+    if nproc not in NPROC_WORDS and not (nproc.isdigit() and int(nproc) >= 1):
+        raise ValueError(f"NPROC (processes on this node) must be an integer >= 1 or one of {', '.join(NPROC_WORDS)}, "
+                         f"got {nproc!r}")
+    nnodes = env.get("NNODES", "1")
+    low, elastic, high = nnodes.partition(":")
+    if not (low.isdigit() and int(low) >= 1) or (elastic and not (high.isdigit() and int(high) >= int(low))):
+        raise ValueError(f"NNODES must be an integer >= 1 (or MIN:MAX, 1 <= MIN <= MAX, for an elastic job), "
+                         f"got {nnodes!r}")
+    most, node = int(high or low), env.get("NODE_RANK", "0")
+    if not (node.isdigit() and int(node) < most):
+        raise ValueError(f"NODE_RANK must be an integer in 0..{most - 1} (NNODES={nnodes}), got {node!r}: the job "
+                         "would wait for ever for the nodes below it")
+    port = env.get("MASTER_PORT", "29500")
+    if not (port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(f"MASTER_PORT must be a TCP port 1..65535, got {port!r}")
+
+
 def _check_world_size(nproc: str, nnodes: str, flags: Sequence[str]) -> None:
     """ValueError unless the world size NPROC x NNODES is a multiple of TP x PP x CP as the flags
     give them: Megatron asserts it only after every rank has imported torch and Megatron (4-7 s),
@@ -216,6 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pause_gc()  # while torch loads (see bootstrap.pause_gc)
     try:
         torchrun_args, env = training_command(argv[0], argv[1:])
+        from torch.distributed import DistNetworkError
         from torch.distributed.elastic.multiprocessing import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.run import main as torchrun_main
@@ -243,6 +277,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _interrupted(signal.Signals(e.sigval), nproc, nnodes)
     except KeyboardInterrupt:  # before torchrun installed its handler (rendezvous): ranks may be starting
         return _interrupted(signal.SIGINT, nproc, nnodes)
+    except DistNetworkError as e:  # torchrun's store could not listen on MASTER_PORT (45 lines of traceback)
+        if "EADDRINUSE" not in str(e):
+            raise
+        print(f"megatron_mesh.megatron.launch: error: MASTER_PORT {env.get('MASTER_PORT', '29500')} on "
+              f"{env.get('MASTER_ADDR', '127.0.0.1')} is in use (another job?): set MASTER_PORT to a free port",
+              file=sys.stderr, flush=True)
+        return STARTUP_ERROR_STATUS
     finally:
         freeze_gc()  # a quicker exit
     return 0

@@ -10,6 +10,7 @@ The YAML has the shape of Megatron-LM's ``tests/functional_tests/test_cases/*/mo
       --cp-comm-type: mesh tasp               # several values: space-separated (shell quoting rules)
       --data-path: [0.5, /data/a, 0.5, /data/b]   # or a YAML list
       --save: ${CHECKPOINT_DIR}/run1          # ${VAR} or $VAR: from the environment or ENV_VARS
+      --window-size: "-1,0"                   # one value starting with '-': given as --window-size=-1,0
 
 Variables already set in the environment win over ENV_VARS (the config gives defaults). A
 ``${VAR}`` that is set nowhere is an error. Other top-level keys (TEST_TYPE, ...) are ignored::
@@ -75,11 +76,12 @@ def model_args(doc: dict, env: dict[str, str]) -> list[str]:
             raise ValueError(f"MODEL_ARGS key {flag!r} must be a flag starting with '--'")
         if value is None or value is False:
             continue
-        argv.append(flag)
         if value is True:
+            argv.append(flag)
             continue
         items = value if isinstance(value, list) else [value]
-        for item in items:
-            text = _expand(_scalar(item), env, flag)
-            argv.extend(shlex.split(text) if not isinstance(value, list) else [text])
+        words = [w for item in items for text in (_expand(_scalar(item), env, flag),)
+                 for w in (shlex.split(text) if not isinstance(value, list) else [text])]
+        # one value that starts with '-' (--window-size: "-1,0") as flag=value: argparse would take it for a flag
+        argv.extend([f"{flag}={words[0]}"] if len(words) == 1 and words[0].startswith("-") else [flag, *words])
     return argv

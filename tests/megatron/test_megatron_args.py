@@ -200,6 +200,18 @@ def test_unknown_choices_are_argparse_errors(megatron_args, argv, capsys):
         err.count("\n") == 1, err
 
 
+def test_a_value_starting_with_a_minus_names_the_equals_form(megatron_args, capsys):
+    """--window-size -1,0 (-1: unlimited) is argparse's "expected one argument": it takes -1,0 for a
+    flag. The one line says how to give it (--window-size=-1,0, which parses)."""
+    with pytest.raises(SystemExit) as stop:
+        megatron_args(["--window-size", "-1,0"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("megatron_mesh: error: argument --window-size: expected one argument (a value starting with "
+                          "'-' is written --flag=VALUE, e.g. --window-size=-1,0)"), err
+    assert megatron_args(["--window-size=-1,0"]).window_size is not None
+
+
 def test_flags_ride_on_the_transformer_config(megatron_args):
     from megatron.core.transformer import TransformerConfig
     from megatron.training.argument_utils import core_transformer_config_from_args
@@ -549,6 +561,9 @@ def test_yaml_translation(tmp_path):
     with pytest.raises(ValueError, match=r"--save: \$\{RUN_DIR\} is not set"):
         y.model_args(doc, {})
     assert y.model_args({"MODEL_ARGS": {"--x": "$A-$$"}}, {"A": "1"}) == ["--x", "1-$"]  # $VAR and $$, as string.Template
+    # one value starting with '-' as flag=value (argparse would take "-1,0" for a flag); several stay apart
+    assert y.model_args({"MODEL_ARGS": {"--window-size": "-1,0", "--x": "-1 -2", "--y": [-3]}}, {}) == \
+        ["--window-size=-1,0", "--x", "-1", "-2", "--y=-3"]
     with pytest.raises(ValueError, match=r"--x: Invalid placeholder .* in '5\$ a' \(write \$\$ for a literal \$\)"):
         y.model_args({"MODEL_ARGS": {"--x": "5$ a"}}, {})
 

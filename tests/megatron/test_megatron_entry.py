@@ -10,6 +10,7 @@ dataset files named at start-up."""
 import importlib.util
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -375,6 +376,13 @@ def test_launch_scripts_print_their_usage_on_help():
                                                      "make NPROC x NNODES a multiple of 2"]),
     ((RUN_SCRIPT, MEGATRON_LM_SCRIPT, CONFIG), {"NPROC": "2", "CP": "4"}, ["= 2 x 1 = 2 is not a multiple of CP = 4"]),
     ((PRETRAIN, CONFIG), {"CP": "four"}, ["CP (--context-parallel-size) must be a positive integer, got 'four'"]),
+    # torchrun settings it could not start with: a NODE_RANK past the nodes waited silently for ever
+    ((PRETRAIN, CONFIG), {"CP": "2", "NNODES": "2", "NODE_RANK": "2"},
+     ["NODE_RANK must be an integer in 0..1 (NNODES=2), got '2': the job would wait for ever"]),
+    ((PRETRAIN, CONFIG), {"NPROC": "0", "CP": "1"},
+     ["NPROC (processes on this node) must be an integer >= 1 or one of auto, cpu, gpu, xpu, got '0'"]),
+    ((PRETRAIN, CONFIG), {"NNODES": "0"}, ["NNODES must be an integer >= 1 (or MIN:MAX, "]),
+    ((PRETRAIN, CONFIG), {"MASTER_PORT": "99999"}, ["MASTER_PORT must be a TCP port 1..65535, got '99999'"]),
     ((PRETRAIN, CONFIG, "--tensor-model-parallel-size", "2"), {"NPROC": "2", "CP": "2", "NNODES": "1"},
      ["= 2 x 1 = 2 is not a multiple of TP x CP = 2 x 2 = 4 (--tensor-model-parallel-size, --context-parallel-size)"]),
 ])
@@ -403,6 +411,40 @@ def test_launcher_checks_the_world_size_against_tp_pp_cp_from_the_flags():
         command(4, "--pipeline-model-parallel-size", "2", CP="4")
     with pytest.raises(ValueError, match=r"= 4 x 1 = 4 is not a multiple of CP = 8"):  # the last flag wins
         command(4, "--context-parallel-size", "8", CP="2")
+
+
+def test_launcher_checks_torchruns_settings():
+    """Each value torchrun could not start with is named; its own words for NPROC and elastic NNODES pass."""
+    from megatron_mesh.megatron.launch import training_command
+
+    def command(**env):
+        return training_command("pretrain", [CONFIG], {"PATH": os.environ["PATH"], **env})
+
+    command(NPROC="gpu", CP="3")
+    command(NPROC="2", NNODES="1:4", NODE_RANK="3")  # elastic: up to 4 nodes
+    command(NPROC="2", NNODES="2", NODE_RANK="1", MASTER_PORT="65535")
+    for env, words in (({"NPROC": "abc"}, "NPROC (processes on this node) must be an integer >= 1 or one of "),
+                       ({"NNODES": "2:1"}, "NNODES must be an integer >= 1 (or MIN:MAX, 1 <= MIN <= MAX"),
+                       ({"NNODES": "x"}, "NNODES must be"), ({"NODE_RANK": "-1"}, "NODE_RANK must be an integer in 0..0"),
+                       ({"NNODES": "1:4", "NODE_RANK": "4"}, "NODE_RANK must be an integer in 0..3 (NNODES=1:4)"),
+                       ({"MASTER_PORT": "0"}, "MASTER_PORT must be a TCP port 1..65535, got '0'"),
+                       ({"MASTER_PORT": "http"}, "MASTER_PORT must be")):
+        with pytest.raises(ValueError) as e:
+            command(**env)
+        assert str(e.value).startswith(words), (env, str(e.value))
+
+
+def test_a_taken_master_port_is_one_line():
+    """A second job on a machine, MASTER_PORT left at the first's: torchrun's store cannot listen
+    there -- one line naming the port, status 2, instead of torchrun's 45-line traceback."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        rc, out, err = _script(PRETRAIN, CONFIG, "--train-iters", "1", CP="1", MASTER_PORT=str(port))
+    assert rc == 2 and "Traceback" not in err, (rc, err[-3000:])
+    assert err.splitlines()[-1] == (f"megatron_mesh.megatron.launch: error: MASTER_PORT {port} on 127.0.0.1 is in use "
+                                    "(another job?): set MASTER_PORT to a free port"), err[-3000:]
 
 
 def test_launcher_refuses_a_world_size_before_it_imports_torch():
@@ -629,6 +671,10 @@ def test_missing_dataset_files_are_named_at_start_up(tmp_path, monkeypatch):
     checks.check_data_files(args(cp_metrics_dir=str(tmp_path / "new" / "metrics")))
     with pytest.raises(ValueError, match=r"^--cp-metrics-dir .*a\.bin: that is a file, not a directory"):
         checks.check_data_files(args(cp_metrics_dir=str(tmp_path / "a.bin")))
+    assert (tmp_path / "new" / "metrics").is_dir()  # made here: every rank would fail to, with a traceback each
+    with pytest.raises(ValueError, match=r"^--cp-metrics-dir .*a\.bin/sub: cannot make that directory \(Not a "
+                                         r"directory\); name a directory this process may write in$"):
+        checks.check_data_files(args(cp_metrics_dir=str(tmp_path / "a.bin" / "sub")))
     with pytest.raises(ValueError) as e:
         checks.check_data_files(args(data_path=["0.5", "a", "0.5", "b"]))
     assert str(e.value) == (f"--data-path 0.5 a 0.5 b: no dataset there, b.bin not found (relative to {tmp_path}); give "
