@@ -277,16 +277,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _interrupted(signal.Signals(e.sigval), nproc, nnodes)
     except KeyboardInterrupt:  # before torchrun installed its handler (rendezvous): ranks may be starting
         return _interrupted(signal.SIGINT, nproc, nnodes)
-    except DistNetworkError as e:  # torchrun's store could not listen on MASTER_PORT (45 lines of traceback)
-        if "EADDRINUSE" not in str(e):
-            raise
-        print(f"megatron_mesh.megatron.launch: error: MASTER_PORT {env.get('MASTER_PORT', '29500')} on "
-              f"{env.get('MASTER_ADDR', '127.0.0.1')} is in use (another job?): set MASTER_PORT to a free port",
-              file=sys.stderr, flush=True)
-        return STARTUP_ERROR_STATUS
+    except DistNetworkError as e:
+        return _port_taken(e, env)
     finally:
         freeze_gc()  # a quicker exit
     return 0
+
+
+def _port_taken(error: Exception, env: Mapping[str, str]) -> int:
+    """Where torchrun's store could not listen on MASTER_PORT (torch's DistNetworkError, EADDRINUSE:
+    45 lines of traceback) -- another job, or one not yet gone, holds it --, one line and
+    :data:`STARTUP_ERROR_STATUS`; any other network error raised as it was."""
+    if "EADDRINUSE" not in str(error):
+        raise error
+    print(f"megatron_mesh.megatron.launch: error: MASTER_PORT {env.get('MASTER_PORT', '29500')} on "
+          f"{env.get('MASTER_ADDR', '127.0.0.1')} is in use (another job?): set MASTER_PORT to a free port",
+          file=sys.stderr, flush=True)
+    return STARTUP_ERROR_STATUS
 
 
 def _failure_status(error) -> int:

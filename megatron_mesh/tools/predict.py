@@ -148,8 +148,8 @@ def _flags(path: str) -> dict[str, object]:
     flags: dict[str, object] = {}
     for token in argv:
         if token.startswith("--"):
-            flags[token] = True
-            key = token
+            key, given, value = token.partition("=")  # --window-size=-1,0: a value that starts with '-'
+            flags[key] = value if given else True
         else:
             old = flags[key]
             flags[key] = token if old is True else (old + [token] if isinstance(old, list) else [old, token])
