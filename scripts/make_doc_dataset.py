@@ -42,10 +42,10 @@ def document_lengths(documents: int, mean: float, sigma: float, max_length: int,
     """Lengths (EOD included) of ``documents`` documents: lognormal with mean ``mean``, rounded
     and clipped to [1, max_length]; a ``one_token_fraction`` of them set to 1."""
     for name, value, low in (("--documents", documents, 1), ("--mean-length", mean, 1), ("--max-length", max_length, 1)):
-        if value < low:
-            raise ValueError(f"{name} must be >= {low}, got {value}")
-    if sigma < 0:
-        raise ValueError(f"--sigma must be >= 0, got {sigma}")
+        if not value >= low or not math.isfinite(value):  # nan compares False either way
+            raise ValueError(f"{name} must be a finite number >= {low}, got {value}")
+    if not 0 <= sigma < math.inf:
+        raise ValueError(f"--sigma must be a finite number >= 0, got {sigma}")
     if not 0 <= one_token_fraction <= 1:
         raise ValueError(f"--one-token-fraction must be in [0, 1], got {one_token_fraction}")
     rng = np.random.default_rng(seed)
@@ -89,6 +89,9 @@ def write_dataset(prefix: str, lengths, vocab_size: int, eod: int, seed: int, co
 
     if not 0 < eod < vocab_size:
         raise ValueError(f"--eod-id {eod} must be in [1, --vocab-size {vocab_size})")
+    if not os.path.basename(prefix):  # "data/" would write data/.bin and data/.idx, hidden files
+        raise ValueError(f"prefix {prefix!r} names a folder: give PREFIX, the files are PREFIX.bin and PREFIX.idx "
+                         f"(e.g. {os.path.join(prefix, 'tiny_docs')})")
     docs = document_tokens(lengths, eod, seed, content, vocab_subset, period)
     first = next(docs, None)  # the checks of the options run before any file is written
     if os.path.dirname(prefix):
@@ -134,6 +137,13 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"make_doc_dataset: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the folder cannot be made, a file or folder in the way, no permission
+        print(f"make_doc_dataset: error: cannot write {args.prefix}.bin / .idx: {e.strerror}: "
+              f"{e.filename or args.prefix}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"make_doc_dataset: interrupted (SIGINT): {args.prefix}.bin / .idx may be incomplete", file=sys.stderr)
+        return 130
     print(f"{args.prefix}.bin/.idx: {info['documents']} documents, {info['tokens']} tokens ({info['dtype']}), EOD id "
           f"{eod}; {args.content} tokens; lengths min {lengths.min()}, median {int(np.median(lengths))}, mean {lengths.mean():.1f}, max "
           f"{lengths.max()}; {np.mean(lengths == 1):.0%} one token, {np.mean(lengths > args.chunk):.0%} longer than "

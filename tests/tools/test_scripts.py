@@ -737,6 +737,34 @@ def test_scripts_refuse_bad_input_by_name(script, capsys, name, argv, message):
     assert re.search(message, capsys.readouterr().err)
 
 
+def test_make_doc_dataset_refuses_bad_values_and_paths_in_one_line(script, capsys, tmp_path):
+    """A bad value, a prefix that names a folder (it wrote hidden files .bin / .idx there) and a path
+    it cannot write (a file in the way, a folder under /proc, a folder where PREFIX.bin goes): one
+    line, status 2 -- not a traceback from numpy, os.makedirs or Megatron's builder. Then the files
+    it writes hold the documents it says."""
+    pytest.importorskip("megatron.core", reason="it writes with Megatron's IndexedDatasetBuilder")
+    from megatron_mesh.tools.predict import document_lengths
+
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "taken.bin").mkdir()
+    make = script("make_doc_dataset").main
+    out = str(tmp_path / "docs")
+    for argv, message in (([out, "--mean-length", "nan"], "--mean-length must be a finite number >= 1, got nan"),
+                          ([out, "--sigma", "inf"], "--sigma must be a finite number >= 0, got inf"),
+                          ([out, "--documents", "0"], "--documents must be a finite number >= 1, got 0"),
+                          ([str(tmp_path) + "/"], f"prefix '{tmp_path}/' names a folder: give PREFIX"),
+                          ([str(tmp_path / "afile" / "x")], f"cannot write {tmp_path}/afile/x.bin / .idx: "),
+                          ([str(tmp_path / "taken")], f"cannot write {tmp_path}/taken.bin / .idx: Is a directory"),
+                          (["/proc/megatron_mesh_nope/x"], "cannot write /proc/megatron_mesh_nope/x.bin / .idx: ")):
+        assert make(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith(f"make_doc_dataset: error: {message}") and err.count("\n") == 1, (argv, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "taken.bin"]  # nothing written
+    assert make([out, "--documents", "5", "--seed", "3"]) == 0
+    assert f"{out}.bin/.idx: 5 documents" in capsys.readouterr().out
+    assert len(list(document_lengths(out))) == 5
+
+
 def test_bench_plan_build_keeps_the_fastest_run_and_sums_a_sample(script, capsys, monkeypatch):
     """--repeat N: every time the fastest of N runs; a sample's time is the layout, the choice and
     the plan of the layout ``auto`` keeps, printed on that row only."""
