@@ -482,16 +482,22 @@ def main(argv=None) -> int:
     print(f"comparing {len(modes)} modes x masks {', '.join(masks)} at CP={args.cp} ({args.iters} iterations each); "
           f"report -> {out_dir}", flush=True)
     configs = {}
-    doc_data = (args.doc_data or make_doc_data(args, out_dir)) if set(masks) & set(DOC_MASKS) else None
-    for mask in masks:
-        configs[mask] = mask_config(args.config, mask, doc_data if mask in DOC_MASKS else None, out_dir)
-    runs, stopped = [], None
-    at = (modes[0], masks[0])
 
     def on_sigterm(signum, frame):
         raise Interrupted()
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:  # the documents and the configs first: stopped there, no run has started and no report is due
+        doc_data = (args.doc_data or make_doc_data(args, out_dir)) if set(masks) & set(DOC_MASKS) else None
+        for mask in masks:
+            configs[mask] = mask_config(args.config, mask, doc_data if mask in DOC_MASKS else None, out_dir)
+    except (KeyboardInterrupt, Interrupted) as e:
+        signal.signal(signal.SIGTERM, previous)
+        stopped = "SIGINT" if isinstance(e, KeyboardInterrupt) else "SIGTERM"
+        print(f"compare_cp_modes: interrupted ({stopped}) before the first run: no report", file=sys.stderr, flush=True)
+        return 130 if stopped == "SIGINT" else 143
+    runs, stopped = [], None
+    at = (modes[0], masks[0])
     try:
         for mask in masks:
             for m in modes:

@@ -621,6 +621,25 @@ def test_compare_cp_modes_honours_every_mode_setting(script, tmp_path, monkeypat
             assert run.ranks_per_node == 2  # two nodes of 2 (LOCAL_WORLD_SIZE would have made one node of 4)
 
 
+def test_compare_cp_modes_stopped_before_its_first_run_says_so(script, capsys, tmp_path, monkeypatch):
+    """Ctrl-C or SIGTERM while the job writes its documents (the first seconds of a default job):
+    one line and 130 / 143, no report -- it was two KeyboardInterrupt tracebacks, and SIGTERM said
+    nothing -- and the SIGTERM handler given back."""
+    import signal
+
+    cmp = script("compare_cp_modes")
+    before = signal.getsignal(signal.SIGTERM)
+    for raised, status, name in ((KeyboardInterrupt, 130, "SIGINT"), (cmp.Interrupted, 143, "SIGTERM")):
+        def stop(*args, raised=raised):
+            raise raised()
+        monkeypatch.setattr(cmp, "make_doc_data", stop)
+        out = tmp_path / name
+        assert cmp.main(["--modes", "baseline", "ring", "--masks", "docs", "--no-predict", "--out", str(out)]) == status
+        err = capsys.readouterr().err
+        assert err.splitlines() == [f"compare_cp_modes: interrupted ({name}) before the first run: no report"], err
+        assert not (out / "report.md").exists() and signal.getsignal(signal.SIGTERM) is before
+
+
 def test_compare_cp_modes_refuses_transformer_engine_modes_without_it(script, capsys):
     compare = script("compare_cp_modes")
     if compare._have_te()[0]:
