@@ -112,10 +112,14 @@ def training_command(entry: str, args: Sequence[str], environ: Mapping[str, str]
     if entry == "pretrain" or (args and args[0].endswith((".yaml", ".yml"))):
         if not args:
             raise ValueError("pretrain: the first argument must be a YAML config (CONFIG.yaml)")
-        doc = yaml_args.load(args.pop(0))
+        config = args.pop(0)
+        doc = yaml_args.load(config)
         env_vars = yaml_args.environment(doc, env)
         env.update(env_vars)
-        config_args = yaml_args.model_args(doc, env)
+        try:
+            config_args = yaml_args.model_args(doc, env)
+        except ValueError as e:  # a ${VAR} set nowhere: which config says it
+            raise ValueError(f"{config}: {e}") from None
     run_args = []
     if env.get("CP"):
         if not env["CP"].isdigit() or int(env["CP"]) < 1:  # torchrun would take CP=four for its NPROC and fail in 29 lines

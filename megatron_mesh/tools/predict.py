@@ -144,7 +144,10 @@ def _flags(path: str) -> dict[str, object]:
     if not os.path.isfile(path):
         raise ValueError(f"config {path!r}: no such file (give a Megatron YAML config, e.g. {DEFAULT_CONFIG})")
     doc = yaml_args.load(path)
-    argv = yaml_args.model_args(doc, {**os.environ, **yaml_args.environment(doc)})
+    try:
+        argv = yaml_args.model_args(doc, {**os.environ, **yaml_args.environment(doc)})
+    except ValueError as e:  # a ${VAR} set nowhere: which of the configs says it
+        raise ValueError(f"config {path!r}: {e}") from None
     flags: dict[str, object] = {}
     for token in argv:
         if token.startswith("--"):

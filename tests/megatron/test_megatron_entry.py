@@ -413,7 +413,7 @@ def test_launcher_checks_the_world_size_against_tp_pp_cp_from_the_flags():
         command(4, "--context-parallel-size", "8", CP="2")
 
 
-def test_launcher_checks_torchruns_settings():
+def test_launcher_checks_torchruns_settings(tmp_path):
     """Each value torchrun could not start with is named; its own words for NPROC and elastic NNODES pass."""
     from megatron_mesh.megatron.launch import training_command
 
@@ -432,6 +432,12 @@ def test_launcher_checks_torchruns_settings():
         with pytest.raises(ValueError) as e:
             command(**env)
         assert str(e.value).startswith(words), (env, str(e.value))
+    # a ${VAR} set nowhere: the config that says it is named
+    config = tmp_path / "c.yaml"
+    config.write_text("MODEL_ARGS:\n  --seed: ${MEGATRON_MESH_TEST_UNSET}\n")
+    with pytest.raises(ValueError) as e:
+        training_command("pretrain", [str(config)], {"PATH": os.environ["PATH"]})
+    assert str(e.value) == f"{config}: --seed: ${{MEGATRON_MESH_TEST_UNSET}} is not set (export it or add it to ENV_VARS)"
 
 
 def test_a_taken_master_port_is_one_line():

@@ -143,6 +143,16 @@ def _config(tmp_path, **flags) -> str:
     return str(cfg)
 
 
+def test_a_variable_set_nowhere_names_its_config(tmp_path):
+    """The job reads three configs for its predictions: an unset ${VAR} says which one (the
+    launcher's command names its config too: tests/megatron/test_megatron_entry.py)."""
+    path = _config(tmp_path, seq_length="${MEGATRON_MESH_TEST_UNSET}")
+    with pytest.raises(ValueError) as e:
+        predict.read_config(path)
+    assert str(e.value) == (f"config '{path}': --seq-length: ${{MEGATRON_MESH_TEST_UNSET}} is not set (export it or add "
+                            "it to ENV_VARS)"), str(e.value)
+
+
 @pytest.mark.parametrize("window, error", [
     ("-5,0", "--window-size -5,0: LEFT -5 is not allowed; each side is a number of tokens >= 0, or -1 (unlimited)"),
     ("16,4", "--window-size 16,4: the plugin's causal layers attend no later key, so the right side must be 0 (or -1, "
