@@ -126,6 +126,9 @@ def forked_children_die_with_this_process() -> Iterator[None]:
         PROCESS.fork_parent.clear()
 
 
+INTERRUPT_AGAIN_S = 0.05  # Ctrl-C's exit swallowed where Python cannot raise: sent again this much later
+
+
 def quiet_interrupt() -> None:
     """In a worker of megatron_mesh's launcher: SIGINT -- Ctrl-C, which torchrun forwards to every
     rank -- exits with status 130 (128 + SIGINT) like KeyboardInterrupt would, unwinding the same
@@ -136,20 +139,42 @@ def quiet_interrupt() -> None:
     PyTorch's data-loader workers, which torchrun's SIGINT to the rank's process group reaches
     too, end quietly on KeyboardInterrupt, but a worker that exited 130 would make the rank raise
     "DataLoader worker exited unexpectedly". Megatron's own ``--exit-signal-handler`` installs its
-    handler later and wins."""
+    handler later and wins.
+
+    The signal can land where Python cannot raise (a ``__del__``, logging's at-fork hook
+    ``_releaseLock`` while the data loader forks): it then printed "Exception ignored in ..." with
+    the handler's traceback, and the rank trained on until its peers were gone ("Connection closed
+    by peer", a traceback per rank). There the signal is sent again a moment later, from a thread
+    (the hook itself runs Python, so the handler would fire inside it), without a word."""
     import signal
+    import threading
+    import time
 
     if LAUNCHER_PID_ENV not in os.environ or "TORCHELASTIC_RUN_ID" not in os.environ \
             or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:  # ignored, or someone's own
         return
     rank_pid = os.getpid()
 
+    class Interrupted(SystemExit):
+        """The handler's exit (Ctrl-C's status): what the hook below knows it by."""
+
     def interrupted(signum, frame) -> NoReturn:
         if os.getpid() != rank_pid:  # a forked child: Python's default
             raise KeyboardInterrupt
-        raise SystemExit(128 + signum)
+        raise Interrupted(128 + signum)
+
+    def again(signum: int) -> None:
+        time.sleep(INTERRUPT_AGAIN_S)  # the finaliser or hook that swallowed the exit has returned
+        os.kill(rank_pid, signum)
+
+    def unraisable(event, previous=sys.unraisablehook) -> None:
+        if isinstance(event.exc_value, Interrupted) and os.getpid() == rank_pid:
+            threading.Thread(target=again, args=(event.exc_value.code - 128,), daemon=True).start()
+        else:
+            previous(event)
 
     signal.signal(signal.SIGINT, interrupted)
+    sys.unraisablehook = unraisable
 
 
 def prepare_runtime() -> None:

@@ -96,8 +96,6 @@ def training_command(entry: str, args: Sequence[str], environ: Mapping[str, str]
     (or after ``python -m torch.distributed.run``); the environment is ``environ`` (default
     os.environ) plus the config's ENV_VARS and what the workers need. See the module docstring for
     the variables read."""
-    from ..tools import yaml_args
-
     env = dict(os.environ if environ is None else environ)
     env.pop("MEGATRON_MESH_LAUNCHER_PID", None)  # main() sets its own; a subprocess' parent is torchrun itself
     args = list(args)
@@ -112,14 +110,7 @@ def training_command(entry: str, args: Sequence[str], environ: Mapping[str, str]
     if entry == "pretrain" or (args and args[0].endswith((".yaml", ".yml"))):
         if not args:
             raise ValueError("pretrain: the first argument must be a YAML config (CONFIG.yaml)")
-        config = args.pop(0)
-        doc = yaml_args.load(config)
-        env_vars = yaml_args.environment(doc, env)
-        env.update(env_vars)
-        try:
-            config_args = yaml_args.model_args(doc, env)
-        except ValueError as e:  # a ${VAR} set nowhere: which config says it
-            raise ValueError(f"{config}: {e}") from None
+        config_args = _config_flags(args.pop(0), env)
     run_args = []
     if env.get("CP"):
         if not env["CP"].isdigit() or int(env["CP"]) < 1:  # torchrun would take CP=four for its NPROC and fail in 29 lines
@@ -148,6 +139,19 @@ def training_command(entry: str, args: Sequence[str], environ: Mapping[str, str]
     torchrun = ["--nproc-per-node", nproc, "--nnodes", env.get("NNODES", "1"), "--node-rank", env.get("NODE_RANK", "0"),
                 "--master-addr", env.get("MASTER_ADDR", "127.0.0.1"), "--master-port", env.get("MASTER_PORT", "29500")]
     return [*torchrun, *target, *flags], env
+
+
+def _config_flags(config: str, env: dict[str, str]) -> list[str]:
+    """A YAML config's MODEL_ARGS as flags, its ENV_VARS added to ``env`` (where not set there);
+    ValueError naming the config where a ${VAR} is set nowhere."""
+    from ..tools import yaml_args
+
+    doc = yaml_args.load(config)
+    env.update(yaml_args.environment(doc, env))
+    try:
+        return yaml_args.model_args(doc, env)
+    except ValueError as e:
+        raise ValueError(f"{config}: {e}") from None
 
 
 BACKEND_FLAG = "--distributed-backend"

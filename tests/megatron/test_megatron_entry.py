@@ -652,6 +652,39 @@ def test_a_rank_of_the_launcher_exits_130_on_ctrl_c_without_a_traceback():
     assert run.returncode != 130 and "KeyboardInterrupt" in run.stderr
 
 
+_INTERRUPT_IN_DEL = textwrap.dedent("""
+    import os, signal, time
+    os.environ["TORCHELASTIC_RUN_ID"] = "test"
+    os.environ["MEGATRON_MESH_LAUNCHER_PID"] = str(os.getppid())
+    from megatron_mesh.megatron import bootstrap
+    bootstrap.quiet_interrupt()
+
+    class Finalised:
+        def __del__(self):  # the handler runs here, where its exit cannot be raised
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.5)
+
+    try:
+        Finalised()
+        print("after the finaliser", flush=True)
+        time.sleep(5)
+        print("trained on", flush=True)
+    finally:
+        print("unwound", flush=True)
+""")
+
+
+def test_ctrl_c_where_python_cannot_raise_still_stops_the_rank_quietly():
+    """Ctrl-C inside a finaliser (or logging's at-fork hook while the data loader forks): Python
+    prints "Exception ignored in ..." and drops the handler's exit -- the rank trained on until its
+    peers were gone, a traceback each. Now the exit comes at the next step: status 130, no output."""
+    run = subprocess.run([sys.executable, "-c", _INTERRUPT_IN_DEL], capture_output=True, text=True, timeout=60,
+                         preexec_fn=_ctrl_c_as_in_a_terminal)
+    assert run.returncode == 130 and "trained on" not in run.stdout and "unwound" in run.stdout, \
+        (run.returncode, run.stdout, run.stderr)
+    assert run.stderr == "", run.stderr
+
+
 def test_missing_dataset_files_are_named_at_start_up(tmp_path, monkeypatch):
     """check_data_files (bootstrap.check_args runs it in both entry scripts): a --data-path prefix
     without its .bin / .idx stops the start-up naming them; the document configs' prefix
