@@ -303,11 +303,20 @@ def _check_sample_layouts(args, which: str, zigzag: str) -> None:
     if getattr(args, "multi_latent_attention", False) and getattr(args, "apply_rope_fusion", False):
         raise ValueError(f"{which} with --multi-latent-attention and fused RoPE: MLA's fused RoPE kernels rotate "
                          f"each rank's zigzag positions; pass --no-rope-fusion (the layout's positions), {zigzag}")
-    micro = getattr(args, "micro_batch_size", None) or 1
+    flag, micro = _largest_micro_batch(args)
     if position == "rope" and getattr(args, "apply_rope_fusion", False) and micro > 1:
-        raise ValueError(f"{which} with fused RoPE and --micro-batch-size {micro}: each sample has its "
+        raise ValueError(f"{which} with fused RoPE and {flag} {micro}: each sample has its "
                          "own layout, so its own rotary positions, and Transformer Engine's fused RoPE takes one "
-                         f"[s, 1, 1, d] table per batch; pass --no-rope-fusion or --micro-batch-size 1, {zigzag}")
+                         f"[s, 1, 1, d] table per batch; pass --no-rope-fusion or {flag} 1, {zigzag}")
+
+
+def _largest_micro_batch(args) -> tuple[str, int]:
+    """(flag, samples) of the larger micro-batch a run makes: training's (--micro-batch-size) or
+    evaluation's (Megatron's --eval-micro-batch-size, default training's) -- a check of one alone
+    let the run fail at its first evaluation, after training up to it."""
+    train = getattr(args, "micro_batch_size", None) or 1
+    evaluate = getattr(args, "eval_micro_batch_size", None) or train
+    return ("--eval-micro-batch-size", evaluate) if evaluate > train else ("--micro-batch-size", train)
 
 
 def _check_thd_flags(args, settings: PluginSettings, cp: int, entry_packs_documents: bool) -> None:
@@ -323,9 +332,9 @@ def _check_thd_flags(args, settings: PluginSettings, cp: int, entry_packs_docume
             raise ValueError(f"--cp-thd-pad-multiple {m} must be a multiple of 2 x --context-parallel-size = {2 * cp} "
                              f"and divide --seq-length {args.seq_length} (Transformer Engine's THD layout pads every "
                              "sequence to a multiple of 2 x CP)")
-        if args.micro_batch_size != 1:
-            raise ValueError(f"--cp-thd-packing packs one sequence per micro-batch: --micro-batch-size must be 1, got "
-                             f"{args.micro_batch_size}")
+        flag, micro = _largest_micro_batch(args)
+        if micro != 1:
+            raise ValueError(f"--cp-thd-packing packs one sequence per micro-batch: {flag} must be 1, got {micro}")
 
 
 def _check_plugin_layers(args, settings: PluginSettings, cp: int, active: set, passes_documents: bool) -> None:

@@ -121,6 +121,10 @@ def test_masks_and_hybrids_valid(megatron_args, our_entry, argv, documents):
       "--seq-length", "48"], "--cp-thd-pad-multiple 12 must be a multiple of 2 x --context-parallel-size = 8"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--cp-thd-packing", "--seq-length", "64",
       "--micro-batch-size", "2"], "--micro-batch-size must be 1, got 2"),
+    # evaluation's micro-batch too: the run trained up to its first evaluation, then every rank raised
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--cp-thd-packing", "--seq-length", "64",
+      "--eval-micro-batch-size", "2"], "--cp-thd-packing packs one sequence per micro-batch: --eval-micro-batch-size "
+                                       "must be 1, got 2"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--cp-thd-packing", "--cp-thd-pad-multiple", "-8",
       "--seq-length", "64"], "--cp-thd-pad-multiple must be a positive integer, got -8"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--cp-thd-packing", "--cp-thd-pad-multiple", "0",
@@ -186,6 +190,9 @@ def test_masks_and_hybrids_valid(megatron_args, our_entry, argv, documents):
      "with fused RoPE and --micro-batch-size 2: each sample has its own layout, so its own rotary positions, and "
      "Transformer Engine's fused RoPE takes one [s, 1, 1, d] table per batch; pass --no-rope-fusion or "
      "--micro-batch-size 1, or pass --cp-layout zigzag"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--reset-attention-mask", PER_TOKEN,
+      "--position-embedding-type", "rope", "--eval-micro-batch-size", "4"],
+     "with fused RoPE and --eval-micro-batch-size 4: each sample has its own layout"),
     # the owners layout: only where every layer is Mesh, on up to 8 ranks, without Ulysses groups or a window
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "ring", "--num-layers", "2", "--reset-attention-mask",
       PER_TOKEN, "--cp-layout", "owners"],
