@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 
 import torch
@@ -41,10 +42,18 @@ def peak_memory() -> tuple[int, str]:
 
 class MetricsWriter:
     """Appends JSON records to ``<directory>/rank<rank>.jsonl``, flushed per record (a run that
-    is stopped keeps what it wrote), after a ``run`` record that starts this run's."""
+    is stopped keeps what it wrote), after a ``run`` record that starts this run's. Rank 0 of a
+    run of ``world`` ranks removes the files of ranks it does not have: a directory used again by
+    a run of fewer ranks (CP 4, then CP 1; a resume at CP 2) was read with the earlier run's other
+    ranks in it -- its bytes, modes and CP size (``tools.report.read_metrics`` reads every file)."""
 
-    def __init__(self, directory: str, rank: int):
+    def __init__(self, directory: str, rank: int, world: int):
         os.makedirs(directory, exist_ok=True)
+        if rank == 0:
+            for name in os.listdir(directory):
+                other = re.fullmatch(r"rank(\d+)\.jsonl", name)
+                if other and int(other[1]) >= world:
+                    os.remove(os.path.join(directory, name))
         self.path = os.path.join(directory, f"rank{rank}.jsonl")
         self._file = open(self.path, "a")
         self.write({"kind": "run"})

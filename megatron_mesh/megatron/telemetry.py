@@ -445,7 +445,8 @@ def install(args) -> Telemetry:
     if metrics_dir and metrics is None:
         from .metrics import MetricsWriter
 
-        metrics = MetricsWriter(metrics_dir, dist.get_rank() if dist.is_initialized() else 0)
+        ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        metrics = MetricsWriter(metrics_dir, *ranks)
     telemetry = Telemetry(args, metrics if metrics_dir else None)
     if held is None:
         _wrap_training_loop(training)

@@ -88,7 +88,7 @@ def test_iteration_records_and_bytes_in_the_log_and_tensorboard(tmp_path, caplog
     scalars = []
     writer = types.SimpleNamespace(add_scalar=lambda name, value, it: scalars.append((name, value, it)))
     tel = telemetry.Telemetry(types.SimpleNamespace(log_interval=2, log_cp_attention_bytes=True),
-                              MetricsWriter(str(tmp_path), 0), writer=lambda: writer, process=ProcessState())
+                              MetricsWriter(str(tmp_path), 0, 1), writer=lambda: writer, process=ProcessState())
     tel.records.step_ms = 12.5
     with caplog.at_level(logging.INFO, logger=telemetry.__name__):
         for it, (sent, loss) in enumerate([(1000, 4.5), (3000, 4.25)], start=1):
@@ -119,7 +119,7 @@ def test_iteration_records_bytes_per_peer_and_attention_work(tmp_path):
     and the bytes its plans send (the backward's only for a call whose backward runs)."""
     from megatron_mesh.plan import AttentionShape, Mask, plan_bytes, resolve
 
-    tel = telemetry.Telemetry(types.SimpleNamespace(log_interval=100), MetricsWriter(str(tmp_path), 1),
+    tel = telemetry.Telemetry(types.SimpleNamespace(log_interval=100), MetricsWriter(str(tmp_path), 1, 2),
                               process=ProcessState())
     records = tel.records
     records.step_ms = 1.0
@@ -161,7 +161,7 @@ def test_the_layouts_samples_ran_on_in_the_log_and_the_records(tmp_path, caplog)
     for layout, logged in (("auto", True), ("balanced", False)):
         process = ProcessState()
         out = tmp_path / layout
-        tel = telemetry.Telemetry(types.SimpleNamespace(log_interval=2, cp_layout=layout), MetricsWriter(str(out), 0),
+        tel = telemetry.Telemetry(types.SimpleNamespace(log_interval=2, cp_layout=layout), MetricsWriter(str(out), 0, 1),
                                   process=process)
         caplog.clear()
         with caplog.at_level(logging.INFO, logger=telemetry.__name__):

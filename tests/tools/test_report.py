@@ -43,7 +43,7 @@ def test_read_metrics_keeps_what_the_latest_run_stands_on(tmp_path):
     from megatron_mesh.megatron.metrics import MetricsWriter
 
     def run(directory, layers, iterations, bytes_sent):
-        w = MetricsWriter(str(directory), 0)
+        w = MetricsWriter(str(directory), 0, 1)
         for n, mode in layers:
             w.write({"kind": "layer", "layer": n, "mode": mode, "cp": 4, "tile": "", "description": mode})
         for it in iterations:
@@ -61,6 +61,14 @@ def test_read_metrics_keeps_what_the_latest_run_stands_on(tmp_path):
     m = read_metrics(str(tmp_path / "resumed"))
     assert m.losses == {1: 110.0, 2: 120.0, 3: 70.0, 4: 80.0, 5: 90.0}
     assert m.bytes_per_step == (2 * 100 + 3 * 40) / 5
+    # a run of fewer ranks (CP 4, then CP 1, in one directory): the first rank's writer drops the others' files,
+    # which were read as this run's (their bytes, modes and CP size)
+    for rank in range(4):
+        MetricsWriter(str(tmp_path / "fewer"), rank, 4).write({"kind": "layer", "layer": 1, "mode": "mesh", "cp": 4,
+                                                                "tile": "2x2", "description": "mesh"})
+    run(tmp_path / "fewer", [(1, "ring")], range(1, 3), 40)
+    assert sorted(p.name for p in (tmp_path / "fewer").iterdir()) == ["rank0.jsonl"]
+    assert read_metrics(str(tmp_path / "fewer")).layers[1]["mode"] == "ring"
 
 
 def test_a_report_of_runs_that_all_failed_has_no_empty_tables(tmp_path):
