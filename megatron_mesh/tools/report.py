@@ -109,6 +109,8 @@ def _latest_run(recs: list[dict]) -> list[dict]:
         its = [r["iteration"] for r in run if r.get("kind") == "iteration"]
         if its:
             kept = [r for r in kept if r.get("kind") != "iteration" or r["iteration"] < min(its)]
+            if not any(r.get("kind") == "iteration" for r in kept):  # a new run: none of the earlier records
+                kept = []  # stands, their layers neither (a run at CP 1 writes none: a CP 4 run's were read)
         if any(r.get("kind") == "layer" for r in run):
             kept = [r for r in kept if r.get("kind") != "layer"]
         kept += run

@@ -69,6 +69,8 @@ def test_read_metrics_keeps_what_the_latest_run_stands_on(tmp_path):
     run(tmp_path / "fewer", [(1, "ring")], range(1, 3), 40)
     assert sorted(p.name for p in (tmp_path / "fewer").iterdir()) == ["rank0.jsonl"]
     assert read_metrics(str(tmp_path / "fewer")).layers[1]["mode"] == "ring"
+    run(tmp_path / "fewer", [], range(1, 3), 0)  # a run without plugin layers (CP 1): no layers of the runs before
+    assert read_metrics(str(tmp_path / "fewer")).layers == {}
 
 
 def test_a_report_of_runs_that_all_failed_has_no_empty_tables(tmp_path):
