@@ -26,8 +26,9 @@ its own CP = 1 baseline):
   the sequence; written by scripts/make_doc_dataset.py into the report directory unless
   ``--doc-data`` names a dataset: each document repeats a span of its own, so the loss falls and
   attention inside a document pays), cut at end-of-document tokens (``--reset-attention-mask``,
-  loss normalised per token as at CP 1), split over the CP ranks by the plugin's balanced layout
-  (``--cp-layout balanced``, the default),
+  loss normalised per token as at CP 1), split over the CP ranks by the layout ``--cp-layout auto``
+  (the default with documents) picks per sample and mode: the plugin's balanced layout, or the
+  zigzag where the balanced one would not be faster,
 * ``docs-zigzag`` -- the same documents under Megatron's zigzag layout (``--cp-layout zigzag``);
   its CP 1 baseline is the ``docs`` one (CP 1 has no layout),
 * ``window`` -- a sliding window of ``--window`` tokens (default: a quarter of a zigzag half,
