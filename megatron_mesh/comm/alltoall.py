@@ -40,6 +40,10 @@ class AllToAllCommunicator(Communicator):
         self.device = device
 
     @property
+    def members(self) -> tuple:  # the same key as a point-to-point communicator's of the group
+        return ("group", id(self.process_group))
+
+    @property
     def process_group(self) -> dist.ProcessGroup:
         return self.group if self.group is not None else dist.distributed_c10d._get_default_group()
 

@@ -36,6 +36,14 @@ class Communicator(ABC):
     rank: int
     world_size: int
 
+    @property
+    def members(self) -> object:
+        """Which group of ranks this is, as a rank's arenas key it (:class:`~megatron_mesh.runtime.state.Arenas`):
+        calls over one group (every layer's, forward and backward) run one after another and share
+        the rank's scratch bytes; calls over two groups may run at once (a thread per group) and
+        must not. None: the process's one group (a single rank, a rank replayed alone)."""
+        return None
+
     @abstractmethod
     def _start(self, sends: Sequence[tuple[int, Tensor]], recvs: Sequence[tuple[int, Tensor]]) -> Work:
         """Start the round; tensors are contiguous; peers are group ranks other than ``rank``."""

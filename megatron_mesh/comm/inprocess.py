@@ -285,6 +285,10 @@ class InProcessCommunicator(Communicator):
             raise ValueError(f"rank {rank} out of range for a mailbox of {mailbox.world_size} ranks")
         self.mailbox, self.rank, self.world_size = mailbox, rank, mailbox.world_size
 
+    @property
+    def members(self) -> tuple:  # its world: two worlds of virtual ranks may run in one process at once
+        return ("mailbox", id(self.mailbox))
+
     def _start(self, sends: Sequence[tuple[int, Tensor]], recvs: Sequence[tuple[int, Tensor]]) -> Work:
         return _MailboxWork(self.mailbox, self.rank, self.mailbox.post(self.rank, sends, recvs))
 

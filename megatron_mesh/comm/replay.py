@@ -50,6 +50,10 @@ class Recorder(Communicator):
         self.comm, self.rank, self.world_size = comm, comm.rank, comm.world_size
         self.rounds: list[list[Tensor]] = []
 
+    @property
+    def members(self) -> object:
+        return self.comm.members
+
     def __getattr__(self, name):  # process_group etc.: the wrapped communicator's (the plan agreement check)
         if name == "comm":
             raise AttributeError(name)

@@ -157,6 +157,10 @@ class TorchDistCommunicator(Communicator):
     :meth:`Communicator.start`, whichever group carries it.
     """
 
+    @property
+    def members(self) -> tuple:  # the process group itself: two groups of the same ranks may run at once too
+        return ("group", id(self.process_group))
+
     def __init__(self, group: dist.ProcessGroup | None = None,
                  routes: Mapping[int, dist.ProcessGroup] | None = None):
         self.group = group

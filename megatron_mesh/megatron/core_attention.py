@@ -53,6 +53,7 @@ from torch import Tensor
 
 from ..plan.megatron_problem import layer_window
 from ..plan.modes import DEFAULT_MODE
+from ..runtime.autograd import compiler_boundary
 from ..runtime.inputs import host_values
 from . import TE_MODES, batch_layout, mla, plugin_modes, sinks
 from .checks import have_transformer_engine
@@ -220,6 +221,7 @@ class PluginCoreAttention(MegatronModule):
             extras.append(f"layout {self.layout}")
         return f"{what}, {', '.join(extras)})"
 
+    @compiler_boundary  # a compiled model runs the layer's attention eagerly (runtime.autograd.compiler_boundary)
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                 attn_mask_type: Optional[AttnMaskType] = None, attention_bias: Optional[Tensor] = None,
                 packed_seq_params=None) -> Tensor:

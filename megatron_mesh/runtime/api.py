@@ -41,7 +41,7 @@ from ..plan.shape import AttentionShape
 from ..plan.validate import validate_plan
 from . import agreement
 from .agreement import PlanMismatchError
-from .autograd import PlanAttention, forward_backward
+from .autograd import PlanAttention, compiler_boundary, forward_backward
 from .executor import Executor
 from .inputs import attention_mask, attention_shape, check_scale, integer_scalar, scale_of
 from .masks import mask_piece
@@ -191,6 +191,7 @@ def _setting(name: str, v):
     return v
 
 
+@compiler_boundary
 def attention(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None, mask: MaskKind | None = None,
               causal: bool | None = None, window=None, cu_seqlens=None, layout=None,
               softmax_scale: float | None = None, softmax_offset: Tensor | None = None,
@@ -234,12 +235,31 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mode: str = "mesh", group=None
 
     Returns the attention output, [s_local, batch, heads, v_head_dim] in q's dtype; differentiable
     w.r.t. q, k, v and softmax_offset (one backward). Only the (query, key) pairs the mask allows
-    are computed and only the tokens they need are sent.
+    are computed and only the tokens they need are sent. Under ``torch.autocast`` the inputs are
+    cast to its dtype first and the output has it, as torch's own attention does (the partial
+    results still accumulate in fp32); under ``torch.compile`` the call runs eagerly (one graph
+    break, :func:`~.autograd.compiler_boundary`).
     """
+    cast = _autocast_dtype(q)
+    if cast is not None:  # the inputs in autocast's dtype, as autocast gives torch's own attention
+        with torch.autocast(q.device.type, enabled=False):
+            return attention(q.to(cast), k.to(cast), v.to(cast), mode=mode, group=group, mask=mask, causal=causal,
+                             window=window, cu_seqlens=cu_seqlens, layout=layout, softmax_scale=softmax_scale,
+                             softmax_offset=softmax_offset, kernel=kernel, comm=comm, timer=timer, **settings)
     call = prepare(q, k, v, mode=mode, group=group, comm=comm, causal=causal, window=window, cu_seqlens=cu_seqlens,
                    layout=layout, softmax_scale=softmax_scale, kernel=kernel, softmax_offset=softmax_offset, mask=mask,
                    **settings)
     return PlanAttention.apply(q, k, v, call.executor(timer), softmax_offset)
+
+
+def _autocast_dtype(q: Tensor) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` gives torch's own attention on q's device type (it is on
+    autocast's lower-precision list), or None where autocast is off there. Without it an fp32 model
+    under autocast ran this attention in fp32 without a word: right, and slower than it asked for."""
+    device = q.device.type
+    if q.is_floating_point() and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return None
 
 
 def _options_doc(options_type: type, names: tuple[str, ...]) -> str:
@@ -261,6 +281,7 @@ def _takes_options(options_type: type, *names: str):
     return wrap
 
 
+@compiler_boundary
 @_takes_options(MeshOptions, "tile", "contiguous", "schedule", "backward_chunks", "backward_keep_limit")
 def mesh_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, tile=MeshOptions.tile, mask: MaskKind | None = None,
                    causal: bool | None = None,
@@ -279,6 +300,7 @@ def mesh_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, tile=MeshOpti
                      backward_keep_limit=backward_keep_limit, ranks_per_node=gpus_per_node)
 
 
+@compiler_boundary
 @_takes_options(RingOptions, "backward_chunks", "backward_keep_limit")
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, mask: MaskKind | None = None,
                    causal: bool | None = None, window=None,
@@ -293,6 +315,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, mask: MaskKin
                      comm=comm, backward_chunks=backward_chunks, backward_keep_limit=backward_keep_limit)
 
 
+@compiler_boundary
 @_takes_options(TaspOptions, "transport", "backward_chunks", "backward_keep_limit")
 def tasp_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, mask: MaskKind | None = None,
                    causal: bool | None = None, window=None,
@@ -318,6 +341,7 @@ def tasp_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, mask: MaskKin
                      backward_keep_limit=backward_keep_limit)
 
 
+@compiler_boundary
 def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, ulysses_size: int, inner: str = "mesh",
                      gpus_per_node: int | None = None, mask: MaskKind | None = None, causal: bool | None = None,
                      window=None,
@@ -348,6 +372,7 @@ def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, group=None, ulysses_siz
                      **inner_settings)
 
 
+@compiler_boundary
 def plan_attention(q: Tensor, k: Tensor, v: Tensor, plan: Plan, *, comm: Communicator,
                    softmax_scale: float | None = None, kernel: "str | BlockKernel" = "auto", timer=None,
                    softmax_offset: Tensor | None = None) -> Tensor:

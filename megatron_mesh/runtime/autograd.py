@@ -6,6 +6,8 @@ the output comes back token-major, so the [s, b, h, d] view of it is contiguous.
 
 from __future__ import annotations
 
+import functools
+import sys
 from typing import Callable
 
 import torch
@@ -18,7 +20,31 @@ from .executor import Executor, ForwardResult
 from .inputs import attention_shape, scale_of
 from .sinks import check_offset
 
-__all__ = ["PlanAttention", "forward_backward"]
+__all__ = ["PlanAttention", "forward_backward", "compiler_boundary"]
+
+
+def compiler_boundary(fn: Callable) -> Callable:
+    """``fn`` as ``torch.compile``'s boundary: Dynamo runs it as it is (a graph break before and
+    after) instead of tracing it.
+
+    Why: traced under ``aot_eager`` or inductor, the executor's arena views (bytes seen as the
+    inputs' dtype) came out a quarter of their size, the ranks posted transfers of different sizes
+    and gloo aborted both processes (stop 79); traced at all, the planning code (caches, locks, the
+    host's reads of the document boundaries) is traced again for every new shape. The attention is
+    host work around kernels, as a collective is: it runs eagerly, the model around it compiles.
+    ``torch.compiler.disable`` imports Dynamo (seconds), so it is applied at the first call made
+    once Dynamo is loaded: a process that never compiles never imports it."""
+    disabled = None
+
+    @functools.wraps(fn)
+    def entry(*args, **kwargs):
+        nonlocal disabled
+        if disabled is None:
+            if "torch._dynamo" not in sys.modules:  # nothing can be compiling
+                return fn(*args, **kwargs)
+            disabled = torch.compiler.disable(fn, reason="megatron_mesh's context-parallel attention runs eagerly")
+        return disabled(*args, **kwargs)
+    return entry
 
 
 def _bhsd(x: Tensor) -> Tensor:

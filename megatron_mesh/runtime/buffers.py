@@ -72,9 +72,10 @@ def wire_of(t: Tensor) -> Tensor:
     return w if w.is_contiguous() else w.contiguous()
 
 
-def scratch(device: torch.device, rank: int, arenas: Arenas | None = None) -> Scratch:
-    """The arena of ``rank`` on ``device`` in ``arenas`` (None: the process's, ``RUNTIME.arenas``)."""
-    return (RUNTIME.arenas if arenas is None else arenas).get(device, rank)
+def scratch(device: torch.device, rank: int, arenas: Arenas | None = None, members: object = None) -> Scratch:
+    """The arena of ``rank`` of the group ``members`` (:attr:`~megatron_mesh.comm.base.Communicator.members`)
+    on ``device`` in ``arenas`` (None: the process's, ``RUNTIME.arenas``)."""
+    return (RUNTIME.arenas if arenas is None else arenas).get(device, rank, members)
 
 
 class Buffers:
@@ -82,7 +83,7 @@ class Buffers:
     (:meth:`create`), else allocated for the call (:meth:`own`)."""
 
     def __init__(self, plan: Plan, rank: int, direction: str, shape: AttentionShape, dtype: torch.dtype,
-                 device: torch.device, arenas: Arenas | None = None):
+                 device: torch.device, arenas: Arenas | None = None, members: object = None):
         self.plan = plan
         self.heads, self.kv_heads, self.batch = shape.heads, shape.kv_heads, shape.batch
         self.shape = shape
@@ -92,7 +93,7 @@ class Buffers:
         self.acc_dtype = accumulator_dtype(dtype)
         self.direction = direction
         self.layout = scratch_layout(plan, rank, direction, shape)
-        self.scratch = scratch(device, rank, arenas)
+        self.scratch = scratch(device, rank, arenas, members)
         size = max(scratch_layout(plan, rank, d, shape).size for d in ("forward", "backward"))
         self.views = self.scratch.bind(self.layout, device, (dtype, self.acc_dtype), size)
         self.arena = self.scratch.arena

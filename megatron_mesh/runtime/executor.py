@@ -226,7 +226,9 @@ class Executor(InputCuts, BlockOps, MoveOps):
     def _buffers(self, q: Tensor, k: Tensor, v: Tensor, direction: str) -> Buffers:
         b, h, t, d = q.shape
         shape = AttentionShape(t, b, h, k.shape[1], d, q.element_size(), v.shape[-1])
-        bufs = Buffers(self.plan, self.comm.rank, direction, shape, q.dtype, q.device, self.arenas)
+        # a communicator of one's own that does not derive from Communicator: the process's one group
+        members = getattr(self.comm, "members", None)
+        bufs = Buffers(self.plan, self.comm.rank, direction, shape, q.dtype, q.device, self.arenas, members)
         self._queue = bufs.queue = Deferred()
         return bufs
 

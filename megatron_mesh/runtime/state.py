@@ -140,16 +140,20 @@ class Scratch:
 
 
 class Arenas:
-    """A process's arenas: one :class:`Scratch` per device and rank (in-process virtual ranks: one
-    each), for both directions -- a rank runs one direction at a time, its ops in stream order, so
-    the backward takes over the forward's bytes (and the next layer's forward the backward's)."""
+    """A process's arenas: one :class:`Scratch` per device, rank and group (in-process virtual ranks:
+    one each), for both directions -- a rank runs one direction at a time, its ops in stream order, so
+    the backward takes over the forward's bytes (and the next layer's forward the backward's).
+    Per group (``members``, :attr:`~megatron_mesh.comm.base.Communicator.members`): two CP groups
+    run from two threads at once, this process rank 0 of both, shared one arena and got wrong
+    results without a word (stop 79); a group's own calls cannot overlap (its transfers are
+    ordered), so every layer over one group still shares one."""
 
     def __init__(self):
         self.by: dict[tuple, Scratch] = {}
         self.lock = threading.Lock()
 
-    def get(self, device: torch.device, rank: int) -> Scratch:
-        key = (str(device), rank)
+    def get(self, device: torch.device, rank: int, members: object = None) -> Scratch:
+        key = (str(device), rank, members)
         with self.lock:
             got = self.by.get(key)
             if got is None:
