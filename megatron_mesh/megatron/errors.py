@@ -285,9 +285,11 @@ def crash_stops_other_nodes(process: ProcessState = PROCESS) -> Iterator[None]:
     except BaseException as e:
         if not process.failing.is_set() and _multi_node_job() and _another_node_stopped():
             # that node's failure ended this rank too (gloo's collectives see its ranks go): this
-            # node's first rank says so in one line (its watcher); no traceback of the consequence
-            if _first_rank_of_node():
-                process.exiting.wait(3 * WATCH_POLL_S)  # the watcher prints and exits within a poll
+            # node's first rank says so in one line (its watcher prints and exits within a poll); no
+            # traceback of the consequence. Every rank waits for that line: another rank's exit made
+            # torchrun stop the first before its watcher printed, and the node ended without a word
+            # (stop 79, a reviewer's two-node runs: 4 times of 9)
+            process.exiting.wait(3 * WATCH_POLL_S)
             _exit_now()
         if _tells(e) and not process.failing.is_set() and _multi_node_job():
             process.failing.set()

@@ -85,6 +85,28 @@ def test_only_rank_0_prints_the_error(monkeypatch, capsys):
     assert e.value.code == 2 and capsys.readouterr().err == ""
 
 
+def test_a_rank_ended_by_another_node_waits_for_its_first_rank_to_say_so(monkeypatch):
+    """A rank whose collective fails because another node stopped exits without a traceback, but
+    only after its node's first rank has had the polls its watcher needs to print the one line: a
+    rank other than the first exited at once, torchrun stopped the first before it printed, and
+    the node ended with status 2 and no word (stop 79)."""
+    import time
+
+    from megatron_mesh.megatron import errors
+
+    exits = []
+    monkeypatch.setattr(errors, "_multi_node_job", lambda: True)
+    monkeypatch.setattr(errors, "_another_node_stopped", lambda: True)
+    monkeypatch.setattr(errors, "_exit_now", lambda: exits.append(time.monotonic()) or sys.exit(2))
+    for first in (False, True):
+        monkeypatch.setattr(errors, "_first_rank_of_node", lambda: first)
+        start = time.monotonic()
+        with pytest.raises(SystemExit) as e:
+            with errors.crash_stops_other_nodes(ProcessState()):
+                raise RuntimeError("Connection closed by peer")
+        assert e.value.code == 2 and exits[-1] - start >= 2.5 * errors.WATCH_POLL_S, first
+
+
 def test_a_crash_is_told_to_other_nodes_in_one_line(monkeypatch):
     """What another node's log says of a rank's error (crash_stops_other_nodes; the multi-node jobs
     in test_megatron_pretrain_masks.py run it): its type and first line, or why it exited; exits on
