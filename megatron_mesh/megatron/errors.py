@@ -29,9 +29,9 @@ __all__ = ["fail", "one_line_for", "watch_other_nodes", "crash_stops_other_nodes
            "entry_run", "SettingsMismatchError", "FAIL_GRACE_S", "STARTUP_ERROR_STATUS"]
 
 class SettingsMismatchError(ValueError):
-    """The ranks were started with different context-parallel settings (two nodes launched with
-    different flags): they would create different process groups and wait for each other for ever
-    (raised by :func:`.groups.check_settings_agree`)."""
+    """The ranks were started with different settings (two nodes launched with different flags):
+    they would create different process groups and wait for each other for ever, or train
+    different models (raised by :func:`.groups.check_settings_agree`)."""
 
 
 # every rank's exit status after fail(), and a node's that another node stopped: the launcher knows

@@ -23,6 +23,7 @@ group {0, 2} and its KV-ring peer (CP rank 3) through group {2, 6}.
 
 from __future__ import annotations
 
+import sys
 from typing import Iterable
 
 import torch
@@ -70,6 +71,30 @@ def _cp_group(cp_group=None):
 LOCAL_FLAGS = ("--cp-metrics-dir", "--no-cp-layout-lookahead")
 
 
+# Megatron's own arguments every rank must share too, where an entry script parsed them: when the
+# collectives happen (iterations, batches, evaluation, checkpoints, exit) and what is trained (the
+# seed, the learning rate). Two nodes started with different values hung at the end of training
+# (--train-iters 3 and 5: both waited until the distributed timeout without a word) or trained
+# another model than either asked for (--seed) -- stop 79, a reviewer's two-node runs. Paths are
+# left out: a dataset may lie at another path on each node.
+SHARED_ARGS = ("seed", "train_iters", "train_samples", "global_batch_size", "micro_batch_size", "rampup_batch_size",
+               "lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "split", "eval_interval", "eval_iters",
+               "save_interval", "exit_interval")
+
+
+def shared_args() -> dict:
+    """:data:`SHARED_ARGS` by flag, as the entry script parsed them; empty for a model built in
+    Python (Megatron's arguments never parsed, or megatron.training not imported)."""
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    try:
+        args = global_vars.get_args() if global_vars is not None else None
+    except AssertionError:  # imported, never parsed
+        args = None
+    if args is None:
+        return {}
+    return {"--" + name.replace("_", "-"): getattr(args, name, None) for name in SHARED_ARGS}
+
+
 def settings_of(config) -> dict:
     """The context-parallel settings of ``config`` that every rank must share, by the flag that
     sets each: the CP size, the layers' modes, the hierarchical sizes, every plugin flag but
@@ -92,6 +117,7 @@ def settings_of(config) -> dict:
                     "--num-query-groups": problem.kv_heads, "--kv-channels": problem.head_dim,
                     "--tensor-model-parallel-size": problem.tp, "parameter dtype (--bf16, --fp16)": problem.dtype})
     out["documents (--reset-attention-mask, --reset-position-ids, --cp-thd-packing)"] = settings.documents
+    out.update(shared_args())
     # plain values as they are; anything else as its repr -- hashable and printable by the report,
     # whatever a Python user put on the config -- a list as the tuple it equals (Megatron's parser
     # gives lists, a config built in Python may hold tuples)
@@ -109,9 +135,9 @@ def check_settings_agree(config) -> None:
     dist.all_gather_object(gathered, settings_of(config))
     parts = differences(gathered)
     if parts:
-        raise SettingsMismatchError("the ranks were started with different context-parallel settings (every rank, on "
+        raise SettingsMismatchError("the ranks were started with different settings (every rank, on "
                                     "every node, must get the same flags and the same number of processes per node; "
-                                    "otherwise they wait for each other for ever): " + "; ".join(parts))
+                                    "otherwise they wait for each other for ever or train different models): " + "; ".join(parts))
 
 
 def _warm_up(groups: Iterable[dist.ProcessGroup]) -> None:

@@ -296,6 +296,39 @@ def test_settings_every_rank_must_share_compare_as_they_apply(monkeypatch):
         "processes (GPUs) per node (--tasp-gpus-per-node, else torchrun's LOCAL_WORLD_SIZE): rank 0: 2, rank 1: 4"]
 
 
+def test_megatron_arguments_that_time_the_collectives_or_the_training_are_compared_too(monkeypatch):
+    """Where an entry script parsed Megatron's arguments, the ranks compare its SHARED_ARGS as well:
+    two nodes with --train-iters 3 and 5 hung at the end of training without a word, with --seed
+    99 on one trained a model neither asked for (stop 79). A model built in Python has none to
+    compare; paths (a dataset at another path on each node) are not compared."""
+    import argparse
+
+    from megatron_mesh.megatron import ensure_typing_override
+    from megatron_mesh.megatron.groups import SHARED_ARGS, settings_of, shared_args
+    from megatron_mesh.megatron.args import MeshTransformerConfig
+    from megatron_mesh.runtime.agreement import differences
+
+    ensure_typing_override()  # megatron.training needs typing.override (Python 3.12) on 3.11
+    from megatron.training import global_vars
+
+    config = MeshTransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, context_parallel_size=4,
+                                   cp_comm_type="mesh")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    global_vars.set_args(None)
+    assert shared_args() == {}  # never parsed: nothing of Megatron's to compare
+    base = dict({name: None for name in SHARED_ARGS}, seed=1234, train_iters=3, data_path=["/node0/docs"])
+    try:
+        global_vars.set_args(argparse.Namespace(**base))
+        node0 = settings_of(config)
+        global_vars.set_args(argparse.Namespace(**dict(base, data_path=["/node1/docs"])))
+        assert differences([node0, settings_of(config)]) == []
+        global_vars.set_args(argparse.Namespace(**dict(base, seed=99, train_iters=5)))
+        assert differences([node0, node0, settings_of(config), settings_of(config)]) == [
+            "--seed: ranks 0-1: 1234, ranks 2-3: 99", "--train-iters: ranks 0-1: 3, ranks 2-3: 5"]
+    finally:
+        global_vars.set_args(None)
+
+
 def test_auto_tile_is_the_planners_choice(monkeypatch):
     from dataclasses import replace
 
