@@ -257,7 +257,8 @@ def _autocast_dtype(q: Tensor) -> torch.dtype | None:
     autocast's lower-precision list), or None where autocast is off there. Without it an fp32 model
     under autocast ran this attention in fp32 without a word: right, and slower than it asked for."""
     device = q.device.type
-    if q.is_floating_point() and torch.is_autocast_enabled(device):
+    # autocast's rule: floating point tensors but fp64 ones (an fp64 reference stays fp64)
+    if q.is_floating_point() and q.dtype != torch.float64 and torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
     return None
 

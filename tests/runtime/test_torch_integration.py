@@ -101,3 +101,12 @@ def test_autocast_runs_the_attention_in_its_dtype(results):
         (out_dtype, out_err), *grads = rank["autocast"]
         assert out_dtype == torch.bfloat16 and out_err < 3e-2, rank["autocast"]
         assert all(dt == torch.float32 and e < 3e-2 for dt, e in grads), grads  # fp32 inputs get fp32 gradients
+
+
+def test_autocast_leaves_fp64_inputs_as_they_are():
+    # autocast's own rule (torch's attention keeps fp64 under it too): an fp64 reference stays one
+    q, k, v = (torch.randn(16, 1, 2, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+               for i in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = mm.attention(q, k, v)
+    assert got.dtype == torch.float64 and torch.equal(got, mm.attention(q, k, v))
