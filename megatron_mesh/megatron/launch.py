@@ -42,6 +42,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from typing import Mapping, Sequence
 
 import psutil
@@ -277,6 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"torchrun {' '.join(torchrun_args)}", file=sys.stderr, flush=True)
     _quiet_torchrun_shutdown()
     _tell_other_nodes_of_a_killed_rank(torchrun_args)
+    if nnodes != "1":
+        _ctrl_c_while_waiting_for_the_nodes()
     try:
         torchrun_main(torchrun_args)
     except ChildFailedError as e:
@@ -314,6 +317,29 @@ def _failure_status(error) -> int:
         killed = {-f.exitcode for f in error.failures.values() if f.exitcode < 0 and -f.exitcode != signal.SIGTERM}
         return 128 + killed.pop() if len(killed) == 1 else 1
     return codes.pop() if len(codes) == 1 else 1
+
+
+def _ctrl_c_while_waiting_for_the_nodes() -> None:
+    """Ctrl-C while this node waits for the others at torchrun's rendezvous stops it at once, in
+    one line, status 130. There the main thread sits in the store's C++ connect and wait loops,
+    which retry an interrupted call: neither KeyboardInterrupt nor torchrun's handler ran, and a
+    reviewer's Ctrl-C did nothing for 35 s -- or printed 17 lines of C++ frames and went on waiting
+    (stop 79). Python's C-level handler still writes the signal to a wakeup fd: a thread reads it
+    and, while this launcher has started no worker, exits; once the workers run, torchrun's
+    handler stops them as before (:func:`_interrupted`)."""
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+
+    def watch() -> None:
+        while True:
+            got = os.read(read, 1)
+            if got and got[0] == signal.SIGINT and not psutil.Process().children():
+                print("megatron_mesh.megatron.launch: interrupted (SIGINT) while waiting for the other nodes "
+                      "(torchrun's rendezvous): no rank had started", file=sys.stderr, flush=True)
+                os._exit(128 + signal.SIGINT)
+
+    threading.Thread(target=watch, name="megatron_mesh-ctrl-c-at-rendezvous", daemon=True).start()
 
 
 def _interrupted(sig: signal.Signals, nproc: str, nnodes: str) -> int:

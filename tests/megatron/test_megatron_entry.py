@@ -475,6 +475,42 @@ def test_a_taken_master_port_is_one_line():
                                     "(another job?): set MASTER_PORT to a free port"), err[-3000:]
 
 
+def test_ctrl_c_while_a_node_waits_for_the_others_stops_it_at_once():
+    """Node 1 of 2 started, node 0 never: it waits at torchrun's rendezvous, in C++ loops that retry
+    an interrupted call -- Ctrl-C did nothing there, or printed C++ frames and went on waiting (stop
+    79). Now one line within seconds, status 130, and no process left."""
+    import signal
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free, and nobody listens: node 0 never comes
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", CP="2", NPROC="1", NNODES="2", NODE_RANK="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    proc = subprocess.Popen(["bash", PRETRAIN, CONFIG, "--train-iters", "1"], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        for line in proc.stderr:  # the launcher's line: torchrun starts now, and waits for node 0
+            if "process(es) per node x 2 node(s)" in line:
+                break
+        time.sleep(3)
+        start = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in the terminal: the whole foreground group
+        try:
+            _, err = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            pytest.fail("Ctrl-C did not stop a node waiting for the others within 20 s")
+        rc = proc.returncode
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert rc == 130 and time.monotonic() - start < 10, (rc, err[-3000:])
+    assert err.strip().splitlines()[-1] == ("megatron_mesh.megatron.launch: interrupted (SIGINT) while waiting for the "
+                                            "other nodes (torchrun's rendezvous): no rank had started"), err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+
+
 def test_launcher_refuses_a_world_size_before_it_imports_torch():
     """The launcher refuses NPROC x NNODES against TP x PP x CP, and CP=four, before it finds the
     backend (whether CUDA is there: torch's import, 1.5 s on 2 cores); the error comes at once."""
