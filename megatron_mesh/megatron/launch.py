@@ -49,7 +49,7 @@ import psutil
 
 from .errors import STARTUP_ERROR_STATUS, tell_other_nodes_from_launcher
 
-__all__ = ["kill_process_tree", "free_port", "training_command", "main"]
+__all__ = ["kill_process_tree", "free_port", "training_command", "master_addr_warning", "main"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout (for PYTHONPATH)
 ENTRY = {"pretrain": ["-m", "megatron_mesh.megatron.pretrain_gpt"],
@@ -213,6 +213,38 @@ def _check_torchrun_settings(nproc: str, env: Mapping[str, str]) -> None:
         raise ValueError(f"MASTER_PORT must be a TCP port 1..65535, got {port!r}")
 
 
+def master_addr_warning(env: Mapping[str, str]) -> str | None:
+    """On NODE_RANK 0 of a static job, a warning where MASTER_ADDR is not an address of this
+    machine (no socket can bind to it); ValueError where it does not resolve. Node 0's torchrun
+    hosts the job's store on every interface and connects to it at MASTER_ADDR: a second machine
+    also given NODE_RANK=0 (a copied command line) hosted a store of its own, and both waited for
+    the other nodes until torchrun's timeout (15 min) without a word. A warning, not an error: a
+    load balancer's or a Kubernetes service's address routed to this machine is not bound here,
+    and works. Example: ``NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.5`` on 10.0.0.6 -> "MASTER_ADDR
+    10.0.0.5 is not an address of this machine ..."."""
+    import socket
+
+    nnodes, addr = env.get("NNODES", "1"), env.get("MASTER_ADDR", "127.0.0.1")
+    if env.get("NODE_RANK", "0") != "0" or ":" in nnodes:
+        return None
+    try:
+        infos = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise ValueError(f"MASTER_ADDR {addr!r} does not resolve ({e.strerror or e}): set it to the address of "
+                         "the machine with NODE_RANK=0") from None
+    for family, _, _, _, sockaddr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.bind((sockaddr[0], 0, *sockaddr[2:]))
+            return None
+        except OSError:
+            continue
+    return (f"MASTER_ADDR {addr} is not an address of this machine, yet NODE_RANK=0 (NNODES={nnodes}) hosts the "
+            f"job's store: if {addr} is another machine, give this one its own NODE_RANK (two machines with "
+            "NODE_RANK=0 each wait for the other nodes until torchrun's timeout); an address routed here (a load "
+            "balancer's, a Kubernetes service's) is fine")
+
+
 def _check_world_size(nproc: str, nnodes: str, flags: Sequence[str]) -> None:
     """ValueError unless the world size NPROC x NNODES is a multiple of TP x PP x CP as the flags
     give them: Megatron asserts it only after every rank has imported torch and Megatron (4-7 s),
@@ -258,6 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pause_gc()  # while torch loads (see bootstrap.pause_gc)
     try:
         torchrun_args, env = training_command(argv[0], argv[1:])
+        addr_warning = master_addr_warning(env)
         from torch.distributed import DistNetworkError
         from torch.distributed.elastic.multiprocessing import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -274,6 +307,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.clear()
     os.environ.update(env)
     nproc, nnodes = env.get("NPROC") or env.get("CP") or "1", env.get("NNODES", "1")
+    if addr_warning:
+        print(f"megatron_mesh.megatron.launch: warning: {addr_warning}", file=sys.stderr, flush=True)
     print(f"megatron_mesh.megatron.launch: {nproc} process(es) per node x {nnodes} node(s): "
           f"torchrun {' '.join(torchrun_args)}", file=sys.stderr, flush=True)
     _quiet_torchrun_shutdown()
@@ -302,7 +337,8 @@ def _port_taken(error: Exception, env: Mapping[str, str]) -> int:
     if "EADDRINUSE" not in str(error):
         raise error
     print(f"megatron_mesh.megatron.launch: error: MASTER_PORT {env.get('MASTER_PORT', '29500')} on "
-          f"{env.get('MASTER_ADDR', '127.0.0.1')} is in use (another job?): set MASTER_PORT to a free port",
+          f"{env.get('MASTER_ADDR', '127.0.0.1')} is in use (another job, or another launcher on this machine with "
+          f"NODE_RANK={env.get('NODE_RANK', '0')}: each node needs its own NODE_RANK): set MASTER_PORT to a free port",
           file=sys.stderr, flush=True)
     return STARTUP_ERROR_STATUS
 

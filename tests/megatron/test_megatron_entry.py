@@ -405,6 +405,8 @@ def test_launch_scripts_print_their_usage_on_help():
      ["NPROC (processes on this node) must be an integer >= 1 or one of auto, cpu, gpu, xpu, got '0'"]),
     ((PRETRAIN, CONFIG), {"NNODES": "0"}, ["NNODES must be an integer >= 1 (or MIN:MAX, "]),
     ((PRETRAIN, CONFIG), {"MASTER_PORT": "99999"}, ["MASTER_PORT must be a TCP port 1..65535, got '99999'"]),
+    ((PRETRAIN, CONFIG), {"CP": "2", "NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "no-such-host.invalid"},
+     ["MASTER_ADDR 'no-such-host.invalid' does not resolve", "set it to the address of the machine with NODE_RANK=0"]),
     ((PRETRAIN, CONFIG, "--tensor-model-parallel-size", "2"), {"NPROC": "2", "CP": "2", "NNODES": "1"},
      ["= 2 x 1 = 2 is not a multiple of TP x CP = 2 x 2 = 4 (--tensor-model-parallel-size, --context-parallel-size)"]),
 ])
@@ -462,6 +464,22 @@ def test_launcher_checks_torchruns_settings(tmp_path):
     assert str(e.value) == f"{config}: --seed: ${{MEGATRON_MESH_TEST_UNSET}} is not set (export it or add it to ENV_VARS)"
 
 
+def test_node_0_warns_where_master_addr_is_another_machine():
+    """A second machine given NODE_RANK=0 (a copied command line) hosts a store of its own and waits
+    with the real node 0 for the other nodes until torchrun's timeout: node 0 says so where
+    MASTER_ADDR is not one of its addresses. A warning, as an address routed here (a Kubernetes
+    service's) works; the other nodes and an elastic job have nothing to check."""
+    from megatron_mesh.megatron.launch import master_addr_warning
+
+    for here in ("127.0.0.1", "localhost", socket.gethostname(), "0.0.0.0"):
+        assert master_addr_warning({"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": here}) is None, here
+    warning = master_addr_warning({"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "192.0.2.1"})  # TEST-NET-1
+    assert warning.startswith("MASTER_ADDR 192.0.2.1 is not an address of this machine, yet NODE_RANK=0 (NNODES=2) "
+                              "hosts the job's store: if 192.0.2.1 is another machine, give this one its own NODE_RANK"), warning
+    assert master_addr_warning({"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "192.0.2.1"}) is None
+    assert master_addr_warning({"NNODES": "1:4", "NODE_RANK": "0", "MASTER_ADDR": "192.0.2.1"}) is None
+
+
 def test_a_taken_master_port_is_one_line():
     """A second job on a machine, MASTER_PORT left at the first's: torchrun's store cannot listen
     there -- one line naming the port, status 2, instead of torchrun's 45-line traceback."""
@@ -472,7 +490,8 @@ def test_a_taken_master_port_is_one_line():
         rc, out, err = _script(PRETRAIN, CONFIG, "--train-iters", "1", CP="1", MASTER_PORT=str(port))
     assert rc == 2 and "Traceback" not in err, (rc, err[-3000:])
     assert err.splitlines()[-1] == (f"megatron_mesh.megatron.launch: error: MASTER_PORT {port} on 127.0.0.1 is in use "
-                                    "(another job?): set MASTER_PORT to a free port"), err[-3000:]
+                                    "(another job, or another launcher on this machine with NODE_RANK=0: each node "
+                                    "needs its own NODE_RANK): set MASTER_PORT to a free port"), err[-3000:]
 
 
 def test_ctrl_c_while_a_node_waits_for_the_others_stops_it_at_once():
