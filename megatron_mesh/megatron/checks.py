@@ -36,7 +36,7 @@ from .placement import resolve_placement
 from .settings import (ALL_PLUGIN_MODES, BATCH_DOCUMENTS, HIERARCHY_FLAG, NODES_FLAG, PluginSettings, flags,
                        layer_modes, plugin_modes_of, problem_of)
 
-__all__ = ["validate_args", "check_modes", "check_data_files", "have_transformer_engine", "uses_plugin_spec"]
+__all__ = ["validate_args", "check_modes", "check_data_files", "data_blends", "have_transformer_engine", "uses_plugin_spec"]
 
 
 def have_transformer_engine() -> tuple[bool, str]:
@@ -417,7 +417,7 @@ def _prefixes(values) -> list[str]:
     return values[1::2]
 
 
-def _blends(args) -> list[tuple[str, list[str]]]:
+def data_blends(args) -> list[tuple[str, list[str]]]:
     """(flag and value as given, the prefixes) of each dataset list the arguments name; a
     --data-args-path / --per-split-data-args-path file that is missing or that Megatron would not
     parse either is a ValueError / left to Megatron."""
@@ -472,7 +472,7 @@ def check_data_files(args) -> None:
                              "directory this process may write in") from None
     if getattr(args, "mock_data", False) or getattr(args, "dataloader_fast_cache_load", False):
         return
-    for given, prefixes in _blends(args):
+    for given, prefixes in data_blends(args):
         prefixes = [p for p in prefixes if "://" not in p]
         missing = [f"{p}{ext}" for p in prefixes for ext in (".bin", ".idx") if not os.path.isfile(p + ext)]
         if not missing:

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import threading
 from typing import Iterator, NamedTuple, NoReturn
 
 from .process import PROCESS, ProcessState
 
-__all__ = ["fail", "one_line_for", "watch_other_nodes", "crash_stops_other_nodes", "tell_other_nodes_from_launcher",
+__all__ = ["fail", "one_line_for", "index_cache_missing_is_one_line", "watch_other_nodes", "crash_stops_other_nodes", "tell_other_nodes_from_launcher",
            "entry_run", "SettingsMismatchError", "FAIL_GRACE_S", "STARTUP_ERROR_STATUS"]
 
 class SettingsMismatchError(ValueError):
@@ -311,12 +312,36 @@ def _another_node_stopped() -> bool:
         return False
 
 
+# Megatron's dataset index cache: {cache}/{hash}-{dataset class}-{split}-{part}
+_INDEX_CACHE_FILE = re.compile(r"-(train|valid|test)-(description\.txt|(document|sample|shuffle|dataset|dataset_sample)"
+                               r"_index\.npy)$")
+
+
+@contextlib.contextmanager
+def index_cache_missing_is_one_line() -> Iterator[None]:
+    """A FileNotFoundError for a file of Megatron's dataset index cache as one line per node
+    (:func:`fail`) naming ``--data-cache-path``: global rank 0 alone writes the cache, every other
+    rank reads it at its own path; a node whose dataset lay at another path (its own copy), or
+    on a disk the others do not see, raised a traceback per rank and the other nodes heard
+    "FileNotFoundError" (stop 80, a reviewer's two-node runs)."""
+    try:
+        yield
+    except FileNotFoundError as e:
+        if not _INDEX_CACHE_FILE.search(str(e.filename or "")):
+            raise
+        fail(f"no {e.filename} here: that is Megatron's dataset index cache, which global rank 0 writes (in "
+             "--data-cache-path, else a cache/ folder beside the dataset) and every other rank reads at the same path; "
+             "on several nodes give --data-cache-path a folder every node sees (a shared file system), or give every "
+             "node the dataset at one shared path", at_once=True)
+
+
 @contextlib.contextmanager
 def entry_run() -> Iterator[None]:
     """An entry script's run (ours, and Megatron's scripts through run_script), as every node must
     run it: watching the other nodes (:func:`watch_other_nodes`; call it after torch's import), an
-    error that ends a rank told to them (:func:`crash_stops_other_nodes`), and ranks started with
-    different settings (:class:`SettingsMismatchError`, every rank alike) as one line per node."""
+    error that ends a rank told to them (:func:`crash_stops_other_nodes`), ranks started with
+    different settings (:class:`SettingsMismatchError`, every rank alike) and a node that cannot
+    read Megatron's dataset index cache (:func:`index_cache_missing_is_one_line`) as one line per node."""
     watch_other_nodes()
-    with crash_stops_other_nodes(), one_line_for(SettingsMismatchError):
+    with crash_stops_other_nodes(), one_line_for(SettingsMismatchError), index_cache_missing_is_one_line():
         yield

@@ -92,7 +92,50 @@ def shared_args() -> dict:
         args = None
     if args is None:
         return {}
-    return {"--" + name.replace("_", "-"): getattr(args, name, None) for name in SHARED_ARGS}
+    out = {"--" + name.replace("_", "-"): getattr(args, name, None) for name in SHARED_ARGS}
+    out.update(dataset_contents(args))
+    return out
+
+
+FINGERPRINT_BYTES = 1 << 20  # of an index file's start and of its end: its size and these stand for its content
+
+
+def dataset_contents(args) -> dict:
+    """{"the dataset <flag> (its files' content)": what each prefix holds} for each dataset list
+    the arguments name: each prefix's .bin and .idx sizes and a hash of its .idx's first and last
+    :data:`FINGERPRINT_BYTES` (the index lists every document's size: two datasets differ there).
+    Not the paths, nor the prefixes' names: a dataset may lie at another path on each node. Two nodes given different
+    datasets (another DOC_DATA) otherwise failed later and elsewhere: a PlanMismatchError
+    traceback per rank at the first attention call (other documents, other plans), or a
+    FileNotFoundError for Megatron's index cache; neither named --data-path. A file that is not
+    there is "missing" (its own check names it); --mock-data and object-store paths add nothing.
+
+    Example: ``--data-path data/tiny_docs`` -> {"the dataset --data-path (its files' content)":
+    ".bin 44098 B, .idx 40042 B #3333f48f33"}."""
+    import hashlib
+    import os
+
+    from .checks import data_blends
+
+    if getattr(args, "mock_data", False):
+        return {}
+    out = {}
+    for given, prefixes in data_blends(args):
+        held = []
+        for prefix in (p for p in prefixes if "://" not in p):
+            try:
+                bin_size, idx_size = os.path.getsize(prefix + ".bin"), os.path.getsize(prefix + ".idx")
+                with open(prefix + ".idx", "rb") as f:
+                    digest = hashlib.sha1(f.read(FINGERPRINT_BYTES))
+                    f.seek(max(FINGERPRINT_BYTES, idx_size - FINGERPRINT_BYTES))
+                    digest.update(f.read(FINGERPRINT_BYTES))
+                held.append(f".bin {bin_size} B, .idx {idx_size} B #{digest.hexdigest()[:10]}")
+            except OSError:
+                held.append("missing")
+        if held:  # a --per-split-data-args-path file gives three lists: one entry, " | " between them
+            key = f"the dataset {given.split()[0]} (its files' content)"
+            out[key] = f"{out[key]} | {'; '.join(held)}" if key in out else "; ".join(held)
+    return out
 
 
 def settings_of(config) -> dict:

@@ -49,7 +49,7 @@ import psutil
 
 from .errors import STARTUP_ERROR_STATUS, tell_other_nodes_from_launcher
 
-__all__ = ["kill_process_tree", "free_port", "training_command", "master_addr_warning", "main"]
+__all__ = ["kill_process_tree", "free_port", "training_command", "master_addr_warning", "waiting_notice", "main"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout (for PYTHONPATH)
 ENTRY = {"pretrain": ["-m", "megatron_mesh.megatron.pretrain_gpt"],
@@ -217,10 +217,8 @@ def master_addr_warning(env: Mapping[str, str]) -> str | None:
     """On NODE_RANK 0 of a static job, a warning where MASTER_ADDR is not an address of this
     machine (no socket can bind to it); ValueError where it does not resolve. Node 0's torchrun
     hosts the job's store on every interface and connects to it at MASTER_ADDR: a second machine
-    also given NODE_RANK=0 (a copied command line) hosted a store of its own, and both waited for
-    the other nodes until torchrun's timeout (15 min) without a word. A warning, not an error: a
-    load balancer's or a Kubernetes service's address routed to this machine is not bound here,
-    and works. Example: ``NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.5`` on 10.0.0.6 -> "MASTER_ADDR
+    given NODE_RANK=0 too hosted its own store, and both waited for the other nodes until
+    torchrun's timeout. A warning: an address routed here (a Kubernetes service's) works. Example: ``NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.5`` on 10.0.0.6 -> "MASTER_ADDR
     10.0.0.5 is not an address of this machine ..."."""
     import socket
 
@@ -314,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _quiet_torchrun_shutdown()
     _tell_other_nodes_of_a_killed_rank(torchrun_args)
     if nnodes != "1":
-        _ctrl_c_while_waiting_for_the_nodes()
+        _ctrl_c_while_waiting_for_the_nodes(env)
     try:
         torchrun_main(torchrun_args)
     except ChildFailedError as e:
@@ -355,27 +353,56 @@ def _failure_status(error) -> int:
     return codes.pop() if len(codes) == 1 else 1
 
 
-def _ctrl_c_while_waiting_for_the_nodes() -> None:
-    """Ctrl-C while this node waits for the others at torchrun's rendezvous stops it at once, in
-    one line, status 130. There the main thread sits in the store's C++ connect and wait loops,
-    which retry an interrupted call: neither KeyboardInterrupt nor torchrun's handler ran, and a
-    reviewer's Ctrl-C did nothing for 35 s -- or printed 17 lines of C++ frames and went on waiting
-    (stop 79). Python's C-level handler still writes the signal to a wakeup fd: a thread reads it
-    and, while this launcher has started no worker, exits; once the workers run, torchrun's
-    handler stops them as before (:func:`_interrupted`)."""
+WAITING_NOTICE_S = 20.0  # the first "still waiting for the other nodes" line; then 4x, 16x, ... later
+
+
+def waiting_notice(env: Mapping[str, str], waited_s: float) -> str:
+    """The line a node prints while it waits for the others at torchrun's rendezvous: nodes
+    started with a different NNODES or NPROC -- a node that refused at once (the world size) or
+    one never started -- left the others waiting until torchrun's timeout (15 min) without a word
+    (stop 79, a reviewer's two-node runs)."""
+    return (f"megatron_mesh.megatron.launch: still waiting for the other nodes after {waited_s:.0f} s (torchrun's "
+            f"rendezvous at {env.get('MASTER_ADDR', '127.0.0.1')}:{env.get('MASTER_PORT', '29500')}; this node: "
+            f"NODE_RANK={env.get('NODE_RANK', '0')} of NNODES={env.get('NNODES', '1')}, NPROC="
+            f"{env.get('NPROC') or env.get('CP') or '1'}): start every node with the same NNODES and NPROC and its own "
+            "NODE_RANK (a node that refused to start says why in its own log); Ctrl-C stops this one")
+
+
+def _ctrl_c_while_waiting_for_the_nodes(env: Mapping[str, str], notice_s: float = WAITING_NOTICE_S) -> None:
+    """While this node waits for the others at torchrun's rendezvous (no worker started): Ctrl-C
+    stops it at once, in one line, status 130, and after ``notice_s`` seconds (then 4x as long
+    each time) it says that it is still waiting and for what (:func:`waiting_notice`). There the
+    main thread sits in the store's C++ connect and wait loops, which retry an interrupted call:
+    neither KeyboardInterrupt nor torchrun's handler ran, and a reviewer's Ctrl-C did nothing for
+    35 s -- or printed 17 lines of C++ frames and went on waiting (stop 79). Python's C-level
+    handler still writes the signal to a wakeup fd: a thread reads it and, while this launcher
+    has started no worker, exits; once the workers run, torchrun's handler stops them as before
+    (:func:`_interrupted`)."""
+    import select
+    import time
+
     read, write = os.pipe()
     os.set_blocking(write, False)
     signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    start = time.monotonic()
 
     def watch() -> None:
+        notice_at = notice_s
         while True:
+            ready, _, _ = select.select([read], [], [], max(0.0, start + notice_at - time.monotonic()))
+            waiting = not psutil.Process().children()
+            if not ready:
+                if waiting:
+                    print(waiting_notice(env, time.monotonic() - start), file=sys.stderr, flush=True)
+                notice_at *= 4
+                continue
             got = os.read(read, 1)
-            if got and got[0] == signal.SIGINT and not psutil.Process().children():
+            if got and got[0] == signal.SIGINT and waiting:
                 print("megatron_mesh.megatron.launch: interrupted (SIGINT) while waiting for the other nodes "
                       "(torchrun's rendezvous): no rank had started", file=sys.stderr, flush=True)
                 os._exit(128 + signal.SIGINT)
 
-    threading.Thread(target=watch, name="megatron_mesh-ctrl-c-at-rendezvous", daemon=True).start()
+    threading.Thread(target=watch, name="megatron_mesh-waiting-for-the-nodes", daemon=True).start()
 
 
 def _interrupted(sig: signal.Signals, nproc: str, nnodes: str) -> int:

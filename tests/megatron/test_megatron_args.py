@@ -329,6 +329,36 @@ def test_megatron_arguments_that_time_the_collectives_or_the_training_are_compar
         global_vars.set_args(None)
 
 
+def test_the_datasets_content_is_compared_not_its_path(tmp_path):
+    """Nodes given different datasets (another DOC_DATA) failed at the first attention call with a
+    PlanMismatchError traceback per rank, or on Megatron's index cache, never naming --data-path:
+    the ranks compare each prefix's file sizes and a hash of its index. The same files at another
+    path on each node agree; a blend's every prefix is compared, a missing one is "missing"."""
+    import argparse
+
+    from megatron_mesh.megatron.groups import dataset_contents
+    from megatron_mesh.runtime.agreement import differences
+
+    def dataset(where, index: bytes):
+        os.makedirs(tmp_path / where, exist_ok=True)
+        (tmp_path / where / "docs.bin").write_bytes(b"tokens" * 10)
+        (tmp_path / where / "docs.idx").write_bytes(index)
+        return str(tmp_path / where / "docs")
+
+    def contents(*data_path, **more):
+        return dataset_contents(argparse.Namespace(data_path=list(data_path), mock_data=False, **more))
+
+    same0, same1 = dataset("node0", b"MMIDIDX" + bytes(100)), dataset("node1", b"MMIDIDX" + bytes(100))
+    other = dataset("other", b"MMIDIDX" + bytes(99) + b"\x01")  # one document's size differs
+    assert differences([contents(same0), contents(same1)]) == []
+    (got,) = differences([contents(same0), contents(same1), contents(other), contents(other)])
+    assert got.startswith("the dataset --data-path (its files' content): ranks 0-1: .bin 60 B, .idx 107 B #"), got
+    assert ", ranks 2-3: .bin 60 B, .idx 107 B #" in got and got.split("#")[1][:10] != got.split("#")[2][:10], got
+    blend = contents("0.3", same0, "0.7", str(tmp_path / "gone" / "docs"))
+    assert list(blend.values()) == [contents(same0)["the dataset --data-path (its files' content)"] + "; missing"]
+    assert dataset_contents(argparse.Namespace(data_path=[same0], mock_data=True)) == {}  # Megatron makes tokens up
+
+
 def test_auto_tile_is_the_planners_choice(monkeypatch):
     from dataclasses import replace
 

@@ -855,3 +855,70 @@ def test_a_ranks_forked_helpers_die_when_it_is_killed():
         for pid in (locals().get("manager"), locals().get("outside")):
             if pid and psutil.pid_exists(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_missing_index_cache_file_is_one_line_naming_data_cache_path(monkeypatch):
+    """A node that cannot read Megatron's dataset index cache (rank 0 writes it beside its own copy
+    of the dataset) stops with one line naming --data-cache-path; any other FileNotFoundError is
+    raised as it was. (Two nodes end to end: test_two_nodes_train_as_one_and_refuse_different_flags.)"""
+    from megatron_mesh.megatron import errors
+
+    said = []
+
+    def fail(message, **kwargs):
+        said.append((message, kwargs))
+        raise SystemExit(2)
+
+    monkeypatch.setattr(errors, "fail", fail)
+    cache = "/node1/docs/cache/GPTDataset_indices/2655b7c1-GPTDataset-train-document_index.npy"
+    with pytest.raises(SystemExit), errors.index_cache_missing_is_one_line():
+        raise FileNotFoundError(2, "No such file or directory", cache)
+    (message, kwargs), = said
+    assert message.startswith(f"no {cache} here: that is Megatron's dataset index cache, which global rank 0 writes"), message
+    assert "give --data-cache-path a folder every node sees" in message and kwargs == {"at_once": True}
+    for other in ("/data/docs.idx", "/x/cache/GPTDataset_indices/h-GPTDataset-train-document_index.npy.tmp", None):
+        with pytest.raises(FileNotFoundError), errors.index_cache_missing_is_one_line():
+            raise FileNotFoundError(2, "No such file or directory", other)
+    assert len(said) == 1
+
+
+def test_a_node_waiting_for_the_others_says_so_then_ctrl_c_stops_it():
+    """A node whose peers never come (started with another NNODES or NPROC, refused, or not
+    started) waited until torchrun's timeout without a word: while no rank has started it says
+    where it waits and what must match, first after WAITING_NOTICE_S, then 4x as long each time;
+    Ctrl-C then stops it with one line. (The launcher's thread alone, in a small process: the
+    launcher around it, end to end: test_ctrl_c_while_a_node_waits_for_the_others_stops_it_at_once.)"""
+    import signal
+    import time
+
+    from megatron_mesh.megatron.launch import WAITING_NOTICE_S, waiting_notice
+
+    env = {"NNODES": "2", "NODE_RANK": "1", "NPROC": "2", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "29500"}
+    assert waiting_notice(env, WAITING_NOTICE_S) == (
+        "megatron_mesh.megatron.launch: still waiting for the other nodes after 20 s (torchrun's rendezvous at "
+        "10.0.0.5:29500; this node: NODE_RANK=1 of NNODES=2, NPROC=2): start every node with the same NNODES and "
+        "NPROC and its own NODE_RANK (a node that refused to start says why in its own log); Ctrl-C stops this one")
+    code = textwrap.dedent(f"""
+        import signal, sys, time
+        from megatron_mesh.megatron.launch import _ctrl_c_while_waiting_for_the_nodes
+        # as in the launcher, whose main thread then sits in C++ loops that never raise it
+        signal.signal(signal.SIGINT, lambda *_: None)
+        _ctrl_c_while_waiting_for_the_nodes({env!r}, notice_s=0.25)
+        print("ready", flush=True)
+        time.sleep(30)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        time.sleep(1.6)  # notices at 0.25 s and 1.25 s; the next at 4.25 s
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    lines = err.strip().splitlines()
+    assert proc.returncode == 130 and len(lines) == 3, (proc.returncode, err)
+    assert [line.split(" s (")[0][-7:] for line in lines[:2]] == ["after 0", "after 1"], lines
+    assert lines[0].startswith("megatron_mesh.megatron.launch: still waiting for the other nodes after "), lines
+    assert lines[2] == ("megatron_mesh.megatron.launch: interrupted (SIGINT) while waiting for the other nodes "
+                        "(torchrun's rendezvous): no rank had started"), lines

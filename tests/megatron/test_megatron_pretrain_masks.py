@@ -144,20 +144,34 @@ def test_two_nodes_train_as_one_and_refuse_different_flags(doc_data, runs, tmp_p
                 f"{missing}: no dataset there") in told, told[-3000:]
         assert f"megatron_mesh: error: --data-path {missing}: no dataset there" in done[bad][1], done[bad][1][-3000:]
         assert all("DistStoreError" not in text and "Traceback" not in text for _, text in done)
-    # an error of Megatron's own on one node during the run (a dataset whose index is garbage; one
-    # at start-up: test_three_nodes_all_hear_of_one_that_stops): the failing node's traceback, the
-    # other stops at once
-    garbage = os.path.join(str(tmp_path), "garbage")
-    shutil.copy(doc_data + ".bin", garbage + ".bin")
-    with open(garbage + ".idx", "wb") as f:
-        f.write(b"not an index" * 10)
-    nodes = [("mesh", ("--train-iters", "1")), ("mesh", ("--train-iters", "1", "--data-path", garbage))]
-    (rc0, text0), (rc1, text1) = run_nodes(config("docs"), 2, 4, nodes, env={"DOC_DATA": doc_data}, timeout=60)
+    # an error of Megatron's own on one node during the run (its --save is a file: the first save
+    # fails there; one at start-up: test_three_nodes_all_hear_of_one_that_stops): the failing node's
+    # traceback, the other stops at once. (A dataset whose index is garbage no longer gets that far:
+    # the ranks compare their datasets' content at start-up, groups.dataset_contents.)
+    not_a_dir = os.path.join(str(tmp_path), "a_file")
+    open(not_a_dir, "w").close()
+    save = ("--train-iters", "1", "--save-interval", "1", "--save")
+    nodes = [("mesh", (*save, os.path.join(str(tmp_path), "ckpt"))), ("mesh", (*save, not_a_dir))]
+    (rc0, text0), (rc1, text1) = run_nodes(config("docs"), 2, 4, nodes, env={"DOC_DATA": doc_data}, timeout=90)
     assert (rc0, rc1) == (2, 1), (text0[-2000:], text1[-2000:])
-    assert (f"megatron_mesh: error: node 1 ({socket.gethostname()}, ranks 2-3) stopped: AssertionError: bad header, "
-            f"cannot read: {garbage}.idx (the traceback is in that node's log)") in text0, text0[-3000:]
+    assert (f"megatron_mesh: error: node 1 ({socket.gethostname()}, ranks 2-3) stopped: NotADirectoryError: [Errno 20] "
+            f"Not a directory: '{not_a_dir}/iter_0000001' (the traceback is in that node's log)") in text0, text0[-3000:]
     assert "Traceback" not in text0 and "DistStoreError" not in text0, text0[-3000:]
     assert "Traceback" in text1 and "megatron_mesh: error" not in text1, text1[-3000:]
+    # node 1's copy of the dataset at another path: Megatron's index cache, which rank 0 writes
+    # beside node 0's copy, is not there -- one line per node naming --data-cache-path, not a
+    # FileNotFoundError traceback per rank
+    copy = os.path.join(str(tmp_path), "copy", "docs")
+    os.makedirs(os.path.dirname(copy))
+    for ext in (".bin", ".idx"):
+        shutil.copy(doc_data + ext, copy + ext)
+    nodes = [("mesh", ("--train-iters", "1")), ("mesh", ("--train-iters", "1", "--data-path", copy))]
+    done = run_nodes(config("docs"), 2, 4, nodes, env={"DOC_DATA": doc_data}, timeout=90)
+    assert [rc for rc, _ in done] == [2, 2], [text[-2000:] for _, text in done]
+    cache = f"no {os.path.dirname(copy)}/docs/cache/GPTDataset_indices/"
+    assert f"megatron_mesh: error: {cache}" in done[1][1] and "Traceback" not in done[1][1], done[1][1][-3000:]
+    assert f"megatron_mesh: error: node 1 ({socket.gethostname()}, ranks 2-3) stopped: {cache}" in done[0][1], done[0][1][-3000:]
+    assert "give --data-cache-path a folder every node sees" in done[1][1]
 
 
 def test_three_nodes_all_hear_of_one_that_stops(doc_data):
