@@ -288,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pause_gc()  # while torch loads (see bootstrap.pause_gc)
     try:
         torchrun_args, env = training_command(argv[0], argv[1:])
-        addr_warning = master_addr_warning(env)
+        _say_if_warned(master_addr_warning(env))
         from torch.distributed import DistNetworkError
         from torch.distributed.elastic.multiprocessing import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -305,8 +305,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.clear()
     os.environ.update(env)
     nproc, nnodes = env.get("NPROC") or env.get("CP") or "1", env.get("NNODES", "1")
-    if addr_warning:
-        print(f"megatron_mesh.megatron.launch: warning: {addr_warning}", file=sys.stderr, flush=True)
     print(f"megatron_mesh.megatron.launch: {nproc} process(es) per node x {nnodes} node(s): "
           f"torchrun {' '.join(torchrun_args)}", file=sys.stderr, flush=True)
     _quiet_torchrun_shutdown()
@@ -326,6 +324,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         freeze_gc()  # a quicker exit
     return 0
+
+
+def _say_if_warned(warning: str | None) -> None:  # one line, before torchrun's
+    if warning:
+        print(f"megatron_mesh.megatron.launch: warning: {warning}", file=sys.stderr, flush=True)
 
 
 def _port_taken(error: Exception, env: Mapping[str, str]) -> int:
@@ -357,10 +360,9 @@ WAITING_NOTICE_S = 20.0  # the first "still waiting for the other nodes" line; t
 
 
 def waiting_notice(env: Mapping[str, str], waited_s: float) -> str:
-    """The line a node prints while it waits for the others at torchrun's rendezvous: nodes
-    started with a different NNODES or NPROC -- a node that refused at once (the world size) or
-    one never started -- left the others waiting until torchrun's timeout (15 min) without a word
-    (stop 79, a reviewer's two-node runs)."""
+    """The line a node prints while it waits for the others at torchrun's rendezvous: a peer
+    started with another NNODES (refused at once) or never started left it waiting until
+    torchrun's timeout (15 min) without a word (stop 79, a reviewer's two-node runs)."""
     return (f"megatron_mesh.megatron.launch: still waiting for the other nodes after {waited_s:.0f} s (torchrun's "
             f"rendezvous at {env.get('MASTER_ADDR', '127.0.0.1')}:{env.get('MASTER_PORT', '29500')}; this node: "
             f"NODE_RANK={env.get('NODE_RANK', '0')} of NNODES={env.get('NNODES', '1')}, NPROC="
@@ -372,12 +374,10 @@ def _ctrl_c_while_waiting_for_the_nodes(env: Mapping[str, str], notice_s: float 
     """While this node waits for the others at torchrun's rendezvous (no worker started): Ctrl-C
     stops it at once, in one line, status 130, and after ``notice_s`` seconds (then 4x as long
     each time) it says that it is still waiting and for what (:func:`waiting_notice`). There the
-    main thread sits in the store's C++ connect and wait loops, which retry an interrupted call:
-    neither KeyboardInterrupt nor torchrun's handler ran, and a reviewer's Ctrl-C did nothing for
-    35 s -- or printed 17 lines of C++ frames and went on waiting (stop 79). Python's C-level
-    handler still writes the signal to a wakeup fd: a thread reads it and, while this launcher
-    has started no worker, exits; once the workers run, torchrun's handler stops them as before
-    (:func:`_interrupted`)."""
+    main thread sits in the store's C++ loops, which retry an interrupted call: a reviewer's
+    Ctrl-C did nothing for 35 s, or printed C++ frames and went on waiting (stop 79). Python's
+    C-level handler still writes the signal to a wakeup fd: a thread reads it and, while no worker
+    has started, exits; once they run, torchrun's handler stops them (:func:`_interrupted`)."""
     import select
     import time
 
