@@ -284,7 +284,8 @@ def crash_stops_other_nodes(process: ProcessState = PROCESS) -> Iterator[None]:
     try:
         yield
     except BaseException as e:
-        if not process.failing.is_set() and _multi_node_job() and _another_node_stopped():
+        lost = PEER_LOST_WAIT_S if _peer_lost(e) else 0.0  # its node may not have told yet
+        if not process.failing.is_set() and _multi_node_job() and _another_node_stopped(lost):
             # that node's failure ended this rank too (gloo's collectives see its ranks go): this
             # node's first rank says so in one line (its watcher prints and exits within a poll); no
             # traceback of the consequence. Every rank waits for that line: another rank's exit made
@@ -302,12 +303,34 @@ def crash_stops_other_nodes(process: ProcessState = PROCESS) -> Iterator[None]:
     process.exiting.set()  # finished: another node's failure from now on is not this node's
 
 
-def _another_node_stopped() -> bool:
-    """Whether another node has told the job it stopped (its message is in torchrun's store)."""
+# an error that says a peer went away: its node may be about to say why (a launcher's signal, told
+# once torchrun has stopped its ranks)
+_PEER_LOST = re.compile(r"Connection (reset|closed)|Broken pipe|Socket closed|closed by peer", re.IGNORECASE)
+PEER_LOST_WAIT_S = 5.0  # how long a rank whose peer went away waits for that node's message
+
+
+def _peer_lost(error: BaseException) -> bool:
+    try:
+        return bool(_PEER_LOST.search(str(error)))
+    except Exception:  # noqa: BLE001 -- an error whose text fails: not one that names a lost peer
+        return False
+
+
+def _another_node_stopped(wait_s: float = 0.0) -> bool:
+    """Whether another node has told the job it stopped (its message is in torchrun's store),
+    asking again for up to ``wait_s`` seconds."""
+    import time
+
+    deadline = time.monotonic() + wait_s
     try:
         job = _Job.of_worker()
         store = job.store(WATCH_STORE_TIMEOUT_S)
-        return bool(store.check([job.key])) and store.get(job.key).decode().split("|", 1)[0] != job.node
+        while True:
+            if store.check([job.key]) and store.get(job.key).decode().split("|", 1)[0] != job.node:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
     except Exception:  # noqa: BLE001 -- no store (node 0 has ended, or not a torchrun job): nothing to tell
         return False
 

@@ -25,12 +25,10 @@ whole process tree.
   torchrun finds it taken.
   Ctrl-C / SIGTERM: torchrun stops every rank, the launcher says so in one line and exits 128 + the
   signal (130 / 143). Failed ranks: their exit status when they agree (2: a start-up error, or
-  another node stopped the job), else 1;
-  128 + N where none exited by itself and one was killed by signal N (137: kill -9, OOM). A
-  start-up error is the rank's one line: torchrun's own lines that repeat it (stopping the other
-  ranks, the failed rank's status) are dropped (:class:`_QuietShutdown`). In a job of several
-  nodes, a rank of this node killed by a signal (kill -9, the OOM killer) is told to the other
-  nodes, which would otherwise wait for it (:class:`_KilledRank`).
+  another node stopped the job), else 1; 128 + N where none exited by itself and one was killed by
+  signal N (137: kill -9, OOM). A start-up error is the rank's one line: torchrun's lines that
+  repeat it are dropped (:class:`_QuietShutdown`). In a job of several nodes the others are told
+  of a rank killed by a signal (:class:`.launch_nodes.KilledRank`) and of the launcher's own (:func:`_interrupted`).
 * :func:`kill_process_tree` -- SIGKILL a process and everything below it.
 
 The tests' and benchmarks' process groups are started by ``megatron_mesh.comm.spawn`` instead.
@@ -42,14 +40,15 @@ import logging
 import os
 import signal
 import sys
-import threading
 from typing import Mapping, Sequence
 
 import psutil
 
 from .errors import STARTUP_ERROR_STATUS, tell_other_nodes_from_launcher
+from .launch_nodes import (TORCHRUN_FAILED, master_addr_warning, tell_other_nodes_of_a_killed_rank,
+                           watch_while_waiting_for_the_nodes)
 
-__all__ = ["kill_process_tree", "free_port", "training_command", "master_addr_warning", "waiting_notice", "main"]
+__all__ = ["kill_process_tree", "free_port", "training_command", "main"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout (for PYTHONPATH)
 ENTRY = {"pretrain": ["-m", "megatron_mesh.megatron.pretrain_gpt"],
@@ -213,36 +212,6 @@ def _check_torchrun_settings(nproc: str, env: Mapping[str, str]) -> None:
         raise ValueError(f"MASTER_PORT must be a TCP port 1..65535, got {port!r}")
 
 
-def master_addr_warning(env: Mapping[str, str]) -> str | None:
-    """On NODE_RANK 0 of a static job, a warning where MASTER_ADDR is not an address of this
-    machine (no socket can bind to it); ValueError where it does not resolve. Node 0's torchrun
-    hosts the job's store on every interface and connects to it at MASTER_ADDR: a second machine
-    given NODE_RANK=0 too hosted its own store, and both waited for the other nodes until
-    torchrun's timeout. A warning: an address routed here (a Kubernetes service's) works. Example: ``NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.5`` on 10.0.0.6 -> "MASTER_ADDR
-    10.0.0.5 is not an address of this machine ..."."""
-    import socket
-
-    nnodes, addr = env.get("NNODES", "1"), env.get("MASTER_ADDR", "127.0.0.1")
-    if env.get("NODE_RANK", "0") != "0" or ":" in nnodes:
-        return None
-    try:
-        infos = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
-    except OSError as e:
-        raise ValueError(f"MASTER_ADDR {addr!r} does not resolve ({e.strerror or e}): set it to the address of "
-                         "the machine with NODE_RANK=0") from None
-    for family, _, _, _, sockaddr in infos:
-        try:
-            with socket.socket(family, socket.SOCK_STREAM) as probe:
-                probe.bind((sockaddr[0], 0, *sockaddr[2:]))
-            return None
-        except OSError:
-            continue
-    return (f"MASTER_ADDR {addr} is not an address of this machine, yet NODE_RANK=0 (NNODES={nnodes}) hosts the "
-            f"job's store: if {addr} is another machine, give this one its own NODE_RANK (two machines with "
-            "NODE_RANK=0 each wait for the other nodes until torchrun's timeout); an address routed here (a load "
-            "balancer's, a Kubernetes service's) is fine")
-
-
 def _check_world_size(nproc: str, nnodes: str, flags: Sequence[str]) -> None:
     """ValueError unless the world size NPROC x NNODES is a multiple of TP x PP x CP as the flags
     give them: Megatron asserts it only after every rank has imported torch and Megatron (4-7 s),
@@ -308,17 +277,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"megatron_mesh.megatron.launch: {nproc} process(es) per node x {nnodes} node(s): "
           f"torchrun {' '.join(torchrun_args)}", file=sys.stderr, flush=True)
     _quiet_torchrun_shutdown()
-    _tell_other_nodes_of_a_killed_rank(torchrun_args)
+    job = tell_other_nodes_of_a_killed_rank(torchrun_args)
     if nnodes != "1":
-        _ctrl_c_while_waiting_for_the_nodes(env)
+        watch_while_waiting_for_the_nodes(env)
     try:
         torchrun_main(torchrun_args)
     except ChildFailedError as e:
         return _failure_status(e)  # torchrun has printed which rank failed and how
     except SignalException as e:  # torchrun's handler: it has stopped the ranks (SIGKILL after a grace time)
-        return _interrupted(signal.Signals(e.sigval), nproc, nnodes)
+        return _interrupted(signal.Signals(e.sigval), nproc, nnodes, job)
     except KeyboardInterrupt:  # before torchrun installed its handler (rendezvous): ranks may be starting
-        return _interrupted(signal.SIGINT, nproc, nnodes)
+        return _interrupted(signal.SIGINT, nproc, nnodes, job)
     except DistNetworkError as e:
         return _port_taken(e, env)
     finally:
@@ -356,59 +325,10 @@ def _failure_status(error) -> int:
     return codes.pop() if len(codes) == 1 else 1
 
 
-WAITING_NOTICE_S = 20.0  # the first "still waiting for the other nodes" line; then 4x, 16x, ... later
-
-
-def waiting_notice(env: Mapping[str, str], waited_s: float) -> str:
-    """The line a node prints while it waits for the others at torchrun's rendezvous: a peer
-    started with another NNODES (refused at once) or never started left it waiting until
-    torchrun's timeout (15 min) without a word (stop 79, a reviewer's two-node runs)."""
-    return (f"megatron_mesh.megatron.launch: still waiting for the other nodes after {waited_s:.0f} s (torchrun's "
-            f"rendezvous at {env.get('MASTER_ADDR', '127.0.0.1')}:{env.get('MASTER_PORT', '29500')}; this node: "
-            f"NODE_RANK={env.get('NODE_RANK', '0')} of NNODES={env.get('NNODES', '1')}, NPROC="
-            f"{env.get('NPROC') or env.get('CP') or '1'}): start every node with the same NNODES and NPROC and its own "
-            "NODE_RANK (a node that refused to start says why in its own log); Ctrl-C stops this one")
-
-
-def _ctrl_c_while_waiting_for_the_nodes(env: Mapping[str, str], notice_s: float = WAITING_NOTICE_S) -> None:
-    """While this node waits for the others at torchrun's rendezvous (no worker started): Ctrl-C
-    stops it at once, in one line, status 130, and after ``notice_s`` seconds (then 4x as long
-    each time) it says that it is still waiting and for what (:func:`waiting_notice`). There the
-    main thread sits in the store's C++ loops, which retry an interrupted call: a reviewer's
-    Ctrl-C did nothing for 35 s, or printed C++ frames and went on waiting (stop 79). Python's
-    C-level handler still writes the signal to a wakeup fd: a thread reads it and, while no worker
-    has started, exits; once they run, torchrun's handler stops them (:func:`_interrupted`)."""
-    import select
-    import time
-
-    read, write = os.pipe()
-    os.set_blocking(write, False)
-    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-    start = time.monotonic()
-
-    def watch() -> None:
-        notice_at = notice_s
-        while True:
-            ready, _, _ = select.select([read], [], [], max(0.0, start + notice_at - time.monotonic()))
-            waiting = not psutil.Process().children()
-            if not ready:
-                if waiting:
-                    print(waiting_notice(env, time.monotonic() - start), file=sys.stderr, flush=True)
-                notice_at *= 4
-                continue
-            got = os.read(read, 1)
-            if got and got[0] == signal.SIGINT and waiting:
-                print("megatron_mesh.megatron.launch: interrupted (SIGINT) while waiting for the other nodes "
-                      "(torchrun's rendezvous): no rank had started", file=sys.stderr, flush=True)
-                os._exit(128 + signal.SIGINT)
-
-    threading.Thread(target=watch, name="megatron_mesh-waiting-for-the-nodes", daemon=True).start()
-
-
-def _interrupted(sig: signal.Signals, nproc: str, nnodes: str) -> int:
-    """After signal ``sig`` stopped torchrun: make sure no process it started is left (a second
-    Ctrl-C can cut torchrun's own shutdown short), say so in one line, and return 128 + ``sig``
-    (a shell's status for a process killed by it)."""
+def _interrupted(sig: signal.Signals, nproc: str, nnodes: str, job: dict | None = None) -> int:
+    """After signal ``sig`` stopped torchrun: no process it started is left (a second Ctrl-C can
+    cut torchrun's shutdown short), one line, the other nodes told (``job``; SIGTERM to one node's
+    launcher gave the others a gloo traceback per rank, status 1: stop 79's review), 128 + ``sig``."""
     for handled in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(handled, signal.SIG_IGN)  # a further Ctrl-C must not interrupt the clean-up with a traceback
     for child in psutil.Process().children():
@@ -416,6 +336,8 @@ def _interrupted(sig: signal.Signals, nproc: str, nnodes: str) -> int:
     where = " on this node" if nnodes != "1" else ""
     print(f"megatron_mesh.megatron.launch: interrupted ({sig.name}): stopped torchrun and its {nproc} rank(s){where}",
           file=sys.stderr, flush=True)
+    if job is not None:  # the first node's message wins (each node of a job a scheduler stops tells too)
+        tell_other_nodes_from_launcher(f"interrupted ({sig.name} to its launcher)", **job)
     return 128 + int(sig)
 
 
@@ -433,60 +355,12 @@ class _QuietShutdown(logging.Filter):
 
     RECEIVED = "Received %s death signal, shutting down workers"
     SENDING = "Sending process %s closing signal %s"
-    FAILED = "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"
+    FAILED = TORCHRUN_FAILED
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.msg == self.FAILED:
             return record.args[0] != STARTUP_ERROR_STATUS
         return record.msg not in (self.RECEIVED, self.SENDING)
-
-
-class _KilledRank(logging.Handler):
-    """In a job of several nodes, tells the other nodes (:func:`.errors.tell_other_nodes_from_launcher`)
-    when torchrun reports that a rank of this node was killed by a signal -- ``kill -9``, the
-    kernel's OOM killer: the rank could say nothing, and the other nodes would wait for it in their
-    next collective until the distributed timeout (NCCL; gloo notices a dead peer). Torchrun reports
-    it once it has stopped the node's other ranks, its store (node 0's) still up. Not for SIGTERM /
-    SIGINT: what a scheduler or a user sends to every node, each of which then stops by itself (a
-    single rank stopped with a plain ``kill PID`` is not told either)."""
-
-    NOT_TOLD = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self, **job):
-        super().__init__()
-        self.job = job
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if record.msg != _QuietShutdown.FAILED or not isinstance(record.args[0], int) or record.args[0] >= 0:
-            return
-        number = -record.args[0]
-        if number in self.NOT_TOLD:
-            return
-        try:
-            name = signal.Signals(number).name
-        except ValueError:
-            name = str(number)
-        cause = " (kill -9, or the kernel's OOM killer)" if number == signal.SIGKILL else ""
-        rank = self.job["node"] * self.job["local"] + record.args[1]
-        tell_other_nodes_from_launcher(f"rank {rank} (local rank {record.args[1]}) was killed by signal {name}{cause}",
-                                       **self.job)
-
-
-def _tell_other_nodes_of_a_killed_rank(torchrun_args: Sequence[str]) -> None:
-    """Install :class:`_KilledRank` for a job of several nodes, torchrun's arguments read as torchrun
-    reads them (its ``PET_*`` environment variables too): a static rendezvous -- the store on node
-    0, where the workers' watchers look -- without restarts, plain integers (an elastic ``--nnodes
-    1:4`` is left alone)."""
-    from torch.distributed.run import parse_args
-
-    args = parse_args(list(torchrun_args))
-    try:
-        job = dict(node=int(args.node_rank), nodes=int(args.nnodes), local=int(args.nproc_per_node),
-                   addr=args.master_addr, port=int(args.master_port), run_id=args.rdzv_id)
-    except (TypeError, ValueError):
-        return
-    if job["nodes"] > 1 and args.rdzv_backend == "static" and args.max_restarts == 0:
-        logging.getLogger("torch.distributed.elastic.multiprocessing.api").addHandler(_KilledRank(**job))
 
 
 def _quiet_torchrun_shutdown() -> None:

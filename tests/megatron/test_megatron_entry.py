@@ -96,7 +96,7 @@ def test_a_rank_ended_by_another_node_waits_for_its_first_rank_to_say_so(monkeyp
 
     exits = []
     monkeypatch.setattr(errors, "_multi_node_job", lambda: True)
-    monkeypatch.setattr(errors, "_another_node_stopped", lambda: True)
+    monkeypatch.setattr(errors, "_another_node_stopped", lambda wait_s=0.0: True)
     monkeypatch.setattr(errors, "_exit_now", lambda: exits.append(time.monotonic()) or sys.exit(2))
     for first in (False, True):
         monkeypatch.setattr(errors, "_first_rank_of_node", lambda: first)
@@ -105,6 +105,25 @@ def test_a_rank_ended_by_another_node_waits_for_its_first_rank_to_say_so(monkeyp
             with errors.crash_stops_other_nodes(ProcessState()):
                 raise RuntimeError("Connection closed by peer")
         assert e.value.code == 2 and exits[-1] - start >= 2.5 * errors.WATCH_POLL_S, first
+
+
+def test_a_rank_whose_peer_went_away_waits_for_that_nodes_word(monkeypatch):
+    """SIGTERM to one node's launcher: its ranks die at once, and the other nodes' collectives fail
+    ("Connection reset by peer") before the launcher has told them why -- they printed a traceback
+    per rank. A rank whose error says a peer went away asks the store again for PEER_LOST_WAIT_S;
+    any other error asks once. (Three nodes end to end: test_three_nodes_all_hear_of_one_that_stops.)"""
+    from megatron_mesh.megatron import errors
+
+    asked = []
+    monkeypatch.setattr(errors, "_multi_node_job", lambda: True)
+    monkeypatch.setattr(errors, "_another_node_stopped", lambda wait_s=0.0: asked.append(wait_s) or False)
+    monkeypatch.setattr(errors, "_tell_other_nodes", lambda message: None)
+    for error in (RuntimeError("[pair.cc:537] Read error [127.0.0.1]:7074: Connection reset by peer"),
+                  RuntimeError("Connection closed by peer [127.0.0.1]:1234"), ValueError("mine"), AssertionError()):
+        with pytest.raises(type(error)):
+            with errors.crash_stops_other_nodes(ProcessState()):
+                raise error
+    assert asked == [errors.PEER_LOST_WAIT_S, errors.PEER_LOST_WAIT_S, 0.0, 0.0]
 
 
 def test_a_crash_is_told_to_other_nodes_in_one_line(monkeypatch):
@@ -469,7 +488,7 @@ def test_node_0_warns_where_master_addr_is_another_machine():
     with the real node 0 for the other nodes until torchrun's timeout: node 0 says so where
     MASTER_ADDR is not one of its addresses. A warning, as an address routed here (a Kubernetes
     service's) works; the other nodes and an elastic job have nothing to check."""
-    from megatron_mesh.megatron.launch import master_addr_warning
+    from megatron_mesh.megatron.launch_nodes import master_addr_warning
 
     for here in ("127.0.0.1", "localhost", socket.gethostname(), "0.0.0.0"):
         assert master_addr_warning({"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": here}) is None, here
@@ -621,22 +640,22 @@ def test_launcher_tells_other_nodes_of_a_rank_killed_by_a_signal(monkeypatch):
     itself (it told them); not in a job of one node or an elastic one."""
     import logging
 
-    from megatron_mesh.megatron import launch
+    from megatron_mesh.megatron import launch, launch_nodes
 
     told = []
-    monkeypatch.setattr(launch, "tell_other_nodes_from_launcher", lambda message, **job: told.append((message, job)))
+    monkeypatch.setattr(launch_nodes, "tell_other_nodes_from_launcher", lambda message, **job: told.append((message, job)))
     logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     before = list(logger.handlers)
     try:
-        launch._tell_other_nodes_of_a_killed_rank(["--nproc-per-node", "4", "--nnodes", "1", "--node-rank", "0",
-                                                   "--master-addr", "h", "--master-port", "29500", "-m", "x"])
-        launch._tell_other_nodes_of_a_killed_rank(["--nproc-per-node", "4", "--nnodes", "1:4", "--node-rank", "0",
-                                                   "--master-addr", "h", "--master-port", "29500", "-m", "x"])
-        launch._tell_other_nodes_of_a_killed_rank(["--nproc-per-node", "4", "--nnodes", "3", "--max-restarts", "1",
-                                                   "--master-addr", "h", "--master-port", "29500", "-m", "x"])
+        launch_nodes.tell_other_nodes_of_a_killed_rank(["--nproc-per-node", "4", "--nnodes", "1", "--node-rank", "0",
+                                                         "--master-addr", "h", "--master-port", "29500", "-m", "x"])
+        launch_nodes.tell_other_nodes_of_a_killed_rank(["--nproc-per-node", "4", "--nnodes", "1:4", "--node-rank", "0",
+                                                         "--master-addr", "h", "--master-port", "29500", "-m", "x"])
+        launch_nodes.tell_other_nodes_of_a_killed_rank(["--nproc-per-node", "4", "--nnodes", "3", "--max-restarts", "1",
+                                                         "--master-addr", "h", "--master-port", "29500", "-m", "x"])
         assert logger.handlers == before
-        launch._tell_other_nodes_of_a_killed_rank(["--nproc-per-node", "4", "--nnodes", "3", "--node-rank", "2",
-                                                   "--master-addr", "h", "--master-port", "29500", "-m", "x"])
+        launch_nodes.tell_other_nodes_of_a_killed_rank(["--nproc-per-node", "4", "--nnodes", "3", "--node-rank", "2",
+                                                         "--master-addr", "h", "--master-port", "29500", "-m", "x"])
         (handler,) = [h for h in logger.handlers if h not in before]
     finally:
         for h in logger.handlers[:]:
@@ -644,7 +663,7 @@ def test_launcher_tells_other_nodes_of_a_rank_killed_by_a_signal(monkeypatch):
                 logger.removeHandler(h)
 
     def report(code, local_rank=1):
-        handler.handle(logging.LogRecord(logger.name, logging.ERROR, "api.py", 1, launch._QuietShutdown.FAILED,
+        handler.handle(logging.LogRecord(logger.name, logging.ERROR, "api.py", 1, launch_nodes.TORCHRUN_FAILED,
                                          (code, local_rank, 123, "python"), None))
 
     for code in (1, 2, -15, -2):
@@ -882,16 +901,17 @@ def test_a_missing_index_cache_file_is_one_line_naming_data_cache_path(monkeypat
     assert len(said) == 1
 
 
-def test_a_node_waiting_for_the_others_says_so_then_ctrl_c_stops_it():
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_node_waiting_for_the_others_says_so_then_a_signal_stops_it(sig):
     """A node whose peers never come (started with another NNODES or NPROC, refused, or not
     started) waited until torchrun's timeout without a word: while no rank has started it says
     where it waits and what must match, first after WAITING_NOTICE_S, then 4x as long each time;
-    Ctrl-C then stops it with one line. (The launcher's thread alone, in a small process: the
+    Ctrl-C or SIGTERM (which killed it without a word) then stops it with one line, 130 / 143. (The launcher's thread alone, in a small process: the
     launcher around it, end to end: test_ctrl_c_while_a_node_waits_for_the_others_stops_it_at_once.)"""
     import signal
     import time
 
-    from megatron_mesh.megatron.launch import WAITING_NOTICE_S, waiting_notice
+    from megatron_mesh.megatron.launch_nodes import WAITING_NOTICE_S, waiting_notice
 
     env = {"NNODES": "2", "NODE_RANK": "1", "NPROC": "2", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "29500"}
     assert waiting_notice(env, WAITING_NOTICE_S) == (
@@ -900,10 +920,10 @@ def test_a_node_waiting_for_the_others_says_so_then_ctrl_c_stops_it():
         "NPROC and its own NODE_RANK (a node that refused to start says why in its own log); Ctrl-C stops this one")
     code = textwrap.dedent(f"""
         import signal, sys, time
-        from megatron_mesh.megatron.launch import _ctrl_c_while_waiting_for_the_nodes
+        from megatron_mesh.megatron.launch_nodes import watch_while_waiting_for_the_nodes
         # as in the launcher, whose main thread then sits in C++ loops that never raise it
         signal.signal(signal.SIGINT, lambda *_: None)
-        _ctrl_c_while_waiting_for_the_nodes({env!r}, notice_s=0.25)
+        watch_while_waiting_for_the_nodes({env!r}, notice_s=0.25)
         print("ready", flush=True)
         time.sleep(30)
     """)
@@ -912,13 +932,13 @@ def test_a_node_waiting_for_the_others_says_so_then_ctrl_c_stops_it():
     try:
         assert proc.stdout.readline() == "ready\n"
         time.sleep(1.6)  # notices at 0.25 s and 1.25 s; the next at 4.25 s
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.Signals[sig])
         _, err = proc.communicate(timeout=20)
     finally:
         proc.kill()
     lines = err.strip().splitlines()
-    assert proc.returncode == 130 and len(lines) == 3, (proc.returncode, err)
+    assert proc.returncode == 128 + signal.Signals[sig] and len(lines) == 3, (proc.returncode, err)
     assert [line.split(" s (")[0][-7:] for line in lines[:2]] == ["after 0", "after 1"], lines
     assert lines[0].startswith("megatron_mesh.megatron.launch: still waiting for the other nodes after "), lines
-    assert lines[2] == ("megatron_mesh.megatron.launch: interrupted (SIGINT) while waiting for the other nodes "
+    assert lines[2] == (f"megatron_mesh.megatron.launch: interrupted ({sig}) while waiting for the other nodes "
                         "(torchrun's rendezvous): no rank had started"), lines

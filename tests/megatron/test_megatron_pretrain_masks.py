@@ -195,6 +195,40 @@ def test_three_nodes_all_hear_of_one_that_stops(doc_data):
     for n in (0, 2):
         assert (f"megatron_mesh: error: node 1 ({socket.gethostname()}, rank 1) stopped: rank 1 (local rank 0) was "
                 "killed by signal SIGKILL (kill -9, or the kernel's OOM killer)") in done[n][1], done[n][1][-3000:]
+    # SIGTERM to node 1's launcher alone (a scheduler preempting one node, a user's kill): the others
+    # printed a gloo traceback per rank and exited 1; now its launcher tells them once torchrun has
+    # stopped its ranks, and theirs, whose peer went away, wait for that word (errors.PEER_LOST_WAIT_S)
+    long = ("--train-iters", "500", "--global-batch-size", "3")
+    done = run_nodes(config("docs"), 1, 1, [("mesh", long)] * 3, env={"DOC_DATA": doc_data}, timeout=90,
+                     during=_sigterm_the_launcher_of(1, after_s=8))
+    assert [rc for rc, _ in done] == [2, 128 + signal.SIGTERM, 2], [text[-2000:] for _, text in done]
+    assert "megatron_mesh.megatron.launch: interrupted (SIGTERM): stopped torchrun and its 1 rank(s) on this node" \
+        in done[1][1], done[1][1][-3000:]
+    for n in (0, 2):
+        assert (f"megatron_mesh: error: node 1 ({socket.gethostname()}, rank 1) stopped: interrupted (SIGTERM to its "
+                "launcher)") in done[n][1], done[n][1][-3000:]
+        assert "Traceback" not in done[n][1], done[n][1][-3000:]
+
+
+def _sigterm_the_launcher_of(node: int, after_s: float):
+    """For run_nodes(during=...): SIGTERM to ``node``'s launcher ``after_s`` seconds after it started a rank."""
+    def term(procs) -> None:
+        launcher = psutil.Process(procs[node].pid)  # the script execs the launcher, which runs torchrun
+        deadline = time.monotonic() + 60
+        def ranks():
+            for child in launcher.children():
+                try:
+                    yield "megatron_mesh.megatron.pretrain_gpt" in " ".join(child.cmdline())
+                except psutil.NoSuchProcess:
+                    pass
+
+        while not any(ranks()):
+            if time.monotonic() > deadline:
+                pytest.fail(f"node {node}'s launcher started no rank in 60 s")
+            time.sleep(0.05)
+        time.sleep(after_s)
+        launcher.terminate()
+    return term
 
 
 def _kill_a_rank_of(node: int):
