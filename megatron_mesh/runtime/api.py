@@ -380,7 +380,13 @@ def plan_attention(q: Tensor, k: Tensor, v: Tensor, plan: Plan, *, comm: Communi
     """Run an explicit ``plan`` (e.g. one parsed from text with :meth:`Plan.from_text`) on this
     rank, differentiably. The plan must match the tensors' shape and the communicator; the ranks of
     the communicator's group must pass the same plan, scale, dtype, shapes and kernel (checked on
-    every call, as for :func:`attention`)."""
+    every call, as for :func:`attention`). Under ``torch.autocast`` the inputs are cast to its
+    dtype first, as :func:`attention` does (it ran in the inputs' dtype: stop 79's review)."""
+    cast = _autocast_dtype(q)
+    if cast is not None:
+        with torch.autocast(q.device.type, enabled=False):
+            return plan_attention(q.to(cast), k.to(cast), v.to(cast), plan, comm=comm, softmax_scale=softmax_scale,
+                                  kernel=kernel, timer=timer, softmax_offset=softmax_offset)
     with agreement.joined_on_error(comm):
         shape = attention_shape(q, k, v)
         check_scale(softmax_scale)

@@ -74,7 +74,20 @@ def _cases(rank: int, world: int) -> dict:
     out["threads"] = threaded
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out["autocast"] = _run(lambda q, k, v: mm.mesh_attention(q, k, v), rank, world, 2)
+    out["plan"] = _run(_through_a_plan_text, rank, world, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out["plan autocast"] = _run(_through_a_plan_text, rank, world, 4)
     return out
+
+
+def _through_a_plan_text(q, k, v):
+    """plan_attention on the Mesh plan this rank would run, written out as text and read back."""
+    from megatron_mesh.plan.ir.plan import Plan
+    from megatron_mesh.runtime import plan_attention
+    from megatron_mesh.runtime.api import prepare
+
+    call = prepare(q, k, v, mode="mesh")
+    return plan_attention(q, k, v, Plan.from_text(call.plan.to_text()), comm=call.comm)
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +114,16 @@ def test_autocast_runs_the_attention_in_its_dtype(results):
         (out_dtype, out_err), *grads = rank["autocast"]
         assert out_dtype == torch.bfloat16 and out_err < 3e-2, rank["autocast"]
         assert all(dt == torch.float32 and e < 3e-2 for dt, e in grads), grads  # fp32 inputs get fp32 gradients
+
+
+def test_an_explicit_plan_runs_exactly_and_under_autocast_in_its_dtype(results):
+    """plan_attention (an explicit plan, here read back from its text) against fp64, forward and
+    backward; under autocast it casts as attention() does (it ran in the inputs' dtype)."""
+    for rank in results:
+        assert all(dt == torch.float32 and e < 2e-6 for dt, e in rank["plan"]), rank["plan"]
+        (out_dtype, out_err), *grads = rank["plan autocast"]
+        assert out_dtype == torch.bfloat16 and out_err < 3e-2, rank["plan autocast"]
+        assert all(dt == torch.float32 and e < 3e-2 for dt, e in grads), grads
 
 
 def test_autocast_leaves_fp64_inputs_as_they_are():
