@@ -161,10 +161,15 @@ class BatchLayout:
     def shard(self, batch: dict, cp_group) -> dict:
         """This rank's part of the full batch: every tensor with a sequence dimension (dim 1)
         gathered at :attr:`index` (the balanced layout), or Megatron's zigzag split. The dense
-        ``attention_mask`` is dropped: the layers take the documents as boundaries."""
+        ``attention_mask`` is dropped: the layers take the documents as boundaries. A tensor of
+        one value per sample (a blended dataset's ``dataset_id``, [b]) stays as it is: split as a
+        sequence, any blended ``--data-path`` stopped every rank with an IndexError (stop 80's
+        review)."""
+        per_sample = {k: v for k, v in batch.items() if torch.is_tensor(v) and v.dim() < 2 and k not in _METADATA_KEYS}
+        batch = {k: v for k, v in batch.items() if k not in per_sample}
         if not self.balanced:
-            return _megatron_zigzag()(batch, is_hybrid_cp=False, cp_group=cp_group)
-        out = {}
+            return {**_megatron_zigzag()(batch, is_hybrid_cp=False, cp_group=cp_group), **per_sample}
+        out = dict(per_sample)
         for key, value in batch.items():
             if key == "attention_mask" or value is None or key in _METADATA_KEYS:
                 out[key] = None if key == "attention_mask" else value

@@ -343,19 +343,20 @@ _INDEX_CACHE_FILE = re.compile(r"-(train|valid|test)-(description\.txt|(document
 @contextlib.contextmanager
 def index_cache_missing_is_one_line() -> Iterator[None]:
     """A FileNotFoundError for a file of Megatron's dataset index cache as one line per node
-    (:func:`fail`) naming ``--data-cache-path``: global rank 0 alone writes the cache, every other
-    rank reads it at its own path; a node whose dataset lay at another path (its own copy), or
-    on a disk the others do not see, raised a traceback per rank and the other nodes heard
-    "FileNotFoundError" (stop 80, a reviewer's two-node runs)."""
+    (:func:`fail`): global rank 0 alone writes the cache and every other rank reads it, under file
+    names made from the dataset's path; a node whose dataset lay at another path (its own copy),
+    or on a disk the others do not see, raised a traceback per rank and the other nodes heard
+    "FileNotFoundError" (stop 80, a reviewer's two-node runs). A shared ``--data-cache-path``
+    alone does not help there: the names differ (the review again)."""
     try:
         yield
     except FileNotFoundError as e:
         if not _INDEX_CACHE_FILE.search(str(e.filename or "")):
             raise
-        fail(f"no {e.filename} here: that is Megatron's dataset index cache, which global rank 0 writes (in "
-             "--data-cache-path, else a cache/ folder beside the dataset) and every other rank reads at the same path; "
-             "on several nodes give --data-cache-path a folder every node sees (a shared file system), or give every "
-             "node the dataset at one shared path", at_once=True)
+        fail(f"no {e.filename} here: that is Megatron's dataset index cache, which global rank 0 alone writes (in "
+             "--data-cache-path, else PREFIX/cache/) and every other rank reads; its file names follow the dataset's "
+             "path, so give every node the dataset at the same path and, where that path is not on a file system every "
+             "node sees, --data-cache-path a folder every node sees", at_once=True)
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ group {0, 2} and its KV-ring peer (CP rank 3) through group {2, 6}.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Iterable
 
@@ -102,8 +103,8 @@ FINGERPRINT_BYTES = 1 << 20  # of an index file's start and of its end: its size
 
 def dataset_contents(args) -> dict:
     """{"the dataset <flag> (its files' content)": what each prefix holds} for each dataset list
-    the arguments name: each prefix's .bin and .idx sizes and a hash of its .idx's first and last
-    :data:`FINGERPRINT_BYTES` (the index lists every document's size: two datasets differ there).
+    the arguments name: each prefix's blend weight (where given), .bin and .idx sizes and a hash of
+    its .idx's first and last :data:`FINGERPRINT_BYTES` (the index lists every document's size).
     Not the paths, nor the prefixes' names: a dataset may lie at another path on each node. Two nodes given different
     datasets (another DOC_DATA) otherwise failed later and elsewhere: a PlanMismatchError
     traceback per rank at the first attention call (other documents, other plans), or a
@@ -113,7 +114,6 @@ def dataset_contents(args) -> dict:
     Example: ``--data-path data/tiny_docs`` -> {"the dataset --data-path (its files' content)":
     ".bin 44098 B, .idx 40042 B #3333f48f33"}."""
     import hashlib
-    import os
 
     from .checks import data_blends
 
@@ -122,16 +122,19 @@ def dataset_contents(args) -> dict:
     out = {}
     for given, prefixes in data_blends(args):
         held = []
-        for prefix in (p for p in prefixes if "://" not in p):
+        values = given.split()[1:]
+        weights = values[0::2] if len(values) == 2 * len(prefixes) and values[1::2] == prefixes else [""] * len(prefixes)
+        for weight, prefix in ((w, p) for w, p in zip(weights, prefixes) if "://" not in p):
             try:
                 bin_size, idx_size = os.path.getsize(prefix + ".bin"), os.path.getsize(prefix + ".idx")
                 with open(prefix + ".idx", "rb") as f:
                     digest = hashlib.sha1(f.read(FINGERPRINT_BYTES))
                     f.seek(max(FINGERPRINT_BYTES, idx_size - FINGERPRINT_BYTES))
                     digest.update(f.read(FINGERPRINT_BYTES))
-                held.append(f".bin {bin_size} B, .idx {idx_size} B #{digest.hexdigest()[:10]}")
+                held.append(f"{weight + ' x ' if weight else ''}.bin {bin_size} B, .idx {idx_size} B "
+                            f"#{digest.hexdigest()[:10]}")
             except OSError:
-                held.append("missing")
+                held.append(f"{weight + ' x ' if weight else ''}missing")
         if held:  # a --per-split-data-args-path file gives three lists: one entry, " | " between them
             key = f"the dataset {given.split()[0]} (its files' content)"
             out[key] = f"{out[key]} | {'; '.join(held)}" if key in out else "; ".join(held)
@@ -160,6 +163,8 @@ def settings_of(config) -> dict:
                     "--num-query-groups": problem.kv_heads, "--kv-channels": problem.head_dim,
                     "--tensor-model-parallel-size": problem.tp, "parameter dtype (--bf16, --fp16)": problem.dtype})
     out["documents (--reset-attention-mask, --reset-position-ids, --cp-thd-packing)"] = settings.documents
+    if "NNODES" in os.environ:  # the launcher's: a node given another one trained, then hung at torchrun's exit
+        out["NNODES (the job's nodes)"] = os.environ["NNODES"]
     out.update(shared_args())
     # plain values as they are; anything else as its repr -- hashable and printable by the report,
     # whatever a Python user put on the config -- a list as the tuple it equals (Megatron's parser

@@ -89,7 +89,7 @@ def watch_while_waiting_for_the_nodes(env: Mapping[str, str], notice_s: float = 
     start = time.monotonic()
 
     def stop_if_waiting(signum: int) -> None:
-        if not psutil.Process().children():
+        if not psutil.Process().children() and thread.is_alive():  # the watcher returns once ranks have run
             print(f"megatron_mesh.megatron.launch: interrupted ({signal.Signals(signum).name}) while waiting for the "
                   "other nodes (torchrun's rendezvous): no rank had started", file=sys.stderr, flush=True)
             os._exit(128 + signum)
@@ -105,19 +105,21 @@ def watch_while_waiting_for_the_nodes(env: Mapping[str, str], notice_s: float = 
 
     def watch() -> None:
         notice_at = notice_s
-        while True:
-            ready, _, _ = select.select([read], [], [], max(0.0, start + notice_at - time.monotonic()))
-            waiting = not psutil.Process().children()
+        while True:  # a look each second: once ranks have run, this node no longer waits at the rendezvous
+            ready, _, _ = select.select([read], [], [], min(1.0, max(0.0, start + notice_at - time.monotonic())))
+            if psutil.Process().children():
+                return  # torchrun's handlers from now on; its exit barrier is not the rendezvous (stop 80's review)
             if not ready:
-                if waiting:
+                if time.monotonic() >= start + notice_at:
                     print(waiting_notice(env, time.monotonic() - start), file=sys.stderr, flush=True)
-                notice_at *= 4
+                    notice_at *= 4
                 continue
             got = os.read(read, 1)
             if got and got[0] in (signal.SIGINT, signal.SIGTERM):
                 stop_if_waiting(got[0])
 
-    threading.Thread(target=watch, name="megatron_mesh-waiting-for-the-nodes", daemon=True).start()
+    thread = threading.Thread(target=watch, name="megatron_mesh-waiting-for-the-nodes", daemon=True)
+    thread.start()
 
 
 class KilledRank(logging.Handler):

@@ -329,11 +329,31 @@ def test_megatron_arguments_that_time_the_collectives_or_the_training_are_compar
         global_vars.set_args(None)
 
 
+def test_the_launchers_nnodes_is_compared(monkeypatch):
+    """A node started with NNODES=4 beside one with NNODES=2 (world size 8 divides CP 4, so neither
+    launcher refused): it trained, then hung at torchrun's exit barrier (stop 80's review). The
+    ranks compare the launcher's NNODES; torchrun run directly sets none, and nothing is added."""
+    from megatron_mesh.megatron.args import MeshTransformerConfig
+    from megatron_mesh.megatron.groups import settings_of
+    from megatron_mesh.runtime.agreement import differences
+
+    config = MeshTransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, context_parallel_size=4,
+                                   cp_comm_type="mesh")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.delenv("NNODES", raising=False)
+    assert not any(k.startswith("NNODES") for k in settings_of(config))
+    monkeypatch.setenv("NNODES", "2")
+    two = settings_of(config)
+    monkeypatch.setenv("NNODES", "4")
+    assert differences([two, two, settings_of(config), settings_of(config)]) == [
+        "NNODES (the job's nodes): ranks 0-1: 2, ranks 2-3: 4"]
+
+
 def test_the_datasets_content_is_compared_not_its_path(tmp_path):
     """Nodes given different datasets (another DOC_DATA) failed at the first attention call with a
     PlanMismatchError traceback per rank, or on Megatron's index cache, never naming --data-path:
     the ranks compare each prefix's file sizes and a hash of its index. The same files at another
-    path on each node agree; a blend's every prefix is compared, a missing one is "missing"."""
+    path on each node agree; a blend's every prefix and weight is compared, a missing one is "missing"."""
     import argparse
 
     from megatron_mesh.megatron.groups import dataset_contents
@@ -355,7 +375,12 @@ def test_the_datasets_content_is_compared_not_its_path(tmp_path):
     assert got.startswith("the dataset --data-path (its files' content): ranks 0-1: .bin 60 B, .idx 107 B #"), got
     assert ", ranks 2-3: .bin 60 B, .idx 107 B #" in got and got.split("#")[1][:10] != got.split("#")[2][:10], got
     blend = contents("0.3", same0, "0.7", str(tmp_path / "gone" / "docs"))
-    assert list(blend.values()) == [contents(same0)["the dataset --data-path (its files' content)"] + "; missing"]
+    assert list(blend.values()) == ["0.3 x " + contents(same0)["the dataset --data-path (its files' content)"] +
+                                    "; 0.7 x missing"]
+    # the same files under other weights are another dataset (the review: they passed the comparison)
+    (weights,) = differences([contents("0.5", same0, "0.5", other), contents("0.3", same0, "0.7", other)])
+    assert weights.startswith("the dataset --data-path (its files' content): rank 0: 0.5 x .bin 60 B"), weights
+    assert ", rank 1: 0.3 x .bin 60 B" in weights, weights
     assert dataset_contents(argparse.Namespace(data_path=[same0], mock_data=True)) == {}  # Megatron makes tokens up
 
 

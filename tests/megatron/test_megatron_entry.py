@@ -878,8 +878,8 @@ def test_a_ranks_forked_helpers_die_when_it_is_killed():
 
 def test_a_missing_index_cache_file_is_one_line_naming_data_cache_path(monkeypatch):
     """A node that cannot read Megatron's dataset index cache (rank 0 writes it beside its own copy
-    of the dataset) stops with one line naming --data-cache-path; any other FileNotFoundError is
-    raised as it was. (Two nodes end to end: test_two_nodes_train_as_one_and_refuse_different_flags.)"""
+    of the dataset, named after its path) stops with one line saying every node needs the dataset
+    at the same path; any other FileNotFoundError is raised as it was. (Two nodes end to end: test_two_nodes_train_as_one_and_refuse_different_flags.)"""
     from megatron_mesh.megatron import errors
 
     said = []
@@ -893,8 +893,10 @@ def test_a_missing_index_cache_file_is_one_line_naming_data_cache_path(monkeypat
     with pytest.raises(SystemExit), errors.index_cache_missing_is_one_line():
         raise FileNotFoundError(2, "No such file or directory", cache)
     (message, kwargs), = said
-    assert message.startswith(f"no {cache} here: that is Megatron's dataset index cache, which global rank 0 writes"), message
-    assert "give --data-cache-path a folder every node sees" in message and kwargs == {"at_once": True}
+    assert message.startswith(f"no {cache} here: that is Megatron's dataset index cache, which global rank 0 alone "
+                              "writes"), message
+    # Megatron names the cache's files after the dataset's path: a shared --data-cache-path alone does not do
+    assert "give every node the dataset at the same path" in message and kwargs == {"at_once": True}
     for other in ("/data/docs.idx", "/x/cache/GPTDataset_indices/h-GPTDataset-train-document_index.npy.tmp", None):
         with pytest.raises(FileNotFoundError), errors.index_cache_missing_is_one_line():
             raise FileNotFoundError(2, "No such file or directory", other)

@@ -66,6 +66,7 @@ def runs(doc_data, tmp_path_factory):
     # the balanced layout: one layer per mode, the Ulysses hybrid's U = 2 as the balancing group,
     # the window on every layer, two samples (two layouts) per micro-batch
     balanced = ("mesh tasp ring a2a+mesh", *WINDOW, *HCP, "--micro-batch-size", "2", "--cp-layout", "balanced")
+    blend = ("0.5", doc_data, "0.5", doc_data)
     plan = {
         "docs_cp1": ("docs", 1, 1, "mesh", *WINDOW),
         "docs_cp4": ("docs", 4, 4, "mesh tasp ring mesh", *WINDOW, "--mesh-tile-shape", "4x1", "--cp-layout", "zigzag",
@@ -76,13 +77,16 @@ def runs(doc_data, tmp_path_factory):
                             "--ckpt-step", "2"),
         "mlm_docs_cp1": ("mlm:docs", 1, 1, "mesh", *WINDOW),
         "mlm_balanced_cp4": ("mlm:docs", 4, 4, *balanced),
+        # a blend (Megatron's BlendedDataset adds a per-sample dataset_id to the batch), balanced layout
+        "blend_cp1": ("docs", 1, 1, "mesh", *WINDOW, "--data-path", *blend),
+        "blend_cp4": ("docs", 4, 4, *balanced, "--data-path", *blend),
         "thd_cp1": ("thd", 1, 1, "mesh"),
         "thd_cp4": ("thd", 4, 4, "ring mesh tasp a2a+mesh", *HCP),
         "thd_tp2_cp1": ("thd", 2, 1, "mesh", "--tensor-model-parallel-size", "2"),
         "thd_tp2_cp2": ("thd", 4, 2, "mesh", "--tensor-model-parallel-size", "2"),
     }
     return run_all(lambda *spec: masked_run(doc_data, *spec), plan,
-                   together=("docs_cp1", "mlm_docs_cp1", "thd_cp1", "thd_tp2_cp1"),
+                   together=("docs_cp1", "mlm_docs_cp1", "thd_cp1", "thd_tp2_cp1", "blend_cp1"),
                    then_together=("docs_resume", "balanced_resume"))
 
 
@@ -159,8 +163,8 @@ def test_two_nodes_train_as_one_and_refuse_different_flags(doc_data, runs, tmp_p
     assert "Traceback" not in text0 and "DistStoreError" not in text0, text0[-3000:]
     assert "Traceback" in text1 and "megatron_mesh: error" not in text1, text1[-3000:]
     # node 1's copy of the dataset at another path: Megatron's index cache, which rank 0 writes
-    # beside node 0's copy, is not there -- one line per node naming --data-cache-path, not a
-    # FileNotFoundError traceback per rank
+    # beside node 0's copy (named after its path), is not there -- one line per node saying so,
+    # not a FileNotFoundError traceback per rank
     copy = os.path.join(str(tmp_path), "copy", "docs")
     os.makedirs(os.path.dirname(copy))
     for ext in (".bin", ".idx"):
@@ -171,7 +175,7 @@ def test_two_nodes_train_as_one_and_refuse_different_flags(doc_data, runs, tmp_p
     cache = f"no {os.path.dirname(copy)}/docs/cache/GPTDataset_indices/"
     assert f"megatron_mesh: error: {cache}" in done[1][1] and "Traceback" not in done[1][1], done[1][1][-3000:]
     assert f"megatron_mesh: error: node 1 ({socket.gethostname()}, ranks 2-3) stopped: {cache}" in done[0][1], done[0][1][-3000:]
-    assert "give --data-cache-path a folder every node sees" in done[1][1]
+    assert "give every node the dataset at the same path" in done[1][1]
 
 
 def test_three_nodes_all_hear_of_one_that_stops(doc_data):
@@ -248,6 +252,13 @@ def _kill_a_rank_of(node: int):
             time.sleep(0.05)
         pytest.fail(f"node {node}'s launcher started no rank in 30 s")
     return kill
+
+
+def test_a_blended_dataset_cp4_matches_cp1(runs):
+    """A blended --data-path: Megatron's BlendedDataset adds dataset_id (one value per sample) to
+    each batch, and splitting it as a sequence stopped every rank of any blend at CP > 1 with an
+    IndexError, on the zigzag and the balanced layout, under both entry scripts (stop 80's review)."""
+    assert_losses_equal(losses(run_ok(runs, "blend_cp4")), losses(run_ok(runs, "blend_cp1")), rel=RTOL)
 
 
 def test_checkpoint_under_zigzag_resumes_under_balanced(runs):
