@@ -49,6 +49,7 @@ TELL_WAIT_S = 2 * WATCH_POLL_S + 1.0
 # the same for node 0, whose torchrun holds the store: a rank of it killed as it starts is told by
 # its launcher before the other nodes' watchers exist (they start once torch is imported, seconds)
 STORE_NODE_WAIT_S = 30.0
+GONE_AFTER_S = 3 * WATCH_POLL_S  # a watcher that has not beaten for this long: its node is gone
 
 
 def _multi_node_job() -> bool:
@@ -103,6 +104,10 @@ class _Job(NamedTuple):
 
         if not self.addr or not self.port:  # not started by torchrun: a client would wait out its timeout
             raise ConnectionError("no torchrun store: MASTER_ADDR / MASTER_PORT are not set")
+        import socket
+
+        # node 0 gone: a TCPStore client would retry for its timeout, printing C++ frames each time
+        socket.create_connection((self.addr, self.port), timeout=min(timeout_s, 2.0)).close()
 
         return dist.TCPStore(self.addr, self.port, is_master=False, timeout=timedelta(seconds=timeout_s))
 
@@ -110,16 +115,30 @@ class _Job(NamedTuple):
         """This node has the message: the failing node need not wait for it."""
         store.set(f"{self.key}/read/{self.node}", "1")
 
+    def beat(self, store) -> None:
+        """This node's watcher is alive (one add per poll, :func:`watch_other_nodes`)."""
+        store.add(f"{self.key}/alive/{self.node}", 1)
+
     def wait_until_read(self, store, writer: str) -> None:
         """Wait (at most :data:`TELL_WAIT_S`; :data:`STORE_NODE_WAIT_S` on node 0 after its own
-        failure) until every node but ``writer`` has acknowledged."""
+        failure) until every node but ``writer`` has acknowledged -- or has gone: a node whose
+        watcher beat and then stopped for :data:`GONE_AFTER_S` (its launcher killed, ``kill -9``)
+        is not waited for; node 0 waited the whole 30 s for it (stop 80's review: 41 s)."""
         import time
 
-        others = [f"{self.key}/read/{n}" for n in range(self.nodes) if str(n) != writer]
+        others = {str(n): f"{self.key}/read/{n}" for n in range(self.nodes) if str(n) != writer}
         wait = STORE_NODE_WAIT_S if writer == self.node == "0" else TELL_WAIT_S
-        deadline = time.monotonic() + wait
-        while not store.check(others) and time.monotonic() < deadline:
+        now = time.monotonic()
+        deadline, beats = now + wait, {n: (store.add(f"{self.key}/alive/{n}", 0), now) for n in others}
+        while others and now < deadline:
+            for n in list(others):
+                beat = store.add(f"{self.key}/alive/{n}", 0)  # 0: its watcher has not started yet, wait
+                if store.check([others[n]]) or (beat and beat == beats[n][0] and now - beats[n][1] > GONE_AFTER_S):
+                    del others[n]
+                elif beat != beats[n][0]:
+                    beats[n] = (beat, now)
             time.sleep(0.1)
+            now = time.monotonic()
 
     def tell(self, message: str, at_start_up: bool) -> None:
         """Put this node's failure where the other nodes' watchers (:func:`watch_other_nodes`) read
@@ -186,6 +205,7 @@ def watch_other_nodes(process: ProcessState = PROCESS) -> None:
             job = _Job.of_worker()
             store = job.store(WATCH_STORE_TIMEOUT_S)
             while not process.exiting.is_set():
+                job.beat(store)
                 if store.check([job.key]):
                     if process.failing.is_set():  # this rank stops with its own message
                         return
@@ -293,6 +313,16 @@ def crash_stops_other_nodes(process: ProcessState = PROCESS) -> Iterator[None]:
             # (stop 79, a reviewer's two-node runs: 4 times of 9)
             process.exiting.wait(3 * WATCH_POLL_S)
             _exit_now()
+        gone = _gone_nodes() if lost and not process.failing.is_set() and _multi_node_job() else []
+        if gone:  # nobody could tell (its launcher killed with kill -9): one line, not a traceback per rank
+            process.failing.set()
+            sign = "torchrun's store, which it held, with it" if gone == ["0"] and _store_gone() else "its watcher stopped"
+            message = (f"node {', '.join(gone)} went away without a word ({type(e).__name__}: "
+                       f"{_PEER_LOST.search(str(e)).group(0)}; {sign}): its launcher killed with kill -9, its "
+                       "processes killed, or its machine or network gone")
+            _say_once_for_this_node(message)  # the rank that found out: the node's first may wait on it
+            _tell_other_nodes(message)
+            _exit_now()
         if _tells(e) and not process.failing.is_set() and _multi_node_job():
             process.failing.set()
             try:
@@ -314,6 +344,47 @@ def _peer_lost(error: BaseException) -> bool:
         return bool(_PEER_LOST.search(str(error)))
     except Exception:  # noqa: BLE001 -- an error whose text fails: not one that names a lost peer
         return False
+
+
+def _say_once_for_this_node(message: str) -> None:
+    """Print ``message`` from the first rank of this node to claim it in the store (every rank
+    of the node where there is none)."""
+    try:
+        job = _Job.of_worker()
+        me = os.environ.get("RANK", "0")
+        first = job.store(WATCH_STORE_TIMEOUT_S).compare_set(f"{job.key}/said/{job.node}", "", me).decode() == me
+    except Exception:  # noqa: BLE001 -- no store: say it anyway
+        first = True
+    if first:
+        print(f"megatron_mesh: error: {message}", file=sys.stderr, flush=True)
+
+
+def _store_gone() -> bool:
+    try:
+        _Job.of_worker().store(WATCH_STORE_TIMEOUT_S)
+        return False
+    except OSError:
+        return True
+    except Exception:  # noqa: BLE001 -- not a torchrun job
+        return False
+
+
+def _gone_nodes() -> list[str]:
+    """The other nodes whose watcher beat (:meth:`_Job.beat`) and then did not for
+    :data:`GONE_AFTER_S`: nodes gone without a word (waits that long)."""
+    import time
+
+    try:
+        job = _Job.of_worker()
+        store = job.store(WATCH_STORE_TIMEOUT_S)
+        keys = {str(n): f"{job.key}/alive/{n}" for n in range(job.nodes) if str(n) != job.node}
+        before = {n: store.add(k, 0) for n, k in keys.items()}
+        time.sleep(GONE_AFTER_S)
+        return [n for n, k in keys.items() if before[n] and store.add(k, 0) == before[n]]
+    except OSError:  # the store does not answer: node 0, whose torchrun holds it, is gone
+        return ["0"] if os.environ.get("GROUP_RANK", "0") != "0" else []
+    except Exception:  # noqa: BLE001 -- not a torchrun job: no one to name
+        return []
 
 
 def _another_node_stopped(wait_s: float = 0.0) -> bool:

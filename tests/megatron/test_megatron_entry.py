@@ -17,7 +17,7 @@ import sysconfig
 import textwrap
 
 import pytest
-from helpers import MEGATRON_LM_SCRIPT, PRETRAIN, ROOT, RUN_SCRIPT
+from helpers import MEGATRON_LM_SCRIPT, PRETRAIN, ROOT, RUN_SCRIPT, free_port
 
 pytest.importorskip("megatron.core", reason="needs megatron-core (scripts/setup_env.sh installs it)")
 
@@ -944,3 +944,49 @@ def test_a_node_waiting_for_the_others_says_so_then_a_signal_stops_it(sig):
     assert lines[0].startswith("megatron_mesh.megatron.launch: still waiting for the other nodes after "), lines
     assert lines[2] == (f"megatron_mesh.megatron.launch: interrupted ({sig}) while waiting for the other nodes "
                         "(torchrun's rendezvous): no rank had started"), lines
+
+
+def test_a_node_gone_without_a_word_is_named_and_not_waited_for(monkeypatch):
+    """kill -9 of one node's launcher: nobody tells, and node 0 waited 30 s for that node to read its
+    message, then printed a gloo traceback per rank (41 s, status 1: stop 80's review). Each node's
+    watcher beats in the store once a poll (_Job.beat): a node that beat and then stopped for
+    GONE_AFTER_S is named as gone (_gone_nodes) and not waited for (wait_until_read); where the
+    store itself does not answer, node 0 -- whose torchrun held it -- is the one gone."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megatron_mesh.megatron import errors
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "gone-test")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "3")
+    monkeypatch.setenv("GROUP_RANK", "0")
+    job = errors._Job.of_worker()
+    nodes = {n: job._replace(node=n) for n in ("1", "2")}
+    nodes["2"].beat(server)  # node 2 beat once, then went
+    alive = threading.Event()
+
+    def node_1_beats():
+        while not alive.is_set():
+            nodes["1"].beat(server)
+            time.sleep(0.3)
+    beating = threading.Thread(target=node_1_beats, daemon=True)
+    beating.start()
+    try:
+        assert errors._gone_nodes() == ["2"]
+        server.set(f"{job.key}/read/1", "1")  # node 1 read the message; node 2 never will
+        start = time.monotonic()
+        job.wait_until_read(server, "0")  # node 0's own failure: up to STORE_NODE_WAIT_S for the others
+        assert time.monotonic() - start < errors.GONE_AFTER_S + 2 < errors.STORE_NODE_WAIT_S
+    finally:
+        alive.set()
+        beating.join()
+    del server  # node 0 gone, and its store with it
+    monkeypatch.setenv("GROUP_RANK", "1")
+    assert errors._gone_nodes() == ["0"] and errors._store_gone()
