@@ -26,8 +26,8 @@ from typing import Iterator, NamedTuple, NoReturn
 
 from .process import PROCESS, ProcessState
 
-__all__ = ["fail", "one_line_for", "index_cache_missing_is_one_line", "watch_other_nodes", "crash_stops_other_nodes", "tell_other_nodes_from_launcher",
-           "entry_run", "SettingsMismatchError", "FAIL_GRACE_S", "STARTUP_ERROR_STATUS"]
+__all__ = ["fail", "one_line_for", "index_cache_missing_is_one_line", "watch_other_nodes", "crash_stops_other_nodes",
+           "tell_other_nodes_from_launcher", "entry_run", "SettingsMismatchError", "FAIL_GRACE_S", "STARTUP_ERROR_STATUS"]
 
 class SettingsMismatchError(ValueError):
     """The ranks were started with different settings (two nodes launched with different flags):

@@ -105,11 +105,11 @@ def dataset_contents(args) -> dict:
     """{"the dataset <flag> (its files' content)": what each prefix holds} for each dataset list
     the arguments name: each prefix's blend weight (where given), .bin and .idx sizes and a hash of
     its .idx's first and last :data:`FINGERPRINT_BYTES` (the index lists every document's size).
-    Not the paths, nor the prefixes' names: a dataset may lie at another path on each node. Two nodes given different
-    datasets (another DOC_DATA) otherwise failed later and elsewhere: a PlanMismatchError
-    traceback per rank at the first attention call (other documents, other plans), or a
-    FileNotFoundError for Megatron's index cache; neither named --data-path. A file that is not
-    there is "missing" (its own check names it); --mock-data and object-store paths add nothing.
+    Not the paths, nor the prefixes' names (a path that differs shows up as Megatron's index cache
+    missing, :func:`.errors.index_cache_missing_is_one_line`). Two nodes given different datasets
+    (another DOC_DATA) otherwise failed at the first attention call, a PlanMismatchError traceback
+    per rank (other documents, other plans), never naming --data-path. A file that is not there
+    is "missing" (its own check names it); --mock-data and object-store paths add nothing.
 
     Example: ``--data-path data/tiny_docs`` -> {"the dataset --data-path (its files' content)":
     ".bin 44098 B, .idx 40042 B #3333f48f33"}."""
