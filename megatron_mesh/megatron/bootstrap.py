@@ -1,7 +1,7 @@
 """Process start-up shared by the plugin's entry script and ``run_script`` (any Megatron script).
 
-* :func:`die_with_parent` -- a torchrun worker dies with its launcher (Linux ``PR_SET_PDEATHSIG``);
-  :func:`forked_children_die_with_this_process` -- and what it forks dies with it;
+* :func:`die_with_parent` -- a torchrun worker dies with its launcher (Linux ``PR_SET_PDEATHSIG``),
+  and what it forks from its main thread dies with it;
 * :func:`quiet_interrupt` -- a worker of the launcher exits on SIGINT without a traceback;
 * :func:`prepare_runtime` -- what Megatron-LM's training code needs before it runs here: the
   ``typing.override`` polyfill, on a CPU the workarounds of :mod:`.cpu_compat`, the prebuilt
@@ -26,14 +26,13 @@ import gc
 import logging
 import os
 import sys
-from contextlib import contextmanager
-from typing import Iterator, NoReturn
+from typing import NoReturn
 
 from . import ensure_typing_override
 from .errors import entry_run, fail  # bootstrap.fail: also the entry scripts' way to stop a start-up
-from .process import PROCESS
+from .process import PROCESS, ProcessState
 
-__all__ = ["die_with_parent", "forked_children_die_with_this_process", "quiet_interrupt", "prepare_runtime", "check_args", "fail", "entry_run", "install_argument_hook", "megatron_args",
+__all__ = ["die_with_parent", "quiet_interrupt", "prepare_runtime", "check_args", "fail", "entry_run", "install_argument_hook", "megatron_args",
            "substitute", "pause_gc", "resume_gc", "freeze_gc"]
 
 _PARENT_AT_START = os.getppid()  # before the launcher could have died: the reference for die_with_parent
@@ -75,10 +74,12 @@ def freeze_gc() -> None:
     gc.freeze()
 
 
-def die_with_parent() -> None:
+def die_with_parent(process: ProcessState = PROCESS) -> None:
     """In a torchrun worker, ask Linux to SIGKILL this process when its parent -- torchrun's agent --
     dies, so that ``kill -9`` of the launcher does not leave the ranks running (torchrun puts each
-    worker in a session of its own; orphans would block on its rendezvous store forever).
+    worker in a session of its own; orphans would block on its rendezvous store forever); and every
+    process this one forks from its main thread from then on dies with it
+    (:func:`_main_thread_forks_die_with_this_process`).
 
     The parent may already be gone by the time this runs: then the process kills itself. The
     signal fires when the parent *thread* that forked the worker exits; torchrun's agent starts its
@@ -87,6 +88,7 @@ def die_with_parent() -> None:
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return
     _sigkill_when_parent_dies(int(os.environ.get(LAUNCHER_PID_ENV) or _PARENT_AT_START))
+    _main_thread_forks_die_with_this_process(process)
 
 
 def _sigkill_when_parent_dies(expected_parent: int) -> None:
@@ -101,29 +103,28 @@ def _sigkill_when_parent_dies(expected_parent: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _after_fork_in_child() -> None:
-    if PROCESS.fork_parent:
-        parent = PROCESS.fork_parent.pop()
-        _sigkill_when_parent_dies(parent)
-
-
-@contextmanager
-def forked_children_die_with_this_process() -> Iterator[None]:
-    """Processes this one forks inside the block (from this thread) are SIGKILLed when it dies.
-    PR_SET_PDEATHSIG is not inherited across fork, so a rank's helper process -- the checkpoint
-    writer's result-queue manager -- outlived a rank killed with ``kill -9``, for ever. Linux only
-    (elsewhere a no-op)."""
-    if not sys.platform.startswith("linux"):
-        yield
+def _main_thread_forks_die_with_this_process(process: ProcessState = PROCESS) -> None:
+    """Every process this one forks (``os.fork``: multiprocessing's fork context) from its main
+    thread is SIGKILLed when it dies. PR_SET_PDEATHSIG is not inherited across fork, so a rank
+    killed with ``kill -9`` left its children behind: the checkpoint writer's result-queue manager
+    for ever, its data-loader workers for 2-20 s (torch's watchdog polls their parent every few
+    seconds) and their shared memory with them. Forks from another thread are left alone: the signal
+    fires when the forking *thread* exits, which would kill a child of a short-lived thread early.
+    A ``subprocess`` child is not concerned (its fork runs no Python at-fork hook)."""
+    if process.at_fork_registered:
         return
-    if not PROCESS.at_fork_registered:
-        os.register_at_fork(after_in_child=_after_fork_in_child)
-        PROCESS.at_fork_registered = True
-    PROCESS.fork_parent.append(os.getpid())
-    try:
-        yield
-    finally:
-        PROCESS.fork_parent.clear()
+    import threading
+
+    def before() -> None:  # in the forking thread; the child starts with this memory
+        process.fork_parent = os.getpid() if threading.current_thread() is threading.main_thread() else 0
+
+    def after_in_child() -> None:
+        parent, process.fork_parent = process.fork_parent, 0
+        if parent:
+            _sigkill_when_parent_dies(parent)
+
+    os.register_at_fork(before=before, after_in_child=after_in_child)
+    process.at_fork_registered = True
 
 
 INTERRUPT_AGAIN_S = 0.05  # Ctrl-C's exit swallowed where Python cannot raise: sent again this much later

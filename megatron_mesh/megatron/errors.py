@@ -313,10 +313,9 @@ def crash_stops_other_nodes(process: ProcessState = PROCESS) -> Iterator[None]:
             # (stop 79, a reviewer's two-node runs: 4 times of 9)
             process.exiting.wait(3 * WATCH_POLL_S)
             _exit_now()
-        gone = _gone_nodes() if lost and not process.failing.is_set() and _multi_node_job() else []
+        gone, sign = _gone_nodes() if lost and not process.failing.is_set() and _multi_node_job() else ([], "")
         if gone:  # nobody could tell (its launcher killed with kill -9): one line, not a traceback per rank
             process.failing.set()
-            sign = "torchrun's store, which it held, with it" if gone == ["0"] and _store_gone() else "its watcher stopped"
             message = (f"node {', '.join(gone)} went away without a word ({type(e).__name__}: "
                        f"{_PEER_LOST.search(str(e)).group(0)}; {sign}): its launcher killed with kill -9, its "
                        "processes killed, or its machine or network gone")
@@ -359,19 +358,9 @@ def _say_once_for_this_node(message: str) -> None:
         print(f"megatron_mesh: error: {message}", file=sys.stderr, flush=True)
 
 
-def _store_gone() -> bool:
-    try:
-        _Job.of_worker().store(WATCH_STORE_TIMEOUT_S)
-        return False
-    except OSError:
-        return True
-    except Exception:  # noqa: BLE001 -- not a torchrun job
-        return False
-
-
-def _gone_nodes() -> list[str]:
+def _gone_nodes() -> tuple[list[str], str]:
     """The other nodes whose watcher beat (:meth:`_Job.beat`) and then did not for
-    :data:`GONE_AFTER_S`: nodes gone without a word (waits that long)."""
+    :data:`GONE_AFTER_S` -- nodes gone without a word (waits that long) --, and what showed it."""
     import time
 
     try:
@@ -380,11 +369,12 @@ def _gone_nodes() -> list[str]:
         keys = {str(n): f"{job.key}/alive/{n}" for n in range(job.nodes) if str(n) != job.node}
         before = {n: store.add(k, 0) for n, k in keys.items()}
         time.sleep(GONE_AFTER_S)
-        return [n for n, k in keys.items() if before[n] and store.add(k, 0) == before[n]]
+        return [n for n, k in keys.items() if before[n] and store.add(k, 0) == before[n]], "its watcher stopped"
     except OSError:  # the store does not answer: node 0, whose torchrun holds it, is gone
-        return ["0"] if os.environ.get("GROUP_RANK", "0") != "0" else []
+        gone = ["0"] if os.environ.get("GROUP_RANK", "0") != "0" else []
+        return gone, "torchrun's store, which it held, with it"
     except Exception:  # noqa: BLE001 -- not a torchrun job: no one to name
-        return []
+        return [], ""
 
 
 def _another_node_stopped(wait_s: float = 0.0) -> bool:

@@ -292,8 +292,7 @@ def start_checkpoint_results_queue(args) -> None:
     if args.save and args.ckpt_format == "torch_dist" and not args.async_save:
         from megatron.core.dist_checkpointing.strategies.filesystem_async import get_write_results_queue
 
-        with bootstrap.forked_children_die_with_this_process():  # kill -9 of the rank must not orphan it
-            get_write_results_queue(mp_mode="fork")
+        get_write_results_queue(mp_mode="fork")  # from the main thread: it dies with the rank (die_with_parent)
 
 
 def _train(argv) -> None:

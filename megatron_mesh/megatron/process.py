@@ -31,8 +31,8 @@ class ProcessState:
     """One process's start-up, exit and batch state (see the module docstring)."""
 
     gc_paused: bool = False  # pause_gc turned the collector off (resume_gc turns it on again, once)
-    fork_parent: list[int] = field(default_factory=list)  # inside forked_children_die_with_this_process
-    at_fork_registered: bool = False  # the after-fork hook is registered (once per process)
+    fork_parent: int = 0  # while os.fork runs from the main thread of a rank: its pid (bootstrap.die_with_parent)
+    at_fork_registered: bool = False  # the at-fork hooks are registered (once per process)
     checked: set[int] = field(default_factory=set)  # id() of the argument namespaces already checked
     failing: threading.Event = field(default_factory=threading.Event)  # stopping with its own message: it wins
     exiting: threading.Event = field(default_factory=threading.Event)  # its run has finished: the watcher stops

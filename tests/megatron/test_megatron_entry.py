@@ -837,22 +837,34 @@ def test_missing_dataset_files_are_named_at_start_up(tmp_path, monkeypatch):
 
 
 _FORKED = textwrap.dedent("""
-    import multiprocessing, os, sys, time
+    import multiprocessing, os, sys, threading, time
+    os.environ["TORCHELASTIC_RUN_ID"] = "test"
+    os.environ["MEGATRON_MESH_LAUNCHER_PID"] = str(os.getppid())
     from megatron_mesh.megatron import bootstrap
+    bootstrap.die_with_parent()
+    import torch
     # as pretrain_gpt.start_checkpoint_results_queue starts Megatron's result queue: a forked Manager
-    with bootstrap.forked_children_die_with_this_process():
-        manager = multiprocessing.get_context("fork").Manager()
+    manager = multiprocessing.get_context("fork").Manager()
+    # a data-loader worker, as Megatron's loader forks them (torch's default context on Linux)
+    loader = iter(torch.utils.data.DataLoader(range(1000), num_workers=1, prefetch_factor=1))
+    next(loader)
+    # forked from another thread: not tied (the signal fires when the forking thread ends)
     outside = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
-    outside.start()  # forked after the block: not tied to this process
-    print(manager._process.pid, outside.pid, flush=True)
+    thread = threading.Thread(target=outside.start)
+    thread.start(); thread.join()
+    time.sleep(1)  # the thread has ended: its child lives on
+    print(manager._process.pid, loader._workers[0].pid, outside.pid, int(outside.is_alive()), flush=True)
     time.sleep(60)
 """)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_ranks_forked_helpers_die_when_it_is_killed():
-    """kill -9 of a rank that forked its checkpoint result-queue manager: the manager goes too
-    (PR_SET_PDEATHSIG is not inherited across fork); a process forked outside the block is not tied."""
+    """kill -9 of a rank (a torchrun worker after die_with_parent): what it forked from its main
+    thread goes at once -- the checkpoint result-queue manager (which outlived it for ever before
+    stop 78) and a data-loader worker (which torch's watchdog took 2-20 s to stop, stop 80's review);
+    PR_SET_PDEATHSIG is not inherited across fork. A process forked from another thread is not tied
+    (it outlives that thread's end, and the rank)."""
     import signal
     import time
 
@@ -860,19 +872,23 @@ def test_a_ranks_forked_helpers_die_when_it_is_killed():
 
     proc = subprocess.Popen([sys.executable, "-c", _FORKED], stdout=subprocess.PIPE, text=True,
                             env=dict(os.environ, PYTHONPATH=ROOT))
+    pids = []
     try:
-        manager, outside = map(int, proc.stdout.readline().split())
+        *pids, alive = map(int, proc.stdout.readline().split())
+        manager, worker, outside = pids
+        assert alive == 1, "a child of an ended thread was killed with it"
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
-        deadline = time.monotonic() + 20
-        while psutil.pid_exists(manager) and psutil.Process(manager).status() != psutil.STATUS_ZOMBIE:
-            assert time.monotonic() < deadline, "the forked manager outlived the killed process"
-            time.sleep(0.1)
+        deadline = time.monotonic() + 1.5  # torch's watchdog alone would take longer (it polls every 5 s)
+        for pid, name in ((manager, "the forked manager"), (worker, "the data-loader worker")):
+            while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                assert time.monotonic() < deadline, f"{name} outlived the killed process"
+                time.sleep(0.05)
         assert psutil.pid_exists(outside)
     finally:
         proc.kill()
-        for pid in (locals().get("manager"), locals().get("outside")):
-            if pid and psutil.pid_exists(pid):
+        for pid in pids:
+            if psutil.pid_exists(pid):
                 os.kill(pid, signal.SIGKILL)
 
 
@@ -981,7 +997,7 @@ def test_a_node_gone_without_a_word_is_named_and_not_waited_for(monkeypatch):
     beating = threading.Thread(target=node_1_beats, daemon=True)
     beating.start()
     try:
-        assert errors._gone_nodes() == ["2"]
+        assert errors._gone_nodes() == (["2"], "its watcher stopped")
         server.set(f"{job.key}/read/1", "1")  # node 1 read the message; node 2 never will
         start = time.monotonic()
         job.wait_until_read(server, "0")  # node 0's own failure: up to STORE_NODE_WAIT_S for the others
@@ -991,4 +1007,4 @@ def test_a_node_gone_without_a_word_is_named_and_not_waited_for(monkeypatch):
         beating.join()
     del server  # node 0 gone, and its store with it
     monkeypatch.setenv("GROUP_RANK", "1")
-    assert errors._gone_nodes() == ["0"] and errors._store_gone()
+    assert errors._gone_nodes() == (["0"], "torchrun's store, which it held, with it")
