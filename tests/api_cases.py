@@ -196,6 +196,27 @@ def hostile(rank: int, world: int) -> dict:
     dist.barrier()
     dist.destroy_process_group(pair)
     dist.barrier()
+    # 2b. check_plans_over (the plan check over a gloo twin of an NCCL group) given on rank 0 alone:
+    # it raises there after its wait, naming the ranks that did not come -- the others would check
+    # their calls on the group, rank 0 on the twin, and every rank would wait for ever
+    from megatron_mesh.runtime.state import RUNTIME
+
+    world_group, ranks = dist.group.WORLD, list(range(world))
+    twin = dist.new_group(ranks, backend="gloo")
+    if rank == 0:
+        out["twin_on_one_rank"] = _outcome(lambda: mm.check_plans_over(world_group, twin, wait_s=2))
+        out["twin_on_one_rank_kept"] = RUNTIME.checks.check_group(world_group) is twin
+    dist.barrier()
+    dist.destroy_process_group(twin)  # its barrier's unanswered messages go with it
+    # given on every rank: the calls are checked over the twin, a disagreement still raises everywhere
+    twin = dist.new_group(ranks, backend="gloo")
+    out["twin_on_every_rank"] = _outcome(lambda: mm.check_plans_over(world_group, twin, wait_s=60))
+    out["twin_kept"] = RUNTIME.checks.check_group(world_group) is twin
+    out["twin_agree"] = _outcome(lambda: mm.ring_attention(q, k, v))
+    out["twin_disagree"] = _outcome(lambda: mm.ring_attention(q, k, v, softmax_scale=0.5 if rank == 1 else None))
+    RUNTIME.checks.forget_cpu_group(world_group)
+    dist.barrier()
+    dist.destroy_process_group(twin)
     # 3. destroy the default group and make a new one with the ranks reversed; group=None must
     # mean the new group (TASP's all-to-all transport and Mesh's P2P)
     path = [None]

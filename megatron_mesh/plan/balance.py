@@ -219,7 +219,7 @@ def balanced_layout(cu_seqlens, world_size: int, *, causal: bool = True, window=
                     ranks_per_node: int | None = None, portion_work: float = TUNABLES.portion_work,
                     node_portion_work: float | None = None, hide: bool = False) -> "BalancedLayout":
     """The work-balanced, document-aware layout of the documents ``cu_seqlens`` (0 = c0 < c1 <
-    ... < cn = S, S divisible by the CP size ``world_size``) under a causal (or full) mask with
+    ... < cn = S, S divisible by 2 x the CP size ``world_size``: equal, even token counts per rank) under a causal (or full) mask with
     ``window`` (left, right), or under ``mask`` (any mask kind, e.g. ``masks.chunked(8192)``: its work
     is what the layout balances; its documents, if any, must be these; or a
     :class:`~.maskkinds.MaskStack` of the layers' masks: their summed work) -- see the module docstring.

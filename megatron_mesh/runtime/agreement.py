@@ -235,16 +235,31 @@ def _skips(group, checks: GroupChecks) -> bool:
         return False
 
 
-def check_plans_over(group, cpu_group, checks: GroupChecks | None = None) -> None:
+TWIN_WAIT_S = 120.0  # how long check_plans_over waits for every rank of the group to give it
+
+
+def check_plans_over(group, cpu_group, checks: GroupChecks | None = None, wait_s: float = TWIN_WAIT_S) -> None:
     """Check the calls on ``group`` (an NCCL CP group) over ``cpu_group``, a gloo group of the same
     ranks in the same order, so that the check does not synchronise the host with the GPU once per
-    call (the module docstring). Every rank of the group must give it: the others would wait for
-    their check on ``group`` itself. ``checks`` as for :func:`check`. Example::
+    call (the module docstring). Collective: every rank of the group must give it -- a rank that did
+    not would check its calls on ``group`` while the others check on ``cpu_group``, and both would
+    wait for ever --, so it waits up to ``wait_s`` seconds for them (``monitored_barrier`` on
+    ``cpu_group``) and raises RuntimeError naming the ranks that did not come. ``checks`` as for
+    :func:`check`. Example::
 
         cp = dist.new_group(ranks)                        # NCCL
         megatron_mesh.check_plans_over(cp, dist.new_group(ranks, backend="gloo"))
     """
-    (RUNTIME.checks if checks is None else checks).use_cpu_group(group, cpu_group)
+    from datetime import timedelta
+
+    checks = RUNTIME.checks if checks is None else checks
+    checks.check_cpu_group(group, cpu_group)  # a wrong group is refused here, before any wait
+    try:
+        dist.monitored_barrier(group=cpu_group, timeout=timedelta(seconds=wait_s), wait_all_ranks=True)
+    except RuntimeError as e:
+        raise RuntimeError(f"check_plans_over: not every rank of the group gave it within {wait_s:g} s -- call it on "
+                           f"every rank of the group, with the same groups ({str(e).splitlines()[0]})") from None
+    checks.use_cpu_group(group, cpu_group)
 
 
 def check(comm, call: Call, checks: GroupChecks | None = None) -> None:

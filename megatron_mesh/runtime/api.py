@@ -257,10 +257,13 @@ def _autocast_dtype(q: Tensor) -> torch.dtype | None:
     autocast's lower-precision list), or None where autocast is off there. Without it an fp32 model
     under autocast ran this attention in fp32 without a word: right, and slower than it asked for."""
     device = q.device.type
-    # autocast's rule: floating point tensors but fp64 ones (an fp64 reference stays fp64)
-    if q.is_floating_point() and q.dtype != torch.float64 and torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
-    return None
+    if not q.is_floating_point() or q.dtype == torch.float64:  # autocast's rule: an fp64 reference stays fp64
+        return None
+    try:
+        enabled = torch.is_autocast_enabled(device)
+    except RuntimeError:  # a device type autocast does not know ("meta"): the kernel's check names the device
+        return None
+    return torch.get_autocast_dtype(device) if enabled else None
 
 
 def _options_doc(options_type: type, names: tuple[str, ...]) -> str:

@@ -129,9 +129,9 @@ def attention_mask(world_size: int, shape: AttentionShape, *, causal: bool | Non
         loose = {k: v for k, v in (("causal", causal), ("window", window), ("cu_seqlens", cu_seqlens)) if v is not None}
         if loose:
             raise ValueError(f"pass mask= or the loose causal/window/cu_seqlens arguments, not both: got mask "
-                             f"{mask.summary() if isinstance(mask, MaskKind) else repr(mask)} and {', '.join(f'{k}={v!r}' for k, v in loose.items())}")
+                             f"{mask.summary() if isinstance(mask, MaskKind) else _named(mask)} and {', '.join(f'{k}={v!r}' for k, v in loose.items())}")
         if not isinstance(mask, MaskKind):
-            raise ValueError(f"mask must be a mask of megatron_mesh.masks (e.g. masks.causal()), got {mask!r}")
+            raise ValueError(f"mask must be a mask of megatron_mesh.masks (e.g. masks.causal()), got {_named(mask)}")
     causal = True if causal is None else causal
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, got {causal!r}")
@@ -179,3 +179,10 @@ def _boundaries(cu_seqlens) -> list:
     if not all(isinstance(c, numbers.Integral) and not isinstance(c, bool) for c in cu_seqlens):
         raise ValueError(f"cu_seqlens must hold integers, got {cu_seqlens!r}")
     return cu_seqlens
+
+
+def _named(value) -> str:
+    """A value for an error message: a tensor by its type, shape and dtype (its repr prints every element)."""
+    if isinstance(value, Tensor):
+        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    return repr(value)

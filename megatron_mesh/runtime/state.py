@@ -64,6 +64,12 @@ class GroupChecks:
         result, need not wait for the GPU's queued work -- on an NCCL group it would, once per call,
         losing the lead the host gains while the GPU runs the layer's other work. ValueError for a
         group that is not gloo or holds other ranks."""
+        self.check_cpu_group(group, cpu_group)
+        self._cpu[group] = cpu_group
+
+    @staticmethod
+    def check_cpu_group(group, cpu_group) -> None:
+        """ValueError where ``cpu_group`` cannot check the calls on ``group`` (:meth:`use_cpu_group`)."""
         backend = dist.get_backend(cpu_group)
         if backend != "gloo":
             raise ValueError(f"the plan check's CPU group must be a gloo group, got a {backend} group")
@@ -71,7 +77,6 @@ class GroupChecks:
         if list(ranks) != list(cpu_ranks):
             raise ValueError(f"the plan check's CPU group must hold the ranks of its group in the same order, "
                              f"{list(ranks)}; got {list(cpu_ranks)}")
-        self._cpu[group] = cpu_group
 
     def forget_cpu_group(self, group) -> None:
         self._cpu.pop(group, None)

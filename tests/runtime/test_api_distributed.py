@@ -129,6 +129,20 @@ def test_a_rank_outside_the_group_is_told_so(results):
                               "was asked to attend over (torch.distributed.new_group was called without this rank)"), msg
 
 
+def test_a_gloo_twin_given_on_one_rank_only_is_an_error_not_a_hang(results):
+    """check_plans_over is collective: given on rank 0 alone, it raises there after its wait, naming
+    the ranks that did not come, and keeps nothing (a reviewer's hang, stop 81); given on every rank,
+    the calls are checked over the twin and ranks that disagree still raise, every one."""
+    msg = results[0]["twin_on_one_rank"]
+    assert msg.startswith("RuntimeError: check_plans_over: not every rank of the group gave it within 2 s -- call it "
+                          "on every rank of the group, with the same groups ("), msg
+    assert "1, 2, 3, 4, 5, 6, 7" in msg or "1-7" in msg, msg
+    assert results[0]["twin_on_one_rank_kept"] is False
+    for r in results:
+        assert (r["twin_on_every_rank"], r["twin_kept"], r["twin_agree"]) == ("ok", True, "ok")
+        assert r["twin_disagree"].startswith(MISMATCH) and "softmax_scale" in r["twin_disagree"], r["twin_disagree"]
+
+
 def test_group_none_follows_a_reinitialised_process_group(results):
     for r in results:
         for name, err in r["reinit"].items():
