@@ -226,7 +226,9 @@ class PluginCoreAttention(MegatronModule):
                 attn_mask_type: Optional[AttnMaskType] = None, attention_bias: Optional[Tensor] = None,
                 packed_seq_params=None) -> Tensor:
         """query [sq, b, heads, d] (or [t, heads, d] for THD), key/value likewise ->
-        [sq, b, heads * d].
+        [sq, b, heads * d] (THD: [t, heads * d], as Transformer Engine gives it: MLA's THD path cuts
+        the value head dim it padded per head from that 2-D form, and from a [t, 1, heads * d] one
+        kept the first head only -- a shape error in its output projection, stop 81's review).
 
         ``attention_mask`` is not applied: with a causal mask type it only repeats the causal
         structure (Transformer Engine ignores it the same way); documents come as boundaries
@@ -246,6 +248,8 @@ class PluginCoreAttention(MegatronModule):
         with self.telemetry.timing.compute_phase():
             out = self._with_documents(query, key, value, causal, packed_seq_params, where)
         out = mark_output(out)
+        if getattr(packed_seq_params, "qkv_format", None) == "thd":
+            return out.reshape(out.shape[0], -1)
         return out.reshape(out.shape[0], out.shape[1], -1)
 
     _mask_checked = False

@@ -25,7 +25,8 @@ DeepSeek-style layers (configs/deepseek_tiny_cpu.yaml: multi-latent attention, q
   global position, through the plugin's entry script (saving a checkpoint at iteration 2) and
   Megatron-LM's pretrain_gpt.py;
 * the balanced run's iteration-2 checkpoint resumed at CP 2 under ring on the zigzag through
-  Megatron-LM's pretrain_gpt.py.
+  Megatron-LM's pretrain_gpt.py;
+* CP 4 on THD packed sequences (``--cp-thd-packing``; ring, mesh, tasp, a2a+mesh).
 
 Each logs the CP 1 losses to 1e-5 relative.
 """
@@ -47,6 +48,8 @@ MLA_CONFIG = os.path.join(ROOT, "configs", "deepseek_tiny_cpu.yaml")
 HCP = ("--hierarchical-context-parallel-sizes", "2", "2")
 ZIGZAG_MODES = "mesh tasp ring a2a+mesh"
 BALANCED_MODES = "tasp mesh a2a+mesh ring"
+THD_MODES = "ring mesh tasp a2a+mesh"
+MLA_THD = ("--cp-thd-packing", "--cp-thd-pad-multiple", "8", "--calculate-per-token-loss")
 
 
 @pytest.fixture(scope="module")
@@ -74,11 +77,15 @@ def runs(doc_data, ckpts):
         "mla_balanced_cp4": (MLA_CONFIG, (), 4, 4, BALANCED_MODES, *HCP, "--cp-layout", "balanced", "--save",
                              ckpts["mla_balanced"], "--save-interval", "2"),
         "mlm_mla_balanced_cp4": (MLA_CONFIG, mlm, 4, 4, BALANCED_MODES, *HCP, "--cp-layout", "balanced"),
+        # THD packed sequences (Megatron pads MLA's values to the query head dim for them): the
+        # padding multiple fixed, and the loss per token, so that both CP sizes train alike
+        "mla_thd_cp1": (MLA_CONFIG, (), 1, 1, "mesh", *MLA_THD),
+        "mla_thd_cp4": (MLA_CONFIG, (), 4, 4, THD_MODES, *HCP, *MLA_THD),
         # Megatron-LM's script on the zigzag, resuming the balanced run's checkpoint
         "mlm_mla_resume_cp2": (MLA_CONFIG, mlm, 2, 2, "ring", "--cp-layout", "zigzag", "--load",
                                ckpts["mla_balanced"], "--ckpt-step", "2"),
     }
-    return run_all(lambda *spec: run(*spec), plan, together=("cp1", "mla_cp1"),
+    return run_all(lambda *spec: run(*spec), plan, together=("cp1", "mla_cp1", "mla_thd_cp1"),
                    then_together=("resume_cp2", "mlm_mla_resume_cp2"))
 
 
@@ -167,3 +174,14 @@ def test_mla_checkpoint_resumes_at_cp2_under_another_mode_layout_and_script(runs
     assert_losses_equal(losses(text), losses(run_ok(runs, "mla_cp1")), iterations=[3], rel=RTOL)
     assert "layers 1-4: ring (CP 2" in text or "layer 1: ring (CP 2" in text, text[-3000:]
     assert _summary(text).count("documents positions, layout zigzag)") >= 1, _summary(text)
+
+
+def test_mla_on_thd_packed_sequences_cp4_matches_cp1(runs):
+    """MLA with --cp-thd-packing: Megatron pads the values to the query head dim for THD and cuts
+    the padding per head from the core attention's [t, heads x dim] output -- a [t, 1, heads x
+    dim] one lost every head but the first, and the output projection raised a shape error at CP 1
+    and CP > 1 alike (stop 81's review)."""
+    summary = _matches_cp1(runs, "mla_thd_cp1", "mla_thd_cp4")
+    for i, mode in enumerate(THD_MODES.split(), 1):
+        assert f"layer {i}: {mode} (CP 4" in summary, summary
+    assert summary.count("documents thd)") == 4, summary
