@@ -126,7 +126,9 @@ def _general() -> tuple[Flag, ...]:
                   "Transformer Engine's THD layout (packed_seq_params, qkv_format thd), every document padded to a "
                   "multiple of --cp-thd-pad-multiple; needs --micro-batch-size 1"),
         Flag("--cp-thd-pad-multiple", None, type=int,
-             help="padding multiple of --cp-thd-packing (a multiple of 2 x CP size; default 2 x CP size)"),
+             help="padding multiple of --cp-thd-packing (a multiple of 2 x CP size; default 2 x CP size, so runs at "
+                  "other CP sizes pad, and train on, other sequences: give one multiple of 2 x the largest CP size "
+                  "to compare CP sizes)"),
     )
 
 
