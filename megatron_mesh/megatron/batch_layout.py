@@ -54,12 +54,14 @@ import torch
 from torch import Tensor
 
 from ..plan.layout import Layout, ZigzagLayout, positions
+from ..plan.layouts import SampleLayoutError
+from .errors import fail
 from .layout_decision import sample_choice, sample_layout, uses_balanced_layout
 from .process import PROCESS, ProcessState
 from .settings import BATCH_DOCUMENTS, PluginSettings
 
 __all__ = ["sample_layout", "uses_balanced_layout", "eod_token", "eod_starts", "position_starts", "document_rows",
-           "boundary_params", "BatchLayout", "split_batch", "set_current", "current",
+           "boundary_params", "BatchLayout", "step_layout", "split_batch", "set_current", "current",
            "follow_layout", "add_rope_hook", "install", "Lookahead", "install_lookahead"]
 
 logger = logging.getLogger(__name__)
@@ -281,6 +283,17 @@ def check_rope_follows(args, process: ProcessState = PROCESS) -> None:
 
 
 # -- get_batch: the plugin's entry script, and Megatron-LM's own scripts -------------------------------------
+def step_layout(rows, args, rank: int, settings: Optional[PluginSettings] = None,
+                process: ProcessState = PROCESS) -> BatchLayout:
+    """:meth:`BatchLayout.of` for the micro-batch a training step runs: a sample the layout kind
+    cannot lay out (``--cp-layout owners`` on short documents) stops the run in one line per node
+    -- every CP rank of the sample raises alike -- instead of a traceback per rank."""
+    try:
+        return BatchLayout.of(rows, args, rank, settings)
+    except SampleLayoutError as e:
+        fail(str(e), at_once=True, process=process)
+
+
 def split_batch(batch: dict, source: str, args, cp_group, eod: Optional[int] = None,
                 settings: Optional[PluginSettings] = None, process: ProcessState = PROCESS) -> BatchLayout:
     """The documents of the full micro-batch ``batch`` (from ``source``, see :func:`document_rows`;
@@ -295,7 +308,7 @@ def split_batch(batch: dict, source: str, args, cp_group, eod: Optional[int] = N
             and shared.cp == args.context_parallel_size:
         layout = shared
     else:
-        layout = BatchLayout.of(document_rows(batch, source, eod) if rows is None else rows, args, rank, settings)
+        layout = step_layout(document_rows(batch, source, eod) if rows is None else rows, args, rank, settings, process)
     process.layout_kinds.update(layout.kinds)
     if layout.balanced:
         check_rope_follows(args, process)

@@ -187,7 +187,7 @@ class _Step:
         batches carry the documents)."""
         from megatron.core import parallel_state as mpu
 
-        from .batch_layout import BatchLayout, document_rows, set_current
+        from .batch_layout import document_rows, set_current, step_layout
 
         if not 0 <= i < self.source.shape[0]:
             raise RuntimeError(f"megatron_mesh: Megatron's schedule ran micro-batch {i} of a step of "
@@ -196,7 +196,7 @@ class _Step:
         if got is None:
             name = "positions" if self.settings.documents == "positions" else "eod"
             rows = document_rows({SOURCE_KEY[self.settings.documents]: self.source[i]}, name, self.eod)
-            layout = (BatchLayout.of(rows, self.args, mpu.get_context_parallel_rank(), self.settings)
+            layout = (step_layout(rows, self.args, mpu.get_context_parallel_rank(), self.settings, self.process)
                       if self.settings.documents in BATCH_DOCUMENTS else None)
             got = self.made[i] = (rows, layout)
         self.process.pipeline_rows = got[0]

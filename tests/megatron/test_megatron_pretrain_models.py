@@ -81,12 +81,14 @@ def runs(doc_data, ckpts):
         # padding multiple fixed, and the loss per token, so that both CP sizes train alike
         "mla_thd_cp1": (MLA_CONFIG, (), 1, 1, "mesh", *MLA_THD),
         "mla_thd_cp4": (MLA_CONFIG, (), 4, 4, THD_MODES, *HCP, *MLA_THD),
+        # Mesh's owners layout needs long documents: these samples have none
+        "mla_owners_cp2": (MLA_CONFIG, (), 2, 2, "mesh", "--cp-layout", "owners"),
         # Megatron-LM's script on the zigzag, resuming the balanced run's checkpoint
         "mlm_mla_resume_cp2": (MLA_CONFIG, mlm, 2, 2, "ring", "--cp-layout", "zigzag", "--load",
                                ckpts["mla_balanced"], "--ckpt-step", "2"),
     }
     return run_all(lambda *spec: run(*spec), plan, together=("cp1", "mla_cp1", "mla_thd_cp1"),
-                   then_together=("resume_cp2", "mlm_mla_resume_cp2"))
+                   then_together=("resume_cp2", "mlm_mla_resume_cp2", "mla_owners_cp2"))
 
 
 def _summary(text: str) -> str:
@@ -185,3 +187,13 @@ def test_mla_on_thd_packed_sequences_cp4_matches_cp1(runs):
     for i, mode in enumerate(THD_MODES.split(), 1):
         assert f"layer {i}: {mode} (CP 4" in summary, summary
     assert summary.count("documents thd)") == 4, summary
+
+
+def test_a_sample_the_owners_layout_cannot_lay_out_stops_the_run_in_one_line(runs):
+    """--cp-layout owners on samples without a long document passes start-up (other samples could
+    have one) and stops at the first such sample: one line per node naming the sample and the
+    layouts that lay out every one, status 2 -- not a traceback per rank (stop 81's review)."""
+    rc, text = runs["mla_owners_cp2"]
+    assert rc == 2, text[-3000:]
+    assert text.count("megatron_mesh: error: --cp-layout owners: no layout of a sample of ") == 1, text[-3000:]
+    assert "--cp-layout balanced lays out every sample" in text and "Traceback" not in text, text[-3000:]

@@ -9,12 +9,12 @@ from .auto import AutoKind
 from .balanced import BalancedKind
 from .balanced_hide import BalancedHideKind
 from .owners import OwnersKind
-from .base import (DEFAULT_LAYOUT, LAYOUTS, REFERENCE_LAYOUT, LayoutKind, Sample, cp_layout_names, get_layout_kind,
-                   layout_names, register)
+from .base import (DEFAULT_LAYOUT, LAYOUTS, REFERENCE_LAYOUT, LayoutKind, Sample, SampleLayoutError, cp_layout_names,
+                   get_layout_kind, layout_names, register)
 from .thd import ThdKind, thd_layout
 from .zigzag import ZigzagKind
 
-__all__ = ["LayoutKind", "Sample", "LAYOUTS", "register", "get_layout_kind", "layout_names", "cp_layout_names",
+__all__ = ["LayoutKind", "Sample", "SampleLayoutError", "LAYOUTS", "register", "get_layout_kind", "layout_names", "cp_layout_names",
            "DEFAULT_LAYOUT", "REFERENCE_LAYOUT", "thd_layout", "ZigzagKind", "ThdKind", "BalancedKind",
            "BalancedHideKind", "OwnersKind", "AutoKind"]
 

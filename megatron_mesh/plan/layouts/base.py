@@ -28,7 +28,7 @@ from ..shape import AttentionShape
 from ..sparse_needs import KEEP_LIMIT, check_keep_limit
 from ..topology import Topology
 
-__all__ = ["LayoutKind", "Sample", "LAYOUTS", "register", "get_layout_kind", "layout_names", "cp_layout_names",
+__all__ = ["LayoutKind", "Sample", "SampleLayoutError", "LAYOUTS", "register", "get_layout_kind", "layout_names", "cp_layout_names",
            "DEFAULT_LAYOUT", "REFERENCE_LAYOUT"]
 
 # Megatron's --cp-layout when it is left out (why: docs/megatron.md, "Packed documents: the CP layout")
@@ -36,6 +36,11 @@ DEFAULT_LAYOUT = "auto"
 # Megatron's own layout: the one the others are compared against, and the only one the planner
 # plans without documents (the others place documents)
 REFERENCE_LAYOUT = "zigzag"
+
+
+class SampleLayoutError(ValueError):
+    """A layout kind cannot lay out one sample's documents (its settings are fine: another sample
+    may pass) -- a run stops on it, naming the sample and the kinds that lay out every one."""
 
 
 @dataclass(frozen=True)

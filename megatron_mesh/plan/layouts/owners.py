@@ -30,7 +30,7 @@ from ..mask import documents_of
 from ..modes import MODES, get_mode, resolve
 from ..shape import AttentionShape
 from ..simulate import simulate
-from .base import LayoutKind, Sample
+from .base import LayoutKind, Sample, SampleLayoutError
 
 __all__ = ["OwnersKind", "step_time", "beats_the_zigzag"]
 
@@ -68,7 +68,7 @@ class OwnersKind(LayoutKind):
         except ValueError as e:  # the documents: say which sample, and what lays out every one
             cu = sample.cu_seqlens
             lengths = [b - a for a, b in zip(cu, cu[1:])]
-            raise ValueError(f"{self.flag}: no layout of a sample of {len(lengths)} documents (longest {max(lengths)} "
+            raise SampleLayoutError(f"{self.flag}: no layout of a sample of {len(lengths)} documents (longest {max(lengths)} "
                              f"of {cu[-1]} tokens) over {sample.world_size} ranks: {e}; --cp-layout balanced lays out "
                              "every sample, --cp-layout auto uses this one where it lays a sample out and Mesh runs "
                              "faster on it") from None
