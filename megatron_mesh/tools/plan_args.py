@@ -115,7 +115,9 @@ def _mask_arguments(g) -> None:
 
 def _machine_arguments(t) -> None:
     d = Topology()
-    t.add_argument("--nodes", type=int, default=None, help="nodes U (default: ceil(P / gpus-per-node))")
+    t.add_argument("--nodes", type=int, default=None, help="nodes U of the machine (default: ceil(P / gpus-per-node)); "
+                   "the CP ranks fill nodes of --gpus-per-node ranks in order, so to spread P ranks over U nodes give "
+                   "--gpus-per-node P/U")
     t.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node, help="CP ranks per node M")
     t.add_argument("--intra-bandwidth", type=float, default=d.intra_bandwidth / 1e9, help="GB/s per GPU per direction")
     t.add_argument("--inter-bandwidth", type=float, default=d.inter_bandwidth / 1e9, help="GB/s per GPU per direction")

@@ -191,7 +191,13 @@ def _header(args, world_size: int, shape: AttentionShape, topo: Topology, mask: 
         what = what.split(",docs=")[0] + f", {len(lens)} documents of mean {sum(lens) / len(lens):,.0f} tokens"
         if len(layouts) == 1:  # the table has a layout column only when it compares several
             what += f"; every row on the {layouts[0]} layout"
-    return (f"CP {world_size} on {topo.nodes_used(world_size)} node(s) x {topo.gpus_per_node} GPUs; sequence "
+    used = topo.nodes_used(world_size)
+    spread = (f" (of the machine's {topo.nodes} nodes: the CP ranks fill nodes of --gpus-per-node {topo.gpus_per_node} in "
+              f"order; --gpus-per-node {world_size // topo.nodes} spreads them over all {topo.nodes})"
+              if used < topo.nodes and world_size % topo.nodes == 0 else
+              f" (of the machine's {topo.nodes} nodes: the CP ranks fill nodes of --gpus-per-node {topo.gpus_per_node} in order)"
+              if used < topo.nodes else "")
+    return (f"CP {world_size} on {used} node(s) x {topo.gpus_per_node} GPUs{spread}; sequence "
             f"{args.seq_len:,} tokens ({shape.seq_local:,} per rank), batch {shape.batch}, heads {shape.heads}/"
             f"{shape.kv_heads}, {shape.dims_text}, {args.dtype}, {what}\n"
             f"machine: {topo.describe()}\n"
@@ -207,7 +213,9 @@ def _explain(rows, floor: float | None) -> str:
         pool = [r for r in rows if r.layout == layout and "breakdown" in r.extra]
         if not pool:
             continue
-        best = min(pool, key=lambda r: r.time_s)
+        # the row auto recommends where there is one (it may take a row within 1 % of the fastest that
+        # sends fewer bytes across nodes); else the fastest
+        best = next((r for r in pool if r.mode == AUTO), None) or min(pool, key=lambda r: r.time_s)
         name = f"auto = {best.detail.split(':')[0]}" if best.mode == "auto" and best.detail else best.mode
         what = name + (f", all-to-all {best.ulysses}" if best.ulysses > 1 else "") + \
             (f", tile {best.tile[0]}x{best.tile[1]}" if best.tile and best.tile[0] > 1 else "")
@@ -262,14 +270,57 @@ def _mean_samples(planned) -> tuple:
     """Several samples' (rows, skipped, floor, bounds) as one: each row's mean over the samples
     (:func:`mean_rows`), per row left out the first sample's reason (they differ in counts only)
     and what some sample could not plan, the mean floor and bounds."""
+    planned, short = _complete_samples(planned)
     rows, missing = mean_rows([r for r, _, _, _ in planned])
     first: dict[str, dict] = {}
     for _, skipped, _, _ in planned:
         for x in skipped:
             first.setdefault(x["mode"], x)
+    missing += short
     n = len(planned)
     bounds = None if planned[0][3] is None else tuple(sum(p[3][i] for p in planned) / n for i in range(3))
     return rows, list(first.values()) + missing, sum(p[2] for p in planned) / n, bounds
+
+
+def _complete_samples(planned) -> tuple[list, list[dict]]:
+    """The samples whose rows a mean can take, and an entry of the table's "not available" list
+    for those left out: a sample planned after the others had spent the planning budget lacks
+    rows they have, and a row missing from one sample is left out of the mean -- with --samples 3
+    every row was ("planned in 2 of the 3 samples only", stop 81's review), an empty table. The
+    sample the budget cut short that planned the fewest rows is left out while that leaves more
+    rows planned in every sample still in (samples whose rows differ by their documents -- a
+    layout that cannot lay one out -- are all kept, as before)."""
+    keys = [_row_keys(rows) for rows, _, _, _ in planned]
+    cut = [any(_past_budget(x) for x in skipped) for _, skipped, _, _ in planned]
+    kept = list(range(len(planned)))
+    while len(kept) > 1 and any(cut[i] for i in kept):
+        common = set.intersection(*(keys[i] for i in kept))
+        fewest = min((i for i in kept if cut[i]), key=lambda i: len(keys[i]))
+        rest = [i for i in kept if i != fewest]
+        if len(set.intersection(*(keys[i] for i in rest))) <= len(common):
+            break
+        kept = rest
+    left = [i for i in range(len(planned)) if i not in kept]
+    if not left:
+        return planned, []
+    return [planned[i] for i in kept], [{
+        "mode": f"sample {i + 1} of {len(planned)}",
+        "reason": f"planned {len(keys[i])} of the {max(map(len, keys))} rows the others planned (past the planning "
+                  f"budget); every number is the mean over the {len(kept)} other samples; --plan-budget 0 plans every "
+                  "row"} for i in left]
+
+
+def _past_budget(skipped: dict) -> bool:
+    """Whether a "not available" entry is a row the planning budget left out."""
+    return "planning budget" in skipped.get("reason", "")
+
+
+def _row_keys(rows) -> set:
+    """A sample's rows as :func:`~.planner.mean_rows` matches them across samples."""
+    seen: dict = {}
+    for r in rows:
+        seen[r.layout, r.mode] = seen.get((r.layout, r.mode), -1) + 1
+    return {(layout, mode, k) for (layout, mode), n in seen.items() for k in range(n + 1)}
 
 
 def _bounds_line(bounds, samples: int) -> str:
@@ -374,6 +425,19 @@ def _json(args, got: _Planned) -> str:
                        "planner_seconds": got.elapsed, "plot_seconds": got.plot_s}, indent=1)
 
 
+def _budget_note(got: _Planned) -> str:
+    """Where --plan-budget left rows (or samples) out: one line saying that what the table and its
+    best rows say is of the rows planned only -- a layout or a mode left out may be faster."""
+    left = [x for x in got.skipped if _past_budget(x)]
+    if not left:
+        return ""
+    what = "no row was planned" if not got.rows else f"{len(left)} entr{'y' if len(left) == 1 else 'ies'} of the list " \
+        "above not planned"
+    return (f"note: {what} within the planning budget (--plan-budget, CPU seconds): the fastest row and the fewest bytes "
+            "are among the rows planned only, and a layout or mode left out may be faster; --plan-budget 0 plans "
+            "every row")
+
+
 def _report(args, got: _Planned) -> str:
     """The table with its header, floor, bounds, best rows and (--explain) where the time goes."""
     seeds, floor, bounds = got.seeds, got.floor, got.bounds
@@ -394,6 +458,9 @@ def _report(args, got: _Planned) -> str:
         out.append("\n" + best)
         if len(seeds) == 1 and random_docs(args.docs):  # which layout wins can change from sample to sample
             out.append(f"(one sample of --docs, --seed {args.seed}: --samples N gives the mean over N samples)")
+    short = _budget_note(got)
+    if short:
+        out.append(short)
     if args.explain:
         out.append(_explain(got.rows, floor))
     out.append(f"\n(planned and simulated in {got.elapsed:.2f} s" + (

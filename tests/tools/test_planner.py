@@ -1287,3 +1287,45 @@ def test_cli_backward_keep_limit(capsys):
     assert "--backward-keep-limit must be a number >= 0" in capsys.readouterr().err
     assert main([*argv, "--backward-keep-limit", "3", "--backward-chunks", "refetch"]) == 2
     assert "a keep limit (3.0) applies only with backward chunks 'auto', got 'refetch'" in capsys.readouterr().err
+
+
+def test_a_sample_past_the_budget_is_left_out_of_the_mean_not_every_row():
+    """--samples 3 where the third sample's share of --plan-budget planned nothing: the mean is over
+    the two samples that planned every row, and the table names the sample left out -- every row was
+    "planned in 2 of the 3 samples only", an empty table (stop 81's review). Samples that planned
+    the same rows are all kept; one short of a single row is left out only where that keeps more rows."""
+    from megatron_mesh.tools.plan_cli import _complete_samples
+
+    shape = AttentionShape(seq_local=256, heads=4, kv_heads=2, head_dim=8)
+    rows, _ = evaluate(4, shape, Topology(), modes=("ring", "mesh", "tasp"))
+    past = [{"mode": "tasp", "reason": "left out up front, past the planning budget"}]
+    full, half, empty = (rows, [], 1.0, None), (rows[:1], past, 1.0, None), ([], past, 1.0, None)
+    kept, short = _complete_samples([full, full, empty])
+    assert kept == [full, full]
+    assert short == [{"mode": "sample 3 of 3", "reason": f"planned 0 of the {len(rows)} rows the others planned (past "
+                      "the planning budget); every number is the mean over the 2 other samples; --plan-budget 0 plans "
+                      "every row"}]
+    assert _complete_samples([full, full]) == ([full, full], [])
+    kept, short = _complete_samples([half, full])  # leaving out the short one keeps more rows
+    assert kept == [full] and short[0]["mode"] == "sample 1 of 2"
+    other = (rows[:1], [], 1.0, None)  # short by its documents, not by the budget: kept
+    assert _complete_samples([other, full]) == ([other, full], [])
+
+
+def test_the_report_says_when_the_budget_left_rows_out_and_explains_autos_pick(capsys):
+    """Rows past --plan-budget: a note under the fastest row says it is the fastest of the rows
+    planned only; --explain explains the row auto recommends (a row within 1 % may be faster)."""
+    argv = ["--cp", "16", "--seq-len", "65536", "--docs", "lognormal:4096,1", "--modes", "ring,tasp,auto",
+            "--layout", "all", "--plan-budget", "0.5"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "note: " in out and "within the planning budget (--plan-budget, CPU seconds): the fastest row and the " \
+        "fewest bytes are among the rows planned only" in out, out[-3000:]
+    small = ["--cp", "8", "--seq-len", "16384", "--modes", "ring,tasp,auto", "--explain"]
+    auto = next(r for r in _json(capsys, *small)["modes"] if r["mode"] == "auto")
+    assert main(small) == 0
+    out = capsys.readouterr().out
+    assert "note: " not in out
+    explained = next(x for x in out.splitlines() if x.startswith("where the time goes: "))
+    assert explained.startswith(f"where the time goes: auto = {auto['detail'].split(':')[0]}"), explained
+    assert f", {auto['time_s'] * 1e3:.2f} ms" in explained, (explained, auto["time_s"])
