@@ -104,6 +104,7 @@ def validate_args(args, have_te: bool | None = None, *, entry_packs_documents: b
     if uses_plugin_spec(args) and args.transformer_impl == "transformer_engine" and not have_te:
         raise ValueError("--transformer-impl transformer_engine (Megatron's default) needs Transformer Engine, which "
                          f"is not usable here ({te_reason or 'not installed'}); pass --transformer-impl local")
+    _check_plugin_spec(args, have_te, te_reason)
     settings = PluginSettings.from_args(args, entry_packs_documents=entry_packs_documents,
                                         batch_documents=batch_documents)  # ValueError: a value no flag takes
     problem = problem_of(args, settings)
@@ -337,13 +338,34 @@ def _check_thd_flags(args, settings: PluginSettings, cp: int, entry_packs_docume
             raise ValueError(f"--cp-thd-packing packs one sequence per micro-batch: {flag} must be 1, got {micro}")
 
 
+def _check_plugin_spec(args, have_te: bool, te_reason: str | None) -> None:
+    """What the plugin's spec (``--spec megatron_mesh.megatron.spec FUNCTION``) cannot build, at any CP
+    size, in one line before anything is built (stop 81's review: each was a traceback per rank):
+    Megatron's hybrid (Mamba) models, whose scripts take ``--spec`` as the stack of their layers,
+    not a GPT layer; the Transformer Engine spec without Transformer Engine."""
+    if not uses_plugin_spec(args):
+        return
+    spec = " ".join(str(x) for x in args.spec)
+    pattern = getattr(args, "hybrid_layer_pattern", None) or getattr(args, "hybrid_override_pattern", None)
+    if pattern or getattr(args, "is_hybrid_model", False):
+        raise ValueError(f"--spec {spec} builds GPT layers (the plugin's attention in Megatron's GPT layer), not the "
+                         f"layers of a hybrid (Mamba) model{f' (--hybrid-layer-pattern {pattern})' if pattern else ''}: "
+                         "run the plugin's CP modes with a GPT script (pretrain_gpt.py, scripts/pretrain_gpt.sh)")
+    if args.spec[-1] == "gpt_te_layer_spec" and not have_te:
+        reason = te_reason or "not installed"
+        raise ValueError(f"--spec {spec} needs Transformer Engine, which is not usable here ({reason}); use --spec "
+                         "megatron_mesh.megatron.spec gpt_layer_spec (Megatron's local layers under --transformer-impl "
+                         "local)")
+
+
 def _check_plugin_layers(args, settings: PluginSettings, cp: int, active: set, passes_documents: bool) -> None:
     """What layers running a plugin mode at CP > 1 need from the rest of the command line
     (``passes_documents``: the entry hands them document boundaries)."""
     plugin = ", ".join(m for m in plugin_modes() if m in active)
-    if not args.spec or args.spec[0] == "local":
+    if not args.spec or args.spec[0] == "local" or str(args.spec[0]).split(".")[0] == "megatron":
+        given = f" (given: --spec {' '.join(str(x) for x in args.spec)}, Megatron's own)" if args.spec else ""
         raise ValueError(f"--cp-comm-type {plugin} needs the plugin's layer spec: add --spec megatron_mesh.megatron.spec "
-                         "gpt_layer_spec (Megatron's own spec has no plugin attention)")
+                         f"gpt_layer_spec (Megatron's own spec has no plugin attention){given}")
     if args.attention_dropout:
         raise ValueError(f"--attention-dropout {args.attention_dropout}: the plugin modes "
                          f"({', '.join(plugin_modes())}) support only 0 at CP > 1 (pass --attention-dropout 0)")

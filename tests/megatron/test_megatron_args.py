@@ -60,6 +60,18 @@ def test_valid_flags(megatron_args, argv):
      "a2a+tasp, a2a+ring; "
      "Transformer Engine modes p2p, a2a, all_gather, a2a+p2p"),
     (["--context-parallel-size", "1", "--cp-comm-type", "allgather"], "Transformer Engine spells it 'all_gather'"),
+    # specs the plugin's modes cannot run in (stop 81's review of Megatron-LM's own scripts: a traceback per rank)
+    (["--context-parallel-size", "2", "--cp-comm-type", "mesh", "--attention-dropout", "0", "--spec",
+      "megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec"],
+     "--cp-comm-type mesh needs the plugin's layer spec: add --spec megatron_mesh.megatron.spec gpt_layer_spec "
+     "(Megatron's own spec has no plugin attention) (given: --spec megatron.core.models.gpt.gpt_layer_specs "
+     "get_gpt_layer_local_spec, Megatron's own)"),
+    (["--context-parallel-size", "1", "--hybrid-layer-pattern", "*-*-"],
+     "--spec megatron_mesh.megatron.spec gpt_layer_spec builds GPT layers (the plugin's attention in Megatron's GPT "
+     "layer), not the layers of a hybrid (Mamba) model (--hybrid-layer-pattern *-*-)"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "mesh", "--spec", "megatron_mesh.megatron.spec",
+      "gpt_te_layer_spec"], "--spec megatron_mesh.megatron.spec gpt_te_layer_spec needs Transformer Engine, which is "
+     "not usable here (not installed); use --spec megatron_mesh.megatron.spec gpt_layer_spec"),
     (["--context-parallel-size", "4", "--cp-comm-type", "p2p"],
      "--cp-comm-type p2p is a Transformer Engine mode, but Transformer Engine is not usable here (not installed); "
      "use ring (the same algorithm: zigzag ring attention)"),
