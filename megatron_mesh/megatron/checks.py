@@ -66,8 +66,9 @@ def check_modes(modes, num_layers: int, cp_size: int, have_te: bool, te_reason: 
     if cp_size > 1 and te_used and not have_te:
         instead = ("use ring (the same algorithm: zigzag ring attention)" if te_used == ["p2p"]
                    else f"use one of {', '.join(plugin_modes())}")
-        raise ValueError(f"--cp-comm-type {te_used[0]} is a Transformer Engine mode, but Transformer Engine is "
-                         f"not usable here ({te_reason or 'not installed'}); {instead}")
+        default = " (Megatron's default where --cp-comm-type is not given)" if te_used[0] == "p2p" else ""
+        raise ValueError(f"--cp-comm-type {te_used[0]}{default} is a Transformer Engine mode, but Transformer Engine "
+                         f"is not usable here ({te_reason or 'not installed'}); {instead}")
 
 
 
