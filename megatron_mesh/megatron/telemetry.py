@@ -393,8 +393,8 @@ class Telemetry(_Shared):
         the same samples; a data-parallel replica its own."""
         counts, self.layouts_since_log = self.layouts_since_log, collections.Counter()
         settings = plugin_settings(self.args) if counts else None
-        if settings is None or not settings.layout.derived_from:
-            return
+        if settings is None or not settings.layout.derived_from or self.args.context_parallel_size == 1:
+            return  # at CP 1 every sample runs on the one rank: no layout to pick
         if not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1:
             ran = ", ".join(f"{name} {n}" for name, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
             logger.info("megatron_mesh: --cp-layout %s ran this rank's %d samples since the last log on: %s",

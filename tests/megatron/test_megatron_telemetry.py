@@ -157,12 +157,12 @@ def test_iteration_records_bytes_per_peer_and_attention_work(tmp_path):
 def test_the_layouts_samples_ran_on_in_the_log_and_the_records(tmp_path, caplog):
     """Under --cp-layout auto, at each --log-interval, which layouts this rank's samples ran on since
     the last log (the batch split counts them in the process state); every iteration's record holds
-    its own; under a layout of one kind the records only."""
-    for layout, logged in (("auto", True), ("balanced", False)):
+    its own; under a layout of one kind, and at CP 1 (no layout to pick), the records only."""
+    for layout, cp, logged in (("auto", 4, True), ("balanced", 4, False), ("auto", 1, False)):
         process = ProcessState()
-        out = tmp_path / layout
-        tel = telemetry.Telemetry(types.SimpleNamespace(log_interval=2, cp_layout=layout), MetricsWriter(str(out), 0, 1),
-                                  process=process)
+        out = tmp_path / f"{layout}{cp}"
+        tel = telemetry.Telemetry(types.SimpleNamespace(log_interval=2, cp_layout=layout, context_parallel_size=cp),
+                                  MetricsWriter(str(out), 0, 1), process=process)
         caplog.clear()
         with caplog.at_level(logging.INFO, logger=telemetry.__name__):
             for it, kinds in enumerate(({"balanced": 1, "owners": 1}, {"zigzag": 2}, {}, {"owners": 1}), 1):
