@@ -203,7 +203,12 @@ def _header(args, world_size: int, shape: AttentionShape, topo: Topology, mask: 
             f"machine: {topo.describe()}\n"
             "bytes: sent per rank, forward + backward, one attention layer -- 'max': the busiest rank's, 'mean': the "
             "mean over the ranks (intra mean + inter mean = the mean rank's bytes, at most bytes max); time: "
-            "simulated forward + backward\n")
+            "simulated forward + backward\n"
+            "columns: a2a: the all-to-all degree U of the a2a+ modes ('U 8' below); tile: Mesh's a x b; order: which "
+            "Mesh ring is made of consecutive CP ranks (q or kv, --mesh-contiguous); rounds: communication rounds of a "
+            "call; peak buf: the largest memory a rank's receive buffers hold at once; exposed ms: time not hidden "
+            "behind compute (time ms - the busiest rank's compute); host ms: the slowest rank's host issuing its torch "
+            "ops ('!': longer than its device's work)\n")
 
 
 def _explain(rows, floor: float | None) -> str:
