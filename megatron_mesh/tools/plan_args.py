@@ -259,14 +259,20 @@ def document_bounds(spec: str, seq_len: int, seed: int = 0) -> list[int]:
         try:
             if kind == "one":
                 n = int(val)
-                if not 1 <= n <= seq_len - cu[-1]:
+                if n >= 1 and n > seq_len - cu[-1]:  # the value is fine, the sequence too short for it
+                    raise ValueError(f"--docs {spec!r}: {part!r} is longer than the {seq_len - cu[-1]} tokens of "
+                                     f"--seq-len {seq_len} left after the documents before it; give a longer --seq-len "
+                                     "or a shorter document")
+                if n < 1:
                     raise ValueError
                 cu.append(cu[-1] + n)
                 continue
             if i != len(parts) - 1:  # a filling part leaves nothing for the parts after it
                 raise ValueError
             draw = _length_draw(kind, val, seq_len, seed)
-        except ValueError:
+        except ValueError as e:
+            if str(e).startswith("--docs "):  # already says what is wrong
+                raise
             raise ValueError(f"--docs {spec!r} {allowed}; {part!r} at {cu[-1]} of {seq_len} tokens") from None
         if cu[-1] == seq_len:
             raise ValueError(f"--docs {spec!r}: {part!r} fills nothing, the one:N documents before it already cover "

@@ -130,7 +130,12 @@ def test_plot_figure_shows_every_line_and_the_time_relative_to_ring():
        "MEAN <= --seq-len 8192, SIGMA >= 0\\)")
       for spec in ("lognormal:inf,1", "lognormal:nan,1", "lognormal:64,nan", "lognormal:64,1e308", "lognormal:0.5,1",
                    "lognormal:9000,1", "fixed:100000", "fixed:0", "fixed:-3", "fixed:2.5", "fixed:", "poisson:4",
-                   "one:9000+fixed:4", "one:8000+one:500", "fixed:4+one:4", "one:x")],
+                   "fixed:4+one:4", "one:x", "one:0+fixed:4")],
+    # a document longer than what is left of the sequence: said as such (stop 81's review)
+    (["--seq-len", "8192", "--docs", "one:9000+fixed:4"], "--docs 'one:9000\\+fixed:4': 'one:9000' is longer than the "
+     "8192 tokens of --seq-len 8192 left after the documents before it; give a longer --seq-len or a shorter document"),
+    (["--seq-len", "8192", "--docs", "one:8000+one:500"], "'one:500' is longer than the 192 tokens of --seq-len 8192 "
+     "left"),
     (["--seq-len", "8192", "--docs", "one:4096"], "its one:N documents cover 4096 of --seq-len 8192 tokens"),
     (["--seq-len", "1024", "--docs", "one:1024+fixed:4"], "'fixed:4' fills nothing, the one:N documents before it"),
     (["--modes", ","], "--modes ',' names no mode; allowed: ring, "),
