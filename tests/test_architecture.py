@@ -282,7 +282,7 @@ def test_monkeypatches_of_package_state():
                     found.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}: {hit[0]}.{hit[1]}")
     remaining = {
         # the checkout a data-file check resolves paths against
-        "megatron_mesh.megatron.checks.ROOT",
+        "megatron_mesh.megatron.data_checks.ROOT",
         # the planner's limit for planning the modes on THD: the tests lower it to reach the refusal on small problems
         "megatron_mesh.plan.layouts.thd.ThdKind.plan_ranks",
     }

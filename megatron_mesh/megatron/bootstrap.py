@@ -240,12 +240,13 @@ def _compile_dataset_helpers(where: str) -> None:
 
 
 def check_args(args) -> None:
-    """:func:`.checks.validate_args` and :func:`.checks.check_data_files` (the datasets the flags
+    """:func:`.checks.validate_args` and :func:`.data_checks.check_data_files` (the datasets the flags
     name exist) on Megatron's parsed arguments, once per arguments object; a bad setting stops the
     process through :func:`fail`."""
     if id(args) in PROCESS.checked:
         return
-    from .checks import check_data_files, validate_args
+    from .checks import validate_args
+    from .data_checks import check_data_files
 
     try:
         unused = validate_args(args, entry_packs_documents=PROCESS.entry_packs_documents,

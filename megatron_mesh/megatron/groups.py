@@ -115,7 +115,7 @@ def dataset_contents(args) -> dict:
     ".bin 44098 B, .idx 40042 B #3333f48f33"}."""
     import hashlib
 
-    from .checks import data_blends
+    from .data_checks import data_blends
 
     if getattr(args, "mock_data", False):
         return {}

@@ -30,7 +30,7 @@ from ..plan.sparse_needs import KEEP_LIMIT, keep_limit_of
 from ..plan.topology import Topology
 from .default_layout import derived_rows, registered_mode
 from .formulas import usp_degree
-from .plan_budget import BUDGET_REASON, LATE_REASON, Budget, balanced_size, budget_rows, problem_size
+from .plan_budget import BUDGET_REASON, LATE_REASON, Budget, balanced_size, budget_rows, problem_size, row_seconds
 from .planner import (AUTO, FORMULAS, ModeResult, _auto_row, _mode_tasks, _wanted, all_modes, evaluate, plan_modes,
                       plan_settings)
 from .workers import check_jobs, worker_pool
@@ -157,9 +157,15 @@ def _layout_rows(world_size, shape, topo, cu_seqlens, causal, window, kind, mode
     plan = dict(backward_chunks=settings["backward_chunks"], schedule=settings["schedule"],
                 keep_limit=settings["backward_keep_limit"], explain=explain, executor=executor)
     setups = [_kind_setup(lk, sample, shape, modes, plan_all) for lk in kinds if not lk.derived_from]
-    keep = _admit(setups, sample, topo, settings, budget) if budget is not None else {}
-    for setup in setups:
-        got, skip = _kind_rows(setup, sample, topo, shown, plan, keep.get(setup.kind.name), budget)
+    keep, cost = _admit(setups, sample, topo, settings, budget) if budget is not None else ({}, {})
+    # the cheapest layouts first (estimated): where the budget's clock runs out, the dearest layout's rows
+    # go -- THD planned first at CP 16 took a minute, and every balanced row was left out (stop 81's review);
+    # the rows are listed in the layouts' order all the same
+    planned = {}
+    for i in sorted(range(len(setups)), key=lambda i: cost.get(setups[i].kind.name, 0.0)):
+        planned[i] = _kind_rows(setups[i], sample, topo, shown, plan, keep.get(setups[i].kind.name), budget)
+    for i, setup in enumerate(setups):
+        got, skip = planned[i]
         rows += [replace(r, layout=setup.kind.name) for r in got]
         skipped += [{**s, "mode": f"{s['mode']} ({setup.kind.name})"} for s in skip]
     for lk in kinds:
@@ -221,12 +227,12 @@ def _kind_setup(kind, sample: Sample, shape: AttentionShape, modes, plan_all) ->
 
 
 def _admit(setups: list[_Setup], sample: Sample, topo: Topology, settings: dict,
-           budget: Budget) -> dict[str, list[bool]]:
+           budget: Budget) -> tuple[dict[str, list[bool]], dict[str, float]]:
     """Which rows of every layout the planning budget admits (:meth:`~.plan_budget.Budget.admit`:
     every layout's likeliest placements first), per layout in the order of its modes' candidates,
-    then Transformer Engine's own rows."""
+    then Transformer Engine's own rows; and each layout's estimated seconds of the rows admitted."""
     if not budget.limited:
-        return {}
+        return {}, {}
     P, priced = sample.world_size, []
     for st in setups:
         if st.mask is None:  # the kind lays this sample out not at all (:meth:`LayoutKind.refuses`)
@@ -247,7 +253,22 @@ def _admit(setups: list[_Setup], sample: Sample, topo: Topology, settings: dict,
             te = (("te-p2p", None, 1),) + ((("te-a2a+p2p", None, u),) if u is not None else ())
             rows = replace(rows, tasks=rows.tasks + te, size=problem_size(P, 0, st.mask, st.first))
         priced.append(rows)
-    return budget.admit(priced)
+    keep = budget.admit(priced)
+    return keep, {rows.layout: _seconds(rows, keep[rows.layout]) for rows in priced}
+
+
+def _seconds(rows, kept: list[bool]) -> float:
+    """The estimated planning seconds of ``rows``' admitted tasks (:func:`~.plan_budget.row_seconds`;
+    0 for a dense layout's, which the budget does not price)."""
+    if rows.size is None:
+        return 0.0
+    seen, total = set(), 0.0
+    for (name, p, u), k in zip(rows.tasks, kept):
+        if k:
+            kind = rows.kind if p is not None else "te"
+            total += row_seconds(rows.size, kind, u, first=u not in seen)
+            seen.add(u)
+    return total
 
 
 def _kind_rows(st: _Setup, sample: Sample, topo: Topology, modes, plan: dict, kept: list[bool] | None,

@@ -787,7 +787,7 @@ def test_missing_dataset_files_are_named_at_start_up(tmp_path, monkeypatch):
     (DOC_DATA, data/tiny_docs) gets the command that writes it; mock data is not checked."""
     from types import SimpleNamespace
 
-    from megatron_mesh.megatron import checks
+    from megatron_mesh.megatron import data_checks as checks
 
     def args(**kw):
         return SimpleNamespace(**{"mock_data": False, "data_path": None, **kw})

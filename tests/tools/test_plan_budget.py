@@ -131,8 +131,10 @@ def test_the_default_budget_bounds_the_rows_at_1024_ranks():
     setups = [layout_rows._kind_setup(get_layout_kind(name), sample, shape, modes, False)
               for name in ("zigzag", "balanced")]
     budget = Budget(BUDGET_S)
-    keep = layout_rows._admit(setups, sample, topo, planner.plan_settings(), budget)
+    keep, cost = layout_rows._admit(setups, sample, topo, planner.plan_settings(), budget)
     assert 0 <= budget.left < BUDGET_S
+    # each layout's estimate of what it was admitted: together what the budget spent
+    assert set(cost) == {"zigzag", "balanced"} and sum(cost.values()) == pytest.approx(BUDGET_S - budget.left)
     for name in ("zigzag", "balanced"):
         tasks = planner._mode_tasks(planner._wanted(modes), P, shape, topo, planner.plan_settings(), [])
         assert len(keep[name]) == len(tasks) and 0 < sum(keep[name]) < len(tasks)
@@ -211,3 +213,22 @@ def test_dense_work_is_the_same_on_every_rank_in_every_mode(monkeypatch):
     rows, _ = planner.evaluate(64, shape, Topology.for_cp(64, 8), modes=["ring", "a2a+ring"], work=True)
     assert {r.extra["forward_work_max_over_mean"] for r in rows} == {1.0}
     assert len(set(built)) <= 5  # the simulated ranks only (0, P-1; a hybrid's inner group), not all 64
+
+
+def test_rows_are_planned_every_modes_likeliest_first():
+    """The planning order (planner.planning_order): every mode's likeliest placement, then every
+    mode's second... -- where the budget's clock runs out, each mode keeps its likeliest rows
+    (auto's 30 candidates planned first left a2a+tasp and a2a+ring with none: stop 81's review)."""
+    from megatron_mesh.tools.plan_budget import preference
+
+    P = 16
+    shape = AttentionShape(seq_local=1024, batch=1, heads=32, kv_heads=8, head_dim=128)
+    tasks = planner._mode_tasks(planner._wanted(["mesh", "a2a+tasp", "a2a+ring"]), P, shape, Topology.for_cp(P, 8),
+                                planner.plan_settings(), [])
+    order = planner.planning_order(tasks)
+    assert sorted(order) == list(range(len(tasks)))
+    modes = list(dict.fromkeys(name for name, _ in tasks))
+    assert len(modes) == 3 and [tasks[i][0] for i in order[:3]] == modes  # one of each mode first
+    for name in modes:
+        mine = [tasks[i][1] for i in order if tasks[i][0] == name]
+        assert [preference(p) for p in mine] == sorted(preference(p) for p in mine)
