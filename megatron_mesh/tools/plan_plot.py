@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from ..plan.mask import Mask
 from ..plan.modes import REFERENCE_MODE
@@ -59,6 +60,7 @@ PLOT_STYLES = {
 
 
 PLOT_DPI = 120
+SLOW_PLOT_CP = 256  # a plot with a CP size this large is announced before it is planned
 
 
 def _plot_series(args, modes: tuple[str, ...], sizes: list[int], pool) -> dict[str, list[tuple[int, ModeResult]]]:
@@ -78,10 +80,14 @@ def _g(value, _pos=None) -> str:
     return f"{value:g}"
 
 
+RATIO_LOG_SPREAD = 3.0  # the relative-time panel goes log where its largest ratio is this many times its smallest
+
+
 def plot_fig(series: dict[str, list[tuple[int, ModeResult]]], title: str, gpus_per_node: int):
     """The --plot figure: per mode, against the CP size, the bytes the busiest rank sends (log),
     the predicted time (log) and the time relative to ring's at the same CP size (linear: the
-    10-20 % between modes that a log axis flattens). One legend for the three panels, under them."""
+    10-20 % between modes that a log axis flattens -- log where the ratios spread over more than
+    :data:`RATIO_LOG_SPREAD` x). One legend for the three panels, under them."""
     import matplotlib  # lazy: only --plot needs it
 
     matplotlib.use("Agg")
@@ -91,10 +97,14 @@ def plot_fig(series: dict[str, list[tuple[int, ModeResult]]], title: str, gpus_p
     fig, (ax_b, ax_t, ax_r) = plt.subplots(1, 3, figsize=(15, 4.8), layout="constrained")
     ring = {P: r.time_s for P, r in series.get(REFERENCE_MODE, [])}
     handles = []
+    top = max((P for pts in series.values() for P, _ in pts), default=0)
     for mode, pts in series.items():
         style = {"lw": 1.4, "ms": 6, "mfc": "none", "mew": 1.3, "zorder": 2, **PLOT_STYLES[mode]}
         xs = [P for P, _ in pts]
-        (line,) = ax_b.plot(xs, [r.bytes_per_rank / 2**30 for _, r in pts], label=mode, **style)
+        # a mode that stops short (Ulysses: no more ranks than heads) says where: its few points can hide
+        # under the others' in the time panels
+        label = mode + (f" (to CP {max(xs)})" if max(xs) < top else "")
+        (line,) = ax_b.plot(xs, [r.bytes_per_rank / 2**30 for _, r in pts], label=label, **style)
         ax_t.plot(xs, [r.time_s * 1e3 for _, r in pts], **style)
         vs = [(P, r.time_s / ring[P]) for P, r in pts if P in ring]
         if vs:
@@ -109,14 +119,20 @@ def plot_fig(series: dict[str, list[tuple[int, ModeResult]]], title: str, gpus_p
         ax.set_xlabel(f"CP size ({gpus_per_node} GPUs per node)")
         ax.set_ylabel(what)
         ax.grid(True, which="both", alpha=0.3)
-    for ax in (ax_b, ax_t):
+    # the ratios: linear where they lie close (the 10-20 % between modes that a log axis flattens),
+    # log where one mode is several times ring's (TASP at 1024 ranks: 4.7x squashed every other curve
+    # under 1 together, stop 81's review)
+    ratios = [v for line in ax_r.get_lines() for v in line.get_ydata()]
+    spread = max(ratios) / min(ratios) if ratios and min(ratios) > 0 else 1.0
+    log_ratio = spread > RATIO_LOG_SPREAD
+    for ax in (ax_b, ax_t) + ((ax_r,) if log_ratio else ()):
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(FuncFormatter(_g))
         # the 2s and 5s of each decade labelled too (a decade with one label is hard to read)
         ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _pos: _g(v) if f"{v:.0e}"[0] in "25" else ""))
     ax_b.set_title("bytes sent by the busiest rank (fwd + bwd, log)", fontsize=10)
     ax_t.set_title("predicted attention time (fwd + bwd, log)", fontsize=10)
-    ax_r.set_title(f"time relative to {REFERENCE_MODE} (linear)", fontsize=10)
+    ax_r.set_title(f"time relative to {REFERENCE_MODE} ({'log' if log_ratio else 'linear'})", fontsize=10)
     if not ring:
         ax_r.text(0.5, 0.5, f"no {REFERENCE_MODE} row to compare with\n(add it to --modes)", ha="center",
                   va="center", transform=ax_r.transAxes)
@@ -132,6 +148,9 @@ def draw_plot(args, modes: tuple[str, ...], path: str, sizes: list[int], pool) -
     kv = args.kv_heads if args.kv_heads is not None else args.heads
     title = (f"S = {args.seq_len:,} tokens, heads {args.heads}/{kv}, {shape_of(args, 1).dims_text}, {args.dtype}, "
              f"{'causal' if args.causal else 'full'}, one attention layer (megatron-mesh-plan)")
+    if max(sizes) >= SLOW_PLOT_CP:  # say so before the wait (it plans every size again; a minute or more on 2 cores)
+        print(f"megatron-mesh-plan: --plot plans {len(sizes)} CP sizes ({', '.join(map(str, sizes))}) for the figure: "
+              "up to a few minutes (--plot-cp A,B,... plots fewer)", file=sys.stderr, flush=True)
     fig = plot_fig(_plot_series(args, modes, sizes, pool), title, args.gpus_per_node)
     try:
         fig.savefig(path, dpi=PLOT_DPI, format="png")

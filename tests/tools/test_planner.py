@@ -117,6 +117,15 @@ def test_plot_figure_shows_every_line_and_the_time_relative_to_ring():
     for ax in fig.axes:  # under the panels, inside the figure
         assert box.y1 <= ax.get_tightbbox(renderer).y0
     assert box.y0 >= 0 and box.x0 >= 0 and box.x1 <= fig.bbox.x1
+    # a mode several times ring's time puts the ratios on a log axis (linear, it squashed every curve
+    # under 1 together: stop 81's review); a mode that stops short says where in the legend
+    slow = {**series, "tasp": [(P, dataclasses.replace(r, time_s=5 * ring[P].time_s)) for P, r in series["tasp"]],
+            "ulysses": series["ulysses"][:2]}
+    fig = plot_fig(slow, "test", 8)
+    _, _, ax_r = fig.axes
+    assert ax_r.get_yscale() == "log" and ax_r.get_title() == "time relative to ring (log)"
+    (legend,) = fig.legends
+    assert "ulysses (to CP 16)" in [t.get_text() for t in legend.get_texts()]
 
 
 @pytest.mark.parametrize("argv, message", [
