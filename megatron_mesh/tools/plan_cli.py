@@ -55,10 +55,10 @@ from .layout_rows import layout_rows
 from .mask_spec import cli_kind
 from .plan_args import (budget_of, document_bounds, layout_file_of, layouts_of, mask_of, modes_of, parser, random_docs,
                         seeds_of, shape_of, topology_of)
-from .plan_budget import Budget, planning_gc
+from .plan_budget import BUDGET_REASON, LATE_REASON, Budget, planning_gc
 from .plan_plot import draw_plot, plot_sizes
 from .planner import (AUTO, FORMULAS, REGISTRY, ModeResult, allowed_pairs, compute_floor, derived_modes, evaluate,
-                      host_bound, mean_rows, plan_settings, worker_pool)
+                      host_bound, mean_rows, placement_keys, plan_settings, worker_pool)
 from .workers import sigterm_as_exit
 
 
@@ -191,12 +191,11 @@ def _header(args, world_size: int, shape: AttentionShape, topo: Topology, mask: 
         what = what.split(",docs=")[0] + f", {len(lens)} documents of mean {sum(lens) / len(lens):,.0f} tokens"
         if len(layouts) == 1:  # the table has a layout column only when it compares several
             what += f"; every row on the {layouts[0]} layout"
-    used = topo.nodes_used(world_size)
-    spread = (f" (of the machine's {topo.nodes} nodes: the CP ranks fill nodes of --gpus-per-node {topo.gpus_per_node} in "
-              f"order; --gpus-per-node {world_size // topo.nodes} spreads them over all {topo.nodes})"
-              if used < topo.nodes and world_size % topo.nodes == 0 else
-              f" (of the machine's {topo.nodes} nodes: the CP ranks fill nodes of --gpus-per-node {topo.gpus_per_node} in order)"
-              if used < topo.nodes else "")
+    used, spread = topo.nodes_used(world_size), ""
+    if used < topo.nodes:  # --nodes larger than the CP group fills: say how to spread it
+        spread = f" (of the machine's {topo.nodes} nodes: the CP ranks fill nodes of --gpus-per-node {topo.gpus_per_node} in order"
+        spread += (f"; --gpus-per-node {world_size // topo.nodes} spreads them over all {topo.nodes})"
+                   if world_size % topo.nodes == 0 else ")")
     return (f"CP {world_size} on {used} node(s) x {topo.gpus_per_node} GPUs{spread}; sequence "
             f"{args.seq_len:,} tokens ({shape.seq_local:,} per rank), batch {shape.batch}, heads {shape.heads}/"
             f"{shape.kv_heads}, {shape.dims_text}, {args.dtype}, {what}\n"
@@ -295,7 +294,7 @@ def _complete_samples(planned) -> tuple[list, list[dict]]:
     sample the budget cut short that planned the fewest rows is left out while that leaves more
     rows planned in every sample still in (samples whose rows differ by their documents -- a
     layout that cannot lay one out -- are all kept, as before)."""
-    keys = [_row_keys(rows) for rows, _, _, _ in planned]
+    keys = [set(placement_keys(rows)) for rows, _, _, _ in planned]
     cut = [any(_past_budget(x) for x in skipped) for _, skipped, _, _ in planned]
     kept = list(range(len(planned)))
     while len(kept) > 1 and any(cut[i] for i in kept):
@@ -316,16 +315,8 @@ def _complete_samples(planned) -> tuple[list, list[dict]]:
 
 
 def _past_budget(skipped: dict) -> bool:
-    """Whether a "not available" entry is a row the planning budget left out."""
-    return "planning budget" in skipped.get("reason", "")
-
-
-def _row_keys(rows) -> set:
-    """A sample's rows as :func:`~.planner.mean_rows` matches them across samples."""
-    seen: dict = {}
-    for r in rows:
-        seen[r.layout, r.mode] = seen.get((r.layout, r.mode), -1) + 1
-    return {(layout, mode, k) for (layout, mode), n in seen.items() for k in range(n + 1)}
+    """Whether a "not available" entry is a row the planning budget left out (up front, or by its clock)."""
+    return skipped.get("reason") in (BUDGET_REASON, LATE_REASON)
 
 
 def _bounds_line(bounds, samples: int) -> str:

@@ -263,13 +263,8 @@ def mean_rows(samples: list[list[ModeResult]]) -> tuple[list[ModeResult], list[d
     derived = set(derived_modes())
     by: dict = {}
     for rows in samples:
-        # a placement's k-th row of its (layout, mode) is the same placement in every sample (the
-        # candidates' order does not depend on the documents); its plan's tile may (a sample of
-        # one document plans ring as the dense zigzag, with a tile)
-        seen: dict = {}
-        for r in rows:
-            k = seen[r.layout, r.mode] = seen.get((r.layout, r.mode), -1) + 1
-            by.setdefault((r.layout, r.mode, k), []).append(r)
+        for key, r in zip(placement_keys(rows), rows):
+            by.setdefault(key, []).append(r)
     n = len(samples)
     out, skipped = [], []
     for rs in by.values():
@@ -302,6 +297,19 @@ def mean_rows(samples: list[list[ModeResult]]) -> tuple[list[ModeResult], list[d
                               contiguous=None, ulysses=first.ulysses if len({r.ulysses for r in rs}) == 1 else 1)
         out.append(replace(first, **values, extra=extra))
     return out, skipped
+
+
+def placement_keys(rows: list[ModeResult]) -> list[tuple[str, str, int]]:
+    """Per row, the key :func:`mean_rows` matches it by across samples: (layout, mode, k), the
+    placement's k-th row of its (layout, mode) -- the same placement in every sample (the
+    candidates' order does not depend on the documents); its plan's tile may differ (a sample of
+    one document plans ring as the dense zigzag, with a tile)."""
+    seen: dict = {}
+    out = []
+    for r in rows:
+        k = seen[r.layout, r.mode] = seen.get((r.layout, r.mode), -1) + 1
+        out.append((r.layout, r.mode, k))
+    return out
 
 
 def _pick_name(r: ModeResult) -> str:

@@ -1312,7 +1312,9 @@ def test_a_sample_past_the_budget_is_left_out_of_the_mean_not_every_row():
 
     shape = AttentionShape(seq_local=256, heads=4, kv_heads=2, head_dim=8)
     rows, _ = evaluate(4, shape, Topology(), modes=("ring", "mesh", "tasp"))
-    past = [{"mode": "tasp", "reason": "left out up front, past the planning budget"}]
+    from megatron_mesh.tools.plan_budget import BUDGET_REASON
+
+    past = [{"mode": "tasp", "reason": BUDGET_REASON}]
     full, half, empty = (rows, [], 1.0, None), (rows[:1], past, 1.0, None), ([], past, 1.0, None)
     kept, short = _complete_samples([full, full, empty])
     assert kept == [full, full]
