@@ -30,7 +30,7 @@ from ..plan.sparse_needs import KEEP_LIMIT, keep_limit_of
 from ..plan.topology import Topology
 from .default_layout import derived_rows, registered_mode
 from .formulas import usp_degree
-from .plan_budget import BUDGET_REASON, LATE_REASON, Budget, balanced_size, budget_rows, problem_size, row_seconds
+from .plan_budget import BUDGET_REASON, LATE_REASON, Budget, balanced_size, budget_rows, problem_size
 from .planner import (AUTO, FORMULAS, ModeResult, _auto_row, _mode_tasks, _wanted, all_modes, evaluate, plan_modes,
                       plan_settings)
 from .workers import check_jobs, worker_pool
@@ -254,21 +254,7 @@ def _admit(setups: list[_Setup], sample: Sample, topo: Topology, settings: dict,
             rows = replace(rows, tasks=rows.tasks + te, size=problem_size(P, 0, st.mask, st.first))
         priced.append(rows)
     keep = budget.admit(priced)
-    return keep, {rows.layout: _seconds(rows, keep[rows.layout]) for rows in priced}
-
-
-def _seconds(rows, kept: list[bool]) -> float:
-    """The estimated planning seconds of ``rows``' admitted tasks (:func:`~.plan_budget.row_seconds`;
-    0 for a dense layout's, which the budget does not price)."""
-    if rows.size is None:
-        return 0.0
-    seen, total = set(), 0.0
-    for (name, p, u), k in zip(rows.tasks, kept):
-        if k:
-            kind = rows.kind if p is not None else "te"
-            total += row_seconds(rows.size, kind, u, first=u not in seen)
-            seen.add(u)
-    return total
+    return keep, {rows.layout: budget.admitted.get(rows.layout, 0.0) for rows in priced}
 
 
 def _kind_rows(st: _Setup, sample: Sample, topo: Topology, modes, plan: dict, kept: list[bool] | None,

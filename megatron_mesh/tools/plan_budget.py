@@ -208,6 +208,7 @@ class Budget:
                              f"{seconds!r}")
         self.left = float(seconds) if seconds else None
         self.parent = parent
+        self.admitted: dict[str, float] = {}  # per layout, the estimated seconds :meth:`admit` took for its rows
         self.clock = clock if parent is None else parent.clock
         # the time after which nothing more is planned: the whole run's (a sample's share keeps it)
         self.deadline = (parent.deadline if parent is not None else
@@ -257,6 +258,7 @@ class Budget:
                     keep[rows.layout][q[k]] = True
                     paid.add((rows.layout, u))
                     self.spend(cost)
+                    self.admitted[rows.layout] = self.admitted.get(rows.layout, 0.0) + cost
         return keep
 
     @staticmethod
