@@ -119,6 +119,10 @@ class _Job(NamedTuple):
         """This node's watcher is alive (one add per poll, :func:`watch_other_nodes`)."""
         store.add(f"{self.key}/alive/{self.node}", 1)
 
+    def beats(self, store, node: str) -> int:
+        """How often node ``node``'s watcher has beaten (0: it has not started)."""
+        return store.add(f"{self.key}/alive/{node}", 0)
+
     def wait_until_read(self, store, writer: str) -> None:
         """Wait (at most :data:`TELL_WAIT_S`; :data:`STORE_NODE_WAIT_S` on node 0 after its own
         failure) until every node but ``writer`` has acknowledged -- or has gone: a node whose
@@ -129,10 +133,10 @@ class _Job(NamedTuple):
         others = {str(n): f"{self.key}/read/{n}" for n in range(self.nodes) if str(n) != writer}
         wait = STORE_NODE_WAIT_S if writer == self.node == "0" else TELL_WAIT_S
         now = time.monotonic()
-        deadline, beats = now + wait, {n: (store.add(f"{self.key}/alive/{n}", 0), now) for n in others}
+        deadline, beats = now + wait, {n: (self.beats(store, n), now) for n in others}
         while others and now < deadline:
             for n in list(others):
-                beat = store.add(f"{self.key}/alive/{n}", 0)  # 0: its watcher has not started yet, wait
+                beat = self.beats(store, n)  # 0: its watcher has not started yet, wait
                 if store.check([others[n]]) or (beat and beat == beats[n][0] and now - beats[n][1] > GONE_AFTER_S):
                     del others[n]
                 elif beat != beats[n][0]:
@@ -366,10 +370,9 @@ def _gone_nodes() -> tuple[list[str], str]:
     try:
         job = _Job.of_worker()
         store = job.store(WATCH_STORE_TIMEOUT_S)
-        keys = {str(n): f"{job.key}/alive/{n}" for n in range(job.nodes) if str(n) != job.node}
-        before = {n: store.add(k, 0) for n, k in keys.items()}
+        before = {str(n): job.beats(store, str(n)) for n in range(job.nodes) if str(n) != job.node}
         time.sleep(GONE_AFTER_S)
-        return [n for n, k in keys.items() if before[n] and store.add(k, 0) == before[n]], "its watcher stopped"
+        return [n for n, b in before.items() if b and job.beats(store, n) == b], "its watcher stopped"
     except OSError:  # the store does not answer: node 0, whose torchrun holds it, is gone
         gone = ["0"] if os.environ.get("GROUP_RANK", "0") != "0" else []
         return gone, "torchrun's store, which it held, with it"
