@@ -216,6 +216,7 @@ def watch_other_nodes(process: ProcessState = PROCESS) -> None:
                     writer, text = store.get(job.key).decode().split("|", 1)
                     if writer == job.node:  # another rank of this node, or its launcher: it stops by itself
                         return
+                    process.heard.set()  # before the others may go: this rank's own error is then a consequence
                     job.acknowledge(store)
                     print(f"megatron_mesh: error: {text}", file=sys.stderr, flush=True)
                     try:  # node 0's torchrun holds the store: it must not go before the others have read
@@ -309,7 +310,11 @@ def crash_stops_other_nodes(process: ProcessState = PROCESS) -> Iterator[None]:
         yield
     except BaseException as e:
         lost = PEER_LOST_WAIT_S if _peer_lost(e) else 0.0  # its node may not have told yet
-        if not process.failing.is_set() and _multi_node_job() and _another_node_stopped(lost):
+        # the watcher has heard (its line printed or about to be): node 0 may have gone once this node
+        # read the message, taking the store -- this rank's error, "connection closed" in the
+        # rendezvous, is the consequence (stop 81's CI: a traceback after the line); else ask the store
+        if not process.failing.is_set() and _multi_node_job() and (process.heard.is_set()
+                                                                   or _another_node_stopped(lost)):
             # that node's failure ended this rank too (gloo's collectives see its ranks go): this
             # node's first rank says so in one line (its watcher prints and exits within a poll); no
             # traceback of the consequence. Every rank waits for that line: another rank's exit made

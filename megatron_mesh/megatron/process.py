@@ -36,6 +36,8 @@ class ProcessState:
     checked: set[int] = field(default_factory=set)  # id() of the argument namespaces already checked
     failing: threading.Event = field(default_factory=threading.Event)  # stopping with its own message: it wins
     exiting: threading.Event = field(default_factory=threading.Event)  # its run has finished: the watcher stops
+    # the watcher has read another node's failure and says it: this process ends with that line
+    heard: threading.Event = field(default_factory=threading.Event)
     # True in megatron_mesh's own entry script, whose batches carry document boundaries to the
     # plugin layers (--reset-attention-mask, --cp-thd-packing); other scripts' batches do not
     entry_packs_documents: bool = False

@@ -107,6 +107,31 @@ def test_a_rank_ended_by_another_node_waits_for_its_first_rank_to_say_so(monkeyp
         assert e.value.code == 2 and exits[-1] - start >= 2.5 * errors.WATCH_POLL_S, first
 
 
+def test_a_rank_whose_watcher_heard_another_node_ends_without_a_traceback(monkeypatch):
+    """Once this node's watcher has read another node's failure, node 0 may go (it waited for that
+    read), taking torchrun's store: this rank, still in its rendezvous, fails with "Failed to recv
+    ... Connection was likely closed" and the store no longer answers. It exits with the watcher's
+    line, status 2 -- it printed a traceback after that line (stop 81's CI, three nodes)."""
+    from megatron_mesh.megatron import errors
+
+    exits = []
+    monkeypatch.setattr(errors, "_multi_node_job", lambda: True)
+    monkeypatch.setattr(errors, "_another_node_stopped", lambda wait_s=0.0: False)  # the store is gone
+    monkeypatch.setattr(errors, "_tell_other_nodes", lambda message: None)
+    monkeypatch.setattr(errors, "_exit_now", lambda: exits.append(1) or sys.exit(2))
+    process = ProcessState()
+    process.heard.set()
+    process.exiting.set()  # no need to wait here for the watcher's polls
+    failed = "Failed to recv, got 0 bytes. Connection was likely closed. Did the remote server shutdown or crash?"
+    with pytest.raises(SystemExit) as e:
+        with errors.crash_stops_other_nodes(process):
+            raise RuntimeError(failed)
+    assert e.value.code == 2 and exits == [1]
+    with pytest.raises(RuntimeError):  # not heard: the error is this rank's own
+        with errors.crash_stops_other_nodes(ProcessState()):
+            raise RuntimeError(failed)
+
+
 def test_a_rank_whose_peer_went_away_waits_for_that_nodes_word(monkeypatch):
     """SIGTERM to one node's launcher: its ranks die at once, and the other nodes' collectives fail
     ("Connection reset by peer") before the launcher has told them why -- they printed a traceback
