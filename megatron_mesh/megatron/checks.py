@@ -25,7 +25,7 @@ import os
 import warnings
 
 from ..plan.layouts import DEFAULT_LAYOUT, LAYOUTS, REFERENCE_LAYOUT, cp_layout_names
-from ..plan.megatron_problem import THD_DOCUMENTS, MegatronProblem
+from ..plan.megatron_problem import CHUNK_FLAG, THD_DOCUMENTS, MegatronProblem
 from ..plan.modes import HYBRID_PREFIX, get_mode
 from . import TE_MODES, cp_modes, plugin_modes
 from .layout_decision import layout_sample
@@ -108,8 +108,9 @@ def validate_args(args, have_te: bool | None = None, *, entry_packs_documents: b
     problem = problem_of(args, settings)
     documents = settings.documents
     active = set(modes) if cp > 1 else set()  # CP 1: Megatron's own attention, whatever the mode
-    # at CP 1 the plugin's single-rank attention still runs where a mask needs it (documents, a window)
-    single = cp == 1 and bool(documents or problem.window_size is not None and uses_plugin_spec(args))
+    # at CP 1 the plugin's single-rank attention still runs where a mask needs it (documents, a window, chunks)
+    single = cp == 1 and bool(documents or (problem.window_size or problem.chunk_size) and uses_plugin_spec(args))
+    _check_chunks(args, problem, cp, modes)  # before the applicability check: it says what chunks need
     unused = _check_applicable(settings, cp, modes, active, single)
     _check_backend(settings.cp_kernel_backend, active, have_cuda)
     _check_window(args, problem, cp, active)
@@ -216,6 +217,35 @@ def _check_window(args, problem, cp: int, active: set) -> None:
         raise ValueError(f"--attention-dropout {args.attention_dropout}: a sliding window runs the plugin's attention "
                          "also at CP 1 (Megatron's own has no window mask there), which supports only 0 (pass "
                          "--attention-dropout 0)")
+
+
+def _check_chunks(args, problem: MegatronProblem, cp: int, modes: list) -> None:
+    """--attention-chunk-size (Llama 4's chunked attention: a plugin flag, since neither Megatron's
+    own attention nor Transformer Engine's has it): every layer with chunks runs the plugin's
+    attention -- a plugin mode at CP > 1, the plugin's spec at CP 1 -- or it would train full
+    causal attention, silently. The layers with chunks (--no-rope-freq) and their windows are
+    checked by :meth:`MegatronProblem.layer_masks`, the reading the layers and the prediction share."""
+    if problem.chunk_size is None:
+        return
+    chunks = problem.layer_chunks()
+    problem.layer_masks(causal=True)
+    given = f"{CHUNK_FLAG} {problem.chunk_size}"
+    if cp == 1:
+        if not uses_plugin_spec(args):
+            raise ValueError(f"{given}: chunked attention is the plugin's (Megatron's own attention has none), and this "
+                             "run builds Megatron's own layers; add --spec megatron_mesh.megatron.spec gpt_layer_spec "
+                             "(the plugin's single-rank attention runs at CP 1)")
+        if args.attention_dropout:
+            raise ValueError(f"--attention-dropout {args.attention_dropout}: chunked attention ({given}) runs the "
+                             "plugin's attention also at CP 1, which supports only 0 (pass --attention-dropout 0)")
+        return
+    per_layer = modes if len(modes) == len(chunks) else (modes or ["p2p"]) * len(chunks)  # None: TE's p2p
+    te = next(((n, m) for n, (m, c) in enumerate(zip(per_layer, chunks), 1) if c is not None and m in TE_MODES), None)
+    if te is not None:
+        default = " (Megatron's default where --cp-comm-type is not given)" if te[1] == "p2p" else ""
+        raise ValueError(f"{given}: layer {te[0]} has chunks and runs --cp-comm-type {te[1]}{default}, a Transformer "
+                         f"Engine mode, which has no chunked attention; run the layers with chunks in a plugin mode "
+                         f"({', '.join(plugin_modes())})")
 
 
 def _check_hierarchy(problem: MegatronProblem, cp: int, active: set) -> None:

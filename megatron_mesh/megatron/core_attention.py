@@ -22,11 +22,12 @@ returning [sq, b, heads * head_dim]. With packed sequences (``packed_seq_params.
   ``--transformer-impl transformer_engine``): no context parallelism, nothing for the plugin to do,
   and everything Megatron's attention supports (dropout, masks) keeps working -- except where the
   batches carry document boundaries Megatron's own attention cannot read (packed THD sequences,
-  documents from end-of-document tokens) or the layer has a sliding window: then the plugin's
-  attention over one rank, the same exact mask.
+  documents from end-of-document tokens) or the layer has a sliding window or chunks: then the
+  plugin's attention over one rank, the same exact mask.
 
 Masks reach the plan as data: the layer's window (``--window-size``, per layer with
-``--window-attn-skip-freq``), the documents of ``packed_seq_params`` (THD: Transformer Engine's
+``--window-attn-skip-freq``), its chunks (Llama 4's chunked attention, the plugin's
+``--attention-chunk-size``, on the layers ``--no-rope-freq`` leaves with RoPE), the documents of ``packed_seq_params`` (THD: Transformer Engine's
 layout, ``cu_seqlens_q`` / ``_padded``; ``sbhd`` with ``cu_seqlens_q`` [batch, k]: the global
 boundaries per sample, which megatron_mesh's entry script derives from end-of-document tokens --
 or, when the model call carries none, those :mod:`.batch_layout` took from the current batch).
@@ -51,7 +52,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch import Tensor
 
-from ..plan.megatron_problem import layer_window
+from ..plan.megatron_problem import CHUNK_FLAG, layer_chunked, layer_window
 from ..plan.modes import DEFAULT_MODE
 from ..runtime.autograd import compiler_boundary
 from ..runtime.inputs import host_values
@@ -129,10 +130,17 @@ def _layer_window(config, layer_number: int):
     return layer_window(config.window_size, config.window_attn_skip_freq, layer_number)
 
 
+def _layer_chunks(config, layer_number: int):
+    """This layer's chunked attention (a ``Chunked`` mask) or None (:func:`megatron_mesh.plan.megatron_problem.layer_chunked`:
+    Megatron's ``no_rope_freq`` marks the layers without chunks)."""
+    return layer_chunked(plugin_settings(config).attention_chunk_size, config.no_rope_freq, layer_number)
+
+
 def _needs_plugin_mask(config, layer_number: int) -> bool:
     """At CP 1: whether this layer's mask is one Megatron's own attention cannot apply here (a
-    window, or documents carried as boundaries instead of a dense mask)."""
-    return plugin_settings(config).documents is not None or _layer_window(config, layer_number) is not None
+    window, chunks, or documents carried as boundaries instead of a dense mask)."""
+    return plugin_settings(config).documents is not None or _layer_window(config, layer_number) is not None or \
+        _layer_chunks(config, layer_number) is not None
 
 
 def _megatron_attention(config, common: dict, kwargs: dict):
@@ -159,8 +167,8 @@ def _te_attention(mode: Optional[str], common: dict, kwargs: dict):
 class PluginCoreAttention(MegatronModule):
     """Attention over the CP group with this package's engine (any plugin mode).
 
-    Supported: self-attention with a causal mask or none, sliding windows, packed documents (THD
-    or boundaries per sample), MHA/GQA/MQA, MLA's value head dim (``v_channels`` may differ from
+    Supported: self-attention with a causal mask or none, sliding windows, chunked attention
+    (causal layers), packed documents (THD or boundaries per sample), MHA/GQA/MQA, MLA's value head dim (``v_channels`` may differ from
     ``k_channels``: :mod:`.mla`), any softmax scale, attention sinks (``softmax_type``, Megatron's
     ``softmax_offset``: :mod:`.sinks`). Anything else raises ValueError
     naming the value and what is allowed; nothing falls back to another mode.
@@ -191,6 +199,7 @@ class PluginCoreAttention(MegatronModule):
         if self.mode not in plugin_modes():
             raise ValueError(f"{where}: PluginCoreAttention runs {', '.join(plugin_modes())}, not {cp_comm_type!r}")
         self.window = _layer_window(config, layer_number)
+        self.chunks = _layer_chunks(config, layer_number)
         self.documents = self.settings.documents
         # the CP layout of each sample's tokens, where documents come from the batch (batch_layout)
         self.layout = self.settings.cp_layout if self.documents in BATCH_DOCUMENTS and self.cp_size > 1 else None
@@ -201,7 +210,8 @@ class PluginCoreAttention(MegatronModule):
         tile = f"{p.tile[0]}x{p.tile[1]}" if p.tile else None
         self.telemetry.summary.register_layer(layer_number, self.describe(),
                                  dict(mode=self.mode, cp=self.cp_size, tile=tile, ulysses=p.ulysses,
-                                      window=list(self.window) if self.window else None, documents=self.documents,
+                                      window=list(self.window) if self.window else None,
+                                      chunk=self.chunks.size if self.chunks else None, documents=self.documents,
                                       layout=self.layout),
                                  logs=_logs_for_its_stage(self.cp_group))
 
@@ -215,6 +225,8 @@ class PluginCoreAttention(MegatronModule):
         if self.window:
             extras.append(f"window {self.window[0] if self.window[0] is not None else '-'},"
                           f"{self.window[1] if self.window[1] is not None else '-'}")
+        if self.chunks:
+            extras.append(f"chunks of {self.chunks.size}")
         if self.documents:
             extras.append(f"documents {self.documents}")
         if self.layout:
@@ -338,9 +350,9 @@ class PluginCoreAttention(MegatronModule):
         from ..runtime.autograd import PlanAttention
 
         # runtime.api.attention's two steps, with the plan in hand for the metrics' attention work
-        call = prepare(q, k, v, mode=self.placement.mode, placement=self.placement, comm=self.comm, causal=causal,
-                       window=self.window, cu_seqlens=cu_seqlens, layout=layout, softmax_scale=self.softmax_scale,
-                       kernel=self.settings.kernel, softmax_offset=self.softmax_offset)
+        call = prepare(q, k, v, mode=self.placement.mode, placement=self.placement, comm=self.comm,
+                       **_mask_args(self.chunks, causal, self.window, cu_seqlens), layout=layout, softmax_scale=self.softmax_scale, kernel=self.settings.kernel,
+                       softmax_offset=self.softmax_offset)
         self.telemetry.summary.on_plan(self.layer_number, self.placement.tile, call.plan)
         if self.telemetry.records.metrics is not None:  # nothing to work out per call without --cp-metrics-dir
             self.telemetry.records.on_attention(call.plan, call.comm.rank, attention_shape(q, k, v),
@@ -350,6 +362,16 @@ class PluginCoreAttention(MegatronModule):
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """The learnable sinks' checkpoint entry, as Megatron's DotProductAttention writes it."""
         return sinks.sharded_state_dict(self, self.tp_group, prefix, sharded_offsets, metadata)
+
+
+def _mask_args(chunks, causal: bool, window, cu_seqlens) -> dict:
+    """prepare()'s mask arguments for a layer: its ``chunks`` as a mask kind, the documents (a
+    layout's own, or these boundaries) inside it; else the loose causal / window / boundaries."""
+    if chunks is None:
+        return dict(causal=causal, window=window, cu_seqlens=cu_seqlens)
+    from ..masks import documents
+
+    return dict(mask=chunks if cu_seqlens is None else documents(cu_seqlens) & chunks)
 
 
 def check_dense_mask(attention_mask: Tensor, sq: int, causal: bool, window, cp_size: int, rank: int,
@@ -402,6 +424,12 @@ def _check_config(config, where: str, layer_number: int, attention_type: str, at
     if window is not None and window[1] not in (None, 0) and _CAUSAL.get(attn_mask_type, False):
         raise ValueError(f"{where}: window_size {config.window_size} on a causal layer: the right side must be 0 "
                          "(or -1, unlimited)")
+    chunks = _layer_chunks(config, layer_number)
+    if chunks is not None and (window is not None or not _CAUSAL[attn_mask_type]):
+        what = f"window_size {config.window_size}" if window is not None else f"attention mask type {attn_mask_type.name}"
+        raise ValueError(f"{where}: {CHUNK_FLAG} {chunks.size} (chunked attention: causal inside each chunk) on a layer "
+                         f"with {what}; the layers with chunks must be causal and have no window (--no-rope-freq "
+                         "marks the layers without chunks)")
 
 
 def _logs_for_its_stage(cp_group) -> bool:

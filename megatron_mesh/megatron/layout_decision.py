@@ -36,10 +36,13 @@ def uses_balanced_layout(config) -> bool:
 
 def layer_masks(config, problem: MegatronProblem):
     """What the layout of a sample balances for the model's layers: (window, None) when every
-    layer has the same window (None: none) -- the layout of that one mask -- else (None, the
+    layer has the same band -- the layout of that one window (None: none) -- else (None, the
+    layers' mask: one mask kind every layer has, Llama 4's chunks, or the
     :class:`~megatron_mesh.plan.maskkinds.MaskStack` of the layers' masks: e.g. windowed layers
-    alternating with full ones, ``--window-attn-skip-freq``), whose summed work one layout for
-    every layer balances."""
+    alternating with full ones, ``--window-attn-skip-freq``, or chunked layers with global ones,
+    ``--no-rope-freq``), whose summed work one layout for every layer balances."""
+    if any(problem.layer_chunks()):
+        return None, MaskStack.of(problem.layer_masks(causal=True))  # one kind: the chunks themselves
     windows = problem.layer_windows(causal=False)  # as given: the layers check the causal side
     if len(set(windows)) == 1:
         return windows[0], None

@@ -35,7 +35,7 @@ import typing
 from typing import Any, Optional
 
 from ..plan.layouts import DEFAULT_LAYOUT, LAYOUTS, LayoutKind, cp_layout_names, get_layout_kind
-from ..plan.megatron_problem import BATCH_DOCUMENTS, MegatronProblem, documents_of
+from ..plan.megatron_problem import BATCH_DOCUMENTS, CHUNK_FLAG, MegatronProblem, documents_of
 from ..plan.modes import MODES, get_mode, option_specs
 from . import plugin_modes
 
@@ -117,6 +117,11 @@ def _general() -> tuple[Flag, ...]:
              help="write per-rank JSON lines (rank<R>.jsonl) to this directory: the mode and tile of every layer, "
                   "then loss, time, attention bytes and peak memory per iteration"),
         Flag("--cp-layout", DEFAULT_LAYOUT, choices=cp_layout_names(), help=_layout_help()),
+        Flag(CHUNK_FLAG, None, type=int, applies_to=ALL_PLUGIN_MODES,
+             help="Llama 4's chunked local attention: causal attention inside chunks of this many tokens (counted from "
+                  "each document's start) on every layer but those --no-rope-freq marks as NoPE layers, which attend "
+                  "globally (Llama 4 interleaves them: --no-rope-freq 4); the plugin's layers apply it, at CP 1 too "
+                  "(Megatron's own attention has no chunked attention)"),
         Flag("--no-cp-layout-lookahead", False, store_true=True,
              help="a --cp-layout other than zigzag: work out each micro-batch's layouts and this rank's plans of them "
                   "on the step's critical path, instead of on a background thread while the step before trains (the "
@@ -266,7 +271,8 @@ def problem_of(config, settings: PluginSettings | None = None) -> MegatronProble
     of Megatron's arguments or a transformer config, with the sequence length and documents its
     ``settings`` carry (default: :func:`plugin_settings` of it)."""
     settings = plugin_settings(config) if settings is None else settings
-    return MegatronProblem.from_namespace(config, seq_len=settings.seq_length, documents=settings.documents)
+    return MegatronProblem.from_namespace(config, seq_len=settings.seq_length, documents=settings.documents,
+                                          chunk_size=settings.attention_chunk_size)
 
 
 # -- the layers' modes -------------------------------------------------------------------------------------

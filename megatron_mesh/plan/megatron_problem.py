@@ -10,14 +10,18 @@ heads; MLA: ``--qk-head-dim`` + ``--qk-pos-emb-head-dim`` and ``--v-head-dim``),
 Ulysses sizes (``--hierarchical-context-parallel-sizes U M``: read here and nowhere else), the
 window (``--window-size``) and which layers run it (``--window-attn-skip-freq``: :meth:`MegatronProblem.
 layer_windows`, the one reading of the per-layer masks that the report's plans and the prediction share)
-and where documents come from (:func:`documents_of`). The plugin's own flags are
-:mod:`megatron_mesh.megatron.settings`'s. Sinks (``--softmax-type``) change no plan: each rank adds its
+and where documents come from (:func:`documents_of`); and, for Llama 4's chunked attention (a
+plugin flag, :data:`CHUNK_FLAG`: Megatron has none), which layers attend globally
+(``--no-rope-freq``: Llama 4's NoPE layers; :meth:`MegatronProblem.layer_masks`). The plugin's
+other flags are :mod:`megatron_mesh.megatron.settings`'s. Sinks (``--softmax-type``) change no plan: each rank adds its
 heads' sink logits once after the merge, nothing more is sent.
 
 Example: Llama-3 8B at CP 16, TP 2 (32 / 8 heads of 128, bf16, 128K tokens) -> per CP rank
 ``shape() == AttentionShape(8192, 1, 16, 4, 128, 2)``; ``ulysses`` 1. gpt-oss-20b's layers
 (``--window-size 127,0 --window-attn-skip-freq 2``, 24 layers) -> ``layer_windows()`` = ((127, 0), None,
-(127, 0), None, ...): a window on the odd layers, full attention on the even ones.
+(127, 0), None, ...): a window on the odd layers, full attention on the even ones. Llama 4's
+(``--attention-chunk-size 8192 --no-rope-freq 4``, 48 layers) -> ``layer_masks()`` = (chunked=8192,
+chunked=8192, chunked=8192, causal, ...): three chunked RoPE layers, then a global NoPE layer.
 """
 
 from __future__ import annotations
@@ -26,11 +30,17 @@ import ast
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+from .maskkinds import Chunked, Mask, MaskKind
 from .shape import AttentionShape
 from .units import as_int
 from .window import megatron_window
 
-__all__ = ["MegatronProblem", "layer_window", "documents_of", "BATCH_DOCUMENTS", "THD_DOCUMENTS", "DEFAULT_SEQ_LOCAL"]
+__all__ = ["MegatronProblem", "layer_window", "layer_chunked", "documents_of", "BATCH_DOCUMENTS", "THD_DOCUMENTS",
+           "DEFAULT_SEQ_LOCAL", "CHUNK_FLAG"]
+
+# Llama 4's chunked attention (its config's attention_chunk_size): the plugin's flag, since Megatron
+# has none; the settings schema (megatron/settings.py) names it by this constant
+CHUNK_FLAG = "--attention-chunk-size"
 
 # where the layers' documents come from: each sample of the batch (end-of-document tokens,
 # position-id resets; such samples get a CP layout each) or Transformer Engine's THD packing
@@ -112,6 +122,35 @@ def _skip_freq(ns):
     return _pattern(text, "--window-attn-skip-freq") if "[" in text else _int(ns, "window_attn_skip_freq")
 
 
+def _no_rope(ns):
+    """``--no-rope-freq`` as Megatron reads it (``no_rope_freq_type``): an int N (every N-th layer
+    without RoPE), a tuple of 0/1 per layer (1: no RoPE; a config holds the list its
+    ``__post_init__`` made), or None."""
+    value = getattr(ns, "no_rope_freq", None)
+    if value is None or isinstance(value, int):
+        return value
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    text = str(value)
+    return _pattern(text, "--no-rope-freq") if "[" in text else _int(ns, "no_rope_freq")
+
+
+def layer_chunked(chunk_size, no_rope, layer_number: int) -> MaskKind | None:
+    """Llama 4's chunked attention on layer ``layer_number`` (from 1), or None: ``chunk_size``
+    (:data:`CHUNK_FLAG`) on every layer but those ``--no-rope-freq`` ``no_rope`` marks as NoPE
+    layers (N: each N-th; a 0/1 list: where it says 1), which attend globally -- Llama 4's
+    interleaved RoPE (chunked) and NoPE (global) layers, as Hugging Face's Llama4 config derives
+    its ``layer_types``. The one owner of that rule: the layers apply it
+    (megatron/core_attention.py), the layout balances and the prediction prices the layers'
+    masks (:meth:`MegatronProblem.layer_masks`)."""
+    if chunk_size is None:
+        return None
+    listed = isinstance(no_rope, (list, tuple))
+    if no_rope is not None and (no_rope[layer_number - 1] if listed else layer_number % no_rope == 0):
+        return None
+    return Chunked(chunk_size)
+
+
 def layer_window(window_size, skip, layer_number: int, causal: bool = False):
     """The plugin window (left, right) of layer ``layer_number`` (from 1), or None: Megatron's
     ``--window-size`` on the layers ``--window-attn-skip-freq`` ``skip`` leaves windowed, by
@@ -161,6 +200,8 @@ class MegatronProblem:
     window_size: tuple | None = None  # --window-size as given (LEFT, RIGHT; -1 unlimited), None: no window
     window_skip: int | tuple | None = None  # --window-attn-skip-freq: N, or 0/1 per layer; None: every layer
     documents: str | None = None  # documents_of
+    chunk_size: int | None = None  # CHUNK_FLAG (the plugin's): Llama 4's chunked attention; None: none
+    no_rope: int | tuple | None = None  # --no-rope-freq: N, or 0/1 per layer (1: NoPE, global attention)
 
     @property
     def itemsize(self) -> int:
@@ -203,6 +244,44 @@ class MegatronProblem:
                              "attention), or give a list of 0/1 per layer, e.g. '[1,1,1,0]'")
         return tuple(layer_window(self.window_size, skip, n, causal) for n in range(1, self.layers + 1))
 
+    def layer_chunks(self) -> tuple:
+        """Each layer's chunked attention (:func:`layer_chunked`: a ``Chunked`` mask) or None.
+        ValueError naming the flags for a chunk size below 1, a ``--no-rope-freq`` list of
+        another length or values, or an N that leaves no layer chunked."""
+        if self.chunk_size is None:
+            return (None,) * self.layers
+        if as_int(self.chunk_size) is None or self.chunk_size < 1:
+            raise ValueError(f"{CHUNK_FLAG} {self.chunk_size!r} must be an integer >= 1 (tokens per chunk)")
+        rope = self.no_rope
+        if isinstance(rope, tuple) and (len(rope) != self.layers or any(v not in (0, 1) or isinstance(v, bool)
+                                                                        for v in rope)):
+            raise ValueError(f"--no-rope-freq {list(rope)}: the list needs one entry per layer ({self.layers} layers, "
+                             "--num-layers), each 1 (no RoPE: global attention) or 0 (RoPE: "
+                             f"{CHUNK_FLAG}'s chunked attention)")
+        if not isinstance(rope, tuple) and rope is not None and (rope < 1 or self.layers % rope):
+            raise ValueError(f"--no-rope-freq {rope}: an integer N must be >= 1 and divide --num-layers "
+                             f"{self.layers} (every N-th layer without RoPE), or give a list of 0/1 per layer")
+        chunks = tuple(layer_chunked(self.chunk_size, rope, n) for n in range(1, self.layers + 1))
+        if all(c is None for c in chunks):
+            raise ValueError(f"{CHUNK_FLAG} {self.chunk_size} with --no-rope-freq {rope if not isinstance(rope, tuple) else list(rope)}: "
+                             "every layer is a NoPE layer (global attention), so no layer is chunked; leave "
+                             f"{CHUNK_FLAG} out, or mark fewer layers")
+        return chunks
+
+    def layer_masks(self, causal: bool = True) -> tuple[MaskKind, ...]:
+        """Each layer's mask, without documents: chunked attention (:meth:`layer_chunks`), else
+        the layer's window (:meth:`layer_windows`: ``Mask(causal, window)``), else ``Mask(causal)``.
+        ValueError naming the flags where a layer would have both a window and chunks (the
+        two do not combine: :func:`~.maskkinds.base.intersect`)."""
+        windows, chunks = self.layer_windows(causal), self.layer_chunks()
+        both = [n for n, (w, c) in enumerate(zip(windows, chunks), 1) if w is not None and c is not None]
+        if both:
+            raise ValueError(f"{CHUNK_FLAG} {self.chunk_size} with --window-size {','.join(map(str, self.window_size))}: "
+                             f"layer {both[0]} would have both, and chunked attention does not combine with a sliding "
+                             "window; give the window to the layers without chunks (--window-attn-skip-freq, with "
+                             "--no-rope-freq marking the global layers), or leave one flag out")
+        return tuple(c if c is not None else Mask(causal, w) for w, c in zip(windows, chunks))
+
     def check(self) -> None:
         """ValueError naming the flags where the model's sizes do not fit together (what Megatron
         would refuse later, said before any training): KV heads dividing the heads, the sequence
@@ -219,11 +298,13 @@ class MegatronProblem:
                              f"--tensor-model-parallel-size {self.tp}")
 
     @classmethod
-    def from_namespace(cls, ns, *, seq_len: int | None = None, documents: str | None = None) -> "MegatronProblem":
+    def from_namespace(cls, ns, *, seq_len: int | None = None, documents: str | None = None,
+                       chunk_size: int | None = None) -> "MegatronProblem":
         """The problem of Megatron's parsed arguments or a transformer config (``seq_len``: the
         global sequence length where ``ns`` carries none, as a config does; ``documents``: where
-        they come from, :func:`documents_of`). Arguments checked before Megatron's own validation
-        may leave the model out: they read as one head."""
+        they come from, :func:`documents_of`; ``chunk_size``: the plugin's :data:`CHUNK_FLAG`,
+        from its settings). Arguments checked before Megatron's own validation may leave the model
+        out: they read as one head."""
         heads = _int(ns, "num_attention_heads", 1)
         gqa = getattr(ns, "group_query_attention", None)  # arguments; a config has num_query_groups alone
         kv = _int(ns, "num_query_groups", heads) if gqa or gqa is None else heads
@@ -244,7 +325,7 @@ class MegatronProblem:
                    micro_batch=micro, global_batch=_int(ns, "global_batch_size"), layers=_int(ns, "num_layers", 1),
                    dtype=dtype, hierarchy=_ints(ns, "hierarchical_context_parallel_sizes"),
                    window_size=_ints(ns, "window_size", "LEFT,RIGHT (integers)"), window_skip=_skip_freq(ns),
-                   documents=documents)
+                   documents=documents, chunk_size=chunk_size, no_rope=_no_rope(ns))
 
     @classmethod
     def from_flags(cls, flags: dict) -> "MegatronProblem":
@@ -259,9 +340,13 @@ class MegatronProblem:
             raise ValueError(f"MODEL_ARGS lacks {', '.join(missing)} (needed to plan its attention)")
         ns = SimpleNamespace(**{"group_query_attention": False, **{f.lstrip("-").replace("-", "_"): v
                                                                    for f, v in flags.items()}})
-        problem = cls.from_namespace(ns, documents=documents_of(ns, entry_packs_documents=True))
+        chunk = flags.get(CHUNK_FLAG)  # the plugin's flag, given in the config's MODEL_ARGS
+        if chunk is not None and (not str(chunk).strip().isdigit() or isinstance(chunk, bool)):
+            raise ValueError(f"{CHUNK_FLAG} {chunk!r} must be an integer >= 1 (tokens per chunk)")
+        problem = cls.from_namespace(ns, documents=documents_of(ns, entry_packs_documents=True),
+                                     chunk_size=None if chunk is None else int(str(chunk)))
         if "--kv-channels" not in flags and _int(ns, "hidden_size") % problem.heads:
             raise ValueError(f"--hidden-size {ns.hidden_size} is not a multiple of --num-attention-heads "
                              f"{problem.heads}; give --kv-channels")
-        problem.layer_windows(causal=True)  # the window checked as the training start-up checks it
+        problem.layer_masks(causal=True)  # the window and chunks checked as the training start-up checks them
         return problem

@@ -32,7 +32,7 @@ from typing import Iterable, Iterator
 from ..plan.autotile import TIE_RULE, evaluate_plan
 from ..plan.balance import balanced_layout
 from ..plan.mask import Mask
-from ..plan.maskkinds import MaskStack
+from ..plan.maskkinds import MaskKind, MaskStack
 from ..plan.megatron_problem import MegatronProblem
 from ..plan.modes import REFERENCE_MODE, get_mode, parse_mode_spec, resolve
 from ..plan.shape import AttentionShape
@@ -60,7 +60,8 @@ PREDICT_MODES = ("ring", "mesh-auto", "tasp", "a2a+ring", "a2a+mesh-auto", "a2a+
 # Megatron's default rank order puts tensor parallelism innermost: a CP group's neighbours are TP
 # ranks apart, so a node of GPUS_PER_NODE GPUs holds GPUS_PER_NODE / TP ranks of each CP group
 GPUS_PER_NODE = Topology().gpus_per_node
-_EVERY_LAYER = object()  # predict()'s default window: the one every layer of the config has
+_EVERY_LAYER = object()  # predict()'s default layer mask: the one every layer of the config has
+FULL = Mask(True)  # a causal layer without a window or chunks
 
 
 @dataclass(frozen=True)
@@ -96,10 +97,19 @@ class Problem:
         return tuple(None if w is None or w[0] is None else (w[0], 0) for w in self.run.layer_windows(causal=True))
 
     @property
-    def layer_kinds(self) -> list[tuple[tuple | None, int]]:
-        """(window, layers with it) of each different layer mask, in the order the layers first
-        run it: gpt-oss-20b's [((127, 0), 12), (None, 12)]; a uniform stack one entry."""
-        return list(Counter(self.layer_windows).items())
+    def layer_masks(self) -> tuple[MaskKind, ...]:
+        """Each layer's mask without documents: Llama 4's chunks (``Chunked``) where the run has
+        them (:meth:`MegatronProblem.layer_chunks`), else its window on a causal layer
+        (``Mask(True, (left, 0))``) or :data:`FULL` (:attr:`layer_windows`)."""
+        chunks = self.run.layer_chunks()
+        return tuple(c if c is not None else Mask(True, w) if w is not None else FULL
+                     for w, c in zip(self.layer_windows, chunks))
+
+    @property
+    def layer_kinds(self) -> list[tuple[MaskKind, int]]:
+        """(mask, layers with it) of each different layer mask, in the order the layers first
+        run it: gpt-oss-20b's [(window 127, 12), (FULL, 12)]; a uniform stack one entry."""
+        return list(Counter(self.layer_masks).items())
 
     @property
     def shape(self) -> AttentionShape:
@@ -111,25 +121,30 @@ class Problem:
     def cu_seqlens(self) -> list[int]:
         return list(self.documents) if self.documents is not None else [0, self.seq_len]
 
-    def mask(self, window=None, documents: bool = True) -> Mask:
-        """The causal mask of the layers with ``window`` (one of :attr:`layer_kinds`')."""
+    def mask(self, kind: MaskKind = FULL, documents: bool = True) -> MaskKind:
+        """The mask of the layers with ``kind`` (one of :attr:`layer_kinds`'), inside this
+        problem's documents (``documents``: where it has them)."""
+        if kind.is_band and documents and self.documents is not None:
+            return Mask.from_cu_seqlens(self.cu_seqlens, self.seq_len, True, _window(kind)).normalized(self.seq_len)
         if documents and self.documents is not None:
-            return Mask.from_cu_seqlens(self.cu_seqlens, self.seq_len, True, window).normalized(self.seq_len)
-        return Mask(True, window).normalized(self.seq_len)
+            return (Mask(False, None, tuple(zip(self.cu_seqlens, self.cu_seqlens[1:]))) & kind).normalized(self.seq_len)
+        return kind.normalized(self.seq_len)
 
     def layers_text(self) -> str:
         """The layers' masks in words: 'window 16 tokens' (every layer the same), '12 of 24 layers
-        window 127 tokens, 12 of 24 layers full'."""
-        def what(window):
-            return "full" if window is None else f"window {window[0]} tokens"
+        window 127 tokens, 12 of 24 layers full', '36 of 48 layers chunks of 8192 tokens, 12 of 48
+        layers full'."""
+        def what(kind):
+            return "full" if kind == FULL else f"window {kind.window[0]} tokens" if kind.is_band else \
+                f"chunks of {kind.size} tokens"
         if len(self.layer_kinds) == 1:
             return what(self.layer_kinds[0][0])
-        return ", ".join(f"{n} of {self.layers} layers {what(w)}" for w, n in self.layer_kinds)
+        return ", ".join(f"{n} of {self.layers} layers {what(k)}" for k, n in self.layer_kinds)
 
     def describe(self) -> str:
         sh = self.shape
         tp = f", TP {self.tp} -> {sh.heads} / {sh.kv_heads} per rank" if self.tp > 1 else ""
-        what = "causal" + ("" if self.layer_kinds == [(None, self.layers)] else f", {self.layers_text()}")
+        what = "causal" + ("" if self.layer_kinds == [(FULL, self.layers)] else f", {self.layers_text()}")
         if self.documents is not None:
             n = len(self.documents) - 1
             what += f", {n} documents of mean {self.seq_len / n:,.0f} tokens (the first sample of its data)"
@@ -246,28 +261,34 @@ def machine(problem: Problem, gpus_per_node: int = GPUS_PER_NODE, **links) -> To
     return Topology.for_cp(problem.cp, max(1, gpus_per_node // problem.tp), **links)
 
 
-def predict(problem: Problem, topo: Topology, modes=PREDICT_MODES, window=_EVERY_LAYER
+def _window(kind: MaskKind):
+    """The window (left, 0) of a band layer mask, None for :data:`FULL`."""
+    return None if kind == FULL else kind.window
+
+
+def predict(problem: Problem, topo: Topology, modes=PREDICT_MODES, kind=_EVERY_LAYER
             ) -> tuple[list[ModeResult], list[dict], float]:
-    """The planner's rows for the layers of ``problem`` with ``window`` (one of its
+    """The planner's rows for the layers of ``problem`` with the mask ``kind`` (one of its
     :attr:`~Problem.layer_kinds`; default: the one every layer has -- ValueError where the layers'
     masks differ) on ``topo`` (one attention layer, forward + backward), the modes that cannot
     run, and the compute floor in seconds. Documents: the plugin's balanced layout (its default
     for packed documents). The rows share the planner's default planning budget
     (:data:`~.plan_budget.BUDGET_S`): those past it are left out, named."""
-    if window is _EVERY_LAYER:
-        (window, _), *others = problem.layer_kinds
+    if kind is _EVERY_LAYER:
+        (kind, _), *others = problem.layer_kinds
         if others:
             raise ValueError(f"{problem.name}: its layers run different masks ({problem.describe()}); predict each "
-                             "with window= (Problem.layer_kinds)")
+                             "with kind= (Problem.layer_kinds)")
     shape = problem.shape
     budget = Budget(BUDGET_S)
+    window, other = (_window(kind), None) if kind.is_band else (None, kind)
     if problem.documents is None:
-        rows, skipped = evaluate(problem.cp, shape, topo, modes=modes, mask=problem.mask(window), work=True,
+        rows, skipped = evaluate(problem.cp, shape, topo, modes=modes, mask=problem.mask(kind), work=True,
                                  budget=budget)
     else:
-        rows, skipped = layout_rows(problem.cp, shape, topo, problem.cu_seqlens, window=window, modes=modes,
-                                    layouts=("balanced",), budget=budget)
-    floor = compute_floor(allowed_pairs(problem.cu_seqlens, True, window), problem.cp, shape, topo)
+        rows, skipped = layout_rows(problem.cp, shape, topo, problem.cu_seqlens, window=window, kind=other,
+                                    modes=modes, layouts=("balanced",), budget=budget)
+    floor = compute_floor(allowed_pairs(problem.cu_seqlens, True, window, mask=other), problem.cp, shape, topo)
     return rows, skipped, floor
 
 
@@ -320,10 +341,11 @@ def prediction_section(path: str = DEFAULT_CONFIG, topo: Topology | None = None)
     lines = [f"## Prediction for {problem.name} on GPUs (the planner)", "", f"Model: {problem.describe()}.", "",
              _machine_line(problem, topo), ""]
     stack = []
-    for window, layers in kinds:
-        rows, skipped, floor = predict(problem, topo, window=window)
+    for kind, layers in kinds:
+        rows, skipped, floor = predict(problem, topo, kind=kind)
         if len(kinds) > 1:
-            what = "full attention" if window is None else f"a {window[0]}-token window"
+            what = "full attention" if kind == FULL else f"a {kind.window[0]}-token window" if kind.is_band else \
+                f"chunks of {kind.size} tokens"
             lines += [f"### The {layers} layers with {what}", ""]
         lines += _kind_lines(rows, skipped, floor) + [""]
         auto = next((r for r in rows if r.mode == "auto"), None)
@@ -373,12 +395,16 @@ def _planned_bytes(placement, problem: Problem, mask: str, window: int | None, c
         problem = replace(problem, run=replace(problem.run, window_size=(window, 0)))
     shape, layout = problem.shape, None
     if cu_seqlens is not None and mask != "docs-zigzag":  # one layout for every layer: their summed work
-        stack = MaskStack.of(Mask(True, w) for w, layers in problem.layer_kinds for _ in range(layers))
+        stack = MaskStack.of(k for k, layers in problem.layer_kinds for _ in range(layers))
         layout = balanced_layout(cu_seqlens, problem.cp, group=placement.ulysses, mask=stack)
     total = 0
-    for w, layers in problem.layer_kinds:
-        m = Mask(True, w) if cu_seqlens is None or layout is not None else \
-            Mask.from_cu_seqlens(cu_seqlens, problem.seq_len, True, w)
+    for k, layers in problem.layer_kinds:
+        if cu_seqlens is None or layout is not None:
+            m = k
+        elif k.is_band:
+            m = Mask.from_cu_seqlens(cu_seqlens, problem.seq_len, True, _window(k))
+        else:
+            m = Mask(False, None, tuple(zip(cu_seqlens, cu_seqlens[1:]))) & k
         total += layers * evaluate_plan(placement.build(shape, m, layout, topology=topo), shape, topo).bytes_per_rank
     return total
 

@@ -630,6 +630,52 @@ def test_mla_core_attention(one_rank):
             stand_in(q, k, v, None)
 
 
+def test_chunked_layers_are_the_plugins_attention_with_llama4s_mask(one_rank):
+    """--attention-chunk-size (Llama 4's chunked attention) under --no-rope-freq: the layers with
+    RoPE attend inside chunks counted from each document's start -- the plugin's attention, at
+    CP 1 too (Megatron's own has no such mask), exact against the dense fp64 reference with that
+    mask, forward and backward; the NoPE layer is Megatron's own full causal attention at CP 1.
+    A chunked layer that is not causal or has a window is refused, naming the flag."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_mesh import masks
+    from megatron_mesh.kernels import reference_attention
+    from megatron_mesh.megatron.core_attention import PluginCoreAttention
+    from megatron_mesh.megatron.settings import PluginSettings
+
+    pgs = types.SimpleNamespace(cp=one_rank.cp, tp=one_rank.cp)
+    chunked = dict(num_layers=4, no_rope_freq=4, cp_settings=PluginSettings.of(attention_chunk_size=5))
+    config = _config(context_parallel_size=1, **chunked)
+    layers = [_build(config, "mesh", layer_number=n, pg_collection=pgs, softmax_scale=0.2) for n in (1, 2, 3, 4)]
+    assert [type(m) for m in layers] == [PluginCoreAttention] * 3 + [DotProductAttention]
+    assert "chunks of 5" in layers[0].describe()
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(12, 2, 4, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(12, 2, 2, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    cu = torch.tensor([[0, 7, 12], [0, 3, 12]], dtype=torch.int32)
+    for packed, rows in ((None, [[0, 12]] * 2), (PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu),
+                                                  cu.tolist())):
+        out = layers[0](q, k, v, None, attn_mask_type=AttnMaskType.causal, packed_seq_params=packed)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        for i, row in enumerate(rows):  # each sample: chunks of 5 from each of its documents' starts
+            one = [x[:, i:i + 1].detach().requires_grad_() for x in (q, k, v)]
+            want = reference_attention(*one, softmax_scale=0.2, mask=masks.documents(row) & masks.chunked(5))
+            torch.testing.assert_close(out[:, i:i + 1], want.reshape(12, 1, 64), rtol=1e-10, atol=1e-10)
+            for got, ref in zip(grads, torch.autograd.grad(want.sum(), one)):
+                torch.testing.assert_close(got[:, i:i + 1], ref, rtol=1e-10, atol=1e-10)
+        plain = reference_attention(q[:, :1], k[:, :1], v[:, :1], causal=True, softmax_scale=0.2)
+        assert not torch.allclose(out[:, :1], plain.reshape(12, 1, 64))  # the chunks change the result
+    for change, message in ((dict(build=dict(attn_mask_type=AttnMaskType.no_mask)), "attention mask type no_mask"),
+                            (dict(config=dict(window_size=(4, 0))), "window_size (4, 0)")):
+        with pytest.raises(ValueError) as e:
+            _build(_config(context_parallel_size=1, **chunked, **change.get("config", {})), "mesh", pg_collection=pgs,
+                   **change.get("build", {}))
+        assert f"layer 1 (cp_comm_type 'ring'): --attention-chunk-size 5 (chunked attention: causal inside each " \
+               f"chunk) on a layer with {message}" in str(e.value), str(e.value)
+
+
 def test_cp1_builder_hands_over_to_megatrons_attention(one_rank):
     """Under the plugin's spec, CP 1 is Megatron's own DotProductAttention -- dropout included."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -679,12 +725,17 @@ def test_tiny_cpu_config_parses(megatron_args):
 @pytest.mark.parametrize("name", sorted(f for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith(".yaml")))
 def test_configs_parse_with_every_mode(megatron_args, our_entry, name):
     """Every flag of every config is one Megatron (or the plugin) knows, and the config is valid
-    under each mode in the plugin's entry script (GPU configs assume Transformer Engine for TE's modes)."""
+    under each mode in the plugin's entry script (GPU configs assume Transformer Engine for TE's modes;
+    a config with Llama 4's chunks refuses them: TE has no chunked attention)."""
     parsed = _config_args(megatron_args, name)
     layers = parsed.num_layers
     for modes in (["mesh"], ["tasp"], ["ring"], ["p2p"], (["mesh", "tasp", "ring"] * layers)[:layers]):
         args = copy.deepcopy(parsed)
         args.cp_comm_type = modes
+        if modes == ["p2p"] and parsed.attention_chunk_size is not None and parsed.context_parallel_size > 1:
+            with pytest.raises(ValueError, match="layer 1 has chunks and runs --cp-comm-type p2p"):
+                _validate(args, have_te=True, **our_entry)
+            continue
         _validate(args, have_te=True, **our_entry)
 
 

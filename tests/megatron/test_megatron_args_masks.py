@@ -65,6 +65,16 @@ MLA = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "32"
       "[1,0,1,0]"], None),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--window-size=-1,0", "--window-attn-skip-freq",
       "2"], None),
+    # Llama 4: chunks on the RoPE layers, every 4th layer global; with documents, THD, a window on the global
+    # layers, and at CP 1 under the plugin's spec (TE's modes: test_chunks_need_the_plugins_layers)
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--attention-chunk-size", "8192", "--num-layers", "8",
+      "--no-rope-freq", "4", "--reset-attention-mask", PER_TOKEN], "eod"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "tasp", "--attention-chunk-size", "12", "--cp-thd-packing",
+      "--cp-thd-pad-multiple", "16", "--seq-length", "64", "--micro-batch-size", "1"], "thd"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "ring", "--num-layers", "4", "--attention-chunk-size", "16", "--no-rope-freq", "([0]*3+[1])", "--window-size", "32,0",
+      "--window-attn-skip-freq", "([0]*3+[1])"], None),
+    (["--context-parallel-size", "1", "--attention-chunk-size", "16", "--reset-attention-mask", "--cp-comm-type",
+      "mesh"], "eod"),
 ])
 def test_masks_and_hybrids_valid(megatron_args, our_entry, argv, documents):
     from megatron_mesh.megatron.args import MeshTransformerConfig, apply_args
@@ -215,12 +225,46 @@ def test_masks_and_hybrids_valid(megatron_args, our_entry, argv, documents):
     (["--context-parallel-size", "4", "--cp-comm-type", "a2a+mesh", "--hierarchical-context-parallel-sizes", "1", "4",
       "--reset-attention-mask", PER_TOKEN, "--cp-layout", "balanced-hide"],
      "this run has no such group (--hierarchical-context-parallel-sizes 1 4); use --cp-layout balanced"),
+    # Llama 4's chunks: only the plugin's attention applies them, never a window on the same layer
+    (["--context-parallel-size", "1", "--attention-chunk-size", "16", "--spec", "local"],
+     "--attention-chunk-size 16: chunked attention is the plugin's (Megatron's own attention has none), and this run "
+     "builds Megatron's own layers; add --spec megatron_mesh.megatron.spec gpt_layer_spec"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--attention-chunk-size", "16", "--window-size",
+      "32,0", "--num-layers", "4", "--no-rope-freq", "4"],
+     "--attention-chunk-size 16 with --window-size 32,0: layer 1 would have both, and chunked attention does not "
+     "combine with a sliding window"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--attention-chunk-size", "16", "--num-layers", "4",
+      "--no-rope-freq", "[0,1]"], "--no-rope-freq [0, 1]: the list needs one entry per layer (4 layers"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--attention-chunk-size", "16", "--num-layers", "4",
+      "--no-rope-freq", "1"], "--attention-chunk-size 16 with --no-rope-freq 1: every layer is a NoPE layer"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--attention-chunk-size", "0"],
+     "--attention-chunk-size must be a positive integer, got 0"),
+    (["--context-parallel-size", "1", "--attention-chunk-size", "16", "--cp-comm-type", "mesh", "--attention-dropout",
+      "0.1"], "--attention-dropout 0.1: chunked attention (--attention-chunk-size 16) runs the plugin's attention also "
+     "at CP 1, which supports only 0"),
 ])
 def test_masks_and_hybrids_invalid(megatron_args, our_entry, argv, message):
     args = megatron_args(PLUGIN + argv)
     with pytest.raises(ValueError) as e:
         validate_args(args, **our_entry)
     assert message in str(e.value)
+
+
+def test_chunks_need_the_plugins_layers(megatron_args):
+    """With Transformer Engine usable: its modes may run the global (NoPE) layers of a Llama 4 model,
+    not a layer with chunks (TE has no chunked attention: the layer would train full causal
+    attention, silently); nor may Megatron's default, TE's p2p, where --cp-comm-type is not given."""
+    chunked = ["--context-parallel-size", "4", "--num-layers", "4", "--attention-chunk-size", "16", "--no-rope-freq",
+               "([0]*3+[1])"]
+    validate_args(megatron_args(PLUGIN + chunked + ["--cp-comm-type", "ring", "mesh", "tasp", "p2p"]), have_te=True)
+    for modes, message in ((["--cp-comm-type", "ring", "a2a", "tasp", "p2p"], "layer 2 has chunks and runs "
+                            "--cp-comm-type a2a, a Transformer Engine mode"),
+                           ([], "layer 1 has chunks and runs --cp-comm-type p2p (Megatron's default where "
+                            "--cp-comm-type is not given), a Transformer Engine mode")):
+        with pytest.raises(ValueError) as e:
+            validate_args(megatron_args(PLUGIN + chunked + modes), have_te=True)
+        assert f"--attention-chunk-size 16: {message}, which has no chunked attention; run the layers with chunks in " \
+               "a plugin mode (ring, mesh, tasp, a2a+mesh, a2a+tasp, a2a+ring)" in str(e.value), str(e.value)
 
 
 def test_dense_document_masks_of_other_scripts(megatron_args):
@@ -369,15 +413,37 @@ def test_the_layers_windows_are_megatrons(megatron_args, argv):
     assert MegatronProblem.from_flags(flags).layer_windows() == megatron, argv
 
 
+@pytest.mark.parametrize("no_rope", [None, "3", "2", "([0]*2+[1])*2", "[1,0,0,0,0,1]"])
+def test_the_layers_with_chunks_are_megatrons_rope_layers(megatron_args, no_rope):
+    """MegatronProblem.layer_chunks (the one reading of which layers run --attention-chunk-size's
+    chunks: the layers, the layout and the prediction share it) gives chunks to exactly the layers
+    Megatron's own TransformerConfig applies RoPE to (its no_rope_freq list, as the attention reads
+    it), from Megatron's parsed arguments, from the model's config, and from a YAML config's text."""
+    from megatron_mesh.megatron.args import MeshTransformerConfig
+    from megatron_mesh.megatron.settings import problem_of
+    from megatron_mesh.plan.megatron_problem import MegatronProblem
+
+    argv = ["--num-layers", "6", "--num-attention-heads", "4", "--hidden-size", "64", "--attention-chunk-size", "8",
+            *(["--no-rope-freq", no_rope] if no_rope else [])]
+    args = megatron_args(argv)
+    config = MeshTransformerConfig(num_layers=6, hidden_size=64, num_attention_heads=4, no_rope_freq=args.no_rope_freq)
+    rope = [not (config.no_rope_freq[n] if config.no_rope_freq else False) for n in range(6)]
+    for problem in (problem_of(args), MegatronProblem.from_namespace(config, chunk_size=8),
+                    MegatronProblem.from_flags({**dict(zip(argv[::2], argv[1::2])), "--seq-length": "64"})):
+        assert [c is not None and c.size == 8 for c in problem.layer_chunks()] == rope, (no_rope, problem)
+
+
 def test_the_main_jobs_gpu_configs_pass_the_start_up_checks(megatron_args, our_entry):
     """The configs the main job predicts for (Llama-3-8B, gpt-oss-20b with sinks and alternating
-    128-token windows, DeepSeek-V3's MLA with YaRN; each at 128K tokens, CP 16 x TP 2) are flags
+    128-token windows, DeepSeek-V3's MLA with YaRN; each at 128K tokens, CP 16 x TP 2) and Llama 4
+    Scout's (chunked layers, MoE) are flags
     Megatron parses and the plugin's start-up accepts with Transformer Engine, as a GPU run would."""
     import os
 
     from megatron_mesh.tools import predict, yaml_args
 
-    for path in predict.DEFAULT_CONFIGS:
+    scout = os.path.join(predict.ROOT, "configs", "llama4_scout_128k_cp16.yaml")  # Llama 4's chunks too
+    for path in (*predict.DEFAULT_CONFIGS, scout):
         doc = yaml_args.load(path)
         args = megatron_args(yaml_args.model_args(doc, {**os.environ, **yaml_args.environment(doc)}))
         validate_args(args, have_te=True, **our_entry)

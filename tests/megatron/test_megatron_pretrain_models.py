@@ -29,6 +29,12 @@ DeepSeek-style layers (configs/deepseek_tiny_cpu.yaml: multi-latent attention, q
 * CP 4 on THD packed sequences (``--cp-thd-packing``; ring, mesh, tasp, a2a+mesh).
 
 Each logs the CP 1 losses to 1e-5 relative.
+
+Llama-4-style layers (configs/llama4_tiny_cpu.yaml: chunked attention, chunks of 12 tokens from each
+document's start, on layers 1-3 and global attention on layer 4 without RoPE, EOD documents): CP 4
+on the default layout (``--cp-layout auto``: per sample the balanced layout of the layers' summed
+work, or the zigzag), one layer per mode, logs the CP 1 losses (the plugin's single-rank attention
+with the same chunks) to 1e-5 relative.
 """
 
 import glob
@@ -45,6 +51,7 @@ ITERS = 3
 RTOL = 1e-5
 CONFIG = os.path.join(ROOT, "configs", "gpt_oss_tiny_cpu.yaml")
 MLA_CONFIG = os.path.join(ROOT, "configs", "deepseek_tiny_cpu.yaml")
+LLAMA4_CONFIG = os.path.join(ROOT, "configs", "llama4_tiny_cpu.yaml")
 HCP = ("--hierarchical-context-parallel-sizes", "2", "2")
 ZIGZAG_MODES = "mesh tasp ring a2a+mesh"
 BALANCED_MODES = "tasp mesh a2a+mesh ring"
@@ -83,11 +90,13 @@ def runs(doc_data, ckpts):
         "mla_thd_cp4": (MLA_CONFIG, (), 4, 4, THD_MODES, *HCP, *MLA_THD),
         # Mesh's owners layout needs long documents: these samples have none
         "mla_owners_cp2": (MLA_CONFIG, (), 2, 2, "mesh", "--cp-layout", "owners"),
+        "llama4_cp1": (LLAMA4_CONFIG, (), 1, 1, "mesh"),
+        "llama4_cp4": (LLAMA4_CONFIG, (), 4, 4, ZIGZAG_MODES, *HCP),
         # Megatron-LM's script on the zigzag, resuming the balanced run's checkpoint
         "mlm_mla_resume_cp2": (MLA_CONFIG, mlm, 2, 2, "ring", "--cp-layout", "zigzag", "--load",
                                ckpts["mla_balanced"], "--ckpt-step", "2"),
     }
-    return run_all(lambda *spec: run(*spec), plan, together=("cp1", "mla_cp1", "mla_thd_cp1"),
+    return run_all(lambda *spec: run(*spec), plan, together=("cp1", "mla_cp1", "mla_thd_cp1", "llama4_cp1"),
                    then_together=("resume_cp2", "mlm_mla_resume_cp2", "mla_owners_cp2"))
 
 
@@ -187,6 +196,20 @@ def test_mla_on_thd_packed_sequences_cp4_matches_cp1(runs):
     for i, mode in enumerate(THD_MODES.split(), 1):
         assert f"layer {i}: {mode} (CP 4" in summary, summary
     assert summary.count("documents thd)") == 4, summary
+
+
+def test_llama4_chunked_layers_cp4_match_cp1(runs):
+    """Llama 4's chunked layers (--attention-chunk-size 12 on the RoPE layers 1-3, --no-rope-freq 4:
+    layer 4 global) under four modes on the default layout equal the plugin's single-rank
+    attention at CP 1 with the same chunks; the stage summary names the chunks on exactly those
+    layers, at both CP sizes."""
+    summary = _matches_cp1(runs, "llama4_cp1", "llama4_cp4")
+    for i, mode in enumerate(ZIGZAG_MODES.split(), 1):
+        part = f"layer {i}: {mode} (CP 4"
+        assert part in summary, (part, summary)
+        assert ("chunks of 12" in summary.split(part, 1)[1].split("; layer")[0]) == (i < 4), (i, summary)
+    assert "layers 1-3: single-rank attention (CP 1, kernel auto, chunks of 12, documents eod); layer 4: " \
+           "single-rank attention (CP 1, kernel auto, documents eod)" in _summary(run_ok(runs, "llama4_cp1"))
 
 
 def test_a_sample_the_owners_layout_cannot_lay_out_stops_the_run_in_one_line(runs):

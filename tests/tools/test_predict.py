@@ -4,6 +4,7 @@ CPU run, on synthetic runs (pure Python, no training: seconds)."""
 
 from __future__ import annotations
 
+import os
 import re
 import struct
 
@@ -246,17 +247,18 @@ def test_the_gpu_configs_of_gpt_oss_20b_and_deepseek_v3(tmp_path):
     tokens back + the query: its 128-token window) and 12 full layers priced each, with the stack's
     total under auto's per-layer pick; DeepSeek-V3's MLA heads (192 query/key, 128 value)."""
     oss, ds = (predict.read_config(p) for p in predict.DEFAULT_CONFIGS[1:])
-    assert oss.layer_kinds == [((127, 0), 12), (None, 12)] and oss.layer_windows[:3] == ((127, 0), None, (127, 0))
+    assert oss.layer_kinds == [(Mask(True, (127, 0)), 12), (predict.FULL, 12)]
+    assert oss.layer_windows[:3] == ((127, 0), None, (127, 0))
     assert oss.shape == AttentionShape(seq_local=8192, batch=1, heads=32, kv_heads=4, head_dim=64, itemsize=2)
-    assert ds.layer_kinds == [(None, 61)]
+    assert ds.layer_kinds == [(predict.FULL, 61)]
     assert ds.shape == AttentionShape(seq_local=8192, batch=1, heads=64, kv_heads=64, head_dim=192, itemsize=2,
                                       v_head_dim=128)
     section = predict.prediction_section(predict.DEFAULT_CONFIGS[1])
     window, full = section.split("### The 12 layers with a 127-token window")[1].split("### The 12 layers with full")
     topo = predict.machine(oss)
     stack = 0.0
-    for w, part in (((127, 0), window), (None, full)):
-        rows, _, floor = predict.predict(oss, topo, window=w)
+    for kind, part in ((Mask(True, (127, 0)), window), (predict.FULL, full)):
+        rows, _, floor = predict.predict(oss, topo, kind=kind)
         auto = next(r for r in rows if r.mode == "auto")
         assert f"Compute floor: **{floor * 1e3:.2f} ms**" in part and f"{auto.time_s * 1e3:.2f} ms per layer" in part
         stack += 12 * auto.time_s
@@ -266,6 +268,35 @@ def test_the_gpu_configs_of_gpt_oss_20b_and_deepseek_v3(tmp_path):
     deepseek = predict.prediction_section(predict.DEFAULT_CONFIGS[2])
     assert "## Prediction for deepseek_v3_128k_cp16.yaml" in deepseek and "head dim 192 (values 128)" in deepseek
     assert "`auto` picks **" in deepseek and "###" not in deepseek
+
+
+def test_llama4s_chunked_layers_are_priced_with_their_chunks():
+    """configs/llama4_scout_128k_cp16.yaml: Llama 4's 36 chunked layers (chunks of 8192 tokens, the
+    plugin's --attention-chunk-size) and 12 global NoPE layers (--no-rope-freq 4) priced each with
+    its own mask: the chunked layers' floor is the chunks' pairs, and every row of them equals the
+    planner's for that mask (evaluate with masks.chunked); the global layers' rows are the causal
+    ones."""
+    from megatron_mesh import masks
+
+    path = os.path.join(predict.ROOT, "configs", "llama4_scout_128k_cp16.yaml")
+    scout = predict.read_config(path)
+    assert scout.layer_kinds == [(masks.chunked(8192), 36), (predict.FULL, 12)]
+    assert [m == predict.FULL for m in scout.layer_masks[:8]] == [False, False, False, True] * 2
+    assert "36 of 48 layers chunks of 8192 tokens, 12 of 48 layers full" in scout.describe()
+    section = predict.prediction_section(path)
+    chunked, full = section.split("### The 36 layers with chunks of 8192 tokens")[1].split("### The 12 layers with full")
+    topo = predict.machine(scout)
+    rows, _, floor = predict.predict(scout, topo, kind=masks.chunked(8192))
+    assert floor == compute_floor(allowed_pairs([0, 131072], mask=masks.chunked(8192)), 16, scout.shape, topo)
+    assert floor < compute_floor(allowed_pairs([0, 131072]), 16, scout.shape, topo) / 10  # 16 chunks: 1/16 the pairs
+    assert f"Compute floor: **{floor * 1e3:.2f} ms**" in chunked
+    want, _ = predict.evaluate(16, scout.shape, topo, modes=predict.PREDICT_MODES,
+                               mask=masks.chunked(8192).normalized(131072), work=True)
+    assert [(r.mode, r.ulysses, r.bytes_per_rank, r.time_s) for r in rows] == \
+        [(r.mode, r.ulysses, r.bytes_per_rank, r.time_s) for r in want]
+    for r in rows:
+        assert f"| {r.time_s * 1e3:.2f} |" in chunked, r
+    assert "The stack: **" in full
 
 
 @pytest.mark.parametrize("flags, error", [
