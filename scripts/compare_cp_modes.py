@@ -404,8 +404,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="stop a run (and report it failed) after this many seconds (default: no limit)")
     ap.add_argument("--predict", action="append", default=None, metavar="CONFIG.yaml",
                     help="a Megatron config (repeatable) whose attention the planner predicts on GPUs, in the report "
-                         "next to the CPU rows (default: configs/llama3_8b_128k_cp16.yaml, gpt_oss_20b_128k_cp16.yaml "
-                         "and deepseek_v3_128k_cp16.yaml)")
+                         "next to the CPU rows (default: configs/llama3_8b_128k_cp16.yaml, gpt_oss_20b_128k_cp16.yaml, "
+                         "deepseek_v3_128k_cp16.yaml and llama4_scout_128k_cp16.yaml)")
     ap.add_argument("--no-predict", action="store_true", help="leave the GPU prediction out of the report")
     ap.add_argument("--out", default=None, help="report directory (default reports/cp_modes_<time>)")
     ap.add_argument("megatron_args", nargs=argparse.REMAINDER, help="extra Megatron flags after --")

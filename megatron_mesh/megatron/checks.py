@@ -230,6 +230,11 @@ def _check_chunks(args, problem: MegatronProblem, cp: int, modes: list) -> None:
     chunks = problem.layer_chunks()
     problem.layer_masks(causal=True)
     given = f"{CHUNK_FLAG} {problem.chunk_size}"
+    mtp = getattr(args, "mtp_num_layers", None)
+    if mtp:
+        raise ValueError(f"{given} with --mtp-num-layers {mtp}: Megatron-Core builds the multi-token prediction layers "
+                         "from its own layer spec, whose attention has no chunks, so they would attend the whole "
+                         "sequence; leave out one of the two")
     if cp == 1:
         if not uses_plugin_spec(args):
             raise ValueError(f"{given}: chunked attention is the plugin's (Megatron's own attention has none), and this "

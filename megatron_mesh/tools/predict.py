@@ -51,9 +51,10 @@ __all__ = ["Problem", "read_config", "machine", "predict", "prediction_section",
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_CONFIG = os.path.join(ROOT, "configs", "llama3_8b_128k_cp16.yaml")
 # the main job's predictions: Llama-3-8B, gpt-oss-20b (sinks, 128-token windows alternating with full
-# layers) and DeepSeek-V3's attention (MLA: query/key dim 192, value dim 128), each at 128K tokens
+# layers), DeepSeek-V3's attention (MLA: query/key dim 192, value dim 128) and Llama 4 Scout's (chunks of
+# 8192 tokens on three layers of four, the fourth global), each at 128K tokens
 DEFAULT_CONFIGS = tuple(os.path.join(ROOT, "configs", f"{name}_128k_cp16.yaml")
-                        for name in ("llama3_8b", "gpt_oss_20b", "deepseek_v3"))
+                        for name in ("llama3_8b", "gpt_oss_20b", "deepseek_v3", "llama4_scout"))
 # the rows of the prediction: each mode's fastest placement, the hybrids per all-to-all degree,
 # Ulysses and USP by formula (dense attention only), and auto
 PREDICT_MODES = ("ring", "mesh-auto", "tasp", "a2a+ring", "a2a+mesh-auto", "a2a+tasp", "ulysses", "usp", "auto")

@@ -237,6 +237,9 @@ def test_masks_and_hybrids_valid(megatron_args, our_entry, argv, documents):
       "--no-rope-freq", "[0,1]"], "--no-rope-freq [0, 1]: the list needs one entry per layer (4 layers"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--attention-chunk-size", "16", "--num-layers", "4",
       "--no-rope-freq", "1"], "--attention-chunk-size 16 with --no-rope-freq 1: every layer is a NoPE layer"),
+    (["--context-parallel-size", "1", "--cp-comm-type", "mesh", "--attention-chunk-size", "16", "--mtp-num-layers",
+      "1"], "--attention-chunk-size 16 with --mtp-num-layers 1: Megatron-Core builds the multi-token prediction layers "
+     "from its own layer spec, whose attention has no chunks"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--attention-chunk-size", "0"],
      "--attention-chunk-size must be a positive integer, got 0"),
     (["--context-parallel-size", "1", "--attention-chunk-size", "16", "--cp-comm-type", "mesh", "--attention-dropout",

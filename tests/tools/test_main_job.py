@@ -73,6 +73,7 @@ def test_compare_cp_modes_writes_the_report_with_masks(tmp_path):
 @pytest.mark.parametrize("config, mode, extra", [
     ("gpt_oss_tiny_cpu.yaml", "mesh:auto", []),
     ("deepseek_tiny_cpu.yaml", "ring", ["--no-predict", "--", "--cp-layout", "balanced"]),  # MLA on the balanced layout
+    ("llama4_tiny_cpu.yaml", "tasp", ["--no-predict"]),  # Llama 4's chunked layers and a global one
 ])
 def test_the_main_job_runs_the_gpt_oss_and_deepseek_configs(tmp_path, doc_data, config, mode, extra):
     """The main job on configs/gpt_oss_tiny_cpu.yaml (learnable sinks, 5-token windows on layers 1
@@ -80,7 +81,9 @@ def test_the_main_job_runs_the_gpt_oss_and_deepseek_configs(tmp_path, doc_data, 
     dim 12, YaRN, its EOD documents): one small run each (CP 2, 2 iterations, one mode next to the
     baseline) whose loss is CP 1's, whose bytes are the plans' the layers ran, and -- the gpt-oss
     job, with the default --predict -- whose report ends with the GPU predictions of gpt-oss-20b (a
-    table for its window layers and one for its full layers) and DeepSeek-V3 at 128K tokens."""
+    table for its window layers and one for its full layers), DeepSeek-V3 and Llama 4 Scout at 128K
+    tokens; configs/llama4_tiny_cpu.yaml (chunks of 12 tokens on layers 1-3, layer 4 global): its
+    planned bytes price each layer with its own mask, and equal the measured."""
     out = tmp_path / "report"
     env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()),
                DOC_DATA=doc_data)
@@ -100,8 +103,13 @@ def test_the_main_job_runs_the_gpt_oss_and_deepseek_configs(tmp_path, doc_data, 
         gpt_oss = report.split("## Prediction for gpt_oss_20b_128k_cp16.yaml on GPUs")[1].split("\n## ")[0]
         assert "### The 12 layers with a 127-token window" in gpt_oss and "### The 12 layers with full" in gpt_oss
         assert "The stack: **" in gpt_oss and gpt_oss.count("`auto` picks **") == 2
-        deepseek = report.split("## Prediction for deepseek_v3_128k_cp16.yaml on GPUs")[1]
+        deepseek = report.split("## Prediction for deepseek_v3_128k_cp16.yaml on GPUs")[1].split("\n## ")[0]
         assert "head dim 192 (values 128)" in deepseek and "`auto` picks **" in deepseek
+        scout = report.split("## Prediction for llama4_scout_128k_cp16.yaml on GPUs")[1].split("\n## ")[0]
+        assert "### The 36 layers with chunks of 8192 tokens" in scout and "### The 12 layers with full" in scout
+    elif config.startswith("llama4"):
+        assert "summed over the 4 layers, each with its own mask (3 of 4 layers chunks of 12 tokens, 1 of 4 layers " \
+            "full;" in checked, checked
     else:
         assert "heads, head dim 24 (values 12)" in checked and "## Prediction" not in report
 

@@ -212,6 +212,40 @@ def test_the_planned_bytes_price_each_layer_with_its_own_mask(tmp_path):
         predict.read_config(_config(tmp_path, window_size='"3,0"', window_attn_skip_freq='"[1,0,1]"'))
 
 
+def test_the_planned_bytes_price_llama4s_chunked_layers_with_their_chunks(tmp_path, monkeypatch):
+    """Llama 4's layers (--attention-chunk-size 6 --no-rope-freq 4, 4 layers) at CP 4: a run's
+    planned bytes are three chunked layers' plans plus one full layer's -- on one sequence, and
+    on documents on one balanced layout of the layers' summed work (as the runtime builds it,
+    megatron/layout_decision.layer_masks), each layer's plan with the chunks inside the
+    documents."""
+    from megatron_mesh import masks
+    from megatron_mesh.plan.balance import balanced_layout
+    from megatron_mesh.plan.maskkinds import MaskStack
+
+    path = _config(tmp_path, num_layers=4, attention_chunk_size=6, no_rope_freq=4)
+    shape = AttentionShape(seq_local=16, batch=1, heads=4, kv_heads=4, head_dim=16, itemsize=4)
+    problem = predict.read_config(path)
+    assert problem.layer_masks == (masks.chunked(6),) * 3 + (predict.FULL,)
+    assert "3 of 4 layers chunks of 6 tokens, 1 of 4 layers full" in problem.describe()
+    chunked, full = (_busiest(shape, "tasp", m.normalized(64)) for m in (masks.chunked(6), Mask(True)))
+    assert chunked < full
+    cu = [0, 10, 30, 64]
+    stack = MaskStack.of([masks.chunked(6)] * 3 + [Mask(True)])
+    lay = balanced_layout(cu, 4, group=1, mask=stack)
+    on_docs = 3 * _busiest(shape, "tasp", masks.chunked(6), lay) + _busiest(shape, "tasp", Mask(True), lay)
+    monkeypatch.setattr(predict, "document_bounds", lambda spec, seq_len, seed: list(cu))
+    runs = [RunResult("tasp", 4, bytes_per_step=3 * chunked + full),
+            RunResult("tasp", 4, "docs", bytes_per_step=on_docs)]
+    rows = _rows(predict.measured_vs_planned_section(runs, problem, doc_mean=16, draws=1))
+    assert rows["tasp"][0][3] == rows["tasp [docs]"][0][3] == "1.000", rows
+    with pytest.raises(ValueError, match=re.escape("--attention-chunk-size 6 with --window-size 3,0: layer 1 would "
+                                                   "have both")):
+        predict.read_config(_config(tmp_path, num_layers=4, attention_chunk_size=6, no_rope_freq=4,
+                                    window_size='"3,0"'))
+    with pytest.raises(ValueError, match=re.escape("--attention-chunk-size 'x' must be an integer >= 1")):
+        predict.read_config(_config(tmp_path, attention_chunk_size="x"))
+
+
 def test_the_planned_bytes_of_mla_move_values_of_their_own_dim(tmp_path, monkeypatch):
     """configs/deepseek_tiny_cpu.yaml at CP 4 (MLA: query/key dim 16 + 8, value dim 12; its own EOD
     documents): the plan's V, output and their gradients are 12 wide -- a run whose metrics lack
@@ -246,7 +280,7 @@ def test_the_gpu_configs_of_gpt_oss_20b_and_deepseek_v3(tmp_path):
     """The main job's GPU predictions (its default --predict): gpt-oss-20b's 12 window layers (127
     tokens back + the query: its 128-token window) and 12 full layers priced each, with the stack's
     total under auto's per-layer pick; DeepSeek-V3's MLA heads (192 query/key, 128 value)."""
-    oss, ds = (predict.read_config(p) for p in predict.DEFAULT_CONFIGS[1:])
+    oss, ds = (predict.read_config(p) for p in predict.DEFAULT_CONFIGS[1:3])
     assert oss.layer_kinds == [(Mask(True, (127, 0)), 12), (predict.FULL, 12)]
     assert oss.layer_windows[:3] == ((127, 0), None, (127, 0))
     assert oss.shape == AttentionShape(seq_local=8192, batch=1, heads=32, kv_heads=4, head_dim=64, itemsize=2)
@@ -279,6 +313,7 @@ def test_llama4s_chunked_layers_are_priced_with_their_chunks():
     from megatron_mesh import masks
 
     path = os.path.join(predict.ROOT, "configs", "llama4_scout_128k_cp16.yaml")
+    assert path in predict.DEFAULT_CONFIGS  # the main job's report predicts it by default
     scout = predict.read_config(path)
     assert scout.layer_kinds == [(masks.chunked(8192), 36), (predict.FULL, 12)]
     assert [m == predict.FULL for m in scout.layer_masks[:8]] == [False, False, False, True] * 2
