@@ -63,7 +63,7 @@ def check_modes(modes, num_layers: int, cp_size: int, have_te: bool, te_reason: 
     if cp_size > 1 and te_used and not have_te:
         instead = ("use ring (the same algorithm: zigzag ring attention)" if te_used == ["p2p"]
                    else f"use one of {', '.join(plugin_modes())}")
-        default = " (Megatron's default where --cp-comm-type is not given)" if te_used[0] == "p2p" else ""
+        default = " (also Megatron's default where --cp-comm-type is not given)" if te_used[0] == "p2p" else ""
         raise ValueError(f"--cp-comm-type {te_used[0]}{default} is a Transformer Engine mode, but Transformer Engine "
                          f"is not usable here ({te_reason or 'not installed'}); {instead}")
 
@@ -230,6 +230,11 @@ def _check_chunks(args, problem: MegatronProblem, cp: int, modes: list) -> None:
     chunks = problem.layer_chunks()
     problem.layer_masks(causal=True)
     given = f"{CHUNK_FLAG} {problem.chunk_size}"
+    if getattr(args, "multi_latent_attention", False) and problem.no_rope is not None:
+        rope = list(problem.no_rope) if isinstance(problem.no_rope, tuple) else problem.no_rope
+        raise ValueError(f"{given} with --multi-latent-attention and --no-rope-freq {rope}: Megatron's MLA rotates "
+                         "every layer (it does not read --no-rope-freq), so the layers it marks would attend globally "
+                         "with RoPE, not as Llama 4's NoPE layers; leave out --no-rope-freq (chunks on every layer)")
     mtp = getattr(args, "mtp_num_layers", None)
     if mtp:
         raise ValueError(f"{given} with --mtp-num-layers {mtp}: Megatron-Core builds the multi-token prediction layers "
@@ -247,7 +252,7 @@ def _check_chunks(args, problem: MegatronProblem, cp: int, modes: list) -> None:
     per_layer = modes if len(modes) == len(chunks) else (modes or ["p2p"]) * len(chunks)  # None: TE's p2p
     te = next(((n, m) for n, (m, c) in enumerate(zip(per_layer, chunks), 1) if c is not None and m in TE_MODES), None)
     if te is not None:
-        default = " (Megatron's default where --cp-comm-type is not given)" if te[1] == "p2p" else ""
+        default = " (also Megatron's default where --cp-comm-type is not given)" if te[1] == "p2p" else ""
         raise ValueError(f"{given}: layer {te[0]} has chunks and runs --cp-comm-type {te[1]}{default}, a Transformer "
                          f"Engine mode, which has no chunked attention; run the layers with chunks in a plugin mode "
                          f"({', '.join(plugin_modes())})")

@@ -342,7 +342,7 @@ class MegatronProblem:
                                                                    for f, v in flags.items()}})
         chunk = flags.get(CHUNK_FLAG)  # the plugin's flag, given in the config's MODEL_ARGS
         if chunk is not None and (not str(chunk).strip().isdigit() or isinstance(chunk, bool)):
-            raise ValueError(f"{CHUNK_FLAG} {chunk!r} must be an integer >= 1 (tokens per chunk)")
+            raise ValueError(f"{CHUNK_FLAG} {chunk} must be an integer >= 1 (tokens per chunk)")
         problem = cls.from_namespace(ns, documents=documents_of(ns, entry_packs_documents=True),
                                      chunk_size=None if chunk is None else int(str(chunk)))
         if "--kv-channels" not in flags and _int(ns, "hidden_size") % problem.heads:

@@ -102,8 +102,8 @@ class Problem:
         """Each layer's mask without documents: Llama 4's chunks (``Chunked``) where the run has
         them (:meth:`MegatronProblem.layer_chunks`), else its window on a causal layer
         (``Mask(True, (left, 0))``) or :data:`FULL` (:attr:`layer_windows`)."""
-        chunks = self.run.layer_chunks()
-        return tuple(c if c is not None else Mask(True, w) if w is not None else FULL
+        chunks = self.run.layer_chunks()  # a chunk as long as the sequence is causal attention: the full layers'
+        return tuple(c.normalized(self.seq_len) if c is not None else Mask(True, w) if w is not None else FULL
                      for w, c in zip(self.layer_windows, chunks))
 
     @property
@@ -307,6 +307,21 @@ def _machine_line(problem: Problem, topo: Topology) -> str:
             "`megatron-mesh-plan --help` (e.g. --inter-bandwidth, --tflops).")
 
 
+def _per_layer_flags(picks: list, cp: int) -> str:
+    """The Megatron flags that run each kind of layer on its pick (``picks``: (mode, all-to-all
+    degree, layers, what) per kind): ``--cp-comm-type`` takes one mode per layer, and one
+    ``--hierarchical-context-parallel-sizes U M`` serves every hybrid layer, so picks of two
+    degrees cannot run together (said so)."""
+    said = ", ".join(f"{mode}{f' (all-to-all {u})' if u > 1 else ''} on the {n} layers with {what}"
+                     for mode, u, n, what in picks)
+    degrees = sorted({u for _, u, _, _ in picks if u > 1})
+    if len(degrees) > 1:
+        return (f"{said} -- not one run's flags: one --hierarchical-context-parallel-sizes serves every hybrid layer "
+                f"(degrees {' and '.join(map(str, degrees))} here)")
+    hcp = f" and `--hierarchical-context-parallel-sizes {degrees[0]} {cp // degrees[0]}`" if degrees else ""
+    return f"{said}; run it with a `--cp-comm-type` listing each layer's pick, in layer order{hcp}"
+
+
 def _kind_lines(rows: list[ModeResult], skipped: list[dict], floor: float) -> list[str]:
     """The floor, auto's pick and the table of one layer mask's rows."""
     ring = next((r for r in rows if r.mode == REFERENCE_MODE), None)
@@ -341,19 +356,20 @@ def prediction_section(path: str = DEFAULT_CONFIG, topo: Topology | None = None)
     kinds = problem.layer_kinds
     lines = [f"## Prediction for {problem.name} on GPUs (the planner)", "", f"Model: {problem.describe()}.", "",
              _machine_line(problem, topo), ""]
-    stack = []
+    stack, picks = [], []
     for kind, layers in kinds:
         rows, skipped, floor = predict(problem, topo, kind=kind)
+        what = "full attention" if kind == FULL else f"a {kind.window[0]}-token window" if kind.is_band else \
+            f"chunks of {kind.size} tokens"
         if len(kinds) > 1:
-            what = "full attention" if kind == FULL else f"a {kind.window[0]}-token window" if kind.is_band else \
-                f"chunks of {kind.size} tokens"
             lines += [f"### The {layers} layers with {what}", ""]
         lines += _kind_lines(rows, skipped, floor) + [""]
         auto = next((r for r in rows if r.mode == "auto"), None)
         stack.append(None if auto is None else layers * auto.time_s)
+        picks.append(None if auto is None else (auto.detail.split(":")[0], auto.ulysses, layers, what))
     if len(kinds) > 1 and None not in stack:
         lines += [f"The stack: **{sum(stack) * 1e3:.2f} ms** of attention per micro-batch, forward + backward, with "
-                  "`auto`'s pick on each kind of layer (`--cp-comm-type` takes one mode per layer).", ""]
+                  f"`auto`'s pick on each kind of layer: {_per_layer_flags(picks, problem.cp)}.", ""]
     lines += [f"Per step a rank sends each layer's bytes ({problem.layers} layers) x its micro-batches (more with "
               "activation recompute, which repeats the forward); sinks (--softmax-type) add no bytes. Work max/mean: "
               "the busiest rank's attention work over the mean (1.00 = balanced); the formula rows (Ulysses and USP "

@@ -73,7 +73,7 @@ def test_valid_flags(megatron_args, argv):
       "gpt_te_layer_spec"], "--spec megatron_mesh.megatron.spec gpt_te_layer_spec needs Transformer Engine, which is "
      "not usable here (not installed); use --spec megatron_mesh.megatron.spec gpt_layer_spec"),
     (["--context-parallel-size", "4", "--cp-comm-type", "p2p"],
-     "--cp-comm-type p2p (Megatron's default where --cp-comm-type is not given) is a Transformer Engine mode, but "
+     "--cp-comm-type p2p (also Megatron's default where --cp-comm-type is not given) is a Transformer Engine mode, but "
      "Transformer Engine is not usable here (not installed); "
      "use ring (the same algorithm: zigzag ring attention)"),
     (["--context-parallel-size", "4", "--cp-comm-type", "all_gather"], "not installed); use one of ring, mesh, tasp, a2a+mesh, a2a+tasp, a2a+ring"),

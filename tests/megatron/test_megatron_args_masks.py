@@ -240,6 +240,9 @@ def test_masks_and_hybrids_valid(megatron_args, our_entry, argv, documents):
     (["--context-parallel-size", "1", "--cp-comm-type", "mesh", "--attention-chunk-size", "16", "--mtp-num-layers",
       "1"], "--attention-chunk-size 16 with --mtp-num-layers 1: Megatron-Core builds the multi-token prediction layers "
      "from its own layer spec, whose attention has no chunks"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "mesh", "--attention-chunk-size", "8", *MLA, "--no-rope-fusion",
+      "--num-layers", "4", "--no-rope-freq", "2"], "--attention-chunk-size 8 with --multi-latent-attention and "
+     "--no-rope-freq 2: Megatron's MLA rotates every layer (it does not read --no-rope-freq)"),
     (["--context-parallel-size", "4", "--cp-comm-type", "mesh", "--attention-chunk-size", "0"],
      "--attention-chunk-size must be a positive integer, got 0"),
     (["--context-parallel-size", "1", "--attention-chunk-size", "16", "--cp-comm-type", "mesh", "--attention-dropout",
@@ -262,7 +265,7 @@ def test_chunks_need_the_plugins_layers(megatron_args):
     validate_args(megatron_args(PLUGIN + chunked + ["--cp-comm-type", "ring", "mesh", "tasp", "p2p"]), have_te=True)
     for modes, message in ((["--cp-comm-type", "ring", "a2a", "tasp", "p2p"], "layer 2 has chunks and runs "
                             "--cp-comm-type a2a, a Transformer Engine mode"),
-                           ([], "layer 1 has chunks and runs --cp-comm-type p2p (Megatron's default where "
+                           ([], "layer 1 has chunks and runs --cp-comm-type p2p (also Megatron's default where "
                             "--cp-comm-type is not given), a Transformer Engine mode")):
         with pytest.raises(ValueError) as e:
             validate_args(megatron_args(PLUGIN + chunked + modes), have_te=True)

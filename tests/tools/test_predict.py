@@ -5,6 +5,7 @@ CPU run, on synthetic runs (pure Python, no training: seconds)."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 import re
 import struct
 
@@ -242,7 +243,7 @@ def test_the_planned_bytes_price_llama4s_chunked_layers_with_their_chunks(tmp_pa
                                                    "have both")):
         predict.read_config(_config(tmp_path, num_layers=4, attention_chunk_size=6, no_rope_freq=4,
                                     window_size='"3,0"'))
-    with pytest.raises(ValueError, match=re.escape("--attention-chunk-size 'x' must be an integer >= 1")):
+    with pytest.raises(ValueError, match=re.escape("--attention-chunk-size x must be an integer >= 1")):
         predict.read_config(_config(tmp_path, attention_chunk_size="x"))
 
 
@@ -331,7 +332,11 @@ def test_llama4s_chunked_layers_are_priced_with_their_chunks():
         [(r.mode, r.ulysses, r.bytes_per_rank, r.time_s) for r in want]
     for r in rows:
         assert f"| {r.time_s * 1e3:.2f} |" in chunked, r
-    assert "The stack: **" in full
+    assert "`auto`'s pick on each kind of layer: ring on the 36 layers with chunks of 8192 tokens, a2a+tasp " \
+           "(all-to-all 4) on the 12 layers with full attention; run it with a `--cp-comm-type` listing each layer's " \
+           "pick, in layer order and `--hierarchical-context-parallel-sizes 4 4`" in full, full
+    longer = predict.Problem("long chunks", replace(scout.run, chunk_size=200000))  # chunks as long as the sequence
+    assert longer.layer_kinds == [(predict.FULL, 48)]  # causal: one kind of layer, priced once
 
 
 @pytest.mark.parametrize("flags, error", [
