@@ -520,6 +520,10 @@ def main(argv=None) -> int:
     notes = (_machine_note(),)
     if args.no_baseline:
         notes += ("No CP 1 baseline (--no-baseline): the loss columns have no deviation to show.",)
+    own = args.cpu_problem
+    if "none" in masks and own is not None and (own.documents is not None or len(own.layer_kinds) > 1 or
+                                                own.layer_kinds[0][0] != predict.FULL):
+        notes += (f"Mask none adds none of the job's masks: the runs train the config's own attention ({own.describe()}).",)
     if "docs-zigzag" in masks and "docs" in masks and "baseline" in modes:
         notes += ("docs-zigzag's baseline is the docs baseline's run: CP 1 splits nothing, so it has no layout.",)
     planned = True

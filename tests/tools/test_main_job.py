@@ -110,6 +110,9 @@ def test_the_main_job_runs_the_gpt_oss_and_deepseek_configs(tmp_path, doc_data, 
     elif config.startswith("llama4"):
         assert "summed over the 4 layers, each with its own mask (3 of 4 layers chunks of 12 tokens, 1 of 4 layers " \
             "full;" in checked, checked
+        assert "Mask none adds none of the job's masks: the runs train the config's own attention (4 layers, 4 query " \
+               "/ 2 KV heads, head dim 16; 64 tokens at CP 2 (32 per rank), micro-batch 1, fp32, causal, 3 of 4 " \
+               "layers chunks of 12 tokens, 1 of 4 layers full, " in report, report[:3000]
     else:
         assert "heads, head dim 24 (values 12)" in checked and "## Prediction" not in report
 
