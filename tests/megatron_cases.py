@@ -276,6 +276,23 @@ def _dense_doc_mask(tokens):
     return ~mask.unsqueeze(1)
 
 
+CHUNK = 7  # chunked attention's chunks (Llama 4's, --attention-chunk-size): across the zigzag's halves of 6 at CP 4
+
+
+def _dense_chunk_mask(tokens, size: int):
+    """:func:`_dense_doc_mask` and chunked attention: a query sees only the keys of its own chunk
+    of ``size`` tokens, counted from its document's start (True = masked)."""
+    allowed = ~_dense_doc_mask(tokens)
+    b, s = tokens.shape
+    for i in range(b):
+        starts = [0] + [e + 1 for e in (tokens[i] == VOCAB - 1).nonzero().flatten().tolist() if e + 1 < s]
+        chunk = torch.empty(s, dtype=torch.long)
+        for a, z in zip(starts, starts[1:] + [s]):
+            chunk[a:z] = a * s + torch.arange(z - a) // size  # one id per (document, chunk)
+        allowed[i, 0] &= chunk[:, None] == chunk[None, :]
+    return ~allowed
+
+
 def _run_masked(model, batch, packed=None):
     losses = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"],
                    packed_seq_params=packed)
@@ -310,8 +327,9 @@ def model_failures(records, loss_rtol: float, grad_rtol: float) -> list[str]:
 
 
 def gpt_masked_equivalence(rank: int, world: int, layouts) -> list[dict]:
-    """Window, end-of-document documents and THD packing through GPTModel at CP > 1 against
-    Megatron's own attention at CP 1 with the same mask (a dense mask, or its sliding window)."""
+    """Window, end-of-document documents, THD packing and chunked attention (Llama 4's, on the
+    balanced layout of the documents) through GPTModel at CP > 1 against Megatron's own attention
+    at CP 1 with the same mask (a dense mask, or its sliding window)."""
     _setup_megatron()
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -326,7 +344,7 @@ def gpt_masked_equivalence(rank: int, world: int, layouts) -> list[dict]:
     records = []
     for tp, cp in layouts:
         pgc, single_pgc, cp_group = _parallel_layout(tp, cp, singles[rank])
-        for what in ("window", "documents", "balanced", "thd") + (("owners",) if (tp, cp) == (1, 4) else ()):
+        for what in ("window", "documents", "balanced", "thd", "chunked") + (("owners",) if (tp, cp) == (1, 4) else ()):
             full = _owners_batch(11) if what == "owners" else _doc_batch(11)
             extra = dict(window_size=(5, 0)) if what == "window" else {}
             ref_cfg = _config(tp, 1, (4, 2), None, **extra)  # no documents: the reference reads the dense mask
@@ -339,7 +357,8 @@ def gpt_masked_equivalence(rank: int, world: int, layouts) -> list[dict]:
                 ref_batch["attention_mask"] = _thd_dense_mask(packed_full)
             else:
                 documents = what in ("documents", "balanced", "owners")
-                ref_batch = dict(full, attention_mask=_dense_doc_mask(full["tokens"]) if documents else None)
+                ref_batch = dict(full, attention_mask=_dense_doc_mask(full["tokens"]) if documents else
+                                 _dense_chunk_mask(full["tokens"], CHUNK) if what == "chunked" else None)
             ref_loss, ref_grads = _run_masked(ref_model, ref_batch)
             # the mask must matter: the same model and batch with the plain causal mask differ
             unmasked_cfg = _config(tp, 1, (4, 2), None)
@@ -354,15 +373,17 @@ def gpt_masked_equivalence(rank: int, world: int, layouts) -> list[dict]:
                 hcp = plugin.pop("hierarchical_context_parallel_sizes", None)
                 # the hybrids on the balanced layout with their first and last documents set apart
                 # (pretrain() runs them on the plain balanced layout)
+                if what == "chunked":
+                    plugin["attention_chunk_size"] = CHUNK
                 config = _config(tp, cp, (4, 2), mode, **extra, **plugin, seq_length=SEQ_M,
                                  documents={"window": None, "thd": "thd"}.get(what, "eod"),
-                                 cp_layout={"balanced": "balanced-hide" if hcp else "balanced",
+                                 cp_layout={"balanced": "balanced-hide" if hcp else "balanced", "chunked": "balanced",
                                             "owners": "owners"}.get(what, "zigzag"))
                 if hcp:
                     config.hierarchical_context_parallel_sizes = hcp
                 model = _build_len(config, gpt_local_layer_spec(config), pgc, position)
                 owners = []
-                if what in ("balanced", "owners"):  # each sample split by its own layout; RoPE follows it
+                if what in ("balanced", "owners", "chunked"):  # each sample split by its own layout; RoPE follows it
                     split = batch_layout.BatchLayout.of(batch_layout.document_rows(full, "eod", VOCAB - 1), config,
                                                         cp_group.rank())
                     batch_layout.set_current(split)

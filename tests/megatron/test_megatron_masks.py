@@ -49,7 +49,7 @@ def test_the_masks_matter(records):
 def test_every_mode_and_mask_ran(records):
     recs = records[0]
     got = {(r["tp"], r["cp"], r["what"], r["label"]) for r in recs}
-    for what in ("window", "documents", "balanced", "thd"):
+    for what in ("window", "documents", "balanced", "thd", "chunked"):
         for label in ("mesh 2x2", "mesh auto", "tasp", "ring", "a2a+mesh U2 x M2", "a2a+mesh / mesh per layer"):
             assert (1, 4, what, label) in got
         for label in ("mesh 2x1", "ring"):
