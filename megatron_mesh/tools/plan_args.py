@@ -140,7 +140,16 @@ def _machine_arguments(t) -> None:
                         "Llama-3-8B-like layer at 4K tokens per rank gives about 2000; default %(default)g)")
 
 
+CONFIG_FLAG = "--config"
+
+
 def _output_arguments(o) -> None:
+    o.add_argument(CONFIG_FLAG, metavar="CONFIG.yaml",
+                   help="a Megatron config (MODEL_ARGS, as scripts/pretrain_gpt.sh takes it): print the prediction for "
+                        "its attention on the default machine instead -- a table per kind of layer (windows, Llama 4's "
+                        "chunks: --attention-chunk-size) and the stack under auto's picks; the problem and the machine "
+                        "are the config's, so no other flag goes with it (scripts/compare_cp_modes.sh --predict puts "
+                        "the same in its report)")
     o.add_argument("--json", action="store_true", help="print JSON instead of a table")
     o.add_argument("--explain", action="store_true",
                    help="also say where the fastest plan's time goes (per layout): on its slowest rank, FLOPs, "

@@ -338,13 +338,37 @@ def _bounds(args, docs, window, shape: AttentionShape) -> tuple[float, float, fl
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
     try:
+        if args.config is not None:
+            return _predict_config(args.config, argv)
         with sigterm_as_exit():  # a killed run stops its workers too
             return _main(args)
     except BrokenPipeError:  # `megatron-mesh-plan ... | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush would raise again
         return 0
+
+
+def _predict_config(path: str, argv: list[str]) -> int:
+    """``--config CONFIG.yaml``: the prediction for a Megatron config's attention
+    (:func:`megatron_mesh.tools.predict.prediction_section`), every kind of its layers priced with
+    its own mask; another flag beside it is an error (the problem and machine are the config's)."""
+    from . import predict
+    from .plan_args import CONFIG_FLAG
+
+    others = [a.split("=", 1)[0] for a in argv if a.startswith("--") and a.split("=", 1)[0] != CONFIG_FLAG]
+    if others:
+        print(f"megatron-mesh-plan: error: {CONFIG_FLAG} {path} plans the config's own problem on the default machine: "
+              f"leave out {', '.join(others)} (another machine: megatron_mesh.tools.predict.prediction_section(path, "
+              "topo))", file=sys.stderr)
+        return 2
+    try:
+        print(predict.prediction_section(path))
+    except (ValueError, OSError) as e:
+        print(f"megatron-mesh-plan: error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 @dataclass

@@ -192,6 +192,24 @@ def test_cli_rejects_bad_input(capsys, argv, message):
     assert re.search(message, err) and len(err.strip().splitlines()) == 1, err
 
 
+def test_cli_config_prints_the_prediction_of_every_kind_of_layer(capsys):
+    """--config CONFIG.yaml: the prediction for a Megatron config's attention (the main job's
+    --predict section), a table per kind of layer -- Llama 4 Scout's 36 chunked and 12 global
+    layers -- and the stack; another flag beside it, or a config it cannot plan, is one line."""
+    from megatron_mesh.tools import predict
+
+    path = os.path.join(predict.ROOT, "configs", "llama4_scout_128k_cp16.yaml")
+    assert main(["--config", path]) == 0
+    assert capsys.readouterr().out.strip() == predict.prediction_section(path).strip()
+    for argv, message in ((["--config", path, "--cp", "8"], "plans the config's own problem on the default machine: "
+                           "leave out --cp"),
+                          (["--config", os.path.join(predict.ROOT, "configs", "gpt_tiny_cpu.yaml")],
+                           "context-parallel size 1: the CP modes need --context-parallel-size >= 2")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_cli_output_into_a_closed_pipe_is_not_an_error(tmp_path):
     """`megatron-mesh-plan ... | head -1`: the reader stops early; no BrokenPipeError traceback."""
     import subprocess
