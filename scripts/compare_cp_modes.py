@@ -523,7 +523,8 @@ def main(argv=None) -> int:
     own = args.cpu_problem
     if "none" in masks and own is not None and (own.documents is not None or len(own.layer_kinds) > 1 or
                                                 own.layer_kinds[0][0] != predict.FULL):
-        notes += (f"Mask none adds none of the job's masks: the runs train the config's own attention ({own.describe()}).",)
+        notes += ("Mask none adds none of the job's masks: the runs train the config's own attention "
+                  f"({own.describe()}).",)
     if "docs-zigzag" in masks and "docs" in masks and "baseline" in modes:
         notes += ("docs-zigzag's baseline is the docs baseline's run: CP 1 splits nothing, so it has no layout.",)
     planned = True

@@ -27,13 +27,13 @@ returning [sq, b, heads * head_dim]. With packed sequences (``packed_seq_params.
 
 Masks reach the plan as data: the layer's window (``--window-size``, per layer with
 ``--window-attn-skip-freq``), its chunks (Llama 4's chunked attention, the plugin's
-``--attention-chunk-size``, on the layers ``--no-rope-freq`` leaves with RoPE), the documents of ``packed_seq_params`` (THD: Transformer Engine's
-layout, ``cu_seqlens_q`` / ``_padded``; ``sbhd`` with ``cu_seqlens_q`` [batch, k]: the global
-boundaries per sample, which megatron_mesh's entry script derives from end-of-document tokens --
-or, when the model call carries none, those :mod:`.batch_layout` took from the current batch).
-With such documents each sample runs on its CP layout (:func:`.batch_layout.sample_layout`: the
-balanced layout of ``--cp-layout balanced`` or ``auto``, or Megatron's zigzag), the one its batch was
-split by.
+``--attention-chunk-size``, on the layers ``--no-rope-freq`` leaves with RoPE), the documents of
+``packed_seq_params`` (THD: Transformer Engine's layout, ``cu_seqlens_q`` / ``_padded``; ``sbhd``
+with ``cu_seqlens_q`` [batch, k]: the global boundaries per sample, which megatron_mesh's entry
+script derives from end-of-document tokens -- or, when the model call carries none, those
+:mod:`.batch_layout` took from the current batch). With such documents each sample runs on its CP
+layout (:func:`.batch_layout.sample_layout`: the balanced layout of ``--cp-layout balanced`` or
+``auto``, or Megatron's zigzag), the one its batch was split by.
 
 Example (CP 4, 2 layers): ``--cp-comm-type mesh tasp`` gives layer 1 Mesh-Attention (tile from
 ``--mesh-tile-shape``) and layer 2 TASP, both inside the same model.
@@ -131,8 +131,9 @@ def _layer_window(config, layer_number: int):
 
 
 def _layer_chunks(config, layer_number: int):
-    """This layer's chunked attention (a ``Chunked`` mask) or None (:func:`megatron_mesh.plan.megatron_problem.layer_chunked`:
-    Megatron's ``no_rope_freq`` marks the layers without chunks)."""
+    """This layer's chunked attention (a ``Chunked`` mask) or None
+    (:func:`megatron_mesh.plan.megatron_problem.layer_chunked`: Megatron's ``no_rope_freq`` marks
+    the layers without chunks)."""
     return layer_chunked(plugin_settings(config).attention_chunk_size, config.no_rope_freq, layer_number)
 
 
@@ -167,12 +168,11 @@ def _te_attention(mode: Optional[str], common: dict, kwargs: dict):
 class PluginCoreAttention(MegatronModule):
     """Attention over the CP group with this package's engine (any plugin mode).
 
-    Supported: self-attention with a causal mask or none, sliding windows, chunked attention
-    (causal layers), packed documents (THD or boundaries per sample), MHA/GQA/MQA, MLA's value head dim (``v_channels`` may differ from
-    ``k_channels``: :mod:`.mla`), any softmax scale, attention sinks (``softmax_type``, Megatron's
-    ``softmax_offset``: :mod:`.sinks`). Anything else raises ValueError
-    naming the value and what is allowed; nothing falls back to another mode.
-    """
+    Supported: self-attention with a causal mask or none, sliding windows, chunked attention (causal
+    layers), packed documents (THD or boundaries per sample), MHA/GQA/MQA, MLA's value head dim
+    (``v_channels`` may differ from ``k_channels``: :mod:`.mla`), any softmax scale, attention sinks
+    (``softmax_type``, Megatron's ``softmax_offset``: :mod:`.sinks`). Anything else raises
+    ValueError naming the value and what is allowed; nothing falls back to another mode. """
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
@@ -351,8 +351,8 @@ class PluginCoreAttention(MegatronModule):
 
         # runtime.api.attention's two steps, with the plan in hand for the metrics' attention work
         call = prepare(q, k, v, mode=self.placement.mode, placement=self.placement, comm=self.comm,
-                       **_mask_args(self.chunks, causal, self.window, cu_seqlens), layout=layout, softmax_scale=self.softmax_scale, kernel=self.settings.kernel,
-                       softmax_offset=self.softmax_offset)
+                       **_mask_args(self.chunks, causal, self.window, cu_seqlens), layout=layout,
+                       softmax_scale=self.softmax_scale, kernel=self.settings.kernel, softmax_offset=self.softmax_offset)
         self.telemetry.summary.on_plan(self.layer_number, self.placement.tile, call.plan)
         if self.telemetry.records.metrics is not None:  # nothing to work out per call without --cp-metrics-dir
             self.telemetry.records.on_attention(call.plan, call.comm.rank, attention_shape(q, k, v),
@@ -426,7 +426,8 @@ def _check_config(config, where: str, layer_number: int, attention_type: str, at
                          "(or -1, unlimited)")
     chunks = _layer_chunks(config, layer_number)
     if chunks is not None and (window is not None or not _CAUSAL[attn_mask_type]):
-        what = f"window_size {config.window_size}" if window is not None else f"attention mask type {attn_mask_type.name}"
+        what = f"window_size {config.window_size}" if window is not None else \
+            f"attention mask type {attn_mask_type.name}"
         raise ValueError(f"{where}: {CHUNK_FLAG} {chunks.size} (chunked attention: causal inside each chunk) on a layer "
                          f"with {what}; the layers with chunks must be causal and have no window (--no-rope-freq "
                          "marks the layers without chunks)")

@@ -110,29 +110,17 @@ def _pattern(text: str, flag: str) -> tuple[int, ...]:
     return tuple(layers)
 
 
-def _skip_freq(ns):
-    """``--window-attn-skip-freq`` as Megatron reads it: an int N, a tuple of 0/1 per layer (its
-    pattern text evaluated), or None."""
-    value = getattr(ns, "window_attn_skip_freq", None)
+def _layer_pattern(ns, dest: str):
+    """A per-layer flag of Megatron's (``--window-attn-skip-freq``; ``--no-rope-freq``, whose
+    ``no_rope_freq_type`` reads it alike) as Megatron reads it: an int N, a tuple of 0/1 per layer
+    (its pattern text evaluated; a config holds the list its ``__post_init__`` made), or None."""
+    value = getattr(ns, dest, None)
     if value is None or isinstance(value, int):
         return value
     if isinstance(value, (list, tuple)):
         return tuple(value)
     text = str(value)
-    return _pattern(text, "--window-attn-skip-freq") if "[" in text else _int(ns, "window_attn_skip_freq")
-
-
-def _no_rope(ns):
-    """``--no-rope-freq`` as Megatron reads it (``no_rope_freq_type``): an int N (every N-th layer
-    without RoPE), a tuple of 0/1 per layer (1: no RoPE; a config holds the list its
-    ``__post_init__`` made), or None."""
-    value = getattr(ns, "no_rope_freq", None)
-    if value is None or isinstance(value, int):
-        return value
-    if isinstance(value, (list, tuple)):
-        return tuple(value)
-    text = str(value)
-    return _pattern(text, "--no-rope-freq") if "[" in text else _int(ns, "no_rope_freq")
+    return _pattern(text, _flag(dest)) if "[" in text else _int(ns, dest)
 
 
 def layer_chunked(chunk_size, no_rope, layer_number: int) -> MaskKind | None:
@@ -263,7 +251,8 @@ class MegatronProblem:
                              f"{self.layers} (every N-th layer without RoPE), or give a list of 0/1 per layer")
         chunks = tuple(layer_chunked(self.chunk_size, rope, n) for n in range(1, self.layers + 1))
         if all(c is None for c in chunks):
-            raise ValueError(f"{CHUNK_FLAG} {self.chunk_size} with --no-rope-freq {rope if not isinstance(rope, tuple) else list(rope)}: "
+            shown = rope if not isinstance(rope, tuple) else list(rope)
+            raise ValueError(f"{CHUNK_FLAG} {self.chunk_size} with --no-rope-freq {shown}: "
                              "every layer is a NoPE layer (global attention), so no layer is chunked; leave "
                              f"{CHUNK_FLAG} out, or mark fewer layers")
         return chunks
@@ -276,7 +265,8 @@ class MegatronProblem:
         windows, chunks = self.layer_windows(causal), self.layer_chunks()
         both = [n for n, (w, c) in enumerate(zip(windows, chunks), 1) if w is not None and c is not None]
         if both:
-            raise ValueError(f"{CHUNK_FLAG} {self.chunk_size} with --window-size {','.join(map(str, self.window_size))}: "
+            window = ",".join(map(str, self.window_size))
+            raise ValueError(f"{CHUNK_FLAG} {self.chunk_size} with --window-size {window}: "
                              f"layer {both[0]} would have both, and chunked attention does not combine with a sliding "
                              "window; give the window to the layers without chunks (--window-attn-skip-freq, with "
                              "--no-rope-freq marking the global layers), or leave one flag out")
@@ -324,8 +314,9 @@ class MegatronProblem:
                    cp=_int(ns, "context_parallel_size", 1), tp=_int(ns, "tensor_model_parallel_size", 1),
                    micro_batch=micro, global_batch=_int(ns, "global_batch_size"), layers=_int(ns, "num_layers", 1),
                    dtype=dtype, hierarchy=_ints(ns, "hierarchical_context_parallel_sizes"),
-                   window_size=_ints(ns, "window_size", "LEFT,RIGHT (integers)"), window_skip=_skip_freq(ns),
-                   documents=documents, chunk_size=chunk_size, no_rope=_no_rope(ns))
+                   window_size=_ints(ns, "window_size", "LEFT,RIGHT (integers)"),
+                   window_skip=_layer_pattern(ns, "window_attn_skip_freq"),
+                   documents=documents, chunk_size=chunk_size, no_rope=_layer_pattern(ns, "no_rope_freq"))
 
     @classmethod
     def from_flags(cls, flags: dict) -> "MegatronProblem":
