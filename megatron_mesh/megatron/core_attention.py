@@ -172,7 +172,8 @@ class PluginCoreAttention(MegatronModule):
     layers), packed documents (THD or boundaries per sample), MHA/GQA/MQA, MLA's value head dim
     (``v_channels`` may differ from ``k_channels``: :mod:`.mla`), any softmax scale, attention sinks
     (``softmax_type``, Megatron's ``softmax_offset``: :mod:`.sinks`). Anything else raises
-    ValueError naming the value and what is allowed; nothing falls back to another mode. """
+    ValueError naming the value and what is allowed; nothing falls back to another mode.
+    """
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
@@ -369,6 +370,9 @@ def _mask_args(chunks, causal: bool, window, cu_seqlens) -> dict:
     layout's own, or these boundaries) inside it; else the loose causal / window / boundaries."""
     if chunks is None:
         return dict(causal=causal, window=window, cu_seqlens=cu_seqlens)
+    if not causal:  # the layer was built causal (_check_config); a call may pass another mask type
+        raise ValueError(f"{CHUNK_FLAG} {chunks.size}: chunked attention is causal inside each chunk, and this call's "
+                         "attention mask type is not causal (allowed: causal)")
     from ..masks import documents
 
     return dict(mask=chunks if cu_seqlens is None else documents(cu_seqlens) & chunks)

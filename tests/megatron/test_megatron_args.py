@@ -667,6 +667,9 @@ def test_chunked_layers_are_the_plugins_attention_with_llama4s_mask(one_rank):
                 torch.testing.assert_close(got[:, i:i + 1], ref, rtol=1e-10, atol=1e-10)
         plain = reference_attention(q[:, :1], k[:, :1], v[:, :1], causal=True, softmax_scale=0.2)
         assert not torch.allclose(out[:, :1], plain.reshape(12, 1, 64))  # the chunks change the result
+    with pytest.raises(ValueError, match="chunked attention is causal inside each chunk, and this call's attention "
+                                         "mask type is not causal"):
+        layers[0](q, k, v, None, attn_mask_type=AttnMaskType.no_mask)
     for change, message in ((dict(build=dict(attn_mask_type=AttnMaskType.no_mask)), "attention mask type no_mask"),
                             (dict(config=dict(window_size=(4, 0))), "window_size (4, 0)")):
         with pytest.raises(ValueError) as e:
