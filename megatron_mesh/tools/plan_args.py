@@ -147,9 +147,10 @@ def _output_arguments(o) -> None:
     o.add_argument(CONFIG_FLAG, metavar="CONFIG.yaml",
                    help="a Megatron config (MODEL_ARGS, as scripts/pretrain_gpt.sh takes it): print the prediction for "
                         "its attention on the default machine instead -- a table per kind of layer (windows, Llama 4's "
-                        "chunks: --attention-chunk-size) and the stack under auto's picks; the problem and the machine "
-                        "are the config's, so no other flag goes with it (scripts/compare_cp_modes.sh --predict puts "
-                        "the same in its report)")
+                        "chunks: --attention-chunk-size) and the stack under auto's picks; the problem is the "
+                        "config's, so only the machine's flags go with it (--gpus-per-node: GPUs per node, of which "
+                        "each CP group holds gpus-per-node / TP; not --nodes) (scripts/compare_cp_modes.sh --predict "
+                        "puts the same, on the default machine, in its report)")
     o.add_argument("--json", action="store_true", help="print JSON instead of a table")
     o.add_argument("--explain", action="store_true",
                    help="also say where the fastest plan's time goes (per layout): on its slowest rank, FLOPs, "
@@ -177,6 +178,15 @@ def topology_of(args, world_size: int) -> Topology:
         raise ValueError(f"--gpus-per-node {gpn} does not divide --cp {world_size}: a CP group that spans nodes holds "
                          f"the same number of consecutive ranks on every node (allowed: a divisor of {world_size}, "
                          f"or >= {world_size} for one node)")
+    links = machine_links(args)
+    if args.nodes is None:
+        return Topology.for_cp(world_size, gpn, **links)
+    return Topology(nodes=args.nodes, gpus_per_node=gpn, **links)
+
+
+def machine_links(args) -> dict:
+    """The machine flags but the node layout (links, throughput, the host) as
+    :class:`~megatron_mesh.plan.topology.Topology` fields, checked (ValueError naming the flag)."""
     for flag, value, zero_ok in (("--intra-bandwidth", args.intra_bandwidth, False),
                                  ("--inter-bandwidth", args.inter_bandwidth, False),
                                  ("--intra-latency", args.intra_latency, True),
@@ -200,9 +210,7 @@ def topology_of(args, world_size: int) -> Topology:
             links["host_view_time"] = view * 1e-6
     if args.host_view_us is not None:
         links["host_view_time"] = args.host_view_us * 1e-6
-    if args.nodes is None:
-        return Topology.for_cp(world_size, gpn, **links)
-    return Topology(nodes=args.nodes, gpus_per_node=gpn, **links)
+    return links
 
 
 def shape_of(args, world_size: int) -> AttentionShape:

@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         if args.config is not None:
-            return _predict_config(args.config, argv)
+            return _predict_config(args, argv)
         with sigterm_as_exit():  # a killed run stops its workers too
             return _main(args)
     except BrokenPipeError:  # `megatron-mesh-plan ... | head`: the reader has what it wanted
@@ -350,21 +350,28 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
-def _predict_config(path: str, argv: list[str]) -> int:
+def _predict_config(args, argv: list[str]) -> int:
     """``--config CONFIG.yaml``: the prediction for a Megatron config's attention
     (:func:`megatron_mesh.tools.predict.prediction_section`), every kind of its layers priced with
-    its own mask; another flag beside it is an error (the problem and machine are the config's)."""
+    its own mask, on the machine the machine's flags describe (``--gpus-per-node``: GPUs per node,
+    each CP group holding gpus-per-node / TP of them); a problem flag, or ``--nodes``, beside it is
+    an error (the problem and its node layout are the config's)."""
     from . import predict
-    from .plan_args import CONFIG_FLAG
+    from .plan_args import CONFIG_FLAG, machine_links
 
-    others = [a.split("=", 1)[0] for a in argv if a.startswith("--") and a.split("=", 1)[0] != CONFIG_FLAG]
+    machine = next(g for g in parser()._action_groups if g.title.startswith("machine"))
+    allowed = {CONFIG_FLAG} | {o for a in machine._group_actions for o in a.option_strings} - {"--nodes"}
+    others = [a.split("=", 1)[0] for a in argv if a.startswith("--") and a.split("=", 1)[0] not in allowed]
     if others:
-        print(f"megatron-mesh-plan: error: {CONFIG_FLAG} {path} plans the config's own problem on the default machine: "
-              f"leave out {', '.join(others)} (another machine: megatron_mesh.tools.predict.prediction_section(path, "
-              "topo))", file=sys.stderr)
+        print(f"megatron-mesh-plan: error: {CONFIG_FLAG} {args.config} plans the config's own problem: leave out "
+              f"{', '.join(others)} (with it go only the machine's flags, --nodes not: the config's CP and TP sizes "
+              "place its ranks)", file=sys.stderr)
         return 2
     try:
-        print(predict.prediction_section(path))
+        if args.gpus_per_node < 1:
+            raise ValueError(f"--gpus-per-node must be >= 1, got {args.gpus_per_node}")
+        topo = predict.machine(predict.read_config(args.config), args.gpus_per_node, **machine_links(args))
+        print(predict.prediction_section(args.config, topo))
     except (ValueError, OSError) as e:
         print(f"megatron-mesh-plan: error: {e}", file=sys.stderr)
         return 2

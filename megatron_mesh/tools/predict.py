@@ -295,7 +295,8 @@ def predict(problem: Problem, topo: Topology, modes=PREDICT_MODES, kind=_EVERY_L
 
 def _machine_line(problem: Problem, topo: Topology) -> str:
     tp = f", TP {problem.tp} inside a node, so {topo.gpus_per_node} CP ranks per node" if problem.tp > 1 else ""
-    return (f"Assumed machine (the planner's defaults, megatron_mesh.plan.topology.Topology): "
+    return (f"Assumed machine (megatron_mesh.plan.topology.Topology; the planner's defaults unless its flags said "
+            "otherwise): "
             f"{topo.gpus_per_node * problem.tp} GPUs per node{tp}: CP {problem.cp} spans {topo.nodes_used(problem.cp)} "
             "node(s); "
             f"NVLink {topo.intra_bandwidth / 1e9:g} GB/s and {topo.intra_latency * 1e6:g} us inside a node, network "

@@ -195,14 +195,22 @@ def test_cli_rejects_bad_input(capsys, argv, message):
 def test_cli_config_prints_the_prediction_of_every_kind_of_layer(capsys):
     """--config CONFIG.yaml: the prediction for a Megatron config's attention (the main job's
     --predict section), a table per kind of layer -- Llama 4 Scout's 36 chunked and 12 global
-    layers -- and the stack; another flag beside it, or a config it cannot plan, is one line."""
+    layers -- and the stack, on the machine its flags describe; a problem flag or --nodes beside
+    it, a bad machine value, or a config it cannot plan is one line."""
     from megatron_mesh.tools import predict
 
     path = os.path.join(predict.ROOT, "configs", "llama4_scout_128k_cp16.yaml")
     assert main(["--config", path]) == 0
     assert capsys.readouterr().out.strip() == predict.prediction_section(path).strip()
-    for argv, message in ((["--config", path, "--cp", "8"], "plans the config's own problem on the default machine: "
-                           "leave out --cp"),
+    # the machine's flags go with it: GPUs per node (each CP group holds gpus-per-node / TP), the links
+    scout = predict.read_config(path)
+    assert main(["--config", path, "--gpus-per-node", "4", "--inter-bandwidth", "100"]) == 0
+    four = predict.machine(scout, 4, inter_bandwidth=100e9)
+    assert four.gpus_per_node == 2 and capsys.readouterr().out.strip() == predict.prediction_section(path, four).strip()
+    assert "CP 16 spans 8 node(s)" in predict.prediction_section(path, four)
+    for argv, message in ((["--config", path, "--cp", "8"], "plans the config's own problem: leave out --cp"),
+                          (["--config", path, "--nodes", "4"], "leave out --nodes (with it go only the machine's flags"),
+                          (["--config", path, "--tflops", "0"], "--tflops must be a finite number > 0, got 0"),
                           (["--config", os.path.join(predict.ROOT, "configs", "gpt_tiny_cpu.yaml")],
                            "context-parallel size 1: the CP modes need --context-parallel-size >= 2")):
         assert main(argv) == 2
